@@ -27,6 +27,7 @@ mod macros;
 
 pub mod abi;
 pub mod access;
+pub mod handle;
 pub mod scalars;
 
 pub use abi::AbiError;
