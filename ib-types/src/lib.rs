@@ -27,7 +27,9 @@ mod macros;
 
 pub mod abi;
 pub mod access;
+pub mod av;
 pub mod handle;
+pub mod qp;
 pub mod scalars;
 
 pub use abi::AbiError;
