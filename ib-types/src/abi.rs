@@ -173,6 +173,22 @@ pub(crate) mod testing {
         }
     }
 
+    /// A way to damage a valid layout, and what the damage is.
+    pub(crate) type Corruption<A> = (fn(&mut A), &'static str);
+
+    /// `good` parses, and each corruption of it is rejected.
+    pub(crate) fn assert_corruptions_rejected<R: Repr>(good: &R::Abi, cases: &[Corruption<R::Abi>])
+    where
+        R::Abi: Copy,
+    {
+        assert!(R::parse(good).is_ok(), "the unbroken layout must parse");
+        for (corrupt, what) in cases {
+            let mut abi = *good;
+            corrupt(&mut abi);
+            assert!(R::parse(&abi).is_err(), "{what} must be rejected");
+        }
+    }
+
     /// Decoding arbitrary bytes returns a value or an error, never panics, and
     /// whatever parses re-emits to the same bytes.
     pub(crate) fn assert_decode_total<R: Repr + PartialEq + Debug>(bytes: &[u8]) {

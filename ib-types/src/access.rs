@@ -68,7 +68,7 @@ mod tests {
     fn unknown_bits_rejected() {
         assert_eq!(AccessFlags::from_raw(0x1F), Ok(AccessFlags::all()));
         assert!(AccessFlags::from_raw(0x20).is_err());
-        assert!(AccessFlags::MW_BIND.has_remote() == false);
+        assert!(!AccessFlags::MW_BIND.has_remote());
         assert!(AccessFlags::REMOTE_READ.has_remote());
     }
 }

@@ -178,7 +178,9 @@ impl Repr for AvAttr {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::abi::testing::{assert_decode_total, assert_round_trip};
+    use crate::abi::testing::{
+        Corruption, assert_corruptions_rejected, assert_decode_total, assert_round_trip,
+    };
     use proptest::prelude::*;
 
     /// Any valid address vector (shared with the QP tests).
@@ -236,7 +238,7 @@ pub(crate) mod tests {
     #[test]
     fn rejects_out_of_range_fields() {
         let good = AvAttr::roce(PortNum::FIRST, Gid::from_ipv4([1, 2, 3, 4]), 0).emit();
-        let cases: [(fn(&mut AvAbi), &str); 7] = [
+        let cases: &[Corruption<AvAbi>] = &[
             (|a| a.port_num = 0, "port 0"),
             (|a| a.sl = 16, "sl"),
             (|a| a.path_bits = 128, "path bits"),
@@ -245,11 +247,7 @@ pub(crate) mod tests {
             (|a| a.reserved_at_0x1e = [0, 1], "reserved"),
             (|a| a.grh_valid = 0, "GRH fields without the flag"),
         ];
-        for (corrupt, what) in cases {
-            let mut abi = good;
-            corrupt(&mut abi);
-            assert!(AvAttr::parse(&abi).is_err(), "{what} must be rejected");
-        }
+        assert_corruptions_rejected::<AvAttr>(&good, cases);
     }
 
     proptest! {

@@ -636,7 +636,9 @@ impl Repr for QpModify {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::abi::testing::{assert_decode_total, assert_round_trip};
+    use crate::abi::testing::{
+        Corruption, assert_corruptions_rejected, assert_decode_total, assert_round_trip,
+    };
     use crate::av::tests::any_av;
     use crate::scalars::Gid;
     use proptest::prelude::*;
@@ -748,7 +750,7 @@ pub(crate) mod tests {
     #[test]
     fn modify_rejects_bad_layouts() {
         let good = rc_to_rtr().emit();
-        let cases: [(fn(&mut QpModifyAbi), &str); 8] = [
+        let cases: &[Corruption<QpModifyAbi>] = &[
             (|a| a.attr_mask = Le32::new(1 << 21 | 1), "unknown mask bit"),
             (|a| a.qp_state = 7, "unknown state"),
             (|a| a.path_mtu = 6, "unknown MTU"),
@@ -758,11 +760,7 @@ pub(crate) mod tests {
             (|a| a.reserved_at_0x29 = [0, 0, 1], "reserved"),
             (|a| a.av.port_num = 0, "AV port 0"),
         ];
-        for (corrupt, what) in cases {
-            let mut abi = good;
-            corrupt(&mut abi);
-            assert!(QpModify::parse(&abi).is_err(), "{what} must be rejected");
-        }
+        assert_corruptions_rejected::<QpModify>(&good, cases);
     }
 
     fn any_modify() -> impl Strategy<Value = QpModify> {
