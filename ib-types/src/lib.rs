@@ -28,9 +28,11 @@ mod macros;
 pub mod abi;
 pub mod access;
 pub mod av;
+pub mod cq;
 pub mod handle;
 pub mod qp;
 pub mod qp_state;
 pub mod scalars;
+pub mod srq;
 
 pub use abi::AbiError;
