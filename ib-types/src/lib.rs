@@ -30,6 +30,7 @@ pub mod access;
 pub mod av;
 pub mod cq;
 pub mod handle;
+pub mod interface;
 pub mod qp;
 pub mod qp_state;
 pub mod scalars;
