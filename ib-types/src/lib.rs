@@ -29,5 +29,6 @@ pub mod abi;
 pub mod access;
 pub mod handle;
 pub mod scalars;
+pub mod status;
 
 pub use abi::AbiError;
