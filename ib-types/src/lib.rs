@@ -27,6 +27,7 @@ mod macros;
 
 pub mod abi;
 pub mod access;
+pub mod event;
 pub mod handle;
 pub mod scalars;
 pub mod status;
