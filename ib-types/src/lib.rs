@@ -31,5 +31,6 @@ pub mod event;
 pub mod handle;
 pub mod scalars;
 pub mod status;
+pub mod wr;
 
 pub use abi::AbiError;
