@@ -33,7 +33,7 @@ pub enum EventSubject {
 }
 
 impl EventSubject {
-    /// True for subjects named by a handle (IBA 11.6.3.1 affiliated events).
+    /// True for subjects named by a handle (IBA 11.6.3 affiliated events).
     pub const fn is_affiliated(self) -> bool {
         matches!(self, Self::Qp | Self::Cq | Self::Srq)
     }
@@ -46,23 +46,23 @@ code_enum! {
         /// returned to RTS once the consumer has handled the failed WR.
         SqError = 1,
         /// The send queue of a QP in SQ Drain finished its outstanding
-        /// requests (IBA 11.6.3.1 "Send Queue Drained").
+        /// requests (IBA 11.6.3 "Send Queue Drained").
         SqDrained = 2,
         /// A receive queue error moved the QP to the Error state.
         RqError = 3,
         /// Local work queue catastrophic error: the QP is in the Error state
-        /// and its completions may be lost (IBA 11.6.3.1).
+        /// and its completions may be lost (IBA 11.6.3).
         QpFatal = 4,
         /// Communication established: the first packet arrived on a QP in RTR
-        /// (IBA 11.6.3.1).
+        /// (IBA 11.6.3).
         QpComm = 5,
-        /// Path migrated: the QP now uses its alternate path (IBA 11.6.3.1).
+        /// Path migrated: the QP now uses its alternate path (IBA 11.6.3).
         QpApm = 6,
         /// Path migration request error: the alternate path could not be
         /// loaded; the QP keeps its current path.
         QpApmError = 7,
         /// Last WQE reached: a QP on an SRQ in the Error state will not take
-        /// more receive WQEs (IBA 11.6.3.1).
+        /// more receive WQEs (IBA 11.6.3).
         QpLastWqeReached = 8,
         /// Invalid request local work queue error: the responder saw an
         /// unsupported or malformed request; the QP is in the Error state.
@@ -72,11 +72,11 @@ code_enum! {
         WqAccessError = 10,
         /// CQ error: overrun or protection error; the CQ is unusable.
         CqError = 11,
-        /// The SRQ's free WQEs fell below the armed limit (IBA 11.6.3.1).
+        /// The SRQ's free WQEs fell below the armed limit (IBA 11.6.3).
         SrqLimitReached = 12,
         /// SRQ catastrophic error: the SRQ is unusable.
         SrqCatastrophic = 13,
-        /// Local catastrophic error: the CA no longer works (IBA 11.6.3.2).
+        /// Local catastrophic error: the CA no longer works (IBA 11.6.3).
         LocalCatastrophic = 14,
         /// The port moved to the Active state.
         PortActive = 15,

@@ -31,6 +31,7 @@ pub mod event;
 pub mod handle;
 pub mod scalars;
 pub mod status;
+pub mod wc;
 pub mod wr;
 
 pub use abi::AbiError;

@@ -91,12 +91,12 @@ macro_rules! memory_key {
 }
 
 memory_key!(
-    /// A local key: names registered memory to the local CA (IBA 10.6.3.1).
+    /// A local key: names registered memory to the local CA (IBA 10.6).
     LKey
 );
 memory_key!(
     /// A remote key: names registered memory or a window to a peer
-    /// (IBA 10.6.3.1).
+    /// (IBA 10.6).
     RKey
 );
 
