@@ -29,11 +29,17 @@ pub mod abi;
 pub mod access;
 pub mod av;
 pub mod cq;
+pub mod event;
 pub mod handle;
 pub mod interface;
+pub mod mcast;
+pub mod mr;
 pub mod qp;
 pub mod qp_state;
 pub mod scalars;
 pub mod srq;
+pub mod status;
+pub mod wc;
+pub mod wr;
 
 pub use abi::AbiError;

@@ -55,7 +55,7 @@ macro_rules! code_enum {
         impl TryFrom<$raw> for $name {
             type Error = $crate::AbiError;
             #[inline]
-            fn try_from(code: $raw) -> Result<Self, Self::Error> {
+            fn try_from(code: $raw) -> Result<Self, $crate::AbiError> {
                 Self::from_code(code)
             }
         }
