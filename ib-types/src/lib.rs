@@ -27,6 +27,7 @@ mod macros;
 
 pub mod abi;
 pub mod access;
+pub mod ca;
 pub mod handle;
 pub mod scalars;
 
