@@ -28,6 +28,7 @@ mod macros;
 pub mod abi;
 pub mod access;
 pub mod av;
+pub mod ca;
 pub mod cq;
 pub mod event;
 pub mod handle;
