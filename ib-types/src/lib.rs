@@ -42,5 +42,6 @@ pub mod srq;
 pub mod status;
 pub mod wc;
 pub mod wr;
+pub mod wr_desc;
 
 pub use abi::AbiError;

@@ -72,6 +72,7 @@ macro_rules! ib_u24 {
     ($(#[$meta:meta])* $name:ident) => {
         $(#[$meta])*
         #[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+        #[repr(transparent)]
         pub struct $name(u32);
 
         impl $name {
