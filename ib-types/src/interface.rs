@@ -9,6 +9,14 @@
 //! `interface_reference` before returning it. One GUID per interface, and the
 //! version inside it decides compatibility ([`InterfaceVersion::satisfies`]).
 //!
+//! Both verbs interfaces (the miniport's CI interface and the bus filter's
+//! AL interface) share [`VerbEntryPoints`]: a `submit` entry point taking a
+//! request that carries a verb code and buffers laid out by
+//! [`crate::ioctl`] — the same codes and layouts as the user-mode proxy
+//! IOCTLs, so the IOCTL path and the direct-call path share one
+//! implementation — plus the fast-path entry points (post, poll, arm), which
+//! never allocate and may be called at DISPATCH_LEVEL.
+//!
 //! The GUIDs here were generated for this project; they belong to no other
 //! vendor's stack.
 
@@ -18,7 +26,11 @@ use core::fmt;
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
 use crate::abi::{AbiError, Le16, Le32, Repr, ensure_zero};
+use crate::event::AsyncEventRecordAbi;
 use crate::scalars::{NodeGuid, PKey, PortGuid, PortNum};
+use crate::status::NtStatus;
+use crate::wc::WorkCompletion;
+use crate::wr_desc::{RecvWrDesc, SendWrDesc};
 
 /// A Windows `GUID` in its in-memory layout (little-endian first three
 /// fields), 16 bytes.
@@ -203,6 +215,198 @@ pub struct InterfaceHeader {
 #[cfg(target_pointer_width = "64")]
 assert_layout!(InterfaceHeader, size = 32, size @ 0, version @ 2, context @ 8,
     interface_reference @ 16, interface_dereference @ 24);
+
+impl InterfaceHeader {
+    /// Checks what a provider put in the header against what the consumer
+    /// needs: at least `min_size` bytes and a version that satisfies
+    /// `required`. A larger size is a newer minor version with more entry
+    /// points at the end, and is accepted.
+    pub fn check(&self, min_size: usize, required: InterfaceVersion) -> Result<(), AbiError> {
+        if usize::from(self.size) < min_size {
+            return Err(AbiError::BadLength {
+                field: "InterfaceHeader.size",
+                declared: self.size.into(),
+                available: min_size as u64,
+            });
+        }
+        InterfaceVersion::from_packed(self.version).check(required)
+    }
+}
+
+/// Completes every verb request: `request` is the platform's request object
+/// (the IRP on Windows) carrying a [`crate::ioctl`] verb code and buffers.
+/// Returns `STATUS_PENDING` when the request will complete later.
+pub type SubmitFn =
+    unsafe extern "system" fn(context: *mut c_void, request: *mut c_void) -> NtStatus;
+
+/// Posts `count` send descriptors to the QP `qp`; `posted` receives how
+/// many were accepted before the first failure (earlier ones stay posted).
+pub type PostSendFn = unsafe extern "system" fn(
+    context: *mut c_void,
+    qp: u64,
+    wrs: *const SendWrDesc,
+    count: u32,
+    posted: *mut u32,
+) -> NtStatus;
+
+/// Posts `count` receive descriptors to a QP or an SRQ (`queue`).
+pub type PostRecvFn = unsafe extern "system" fn(
+    context: *mut c_void,
+    queue: u64,
+    wrs: *const RecvWrDesc,
+    count: u32,
+    posted: *mut u32,
+) -> NtStatus;
+
+/// Fills up to `capacity` completions of the CQ `cq` into `wcs`; `polled`
+/// receives how many.
+pub type PollCqFn = unsafe extern "system" fn(
+    context: *mut c_void,
+    cq: u64,
+    wcs: *mut WorkCompletion,
+    capacity: u32,
+    polled: *mut u32,
+) -> NtStatus;
+
+/// Arms the CQ `cq` for one completion event; `notify` is a
+/// [`crate::cq::CqNotify`] code.
+pub type ArmCqFn = unsafe extern "system" fn(context: *mut c_void, cq: u64, notify: u8) -> NtStatus;
+
+/// The verb entry points both verbs interfaces carry.
+#[derive(Debug, Clone, Copy)]
+#[repr(C)]
+pub struct VerbEntryPoints {
+    /// Every control verb.
+    pub submit: Option<SubmitFn>,
+    /// Post to a send queue.
+    pub post_send: Option<PostSendFn>,
+    /// Post to a QP's receive queue.
+    pub post_recv: Option<PostRecvFn>,
+    /// Post to a shared receive queue.
+    pub post_srq_recv: Option<PostRecvFn>,
+    /// Poll a CQ.
+    pub poll_cq: Option<PollCqFn>,
+    /// Arm a CQ.
+    pub arm_cq: Option<ArmCqFn>,
+}
+
+#[cfg(target_pointer_width = "64")]
+assert_layout!(VerbEntryPoints, size = 48, submit @ 0, post_send @ 8, post_recv @ 16,
+    post_srq_recv @ 24, poll_cq @ 32, arm_cq @ 40);
+
+impl VerbEntryPoints {
+    /// True when the provider filled every entry point.
+    pub fn is_complete(&self) -> bool {
+        self.submit.is_some()
+            && self.post_send.is_some()
+            && self.post_recv.is_some()
+            && self.post_srq_recv.is_some()
+            && self.poll_cq.is_some()
+            && self.arm_cq.is_some()
+    }
+}
+
+/// A completion event on the CQ `cq` (one-shot: the CQ must be re-armed).
+pub type CompletionCallbackFn = unsafe extern "system" fn(client: *mut c_void, cq: u64);
+
+/// An asynchronous event; the record is valid only during the call.
+pub type AsyncEventCallbackFn =
+    unsafe extern "system" fn(client: *mut c_void, event: *const AsyncEventRecordAbi);
+
+/// The callbacks a client registers when it opens a CA or the AL. They are
+/// called from a DPC (DISPATCH_LEVEL), never from the ISR, and never after
+/// the matching close has returned.
+#[derive(Debug, Clone, Copy)]
+#[repr(C)]
+pub struct EventCallbacks {
+    /// Completion events.
+    pub completion: Option<CompletionCallbackFn>,
+    /// Asynchronous events.
+    pub async_event: Option<AsyncEventCallbackFn>,
+}
+
+#[cfg(target_pointer_width = "64")]
+assert_layout!(EventCallbacks, size = 16, completion @ 0, async_event @ 8);
+
+/// Opens the CA for one client (the bus filter; the guide's OpenHCA may be
+/// called once): registers its callbacks and returns the CA handle in `ca`.
+pub type CiOpenCaFn = unsafe extern "system" fn(
+    context: *mut c_void,
+    callbacks: *const EventCallbacks,
+    client: *mut c_void,
+    ca: *mut u64,
+) -> NtStatus;
+
+/// Closes the CA. PASSIVE_LEVEL only: it waits for callbacks in flight
+/// (guide 6.1.4), and none follows its return.
+pub type CiCloseCaFn = unsafe extern "system" fn(context: *mut c_void, ca: u64) -> NtStatus;
+
+/// The CI interface (HCA miniport -> bus filter), answered to
+/// `IRP_MN_QUERY_INTERFACE` for [`GUID_IB_CI_INTERFACE`].
+#[derive(Debug, Clone, Copy)]
+#[repr(C)]
+pub struct CiInterface {
+    /// Size, version [`CI_INTERFACE_VERSION`], context, reference counting.
+    pub header: InterfaceHeader,
+    /// The CA GUID.
+    pub ca_guid: NodeGuid,
+    /// IEEE OUI of the vendor.
+    pub vendor_id: u32,
+    /// PCI device ID.
+    pub device_id: u16,
+    /// Hardware revision.
+    pub revision: u16,
+    /// The UVP user mode must load for this HCA.
+    pub uvp_name: UvpNameAbi,
+    /// Opens the CA.
+    pub open_ca: Option<CiOpenCaFn>,
+    /// Closes the CA.
+    pub close_ca: Option<CiCloseCaFn>,
+    /// The verbs.
+    pub verbs: VerbEntryPoints,
+}
+
+#[cfg(target_pointer_width = "64")]
+assert_layout!(CiInterface, size = 176, header @ 0, ca_guid @ 32, vendor_id @ 40,
+    device_id @ 44, revision @ 46, uvp_name @ 48, open_ca @ 112, close_ca @ 120,
+    verbs @ 128);
+
+/// Opens the access layer for a kernel client. The AL takes a reference on
+/// `client_device` (the client's DEVICE_OBJECT) and drops it only when no
+/// callback can follow, so the client cannot unload under a callback.
+/// Returns the AL handle in `al`.
+pub type AlOpenFn = unsafe extern "system" fn(
+    context: *mut c_void,
+    client_device: *mut c_void,
+    callbacks: *const EventCallbacks,
+    client: *mut c_void,
+    al: *mut u64,
+) -> NtStatus;
+
+/// Closes an AL handle, destroying what the client left open. PASSIVE_LEVEL
+/// only; no callback follows its return.
+pub type AlCloseFn = unsafe extern "system" fn(context: *mut c_void, al: u64) -> NtStatus;
+
+/// The AL interface (bus filter -> a per-port child), answered by the
+/// child's PDO to `IRP_MN_QUERY_INTERFACE` for [`GUID_IB_AL_INTERFACE`].
+#[derive(Debug, Clone, Copy)]
+#[repr(C)]
+pub struct AlInterface {
+    /// Size, version [`AL_INTERFACE_VERSION`], context, reference counting.
+    pub header: InterfaceHeader,
+    /// Which CA, port and partition this child serves.
+    pub port: PortInterfaceDataAbi,
+    /// Opens the AL for the client.
+    pub open_al: Option<AlOpenFn>,
+    /// Closes it.
+    pub close_al: Option<AlCloseFn>,
+    /// The verbs, on AL handles.
+    pub verbs: VerbEntryPoints,
+}
+
+#[cfg(target_pointer_width = "64")]
+assert_layout!(AlInterface, size = 120, header @ 0, port @ 32, open_al @ 56, close_al @ 64,
+    verbs @ 72);
 
 /// The name of the user-mode verbs provider DLL the kernel reports for an
 /// HCA: a bare base name (no directory, no extension), so user mode can only
@@ -469,6 +673,36 @@ mod tests {
         let mut abi = data.emit();
         abi.port_num = 0;
         assert!(PortInterfaceData::parse(&abi).is_err(), "port 0");
+    }
+
+    #[test]
+    fn header_check() {
+        let header = InterfaceHeader {
+            size: core::mem::size_of::<CiInterface>() as u16,
+            version: InterfaceVersion::new(1, 3).packed(),
+            context: core::ptr::null_mut(),
+            interface_reference: None,
+            interface_dereference: None,
+        };
+        let size = core::mem::size_of::<CiInterface>();
+        assert_eq!(header.check(size, CI_INTERFACE_VERSION), Ok(()));
+        assert!(
+            header.check(size + 8, CI_INTERFACE_VERSION).is_err(),
+            "too small"
+        );
+        assert!(
+            header.check(size, InterfaceVersion::new(1, 4)).is_err(),
+            "older minor than required"
+        );
+        let empty = VerbEntryPoints {
+            submit: None,
+            post_send: None,
+            post_recv: None,
+            post_srq_recv: None,
+            poll_cq: None,
+            arm_cq: None,
+        };
+        assert!(!empty.is_complete());
     }
 
     proptest! {

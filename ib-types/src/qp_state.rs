@@ -10,6 +10,7 @@
 //! without it asks to stay in the current state (RTS->RTS and the like).
 
 use crate::qp::{QpAttrMask, QpModify, QpState, QpType};
+use crate::status::IbStatus;
 
 /// Required and optional attributes of one transition for one QP type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -262,6 +263,18 @@ pub enum TransitionError {
     },
 }
 
+impl TransitionError {
+    /// The IB status a Modify QP verb returns for this refusal.
+    pub const fn status(&self) -> IbStatus {
+        match self {
+            Self::Illegal { .. } => IbStatus::InvalidState,
+            Self::MissingRequired { .. } => IbStatus::InvalidParameter,
+            Self::NotAllowed { .. } => IbStatus::InvalidSetting,
+            Self::CurrentStateMismatch { .. } => IbStatus::InvalidQpState,
+        }
+    }
+}
+
 /// Checks a modify given as a mask (with `STATE` set when `to` is a state
 /// change request) against the table. Returns the state the QP moves to.
 pub fn check_mask(
@@ -502,6 +515,37 @@ mod tests {
             check_modify(QpType::Ud, Rtr, &m),
             Err(TransitionError::Illegal { .. })
         ));
+    }
+
+    #[test]
+    fn each_refusal_has_its_own_status() {
+        let errors = [
+            TransitionError::Illegal {
+                qp_type: QpType::Rc,
+                from: Reset,
+                to: Rts,
+            },
+            TransitionError::MissingRequired {
+                from: Reset,
+                to: Init,
+                missing: M::PORT,
+            },
+            TransitionError::NotAllowed {
+                from: Rts,
+                to: Rts,
+                unexpected: M::QKEY,
+            },
+            TransitionError::CurrentStateMismatch {
+                claimed: Rts,
+                actual: Sqd,
+            },
+        ];
+        for (i, a) in errors.iter().enumerate() {
+            assert!(a.status().is_error());
+            for b in &errors[i + 1..] {
+                assert_ne!(a.status(), b.status());
+            }
+        }
     }
 
     #[test]
