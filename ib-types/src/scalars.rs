@@ -17,38 +17,49 @@ use crate::abi::{AbiError, Be16, Be32, Be64};
 /// Mask of a 24-bit IB field (QPN, PSN).
 const MASK_24: u32 = 0x00FF_FFFF;
 
-/// A local identifier: a port's 16-bit address within a subnet (IBA 4.1.3).
-#[derive(
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Hash,
-    Default,
-    FromBytes,
-    IntoBytes,
-    KnownLayout,
-    Immutable,
-    Unaligned,
-)]
-#[repr(transparent)]
-pub struct Lid(Be16);
+/// Defines a network-order scalar newtype whose every bit pattern is valid:
+/// the zerocopy derives, `new`/`get` in host order, and a hex `Debug`.
+macro_rules! net_scalar {
+    ($(#[$meta:meta])* $name:ident($wire:ty, $host:ty), $debug:literal) => {
+        $(#[$meta])*
+        #[derive(
+            Clone, Copy, PartialEq, Eq, Hash, Default,
+            FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned,
+        )]
+        #[repr(transparent)]
+        pub struct $name($wire);
+
+        impl $name {
+            /// From the host-order value.
+            pub const fn new(value: $host) -> Self {
+                Self(<$wire>::new(value))
+            }
+
+            /// The host-order value.
+            pub const fn get(self) -> $host {
+                self.0.get()
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, $debug, self.get())
+            }
+        }
+    };
+}
+
+net_scalar!(
+    /// A local identifier: a port's 16-bit address within a subnet (IBA 4.1.3).
+    Lid(Be16, u16),
+    "Lid({:#06x})"
+);
 
 impl Lid {
     /// LID 0 is reserved: "no LID assigned".
     pub const UNASSIGNED: Self = Self::new(0);
     /// The permissive LID, accepted by every port (IBA 7.11.1).
     pub const PERMISSIVE: Self = Self::new(0xFFFF);
-
-    /// A LID from its host-order value.
-    pub const fn new(value: u16) -> Self {
-        Self(Be16::new(value))
-    }
-
-    /// The host-order value.
-    pub const fn get(self) -> u16 {
-        self.0.get()
-    }
 
     /// 0x0001..=0xBFFF address a single port.
     pub const fn is_unicast(self) -> bool {
@@ -58,12 +69,6 @@ impl Lid {
     /// 0xC000..=0xFFFE address a multicast group.
     pub const fn is_multicast(self) -> bool {
         matches!(self.get(), 0xC000..=0xFFFE)
-    }
-}
-
-impl fmt::Debug for Lid {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Lid({:#06x})", self.get())
     }
 }
 
@@ -200,22 +205,11 @@ impl Psn {
     }
 }
 
-/// A partition key (IBA 10.9): 15-bit partition number and a membership bit.
-#[derive(
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Hash,
-    Default,
-    FromBytes,
-    IntoBytes,
-    KnownLayout,
-    Immutable,
-    Unaligned,
-)]
-#[repr(transparent)]
-pub struct PKey(Be16);
+net_scalar!(
+    /// A partition key (IBA 10.9): 15-bit partition number and a membership bit.
+    PKey(Be16, u16),
+    "PKey({:#06x})"
+);
 
 impl PKey {
     /// Bit 15: full member (set) or limited member (clear).
@@ -224,16 +218,6 @@ impl PKey {
     pub const DEFAULT: Self = Self::new(0xFFFF);
     /// Partition number 0 is invalid in either membership.
     pub const INVALID: Self = Self::new(0);
-
-    /// A P_Key from its host-order value.
-    pub const fn new(value: u16) -> Self {
-        Self(Be16::new(value))
-    }
-
-    /// The host-order value including the membership bit.
-    pub const fn get(self) -> u16 {
-        self.0.get()
-    }
 
     /// The 15-bit partition number.
     pub const fn base(self) -> u16 {
@@ -264,28 +248,11 @@ impl PKey {
     }
 }
 
-impl fmt::Debug for PKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "PKey({:#06x})", self.get())
-    }
-}
-
-/// A queue key for datagram QPs (IBA 10.2.4).
-#[derive(
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Hash,
-    Default,
-    FromBytes,
-    IntoBytes,
-    KnownLayout,
-    Immutable,
-    Unaligned,
-)]
-#[repr(transparent)]
-pub struct QKey(Be32);
+net_scalar!(
+    /// A queue key for datagram QPs (IBA 10.2.4).
+    QKey(Be32, u32),
+    "QKey({:#010x})"
+);
 
 impl QKey {
     /// Bit 31: a controlled Q_Key, which only privileged consumers may set.
@@ -293,26 +260,10 @@ impl QKey {
     /// The well-known Q_Key of QP1 (IBA 13.4.6.1).
     pub const GSI: Self = Self::new(0x8001_0000);
 
-    /// A Q_Key from its host-order value.
-    pub const fn new(value: u32) -> Self {
-        Self(Be32::new(value))
-    }
-
-    /// The host-order value.
-    pub const fn get(self) -> u32 {
-        self.0.get()
-    }
-
     /// Controlled keys (high bit set) need privilege to be put in a QP
     /// context or a send WR (IBA 10.5.2.2).
     pub const fn is_controlled(self) -> bool {
         self.get() & Self::CONTROLLED_BIT != 0
-    }
-}
-
-impl fmt::Debug for QKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "QKey({:#010x})", self.get())
     }
 }
 
