@@ -33,6 +33,7 @@ pub mod cq;
 pub mod event;
 pub mod handle;
 pub mod interface;
+pub mod ioctl;
 pub mod mcast;
 pub mod mr;
 pub mod qp;
