@@ -211,3 +211,28 @@ fn registration_rights_rule_holds_at_the_boundary() {
     abi.access = AccessFlags::REMOTE_WRITE.bits().into();
     assert!(ib_types::mr::MrRegister::parse(&abi).is_err());
 }
+
+/// Verb codes are `CTL_CODE(0x3B, 0x800 + n, METHOD_BUFFERED, access)`,
+/// computed here by hand: `0x3B << 16 | access << 14 | function << 2`.
+#[test]
+fn verb_codes_are_frozen() {
+    use ib_types::ioctl::VerbId;
+    let rw = 3 << 14;
+    let read = 1 << 14;
+    let code = |function: u32, access: u32| 0x003B_0000 | access | function << 2;
+    let frozen = [
+        (VerbId::OpenCa, code(0x800, rw), 0x003B_E000),
+        (VerbId::QueryCa, code(0x802, read), 0x003B_6008),
+        (VerbId::CreateQp, code(0x80A, rw), 0x003B_E028),
+        (VerbId::ModifyQp, code(0x80C, rw), 0x003B_E030),
+        (VerbId::WaitCqEvent, code(0x820, read), 0x003B_6080),
+        (VerbId::LocalMad, code(0x823, rw), 0x003B_E08C),
+    ];
+    for (verb, computed, literal) in frozen {
+        assert_eq!(computed, literal, "the hand computation itself");
+        assert_eq!(verb.ioctl().raw(), literal, "{} changed code", verb.name());
+    }
+    assert_eq!(VerbId::ALL.len(), 36, "verbs are only ever appended");
+    assert!(!VerbId::LocalMad.user_mode_allowed());
+    assert!(!VerbId::RegPhysMr.user_mode_allowed());
+}

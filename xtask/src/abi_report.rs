@@ -20,6 +20,7 @@ pub(crate) fn run() -> Result<(), Problems> {
     let mut problems = Problems::new();
     print_layouts();
     print_state_machine();
+    check_verbs(&mut problems);
     check_bring_up(&mut problems);
     check_ca_attributes(&mut problems);
     if problems.is_empty() {
@@ -73,6 +74,66 @@ fn print_layouts() {
         ib_types::interface::CiInterface,
         ib_types::interface::AlInterface,
     );
+}
+
+/// The verbs table: every code, decoded, with its buffer sizes and policy.
+fn check_verbs(problems: &mut Problems) {
+    use ib_types::ioctl::{
+        FILE_DEVICE_INFINIBAND, REQUEST_HEADER_SIZE, RESPONSE_HEADER_SIZE, TransferMethod, VerbId,
+    };
+
+    println!("\n== Verbs (proxy IOCTLs and CI/AL submit codes) ==");
+    println!(
+        "  {:<14} {:>10} {:>5} {:<10} {:<6} {:>6} {:>6}",
+        "verb", "code", "fn", "access", "caller", "in", "out"
+    );
+    let mut seen = std::collections::HashSet::new();
+    for &verb in VerbId::ALL {
+        let code = verb.ioctl();
+        println!(
+            "  {:<14} {:#010x} {:#05x} {:<10} {:<6} {:>6} {:>6}",
+            verb.name(),
+            code.raw(),
+            code.function(),
+            access_text(code.access()),
+            if verb.user_mode_allowed() {
+                "user"
+            } else {
+                "kernel"
+            },
+            REQUEST_HEADER_SIZE + verb.in_size(),
+            RESPONSE_HEADER_SIZE + verb.out_size(),
+        );
+        if !seen.insert(code.raw()) {
+            problems.push(format!(
+                "{}: code {:#x} used twice",
+                verb.name(),
+                code.raw()
+            ));
+        }
+        if VerbId::from_ioctl(code) != Ok(verb) {
+            problems.push(format!("{}: code does not decode back", verb.name()));
+        }
+        if code.device_type() != FILE_DEVICE_INFINIBAND || code.method() != TransferMethod::Buffered
+        {
+            problems.push(format!("{}: not a buffered InfiniBand code", verb.name()));
+        }
+    }
+    println!("  (sizes include the 16-byte request/response headers; private bytes follow)");
+}
+
+/// `read`, `read+write` or `any`.
+fn access_text(access: ib_types::ioctl::RequiredAccess) -> &'static str {
+    use ib_types::ioctl::RequiredAccess;
+    match (
+        access.contains(RequiredAccess::READ),
+        access.contains(RequiredAccess::WRITE),
+    ) {
+        (true, true) => "read+write",
+        (true, false) => "read",
+        (false, true) => "write",
+        (false, false) => "any",
+    }
 }
 
 /// IBA Table 91 as this stack implements it.
