@@ -41,19 +41,77 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Cmd::Test { args } => cargo(&["test", "--workspace", "--locked"], &args),
+        Cmd::Test { args } => test(&args),
     }
 }
 
-/// Runs cargo with `base` then `extra` arguments, forwarding its exit code.
-fn cargo(base: &[&str], extra: &[String]) -> ExitCode {
+/// Runs the workspace tests, echoing cargo's output, and closes with one
+/// summary line over every test binary (`N passed, N failed`), so the last
+/// line says what ran rather than the count of some empty doc-test binary.
+fn test(extra: &[String]) -> ExitCode {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    match Command::new(cargo).args(base).args(extra).status() {
-        Ok(status) if status.success() => ExitCode::SUCCESS,
-        Ok(status) => ExitCode::from(u8::try_from(status.code().unwrap_or(1)).unwrap_or(1)),
+    let child = Command::new(cargo)
+        .args(["test", "--workspace", "--locked"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(child) => child,
         Err(e) => {
             eprintln!("cannot run cargo: {e}");
-            ExitCode::FAILURE
+            return ExitCode::FAILURE;
         }
+    };
+    let (mut passed, mut failed) = (0u64, 0u64);
+    if let Some(out) = child.stdout.take() {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            println!("{line}");
+            if let Some((p, f)) = parse_test_result(&line) {
+                passed += p;
+                failed += f;
+            }
+        }
+    }
+    let status = child.wait();
+    println!("\n{passed} passed, {failed} failed");
+    match status {
+        Ok(status) if status.success() && failed == 0 => ExitCode::SUCCESS,
+        _ => ExitCode::FAILURE,
+    }
+}
+
+/// The counts of a libtest summary line:
+/// `test result: ok. 12 passed; 0 failed; 0 ignored; ...`.
+fn parse_test_result(line: &str) -> Option<(u64, u64)> {
+    let rest = line.trim().strip_prefix("test result: ")?;
+    let mut passed = None;
+    let mut failed = None;
+    for part in rest.split([';', '.']) {
+        let mut words = part.split_whitespace();
+        if let (Some(n), Some(what)) = (words.next(), words.next()) {
+            match what {
+                "passed" => passed = n.parse().ok(),
+                "failed" => failed = n.parse().ok(),
+                _ => {}
+            }
+        }
+    }
+    Some((passed?, failed?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_test_result;
+
+    #[test]
+    fn reads_libtest_summaries() {
+        let ok = "test result: ok. 135 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.42s";
+        assert_eq!(parse_test_result(ok), Some((135, 0)));
+        let bad = "test result: FAILED. 3 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out";
+        assert_eq!(parse_test_result(bad), Some((3, 2)));
+        assert_eq!(parse_test_result("running 3 tests"), None);
     }
 }
