@@ -1793,62 +1793,30 @@ mod tests {
             }
         ));
         // Tables overlapping the header, the page sizes, the port array or
-        // each other.
-        assert_eq!(
-            parse_corrupted(|b| set32(b, 0x04, 132)),
-            out_of_range("CaAttr.page_sizes_offset", 132)
-        );
-        assert_eq!(
-            parse_corrupted(|b| set32(b, 0x0C, 144)),
-            out_of_range("CaAttr.ports_offset", 144)
-        );
-        assert_eq!(
-            parse_corrupted(|b| set32(b, P1 + 0x18, 64)),
-            out_of_range("PortAttr.pkey_table_offset", 64)
-        );
-        assert_eq!(
-            parse_corrupted(|b| set32(b, P1 + 0x18, 200)),
-            out_of_range("PortAttr.pkey_table_offset", 200)
-        );
-        assert_eq!(
-            parse_corrupted(|b| set32(b, P1 + 0x1C, 246)),
-            out_of_range("PortAttr.gid_table_offset", 246)
-        );
-        assert_eq!(
-            parse_corrupted(|b| set32(b, P2 + 0x18, 270)),
-            out_of_range("PortAttr.pkey_table_offset", 270)
-        );
-        // Two ports sharing one table.
-        assert_eq!(
-            parse_corrupted(|b| set32(b, P2 + 0x1C, 248)),
-            out_of_range("PortAttr.gid_table_offset", 248)
-        );
-        // Misalignment.
-        assert_eq!(
-            parse_corrupted(|b| set32(b, 0x04, 138)),
-            out_of_range("CaAttr.page_sizes_offset", 138)
-        );
-        assert_eq!(
-            parse_corrupted(|b| set32(b, 0x0C, 150)),
-            out_of_range("CaAttr.ports_offset", 150)
-        );
-        assert_eq!(
-            parse_corrupted(|b| set32(b, P1 + 0x18, 245)),
-            out_of_range("PortAttr.pkey_table_offset", 245)
-        );
-        assert_eq!(
-            parse_corrupted(|b| set32(b, P2 + 0x1C, 283)),
-            out_of_range("PortAttr.gid_table_offset", 283)
-        );
-        // Port records too small or oddly sized.
-        assert_eq!(
-            parse_corrupted(|b| set32(b, 0x10, 44)),
-            out_of_range("CaAttr.port_record_size", 44)
-        );
-        assert_eq!(
-            parse_corrupted(|b| set32(b, 0x10, 50)),
-            out_of_range("CaAttr.port_record_size", 50)
-        );
+        for (at, value, field) in [
+            (0x04, 132, "CaAttr.page_sizes_offset"),
+            (0x0C, 144, "CaAttr.ports_offset"),
+            (P1 + 0x18, 64, "PortAttr.pkey_table_offset"),
+            (P1 + 0x18, 200, "PortAttr.pkey_table_offset"),
+            (P1 + 0x1C, 246, "PortAttr.gid_table_offset"),
+            (P2 + 0x18, 270, "PortAttr.pkey_table_offset"),
+            // Two ports sharing one table.
+            (P2 + 0x1C, 248, "PortAttr.gid_table_offset"),
+            // Misalignment.
+            (0x04, 138, "CaAttr.page_sizes_offset"),
+            (0x0C, 150, "CaAttr.ports_offset"),
+            (P1 + 0x18, 245, "PortAttr.pkey_table_offset"),
+            (P2 + 0x1C, 283, "PortAttr.gid_table_offset"),
+            // Port records too small or oddly sized.
+            (0x10, 44, "CaAttr.port_record_size"),
+            (0x10, 50, "CaAttr.port_record_size"),
+        ] {
+            assert_eq!(
+                parse_corrupted(|b| set32(b, at, value)),
+                out_of_range(field, value.into()),
+                "{field} = {value}"
+            );
+        }
     }
 
     #[test]
