@@ -1793,6 +1793,7 @@ mod tests {
             }
         ));
         // Tables overlapping the header, the page sizes, the port array or
+        // each other.
         for (at, value, field) in [
             (0x04, 132, "CaAttr.page_sizes_offset"),
             (0x0C, 144, "CaAttr.ports_offset"),
