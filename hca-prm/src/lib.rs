@@ -1,0 +1,32 @@
+//! The HCA's programmer's reference manual (`docs/prm.md`) as code.
+//!
+//! Every structure the driver and the device exchange — control registers,
+//! command entries and mailboxes, contexts, WQE/CQE/EQE formats, doorbells —
+//! is declared here once, `#[repr(C)]` with zerocopy derives, little-endian
+//! fields (network order where the PRM says so) and a compile-time size and
+//! offset assertion. The device model (`sim-hca`), the miniport core and the
+//! user-mode plug-in all build on these declarations, so a layout cannot
+//! drift between the two sides of the contract. `no_std`, no allocation, no
+//! `unsafe`.
+//!
+//! Section numbers in the docs refer to `docs/prm.md`.
+
+#![cfg_attr(not(test), no_std)]
+#![forbid(unsafe_code)]
+
+/// Compile-time size and field-offset assertions for a layout.
+macro_rules! assert_layout {
+    ($ty:ty, size = $size:expr $(, $field:ident @ $off:expr)* $(,)?) => {
+        const _: () = {
+            assert!(::core::mem::size_of::<$ty>() == $size, "PRM size changed");
+            $(
+                assert!(
+                    ::core::mem::offset_of!($ty, $field) == $off,
+                    concat!("PRM offset of `", stringify!($field), "` changed")
+                );
+            )*
+        };
+    };
+}
+
+pub use ib_types::abi::{Be32, Le16, Le32, Le64};
