@@ -29,4 +29,43 @@ macro_rules! assert_layout {
     };
 }
 
+/// Declares a `#[repr($raw)]` enum for a code read from device or host
+/// memory: `ALL`, `code()`, and a fallible `from_code()` (never a transmute).
+macro_rules! prm_code {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident : $raw:ty {
+            $( $(#[$vmeta:meta])* $variant:ident = $value:expr ),+ $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[repr($raw)]
+        $vis enum $name {
+            $( $(#[$vmeta])* $variant = $value, )+
+        }
+
+        impl $name {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [Self] = &[$(Self::$variant),+];
+
+            /// The raw code.
+            #[inline]
+            pub const fn code(self) -> $raw {
+                self as $raw
+            }
+
+            /// Reads a raw code; unknown codes are `None`.
+            #[inline]
+            pub const fn from_code(code: $raw) -> Option<Self> {
+                $( if code == Self::$variant as $raw { return Some(Self::$variant); } )+
+                None
+            }
+        }
+    };
+}
+
+pub mod cmd;
+pub mod regs;
+
 pub use ib_types::abi::{Be32, Le16, Le32, Le64};
