@@ -66,6 +66,7 @@ macro_rules! prm_code {
 }
 
 pub mod cmd;
+pub mod mpt;
 pub mod regs;
 
 pub use ib_types::abi::{Be32, Le16, Le32, Le64};
