@@ -115,7 +115,8 @@ mod tests {
         assert_eq!(mtt_pages(100, 12, 10_000), Some(3));
         assert_eq!(mtt_locate(100, 12, 0), Some((0, 100)));
         assert_eq!(mtt_locate(100, 12, 3996), Some((1, 0)));
-        assert_eq!(mtt_locate(100, 12, 9_999), Some((2, 1811)));
+        // 100 + 9 999 = 10 099 = 2 * 4096 + 1907.
+        assert_eq!(mtt_locate(100, 12, 9_999), Some((2, 1907)));
         assert_eq!(mtt_pages(0, 12, 4096), Some(1));
         assert_eq!(mtt_pages(0, 12, 0), Some(0));
         assert_eq!(mtt_locate(5, 12, u64::MAX), None);
