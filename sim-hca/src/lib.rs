@@ -4,3 +4,6 @@
 //!
 //! Status: not written yet (issue 3). The crate exists so the workspace has
 //! its final shape; it exports nothing.
+
+pub mod fabric;
+pub mod rng;
