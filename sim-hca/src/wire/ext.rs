@@ -1,4 +1,4 @@
-//! The extended transport headers that follow the BTH (IBA 9.3–9.5):
+//! The extended transport headers that follow the BTH (IBA 9.3):
 //! DETH, RETH, AtomicETH, AETH (with its syndrome), AtomicAckETH, ImmDt and
 //! IETH, and [`ExtRepr`], the validated set one packet carries.
 //!
@@ -140,7 +140,7 @@ macro_rules! code5 {
 }
 
 code5!(
-    /// The 5-bit encoded credit count of an ACK (IBA 9.7.5.1); 31 means the
+    /// The 5-bit encoded credit count of an ACK; 31 means the
     /// responder gives no credit information.
     CreditCode
 );
@@ -152,11 +152,11 @@ impl CreditCode {
 
 code5!(
     /// The 5-bit RNR NAK timer code: how long the requester waits before
-    /// retrying (IBA 9.7.5.2.8; code 0 is the longest, 655.36 ms).
+    /// retrying (code 0 is the longest, 655.36 ms).
     RnrTimer
 );
 
-/// Why a responder NAKed (IBA 9.7.5.1, AETH syndrome 011xxxxx).
+/// Why a responder NAKed (AETH syndrome 011xxxxx, IBA 9.3.5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum NakCode {
@@ -185,7 +185,7 @@ impl NakCode {
     ];
 }
 
-/// The AETH syndrome byte, decoded (IBA 9.7.5.1):
+/// The AETH syndrome byte, decoded (IBA 9.3.5):
 /// `0 00 ccccc` ACK with credit code, `0 01 ttttt` RNR NAK with timer code,
 /// `0 11 nnnnn` NAK with code 0–4. Everything else is reserved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -245,7 +245,7 @@ impl TryFrom<u8> for Syndrome {
     }
 }
 
-/// A message sequence number (24 bits, wrapping; IBA 9.7.5.1.1).
+/// A message sequence number (24 bits, wrapping), carried in the AETH.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Msn(u32);
 

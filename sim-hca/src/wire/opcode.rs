@@ -1,8 +1,8 @@
 //! The BTH opcode and its metadata: one table for every opcode this device
-//! speaks (IBA 9.2.1, table 35 "OpCode Field"; 9.3 for the header order).
+//! speaks (IBA 9.2.1 for the codes, 9.3 for the header order).
 //!
 //! Contract: [`Opcode`] is an open code. [`Opcode::try_from`] rejects every
-//! byte not in [`OPCODES`](Opcode::ALL) with [`WireError::UnknownOpcode`];
+//! byte not in [`Opcode::ALL`] with [`WireError::UnknownOpcode`];
 //! reliable datagram (0x40–0x5F), extended RC, and CNP (0x81) are not
 //! implemented. Each opcode's [`OpcodeInfo`] is the single source of truth
 //! for the transport engine and the parser: which transport it belongs to,
