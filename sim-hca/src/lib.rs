@@ -2,8 +2,22 @@
 //! (`docs/prm.md`), its IB transport engine, and a RoCEv2 fabric with fault
 //! injection and pcap capture.
 //!
-//! Status: not written yet (issue 3). The crate exists so the workspace has
-//! its final shape; it exports nothing.
+//! - [`wire`]: the RoCEv2 packet layer. Header layouts (Ethernet II, IPv4,
+//!   UDP, BTH and the extended transport headers), the IBA opcode table, the
+//!   invariant CRC, and [`wire::RocePacket`] / [`wire::PacketRepr`] to parse
+//!   and build whole frames without allocating.
+//! - [`pcap`]: a classic pcap writer for captures that open in Wireshark,
+//!   and a reader for tests.
+//! - [`fabric`]: a deterministic simulated Ethernet switch with seeded fault
+//!   injection and a capture tap; [`rng`] is its seedable generator.
+//! - [`host`]: the device's door to host memory (bus addresses only) and
+//!   interrupts, with a self-contained IOMMU-style memory for tests.
+//!
+//! Not written yet: the device model (BAR0, command interface, contexts,
+//! queues, doorbells) and the transport engine.
 
 pub mod fabric;
+pub mod host;
+pub mod pcap;
 pub mod rng;
+pub mod wire;

@@ -1,0 +1,276 @@
+//! The device's view of the host: memory reached only through bus addresses
+//! (the platform's DMA remapping), and interrupt vectors.
+//!
+//! [`HostMemory`] is the single door from the device into host memory. The
+//! simulated Windows host implements it with its IOMMU model; [`SimMemory`]
+//! here is a small, self-contained implementation for the device's own tests
+//! and tools: host buffers, mapped to bus addresses that never equal their
+//! buffer offsets, with every access outside a live mapping reported as a
+//! [`DmaFault`] and counted — never a crash.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+/// Which way a faulting access went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DmaDirection {
+    /// Device read from host memory.
+    Read,
+    /// Device write to host memory.
+    Write,
+}
+
+/// An access outside a live DMA mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[error("DMA fault: {direction:?} of {len} bytes at bus address {addr:#x}")]
+pub struct DmaFault {
+    /// Bus address of the access.
+    pub addr: u64,
+    /// Bytes accessed.
+    pub len: usize,
+    /// Read or write.
+    pub direction: DmaDirection,
+}
+
+/// Host memory as the device sees it.
+///
+/// Implementations take `&self` because the CPU side uses the same memory
+/// concurrently; an access either completes entirely or faults without
+/// touching memory.
+pub trait HostMemory: Send + Sync {
+    /// Copies `buf.len()` bytes from bus address `addr`.
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), DmaFault>;
+    /// Copies `data` to bus address `addr`.
+    fn write(&self, addr: u64, data: &[u8]) -> Result<(), DmaFault>;
+}
+
+/// Where the device's interrupts go.
+pub trait InterruptSink: Send + Sync {
+    /// Raises MSI-X vector `vector`.
+    fn raise(&self, vector: u16);
+}
+
+/// A host buffer allocated in a [`SimMemory`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BufferId(u32);
+
+/// Bytes of a mapping granule: mappings start and end on these boundaries.
+pub const SIM_PAGE: u64 = 4096;
+
+#[derive(Debug)]
+struct Mapping {
+    len: u64,
+    buffer: BufferId,
+    offset: u64,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    buffers: BTreeMap<BufferId, Vec<u8>>,
+    /// Keyed by bus start address.
+    mappings: BTreeMap<u64, Mapping>,
+    next_buffer: u32,
+    next_bus: u64,
+    faults: u64,
+}
+
+impl Inner {
+    /// The mapping containing `addr..addr+len` entirely, if any.
+    fn resolve(&self, addr: u64, len: usize) -> Option<(BufferId, u64)> {
+        let (&start, m) = self.mappings.range(..=addr).next_back()?;
+        let end = addr.checked_add(len as u64)?;
+        if end <= start + m.len {
+            Some((m.buffer, m.offset + (addr - start)))
+        } else {
+            None
+        }
+    }
+}
+
+/// A self-contained host memory with an IOMMU-style mapping table.
+///
+/// Bus addresses are handed out from `bus_base` upward, page by page, and
+/// never reused while a mapping is live, so they differ from buffer offsets
+/// and from the bus addresses of another `SimMemory` with another base.
+#[derive(Debug)]
+pub struct SimMemory {
+    inner: Mutex<Inner>,
+}
+
+impl SimMemory {
+    /// An empty memory whose mappings start at `bus_base` (page aligned).
+    pub fn new(bus_base: u64) -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                next_bus: bus_base & !(SIM_PAGE - 1),
+                ..Inner::default()
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A poisoned lock means a test already panicked; keep going so the
+        // original panic is the one reported.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Allocates a zero-filled host buffer of `len` bytes.
+    pub fn alloc(&self, len: usize) -> BufferId {
+        let mut inner = self.lock();
+        let id = BufferId(inner.next_buffer);
+        inner.next_buffer += 1;
+        inner.buffers.insert(id, vec![0; len]);
+        id
+    }
+
+    /// Frees a buffer; mappings of it are removed too (a device access to
+    /// them faults from then on, like a use-after-free under an IOMMU).
+    pub fn free(&self, id: BufferId) {
+        let mut inner = self.lock();
+        inner.buffers.remove(&id);
+        inner.mappings.retain(|_, m| m.buffer != id);
+    }
+
+    /// Maps `len` bytes of `id` from `offset` (both multiples of
+    /// [`SIM_PAGE`]) and returns the bus address. `None` when the range is
+    /// not inside the buffer or not page aligned.
+    pub fn map(&self, id: BufferId, offset: u64, len: u64) -> Option<u64> {
+        let mut inner = self.lock();
+        let buf_len = inner.buffers.get(&id)?.len() as u64;
+        if offset % SIM_PAGE != 0 || len == 0 || offset.checked_add(len)? > buf_len {
+            return None;
+        }
+        let bus = inner.next_bus;
+        let pages = len.div_ceil(SIM_PAGE);
+        // Leave a one-page hole after every mapping so an overrun faults.
+        inner.next_bus = bus + (pages + 1) * SIM_PAGE;
+        inner.mappings.insert(
+            bus,
+            Mapping {
+                len,
+                buffer: id,
+                offset,
+            },
+        );
+        Some(bus)
+    }
+
+    /// Removes the mapping starting at `bus`; false if there was none.
+    pub fn unmap(&self, bus: u64) -> bool {
+        self.lock().mappings.remove(&bus).is_some()
+    }
+
+    /// Live mappings.
+    pub fn mapping_count(&self) -> usize {
+        self.lock().mappings.len()
+    }
+
+    /// DMA faults seen so far.
+    pub fn faults(&self) -> u64 {
+        self.lock().faults
+    }
+
+    /// CPU read from a buffer. Panics if the range is outside the buffer:
+    /// this is the test driver's own memory, and a bad range is a test bug.
+    pub fn cpu_read(&self, id: BufferId, offset: usize, out: &mut [u8]) {
+        let inner = self.lock();
+        let buf = inner.buffers.get(&id).expect("live buffer");
+        out.copy_from_slice(&buf[offset..offset + out.len()]);
+    }
+
+    /// CPU write to a buffer (see [`cpu_read`](Self::cpu_read)).
+    pub fn cpu_write(&self, id: BufferId, offset: usize, data: &[u8]) {
+        let mut inner = self.lock();
+        let buf = inner.buffers.get_mut(&id).expect("live buffer");
+        buf[offset..offset + data.len()].copy_from_slice(data);
+    }
+}
+
+impl HostMemory for SimMemory {
+    fn read(&self, addr: u64, out: &mut [u8]) -> Result<(), DmaFault> {
+        let mut inner = self.lock();
+        match inner.resolve(addr, out.len()) {
+            Some((id, at)) => {
+                let at = at as usize;
+                let buf = &inner.buffers[&id];
+                out.copy_from_slice(&buf[at..at + out.len()]);
+                Ok(())
+            }
+            None => {
+                inner.faults += 1;
+                Err(DmaFault {
+                    addr,
+                    len: out.len(),
+                    direction: DmaDirection::Read,
+                })
+            }
+        }
+    }
+
+    fn write(&self, addr: u64, data: &[u8]) -> Result<(), DmaFault> {
+        let mut inner = self.lock();
+        match inner.resolve(addr, data.len()) {
+            Some((id, at)) => {
+                let at = at as usize;
+                let buf = inner.buffers.get_mut(&id).expect("mapped buffer is live");
+                buf[at..at + data.len()].copy_from_slice(data);
+                Ok(())
+            }
+            None => {
+                inner.faults += 1;
+                Err(DmaFault {
+                    addr,
+                    len: data.len(),
+                    direction: DmaDirection::Write,
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accesses_inside_mappings_only() {
+        let mem = SimMemory::new(0x10_0000_0000);
+        let buf = mem.alloc(3 * 4096);
+        let bus = mem.map(buf, 4096, 8192).unwrap();
+        assert_ne!(bus, 4096, "bus addresses are not buffer offsets");
+        mem.write(bus + 10, &[1, 2, 3]).unwrap();
+        let mut out = [0u8; 3];
+        mem.cpu_read(buf, 4096 + 10, &mut out);
+        assert_eq!(out, [1, 2, 3]);
+        // Past the end of the mapping, before it, and across its end.
+        assert!(mem.read(bus + 8192, &mut out).is_err());
+        assert!(mem.read(bus - 1, &mut out).is_err());
+        assert!(mem.write(bus + 8190, &[0; 4]).is_err());
+        assert_eq!(mem.faults(), 3);
+        assert!(mem.unmap(bus));
+        assert!(mem.read(bus, &mut out).is_err(), "stale mapping");
+        assert_eq!(mem.mapping_count(), 0);
+    }
+
+    #[test]
+    fn freeing_a_buffer_kills_its_mappings() {
+        let mem = SimMemory::new(0x2000_0000);
+        let buf = mem.alloc(4096);
+        let bus = mem.map(buf, 0, 4096).unwrap();
+        mem.free(buf);
+        assert!(mem.write(bus, &[1]).is_err());
+        assert!(mem.map(buf, 0, 4096).is_none());
+    }
+
+    #[test]
+    fn map_rejects_bad_ranges() {
+        let mem = SimMemory::new(0x2000_0000);
+        let buf = mem.alloc(8192);
+        assert!(mem.map(buf, 100, 4096).is_none(), "unaligned");
+        assert!(mem.map(buf, 4096, 8192).is_none(), "past the end");
+        assert!(mem.map(buf, 0, 0).is_none(), "empty");
+        let a = mem.map(buf, 0, 4096).unwrap();
+        let b = mem.map(buf, 0, 4096).unwrap();
+        assert!(b >= a + 2 * SIM_PAGE, "a guard page between mappings");
+    }
+}
