@@ -137,7 +137,7 @@ impl SimMemory {
     pub fn map(&self, id: BufferId, offset: u64, len: u64) -> Option<u64> {
         let mut inner = self.lock();
         let buf_len = inner.buffers.get(&id)?.len() as u64;
-        if offset % SIM_PAGE != 0 || len == 0 || offset.checked_add(len)? > buf_len {
+        if !offset.is_multiple_of(SIM_PAGE) || len == 0 || offset.checked_add(len)? > buf_len {
             return None;
         }
         let bus = inner.next_bus;
