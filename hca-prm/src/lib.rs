@@ -70,3 +70,10 @@ pub mod mpt;
 pub mod regs;
 
 pub use ib_types::abi::{Be32, Le16, Le32, Le64};
+
+pub mod av;
+pub mod cqe;
+pub mod doorbell;
+pub mod eqe;
+pub mod owner;
+pub mod wqe;

@@ -1,0 +1,2267 @@
+//! Work queue entries: send WQEs (PRM 10.2) and receive WQEs (PRM 10.3).
+//!
+//! Contract:
+//! - The segment layouts ([`CtrlSeg`], [`UdAddrSeg`], [`RemoteAddrSeg`],
+//!   [`AtomicSeg`], [`BindSeg`], [`DataSeg`], the inline header, and
+//!   [`RecvHeader`]) are byte layouts: every bit pattern is a layout.
+//! - [`SendWqe`] is a validated, typed view of one send WQE. The driver side
+//!   builds one from a verbs work request ([`SendWqe::from_wr`], or
+//!   [`build_send_wqe`] in one step) and emits it as whole 16-byte segments;
+//!   the device side parses one from the bytes of the posted basic blocks
+//!   ([`SendWqe::parse`]). `emit` and `parse` check the same shape rules, so
+//!   `parse(emit(w)) == w` for every `w` that emits, and whatever parses
+//!   re-emits to the same bytes.
+//! - [`SendWqe::parse`] never panics, and rejects everything that makes a
+//!   WQE garbage (the device completes those with `LOC_QP_OP_ERR`): a
+//!   `wqe_index` other than the slot's, `size16` of 0 or past the bytes
+//!   supplied, an unknown or (for the transport) disallowed opcode, a missing,
+//!   extra or short segment, an inline segment without the inline bit or
+//!   longer than the WQE, an atomic without exactly one 8-byte data segment,
+//!   a bind with a window type other than 1 or 2 or unknown access bits, and
+//!   any non-zero reserved byte. Fields an opcode does not use (the `imm`
+//!   field of a SEND, the `compare` operand of a fetch-and-add, the inline
+//!   padding) count as reserved and must be zero.
+//! - What depends on device state (keys, ranges, the port of a UD address
+//!   vector, `max_inline_bytes`, `max_send_sges`) is not checked here.
+//! - Wrapping around the end of the ring is the caller's job: the builder
+//!   writes one contiguous WQE into scratch memory, which the caller copies
+//!   into consecutive 64-byte basic blocks; the device gathers the posted
+//!   basic blocks into one buffer before parsing.
+//! - Little-endian throughout, except immediate data (network order). The
+//!   R_Key that `SEND_INV` and `LOCAL_INV` carry in the `imm` field is
+//!   little-endian like every other key in the PRM.
+
+use bitflags::bitflags;
+use ib_types::AbiError;
+use ib_types::abi::ensure_zero;
+use ib_types::access::AccessFlags;
+use ib_types::scalars::{QKey, Qpn};
+use ib_types::wr::{LKey, RKey, RemoteAddr, SendFlags, SendOp, SendWr, Sge, Transport, WrOpcode};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+use crate::av::Av;
+use crate::{Be32, Le16, Le32, Le64};
+
+/// Declares a code enum read from memory through `from_code`/`TryFrom`:
+/// an unknown code is an [`AbiError::InvalidCode`], never a transmute.
+/// Generates `ALL`, `code()`, `from_code()` and the conversions.
+macro_rules! prm_code {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident : $raw:ty {
+            $($(#[$vmeta:meta])* $variant:ident = $value:expr),+ $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[repr($raw)]
+        $vis enum $name {
+            $($(#[$vmeta])* $variant = $value,)+
+        }
+
+        impl $name {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [Self] = &[$(Self::$variant),+];
+
+            /// The raw code.
+            pub const fn code(self) -> $raw {
+                self as $raw
+            }
+
+            /// Reads a raw code; an unknown code is an error.
+            pub const fn from_code(code: $raw) -> Result<Self, ::ib_types::AbiError> {
+                $(
+                    if code == Self::$variant as $raw {
+                        return Ok(Self::$variant);
+                    }
+                )+
+                Err(::ib_types::AbiError::InvalidCode {
+                    type_name: stringify!($name),
+                    value: code as u64,
+                })
+            }
+        }
+
+        impl TryFrom<$raw> for $name {
+            type Error = ::ib_types::AbiError;
+            fn try_from(code: $raw) -> Result<Self, Self::Error> {
+                Self::from_code(code)
+            }
+        }
+
+        impl From<$name> for $raw {
+            fn from(value: $name) -> $raw {
+                value.code()
+            }
+        }
+    };
+}
+pub(crate) use prm_code;
+
+/// Bytes of a send queue basic block.
+pub const BB_SIZE: usize = 64;
+/// Bytes of a WQE segment (the unit of `size16`).
+pub const SEG_SIZE: usize = 16;
+/// The longest send WQE `size16` can describe: 255 segments.
+pub const MAX_SEND_WQE_BYTES: usize = u8::MAX as usize * SEG_SIZE;
+/// Set in the inline segment header; the low 31 bits are the data length.
+pub const INLINE_BIT: u32 = 0x8000_0000;
+/// The smallest receive WQE stride.
+pub const MIN_RECV_STRIDE: usize = 32;
+
+/// Basic blocks a send WQE of `bytes` bytes occupies (the producer counter
+/// advances by this much).
+pub const fn basic_blocks(bytes: usize) -> usize {
+    bytes.div_ceil(BB_SIZE)
+}
+
+prm_code! {
+    /// Send WQE opcode (PRM 10.2); also the opcode of send CQEs.
+    pub enum WqeOpcode: u8 {
+        /// No operation (completes if signaled).
+        Nop = 0x00,
+        /// Send.
+        Send = 0x01,
+        /// Send with immediate data.
+        SendImm = 0x02,
+        /// Send invalidating an R_Key at the responder.
+        SendInv = 0x03,
+        /// RDMA write.
+        RdmaWrite = 0x04,
+        /// RDMA write with immediate data.
+        RdmaWriteImm = 0x05,
+        /// RDMA read.
+        RdmaRead = 0x06,
+        /// Atomic compare and swap.
+        AtomicCs = 0x07,
+        /// Atomic fetch and add.
+        AtomicFa = 0x08,
+        /// Bind a memory window.
+        BindMw = 0x09,
+        /// Invalidate a local key.
+        LocalInv = 0x0A,
+    }
+}
+
+impl WqeOpcode {
+    /// The opcode of a verbs operation.
+    pub const fn from_wr(op: WrOpcode) -> Self {
+        match op {
+            WrOpcode::Send => Self::Send,
+            WrOpcode::SendWithImm => Self::SendImm,
+            WrOpcode::SendWithInvalidate => Self::SendInv,
+            WrOpcode::RdmaWrite => Self::RdmaWrite,
+            WrOpcode::RdmaWriteWithImm => Self::RdmaWriteImm,
+            WrOpcode::RdmaRead => Self::RdmaRead,
+            WrOpcode::CompareSwap => Self::AtomicCs,
+            WrOpcode::FetchAdd => Self::AtomicFa,
+            WrOpcode::BindMw => Self::BindMw,
+            WrOpcode::LocalInvalidate => Self::LocalInv,
+        }
+    }
+
+    /// The verbs operation, or `None` for NOP (which verbs never post).
+    pub const fn to_wr(self) -> Option<WrOpcode> {
+        Some(match self {
+            Self::Nop => return None,
+            Self::Send => WrOpcode::Send,
+            Self::SendImm => WrOpcode::SendWithImm,
+            Self::SendInv => WrOpcode::SendWithInvalidate,
+            Self::RdmaWrite => WrOpcode::RdmaWrite,
+            Self::RdmaWriteImm => WrOpcode::RdmaWriteWithImm,
+            Self::RdmaRead => WrOpcode::RdmaRead,
+            Self::AtomicCs => WrOpcode::CompareSwap,
+            Self::AtomicFa => WrOpcode::FetchAdd,
+            Self::BindMw => WrOpcode::BindMw,
+            Self::LocalInv => WrOpcode::LocalInvalidate,
+        })
+    }
+
+    /// Whether a QP of `transport` accepts the opcode: NOP everywhere,
+    /// the rest as the IBA operation tables say
+    /// ([`WrOpcode::is_supported_on`]). SMI and GSI QPs are UD.
+    pub const fn is_allowed_on(self, transport: Transport) -> bool {
+        match self.to_wr() {
+            None => true,
+            Some(op) => op.is_supported_on(transport),
+        }
+    }
+
+    /// SEND and SEND_IMM: on UD, SMI and GSI QPs the UD address segment
+    /// follows the control segment.
+    pub const fn takes_ud_address(self) -> bool {
+        matches!(self, Self::Send | Self::SendImm)
+    }
+
+    /// RDMA and atomic operations: a remote address segment follows.
+    pub const fn takes_remote(self) -> bool {
+        matches!(
+            self,
+            Self::RdmaWrite | Self::RdmaWriteImm | Self::RdmaRead | Self::AtomicCs | Self::AtomicFa
+        )
+    }
+
+    /// The two atomics: an atomic segment and one 8-byte data segment.
+    pub const fn is_atomic(self) -> bool {
+        matches!(self, Self::AtomicCs | Self::AtomicFa)
+    }
+
+    /// Sends and RDMA writes: the data may be inline.
+    pub const fn allows_inline(self) -> bool {
+        matches!(
+            self,
+            Self::Send | Self::SendImm | Self::SendInv | Self::RdmaWrite | Self::RdmaWriteImm
+        )
+    }
+
+    /// NOP, BIND_MW and LOCAL_INV carry no data segments.
+    pub const fn takes_data(self) -> bool {
+        !matches!(self, Self::Nop | Self::BindMw | Self::LocalInv)
+    }
+
+    /// Whether the control segment's `imm` field is used (immediate data or
+    /// an R_Key); for the others it must be zero.
+    pub const fn uses_imm(self) -> bool {
+        matches!(
+            self,
+            Self::SendImm | Self::SendInv | Self::RdmaWriteImm | Self::LocalInv
+        )
+    }
+}
+
+bitflags! {
+    /// Control segment `flags` (PRM 10.2).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct WqeFlags: u8 {
+        /// Generate a CQE on success.
+        const SIGNALED = 1 << 0;
+        /// Set SE in the request: the responder raises a solicited event.
+        const SOLICITED = 1 << 1;
+        /// Wait for earlier RDMA reads and atomics first.
+        const FENCE = 1 << 2;
+        /// The data is an inline segment instead of data segments.
+        const INLINE = 1 << 3;
+    }
+}
+
+impl WqeFlags {
+    /// The WQE flags of verbs send flags (the bit positions differ).
+    pub const fn from_send_flags(flags: SendFlags) -> Self {
+        let mut out = Self::empty();
+        if flags.contains(SendFlags::SIGNALED) {
+            out = out.union(Self::SIGNALED);
+        }
+        if flags.contains(SendFlags::SOLICITED) {
+            out = out.union(Self::SOLICITED);
+        }
+        if flags.contains(SendFlags::FENCE) {
+            out = out.union(Self::FENCE);
+        }
+        if flags.contains(SendFlags::INLINE) {
+            out = out.union(Self::INLINE);
+        }
+        out
+    }
+}
+
+prm_code! {
+    /// Memory window type of a bind segment.
+    pub enum MwType: u8 {
+        /// Type 1: bound by a BIND_MW WQE on any QP of the PD.
+        Type1 = 1,
+        /// Type 2: bound to one QP.
+        Type2 = 2,
+    }
+}
+
+/// Control segment (PRM 10.2, 16 bytes): the first segment of every WQE.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    FromBytes,
+    IntoBytes,
+    KnownLayout,
+    Immutable,
+    Unaligned,
+)]
+#[repr(C)]
+pub struct CtrlSeg {
+    /// [`WqeOpcode`].
+    pub opcode: u8,
+    /// [`WqeFlags`].
+    pub flags: u8,
+    /// The WQE's length in 16-byte units, this segment included.
+    pub size16: u8,
+    /// Reserved, zero.
+    pub reserved_at_0x3: u8,
+    /// Low 16 bits of the producer counter at the WQE's first basic block.
+    pub wqe_index: Le16,
+    /// Reserved, zero.
+    pub reserved_at_0x6: [u8; 2],
+    /// Immediate data (network order bytes), or the R_Key of `SEND_INV` /
+    /// `LOCAL_INV` (little-endian).
+    pub imm: [u8; 4],
+    /// Reserved, zero.
+    pub reserved_at_0xc: [u8; 4],
+}
+
+assert_layout!(
+    CtrlSeg,
+    size = 16,
+    opcode @ 0x0,
+    flags @ 0x1,
+    size16 @ 0x2,
+    reserved_at_0x3 @ 0x3,
+    wqe_index @ 0x4,
+    reserved_at_0x6 @ 0x6,
+    imm @ 0x8,
+    reserved_at_0xc @ 0xC,
+);
+
+/// UD address segment (PRM 10.2, 48 bytes; UD, SMI and GSI sends).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    FromBytes,
+    IntoBytes,
+    KnownLayout,
+    Immutable,
+    Unaligned,
+)]
+#[repr(C)]
+pub struct UdAddrSeg {
+    /// Address vector.
+    pub av: Av,
+    /// Destination QP (24 bits).
+    pub dest_qpn: Le32,
+    /// Q_Key; one with the high bit set is replaced by the QP's own.
+    pub qkey: Le32,
+    /// Reserved, zero.
+    pub reserved_at_0x28: [u8; 8],
+}
+
+assert_layout!(
+    UdAddrSeg,
+    size = 48,
+    av @ 0x00,
+    dest_qpn @ 0x20,
+    qkey @ 0x24,
+    reserved_at_0x28 @ 0x28,
+);
+
+/// Remote address segment (PRM 10.2, 16 bytes).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    FromBytes,
+    IntoBytes,
+    KnownLayout,
+    Immutable,
+    Unaligned,
+)]
+#[repr(C)]
+pub struct RemoteAddrSeg {
+    /// Remote virtual address.
+    pub va: Le64,
+    /// Remote key.
+    pub rkey: RKey,
+    /// Reserved, zero.
+    pub reserved_at_0xc: [u8; 4],
+}
+
+assert_layout!(RemoteAddrSeg, size = 16, va @ 0x0, rkey @ 0x8, reserved_at_0xc @ 0xC);
+
+/// Atomic segment (PRM 10.2, 16 bytes).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    FromBytes,
+    IntoBytes,
+    KnownLayout,
+    Immutable,
+    Unaligned,
+)]
+#[repr(C)]
+pub struct AtomicSeg {
+    /// The swap value (compare and swap) or the addend (fetch and add).
+    pub swap_or_add: Le64,
+    /// The compare value (compare and swap); zero for fetch and add.
+    pub compare: Le64,
+}
+
+assert_layout!(AtomicSeg, size = 16, swap_or_add @ 0x0, compare @ 0x8);
+
+/// Bind segment (PRM 10.2, 32 bytes).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    FromBytes,
+    IntoBytes,
+    KnownLayout,
+    Immutable,
+    Unaligned,
+)]
+#[repr(C)]
+pub struct BindSeg {
+    /// The window's new key: its MPT index and new tag.
+    pub new_rkey: RKey,
+    /// The L_Key of the region the window is bound in.
+    pub mr_key: LKey,
+    /// Start of the window.
+    pub va: Le64,
+    /// Length of the window (0 unbinds).
+    pub length: Le64,
+    /// The window's rights ([`AccessFlags`] bits).
+    pub access: Le32,
+    /// [`MwType`].
+    pub mw_type: u8,
+    /// Reserved, zero.
+    pub reserved_at_0x1d: [u8; 3],
+}
+
+assert_layout!(
+    BindSeg,
+    size = 32,
+    new_rkey @ 0x00,
+    mr_key @ 0x04,
+    va @ 0x08,
+    length @ 0x10,
+    access @ 0x18,
+    mw_type @ 0x1C,
+    reserved_at_0x1d @ 0x1D,
+);
+
+/// Data segment (PRM 10.2, 16 bytes): `addr` (8), `length` (4), `lkey` (4),
+/// little-endian — exactly the [`Sge`] layout, which is reused.
+pub type DataSeg = Sge;
+
+assert_layout!(DataSeg, size = 16, addr @ 0x0, length @ 0x8, lkey @ 0xC);
+
+/// Receive WQE header (PRM 10.3, 16 bytes), followed by `num_sges` data
+/// segments.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    FromBytes,
+    IntoBytes,
+    KnownLayout,
+    Immutable,
+    Unaligned,
+)]
+#[repr(C)]
+pub struct RecvHeader {
+    /// Data segments that follow.
+    pub num_sges: u8,
+    /// Reserved, zero.
+    pub reserved_at_0x1: u8,
+    /// Low 16 bits of the receive producer counter at this WQE.
+    pub wqe_index: Le16,
+    /// Reserved, zero.
+    pub reserved_at_0x4: [u8; 12],
+}
+
+assert_layout!(
+    RecvHeader,
+    size = 16,
+    num_sges @ 0x0,
+    reserved_at_0x1 @ 0x1,
+    wqe_index @ 0x2,
+    reserved_at_0x4 @ 0x4,
+);
+
+/// Why a WQE could not be parsed or built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WqeError {
+    /// Fewer bytes than the control segment or `size16` needs.
+    #[error("WQE needs {needed} bytes, {available} supplied")]
+    Truncated {
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes supplied.
+        available: usize,
+    },
+    /// `wqe_index` differs from the slot the WQE was fetched from.
+    #[error("wqe_index {found:#06x} does not match the slot's {expected:#06x}")]
+    IndexMismatch {
+        /// The slot's index.
+        expected: u16,
+        /// The index in the WQE.
+        found: u16,
+    },
+    /// `size16` is 0.
+    #[error("size16 is 0")]
+    ZeroSize,
+    /// An unknown code or flag bit, a reserved byte set, or a value out of
+    /// range.
+    #[error(transparent)]
+    Abi(#[from] AbiError),
+    /// The opcode is not allowed on the QP's transport.
+    #[error("{opcode:?} is not allowed on {transport:?} QPs")]
+    OpcodeNotAllowed {
+        /// The opcode.
+        opcode: WqeOpcode,
+        /// The QP's transport.
+        transport: Transport,
+    },
+    /// A segment the opcode needs does not fit in the WQE.
+    #[error("{opcode:?}: the {segment} segment is missing")]
+    MissingSegment {
+        /// The opcode.
+        opcode: WqeOpcode,
+        /// The segment.
+        segment: &'static str,
+    },
+    /// Segments the opcode does not take (data segments after a NOP, a
+    /// bind or an invalidate; anything after an inline segment).
+    #[error("{opcode:?}: segments the opcode does not take")]
+    UnexpectedSegments {
+        /// The opcode.
+        opcode: WqeOpcode,
+    },
+    /// A UD address for an opcode that takes none.
+    #[error("{opcode:?} takes no UD address segment")]
+    UnexpectedUdAddress {
+        /// The opcode.
+        opcode: WqeOpcode,
+    },
+    /// Inline data for an opcode that cannot carry it.
+    #[error("{opcode:?} cannot carry inline data")]
+    InlineNotAllowed {
+        /// The opcode.
+        opcode: WqeOpcode,
+    },
+    /// The INLINE flag and the payload disagree.
+    #[error("the INLINE flag and the payload disagree")]
+    InlineFlagMismatch,
+    /// The inline segment header lacks [`INLINE_BIT`].
+    #[error("inline header {header:#010x} lacks the inline bit")]
+    InlineHeader {
+        /// The header word.
+        header: u32,
+    },
+    /// The inline length runs past the WQE.
+    #[error("inline length {length} exceeds the {available} bytes left in the WQE")]
+    InlineLength {
+        /// Declared length.
+        length: u32,
+        /// Bytes left after the header.
+        available: usize,
+    },
+    /// An atomic without exactly one 8-byte data segment.
+    #[error("an atomic needs exactly one 8-byte data segment")]
+    AtomicData,
+    /// The WQE would be longer than `size16` can describe.
+    #[error("a WQE of {bytes} bytes exceeds {MAX_SEND_WQE_BYTES}")]
+    TooLong {
+        /// The length it would have.
+        bytes: usize,
+    },
+    /// The output buffer is too small.
+    #[error("output needs {needed} bytes, {available} supplied")]
+    OutputTooSmall {
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes supplied.
+        available: usize,
+    },
+    /// Building: `wr.ud` and the resolved address vector must be given
+    /// together.
+    #[error("the work request's UD destination and the address vector disagree")]
+    AvMismatch,
+    /// Building: inline data given without INLINE, missing with it, or of a
+    /// length other than the SGEs' total.
+    #[error("inline data ({inline:?} bytes) does not match the request (SGE total {sge_total:?})")]
+    InlineData {
+        /// Bytes of inline data given, if any.
+        inline: Option<usize>,
+        /// The SGEs' total length with INLINE, else `None`.
+        sge_total: Option<u32>,
+    },
+    /// A receive stride that is not a power of two of at least
+    /// [`MIN_RECV_STRIDE`].
+    #[error("receive stride {stride} is not a power of two >= {MIN_RECV_STRIDE}")]
+    BadStride {
+        /// The stride.
+        stride: usize,
+    },
+    /// More receive data segments than the stride (or `num_sges`) holds.
+    #[error("{count} data segments do not fit; at most {fit}")]
+    TooManySges {
+        /// Segments asked for.
+        count: usize,
+        /// Segments that fit.
+        fit: usize,
+    },
+}
+
+/// The UD address of a datagram send, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct UdAddress {
+    /// Address vector (passes [`Av::check`]).
+    pub av: Av,
+    /// Destination QP.
+    pub dest_qpn: Qpn,
+    /// Q_Key (a controlled key is replaced by the QP's own).
+    pub qkey: QKey,
+}
+
+/// A memory window bind, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Bind {
+    /// The window's new key.
+    pub new_rkey: RKey,
+    /// The region's L_Key.
+    pub mr_key: LKey,
+    /// Start of the window.
+    pub va: u64,
+    /// Length (0 unbinds).
+    pub length: u64,
+    /// The window's rights.
+    pub access: AccessFlags,
+    /// The window type.
+    pub mw_type: MwType,
+}
+
+/// A send WQE's operation with exactly its operands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WqeOp {
+    /// No operation.
+    Nop,
+    /// Send.
+    Send,
+    /// Send with immediate data.
+    SendImm {
+        /// Immediate data, network order.
+        imm: Be32,
+    },
+    /// Send invalidating `rkey` at the responder.
+    SendInv {
+        /// The key to invalidate.
+        rkey: RKey,
+    },
+    /// RDMA write.
+    RdmaWrite {
+        /// Where to write.
+        remote: RemoteAddr,
+    },
+    /// RDMA write with immediate data.
+    RdmaWriteImm {
+        /// Where to write.
+        remote: RemoteAddr,
+        /// Immediate data, network order.
+        imm: Be32,
+    },
+    /// RDMA read.
+    RdmaRead {
+        /// Where to read.
+        remote: RemoteAddr,
+    },
+    /// Atomic compare and swap.
+    AtomicCs {
+        /// The remote word.
+        remote: RemoteAddr,
+        /// Value expected.
+        compare: u64,
+        /// Value stored if equal.
+        swap: u64,
+    },
+    /// Atomic fetch and add.
+    AtomicFa {
+        /// The remote word.
+        remote: RemoteAddr,
+        /// Value added.
+        add: u64,
+    },
+    /// Bind a memory window.
+    BindMw(Bind),
+    /// Invalidate a local key.
+    LocalInv {
+        /// The key to invalidate.
+        key: RKey,
+    },
+}
+
+impl WqeOp {
+    /// The operation's opcode.
+    pub const fn opcode(&self) -> WqeOpcode {
+        match self {
+            Self::Nop => WqeOpcode::Nop,
+            Self::Send => WqeOpcode::Send,
+            Self::SendImm { .. } => WqeOpcode::SendImm,
+            Self::SendInv { .. } => WqeOpcode::SendInv,
+            Self::RdmaWrite { .. } => WqeOpcode::RdmaWrite,
+            Self::RdmaWriteImm { .. } => WqeOpcode::RdmaWriteImm,
+            Self::RdmaRead { .. } => WqeOpcode::RdmaRead,
+            Self::AtomicCs { .. } => WqeOpcode::AtomicCs,
+            Self::AtomicFa { .. } => WqeOpcode::AtomicFa,
+            Self::BindMw(_) => WqeOpcode::BindMw,
+            Self::LocalInv { .. } => WqeOpcode::LocalInv,
+        }
+    }
+
+    /// The remote address of RDMA and atomic operations.
+    pub const fn remote(&self) -> Option<RemoteAddr> {
+        match *self {
+            Self::RdmaWrite { remote }
+            | Self::RdmaWriteImm { remote, .. }
+            | Self::RdmaRead { remote }
+            | Self::AtomicCs { remote, .. }
+            | Self::AtomicFa { remote, .. } => Some(remote),
+            _ => None,
+        }
+    }
+
+    /// The control segment's `imm` bytes.
+    const fn imm_bytes(&self) -> [u8; 4] {
+        match *self {
+            Self::SendImm { imm } | Self::RdmaWriteImm { imm, .. } => imm.to_bytes(),
+            Self::SendInv { rkey: key } | Self::LocalInv { key } => key.get().to_le_bytes(),
+            _ => [0; 4],
+        }
+    }
+}
+
+/// The data of a send WQE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Payload<'a> {
+    /// Data segments (empty for NOP, BIND_MW and LOCAL_INV).
+    Data(&'a [Sge]),
+    /// Inline data.
+    Inline(&'a [u8]),
+}
+
+impl Payload<'_> {
+    /// Bytes the payload occupies in the WQE.
+    const fn wqe_bytes(&self) -> usize {
+        match self {
+            Self::Data(sges) => sges.len().saturating_mul(SEG_SIZE),
+            Self::Inline(data) => inline_seg_len(data.len()),
+        }
+    }
+}
+
+/// Bytes an inline segment of `len` data bytes occupies, padding included.
+pub const fn inline_seg_len(len: usize) -> usize {
+    len.saturating_add(4).next_multiple_of(SEG_SIZE)
+}
+
+/// A validated send WQE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SendWqe<'a> {
+    /// Low 16 bits of the producer counter at the first basic block.
+    pub wqe_index: u16,
+    /// Flags exactly as in the control segment: INLINE is set exactly when
+    /// the payload is inline.
+    pub flags: WqeFlags,
+    /// The operation.
+    pub op: WqeOp,
+    /// The UD address (UD, SMI and GSI sends); `None` otherwise.
+    pub ud: Option<UdAddress>,
+    /// Data segments or inline data.
+    pub payload: Payload<'a>,
+}
+
+/// Splits a segment off the front of the WQE's remaining bytes.
+fn take<T>(rest: &mut &[u8], opcode: WqeOpcode, segment: &'static str) -> Result<T, WqeError>
+where
+    T: FromBytes + KnownLayout + Immutable + Unaligned,
+{
+    let (seg, tail) =
+        T::read_from_prefix(rest).map_err(|_| WqeError::MissingSegment { opcode, segment })?;
+    *rest = tail;
+    Ok(seg)
+}
+
+impl UdAddrSeg {
+    fn parse(&self) -> Result<UdAddress, WqeError> {
+        ensure_zero("UdAddrSeg.reserved_at_0x28", &self.reserved_at_0x28)?;
+        self.av.check()?;
+        Ok(UdAddress {
+            av: self.av,
+            dest_qpn: Qpn::new(self.dest_qpn.get())?,
+            qkey: QKey::new(self.qkey.get()),
+        })
+    }
+}
+
+impl RemoteAddrSeg {
+    fn parse(&self) -> Result<RemoteAddr, WqeError> {
+        ensure_zero("RemoteAddrSeg.reserved_at_0xc", &self.reserved_at_0xc)?;
+        Ok(RemoteAddr {
+            addr: self.va.get(),
+            rkey: self.rkey,
+        })
+    }
+}
+
+impl BindSeg {
+    fn parse(&self) -> Result<Bind, WqeError> {
+        ensure_zero("BindSeg.reserved_at_0x1d", &self.reserved_at_0x1d)?;
+        Ok(Bind {
+            new_rkey: self.new_rkey,
+            mr_key: self.mr_key,
+            va: self.va.get(),
+            length: self.length.get(),
+            access: AccessFlags::from_raw(self.access.get())?,
+            mw_type: MwType::from_code(self.mw_type)?,
+        })
+    }
+}
+
+/// Reads the inline segment that must fill `rest` exactly.
+fn parse_inline(rest: &[u8], opcode: WqeOpcode) -> Result<&[u8], WqeError> {
+    let (header, data) = Le32::ref_from_prefix(rest).map_err(|_| WqeError::MissingSegment {
+        opcode,
+        segment: "inline",
+    })?;
+    let header = header.get();
+    if header & INLINE_BIT == 0 {
+        return Err(WqeError::InlineHeader { header });
+    }
+    let length = header & !INLINE_BIT;
+    let Some((inline, padding)) = usize::try_from(length)
+        .ok()
+        .and_then(|len| data.split_at_checked(len))
+    else {
+        return Err(WqeError::InlineLength {
+            length,
+            available: data.len(),
+        });
+    };
+    if inline_seg_len(inline.len()) != rest.len() {
+        return Err(WqeError::UnexpectedSegments { opcode });
+    }
+    ensure_zero("inline padding", padding)?;
+    Ok(inline)
+}
+
+impl<'a> SendWqe<'a> {
+    /// The view of a verbs send work request.
+    ///
+    /// `av` is the address vector `wr.ud` names, resolved by the caller;
+    /// it must be given exactly when `wr.ud` is. With [`SendFlags::INLINE`],
+    /// `inline` holds the data of the SGEs concatenated (the caller reads
+    /// it; the builder never dereferences an address) and must be exactly
+    /// their total length; without INLINE it must be `None`.
+    ///
+    /// A bind is emitted for a type 2 window (the only kind verbs post as a
+    /// work request); a type 1 bind is built by setting
+    /// [`Bind::mw_type`] on the result.
+    pub fn from_wr(
+        wr: &SendWr<'a>,
+        av: Option<&Av>,
+        wqe_index: u16,
+        inline: Option<&'a [u8]>,
+    ) -> Result<Self, WqeError> {
+        let op = match wr.op {
+            SendOp::Send => WqeOp::Send,
+            SendOp::SendWithImm { imm } => WqeOp::SendImm { imm },
+            SendOp::SendWithInvalidate { rkey } => WqeOp::SendInv { rkey },
+            SendOp::RdmaWrite { remote } => WqeOp::RdmaWrite { remote },
+            SendOp::RdmaWriteWithImm { remote, imm } => WqeOp::RdmaWriteImm { remote, imm },
+            SendOp::RdmaRead { remote } => WqeOp::RdmaRead { remote },
+            SendOp::CompareSwap {
+                remote,
+                compare,
+                swap,
+            } => WqeOp::AtomicCs {
+                remote,
+                compare,
+                swap,
+            },
+            SendOp::FetchAdd { remote, add } => WqeOp::AtomicFa { remote, add },
+            SendOp::BindMw { rkey, bind, .. } => WqeOp::BindMw(Bind {
+                new_rkey: rkey,
+                mr_key: bind.mr_lkey,
+                va: bind.addr,
+                length: bind.length,
+                access: bind.access,
+                mw_type: MwType::Type2,
+            }),
+            SendOp::LocalInvalidate { rkey } => WqeOp::LocalInv { key: rkey },
+        };
+        let ud = match (wr.ud, av) {
+            (None, None) => None,
+            (Some(dest), Some(av)) => Some(UdAddress {
+                av: *av,
+                dest_qpn: dest.remote_qpn,
+                qkey: dest.remote_qkey,
+            }),
+            _ => return Err(WqeError::AvMismatch),
+        };
+        let payload = if wr.flags.contains(SendFlags::INLINE) {
+            let sge_total = Sge::total_len(wr.sg_list);
+            match inline {
+                Some(data) if sge_total.is_some_and(|t| usize::try_from(t) == Ok(data.len())) => {
+                    Payload::Inline(data)
+                }
+                _ => {
+                    return Err(WqeError::InlineData {
+                        inline: inline.map(<[u8]>::len),
+                        sge_total,
+                    });
+                }
+            }
+        } else if let Some(data) = inline {
+            return Err(WqeError::InlineData {
+                inline: Some(data.len()),
+                sge_total: None,
+            });
+        } else {
+            Payload::Data(wr.sg_list)
+        };
+        let wqe = Self {
+            wqe_index,
+            flags: WqeFlags::from_send_flags(wr.flags),
+            op,
+            ud,
+            payload,
+        };
+        wqe.check_shape()?;
+        Ok(wqe)
+    }
+
+    /// The rules `emit` and `parse` share: everything but the transport and
+    /// the segment framing.
+    fn check_shape(&self) -> Result<(), WqeError> {
+        let opcode = self.op.opcode();
+        let inline = matches!(self.payload, Payload::Inline(_));
+        if self.flags.contains(WqeFlags::INLINE) != inline {
+            return Err(WqeError::InlineFlagMismatch);
+        }
+        if let Some(ud) = &self.ud {
+            if !opcode.takes_ud_address() {
+                return Err(WqeError::UnexpectedUdAddress { opcode });
+            }
+            ud.av.check()?;
+        }
+        if inline && !opcode.allows_inline() {
+            return Err(WqeError::InlineNotAllowed { opcode });
+        }
+        if let WqeOp::BindMw(bind) = self.op {
+            AccessFlags::from_raw(bind.access.bits())?;
+        }
+        if let Payload::Data(sges) = self.payload {
+            if !opcode.takes_data() && !sges.is_empty() {
+                return Err(WqeError::UnexpectedSegments { opcode });
+            }
+            if opcode.is_atomic() && !matches!(sges, [one] if one.length.get() == 8) {
+                return Err(WqeError::AtomicData);
+            }
+        }
+        Ok(())
+    }
+
+    /// The WQE's length in bytes (a multiple of 16), which `emit` refuses
+    /// beyond [`MAX_SEND_WQE_BYTES`].
+    pub const fn byte_len(&self) -> usize {
+        let opcode = self.op.opcode();
+        let mut len = SEG_SIZE;
+        if self.ud.is_some() {
+            len += size_of::<UdAddrSeg>();
+        }
+        if opcode.takes_remote() {
+            len += size_of::<RemoteAddrSeg>();
+        }
+        if opcode.is_atomic() {
+            len += size_of::<AtomicSeg>();
+        }
+        if let WqeOp::BindMw(_) = self.op {
+            len += size_of::<BindSeg>();
+        }
+        len.saturating_add(self.payload.wqe_bytes())
+    }
+
+    /// Writes the WQE to the front of `out` as whole 16-byte segments and
+    /// returns its length. The caller copies it into consecutive basic
+    /// blocks ([`basic_blocks`] of them) starting at slot `wqe_index`.
+    /// The transport is not known here: the UD address must be present
+    /// exactly for SEND and SEND_IMM on UD, SMI and GSI QPs, as `parse`
+    /// expects.
+    pub fn emit(&self, out: &mut [u8]) -> Result<usize, WqeError> {
+        self.check_shape()?;
+        let len = self.byte_len();
+        let size16 = u8::try_from(len / SEG_SIZE).map_err(|_| WqeError::TooLong { bytes: len })?;
+        let available = out.len();
+        let out = out.get_mut(..len).ok_or(WqeError::OutputTooSmall {
+            needed: len,
+            available,
+        })?;
+        let mut w = Writer { out, at: 0 };
+        w.put(
+            CtrlSeg {
+                opcode: self.op.opcode().code(),
+                flags: self.flags.bits(),
+                size16,
+                wqe_index: Le16::new(self.wqe_index),
+                imm: self.op.imm_bytes(),
+                ..CtrlSeg::default()
+            }
+            .as_bytes(),
+        );
+        if let Some(ud) = &self.ud {
+            w.put(
+                UdAddrSeg {
+                    av: ud.av,
+                    dest_qpn: Le32::new(ud.dest_qpn.get()),
+                    qkey: Le32::new(ud.qkey.get()),
+                    ..UdAddrSeg::default()
+                }
+                .as_bytes(),
+            );
+        }
+        if let Some(remote) = self.op.remote() {
+            w.put(
+                RemoteAddrSeg {
+                    va: Le64::new(remote.addr),
+                    rkey: remote.rkey,
+                    ..RemoteAddrSeg::default()
+                }
+                .as_bytes(),
+            );
+        }
+        match self.op {
+            WqeOp::AtomicCs { compare, swap, .. } => w.put(
+                AtomicSeg {
+                    swap_or_add: Le64::new(swap),
+                    compare: Le64::new(compare),
+                }
+                .as_bytes(),
+            ),
+            WqeOp::AtomicFa { add, .. } => w.put(
+                AtomicSeg {
+                    swap_or_add: Le64::new(add),
+                    compare: Le64::new(0),
+                }
+                .as_bytes(),
+            ),
+            WqeOp::BindMw(bind) => w.put(
+                BindSeg {
+                    new_rkey: bind.new_rkey,
+                    mr_key: bind.mr_key,
+                    va: Le64::new(bind.va),
+                    length: Le64::new(bind.length),
+                    access: Le32::new(bind.access.bits()),
+                    mw_type: bind.mw_type.code(),
+                    ..BindSeg::default()
+                }
+                .as_bytes(),
+            ),
+            _ => {}
+        }
+        match self.payload {
+            Payload::Data(sges) => w.put(sges.as_bytes()),
+            Payload::Inline(data) => {
+                // `len` fits `size16`, so the data length fits 31 bits.
+                let header = data.len() as u32 | INLINE_BIT;
+                w.put(&header.to_le_bytes());
+                w.put(data);
+                w.zero_rest();
+            }
+        }
+        Ok(len)
+    }
+
+    /// Parses and validates the send WQE at the front of `bytes` (the
+    /// posted basic blocks from the WQE's slot on, gathered across the
+    /// ring's wrap, at most 2^`log_max_wqe_size` bytes). `expected_index`
+    /// is the low 16 bits of the producer counter at the slot; `transport`
+    /// is the QP's (SMI and GSI QPs are [`Transport::Ud`]). Bytes past
+    /// `size16` are not looked at.
+    pub fn parse(
+        bytes: &'a [u8],
+        expected_index: u16,
+        transport: Transport,
+    ) -> Result<Self, WqeError> {
+        let (ctrl, _) = CtrlSeg::read_from_prefix(bytes).map_err(|_| WqeError::Truncated {
+            needed: SEG_SIZE,
+            available: bytes.len(),
+        })?;
+        let found = ctrl.wqe_index.get();
+        if found != expected_index {
+            return Err(WqeError::IndexMismatch {
+                expected: expected_index,
+                found,
+            });
+        }
+        let len = usize::from(ctrl.size16) * SEG_SIZE;
+        if len == 0 {
+            return Err(WqeError::ZeroSize);
+        }
+        let Some(wqe) = bytes.get(..len) else {
+            return Err(WqeError::Truncated {
+                needed: len,
+                available: bytes.len(),
+            });
+        };
+        ensure_zero("CtrlSeg.reserved_at_0x3", &[ctrl.reserved_at_0x3])?;
+        ensure_zero("CtrlSeg.reserved_at_0x6", &ctrl.reserved_at_0x6)?;
+        ensure_zero("CtrlSeg.reserved_at_0xc", &ctrl.reserved_at_0xc)?;
+        let flags = WqeFlags::from_bits(ctrl.flags).ok_or(AbiError::ReservedNotZero {
+            field: "CtrlSeg.flags",
+        })?;
+        let opcode = WqeOpcode::from_code(ctrl.opcode)?;
+        if !opcode.is_allowed_on(transport) {
+            return Err(WqeError::OpcodeNotAllowed { opcode, transport });
+        }
+        if !opcode.uses_imm() {
+            ensure_zero("CtrlSeg.imm (unused by the opcode)", &ctrl.imm)?;
+        }
+
+        let mut rest = &wqe[SEG_SIZE..];
+        let ud = if transport == Transport::Ud && opcode.takes_ud_address() {
+            Some(take::<UdAddrSeg>(&mut rest, opcode, "UD address")?.parse()?)
+        } else {
+            None
+        };
+        let remote = |rest: &mut &[u8]| -> Result<RemoteAddr, WqeError> {
+            take::<RemoteAddrSeg>(rest, opcode, "remote address")?.parse()
+        };
+        let atomic = |rest: &mut &[u8]| take::<AtomicSeg>(rest, opcode, "atomic");
+        let imm = Be32::from_bytes(ctrl.imm);
+        let key = RKey::new(u32::from_le_bytes(ctrl.imm));
+        let op = match opcode {
+            WqeOpcode::Nop => WqeOp::Nop,
+            WqeOpcode::Send => WqeOp::Send,
+            WqeOpcode::SendImm => WqeOp::SendImm { imm },
+            WqeOpcode::SendInv => WqeOp::SendInv { rkey: key },
+            WqeOpcode::RdmaWrite => WqeOp::RdmaWrite {
+                remote: remote(&mut rest)?,
+            },
+            WqeOpcode::RdmaWriteImm => WqeOp::RdmaWriteImm {
+                remote: remote(&mut rest)?,
+                imm,
+            },
+            WqeOpcode::RdmaRead => WqeOp::RdmaRead {
+                remote: remote(&mut rest)?,
+            },
+            WqeOpcode::AtomicCs => {
+                let remote = remote(&mut rest)?;
+                let seg = atomic(&mut rest)?;
+                WqeOp::AtomicCs {
+                    remote,
+                    compare: seg.compare.get(),
+                    swap: seg.swap_or_add.get(),
+                }
+            }
+            WqeOpcode::AtomicFa => {
+                let remote = remote(&mut rest)?;
+                let seg = atomic(&mut rest)?;
+                ensure_zero("AtomicSeg.compare (fetch and add)", seg.compare.as_bytes())?;
+                WqeOp::AtomicFa {
+                    remote,
+                    add: seg.swap_or_add.get(),
+                }
+            }
+            WqeOpcode::BindMw => {
+                WqeOp::BindMw(take::<BindSeg>(&mut rest, opcode, "bind")?.parse()?)
+            }
+            WqeOpcode::LocalInv => WqeOp::LocalInv { key },
+        };
+
+        let payload = if flags.contains(WqeFlags::INLINE) {
+            if !opcode.allows_inline() {
+                return Err(WqeError::InlineNotAllowed { opcode });
+            }
+            Payload::Inline(parse_inline(rest, opcode)?)
+        } else {
+            // `rest` is a whole number of segments: `len` and every
+            // segment taken so far are multiples of 16.
+            let sges = <[Sge]>::ref_from_bytes(rest)
+                .map_err(|_| WqeError::UnexpectedSegments { opcode })?;
+            Payload::Data(sges)
+        };
+        let wqe = Self {
+            wqe_index: found,
+            flags,
+            op,
+            ud,
+            payload,
+        };
+        wqe.check_shape()?;
+        Ok(wqe)
+    }
+}
+
+/// Builds a send WQE from a verbs work request into `out` and returns its
+/// length in bytes (a multiple of 16): [`SendWqe::from_wr`] then
+/// [`SendWqe::emit`].
+pub fn build_send_wqe(
+    wr: &SendWr<'_>,
+    av: Option<&Av>,
+    wqe_index: u16,
+    inline: Option<&[u8]>,
+    out: &mut [u8],
+) -> Result<usize, WqeError> {
+    SendWqe::from_wr(wr, av, wqe_index, inline)?.emit(out)
+}
+
+/// Sequential writer over an output slice whose length was checked first.
+struct Writer<'a> {
+    out: &'a mut [u8],
+    at: usize,
+}
+
+impl Writer<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        let end = self.at + bytes.len();
+        self.out[self.at..end].copy_from_slice(bytes);
+        self.at = end;
+    }
+
+    fn zero_rest(&mut self) {
+        self.out[self.at..].fill(0);
+        self.at = self.out.len();
+    }
+}
+
+/// Data segments a receive WQE of `stride` bytes holds (at most 255, the
+/// range of `num_sges`).
+pub const fn recv_sges_per_stride(stride: usize) -> usize {
+    let fit = stride.saturating_sub(size_of::<RecvHeader>()) / SEG_SIZE;
+    if fit > u8::MAX as usize {
+        u8::MAX as usize
+    } else {
+        fit
+    }
+}
+
+/// A validated receive WQE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RecvWqe<'a> {
+    /// Low 16 bits of the receive producer counter at this WQE.
+    pub wqe_index: u16,
+    /// The scatter list (zero-length entries are skipped by the device).
+    pub sges: &'a [Sge],
+}
+
+impl<'a> RecvWqe<'a> {
+    /// Parses the receive WQE in `bytes` (one stride). Bytes after the
+    /// `num_sges` data segments are not looked at (a slot may hold stale
+    /// segments of an earlier, longer WQE).
+    pub fn parse(bytes: &'a [u8], expected_index: u16) -> Result<Self, WqeError> {
+        let (header, rest) =
+            RecvHeader::ref_from_prefix(bytes).map_err(|_| WqeError::Truncated {
+                needed: size_of::<RecvHeader>(),
+                available: bytes.len(),
+            })?;
+        let found = header.wqe_index.get();
+        if found != expected_index {
+            return Err(WqeError::IndexMismatch {
+                expected: expected_index,
+                found,
+            });
+        }
+        ensure_zero("RecvHeader.reserved_at_0x1", &[header.reserved_at_0x1])?;
+        ensure_zero("RecvHeader.reserved_at_0x4", &header.reserved_at_0x4)?;
+        let count = usize::from(header.num_sges);
+        let (sges, _) = <[Sge]>::ref_from_prefix_with_elems(rest, count).map_err(|_| {
+            WqeError::TooManySges {
+                count,
+                fit: rest.len() / SEG_SIZE,
+            }
+        })?;
+        Ok(Self {
+            wqe_index: found,
+            sges,
+        })
+    }
+
+    /// Writes the WQE as one whole stride into the front of `out` (the tail
+    /// zeroed). `stride` must be a power of two of at least
+    /// [`MIN_RECV_STRIDE`].
+    pub fn emit(&self, stride: usize, out: &mut [u8]) -> Result<(), WqeError> {
+        if !stride.is_power_of_two() || stride < MIN_RECV_STRIDE {
+            return Err(WqeError::BadStride { stride });
+        }
+        let fit = recv_sges_per_stride(stride);
+        let count = self.sges.len();
+        let num_sges = match u8::try_from(count) {
+            Ok(n) if count <= fit => n,
+            _ => return Err(WqeError::TooManySges { count, fit }),
+        };
+        let available = out.len();
+        let out = out.get_mut(..stride).ok_or(WqeError::OutputTooSmall {
+            needed: stride,
+            available,
+        })?;
+        let mut w = Writer { out, at: 0 };
+        w.put(
+            RecvHeader {
+                num_sges,
+                wqe_index: Le16::new(self.wqe_index),
+                ..RecvHeader::default()
+            }
+            .as_bytes(),
+        );
+        w.put(self.sges.as_bytes());
+        w.zero_rest();
+        Ok(())
+    }
+}
+
+/// Builds a receive WQE into the first `stride` bytes of `out`:
+/// [`RecvWqe::emit`].
+pub fn build_recv_wqe(
+    sges: &[Sge],
+    wqe_index: u16,
+    stride: usize,
+    out: &mut [u8],
+) -> Result<(), WqeError> {
+    RecvWqe { wqe_index, sges }.emit(stride, out)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::av::tests::any_av;
+    use ib_types::handle::{AvHandle, MwHandle};
+    use ib_types::scalars::Gid;
+    use ib_types::wr::{MwBind, UdDest};
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+
+    /// A way to damage a valid value, and what the damage is.
+    type Corruption<T> = (fn(&mut T), &'static str);
+
+    const KEY: LKey = LKey::new(0x0000_1201);
+    const REMOTE: RemoteAddr = RemoteAddr {
+        addr: 0x1122_3344_5566_7788,
+        rkey: RKey::new(0xAABB_CC01),
+    };
+
+    fn wr<'a>(op: SendOp, flags: SendFlags, sg_list: &'a [Sge]) -> SendWr<'a> {
+        SendWr {
+            wr_id: 1,
+            op,
+            flags,
+            sg_list,
+            ud: None,
+        }
+    }
+
+    fn ud_av() -> Av {
+        Av {
+            port: 1,
+            hop_limit: 64,
+            dgid: Gid::from_ipv4([10, 0, 0, 9]),
+            ..Av::default()
+        }
+    }
+
+    #[test]
+    fn data_segment_is_the_sge_layout() {
+        let seg = DataSeg::new(0x0102_0304_0506_0708, 0x40, LKey::new(0x0A0B_0C0D));
+        assert_eq!(
+            seg.as_bytes(),
+            &[
+                8, 7, 6, 5, 4, 3, 2, 1, 0x40, 0, 0, 0, 0x0D, 0x0C, 0x0B, 0x0A
+            ]
+        );
+    }
+
+    #[test]
+    fn rdma_write_imm_image() {
+        let sges = [
+            Sge::new(0x1000, 0x40, KEY),
+            Sge::new(0x2000, 0, LKey::new(0x0000_3402)),
+        ];
+        let op = SendOp::RdmaWriteWithImm {
+            remote: REMOTE,
+            imm: Be32::new(0xDEAD_BEEF),
+        };
+        let wr = wr(op, SendFlags::SIGNALED | SendFlags::FENCE, &sges);
+        let mut out = [0xEE; 128];
+        assert_eq!(build_send_wqe(&wr, None, 0x1234, None, &mut out), Ok(64));
+        #[rustfmt::skip]
+        let expected: [u8; 64] = [
+            // control: opcode, flags (SIGNALED | FENCE), size16, rsvd,
+            // wqe_index LE, rsvd, imm (network order), rsvd
+            0x05, 0x05, 0x04, 0x00, 0x34, 0x12, 0, 0, 0xDE, 0xAD, 0xBE, 0xEF, 0, 0, 0, 0,
+            // remote address: va, rkey, rsvd
+            0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11, 0x01, 0xCC, 0xBB, 0xAA, 0, 0, 0, 0,
+            // data: addr, length, lkey
+            0x00, 0x10, 0, 0, 0, 0, 0, 0, 0x40, 0, 0, 0, 0x01, 0x12, 0, 0,
+            0x00, 0x20, 0, 0, 0, 0, 0, 0, 0x00, 0, 0, 0, 0x02, 0x34, 0, 0,
+        ];
+        assert_eq!(&out[..64], &expected);
+        assert_eq!(out[64], 0xEE, "nothing is written past the WQE");
+        let wqe = SendWqe::parse(&out, 0x1234, Transport::Rc).unwrap();
+        assert_eq!(
+            wqe,
+            SendWqe {
+                wqe_index: 0x1234,
+                flags: WqeFlags::SIGNALED | WqeFlags::FENCE,
+                op: WqeOp::RdmaWriteImm {
+                    remote: REMOTE,
+                    imm: Be32::new(0xDEAD_BEEF)
+                },
+                ud: None,
+                payload: Payload::Data(&sges),
+            }
+        );
+        assert_eq!(basic_blocks(64), 1);
+    }
+
+    #[test]
+    fn ud_send_inline_image() {
+        let sges = [Sge::new(0x5000, 5, KEY)];
+        let mut wr = wr(
+            SendOp::SendWithImm {
+                imm: Be32::from_bytes([1, 2, 3, 4]),
+            },
+            SendFlags::INLINE | SendFlags::SOLICITED,
+            &sges,
+        );
+        wr.ud = Some(UdDest {
+            av: AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(0x42).unwrap(),
+            remote_qkey: QKey::new(0x8001_0000),
+        });
+        let av = ud_av();
+        let mut out = [0xEE; 128];
+        let n = build_send_wqe(&wr, Some(&av), 7, Some(b"hello"), &mut out).unwrap();
+        assert_eq!(n, 80);
+        let mut expected = [0u8; 80];
+        expected[..16].copy_from_slice(&[0x02, 0x0A, 0x05, 0, 7, 0, 0, 0, 1, 2, 3, 4, 0, 0, 0, 0]);
+        expected[16..48].copy_from_slice(av.as_bytes());
+        expected[48..56].copy_from_slice(&[0x42, 0, 0, 0, 0x00, 0x00, 0x01, 0x80]);
+        expected[64..73].copy_from_slice(&[5, 0, 0, 0x80, b'h', b'e', b'l', b'l', b'o']);
+        assert_eq!(&out[..80], &expected);
+        assert_eq!(basic_blocks(n), 2);
+
+        let wqe = SendWqe::parse(&out[..n], 7, Transport::Ud).unwrap();
+        assert_eq!(wqe.payload, Payload::Inline(b"hello"));
+        assert_eq!(
+            wqe.ud,
+            Some(UdAddress {
+                av,
+                dest_qpn: Qpn::new(0x42).unwrap(),
+                qkey: QKey::new(0x8001_0000),
+            })
+        );
+        // On a connected QP the same bytes are a send with trailing junk.
+        assert!(SendWqe::parse(&out[..n], 7, Transport::Rc).is_err());
+    }
+
+    #[test]
+    fn atomic_bind_and_invalidate_images() {
+        let result = [Sge::new(0x9000, 8, KEY)];
+        let cs = SendOp::CompareSwap {
+            remote: REMOTE,
+            compare: 0x0102_0304_0506_0708,
+            swap: 0x1112_1314_1516_1718,
+        };
+        let mut out = [0; 64];
+        assert_eq!(
+            build_send_wqe(
+                &wr(cs, SendFlags::empty(), &result),
+                None,
+                0,
+                None,
+                &mut out
+            ),
+            Ok(64)
+        );
+        assert_eq!(&out[..4], &[0x07, 0x00, 0x04, 0x00]);
+        #[rustfmt::skip]
+        assert_eq!(&out[32..48], &[
+            0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11, // swap_or_add
+            0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01, // compare
+        ]);
+
+        let bind = SendOp::BindMw {
+            mw: MwHandle::from_raw(3),
+            rkey: RKey::new(0x0000_0502),
+            bind: MwBind {
+                mr_lkey: LKey::new(0x0000_0701),
+                addr: 0x1000,
+                length: 0x2000,
+                access: AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE,
+            },
+        };
+        let mut out = [0; 48];
+        assert_eq!(
+            build_send_wqe(&wr(bind, SendFlags::SIGNALED, &[]), None, 9, None, &mut out),
+            Ok(48)
+        );
+        #[rustfmt::skip]
+        assert_eq!(&out, &[
+            0x09, 0x01, 0x03, 0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+            0x02, 0x05, 0, 0, 0x01, 0x07, 0, 0,             // new_rkey, mr_key
+            0x00, 0x10, 0, 0, 0, 0, 0, 0,                   // va
+            0x00, 0x20, 0, 0, 0, 0, 0, 0,                   // length
+            0x06, 0, 0, 0, 0x02, 0, 0, 0,                   // access, mw_type 2, rsvd
+        ]);
+
+        let inval = SendOp::LocalInvalidate {
+            rkey: RKey::new(0x1234_5678),
+        };
+        let mut out = [0; 16];
+        assert_eq!(
+            build_send_wqe(&wr(inval, SendFlags::empty(), &[]), None, 0, None, &mut out),
+            Ok(16)
+        );
+        assert_eq!(
+            &out,
+            &[
+                0x0A, 0, 1, 0, 0, 0, 0, 0, 0x78, 0x56, 0x34, 0x12, 0, 0, 0, 0
+            ]
+        );
+        let wqe = SendWqe::parse(&out, 0, Transport::Uc).unwrap();
+        assert_eq!(
+            wqe.op,
+            WqeOp::LocalInv {
+                key: RKey::new(0x1234_5678)
+            }
+        );
+    }
+
+    /// A valid RC compare-and-swap WQE (64 bytes) at index 0x0102.
+    fn cs_bytes() -> [u8; 64] {
+        let result = [Sge::new(0x9000, 8, KEY)];
+        let op = SendOp::CompareSwap {
+            remote: REMOTE,
+            compare: 1,
+            swap: 2,
+        };
+        let mut out = [0; 64];
+        build_send_wqe(
+            &wr(op, SendFlags::SIGNALED, &result),
+            None,
+            0x0102,
+            None,
+            &mut out,
+        )
+        .unwrap();
+        out
+    }
+
+    /// A valid RC inline SEND of "hello" (32 bytes) at index 0x0102.
+    fn inline_bytes() -> [u8; 32] {
+        let sges = [Sge::new(0, 5, KEY)];
+        let mut out = [0; 32];
+        let wr = wr(SendOp::Send, SendFlags::INLINE, &sges);
+        build_send_wqe(&wr, None, 0x0102, Some(b"hello"), &mut out).unwrap();
+        out
+    }
+
+    fn is_abi(e: WqeError) -> bool {
+        matches!(e, WqeError::Abi(_))
+    }
+
+    #[test]
+    fn garbage_is_rejected() {
+        use WqeError as E;
+        type Case = (
+            &'static str,
+            fn(&mut Vec<u8>),
+            Transport,
+            fn(WqeError) -> bool,
+        );
+        #[rustfmt::skip]
+        let cs_cases: &[Case] = &[
+            ("valid", |_| {}, Transport::Rc, |_| false),
+            ("wrong index", |b| b[4] = 3, Transport::Rc, |e| e == E::IndexMismatch { expected: 0x0102, found: 0x0103 }),
+            ("size16 0", |b| b[2] = 0, Transport::Rc, |e| e == E::ZeroSize),
+            ("size16 past the bytes", |b| b[2] = 5, Transport::Rc, |e| e == E::Truncated { needed: 80, available: 64 }),
+            ("ctrl reserved 0x3", |b| b[3] = 1, Transport::Rc, is_abi),
+            ("ctrl reserved 0x6", |b| b[7] = 1, Transport::Rc, is_abi),
+            ("ctrl reserved 0xc", |b| b[15] = 1, Transport::Rc, is_abi),
+            ("unknown flag", |b| b[1] |= 0x10, Transport::Rc, is_abi),
+            ("unknown opcode", |b| b[0] = 0x0B, Transport::Rc, is_abi),
+            ("atomic on UC", |_| {}, Transport::Uc, |e| matches!(e, E::OpcodeNotAllowed { .. })),
+            ("atomic on UD", |_| {}, Transport::Ud, |e| matches!(e, E::OpcodeNotAllowed { .. })),
+            ("unused imm set", |b| b[8] = 1, Transport::Rc, is_abi),
+            ("no remote", |b| b[2] = 1, Transport::Rc, |e| matches!(e, E::MissingSegment { segment: "remote address", .. })),
+            ("no atomic", |b| b[2] = 2, Transport::Rc, |e| matches!(e, E::MissingSegment { segment: "atomic", .. })),
+            ("no data", |b| b[2] = 3, Transport::Rc, |e| e == E::AtomicData),
+            ("two data", |b| { b[2] = 5; b.extend_from_slice(&[0; 16]) }, Transport::Rc, |e| e == E::AtomicData),
+            ("4-byte data", |b| b[56] = 4, Transport::Rc, |e| e == E::AtomicData),
+            ("remote reserved", |b| b[31] = 1, Transport::Rc, is_abi),
+            ("inline atomic", |b| b[1] |= 0x08, Transport::Rc, |e| matches!(e, E::InlineNotAllowed { .. })),
+        ];
+        for (what, corrupt, transport, expect) in cs_cases {
+            let mut bytes = cs_bytes().to_vec();
+            corrupt(&mut bytes);
+            match SendWqe::parse(&bytes, 0x0102, *transport) {
+                Ok(_) => assert_eq!(*what, "valid", "{what} must be rejected"),
+                Err(e) => assert!(expect(e), "{what}: unexpected {e:?}"),
+            }
+        }
+
+        #[rustfmt::skip]
+        let inline_cases: &[Case] = &[
+            ("valid", |_| {}, Transport::Rc, |_| false),
+            ("no inline bit", |b| b[19] = 0, Transport::Rc, |e| e == E::InlineHeader { header: 5 }),
+            ("too long", |b| b[16] = 13, Transport::Rc, |e| e == E::InlineLength { length: 13, available: 12 }),
+            ("padding set", |b| b[31] = 1, Transport::Rc, is_abi),
+            ("shorter than the segment", |b| b[16] = 1, Transport::Rc, is_abi),
+            ("segment after it", |b| { b[2] = 3; b.extend_from_slice(&[0; 16]) }, Transport::Rc, |e| matches!(e, E::UnexpectedSegments { .. })),
+            ("flag without segment", |b| b[2] = 1, Transport::Rc, |e| matches!(e, E::MissingSegment { segment: "inline", .. })),
+            ("UD without address", |_| {}, Transport::Ud, |e| matches!(e, E::MissingSegment { segment: "UD address", .. })),
+            ("inline read", |b| { b[0] = 6; }, Transport::Rc, |e| matches!(e, E::InlineNotAllowed { .. })),
+            ("nop with data", |b| { b[0] = 0; b[1] = 0; }, Transport::Rc, |e| matches!(e, E::UnexpectedSegments { .. })),
+        ];
+        for (what, corrupt, transport, expect) in inline_cases {
+            let mut bytes = inline_bytes().to_vec();
+            corrupt(&mut bytes);
+            match SendWqe::parse(&bytes, 0x0102, *transport) {
+                Ok(_) => assert_eq!(*what, "valid", "{what} must be rejected"),
+                Err(e) => assert!(expect(e), "{what}: unexpected {e:?}"),
+            }
+        }
+
+        assert_eq!(
+            SendWqe::parse(&[0; 15], 0, Transport::Rc),
+            Err(E::Truncated {
+                needed: 16,
+                available: 15
+            })
+        );
+    }
+
+    #[test]
+    fn bad_bind_and_ud_segments() {
+        let bind = SendOp::BindMw {
+            mw: MwHandle::from_raw(3),
+            rkey: RKey::new(0x0502),
+            bind: MwBind {
+                mr_lkey: KEY,
+                addr: 0,
+                length: 0,
+                access: AccessFlags::REMOTE_READ,
+            },
+        };
+        let mut good = [0; 48];
+        build_send_wqe(&wr(bind, SendFlags::empty(), &[]), None, 0, None, &mut good).unwrap();
+        let cases: &[Corruption<[u8; 48]>] = &[
+            (|b| b[44] = 3, "window type 3"),
+            (|b| b[44] = 0, "window type 0"),
+            (|b| b[41] = 1, "unknown access bit"),
+            (|b| b[47] = 1, "reserved"),
+        ];
+        for (corrupt, what) in cases {
+            let mut bytes = good;
+            corrupt(&mut bytes);
+            assert!(
+                matches!(
+                    SendWqe::parse(&bytes, 0, Transport::Rc),
+                    Err(WqeError::Abi(_))
+                ),
+                "{what}"
+            );
+        }
+        good[44] = 1;
+        let wqe = SendWqe::parse(&good, 0, Transport::Rc).unwrap();
+        assert!(matches!(
+            wqe.op,
+            WqeOp::BindMw(Bind {
+                mw_type: MwType::Type1,
+                ..
+            })
+        ));
+
+        let mut wr = wr(SendOp::Send, SendFlags::empty(), &[]);
+        wr.ud = Some(UdDest {
+            av: AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(5).unwrap(),
+            remote_qkey: QKey::new(1),
+        });
+        let mut good = [0; 64];
+        build_send_wqe(&wr, Some(&ud_av()), 0, None, &mut good).unwrap();
+        assert!(SendWqe::parse(&good, 0, Transport::Ud).is_ok());
+        let cases: &[Corruption<[u8; 64]>] = &[
+            (|b| b[16 + 0x23] = 1, "QPN over 24 bits"),
+            (|b| b[16 + 0x05] = 1, "AV reserved"),
+            (|b| b[16 + 0x0A] = 0x10, "flow label over 20 bits"),
+            (|b| b[16 + 0x2F] = 1, "UD reserved"),
+        ];
+        for (corrupt, what) in cases {
+            let mut bytes = good;
+            corrupt(&mut bytes);
+            assert!(
+                matches!(
+                    SendWqe::parse(&bytes, 0, Transport::Ud),
+                    Err(WqeError::Abi(_))
+                ),
+                "{what}"
+            );
+        }
+        let fa = SendOp::FetchAdd {
+            remote: REMOTE,
+            add: 1,
+        };
+        let mut bytes = [0; 64];
+        let sges = [Sge::new(0, 8, KEY)];
+        build_send_wqe(&wr_fa(fa, &sges), None, 0, None, &mut bytes).unwrap();
+        assert!(SendWqe::parse(&bytes, 0, Transport::Rc).is_ok());
+        bytes[40] = 1;
+        assert!(matches!(
+            SendWqe::parse(&bytes, 0, Transport::Rc),
+            Err(WqeError::Abi(AbiError::ReservedNotZero { .. }))
+        ));
+    }
+
+    fn wr_fa<'a>(op: SendOp, sges: &'a [Sge]) -> SendWr<'a> {
+        wr(op, SendFlags::empty(), sges)
+    }
+
+    #[test]
+    fn builder_errors() {
+        use WqeError as E;
+        let data = [Sge::new(0, 4, KEY)];
+        let two = [Sge::new(0, 4, KEY), Sge::new(4, 4, KEY)];
+        let av = ud_av();
+        let dest = UdDest {
+            av: AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(5).unwrap(),
+            remote_qkey: QKey::new(1),
+        };
+        let mut out = [0; 4096];
+        let read = SendOp::RdmaRead { remote: REMOTE };
+        let write = SendOp::RdmaWrite { remote: REMOTE };
+        let fa = SendOp::FetchAdd {
+            remote: REMOTE,
+            add: 1,
+        };
+        let inval = SendOp::LocalInvalidate { rkey: RKey::new(1) };
+        let with_ud = |mut w: SendWr<'static>| {
+            w.ud = Some(dest);
+            w
+        };
+        type Case<'a> = (
+            &'a str,
+            SendWr<'a>,
+            Option<&'a Av>,
+            Option<&'a [u8]>,
+            WqeError,
+        );
+        #[rustfmt::skip]
+        let cases: &[Case<'_>] = &[
+            ("AV without destination", wr(SendOp::Send, SendFlags::empty(), &data), Some(&av), None, E::AvMismatch),
+            ("destination without AV", with_ud(wr(SendOp::Send, SendFlags::empty(), &[])), None, None, E::AvMismatch),
+            ("UD address on a write", with_ud(wr(write, SendFlags::empty(), &[])), Some(&av), None,
+                E::UnexpectedUdAddress { opcode: WqeOpcode::RdmaWrite }),
+            ("INLINE without bytes", wr(SendOp::Send, SendFlags::INLINE, &data), None, None,
+                E::InlineData { inline: None, sge_total: Some(4) }),
+            ("inline length differs", wr(SendOp::Send, SendFlags::INLINE, &data), None, Some(b"abc"),
+                E::InlineData { inline: Some(3), sge_total: Some(4) }),
+            ("bytes without INLINE", wr(SendOp::Send, SendFlags::empty(), &data), None, Some(b"abcd"),
+                E::InlineData { inline: Some(4), sge_total: None }),
+            ("inline read", wr(read, SendFlags::INLINE, &data), None, Some(b"abcd"),
+                E::InlineNotAllowed { opcode: WqeOpcode::RdmaRead }),
+            ("atomic over two SGEs", wr(fa, SendFlags::empty(), &two), None, None, E::AtomicData),
+            ("atomic, no SGE", wr(fa, SendFlags::empty(), &[]), None, None, E::AtomicData),
+            ("invalidate with SGE", wr(inval, SendFlags::empty(), &data), None, None,
+                E::UnexpectedSegments { opcode: WqeOpcode::LocalInv }),
+        ];
+        for (what, wr, av, inline, want) in cases {
+            assert_eq!(
+                build_send_wqe(wr, *av, 0, *inline, &mut out),
+                Err(*want),
+                "{what}"
+            );
+        }
+
+        let many = [Sge::new(0, 1, KEY); 255];
+        assert_eq!(
+            build_send_wqe(
+                &wr(SendOp::Send, SendFlags::empty(), &many[..254]),
+                None,
+                0,
+                None,
+                &mut out
+            ),
+            Ok(MAX_SEND_WQE_BYTES)
+        );
+        assert_eq!(
+            build_send_wqe(
+                &wr(SendOp::Send, SendFlags::empty(), &many),
+                None,
+                0,
+                None,
+                &mut out
+            ),
+            Err(E::TooLong { bytes: 4096 })
+        );
+        assert_eq!(
+            build_send_wqe(
+                &wr(SendOp::Send, SendFlags::empty(), &data),
+                None,
+                0,
+                None,
+                &mut out[..16]
+            ),
+            Err(E::OutputTooSmall {
+                needed: 32,
+                available: 16
+            })
+        );
+        let bad_av = Av { sl: 16, ..av };
+        assert!(matches!(
+            build_send_wqe(
+                &with_ud(wr(SendOp::Send, SendFlags::empty(), &[])),
+                Some(&bad_av),
+                0,
+                None,
+                &mut out
+            ),
+            Err(E::Abi(_))
+        ));
+        // The view keeps INLINE and the payload in step.
+        let wqe = SendWqe {
+            wqe_index: 0,
+            flags: WqeFlags::INLINE,
+            op: WqeOp::Send,
+            ud: None,
+            payload: Payload::Data(&[]),
+        };
+        assert_eq!(wqe.emit(&mut out), Err(E::InlineFlagMismatch));
+        let bind = WqeOp::BindMw(Bind {
+            new_rkey: RKey::new(1),
+            mr_key: KEY,
+            va: 0,
+            length: 0,
+            access: AccessFlags::from_bits_retain(0x100),
+            mw_type: MwType::Type1,
+        });
+        let wqe = SendWqe {
+            flags: WqeFlags::empty(),
+            op: bind,
+            ..wqe
+        };
+        assert!(matches!(wqe.emit(&mut out), Err(E::Abi(_))));
+    }
+
+    #[test]
+    fn opcode_mapping_and_transports() {
+        for &op in WrOpcode::ALL {
+            let wqe = WqeOpcode::from_wr(op);
+            assert_eq!(wqe.to_wr(), Some(op));
+            for &t in Transport::ALL {
+                assert_eq!(wqe.is_allowed_on(t), op.is_supported_on(t));
+            }
+            assert_eq!(wqe.allows_inline(), op.allows_inline());
+            assert_eq!(wqe.takes_data(), !op.is_memory_op());
+            assert_eq!(wqe.is_atomic(), op.is_atomic());
+        }
+        assert_eq!(WqeOpcode::Nop.to_wr(), None);
+        assert!(
+            Transport::ALL
+                .iter()
+                .all(|&t| WqeOpcode::Nop.is_allowed_on(t))
+        );
+        for (i, &op) in WqeOpcode::ALL.iter().enumerate() {
+            assert_eq!(usize::from(op.code()), i);
+            assert_eq!(WqeOpcode::try_from(op.code()), Ok(op));
+        }
+        assert!(WqeOpcode::from_code(0x0B).is_err());
+        assert_eq!(WqeFlags::from_send_flags(SendFlags::all()), WqeFlags::all());
+        assert_eq!(WqeFlags::from_send_flags(SendFlags::FENCE), WqeFlags::FENCE);
+    }
+
+    #[test]
+    fn recv_image_and_errors() {
+        let sges = [Sge::new(0x1000, 0x100, KEY), Sge::new(0x2000, 0x28, KEY)];
+        let mut out = [0xEE; 64];
+        build_recv_wqe(&sges, 0xBEEF, 64, &mut out).unwrap();
+        let mut expected = [0u8; 64];
+        expected[..4].copy_from_slice(&[2, 0, 0xEF, 0xBE]);
+        expected[16..48].copy_from_slice(sges.as_bytes());
+        assert_eq!(out, expected);
+        assert_eq!(
+            RecvWqe::parse(&out, 0xBEEF),
+            Ok(RecvWqe {
+                wqe_index: 0xBEEF,
+                sges: &sges
+            })
+        );
+
+        use WqeError as E;
+        assert_eq!(
+            build_recv_wqe(&[], 0, 48, &mut out),
+            Err(E::BadStride { stride: 48 })
+        );
+        assert_eq!(
+            build_recv_wqe(&[], 0, 16, &mut out),
+            Err(E::BadStride { stride: 16 })
+        );
+        assert_eq!(
+            build_recv_wqe(&[sges[0]; 4], 0, 64, &mut out),
+            Err(E::TooManySges { count: 4, fit: 3 })
+        );
+        assert_eq!(
+            build_recv_wqe(&[], 0, 128, &mut out),
+            Err(E::OutputTooSmall {
+                needed: 128,
+                available: 64
+            })
+        );
+        assert_eq!(recv_sges_per_stride(32), 1);
+        assert_eq!(recv_sges_per_stride(1 << 16), 255);
+
+        assert_eq!(
+            RecvWqe::parse(&out, 0xBEEE),
+            Err(E::IndexMismatch {
+                expected: 0xBEEE,
+                found: 0xBEEF
+            })
+        );
+        let mut bad = out;
+        bad[0] = 4;
+        assert_eq!(
+            RecvWqe::parse(&bad, 0xBEEF),
+            Err(E::TooManySges { count: 4, fit: 3 })
+        );
+        let mut bad = out;
+        bad[1] = 1;
+        assert!(matches!(RecvWqe::parse(&bad, 0xBEEF), Err(E::Abi(_))));
+        let mut bad = out;
+        bad[15] = 1;
+        assert!(matches!(RecvWqe::parse(&bad, 0xBEEF), Err(E::Abi(_))));
+        assert!(matches!(
+            RecvWqe::parse(&out[..8], 0xBEEF),
+            Err(E::Truncated { .. })
+        ));
+        // Stale segments after num_sges are not looked at.
+        let mut stale = out;
+        stale[0] = 1;
+        assert_eq!(RecvWqe::parse(&stale, 0xBEEF).unwrap().sges, &sges[..1]);
+    }
+
+    // ---- property tests ----
+
+    /// An owned description of a valid send WQE; [`Owned::view`] borrows it.
+    #[derive(Debug, Clone)]
+    pub(crate) struct Owned {
+        pub(crate) transport: Transport,
+        pub(crate) wqe_index: u16,
+        pub(crate) flags: WqeFlags,
+        pub(crate) op: WqeOp,
+        pub(crate) ud: Option<UdAddress>,
+        pub(crate) sges: Vec<Sge>,
+        pub(crate) inline: Option<Vec<u8>>,
+    }
+
+    impl Owned {
+        pub(crate) fn view(&self) -> SendWqe<'_> {
+            SendWqe {
+                wqe_index: self.wqe_index,
+                flags: self.flags,
+                op: self.op,
+                ud: self.ud,
+                payload: match &self.inline {
+                    Some(data) => Payload::Inline(data),
+                    None => Payload::Data(&self.sges),
+                },
+            }
+        }
+    }
+
+    fn any_sge() -> impl Strategy<Value = Sge> {
+        (any::<u64>(), any::<u32>(), any::<u32>())
+            .prop_map(|(addr, len, key)| Sge::new(addr, len, LKey::new(key)))
+    }
+
+    fn any_remote() -> impl Strategy<Value = RemoteAddr> {
+        (any::<u64>(), any::<u32>()).prop_map(|(addr, key)| RemoteAddr {
+            addr,
+            rkey: RKey::new(key),
+        })
+    }
+
+    fn any_op(opcode: WqeOpcode) -> BoxedStrategy<WqeOp> {
+        let imm = || any::<u32>().prop_map(Be32::new);
+        let key = || any::<u32>().prop_map(RKey::new);
+        match opcode {
+            WqeOpcode::Nop => Just(WqeOp::Nop).boxed(),
+            WqeOpcode::Send => Just(WqeOp::Send).boxed(),
+            WqeOpcode::SendImm => imm().prop_map(|imm| WqeOp::SendImm { imm }).boxed(),
+            WqeOpcode::SendInv => key().prop_map(|rkey| WqeOp::SendInv { rkey }).boxed(),
+            WqeOpcode::RdmaWrite => any_remote()
+                .prop_map(|remote| WqeOp::RdmaWrite { remote })
+                .boxed(),
+            WqeOpcode::RdmaWriteImm => (any_remote(), imm())
+                .prop_map(|(remote, imm)| WqeOp::RdmaWriteImm { remote, imm })
+                .boxed(),
+            WqeOpcode::RdmaRead => any_remote()
+                .prop_map(|remote| WqeOp::RdmaRead { remote })
+                .boxed(),
+            WqeOpcode::AtomicCs => (any_remote(), any::<u64>(), any::<u64>())
+                .prop_map(|(remote, compare, swap)| WqeOp::AtomicCs {
+                    remote,
+                    compare,
+                    swap,
+                })
+                .boxed(),
+            WqeOpcode::AtomicFa => (any_remote(), any::<u64>())
+                .prop_map(|(remote, add)| WqeOp::AtomicFa { remote, add })
+                .boxed(),
+            WqeOpcode::BindMw => (
+                key(),
+                any::<u32>(),
+                any::<u64>(),
+                any::<u64>(),
+                0u32..0x20,
+                prop::sample::select(MwType::ALL),
+            )
+                .prop_map(|(new_rkey, mr, va, length, access, mw_type)| {
+                    WqeOp::BindMw(Bind {
+                        new_rkey,
+                        mr_key: LKey::new(mr),
+                        va,
+                        length,
+                        access: AccessFlags::from_bits_truncate(access),
+                        mw_type,
+                    })
+                })
+                .boxed(),
+            WqeOpcode::LocalInv => key().prop_map(|key| WqeOp::LocalInv { key }).boxed(),
+        }
+    }
+
+    fn any_payload(opcode: WqeOpcode) -> BoxedStrategy<(Vec<Sge>, Option<Vec<u8>>)> {
+        let data = || vec(any_sge(), 0..6).prop_map(|s| (s, None));
+        if opcode.is_atomic() {
+            any_sge()
+                .prop_map(|s| (vec![Sge::new(s.addr.get(), 8, s.lkey)], None))
+                .boxed()
+        } else if !opcode.takes_data() {
+            Just((Vec::new(), None)).boxed()
+        } else if opcode.allows_inline() {
+            prop_oneof![
+                data(),
+                vec(any::<u8>(), 0..200).prop_map(|d| (Vec::new(), Some(d)))
+            ]
+            .boxed()
+        } else {
+            data().boxed()
+        }
+    }
+
+    /// Any valid send WQE, on any transport, with the segments its opcode
+    /// takes there.
+    pub(crate) fn any_wqe() -> impl Strategy<Value = Owned> {
+        (prop::sample::select(Transport::ALL), any::<u16>(), 0u8..8).prop_flat_map(
+            |(transport, wqe_index, flag_bits)| {
+                let opcodes: Vec<WqeOpcode> = WqeOpcode::ALL
+                    .iter()
+                    .copied()
+                    .filter(|o| o.is_allowed_on(transport))
+                    .collect();
+                prop::sample::select(opcodes).prop_flat_map(move |opcode| {
+                    let ud = if transport == Transport::Ud && opcode.takes_ud_address() {
+                        (any_av(), 0..=Qpn::MAX.get(), any::<u32>())
+                            .prop_map(|(av, qpn, qkey)| {
+                                Some(UdAddress {
+                                    av,
+                                    dest_qpn: Qpn::new(qpn).unwrap(),
+                                    qkey: QKey::new(qkey),
+                                })
+                            })
+                            .boxed()
+                    } else {
+                        Just(None).boxed()
+                    };
+                    (any_op(opcode), ud, any_payload(opcode)).prop_map(
+                        move |(op, ud, (sges, inline))| {
+                            let mut flags = WqeFlags::from_bits_truncate(flag_bits);
+                            flags.set(WqeFlags::INLINE, inline.is_some());
+                            Owned {
+                                transport,
+                                wqe_index,
+                                flags,
+                                op,
+                                ud,
+                                sges,
+                                inline,
+                            }
+                        },
+                    )
+                })
+            },
+        )
+    }
+
+    /// The verbs request a WQE description stands for (the test's own
+    /// inverse of `from_wr`), with the inline data as one SGE.
+    fn to_wr(owned: &Owned, inline_sge: &[Sge; 1]) -> Option<SendWr<'static>> {
+        let op = match owned.op {
+            WqeOp::Nop => return None,
+            WqeOp::Send => SendOp::Send,
+            WqeOp::SendImm { imm } => SendOp::SendWithImm { imm },
+            WqeOp::SendInv { rkey } => SendOp::SendWithInvalidate { rkey },
+            WqeOp::RdmaWrite { remote } => SendOp::RdmaWrite { remote },
+            WqeOp::RdmaWriteImm { remote, imm } => SendOp::RdmaWriteWithImm { remote, imm },
+            WqeOp::RdmaRead { remote } => SendOp::RdmaRead { remote },
+            WqeOp::AtomicCs {
+                remote,
+                compare,
+                swap,
+            } => SendOp::CompareSwap {
+                remote,
+                compare,
+                swap,
+            },
+            WqeOp::AtomicFa { remote, add } => SendOp::FetchAdd { remote, add },
+            WqeOp::BindMw(b) if b.mw_type == MwType::Type2 => SendOp::BindMw {
+                mw: MwHandle::from_raw(1),
+                rkey: b.new_rkey,
+                bind: MwBind {
+                    mr_lkey: b.mr_key,
+                    addr: b.va,
+                    length: b.length,
+                    access: b.access,
+                },
+            },
+            WqeOp::BindMw(_) => return None,
+            WqeOp::LocalInv { key } => SendOp::LocalInvalidate { rkey: key },
+        };
+        let mut flags = SendFlags::empty();
+        for (w, s) in [
+            (WqeFlags::SIGNALED, SendFlags::SIGNALED),
+            (WqeFlags::SOLICITED, SendFlags::SOLICITED),
+            (WqeFlags::FENCE, SendFlags::FENCE),
+            (WqeFlags::INLINE, SendFlags::INLINE),
+        ] {
+            flags.set(s, owned.flags.contains(w));
+        }
+        let sg_list: Vec<Sge> = if owned.inline.is_some() {
+            inline_sge.to_vec()
+        } else {
+            owned.sges.clone()
+        };
+        Some(SendWr {
+            wr_id: 0,
+            op,
+            flags,
+            sg_list: sg_list.leak(),
+            ud: owned.ud.map(|ud| UdDest {
+                av: AvHandle::from_raw(1),
+                remote_qpn: ud.dest_qpn,
+                remote_qkey: ud.qkey,
+            }),
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn emit_then_parse_is_identity(owned in any_wqe()) {
+            let wqe = owned.view();
+            let mut out = vec![0xA5; MAX_SEND_WQE_BYTES + 64];
+            let len = wqe.emit(&mut out).unwrap();
+            prop_assert_eq!(len, wqe.byte_len());
+            prop_assert_eq!(len % SEG_SIZE, 0);
+            prop_assert_eq!(out[len], 0xA5);
+            let parsed = SendWqe::parse(&out, owned.wqe_index, owned.transport).unwrap();
+            prop_assert_eq!(parsed, wqe);
+        }
+
+        #[test]
+        fn build_from_wr_then_parse(owned in any_wqe()) {
+            let inline_len = owned.inline.as_ref().map_or(0, Vec::len) as u32;
+            let Some(wr) = to_wr(&owned, &[Sge::new(0x4000, inline_len, KEY)]) else {
+                return Ok(());
+            };
+            let av = owned.ud.map(|ud| ud.av);
+            let mut out = vec![0; MAX_SEND_WQE_BYTES];
+            let len = build_send_wqe(&wr, av.as_ref(), owned.wqe_index, owned.inline.as_deref(), &mut out).unwrap();
+            let parsed = SendWqe::parse(&out[..len], owned.wqe_index, owned.transport).unwrap();
+            prop_assert_eq!(parsed, owned.view());
+            prop_assert_eq!(parsed.op.opcode(), WqeOpcode::from_wr(wr.op.opcode()));
+        }
+
+        #[test]
+        fn damaged_wqes_never_panic_and_reemit(
+            owned in any_wqe(),
+            hits in vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let mut bytes = vec![0; MAX_SEND_WQE_BYTES];
+            let len = owned.view().emit(&mut bytes).unwrap();
+            bytes.truncate(len);
+            for (at, value) in hits {
+                let i = at.index(len);
+                bytes[i] = value;
+            }
+            let bytes = &bytes[..cut.index(len + 1)];
+            if let Ok(wqe) = SendWqe::parse(bytes, owned.wqe_index, owned.transport) {
+                let mut again = vec![0; MAX_SEND_WQE_BYTES];
+                let n = wqe.emit(&mut again).unwrap();
+                prop_assert_eq!(&again[..n], &bytes[..n]);
+            }
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(
+            bytes in vec(any::<u8>(), 0..320),
+            transport in prop::sample::select(Transport::ALL),
+        ) {
+            // Use the WQE's own index so parsing gets past the first check.
+            let index = bytes.get(4..6).map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+            if let Ok(wqe) = SendWqe::parse(&bytes, index, transport) {
+                let mut again = vec![0; MAX_SEND_WQE_BYTES];
+                let n = wqe.emit(&mut again).unwrap();
+                prop_assert_eq!(&again[..n], &bytes[..n]);
+            }
+        }
+
+        #[test]
+        fn recv_round_trip(
+            sges in vec(any_sge(), 0..8),
+            index: u16,
+            log_stride in 5u32..10,
+        ) {
+            let stride = 1usize << log_stride;
+            let mut out = vec![0xA5; stride];
+            let fit = recv_sges_per_stride(stride);
+            match build_recv_wqe(&sges, index, stride, &mut out) {
+                Ok(()) => {
+                    let wqe = RecvWqe::parse(&out, index).unwrap();
+                    prop_assert_eq!(wqe.sges, &sges[..]);
+                    prop_assert!(out[16 + 16 * sges.len()..].iter().all(|&b| b == 0));
+                }
+                Err(e) => {
+                    prop_assert!(sges.len() > fit);
+                    prop_assert_eq!(e, WqeError::TooManySges { count: sges.len(), fit });
+                }
+            }
+        }
+
+        #[test]
+        fn recv_parse_is_total(bytes in vec(any::<u8>(), 0..200)) {
+            let index = bytes.get(2..4).map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+            if let Ok(wqe) = RecvWqe::parse(&bytes, index) {
+                let n = 16 + 16 * wqe.sges.len();
+                prop_assert_eq!(usize::from(bytes[0]), wqe.sges.len());
+                prop_assert_eq!(&wqe.sges.as_bytes(), &&bytes[16..n]);
+            }
+        }
+    }
+}
