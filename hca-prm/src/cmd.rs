@@ -491,13 +491,13 @@ mod tests {
     #[test]
     fn codes_round_trip() {
         for &op in Opcode::ALL {
-            assert_eq!(Opcode::from_code(op.code()), Some(op));
+            assert_eq!(Opcode::from_code(op.code()).ok(), Some(op));
         }
         for &s in CmdStatus::ALL {
-            assert_eq!(CmdStatus::from_code(s.code()), Some(s));
+            assert_eq!(CmdStatus::from_code(s.code()).ok(), Some(s));
         }
-        assert_eq!(Opcode::from_code(0x005), None);
-        assert_eq!(CmdStatus::from_code(0x0D), None);
+        assert_eq!(Opcode::from_code(0x005).ok(), None);
+        assert_eq!(CmdStatus::from_code(0x0D).ok(), None);
     }
 
     #[test]

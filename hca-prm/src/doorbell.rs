@@ -22,7 +22,6 @@ use ib_types::scalars::Qpn;
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
 use crate::Le32;
-use crate::wqe::prm_code;
 
 /// Bytes of a UAR page (one host page).
 pub const UAR_PAGE_SIZE: u64 = 4096;

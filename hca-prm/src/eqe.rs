@@ -21,7 +21,6 @@ use ib_types::scalars::{PortNum, Qpn};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
 use crate::owner;
-use crate::wqe::prm_code;
 use crate::{Le16, Le32, Le64};
 
 prm_code! {

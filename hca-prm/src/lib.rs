@@ -29,20 +29,21 @@ macro_rules! assert_layout {
     };
 }
 
-/// Declares a `#[repr($raw)]` enum for a code read from device or host
-/// memory: `ALL`, `code()`, and a fallible `from_code()` (never a transmute).
+/// Declares a code enum read from memory through `from_code`/`TryFrom`:
+/// an unknown code is an [`AbiError::InvalidCode`], never a transmute.
+/// Generates `ALL`, `code()`, `from_code()` and the conversions.
 macro_rules! prm_code {
     (
         $(#[$meta:meta])*
         $vis:vis enum $name:ident : $raw:ty {
-            $( $(#[$vmeta:meta])* $variant:ident = $value:expr ),+ $(,)?
+            $($(#[$vmeta:meta])* $variant:ident = $value:expr),+ $(,)?
         }
     ) => {
         $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         #[repr($raw)]
         $vis enum $name {
-            $( $(#[$vmeta])* $variant = $value, )+
+            $($(#[$vmeta])* $variant = $value,)+
         }
 
         impl $name {
@@ -50,30 +51,48 @@ macro_rules! prm_code {
             pub const ALL: &'static [Self] = &[$(Self::$variant),+];
 
             /// The raw code.
-            #[inline]
             pub const fn code(self) -> $raw {
                 self as $raw
             }
 
-            /// Reads a raw code; unknown codes are `None`.
-            #[inline]
-            pub const fn from_code(code: $raw) -> Option<Self> {
-                $( if code == Self::$variant as $raw { return Some(Self::$variant); } )+
-                None
+            /// Reads a raw code; an unknown code is an error.
+            pub const fn from_code(code: $raw) -> Result<Self, ::ib_types::AbiError> {
+                $(
+                    if code == Self::$variant as $raw {
+                        return Ok(Self::$variant);
+                    }
+                )+
+                Err(::ib_types::AbiError::InvalidCode {
+                    type_name: stringify!($name),
+                    value: code as u64,
+                })
+            }
+        }
+
+        impl TryFrom<$raw> for $name {
+            type Error = ::ib_types::AbiError;
+            fn try_from(code: $raw) -> Result<Self, ::ib_types::AbiError> {
+                Self::from_code(code)
+            }
+        }
+
+        impl From<$name> for $raw {
+            fn from(value: $name) -> $raw {
+                value.code()
             }
         }
     };
 }
 
-pub mod cmd;
-pub mod mpt;
-pub mod regs;
-
-pub use ib_types::abi::{Be32, Le16, Le32, Le64};
-
 pub mod av;
+pub mod cmd;
 pub mod cqe;
+pub mod ctx;
 pub mod doorbell;
 pub mod eqe;
+pub mod mpt;
 pub mod owner;
+pub mod regs;
 pub mod wqe;
+
+pub use ib_types::abi::{Be32, Le16, Le32, Le64};

@@ -127,8 +127,8 @@ mod tests {
         assert_eq!(key_index(0x0001_2345), 0x123);
         assert_eq!(key_tag(0x0001_2345), 0x45);
         for &k in MptKind::ALL {
-            assert_eq!(MptKind::from_code(k.code()), Some(k));
+            assert_eq!(MptKind::from_code(k.code()).ok(), Some(k));
         }
-        assert_eq!(MptKind::from_code(4), None);
+        assert_eq!(MptKind::from_code(4).ok(), None);
     }
 }

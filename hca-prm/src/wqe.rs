@@ -42,62 +42,6 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 use crate::av::Av;
 use crate::{Be32, Le16, Le32, Le64};
 
-/// Declares a code enum read from memory through `from_code`/`TryFrom`:
-/// an unknown code is an [`AbiError::InvalidCode`], never a transmute.
-/// Generates `ALL`, `code()`, `from_code()` and the conversions.
-macro_rules! prm_code {
-    (
-        $(#[$meta:meta])*
-        $vis:vis enum $name:ident : $raw:ty {
-            $($(#[$vmeta:meta])* $variant:ident = $value:expr),+ $(,)?
-        }
-    ) => {
-        $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        #[repr($raw)]
-        $vis enum $name {
-            $($(#[$vmeta])* $variant = $value,)+
-        }
-
-        impl $name {
-            /// Every variant, in declaration order.
-            pub const ALL: &'static [Self] = &[$(Self::$variant),+];
-
-            /// The raw code.
-            pub const fn code(self) -> $raw {
-                self as $raw
-            }
-
-            /// Reads a raw code; an unknown code is an error.
-            pub const fn from_code(code: $raw) -> Result<Self, ::ib_types::AbiError> {
-                $(
-                    if code == Self::$variant as $raw {
-                        return Ok(Self::$variant);
-                    }
-                )+
-                Err(::ib_types::AbiError::InvalidCode {
-                    type_name: stringify!($name),
-                    value: code as u64,
-                })
-            }
-        }
-
-        impl TryFrom<$raw> for $name {
-            type Error = ::ib_types::AbiError;
-            fn try_from(code: $raw) -> Result<Self, Self::Error> {
-                Self::from_code(code)
-            }
-        }
-
-        impl From<$name> for $raw {
-            fn from(value: $name) -> $raw {
-                value.code()
-            }
-        }
-    };
-}
-pub(crate) use prm_code;
-
 /// Bytes of a send queue basic block.
 pub const BB_SIZE: usize = 64;
 /// Bytes of a WQE segment (the unit of `size16`).
