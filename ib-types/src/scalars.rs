@@ -375,6 +375,8 @@ typed_guid!(
     PartialEq,
     Eq,
     Hash,
+    PartialOrd,
+    Ord,
     Default,
     FromBytes,
     IntoBytes,

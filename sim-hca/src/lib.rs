@@ -12,12 +12,14 @@
 //!   injection and a capture tap; [`rng`] is its seedable generator.
 //! - [`host`]: the device's door to host memory (bus addresses only) and
 //!   interrupts, with a self-contained IOMMU-style memory for tests.
-//!
-//! Not written yet: the device model (BAR0, command interface, contexts,
-//! queues, doorbells) and the transport engine.
+//! - [`device`]: the HCA itself — BAR0, the command interface, contexts,
+//!   event and completion queues, doorbells — and the IB transport engine
+//!   it runs (RC, UC, UD).
 
+pub mod device;
 pub mod fabric;
 pub mod host;
 pub mod pcap;
 pub mod rng;
+pub(crate) mod transport;
 pub mod wire;

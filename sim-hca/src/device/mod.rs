@@ -1,0 +1,323 @@
+//! The simulated HCA: BAR0, the command interface, contexts, event and
+//! completion queues, doorbells, and the transport engine, as `docs/prm.md`
+//! specifies them.
+//!
+//! The device is a sans-IO state machine driven through `&mut self`:
+//!
+//! - the driver side calls [`Device::mmio_read32`]/[`Device::mmio_write32`]
+//!   (and the 64-bit forms) exactly as it would touch BAR0;
+//! - the fabric side hands in frames with [`Device::receive`] and takes the
+//!   frames the device sends with [`Device::drain_tx`];
+//! - time is passed in ([`Device::set_time`], [`Device::handle_timeout`]) and
+//!   [`Device::poll_timeout`] says when the device next needs to run.
+//!
+//! Work a doorbell triggers (commands, sends) runs inside the doorbell write,
+//! in the caller's thread, so a fast-mode host needs no device thread. The
+//! device reaches host memory only through [`HostMemory`] with bus addresses,
+//! and raises interrupts through [`InterruptSink`]. Nothing a driver or a peer
+//! does can panic it: bad commands fail with a status, garbage WQEs complete
+//! in error, malformed frames are dropped and counted, DMA outside a mapping
+//! is a counted fault.
+
+mod command;
+pub mod config;
+pub(crate) mod dma;
+mod event;
+pub(crate) mod mw;
+mod port;
+pub(crate) mod qp;
+mod resource;
+
+use std::sync::Arc;
+
+use hca_prm::cmd::{CmdStatus, DevCap};
+use hca_prm::regs::{self, CmdqConfig, FatalSyndrome, Status};
+
+use crate::host::{HostMemory, InterruptSink};
+
+pub use config::{DeviceConfig, Limits, PortConfig};
+pub use port::PortCounters;
+
+pub(crate) use port::Port;
+use resource::Hca;
+
+/// Device-wide counters (the RO counter registers and more).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceCounters {
+    /// Host accesses outside a live DMA mapping.
+    pub dma_faults: u32,
+    /// Doorbells ignored (unknown object or unauthorised UAR page).
+    pub dropped_doorbells: u32,
+    /// Commands completed with a non-zero status.
+    pub bad_commands: u32,
+    /// Events of a class no EQ is mapped for.
+    pub unmapped_events: u64,
+    /// Interrupts raised.
+    pub interrupts: u64,
+}
+
+#[derive(Debug, Default)]
+struct CommandQueue {
+    base: u64,
+    config: CmdqConfig,
+    producer: u32,
+    consumer: u32,
+}
+
+/// A simulated HCA.
+pub struct Device {
+    cfg: DeviceConfig,
+    cap: DevCap,
+    pub(crate) mem: Arc<dyn HostMemory>,
+    irq: Arc<dyn InterruptSink>,
+    pub(crate) now_ns: u64,
+    status: Status,
+    cmdq: CommandQueue,
+    pub(crate) counters: DeviceCounters,
+    ports: Vec<Port>,
+    pub(crate) hca: Option<Hca>,
+    /// Frames waiting for [`Device::drain_tx`]: (port, bytes).
+    tx: Vec<(u8, Vec<u8>)>,
+    /// Spent frame buffers, reused so steady-state sending does not allocate.
+    frame_pool: Vec<Vec<u8>>,
+    /// Payload scratch space of the transport, reused across packets.
+    pub(crate) scratch: Vec<u8>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("node_guid", &format_args!("{:#x}", self.cfg.node_guid))
+            .field("status", &self.status)
+            .field("now_ns", &self.now_ns)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Device {
+    /// A device fresh out of reset (`READY`), with its ports' links down.
+    pub fn new(cfg: DeviceConfig, mem: Arc<dyn HostMemory>, irq: Arc<dyn InterruptSink>) -> Self {
+        let cap = cfg.dev_cap();
+        let ports = cfg
+            .ports
+            .iter()
+            .enumerate()
+            .map(|(i, p)| Port::new(p.clone(), cfg.node_guid + 1 + i as u64, &cfg.limits))
+            .collect();
+        Self {
+            cfg,
+            cap,
+            mem,
+            irq,
+            now_ns: 0,
+            status: Status::READY,
+            cmdq: CommandQueue::default(),
+            counters: DeviceCounters::default(),
+            ports,
+            hca: None,
+            tx: Vec::new(),
+            frame_pool: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The configuration the device was built with.
+    pub fn config(&self) -> &DeviceConfig {
+        &self.cfg
+    }
+
+    /// Device-wide counters.
+    pub fn counters(&self) -> DeviceCounters {
+        self.counters
+    }
+
+    /// A port's packet counters (`port` is 1-based).
+    pub fn port_counters(&self, port: u8) -> Option<PortCounters> {
+        self.port(port).map(|p| p.counters)
+    }
+
+    /// The MAC of a port (`port` is 1-based): derived from GID 0 (PRM 10.1).
+    pub fn port_mac(&self, port: u8) -> Option<[u8; 6]> {
+        self.port(port).map(Port::mac)
+    }
+
+    /// Number of ports.
+    pub fn num_ports(&self) -> u8 {
+        self.ports.len() as u8
+    }
+
+    /// True once a catastrophic error stopped the device.
+    pub fn is_fatal(&self) -> bool {
+        self.status.contains(Status::FATAL)
+    }
+
+    /// Advances the device's notion of time (monotonic; earlier is ignored).
+    pub fn set_time(&mut self, now_ns: u64) {
+        self.now_ns = self.now_ns.max(now_ns);
+    }
+
+    /// The device's current time.
+    pub fn now_ns(&self) -> u64 {
+        self.now_ns
+    }
+
+    fn port(&self, port: u8) -> Option<&Port> {
+        usize::from(port)
+            .checked_sub(1)
+            .and_then(|i| self.ports.get(i))
+    }
+
+    fn port_mut(&mut self, port: u8) -> Option<&mut Port> {
+        usize::from(port)
+            .checked_sub(1)
+            .and_then(|i| self.ports.get_mut(i))
+    }
+
+    /// A port, for the transport engine (`port` is 1-based).
+    pub(crate) fn port_ref(&self, port: u8) -> Option<&Port> {
+        self.port(port)
+    }
+
+    /// A port, mutably, for the transport engine.
+    pub(crate) fn port_mut_ref(&mut self, port: u8) -> Option<&mut Port> {
+        self.port_mut(port)
+    }
+
+    /// Reads a 32-bit register of BAR0 page 0; UAR pages read as 0.
+    pub fn mmio_read32(&mut self, offset: u64) -> u32 {
+        use regs::offset as o;
+        match offset {
+            o::MAGIC => regs::MAGIC_VALUE,
+            o::PRM_VERSION => {
+                u32::from(regs::PRM_VERSION_MAJOR) << 16 | u32::from(regs::PRM_VERSION_MINOR)
+            }
+            o::FW_VERSION => self.cfg.fw_version as u32,
+            0x00C => (self.cfg.fw_version >> 32) as u32,
+            o::STATUS => self.status.bits(),
+            o::CMDQ_BASE => self.cmdq.base as u32,
+            0x01C => (self.cmdq.base >> 32) as u32,
+            o::CMDQ_CONFIG => self.cmdq.config.to_bits(),
+            o::CMDQ_CONSUMER => self.cmdq.consumer,
+            o::DMA_FAULTS => self.counters.dma_faults,
+            o::DROPPED_DOORBELLS => self.counters.dropped_doorbells,
+            o::BAD_COMMANDS => self.counters.bad_commands,
+            _ => 0,
+        }
+    }
+
+    /// Reads a 64-bit register (two 32-bit reads, low first).
+    pub fn mmio_read64(&mut self, offset: u64) -> u64 {
+        u64::from(self.mmio_read32(offset)) | u64::from(self.mmio_read32(offset + 4)) << 32
+    }
+
+    /// Writes a 32-bit register of BAR0 page 0. Writes to UAR pages must be
+    /// 64-bit ([`Device::mmio_write64`]); a 32-bit write there is ignored.
+    pub fn mmio_write32(&mut self, offset: u64, value: u32) {
+        use regs::offset as o;
+        if offset >= regs::PAGE_SIZE {
+            self.counters.dropped_doorbells += 1;
+            return;
+        }
+        if offset == o::CONTROL {
+            if regs::Control::from_bits_retain(value).contains(regs::Control::RESET) {
+                self.reset();
+            }
+            return;
+        }
+        if self.is_fatal() {
+            return;
+        }
+        match offset {
+            o::CMDQ_BASE => self.set_cmdq_base((self.cmdq.base & !0xFFFF_FFFF) | u64::from(value)),
+            0x01C => {
+                self.set_cmdq_base((self.cmdq.base & 0xFFFF_FFFF) | u64::from(value) << 32);
+            }
+            o::CMDQ_CONFIG => self.set_cmdq_config(value),
+            o::CMDQ_DOORBELL => self.cmdq_doorbell(value),
+            _ => {
+                if let Some(eqn) = regs::eqn_of_doorbell(offset) {
+                    self.eq_doorbell(eqn, value);
+                }
+            }
+        }
+    }
+
+    /// Writes 64 bits: a doorbell in a UAR page, or two 32-bit register
+    /// writes (low first) in page 0.
+    pub fn mmio_write64(&mut self, offset: u64, value: u64) {
+        if offset < regs::PAGE_SIZE {
+            self.mmio_write32(offset, value as u32);
+            self.mmio_write32(offset + 4, (value >> 32) as u32);
+            return;
+        }
+        if self.is_fatal() {
+            return;
+        }
+        let uar = (offset / regs::PAGE_SIZE - 1) as u32;
+        let in_page = offset % regs::PAGE_SIZE;
+        self.uar_doorbell(uar, in_page, value);
+    }
+
+    /// Resets the device: every context, queue and port state is discarded.
+    pub fn reset(&mut self) {
+        let links: Vec<bool> = self.ports.iter().map(|p| p.link_up).collect();
+        let mut fresh = Device::new(self.cfg.clone(), self.mem.clone(), self.irq.clone());
+        for (port, up) in fresh.ports.iter_mut().zip(links) {
+            port.link_up = up;
+        }
+        fresh.now_ns = self.now_ns;
+        fresh.counters = self.counters;
+        fresh.frame_pool = std::mem::take(&mut self.frame_pool);
+        *self = fresh;
+    }
+
+    /// Declares a catastrophic error (PRM 2): the device stops processing and
+    /// reports `CATASTROPHIC` on the EQ mapped for device errors.
+    pub fn declare_fatal(&mut self, syndrome: FatalSyndrome) {
+        if self.is_fatal() {
+            return;
+        }
+        self.status = (self.status | Status::FATAL).with_syndrome(syndrome);
+        self.post_catastrophic();
+    }
+
+    /// Counts a DMA fault.
+    pub(crate) fn note_fault(&mut self) {
+        self.counters.dma_faults = self.counters.dma_faults.wrapping_add(1);
+    }
+
+    /// Queues a frame for the fabric; `build` fills a pooled buffer.
+    pub(crate) fn send_frame(&mut self, port: u8, build: impl FnOnce(&mut Vec<u8>)) {
+        let mut buf = self.frame_pool.pop().unwrap_or_default();
+        buf.clear();
+        build(&mut buf);
+        if buf.is_empty() {
+            self.frame_pool.push(buf);
+        } else {
+            self.tx.push((port, buf));
+        }
+    }
+
+    /// Hands every queued outgoing frame to `f(port, frame)`, oldest first.
+    pub fn drain_tx(&mut self, mut f: impl FnMut(u8, &[u8])) {
+        let mut tx = std::mem::take(&mut self.tx);
+        for (port, frame) in tx.drain(..) {
+            f(port, &frame);
+            self.frame_pool.push(frame);
+        }
+        // Keep the (now empty) vector's capacity.
+        self.tx = tx;
+    }
+
+    /// Frames waiting to be drained.
+    pub fn tx_pending(&self) -> usize {
+        self.tx.len()
+    }
+
+    /// The command status counters use.
+    fn count_command(&mut self, status: CmdStatus) {
+        if status != CmdStatus::Ok {
+            self.counters.bad_commands = self.counters.bad_commands.wrapping_add(1);
+        }
+    }
+}

@@ -1,0 +1,368 @@
+//! The completer: acknowledgements, NAKs, read responses and atomic
+//! acknowledgements arriving at an RC requester; the ACK timeout and RNR
+//! timers; and in-order retirement of send WQEs into the send CQ.
+
+use hca_prm::cqe::Cqe;
+use hca_prm::eqe::Event;
+use hca_prm::wqe::{Payload, SendWqe, WqeOp};
+use ib_types::qp::QpState;
+use ib_types::scalars::{Psn, Qpn};
+use ib_types::wc::WcStatus;
+use ib_types::wr::Transport;
+
+use super::send::{Copy, MAX_WQE_BYTES, transport_of};
+use super::{ack_timeout_ns, rnr_timer_ns};
+use crate::device::Device;
+use crate::device::qp::Qp;
+use crate::wire::ext::{ExtRepr, NakCode, Syndrome};
+use crate::wire::opcode::{OpKind, Position};
+use crate::wire::packet::RocePacket;
+
+/// The requester-side status of a NAK (IBA 9.9.2).
+fn nak_status(code: NakCode) -> WcStatus {
+    match code {
+        NakCode::PsnSequenceError => WcStatus::RetryExcErr,
+        NakCode::InvalidRequest => WcStatus::RemInvReqErr,
+        NakCode::RemoteAccessError => WcStatus::RemAccessErr,
+        NakCode::RemoteOperationalError => WcStatus::RemOpErr,
+        NakCode::InvalidRdRequest => WcStatus::RemInvRdReqErr,
+    }
+}
+
+impl Device {
+    /// Retires finished WQEs from the front of the send queue, in order,
+    /// writing a CQE for each signaled or failed one.
+    pub(crate) fn retire(&mut self, qp: &mut Qp) {
+        while qp.req.inflight.front().is_some_and(|r| r.done) {
+            let Some(r) = qp.req.inflight.pop_front() else {
+                break;
+            };
+            if r.signaled || r.status != WcStatus::Success {
+                let cqe = Cqe::new_send(
+                    Qpn::from_low_bits(qp.index),
+                    r.wqe_index,
+                    r.opcode,
+                    r.status,
+                )
+                .with_byte_count(r.len);
+                if self.post_cqe(qp.send_cqn, cqe).is_err() && qp.state != QpState::Err {
+                    self.move_to_error(qp);
+                    return;
+                }
+            }
+        }
+        if !qp.req.inflight.iter().any(|r| !r.done && r.npkts > 0) {
+            qp.req.ack_deadline = None;
+        }
+        self.check_drained(qp);
+    }
+
+    /// Raises `SQ_DRAINED` once an SQD QP has nothing outstanding.
+    pub(crate) fn check_drained(&mut self, qp: &mut Qp) {
+        if qp.state == QpState::Sqd && qp.req.draining && qp.req.inflight.is_empty() {
+            qp.req.draining = false;
+            if qp.flags.contains(hca_prm::ctx::QpcFlags::SQD_EVENT) {
+                self.post_qp_event(|qpn| Event::SqDrained { qpn }, qp.index);
+            }
+        }
+    }
+
+    /// Handles a response packet for RC QP `qp` (ACK, NAK, read response,
+    /// atomic acknowledge).
+    pub(crate) fn on_response(&mut self, qp: &mut Qp, pkt: &RocePacket<'_>) {
+        if !matches!(qp.state, QpState::Rts | QpState::Sqd) {
+            return;
+        }
+        let repr = pkt.repr();
+        let psn = repr.bth.psn;
+        let info = repr.bth.opcode.info();
+        let aeth = match repr.ext {
+            ExtRepr::Aeth(a) | ExtRepr::AethAtomicAckEth(a, _) => Some(a),
+            _ => None,
+        };
+        match info.kind {
+            OpKind::RdmaReadResponse => self.on_read_response(qp, pkt, info.position),
+            OpKind::AtomicAcknowledge => {
+                if let ExtRepr::AethAtomicAckEth(_, ack) = repr.ext {
+                    self.on_atomic_ack(qp, psn, ack.orig_remote_data);
+                }
+            }
+            OpKind::Acknowledge => match aeth.map(|a| a.syndrome) {
+                Some(Syndrome::Ack { .. }) => self.ack_through(qp, psn),
+                Some(Syndrome::RnrNak { timer }) => self.on_rnr_nak(qp, psn, timer.code()),
+                Some(Syndrome::Nak(NakCode::PsnSequenceError)) => {
+                    // Everything before the NAK's PSN arrived.
+                    self.ack_through(qp, psn.wrapping_add(0xFF_FFFF));
+                    self.retransmit_from(qp, psn);
+                }
+                Some(Syndrome::Nak(code)) => {
+                    self.ack_through(qp, psn.wrapping_add(0xFF_FFFF));
+                    if let Some(i) = qp
+                        .req
+                        .inflight
+                        .iter()
+                        .position(|r| !r.done && r.contains(psn))
+                    {
+                        self.finish_record(qp, i, nak_status(code));
+                    }
+                }
+                None => {}
+            },
+            _ => {}
+        }
+        self.retire(qp);
+        self.run_send_queue_of(qp);
+    }
+
+    /// Marks every send and write whose last PSN is at or before `psn` as
+    /// done (IBA 9.7.5.2: ACKs are cumulative). Reads and atomics complete
+    /// only with their responses, so acknowledgement stops at one.
+    fn ack_through(&mut self, qp: &mut Qp, psn: Psn) {
+        let mut progress = false;
+        for r in qp.req.inflight.iter_mut() {
+            if r.done || r.npkts == 0 {
+                continue;
+            }
+            if r.is_read_or_atomic() || psn.precedes(r.last_psn()) {
+                break;
+            }
+            r.done = true;
+            progress = true;
+        }
+        if progress {
+            self.progress_made(qp);
+        }
+    }
+
+    /// Forward progress: fresh retry budgets and a restarted ACK timer.
+    fn progress_made(&mut self, qp: &mut Qp) {
+        qp.req.retries_left = qp.attrs.retry_cnt;
+        qp.req.rnr_left = qp.attrs.rnr_retry;
+        qp.req.ack_deadline = ack_timeout_ns(qp.attrs.timeout).map(|t| self.now_ns + t);
+    }
+
+    fn on_rnr_nak(&mut self, qp: &mut Qp, psn: Psn, timer: u8) {
+        self.ack_through(qp, psn.wrapping_add(0xFF_FFFF));
+        let infinite = qp.attrs.rnr_retry == 7;
+        if !infinite && qp.req.rnr_left == 0 {
+            if let Some(i) = qp
+                .req
+                .inflight
+                .iter()
+                .position(|r| !r.done && r.contains(psn))
+            {
+                self.finish_record(qp, i, WcStatus::RnrRetryExcErr);
+            }
+            return;
+        }
+        if !infinite {
+            qp.req.rnr_left -= 1;
+        }
+        qp.req.ack_deadline = None;
+        qp.req.rnr_until = Some(self.now_ns + rnr_timer_ns(timer));
+        qp.req.rnr_psn = psn;
+    }
+
+    fn on_read_response(&mut self, qp: &mut Qp, pkt: &RocePacket<'_>, pos: Position) {
+        let psn = pkt.repr().bth.psn;
+        let Some(i) = qp.req.inflight.iter().position(|r| {
+            !r.done && r.opcode == hca_prm::wqe::WqeOpcode::RdmaRead && r.contains(psn)
+        }) else {
+            return; // a duplicate of a finished read
+        };
+        let r = qp.req.inflight[i];
+        let expected = r.first_psn.wrapping_add(r.resp_pkts);
+        if psn != expected {
+            if expected.precedes(psn) {
+                // A response was lost: ask again from the missing one.
+                self.retransmit_from(qp, expected);
+            }
+            return;
+        }
+        // Sends and writes before the read are implicitly acknowledged.
+        self.ack_through(qp, r.first_psn.wrapping_add(0xFF_FFFF));
+        let mtu = qp.attrs.path_mtu.bytes();
+        let offset = r.resp_pkts * mtu;
+        let payload = pkt.payload();
+        let ends = matches!(pos, Position::Last | Position::Only);
+        let size_ok = if ends {
+            offset + payload.len() as u32 == r.len
+        } else {
+            payload.len() as u32 == mtu
+        };
+        if !size_ok {
+            self.finish_record(qp, i, WcStatus::BadRespErr);
+            return;
+        }
+        let mut buf = [0u8; MAX_WQE_BYTES];
+        let result = self.with_wqe(qp, r.bb_start, &mut buf, |dev, qp, wqe| match wqe.payload {
+            Payload::Data(sges) => dev.sge_copy(qp, sges, offset, Copy::In(payload)),
+            Payload::Inline(_) => Err(WcStatus::LocQpOpErr),
+        });
+        match result {
+            Some(Ok(())) => {
+                qp.req.inflight[i].resp_pkts += 1;
+                self.progress_made(qp);
+                if ends {
+                    self.finish_record(qp, i, WcStatus::Success);
+                }
+            }
+            Some(Err(status)) => self.finish_record(qp, i, status),
+            None => self.finish_record(qp, i, WcStatus::LocQpOpErr),
+        }
+    }
+
+    fn on_atomic_ack(&mut self, qp: &mut Qp, psn: Psn, orig: u64) {
+        let Some(i) = qp
+            .req
+            .inflight
+            .iter()
+            .position(|r| !r.done && r.is_read_or_atomic() && r.contains(psn))
+        else {
+            return;
+        };
+        self.ack_through(qp, psn.wrapping_add(0xFF_FFFF));
+        let r = qp.req.inflight[i];
+        let mut buf = [0u8; MAX_WQE_BYTES];
+        // The original value lands in local memory in host byte order.
+        let bytes = orig.to_le_bytes();
+        let result = self.with_wqe(qp, r.bb_start, &mut buf, |dev, qp, wqe| match wqe.payload {
+            Payload::Data(sges) => dev.sge_copy(qp, sges, 0, Copy::In(&bytes)),
+            Payload::Inline(_) => Err(WcStatus::LocQpOpErr),
+        });
+        self.progress_made(qp);
+        let status = match result {
+            Some(Ok(())) => WcStatus::Success,
+            Some(Err(s)) => s,
+            None => WcStatus::LocQpOpErr,
+        };
+        self.finish_record(qp, i, status);
+    }
+
+    /// Re-reads the WQE at basic block `bb` and runs `f` on it.
+    fn with_wqe<R>(
+        &mut self,
+        qp: &mut Qp,
+        bb: u32,
+        buf: &mut [u8; MAX_WQE_BYTES],
+        f: impl FnOnce(&mut Device, &mut Qp, &SendWqe<'_>) -> R,
+    ) -> Option<R> {
+        let bbs = self.load_wqe(qp, bb, buf)?;
+        let wqe = SendWqe::parse(
+            &buf[..bbs as usize * 64],
+            bb as u16,
+            transport_of(qp.qp_type),
+        )
+        .ok()?;
+        Some(f(self, qp, &wqe))
+    }
+
+    /// Sends again every unacknowledged packet from `psn` on (RC).
+    pub(crate) fn retransmit_from(&mut self, qp: &mut Qp, psn: Psn) {
+        if transport_of(qp.qp_type) != Transport::Rc {
+            return;
+        }
+        let mut buf = [0u8; MAX_WQE_BYTES];
+        for i in 0..qp.req.inflight.len() {
+            let r = qp.req.inflight[i];
+            if r.done || r.npkts == 0 || r.last_psn().precedes(psn) {
+                continue;
+            }
+            let from = if r.contains(psn) {
+                psn.distance_from(r.first_psn)
+            } else {
+                0
+            };
+            let from = if matches!(r.opcode, hca_prm::wqe::WqeOpcode::RdmaRead) {
+                from.max(r.resp_pkts)
+            } else {
+                from
+            };
+            let sent = self.with_wqe(qp, r.bb_start, &mut buf, |dev, qp, wqe| {
+                if matches!(wqe.op, WqeOp::AtomicCs { .. } | WqeOp::AtomicFa { .. }) && from > 0 {
+                    return;
+                }
+                dev.transmit(qp, i, wqe, from);
+            });
+            if sent.is_none() {
+                self.finish_record(qp, i, WcStatus::LocQpOpErr);
+                return;
+            }
+            if qp.state != QpState::Rts && qp.state != QpState::Sqd {
+                return;
+            }
+        }
+        qp.req.ack_deadline = ack_timeout_ns(qp.attrs.timeout).map(|t| self.now_ns + t);
+    }
+
+    /// The oldest PSN not yet acknowledged, if any request is outstanding.
+    fn oldest_unacked(qp: &Qp) -> Option<Psn> {
+        qp.req
+            .inflight
+            .iter()
+            .find(|r| !r.done && r.npkts > 0)
+            .map(|r| r.first_psn.wrapping_add(r.resp_pkts))
+    }
+
+    /// The earliest time any QP's timer fires.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        let hca = self.hca.as_ref()?;
+        hca.qps
+            .iter()
+            .flatten()
+            .flat_map(|qp| [qp.req.ack_deadline, qp.req.rnr_until])
+            .flatten()
+            .min()
+    }
+
+    /// Runs every timer due at `now_ns`: RNR waits end in a retransmission,
+    /// ACK timeouts retransmit or fail the WQE with `RETRY_EXC_ERR`.
+    pub fn handle_timeout(&mut self, now_ns: u64) {
+        self.set_time(now_ns);
+        let now = self.now_ns;
+        let due: Vec<u32> = match self.hca.as_ref() {
+            Some(hca) => hca
+                .qps
+                .iter()
+                .flatten()
+                .filter(|qp| {
+                    qp.req.ack_deadline.is_some_and(|t| t <= now)
+                        || qp.req.rnr_until.is_some_and(|t| t <= now)
+                })
+                .map(|qp| qp.index)
+                .collect(),
+            None => return,
+        };
+        for n in due {
+            self.with_qp(n, |dev, qp| dev.qp_timeout(qp, now));
+        }
+    }
+
+    fn qp_timeout(&mut self, qp: &mut Qp, now: u64) {
+        if !matches!(qp.state, QpState::Rts | QpState::Sqd) {
+            qp.req.ack_deadline = None;
+            qp.req.rnr_until = None;
+            return;
+        }
+        if qp.req.rnr_until.is_some_and(|t| t <= now) {
+            qp.req.rnr_until = None;
+            let psn = qp.req.rnr_psn;
+            self.retransmit_from(qp, psn);
+        }
+        if qp.req.ack_deadline.is_some_and(|t| t <= now) {
+            qp.req.ack_deadline = None;
+            if let Some(psn) = Self::oldest_unacked(qp) {
+                if qp.req.retries_left == 0 {
+                    if let Some(i) = qp.req.inflight.iter().position(|r| !r.done && r.npkts > 0) {
+                        self.finish_record(qp, i, WcStatus::RetryExcErr);
+                    }
+                } else {
+                    qp.req.retries_left -= 1;
+                    self.retransmit_from(qp, psn);
+                }
+            }
+        }
+        self.retire(qp);
+        self.run_send_queue_of(qp);
+    }
+}

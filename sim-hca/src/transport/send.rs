@@ -1,0 +1,765 @@
+//! The requester: fetching send WQEs and turning them into request packets.
+
+use std::net::Ipv4Addr;
+
+use hca_prm::wqe::{Payload, SendWqe, WqeFlags, WqeOp, WqeOpcode};
+use ib_types::qp::{QpState, QpType};
+use ib_types::scalars::{PKey, Psn, QKey, Qpn};
+use ib_types::wc::WcStatus;
+use ib_types::wr::Transport;
+
+use super::{ACK_REQ_INTERVAL, SendRecord, ack_timeout_ns};
+use crate::device::Device;
+use crate::device::dma::{KeyError, MttRange, Need, check_key};
+use crate::device::qp::Qp;
+use crate::wire::bth::BthRepr;
+use crate::wire::eth::MacAddr;
+use crate::wire::ext::{AtomicEthRepr, DethRepr, ExtRepr, IethRepr, ImmDtRepr, RethRepr};
+use crate::wire::opcode::Opcode;
+use crate::wire::packet::PacketRepr;
+use crate::wire::udp::flow_source_port;
+
+/// Largest send WQE the device reads, in bytes (`2^log_max_wqe_size`).
+pub(crate) const MAX_WQE_BYTES: usize = 512;
+
+/// Where a message's packet sits in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pos {
+    First,
+    Middle,
+    Last,
+    Only,
+}
+
+impl Pos {
+    pub(crate) fn of(index: u32, count: u32) -> Self {
+        match (index == 0, index + 1 == count) {
+            (true, true) => Self::Only,
+            (true, false) => Self::First,
+            (false, true) => Self::Last,
+            (false, false) => Self::Middle,
+        }
+    }
+
+    fn ends(self) -> bool {
+        matches!(self, Self::Last | Self::Only)
+    }
+
+    fn starts(self) -> bool {
+        matches!(self, Self::First | Self::Only)
+    }
+}
+
+/// The request opcode for a packet of a send or RDMA write message.
+fn request_opcode(transport: Transport, op: WqeOpcode, pos: Pos) -> Option<Opcode> {
+    use Opcode as O;
+    use Pos::*;
+    use WqeOpcode as W;
+    Some(match (transport, op, pos) {
+        (Transport::Rc, W::Send | W::SendImm | W::SendInv, First) => O::RcSendFirst,
+        (Transport::Rc, W::Send | W::SendImm | W::SendInv, Middle) => O::RcSendMiddle,
+        (Transport::Rc, W::Send, Last) => O::RcSendLast,
+        (Transport::Rc, W::SendImm, Last) => O::RcSendLastWithImmediate,
+        (Transport::Rc, W::SendInv, Last) => O::RcSendLastWithInvalidate,
+        (Transport::Rc, W::Send, Only) => O::RcSendOnly,
+        (Transport::Rc, W::SendImm, Only) => O::RcSendOnlyWithImmediate,
+        (Transport::Rc, W::SendInv, Only) => O::RcSendOnlyWithInvalidate,
+        (Transport::Rc, W::RdmaWrite | W::RdmaWriteImm, First) => O::RcRdmaWriteFirst,
+        (Transport::Rc, W::RdmaWrite | W::RdmaWriteImm, Middle) => O::RcRdmaWriteMiddle,
+        (Transport::Rc, W::RdmaWrite, Last) => O::RcRdmaWriteLast,
+        (Transport::Rc, W::RdmaWriteImm, Last) => O::RcRdmaWriteLastWithImmediate,
+        (Transport::Rc, W::RdmaWrite, Only) => O::RcRdmaWriteOnly,
+        (Transport::Rc, W::RdmaWriteImm, Only) => O::RcRdmaWriteOnlyWithImmediate,
+        (Transport::Uc, W::Send | W::SendImm, First) => O::UcSendFirst,
+        (Transport::Uc, W::Send | W::SendImm, Middle) => O::UcSendMiddle,
+        (Transport::Uc, W::Send, Last) => O::UcSendLast,
+        (Transport::Uc, W::SendImm, Last) => O::UcSendLastWithImmediate,
+        (Transport::Uc, W::Send, Only) => O::UcSendOnly,
+        (Transport::Uc, W::SendImm, Only) => O::UcSendOnlyWithImmediate,
+        (Transport::Uc, W::RdmaWrite | W::RdmaWriteImm, First) => O::UcRdmaWriteFirst,
+        (Transport::Uc, W::RdmaWrite | W::RdmaWriteImm, Middle) => O::UcRdmaWriteMiddle,
+        (Transport::Uc, W::RdmaWrite, Last) => O::UcRdmaWriteLast,
+        (Transport::Uc, W::RdmaWriteImm, Last) => O::UcRdmaWriteLastWithImmediate,
+        (Transport::Uc, W::RdmaWrite, Only) => O::UcRdmaWriteOnly,
+        (Transport::Uc, W::RdmaWriteImm, Only) => O::UcRdmaWriteOnlyWithImmediate,
+        (Transport::Ud, W::Send, Only) => O::UdSendOnly,
+        (Transport::Ud, W::SendImm, Only) => O::UdSendOnlyWithImmediate,
+        _ => return None,
+    })
+}
+
+/// The transport a QP type runs (special QPs are datagram QPs).
+pub(crate) fn transport_of(qp_type: QpType) -> Transport {
+    match qp_type {
+        QpType::Rc => Transport::Rc,
+        QpType::Uc => Transport::Uc,
+        QpType::Ud | QpType::Smi | QpType::Gsi => Transport::Ud,
+    }
+}
+
+/// Addressing of one packet: everything below the BTH plus the P_Key.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Route {
+    pub port: u8,
+    pub src_mac: MacAddr,
+    pub dst_mac: MacAddr,
+    pub src_ip: Ipv4Addr,
+    pub dst_ip: Ipv4Addr,
+    pub tos: u8,
+    pub ttl: u8,
+    pub src_port: u16,
+    pub pkey: PKey,
+}
+
+/// Why a WQE failed locally before or while it was sent.
+pub(crate) fn key_status(e: KeyError) -> WcStatus {
+    match e {
+        KeyError::Access => WcStatus::LocAccessErr,
+        _ => WcStatus::LocProtErr,
+    }
+}
+
+impl Device {
+    /// Runs `f` with QP `n` taken out of its table slot, so that `f` can use
+    /// the rest of the device mutably. `None` if there is no such QP.
+    pub(crate) fn with_qp<R>(
+        &mut self,
+        n: u32,
+        f: impl FnOnce(&mut Device, &mut Qp) -> R,
+    ) -> Option<R> {
+        let mut qp = self.hca.as_mut()?.qps.get_mut(n as usize)?.take()?;
+        let result = f(self, &mut qp);
+        if let Some(slot) = self.hca.as_mut().and_then(|h| h.qps.get_mut(n as usize)) {
+            *slot = Some(qp);
+        }
+        Some(result)
+    }
+
+    /// The route of packets from `qp` to `dgid_ip` with the QP's path
+    /// attributes, or of a UD send with its own address vector.
+    pub(crate) fn route(&self, qp: &Qp, av: &hca_prm::av::Av, dest_qpn: Qpn) -> Option<Route> {
+        let port = self.port_ref(qp.port)?;
+        let src_ip = port
+            .gids
+            .get(usize::from(av.sgid_index))
+            .and_then(|g| g.ipv4())
+            .unwrap_or(port.ipv4());
+        let dst_ip = Ipv4Addr::from(av.dest_ipv4()?);
+        let pkey = PKey::new(*port.pkeys.get(usize::from(qp.attrs.pkey_index))?);
+        let entropy = av.flow_label.get() ^ qp.wire_qpn().get() ^ dest_qpn.get();
+        Some(Route {
+            port: qp.port,
+            src_mac: MacAddr::for_ipv4(Ipv4Addr::from(port.ipv4())),
+            dst_mac: MacAddr::for_ip_destination(dst_ip),
+            src_ip: Ipv4Addr::from(src_ip),
+            dst_ip,
+            tos: av.traffic_class,
+            ttl: av.hop_limit,
+            src_port: flow_source_port(entropy),
+            pkey,
+        })
+    }
+
+    /// Emits one packet onto the route's port.
+    pub(crate) fn emit_packet(
+        &mut self,
+        route: &Route,
+        bth: BthRepr,
+        ext: ExtRepr,
+        payload: &[u8],
+    ) {
+        let repr = PacketRepr {
+            dst_mac: route.dst_mac,
+            src_mac: route.src_mac,
+            src_ip: route.src_ip,
+            dst_ip: route.dst_ip,
+            tos: route.tos,
+            ttl: route.ttl,
+            src_port: route.src_port,
+            bth,
+            ext,
+            payload_len: payload.len(),
+        };
+        let mut emitted = false;
+        self.send_frame(route.port, |buf| {
+            buf.resize(repr.buffer_len(), 0);
+            emitted = repr.emit(payload, buf).is_ok();
+            if !emitted {
+                buf.clear();
+            }
+        });
+        if emitted && let Some(port) = self.port_mut_ref(route.port) {
+            port.counters.tx_packets += 1;
+            port.counters.tx_bytes += payload.len() as u64;
+        }
+    }
+
+    /// Reads `bbs` basic blocks of the send ring from counter `bb` into
+    /// `out`, across the ring's wrap.
+    fn read_sq(&mut self, qp: &Qp, bb: u32, bbs: u32, out: &mut [u8]) -> bool {
+        let range = MttRange::of_ring(&qp.sq);
+        let mask = qp.sq_entries() - 1;
+        let mut ok = true;
+        if let Some(hca) = self.hca.as_ref() {
+            for i in 0..bbs {
+                let slot = bb.wrapping_add(i) & mask;
+                let chunk = &mut out[i as usize * 64..(i as usize + 1) * 64];
+                if hca
+                    .mtt
+                    .read(self.mem.as_ref(), range, u64::from(slot) * 64, chunk)
+                    .is_err()
+                {
+                    ok = false;
+                    break;
+                }
+            }
+        } else {
+            ok = false;
+        }
+        if !ok {
+            self.note_fault();
+        }
+        ok
+    }
+
+    /// Reads the WQE whose first block is at `bb` into `buf`; returns the
+    /// number of blocks it occupies, or `None` if its blocks were not all
+    /// posted or cannot be read.
+    pub(crate) fn load_wqe(
+        &mut self,
+        qp: &Qp,
+        bb: u32,
+        buf: &mut [u8; MAX_WQE_BYTES],
+    ) -> Option<u32> {
+        if !self.read_sq(qp, bb, 1, &mut buf[..64]) {
+            return None;
+        }
+        let size16 = u32::from(buf[2]);
+        let bbs = (size16 * 16).div_ceil(64).max(1);
+        let posted = qp.sq_producer.wrapping_sub(bb);
+        if bbs > posted || bbs as usize * 64 > MAX_WQE_BYTES {
+            return Some(bbs.min(posted.max(1)));
+        }
+        if bbs > 1
+            && !self.read_sq(
+                qp,
+                bb.wrapping_add(1),
+                bbs - 1,
+                &mut buf[64..bbs as usize * 64],
+            )
+        {
+            return None;
+        }
+        Some(bbs)
+    }
+
+    /// Fetches and starts send WQEs of QP `n` as far as its state, FENCE
+    /// and the read/atomic limit allow, then retires what finished.
+    pub(crate) fn run_send_queue(&mut self, n: u32) {
+        self.with_qp(n, |dev, qp| dev.run_send_queue_of(qp));
+    }
+
+    pub(crate) fn run_send_queue_of(&mut self, qp: &mut Qp) {
+        if qp.state == QpState::Err {
+            self.flush_queues(qp);
+            return;
+        }
+        let transport = transport_of(qp.qp_type);
+        let mut buf = [0u8; MAX_WQE_BYTES];
+        while qp.state == QpState::Rts && qp.req.rnr_until.is_none() && !self.is_fatal() {
+            let bb = qp.req.fetch;
+            if bb == qp.sq_producer {
+                break;
+            }
+            let Some(bbs) = self.load_wqe(qp, bb, &mut buf) else {
+                self.fail_unparsable(qp, bb, 1, WcStatus::LocQpOpErr);
+                break;
+            };
+            let wqe = match SendWqe::parse(&buf[..bbs as usize * 64], bb as u16, transport) {
+                Ok(wqe) => wqe,
+                Err(_) => {
+                    self.fail_unparsable(qp, bb, bbs, WcStatus::LocQpOpErr);
+                    break;
+                }
+            };
+            let opcode = wqe.op.opcode();
+            let is_rd_atomic = matches!(
+                opcode,
+                WqeOpcode::RdmaRead | WqeOpcode::AtomicCs | WqeOpcode::AtomicFa
+            );
+            if wqe.flags.contains(WqeFlags::FENCE) && qp.req.rd_atomic > 0 {
+                break;
+            }
+            if is_rd_atomic && qp.req.rd_atomic >= u32::from(qp.attrs.max_rd_atomic.max(1)) {
+                break;
+            }
+            let signaled = wqe.flags.contains(WqeFlags::SIGNALED)
+                || qp.flags.contains(hca_prm::ctx::QpcFlags::SQ_SIG_ALL);
+            let len = payload_len(&wqe.payload);
+            let mtu = qp.attrs.path_mtu.bytes();
+            let npkts = match opcode {
+                WqeOpcode::Nop | WqeOpcode::BindMw | WqeOpcode::LocalInv => 0,
+                WqeOpcode::AtomicCs | WqeOpcode::AtomicFa => 1,
+                _ if transport == Transport::Ud => 1,
+                _ => len.div_ceil(mtu).max(1),
+            };
+            let mut record = SendRecord {
+                bb_start: bb,
+                wqe_index: wqe.wqe_index,
+                opcode,
+                signaled,
+                len,
+                first_psn: qp.req.psn,
+                npkts,
+                resp_pkts: 0,
+                done: false,
+                status: WcStatus::Success,
+            };
+            qp.req.fetch = bb.wrapping_add(bbs);
+            // Local checks before anything goes on the wire.
+            let early = self.check_local(qp, &wqe, len);
+            if let Err(status) = early {
+                record.done = true;
+                record.status = status;
+                record.npkts = 0;
+                qp.req.inflight.push_back(record);
+                self.fail_send_queue(qp);
+                return;
+            }
+            match opcode {
+                WqeOpcode::Nop => record.done = true,
+                WqeOpcode::BindMw | WqeOpcode::LocalInv => {
+                    record.status = self.execute_memory_op(qp, &wqe.op);
+                    record.done = true;
+                }
+                _ => {}
+            }
+            if transport != Transport::Ud && npkts > 0 {
+                qp.req.psn = qp.req.psn.wrapping_add(npkts);
+            }
+            let failed = record.status != WcStatus::Success;
+            qp.req.inflight.push_back(record);
+            if failed {
+                self.fail_send_queue(qp);
+                return;
+            }
+            if npkts > 0 {
+                if is_rd_atomic {
+                    qp.req.rd_atomic += 1;
+                }
+                let index = qp.req.inflight.len() - 1;
+                self.transmit(qp, index, &wqe, 0);
+                if transport != Transport::Rc {
+                    // Unreliable services complete when the last packet is
+                    // sent.
+                    qp.req.inflight[index].done = true;
+                }
+            }
+        }
+        self.retire(qp);
+    }
+
+    /// Checks the local side of a WQE: every data segment's key, PD, range
+    /// and right (PRM 7.1), the UD message size, and the UD address port.
+    fn check_local(&mut self, qp: &Qp, wqe: &SendWqe<'_>, len: u32) -> Result<(), WcStatus> {
+        let transport = transport_of(qp.qp_type);
+        if transport == Transport::Ud {
+            if len > qp.attrs.path_mtu.bytes().max(self.port_mtu(qp.port)) {
+                return Err(WcStatus::LocLenErr);
+            }
+            if let Some(ud) = &wqe.ud
+                && (ud.av.port != qp.port || ud.av.dest_ipv4().is_none())
+            {
+                return Err(WcStatus::LocQpOpErr);
+            }
+        }
+        if len > crate::device::DeviceConfig::MAX_MSG_SIZE {
+            return Err(WcStatus::LocLenErr);
+        }
+        let need = match wqe.op.opcode() {
+            WqeOpcode::RdmaRead | WqeOpcode::AtomicCs | WqeOpcode::AtomicFa => Need::LocalWrite,
+            _ => Need::LocalRead,
+        };
+        if let Payload::Data(sges) = wqe.payload {
+            let hca = self.hca.as_ref().ok_or(WcStatus::FatalErr)?;
+            for sge in sges.iter().filter(|s| s.length.get() > 0) {
+                check_key(
+                    &hca.mpts,
+                    sge.lkey.get(),
+                    qp.pd,
+                    qp.index,
+                    sge.addr.get(),
+                    u64::from(sge.length.get()),
+                    need,
+                )
+                .map_err(key_status)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn port_mtu(&self, port: u8) -> u32 {
+        self.port_ref(port).map_or(256, |p| p.cfg.max_mtu.bytes())
+    }
+
+    /// Copies message bytes `offset..offset + out.len()` of the WQE's
+    /// payload into `out`.
+    pub(crate) fn gather(
+        &mut self,
+        qp: &Qp,
+        payload: &Payload<'_>,
+        offset: u32,
+        out: &mut [u8],
+    ) -> Result<(), WcStatus> {
+        match payload {
+            Payload::Inline(data) => {
+                let start = offset as usize;
+                let src = data
+                    .get(start..start + out.len())
+                    .ok_or(WcStatus::LocLenErr)?;
+                out.copy_from_slice(src);
+                Ok(())
+            }
+            Payload::Data(sges) => self.sge_copy(qp, sges, offset, Copy::Out(out)),
+        }
+    }
+
+    /// Moves bytes between a scatter/gather list (at message offset
+    /// `offset`) and `buf`, checking every key.
+    pub(crate) fn sge_copy(
+        &mut self,
+        qp: &Qp,
+        sges: &[ib_types::wr::Sge],
+        offset: u32,
+        mut buf: Copy<'_>,
+    ) -> Result<(), WcStatus> {
+        let total = buf.len();
+        let mut skip = u64::from(offset);
+        let mut done = 0usize;
+        let hca = self.hca.as_ref().ok_or(WcStatus::FatalErr)?;
+        for sge in sges {
+            if done == total {
+                break;
+            }
+            let sge_len = u64::from(sge.length.get());
+            if skip >= sge_len {
+                skip -= sge_len;
+                continue;
+            }
+            let chunk = ((sge_len - skip) as usize).min(total - done);
+            let va = sge.addr.get() + skip;
+            let need = if matches!(buf, Copy::In(_)) {
+                Need::LocalWrite
+            } else {
+                Need::LocalRead
+            };
+            let grant = check_key(
+                &hca.mpts,
+                sge.lkey.get(),
+                qp.pd,
+                qp.index,
+                va,
+                chunk as u64,
+                need,
+            )
+            .map_err(key_status)?;
+            let result = match &mut buf {
+                Copy::Out(out) => hca.mtt.read(
+                    self.mem.as_ref(),
+                    grant.range,
+                    grant.offset,
+                    &mut out[done..done + chunk],
+                ),
+                Copy::In(data) => hca.mtt.write(
+                    self.mem.as_ref(),
+                    grant.range,
+                    grant.offset,
+                    &data[done..done + chunk],
+                ),
+            };
+            if result.is_err() {
+                self.counters.dma_faults = self.counters.dma_faults.wrapping_add(1);
+                return Err(WcStatus::LocProtErr);
+            }
+            done += chunk;
+            skip = 0;
+        }
+        if done == total {
+            Ok(())
+        } else {
+            Err(WcStatus::LocLenErr)
+        }
+    }
+
+    /// Sends the packets of inflight record `index` from packet `from_pkt`
+    /// on (for reads: the request for the responses from `from_pkt` on).
+    pub(crate) fn transmit(&mut self, qp: &mut Qp, index: usize, wqe: &SendWqe<'_>, from_pkt: u32) {
+        let record = qp.req.inflight[index];
+        let transport = transport_of(qp.qp_type);
+        let (av, dest_qpn, qkey) = match (&wqe.ud, transport) {
+            (Some(ud), Transport::Ud) => {
+                // A controlled Q_Key in a WQE means "use the QP's" (PRM 10.2).
+                let qkey = if ud.qkey.is_controlled() {
+                    QKey::new(qp.attrs.qkey)
+                } else {
+                    ud.qkey
+                };
+                (ud.av, ud.dest_qpn, qkey)
+            }
+            _ => (qp.attrs.av, qp.attrs.dest_qpn, QKey::new(qp.attrs.qkey)),
+        };
+        let Some(route) = self.route(qp, &av, dest_qpn) else {
+            self.finish_record(qp, index, WcStatus::LocQpOpErr);
+            return;
+        };
+        let mtu = qp.attrs.path_mtu.bytes();
+        let mut payload = std::mem::take(&mut self.scratch);
+        match wqe.op {
+            WqeOp::RdmaRead { remote } => {
+                let skip = from_pkt * mtu;
+                let reth = RethRepr {
+                    va: remote.addr + u64::from(skip),
+                    rkey: remote.rkey,
+                    dma_len: record.len - skip.min(record.len),
+                };
+                let bth = self.bth(
+                    qp,
+                    Opcode::RcRdmaReadRequest,
+                    dest_qpn,
+                    record.first_psn.wrapping_add(from_pkt),
+                    &route,
+                    false,
+                    true,
+                );
+                self.emit_packet(&route, bth, ExtRepr::Reth(reth), &[]);
+            }
+            WqeOp::AtomicCs {
+                remote,
+                compare,
+                swap,
+            } => {
+                let ext = ExtRepr::AtomicEth(AtomicEthRepr {
+                    va: remote.addr,
+                    rkey: remote.rkey,
+                    swap_add: swap,
+                    compare,
+                });
+                let bth = self.bth(
+                    qp,
+                    Opcode::RcCompareSwap,
+                    dest_qpn,
+                    record.first_psn,
+                    &route,
+                    false,
+                    true,
+                );
+                self.emit_packet(&route, bth, ext, &[]);
+            }
+            WqeOp::AtomicFa { remote, add } => {
+                let ext = ExtRepr::AtomicEth(AtomicEthRepr {
+                    va: remote.addr,
+                    rkey: remote.rkey,
+                    swap_add: add,
+                    compare: 0,
+                });
+                let bth = self.bth(
+                    qp,
+                    Opcode::RcFetchAdd,
+                    dest_qpn,
+                    record.first_psn,
+                    &route,
+                    false,
+                    true,
+                );
+                self.emit_packet(&route, bth, ext, &[]);
+            }
+            op => {
+                let solicited = wqe.flags.contains(WqeFlags::SOLICITED);
+                for pkt in from_pkt..record.npkts {
+                    let pos = Pos::of(pkt, record.npkts);
+                    let Some(opcode) = request_opcode(transport, record.opcode, pos) else {
+                        break;
+                    };
+                    let start = pkt * mtu;
+                    let chunk = (record.len - start.min(record.len)).min(mtu) as usize;
+                    payload.clear();
+                    payload.resize(chunk, 0);
+                    if let Err(status) = self.gather(qp, &wqe.payload, start, &mut payload) {
+                        self.scratch = payload;
+                        self.finish_record(qp, index, status);
+                        return;
+                    }
+                    let ext = match (op, pos.starts(), pos.ends()) {
+                        (WqeOp::RdmaWrite { remote }, true, _) => ExtRepr::Reth(RethRepr {
+                            va: remote.addr,
+                            rkey: remote.rkey,
+                            dma_len: record.len,
+                        }),
+                        (WqeOp::RdmaWriteImm { remote, imm }, true, true) => ExtRepr::RethImmDt(
+                            RethRepr {
+                                va: remote.addr,
+                                rkey: remote.rkey,
+                                dma_len: record.len,
+                            },
+                            ImmDtRepr { imm },
+                        ),
+                        (WqeOp::RdmaWriteImm { remote, .. }, true, false) => {
+                            ExtRepr::Reth(RethRepr {
+                                va: remote.addr,
+                                rkey: remote.rkey,
+                                dma_len: record.len,
+                            })
+                        }
+                        (WqeOp::RdmaWriteImm { imm, .. } | WqeOp::SendImm { imm }, _, true)
+                            if transport != Transport::Ud =>
+                        {
+                            ExtRepr::ImmDt(ImmDtRepr { imm })
+                        }
+                        (WqeOp::SendInv { rkey }, _, true) => ExtRepr::Ieth(IethRepr { rkey }),
+                        (WqeOp::Send, _, _) if transport == Transport::Ud => {
+                            ExtRepr::Deth(DethRepr {
+                                qkey,
+                                src_qp: qp.wire_qpn(),
+                            })
+                        }
+                        (WqeOp::SendImm { imm }, _, _) if transport == Transport::Ud => {
+                            ExtRepr::DethImmDt(
+                                DethRepr {
+                                    qkey,
+                                    src_qp: qp.wire_qpn(),
+                                },
+                                ImmDtRepr { imm },
+                            )
+                        }
+                        _ => ExtRepr::None,
+                    };
+                    let ack_req = transport == Transport::Rc
+                        && (pos.ends() || pkt % ACK_REQ_INTERVAL == ACK_REQ_INTERVAL - 1);
+                    let psn = record.first_psn.wrapping_add(pkt);
+                    let bth = self.bth(
+                        qp,
+                        opcode,
+                        dest_qpn,
+                        psn,
+                        &route,
+                        solicited && pos.ends(),
+                        ack_req,
+                    );
+                    self.emit_packet(&route, bth, ext, &payload);
+                }
+            }
+        }
+        self.scratch = payload;
+        if transport == Transport::Rc && qp.req.ack_deadline.is_none() {
+            qp.req.ack_deadline = ack_timeout_ns(qp.attrs.timeout).map(|t| self.now_ns + t);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments, reason = "one BTH has this many fields")]
+    fn bth(
+        &self,
+        _qp: &Qp,
+        opcode: Opcode,
+        dest_qp: Qpn,
+        psn: Psn,
+        route: &Route,
+        solicited: bool,
+        ack_req: bool,
+    ) -> BthRepr {
+        BthRepr {
+            opcode,
+            solicited,
+            mig_req: false,
+            pkey: route.pkey,
+            fecn: false,
+            becn: false,
+            dest_qp,
+            ack_req,
+            psn,
+        }
+    }
+
+    /// Marks inflight record `index` finished with `status`; an error fails
+    /// the send queue.
+    pub(crate) fn finish_record(&mut self, qp: &mut Qp, index: usize, status: WcStatus) {
+        if let Some(r) = qp.req.inflight.get_mut(index)
+            && !r.done
+        {
+            r.done = true;
+            r.status = status;
+            if r.is_read_or_atomic() {
+                qp.req.rd_atomic = qp.req.rd_atomic.saturating_sub(1);
+            }
+        }
+        if status != WcStatus::Success {
+            self.fail_send_queue(qp);
+        }
+    }
+
+    /// A WQE that cannot even be parsed completes with `status` (its index
+    /// is whatever the slot says) and fails the queue.
+    fn fail_unparsable(&mut self, qp: &mut Qp, bb: u32, bbs: u32, status: WcStatus) {
+        qp.req.fetch = bb.wrapping_add(bbs);
+        qp.req.inflight.push_back(SendRecord {
+            bb_start: bb,
+            wqe_index: bb as u16,
+            opcode: WqeOpcode::Nop,
+            signaled: true,
+            len: 0,
+            first_psn: qp.req.psn,
+            npkts: 0,
+            resp_pkts: 0,
+            done: true,
+            status,
+        });
+        self.fail_send_queue(qp);
+    }
+
+    /// Executes BIND_MW and LOCAL_INV against the MPT (PRM 7.1).
+    fn execute_memory_op(&mut self, qp: &Qp, op: &WqeOp) -> WcStatus {
+        let Some(hca) = self.hca.as_mut() else {
+            return WcStatus::FatalErr;
+        };
+        match *op {
+            WqeOp::LocalInv { key } => {
+                crate::device::mw::invalidate(&mut hca.mpts, key.get(), qp.pd, false)
+                    .map_or(WcStatus::MwBindErr, |_| WcStatus::Success)
+            }
+            WqeOp::BindMw(bind) => {
+                match crate::device::mw::bind(&mut hca.mpts, &bind, qp.pd, qp.index) {
+                    Ok(()) => WcStatus::Success,
+                    Err(_) => WcStatus::MwBindErr,
+                }
+            }
+            _ => WcStatus::Success,
+        }
+    }
+}
+
+/// A copy direction for [`Device::sge_copy`].
+pub(crate) enum Copy<'a> {
+    /// From the SGEs into this buffer (gather).
+    Out(&'a mut [u8]),
+    /// From this buffer into the SGEs (scatter).
+    In(&'a [u8]),
+}
+
+impl Copy<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::Out(b) => b.len(),
+            Self::In(b) => b.len(),
+        }
+    }
+}
+
+/// Message bytes of a payload.
+pub(crate) fn payload_len(payload: &Payload<'_>) -> u32 {
+    match payload {
+        Payload::Inline(data) => data.len() as u32,
+        Payload::Data(sges) => sges
+            .iter()
+            .map(|s| s.length.get())
+            .fold(0u32, u32::saturating_add),
+    }
+}
