@@ -321,3 +321,31 @@ impl Device {
         }
     }
 }
+
+impl Device {
+    /// The Ethernet group addresses port `port` must receive: one per
+    /// multicast group a QP on that port is attached to (PRM 10.1).
+    pub fn multicast_macs(&self, port: u8) -> Vec<[u8; 6]> {
+        let Some(hca) = self.hca.as_ref() else {
+            return Vec::new();
+        };
+        let mut macs: Vec<[u8; 6]> = hca
+            .mcgs
+            .iter()
+            .filter(|(_, members)| {
+                members.iter().any(|&q| {
+                    hca.qps
+                        .get(q as usize)
+                        .and_then(|s| s.as_ref())
+                        .is_some_and(|qp| qp.port == port)
+                })
+            })
+            .filter_map(|(gid, _)| gid.ipv4())
+            .filter_map(|ip| crate::wire::eth::MacAddr::for_ipv4_multicast(ip.into()))
+            .map(|mac| mac.octets())
+            .collect();
+        macs.sort_unstable();
+        macs.dedup();
+        macs
+    }
+}
