@@ -12,6 +12,8 @@
 //!   injection and a capture tap; [`rng`] is its seedable generator.
 //! - [`host`]: the device's door to host memory (bus addresses only) and
 //!   interrupts, with a self-contained IOMMU-style memory for tests.
+//! - [`testkit`]: a small test-side driver that programs a device through
+//!   the PRM alone (the device's tests and the capture tool use it).
 //! - [`device`]: the HCA itself — BAR0, the command interface, contexts,
 //!   event and completion queues, doorbells — and the IB transport engine
 //!   it runs (RC, UC, UD).
@@ -21,5 +23,6 @@ pub mod fabric;
 pub mod host;
 pub mod pcap;
 pub mod rng;
+pub mod testkit;
 pub(crate) mod transport;
 pub mod wire;
