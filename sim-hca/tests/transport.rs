@@ -162,7 +162,7 @@ fn rc_pair(mtu: Mtu) -> (Pair, Endpoint, Endpoint) {
     let mut p = Pair::new();
     let a = endpoint(&mut p.a, QpType::Rc, AccessFlags::empty());
     let b = endpoint(&mut p.b, QpType::Rc, AccessFlags::empty());
-    connect(&mut p, &a, &b, QpType::Rc, mtu, 14, 7, 7);
+    connect(&mut p, &a, &b, QpType::Rc, mtu, Retries::PATIENT);
     (p, a, b)
 }
 

@@ -52,6 +52,9 @@ impl Node {
     }
 }
 
+/// Decides per frame (direction, bytes) whether it is delivered.
+pub type FrameFilter = Box<dyn FnMut(bool, &[u8]) -> bool>;
+
 /// Two nodes back to back, with a virtual clock.
 pub struct Pair {
     pub a: Node,
@@ -60,7 +63,7 @@ pub struct Pair {
     /// Frames in flight, for tests that tamper with them: (to_b, frame).
     pub wire: VecDeque<(bool, Vec<u8>)>,
     /// When set, decides per frame whether it is delivered.
-    pub filter: Option<Box<dyn FnMut(bool, &[u8]) -> bool>>,
+    pub filter: Option<FrameFilter>,
 }
 
 pub const IP_A: [u8; 4] = [10, 0, 0, 1];
@@ -90,10 +93,10 @@ impl Pair {
             let Some((to_b, frame)) = self.wire.pop_front() else {
                 return;
             };
-            if let Some(filter) = self.filter.as_mut() {
-                if !filter(to_b, &frame) {
-                    continue;
-                }
+            if let Some(filter) = self.filter.as_mut()
+                && !filter(to_b, &frame)
+            {
+                continue;
             }
             let dst = if to_b {
                 &mut self.b.dev
@@ -160,6 +163,23 @@ pub fn endpoint(node: &mut Node, qp_type: QpType, access: AccessFlags) -> Endpoi
     Endpoint { cq, qp, mr }
 }
 
+/// The RC requester's ACK timeout exponent and retry counts.
+#[derive(Debug, Clone, Copy)]
+pub struct Retries {
+    pub timeout: u8,
+    pub retry: u8,
+    pub rnr_retry: u8,
+}
+
+impl Retries {
+    /// A 67 ms ACK timeout, 7 retries, RNR retries forever.
+    pub const PATIENT: Self = Self {
+        timeout: 14,
+        retry: 7,
+        rnr_retry: 7,
+    };
+}
+
 /// Connects two RC or UC QPs (both to RTS) with the given MTU.
 pub fn connect(
     pair: &mut Pair,
@@ -167,9 +187,7 @@ pub fn connect(
     eb: &Endpoint,
     qp_type: QpType,
     mtu: Mtu,
-    timeout: u8,
-    retry: u8,
-    rnr_retry: u8,
+    retries: Retries,
 ) {
     let access = AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
     for (node, me, peer_ip, peer_qpn, psn) in [
@@ -202,7 +220,13 @@ pub fn connect(
             node.drv.modify_qp(
                 &mut node.dev,
                 &me.qp,
-                &bring_up::to_rts(qp_type, psn, timeout, retry, rnr_retry)
+                &bring_up::to_rts(
+                    qp_type,
+                    psn,
+                    retries.timeout,
+                    retries.retry,
+                    retries.rnr_retry
+                )
             ),
             hca_prm::cmd::CmdStatus::Ok
         );
