@@ -10,6 +10,8 @@
 //!   and a reader for tests.
 //! - [`fabric`]: a deterministic simulated Ethernet switch with seeded fault
 //!   injection and a capture tap; [`rng`] is its seedable generator.
+//! - [`fast`]: the fast mode — devices on a lossless zero-latency fabric,
+//!   with work run in the threads that ring doorbells.
 //! - [`host`]: the device's door to host memory (bus addresses only) and
 //!   interrupts, with a self-contained IOMMU-style memory for tests.
 //! - [`testkit`]: a small test-side driver that programs a device through
@@ -20,6 +22,7 @@
 
 pub mod device;
 pub mod fabric;
+pub mod fast;
 pub mod host;
 pub mod pcap;
 pub mod rng;
