@@ -42,8 +42,8 @@ fn streaming_sends_between_threads() {
 
     // Bring up both nodes and create an RC endpoint on each.
     let mut setup = Vec::new();
-    for i in 0..2 {
-        let mem = mems[i].clone();
+    for (i, mem) in mems.iter().enumerate() {
+        let mem = mem.clone();
         let (drv, cq, qp, mr) = fabric.with_device(i, |dev| {
             let mut drv = Driver::bring_up(dev, mem);
             let cq = drv.create_cq(dev, 10).unwrap();
