@@ -19,7 +19,11 @@
 //! - [`device`]: the HCA itself — BAR0, the command interface, contexts,
 //!   event and completion queues, doorbells — and the IB transport engine
 //!   it runs (RC, UC, UD).
+//! - [`cluster`]: the simulation harness — several devices on one fabric,
+//!   stepped deterministically in virtual time from one seed, with pcap
+//!   capture.
 
+pub mod cluster;
 pub mod device;
 pub mod fabric;
 pub mod fast;
