@@ -306,6 +306,10 @@ impl Device {
 
     /// The earliest time any QP's timer fires.
     pub fn poll_timeout(&self) -> Option<u64> {
+        // A failed device runs nothing (PRM 2).
+        if self.is_fatal() {
+            return None;
+        }
         let hca = self.hca.as_ref()?;
         hca.qps
             .iter()
@@ -319,6 +323,9 @@ impl Device {
     /// ACK timeouts retransmit or fail the WQE with `RETRY_EXC_ERR`.
     pub fn handle_timeout(&mut self, now_ns: u64) {
         self.set_time(now_ns);
+        if self.is_fatal() {
+            return;
+        }
         let now = self.now_ns;
         let due: Vec<u32> = match self.hca.as_ref() {
             Some(hca) => hca
