@@ -14,6 +14,7 @@
 //!   with work run in the threads that ring doorbells.
 //! - [`host`]: the device's door to host memory (bus addresses only) and
 //!   interrupts, with a self-contained IOMMU-style memory for tests.
+//! - [`capture`]: the scripted traffic mix `cargo xtask capture` records.
 //! - [`testkit`]: a small test-side driver that programs a device through
 //!   the PRM alone (the device's tests and the capture tool use it).
 //! - [`device`]: the HCA itself — BAR0, the command interface, contexts,
@@ -23,6 +24,7 @@
 //!   stepped deterministically in virtual time from one seed, with pcap
 //!   capture.
 
+pub mod capture;
 pub mod cluster;
 pub mod device;
 pub mod fabric;

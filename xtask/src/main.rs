@@ -4,6 +4,8 @@
 //!   checks the stack's ABI contract (see `abi_report`); it will boot the
 //!   simulated host and run RDMA traffic once issues 3-5 land.
 //! - `test`: the test suite, exactly what CI runs after its lint gates.
+//! - `capture --out FILE`: runs the simulated HCA's scripted traffic mix and
+//!   writes its pcap capture (open it in Wireshark).
 
 mod abi_report;
 
@@ -22,6 +24,15 @@ struct Cli {
 enum Cmd {
     /// The main job: today, report and check the ABI contract.
     Run,
+    /// Run the scripted RoCEv2 traffic mix and write its pcap capture.
+    Capture {
+        /// Where to write the capture.
+        #[arg(long)]
+        out: std::path::PathBuf,
+        /// Seed of the simulation (the capture is reproducible from it).
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+    },
     /// Run the workspace tests (extra arguments go to `cargo test`).
     Test {
         /// Passed through to `cargo test`.
@@ -42,6 +53,33 @@ fn main() -> ExitCode {
             }
         },
         Cmd::Test { args } => test(&args),
+        Cmd::Capture { out, seed } => capture(&out, seed),
+    }
+}
+
+/// Writes the scripted mix's capture to `out`.
+fn capture(out: &std::path::Path, seed: u64) -> ExitCode {
+    let file = match std::fs::File::create(out) {
+        Ok(f) => std::io::BufWriter::new(f),
+        Err(e) => {
+            eprintln!("cannot create {}: {e}", out.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    match sim_hca::capture::scripted_mix(file, seed) {
+        Ok((report, _)) => {
+            println!(
+                "wrote {} frames ({} completions checked) to {}",
+                report.frames,
+                report.completions,
+                out.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("the traffic mix failed: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 
