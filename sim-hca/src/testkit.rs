@@ -404,19 +404,27 @@ impl Driver {
         dev.mmio_write32(regs::eq_doorbell_offset(0).expect("EQ 0"), db.encode());
     }
 
-    /// Writes MTT entries for every page of `buf`; returns the first index.
+    /// Writes MTT entries for every page of `buf` (as many `WRITE_MTT`
+    /// commands as one mailbox per 511 entries needs); returns the first
+    /// index.
     pub fn write_mtt(&mut self, dev: &mut Device, buf: DmaBuf) -> u32 {
         let first = self.mtt_next;
         let pages = buf.len / SIM_PAGE;
-        let mut input = Vec::with_capacity(8 + 8 * pages as usize);
-        input.extend_from_slice(&u64::from(first).to_le_bytes());
-        for p in 0..pages {
-            input.extend_from_slice(&(buf.bus + p * SIM_PAGE).to_le_bytes());
+        let per_command = hca_prm::cmd::MAX_MTT_PER_WRITE as u64;
+        let mut page = 0;
+        while page < pages {
+            let count = (pages - page).min(per_command);
+            let mut input = Vec::with_capacity(8 + 8 * count as usize);
+            input.extend_from_slice(&(u64::from(first) + page).to_le_bytes());
+            for p in page..page + count {
+                input.extend_from_slice(&(buf.bus + p * SIM_PAGE).to_le_bytes());
+            }
+            assert_eq!(
+                self.cmd(dev, Opcode::WriteMtt, 0, 0, &input, 0).0,
+                CmdStatus::Ok
+            );
+            page += count;
         }
-        assert_eq!(
-            self.cmd(dev, Opcode::WriteMtt, 0, 0, &input, 0).0,
-            CmdStatus::Ok
-        );
         self.mtt_next += pages as u32;
         first
     }
@@ -857,5 +865,34 @@ pub mod bring_up {
             m.max_rd_atomic = Some(4);
         }
         m
+    }
+}
+
+impl Driver {
+    /// Brings `qp` from RESET to RTS towards `peer_ip`/`peer_qpn` (RC and UC:
+    /// remote read, write and atomic rights; PSNs start at 0; a 4 ms ACK
+    /// timeout, 7 retries, infinite RNR retries).
+    pub fn connect(
+        &mut self,
+        dev: &mut Device,
+        qp: &Qp,
+        peer_ip: [u8; 4],
+        peer_qpn: u32,
+        mtu: Mtu,
+    ) -> Result<(), CmdStatus> {
+        let access =
+            AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+        let steps = [
+            bring_up::to_init(qp.qp_type, access, 0),
+            bring_up::to_rtr(qp.qp_type, peer_ip, peer_qpn, 0, mtu),
+            bring_up::to_rts(qp.qp_type, 0, 10, 7, 7),
+        ];
+        for m in &steps {
+            let status = self.modify_qp(dev, qp, m);
+            if status != CmdStatus::Ok {
+                return Err(status);
+            }
+        }
+        Ok(())
     }
 }

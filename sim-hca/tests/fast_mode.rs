@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use hca_prm::cmd::CmdStatus;
 use ib_types::access::AccessFlags;
 use ib_types::qp::QpType;
 use ib_types::scalars::Mtu;
@@ -13,7 +12,7 @@ use ib_types::wr::{SendFlags, SendOp, SendWr};
 use sim_hca::device::{Device, DeviceConfig};
 use sim_hca::fast::FastFabric;
 use sim_hca::host::{InterruptSink, SimMemory};
-use sim_hca::testkit::{Driver, bring_up};
+use sim_hca::testkit::Driver;
 
 struct NoIrq;
 impl InterruptSink for NoIrq {
@@ -60,25 +59,11 @@ fn streaming_sends_between_threads() {
     let qpns = [setup[0].2.qpn, setup[1].2.qpn];
     for (i, (drv, _, qp, _)) in setup.iter_mut().enumerate() {
         let peer = 1 - i;
-        fabric.with_device(i, |dev| {
-            let q = QpType::Rc;
-            assert_eq!(
-                drv.modify_qp(dev, qp, &bring_up::to_init(q, AccessFlags::empty(), 0)),
-                CmdStatus::Ok
-            );
-            assert_eq!(
-                drv.modify_qp(
-                    dev,
-                    qp,
-                    &bring_up::to_rtr(q, IPS[peer], qpns[peer], 0, Mtu::Mtu4096)
-                ),
-                CmdStatus::Ok
-            );
-            assert_eq!(
-                drv.modify_qp(dev, qp, &bring_up::to_rts(q, 0, 14, 7, 7)),
-                CmdStatus::Ok
-            );
-        });
+        fabric
+            .with_device(i, |dev| {
+                drv.connect(dev, qp, IPS[peer], qpns[peer], Mtu::Mtu4096)
+            })
+            .unwrap();
     }
     let (mut rx, mut tx) = (setup.pop().unwrap(), setup.pop().unwrap());
     const MESSAGES: u32 = 2000;

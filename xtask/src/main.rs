@@ -1,13 +1,15 @@
 //! Project automation, run as `cargo xtask <command>` (a cargo alias).
 //!
-//! - `run`: the main job. Until the simulated platform exists it reports and
-//!   checks the stack's ABI contract (see `abi_report`); it will boot the
-//!   simulated host and run RDMA traffic once issues 3-5 land.
+//! - `run`: the main job. It reports and checks the stack's ABI contract
+//!   (`abi_report`), then moves checked RDMA traffic between two simulated
+//!   HCAs in fast mode (`rdma_run`). Once the simulated host and the drivers
+//!   land, it runs the same traffic through the whole stack.
 //! - `test`: the test suite, exactly what CI runs after its lint gates.
 //! - `capture --out FILE`: runs the simulated HCA's scripted traffic mix and
 //!   writes its pcap capture (open it in Wireshark).
 
 mod abi_report;
+mod rdma_run;
 
 use std::process::{Command, ExitCode};
 
@@ -22,7 +24,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// The main job: today, report and check the ABI contract.
+    /// The main job: the ABI contract, then RDMA on two simulated HCAs.
     Run,
     /// Run the scripted RoCEv2 traffic mix and write its pcap capture.
     Capture {
@@ -43,15 +45,21 @@ enum Cmd {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Cmd::Run => match abi_report::run() {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(problems) => {
+        Cmd::Run => {
+            if let Err(problems) = abi_report::run() {
                 for p in &problems {
                     eprintln!("ABI contract problem: {p}");
                 }
-                ExitCode::FAILURE
+                return ExitCode::FAILURE;
             }
-        },
+            match rdma_run::run() {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("RDMA run failed: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Cmd::Test { args } => test(&args),
         Cmd::Capture { out, seed } => capture(&out, seed),
     }
