@@ -12,8 +12,10 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use hca_prm::cqe::Cqe;
+use hca_prm::ctx::QpcFlags;
+use hca_prm::eqe::Event;
 use ib_types::access::AccessFlags;
-use ib_types::qp::QpType;
+use ib_types::qp::{QpState, QpType};
 use ib_types::scalars::Mtu;
 use sim_hca::device::{Device, DeviceConfig};
 use sim_hca::host::{InterruptSink, SimMemory};
@@ -49,6 +51,18 @@ impl Node {
         dev.set_link(1, true);
         let drv = Driver::bring_up(&mut dev, mem);
         Self { dev, drv, irq }
+    }
+
+    /// Polls the EQ and takes every event read so far, oldest first.
+    pub fn events(&mut self) -> Vec<Event> {
+        self.drv.poll_eq(&mut self.dev);
+        self.drv.events.drain(..).collect()
+    }
+
+    /// The QP's state as `QUERY_QP` reports it.
+    pub fn qp_state(&mut self, qpn: u32) -> QpState {
+        let qpc = self.drv.query_qp(&mut self.dev, qpn).expect("QUERY_QP");
+        QpState::from_code(qpc.state).expect("a valid state")
     }
 }
 
@@ -144,11 +158,22 @@ pub struct Endpoint {
 pub const PD: u32 = 7;
 
 pub fn endpoint(node: &mut Node, qp_type: QpType, access: AccessFlags) -> Endpoint {
-    let cq = node.drv.create_cq(&mut node.dev, 8).unwrap();
+    endpoint_with(node, qp_type, 8, QpcFlags::empty(), access)
+}
+
+/// An endpoint whose CQ has `2^cq_log` entries and whose QP has `flags`.
+pub fn endpoint_with(
+    node: &mut Node,
+    qp_type: QpType,
+    cq_log: u8,
+    flags: QpcFlags,
+    access: AccessFlags,
+) -> Endpoint {
+    let cq = node.drv.create_cq(&mut node.dev, cq_log).unwrap();
     let rcq = &cq;
     let qp = node
         .drv
-        .create_qp(&mut node.dev, qp_type, 1, PD, rcq, rcq, None, (6, 6))
+        .create_qp_with_flags(&mut node.dev, qp_type, 1, PD, (rcq, rcq), None, (6, 6), flags)
         .unwrap();
     let rights = AccessFlags::LOCAL_WRITE
         | AccessFlags::REMOTE_READ
