@@ -427,14 +427,25 @@ impl Device {
             }
             qp.resp.uc_resync = false;
         }
-        if let Err(e) = self.execute_request(qp, pkt, false) {
-            // UC has no NAKs: a failed message is dropped; a failed receive
-            // buffer completes in error and the QP fails.
-            if e.nak == NakCode::RemoteOperationalError || e.status == WcStatus::LocLenErr {
-                self.fail_recv(qp, e.status);
+        match self.execute_request(qp, pkt, false) {
+            Ok(None) => {}
+            Ok(Some(_)) => {
+                // UC has no RNR NAK (IBA 9.9.3, class E): a message that
+                // finds no receive WQE is silently dropped, with whatever
+                // write state it left, and the responder resumes at the
+                // next FIRST or ONLY.
+                qp.resp.write = None;
+                qp.resp.uc_resync = true;
             }
-            qp.resp.write = None;
-            qp.resp.uc_resync = true;
+            Err(e) => {
+                // UC has no NAKs: a failed message is dropped; a failed
+                // receive buffer completes in error and the QP fails.
+                if e.nak == NakCode::RemoteOperationalError || e.status == WcStatus::LocLenErr {
+                    self.fail_recv(qp, e.status);
+                }
+                qp.resp.write = None;
+                qp.resp.uc_resync = true;
+            }
         }
     }
 

@@ -1,0 +1,1136 @@
+//! The verbs matrix: every opcode on every transport that supports it, every
+//! completion error the device generates, duplicates, concurrent atomics,
+//! memory windows, SRQs, QP state effects, ports and commands — two (or more)
+//! simulated HCAs driven through the PRM by the test driver, data checked
+//! byte for byte, completions checked for status, opcode and `wqe_index`.
+
+mod common;
+
+use common::*;
+use hca_prm::av::Av;
+use hca_prm::cmd::{CmdEntry, CmdStatus, Opcode, PortInfo};
+use hca_prm::cqe::{Cqe, CqeFlags};
+use hca_prm::ctx::{Cqc, QpcFlags};
+use hca_prm::eqe::Event;
+use hca_prm::mpt::{MptEntry, MptKind};
+use hca_prm::wqe::{Bind, MwType, Payload, SendWqe, WqeFlags, WqeOp, WqeOpcode};
+use hca_prm::{Le16, Le32, Le64};
+use ib_types::abi::Be32;
+use ib_types::access::AccessFlags;
+use ib_types::av::AvAttr;
+use ib_types::handle::{AvHandle, MwHandle};
+use ib_types::qp::{QpModify, QpState, QpType};
+use ib_types::scalars::{Gid, Mtu, PortNum, QKey, Qpn};
+use ib_types::wc::WcStatus;
+use ib_types::wr::{LKey, MwBind, RKey, RemoteAddr, SendFlags, SendOp, SendWr, Sge, UdDest};
+use sim_hca::testkit::{Driver, Mr, Srq};
+use zerocopy::{FromBytes, IntoBytes};
+
+// ----- helpers ---------------------------------------------------------------
+
+const SIG: SendFlags = SendFlags::SIGNALED;
+const NONE: SendFlags = SendFlags::empty();
+const QKEY: u32 = 0x1111_2222;
+
+fn wr(wr_id: u64, op: SendOp, flags: SendFlags, sg: &[Sge]) -> SendWr<'_> {
+    SendWr {
+        wr_id,
+        op,
+        flags,
+        sg_list: sg,
+        ud: None,
+    }
+}
+
+fn sge(mr: &Mr, at: u64, len: u32) -> Sge {
+    Driver::sge(mr, at, len)
+}
+
+fn remote(mr: &Mr, off: u64) -> RemoteAddr {
+    RemoteAddr {
+        addr: mr.va + off,
+        rkey: mr.rkey,
+    }
+}
+
+fn imm(v: u32) -> Be32 {
+    Be32::new(v)
+}
+
+/// Posts a send WR (rings the doorbell); returns its `wqe_index`.
+fn post(node: &mut Node, ep: &mut Endpoint, w: &SendWr<'_>) -> u16 {
+    let index = ep.qp.sq_producer as u16;
+    node.drv
+        .post_send(&mut node.dev, &mut ep.qp, w, None, None, true)
+        .expect("a well-formed WR");
+    index
+}
+
+/// Posts a send WR without ringing; returns its `wqe_index`.
+fn post_quiet(node: &mut Node, ep: &mut Endpoint, w: &SendWr<'_>) -> u16 {
+    let index = ep.qp.sq_producer as u16;
+    node.drv
+        .post_send(&mut node.dev, &mut ep.qp, w, None, None, false)
+        .expect("a well-formed WR");
+    index
+}
+
+/// Posts an inline send WR; returns its `wqe_index`.
+fn post_inline(node: &mut Node, ep: &mut Endpoint, w: &SendWr<'_>, data: &[u8]) -> u16 {
+    let index = ep.qp.sq_producer as u16;
+    node.drv
+        .post_send(&mut node.dev, &mut ep.qp, w, None, Some(data), true)
+        .expect("a well-formed inline WR");
+    index
+}
+
+/// Posts a UD send of `len` bytes at offset `at` of the endpoint's region to
+/// `dest_qpn` at `dest_ip` (or a multicast group address); returns the
+/// `wqe_index`.
+fn post_ud(
+    node: &mut Node,
+    ep: &mut Endpoint,
+    op: SendOp,
+    sg: &[Sge],
+    dest_ip: [u8; 4],
+    dest_qpn: u32,
+) -> u16 {
+    let av = Av::try_from(&AvAttr::roce(PortNum::FIRST, Gid::from_ipv4(dest_ip), 0)).unwrap();
+    let w = SendWr {
+        wr_id: 1,
+        op,
+        flags: SIG,
+        sg_list: sg,
+        ud: Some(UdDest {
+            av: AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(dest_qpn).unwrap(),
+            remote_qkey: QKey::new(QKEY),
+        }),
+    };
+    let index = ep.qp.sq_producer as u16;
+    node.drv
+        .post_send(&mut node.dev, &mut ep.qp, &w, Some(&av), None, true)
+        .expect("a well-formed UD WR");
+    index
+}
+
+/// Posts a receive of `len` bytes at offset `at` of the endpoint's region;
+/// returns its `wqe_index`.
+fn recv(node: &mut Node, ep: &mut Endpoint, at: u64, len: u32) -> u16 {
+    let index = ep.qp.rq_producer as u16;
+    let sg = sge(&ep.mr, at, len);
+    node.drv.post_recv(&mut ep.qp, u64::from(index), &[sg]);
+    index
+}
+
+fn cqes(node: &mut Node, ep: &mut Endpoint) -> Vec<Cqe> {
+    node.drv.drain_cq(&mut ep.cq)
+}
+
+/// (opcode, status, wqe_index) of a completion.
+fn c(op: WqeOpcode, status: WcStatus, index: u16) -> (u8, u8, u16) {
+    (op.code(), status.code(), index)
+}
+
+fn ok(op: WqeOpcode, index: u16) -> (u8, u8, u16) {
+    c(op, WcStatus::Success, index)
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+fn rc_pair_with(mtu: Mtu, retries: Retries) -> (Pair, Endpoint, Endpoint) {
+    let mut p = Pair::new();
+    let a = endpoint(&mut p.a, QpType::Rc, AccessFlags::empty());
+    let b = endpoint(&mut p.b, QpType::Rc, AccessFlags::empty());
+    connect(&mut p, &a, &b, QpType::Rc, mtu, retries);
+    (p, a, b)
+}
+
+fn rc_pair() -> (Pair, Endpoint, Endpoint) {
+    rc_pair_with(Mtu::Mtu1024, Retries::PATIENT)
+}
+
+/// Brings a UD (or other datagram) endpoint to RTS with Q_Key [`QKEY`].
+fn ud_ready(node: &mut Node, ep: &Endpoint) {
+    let q = ep.qp.qp_type;
+    for m in [
+        bring_up::to_init(q, AccessFlags::empty(), QKEY),
+        bring_up::to_rtr(q, [0; 4], 0, 0, Mtu::Mtu1024),
+        bring_up::to_rts(q, 0, 0, 0, 0),
+    ] {
+        assert_eq!(node.drv.modify_qp(&mut node.dev, &ep.qp, &m), CmdStatus::Ok);
+    }
+}
+
+fn ud_pair() -> (Pair, Endpoint, Endpoint) {
+    let mut p = Pair::new();
+    let a = endpoint(&mut p.a, QpType::Ud, AccessFlags::empty());
+    let b = endpoint(&mut p.b, QpType::Ud, AccessFlags::empty());
+    ud_ready(&mut p.a, &a);
+    ud_ready(&mut p.b, &b);
+    (p, a, b)
+}
+
+/// Registers a region of `len` bytes in `pd` with `access`.
+fn reg(node: &mut Node, len: usize, pd: u32, access: AccessFlags) -> Mr {
+    node.drv.reg_mr(&mut node.dev, len, pd, access).unwrap()
+}
+
+fn query_mpt(node: &mut Node, index: u32) -> Result<MptEntry, CmdStatus> {
+    let (status, out) = node.drv.cmd(&mut node.dev, Opcode::QueryMpt, 0, index, &[], 64);
+    if status != CmdStatus::Ok {
+        return Err(status);
+    }
+    Ok(MptEntry::read_from_bytes(&out).unwrap())
+}
+
+fn query_port(node: &mut Node) -> PortInfo {
+    let (status, out) = node.drv.cmd(&mut node.dev, Opcode::QueryPort, 0, 1, &[], 4096);
+    assert_eq!(status, CmdStatus::Ok);
+    PortInfo::read_from_prefix(&out).unwrap().0
+}
+
+/// A window key: the MPT index and a tag.
+fn mw_key(index: u32, tag: u8) -> RKey {
+    RKey::new(index << 8 | u32::from(tag))
+}
+
+/// A type 2 bind WR (the only kind verbs post).
+fn bind2<'a>(wr_id: u64, key: RKey, mr: &Mr, off: u64, len: u64, access: AccessFlags) -> SendWr<'a> {
+    wr(
+        wr_id,
+        SendOp::BindMw {
+            mw: MwHandle::from_raw(1),
+            rkey: key,
+            bind: MwBind {
+                mr_lkey: mr.lkey,
+                addr: mr.va + off,
+                length: len,
+                access,
+            },
+        },
+        SIG,
+        &[],
+    )
+}
+
+/// Posts a type 2 bind of `key` over `off..off+len` of `mr` (the
+/// endpoint's own region when `None`); returns the `wqe_index`.
+fn post_bind2(
+    node: &mut Node,
+    ep: &mut Endpoint,
+    key: RKey,
+    mr: Option<&Mr>,
+    off: u64,
+    len: u64,
+    access: AccessFlags,
+) -> u16 {
+    let mr = *mr.unwrap_or(&ep.mr);
+    post(node, ep, &bind2(1, key, &mr, off, len, access))
+}
+
+/// Posts a type 1 bind WQE (built directly: verbs binds only type 2).
+fn post_bind1(
+    node: &mut Node,
+    ep: &mut Endpoint,
+    key: RKey,
+    mr: Option<&Mr>,
+    off: u64,
+    len: u64,
+    access: AccessFlags,
+) -> u16 {
+    let mr = *mr.unwrap_or(&ep.mr);
+    let index = ep.qp.sq_producer as u16;
+    let wqe = SendWqe {
+        wqe_index: index,
+        flags: WqeFlags::SIGNALED,
+        op: WqeOp::BindMw(Bind {
+            new_rkey: key,
+            mr_key: mr.lkey,
+            va: mr.va + off,
+            length: len,
+            access,
+            mw_type: MwType::Type1,
+        }),
+        ud: None,
+        payload: Payload::Data(&[]),
+    };
+    node.drv
+        .post_wqe(&mut node.dev, &mut ep.qp, &wqe, 0, true)
+        .unwrap();
+    index
+}
+
+const ALL_REMOTE: AccessFlags = AccessFlags::REMOTE_READ
+    .union(AccessFlags::REMOTE_WRITE)
+    .union(AccessFlags::REMOTE_ATOMIC);
+
+// ----- 1. opcodes: RC -------------------------------------------------------
+
+#[test]
+fn rc_send_and_send_with_immediate() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let r0 = recv(&mut p.b, &mut b, 0, 2048);
+    let r1 = recv(&mut p.b, &mut b, 4096, 2048);
+    let one = pattern(1500, 1);
+    let two = pattern(300, 2);
+    p.a.drv.write_mr(&a.mr, 0, &one);
+    p.a.drv.write_mr(&a.mr, 2048, &two);
+    let sg0 = [sge(&a.mr, 0, 1500)];
+    let sg1 = [sge(&a.mr, 2048, 300)];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg0));
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            2,
+            SendOp::SendWithImm {
+                imm: imm(0x1122_3344),
+            },
+            SIG | SendFlags::SOLICITED,
+            &sg1,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0), ok(WqeOpcode::SendImm, i1)]
+    );
+    let got = cqes(&mut p.b, &mut b);
+    assert_eq!(
+        summary(&got),
+        vec![ok(WqeOpcode::Send, r0), ok(WqeOpcode::SendImm, r1)]
+    );
+    assert_eq!(got[0].flags(), CqeFlags::RECV);
+    assert_eq!(got[0].byte_count.get(), 1500);
+    assert_eq!(got[0].qpn.get(), b.qp.qpn);
+    assert_eq!(
+        got[1].flags(),
+        CqeFlags::RECV | CqeFlags::IMM | CqeFlags::SOLICITED
+    );
+    assert_eq!(got[1].byte_count.get(), 300);
+    assert_eq!(got[1].imm, 0x1122_3344u32.to_be_bytes());
+    assert_eq!(p.b.drv.read_mr(&b.mr, 0, 1500), one);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 4096, 300), two);
+    // Nothing past the message was touched.
+    assert_eq!(p.b.drv.read_mr(&b.mr, 1500, 548), vec![0; 548]);
+}
+
+#[test]
+fn rc_send_with_invalidate_of_a_region() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let target = reg(
+        &mut p.b,
+        4096,
+        PD,
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+    );
+    assert_eq!(query_mpt(&mut p.b, target.index).unwrap().state, 1);
+    let r0 = recv(&mut p.b, &mut b, 0, 256);
+    let data = pattern(64, 9);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let sg = [sge(&a.mr, 0, 64)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::SendWithInvalidate { rkey: target.rkey },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::SendInv, i0)]
+    );
+    let got = cqes(&mut p.b, &mut b);
+    assert_eq!(summary(&got), vec![ok(WqeOpcode::SendInv, r0)]);
+    assert_eq!(got[0].flags(), CqeFlags::RECV | CqeFlags::INV);
+    assert_eq!(got[0].imm, target.rkey.get().to_le_bytes());
+    assert_eq!(got[0].byte_count.get(), 64);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 0, 64), data);
+    // The region is invalid now: the MPT says so and a remote write fails.
+    assert_eq!(query_mpt(&mut p.b, target.index).unwrap().state, 0);
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            2,
+            SendOp::RdmaWrite {
+                remote: remote(&target, 0),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::RdmaWrite, WcStatus::RemAccessErr, i1)]
+    );
+}
+
+#[test]
+fn rc_send_with_invalidate_of_a_type2_window() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let w = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType2).unwrap();
+    let key = mw_key(w, 0x42);
+    let bi = post_bind2(
+        &mut p.b,
+        &mut b,
+        key,
+        None,
+        1024,
+        1024,
+        AccessFlags::REMOTE_WRITE,
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::BindMw, bi)]
+    );
+    assert_eq!(query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(), 1);
+    // Write through the window, then invalidate it with the send.
+    let data = pattern(100, 3);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let sg = [sge(&a.mr, 0, 100)];
+    let through = RemoteAddr {
+        addr: b.mr.va + 1024,
+        rkey: key,
+    };
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(1, SendOp::RdmaWrite { remote: through }, SIG, &sg),
+    );
+    let r0 = recv(&mut p.b, &mut b, 8192, 128);
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(2, SendOp::SendWithInvalidate { rkey: key }, SIG, &sg),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::RdmaWrite, i0), ok(WqeOpcode::SendInv, i1)]
+    );
+    assert_eq!(p.b.drv.read_mr(&b.mr, 1024, 100), data);
+    let got = cqes(&mut p.b, &mut b);
+    assert_eq!(summary(&got), vec![ok(WqeOpcode::SendInv, r0)]);
+    assert_eq!(got[0].flags(), CqeFlags::RECV | CqeFlags::INV);
+    assert_eq!(got[0].imm, key.get().to_le_bytes());
+    let window = query_mpt(&mut p.b, w).unwrap();
+    assert_eq!(
+        (window.kind, window.state),
+        (MptKind::WindowType2.code(), 0)
+    );
+    assert_eq!(query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(), 0);
+    // The old key no longer grants anything.
+    let i2 = post(
+        &mut p.a,
+        &mut a,
+        &wr(3, SendOp::RdmaWrite { remote: through }, SIG, &sg),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::RdmaWrite, WcStatus::RemAccessErr, i2)]
+    );
+}
+
+#[test]
+fn rc_rdma_write_and_write_with_immediate() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let data = pattern(2500, 5);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let sg = [sge(&a.mr, 0, 2500)];
+    let sg_small = [sge(&a.mr, 0, 700)];
+    // A plain write (3 packets) consumes no receive WQE.
+    let r0 = recv(&mut p.b, &mut b, 20_000, 64);
+    let r1 = recv(&mut p.b, &mut b, 20_100, 64);
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, 1000),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::RdmaWrite, i0)]
+    );
+    assert!(cqes(&mut p.b, &mut b).is_empty(), "a write completes nothing at B");
+    assert_eq!(p.b.drv.read_mr(&b.mr, 1000, 2500), data);
+    // Writes with immediate (one and three packets) each consume a receive
+    // WQE and report the write's length; the receive buffer is untouched.
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            2,
+            SendOp::RdmaWriteWithImm {
+                remote: remote(&b.mr, 8000),
+                imm: imm(0xA1B2_C3D4),
+            },
+            SIG,
+            &sg_small,
+        ),
+    );
+    let i2 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            3,
+            SendOp::RdmaWriteWithImm {
+                remote: remote(&b.mr, 12_000),
+                imm: imm(7),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::RdmaWriteImm, i1), ok(WqeOpcode::RdmaWriteImm, i2)]
+    );
+    let got = cqes(&mut p.b, &mut b);
+    assert_eq!(
+        summary(&got),
+        vec![
+            ok(WqeOpcode::RdmaWriteImm, r0),
+            ok(WqeOpcode::RdmaWriteImm, r1)
+        ]
+    );
+    assert_eq!(got[0].flags(), CqeFlags::RECV | CqeFlags::IMM);
+    assert_eq!(got[0].byte_count.get(), 700);
+    assert_eq!(got[0].imm, 0xA1B2_C3D4u32.to_be_bytes());
+    assert_eq!(got[1].byte_count.get(), 2500);
+    assert_eq!(got[1].imm, 7u32.to_be_bytes());
+    assert_eq!(p.b.drv.read_mr(&b.mr, 8000, 700), data[..700]);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 12_000, 2500), data);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 20_000, 164), vec![0; 164]);
+}
+
+#[test]
+fn rc_rdma_read() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let data = pattern(3000, 11);
+    p.b.drv.write_mr(&b.mr, 5000, &data);
+    let sg = [sge(&a.mr, 100, 3000)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaRead {
+                remote: remote(&b.mr, 5000),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    let got = cqes(&mut p.a, &mut a);
+    assert_eq!(summary(&got), vec![ok(WqeOpcode::RdmaRead, i0)]);
+    assert_eq!(got[0].byte_count.get(), 3000);
+    assert_eq!(p.a.drv.read_mr(&a.mr, 100, 3000), data);
+    assert_eq!(p.a.drv.read_mr(&a.mr, 0, 100), vec![0; 100]);
+    assert!(cqes(&mut p.b, &mut b).is_empty());
+}
+
+#[test]
+fn rc_compare_swap_and_fetch_add() {
+    let (mut p, mut a, b) = rc_pair();
+    p.b.drv.write_mr(&b.mr, 64, &1000u64.to_le_bytes());
+    let sg = |at| [sge(&a.mr, at, 8)];
+    let (s0, s1, s2) = (sg(0), sg(8), sg(16));
+    let word = remote(&b.mr, 64);
+    // A compare that fails leaves the word; one that holds swaps it.
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::CompareSwap {
+                remote: word,
+                compare: 999,
+                swap: 5,
+            },
+            SIG,
+            &s0,
+        ),
+    );
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            2,
+            SendOp::CompareSwap {
+                remote: word,
+                compare: 1000,
+                swap: 5,
+            },
+            SIG,
+            &s1,
+        ),
+    );
+    let i2 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            3,
+            SendOp::FetchAdd {
+                remote: word,
+                add: u64::MAX,
+            },
+            SIG,
+            &s2,
+        ),
+    );
+    p.pump();
+    let got = cqes(&mut p.a, &mut a);
+    assert_eq!(
+        summary(&got),
+        vec![
+            ok(WqeOpcode::AtomicCs, i0),
+            ok(WqeOpcode::AtomicCs, i1),
+            ok(WqeOpcode::AtomicFa, i2)
+        ]
+    );
+    assert!(got.iter().all(|c| c.byte_count.get() == 8));
+    assert_eq!(p.a.drv.read_mr(&a.mr, 0, 8), 1000u64.to_le_bytes());
+    assert_eq!(p.a.drv.read_mr(&a.mr, 8, 8), 1000u64.to_le_bytes());
+    assert_eq!(p.a.drv.read_mr(&a.mr, 16, 8), 5u64.to_le_bytes());
+    // 5 + (2^64 - 1) wraps to 4.
+    assert_eq!(p.b.drv.read_mr(&b.mr, 64, 8), 4u64.to_le_bytes());
+}
+
+#[test]
+fn rc_zero_length_write_and_read_skip_the_key_check() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let garbage = RemoteAddr {
+        addr: 0xdead_0000,
+        rkey: RKey::new(0x00ff_ff77),
+    };
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(1, SendOp::RdmaWrite { remote: garbage }, SIG, &[]),
+    );
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(2, SendOp::RdmaRead { remote: garbage }, SIG, &[]),
+    );
+    p.pump();
+    let got = cqes(&mut p.a, &mut a);
+    assert_eq!(
+        summary(&got),
+        vec![ok(WqeOpcode::RdmaWrite, i0), ok(WqeOpcode::RdmaRead, i1)]
+    );
+    assert_eq!(got[1].byte_count.get(), 0);
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Rts);
+    assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Rts);
+    assert!(cqes(&mut p.b, &mut b).is_empty());
+}
+
+#[test]
+fn rc_inline_send_and_write() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let r0 = recv(&mut p.b, &mut b, 0, 256);
+    let msg = pattern(100, 21);
+    let blob = pattern(200, 22);
+    // The SGE describes the length only: its key would fail a gather, so a
+    // success proves the device took the bytes from the WQE.
+    let bogus = |len| [Sge::new(0x1000, len, LKey::new(0xffff_ff00))];
+    let (g0, g1) = (bogus(100), bogus(200));
+    let i0 = post_inline(
+        &mut p.a,
+        &mut a,
+        &wr(1, SendOp::Send, SIG | SendFlags::INLINE, &g0),
+        &msg,
+    );
+    let i1 = post_inline(
+        &mut p.a,
+        &mut a,
+        &wr(
+            2,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, 4096),
+            },
+            SIG | SendFlags::INLINE,
+            &g1,
+        ),
+        &blob,
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0), ok(WqeOpcode::RdmaWrite, i1)]
+    );
+    let got = cqes(&mut p.b, &mut b);
+    assert_eq!(summary(&got), vec![ok(WqeOpcode::Send, r0)]);
+    assert_eq!(got[0].byte_count.get(), 100);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 0, 100), msg);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 4096, 200), blob);
+}
+
+#[test]
+fn rc_fenced_read_after_write_and_write_after_read() {
+    let (mut p, mut a, b) = rc_pair();
+    // Write then a fenced read of the same bytes returns what was written.
+    let data = pattern(512, 30);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let sg_w = [sge(&a.mr, 0, 512)];
+    let sg_r = [sge(&a.mr, 1024, 512)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, 0),
+            },
+            SIG,
+            &sg_w,
+        ),
+    );
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            2,
+            SendOp::RdmaRead {
+                remote: remote(&b.mr, 0),
+            },
+            SIG | SendFlags::FENCE,
+            &sg_r,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::RdmaWrite, i0), ok(WqeOpcode::RdmaRead, i1)]
+    );
+    assert_eq!(p.a.drv.read_mr(&a.mr, 1024, 512), data);
+    // Read into a buffer, then a fenced write of that buffer: the write
+    // waits for the read, so it carries the read's data, not stale bytes.
+    let fresh = pattern(512, 31);
+    p.b.drv.write_mr(&b.mr, 8192, &fresh);
+    let sg_r = [sge(&a.mr, 4096, 512)];
+    let sg_w = [sge(&a.mr, 4096, 512)];
+    let i2 = post_quiet(
+        &mut p.a,
+        &mut a,
+        &wr(
+            3,
+            SendOp::RdmaRead {
+                remote: remote(&b.mr, 8192),
+            },
+            SIG,
+            &sg_r,
+        ),
+    );
+    let i3 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            4,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, 16_384),
+            },
+            SIG | SendFlags::FENCE,
+            &sg_w,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::RdmaRead, i2), ok(WqeOpcode::RdmaWrite, i3)]
+    );
+    assert_eq!(p.b.drv.read_mr(&b.mr, 16_384, 512), fresh);
+}
+
+#[test]
+fn rc_unsignaled_wqes_complete_silently_before_a_signaled_one() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let rs: Vec<u16> = (0..4)
+        .map(|k| recv(&mut p.b, &mut b, k * 256, 256))
+        .collect();
+    let sgs: Vec<[Sge; 1]> = (0..4).map(|k| [sge(&a.mr, k * 64, 64)]).collect();
+    p.a.drv.write_mr(&a.mr, 0, &pattern(256, 40));
+    let mut last = 0;
+    for (k, sg) in sgs.iter().enumerate() {
+        let flags = if k == 3 { SIG } else { NONE };
+        last = post(&mut p.a, &mut a, &wr(k as u64, SendOp::Send, flags, sg));
+    }
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, last)]
+    );
+    let got = cqes(&mut p.b, &mut b);
+    assert_eq!(
+        summary(&got),
+        rs.iter()
+            .map(|&r| ok(WqeOpcode::Send, r))
+            .collect::<Vec<_>>()
+    );
+    for k in 0..4 {
+        assert_eq!(
+            p.b.drv.read_mr(&b.mr, k * 256, 64),
+            p.a.drv.read_mr(&a.mr, k * 64, 64)
+        );
+    }
+}
+
+#[test]
+fn rc_sq_sig_all_signals_every_wqe() {
+    let mut p = Pair::new();
+    let mut a = endpoint_with(
+        &mut p.a,
+        QpType::Rc,
+        8,
+        QpcFlags::SQ_SIG_ALL,
+        AccessFlags::empty(),
+    );
+    let b = endpoint(&mut p.b, QpType::Rc, AccessFlags::empty());
+    connect(&mut p, &a, &b, QpType::Rc, Mtu::Mtu1024, Retries::PATIENT);
+    let sg = [sge(&a.mr, 0, 16)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, 0),
+            },
+            NONE,
+            &sg,
+        ),
+    );
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            2,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, 64),
+            },
+            NONE,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::RdmaWrite, i0), ok(WqeOpcode::RdmaWrite, i1)]
+    );
+}
+
+#[test]
+fn rc_bind_mw_and_local_invalidate() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let w = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType2).unwrap();
+    let key = mw_key(w, 0x10);
+    let i0 = post_bind2(&mut p.b, &mut b, key, None, 0, 4096, AccessFlags::REMOTE_READ);
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::BindMw, i0)]
+    );
+    let window = query_mpt(&mut p.b, w).unwrap();
+    assert_eq!((window.state, window.tag), (1, 0x10));
+    assert_eq!(window.bound_qpn.get(), b.qp.qpn);
+    assert_eq!(window.bound_mr.get(), b.mr.index);
+    // Read through it.
+    let data = pattern(128, 50);
+    p.b.drv.write_mr(&b.mr, 0, &data);
+    let sg = [sge(&a.mr, 0, 128)];
+    let r = RemoteAddr {
+        addr: b.mr.va,
+        rkey: key,
+    };
+    let ia = post(&mut p.a, &mut a, &wr(1, SendOp::RdmaRead { remote: r }, SIG, &sg));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::RdmaRead, ia)]
+    );
+    assert_eq!(p.a.drv.read_mr(&a.mr, 0, 128), data);
+    // LOCAL_INV returns the window to free.
+    let i1 = post(
+        &mut p.b,
+        &mut b,
+        &wr(2, SendOp::LocalInvalidate { rkey: key }, SIG, &[]),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::LocalInv, i1)]
+    );
+    assert_eq!(query_mpt(&mut p.b, w).unwrap().state, 0);
+    assert_eq!(query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(), 0);
+}
+
+// ----- 1. opcodes: UC -------------------------------------------------------
+
+fn uc_pair() -> (Pair, Endpoint, Endpoint) {
+    let mut p = Pair::new();
+    let a = endpoint(&mut p.a, QpType::Uc, AccessFlags::empty());
+    let b = endpoint(&mut p.b, QpType::Uc, AccessFlags::empty());
+    connect(&mut p, &a, &b, QpType::Uc, Mtu::Mtu1024, Retries::PATIENT);
+    (p, a, b)
+}
+
+#[test]
+fn uc_send_write_and_immediates_multi_packet() {
+    let (mut p, mut a, mut b) = uc_pair();
+    let data = pattern(3000, 60);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let r0 = recv(&mut p.b, &mut b, 0, 4096);
+    let r1 = recv(&mut p.b, &mut b, 4096, 4096);
+    let r2 = recv(&mut p.b, &mut b, 8192, 64);
+    let sg_big = [sge(&a.mr, 0, 3000)];
+    let sg_small = [sge(&a.mr, 0, 100)];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg_big));
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(2, SendOp::SendWithImm { imm: imm(0x55) }, SIG, &sg_small),
+    );
+    let i2 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            3,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, 16_384),
+            },
+            SIG,
+            &sg_big,
+        ),
+    );
+    let i3 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            4,
+            SendOp::RdmaWriteWithImm {
+                remote: remote(&b.mr, 24_576),
+                imm: imm(0x66),
+            },
+            SIG,
+            &sg_big,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![
+            ok(WqeOpcode::Send, i0),
+            ok(WqeOpcode::SendImm, i1),
+            ok(WqeOpcode::RdmaWrite, i2),
+            ok(WqeOpcode::RdmaWriteImm, i3)
+        ]
+    );
+    let got = cqes(&mut p.b, &mut b);
+    assert_eq!(
+        summary(&got),
+        vec![
+            ok(WqeOpcode::Send, r0),
+            ok(WqeOpcode::SendImm, r1),
+            ok(WqeOpcode::RdmaWriteImm, r2)
+        ]
+    );
+    assert_eq!(
+        got.iter().map(|c| c.byte_count.get()).collect::<Vec<_>>(),
+        vec![3000, 100, 3000]
+    );
+    assert_eq!(got[1].imm, 0x55u32.to_be_bytes());
+    assert_eq!(got[2].imm, 0x66u32.to_be_bytes());
+    assert_eq!(p.b.drv.read_mr(&b.mr, 0, 3000), data);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 4096, 100), data[..100]);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 16_384, 3000), data);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 24_576, 3000), data);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 8192, 64), vec![0; 64]);
+}
+
+#[test]
+fn uc_write_with_immediate_without_a_receive_is_dropped_alone() {
+    // UC has no RNR: a message that finds no receive WQE is dropped. The
+    // next message must not be affected (IBA 9.7.5.1.x: UC responders
+    // resume at the next FIRST or ONLY).
+    let (mut p, mut a, mut b) = uc_pair();
+    let data = pattern(64, 61);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let sg = [sge(&a.mr, 0, 64)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaWriteWithImm {
+                remote: remote(&b.mr, 0),
+                imm: imm(1),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::RdmaWriteImm, i0)]
+    );
+    assert!(cqes(&mut p.b, &mut b).is_empty());
+    let r0 = recv(&mut p.b, &mut b, 4096, 64);
+    let i1 = post(&mut p.a, &mut a, &wr(2, SendOp::Send, SIG, &sg));
+    let i2 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            3,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, 8192),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i1), ok(WqeOpcode::RdmaWrite, i2)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::Send, r0)]
+    );
+    assert_eq!(p.b.drv.read_mr(&b.mr, 4096, 64), data);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 8192, 64), data);
+    assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Rts);
+}
+
+// ----- 1. opcodes: UD -------------------------------------------------------
+
+#[test]
+fn ud_send_and_send_with_immediate() {
+    let (mut p, mut a, mut b) = ud_pair();
+    let r0 = recv(&mut p.b, &mut b, 0, 40 + 1024);
+    let r1 = recv(&mut p.b, &mut b, 2048, 40 + 16);
+    let data = pattern(1024, 70);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let sg0 = [sge(&a.mr, 0, 1024)];
+    let sg1 = [sge(&a.mr, 0, 16)];
+    let bq = b.qp.qpn;
+    let i0 = post_ud(&mut p.a, &mut a, SendOp::Send, &sg0, IP_B, bq);
+    let i1 = post_ud(
+        &mut p.a,
+        &mut a,
+        SendOp::SendWithImm { imm: imm(0xBEEF) },
+        &sg1,
+        IP_B,
+        bq,
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0), ok(WqeOpcode::SendImm, i1)]
+    );
+    let got = cqes(&mut p.b, &mut b);
+    assert_eq!(
+        summary(&got),
+        vec![ok(WqeOpcode::Send, r0), ok(WqeOpcode::SendImm, r1)]
+    );
+    assert_eq!(got[0].flags(), CqeFlags::RECV | CqeFlags::GRH);
+    assert_eq!(got[0].byte_count.get(), 40 + 1024);
+    assert_eq!(got[0].src_qp.get(), a.qp.qpn);
+    assert_eq!(got[1].flags(), CqeFlags::RECV | CqeFlags::GRH | CqeFlags::IMM);
+    assert_eq!(got[1].byte_count.get(), 40 + 16);
+    assert_eq!(got[1].imm, 0xBEEFu32.to_be_bytes());
+    assert_eq!(p.b.drv.read_mr(&b.mr, 40, 1024), data);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 2048 + 40, 16), data[..16]);
+}
+
+#[test]
+fn ud_message_over_the_mtu_fails_locally_and_stops_only_the_send_queue() {
+    let (mut p, mut a, mut b) = ud_pair();
+    let mtu = query_port(&mut p.a).active_mtu;
+    let too_big = Mtu::from_code(mtu).unwrap().bytes() + 1;
+    let sg_big = [sge(&a.mr, 0, too_big)];
+    let sg = [sge(&a.mr, 0, 32)];
+    let bq = b.qp.qpn;
+    recv(&mut p.b, &mut b, 0, 8192);
+    // Post both, ring once: the first fails, the second is flushed.
+    let av = Av::try_from(&AvAttr::roce(PortNum::FIRST, Gid::from_ipv4(IP_B), 0)).unwrap();
+    let mk = |sg| SendWr {
+        wr_id: 1,
+        op: SendOp::Send,
+        flags: SIG,
+        sg_list: sg,
+        ud: Some(UdDest {
+            av: AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(bq).unwrap(),
+            remote_qkey: QKey::new(QKEY),
+        }),
+    };
+    let i0 = a.qp.sq_producer as u16;
+    p.a.drv
+        .post_send(&mut p.a.dev, &mut a.qp, &mk(&sg_big[..]), Some(&av), None, false)
+        .unwrap();
+    let i1 = a.qp.sq_producer as u16;
+    p.a.drv
+        .post_send(&mut p.a.dev, &mut a.qp, &mk(&sg[..]), Some(&av), None, true)
+        .unwrap();
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![
+            c(WqeOpcode::Send, WcStatus::LocLenErr, i0),
+            c(WqeOpcode::Send, WcStatus::WrFlushErr, i1)
+        ]
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Sqe);
+    assert!(cqes(&mut p.b, &mut b).is_empty(), "nothing went out");
+    // The receive queue keeps working in SQE.
+    let ra = recv(&mut p.a, &mut a, 8192, 40 + 32);
+    let sgb = [sge(&b.mr, 0, 32)];
+    let aq = a.qp.qpn;
+    let ib = post_ud(&mut p.b, &mut b, SendOp::Send, &sgb, IP_A, aq);
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::Send, ib)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, ra)]
+    );
+    // SQE -> RTS resumes the send queue.
+    assert_eq!(
+        p.a.drv
+            .modify_qp(&mut p.a.dev, &a.qp, &QpModify::to_state(QpState::Rts)),
+        CmdStatus::Ok
+    );
+    let i2 = post_ud(&mut p.a, &mut a, SendOp::Send, &sg, IP_B, bq);
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i2)]
+    );
+    assert_eq!(cqes(&mut p.b, &mut b).len(), 1);
+}
