@@ -1134,3 +1134,719 @@ fn ud_message_over_the_mtu_fails_locally_and_stops_only_the_send_queue() {
     );
     assert_eq!(cqes(&mut p.b, &mut b).len(), 1);
 }
+
+// ----- 2. every error status ------------------------------------------------
+
+#[test]
+fn loc_len_err_receive_buffer_too_small() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let r0 = recv(&mut p.b, &mut b, 0, 100);
+    let r1 = recv(&mut p.b, &mut b, 1024, 100);
+    let sg = [sge(&a.mr, 0, 200)];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::Send, WcStatus::RemInvReqErr, i0)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![
+            c(WqeOpcode::Send, WcStatus::LocLenErr, r0),
+            c(WqeOpcode::Send, WcStatus::WrFlushErr, r1)
+        ]
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+    assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Err);
+}
+
+#[test]
+fn loc_prot_err_bad_lkey_in_a_send() {
+    let (mut p, mut a, mut b) = rc_pair();
+    recv(&mut p.b, &mut b, 0, 256);
+    let bad = [Sge::new(a.mr.va, 16, LKey::new(a.mr.lkey.get() ^ 0x01))];
+    let sg = [sge(&a.mr, 0, 16)];
+    let i0 = post_quiet(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &bad));
+    let i1 = post(&mut p.a, &mut a, &wr(2, SendOp::Send, SIG, &sg));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![
+            c(WqeOpcode::Send, WcStatus::LocProtErr, i0),
+            c(WqeOpcode::Send, WcStatus::WrFlushErr, i1)
+        ]
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+    assert_eq!(p.a.dev.port_counters(1).unwrap().tx_packets, 0);
+    assert!(cqes(&mut p.b, &mut b).is_empty());
+}
+
+#[test]
+fn loc_prot_err_region_of_another_pd() {
+    let (mut p, mut a, mut b) = rc_pair();
+    recv(&mut p.b, &mut b, 0, 256);
+    let other = reg(&mut p.a, 4096, PD + 1, AccessFlags::LOCAL_WRITE);
+    let sg = [sge(&other, 0, 16)];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::Send, WcStatus::LocProtErr, i0)]
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+    assert!(cqes(&mut p.b, &mut b).is_empty());
+}
+
+#[test]
+fn loc_qp_op_err_garbage_wqe() {
+    let (mut p, mut a, b) = rc_pair();
+    // Opcode 0x7F does not exist; the index and size are right.
+    let mut raw = [0u8; 64];
+    raw[0] = 0x7F;
+    raw[1] = WqeFlags::SIGNALED.bits();
+    raw[2] = 1;
+    let i0 = a.qp.sq_producer as u16;
+    p.a.drv.write_sq_raw(&a.qp, a.qp.sq_producer, &raw);
+    a.qp.sq_producer += 1;
+    let sg = [sge(&a.mr, 0, 16)];
+    let target = remote(&b.mr, 0);
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(2, SendOp::RdmaWrite { remote: target }, SIG, &sg),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![
+            c(WqeOpcode::Nop, WcStatus::LocQpOpErr, i0),
+            c(WqeOpcode::RdmaWrite, WcStatus::WrFlushErr, i1)
+        ]
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+    assert_eq!(p.a.dev.port_counters(1).unwrap().tx_packets, 0);
+}
+
+#[test]
+fn loc_qp_op_err_wqe_index_mismatch() {
+    let (mut p, mut a, _b) = rc_pair();
+    // A NOP whose wqe_index is not its slot's.
+    let mut raw = [0u8; 64];
+    raw[1] = WqeFlags::SIGNALED.bits();
+    raw[2] = 1;
+    raw[4..6].copy_from_slice(&7u16.to_le_bytes());
+    let i0 = a.qp.sq_producer as u16;
+    p.a.drv.write_sq_raw(&a.qp, a.qp.sq_producer, &raw);
+    a.qp.sq_producer += 1;
+    p.a.drv.ring_sq(&mut p.a.dev, &a.qp);
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::Nop, WcStatus::LocQpOpErr, i0)]
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+}
+
+#[test]
+fn mw_bind_err_type2_window_bound_twice() {
+    let (mut p, mut a, _b) = rc_pair();
+    let w = p.a.drv.alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2).unwrap();
+    let r = AccessFlags::REMOTE_READ;
+    let i0 = post_bind2(&mut p.a, &mut a, mw_key(w, 1), None, 0, 64, r);
+    let i1 = post_bind2(&mut p.a, &mut a, mw_key(w, 2), None, 0, 64, r);
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![
+            ok(WqeOpcode::BindMw, i0),
+            c(WqeOpcode::BindMw, WcStatus::MwBindErr, i1)
+        ]
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+    // The first binding stands.
+    assert_eq!(query_mpt(&mut p.a, w).unwrap().tag, 1);
+}
+
+#[test]
+fn mw_bind_err_region_without_mw_bind() {
+    let (mut p, mut a, _b) = rc_pair();
+    let plain = reg(
+        &mut p.a,
+        4096,
+        PD,
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
+    );
+    let w = p.a.drv.alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2).unwrap();
+    let i0 = post_bind2(
+        &mut p.a,
+        &mut a,
+        mw_key(w, 1),
+        Some(&plain),
+        0,
+        64,
+        AccessFlags::REMOTE_READ,
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::BindMw, WcStatus::MwBindErr, i0)]
+    );
+    assert_eq!(query_mpt(&mut p.a, w).unwrap().state, 0);
+    assert_eq!(
+        query_mpt(&mut p.a, plain.index).unwrap().window_count.get(),
+        0
+    );
+}
+
+#[test]
+fn mw_bind_err_remote_write_window_over_region_without_local_write() {
+    let (mut p, mut a, _b) = rc_pair();
+    let ro = reg(
+        &mut p.a,
+        4096,
+        PD,
+        AccessFlags::MW_BIND | AccessFlags::REMOTE_READ,
+    );
+    let w1 = p.a.drv.alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2).unwrap();
+    let w2 = p.a.drv.alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2).unwrap();
+    // A read-only window over it is fine; a writable one is not.
+    let i0 = post_bind2(
+        &mut p.a,
+        &mut a,
+        mw_key(w1, 1),
+        Some(&ro),
+        0,
+        64,
+        AccessFlags::REMOTE_READ,
+    );
+    let i1 = post_bind2(
+        &mut p.a,
+        &mut a,
+        mw_key(w2, 1),
+        Some(&ro),
+        0,
+        64,
+        AccessFlags::REMOTE_WRITE,
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![
+            ok(WqeOpcode::BindMw, i0),
+            c(WqeOpcode::BindMw, WcStatus::MwBindErr, i1)
+        ]
+    );
+    assert_eq!(query_mpt(&mut p.a, w2).unwrap().state, 0);
+    assert_eq!(query_mpt(&mut p.a, ro.index).unwrap().window_count.get(), 1);
+}
+
+#[test]
+fn mw_bind_err_local_invalidate_of_a_type1_window() {
+    let (mut p, mut a, _b) = rc_pair();
+    let w = p.a.drv.alloc_mw(&mut p.a.dev, PD, MptKind::WindowType1).unwrap();
+    let key = mw_key(w, 3);
+    let i0 = post_bind1(&mut p.a, &mut a, key, None, 0, 64, AccessFlags::REMOTE_READ);
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(2, SendOp::LocalInvalidate { rkey: key }, SIG, &[]),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![
+            ok(WqeOpcode::BindMw, i0),
+            c(WqeOpcode::LocalInv, WcStatus::MwBindErr, i1)
+        ]
+    );
+    assert_eq!(query_mpt(&mut p.a, w).unwrap().state, 1, "still bound");
+}
+
+#[test]
+fn rem_inv_req_err_misaligned_atomic() {
+    let (mut p, mut a, b) = rc_pair();
+    p.b.drv.write_mr(&b.mr, 0, &[0xAA; 16]);
+    let sg = [sge(&a.mr, 0, 8)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::FetchAdd {
+                remote: remote(&b.mr, 4),
+                add: 1,
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::AtomicFa, WcStatus::RemInvReqErr, i0)]
+    );
+    assert_eq!(p.b.drv.read_mr(&b.mr, 0, 16), vec![0xAA; 16], "not executed");
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+    assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Err);
+}
+
+#[test]
+fn rem_inv_req_err_write_to_a_qp_without_remote_write() {
+    let (mut p, mut a, b) = rc_pair();
+    // B's QP allows reads only (RTS -> RTS with new access flags).
+    let m = QpModify {
+        access: Some(AccessFlags::REMOTE_READ),
+        ..QpModify::default()
+    };
+    assert_eq!(p.b.drv.modify_qp(&mut p.b.dev, &b.qp, &m), CmdStatus::Ok);
+    let sg = [sge(&a.mr, 0, 16)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaRead {
+                remote: remote(&b.mr, 0),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            2,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, 0),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![
+            ok(WqeOpcode::RdmaRead, i0),
+            c(WqeOpcode::RdmaWrite, WcStatus::RemInvReqErr, i1)
+        ]
+    );
+    assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Err);
+}
+
+#[test]
+fn rem_access_err_rkey_range() {
+    let (mut p, mut a, b) = rc_pair();
+    let sg = [sge(&a.mr, 0, 16)];
+    // The last 8 bytes of the region and 8 past it.
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, b.mr.len - 8),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::RdmaWrite, WcStatus::RemAccessErr, i0)]
+    );
+    assert_eq!(
+        p.b.drv.read_mr(&b.mr, b.mr.len as usize - 8, 8),
+        vec![0; 8],
+        "nothing written"
+    );
+    assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Err);
+}
+
+#[test]
+fn rem_op_err_send_with_invalidate_of_a_type1_window() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let w = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType1).unwrap();
+    let key = mw_key(w, 9);
+    let bi = post_bind1(&mut p.b, &mut b, key, None, 0, 4096, AccessFlags::REMOTE_READ);
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::BindMw, bi)]
+    );
+    let r0 = recv(&mut p.b, &mut b, 0, 256);
+    let sg = [sge(&a.mr, 0, 16)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(1, SendOp::SendWithInvalidate { rkey: key }, SIG, &sg),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::SendInv, WcStatus::RemOpErr, i0)]
+    );
+    // The responder's receive completes in error (the PRM leaves its status
+    // open; the device reports the same remote operational error).
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![c(WqeOpcode::Send, WcStatus::RemOpErr, r0)]
+    );
+    assert_eq!(query_mpt(&mut p.b, w).unwrap().state, 1, "still bound");
+    assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Err);
+}
+
+#[test]
+fn retry_exc_err_when_the_peer_never_answers() {
+    let (mut p, mut a, mut b) = rc_pair_with(
+        Mtu::Mtu1024,
+        Retries {
+            timeout: 4,
+            retry: 2,
+            rnr_retry: 7,
+        },
+    );
+    recv(&mut p.b, &mut b, 0, 256);
+    p.filter = Some(Box::new(|_, _| false));
+    let sg = [sge(&a.mr, 0, 16)];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    p.advance(1_000_000);
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::Send, WcStatus::RetryExcErr, i0)]
+    );
+    // The first transmission and two retries.
+    assert_eq!(p.a.dev.port_counters(1).unwrap().tx_packets, 3);
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+    assert!(cqes(&mut p.b, &mut b).is_empty());
+}
+
+#[test]
+fn rnr_retry_exc_err_without_a_receive() {
+    let (mut p, mut a, mut b) = rc_pair_with(
+        Mtu::Mtu1024,
+        Retries {
+            timeout: 14,
+            retry: 7,
+            rnr_retry: 1,
+        },
+    );
+    let sg = [sge(&a.mr, 0, 16)];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    p.advance(10_000_000);
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::Send, WcStatus::RnrRetryExcErr, i0)]
+    );
+    // The first transmission and one RNR retry, each RNR NAKed.
+    assert_eq!(p.a.dev.port_counters(1).unwrap().tx_packets, 2);
+    assert_eq!(p.b.dev.port_counters(1).unwrap().tx_packets, 2);
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+    assert!(cqes(&mut p.b, &mut b).is_empty());
+}
+
+#[test]
+fn wr_flush_err_on_both_queues_and_an_unsignaled_error() {
+    let (mut p, mut a, b) = rc_pair();
+    let ra0 = recv(&mut p.a, &mut a, 8192, 64);
+    let ra1 = recv(&mut p.a, &mut a, 8192 + 64, 64);
+    let bad = RemoteAddr {
+        addr: b.mr.va,
+        rkey: RKey::new(b.mr.rkey.get() ^ 0x40),
+    };
+    let sg = [sge(&a.mr, 0, 16)];
+    let i0 = post_quiet(
+        &mut p.a,
+        &mut a,
+        &wr(1, SendOp::RdmaWrite { remote: bad }, NONE, &sg),
+    );
+    let i1 = post_quiet(&mut p.a, &mut a, &wr(2, SendOp::Send, SIG, &sg));
+    let i2 = post(&mut p.a, &mut a, &wr(3, SendOp::Send, NONE, &sg));
+    p.pump();
+    let got = cqes(&mut p.a, &mut a);
+    let (recvs, sends): (Vec<Cqe>, Vec<Cqe>) = got
+        .iter()
+        .partition(|c| c.flags().contains(CqeFlags::RECV));
+    assert_eq!(
+        summary(&sends),
+        vec![
+            c(WqeOpcode::RdmaWrite, WcStatus::RemAccessErr, i0),
+            c(WqeOpcode::Send, WcStatus::WrFlushErr, i1),
+            c(WqeOpcode::Send, WcStatus::WrFlushErr, i2)
+        ]
+    );
+    assert_eq!(
+        summary(&recvs),
+        vec![
+            c(WqeOpcode::Send, WcStatus::WrFlushErr, ra0),
+            c(WqeOpcode::Send, WcStatus::WrFlushErr, ra1)
+        ]
+    );
+    assert!(recvs.iter().all(|c| c.qpn.get() == a.qp.qpn));
+    // Work posted in ERR is flushed too (the send doorbell makes the
+    // device look at both queues).
+    let ra2 = recv(&mut p.a, &mut a, 8192, 64);
+    let i3 = post(&mut p.a, &mut a, &wr(4, SendOp::Send, NONE, &sg));
+    p.pump();
+    let got = cqes(&mut p.a, &mut a);
+    let mut kinds: Vec<_> = summary(&got);
+    kinds.sort_unstable();
+    let mut want = vec![
+        c(WqeOpcode::Send, WcStatus::WrFlushErr, i3),
+        c(WqeOpcode::Send, WcStatus::WrFlushErr, ra2),
+    ];
+    want.sort_unstable();
+    assert_eq!(kinds, want);
+    assert_eq!(
+        got.iter()
+            .filter(|c| c.flags().contains(CqeFlags::RECV))
+            .count(),
+        1
+    );
+}
+
+// ----- 3. duplicates --------------------------------------------------------
+
+/// A filter that drops the first `n` frames from B to A (responses).
+fn drop_first_responses(n: usize) -> FrameFilter {
+    let mut dropped = 0;
+    Box::new(move |to_b, _| {
+        if !to_b && dropped < n {
+            dropped += 1;
+            false
+        } else {
+            true
+        }
+    })
+}
+
+#[test]
+fn duplicate_send_and_write_are_acked_not_redelivered() {
+    let (mut p, mut a, mut b) = rc_pair_with(
+        Mtu::Mtu1024,
+        Retries {
+            timeout: 8,
+            retry: 7,
+            rnr_retry: 7,
+        },
+    );
+    let r0 = recv(&mut p.b, &mut b, 0, 256);
+    let r1 = recv(&mut p.b, &mut b, 256, 256);
+    let data = pattern(64, 80);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let sg = [sge(&a.mr, 0, 64)];
+    p.filter = Some(drop_first_responses(1));
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    p.pump();
+    assert!(cqes(&mut p.a, &mut a).is_empty(), "the ACK was lost");
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::Send, r0)]
+    );
+    p.advance(10_000_000);
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0)]
+    );
+    assert!(cqes(&mut p.b, &mut b).is_empty(), "not delivered twice");
+    assert_eq!(p.b.dev.port_counters(1).unwrap().tx_packets, 2, "re-ACKed");
+    // The write's duplicate is acknowledged, not re-executed: B's CPU
+    // overwrites the target between the original and the retransmission.
+    p.filter = Some(drop_first_responses(1));
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            2,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, 4096),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(p.b.drv.read_mr(&b.mr, 4096, 64), data);
+    p.b.drv.write_mr(&b.mr, 4096, &[0x5A; 64]);
+    p.advance(10_000_000);
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::RdmaWrite, i1)]
+    );
+    assert_eq!(p.b.drv.read_mr(&b.mr, 4096, 64), vec![0x5A; 64]);
+    // The next message takes the next receive WQE.
+    let i2 = post(&mut p.a, &mut a, &wr(3, SendOp::Send, SIG, &sg));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i2)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::Send, r1)]
+    );
+}
+
+#[test]
+fn duplicate_write_with_immediate_completes_one_receive() {
+    let (mut p, mut a, mut b) = rc_pair_with(
+        Mtu::Mtu1024,
+        Retries {
+            timeout: 8,
+            retry: 7,
+            rnr_retry: 7,
+        },
+    );
+    let r0 = recv(&mut p.b, &mut b, 0, 16);
+    recv(&mut p.b, &mut b, 16, 16);
+    let sg = [sge(&a.mr, 0, 64)];
+    p.filter = Some(drop_first_responses(1));
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaWriteWithImm {
+                remote: remote(&b.mr, 4096),
+                imm: imm(3),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.advance(10_000_000);
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::RdmaWriteImm, i0)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::RdmaWriteImm, r0)]
+    );
+}
+
+#[test]
+fn duplicate_read_is_replayed_from_the_responder_resource() {
+    let (mut p, mut a, b) = rc_pair_with(
+        Mtu::Mtu1024,
+        Retries {
+            timeout: 8,
+            retry: 7,
+            rnr_retry: 7,
+        },
+    );
+    let data = pattern(2500, 90);
+    p.b.drv.write_mr(&b.mr, 0, &data);
+    // Lose the whole first response stream (3 packets).
+    p.filter = Some(drop_first_responses(3));
+    let sg = [sge(&a.mr, 0, 2500)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaRead {
+                remote: remote(&b.mr, 0),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert!(cqes(&mut p.a, &mut a).is_empty());
+    p.advance(10_000_000);
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::RdmaRead, i0)]
+    );
+    assert_eq!(p.a.drv.read_mr(&a.mr, 0, 2500), data);
+    assert_eq!(p.b.dev.port_counters(1).unwrap().tx_packets, 6, "replayed");
+    assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Rts);
+}
+
+#[test]
+fn duplicate_atomic_is_answered_from_the_cache_not_re_executed() {
+    let (mut p, mut a, b) = rc_pair_with(
+        Mtu::Mtu1024,
+        Retries {
+            timeout: 8,
+            retry: 7,
+            rnr_retry: 7,
+        },
+    );
+    p.b.drv.write_mr(&b.mr, 64, &40u64.to_le_bytes());
+    p.filter = Some(drop_first_responses(1));
+    let sg = [sge(&a.mr, 0, 8)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::FetchAdd {
+                remote: remote(&b.mr, 64),
+                add: 2,
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(p.b.drv.read_mr(&b.mr, 64, 8), 42u64.to_le_bytes());
+    assert!(cqes(&mut p.a, &mut a).is_empty());
+    p.advance(10_000_000);
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::AtomicFa, i0)]
+    );
+    assert_eq!(p.a.drv.read_mr(&a.mr, 0, 8), 40u64.to_le_bytes());
+    assert_eq!(
+        p.b.drv.read_mr(&b.mr, 64, 8),
+        42u64.to_le_bytes(),
+        "executed once"
+    );
+    assert_eq!(p.a.dev.port_counters(1).unwrap().tx_packets, 2);
+}
+
+#[test]
+fn rnr_on_write_with_immediate_then_retry_succeeds() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let data = pattern(2500, 95);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let sg1 = [sge(&a.mr, 0, 100)];
+    let sg3 = [sge(&a.mr, 0, 2500)];
+    // One packet, then three packets: no receive WQE, RNR NAK, retry.
+    for (k, sg) in [&sg1[..], &sg3[..]].into_iter().enumerate() {
+        let i = post(
+            &mut p.a,
+            &mut a,
+            &wr(
+                1,
+                SendOp::RdmaWriteWithImm {
+                    remote: remote(&b.mr, 8192 * (k as u64 + 1)),
+                    imm: imm(k as u32),
+                },
+                SIG,
+                sg,
+            ),
+        );
+        p.pump();
+        assert!(cqes(&mut p.a, &mut a).is_empty(), "RNR: not complete yet");
+        let r = recv(&mut p.b, &mut b, 0, 16);
+        p.advance(1_000_000);
+        assert_eq!(
+            summary(&cqes(&mut p.a, &mut a)),
+            vec![ok(WqeOpcode::RdmaWriteImm, i)]
+        );
+        let got = cqes(&mut p.b, &mut b);
+        assert_eq!(summary(&got), vec![ok(WqeOpcode::RdmaWriteImm, r)]);
+        assert_eq!(got[0].byte_count.get(), sg[0].length.get());
+        assert_eq!(
+            p.b.drv
+                .read_mr(&b.mr, 8192 * (k + 1), sg[0].length.get() as usize),
+            data[..sg[0].length.get() as usize]
+        );
+        assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Rts);
+    }
+}

@@ -634,6 +634,23 @@ impl Device {
     ) -> Result<Option<u8>, RespError> {
         let repr = pkt.repr();
         let payload = pkt.payload();
+        let imm = match repr.ext {
+            ExtRepr::ImmDt(i) | ExtRepr::RethImmDt(_, i) => Some(i.imm),
+            _ => None,
+        };
+        if ends && imm.is_some() && qp.resp.recv.is_none() {
+            // WRITE WITH IMMEDIATE consumes a receive WQE (IBA 9.4.4). The
+            // responder checks for it before executing the packet (IBA
+            // 9.7.5.1: resources are checked before the R_Key and before
+            // any data is placed), so an RNR NAK leaves the write as it
+            // was and the retried packet finds the same state. The WQE
+            // waits in `recv`, where an error completes it.
+            match self.take_recv_wqe(qp) {
+                Ok(Some(recv)) => qp.resp.recv = Some(recv),
+                Ok(None) => return Ok(Some(qp.attrs.min_rnr_timer)),
+                Err(status) => return Err(RespError::local(status)),
+            }
+        }
         if starts {
             let reth = match repr.ext {
                 ExtRepr::Reth(r) | ExtRepr::RethImmDt(r, _) => r,
@@ -689,17 +706,9 @@ impl Device {
         if write.offset != write.total {
             return Err(RespError::invalid_request());
         }
-        let imm = match repr.ext {
-            ExtRepr::ImmDt(i) | ExtRepr::RethImmDt(_, i) => Some(i.imm),
-            _ => None,
-        };
-        if let Some(imm) = imm {
-            // WRITE WITH IMMEDIATE consumes a receive WQE (IBA 9.4.4).
-            let mut recv = match self.take_recv_wqe(qp) {
-                Ok(Some(recv)) => recv,
-                Ok(None) => return Ok(Some(qp.attrs.min_rnr_timer)),
-                Err(status) => return Err(RespError::local(status)),
-            };
+        if let Some(imm) = imm
+            && let Some(mut recv) = qp.resp.recv.take()
+        {
             recv.offset = write.total;
             let details = if repr.bth.solicited {
                 CqeFlags::SOLICITED
