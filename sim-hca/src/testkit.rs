@@ -873,6 +873,14 @@ impl Driver {
         self.mem.cpu_write(qp.sq.id, slot, bytes);
     }
 
+    /// Writes raw bytes over receive WQE slot `index` of the QP's own RQ
+    /// (for garbage-WQE tests); the doorbell record is not touched.
+    pub fn write_rq_raw(&self, qp: &Qp, index: u32, bytes: &[u8]) {
+        assert!(bytes.len() <= qp.rq_stride, "one WQE stride at most");
+        let slot = (index & ((1u32 << qp.rq_log) - 1)) as usize * qp.rq_stride;
+        self.mem.cpu_write(qp.rq.id, slot, bytes);
+    }
+
     /// Posts a receive WR to the QP's own RQ (no MMIO: doorbell record).
     pub fn post_recv(&mut self, qp: &mut Qp, wr_id: u64, sges: &[Sge]) {
         let index = qp.rq_producer as u16;

@@ -1850,3 +1850,1122 @@ fn rnr_on_write_with_immediate_then_retry_succeeds() {
         assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Rts);
     }
 }
+
+#[test]
+fn malformed_receive_wqe_completes_in_error() {
+    // PRM 10.5: a WQE that fails gets its error CQE; IBA (responder class
+    // A): a malformed receive WQE is retired in error, the requester gets
+    // a remote operational error.
+    let (mut p, mut a, mut b) = rc_pair();
+    let r0 = recv(&mut p.b, &mut b, 0, 256);
+    // num_sges far beyond what the stride holds.
+    let mut header = [0u8; 16];
+    header[0] = 200;
+    header[2..4].copy_from_slice(&r0.to_le_bytes());
+    p.b.drv.write_rq_raw(&b.qp, u32::from(r0), &header);
+    let r1 = recv(&mut p.b, &mut b, 1024, 256);
+    let sg = [sge(&a.mr, 0, 16)];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::Send, WcStatus::RemOpErr, i0)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![
+            c(WqeOpcode::Send, WcStatus::LocQpOpErr, r0),
+            c(WqeOpcode::Send, WcStatus::WrFlushErr, r1)
+        ]
+    );
+    assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Err);
+}
+
+// ----- 4. concurrent atomics ------------------------------------------------
+
+#[test]
+fn concurrent_fetch_adds_from_two_qps_are_linearizable() {
+    let mut p = Pair::new();
+    let mut a1 = endpoint(&mut p.a, QpType::Rc, AccessFlags::empty());
+    let mut a2 = endpoint(&mut p.a, QpType::Rc, AccessFlags::empty());
+    let b1 = endpoint(&mut p.b, QpType::Rc, AccessFlags::empty());
+    let b2 = endpoint(&mut p.b, QpType::Rc, AccessFlags::empty());
+    connect(&mut p, &a1, &b1, QpType::Rc, Mtu::Mtu1024, Retries::PATIENT);
+    connect(&mut p, &a2, &b2, QpType::Rc, Mtu::Mtu1024, Retries::PATIENT);
+    let word = remote(&b1.mr, 0);
+    const N: u64 = 50;
+    let mut want = [Vec::new(), Vec::new()];
+    for k in 0..N {
+        for (q, ep) in [&mut a1, &mut a2].into_iter().enumerate() {
+            let sg = [sge(&ep.mr, 8 * k, 8)];
+            let i = post(
+                &mut p.a,
+                ep,
+                &wr(
+                    k,
+                    SendOp::FetchAdd {
+                        remote: word,
+                        add: 1,
+                    },
+                    SIG,
+                    &sg,
+                ),
+            );
+            want[q].push(ok(WqeOpcode::AtomicFa, i));
+        }
+    }
+    p.pump();
+    assert_eq!(summary(&cqes(&mut p.a, &mut a1)), want[0]);
+    assert_eq!(summary(&cqes(&mut p.a, &mut a2)), want[1]);
+    let mut olds = Vec::new();
+    for ep in [&a1, &a2] {
+        let raw = p.a.drv.read_mr(&ep.mr, 0, 8 * N as usize);
+        let mine: Vec<u64> = raw
+            .chunks(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+            .collect();
+        // Each QP's atomics execute in its order.
+        assert!(mine.windows(2).all(|w| w[0] < w[1]), "{mine:?}");
+        olds.extend(mine);
+    }
+    olds.sort_unstable();
+    assert_eq!(olds, (0..2 * N).collect::<Vec<_>>());
+    assert_eq!(p.b.drv.read_mr(&b1.mr, 0, 8), (2 * N).to_le_bytes());
+}
+
+// ----- 5. memory windows ----------------------------------------------------
+
+/// B binds a type 1 window (read/write over b.mr[4096..8192]) and a type 2
+/// window (read over b.mr[8192..12288]) on its QP.
+fn mw_setup() -> (Pair, Endpoint, Endpoint, RKey, RKey) {
+    let (mut p, a, mut b) = rc_pair();
+    let w1 = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType1).unwrap();
+    let w2 = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType2).unwrap();
+    let (k1, k2) = (mw_key(w1, 0x11), mw_key(w2, 0x22));
+    let rw = AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
+    let i0 = post_bind1(&mut p.b, &mut b, k1, None, 4096, 4096, rw);
+    let i1 = post_bind2(
+        &mut p.b,
+        &mut b,
+        k2,
+        None,
+        8192,
+        4096,
+        AccessFlags::REMOTE_READ,
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::BindMw, i0), ok(WqeOpcode::BindMw, i1)]
+    );
+    assert_eq!(query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(), 2);
+    (p, a, b, k1, k2)
+}
+
+fn at(mr: &Mr, off: u64, rkey: RKey) -> RemoteAddr {
+    RemoteAddr {
+        addr: mr.va + off,
+        rkey,
+    }
+}
+
+#[test]
+fn mw_access_within_range_and_rights() {
+    let (mut p, mut a, b, k1, k2) = mw_setup();
+    let data = pattern(64, 100);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let fresh = pattern(64, 101);
+    p.b.drv.write_mr(&b.mr, 8192 + 4096 - 64, &fresh);
+    let sg = [sge(&a.mr, 0, 64)];
+    let sg_r1 = [sge(&a.mr, 1024, 64)];
+    let sg_r2 = [sge(&a.mr, 2048, 64)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaWrite {
+                remote: at(&b.mr, 4096 + 100, k1),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            2,
+            SendOp::RdmaRead {
+                remote: at(&b.mr, 4096 + 100, k1),
+            },
+            SIG,
+            &sg_r1,
+        ),
+    );
+    let i2 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            3,
+            SendOp::RdmaRead {
+                remote: at(&b.mr, 8192 + 4096 - 64, k2),
+            },
+            SIG,
+            &sg_r2,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![
+            ok(WqeOpcode::RdmaWrite, i0),
+            ok(WqeOpcode::RdmaRead, i1),
+            ok(WqeOpcode::RdmaRead, i2)
+        ]
+    );
+    assert_eq!(p.b.drv.read_mr(&b.mr, 4096 + 100, 64), data);
+    assert_eq!(p.a.drv.read_mr(&a.mr, 1024, 64), data);
+    assert_eq!(p.a.drv.read_mr(&a.mr, 2048, 64), fresh);
+}
+
+#[test]
+fn mw_access_outside_range_or_rights_is_a_remote_access_error() {
+    type Case = fn(&Mr, RKey, RKey) -> (SendOp, u32);
+    let cases: [(&str, Case); 5] = [
+        ("write through a read-only window", |m, _, k2| {
+            (
+                SendOp::RdmaWrite {
+                    remote: at(m, 8192, k2),
+                },
+                16,
+            )
+        }),
+        ("read past the end", |m, k1, _| {
+            (
+                SendOp::RdmaRead {
+                    remote: at(m, 8192 - 32, k1),
+                },
+                64,
+            )
+        }),
+        ("read before the start", |m, _, k2| {
+            (
+                SendOp::RdmaRead {
+                    remote: at(m, 8192 - 8, k2),
+                },
+                16,
+            )
+        }),
+        ("atomic without REMOTE_ATOMIC", |m, k1, _| {
+            (
+                SendOp::FetchAdd {
+                    remote: at(m, 4096, k1),
+                    add: 1,
+                },
+                8,
+            )
+        }),
+        ("a key whose tag is wrong", |m, k1, _| {
+            (
+                SendOp::RdmaRead {
+                    remote: at(m, 4096, RKey::new(k1.get() ^ 0x3)),
+                },
+                16,
+            )
+        }),
+    ];
+    for (what, case) in cases {
+        let (mut p, mut a, b, k1, k2) = mw_setup();
+        let (op, len) = case(&b.mr, k1, k2);
+        let sg = [sge(&a.mr, 0, len)];
+        let i0 = post(&mut p.a, &mut a, &wr(1, op, SIG, &sg));
+        p.pump();
+        let opcode = WqeOpcode::from_wr(op.opcode());
+        assert_eq!(
+            summary(&cqes(&mut p.a, &mut a)),
+            vec![c(opcode, WcStatus::RemAccessErr, i0)],
+            "{what}"
+        );
+        assert_eq!(p.b.drv.read_mr(&b.mr, 4096, 16), vec![0; 16], "{what}");
+        assert_eq!(p.b.drv.read_mr(&b.mr, 8192, 16), vec![0; 16], "{what}");
+    }
+}
+
+#[test]
+fn mw_rkey_changes_on_every_bind() {
+    // Type 1: rebinding a bound window replaces its key.
+    let (mut p, mut a, mut b, k1, _) = mw_setup();
+    let w1 = k1.get() >> 8;
+    let k1b = mw_key(w1, 0x12);
+    let i0 = post_bind1(
+        &mut p.b,
+        &mut b,
+        k1b,
+        None,
+        0,
+        1024,
+        AccessFlags::REMOTE_READ,
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::BindMw, i0)]
+    );
+    let entry = query_mpt(&mut p.b, w1).unwrap();
+    assert_eq!((entry.state, entry.tag), (1, 0x12));
+    assert_eq!(entry.length.get(), 1024);
+    assert_eq!(
+        query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(),
+        2,
+        "the rebind moved the window, it did not add one"
+    );
+    let sg = [sge(&a.mr, 0, 16)];
+    let i1 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaRead {
+                remote: at(&b.mr, 0, k1b),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    let i2 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            2,
+            SendOp::RdmaRead {
+                remote: at(&b.mr, 4096, k1),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![
+            ok(WqeOpcode::RdmaRead, i1),
+            c(WqeOpcode::RdmaRead, WcStatus::RemAccessErr, i2)
+        ]
+    );
+
+    // Type 2: invalidate, rebind with a new key; the old one is refused.
+    let (mut p, mut a, mut b, _, k2) = mw_setup();
+    let w2 = k2.get() >> 8;
+    let k2b = mw_key(w2, 0x23);
+    let i0 = post(
+        &mut p.b,
+        &mut b,
+        &wr(1, SendOp::LocalInvalidate { rkey: k2 }, SIG, &[]),
+    );
+    let i1 = post_bind2(
+        &mut p.b,
+        &mut b,
+        k2b,
+        None,
+        8192,
+        4096,
+        AccessFlags::REMOTE_READ,
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::LocalInv, i0), ok(WqeOpcode::BindMw, i1)]
+    );
+    assert_eq!(query_mpt(&mut p.b, w2).unwrap().tag, 0x23);
+    let sg = [sge(&a.mr, 0, 16)];
+    let i2 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaRead {
+                remote: at(&b.mr, 8192, k2b),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    let i3 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            2,
+            SendOp::RdmaRead {
+                remote: at(&b.mr, 8192, k2),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![
+            ok(WqeOpcode::RdmaRead, i2),
+            c(WqeOpcode::RdmaRead, WcStatus::RemAccessErr, i3)
+        ]
+    );
+}
+
+#[test]
+fn mw_type2_window_serves_only_the_qp_it_is_bound_to() {
+    let mut p = Pair::new();
+    let mut a1 = endpoint(&mut p.a, QpType::Rc, AccessFlags::empty());
+    let mut a2 = endpoint(&mut p.a, QpType::Rc, AccessFlags::empty());
+    let mut b1 = endpoint(&mut p.b, QpType::Rc, AccessFlags::empty());
+    let b2 = endpoint(&mut p.b, QpType::Rc, AccessFlags::empty());
+    connect(&mut p, &a1, &b1, QpType::Rc, Mtu::Mtu1024, Retries::PATIENT);
+    connect(&mut p, &a2, &b2, QpType::Rc, Mtu::Mtu1024, Retries::PATIENT);
+    let w1 = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType1).unwrap();
+    let w2 = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType2).unwrap();
+    let (k1, k2) = (mw_key(w1, 5), mw_key(w2, 6));
+    let r = AccessFlags::REMOTE_READ;
+    let i0 = post_bind1(&mut p.b, &mut b1, k1, None, 0, 4096, r);
+    let i1 = post_bind2(&mut p.b, &mut b1, k2, None, 0, 4096, r);
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b1)),
+        vec![ok(WqeOpcode::BindMw, i0), ok(WqeOpcode::BindMw, i1)]
+    );
+    assert_eq!(query_mpt(&mut p.b, w2).unwrap().bound_qpn.get(), b1.qp.qpn);
+    let data = pattern(32, 110);
+    p.b.drv.write_mr(&b1.mr, 0, &data);
+    // The owner QP may use both; the other QP only the type 1 window.
+    let read = |k| SendOp::RdmaRead {
+        remote: at(&b1.mr, 0, k),
+    };
+    let sg1 = [sge(&a1.mr, 0, 32)];
+    let sg2 = [sge(&a2.mr, 0, 32)];
+    let j0 = post(&mut p.a, &mut a1, &wr(1, read(k2), SIG, &sg1));
+    let j1 = post(&mut p.a, &mut a2, &wr(1, read(k1), SIG, &sg2));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a1)),
+        vec![ok(WqeOpcode::RdmaRead, j0)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a2)),
+        vec![ok(WqeOpcode::RdmaRead, j1)]
+    );
+    assert_eq!(p.a.drv.read_mr(&a1.mr, 0, 32), data);
+    assert_eq!(p.a.drv.read_mr(&a2.mr, 0, 32), data);
+    let j2 = post(&mut p.a, &mut a2, &wr(2, read(k2), SIG, &sg2));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a2)),
+        vec![c(WqeOpcode::RdmaRead, WcStatus::RemAccessErr, j2)]
+    );
+}
+
+#[test]
+fn mw_deregistering_a_region_with_bound_windows_is_busy() {
+    let (mut p, mut a, mut b, k1, k2) = mw_setup();
+    let busy = p.b.drv.cmd_param(&mut p.b.dev, Opcode::Hw2SwMpt, b.mr.index, 0);
+    assert_eq!(busy.0, CmdStatus::ResourceBusy);
+    // The region is untouched: remote access still works.
+    let sg = [sge(&a.mr, 0, 16)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, 0),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::RdmaWrite, i0)]
+    );
+    // Invalidate the type 2 window and free the type 1 window: then the
+    // region can go.
+    let i1 = post(
+        &mut p.b,
+        &mut b,
+        &wr(1, SendOp::LocalInvalidate { rkey: k2 }, SIG, &[]),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::LocalInv, i1)]
+    );
+    let still = p.b.drv.cmd_param(&mut p.b.dev, Opcode::Hw2SwMpt, b.mr.index, 0);
+    assert_eq!(still.0, CmdStatus::ResourceBusy, "the type 1 window is bound");
+    let w1 = k1.get() >> 8;
+    assert_eq!(
+        p.b.drv.cmd_param(&mut p.b.dev, Opcode::Hw2SwMpt, w1, 0).0,
+        CmdStatus::Ok
+    );
+    assert_eq!(query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(), 0);
+    assert_eq!(
+        p.b.drv
+            .cmd_param(&mut p.b.dev, Opcode::Hw2SwMpt, b.mr.index, 0)
+            .0,
+        CmdStatus::Ok
+    );
+    assert_eq!(
+        query_mpt(&mut p.b, b.mr.index).unwrap_err(),
+        CmdStatus::BadResState
+    );
+}
+
+// ----- 6. SRQ ---------------------------------------------------------------
+
+fn srq_endpoint(node: &mut Node, srq: &Srq) -> Endpoint {
+    let cq = node.drv.create_cq(&mut node.dev, 8).unwrap();
+    let qp = node
+        .drv
+        .create_qp(&mut node.dev, QpType::Rc, 1, PD, &cq, &cq, Some(srq), (6, 6))
+        .unwrap();
+    let mr = reg(
+        node,
+        16 * 1024,
+        PD,
+        AccessFlags::LOCAL_WRITE | ALL_REMOTE,
+    );
+    Endpoint { cq, qp, mr }
+}
+
+fn srq_recv(node: &mut Node, srq: &mut Srq, mr: &Mr, at: u64, len: u32) -> u16 {
+    let index = srq.producer as u16;
+    node.drv
+        .post_srq_recv(srq, u64::from(index), &[sge(mr, at, len)]);
+    index
+}
+
+#[test]
+fn srq_feeds_two_qps() {
+    let mut p = Pair::new();
+    let mut srq = p.b.drv.create_srq(&mut p.b.dev, PD, 4, 0).unwrap();
+    let mut b1 = srq_endpoint(&mut p.b, &srq);
+    let mut b2 = srq_endpoint(&mut p.b, &srq);
+    let mut a1 = endpoint(&mut p.a, QpType::Rc, AccessFlags::empty());
+    let mut a2 = endpoint(&mut p.a, QpType::Rc, AccessFlags::empty());
+    connect(&mut p, &a1, &b1, QpType::Rc, Mtu::Mtu1024, Retries::PATIENT);
+    connect(&mut p, &a2, &b2, QpType::Rc, Mtu::Mtu1024, Retries::PATIENT);
+    let pool = b1.mr;
+    let s: Vec<u16> = (0..4)
+        .map(|k| srq_recv(&mut p.b, &mut srq, &pool, k * 1024, 1024))
+        .collect();
+    let msgs = [pattern(100, 1), pattern(200, 2), pattern(300, 3)];
+    for (k, m) in msgs.iter().enumerate() {
+        let ep = if k == 1 { &mut a2 } else { &mut a1 };
+        p.a.drv.write_mr(&ep.mr, 0, m);
+        let sg = [sge(&ep.mr, 0, m.len() as u32)];
+        post(&mut p.a, ep, &wr(k as u64, SendOp::Send, SIG, &sg));
+        p.pump();
+    }
+    assert_eq!(cqes(&mut p.a, &mut a1).len(), 2);
+    assert_eq!(cqes(&mut p.a, &mut a2).len(), 1);
+    let got1 = cqes(&mut p.b, &mut b1);
+    let got2 = cqes(&mut p.b, &mut b2);
+    assert_eq!(
+        summary(&got1),
+        vec![ok(WqeOpcode::Send, s[0]), ok(WqeOpcode::Send, s[2])]
+    );
+    assert_eq!(summary(&got2), vec![ok(WqeOpcode::Send, s[1])]);
+    for (cqe, qpn, len) in [
+        (&got1[0], b1.qp.qpn, 100),
+        (&got2[0], b2.qp.qpn, 200),
+        (&got1[1], b1.qp.qpn, 300),
+    ] {
+        assert_eq!(cqe.flags(), CqeFlags::RECV | CqeFlags::SRQ);
+        assert_eq!(cqe.qpn.get(), qpn);
+        assert_eq!(cqe.byte_count.get(), len);
+    }
+    for (k, m) in msgs.iter().enumerate() {
+        assert_eq!(p.b.drv.read_mr(&pool, k * 1024, m.len()), *m);
+    }
+    // The SRQ is in use.
+    assert_eq!(
+        p.b.drv
+            .cmd_param(&mut p.b.dev, Opcode::Hw2SwSrq, srq.srqn, 0)
+            .0,
+        CmdStatus::ResourceBusy
+    );
+}
+
+#[test]
+fn srq_limit_event_fires_once() {
+    let mut p = Pair::new();
+    let mut srq = p.b.drv.create_srq(&mut p.b.dev, PD, 4, 0).unwrap();
+    let b = srq_endpoint(&mut p.b, &srq);
+    let mut a = endpoint(&mut p.a, QpType::Rc, AccessFlags::empty());
+    connect(&mut p, &a, &b, QpType::Rc, Mtu::Mtu1024, Retries::PATIENT);
+    let pool = b.mr;
+    for k in 0..5 {
+        srq_recv(&mut p.b, &mut srq, &pool, k * 64, 64);
+    }
+    assert_eq!(
+        p.b.drv
+            .cmd_param(&mut p.b.dev, Opcode::ArmSrq, srq.srqn, 3)
+            .0,
+        CmdStatus::Ok
+    );
+    p.b.events();
+    let limit_events = |node: &mut Node| {
+        node.events()
+            .into_iter()
+            .filter(|e| matches!(e, Event::SrqLimit { .. }))
+            .collect::<Vec<_>>()
+    };
+    let sg = [sge(&a.mr, 0, 8)];
+    let mut send = |p: &mut Pair| {
+        post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+        p.pump();
+    };
+    // 5 posted: two taken leave 3, not below the limit.
+    send(&mut p);
+    send(&mut p);
+    assert!(limit_events(&mut p.b).is_empty());
+    // The third leaves 2 < 3: one event, and the SRQ is disarmed.
+    send(&mut p);
+    assert_eq!(limit_events(&mut p.b), vec![Event::SrqLimit { srqn: srq.srqn }]);
+    let (status, out) = p.b.drv.cmd(&mut p.b.dev, Opcode::QuerySrq, 0, srq.srqn, &[], 64);
+    assert_eq!(status, CmdStatus::Ok);
+    let srqc = hca_prm::ctx::Srqc::read_from_bytes(&out).unwrap();
+    assert_eq!(srqc.limit.get(), 0);
+    assert_eq!(srqc.consumer.get(), 3);
+    send(&mut p);
+    assert!(limit_events(&mut p.b).is_empty(), "fires once");
+}
+
+// ----- 7. QP state effects --------------------------------------------------
+
+#[test]
+fn reset_and_destroy_keep_completions_already_written() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let r0 = recv(&mut p.b, &mut b, 0, 64);
+    let r1 = recv(&mut p.b, &mut b, 64, 64);
+    let sg = [sge(&a.mr, 0, 16)];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    let i1 = post(&mut p.a, &mut a, &wr(2, SendOp::Send, SIG, &sg));
+    p.pump();
+    assert_eq!(
+        p.a.drv
+            .modify_qp(&mut p.a.dev, &a.qp, &QpModify::to_state(QpState::Reset)),
+        CmdStatus::Ok
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Reset);
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0), ok(WqeOpcode::Send, i1)]
+    );
+    assert_eq!(
+        p.b.drv
+            .cmd_param(&mut p.b.dev, Opcode::Hw2SwQp, b.qp.qpn, 0)
+            .0,
+        CmdStatus::Ok
+    );
+    let got = cqes(&mut p.b, &mut b);
+    assert_eq!(
+        summary(&got),
+        vec![ok(WqeOpcode::Send, r0), ok(WqeOpcode::Send, r1)]
+    );
+    assert!(got.iter().all(|c| c.qpn.get() == b.qp.qpn));
+    // Destroyed: the QP is gone and its CQ is free.
+    assert_eq!(
+        p.b.drv.query_qp(&mut p.b.dev, b.qp.qpn).unwrap_err(),
+        CmdStatus::BadResState
+    );
+    assert_eq!(
+        p.b.drv
+            .cmd_param(&mut p.b.dev, Opcode::Hw2SwCq, b.cq.cqn, 0)
+            .0,
+        CmdStatus::Ok
+    );
+}
+
+#[test]
+fn sqd_drains_raises_sq_drained_and_resumes() {
+    let (mut p, mut a, mut b) = rc_pair_with(
+        Mtu::Mtu1024,
+        Retries {
+            timeout: 8,
+            retry: 7,
+            rnr_retry: 7,
+        },
+    );
+    let r0 = recv(&mut p.b, &mut b, 0, 64);
+    let r1 = recv(&mut p.b, &mut b, 64, 64);
+    let sg = [sge(&a.mr, 0, 16)];
+    // The first send's ACK is lost, so it is still outstanding at SQD.
+    p.filter = Some(drop_first_responses(1));
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    p.pump();
+    p.a.events();
+    let sqd = QpModify {
+        state: Some(QpState::Sqd),
+        en_sqd_async_notify: Some(true),
+        ..QpModify::default()
+    };
+    assert_eq!(p.a.drv.modify_qp(&mut p.a.dev, &a.qp, &sqd), CmdStatus::Ok);
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Sqd);
+    // Posted in SQD: not started.
+    let i1 = post(&mut p.a, &mut a, &wr(2, SendOp::Send, SIG, &sg));
+    p.pump();
+    let drained = |n: &mut Node| {
+        n.events()
+            .into_iter()
+            .filter(|e| matches!(e, Event::SqDrained { .. }))
+            .collect::<Vec<_>>()
+    };
+    assert!(drained(&mut p.a).is_empty(), "the first send is outstanding");
+    p.advance(10_000_000);
+    assert_eq!(
+        drained(&mut p.a),
+        vec![Event::SqDrained {
+            qpn: Qpn::new(a.qp.qpn).unwrap()
+        }]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::Send, r0)]
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Sqd);
+    // SQD -> RTS: the second send goes.
+    assert_eq!(
+        p.a.drv
+            .modify_qp(&mut p.a.dev, &a.qp, &QpModify::to_state(QpState::Rts)),
+        CmdStatus::Ok
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i1)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::Send, r1)]
+    );
+}
+
+#[test]
+fn cq_overflow_raises_cq_error_and_fails_the_qp() {
+    let mut p = Pair::new();
+    let mut a = endpoint_with(
+        &mut p.a,
+        QpType::Ud,
+        1,
+        QpcFlags::empty(),
+        AccessFlags::empty(),
+    );
+    let b = endpoint(&mut p.b, QpType::Ud, AccessFlags::empty());
+    ud_ready(&mut p.a, &a);
+    ud_ready(&mut p.b, &b);
+    p.a.events();
+    let sg = [sge(&a.mr, 0, 16)];
+    let bq = b.qp.qpn;
+    let i0 = post_ud(&mut p.a, &mut a, SendOp::Send, &sg, IP_B, bq);
+    let i1 = post_ud(&mut p.a, &mut a, SendOp::Send, &sg, IP_B, bq);
+    post_ud(&mut p.a, &mut a, SendOp::Send, &sg, IP_B, bq);
+    p.pump();
+    assert_eq!(
+        p.a.events()
+            .into_iter()
+            .filter(|e| matches!(e, Event::CqError { .. }))
+            .collect::<Vec<_>>(),
+        vec![Event::CqError { cqn: a.cq.cqn }]
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+    let (status, out) = p.a.drv.cmd(&mut p.a.dev, Opcode::QueryCq, 0, a.cq.cqn, &[], 64);
+    assert_eq!(status, CmdStatus::Ok);
+    assert_eq!(Cqc::read_from_bytes(&out).unwrap().state, 4, "error");
+    // What fitted is kept.
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0), ok(WqeOpcode::Send, i1)]
+    );
+}
+
+#[test]
+fn hw2sw_cq_of_a_cq_in_use_is_busy() {
+    let mut p = Pair::new();
+    let a = endpoint(&mut p.a, QpType::Rc, AccessFlags::empty());
+    let n = &mut p.a;
+    assert_eq!(
+        n.drv.cmd_param(&mut n.dev, Opcode::Hw2SwCq, a.cq.cqn, 0).0,
+        CmdStatus::ResourceBusy
+    );
+    assert_eq!(
+        n.drv.cmd_param(&mut n.dev, Opcode::Hw2SwQp, a.qp.qpn, 0).0,
+        CmdStatus::Ok
+    );
+    assert_eq!(
+        n.drv.cmd_param(&mut n.dev, Opcode::Hw2SwCq, a.cq.cqn, 0).0,
+        CmdStatus::Ok
+    );
+}
+
+#[test]
+fn resize_cq_keeps_unpolled_completions_in_order() {
+    let (mut p, mut a, b) = rc_pair();
+    let sg = [sge(&a.mr, 0, 16)];
+    let mut write = |p: &mut Pair, a: &mut Endpoint| {
+        post(
+            &mut p.a,
+            a,
+            &wr(
+                0,
+                SendOp::RdmaWrite {
+                    remote: remote(&b.mr, 0),
+                },
+                SIG,
+                &sg,
+            ),
+        )
+    };
+    let i: Vec<u16> = (0..3).map(|_| write(&mut p, &mut a)).collect();
+    p.pump();
+    assert_eq!(
+        summary(&[p.a.drv.poll_cq(&mut a.cq).unwrap()]),
+        vec![ok(WqeOpcode::RdmaWrite, i[0])]
+    );
+    assert_eq!(p.a.drv.resize_cq(&mut p.a.dev, &mut a.cq, 2), CmdStatus::Ok);
+    assert_eq!(a.cq.log_entries(), 2);
+    let j: Vec<u16> = (0..2).map(|_| write(&mut p, &mut a)).collect();
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        [i[1], i[2], j[0], j[1]]
+            .iter()
+            .map(|&x| ok(WqeOpcode::RdmaWrite, x))
+            .collect::<Vec<_>>()
+    );
+    // Too small for what is outstanding: refused, the old ring goes on.
+    let k: Vec<u16> = (0..3).map(|_| write(&mut p, &mut a)).collect();
+    p.pump();
+    assert_eq!(
+        p.a.drv.resize_cq(&mut p.a.dev, &mut a.cq, 1),
+        CmdStatus::ExceedLimit
+    );
+    assert_eq!(a.cq.log_entries(), 2);
+    let l = write(&mut p, &mut a);
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        [k[0], k[1], k[2], l]
+            .iter()
+            .map(|&x| ok(WqeOpcode::RdmaWrite, x))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Rts);
+}
+
+// ----- 8. ports -------------------------------------------------------------
+
+#[test]
+fn link_down_and_up_raise_port_change_and_gate_delivery() {
+    let (mut p, mut a, mut b) = rc_pair_with(
+        Mtu::Mtu1024,
+        Retries {
+            timeout: 10,
+            retry: 7,
+            rnr_retry: 7,
+        },
+    );
+    p.b.events();
+    p.b.dev.set_link(1, false);
+    let port = PortNum::new(1).unwrap();
+    assert_eq!(
+        p.b.events(),
+        vec![Event::PortChange {
+            port,
+            active: false
+        }]
+    );
+    assert_eq!(query_port(&mut p.b).state, 1, "DOWN");
+    let r0 = recv(&mut p.b, &mut b, 0, 64);
+    let data = pattern(32, 120);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let sg = [sge(&a.mr, 0, 32)];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    p.pump();
+    assert!(cqes(&mut p.b, &mut b).is_empty(), "not delivered while down");
+    assert_eq!(p.b.dev.port_counters(1).unwrap().rx_discards, 1);
+    p.b.dev.set_link(1, true);
+    assert_eq!(
+        p.b.events(),
+        vec![Event::PortChange { port, active: true }]
+    );
+    assert_eq!(query_port(&mut p.b).state, 4, "ACTIVE");
+    p.advance(100_000_000);
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::Send, r0)]
+    );
+    assert_eq!(p.b.drv.read_mr(&b.mr, 0, 32), data);
+}
+
+fn set_pkey(node: &mut Node, index: u32, pkey: u16) {
+    assert_eq!(
+        node.drv
+            .cmd_param(&mut node.dev, Opcode::SetPkey, 1 | index << 8, u64::from(pkey))
+            .0,
+        CmdStatus::Ok
+    );
+}
+
+#[test]
+fn pkey_mismatch_drops_counts_and_traps() {
+    let (mut p, mut a, mut b) = ud_pair();
+    set_pkey(&mut p.b, 0, 0x8001);
+    p.b.events();
+    recv(&mut p.b, &mut b, 0, 256);
+    let sg = [sge(&a.mr, 0, 16)];
+    let bq = b.qp.qpn;
+    let i0 = post_ud(&mut p.a, &mut a, SendOp::Send, &sg, IP_B, bq);
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0)]
+    );
+    assert!(cqes(&mut p.b, &mut b).is_empty(), "dropped");
+    let info = query_port(&mut p.b);
+    assert_eq!(info.pkey_violations.get(), 1);
+    assert_eq!(info.rx_discards.get(), 1);
+    let port = PortNum::new(1).unwrap();
+    assert_eq!(p.b.events(), vec![Event::PkeyViolation { port }]);
+    // Matching keys again: delivered.
+    set_pkey(&mut p.b, 0, 0xFFFF);
+    post_ud(&mut p.a, &mut a, SendOp::Send, &sg, IP_B, bq);
+    p.pump();
+    assert_eq!(cqes(&mut p.b, &mut b).len(), 1);
+}
+
+const GROUP: [u8; 4] = [239, 1, 2, 3];
+
+fn mcg(node: &mut Node, attach: bool, qpn: u32) -> CmdStatus {
+    let op = if attach {
+        Opcode::AttachMcg
+    } else {
+        Opcode::DetachMcg
+    };
+    let gid = Gid::from_ipv4(GROUP);
+    node.drv
+        .cmd(&mut node.dev, op, 0, qpn, gid.as_bytes(), 0)
+        .0
+}
+
+#[test]
+fn multicast_reaches_every_attached_qp() {
+    let (mut p, mut a, mut b) = ud_pair();
+    let mut b2 = endpoint(&mut p.b, QpType::Ud, AccessFlags::empty());
+    ud_ready(&mut p.b, &b2);
+    assert_eq!(mcg(&mut p.b, true, b.qp.qpn), CmdStatus::Ok);
+    assert_eq!(mcg(&mut p.b, true, b2.qp.qpn), CmdStatus::Ok);
+    assert_eq!(mcg(&mut p.b, true, b2.qp.qpn), CmdStatus::BadResState);
+    assert_eq!(p.b.dev.multicast_macs(1), vec![[0x01, 0x00, 0x5e, 1, 2, 3]]);
+    let data = pattern(48, 130);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let sg = [sge(&a.mr, 0, 48)];
+    let r0 = recv(&mut p.b, &mut b, 0, 40 + 48);
+    let s0 = recv(&mut p.b, &mut b2, 0, 40 + 48);
+    let i0 = post_ud(&mut p.a, &mut a, SendOp::Send, &sg, GROUP, 0xFF_FFFF);
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0)]
+    );
+    for (ep, r) in [(&mut b, r0), (&mut b2, s0)] {
+        let got = cqes(&mut p.b, ep);
+        assert_eq!(summary(&got), vec![ok(WqeOpcode::Send, r)]);
+        assert_eq!(got[0].src_qp.get(), a.qp.qpn);
+        assert_eq!(got[0].byte_count.get(), 40 + 48);
+        assert_eq!(p.b.drv.read_mr(&ep.mr, 40, 48), data);
+        // The GRH carries the group as the IPv4 destination.
+        assert_eq!(p.b.drv.read_mr(&ep.mr, 36, 4), GROUP);
+    }
+    // Detach one: only the other receives.
+    assert_eq!(mcg(&mut p.b, false, b2.qp.qpn), CmdStatus::Ok);
+    recv(&mut p.b, &mut b, 128, 40 + 48);
+    recv(&mut p.b, &mut b2, 128, 40 + 48);
+    post_ud(&mut p.a, &mut a, SendOp::Send, &sg, GROUP, 0xFF_FFFF);
+    p.pump();
+    assert_eq!(cqes(&mut p.b, &mut b).len(), 1);
+    assert!(cqes(&mut p.b, &mut b2).is_empty());
+}
+
+#[test]
+fn multicast_honours_the_pkey_check() {
+    // PRM 11: "P_Key checked on every packet"; multicast is no exception.
+    let (mut p, mut a, mut b) = ud_pair();
+    assert_eq!(mcg(&mut p.b, true, b.qp.qpn), CmdStatus::Ok);
+    set_pkey(&mut p.b, 0, 0x8001);
+    p.b.events();
+    recv(&mut p.b, &mut b, 0, 256);
+    let sg = [sge(&a.mr, 0, 16)];
+    post_ud(&mut p.a, &mut a, SendOp::Send, &sg, GROUP, 0xFF_FFFF);
+    p.pump();
+    assert!(cqes(&mut p.b, &mut b).is_empty(), "dropped");
+    let info = query_port(&mut p.b);
+    assert_eq!(info.pkey_violations.get(), 1);
+    assert_eq!(info.rx_discards.get(), 1);
+    let port = PortNum::new(1).unwrap();
+    assert_eq!(p.b.events(), vec![Event::PkeyViolation { port }]);
+}
+
+// ----- 9. commands ----------------------------------------------------------
+
+#[test]
+fn bad_commands_fail_with_the_right_status() {
+    let mut n = Node::new(0x0200_00ff_fe00_0c00, [10, 0, 0, 3], 0x30_0000_0000);
+    let before = n.dev.counters().bad_commands;
+    let mut failures = 0;
+    let mut expect = |n: &mut Node, got: CmdStatus, want: CmdStatus, what: &str| {
+        assert_eq!(got, want, "{what}");
+        failures += 1;
+        let _ = n;
+    };
+    // Unknown opcode; a known opcode with an op_mod it does not take.
+    let e = CmdEntry {
+        opcode: Le16::new(0x7FF),
+        ..CmdEntry::default()
+    };
+    let got = n.drv.cmd_raw(&mut n.dev, e).0;
+    expect(&mut n, got, CmdStatus::BadOpcode, "unknown opcode");
+    let e = CmdEntry {
+        opcode: Le16::new(Opcode::Nop.code()),
+        op_mod: Le16::new(1),
+        ..CmdEntry::default()
+    };
+    let got = n.drv.cmd_raw(&mut n.dev, e).0;
+    expect(&mut n, got, CmdStatus::BadOpcode, "op_mod");
+    // Object numbers outside their tables.
+    let got = n.drv.query_qp(&mut n.dev, 1 << 20).unwrap_err();
+    expect(&mut n, got, CmdStatus::BadIndex, "QPN out of range");
+    let got = n
+        .drv
+        .cmd(&mut n.dev, Opcode::QueryCq, 0, 1 << 20, &[], 64)
+        .0;
+    expect(&mut n, got, CmdStatus::BadIndex, "CQN out of range");
+    // Create twice, destroy a free object.
+    let cq = n.drv.create_cq(&mut n.dev, 4).unwrap();
+    let got = n
+        .drv
+        .cmd(&mut n.dev, Opcode::Sw2HwCq, 0, cq.cqn, Cqc::default().as_bytes(), 0)
+        .0;
+    expect(&mut n, got, CmdStatus::BadResState, "create twice");
+    let got = n.drv.cmd_param(&mut n.dev, Opcode::Hw2SwQp, 200, 0).0;
+    expect(&mut n, got, CmdStatus::BadResState, "destroy a free QP");
+    // Illegal QP transitions: RESET -> RTS, and INIT -> RTR without its
+    // required attributes.
+    let qp = n
+        .drv
+        .create_qp(&mut n.dev, QpType::Rc, 1, PD, &cq, &cq, None, (4, 4))
+        .unwrap();
+    let got = n
+        .drv
+        .modify_qp(&mut n.dev, &qp, &bring_up::to_rts(QpType::Rc, 0, 14, 7, 7));
+    expect(&mut n, got, CmdStatus::BadQpState, "RESET -> RTS");
+    assert_eq!(n.qp_state(qp.qpn), QpState::Reset);
+    assert_eq!(
+        n.drv.modify_qp(
+            &mut n.dev,
+            &qp,
+            &bring_up::to_init(QpType::Rc, ALL_REMOTE, 0)
+        ),
+        CmdStatus::Ok
+    );
+    let got = n
+        .drv
+        .modify_qp(&mut n.dev, &qp, &QpModify::to_state(QpState::Rtr));
+    expect(&mut n, got, CmdStatus::BadQpState, "INIT -> RTR, no attributes");
+    assert_eq!(n.qp_state(qp.qpn), QpState::Init);
+    // Reserved bytes: in the command entry and in a context.
+    let e = CmdEntry {
+        opcode: Le16::new(Opcode::Nop.code()),
+        reserved_at_0x7: 1,
+        ..CmdEntry::default()
+    };
+    let got = n.drv.cmd_raw(&mut n.dev, e).0;
+    expect(&mut n, got, CmdStatus::BadParam, "reserved byte in the entry");
+    let cqc = Cqc {
+        reserved_at_0x1: [0, 1, 0],
+        ..Cqc::default()
+    };
+    let got = n
+        .drv
+        .cmd(&mut n.dev, Opcode::Sw2HwCq, 0, cq.cqn + 1, cqc.as_bytes(), 0)
+        .0;
+    expect(&mut n, got, CmdStatus::BadParam, "reserved byte in a CQC");
+    // Mailboxes outside any DMA mapping.
+    let e = CmdEntry {
+        opcode: Le16::new(Opcode::QueryDevCap.code()),
+        out_param: Le64::new(0x1000),
+        out_len: Le32::new(256),
+        ..CmdEntry::default()
+    };
+    let got = n.drv.cmd_raw(&mut n.dev, e).0;
+    expect(&mut n, got, CmdStatus::BadMailbox, "unmapped output mailbox");
+    let e = CmdEntry {
+        opcode: Le16::new(Opcode::Sw2HwCq.code()),
+        in_mod: Le32::new(cq.cqn + 1),
+        in_param: Le64::new(0x2000),
+        in_len: Le32::new(64),
+        ..CmdEntry::default()
+    };
+    let got = n.drv.cmd_raw(&mut n.dev, e).0;
+    expect(&mut n, got, CmdStatus::BadMailbox, "unmapped input mailbox");
+    let e = CmdEntry {
+        opcode: Le16::new(Opcode::Sw2HwCq.code()),
+        in_mod: Le32::new(cq.cqn + 1),
+        in_param: Le64::new(n.drv.mailbox_in_bus()),
+        in_len: Le32::new(8192),
+        ..CmdEntry::default()
+    };
+    let got = n.drv.cmd_raw(&mut n.dev, e).0;
+    expect(&mut n, got, CmdStatus::BadMailbox, "mailbox over 4 KiB");
+    assert_eq!(n.dev.counters().bad_commands - before, failures);
+    assert_eq!(
+        n.dev.mmio_read32(hca_prm::regs::offset::BAD_COMMANDS),
+        n.dev.counters().bad_commands
+    );
+    assert!(!n.dev.is_fatal());
+    // The device still works.
+    assert_eq!(
+        n.drv.cmd_param(&mut n.dev, Opcode::Nop, 0, 0).0,
+        CmdStatus::Ok
+    );
+}
+
+#[test]
+fn dma_fault_on_an_unmapped_ring_is_counted_not_fatal() {
+    let (mut p, mut a, _b) = rc_pair();
+    assert_eq!(p.a.dev.counters().dma_faults, 0);
+    assert!(p.a.drv.mem.unmap(a.qp.sq_buf().bus));
+    let sg = [sge(&a.mr, 0, 16)];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    p.pump();
+    let faults = p.a.dev.counters().dma_faults;
+    assert!(faults >= 1, "counted");
+    assert_eq!(
+        p.a.dev.mmio_read32(hca_prm::regs::offset::DMA_FAULTS),
+        faults
+    );
+    assert!(!p.a.dev.is_fatal());
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::Nop, WcStatus::LocQpOpErr, i0)]
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+    assert_eq!(p.a.dev.port_counters(1).unwrap().tx_packets, 0);
+}

@@ -59,6 +59,14 @@ impl RespError {
     }
 }
 
+/// A receive WQE that could not be used (see `take_recv_wqe`).
+#[derive(Debug, Clone, Copy)]
+struct RecvFault {
+    status: WcStatus,
+    /// The WQE, if it was consumed; it must complete with `status`.
+    consumed: Option<RecvState>,
+}
+
 impl Device {
     /// Takes one frame from the fabric on `port` (1-based).
     pub fn receive(&mut self, port: u8, frame: &[u8]) {
@@ -190,8 +198,14 @@ impl Device {
     }
 
     /// Takes the next receive WQE from the QP's RQ or SRQ (PRM 10.3).
-    /// `Ok(None)` when none is posted; `Err` when the WQE is garbage.
-    fn take_recv_wqe(&mut self, qp: &mut Qp) -> Result<Option<RecvState>, WcStatus> {
+    /// `Ok(None)` when none is posted; `Err` when the WQE cannot be used,
+    /// carrying the WQE (with no scatter entries) if it was consumed, so
+    /// that it completes in error.
+    fn take_recv_wqe(&mut self, qp: &mut Qp) -> Result<Option<RecvState>, RecvFault> {
+        let fault = |status| RecvFault {
+            status,
+            consumed: None,
+        };
         let (ring, dbr, counter, from_srq) = match qp.srqn {
             Some(s) => {
                 let Some(srq) = self
@@ -200,14 +214,14 @@ impl Device {
                     .and_then(|h| h.srqs.get(s as usize))
                     .and_then(Option::as_ref)
                 else {
-                    return Err(WcStatus::LocQpOpErr);
+                    return Err(fault(WcStatus::LocQpOpErr));
                 };
                 (srq.ring, srq.dbr, srq.consumer, true)
             }
             None => (qp.rq, qp.rq_dbr, qp.rq_consumer, false),
         };
         let Some(producer) = self.read_dbr(dbr) else {
-            return Err(WcStatus::LocQpOpErr);
+            return Err(fault(WcStatus::LocQpOpErr));
         };
         let posted = producer.wrapping_sub(counter);
         if posted == 0 || posted > 1 << ring.log_entries {
@@ -229,7 +243,7 @@ impl Device {
         });
         if !read {
             self.note_fault();
-            return Err(WcStatus::LocQpOpErr);
+            return Err(fault(WcStatus::LocQpOpErr));
         }
         // Consumed whatever it holds: a garbage WQE completes in error.
         if let Some(s) = qp.srqn {
@@ -237,14 +251,22 @@ impl Device {
         } else {
             qp.rq_consumer = counter.wrapping_add(1);
         }
-        let wqe = RecvWqe::parse(&buf[..len], counter as u16).map_err(|_| WcStatus::LocQpOpErr)?;
         let mut state = RecvState {
-            wqe_index: wqe.wqe_index,
+            wqe_index: counter as u16,
             from_srq,
             sges: [Sge::default(); MAX_SGES],
             num_sges: 0,
             offset: 0,
         };
+        let Ok(wqe) = RecvWqe::parse(&buf[..len], counter as u16) else {
+            // PRM 10.5: a WQE that fails gets its error CQE (IBA: a
+            // malformed receive WQE is retired in error, class A).
+            return Err(RecvFault {
+                status: WcStatus::LocQpOpErr,
+                consumed: Some(state),
+            });
+        };
+        state.wqe_index = wqe.wqe_index;
         for sge in wqe
             .sges
             .iter()
@@ -346,15 +368,10 @@ impl Device {
         let mut recv = match self.take_recv_wqe(qp) {
             Ok(Some(recv)) => recv,
             Ok(None) => return false,
-            Err(status) => {
-                let recv = RecvState {
-                    wqe_index: qp.rq_consumer.wrapping_sub(1) as u16,
-                    from_srq: qp.srqn.is_some(),
-                    sges: [Sge::default(); MAX_SGES],
-                    num_sges: 0,
-                    offset: 0,
-                };
-                self.complete_recv(qp, &recv, RecvOp::Send, status, CqeFlags::empty());
+            Err(fault) => {
+                if let Some(recv) = fault.consumed {
+                    self.complete_recv(qp, &recv, RecvOp::Send, fault.status, CqeFlags::empty());
+                }
                 self.move_to_error(qp);
                 return true;
             }
@@ -577,7 +594,11 @@ impl Device {
             match self.take_recv_wqe(qp) {
                 Ok(Some(recv)) => qp.resp.recv = Some(recv),
                 Ok(None) => return Ok(Some(qp.attrs.min_rnr_timer)),
-                Err(status) => return Err(RespError::local(status)),
+                Err(fault) => {
+                    // Where `fail_recv` completes it in error.
+                    qp.resp.recv = fault.consumed;
+                    return Err(RespError::local(fault.status));
+                }
             }
         }
         let Some(mut recv) = qp.resp.recv else {
@@ -648,7 +669,11 @@ impl Device {
             match self.take_recv_wqe(qp) {
                 Ok(Some(recv)) => qp.resp.recv = Some(recv),
                 Ok(None) => return Ok(Some(qp.attrs.min_rnr_timer)),
-                Err(status) => return Err(RespError::local(status)),
+                Err(fault) => {
+                    // Where `fail_recv` completes it in error.
+                    qp.resp.recv = fault.consumed;
+                    return Err(RespError::local(fault.status));
+                }
             }
         }
         if starts {
