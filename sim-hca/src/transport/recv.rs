@@ -112,13 +112,29 @@ impl Device {
                 .and_then(|h| h.mcgs.get(&gid))
                 .cloned()
                 .unwrap_or_default();
+            // PRM 11: the P_Key is checked on every packet, multicast
+            // included (IBA 9.6.1.1); members whose P_Key does not match
+            // do not receive, and a packet no member accepts for that
+            // reason is one violation.
+            let key = repr.bth.pkey;
             let mut any = false;
+            let mut key_refused = false;
             for qpn in members {
                 any |= self
                     .with_qp(qpn, |dev, qp| {
-                        qp.port == port && dev.ud_receive(qp, frame, pkt)
+                        if qp.port != port {
+                            return false;
+                        }
+                        if !dev.pkey_matches(qp, key) {
+                            key_refused = true;
+                            return false;
+                        }
+                        dev.ud_receive(qp, frame, pkt)
                     })
                     .unwrap_or(false);
+            }
+            if !any && key_refused {
+                self.pkey_violation(port);
             }
             return any;
         }
@@ -152,7 +168,8 @@ impl Device {
         ) {
             return false;
         }
-        if !self.pkey_ok(qp, pkt.repr().bth.pkey) {
+        if !self.pkey_matches(qp, pkt.repr().bth.pkey) {
+            self.pkey_violation(qp.port);
             return false;
         }
         match transport_of(qp.qp_type) {
@@ -173,28 +190,29 @@ impl Device {
     }
 
     /// The P_Key check of IBA 9.6.1.1: the packet's key must match the
-    /// QP's (any table entry for GSI); a mismatch is counted and trapped.
-    fn pkey_ok(&mut self, qp: &Qp, key: PKey) -> bool {
+    /// QP's (any table entry for GSI). A mismatch is a
+    /// [`Device::pkey_violation`].
+    fn pkey_matches(&self, qp: &Qp, key: PKey) -> bool {
         let Some(port) = self.port_ref(qp.port) else {
             return false;
         };
-        let ok = if qp.qp_type == QpType::Gsi {
+        if qp.qp_type == QpType::Gsi {
             port.pkeys.iter().any(|&k| PKey::new(k).matches(key))
         } else {
             port.pkeys
                 .get(usize::from(qp.attrs.pkey_index))
                 .is_some_and(|&k| PKey::new(k).matches(key))
-        };
-        if !ok {
-            let port_no = qp.port;
-            if let Some(p) = self.port_mut_ref(port_no) {
-                p.pkey_violations = p.pkey_violations.saturating_add(1);
-            }
-            if let Ok(port) = PortNum::new(port_no) {
-                self.post_event(Event::PkeyViolation { port });
-            }
         }
-        ok
+    }
+
+    /// Counts and traps a P_Key mismatch on `port_no`.
+    fn pkey_violation(&mut self, port_no: u8) {
+        if let Some(p) = self.port_mut_ref(port_no) {
+            p.pkey_violations = p.pkey_violations.saturating_add(1);
+        }
+        if let Ok(port) = PortNum::new(port_no) {
+            self.post_event(Event::PkeyViolation { port });
+        }
     }
 
     /// Takes the next receive WQE from the QP's RQ or SRQ (PRM 10.3).
