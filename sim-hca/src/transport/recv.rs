@@ -172,6 +172,12 @@ impl Device {
             self.pkey_violation(qp.port);
             return false;
         }
+        if qp.state == QpState::Rtr && qp.qp_type.is_connected() && !qp.resp.comm_est {
+            // PRM 8.2 COMM_EST, IBA 11.6.3.1 "Communication Established":
+            // a connected QP in RTR received its first packet.
+            qp.resp.comm_est = true;
+            self.post_qp_event(|qpn| Event::CommEst { qpn }, qp.index);
+        }
         match transport_of(qp.qp_type) {
             Transport::Ud => self.ud_receive(qp, frame, pkt),
             Transport::Rc if info.is_response() => {
@@ -352,7 +358,7 @@ impl Device {
         )
         .with_details(details);
         if self.post_cqe(qp.recv_cqn, cqe).is_err() {
-            self.move_to_error(qp);
+            self.cq_write_failed(qp);
         }
     }
 
@@ -427,7 +433,9 @@ impl Device {
         } else {
             details
         });
-        if self.post_cqe(qp.recv_cqn, cqe).is_err() || status != WcStatus::Success {
+        if self.post_cqe(qp.recv_cqn, cqe).is_err() {
+            self.cq_write_failed(qp);
+        } else if status != WcStatus::Success {
             self.move_to_error(qp);
         }
         true
@@ -528,6 +536,19 @@ impl Device {
             }
             Err(e) => {
                 self.send_ack(qp, psn, Syndrome::Nak(e.nak));
+                if qp.resp.recv.is_none() {
+                    // No receive WQE carries this error to software: the
+                    // responder reports it with an affiliated event (IBA
+                    // 11.6.3.1; responder class C errors "that do not use
+                    // a receive WQE"), or its owner never learns the QP
+                    // went to ERR.
+                    let qpn = Qpn::from_low_bits(qp.index);
+                    self.post_event(match e.nak {
+                        NakCode::RemoteAccessError => Event::WqAccessError { qpn },
+                        NakCode::InvalidRequest => Event::WqInvalidRequest { qpn },
+                        _ => Event::QpFatal { qpn },
+                    });
+                }
                 self.fail_recv(qp, e.status);
             }
         }

@@ -41,13 +41,14 @@ pub struct Node {
 
 impl Node {
     pub fn new(guid: u64, ip: [u8; 4], bus_base: u64) -> Self {
+        Self::with_config(DeviceConfig::with_ports(guid, &[ip]), bus_base)
+    }
+
+    /// A node built from `cfg`, its port 1 link up, brought up.
+    pub fn with_config(cfg: DeviceConfig, bus_base: u64) -> Self {
         let mem = Arc::new(SimMemory::new(bus_base));
         let irq = Arc::new(IrqLog::default());
-        let mut dev = Device::new(
-            DeviceConfig::with_ports(guid, &[ip]),
-            mem.clone(),
-            irq.clone(),
-        );
+        let mut dev = Device::new(cfg, mem.clone(), irq.clone());
         dev.set_link(1, true);
         let drv = Driver::bring_up(&mut dev, mem);
         Self { dev, drv, irq }
@@ -85,9 +86,17 @@ pub const IP_B: [u8; 4] = [10, 0, 0, 2];
 
 impl Pair {
     pub fn new() -> Self {
+        Self::of(
+            Node::new(0x0200_00ff_fe00_0a00, IP_A, 0x10_0000_0000),
+            Node::new(0x0200_00ff_fe00_0b00, IP_B, 0x20_0000_0000),
+        )
+    }
+
+    /// Two given nodes (A at [`IP_A`], B at [`IP_B`]) back to back.
+    pub fn of(a: Node, b: Node) -> Self {
         Self {
-            a: Node::new(0x0200_00ff_fe00_0a00, IP_A, 0x10_0000_0000),
-            b: Node::new(0x0200_00ff_fe00_0b00, IP_B, 0x20_0000_0000),
+            a,
+            b,
             now: 0,
             wire: VecDeque::new(),
             filter: None,
