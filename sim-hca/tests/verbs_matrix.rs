@@ -181,7 +181,9 @@ fn reg(node: &mut Node, len: usize, pd: u32, access: AccessFlags) -> Mr {
 }
 
 fn query_mpt(node: &mut Node, index: u32) -> Result<MptEntry, CmdStatus> {
-    let (status, out) = node.drv.cmd(&mut node.dev, Opcode::QueryMpt, 0, index, &[], 64);
+    let (status, out) = node
+        .drv
+        .cmd(&mut node.dev, Opcode::QueryMpt, 0, index, &[], 64);
     if status != CmdStatus::Ok {
         return Err(status);
     }
@@ -189,7 +191,9 @@ fn query_mpt(node: &mut Node, index: u32) -> Result<MptEntry, CmdStatus> {
 }
 
 fn query_port(node: &mut Node) -> PortInfo {
-    let (status, out) = node.drv.cmd(&mut node.dev, Opcode::QueryPort, 0, 1, &[], 4096);
+    let (status, out) = node
+        .drv
+        .cmd(&mut node.dev, Opcode::QueryPort, 0, 1, &[], 4096);
     assert_eq!(status, CmdStatus::Ok);
     PortInfo::read_from_prefix(&out).unwrap().0
 }
@@ -200,7 +204,14 @@ fn mw_key(index: u32, tag: u8) -> RKey {
 }
 
 /// A type 2 bind WR (the only kind verbs post).
-fn bind2<'a>(wr_id: u64, key: RKey, mr: &Mr, off: u64, len: u64, access: AccessFlags) -> SendWr<'a> {
+fn bind2<'a>(
+    wr_id: u64,
+    key: RKey,
+    mr: &Mr,
+    off: u64,
+    len: u64,
+    access: AccessFlags,
+) -> SendWr<'a> {
     wr(
         wr_id,
         SendOp::BindMw {
@@ -379,7 +390,10 @@ fn rc_send_with_invalidate_of_a_region() {
 #[test]
 fn rc_send_with_invalidate_of_a_type2_window() {
     let (mut p, mut a, mut b) = rc_pair();
-    let w = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType2).unwrap();
+    let w =
+        p.b.drv
+            .alloc_mw(&mut p.b.dev, PD, MptKind::WindowType2)
+            .unwrap();
     let key = mw_key(w, 0x42);
     let bi = post_bind2(
         &mut p.b,
@@ -395,7 +409,10 @@ fn rc_send_with_invalidate_of_a_type2_window() {
         summary(&cqes(&mut p.b, &mut b)),
         vec![ok(WqeOpcode::BindMw, bi)]
     );
-    assert_eq!(query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(), 1);
+    assert_eq!(
+        query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(),
+        1
+    );
     // Write through the window, then invalidate it with the send.
     let data = pattern(100, 3);
     p.a.drv.write_mr(&a.mr, 0, &data);
@@ -430,7 +447,10 @@ fn rc_send_with_invalidate_of_a_type2_window() {
         (window.kind, window.state),
         (MptKind::WindowType2.code(), 0)
     );
-    assert_eq!(query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(), 0);
+    assert_eq!(
+        query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(),
+        0
+    );
     // The old key no longer grants anything.
     let i2 = post(
         &mut p.a,
@@ -471,7 +491,10 @@ fn rc_rdma_write_and_write_with_immediate() {
         summary(&cqes(&mut p.a, &mut a)),
         vec![ok(WqeOpcode::RdmaWrite, i0)]
     );
-    assert!(cqes(&mut p.b, &mut b).is_empty(), "a write completes nothing at B");
+    assert!(
+        cqes(&mut p.b, &mut b).is_empty(),
+        "a write completes nothing at B"
+    );
     assert_eq!(p.b.drv.read_mr(&b.mr, 1000, 2500), data);
     // Writes with immediate (one and three packets) each consume a receive
     // WQE and report the write's length; the receive buffer is untouched.
@@ -504,7 +527,10 @@ fn rc_rdma_write_and_write_with_immediate() {
     p.pump();
     assert_eq!(
         summary(&cqes(&mut p.a, &mut a)),
-        vec![ok(WqeOpcode::RdmaWriteImm, i1), ok(WqeOpcode::RdmaWriteImm, i2)]
+        vec![
+            ok(WqeOpcode::RdmaWriteImm, i1),
+            ok(WqeOpcode::RdmaWriteImm, i2)
+        ]
     );
     let got = cqes(&mut p.b, &mut b);
     assert_eq!(
@@ -844,9 +870,20 @@ fn rc_sq_sig_all_signals_every_wqe() {
 #[test]
 fn rc_bind_mw_and_local_invalidate() {
     let (mut p, mut a, mut b) = rc_pair();
-    let w = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType2).unwrap();
+    let w =
+        p.b.drv
+            .alloc_mw(&mut p.b.dev, PD, MptKind::WindowType2)
+            .unwrap();
     let key = mw_key(w, 0x10);
-    let i0 = post_bind2(&mut p.b, &mut b, key, None, 0, 4096, AccessFlags::REMOTE_READ);
+    let i0 = post_bind2(
+        &mut p.b,
+        &mut b,
+        key,
+        None,
+        0,
+        4096,
+        AccessFlags::REMOTE_READ,
+    );
     p.pump();
     assert_eq!(
         summary(&cqes(&mut p.b, &mut b)),
@@ -864,7 +901,11 @@ fn rc_bind_mw_and_local_invalidate() {
         addr: b.mr.va,
         rkey: key,
     };
-    let ia = post(&mut p.a, &mut a, &wr(1, SendOp::RdmaRead { remote: r }, SIG, &sg));
+    let ia = post(
+        &mut p.a,
+        &mut a,
+        &wr(1, SendOp::RdmaRead { remote: r }, SIG, &sg),
+    );
     p.pump();
     assert_eq!(
         summary(&cqes(&mut p.a, &mut a)),
@@ -883,7 +924,10 @@ fn rc_bind_mw_and_local_invalidate() {
         vec![ok(WqeOpcode::LocalInv, i1)]
     );
     assert_eq!(query_mpt(&mut p.b, w).unwrap().state, 0);
-    assert_eq!(query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(), 0);
+    assert_eq!(
+        query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(),
+        0
+    );
 }
 
 // ----- 1. opcodes: UC -------------------------------------------------------
@@ -1059,7 +1103,10 @@ fn ud_send_and_send_with_immediate() {
     assert_eq!(got[0].flags(), CqeFlags::RECV | CqeFlags::GRH);
     assert_eq!(got[0].byte_count.get(), 40 + 1024);
     assert_eq!(got[0].src_qp.get(), a.qp.qpn);
-    assert_eq!(got[1].flags(), CqeFlags::RECV | CqeFlags::GRH | CqeFlags::IMM);
+    assert_eq!(
+        got[1].flags(),
+        CqeFlags::RECV | CqeFlags::GRH | CqeFlags::IMM
+    );
     assert_eq!(got[1].byte_count.get(), 40 + 16);
     assert_eq!(got[1].imm, 0xBEEFu32.to_be_bytes());
     assert_eq!(p.b.drv.read_mr(&b.mr, 40, 1024), data);
@@ -1090,7 +1137,14 @@ fn ud_message_over_the_mtu_fails_locally_and_stops_only_the_send_queue() {
     };
     let i0 = a.qp.sq_producer as u16;
     p.a.drv
-        .post_send(&mut p.a.dev, &mut a.qp, &mk(&sg_big[..]), Some(&av), None, false)
+        .post_send(
+            &mut p.a.dev,
+            &mut a.qp,
+            &mk(&sg_big[..]),
+            Some(&av),
+            None,
+            false,
+        )
         .unwrap();
     let i1 = a.qp.sq_producer as u16;
     p.a.drv
@@ -1250,7 +1304,10 @@ fn loc_qp_op_err_wqe_index_mismatch() {
 #[test]
 fn mw_bind_err_type2_window_bound_twice() {
     let (mut p, mut a, _b) = rc_pair();
-    let w = p.a.drv.alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2).unwrap();
+    let w =
+        p.a.drv
+            .alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2)
+            .unwrap();
     let r = AccessFlags::REMOTE_READ;
     let i0 = post_bind2(&mut p.a, &mut a, mw_key(w, 1), None, 0, 64, r);
     let i1 = post_bind2(&mut p.a, &mut a, mw_key(w, 2), None, 0, 64, r);
@@ -1276,7 +1333,10 @@ fn mw_bind_err_region_without_mw_bind() {
         PD,
         AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ,
     );
-    let w = p.a.drv.alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2).unwrap();
+    let w =
+        p.a.drv
+            .alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2)
+            .unwrap();
     let i0 = post_bind2(
         &mut p.a,
         &mut a,
@@ -1307,8 +1367,14 @@ fn mw_bind_err_remote_write_window_over_region_without_local_write() {
         PD,
         AccessFlags::MW_BIND | AccessFlags::REMOTE_READ,
     );
-    let w1 = p.a.drv.alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2).unwrap();
-    let w2 = p.a.drv.alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2).unwrap();
+    let w1 =
+        p.a.drv
+            .alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2)
+            .unwrap();
+    let w2 =
+        p.a.drv
+            .alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2)
+            .unwrap();
     // A read-only window over it is fine; a writable one is not.
     let i0 = post_bind2(
         &mut p.a,
@@ -1343,7 +1409,10 @@ fn mw_bind_err_remote_write_window_over_region_without_local_write() {
 #[test]
 fn mw_bind_err_local_invalidate_of_a_type1_window() {
     let (mut p, mut a, _b) = rc_pair();
-    let w = p.a.drv.alloc_mw(&mut p.a.dev, PD, MptKind::WindowType1).unwrap();
+    let w =
+        p.a.drv
+            .alloc_mw(&mut p.a.dev, PD, MptKind::WindowType1)
+            .unwrap();
     let key = mw_key(w, 3);
     let i0 = post_bind1(&mut p.a, &mut a, key, None, 0, 64, AccessFlags::REMOTE_READ);
     let i1 = post(
@@ -1385,7 +1454,11 @@ fn rem_inv_req_err_misaligned_atomic() {
         summary(&cqes(&mut p.a, &mut a)),
         vec![c(WqeOpcode::AtomicFa, WcStatus::RemInvReqErr, i0)]
     );
-    assert_eq!(p.b.drv.read_mr(&b.mr, 0, 16), vec![0xAA; 16], "not executed");
+    assert_eq!(
+        p.b.drv.read_mr(&b.mr, 0, 16),
+        vec![0xAA; 16],
+        "not executed"
+    );
     assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
     assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Err);
 }
@@ -1468,9 +1541,20 @@ fn rem_access_err_rkey_range() {
 #[test]
 fn rem_op_err_send_with_invalidate_of_a_type1_window() {
     let (mut p, mut a, mut b) = rc_pair();
-    let w = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType1).unwrap();
+    let w =
+        p.b.drv
+            .alloc_mw(&mut p.b.dev, PD, MptKind::WindowType1)
+            .unwrap();
     let key = mw_key(w, 9);
-    let bi = post_bind1(&mut p.b, &mut b, key, None, 0, 4096, AccessFlags::REMOTE_READ);
+    let bi = post_bind1(
+        &mut p.b,
+        &mut b,
+        key,
+        None,
+        0,
+        4096,
+        AccessFlags::REMOTE_READ,
+    );
     p.pump();
     assert_eq!(
         summary(&cqes(&mut p.b, &mut b)),
@@ -1566,9 +1650,8 @@ fn wr_flush_err_on_both_queues_and_an_unsignaled_error() {
     let i2 = post(&mut p.a, &mut a, &wr(3, SendOp::Send, NONE, &sg));
     p.pump();
     let got = cqes(&mut p.a, &mut a);
-    let (recvs, sends): (Vec<Cqe>, Vec<Cqe>) = got
-        .iter()
-        .partition(|c| c.flags().contains(CqeFlags::RECV));
+    let (recvs, sends): (Vec<Cqe>, Vec<Cqe>) =
+        got.iter().partition(|c| c.flags().contains(CqeFlags::RECV));
     assert_eq!(
         summary(&sends),
         vec![
@@ -1939,8 +2022,14 @@ fn concurrent_fetch_adds_from_two_qps_are_linearizable() {
 /// window (read over b.mr[8192..12288]) on its QP.
 fn mw_setup() -> (Pair, Endpoint, Endpoint, RKey, RKey) {
     let (mut p, a, mut b) = rc_pair();
-    let w1 = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType1).unwrap();
-    let w2 = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType2).unwrap();
+    let w1 =
+        p.b.drv
+            .alloc_mw(&mut p.b.dev, PD, MptKind::WindowType1)
+            .unwrap();
+    let w2 =
+        p.b.drv
+            .alloc_mw(&mut p.b.dev, PD, MptKind::WindowType2)
+            .unwrap();
     let (k1, k2) = (mw_key(w1, 0x11), mw_key(w2, 0x22));
     let rw = AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE;
     let i0 = post_bind1(&mut p.b, &mut b, k1, None, 4096, 4096, rw);
@@ -1958,7 +2047,10 @@ fn mw_setup() -> (Pair, Endpoint, Endpoint, RKey, RKey) {
         summary(&cqes(&mut p.b, &mut b)),
         vec![ok(WqeOpcode::BindMw, i0), ok(WqeOpcode::BindMw, i1)]
     );
-    assert_eq!(query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(), 2);
+    assert_eq!(
+        query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(),
+        2
+    );
     (p, a, b, k1, k2)
 }
 
@@ -2222,8 +2314,14 @@ fn mw_type2_window_serves_only_the_qp_it_is_bound_to() {
     let b2 = endpoint(&mut p.b, QpType::Rc, AccessFlags::empty());
     connect(&mut p, &a1, &b1, QpType::Rc, Mtu::Mtu1024, Retries::PATIENT);
     connect(&mut p, &a2, &b2, QpType::Rc, Mtu::Mtu1024, Retries::PATIENT);
-    let w1 = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType1).unwrap();
-    let w2 = p.b.drv.alloc_mw(&mut p.b.dev, PD, MptKind::WindowType2).unwrap();
+    let w1 =
+        p.b.drv
+            .alloc_mw(&mut p.b.dev, PD, MptKind::WindowType1)
+            .unwrap();
+    let w2 =
+        p.b.drv
+            .alloc_mw(&mut p.b.dev, PD, MptKind::WindowType2)
+            .unwrap();
     let (k1, k2) = (mw_key(w1, 5), mw_key(w2, 6));
     let r = AccessFlags::REMOTE_READ;
     let i0 = post_bind1(&mut p.b, &mut b1, k1, None, 0, 4096, r);
@@ -2266,7 +2364,9 @@ fn mw_type2_window_serves_only_the_qp_it_is_bound_to() {
 #[test]
 fn mw_deregistering_a_region_with_bound_windows_is_busy() {
     let (mut p, mut a, mut b, k1, k2) = mw_setup();
-    let busy = p.b.drv.cmd_param(&mut p.b.dev, Opcode::Hw2SwMpt, b.mr.index, 0);
+    let busy =
+        p.b.drv
+            .cmd_param(&mut p.b.dev, Opcode::Hw2SwMpt, b.mr.index, 0);
     assert_eq!(busy.0, CmdStatus::ResourceBusy);
     // The region is untouched: remote access still works.
     let sg = [sge(&a.mr, 0, 16)];
@@ -2299,14 +2399,23 @@ fn mw_deregistering_a_region_with_bound_windows_is_busy() {
         summary(&cqes(&mut p.b, &mut b)),
         vec![ok(WqeOpcode::LocalInv, i1)]
     );
-    let still = p.b.drv.cmd_param(&mut p.b.dev, Opcode::Hw2SwMpt, b.mr.index, 0);
-    assert_eq!(still.0, CmdStatus::ResourceBusy, "the type 1 window is bound");
+    let still =
+        p.b.drv
+            .cmd_param(&mut p.b.dev, Opcode::Hw2SwMpt, b.mr.index, 0);
+    assert_eq!(
+        still.0,
+        CmdStatus::ResourceBusy,
+        "the type 1 window is bound"
+    );
     let w1 = k1.get() >> 8;
     assert_eq!(
         p.b.drv.cmd_param(&mut p.b.dev, Opcode::Hw2SwMpt, w1, 0).0,
         CmdStatus::Ok
     );
-    assert_eq!(query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(), 0);
+    assert_eq!(
+        query_mpt(&mut p.b, b.mr.index).unwrap().window_count.get(),
+        0
+    );
     assert_eq!(
         p.b.drv
             .cmd_param(&mut p.b.dev, Opcode::Hw2SwMpt, b.mr.index, 0)
@@ -2325,14 +2434,18 @@ fn srq_endpoint(node: &mut Node, srq: &Srq) -> Endpoint {
     let cq = node.drv.create_cq(&mut node.dev, 8).unwrap();
     let qp = node
         .drv
-        .create_qp(&mut node.dev, QpType::Rc, 1, PD, &cq, &cq, Some(srq), (6, 6))
+        .create_qp(
+            &mut node.dev,
+            QpType::Rc,
+            1,
+            PD,
+            &cq,
+            &cq,
+            Some(srq),
+            (6, 6),
+        )
         .unwrap();
-    let mr = reg(
-        node,
-        16 * 1024,
-        PD,
-        AccessFlags::LOCAL_WRITE | ALL_REMOTE,
-    );
+    let mr = reg(node, 16 * 1024, PD, AccessFlags::LOCAL_WRITE | ALL_REMOTE);
     Endpoint { cq, qp, mr }
 }
 
@@ -2430,8 +2543,13 @@ fn srq_limit_event_fires_once() {
     assert!(limit_events(&mut p.b).is_empty());
     // The third leaves 2 < 3: one event, and the SRQ is disarmed.
     send(&mut p);
-    assert_eq!(limit_events(&mut p.b), vec![Event::SrqLimit { srqn: srq.srqn }]);
-    let (status, out) = p.b.drv.cmd(&mut p.b.dev, Opcode::QuerySrq, 0, srq.srqn, &[], 64);
+    assert_eq!(
+        limit_events(&mut p.b),
+        vec![Event::SrqLimit { srqn: srq.srqn }]
+    );
+    let (status, out) =
+        p.b.drv
+            .cmd(&mut p.b.dev, Opcode::QuerySrq, 0, srq.srqn, &[], 64);
     assert_eq!(status, CmdStatus::Ok);
     let srqc = hca_prm::ctx::Srqc::read_from_bytes(&out).unwrap();
     assert_eq!(srqc.limit.get(), 0);
@@ -2520,7 +2638,10 @@ fn sqd_drains_raises_sq_drained_and_resumes() {
             .filter(|e| matches!(e, Event::SqDrained { .. }))
             .collect::<Vec<_>>()
     };
-    assert!(drained(&mut p.a).is_empty(), "the first send is outstanding");
+    assert!(
+        drained(&mut p.a).is_empty(),
+        "the first send is outstanding"
+    );
     p.advance(10_000_000);
     assert_eq!(
         drained(&mut p.a),
@@ -2582,7 +2703,9 @@ fn cq_overflow_raises_cq_error_and_fails_the_qp() {
         vec![Event::CqError { cqn: a.cq.cqn }]
     );
     assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
-    let (status, out) = p.a.drv.cmd(&mut p.a.dev, Opcode::QueryCq, 0, a.cq.cqn, &[], 64);
+    let (status, out) =
+        p.a.drv
+            .cmd(&mut p.a.dev, Opcode::QueryCq, 0, a.cq.cqn, &[], 64);
     assert_eq!(status, CmdStatus::Ok);
     assert_eq!(Cqc::read_from_bytes(&out).unwrap().state, 4, "error");
     // What fitted is kept.
@@ -2695,13 +2818,13 @@ fn link_down_and_up_raise_port_change_and_gate_delivery() {
     let sg = [sge(&a.mr, 0, 32)];
     let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
     p.pump();
-    assert!(cqes(&mut p.b, &mut b).is_empty(), "not delivered while down");
+    assert!(
+        cqes(&mut p.b, &mut b).is_empty(),
+        "not delivered while down"
+    );
     assert_eq!(p.b.dev.port_counters(1).unwrap().rx_discards, 1);
     p.b.dev.set_link(1, true);
-    assert_eq!(
-        p.b.events(),
-        vec![Event::PortChange { port, active: true }]
-    );
+    assert_eq!(p.b.events(), vec![Event::PortChange { port, active: true }]);
     assert_eq!(query_port(&mut p.b).state, 4, "ACTIVE");
     p.advance(100_000_000);
     assert_eq!(
@@ -2718,7 +2841,12 @@ fn link_down_and_up_raise_port_change_and_gate_delivery() {
 fn set_pkey(node: &mut Node, index: u32, pkey: u16) {
     assert_eq!(
         node.drv
-            .cmd_param(&mut node.dev, Opcode::SetPkey, 1 | index << 8, u64::from(pkey))
+            .cmd_param(
+                &mut node.dev,
+                Opcode::SetPkey,
+                1 | index << 8,
+                u64::from(pkey)
+            )
             .0,
         CmdStatus::Ok
     );
@@ -2760,9 +2888,7 @@ fn mcg(node: &mut Node, attach: bool, qpn: u32) -> CmdStatus {
         Opcode::DetachMcg
     };
     let gid = Gid::from_ipv4(GROUP);
-    node.drv
-        .cmd(&mut node.dev, op, 0, qpn, gid.as_bytes(), 0)
-        .0
+    node.drv.cmd(&mut node.dev, op, 0, qpn, gid.as_bytes(), 0).0
 }
 
 #[test]
@@ -2861,7 +2987,14 @@ fn bad_commands_fail_with_the_right_status() {
     let cq = n.drv.create_cq(&mut n.dev, 4).unwrap();
     let got = n
         .drv
-        .cmd(&mut n.dev, Opcode::Sw2HwCq, 0, cq.cqn, Cqc::default().as_bytes(), 0)
+        .cmd(
+            &mut n.dev,
+            Opcode::Sw2HwCq,
+            0,
+            cq.cqn,
+            Cqc::default().as_bytes(),
+            0,
+        )
         .0;
     expect(&mut n, got, CmdStatus::BadResState, "create twice");
     let got = n.drv.cmd_param(&mut n.dev, Opcode::Hw2SwQp, 200, 0).0;
@@ -2888,7 +3021,12 @@ fn bad_commands_fail_with_the_right_status() {
     let got = n
         .drv
         .modify_qp(&mut n.dev, &qp, &QpModify::to_state(QpState::Rtr));
-    expect(&mut n, got, CmdStatus::BadQpState, "INIT -> RTR, no attributes");
+    expect(
+        &mut n,
+        got,
+        CmdStatus::BadQpState,
+        "INIT -> RTR, no attributes",
+    );
     assert_eq!(n.qp_state(qp.qpn), QpState::Init);
     // Reserved bytes: in the command entry and in a context.
     let e = CmdEntry {
@@ -2897,14 +3035,26 @@ fn bad_commands_fail_with_the_right_status() {
         ..CmdEntry::default()
     };
     let got = n.drv.cmd_raw(&mut n.dev, e).0;
-    expect(&mut n, got, CmdStatus::BadParam, "reserved byte in the entry");
+    expect(
+        &mut n,
+        got,
+        CmdStatus::BadParam,
+        "reserved byte in the entry",
+    );
     let cqc = Cqc {
         reserved_at_0x1: [0, 1, 0],
         ..Cqc::default()
     };
     let got = n
         .drv
-        .cmd(&mut n.dev, Opcode::Sw2HwCq, 0, cq.cqn + 1, cqc.as_bytes(), 0)
+        .cmd(
+            &mut n.dev,
+            Opcode::Sw2HwCq,
+            0,
+            cq.cqn + 1,
+            cqc.as_bytes(),
+            0,
+        )
         .0;
     expect(&mut n, got, CmdStatus::BadParam, "reserved byte in a CQC");
     // Mailboxes outside any DMA mapping.
@@ -2915,7 +3065,12 @@ fn bad_commands_fail_with_the_right_status() {
         ..CmdEntry::default()
     };
     let got = n.drv.cmd_raw(&mut n.dev, e).0;
-    expect(&mut n, got, CmdStatus::BadMailbox, "unmapped output mailbox");
+    expect(
+        &mut n,
+        got,
+        CmdStatus::BadMailbox,
+        "unmapped output mailbox",
+    );
     let e = CmdEntry {
         opcode: Le16::new(Opcode::Sw2HwCq.code()),
         in_mod: Le32::new(cq.cqn + 1),
@@ -3057,7 +3212,11 @@ fn responder_errors_without_a_receive_wqe_raise_affiliated_events() {
         addr: b.mr.va,
         rkey: RKey::new(b.mr.rkey.get() ^ 0x10),
     };
-    post(&mut p.a, &mut a, &wr(1, SendOp::RdmaWrite { remote: bad }, SIG, &sg));
+    post(
+        &mut p.a,
+        &mut a,
+        &wr(1, SendOp::RdmaWrite { remote: bad }, SIG, &sg),
+    );
     p.pump();
     let qpn = Qpn::new(b.qp.qpn).unwrap();
     assert_eq!(qp_events(&mut p.b), vec![Event::WqAccessError { qpn }]);
@@ -3269,7 +3428,7 @@ fn lost_read_response_in_the_middle_is_requested_again() {
     let mut seen = 0;
     p.filter = Some(Box::new(move |to_b, _| {
         seen += usize::from(!to_b);
-        !(!to_b && seen == 2)
+        to_b || seen != 2
     }));
     let sg = [sge(&a.mr, 0, 4000)];
     let i0 = post(
@@ -3410,9 +3569,18 @@ fn rings_and_phases_wrap_around() {
             &msg,
         );
         p.pump();
-        assert_eq!(summary(&cqes(&mut p.a, &mut a)), vec![ok(WqeOpcode::Send, i)]);
-        assert_eq!(summary(&cqes(&mut p.b, &mut b)), vec![ok(WqeOpcode::Send, r)]);
-        assert_eq!(p.b.drv.read_mr(&b.mr, u64::from(k % 8) as usize * 128, 100), msg);
+        assert_eq!(
+            summary(&cqes(&mut p.a, &mut a)),
+            vec![ok(WqeOpcode::Send, i)]
+        );
+        assert_eq!(
+            summary(&cqes(&mut p.b, &mut b)),
+            vec![ok(WqeOpcode::Send, r)]
+        );
+        assert_eq!(
+            p.b.drv.read_mr(&b.mr, u64::from(k % 8) as usize * 128, 100),
+            msg
+        );
     }
     assert_eq!(a.qp.sq_producer, 300);
 }
@@ -3472,14 +3640,7 @@ fn local_invalidate_of_a_region_revokes_local_and_remote_access() {
     let i0 = post(
         &mut p.a,
         &mut a,
-        &wr(
-            1,
-            SendOp::LocalInvalidate {
-                rkey: scratch.rkey,
-            },
-            SIG,
-            &[],
-        ),
+        &wr(1, SendOp::LocalInvalidate { rkey: scratch.rkey }, SIG, &[]),
     );
     p.pump();
     assert_eq!(

@@ -63,7 +63,8 @@ impl RespError {
 #[derive(Debug, Clone, Copy)]
 struct RecvFault {
     status: WcStatus,
-    /// The WQE, if it was consumed; it must complete with `status`.
+    /// The WQE, if it was consumed (with no scatter entries); it must
+    /// complete with `status`.
     consumed: Option<RecvState>,
 }
 
@@ -225,10 +226,12 @@ impl Device {
     /// `Ok(None)` when none is posted; `Err` when the WQE cannot be used,
     /// carrying the WQE (with no scatter entries) if it was consumed, so
     /// that it completes in error.
-    fn take_recv_wqe(&mut self, qp: &mut Qp) -> Result<Option<RecvState>, RecvFault> {
-        let fault = |status| RecvFault {
-            status,
-            consumed: None,
+    fn take_recv_wqe(&mut self, qp: &mut Qp) -> Result<Option<RecvState>, Box<RecvFault>> {
+        let fault = |status| {
+            Box::new(RecvFault {
+                status,
+                consumed: None,
+            })
         };
         let (ring, dbr, counter, from_srq) = match qp.srqn {
             Some(s) => {
@@ -285,10 +288,10 @@ impl Device {
         let Ok(wqe) = RecvWqe::parse(&buf[..len], counter as u16) else {
             // PRM 10.5: a WQE that fails gets its error CQE (IBA: a
             // malformed receive WQE is retired in error, class A).
-            return Err(RecvFault {
+            return Err(Box::new(RecvFault {
                 status: WcStatus::LocQpOpErr,
                 consumed: Some(state),
-            });
+            }));
         };
         state.wqe_index = wqe.wqe_index;
         for sge in wqe

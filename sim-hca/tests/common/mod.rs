@@ -182,7 +182,16 @@ pub fn endpoint_with(
     let rcq = &cq;
     let qp = node
         .drv
-        .create_qp_with_flags(&mut node.dev, qp_type, 1, PD, (rcq, rcq), None, (6, 6), flags)
+        .create_qp_with_flags(
+            &mut node.dev,
+            qp_type,
+            1,
+            PD,
+            (rcq, rcq),
+            None,
+            (6, 6),
+            flags,
+        )
         .unwrap();
     let rights = AccessFlags::LOCAL_WRITE
         | AccessFlags::REMOTE_READ
