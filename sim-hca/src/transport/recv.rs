@@ -521,6 +521,12 @@ impl Device {
             Ok(Some(rnr)) => {
                 let timer = RnrTimer::new(rnr).unwrap_or(RnrTimer::MAX);
                 self.send_ack(qp, psn, Syndrome::RnrNak { timer });
+                // An RNR NAK is a NAK, and after a NAK the responder
+                // returns no other until a request with the expected PSN
+                // arrives (IBA 9.7.5): the rest of the message must not
+                // draw a PSN sequence NAK, which would make the requester
+                // retry before the RNR timer and spend its RNR retries.
+                qp.resp.nak_sent = true;
             }
             Ok(None) => {
                 // Reads and atomics answered already, and advanced the PSN.
