@@ -3691,3 +3691,97 @@ fn ud_message_up_to_the_port_mtu_arrives_whole() {
     assert_eq!(got[0].byte_count.get(), 40 + mtu);
     assert_eq!(p.b.drv.read_mr(&b.mr, 40, mtu as usize), data);
 }
+
+#[test]
+fn rnr_on_a_multi_packet_send_waits_the_rnr_timer() {
+    // With rnr_retry 1 the requester may retry once, after the RNR timer.
+    // The rest of the RNR-NAKed message must not draw a PSN sequence NAK
+    // that triggers an early retransmission (IBA: after a NAK the responder
+    // returns no other NAK until a request with the expected PSN).
+    let (mut p, mut a, mut b) = rc_pair_with(
+        Mtu::Mtu1024,
+        Retries {
+            timeout: 14,
+            retry: 7,
+            rnr_retry: 1,
+        },
+    );
+    let data = pattern(3000, 190);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    let sg = [sge(&a.mr, 0, 3000)];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    p.pump();
+    assert!(
+        cqes(&mut p.a, &mut a).is_empty(),
+        "waiting out the RNR timer"
+    );
+    assert_eq!(p.a.dev.port_counters(1).unwrap().tx_packets, 3);
+    assert_eq!(
+        p.b.dev.port_counters(1).unwrap().tx_packets,
+        1,
+        "one RNR NAK"
+    );
+    let r0 = recv(&mut p.b, &mut b, 0, 4096);
+    p.advance(10_000_000);
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::Send, r0)]
+    );
+    assert_eq!(p.b.drv.read_mr(&b.mr, 0, 3000), data);
+}
+
+#[test]
+fn more_bad_commands() {
+    let mut n = Node::new(0x0200_00ff_fe00_0c00, [10, 0, 0, 3], 0x30_0000_0000);
+    let cap = n.drv.cap;
+    // INIT_HCA once initialised: BAD_SYS_STATE.
+    let init = hca_prm::cmd::InitHca::default();
+    assert_eq!(
+        n.drv
+            .cmd(&mut n.dev, Opcode::InitHca, 0, 0, init.as_bytes(), 0)
+            .0,
+        CmdStatus::BadSysState
+    );
+    // A port the device does not have.
+    assert_eq!(
+        n.drv.cmd(&mut n.dev, Opcode::QueryPort, 0, 2, &[], 4096).0,
+        CmdStatus::BadPort
+    );
+    // A P_Key index outside the table.
+    let cq = n.drv.create_cq(&mut n.dev, 4).unwrap();
+    let qp = n
+        .drv
+        .create_qp(&mut n.dev, QpType::Rc, 1, PD, &cq, &cq, None, (4, 4))
+        .unwrap();
+    let mut m = bring_up::to_init(QpType::Rc, ALL_REMOTE, 0);
+    m.pkey_index = Some(999);
+    assert_eq!(n.drv.modify_qp(&mut n.dev, &qp, &m), CmdStatus::BadPkey);
+    // A CQ larger than the device supports: a size beyond its limits.
+    let cqc = Cqc {
+        ring: hca_prm::ctx::BufDesc {
+            log_page_size: 12,
+            log_entries: cap.log_max_cqes + 1,
+            log_stride: 5,
+            ..Default::default()
+        },
+        ci_dbr: Le64::new(n.drv.mailbox_in_bus() + 2048),
+        ..Cqc::default()
+    };
+    assert_eq!(
+        n.drv
+            .cmd(
+                &mut n.dev,
+                Opcode::Sw2HwCq,
+                0,
+                cq.cqn + 1,
+                cqc.as_bytes(),
+                0
+            )
+            .0,
+        CmdStatus::ExceedLimit
+    );
+}
