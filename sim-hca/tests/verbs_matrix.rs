@@ -3785,3 +3785,162 @@ fn more_bad_commands() {
         CmdStatus::ExceedLimit
     );
 }
+
+#[test]
+fn loc_prot_err_read_into_a_region_without_local_write() {
+    // PRM 7.1: a local access needs LOCAL_WRITE for writes into the region;
+    // "Failure: LOC_PROT_ERR".
+    let (mut p, mut a, b) = rc_pair();
+    let ro = reg(&mut p.a, 4096, PD, AccessFlags::REMOTE_READ);
+    let sg = [sge(&ro, 0, 16)];
+    let i0 = post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaRead {
+                remote: remote(&b.mr, 0),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::RdmaRead, WcStatus::LocProtErr, i0)]
+    );
+    assert_eq!(p.a.dev.port_counters(1).unwrap().tx_packets, 0);
+}
+
+#[test]
+fn loc_prot_err_receive_into_a_region_without_local_write() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let ro = reg(&mut p.b, 4096, PD, AccessFlags::REMOTE_READ);
+    let index = b.qp.rq_producer as u16;
+    p.b.drv.post_recv(&mut b.qp, 1, &[sge(&ro, 0, 256)]);
+    let sg = [sge(&a.mr, 0, 16)];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![c(WqeOpcode::Send, WcStatus::LocProtErr, index)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::Send, WcStatus::RemOpErr, i0)]
+    );
+    assert_eq!(p.b.drv.read_mr(&ro, 0, 16), vec![0; 16]);
+}
+
+#[test]
+fn zero_length_send_consumes_a_receive() {
+    let (mut p, mut a, mut b) = rc_pair();
+    let r0 = recv(&mut p.b, &mut b, 0, 64);
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &[]));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0)]
+    );
+    let got = cqes(&mut p.b, &mut b);
+    assert_eq!(summary(&got), vec![ok(WqeOpcode::Send, r0)]);
+    assert_eq!(got[0].byte_count.get(), 0);
+}
+
+#[test]
+fn ud_controlled_qkey_in_a_wqe_means_the_qps_own() {
+    // PRM 10.2: a Q_Key with the high bit set is replaced by the QP's.
+    let (mut p, mut a, mut b) = ud_pair();
+    let r0 = recv(&mut p.b, &mut b, 0, 40 + 16);
+    let av = Av::try_from(&AvAttr::roce(PortNum::FIRST, Gid::from_ipv4(IP_B), 0)).unwrap();
+    let sg = [sge(&a.mr, 0, 16)];
+    let w = SendWr {
+        wr_id: 1,
+        op: SendOp::Send,
+        flags: SIG,
+        sg_list: &sg,
+        ud: Some(UdDest {
+            av: AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(b.qp.qpn).unwrap(),
+            remote_qkey: QKey::new(0x8000_0000),
+        }),
+    };
+    let i0 = a.qp.sq_producer as u16;
+    p.a.drv
+        .post_send(&mut p.a.dev, &mut a.qp, &w, Some(&av), None, true)
+        .unwrap();
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i0)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::Send, r0)]
+    );
+}
+
+#[test]
+fn close_and_init_port_raise_port_change() {
+    let mut p = Pair::new();
+    p.a.events();
+    let port = PortNum::new(1).unwrap();
+    let n = &mut p.a;
+    assert_eq!(
+        n.drv.cmd_param(&mut n.dev, Opcode::ClosePort, 1, 0).0,
+        CmdStatus::Ok
+    );
+    assert_eq!(
+        n.events(),
+        vec![Event::PortChange {
+            port,
+            active: false
+        }]
+    );
+    assert_eq!(query_port(n).state, 2, "INIT: link up, port closed");
+    assert_eq!(
+        n.drv.cmd_param(&mut n.dev, Opcode::InitPort, 1, 0).0,
+        CmdStatus::Ok
+    );
+    assert_eq!(n.events(), vec![Event::PortChange { port, active: true }]);
+}
+
+#[test]
+fn region_with_remote_write_but_no_local_write_is_refused() {
+    let mut p = Pair::new();
+    assert_eq!(
+        p.a.drv
+            .reg_mr(&mut p.a.dev, 4096, PD, AccessFlags::REMOTE_WRITE)
+            .unwrap_err(),
+        CmdStatus::BadParam
+    );
+}
+
+#[test]
+fn dma_fault_writing_a_completion_is_catastrophic() {
+    // PRM 2: a DMA fault while writing a completion the device cannot drop
+    // sets FATAL and posts CATASTROPHIC.
+    let (mut p, mut a, b) = rc_pair();
+    p.a.events();
+    assert!(p.a.drv.mem.unmap(a.cq.ring_buf().bus));
+    let sg = [sge(&a.mr, 0, 16)];
+    post(
+        &mut p.a,
+        &mut a,
+        &wr(
+            1,
+            SendOp::RdmaWrite {
+                remote: remote(&b.mr, 0),
+            },
+            SIG,
+            &sg,
+        ),
+    );
+    p.pump();
+    assert!(p.a.dev.is_fatal());
+    let status = p.a.dev.mmio_read32(hca_prm::regs::offset::STATUS);
+    assert_ne!(status & hca_prm::regs::Status::FATAL.bits(), 0);
+    assert!(p.a.dev.counters().dma_faults >= 1);
+    assert!(p.a.events().contains(&Event::Catastrophic));
+}

@@ -111,12 +111,12 @@ pub(crate) struct Route {
     pub pkey: PKey,
 }
 
-/// Why a WQE failed locally before or while it was sent.
-pub(crate) fn key_status(e: KeyError) -> WcStatus {
-    match e {
-        KeyError::Access => WcStatus::LocAccessErr,
-        _ => WcStatus::LocProtErr,
-    }
+/// The completion status of a local key check that failed. PRM 7.1: a
+/// local access needs a valid region of the QP's PD covering the access,
+/// with LOCAL_WRITE for writes into it — "Failure: LOC_PROT_ERR", whichever
+/// of these it lacks (a missing right included).
+pub(crate) fn key_status(_: KeyError) -> WcStatus {
+    WcStatus::LocProtErr
 }
 
 impl Device {
