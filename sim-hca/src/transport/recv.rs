@@ -476,10 +476,10 @@ impl Device {
         match self.execute_request(qp, pkt, false) {
             Ok(None) => {}
             Ok(Some(_)) => {
-                // UC has no RNR NAK (IBA 9.9.3, class E): a message that
-                // finds no receive WQE is silently dropped, with whatever
-                // write state it left, and the responder resumes at the
-                // next FIRST or ONLY.
+                // UC has no RNR NAK: a message that finds no receive WQE
+                // is silently dropped (IBA 9.9.3, UC responder errors), with
+                // whatever write state it left, and the responder resumes
+                // at the next FIRST or ONLY.
                 qp.resp.write = None;
                 qp.resp.uc_resync = true;
             }
@@ -547,9 +547,10 @@ impl Device {
                 self.send_ack(qp, psn, Syndrome::Nak(e.nak));
                 if qp.resp.recv.is_none() {
                     // No receive WQE carries this error to software: the
-                    // responder reports it with an affiliated event (IBA
-                    // 11.6.3.1; responder class C errors "that do not use
-                    // a receive WQE"), or its owner never learns the QP
+                    // responder reports it with an affiliated asynchronous
+                    // error instead (IBA 11.6.3.1: Local Access Violation /
+                    // Invalid Request Local WQ Error for a request that used
+                    // no receive WQE), or its owner never learns the QP
                     // went to ERR.
                     let qpn = Qpn::from_low_bits(qp.index);
                     self.post_event(match e.nak {
@@ -710,7 +711,7 @@ impl Device {
         if ends && imm.is_some() && qp.resp.recv.is_none() {
             // WRITE WITH IMMEDIATE consumes a receive WQE (IBA 9.4.4). The
             // responder checks for it before executing the packet (IBA
-            // 9.7.5.1: resources are checked before the R_Key and before
+            // 9.7.5 order, as rxe: resources before the R_Key and before
             // any data is placed), so an RNR NAK leaves the write as it
             // was and the retried packet finds the same state. The WQE
             // waits in `recv`, where an error completes it.
