@@ -3944,3 +3944,83 @@ fn dma_fault_writing_a_completion_is_catastrophic() {
     assert!(p.a.dev.counters().dma_faults >= 1);
     assert!(p.a.events().contains(&Event::Catastrophic));
 }
+
+#[test]
+fn uc_local_error_stops_only_the_send_queue() {
+    // PRM 10.5: a UC QP whose send fails locally moves to SQE; its receive
+    // queue keeps working and MODIFY_QP SQE -> RTS resumes sending.
+    let (mut p, mut a, mut b) = uc_pair();
+    let bad = [Sge::new(a.mr.va, 16, LKey::new(a.mr.lkey.get() ^ 0x02))];
+    let i0 = post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &bad));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::Send, WcStatus::LocProtErr, i0)]
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Sqe);
+    let ra = recv(&mut p.a, &mut a, 0, 64);
+    let sg_b = [sge(&b.mr, 0, 16)];
+    let ib = post(&mut p.b, &mut b, &wr(1, SendOp::Send, SIG, &sg_b));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::Send, ib)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, ra)]
+    );
+    assert_eq!(
+        p.a.drv
+            .modify_qp(&mut p.a.dev, &a.qp, &QpModify::to_state(QpState::Rts)),
+        CmdStatus::Ok
+    );
+    let rb = recv(&mut p.b, &mut b, 0, 64);
+    let sg = [sge(&a.mr, 0, 16)];
+    let i1 = post(&mut p.a, &mut a, &wr(2, SendOp::Send, SIG, &sg));
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![ok(WqeOpcode::Send, i1)]
+    );
+    assert_eq!(
+        summary(&cqes(&mut p.b, &mut b)),
+        vec![ok(WqeOpcode::Send, rb)]
+    );
+}
+
+#[test]
+fn ack_timeout_and_rnr_timer_are_honoured() {
+    // ACK timeout 4.096 µs · 2^4 = 65.5 µs; B's RNR timer code 1 = 10 µs.
+    let (mut p, mut a, mut b) = rc_pair_with(
+        Mtu::Mtu1024,
+        Retries {
+            timeout: 4,
+            retry: 7,
+            rnr_retry: 7,
+        },
+    );
+    let tx = |n: &Node| n.dev.port_counters(1).unwrap().tx_packets;
+    let sg = [sge(&a.mr, 0, 16)];
+    // No receive at B: RNR NAK, then a retry no sooner than 10 µs.
+    post(&mut p.a, &mut a, &wr(1, SendOp::Send, SIG, &sg));
+    p.pump();
+    assert_eq!(tx(&p.a), 1);
+    p.advance(9_000);
+    assert_eq!(tx(&p.a), 1, "too early for the RNR retry");
+    p.advance(2_000);
+    assert_eq!(tx(&p.a), 2, "retried after the RNR timer");
+    // Now lose everything: retransmissions every 65.5 µs.
+    recv(&mut p.b, &mut b, 0, 64);
+    p.filter = Some(Box::new(|_, _| false));
+    p.advance(10_000);
+    let base = tx(&p.a);
+    p.advance(60_000);
+    assert_eq!(tx(&p.a), base, "too early for the ACK timeout");
+    p.advance(10_000);
+    assert_eq!(tx(&p.a), base + 1, "retransmitted after the ACK timeout");
+    p.filter = None;
+    p.advance(1_000_000);
+    assert_eq!(cqes(&mut p.a, &mut a).len(), 1);
+    assert_eq!(cqes(&mut p.b, &mut b).len(), 1);
+}
