@@ -58,6 +58,18 @@ pub struct Cq {
     pub consumer: u32,
 }
 
+impl Cq {
+    /// The ring's host buffer (for DMA-fault tests that unmap it).
+    pub fn ring_buf(&self) -> DmaBuf {
+        self.ring
+    }
+
+    /// Entries in the ring (log2).
+    pub fn log_entries(&self) -> u8 {
+        self.log_entries
+    }
+}
+
 /// A QP as the driver tracks it.
 #[derive(Debug)]
 pub struct Qp {
@@ -79,6 +91,13 @@ pub struct Qp {
     pub send_ids: std::collections::HashMap<u16, u64>,
     /// `wr_id` by receive `wqe_index`.
     pub recv_ids: std::collections::HashMap<u16, u64>,
+}
+
+impl Qp {
+    /// The send ring's host buffer (for DMA-fault tests that unmap it).
+    pub fn sq_buf(&self) -> DmaBuf {
+        self.sq
+    }
 }
 
 /// A shared receive queue.
@@ -321,6 +340,18 @@ impl Driver {
         self.submit(dev, e)
     }
 
+    /// Submits a command entry exactly as given (raw opcode, reserved
+    /// bytes, mailbox addresses) in polled mode; returns its status and
+    /// immediate output. For tests of malformed commands.
+    pub fn cmd_raw(&mut self, dev: &mut Device, e: CmdEntry) -> (CmdStatus, u64) {
+        self.submit(dev, e)
+    }
+
+    /// The bus address of the driver's input mailbox (4 KiB).
+    pub fn mailbox_in_bus(&self) -> u64 {
+        self.mailbox_in.bus
+    }
+
     /// Writes an entry, rings `CMDQ_DOORBELL`, and reads the completion.
     fn submit(&mut self, dev: &mut Device, e: CmdEntry) -> (CmdStatus, u64) {
         let size = 1u32 << self.cmdq_log;
@@ -471,6 +502,27 @@ impl Driver {
         })
     }
 
+    /// `RESIZE_CQ` to `2^log_entries` entries (PRM 6.2). On success the
+    /// driver switches to the new ring with its consumer counter at 0 (the
+    /// device copied the unpolled CQEs to its first slots); on failure the
+    /// old ring stays in use.
+    pub fn resize_cq(&mut self, dev: &mut Device, cq: &mut Cq, log_entries: u8) -> CmdStatus {
+        let ring = self.dma(32 << log_entries);
+        let desc = self.ring_desc(dev, ring, log_entries, 5);
+        let input = hca_prm::ctx::ResizeCq {
+            ring: desc,
+            reserved_at_0x10: [0; 16],
+        };
+        let (status, _) = self.cmd(dev, Opcode::ResizeCq, 0, cq.cqn, input.as_bytes(), 0);
+        if status == CmdStatus::Ok {
+            cq.ring = ring;
+            cq.log_entries = log_entries;
+            cq.consumer = 0;
+            self.mem.cpu_write(cq.dbr.id, 0, &0u32.to_le_bytes());
+        }
+        status
+    }
+
     /// Polls one CQE; publishes the consumer counter.
     pub fn poll_cq(&mut self, cq: &mut Cq) -> Option<Cqe> {
         let slot = (cq.consumer & ((1 << cq.log_entries) - 1)) as usize * 32;
@@ -574,6 +626,36 @@ impl Driver {
         srq: Option<&Srq>,
         logs: (u8, u8),
     ) -> Result<Qp, CmdStatus> {
+        self.create_qp_with_flags(
+            dev,
+            qp_type,
+            port,
+            pd,
+            (send_cq, recv_cq),
+            srq,
+            logs,
+            QpcFlags::empty(),
+        )
+    }
+
+    /// [`Driver::create_qp`] with extra QPC flags (`SQ_SIG_ALL`, `SQD_EVENT`;
+    /// `HAS_SRQ` follows `srq`). `cqs` is (send CQ, receive CQ).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "a QP has this many creation attributes"
+    )]
+    pub fn create_qp_with_flags(
+        &mut self,
+        dev: &mut Device,
+        qp_type: QpType,
+        port: u8,
+        pd: u32,
+        cqs: (&Cq, &Cq),
+        srq: Option<&Srq>,
+        logs: (u8, u8),
+        flags: QpcFlags,
+    ) -> Result<Qp, CmdStatus> {
+        let (send_cq, recv_cq) = cqs;
         let (sq_log, rq_log) = logs;
         let rq_stride: usize = 16 + 16 * 4;
         let rq_stride = rq_stride.next_power_of_two();
@@ -587,8 +669,9 @@ impl Driver {
         qpc.send_cqn = Le32::new(send_cq.cqn);
         qpc.recv_cqn = Le32::new(recv_cq.cqn);
         qpc.sq = self.ring_desc(dev, sq, sq_log, 6);
+        qpc.flags = (flags - QpcFlags::HAS_SRQ).bits();
         if let Some(srq) = srq {
-            qpc.flags = QpcFlags::HAS_SRQ.bits();
+            qpc.flags |= QpcFlags::HAS_SRQ.bits();
             qpc.srqn = Le32::new(srq.srqn);
         } else {
             qpc.rq = self.ring_desc(dev, rq, rq_log, rq_stride.trailing_zeros() as u8);
@@ -746,6 +829,42 @@ impl Driver {
         Ok(())
     }
 
+    /// Posts an already built send WQE (for WQEs verbs cannot express, such
+    /// as a type 1 window bind); its `wqe_index` is replaced by the slot's.
+    /// Rings the doorbell unless `ring` is false.
+    pub fn post_wqe(
+        &mut self,
+        dev: &mut Device,
+        qp: &mut Qp,
+        wqe: &hca_prm::wqe::SendWqe<'_>,
+        wr_id: u64,
+        ring: bool,
+    ) -> Result<(), hca_prm::wqe::WqeError> {
+        let mut scratch = [0u8; 512];
+        let index = qp.sq_producer as u16;
+        let wqe = hca_prm::wqe::SendWqe {
+            wqe_index: index,
+            ..*wqe
+        };
+        let len = wqe.emit(&mut scratch)?;
+        let bbs = len.div_ceil(64) as u32;
+        let mask = (1u32 << qp.sq_log) - 1;
+        for i in 0..bbs {
+            let slot = (qp.sq_producer.wrapping_add(i) & mask) as usize * 64;
+            self.mem.cpu_write(
+                qp.sq.id,
+                slot,
+                &scratch[i as usize * 64..(i as usize + 1) * 64],
+            );
+        }
+        qp.send_ids.insert(index, wr_id);
+        qp.sq_producer = qp.sq_producer.wrapping_add(bbs);
+        if ring {
+            self.ring_sq(dev, qp);
+        }
+        Ok(())
+    }
+
     /// Rings the send doorbell with the current producer counter.
     pub fn ring_sq(&self, dev: &mut Device, qp: &Qp) {
         let db = SqDoorbell {
@@ -760,6 +879,14 @@ impl Driver {
     pub fn write_sq_raw(&self, qp: &Qp, bb: u32, bytes: &[u8; 64]) {
         let slot = (bb & ((1u32 << qp.sq_log) - 1)) as usize * 64;
         self.mem.cpu_write(qp.sq.id, slot, bytes);
+    }
+
+    /// Writes raw bytes over receive WQE slot `index` of the QP's own RQ
+    /// (for garbage-WQE tests); the doorbell record is not touched.
+    pub fn write_rq_raw(&self, qp: &Qp, index: u32, bytes: &[u8]) {
+        assert!(bytes.len() <= qp.rq_stride, "one WQE stride at most");
+        let slot = (index & ((1u32 << qp.rq_log) - 1)) as usize * qp.rq_stride;
+        self.mem.cpu_write(qp.rq.id, slot, bytes);
     }
 
     /// Posts a receive WR to the QP's own RQ (no MMIO: doorbell record).

@@ -14,7 +14,7 @@ use zerocopy::{FromZeros, IntoBytes};
 
 use super::Device;
 use super::command::{CmdResult, reserved};
-use super::resource::max_recv_log_stride;
+use super::resource::{max_recv_log_stride, ring_status};
 use crate::transport::{Requester, Responder};
 
 /// The attributes a QP's transport runs with (the QPC fields `MODIFY_QP`
@@ -183,12 +183,12 @@ impl Device {
         let mtts = hca.mtt_count();
         ctx.sq
             .validate(Some(SQ_LOG_STRIDE), SQ_LOG_STRIDE, caps.0, mtts)
-            .map_err(|_| CmdStatus::BadParam)?;
+            .map_err(ring_status)?;
         let has_srq = flags.contains(QpcFlags::HAS_SRQ);
         if !has_srq {
             ctx.rq
                 .validate(None, caps.1, caps.0, mtts)
-                .map_err(|_| CmdStatus::BadParam)?;
+                .map_err(ring_status)?;
             let dbr = ctx.rq_dbr.get();
             if dbr == 0 || !dbr.is_multiple_of(4) {
                 return Err(CmdStatus::BadParam);

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 
 use hca_prm::cmd::{CmdEntry, CmdStatus, InitHca, Opcode, Table, WriteMttHeader};
 use hca_prm::ctx::{
-    BufDesc, CQE_LOG_STRIDE, CqState, Cqc, EQE_LOG_STRIDE, EqState, Eqc, ResizeCq, SrqState, Srqc,
+    BufDesc, BufDescError, CQE_LOG_STRIDE, CqState, Cqc, EQE_LOG_STRIDE, EqState, Eqc, ResizeCq,
+    SrqState, Srqc,
 };
 use hca_prm::mpt::{MTT_ENTRY_SIZE, MptEntry, MptKind, PAGE_SHIFT_RANGE, mtt_pages};
 use hca_prm::{Le32, Le64};
@@ -246,7 +247,7 @@ impl Device {
                 max_eqes,
                 hca.mtt_count(),
             )
-            .map_err(|_| CmdStatus::BadParam)?;
+            .map_err(ring_status)?;
         if ctx.vector.get() >= vectors {
             return Err(CmdStatus::BadParam);
         }
@@ -339,7 +340,7 @@ impl Device {
                 max_cqes,
                 hca.mtt_count(),
             )
-            .map_err(|_| CmdStatus::BadParam)?;
+            .map_err(ring_status)?;
         let eqn = ctx.eqn.get();
         let eq_live = hca
             .index(Table::Eqc, eqn)
@@ -414,7 +415,7 @@ impl Device {
                     max_cqes,
                     hca.mtt_count(),
                 )
-                .map_err(|_| CmdStatus::BadParam)?;
+                .map_err(ring_status)?;
             let consumer = self.read_dbr(cq.ci_dbr).ok_or(CmdStatus::Internal)?;
             (cq, consumer)
         };
@@ -490,7 +491,7 @@ impl Device {
         }
         ctx.ring
             .validate(None, max_stride, max, hca.mtt_count())
-            .map_err(|_| CmdStatus::BadParam)?;
+            .map_err(ring_status)?;
         let dbr = ctx.dbr.get();
         let limit = ctx.limit.get();
         if dbr == 0
@@ -717,6 +718,16 @@ impl Device {
             }
         }
         Ok(0)
+    }
+}
+
+/// The status of a ring descriptor `validate` refused: a ring larger than
+/// the device's limit is "a size beyond the device's limits"
+/// (`EXCEED_LIMIT`, PRM 4.4); any other defect is `BAD_PARAM`.
+pub(super) fn ring_status(e: BufDescError) -> CmdStatus {
+    match e {
+        BufDescError::TooLarge { .. } => CmdStatus::ExceedLimit,
+        _ => CmdStatus::BadParam,
     }
 }
 

@@ -46,7 +46,7 @@ impl Device {
                 )
                 .with_byte_count(r.len);
                 if self.post_cqe(qp.send_cqn, cqe).is_err() && qp.state != QpState::Err {
-                    self.move_to_error(qp);
+                    self.cq_write_failed(qp);
                     return;
                 }
             }

@@ -51,9 +51,29 @@ impl Device {
                 qp.req.draining = true;
                 dev.check_drained(qp);
             }
-            QpState::Err => dev.flush_queues(qp),
+            QpState::Err => {
+                if qp.srqn.is_some() && from != QpState::Err {
+                    // IBA 11.6.3.1 "Last WQE Reached": a QP on an SRQ that
+                    // enters ERR, whatever took it there, takes no more
+                    // WQEs from the SRQ (as `move_to_error` reports).
+                    dev.post_qp_event(|qpn| Event::SrqLastWqe { qpn }, qp.index);
+                }
+                dev.flush_queues(qp);
+            }
             _ => {}
         });
+    }
+
+    /// A completion of `qp` could not be written: its CQ overflowed or is in
+    /// error. IBA 11.6.3.1: a work queue that cannot report completions
+    /// gets a Local Work Queue Catastrophic Error (PRM 8.2 `QP_FATAL`), and
+    /// the QP moves to ERR (PRM 6.2).
+    pub(crate) fn cq_write_failed(&mut self, qp: &mut Qp) {
+        if qp.state == QpState::Err {
+            return;
+        }
+        self.post_qp_event(|qpn| Event::QpFatal { qpn }, qp.index);
+        self.move_to_error(qp);
     }
 
     /// Moves a QP to ERR because of an error its own processing found.

@@ -180,6 +180,8 @@ pub(crate) struct Responder {
     pub resources: VecDeque<RespResource>,
     /// UC: drop packets until the next FIRST or ONLY.
     pub uc_resync: bool,
+    /// `COMM_EST` was posted (once, for the first packet in RTR).
+    pub comm_est: bool,
 }
 
 #[cfg(test)]

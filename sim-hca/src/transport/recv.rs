@@ -59,6 +59,15 @@ impl RespError {
     }
 }
 
+/// A receive WQE that could not be used (see `take_recv_wqe`).
+#[derive(Debug, Clone, Copy)]
+struct RecvFault {
+    status: WcStatus,
+    /// The WQE, if it was consumed (with no scatter entries); it must
+    /// complete with `status`.
+    consumed: Option<RecvState>,
+}
+
 impl Device {
     /// Takes one frame from the fabric on `port` (1-based).
     pub fn receive(&mut self, port: u8, frame: &[u8]) {
@@ -104,13 +113,29 @@ impl Device {
                 .and_then(|h| h.mcgs.get(&gid))
                 .cloned()
                 .unwrap_or_default();
+            // PRM 11: the P_Key is checked on every packet, multicast
+            // included (IBA 9.6.1.1); members whose P_Key does not match
+            // do not receive, and a packet no member accepts for that
+            // reason is one violation.
+            let key = repr.bth.pkey;
             let mut any = false;
+            let mut key_refused = false;
             for qpn in members {
                 any |= self
                     .with_qp(qpn, |dev, qp| {
-                        qp.port == port && dev.ud_receive(qp, frame, pkt)
+                        if qp.port != port {
+                            return false;
+                        }
+                        if !dev.pkey_matches(qp, key) {
+                            key_refused = true;
+                            return false;
+                        }
+                        dev.ud_receive(qp, frame, pkt)
                     })
                     .unwrap_or(false);
+            }
+            if !any && key_refused {
+                self.pkey_violation(port);
             }
             return any;
         }
@@ -144,8 +169,15 @@ impl Device {
         ) {
             return false;
         }
-        if !self.pkey_ok(qp, pkt.repr().bth.pkey) {
+        if !self.pkey_matches(qp, pkt.repr().bth.pkey) {
+            self.pkey_violation(qp.port);
             return false;
+        }
+        if qp.state == QpState::Rtr && qp.qp_type.is_connected() && !qp.resp.comm_est {
+            // PRM 8.2 COMM_EST, IBA 11.6.3.1 "Communication Established":
+            // a connected QP in RTR received its first packet.
+            qp.resp.comm_est = true;
+            self.post_qp_event(|qpn| Event::CommEst { qpn }, qp.index);
         }
         match transport_of(qp.qp_type) {
             Transport::Ud => self.ud_receive(qp, frame, pkt),
@@ -165,33 +197,42 @@ impl Device {
     }
 
     /// The P_Key check of IBA 9.6.1.1: the packet's key must match the
-    /// QP's (any table entry for GSI); a mismatch is counted and trapped.
-    fn pkey_ok(&mut self, qp: &Qp, key: PKey) -> bool {
+    /// QP's (any table entry for GSI). A mismatch is a
+    /// [`Device::pkey_violation`].
+    fn pkey_matches(&self, qp: &Qp, key: PKey) -> bool {
         let Some(port) = self.port_ref(qp.port) else {
             return false;
         };
-        let ok = if qp.qp_type == QpType::Gsi {
+        if qp.qp_type == QpType::Gsi {
             port.pkeys.iter().any(|&k| PKey::new(k).matches(key))
         } else {
             port.pkeys
                 .get(usize::from(qp.attrs.pkey_index))
                 .is_some_and(|&k| PKey::new(k).matches(key))
-        };
-        if !ok {
-            let port_no = qp.port;
-            if let Some(p) = self.port_mut_ref(port_no) {
-                p.pkey_violations = p.pkey_violations.saturating_add(1);
-            }
-            if let Ok(port) = PortNum::new(port_no) {
-                self.post_event(Event::PkeyViolation { port });
-            }
         }
-        ok
+    }
+
+    /// Counts and traps a P_Key mismatch on `port_no`.
+    fn pkey_violation(&mut self, port_no: u8) {
+        if let Some(p) = self.port_mut_ref(port_no) {
+            p.pkey_violations = p.pkey_violations.saturating_add(1);
+        }
+        if let Ok(port) = PortNum::new(port_no) {
+            self.post_event(Event::PkeyViolation { port });
+        }
     }
 
     /// Takes the next receive WQE from the QP's RQ or SRQ (PRM 10.3).
-    /// `Ok(None)` when none is posted; `Err` when the WQE is garbage.
-    fn take_recv_wqe(&mut self, qp: &mut Qp) -> Result<Option<RecvState>, WcStatus> {
+    /// `Ok(None)` when none is posted; `Err` when the WQE cannot be used,
+    /// carrying the WQE (with no scatter entries) if it was consumed, so
+    /// that it completes in error.
+    fn take_recv_wqe(&mut self, qp: &mut Qp) -> Result<Option<RecvState>, Box<RecvFault>> {
+        let fault = |status| {
+            Box::new(RecvFault {
+                status,
+                consumed: None,
+            })
+        };
         let (ring, dbr, counter, from_srq) = match qp.srqn {
             Some(s) => {
                 let Some(srq) = self
@@ -200,14 +241,14 @@ impl Device {
                     .and_then(|h| h.srqs.get(s as usize))
                     .and_then(Option::as_ref)
                 else {
-                    return Err(WcStatus::LocQpOpErr);
+                    return Err(fault(WcStatus::LocQpOpErr));
                 };
                 (srq.ring, srq.dbr, srq.consumer, true)
             }
             None => (qp.rq, qp.rq_dbr, qp.rq_consumer, false),
         };
         let Some(producer) = self.read_dbr(dbr) else {
-            return Err(WcStatus::LocQpOpErr);
+            return Err(fault(WcStatus::LocQpOpErr));
         };
         let posted = producer.wrapping_sub(counter);
         if posted == 0 || posted > 1 << ring.log_entries {
@@ -229,7 +270,7 @@ impl Device {
         });
         if !read {
             self.note_fault();
-            return Err(WcStatus::LocQpOpErr);
+            return Err(fault(WcStatus::LocQpOpErr));
         }
         // Consumed whatever it holds: a garbage WQE completes in error.
         if let Some(s) = qp.srqn {
@@ -237,14 +278,22 @@ impl Device {
         } else {
             qp.rq_consumer = counter.wrapping_add(1);
         }
-        let wqe = RecvWqe::parse(&buf[..len], counter as u16).map_err(|_| WcStatus::LocQpOpErr)?;
         let mut state = RecvState {
-            wqe_index: wqe.wqe_index,
+            wqe_index: counter as u16,
             from_srq,
             sges: [Sge::default(); MAX_SGES],
             num_sges: 0,
             offset: 0,
         };
+        let Ok(wqe) = RecvWqe::parse(&buf[..len], counter as u16) else {
+            // PRM 10.5: a WQE that fails gets its error CQE (IBA: a
+            // malformed receive WQE is retired in error, class A).
+            return Err(Box::new(RecvFault {
+                status: WcStatus::LocQpOpErr,
+                consumed: Some(state),
+            }));
+        };
+        state.wqe_index = wqe.wqe_index;
         for sge in wqe
             .sges
             .iter()
@@ -312,7 +361,7 @@ impl Device {
         )
         .with_details(details);
         if self.post_cqe(qp.recv_cqn, cqe).is_err() {
-            self.move_to_error(qp);
+            self.cq_write_failed(qp);
         }
     }
 
@@ -346,15 +395,10 @@ impl Device {
         let mut recv = match self.take_recv_wqe(qp) {
             Ok(Some(recv)) => recv,
             Ok(None) => return false,
-            Err(status) => {
-                let recv = RecvState {
-                    wqe_index: qp.rq_consumer.wrapping_sub(1) as u16,
-                    from_srq: qp.srqn.is_some(),
-                    sges: [Sge::default(); MAX_SGES],
-                    num_sges: 0,
-                    offset: 0,
-                };
-                self.complete_recv(qp, &recv, RecvOp::Send, status, CqeFlags::empty());
+            Err(fault) => {
+                if let Some(recv) = fault.consumed {
+                    self.complete_recv(qp, &recv, RecvOp::Send, fault.status, CqeFlags::empty());
+                }
                 self.move_to_error(qp);
                 return true;
             }
@@ -392,7 +436,9 @@ impl Device {
         } else {
             details
         });
-        if self.post_cqe(qp.recv_cqn, cqe).is_err() || status != WcStatus::Success {
+        if self.post_cqe(qp.recv_cqn, cqe).is_err() {
+            self.cq_write_failed(qp);
+        } else if status != WcStatus::Success {
             self.move_to_error(qp);
         }
         true
@@ -427,14 +473,25 @@ impl Device {
             }
             qp.resp.uc_resync = false;
         }
-        if let Err(e) = self.execute_request(qp, pkt, false) {
-            // UC has no NAKs: a failed message is dropped; a failed receive
-            // buffer completes in error and the QP fails.
-            if e.nak == NakCode::RemoteOperationalError || e.status == WcStatus::LocLenErr {
-                self.fail_recv(qp, e.status);
+        match self.execute_request(qp, pkt, false) {
+            Ok(None) => {}
+            Ok(Some(_)) => {
+                // UC has no RNR NAK: a message that finds no receive WQE
+                // is silently dropped (IBA 9.9.3, UC responder errors), with
+                // whatever write state it left, and the responder resumes
+                // at the next FIRST or ONLY.
+                qp.resp.write = None;
+                qp.resp.uc_resync = true;
             }
-            qp.resp.write = None;
-            qp.resp.uc_resync = true;
+            Err(e) => {
+                // UC has no NAKs: a failed message is dropped; a failed
+                // receive buffer completes in error and the QP fails.
+                if e.nak == NakCode::RemoteOperationalError || e.status == WcStatus::LocLenErr {
+                    self.fail_recv(qp, e.status);
+                }
+                qp.resp.write = None;
+                qp.resp.uc_resync = true;
+            }
         }
     }
 
@@ -464,6 +521,12 @@ impl Device {
             Ok(Some(rnr)) => {
                 let timer = RnrTimer::new(rnr).unwrap_or(RnrTimer::MAX);
                 self.send_ack(qp, psn, Syndrome::RnrNak { timer });
+                // An RNR NAK is a NAK, and after a NAK the responder
+                // returns no other until a request with the expected PSN
+                // arrives (IBA 9.7.5): the rest of the message must not
+                // draw a PSN sequence NAK, which would make the requester
+                // retry before the RNR timer and spend its RNR retries.
+                qp.resp.nak_sent = true;
             }
             Ok(None) => {
                 // Reads and atomics answered already, and advanced the PSN.
@@ -482,6 +545,20 @@ impl Device {
             }
             Err(e) => {
                 self.send_ack(qp, psn, Syndrome::Nak(e.nak));
+                if qp.resp.recv.is_none() {
+                    // No receive WQE carries this error to software: the
+                    // responder reports it with an affiliated asynchronous
+                    // error instead (IBA 11.6.3.1: Local Access Violation /
+                    // Invalid Request Local WQ Error for a request that used
+                    // no receive WQE), or its owner never learns the QP
+                    // went to ERR.
+                    let qpn = Qpn::from_low_bits(qp.index);
+                    self.post_event(match e.nak {
+                        NakCode::RemoteAccessError => Event::WqAccessError { qpn },
+                        NakCode::InvalidRequest => Event::WqInvalidRequest { qpn },
+                        _ => Event::QpFatal { qpn },
+                    });
+                }
                 self.fail_recv(qp, e.status);
             }
         }
@@ -566,7 +643,11 @@ impl Device {
             match self.take_recv_wqe(qp) {
                 Ok(Some(recv)) => qp.resp.recv = Some(recv),
                 Ok(None) => return Ok(Some(qp.attrs.min_rnr_timer)),
-                Err(status) => return Err(RespError::local(status)),
+                Err(fault) => {
+                    // Where `fail_recv` completes it in error.
+                    qp.resp.recv = fault.consumed;
+                    return Err(RespError::local(fault.status));
+                }
             }
         }
         let Some(mut recv) = qp.resp.recv else {
@@ -623,6 +704,27 @@ impl Device {
     ) -> Result<Option<u8>, RespError> {
         let repr = pkt.repr();
         let payload = pkt.payload();
+        let imm = match repr.ext {
+            ExtRepr::ImmDt(i) | ExtRepr::RethImmDt(_, i) => Some(i.imm),
+            _ => None,
+        };
+        if ends && imm.is_some() && qp.resp.recv.is_none() {
+            // WRITE WITH IMMEDIATE consumes a receive WQE (IBA 9.4.4). The
+            // responder checks for it before executing the packet (IBA
+            // 9.7.5 order, as rxe: resources before the R_Key and before
+            // any data is placed), so an RNR NAK leaves the write as it
+            // was and the retried packet finds the same state. The WQE
+            // waits in `recv`, where an error completes it.
+            match self.take_recv_wqe(qp) {
+                Ok(Some(recv)) => qp.resp.recv = Some(recv),
+                Ok(None) => return Ok(Some(qp.attrs.min_rnr_timer)),
+                Err(fault) => {
+                    // Where `fail_recv` completes it in error.
+                    qp.resp.recv = fault.consumed;
+                    return Err(RespError::local(fault.status));
+                }
+            }
+        }
         if starts {
             let reth = match repr.ext {
                 ExtRepr::Reth(r) | ExtRepr::RethImmDt(r, _) => r,
@@ -678,17 +780,9 @@ impl Device {
         if write.offset != write.total {
             return Err(RespError::invalid_request());
         }
-        let imm = match repr.ext {
-            ExtRepr::ImmDt(i) | ExtRepr::RethImmDt(_, i) => Some(i.imm),
-            _ => None,
-        };
-        if let Some(imm) = imm {
-            // WRITE WITH IMMEDIATE consumes a receive WQE (IBA 9.4.4).
-            let mut recv = match self.take_recv_wqe(qp) {
-                Ok(Some(recv)) => recv,
-                Ok(None) => return Ok(Some(qp.attrs.min_rnr_timer)),
-                Err(status) => return Err(RespError::local(status)),
-            };
+        if let Some(imm) = imm
+            && let Some(mut recv) = qp.resp.recv.take()
+        {
             recv.offset = write.total;
             let details = if repr.bth.solicited {
                 CqeFlags::SOLICITED

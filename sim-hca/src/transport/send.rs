@@ -111,12 +111,12 @@ pub(crate) struct Route {
     pub pkey: PKey,
 }
 
-/// Why a WQE failed locally before or while it was sent.
-pub(crate) fn key_status(e: KeyError) -> WcStatus {
-    match e {
-        KeyError::Access => WcStatus::LocAccessErr,
-        _ => WcStatus::LocProtErr,
-    }
+/// The completion status of a local key check that failed. PRM 7.1: a
+/// local access needs a valid region of the QP's PD covering the access,
+/// with LOCAL_WRITE for writes into it — "Failure: LOC_PROT_ERR", whichever
+/// of these it lacks (a missing right included).
+pub(crate) fn key_status(_: KeyError) -> WcStatus {
+    WcStatus::LocProtErr
 }
 
 impl Device {
@@ -364,7 +364,7 @@ impl Device {
     fn check_local(&mut self, qp: &Qp, wqe: &SendWqe<'_>, len: u32) -> Result<(), WcStatus> {
         let transport = transport_of(qp.qp_type);
         if transport == Transport::Ud {
-            if len > qp.attrs.path_mtu.bytes().max(self.port_mtu(qp.port)) {
+            if len > self.packet_mtu(qp) {
                 return Err(WcStatus::LocLenErr);
             }
             if let Some(ud) = &wqe.ud
@@ -400,6 +400,17 @@ impl Device {
 
     fn port_mtu(&self, port: u8) -> u32 {
         self.port_ref(port).map_or(256, |p| p.cfg.max_mtu.bytes())
+    }
+
+    /// The largest payload of one of the QP's packets. A datagram QP has no
+    /// path MTU (no UD transition sets the QPC field): its message is one
+    /// packet of up to the port's MTU (PRM 11, IBA 9.8: a UD message is a
+    /// single packet no longer than the PMTU).
+    pub(crate) fn packet_mtu(&self, qp: &Qp) -> u32 {
+        match transport_of(qp.qp_type) {
+            Transport::Ud => self.port_mtu(qp.port),
+            Transport::Rc | Transport::Uc => qp.attrs.path_mtu.bytes(),
+        }
     }
 
     /// Copies message bytes `offset..offset + out.len()` of the WQE's
@@ -512,7 +523,7 @@ impl Device {
             self.finish_record(qp, index, WcStatus::LocQpOpErr);
             return;
         };
-        let mtu = qp.attrs.path_mtu.bytes();
+        let mtu = self.packet_mtu(qp);
         let mut payload = std::mem::take(&mut self.scratch);
         match wqe.op {
             WqeOp::RdmaRead { remote } => {

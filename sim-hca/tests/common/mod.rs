@@ -12,8 +12,10 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use hca_prm::cqe::Cqe;
+use hca_prm::ctx::QpcFlags;
+use hca_prm::eqe::Event;
 use ib_types::access::AccessFlags;
-use ib_types::qp::QpType;
+use ib_types::qp::{QpState, QpType};
 use ib_types::scalars::Mtu;
 use sim_hca::device::{Device, DeviceConfig};
 use sim_hca::host::{InterruptSink, SimMemory};
@@ -39,16 +41,29 @@ pub struct Node {
 
 impl Node {
     pub fn new(guid: u64, ip: [u8; 4], bus_base: u64) -> Self {
+        Self::with_config(DeviceConfig::with_ports(guid, &[ip]), bus_base)
+    }
+
+    /// A node built from `cfg`, its port 1 link up, brought up.
+    pub fn with_config(cfg: DeviceConfig, bus_base: u64) -> Self {
         let mem = Arc::new(SimMemory::new(bus_base));
         let irq = Arc::new(IrqLog::default());
-        let mut dev = Device::new(
-            DeviceConfig::with_ports(guid, &[ip]),
-            mem.clone(),
-            irq.clone(),
-        );
+        let mut dev = Device::new(cfg, mem.clone(), irq.clone());
         dev.set_link(1, true);
         let drv = Driver::bring_up(&mut dev, mem);
         Self { dev, drv, irq }
+    }
+
+    /// Polls the EQ and takes every event read so far, oldest first.
+    pub fn events(&mut self) -> Vec<Event> {
+        self.drv.poll_eq(&mut self.dev);
+        self.drv.events.drain(..).collect()
+    }
+
+    /// The QP's state as `QUERY_QP` reports it.
+    pub fn qp_state(&mut self, qpn: u32) -> QpState {
+        let qpc = self.drv.query_qp(&mut self.dev, qpn).expect("QUERY_QP");
+        QpState::from_code(qpc.state).expect("a valid state")
     }
 }
 
@@ -71,9 +86,17 @@ pub const IP_B: [u8; 4] = [10, 0, 0, 2];
 
 impl Pair {
     pub fn new() -> Self {
+        Self::of(
+            Node::new(0x0200_00ff_fe00_0a00, IP_A, 0x10_0000_0000),
+            Node::new(0x0200_00ff_fe00_0b00, IP_B, 0x20_0000_0000),
+        )
+    }
+
+    /// Two given nodes (A at [`IP_A`], B at [`IP_B`]) back to back.
+    pub fn of(a: Node, b: Node) -> Self {
         Self {
-            a: Node::new(0x0200_00ff_fe00_0a00, IP_A, 0x10_0000_0000),
-            b: Node::new(0x0200_00ff_fe00_0b00, IP_B, 0x20_0000_0000),
+            a,
+            b,
             now: 0,
             wire: VecDeque::new(),
             filter: None,
@@ -144,11 +167,31 @@ pub struct Endpoint {
 pub const PD: u32 = 7;
 
 pub fn endpoint(node: &mut Node, qp_type: QpType, access: AccessFlags) -> Endpoint {
-    let cq = node.drv.create_cq(&mut node.dev, 8).unwrap();
+    endpoint_with(node, qp_type, 8, QpcFlags::empty(), access)
+}
+
+/// An endpoint whose CQ has `2^cq_log` entries and whose QP has `flags`.
+pub fn endpoint_with(
+    node: &mut Node,
+    qp_type: QpType,
+    cq_log: u8,
+    flags: QpcFlags,
+    access: AccessFlags,
+) -> Endpoint {
+    let cq = node.drv.create_cq(&mut node.dev, cq_log).unwrap();
     let rcq = &cq;
     let qp = node
         .drv
-        .create_qp(&mut node.dev, qp_type, 1, PD, rcq, rcq, None, (6, 6))
+        .create_qp_with_flags(
+            &mut node.dev,
+            qp_type,
+            1,
+            PD,
+            (rcq, rcq),
+            None,
+            (6, 6),
+            flags,
+        )
         .unwrap();
     let rights = AccessFlags::LOCAL_WRITE
         | AccessFlags::REMOTE_READ
