@@ -88,9 +88,9 @@ pub struct Qp {
     /// Receive WQEs posted.
     pub rq_producer: u32,
     /// `wr_id` by send `wqe_index` (the device never stores it).
-    pub send_ids: std::collections::HashMap<u16, u64>,
+    pub send_ids: WrIds,
     /// `wr_id` by receive `wqe_index`.
-    pub recv_ids: std::collections::HashMap<u16, u64>,
+    pub recv_ids: WrIds,
 }
 
 impl Qp {
@@ -112,7 +112,34 @@ pub struct Srq {
     /// WQEs posted.
     pub producer: u32,
     /// `wr_id` by `wqe_index`.
-    pub ids: std::collections::HashMap<u16, u64>,
+    pub ids: WrIds,
+}
+
+/// The `wr_id`s of a work queue's WQEs, kept by the driver (the device
+/// never stores them) in a shadow ring indexed by `wqe_index`.
+#[derive(Debug, Clone, Default)]
+pub struct WrIds(Vec<u64>);
+
+impl WrIds {
+    /// A shadow ring for 2^`log` slots (send queues: basic blocks).
+    pub fn new(log: u8) -> Self {
+        Self(vec![0; 1 << log])
+    }
+
+    fn mask(&self) -> usize {
+        self.0.len() - 1
+    }
+
+    /// Records the `wr_id` of the WQE at `wqe_index`.
+    pub fn set(&mut self, wqe_index: u16, wr_id: u64) {
+        let m = self.mask();
+        self.0[usize::from(wqe_index) & m] = wr_id;
+    }
+
+    /// The `wr_id` of the WQE at `wqe_index`.
+    pub fn get(&self, wqe_index: u16) -> u64 {
+        self.0[usize::from(wqe_index) & self.mask()]
+    }
 }
 
 /// A memory region: the buffer it covers and its keys.
@@ -156,6 +183,9 @@ pub struct Driver {
     pub events: VecDeque<Event>,
     va_next: u64,
 }
+
+/// The largest receive WQE stride the driver uses (16 SGEs).
+const MAX_RECV_STRIDE: usize = 512;
 
 /// Log2 sizes of the context tables the driver asks for.
 const TABLE_LOGS: [(Table, u8); 6] = [
@@ -700,8 +730,8 @@ impl Driver {
             rq_dbr,
             sq_producer: 0,
             rq_producer: 0,
-            send_ids: Default::default(),
-            recv_ids: Default::default(),
+            send_ids: WrIds::new(sq_log),
+            recv_ids: WrIds::new(rq_log),
         })
     }
 
@@ -736,7 +766,7 @@ impl Driver {
             stride,
             dbr,
             producer: 0,
-            ids: Default::default(),
+            ids: WrIds::new(log),
         })
     }
 
@@ -821,7 +851,7 @@ impl Driver {
                 &scratch[i as usize * 64..(i as usize + 1) * 64],
             );
         }
-        qp.send_ids.insert(index, wr.wr_id);
+        qp.send_ids.set(index, wr.wr_id);
         qp.sq_producer = qp.sq_producer.wrapping_add(bbs);
         if ring {
             self.ring_sq(dev, qp);
@@ -857,7 +887,7 @@ impl Driver {
                 &scratch[i as usize * 64..(i as usize + 1) * 64],
             );
         }
-        qp.send_ids.insert(index, wr_id);
+        qp.send_ids.set(index, wr_id);
         qp.sq_producer = qp.sq_producer.wrapping_add(bbs);
         if ring {
             self.ring_sq(dev, qp);
@@ -892,11 +922,12 @@ impl Driver {
     /// Posts a receive WR to the QP's own RQ (no MMIO: doorbell record).
     pub fn post_recv(&mut self, qp: &mut Qp, wr_id: u64, sges: &[Sge]) {
         let index = qp.rq_producer as u16;
-        let mut wqe = vec![0u8; qp.rq_stride];
-        build_recv_wqe(sges, index, qp.rq_stride, &mut wqe).expect("fits the stride");
+        let mut buf = [0u8; MAX_RECV_STRIDE];
+        let wqe = &mut buf[..qp.rq_stride];
+        build_recv_wqe(sges, index, qp.rq_stride, wqe).expect("fits the stride");
         let slot = (qp.rq_producer & ((1u32 << qp.rq_log) - 1)) as usize * qp.rq_stride;
-        self.mem.cpu_write(qp.rq.id, slot, &wqe);
-        qp.recv_ids.insert(index, wr_id);
+        self.mem.cpu_write(qp.rq.id, slot, wqe);
+        qp.recv_ids.set(index, wr_id);
         qp.rq_producer = qp.rq_producer.wrapping_add(1);
         self.mem
             .cpu_write(qp.rq_dbr.id, 0, &qp.rq_producer.to_le_bytes());
@@ -905,11 +936,12 @@ impl Driver {
     /// Posts a receive WR to an SRQ.
     pub fn post_srq_recv(&mut self, srq: &mut Srq, wr_id: u64, sges: &[Sge]) {
         let index = srq.producer as u16;
-        let mut wqe = vec![0u8; srq.stride];
-        build_recv_wqe(sges, index, srq.stride, &mut wqe).expect("fits the stride");
+        let mut buf = [0u8; MAX_RECV_STRIDE];
+        let wqe = &mut buf[..srq.stride];
+        build_recv_wqe(sges, index, srq.stride, wqe).expect("fits the stride");
         let slot = (srq.producer & ((1u32 << srq.log) - 1)) as usize * srq.stride;
-        self.mem.cpu_write(srq.ring.id, slot, &wqe);
-        srq.ids.insert(index, wr_id);
+        self.mem.cpu_write(srq.ring.id, slot, wqe);
+        srq.ids.set(index, wr_id);
         srq.producer = srq.producer.wrapping_add(1);
         self.mem
             .cpu_write(srq.dbr.id, 0, &srq.producer.to_le_bytes());
