@@ -38,12 +38,8 @@
 //! set, a run also writes a pcap of both directions (virtual timestamps)
 //! for Wireshark or tshark.
 //!
-//! Device bugs the simulation found have an `#[ignore]`d smallest
-//! reproduction at the end of this file (`device_bug_*`), and the workload
-//! steers around them until they are fixed: UD sends stay within the path
-//! MTU ([`MAX_UD_SEND`]), reads and atomics stay within the initiator depth
-//! counted from the oldest incomplete one ([`Sim::rd_atomic_window_full`]),
-//! and receives are withheld only briefly ([`STARVE_SPAN_NS`]).
+//! Device bugs the simulation found are fixed; each keeps its smallest
+//! reproduction at the end of this file as a regression test.
 
 mod common;
 
@@ -84,8 +80,6 @@ const RETRY_CNT: u8 = 7;
 /// 7: retry RNR NAKs forever.
 const RNR_RETRY: u8 = 7;
 const UD_QKEY: u32 = 0x0D0D_1234;
-/// `max_rd_atomic` and `max_dest_rd_atomic` as `bring_up` sets them.
-const MAX_RD_ATOMIC: u8 = 4;
 
 /// Endpoints: 0/1 and 2/3 are the RC pairs, 4/5 the UD pair; endpoint `i`
 /// lives on node `i & 1` and talks to endpoint `i ^ 1`.
@@ -100,10 +94,8 @@ const RECV_SLOTS: usize = 32;
 /// One buffer slot: at least the largest RC send and a GRH + UD message.
 const SLOT: usize = 5120;
 const MAX_RC_SEND: usize = 5000;
-/// Largest UD send: the port MTU (4096) per PRM 11, once
-/// `device_bug_ud_send_above_path_mtu_is_truncated` is fixed; until then
-/// the path MTU a UD QP gets by default.
-const MAX_UD_SEND: usize = 1024;
+/// Largest UD send: the port MTU (PRM 11).
+const MAX_UD_SEND: usize = 4096;
 /// What a UD receive puts in front of the payload (PRM 10.4).
 const GRH: usize = 40;
 /// Message header: channel (2), length (2), sequence (4), checksum (8).
@@ -116,8 +108,7 @@ const MAX_RDMA: usize = 4096;
 /// Receives an RC endpoint keeps posted ahead in the faulty phase.
 const RC_RECV_DEPTH: usize = 6;
 /// Receives are sometimes withheld for this long (plus up to the span),
-/// several RNR timers (`min_rnr_timer` 1: 10 µs). Kept short while the
-/// device storms during RNR waits (`device_bug_rnr_wait_is_not_honoured`).
+/// several RNR timers (`min_rnr_timer` 1: 10 µs).
 const STARVE_MIN_NS: u64 = 20_000;
 const STARVE_SPAN_NS: u64 = 200_000;
 
@@ -457,25 +448,6 @@ impl Sim {
         self.eps[i].free_send.pop()
     }
 
-    /// True when endpoint `i` already has as many RDMA reads and atomics
-    /// outstanding — counted from the oldest not yet completed, later ones
-    /// that finished included — as the responder keeps resources for.
-    ///
-    /// A correct requester enforces this itself (`max_rd_atomic`); the
-    /// device frees a credit whenever any read or atomic finishes, even one
-    /// overtaking an older read whose response was lost, and the responder
-    /// then evicts the resource that read needs to be replayed (see
-    /// `device_bug_rd_atomic_credit_freed_out_of_order`). Remove this
-    /// throttle when that is fixed.
-    fn rd_atomic_window_full(&self, i: usize) -> bool {
-        let outstanding = self.eps[i]
-            .posted
-            .iter()
-            .filter(|p| matches!(p.work, Work::Read { .. } | Work::FetchAdd { .. }))
-            .count();
-        outstanding >= usize::from(MAX_RD_ATOMIC)
-    }
-
     fn slot_offset(slot: usize) -> usize {
         slot * SLOT
     }
@@ -591,9 +563,6 @@ impl Sim {
     }
 
     fn rdma_read(&mut self, i: usize, rng: &mut Rng) {
-        if self.rd_atomic_window_full(i) {
-            return;
-        }
         let Some(slot) = self.take_send_slot(i) else {
             return;
         };
@@ -618,9 +587,6 @@ impl Sim {
     }
 
     fn fetch_add(&mut self, i: usize, rng: &mut Rng) {
-        if self.rd_atomic_window_full(i) {
-            return;
-        }
         let Some(slot) = self.take_send_slot(i) else {
             return;
         };
@@ -752,9 +718,9 @@ impl Sim {
         let posted = ep.posted.pop_front().expect("front exists");
         ensure!(
             seed,
-            ep.qp.send_ids.get(&index) == Some(&posted.wr_id),
-            "QP {i}: wqe_index {index} maps to wr_id {:?}, posted {}",
-            ep.qp.send_ids.get(&index),
+            ep.qp.send_ids.get(index) == posted.wr_id,
+            "QP {i}: wqe_index {index} maps to wr_id {}, posted {}",
+            ep.qp.send_ids.get(index),
             posted.wr_id
         );
         ensure!(
@@ -813,11 +779,6 @@ impl Sim {
             seed,
             expected_index == index,
             "QP {i}: receive CQE for wqe_index {index}, expected {expected_index}: {cqe:?}"
-        );
-        ensure!(
-            seed,
-            ep.qp.recv_ids.contains_key(&index),
-            "QP {i}: receive wqe_index {index} was never posted"
         );
         ep.recvs.pop_front();
         ep.free_recv.push(slot);
@@ -1417,7 +1378,7 @@ fn soak() {
     }
 }
 
-// ---- device bugs the simulation found: smallest reproductions ----------
+// ---- device bugs the simulation found, now fixed: regression tests ------
 
 /// Posts `len` bytes of message 0 of endpoint `i` as one send.
 fn post_message(sim: &mut Sim, i: usize, len: usize) {
@@ -1437,8 +1398,7 @@ fn post_message(sim: &mut Sim, i: usize, len: usize) {
 /// arrive while both sides report success (`transport/send.rs`, `transmit`:
 /// `chunk = min(len - start, path_mtu)` with `npkts = 1` for UD).
 #[test]
-#[ignore = "device bug: a UD send longer than the path MTU is truncated to it, yet both sides complete successfully"]
-fn device_bug_ud_send_above_path_mtu_is_truncated() {
+fn ud_send_above_the_path_mtu_is_not_truncated() {
     let seed = 11;
     let mut sim = Sim::new(seed, scenario(NONE));
     sim.replenish(5);
@@ -1466,8 +1426,7 @@ fn device_bug_ud_send_above_path_mtu_is_truncated() {
 /// retransmission every round trip for as long as no receive is posted, and
 /// with a duplicating fabric every duplicated NAK adds another such stream.
 #[test]
-#[ignore = "device bug: during an RNR wait a PSN-sequence NAK makes the requester retransmit every round trip, ignoring the RNR timer"]
-fn device_bug_rnr_wait_is_not_honoured() {
+fn the_rnr_wait_is_honoured() {
     let seed = 12;
     let mut sim = Sim::new(seed, scenario(NONE));
     // No receive on endpoint 1: the 2-packet send is RNR-NAKed.
@@ -1507,8 +1466,7 @@ fn device_bug_rnr_wait_is_not_honoured() {
 /// as a duplicate it cannot replay (`rc_duplicate`), and the read fails
 /// with `RETRY_EXC_ERR`.
 #[test]
-#[ignore = "device bug: an rd_atomic credit is freed out of order, so a lost read response can no longer be replayed (RETRY_EXC_ERR)"]
-fn device_bug_rd_atomic_credit_freed_out_of_order() {
+fn rd_atomic_credits_are_freed_in_order() {
     use common::{Pair, Retries, connect, endpoint};
     const READ_RESPONSE_LAST: u8 = 0x0F;
     /// Ethernet (14) + IPv4 (20) + UDP (8): the BTH opcode byte.
@@ -1591,8 +1549,7 @@ fn device_bug_rd_atomic_credit_freed_out_of_order() {
 /// `transport/flush.rs` `flush_send` re-marks only records not yet `done`,
 /// and `retire` then writes the stale success.
 #[test]
-#[ignore = "device bug: after an error CQE, a later WQE that already finished on the wire completes with SUCCESS instead of WR_FLUSH_ERR"]
-fn device_bug_finished_wqe_behind_an_error_is_not_flushed() {
+fn a_finished_wqe_behind_an_error_is_flushed() {
     use common::{Pair, Retries, connect, endpoint};
     const READ_RESPONSE_LAST: u8 = 0x0F;
     const BTH_OPCODE_AT: usize = 42;

@@ -37,6 +37,13 @@ impl Device {
             let Some(r) = qp.req.inflight.pop_front() else {
                 break;
             };
+            // A read or atomic holds its credit until it retires in order
+            // (as rxe does): freeing it when it finishes out of order would
+            // let the requester exceed the responder's resources while an
+            // earlier read still awaits its (retransmitted) responses.
+            if r.is_read_or_atomic() && r.npkts > 0 {
+                qp.req.rd_atomic = qp.req.rd_atomic.saturating_sub(1);
+            }
             if r.signaled || r.status != WcStatus::Success {
                 let cqe = Cqe::new_send(
                     Qpn::from_low_bits(qp.index),

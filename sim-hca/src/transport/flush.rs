@@ -125,10 +125,16 @@ impl Device {
     /// Completes outstanding send WQEs (keeping the status of the one that
     /// failed) and every posted, unfetched one, with `WR_FLUSH_ERR`.
     fn flush_send(&mut self, qp: &mut Qp) {
+        // Completions are reported in order (PRM 10.5): behind the first
+        // error everything is flushed, even WQEs whose operation already
+        // finished on the wire; before it, only unfinished ones are.
+        let mut behind_error = false;
         for r in qp.req.inflight.iter_mut() {
-            if !r.done {
+            if behind_error || !r.done {
                 r.done = true;
                 r.status = WcStatus::WrFlushErr;
+            } else if r.status != WcStatus::Success {
+                behind_error = true;
             }
         }
         qp.req.rd_atomic = 0;

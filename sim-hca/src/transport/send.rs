@@ -698,9 +698,6 @@ impl Device {
         {
             r.done = true;
             r.status = status;
-            if r.is_read_or_atomic() {
-                qp.req.rd_atomic = qp.req.rd_atomic.saturating_sub(1);
-            }
         }
         if status != WcStatus::Success {
             self.fail_send_queue(qp);
