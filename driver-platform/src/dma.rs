@@ -1,0 +1,90 @@
+//! DMA by the book (the Windows DMA model): the device sees bus addresses
+//! handed out by the device's DMA adapter, never CPU physical addresses, and
+//! only while a mapping is live.
+//!
+//! - Rings, contexts and doorbell records live in common buffers
+//!   ([`DmaAdapter::alloc_common`]): contiguous in bus space, CPU-accessible
+//!   through copy methods.
+//! - Registered memory is locked ([`MemoryLocker::lock`], an MDL on Windows)
+//!   and mapped page by page ([`DmaAdapter::map`]); the bus addresses go into
+//!   the HCA's translation table. Unmapping before the device stops using
+//!   them is the core's responsibility; the platform's IOMMU model faults any
+//!   later access.
+
+use ib_types::status::NtStatus;
+
+use crate::request::RequestorMode;
+
+/// Memory the CPU and the device share: a common buffer.
+pub trait CommonBuffer: Send + Sync {
+    /// The bus address of byte 0, for the device.
+    fn bus_address(&self) -> u64;
+    /// Bytes of the buffer.
+    fn len(&self) -> usize;
+    /// True for an empty buffer.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies bytes out of the buffer (CPU side). Out-of-range reads are a
+    /// core bug and are refused with `false`.
+    fn read(&self, offset: usize, out: &mut [u8]) -> bool;
+    /// Copies bytes into the buffer (CPU side), with release ordering with
+    /// respect to later MMIO writes (the doorbell).
+    fn write(&self, offset: usize, data: &[u8]) -> bool;
+}
+
+/// Pages locked in memory for DMA (an MDL).
+pub trait LockedPages: Send + Sync {
+    /// Bytes described.
+    fn len(&self) -> u64;
+    /// True for an empty lock.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Offset of the first byte within its page.
+    fn byte_offset(&self) -> u32;
+    /// Pages spanned.
+    fn page_count(&self) -> usize;
+}
+
+/// Locks caller memory for DMA (`MmProbeAndLockPages`). PASSIVE_LEVEL only.
+pub trait MemoryLocker: Send + Sync {
+    /// The lock it hands out.
+    type Pages: LockedPages;
+    /// Probes and locks `len` bytes at virtual address `va` of the caller
+    /// (`mode` says whose address space), for device writes if `writable`.
+    fn lock(
+        &self,
+        mode: RequestorMode,
+        va: u64,
+        len: u64,
+        writable: bool,
+    ) -> Result<Self::Pages, NtStatus>;
+}
+
+/// A live mapping of locked pages: one bus address per page.
+pub trait DmaMapping: Send + Sync {
+    /// The bus address of page `index`, page aligned.
+    fn page_bus_address(&self, index: usize) -> Option<u64>;
+    /// Pages mapped.
+    fn page_count(&self) -> usize;
+}
+
+/// A device's DMA adapter (`IoGetDmaAdapter` / a WDF DMA enabler).
+pub trait DmaAdapter: Send + Sync {
+    /// Its common buffers.
+    type Buffer: CommonBuffer;
+    /// The locked pages it maps.
+    type Pages: LockedPages;
+    /// Its mappings.
+    type Mapping: DmaMapping;
+    /// Bytes of a page (4096 on every platform this stack targets).
+    fn page_size(&self) -> usize;
+    /// Allocates a zeroed common buffer. PASSIVE_LEVEL only.
+    fn alloc_common(&self, len: usize) -> Result<Self::Buffer, NtStatus>;
+    /// Maps locked pages for device access. DISPATCH_LEVEL or below.
+    fn map(&self, pages: &Self::Pages) -> Result<Self::Mapping, NtStatus>;
+    /// Removes a mapping; the device must no longer use it. DISPATCH_LEVEL
+    /// or below.
+    fn unmap(&self, mapping: Self::Mapping);
+}
