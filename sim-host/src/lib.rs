@@ -1,6 +1,8 @@
-//! Simulated Windows host: the PnP, power, request, IRQL, DMA, registry and
-//! verifier contracts the drivers' cores rely on, enforced so they are tested
-//! rather than assumed (`docs/host-model.md`).
-//!
-//! Status: not written yet (issue 4). The crate exists so the workspace has
-//! its final shape; it exports nothing.
+//! Simulated Windows host: the contracts the drivers' portable cores rely
+//! on, enforced so that they are tested rather than assumed
+//! (`docs/host-model.md`). It is not a Windows emulator: it models exactly
+//! what the stack depends on — PnP, power, requests, IRQL, DMA through an
+//! IOMMU, the registry and INF-driven binding — and reports every broken
+//! rule to the [`verifier`].
+
+pub mod verifier;

@@ -1,0 +1,186 @@
+//! The verifier: every rule a driver breaks is recorded here, with the
+//! driver that broke it, and reported after a scenario (Driver Verifier's
+//! role). Tests assert the report is empty.
+//!
+//! Recording never panics and never changes what the host does next: the
+//! host goes on with well-defined behaviour (a fault is refused, a double
+//! completion is ignored), so one scenario can surface several violations.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+/// What rule was broken.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ViolationKind {
+    /// Pool memory still allocated when the driver unloaded.
+    PoolLeak {
+        /// Pool tag.
+        tag: [u8; 4],
+        /// Bytes leaked.
+        bytes: usize,
+    },
+    /// A DMA mapping or common buffer still live at unload.
+    DmaLeak {
+        /// What leaked.
+        what: String,
+    },
+    /// An object reference (interface, device, driver) still held at
+    /// unload or removal.
+    ReferenceLeak {
+        /// What is still referenced.
+        what: String,
+    },
+    /// A request was dropped without being completed.
+    RequestNotCompleted {
+        /// Its I/O control code.
+        ioctl: u32,
+    },
+    /// A request was completed twice.
+    RequestCompletedTwice {
+        /// Its I/O control code.
+        ioctl: u32,
+    },
+    /// A request was completed by a driver that did not own it.
+    RequestCompletedByNonOwner {
+        /// Its I/O control code.
+        ioctl: u32,
+    },
+    /// A service was called above the IRQL it allows.
+    IrqlTooHigh {
+        /// The service.
+        service: &'static str,
+        /// The IRQL it was called at.
+        at: u8,
+        /// The highest IRQL it allows.
+        max: u8,
+    },
+    /// IRQL was lowered below the level it was raised from, or a spin lock
+    /// was released at a different IRQL than it raised to.
+    IrqlMismatch {
+        /// What happened.
+        detail: String,
+    },
+    /// The device accessed memory outside a live DMA mapping.
+    DmaFault {
+        /// The bus address.
+        addr: u64,
+        /// Bytes.
+        len: usize,
+    },
+    /// A driver was unloaded while referenced.
+    UnloadWhileReferenced {
+        /// Outstanding references.
+        references: usize,
+    },
+    /// A callback was made into a driver that had unloaded.
+    CallbackIntoUnloadedDriver {
+        /// The callback.
+        callback: String,
+    },
+    /// Anything else the host model checks (PnP or power protocol).
+    Protocol {
+        /// What happened.
+        detail: String,
+    },
+}
+
+/// One recorded violation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    /// The driver (service name) responsible, if known.
+    pub driver: Option<String>,
+    /// What it did.
+    pub kind: ViolationKind,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.driver {
+            Some(d) => write!(f, "{d}: {:?}", self.kind),
+            None => write!(f, "{:?}", self.kind),
+        }
+    }
+}
+
+/// The shared violation log of one host.
+#[derive(Debug, Clone, Default)]
+pub struct Verifier {
+    log: Arc<Mutex<Vec<Violation>>>,
+}
+
+impl Verifier {
+    /// An empty log.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records a violation.
+    pub fn report(&self, driver: Option<&str>, kind: ViolationKind) {
+        let v = Violation {
+            driver: driver.map(str::to_owned),
+            kind,
+        };
+        self.log.lock().unwrap_or_else(|e| e.into_inner()).push(v);
+    }
+
+    /// Every violation so far.
+    pub fn violations(&self) -> Vec<Violation> {
+        self.log.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Takes the violations so far, leaving the log empty.
+    pub fn take(&self) -> Vec<Violation> {
+        std::mem::take(&mut *self.log.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Panics with every violation listed, if there are any: the assertion
+    /// each scenario test ends with.
+    #[track_caller]
+    pub fn assert_clean(&self) {
+        let v = self.violations();
+        assert!(
+            v.is_empty(),
+            "verifier violations:\n{}",
+            v.iter()
+                .map(|v| format!("  {v}"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_and_reports() {
+        let v = Verifier::new();
+        v.assert_clean();
+        v.report(
+            Some("hcaminiport"),
+            ViolationKind::RequestCompletedTwice { ioctl: 7 },
+        );
+        let clone = v.clone();
+        assert_eq!(clone.violations().len(), 1, "clones share the log");
+        let text = format!("{}", v.violations()[0]);
+        assert!(text.starts_with("hcaminiport: RequestCompletedTwice"));
+        assert_eq!(v.take().len(), 1);
+        v.assert_clean();
+    }
+
+    #[test]
+    #[should_panic(expected = "verifier violations")]
+    fn assert_clean_lists_violations() {
+        let v = Verifier::new();
+        v.report(
+            None,
+            ViolationKind::DmaFault {
+                addr: 0x1000,
+                len: 4,
+            },
+        );
+        v.assert_clean();
+    }
+}
