@@ -5,4 +5,5 @@
 //! IOMMU, the registry and INF-driven binding — and reports every broken
 //! rule to the [`verifier`].
 
+pub mod request;
 pub mod verifier;

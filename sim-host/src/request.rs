@@ -1,0 +1,287 @@
+//! Requests: the IRP / WDFREQUEST model.
+//!
+//! A [`HostRequest`] carries an I/O control code, the requestor mode, a
+//! METHOD_BUFFERED input buffer and an output buffer. Exactly one party owns
+//! it at a time — the issuer hands it to a device stack, a driver forwards it
+//! down (giving it up) or keeps it pending, and whoever owns it last
+//! completes it by consuming it. Completion runs the completion routines the
+//! forwarding drivers attached, innermost first, then reports to the issuer
+//! through its [`RequestHandle`].
+//!
+//! What Rust makes structural, the host still checks: a request dropped
+//! without completion is a `RequestNotCompleted` violation (and the issuer
+//! sees `STATUS_CANCELLED`-like abandonment as an error), cancellation is a
+//! flag the owner must honour, and completion is refused above
+//! DISPATCH_LEVEL.
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use driver_platform::{Request, RequestorMode};
+use ib_types::status::NtStatus;
+
+use crate::verifier::{Verifier, ViolationKind};
+
+/// How a request ended, as its issuer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The final status.
+    pub status: NtStatus,
+    /// `IoStatus.Information`: bytes returned, or a handle.
+    pub information: u64,
+    /// The output buffer as the last owner left it.
+    pub output: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    completion: Option<Completion>,
+    /// The request was dropped uncompleted.
+    abandoned: bool,
+    canceled: bool,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    state: Mutex<Shared>,
+    done: Condvar,
+}
+
+/// The issuer's side of a request: waits for or polls its completion, and
+/// can ask for cancellation.
+#[derive(Debug, Clone)]
+pub struct RequestHandle {
+    slot: Arc<Slot>,
+}
+
+impl RequestHandle {
+    /// The completion, once it happened.
+    pub fn completion(&self) -> Option<Completion> {
+        self.lock().completion.clone()
+    }
+
+    /// True once completed (or abandoned).
+    pub fn is_done(&self) -> bool {
+        let s = self.lock();
+        s.completion.is_some() || s.abandoned
+    }
+
+    /// True if the request was dropped without completion.
+    pub fn was_abandoned(&self) -> bool {
+        self.lock().abandoned
+    }
+
+    /// Asks the current owner to cancel (`IoCancelIrp`).
+    pub fn cancel(&self) {
+        self.lock().canceled = true;
+    }
+
+    /// Blocks until completion or abandonment (threaded hosts only; a
+    /// deterministic host runs its scheduler instead).
+    pub fn wait(&self) -> Option<Completion> {
+        let mut s = self.lock();
+        while s.completion.is_none() && !s.abandoned {
+            s = self.slot.done.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        s.completion.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.slot.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A completion routine a forwarding driver attaches: it sees the lower
+/// driver's status and information and may change them (`IoSetCompletionRoutine`).
+pub type CompletionRoutine = Box<dyn FnOnce(&mut NtStatus, &mut u64, &mut [u8]) + Send>;
+
+/// An I/O request owned by whoever holds it.
+pub struct HostRequest {
+    ioctl: u32,
+    mode: RequestorMode,
+    input: Vec<u8>,
+    output: Vec<u8>,
+    slot: Arc<Slot>,
+    /// Innermost (most recently attached) last.
+    routines: Vec<CompletionRoutine>,
+    verifier: Verifier,
+    /// The driver that owns the request now (for attribution).
+    owner: Option<Arc<str>>,
+    completed: bool,
+}
+
+impl std::fmt::Debug for HostRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostRequest")
+            .field("ioctl", &format_args!("{:#010x}", self.ioctl))
+            .field("mode", &self.mode)
+            .field("owner", &self.owner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HostRequest {
+    /// A new request and the issuer's handle to it.
+    pub fn new(
+        verifier: &Verifier,
+        ioctl: u32,
+        mode: RequestorMode,
+        input: Vec<u8>,
+        output_len: usize,
+    ) -> (Self, RequestHandle) {
+        let slot = Arc::new(Slot::default());
+        let handle = RequestHandle { slot: slot.clone() };
+        let request = Self {
+            ioctl,
+            mode,
+            input,
+            output: vec![0; output_len],
+            slot,
+            routines: Vec::new(),
+            verifier: verifier.clone(),
+            owner: None,
+            completed: false,
+        };
+        (request, handle)
+    }
+
+    /// Records the driver that now owns the request.
+    pub fn set_owner(&mut self, driver: Option<Arc<str>>) {
+        self.owner = driver;
+    }
+
+    /// The driver that owns the request.
+    pub fn owner(&self) -> Option<&str> {
+        self.owner.as_deref()
+    }
+
+    /// Attaches a completion routine before forwarding the request down.
+    pub fn set_completion_routine(&mut self, routine: CompletionRoutine) {
+        self.routines.push(routine);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.slot.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Request for HostRequest {
+    fn ioctl_code(&self) -> u32 {
+        self.ioctl
+    }
+
+    fn requestor_mode(&self) -> RequestorMode {
+        self.mode
+    }
+
+    fn input(&self) -> &[u8] {
+        &self.input
+    }
+
+    fn output(&mut self) -> &mut [u8] {
+        &mut self.output
+    }
+
+    fn complete(mut self, status: NtStatus, information: u64) {
+        let mut status = status;
+        let mut information = information;
+        // Completion routines run innermost first (the driver that forwarded
+        // last sees the result first), as IoCompleteRequest does.
+        while let Some(routine) = self.routines.pop() {
+            routine(&mut status, &mut information, &mut self.output);
+        }
+        self.completed = true;
+        let output = std::mem::take(&mut self.output);
+        let mut s = self.lock();
+        s.completion = Some(Completion {
+            status,
+            information,
+            output,
+        });
+        drop(s);
+        self.slot.done.notify_all();
+    }
+
+    fn is_canceled(&self) -> bool {
+        self.lock().canceled
+    }
+}
+
+impl Drop for HostRequest {
+    fn drop(&mut self) {
+        if self.completed {
+            return;
+        }
+        self.verifier.report(
+            self.owner.as_deref(),
+            ViolationKind::RequestNotCompleted { ioctl: self.ioctl },
+        );
+        self.lock().abandoned = true;
+        self.slot.done.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_reaches_the_issuer_with_routines_applied() {
+        let v = Verifier::new();
+        let (mut req, handle) = HostRequest::new(&v, 0x3B_E000, RequestorMode::User, vec![1, 2], 4);
+        assert_eq!(req.input(), &[1, 2]);
+        req.output()[0] = 9;
+        // An upper driver forwards with a routine that rewrites the status.
+        req.set_completion_routine(Box::new(|status, info, out| {
+            assert_eq!(*status, NtStatus::from_raw(0xC000_0001));
+            *status = NtStatus::from_raw(0);
+            *info += 1;
+            out[1] = 7;
+        }));
+        assert!(!handle.is_done());
+        req.complete(NtStatus::from_raw(0xC000_0001), 3);
+        let c = handle.completion().unwrap();
+        assert_eq!(c.status, NtStatus::from_raw(0));
+        assert_eq!(c.information, 4);
+        assert_eq!(c.output, vec![9, 7, 0, 0]);
+        v.assert_clean();
+    }
+
+    #[test]
+    fn dropping_without_completion_is_a_violation() {
+        let v = Verifier::new();
+        let (mut req, handle) = HostRequest::new(&v, 0x42, RequestorMode::Kernel, vec![], 0);
+        req.set_owner(Some(Arc::from("broken")));
+        drop(req);
+        assert!(handle.was_abandoned() && handle.is_done());
+        let violations = v.take();
+        assert_eq!(violations.len(), 1);
+        assert_eq!(violations[0].driver.as_deref(), Some("broken"));
+        assert_eq!(
+            violations[0].kind,
+            ViolationKind::RequestNotCompleted { ioctl: 0x42 }
+        );
+    }
+
+    #[test]
+    fn cancellation_is_visible_to_the_owner() {
+        let v = Verifier::new();
+        let (req, handle) = HostRequest::new(&v, 1, RequestorMode::User, vec![], 0);
+        assert!(!req.is_canceled());
+        handle.cancel();
+        assert!(req.is_canceled());
+        req.complete(NtStatus::from_raw(0xC000_0120), 0);
+        assert_eq!(handle.wait().unwrap().status.raw(), 0xC000_0120);
+    }
+
+    #[test]
+    fn wait_across_threads() {
+        let v = Verifier::new();
+        let (req, handle) = HostRequest::new(&v, 1, RequestorMode::User, vec![], 0);
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            req.complete(NtStatus::from_raw(0), 0);
+        });
+        assert_eq!(handle.wait().unwrap().status.raw(), 0);
+        t.join().unwrap();
+    }
+}
