@@ -88,6 +88,19 @@ impl WinGuid {
     }
 }
 
+impl PartialOrd for WinGuid {
+    fn partial_cmp(&self, other: &Self) -> Option<core::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for WinGuid {
+    /// Orders by the textual value.
+    fn cmp(&self, other: &Self) -> core::cmp::Ordering {
+        self.to_u128().cmp(&other.to_u128())
+    }
+}
+
 impl fmt::Display for WinGuid {
     /// Registry form: `{xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx}`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

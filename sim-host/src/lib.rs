@@ -5,5 +5,8 @@
 //! IOMMU, the registry and INF-driven binding — and reports every broken
 //! rule to the [`verifier`].
 
+pub mod driver;
+pub mod pnp;
+pub mod power;
 pub mod request;
 pub mod verifier;

@@ -1,0 +1,229 @@
+//! The in-process driver model: what a driver registered with the host
+//! provides (the KMDF callbacks this stack uses, as a trait), and what the
+//! host gives each device object in return.
+//!
+//! A driver registers under its service name. When the PnP manager builds a
+//! device stack from an INF binding it calls the driver's
+//! [`DriverEntry::add_device`] for its layer, and from then on calls that
+//! layer's [`DeviceCallbacks`] — always at PASSIVE_LEVEL for PnP and power,
+//! in the orders Windows guarantees (see `pnp` and `power`). Every callback
+//! has a default that does what a KMDF driver without the callback would
+//! get, so a sample driver implements only what it cares about.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use driver_platform::{ChildDescription, DevicePowerState, SystemPowerState};
+use ib_types::interface::WinGuid;
+use ib_types::status::NtStatus;
+
+use crate::request::HostRequest;
+use crate::verifier::{Verifier, ViolationKind};
+
+/// `STATUS_SUCCESS`.
+pub const SUCCESS: NtStatus = NtStatus::from_raw(0);
+/// `STATUS_UNSUCCESSFUL`: the generic refusal (a veto).
+pub const UNSUCCESSFUL: NtStatus = NtStatus::from_raw(0xC000_0001);
+/// `STATUS_NOT_SUPPORTED`: nobody in the stack handled the request.
+pub const NOT_SUPPORTED: NtStatus = NtStatus::from_raw(0xC000_00BB);
+/// `STATUS_NO_SUCH_DEVICE`: the device is gone (surprise removal).
+pub const NO_SUCH_DEVICE: NtStatus = NtStatus::from_raw(0xC000_000E);
+/// `STATUS_DELETE_PENDING`: the device is being removed.
+pub const DELETE_PENDING: NtStatus = NtStatus::from_raw(0xC000_0056);
+/// `STATUS_CANCELLED`.
+pub const CANCELLED: NtStatus = NtStatus::from_raw(0xC000_0120);
+
+/// Where a device object sits in its stack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StackRole {
+    /// The physical device object, created by the parent bus.
+    Pdo,
+    /// A filter below the function driver.
+    LowerFilter,
+    /// The function driver (FDO).
+    Function,
+    /// A filter above the function driver.
+    UpperFilter,
+}
+
+/// What a driver learns when it is asked to add a device object.
+#[derive(Debug, Clone)]
+pub struct DeviceInit {
+    /// The devnode's instance path.
+    pub instance_path: String,
+    /// Its hardware IDs.
+    pub hardware_ids: Vec<String>,
+    /// The layer being added.
+    pub role: StackRole,
+}
+
+/// A queried interface as the host hands it out: the provider's object
+/// plus a reference counted against the provider (`InterfaceReference` on
+/// query; the consumer must call [`InterfaceRef::dereference`]).
+pub struct InterfaceRef {
+    guid: WinGuid,
+    object: Arc<dyn Any + Send + Sync>,
+    refs: Arc<AtomicUsize>,
+    verifier: Verifier,
+    consumer: Option<Arc<str>>,
+    released: bool,
+}
+
+impl fmt::Debug for InterfaceRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InterfaceRef")
+            .field("guid", &self.guid)
+            .finish_non_exhaustive()
+    }
+}
+
+impl InterfaceRef {
+    pub(crate) fn new(
+        guid: WinGuid,
+        object: Arc<dyn Any + Send + Sync>,
+        refs: Arc<AtomicUsize>,
+        verifier: Verifier,
+        consumer: Option<Arc<str>>,
+    ) -> Self {
+        refs.fetch_add(1, Ordering::AcqRel);
+        Self {
+            guid,
+            object,
+            refs,
+            verifier,
+            consumer,
+            released: false,
+        }
+    }
+
+    /// The interface GUID.
+    pub fn guid(&self) -> WinGuid {
+        self.guid
+    }
+
+    /// The provider's object, if it is a `T`.
+    pub fn get<T: Any + Send + Sync>(&self) -> Option<&T> {
+        self.object.downcast_ref()
+    }
+
+    /// `InterfaceDereference`: gives the reference back.
+    pub fn dereference(mut self) {
+        self.released = true;
+        self.refs.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Drop for InterfaceRef {
+    fn drop(&mut self) {
+        if !self.released {
+            // The reference stays counted against the provider: removal of
+            // the provider will see it outstanding.
+            self.verifier.report(
+                self.consumer.as_deref(),
+                ViolationKind::ReferenceLeak {
+                    what: format!(
+                        "interface {} dropped without InterfaceDereference",
+                        self.guid
+                    ),
+                },
+            );
+        }
+    }
+}
+
+/// An interface a device object answers to `IRP_MN_QUERY_INTERFACE`.
+#[derive(Clone)]
+pub struct ProvidedInterface {
+    /// The version it implements (`major << 8 | minor`).
+    pub version: u16,
+    /// The object consumers receive.
+    pub object: Arc<dyn Any + Send + Sync>,
+}
+
+impl fmt::Debug for ProvidedInterface {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProvidedInterface")
+            .field("version", &self.version)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How a device object passes a request down its stack.
+pub trait Forward: Send + Sync {
+    /// Sends `req` to the next lower device object (`WdfRequestSend` /
+    /// `IoCallDriver`). With no lower device it completes with
+    /// `STATUS_NOT_SUPPORTED`.
+    fn forward(&self, req: HostRequest);
+}
+
+/// One driver's callbacks for one device object.
+#[allow(unused_variables, reason = "default callbacks ignore their arguments")]
+pub trait DeviceCallbacks: Send + Sync {
+    /// `EvtDevicePrepareHardware` (start, before D0).
+    fn prepare_hardware(&self) -> NtStatus {
+        SUCCESS
+    }
+    /// `EvtDeviceReleaseHardware` (stop or remove, after leaving D0).
+    fn release_hardware(&self) -> NtStatus {
+        SUCCESS
+    }
+    /// `EvtDeviceD0Entry`.
+    fn d0_entry(&self, from: DevicePowerState) -> NtStatus {
+        SUCCESS
+    }
+    /// `EvtDeviceD0Exit`.
+    fn d0_exit(&self, to: DevicePowerState) -> NtStatus {
+        SUCCESS
+    }
+    /// `IRP_MN_QUERY_REMOVE_DEVICE`: anything but success vetoes.
+    fn query_remove(&self) -> NtStatus {
+        SUCCESS
+    }
+    /// `IRP_MN_QUERY_STOP_DEVICE`: anything but success vetoes.
+    fn query_stop(&self) -> NtStatus {
+        SUCCESS
+    }
+    /// `IRP_MN_CANCEL_REMOVE_DEVICE` / `CANCEL_STOP`: the veto of someone
+    /// else undid the query.
+    fn cancel_remove(&self) {}
+    /// `EvtDeviceSurpriseRemoval`: the hardware is gone; complete what is
+    /// outstanding.
+    fn surprise_removal(&self) {}
+    /// `IRP_MN_QUERY_POWER` for a system transition: anything but success
+    /// vetoes it.
+    fn query_power(&self, target: SystemPowerState) -> NtStatus {
+        SUCCESS
+    }
+    /// A request reached this device object: complete it, keep it pending,
+    /// or pass it down with `lower.forward(req)` (the default).
+    fn io_request(&self, lower: &dyn Forward, req: HostRequest) {
+        lower.forward(req);
+    }
+    /// `IRP_MN_QUERY_INTERFACE`: answer for `guid` at `version`, or `None`
+    /// to pass the query down the stack.
+    fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {
+        None
+    }
+    /// For bus drivers: the PDO callbacks of a child this device reported.
+    fn create_child(&self, child: &ChildDescription) -> Option<Arc<dyn DeviceCallbacks>> {
+        None
+    }
+    /// Whether this object's queue holds requests while the device is below
+    /// D0 (KMDF: power-managed queues, the default for function drivers;
+    /// filters answer false).
+    fn power_managed_queue(&self) -> bool {
+        true
+    }
+}
+
+/// A driver: `DriverEntry` plus `EvtDriverDeviceAdd`.
+pub trait DriverEntry: Send + Sync + 'static {
+    /// Creates this driver's device object for a new stack layer.
+    fn add_device(
+        &self,
+        init: &DeviceInit,
+        host: &crate::pnp::DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus>;
+}

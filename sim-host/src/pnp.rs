@@ -1,0 +1,1006 @@
+//! The PnP manager: the device tree, building device stacks from INF
+//! bindings, start / stop / remove / surprise removal with the orders and
+//! vetoes Windows guarantees, bus relations, `IRP_MN_QUERY_INTERFACE`
+//! routed down a stack with counted references, device interfaces, and
+//! requests travelling down stacks through power-managed queues.
+//!
+//! Orders (`docs/host-model.md`):
+//! - a stack is built bottom-up (PDO, lower filters, function driver, upper
+//!   filters) and started bottom-up (prepare hardware, then D0 entry);
+//! - a parent starts before its children are enumerated, and children are
+//!   removed before their parent;
+//! - query-remove and query-stop visit the whole subtree, children first and
+//!   each stack top-down; a veto anywhere sends cancel-remove to everyone
+//!   who already agreed;
+//! - leaving D0 runs top-down within a stack, entering D0 bottom-up.
+//!
+//! The host never holds its own locks while it calls a driver, so a driver
+//! may call back into [`DeviceServices`] from any callback.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use driver_platform::{ChildBus, ChildDescription, DevicePowerState};
+use ib_types::interface::WinGuid;
+use ib_types::status::NtStatus;
+
+use crate::driver::{
+    DELETE_PENDING, DeviceCallbacks, DeviceInit, DriverEntry, Forward, InterfaceRef,
+    NO_SUCH_DEVICE, NOT_SUPPORTED, SUCCESS, StackRole,
+};
+use crate::request::HostRequest;
+use crate::verifier::{Verifier, ViolationKind};
+
+/// A devnode's identity in the tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DevNodeId(usize);
+
+/// What the INF binding says a devnode's stack is made of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StackPlan {
+    /// The function driver's service.
+    pub function: String,
+    /// Upper filters, lowest first.
+    pub upper_filters: Vec<String>,
+    /// Lower filters, lowest first.
+    pub lower_filters: Vec<String>,
+}
+
+/// Finds the drivers of a device from its IDs (the INF set implements
+/// this); the error is the reason the device cannot start.
+pub trait Binder: Send + Sync {
+    /// The stack for a device with these IDs, or why there is none.
+    fn bind(
+        &self,
+        instance_path: &str,
+        hardware_ids: &[String],
+        compatible_ids: &[String],
+    ) -> Result<StackPlan, String>;
+}
+
+/// A devnode's PnP state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PnpState {
+    /// Reported by its bus; no drivers yet.
+    Enumerated,
+    /// Started and running.
+    Started,
+    /// Stopped for rebalance (query-stop succeeded, resources released).
+    Stopped,
+    /// Surprise-removed: the hardware is gone; awaiting removal.
+    SurpriseRemoved,
+    /// Removed; the devnode stays in the table for inspection.
+    Removed,
+    /// Could not start, with the reason (an INF that does not resolve, a
+    /// missing driver, a failing callback).
+    FailedStart(String),
+}
+
+struct Layer {
+    service: Arc<str>,
+    role: StackRole,
+    callbacks: Arc<dyn DeviceCallbacks>,
+    power_managed: bool,
+    /// Requests held while the device is below D0.
+    held: VecDeque<HostRequest>,
+}
+
+struct DevNode {
+    instance_path: String,
+    parent: Option<DevNodeId>,
+    children: Vec<DevNodeId>,
+    hardware_ids: Vec<String>,
+    compatible_ids: Vec<String>,
+    description: String,
+    /// Bottom (PDO) first.
+    stack: Vec<Layer>,
+    state: PnpState,
+    power: DevicePowerState,
+    /// References handed out on this stack's interfaces, by the devnode
+    /// whose driver holds them (`None`: held from outside any stack).
+    interface_refs: BTreeMap<Option<DevNodeId>, Arc<AtomicUsize>>,
+    /// Registered device interfaces and whether each is enabled.
+    interfaces: BTreeMap<WinGuid, bool>,
+}
+
+impl DevNode {
+    /// References on this stack's interfaces held by anyone other than
+    /// the drivers of `inside`.
+    fn references_held_outside(&self, inside: &[DevNodeId]) -> usize {
+        self.interface_refs
+            .iter()
+            .filter(|(holder, _)| !holder.is_some_and(|h| inside.contains(&h)))
+            .map(|(_, count)| count.load(Ordering::Acquire))
+            .sum()
+    }
+}
+
+#[derive(Default)]
+struct Tree {
+    nodes: Vec<DevNode>,
+}
+
+struct DriverRecord {
+    entry: Arc<dyn DriverEntry>,
+    /// Device objects this driver has in stacks.
+    devices: usize,
+    /// Loaded (has or had devices and not yet unloaded).
+    loaded: bool,
+    /// Object references other parties hold (ObReferenceObject).
+    references: Arc<AtomicUsize>,
+}
+
+/// Device-interface arrival and removal notifications.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InterfaceEvent {
+    /// An interface of `class` on `device` was enabled.
+    Arrival {
+        /// Interface class.
+        class: WinGuid,
+        /// The devnode.
+        device: DevNodeId,
+    },
+    /// It was disabled (or its device removed).
+    Removal {
+        /// Interface class.
+        class: WinGuid,
+        /// The devnode.
+        device: DevNodeId,
+    },
+}
+
+pub(crate) struct PnpInner {
+    pub(crate) verifier: Verifier,
+    binder: Box<dyn Binder>,
+    tree: Mutex<Tree>,
+    drivers: Mutex<BTreeMap<String, DriverRecord>>,
+    interface_events: Mutex<Vec<InterfaceEvent>>,
+    /// Children reported by bus drivers, enumerated after the callback that
+    /// reported them returns (bus relations are re-queried asynchronously).
+    pending_children: Mutex<Vec<(DevNodeId, ChildReport)>>,
+}
+
+enum ChildReport {
+    Present(ChildDescription),
+    Missing(String),
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The PnP manager of one host.
+#[derive(Clone)]
+pub struct PnpManager {
+    pub(crate) inner: Arc<PnpInner>,
+}
+
+impl std::fmt::Debug for PnpManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PnpManager").finish_non_exhaustive()
+    }
+}
+
+/// What the host gives one device object: child reporting, interface
+/// queries on its own stack, device interfaces.
+#[derive(Clone)]
+pub struct DeviceServices {
+    pnp: Weak<PnpInner>,
+    node: DevNodeId,
+    service: Arc<str>,
+}
+
+impl std::fmt::Debug for DeviceServices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceServices")
+            .field("node", &self.node)
+            .field("service", &self.service)
+            .finish()
+    }
+}
+
+impl DeviceServices {
+    /// The devnode this device object belongs to.
+    pub fn node(&self) -> DevNodeId {
+        self.node
+    }
+
+    /// The driver (service) of this device object.
+    pub fn service(&self) -> &str {
+        &self.service
+    }
+
+    /// Sends `IRP_MN_QUERY_INTERFACE` to the top of this device's own stack
+    /// (`WdfFdoQueryForInterface`).
+    pub fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<InterfaceRef> {
+        let pnp = PnpManager {
+            inner: self.pnp.upgrade()?,
+        };
+        pnp.query_interface_as(
+            self.node,
+            guid,
+            version,
+            Some((self.service.clone(), self.node)),
+        )
+    }
+
+    /// Registers a device interface of `class` (disabled until enabled).
+    pub fn register_interface(&self, class: WinGuid) {
+        if let Some(inner) = self.pnp.upgrade()
+            && let Some(node) = lock(&inner.tree).nodes.get_mut(self.node.0)
+        {
+            node.interfaces.entry(class).or_insert(false);
+        }
+    }
+
+    /// Enables or disables a registered device interface, notifying
+    /// listeners on each change.
+    pub fn set_interface_enabled(&self, class: WinGuid, enabled: bool) {
+        let Some(inner) = self.pnp.upgrade() else {
+            return;
+        };
+        let changed = {
+            let mut tree = lock(&inner.tree);
+            let Some(node) = tree.nodes.get_mut(self.node.0) else {
+                return;
+            };
+            match node.interfaces.get_mut(&class) {
+                Some(state) if *state != enabled => {
+                    *state = enabled;
+                    true
+                }
+                _ => false,
+            }
+        };
+        if changed {
+            let ev = if enabled {
+                InterfaceEvent::Arrival {
+                    class,
+                    device: self.node,
+                }
+            } else {
+                InterfaceEvent::Removal {
+                    class,
+                    device: self.node,
+                }
+            };
+            lock(&inner.interface_events).push(ev);
+        }
+    }
+
+    /// The verifier of this host.
+    pub fn verifier(&self) -> Option<Verifier> {
+        self.pnp.upgrade().map(|i| i.verifier.clone())
+    }
+}
+
+impl ChildBus for DeviceServices {
+    fn report_present(&self, child: ChildDescription) -> Result<(), NtStatus> {
+        let inner = self.pnp.upgrade().ok_or(NO_SUCH_DEVICE)?;
+        lock(&inner.pending_children).push((self.node, ChildReport::Present(child)));
+        Ok(())
+    }
+
+    fn report_missing(&self, instance_id: &str) {
+        if let Some(inner) = self.pnp.upgrade() {
+            lock(&inner.pending_children)
+                .push((self.node, ChildReport::Missing(instance_id.to_owned())));
+        }
+    }
+}
+
+/// Why a query-remove, query-stop or power transition did not happen.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what} vetoed by {service} on {instance_path}: {status:?}")]
+pub struct Veto {
+    /// The operation.
+    pub what: &'static str,
+    /// The devnode that refused.
+    pub instance_path: String,
+    /// The driver that refused (or `host` for the framework's own reasons).
+    pub service: String,
+    /// The status it answered.
+    pub status: NtStatus,
+}
+
+struct Lower<'a> {
+    pnp: &'a PnpManager,
+    node: DevNodeId,
+    /// The layer the request goes to next.
+    layer: Option<usize>,
+}
+
+impl Forward for Lower<'_> {
+    fn forward(&self, req: HostRequest) {
+        match self.layer {
+            Some(layer) => self.pnp.deliver(self.node, layer, req),
+            None => {
+                // Below the PDO: nobody handled it.
+                req_complete(req, NOT_SUPPORTED);
+            }
+        }
+    }
+}
+
+fn req_complete(req: HostRequest, status: NtStatus) {
+    use driver_platform::Request;
+    req.complete(status, 0);
+}
+
+impl PnpManager {
+    /// A PnP manager binding drivers with `binder`.
+    pub fn new(verifier: Verifier, binder: Box<dyn Binder>) -> Self {
+        Self {
+            inner: Arc::new(PnpInner {
+                verifier,
+                binder,
+                tree: Mutex::default(),
+                drivers: Mutex::default(),
+                interface_events: Mutex::default(),
+                pending_children: Mutex::default(),
+            }),
+        }
+    }
+
+    /// Registers an in-process driver under its service name.
+    pub fn register_driver(&self, service: &str, entry: Arc<dyn DriverEntry>) {
+        lock(&self.inner.drivers).insert(
+            service.to_owned(),
+            DriverRecord {
+                entry,
+                devices: 0,
+                loaded: false,
+                references: Arc::new(AtomicUsize::new(0)),
+            },
+        );
+    }
+
+    /// The object-reference counter of a driver (what `ObReferenceObject`
+    /// on its driver or device object counts): the access layer takes one
+    /// per open client.
+    pub fn driver_references(&self, service: &str) -> Option<Arc<AtomicUsize>> {
+        lock(&self.inner.drivers)
+            .get(service)
+            .map(|d| d.references.clone())
+    }
+
+    /// True while a driver has device objects in some stack.
+    pub fn driver_loaded(&self, service: &str) -> bool {
+        lock(&self.inner.drivers)
+            .get(service)
+            .is_some_and(|d| d.loaded)
+    }
+
+    /// Adds a root-enumerated or bus-reported device (a PCI function, for
+    /// instance) whose PDO is `pdo`, and starts it.
+    pub fn add_device(
+        &self,
+        parent: Option<DevNodeId>,
+        instance_path: &str,
+        hardware_ids: Vec<String>,
+        compatible_ids: Vec<String>,
+        pdo: Arc<dyn DeviceCallbacks>,
+    ) -> DevNodeId {
+        let id = {
+            let mut tree = lock(&self.inner.tree);
+            let id = DevNodeId(tree.nodes.len());
+            tree.nodes.push(DevNode {
+                instance_path: instance_path.to_owned(),
+                parent,
+                children: Vec::new(),
+                hardware_ids,
+                compatible_ids,
+                description: String::new(),
+                stack: vec![Layer {
+                    service: Arc::from("pdo"),
+                    role: StackRole::Pdo,
+                    power_managed: false,
+                    callbacks: pdo,
+                    held: VecDeque::new(),
+                }],
+                state: PnpState::Enumerated,
+                power: DevicePowerState::D3,
+                interface_refs: BTreeMap::new(),
+                interfaces: BTreeMap::new(),
+            });
+            if let Some(p) = parent {
+                tree.nodes[p.0].children.push(id);
+            }
+            id
+        };
+        self.start(id);
+        id
+    }
+
+    /// The state of a devnode.
+    pub fn state(&self, node: DevNodeId) -> Option<PnpState> {
+        lock(&self.inner.tree)
+            .nodes
+            .get(node.0)
+            .map(|n| n.state.clone())
+    }
+
+    /// The power state of a devnode.
+    pub fn power(&self, node: DevNodeId) -> Option<DevicePowerState> {
+        lock(&self.inner.tree).nodes.get(node.0).map(|n| n.power)
+    }
+
+    /// The children of a devnode.
+    pub fn children(&self, node: DevNodeId) -> Vec<DevNodeId> {
+        lock(&self.inner.tree)
+            .nodes
+            .get(node.0)
+            .map(|n| n.children.clone())
+            .unwrap_or_default()
+    }
+
+    /// The devnode with this instance path.
+    pub fn find(&self, instance_path: &str) -> Option<DevNodeId> {
+        lock(&self.inner.tree)
+            .nodes
+            .iter()
+            .position(|n| n.instance_path == instance_path)
+            .map(DevNodeId)
+    }
+
+    /// The instance path of a devnode.
+    pub fn instance_path(&self, node: DevNodeId) -> Option<String> {
+        lock(&self.inner.tree)
+            .nodes
+            .get(node.0)
+            .map(|n| n.instance_path.clone())
+    }
+
+    /// The services of a devnode's stack and their roles, bottom first.
+    pub fn stack_services(&self, node: DevNodeId) -> Vec<(String, StackRole)> {
+        lock(&self.inner.tree)
+            .nodes
+            .get(node.0)
+            .map(|n| {
+                n.stack
+                    .iter()
+                    .map(|l| (l.service.to_string(), l.role))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Interface references outstanding on a devnode's stack.
+    pub fn interface_references(&self, node: DevNodeId) -> usize {
+        lock(&self.inner.tree)
+            .nodes
+            .get(node.0)
+            .map_or(0, |n| n.references_held_outside(&[]))
+    }
+
+    /// Takes the device-interface notifications so far.
+    pub fn take_interface_events(&self) -> Vec<InterfaceEvent> {
+        std::mem::take(&mut *lock(&self.inner.interface_events))
+    }
+
+    /// Every devnode in pre-order (parents before children).
+    pub fn preorder(&self) -> Vec<DevNodeId> {
+        let tree = lock(&self.inner.tree);
+        let mut out = Vec::new();
+        let roots: Vec<DevNodeId> = (0..tree.nodes.len())
+            .filter(|&i| tree.nodes[i].parent.is_none())
+            .map(DevNodeId)
+            .collect();
+        let mut stack: Vec<DevNodeId> = roots.into_iter().rev().collect();
+        while let Some(n) = stack.pop() {
+            out.push(n);
+            for &c in tree.nodes[n.0].children.iter().rev() {
+                stack.push(c);
+            }
+        }
+        out
+    }
+
+    /// The subtree of `node` in post-order (children before parents).
+    pub(crate) fn subtree_postorder(&self, node: DevNodeId) -> Vec<DevNodeId> {
+        let tree = lock(&self.inner.tree);
+        let mut out = Vec::new();
+        fn walk(tree: &Tree, n: DevNodeId, out: &mut Vec<DevNodeId>) {
+            for &c in &tree.nodes[n.0].children {
+                walk(tree, c, out);
+            }
+            out.push(n);
+        }
+        if node.0 < tree.nodes.len() {
+            walk(&tree, node, &mut out);
+        }
+        out
+    }
+
+    /// The callbacks of a devnode's stack with their services, bottom first.
+    pub(crate) fn layers(&self, node: DevNodeId) -> Vec<(Arc<str>, Arc<dyn DeviceCallbacks>)> {
+        lock(&self.inner.tree)
+            .nodes
+            .get(node.0)
+            .map(|n| {
+                n.stack
+                    .iter()
+                    .map(|l| (l.service.clone(), l.callbacks.clone()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn fail_start(&self, node: DevNodeId, reason: String) {
+        if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
+            n.state = PnpState::FailedStart(reason);
+        }
+    }
+
+    /// Builds the stack from the binding and starts it (bottom-up prepare
+    /// hardware and D0 entry), then enumerates its children.
+    fn start(&self, node: DevNodeId) {
+        let (path, hw, compat) = {
+            let tree = lock(&self.inner.tree);
+            let n = &tree.nodes[node.0];
+            (
+                n.instance_path.clone(),
+                n.hardware_ids.clone(),
+                n.compatible_ids.clone(),
+            )
+        };
+        let needs_stack = lock(&self.inner.tree).nodes[node.0].stack.len() == 1;
+        if needs_stack {
+            let plan = match self.inner.binder.bind(&path, &hw, &compat) {
+                Ok(plan) => plan,
+                Err(reason) => return self.fail_start(node, reason),
+            };
+            let mut order: Vec<(String, StackRole)> = Vec::new();
+            order.extend(
+                plan.lower_filters
+                    .iter()
+                    .map(|s| (s.clone(), StackRole::LowerFilter)),
+            );
+            order.push((plan.function.clone(), StackRole::Function));
+            order.extend(
+                plan.upper_filters
+                    .iter()
+                    .map(|s| (s.clone(), StackRole::UpperFilter)),
+            );
+            for (service, role) in order {
+                let entry = lock(&self.inner.drivers)
+                    .get(&service)
+                    .map(|d| d.entry.clone());
+                let Some(entry) = entry else {
+                    return self
+                        .fail_start(node, format!("driver service `{service}` is not installed"));
+                };
+                let init = DeviceInit {
+                    instance_path: path.clone(),
+                    hardware_ids: hw.clone(),
+                    role,
+                };
+                let services = DeviceServices {
+                    pnp: Arc::downgrade(&self.inner),
+                    node,
+                    service: Arc::from(service.as_str()),
+                };
+                let callbacks = match entry.add_device(&init, &services) {
+                    Ok(cb) => cb,
+                    Err(status) => {
+                        return self
+                            .fail_start(node, format!("`{service}` AddDevice failed: {status:?}"));
+                    }
+                };
+                let power_managed = role == StackRole::Function && callbacks.power_managed_queue();
+                if let Some(d) = lock(&self.inner.drivers).get_mut(&service) {
+                    d.devices += 1;
+                    d.loaded = true;
+                }
+                lock(&self.inner.tree).nodes[node.0].stack.push(Layer {
+                    service: Arc::from(service.as_str()),
+                    role,
+                    callbacks,
+                    power_managed,
+                    held: VecDeque::new(),
+                });
+            }
+        }
+        // IRP_MN_START_DEVICE: each layer after the ones below it.
+        for (service, cb) in self.layers(node) {
+            let status = cb.prepare_hardware();
+            if status != SUCCESS {
+                return self.fail_start(
+                    node,
+                    format!("`{service}` prepare hardware failed: {status:?}"),
+                );
+            }
+        }
+        if let Err(reason) = self.enter_d0(node) {
+            return self.fail_start(node, reason);
+        }
+        if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
+            n.state = PnpState::Started;
+        }
+        self.process_bus_relations();
+    }
+
+    /// D0 entry bottom-up, then releases requests the queues held.
+    pub(crate) fn enter_d0(&self, node: DevNodeId) -> Result<(), String> {
+        let from = self.power(node).unwrap_or(DevicePowerState::D3);
+        for (service, cb) in self.layers(node) {
+            let status = cb.d0_entry(from);
+            if status != SUCCESS {
+                return Err(format!("`{service}` D0 entry failed: {status:?}"));
+            }
+        }
+        let held: Vec<(usize, HostRequest)> = {
+            let mut tree = lock(&self.inner.tree);
+            let n = &mut tree.nodes[node.0];
+            n.power = DevicePowerState::D0;
+            n.stack
+                .iter_mut()
+                .enumerate()
+                .flat_map(|(i, l)| l.held.drain(..).map(move |r| (i, r)).collect::<Vec<_>>())
+                .collect()
+        };
+        for (layer, req) in held {
+            self.deliver(node, layer, req);
+        }
+        Ok(())
+    }
+
+    /// D0 exit top-down (the queues hold new requests from now on).
+    pub(crate) fn leave_d0(&self, node: DevNodeId, to: DevicePowerState) {
+        if self.power(node) != Some(DevicePowerState::D0) {
+            return;
+        }
+        if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
+            n.power = to;
+        }
+        for (service, cb) in self.layers(node).into_iter().rev() {
+            let status = cb.d0_exit(to);
+            if status != SUCCESS {
+                self.inner.verifier.report(
+                    Some(&service),
+                    ViolationKind::Protocol {
+                        detail: format!("D0 exit failed: {status:?}"),
+                    },
+                );
+            }
+        }
+    }
+
+    /// Enumerates or removes children that bus drivers reported.
+    fn process_bus_relations(&self) {
+        loop {
+            let pending = std::mem::take(&mut *lock(&self.inner.pending_children));
+            if pending.is_empty() {
+                return;
+            }
+            for (parent, report) in pending {
+                match report {
+                    ChildReport::Present(desc) => self.child_present(parent, desc),
+                    ChildReport::Missing(id) => {
+                        let path =
+                            format!("{}\\{}", self.instance_path(parent).unwrap_or_default(), id);
+                        if let Some(child) = self.find(&path) {
+                            self.remove(child);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn child_present(&self, parent: DevNodeId, desc: ChildDescription) {
+        let parent_path = self.instance_path(parent).unwrap_or_default();
+        let path = format!("{parent_path}\\{}", desc.instance_id);
+        if let Some(existing) = self.find(&path)
+            && !matches!(self.state(existing), Some(PnpState::Removed))
+        {
+            return; // already present: re-enumeration keeps the devnode
+        }
+        // The parent's bus driver creates the PDO's callbacks.
+        let creator = self
+            .layers(parent)
+            .into_iter()
+            .rev()
+            .find_map(|(_, cb)| cb.create_child(&desc));
+        let Some(pdo) = creator else {
+            self.inner.verifier.report(
+                None,
+                ViolationKind::Protocol {
+                    detail: format!(
+                        "child {path} reported but no driver of {parent_path} creates its PDO"
+                    ),
+                },
+            );
+            return;
+        };
+        let id = self.add_device(
+            Some(parent),
+            &path,
+            desc.hardware_ids.clone(),
+            desc.compatible_ids.clone(),
+            pdo,
+        );
+        if let Some(n) = lock(&self.inner.tree).nodes.get_mut(id.0) {
+            n.description = desc.description;
+        }
+    }
+
+    /// Sends a request to the top of a devnode's stack.
+    pub fn send_request(&self, node: DevNodeId, req: HostRequest) {
+        let top = lock(&self.inner.tree)
+            .nodes
+            .get(node.0)
+            .map(|n| n.stack.len());
+        match top {
+            Some(len) if len > 0 => self.deliver(node, len - 1, req),
+            _ => req_complete(req, NO_SUCH_DEVICE),
+        }
+    }
+
+    /// Delivers a request to one layer: through its queue (held below D0
+    /// if power-managed), then its `io_request`.
+    fn deliver(&self, node: DevNodeId, layer: usize, mut req: HostRequest) {
+        let target = {
+            let mut tree = lock(&self.inner.tree);
+            let Some(n) = tree.nodes.get_mut(node.0) else {
+                drop(tree);
+                return req_complete(req, NO_SUCH_DEVICE);
+            };
+            match n.state {
+                PnpState::Removed | PnpState::SurpriseRemoved => {
+                    drop(tree);
+                    return req_complete(req, NO_SUCH_DEVICE);
+                }
+                PnpState::FailedStart(_) | PnpState::Enumerated => {
+                    drop(tree);
+                    return req_complete(req, DELETE_PENDING);
+                }
+                _ => {}
+            }
+            let in_d0 = n.power == DevicePowerState::D0;
+            let Some(l) = n.stack.get_mut(layer) else {
+                drop(tree);
+                return req_complete(req, NOT_SUPPORTED);
+            };
+            if l.power_managed && !in_d0 {
+                req.set_owner(Some(l.service.clone()));
+                l.held.push_back(req);
+                return;
+            }
+            (l.service.clone(), l.callbacks.clone())
+        };
+        let (service, cb) = target;
+        req.set_owner(Some(service));
+        let lower = Lower {
+            pnp: self,
+            node,
+            layer: layer.checked_sub(1),
+        };
+        cb.io_request(&lower, req);
+    }
+
+    /// `IRP_MN_QUERY_INTERFACE` sent to the top of `node`'s stack; each layer
+    /// top-down may answer. An answer at a lower version than asked is no
+    /// answer; the reference is counted against the stack.
+    pub fn query_interface(
+        &self,
+        node: DevNodeId,
+        guid: &WinGuid,
+        version: u16,
+    ) -> Option<InterfaceRef> {
+        self.query_interface_as(node, guid, version, None)
+    }
+
+    fn query_interface_as(
+        &self,
+        node: DevNodeId,
+        guid: &WinGuid,
+        version: u16,
+        consumer: Option<(Arc<str>, DevNodeId)>,
+    ) -> Option<InterfaceRef> {
+        let holder = consumer.as_ref().map(|(_, n)| *n);
+        let refs = lock(&self.inner.tree)
+            .nodes
+            .get_mut(node.0)?
+            .interface_refs
+            .entry(holder)
+            .or_default()
+            .clone();
+        let consumer = consumer.map(|(service, _)| service);
+        for (_, cb) in self.layers(node).into_iter().rev() {
+            if let Some(provided) = cb.query_interface(guid, version) {
+                let ok = ib_types::interface::InterfaceVersion::from_packed(provided.version)
+                    .satisfies(ib_types::interface::InterfaceVersion::from_packed(version));
+                if ok {
+                    return Some(InterfaceRef::new(
+                        *guid,
+                        provided.object,
+                        refs,
+                        self.inner.verifier.clone(),
+                        consumer,
+                    ));
+                }
+            }
+        }
+        None
+    }
+
+    /// Query-stop, then stop (release hardware) — for resource rebalance.
+    /// A veto sends cancel-stop to the layers that agreed.
+    pub fn stop(&self, node: DevNodeId) -> Result<(), Veto> {
+        self.query("query-stop", node, |cb| cb.query_stop())?;
+        self.leave_d0(node, DevicePowerState::D3);
+        for (_, cb) in self.layers(node).into_iter().rev() {
+            cb.release_hardware();
+        }
+        if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
+            n.state = PnpState::Stopped;
+        }
+        Ok(())
+    }
+
+    /// Restarts a stopped devnode (new resources, same stack).
+    pub fn restart(&self, node: DevNodeId) {
+        if self.state(node) == Some(PnpState::Stopped) {
+            self.start(node);
+        }
+    }
+
+    /// Asks every layer of `node`'s subtree (children first, each stack
+    /// top-down); on a veto, everyone who agreed gets cancel-remove.
+    fn query(
+        &self,
+        what: &'static str,
+        node: DevNodeId,
+        ask: impl Fn(&dyn DeviceCallbacks) -> NtStatus,
+    ) -> Result<(), Veto> {
+        let mut agreed: Vec<Arc<dyn DeviceCallbacks>> = Vec::new();
+        let subtree = self.subtree_postorder(node);
+        for &n in &subtree {
+            // References held by drivers inside the subtree are theirs to
+            // release on removal; anyone else's pins the stack.
+            let pinned = lock(&self.inner.tree).nodes[n.0].references_held_outside(&subtree);
+            if what == "query-remove" && pinned > 0 {
+                for cb in &agreed {
+                    cb.cancel_remove();
+                }
+                return Err(Veto {
+                    what,
+                    instance_path: self.instance_path(n).unwrap_or_default(),
+                    service: "host (interface references outstanding)".to_owned(),
+                    status: crate::driver::UNSUCCESSFUL,
+                });
+            }
+            for (service, cb) in self.layers(n).into_iter().rev() {
+                let status = ask(cb.as_ref());
+                if status != SUCCESS {
+                    for cb in &agreed {
+                        cb.cancel_remove();
+                    }
+                    return Err(Veto {
+                        what,
+                        instance_path: self.instance_path(n).unwrap_or_default(),
+                        service: service.to_string(),
+                        status,
+                    });
+                }
+                agreed.push(cb);
+            }
+        }
+        Ok(())
+    }
+
+    /// Query-remove, then remove the subtree (children first). Refused
+    /// while interface references are outstanding or a driver vetoes.
+    pub fn query_and_remove(&self, node: DevNodeId) -> Result<(), Veto> {
+        self.query("query-remove", node, |cb| cb.query_remove())?;
+        self.remove(node);
+        Ok(())
+    }
+
+    /// Surprise removal: the hardware is gone. Every layer of the subtree
+    /// hears it (children first), held requests complete with
+    /// `STATUS_NO_SUCH_DEVICE`, then the subtree is removed.
+    pub fn surprise_remove(&self, node: DevNodeId) {
+        for n in self.subtree_postorder(node) {
+            let held: Vec<HostRequest> = {
+                let mut tree = lock(&self.inner.tree);
+                let dn = &mut tree.nodes[n.0];
+                dn.state = PnpState::SurpriseRemoved;
+                dn.stack
+                    .iter_mut()
+                    .flat_map(|l| l.held.drain(..).collect::<Vec<_>>())
+                    .collect()
+            };
+            for req in held {
+                req_complete(req, NO_SUCH_DEVICE);
+            }
+            for (_, cb) in self.layers(n).into_iter().rev() {
+                cb.surprise_removal();
+            }
+        }
+        self.remove(node);
+    }
+
+    /// Removes a subtree, children first: each stack leaves D0 top-down,
+    /// releases hardware, and its device objects are deleted; a driver
+    /// whose last device object goes away unloads.
+    pub(crate) fn remove(&self, node: DevNodeId) {
+        for n in self.subtree_postorder(node) {
+            if self.state(n) == Some(PnpState::Removed) {
+                continue;
+            }
+            self.leave_d0(n, DevicePowerState::D3);
+            for (_, cb) in self.layers(n).into_iter().rev() {
+                cb.release_hardware();
+            }
+            let (layers, held, refs, path, interfaces) = {
+                let mut tree = lock(&self.inner.tree);
+                let dn = &mut tree.nodes[n.0];
+                dn.state = PnpState::Removed;
+                let held: Vec<HostRequest> = dn
+                    .stack
+                    .iter_mut()
+                    .flat_map(|l| l.held.drain(..).collect::<Vec<_>>())
+                    .collect();
+                let layers: Vec<Arc<str>> =
+                    dn.stack.iter().skip(1).map(|l| l.service.clone()).collect();
+                dn.stack.truncate(1);
+                let interfaces: Vec<WinGuid> = dn
+                    .interfaces
+                    .iter()
+                    .filter(|(_, on)| **on)
+                    .map(|(g, _)| *g)
+                    .collect();
+                dn.interfaces.clear();
+                (
+                    layers,
+                    held,
+                    dn.references_held_outside(&[]),
+                    dn.instance_path.clone(),
+                    interfaces,
+                )
+            };
+            for req in held {
+                req_complete(req, NO_SUCH_DEVICE);
+            }
+            for class in interfaces {
+                lock(&self.inner.interface_events)
+                    .push(InterfaceEvent::Removal { class, device: n });
+            }
+            if refs > 0 {
+                self.inner.verifier.report(
+                    None,
+                    ViolationKind::ReferenceLeak {
+                        what: format!(
+                            "{refs} interface reference(s) on {path} outstanding at removal"
+                        ),
+                    },
+                );
+            }
+            for service in layers {
+                self.device_object_deleted(&service);
+            }
+        }
+    }
+
+    fn device_object_deleted(&self, service: &str) {
+        let mut drivers = lock(&self.inner.drivers);
+        let Some(d) = drivers.get_mut(service) else {
+            return;
+        };
+        d.devices = d.devices.saturating_sub(1);
+        if d.devices == 0 && d.loaded {
+            d.loaded = false;
+            let refs = d.references.load(Ordering::Acquire);
+            drop(drivers);
+            if refs > 0 {
+                self.inner.verifier.report(
+                    Some(service),
+                    ViolationKind::UnloadWhileReferenced { references: refs },
+                );
+            }
+        }
+    }
+}

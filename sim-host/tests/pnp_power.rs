@@ -1,0 +1,637 @@
+//! The host's PnP and power contracts, shown with small sample drivers: a
+//! bus driver (with an upper filter) that reports two children, and a child
+//! function driver that takes an interface from its parent's PDO.
+
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
+use driver_platform::{
+    ChildBus, ChildDescription, DevicePowerState, Request, RequestorMode, SystemPowerState,
+};
+use ib_types::interface::WinGuid;
+use ib_types::status::NtStatus;
+use sim_host::driver::{
+    CANCELLED, DeviceCallbacks, DeviceInit, DriverEntry, Forward, NO_SUCH_DEVICE,
+    ProvidedInterface, SUCCESS, StackRole, UNSUCCESSFUL,
+};
+use sim_host::pnp::{Binder, DeviceServices, InterfaceEvent, PnpManager, PnpState, StackPlan};
+use sim_host::request::HostRequest;
+use sim_host::verifier::{Verifier, ViolationKind};
+
+const TEST_INTERFACE: WinGuid = WinGuid::from_u128(0x1111_2222_3333_4444_5555_6666_7777_8888);
+const CHILD_CLASS: WinGuid = WinGuid::from_u128(0x9999_0000_1111_2222_3333_4444_5555_6666);
+const IOCTL_ECHO: u32 = 0x0022_0004;
+const IOCTL_HOLD: u32 = 0x0022_0008;
+
+type Log = Arc<Mutex<Vec<String>>>;
+
+fn log(l: &Log, s: impl Into<String>) {
+    l.lock().unwrap().push(s.into());
+}
+
+struct TestBinder;
+
+impl Binder for TestBinder {
+    fn bind(&self, _path: &str, hw: &[String], _compat: &[String]) -> Result<StackPlan, String> {
+        match hw.first().map(String::as_str) {
+            Some("TEST\\BUS") => Ok(StackPlan {
+                function: "samplebus".into(),
+                upper_filters: vec!["samplefilter".into()],
+                lower_filters: vec![],
+            }),
+            Some("TEST\\CHILD") => Ok(StackPlan {
+                function: "samplechild".into(),
+                upper_filters: vec![],
+                lower_filters: vec![],
+            }),
+            other => Err(format!("no INF matches {other:?}")),
+        }
+    }
+}
+
+/// Logs every PnP/power callback as `<name>:<callback>`.
+struct Logged {
+    name: String,
+    log: Log,
+    veto_power: bool,
+    veto_remove: bool,
+}
+
+impl Logged {
+    fn new(name: &str, log: &Log) -> Self {
+        Self {
+            name: name.into(),
+            log: log.clone(),
+            veto_power: false,
+            veto_remove: false,
+        }
+    }
+    fn note(&self, what: &str) {
+        log(&self.log, format!("{}:{what}", self.name));
+    }
+}
+
+impl DeviceCallbacks for Logged {
+    fn prepare_hardware(&self) -> NtStatus {
+        self.note("prepare");
+        SUCCESS
+    }
+    fn d0_entry(&self, _from: DevicePowerState) -> NtStatus {
+        self.note("d0_entry");
+        SUCCESS
+    }
+    fn d0_exit(&self, _to: DevicePowerState) -> NtStatus {
+        self.note("d0_exit");
+        SUCCESS
+    }
+    fn query_power(&self, _t: SystemPowerState) -> NtStatus {
+        if self.veto_power {
+            UNSUCCESSFUL
+        } else {
+            SUCCESS
+        }
+    }
+    fn query_remove(&self) -> NtStatus {
+        if self.veto_remove {
+            UNSUCCESSFUL
+        } else {
+            SUCCESS
+        }
+    }
+    fn cancel_remove(&self) {
+        self.note("cancel_remove");
+    }
+    fn power_managed_queue(&self) -> bool {
+        false
+    }
+}
+
+/// The root PDO of the bus device.
+struct RootPdo(Log);
+impl DeviceCallbacks for RootPdo {
+    fn d0_entry(&self, _f: DevicePowerState) -> NtStatus {
+        log(&self.0, "root-pdo:d0_entry");
+        SUCCESS
+    }
+    fn d0_exit(&self, _t: DevicePowerState) -> NtStatus {
+        log(&self.0, "root-pdo:d0_exit");
+        SUCCESS
+    }
+}
+
+/// The bus driver's FDO: reports two children when it starts.
+struct BusFdo {
+    inner: Logged,
+    services: DeviceServices,
+    veto_child_power: bool,
+}
+
+impl DeviceCallbacks for BusFdo {
+    fn prepare_hardware(&self) -> NtStatus {
+        self.inner.prepare_hardware()
+    }
+    fn d0_entry(&self, f: DevicePowerState) -> NtStatus {
+        let s = self.inner.d0_entry(f);
+        for i in 0..2 {
+            self.services
+                .report_present(ChildDescription {
+                    instance_id: format!("child{i}"),
+                    hardware_ids: vec!["TEST\\CHILD".into()],
+                    compatible_ids: vec![],
+                    description: format!("sample child {i}"),
+                })
+                .unwrap();
+        }
+        s
+    }
+    fn d0_exit(&self, t: DevicePowerState) -> NtStatus {
+        self.inner.d0_exit(t)
+    }
+    fn create_child(&self, child: &ChildDescription) -> Option<Arc<dyn DeviceCallbacks>> {
+        Some(Arc::new(ChildPdo {
+            inner: Logged {
+                veto_power: self.veto_child_power,
+                ..Logged::new(&format!("pdo-{}", child.instance_id), &self.inner.log)
+            },
+        }))
+    }
+    fn power_managed_queue(&self) -> bool {
+        true
+    }
+}
+
+/// A child PDO: answers the test interface.
+struct ChildPdo {
+    inner: Logged,
+}
+
+impl DeviceCallbacks for ChildPdo {
+    fn d0_entry(&self, f: DevicePowerState) -> NtStatus {
+        self.inner.d0_entry(f)
+    }
+    fn d0_exit(&self, t: DevicePowerState) -> NtStatus {
+        self.inner.d0_exit(t)
+    }
+    fn query_power(&self, t: SystemPowerState) -> NtStatus {
+        self.inner.query_power(t)
+    }
+    fn query_interface(&self, guid: &WinGuid, _version: u16) -> Option<ProvidedInterface> {
+        (*guid == TEST_INTERFACE).then(|| ProvidedInterface {
+            version: 0x0100,
+            object: Arc::new(String::from("hello from the PDO")) as Arc<dyn Any + Send + Sync>,
+        })
+    }
+}
+
+/// The child function driver: takes the parent's interface at start, keeps
+/// one request pending, echoes others.
+struct ChildFdo {
+    inner: Logged,
+    services: DeviceServices,
+    iface: Mutex<Option<sim_host::driver::InterfaceRef>>,
+    pending: Mutex<Vec<HostRequest>>,
+    /// Broken variants for verifier tests.
+    leak_interface: bool,
+    drop_requests: bool,
+}
+
+impl DeviceCallbacks for ChildFdo {
+    fn prepare_hardware(&self) -> NtStatus {
+        let iface = self
+            .services
+            .query_interface(&TEST_INTERFACE, 0x0100)
+            .expect("the PDO answers");
+        assert_eq!(iface.get::<String>().unwrap(), "hello from the PDO");
+        *self.iface.lock().unwrap() = Some(iface);
+        self.services.register_interface(CHILD_CLASS);
+        self.services.set_interface_enabled(CHILD_CLASS, true);
+        self.inner.prepare_hardware()
+    }
+    fn release_hardware(&self) -> NtStatus {
+        if let Some(i) = self.iface.lock().unwrap().take() {
+            if self.leak_interface {
+                drop(i);
+            } else {
+                i.dereference();
+            }
+        }
+        SUCCESS
+    }
+    fn d0_entry(&self, f: DevicePowerState) -> NtStatus {
+        self.inner.d0_entry(f)
+    }
+    fn d0_exit(&self, t: DevicePowerState) -> NtStatus {
+        self.inner.d0_exit(t)
+    }
+    fn query_remove(&self) -> NtStatus {
+        self.inner.query_remove()
+    }
+    fn surprise_removal(&self) {
+        self.inner.note("surprise");
+        for req in self.pending.lock().unwrap().drain(..) {
+            req.complete(NO_SUCH_DEVICE, 0);
+        }
+    }
+    fn io_request(&self, _lower: &dyn Forward, mut req: HostRequest) {
+        if self.drop_requests {
+            return; // broken: the request is dropped uncompleted
+        }
+        match req.ioctl_code() {
+            IOCTL_ECHO => {
+                let data = req.input().to_vec();
+                let n = data.len().min(req.output().len());
+                req.output()[..n].copy_from_slice(&data[..n]);
+                req.complete(SUCCESS, n as u64);
+            }
+            IOCTL_HOLD => self.pending.lock().unwrap().push(req),
+            _ => req.complete(NtStatus::from_raw(0xC000_0010), 0),
+        }
+    }
+}
+
+#[derive(Default, Clone, Copy)]
+struct Breakage {
+    veto_child_power: bool,
+    veto_child_remove: bool,
+    leak_interface: bool,
+    drop_requests: bool,
+}
+
+struct BusDriver {
+    log: Log,
+    b: Breakage,
+}
+impl DriverEntry for BusDriver {
+    fn add_device(
+        &self,
+        _init: &DeviceInit,
+        host: &DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        Ok(Arc::new(BusFdo {
+            inner: Logged::new("bus", &self.log),
+            services: host.clone(),
+            veto_child_power: self.b.veto_child_power,
+        }))
+    }
+}
+
+struct FilterDriver(Log);
+impl DriverEntry for FilterDriver {
+    fn add_device(
+        &self,
+        _init: &DeviceInit,
+        _host: &DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        Ok(Arc::new(Logged::new("filter", &self.0)))
+    }
+}
+
+struct ChildDriver {
+    log: Log,
+    b: Breakage,
+}
+impl DriverEntry for ChildDriver {
+    fn add_device(
+        &self,
+        init: &DeviceInit,
+        host: &DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        let name = if init.instance_path.ends_with("child0") {
+            "child0"
+        } else {
+            "child1"
+        };
+        Ok(Arc::new(ChildFdo {
+            inner: Logged {
+                veto_remove: self.b.veto_child_remove,
+                ..Logged::new(name, &self.log)
+            },
+            services: host.clone(),
+            iface: Mutex::new(None),
+            pending: Mutex::new(Vec::new()),
+            leak_interface: self.b.leak_interface,
+            drop_requests: self.b.drop_requests,
+        }))
+    }
+}
+
+struct World {
+    pnp: PnpManager,
+    verifier: Verifier,
+    log: Log,
+    bus: sim_host::pnp::DevNodeId,
+}
+
+fn world(b: Breakage) -> World {
+    let verifier = Verifier::new();
+    let pnp = PnpManager::new(verifier.clone(), Box::new(TestBinder));
+    let log: Log = Arc::default();
+    pnp.register_driver(
+        "samplebus",
+        Arc::new(BusDriver {
+            log: log.clone(),
+            b,
+        }),
+    );
+    pnp.register_driver("samplefilter", Arc::new(FilterDriver(log.clone())));
+    pnp.register_driver(
+        "samplechild",
+        Arc::new(ChildDriver {
+            log: log.clone(),
+            b,
+        }),
+    );
+    let bus = pnp.add_device(
+        None,
+        "ROOT\\BUS\\0000",
+        vec!["TEST\\BUS".into()],
+        vec![],
+        Arc::new(RootPdo(log.clone())),
+    );
+    World {
+        pnp,
+        verifier,
+        log,
+        bus,
+    }
+}
+
+fn taken(l: &Log) -> Vec<String> {
+    std::mem::take(&mut *l.lock().unwrap())
+}
+
+fn position(events: &[String], what: &str) -> usize {
+    events
+        .iter()
+        .position(|e| e == what)
+        .unwrap_or_else(|| panic!("{what} missing from {events:?}"))
+}
+
+#[test]
+fn stacks_are_built_and_started_bottom_up_then_children() {
+    let w = world(Breakage::default());
+    assert_eq!(w.pnp.state(w.bus), Some(PnpState::Started));
+    assert_eq!(
+        w.pnp.stack_services(w.bus),
+        vec![
+            ("pdo".to_owned(), StackRole::Pdo),
+            ("samplebus".to_owned(), StackRole::Function),
+            ("samplefilter".to_owned(), StackRole::UpperFilter)
+        ]
+    );
+    let children = w.pnp.children(w.bus);
+    assert_eq!(children.len(), 2);
+    for c in &children {
+        assert_eq!(w.pnp.state(*c), Some(PnpState::Started));
+        assert_eq!(
+            w.pnp.stack_services(*c),
+            vec![
+                ("pdo".to_owned(), StackRole::Pdo),
+                ("samplechild".to_owned(), StackRole::Function)
+            ]
+        );
+        assert_eq!(
+            w.pnp.interface_references(*c),
+            1,
+            "the child FDO holds its PDO's interface"
+        );
+    }
+    let events = taken(&w.log);
+    assert!(position(&events, "bus:prepare") < position(&events, "filter:prepare"));
+    assert!(position(&events, "root-pdo:d0_entry") < position(&events, "bus:d0_entry"));
+    assert!(position(&events, "bus:d0_entry") < position(&events, "filter:d0_entry"));
+    assert!(
+        position(&events, "filter:d0_entry") < position(&events, "pdo-child0:d0_entry"),
+        "parent before children"
+    );
+    let arrivals = w.pnp.take_interface_events();
+    assert_eq!(
+        arrivals
+            .iter()
+            .filter(|e| matches!(e, InterfaceEvent::Arrival { .. }))
+            .count(),
+        2
+    );
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn sleep_powers_children_down_first_and_resume_parents_first() {
+    let w = world(Breakage::default());
+    taken(&w.log);
+    w.pnp.set_system_power(SystemPowerState::S3).unwrap();
+    let down = taken(&w.log);
+    assert!(
+        position(&down, "child0:d0_exit") < position(&down, "pdo-child0:d0_exit"),
+        "top-down in a stack"
+    );
+    assert!(
+        position(&down, "pdo-child1:d0_exit") < position(&down, "filter:d0_exit"),
+        "children before parent"
+    );
+    assert!(
+        position(&down, "filter:d0_exit") < position(&down, "bus:d0_exit"),
+        "top-down"
+    );
+    assert!(position(&down, "bus:d0_exit") < position(&down, "root-pdo:d0_exit"));
+    assert_eq!(w.pnp.power(w.bus), Some(DevicePowerState::D3));
+    w.pnp.set_system_power(SystemPowerState::S0).unwrap();
+    let up = taken(&w.log);
+    assert!(position(&up, "root-pdo:d0_entry") < position(&up, "bus:d0_entry"));
+    assert!(
+        position(&up, "filter:d0_entry") < position(&up, "pdo-child0:d0_entry"),
+        "parent before children"
+    );
+    assert!(
+        position(&up, "pdo-child0:d0_entry") < position(&up, "child0:d0_entry"),
+        "bottom-up"
+    );
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn a_veto_stops_the_transition_before_anything_moves() {
+    let w = world(Breakage {
+        veto_child_power: true,
+        ..Breakage::default()
+    });
+    taken(&w.log);
+    let veto = w.pnp.set_system_power(SystemPowerState::S4).unwrap_err();
+    assert!(
+        veto.instance_path.ends_with("child0") || veto.instance_path.ends_with("child1"),
+        "{veto}"
+    );
+    assert!(taken(&w.log).is_empty(), "no device left D0");
+    assert_eq!(w.pnp.power(w.bus), Some(DevicePowerState::D0));
+}
+
+#[test]
+fn requests_wait_in_power_managed_queues_until_resume() {
+    let w = world(Breakage::default());
+    let child = w.pnp.children(w.bus)[0];
+    w.pnp.set_system_power(SystemPowerState::S3).unwrap();
+    let (req, handle) = HostRequest::new(
+        &w.verifier,
+        IOCTL_ECHO,
+        RequestorMode::User,
+        b"ping".to_vec(),
+        8,
+    );
+    w.pnp.send_request(child, req);
+    assert!(!handle.is_done(), "held while the device is in D3");
+    w.pnp.set_system_power(SystemPowerState::S0).unwrap();
+    let c = handle.completion().expect("delivered after resume");
+    assert_eq!(c.status, SUCCESS);
+    assert_eq!(&c.output[..4], b"ping");
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn surprise_removal_completes_outstanding_requests() {
+    let w = world(Breakage::default());
+    let child = w.pnp.children(w.bus)[1];
+    let (req, pending) =
+        HostRequest::new(&w.verifier, IOCTL_HOLD, RequestorMode::Kernel, vec![], 0);
+    w.pnp.send_request(child, req);
+    assert!(!pending.is_done());
+    w.pnp.set_system_power(SystemPowerState::S3).unwrap();
+    let (req, held) = HostRequest::new(&w.verifier, IOCTL_ECHO, RequestorMode::Kernel, vec![1], 1);
+    w.pnp.send_request(child, req);
+    w.pnp.surprise_remove(w.bus);
+    assert_eq!(
+        pending.completion().unwrap().status,
+        NO_SUCH_DEVICE,
+        "the driver completed what it held"
+    );
+    assert_eq!(
+        held.completion().unwrap().status,
+        NO_SUCH_DEVICE,
+        "the queue completed what it held"
+    );
+    for c in w.pnp.children(w.bus) {
+        assert_eq!(w.pnp.state(c), Some(PnpState::Removed));
+    }
+    assert_eq!(w.pnp.state(w.bus), Some(PnpState::Removed));
+    assert!(
+        !w.pnp.driver_loaded("samplechild") && !w.pnp.driver_loaded("samplebus"),
+        "drivers unloaded"
+    );
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn query_remove_is_vetoed_while_interfaces_are_referenced_or_a_driver_refuses() {
+    let w = world(Breakage::default());
+    let child = w.pnp.children(w.bus)[0];
+    // Removing a child PDO's devnode is fine: its FDO dereferences on release.
+    w.pnp.query_and_remove(child).unwrap();
+    assert_eq!(w.pnp.state(child), Some(PnpState::Removed));
+    // Someone outside holds the bus's interface: removal refused.
+    let w = world(Breakage::default());
+    let other = w.pnp.children(w.bus)[1];
+    let held = w
+        .pnp
+        .query_interface(other, &TEST_INTERFACE, 0x0100)
+        .unwrap();
+    let veto = w.pnp.query_and_remove(w.bus).unwrap_err();
+    assert!(veto.service.contains("interface references"), "{veto}");
+    held.dereference();
+    w.pnp.query_and_remove(w.bus).unwrap();
+    w.verifier.assert_clean();
+    // A driver vetoes: those who agreed get cancel-remove.
+    let w = world(Breakage {
+        veto_child_remove: true,
+        ..Breakage::default()
+    });
+    taken(&w.log);
+    assert!(w.pnp.query_and_remove(w.bus).is_err());
+    assert_eq!(w.pnp.state(w.bus), Some(PnpState::Started));
+}
+
+#[test]
+fn an_unresolvable_binding_fails_to_start_with_the_reason() {
+    let verifier = Verifier::new();
+    let pnp = PnpManager::new(verifier.clone(), Box::new(TestBinder));
+    let node = pnp.add_device(
+        None,
+        "ROOT\\UNKNOWN\\0",
+        vec!["TEST\\NOBODY".into()],
+        vec![],
+        Arc::new(RootPdo(Arc::default())),
+    );
+    match pnp.state(node) {
+        Some(PnpState::FailedStart(reason)) => {
+            assert!(reason.contains("no INF matches"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // A binding to a service nobody registered.
+    let pnp = PnpManager::new(verifier, Box::new(TestBinder));
+    let node = pnp.add_device(
+        None,
+        "ROOT\\BUS\\1",
+        vec!["TEST\\BUS".into()],
+        vec![],
+        Arc::new(RootPdo(Arc::default())),
+    );
+    assert!(matches!(pnp.state(node), Some(PnpState::FailedStart(r)) if r.contains("samplebus")));
+}
+
+#[test]
+fn the_verifier_catches_broken_drivers() {
+    // A driver that drops a request without completing it.
+    let w = world(Breakage {
+        drop_requests: true,
+        ..Breakage::default()
+    });
+    let child = w.pnp.children(w.bus)[0];
+    let (req, handle) = HostRequest::new(&w.verifier, IOCTL_ECHO, RequestorMode::User, vec![], 0);
+    w.pnp.send_request(child, req);
+    assert!(handle.was_abandoned());
+    let v = w.verifier.take();
+    assert!(
+        matches!(&v[..], [x] if x.kind == ViolationKind::RequestNotCompleted { ioctl: IOCTL_ECHO } && x.driver.as_deref() == Some("samplechild")),
+        "{v:?}"
+    );
+    // A consumer that drops an interface without dereferencing it.
+    let w = world(Breakage {
+        leak_interface: true,
+        ..Breakage::default()
+    });
+    w.pnp.surprise_remove(w.bus);
+    let v = w.verifier.take();
+    assert!(
+        v.iter()
+            .any(|x| matches!(x.kind, ViolationKind::ReferenceLeak { .. })),
+        "{v:?}"
+    );
+    // A driver unloaded while someone holds a reference on it.
+    let w = world(Breakage::default());
+    w.pnp
+        .driver_references("samplechild")
+        .unwrap()
+        .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    w.pnp.query_and_remove(w.bus).unwrap();
+    let v = w.verifier.take();
+    assert!(
+        v.iter().any(|x| matches!(
+            x.kind,
+            ViolationKind::UnloadWhileReferenced { references: 1 }
+        )),
+        "{v:?}"
+    );
+}
+
+#[test]
+fn cancellation_reaches_the_owner() {
+    let w = world(Breakage::default());
+    let child = w.pnp.children(w.bus)[0];
+    let (req, handle) = HostRequest::new(&w.verifier, IOCTL_HOLD, RequestorMode::User, vec![], 0);
+    w.pnp.send_request(child, req);
+    handle.cancel();
+    // The owner notices on its next look and completes with CANCELLED.
+    w.pnp.surprise_remove(w.bus);
+    let status = handle.completion().unwrap().status;
+    assert!(status == NO_SUCH_DEVICE || status == CANCELLED);
+    w.verifier.assert_clean();
+}
