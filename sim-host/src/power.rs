@@ -9,6 +9,8 @@
 //!    through the parent); within a stack top-down. From then on their
 //!    power-managed queues hold new requests.
 //!
+//! Shutdown (S5) skips the query: a driver cannot refuse it.
+//!
 //! Sx -> S0: devnodes enter D0 parents first; within a stack bottom-up; each
 //! then releases the requests its queues held.
 
@@ -39,7 +41,13 @@ impl PnpManager {
             return Ok(());
         }
         // Query every stack, children first, before anything moves.
-        for &n in started.iter().rev() {
+        // Shutdown is not optional: it is not queried and cannot be vetoed.
+        let queried = if target == SystemPowerState::S5 {
+            &[][..]
+        } else {
+            &started[..]
+        };
+        for &n in queried.iter().rev() {
             for (service, cb) in self.layers(n).into_iter().rev() {
                 let status = cb.query_power(target);
                 if status != crate::driver::SUCCESS {

@@ -463,6 +463,10 @@ fn a_veto_stops_the_transition_before_anything_moves() {
     );
     assert!(taken(&w.log).is_empty(), "no device left D0");
     assert_eq!(w.pnp.power(w.bus), Some(DevicePowerState::D0));
+    // Shutdown is not queried: the same driver cannot hold it up.
+    w.pnp.set_system_power(SystemPowerState::S5).unwrap();
+    assert_eq!(w.pnp.power(w.bus), Some(DevicePowerState::D3));
+    w.verifier.assert_clean();
 }
 
 #[test]
