@@ -5,4 +5,7 @@
 //! IOMMU, the registry and INF-driven binding — and reports every broken
 //! rule to the [`verifier`].
 
+pub mod context;
+pub mod irql;
+pub mod sched;
 pub mod verifier;
