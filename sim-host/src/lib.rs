@@ -5,8 +5,11 @@
 //! IOMMU, the registry and INF-driven binding — and reports every broken
 //! rule to the [`verifier`].
 
+pub mod context;
 pub mod driver;
+pub mod irql;
 pub mod pnp;
 pub mod power;
 pub mod request;
+pub mod sched;
 pub mod verifier;
