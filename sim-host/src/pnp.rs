@@ -25,12 +25,17 @@ use driver_platform::{ChildBus, ChildDescription, DevicePowerState};
 use ib_types::interface::WinGuid;
 use ib_types::status::NtStatus;
 
+use crate::context::{self, Context};
 use crate::driver::{
     DELETE_PENDING, DeviceCallbacks, DeviceInit, DriverEntry, Forward, InterfaceRef,
     NO_SUCH_DEVICE, NOT_SUPPORTED, SUCCESS, StackRole,
 };
 use crate::request::HostRequest;
 use crate::verifier::{Verifier, ViolationKind};
+
+/// The service name of PDOs the host itself creates (root-enumerated
+/// devices, the PCI functions): no driver owns them.
+pub const HOST_PDO: &str = "pdo";
 
 /// A devnode's identity in the tree.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -382,6 +387,33 @@ impl PnpManager {
         compatible_ids: Vec<String>,
         pdo: Arc<dyn DeviceCallbacks>,
     ) -> DevNodeId {
+        self.add_device_owned(
+            parent,
+            instance_path,
+            hardware_ids,
+            compatible_ids,
+            pdo,
+            Arc::from(HOST_PDO),
+        )
+    }
+
+    /// [`PnpManager::add_device`] with the PDO charged to `owner`, the bus
+    /// driver that created it (its device object keeps that driver loaded).
+    fn add_device_owned(
+        &self,
+        parent: Option<DevNodeId>,
+        instance_path: &str,
+        hardware_ids: Vec<String>,
+        compatible_ids: Vec<String>,
+        pdo: Arc<dyn DeviceCallbacks>,
+        owner: Arc<str>,
+    ) -> DevNodeId {
+        if &*owner != HOST_PDO
+            && let Some(d) = lock(&self.inner.drivers).get_mut(&*owner)
+        {
+            d.devices += 1;
+        }
+        let callbacks = self.entered(&owner, pdo);
         let id = {
             let mut tree = lock(&self.inner.tree);
             let id = DevNodeId(tree.nodes.len());
@@ -393,10 +425,10 @@ impl PnpManager {
                 compatible_ids,
                 description: String::new(),
                 stack: vec![Layer {
-                    service: Arc::from("pdo"),
+                    service: owner,
                     role: StackRole::Pdo,
                     power_managed: false,
-                    callbacks: pdo,
+                    callbacks,
                     held: VecDeque::new(),
                 }],
                 state: PnpState::Enumerated,
@@ -581,8 +613,15 @@ impl PnpManager {
                     node,
                     service: Arc::from(service.as_str()),
                 };
-                let callbacks = match entry.add_device(&init, &services) {
-                    Ok(cb) => cb,
+                let added = {
+                    let _driver = context::enter(Context::driver(
+                        self.inner.verifier.clone(),
+                        service.as_str(),
+                    ));
+                    entry.add_device(&init, &services)
+                };
+                let callbacks = match added {
+                    Ok(cb) => self.entered(&Arc::from(service.as_str()), cb),
                     Err(status) => {
                         return self
                             .fail_start(node, format!("`{service}` AddDevice failed: {status:?}"));
@@ -593,6 +632,7 @@ impl PnpManager {
                     d.devices += 1;
                     d.loaded = true;
                 }
+                self.inner.verifier.driver_loaded(&service);
                 lock(&self.inner.tree).nodes[node.0].stack.push(Layer {
                     service: Arc::from(service.as_str()),
                     role,
@@ -702,8 +742,8 @@ impl PnpManager {
             .layers(parent)
             .into_iter()
             .rev()
-            .find_map(|(_, cb)| cb.create_child(&desc));
-        let Some(pdo) = creator else {
+            .find_map(|(service, cb)| Some((service, cb.create_child(&desc)?)));
+        let Some((owner, pdo)) = creator else {
             self.inner.verifier.report(
                 None,
                 ViolationKind::Protocol {
@@ -714,12 +754,13 @@ impl PnpManager {
             );
             return;
         };
-        let id = self.add_device(
+        let id = self.add_device_owned(
             Some(parent),
             &path,
             desc.hardware_ids.clone(),
             desc.compatible_ids.clone(),
             pdo,
+            owner,
         );
         if let Some(n) = lock(&self.inner.tree).nodes.get_mut(id.0) {
             n.description = desc.description;
@@ -944,8 +985,12 @@ impl PnpManager {
                     .iter_mut()
                     .flat_map(|l| l.held.drain(..).collect::<Vec<_>>())
                     .collect();
-                let layers: Vec<Arc<str>> =
-                    dn.stack.iter().skip(1).map(|l| l.service.clone()).collect();
+                let layers: Vec<Arc<str>> = dn
+                    .stack
+                    .iter()
+                    .map(|l| l.service.clone())
+                    .filter(|s| &**s != HOST_PDO)
+                    .collect();
                 dn.stack.truncate(1);
                 let interfaces: Vec<WinGuid> = dn
                     .interfaces
@@ -985,6 +1030,20 @@ impl PnpManager {
         }
     }
 
+    /// Wraps a driver's callbacks so each runs in that driver's context
+    /// (violations are charged to it) and never after it unloaded.
+    fn entered(
+        &self,
+        service: &Arc<str>,
+        inner: Arc<dyn DeviceCallbacks>,
+    ) -> Arc<dyn DeviceCallbacks> {
+        Arc::new(InDriver {
+            service: service.clone(),
+            verifier: self.inner.verifier.clone(),
+            inner,
+        })
+    }
+
     fn device_object_deleted(&self, service: &str) {
         let mut drivers = lock(&self.inner.drivers);
         let Some(d) = drivers.get_mut(service) else {
@@ -995,6 +1054,7 @@ impl PnpManager {
             d.loaded = false;
             let refs = d.references.load(Ordering::Acquire);
             drop(drivers);
+            self.inner.verifier.driver_unloaded(service);
             if refs > 0 {
                 self.inner.verifier.report(
                     Some(service),
@@ -1002,5 +1062,97 @@ impl PnpManager {
                 );
             }
         }
+    }
+}
+
+/// A driver's callbacks as the host calls them: inside the driver's
+/// context, and only while its image is loaded.
+struct InDriver {
+    service: Arc<str>,
+    verifier: Verifier,
+    inner: Arc<dyn DeviceCallbacks>,
+}
+
+impl InDriver {
+    fn call<R>(
+        &self,
+        callback: &str,
+        otherwise: R,
+        f: impl FnOnce(&dyn DeviceCallbacks) -> R,
+    ) -> R {
+        if &*self.service == HOST_PDO {
+            let _host = context::enter(Context::host(self.verifier.clone()));
+            return f(self.inner.as_ref());
+        }
+        if !self.verifier.check_callback(&self.service, callback) {
+            return otherwise;
+        }
+        let _driver = context::enter(Context::driver(self.verifier.clone(), self.service.clone()));
+        f(self.inner.as_ref())
+    }
+}
+
+impl DeviceCallbacks for InDriver {
+    fn prepare_hardware(&self) -> NtStatus {
+        self.call("EvtDevicePrepareHardware", NO_SUCH_DEVICE, |d| {
+            d.prepare_hardware()
+        })
+    }
+    fn release_hardware(&self) -> NtStatus {
+        self.call("EvtDeviceReleaseHardware", NO_SUCH_DEVICE, |d| {
+            d.release_hardware()
+        })
+    }
+    fn d0_entry(&self, from: DevicePowerState) -> NtStatus {
+        self.call("EvtDeviceD0Entry", NO_SUCH_DEVICE, |d| d.d0_entry(from))
+    }
+    fn d0_exit(&self, to: DevicePowerState) -> NtStatus {
+        self.call("EvtDeviceD0Exit", NO_SUCH_DEVICE, |d| d.d0_exit(to))
+    }
+    fn query_remove(&self) -> NtStatus {
+        self.call("IRP_MN_QUERY_REMOVE_DEVICE", NO_SUCH_DEVICE, |d| {
+            d.query_remove()
+        })
+    }
+    fn query_stop(&self) -> NtStatus {
+        self.call("IRP_MN_QUERY_STOP_DEVICE", NO_SUCH_DEVICE, |d| {
+            d.query_stop()
+        })
+    }
+    fn cancel_remove(&self) {
+        self.call("IRP_MN_CANCEL_REMOVE_DEVICE", (), |d| d.cancel_remove());
+    }
+    fn surprise_removal(&self) {
+        self.call("EvtDeviceSurpriseRemoval", (), |d| d.surprise_removal());
+    }
+    fn query_power(&self, target: driver_platform::SystemPowerState) -> NtStatus {
+        self.call("IRP_MN_QUERY_POWER", NO_SUCH_DEVICE, |d| {
+            d.query_power(target)
+        })
+    }
+    fn io_request(&self, lower: &dyn Forward, req: HostRequest) {
+        if &*self.service != HOST_PDO
+            && !self
+                .verifier
+                .check_callback(&self.service, "EvtIoDeviceControl")
+        {
+            return req_complete(req, NO_SUCH_DEVICE);
+        }
+        self.call("EvtIoDeviceControl", (), |d| d.io_request(lower, req));
+    }
+    fn query_interface(
+        &self,
+        guid: &WinGuid,
+        version: u16,
+    ) -> Option<crate::driver::ProvidedInterface> {
+        self.call("IRP_MN_QUERY_INTERFACE", None, |d| {
+            d.query_interface(guid, version)
+        })
+    }
+    fn create_child(&self, child: &ChildDescription) -> Option<Arc<dyn DeviceCallbacks>> {
+        self.call("EvtChildListCreateDevice", None, |d| d.create_child(child))
+    }
+    fn power_managed_queue(&self) -> bool {
+        self.inner.power_managed_queue()
     }
 }

@@ -6,6 +6,7 @@
 //! host goes on with well-defined behaviour (a fault is refused, a double
 //! completion is ignored), so one scenario can surface several violations.
 
+use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
@@ -103,10 +104,14 @@ impl fmt::Display for Violation {
     }
 }
 
-/// The shared violation log of one host.
+/// The shared violation log of one host, and the set of driver images
+/// that have unloaded (Driver Verifier's
+/// `DRIVER_UNLOADED_WITHOUT_CANCELLING_PENDING_OPERATIONS` check: a DPC,
+/// timer, work item or interface call that reaches an unloaded driver).
 #[derive(Debug, Clone, Default)]
 pub struct Verifier {
     log: Arc<Mutex<Vec<Violation>>>,
+    unloaded: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl Verifier {
@@ -122,6 +127,42 @@ impl Verifier {
             kind,
         };
         self.log.lock().unwrap_or_else(|e| e.into_inner()).push(v);
+    }
+
+    /// Records that `driver`'s image is loaded (again).
+    pub fn driver_loaded(&self, driver: &str) {
+        self.unloaded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(driver);
+    }
+
+    /// Records that `driver`'s image has unloaded.
+    pub fn driver_unloaded(&self, driver: &str) {
+        self.unloaded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(driver.to_owned());
+    }
+
+    /// Checks, before running it, that `callback` does not enter an
+    /// unloaded driver; reports `CallbackIntoUnloadedDriver` and returns
+    /// false if it would.
+    pub fn check_callback(&self, driver: &str, callback: &str) -> bool {
+        let unloaded = self
+            .unloaded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(driver);
+        if unloaded {
+            self.report(
+                Some(driver),
+                ViolationKind::CallbackIntoUnloadedDriver {
+                    callback: callback.to_owned(),
+                },
+            );
+        }
+        !unloaded
     }
 
     /// Every violation so far.

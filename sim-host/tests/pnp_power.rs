@@ -16,6 +16,7 @@ use sim_host::driver::{
 };
 use sim_host::pnp::{Binder, DeviceServices, InterfaceEvent, PnpManager, PnpState, StackPlan};
 use sim_host::request::HostRequest;
+use sim_host::sched::Scheduler;
 use sim_host::verifier::{Verifier, ViolationKind};
 
 const TEST_INTERFACE: WinGuid = WinGuid::from_u128(0x1111_2222_3333_4444_5555_6666_7777_8888);
@@ -386,7 +387,7 @@ fn stacks_are_built_and_started_bottom_up_then_children() {
         assert_eq!(
             w.pnp.stack_services(*c),
             vec![
-                ("pdo".to_owned(), StackRole::Pdo),
+                ("samplebus".to_owned(), StackRole::Pdo),
                 ("samplechild".to_owned(), StackRole::Function)
             ]
         );
@@ -622,6 +623,31 @@ fn the_verifier_catches_broken_drivers() {
             x.kind,
             ViolationKind::UnloadWhileReferenced { references: 1 }
         )),
+        "{v:?}"
+    );
+}
+
+#[test]
+fn deferred_work_outliving_its_driver_is_caught() {
+    let w = world(Breakage::default());
+    let sched = Scheduler::deterministic(7, w.verifier.clone());
+    // The child driver leaves a DPC queued and unloads with its device.
+    let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = ran.clone();
+    sched.queue_dpc("samplechild", move || {
+        flag.store(true, std::sync::atomic::Ordering::SeqCst)
+    });
+    w.pnp.query_and_remove(w.bus).unwrap();
+    assert!(!w.pnp.driver_loaded("samplechild"));
+    sched.run_until_idle(10).unwrap();
+    assert!(
+        !ran.load(std::sync::atomic::Ordering::SeqCst),
+        "the unloaded driver's code must not run"
+    );
+    let v = w.verifier.take();
+    assert!(
+        matches!(&v[..], [x] if matches!(x.kind, ViolationKind::CallbackIntoUnloadedDriver { .. })
+            && x.driver.as_deref() == Some("samplechild")),
         "{v:?}"
     );
 }
