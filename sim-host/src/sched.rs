@@ -303,10 +303,10 @@ fn run_item(verifier: &Verifier, item: Item) {
         label,
     } = item;
     // The routine's code is gone with its driver: report, do not run it.
-    if let Some(d) = &driver {
-        if !verifier.check_callback(d, &label) {
-            return;
-        }
+    if let Some(d) = &driver
+        && !verifier.check_callback(d, &label)
+    {
+        return;
     }
     let _context = context::enter(Context {
         verifier: verifier.clone(),
