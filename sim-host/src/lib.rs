@@ -6,8 +6,10 @@
 //! rule to the [`verifier`].
 
 pub mod context;
+pub mod dma;
 pub mod driver;
 pub mod irql;
+pub mod memory;
 pub mod pnp;
 pub mod power;
 pub mod request;

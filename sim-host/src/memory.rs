@@ -1,0 +1,924 @@
+//! Host memory: 4 KiB pages, the kernel pool, and virtual address spaces
+//! (one per user process, one for the kernel).
+//!
+//! Contract:
+//! - A [`Page`] is shared (`Arc<Page>`) by everything that can reach it: the
+//!   address space that maps it at a virtual address, an MDL that locks it
+//!   ([`crate::dma::HostLockedPages`]) and the IOMMU entries that map it for a
+//!   device. It lives as long as the longest of them, so freeing memory or
+//!   exiting a process never pulls a page from under a lock or a live DMA
+//!   mapping (the kernel still owns locked pages, as on Windows).
+//! - Every copy in or out of a page happens under that page's own lock, so a
+//!   CPU access and a device access to the same page never tear within the
+//!   page; accesses spanning pages are not atomic as a whole.
+//! - [`AddressSpace`]: page-aligned allocations from a per-space base, each
+//!   followed by an unmapped guard page, and virtual addresses are never
+//!   reused, so an overrun or a use after free is an error, not silent
+//!   corruption. CPU accesses ([`AddressSpace::read`], [`AddressSpace::write`])
+//!   outside allocations, or writes to read-only ones, are refused with a
+//!   [`MemoryError`] and touch nothing.
+//! - User address spaces live below `0x8000_0000_0000`, the kernel's at
+//!   [`KERNEL_VA_BASE`] and above, and device bus addresses
+//!   ([`crate::dma`]) in the non-canonical range between: no CPU address is
+//!   ever a valid bus address.
+//! - [`Pool`] is the kernel pool (`ExAllocatePool2` / `ExFreePoolWithTag`):
+//!   blocks tracked per driver and tag. Freeing is explicit
+//!   ([`Pool::free`]); dropping a [`PoolBlock`] handle without freeing it
+//!   leaks the block, exactly as losing a pool pointer does on Windows, and
+//!   [`Pool::leaks`] / [`Pool::report_leaks`] list it at driver unload.
+//!
+//! Nothing here panics on misuse: errors are returned, and pool misuse is
+//! also recorded with the [`Verifier`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use ib_types::status::NtStatus;
+
+use crate::verifier::{Verifier, ViolationKind};
+
+/// Bytes of a page.
+pub const PAGE_SIZE: usize = 4096;
+
+/// [`PAGE_SIZE`] as an address quantity.
+const PAGE_BYTES: u64 = PAGE_SIZE as u64;
+
+/// Lowest user-mode virtual address any process hands out.
+pub const USER_VA_BASE: u64 = 0x0000_0010_0000_0000;
+
+/// One past the highest user-mode virtual address (the Windows x64 user
+/// range ends at `0x7FFF_FFFF_FFFF`).
+pub const USER_VA_LIMIT: u64 = 0x0000_7FFF_FFFF_0000;
+
+/// Stride between the first addresses of processes with consecutive ids,
+/// so a virtual address of one process is unlikely to be mapped in another.
+const USER_VA_STRIDE: u64 = 0x0000_0010_0000_0000;
+
+/// Lowest kernel virtual address (pool blocks).
+pub const KERNEL_VA_BASE: u64 = 0xFFFF_A000_0000_0000;
+
+/// One past the highest kernel virtual address the model hands out.
+const KERNEL_VA_LIMIT: u64 = 0xFFFF_FFFF_FFFF_0000;
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock means a test already panicked; keep going so that
+    // panic is the one reported.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+pub(crate) fn read_lock<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+pub(crate) fn write_lock<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Pages needed to hold `len` bytes.
+pub(crate) fn pages_for(len: usize) -> usize {
+    len.div_ceil(PAGE_SIZE)
+}
+
+/// One page of host memory (physical memory, in Windows terms).
+pub struct Page {
+    bytes: Mutex<[u8; PAGE_SIZE]>,
+}
+
+impl fmt::Debug for Page {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Page")
+    }
+}
+
+impl Page {
+    /// A new zero-filled page.
+    pub fn zeroed() -> Arc<Self> {
+        Arc::new(Self {
+            bytes: Mutex::new([0; PAGE_SIZE]),
+        })
+    }
+
+    /// Copies `out.len()` bytes from `offset`; false (and nothing copied) if
+    /// the range leaves the page.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> bool {
+        let Some(src) = offset
+            .checked_add(out.len())
+            .filter(|&end| end <= PAGE_SIZE)
+            .map(|end| offset..end)
+        else {
+            return false;
+        };
+        out.copy_from_slice(&lock(&self.bytes)[src]);
+        true
+    }
+
+    /// Copies `data` to `offset`; false (and nothing copied) if the range
+    /// leaves the page.
+    pub fn write(&self, offset: usize, data: &[u8]) -> bool {
+        let Some(dst) = offset
+            .checked_add(data.len())
+            .filter(|&end| end <= PAGE_SIZE)
+            .map(|end| offset..end)
+        else {
+            return false;
+        };
+        lock(&self.bytes)[dst].copy_from_slice(data);
+        true
+    }
+}
+
+/// A run of pages, viewed as one buffer (not necessarily adjacent in any
+/// address space), shared by everything that holds it.
+pub(crate) type PageRun = Arc<[Arc<Page>]>;
+
+/// `count` fresh zero-filled pages.
+pub(crate) fn zeroed_pages(count: usize) -> PageRun {
+    (0..count).map(|_| Page::zeroed()).collect()
+}
+
+/// Copies out of a run of pages viewed as one buffer; false (and nothing
+/// copied) if `offset..offset+out.len()` leaves the run.
+pub(crate) fn read_pages(pages: &[Arc<Page>], offset: usize, out: &mut [u8]) -> bool {
+    if !range_within(offset, out.len(), pages.len() * PAGE_SIZE) {
+        return false;
+    }
+    let mut done = 0;
+    while done < out.len() {
+        let at = offset + done;
+        let chunk = (PAGE_SIZE - at % PAGE_SIZE).min(out.len() - done);
+        pages[at / PAGE_SIZE].read(at % PAGE_SIZE, &mut out[done..done + chunk]);
+        done += chunk;
+    }
+    true
+}
+
+/// Copies into a run of pages viewed as one buffer; false (and nothing
+/// copied) if `offset..offset+data.len()` leaves the run.
+pub(crate) fn write_pages(pages: &[Arc<Page>], offset: usize, data: &[u8]) -> bool {
+    if !range_within(offset, data.len(), pages.len() * PAGE_SIZE) {
+        return false;
+    }
+    let mut done = 0;
+    while done < data.len() {
+        let at = offset + done;
+        let chunk = (PAGE_SIZE - at % PAGE_SIZE).min(data.len() - done);
+        pages[at / PAGE_SIZE].write(at % PAGE_SIZE, &data[done..done + chunk]);
+        done += chunk;
+    }
+    true
+}
+
+/// True when `offset..offset+len` lies within `0..limit`.
+pub(crate) fn range_within(offset: usize, len: usize, limit: usize) -> bool {
+    offset.checked_add(len).is_some_and(|end| end <= limit)
+}
+
+/// Why a memory operation was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemoryError {
+    /// Part of the range is not allocated (never was, freed, a guard page,
+    /// or the address space is gone).
+    #[error("{len} bytes at {va:#x} are not (all) allocated")]
+    Unmapped {
+        /// Start of the access.
+        va: u64,
+        /// Bytes of the access.
+        len: usize,
+    },
+    /// A write (or a lock for device writes) touches read-only memory.
+    #[error("{len} bytes at {va:#x} include read-only memory")]
+    ReadOnly {
+        /// Start of the access.
+        va: u64,
+        /// Bytes of the access.
+        len: usize,
+    },
+    /// `free` of an address that does not start an allocation.
+    #[error("{va:#x} does not start an allocation")]
+    NotAnAllocation {
+        /// The address given.
+        va: u64,
+    },
+    /// An allocation of zero bytes.
+    #[error("zero-length allocation")]
+    ZeroLength,
+    /// The address space has no room left.
+    #[error("address space exhausted")]
+    Exhausted,
+    /// The process has exited; its address space is gone.
+    #[error("the process has exited")]
+    ProcessExited,
+}
+
+impl From<MemoryError> for NtStatus {
+    fn from(e: MemoryError) -> Self {
+        match e {
+            MemoryError::Unmapped { .. } | MemoryError::ReadOnly { .. } => {
+                crate::dma::STATUS_ACCESS_VIOLATION
+            }
+            MemoryError::NotAnAllocation { .. } | MemoryError::ZeroLength => {
+                NtStatus::INVALID_PARAMETER
+            }
+            MemoryError::Exhausted => NtStatus::INSUFFICIENT_RESOURCES,
+            MemoryError::ProcessExited => NtStatus::INVALID_DEVICE_STATE,
+        }
+    }
+}
+
+/// Whether the CPU (and a DMA lock) may write an allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Protection {
+    /// Readable and writable (`PAGE_READWRITE`).
+    ReadWrite,
+    /// Readable only (`PAGE_READONLY`); writes and locks for device writes
+    /// are refused.
+    ReadOnly,
+}
+
+#[derive(Debug)]
+struct Allocation {
+    pages: PageRun,
+    protection: Protection,
+}
+
+impl Allocation {
+    fn bytes(&self) -> u64 {
+        self.pages.len() as u64 * PAGE_BYTES
+    }
+}
+
+#[derive(Debug)]
+struct SpaceMap {
+    /// Keyed by first virtual address.
+    allocations: BTreeMap<u64, Allocation>,
+    /// Where the next allocation starts (a bump pointer: no reuse).
+    next_va: u64,
+    limit: u64,
+    /// Set when the owning process exited.
+    closed: bool,
+}
+
+impl SpaceMap {
+    /// The allocation containing `va`, with its first address.
+    fn containing(&self, va: u64) -> Option<(u64, &Allocation)> {
+        let (&start, alloc) = self.allocations.range(..=va).next_back()?;
+        (va - start < alloc.bytes()).then_some((start, alloc))
+    }
+
+    /// Calls `f(allocation, offset in allocation, range of the access)` for
+    /// each allocation-contiguous piece of `va..va+len`, in order; an error
+    /// (before any call for that piece) if a byte is unmapped or, when
+    /// `for_write`, read-only. Call once with a no-op `f` to validate, then
+    /// again to act, so an access fails without touching memory.
+    fn walk(
+        &self,
+        va: u64,
+        len: usize,
+        for_write: bool,
+        mut f: impl FnMut(&Allocation, usize, std::ops::Range<usize>),
+    ) -> Result<(), MemoryError> {
+        let unmapped = MemoryError::Unmapped { va, len };
+        if self.closed {
+            return Err(MemoryError::ProcessExited);
+        }
+        let end = va.checked_add(len as u64).ok_or(unmapped)?;
+        let mut cursor = va;
+        while cursor < end {
+            let (start, alloc) = self.containing(cursor).ok_or(unmapped)?;
+            if for_write && alloc.protection == Protection::ReadOnly {
+                return Err(MemoryError::ReadOnly { va, len });
+            }
+            let piece_end = end.min(start + alloc.bytes());
+            let in_alloc = usize::try_from(cursor - start).map_err(|_| unmapped)?;
+            let from = usize::try_from(cursor - va).map_err(|_| unmapped)?;
+            let to = usize::try_from(piece_end - va).map_err(|_| unmapped)?;
+            f(alloc, in_alloc, from..to);
+            cursor = piece_end;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct SpaceShared {
+    /// The owning process, or `None` for the kernel.
+    pid: Option<u32>,
+    map: RwLock<SpaceMap>,
+    /// Pages held by live locks (MDLs) taken in this space.
+    locked_pages: AtomicUsize,
+}
+
+/// A virtual address space: a process's user-mode space or the kernel's.
+/// Cloning gives another handle to the same space.
+#[derive(Debug, Clone)]
+pub struct AddressSpace {
+    shared: Arc<SpaceShared>,
+}
+
+impl AddressSpace {
+    fn with_range(pid: Option<u32>, base: u64, limit: u64) -> Self {
+        Self {
+            shared: Arc::new(SpaceShared {
+                pid,
+                map: RwLock::new(SpaceMap {
+                    allocations: BTreeMap::new(),
+                    next_va: base,
+                    limit,
+                    closed: false,
+                }),
+                locked_pages: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// A new, empty kernel address space (addresses from
+    /// [`KERNEL_VA_BASE`]). A host has one, owned by its [`Pool`].
+    pub fn kernel() -> Self {
+        Self::with_range(None, KERNEL_VA_BASE, KERNEL_VA_LIMIT)
+    }
+
+    /// A new, empty user address space for process `pid`; its allocations
+    /// start at a base derived from `pid`.
+    fn user(pid: u32) -> Self {
+        let base = USER_VA_BASE + u64::from(pid % 1024) * USER_VA_STRIDE;
+        Self::with_range(Some(pid), base, USER_VA_LIMIT)
+    }
+
+    /// True for the kernel's space.
+    pub fn is_kernel(&self) -> bool {
+        self.shared.pid.is_none()
+    }
+
+    /// True if both handles name the same space.
+    pub fn same_space(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
+    /// Allocates `len` bytes (rounded up to pages, zero-filled) and returns
+    /// the page-aligned virtual address of the first byte.
+    pub fn alloc(&self, len: usize, protection: Protection) -> Result<u64, MemoryError> {
+        self.alloc_pages(len, protection).map(|(va, _)| va)
+    }
+
+    /// [`alloc`](Self::alloc), also returning the pages.
+    pub(crate) fn alloc_pages(
+        &self,
+        len: usize,
+        protection: Protection,
+    ) -> Result<(u64, PageRun), MemoryError> {
+        if len == 0 {
+            return Err(MemoryError::ZeroLength);
+        }
+        let count = pages_for(len);
+        let mut map = write_lock(&self.shared.map);
+        if map.closed {
+            return Err(MemoryError::ProcessExited);
+        }
+        let va = map.next_va;
+        // One guard page after every allocation, so an overrun faults.
+        let next = (count as u64)
+            .checked_add(1)
+            .and_then(|n| n.checked_mul(PAGE_BYTES))
+            .and_then(|bytes| va.checked_add(bytes))
+            .filter(|&next| next <= map.limit)
+            .ok_or(MemoryError::Exhausted)?;
+        let pages = zeroed_pages(count);
+        map.next_va = next;
+        map.allocations.insert(
+            va,
+            Allocation {
+                pages: Arc::clone(&pages),
+                protection,
+            },
+        );
+        Ok((va, pages))
+    }
+
+    /// Frees the allocation starting at `va` (`VirtualFree(MEM_RELEASE)`).
+    /// CPU accesses to it fail from now on; pages still locked by an MDL or
+    /// mapped for a device stay alive until those release them.
+    pub fn free(&self, va: u64) -> Result<(), MemoryError> {
+        let mut map = write_lock(&self.shared.map);
+        if map.closed {
+            return Err(MemoryError::ProcessExited);
+        }
+        map.allocations
+            .remove(&va)
+            .map(drop)
+            .ok_or(MemoryError::NotAnAllocation { va })
+    }
+
+    /// CPU read of `out.len()` bytes at `va`: every byte must be allocated
+    /// (an access may span pages, not the guard page after an allocation).
+    /// Nothing is copied on error.
+    pub fn read(&self, va: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+        let map = read_lock(&self.shared.map);
+        map.walk(va, out.len(), false, |_, _, _| {})?;
+        map.walk(va, out.len(), false, |alloc, at, r| {
+            read_pages(&alloc.pages, at, &mut out[r]);
+        })
+    }
+
+    /// CPU write of `data` at `va`; refused (nothing written) if any byte is
+    /// unmapped or read-only.
+    pub fn write(&self, va: u64, data: &[u8]) -> Result<(), MemoryError> {
+        let map = read_lock(&self.shared.map);
+        map.walk(va, data.len(), true, |_, _, _| {})?;
+        map.walk(va, data.len(), true, |alloc, at, r| {
+            write_pages(&alloc.pages, at, &data[r]);
+        })
+    }
+
+    /// Locks the pages spanning `va..va+len` (`MmProbeAndLockPages`): every
+    /// byte must be allocated, and writable when `for_device_writes`.
+    /// Returns the pages, first to last; they count as locked in this space
+    /// until [`unlock_pages`](Self::unlock_pages).
+    pub(crate) fn lock_pages(
+        &self,
+        va: u64,
+        len: usize,
+        for_device_writes: bool,
+    ) -> Result<Vec<Arc<Page>>, MemoryError> {
+        if len == 0 {
+            return Err(MemoryError::ZeroLength);
+        }
+        let map = read_lock(&self.shared.map);
+        map.walk(va, len, for_device_writes, |_, _, _| {})?;
+        let unmapped = MemoryError::Unmapped { va, len };
+        let first_page = va / PAGE_BYTES;
+        let last_page = (va + len as u64 - 1) / PAGE_BYTES;
+        let mut pages = Vec::with_capacity(pages_for(len) + 1);
+        for page_no in first_page..=last_page {
+            // Validated above: every byte of the range is allocated, and
+            // allocations start on pages, so the page holding `addr` is the
+            // whole page.
+            let addr = (page_no * PAGE_BYTES).max(va);
+            let (start, alloc) = map.containing(addr).ok_or(unmapped)?;
+            let index = usize::try_from((addr - start) / PAGE_BYTES).map_err(|_| unmapped)?;
+            pages.push(Arc::clone(alloc.pages.get(index).ok_or(unmapped)?));
+        }
+        self.shared
+            .locked_pages
+            .fetch_add(pages.len(), Ordering::Relaxed);
+        Ok(pages)
+    }
+
+    /// Releases `count` pages locked by [`lock_pages`](Self::lock_pages).
+    pub(crate) fn unlock_pages(&self, count: usize) {
+        // Saturating: a mismatch is a model bug, and must not underflow.
+        let _ = self
+            .shared
+            .locked_pages
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(n.saturating_sub(count))
+            });
+    }
+
+    /// Pages currently locked by MDLs taken in this space.
+    pub fn locked_pages(&self) -> usize {
+        self.shared.locked_pages.load(Ordering::Relaxed)
+    }
+
+    /// Live allocations.
+    pub fn allocation_count(&self) -> usize {
+        read_lock(&self.shared.map).allocations.len()
+    }
+
+    /// Drops every allocation and refuses all later use; returns the pages
+    /// still locked.
+    fn close(&self) -> usize {
+        let mut map = write_lock(&self.shared.map);
+        map.closed = true;
+        map.allocations.clear();
+        self.locked_pages()
+    }
+}
+
+/// A user-mode process: an id and its address space. Cloning gives another
+/// handle to the same process.
+///
+/// Exit ([`exit`](Self::exit)) tears the address space down, but pages
+/// locked by an MDL stay valid, and reachable by the device through live
+/// DMA mappings, until the lock is released: the kernel still owns them.
+/// Windows bugchecks (`PROCESS_HAS_LOCKED_PAGES`, 0x76) if a process is
+/// deleted with pages still locked, so the host's process teardown checks
+/// what [`exit`](Self::exit) returns after the process's handles are
+/// closed.
+#[derive(Debug, Clone)]
+pub struct Process {
+    pid: u32,
+    space: AddressSpace,
+}
+
+impl Process {
+    /// A new process with an empty address space.
+    pub fn new(pid: u32) -> Self {
+        Self {
+            pid,
+            space: AddressSpace::user(pid),
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Its address space.
+    pub fn space(&self) -> &AddressSpace {
+        &self.space
+    }
+
+    /// Allocates `len` read-write bytes (`VirtualAlloc`), page aligned.
+    pub fn alloc(&self, len: usize) -> Result<u64, MemoryError> {
+        self.space.alloc(len, Protection::ReadWrite)
+    }
+
+    /// Allocates `len` bytes with the given protection.
+    pub fn alloc_with(&self, len: usize, protection: Protection) -> Result<u64, MemoryError> {
+        self.space.alloc(len, protection)
+    }
+
+    /// Frees the allocation at `va` (see [`AddressSpace::free`]).
+    pub fn free(&self, va: u64) -> Result<(), MemoryError> {
+        self.space.free(va)
+    }
+
+    /// CPU read in this process (see [`AddressSpace::read`]).
+    pub fn read(&self, va: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+        self.space.read(va, out)
+    }
+
+    /// CPU write in this process (see [`AddressSpace::write`]).
+    pub fn write(&self, va: u64, data: &[u8]) -> Result<(), MemoryError> {
+        self.space.write(va, data)
+    }
+
+    /// Ends the process: its allocations are dropped and every later
+    /// access, allocation or free fails with
+    /// [`MemoryError::ProcessExited`]. Returns the pages still locked by
+    /// MDLs (they stay valid until unlocked); non-zero after the process's
+    /// handles were cleaned up means a driver kept user pages locked.
+    pub fn exit(&self) -> usize {
+        self.space.close()
+    }
+
+    /// True once [`exit`](Self::exit) ran.
+    pub fn has_exited(&self) -> bool {
+        read_lock(&self.space.shared.map).closed
+    }
+}
+
+/// Distinguishes pools, so a block freed to the wrong one is caught.
+static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
+
+#[derive(Debug, Clone)]
+struct BlockRecord {
+    driver: String,
+    tag: [u8; 4],
+    len: usize,
+}
+
+#[derive(Debug)]
+struct PoolShared {
+    id: u64,
+    kernel: AddressSpace,
+    verifier: Verifier,
+    /// Live blocks, keyed by kernel virtual address.
+    blocks: Mutex<BTreeMap<u64, BlockRecord>>,
+}
+
+/// The kernel pool of one host, allocating in its kernel address space.
+/// Cloning gives another handle to the same pool.
+#[derive(Debug, Clone)]
+pub struct Pool {
+    shared: Arc<PoolShared>,
+}
+
+/// A pool allocation: `len` bytes at a kernel virtual address. Free it with
+/// [`Pool::free`]; dropping the handle leaks the block (it stays allocated
+/// and is listed by [`Pool::leaks`]).
+#[derive(Debug)]
+pub struct PoolBlock {
+    pool_id: u64,
+    driver: String,
+    va: u64,
+    len: usize,
+    tag: [u8; 4],
+    pages: PageRun,
+}
+
+impl PoolBlock {
+    /// Kernel virtual address of byte 0 (page aligned).
+    pub fn va(&self) -> u64 {
+        self.va
+    }
+
+    /// Bytes requested.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-byte block.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The pool tag.
+    pub fn tag(&self) -> [u8; 4] {
+        self.tag
+    }
+
+    /// Copies bytes out of the block; false (nothing copied) if the range
+    /// leaves the requested length.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> bool {
+        range_within(offset, out.len(), self.len) && read_pages(&self.pages, offset, out)
+    }
+
+    /// Copies bytes into the block; false (nothing copied) if the range
+    /// leaves the requested length.
+    pub fn write(&self, offset: usize, data: &[u8]) -> bool {
+        range_within(offset, data.len(), self.len) && write_pages(&self.pages, offset, data)
+    }
+}
+
+impl Pool {
+    /// An empty pool with its own kernel address space, reporting misuse to
+    /// `verifier`.
+    pub fn new(verifier: Verifier) -> Self {
+        Self {
+            shared: Arc::new(PoolShared {
+                id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
+                kernel: AddressSpace::kernel(),
+                verifier,
+                blocks: Mutex::new(BTreeMap::new()),
+            }),
+        }
+    }
+
+    /// The kernel address space blocks are allocated in: kernel-mode locks
+    /// ([`crate::dma::HostLocker`]) and CPU accesses by kernel virtual
+    /// address go through it.
+    pub fn kernel_space(&self) -> &AddressSpace {
+        &self.shared.kernel
+    }
+
+    /// Allocates `len` zeroed bytes for `driver` under `tag`. A zero-length
+    /// request gets a block of its own address (as on Windows). Every block
+    /// starts on a page.
+    pub fn alloc(&self, driver: &str, tag: [u8; 4], len: usize) -> Result<PoolBlock, MemoryError> {
+        let (va, pages) = self
+            .shared
+            .kernel
+            .alloc_pages(len.max(1), Protection::ReadWrite)?;
+        lock(&self.shared.blocks).insert(
+            va,
+            BlockRecord {
+                driver: driver.to_owned(),
+                tag,
+                len,
+            },
+        );
+        Ok(PoolBlock {
+            pool_id: self.shared.id,
+            driver: driver.to_owned(),
+            va,
+            len,
+            tag,
+            pages,
+        })
+    }
+
+    /// Frees a block (`ExFreePoolWithTag`). A block of another pool is
+    /// refused and recorded as a protocol violation (it stays allocated in
+    /// its own pool, where it will show as a leak).
+    pub fn free(&self, block: PoolBlock) {
+        if block.pool_id != self.shared.id {
+            self.shared.verifier.report(
+                Some(&block.driver),
+                ViolationKind::Protocol {
+                    detail: format!(
+                        "pool block {:#x} (tag {}) freed to a pool that did not allocate it",
+                        block.va,
+                        tag_text(block.tag)
+                    ),
+                },
+            );
+            return;
+        }
+        lock(&self.shared.blocks).remove(&block.va);
+        // The block was allocated here, so its address starts an allocation.
+        let _ = self.shared.kernel.free(block.va);
+    }
+
+    /// Outstanding bytes of `driver`, per tag, sorted by tag: what leaks if
+    /// the driver unloads now.
+    pub fn leaks(&self, driver: &str) -> Vec<([u8; 4], usize)> {
+        let mut per_tag: BTreeMap<[u8; 4], usize> = BTreeMap::new();
+        for record in lock(&self.shared.blocks)
+            .values()
+            .filter(|r| r.driver == driver)
+        {
+            *per_tag.entry(record.tag).or_default() += record.len;
+        }
+        per_tag.into_iter().collect()
+    }
+
+    /// Reports each of `driver`'s [`leaks`](Self::leaks) as a
+    /// [`ViolationKind::PoolLeak`]; returns how many were reported. Call at
+    /// driver unload.
+    pub fn report_leaks(&self, driver: &str) -> usize {
+        let leaks = self.leaks(driver);
+        for &(tag, bytes) in &leaks {
+            self.shared
+                .verifier
+                .report(Some(driver), ViolationKind::PoolLeak { tag, bytes });
+        }
+        leaks.len()
+    }
+
+    /// Live blocks of every driver.
+    pub fn block_count(&self) -> usize {
+        lock(&self.shared.blocks).len()
+    }
+}
+
+/// A pool tag as text (`b"Hca "` -> `Hca `), non-printable bytes escaped.
+fn tag_text(tag: [u8; 4]) -> String {
+    tag.iter()
+        .flat_map(|b| b.escape_ascii())
+        .map(char::from)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_copy_within_bounds_only() {
+        let page = Page::zeroed();
+        assert!(page.write(4090, &[1, 2, 3, 4, 5, 6]));
+        assert!(!page.write(4091, &[0; 6]), "past the end");
+        assert!(!page.write(usize::MAX, &[0; 2]), "overflow");
+        let mut out = [0u8; 6];
+        assert!(page.read(4090, &mut out));
+        assert_eq!(out, [1, 2, 3, 4, 5, 6]);
+        assert!(!page.read(4091, &mut out));
+    }
+
+    #[test]
+    fn process_allocations_are_aligned_disjoint_and_guarded() {
+        let p = Process::new(7);
+        let a = p.alloc(100).unwrap();
+        let b = p.alloc(2 * PAGE_SIZE).unwrap();
+        assert_eq!(a % PAGE_BYTES, 0);
+        assert_eq!(b % PAGE_BYTES, 0);
+        assert!(b >= a + 2 * PAGE_BYTES, "a guard page between allocations");
+        assert!(a >= USER_VA_BASE && b < USER_VA_LIMIT);
+        p.write(a + 4000, &[9; 96]).unwrap();
+        let mut out = [0u8; 96];
+        p.read(a + 4000, &mut out).unwrap();
+        assert_eq!(out, [9; 96]);
+        // The whole page is allocated, the guard page after it is not.
+        assert_eq!(
+            p.write(a + 4000, &[0; 97]),
+            Err(MemoryError::Unmapped {
+                va: a + 4000,
+                len: 97
+            })
+        );
+        assert_eq!(p.read(a + 4000, &mut out), Ok(()));
+        assert_eq!(out, [9; 96], "a refused write touches nothing");
+        // Spans pages of one allocation.
+        p.write(b + 4090, &[1; 12]).unwrap();
+        let mut span = [0u8; 12];
+        p.read(b + 4090, &mut span).unwrap();
+        assert_eq!(span, [1; 12]);
+        assert!(p.read(0, &mut span).is_err());
+        assert!(p.read(u64::MAX - 3, &mut span).is_err(), "wraps");
+    }
+
+    #[test]
+    fn processes_have_distinct_bases() {
+        let a = Process::new(1).alloc(1).unwrap();
+        let b = Process::new(2).alloc(1).unwrap();
+        assert_ne!(a, b);
+        let k = Pool::new(Verifier::new()).alloc("d", *b"Tag1", 1).unwrap();
+        assert!(k.va() >= KERNEL_VA_BASE);
+    }
+
+    #[test]
+    fn free_and_reuse() {
+        let p = Process::new(3);
+        let a = p.alloc(PAGE_SIZE).unwrap();
+        assert_eq!(
+            p.free(a + 1),
+            Err(MemoryError::NotAnAllocation { va: a + 1 })
+        );
+        p.free(a).unwrap();
+        assert!(p.read(a, &mut [0u8; 1]).is_err(), "freed");
+        assert!(p.free(a).is_err(), "double free");
+        let b = p.alloc(PAGE_SIZE).unwrap();
+        assert_ne!(a, b, "addresses are never reused");
+        assert_eq!(p.alloc(0), Err(MemoryError::ZeroLength));
+    }
+
+    #[test]
+    fn read_only_memory_refuses_writes() {
+        let p = Process::new(4);
+        let ro = p.alloc_with(PAGE_SIZE, Protection::ReadOnly).unwrap();
+        assert_eq!(
+            p.write(ro, &[1]),
+            Err(MemoryError::ReadOnly { va: ro, len: 1 })
+        );
+        assert!(p.read(ro, &mut [0u8; 8]).is_ok());
+        assert!(p.space().lock_pages(ro, 8, true).is_err());
+        assert_eq!(p.space().lock_pages(ro, 8, false).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn exit_keeps_locked_pages_alive() {
+        let p = Process::new(5);
+        let va = p.alloc(2 * PAGE_SIZE).unwrap();
+        p.write(va + 4095, &[7, 8]).unwrap();
+        let pages = p.space().lock_pages(va + 4095, 2, true).unwrap();
+        assert_eq!(pages.len(), 2);
+        assert_eq!(p.space().locked_pages(), 2);
+        assert_eq!(p.exit(), 2, "pages still locked at exit");
+        assert!(p.has_exited());
+        assert_eq!(p.read(va, &mut [0u8; 1]), Err(MemoryError::ProcessExited));
+        assert_eq!(p.alloc(1), Err(MemoryError::ProcessExited));
+        let mut out = [0u8; 1];
+        assert!(pages[0].read(4095, &mut out));
+        assert_eq!(out, [7]);
+        assert!(pages[1].read(0, &mut out));
+        assert_eq!(out, [8]);
+        p.space().unlock_pages(2);
+        assert_eq!(p.space().locked_pages(), 0);
+    }
+
+    #[test]
+    fn pool_tracks_blocks_per_driver_and_tag() {
+        let verifier = Verifier::new();
+        let pool = Pool::new(verifier.clone());
+        let a = pool.alloc("hca", *b"QpCx", 100).unwrap();
+        let b = pool.alloc("hca", *b"QpCx", 50).unwrap();
+        let c = pool.alloc("hca", *b"CqCx", 8000).unwrap();
+        let d = pool.alloc("bus", *b"Chld", 0).unwrap();
+        assert!(d.is_empty());
+        assert!(c.write(7990, &[1; 10]));
+        assert!(!c.write(7991, &[1; 10]), "past the requested length");
+        let mut out = [0u8; 10];
+        assert!(c.read(7990, &mut out));
+        assert_eq!(out, [1; 10]);
+        // The block is reachable by its kernel virtual address too.
+        pool.kernel_space().read(c.va() + 7990, &mut out).unwrap();
+        assert_eq!(out, [1; 10]);
+        assert_eq!(pool.leaks("hca"), vec![(*b"CqCx", 8000), (*b"QpCx", 150)]);
+        pool.free(a);
+        pool.free(c);
+        assert_eq!(pool.leaks("hca"), vec![(*b"QpCx", 50)]);
+        verifier.assert_clean();
+        assert_eq!(pool.report_leaks("hca"), 1);
+        assert_eq!(pool.report_leaks("bus"), 1);
+        let v = verifier.take();
+        assert_eq!(
+            v[0].kind,
+            ViolationKind::PoolLeak {
+                tag: *b"QpCx",
+                bytes: 50
+            }
+        );
+        assert_eq!(v[0].driver.as_deref(), Some("hca"));
+        assert_eq!(v[1].driver.as_deref(), Some("bus"));
+        drop(b); // Dropping the handle does not free: still a leak.
+        assert_eq!(pool.leaks("hca"), vec![(*b"QpCx", 50)]);
+        pool.free(d);
+        assert_eq!(pool.block_count(), 1);
+    }
+
+    #[test]
+    fn freeing_to_the_wrong_pool_is_a_violation() {
+        let verifier = Verifier::new();
+        let one = Pool::new(verifier.clone());
+        let two = Pool::new(verifier.clone());
+        let block = one.alloc("hca", *b"Tag ", 10).unwrap();
+        two.free(block);
+        let v = verifier.take();
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].driver.as_deref(), Some("hca"));
+        assert_eq!(one.leaks("hca"), vec![(*b"Tag ", 10)]);
+    }
+
+    #[test]
+    fn error_statuses() {
+        let s: NtStatus = MemoryError::Unmapped { va: 0, len: 1 }.into();
+        assert_eq!(s.raw(), 0xC000_0005);
+        let s: NtStatus = MemoryError::Exhausted.into();
+        assert_eq!(s, NtStatus::INSUFFICIENT_RESOURCES);
+    }
+}
