@@ -270,7 +270,8 @@ struct Attachment {
 #[derive(Debug)]
 struct Node {
     device: Device,
-    memory: Arc<SimMemory>,
+    /// `None` for a node built on the caller's host memory.
+    memory: Option<Arc<SimMemory>>,
     irq: Arc<IrqLog>,
     /// Fabric port of device port `i + 1`.
     fabric_ports: Vec<PortId>,
@@ -373,10 +374,7 @@ impl Cluster {
     /// Fails, adding no node, when a port's MAC is already on the fabric
     /// (ports of two nodes with the same IPv4 address).
     pub fn add_node(&mut self, cfg: DeviceConfig) -> Result<NodeId, ClusterError> {
-        let port_count = cfg.ports.len();
-        let num_ports =
-            u8::try_from(port_count).map_err(|_| ClusterError::TooManyPorts(port_count))?;
-        let index = u32::try_from(self.nodes.len()).map_err(|_| ClusterError::TooManyNodes)?;
+        let (_, index) = self.room_for(&cfg)?;
         let offset = self.bus_layout.below(MAX_BUS_OFFSET / SIM_PAGE) * SIM_PAGE;
         let bus_base = (u64::from(index) + 1)
             .checked_mul(NODE_BUS_SPAN)
@@ -384,12 +382,39 @@ impl Cluster {
             .ok_or(ClusterError::TooManyNodes)?;
 
         let memory = Arc::new(SimMemory::new(bus_base));
+        self.attach_node(cfg, Arc::clone(&memory) as Arc<dyn HostMemory>, Some(memory))
+    }
+
+    /// Adds a machine whose device reaches host memory through `memory`
+    /// (a simulated host's IOMMU) instead of a [`SimMemory`] of its own;
+    /// otherwise as [`Cluster::add_node`]. [`Cluster::memory`] is not
+    /// available for such a node.
+    pub fn add_host_node(
+        &mut self,
+        cfg: DeviceConfig,
+        memory: Arc<dyn HostMemory>,
+    ) -> Result<NodeId, ClusterError> {
+        self.attach_node(cfg, memory, None)
+    }
+
+    /// The port count and index of a node built from `cfg`, if both fit.
+    fn room_for(&self, cfg: &DeviceConfig) -> Result<(u8, u32), ClusterError> {
+        let port_count = cfg.ports.len();
+        let num_ports =
+            u8::try_from(port_count).map_err(|_| ClusterError::TooManyPorts(port_count))?;
+        let index = u32::try_from(self.nodes.len()).map_err(|_| ClusterError::TooManyNodes)?;
+        Ok((num_ports, index))
+    }
+
+    fn attach_node(
+        &mut self,
+        cfg: DeviceConfig,
+        host_memory: Arc<dyn HostMemory>,
+        memory: Option<Arc<SimMemory>>,
+    ) -> Result<NodeId, ClusterError> {
+        let (num_ports, index) = self.room_for(&cfg)?;
         let irq = Arc::new(IrqLog::new());
-        let mut device = Device::new(
-            cfg,
-            Arc::clone(&memory) as Arc<dyn HostMemory>,
-            Arc::clone(&irq) as Arc<dyn InterruptSink>,
-        );
+        let mut device = Device::new(cfg, host_memory, Arc::clone(&irq) as Arc<dyn InterruptSink>);
         device.set_time(self.now_ns);
 
         // Refuse a clash with the cluster's own ports before attaching
@@ -469,7 +494,10 @@ impl Cluster {
 
     /// A node's host memory.
     pub fn memory(&self, id: NodeId) -> Arc<SimMemory> {
-        Arc::clone(&self.node(id).memory)
+        match &self.node(id).memory {
+            Some(memory) => Arc::clone(memory),
+            None => panic!("{id} reaches the host's memory, not a SimMemory of its own"),
+        }
     }
 
     /// Drains the interrupt vectors a node's device raised, oldest first.

@@ -206,6 +206,12 @@ pub trait DeviceCallbacks: Send + Sync {
     fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {
         None
     }
+    /// For PDOs: the resources the bus assigned this device (for a PCI
+    /// function, a [`crate::pci::PciFunction`]), which the function driver
+    /// above finds at start through `DeviceServices::resources`.
+    fn resources(&self) -> Option<Arc<dyn Any + Send + Sync>> {
+        None
+    }
     /// For bus drivers: the PDO callbacks of a child this device reported.
     fn create_child(&self, child: &ChildDescription) -> Option<Arc<dyn DeviceCallbacks>> {
         None

@@ -10,6 +10,7 @@ pub mod dma;
 pub mod driver;
 pub mod irql;
 pub mod memory;
+pub mod pci;
 pub mod pnp;
 pub mod power;
 pub mod request;

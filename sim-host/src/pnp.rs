@@ -230,6 +230,15 @@ impl DeviceServices {
         )
     }
 
+    /// The resources assigned to this devnode (the start request's
+    /// resource list), as the type the bus gave them, e.g.
+    /// `resources::<PciFunction>()`.
+    pub fn resources<T: std::any::Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        let inner = self.pnp.upgrade()?;
+        let pdo = lock(&inner.tree).nodes.get(self.node.0)?.stack.first()?.callbacks.clone();
+        pdo.resources()?.downcast::<T>().ok()
+    }
+
     /// Registers a device interface of `class` (disabled until enabled).
     pub fn register_interface(&self, class: WinGuid) {
         if let Some(inner) = self.pnp.upgrade()
@@ -1151,6 +1160,9 @@ impl DeviceCallbacks for InDriver {
     }
     fn create_child(&self, child: &ChildDescription) -> Option<Arc<dyn DeviceCallbacks>> {
         self.call("EvtChildListCreateDevice", None, |d| d.create_child(child))
+    }
+    fn resources(&self) -> Option<Arc<dyn std::any::Any + Send + Sync>> {
+        self.inner.resources()
     }
     fn power_managed_queue(&self) -> bool {
         self.inner.power_managed_queue()

@@ -435,6 +435,10 @@ impl SchedulerHandle {
             driver: Some(driver),
             routine: Box::new(routine),
         };
+        self.arm(timer, due_ns, item)
+    }
+
+    fn arm(&self, timer: TimerId, due_ns: u64, item: Item) -> bool {
         let mut state = self.shared.lock();
         if state.shutdown {
             drop(state);
@@ -449,6 +453,29 @@ impl SchedulerHandle {
         drop(state);
         self.shared.timers_changed.notify_one();
         replaced.is_some()
+    }
+
+    /// Arms `timer` to queue a host task (no driver, PASSIVE_LEVEL) at
+    /// absolute time `due_ns`: how the simulated device's own deadlines
+    /// (retransmission, RNR and ACK timers) join the host's one clock.
+    /// Replaces a pending expiry; returns true if there was one.
+    pub fn schedule_task_at(
+        &self,
+        timer: TimerId,
+        name: impl Into<Arc<str>>,
+        due_ns: u64,
+        task: impl FnOnce() + Send + 'static,
+    ) -> bool {
+        self.arm(
+            timer,
+            due_ns,
+            Item {
+                kind: ItemKind::Task,
+                label: name.into(),
+                driver: None,
+                routine: Box::new(task),
+            },
+        )
     }
 
     /// Cancels `timer`'s pending expiry; returns true if there was one

@@ -1,0 +1,714 @@
+//! The PCI bus and the simulated HCA functions on it.
+//!
+//! **Windows.** The PCI bus driver enumerates functions from configuration
+//! space and reports them as children with hardware IDs
+//! `PCI\VEN_v&DEV_d&REV_r`, `PCI\VEN_v&DEV_d` and compatible IDs by class
+//! code; the PnP manager assigns their resources (memory BARs, MSI-X
+//! messages) and hands them to the function driver in the start request
+//! (`EvtDevicePrepareHardware`'s raw and translated resource lists). The
+//! function driver maps the BAR, connects an ISR per message
+//! (`WdfInterruptCreate`), and asks for a DMA adapter (`IoGetDmaAdapter` /
+//! `WdfDmaEnablerCreate`), which is when its device can master the bus.
+//!
+//! **Model.** The [`Backplane`] holds the devices of the `sim-hca` model on
+//! their fabric, stepped one of two ways: under the deterministic
+//! scheduler (a host task advances the [`Cluster`] to the scheduler's
+//! clock; the devices' own deadlines become scheduler timers) or in
+//! threaded mode on a [`FastFabric`] with a timer thread. Each function's
+//! device reaches host memory only through its [`DmaPort`], which faults
+//! every access until the driver has a DMA adapter. Interrupts the device
+//! raises are delivered to the connected ISR at device IRQL in the
+//! driver's context, after the device access that raised them returns
+//! (the device is never re-entered from its own interrupt).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use driver_platform::{ChildBus, ChildDescription, Irql, Mmio};
+use ib_types::status::NtStatus;
+use sim_hca::cluster::{Cluster, ClusterError, NodeId};
+use sim_hca::device::{Device, DeviceConfig};
+use sim_hca::fabric::FabricConfig;
+use sim_hca::fast::FastFabric;
+use sim_hca::host::{DmaDirection, DmaFault, HostMemory, InterruptSink};
+
+use crate::context::{self, Context};
+use crate::dma::{DeviceDma, HostDmaAdapter, Iommu};
+use crate::driver::{DeviceCallbacks, DeviceInit, DriverEntry, NO_SUCH_DEVICE, SUCCESS};
+use crate::irql::IrqlGuard;
+use crate::pnp::DeviceServices;
+use crate::sched::{SchedulerHandle, TimerId};
+use crate::verifier::{Verifier, ViolationKind};
+
+/// Hardware ID of the PCI Express root bus the host enumerates at boot.
+pub const PCI_ROOT_HARDWARE_ID: &str = "ACPI\\PNP0A08";
+/// Service name of the host's built-in PCI bus driver.
+pub const PCI_SERVICE: &str = "pci";
+/// The device IRQL at which every HCA ISR runs.
+pub const HCA_DIRQL: Irql = Irql::device(5);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock means a test already panicked; keep going so the
+    // original panic is the one reported.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A function's path to host memory: every access faults (and is
+/// reported) until its driver gets a DMA adapter, then goes through that
+/// adapter's IOMMU table.
+#[derive(Debug)]
+pub struct DmaPort {
+    verifier: Verifier,
+    view: RwLock<Option<DeviceDma>>,
+    faults_before_adapter: AtomicU64,
+}
+
+impl DmaPort {
+    /// A port with bus mastering off.
+    pub fn new(verifier: Verifier) -> Arc<Self> {
+        Arc::new(Self {
+            verifier,
+            view: RwLock::new(None),
+            faults_before_adapter: AtomicU64::new(0),
+        })
+    }
+
+    fn attach(&self, view: Option<DeviceDma>) {
+        *self.view.write().unwrap_or_else(|e| e.into_inner()) = view;
+    }
+
+    /// Accesses refused because no adapter was attached.
+    pub fn faults_before_adapter(&self) -> u64 {
+        self.faults_before_adapter.load(Ordering::Relaxed)
+    }
+
+    fn with_view<R>(
+        &self,
+        addr: u64,
+        len: usize,
+        direction: DmaDirection,
+        f: impl FnOnce(&DeviceDma) -> Result<R, DmaFault>,
+    ) -> Result<R, DmaFault> {
+        let view = self.view.read().unwrap_or_else(|e| e.into_inner());
+        match view.as_ref() {
+            Some(view) => f(view),
+            None => {
+                self.faults_before_adapter.fetch_add(1, Ordering::Relaxed);
+                self.verifier
+                    .report(None, ViolationKind::DmaFault { addr, len });
+                Err(DmaFault {
+                    addr,
+                    len,
+                    direction,
+                })
+            }
+        }
+    }
+}
+
+impl HostMemory for DmaPort {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), DmaFault> {
+        let len = buf.len();
+        self.with_view(addr, len, DmaDirection::Read, |v| v.read(addr, buf))
+    }
+
+    fn write(&self, addr: u64, data: &[u8]) -> Result<(), DmaFault> {
+        self.with_view(addr, data.len(), DmaDirection::Write, |v| {
+            v.write(addr, data)
+        })
+    }
+}
+
+type Isr = Arc<dyn Fn(u16) + Send + Sync>;
+
+/// One function's MSI-X messages: the vectors raised and not yet
+/// delivered, and the ISR connected to them.
+#[derive(Default)]
+struct InterruptLine {
+    pending: Mutex<Vec<u16>>,
+    isr: RwLock<Option<(Arc<str>, Isr)>>,
+    /// Vectors raised with no ISR connected (lost, as on hardware).
+    unclaimed: AtomicU64,
+}
+
+impl InterruptSink for InterruptLine {
+    fn raise(&self, vector: u16) {
+        lock(&self.pending).push(vector);
+    }
+}
+
+impl InterruptLine {
+    /// Delivers what is pending, in order: each vector to the ISR at
+    /// [`HCA_DIRQL`] in its driver's context.
+    fn deliver(&self, verifier: &Verifier) {
+        let vectors = std::mem::take(&mut *lock(&self.pending));
+        if vectors.is_empty() {
+            return;
+        }
+        let isr = self.isr.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some((driver, isr)) = isr else {
+            self.unclaimed
+                .fetch_add(vectors.len() as u64, Ordering::Relaxed);
+            return;
+        };
+        for vector in vectors {
+            if !verifier.check_callback(&driver, "EvtInterruptIsr") {
+                return;
+            }
+            let _context = context::enter(Context::driver(verifier.clone(), driver.clone()));
+            let _irql = IrqlGuard::at(HCA_DIRQL);
+            isr(vector);
+        }
+    }
+}
+
+enum Engine {
+    Stepped {
+        cluster: Mutex<Cluster>,
+        nodes: Vec<NodeId>,
+        sched: SchedulerHandle,
+        timer: TimerId,
+        queued: AtomicBool,
+    },
+    Threaded {
+        fabric: Arc<FastFabric>,
+        stop: Arc<AtomicBool>,
+        timer_thread: Mutex<Option<JoinHandle<()>>>,
+    },
+}
+
+/// The simulated HCAs of one or more hosts on their fabric.
+pub struct Backplane {
+    engine: Engine,
+    lines: Vec<Arc<InterruptLine>>,
+    ports: Vec<Arc<DmaPort>>,
+    configs: Vec<DeviceConfig>,
+    verifier: Verifier,
+    this: Weak<Backplane>,
+}
+
+impl std::fmt::Debug for Backplane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backplane")
+            .field("functions", &self.configs.len())
+            .field(
+                "mode",
+                &match self.engine {
+                    Engine::Stepped { .. } => "stepped",
+                    Engine::Threaded { .. } => "threaded",
+                },
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl Backplane {
+    /// Devices on a [`Cluster`] (fabric faults and all, seeded), stepped by
+    /// host tasks on `sched`'s deterministic clock.
+    pub fn stepped(
+        fabric: FabricConfig,
+        seed: u64,
+        sched: SchedulerHandle,
+        configs: Vec<DeviceConfig>,
+    ) -> Result<Arc<Self>, ClusterError> {
+        let verifier = sched.verifier().clone();
+        let mut cluster = Cluster::new(fabric, seed);
+        let mut nodes = Vec::with_capacity(configs.len());
+        let mut ports = Vec::with_capacity(configs.len());
+        for cfg in &configs {
+            let port = DmaPort::new(verifier.clone());
+            nodes.push(cluster.add_host_node(cfg.clone(), port.clone())?);
+            ports.push(port);
+        }
+        let timer = sched.new_timer();
+        Ok(Arc::new_cyclic(|this| Self {
+            engine: Engine::Stepped {
+                cluster: Mutex::new(cluster),
+                nodes,
+                sched,
+                timer,
+                queued: AtomicBool::new(false),
+            },
+            lines: configs.iter().map(|_| Arc::default()).collect(),
+            ports,
+            configs,
+            verifier,
+            this: this.clone(),
+        }))
+    }
+
+    /// Devices wired back to back (no loss, no delay) and run on the
+    /// calling threads, with a timer thread for their deadlines.
+    pub fn threaded(verifier: Verifier, configs: Vec<DeviceConfig>) -> std::io::Result<Arc<Self>> {
+        let lines: Vec<Arc<InterruptLine>> = configs.iter().map(|_| Arc::default()).collect();
+        let ports: Vec<Arc<DmaPort>> = configs
+            .iter()
+            .map(|_| DmaPort::new(verifier.clone()))
+            .collect();
+        let devices = configs
+            .iter()
+            .zip(&ports)
+            .zip(&lines)
+            .map(|((cfg, port), line)| {
+                Device::new(
+                    cfg.clone(),
+                    port.clone() as Arc<dyn HostMemory>,
+                    line.clone() as Arc<dyn InterruptSink>,
+                )
+            })
+            .collect();
+        let fabric = Arc::new(FastFabric::new(devices));
+        let stop = Arc::new(AtomicBool::new(false));
+        let backplane = Arc::new_cyclic(|this| Self {
+            engine: Engine::Threaded {
+                fabric: fabric.clone(),
+                stop: stop.clone(),
+                timer_thread: Mutex::new(None),
+            },
+            lines,
+            ports,
+            configs,
+            verifier,
+            this: this.clone(),
+        });
+        let weak = Arc::downgrade(&backplane);
+        let thread = std::thread::Builder::new()
+            .name("hca-timers".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Acquire) {
+                    let next = fabric.run_timers();
+                    let Some(backplane) = weak.upgrade() else {
+                        return;
+                    };
+                    backplane.deliver_interrupts();
+                    drop(backplane);
+                    let wait_ns = next.map_or(1_000_000, |t| t.saturating_sub(fabric.now_ns()));
+                    std::thread::sleep(Duration::from_nanos(wait_ns.clamp(10_000, 1_000_000)));
+                }
+            })?;
+        if let Engine::Threaded { timer_thread, .. } = &backplane.engine {
+            *lock(timer_thread) = Some(thread);
+        }
+        Ok(backplane)
+    }
+
+    /// Number of HCA functions.
+    pub fn len(&self) -> usize {
+        self.configs.len()
+    }
+
+    /// True with no functions.
+    pub fn is_empty(&self) -> bool {
+        self.configs.is_empty()
+    }
+
+    /// The configuration function `index` was built from.
+    pub fn config(&self, index: usize) -> Option<&DeviceConfig> {
+        self.configs.get(index)
+    }
+
+    /// Runs `f` on device `index` (counters, link control, fault
+    /// injection), then lets the fabric and interrupts catch up.
+    pub fn with_device<R>(&self, index: usize, f: impl FnOnce(&mut Device) -> R) -> R {
+        match &self.engine {
+            Engine::Stepped {
+                cluster, nodes, ..
+            } => {
+                // Interrupts this raised are delivered by the stepper task,
+                // at a point the scheduler's seed chooses.
+                let mut cluster = lock(cluster);
+                let r = f(cluster.device(nodes[index]));
+                self.collect_interrupts(&cluster, nodes);
+                drop(cluster);
+                self.kick();
+                r
+            }
+            Engine::Threaded { fabric, .. } => {
+                let r = fabric.with_device(index, f);
+                self.deliver_interrupts();
+                r
+            }
+        }
+    }
+
+    /// Runs `f` on the cluster (stepped mode only): link faults, capture.
+    pub fn with_cluster<R>(&self, f: impl FnOnce(&mut Cluster) -> R) -> Option<R> {
+        match &self.engine {
+            Engine::Stepped { cluster, .. } => {
+                let r = f(&mut lock(cluster));
+                self.kick();
+                Some(r)
+            }
+            Engine::Threaded { .. } => None,
+        }
+    }
+
+    fn deliver_interrupts(&self) {
+        for line in &self.lines {
+            line.deliver(&self.verifier);
+        }
+    }
+
+    /// Stepped mode: moves the vectors the cluster's devices raised onto
+    /// the functions' lines.
+    fn collect_interrupts(&self, cluster: &Cluster, nodes: &[NodeId]) {
+        for (line, &node) in self.lines.iter().zip(nodes) {
+            for vector in cluster.interrupts(node) {
+                line.raise(vector);
+            }
+        }
+    }
+
+    /// Stepped mode: makes sure a stepper task is queued.
+    fn kick(&self) {
+        let Engine::Stepped { sched, queued, .. } = &self.engine else {
+            return;
+        };
+        if !queued.swap(true, Ordering::AcqRel) {
+            let this = self.this.clone();
+            sched.schedule_task("hca-stepper", move || {
+                if let Some(backplane) = this.upgrade() {
+                    backplane.step_to_now();
+                }
+            });
+        }
+    }
+
+    /// Stepped mode: runs the cluster up to the scheduler's clock, delivers
+    /// the interrupts that raised, and arranges to run again at the
+    /// cluster's next deadline.
+    fn step_to_now(&self) {
+        let Engine::Stepped {
+            cluster,
+            nodes,
+            sched,
+            timer,
+            queued,
+        } = &self.engine
+        else {
+            return;
+        };
+        queued.store(false, Ordering::Release);
+        let now = sched.now_ns();
+        let next = {
+            let mut cluster = lock(cluster);
+            self.collect_interrupts(&cluster, nodes);
+            if let Err(limit) = cluster.advance_to(now) {
+                self.verifier.report(
+                    None,
+                    ViolationKind::Protocol {
+                        detail: format!("the simulated fabric livelocked: {limit}"),
+                    },
+                );
+            }
+            self.collect_interrupts(&cluster, nodes);
+            cluster.next_event_ns()
+        };
+        self.deliver_interrupts();
+        match next {
+            Some(due) if due <= now => self.kick(),
+            Some(due) => {
+                let this = self.this.clone();
+                sched.schedule_task_at(*timer, "hca-deadline", due, move || {
+                    if let Some(backplane) = this.upgrade() {
+                        backplane.kick();
+                    }
+                });
+            }
+            None => {}
+        }
+    }
+
+    /// The function at `index` as the PCI bus presents it.
+    pub fn function(&self, index: usize, iommu: &Iommu) -> Option<Arc<PciFunction>> {
+        let config = self.configs.get(index)?;
+        Some(Arc::new(PciFunction {
+            backplane: self.this.upgrade()?,
+            index,
+            bar0_len: hca_prm::regs::bar0_size(config.limits.num_uars),
+            message_count: config.limits.num_vectors,
+            iommu: iommu.clone(),
+            adapter: Mutex::new(None),
+        }))
+    }
+
+    fn mmio(&self, index: usize, op: impl FnOnce(&mut Device) -> u64) -> u64 {
+        self.with_device(index, op)
+    }
+
+    /// Faults the devices' DMA ports refused before an adapter existed.
+    pub fn faults_before_adapter(&self) -> u64 {
+        self.ports.iter().map(|p| p.faults_before_adapter()).sum()
+    }
+
+    /// Interrupts raised with no ISR connected.
+    pub fn unclaimed_interrupts(&self) -> u64 {
+        self.lines
+            .iter()
+            .map(|l| l.unclaimed.load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
+impl Drop for Backplane {
+    fn drop(&mut self) {
+        if let Engine::Threaded {
+            stop, timer_thread, ..
+        } = &self.engine
+        {
+            stop.store(true, Ordering::Release);
+            if let Some(thread) = lock(timer_thread).take()
+                && thread.thread().id() != std::thread::current().id()
+            {
+                let _ = thread.join();
+            }
+        }
+    }
+}
+
+/// One HCA function with the resources the PnP manager assigned it: what
+/// its function driver finds at `EvtDevicePrepareHardware`
+/// (`DeviceServices::resources`).
+pub struct PciFunction {
+    backplane: Arc<Backplane>,
+    index: usize,
+    bar0_len: u64,
+    message_count: u16,
+    iommu: Iommu,
+    adapter: Mutex<Option<HostDmaAdapter>>,
+}
+
+impl std::fmt::Debug for PciFunction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PciFunction")
+            .field("index", &self.index)
+            .field("bar0_len", &self.bar0_len)
+            .field("message_count", &self.message_count)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PciFunction {
+    /// Position on the backplane.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Hardware IDs, most specific first.
+    pub fn hardware_ids() -> Vec<String> {
+        use hca_prm::regs::{PCI_DEVICE_ID, PCI_REVISION, PCI_VENDOR_ID};
+        vec![
+            format!("PCI\\VEN_{PCI_VENDOR_ID:04X}&DEV_{PCI_DEVICE_ID:04X}&REV_{PCI_REVISION:02X}"),
+            format!("PCI\\VEN_{PCI_VENDOR_ID:04X}&DEV_{PCI_DEVICE_ID:04X}"),
+        ]
+    }
+
+    /// Compatible IDs by class code, most specific first.
+    pub fn compatible_ids() -> Vec<String> {
+        use hca_prm::regs::{PCI_CLASS_CODE, PCI_VENDOR_ID};
+        let [class, subclass, interface] = PCI_CLASS_CODE;
+        vec![
+            format!("PCI\\VEN_{PCI_VENDOR_ID:04X}&CC_{class:02X}{subclass:02X}{interface:02X}"),
+            format!("PCI\\CC_{class:02X}{subclass:02X}{interface:02X}"),
+            format!("PCI\\CC_{class:02X}{subclass:02X}"),
+        ]
+    }
+
+    /// BAR0 mapped for the driver (`MmMapIoSpaceEx`).
+    pub fn bar0(self: &Arc<Self>) -> Arc<dyn Mmio> {
+        Arc::new(Bar0(self.clone()))
+    }
+
+    /// MSI-X messages granted.
+    pub fn message_count(&self) -> u16 {
+        self.message_count
+    }
+
+    /// Connects `isr` to every message of the function
+    /// (`WdfInterruptCreate`), charged to the calling driver. Fails with
+    /// `STATUS_NO_SUCH_DEVICE` outside a driver's context.
+    pub fn connect_interrupt(&self, isr: impl Fn(u16) + Send + Sync + 'static) -> Result<(), NtStatus> {
+        let driver = context::current_driver().ok_or(NO_SUCH_DEVICE)?;
+        *self.backplane.lines[self.index]
+            .isr
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = Some((driver, Arc::new(isr)));
+        Ok(())
+    }
+
+    /// Disconnects the ISR (release hardware).
+    pub fn disconnect_interrupt(&self) {
+        *self.backplane.lines[self.index]
+            .isr
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// The function's DMA adapter (`IoGetDmaAdapter`), charged to the
+    /// calling driver; from now on the device masters the bus through it.
+    /// A second call returns the same adapter.
+    pub fn dma_adapter(&self) -> Result<HostDmaAdapter, NtStatus> {
+        let mut slot = lock(&self.adapter);
+        if let Some(adapter) = slot.as_ref() {
+            return Ok(adapter.clone());
+        }
+        let driver = context::current_driver().ok_or(NO_SUCH_DEVICE)?;
+        let adapter = self.iommu.create_adapter(&driver)?;
+        self.backplane.ports[self.index].attach(Some(adapter.device_view()));
+        *slot = Some(adapter.clone());
+        Ok(adapter)
+    }
+
+    /// Puts the adapter back (`PutDmaAdapter`, release hardware): bus
+    /// mastering stops, and whatever the driver left mapped or allocated
+    /// is reported as a leak. Returns the number of leaks.
+    pub fn put_dma_adapter(&self) -> usize {
+        let Some(adapter) = lock(&self.adapter).take() else {
+            return 0;
+        };
+        self.backplane.ports[self.index].attach(None);
+        adapter.report_leaks()
+    }
+
+    /// Runs `f` on the device itself (tests: counters, link, faults).
+    pub fn with_device<R>(&self, f: impl FnOnce(&mut Device) -> R) -> R {
+        self.backplane.with_device(self.index, f)
+    }
+}
+
+/// BAR0 of one function, as mapped for its driver.
+struct Bar0(Arc<PciFunction>);
+
+impl Mmio for Bar0 {
+    fn len(&self) -> u64 {
+        self.0.bar0_len
+    }
+
+    fn read32(&self, offset: u64) -> u32 {
+        self.0
+            .backplane
+            .mmio(self.0.index, |d| u64::from(d.mmio_read32(offset))) as u32
+    }
+
+    fn write32(&self, offset: u64, value: u32) {
+        self.0.backplane.mmio(self.0.index, |d| {
+            d.mmio_write32(offset, value);
+            0
+        });
+    }
+
+    fn read64(&self, offset: u64) -> u64 {
+        self.0.backplane.mmio(self.0.index, |d| d.mmio_read64(offset))
+    }
+
+    fn write64(&self, offset: u64, value: u64) {
+        self.0.backplane.mmio(self.0.index, |d| {
+            d.mmio_write64(offset, value);
+            0
+        });
+    }
+}
+
+/// The host's PCI bus driver: its FDO reports one child per function of
+/// the backplane it was given.
+#[derive(Debug)]
+pub struct PciBusDriver {
+    backplane: Arc<Backplane>,
+    functions: Vec<usize>,
+    iommu: Iommu,
+}
+
+impl PciBusDriver {
+    /// A bus presenting `functions` (indices on `backplane`), with DMA
+    /// through `iommu`.
+    pub fn new(backplane: Arc<Backplane>, functions: Vec<usize>, iommu: Iommu) -> Self {
+        Self {
+            backplane,
+            functions,
+            iommu,
+        }
+    }
+}
+
+impl DriverEntry for PciBusDriver {
+    fn add_device(
+        &self,
+        _init: &DeviceInit,
+        host: &DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        Ok(Arc::new(PciBusFdo {
+            host: host.clone(),
+            backplane: self.backplane.clone(),
+            functions: self.functions.clone(),
+            iommu: self.iommu.clone(),
+        }))
+    }
+}
+
+struct PciBusFdo {
+    host: DeviceServices,
+    backplane: Arc<Backplane>,
+    functions: Vec<usize>,
+    iommu: Iommu,
+}
+
+/// The instance ID of function `index` (bus 0, device `index`, function 0).
+fn instance_id(index: usize) -> String {
+    format!("{index:02x}.0")
+}
+
+impl DeviceCallbacks for PciBusFdo {
+    fn prepare_hardware(&self) -> NtStatus {
+        for &index in &self.functions {
+            let child = ChildDescription {
+                instance_id: instance_id(index),
+                hardware_ids: PciFunction::hardware_ids(),
+                compatible_ids: PciFunction::compatible_ids(),
+                description: "Simulated RoCE HCA".to_owned(),
+            };
+            if let Err(status) = self.host.report_present(child) {
+                return status;
+            }
+        }
+        SUCCESS
+    }
+
+    fn create_child(&self, child: &ChildDescription) -> Option<Arc<dyn DeviceCallbacks>> {
+        let index = *self
+            .functions
+            .iter()
+            .find(|&&i| instance_id(i) == child.instance_id)?;
+        let function = self.backplane.function(index, &self.iommu)?;
+        Some(Arc::new(PciFunctionPdo { function }))
+    }
+
+    fn power_managed_queue(&self) -> bool {
+        false
+    }
+}
+
+/// The PDO of one function: hands its resources to the stack, and takes
+/// the adapter back when the stack lets go of the hardware.
+struct PciFunctionPdo {
+    function: Arc<PciFunction>,
+}
+
+impl DeviceCallbacks for PciFunctionPdo {
+    fn release_hardware(&self) -> NtStatus {
+        // The function driver above has released first (top-down); what it
+        // left behind is a leak.
+        self.function.disconnect_interrupt();
+        self.function.put_dma_adapter();
+        SUCCESS
+    }
+
+    fn resources(&self) -> Option<Arc<dyn std::any::Any + Send + Sync>> {
+        Some(self.function.clone())
+    }
+
+    fn power_managed_queue(&self) -> bool {
+        false
+    }
+}

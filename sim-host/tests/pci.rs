@@ -1,0 +1,438 @@
+//! The PCI bus presents simulated HCAs to a function driver: BAR0 through
+//! `Mmio`, DMA only through the function's adapter and IOMMU, interrupts to
+//! an ISR at device IRQL that queues a DPC. A small probe driver brings the
+//! device up in polled mode, sets up an event queue and takes the
+//! port-change interrupt — in both the deterministic and threaded modes.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use driver_platform::{CommonBuffer, DmaAdapter, Irql, Mmio};
+use hca_prm::cmd::{CMD_ENTRY_SIZE, CmdEntry, CmdStatus, DevCap, InitHca, Opcode, Table, TableDesc};
+use hca_prm::ctx::{BufDesc, Eqc};
+use hca_prm::doorbell::EqDoorbell;
+use hca_prm::eqe::{Eqe, Event, EventClass};
+use hca_prm::regs::{self, CmdqConfig, offset};
+use hca_prm::{Le16, Le32, Le64};
+use ib_types::status::NtStatus;
+use sim_hca::device::DeviceConfig;
+use sim_hca::fabric::FabricConfig;
+use sim_host::dma::{HostCommonBuffer, HostDmaAdapter, Iommu};
+use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry, SUCCESS, UNSUCCESSFUL};
+use sim_host::pci::{Backplane, HCA_DIRQL, PCI_ROOT_HARDWARE_ID, PCI_SERVICE, PciBusDriver, PciFunction};
+use sim_host::pnp::{Binder, DeviceServices, PnpManager, PnpState, StackPlan};
+use sim_host::sched::{DeviceDeferred, Scheduler};
+use sim_host::verifier::{Verifier, ViolationKind};
+use zerocopy::{FromBytes, FromZeros, IntoBytes};
+
+const PAGE: usize = 4096;
+const EQ_LOG: u8 = 4;
+
+/// Binds the root bus to the host's PCI driver and the HCA to the probe.
+struct ProbeBinder;
+impl Binder for ProbeBinder {
+    fn bind(&self, _path: &str, hardware_ids: &[String], _compatible: &[String]) -> Result<StackPlan, String> {
+        let function = if hardware_ids.iter().any(|h| h == PCI_ROOT_HARDWARE_ID) {
+            PCI_SERVICE
+        } else if hardware_ids.iter().any(|h| h == &PciFunction::hardware_ids()[1]) {
+            "probe"
+        } else {
+            return Err("no INF matches".into());
+        };
+        Ok(StackPlan {
+            function: function.into(),
+            upper_filters: vec![],
+            lower_filters: vec![],
+        })
+    }
+}
+
+struct RootPdo;
+impl DeviceCallbacks for RootPdo {
+    fn power_managed_queue(&self) -> bool {
+        false
+    }
+}
+
+/// What the probe saw, for the test to check.
+#[derive(Default)]
+struct Seen {
+    magic: u32,
+    cap: Option<DevCap>,
+    events: Vec<Event>,
+    isr_irql: Vec<Irql>,
+    dpc_irql: Vec<Irql>,
+    hand_cpu_address: bool,
+    skip_free: bool,
+}
+
+type Shared = Arc<Mutex<Seen>>;
+
+struct ProbeDriver {
+    sched: sim_host::sched::SchedulerHandle,
+    seen: Shared,
+}
+
+impl DriverEntry for ProbeDriver {
+    fn add_device(&self, _init: &DeviceInit, host: &DeviceServices) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        Ok(Arc::new(Probe {
+            host: host.clone(),
+            sched: self.sched.clone(),
+            seen: self.seen.clone(),
+            hw: Mutex::new(None),
+        }))
+    }
+}
+
+struct Probe {
+    host: DeviceServices,
+    sched: sim_host::sched::SchedulerHandle,
+    seen: Shared,
+    hw: Mutex<Option<Hardware>>,
+}
+
+/// What the probe holds while started.
+struct Hardware {
+    function: Arc<PciFunction>,
+    adapter: HostDmaAdapter,
+    buffers: Vec<HostCommonBuffer>,
+}
+
+/// The probe's device state shared with its ISR and DPC.
+struct Rings {
+    bar0: Arc<dyn Mmio>,
+    cmdq: HostCommonBuffer,
+    mailbox_in: HostCommonBuffer,
+    mailbox_out: HostCommonBuffer,
+    eq: HostCommonBuffer,
+    produced: AtomicU32,
+    eq_consumer: AtomicU32,
+}
+
+impl Rings {
+    /// One polled command; returns its status.
+    fn command(&self, op: Opcode, in_mod: u32, input: &[u8], out: bool) -> CmdStatus {
+        let mut e = CmdEntry {
+            opcode: Le16::new(op.code()),
+            in_mod: Le32::new(in_mod),
+            ..CmdEntry::default()
+        };
+        if !input.is_empty() {
+            assert!(self.mailbox_in.write(0, input));
+            e.in_param = Le64::new(self.mailbox_in.bus_address());
+            e.in_len = Le32::new(input.len() as u32);
+        }
+        if out {
+            e.out_param = Le64::new(self.mailbox_out.bus_address());
+            e.out_len = Le32::new(PAGE as u32);
+        }
+        self.submit(e)
+    }
+
+    fn submit(&self, e: CmdEntry) -> CmdStatus {
+        let counter = self.produced.fetch_add(1, Ordering::AcqRel);
+        assert!(self.cmdq.write(0, e.as_bytes()));
+        self.bar0.write32(offset::CMDQ_DOORBELL, counter.wrapping_add(1));
+        let mut raw = [0u8; CMD_ENTRY_SIZE];
+        assert!(self.cmdq.read(0, &mut raw));
+        let done = CmdEntry::read_from_bytes(&raw).unwrap();
+        CmdStatus::from_code(done.status).unwrap_or(CmdStatus::Internal)
+    }
+
+    fn arm(&self) {
+        let db = EqDoorbell {
+            consumer: self.eq_consumer.load(Ordering::Acquire),
+            arm: true,
+        };
+        self.bar0.write32(regs::eq_doorbell_offset(0).unwrap(), db.encode());
+    }
+
+    /// The DPC: takes every new EQE, then re-arms.
+    fn drain_eq(&self, seen: &Shared) {
+        loop {
+            let consumer = self.eq_consumer.load(Ordering::Acquire);
+            let slot = (consumer & ((1 << EQ_LOG) - 1)) as usize * 32;
+            let mut raw = [0u8; 32];
+            assert!(self.eq.read(slot, &mut raw));
+            let eqe = Eqe::read_from_bytes(&raw).unwrap();
+            if !eqe.is_valid(consumer, EQ_LOG) {
+                break;
+            }
+            if let Ok(event) = eqe.decode() {
+                seen.lock().unwrap().events.push(event);
+            }
+            self.eq_consumer.store(consumer.wrapping_add(1), Ordering::Release);
+        }
+        self.arm();
+    }
+}
+
+impl Probe {
+    fn bring_up(&self, function: &Arc<PciFunction>, adapter: &HostDmaAdapter) -> Result<(Arc<Rings>, Vec<HostCommonBuffer>), NtStatus> {
+        let bar0 = function.bar0();
+        self.seen.lock().unwrap().magic = bar0.read32(offset::MAGIC);
+        let mut tables = Vec::new();
+        let rings = Arc::new(Rings {
+            bar0: bar0.clone(),
+            cmdq: adapter.alloc_common(PAGE)?,
+            mailbox_in: adapter.alloc_common(PAGE)?,
+            mailbox_out: adapter.alloc_common(PAGE)?,
+            eq: adapter.alloc_common(PAGE)?,
+            produced: AtomicU32::new(0),
+            eq_consumer: AtomicU32::new(0),
+        });
+        let cmdq_bus = if self.seen.lock().unwrap().hand_cpu_address {
+            // The bug under test: a CPU address instead of a bus address.
+            0xFFFF_A000_0000_0000
+        } else {
+            rings.cmdq.bus_address()
+        };
+        bar0.write64(offset::CMDQ_BASE, cmdq_bus);
+        bar0.write32(offset::CMDQ_CONFIG, CmdqConfig { log_size: 0, enable: true }.to_bits());
+        if rings.command(Opcode::QueryDevCap, 0, &[], true) != CmdStatus::Ok {
+            return Err(UNSUCCESSFUL);
+        }
+        let mut out = vec![0u8; 256];
+        rings.mailbox_out.read(0, &mut out);
+        self.seen.lock().unwrap().cap = DevCap::read_from_bytes(&out).ok();
+
+        // Small context tables, one page each except the MTT.
+        let mut init = InitHca::new_zeroed();
+        for (table, log) in [(Table::Qpc, 2), (Table::Cqc, 1), (Table::Eqc, 1), (Table::Srqc, 0), (Table::Mpt, 1), (Table::Mtt, 4)] {
+            let buf = adapter.alloc_common(PAGE)?;
+            init.tables[usize::from(table.code())] = TableDesc {
+                base: Le64::new(buf.bus_address()),
+                log_count: log,
+                ..TableDesc::default()
+            };
+            tables.push(buf);
+        }
+        init.num_uars = Le16::new(1);
+        init.log_page_size = 12;
+        if rings.command(Opcode::InitHca, 0, init.as_bytes(), false) != CmdStatus::Ok {
+            return Err(UNSUCCESSFUL);
+        }
+        // EQ 0 on vector 0, its ring described by MTT entry 0.
+        let mut mtt = Vec::new();
+        mtt.extend_from_slice(&0u64.to_le_bytes());
+        mtt.extend_from_slice(&rings.eq.bus_address().to_le_bytes());
+        if rings.command(Opcode::WriteMtt, 0, &mtt, false) != CmdStatus::Ok {
+            return Err(UNSUCCESSFUL);
+        }
+        let eqc = Eqc {
+            ring: BufDesc {
+                mtt_index: Le32::new(0),
+                log_page_size: 12,
+                log_entries: EQ_LOG,
+                log_stride: 5,
+                ..BufDesc::default()
+            },
+            ..Eqc::default()
+        };
+        if rings.command(Opcode::Sw2HwEq, 0, eqc.as_bytes(), false) != CmdStatus::Ok {
+            return Err(UNSUCCESSFUL);
+        }
+        let map = CmdEntry {
+            opcode: Le16::new(Opcode::MapEq.code()),
+            in_param: Le64::new(EventClass::all().bits()),
+            ..CmdEntry::default()
+        };
+        if rings.submit(map) != CmdStatus::Ok {
+            return Err(UNSUCCESSFUL);
+        }
+        Ok((rings, tables))
+    }
+}
+
+impl DeviceCallbacks for Probe {
+    fn prepare_hardware(&self) -> NtStatus {
+        let Some(function) = self.host.resources::<PciFunction>() else {
+            return UNSUCCESSFUL;
+        };
+        let adapter = match function.dma_adapter() {
+            Ok(a) => a,
+            Err(s) => return s,
+        };
+        let (rings, tables) = match self.bring_up(&function, &adapter) {
+            Ok(r) => r,
+            Err(s) => return s,
+        };
+        // ISR at DIRQL queues the DPC; the DPC drains the EQ and re-arms.
+        let dpc_rings = rings.clone();
+        let dpc_seen = self.seen.clone();
+        let deferred = DeviceDeferred::new(
+            self.sched.clone(),
+            "probe",
+            Arc::new(move || {
+                dpc_seen.lock().unwrap().dpc_irql.push(sim_host::irql::current());
+                dpc_rings.drain_eq(&dpc_seen);
+            }),
+            Arc::new(|| {}),
+            Arc::new(|| {}),
+        );
+        let isr_seen = self.seen.clone();
+        function
+            .connect_interrupt(move |_vector| {
+                isr_seen.lock().unwrap().isr_irql.push(sim_host::irql::current());
+                deferred.insert_dpc();
+            })
+            .unwrap();
+        rings.arm();
+        // Bring the port up: its state change raises the EQ's vector.
+        if rings.command(Opcode::InitPort, 1, &[], false) != CmdStatus::Ok {
+            return UNSUCCESSFUL;
+        }
+        let rings = Arc::try_unwrap(rings).ok();
+        let mut buffers = tables;
+        if let Some(r) = rings {
+            buffers.extend([r.cmdq, r.mailbox_in, r.mailbox_out, r.eq]);
+        }
+        *self.hw.lock().unwrap() = Some(Hardware {
+            function,
+            adapter,
+            buffers,
+        });
+        SUCCESS
+    }
+
+    fn release_hardware(&self) -> NtStatus {
+        if let Some(hw) = self.hw.lock().unwrap().take() {
+            hw.function.disconnect_interrupt();
+            if !self.seen.lock().unwrap().skip_free {
+                for b in hw.buffers {
+                    hw.adapter.free_common(b);
+                }
+            }
+        }
+        SUCCESS
+    }
+}
+
+struct Host {
+    verifier: Verifier,
+    sched: Scheduler,
+    pnp: PnpManager,
+    backplane: Arc<Backplane>,
+    seen: Shared,
+}
+
+fn host(threaded: bool, seen: Seen) -> Host {
+    let verifier = Verifier::new();
+    let cfg = DeviceConfig::with_ports(0x0002_C900_0000_1000, &[[10, 0, 0, 1]]);
+    let (sched, backplane) = if threaded {
+        let sched = Scheduler::threaded(1, verifier.clone()).unwrap();
+        let bp = Backplane::threaded(verifier.clone(), vec![cfg]).unwrap();
+        (sched, bp)
+    } else {
+        let sched = Scheduler::deterministic(11, verifier.clone());
+        let bp = Backplane::stepped(FabricConfig::default(), 11, sched.handle(), vec![cfg]).unwrap();
+        (sched, bp)
+    };
+    let iommu = Iommu::new(verifier.clone(), 11);
+    let pnp = PnpManager::new(verifier.clone(), Box::new(ProbeBinder));
+    let seen: Shared = Arc::new(Mutex::new(seen));
+    pnp.register_driver(PCI_SERVICE, Arc::new(PciBusDriver::new(backplane.clone(), vec![0], iommu)));
+    pnp.register_driver(
+        "probe",
+        Arc::new(ProbeDriver {
+            sched: sched.handle(),
+            seen: seen.clone(),
+        }),
+    );
+    pnp.add_device(None, "ACPI\\PNP0A08\\0", vec![PCI_ROOT_HARDWARE_ID.into()], vec![], Arc::new(RootPdo));
+    Host {
+        verifier,
+        sched,
+        pnp,
+        backplane,
+        seen,
+    }
+}
+
+fn settle(h: &Host) {
+    match h.sched.run_until_idle(10_000) {
+        Ok(_) => {}
+        Err(sim_host::sched::SchedulerError::WrongMode) => {
+            // Threaded: wait until the DPC has seen the port event.
+            for _ in 0..2000 {
+                if !h.seen.lock().unwrap().events.is_empty() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            h.sched.quiesce().unwrap();
+        }
+        Err(e) => panic!("{e:?}"),
+    }
+}
+
+fn the_hca_comes_up_and_interrupts(threaded: bool) {
+    let h = host(threaded, Seen::default());
+    let pci_bus = h.pnp.find("ACPI\\PNP0A08\\0").unwrap();
+    let hca = h.pnp.children(pci_bus)[0];
+    assert_eq!(h.pnp.state(hca), Some(PnpState::Started), "{:?}", h.verifier.violations());
+    assert!(h.pnp.instance_path(hca).unwrap().ends_with("00.0"));
+    settle(&h);
+    {
+        let seen = h.seen.lock().unwrap();
+        assert_eq!(seen.magic, regs::MAGIC_VALUE, "BAR0 reads the device");
+        let cap = seen.cap.as_ref().expect("QUERY_DEV_CAP through the IOMMU");
+        assert_eq!(cap.device_id.get(), regs::PCI_DEVICE_ID);
+        assert!(
+            seen.events.iter().any(|e| matches!(e, Event::PortChange { active: true, .. })),
+            "{:?}",
+            seen.events
+        );
+        assert!(seen.isr_irql.iter().all(|&i| i == HCA_DIRQL) && !seen.isr_irql.is_empty());
+        assert!(seen.dpc_irql.iter().all(|&i| i == Irql::DISPATCH) && !seen.dpc_irql.is_empty());
+    }
+    h.pnp.query_and_remove(pci_bus).unwrap();
+    assert_eq!(h.backplane.faults_before_adapter(), 0);
+    h.verifier.assert_clean();
+}
+
+#[test]
+fn deterministic_mode_brings_the_hca_up_and_delivers_its_interrupt() {
+    the_hca_comes_up_and_interrupts(false);
+}
+
+#[test]
+fn threaded_mode_brings_the_hca_up_and_delivers_its_interrupt() {
+    the_hca_comes_up_and_interrupts(true);
+}
+
+#[test]
+fn a_cpu_address_handed_to_the_device_is_a_dma_fault() {
+    let h = host(
+        false,
+        Seen {
+            hand_cpu_address: true,
+            ..Seen::default()
+        },
+    );
+    let pci_bus = h.pnp.find("ACPI\\PNP0A08\\0").unwrap();
+    let hca = h.pnp.children(pci_bus)[0];
+    assert!(matches!(h.pnp.state(hca), Some(PnpState::FailedStart(_))));
+    let v = h.verifier.take();
+    assert!(v.iter().any(|x| matches!(x.kind, ViolationKind::DmaFault { addr: 0xFFFF_A000_0000_0000, .. })), "{v:?}");
+}
+
+#[test]
+fn buffers_left_at_release_are_dma_leaks() {
+    let h = host(
+        false,
+        Seen {
+            skip_free: true,
+            ..Seen::default()
+        },
+    );
+    settle(&h);
+    let pci_bus = h.pnp.find("ACPI\\PNP0A08\\0").unwrap();
+    h.pnp.query_and_remove(pci_bus).unwrap();
+    let v = h.verifier.take();
+    assert!(
+        v.iter().filter(|x| matches!(x.kind, ViolationKind::DmaLeak { .. })).count() >= 10,
+        "{v:?}"
+    );
+    assert!(v.iter().all(|x| x.driver.as_deref() == Some("probe")), "{v:?}");
+}
