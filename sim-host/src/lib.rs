@@ -5,4 +5,6 @@
 //! IOMMU, the registry and INF-driven binding — and reports every broken
 //! rule to the [`verifier`].
 
+pub mod inf;
+pub mod registry;
 pub mod verifier;
