@@ -8,11 +8,13 @@
 pub mod context;
 pub mod dma;
 pub mod driver;
+pub mod inf;
 pub mod irql;
 pub mod memory;
 pub mod pci;
 pub mod pnp;
 pub mod power;
+pub mod registry;
 pub mod request;
 pub mod sched;
 pub mod verifier;
