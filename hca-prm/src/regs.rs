@@ -8,6 +8,10 @@ pub const PCI_VENDOR_ID: u16 = 0xF1B0;
 pub const PCI_DEVICE_ID: u16 = 0x0001;
 /// PCI revision ID.
 pub const PCI_REVISION: u8 = 0x01;
+/// PCI subsystem vendor ID.
+pub const PCI_SUBSYSTEM_VENDOR_ID: u16 = 0xF1B0;
+/// PCI subsystem ID.
+pub const PCI_SUBSYSTEM_ID: u16 = 0x0001;
 /// PCI class code: network controller (0x02), InfiniBand (0x07), interface 0.
 pub const PCI_CLASS_CODE: [u8; 3] = [0x02, 0x07, 0x00];
 /// IEEE vendor ID reported in the CA attributes: locally administered.

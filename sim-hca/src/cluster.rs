@@ -382,7 +382,11 @@ impl Cluster {
             .ok_or(ClusterError::TooManyNodes)?;
 
         let memory = Arc::new(SimMemory::new(bus_base));
-        self.attach_node(cfg, Arc::clone(&memory) as Arc<dyn HostMemory>, Some(memory))
+        self.attach_node(
+            cfg,
+            Arc::clone(&memory) as Arc<dyn HostMemory>,
+            Some(memory),
+        )
     }
 
     /// Adds a machine whose device reaches host memory through `memory`

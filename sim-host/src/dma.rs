@@ -464,6 +464,7 @@ impl DmaAdapter for HostDmaAdapter {
     /// `len()` is the length asked for. `STATUS_INVALID_PARAMETER` for
     /// zero bytes.
     fn alloc_common(&self, len: usize) -> Result<HostCommonBuffer, NtStatus> {
+        crate::irql::check_max("AllocateCommonBuffer", driver_platform::Irql::PASSIVE);
         if len == 0 {
             return Err(NtStatus::INVALID_PARAMETER);
         }
@@ -480,6 +481,7 @@ impl DmaAdapter for HostDmaAdapter {
     }
 
     fn map(&self, pages: &HostLockedPages) -> Result<HostDmaMapping, NtStatus> {
+        crate::irql::check_max("MapTransferEx", driver_platform::Irql::DISPATCH);
         let count = pages.pages.len();
         let bus_pages =
             self.install(&pages.pages, pages.device_writable, false, |ledger, bus| {
@@ -495,6 +497,7 @@ impl DmaAdapter for HostDmaAdapter {
     /// A mapping of another adapter is refused and recorded as a protocol
     /// violation (it stays live on its own adapter).
     fn unmap(&self, mapping: HostDmaMapping) {
+        crate::irql::check_max("FlushAdapterBuffersEx", driver_platform::Irql::DISPATCH);
         if mapping.adapter_index != self.shared.index {
             self.shared.report(ViolationKind::Protocol {
                 detail: format!(
@@ -625,6 +628,13 @@ impl MemoryLocker for HostLocker {
         len: u64,
         writable: bool,
     ) -> Result<HostLockedPages, NtStatus> {
+        // User pages may be paged out: probing them is a PASSIVE/APC
+        // operation; kernel (non-paged) pages may be described at DISPATCH.
+        let max = match mode {
+            RequestorMode::User => driver_platform::Irql::APC,
+            RequestorMode::Kernel => driver_platform::Irql::DISPATCH,
+        };
+        crate::irql::check_max("MmProbeAndLockPages", max);
         if len == 0 {
             return Err(NtStatus::INVALID_PARAMETER);
         }

@@ -5,6 +5,7 @@
 //! IOMMU, the registry and INF-driven binding — and reports every broken
 //! rule to the [`verifier`].
 
+pub mod binder;
 pub mod context;
 pub mod dma;
 pub mod driver;

@@ -670,6 +670,8 @@ impl Pool {
     /// request gets a block of its own address (as on Windows). Every block
     /// starts on a page.
     pub fn alloc(&self, driver: &str, tag: [u8; 4], len: usize) -> Result<PoolBlock, MemoryError> {
+        // Non-paged pool: DISPATCH_LEVEL or below.
+        crate::irql::check_max("ExAllocatePool2", driver_platform::Irql::DISPATCH);
         let (va, pages) = self
             .shared
             .kernel

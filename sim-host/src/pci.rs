@@ -166,7 +166,7 @@ impl InterruptLine {
 
 enum Engine {
     Stepped {
-        cluster: Mutex<Cluster>,
+        cluster: Box<Mutex<Cluster>>,
         nodes: Vec<NodeId>,
         sched: SchedulerHandle,
         timer: TimerId,
@@ -225,7 +225,7 @@ impl Backplane {
         let timer = sched.new_timer();
         Ok(Arc::new_cyclic(|this| Self {
             engine: Engine::Stepped {
-                cluster: Mutex::new(cluster),
+                cluster: Box::new(Mutex::new(cluster)),
                 nodes,
                 sched,
                 timer,
@@ -313,9 +313,7 @@ impl Backplane {
     /// injection), then lets the fabric and interrupts catch up.
     pub fn with_device<R>(&self, index: usize, f: impl FnOnce(&mut Device) -> R) -> R {
         match &self.engine {
-            Engine::Stepped {
-                cluster, nodes, ..
-            } => {
+            Engine::Stepped { cluster, nodes, .. } => {
                 // Interrupts this raised are delivered by the stepper task,
                 // at a point the scheduler's seed chooses.
                 let mut cluster = lock(cluster);
@@ -496,21 +494,33 @@ impl PciFunction {
         self.index
     }
 
-    /// Hardware IDs, most specific first.
+    /// Hardware IDs, most specific first, as the Windows PCI bus forms
+    /// them: with subsystem and revision, with subsystem, with revision,
+    /// vendor and device alone.
     pub fn hardware_ids() -> Vec<String> {
-        use hca_prm::regs::{PCI_DEVICE_ID, PCI_REVISION, PCI_VENDOR_ID};
+        use hca_prm::regs::{
+            PCI_DEVICE_ID, PCI_REVISION, PCI_SUBSYSTEM_ID, PCI_SUBSYSTEM_VENDOR_ID, PCI_VENDOR_ID,
+        };
+        let base = format!("PCI\\VEN_{PCI_VENDOR_ID:04X}&DEV_{PCI_DEVICE_ID:04X}");
+        let subsys = format!("SUBSYS_{PCI_SUBSYSTEM_ID:04X}{PCI_SUBSYSTEM_VENDOR_ID:04X}");
+        let rev = format!("REV_{PCI_REVISION:02X}");
         vec![
-            format!("PCI\\VEN_{PCI_VENDOR_ID:04X}&DEV_{PCI_DEVICE_ID:04X}&REV_{PCI_REVISION:02X}"),
-            format!("PCI\\VEN_{PCI_VENDOR_ID:04X}&DEV_{PCI_DEVICE_ID:04X}"),
+            format!("{base}&{subsys}&{rev}"),
+            format!("{base}&{subsys}"),
+            format!("{base}&{rev}"),
+            base,
         ]
     }
 
-    /// Compatible IDs by class code, most specific first.
+    /// Compatible IDs, most specific first: by class code with and
+    /// without the vendor.
     pub fn compatible_ids() -> Vec<String> {
         use hca_prm::regs::{PCI_CLASS_CODE, PCI_VENDOR_ID};
         let [class, subclass, interface] = PCI_CLASS_CODE;
         vec![
             format!("PCI\\VEN_{PCI_VENDOR_ID:04X}&CC_{class:02X}{subclass:02X}{interface:02X}"),
+            format!("PCI\\VEN_{PCI_VENDOR_ID:04X}&CC_{class:02X}{subclass:02X}"),
+            format!("PCI\\VEN_{PCI_VENDOR_ID:04X}"),
             format!("PCI\\CC_{class:02X}{subclass:02X}{interface:02X}"),
             format!("PCI\\CC_{class:02X}{subclass:02X}"),
         ]
@@ -529,7 +539,10 @@ impl PciFunction {
     /// Connects `isr` to every message of the function
     /// (`WdfInterruptCreate`), charged to the calling driver. Fails with
     /// `STATUS_NO_SUCH_DEVICE` outside a driver's context.
-    pub fn connect_interrupt(&self, isr: impl Fn(u16) + Send + Sync + 'static) -> Result<(), NtStatus> {
+    pub fn connect_interrupt(
+        &self,
+        isr: impl Fn(u16) + Send + Sync + 'static,
+    ) -> Result<(), NtStatus> {
         let driver = context::current_driver().ok_or(NO_SUCH_DEVICE)?;
         *self.backplane.lines[self.index]
             .isr
@@ -600,7 +613,9 @@ impl Mmio for Bar0 {
     }
 
     fn read64(&self, offset: u64) -> u64 {
-        self.0.backplane.mmio(self.0.index, |d| d.mmio_read64(offset))
+        self.0
+            .backplane
+            .mmio(self.0.index, |d| d.mmio_read64(offset))
     }
 
     fn write64(&self, offset: u64, value: u64) {

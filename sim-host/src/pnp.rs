@@ -30,6 +30,7 @@ use crate::driver::{
     DELETE_PENDING, DeviceCallbacks, DeviceInit, DriverEntry, Forward, InterfaceRef,
     NO_SUCH_DEVICE, NOT_SUPPORTED, SUCCESS, StackRole,
 };
+use crate::registry::{RegistryStore, RegistryView};
 use crate::request::HostRequest;
 use crate::verifier::{Verifier, ViolationKind};
 
@@ -156,6 +157,7 @@ pub enum InterfaceEvent {
 }
 
 pub(crate) struct PnpInner {
+    registry: RegistryStore,
     pub(crate) verifier: Verifier,
     binder: Box<dyn Binder>,
     tree: Mutex<Tree>,
@@ -235,8 +237,27 @@ impl DeviceServices {
     /// `resources::<PciFunction>()`.
     pub fn resources<T: std::any::Any + Send + Sync>(&self) -> Option<Arc<T>> {
         let inner = self.pnp.upgrade()?;
-        let pdo = lock(&inner.tree).nodes.get(self.node.0)?.stack.first()?.callbacks.clone();
+        let pdo = lock(&inner.tree)
+            .nodes
+            .get(self.node.0)?
+            .stack
+            .first()?
+            .callbacks
+            .clone();
         pdo.resources()?.downcast::<T>().ok()
+    }
+
+    /// This driver's view of the registry: its service key and this
+    /// device's key (`WdfDriverOpenParametersRegistryKey`,
+    /// `WdfDeviceOpenRegistryKey`). Reads are PASSIVE_LEVEL only.
+    pub fn registry(&self) -> Option<RegistryView> {
+        let inner = self.pnp.upgrade()?;
+        let path = lock(&inner.tree)
+            .nodes
+            .get(self.node.0)?
+            .instance_path
+            .clone();
+        Some(inner.registry.view(&self.service, &path))
     }
 
     /// Registers a device interface of `class` (disabled until enabled).
@@ -345,8 +366,19 @@ fn req_complete(req: HostRequest, status: NtStatus) {
 impl PnpManager {
     /// A PnP manager binding drivers with `binder`.
     pub fn new(verifier: Verifier, binder: Box<dyn Binder>) -> Self {
+        Self::with_registry(verifier, binder, RegistryStore::new())
+    }
+
+    /// A PnP manager whose drivers see `registry` (the store the binder
+    /// writes INF registry sections into).
+    pub fn with_registry(
+        verifier: Verifier,
+        binder: Box<dyn Binder>,
+        registry: RegistryStore,
+    ) -> Self {
         Self {
             inner: Arc::new(PnpInner {
+                registry,
                 verifier,
                 binder,
                 tree: Mutex::default(),
@@ -355,6 +387,11 @@ impl PnpManager {
                 pending_children: Mutex::default(),
             }),
         }
+    }
+
+    /// The registry the drivers see.
+    pub fn registry(&self) -> &RegistryStore {
+        &self.inner.registry
     }
 
     /// Registers an in-process driver under its service name.

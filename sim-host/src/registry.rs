@@ -388,6 +388,7 @@ impl RegistryView {
 
 impl Registry for RegistryView {
     fn read(&self, key: RegistryKey, name: &str) -> Option<RegValue> {
+        crate::irql::check_max("ZwQueryValueKey", driver_platform::Irql::PASSIVE);
         let base = self.key_path(key);
         match name.rsplit_once('\\') {
             Some((sub, value)) => self.store.get_value(&format!("{base}\\{sub}"), value),

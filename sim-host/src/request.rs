@@ -78,6 +78,7 @@ impl RequestHandle {
     /// Blocks until completion or abandonment (threaded hosts only; a
     /// deterministic host runs its scheduler instead).
     pub fn wait(&self) -> Option<Completion> {
+        crate::irql::check_max("KeWaitForSingleObject", driver_platform::Irql::PASSIVE);
         let mut s = self.lock();
         while s.completion.is_none() && !s.abandoned {
             s = self.slot.done.wait(s).unwrap_or_else(|e| e.into_inner());
@@ -182,6 +183,7 @@ impl Request for HostRequest {
     }
 
     fn complete(mut self, status: NtStatus, information: u64) {
+        crate::irql::check_max("WdfRequestComplete", driver_platform::Irql::DISPATCH);
         let mut status = status;
         let mut information = information;
         // Completion routines run innermost first (the driver that forwarded

@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use driver_platform::{CommonBuffer, DmaAdapter, Irql, Mmio};
-use hca_prm::cmd::{CMD_ENTRY_SIZE, CmdEntry, CmdStatus, DevCap, InitHca, Opcode, Table, TableDesc};
+use hca_prm::cmd::{
+    CMD_ENTRY_SIZE, CmdEntry, CmdStatus, DevCap, InitHca, Opcode, Table, TableDesc,
+};
 use hca_prm::ctx::{BufDesc, Eqc};
 use hca_prm::doorbell::EqDoorbell;
 use hca_prm::eqe::{Eqe, Event, EventClass};
@@ -19,7 +21,9 @@ use sim_hca::device::DeviceConfig;
 use sim_hca::fabric::FabricConfig;
 use sim_host::dma::{HostCommonBuffer, HostDmaAdapter, Iommu};
 use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry, SUCCESS, UNSUCCESSFUL};
-use sim_host::pci::{Backplane, HCA_DIRQL, PCI_ROOT_HARDWARE_ID, PCI_SERVICE, PciBusDriver, PciFunction};
+use sim_host::pci::{
+    Backplane, HCA_DIRQL, PCI_ROOT_HARDWARE_ID, PCI_SERVICE, PciBusDriver, PciFunction,
+};
 use sim_host::pnp::{Binder, DeviceServices, PnpManager, PnpState, StackPlan};
 use sim_host::sched::{DeviceDeferred, Scheduler};
 use sim_host::verifier::{Verifier, ViolationKind};
@@ -31,10 +35,18 @@ const EQ_LOG: u8 = 4;
 /// Binds the root bus to the host's PCI driver and the HCA to the probe.
 struct ProbeBinder;
 impl Binder for ProbeBinder {
-    fn bind(&self, _path: &str, hardware_ids: &[String], _compatible: &[String]) -> Result<StackPlan, String> {
+    fn bind(
+        &self,
+        _path: &str,
+        hardware_ids: &[String],
+        _compatible: &[String],
+    ) -> Result<StackPlan, String> {
         let function = if hardware_ids.iter().any(|h| h == PCI_ROOT_HARDWARE_ID) {
             PCI_SERVICE
-        } else if hardware_ids.iter().any(|h| h == &PciFunction::hardware_ids()[1]) {
+        } else if hardware_ids
+            .iter()
+            .any(|h| h == &PciFunction::hardware_ids()[3])
+        {
             "probe"
         } else {
             return Err("no INF matches".into());
@@ -74,7 +86,11 @@ struct ProbeDriver {
 }
 
 impl DriverEntry for ProbeDriver {
-    fn add_device(&self, _init: &DeviceInit, host: &DeviceServices) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+    fn add_device(
+        &self,
+        _init: &DeviceInit,
+        host: &DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
         Ok(Arc::new(Probe {
             host: host.clone(),
             sched: self.sched.clone(),
@@ -94,6 +110,8 @@ struct Probe {
 /// What the probe holds while started.
 struct Hardware {
     function: Arc<PciFunction>,
+    deferred: DeviceDeferred,
+    rings: Arc<Rings>,
     adapter: HostDmaAdapter,
     buffers: Vec<HostCommonBuffer>,
 }
@@ -132,10 +150,14 @@ impl Rings {
     fn submit(&self, e: CmdEntry) -> CmdStatus {
         let counter = self.produced.fetch_add(1, Ordering::AcqRel);
         assert!(self.cmdq.write(0, e.as_bytes()));
-        self.bar0.write32(offset::CMDQ_DOORBELL, counter.wrapping_add(1));
+        self.bar0
+            .write32(offset::CMDQ_DOORBELL, counter.wrapping_add(1));
         let mut raw = [0u8; CMD_ENTRY_SIZE];
         assert!(self.cmdq.read(0, &mut raw));
         let done = CmdEntry::read_from_bytes(&raw).unwrap();
+        if done.done != hca_prm::owner::phase_for(counter, 0) {
+            return CmdStatus::Internal; // never completed
+        }
         CmdStatus::from_code(done.status).unwrap_or(CmdStatus::Internal)
     }
 
@@ -144,7 +166,8 @@ impl Rings {
             consumer: self.eq_consumer.load(Ordering::Acquire),
             arm: true,
         };
-        self.bar0.write32(regs::eq_doorbell_offset(0).unwrap(), db.encode());
+        self.bar0
+            .write32(regs::eq_doorbell_offset(0).unwrap(), db.encode());
     }
 
     /// The DPC: takes every new EQE, then re-arms.
@@ -161,14 +184,19 @@ impl Rings {
             if let Ok(event) = eqe.decode() {
                 seen.lock().unwrap().events.push(event);
             }
-            self.eq_consumer.store(consumer.wrapping_add(1), Ordering::Release);
+            self.eq_consumer
+                .store(consumer.wrapping_add(1), Ordering::Release);
         }
         self.arm();
     }
 }
 
 impl Probe {
-    fn bring_up(&self, function: &Arc<PciFunction>, adapter: &HostDmaAdapter) -> Result<(Arc<Rings>, Vec<HostCommonBuffer>), NtStatus> {
+    fn bring_up(
+        &self,
+        function: &Arc<PciFunction>,
+        adapter: &HostDmaAdapter,
+    ) -> Result<(Arc<Rings>, Vec<HostCommonBuffer>), NtStatus> {
         let bar0 = function.bar0();
         self.seen.lock().unwrap().magic = bar0.read32(offset::MAGIC);
         let mut tables = Vec::new();
@@ -188,7 +216,14 @@ impl Probe {
             rings.cmdq.bus_address()
         };
         bar0.write64(offset::CMDQ_BASE, cmdq_bus);
-        bar0.write32(offset::CMDQ_CONFIG, CmdqConfig { log_size: 0, enable: true }.to_bits());
+        bar0.write32(
+            offset::CMDQ_CONFIG,
+            CmdqConfig {
+                log_size: 0,
+                enable: true,
+            }
+            .to_bits(),
+        );
         if rings.command(Opcode::QueryDevCap, 0, &[], true) != CmdStatus::Ok {
             return Err(UNSUCCESSFUL);
         }
@@ -198,7 +233,14 @@ impl Probe {
 
         // Small context tables, one page each except the MTT.
         let mut init = InitHca::new_zeroed();
-        for (table, log) in [(Table::Qpc, 2), (Table::Cqc, 1), (Table::Eqc, 1), (Table::Srqc, 0), (Table::Mpt, 1), (Table::Mtt, 4)] {
+        for (table, log) in [
+            (Table::Qpc, 2),
+            (Table::Cqc, 1),
+            (Table::Eqc, 1),
+            (Table::Srqc, 0),
+            (Table::Mpt, 1),
+            (Table::Mtt, 4),
+        ] {
             let buf = adapter.alloc_common(PAGE)?;
             init.tables[usize::from(table.code())] = TableDesc {
                 base: Le64::new(buf.bus_address()),
@@ -264,17 +306,26 @@ impl DeviceCallbacks for Probe {
             self.sched.clone(),
             "probe",
             Arc::new(move || {
-                dpc_seen.lock().unwrap().dpc_irql.push(sim_host::irql::current());
+                dpc_seen
+                    .lock()
+                    .unwrap()
+                    .dpc_irql
+                    .push(sim_host::irql::current());
                 dpc_rings.drain_eq(&dpc_seen);
             }),
             Arc::new(|| {}),
             Arc::new(|| {}),
         );
         let isr_seen = self.seen.clone();
+        let isr_deferred = deferred.clone();
         function
             .connect_interrupt(move |_vector| {
-                isr_seen.lock().unwrap().isr_irql.push(sim_host::irql::current());
-                deferred.insert_dpc();
+                isr_seen
+                    .lock()
+                    .unwrap()
+                    .isr_irql
+                    .push(sim_host::irql::current());
+                isr_deferred.insert_dpc();
             })
             .unwrap();
         rings.arm();
@@ -282,24 +333,29 @@ impl DeviceCallbacks for Probe {
         if rings.command(Opcode::InitPort, 1, &[], false) != CmdStatus::Ok {
             return UNSUCCESSFUL;
         }
-        let rings = Arc::try_unwrap(rings).ok();
-        let mut buffers = tables;
-        if let Some(r) = rings {
-            buffers.extend([r.cmdq, r.mailbox_in, r.mailbox_out, r.eq]);
-        }
         *self.hw.lock().unwrap() = Some(Hardware {
             function,
+            deferred,
+            rings,
             adapter,
-            buffers,
+            buffers: tables,
         });
         SUCCESS
     }
 
     fn release_hardware(&self) -> NtStatus {
         if let Some(hw) = self.hw.lock().unwrap().take() {
+            // Disconnecting the ISR and dropping the DPC leaves the rings
+            // to us alone.
             hw.function.disconnect_interrupt();
+            drop(hw.deferred);
+            let mut buffers = hw.buffers;
+            match Arc::try_unwrap(hw.rings) {
+                Ok(r) => buffers.extend([r.cmdq, r.mailbox_in, r.mailbox_out, r.eq]),
+                Err(_) => return UNSUCCESSFUL,
+            }
             if !self.seen.lock().unwrap().skip_free {
-                for b in hw.buffers {
+                for b in buffers {
                     hw.adapter.free_common(b);
                 }
             }
@@ -325,13 +381,17 @@ fn host(threaded: bool, seen: Seen) -> Host {
         (sched, bp)
     } else {
         let sched = Scheduler::deterministic(11, verifier.clone());
-        let bp = Backplane::stepped(FabricConfig::default(), 11, sched.handle(), vec![cfg]).unwrap();
+        let bp =
+            Backplane::stepped(FabricConfig::default(), 11, sched.handle(), vec![cfg]).unwrap();
         (sched, bp)
     };
     let iommu = Iommu::new(verifier.clone(), 11);
     let pnp = PnpManager::new(verifier.clone(), Box::new(ProbeBinder));
     let seen: Shared = Arc::new(Mutex::new(seen));
-    pnp.register_driver(PCI_SERVICE, Arc::new(PciBusDriver::new(backplane.clone(), vec![0], iommu)));
+    pnp.register_driver(
+        PCI_SERVICE,
+        Arc::new(PciBusDriver::new(backplane.clone(), vec![0], iommu)),
+    );
     pnp.register_driver(
         "probe",
         Arc::new(ProbeDriver {
@@ -339,7 +399,13 @@ fn host(threaded: bool, seen: Seen) -> Host {
             seen: seen.clone(),
         }),
     );
-    pnp.add_device(None, "ACPI\\PNP0A08\\0", vec![PCI_ROOT_HARDWARE_ID.into()], vec![], Arc::new(RootPdo));
+    pnp.add_device(
+        None,
+        "ACPI\\PNP0A08\\0",
+        vec![PCI_ROOT_HARDWARE_ID.into()],
+        vec![],
+        Arc::new(RootPdo),
+    );
     Host {
         verifier,
         sched,
@@ -352,7 +418,7 @@ fn host(threaded: bool, seen: Seen) -> Host {
 fn settle(h: &Host) {
     match h.sched.run_until_idle(10_000) {
         Ok(_) => {}
-        Err(sim_host::sched::SchedulerError::WrongMode) => {
+        Err(sim_host::sched::SchedulerError::WrongMode { .. }) => {
             // Threaded: wait until the DPC has seen the port event.
             for _ in 0..2000 {
                 if !h.seen.lock().unwrap().events.is_empty() {
@@ -370,7 +436,12 @@ fn the_hca_comes_up_and_interrupts(threaded: bool) {
     let h = host(threaded, Seen::default());
     let pci_bus = h.pnp.find("ACPI\\PNP0A08\\0").unwrap();
     let hca = h.pnp.children(pci_bus)[0];
-    assert_eq!(h.pnp.state(hca), Some(PnpState::Started), "{:?}", h.verifier.violations());
+    assert_eq!(
+        h.pnp.state(hca),
+        Some(PnpState::Started),
+        "{:?}",
+        h.verifier.violations()
+    );
     assert!(h.pnp.instance_path(hca).unwrap().ends_with("00.0"));
     settle(&h);
     {
@@ -379,7 +450,9 @@ fn the_hca_comes_up_and_interrupts(threaded: bool) {
         let cap = seen.cap.as_ref().expect("QUERY_DEV_CAP through the IOMMU");
         assert_eq!(cap.device_id.get(), regs::PCI_DEVICE_ID);
         assert!(
-            seen.events.iter().any(|e| matches!(e, Event::PortChange { active: true, .. })),
+            seen.events
+                .iter()
+                .any(|e| matches!(e, Event::PortChange { active: true, .. })),
             "{:?}",
             seen.events
         );
@@ -414,7 +487,16 @@ fn a_cpu_address_handed_to_the_device_is_a_dma_fault() {
     let hca = h.pnp.children(pci_bus)[0];
     assert!(matches!(h.pnp.state(hca), Some(PnpState::FailedStart(_))));
     let v = h.verifier.take();
-    assert!(v.iter().any(|x| matches!(x.kind, ViolationKind::DmaFault { addr: 0xFFFF_A000_0000_0000, .. })), "{v:?}");
+    assert!(
+        v.iter().any(|x| matches!(
+            x.kind,
+            ViolationKind::DmaFault {
+                addr: 0xFFFF_A000_0000_0000,
+                ..
+            }
+        )),
+        "{v:?}"
+    );
 }
 
 #[test]
@@ -431,8 +513,14 @@ fn buffers_left_at_release_are_dma_leaks() {
     h.pnp.query_and_remove(pci_bus).unwrap();
     let v = h.verifier.take();
     assert!(
-        v.iter().filter(|x| matches!(x.kind, ViolationKind::DmaLeak { .. })).count() >= 10,
+        v.iter()
+            .filter(|x| matches!(x.kind, ViolationKind::DmaLeak { .. }))
+            .count()
+            >= 10,
         "{v:?}"
     );
-    assert!(v.iter().all(|x| x.driver.as_deref() == Some("probe")), "{v:?}");
+    assert!(
+        v.iter().all(|x| x.driver.as_deref() == Some("probe")),
+        "{v:?}"
+    );
 }
