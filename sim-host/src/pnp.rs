@@ -38,6 +38,8 @@ use crate::verifier::{Verifier, ViolationKind};
 /// devices, the PCI functions): no driver owns them.
 pub const HOST_PDO: &str = "pdo";
 
+type UnloadHook = Arc<dyn Fn(&str) + Send + Sync>;
+
 /// A devnode's identity in the tree.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DevNodeId(usize);
@@ -157,6 +159,8 @@ pub enum InterfaceEvent {
 }
 
 pub(crate) struct PnpInner {
+    /// Run with a driver's service name as it unloads (leak checks).
+    unload_hooks: Mutex<Vec<UnloadHook>>,
     registry: RegistryStore,
     pub(crate) verifier: Verifier,
     binder: Box<dyn Binder>,
@@ -378,6 +382,7 @@ impl PnpManager {
     ) -> Self {
         Self {
             inner: Arc::new(PnpInner {
+                unload_hooks: Mutex::default(),
                 registry,
                 verifier,
                 binder,
@@ -387,6 +392,12 @@ impl PnpManager {
                 pending_children: Mutex::default(),
             }),
         }
+    }
+
+    /// Runs `hook` with each driver's service name as it unloads: where
+    /// the host checks what the driver left behind (pool, DMA).
+    pub fn on_unload(&self, hook: impl Fn(&str) + Send + Sync + 'static) {
+        lock(&self.inner.unload_hooks).push(Arc::new(hook));
     }
 
     /// The registry the drivers see.
@@ -1106,6 +1117,10 @@ impl PnpManager {
                     Some(service),
                     ViolationKind::UnloadWhileReferenced { references: refs },
                 );
+            }
+            let hooks: Vec<UnloadHook> = lock(&self.inner.unload_hooks).clone();
+            for hook in hooks {
+                hook(service);
             }
         }
     }

@@ -9,18 +9,14 @@ use std::sync::{Arc, Mutex};
 use driver_platform::{ChildBus, ChildDescription, Irql, RegValue, Registry, RegistryKey};
 use ib_types::status::NtStatus;
 use sim_hca::device::DeviceConfig;
-use sim_hca::fabric::FabricConfig;
-use sim_host::binder::InfBinder;
-use sim_host::dma::Iommu;
 use sim_host::driver::{
     DeviceCallbacks, DeviceInit, DriverEntry, SUCCESS, StackRole, UNSUCCESSFUL,
 };
-use sim_host::inf::{InfSet, workspace_inf_dir};
-use sim_host::pci::{Backplane, PCI_ROOT_HARDWARE_ID, PCI_SERVICE, PciBusDriver, PciFunction};
-use sim_host::pnp::{DeviceServices, PnpManager, PnpState};
-use sim_host::registry::{RegistryStore, device_instance_key};
-use sim_host::sched::Scheduler;
-use sim_host::verifier::{Verifier, ViolationKind};
+use sim_host::host::{Host, HostConfig};
+use sim_host::pci::{PCI_SERVICE, PciFunction};
+use sim_host::pnp::{DeviceServices, PnpState};
+use sim_host::registry::device_instance_key;
+use sim_host::verifier::ViolationKind;
 
 type Log = Arc<Mutex<Vec<String>>>;
 
@@ -145,36 +141,23 @@ struct RootPdo;
 impl DeviceCallbacks for RootPdo {}
 
 struct World {
-    verifier: Verifier,
-    sched: Scheduler,
-    pnp: PnpManager,
-    registry: RegistryStore,
+    host: Host,
     log: Log,
 }
 
+impl std::ops::Deref for World {
+    type Target = Host;
+    fn deref(&self) -> &Host {
+        &self.host
+    }
+}
+
 fn world() -> World {
-    let verifier = Verifier::new();
-    let sched = Scheduler::deterministic(5, verifier.clone());
     let cfg = DeviceConfig::with_ports(0x0002_C900_0000_1000, &[[10, 0, 0, 1]]);
-    let backplane =
-        Backplane::stepped(FabricConfig::default(), 5, sched.handle(), vec![cfg]).unwrap();
-    let registry = RegistryStore::new();
-    let infs = InfSet::load_dir(workspace_inf_dir()).unwrap();
-    assert!(infs.rejected().is_empty(), "{:?}", infs.rejected());
-    let binder =
-        InfBinder::new(infs, registry.clone()).with_builtin(PCI_ROOT_HARDWARE_ID, PCI_SERVICE);
-    let pnp = PnpManager::with_registry(verifier.clone(), Box::new(binder), registry.clone());
+    let host = Host::new(HostConfig::deterministic(5, vec![cfg])).unwrap();
     let log: Log = Arc::default();
-    pnp.register_driver(
-        PCI_SERVICE,
-        Arc::new(PciBusDriver::new(
-            backplane,
-            vec![0],
-            Iommu::new(verifier.clone(), 5),
-        )),
-    );
     for service in ["hcaminiport", "ibalbus", "ibportclient"] {
-        pnp.register_driver(
+        host.register_driver(
             service,
             Arc::new(Sample {
                 service,
@@ -182,48 +165,36 @@ fn world() -> World {
             }),
         );
     }
-    pnp.add_device(
-        None,
-        "ACPI\\PNP0A08\\0",
-        vec![PCI_ROOT_HARDWARE_ID.into()],
-        vec![],
-        Arc::new(RootPdo),
-    );
-    World {
-        verifier,
-        sched,
-        pnp,
-        registry,
-        log,
-    }
+    host.boot();
+    World { host, log }
 }
 
 #[test]
 fn the_hca_and_its_port_client_bind_from_our_infs() {
     let w = world();
-    let bus = w.pnp.find("ACPI\\PNP0A08\\0").unwrap();
-    let hca = w.pnp.children(bus)[0];
-    assert_eq!(w.pnp.state(hca), Some(PnpState::Started));
+    let bus = w.pnp().find("ACPI\\PNP0A08\\0").unwrap();
+    let hca = w.pnp().children(bus)[0];
+    assert_eq!(w.pnp().state(hca), Some(PnpState::Started));
     assert_eq!(
-        w.pnp.stack_services(hca),
+        w.pnp().stack_services(hca),
         vec![
             (PCI_SERVICE.to_owned(), StackRole::Pdo),
             ("hcaminiport".to_owned(), StackRole::Function),
             ("ibalbus".to_owned(), StackRole::UpperFilter),
         ]
     );
-    let hca_path = w.pnp.instance_path(hca).unwrap();
+    let hca_path = w.pnp().instance_path(hca).unwrap();
     assert_eq!(
-        w.registry
+        w.registry()
             .get_value(&device_instance_key(&hca_path), "Service"),
         Some(RegValue::String("hcaminiport".into()))
     );
-    let children = w.pnp.children(hca);
+    let children = w.pnp().children(hca);
     assert_eq!(children.len(), 1, "the INF's one static child");
     let child = children[0];
-    assert!(w.pnp.instance_path(child).unwrap().ends_with("\\IPoIB"));
+    assert!(w.pnp().instance_path(child).unwrap().ends_with("\\IPoIB"));
     assert_eq!(
-        w.pnp.stack_services(child),
+        w.pnp().stack_services(child),
         vec![
             ("ibalbus".to_owned(), StackRole::Pdo),
             ("ibportclient".to_owned(), StackRole::Function)
@@ -241,45 +212,45 @@ fn the_hca_and_its_port_client_bind_from_our_infs() {
             "receive depth Some(256)".to_owned(),
         ]
     );
-    w.pnp.query_and_remove(bus).unwrap();
-    assert!(!w.pnp.driver_loaded("ibalbus") && !w.pnp.driver_loaded("hcaminiport"));
-    w.verifier.assert_clean();
+    w.pnp().query_and_remove(bus).unwrap();
+    assert!(!w.pnp().driver_loaded("ibalbus") && !w.pnp().driver_loaded("hcaminiport"));
+    w.verifier().assert_clean();
 }
 
 #[test]
 fn a_device_no_inf_matches_fails_to_start_with_the_reason() {
     let w = world();
-    let node = w.pnp.add_device(
+    let node = w.pnp().add_device(
         None,
         "ROOT\\UNKNOWN\\0000",
         vec!["ROOT\\NOBODY_HOME".into()],
         vec![],
         Arc::new(RootPdo),
     );
-    match w.pnp.state(node) {
+    match w.pnp().state(node) {
         Some(PnpState::FailedStart(reason)) => assert!(
             reason.contains("no INF matches") && reason.contains("NOBODY_HOME"),
             "{reason}"
         ),
         other => panic!("{other:?}"),
     }
-    w.verifier.assert_clean();
+    w.verifier().assert_clean();
 }
 
 #[test]
 fn reading_the_registry_from_a_dpc_is_an_irql_violation() {
     let w = world();
-    let bus = w.pnp.find("ACPI\\PNP0A08\\0").unwrap();
-    let hca = w.pnp.children(bus)[0];
+    let bus = w.pnp().find("ACPI\\PNP0A08\\0").unwrap();
+    let hca = w.pnp().children(bus)[0];
     let view = w
-        .registry
-        .view("ibalbus", &w.pnp.instance_path(hca).unwrap());
-    w.sched.queue_dpc("ibalbus", move || {
+        .registry()
+        .view("ibalbus", &w.pnp().instance_path(hca).unwrap());
+    w.scheduler().queue_dpc("ibalbus", move || {
         assert_eq!(sim_host::irql::current(), Irql::DISPATCH);
         let _ = view.read(RegistryKey::ServiceParameters, "StaticChild");
     });
-    w.sched.run_until_idle(100).unwrap();
-    let v = w.verifier.take();
+    w.scheduler().run_until_idle(100).unwrap();
+    let v = w.verifier().take();
     assert!(
         matches!(&v[..], [x] if x.driver.as_deref() == Some("ibalbus")
             && matches!(x.kind, ViolationKind::IrqlTooHigh { service: "ZwQueryValueKey", .. })),

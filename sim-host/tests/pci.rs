@@ -18,53 +18,17 @@ use hca_prm::regs::{self, CmdqConfig, offset};
 use hca_prm::{Le16, Le32, Le64};
 use ib_types::status::NtStatus;
 use sim_hca::device::DeviceConfig;
-use sim_hca::fabric::FabricConfig;
-use sim_host::dma::{HostCommonBuffer, HostDmaAdapter, Iommu};
+use sim_host::dma::{HostCommonBuffer, HostDmaAdapter};
 use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry, SUCCESS, UNSUCCESSFUL};
-use sim_host::pci::{
-    Backplane, HCA_DIRQL, PCI_ROOT_HARDWARE_ID, PCI_SERVICE, PciBusDriver, PciFunction,
-};
-use sim_host::pnp::{Binder, DeviceServices, PnpManager, PnpState, StackPlan};
-use sim_host::sched::{DeviceDeferred, Scheduler};
-use sim_host::verifier::{Verifier, ViolationKind};
+use sim_host::host::{Host, HostConfig};
+use sim_host::pci::{HCA_DIRQL, PciFunction};
+use sim_host::pnp::{DeviceServices, PnpState};
+use sim_host::sched::DeviceDeferred;
+use sim_host::verifier::ViolationKind;
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
 const PAGE: usize = 4096;
 const EQ_LOG: u8 = 4;
-
-/// Binds the root bus to the host's PCI driver and the HCA to the probe.
-struct ProbeBinder;
-impl Binder for ProbeBinder {
-    fn bind(
-        &self,
-        _path: &str,
-        hardware_ids: &[String],
-        _compatible: &[String],
-    ) -> Result<StackPlan, String> {
-        let function = if hardware_ids.iter().any(|h| h == PCI_ROOT_HARDWARE_ID) {
-            PCI_SERVICE
-        } else if hardware_ids
-            .iter()
-            .any(|h| h == &PciFunction::hardware_ids()[3])
-        {
-            "probe"
-        } else {
-            return Err("no INF matches".into());
-        };
-        Ok(StackPlan {
-            function: function.into(),
-            upper_filters: vec![],
-            lower_filters: vec![],
-        })
-    }
-}
-
-struct RootPdo;
-impl DeviceCallbacks for RootPdo {
-    fn power_managed_queue(&self) -> bool {
-        false
-    }
-}
 
 /// What the probe saw, for the test to check.
 #[derive(Default)]
@@ -304,7 +268,7 @@ impl DeviceCallbacks for Probe {
         let dpc_seen = self.seen.clone();
         let deferred = DeviceDeferred::new(
             self.sched.clone(),
-            "probe",
+            "hcaminiport",
             Arc::new(move || {
                 dpc_seen
                     .lock()
@@ -364,59 +328,60 @@ impl DeviceCallbacks for Probe {
     }
 }
 
-struct Host {
-    verifier: Verifier,
-    sched: Scheduler,
-    pnp: PnpManager,
-    backplane: Arc<Backplane>,
+/// A machine from our INFs with the probe as the HCA's function driver
+/// (service `hcaminiport`) under a pass-through `ibalbus` filter.
+struct World {
+    host: Host,
     seen: Shared,
 }
 
-fn host(threaded: bool, seen: Seen) -> Host {
-    let verifier = Verifier::new();
-    let cfg = DeviceConfig::with_ports(0x0002_C900_0000_1000, &[[10, 0, 0, 1]]);
-    let (sched, backplane) = if threaded {
-        let sched = Scheduler::threaded(1, verifier.clone()).unwrap();
-        let bp = Backplane::threaded(verifier.clone(), vec![cfg]).unwrap();
-        (sched, bp)
-    } else {
-        let sched = Scheduler::deterministic(11, verifier.clone());
-        let bp =
-            Backplane::stepped(FabricConfig::default(), 11, sched.handle(), vec![cfg]).unwrap();
-        (sched, bp)
-    };
-    let iommu = Iommu::new(verifier.clone(), 11);
-    let pnp = PnpManager::new(verifier.clone(), Box::new(ProbeBinder));
-    let seen: Shared = Arc::new(Mutex::new(seen));
-    pnp.register_driver(
-        PCI_SERVICE,
-        Arc::new(PciBusDriver::new(backplane.clone(), vec![0], iommu)),
-    );
-    pnp.register_driver(
-        "probe",
-        Arc::new(ProbeDriver {
-            sched: sched.handle(),
-            seen: seen.clone(),
-        }),
-    );
-    pnp.add_device(
-        None,
-        "ACPI\\PNP0A08\\0",
-        vec![PCI_ROOT_HARDWARE_ID.into()],
-        vec![],
-        Arc::new(RootPdo),
-    );
-    Host {
-        verifier,
-        sched,
-        pnp,
-        backplane,
-        seen,
+impl std::ops::Deref for World {
+    type Target = Host;
+    fn deref(&self) -> &Host {
+        &self.host
     }
 }
 
-fn settle(h: &Host) {
-    match h.sched.run_until_idle(10_000) {
+struct PassThroughFilter;
+impl DriverEntry for PassThroughFilter {
+    fn add_device(
+        &self,
+        _init: &DeviceInit,
+        _host: &DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        Ok(Arc::new(PassThrough))
+    }
+}
+struct PassThrough;
+impl DeviceCallbacks for PassThrough {
+    fn power_managed_queue(&self) -> bool {
+        false
+    }
+}
+
+fn host(threaded: bool, seen: Seen) -> World {
+    let cfg = DeviceConfig::with_ports(0x0002_C900_0000_1000, &[[10, 0, 0, 1]]);
+    let config = if threaded {
+        HostConfig::threaded(1, vec![cfg])
+    } else {
+        HostConfig::deterministic(11, vec![cfg])
+    };
+    let host = Host::new(config).unwrap();
+    let seen: Shared = Arc::new(Mutex::new(seen));
+    host.register_driver(
+        "hcaminiport",
+        Arc::new(ProbeDriver {
+            sched: host.scheduler_handle(),
+            seen: seen.clone(),
+        }),
+    );
+    host.register_driver("ibalbus", Arc::new(PassThroughFilter));
+    host.boot();
+    World { host, seen }
+}
+
+fn settle(h: &World) {
+    match h.scheduler().run_until_idle(10_000) {
         Ok(_) => {}
         Err(sim_host::sched::SchedulerError::WrongMode { .. }) => {
             // Threaded: wait until the DPC has seen the port event.
@@ -426,7 +391,7 @@ fn settle(h: &Host) {
                 }
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
-            h.sched.quiesce().unwrap();
+            h.scheduler().quiesce().unwrap();
         }
         Err(e) => panic!("{e:?}"),
     }
@@ -434,15 +399,15 @@ fn settle(h: &Host) {
 
 fn the_hca_comes_up_and_interrupts(threaded: bool) {
     let h = host(threaded, Seen::default());
-    let pci_bus = h.pnp.find("ACPI\\PNP0A08\\0").unwrap();
-    let hca = h.pnp.children(pci_bus)[0];
+    let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
+    let hca = h.pnp().children(pci_bus)[0];
     assert_eq!(
-        h.pnp.state(hca),
+        h.pnp().state(hca),
         Some(PnpState::Started),
         "{:?}",
-        h.verifier.violations()
+        h.verifier().violations()
     );
-    assert!(h.pnp.instance_path(hca).unwrap().ends_with("00.0"));
+    assert!(h.pnp().instance_path(hca).unwrap().ends_with("00.0"));
     settle(&h);
     {
         let seen = h.seen.lock().unwrap();
@@ -459,9 +424,9 @@ fn the_hca_comes_up_and_interrupts(threaded: bool) {
         assert!(seen.isr_irql.iter().all(|&i| i == HCA_DIRQL) && !seen.isr_irql.is_empty());
         assert!(seen.dpc_irql.iter().all(|&i| i == Irql::DISPATCH) && !seen.dpc_irql.is_empty());
     }
-    h.pnp.query_and_remove(pci_bus).unwrap();
-    assert_eq!(h.backplane.faults_before_adapter(), 0);
-    h.verifier.assert_clean();
+    h.pnp().query_and_remove(pci_bus).unwrap();
+    assert_eq!(h.backplane().faults_before_adapter(), 0);
+    h.verifier().assert_clean();
 }
 
 #[test]
@@ -483,10 +448,10 @@ fn a_cpu_address_handed_to_the_device_is_a_dma_fault() {
             ..Seen::default()
         },
     );
-    let pci_bus = h.pnp.find("ACPI\\PNP0A08\\0").unwrap();
-    let hca = h.pnp.children(pci_bus)[0];
-    assert!(matches!(h.pnp.state(hca), Some(PnpState::FailedStart(_))));
-    let v = h.verifier.take();
+    let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
+    let hca = h.pnp().children(pci_bus)[0];
+    assert!(matches!(h.pnp().state(hca), Some(PnpState::FailedStart(_))));
+    let v = h.verifier().take();
     assert!(
         v.iter().any(|x| matches!(
             x.kind,
@@ -509,9 +474,9 @@ fn buffers_left_at_release_are_dma_leaks() {
         },
     );
     settle(&h);
-    let pci_bus = h.pnp.find("ACPI\\PNP0A08\\0").unwrap();
-    h.pnp.query_and_remove(pci_bus).unwrap();
-    let v = h.verifier.take();
+    let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
+    h.pnp().query_and_remove(pci_bus).unwrap();
+    let v = h.verifier().take();
     assert!(
         v.iter()
             .filter(|x| matches!(x.kind, ViolationKind::DmaLeak { .. }))
@@ -520,7 +485,76 @@ fn buffers_left_at_release_are_dma_leaks() {
         "{v:?}"
     );
     assert!(
-        v.iter().all(|x| x.driver.as_deref() == Some("probe")),
+        v.iter().all(|x| x.driver.as_deref() == Some("hcaminiport")),
+        "{v:?}"
+    );
+}
+
+/// Runs a deterministic world to idle, recording what ran when.
+fn trace(seed: u64) -> (Vec<(String, u64)>, Vec<Event>) {
+    let cfg = DeviceConfig::with_ports(0x0002_C900_0000_1000, &[[10, 0, 0, 1]]);
+    let host = Host::new(HostConfig::deterministic(seed, vec![cfg])).unwrap();
+    let seen: Shared = Arc::default();
+    host.register_driver(
+        "hcaminiport",
+        Arc::new(ProbeDriver {
+            sched: host.scheduler_handle(),
+            seen: seen.clone(),
+        }),
+    );
+    host.register_driver("ibalbus", Arc::new(PassThroughFilter));
+    host.boot();
+    let mut ran = Vec::new();
+    while let Some(item) = host.scheduler().run_one().unwrap() {
+        ran.push((format!("{:?} {}", item.kind, item.label), item.at_ns));
+    }
+    host.shut_down();
+    host.verifier().assert_clean();
+    let events = seen.lock().unwrap().events.clone();
+    (ran, events)
+}
+
+#[test]
+fn a_seed_reproduces_the_run_exactly() {
+    for seed in [1, 2, 99] {
+        let first = trace(seed);
+        assert!(!first.0.is_empty());
+        assert_eq!(first, trace(seed), "seed {seed}");
+    }
+}
+
+struct PoolLeaker(sim_host::memory::Pool);
+impl DriverEntry for PoolLeaker {
+    fn add_device(
+        &self,
+        _init: &DeviceInit,
+        _host: &DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        // Allocated per device and never freed.
+        std::mem::forget(self.0.alloc("ibalbus", *b"Ibal", 100).unwrap());
+        Ok(Arc::new(PassThrough))
+    }
+}
+
+#[test]
+fn pool_left_at_unload_is_a_leak() {
+    let cfg = DeviceConfig::with_ports(0x0002_C900_0000_1000, &[[10, 0, 0, 1]]);
+    let host = Host::new(HostConfig::deterministic(3, vec![cfg])).unwrap();
+    host.register_driver(
+        "hcaminiport",
+        Arc::new(ProbeDriver {
+            sched: host.scheduler_handle(),
+            seen: Arc::default(),
+        }),
+    );
+    host.register_driver("ibalbus", Arc::new(PoolLeaker(host.pool().clone())));
+    host.boot();
+    host.scheduler().run_until_idle(10_000).unwrap();
+    host.shut_down();
+    let v = host.verifier().take();
+    assert!(
+        matches!(&v[..], [x] if x.driver.as_deref() == Some("ibalbus")
+            && x.kind == ViolationKind::PoolLeak { tag: *b"Ibal", bytes: 100 }),
         "{v:?}"
     );
 }
