@@ -8,6 +8,17 @@
 //! forwarding drivers attached, innermost first, then reports to the issuer
 //! through its [`RequestHandle`].
 //!
+//! Completing twice does not compile:
+//!
+//! ```compile_fail
+//! use driver_platform::{Request, RequestorMode};
+//! use ib_types::status::NtStatus;
+//! use sim_host::{request::HostRequest, verifier::Verifier};
+//! let (req, _handle) = HostRequest::new(&Verifier::new(), 1, RequestorMode::Kernel, vec![], 0);
+//! req.complete(NtStatus::from_raw(0), 0);
+//! req.complete(NtStatus::from_raw(0), 0); // use of moved value
+//! ```
+//!
 //! What Rust makes structural, the host still checks: a request dropped
 //! without completion is a `RequestNotCompleted` violation (and the issuer
 //! sees `STATUS_CANCELLED`-like abandonment as an error), cancellation is a
@@ -184,6 +195,19 @@ impl Request for HostRequest {
 
     fn complete(mut self, status: NtStatus, information: u64) {
         crate::irql::check_max("WdfRequestComplete", driver_platform::Irql::DISPATCH);
+        // The host itself (a queue purged at removal) may complete anyone's
+        // request; a driver only its own.
+        if let (Some(by), Some(owner)) = (crate::context::current_driver(), self.owner.as_deref())
+            && *by != *owner
+        {
+            self.verifier.report(
+                Some(&by),
+                ViolationKind::RequestCompletedByNonOwner {
+                    ioctl: self.ioctl,
+                    by: by.to_string(),
+                },
+            );
+        }
         let mut status = status;
         let mut information = information;
         // Completion routines run innermost first (the driver that forwarded

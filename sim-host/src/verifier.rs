@@ -37,15 +37,15 @@ pub enum ViolationKind {
         /// Its I/O control code.
         ioctl: u32,
     },
-    /// A request was completed twice.
-    RequestCompletedTwice {
-        /// Its I/O control code.
-        ioctl: u32,
-    },
-    /// A request was completed by a driver that did not own it.
+    /// A request was completed by a driver that did not own it (it was
+    /// delivered to another driver, or forwarded on). Completing twice is
+    /// not a violation the log can hold: completion consumes the request,
+    /// so a second completion does not compile.
     RequestCompletedByNonOwner {
         /// Its I/O control code.
         ioctl: u32,
+        /// The driver that completed it.
+        by: String,
     },
     /// A service was called above the IRQL it allows.
     IrqlTooHigh {
@@ -201,12 +201,12 @@ mod tests {
         v.assert_clean();
         v.report(
             Some("hcaminiport"),
-            ViolationKind::RequestCompletedTwice { ioctl: 7 },
+            ViolationKind::RequestNotCompleted { ioctl: 7 },
         );
         let clone = v.clone();
         assert_eq!(clone.violations().len(), 1, "clones share the log");
         let text = format!("{}", v.violations()[0]);
-        assert!(text.starts_with("hcaminiport: RequestCompletedTwice"));
+        assert!(text.starts_with("hcaminiport: RequestNotCompleted"));
         assert_eq!(v.take().len(), 1);
         v.assert_clean();
     }

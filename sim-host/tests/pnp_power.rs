@@ -653,6 +653,25 @@ fn deferred_work_outliving_its_driver_is_caught() {
 }
 
 #[test]
+fn completing_another_drivers_request_is_caught() {
+    let w = world(Breakage::default());
+    let sched = Scheduler::deterministic(3, w.verifier.clone());
+    let (mut req, handle) =
+        HostRequest::new(&w.verifier, IOCTL_ECHO, RequestorMode::User, vec![], 0);
+    // Delivered to the child driver, then completed from the bus driver's DPC.
+    req.set_owner(Some("samplechild".into()));
+    sched.queue_dpc("samplebus", move || req.complete(SUCCESS, 0));
+    sched.run_until_idle(10).unwrap();
+    assert_eq!(handle.completion().unwrap().status, SUCCESS);
+    let v = w.verifier.take();
+    assert!(
+        matches!(&v[..], [x] if x.driver.as_deref() == Some("samplebus")
+            && matches!(&x.kind, ViolationKind::RequestCompletedByNonOwner { by, .. } if by == "samplebus")),
+        "{v:?}"
+    );
+}
+
+#[test]
 fn cancellation_reaches_the_owner() {
     let w = world(Breakage::default());
     let child = w.pnp.children(w.bus)[0];
