@@ -525,11 +525,13 @@ impl PnpManager {
     }
 
     /// The devnode with this instance path.
+    /// The devnode with this instance path; if a removed one was
+    /// re-enumerated, the newest.
     pub fn find(&self, instance_path: &str) -> Option<DevNodeId> {
         lock(&self.inner.tree)
             .nodes
             .iter()
-            .position(|n| n.instance_path == instance_path)
+            .rposition(|n| n.instance_path == instance_path)
             .map(DevNodeId)
     }
 
@@ -764,8 +766,12 @@ impl PnpManager {
         }
     }
 
-    /// Enumerates or removes children that bus drivers reported.
-    fn process_bus_relations(&self) {
+    /// Enumerates or removes the children bus drivers have reported
+    /// (`IoInvalidateDeviceRelations` is asynchronous on Windows: the PnP
+    /// manager re-queries bus relations on its own thread). The host does
+    /// this after every start and resume; a test calls it to model the
+    /// PnP worker getting round to a report made from a DPC or work item.
+    pub fn process_bus_relations(&self) {
         loop {
             let pending = std::mem::take(&mut *lock(&self.inner.pending_children));
             if pending.is_empty() {

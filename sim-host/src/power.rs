@@ -38,6 +38,7 @@ impl PnpManager {
                     );
                 }
             }
+            self.process_bus_relations();
             return Ok(());
         }
         // Query every stack, children first, before anything moves.

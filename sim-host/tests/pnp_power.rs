@@ -261,6 +261,7 @@ struct Breakage {
 struct BusDriver {
     log: Log,
     b: Breakage,
+    services: Arc<Mutex<Option<DeviceServices>>>,
 }
 impl DriverEntry for BusDriver {
     fn add_device(
@@ -268,6 +269,7 @@ impl DriverEntry for BusDriver {
         _init: &DeviceInit,
         host: &DeviceServices,
     ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        *self.services.lock().unwrap() = Some(host.clone());
         Ok(Arc::new(BusFdo {
             inner: Logged::new("bus", &self.log),
             services: host.clone(),
@@ -317,6 +319,8 @@ impl DriverEntry for ChildDriver {
 }
 
 struct World {
+    /// The bus FDO's services, to report children from outside a callback.
+    bus_services: Arc<Mutex<Option<DeviceServices>>>,
     pnp: PnpManager,
     verifier: Verifier,
     log: Log,
@@ -327,11 +331,13 @@ fn world(b: Breakage) -> World {
     let verifier = Verifier::new();
     let pnp = PnpManager::new(verifier.clone(), Box::new(TestBinder));
     let log: Log = Arc::default();
+    let bus_services = Arc::default();
     pnp.register_driver(
         "samplebus",
         Arc::new(BusDriver {
             log: log.clone(),
             b,
+            services: Arc::clone(&bus_services),
         }),
     );
     pnp.register_driver("samplefilter", Arc::new(FilterDriver(log.clone())));
@@ -350,6 +356,7 @@ fn world(b: Breakage) -> World {
         Arc::new(RootPdo(log.clone())),
     );
     World {
+        bus_services,
         pnp,
         verifier,
         log,
@@ -669,6 +676,85 @@ fn completing_another_drivers_request_is_caught() {
             && matches!(&x.kind, ViolationKind::RequestCompletedByNonOwner { by, .. } if by == "samplebus")),
         "{v:?}"
     );
+}
+
+#[test]
+fn bus_relations_remove_and_re_add_children() {
+    let w = world(Breakage::default());
+    let services = w.bus_services.lock().unwrap().clone().unwrap();
+    let child1 = w.pnp.find("ROOT\\BUS\\0000\\child1").unwrap();
+    w.pnp.take_interface_events();
+    // The bus notices a child gone (from its DPC, say) and reports it.
+    services.report_missing("child1");
+    assert_eq!(w.pnp.state(child1), Some(PnpState::Started), "asynchronous");
+    w.pnp.process_bus_relations();
+    assert_eq!(w.pnp.state(child1), Some(PnpState::Removed));
+    assert!(
+        w.pnp.driver_loaded("samplechild"),
+        "child0 still uses the driver"
+    );
+    assert!(matches!(&w.pnp.take_interface_events()[..],
+            [InterfaceEvent::Removal { device, class }] if *device == child1 && *class == CHILD_CLASS));
+    // It comes back: a new devnode, started.
+    services
+        .report_present(ChildDescription {
+            instance_id: "child1".into(),
+            hardware_ids: vec!["TEST\\CHILD".into()],
+            compatible_ids: vec![],
+            description: "sample child 1".into(),
+        })
+        .unwrap();
+    w.pnp.process_bus_relations();
+    let again = w.pnp.find("ROOT\\BUS\\0000\\child1").unwrap();
+    assert_ne!(again, child1);
+    assert_eq!(w.pnp.state(again), Some(PnpState::Started));
+    assert_eq!(
+        w.pnp.children(w.bus).len(),
+        3,
+        "the removed devnode stays for inspection"
+    );
+    // Re-reporting a present child keeps its devnode.
+    services
+        .report_present(ChildDescription {
+            instance_id: "child0".into(),
+            hardware_ids: vec!["TEST\\CHILD".into()],
+            compatible_ids: vec![],
+            description: "sample child 0".into(),
+        })
+        .unwrap();
+    w.pnp.process_bus_relations();
+    assert_eq!(w.pnp.children(w.bus).len(), 3);
+    w.pnp.query_and_remove(w.bus).unwrap();
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn rebalance_stops_and_restarts_with_requests_held_meanwhile() {
+    let w = world(Breakage::default());
+    let child = w.pnp.children(w.bus)[0];
+    let stack = w.pnp.stack_services(child);
+    w.pnp.stop(child).unwrap();
+    assert_eq!(w.pnp.state(child), Some(PnpState::Stopped));
+    assert_eq!(w.pnp.power(child), Some(DevicePowerState::D3));
+    let (req, handle) = HostRequest::new(
+        &w.verifier,
+        IOCTL_ECHO,
+        RequestorMode::Kernel,
+        b"hi".to_vec(),
+        2,
+    );
+    w.pnp.send_request(child, req);
+    assert!(!handle.is_done(), "held while stopped");
+    w.pnp.restart(child);
+    assert_eq!(w.pnp.state(child), Some(PnpState::Started));
+    assert_eq!(
+        w.pnp.stack_services(child),
+        stack,
+        "the same stack, restarted"
+    );
+    assert_eq!(handle.completion().unwrap().status, SUCCESS);
+    w.pnp.query_and_remove(w.bus).unwrap();
+    w.verifier.assert_clean();
 }
 
 #[test]
