@@ -18,5 +18,6 @@ pub mod pnp;
 pub mod power;
 pub mod registry;
 pub mod request;
+pub mod samples;
 pub mod sched;
 pub mod verifier;

@@ -366,6 +366,11 @@ fn host(threaded: bool, seen: Seen) -> World {
     } else {
         HostConfig::deterministic(11, vec![cfg])
     };
+    host_with(config, seen)
+}
+
+/// A booted machine with the probe on its one HCA.
+fn host_with(config: HostConfig, seen: Seen) -> World {
     let host = Host::new(config).unwrap();
     let seen: Shared = Arc::new(Mutex::new(seen));
     host.register_driver(
@@ -493,17 +498,8 @@ fn buffers_left_at_release_are_dma_leaks() {
 /// Runs a deterministic world to idle, recording what ran when.
 fn trace(seed: u64) -> (Vec<(String, u64)>, Vec<Event>) {
     let cfg = DeviceConfig::with_ports(0x0002_C900_0000_1000, &[[10, 0, 0, 1]]);
-    let host = Host::new(HostConfig::deterministic(seed, vec![cfg])).unwrap();
-    let seen: Shared = Arc::default();
-    host.register_driver(
-        "hcaminiport",
-        Arc::new(ProbeDriver {
-            sched: host.scheduler_handle(),
-            seen: seen.clone(),
-        }),
-    );
-    host.register_driver("ibalbus", Arc::new(PassThroughFilter));
-    host.boot();
+    let World { host, seen } =
+        host_with(HostConfig::deterministic(seed, vec![cfg]), Seen::default());
     let mut ran = Vec::new();
     while let Some(item) = host.scheduler().run_one().unwrap() {
         ran.push((format!("{:?} {}", item.kind, item.label), item.at_ns));
