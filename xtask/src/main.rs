@@ -2,13 +2,15 @@
 //!
 //! - `run`: the main job. It reports and checks the stack's ABI contract
 //!   (`abi_report`), then moves checked RDMA traffic between two simulated
-//!   HCAs in fast mode (`rdma_run`). Once the simulated host and the drivers
-//!   land, it runs the same traffic through the whole stack.
+//!   HCAs in fast mode (`rdma_run`), then boots a simulated Windows machine
+//!   from our INFs, cycles its power and shuts it down (`host_run`). Once
+//!   the drivers land, the traffic runs through the whole stack.
 //! - `test`: the test suite, exactly what CI runs after its lint gates.
 //! - `capture --out FILE`: runs the simulated HCA's scripted traffic mix and
 //!   writes its pcap capture (open it in Wireshark).
 
 mod abi_report;
+mod host_run;
 mod rdma_run;
 
 use std::process::{Command, ExitCode};
@@ -24,7 +26,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// The main job: the ABI contract, then RDMA on two simulated HCAs.
+    /// The main job: the ABI contract, RDMA on two simulated HCAs, the
+    /// simulated Windows host.
     Run,
     /// Run the scripted RoCEv2 traffic mix and write its pcap capture.
     Capture {
@@ -52,10 +55,14 @@ fn main() -> ExitCode {
                 }
                 return ExitCode::FAILURE;
             }
-            match rdma_run::run() {
+            if let Err(e) = rdma_run::run() {
+                eprintln!("RDMA run failed: {e}");
+                return ExitCode::FAILURE;
+            }
+            match host_run::run() {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    eprintln!("RDMA run failed: {e}");
+                    eprintln!("simulated host run failed: {e}");
                     ExitCode::FAILURE
                 }
             }
