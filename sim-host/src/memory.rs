@@ -672,6 +672,28 @@ impl Pool {
     pub fn alloc(&self, driver: &str, tag: [u8; 4], len: usize) -> Result<PoolBlock, MemoryError> {
         // Non-paged pool: DISPATCH_LEVEL or below.
         crate::irql::check_max("ExAllocatePool2", driver_platform::Irql::DISPATCH);
+        self.alloc_block(driver, tag, len)
+    }
+
+    /// [`Pool::alloc`] from paged pool (`POOL_FLAG_PAGED`): the memory may
+    /// be paged out, so allocating it — and touching it — is for APC_LEVEL
+    /// and below. Tracked and leak-checked like non-paged blocks.
+    pub fn alloc_paged(
+        &self,
+        driver: &str,
+        tag: [u8; 4],
+        len: usize,
+    ) -> Result<PoolBlock, MemoryError> {
+        crate::irql::check_max("ExAllocatePool2(PAGED)", driver_platform::Irql::APC);
+        self.alloc_block(driver, tag, len)
+    }
+
+    fn alloc_block(
+        &self,
+        driver: &str,
+        tag: [u8; 4],
+        len: usize,
+    ) -> Result<PoolBlock, MemoryError> {
         let (va, pages) = self
             .shared
             .kernel
@@ -861,6 +883,33 @@ mod tests {
         assert_eq!(out, [8]);
         p.space().unlock_pages(2);
         assert_eq!(p.space().locked_pages(), 0);
+    }
+
+    #[test]
+    fn paged_pool_above_apc_level_is_an_irql_violation() {
+        use crate::context::{self, Context};
+        use crate::irql::IrqlGuard;
+        use driver_platform::Irql;
+        let verifier = Verifier::new();
+        let pool = Pool::new(verifier.clone());
+        let _driver = context::enter(Context::driver(verifier.clone(), "hca"));
+        // At PASSIVE both pools are fine.
+        let a = pool.alloc_paged("hca", *b"Page", 10).unwrap();
+        pool.free(a);
+        verifier.assert_clean();
+        // In a DPC, non-paged pool is fine and paged pool is not.
+        let _dpc = IrqlGuard::at(Irql::DISPATCH);
+        let b = pool.alloc("hca", *b"NonP", 10).unwrap();
+        pool.free(b);
+        verifier.assert_clean();
+        let c = pool.alloc_paged("hca", *b"Page", 10).unwrap();
+        pool.free(c);
+        let v = verifier.take();
+        assert!(
+            matches!(&v[..], [x] if x.driver.as_deref() == Some("hca")
+                && matches!(x.kind, ViolationKind::IrqlTooHigh { service: "ExAllocatePool2(PAGED)", .. })),
+            "{v:?}"
+        );
     }
 
     #[test]
