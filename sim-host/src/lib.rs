@@ -14,6 +14,7 @@ pub mod inf;
 pub mod irql;
 pub mod memory;
 pub mod pci;
+pub mod platform;
 pub mod pnp;
 pub mod power;
 pub mod registry;

@@ -527,8 +527,8 @@ impl PciFunction {
     }
 
     /// BAR0 mapped for the driver (`MmMapIoSpaceEx`).
-    pub fn bar0(self: &Arc<Self>) -> Arc<dyn Mmio> {
-        Arc::new(Bar0(self.clone()))
+    pub fn bar0(self: &Arc<Self>) -> Bar0 {
+        Bar0(self.clone())
     }
 
     /// MSI-X messages granted.
@@ -591,8 +591,15 @@ impl PciFunction {
     }
 }
 
-/// BAR0 of one function, as mapped for its driver.
-struct Bar0(Arc<PciFunction>);
+/// BAR0 of one function, as mapped for its driver (`MmMapIoSpaceEx`).
+#[derive(Clone)]
+pub struct Bar0(Arc<PciFunction>);
+
+impl std::fmt::Debug for Bar0 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Bar0").field(&self.0.index).finish()
+    }
+}
 
 impl Mmio for Bar0 {
     fn len(&self) -> u64 {

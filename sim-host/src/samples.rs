@@ -17,8 +17,8 @@
 use std::sync::{Arc, Mutex};
 
 use driver_platform::{
-    ChildBus, ChildDescription, CommonBuffer, DevicePowerState, DmaAdapter, RegValue, Registry,
-    RegistryKey,
+    ChildBus, ChildDescription, CommonBuffer, DevicePowerState, DmaAdapter, Mmio, RegValue,
+    Registry, RegistryKey,
 };
 use ib_types::status::NtStatus;
 

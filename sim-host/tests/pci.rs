@@ -82,7 +82,7 @@ struct Hardware {
 
 /// The probe's device state shared with its ISR and DPC.
 struct Rings {
-    bar0: Arc<dyn Mmio>,
+    bar0: sim_host::pci::Bar0,
     cmdq: HostCommonBuffer,
     mailbox_in: HostCommonBuffer,
     mailbox_out: HostCommonBuffer,
