@@ -27,6 +27,22 @@
 //!   vectors sized from the device's limits. Lookups, inserts, removals and
 //!   allocations never allocate, so all of them may run at DISPATCH_LEVEL
 //!   (the structures are not synchronised; the caller's lock guards them).
+//!
+//! ```
+//! use hca_miniport_core::resources::{kind, ObjectTable, ResourceError};
+//!
+//! // CQ numbers 0..4; an event names CQ 0 by its bare number.
+//! let mut cqs = ObjectTable::<kind::Cq, &str>::new(4, 0..0)?;
+//! let old = cqs.insert_with(|_| "old owner")?;
+//! cqs.remove(old)?;
+//! for _ in 0..4 {
+//!     cqs.insert_with(|_| "new owner")?;
+//! }
+//! // Number 0 now belongs to someone else: the old handle finds nothing.
+//! assert_eq!(cqs.get(old), None);
+//! assert_eq!(cqs.get_by_number(old.number()).map(|(_, cq)| *cq), Some("new owner"));
+//! # Ok::<(), ResourceError>(())
+//! ```
 
 #![warn(missing_docs)]
 
@@ -202,9 +218,46 @@ impl<K: ObjectKind> fmt::Debug for Handle<K> {
     }
 }
 
+/// Conversions between typed handles and the CI's handle types
+/// (`ib_types::handle`), which carry the same 64-bit value.
+macro_rules! ci_handles {
+    ($($kind:ident => $ci:ident;)+) => {$(
+        impl From<Handle<kind::$kind>> for ib_types::handle::$ci {
+            fn from(handle: Handle<kind::$kind>) -> Self {
+                Self::from_raw(handle.raw())
+            }
+        }
+
+        impl From<ib_types::handle::$ci> for Handle<kind::$kind> {
+            fn from(handle: ib_types::handle::$ci) -> Self {
+                Self::from_raw(handle.raw())
+            }
+        }
+    )+};
+}
+
+ci_handles! {
+    Pd => PdHandle;
+    Av => AvHandle;
+    Qp => QpHandle;
+    Cq => CqHandle;
+    Srq => SrqHandle;
+    Mr => MrHandle;
+    Mw => MwHandle;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn handles_convert_to_and_from_ci_handles() {
+        let handle = Handle::<kind::Cq>::new(5, 2);
+        let ci = ib_types::handle::CqHandle::from(handle);
+        assert_eq!(ci.raw(), handle.raw());
+        assert!(!ci.is_null());
+        assert_eq!(Handle::<kind::Cq>::from(ci), handle);
+    }
 
     #[test]
     fn handle_packs_generation_over_number() {

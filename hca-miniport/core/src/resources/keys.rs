@@ -46,9 +46,9 @@ impl MemoryKey {
 /// each index's current tag.
 ///
 /// The tag changes every time an index is freed and whenever
-/// [`bump_tag`](Self::bump_tag) is called (re-registration, a type 1
-/// window's re-bind), so a key held over from an earlier use of the index
-/// no longer matches. Tags are 8 bits: a key repeats after 256 changes of
+/// [`bump_tag`](Self::bump_tag) is called (re-registration; a window's
+/// bind, which must change the key, PRM 7.1 and guide 7.2), so a key held
+/// over from an earlier use of the index no longer matches. Tags are 8 bits: a key repeats after 256 changes of
 /// its index, which is the PRM's format's limit. Indices are reused FIFO,
 /// which makes that as late as possible.
 ///
@@ -113,7 +113,19 @@ impl KeyAllocator {
         if !self.is_current(key) {
             return Err(ResourceError::InvalidKey { key: key.raw() });
         }
-        let index = key.index();
+        self.free_index(key.index())
+    }
+
+    /// Frees an allocated index whatever its current tag: for entries whose
+    /// key the device changed behind the driver (a type 2 window bound by a
+    /// user-mode WQE, whose tag the poster chose).
+    ///
+    /// Fails with [`ResourceError::InvalidNumber`], changing nothing, when
+    /// the index is not allocated.
+    pub fn free_index(&mut self, index: u32) -> Result<(), ResourceError> {
+        if !self.is_allocated(index) {
+            return Err(ResourceError::InvalidNumber { number: index });
+        }
         self.in_use[index as usize] = false;
         self.tags[index as usize] = self.tags[index as usize].wrapping_add(1);
         self.free.push_back(index);
@@ -206,6 +218,26 @@ mod tests {
             "double free"
         );
         assert_eq!(mpt.free_count(), 4);
+    }
+
+    #[test]
+    fn free_index_frees_whatever_the_tag() {
+        let mut mpt = KeyAllocator::new(2).unwrap();
+        let key = mpt.alloc().unwrap();
+        assert_eq!(mpt.free_index(key.index()), Ok(()));
+        assert!(!mpt.is_current(key));
+        assert_eq!(
+            mpt.free_index(key.index()),
+            Err(ResourceError::InvalidNumber {
+                number: key.index()
+            }),
+            "double free"
+        );
+        assert_eq!(
+            mpt.free_index(7),
+            Err(ResourceError::InvalidNumber { number: 7 })
+        );
+        assert_eq!(mpt.free_count(), 2);
     }
 
     #[test]

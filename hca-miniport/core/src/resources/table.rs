@@ -291,6 +291,19 @@ mod tests {
     }
 
     #[test]
+    fn generation_wraps_past_zero() {
+        let mut table = CqTable::new(1, 0..0).unwrap();
+        table.slots[0].generation = u32::MAX;
+        let last = table.insert_with(|_| "last").unwrap();
+        assert_eq!(last.generation(), u32::MAX);
+        table.remove(last).unwrap();
+        let wrapped = table.insert_with(|_| "wrapped").unwrap();
+        assert_eq!(wrapped.generation(), 1, "0 is skipped");
+        assert_ne!(wrapped.raw(), 0);
+        assert_eq!(table.get(last), None);
+    }
+
+    #[test]
     fn handles_are_never_zero() {
         let mut table = CqTable::new(4, 0..0).unwrap();
         let first = table.insert_with(|_| "a").unwrap();
