@@ -454,6 +454,71 @@ mod tests {
     }
 
     #[derive(Debug, Clone)]
+    enum TableOp {
+        Create,
+        CreateSpecial(u8, bool),
+        Destroy(usize),
+        Advance(u64),
+    }
+
+    proptest! {
+        /// A QP handle is valid exactly while its QP lives; live QPs never
+        /// share a number; general QPs never get a special number.
+        #[test]
+        fn qp_table_handles_live_exactly_as_long_as_their_qps(ops in proptest::collection::vec(
+            prop_oneof![
+                Just(TableOp::Create),
+                (0..4u8, any::<bool>()).prop_map(|(port, smi)| TableOp::CreateSpecial(port, smi)),
+                any::<usize>().prop_map(TableOp::Destroy),
+                (0..100u64).prop_map(TableOp::Advance),
+            ],
+            1..200,
+        )) {
+            let mut qps = QpTable::new(12, 2, 150).unwrap();
+            let mut now = 0u64;
+            let mut live: BTreeMap<u32, (Handle<kind::Qp>, u32)> = BTreeMap::new();
+            let mut dead: Vec<Handle<kind::Qp>> = Vec::new();
+            let mut serial = 0u32;
+            for op in ops {
+                serial += 1;
+                match op {
+                    TableOp::Advance(dt) => now += dt,
+                    TableOp::Create => if let Ok(handle) = qps.create_with(now, |_| serial) {
+                        prop_assert!(handle.number() >= 4);
+                        prop_assert!(live.insert(handle.number(), (handle, serial)).is_none());
+                    },
+                    TableOp::CreateSpecial(port, smi) => {
+                        let which = if smi { SpecialQp::Smi } else { SpecialQp::Gsi };
+                        match qps.create_special_with(port, which, |_| serial) {
+                            Ok(handle) => {
+                                prop_assert!(handle.number() < 4);
+                                prop_assert!(live.insert(handle.number(), (handle, serial)).is_none());
+                            }
+                            Err(ResourceError::InvalidPort { .. }) => prop_assert!(port == 0 || port > 2),
+                            Err(error) => prop_assert_eq!(error, ResourceError::NumberInUse {
+                                number: qps.numbers().special_qpn(port, which).unwrap(),
+                            }),
+                        }
+                    }
+                    TableOp::Destroy(i) => if !live.is_empty() {
+                        let number = *live.keys().nth(i % live.len()).unwrap();
+                        let (handle, value) = live.remove(&number).unwrap();
+                        prop_assert_eq!(qps.destroy(handle, now), Ok(value));
+                        dead.push(handle);
+                    },
+                }
+                for (handle, value) in live.values() {
+                    prop_assert_eq!(qps.objects().get(*handle), Some(value));
+                }
+                for handle in &dead {
+                    prop_assert!(!qps.objects().contains(*handle));
+                }
+                prop_assert_eq!(qps.objects().len() as usize, live.len());
+            }
+        }
+    }
+
+    #[derive(Debug, Clone)]
     enum Op {
         Alloc,
         Release(usize),
