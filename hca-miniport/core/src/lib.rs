@@ -8,3 +8,4 @@
 #![forbid(unsafe_code)]
 
 extern crate alloc;
+pub mod resources;
