@@ -8,3 +8,13 @@
 #![forbid(unsafe_code)]
 
 extern crate alloc;
+
+pub mod cmd;
+pub mod eq;
+pub mod hca;
+pub mod init;
+
+pub use cmd::{Command, CommandError, CommandInput, CommandOutput, Continuation};
+pub use eq::{DeviceFailure, EventSink};
+pub use hca::{Hca, HcaResources};
+pub use init::{BringUpReport, HcaConfig, InitError};
