@@ -24,11 +24,14 @@
 //!   after the consumer counter written (PRM 8.3), so no wake-up is lost.
 //! - An EQE that is valid by its owner bit but does not decode (unknown
 //!   type, bad port, bad subtype) is counted and skipped, never a panic.
+//! - At most one drain runs at a time, so events (and command
+//!   completions) are delivered in ring order even when the platform runs
+//!   the DPC on two processors at once.
 //! - Interrupts are one-shot (PRM 8.3): the EQ is re-armed at the end of
 //!   every drain, and nowhere else once running.
 
 use alloc::vec::Vec;
-use core::sync::atomic::{AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use driver_platform::{CommonBuffer, DmaAdapter, Mmio, Platform, SpinLock};
 use hca_prm::cmd::Opcode;
@@ -268,6 +271,10 @@ pub struct EventQueue<P: Platform> {
     /// The vector of the live EQ, `u64::MAX` when there is none; read by
     /// the ISR without a lock.
     live_vector: AtomicU64,
+    /// A drain is in progress (see [`EventQueue::drain`]).
+    draining: AtomicBool,
+    /// A DPC came while a drain was in progress: drain again.
+    look_again: AtomicBool,
     interrupts: AtomicU64,
     eqes: AtomicU64,
     garbage_eqes: AtomicU64,
@@ -295,6 +302,8 @@ impl<P: Platform> EventQueue<P> {
             ring: SpinLock::<P, _>::new(None),
             fired_vectors: AtomicU64::new(0),
             live_vector: AtomicU64::new(u64::MAX),
+            draining: AtomicBool::new(false),
+            look_again: AtomicBool::new(false),
             interrupts: AtomicU64::new(0),
             eqes: AtomicU64::new(0),
             garbage_eqes: AtomicU64::new(0),
@@ -351,7 +360,33 @@ impl<P: Platform> EventQueue<P> {
     /// The DPC's half, at DISPATCH_LEVEL: takes every valid EQE, calls
     /// `handle` for each decoded event with no lock held, and re-arms.
     /// Returns the number of events handed to `handle`.
+    ///
+    /// Events are handed out one drain at a time, in ring order: Windows
+    /// may run a DPC on a second processor while it still runs on the
+    /// first (it can be queued again once it started), so a second caller
+    /// finding a drain in progress only asks that one to look again.
     pub fn drain(&self, bar0: &P::Mmio, mut handle: impl FnMut(Event)) -> usize {
+        if self.draining.swap(true, Ordering::AcqRel) {
+            self.look_again.store(true, Ordering::Release);
+            return 0;
+        }
+        let mut handled = 0;
+        loop {
+            self.look_again.store(false, Ordering::Release);
+            handled += self.drain_once(bar0, &mut handle);
+            self.draining.store(false, Ordering::Release);
+            // A caller that came while we drained left its work to us;
+            // take it unless yet another caller took the drain meanwhile.
+            if !self.look_again.load(Ordering::Acquire)
+                || self.draining.swap(true, Ordering::AcqRel)
+            {
+                return handled;
+            }
+        }
+    }
+
+    /// One pass: takes valid EQEs in batches until none is left, then arms.
+    fn drain_once(&self, bar0: &P::Mmio, handle: &mut impl FnMut(Event)) -> usize {
         self.fired_vectors.store(0, Ordering::Release);
         self.drains.fetch_add(1, Ordering::Relaxed);
         let mut handled = 0;
