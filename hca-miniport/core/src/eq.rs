@@ -49,6 +49,11 @@ pub const EQE_BYTES: usize = 32;
 /// and the stack used for the batch.
 const DRAIN_BATCH: usize = 16;
 
+/// The largest EQ the core creates, whatever the device reports: the
+/// ring's counters are 32-bit (PRM conventions), so a ring of 2^31 entries
+/// is the largest whose phase bit still flips within the counter space.
+pub const MAX_LOG_EQ_ENTRIES: u8 = 31;
+
 /// The outcome of the guide's 5.4.1 sizing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EqSizing {
@@ -57,15 +62,18 @@ pub struct EqSizing {
     pub wanted_events: u64,
     /// `log2` of the ring entries chosen.
     pub log_entries: u8,
-    /// True when the wanted size exceeded the device's `log_max_eqes` and
-    /// the ring was capped at it: the EQ can then overflow under load.
+    /// True when the wanted size exceeded the device's `log_max_eqes` (or
+    /// [`MAX_LOG_EQ_ENTRIES`]) and the ring was capped at it: the EQ can
+    /// then overflow under load, which the device reports as a
+    /// catastrophic error.
     pub capped: bool,
 }
 
 impl EqSizing {
     /// Ring entries.
     pub fn entries(&self) -> u64 {
-        1u64 << self.log_entries
+        1u64.checked_shl(u32::from(self.log_entries))
+            .unwrap_or(u64::MAX)
     }
 }
 
@@ -80,7 +88,8 @@ fn ceil_log2(n: u64) -> u8 {
 
 /// Sizes the EQ by the guide's 5.4.1 formula, `MAX_QP*4 + MAX_CQ*2 +
 /// ports*5`, plus `command_slots` for command completions, rounded up to a
-/// power of two and capped at `2^log_max_eqes` (see [`EqSizing::capped`]).
+/// power of two and capped at `2^min(log_max_eqes, MAX_LOG_EQ_ENTRIES)`
+/// (see [`EqSizing::capped`]).
 pub fn size_event_queue(
     max_qps: u64,
     max_cqs: u64,
@@ -94,11 +103,11 @@ pub fn size_event_queue(
         .saturating_add(ports.saturating_mul(5))
         .saturating_add(command_slots);
     let wanted_log = ceil_log2(wanted_events);
-    let capped = wanted_log > log_max_eqes;
+    let limit = log_max_eqes.min(MAX_LOG_EQ_ENTRIES);
     EqSizing {
         wanted_events,
-        log_entries: wanted_log.min(log_max_eqes),
-        capped,
+        log_entries: wanted_log.min(limit),
+        capped: wanted_log > limit,
     }
 }
 
@@ -252,8 +261,12 @@ impl<B: CommonBuffer> EqRing<B> {
     /// The bus address of each page of the ring, for `WRITE_MTT`: a common
     /// buffer is contiguous in bus space, so page `i` is at base + i pages.
     pub fn page_addresses(&self, page_size: usize) -> Vec<u64> {
-        let bytes = (EQE_BYTES as u64) << self.log_entries;
-        let page = page_size as u64;
+        // A ring too large to express has no pages to describe (bring-up
+        // never builds one: see `MAX_LOG_EQ_ENTRIES`).
+        let Some(bytes) = (EQE_BYTES as u64).checked_shl(u32::from(self.log_entries)) else {
+            return Vec::new();
+        };
+        let page = (page_size as u64).max(1);
         let pages = bytes.div_ceil(page);
         (0..pages)
             .map(|i| self.buffer.bus_address() + i * page)

@@ -609,7 +609,10 @@ impl<P: Platform> Hca<P> {
             slots as u64,
             cap.log_max_eqes,
         );
-        let eq_bytes = crate::eq::EQE_BYTES << eq_sizing.log_entries;
+        let eq_bytes = usize::try_from(eq_sizing.entries())
+            .ok()
+            .and_then(|entries| entries.checked_mul(crate::eq::EQE_BYTES))
+            .ok_or(InitError::Capabilities("EQ ring size"))?;
         self.alloc(held, "event queue", eq_bytes)?;
         let Some(eq_buffer) = held.buffers.pop() else {
             return Err(InitError::Capabilities("internal: EQ buffer"));

@@ -11,7 +11,8 @@ use std::time::Duration;
 use driver_platform::{Irql, Mmio};
 use hca_miniport_core::cmd::{Command, CommandError, CommandOutput};
 use hca_miniport_core::eq::{
-    DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent, size_event_queue,
+    DeviceFailure, EventSink, MAX_LOG_EQ_ENTRIES, PortViolation, QpEvent, SrqEvent,
+    size_event_queue,
 };
 use hca_miniport_core::hca::{Hca, HcaResources};
 use hca_miniport_core::init::{BringUpReport, HcaConfig, InitError};
@@ -664,6 +665,61 @@ fn threaded_mode_brings_up_runs_commands_and_tears_down_cleanly() {
 }
 
 #[test]
+fn an_eq_capped_by_the_device_is_reported_and_still_works() {
+    let mut device = two_port_hca();
+    device.limits.log_max_eqes = 8;
+    let w = World::new(
+        HostConfig::deterministic(8, vec![device]),
+        HcaConfig::default(),
+    );
+    w.settle();
+    let report = w.report();
+    assert!(report.eq_sizing.capped, "{:?}", report.eq_sizing);
+    assert_eq!(report.eq_sizing.log_entries, 8);
+    assert!(report.eq_sizing.wanted_events > 256);
+    let port1 = PortNum::new(1).unwrap();
+    assert!(
+        w.shared
+            .sink
+            .events()
+            .contains(&(Seen::PortChange(port1, true), Irql::DISPATCH))
+    );
+    w.finish();
+}
+
+#[test]
+fn stop_fails_commands_whose_answers_have_not_arrived() {
+    let w = World::deterministic(9);
+    w.settle();
+    let hca = w.hca();
+    let log = recorder();
+    {
+        let (log, hca) = (log.clone(), hca.clone());
+        w.in_dpc(move || {
+            for i in 0..3 {
+                hca.submit(Command::new(Opcode::Nop, 0), record_into(&log, i));
+            }
+        });
+    }
+    // Run only the submitting DPC: the completion events are posted but no
+    // DPC has taken them yet when the device is stopped.
+    let ran = w.host.scheduler().run_one().unwrap().expect("the DPC ran");
+    assert_eq!(&*ran.label, DRIVER);
+    assert!(lock(&log).is_empty());
+    hca.stop();
+    let outcomes = lock(&log).clone();
+    assert_eq!(outcomes.len(), 3, "{outcomes:?}");
+    assert!(
+        outcomes
+            .iter()
+            .all(|(_, r, _)| matches!(r, Err(CommandError::DeviceFailed { .. })))
+    );
+    w.settle();
+    assert_eq!(lock(&log).len(), 3, "nothing completes twice");
+    w.finish();
+}
+
+#[test]
 fn eq_sizing_follows_the_guide_formula() {
     // Guide 5.4.1: MAX_EVENTS = QPs*4 + CQs*2 + ports*5, plus the command
     // slots, rounded up to a power of two.
@@ -681,7 +737,8 @@ fn eq_sizing_follows_the_guide_formula() {
     // Garbage limits saturate instead of overflowing.
     let huge = size_event_queue(u64::MAX, u64::MAX, u64::MAX, u64::MAX, 255);
     assert_eq!(huge.wanted_events, u64::MAX);
-    assert_eq!(huge.log_entries, 64);
+    assert_eq!(huge.log_entries, MAX_LOG_EQ_ENTRIES);
+    assert!(huge.capped);
 }
 
 proptest! {
@@ -695,7 +752,7 @@ proptest! {
     ) {
         let s = size_event_queue(qps, cqs, ports, slots, log_max);
         prop_assert_eq!(s.wanted_events, qps * 4 + cqs * 2 + ports * 5 + slots);
-        prop_assert!(s.log_entries <= log_max);
+        prop_assert!(s.log_entries <= log_max.min(MAX_LOG_EQ_ENTRIES));
         if s.capped {
             prop_assert_eq!(s.log_entries, log_max);
             prop_assert!(s.entries() < s.wanted_events);
