@@ -298,7 +298,11 @@ pub struct CommandInterface<P: Platform> {
 
 impl<P: Platform> core::fmt::Debug for CommandInterface<P> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        let state = self.state.lock();
+        // `try_lock`: formatting from code that holds the lock must not
+        // deadlock.
+        let Some(state) = self.state.try_lock() else {
+            return f.write_str("CommandInterface { <locked> }");
+        };
         f.debug_struct("CommandInterface")
             .field("mode", &state.mode)
             .field("producer", &state.producer)

@@ -185,10 +185,12 @@ impl<P: Platform> Hca<P> {
     /// Marks the device failed: commands fail from now on, and the sink
     /// hears of it once.
     pub(crate) fn declare_failed(&self, failure: DeviceFailure) {
-        self.failure.lock().get_or_insert(failure);
+        // The first failure is the one kept and reported, whichever of two
+        // racing reporters gets to the sink.
+        let first = *self.failure.lock().get_or_insert(failure);
         self.cmd.fail();
         if !self.failure_reported.swap(true, Ordering::AcqRel) {
-            self.sink.device_failed(failure);
+            self.sink.device_failed(first);
         }
     }
 

@@ -511,12 +511,14 @@ impl<P: Platform> Hca<P> {
             return Err(InitError::Capabilities("internal: command queue buffers"));
         };
         let ring_bus = ring.bus_address();
-        self.enable_command_queue(ring_bus, 0)?;
+        // Attach before enabling: from here the command interface owns the
+        // memory, and every error path gets it back from there.
         self.cmd.attach(CommandMemory {
             ring,
             log_size: 0,
             mailboxes: vec![(mailbox_in, mailbox_out)],
         });
+        self.enable_command_queue(ring_bus, 0)?;
 
         // 4. Capabilities.
         let answer = self.polled_step(

@@ -8,7 +8,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use driver_platform::{Irql, Mmio};
+use driver_platform::{Irql, Mmio, Platform};
 use hca_miniport_core::cmd::{Command, CommandError, CommandOutput};
 use hca_miniport_core::eq::{
     DeviceFailure, EventSink, MAX_LOG_EQ_ENTRIES, PortViolation, QpEvent, SrqEvent,
@@ -17,18 +17,21 @@ use hca_miniport_core::eq::{
 use hca_miniport_core::hca::{Hca, HcaResources};
 use hca_miniport_core::init::{BringUpReport, HcaConfig, InitError};
 use hca_prm::cmd::{CmdStatus, Opcode, PortInfo, Table};
-use hca_prm::regs::{CmdqConfig, FatalSyndrome, offset};
+use hca_prm::regs::{CmdqConfig, FatalSyndrome, Status, offset};
 use ib_types::scalars::{PortNum, Qpn};
 use ib_types::status::{IbStatus, NtStatus};
 use proptest::prelude::*;
 use sim_hca::device::DeviceConfig;
 use sim_hca::host::HostMemory;
-use sim_host::dma::HostDmaAdapter;
+use sim_host::dma::{HostDmaAdapter, HostLocker};
 use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry, SUCCESS, UNSUCCESSFUL};
 use sim_host::host::{Host, HostConfig};
-use sim_host::pci::PciFunction;
+use sim_host::irql::{HostSpinLock, IrqlTracker};
+use sim_host::pci::{Bar0, PciFunction};
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::{DeviceServices, PnpState};
+use sim_host::registry::RegistryView;
+use sim_host::request::HostRequest;
 use sim_host::sched::{DeviceDeferred, SchedulerHandle};
 use zerocopy::FromBytes;
 
@@ -90,22 +93,93 @@ impl EventSink for RecordingSink {
     }
 }
 
+/// A platform the test driver can run the core on: the simulated host's
+/// types, with BAR0 possibly wrapped.
+trait TestPlatform: Platform<Dma = HostDmaAdapter, Deferred = DeviceDeferred> + Sized {
+    /// BAR0 as this platform presents it.
+    fn bar0(function: &Arc<PciFunction>, overrides: &RegisterOverrides) -> Self::Mmio;
+}
+
+impl TestPlatform for SimPlatform {
+    fn bar0(function: &Arc<PciFunction>, _overrides: &RegisterOverrides) -> Bar0 {
+        function.bar0()
+    }
+}
+
+/// Register values a [`LyingBar0`] reports instead of the device's.
+type RegisterOverrides = Arc<Mutex<Vec<(u64, u32)>>>;
+
+/// BAR0 of a device that is not what it seems: reads of the overridden
+/// registers return the given values; everything else reaches the device.
+#[derive(Debug)]
+struct LyingBar0 {
+    inner: Bar0,
+    overrides: RegisterOverrides,
+}
+
+impl Mmio for LyingBar0 {
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+    fn read32(&self, offset: u64) -> u32 {
+        let lie = lock(&self.overrides)
+            .iter()
+            .find(|(at, _)| *at == offset)
+            .map(|(_, value)| *value);
+        lie.unwrap_or_else(|| self.inner.read32(offset))
+    }
+    fn write32(&self, offset: u64, value: u32) {
+        self.inner.write32(offset, value);
+    }
+    fn read64(&self, offset: u64) -> u64 {
+        u64::from(self.read32(offset)) | u64::from(self.read32(offset + 4)) << 32
+    }
+    fn write64(&self, offset: u64, value: u64) {
+        self.inner.write64(offset, value);
+    }
+}
+
+/// The simulated host with a [`LyingBar0`].
+#[derive(Debug, Clone, Copy, Default)]
+struct LyingPlatform;
+
+impl Platform for LyingPlatform {
+    type RawSpinLock = HostSpinLock;
+    type Mmio = LyingBar0;
+    type Dma = HostDmaAdapter;
+    type Locker = HostLocker;
+    type Deferred = DeviceDeferred;
+    type Registry = RegistryView;
+    type Request = HostRequest;
+    type Irql = IrqlTracker;
+}
+
+impl TestPlatform for LyingPlatform {
+    fn bar0(function: &Arc<PciFunction>, overrides: &RegisterOverrides) -> LyingBar0 {
+        LyingBar0 {
+            inner: function.bar0(),
+            overrides: overrides.clone(),
+        }
+    }
+}
+
 /// What the driver shares with the test.
-struct Shared {
+struct Shared<P: Platform> {
     config: HcaConfig,
+    overrides: RegisterOverrides,
     sink: Arc<RecordingSink>,
-    hca: Mutex<Option<Arc<Hca<SimPlatform>>>>,
+    hca: Mutex<Option<Arc<Hca<P>>>>,
     function: Mutex<Option<Arc<PciFunction>>>,
     adapter: Mutex<Option<HostDmaAdapter>>,
     started: Mutex<Option<Result<BringUpReport, InitError>>>,
 }
 
-struct MiniportDriver {
+struct MiniportDriver<P: Platform> {
     sched: SchedulerHandle,
-    shared: Arc<Shared>,
+    shared: Arc<Shared<P>>,
 }
 
-impl DriverEntry for MiniportDriver {
+impl<P: TestPlatform> DriverEntry for MiniportDriver<P> {
     fn add_device(
         &self,
         _init: &DeviceInit,
@@ -119,13 +193,13 @@ impl DriverEntry for MiniportDriver {
     }
 }
 
-struct MiniportDevice {
+struct MiniportDevice<P: Platform> {
     host: DeviceServices,
     sched: SchedulerHandle,
-    shared: Arc<Shared>,
+    shared: Arc<Shared<P>>,
 }
 
-impl DeviceCallbacks for MiniportDevice {
+impl<P: TestPlatform> DeviceCallbacks for MiniportDevice<P> {
     fn prepare_hardware(&self) -> NtStatus {
         let Some(function) = self.host.resources::<PciFunction>() else {
             return UNSUCCESSFUL;
@@ -135,7 +209,7 @@ impl DeviceCallbacks for MiniportDevice {
             Err(status) => return status,
         };
         let mut isr_deferred = None;
-        let hca = Arc::new_cyclic(|weak: &Weak<Hca<SimPlatform>>| {
+        let hca = Arc::new_cyclic(|weak: &Weak<Hca<P>>| {
             let (dpc_hca, timer_hca) = (weak.clone(), weak.clone());
             let deferred = DeviceDeferred::new(
                 self.sched.clone(),
@@ -155,7 +229,7 @@ impl DeviceCallbacks for MiniportDevice {
             isr_deferred = Some(deferred.clone());
             Hca::new(
                 HcaResources {
-                    bar0: function.bar0(),
+                    bar0: P::bar0(&function, &self.shared.overrides),
                     dma: adapter.clone(),
                     deferred,
                     msix_vectors: function.message_count(),
@@ -216,16 +290,23 @@ impl DeviceCallbacks for PassThrough {
 }
 
 /// A booted machine with the core driving its one HCA.
-struct World {
+struct World<P: Platform = SimPlatform> {
     host: Host,
-    shared: Arc<Shared>,
+    shared: Arc<Shared<P>>,
 }
 
-impl World {
+impl World<SimPlatform> {
     fn new(config: HostConfig, hca_config: HcaConfig) -> Self {
+        Self::with_overrides(config, hca_config, Vec::new())
+    }
+}
+
+impl<P: TestPlatform> World<P> {
+    fn with_overrides(config: HostConfig, hca_config: HcaConfig, lies: Vec<(u64, u32)>) -> Self {
         let host = Host::new(config).unwrap();
         let shared = Arc::new(Shared {
             config: hca_config,
+            overrides: Arc::new(Mutex::new(lies)),
             sink: Arc::default(),
             hca: Mutex::new(None),
             function: Mutex::new(None),
@@ -234,7 +315,7 @@ impl World {
         });
         host.register_driver(
             DRIVER,
-            Arc::new(MiniportDriver {
+            Arc::new(MiniportDriver::<P> {
                 sched: host.scheduler_handle(),
                 shared: shared.clone(),
             }),
@@ -244,18 +325,7 @@ impl World {
         World { host, shared }
     }
 
-    fn deterministic(seed: u64) -> Self {
-        Self::deterministic_with(seed, HcaConfig::default())
-    }
-
-    fn deterministic_with(seed: u64, hca_config: HcaConfig) -> Self {
-        Self::new(
-            HostConfig::deterministic(seed, vec![two_port_hca()]),
-            hca_config,
-        )
-    }
-
-    fn hca(&self) -> Arc<Hca<SimPlatform>> {
+    fn hca(&self) -> Arc<Hca<P>> {
         lock(&self.shared.hca).clone().expect("the HCA was created")
     }
 
@@ -289,6 +359,19 @@ impl World {
     fn finish(self) {
         self.host.shut_down();
         self.host.verifier().assert_clean();
+    }
+}
+
+impl World<SimPlatform> {
+    fn deterministic(seed: u64) -> Self {
+        Self::deterministic_with(seed, HcaConfig::default())
+    }
+
+    fn deterministic_with(seed: u64, hca_config: HcaConfig) -> Self {
+        Self::new(
+            HostConfig::deterministic(seed, vec![two_port_hca()]),
+            hca_config,
+        )
     }
 }
 
@@ -372,6 +455,7 @@ fn commands_issued_at_dispatch_level_complete_asynchronously_through_events() {
     w.settle();
     let log = recorder();
     let hca = w.hca();
+    let eqes_before = hca.eq_counters().eqes;
     let inline = Arc::new(Mutex::new(None));
     {
         let (log, inline, hca) = (log.clone(), inline.clone(), hca.clone());
@@ -409,6 +493,8 @@ fn commands_issued_at_dispatch_level_complete_asynchronously_through_events() {
     );
     assert_eq!(error.prm_status(), Some(CmdStatus::BadPort));
     assert_eq!(error.ib_status(), IbStatus::InvalidPort);
+    // Each answer came as a CMD_COMPLETION EQE taken by the DPC.
+    assert!(hca.eq_counters().eqes >= eqes_before + 3);
     let counters = hca.command_counters();
     assert_eq!(counters.stray_completions, 0);
     w.finish();
@@ -717,6 +803,65 @@ fn stop_fails_commands_whose_answers_have_not_arrived() {
     w.settle();
     assert_eq!(lock(&log).len(), 3, "nothing completes twice");
     w.finish();
+}
+
+/// Boots a machine whose BAR0 lies about `lies` and returns why bring-up
+/// failed; the failed start must leave nothing allocated.
+fn failed_start(lies: Vec<(u64, u32)>) -> InitError {
+    let w = World::<LyingPlatform>::with_overrides(
+        HostConfig::deterministic(10, vec![two_port_hca()]),
+        HcaConfig {
+            max_reset_polls: 1000,
+            ..HcaConfig::default()
+        },
+        lies,
+    );
+    assert!(matches!(
+        w.hca_devnode_state(),
+        Some(PnpState::FailedStart(_))
+    ));
+    let error = match *lock(&w.shared.started) {
+        Some(Err(error)) => error,
+        other => panic!("bring-up should have failed: {other:?}"),
+    };
+    let adapter = lock(&w.shared.adapter).clone().unwrap();
+    assert!(adapter.leaks().is_empty(), "{:?}", adapter.leaks());
+    w.finish();
+    error
+}
+
+#[test]
+fn a_device_that_is_not_ours_is_refused() {
+    assert_eq!(
+        failed_start(vec![(offset::MAGIC, 0x1234_5678)]),
+        InitError::WrongDevice { magic: 0x1234_5678 }
+    );
+}
+
+#[test]
+fn an_unsupported_prm_major_is_refused() {
+    assert_eq!(
+        failed_start(vec![(offset::PRM_VERSION, 2 << 16 | 3)]),
+        InitError::UnsupportedPrm { major: 2, minor: 3 }
+    );
+}
+
+#[test]
+fn a_device_that_never_becomes_ready_is_an_error_not_a_hang() {
+    assert_eq!(
+        failed_start(vec![(offset::STATUS, 0)]),
+        InitError::ResetTimeout { status: 0 }
+    );
+}
+
+#[test]
+fn a_command_queue_that_does_not_enable_fails_bring_up_and_frees_its_memory() {
+    // READY, but CMDQ_ENABLED never shows.
+    let status = Status::READY.bits();
+    assert_eq!(
+        failed_start(vec![(offset::STATUS, status)]),
+        InitError::CommandQueueNotEnabled { status }
+    );
 }
 
 #[test]
