@@ -106,8 +106,12 @@ impl TestPlatform for SimPlatform {
     }
 }
 
-/// Register values a [`LyingBar0`] reports instead of the device's.
+/// Register values a [`LyingBar0`] reports instead of the device's, and
+/// (with [`DROP_WRITES`] as the value) registers whose writes it drops.
 type RegisterOverrides = Arc<Mutex<Vec<(u64, u32)>>>;
+
+/// An override value meaning "writes to this register never arrive".
+const DROP_WRITES: u32 = 0xDEAD_0000;
 
 /// BAR0 of a device that is not what it seems: reads of the overridden
 /// registers return the given values; everything else reaches the device.
@@ -124,12 +128,17 @@ impl Mmio for LyingBar0 {
     fn read32(&self, offset: u64) -> u32 {
         let lie = lock(&self.overrides)
             .iter()
-            .find(|(at, _)| *at == offset)
+            .find(|&&(at, lie)| at == offset && lie != DROP_WRITES)
             .map(|(_, value)| *value);
         lie.unwrap_or_else(|| self.inner.read32(offset))
     }
     fn write32(&self, offset: u64, value: u32) {
-        self.inner.write32(offset, value);
+        let dropped = lock(&self.overrides)
+            .iter()
+            .any(|&(at, lie)| at == offset && lie == DROP_WRITES);
+        if !dropped {
+            self.inner.write32(offset, value);
+        }
     }
     fn read64(&self, offset: u64) -> u64 {
         u64::from(self.read32(offset)) | u64::from(self.read32(offset + 4)) << 32
@@ -812,6 +821,7 @@ fn failed_start(lies: Vec<(u64, u32)>) -> InitError {
         HostConfig::deterministic(10, vec![two_port_hca()]),
         HcaConfig {
             max_reset_polls: 1000,
+            max_command_polls: 1000,
             ..HcaConfig::default()
         },
         lies,
@@ -861,6 +871,20 @@ fn a_command_queue_that_does_not_enable_fails_bring_up_and_frees_its_memory() {
     assert_eq!(
         failed_start(vec![(offset::STATUS, status)]),
         InitError::CommandQueueNotEnabled { status }
+    );
+}
+
+#[test]
+fn a_polled_command_that_never_completes_is_an_error_not_a_hang() {
+    // The command doorbell never reaches the device.
+    assert_eq!(
+        failed_start(vec![(offset::CMDQ_DOORBELL, DROP_WRITES)]),
+        InitError::Command {
+            step: "QUERY_DEV_CAP",
+            error: CommandError::Timeout {
+                opcode: Opcode::QueryDevCap
+            }
+        }
     );
 }
 
