@@ -42,7 +42,6 @@ use alloc::boxed::Box;
 use alloc::collections::VecDeque;
 use alloc::vec;
 use alloc::vec::Vec;
-use core::sync::atomic::{AtomicU64, Ordering};
 
 use driver_platform::{CommonBuffer, DmaAdapter, Mmio, Platform, SpinLock};
 use hca_prm::cmd::{CMD_ENTRY_SIZE, CmdEntry, CmdFlags, CmdStatus, MAX_MAILBOX_BYTES, Opcode};
@@ -293,7 +292,7 @@ struct State<B> {
 pub struct CommandInterface<P: Platform> {
     state: SpinLock<P, State<<P::Dma as DmaAdapter>::Buffer>>,
     /// Bound on the `done`-byte reads of one polled command.
-    max_polls: AtomicU64,
+    max_polls: u64,
 }
 
 impl<P: Platform> core::fmt::Debug for CommandInterface<P> {
@@ -343,7 +342,7 @@ impl<P: Platform> CommandInterface<P> {
                 timeout_ns,
                 counters: CommandCounters::default(),
             }),
-            max_polls: AtomicU64::new(u64::from(max_polls.max(1))),
+            max_polls: u64::from(max_polls.max(1)),
         }
     }
 
@@ -415,12 +414,15 @@ impl<P: Platform> CommandInterface<P> {
     /// for completion by event, and commands queued meanwhile are issued.
     /// Call only once the EQ mapped for command completions is armed.
     pub fn enable_events(&self, bar0: &P::Mmio, now_ns: u64) -> Result<(), CommandError> {
-        let mut state = self.state.lock();
-        if state.mode != CommandMode::Polled {
-            return Err(CommandError::NotRunning);
-        }
-        state.mode = CommandMode::Event;
-        Self::issue_waiting(&mut state, bar0, now_ns);
+        let finished = {
+            let mut state = self.state.lock();
+            if state.mode != CommandMode::Polled {
+                return Err(CommandError::NotRunning);
+            }
+            state.mode = CommandMode::Event;
+            Self::issue_waiting(&mut state, bar0, now_ns)
+        };
+        run_all(finished);
         Ok(())
     }
 
@@ -444,6 +446,10 @@ impl<P: Platform> CommandInterface<P> {
     /// PASSIVE_LEVEL or DISPATCH_LEVEL; spins for at most the poll bound and
     /// the timeout. A command that does not complete in time declares the
     /// device failed.
+    ///
+    /// The command lock is held while spinning: polled mode is for
+    /// bring-up and teardown, when nothing else issues commands, and the
+    /// spin is bounded.
     pub fn execute_polled(
         &self,
         bar0: &P::Mmio,
@@ -451,7 +457,7 @@ impl<P: Platform> CommandInterface<P> {
         command: Command,
     ) -> Result<CommandOutput, CommandError> {
         let opcode = command.opcode;
-        let max_polls = self.max_polls.load(Ordering::Relaxed);
+        let max_polls = self.max_polls;
         let mut state = self.state.lock();
         match state.mode {
             CommandMode::Polled => {}

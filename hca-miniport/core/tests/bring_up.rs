@@ -549,6 +549,39 @@ fn more_commands_than_slots_all_complete_in_fifo_order() {
 }
 
 #[test]
+fn oversized_mailboxes_fail_their_command_and_nothing_else() {
+    let w = World::deterministic(11);
+    w.settle();
+    let hca = w.hca();
+    let log = recorder();
+    {
+        let (log, hca) = (log.clone(), hca.clone());
+        w.in_dpc(move || {
+            let too_long = Command::new(Opcode::WriteMtt, 0).with_mailbox(vec![0; 4097]);
+            hca.submit(too_long, record_into(&log, 0));
+            let too_much_out = Command::new(Opcode::QueryPort, 1).with_output(8192);
+            hca.submit(too_much_out, record_into(&log, 1));
+            hca.submit(Command::new(Opcode::Nop, 0), record_into(&log, 2));
+        });
+    }
+    w.settle();
+    let outcomes = lock(&log).clone();
+    assert!(
+        matches!(
+            outcomes.as_slice(),
+            [
+                (0, Err(CommandError::MailboxTooLarge { len: 4097, .. }), _),
+                (1, Err(CommandError::MailboxTooLarge { len: 8192, .. }), _),
+                (2, Ok(_), _),
+            ]
+        ),
+        "{outcomes:?}"
+    );
+    assert!(hca.failure().is_none());
+    w.finish();
+}
+
+#[test]
 fn a_command_timeout_fails_the_device_and_every_outstanding_command() {
     let timeout_ns = 50_000_000;
     let w = World::deterministic_with(
