@@ -12,8 +12,9 @@
 //!   report, never silent. A capped EQ can overflow under a storm of
 //!   events, which the device reports as a catastrophic error (PRM 6.3,
 //!   syndrome `EQ_OVERFLOW`).
-//! - **ISR** ([`EventQueue::note_interrupt`]): runs at DIRQL, only records
-//!   which vector fired and answers whether the DPC must run. It touches no
+//! - **ISR** ([`EventQueue::note_interrupt`]): runs at DIRQL, only counts
+//!   the interrupt and answers whether the DPC must run (the vector is the
+//!   live EQ's). It touches no
 //!   ring and calls no client (guide 9, NOTE: no callbacks from interrupt
 //!   context).
 //! - **DPC** ([`EventQueue::drain`]): at DISPATCH_LEVEL, takes every valid
@@ -278,9 +279,6 @@ impl<B: CommonBuffer> EqRing<B> {
 /// the ISR and the DPC share.
 pub struct EventQueue<P: Platform> {
     ring: SpinLock<P, Option<EqRing<<P::Dma as DmaAdapter>::Buffer>>>,
-    /// Bit `v` set: vector `v` fired since the DPC last looked (vectors of
-    /// 64 and up share bit 63).
-    fired_vectors: AtomicU64,
     /// The vector of the live EQ, `u64::MAX` when there is none; read by
     /// the ISR without a lock.
     live_vector: AtomicU64,
@@ -313,7 +311,6 @@ impl<P: Platform> EventQueue<P> {
     pub fn new() -> Self {
         Self {
             ring: SpinLock::<P, _>::new(None),
-            fired_vectors: AtomicU64::new(0),
             live_vector: AtomicU64::new(u64::MAX),
             draining: AtomicBool::new(false),
             look_again: AtomicBool::new(false),
@@ -339,15 +336,14 @@ impl<P: Platform> EventQueue<P> {
         self.ring.lock().take()
     }
 
-    /// The ISR's half, at DIRQL: records that `vector` fired and returns
-    /// whether the DPC must run (the vector is the live EQ's). Touches no
-    /// ring, takes no lock.
+    /// The ISR's half, at DIRQL: counts the interrupt and returns whether
+    /// the DPC must run (the vector is the live EQ's). Touches no ring,
+    /// takes no lock. With one EQ the DPC needs no more than that; with an
+    /// EQ per vector this is where the fired vectors would be recorded.
     pub fn note_interrupt(&self, vector: u16) -> bool {
         if self.live_vector.load(Ordering::Acquire) != u64::from(vector) {
             return false;
         }
-        self.fired_vectors
-            .fetch_or(1u64 << vector.min(63), Ordering::AcqRel);
         self.interrupts.fetch_add(1, Ordering::Relaxed);
         true
     }
@@ -400,7 +396,6 @@ impl<P: Platform> EventQueue<P> {
 
     /// One pass: takes valid EQEs in batches until none is left, then arms.
     fn drain_once(&self, bar0: &P::Mmio, handle: &mut impl FnMut(Event)) -> usize {
-        self.fired_vectors.store(0, Ordering::Release);
         self.drains.fetch_add(1, Ordering::Relaxed);
         let mut handled = 0;
         loop {
