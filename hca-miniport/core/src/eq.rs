@@ -10,13 +10,14 @@
 //!   `log_max_eqes` the ring is capped at the device maximum and
 //!   [`EqSizing::capped`] says so: the decision is part of the bring-up
 //!   report, never silent. A capped EQ can overflow under a storm of
-//!   events, which the device reports as a catastrophic error (PRM 6.3,
-//!   syndrome `EQ_OVERFLOW`).
+//!   events, which the device treats as a catastrophic error (PRM 6.3,
+//!   `STATUS.FATAL` with syndrome `EQ_OVERFLOW`); its `CATASTROPHIC` event
+//!   cannot reach the full EQ, so the core learns of it from the command
+//!   watchdog.
 //! - **ISR** ([`EventQueue::note_interrupt`]): runs at DIRQL, only counts
 //!   the interrupt and answers whether the DPC must run (the vector is the
-//!   live EQ's). It touches no
-//!   ring and calls no client (guide 9, NOTE: no callbacks from interrupt
-//!   context).
+//!   live EQ's). It touches no ring and calls no client (guide 9, NOTE: no
+//!   callbacks from interrupt context).
 //! - **DPC** ([`EventQueue::drain`]): at DISPATCH_LEVEL, takes every valid
 //!   EQE (owner bit per PRM 8.1) in batches, frees ring space after each
 //!   batch (doorbell without `ARM`), hands each decoded event to the
