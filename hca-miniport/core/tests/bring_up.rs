@@ -15,7 +15,7 @@ use hca_miniport_core::eq::{
     size_event_queue,
 };
 use hca_miniport_core::hca::{Hca, HcaResources};
-use hca_miniport_core::init::{BringUpReport, HcaConfig, InitError};
+use hca_miniport_core::init::{BringUpReport, HcaConfig, InitError, choose_table_sizes};
 use hca_prm::cmd::{CmdStatus, Opcode, PortInfo, Table};
 use hca_prm::regs::{CmdqConfig, FatalSyndrome, Status, offset};
 use ib_types::scalars::{PortNum, Qpn};
@@ -927,6 +927,60 @@ fn a_polled_command_that_never_completes_is_an_error_not_a_hang() {
             }
         }
     );
+}
+
+#[test]
+fn context_tables_use_the_device_maximum_within_the_configured_caps() {
+    let cap = two_port_hca().dev_cap();
+    let config = HcaConfig {
+        max_log_mpts: 10,
+        ..HcaConfig::default()
+    };
+    let tables = choose_table_sizes(&cap, &config).unwrap();
+    let qpc = tables[usize::from(Table::Qpc.code())];
+    assert_eq!(qpc.log_count, cap.log_max_qps.min(config.max_log_qps));
+    assert_eq!(qpc.device_max_log, cap.log_max_qps);
+    assert_eq!(tables[usize::from(Table::Mpt.code())].log_count, 10);
+    for t in &tables {
+        assert!(t.log_count <= t.device_max_log, "{t:?}");
+    }
+}
+
+#[test]
+fn context_tables_shrink_to_the_memory_budget_but_keep_the_special_qps() {
+    let cap = two_port_hca().dev_cap();
+    let budget = 256 << 10;
+    let tables = choose_table_sizes(
+        &cap,
+        &HcaConfig {
+            max_context_bytes: budget,
+            ..HcaConfig::default()
+        },
+    )
+    .unwrap();
+    let total: u64 = tables.iter().map(|t| t.bytes()).sum();
+    assert!(total <= budget, "{total} > {budget}");
+    assert!(1 << tables[usize::from(Table::Qpc.code())].log_count >= 4);
+    // A budget below the minimum layout is refused, not ignored.
+    let tiny = choose_table_sizes(
+        &cap,
+        &HcaConfig {
+            max_context_bytes: 64,
+            ..HcaConfig::default()
+        },
+    );
+    assert!(matches!(
+        tiny,
+        Err(InitError::ContextBudget { budget: 64, .. })
+    ));
+    // A zero entry size from a broken device is an error, not a divide or
+    // an empty table.
+    let mut broken = cap;
+    broken.cqc_entry_size = hca_prm::Le16::new(0);
+    assert!(matches!(
+        choose_table_sizes(&broken, &HcaConfig::default()),
+        Err(InitError::Capabilities(_))
+    ));
 }
 
 #[test]
