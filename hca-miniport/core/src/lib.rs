@@ -3,9 +3,24 @@
 //! (`driver_platform::Platform`) that the KMDF shell implements on Windows
 //! and the simulated host implements on Linux. See `docs/miniport.md` for
 //! the layers and what is built.
+//!
+//! Bring-up and events: [`hca::Hca`] is the device object (ISR, DPC and
+//! timer entry points); [`init`] brings the device up and down (PRM 3),
+//! [`cmd`] runs commands (PRM 4), [`eq`] sizes and drains the event queue
+//! and hands events to the higher layers' [`eq::EventSink`] (PRM 8).
 
 #![cfg_attr(not(test), no_std)]
 #![forbid(unsafe_code)]
 
 extern crate alloc;
+
+pub mod cmd;
+pub mod eq;
+pub mod hca;
+pub mod init;
 pub mod resources;
+
+pub use cmd::{Command, CommandError, CommandInput, CommandOutput, Continuation};
+pub use eq::{DeviceFailure, EventSink};
+pub use hca::{Hca, HcaResources};
+pub use init::{BringUpReport, HcaConfig, InitError};
