@@ -18,6 +18,7 @@ pub mod cmd;
 pub mod eq;
 pub mod hca;
 pub mod init;
+pub mod mr;
 pub mod resources;
 
 pub use cmd::{Command, CommandError, CommandInput, CommandOutput, Continuation};
