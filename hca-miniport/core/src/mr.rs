@@ -126,7 +126,7 @@ enum Backing<P: Platform> {
 struct Translation<P: Platform> {
     range: EntryRange,
     log_page_size: u8,
-    bus_pages: Vec<u64>,
+    bus_pages: Arc<[u64]>,
     device_writable: bool,
     backing: Backing<P>,
 }
@@ -742,7 +742,13 @@ impl<P: Platform> MemoryTranslation<P> {
             this.switch_mpt(&hca2, region, new, continuation);
         });
         match new_translation {
-            Some(t) => self.write_mtt(hca, t, 0, switch),
+            Some(t) => {
+                let (first, pages) = (t.range.start(), Arc::clone(&t.bus_pages));
+                // Only the new region may hold the translation while the
+                // chain runs (a failure releases it through that one).
+                drop(t);
+                self.write_mtt(hca, first, pages, 0, switch);
+            }
             None => switch(Ok(())),
         }
     }
@@ -909,7 +915,7 @@ impl<P: Platform> MemoryTranslation<P> {
         Ok(Translation {
             range,
             log_page_size: HOST_PAGE_SHIFT,
-            bus_pages,
+            bus_pages: bus_pages.into(),
             device_writable: writable,
             backing: Backing::Locked {
                 pages: locked,
@@ -966,7 +972,7 @@ impl<P: Platform> MemoryTranslation<P> {
         Ok(Translation {
             range,
             log_page_size: shift,
-            bus_pages: request.pages.to_vec(),
+            bus_pages: Arc::from(request.pages),
             device_writable: true,
             backing: Backing::Physical,
         })
@@ -1003,10 +1009,14 @@ impl<P: Platform> MemoryTranslation<P> {
         }
         let this = self.clone();
         let hca2 = Arc::clone(hca);
-        let translation = Arc::clone(&region.translation);
+        let (first, pages) = (
+            region.translation.range.start(),
+            Arc::clone(&region.translation.bus_pages),
+        );
         self.write_mtt(
             hca,
-            translation,
+            first,
+            pages,
             0,
             Box::new(move |written| match written {
                 Ok(()) => this.create_mpt(&hca2, region, continuation),
@@ -1024,16 +1034,18 @@ impl<P: Platform> MemoryTranslation<P> {
     fn write_mtt(
         &self,
         hca: &Arc<Hca<P>>,
-        translation: Arc<Translation<P>>,
+        first_entry: u32,
+        pages: Arc<[u64]>,
         from: usize,
         done: Step,
     ) {
-        let pages = &translation.bus_pages;
+        // The step holds the page list, never the translation: a failure's
+        // release must find the translation's last reference free.
         if from >= pages.len() {
             return done(Ok(()));
         }
         let end = pages.len().min(from + self.shared.mtts_per_write);
-        let first = u64::from(translation.range.start()) + from as u64;
+        let first = u64::from(first_entry) + from as u64;
         let mut mailbox = Vec::with_capacity(8 + 8 * (end - from));
         mailbox.extend_from_slice(&first.to_le_bytes());
         for page in &pages[from..end] {
@@ -1044,7 +1056,7 @@ impl<P: Platform> MemoryTranslation<P> {
         hca.submit(
             Command::new(Opcode::WriteMtt, 0).with_mailbox(mailbox),
             Box::new(move |result| match result {
-                Ok(_) => this.write_mtt(&hca2, translation, end, done),
+                Ok(_) => this.write_mtt(&hca2, first_entry, pages, end, done),
                 Err(error) => done(Err(error)),
             }),
         );
