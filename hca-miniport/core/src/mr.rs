@@ -45,8 +45,9 @@
 //!   is built and the old released after the switch. Keys: the MPT index
 //!   (and so the region's handle) stays, the tag moves on, so the L_Key and
 //!   R_Key change and old keys stop matching (PRM 7.1: the device requires
-//!   the key's low byte to equal the entry's tag; IBA 11.2.8.4 returns new
-//!   keys). Failure before `HW2SW_MPT` (input, lock, map, MTT, `WRITE_MTT`)
+//!   the key's low byte to equal the entry's tag; a re-registration, as
+//!   the guide says, is a deregistration and a registration, whose keys
+//!   are new). Failure before `HW2SW_MPT` (input, lock, map, MTT, `WRITE_MTT`)
 //!   or of `HW2SW_MPT` itself leaves the old region as it was; failure of
 //!   the new `SW2HW_MPT` re-creates the old entry with its old key, and
 //!   only if that fails too is the region lost ([`MrError::RegionLost`]).
@@ -877,7 +878,13 @@ impl<P: Platform> MemoryTranslation<P> {
         let pages = mtt_pages(page_offset, HOST_PAGE_SHIFT, length)
             .ok_or(MrError::RangeOverflow { start: va, length })?;
         let pages = self.check_pages(pages)?;
-        if mode == RequestorMode::User && irql > Irql::APC {
+        // MmProbeAndLockPages: APC_LEVEL for pageable (user) memory,
+        // DISPATCH_LEVEL for non-paged kernel memory; mapping likewise.
+        let ceiling = match mode {
+            RequestorMode::User => Irql::APC,
+            RequestorMode::Kernel => Irql::DISPATCH,
+        };
+        if irql > ceiling {
             return Err(MrError::IrqlTooHigh { irql });
         }
         let locked = locker

@@ -1239,3 +1239,232 @@ fn regions_left_at_a_device_failure_are_released_by_deregistration() {
     w.host.pool().free(block);
     w.finish();
 }
+
+#[test]
+fn many_registrations_from_one_dpc_interleave_and_all_complete() {
+    // More registrations than command slots, each a chain of commands,
+    // under several seeds (the scheduler interleaves DPCs and the device
+    // differently with each).
+    for seed in [20, 21, 22] {
+        let w = World::new(seed, small_tables());
+        let count = 3 * w.hca.command_slots() + 1;
+        let block = w.kernel_buffer(count * 3 * PAGE as usize);
+        let locker = w.locker(None);
+        let results: Arc<Mutex<Vec<Result<Region, MrError>>>> = Arc::default();
+        let (mt, hca, out, va) = (w.mt.clone(), w.hca.clone(), results.clone(), block.va());
+        w.run(Level::Dispatch, move || {
+            for i in 0..count as u64 {
+                let out = out.clone();
+                mt.register_virtual(
+                    &hca,
+                    &locker,
+                    Irql::DISPATCH,
+                    kernel(va + i * 3 * PAGE + i, 2 * PAGE, AccessFlags::LOCAL_WRITE, 1),
+                    Box::new(move |r| lock(&out).push(r)),
+                );
+            }
+        });
+        let regions: Vec<Region> = lock(&results)
+            .drain(..)
+            .map(|r| r.expect("registered"))
+            .collect();
+        assert_eq!(regions.len(), count, "seed {seed}");
+        let mut keys: Vec<u32> = regions.iter().map(|r| r.key().index()).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        assert_eq!(keys.len(), count, "distinct MPT entries");
+        let mut ranges: Vec<(u32, u32)> = regions
+            .iter()
+            .map(|r| (r.mtt_range().start(), r.mtt_range().len()))
+            .collect();
+        ranges.sort_unstable();
+        assert!(
+            ranges.windows(2).all(|p| p[0].0 + p[0].1 <= p[1].0),
+            "disjoint MTT ranges"
+        );
+        for region in &regions {
+            assert_on_device(&w, region);
+        }
+        for region in regions {
+            w.deregister(region).unwrap();
+        }
+        w.host.pool().free(block);
+        w.finish();
+    }
+}
+
+/// An unbound type 1 window's MPT entry: what a squatter creates at an
+/// index the re-registration has just freed on the device.
+fn squatter_entry() -> Vec<u8> {
+    use zerocopy::IntoBytes;
+    let entry = hca_prm::mpt::MptEntry {
+        kind: MptKind::WindowType1.code(),
+        pd: hca_prm::Le32::new(1),
+        ..Default::default()
+    };
+    entry.as_bytes().to_vec()
+}
+
+/// Re-registers `region` (PD only) from a DPC while, in the same DPC, a
+/// squatter takes the MPT index the moment `HW2SW_MPT` has freed it: the
+/// new `SW2HW_MPT` is refused. With `leave`, the squatter's own
+/// continuation removes it again before the old entry is re-created.
+fn rereg_against_a_squatter(
+    w: &World,
+    region: Region,
+    leave: bool,
+) -> Result<Region, ReregFailure<SimPlatform>> {
+    use hca_miniport_core::cmd::Command;
+    let slot: Slot<Result<Region, ReregFailure<SimPlatform>>> = Arc::default();
+    let (mt, hca, out, locker) = (w.mt.clone(), w.hca.clone(), slot.clone(), w.locker(None));
+    let index = region.mpt_index();
+    w.run(Level::Dispatch, move || {
+        mt.reregister(
+            &hca,
+            &locker,
+            Irql::DISPATCH,
+            region,
+            Reregistration {
+                pd: Some(2),
+                ..Reregistration::default()
+            },
+            Box::new(move |r| *lock(&out) = Some(r)),
+        );
+        let hca2 = hca.clone();
+        hca.submit(
+            Command::new(hca_prm::cmd::Opcode::Sw2HwMpt, index).with_mailbox(squatter_entry()),
+            Box::new(move |squatted| {
+                assert!(squatted.is_ok(), "{squatted:?}");
+                if leave {
+                    hca2.submit(
+                        Command::new(hca_prm::cmd::Opcode::Hw2SwMpt, index),
+                        Box::new(|left| assert!(left.is_ok(), "{left:?}")),
+                    );
+                }
+            }),
+        );
+    });
+    lock(&slot).take().expect("the re-registration completed")
+}
+
+#[test]
+fn a_refused_new_entry_is_replaced_by_the_old_one() {
+    let w = World::new(12, small_tables());
+    let block = w.kernel_buffer(2 * PAGE as usize);
+    let locker = w.locker(None);
+    let region = w
+        .register(
+            Level::Dispatch,
+            &locker,
+            kernel(block.va(), 2 * PAGE, AccessFlags::LOCAL_WRITE, 1),
+        )
+        .unwrap();
+    let key = region.key();
+    let failure = rereg_against_a_squatter(&w, region, true).unwrap_err();
+    assert_eq!(
+        failure.error.ib_status(),
+        IbStatus::InvalidState,
+        "BAD_RES_STATE: {failure:?}"
+    );
+    let region = failure.region.expect("the old entry was re-created");
+    assert_eq!(region.key(), key, "with its old key");
+    assert_eq!(region.pd(), 1);
+    assert_on_device(&w, &region);
+    // The allocator's tag did not move: a later re-registration gets the
+    // next key, and the device agrees.
+    let region = w
+        .reregister(
+            &locker,
+            region,
+            Reregistration {
+                pd: Some(3),
+                ..Reregistration::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(region.key().tag(), key.tag().wrapping_add(1));
+    assert_on_device(&w, &region);
+    w.deregister(region).unwrap();
+    w.host.pool().free(block);
+    w.finish();
+}
+
+#[test]
+fn a_region_whose_old_entry_cannot_be_restored_is_lost_and_released() {
+    let w = World::new(14, small_tables());
+    let block = w.kernel_buffer(2 * PAGE as usize);
+    let locker = w.locker(None);
+    let region = w
+        .register(
+            Level::Dispatch,
+            &locker,
+            kernel(block.va(), 2 * PAGE, AccessFlags::LOCAL_WRITE, 1),
+        )
+        .unwrap();
+    let index = region.mpt_index();
+    let failure = rereg_against_a_squatter(&w, region, false).unwrap_err();
+    assert!(
+        matches!(failure.error, MrError::RegionLost(_)),
+        "{failure:?}"
+    );
+    assert!(failure.region.is_none());
+    assert!(idle(w.mt.usage()), "the lost region's resources were freed");
+    // The squatter leaves; the index is free on both sides again.
+    let done: Slot<bool> = Arc::default();
+    let out = done.clone();
+    w.hca.submit(
+        hca_miniport_core::cmd::Command::new(hca_prm::cmd::Opcode::Hw2SwMpt, index),
+        Box::new(move |r| *lock(&out) = Some(r.is_ok())),
+    );
+    w.settle();
+    assert_eq!(*lock(&done), Some(true));
+    w.host.pool().free(block);
+    w.finish();
+}
+
+#[test]
+fn a_physical_region_cannot_move_to_a_new_virtual_range() {
+    let w = World::new(13, small_tables());
+    let window = w.adapter().window().start;
+    let region = w
+        .register_physical(
+            vec![window],
+            PhysicalRegion {
+                iova: 0x1000,
+                length: 64,
+                first_byte_offset: 0,
+                page_shift: 12,
+                pages: &[],
+                access: AccessFlags::empty(),
+                pd: 1,
+            },
+        )
+        .unwrap();
+    let failure = w
+        .reregister(
+            &w.locker(None),
+            region,
+            Reregistration {
+                range: Some((0x2000, 64)),
+                ..Reregistration::default()
+            },
+        )
+        .unwrap_err();
+    assert_eq!(failure.error, MrError::PhysicalRange);
+    let region = failure.region.expect("intact");
+    // Rights and PD can change; the page list stays.
+    let region = w
+        .reregister(
+            &w.locker(None),
+            region,
+            Reregistration {
+                access: Some(AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE),
+                ..Reregistration::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(region.bus_pages(), &[window]);
+    assert_on_device(&w, &region);
+    w.deregister(region).unwrap();
+    w.finish();
+}

@@ -95,7 +95,8 @@ pub enum MrError {
         page_shift: u8,
     },
     /// User pages can only be locked at PASSIVE_LEVEL or APC_LEVEL
-    /// (`MmProbeAndLockPages` on pageable memory); the caller is above.
+    /// (`MmProbeAndLockPages` on pageable memory), kernel pages at
+    /// DISPATCH_LEVEL or below; the caller is above.
     #[error("user pages cannot be locked at {irql:?}")]
     IrqlTooHigh {
         /// The caller's IRQL.
@@ -119,8 +120,8 @@ pub enum MrError {
     /// A device command failed.
     #[error("device command failed: {0}")]
     Command(CommandError),
-    /// Memory windows are bound to the region (IBA 10.6.7.2.1; PRM 7.1:
-    /// `HW2SW_MPT` would answer `RESOURCE_BUSY`).
+    /// Memory windows are bound to the region (PRM 7.1: `HW2SW_MPT` of a
+    /// region with bound windows answers `RESOURCE_BUSY`).
     #[error("{count} memory windows are bound to the region")]
     WindowsBound {
         /// Windows bound.
