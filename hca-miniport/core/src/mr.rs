@@ -429,6 +429,11 @@ pub struct MptQuery {
 }
 
 impl MptQuery {
+    /// The entry's kind, if the device reported a known one.
+    pub fn kind(&self) -> Option<MptKind> {
+        MptKind::from_code(self.kind).ok()
+    }
+
     /// The rights, if the device reported only known bits.
     pub fn access(&self) -> Option<AccessFlags> {
         AccessFlags::from_bits(self.access_bits)
@@ -754,7 +759,11 @@ impl<P: Platform> MemoryTranslation<P> {
         }
     }
 
-    /// Deregisters `region` (guide 7.1.1.6; see the module doc).
+    /// Deregisters `region` (guide 7.1.1.6; see the module doc): refused,
+    /// with the region handed back unchanged, while windows are bound or
+    /// when the device refuses `HW2SW_MPT`. Call it while the device is
+    /// started: after [`Hca::stop`] commands wait for the next start, so
+    /// use [`release_after_reset`](Self::release_after_reset) instead.
     pub fn deregister(
         &self,
         hca: &Arc<Hca<P>>,
@@ -1203,7 +1212,10 @@ impl<P: Platform> MemoryTranslation<P> {
         {
             let mut state = self.shared.state.lock();
             let run = EntryRange::new(
-                translation.range.start() - self.shared.mtt_first,
+                translation
+                    .range
+                    .start()
+                    .saturating_sub(self.shared.mtt_first),
                 translation.range.len(),
             );
             let _ = state.mtt.free(run);

@@ -451,7 +451,7 @@ fn idle(usage: TranslationUsage) -> bool {
 /// Checks the device's MPT entry and MTT entries against `region`.
 fn assert_on_device(w: &World, region: &Region) {
     let q = w.query(region);
-    assert_eq!(q.kind, MptKind::Region.code());
+    assert_eq!(q.kind(), Some(MptKind::Region));
     assert!(q.valid);
     assert_eq!(q.key, region.key(), "the entry's tag is the key's");
     assert_eq!(q.key.raw(), region.lkey().get());
@@ -630,8 +630,22 @@ fn user_memory_cannot_be_locked_from_a_dpc_kernel_memory_can() {
     w.deregister(u).unwrap();
     w.deregister(k).unwrap();
     w.host.pool().free(block);
-    // The verifier has no IRQL violation: the core never called the
-    // locker for user memory above APC_LEVEL.
+    // The verifier has no IRQL violation so far: the core never called
+    // the locker for user memory above APC_LEVEL. Doing so is one (the
+    // host checks MmProbeAndLockPages' ceiling), which is why it refuses.
+    assert!(w.host.verifier().take().is_empty());
+    let direct = w.locker(Some(&process));
+    w.run(Level::Dispatch, move || {
+        drop(direct.lock(RequestorMode::User, va, PAGE, false));
+    });
+    let violations = w.host.verifier().take();
+    assert!(
+        matches!(
+            violations.as_slice(),
+            [v] if matches!(v.kind, sim_host::verifier::ViolationKind::IrqlTooHigh { .. })
+        ),
+        "{violations:?}"
+    );
     w.finish();
 }
 
