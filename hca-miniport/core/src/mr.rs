@@ -162,6 +162,7 @@ impl<P: Platform> Translation<P> {
 /// A registered memory region: an MPT entry of kind region over a
 /// (possibly shared) translation. Owned by the verbs layer; give it back to
 /// [`MemoryTranslation::deregister`].
+#[must_use = "a region dropped without deregistration leaks its DMA mapping"]
 pub struct MemoryRegion<P: Platform> {
     key: MemoryKey,
     pd: u32,
@@ -382,7 +383,6 @@ pub struct Reregistration {
 }
 
 /// What a re-registration that failed leaves.
-#[derive(Debug)]
 pub struct ReregFailure<P: Platform> {
     /// Why it failed.
     pub error: MrError,
@@ -392,12 +392,29 @@ pub struct ReregFailure<P: Platform> {
 }
 
 /// A deregistration refused: the region is still registered.
-#[derive(Debug)]
 pub struct DeregFailure<P: Platform> {
     /// Why.
     pub error: MrError,
     /// The region, unchanged.
     pub region: MemoryRegion<P>,
+}
+
+impl<P: Platform> core::fmt::Debug for ReregFailure<P> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("ReregFailure")
+            .field("error", &self.error)
+            .field("region", &self.region)
+            .finish()
+    }
+}
+
+impl<P: Platform> core::fmt::Debug for DeregFailure<P> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("DeregFailure")
+            .field("error", &self.error)
+            .field("region", &self.region)
+            .finish()
+    }
 }
 
 /// An MPT entry as `QUERY_MPT` reported it (PRM 7.1), decoded.
