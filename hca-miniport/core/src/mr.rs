@@ -65,6 +65,10 @@
 //! - **Keys.** MPT index 0 is never handed out, so the raw key 0 (which
 //!   `ib_types::mr::MrKeys` uses for "no R_Key") names no entry. A region's
 //!   R_Key is its key when its rights include a remote right, else 0.
+//!   Windows share the MPT table: the MW code takes, re-tags and frees
+//!   their indices through [`alloc_window_key`](MemoryTranslation::alloc_window_key),
+//!   [`next_window_key`](MemoryTranslation::next_window_key) and
+//!   [`free_window_key`](MemoryTranslation::free_window_key).
 //! - Every continuation is called exactly once: from the DPC when a device
 //!   command was involved, or inline in the caller when the request was
 //!   refused before any command (or the device is already failed).
@@ -568,6 +572,33 @@ impl<P: Platform> MemoryTranslation<P> {
             regions: state.regions,
             translations: state.translations,
         }
+    }
+
+    /// Hook for the MW code: takes an MPT index for a memory window (the
+    /// table is shared with regions, PRM 7.1) and returns its first key.
+    /// The window's `SW2HW_MPT` is the MW code's.
+    pub fn alloc_window_key(&self) -> Result<MemoryKey, MrError> {
+        self.alloc_key()
+    }
+
+    /// Hook for the MW code: the window's entry gets its next tag (a bind
+    /// changes the key, PRM 7.1, guide 7.2); returns the new key. Fails,
+    /// changing nothing, if the index is not allocated.
+    pub fn next_window_key(&self, index: u32) -> Result<MemoryKey, MrError> {
+        Ok(self.shared.state.lock().keys.bump_tag(index)?)
+    }
+
+    /// Hook for the MW code: frees a window's MPT index after its
+    /// `HW2SW_MPT`, whatever its tag (a type 2 window's tag is the
+    /// poster's). Fails, changing nothing, if the index is not allocated
+    /// or is index 0.
+    pub fn free_window_key(&self, index: u32) -> Result<(), MrError> {
+        if index == 0 {
+            return Err(MrError::Resources(
+                crate::resources::ResourceError::Reserved { number: 0 },
+            ));
+        }
+        Ok(self.shared.state.lock().keys.free_index(index)?)
     }
 
     /// Registers `request.length` bytes at `request.va` (guide 7.1.1.1; see

@@ -1482,3 +1482,23 @@ fn a_physical_region_cannot_move_to_a_new_virtual_range() {
     w.deregister(region).unwrap();
     w.finish();
 }
+
+#[test]
+fn window_keys_come_from_the_same_mpt_table() {
+    let w = World::new(15, small_tables());
+    let before = w.mt.usage();
+    let key = w.mt.alloc_window_key().unwrap();
+    assert_ne!(key.index(), 0);
+    assert_eq!(w.mt.usage().mpt_free, before.mpt_free - 1);
+    let next = w.mt.next_window_key(key.index()).unwrap();
+    assert_eq!(
+        (next.index(), next.tag()),
+        (key.index(), key.tag().wrapping_add(1))
+    );
+    assert!(w.mt.free_window_key(0).is_err(), "index 0 is held back");
+    w.mt.free_window_key(key.index()).unwrap();
+    assert!(w.mt.free_window_key(key.index()).is_err(), "double free");
+    assert!(w.mt.next_window_key(key.index()).is_err());
+    assert_eq!(w.mt.usage(), before);
+    w.finish();
+}
