@@ -8,6 +8,9 @@
 //! timer entry points); [`init`] brings the device up and down (PRM 3),
 //! [`cmd`] runs commands (PRM 4), [`eq`] sizes and drains the event queue
 //! and hands events to the higher layers' [`eq::EventSink`] (PRM 8).
+//!
+//! Memory: [`mr::MemoryTranslation`] registers memory regions over the MPT
+//! and MTT (PRM 7; guide 7.1), for the verbs to embed.
 
 #![cfg_attr(not(test), no_std)]
 #![forbid(unsafe_code)]
@@ -18,6 +21,7 @@ pub mod cmd;
 pub mod eq;
 pub mod hca;
 pub mod init;
+pub mod mr;
 pub mod resources;
 
 pub use cmd::{Command, CommandError, CommandInput, CommandOutput, Continuation};
