@@ -510,9 +510,10 @@ impl<P: Platform> CommandInterface<P> {
 
     /// Submits a command; never blocks. In event mode the command is issued
     /// now if a slot is free, else it waits in the FIFO; `continuation`
-    /// runs when it completes. Before event mode (offline or polled) it
-    /// waits in the FIFO until [`enable_events`](Self::enable_events). If
-    /// the device is failed, `continuation` runs at once with
+    /// runs when it completes. During polled bring-up it waits in the FIFO
+    /// until [`enable_events`](Self::enable_events). Offline (before
+    /// bring-up or after teardown) `continuation` runs at once with
+    /// [`CommandError::NotRunning`], and on a failed device with
     /// [`CommandError::DeviceFailed`]. Callable at DISPATCH_LEVEL or below.
     pub fn submit(
         &self,
@@ -526,6 +527,13 @@ impl<P: Platform> CommandInterface<P> {
             drop(state);
             let opcode = command.opcode;
             continuation(Err(CommandError::DeviceFailed { opcode }));
+            return;
+        }
+        if state.mode == CommandMode::Offline {
+            // Before bring-up or after teardown: holding the command would
+            // replay it, with stale indices, into the next bring-up.
+            drop(state);
+            continuation(Err(CommandError::NotRunning));
             return;
         }
         if state.mode != CommandMode::Event || state.slots.iter().all(Option::is_some) {
