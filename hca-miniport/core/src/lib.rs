@@ -8,6 +8,10 @@
 //! timer entry points); [`init`] brings the device up and down (PRM 3),
 //! [`cmd`] runs commands (PRM 4), [`eq`] sizes and drains the event queue
 //! and hands events to the higher layers' [`eq::EventSink`] (PRM 8).
+//!
+//! Verbs: [`verbs`] is the request path of every control verb
+//! (`Hca::submit_request`) with the CA, PD and CQ verbs, polling and
+//! arming (guide 4, 6.1, 6.2, 6.8, 8.2, 8.3).
 
 #![cfg_attr(not(test), no_std)]
 #![forbid(unsafe_code)]
@@ -19,6 +23,7 @@ pub mod eq;
 pub mod hca;
 pub mod init;
 pub mod resources;
+pub mod verbs;
 
 pub use cmd::{Command, CommandError, CommandInput, CommandOutput, Continuation};
 pub use eq::{DeviceFailure, EventSink};

@@ -1,0 +1,420 @@
+//! The verbs framework and the CA, PD and CQ verbs on the simulated host:
+//! requests built with `ib_types::ioctl::encode_request`, submitted through
+//! `Hca::submit_request` as `HostRequest`s (kernel and user requestors,
+//! from the test thread and from DPCs), answers decoded byte for byte.
+//! Each test ends with the host shut down and the verifier clean.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+
+use driver_platform::{Irql, RequestorMode};
+use hca_miniport_core::cmd::Command;
+use hca_miniport_core::verbs::{CaClient, STATUS_BUFFER_TOO_SMALL, UVP_NAME, poll_and_rearm};
+use hca_prm::cmd::Opcode;
+use hca_prm::ctx::{CqState, Cqc};
+use ib_types::ca::{CaAttrView, CaCaps, CaModify, CaModifyFlags};
+use ib_types::cq::{CqAttr, CqNotify};
+use ib_types::event::AsyncEventRecord;
+use ib_types::handle::CqHandle;
+use ib_types::ioctl::{
+    AllocPd, CloseCa, CqOut, CreateCq, DeallocPd, DestroyCq, Empty, LocalMad, LocalMadIn, ModifyCa,
+    OpenCa, OpenCaIn, PROXY_ABI_VERSION, QueryCa, QueryCq, ResizeCq, Verb, VerbId,
+};
+use ib_types::scalars::{Gid, PortGuid, PortNum};
+use ib_types::status::{IbStatus, NtStatus};
+use ib_types::wc::WorkCompletion;
+use support::{NODE_GUID, World, lock, response};
+use zerocopy::FromBytes;
+
+const KERNEL: RequestorMode = RequestorMode::Kernel;
+const USER: RequestorMode = RequestorMode::User;
+
+/// Opens the CA through a kernel request; returns its handle.
+fn open(w: &World) -> u64 {
+    let done = w.call::<OpenCa>(KERNEL, 0, &OpenCaIn::CURRENT, 0);
+    let r = response::<OpenCa>(&done);
+    assert_eq!(r.status, IbStatus::Success);
+    r.handle
+}
+
+fn create_cq(w: &World, ca: u64, cqe: u32) -> (IbStatus, u64, Option<CqOut>) {
+    let attr = CqAttr {
+        cqe,
+        comp_vector: 0,
+    };
+    let done = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
+    let r = response::<CreateCq>(&done);
+    (r.status, r.handle, r.output)
+}
+
+fn status_of<V: Verb>(done: &sim_host::request::Completion) -> IbStatus {
+    response::<V>(done).status
+}
+
+#[test]
+fn open_query_close_ca_reports_the_device() {
+    let w = World::deterministic(11);
+    let done = w.call::<OpenCa>(KERNEL, 0, &OpenCaIn::CURRENT, 0);
+    let r = response::<OpenCa>(&done);
+    assert_eq!(r.status, IbStatus::Success);
+    assert_ne!(r.handle, 0);
+    let ca = r.handle;
+    let out = r.output.unwrap();
+    assert_eq!(out.version, PROXY_ABI_VERSION);
+    assert_eq!(out.ca_guid.get(), NODE_GUID);
+    assert_eq!(out.uvp_name.as_str(), UVP_NAME);
+    assert_eq!(out.doorbell, None, "a kernel caller gets no doorbell page");
+
+    // One open at a time (guide 6.1.1).
+    let again = w.call::<OpenCa>(KERNEL, 0, &OpenCaIn::CURRENT, 0);
+    assert_eq!(status_of::<OpenCa>(&again), IbStatus::ResourceBusy);
+
+    // Too little room: the size report (Overflow carries total_size).
+    let small = w.call::<QueryCa>(KERNEL, ca, &Empty, 16);
+    let r = response::<QueryCa>(&small);
+    assert_eq!(r.status, IbStatus::Overflow);
+    assert!(r.private.is_empty());
+    let needed = r.output.unwrap().total_size;
+
+    // With room, from a DPC: the block parses and matches the device.
+    let full = w.call_in_dpc::<QueryCa>(KERNEL, ca, &Empty, needed);
+    let r = response::<QueryCa>(&full);
+    assert_eq!(r.status, IbStatus::Success);
+    assert_eq!(r.private.len() as u32, needed);
+    let view = CaAttrView::parse(r.private).unwrap();
+    let attr = view.attr();
+    assert_eq!(attr.node_guid.get(), NODE_GUID);
+    assert_eq!(attr.layout.num_ports, 2);
+    assert!(attr.caps.contains(CaCaps::RC | CaCaps::UD));
+    let report = w.hca().report().unwrap();
+    assert_eq!(attr.limits.max_cqes, 1 << report.capabilities.log_max_cqes);
+    for (port, ipv4) in [(1u8, [10, 0, 0, 1]), (2, [10, 0, 1, 1])] {
+        let p = view.port(PortNum::new(port).unwrap()).unwrap();
+        assert_eq!(
+            p.attr().port_guid,
+            PortGuid::new(NODE_GUID + u64::from(port))
+        );
+        assert_eq!(p.gids()[0], Gid::from_ipv4(ipv4));
+        assert_eq!(p.pkeys()[0].get(), 0xFFFF);
+    }
+
+    // ModifyCa is not supported yet; a clear status, nothing changed.
+    let modify = CaModify::new(
+        PortNum::FIRST,
+        CaModifyFlags::IS_CM_SUPPORTED,
+        CaModifyFlags::empty(),
+    )
+    .unwrap();
+    let done = w.call::<ModifyCa>(KERNEL, ca, &modify, 0);
+    assert_eq!(status_of::<ModifyCa>(&done), IbStatus::Unsupported);
+
+    let done = w.call::<CloseCa>(KERNEL, ca, &Empty, 0);
+    assert_eq!(status_of::<CloseCa>(&done), IbStatus::Success);
+    // The handle is stale now, and a new open gets another one.
+    let done = w.call::<CloseCa>(KERNEL, ca, &Empty, 0);
+    assert_eq!(status_of::<CloseCa>(&done), IbStatus::InvalidCaHandle);
+    let reopened = open(&w);
+    assert_ne!(reopened, ca);
+    let done = w.call::<QueryCa>(KERNEL, ca, &Empty, needed);
+    assert_eq!(status_of::<QueryCa>(&done), IbStatus::InvalidCaHandle);
+    w.finish();
+}
+
+#[test]
+fn pds_allocate_deallocate_and_refuse_while_referenced() {
+    let w = World::deterministic(12);
+    let ca = open(&w);
+    let done = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
+    let r = response::<AllocPd>(&done);
+    assert_eq!(r.status, IbStatus::Success);
+    let pd = r.handle;
+    let done = w.call::<AllocPd>(KERNEL, ca, &Empty, 0);
+    let other = response::<AllocPd>(&done).handle;
+    assert_ne!(pd, other);
+
+    // A CA with PDs cannot close.
+    let done = w.call::<CloseCa>(KERNEL, ca, &Empty, 0);
+    assert_eq!(status_of::<CloseCa>(&done), IbStatus::ResourceBusy);
+
+    // Referenced: busy, and still there.
+    assert_eq!(w.hca().reference_pd(pd), Ok(1));
+    let done = w.call_in_dpc::<DeallocPd>(KERNEL, pd, &Empty, 0);
+    assert_eq!(status_of::<DeallocPd>(&done), IbStatus::ResourceBusy);
+    assert_eq!(w.hca().release_pd(pd), Ok(0));
+    let done = w.call_in_dpc::<DeallocPd>(KERNEL, pd, &Empty, 0);
+    assert_eq!(status_of::<DeallocPd>(&done), IbStatus::Success);
+    // Stale now.
+    let done = w.call::<DeallocPd>(KERNEL, pd, &Empty, 0);
+    assert_eq!(status_of::<DeallocPd>(&done), IbStatus::InvalidPdHandle);
+    assert_eq!(w.hca().reference_pd(pd), Err(IbStatus::InvalidPdHandle));
+    // A CQ handle is not a PD handle.
+    let (_, cq, _) = create_cq(&w, ca, 8);
+    let done = w.call::<DeallocPd>(KERNEL, cq, &Empty, 0);
+    assert_eq!(status_of::<DeallocPd>(&done), IbStatus::InvalidPdHandle);
+
+    let done = w.call::<DestroyCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(status_of::<DestroyCq>(&done), IbStatus::Success);
+    let done = w.call::<DeallocPd>(KERNEL, other, &Empty, 0);
+    assert_eq!(status_of::<DeallocPd>(&done), IbStatus::Success);
+    let done = w.call::<CloseCa>(KERNEL, ca, &Empty, 0);
+    assert_eq!(status_of::<CloseCa>(&done), IbStatus::Success);
+    w.finish();
+}
+
+/// The CQ's context as the device reports it (`QUERY_CQ`).
+fn query_cqc(w: &World, cqn: u32) -> Cqc {
+    let out = Arc::new(Mutex::new(None));
+    let sink = out.clone();
+    w.hca().submit(
+        Command::new(Opcode::QueryCq, cqn).with_output(size_of::<Cqc>()),
+        Box::new(move |result| *lock(&sink) = Some(result)),
+    );
+    w.settle();
+    let result = lock(&out).take().expect("QUERY_CQ completed");
+    Cqc::read_from_bytes(&result.expect("QUERY_CQ succeeded").mailbox).unwrap()
+}
+
+#[test]
+fn cq_create_query_resize_destroy_from_dpcs() {
+    let w = World::deterministic(13);
+    let ca = open(&w);
+    let report = w.hca().report().unwrap();
+    let max = 1u32 << report.capabilities.log_max_cqes;
+
+    let (status, cq, out) = create_cq(&w, ca, 100);
+    assert_eq!(status, IbStatus::Success);
+    assert_eq!(out, Some(CqOut { cqe: 128 }), "rounded to a power of two");
+    let cqn = cq as u32;
+    let cqc = query_cqc(&w, cqn);
+    assert_eq!(cqc.ring.log_entries, 7);
+    assert_eq!(cqc.eqn.get(), report.eqn);
+    assert!(
+        cqc.ring.mtt_index.get() >= report.reserved_mtt_entries,
+        "CQ MTT entries come after the EQ's"
+    );
+    assert_eq!(cqc.state, CqState::Unarmed.code());
+
+    let done = w.call_in_dpc::<QueryCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(response::<QueryCq>(&done).output, Some(CqOut { cqe: 128 }));
+
+    // Too large for the device: a clear status, nothing created.
+    let (status, handle, _) = create_cq(&w, ca, max + 1);
+    assert_eq!((status, handle), (IbStatus::InvalidCqSize, 0));
+    let (status, _, out) = create_cq(&w, ca, max);
+    assert_eq!((status, out), (IbStatus::Success, Some(CqOut { cqe: max })));
+
+    // Resize up, to the same size, and down, all from DPCs.
+    let grow = CqAttr {
+        cqe: 1000,
+        comp_vector: 0,
+    };
+    let done = w.call_in_dpc::<ResizeCq>(KERNEL, cq, &grow, 0);
+    let r = response::<ResizeCq>(&done);
+    assert_eq!(
+        (r.status, r.output),
+        (IbStatus::Success, Some(CqOut { cqe: 1024 }))
+    );
+    assert_eq!(query_cqc(&w, cqn).ring.log_entries, 10);
+    let done = w.call_in_dpc::<ResizeCq>(KERNEL, cq, &grow, 0);
+    assert_eq!(
+        response::<ResizeCq>(&done).output,
+        Some(CqOut { cqe: 1024 })
+    );
+    let shrink = CqAttr {
+        cqe: 16,
+        comp_vector: 0,
+    };
+    let done = w.call_in_dpc::<ResizeCq>(KERNEL, cq, &shrink, 0);
+    assert_eq!(response::<ResizeCq>(&done).output, Some(CqOut { cqe: 16 }));
+    let too_big = CqAttr {
+        cqe: max + 1,
+        comp_vector: 0,
+    };
+    let done = w.call_in_dpc::<ResizeCq>(KERNEL, cq, &too_big, 0);
+    assert_eq!(status_of::<ResizeCq>(&done), IbStatus::InvalidCqSize);
+    assert_eq!(query_cqc(&w, cqn).ring.log_entries, 4, "the old ring stays");
+
+    // Busy while referenced (a QP would hold it).
+    assert_eq!(w.hca().reference_cq(cq), Ok(1));
+    let done = w.call_in_dpc::<DestroyCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(status_of::<DestroyCq>(&done), IbStatus::ResourceBusy);
+    assert_eq!(w.hca().release_cq(cq), Ok(0));
+
+    let done = w.call_in_dpc::<DestroyCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(status_of::<DestroyCq>(&done), IbStatus::Success);
+    for verb_status in [
+        status_of::<DestroyCq>(&w.call::<DestroyCq>(KERNEL, cq, &Empty, 0)),
+        status_of::<QueryCq>(&w.call::<QueryCq>(KERNEL, cq, &Empty, 0)),
+        status_of::<ResizeCq>(&w.call::<ResizeCq>(KERNEL, cq, &grow, 0)),
+    ] {
+        assert_eq!(verb_status, IbStatus::InvalidCqHandle);
+    }
+    let mut wcs = [WorkCompletion::EMPTY; 4];
+    assert_eq!(
+        w.hca().poll_cq(cq, &mut wcs),
+        Err(IbStatus::InvalidCqHandle)
+    );
+    // The number is reused, under a new handle.
+    let (status, again, _) = create_cq(&w, ca, 8);
+    assert_eq!(status, IbStatus::Success);
+    assert_ne!(again, cq);
+    w.finish();
+}
+
+#[test]
+fn poll_on_an_empty_cq_and_arming_follow_the_prm() {
+    let w = World::deterministic(14);
+    let ca = open(&w);
+    let (_, cq, _) = create_cq(&w, ca, 32);
+    let hca = w.hca();
+    let mut wcs = [WorkCompletion::EMPTY; 8];
+    assert_eq!(hca.poll_cq(cq, &mut wcs), Ok(0));
+    hca.arm_cq(cq, CqNotify::Solicited).unwrap();
+    assert_eq!(
+        query_cqc(&w, cq as u32).state,
+        CqState::ArmedSolicited.code()
+    );
+
+    // The guide's 8.3 helper from a DPC: poll (empty), arm, poll again.
+    let processed = Arc::new(Mutex::new(None));
+    {
+        let (hca, processed) = (hca.clone(), processed.clone());
+        w.in_dpc(move || {
+            let mut wcs = [WorkCompletion::EMPTY; 8];
+            let mut batches = 0;
+            let total = poll_and_rearm(&hca, cq, CqNotify::NextCompletion, &mut wcs, |_| {
+                batches += 1;
+            });
+            *lock(&processed) = Some((total, batches));
+        });
+    }
+    w.settle();
+    assert_eq!(*lock(&processed), Some((Ok(0), 1)));
+    assert_eq!(query_cqc(&w, cq as u32).state, CqState::ArmedNext.code());
+    // No CQE arrived, so no completion event.
+    assert!(lock(&w.sink().completions).is_empty());
+    w.finish();
+}
+
+#[test]
+fn bad_requests_get_clear_statuses_and_change_nothing() {
+    let w = World::deterministic(15);
+    let ca = open(&w);
+    let hca = w.hca();
+
+    // An unknown code: no verb to answer in.
+    let (request, issuer) = w.raw_request(0x0022_0000, KERNEL, vec![0; 16], 64);
+    hca.submit_request(request);
+    w.settle();
+    assert_eq!(
+        issuer.completion().unwrap().status,
+        NtStatus::INVALID_DEVICE_REQUEST
+    );
+
+    // Bad framing: a request cut short, and one with a stray byte.
+    for cut in [0usize, 8, 16, 23] {
+        let (mut bytes, _) = (vec![0u8; 24], ());
+        ib_types::ioctl::encode_request::<CreateCq>(
+            ca,
+            &CqAttr {
+                cqe: 8,
+                comp_vector: 0,
+            },
+            &[],
+            0,
+            &mut bytes,
+        )
+        .unwrap();
+        bytes.truncate(cut);
+        let (request, issuer) = w.raw_request(VerbId::CreateCq.ioctl().raw(), KERNEL, bytes, 24);
+        hca.submit_request(request);
+        w.settle();
+        let done = issuer.completion().unwrap();
+        assert_eq!(status_of::<CreateCq>(&done), IbStatus::InvalidParameter);
+    }
+    // An output buffer too small for the response header.
+    let (request, issuer) = w.raw_request(
+        VerbId::QueryCq.ioctl().raw(),
+        KERNEL,
+        ca.to_le_bytes().into(),
+        8,
+    );
+    hca.submit_request(request);
+    w.settle();
+    assert_eq!(issuer.completion().unwrap().status, STATUS_BUFFER_TOO_SMALL);
+
+    // Stale and wrong-kind handles.
+    let done = w.call::<QueryCq>(KERNEL, ca, &Empty, 0);
+    assert_eq!(status_of::<QueryCq>(&done), IbStatus::InvalidCqHandle);
+    let done = w.call::<AllocPd>(KERNEL, ca ^ (1 << 40), &Empty, 0);
+    assert_eq!(status_of::<AllocPd>(&done), IbStatus::InvalidCaHandle);
+    let attr = CqAttr {
+        cqe: 8,
+        comp_vector: 3,
+    };
+    let done = w.call::<CreateCq>(KERNEL, ca, &attr, 0);
+    assert_eq!(status_of::<CreateCq>(&done), IbStatus::InvalidParameter);
+
+    // User mode: kernel-only verbs, a kernel CA's objects, open.
+    let mad = LocalMadIn {
+        port: PortNum::FIRST,
+        mad: [0; 256],
+    };
+    let done = w.call::<LocalMad>(USER, ca, &mad, 0);
+    assert_eq!(status_of::<LocalMad>(&done), IbStatus::InvalidPermission);
+    let done = w.call::<AllocPd>(USER, ca, &Empty, 0);
+    assert_eq!(status_of::<AllocPd>(&done), IbStatus::InvalidCaHandle);
+    let done = w.call::<CreateCq>(
+        USER,
+        ca,
+        &CqAttr {
+            cqe: 8,
+            comp_vector: 0,
+        },
+        0,
+    );
+    assert_eq!(status_of::<CreateCq>(&done), IbStatus::InvalidCaHandle);
+    let done = w.call::<CloseCa>(USER, ca, &Empty, 0);
+    assert_eq!(status_of::<CloseCa>(&done), IbStatus::InvalidCaHandle);
+    let done = w.call::<OpenCa>(USER, 0, &OpenCaIn::CURRENT, 0);
+    assert_eq!(status_of::<OpenCa>(&done), IbStatus::Unsupported);
+
+    // Nothing changed: the CA is open, empty, and closes.
+    let done = w.call::<CloseCa>(KERNEL, ca, &Empty, 0);
+    assert_eq!(status_of::<CloseCa>(&done), IbStatus::Success);
+    w.finish();
+}
+
+/// A client that records its callbacks and the IRQL they came at.
+#[derive(Default)]
+struct Client {
+    completions: Mutex<Vec<(CqHandle, Irql)>>,
+    events: Mutex<Vec<(AsyncEventRecord, Irql)>>,
+}
+
+impl CaClient for Client {
+    fn completion(&self, cq: CqHandle) {
+        lock(&self.completions).push((cq, sim_host::irql::current()));
+    }
+    fn async_event(&self, event: &AsyncEventRecord) {
+        lock(&self.events).push((*event, sim_host::irql::current()));
+    }
+}
+
+#[test]
+fn the_ci_open_registers_callbacks_and_close_waits() {
+    let w = World::deterministic(16);
+    let client = Arc::new(Client::default());
+    let hca = w.hca();
+    let ca = hca.open_ca(Some(client.clone())).unwrap();
+    assert_eq!(hca.open_ca(None), Err(IbStatus::ResourceBusy));
+    let (status, cq, _) = create_cq(&w, ca, 8);
+    assert_eq!(status, IbStatus::Success);
+    assert_eq!(hca.close_ca(ca), Err(IbStatus::ResourceBusy));
+    let done = w.call::<DestroyCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(status_of::<DestroyCq>(&done), IbStatus::Success);
+    assert_eq!(hca.close_ca(ca), Ok(()));
+    assert_eq!(hca.close_ca(ca), Err(IbStatus::InvalidCaHandle));
+    w.finish();
+}
