@@ -418,3 +418,236 @@ fn the_ci_open_registers_callbacks_and_close_waits() {
     assert_eq!(hca.close_ca(ca), Err(IbStatus::InvalidCaHandle));
     w.finish();
 }
+
+/// Runs one device command through the core and returns its result.
+fn command(
+    w: &World,
+    command: Command,
+) -> Result<hca_miniport_core::cmd::CommandOutput, hca_miniport_core::cmd::CommandError> {
+    let out = Arc::new(Mutex::new(None));
+    let sink = out.clone();
+    w.hca()
+        .submit(command, Box::new(move |result| *lock(&sink) = Some(result)));
+    w.settle();
+    lock(&out).take().expect("the command completed")
+}
+
+/// A UD QP built by hand (QPs are not verbs of the core yet) whose receive
+/// queue holds posted WQEs; moving it to ERR makes the device flush them
+/// into the CQ (PRM 6.1.3, 10.5): real CQEs without a fabric.
+struct FlushQp {
+    qpn: u32,
+    sq: sim_host::dma::HostCommonBuffer,
+    rq: sim_host::dma::HostCommonBuffer,
+    dbr: sim_host::dma::HostCommonBuffer,
+    posted: u32,
+}
+
+impl FlushQp {
+    const QPN: u32 = 4;
+
+    /// Creates the QP on `cqn` (both queues); its rings use the last two
+    /// MTT entries, which the core's allocator does not reach in these
+    /// tests.
+    fn create(w: &World, cqn: u32) -> Self {
+        use driver_platform::{CommonBuffer, DmaAdapter};
+        use hca_prm::ctx::{BufDesc, Qpc};
+        use hca_prm::{Le32, Le64};
+        use zerocopy::{FromZeros, IntoBytes};
+        let adapter = w.adapter();
+        let (sq, rq, dbr) = (
+            adapter.alloc_common(4096).unwrap(),
+            adapter.alloc_common(4096).unwrap(),
+            adapter.alloc_common(4096).unwrap(),
+        );
+        let report = w.hca().report().unwrap();
+        let top = (1u64 << report.table(hca_prm::cmd::Table::Mtt).log_count) - 2;
+        let mut mailbox = top.to_le_bytes().to_vec();
+        mailbox.extend_from_slice(&sq.bus_address().to_le_bytes());
+        mailbox.extend_from_slice(&rq.bus_address().to_le_bytes());
+        command(w, Command::new(Opcode::WriteMtt, 0).with_mailbox(mailbox)).unwrap();
+        let desc = |mtt: u64, log_entries: u8, log_stride: u8| BufDesc {
+            mtt_index: Le32::new(mtt as u32),
+            log_page_size: 12,
+            log_entries,
+            log_stride,
+            ..BufDesc::default()
+        };
+        let mut qpc = Qpc::new_zeroed();
+        qpc.qp_type = ib_types::qp::QpType::Ud.code();
+        qpc.port = 1;
+        qpc.send_cqn = Le32::new(cqn);
+        qpc.recv_cqn = Le32::new(cqn);
+        qpc.sq = desc(top, 6, 6);
+        qpc.rq = desc(top + 1, 7, 5);
+        qpc.rq_dbr = Le64::new(dbr.bus_address());
+        command(
+            w,
+            Command::new(Opcode::Sw2HwQp, Self::QPN).with_mailbox(qpc.as_bytes().to_vec()),
+        )
+        .unwrap();
+        FlushQp {
+            qpn: Self::QPN,
+            sq,
+            rq,
+            dbr,
+            posted: 0,
+        }
+    }
+
+    /// Posts `n` receive WQEs (no scatter entries).
+    fn post_recvs(&mut self, n: u32) {
+        use driver_platform::CommonBuffer;
+        for _ in 0..n {
+            let mut wqe = [0u8; 32];
+            wqe[2..4].copy_from_slice(&(self.posted as u16).to_le_bytes());
+            let slot = (self.posted & 127) as usize * 32;
+            assert!(self.rq.write(slot, &wqe));
+            self.posted += 1;
+        }
+        assert!(self.dbr.write(0, &self.posted.to_le_bytes()));
+    }
+
+    /// `MODIFY_QP` to `state` (no other attributes). RESET returns the
+    /// device's queue counters to 0, so the posting counter restarts too.
+    fn modify(&mut self, w: &World, state: ib_types::qp::QpState) {
+        use driver_platform::CommonBuffer;
+        if state == ib_types::qp::QpState::Reset {
+            self.posted = 0;
+            assert!(self.dbr.write(0, &0u32.to_le_bytes()));
+        }
+        use hca_prm::ctx::ModifyQp;
+        use zerocopy::{FromZeros, IntoBytes};
+        let mut input = ModifyQp::new_zeroed();
+        input.attr_mask = hca_prm::Le32::new(ib_types::qp::QpAttrMask::STATE.bits());
+        input.next_state = state.code();
+        command(
+            w,
+            Command::new(Opcode::ModifyQp, self.qpn).with_mailbox(input.as_bytes().to_vec()),
+        )
+        .unwrap();
+    }
+
+    /// Destroys the QP and frees its memory.
+    fn destroy(self, w: &World) {
+        command(w, Command::new(Opcode::Hw2SwQp, self.qpn)).unwrap();
+        let adapter = w.adapter();
+        for buffer in [self.sq, self.rq, self.dbr] {
+            adapter.free_common(buffer);
+        }
+    }
+}
+
+#[test]
+fn completions_are_polled_and_their_events_reach_the_client_from_the_dpc() {
+    use ib_types::qp::QpState;
+    use ib_types::wc::WcStatus;
+    let w = World::deterministic(17);
+    let client = Arc::new(Client::default());
+    let hca = w.hca();
+    let ca = hca.open_ca(Some(client.clone())).unwrap();
+    let (_, cq, _) = create_cq(&w, ca, 16);
+    let cqn = cq as u32;
+    let mut qp = FlushQp::create(&w, cqn);
+    hca.arm_cq(cq, CqNotify::NextCompletion).unwrap();
+    qp.post_recvs(5);
+    qp.modify(&w, QpState::Err);
+
+    // The flush wrote 5 CQEs; the armed CQ raised one event, delivered to
+    // the client's callback from the DPC with the CQ's handle.
+    let events = lock(&client.completions).clone();
+    assert_eq!(events, vec![(CqHandle::from_raw(cq), Irql::DISPATCH)]);
+    assert_eq!(lock(&w.sink().completions).clone(), vec![cqn]);
+
+    // Poll in two batches, from a DPC.
+    let polled = Arc::new(Mutex::new(Vec::new()));
+    {
+        let (hca, polled) = (hca.clone(), polled.clone());
+        w.in_dpc(move || {
+            let mut wcs = [WorkCompletion::EMPTY; 3];
+            loop {
+                let n = hca.poll_cq(cq, &mut wcs).unwrap();
+                if n == 0 {
+                    break;
+                }
+                lock(&polled).extend_from_slice(&wcs[..n]);
+            }
+        });
+    }
+    w.settle();
+    let polled = lock(&polled).clone();
+    assert_eq!(polled.len(), 5);
+    for wc in &polled {
+        assert_eq!(wc.status, WcStatus::WrFlushErr);
+        assert_eq!(wc.qp_num.get(), qp.qpn);
+    }
+    let cqc = query_cqc(&w, cqn);
+    assert_eq!(cqc.producer.get(), 5);
+
+    // More flushes while not armed: no event; the 8.3 helper takes them
+    // and re-arms.
+    qp.modify(&w, QpState::Reset);
+    qp.post_recvs(3);
+    qp.modify(&w, QpState::Err);
+    assert_eq!(lock(&client.completions).len(), 1);
+    let mut wcs = [WorkCompletion::EMPTY; 2];
+    let mut seen = 0;
+    let total = poll_and_rearm(&hca, cq, CqNotify::NextCompletion, &mut wcs, |batch| {
+        seen += batch.len()
+    });
+    assert_eq!((total, seen), (Ok(3), 3));
+    assert_eq!(query_cqc(&w, cqn).state, CqState::ArmedNext.code());
+
+    // A CQ a QP uses cannot be destroyed: the device refuses, the CQ stays.
+    let done = w.call::<DestroyCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(status_of::<DestroyCq>(&done), IbStatus::ResourceBusy);
+    let mut empty = [WorkCompletion::EMPTY; 1];
+    assert_eq!(hca.poll_cq(cq, &mut empty), Ok(0));
+
+    qp.destroy(&w);
+    let done = w.call::<DestroyCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(status_of::<DestroyCq>(&done), IbStatus::Success);
+    assert_eq!(hca.close_ca(ca), Ok(()));
+    w.finish();
+}
+
+#[test]
+fn resize_keeps_outstanding_completions_and_refuses_a_ring_too_small() {
+    use ib_types::qp::QpState;
+    let w = World::deterministic(18);
+    let ca = open(&w);
+    let hca = w.hca();
+    let (_, cq, _) = create_cq(&w, ca, 16);
+    let mut qp = FlushQp::create(&w, cq as u32);
+    qp.post_recvs(10);
+    qp.modify(&w, QpState::Err);
+    let mut wcs = [WorkCompletion::EMPTY; 16];
+    assert_eq!(hca.poll_cq(cq, &mut wcs[..3]), Ok(3));
+
+    // 7 outstanding do not fit 4 entries: refused, the old ring stays.
+    let small = CqAttr {
+        cqe: 4,
+        comp_vector: 0,
+    };
+    let done = w.call_in_dpc::<ResizeCq>(KERNEL, cq, &small, 0);
+    assert_eq!(status_of::<ResizeCq>(&done), IbStatus::InvalidCqSize);
+    // Grow: the 7 move to the new ring, in order, none lost or doubled.
+    let big = CqAttr {
+        cqe: 64,
+        comp_vector: 0,
+    };
+    let done = w.call_in_dpc::<ResizeCq>(KERNEL, cq, &big, 0);
+    assert_eq!(response::<ResizeCq>(&done).output, Some(CqOut { cqe: 64 }));
+    assert_eq!(hca.poll_cq(cq, &mut wcs), Ok(7));
+    assert_eq!(hca.poll_cq(cq, &mut wcs), Ok(0));
+    // And the new ring keeps working.
+    qp.modify(&w, QpState::Reset);
+    qp.post_recvs(2);
+    qp.modify(&w, QpState::Err);
+    assert_eq!(hca.poll_cq(cq, &mut wcs), Ok(2));
+
+    qp.destroy(&w);
+    let done = w.call::<DestroyCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(status_of::<DestroyCq>(&done), IbStatus::Success);
+    w.finish();
+}

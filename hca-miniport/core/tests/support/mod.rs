@@ -231,6 +231,11 @@ impl World {
         lock(&self.shared.function).clone().expect("started")
     }
 
+    /// The function's DMA adapter (for test-owned device memory).
+    pub(crate) fn adapter(&self) -> HostDmaAdapter {
+        lock(&self.shared.adapter).clone().expect("started")
+    }
+
     /// The outer sink.
     pub(crate) fn sink(&self) -> Arc<CountingSink> {
         self.shared.sink.clone()
