@@ -377,6 +377,11 @@ where
         };
         let responder = a.responder;
         self.queue_passive(Box::new(move |hca| {
+            // A stop since the request dropped every object: nothing to undo.
+            if hca.report().is_none() {
+                responder.fail(IbStatus::InvalidState);
+                return;
+            }
             let pages = ring_pages(log);
             let buffers = alloc_pages(hca, pages).and_then(|ring| match alloc_pages(hca, 1) {
                 Ok(dbr) => Ok((ring, dbr)),
@@ -464,6 +469,10 @@ where
             return;
         };
         self.queue_passive(Box::new(move |hca| {
+            if hca.report().is_none() {
+                responder.fail(IbStatus::InvalidState);
+                return;
+            }
             let pages = ring_pages(log);
             let ring = match alloc_pages(hca, pages) {
                 Ok(ring) => ring,

@@ -39,7 +39,14 @@
 //!   held.
 //! - **State.** The object tables are built from the [`BringUpReport`] on
 //!   first use and dropped at [`Hca::stop`], which frees every verb-owned
-//!   common buffer after the device no longer owns memory.
+//!   common buffer after the device no longer owns memory. Verbs in flight
+//!   at a stop complete with an error: their commands fail when the
+//!   command interface leaves event mode, and a passive job that runs
+//!   after the stop answers [`IbStatus::InvalidState`]. (A passive job
+//!   running on another thread *during* a stop is not fenced yet.)
+//! - **Locks.** The object-table lock, then a CQ's own lock, never the
+//!   other way round; no core lock is held while a client callback or a
+//!   command continuation runs.
 //!
 //! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]); every
 //! other verb answers [`IbStatus::Unsupported`].
