@@ -13,7 +13,7 @@ use hca_miniport_core::cmd::Command;
 use hca_miniport_core::verbs::{CaClient, STATUS_BUFFER_TOO_SMALL, UVP_NAME, poll_and_rearm};
 use hca_prm::cmd::Opcode;
 use hca_prm::ctx::{CqState, Cqc};
-use ib_types::ca::{CaAttrView, CaCaps, CaModify, CaModifyFlags};
+use ib_types::ca::{CaAttrView, CaCaps, CaModify, CaModifyFlags, PortCaps};
 use ib_types::cq::{CqAttr, CqNotify};
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::CqHandle;
@@ -99,15 +99,41 @@ fn open_query_close_ca_reports_the_device() {
         assert_eq!(p.pkeys()[0].get(), 0xFFFF);
     }
 
-    // ModifyCa is not supported yet; a clear status, nothing changed.
+    // ModifyCa: SET_PORT, visible in the next query.
+    let port_caps = |w: &World, port: u8| {
+        let done = w.call::<QueryCa>(KERNEL, ca, &Empty, needed);
+        let r = response::<QueryCa>(&done);
+        let view = CaAttrView::parse(r.private).unwrap();
+        view.port(PortNum::new(port).unwrap()).unwrap().attr().caps
+    };
+    assert!(!port_caps(&w, 1).contains(PortCaps::IS_CM));
     let modify = CaModify::new(
         PortNum::FIRST,
-        CaModifyFlags::IS_CM_SUPPORTED,
+        CaModifyFlags::IS_CM_SUPPORTED | CaModifyFlags::RESET_QKEY_COUNTER,
         CaModifyFlags::empty(),
     )
     .unwrap();
-    let done = w.call::<ModifyCa>(KERNEL, ca, &modify, 0);
-    assert_eq!(status_of::<ModifyCa>(&done), IbStatus::Unsupported);
+    let done = w.call_in_dpc::<ModifyCa>(KERNEL, ca, &modify, 0);
+    assert_eq!(status_of::<ModifyCa>(&done), IbStatus::Success);
+    assert!(port_caps(&w, 1).contains(PortCaps::IS_CM));
+    assert!(!port_caps(&w, 2).contains(PortCaps::IS_CM));
+    let clear = CaModify::new(
+        PortNum::FIRST,
+        CaModifyFlags::empty(),
+        CaModifyFlags::IS_CM_SUPPORTED,
+    )
+    .unwrap();
+    let done = w.call::<ModifyCa>(KERNEL, ca, &clear, 0);
+    assert_eq!(status_of::<ModifyCa>(&done), IbStatus::Success);
+    assert!(!port_caps(&w, 1).contains(PortCaps::IS_CM));
+    let no_port = CaModify::new(
+        PortNum::new(3).unwrap(),
+        CaModifyFlags::IS_SM,
+        CaModifyFlags::empty(),
+    )
+    .unwrap();
+    let done = w.call::<ModifyCa>(KERNEL, ca, &no_port, 0);
+    assert_eq!(status_of::<ModifyCa>(&done), IbStatus::InvalidPort);
 
     let done = w.call::<CloseCa>(KERNEL, ca, &Empty, 0);
     assert_eq!(status_of::<CloseCa>(&done), IbStatus::Success);
@@ -649,5 +675,37 @@ fn resize_keeps_outstanding_completions_and_refuses_a_ring_too_small() {
     qp.destroy(&w);
     let done = w.call::<DestroyCq>(KERNEL, cq, &Empty, 0);
     assert_eq!(status_of::<DestroyCq>(&done), IbStatus::Success);
+    w.finish();
+}
+
+#[test]
+fn a_cq_overflow_reaches_the_client_as_an_async_event() {
+    use ib_types::event::AsyncEventCode;
+    use ib_types::qp::QpState;
+    let w = World::deterministic(19);
+    let client = Arc::new(Client::default());
+    let hca = w.hca();
+    let ca = hca.open_ca(Some(client.clone())).unwrap();
+    let (_, cq, out) = create_cq(&w, ca, 4);
+    assert_eq!(out, Some(CqOut { cqe: 4 }));
+    let mut qp = FlushQp::create(&w, cq as u32);
+    qp.post_recvs(6);
+    qp.modify(&w, QpState::Err);
+    let events = lock(&client.events).clone();
+    let overflow: Vec<_> = events
+        .iter()
+        .filter(|(e, _)| e.code == AsyncEventCode::CqError)
+        .collect();
+    assert_eq!(overflow.len(), 1, "{events:?}");
+    assert_eq!(overflow[0].0.handle, cq);
+    assert_eq!(overflow[0].1, Irql::DISPATCH);
+    assert_eq!(query_cqc(&w, cq as u32).state, CqState::Error.code());
+    // The entries that fitted are still there (PRM 6.2).
+    let mut wcs = [WorkCompletion::EMPTY; 8];
+    assert_eq!(hca.poll_cq(cq, &mut wcs), Ok(4));
+    qp.destroy(&w);
+    let done = w.call::<DestroyCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(status_of::<DestroyCq>(&done), IbStatus::Success);
+    assert_eq!(hca.close_ca(ca), Ok(()));
     w.finish();
 }

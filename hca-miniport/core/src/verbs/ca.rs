@@ -17,9 +17,10 @@
 //!   5.4), issued one after another from the DPC. When the block does not
 //!   fit the caller's private output the answer is [`IbStatus::Overflow`]
 //!   carrying the size needed (the framing's size report).
-//! - **Modify** (guide 6.1.3) is [`IbStatus::Unsupported`] for now: it maps
-//!   onto `SET_PORT` (PRM 5.5), but the PortInfo capability translation and
-//!   the counter-support flags are not wired yet.
+//! - **Modify** (guide 6.1.3) is one `SET_PORT` (PRM 5.5): the capability
+//!   bits to set and clear as PortInfo CapabilityMask bits, the counter
+//!   resets as its flags. Query reads the mask back into port
+//!   capabilities, so a modification shows in the next query.
 
 use alloc::boxed::Box;
 use alloc::sync::Arc;
@@ -27,10 +28,11 @@ use alloc::vec;
 use alloc::vec::Vec;
 
 use driver_platform::{Platform, Request, RequestorMode};
-use hca_prm::cmd::{DevCapFlags, Opcode, PortInfo, Table};
+use hca_prm::Le32;
+use hca_prm::cmd::{DevCapFlags, Opcode, PortInfo, SetPort, SetPortFlags, Table};
 use ib_types::ca::{
-    Atomicity, CaAttr, CaAttrParts, CaCaps, CaLayout, CaLimits, PortAttr, PortCaps, PortData,
-    PortTables,
+    Atomicity, CaAttr, CaAttrParts, CaCaps, CaLayout, CaLimits, CaModifyFlags, PortAttr, PortCaps,
+    PortData, PortTables,
 };
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::CqHandle;
@@ -42,7 +44,7 @@ use ib_types::scalars::{
     Gid, Lid, LinkLayer, Mtu, NodeGuid, PKey, PortGuid, PortNum, PortState, SystemImageGuid,
 };
 use ib_types::status::IbStatus;
-use zerocopy::FromBytes;
+use zerocopy::{FromBytes, IntoBytes};
 
 use super::{Accepted, MAX_PDS, OpenCa as OpenCaState, visible};
 use crate::cmd::{Command, CommandOutput};
@@ -167,20 +169,53 @@ impl<P: Platform> Hca<P> {
             Err(status) => a.responder.fail(status),
         }
     }
-
-    pub(crate) fn modify_ca_request<R: Request>(&self, a: Accepted<ModifyCa, R>) {
-        if let Err(status) = self.check_ca(a.handle, a.mode) {
-            a.responder.fail(status);
-            return;
-        }
-        a.responder.fail(IbStatus::Unsupported);
-    }
 }
 
 impl<P: Platform> Hca<P>
 where
     P::Request: 'static,
 {
+    pub(crate) fn modify_ca_request(self: &Arc<Self>, a: Accepted<ModifyCa, P::Request>) {
+        if let Err(status) = self.check_ca(a.handle, a.mode) {
+            a.responder.fail(status);
+            return;
+        }
+        let Some(report) = self.report() else {
+            a.responder.fail(IbStatus::InvalidState);
+            return;
+        };
+        let modify = a.input;
+        let port = modify.port().get();
+        if port > report.capabilities.num_ports {
+            a.responder.fail(IbStatus::InvalidPort);
+            return;
+        }
+        let mut flags = SetPortFlags::empty();
+        if modify.set().contains(CaModifyFlags::RESET_QKEY_COUNTER) {
+            flags |= SetPortFlags::RESET_QKEY_COUNTER;
+        }
+        if modify.set().contains(CaModifyFlags::RESET_PKEY_COUNTER) {
+            flags |= SetPortFlags::RESET_PKEY_COUNTER;
+        }
+        let input = SetPort {
+            set_caps: Le32::new(modify.set().port_caps().port_info_capability_mask()),
+            clear_caps: Le32::new(modify.clear().port_caps().port_info_capability_mask()),
+            flags: Le32::new(flags.bits()),
+            ..SetPort::default()
+        };
+        let responder = a.responder;
+        self.run_commands(
+            vec![
+                Command::new(Opcode::SetPort, u32::from(port))
+                    .with_mailbox(input.as_bytes().to_vec()),
+            ],
+            Box::new(move |_hca, result| match result {
+                Ok(_) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
+                Err(error) => responder.fail(error.ib_status()),
+            }),
+        );
+    }
+
     pub(crate) fn query_ca_request(self: &Arc<Self>, a: Accepted<QueryCa, P::Request>) {
         if let Err(status) = self.check_ca(a.handle, a.mode) {
             a.responder.fail(status);
@@ -261,12 +296,25 @@ fn port_answer(port: u8, answer: &CommandOutput) -> Result<PortAnswer, IbStatus>
         sm_sl: 0,
         subnet_timeout: 0,
         max_msg_size: info.max_msg_size.get(),
-        caps: PortCaps::QKEY_COUNTER | PortCaps::PKEY_COUNTER,
+        caps: port_caps(info.capability_mask.get()),
         qkey_violations: info.qkey_violations.get(),
         pkey_violations: info.pkey_violations.get(),
         tables: PortTables::default(),
     };
     Ok(PortAnswer { attr, pkeys, gids })
+}
+
+/// The port capabilities a PortInfo CapabilityMask advertises (the
+/// inverse of [`PortCaps::port_info_capability_mask`]), plus the two
+/// violation counters every port of this device keeps.
+fn port_caps(mask: u32) -> PortCaps {
+    let mut caps = PortCaps::QKEY_COUNTER | PortCaps::PKEY_COUNTER;
+    for cap in PortCaps::all().iter() {
+        if cap.port_info_capability_mask() & mask != 0 {
+            caps |= cap;
+        }
+    }
+    caps
 }
 
 /// The CA attribute block (guide 6.1.2, `ib_types::ca`) from the bring-up
