@@ -402,3 +402,22 @@ fn ca_attributes(report: &BringUpReport, ports: &[CommandOutput]) -> Result<Vec<
         .map_err(|_| IbStatus::GenericError)?;
     Ok(block)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn port_capabilities_survive_the_port_info_mask() {
+        let modifiable = CaModifyFlags::CAPABILITIES.port_caps();
+        let mask = modifiable.port_info_capability_mask();
+        assert_eq!(
+            port_caps(mask),
+            modifiable | PortCaps::QKEY_COUNTER | PortCaps::PKEY_COUNTER
+        );
+        assert_eq!(
+            port_caps(0),
+            PortCaps::QKEY_COUNTER | PortCaps::PKEY_COUNTER
+        );
+    }
+}

@@ -29,6 +29,8 @@
 //! - **Poll** ([`Hca::poll_cq`], guide 8.2.1): reads CQEs at the consumer
 //!   counter while their owner bit is current (PRM 10.4), converts them
 //!   with `hca_prm::cqe`, and writes the consumer record once per batch.
+//!   A CQE that does not decode (an unknown status or opcode) is reported
+//!   as a [`WcStatus::GeneralErr`] completion, never dropped silently.
 //!   It takes the object-table lock only to find the CQ, then the CQ's own
 //!   lock; it never waits for a command. Work request IDs are the QPs'
 //!   (the device stores none): until QPs exist, `wr_id` is 0.
@@ -616,5 +618,46 @@ pub fn poll_and_rearm<P: Platform>(
         total += polled;
         hca.arm_cq(cq, notify)?;
         rearm_needed = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cmd::CommandInput;
+
+    #[test]
+    fn ring_sizes_round_up_to_a_power_of_two_within_the_device_limit() {
+        assert_eq!(ring_size(1, 16), Ok((1, 0)));
+        assert_eq!(ring_size(100, 16), Ok((128, 7)));
+        assert_eq!(ring_size(128, 16), Ok((128, 7)));
+        assert_eq!(ring_size(1 << 16, 16), Ok((1 << 16, 16)));
+        assert_eq!(ring_size((1 << 16) + 1, 16), Err(IbStatus::InvalidCqSize));
+        assert_eq!(ring_size(u32::MAX, 31), Err(IbStatus::InvalidCqSize));
+        // A ring smaller than a page still takes one page.
+        assert_eq!(ring_pages(0), 1);
+        assert_eq!(ring_pages(7), 1);
+        assert_eq!(ring_pages(10), 8);
+    }
+
+    #[test]
+    fn mtt_writes_split_at_the_mailbox_limit() {
+        let commands = write_mtt(40, 0x10_0000, MAX_MTT_PER_WRITE + 3);
+        assert_eq!(commands.len(), 2);
+        let mailbox = |c: &Command| match &c.input {
+            CommandInput::Mailbox(bytes) => bytes.clone(),
+            other => panic!("{other:?}"),
+        };
+        let first = mailbox(&commands[0]);
+        assert_eq!(first.len(), 8 + 8 * MAX_MTT_PER_WRITE);
+        assert_eq!(first[..8], 40u64.to_le_bytes());
+        assert_eq!(first[8..16], 0x10_0000u64.to_le_bytes());
+        let second = mailbox(&commands[1]);
+        assert_eq!(second.len(), 8 + 8 * 3);
+        let start = 40 + MAX_MTT_PER_WRITE as u64;
+        assert_eq!(second[..8], start.to_le_bytes());
+        let page = 0x10_0000 + (MAX_MTT_PER_WRITE as u64) * PAGE as u64;
+        assert_eq!(second[8..16], page.to_le_bytes());
+        assert!(write_mtt(0, 0, 0).is_empty());
     }
 }
