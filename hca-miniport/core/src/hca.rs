@@ -89,6 +89,8 @@ pub struct Hca<P: Platform> {
     pub(crate) failure: SpinLock<P, Option<DeviceFailure>>,
     /// Set once the failure was reported to the sink.
     failure_reported: AtomicBool,
+    /// The verb objects (`crate::verbs`).
+    pub(crate) verbs: crate::verbs::Verbs<P>,
 }
 
 impl<P: Platform> core::fmt::Debug for Hca<P> {
@@ -118,6 +120,7 @@ impl<P: Platform> Hca<P> {
             report: SpinLock::<P, _>::new(None),
             failure: SpinLock::<P, _>::new(None),
             failure_reported: AtomicBool::new(false),
+            verbs: crate::verbs::Verbs::new(),
         }
     }
 
@@ -133,7 +136,10 @@ impl<P: Platform> Hca<P> {
     /// timeouts.
     pub fn dpc(&self) {
         self.eq.drain(&self.bar0, |event| {
-            match dispatch_to_sink(&*self.sink, event) {
+            // The verbs route CQ and port events to their clients first,
+            // then pass every event on to `self.sink`.
+            let router = crate::verbs::VerbsRouter { hca: self };
+            match dispatch_to_sink(&router, event) {
                 Some(Event::CmdCompletion {
                     token,
                     status,

@@ -11,6 +11,10 @@
 //!
 //! Memory: [`mr::MemoryTranslation`] registers memory regions over the MPT
 //! and MTT (PRM 7; guide 7.1), for the verbs to embed.
+//!
+//! Verbs: [`verbs`] is the request path of every control verb
+//! (`Hca::submit_request`) with the CA, PD and CQ verbs, polling and
+//! arming (guide 4, 6.1, 6.2, 6.8, 8.2, 8.3).
 
 #![cfg_attr(not(test), no_std)]
 #![forbid(unsafe_code)]
@@ -23,6 +27,7 @@ pub mod hca;
 pub mod init;
 pub mod mr;
 pub mod resources;
+pub mod verbs;
 
 pub use cmd::{Command, CommandError, CommandInput, CommandOutput, Continuation};
 pub use eq::{DeviceFailure, EventSink};

@@ -1,0 +1,663 @@
+//! Completion queues (guide 6.8, 8.2, 8.3; PRM 6.2, 9.2, 9.3, 10.4).
+//!
+//! Contract:
+//! - **Create** (kernel CQs): the ring holds the requested depth rounded
+//!   up to a power of two, at most the device's `2^log_max_cqes` (more is
+//!   [`IbStatus::InvalidCqSize`]); its actual size is answered. The ring is
+//!   a zero-filled DMA common buffer (PRM 10.4's owner rule needs the zero
+//!   fill) described page by page by MTT entries from the verbs' MTT
+//!   allocator (after the EQ's reserved entries); the consumer doorbell
+//!   record (PRM 9.2) is one more common buffer of one page, kept across
+//!   resizes because `RESIZE_CQ` keeps `ci_dbr`. Both are allocated by the
+//!   work item (PASSIVE_LEVEL), then `WRITE_MTT` and `SW2HW_CQ` (UAR page 0,
+//!   the core's EQ) complete the request from the DPC. A user-mode
+//!   CreateCq is [`IbStatus::Unsupported`] until rings in the caller's
+//!   pinned memory exist (guide 6.8.1); only comp_vector 0 exists (one EQ).
+//! - **Resize** (guide 6.8.2): a new ring and MTT range, then `RESIZE_CQ`:
+//!   the device copies the outstanding CQEs into the new ring and resets
+//!   the consumer record to 0. While the command is outstanding the CQ
+//!   polls empty (software must not consume from the old ring what the
+//!   device copies), so no completion is lost or doubled. A resize whose
+//!   outstanding entries do not fit fails (`EXCEED_LIMIT`, answered
+//!   [`IbStatus::InvalidCqSize`]) and leaves the old ring in use. A resize
+//!   to the current size answers at once.
+//! - **Destroy** (guide 6.8.3): refused with [`IbStatus::ResourceBusy`]
+//!   while a QP references the CQ ([`Hca::reference_cq`]); otherwise
+//!   `HW2SW_CQ`, and only when its completion is processed is the number
+//!   freed and the memory queued for freeing: every event of the CQ
+//!   precedes that completion on the one EQ, so none reaches a new owner.
+//! - **Poll** ([`Hca::poll_cq`], guide 8.2.1): reads CQEs at the consumer
+//!   counter while their owner bit is current (PRM 10.4), converts them
+//!   with `hca_prm::cqe`, and writes the consumer record once per batch.
+//!   A CQE that does not decode (an unknown status or opcode) is reported
+//!   as a [`WcStatus::GeneralErr`] completion, never dropped silently.
+//!   It takes the object-table lock only to find the CQ, then the CQ's own
+//!   lock; it never waits for a command. Work request IDs are the QPs'
+//!   (the device stores none): until QPs exist, `wr_id` is 0.
+//! - **Arm** ([`Hca::arm_cq`], guide 8.2.2, PRM 9.3): the CQ doorbell on
+//!   UAR page 0 with the consumer counter at the time of arming; the device
+//!   fires at once if CQEs arrived beyond it. [`poll_and_rearm`] is the
+//!   guide's 8.3 algorithm on top.
+
+use alloc::boxed::Box;
+use alloc::sync::Arc;
+use alloc::vec::Vec;
+
+use driver_platform::{CommonBuffer, DmaAdapter, Mmio, Platform, Request, RequestorMode, SpinLock};
+use hca_prm::cmd::{CmdStatus, MAX_MTT_PER_WRITE, Opcode};
+use hca_prm::cqe::Cqe;
+use hca_prm::ctx::{BufDesc, CQE_LOG_STRIDE, Cqc, ResizeCq as ResizeCqInput};
+use hca_prm::doorbell::{CQ_DOORBELL, CqArm, CqDoorbell, DoorbellRecord, uar_offset};
+use hca_prm::{Le32, Le64};
+use ib_types::ioctl::{CqOut, CreateCq, DestroyCq, Empty, QueryCq, ResizeCq};
+use ib_types::status::IbStatus;
+use ib_types::wc::{WcStatus, WorkCompletion};
+use zerocopy::{FromBytes, IntoBytes};
+
+pub use ib_types::cq::CqNotify;
+
+use super::{Accepted, Buffer};
+use crate::cmd::{Command, CommandError};
+use crate::hca::Hca;
+use crate::resources::{EntryRange, Handle, KERNEL_UAR, kind};
+
+/// `log2` of the host page the core describes rings with (PRM 5.3).
+const LOG_PAGE: u8 = 12;
+/// Bytes of a host page.
+const PAGE: usize = 1 << LOG_PAGE;
+/// Bytes of a CQE.
+const CQE_BYTES: usize = 1 << CQE_LOG_STRIDE;
+
+/// Where a CQ is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Life {
+    /// Memory and commands under way; the client has no handle yet.
+    Creating,
+    /// Usable.
+    Live,
+    /// `RESIZE_CQ` outstanding: polls return nothing, arming is refused.
+    Resizing,
+    /// `HW2SW_CQ` outstanding.
+    Destroying,
+}
+
+/// A CQ's ring and consumer state, under the CQ's own lock.
+struct Ring<B> {
+    life: Life,
+    ring: Option<B>,
+    dbr: Option<B>,
+    log_entries: u8,
+    consumer: u32,
+    mtt: Option<EntryRange>,
+}
+
+/// A completion queue.
+pub struct Cq<P: Platform> {
+    cqn: u32,
+    ring: SpinLock<P, Ring<Buffer<P>>>,
+}
+
+impl<P: Platform> core::fmt::Debug for Cq<P> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Cq")
+            .field("cqn", &self.cqn)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P: Platform> Cq<P> {
+    fn new(cqn: u32, log_entries: u8, mtt: EntryRange) -> Self {
+        Self {
+            cqn,
+            ring: SpinLock::<P, _>::new(Ring {
+                life: Life::Creating,
+                ring: None,
+                dbr: None,
+                log_entries,
+                consumer: 0,
+                mtt: Some(mtt),
+            }),
+        }
+    }
+
+    /// Takes the CQ's common buffers (for freeing once the device no longer
+    /// uses them).
+    pub(crate) fn take_buffers(&self) -> Vec<Buffer<P>> {
+        let mut ring = self.ring.lock();
+        [ring.ring.take(), ring.dbr.take()]
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    fn set_life(&self, life: Life) {
+        self.ring.lock().life = life;
+    }
+}
+
+/// Entries and `log2` for a requested depth, within the device's limit.
+fn ring_size(cqe: u32, log_max_cqes: u8) -> Result<(u32, u8), IbStatus> {
+    let entries = cqe
+        .max(1)
+        .checked_next_power_of_two()
+        .ok_or(IbStatus::InvalidCqSize)?;
+    let log = entries.trailing_zeros() as u8;
+    if log > log_max_cqes {
+        return Err(IbStatus::InvalidCqSize);
+    }
+    Ok((entries, log))
+}
+
+/// Pages of a ring of `2^log` CQEs.
+fn ring_pages(log: u8) -> usize {
+    (CQE_BYTES << log).div_ceil(PAGE)
+}
+
+/// `WRITE_MTT` commands describing `pages` pages of a contiguous buffer at
+/// `bus` in MTT entries from `first` (PRM 5.1, 6.0).
+fn write_mtt(first: u32, bus: u64, pages: usize) -> Vec<Command> {
+    let addresses: Vec<u64> = (0..pages as u64).map(|i| bus + i * PAGE as u64).collect();
+    addresses
+        .chunks(MAX_MTT_PER_WRITE)
+        .enumerate()
+        .map(|(chunk, entries)| {
+            let start = u64::from(first) + (chunk * MAX_MTT_PER_WRITE) as u64;
+            let mut mailbox = Vec::with_capacity(8 + 8 * entries.len());
+            mailbox.extend_from_slice(&start.to_le_bytes());
+            for address in entries {
+                mailbox.extend_from_slice(&address.to_le_bytes());
+            }
+            Command::new(Opcode::WriteMtt, 0).with_mailbox(mailbox)
+        })
+        .collect()
+}
+
+/// The ring's buffer descriptor (PRM 6.0).
+fn buf_desc(mtt: EntryRange, log_entries: u8) -> BufDesc {
+    BufDesc {
+        mtt_index: Le32::new(mtt.start()),
+        page_offset: Le32::new(0),
+        log_page_size: LOG_PAGE,
+        log_entries,
+        log_stride: CQE_LOG_STRIDE,
+        ..BufDesc::default()
+    }
+}
+
+/// A page-rounded, page-aligned common buffer, at PASSIVE_LEVEL.
+fn alloc_pages<P: Platform>(hca: &Hca<P>, pages: usize) -> Result<Buffer<P>, IbStatus> {
+    let buffer = hca
+        .dma
+        .alloc_common(pages.max(1) * PAGE)
+        .map_err(|_| IbStatus::InsufficientMemory)?;
+    if !buffer.bus_address().is_multiple_of(PAGE as u64) {
+        hca.free_later([buffer]);
+        return Err(IbStatus::InsufficientMemory);
+    }
+    Ok(buffer)
+}
+
+impl<P: Platform> Hca<P> {
+    /// The live CQ behind a raw handle, for a request of `mode`.
+    fn find_cq(&self, raw: u64, mode: RequestorMode) -> Result<Arc<Cq<P>>, IbStatus> {
+        self.with_objects(|o| {
+            if !Self::ca_visible(o, mode) {
+                return Err(IbStatus::InvalidCqHandle);
+            }
+            o.cqs
+                .get(Handle::<kind::Cq>::from_raw(raw))
+                .cloned()
+                .ok_or(IbStatus::InvalidCqHandle)
+        })?
+    }
+
+    /// Records that a QP (or SRQ) uses the CQ `cq`; destroy is refused
+    /// while uses are outstanding. Fails with [`IbStatus::InvalidCqHandle`]
+    /// for a stale handle and [`IbStatus::InvalidState`] for a CQ being
+    /// resized or destroyed.
+    pub fn reference_cq(&self, cq: u64) -> Result<u32, IbStatus> {
+        self.with_objects(|o| {
+            let handle = Handle::<kind::Cq>::from_raw(cq);
+            let object = o.cqs.get(handle).ok_or(IbStatus::InvalidCqHandle)?;
+            if object.ring.lock().life != Life::Live {
+                return Err(IbStatus::InvalidState);
+            }
+            o.cqs.acquire(handle).map_err(IbStatus::from)
+        })?
+    }
+
+    /// Drops a use recorded by [`reference_cq`](Self::reference_cq).
+    pub fn release_cq(&self, cq: u64) -> Result<u32, IbStatus> {
+        self.with_objects(|o| {
+            o.cqs
+                .release(Handle::<kind::Cq>::from_raw(cq))
+                .map_err(IbStatus::from)
+        })?
+    }
+
+    /// Polls up to `wcs.len()` completions of the CQ `cq` (a kernel
+    /// client's handle) into `wcs` and returns how many. Callable at
+    /// DISPATCH_LEVEL; never blocks. A CQ whose resize is outstanding polls
+    /// empty.
+    pub fn poll_cq(&self, cq: u64, wcs: &mut [WorkCompletion]) -> Result<usize, IbStatus> {
+        let cq = self.find_cq(cq, RequestorMode::Kernel)?;
+        let mut ring = cq.ring.lock();
+        if !matches!(ring.life, Life::Live | Life::Destroying) {
+            return Ok(0);
+        }
+        let log = ring.log_entries;
+        let mut consumer = ring.consumer;
+        let mut polled = 0;
+        if let Some(buffer) = ring.ring.as_ref() {
+            while polled < wcs.len() {
+                let slot = hca_prm::owner::slot(consumer, log) as usize;
+                let mut raw = [0u8; CQE_BYTES];
+                if !buffer.read(slot * CQE_BYTES, &mut raw) {
+                    break;
+                }
+                let Ok(cqe) = Cqe::read_from_bytes(&raw) else {
+                    break;
+                };
+                if !cqe.is_valid(consumer, log) {
+                    break;
+                }
+                // The device stores no wr_id (PRM 10.4): the QP layer will
+                // supply it by `wqe_index`.
+                wcs[polled] = cqe.to_work_completion(0).unwrap_or(WorkCompletion {
+                    status: WcStatus::GeneralErr,
+                    ..WorkCompletion::EMPTY
+                });
+                consumer = consumer.wrapping_add(1);
+                polled += 1;
+            }
+        }
+        if polled > 0 {
+            ring.consumer = consumer;
+            // One consumer-record update per batch (PRM 9.2).
+            if let Some(dbr) = ring.dbr.as_ref() {
+                dbr.write(0, DoorbellRecord::new(consumer).as_bytes());
+            }
+        }
+        Ok(polled)
+    }
+
+    /// Arms the CQ `cq` for one completion event (PRM 9.3): the next
+    /// completion, or the next solicited one. Fails with
+    /// [`IbStatus::InvalidState`] while the CQ is being resized or
+    /// destroyed. Callable at DISPATCH_LEVEL.
+    pub fn arm_cq(&self, cq: u64, notify: CqNotify) -> Result<(), IbStatus> {
+        let cq = self.find_cq(cq, RequestorMode::Kernel)?;
+        let ring = cq.ring.lock();
+        if ring.life != Life::Live {
+            return Err(IbStatus::InvalidState);
+        }
+        let cmd = match notify {
+            CqNotify::Solicited => CqArm::Solicited,
+            CqNotify::NextCompletion => CqArm::Next,
+        };
+        let doorbell =
+            CqDoorbell::new(cq.cqn, cmd, ring.consumer).map_err(|_| IbStatus::InvalidCqHandle)?;
+        // Under the CQ lock, so the consumer counter carried is current.
+        self.bar0
+            .write64(uar_offset(KERNEL_UAR) + CQ_DOORBELL, doorbell.encode());
+        Ok(())
+    }
+
+    /// Removes a CQ whose creation failed, giving back its number and MTT
+    /// entries.
+    fn forget_cq(&self, handle: Handle<kind::Cq>, mtt: EntryRange) {
+        let _ = self.with_objects(|o| {
+            let _ = o.cqs.remove(handle);
+            let _ = o.mtt.free(mtt);
+        });
+    }
+
+    pub(crate) fn query_cq_request<R: Request>(&self, a: Accepted<QueryCq, R>) {
+        match self.find_cq(a.handle, a.mode) {
+            Ok(cq) => {
+                let ring = cq.ring.lock();
+                let out = CqOut {
+                    cqe: 1 << ring.log_entries,
+                };
+                drop(ring);
+                a.responder.finish(IbStatus::Success, 0, Some(&out), &[]);
+            }
+            Err(status) => a.responder.fail(status),
+        }
+    }
+}
+
+impl<P: Platform> Hca<P>
+where
+    P::Request: 'static,
+{
+    pub(crate) fn create_cq_request(self: &Arc<Self>, a: Accepted<CreateCq, P::Request>) {
+        if let Err(status) = self.check_ca(a.handle, a.mode) {
+            a.responder.fail(status);
+            return;
+        }
+        if a.mode == RequestorMode::User {
+            a.responder.fail(IbStatus::Unsupported);
+            return;
+        }
+        if a.input.comp_vector != 0 {
+            a.responder.fail(IbStatus::InvalidParameter);
+            return;
+        }
+        let cqe = a.input.cqe;
+        let reserved = self.with_objects(|o| {
+            let (entries, log) = ring_size(cqe, o.log_max_cqes)?;
+            let mtt = o
+                .mtt
+                .alloc(ring_pages(log) as u32)
+                .map_err(IbStatus::from)?;
+            match o
+                .cqs
+                .insert_with(|h| Arc::new(Cq::<P>::new(h.number(), log, mtt)))
+            {
+                Ok(handle) => {
+                    let cq = o.cqs.get(handle).cloned();
+                    Ok((handle, cq, entries, log, mtt, o.eqn))
+                }
+                Err(error) => {
+                    let _ = o.mtt.free(mtt);
+                    Err(IbStatus::from(error))
+                }
+            }
+        });
+        let (handle, cq, entries, log, mtt, eqn) = match reserved.and_then(|r| r) {
+            Ok((handle, Some(cq), entries, log, mtt, eqn)) => (handle, cq, entries, log, mtt, eqn),
+            Ok((handle, None, _, _, mtt, _)) => {
+                self.forget_cq(handle, mtt);
+                a.responder.fail(IbStatus::GenericError);
+                return;
+            }
+            Err(status) => {
+                a.responder.fail(status);
+                return;
+            }
+        };
+        let responder = a.responder;
+        self.queue_passive(Box::new(move |hca| {
+            // A stop since the request dropped every object: nothing to undo.
+            if hca.report().is_none() {
+                responder.fail(IbStatus::InvalidState);
+                return;
+            }
+            let pages = ring_pages(log);
+            let buffers = alloc_pages(hca, pages).and_then(|ring| match alloc_pages(hca, 1) {
+                Ok(dbr) => Ok((ring, dbr)),
+                Err(status) => {
+                    hca.free_later([ring]);
+                    Err(status)
+                }
+            });
+            let (ring, dbr) = match buffers {
+                Ok(buffers) => buffers,
+                Err(status) => {
+                    hca.forget_cq(handle, mtt);
+                    responder.fail(status);
+                    return;
+                }
+            };
+            let cqc = Cqc {
+                eqn: Le32::new(eqn),
+                uar_index: Le32::new(KERNEL_UAR),
+                ring: buf_desc(mtt, log),
+                ci_dbr: Le64::new(dbr.bus_address()),
+                ..Cqc::default()
+            };
+            let mut commands = write_mtt(mtt.start(), ring.bus_address(), pages);
+            commands
+                .push(Command::new(Opcode::Sw2HwCq, cq.cqn).with_mailbox(cqc.as_bytes().to_vec()));
+            {
+                let mut state = cq.ring.lock();
+                state.ring = Some(ring);
+                state.dbr = Some(dbr);
+            }
+            hca.run_commands(
+                commands,
+                Box::new(move |hca, result| match result {
+                    Ok(_) => {
+                        cq.set_life(Life::Live);
+                        let out = CqOut { cqe: entries };
+                        responder.finish(IbStatus::Success, handle.raw(), Some(&out), &[]);
+                    }
+                    Err(error) => {
+                        hca.free_later(cq.take_buffers());
+                        hca.forget_cq(handle, mtt);
+                        responder.fail(error.ib_status());
+                    }
+                }),
+            );
+        }));
+    }
+
+    pub(crate) fn resize_cq_request(self: &Arc<Self>, a: Accepted<ResizeCq, P::Request>) {
+        let cq = match self.find_cq(a.handle, a.mode) {
+            Ok(cq) => cq,
+            Err(status) => {
+                a.responder.fail(status);
+                return;
+            }
+        };
+        let cqe = a.input.cqe;
+        let started = self.with_objects(|o| {
+            let (entries, log) = ring_size(cqe, o.log_max_cqes)?;
+            let mut ring = cq.ring.lock();
+            if ring.life != Life::Live {
+                return Err(IbStatus::ResourceBusy);
+            }
+            if ring.log_entries == log {
+                return Ok((entries, log, None));
+            }
+            let mtt = o
+                .mtt
+                .alloc(ring_pages(log) as u32)
+                .map_err(IbStatus::from)?;
+            ring.life = Life::Resizing;
+            Ok((entries, log, Some(mtt)))
+        });
+        let (entries, log, mtt) = match started.and_then(|r| r) {
+            Ok(started) => started,
+            Err(status) => {
+                a.responder.fail(status);
+                return;
+            }
+        };
+        let responder = a.responder;
+        let Some(mtt) = mtt else {
+            responder.finish(IbStatus::Success, 0, Some(&CqOut { cqe: entries }), &[]);
+            return;
+        };
+        self.queue_passive(Box::new(move |hca| {
+            if hca.report().is_none() {
+                responder.fail(IbStatus::InvalidState);
+                return;
+            }
+            let pages = ring_pages(log);
+            let ring = match alloc_pages(hca, pages) {
+                Ok(ring) => ring,
+                Err(status) => {
+                    let _ = hca.with_objects(|o| o.mtt.free(mtt));
+                    cq.set_life(Life::Live);
+                    responder.fail(status);
+                    return;
+                }
+            };
+            let input = ResizeCqInput {
+                ring: buf_desc(mtt, log),
+                ..ResizeCqInput::default()
+            };
+            let mut commands = write_mtt(mtt.start(), ring.bus_address(), pages);
+            commands.push(
+                Command::new(Opcode::ResizeCq, cq.cqn).with_mailbox(input.as_bytes().to_vec()),
+            );
+            let new_ring = Some(ring);
+            hca.run_commands(
+                commands,
+                Box::new(move |hca, result| {
+                    match result {
+                        Ok(_) => {
+                            let (old_ring, old_mtt) = {
+                                let mut state = cq.ring.lock();
+                                let old = core::mem::replace(&mut state.ring, new_ring);
+                                let old_mtt = state.mtt.replace(mtt);
+                                state.log_entries = log;
+                                // The device reset the record to 0 (PRM 6.2).
+                                state.consumer = 0;
+                                state.life = Life::Live;
+                                (old, old_mtt)
+                            };
+                            hca.free_later(old_ring);
+                            if let Some(old_mtt) = old_mtt {
+                                let _ = hca.with_objects(|o| o.mtt.free(old_mtt));
+                            }
+                            let out = CqOut { cqe: entries };
+                            responder.finish(IbStatus::Success, 0, Some(&out), &[]);
+                        }
+                        Err(error) => {
+                            hca.free_later(new_ring);
+                            let _ = hca.with_objects(|o| o.mtt.free(mtt));
+                            cq.set_life(Life::Live);
+                            responder.fail(resize_status(error));
+                        }
+                    }
+                }),
+            );
+        }));
+    }
+
+    pub(crate) fn destroy_cq_request(self: &Arc<Self>, a: Accepted<DestroyCq, P::Request>) {
+        let mode = a.mode;
+        let handle = Handle::<kind::Cq>::from_raw(a.handle);
+        let found = self.with_objects(|o| {
+            if !Self::ca_visible(o, mode) {
+                return Err(IbStatus::InvalidCqHandle);
+            }
+            let cq = o
+                .cqs
+                .get(handle)
+                .cloned()
+                .ok_or(IbStatus::InvalidCqHandle)?;
+            if o.cqs.use_count(handle) != Some(0) {
+                return Err(IbStatus::ResourceBusy);
+            }
+            let mut ring = cq.ring.lock();
+            if ring.life != Life::Live {
+                return Err(IbStatus::ResourceBusy);
+            }
+            ring.life = Life::Destroying;
+            drop(ring);
+            Ok(cq)
+        });
+        let cq = match found.and_then(|r| r) {
+            Ok(cq) => cq,
+            Err(status) => {
+                a.responder.fail(status);
+                return;
+            }
+        };
+        let responder = a.responder;
+        self.run_commands(
+            alloc::vec![Command::new(Opcode::Hw2SwCq, cq.cqn)],
+            Box::new(move |hca, result| match result {
+                Ok(_) => {
+                    // Only now is the number free: every event of this CQ
+                    // came before this completion on the one EQ.
+                    let mtt = cq.ring.lock().mtt.take();
+                    let _ = hca.with_objects(|o| {
+                        let _ = o.cqs.remove(handle);
+                        if let Some(mtt) = mtt {
+                            let _ = o.mtt.free(mtt);
+                        }
+                    });
+                    hca.free_later(cq.take_buffers());
+                    responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+                }
+                Err(error) => {
+                    cq.set_life(Life::Live);
+                    responder.fail(error.ib_status());
+                }
+            }),
+        );
+    }
+}
+
+/// The status of a failed resize: `EXCEED_LIMIT` means the outstanding
+/// entries do not fit the new size (PRM 6.2).
+fn resize_status(error: CommandError) -> IbStatus {
+    match error.prm_status() {
+        Some(CmdStatus::ExceedLimit) => IbStatus::InvalidCqSize,
+        _ => error.ib_status(),
+    }
+}
+
+/// The guide's 8.3 poll/re-arm algorithm: polls `cq` until it is empty,
+/// handing each batch to `process`; then arms it (`notify`) and polls
+/// again, re-arming after every batch found, until a poll after the last
+/// arm finds nothing. Completions that arrive while it runs are either
+/// polled here or raise a completion event (PRM 9.3 fires at once for
+/// CQEs beyond the consumer counter armed with). Returns the completions
+/// processed.
+pub fn poll_and_rearm<P: Platform>(
+    hca: &Hca<P>,
+    cq: u64,
+    notify: CqNotify,
+    wcs: &mut [WorkCompletion],
+    mut process: impl FnMut(&[WorkCompletion]),
+) -> Result<usize, IbStatus> {
+    let mut rearm_needed = true;
+    let mut total = 0;
+    loop {
+        let polled = hca.poll_cq(cq, wcs)?;
+        if !rearm_needed && polled == 0 {
+            return Ok(total);
+        }
+        process(&wcs[..polled]);
+        total += polled;
+        hca.arm_cq(cq, notify)?;
+        rearm_needed = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cmd::CommandInput;
+
+    #[test]
+    fn ring_sizes_round_up_to_a_power_of_two_within_the_device_limit() {
+        assert_eq!(ring_size(1, 16), Ok((1, 0)));
+        assert_eq!(ring_size(100, 16), Ok((128, 7)));
+        assert_eq!(ring_size(128, 16), Ok((128, 7)));
+        assert_eq!(ring_size(1 << 16, 16), Ok((1 << 16, 16)));
+        assert_eq!(ring_size((1 << 16) + 1, 16), Err(IbStatus::InvalidCqSize));
+        assert_eq!(ring_size(u32::MAX, 31), Err(IbStatus::InvalidCqSize));
+        // A ring smaller than a page still takes one page.
+        assert_eq!(ring_pages(0), 1);
+        assert_eq!(ring_pages(7), 1);
+        assert_eq!(ring_pages(10), 8);
+    }
+
+    #[test]
+    fn mtt_writes_split_at_the_mailbox_limit() {
+        let commands = write_mtt(40, 0x10_0000, MAX_MTT_PER_WRITE + 3);
+        assert_eq!(commands.len(), 2);
+        let mailbox = |c: &Command| match &c.input {
+            CommandInput::Mailbox(bytes) => bytes.clone(),
+            other => panic!("{other:?}"),
+        };
+        let first = mailbox(&commands[0]);
+        assert_eq!(first.len(), 8 + 8 * MAX_MTT_PER_WRITE);
+        assert_eq!(first[..8], 40u64.to_le_bytes());
+        assert_eq!(first[8..16], 0x10_0000u64.to_le_bytes());
+        let second = mailbox(&commands[1]);
+        assert_eq!(second.len(), 8 + 8 * 3);
+        let start = 40 + MAX_MTT_PER_WRITE as u64;
+        assert_eq!(second[..8], start.to_le_bytes());
+        let page = 0x10_0000 + (MAX_MTT_PER_WRITE as u64) * PAGE as u64;
+        assert_eq!(second[8..16], page.to_le_bytes());
+        assert!(write_mtt(0, 0, 0).is_empty());
+    }
+}

@@ -1,0 +1,625 @@
+//! The verbs framework of the core (guide 4, 6; docs/miniport.md "ci"):
+//! one request path for every control verb, the verb state hung on
+//! [`Hca`], the passive-level work queue, and the routing of device events
+//! to the client that owns the object.
+//!
+//! Contract:
+//! - **One entry.** [`Hca::submit_request`] is the CI's `submit`: it reads
+//!   the request's IOCTL code ([`VerbId::from_ioctl`]) and input bytes,
+//!   decodes them with [`decode_request`], applies the requestor-mode
+//!   policy (kernel-only verbs and inputs, objects of a kernel CA are
+//!   invisible to user requests), resolves the target handle through the
+//!   generation-checked tables, runs the verb and completes the request
+//!   exactly once with an [`encode_response`] answer. Bad framing, an
+//!   unknown code, a stale or wrong-kind handle: a clear status, nothing
+//!   changed, never a panic.
+//! - **Completion.** A request is completed with the NTSTATUS of the
+//!   response's [`IbStatus`] ([`IbStatus::to_ntstatus`], injective) and
+//!   `information` = the response bytes written. An unknown IOCTL code gets
+//!   `STATUS_INVALID_DEVICE_REQUEST` and an output buffer too small for the
+//!   verb's header and fixed output `STATUS_BUFFER_TOO_SMALL`, both with
+//!   nothing written (there is no verb, or no room, to answer in).
+//! - **Never blocks.** A verb that needs device commands submits them with
+//!   [`Hca::submit`] and completes its request from the continuation (the
+//!   DPC). A verb that needs a DMA common buffer (whose allocation and
+//!   freeing are PASSIVE_LEVEL only, `AllocateCommonBuffer`) queues a job
+//!   for the device's work item ([`Hca::work_item`]) and continues from
+//!   there. So every verb may be issued at DISPATCH_LEVEL. A synchronous
+//!   wrapper for PASSIVE_LEVEL callers is not provided yet: the platform
+//!   has no event object to wait on; callers wait on the request's
+//!   completion themselves.
+//! - **Events.** The DPC hands every device event to the verbs first
+//!   (`VerbsRouter`): `COMPLETION` and `CQ_ERROR` go, by CQ number, to the
+//!   client of the CA that owns the CQ *now* (a CQ's number is freed only
+//!   when its `HW2SW_CQ` completion is processed, and the core's one EQ
+//!   orders every event of the CQ before that completion, so no event
+//!   reaches a stale owner); port changes go to the client as
+//!   asynchronous events. Every event is also passed on to the sink given
+//!   to [`Hca::new`]. Client callbacks run from the DPC with no core lock
+//!   held.
+//! - **State.** The object tables are built from the [`BringUpReport`] on
+//!   first use and dropped at [`Hca::stop`], which frees every verb-owned
+//!   common buffer after the device no longer owns memory. Verbs in flight
+//!   at a stop complete with an error: their commands fail when the
+//!   command interface leaves event mode, and a passive job that runs
+//!   after the stop answers [`IbStatus::InvalidState`]. (A passive job
+//!   running on another thread *during* a stop is not fenced yet.)
+//! - **Locks.** The object-table lock, then a CQ's own lock, never the
+//!   other way round; no core lock is held while a client callback or a
+//!   command continuation runs.
+//!
+//! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]); every
+//! other verb answers [`IbStatus::Unsupported`].
+//!
+//! [`BringUpReport`]: crate::init::BringUpReport
+
+pub mod ca;
+pub mod cq;
+pub mod pd;
+
+use alloc::boxed::Box;
+use alloc::collections::VecDeque;
+use alloc::sync::{Arc, Weak};
+use alloc::vec::Vec;
+use core::marker::PhantomData;
+use core::sync::atomic::{AtomicU32, Ordering};
+
+use driver_platform::{Deferred, DmaAdapter, NtStatus, Platform, Request, RequestorMode, SpinLock};
+use ib_types::event::AsyncEventRecord;
+use ib_types::handle::CqHandle;
+use ib_types::ioctl::{
+    IoctlCode, RESPONSE_HEADER_SIZE, Verb, VerbId, decode_request, encode_response,
+};
+use ib_types::scalars::{PortNum, Qpn};
+use ib_types::status::IbStatus;
+
+use crate::cmd::{Command, CommandError, CommandOutput};
+use crate::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
+use crate::hca::Hca;
+use crate::resources::{ObjectTable, RangeAllocator, kind};
+
+pub use ca::{CaClient, UVP_NAME};
+pub use cq::{CqNotify, poll_and_rearm};
+
+/// `STATUS_BUFFER_TOO_SMALL`: the output buffer cannot hold the verb's
+/// response header and fixed output.
+pub const STATUS_BUFFER_TOO_SMALL: NtStatus = NtStatus::from_raw(0xC000_0023);
+
+/// Protection domains the core hands out (PD numbers are 24-bit in the
+/// contexts; this bounds the table's memory).
+pub const MAX_PDS: u32 = 1 << 14;
+
+pub(crate) type Buffer<P> = <<P as Platform>::Dma as DmaAdapter>::Buffer;
+
+/// What runs after a sequence of commands ([`Hca::run_commands`]): their
+/// outputs, or the first error.
+pub(crate) type Sequel<P> =
+    Box<dyn FnOnce(&Arc<Hca<P>>, Result<Vec<CommandOutput>, CommandError>) + Send>;
+
+/// Work that must run at PASSIVE_LEVEL (common-buffer allocation).
+type Job<P> = Box<dyn FnOnce(&Arc<Hca<P>>) + Send>;
+
+/// The open CA (guide 6.1.1: one open at a time).
+struct OpenCa {
+    /// The handle handed out: `generation << 32 | 0xCA`.
+    handle: u64,
+    /// Who opened it; a user request never sees a kernel CA's objects.
+    mode: RequestorMode,
+    /// The client's callbacks, if it registered any.
+    client: Option<Arc<dyn CaClient>>,
+}
+
+/// The verb objects of one started device.
+pub(crate) struct Objects<P: Platform> {
+    ca: Option<OpenCa>,
+    ca_generation: u32,
+    pub(crate) pds: ObjectTable<kind::Pd, pd::Pd>,
+    pub(crate) cqs: ObjectTable<kind::Cq, Arc<cq::Cq<P>>>,
+    /// MTT entries for CQ rings. Starts after the EQ's reserved entries
+    /// (`BringUpReport::reserved_mtt_entries`), which it holds as one
+    /// allocated run. Until the memory-registration module is merged this
+    /// allocator is the CQ verbs' own; both must then share one.
+    pub(crate) mtt: RangeAllocator,
+    /// The EQ completion events go to.
+    pub(crate) eqn: u32,
+    /// `log2` of the largest CQ.
+    pub(crate) log_max_cqes: u8,
+}
+
+/// The verb state of one [`Hca`].
+pub struct Verbs<P: Platform> {
+    objects: SpinLock<P, Option<Objects<P>>>,
+    jobs: SpinLock<P, VecDeque<Job<P>>>,
+    /// Common buffers the device no longer uses, freed by the work item.
+    to_free: SpinLock<P, Vec<Buffer<P>>>,
+    /// Client callbacks running now (guide 6.1.4: close waits for them).
+    callbacks_in_flight: AtomicU32,
+}
+
+impl<P: Platform> core::fmt::Debug for Verbs<P> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Verbs").finish_non_exhaustive()
+    }
+}
+
+impl<P: Platform> Default for Verbs<P> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<P: Platform> Verbs<P> {
+    /// No objects yet.
+    pub fn new() -> Self {
+        Self {
+            objects: SpinLock::<P, _>::new(None),
+            jobs: SpinLock::<P, _>::new(VecDeque::new()),
+            to_free: SpinLock::<P, _>::new(Vec::new()),
+            callbacks_in_flight: AtomicU32::new(0),
+        }
+    }
+
+    /// Drops every object and hands back every common buffer they held and
+    /// every buffer waiting to be freed. Called by teardown once the device
+    /// owns no memory any more.
+    pub(crate) fn take_buffers(&self) -> Vec<Buffer<P>> {
+        let objects = self.objects.lock().take();
+        let mut buffers = core::mem::take(&mut *self.to_free.lock());
+        if let Some(objects) = objects {
+            for (_, cq) in objects.cqs.iter() {
+                buffers.extend(cq.take_buffers());
+            }
+        }
+        buffers
+    }
+}
+
+/// Answers one request of verb `V`, exactly once: by
+/// [`finish`](Self::finish), or, if dropped unanswered (a continuation that
+/// never ran because the device object went away), with
+/// [`IbStatus::GenericError`].
+pub struct Responder<V: Verb, R: Request> {
+    request: Option<R>,
+    /// Room for private output: `min(private_out_max, output left)`.
+    private_room: usize,
+    verb: PhantomData<fn() -> V>,
+}
+
+impl<V: Verb, R: Request> core::fmt::Debug for Responder<V, R> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Responder")
+            .field("verb", &V::ID)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<V: Verb, R: Request> Responder<V, R> {
+    /// Completes the request with the encoded response.
+    pub fn finish(mut self, status: IbStatus, handle: u64, out: Option<&V::Out>, private: &[u8]) {
+        if let Some(request) = self.request.take() {
+            complete_request::<V, R>(request, status, handle, out, private);
+        }
+    }
+
+    /// Completes the request with a failure status (no output, no handle).
+    pub fn fail(self, status: IbStatus) {
+        self.finish(status, 0, None, &[]);
+    }
+
+    /// Bytes of private output the caller can take.
+    pub fn private_room(&self) -> usize {
+        self.private_room
+    }
+}
+
+impl<V: Verb, R: Request> Drop for Responder<V, R> {
+    fn drop(&mut self) {
+        if let Some(request) = self.request.take() {
+            complete_request::<V, R>(request, IbStatus::GenericError, 0, None, &[]);
+        }
+    }
+}
+
+/// Encodes and completes. A response the framing refuses is a core bug; it
+/// is answered as [`IbStatus::GenericError`] rather than sent malformed.
+fn complete_request<V: Verb, R: Request>(
+    mut request: R,
+    status: IbStatus,
+    handle: u64,
+    out: Option<&V::Out>,
+    private: &[u8],
+) {
+    match encode_response::<V>(status, handle, out, private, request.output()) {
+        Ok(len) => request.complete(status.to_ntstatus(), len as u64),
+        Err(_) => {
+            let generic = IbStatus::GenericError;
+            match encode_response::<V>(generic, 0, None, &[], request.output()) {
+                Ok(len) => request.complete(generic.to_ntstatus(), len as u64),
+                Err(_) => request.complete(STATUS_BUFFER_TOO_SMALL, 0),
+            }
+        }
+    }
+}
+
+/// A decoded request: the responder, the header's handle, the fixed input
+/// and who issued it.
+pub struct Accepted<V: Verb, R: Request> {
+    /// Answers the request.
+    pub responder: Responder<V, R>,
+    /// The request header's handle (the target, see [`VerbId::target`]).
+    pub handle: u64,
+    /// The fixed input.
+    pub input: V::In,
+    /// The requestor mode.
+    pub mode: RequestorMode,
+}
+
+impl<V: Verb, R: Request> core::fmt::Debug for Accepted<V, R> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Accepted")
+            .field("verb", &V::ID)
+            .field("handle", &self.handle)
+            .field("input", &self.input)
+            .field("mode", &self.mode)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Checks the output room, decodes, and applies the mode policy; answers
+/// the request itself (and returns `None`) when any of that fails.
+fn accept<V: Verb, R: Request>(mut request: R) -> Option<Accepted<V, R>> {
+    let fixed = RESPONSE_HEADER_SIZE + V::ID.out_size();
+    let output_len = request.output().len();
+    if output_len < fixed {
+        request.complete(STATUS_BUFFER_TOO_SMALL, 0);
+        return None;
+    }
+    let mode = request.requestor_mode();
+    let decoded = decode_request::<V>(request.input())
+        .map(|r| (r.handle, r.input, r.private_out_max, r.kernel_only()));
+    let mut responder = Responder::<V, R> {
+        request: Some(request),
+        private_room: 0,
+        verb: PhantomData,
+    };
+    let Ok((handle, input, private_out_max, kernel_only)) = decoded else {
+        responder.fail(IbStatus::InvalidParameter);
+        return None;
+    };
+    if kernel_only && mode == RequestorMode::User {
+        responder.fail(IbStatus::InvalidPermission);
+        return None;
+    }
+    responder.private_room = (output_len - fixed).min(private_out_max as usize);
+    Some(Accepted {
+        responder,
+        handle,
+        input,
+        mode,
+    })
+}
+
+/// Answers a verb this core does not implement yet.
+fn unsupported<V: Verb, R: Request>(request: R) {
+    if let Some(accepted) = accept::<V, R>(request) {
+        accepted.responder.fail(IbStatus::Unsupported);
+    }
+}
+
+impl<P: Platform> Hca<P>
+where
+    P::Request: 'static,
+{
+    /// The CI's `submit` entry point: runs one verb request (see the module
+    /// doc). Callable at DISPATCH_LEVEL or below; never blocks. The request
+    /// is completed exactly once, possibly before this returns, possibly
+    /// later from the DPC or the work item.
+    pub fn submit_request(self: &Arc<Self>, request: P::Request) {
+        use ib_types::ioctl as v;
+        let code = IoctlCode::from_raw(request.ioctl_code());
+        let Ok(verb) = VerbId::from_ioctl(code) else {
+            request.complete(NtStatus::INVALID_DEVICE_REQUEST, 0);
+            return;
+        };
+        type R<P> = <P as Platform>::Request;
+        match verb {
+            VerbId::OpenCa => {
+                if let Some(a) = accept::<v::OpenCa, R<P>>(request) {
+                    self.open_ca_request(a);
+                }
+            }
+            VerbId::CloseCa => {
+                if let Some(a) = accept::<v::CloseCa, R<P>>(request) {
+                    self.close_ca_request(a);
+                }
+            }
+            VerbId::QueryCa => {
+                if let Some(a) = accept::<v::QueryCa, R<P>>(request) {
+                    self.query_ca_request(a);
+                }
+            }
+            VerbId::ModifyCa => {
+                if let Some(a) = accept::<v::ModifyCa, R<P>>(request) {
+                    self.modify_ca_request(a);
+                }
+            }
+            VerbId::AllocPd => {
+                if let Some(a) = accept::<v::AllocPd, R<P>>(request) {
+                    self.alloc_pd_request(a);
+                }
+            }
+            VerbId::DeallocPd => {
+                if let Some(a) = accept::<v::DeallocPd, R<P>>(request) {
+                    self.dealloc_pd_request(a);
+                }
+            }
+            VerbId::CreateCq => {
+                if let Some(a) = accept::<v::CreateCq, R<P>>(request) {
+                    self.create_cq_request(a);
+                }
+            }
+            VerbId::QueryCq => {
+                if let Some(a) = accept::<v::QueryCq, R<P>>(request) {
+                    self.query_cq_request(a);
+                }
+            }
+            VerbId::ResizeCq => {
+                if let Some(a) = accept::<v::ResizeCq, R<P>>(request) {
+                    self.resize_cq_request(a);
+                }
+            }
+            VerbId::DestroyCq => {
+                if let Some(a) = accept::<v::DestroyCq, R<P>>(request) {
+                    self.destroy_cq_request(a);
+                }
+            }
+            VerbId::CreateAv => unsupported::<v::CreateAv, R<P>>(request),
+            VerbId::QueryAv => unsupported::<v::QueryAv, R<P>>(request),
+            VerbId::ModifyAv => unsupported::<v::ModifyAv, R<P>>(request),
+            VerbId::DestroyAv => unsupported::<v::DestroyAv, R<P>>(request),
+            VerbId::CreateQp => unsupported::<v::CreateQp, R<P>>(request),
+            VerbId::QueryQp => unsupported::<v::QueryQp, R<P>>(request),
+            VerbId::ModifyQp => unsupported::<v::ModifyQp, R<P>>(request),
+            VerbId::DestroyQp => unsupported::<v::DestroyQp, R<P>>(request),
+            VerbId::CreateSrq => unsupported::<v::CreateSrq, R<P>>(request),
+            VerbId::QuerySrq => unsupported::<v::QuerySrq, R<P>>(request),
+            VerbId::ModifySrq => unsupported::<v::ModifySrq, R<P>>(request),
+            VerbId::DestroySrq => unsupported::<v::DestroySrq, R<P>>(request),
+            VerbId::RegMr => unsupported::<v::RegMr, R<P>>(request),
+            VerbId::RegSharedMr => unsupported::<v::RegSharedMr, R<P>>(request),
+            VerbId::ReregMr => unsupported::<v::ReregMr, R<P>>(request),
+            VerbId::QueryMr => unsupported::<v::QueryMr, R<P>>(request),
+            VerbId::DeregMr => unsupported::<v::DeregMr, R<P>>(request),
+            VerbId::AllocMw => unsupported::<v::AllocMw, R<P>>(request),
+            VerbId::QueryMw => unsupported::<v::QueryMw, R<P>>(request),
+            VerbId::DeallocMw => unsupported::<v::DeallocMw, R<P>>(request),
+            VerbId::AttachMcast => unsupported::<v::AttachMcast, R<P>>(request),
+            VerbId::DetachMcast => unsupported::<v::DetachMcast, R<P>>(request),
+            VerbId::WaitCqEvent => unsupported::<v::WaitCqEvent, R<P>>(request),
+            VerbId::GetAsyncEvent => unsupported::<v::GetAsyncEvent, R<P>>(request),
+            VerbId::RegPhysMr => unsupported::<v::RegPhysMr, R<P>>(request),
+            VerbId::LocalMad => unsupported::<v::LocalMad, R<P>>(request),
+        }
+    }
+}
+
+impl<P: Platform> Hca<P> {
+    /// The work item's entry point, at PASSIVE_LEVEL: runs the queued
+    /// passive jobs (common-buffer allocations of CQ creation and resize)
+    /// and frees the common buffers the device gave back.
+    pub fn work_item(self: &Arc<Self>) {
+        loop {
+            let job = self.verbs.jobs.lock().pop_front();
+            let Some(job) = job else { break };
+            job(self);
+        }
+        let buffers = core::mem::take(&mut *self.verbs.to_free.lock());
+        for buffer in buffers {
+            (self.free_common)(&self.dma, buffer);
+        }
+    }
+
+    /// Queues `job` for the work item.
+    pub(crate) fn queue_passive(&self, job: Job<P>) {
+        self.verbs.jobs.lock().push_back(job);
+        self.deferred.queue_work_item();
+    }
+
+    /// Queues common buffers for freeing by the work item (`FreeCommonBuffer`
+    /// is PASSIVE_LEVEL only).
+    pub(crate) fn free_later(&self, buffers: impl IntoIterator<Item = Buffer<P>>) {
+        let mut queued = false;
+        {
+            let mut to_free = self.verbs.to_free.lock();
+            for buffer in buffers {
+                to_free.push(buffer);
+                queued = true;
+            }
+        }
+        if queued {
+            self.deferred.queue_work_item();
+        }
+    }
+
+    /// Runs `f` on the verb objects, building them from the bring-up report
+    /// on first use. Fails with [`IbStatus::InvalidState`] while the device
+    /// is not started.
+    pub(crate) fn with_objects<T>(
+        &self,
+        f: impl FnOnce(&mut Objects<P>) -> T,
+    ) -> Result<T, IbStatus> {
+        let mut guard = self.verbs.objects.lock();
+        if guard.is_none() {
+            let report = self.report().ok_or(IbStatus::InvalidState)?;
+            let cqs = 1u32 << report.table(hca_prm::cmd::Table::Cqc).log_count;
+            let mtts = 1u32 << report.table(hca_prm::cmd::Table::Mtt).log_count;
+            let mut mtt = RangeAllocator::new(mtts);
+            if report.reserved_mtt_entries > 0 {
+                mtt.alloc(report.reserved_mtt_entries)
+                    .map_err(|_| IbStatus::InvalidState)?;
+            }
+            *guard = Some(Objects {
+                ca: None,
+                ca_generation: 0,
+                pds: ObjectTable::new(MAX_PDS, 0..0).map_err(|_| IbStatus::InvalidState)?,
+                cqs: ObjectTable::new(cqs, 0..0).map_err(|_| IbStatus::InvalidState)?,
+                mtt,
+                eqn: report.eqn,
+                log_max_cqes: report.capabilities.log_max_cqes,
+            });
+        }
+        guard.as_mut().map(f).ok_or(IbStatus::InvalidState)
+    }
+
+    /// Checks that `handle` is the open CA and visible to `mode`.
+    pub(crate) fn check_ca(&self, handle: u64, mode: RequestorMode) -> Result<(), IbStatus> {
+        self.with_objects(|o| match &o.ca {
+            Some(ca) if ca.handle == handle && visible(ca.mode, mode) => Ok(()),
+            _ => Err(IbStatus::InvalidCaHandle),
+        })?
+    }
+
+    /// Whether objects of the open CA are visible to `mode`.
+    pub(crate) fn ca_visible(objects: &Objects<P>, mode: RequestorMode) -> bool {
+        objects.ca.as_ref().is_some_and(|ca| visible(ca.mode, mode))
+    }
+
+    /// Runs `commands` one after another (each only after the previous
+    /// succeeded), then `done` with the outputs, or with the first error.
+    /// Never blocks; `done` runs from the DPC (or inline if the device is
+    /// failed). If the device object is gone by then, `done` is dropped.
+    pub(crate) fn run_commands(self: &Arc<Self>, commands: Vec<Command>, done: Sequel<P>) {
+        let mut commands: VecDeque<Command> = commands.into();
+        let outputs = Vec::with_capacity(commands.len());
+        match commands.pop_front() {
+            None => done(self, Ok(outputs)),
+            Some(first) => {
+                Self::run_next(Arc::downgrade(self), self, first, commands, outputs, done)
+            }
+        }
+    }
+
+    fn run_next(
+        weak: Weak<Self>,
+        hca: &Arc<Self>,
+        command: Command,
+        mut rest: VecDeque<Command>,
+        mut outputs: Vec<CommandOutput>,
+        done: Sequel<P>,
+    ) {
+        hca.submit(
+            command,
+            Box::new(move |result| {
+                let Some(hca) = weak.upgrade() else { return };
+                match result {
+                    Err(error) => done(&hca, Err(error)),
+                    Ok(output) => {
+                        outputs.push(output);
+                        match rest.pop_front() {
+                            None => done(&hca, Ok(outputs)),
+                            Some(next) => Self::run_next(weak, &hca, next, rest, outputs, done),
+                        }
+                    }
+                }
+            }),
+        );
+    }
+
+    /// Delivers `f` to the open CA's client, counting it in flight so that
+    /// close can wait for it; no core lock is held during the call.
+    fn deliver(&self, f: impl FnOnce(&dyn CaClient)) {
+        self.verbs
+            .callbacks_in_flight
+            .fetch_add(1, Ordering::AcqRel);
+        let client = self
+            .verbs
+            .objects
+            .lock()
+            .as_ref()
+            .and_then(|o| o.ca.as_ref())
+            .and_then(|ca| ca.client.clone());
+        if let Some(client) = client {
+            f(&*client);
+        }
+        self.verbs
+            .callbacks_in_flight
+            .fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Spins until no client callback is running (guide 6.1.4). Callbacks
+    /// run at DISPATCH_LEVEL and never block, so the spin ends; it must not
+    /// be entered from inside a callback.
+    pub(crate) fn wait_for_callbacks(&self) {
+        while self.verbs.callbacks_in_flight.load(Ordering::Acquire) != 0 {
+            core::hint::spin_loop();
+        }
+    }
+
+    /// The CQ's current owner's handle for a device CQ number, if the
+    /// number is live.
+    fn cq_owner(&self, cqn: u32) -> Option<CqHandle> {
+        let objects = self.verbs.objects.lock();
+        let (handle, _) = objects.as_ref()?.cqs.get_by_number(cqn)?;
+        Some(handle.into())
+    }
+}
+
+/// Objects of a CA opened by `owner` are visible to requests of `mode`: a
+/// kernel request sees everything; a user request only a user CA's.
+fn visible(owner: RequestorMode, mode: RequestorMode) -> bool {
+    mode == RequestorMode::Kernel || owner == RequestorMode::User
+}
+
+/// The [`EventSink`] the DPC hands events to: routes them to the owning
+/// client (see the module doc), then passes each to the outer sink.
+pub(crate) struct VerbsRouter<'a, P: Platform> {
+    /// The device.
+    pub(crate) hca: &'a Hca<P>,
+}
+
+impl<P: Platform> EventSink for VerbsRouter<'_, P> {
+    fn completion(&self, cqn: u32) {
+        if let Some(cq) = self.hca.cq_owner(cqn) {
+            self.hca.deliver(|client| client.completion(cq));
+        }
+        self.hca.sink.completion(cqn);
+    }
+
+    fn qp_event(&self, qpn: Qpn, event: QpEvent) {
+        self.hca.sink.qp_event(qpn, event);
+    }
+
+    fn srq_event(&self, srqn: u32, event: SrqEvent) {
+        self.hca.sink.srq_event(srqn, event);
+    }
+
+    fn cq_error(&self, cqn: u32) {
+        if let Some(cq) = self.hca.cq_owner(cqn)
+            && let Ok(record) =
+                AsyncEventRecord::new(ib_types::event::AsyncEventCode::CqError, cq.raw(), None, 0)
+        {
+            self.hca.deliver(|client| client.async_event(&record));
+        }
+        self.hca.sink.cq_error(cqn);
+    }
+
+    fn port_change(&self, port: PortNum, active: bool) {
+        let code = if active {
+            ib_types::event::AsyncEventCode::PortActive
+        } else {
+            ib_types::event::AsyncEventCode::PortDown
+        };
+        if let Ok(record) = AsyncEventRecord::new(code, 0, Some(port), 0) {
+            self.hca.deliver(|client| client.async_event(&record));
+        }
+        self.hca.sink.port_change(port, active);
+    }
+
+    fn port_violation(&self, port: PortNum, violation: PortViolation) {
+        self.hca.sink.port_violation(port, violation);
+    }
+
+    fn device_failed(&self, failure: DeviceFailure) {
+        self.hca.sink.device_failed(failure);
+    }
+}
