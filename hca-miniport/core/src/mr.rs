@@ -1042,6 +1042,38 @@ impl<P: Platform> MemoryTranslation<P> {
         })
     }
 
+    /// Takes a run of `count` MTT entries (absolute entry numbers) for
+    /// another user of the MTT, such as a CQ ring: one allocator serves
+    /// every user, so no two hand out the same entries.
+    pub(crate) fn take_entries(
+        &self,
+        count: u32,
+    ) -> Result<EntryRange, crate::resources::ResourceError> {
+        let run = self.shared.state.lock().mtt.alloc(count)?;
+        Ok(EntryRange::new(
+            run.start() + self.shared.mtt_first,
+            run.len(),
+        ))
+    }
+
+    /// Gives back a run from [`take_entries`](Self::take_entries).
+    pub(crate) fn return_entries(
+        &self,
+        range: EntryRange,
+    ) -> Result<(), crate::resources::ResourceError> {
+        let start = range.start().checked_sub(self.shared.mtt_first).ok_or(
+            crate::resources::ResourceError::InvalidRange {
+                start: range.start(),
+                len: range.len(),
+            },
+        )?;
+        self.shared
+            .state
+            .lock()
+            .mtt
+            .free(EntryRange::new(start, range.len()))
+    }
+
     /// Takes an MTT run of `pages` entries (absolute entry numbers).
     fn alloc_range(&self, pages: u32) -> Result<EntryRange, MrError> {
         let mut state = self.shared.state.lock();

@@ -308,7 +308,7 @@ impl<P: Platform> Hca<P> {
     fn forget_cq(&self, handle: Handle<kind::Cq>, mtt: EntryRange) {
         let _ = self.with_objects(|o| {
             let _ = o.cqs.remove(handle);
-            let _ = o.mtt.free(mtt);
+            let _ = o.mtt.return_entries(mtt);
         });
     }
 
@@ -349,7 +349,7 @@ where
             let (entries, log) = ring_size(cqe, o.log_max_cqes)?;
             let mtt = o
                 .mtt
-                .alloc(ring_pages(log) as u32)
+                .take_entries(ring_pages(log) as u32)
                 .map_err(IbStatus::from)?;
             match o
                 .cqs
@@ -360,7 +360,7 @@ where
                     Ok((handle, cq, entries, log, mtt, o.eqn))
                 }
                 Err(error) => {
-                    let _ = o.mtt.free(mtt);
+                    let _ = o.mtt.return_entries(mtt);
                     Err(IbStatus::from(error))
                 }
             }
@@ -453,7 +453,7 @@ where
             }
             let mtt = o
                 .mtt
-                .alloc(ring_pages(log) as u32)
+                .take_entries(ring_pages(log) as u32)
                 .map_err(IbStatus::from)?;
             ring.life = Life::Resizing;
             Ok((entries, log, Some(mtt)))
@@ -479,7 +479,7 @@ where
             let ring = match alloc_pages(hca, pages) {
                 Ok(ring) => ring,
                 Err(status) => {
-                    let _ = hca.with_objects(|o| o.mtt.free(mtt));
+                    let _ = hca.with_objects(|o| o.mtt.return_entries(mtt));
                     cq.set_life(Life::Live);
                     responder.fail(status);
                     return;
@@ -511,14 +511,14 @@ where
                             };
                             hca.free_later(old_ring);
                             if let Some(old_mtt) = old_mtt {
-                                let _ = hca.with_objects(|o| o.mtt.free(old_mtt));
+                                let _ = hca.with_objects(|o| o.mtt.return_entries(old_mtt));
                             }
                             let out = CqOut { cqe: entries };
                             responder.finish(IbStatus::Success, 0, Some(&out), &[]);
                         }
                         Err(error) => {
                             hca.free_later(new_ring);
-                            let _ = hca.with_objects(|o| o.mtt.free(mtt));
+                            let _ = hca.with_objects(|o| o.mtt.return_entries(mtt));
                             cq.set_life(Life::Live);
                             responder.fail(resize_status(error));
                         }
@@ -569,7 +569,7 @@ where
                     let _ = hca.with_objects(|o| {
                         let _ = o.cqs.remove(handle);
                         if let Some(mtt) = mtt {
-                            let _ = o.mtt.free(mtt);
+                            let _ = o.mtt.return_entries(mtt);
                         }
                     });
                     hca.free_later(cq.take_buffers());

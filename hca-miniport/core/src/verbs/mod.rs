@@ -76,7 +76,8 @@ use ib_types::status::IbStatus;
 use crate::cmd::{Command, CommandError, CommandOutput};
 use crate::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use crate::hca::Hca;
-use crate::resources::{ObjectTable, RangeAllocator, kind};
+use crate::mr::MemoryTranslation;
+use crate::resources::{ObjectTable, kind};
 
 pub use ca::{CaClient, UVP_NAME};
 pub use cq::{CqNotify, poll_and_rearm};
@@ -115,11 +116,10 @@ pub(crate) struct Objects<P: Platform> {
     ca_generation: u32,
     pub(crate) pds: ObjectTable<kind::Pd, pd::Pd>,
     pub(crate) cqs: ObjectTable<kind::Cq, Arc<cq::Cq<P>>>,
-    /// MTT entries for CQ rings. Starts after the EQ's reserved entries
-    /// (`BringUpReport::reserved_mtt_entries`), which it holds as one
-    /// allocated run. Until the memory-registration module is merged this
-    /// allocator is the CQ verbs' own; both must then share one.
-    pub(crate) mtt: RangeAllocator,
+    /// The memory translation service: MPT keys, and the one MTT
+    /// allocator (after the EQ's reserved entries) that CQ rings and
+    /// memory regions share.
+    pub(crate) mtt: MemoryTranslation<P>,
     /// The EQ completion events go to.
     pub(crate) eqn: u32,
     /// `log2` of the largest CQ.
@@ -452,12 +452,7 @@ impl<P: Platform> Hca<P> {
         if guard.is_none() {
             let report = self.report().ok_or(IbStatus::InvalidState)?;
             let cqs = 1u32 << report.table(hca_prm::cmd::Table::Cqc).log_count;
-            let mtts = 1u32 << report.table(hca_prm::cmd::Table::Mtt).log_count;
-            let mut mtt = RangeAllocator::new(mtts);
-            if report.reserved_mtt_entries > 0 {
-                mtt.alloc(report.reserved_mtt_entries)
-                    .map_err(|_| IbStatus::InvalidState)?;
-            }
+            let mtt = MemoryTranslation::new(&report).map_err(|e| e.ib_status())?;
             *guard = Some(Objects {
                 ca: None,
                 ca_generation: 0,
