@@ -343,6 +343,12 @@ assert_layout!(EventCallbacks, size = 16, completion @ 0, async_event @ 8);
 
 /// Opens the CA for one client (the bus filter; the guide's OpenHCA may be
 /// called once): registers its callbacks and returns the CA handle in `ca`.
+///
+/// This is how the CA is opened in the kernel: the bus filter opens it once
+/// through the CI interface, with callbacks, and every kernel client goes
+/// through the AL. The `OpenCa` verb of [`crate::ioctl`] is the user-mode
+/// proxy's open (a user context, no callbacks: user mode waits for events
+/// with `WaitCqEvent`); the bus filter forwards it to `submit`.
 pub type CiOpenCaFn = unsafe extern "system" fn(
     context: *mut c_void,
     callbacks: *const EventCallbacks,

@@ -31,6 +31,13 @@
 //!   On success the fixed `Out` is valid; on failure it is all zero and no
 //!   private bytes follow. The one exception is the size report of
 //!   [`QueryCa`] (see [`Verb::SIZE_ON_OVERFLOW`]).
+//! - The request itself completes with the NTSTATUS of the response status
+//!   ([`IbStatus::to_ntstatus`]). For a `METHOD_BUFFERED` IOCTL the I/O
+//!   manager copies no output back when that NTSTATUS is an error, so a
+//!   user-mode caller sees only the NTSTATUS on failure and recovers the
+//!   [`IbStatus`] from it (the mapping is exact both ways); the response
+//!   header reaches it only with a success or warning NTSTATUS. Kernel
+//!   callers of `submit` see the whole response either way.
 //! - The trailing private bytes carry vendor data between the user-mode
 //!   plug-in and the miniport (the guide's `umv_buf`), opaque here, except
 //!   for [`QueryCa`], whose private output is the CA attribute block of

@@ -300,6 +300,9 @@ impl NtStatus {
     pub const NO_MEMORY: Self = Self::from_raw(0xC000_0017);
     /// `STATUS_ACCESS_DENIED`.
     pub const ACCESS_DENIED: Self = Self::from_raw(0xC000_0022);
+    /// `STATUS_BUFFER_TOO_SMALL`: an output buffer cannot hold even the
+    /// fixed part of the answer.
+    pub const BUFFER_TOO_SMALL: Self = Self::from_raw(0xC000_0023);
     /// `STATUS_INSUFFICIENT_RESOURCES`.
     pub const INSUFFICIENT_RESOURCES: Self = Self::from_raw(0xC000_009A);
     /// `STATUS_IO_TIMEOUT`.

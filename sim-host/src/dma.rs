@@ -354,6 +354,7 @@ impl HostDmaAdapter {
     /// from now on. A buffer of another adapter is refused and recorded as
     /// a protocol violation (it stays live on its own adapter).
     pub fn free_common(&self, buffer: HostCommonBuffer) {
+        crate::irql::check_max("FreeCommonBuffer", driver_platform::Irql::PASSIVE);
         if buffer.adapter_index != self.shared.index {
             self.shared.report(ViolationKind::Protocol {
                 detail: format!(
