@@ -53,9 +53,11 @@
 //!
 //! [`BringUpReport`]: crate::init::BringUpReport
 
+pub mod av;
 pub mod ca;
 pub mod cq;
 pub mod pd;
+pub mod srq;
 
 use alloc::boxed::Box;
 use alloc::collections::VecDeque;
@@ -116,6 +118,11 @@ pub(crate) struct Objects<P: Platform> {
     ca_generation: u32,
     pub(crate) pds: ObjectTable<kind::Pd, pd::Pd>,
     pub(crate) cqs: ObjectTable<kind::Cq, Arc<cq::Cq<P>>>,
+    /// Kernel address vectors (software objects, [`av`]).
+    pub(crate) avs: ObjectTable<kind::Av, av::Av>,
+    /// Shared receive queues ([`srq`]).
+    #[expect(dead_code, reason = "the SRQ verbs are being built")]
+    pub(crate) srqs: ObjectTable<kind::Srq, Arc<srq::Srq<P>>>,
     /// The memory translation service: MPT keys, and the one MTT
     /// allocator (after the EQ's reserved entries) that CQ rings and
     /// memory regions share.
@@ -373,10 +380,26 @@ where
                     self.destroy_cq_request(a);
                 }
             }
-            VerbId::CreateAv => unsupported::<v::CreateAv, R<P>>(request),
-            VerbId::QueryAv => unsupported::<v::QueryAv, R<P>>(request),
-            VerbId::ModifyAv => unsupported::<v::ModifyAv, R<P>>(request),
-            VerbId::DestroyAv => unsupported::<v::DestroyAv, R<P>>(request),
+            VerbId::CreateAv => {
+                if let Some(a) = accept::<v::CreateAv, R<P>>(request) {
+                    self.create_av_request(a);
+                }
+            }
+            VerbId::QueryAv => {
+                if let Some(a) = accept::<v::QueryAv, R<P>>(request) {
+                    self.query_av_request(a);
+                }
+            }
+            VerbId::ModifyAv => {
+                if let Some(a) = accept::<v::ModifyAv, R<P>>(request) {
+                    self.modify_av_request(a);
+                }
+            }
+            VerbId::DestroyAv => {
+                if let Some(a) = accept::<v::DestroyAv, R<P>>(request) {
+                    self.destroy_av_request(a);
+                }
+            }
             VerbId::CreateQp => unsupported::<v::CreateQp, R<P>>(request),
             VerbId::QueryQp => unsupported::<v::QueryQp, R<P>>(request),
             VerbId::ModifyQp => unsupported::<v::ModifyQp, R<P>>(request),
@@ -452,12 +475,15 @@ impl<P: Platform> Hca<P> {
         if guard.is_none() {
             let report = self.report().ok_or(IbStatus::InvalidState)?;
             let cqs = 1u32 << report.table(hca_prm::cmd::Table::Cqc).log_count;
+            let srqs = 1u32 << report.table(hca_prm::cmd::Table::Srqc).log_count;
             let mtt = MemoryTranslation::new(&report).map_err(|e| e.ib_status())?;
             *guard = Some(Objects {
                 ca: None,
                 ca_generation: 0,
                 pds: ObjectTable::new(MAX_PDS, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 cqs: ObjectTable::new(cqs, 0..0).map_err(|_| IbStatus::InvalidState)?,
+                avs: ObjectTable::new(av::MAX_AVS, 0..0).map_err(|_| IbStatus::InvalidState)?,
+                srqs: ObjectTable::new(srqs, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 mtt,
                 eqn: report.eqn,
                 log_max_cqes: report.capabilities.log_max_cqes,
