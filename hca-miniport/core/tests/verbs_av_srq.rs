@@ -6,18 +6,25 @@
 
 mod support;
 
-use driver_platform::RequestorMode;
+use std::sync::{Arc, Mutex};
+
+use driver_platform::{Irql, RequestorMode};
+use hca_miniport_core::cmd::Command;
+use hca_prm::cmd::Opcode;
+use hca_prm::ctx::{SrqState, Srqc};
 use ib_types::abi::Repr;
 use ib_types::av::{AvAbi, AvAttr, Grh};
 use ib_types::handle::PdHandle;
 use ib_types::ioctl::{
-    AllocPd, CloseCa, CreateAv, DeallocPd, DestroyAv, Empty, ModifyAv, OpenCa, OpenCaIn, QueryAv,
-    Verb,
+    AllocPd, CloseCa, CreateAv, CreateSrq, DeallocPd, DestroyAv, DestroySrq, Empty, ModifyAv,
+    ModifySrq, OpenCa, OpenCaIn, QueryAv, QuerySrq, Verb,
 };
 use ib_types::scalars::{Gid, Lid, PortNum};
+use ib_types::srq::{SrqAttr, SrqCreate, SrqModify};
 use ib_types::status::IbStatus;
-use support::{World, response};
-use zerocopy::IntoBytes;
+use ib_types::wr::{LKey, RecvWr, Sge};
+use support::{World, lock, response};
+use zerocopy::{FromBytes, IntoBytes};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;
 const USER: RequestorMode = RequestorMode::User;
@@ -179,6 +186,229 @@ fn invalid_avs_are_refused_and_change_nothing() {
     assert_eq!(w.hca().release_pd(pd), Ok(1));
     let done = w.call::<DestroyAv>(KERNEL, handle, &Empty, 0);
     assert_eq!(status_of::<DestroyAv>(&done), IbStatus::Success);
+    let done = w.call::<DeallocPd>(KERNEL, pd, &Empty, 0);
+    assert_eq!(status_of::<DeallocPd>(&done), IbStatus::Success);
+    w.finish();
+}
+
+// ----- shared receive queues ------------------------------------------------
+
+/// Runs one device command through the core and returns its result.
+fn command(
+    w: &World,
+    command: Command,
+) -> Result<hca_miniport_core::cmd::CommandOutput, hca_miniport_core::cmd::CommandError> {
+    let out = Arc::new(Mutex::new(None));
+    let sink = out.clone();
+    w.hca()
+        .submit(command, Box::new(move |result| *lock(&sink) = Some(result)));
+    w.settle();
+    lock(&out).take().expect("the command completed")
+}
+
+/// The SRQ's context as the device reports it (`QUERY_SRQ`).
+fn query_srqc(w: &World, srqn: u32) -> Srqc {
+    let answer = command(
+        w,
+        Command::new(Opcode::QuerySrq, srqn).with_output(size_of::<Srqc>()),
+    )
+    .expect("QUERY_SRQ succeeded");
+    Srqc::read_from_bytes(&answer.mailbox).unwrap()
+}
+
+fn create_srq(w: &World, ca: u64, pd: u64, attr: SrqAttr) -> (IbStatus, u64, Option<SrqAttr>) {
+    let create = SrqCreate {
+        pd: PdHandle::from_raw(pd),
+        attr,
+    };
+    let done = w.call_in_dpc::<CreateSrq>(KERNEL, ca, &create, 0);
+    let r = response::<CreateSrq>(&done);
+    (r.status, r.handle, r.output)
+}
+
+fn srq_attr(max_wr: u32, max_sge: u32, srq_limit: u32) -> SrqAttr {
+    SrqAttr {
+        max_wr,
+        max_sge,
+        srq_limit,
+    }
+}
+
+fn query_srq(w: &World, srq: u64) -> SrqAttr {
+    let done = w.call_in_dpc::<QuerySrq>(KERNEL, srq, &Empty, 0);
+    let r = response::<QuerySrq>(&done);
+    assert_eq!(r.status, IbStatus::Success);
+    r.output.unwrap()
+}
+
+#[test]
+fn srq_create_query_modify_destroy_from_dpcs() {
+    let w = World::deterministic(41);
+    let (ca, pd) = open_with_pd(&w);
+    let report = w.hca().report().unwrap();
+    let cap = report.capabilities;
+
+    // 100 WRs of 2 SGEs: 128 entries of 64 bytes, which hold 3 SGEs.
+    let (status, srq, out) = create_srq(&w, ca, pd, srq_attr(100, 2, 0));
+    assert_eq!(status, IbStatus::Success);
+    assert_eq!(out, Some(srq_attr(128, 3, 0)));
+    let srqn = srq as u32;
+    let srqc = query_srqc(&w, srqn);
+    assert_eq!(srqc.state, SrqState::Ready.code());
+    assert_eq!(srqc.pd.get(), pd as u32, "the PD's number");
+    assert_eq!(srqc.cqn.get(), 0);
+    assert_eq!(srqc.limit.get(), 0);
+    assert_eq!(
+        (
+            srqc.ring.log_entries,
+            srqc.ring.log_stride,
+            srqc.ring.log_page_size
+        ),
+        (7, 6, 12)
+    );
+    assert!(srqc.ring.mtt_index.get() >= report.reserved_mtt_entries);
+    assert_ne!(srqc.dbr.get(), 0);
+    assert_eq!(srqc.consumer.get(), 0);
+    assert_eq!(query_srq(&w, srq), srq_attr(128, 3, 0));
+
+    // Arm the limit: the device's context has it, and so does the query.
+    let arm = SrqModify {
+        max_wr: None,
+        srq_limit: Some(16),
+    };
+    let done = w.call_in_dpc::<ModifySrq>(KERNEL, srq, &arm, 0);
+    assert_eq!(status_of::<ModifySrq>(&done), IbStatus::Success);
+    assert_eq!(query_srqc(&w, srqn).limit.get(), 16);
+    assert_eq!(query_srq(&w, srq), srq_attr(128, 3, 16));
+    // No resize in the PRM; a limit above the depth; both change nothing.
+    let resize = SrqModify {
+        max_wr: Some(256),
+        srq_limit: None,
+    };
+    let done = w.call_in_dpc::<ModifySrq>(KERNEL, srq, &resize, 0);
+    assert_eq!(status_of::<ModifySrq>(&done), IbStatus::Unsupported);
+    let too_high = SrqModify {
+        max_wr: None,
+        srq_limit: Some(129),
+    };
+    let done = w.call_in_dpc::<ModifySrq>(KERNEL, srq, &too_high, 0);
+    assert_eq!(status_of::<ModifySrq>(&done), IbStatus::InvalidParameter);
+    assert_eq!(query_srq(&w, srq), srq_attr(128, 3, 16));
+    // Disarm.
+    let disarm = SrqModify {
+        max_wr: None,
+        srq_limit: Some(0),
+    };
+    let done = w.call_in_dpc::<ModifySrq>(KERNEL, srq, &disarm, 0);
+    assert_eq!(status_of::<ModifySrq>(&done), IbStatus::Success);
+    assert_eq!(query_srqc(&w, srqn).limit.get(), 0);
+
+    // Sizes the device cannot give: clear statuses, nothing created.
+    let max = 1u32 << cap.log_max_srq_wqes.min(16);
+    let sge = u32::from(cap.max_recv_sges);
+    for (attr, expected) in [
+        (srq_attr(max + 1, 1, 0), IbStatus::InvalidSrqSize),
+        (srq_attr(8, sge + 1, 0), IbStatus::InvalidMaxSge),
+    ] {
+        assert_eq!(create_srq(&w, ca, pd, attr), (expected, 0, None));
+    }
+    // A stale PD, a user request.
+    assert_eq!(
+        create_srq(&w, ca, pd ^ (1 << 40), srq_attr(8, 1, 0)).0,
+        IbStatus::InvalidPdHandle
+    );
+    let create = SrqCreate {
+        pd: PdHandle::from_raw(pd),
+        attr: srq_attr(8, 1, 0),
+    };
+    let done = w.call::<CreateSrq>(USER, ca, &create, 0);
+    assert_eq!(status_of::<CreateSrq>(&done), IbStatus::InvalidCaHandle);
+    // The largest SRQ, with a limit at its depth.
+    let (status, big, out) = create_srq(&w, ca, pd, srq_attr(max, sge, max));
+    assert_eq!(
+        (status, out),
+        (IbStatus::Success, Some(srq_attr(max, sge, max)))
+    );
+    assert_eq!(query_srqc(&w, big as u32).limit.get(), max);
+
+    // A PD with SRQs cannot be deallocated; a referenced SRQ not destroyed.
+    let done = w.call_in_dpc::<DeallocPd>(KERNEL, pd, &Empty, 0);
+    assert_eq!(status_of::<DeallocPd>(&done), IbStatus::ResourceBusy);
+    assert_eq!(w.hca().reference_srq(srq), Ok(1));
+    let done = w.call_in_dpc::<DestroySrq>(KERNEL, srq, &Empty, 0);
+    assert_eq!(status_of::<DestroySrq>(&done), IbStatus::ResourceBusy);
+    assert_eq!(query_srqc(&w, srqn).state, SrqState::Ready.code());
+    assert_eq!(w.hca().release_srq(srq), Ok(0));
+    for handle in [srq, big] {
+        let done = w.call_in_dpc::<DestroySrq>(KERNEL, handle, &Empty, 0);
+        assert_eq!(status_of::<DestroySrq>(&done), IbStatus::Success);
+    }
+    assert!(command(&w, Command::new(Opcode::QuerySrq, srqn).with_output(64)).is_err());
+    for status in [
+        status_of::<DestroySrq>(&w.call::<DestroySrq>(KERNEL, srq, &Empty, 0)),
+        status_of::<QuerySrq>(&w.call::<QuerySrq>(KERNEL, srq, &Empty, 0)),
+        status_of::<ModifySrq>(&w.call::<ModifySrq>(KERNEL, srq, &arm, 0)),
+    ] {
+        assert_eq!(status, IbStatus::InvalidSrqHandle);
+    }
+    assert_eq!(w.hca().reference_srq(srq), Err(IbStatus::InvalidSrqHandle));
+    assert_eq!(
+        w.hca().post_srq_recv(srq, &[]),
+        (0, IbStatus::InvalidSrqHandle)
+    );
+    let done = w.call_in_dpc::<DeallocPd>(KERNEL, pd, &Empty, 0);
+    assert_eq!(status_of::<DeallocPd>(&done), IbStatus::Success);
+    let done = w.call::<CloseCa>(KERNEL, ca, &Empty, 0);
+    assert_eq!(status_of::<CloseCa>(&done), IbStatus::Success);
+    w.finish();
+}
+
+#[test]
+fn post_srq_recv_fills_to_capacity_and_a_failing_wr_leaves_earlier_ones_posted() {
+    let w = World::deterministic(42);
+    let (ca, pd) = open_with_pd(&w);
+    let (status, srq, out) = create_srq(&w, ca, pd, srq_attr(8, 1, 0));
+    assert_eq!((status, out), (IbStatus::Success, Some(srq_attr(8, 1, 0))));
+    let results = Arc::new(Mutex::new(Vec::new()));
+    {
+        let (hca, results) = (w.hca(), results.clone());
+        w.in_dpc(move || {
+            assert_eq!(sim_host::irql::current(), Irql::DISPATCH);
+            let one = [Sge::new(0x1000, 64, LKey::new(0x100))];
+            let two = [one[0], one[0]];
+            let wr = |wr_id: u64| RecvWr {
+                wr_id,
+                sg_list: &one,
+            };
+            let mut r = lock(&results);
+            // Five, then a batch whose third WR has too many SGEs.
+            r.push(hca.post_srq_recv(srq, &[wr(1), wr(2), wr(3), wr(4), wr(5)]));
+            let bad = RecvWr {
+                wr_id: 99,
+                sg_list: &two,
+            };
+            r.push(hca.post_srq_recv(srq, &[wr(6), wr(7), bad, wr(8)]));
+            // One slot left: the second WR finds the queue full.
+            r.push(hca.post_srq_recv(srq, &[wr(8), wr(9)]));
+            r.push(hca.post_srq_recv(srq, &[wr(10)]));
+            r.push(hca.post_srq_recv(srq, &[]));
+        });
+    }
+    w.settle();
+    assert_eq!(
+        *lock(&results),
+        vec![
+            (5, IbStatus::Success),
+            (2, IbStatus::InvalidMaxSge),
+            (1, IbStatus::InsufficientResources),
+            (0, IbStatus::InsufficientResources),
+            (0, IbStatus::Success),
+        ]
+    );
+    // The device saw none of them taken; the SRQ still destroys cleanly.
+    assert_eq!(query_srqc(&w, srq as u32).consumer.get(), 0);
+    let done = w.call_in_dpc::<DestroySrq>(KERNEL, srq, &Empty, 0);
+    assert_eq!(status_of::<DestroySrq>(&done), IbStatus::Success);
     let done = w.call::<DeallocPd>(KERNEL, pd, &Empty, 0);
     assert_eq!(status_of::<DeallocPd>(&done), IbStatus::Success);
     w.finish();

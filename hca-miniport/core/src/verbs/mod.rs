@@ -33,8 +33,9 @@
 //!   client of the CA that owns the CQ *now* (a CQ's number is freed only
 //!   when its `HW2SW_CQ` completion is processed, and the core's one EQ
 //!   orders every event of the CQ before that completion, so no event
-//!   reaches a stale owner); port changes go to the client as
-//!   asynchronous events. Every event is also passed on to the sink given
+//!   reaches a stale owner); `SRQ_LIMIT` and `SRQ_CATASTROPHIC` go the
+//!   same way, by SRQ number, as asynchronous events (`srq`); port changes
+//!   go to the client as asynchronous events. Every event is also passed on to the sink given
 //!   to [`Hca::new`]. Client callbacks run from the DPC with no core lock
 //!   held.
 //! - **State.** The object tables are built from the [`BringUpReport`] on
@@ -48,8 +49,9 @@
 //!   other way round; no core lock is held while a client callback or a
 //!   command continuation runs.
 //!
-//! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]); every
-//! other verb answers [`IbStatus::Unsupported`].
+//! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]), AV
+//! ([`av`]), SRQ ([`srq`]); every other verb answers
+//! [`IbStatus::Unsupported`].
 //!
 //! [`BringUpReport`]: crate::init::BringUpReport
 
@@ -121,7 +123,6 @@ pub(crate) struct Objects<P: Platform> {
     /// Kernel address vectors (software objects, [`av`]).
     pub(crate) avs: ObjectTable<kind::Av, av::Av>,
     /// Shared receive queues ([`srq`]).
-    #[expect(dead_code, reason = "the SRQ verbs are being built")]
     pub(crate) srqs: ObjectTable<kind::Srq, Arc<srq::Srq<P>>>,
     /// The memory translation service: MPT keys, and the one MTT
     /// allocator (after the EQ's reserved entries) that CQ rings and
@@ -175,6 +176,9 @@ impl<P: Platform> Verbs<P> {
         if let Some(objects) = objects {
             for (_, cq) in objects.cqs.iter() {
                 buffers.extend(cq.take_buffers());
+            }
+            for (_, srq) in objects.srqs.iter() {
+                buffers.extend(srq.take_buffers());
             }
         }
         buffers
@@ -404,10 +408,26 @@ where
             VerbId::QueryQp => unsupported::<v::QueryQp, R<P>>(request),
             VerbId::ModifyQp => unsupported::<v::ModifyQp, R<P>>(request),
             VerbId::DestroyQp => unsupported::<v::DestroyQp, R<P>>(request),
-            VerbId::CreateSrq => unsupported::<v::CreateSrq, R<P>>(request),
-            VerbId::QuerySrq => unsupported::<v::QuerySrq, R<P>>(request),
-            VerbId::ModifySrq => unsupported::<v::ModifySrq, R<P>>(request),
-            VerbId::DestroySrq => unsupported::<v::DestroySrq, R<P>>(request),
+            VerbId::CreateSrq => {
+                if let Some(a) = accept::<v::CreateSrq, R<P>>(request) {
+                    self.create_srq_request(a);
+                }
+            }
+            VerbId::QuerySrq => {
+                if let Some(a) = accept::<v::QuerySrq, R<P>>(request) {
+                    self.query_srq_request(a);
+                }
+            }
+            VerbId::ModifySrq => {
+                if let Some(a) = accept::<v::ModifySrq, R<P>>(request) {
+                    self.modify_srq_request(a);
+                }
+            }
+            VerbId::DestroySrq => {
+                if let Some(a) = accept::<v::DestroySrq, R<P>>(request) {
+                    self.destroy_srq_request(a);
+                }
+            }
             VerbId::RegMr => unsupported::<v::RegMr, R<P>>(request),
             VerbId::RegSharedMr => unsupported::<v::RegSharedMr, R<P>>(request),
             VerbId::ReregMr => unsupported::<v::ReregMr, R<P>>(request),
@@ -611,6 +631,15 @@ impl<P: Platform> EventSink for VerbsRouter<'_, P> {
     }
 
     fn srq_event(&self, srqn: u32, event: SrqEvent) {
+        let code = match event {
+            SrqEvent::LimitReached => ib_types::event::AsyncEventCode::SrqLimitReached,
+            SrqEvent::Catastrophic => ib_types::event::AsyncEventCode::SrqCatastrophic,
+        };
+        if let Some(srq) = self.hca.srq_owner(srqn)
+            && let Ok(record) = AsyncEventRecord::new(code, srq, None, 0)
+        {
+            self.hca.deliver(|client| client.async_event(&record));
+        }
         self.hca.sink.srq_event(srqn, event);
     }
 
