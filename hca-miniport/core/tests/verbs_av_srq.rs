@@ -10,14 +10,18 @@ use std::sync::{Arc, Mutex};
 
 use driver_platform::{Irql, RequestorMode};
 use hca_miniport_core::cmd::Command;
+use hca_miniport_core::verbs::CaClient;
 use hca_prm::cmd::Opcode;
 use hca_prm::ctx::{SrqState, Srqc};
 use ib_types::abi::Repr;
 use ib_types::av::{AvAbi, AvAttr, Grh};
+use ib_types::cq::CqAttr;
+use ib_types::event::{AsyncEventCode, AsyncEventRecord};
+use ib_types::handle::CqHandle;
 use ib_types::handle::PdHandle;
 use ib_types::ioctl::{
-    AllocPd, CloseCa, CreateAv, CreateSrq, DeallocPd, DestroyAv, DestroySrq, Empty, ModifyAv,
-    ModifySrq, OpenCa, OpenCaIn, QueryAv, QuerySrq, Verb,
+    AllocPd, CloseCa, CreateAv, CreateCq, CreateSrq, DeallocPd, DestroyAv, DestroyCq, DestroySrq,
+    Empty, ModifyAv, ModifySrq, OpenCa, OpenCaIn, QueryAv, QuerySrq, Verb,
 };
 use ib_types::scalars::{Gid, Lid, PortNum};
 use ib_types::srq::{SrqAttr, SrqCreate, SrqModify};
@@ -411,5 +415,222 @@ fn post_srq_recv_fills_to_capacity_and_a_failing_wr_leaves_earlier_ones_posted()
     assert_eq!(status_of::<DestroySrq>(&done), IbStatus::Success);
     let done = w.call::<DeallocPd>(KERNEL, pd, &Empty, 0);
     assert_eq!(status_of::<DeallocPd>(&done), IbStatus::Success);
+    w.finish();
+}
+
+/// A client that records its asynchronous events and the IRQL they came at.
+#[derive(Default)]
+struct Client {
+    events: Mutex<Vec<(AsyncEventRecord, Irql)>>,
+}
+
+impl CaClient for Client {
+    fn completion(&self, _: CqHandle) {}
+    fn async_event(&self, event: &AsyncEventRecord) {
+        lock(&self.events).push((*event, sim_host::irql::current()));
+    }
+}
+
+/// A UD QP built with raw commands (QPs are not verbs of the core yet)
+/// that receives from an SRQ; its send ring uses MTT entry `mtt`, which
+/// the core's allocator does not reach in these tests.
+struct RawUdQp {
+    qpn: u32,
+    sq: sim_host::dma::HostCommonBuffer,
+    sq_producer: u32,
+}
+
+impl RawUdQp {
+    const QKEY: u32 = 0x1111;
+
+    fn create(w: &World, qpn: u32, port: u8, pd: u32, cqn: u32, srqn: u32, mtt: u64) -> Self {
+        use driver_platform::{CommonBuffer, DmaAdapter};
+        use hca_prm::ctx::{BufDesc, ModifyQp, Qpc, QpcFlags};
+        use ib_types::qp::{QpModify, QpState, QpType};
+        use ib_types::scalars::{Psn, QKey};
+        use zerocopy::FromZeros;
+        let sq = w.adapter().alloc_common(4096).unwrap();
+        let mut mailbox = mtt.to_le_bytes().to_vec();
+        mailbox.extend_from_slice(&sq.bus_address().to_le_bytes());
+        command(w, Command::new(Opcode::WriteMtt, 0).with_mailbox(mailbox)).unwrap();
+        let mut qpc = Qpc::new_zeroed();
+        qpc.qp_type = QpType::Ud.code();
+        qpc.port = port;
+        qpc.flags = QpcFlags::HAS_SRQ.bits();
+        qpc.pd = hca_prm::Le32::new(pd);
+        qpc.send_cqn = hca_prm::Le32::new(cqn);
+        qpc.recv_cqn = hca_prm::Le32::new(cqn);
+        qpc.srqn = hca_prm::Le32::new(srqn);
+        qpc.sq = BufDesc {
+            mtt_index: hca_prm::Le32::new(mtt as u32),
+            log_page_size: 12,
+            log_entries: 6,
+            log_stride: 6,
+            ..BufDesc::default()
+        };
+        command(
+            w,
+            Command::new(Opcode::Sw2HwQp, qpn).with_mailbox(qpc.as_bytes().to_vec()),
+        )
+        .unwrap();
+        let steps = [
+            QpModify {
+                state: Some(QpState::Init),
+                pkey_index: Some(0),
+                port: Some(PortNum::new(port).unwrap()),
+                qkey: Some(QKey::new(Self::QKEY)),
+                ..QpModify::default()
+            },
+            QpModify::to_state(QpState::Rtr),
+            QpModify {
+                state: Some(QpState::Rts),
+                sq_psn: Some(Psn::new(0).unwrap()),
+                ..QpModify::default()
+            },
+        ];
+        for m in steps {
+            let mut input = ModifyQp::new_zeroed();
+            input.attr_mask = hca_prm::Le32::new(m.mask().bits());
+            input.next_state = m.state.map_or(0, QpState::code);
+            input.qpc.port = port;
+            input.qpc.qkey = hca_prm::Le32::new(Self::QKEY);
+            command(
+                w,
+                Command::new(Opcode::ModifyQp, qpn).with_mailbox(input.as_bytes().to_vec()),
+            )
+            .unwrap();
+        }
+        RawUdQp {
+            qpn,
+            sq,
+            sq_producer: 0,
+        }
+    }
+
+    /// Sends an empty datagram to `dest_ip`'s QP `dest_qpn` and rings the
+    /// send doorbell.
+    fn send_to(&mut self, w: &World, port: u8, dest_ip: [u8; 4], dest_qpn: u32) {
+        use driver_platform::{CommonBuffer, Mmio};
+        use hca_prm::doorbell::{SQ_DOORBELL, SqDoorbell, uar_offset};
+        use ib_types::handle::AvHandle;
+        use ib_types::scalars::{QKey, Qpn};
+        use ib_types::wr::{SendFlags, SendOp, SendWr, UdDest};
+        let attr = AvAttr::roce(PortNum::new(port).unwrap(), Gid::from_ipv4(dest_ip), 0);
+        let av = hca_prm::av::Av::try_from(&attr).unwrap();
+        let wr = SendWr {
+            wr_id: 1,
+            op: SendOp::Send,
+            flags: SendFlags::SIGNALED,
+            sg_list: &[],
+            ud: Some(UdDest {
+                av: AvHandle::from_raw(1),
+                remote_qpn: Qpn::new(dest_qpn).unwrap(),
+                remote_qkey: QKey::new(Self::QKEY),
+            }),
+        };
+        let mut scratch = [0u8; 512];
+        let index = self.sq_producer as u16;
+        let len = hca_prm::wqe::build_send_wqe(&wr, Some(&av), index, None, &mut scratch).unwrap();
+        let bbs = len.div_ceil(64) as u32;
+        for i in 0..bbs {
+            let slot = (self.sq_producer.wrapping_add(i) & 63) as usize * 64;
+            let bb = &scratch[i as usize * 64..(i as usize + 1) * 64];
+            assert!(self.sq.write(slot, bb));
+        }
+        self.sq_producer = self.sq_producer.wrapping_add(bbs);
+        let doorbell = SqDoorbell {
+            qpn: Qpn::from_low_bits(self.qpn),
+            producer: self.sq_producer,
+        };
+        w.function()
+            .bar0()
+            .write64(uar_offset(0) + SQ_DOORBELL, doorbell.encode());
+        w.settle();
+    }
+
+    fn destroy(self, w: &World) {
+        command(w, Command::new(Opcode::Hw2SwQp, self.qpn)).unwrap();
+        w.adapter().free_common(self.sq);
+    }
+}
+
+#[test]
+fn the_srq_limit_event_reaches_the_client_from_the_dpc() {
+    let w = World::deterministic(43);
+    let client = Arc::new(Client::default());
+    let hca = w.hca();
+    let ca = hca.open_ca(Some(client.clone())).unwrap();
+    let done = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
+    let pd = response::<AllocPd>(&done).handle;
+    let cq_attr = CqAttr {
+        cqe: 16,
+        comp_vector: 0,
+    };
+    let done = w.call_in_dpc::<CreateCq>(KERNEL, ca, &cq_attr, 0);
+    let cq = response::<CreateCq>(&done).handle;
+    let (status, srq, _) = create_srq(&w, ca, pd, srq_attr(4, 1, 0));
+    assert_eq!(status, IbStatus::Success);
+    let srqn = srq as u32;
+
+    // Four receives posted (no buffers), then the limit armed at four.
+    let wrs: Vec<RecvWr<'_>> = (0..4)
+        .map(|i| RecvWr {
+            wr_id: 100 + i,
+            sg_list: &[],
+        })
+        .collect();
+    assert_eq!(hca.post_srq_recv(srq, &wrs), (4, IbStatus::Success));
+    let arm = SrqModify {
+        max_wr: None,
+        srq_limit: Some(4),
+    };
+    let done = w.call_in_dpc::<ModifySrq>(KERNEL, srq, &arm, 0);
+    assert_eq!(status_of::<ModifySrq>(&done), IbStatus::Success);
+    assert!(lock(&client.events).is_empty());
+
+    // A datagram from port 2 to a QP on port 1 that receives from the SRQ:
+    // the device takes one WQE, three are left, below the limit.
+    let report = hca.report().unwrap();
+    let top = (1u64 << report.table(hca_prm::cmd::Table::Mtt).log_count) - 2;
+    let receiver = RawUdQp::create(&w, 4, 1, pd as u32, cq as u32, srqn, top);
+    let mut sender = RawUdQp::create(&w, 5, 2, pd as u32, cq as u32, srqn, top + 1);
+    for _ in 0..2 {
+        assert_eq!(hca.reference_srq(srq).map(|n| n > 0), Ok(true));
+    }
+    sender.send_to(&w, 2, [10, 0, 0, 1], receiver.qpn);
+    assert_eq!(query_srqc(&w, srqn).consumer.get(), 1);
+    // The taken WQE's slot stays held until the CQ poll path hands its
+    // wr_id back (the device stores none): the SRQ is still full.
+    let one_more = [RecvWr {
+        wr_id: 104,
+        sg_list: &[],
+    }];
+    assert_eq!(
+        hca.post_srq_recv(srq, &one_more),
+        (0, IbStatus::InsufficientResources)
+    );
+
+    // One event, at DISPATCH_LEVEL, with the SRQ's handle; the limit is
+    // one-shot, so the device and the query now say 0.
+    let events = lock(&client.events).clone();
+    let record = AsyncEventRecord::new(AsyncEventCode::SrqLimitReached, srq, None, 0).unwrap();
+    assert_eq!(events, vec![(record, Irql::DISPATCH)]);
+    assert_eq!(query_srq(&w, srq).srq_limit, 0);
+
+    // Busy while the QPs use it; destroyed after.
+    let done = w.call_in_dpc::<DestroySrq>(KERNEL, srq, &Empty, 0);
+    assert_eq!(status_of::<DestroySrq>(&done), IbStatus::ResourceBusy);
+    receiver.destroy(&w);
+    sender.destroy(&w);
+    for _ in 0..2 {
+        hca.release_srq(srq).unwrap();
+    }
+    let done = w.call_in_dpc::<DestroySrq>(KERNEL, srq, &Empty, 0);
+    assert_eq!(status_of::<DestroySrq>(&done), IbStatus::Success);
+    let done = w.call::<DestroyCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(status_of::<DestroyCq>(&done), IbStatus::Success);
+    let done = w.call::<DeallocPd>(KERNEL, pd, &Empty, 0);
+    assert_eq!(status_of::<DeallocPd>(&done), IbStatus::Success);
+    assert_eq!(hca.close_ca(ca), Ok(()));
     w.finish();
 }
