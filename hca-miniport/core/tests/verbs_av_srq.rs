@@ -26,6 +26,7 @@ use ib_types::ioctl::{
 use ib_types::scalars::{Gid, Lid, PortNum};
 use ib_types::srq::{SrqAttr, SrqCreate, SrqModify};
 use ib_types::status::IbStatus;
+use ib_types::wc::{WcOpcode, WcStatus, WorkCompletion};
 use ib_types::wr::{LKey, RecvWr, Sge};
 use support::{World, lock, response};
 use zerocopy::{FromBytes, IntoBytes};
@@ -572,11 +573,13 @@ fn the_srq_limit_event_reaches_the_client_from_the_dpc() {
     assert_eq!(status, IbStatus::Success);
     let srqn = srq as u32;
 
-    // Four receives posted (no buffers), then the limit armed at four.
+    // Four receives posted (one 64-byte buffer each, under a key no region
+    // has), then the limit armed at four.
+    let sge = [Sge::new(0x10_0000, 64, LKey::new(0x4242))];
     let wrs: Vec<RecvWr<'_>> = (0..4)
         .map(|i| RecvWr {
             wr_id: 100 + i,
-            sg_list: &[],
+            sg_list: &sge,
         })
         .collect();
     assert_eq!(hca.post_srq_recv(srq, &wrs), (4, IbStatus::Success));
@@ -599,6 +602,23 @@ fn the_srq_limit_event_reaches_the_client_from_the_dpc() {
     }
     sender.send_to(&w, 2, [10, 0, 0, 1], receiver.qpn);
     assert_eq!(query_srqc(&w, srqn).consumer.get(), 1);
+    // The device parsed the WQE's data segment: its key names no region,
+    // so the receive completes with a protection error (the send itself
+    // succeeded). `wr_id` stays 0 until the CQ poll path asks the SRQ.
+    let mut wcs = [WorkCompletion::EMPTY; 4];
+    assert_eq!(hca.poll_cq(cq, &mut wcs), Ok(2));
+    let summary: Vec<_> = wcs[..2]
+        .iter()
+        .map(|wc| (wc.qp_num.get(), wc.status, wc.opcode))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            (5, WcStatus::Success, WcOpcode::Send),
+            (4, WcStatus::LocProtErr, WcOpcode::Recv),
+        ]
+    );
+    assert_eq!(wcs[1].src_qp.get(), 5);
     // The taken WQE's slot stays held until the CQ poll path hands its
     // wr_id back (the device stores none): the SRQ is still full.
     let one_more = [RecvWr {

@@ -55,8 +55,8 @@ use driver_platform::{CommonBuffer, Platform, RequestorMode, SpinLock};
 use hca_prm::cmd::Opcode;
 use hca_prm::ctx::{BufDesc, Srqc};
 use hca_prm::doorbell::DoorbellRecord;
-use hca_prm::wqe::{MIN_RECV_STRIDE, build_recv_wqe, recv_sges_per_stride};
-use hca_prm::{Le32, Le64};
+use hca_prm::wqe::{MIN_RECV_STRIDE, RecvHeader, recv_sges_per_stride};
+use hca_prm::{Le16, Le32, Le64};
 use ib_types::ioctl::{CreateSrq, DestroySrq, Empty, ModifySrq, QuerySrq};
 use ib_types::srq::SrqAttr;
 use ib_types::status::IbStatus;
@@ -235,7 +235,6 @@ impl<P: Platform> Hca<P> {
         }
         let mut posted = 0u32;
         let mut status = IbStatus::Success;
-        let mut wqe = vec![0u8; stride];
         for wr in wrs {
             if wr.sg_list.len() > srq.max_sge as usize {
                 status = IbStatus::InvalidMaxSge;
@@ -251,14 +250,20 @@ impl<P: Platform> Hca<P> {
                 status = IbStatus::InsufficientResources;
                 break;
             }
-            if build_recv_wqe(wr.sg_list, counter as u16, stride, &mut wqe).is_err() {
-                status = IbStatus::InvalidParameter;
-                break;
-            }
-            let written = state
-                .ring
-                .as_ref()
-                .is_some_and(|ring| ring.write(slot * stride, &wqe));
+            // PRM 10.3: the header, then `num_sges` data segments; the
+            // device reads nothing after them, so the rest of the stride is
+            // left as it is (no allocation, no zeroing on the hot path).
+            // `max_sge` fits the stride and 8 bits (`srq_size`).
+            let header = RecvHeader {
+                num_sges: wr.sg_list.len() as u8,
+                wqe_index: Le16::new(counter as u16),
+                ..RecvHeader::default()
+            };
+            let at = slot * stride;
+            let written = state.ring.as_ref().is_some_and(|ring| {
+                ring.write(at, header.as_bytes())
+                    && ring.write(at + size_of::<RecvHeader>(), wr.sg_list.as_bytes())
+            });
             if !written {
                 status = IbStatus::GenericError;
                 break;
