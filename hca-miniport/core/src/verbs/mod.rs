@@ -34,10 +34,10 @@
 //!   when its `HW2SW_CQ` completion is processed, and the core's one EQ
 //!   orders every event of the CQ before that completion, so no event
 //!   reaches a stale owner); `SRQ_LIMIT` and `SRQ_CATASTROPHIC` go the
-//!   same way, by SRQ number, as asynchronous events (`srq`); port changes
-//!   go to the client as asynchronous events. Every event is also passed on to the sink given
-//!   to [`Hca::new`]. Client callbacks run from the DPC with no core lock
-//!   held.
+//!   same way, by SRQ number, as asynchronous events ([`srq`]); port
+//!   changes go to the client as asynchronous events. Every event is also
+//!   passed on to the sink given to [`Hca::new`]. Client callbacks run from
+//!   the DPC with no core lock held.
 //! - **State.** The object tables are built from the [`BringUpReport`] on
 //!   first use and dropped at [`Hca::stop`], which frees every verb-owned
 //!   common buffer after the device no longer owns memory. Verbs in flight
