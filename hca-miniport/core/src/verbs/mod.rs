@@ -33,10 +33,11 @@
 //!   client of the CA that owns the CQ *now* (a CQ's number is freed only
 //!   when its `HW2SW_CQ` completion is processed, and the core's one EQ
 //!   orders every event of the CQ before that completion, so no event
-//!   reaches a stale owner); port changes go to the client as
-//!   asynchronous events. Every event is also passed on to the sink given
-//!   to [`Hca::new`]. Client callbacks run from the DPC with no core lock
-//!   held.
+//!   reaches a stale owner); `SRQ_LIMIT` and `SRQ_CATASTROPHIC` go the
+//!   same way, by SRQ number, as asynchronous events ([`srq`]); port
+//!   changes go to the client as asynchronous events. Every event is also
+//!   passed on to the sink given to [`Hca::new`]. Client callbacks run from
+//!   the DPC with no core lock held.
 //! - **State.** The object tables are built from the [`BringUpReport`] on
 //!   first use and dropped at [`Hca::stop`], which frees every verb-owned
 //!   common buffer after the device no longer owns memory. Verbs in flight
@@ -48,14 +49,17 @@
 //!   other way round; no core lock is held while a client callback or a
 //!   command continuation runs.
 //!
-//! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]); every
-//! other verb answers [`IbStatus::Unsupported`].
+//! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]), AV
+//! ([`av`]), SRQ ([`srq`]); every other verb answers
+//! [`IbStatus::Unsupported`].
 //!
 //! [`BringUpReport`]: crate::init::BringUpReport
 
+pub mod av;
 pub mod ca;
 pub mod cq;
 pub mod pd;
+pub mod srq;
 
 use alloc::boxed::Box;
 use alloc::collections::VecDeque;
@@ -116,6 +120,10 @@ pub(crate) struct Objects<P: Platform> {
     ca_generation: u32,
     pub(crate) pds: ObjectTable<kind::Pd, pd::Pd>,
     pub(crate) cqs: ObjectTable<kind::Cq, Arc<cq::Cq<P>>>,
+    /// Kernel address vectors (software objects, [`av`]).
+    pub(crate) avs: ObjectTable<kind::Av, av::Av>,
+    /// Shared receive queues ([`srq`]).
+    pub(crate) srqs: ObjectTable<kind::Srq, Arc<srq::Srq<P>>>,
     /// The memory translation service: MPT keys, and the one MTT
     /// allocator (after the EQ's reserved entries) that CQ rings and
     /// memory regions share.
@@ -168,6 +176,9 @@ impl<P: Platform> Verbs<P> {
         if let Some(objects) = objects {
             for (_, cq) in objects.cqs.iter() {
                 buffers.extend(cq.take_buffers());
+            }
+            for (_, srq) in objects.srqs.iter() {
+                buffers.extend(srq.take_buffers());
             }
         }
         buffers
@@ -373,18 +384,50 @@ where
                     self.destroy_cq_request(a);
                 }
             }
-            VerbId::CreateAv => unsupported::<v::CreateAv, R<P>>(request),
-            VerbId::QueryAv => unsupported::<v::QueryAv, R<P>>(request),
-            VerbId::ModifyAv => unsupported::<v::ModifyAv, R<P>>(request),
-            VerbId::DestroyAv => unsupported::<v::DestroyAv, R<P>>(request),
+            VerbId::CreateAv => {
+                if let Some(a) = accept::<v::CreateAv, R<P>>(request) {
+                    self.create_av_request(a);
+                }
+            }
+            VerbId::QueryAv => {
+                if let Some(a) = accept::<v::QueryAv, R<P>>(request) {
+                    self.query_av_request(a);
+                }
+            }
+            VerbId::ModifyAv => {
+                if let Some(a) = accept::<v::ModifyAv, R<P>>(request) {
+                    self.modify_av_request(a);
+                }
+            }
+            VerbId::DestroyAv => {
+                if let Some(a) = accept::<v::DestroyAv, R<P>>(request) {
+                    self.destroy_av_request(a);
+                }
+            }
             VerbId::CreateQp => unsupported::<v::CreateQp, R<P>>(request),
             VerbId::QueryQp => unsupported::<v::QueryQp, R<P>>(request),
             VerbId::ModifyQp => unsupported::<v::ModifyQp, R<P>>(request),
             VerbId::DestroyQp => unsupported::<v::DestroyQp, R<P>>(request),
-            VerbId::CreateSrq => unsupported::<v::CreateSrq, R<P>>(request),
-            VerbId::QuerySrq => unsupported::<v::QuerySrq, R<P>>(request),
-            VerbId::ModifySrq => unsupported::<v::ModifySrq, R<P>>(request),
-            VerbId::DestroySrq => unsupported::<v::DestroySrq, R<P>>(request),
+            VerbId::CreateSrq => {
+                if let Some(a) = accept::<v::CreateSrq, R<P>>(request) {
+                    self.create_srq_request(a);
+                }
+            }
+            VerbId::QuerySrq => {
+                if let Some(a) = accept::<v::QuerySrq, R<P>>(request) {
+                    self.query_srq_request(a);
+                }
+            }
+            VerbId::ModifySrq => {
+                if let Some(a) = accept::<v::ModifySrq, R<P>>(request) {
+                    self.modify_srq_request(a);
+                }
+            }
+            VerbId::DestroySrq => {
+                if let Some(a) = accept::<v::DestroySrq, R<P>>(request) {
+                    self.destroy_srq_request(a);
+                }
+            }
             VerbId::RegMr => unsupported::<v::RegMr, R<P>>(request),
             VerbId::RegSharedMr => unsupported::<v::RegSharedMr, R<P>>(request),
             VerbId::ReregMr => unsupported::<v::ReregMr, R<P>>(request),
@@ -452,12 +495,15 @@ impl<P: Platform> Hca<P> {
         if guard.is_none() {
             let report = self.report().ok_or(IbStatus::InvalidState)?;
             let cqs = 1u32 << report.table(hca_prm::cmd::Table::Cqc).log_count;
+            let srqs = 1u32 << report.table(hca_prm::cmd::Table::Srqc).log_count;
             let mtt = MemoryTranslation::new(&report).map_err(|e| e.ib_status())?;
             *guard = Some(Objects {
                 ca: None,
                 ca_generation: 0,
                 pds: ObjectTable::new(MAX_PDS, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 cqs: ObjectTable::new(cqs, 0..0).map_err(|_| IbStatus::InvalidState)?,
+                avs: ObjectTable::new(av::MAX_AVS, 0..0).map_err(|_| IbStatus::InvalidState)?,
+                srqs: ObjectTable::new(srqs, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 mtt,
                 eqn: report.eqn,
                 log_max_cqes: report.capabilities.log_max_cqes,
@@ -585,6 +631,15 @@ impl<P: Platform> EventSink for VerbsRouter<'_, P> {
     }
 
     fn srq_event(&self, srqn: u32, event: SrqEvent) {
+        let code = match event {
+            SrqEvent::LimitReached => ib_types::event::AsyncEventCode::SrqLimitReached,
+            SrqEvent::Catastrophic => ib_types::event::AsyncEventCode::SrqCatastrophic,
+        };
+        if let Some(srq) = self.hca.srq_owner(srqn)
+            && let Ok(record) = AsyncEventRecord::new(code, srq, None, 0)
+        {
+            self.hca.deliver(|client| client.async_event(&record));
+        }
         self.hca.sink.srq_event(srqn, event);
     }
 

@@ -1,0 +1,646 @@
+//! Shared receive queues (IBA 10.2.9, 11.2.3; PRM 6.4, 8.2, 9.2, 10.3).
+//!
+//! Contract:
+//! - **Create** (kernel SRQs): the ring holds the requested depth rounded
+//!   up to a power of two, at most the device's `2^log_max_srq_wqes` and at
+//!   most 2^16 (a receive WQE's `wqe_index` is 16 bits, PRM 10.3, and the
+//!   shadow ring is indexed by it); more is [`IbStatus::InvalidSrqSize`].
+//!   The WQE stride is the power of two that holds the 16-byte header and
+//!   the requested SGEs (at least 32 bytes, PRM 10.3); more SGEs than the
+//!   device's `max_recv_sges` is [`IbStatus::InvalidMaxSge`]. The answer
+//!   carries the actual depth and the SGEs the stride holds (capped by the
+//!   device). The ring and the producer doorbell record (PRM 9.2) are
+//!   zero-filled common buffers from the work item (PASSIVE_LEVEL), the
+//!   ring described by MTT entries from the verbs' one allocator; then
+//!   `WRITE_MTT` and `SW2HW_SRQ` (the PD's number, the limit) complete the
+//!   request from the DPC. The SRQ takes a use of its PD
+//!   ([`Hca::reference_pd`]) until it is destroyed. A user-mode CreateSrq
+//!   is [`IbStatus::Unsupported`] until user rings exist.
+//! - **Query** reads the device's context (`QUERY_SRQ`): the depth and
+//!   SGEs are the software's, the limit the device's (0 once the
+//!   `SRQ_LIMIT` event has fired: the limit is one-shot, PRM 6.4).
+//! - **Modify**: the PRM has no command that resizes an SRQ, so a modify
+//!   naming `max_wr` is [`IbStatus::Unsupported`] and changes nothing; a
+//!   limit is armed with `ARM_SRQ` (a limit above the depth is
+//!   [`IbStatus::InvalidParameter`]; 0 disarms).
+//! - **Destroy**: refused with [`IbStatus::ResourceBusy`] while a QP uses
+//!   the SRQ ([`Hca::reference_srq`], [`Hca::release_srq`], which the QP
+//!   verbs call); otherwise `HW2SW_SRQ`, and only when its completion is
+//!   processed are the number, the MTT entries and the PD use given back
+//!   and the memory queued for freeing (every event of the SRQ precedes
+//!   that completion on the one EQ).
+//! - **Post** ([`Hca::post_srq_recv`], the `post_srq_recv` entry of
+//!   `ib_types::interface::VerbEntryPoints`): each WR is checked (SGE
+//!   count, total length) and needs a free slot *before* anything of it is
+//!   written, so a failing WR stops the post and leaves the WRs before it
+//!   posted. A slot is free when the WR last posted in it has been
+//!   completed: the device stores no `wr_id` (PRM 10.4), so the SRQ keeps
+//!   each WR's `wr_id` in a shadow ring by `wqe_index`, and the CQ poll
+//!   path takes it back with `Hca::srq_complete` (crate-private), which
+//!   frees the slot. The producer doorbell record is written once per post
+//!   after the WQEs (release order, PRM 9.2); posting needs no MMIO.
+//! - **Events**: `SRQ_LIMIT` and `SRQ_CATASTROPHIC` go, by SRQ number, to
+//!   the client of the CA that owns the SRQ now, as asynchronous events
+//!   (`SrqLimitReached`, `SrqCatastrophic`) from the DPC.
+//! - The SRQ's number (its context index, which the QP context names) is
+//!   the low 32 bits of its handle.
+
+use alloc::boxed::Box;
+use alloc::sync::Arc;
+use alloc::vec;
+use alloc::vec::Vec;
+use core::sync::atomic::{Ordering, fence};
+
+use driver_platform::{CommonBuffer, Platform, RequestorMode, SpinLock};
+use hca_prm::cmd::Opcode;
+use hca_prm::ctx::{BufDesc, Srqc};
+use hca_prm::doorbell::DoorbellRecord;
+use hca_prm::wqe::{MIN_RECV_STRIDE, RecvHeader, recv_sges_per_stride};
+use hca_prm::{Le16, Le32, Le64};
+use ib_types::ioctl::{CreateSrq, DestroySrq, Empty, ModifySrq, QuerySrq};
+use ib_types::srq::SrqAttr;
+use ib_types::status::IbStatus;
+use ib_types::wr::{RecvWr, WrLimits};
+use zerocopy::{FromBytes, IntoBytes};
+
+use super::cq::{LOG_PAGE, PAGE, alloc_pages, write_mtt};
+use super::{Accepted, Buffer};
+use crate::cmd::Command;
+use crate::hca::Hca;
+use crate::resources::{EntryRange, Handle, kind};
+
+/// `log2` of the largest SRQ the core builds: `wqe_index` is 16 bits.
+const LOG_MAX_INDEX: u8 = 16;
+
+/// Where an SRQ is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Life {
+    /// Memory and commands under way; the client has no handle yet.
+    Creating,
+    /// Usable.
+    Live,
+    /// `HW2SW_SRQ` outstanding.
+    Destroying,
+}
+
+/// An SRQ's ring and producer state, under the SRQ's own lock.
+struct Ring<B> {
+    life: Life,
+    ring: Option<B>,
+    dbr: Option<B>,
+    mtt: Option<EntryRange>,
+    /// WRs posted (the producer counter, wrapping).
+    producer: u32,
+    /// The `wr_id` of the WR in each slot until its completion is polled;
+    /// `None`: the slot is free.
+    wr_ids: Vec<Option<u64>>,
+}
+
+/// A shared receive queue.
+pub struct Srq<P: Platform> {
+    srqn: u32,
+    /// The raw handle of its PD (one use held).
+    pd: u64,
+    log_entries: u8,
+    log_stride: u8,
+    /// SGEs a WR may carry.
+    max_sge: u32,
+    ring: SpinLock<P, Ring<Buffer<P>>>,
+}
+
+impl<P: Platform> core::fmt::Debug for Srq<P> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Srq")
+            .field("srqn", &self.srqn)
+            .field("log_entries", &self.log_entries)
+            .field("max_sge", &self.max_sge)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The sizes of an SRQ: `(log_entries, log_stride, max_sge)`.
+fn srq_size(
+    attr: &SrqAttr,
+    log_max_wqes: u8,
+    max_recv_sges: u8,
+) -> Result<(u8, u8, u32), IbStatus> {
+    let entries = attr
+        .max_wr
+        .max(1)
+        .checked_next_power_of_two()
+        .ok_or(IbStatus::InvalidSrqSize)?;
+    let log_entries = entries.trailing_zeros() as u8;
+    if log_entries > log_max_wqes.min(LOG_MAX_INDEX) {
+        return Err(IbStatus::InvalidSrqSize);
+    }
+    if attr.max_sge > u32::from(max_recv_sges) {
+        return Err(IbStatus::InvalidMaxSge);
+    }
+    let bytes = (16 + 16 * attr.max_sge as usize)
+        .max(MIN_RECV_STRIDE)
+        .next_power_of_two();
+    let log_stride = bytes.trailing_zeros() as u8;
+    let max_sge = (recv_sges_per_stride(bytes) as u32).min(u32::from(max_recv_sges));
+    Ok((log_entries, log_stride, max_sge))
+}
+
+impl<P: Platform> Srq<P> {
+    fn entries(&self) -> u32 {
+        1 << self.log_entries
+    }
+
+    fn stride(&self) -> usize {
+        1 << self.log_stride
+    }
+
+    /// Takes the SRQ's common buffers (for freeing once the device no
+    /// longer uses them).
+    pub(crate) fn take_buffers(&self) -> Vec<Buffer<P>> {
+        let mut ring = self.ring.lock();
+        [ring.ring.take(), ring.dbr.take()]
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    fn set_life(&self, life: Life) {
+        self.ring.lock().life = life;
+    }
+}
+
+impl<P: Platform> Hca<P> {
+    /// The live SRQ behind a raw handle, for a request of `mode`.
+    fn find_srq(&self, raw: u64, mode: RequestorMode) -> Result<Arc<Srq<P>>, IbStatus> {
+        self.with_objects(|o| {
+            if !Self::ca_visible(o, mode) {
+                return Err(IbStatus::InvalidSrqHandle);
+            }
+            o.srqs
+                .get(Handle::<kind::Srq>::from_raw(raw))
+                .cloned()
+                .ok_or(IbStatus::InvalidSrqHandle)
+        })?
+    }
+
+    /// Records that a QP receives from the SRQ `srq` (raw handle); destroy
+    /// is refused while uses are outstanding. Returns the new use count.
+    /// Fails with [`IbStatus::InvalidSrqHandle`] for a stale handle and
+    /// [`IbStatus::InvalidState`] for an SRQ being created or destroyed.
+    /// The SRQ number the QP context needs is the handle's low 32 bits.
+    pub fn reference_srq(&self, srq: u64) -> Result<u32, IbStatus> {
+        self.with_objects(|o| {
+            let handle = Handle::<kind::Srq>::from_raw(srq);
+            let object = o.srqs.get(handle).ok_or(IbStatus::InvalidSrqHandle)?;
+            if object.ring.lock().life != Life::Live {
+                return Err(IbStatus::InvalidState);
+            }
+            o.srqs.acquire(handle).map_err(IbStatus::from)
+        })?
+    }
+
+    /// Drops a use recorded by [`reference_srq`](Self::reference_srq);
+    /// returns the new use count.
+    pub fn release_srq(&self, srq: u64) -> Result<u32, IbStatus> {
+        self.with_objects(|o| {
+            o.srqs
+                .release(Handle::<kind::Srq>::from_raw(srq))
+                .map_err(IbStatus::from)
+        })?
+    }
+
+    /// Posts receive WRs to the SRQ `srq` (a kernel client's handle), in
+    /// order, and returns how many were posted with the status of the
+    /// first that was not ([`IbStatus::Success`] when all were): the
+    /// `post_srq_recv` entry point (`ib_types::interface::PostRecvFn`,
+    /// whose shell decodes each `RecvWrDesc` into a [`RecvWr`]). A WR with
+    /// more SGEs than the SRQ takes is [`IbStatus::InvalidMaxSge`], one
+    /// whose total length overflows 32 bits [`IbStatus::InvalidParameter`],
+    /// one that finds no free slot [`IbStatus::InsufficientResources`];
+    /// none of them touches the WRs before it. Callable at DISPATCH_LEVEL;
+    /// never blocks.
+    pub fn post_srq_recv(&self, srq: u64, wrs: &[RecvWr<'_>]) -> (u32, IbStatus) {
+        let srq = match self.find_srq(srq, RequestorMode::Kernel) {
+            Ok(srq) => srq,
+            Err(status) => return (0, status),
+        };
+        let limits = WrLimits {
+            max_sge: srq.max_sge,
+            max_inline: 0,
+        };
+        let mask = srq.entries() - 1;
+        let stride = srq.stride();
+        let mut state = srq.ring.lock();
+        if state.life != Life::Live {
+            return (0, IbStatus::InvalidState);
+        }
+        let mut posted = 0u32;
+        let mut status = IbStatus::Success;
+        for wr in wrs {
+            if wr.sg_list.len() > srq.max_sge as usize {
+                status = IbStatus::InvalidMaxSge;
+                break;
+            }
+            if wr.validate(&limits).is_err() {
+                status = IbStatus::InvalidParameter;
+                break;
+            }
+            let counter = state.producer;
+            let slot = (counter & mask) as usize;
+            if state.wr_ids.get(slot).is_none_or(Option::is_some) {
+                status = IbStatus::InsufficientResources;
+                break;
+            }
+            // PRM 10.3: the header, then `num_sges` data segments; the
+            // device reads nothing after them, so the rest of the stride is
+            // left as it is (no allocation, no zeroing on the hot path).
+            // `max_sge` fits the stride and 8 bits (`srq_size`).
+            let header = RecvHeader {
+                num_sges: wr.sg_list.len() as u8,
+                wqe_index: Le16::new(counter as u16),
+                ..RecvHeader::default()
+            };
+            let at = slot * stride;
+            let written = state.ring.as_ref().is_some_and(|ring| {
+                ring.write(at, header.as_bytes())
+                    && ring.write(at + size_of::<RecvHeader>(), wr.sg_list.as_bytes())
+            });
+            if !written {
+                status = IbStatus::GenericError;
+                break;
+            }
+            state.wr_ids[slot] = Some(wr.wr_id);
+            state.producer = counter.wrapping_add(1);
+            posted += 1;
+        }
+        if posted > 0 {
+            // udma_to_device: the WQEs before the record that publishes them
+            // (PRM 9.2).
+            fence(Ordering::Release);
+            let producer = state.producer;
+            if let Some(dbr) = state.dbr.as_ref() {
+                dbr.write(0, DoorbellRecord::new(producer).as_bytes());
+            }
+        }
+        (posted, status)
+    }
+
+    /// For the CQ poll path: the `wr_id` of the receive WQE `wqe_index`
+    /// (a CQE's, PRM 10.4) of the SRQ number `srqn`, taken back, which
+    /// frees its slot for posting. `None` if the SRQ or the slot is empty.
+    /// Takes the object-table lock, then the SRQ's.
+    #[expect(dead_code, reason = "the CQ poll path calls it once QPs exist")]
+    pub(crate) fn srq_complete(&self, srqn: u32, wqe_index: u16) -> Option<u64> {
+        let srq = self
+            .with_objects(|o| o.srqs.get_by_number(srqn).map(|(_, s)| s.clone()))
+            .ok()
+            .flatten()?;
+        let mask = srq.entries() - 1;
+        let mut state = srq.ring.lock();
+        state
+            .wr_ids
+            .get_mut((u32::from(wqe_index) & mask) as usize)?
+            .take()
+    }
+
+    /// The SRQ's current owner's handle for a device SRQ number, if the
+    /// number is live (for event routing).
+    pub(crate) fn srq_owner(&self, srqn: u32) -> Option<u64> {
+        self.with_objects(|o| o.srqs.get_by_number(srqn).map(|(h, _)| h.raw()))
+            .ok()
+            .flatten()
+    }
+
+    /// Removes an SRQ whose creation failed: its number, MTT entries and
+    /// PD use go back.
+    fn forget_srq(&self, handle: Handle<kind::Srq>, pd: u64, mtt: EntryRange) {
+        let _ = self.with_objects(|o| {
+            let _ = o.srqs.remove(handle);
+            let _ = o.mtt.return_entries(mtt);
+            let _ = o.pds.release(Handle::<kind::Pd>::from_raw(pd));
+        });
+    }
+}
+
+impl<P: Platform> Hca<P>
+where
+    P::Request: 'static,
+{
+    pub(crate) fn create_srq_request(self: &Arc<Self>, a: Accepted<CreateSrq, P::Request>) {
+        if let Err(status) = self.check_ca(a.handle, a.mode) {
+            a.responder.fail(status);
+            return;
+        }
+        if a.mode == RequestorMode::User {
+            a.responder.fail(IbStatus::Unsupported);
+            return;
+        }
+        let Some(report) = self.report() else {
+            a.responder.fail(IbStatus::InvalidState);
+            return;
+        };
+        let cap = report.capabilities;
+        let create = a.input;
+        let (log_entries, log_stride, max_sge) =
+            match srq_size(&create.attr, cap.log_max_srq_wqes, cap.max_recv_sges) {
+                Ok(sizes) => sizes,
+                Err(status) => {
+                    a.responder.fail(status);
+                    return;
+                }
+            };
+        let entries = 1u32 << log_entries;
+        let limit = create.attr.srq_limit;
+        if limit > entries {
+            a.responder.fail(IbStatus::InvalidParameter);
+            return;
+        }
+        let pd = create.pd.raw();
+        let pages = ((1usize << log_stride) << log_entries).div_ceil(PAGE);
+        let reserved = self.with_objects(|o| {
+            let pd_handle = Handle::<kind::Pd>::from_raw(pd);
+            o.pds
+                .acquire(pd_handle)
+                .map_err(|_| IbStatus::InvalidPdHandle)?;
+            let mtt = match o.mtt.take_entries(pages as u32) {
+                Ok(mtt) => mtt,
+                Err(error) => {
+                    let _ = o.pds.release(pd_handle);
+                    return Err(IbStatus::from(error));
+                }
+            };
+            let made = o.srqs.insert_with(|h| {
+                Arc::new(Srq::<P> {
+                    srqn: h.number(),
+                    pd,
+                    log_entries,
+                    log_stride,
+                    max_sge,
+                    ring: SpinLock::<P, _>::new(Ring {
+                        life: Life::Creating,
+                        ring: None,
+                        dbr: None,
+                        mtt: Some(mtt),
+                        producer: 0,
+                        wr_ids: vec![None; entries as usize],
+                    }),
+                })
+            });
+            match made.map(|h| (h, o.srqs.get(h).cloned())) {
+                Ok((handle, Some(srq))) => Ok((handle, srq, mtt)),
+                Ok((handle, None)) => {
+                    let _ = o.srqs.remove(handle);
+                    let _ = o.mtt.return_entries(mtt);
+                    let _ = o.pds.release(pd_handle);
+                    Err(IbStatus::GenericError)
+                }
+                Err(error) => {
+                    let _ = o.mtt.return_entries(mtt);
+                    let _ = o.pds.release(pd_handle);
+                    Err(IbStatus::from(error))
+                }
+            }
+        });
+        let (handle, srq, mtt) = match reserved.and_then(|r| r) {
+            Ok(reserved) => reserved,
+            Err(status) => {
+                a.responder.fail(status);
+                return;
+            }
+        };
+        let responder = a.responder;
+        self.queue_passive(Box::new(move |hca| {
+            // A stop since the request dropped every object: nothing to undo.
+            if hca.report().is_none() {
+                responder.fail(IbStatus::InvalidState);
+                return;
+            }
+            let buffers = alloc_pages(hca, pages).and_then(|ring| match alloc_pages(hca, 1) {
+                Ok(dbr) => Ok((ring, dbr)),
+                Err(status) => {
+                    hca.free_later([ring]);
+                    Err(status)
+                }
+            });
+            let (ring, dbr) = match buffers {
+                Ok(buffers) => buffers,
+                Err(status) => {
+                    hca.forget_srq(handle, pd, mtt);
+                    responder.fail(status);
+                    return;
+                }
+            };
+            let srqc = Srqc {
+                pd: Le32::new(Handle::<kind::Pd>::from_raw(pd).number()),
+                limit: Le32::new(limit),
+                ring: BufDesc {
+                    mtt_index: Le32::new(mtt.start()),
+                    page_offset: Le32::new(0),
+                    log_page_size: LOG_PAGE,
+                    log_entries,
+                    log_stride,
+                    ..BufDesc::default()
+                },
+                dbr: Le64::new(dbr.bus_address()),
+                ..Srqc::default()
+            };
+            let mut commands = write_mtt(mtt.start(), ring.bus_address(), pages);
+            commands.push(
+                Command::new(Opcode::Sw2HwSrq, srq.srqn).with_mailbox(srqc.as_bytes().to_vec()),
+            );
+            {
+                let mut state = srq.ring.lock();
+                state.ring = Some(ring);
+                state.dbr = Some(dbr);
+            }
+            hca.run_commands(
+                commands,
+                Box::new(move |hca, result| match result {
+                    Ok(_) => {
+                        srq.set_life(Life::Live);
+                        let out = SrqAttr {
+                            max_wr: entries,
+                            max_sge,
+                            srq_limit: limit,
+                        };
+                        responder.finish(IbStatus::Success, handle.raw(), Some(&out), &[]);
+                    }
+                    Err(error) => {
+                        hca.free_later(srq.take_buffers());
+                        hca.forget_srq(handle, pd, mtt);
+                        responder.fail(error.ib_status());
+                    }
+                }),
+            );
+        }));
+    }
+
+    pub(crate) fn query_srq_request(self: &Arc<Self>, a: Accepted<QuerySrq, P::Request>) {
+        let srq = match self.find_srq(a.handle, a.mode) {
+            Ok(srq) => srq,
+            Err(status) => {
+                a.responder.fail(status);
+                return;
+            }
+        };
+        let responder = a.responder;
+        self.run_commands(
+            vec![Command::new(Opcode::QuerySrq, srq.srqn).with_output(size_of::<Srqc>())],
+            Box::new(move |_hca, result| {
+                let srqc = result.map_err(|e| e.ib_status()).and_then(|outputs| {
+                    outputs
+                        .first()
+                        .and_then(|o| Srqc::read_from_prefix(&o.mailbox).ok())
+                        .map(|(srqc, _)| srqc)
+                        .ok_or(IbStatus::GenericError)
+                });
+                match srqc {
+                    Ok(srqc) => {
+                        let out = SrqAttr {
+                            max_wr: srq.entries(),
+                            max_sge: srq.max_sge,
+                            srq_limit: srqc.limit.get(),
+                        };
+                        responder.finish(IbStatus::Success, 0, Some(&out), &[]);
+                    }
+                    Err(status) => responder.fail(status),
+                }
+            }),
+        );
+    }
+
+    pub(crate) fn modify_srq_request(self: &Arc<Self>, a: Accepted<ModifySrq, P::Request>) {
+        let srq = match self.find_srq(a.handle, a.mode) {
+            Ok(srq) => srq,
+            Err(status) => {
+                a.responder.fail(status);
+                return;
+            }
+        };
+        let modify = a.input;
+        if modify.max_wr.is_some() {
+            // PRM 5.1 has no command that resizes an SRQ.
+            a.responder.fail(IbStatus::Unsupported);
+            return;
+        }
+        let Some(limit) = modify.srq_limit else {
+            a.responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+            return;
+        };
+        if limit > srq.entries() {
+            a.responder.fail(IbStatus::InvalidParameter);
+            return;
+        }
+        if srq.ring.lock().life != Life::Live {
+            a.responder.fail(IbStatus::InvalidState);
+            return;
+        }
+        let responder = a.responder;
+        self.run_commands(
+            vec![Command::new(Opcode::ArmSrq, srq.srqn).with_immediate(u64::from(limit))],
+            Box::new(move |_hca, result| match result {
+                Ok(_) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
+                Err(error) => responder.fail(error.ib_status()),
+            }),
+        );
+    }
+
+    pub(crate) fn destroy_srq_request(self: &Arc<Self>, a: Accepted<DestroySrq, P::Request>) {
+        let mode = a.mode;
+        let handle = Handle::<kind::Srq>::from_raw(a.handle);
+        let found = self.with_objects(|o| {
+            if !Self::ca_visible(o, mode) {
+                return Err(IbStatus::InvalidSrqHandle);
+            }
+            let srq = o
+                .srqs
+                .get(handle)
+                .cloned()
+                .ok_or(IbStatus::InvalidSrqHandle)?;
+            if o.srqs.use_count(handle) != Some(0) {
+                return Err(IbStatus::ResourceBusy);
+            }
+            let mut ring = srq.ring.lock();
+            if ring.life != Life::Live {
+                return Err(IbStatus::ResourceBusy);
+            }
+            ring.life = Life::Destroying;
+            drop(ring);
+            Ok(srq)
+        });
+        let srq = match found.and_then(|r| r) {
+            Ok(srq) => srq,
+            Err(status) => {
+                a.responder.fail(status);
+                return;
+            }
+        };
+        let responder = a.responder;
+        self.run_commands(
+            vec![Command::new(Opcode::Hw2SwSrq, srq.srqn)],
+            Box::new(move |hca, result| match result {
+                Ok(_) => {
+                    // Only now is the number free: every event of this SRQ
+                    // came before this completion on the one EQ.
+                    let mtt = srq.ring.lock().mtt.take();
+                    let _ = hca.with_objects(|o| {
+                        let _ = o.srqs.remove(handle);
+                        if let Some(mtt) = mtt {
+                            let _ = o.mtt.return_entries(mtt);
+                        }
+                        let _ = o.pds.release(Handle::<kind::Pd>::from_raw(srq.pd));
+                    });
+                    hca.free_later(srq.take_buffers());
+                    responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+                }
+                Err(error) => {
+                    srq.set_life(Life::Live);
+                    responder.fail(error.ib_status());
+                }
+            }),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attr(max_wr: u32, max_sge: u32) -> SrqAttr {
+        SrqAttr {
+            max_wr,
+            max_sge,
+            srq_limit: 0,
+        }
+    }
+
+    #[test]
+    fn sizes_round_up_within_the_device_and_the_index() {
+        // 1 SGE: 16 + 16 = 32 bytes, the minimum stride, holding 1.
+        assert_eq!(srq_size(&attr(100, 1), 14, 16), Ok((7, 5, 1)));
+        // 0 SGEs still gets the minimum stride (which holds 1).
+        assert_eq!(srq_size(&attr(1, 0), 14, 16), Ok((0, 5, 1)));
+        // 3 SGEs: 64 bytes, which hold 3.
+        assert_eq!(srq_size(&attr(64, 3), 14, 16), Ok((6, 6, 3)));
+        // 4 SGEs: 80 -> 128 bytes, which hold 7.
+        assert_eq!(srq_size(&attr(64, 4), 14, 16), Ok((6, 7, 7)));
+        // Capped by the device's SGE limit.
+        assert_eq!(srq_size(&attr(64, 4), 14, 5), Ok((6, 7, 5)));
+        assert_eq!(
+            srq_size(&attr(64, 17), 14, 16),
+            Err(IbStatus::InvalidMaxSge)
+        );
+        assert_eq!(
+            srq_size(&attr((1 << 14) + 1, 1), 14, 16),
+            Err(IbStatus::InvalidSrqSize)
+        );
+        assert_eq!(
+            srq_size(&attr(1 << 17, 1), 20, 16),
+            Err(IbStatus::InvalidSrqSize),
+            "wqe_index is 16 bits"
+        );
+        assert_eq!(
+            srq_size(&attr(u32::MAX, 1), 31, 16),
+            Err(IbStatus::InvalidSrqSize)
+        );
+    }
+}
