@@ -4,7 +4,7 @@
 //! Contract:
 //! - [`ObjectTable`] holds objects by their device number (QPN, CQN, SRQN,
 //!   EQN, MPT index, PD number) with O(1) insert, lookup and removal. A
-//!   [`Handle`] is `generation << 32 | number`; every removal bumps the
+//!   [`Handle`] is `kind tag << 56 | generation << 24 | number`; every removal bumps the
 //!   slot's generation, so a handle to a removed object never finds the
 //!   object that took its number later (guide 6.5.5 item 12: never deliver a
 //!   completion or event to a stale owner). Lookup by bare number serves
@@ -97,6 +97,11 @@ macro_rules! kinds {
                 }
             }
 
+            /// The kind's tag in the top byte of its handles (never 0).
+            pub const fn tag(self) -> u8 {
+                self as u8 + 1
+            }
+
             /// The status a verb returns for an invalid handle of this kind.
             pub const fn invalid_handle_status(self) -> IbStatus {
                 match self {
@@ -143,11 +148,18 @@ kinds! {
 }
 
 /// A generation-checked reference to an object in an [`ObjectTable`]:
-/// `generation << 32 | number`, typed by the object's kind.
+/// `kind tag << 56 | generation << 24 | number`, typed by the object's kind.
 ///
-/// Generations start at 1 and skip 0 when they wrap, so no handle is 0
-/// (the CI's "no object" value, `ib_types::handle`). A generation repeats
-/// only after 2^32 − 1 reuses of one number.
+/// The kind's tag ([`Kind::tag`]) in the top byte means a handle of one
+/// kind is never taken for another (a PD handle passed as an AV handle is
+/// refused even when both objects have the same number and generation).
+/// Numbers are below [`MAX_OBJECTS`] (24 bits). Generations start at 1
+/// and skip 0 when they wrap, so no handle is 0 (the CI's "no object"
+/// value, `ib_types::handle`); a generation repeats only after 2^32 − 1
+/// reuses of one number.
+/// The bits of a handle that hold the object's number.
+const NUMBER_MASK: u64 = (1 << 24) - 1;
+
 pub struct Handle<K> {
     raw: u64,
     kind: PhantomData<fn() -> K>,
@@ -155,7 +167,17 @@ pub struct Handle<K> {
 
 impl<K: ObjectKind> Handle<K> {
     pub(crate) const fn new(number: u32, generation: u32) -> Self {
-        Self::from_raw((generation as u64) << 32 | number as u64)
+        Self::from_raw(
+            (K::KIND.tag() as u64) << 56
+                | (generation as u64) << 24
+                | (number as u64 & NUMBER_MASK),
+        )
+    }
+
+    /// True when the handle carries this kind's tag (a client may pass any
+    /// value back; a table lookup refuses one that does not).
+    pub const fn is_of_its_kind(self) -> bool {
+        (self.raw >> 56) as u8 == K::KIND.tag()
     }
 
     /// Rebuilds a handle from the raw value a client passed back. Any value
@@ -172,14 +194,14 @@ impl<K: ObjectKind> Handle<K> {
         self.raw
     }
 
-    /// The object's device number (low 32 bits).
+    /// The object's device number (low 24 bits).
     pub const fn number(self) -> u32 {
-        self.raw as u32
+        (self.raw & NUMBER_MASK) as u32
     }
 
-    /// The slot generation the handle was issued for (high 32 bits).
+    /// The slot generation the handle was issued for (bits 24..56).
     pub const fn generation(self) -> u32 {
-        (self.raw >> 32) as u32
+        (self.raw >> 24) as u32
     }
 }
 
@@ -262,7 +284,9 @@ mod tests {
     #[test]
     fn handle_packs_generation_over_number() {
         let handle = Handle::<kind::Qp>::new(0x12_3456, 7);
-        assert_eq!(handle.raw(), 0x0000_0007_0012_3456);
+        assert_eq!(handle.raw(), 0x0300_0000_0712_3456);
+        assert!(handle.is_of_its_kind());
+        assert!(!Handle::<kind::Pd>::from_raw(handle.raw()).is_of_its_kind());
         assert_eq!(handle.number(), 0x12_3456);
         assert_eq!(handle.generation(), 7);
         assert_eq!(Handle::<kind::Qp>::from_raw(handle.raw()), handle);

@@ -172,10 +172,10 @@ fn invalid_avs_are_refused_and_change_nothing() {
         assert_eq!(status_of::<ModifyAv>(&done), expected, "modify {attr:?}");
         assert_eq!(query_av(&w, handle).1, before, "unchanged");
     }
-    // Wrong handles: a CA is not a PD; nor is a stale PD handle. (An AV
-    // handle is not checked here: handles of different kinds share one
-    // `generation << 32 | number` space, so AV 0 and PD 0 look alike.)
+    // Wrong handles: a CA is not a PD, nor is an AV (handles carry their
+    // kind), nor is a stale PD handle.
     assert_eq!(create_av(&w, ca, &good).0, IbStatus::InvalidPdHandle);
+    assert_eq!(create_av(&w, handle, &good).0, IbStatus::InvalidPdHandle);
     assert_eq!(
         create_av(&w, pd ^ (1 << 40), &good).0,
         IbStatus::InvalidPdHandle
@@ -257,10 +257,10 @@ fn srq_create_query_modify_destroy_from_dpcs() {
     let (status, srq, out) = create_srq(&w, ca, pd, srq_attr(100, 2, 0));
     assert_eq!(status, IbStatus::Success);
     assert_eq!(out, Some(srq_attr(128, 3, 0)));
-    let srqn = srq as u32;
+    let srqn = support::number_of(srq);
     let srqc = query_srqc(&w, srqn);
     assert_eq!(srqc.state, SrqState::Ready.code());
-    assert_eq!(srqc.pd.get(), pd as u32, "the PD's number");
+    assert_eq!(srqc.pd.get(), support::number_of(pd), "the PD's number");
     assert_eq!(srqc.cqn.get(), 0);
     assert_eq!(srqc.limit.get(), 0);
     assert_eq!(
@@ -334,7 +334,7 @@ fn srq_create_query_modify_destroy_from_dpcs() {
         (status, out),
         (IbStatus::Success, Some(srq_attr(max, sge, max)))
     );
-    assert_eq!(query_srqc(&w, big as u32).limit.get(), max);
+    assert_eq!(query_srqc(&w, support::number_of(big)).limit.get(), max);
 
     // A PD with SRQs cannot be deallocated; a referenced SRQ not destroyed.
     let done = w.call_in_dpc::<DeallocPd>(KERNEL, pd, &Empty, 0);
@@ -411,7 +411,7 @@ fn post_srq_recv_fills_to_capacity_and_a_failing_wr_leaves_earlier_ones_posted()
         ]
     );
     // The device saw none of them taken; the SRQ still destroys cleanly.
-    assert_eq!(query_srqc(&w, srq as u32).consumer.get(), 0);
+    assert_eq!(query_srqc(&w, support::number_of(srq)).consumer.get(), 0);
     let done = w.call_in_dpc::<DestroySrq>(KERNEL, srq, &Empty, 0);
     assert_eq!(status_of::<DestroySrq>(&done), IbStatus::Success);
     let done = w.call::<DeallocPd>(KERNEL, pd, &Empty, 0);
@@ -571,7 +571,7 @@ fn the_srq_limit_event_reaches_the_client_from_the_dpc() {
     let cq = response::<CreateCq>(&done).handle;
     let (status, srq, _) = create_srq(&w, ca, pd, srq_attr(4, 1, 0));
     assert_eq!(status, IbStatus::Success);
-    let srqn = srq as u32;
+    let srqn = support::number_of(srq);
 
     // Four receives posted (one 64-byte buffer each, under a key no region
     // has), then the limit armed at four.
@@ -595,8 +595,24 @@ fn the_srq_limit_event_reaches_the_client_from_the_dpc() {
     // the device takes one WQE, three are left, below the limit.
     let report = hca.report().unwrap();
     let top = (1u64 << report.table(hca_prm::cmd::Table::Mtt).log_count) - 2;
-    let receiver = RawUdQp::create(&w, 4, 1, pd as u32, cq as u32, srqn, top);
-    let mut sender = RawUdQp::create(&w, 5, 2, pd as u32, cq as u32, srqn, top + 1);
+    let receiver = RawUdQp::create(
+        &w,
+        4,
+        1,
+        support::number_of(pd),
+        support::number_of(cq),
+        srqn,
+        top,
+    );
+    let mut sender = RawUdQp::create(
+        &w,
+        5,
+        2,
+        support::number_of(pd),
+        support::number_of(cq),
+        srqn,
+        top + 1,
+    );
     for _ in 0..2 {
         assert_eq!(hca.reference_srq(srq).map(|n| n > 0), Ok(true));
     }

@@ -211,7 +211,7 @@ fn cq_create_query_resize_destroy_from_dpcs() {
     let (status, cq, out) = create_cq(&w, ca, 100);
     assert_eq!(status, IbStatus::Success);
     assert_eq!(out, Some(CqOut { cqe: 128 }), "rounded to a power of two");
-    let cqn = cq as u32;
+    let cqn = support::number_of(cq);
     let cqc = query_cqc(&w, cqn);
     assert_eq!(cqc.ring.log_entries, 7);
     assert_eq!(cqc.eqn.get(), report.eqn);
@@ -298,7 +298,7 @@ fn poll_on_an_empty_cq_and_arming_follow_the_prm() {
     assert_eq!(hca.poll_cq(cq, &mut wcs), Ok(0));
     hca.arm_cq(cq, CqNotify::Solicited).unwrap();
     assert_eq!(
-        query_cqc(&w, cq as u32).state,
+        query_cqc(&w, support::number_of(cq)).state,
         CqState::ArmedSolicited.code()
     );
 
@@ -317,7 +317,10 @@ fn poll_on_an_empty_cq_and_arming_follow_the_prm() {
     }
     w.settle();
     assert_eq!(*lock(&processed), Some((Ok(0), 1)));
-    assert_eq!(query_cqc(&w, cq as u32).state, CqState::ArmedNext.code());
+    assert_eq!(
+        query_cqc(&w, support::number_of(cq)).state,
+        CqState::ArmedNext.code()
+    );
     // No CQE arrived, so no completion event.
     assert!(lock(&w.sink().completions).is_empty());
     w.finish();
@@ -573,7 +576,7 @@ fn completions_are_polled_and_their_events_reach_the_client_from_the_dpc() {
     let hca = w.hca();
     let ca = hca.open_ca(Some(client.clone())).unwrap();
     let (_, cq, _) = create_cq(&w, ca, 16);
-    let cqn = cq as u32;
+    let cqn = support::number_of(cq);
     let mut qp = FlushQp::create(&w, cqn);
     hca.arm_cq(cq, CqNotify::NextCompletion).unwrap();
     qp.post_recvs(5);
@@ -644,7 +647,7 @@ fn resize_keeps_outstanding_completions_and_refuses_a_ring_too_small() {
     let ca = open(&w);
     let hca = w.hca();
     let (_, cq, _) = create_cq(&w, ca, 16);
-    let mut qp = FlushQp::create(&w, cq as u32);
+    let mut qp = FlushQp::create(&w, support::number_of(cq));
     qp.post_recvs(10);
     qp.modify(&w, QpState::Err);
     let mut wcs = [WorkCompletion::EMPTY; 16];
@@ -688,7 +691,7 @@ fn a_cq_overflow_reaches_the_client_as_an_async_event() {
     let ca = hca.open_ca(Some(client.clone())).unwrap();
     let (_, cq, out) = create_cq(&w, ca, 4);
     assert_eq!(out, Some(CqOut { cqe: 4 }));
-    let mut qp = FlushQp::create(&w, cq as u32);
+    let mut qp = FlushQp::create(&w, support::number_of(cq));
     qp.post_recvs(6);
     qp.modify(&w, QpState::Err);
     let events = lock(&client.events).clone();
@@ -699,7 +702,10 @@ fn a_cq_overflow_reaches_the_client_as_an_async_event() {
     assert_eq!(overflow.len(), 1, "{events:?}");
     assert_eq!(overflow[0].0.handle, cq);
     assert_eq!(overflow[0].1, Irql::DISPATCH);
-    assert_eq!(query_cqc(&w, cq as u32).state, CqState::Error.code());
+    assert_eq!(
+        query_cqc(&w, support::number_of(cq)).state,
+        CqState::Error.code()
+    );
     // The entries that fitted are still there (PRM 6.2).
     let mut wcs = [WorkCompletion::EMPTY; 8];
     assert_eq!(hca.poll_cq(cq, &mut wcs), Ok(4));

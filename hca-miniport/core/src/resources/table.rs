@@ -235,14 +235,22 @@ impl<K: ObjectKind, T> ObjectTable<K, T> {
     fn live_slot(&self, handle: Handle<K>) -> Result<&Slot<T>, ResourceError> {
         self.slots
             .get(handle.number() as usize)
-            .filter(|slot| slot.occupant.is_some() && slot.generation == handle.generation())
+            .filter(|slot| {
+                handle.is_of_its_kind()
+                    && slot.occupant.is_some()
+                    && slot.generation == handle.generation()
+            })
             .ok_or(ResourceError::InvalidHandle { kind: K::KIND })
     }
 
     fn live_slot_mut(&mut self, handle: Handle<K>) -> Result<&mut Slot<T>, ResourceError> {
         self.slots
             .get_mut(handle.number() as usize)
-            .filter(|slot| slot.occupant.is_some() && slot.generation == handle.generation())
+            .filter(|slot| {
+                handle.is_of_its_kind()
+                    && slot.occupant.is_some()
+                    && slot.generation == handle.generation()
+            })
             .ok_or(ResourceError::InvalidHandle { kind: K::KIND })
     }
 }

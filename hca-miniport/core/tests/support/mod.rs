@@ -33,6 +33,13 @@ pub(crate) const DRIVER: &str = "hcaminiport";
 pub(crate) const NODE_GUID: u64 = 0x0002_C900_0000_1000;
 
 /// Locks a test mutex, ignoring poisoning.
+/// The device number inside a handle the verbs handed out (the low 24
+/// bits; `resources::Handle`).
+#[allow(dead_code, reason = "not every test binary uses it")]
+pub(crate) fn number_of(handle: u64) -> u32 {
+    (handle & 0xFF_FFFF) as u32
+}
+
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
