@@ -147,6 +147,9 @@ kinds! {
     Mw => "MW", InvalidMwHandle;
 }
 
+/// The bits of a handle that hold the object's number.
+const NUMBER_MASK: u64 = (1 << 24) - 1;
+
 /// A generation-checked reference to an object in an [`ObjectTable`]:
 /// `kind tag << 56 | generation << 24 | number`, typed by the object's kind.
 ///
@@ -157,9 +160,6 @@ kinds! {
 /// and skip 0 when they wrap, so no handle is 0 (the CI's "no object"
 /// value, `ib_types::handle`); a generation repeats only after 2^32 − 1
 /// reuses of one number.
-/// The bits of a handle that hold the object's number.
-const NUMBER_MASK: u64 = (1 << 24) - 1;
-
 pub struct Handle<K> {
     raw: u64,
     kind: PhantomData<fn() -> K>,
