@@ -62,9 +62,9 @@ use crate::hca::Hca;
 use crate::resources::{EntryRange, Handle, KERNEL_UAR, kind};
 
 /// `log2` of the host page the core describes rings with (PRM 5.3).
-const LOG_PAGE: u8 = 12;
+pub(super) const LOG_PAGE: u8 = 12;
 /// Bytes of a host page.
-const PAGE: usize = 1 << LOG_PAGE;
+pub(super) const PAGE: usize = 1 << LOG_PAGE;
 /// Bytes of a CQE.
 const CQE_BYTES: usize = 1 << CQE_LOG_STRIDE;
 
@@ -155,7 +155,7 @@ fn ring_pages(log: u8) -> usize {
 
 /// `WRITE_MTT` commands describing `pages` pages of a contiguous buffer at
 /// `bus` in MTT entries from `first` (PRM 5.1, 6.0).
-fn write_mtt(first: u32, bus: u64, pages: usize) -> Vec<Command> {
+pub(super) fn write_mtt(first: u32, bus: u64, pages: usize) -> Vec<Command> {
     let addresses: Vec<u64> = (0..pages as u64).map(|i| bus + i * PAGE as u64).collect();
     addresses
         .chunks(MAX_MTT_PER_WRITE)
@@ -185,7 +185,7 @@ fn buf_desc(mtt: EntryRange, log_entries: u8) -> BufDesc {
 }
 
 /// A page-rounded, page-aligned common buffer, at PASSIVE_LEVEL.
-fn alloc_pages<P: Platform>(hca: &Hca<P>, pages: usize) -> Result<Buffer<P>, IbStatus> {
+pub(super) fn alloc_pages<P: Platform>(hca: &Hca<P>, pages: usize) -> Result<Buffer<P>, IbStatus> {
     let buffer = hca
         .dma
         .alloc_common(pages.max(1) * PAGE)

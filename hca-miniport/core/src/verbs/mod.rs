@@ -56,6 +56,7 @@
 pub mod ca;
 pub mod cq;
 pub mod pd;
+pub mod qp;
 
 use alloc::boxed::Box;
 use alloc::collections::VecDeque;
@@ -77,7 +78,7 @@ use crate::cmd::{Command, CommandError, CommandOutput};
 use crate::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use crate::hca::Hca;
 use crate::mr::MemoryTranslation;
-use crate::resources::{ObjectTable, kind};
+use crate::resources::{ObjectTable, QpTable, kind};
 
 pub use ca::{CaClient, UVP_NAME};
 pub use cq::{CqNotify, poll_and_rearm};
@@ -116,6 +117,8 @@ pub(crate) struct Objects<P: Platform> {
     ca_generation: u32,
     pub(crate) pds: ObjectTable<kind::Pd, pd::Pd>,
     pub(crate) cqs: ObjectTable<kind::Cq, Arc<cq::Cq<P>>>,
+    /// QPs by number (special QPs at their fixed numbers).
+    pub(crate) qps: QpTable<Arc<qp::Qp<P>>>,
     /// The memory translation service: MPT keys, and the one MTT
     /// allocator (after the EQ's reserved entries) that CQ rings and
     /// memory regions share.
@@ -168,6 +171,9 @@ impl<P: Platform> Verbs<P> {
         if let Some(objects) = objects {
             for (_, cq) in objects.cqs.iter() {
                 buffers.extend(cq.take_buffers());
+            }
+            for (_, qp) in objects.qps.objects().iter() {
+                buffers.extend(qp.take_buffers());
             }
         }
         buffers
@@ -377,10 +383,26 @@ where
             VerbId::QueryAv => unsupported::<v::QueryAv, R<P>>(request),
             VerbId::ModifyAv => unsupported::<v::ModifyAv, R<P>>(request),
             VerbId::DestroyAv => unsupported::<v::DestroyAv, R<P>>(request),
-            VerbId::CreateQp => unsupported::<v::CreateQp, R<P>>(request),
-            VerbId::QueryQp => unsupported::<v::QueryQp, R<P>>(request),
-            VerbId::ModifyQp => unsupported::<v::ModifyQp, R<P>>(request),
-            VerbId::DestroyQp => unsupported::<v::DestroyQp, R<P>>(request),
+            VerbId::CreateQp => {
+                if let Some(a) = accept::<v::CreateQp, R<P>>(request) {
+                    self.create_qp_request(a);
+                }
+            }
+            VerbId::QueryQp => {
+                if let Some(a) = accept::<v::QueryQp, R<P>>(request) {
+                    self.query_qp_request(a);
+                }
+            }
+            VerbId::ModifyQp => {
+                if let Some(a) = accept::<v::ModifyQp, R<P>>(request) {
+                    self.modify_qp_request(a);
+                }
+            }
+            VerbId::DestroyQp => {
+                if let Some(a) = accept::<v::DestroyQp, R<P>>(request) {
+                    self.destroy_qp_request(a);
+                }
+            }
             VerbId::CreateSrq => unsupported::<v::CreateSrq, R<P>>(request),
             VerbId::QuerySrq => unsupported::<v::QuerySrq, R<P>>(request),
             VerbId::ModifySrq => unsupported::<v::ModifySrq, R<P>>(request),
@@ -458,6 +480,12 @@ impl<P: Platform> Hca<P> {
                 ca_generation: 0,
                 pds: ObjectTable::new(MAX_PDS, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 cqs: ObjectTable::new(cqs, 0..0).map_err(|_| IbStatus::InvalidState)?,
+                qps: QpTable::new(
+                    1u32 << report.table(hca_prm::cmd::Table::Qpc).log_count,
+                    report.capabilities.num_ports,
+                    qp::QPN_QUIET_PERIOD_NS,
+                )
+                .map_err(|_| IbStatus::InvalidState)?,
                 mtt,
                 eqn: report.eqn,
                 log_max_cqes: report.capabilities.log_max_cqes,
