@@ -119,6 +119,9 @@ pub(crate) struct Objects<P: Platform> {
     pub(crate) cqs: ObjectTable<kind::Cq, Arc<cq::Cq<P>>>,
     /// QPs by number (special QPs at their fixed numbers).
     pub(crate) qps: QpTable<Arc<qp::Qp<P>>>,
+    /// Destroyed QPs by number, kept (without rings) until the number is
+    /// reused so that their flushed completions still find their wr_ids.
+    pub(crate) retired_qps: alloc::collections::BTreeMap<u32, Arc<qp::Qp<P>>>,
     /// The memory translation service: MPT keys, and the one MTT
     /// allocator (after the EQ's reserved entries) that CQ rings and
     /// memory regions share.
@@ -486,6 +489,7 @@ impl<P: Platform> Hca<P> {
                     qp::QPN_QUIET_PERIOD_NS,
                 )
                 .map_err(|_| IbStatus::InvalidState)?,
+                retired_qps: alloc::collections::BTreeMap::new(),
                 mtt,
                 eqn: report.eqn,
                 log_max_cqes: report.capabilities.log_max_cqes,

@@ -41,17 +41,19 @@
 use alloc::boxed::Box;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
-use core::sync::atomic::{AtomicU32, Ordering};
+use core::sync::atomic::{AtomicU8, AtomicU32, Ordering};
 
-use driver_platform::{CommonBuffer, Deferred, Platform, Request, RequestorMode, SpinLock};
+use driver_platform::{CommonBuffer, Deferred, Mmio, Platform, Request, RequestorMode, SpinLock};
 use hca_prm::cmd::Opcode;
 use hca_prm::ctx::{BufDesc, ModifyQp as ModifyQpInput, Qpc, QpcFlags};
+use hca_prm::doorbell::{DoorbellRecord, SQ_DOORBELL, SqDoorbell, uar_offset};
 use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES, MIN_RECV_STRIDE, SEG_SIZE, inline_seg_len};
 use hca_prm::{Le16, Le32, Le64};
 use ib_types::ioctl::{CreateQp, DestroyQp, Empty, ModifyQp, QpCreated, QpQueryOut, QueryQp};
 use ib_types::qp::{QpCaps, QpModify, QpState, QpType};
 use ib_types::scalars::Qpn;
 use ib_types::status::IbStatus;
+use ib_types::wr::{RecvWr, SendWr, Transport, WrLimits};
 use zerocopy::{FromZeros, IntoBytes};
 
 use super::Accepted;
@@ -195,16 +197,45 @@ pub(crate) fn geometry(
 }
 
 /// A QP's control state, under the QP's own lock.
-struct Control<B> {
+struct Control {
     life: Life,
     /// The state the last successful `MODIFY_QP` left (or RESET).
     state: QpState,
     /// The attributes set so far (never STATE, CUR_STATE or CAP).
     attr: QpModify,
-    sq: Option<B>,
-    rq: Option<B>,
-    dbr: Option<B>,
     mtt: Option<EntryRange>,
+}
+
+/// A WQE the send ring holds until its completion.
+#[derive(Debug, Clone, Copy, Default)]
+struct SendSlot {
+    wr_id: u64,
+    /// Basic blocks of the WQE.
+    bbs: u32,
+}
+
+/// The send ring, under its own lock (PRM 10.2).
+struct SendRing<B> {
+    ring: Option<B>,
+    /// Basic blocks posted (the doorbell's producer counter).
+    producer: u32,
+    /// Basic blocks completed (polled).
+    tail: u32,
+    /// By basic block of each WQE's start: its `wr_id` and size.
+    shadow: Vec<SendSlot>,
+}
+
+/// The receive ring and its doorbell record, under their own lock (PRM
+/// 10.3, 9.2).
+struct RecvRing<B> {
+    ring: Option<B>,
+    dbr: Option<B>,
+    /// Receive WQEs posted.
+    producer: u32,
+    /// Receive WQEs completed (polled).
+    tail: u32,
+    /// `wr_id` by slot.
+    shadow: Vec<u64>,
 }
 
 /// A queue pair.
@@ -219,7 +250,12 @@ pub struct Qp<P: Platform> {
     /// Multicast groups the QP is attached to (maintained by the multicast
     /// verbs; destroy is refused while it is not zero).
     mcast: AtomicU32,
-    control: SpinLock<P, Control<Buffer<P>>>,
+    /// The cached state's code, read by the posting paths without the
+    /// control lock.
+    state: AtomicU8,
+    control: SpinLock<P, Control>,
+    sq: SpinLock<P, SendRing<Buffer<P>>>,
+    rq: SpinLock<P, RecvRing<Buffer<P>>>,
 }
 
 impl<P: Platform> core::fmt::Debug for Qp<P> {
@@ -245,14 +281,34 @@ impl<P: Platform> Qp<P> {
 
     /// The cached state.
     pub fn state(&self) -> QpState {
-        self.control.lock().state
+        QpState::from_code(self.state.load(Ordering::Acquire)).unwrap_or(QpState::Err)
+    }
+
+    /// Records the state a successful `MODIFY_QP` left; to RESET the
+    /// device's counters return to 0, and so do the rings'.
+    fn set_state(&self, c: &mut Control, state: QpState) {
+        c.state = state;
+        self.state.store(state.code(), Ordering::Release);
+        if state == QpState::Reset {
+            let mut sq = self.sq.lock();
+            sq.producer = 0;
+            sq.tail = 0;
+            drop(sq);
+            let mut rq = self.rq.lock();
+            rq.producer = 0;
+            rq.tail = 0;
+            if let Some(dbr) = rq.dbr.as_ref() {
+                dbr.write(0, DoorbellRecord::new(0).as_bytes());
+            }
+        }
     }
 
     /// Takes the QP's common buffers (for freeing once the device no longer
     /// uses them).
     pub(crate) fn take_buffers(&self) -> Vec<Buffer<P>> {
-        let mut c = self.control.lock();
-        [c.sq.take(), c.rq.take(), c.dbr.take()]
+        let sq = self.sq.lock().ring.take();
+        let mut rq = self.rq.lock();
+        [sq, rq.ring.take(), rq.dbr.take()]
             .into_iter()
             .flatten()
             .collect()
@@ -513,14 +569,25 @@ where
                     recv_cq,
                     geometry,
                     mcast: AtomicU32::new(0),
+                    state: AtomicU8::new(QpState::Reset.code()),
                     control: SpinLock::<P, _>::new(Control {
                         life: Life::Creating,
                         state: QpState::Reset,
                         attr: QpModify::default(),
-                        sq: None,
-                        rq: None,
-                        dbr: None,
                         mtt: Some(mtt),
+                    }),
+                    sq: SpinLock::<P, _>::new(SendRing {
+                        ring: None,
+                        producer: 0,
+                        tail: 0,
+                        shadow: alloc::vec![SendSlot::default(); 1 << geometry.sq_log_bbs],
+                    }),
+                    rq: SpinLock::<P, _>::new(RecvRing {
+                        ring: None,
+                        dbr: None,
+                        producer: 0,
+                        tail: 0,
+                        shadow: alloc::vec![0; 1 << geometry.rq_log_entries],
                     }),
                 })
             };
@@ -529,10 +596,15 @@ where
                 None => o.qps.create_with(now, make),
             };
             match made {
-                Ok(handle) => match o.qps.objects().get(handle).cloned() {
-                    Some(qp) => Ok((handle, qp, mtt)),
-                    None => Err(IbStatus::GenericError),
-                },
+                Ok(handle) => {
+                    // The number's previous QP is no longer needed for
+                    // resolving its completions' wr_ids.
+                    o.retired_qps.remove(&handle.number());
+                    match o.qps.objects().get(handle).cloned() {
+                        Some(qp) => Ok((handle, qp, mtt)),
+                        None => Err(IbStatus::GenericError),
+                    }
+                }
                 Err(error) => {
                     let _ = o.mtt.return_entries(mtt);
                     Err(match error {
@@ -603,11 +675,11 @@ where
             commands.extend(write_mtt(rq_mtt, rq.bus_address(), rq_pages));
             commands
                 .push(Command::new(Opcode::Sw2HwQp, qp.qpn).with_mailbox(qpc.as_bytes().to_vec()));
+            qp.sq.lock().ring = Some(sq);
             {
-                let mut c = qp.control.lock();
-                c.sq = Some(sq);
-                c.rq = Some(rq);
-                c.dbr = Some(dbr);
+                let mut r = qp.rq.lock();
+                r.ring = Some(rq);
+                r.dbr = Some(dbr);
             }
             hca.run_commands(
                 commands,
@@ -672,7 +744,7 @@ where
                 c.life = Life::Live;
                 match result {
                     Ok(_) => {
-                        c.state = next;
+                        qp.set_state(&mut c, next);
                         if next == QpState::Reset {
                             c.attr = QpModify::default();
                         } else {
@@ -714,13 +786,33 @@ where
             c.life = Life::Destroying;
         }
         let responder = a.responder;
+        // To ERR first (PRM 6.1.3): the device completes every outstanding
+        // WQE with WR_FLUSH_ERR, so no posted WR is lost silently; then
+        // HW2SW_QP. A QP in RESET has nothing outstanding.
+        let mut commands = Vec::new();
+        if qp.state() != QpState::Reset {
+            let mut input = ModifyQpInput::new_zeroed();
+            input.attr_mask = Le32::new(ib_types::qp::QpAttrMask::STATE.bits());
+            input.next_state = QpState::Err.code();
+            commands.push(
+                Command::new(Opcode::ModifyQp, qp.qpn).with_mailbox(input.as_bytes().to_vec()),
+            );
+        }
+        commands.push(Command::new(Opcode::Hw2SwQp, qp.qpn));
         self.run_commands(
-            alloc::vec![Command::new(Opcode::Hw2SwQp, qp.qpn)],
+            commands,
             Box::new(move |hca, result| match result {
                 Ok(_) => {
-                    qp.control.lock().state = QpState::Reset;
+                    {
+                        let mut c = qp.control.lock();
+                        c.state = QpState::Reset;
+                    }
+                    qp.state.store(QpState::Reset.code(), Ordering::Release);
                     // Every event of this QP came before this completion on
-                    // the one EQ: the number can go to quarantine now.
+                    // the one EQ: the number can go to quarantine now. The
+                    // QP stays findable by number for the flushed
+                    // completions' wr_ids until the number is reused.
+                    let _ = hca.with_objects(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
                     hca.forget_qp(handle, &qp);
                     responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
                 }
@@ -798,5 +890,226 @@ mod tests {
             geometry(QpType::Rc, &huge, &LIMITS),
             Err(IbStatus::InvalidMaxWrs)
         );
+    }
+}
+
+/// One send work request for [`Hca::post_send`], with what the core cannot
+/// read itself: the PRM address vector of a UD destination (resolved from
+/// `wr.ud`'s AV handle by the caller) and, for an inline send, the SGEs'
+/// bytes concatenated (the caller reads them; the core never dereferences
+/// an address).
+#[derive(Debug, Clone, Copy)]
+pub struct SendRequest<'a> {
+    /// The work request.
+    pub wr: SendWr<'a>,
+    /// The destination's address vector, exactly when `wr.ud` is set.
+    pub av: Option<hca_prm::av::Av>,
+    /// The inline data, exactly when `wr.flags` has INLINE.
+    pub inline: Option<&'a [u8]>,
+}
+
+/// The transport a QP type's WRs are checked against.
+fn transport(qp_type: QpType) -> Transport {
+    match qp_type {
+        QpType::Rc => Transport::Rc,
+        QpType::Uc => Transport::Uc,
+        QpType::Ud | QpType::Smi | QpType::Gsi => Transport::Ud,
+    }
+}
+
+/// Writes `bytes` into a ring of `ring_bytes` at `offset`, wrapping at its
+/// end.
+fn write_wrapping<B: CommonBuffer>(ring: &B, ring_bytes: usize, offset: usize, bytes: &[u8]) {
+    let first = bytes.len().min(ring_bytes - offset);
+    ring.write(offset, &bytes[..first]);
+    if first < bytes.len() {
+        ring.write(0, &bytes[first..]);
+    }
+}
+
+impl<P: Platform> Hca<P> {
+    /// Posts send work requests to the kernel QP `qp` (guide 8.1.1, PRM
+    /// 10.2, 9.1). Returns how many were posted and the status of the
+    /// first that was not (or `Success`). Every check — state, room,
+    /// the WR against the QP's transport and capacities — is made before a
+    /// WR is written, so a refused WR leaves the earlier ones posted and
+    /// nothing else changed. The WQEs are written to the ring, their
+    /// `wr_id`s to the shadow ring, and the doorbell (UAR page 0) is rung
+    /// once for the batch. Only the QP's send-ring lock is taken (and the
+    /// object-table lock briefly, to find the QP). Callable at
+    /// DISPATCH_LEVEL.
+    pub fn post_send(&self, qp: u64, wrs: &[SendRequest<'_>]) -> (usize, IbStatus) {
+        let qp = match self.find_qp(qp, RequestorMode::Kernel) {
+            Ok(qp) => qp,
+            Err(status) => return (0, status),
+        };
+        let g = qp.geometry;
+        let limits = WrLimits {
+            max_sge: g.caps.max_send_sge,
+            max_inline: g.caps.max_inline_data,
+        };
+        let ring_bbs = 1u32 << g.sq_log_bbs;
+        let ring_bytes = BB_SIZE << g.sq_log_bbs;
+        let mut sq = qp.sq.lock();
+        let mut posted = 0;
+        let mut status = IbStatus::Success;
+        let mut wqe = [0u8; MAX_SEND_WQE_BYTES];
+        for request in wrs {
+            if !qp.state().accepts_send() {
+                status = IbStatus::InvalidQpState;
+                break;
+            }
+            if let Err(error) = request.wr.validate(transport(qp.qp_type), &limits) {
+                status = error.status();
+                break;
+            }
+            let index = sq.producer as u16;
+            let len = match hca_prm::wqe::build_send_wqe(
+                &request.wr,
+                request.av.as_ref(),
+                index,
+                request.inline,
+                &mut wqe,
+            ) {
+                Ok(len) => len,
+                Err(_) => {
+                    status = IbStatus::InvalidParameter;
+                    break;
+                }
+            };
+            let bbs = hca_prm::wqe::basic_blocks(len) as u32;
+            let used = sq.producer.wrapping_sub(sq.tail);
+            if used + bbs > ring_bbs {
+                status = IbStatus::InsufficientResources;
+                break;
+            }
+            let slot = (sq.producer & (ring_bbs - 1)) as usize;
+            let Some(ring) = sq.ring.as_ref() else {
+                status = IbStatus::InvalidQpState;
+                break;
+            };
+            write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe[..len]);
+            sq.shadow[slot] = SendSlot {
+                wr_id: request.wr.wr_id,
+                bbs,
+            };
+            sq.producer = sq.producer.wrapping_add(bbs);
+            posted += 1;
+        }
+        if posted > 0 {
+            self.ring_sq(&qp, sq.producer);
+        }
+        (posted, status)
+    }
+
+    /// Posts receive work requests to the kernel QP `qp` (guide 8.1.2, PRM
+    /// 10.3, 9.2): as [`post_send`](Self::post_send), with the receive
+    /// doorbell record written once for the batch. A QP in ERR gets the
+    /// SQ doorbell (unchanged producer) so the device flushes them (PRM
+    /// 10.5). Only the QP's receive-ring lock is taken.
+    pub fn post_recv(&self, qp: u64, wrs: &[RecvWr<'_>]) -> (usize, IbStatus) {
+        let qp = match self.find_qp(qp, RequestorMode::Kernel) {
+            Ok(qp) => qp,
+            Err(status) => return (0, status),
+        };
+        let g = qp.geometry;
+        let limits = WrLimits {
+            max_sge: g.caps.max_recv_sge,
+            max_inline: 0,
+        };
+        let entries = 1u32 << g.rq_log_entries;
+        let stride = 1usize << g.rq_log_stride;
+        let mut rq = qp.rq.lock();
+        let mut posted = 0;
+        let mut status = IbStatus::Success;
+        let mut wqe = [0u8; 1 << 9];
+        for wr in wrs {
+            if !qp.state().accepts_recv() {
+                status = IbStatus::InvalidQpState;
+                break;
+            }
+            if let Err(error) = wr.validate(&limits) {
+                status = error.status();
+                break;
+            }
+            if rq.producer.wrapping_sub(rq.tail) >= entries {
+                status = IbStatus::InsufficientResources;
+                break;
+            }
+            let slot = (rq.producer & (entries - 1)) as usize;
+            let Some(out) = wqe.get_mut(..stride) else {
+                status = IbStatus::InvalidParameter;
+                break;
+            };
+            if hca_prm::wqe::build_recv_wqe(wr.sg_list, rq.producer as u16, stride, out).is_err() {
+                status = IbStatus::InvalidParameter;
+                break;
+            }
+            let Some(ring) = rq.ring.as_ref() else {
+                status = IbStatus::InvalidQpState;
+                break;
+            };
+            ring.write(slot * stride, out);
+            rq.shadow[slot] = wr.wr_id;
+            rq.producer = rq.producer.wrapping_add(1);
+            posted += 1;
+        }
+        if posted > 0 {
+            if let Some(dbr) = rq.dbr.as_ref() {
+                core::sync::atomic::fence(Ordering::Release);
+                dbr.write(0, DoorbellRecord::new(rq.producer).as_bytes());
+            }
+            drop(rq);
+            if qp.state() == QpState::Err {
+                let producer = qp.sq.lock().producer;
+                self.ring_sq(&qp, producer);
+            }
+        }
+        (posted, status)
+    }
+
+    /// The SQ doorbell of `qp` on UAR page 0 (PRM 9.1), after a release
+    /// fence so the WQEs are visible first.
+    fn ring_sq(&self, qp: &Qp<P>, producer: u32) {
+        core::sync::atomic::fence(Ordering::Release);
+        let doorbell = SqDoorbell {
+            qpn: Qpn::from_low_bits(qp.qpn),
+            producer,
+        };
+        self.bar0
+            .write64(uar_offset(KERNEL_UAR) + SQ_DOORBELL, doorbell.encode());
+    }
+
+    /// The `wr_id` of a completion of QP `qpn` for the WQE at
+    /// `wqe_index` (PRM 10.4: the device stores none), retiring that WQE
+    /// and, for sends, the unsignaled ones before it. Destroyed QPs are
+    /// found until their number is reused. 0 when no QP has the number.
+    pub(crate) fn complete_wr(&self, qpn: u32, wqe_index: u16, recv: bool) -> u64 {
+        let qp = self
+            .with_objects(|o| {
+                o.qps
+                    .objects()
+                    .get_by_number(qpn)
+                    .map(|(_, qp)| qp.clone())
+                    .or_else(|| o.retired_qps.get(&qpn).cloned())
+            })
+            .ok()
+            .flatten();
+        let Some(qp) = qp else { return 0 };
+        if recv {
+            let mut rq = qp.rq.lock();
+            let mask = (1u32 << qp.geometry.rq_log_entries) - 1;
+            let ahead = u32::from(wqe_index.wrapping_sub(rq.tail as u16));
+            let wr_id = rq.shadow[(u32::from(wqe_index) & mask) as usize];
+            rq.tail = rq.tail.wrapping_add(ahead + 1);
+            wr_id
+        } else {
+            let mut sq = qp.sq.lock();
+            let mask = (1u32 << qp.geometry.sq_log_bbs) - 1;
+            let slot = sq.shadow[(u32::from(wqe_index) & mask) as usize];
+            let ahead = u32::from(wqe_index.wrapping_sub(sq.tail as u16));
+            sq.tail = sq.tail.wrapping_add(ahead + slot.bbs);
+            slot.wr_id
+        }
     }
 }
