@@ -6,6 +6,8 @@
 mod support;
 
 use driver_platform::RequestorMode;
+use hca_miniport_core::verbs::qp::SendRequest;
+use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
 use ib_types::cq::CqAttr;
 use ib_types::handle::{CqHandle, PdHandle, SrqHandle};
@@ -16,6 +18,8 @@ use ib_types::ioctl::{
 use ib_types::qp::{QpAttrMask, QpCaps, QpCreate, QpModify, QpState, QpType};
 use ib_types::scalars::{Gid, Lid, Mtu, PortNum, Psn, QKey, Qpn};
 use ib_types::status::IbStatus;
+use ib_types::wc::{WcStatus, WorkCompletion};
+use ib_types::wr::{RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge};
 use support::{World, response};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;
@@ -285,5 +289,286 @@ fn ud_and_special_qps_and_refusals() {
     assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
     let r = w.call_in_dpc::<DeallocPd>(KERNEL, s.pd, &Empty, 0);
     assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    w.finish();
+}
+
+type Region = hca_miniport_core::mr::MemoryRegion<sim_host::platform::SimPlatform>;
+
+/// A test buffer: a common buffer of `PAGES` pages registered physically
+/// (iova = bus address) through the verbs' translation service.
+struct Mem {
+    buffer: sim_host::dma::HostCommonBuffer,
+    region: Region,
+}
+
+const MEM_BYTES: usize = 8192;
+
+impl Mem {
+    fn new(w: &World, pd: u64) -> Self {
+        use driver_platform::{CommonBuffer, DmaAdapter};
+        let buffer = w.adapter().alloc_common(MEM_BYTES).unwrap();
+        let bus = buffer.bus_address();
+        let pages: Vec<u64> = (0..(MEM_BYTES / 4096) as u64)
+            .map(|i| bus + i * 4096)
+            .collect();
+        let mt = w.hca().memory_translation().unwrap();
+        let out = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let (hca, sink) = (w.hca(), out.clone());
+        let pd_number = (pd & 0xFFFF_FFFF) as u32;
+        w.in_dpc(move || {
+            let request = hca_miniport_core::mr::PhysicalRegion {
+                iova: bus,
+                length: MEM_BYTES as u64,
+                first_byte_offset: 0,
+                page_shift: 12,
+                pages: &pages,
+                access: AccessFlags::LOCAL_WRITE
+                    | AccessFlags::REMOTE_WRITE
+                    | AccessFlags::REMOTE_READ,
+                pd: pd_number,
+            };
+            mt.register_physical(
+                &hca,
+                request,
+                Box::new(move |r| *support::lock(&sink) = Some(r)),
+            );
+        });
+        w.settle();
+        let region = support::lock(&out).take().unwrap().unwrap();
+        Mem { buffer, region }
+    }
+
+    fn addr(&self, offset: usize) -> u64 {
+        self.region.start() + offset as u64
+    }
+
+    fn sge(&self, offset: usize, len: u32) -> Sge {
+        Sge::new(self.addr(offset), len, self.region.lkey())
+    }
+
+    fn write(&self, offset: usize, bytes: &[u8]) {
+        use driver_platform::CommonBuffer;
+        assert!(self.buffer.write(offset, bytes));
+    }
+
+    fn read(&self, offset: usize, len: usize) -> Vec<u8> {
+        use driver_platform::CommonBuffer;
+        let mut out = vec![0; len];
+        assert!(self.buffer.read(offset, &mut out));
+        out
+    }
+
+    fn free(self, w: &World) {
+        let mt = w.hca().memory_translation().unwrap();
+        let out = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let (hca, sink, region) = (w.hca(), out.clone(), self.region);
+        w.in_dpc(move || {
+            mt.deregister(
+                &hca,
+                region,
+                Box::new(move |r| *support::lock(&sink) = Some(r.is_ok())),
+            );
+        });
+        w.settle();
+        assert_eq!(support::lock(&out).take(), Some(true));
+        w.adapter().free_common(self.buffer);
+    }
+}
+
+/// Deterministic, non-trivial bytes.
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// Polls everything the CQ holds, from a DPC.
+fn poll_all(w: &World, cq: u64) -> Vec<WorkCompletion> {
+    let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (hca, sink) = (w.hca(), out.clone());
+    w.in_dpc(move || {
+        let mut wcs = [WorkCompletion::EMPTY; 4];
+        loop {
+            let n = hca.poll_cq(cq, &mut wcs).unwrap();
+            if n == 0 {
+                break;
+            }
+            support::lock(&sink).extend_from_slice(&wcs[..n]);
+        }
+    });
+    w.settle();
+    support::lock(&out).clone()
+}
+
+/// Posts sends from a DPC; returns (posted, status).
+fn post_send(w: &World, qp: u64, wrs: Vec<SendWr<'static>>) -> (usize, IbStatus) {
+    let out = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (hca, sink) = (w.hca(), out.clone());
+    w.in_dpc(move || {
+        let requests: Vec<SendRequest<'_>> = wrs
+            .iter()
+            .map(|wr| SendRequest {
+                wr: *wr,
+                av: None,
+                inline: None,
+            })
+            .collect();
+        *support::lock(&sink) = Some(hca.post_send(qp, &requests));
+    });
+    w.settle();
+    support::lock(&out).take().unwrap()
+}
+
+/// Posts receives from a DPC.
+fn post_recv(w: &World, qp: u64, wrs: Vec<RecvWr<'static>>) -> (usize, IbStatus) {
+    let out = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (hca, sink) = (w.hca(), out.clone());
+    w.in_dpc(move || {
+        *support::lock(&sink) = Some(hca.post_recv(qp, &wrs));
+    });
+    w.settle();
+    support::lock(&out).take().unwrap()
+}
+
+fn leak_sges(sges: Vec<Sge>) -> &'static [Sge] {
+    Box::leak(sges.into_boxed_slice())
+}
+
+/// Connects `qp` on `port` to `dest` at `dest_ip` (RESET to RTS).
+fn connect(w: &World, qp: u64, port: u8, dest: u32, dest_ip: [u8; 4]) {
+    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    let init = QpModify {
+        access: Some(access),
+        ..to_init(port)
+    };
+    assert_eq!(modify(w, qp, &init), IbStatus::Success);
+    let rtr = QpModify {
+        av: Some(av_to(port, dest_ip)),
+        ..to_rtr(dest)
+    };
+    assert_eq!(modify(w, qp, &rtr), IbStatus::Success);
+    // Both sides use PSN 100 to receive and send.
+    let rts = QpModify {
+        sq_psn: Some(Psn::new(100).unwrap()),
+        ..to_rts()
+    };
+    assert_eq!(modify(w, qp, &rts), IbStatus::Success);
+}
+
+#[test]
+fn rc_traffic_between_ports_send_write_read_full_queue_and_flush_on_destroy() {
+    let w = World::deterministic(33);
+    let s = setup(&w);
+    let a_mem = Mem::new(&w, s.pd);
+    let b_mem = Mem::new(&w, s.pd);
+    let (_, a, ca) = create(&w, KERNEL, &s, &qp_create(&s, QpType::Rc, None));
+    let (_, b, cb) = create(&w, KERNEL, &s, &qp_create(&s, QpType::Rc, None));
+    let (qpn_a, qpn_b) = (ca.unwrap().qpn.get(), cb.unwrap().qpn.get());
+
+    // Posting before RTS fails at once; receives before INIT too.
+    let send = |wr_id: u64, sges: &'static [Sge], op: SendOp| SendWr {
+        wr_id,
+        op,
+        flags: SendFlags::SIGNALED,
+        sg_list: sges,
+        ud: None,
+    };
+    let payload = pattern(7, 1000);
+    a_mem.write(0, &payload);
+    let a_sge = leak_sges(vec![a_mem.sge(0, 1000)]);
+    assert_eq!(
+        post_send(&w, a, vec![send(1, a_sge, SendOp::Send)]),
+        (0, IbStatus::InvalidQpState)
+    );
+    let b_sge = leak_sges(vec![b_mem.sge(0, 1024)]);
+    let recv = |wr_id: u64, sges: &'static [Sge]| RecvWr {
+        wr_id,
+        sg_list: sges,
+    };
+    assert_eq!(
+        post_recv(&w, b, vec![recv(9, b_sge)]),
+        (0, IbStatus::InvalidQpState)
+    );
+
+    connect(&w, a, 1, qpn_b, [10, 0, 1, 1]);
+    connect(&w, b, 2, qpn_a, [10, 0, 0, 1]);
+
+    // SEND: one receive consumed, bytes equal.
+    assert_eq!(
+        post_recv(&w, b, vec![recv(100, b_sge)]),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        post_send(&w, a, vec![send(7, a_sge, SendOp::Send)]),
+        (1, IbStatus::Success)
+    );
+    let wcs = poll_all(&w, s.cq);
+    assert_eq!(wcs.len(), 2, "{wcs:?}");
+    let sent = wcs.iter().find(|wc| wc.qp_num.get() == qpn_a).unwrap();
+    let got = wcs.iter().find(|wc| wc.qp_num.get() == qpn_b).unwrap();
+    assert_eq!((sent.wr_id, sent.status), (7, WcStatus::Success));
+    assert_eq!(
+        (got.wr_id, got.status, got.byte_len),
+        (100, WcStatus::Success, 1000)
+    );
+    assert_eq!(b_mem.read(0, 1000), payload);
+
+    // RDMA write into B at 4096, RDMA read of B's 0..256 into A at 6000.
+    let written = pattern(99, 700);
+    a_mem.write(2048, &written);
+    let w_sge = leak_sges(vec![a_mem.sge(2048, 700)]);
+    let r_sge = leak_sges(vec![a_mem.sge(6000, 256)]);
+    let write = SendOp::RdmaWrite {
+        remote: RemoteAddr {
+            addr: b_mem.addr(4096),
+            rkey: b_mem.region.rkey(),
+        },
+    };
+    let read = SendOp::RdmaRead {
+        remote: RemoteAddr {
+            addr: b_mem.addr(0),
+            rkey: b_mem.region.rkey(),
+        },
+    };
+    assert_eq!(
+        post_send(&w, a, vec![send(20, w_sge, write), send(21, r_sge, read)]),
+        (2, IbStatus::Success)
+    );
+    let wcs = poll_all(&w, s.cq);
+    let ids: Vec<(u64, WcStatus)> = wcs.iter().map(|wc| (wc.wr_id, wc.status)).collect();
+    assert_eq!(ids, vec![(20, WcStatus::Success), (21, WcStatus::Success)]);
+    assert_eq!(b_mem.read(4096, 700), written);
+    assert_eq!(a_mem.read(6000, 256), b_mem.read(0, 256));
+
+    // A full queue: the WR that does not fit fails, the earlier ones stay
+    // posted and complete with their own wr_ids.
+    let small = leak_sges(vec![a_mem.sge(0, 8)]);
+    let wrs: Vec<SendWr<'static>> = (0..100).map(|i| send(1000 + i, small, write)).collect();
+    let (posted, status) = post_send(&w, a, wrs);
+    assert_eq!(status, IbStatus::InsufficientResources);
+    assert!((16..100).contains(&posted), "{posted}");
+    let wcs = poll_all(&w, s.cq);
+    let ids: Vec<u64> = wcs.iter().map(|wc| wc.wr_id).collect();
+    assert_eq!(ids, (1000..1000 + posted as u64).collect::<Vec<_>>());
+    assert!(wcs.iter().all(|wc| wc.status == WcStatus::Success));
+
+    // Destroy with receives outstanding: each is flushed with its wr_id.
+    let wrs: Vec<RecvWr<'static>> = (0..5).map(|i| recv(500 + i, b_sge)).collect();
+    assert_eq!(post_recv(&w, b, wrs), (5, IbStatus::Success));
+    assert_eq!(destroy(&w, b), IbStatus::Success);
+    let wcs = poll_all(&w, s.cq);
+    let ids: Vec<(u64, WcStatus)> = wcs.iter().map(|wc| (wc.wr_id, wc.status)).collect();
+    assert_eq!(
+        ids,
+        (500..505)
+            .map(|i| (i, WcStatus::WrFlushErr))
+            .collect::<Vec<_>>()
+    );
+
+    assert_eq!(destroy(&w, a), IbStatus::Success);
+    a_mem.free(&w);
+    b_mem.free(&w);
+    let r = w.call_in_dpc::<DestroyCq>(KERNEL, s.cq, &Empty, 0);
+    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
     w.finish();
 }

@@ -1113,3 +1113,13 @@ impl<P: Platform> Hca<P> {
         }
     }
 }
+
+impl<P: Platform> Hca<P> {
+    /// The memory translation service the verbs own (the one MTT
+    /// allocator), for kernel clients that register memory directly until
+    /// the MR verbs exist. Fails with [`IbStatus::InvalidState`] while the
+    /// device is not started.
+    pub fn memory_translation(&self) -> Result<crate::mr::MemoryTranslation<P>, IbStatus> {
+        self.with_objects(|o| o.mtt.clone())
+    }
+}
