@@ -10,7 +10,7 @@ use hca_miniport_core::verbs::qp::SendRequest;
 use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
 use ib_types::cq::CqAttr;
-use ib_types::handle::{CqHandle, PdHandle, SrqHandle};
+use ib_types::handle::{AvHandle, CqHandle, PdHandle, SrqHandle};
 use ib_types::ioctl::{
     AllocPd, CreateCq, CreateQp, DeallocPd, DestroyCq, DestroyQp, Empty, ModifyQp, OpenCa,
     OpenCaIn, QpCreated, QueryQp,
@@ -19,7 +19,7 @@ use ib_types::qp::{QpAttrMask, QpCaps, QpCreate, QpModify, QpState, QpType};
 use ib_types::scalars::{Gid, Lid, Mtu, PortNum, Psn, QKey, Qpn};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcStatus, WorkCompletion};
-use ib_types::wr::{RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge};
+use ib_types::wr::{RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge, UdDest};
 use support::{World, response};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;
@@ -32,15 +32,19 @@ struct Setup {
 }
 
 fn setup(w: &World) -> Setup {
-    let r = w.call::<OpenCa>(KERNEL, 0, &OpenCaIn::CURRENT, 0);
+    setup_at(w, 0)
+}
+
+fn setup_at(w: &World, i: usize) -> Setup {
+    let r = w.call_in_dpc_at::<OpenCa>(i, KERNEL, 0, &OpenCaIn::CURRENT, 0);
     let ca = response::<OpenCa>(&r).handle;
-    let r = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
+    let r = w.call_in_dpc_at::<AllocPd>(i, KERNEL, ca, &Empty, 0);
     let pd = response::<AllocPd>(&r).handle;
     let attr = CqAttr {
         cqe: 64,
         comp_vector: 0,
     };
-    let r = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
+    let r = w.call_in_dpc_at::<CreateCq>(i, KERNEL, ca, &attr, 0);
     let cq = response::<CreateCq>(&r).handle;
     Setup { ca, pd, cq }
 }
@@ -74,13 +78,27 @@ fn create(
     s: &Setup,
     input: &QpCreate,
 ) -> (IbStatus, u64, Option<QpCreated>) {
-    let r = w.call_in_dpc::<CreateQp>(mode, s.ca, input, 0);
+    create_at(w, 0, mode, s, input)
+}
+
+fn create_at(
+    w: &World,
+    i: usize,
+    mode: RequestorMode,
+    s: &Setup,
+    input: &QpCreate,
+) -> (IbStatus, u64, Option<QpCreated>) {
+    let r = w.call_in_dpc_at::<CreateQp>(i, mode, s.ca, input, 0);
     let resp = response::<CreateQp>(&r);
     (resp.status, resp.handle, resp.output)
 }
 
 fn modify(w: &World, qp: u64, m: &QpModify) -> IbStatus {
-    let r = w.call_in_dpc::<ModifyQp>(KERNEL, qp, m, 0);
+    modify_at(w, 0, qp, m)
+}
+
+fn modify_at(w: &World, i: usize, qp: u64, m: &QpModify) -> IbStatus {
+    let r = w.call_in_dpc_at::<ModifyQp>(i, KERNEL, qp, m, 0);
     response::<ModifyQp>(&r).status
 }
 
@@ -92,7 +110,11 @@ fn query(w: &World, qp: u64) -> ib_types::ioctl::QpQueryOut {
 }
 
 fn destroy(w: &World, qp: u64) -> IbStatus {
-    let r = w.call_in_dpc::<DestroyQp>(KERNEL, qp, &Empty, 0);
+    destroy_at(w, 0, qp)
+}
+
+fn destroy_at(w: &World, i: usize, qp: u64) -> IbStatus {
+    let r = w.call_in_dpc_at::<DestroyQp>(i, KERNEL, qp, &Empty, 0);
     response::<DestroyQp>(&r).status
 }
 
@@ -299,21 +321,26 @@ type Region = hca_miniport_core::mr::MemoryRegion<sim_host::platform::SimPlatfor
 struct Mem {
     buffer: sim_host::dma::HostCommonBuffer,
     region: Region,
+    hca: usize,
 }
 
 const MEM_BYTES: usize = 8192;
 
 impl Mem {
     fn new(w: &World, pd: u64) -> Self {
+        Self::new_at(w, 0, pd)
+    }
+
+    fn new_at(w: &World, i: usize, pd: u64) -> Self {
         use driver_platform::{CommonBuffer, DmaAdapter};
-        let buffer = w.adapter().alloc_common(MEM_BYTES).unwrap();
+        let buffer = w.adapter_at(i).alloc_common(MEM_BYTES).unwrap();
         let bus = buffer.bus_address();
         let pages: Vec<u64> = (0..(MEM_BYTES / 4096) as u64)
             .map(|i| bus + i * 4096)
             .collect();
-        let mt = w.hca().memory_translation().unwrap();
+        let mt = w.hca_at(i).memory_translation().unwrap();
         let out = std::sync::Arc::new(std::sync::Mutex::new(None));
-        let (hca, sink) = (w.hca(), out.clone());
+        let (hca, sink) = (w.hca_at(i), out.clone());
         let pd_number = (pd & 0xFFFF_FFFF) as u32;
         w.in_dpc(move || {
             let request = hca_miniport_core::mr::PhysicalRegion {
@@ -335,7 +362,11 @@ impl Mem {
         });
         w.settle();
         let region = support::lock(&out).take().unwrap().unwrap();
-        Mem { buffer, region }
+        Mem {
+            buffer,
+            region,
+            hca: i,
+        }
     }
 
     fn addr(&self, offset: usize) -> u64 {
@@ -359,9 +390,9 @@ impl Mem {
     }
 
     fn free(self, w: &World) {
-        let mt = w.hca().memory_translation().unwrap();
+        let mt = w.hca_at(self.hca).memory_translation().unwrap();
         let out = std::sync::Arc::new(std::sync::Mutex::new(None));
-        let (hca, sink, region) = (w.hca(), out.clone(), self.region);
+        let (hca, sink, region) = (w.hca_at(self.hca), out.clone(), self.region);
         w.in_dpc(move || {
             mt.deregister(
                 &hca,
@@ -371,7 +402,7 @@ impl Mem {
         });
         w.settle();
         assert_eq!(support::lock(&out).take(), Some(true));
-        w.adapter().free_common(self.buffer);
+        w.adapter_at(self.hca).free_common(self.buffer);
     }
 }
 
@@ -384,8 +415,12 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
 
 /// Polls everything the CQ holds, from a DPC.
 fn poll_all(w: &World, cq: u64) -> Vec<WorkCompletion> {
+    poll_all_at(w, 0, cq)
+}
+
+fn poll_all_at(w: &World, i: usize, cq: u64) -> Vec<WorkCompletion> {
     let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let (hca, sink) = (w.hca(), out.clone());
+    let (hca, sink) = (w.hca_at(i), out.clone());
     w.in_dpc(move || {
         let mut wcs = [WorkCompletion::EMPTY; 4];
         loop {
@@ -402,14 +437,25 @@ fn poll_all(w: &World, cq: u64) -> Vec<WorkCompletion> {
 
 /// Posts sends from a DPC; returns (posted, status).
 fn post_send(w: &World, qp: u64, wrs: Vec<SendWr<'static>>) -> (usize, IbStatus) {
+    post_send_at(w, 0, qp, wrs, None)
+}
+
+/// Posts sends to a QP of HCA `i` from a DPC, with `av` for UD sends.
+fn post_send_at(
+    w: &World,
+    i: usize,
+    qp: u64,
+    wrs: Vec<SendWr<'static>>,
+    av: Option<hca_prm::av::Av>,
+) -> (usize, IbStatus) {
     let out = std::sync::Arc::new(std::sync::Mutex::new(None));
-    let (hca, sink) = (w.hca(), out.clone());
+    let (hca, sink) = (w.hca_at(i), out.clone());
     w.in_dpc(move || {
         let requests: Vec<SendRequest<'_>> = wrs
             .iter()
             .map(|wr| SendRequest {
                 wr: *wr,
-                av: None,
+                av: wr.ud.and(av),
                 inline: None,
             })
             .collect();
@@ -421,8 +467,12 @@ fn post_send(w: &World, qp: u64, wrs: Vec<SendWr<'static>>) -> (usize, IbStatus)
 
 /// Posts receives from a DPC.
 fn post_recv(w: &World, qp: u64, wrs: Vec<RecvWr<'static>>) -> (usize, IbStatus) {
+    post_recv_at(w, 0, qp, wrs)
+}
+
+fn post_recv_at(w: &World, i: usize, qp: u64, wrs: Vec<RecvWr<'static>>) -> (usize, IbStatus) {
     let out = std::sync::Arc::new(std::sync::Mutex::new(None));
-    let (hca, sink) = (w.hca(), out.clone());
+    let (hca, sink) = (w.hca_at(i), out.clone());
     w.in_dpc(move || {
         *support::lock(&sink) = Some(hca.post_recv(qp, &wrs));
     });
@@ -568,6 +618,291 @@ fn rc_traffic_between_ports_send_write_read_full_queue_and_flush_on_destroy() {
     assert_eq!(destroy(&w, a), IbStatus::Success);
     a_mem.free(&w);
     b_mem.free(&w);
+    let r = w.call_in_dpc::<DestroyCq>(KERNEL, s.cq, &Empty, 0);
+    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    w.finish();
+}
+
+/// The IPv4 address of each port of the two HCAs of [`two_hcas`].
+const HCA_IPS: [[[u8; 4]; 2]; 2] = [
+    [[10, 0, 0, 1], [10, 0, 1, 1]],
+    [[10, 0, 2, 1], [10, 0, 3, 1]],
+];
+const GUIDS: [u64; 2] = [0x0002_C900_0000_2000, 0x0002_C900_0000_3000];
+
+/// A host with two two-port HCAs on one fabric; returns it and, for each
+/// HCA in `GUIDS` order, its index in the world.
+fn two_hcas(seed: u64) -> (World, [usize; 2]) {
+    use sim_hca::device::DeviceConfig;
+    let configs = vec![
+        DeviceConfig::with_ports(GUIDS[0], &HCA_IPS[0]),
+        DeviceConfig::with_ports(GUIDS[1], &HCA_IPS[1]),
+    ];
+    let w = World::with_hcas(seed, configs, hca_miniport_core::init::HcaConfig::default());
+    let guid = |i: usize| w.hca_at(i).report().unwrap().capabilities.node_guid.get();
+    let first = if guid(0) == GUIDS[0] { 0 } else { 1 };
+    assert_eq!(guid(first), GUIDS[0]);
+    assert_eq!(guid(1 - first), GUIDS[1]);
+    (w, [first, 1 - first])
+}
+
+/// Connects `qp` of HCA `i` (port 1) to `dest` at `dest_ip`.
+fn connect_at(w: &World, i: usize, qp: u64, dest: u32, dest_ip: [u8; 4]) {
+    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    let init = QpModify {
+        access: Some(access),
+        ..to_init(1)
+    };
+    assert_eq!(modify_at(w, i, qp, &init), IbStatus::Success);
+    let rtr = QpModify {
+        av: Some(av_to(1, dest_ip)),
+        ..to_rtr(dest)
+    };
+    assert_eq!(modify_at(w, i, qp, &rtr), IbStatus::Success);
+    let rts = QpModify {
+        sq_psn: Some(Psn::new(100).unwrap()),
+        ..to_rts()
+    };
+    assert_eq!(modify_at(w, i, qp, &rts), IbStatus::Success);
+}
+
+#[test]
+fn rc_and_ud_traffic_between_two_hcas_and_destroy_during_traffic() {
+    let (w, [x, y]) = two_hcas(41);
+    let (sx, sy) = (setup_at(&w, x), setup_at(&w, y));
+    let (mx, my) = (Mem::new_at(&w, x, sx.pd), Mem::new_at(&w, y, sy.pd));
+    let (_, a, ca) = create_at(&w, x, KERNEL, &sx, &qp_create(&sx, QpType::Rc, None));
+    let (_, b, cb) = create_at(&w, y, KERNEL, &sy, &qp_create(&sy, QpType::Rc, None));
+    let (qpn_a, qpn_b) = (ca.unwrap().qpn.get(), cb.unwrap().qpn.get());
+    connect_at(&w, x, a, qpn_b, HCA_IPS[1][0]);
+    connect_at(&w, y, b, qpn_a, HCA_IPS[0][0]);
+
+    // SEND in each direction; bytes checked at the receiver.
+    let send = |wr_id: u64, sges: &'static [Sge], op: SendOp| SendWr {
+        wr_id,
+        op,
+        flags: SendFlags::SIGNALED,
+        sg_list: sges,
+        ud: None,
+    };
+    let recv = |wr_id: u64, sges: &'static [Sge]| RecvWr {
+        wr_id,
+        sg_list: sges,
+    };
+    let to_b = pattern(3, 3000);
+    mx.write(0, &to_b);
+    let to_a = pattern(201, 1500);
+    my.write(4096, &to_a);
+    let rb = leak_sges(vec![my.sge(0, 1000), my.sge(1000, 3000)]);
+    let ra = leak_sges(vec![mx.sge(4096, 2048)]);
+    assert_eq!(
+        post_recv_at(&w, y, b, vec![recv(11, rb)]),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        post_recv_at(&w, x, a, vec![recv(12, ra)]),
+        (1, IbStatus::Success)
+    );
+    let sa = leak_sges(vec![mx.sge(0, 3000)]);
+    let sb = leak_sges(vec![my.sge(4096, 1500)]);
+    assert_eq!(
+        post_send_at(&w, x, a, vec![send(21, sa, SendOp::Send)], None),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        post_send_at(&w, y, b, vec![send(22, sb, SendOp::Send)], None),
+        (1, IbStatus::Success)
+    );
+    let mut at_x = poll_all_at(&w, x, sx.cq);
+    let mut at_y = poll_all_at(&w, y, sy.cq);
+    at_x.sort_by_key(|wc| wc.wr_id);
+    at_y.sort_by_key(|wc| wc.wr_id);
+    let summary = |wcs: &[WorkCompletion]| -> Vec<(u64, WcStatus, u32)> {
+        wcs.iter()
+            .map(|wc| (wc.wr_id, wc.status, wc.byte_len))
+            .collect()
+    };
+    assert_eq!(
+        summary(&at_x),
+        vec![(12, WcStatus::Success, 1500), (21, WcStatus::Success, 3000)]
+    );
+    assert_eq!(
+        summary(&at_y),
+        vec![(11, WcStatus::Success, 3000), (22, WcStatus::Success, 1500)]
+    );
+    assert_eq!(my.read(0, 3000), to_b);
+    assert_eq!(mx.read(4096, 1500), to_a);
+
+    // Destroy during traffic: RDMA writes posted and the destroy issued in
+    // the same DPC. Every WR completes exactly once, in order, with its own
+    // wr_id: the ones the device finished first succeed, the rest flush.
+    let src = leak_sges(vec![mx.sge(0, 2000)]);
+    let write = SendOp::RdmaWrite {
+        remote: RemoteAddr {
+            addr: my.addr(2000),
+            rkey: my.region.rkey(),
+        },
+    };
+    // The first four complete before the destroy; their CQEs stay unpolled
+    // in the CQ and must survive it.
+    let early: Vec<SendWr<'static>> = (0..4).map(|i| send(300 + i, src, write)).collect();
+    assert_eq!(post_send_at(&w, x, a, early, None), (4, IbStatus::Success));
+    let wrs: Vec<SendWr<'static>> = (4..8).map(|i| send(300 + i, src, write)).collect();
+    let posted = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (request, issuer) = w.request::<DestroyQp>(KERNEL, a, &Empty, 0);
+    {
+        let (hca, posted) = (w.hca_at(x), posted.clone());
+        w.in_dpc(move || {
+            let requests: Vec<SendRequest<'_>> = wrs
+                .iter()
+                .map(|wr| SendRequest {
+                    wr: *wr,
+                    av: None,
+                    inline: None,
+                })
+                .collect();
+            *support::lock(&posted) = Some(hca.post_send(a, &requests));
+            hca.submit_request(request);
+        });
+    }
+    w.settle();
+    assert_eq!(*support::lock(&posted), Some((4, IbStatus::Success)));
+    let done = issuer.completion().unwrap();
+    assert_eq!(response::<DestroyQp>(&done).status, IbStatus::Success);
+    let wcs = poll_all_at(&w, x, sx.cq);
+    let ids: Vec<u64> = wcs.iter().map(|wc| wc.wr_id).collect();
+    assert_eq!(ids, (300..308).collect::<Vec<_>>());
+    let first_flush = wcs
+        .iter()
+        .position(|wc| wc.status != WcStatus::Success)
+        .unwrap_or(wcs.len());
+    assert!(first_flush >= 4, "{wcs:?}");
+    assert!(
+        wcs[first_flush..]
+            .iter()
+            .all(|wc| wc.status == WcStatus::WrFlushErr),
+        "{wcs:?}"
+    );
+    assert_eq!(destroy_at(&w, y, b), IbStatus::Success);
+    // B was connected to a destroyed QP; whatever it got is polled away.
+    let _ = poll_all_at(&w, y, sy.cq);
+
+    // UD between the HCAs: the address vector built directly (the AV verb
+    // is separate); the receiver gets the 40-byte GRH first.
+    let ud_create = |s: &Setup| qp_create(s, QpType::Ud, None);
+    let (_, ua, ca) = create_at(&w, x, KERNEL, &sx, &ud_create(&sx));
+    let (_, ub, cb) = create_at(&w, y, KERNEL, &sy, &ud_create(&sy));
+    let (qpn_ua, qpn_ub) = (ca.unwrap().qpn.get(), cb.unwrap().qpn.get());
+    for (i, qp) in [(x, ua), (y, ub)] {
+        let init = QpModify {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(PortNum::new(1).unwrap()),
+            qkey: Some(QKey::new(0x1111)),
+            ..QpModify::default()
+        };
+        assert_eq!(modify_at(&w, i, qp, &init), IbStatus::Success);
+        assert_eq!(
+            modify_at(&w, i, qp, &QpModify::to_state(QpState::Rtr)),
+            IbStatus::Success
+        );
+        let rts = QpModify {
+            state: Some(QpState::Rts),
+            sq_psn: Some(Psn::new(5).unwrap()),
+            ..QpModify::default()
+        };
+        assert_eq!(modify_at(&w, i, qp, &rts), IbStatus::Success);
+    }
+    let datagram = pattern(77, 900);
+    mx.write(6000, &datagram);
+    let rud = leak_sges(vec![my.sge(5000, 40 + 1024)]);
+    assert_eq!(
+        post_recv_at(&w, y, ub, vec![recv(61, rud)]),
+        (1, IbStatus::Success)
+    );
+    let av = hca_prm::av::Av::try_from(&av_to(1, HCA_IPS[1][0])).unwrap();
+    let ud_send = SendWr {
+        wr_id: 62,
+        op: SendOp::Send,
+        flags: SendFlags::SIGNALED,
+        sg_list: leak_sges(vec![mx.sge(6000, 900)]),
+        ud: Some(UdDest {
+            av: AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(qpn_ub).unwrap(),
+            remote_qkey: QKey::new(0x1111),
+        }),
+    };
+    assert_eq!(
+        post_send_at(&w, x, ua, vec![ud_send], Some(av)),
+        (1, IbStatus::Success)
+    );
+    let sent = poll_all_at(&w, x, sx.cq);
+    assert_eq!(summary(&sent), vec![(62, WcStatus::Success, 900)]);
+    let got = poll_all_at(&w, y, sy.cq);
+    assert_eq!(summary(&got), vec![(61, WcStatus::Success, 940)]);
+    assert_eq!(got[0].src_qp.get(), qpn_ua);
+    assert_eq!(my.read(5040, 900), datagram);
+
+    for (i, qp) in [(x, ua), (y, ub)] {
+        assert_eq!(destroy_at(&w, i, qp), IbStatus::Success);
+    }
+    mx.free(&w);
+    my.free(&w);
+    for (i, s) in [(x, &sx), (y, &sy)] {
+        let r = w.call_in_dpc_at::<DestroyCq>(i, KERNEL, s.cq, &Empty, 0);
+        assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    }
+    w.finish();
+}
+
+#[test]
+fn a_destroyed_qps_number_is_reused_only_after_the_quiet_period() {
+    use hca_miniport_core::verbs::qp::QPN_QUIET_PERIOD_NS;
+    let config = hca_miniport_core::init::HcaConfig {
+        max_log_qps: 3,
+        ..hca_miniport_core::init::HcaConfig::default()
+    };
+    let w = World::with_hcas(43, vec![support::two_port_hca()], config);
+    let s = setup(&w);
+    // 8 numbers: 0..4 the two ports' special QPs, 4..8 general.
+    let rc = qp_create(&s, QpType::Rc, None);
+    let mut live = Vec::new();
+    for _ in 0..4 {
+        let (status, qp, created) = create(&w, KERNEL, &s, &rc);
+        assert_eq!(status, IbStatus::Success);
+        live.push((qp, created.unwrap().qpn.get()));
+    }
+    let mut numbers: Vec<u32> = live.iter().map(|(_, n)| *n).collect();
+    numbers.sort_unstable();
+    assert_eq!(numbers, vec![4, 5, 6, 7]);
+    assert_eq!(
+        create(&w, KERNEL, &s, &rc).0,
+        IbStatus::InsufficientResources
+    );
+
+    // Destroyed, the number waits out the quiet period.
+    let (first, first_qpn) = live.remove(0);
+    assert_eq!(destroy(&w, first), IbStatus::Success);
+    assert_eq!(
+        create(&w, KERNEL, &s, &rc).0,
+        IbStatus::InsufficientResources
+    );
+    w.host.scheduler().advance(QPN_QUIET_PERIOD_NS / 2).unwrap();
+    assert_eq!(
+        create(&w, KERNEL, &s, &rc).0,
+        IbStatus::InsufficientResources
+    );
+    w.host.scheduler().advance(QPN_QUIET_PERIOD_NS / 2).unwrap();
+    let (status, again, created) = create(&w, KERNEL, &s, &rc);
+    assert_eq!(status, IbStatus::Success);
+    assert_eq!(created.unwrap().qpn.get(), first_qpn);
+    // The old handle stays stale though the number is back.
+    assert_eq!(destroy(&w, first), IbStatus::InvalidQpHandle);
+
+    assert_eq!(destroy(&w, again), IbStatus::Success);
+    for (qp, _) in live {
+        assert_eq!(destroy(&w, qp), IbStatus::Success);
+    }
     let r = w.call_in_dpc::<DestroyCq>(KERNEL, s.cq, &Empty, 0);
     assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
     w.finish();
