@@ -48,8 +48,8 @@
 //!   other way round; no core lock is held while a client callback or a
 //!   command continuation runs.
 //!
-//! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]); every
-//! other verb answers [`IbStatus::Unsupported`].
+//! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]), kernel
+//! QPs ([`qp`]); every other verb answers [`IbStatus::Unsupported`].
 //!
 //! [`BringUpReport`]: crate::init::BringUpReport
 

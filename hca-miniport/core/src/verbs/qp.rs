@@ -36,12 +36,49 @@
 //!   drops them with the QP (PRM 6.1.4); the core keeps a per-QP count
 //!   ([`Qp::mcast_attachments`]) that the multicast verbs will maintain,
 //!   and destroy answers [`IbStatus::ResourceBusy`] while it is not zero
-//!   (guide 6.5.5: detach first).
+//!   (guide 6.5.5: detach first). Destroy first moves a QP that is not in
+//!   RESET to ERR, so the device completes every outstanding WQE with
+//!   `WR_FLUSH_ERR` (PRM 10.5) before `HW2SW_QP`; posts are refused
+//!   ([`IbStatus::InvalidQpHandle`]) from the moment destroy begins. The
+//!   destroyed QP stays findable by number (without its rings) until the
+//!   number is reused, so its flushed completions get their `wr_id`s.
+//! - **Create details.** A general QP's port is set by RESET->INIT;
+//!   `SW2HW_QP` needs a valid one, so the create's port (or port 1) stands
+//!   in until then.
+//! - **Post** ([`Hca::post_send`], [`Hca::post_recv`], guide 8.1): state
+//!   (the cache), room and each WR (`ib_types::wr` validation against the
+//!   transport and granted capacities) are checked before the WR is
+//!   written, so a refused WR leaves the earlier ones posted and returns
+//!   how many were. Send WQEs are built by `hca_prm::wqe` at their real
+//!   size in basic blocks (the producer counts BBs; a WQE may wrap the
+//!   ring end), then one release fence and one SQ doorbell on UAR page 0
+//!   per batch; receive WQEs take a slot each and the doorbell record is
+//!   written once per batch (a QP in ERR also gets the SQ doorbell, PRM
+//!   10.5). The core takes decoded WRs: a [`SendRequest`] carries the UD
+//!   destination's PRM address vector and inline bytes, because reading
+//!   memory behind addresses (`SendWrDesc` scatter lists, inline data) is
+//!   the shell's job where `unsafe` lives; the AV handle is resolved by the
+//!   caller until the AV verbs provide a lookup.
+//! - **wr_id** (PRM 10.4): each ring keeps a shadow of `wr_id`s by WQE
+//!   index; [`Hca::poll_cq`] reads the CQEs under the CQ lock, drops it,
+//!   and then asks each completion's QP (by number) for the `wr_id`,
+//!   retiring that WQE (and, for sends, the unsignaled ones before it).
+//!   Limitation: polls of one CQ on two processors at once are not
+//!   serialised, so a slot could be reposted before the other poll reads
+//!   its `wr_id`; a CQ is to be polled from one place at a time (as the
+//!   8.3 helper does). Receives on an SRQ (CQE flag SRQ) are not looked
+//!   up here: QPs on an SRQ are refused at create.
+//! - **Locks.** A QP's control lock (state, attributes), then its send-ring
+//!   lock, then its receive-ring lock; never the object-table lock or a
+//!   CQ's lock while holding one of them. Post takes one ring lock (and the
+//!   object-table lock briefly before, to find the QP); poll takes the CQ
+//!   lock, releases it, then the rings' locks one at a time: post and poll
+//!   share no lock except a ring lock for the moment a `wr_id` is read.
 
 use alloc::boxed::Box;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
-use core::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
 
 use driver_platform::{CommonBuffer, Deferred, Mmio, Platform, Request, RequestorMode, SpinLock};
 use hca_prm::cmd::Opcode;
@@ -66,6 +103,13 @@ use crate::resources::{EntryRange, Handle, KERNEL_UAR, SpecialQp, kind};
 /// How long a destroyed QP's number waits before reuse (guide 6.5.5 item
 /// 11, the TIME WAIT): 2 seconds.
 pub const QPN_QUIET_PERIOD_NS: u64 = 2_000_000_000;
+
+/// Largest ring (`log2` of basic blocks or receive WQEs) the core makes,
+/// whatever the device reports: bounds the shadow rings' memory.
+const MAX_LOG_WQES: u8 = 20;
+/// Largest send WQE (`log2` of bytes) the core considers; `size16` is one
+/// byte, so no WQE exceeds 4080 bytes anyway.
+const MAX_LOG_WQE_SIZE: u8 = 12;
 
 /// `log2` of a send basic block (PRM 10.2).
 const SQ_LOG_STRIDE: u8 = 6;
@@ -253,6 +297,9 @@ pub struct Qp<P: Platform> {
     /// The cached state's code, read by the posting paths without the
     /// control lock.
     state: AtomicU8,
+    /// Set (under both ring locks) when destroy begins: posts are refused
+    /// from then on, so none can reach the device after `HW2SW_QP`.
+    closing: AtomicBool,
     control: SpinLock<P, Control>,
     sq: SpinLock<P, SendRing<Buffer<P>>>,
     rq: SpinLock<P, RecvRing<Buffer<P>>>,
@@ -526,8 +573,8 @@ where
         };
         let cap = &report.capabilities;
         let limits = Limits {
-            log_max_wqes: cap.log_max_wqes,
-            log_max_wqe_size: cap.log_max_wqe_size,
+            log_max_wqes: cap.log_max_wqes.min(MAX_LOG_WQES),
+            log_max_wqe_size: cap.log_max_wqe_size.min(MAX_LOG_WQE_SIZE),
             max_send_sges: cap.max_send_sges.into(),
             max_recv_sges: cap.max_recv_sges.into(),
             max_inline: cap.max_inline_bytes.get().into(),
@@ -570,6 +617,7 @@ where
                     geometry,
                     mcast: AtomicU32::new(0),
                     state: AtomicU8::new(QpState::Reset.code()),
+                    closing: AtomicBool::new(false),
                     control: SpinLock::<P, _>::new(Control {
                         life: Life::Creating,
                         state: QpState::Reset,
@@ -785,6 +833,14 @@ where
             }
             c.life = Life::Destroying;
         }
+        {
+            // A post holding a ring lock finishes (doorbell included)
+            // before the commands below are submitted; later ones see the
+            // flag.
+            let _sq = qp.sq.lock();
+            let _rq = qp.rq.lock();
+            qp.closing.store(true, Ordering::Release);
+        }
         let responder = a.responder;
         // To ERR first (PRM 6.1.3): the device completes every outstanding
         // WQE with WR_FLUSH_ERR, so no posted WR is lost silently; then
@@ -817,6 +873,7 @@ where
                     responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
                 }
                 Err(error) => {
+                    qp.closing.store(false, Ordering::Release);
                     qp.set_life(Life::Live);
                     responder.fail(error.ib_status());
                 }
@@ -955,6 +1012,10 @@ impl<P: Platform> Hca<P> {
         let mut status = IbStatus::Success;
         let mut wqe = [0u8; MAX_SEND_WQE_BYTES];
         for request in wrs {
+            if qp.closing.load(Ordering::Acquire) {
+                status = IbStatus::InvalidQpHandle;
+                break;
+            }
             if !qp.state().accepts_send() {
                 status = IbStatus::InvalidQpState;
                 break;
@@ -1024,6 +1085,10 @@ impl<P: Platform> Hca<P> {
         let mut status = IbStatus::Success;
         let mut wqe = [0u8; 1 << 9];
         for wr in wrs {
+            if qp.closing.load(Ordering::Acquire) {
+                status = IbStatus::InvalidQpHandle;
+                break;
+            }
             if !qp.state().accepts_recv() {
                 status = IbStatus::InvalidQpState;
                 break;
