@@ -480,6 +480,11 @@ fn post_recv_at(w: &World, i: usize, qp: u64, wrs: Vec<RecvWr<'static>>) -> (usi
     support::lock(&out).take().unwrap()
 }
 
+/// One 8-byte SGE at the start of `mem`.
+fn small_sge(mem: &Mem) -> &'static [Sge] {
+    leak_sges(vec![mem.sge(0, 8)])
+}
+
 fn leak_sges(sges: Vec<Sge>) -> &'static [Sge] {
     Box::leak(sges.into_boxed_slice())
 }
@@ -589,6 +594,37 @@ fn rc_traffic_between_ports_send_write_read_full_queue_and_flush_on_destroy() {
     assert_eq!(ids, vec![(20, WcStatus::Success), (21, WcStatus::Success)]);
     assert_eq!(b_mem.read(4096, 700), written);
     assert_eq!(a_mem.read(6000, 256), b_mem.read(0, 256));
+
+    // A bad WR in the middle of a batch (more SGEs than granted; then a UD
+    // destination on an RC QP): the earlier WRs stay posted and complete,
+    // nothing after the bad one is posted.
+    let many = leak_sges(vec![a_mem.sge(0, 8); 40]);
+    let bad_sges = send(41, many, write);
+    let (posted, status) = post_send(
+        &w,
+        a,
+        vec![
+            send(40, small_sge(&a_mem), write),
+            bad_sges,
+            send(42, small_sge(&a_mem), write),
+        ],
+    );
+    assert_eq!((posted, status), (1, IbStatus::InvalidMaxSge));
+    let wcs = poll_all(&w, s.cq);
+    let ids: Vec<(u64, WcStatus)> = wcs.iter().map(|wc| (wc.wr_id, wc.status)).collect();
+    assert_eq!(ids, vec![(40, WcStatus::Success)]);
+    let with_ud = SendWr {
+        ud: Some(UdDest {
+            av: AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(qpn_b).unwrap(),
+            remote_qkey: QKey::new(1),
+        }),
+        ..send(51, small_sge(&a_mem), SendOp::Send)
+    };
+    let (posted, status) = post_send(&w, a, vec![send(50, small_sge(&a_mem), write), with_ud]);
+    assert_eq!((posted, status), (1, IbStatus::InvalidParameter));
+    let wcs = poll_all(&w, s.cq);
+    assert_eq!(wcs.iter().map(|wc| wc.wr_id).collect::<Vec<_>>(), vec![50]);
 
     // A full queue: the WR that does not fit fails, the earlier ones stay
     // posted and complete with their own wr_ids.
