@@ -33,7 +33,9 @@
 //!   as a [`WcStatus::GeneralErr`] completion, never dropped silently.
 //!   It takes the object-table lock only to find the CQ, then the CQ's own
 //!   lock; it never waits for a command. Work request IDs are the QPs'
-//!   (the device stores none): until QPs exist, `wr_id` is 0.
+//!   (the device stores none): after the CQ lock is dropped, each
+//!   completion's QP (by number, destroyed ones included until the number
+//!   is reused) supplies it by WQE index ([`Hca::post_send`]).
 //! - **Arm** ([`Hca::arm_cq`], guide 8.2.2, PRM 9.3): the CQ doorbell on
 //!   UAR page 0 with the consumer counter at the time of arming; the device
 //!   fires at once if CQEs arrived beyond it. [`poll_and_rearm`] is the
@@ -261,9 +263,14 @@ impl<P: Platform> Hca<P> {
                 if !cqe.is_valid(consumer, log) {
                     break;
                 }
-                // The device stores no wr_id (PRM 10.4): the QP layer will
-                // supply it by `wqe_index`.
-                wcs[polled] = cqe.to_work_completion(0).unwrap_or(WorkCompletion {
+                // The device stores no wr_id (PRM 10.4): until the QP
+                // supplies it below, `wr_id` carries the WQE index and
+                // direction.
+                let recv = cqe.flags().contains(hca_prm::cqe::CqeFlags::RECV);
+                let key = u64::from(cqe.wqe_index()) | (u64::from(recv) << 16);
+                wcs[polled] = cqe.to_work_completion(key).unwrap_or(WorkCompletion {
+                    wr_id: key,
+                    qp_num: ib_types::scalars::Qpn::from_low_bits(cqe.qpn.get()),
                     status: WcStatus::GeneralErr,
                     ..WorkCompletion::EMPTY
                 });
@@ -277,6 +284,12 @@ impl<P: Platform> Hca<P> {
             if let Some(dbr) = ring.dbr.as_ref() {
                 dbr.write(0, DoorbellRecord::new(consumer).as_bytes());
             }
+        }
+        drop(ring);
+        // Outside the CQ lock: each QP's ring lock, never both at once.
+        for wc in &mut wcs[..polled] {
+            let (index, recv) = (wc.wr_id as u16, wc.wr_id >> 16 == 1);
+            wc.wr_id = self.complete_wr(wc.qp_num.get(), index, recv);
         }
         Ok(polled)
     }

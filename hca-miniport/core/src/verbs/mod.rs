@@ -50,7 +50,7 @@
 //!   command continuation runs.
 //!
 //! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]), AV
-//! ([`av`]), SRQ ([`srq`]); every other verb answers
+//! ([`av`]), SRQ ([`srq`]), kernel QPs ([`qp`]); every other verb answers
 //! [`IbStatus::Unsupported`].
 //!
 //! [`BringUpReport`]: crate::init::BringUpReport
@@ -59,6 +59,7 @@ pub mod av;
 pub mod ca;
 pub mod cq;
 pub mod pd;
+pub mod qp;
 pub mod srq;
 
 use alloc::boxed::Box;
@@ -81,7 +82,7 @@ use crate::cmd::{Command, CommandError, CommandOutput};
 use crate::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use crate::hca::Hca;
 use crate::mr::MemoryTranslation;
-use crate::resources::{ObjectTable, kind};
+use crate::resources::{ObjectTable, QpTable, kind};
 
 pub use ca::{CaClient, UVP_NAME};
 pub use cq::{CqNotify, poll_and_rearm};
@@ -124,6 +125,11 @@ pub(crate) struct Objects<P: Platform> {
     pub(crate) avs: ObjectTable<kind::Av, av::Av>,
     /// Shared receive queues ([`srq`]).
     pub(crate) srqs: ObjectTable<kind::Srq, Arc<srq::Srq<P>>>,
+    /// QPs by number (special QPs at their fixed numbers).
+    pub(crate) qps: QpTable<Arc<qp::Qp<P>>>,
+    /// Destroyed QPs by number, kept (without rings) until the number is
+    /// reused so that their flushed completions still find their wr_ids.
+    pub(crate) retired_qps: alloc::collections::BTreeMap<u32, Arc<qp::Qp<P>>>,
     /// The memory translation service: MPT keys, and the one MTT
     /// allocator (after the EQ's reserved entries) that CQ rings and
     /// memory regions share.
@@ -179,6 +185,9 @@ impl<P: Platform> Verbs<P> {
             }
             for (_, srq) in objects.srqs.iter() {
                 buffers.extend(srq.take_buffers());
+            }
+            for (_, qp) in objects.qps.objects().iter() {
+                buffers.extend(qp.take_buffers());
             }
         }
         buffers
@@ -404,10 +413,26 @@ where
                     self.destroy_av_request(a);
                 }
             }
-            VerbId::CreateQp => unsupported::<v::CreateQp, R<P>>(request),
-            VerbId::QueryQp => unsupported::<v::QueryQp, R<P>>(request),
-            VerbId::ModifyQp => unsupported::<v::ModifyQp, R<P>>(request),
-            VerbId::DestroyQp => unsupported::<v::DestroyQp, R<P>>(request),
+            VerbId::CreateQp => {
+                if let Some(a) = accept::<v::CreateQp, R<P>>(request) {
+                    self.create_qp_request(a);
+                }
+            }
+            VerbId::QueryQp => {
+                if let Some(a) = accept::<v::QueryQp, R<P>>(request) {
+                    self.query_qp_request(a);
+                }
+            }
+            VerbId::ModifyQp => {
+                if let Some(a) = accept::<v::ModifyQp, R<P>>(request) {
+                    self.modify_qp_request(a);
+                }
+            }
+            VerbId::DestroyQp => {
+                if let Some(a) = accept::<v::DestroyQp, R<P>>(request) {
+                    self.destroy_qp_request(a);
+                }
+            }
             VerbId::CreateSrq => {
                 if let Some(a) = accept::<v::CreateSrq, R<P>>(request) {
                     self.create_srq_request(a);
@@ -504,6 +529,13 @@ impl<P: Platform> Hca<P> {
                 cqs: ObjectTable::new(cqs, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 avs: ObjectTable::new(av::MAX_AVS, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 srqs: ObjectTable::new(srqs, 0..0).map_err(|_| IbStatus::InvalidState)?,
+                qps: QpTable::new(
+                    1u32 << report.table(hca_prm::cmd::Table::Qpc).log_count,
+                    report.capabilities.num_ports,
+                    qp::QPN_QUIET_PERIOD_NS,
+                )
+                .map_err(|_| IbStatus::InvalidState)?,
+                retired_qps: alloc::collections::BTreeMap::new(),
                 mtt,
                 eqn: report.eqn,
                 log_max_cqes: report.capabilities.log_max_cqes,

@@ -74,7 +74,9 @@ struct Shared {
 
 struct MiniportDriver {
     sched: SchedulerHandle,
-    shared: Arc<Shared>,
+    /// One slot per HCA, taken in the order the devices are added.
+    shared: Vec<Arc<Shared>>,
+    next: std::sync::atomic::AtomicUsize,
 }
 
 impl DriverEntry for MiniportDriver {
@@ -83,10 +85,12 @@ impl DriverEntry for MiniportDriver {
         _init: &DeviceInit,
         host: &DeviceServices,
     ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let shared = self.shared.get(i).ok_or(UNSUCCESSFUL)?;
         Ok(Arc::new(MiniportDevice {
             host: host.clone(),
             sched: self.sched.clone(),
-            shared: self.shared.clone(),
+            shared: shared.clone(),
         }))
     }
 }
@@ -196,36 +200,83 @@ pub(crate) struct World {
     /// The host.
     pub(crate) host: Host,
     shared: Arc<Shared>,
+    /// Every HCA's slot (the first is `shared`).
+    all: Vec<Arc<Shared>>,
 }
 
 impl World {
     /// Deterministic host with seed `seed`.
     pub(crate) fn deterministic(seed: u64) -> Self {
-        let host = Host::new(HostConfig::deterministic(seed, vec![two_port_hca()])).unwrap();
-        let shared = Arc::new(Shared {
-            config: HcaConfig::default(),
-            sink: Arc::default(),
-            hca: Mutex::new(None),
-            function: Mutex::new(None),
-            adapter: Mutex::new(None),
-            started: Mutex::new(None),
-        });
+        Self::with_hcas(seed, vec![two_port_hca()], HcaConfig::default())
+    }
+
+    /// Deterministic host with seed `seed` and one HCA per device config,
+    /// each driven by a core configured with `config`.
+    pub(crate) fn with_hcas(seed: u64, devices: Vec<DeviceConfig>, config: HcaConfig) -> Self {
+        let count = devices.len();
+        let host = Host::new(HostConfig::deterministic(seed, devices)).unwrap();
+        let all: Vec<Arc<Shared>> = (0..count)
+            .map(|_| {
+                Arc::new(Shared {
+                    config,
+                    sink: Arc::default(),
+                    hca: Mutex::new(None),
+                    function: Mutex::new(None),
+                    adapter: Mutex::new(None),
+                    started: Mutex::new(None),
+                })
+            })
+            .collect();
         host.register_driver(
             DRIVER,
             Arc::new(MiniportDriver {
                 sched: host.scheduler_handle(),
-                shared: shared.clone(),
+                shared: all.clone(),
+                next: std::sync::atomic::AtomicUsize::new(0),
             }),
         );
         host.register_driver("ibalbus", Arc::new(PassThroughFilter));
         host.boot();
-        let w = World { host, shared };
+        let shared = all[0].clone();
+        let w = World { host, shared, all };
         w.settle();
-        assert!(
-            matches!(*lock(&w.shared.started), Some(Ok(_))),
-            "bring-up failed"
-        );
+        for shared in &w.all {
+            assert!(
+                matches!(*lock(&shared.started), Some(Ok(_))),
+                "bring-up failed"
+            );
+        }
         w
+    }
+
+    /// The core of HCA `i` (in the order the devices were added).
+    pub(crate) fn hca_at(&self, i: usize) -> Arc<Hca<SimPlatform>> {
+        lock(&self.all[i].hca).clone().expect("the HCA was created")
+    }
+
+    /// The DMA adapter of HCA `i`.
+    pub(crate) fn adapter_at(&self, i: usize) -> HostDmaAdapter {
+        lock(&self.all[i].adapter).clone().expect("started")
+    }
+
+    /// Submits `V` to HCA `i` from a DPC, runs the machine, and returns the
+    /// completion.
+    pub(crate) fn call_in_dpc_at<V: Verb>(
+        &self,
+        i: usize,
+        mode: RequestorMode,
+        handle: u64,
+        input: &V::In,
+        private_out_max: u32,
+    ) -> Completion {
+        let (request, issuer) = self.request::<V>(mode, handle, input, private_out_max);
+        let hca = self.hca_at(i);
+        self.in_dpc(move || {
+            assert_eq!(sim_host::irql::current(), driver_platform::Irql::DISPATCH);
+            hca.submit_request(request);
+        });
+        self.settle();
+        issuer.completion().expect("the request completed")
     }
 
     /// The core.

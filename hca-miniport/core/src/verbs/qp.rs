@@ -1,0 +1,964 @@
+//! Queue pairs (guide 6.5, 6.7; PRM 6.1, 10.2, 10.3).
+//!
+//! Contract:
+//! - **Create** (kernel QPs: RC, UC, UD, and a port's SMI/GSI QP at its
+//!   fixed number, guide 6.7): the send ring holds the requested depth
+//!   rounded up to a power of two, each WQE a fixed power-of-two number of
+//!   64-byte basic blocks large enough for the control segment, the
+//!   transport's address segments and `max(SGEs, inline)` (PRM 10.2), at
+//!   most `2^log_max_wqe_size` bytes; the ring is at most
+//!   `2^log_max_wqes` basic blocks. The receive ring has a power-of-two
+//!   stride of at least 32 bytes holding the header and the SGEs (PRM
+//!   10.3). Anything beyond the device answers [`IbStatus::InvalidMaxWrs`],
+//!   [`IbStatus::InvalidMaxSge`] or [`IbStatus::InvalidParameter`] (inline)
+//!   and changes nothing; the granted capacities are answered. Rings and the
+//!   receive doorbell record are zero-filled common buffers allocated by
+//!   the work item, described by MTT entries of the verbs' one allocator,
+//!   then `WRITE_MTT` and `SW2HW_QP` (UAR page 0). The QP takes a use of its
+//!   PD ([`Hca::reference_pd`]) and of its CQs ([`Hca::reference_cq`]),
+//!   given back on destroy. A user-mode CreateQp is
+//!   [`IbStatus::Unsupported`] (rings in pinned user memory are not built),
+//!   and so is a QP on an SRQ (the SRQ verbs are built separately; the
+//!   `srq` field is accepted and refused here).
+//! - **Modify** (guide 6.5.3): judged by `ib_types::qp_state` (IBA Table
+//!   91) against the cached state before any command, so an illegal
+//!   transition or a missing or extra attribute is refused with its
+//!   status and nothing changes; alternate paths, path migration and
+//!   queue resizing are [`IbStatus::Unsupported`]. One modify at a time
+//!   ([`IbStatus::ResourceBusy`] while one is outstanding). The state and
+//!   attributes are cached only when `MODIFY_QP` succeeds.
+//! - **Query** (guide 6.5.4): answered from the cache, no command.
+//! - **Destroy** (guide 6.5.5): `HW2SW_QP` (the device discards outstanding
+//!   work without completions and keeps the CQEs already written, PRM
+//!   6.1.3/6.1.4); when it completes the number goes to quarantine
+//!   (`QpTable::destroy`), the uses of PD and CQs are dropped, and the
+//!   memory is freed by the work item. Multicast attachments: the device
+//!   drops them with the QP (PRM 6.1.4); the core keeps a per-QP count
+//!   ([`Qp::mcast_attachments`]) that the multicast verbs will maintain,
+//!   and destroy answers [`IbStatus::ResourceBusy`] while it is not zero
+//!   (guide 6.5.5: detach first). Destroy first moves a QP that is not in
+//!   RESET to ERR, so the device completes every outstanding WQE with
+//!   `WR_FLUSH_ERR` (PRM 10.5) before `HW2SW_QP`; posts are refused
+//!   ([`IbStatus::InvalidQpHandle`]) from the moment destroy begins. The
+//!   destroyed QP stays findable by number (without its rings) until the
+//!   number is reused, so its flushed completions get their `wr_id`s.
+//! - **Create details.** A general QP's port is set by RESET->INIT;
+//!   `SW2HW_QP` needs a valid one, so the create's port (or port 1) stands
+//!   in until then.
+//! - **Post** ([`Hca::post_send`], [`Hca::post_recv`], guide 8.1): state
+//!   (the cache), room and each WR (`ib_types::wr` validation against the
+//!   transport and granted capacities) are checked before the WR is
+//!   written, so a refused WR leaves the earlier ones posted and returns
+//!   how many were. Send WQEs are built by `hca_prm::wqe` at their real
+//!   size in basic blocks (the producer counts BBs; a WQE may wrap the
+//!   ring end), then one release fence and one SQ doorbell on UAR page 0
+//!   per batch; receive WQEs take a slot each and the doorbell record is
+//!   written once per batch (a QP in ERR also gets the SQ doorbell, PRM
+//!   10.5). The core takes decoded WRs: a [`SendRequest`] carries the UD
+//!   destination's PRM address vector and inline bytes, because reading
+//!   memory behind addresses (`SendWrDesc` scatter lists, inline data) is
+//!   the shell's job where `unsafe` lives; the AV handle is resolved by the
+//!   caller until the AV verbs provide a lookup.
+//! - **wr_id** (PRM 10.4): each ring keeps a shadow of `wr_id`s by WQE
+//!   index; [`Hca::poll_cq`] reads the CQEs under the CQ lock, drops it,
+//!   and then asks each completion's QP (by number) for the `wr_id`,
+//!   retiring that WQE (and, for sends, the unsignaled ones before it).
+//!   Limitation: polls of one CQ on two processors at once are not
+//!   serialised, so a slot could be reposted before the other poll reads
+//!   its `wr_id`; a CQ is to be polled from one place at a time (as the
+//!   8.3 helper does). Receives on an SRQ (CQE flag SRQ) are not looked
+//!   up here: QPs on an SRQ are refused at create.
+//! - **Locks.** A QP's control lock (state, attributes), then its send-ring
+//!   lock, then its receive-ring lock; never the object-table lock or a
+//!   CQ's lock while holding one of them. Post takes one ring lock (and the
+//!   object-table lock briefly before, to find the QP); poll takes the CQ
+//!   lock, releases it, then the rings' locks one at a time: post and poll
+//!   share no lock except a ring lock for the moment a `wr_id` is read.
+
+use alloc::boxed::Box;
+use alloc::sync::Arc;
+use alloc::vec::Vec;
+use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
+
+use driver_platform::{CommonBuffer, Deferred, Platform, Request, RequestorMode, SpinLock};
+use hca_prm::cmd::Opcode;
+use hca_prm::ctx::{BufDesc, ModifyQp as ModifyQpInput, Qpc, QpcFlags};
+use hca_prm::doorbell::DoorbellRecord;
+use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES, MIN_RECV_STRIDE, SEG_SIZE, inline_seg_len};
+use hca_prm::{Le16, Le32, Le64};
+use ib_types::ioctl::{CreateQp, DestroyQp, Empty, ModifyQp, QpCreated, QpQueryOut, QueryQp};
+use ib_types::qp::{QpCaps, QpModify, QpState, QpType};
+use ib_types::scalars::Qpn;
+use ib_types::status::IbStatus;
+use zerocopy::{FromZeros, IntoBytes};
+
+use super::Accepted;
+use super::Buffer;
+use super::cq::{LOG_PAGE, PAGE, alloc_pages, write_mtt};
+use crate::cmd::Command;
+use crate::hca::Hca;
+use crate::resources::{EntryRange, Handle, KERNEL_UAR, SpecialQp, kind};
+
+mod post;
+
+pub use post::SendRequest;
+
+/// How long a destroyed QP's number waits before reuse (guide 6.5.5 item
+/// 11, the TIME WAIT): 2 seconds.
+pub const QPN_QUIET_PERIOD_NS: u64 = 2_000_000_000;
+
+/// Largest ring (`log2` of basic blocks or receive WQEs) the core makes,
+/// whatever the device reports: bounds the shadow rings' memory.
+const MAX_LOG_WQES: u8 = 20;
+/// Largest send WQE (`log2` of bytes) the core considers; `size16` is one
+/// byte, so no WQE exceeds 4080 bytes anyway.
+const MAX_LOG_WQE_SIZE: u8 = 12;
+
+/// `log2` of a send basic block (PRM 10.2).
+const SQ_LOG_STRIDE: u8 = 6;
+/// Bytes of the UD address segment.
+const UD_ADDR_SEG: usize = 48;
+/// Bytes of the remote address and atomic segments (RC's largest prefix).
+const RC_PREFIX: usize = 32;
+
+/// Where a QP is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Life {
+    /// Memory and commands under way; the client has no handle yet.
+    Creating,
+    /// Usable.
+    Live,
+    /// `MODIFY_QP` outstanding.
+    Modifying,
+    /// `HW2SW_QP` outstanding.
+    Destroying,
+}
+
+/// Ring geometry chosen at create.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    /// `log2` of the send ring's basic blocks.
+    sq_log_bbs: u8,
+    /// `log2` of the basic blocks of one send WQE.
+    log_wqe_bbs: u8,
+    /// `log2` of the receive ring's WQEs.
+    rq_log_entries: u8,
+    /// `log2` of the receive stride.
+    rq_log_stride: u8,
+    /// The capacities granted.
+    caps: QpCaps,
+}
+
+impl Geometry {
+    fn sq_pages(&self) -> usize {
+        (BB_SIZE << self.sq_log_bbs).div_ceil(PAGE)
+    }
+
+    fn rq_pages(&self) -> usize {
+        (1usize << (self.rq_log_entries + self.rq_log_stride)).div_ceil(PAGE)
+    }
+}
+
+/// The device limits the geometry is chosen within.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    log_max_wqes: u8,
+    log_max_wqe_size: u8,
+    max_send_sges: u32,
+    max_recv_sges: u32,
+    max_inline: u32,
+}
+
+/// The ring geometry for `caps` on a QP of `qp_type`, within `limits`
+/// (PRM 10.2, 10.3).
+pub(crate) fn geometry(
+    qp_type: QpType,
+    caps: &QpCaps,
+    limits: &Limits,
+) -> Result<Geometry, IbStatus> {
+    if caps.max_send_sge > limits.max_send_sges || caps.max_recv_sge > limits.max_recv_sges {
+        return Err(IbStatus::InvalidMaxSge);
+    }
+    if caps.max_inline_data > limits.max_inline {
+        return Err(IbStatus::InvalidParameter);
+    }
+    let prefix = match qp_type {
+        QpType::Ud | QpType::Smi | QpType::Gsi => UD_ADDR_SEG,
+        QpType::Rc => RC_PREFIX,
+        QpType::Uc => SEG_SIZE,
+    };
+    // At least one data segment, so an atomic's 8-byte segment fits.
+    let data = (caps.max_send_sge.max(1) as usize * SEG_SIZE)
+        .max(inline_seg_len(caps.max_inline_data as usize));
+    let wqe_bytes = SEG_SIZE + prefix + data;
+    let max_wqe = (1usize << limits.log_max_wqe_size).min(MAX_SEND_WQE_BYTES);
+    if wqe_bytes > max_wqe {
+        return Err(if caps.max_send_sge > 1 {
+            IbStatus::InvalidMaxSge
+        } else {
+            IbStatus::InvalidParameter
+        });
+    }
+    let wqe_bbs = wqe_bytes.div_ceil(BB_SIZE).next_power_of_two();
+    let log_wqe_bbs = wqe_bbs.trailing_zeros() as u8;
+    // Every WQE (granted, not only asked for) uses whole stride units, so
+    // the granted SGEs and inline fill the stride.
+    let stride_bytes = (wqe_bbs * BB_SIZE).min(max_wqe);
+    let room = stride_bytes - SEG_SIZE - prefix;
+    let send_wrs = caps
+        .max_send_wr
+        .max(1)
+        .checked_next_power_of_two()
+        .ok_or(IbStatus::InvalidMaxWrs)?;
+    let sq_log_bbs = send_wrs.trailing_zeros() as u8 + log_wqe_bbs;
+    if sq_log_bbs > limits.log_max_wqes {
+        return Err(IbStatus::InvalidMaxWrs);
+    }
+    let recv_stride = (SEG_SIZE + SEG_SIZE * caps.max_recv_sge.max(1) as usize)
+        .next_power_of_two()
+        .max(MIN_RECV_STRIDE);
+    let rq_log_stride = recv_stride.trailing_zeros() as u8;
+    let recv_wrs = caps
+        .max_recv_wr
+        .max(1)
+        .checked_next_power_of_two()
+        .ok_or(IbStatus::InvalidMaxWrs)?;
+    let rq_log_entries = recv_wrs.trailing_zeros() as u8;
+    if rq_log_entries > limits.log_max_wqes {
+        return Err(IbStatus::InvalidMaxWrs);
+    }
+    let granted = QpCaps {
+        max_send_wr: send_wrs,
+        max_recv_wr: recv_wrs,
+        max_send_sge: ((room / SEG_SIZE) as u32).min(limits.max_send_sges),
+        max_recv_sge: ((recv_stride / SEG_SIZE - 1) as u32).min(limits.max_recv_sges),
+        max_inline_data: ((room - 4) as u32).min(limits.max_inline),
+    };
+    Ok(Geometry {
+        sq_log_bbs,
+        log_wqe_bbs,
+        rq_log_entries,
+        rq_log_stride,
+        caps: granted,
+    })
+}
+
+/// A QP's control state, under the QP's own lock.
+struct Control {
+    life: Life,
+    /// The state the last successful `MODIFY_QP` left (or RESET).
+    state: QpState,
+    /// The attributes set so far (never STATE, CUR_STATE or CAP).
+    attr: QpModify,
+    mtt: Option<EntryRange>,
+}
+
+/// A WQE the send ring holds until its completion.
+#[derive(Debug, Clone, Copy, Default)]
+struct SendSlot {
+    wr_id: u64,
+    /// Basic blocks of the WQE.
+    bbs: u32,
+}
+
+/// The send ring, under its own lock (PRM 10.2).
+struct SendRing<B> {
+    ring: Option<B>,
+    /// Basic blocks posted (the doorbell's producer counter).
+    producer: u32,
+    /// Basic blocks completed (polled).
+    tail: u32,
+    /// By basic block of each WQE's start: its `wr_id` and size.
+    shadow: Vec<SendSlot>,
+}
+
+/// The receive ring and its doorbell record, under their own lock (PRM
+/// 10.3, 9.2).
+struct RecvRing<B> {
+    ring: Option<B>,
+    dbr: Option<B>,
+    /// Receive WQEs posted.
+    producer: u32,
+    /// Receive WQEs completed (polled).
+    tail: u32,
+    /// `wr_id` by slot.
+    shadow: Vec<u64>,
+}
+
+/// A queue pair.
+pub struct Qp<P: Platform> {
+    qpn: u32,
+    qp_type: QpType,
+    sq_sig_all: bool,
+    pd: u64,
+    send_cq: u64,
+    recv_cq: u64,
+    geometry: Geometry,
+    /// Multicast groups the QP is attached to (maintained by the multicast
+    /// verbs; destroy is refused while it is not zero).
+    mcast: AtomicU32,
+    /// The cached state's code, read by the posting paths without the
+    /// control lock.
+    state: AtomicU8,
+    /// Set (under both ring locks) when destroy begins: posts are refused
+    /// from then on, so none can reach the device after `HW2SW_QP`.
+    closing: AtomicBool,
+    control: SpinLock<P, Control>,
+    sq: SpinLock<P, SendRing<Buffer<P>>>,
+    rq: SpinLock<P, RecvRing<Buffer<P>>>,
+}
+
+impl<P: Platform> core::fmt::Debug for Qp<P> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Qp")
+            .field("qpn", &self.qpn)
+            .field("qp_type", &self.qp_type)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P: Platform> Qp<P> {
+    /// The QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// The multicast attachment count: the multicast verbs increment it on
+    /// attach and decrement it on detach.
+    pub fn mcast_attachments(&self) -> &AtomicU32 {
+        &self.mcast
+    }
+
+    /// The cached state.
+    pub fn state(&self) -> QpState {
+        QpState::from_code(self.state.load(Ordering::Acquire)).unwrap_or(QpState::Err)
+    }
+
+    /// Records the state a successful `MODIFY_QP` left; to RESET the
+    /// device's counters return to 0, and so do the rings'.
+    fn set_state(&self, c: &mut Control, state: QpState) {
+        c.state = state;
+        self.state.store(state.code(), Ordering::Release);
+        if state == QpState::Reset {
+            let mut sq = self.sq.lock();
+            sq.producer = 0;
+            sq.tail = 0;
+            drop(sq);
+            let mut rq = self.rq.lock();
+            rq.producer = 0;
+            rq.tail = 0;
+            if let Some(dbr) = rq.dbr.as_ref() {
+                dbr.write(0, DoorbellRecord::new(0).as_bytes());
+            }
+        }
+    }
+
+    /// Takes the QP's common buffers (for freeing once the device no longer
+    /// uses them).
+    pub(crate) fn take_buffers(&self) -> Vec<Buffer<P>> {
+        let sq = self.sq.lock().ring.take();
+        let mut rq = self.rq.lock();
+        [sq, rq.ring.take(), rq.dbr.take()]
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    fn set_life(&self, life: Life) {
+        self.control.lock().life = life;
+    }
+}
+
+/// The buffer descriptor of a ring (PRM 6.0).
+fn desc(mtt: u32, log_entries: u8, log_stride: u8) -> BufDesc {
+    BufDesc {
+        mtt_index: Le32::new(mtt),
+        page_offset: Le32::new(0),
+        log_page_size: LOG_PAGE,
+        log_entries,
+        log_stride,
+        ..BufDesc::default()
+    }
+}
+
+/// Which special QP a type is.
+fn special(qp_type: QpType) -> Option<SpecialQp> {
+    match qp_type {
+        QpType::Smi => Some(SpecialQp::Smi),
+        QpType::Gsi => Some(SpecialQp::Gsi),
+        _ => None,
+    }
+}
+
+/// Writes the attributes of `m` into a `MODIFY_QP` input (PRM 6.1.3).
+/// Fails with [`IbStatus::Unsupported`] for attributes this device has no
+/// place for, and [`IbStatus::InvalidParameter`] for an address vector it
+/// cannot encode.
+fn modify_input(m: &QpModify) -> Result<ModifyQpInput, IbStatus> {
+    if m.alt_path.is_some() || m.path_mig_state.is_some() || m.cap.is_some() {
+        return Err(IbStatus::Unsupported);
+    }
+    let mut input = ModifyQpInput::new_zeroed();
+    input.attr_mask = Le32::new(m.mask().bits());
+    if let Some(state) = m.state {
+        input.next_state = state.code();
+    }
+    if let Some(cur) = m.cur_state {
+        input.cur_state = cur.code();
+    }
+    let q = &mut input.qpc;
+    if m.en_sqd_async_notify == Some(true) {
+        q.flags = QpcFlags::SQD_EVENT.bits();
+    }
+    if let Some(access) = m.access {
+        q.access = Le32::new(access.bits());
+    }
+    if let Some(index) = m.pkey_index {
+        q.pkey_index = Le16::new(index);
+    }
+    if let Some(port) = m.port {
+        q.port = port.get();
+    }
+    if let Some(qkey) = m.qkey {
+        q.qkey = Le32::new(qkey.get());
+    }
+    if let Some(av) = m.av.as_ref() {
+        q.av = hca_prm::av::Av::try_from(av).map_err(|_| IbStatus::InvalidParameter)?;
+    }
+    if let Some(mtu) = m.path_mtu {
+        q.path_mtu = mtu.code();
+    }
+    if let Some(timeout) = m.timeout {
+        q.timeout = timeout;
+    }
+    if let Some(retry) = m.retry_cnt {
+        q.retry_cnt = retry;
+    }
+    if let Some(retry) = m.rnr_retry {
+        q.rnr_retry = retry;
+    }
+    if let Some(psn) = m.rq_psn {
+        q.rq_psn = Le32::new(psn.get());
+    }
+    if let Some(n) = m.max_rd_atomic {
+        q.max_rd_atomic = n;
+    }
+    if let Some(timer) = m.min_rnr_timer {
+        q.min_rnr_timer = timer;
+    }
+    if let Some(psn) = m.sq_psn {
+        q.sq_psn = Le32::new(psn.get());
+    }
+    if let Some(n) = m.max_dest_rd_atomic {
+        q.max_dest_rd_atomic = n;
+    }
+    if let Some(qpn) = m.dest_qpn {
+        q.dest_qpn = Le32::new(qpn.get());
+    }
+    Ok(input)
+}
+
+/// Merges the attributes of a successful modify into the cache.
+fn merge(cache: &mut QpModify, m: &QpModify) {
+    macro_rules! take {
+        ($($f:ident),*) => { $( if m.$f.is_some() { cache.$f = m.$f; } )* };
+    }
+    take!(
+        en_sqd_async_notify,
+        access,
+        pkey_index,
+        port,
+        qkey,
+        av,
+        path_mtu,
+        timeout,
+        retry_cnt,
+        rnr_retry,
+        rq_psn,
+        max_rd_atomic,
+        min_rnr_timer,
+        sq_psn,
+        max_dest_rd_atomic,
+        dest_qpn
+    );
+}
+
+impl<P: Platform> Hca<P> {
+    /// The live QP behind a raw handle, for a request of `mode`.
+    pub(crate) fn find_qp(&self, raw: u64, mode: RequestorMode) -> Result<Arc<Qp<P>>, IbStatus> {
+        self.with_objects(|o| {
+            if !Self::ca_visible(o, mode) {
+                return Err(IbStatus::InvalidQpHandle);
+            }
+            o.qps
+                .objects()
+                .get(Handle::<kind::Qp>::from_raw(raw))
+                .cloned()
+                .ok_or(IbStatus::InvalidQpHandle)
+        })?
+    }
+
+    /// Takes the uses a QP holds: its PD and both CQs. Undoes what it took
+    /// on failure.
+    fn reference_qp_parents(&self, pd: u64, send_cq: u64, recv_cq: u64) -> Result<(), IbStatus> {
+        self.reference_pd(pd)?;
+        if let Err(status) = self.reference_cq(send_cq) {
+            let _ = self.release_pd(pd);
+            return Err(status);
+        }
+        if let Err(status) = self.reference_cq(recv_cq) {
+            let _ = self.release_cq(send_cq);
+            let _ = self.release_pd(pd);
+            return Err(status);
+        }
+        Ok(())
+    }
+
+    /// Drops the uses taken by [`reference_qp_parents`](Self::reference_qp_parents).
+    fn release_qp_parents(&self, pd: u64, send_cq: u64, recv_cq: u64) {
+        let _ = self.release_cq(recv_cq);
+        let _ = self.release_cq(send_cq);
+        let _ = self.release_pd(pd);
+    }
+
+    /// Removes a QP whose creation failed: its table entry (the number to
+    /// quarantine), MTT entries and parent uses.
+    fn forget_qp(&self, handle: Handle<kind::Qp>, qp: &Qp<P>) {
+        let mtt = qp.control.lock().mtt.take();
+        let now = self.deferred.now_ns();
+        let _ = self.with_objects(|o| {
+            let _ = o.qps.destroy(handle, now);
+            if let Some(mtt) = mtt {
+                let _ = o.mtt.return_entries(mtt);
+            }
+        });
+        self.free_later(qp.take_buffers());
+        self.release_qp_parents(qp.pd, qp.send_cq, qp.recv_cq);
+    }
+
+    pub(crate) fn query_qp_request<R: Request>(&self, a: Accepted<QueryQp, R>) {
+        match self.find_qp(a.handle, a.mode) {
+            Ok(qp) => {
+                let c = qp.control.lock();
+                let out = QpQueryOut {
+                    qp_type: qp.qp_type,
+                    state: c.state,
+                    sq_sig_all: qp.sq_sig_all,
+                    qpn: Qpn::from_low_bits(qp.qpn),
+                    caps: qp.geometry.caps,
+                    attr: c.attr,
+                };
+                drop(c);
+                a.responder.finish(IbStatus::Success, 0, Some(&out), &[]);
+            }
+            Err(status) => a.responder.fail(status),
+        }
+    }
+}
+
+impl<P: Platform> Hca<P>
+where
+    P::Request: 'static,
+{
+    pub(crate) fn create_qp_request(self: &Arc<Self>, a: Accepted<CreateQp, P::Request>) {
+        if let Err(status) = self.check_ca(a.handle, a.mode) {
+            a.responder.fail(status);
+            return;
+        }
+        let input = a.input;
+        if a.mode == RequestorMode::User || input.srq.is_some() {
+            a.responder.fail(IbStatus::Unsupported);
+            return;
+        }
+        let Some(report) = self.report() else {
+            a.responder.fail(IbStatus::InvalidState);
+            return;
+        };
+        let cap = &report.capabilities;
+        let limits = Limits {
+            log_max_wqes: cap.log_max_wqes.min(MAX_LOG_WQES),
+            log_max_wqe_size: cap.log_max_wqe_size.min(MAX_LOG_WQE_SIZE),
+            max_send_sges: cap.max_send_sges.into(),
+            max_recv_sges: cap.max_recv_sges.into(),
+            max_inline: cap.max_inline_bytes.get().into(),
+        };
+        let num_ports = cap.num_ports;
+        let geometry = match geometry(input.qp_type, &input.caps, &limits) {
+            Ok(g) => g,
+            Err(status) => {
+                a.responder.fail(status);
+                return;
+            }
+        };
+        // A general QP's port is set by RESET->INIT; SW2HW_QP needs a valid
+        // one, so port 1 stands in until then.
+        let which = special(input.qp_type);
+        let port = input
+            .port
+            .map_or(if which.is_some() { 0 } else { 1 }, |p| p.get());
+        if port == 0 || port > num_ports {
+            a.responder.fail(IbStatus::InvalidPort);
+            return;
+        }
+        let (pd, send_cq, recv_cq) = (input.pd.raw(), input.send_cq.raw(), input.recv_cq.raw());
+        if let Err(status) = self.reference_qp_parents(pd, send_cq, recv_cq) {
+            a.responder.fail(status);
+            return;
+        }
+        let now = self.deferred.now_ns();
+        let pages = (geometry.sq_pages() + geometry.rq_pages()) as u32;
+        let reserved = self.with_objects(|o| {
+            let mtt = o.mtt.take_entries(pages).map_err(IbStatus::from)?;
+            let make = |h: Handle<kind::Qp>| {
+                Arc::new(Qp::<P> {
+                    qpn: h.number(),
+                    qp_type: input.qp_type,
+                    sq_sig_all: input.sq_sig_all,
+                    pd,
+                    send_cq,
+                    recv_cq,
+                    geometry,
+                    mcast: AtomicU32::new(0),
+                    state: AtomicU8::new(QpState::Reset.code()),
+                    closing: AtomicBool::new(false),
+                    control: SpinLock::<P, _>::new(Control {
+                        life: Life::Creating,
+                        state: QpState::Reset,
+                        attr: QpModify::default(),
+                        mtt: Some(mtt),
+                    }),
+                    sq: SpinLock::<P, _>::new(SendRing {
+                        ring: None,
+                        producer: 0,
+                        tail: 0,
+                        shadow: alloc::vec![SendSlot::default(); 1 << geometry.sq_log_bbs],
+                    }),
+                    rq: SpinLock::<P, _>::new(RecvRing {
+                        ring: None,
+                        dbr: None,
+                        producer: 0,
+                        tail: 0,
+                        shadow: alloc::vec![0; 1 << geometry.rq_log_entries],
+                    }),
+                })
+            };
+            let made = match which {
+                Some(which) => o.qps.create_special_with(port, which, make),
+                None => o.qps.create_with(now, make),
+            };
+            match made {
+                Ok(handle) => {
+                    // The number's previous QP is no longer needed for
+                    // resolving its completions' wr_ids.
+                    o.retired_qps.remove(&handle.number());
+                    match o.qps.objects().get(handle).cloned() {
+                        Some(qp) => Ok((handle, qp, mtt)),
+                        None => Err(IbStatus::GenericError),
+                    }
+                }
+                Err(error) => {
+                    let _ = o.mtt.return_entries(mtt);
+                    Err(match error {
+                        crate::resources::ResourceError::NumberInUse { .. } => {
+                            IbStatus::ResourceBusy
+                        }
+                        other => IbStatus::from(other),
+                    })
+                }
+            }
+        });
+        let (handle, qp, mtt) = match reserved.and_then(|r| r) {
+            Ok(r) => r,
+            Err(status) => {
+                self.release_qp_parents(pd, send_cq, recv_cq);
+                a.responder.fail(status);
+                return;
+            }
+        };
+        let responder = a.responder;
+        let (pd_number, send_cqn, recv_cqn) = (
+            Handle::<kind::Pd>::from_raw(pd).number(),
+            Handle::<kind::Cq>::from_raw(send_cq).number(),
+            Handle::<kind::Cq>::from_raw(recv_cq).number(),
+        );
+        self.queue_passive(Box::new(move |hca| {
+            if hca.report().is_none() {
+                responder.fail(IbStatus::InvalidState);
+                return;
+            }
+            let g = qp.geometry;
+            let sq_pages = g.sq_pages();
+            let rq_pages = g.rq_pages();
+            let mut buffers = Vec::new();
+            for pages in [sq_pages, rq_pages, 1] {
+                match alloc_pages(hca, pages) {
+                    Ok(buffer) => buffers.push(buffer),
+                    Err(status) => {
+                        hca.free_later(buffers);
+                        hca.forget_qp(handle, &qp);
+                        responder.fail(status);
+                        return;
+                    }
+                }
+            }
+            let mut it = buffers.into_iter();
+            let (Some(sq), Some(rq), Some(dbr)) = (it.next(), it.next(), it.next()) else {
+                hca.forget_qp(handle, &qp);
+                responder.fail(IbStatus::GenericError);
+                return;
+            };
+            let rq_mtt = mtt.start() + sq_pages as u32;
+            let mut qpc = Qpc::new_zeroed();
+            qpc.state = QpState::Reset.code();
+            qpc.qp_type = qp.qp_type.code();
+            qpc.port = port;
+            if qp.sq_sig_all {
+                qpc.flags = QpcFlags::SQ_SIG_ALL.bits();
+            }
+            qpc.pd = Le32::new(pd_number);
+            qpc.send_cqn = Le32::new(send_cqn);
+            qpc.recv_cqn = Le32::new(recv_cqn);
+            qpc.uar_index = Le32::new(KERNEL_UAR);
+            qpc.sq = desc(mtt.start(), g.sq_log_bbs, SQ_LOG_STRIDE);
+            qpc.rq = desc(rq_mtt, g.rq_log_entries, g.rq_log_stride);
+            qpc.rq_dbr = Le64::new(dbr.bus_address());
+            let mut commands = write_mtt(mtt.start(), sq.bus_address(), sq_pages);
+            commands.extend(write_mtt(rq_mtt, rq.bus_address(), rq_pages));
+            commands
+                .push(Command::new(Opcode::Sw2HwQp, qp.qpn).with_mailbox(qpc.as_bytes().to_vec()));
+            qp.sq.lock().ring = Some(sq);
+            {
+                let mut r = qp.rq.lock();
+                r.ring = Some(rq);
+                r.dbr = Some(dbr);
+            }
+            hca.run_commands(
+                commands,
+                Box::new(move |hca, result| match result {
+                    Ok(_) => {
+                        qp.set_life(Life::Live);
+                        let out = QpCreated {
+                            qpn: Qpn::from_low_bits(qp.qpn),
+                            caps: qp.geometry.caps,
+                        };
+                        responder.finish(IbStatus::Success, handle.raw(), Some(&out), &[]);
+                    }
+                    Err(error) => {
+                        hca.forget_qp(handle, &qp);
+                        responder.fail(error.ib_status());
+                    }
+                }),
+            );
+        }));
+    }
+
+    pub(crate) fn modify_qp_request(self: &Arc<Self>, a: Accepted<ModifyQp, P::Request>) {
+        let qp = match self.find_qp(a.handle, a.mode) {
+            Ok(qp) => qp,
+            Err(status) => {
+                a.responder.fail(status);
+                return;
+            }
+        };
+        let modify = a.input;
+        let checked = {
+            let mut c = qp.control.lock();
+            match c.life {
+                Life::Live => {}
+                Life::Modifying => return a.responder.fail(IbStatus::ResourceBusy),
+                Life::Creating | Life::Destroying => {
+                    return a.responder.fail(IbStatus::InvalidQpHandle);
+                }
+            }
+            let next = ib_types::qp_state::check_modify(qp.qp_type, c.state, &modify)
+                .map_err(|e| e.status())
+                .and_then(|next| modify_input(&modify).map(|input| (next, input)));
+            if next.is_ok() {
+                c.life = Life::Modifying;
+            }
+            next
+        };
+        let (next, input) = match checked {
+            Ok(r) => r,
+            Err(status) => {
+                a.responder.fail(status);
+                return;
+            }
+        };
+        let responder = a.responder;
+        self.run_commands(
+            alloc::vec![
+                Command::new(Opcode::ModifyQp, qp.qpn).with_mailbox(input.as_bytes().to_vec())
+            ],
+            Box::new(move |_hca, result| {
+                let mut c = qp.control.lock();
+                c.life = Life::Live;
+                match result {
+                    Ok(_) => {
+                        qp.set_state(&mut c, next);
+                        if next == QpState::Reset {
+                            c.attr = QpModify::default();
+                        } else {
+                            merge(&mut c.attr, &modify);
+                        }
+                        drop(c);
+                        responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+                    }
+                    Err(error) => {
+                        drop(c);
+                        responder.fail(error.ib_status());
+                    }
+                }
+            }),
+        );
+    }
+
+    pub(crate) fn destroy_qp_request(self: &Arc<Self>, a: Accepted<DestroyQp, P::Request>) {
+        let handle = Handle::<kind::Qp>::from_raw(a.handle);
+        let qp = match self.find_qp(a.handle, a.mode) {
+            Ok(qp) => qp,
+            Err(status) => {
+                a.responder.fail(status);
+                return;
+            }
+        };
+        {
+            let mut c = qp.control.lock();
+            if c.life != Life::Live {
+                drop(c);
+                a.responder.fail(IbStatus::ResourceBusy);
+                return;
+            }
+            if qp.mcast.load(Ordering::Acquire) != 0 {
+                drop(c);
+                a.responder.fail(IbStatus::ResourceBusy);
+                return;
+            }
+            c.life = Life::Destroying;
+        }
+        {
+            // A post holding a ring lock finishes (doorbell included)
+            // before the commands below are submitted; later ones see the
+            // flag.
+            let _sq = qp.sq.lock();
+            let _rq = qp.rq.lock();
+            qp.closing.store(true, Ordering::Release);
+        }
+        let responder = a.responder;
+        // To ERR first (PRM 6.1.3): the device completes every outstanding
+        // WQE with WR_FLUSH_ERR, so no posted WR is lost silently; then
+        // HW2SW_QP. A QP in RESET has nothing outstanding.
+        let mut commands = Vec::new();
+        if qp.state() != QpState::Reset {
+            let mut input = ModifyQpInput::new_zeroed();
+            input.attr_mask = Le32::new(ib_types::qp::QpAttrMask::STATE.bits());
+            input.next_state = QpState::Err.code();
+            commands.push(
+                Command::new(Opcode::ModifyQp, qp.qpn).with_mailbox(input.as_bytes().to_vec()),
+            );
+        }
+        commands.push(Command::new(Opcode::Hw2SwQp, qp.qpn));
+        self.run_commands(
+            commands,
+            Box::new(move |hca, result| match result {
+                Ok(_) => {
+                    {
+                        let mut c = qp.control.lock();
+                        c.state = QpState::Reset;
+                    }
+                    qp.state.store(QpState::Reset.code(), Ordering::Release);
+                    // Every event of this QP came before this completion on
+                    // the one EQ: the number can go to quarantine now. The
+                    // QP stays findable by number for the flushed
+                    // completions' wr_ids until the number is reused.
+                    let _ = hca.with_objects(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
+                    hca.forget_qp(handle, &qp);
+                    responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+                }
+                Err(error) => {
+                    qp.closing.store(false, Ordering::Release);
+                    qp.set_life(Life::Live);
+                    responder.fail(error.ib_status());
+                }
+            }),
+        );
+    }
+}
+
+impl<P: Platform> Hca<P> {
+    /// The memory translation service the verbs own (the one MTT
+    /// allocator), for kernel clients that register memory directly until
+    /// the MR verbs exist. Fails with [`IbStatus::InvalidState`] while the
+    /// device is not started.
+    pub fn memory_translation(&self) -> Result<crate::mr::MemoryTranslation<P>, IbStatus> {
+        self.with_objects(|o| o.mtt.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: Limits = Limits {
+        log_max_wqes: 14,
+        log_max_wqe_size: 9,
+        max_send_sges: 16,
+        max_recv_sges: 16,
+        max_inline: 256,
+    };
+
+    #[test]
+    fn geometry_rounds_up_and_respects_the_device() {
+        let caps = QpCaps {
+            max_send_wr: 10,
+            max_recv_wr: 3,
+            max_send_sge: 2,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
+        let g = geometry(QpType::Rc, &caps, &LIMITS).unwrap();
+        // 16 + 32 + 32 = 80 bytes: 2 BBs per WQE.
+        assert_eq!(g.log_wqe_bbs, 1);
+        assert_eq!(g.sq_log_bbs, 4 + 1);
+        assert_eq!(g.caps.max_send_wr, 16);
+        assert_eq!(g.caps.max_recv_wr, 4);
+        assert!(g.caps.max_send_sge >= 2 && g.caps.max_inline_data >= 60);
+        assert_eq!(g.rq_log_stride, 5);
+        assert_eq!(g.caps.max_recv_sge, 1);
+        let ud = geometry(QpType::Ud, &caps, &LIMITS).unwrap();
+        // 16 + 48 + 32 = 96 bytes: 2 BBs.
+        assert_eq!(ud.log_wqe_bbs, 1);
+        let too_many = QpCaps {
+            max_send_sge: 17,
+            ..caps
+        };
+        assert_eq!(
+            geometry(QpType::Rc, &too_many, &LIMITS),
+            Err(IbStatus::InvalidMaxSge)
+        );
+        let deep = QpCaps {
+            max_send_wr: 1 << 14,
+            ..caps
+        };
+        assert_eq!(
+            geometry(QpType::Rc, &deep, &LIMITS),
+            Err(IbStatus::InvalidMaxWrs)
+        );
+        let inline = QpCaps {
+            max_inline_data: 257,
+            ..caps
+        };
+        assert_eq!(
+            geometry(QpType::Rc, &inline, &LIMITS),
+            Err(IbStatus::InvalidParameter)
+        );
+        let huge = QpCaps {
+            max_send_wr: u32::MAX,
+            ..caps
+        };
+        assert_eq!(
+            geometry(QpType::Rc, &huge, &LIMITS),
+            Err(IbStatus::InvalidMaxWrs)
+        );
+    }
+}

@@ -1,0 +1,247 @@
+//! The data path of kernel QPs (guide 8.1, PRM 9.1, 9.2, 10.2-10.4):
+//! posting send and receive WQEs, and the `wr_id` lookup completions use.
+//! The contract is the parent module's (**Post**, **wr_id**, **Locks**).
+
+use core::sync::atomic::Ordering;
+
+use driver_platform::{CommonBuffer, Mmio, Platform, RequestorMode};
+use hca_prm::doorbell::{DoorbellRecord, SQ_DOORBELL, SqDoorbell, uar_offset};
+use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES};
+use ib_types::qp::{QpState, QpType};
+use ib_types::scalars::Qpn;
+use ib_types::status::IbStatus;
+use ib_types::wr::{RecvWr, SendWr, Transport, WrLimits};
+use zerocopy::IntoBytes;
+
+use super::{Qp, SendSlot};
+use crate::hca::Hca;
+use crate::resources::KERNEL_UAR;
+
+/// One send work request for [`Hca::post_send`], with what the core cannot
+/// read itself: the PRM address vector of a UD destination (resolved from
+/// `wr.ud`'s AV handle by the caller) and, for an inline send, the SGEs'
+/// bytes concatenated (the caller reads them; the core never dereferences
+/// an address).
+#[derive(Debug, Clone, Copy)]
+pub struct SendRequest<'a> {
+    /// The work request.
+    pub wr: SendWr<'a>,
+    /// The destination's address vector, exactly when `wr.ud` is set.
+    pub av: Option<hca_prm::av::Av>,
+    /// The inline data, exactly when `wr.flags` has INLINE.
+    pub inline: Option<&'a [u8]>,
+}
+
+/// The transport a QP type's WRs are checked against.
+fn transport(qp_type: QpType) -> Transport {
+    match qp_type {
+        QpType::Rc => Transport::Rc,
+        QpType::Uc => Transport::Uc,
+        QpType::Ud | QpType::Smi | QpType::Gsi => Transport::Ud,
+    }
+}
+
+/// Writes `bytes` into a ring of `ring_bytes` at `offset`, wrapping at its
+/// end.
+fn write_wrapping<B: CommonBuffer>(ring: &B, ring_bytes: usize, offset: usize, bytes: &[u8]) {
+    let first = bytes.len().min(ring_bytes - offset);
+    ring.write(offset, &bytes[..first]);
+    if first < bytes.len() {
+        ring.write(0, &bytes[first..]);
+    }
+}
+
+impl<P: Platform> Hca<P> {
+    /// Posts send work requests to the kernel QP `qp` (guide 8.1.1, PRM
+    /// 10.2, 9.1). Returns how many were posted and the status of the
+    /// first that was not (or `Success`). Every check — state, room,
+    /// the WR against the QP's transport and capacities — is made before a
+    /// WR is written, so a refused WR leaves the earlier ones posted and
+    /// nothing else changed. The WQEs are written to the ring, their
+    /// `wr_id`s to the shadow ring, and the doorbell (UAR page 0) is rung
+    /// once for the batch. Only the QP's send-ring lock is taken (and the
+    /// object-table lock briefly, to find the QP). Callable at
+    /// DISPATCH_LEVEL.
+    pub fn post_send(&self, qp: u64, wrs: &[SendRequest<'_>]) -> (usize, IbStatus) {
+        let qp = match self.find_qp(qp, RequestorMode::Kernel) {
+            Ok(qp) => qp,
+            Err(status) => return (0, status),
+        };
+        let g = qp.geometry;
+        let limits = WrLimits {
+            max_sge: g.caps.max_send_sge,
+            max_inline: g.caps.max_inline_data,
+        };
+        let ring_bbs = 1u32 << g.sq_log_bbs;
+        let ring_bytes = BB_SIZE << g.sq_log_bbs;
+        let mut sq = qp.sq.lock();
+        let mut posted = 0;
+        let mut status = IbStatus::Success;
+        let mut wqe = [0u8; MAX_SEND_WQE_BYTES];
+        for request in wrs {
+            if qp.closing.load(Ordering::Acquire) {
+                status = IbStatus::InvalidQpHandle;
+                break;
+            }
+            if !qp.state().accepts_send() {
+                status = IbStatus::InvalidQpState;
+                break;
+            }
+            if let Err(error) = request.wr.validate(transport(qp.qp_type), &limits) {
+                status = error.status();
+                break;
+            }
+            let index = sq.producer as u16;
+            let len = match hca_prm::wqe::build_send_wqe(
+                &request.wr,
+                request.av.as_ref(),
+                index,
+                request.inline,
+                &mut wqe,
+            ) {
+                Ok(len) => len,
+                Err(_) => {
+                    status = IbStatus::InvalidParameter;
+                    break;
+                }
+            };
+            let bbs = hca_prm::wqe::basic_blocks(len) as u32;
+            let used = sq.producer.wrapping_sub(sq.tail);
+            if used + bbs > ring_bbs {
+                status = IbStatus::InsufficientResources;
+                break;
+            }
+            let slot = (sq.producer & (ring_bbs - 1)) as usize;
+            let Some(ring) = sq.ring.as_ref() else {
+                status = IbStatus::InvalidQpState;
+                break;
+            };
+            write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe[..len]);
+            sq.shadow[slot] = SendSlot {
+                wr_id: request.wr.wr_id,
+                bbs,
+            };
+            sq.producer = sq.producer.wrapping_add(bbs);
+            posted += 1;
+        }
+        if posted > 0 {
+            self.ring_sq(&qp, sq.producer);
+        }
+        (posted, status)
+    }
+
+    /// Posts receive work requests to the kernel QP `qp` (guide 8.1.2, PRM
+    /// 10.3, 9.2): as [`post_send`](Self::post_send), with the receive
+    /// doorbell record written once for the batch. A QP in ERR gets the
+    /// SQ doorbell (unchanged producer) so the device flushes them (PRM
+    /// 10.5). Only the QP's receive-ring lock is taken.
+    pub fn post_recv(&self, qp: u64, wrs: &[RecvWr<'_>]) -> (usize, IbStatus) {
+        let qp = match self.find_qp(qp, RequestorMode::Kernel) {
+            Ok(qp) => qp,
+            Err(status) => return (0, status),
+        };
+        let g = qp.geometry;
+        let limits = WrLimits {
+            max_sge: g.caps.max_recv_sge,
+            max_inline: 0,
+        };
+        let entries = 1u32 << g.rq_log_entries;
+        let stride = 1usize << g.rq_log_stride;
+        let mut rq = qp.rq.lock();
+        let mut posted = 0;
+        let mut status = IbStatus::Success;
+        let mut wqe = [0u8; 1 << 9];
+        for wr in wrs {
+            if qp.closing.load(Ordering::Acquire) {
+                status = IbStatus::InvalidQpHandle;
+                break;
+            }
+            if !qp.state().accepts_recv() {
+                status = IbStatus::InvalidQpState;
+                break;
+            }
+            if let Err(error) = wr.validate(&limits) {
+                status = error.status();
+                break;
+            }
+            if rq.producer.wrapping_sub(rq.tail) >= entries {
+                status = IbStatus::InsufficientResources;
+                break;
+            }
+            let slot = (rq.producer & (entries - 1)) as usize;
+            let Some(out) = wqe.get_mut(..stride) else {
+                status = IbStatus::InvalidParameter;
+                break;
+            };
+            if hca_prm::wqe::build_recv_wqe(wr.sg_list, rq.producer as u16, stride, out).is_err() {
+                status = IbStatus::InvalidParameter;
+                break;
+            }
+            let Some(ring) = rq.ring.as_ref() else {
+                status = IbStatus::InvalidQpState;
+                break;
+            };
+            ring.write(slot * stride, out);
+            rq.shadow[slot] = wr.wr_id;
+            rq.producer = rq.producer.wrapping_add(1);
+            posted += 1;
+        }
+        if posted > 0 {
+            if let Some(dbr) = rq.dbr.as_ref() {
+                core::sync::atomic::fence(Ordering::Release);
+                dbr.write(0, DoorbellRecord::new(rq.producer).as_bytes());
+            }
+            drop(rq);
+            if qp.state() == QpState::Err {
+                let producer = qp.sq.lock().producer;
+                self.ring_sq(&qp, producer);
+            }
+        }
+        (posted, status)
+    }
+
+    /// The SQ doorbell of `qp` on UAR page 0 (PRM 9.1), after a release
+    /// fence so the WQEs are visible first.
+    fn ring_sq(&self, qp: &Qp<P>, producer: u32) {
+        core::sync::atomic::fence(Ordering::Release);
+        let doorbell = SqDoorbell {
+            qpn: Qpn::from_low_bits(qp.qpn),
+            producer,
+        };
+        self.bar0
+            .write64(uar_offset(KERNEL_UAR) + SQ_DOORBELL, doorbell.encode());
+    }
+
+    /// The `wr_id` of a completion of QP `qpn` for the WQE at
+    /// `wqe_index` (PRM 10.4: the device stores none), retiring that WQE
+    /// and, for sends, the unsignaled ones before it. Destroyed QPs are
+    /// found until their number is reused. 0 when no QP has the number.
+    pub(crate) fn complete_wr(&self, qpn: u32, wqe_index: u16, recv: bool) -> u64 {
+        let qp = self
+            .with_objects(|o| {
+                o.qps
+                    .objects()
+                    .get_by_number(qpn)
+                    .map(|(_, qp)| qp.clone())
+                    .or_else(|| o.retired_qps.get(&qpn).cloned())
+            })
+            .ok()
+            .flatten();
+        let Some(qp) = qp else { return 0 };
+        if recv {
+            let mut rq = qp.rq.lock();
+            let mask = (1u32 << qp.geometry.rq_log_entries) - 1;
+            let ahead = u32::from(wqe_index.wrapping_sub(rq.tail as u16));
+            let wr_id = rq.shadow[(u32::from(wqe_index) & mask) as usize];
+            rq.tail = rq.tail.wrapping_add(ahead + 1);
+            wr_id
+        } else {
+            let mut sq = qp.sq.lock();
+            let mask = (1u32 << qp.geometry.sq_log_bbs) - 1;
+            let slot = sq.shadow[(u32::from(wqe_index) & mask) as usize];
+            let ahead = u32::from(wqe_index.wrapping_sub(sq.tail as u16));
+            sq.tail = sq.tail.wrapping_add(ahead + slot.bbs);
+            slot.wr_id
+        }
+    }
+}
