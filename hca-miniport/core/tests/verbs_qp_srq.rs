@@ -3,8 +3,9 @@
 //! of one HCA whose receiver takes its receives from an SRQ; data checked
 //! byte for byte and `wr_id`s handed back through the SRQ, the SRQ refilled
 //! many times over its depth, the SRQ busy while the QP lives, the limit
-//! event still delivered. Ends with the host shut down and the verifier
-//! clean.
+//! event still delivered; and device-raised QP events (PRM 8.2) into the
+//! cached state and to the client. Each test ends with the host shut down
+//! and the verifier clean.
 
 mod support;
 
@@ -20,14 +21,14 @@ use ib_types::event::{AsyncEventCode, AsyncEventRecord};
 use ib_types::handle::{CqHandle, PdHandle, SrqHandle};
 use ib_types::ioctl::{
     AllocPd, CreateCq, CreateQp, CreateSrq, DeallocPd, DestroyCq, DestroyQp, DestroySrq, Empty,
-    ModifyQp, ModifySrq, QpCreated,
+    ModifyQp, ModifySrq, QpCreated, QueryQp,
 };
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
 use ib_types::scalars::{Gid, Lid, Mtu, PortNum, Psn, Qpn};
 use ib_types::srq::{SrqAttr, SrqCreate, SrqModify};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcOpcode, WcStatus, WorkCompletion};
-use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
+use ib_types::wr::{RKey, RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge};
 use support::{World, lock, response};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;
@@ -431,6 +432,118 @@ fn rc_receives_from_an_srq_refilled_past_its_depth_with_wr_ids_and_bytes() {
     let r = w.call_in_dpc::<DestroySrq>(KERNEL, srq, &Empty, 0);
     assert_eq!(response::<DestroySrq>(&r).status, IbStatus::Success);
 
+    a_mem.free(&w);
+    b_mem.free(&w);
+    let r = w.call_in_dpc::<DestroyCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc::<DeallocPd>(KERNEL, pd, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    assert_eq!(hca.close_ca(ca), Ok(()));
+    w.finish();
+}
+
+fn query_state(w: &World, qp: u64) -> QpState {
+    let r = w.call_in_dpc::<QueryQp>(KERNEL, qp, &Empty, 0);
+    let resp = response::<QueryQp>(&r);
+    assert_eq!(resp.status, IbStatus::Success);
+    resp.output.unwrap().state
+}
+
+/// Device-raised QP events (PRM 8.2): an RDMA write under a bad R_Key
+/// makes the responder (on an SRQ) fail with `WQ_ACCESS_ERROR` and, now in
+/// ERR, `SRQ_LAST_WQE`; both reach the client at DISPATCH_LEVEL with the
+/// QP's handle, and the cached state (QueryQp) is ERR. The requester gets
+/// the error CQE with its `wr_id`.
+#[test]
+fn a_responder_access_error_moves_the_cached_state_to_err_and_reaches_the_client() {
+    let w = World::deterministic(61);
+    let client = Arc::new(Client::default());
+    let hca = w.hca();
+    let ca = hca.open_ca(Some(client.clone())).unwrap();
+    let r = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
+    let pd = response::<AllocPd>(&r).handle;
+    let attr = CqAttr {
+        cqe: 64,
+        comp_vector: 0,
+    };
+    let r = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
+    let cq = response::<CreateCq>(&r).handle;
+    let create = SrqCreate {
+        pd: PdHandle::from_raw(pd),
+        attr: SrqAttr {
+            max_wr: 4,
+            max_sge: 1,
+            srq_limit: 0,
+        },
+    };
+    let r = w.call_in_dpc::<CreateSrq>(KERNEL, ca, &create, 0);
+    let srq = response::<CreateSrq>(&r).handle;
+    let qp = |srq: Option<u64>| QpCreate {
+        qp_type: QpType::Rc,
+        pd: PdHandle::from_raw(pd),
+        send_cq: CqHandle::from_raw(cq),
+        recv_cq: CqHandle::from_raw(cq),
+        srq: srq.map(SrqHandle::from_raw),
+        caps: QpCaps {
+            max_send_wr: 4,
+            max_recv_wr: if srq.is_some() { 0 } else { 4 },
+            max_send_sge: 1,
+            max_recv_sge: if srq.is_some() { 0 } else { 1 },
+            max_inline_data: 0,
+        },
+        sq_sig_all: false,
+        port: None,
+    };
+    let (_, a, ca_out) = create_qp(&w, ca, &qp(None));
+    let (_, b, cb_out) = create_qp(&w, ca, &qp(Some(srq)));
+    let (qpn_a, qpn_b) = (ca_out.unwrap().qpn.get(), cb_out.unwrap().qpn.get());
+    connect(&w, a, 1, qpn_b, [10, 0, 1, 1]);
+    connect(&w, b, 2, qpn_a, [10, 0, 0, 1]);
+    let a_mem = Mem::new(&w, pd);
+    let b_mem = Mem::new(&w, pd);
+    assert!(lock(&client.events).is_empty());
+
+    let bad = SendOp::RdmaWrite {
+        remote: RemoteAddr {
+            addr: b_mem.region.start(),
+            rkey: RKey::new(b_mem.region.rkey().get() ^ 0x5A5A_0000),
+        },
+    };
+    let wr = SendWr {
+        wr_id: 77,
+        op: bad,
+        flags: SendFlags::SIGNALED,
+        sg_list: leak_sges(vec![a_mem.sge(0, 64)]),
+        ud: None,
+    };
+    assert_eq!(post_sends(&w, a, vec![wr]), (1, IbStatus::Success));
+    let wcs = poll_all(&w, cq);
+    let summary: Vec<(u32, u64, WcStatus)> = wcs
+        .iter()
+        .map(|wc| (wc.qp_num.get(), wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(summary, vec![(qpn_a, 77, WcStatus::RemAccessErr)]);
+
+    let events = lock(&client.events).clone();
+    let record = |code| AsyncEventRecord::new(code, b, None, 0).unwrap();
+    assert_eq!(
+        events,
+        vec![
+            (record(AsyncEventCode::WqAccessError), Irql::DISPATCH),
+            (record(AsyncEventCode::QpLastWqeReached), Irql::DISPATCH),
+        ]
+    );
+    assert_eq!(query_state(&w, b), QpState::Err);
+
+    // Destroy raises nothing further for the client.
+    for q in [a, b] {
+        let r = w.call_in_dpc::<DestroyQp>(KERNEL, q, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let _ = poll_all(&w, cq);
+    assert_eq!(lock(&client.events).len(), 2);
+    let r = w.call_in_dpc::<DestroySrq>(KERNEL, srq, &Empty, 0);
+    assert_eq!(response::<DestroySrq>(&r).status, IbStatus::Success);
     a_mem.free(&w);
     b_mem.free(&w);
     let r = w.call_in_dpc::<DestroyCq>(KERNEL, cq, &Empty, 0);

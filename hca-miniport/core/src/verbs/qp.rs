@@ -34,6 +34,18 @@
 //!   ([`IbStatus::ResourceBusy`] while one is outstanding). The state and
 //!   attributes are cached only when `MODIFY_QP` succeeds.
 //! - **Query** (guide 6.5.4): answered from the cache, no command.
+//! - **Device events** (PRM 8.2, guide 6.5.3 state caching): an event
+//!   the device raises for a QP reaches the live QP with that number only
+//!   (`qp_device_event`, called by the verbs' event router before the
+//!   client's asynchronous event). `QP_FATAL`, `WQ_INVALID_REQUEST`,
+//!   `WQ_ACCESS_ERROR` and `SRQ_LAST_WQE` mean the QP is in ERR (PRM 8.2,
+//!   10.5), so the cache says ERR; the
+//!   others (`COMM_EST`, `SQ_DRAINED`, `PATH_MIGRATED`) change no state.
+//!   The device raises no event for a requester-side WQE error (PRM 10.5:
+//!   the error CQE is the notice, the QP goes to ERR, or SQE for UD/UC
+//!   local errors), so the cache learns of those only from the client's
+//!   next modify. While the QP is being created or destroyed its events
+//!   are not delivered (destroy moves it to ERR itself).
 //! - **Destroy** (guide 6.5.5): `HW2SW_QP` (the device discards outstanding
 //!   work without completions and keeps the CQEs already written, PRM
 //!   6.1.3/6.1.4); when it completes the number goes to quarantine
@@ -581,6 +593,43 @@ impl<P: Platform> Hca<P> {
         });
         self.free_later(qp.take_buffers());
         self.release_qp_parents(qp.pd, qp.send_cq, qp.recv_cq, qp.srq);
+    }
+
+    /// An event the device raised for QP number `qpn` (PRM 8.2): records
+    /// the state it implies in the live QP's cache and returns that QP's
+    /// handle for the client's asynchronous event; `None` when no live QP
+    /// has the number (the event is then not delivered). Takes the
+    /// object-table lock, then the QP's control lock, one after the other.
+    pub(crate) fn qp_device_event(&self, qpn: u32, event: crate::eq::QpEvent) -> Option<u64> {
+        use crate::eq::QpEvent;
+        let (handle, qp) = self
+            .with_objects(|o| {
+                o.qps
+                    .objects()
+                    .get_by_number(qpn)
+                    .map(|(h, qp)| (h.raw(), qp.clone()))
+            })
+            .ok()
+            .flatten()?;
+        let to_err = matches!(
+            event,
+            QpEvent::Fatal
+                | QpEvent::InvalidRequest
+                | QpEvent::AccessError
+                | QpEvent::LastWqeReached
+        );
+        if to_err {
+            let mut c = qp.control.lock();
+            match c.life {
+                Life::Creating | Life::Destroying => return None,
+                Life::Live | Life::Modifying => {
+                    if c.state != QpState::Reset {
+                        qp.set_state(&mut c, QpState::Err);
+                    }
+                }
+            }
+        }
+        Some(handle)
     }
 
     pub(crate) fn query_qp_request<R: Request>(&self, a: Accepted<QueryQp, R>) {
