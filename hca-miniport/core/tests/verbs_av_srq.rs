@@ -620,7 +620,8 @@ fn the_srq_limit_event_reaches_the_client_from_the_dpc() {
     assert_eq!(query_srqc(&w, srqn).consumer.get(), 1);
     // The device parsed the WQE's data segment: its key names no region,
     // so the receive completes with a protection error (the send itself
-    // succeeded). `wr_id` stays 0 until the CQ poll path asks the SRQ.
+    // succeeded). The receiver is a raw QP the core does not know, so
+    // the poll path finds no QP (and no SRQ) for it: `wr_id` stays 0.
     let mut wcs = [WorkCompletion::EMPTY; 4];
     assert_eq!(hca.poll_cq(cq, &mut wcs), Ok(2));
     let summary: Vec<_> = wcs[..2]
@@ -636,7 +637,8 @@ fn the_srq_limit_event_reaches_the_client_from_the_dpc() {
     );
     assert_eq!(wcs[1].src_qp.get(), 5);
     // The taken WQE's slot stays held until the CQ poll path hands its
-    // wr_id back (the device stores none): the SRQ is still full.
+    // wr_id back (the device stores none), which it does only for the
+    // core's own QPs: the SRQ is still full.
     let one_more = [RecvWr {
         wr_id: 104,
         sg_list: &[],

@@ -275,7 +275,8 @@ fn ud_and_special_qps_and_refusals() {
     let (status, _, _) = create(&w, KERNEL, &s, &qp_create(&s, QpType::Smi, Some(3)));
     assert_eq!(status, IbStatus::InvalidPort);
 
-    // Unsupported for now: user QPs and QPs on an SRQ. Too large: refused.
+    // Unsupported for now: user QPs. A QP on an SRQ that does not exist:
+    // refused. Too large: refused.
     let (status, _, _) = create(&w, USER, &s, &qp_create(&s, QpType::Rc, None));
     assert_ne!(status, IbStatus::Success);
     let with_srq = QpCreate {
@@ -287,7 +288,10 @@ fn ud_and_special_qps_and_refusals() {
         },
         ..qp_create(&s, QpType::Rc, None)
     };
-    assert_eq!(create(&w, KERNEL, &s, &with_srq).0, IbStatus::Unsupported);
+    assert_eq!(
+        create(&w, KERNEL, &s, &with_srq).0,
+        IbStatus::InvalidSrqHandle
+    );
     let deep = QpCreate {
         caps: QpCaps {
             max_send_wr: 1 << 20,

@@ -266,8 +266,12 @@ impl<P: Platform> Hca<P> {
                 // The device stores no wr_id (PRM 10.4): until the QP
                 // supplies it below, `wr_id` carries the WQE index and
                 // direction.
-                let recv = cqe.flags().contains(hca_prm::cqe::CqeFlags::RECV);
-                let key = u64::from(cqe.wqe_index()) | (u64::from(recv) << 16);
+                // Bit 16: a receive; bit 17: taken from an SRQ (PRM 10.4).
+                let flags = cqe.flags();
+                let recv = flags.contains(hca_prm::cqe::CqeFlags::RECV);
+                let srq = recv && flags.contains(hca_prm::cqe::CqeFlags::SRQ);
+                let key =
+                    u64::from(cqe.wqe_index()) | (u64::from(recv) << 16) | (u64::from(srq) << 17);
                 wcs[polled] = cqe.to_work_completion(key).unwrap_or(WorkCompletion {
                     wr_id: key,
                     qp_num: ib_types::scalars::Qpn::from_low_bits(cqe.qpn.get()),
@@ -288,8 +292,9 @@ impl<P: Platform> Hca<P> {
         drop(ring);
         // Outside the CQ lock: each QP's ring lock, never both at once.
         for wc in &mut wcs[..polled] {
-            let (index, recv) = (wc.wr_id as u16, wc.wr_id >> 16 == 1);
-            wc.wr_id = self.complete_wr(wc.qp_num.get(), index, recv);
+            let index = wc.wr_id as u16;
+            let (recv, srq) = (wc.wr_id & (1 << 16) != 0, wc.wr_id & (1 << 17) != 0);
+            wc.wr_id = self.complete_wr(wc.qp_num.get(), index, recv, srq);
         }
         Ok(polled)
     }

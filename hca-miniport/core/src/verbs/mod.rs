@@ -34,8 +34,13 @@
 //!   when its `HW2SW_CQ` completion is processed, and the core's one EQ
 //!   orders every event of the CQ before that completion, so no event
 //!   reaches a stale owner); `SRQ_LIMIT` and `SRQ_CATASTROPHIC` go the
-//!   same way, by SRQ number, as asynchronous events ([`srq`]); port
-//!   changes go to the client as asynchronous events. Every event is also
+//!   same way, by SRQ number, as asynchronous events ([`srq`]); QP events
+//!   (PRM 8.2: `COMM_EST`, `SQ_DRAINED`, `PATH_MIGRATED`, `QP_FATAL`,
+//!   `WQ_INVALID_REQUEST`, `WQ_ACCESS_ERROR`, `SRQ_LAST_WQE`) by QP number
+//!   to the live QP only (a destroyed QP kept for its late completions'
+//!   `wr_id`s gets none), first into its cached state ([`qp`]), then as
+//!   asynchronous events; port changes go to the client as asynchronous
+//!   events. Every event is also
 //!   passed on to the sink given to [`Hca::new`]. Client callbacks run from
 //!   the DPC with no core lock held.
 //! - **State.** The object tables are built from the [`BringUpReport`] on
@@ -659,6 +664,21 @@ impl<P: Platform> EventSink for VerbsRouter<'_, P> {
     }
 
     fn qp_event(&self, qpn: Qpn, event: QpEvent) {
+        use ib_types::event::AsyncEventCode as Code;
+        let code = match event {
+            QpEvent::CommunicationEstablished => Code::QpComm,
+            QpEvent::SendQueueDrained => Code::SqDrained,
+            QpEvent::PathMigrated => Code::QpApm,
+            QpEvent::Fatal => Code::QpFatal,
+            QpEvent::InvalidRequest => Code::WqRequestError,
+            QpEvent::AccessError => Code::WqAccessError,
+            QpEvent::LastWqeReached => Code::QpLastWqeReached,
+        };
+        if let Some(qp) = self.hca.qp_device_event(qpn.get(), event)
+            && let Ok(record) = AsyncEventRecord::new(code, qp, None, 0)
+        {
+            self.hca.deliver(|client| client.async_event(&record));
+        }
         self.hca.sink.qp_event(qpn, event);
     }
 

@@ -17,9 +17,15 @@
 //!   then `WRITE_MTT` and `SW2HW_QP` (UAR page 0). The QP takes a use of its
 //!   PD ([`Hca::reference_pd`]) and of its CQs ([`Hca::reference_cq`]),
 //!   given back on destroy. A user-mode CreateQp is
-//!   [`IbStatus::Unsupported`] (rings in pinned user memory are not built),
-//!   and so is a QP on an SRQ (the SRQ verbs are built separately; the
-//!   `srq` field is accepted and refused here).
+//!   [`IbStatus::Unsupported`] (rings in pinned user memory are not built).
+//! - **On an SRQ** (guide 6.5.1, 6.4; PRM 6.1): with the create's `srq`
+//!   set the QP takes a use of the SRQ ([`Hca::reference_srq`], given back
+//!   on destroy or a failed create, so the SRQ's destroy is
+//!   [`IbStatus::ResourceBusy`] meanwhile), has no receive ring or doorbell
+//!   record (granted receive capacities 0) and its context carries
+//!   `HAS_SRQ` and the SRQ's number. An SMI QP on an SRQ is
+//!   [`IbStatus::InvalidParameter`]. [`Hca::post_recv`] on such a QP is
+//!   [`IbStatus::InvalidQpState`]: its receives are posted to the SRQ.
 //! - **Modify** (guide 6.5.3): judged by `ib_types::qp_state` (IBA Table
 //!   91) against the cached state before any command, so an illegal
 //!   transition or a missing or extra attribute is refused with its
@@ -28,6 +34,18 @@
 //!   ([`IbStatus::ResourceBusy`] while one is outstanding). The state and
 //!   attributes are cached only when `MODIFY_QP` succeeds.
 //! - **Query** (guide 6.5.4): answered from the cache, no command.
+//! - **Device events** (PRM 8.2, guide 6.5.3 state caching): an event
+//!   the device raises for a QP reaches the live QP with that number only
+//!   (`qp_device_event`, called by the verbs' event router before the
+//!   client's asynchronous event). `QP_FATAL`, `WQ_INVALID_REQUEST`,
+//!   `WQ_ACCESS_ERROR` and `SRQ_LAST_WQE` mean the QP is in ERR (PRM 8.2,
+//!   10.5), so the cache says ERR; the
+//!   others (`COMM_EST`, `SQ_DRAINED`, `PATH_MIGRATED`) change no state.
+//!   The device raises no event for a requester-side WQE error (PRM 10.5:
+//!   the error CQE is the notice, the QP goes to ERR, or SQE for UD/UC
+//!   local errors), so the cache learns of those only from the client's
+//!   next modify. While the QP is being created or destroyed its events
+//!   are not delivered (destroy moves it to ERR itself).
 //! - **Destroy** (guide 6.5.5): `HW2SW_QP` (the device discards outstanding
 //!   work without completions and keeps the CQEs already written, PRM
 //!   6.1.3/6.1.4); when it completes the number goes to quarantine
@@ -66,8 +84,13 @@
 //!   Limitation: polls of one CQ on two processors at once are not
 //!   serialised, so a slot could be reposted before the other poll reads
 //!   its `wr_id`; a CQ is to be polled from one place at a time (as the
-//!   8.3 helper does). Receives on an SRQ (CQE flag SRQ) are not looked
-//!   up here: QPs on an SRQ are refused at create.
+//!   8.3 helper does). A receive taken from an SRQ (CQE flag SRQ, PRM
+//!   10.4; or any receive of a QP on an SRQ) is looked up in the SRQ by
+//!   the CQE's WQE index (`srq_complete`), which frees that SRQ slot.
+//!   Limitation: a destroyed QP's late completions name its SRQ by number,
+//!   and SRQ numbers have no quiet period, so a completion polled after
+//!   the SRQ itself was destroyed and its number reused could take the
+//!   new SRQ's slot.
 //! - **Locks.** A QP's control lock (state, attributes), then its send-ring
 //!   lock, then its receive-ring lock; never the object-table lock or a
 //!   CQ's lock while holding one of them. Post takes one ring lock (and the
@@ -147,6 +170,8 @@ pub(crate) struct Geometry {
     rq_log_stride: u8,
     /// The capacities granted.
     caps: QpCaps,
+    /// Whether the QP has its own receive ring (not on an SRQ).
+    has_rq: bool,
 }
 
 impl Geometry {
@@ -155,6 +180,9 @@ impl Geometry {
     }
 
     fn rq_pages(&self) -> usize {
+        if !self.has_rq {
+            return 0;
+        }
         (1usize << (self.rq_log_entries + self.rq_log_stride)).div_ceil(PAGE)
     }
 }
@@ -240,6 +268,7 @@ pub(crate) fn geometry(
         rq_log_entries,
         rq_log_stride,
         caps: granted,
+        has_rq: true,
     })
 }
 
@@ -293,6 +322,8 @@ pub struct Qp<P: Platform> {
     pd: u64,
     send_cq: u64,
     recv_cq: u64,
+    /// The SRQ the QP receives from (raw handle), holding a use of it.
+    srq: Option<u64>,
     geometry: Geometry,
     /// Multicast groups the QP is attached to (maintained by the multicast
     /// verbs; destroy is refused while it is not zero).
@@ -498,9 +529,34 @@ impl<P: Platform> Hca<P> {
         })?
     }
 
-    /// Takes the uses a QP holds: its PD and both CQs. Undoes what it took
-    /// on failure.
-    fn reference_qp_parents(&self, pd: u64, send_cq: u64, recv_cq: u64) -> Result<(), IbStatus> {
+    /// Takes the uses a QP holds: its PD, both CQs and its SRQ if any.
+    /// Undoes what it took on failure.
+    fn reference_qp_parents(
+        &self,
+        pd: u64,
+        send_cq: u64,
+        recv_cq: u64,
+        srq: Option<u64>,
+    ) -> Result<(), IbStatus> {
+        if let Some(srq) = srq {
+            self.reference_srq(srq)?;
+        }
+        if let Err(status) = self.reference_qp_parents_no_srq(pd, send_cq, recv_cq) {
+            if let Some(srq) = srq {
+                let _ = self.release_srq(srq);
+            }
+            return Err(status);
+        }
+        Ok(())
+    }
+
+    /// The PD and CQ part of [`reference_qp_parents`](Self::reference_qp_parents).
+    fn reference_qp_parents_no_srq(
+        &self,
+        pd: u64,
+        send_cq: u64,
+        recv_cq: u64,
+    ) -> Result<(), IbStatus> {
         self.reference_pd(pd)?;
         if let Err(status) = self.reference_cq(send_cq) {
             let _ = self.release_pd(pd);
@@ -515,7 +571,10 @@ impl<P: Platform> Hca<P> {
     }
 
     /// Drops the uses taken by [`reference_qp_parents`](Self::reference_qp_parents).
-    fn release_qp_parents(&self, pd: u64, send_cq: u64, recv_cq: u64) {
+    fn release_qp_parents(&self, pd: u64, send_cq: u64, recv_cq: u64, srq: Option<u64>) {
+        if let Some(srq) = srq {
+            let _ = self.release_srq(srq);
+        }
         let _ = self.release_cq(recv_cq);
         let _ = self.release_cq(send_cq);
         let _ = self.release_pd(pd);
@@ -533,7 +592,44 @@ impl<P: Platform> Hca<P> {
             }
         });
         self.free_later(qp.take_buffers());
-        self.release_qp_parents(qp.pd, qp.send_cq, qp.recv_cq);
+        self.release_qp_parents(qp.pd, qp.send_cq, qp.recv_cq, qp.srq);
+    }
+
+    /// An event the device raised for QP number `qpn` (PRM 8.2): records
+    /// the state it implies in the live QP's cache and returns that QP's
+    /// handle for the client's asynchronous event; `None` when no live QP
+    /// has the number (the event is then not delivered). Takes the
+    /// object-table lock, then the QP's control lock, one after the other.
+    pub(crate) fn qp_device_event(&self, qpn: u32, event: crate::eq::QpEvent) -> Option<u64> {
+        use crate::eq::QpEvent;
+        let (handle, qp) = self
+            .with_objects(|o| {
+                o.qps
+                    .objects()
+                    .get_by_number(qpn)
+                    .map(|(h, qp)| (h.raw(), qp.clone()))
+            })
+            .ok()
+            .flatten()?;
+        let to_err = matches!(
+            event,
+            QpEvent::Fatal
+                | QpEvent::InvalidRequest
+                | QpEvent::AccessError
+                | QpEvent::LastWqeReached
+        );
+        if to_err {
+            let mut c = qp.control.lock();
+            match c.life {
+                Life::Creating | Life::Destroying => return None,
+                Life::Live | Life::Modifying => {
+                    if c.state != QpState::Reset {
+                        qp.set_state(&mut c, QpState::Err);
+                    }
+                }
+            }
+        }
+        Some(handle)
     }
 
     pub(crate) fn query_qp_request<R: Request>(&self, a: Accepted<QueryQp, R>) {
@@ -566,7 +662,7 @@ where
             return;
         }
         let input = a.input;
-        if a.mode == RequestorMode::User || input.srq.is_some() {
+        if a.mode == RequestorMode::User {
             a.responder.fail(IbStatus::Unsupported);
             return;
         }
@@ -583,8 +679,23 @@ where
             max_inline: cap.max_inline_bytes.get().into(),
         };
         let num_ports = cap.num_ports;
+        let srq = input.srq.map(|h| h.raw());
+        // On an SRQ the QP has no receive ring (the ABI refuses receive
+        // capacities with an SRQ), and SMI takes none (PRM 6.1).
+        if srq.is_some() && input.qp_type == QpType::Smi {
+            a.responder.fail(IbStatus::InvalidParameter);
+            return;
+        }
         let geometry = match geometry(input.qp_type, &input.caps, &limits) {
-            Ok(g) => g,
+            Ok(mut g) => {
+                if srq.is_some() {
+                    g.has_rq = false;
+                    g.rq_log_entries = 0;
+                    g.caps.max_recv_wr = 0;
+                    g.caps.max_recv_sge = 0;
+                }
+                g
+            }
             Err(status) => {
                 a.responder.fail(status);
                 return;
@@ -601,7 +712,7 @@ where
             return;
         }
         let (pd, send_cq, recv_cq) = (input.pd.raw(), input.send_cq.raw(), input.recv_cq.raw());
-        if let Err(status) = self.reference_qp_parents(pd, send_cq, recv_cq) {
+        if let Err(status) = self.reference_qp_parents(pd, send_cq, recv_cq, srq) {
             a.responder.fail(status);
             return;
         }
@@ -617,6 +728,7 @@ where
                     pd,
                     send_cq,
                     recv_cq,
+                    srq,
                     geometry,
                     mcast: AtomicU32::new(0),
                     state: AtomicU8::new(QpState::Reset.code()),
@@ -670,7 +782,7 @@ where
         let (handle, qp, mtt) = match reserved.and_then(|r| r) {
             Ok(r) => r,
             Err(status) => {
-                self.release_qp_parents(pd, send_cq, recv_cq);
+                self.release_qp_parents(pd, send_cq, recv_cq, srq);
                 a.responder.fail(status);
                 return;
             }
@@ -690,7 +802,12 @@ where
             let sq_pages = g.sq_pages();
             let rq_pages = g.rq_pages();
             let mut buffers = Vec::new();
-            for pages in [sq_pages, rq_pages, 1] {
+            let wanted: &[usize] = if g.has_rq {
+                &[sq_pages, rq_pages, 1]
+            } else {
+                &[sq_pages]
+            };
+            for &pages in wanted {
                 match alloc_pages(hca, pages) {
                     Ok(buffer) => buffers.push(buffer),
                     Err(status) => {
@@ -702,7 +819,7 @@ where
                 }
             }
             let mut it = buffers.into_iter();
-            let (Some(sq), Some(rq), Some(dbr)) = (it.next(), it.next(), it.next()) else {
+            let (Some(sq), rq, dbr) = (it.next(), it.next(), it.next()) else {
                 hca.forget_qp(handle, &qp);
                 responder.fail(IbStatus::GenericError);
                 return;
@@ -712,25 +829,35 @@ where
             qpc.state = QpState::Reset.code();
             qpc.qp_type = qp.qp_type.code();
             qpc.port = port;
+            let mut flags = QpcFlags::empty();
             if qp.sq_sig_all {
-                qpc.flags = QpcFlags::SQ_SIG_ALL.bits();
+                flags |= QpcFlags::SQ_SIG_ALL;
             }
+            if let Some(srq) = qp.srq {
+                // PRM 6.1: receives come from the SRQ; `rq` and `rq_dbr`
+                // are ignored.
+                flags |= QpcFlags::HAS_SRQ;
+                qpc.srqn = Le32::new(Handle::<kind::Srq>::from_raw(srq).number());
+            }
+            qpc.flags = flags.bits();
             qpc.pd = Le32::new(pd_number);
             qpc.send_cqn = Le32::new(send_cqn);
             qpc.recv_cqn = Le32::new(recv_cqn);
             qpc.uar_index = Le32::new(KERNEL_UAR);
             qpc.sq = desc(mtt.start(), g.sq_log_bbs, SQ_LOG_STRIDE);
-            qpc.rq = desc(rq_mtt, g.rq_log_entries, g.rq_log_stride);
-            qpc.rq_dbr = Le64::new(dbr.bus_address());
             let mut commands = write_mtt(mtt.start(), sq.bus_address(), sq_pages);
-            commands.extend(write_mtt(rq_mtt, rq.bus_address(), rq_pages));
+            if let (Some(rq), Some(dbr)) = (rq.as_ref(), dbr.as_ref()) {
+                qpc.rq = desc(rq_mtt, g.rq_log_entries, g.rq_log_stride);
+                qpc.rq_dbr = Le64::new(dbr.bus_address());
+                commands.extend(write_mtt(rq_mtt, rq.bus_address(), rq_pages));
+            }
             commands
                 .push(Command::new(Opcode::Sw2HwQp, qp.qpn).with_mailbox(qpc.as_bytes().to_vec()));
             qp.sq.lock().ring = Some(sq);
             {
                 let mut r = qp.rq.lock();
-                r.ring = Some(rq);
-                r.dbr = Some(dbr);
+                r.ring = rq;
+                r.dbr = dbr;
             }
             hca.run_commands(
                 commands,

@@ -288,7 +288,6 @@ impl<P: Platform> Hca<P> {
     /// (a CQE's, PRM 10.4) of the SRQ number `srqn`, taken back, which
     /// frees its slot for posting. `None` if the SRQ or the slot is empty.
     /// Takes the object-table lock, then the SRQ's.
-    #[expect(dead_code, reason = "the CQ poll path calls it once QPs exist")]
     pub(crate) fn srq_complete(&self, srqn: u32, wqe_index: u16) -> Option<u64> {
         let srq = self
             .with_objects(|o| o.srqs.get_by_number(srqn).map(|(_, s)| s.clone()))

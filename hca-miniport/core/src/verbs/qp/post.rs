@@ -16,6 +16,7 @@ use zerocopy::IntoBytes;
 use super::{Qp, SendSlot};
 use crate::hca::Hca;
 use crate::resources::KERNEL_UAR;
+use crate::resources::{Handle, kind};
 
 /// One send work request for [`Hca::post_send`], with what the core cannot
 /// read itself: the PRM address vector of a UD destination (resolved from
@@ -140,6 +141,11 @@ impl<P: Platform> Hca<P> {
             Ok(qp) => qp,
             Err(status) => return (0, status),
         };
+        // A QP on an SRQ has no receive queue of its own (guide 6.5.1):
+        // receives go to the SRQ with `post_srq_recv`.
+        if qp.srq.is_some() {
+            return (0, IbStatus::InvalidQpState);
+        }
         let g = qp.geometry;
         let limits = WrLimits {
             max_sge: g.caps.max_recv_sge,
@@ -216,7 +222,10 @@ impl<P: Platform> Hca<P> {
     /// `wqe_index` (PRM 10.4: the device stores none), retiring that WQE
     /// and, for sends, the unsignaled ones before it. Destroyed QPs are
     /// found until their number is reused. 0 when no QP has the number.
-    pub(crate) fn complete_wr(&self, qpn: u32, wqe_index: u16, recv: bool) -> u64 {
+    /// A receive the CQE marks as taken from an SRQ (`from_srq`, PRM 10.4)
+    /// is looked up in the QP's SRQ, which frees that SRQ slot; 0 if the
+    /// QP has no SRQ or the slot is empty.
+    pub(crate) fn complete_wr(&self, qpn: u32, wqe_index: u16, recv: bool, from_srq: bool) -> u64 {
         let qp = self
             .with_objects(|o| {
                 o.qps
@@ -228,6 +237,13 @@ impl<P: Platform> Hca<P> {
             .ok()
             .flatten();
         let Some(qp) = qp else { return 0 };
+        if recv && (from_srq || qp.srq.is_some()) {
+            // The QP's lookup is over (no lock held): the SRQ's takes the
+            // object-table lock, then the SRQ's own.
+            let Some(srq) = qp.srq else { return 0 };
+            let srqn = Handle::<kind::Srq>::from_raw(srq).number();
+            return self.srq_complete(srqn, wqe_index).unwrap_or(0);
+        }
         if recv {
             let mut rq = qp.rq.lock();
             let mask = (1u32 << qp.geometry.rq_log_entries) - 1;
