@@ -523,6 +523,8 @@ fn a_responder_access_error_moves_the_cached_state_to_err_and_reaches_the_client
         .map(|wc| (wc.qp_num.get(), wc.wr_id, wc.status))
         .collect();
     assert_eq!(summary, vec![(qpn_a, 77, WcStatus::RemAccessErr)]);
+    // The requester learns its QP's ERR from the completion alone.
+    assert_eq!(query_state(&w, a), QpState::Err);
 
     let events = lock(&client.events).clone();
     let record = |code| AsyncEventRecord::new(code, b, None, 0).unwrap();

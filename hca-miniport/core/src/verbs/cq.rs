@@ -295,6 +295,7 @@ impl<P: Platform> Hca<P> {
             let index = wc.wr_id as u16;
             let (recv, srq) = (wc.wr_id & (1 << 16) != 0, wc.wr_id & (1 << 17) != 0);
             wc.wr_id = self.complete_wr(wc.qp_num.get(), index, recv, srq);
+            self.note_error_completion(wc.qp_num.get(), recv, wc.status);
         }
         Ok(polled)
     }

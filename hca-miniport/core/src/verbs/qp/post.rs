@@ -10,6 +10,7 @@ use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES};
 use ib_types::qp::{QpState, QpType};
 use ib_types::scalars::Qpn;
 use ib_types::status::IbStatus;
+use ib_types::wc::WcStatus;
 use ib_types::wr::{RecvWr, SendWr, Transport, WrLimits};
 use zerocopy::IntoBytes;
 
@@ -258,6 +259,40 @@ impl<P: Platform> Hca<P> {
             let ahead = u32::from(wqe_index.wrapping_sub(sq.tail as u16));
             sq.tail = sq.tail.wrapping_add(ahead + slot.bbs);
             slot.wr_id
+        }
+    }
+
+    /// Records the state an error completion of live QP `qpn` implies
+    /// (PRM 10.5): the device raises no event for the QP whose own WQE
+    /// failed, so the completion is how the core learns it. Any error but a
+    /// flush moves the QP to ERR, except a local error of a UD or UC send,
+    /// which moves it to SQE. A QP whose modify is outstanding, or already
+    /// in RESET or ERR, is left alone.
+    pub(crate) fn note_error_completion(&self, qpn: u32, recv: bool, status: WcStatus) {
+        if matches!(status, WcStatus::Success | WcStatus::WrFlushErr) {
+            return;
+        }
+        let qp = self
+            .with_objects(|o| o.qps.objects().get_by_number(qpn).map(|(_, qp)| qp.clone()))
+            .ok()
+            .flatten();
+        let Some(qp) = qp else { return };
+        let local = matches!(
+            status,
+            WcStatus::LocLenErr
+                | WcStatus::LocQpOpErr
+                | WcStatus::LocProtErr
+                | WcStatus::MwBindErr
+                | WcStatus::LocAccessErr
+        );
+        let next = if !recv && local && matches!(qp.qp_type, QpType::Ud | QpType::Uc) {
+            QpState::Sqe
+        } else {
+            QpState::Err
+        };
+        let mut c = qp.control.lock();
+        if c.life == super::Life::Live && !matches!(c.state, QpState::Reset | QpState::Err) {
+            qp.set_state(&mut c, next);
         }
     }
 }
