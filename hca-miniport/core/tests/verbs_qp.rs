@@ -883,6 +883,31 @@ fn rc_and_ud_traffic_between_two_hcas_and_destroy_during_traffic() {
     assert_eq!(got[0].src_qp.get(), qpn_ua);
     assert_eq!(my.read(5040, 900), datagram);
 
+    // A local protection error (a key whose tag is wrong) on a UD send
+    // moves the QP to SQE, not ERR (PRM 10.5); the device raises no event
+    // for it, so the core learns it from the completion.
+    let good = mx.sge(6000, 16);
+    let stale_key = Sge::new(
+        good.addr.get(),
+        16,
+        ib_types::wr::LKey::new(good.lkey.get() ^ 0x01),
+    );
+    let bad_send = SendWr {
+        wr_id: 63,
+        sg_list: leak_sges(vec![stale_key]),
+        ..ud_send
+    };
+    assert_eq!(
+        post_send_at(&w, x, ua, vec![bad_send], Some(av)),
+        (1, IbStatus::Success)
+    );
+    let failed = poll_all_at(&w, x, sx.cq);
+    assert_eq!(summary(&failed)[0].0, 63);
+    assert_eq!(failed[0].status, WcStatus::LocProtErr);
+    let r = w.call_in_dpc_at::<QueryQp>(x, KERNEL, ua, &Empty, 0);
+    let state = response::<QueryQp>(&r).output.unwrap().state;
+    assert_eq!(state, QpState::Sqe);
+
     for (i, qp) in [(x, ua), (y, ub)] {
         assert_eq!(destroy_at(&w, i, qp), IbStatus::Success);
     }
