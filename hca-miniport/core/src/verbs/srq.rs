@@ -43,7 +43,7 @@
 //!   the client of the CA that owns the SRQ now, as asynchronous events
 //!   (`SrqLimitReached`, `SrqCatastrophic`) from the DPC.
 //! - The SRQ's number (its context index, which the QP context names) is
-//!   the low 32 bits of its handle.
+//!   the number in its handle (`resources::Handle::number`).
 
 use alloc::boxed::Box;
 use alloc::sync::Arc;
@@ -186,7 +186,8 @@ impl<P: Platform> Hca<P> {
     /// is refused while uses are outstanding. Returns the new use count.
     /// Fails with [`IbStatus::InvalidSrqHandle`] for a stale handle and
     /// [`IbStatus::InvalidState`] for an SRQ being created or destroyed.
-    /// The SRQ number the QP context needs is the handle's low 32 bits.
+    /// The SRQ number the QP context needs is the handle's number
+    /// (`resources::Handle::number`, the low 24 bits).
     pub fn reference_srq(&self, srq: u64) -> Result<u32, IbStatus> {
         self.with_objects(|o| {
             let handle = Handle::<kind::Srq>::from_raw(srq);
