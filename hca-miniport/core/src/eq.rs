@@ -165,6 +165,9 @@ pub enum DeviceFailure {
         /// The command that timed out.
         opcode: Opcode,
     },
+    /// The device was surprise-removed (`EvtDeviceSurpriseRemoval`):
+    /// nothing of it answers any more.
+    SurpriseRemoval,
 }
 
 /// Where the DPC delivers events other than command completions; the

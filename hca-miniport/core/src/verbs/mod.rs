@@ -63,8 +63,10 @@
 pub mod av;
 pub mod ca;
 pub mod cq;
+pub mod fatal;
 pub mod pd;
 pub mod qp;
+pub mod restore;
 pub mod srq;
 
 use alloc::boxed::Box;
@@ -153,6 +155,9 @@ pub struct Verbs<P: Platform> {
     to_free: SpinLock<P, Vec<Buffer<P>>>,
     /// Client callbacks running now (guide 6.1.4: close waits for them).
     callbacks_in_flight: AtomicU32,
+    /// Events software produced for clients, delivered by the DPC
+    /// ([`restore`], [`fatal`]).
+    soft_events: SpinLock<P, Vec<restore::SoftEvent>>,
 }
 
 impl<P: Platform> core::fmt::Debug for Verbs<P> {
@@ -175,6 +180,7 @@ impl<P: Platform> Verbs<P> {
             jobs: SpinLock::<P, _>::new(VecDeque::new()),
             to_free: SpinLock::<P, _>::new(Vec::new()),
             callbacks_in_flight: AtomicU32::new(0),
+            soft_events: SpinLock::<P, _>::new(Vec::new()),
         }
     }
 
@@ -346,6 +352,11 @@ where
             request.complete(NtStatus::INVALID_DEVICE_REQUEST, 0);
             return;
         };
+        // Below D0 or after a device failure (restore.rs, fatal.rs).
+        if let Err(status) = self.admit(verb) {
+            fatal::refuse_request(request, verb, status);
+            return;
+        }
         type R<P> = <P as Platform>::Request;
         match verb {
             VerbId::OpenCa => {
@@ -605,7 +616,7 @@ impl<P: Platform> Hca<P> {
 
     /// Delivers `f` to the open CA's client, counting it in flight so that
     /// close can wait for it; no core lock is held during the call.
-    fn deliver(&self, f: impl FnOnce(&dyn CaClient)) {
+    pub(crate) fn deliver(&self, f: impl FnOnce(&dyn CaClient)) {
         self.verbs
             .callbacks_in_flight
             .fetch_add(1, Ordering::AcqRel);
@@ -635,7 +646,7 @@ impl<P: Platform> Hca<P> {
 
     /// The CQ's current owner's handle for a device CQ number, if the
     /// number is live.
-    fn cq_owner(&self, cqn: u32) -> Option<CqHandle> {
+    pub(crate) fn cq_owner(&self, cqn: u32) -> Option<CqHandle> {
         let objects = self.verbs.objects.lock();
         let (handle, _) = objects.as_ref()?.cqs.get_by_number(cqn)?;
         Some(handle.into())
@@ -657,6 +668,7 @@ pub(crate) struct VerbsRouter<'a, P: Platform> {
 
 impl<P: Platform> EventSink for VerbsRouter<'_, P> {
     fn completion(&self, cqn: u32) {
+        self.hca.note_cq_event(cqn);
         if let Some(cq) = self.hca.cq_owner(cqn) {
             self.hca.deliver(|client| client.completion(cq));
         }

@@ -74,7 +74,7 @@ const LOG_MAX_INDEX: u8 = 16;
 
 /// Where an SRQ is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Life {
+pub(super) enum Life {
     /// Memory and commands under way; the client has no handle yet.
     Creating,
     /// Usable.
@@ -84,28 +84,31 @@ enum Life {
 }
 
 /// An SRQ's ring and producer state, under the SRQ's own lock.
-struct Ring<B> {
-    life: Life,
-    ring: Option<B>,
-    dbr: Option<B>,
-    mtt: Option<EntryRange>,
+pub(super) struct Ring<B> {
+    pub(super) life: Life,
+    pub(super) ring: Option<B>,
+    pub(super) dbr: Option<B>,
+    pub(super) mtt: Option<EntryRange>,
     /// WRs posted (the producer counter, wrapping).
-    producer: u32,
+    pub(super) producer: u32,
     /// The `wr_id` of the WR in each slot until its completion is polled;
     /// `None`: the slot is free.
-    wr_ids: Vec<Option<u64>>,
+    pub(super) wr_ids: Vec<Option<u64>>,
+    /// The limit armed at the last D0 exit (read back with `QUERY_SRQ`),
+    /// re-armed on D0 entry ([`super::restore`]).
+    pub(super) saved_limit: u32,
 }
 
 /// A shared receive queue.
 pub struct Srq<P: Platform> {
-    srqn: u32,
+    pub(super) srqn: u32,
     /// The raw handle of its PD (one use held).
-    pd: u64,
-    log_entries: u8,
-    log_stride: u8,
+    pub(super) pd: u64,
+    pub(super) log_entries: u8,
+    pub(super) log_stride: u8,
     /// SGEs a WR may carry.
     max_sge: u32,
-    ring: SpinLock<P, Ring<Buffer<P>>>,
+    pub(super) ring: SpinLock<P, Ring<Buffer<P>>>,
 }
 
 impl<P: Platform> core::fmt::Debug for Srq<P> {
@@ -145,11 +148,11 @@ fn srq_size(
 }
 
 impl<P: Platform> Srq<P> {
-    fn entries(&self) -> u32 {
+    pub(super) fn entries(&self) -> u32 {
         1 << self.log_entries
     }
 
-    fn stride(&self) -> usize {
+    pub(super) fn stride(&self) -> usize {
         1 << self.log_stride
     }
 
@@ -230,6 +233,9 @@ impl<P: Platform> Hca<P> {
         };
         let mask = srq.entries() - 1;
         let stride = srq.stride();
+        if let Err(status) = self.check_running() {
+            return (0, status);
+        }
         let mut state = srq.ring.lock();
         if state.life != Life::Live {
             return (0, IbStatus::InvalidState);
@@ -382,6 +388,7 @@ where
                         mtt: Some(mtt),
                         producer: 0,
                         wr_ids: vec![None; entries as usize],
+                        saved_limit: 0,
                     }),
                 })
             });
@@ -577,7 +584,7 @@ where
         let responder = a.responder;
         self.run_commands(
             vec![Command::new(Opcode::Hw2SwSrq, srq.srqn)],
-            Box::new(move |hca, result| match result {
+            Box::new(move |hca, result| match hca.forgive_when_failed(result) {
                 Ok(_) => {
                     // Only now is the number free: every event of this SRQ
                     // came before this completion on the one EQ.

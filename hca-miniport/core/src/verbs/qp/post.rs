@@ -65,6 +65,9 @@ impl<P: Platform> Hca<P> {
     /// object-table lock briefly, to find the QP). Callable at
     /// DISPATCH_LEVEL.
     pub fn post_send(&self, qp: u64, wrs: &[SendRequest<'_>]) -> (usize, IbStatus) {
+        if let Err(status) = self.check_running() {
+            return (0, status);
+        }
         let qp = match self.find_qp(qp, RequestorMode::Kernel) {
             Ok(qp) => qp,
             Err(status) => return (0, status),
@@ -138,6 +141,9 @@ impl<P: Platform> Hca<P> {
     /// SQ doorbell (unchanged producer) so the device flushes them (PRM
     /// 10.5). Only the QP's receive-ring lock is taken.
     pub fn post_recv(&self, qp: u64, wrs: &[RecvWr<'_>]) -> (usize, IbStatus) {
+        if let Err(status) = self.check_running() {
+            return (0, status);
+        }
         let qp = match self.find_qp(qp, RequestorMode::Kernel) {
             Ok(qp) => qp,
             Err(status) => return (0, status),
