@@ -388,3 +388,52 @@ pub(crate) fn response<V: Verb>(completion: &Completion) -> Response<'_, V> {
 pub(crate) fn two_port_hca() -> DeviceConfig {
     DeviceConfig::with_ports(NODE_GUID, &[[10, 0, 0, 1], [10, 0, 1, 1]])
 }
+
+// ----- Power transitions (power.rs, catastrophic.rs) ---------------------
+
+impl World {
+    /// System sleep (S3) with the core of every HCA taken below D0 as the
+    /// shell's `EvtDeviceD0Exit` would: the power manager moves the stacks
+    /// first (power-managed queues hold requests from then on), then each
+    /// core's `d0_exit` runs as the miniport's work item (PASSIVE_LEVEL).
+    pub(crate) fn sleep(&self) {
+        self.host
+            .pnp()
+            .set_system_power(driver_platform::SystemPowerState::S3)
+            .expect("nobody vetoes sleep");
+        for i in 0..self.all.len() {
+            let hca = self.hca_at(i);
+            self.host
+                .scheduler_handle()
+                .queue_work_item(DRIVER, move || {
+                    assert_eq!(sim_host::irql::current(), driver_platform::Irql::PASSIVE);
+                    hca.d0_exit();
+                });
+            self.settle();
+        }
+    }
+
+    /// Resume (S0): each core's `d0_entry` as the miniport's work item
+    /// (`EvtDeviceD0Entry`), checked to succeed, then the power manager
+    /// returns the stacks to D0 and releases the requests it held.
+    pub(crate) fn resume(&self) {
+        for i in 0..self.all.len() {
+            let hca = self.hca_at(i);
+            let result = Arc::new(Mutex::new(None));
+            let out = result.clone();
+            self.host
+                .scheduler_handle()
+                .queue_work_item(DRIVER, move || {
+                    *lock(&out) = Some(hca.d0_entry());
+                });
+            self.settle();
+            let entered = lock(&result).take().expect("D0 entry ran");
+            assert!(entered.is_ok(), "D0 entry of HCA {i}: {entered:?}");
+        }
+        self.host
+            .pnp()
+            .set_system_power(driver_platform::SystemPowerState::S0)
+            .expect("resume");
+        self.settle();
+    }
+}

@@ -1,0 +1,353 @@
+//! System sleep and resume with live verb objects on two HCAs (the
+//! miniport's D0 exit and D0 entry, `verbs::restore`): the same handles
+//! work afterwards, memory keys are unchanged and usable by the peer,
+//! unconnected QPs keep their state and posted receives, SRQs their posted
+//! WQEs, connected QPs come back in ERR with an event and their WRs flushed
+//! with their `wr_id`s, and cycles leak nothing.
+
+mod power_kit;
+mod support;
+
+use driver_platform::Irql;
+use ib_types::event::AsyncEventCode;
+use ib_types::ioctl::{DeallocPd, DestroyCq, DestroyQp, DestroySrq, Empty, ModifyQp, QueryQp};
+use ib_types::qp::{QpModify, QpState, QpType};
+use ib_types::scalars::{QKey, Qpn};
+use ib_types::status::IbStatus;
+use ib_types::wc::WcStatus;
+use ib_types::wr::{RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, UdDest};
+use power_kit::*;
+use support::{World, lock, response};
+
+const QKEY: u32 = 0x1111;
+
+fn recv(wr_id: u64, sg_list: &'static [ib_types::wr::Sge]) -> RecvWr<'static> {
+    RecvWr { wr_id, sg_list }
+}
+
+fn send(wr_id: u64, sg_list: &'static [ib_types::wr::Sge], op: SendOp) -> SendWr<'static> {
+    SendWr {
+        wr_id,
+        op,
+        flags: SendFlags::SIGNALED,
+        sg_list,
+        ud: None,
+    }
+}
+
+fn ud_send(wr_id: u64, sg_list: &'static [ib_types::wr::Sge], to: u32) -> SendWr<'static> {
+    SendWr {
+        ud: Some(UdDest {
+            av: ib_types::handle::AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(to).unwrap(),
+            remote_qkey: QKey::new(QKEY),
+        }),
+        ..send(wr_id, sg_list, SendOp::Send)
+    }
+}
+
+fn arm(w: &World, i: usize, cq: u64) {
+    let hca = w.hca_at(i);
+    w.in_dpc(move || {
+        hca.arm_cq(cq, ib_types::cq::CqNotify::NextCompletion)
+            .unwrap()
+    });
+    w.settle();
+}
+
+#[test]
+fn sleep_and_resume_keep_every_handle_keys_and_unconnected_qps() {
+    let (w, [x, y]) = two_hcas(71, hca_miniport_core::init::HcaConfig::default());
+    let (sx, sy) = (side(&w, x), side(&w, y));
+    let (mx, my) = (Mem::new(&w, x, sx.pd), Mem::new(&w, y, sy.pd));
+    let keys_before = (mx.region.lkey(), mx.region.rkey());
+    let mpt_before = mx.query(&w);
+
+    // UD: ua on X with its own receive queue; ub on Y receiving from an
+    // SRQ. RC: a on X connected to b on Y.
+    let srq = create_srq(&w, &sy, 8, 0);
+    let (ua, qpn_ua) = create_qp(&w, &sx, QpType::Ud, None);
+    let (ub, qpn_ub) = create_qp(&w, &sy, QpType::Ud, Some(srq));
+    ud_to_rts(&w, x, ua, QKEY);
+    ud_to_rts(&w, y, ub, QKEY);
+    let (a, qpn_a) = create_qp(&w, &sx, QpType::Rc, None);
+    let (b, qpn_b) = create_qp(&w, &sy, QpType::Rc, None);
+    connect(&w, x, a, qpn_b, HCA_IPS[1][0]);
+    connect(&w, y, b, qpn_a, HCA_IPS[0][0]);
+
+    // Traffic before sleep works (UD X -> Y through the SRQ).
+    let av_y = hca_prm::av::Av::try_from(&av_to(HCA_IPS[1][0])).unwrap();
+    let av_x = hca_prm::av::Av::try_from(&av_to(HCA_IPS[0][0])).unwrap();
+    assert_eq!(
+        post_srq(
+            &w,
+            y,
+            srq,
+            vec![recv(1, my.sge(0, 1064)), recv(2, my.sge(2048, 1064))]
+        ),
+        (2, IbStatus::Success)
+    );
+    let first = pattern(1, 500);
+    mx.write(0, &first);
+    assert_eq!(
+        post_send(
+            &w,
+            x,
+            ua,
+            vec![ud_send(10, mx.sge(0, 500), qpn_ub)],
+            Some(av_y)
+        ),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        summary(&poll_all(&w, x, sx.cq)),
+        vec![(10, WcStatus::Success, 500)]
+    );
+    assert_eq!(
+        summary(&poll_all(&w, y, sy.cq)),
+        vec![(1, WcStatus::Success, 540)]
+    );
+    assert_eq!(my.read(40, 500), first);
+
+    // Left posted across the sleep: SRQ WQE 2 (and 3 below) on Y, two
+    // receives of ua on X, five receives of the connected a, and one
+    // completion of b's not yet polled.
+    assert_eq!(
+        post_srq(&w, y, srq, vec![recv(3, my.sge(4096, 1064))]),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        post_recv(
+            &w,
+            x,
+            ua,
+            vec![recv(20, mx.sge(2048, 1064)), recv(21, mx.sge(4096, 1064))]
+        ),
+        (2, IbStatus::Success)
+    );
+    let a_recvs: Vec<_> = (0..5).map(|k| recv(500 + k, mx.sge(6144, 64))).collect();
+    assert_eq!(post_recv(&w, x, a, a_recvs), (5, IbStatus::Success));
+    assert_eq!(
+        post_recv(&w, y, b, vec![recv(600, my.sge(7000, 64))]),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        post_send(&w, x, a, vec![send(700, mx.sge(0, 32), SendOp::Send)], None),
+        (1, IbStatus::Success)
+    );
+    // The send and the receive it consumed complete; left unpolled on both
+    // sides, they must survive the sleep in order.
+    w.settle();
+
+    w.sleep();
+    // Below D0 the core refuses (the shell's queue would hold these).
+    let r = w.call_in_dpc_at::<QueryQp>(x, KERNEL, ua, &Empty, 0);
+    assert_eq!(response::<QueryQp>(&r).status, IbStatus::InvalidState);
+    assert_eq!(
+        post_send(
+            &w,
+            x,
+            ua,
+            vec![ud_send(11, mx.sge(0, 8), qpn_ub)],
+            Some(av_y)
+        ),
+        (0, IbStatus::InvalidState)
+    );
+    w.resume();
+
+    // The completions written before the sleep come back first, in order,
+    // then the connected QP's flushed receives with their wr_ids.
+    let at_x = poll_all(&w, x, sx.cq);
+    let mut expected = vec![(700, WcStatus::Success)];
+    expected.extend((500..505).map(|id| (id, WcStatus::WrFlushErr)));
+    let got: Vec<_> = at_x.iter().map(|wc| (wc.wr_id, wc.status)).collect();
+    assert_eq!(got, expected);
+    assert!(at_x[1..].iter().all(|wc| wc.qp_num.get() == qpn_a));
+    let at_y = poll_all(&w, y, sy.cq);
+    assert_eq!(summary(&at_y), vec![(600, WcStatus::Success, 32)]);
+    assert_eq!(my.read(7000, 32), mx.read(0, 32));
+
+    // Connected QPs: ERR, each client told once, at DISPATCH_LEVEL; the
+    // unconnected ones keep their state.
+    assert_eq!(qp_state(&w, x, a), QpState::Err);
+    assert_eq!(qp_state(&w, y, b), QpState::Err);
+    assert_eq!(
+        sx.client.events_of(AsyncEventCode::QpFatal),
+        vec![(a, Irql::DISPATCH)]
+    );
+    assert_eq!(
+        sy.client.events_of(AsyncEventCode::QpFatal),
+        vec![(b, Irql::DISPATCH)]
+    );
+    assert_eq!(qp_state(&w, x, ua), QpState::Rts);
+    assert_eq!(qp_state(&w, y, ub), QpState::Rts);
+
+    // The MR: same keys, and the device's entry says so.
+    assert_eq!((mx.region.lkey(), mx.region.rkey()), keys_before);
+    let mpt_after = mx.query(&w);
+    assert!(mpt_after.valid);
+    assert_eq!(mpt_after.key, mpt_before.key);
+    assert_eq!(mpt_after.start, mpt_before.start);
+
+    // UD again: X -> Y lands in the SRQ WQEs posted before the sleep (2,
+    // then 3); Y -> X in ua's receives posted before the sleep (20).
+    let second = pattern(2, 700);
+    mx.write(0, &second);
+    let third = pattern(3, 300);
+    mx.write(1024, &third);
+    assert_eq!(
+        post_send(
+            &w,
+            x,
+            ua,
+            vec![
+                ud_send(12, mx.sge(0, 700), qpn_ub),
+                ud_send(13, mx.sge(1024, 300), qpn_ub)
+            ],
+            Some(av_y)
+        ),
+        (2, IbStatus::Success)
+    );
+    let back = pattern(4, 200);
+    my.write(6000, &back);
+    assert_eq!(
+        post_send(
+            &w,
+            y,
+            ub,
+            vec![ud_send(30, my.sge(6000, 200), qpn_ua)],
+            Some(av_x)
+        ),
+        (1, IbStatus::Success)
+    );
+    let mut at_x = poll_all(&w, x, sx.cq);
+    at_x.sort_by_key(|wc| wc.wr_id);
+    assert_eq!(
+        summary(&at_x),
+        vec![
+            (12, WcStatus::Success, 700),
+            (13, WcStatus::Success, 300),
+            (20, WcStatus::Success, 240)
+        ]
+    );
+    assert_eq!(at_x[2].src_qp.get(), qpn_ub);
+    assert_eq!(mx.read(2048 + 40, 200), back);
+    let mut at_y = poll_all(&w, y, sy.cq);
+    at_y.sort_by_key(|wc| wc.wr_id);
+    assert_eq!(
+        summary(&at_y),
+        vec![
+            (2, WcStatus::Success, 740),
+            (3, WcStatus::Success, 340),
+            (30, WcStatus::Success, 200)
+        ]
+    );
+    assert_eq!(at_y[0].src_qp.get(), qpn_ua);
+    assert_eq!(my.read(2048 + 40, 700), second);
+    assert_eq!(my.read(4096 + 40, 300), third);
+
+    // Re-connecting the RC pair works, and Y writes into X's region with
+    // the R_Key X had before the sleep; X reads it back.
+    for (i, qp) in [(x, a), (y, b)] {
+        let r = w.call_in_dpc_at::<ModifyQp>(i, KERNEL, qp, &QpModify::to_state(QpState::Reset), 0);
+        assert_eq!(response::<ModifyQp>(&r).status, IbStatus::Success);
+    }
+    connect(&w, x, a, qpn_b, HCA_IPS[1][0]);
+    connect(&w, y, b, qpn_a, HCA_IPS[0][0]);
+    let written = pattern(5, 900);
+    my.write(0, &written);
+    let write = SendOp::RdmaWrite {
+        remote: RemoteAddr {
+            addr: mx.addr(3000),
+            rkey: keys_before.1,
+        },
+    };
+    assert_eq!(
+        post_send(&w, y, b, vec![send(800, my.sge(0, 900), write)], None),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        summary(&poll_all(&w, y, sy.cq)),
+        vec![(800, WcStatus::Success, 900)]
+    );
+    assert_eq!(mx.read(3000, 900), written);
+    let read = SendOp::RdmaRead {
+        remote: RemoteAddr {
+            addr: my.addr(0),
+            rkey: my.region.rkey(),
+        },
+    };
+    assert_eq!(
+        post_send(&w, x, a, vec![send(801, mx.sge(5000, 900), read)], None),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        summary(&poll_all(&w, x, sx.cq)),
+        vec![(801, WcStatus::Success, 900)]
+    );
+    assert_eq!(mx.read(5000, 900), written);
+
+    // More cycles with everything idle: still working, nothing leaks. X's
+    // CQ, armed while empty before each sleep, is armed again after it:
+    // the first completion raises exactly one event.
+    for round in 0..3u8 {
+        arm(&w, x, sx.cq);
+        let completions_before = lock(&sx.client.completions).len();
+        w.sleep();
+        w.resume();
+        assert_eq!(lock(&sx.client.completions).len(), completions_before);
+        assert_eq!(qp_state(&w, x, ua), QpState::Rts);
+        assert_eq!(
+            post_srq(
+                &w,
+                y,
+                srq,
+                vec![recv(40 + u64::from(round), my.sge(0, 1064))]
+            ),
+            (1, IbStatus::Success)
+        );
+        let bytes = pattern(10 + round, 100);
+        mx.write(0, &bytes);
+        assert_eq!(
+            post_send(
+                &w,
+                x,
+                ua,
+                vec![ud_send(50, mx.sge(0, 100), qpn_ub)],
+                Some(av_y)
+            ),
+            (1, IbStatus::Success)
+        );
+        assert_eq!(
+            summary(&poll_all(&w, x, sx.cq)),
+            vec![(50, WcStatus::Success, 100)]
+        );
+        let completions = lock(&sx.client.completions)[completions_before..].to_vec();
+        assert_eq!(completions, vec![(sx.cq, Irql::DISPATCH)]);
+        assert_eq!(
+            summary(&poll_all(&w, y, sy.cq)),
+            vec![(40 + u64::from(round), WcStatus::Success, 140)]
+        );
+        assert_eq!(my.read(40, 100), bytes);
+    }
+
+    // Teardown through the same handles.
+    for (i, qp) in [(x, a), (x, ua), (y, b), (y, ub)] {
+        let r = w.call_in_dpc_at::<DestroyQp>(i, KERNEL, qp, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let _ = poll_all(&w, x, sx.cq);
+    let _ = poll_all(&w, y, sy.cq);
+    let r = w.call_in_dpc_at::<DestroySrq>(y, KERNEL, srq, &Empty, 0);
+    assert_eq!(response::<DestroySrq>(&r).status, IbStatus::Success);
+    mx.free(&w);
+    my.free(&w);
+    for s in [&sx, &sy] {
+        let r = w.call_in_dpc_at::<DestroyCq>(s.i, KERNEL, s.cq, &Empty, 0);
+        assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+        let r = w.call_in_dpc_at::<DeallocPd>(s.i, KERNEL, s.pd, &Empty, 0);
+        assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+        assert_eq!(w.hca_at(s.i).close_ca(s.ca), Ok(()));
+    }
+    w.finish();
+}
