@@ -437,3 +437,10 @@ impl World {
         self.settle();
     }
 }
+
+impl World {
+    /// The PCI function of HCA `i` (to reach its simulated device).
+    pub(crate) fn function_at(&self, i: usize) -> Arc<PciFunction> {
+        lock(&self.all[i].function).clone().expect("started")
+    }
+}
