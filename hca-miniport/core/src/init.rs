@@ -387,6 +387,14 @@ impl<P: Platform> Hca<P> {
     pub fn stop(&self) {
         let mode = self.cmd.mode();
         if mode == CommandMode::Offline {
+            // Released below D0, or after a failed D0 entry: the device was
+            // reset then; only the verb objects' memory is left.
+            self.powered_down
+                .store(false, core::sync::atomic::Ordering::Release);
+            *self.saved_layout.lock() = None;
+            for buffer in self.verbs.take_buffers() {
+                (self.free_common)(&self.dma, buffer);
+            }
             return;
         }
         self.cmd.disable_events();
@@ -452,6 +460,15 @@ impl<P: Platform> Hca<P> {
             return Ok(());
         }
         let saved = self.saved_layout.lock().take();
+        if self.is_failed() {
+            // A failed device stays failed until PnP restarts it (the shell
+            // calls WdfDeviceSetFailed): its objects can only be destroyed,
+            // which needs no device.
+            self.powered_down
+                .store(false, core::sync::atomic::Ordering::Release);
+            self.deferred.queue_dpc();
+            return Ok(());
+        }
         let result = self.start().and_then(|report| {
             let same = saved.is_none_or(|old| {
                 old.tables == report.tables
@@ -483,14 +500,9 @@ impl<P: Platform> Hca<P> {
         self.powered_down
             .store(false, core::sync::atomic::Ordering::Release);
         if let Err(error) = result {
-            if self.report().is_none() {
-                // Bring-up itself failed: nothing of the device is held; the
-                // objects stay for their owners to destroy.
-                self.reset_failure();
-            }
-            self.declare_failed(crate::eq::DeviceFailure::CommandTimeout {
-                opcode: Opcode::InitHca,
-            });
+            // The objects stay for their owners to destroy, which needs no
+            // device (verbs/fatal.rs).
+            self.declare_failed(crate::eq::DeviceFailure::ResumeFailed);
             return Err(error);
         }
         self.deferred.queue_dpc();

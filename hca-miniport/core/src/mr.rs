@@ -860,6 +860,12 @@ impl<P: Platform> MemoryTranslation<P> {
                     this.retire(&hca2, region);
                     continuation(Ok(()));
                 }
+                // A failed device taken below D0 has no command queue; it
+                // holds nothing either.
+                Err(CommandError::NotRunning) if hca2.failure().is_some() => {
+                    this.retire(&hca2, region);
+                    continuation(Ok(()));
+                }
                 Err(error) => continuation(Err(DeregFailure {
                     error: MrError::Command(error),
                     region,

@@ -57,7 +57,18 @@ fn arm(w: &World, i: usize, cq: u64) {
 
 #[test]
 fn sleep_and_resume_keep_every_handle_keys_and_unconnected_qps() {
-    let (w, [x, y]) = two_hcas(71, hca_miniport_core::init::HcaConfig::default());
+    sleep_and_resume(71);
+}
+
+#[test]
+fn sleep_and_resume_over_more_schedules() {
+    for seed in 300..304 {
+        sleep_and_resume(seed);
+    }
+}
+
+fn sleep_and_resume(seed: u64) {
+    let (w, [x, y]) = two_hcas(seed, hca_miniport_core::init::HcaConfig::default());
     let (sx, sy) = (side(&w, x), side(&w, y));
     let (mx, my) = (Mem::new(&w, x, sx.pd), Mem::new(&w, y, sy.pd));
     let keys_before = (mx.region.lkey(), mx.region.rkey());
@@ -349,5 +360,36 @@ fn sleep_and_resume_keep_every_handle_keys_and_unconnected_qps() {
         assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
         assert_eq!(w.hca_at(s.i).close_ca(s.ca), Ok(()));
     }
+    w.finish();
+}
+
+#[test]
+fn released_while_asleep_frees_every_object_of_the_core() {
+    // The device is removed while the system sleeps: release-hardware
+    // comes without a D0 entry. Objects still held by a client at that
+    // point are the core's to free (its rings, contexts' memory); the
+    // client's own registrations go with release_after_reset.
+    let (w, [x, y]) = two_hcas(73, hca_miniport_core::init::HcaConfig::default());
+    let (sx, sy) = (side(&w, x), side(&w, y));
+    let srq = create_srq(&w, &sx, 8, 2);
+    let (ua, _) = create_qp(&w, &sx, QpType::Ud, None);
+    ud_to_rts(&w, x, ua, QKEY);
+    let (_on_srq, _) = create_qp(&w, &sx, QpType::Rc, Some(srq));
+    let (a, qpn_a) = create_qp(&w, &sx, QpType::Rc, None);
+    let (b, qpn_b) = create_qp(&w, &sy, QpType::Rc, None);
+    connect(&w, x, a, qpn_b, HCA_IPS[1][0]);
+    connect(&w, y, b, qpn_a, HCA_IPS[0][0]);
+    let mx = Mem::new(&w, x, sx.pd);
+    assert_eq!(
+        post_recv(&w, x, a, vec![recv(1, mx.sge(0, 64))]),
+        (1, IbStatus::Success)
+    );
+    w.sleep();
+    // Below D0 a deregistration cannot reach the device; the client
+    // releases its region's host resources instead.
+    let mt = w.hca_at(x).memory_translation().unwrap();
+    mt.release_after_reset(&w.hca_at(x), mx.region);
+    w.adapter_at(x).free_common(mx.buffer);
+    let _ = (sy, ua);
     w.finish();
 }

@@ -90,11 +90,11 @@ impl<P: Platform> Hca<P> {
         result: Result<Vec<CommandOutput>, CommandError>,
     ) -> Result<Vec<CommandOutput>, CommandError> {
         match result {
-            Err(CommandError::DeviceFailed { .. } | CommandError::Timeout { .. })
-                if self.is_failed() =>
-            {
-                Ok(Vec::new())
-            }
+            Err(
+                CommandError::DeviceFailed { .. }
+                | CommandError::Timeout { .. }
+                | CommandError::NotRunning,
+            ) if self.is_failed() => Ok(Vec::new()),
             other => other,
         }
     }
