@@ -51,7 +51,9 @@
 //! declared failed), re-creates every object with polled commands, then
 //! switches to event mode and lets verbs in again; software events
 //! (restored QPs' errors, completion events of re-armed CQs with saved
-//! completions) go out from the next DPC.
+//! completions) go out from the next DPC. A failed device stays failed
+//! across D0 exit and entry (its objects can be destroyed); [`Hca::stop`]
+//! after a D0 exit without entry frees the verb objects' memory.
 
 use alloc::vec;
 use alloc::vec::Vec;

@@ -40,6 +40,13 @@
 //!   UAR page 0 with the consumer counter at the time of arming; the device
 //!   fires at once if CQEs arrived beyond it. [`poll_and_rearm`] is the
 //!   guide's 8.3 algorithm on top.
+//! - **Backlog** (`super::restore`, `super::fatal`): completions the device
+//!   can no longer deliver through the ring (those unpolled at a D0 exit,
+//!   software flushes after a device failure) wait in order in the CQ's
+//!   backlog, `wr_id`s resolved; a poll returns them before the ring, and
+//!   arming a CQ whose backlog is not empty raises the completion event
+//!   from software (the DPC). The arming is remembered until the event, so
+//!   D0 entry can arm again.
 
 use alloc::boxed::Box;
 use alloc::sync::Arc;

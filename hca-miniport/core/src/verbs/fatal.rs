@@ -2,7 +2,7 @@
 //! what the verbs do so that no client hangs and nothing leaks
 //! (docs/miniport.md, "Catastrophic error").
 //!
-//! Contract, once [`Hca::declare_failed`] has run (from the DPC, the
+//! Contract, once `Hca::declare_failed` has run (from the DPC, the
 //! timer routine or the shell's surprise-removal callback):
 //! - **Commands.** Every outstanding and queued command completed with
 //!   `DeviceFailed` before this runs, so every verb request waiting on the
@@ -27,7 +27,7 @@
 //!   and arming included, except those that free something (close CA,
 //!   destroy/deallocate PD, CQ, QP, SRQ, AV, MR, MW, multicast detach): their
 //!   device command fails, and that failure is taken as success
-//!   ([`Hca::forgive_when_failed`]) since the reset device holds nothing,
+//!   (`Hca::forgive_when_failed`) since the reset device holds nothing,
 //!   so the object and its memory are freed. Polling keeps working and
 //!   returns the backlog. [`crate::Hca::stop`] then frees the rest; nothing
 //!   leaks.

@@ -54,6 +54,12 @@
 //!   other way round; no core lock is held while a client callback or a
 //!   command continuation runs.
 //!
+//! - **Power and failure.** The objects outlive a D0 exit and come back
+//!   on D0 entry ([`restore`]); while below D0 every verb answers
+//!   [`IbStatus::InvalidState`]. After a device failure only the verbs that
+//!   free something run, and software completes what the device cannot
+//!   ([`fatal`]).
+//!
 //! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]), AV
 //! ([`av`]), SRQ ([`srq`]), kernel QPs ([`qp`]); every other verb answers
 //! [`IbStatus::Unsupported`].
