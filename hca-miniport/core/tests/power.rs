@@ -119,6 +119,32 @@ fn sleep_and_resume(seed: u64) {
         vec![(1, WcStatus::Success, 540)]
     );
     assert_eq!(my.read(40, 500), first);
+    // Y -> X once, so that ua's receive ring has moved on before the sleep.
+    assert_eq!(
+        post_recv(&w, x, ua, vec![recv(19, mx.sge(2048, 1064))]),
+        (1, IbStatus::Success)
+    );
+    let hello = pattern(6, 100);
+    my.write(6000, &hello);
+    assert_eq!(
+        post_send(
+            &w,
+            y,
+            ub,
+            vec![ud_send(18, my.sge(6000, 100), qpn_ua)],
+            Some(av_x)
+        ),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        summary(&poll_all(&w, x, sx.cq)),
+        vec![(19, WcStatus::Success, 140)]
+    );
+    assert_eq!(
+        summary(&poll_all(&w, y, sy.cq)),
+        vec![(18, WcStatus::Success, 100)]
+    );
+    assert_eq!(mx.read(2048 + 40, 100), hello);
 
     // Left posted across the sleep: SRQ WQE 2 (and 3 below) on Y, two
     // receives of ua on X, five receives of the connected a, and one
@@ -148,6 +174,30 @@ fn sleep_and_resume(seed: u64) {
     );
     // The send and the receive it consumed complete; left unpolled on both
     // sides, they must survive the sleep in order.
+    w.settle();
+    // ua drained (SQD): two sends posted now wait, across the sleep, for
+    // the return to RTS.
+    assert_eq!(
+        modify(&w, x, ua, &QpModify::to_state(QpState::Sqd)),
+        IbStatus::Success
+    );
+    let fourth = pattern(8, 400);
+    mx.write(7200, &fourth);
+    let fifth = pattern(9, 100);
+    mx.write(7700, &fifth);
+    assert_eq!(
+        post_send(
+            &w,
+            x,
+            ua,
+            vec![
+                ud_send(14, mx.sge(7200, 400), qpn_ub),
+                ud_send(15, mx.sge(7700, 100), qpn_ub)
+            ],
+            Some(av_y)
+        ),
+        (2, IbStatus::Success)
+    );
     w.settle();
 
     w.sleep();
@@ -190,7 +240,7 @@ fn sleep_and_resume(seed: u64) {
         sy.client.events_of(AsyncEventCode::QpFatal),
         vec![(b, Irql::DISPATCH)]
     );
-    assert_eq!(qp_state(&w, x, ua), QpState::Rts);
+    assert_eq!(qp_state(&w, x, ua), QpState::Sqd);
     assert_eq!(qp_state(&w, y, ub), QpState::Rts);
 
     // The MR: same keys, and the device's entry says so.
@@ -200,8 +250,23 @@ fn sleep_and_resume(seed: u64) {
     assert_eq!(mpt_after.key, mpt_before.key);
     assert_eq!(mpt_after.start, mpt_before.start);
 
-    // UD again: X -> Y lands in the SRQ WQEs posted before the sleep (2,
-    // then 3); Y -> X in ua's receives posted before the sleep (20).
+    // UD again. Back to RTS, ua sends the two WRs posted before the sleep
+    // (14, 15) into the SRQ WQEs posted before the sleep (2, 3); then two
+    // more into new ones (4, 5); Y -> X lands in ua's receive posted
+    // before the sleep (20).
+    assert_eq!(
+        modify(&w, x, ua, &QpModify::to_state(QpState::Rts)),
+        IbStatus::Success
+    );
+    assert_eq!(
+        post_srq(
+            &w,
+            y,
+            srq,
+            vec![recv(4, my.sge(0, 1064)), recv(5, my.sge(5200, 800))]
+        ),
+        (2, IbStatus::Success)
+    );
     let second = pattern(2, 700);
     mx.write(0, &second);
     let third = pattern(3, 300);
@@ -238,24 +303,30 @@ fn sleep_and_resume(seed: u64) {
         vec![
             (12, WcStatus::Success, 700),
             (13, WcStatus::Success, 300),
+            (14, WcStatus::Success, 400),
+            (15, WcStatus::Success, 100),
             (20, WcStatus::Success, 240)
         ]
     );
-    assert_eq!(at_x[2].src_qp.get(), qpn_ub);
+    assert_eq!(at_x[4].src_qp.get(), qpn_ub);
     assert_eq!(mx.read(2048 + 40, 200), back);
     let mut at_y = poll_all(&w, y, sy.cq);
     at_y.sort_by_key(|wc| wc.wr_id);
     assert_eq!(
         summary(&at_y),
         vec![
-            (2, WcStatus::Success, 740),
-            (3, WcStatus::Success, 340),
+            (2, WcStatus::Success, 440),
+            (3, WcStatus::Success, 140),
+            (4, WcStatus::Success, 740),
+            (5, WcStatus::Success, 340),
             (30, WcStatus::Success, 200)
         ]
     );
-    assert_eq!(at_y[0].src_qp.get(), qpn_ua);
-    assert_eq!(my.read(2048 + 40, 700), second);
-    assert_eq!(my.read(4096 + 40, 300), third);
+    assert!(at_y[..4].iter().all(|wc| wc.src_qp.get() == qpn_ua));
+    assert_eq!(my.read(2048 + 40, 400), fourth);
+    assert_eq!(my.read(4096 + 40, 100), fifth);
+    assert_eq!(my.read(40, 700), second);
+    assert_eq!(my.read(5200 + 40, 300), third);
 
     // Re-connecting the RC pair works, and Y writes into X's region with
     // the R_Key X had before the sleep; X reads it back.
