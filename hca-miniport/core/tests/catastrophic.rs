@@ -186,6 +186,14 @@ fn fail_with_work_in_flight(seed: u64, trigger: Trigger, commands_stuck: bool, s
         vec![(srq, Irql::DISPATCH)]
     );
 
+    // The CQ was never armed: its completion event is software's, telling
+    // the client the flushes are there.
+    assert!(
+        support::lock(&sx.client.completions)
+            .iter()
+            .any(|&(cq, irql)| cq == sx.cq && irql == Irql::DISPATCH)
+    );
+
     // Every WR exactly once, with its wr_id: the writes the device finished
     // succeed, the rest and every receive are flushed.
     let wcs = poll_all(&w, x, sx.cq);

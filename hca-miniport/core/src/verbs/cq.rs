@@ -332,6 +332,7 @@ impl<P: Platform> Hca<P> {
     /// destroyed. Callable at DISPATCH_LEVEL.
     pub fn arm_cq(&self, cq: u64, notify: CqNotify) -> Result<(), IbStatus> {
         self.check_running()?;
+        let handle = cq;
         let cq = self.find_cq(cq, RequestorMode::Kernel)?;
         let mut ring = cq.ring.lock();
         if ring.life != Life::Live {
@@ -342,7 +343,7 @@ impl<P: Platform> Hca<P> {
             // comes from software, from the DPC.
             ring.armed = None;
             drop(ring);
-            self.queue_soft_completion(cq.cqn);
+            self.queue_soft_completion(handle);
             return Ok(());
         }
         ring.armed = Some(notify);

@@ -77,8 +77,8 @@ use crate::resources::{Handle, KERNEL_UAR, kind};
 /// An event software produced for the client, delivered by the DPC.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum SoftEvent {
-    /// A completion event on the CQ with this number.
-    Completion(u32),
+    /// A completion event on the CQ with this (raw) handle.
+    Completion(u64),
     /// An asynchronous event.
     Async(AsyncEventRecord),
 }
@@ -120,24 +120,47 @@ impl<P: Platform> Hca<P> {
         self.deferred.queue_dpc();
     }
 
-    /// Queues a software completion event for CQ number `cqn`.
-    pub(crate) fn queue_soft_completion(&self, cqn: u32) {
-        self.queue_soft_event(SoftEvent::Completion(cqn));
+    /// Queues a software completion event for the CQ `cq` (raw handle).
+    pub(crate) fn queue_soft_completion(&self, cq: u64) {
+        self.queue_soft_event(SoftEvent::Completion(cq));
     }
 
     /// Delivers the queued software events (from the DPC); held while the
-    /// device is below D0.
+    /// device is below D0. An event whose CQ, QP or SRQ was destroyed
+    /// since it was queued is dropped: handles carry a generation, so it
+    /// never reaches a new owner of the number.
     pub(crate) fn deliver_soft_events(&self) {
         if self.powered_down.load(Ordering::Acquire) {
             return;
         }
         let events = core::mem::take(&mut *self.verbs.soft_events.lock());
         for event in events {
-            match event {
-                SoftEvent::Completion(cqn) => {
-                    if let Some(cq) = self.cq_owner(cqn) {
-                        self.deliver(|client| client.completion(cq));
+            let live = self
+                .with_objects(|o| match event {
+                    SoftEvent::Completion(cq) => {
+                        o.cqs.get(Handle::<kind::Cq>::from_raw(cq)).is_some()
                     }
+                    SoftEvent::Async(record) => match record.code {
+                        AsyncEventCode::QpFatal => o
+                            .qps
+                            .objects()
+                            .get(Handle::<kind::Qp>::from_raw(record.handle))
+                            .is_some(),
+                        AsyncEventCode::SrqCatastrophic => o
+                            .srqs
+                            .get(Handle::<kind::Srq>::from_raw(record.handle))
+                            .is_some(),
+                        _ => true,
+                    },
+                })
+                .unwrap_or(false);
+            if !live {
+                continue;
+            }
+            match event {
+                SoftEvent::Completion(cq) => {
+                    let cq = ib_types::handle::CqHandle::from_raw(cq);
+                    self.deliver(|client| client.completion(cq));
                 }
                 SoftEvent::Async(record) => self.deliver(|client| client.async_event(&record)),
             }
@@ -287,13 +310,13 @@ impl<P: Platform> Hca<P> {
             if wcs.is_empty() {
                 continue;
             }
-            let cq = self
+            let found = self
                 .with_objects(|o| o.cqs.get(Handle::<kind::Cq>::from_raw(cq)).cloned())
                 .ok()
                 .flatten();
-            if let Some(cq) = cq {
-                cq.ring.lock().backlog.extend(wcs);
-                self.queue_soft_completion(cq.cqn);
+            if let Some(found) = found {
+                found.ring.lock().backlog.extend(wcs);
+                self.queue_soft_completion(cq);
             }
         }
     }
@@ -316,7 +339,10 @@ impl<P: Platform> Hca<P> {
             (
                 o.mtt.clone(),
                 o.eqn,
-                o.cqs.iter().map(|(_, c)| c.clone()).collect::<Vec<_>>(),
+                o.cqs
+                    .iter()
+                    .map(|(h, c)| (h.raw(), c.clone()))
+                    .collect::<Vec<_>>(),
                 o.srqs.iter().map(|(_, s)| s.clone()).collect::<Vec<_>>(),
             )
         }) else {
@@ -324,7 +350,7 @@ impl<P: Platform> Hca<P> {
             return Ok(());
         };
         run(mtt.restore_commands())?;
-        for cq in &cqs {
+        for (_, cq) in &cqs {
             run(self.restore_cq(cq, eqn))?;
         }
         for srq in &srqs {
@@ -337,7 +363,7 @@ impl<P: Platform> Hca<P> {
                 self.ring_send_doorbell(qp.qpn, producer);
             }
         }
-        for cq in &cqs {
+        for (handle, cq) in &cqs {
             let mut ring = cq.ring.lock();
             let Some(notify) = ring.armed else { continue };
             if ring.backlog.is_empty() {
@@ -352,7 +378,7 @@ impl<P: Platform> Hca<P> {
             } else {
                 ring.armed = None;
                 drop(ring);
-                self.queue_soft_completion(cq.cqn);
+                self.queue_soft_completion(*handle);
             }
         }
         Ok(())
