@@ -471,3 +471,95 @@ fn released_while_asleep_frees_every_object_of_the_core() {
     let _ = (sy, ua);
     w.finish();
 }
+
+#[test]
+fn requests_in_flight_at_d0_exit_are_answered_and_leak_nothing() {
+    use ib_types::cq::CqAttr;
+    use ib_types::ioctl::{CreateCq, CreateQp};
+    for seed in 400..406 {
+        let (w, [x, _]) = two_hcas(seed, hca_miniport_core::init::HcaConfig::default());
+        let sx = side(&w, x);
+        let (ua, _) = create_qp(&w, &sx, QpType::Ud, None);
+        let attr = CqAttr {
+            cqe: 8,
+            comp_vector: 0,
+        };
+        let (create_cq, cq_issuer) = w.request::<CreateCq>(KERNEL, sx.ca, &attr, 0);
+        let qp_input = ib_types::qp::QpCreate {
+            qp_type: QpType::Ud,
+            pd: ib_types::handle::PdHandle::from_raw(sx.pd),
+            send_cq: ib_types::handle::CqHandle::from_raw(sx.cq),
+            recv_cq: ib_types::handle::CqHandle::from_raw(sx.cq),
+            srq: None,
+            caps: ib_types::qp::QpCaps {
+                max_send_wr: 4,
+                max_recv_wr: 4,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            sq_sig_all: false,
+            port: None,
+        };
+        let (create_qp_req, qp_issuer) = w.request::<CreateQp>(KERNEL, sx.ca, &qp_input, 0);
+        let init = QpModify {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: ib_types::scalars::PortNum::new(1).ok(),
+            qkey: Some(QKey::new(QKEY)),
+            ..QpModify::default()
+        };
+        let (modify_req, modify_issuer) = w.request::<ModifyQp>(KERNEL, ua, &init, 0);
+        {
+            let hca = w.hca_at(x);
+            w.in_dpc(move || {
+                hca.submit_request(create_cq);
+                hca.submit_request(create_qp_req);
+                hca.submit_request(modify_req);
+            });
+        }
+        // No settle: the power transition and the verbs interleave as the
+        // seed decides.
+        w.sleep();
+        w.resume();
+        let done = cq_issuer.completion().expect("CreateCq answered");
+        let cq = response::<CreateCq>(&done);
+        let done = qp_issuer.completion().expect("CreateQp answered");
+        let qp = response::<CreateQp>(&done);
+        let done = modify_issuer.completion().expect("ModifyQp answered");
+        let modified = response::<ModifyQp>(&done).status;
+        // The cache says what the device was told: INIT exactly when the
+        // modify succeeded.
+        let expected = if modified == IbStatus::Success {
+            QpState::Init
+        } else {
+            QpState::Reset
+        };
+        assert_eq!(qp_state(&w, x, ua), expected, "seed {seed}");
+        for (status, handle) in [(cq.status, cq.handle), (qp.status, qp.handle)] {
+            assert!(
+                matches!(status, IbStatus::Success | IbStatus::InvalidState),
+                "seed {seed}: {status:?}"
+            );
+            assert_eq!(handle != 0, status == IbStatus::Success);
+        }
+        // What was created works after the resume and is destroyed.
+        if qp.status == IbStatus::Success {
+            let r = w.call_in_dpc_at::<DestroyQp>(x, KERNEL, qp.handle, &Empty, 0);
+            assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+        }
+        if cq.status == IbStatus::Success {
+            assert!(poll_all(&w, x, cq.handle).is_empty());
+            let r = w.call_in_dpc_at::<DestroyCq>(x, KERNEL, cq.handle, &Empty, 0);
+            assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+        }
+        let r = w.call_in_dpc_at::<DestroyQp>(x, KERNEL, ua, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+        let _ = poll_all(&w, x, sx.cq);
+        let r = w.call_in_dpc_at::<DestroyCq>(x, KERNEL, sx.cq, &Empty, 0);
+        assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+        let r = w.call_in_dpc_at::<DeallocPd>(x, KERNEL, sx.pd, &Empty, 0);
+        assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+        w.finish();
+    }
+}

@@ -435,8 +435,10 @@ where
         };
         let responder = a.responder;
         self.queue_passive(Box::new(move |hca| {
-            // A stop since the request dropped every object: nothing to undo.
+            // Stopped (every object dropped: the undo finds nothing) or
+            // below D0 (the objects stay: give the reservation back).
             if hca.report().is_none() {
+                hca.forget_cq(handle, mtt);
                 responder.fail(IbStatus::InvalidState);
                 return;
             }
@@ -528,6 +530,9 @@ where
         };
         self.queue_passive(Box::new(move |hca| {
             if hca.report().is_none() {
+                // Below D0 the CQ stays: back to its old ring.
+                let _ = hca.with_objects(|o| o.mtt.return_entries(mtt));
+                cq.set_life(Life::Live);
                 responder.fail(IbStatus::InvalidState);
                 return;
             }

@@ -799,6 +799,8 @@ where
         );
         self.queue_passive(Box::new(move |hca| {
             if hca.report().is_none() {
+                // Stopped (nothing to undo) or below D0 (give it back).
+                hca.forget_qp(handle, &qp);
                 responder.fail(IbStatus::InvalidState);
                 return;
             }

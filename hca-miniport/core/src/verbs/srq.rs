@@ -416,8 +416,10 @@ where
         };
         let responder = a.responder;
         self.queue_passive(Box::new(move |hca| {
-            // A stop since the request dropped every object: nothing to undo.
+            // Stopped (every object dropped: the undo finds nothing) or
+            // below D0 (the objects stay: give the reservation back).
             if hca.report().is_none() {
+                hca.forget_srq(handle, pd, mtt);
                 responder.fail(IbStatus::InvalidState);
                 return;
             }
