@@ -563,3 +563,93 @@ fn requests_in_flight_at_d0_exit_are_answered_and_leak_nothing() {
         w.finish();
     }
 }
+
+#[test]
+fn an_rc_qp_not_yet_connected_keeps_its_state_and_receives() {
+    use ib_types::access::AccessFlags;
+    use ib_types::scalars::{Mtu, PortNum, Psn};
+    let (w, [x, y]) = two_hcas(75, hca_miniport_core::init::HcaConfig::default());
+    let (sx, sy) = (side(&w, x), side(&w, y));
+    let (mx, my) = (Mem::new(&w, x, sx.pd), Mem::new(&w, y, sy.pd));
+    let (c, qpn_c) = create_qp(&w, &sx, QpType::Rc, None);
+    let (d, qpn_d) = create_qp(&w, &sy, QpType::Rc, None);
+    let init = QpModify {
+        state: Some(QpState::Init),
+        pkey_index: Some(0),
+        port: PortNum::new(1).ok(),
+        access: Some(AccessFlags::REMOTE_WRITE),
+        ..QpModify::default()
+    };
+    assert_eq!(modify(&w, x, c, &init), IbStatus::Success);
+    assert_eq!(
+        post_recv(
+            &w,
+            x,
+            c,
+            vec![recv(70, mx.sge(0, 256)), recv(71, mx.sge(256, 256))]
+        ),
+        (2, IbStatus::Success)
+    );
+    w.sleep();
+    w.resume();
+    assert_eq!(qp_state(&w, x, c), QpState::Init);
+    assert!(sx.client.events_of(AsyncEventCode::QpFatal).is_empty());
+    // Connected only now: INIT -> RTR -> RTS on X, the whole way on Y.
+    let rtr = QpModify {
+        state: Some(QpState::Rtr),
+        av: Some(av_to(HCA_IPS[1][0])),
+        path_mtu: Some(Mtu::Mtu1024),
+        dest_qpn: Some(Qpn::new(qpn_d).unwrap()),
+        rq_psn: Some(Psn::new(100).unwrap()),
+        max_dest_rd_atomic: Some(1),
+        min_rnr_timer: Some(12),
+        ..QpModify::default()
+    };
+    assert_eq!(modify(&w, x, c, &rtr), IbStatus::Success);
+    let rts = QpModify {
+        state: Some(QpState::Rts),
+        sq_psn: Some(Psn::new(100).unwrap()),
+        timeout: Some(14),
+        retry_cnt: Some(7),
+        rnr_retry: Some(7),
+        max_rd_atomic: Some(1),
+        ..QpModify::default()
+    };
+    assert_eq!(modify(&w, x, c, &rts), IbStatus::Success);
+    connect(&w, y, d, qpn_c, HCA_IPS[0][0]);
+    let bytes = pattern(21, 200);
+    my.write(0, &bytes);
+    assert_eq!(
+        post_send(&w, y, d, vec![send(72, my.sge(0, 200), SendOp::Send)], None),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        summary(&poll_all(&w, x, sx.cq)),
+        vec![(70, WcStatus::Success, 200)]
+    );
+    assert_eq!(mx.read(0, 200), bytes);
+    assert_eq!(
+        summary(&poll_all(&w, y, sy.cq))
+            .into_iter()
+            .map(|(id, st, _)| (id, st))
+            .collect::<Vec<_>>(),
+        vec![(72, WcStatus::Success)]
+    );
+    for (i, qp) in [(x, c), (y, d)] {
+        let r = w.call_in_dpc_at::<DestroyQp>(i, KERNEL, qp, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    // The flushed receive 71 of c.
+    assert_eq!(
+        summary(&poll_all(&w, x, sx.cq)),
+        vec![(71, WcStatus::WrFlushErr, 0)]
+    );
+    let _ = poll_all(&w, y, sy.cq);
+    mx.free(&w);
+    my.free(&w);
+    for s in [&sx, &sy] {
+        let r = w.call_in_dpc_at::<DestroyCq>(s.i, KERNEL, s.cq, &Empty, 0);
+        assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    }
+    w.finish();
+}
