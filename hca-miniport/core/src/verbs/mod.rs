@@ -195,6 +195,8 @@ impl<P: Platform> Verbs<P> {
     /// owns no memory any more.
     pub(crate) fn take_buffers(&self) -> Vec<Buffer<P>> {
         let objects = self.objects.lock().take();
+        // Their objects are gone; a later start's must not hear of them.
+        self.soft_events.lock().clear();
         let mut buffers = core::mem::take(&mut *self.to_free.lock());
         if let Some(objects) = objects {
             for (_, cq) in objects.cqs.iter() {
