@@ -15,6 +15,10 @@
 //! Verbs: [`verbs`] is the request path of every control verb
 //! (`Hca::submit_request`) with the CA, PD and CQ verbs, polling and
 //! arming (guide 4, 6.1, 6.2, 6.8, 8.2, 8.3).
+//!
+//! Power and failure: [`Hca::d0_exit`] and [`Hca::d0_entry`] keep every
+//! verb object across a D0 exit ([`verbs::restore`]); a device failure
+//! fails the verbs over to software ([`verbs::fatal`]).
 
 #![cfg_attr(not(test), no_std)]
 #![forbid(unsafe_code)]
