@@ -50,11 +50,16 @@
 //!   work without completions and keeps the CQEs already written, PRM
 //!   6.1.3/6.1.4); when it completes the number goes to quarantine
 //!   (`QpTable::destroy`), the uses of PD and CQs are dropped, and the
-//!   memory is freed by the work item. Multicast attachments: the device
-//!   drops them with the QP (PRM 6.1.4); the core keeps a per-QP count
-//!   ([`Qp::mcast_attachments`]) that the multicast verbs will maintain,
-//!   and destroy answers [`IbStatus::ResourceBusy`] while it is not zero
-//!   (guide 6.5.5: detach first). Destroy first moves a QP that is not in
+//!   memory is freed by the work item. Multicast attachments (guide 6.5.5
+//!   item 6: remove the QP from every group): destroy detaches every
+//!   membership first (`DETACH_MCG` each, although `HW2SW_QP` would drop
+//!   them too, PRM 6.1.4, so the device's groups never depend on that),
+//!   and their handles go stale with the QP; an attach or detach still in
+//!   flight makes destroy [`IbStatus::ResourceBusy`] (the per-QP count
+//!   [`Qp::mcast_attachments`] disagrees with the memberships). If a
+//!   command of the destroy fails, the QP and its memberships stay (a
+//!   group detached before the failure is then still listed: the device
+//!   failed, and a reset drops everything). Destroy first moves a QP that is not in
 //!   RESET to ERR, so the device completes every outstanding WQE with
 //!   `WR_FLUSH_ERR` (PRM 10.5) before `HW2SW_QP`; posts are refused
 //!   ([`IbStatus::InvalidQpHandle`]) from the moment destroy begins. The
@@ -358,6 +363,34 @@ impl<P: Platform> Qp<P> {
     /// attach and decrement it on detach.
     pub fn mcast_attachments(&self) -> &AtomicU32 {
         &self.mcast
+    }
+
+    /// The QP's type.
+    pub fn qp_type(&self) -> QpType {
+        self.qp_type
+    }
+
+    /// Counts an attachment about to be made (`verbs::mcast`), under the
+    /// control lock so that a destroy that has begun sees it or refuses
+    /// it: [`IbStatus::InvalidQpHandle`] once destroy began.
+    pub(crate) fn begin_mcast_attach(&self) -> Result<(), IbStatus> {
+        let c = self.control.lock();
+        match c.life {
+            Life::Live | Life::Modifying => {
+                self.mcast.fetch_add(1, Ordering::AcqRel);
+                Ok(())
+            }
+            Life::Creating | Life::Destroying => Err(IbStatus::InvalidQpHandle),
+        }
+    }
+
+    /// Drops an attachment counted by
+    /// [`begin_mcast_attach`](Self::begin_mcast_attach) (it failed, or was
+    /// detached).
+    pub(crate) fn end_mcast_attach(&self) {
+        let _ = self
+            .mcast
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
 
     /// The cached state.
@@ -949,15 +982,20 @@ where
                 return;
             }
         };
+        // Guide 6.5.5 item 6: the QP leaves every multicast group it is in.
+        // Its memberships are claimed first (object-table lock), then
+        // checked against the count under the control lock: an attach or
+        // detach still in flight makes the destroy busy.
+        let memberships = match self.claim_memberships(qp.qpn) {
+            Ok(memberships) => memberships,
+            Err(status) => return a.responder.fail(status),
+        };
         {
             let mut c = qp.control.lock();
-            if c.life != Life::Live {
+            let settled = qp.mcast.load(Ordering::Acquire) as usize == memberships.len();
+            if c.life != Life::Live || !settled {
                 drop(c);
-                a.responder.fail(IbStatus::ResourceBusy);
-                return;
-            }
-            if qp.mcast.load(Ordering::Acquire) != 0 {
-                drop(c);
+                self.unclaim_memberships(&memberships);
                 a.responder.fail(IbStatus::ResourceBusy);
                 return;
             }
@@ -975,7 +1013,10 @@ where
         // To ERR first (PRM 6.1.3): the device completes every outstanding
         // WQE with WR_FLUSH_ERR, so no posted WR is lost silently; then
         // HW2SW_QP. A QP in RESET has nothing outstanding.
-        let mut commands = Vec::new();
+        let mut commands: Vec<Command> = memberships
+            .iter()
+            .map(|(_, gid)| super::mcast::detach_command(qp.qpn, gid))
+            .collect();
         if qp.state() != QpState::Reset {
             let mut input = ModifyQpInput::new_zeroed();
             input.attr_mask = Le32::new(ib_types::qp::QpAttrMask::STATE.bits());
@@ -999,12 +1040,15 @@ where
                     // QP stays findable by number for the flushed
                     // completions' wr_ids until the number is reused.
                     let _ = hca.with_objects(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
+                    hca.drop_memberships(&memberships);
+                    qp.mcast.store(0, Ordering::Release);
                     hca.forget_qp(handle, &qp);
                     responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
                 }
                 Err(error) => {
                     qp.closing.store(false, Ordering::Release);
                     qp.set_life(Life::Live);
+                    hca.unclaim_memberships(&memberships);
                     responder.fail(error.ib_status());
                 }
             }),
