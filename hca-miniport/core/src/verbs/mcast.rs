@@ -85,11 +85,8 @@ impl<P: Platform> Hca<P> {
             gid,
             busy: true,
         };
-        let recorded = self.with_objects(|o| {
-            o.mcasts
-                .insert_with(|_| membership)
-                .map_err(IbStatus::from)
-        });
+        let recorded =
+            self.with_objects(|o| o.mcasts.insert_with(|_| membership).map_err(IbStatus::from));
         let handle = match recorded.and_then(|r| r) {
             Ok(handle) => handle,
             Err(status) => {

@@ -36,9 +36,9 @@ use alloc::sync::Arc;
 use alloc::vec;
 
 use driver_platform::{Platform, RequestorMode};
+use hca_prm::Le32;
 use hca_prm::cmd::Opcode;
 use hca_prm::mpt::{MptEntry, MptKind};
-use hca_prm::Le32;
 use ib_types::handle::PdHandle;
 use ib_types::ioctl::{AllocMw, DeallocMw, Empty, QueryMw, QueryMwOut};
 use ib_types::mr::{MwAttr, MwType};
@@ -133,7 +133,9 @@ impl<P: Platform> Hca<P> {
         };
         let responder = a.responder;
         self.run_commands(
-            vec![Command::new(Opcode::Sw2HwMpt, key.index()).with_mailbox(entry.as_bytes().to_vec())],
+            vec![
+                Command::new(Opcode::Sw2HwMpt, key.index()).with_mailbox(entry.as_bytes().to_vec()),
+            ],
             Box::new(move |hca, result| {
                 if let Err(error) = result {
                     let _ = mt.free_window_key(key.index());

@@ -220,12 +220,7 @@ impl<P: Platform> Hca<P> {
 
     /// Puts a region back into its entry, with its (possibly new) PD.
     /// Returns the region if the entry is gone (the device was stopped).
-    fn put_region(
-        &self,
-        mr: u64,
-        region: MemoryRegion<P>,
-        pd: u64,
-    ) -> Result<(), MemoryRegion<P>> {
+    fn put_region(&self, mr: u64, region: MemoryRegion<P>, pd: u64) -> Result<(), MemoryRegion<P>> {
         let mut slot = Some(region);
         let _ = self.with_objects(|o| {
             if let Some(entry) = o.mrs.get_mut(Handle::<kind::Mr>::from_raw(mr)) {

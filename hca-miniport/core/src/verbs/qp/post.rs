@@ -4,9 +4,9 @@
 
 use core::sync::atomic::Ordering;
 
+use alloc::vec::Vec;
 use driver_platform::{CommonBuffer, Mmio, Platform, RequestorMode};
 use hca_prm::doorbell::{DoorbellRecord, SQ_DOORBELL, SqDoorbell, uar_offset};
-use alloc::vec::Vec;
 use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES, SendWqe, WqeOp};
 use ib_types::mr::MwType;
 use ib_types::qp::{QpState, QpType};
@@ -86,19 +86,17 @@ impl<P: Platform> Hca<P> {
         // The windows that bind WRs name, resolved before the ring lock
         // (the object-table lock is never taken under a ring lock); no
         // allocation for batches without a bind.
-        let windows: Vec<Result<(MwType, u32), IbStatus>> = if wrs
-            .iter()
-            .any(|r| matches!(r.wr.op, SendOp::BindMw { .. }))
-        {
-            wrs.iter()
-                .map(|r| match r.wr.op {
-                    SendOp::BindMw { mw, .. } => self.window_for_bind(mw.raw()),
-                    _ => Ok((MwType::Type2, 0)),
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let windows: Vec<Result<(MwType, u32), IbStatus>> =
+            if wrs.iter().any(|r| matches!(r.wr.op, SendOp::BindMw { .. })) {
+                wrs.iter()
+                    .map(|r| match r.wr.op {
+                        SendOp::BindMw { mw, .. } => self.window_for_bind(mw.raw()),
+                        _ => Ok((MwType::Type2, 0)),
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
         let ring_bbs = 1u32 << g.sq_log_bbs;
         let ring_bytes = BB_SIZE << g.sq_log_bbs;
         let mut sq = qp.sq.lock();
