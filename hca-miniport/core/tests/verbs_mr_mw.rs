@@ -962,6 +962,32 @@ fn bad_inputs_get_a_clear_status_and_change_nothing() {
     assert_eq!(status, IbStatus::Success);
     let q = q.unwrap();
     assert_eq!((q.keys, q.pd.raw(), q.vaddr), (buf.keys, s.pd, buf.addr(0)));
+    // One operation at a time: a deregistration issued while a
+    // re-registration is in flight (one DPC) is busy; the re-registration
+    // completes.
+    let rights = MrRereg {
+        access: Some(AccessFlags::LOCAL_WRITE),
+        ..MrRereg::default()
+    };
+    let (rereg_req, rereg_issuer) = w.request::<ReregMr>(KERNEL, buf.mr, &rights, 0);
+    let (dereg_req, dereg_issuer) = w.request::<DeregMr>(KERNEL, buf.mr, &Empty, 0);
+    let hca = w.hca_at(x);
+    w.in_dpc(move || {
+        hca.submit_request(rereg_req);
+        hca.submit_request(dereg_req);
+    });
+    w.settle();
+    let r = dereg_issuer.completion().unwrap();
+    assert_eq!(response::<DeregMr>(&r).status, IbStatus::ResourceBusy);
+    let r = rereg_issuer.completion().unwrap();
+    let resp = response::<ReregMr>(&r);
+    assert_eq!(resp.status, IbStatus::Success);
+    let buf = Buf {
+        keys: resp.output.unwrap(),
+        ..buf
+    };
+    let (_, q) = query_mr(&w, x, buf.mr);
+    assert_eq!(q.unwrap().access, AccessFlags::LOCAL_WRITE);
     // A shared registration over a stale region.
     let share = MrShare {
         pd: PdHandle::from_raw(s.pd),

@@ -414,6 +414,11 @@ impl World {
         self.raw_request(V::ID.ioctl().raw(), mode, bytes, out_len)
     }
 
+    /// The PCI function of HCA `i` (to look at the simulated device).
+    pub(crate) fn function_at(&self, i: usize) -> Arc<PciFunction> {
+        lock(&self.all[i].function).clone().expect("started")
+    }
+
     /// Submits `request` to HCA `i` from a DPC, runs the machine, and
     /// returns the completion.
     pub(crate) fn submit_in_dpc_at(
