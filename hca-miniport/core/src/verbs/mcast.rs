@@ -186,6 +186,37 @@ impl<P: Platform> Hca<P> {
         })?
     }
 
+    /// Detaches QP `qpn` from the groups of `memberships` (claimed by
+    /// [`claim_memberships`](Self::claim_memberships) for the QP's
+    /// destroy), one `DETACH_MCG` after the other, forgetting each
+    /// membership and dropping it from the QP's count when its command
+    /// completes, whatever the outcome: the QP leaves the group in any
+    /// case, since `HW2SW_QP` drops attachments too (PRM 6.1.4). Then
+    /// runs `done`.
+    pub(crate) fn leave_groups(
+        self: &Arc<Self>,
+        qpn: u32,
+        mut memberships: Vec<(Handle<kind::Mcast>, Gid)>,
+        done: super::Job<P>,
+    ) {
+        let Some((handle, gid)) = memberships.pop() else {
+            return done(self);
+        };
+        self.run_commands(
+            vec![detach_command(qpn, &gid)],
+            Box::new(move |hca, _| {
+                let qp = hca
+                    .with_objects(|o| o.mcasts.remove(handle).ok().map(|m| m.qp))
+                    .ok()
+                    .flatten();
+                if let Some(qp) = qp {
+                    qp.end_mcast_attach();
+                }
+                hca.leave_groups(qpn, memberships, done);
+            }),
+        );
+    }
+
     /// Gives back memberships claimed by
     /// [`claim_memberships`](Self::claim_memberships) (the destroy did not
     /// happen).
@@ -195,15 +226,6 @@ impl<P: Platform> Hca<P> {
                 if let Some(m) = o.mcasts.get_mut(*h) {
                     m.busy = false;
                 }
-            }
-        });
-    }
-
-    /// Forgets memberships the destroy of their QP detached.
-    pub(crate) fn drop_memberships(&self, memberships: &[(Handle<kind::Mcast>, Gid)]) {
-        let _ = self.with_objects(|o| {
-            for (h, _) in memberships {
-                let _ = o.mcasts.remove(*h);
             }
         });
     }

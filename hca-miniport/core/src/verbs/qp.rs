@@ -52,14 +52,13 @@
 //!   (`QpTable::destroy`), the uses of PD and CQs are dropped, and the
 //!   memory is freed by the work item. Multicast attachments (guide 6.5.5
 //!   item 6: remove the QP from every group): destroy detaches every
-//!   membership first (`DETACH_MCG` each, although `HW2SW_QP` would drop
-//!   them too, PRM 6.1.4, so the device's groups never depend on that),
-//!   and their handles go stale with the QP; an attach or detach still in
-//!   flight makes destroy [`IbStatus::ResourceBusy`] (the per-QP count
-//!   [`Qp::mcast_attachments`] disagrees with the memberships). If a
-//!   command of the destroy fails, the QP and its memberships stay (a
-//!   group detached before the failure is then still listed: the device
-//!   failed, and a reset drops everything). Destroy first moves a QP that is not in
+//!   membership first (`DETACH_MCG` each, one after the other; a refusal
+//!   is not an obstacle, since `HW2SW_QP` drops attachments too, PRM
+//!   6.1.4) and forgets it, so its handle goes stale; an attach or detach
+//!   still in flight makes destroy [`IbStatus::ResourceBusy`] before
+//!   anything is sent (the per-QP count [`Qp::mcast_attachments`]
+//!   disagrees with the memberships). If a later command of the destroy
+//!   fails, the QP stays, out of its groups. Destroy then moves a QP that is not in
 //!   RESET to ERR, so the device completes every outstanding WQE with
 //!   `WR_FLUSH_ERR` (PRM 10.5) before `HW2SW_QP`; posts are refused
 //!   ([`IbStatus::InvalidQpHandle`]) from the moment destroy begins. The
@@ -1013,10 +1012,7 @@ where
         // To ERR first (PRM 6.1.3): the device completes every outstanding
         // WQE with WR_FLUSH_ERR, so no posted WR is lost silently; then
         // HW2SW_QP. A QP in RESET has nothing outstanding.
-        let mut commands: Vec<Command> = memberships
-            .iter()
-            .map(|(_, gid)| super::mcast::detach_command(qp.qpn, gid))
-            .collect();
+        let mut commands = Vec::new();
         if qp.state() != QpState::Reset {
             let mut input = ModifyQpInput::new_zeroed();
             input.attr_mask = Le32::new(ib_types::qp::QpAttrMask::STATE.bits());
@@ -1026,7 +1022,24 @@ where
             );
         }
         commands.push(Command::new(Opcode::Hw2SwQp, qp.qpn));
-        self.run_commands(
+        let qpn = qp.qpn;
+        self.leave_groups(
+            qpn,
+            memberships,
+            Box::new(move |hca| Self::finish_destroy(hca, qp, handle, commands, responder)),
+        );
+    }
+
+    /// The rest of a destroy, once the QP left its groups: to ERR, then
+    /// `HW2SW_QP`.
+    fn finish_destroy(
+        hca: &Arc<Self>,
+        qp: Arc<Qp<P>>,
+        handle: Handle<kind::Qp>,
+        commands: Vec<Command>,
+        responder: super::Responder<DestroyQp, P::Request>,
+    ) {
+        hca.run_commands(
             commands,
             Box::new(move |hca, result| match result {
                 Ok(_) => {
@@ -1040,15 +1053,12 @@ where
                     // QP stays findable by number for the flushed
                     // completions' wr_ids until the number is reused.
                     let _ = hca.with_objects(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
-                    hca.drop_memberships(&memberships);
-                    qp.mcast.store(0, Ordering::Release);
                     hca.forget_qp(handle, &qp);
                     responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
                 }
                 Err(error) => {
                     qp.closing.store(false, Ordering::Release);
                     qp.set_life(Life::Live);
-                    hca.unclaim_memberships(&memberships);
                     responder.fail(error.ib_status());
                 }
             }),
@@ -1058,9 +1068,9 @@ where
 
 impl<P: Platform> Hca<P> {
     /// The memory translation service the verbs own (the one MTT
-    /// allocator), for kernel clients that register memory directly until
-    /// the MR verbs exist. Fails with [`IbStatus::InvalidState`] while the
-    /// device is not started.
+    /// allocator), for kernel code that registers memory directly rather
+    /// than through the MR verbs (`verbs::region`). Fails with
+    /// [`IbStatus::InvalidState`] while the device is not started.
     pub fn memory_translation(&self) -> Result<crate::mr::MemoryTranslation<P>, IbStatus> {
         self.with_objects(|o| o.mtt.clone())
     }
