@@ -714,6 +714,22 @@ fn memory_windows_of_both_types_bind_grant_access_and_are_revoked() {
         (0, IbStatus::InvalidMwHandle)
     );
 
+    // Rights a window cannot have (local ones).
+    let local_rights = SendOp::BindMw {
+        mw: MwHandle::from_raw(mw1),
+        rkey: key1,
+        bind: MwBind {
+            mr_lkey: by.keys.lkey,
+            addr: by.addr(0),
+            length: 64,
+            access: AccessFlags::LOCAL_WRITE,
+        },
+    };
+    assert_eq!(
+        post_send(&w, y, b, vec![signaled(92, &[], local_rights)]),
+        (0, IbStatus::InvalidPermission)
+    );
+
     // Type 1: bound by a bind WR on y's QP over by[4096..8192].
     let wc = run_one(
         &w,
@@ -834,8 +850,21 @@ fn deallocating_a_bound_window_releases_its_region() {
     assert_eq!(dereg(&w, y, buf.mr), IbStatus::ResourceBusy);
     let r = w.call_in_dpc_at::<DeallocMw>(y, KERNEL, mw, &Empty, 0);
     assert_eq!(response::<DeallocMw>(&r).status, IbStatus::Success);
+    // The binding went with the window: the region's deregistration at
+    // the end succeeds.
+
+    // A region without MW_BIND cannot carry a window: the device fails the
+    // bind (MW_BIND_ERR), and the region stays free of windows.
+    let plain = Buf::new(&w, &s, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ);
+    let (mw, _) = alloc_mw(&w, &s, MwType::Type1);
+    let key = w.hca_at(y).next_mw_rkey(mw).unwrap();
+    let wc = run_one(&w, &s, b, signaled(2, &[], bind(mw, key, &plain, 0, 4096)));
+    assert_eq!(wc.status, WcStatus::MwBindErr);
     destroy_qp(&w, y, b);
     let _ = poll_all(&w, y, s.cq);
+    plain.free(&w, y);
+    let r = w.call_in_dpc_at::<DeallocMw>(y, KERNEL, mw, &Empty, 0);
+    assert_eq!(response::<DeallocMw>(&r).status, IbStatus::Success);
     buf.free(&w, y);
     teardown(&w, &s);
     w.finish();
