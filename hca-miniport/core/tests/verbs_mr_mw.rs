@@ -1054,3 +1054,29 @@ fn bad_inputs_get_a_clear_status_and_change_nothing() {
     teardown(&w, &s);
     w.finish();
 }
+
+#[test]
+fn regions_and_windows_left_at_stop_are_released() {
+    let (w, [x, _]) = two_hcas(76);
+    let s = setup(&w, x);
+    // A kernel client's buffer (its own pool allocation), registered and
+    // left so, with a window in the PD, when the device stops: the core
+    // unmaps and unlocks the pages itself; the verifier finds no mapping
+    // or lock left behind.
+    let block = w.host.pool().alloc("kclient", *b"Left", 3 * 4096).unwrap();
+    let input = MrRegister {
+        vaddr: block.va() + 100,
+        length: 2 * 4096,
+        access: ALL_RIGHTS,
+    };
+    let r = w.call_in_dpc_at::<RegMr>(x, KERNEL, s.pd, &input, 0);
+    assert_eq!(response::<RegMr>(&r).status, IbStatus::Success);
+    let (_mw, _) = alloc_mw(&w, &s, MwType::Type2);
+    let mt = w.hca_at(x).memory_translation().unwrap();
+    assert_eq!(mt.usage().regions, 1);
+    w.host.shut_down();
+    w.host.verifier().assert_clean();
+    assert_eq!(mt.usage().regions, 0);
+    assert_eq!(mt.usage().translations, 0);
+    w.host.pool().free(block);
+}
