@@ -58,9 +58,10 @@
 //!   still in flight makes destroy [`IbStatus::ResourceBusy`] before
 //!   anything is sent (the per-QP count [`Qp::mcast_attachments`]
 //!   disagrees with the memberships). If a later command of the destroy
-//!   fails, the QP stays, out of its groups. Destroy then moves a QP that is not in
-//!   RESET to ERR, so the device completes every outstanding WQE with
-//!   `WR_FLUSH_ERR` (PRM 10.5) before `HW2SW_QP`; posts are refused
+//!   fails, the QP stays, out of its groups. Destroy then moves a QP
+//!   that is not in RESET to ERR, so the device completes every
+//!   outstanding WQE with `WR_FLUSH_ERR` (PRM 10.5) before `HW2SW_QP`;
+//!   posts are refused
 //!   ([`IbStatus::InvalidQpHandle`]) from the moment destroy begins. The
 //!   destroyed QP stays findable by number (without its rings) until the
 //!   number is reused, so its flushed completions get their `wr_id`s.
