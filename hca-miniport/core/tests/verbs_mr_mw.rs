@@ -816,6 +816,61 @@ fn memory_windows_of_both_types_bind_grant_access_and_are_revoked() {
     let _ = poll_all(&w, x, sx.cq);
     let _ = poll_all(&w, y, sy.cq);
 
+    // A remote SEND_WITH_INV unbinds a type 2 window too: bound again (a
+    // new key) on a fresh pair's responder, the key carried by a send that
+    // invalidates it, then refused.
+    let (a, b) = pair(&w, &sx, &sy);
+    let key2b = hy.next_mw_rkey(mw2).unwrap();
+    let wc = run_one(
+        &w,
+        &sy,
+        b,
+        signaled(20, &[], bind(mw2, key2b, &by, 8192, 4096)),
+    );
+    assert_eq!(wc.status, WcStatus::Success);
+    let third = pattern(71, 2000);
+    bx.write(0, &third);
+    let wc = run_one(&w, &sx, a, signaled(21, src, via(key2b, 10000)));
+    assert_eq!(wc.status, WcStatus::Success);
+    assert_eq!(by.read(10000, 2000), third);
+    let recv_sges = leak_sges(vec![by.sge(0, 64)]);
+    let posted = std::sync::Arc::new(std::sync::Mutex::new(None));
+    {
+        let (hca, posted) = (w.hca_at(y), posted.clone());
+        w.in_dpc(move || {
+            let wrs = [ib_types::wr::RecvWr {
+                wr_id: 22,
+                sg_list: recv_sges,
+            }];
+            *support::lock(&posted) = Some(hca.post_recv(b, &wrs));
+        });
+        w.settle();
+    }
+    assert_eq!(*support::lock(&posted), Some((1, IbStatus::Success)));
+    let small = leak_sges(vec![bx.sge(0, 16)]);
+    let wc = run_one(
+        &w,
+        &sx,
+        a,
+        signaled(23, small, SendOp::SendWithInvalidate { rkey: key2b }),
+    );
+    assert_eq!(wc.status, WcStatus::Success);
+    let got = poll_all(&w, y, sy.cq);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!((got[0].wr_id, got[0].status), (22, WcStatus::Success));
+    assert!(
+        got[0]
+            .flags
+            .contains(ib_types::wc::WcFlags::WITH_INVALIDATE)
+    );
+    assert_eq!(got[0].imm_or_invalidated_rkey, key2b.get());
+    let wc = run_one(&w, &sx, a, signaled(24, src, via(key2b, 10000)));
+    assert_eq!(wc.status, WcStatus::RemAccessErr);
+    destroy_qp(&w, x, a);
+    destroy_qp(&w, y, b);
+    let _ = poll_all(&w, x, sx.cq);
+    let _ = poll_all(&w, y, sy.cq);
+
     // No window bound: the region deregisters. The windows still hold
     // their PD.
     let by_mr = by.mr;
