@@ -1,6 +1,6 @@
 //! Memory region verbs (guide 7.1, Table 4-1): RegMr, RegPhysMr,
 //! RegSharedMr, ReregMr, QueryMr and DeregMr as thin request-path verbs
-//! over [`MemoryTranslation`](crate::mr::MemoryTranslation), which does the
+//! over [`MemoryTranslation`], which does the
 //! work (locking, mapping, MTT, MPT commands, undo on failure).
 //!
 //! Contract:
