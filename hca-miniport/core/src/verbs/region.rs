@@ -1,7 +1,7 @@
 //! Memory region verbs (guide 7.1, Table 4-1): RegMr, RegPhysMr,
 //! RegSharedMr, ReregMr, QueryMr and DeregMr as thin request-path verbs
-//! over [`MemoryTranslation`], which does the
-//! work (locking, mapping, MTT, MPT commands, undo on failure).
+//! over [`MemoryTranslation`], which does the work (locking, mapping, MTT,
+//! MPT commands, undo on failure).
 //!
 //! Contract:
 //! - **Handles.** A region's handle is generation-checked like every other
