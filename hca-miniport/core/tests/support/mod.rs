@@ -428,7 +428,10 @@ impl World {
         issuer: RequestHandle,
     ) -> Completion {
         let hca = self.hca_at(i);
-        self.in_dpc(move || hca.submit_request(request));
+        self.in_dpc(move || {
+            assert_eq!(sim_host::irql::current(), driver_platform::Irql::DISPATCH);
+            hca.submit_request(request);
+        });
         self.settle();
         issuer.completion().expect("the request completed")
     }
