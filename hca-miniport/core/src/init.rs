@@ -394,7 +394,7 @@ impl<P: Platform> Hca<P> {
             self.powered_down
                 .store(false, core::sync::atomic::Ordering::Release);
             *self.saved_layout.lock() = None;
-            for buffer in self.verbs.take_buffers() {
+            for buffer in self.verbs.take_buffers(self) {
                 (self.free_common)(&self.dma, buffer);
             }
             return;
@@ -556,7 +556,7 @@ impl<P: Platform> Hca<P> {
     /// no longer use any of it.
     fn release(&self, mut buffers: Vec<Buffer<P>>) {
         self.deferred.set_timer(None);
-        buffers.extend(self.verbs.take_buffers());
+        buffers.extend(self.verbs.take_buffers(self));
         if let Some(ring) = self.eq.detach() {
             buffers.push(ring.buffer);
         }
