@@ -15,8 +15,8 @@ use hca_prm::regs::{CmdqConfig, FatalSyndrome, offset};
 use ib_types::cq::CqAttr;
 use ib_types::event::AsyncEventCode;
 use ib_types::ioctl::{
-    AllocPd, CloseCa, CreateCq, DeallocPd, DestroyCq, DestroyQp, DestroySrq, Empty, ModifyQp,
-    QueryQp, QuerySrq,
+    AllocMw, AllocPd, AttachMcast, CloseCa, CreateCq, DeallocMw, DeallocPd, DestroyCq, DestroyQp,
+    DestroySrq, DetachMcast, Empty, ModifyQp, QueryQp, QuerySrq,
 };
 use ib_types::qp::{QpModify, QpState, QpType};
 use ib_types::scalars::QKey;
@@ -55,6 +55,22 @@ fn fail_with_work_in_flight(seed: u64, trigger: Trigger, commands_stuck: bool, s
     let (ua, _) = create_qp(&w, &sx, QpType::Ud, None);
     ud_to_rts(&w, x, ua, 0x1111);
     let (on_srq, _) = create_qp(&w, &sx, QpType::Ud, Some(srq));
+    // A memory window and a multicast membership, to be freed after the
+    // failure.
+    let mw_input = ib_types::mr::MwAttr {
+        mw_type: ib_types::mr::MwType::Type2,
+        rkey: ib_types::wr::RKey::new(0),
+    };
+    let r = w.call_in_dpc_at::<AllocMw>(x, KERNEL, sx.pd, &mw_input, 0);
+    let mw = response::<AllocMw>(&r).handle;
+    assert_ne!(mw, 0);
+    let group = ib_types::mcast::McastGroup {
+        mgid: ib_types::scalars::Gid::from_ipv4([239, 9, 9, 9]),
+        mlid: ib_types::scalars::Lid::UNASSIGNED,
+    };
+    let r = w.call_in_dpc_at::<AttachMcast>(x, KERNEL, ua, &group, 0);
+    let membership = response::<AttachMcast>(&r).handle;
+    assert_ne!(membership, 0);
     let recv = |wr_id: u64, sg_list| RecvWr { wr_id, sg_list };
     assert_eq!(
         post_srq(&w, x, srq, vec![recv(90, mx.sge(0, 64))]),
@@ -250,6 +266,10 @@ fn fail_with_work_in_flight(seed: u64, trigger: Trigger, commands_stuck: bool, s
     }
 
     // Destroy and close free everything.
+    let r = w.call_in_dpc_at::<DetachMcast>(x, KERNEL, membership, &Empty, 0);
+    assert_eq!(response::<DetachMcast>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc_at::<DeallocMw>(x, KERNEL, mw, &Empty, 0);
+    assert_eq!(response::<DeallocMw>(&r).status, IbStatus::Success);
     for qp in [a, ua, on_srq] {
         let r = w.call_in_dpc_at::<DestroyQp>(x, KERNEL, qp, &Empty, 0);
         assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);

@@ -814,3 +814,173 @@ proptest::proptest! {
         ud_traffic_across_sleeps(seed, &steps);
     }
 }
+
+#[test]
+fn windows_keep_their_key_and_multicast_memberships_come_back() {
+    use ib_types::access::AccessFlags;
+    use ib_types::handle::MwHandle;
+    use ib_types::ioctl::{AllocMw, AttachMcast, DeallocMw, QueryMw};
+    use ib_types::mcast::McastGroup;
+    use ib_types::mr::{MwAttr, MwType};
+    use ib_types::scalars::{Gid, Lid};
+    use ib_types::wr::{MwBind, RKey};
+    let (w, [x, y]) = two_hcas(77, hca_miniport_core::init::HcaConfig::default());
+    let (sx, sy) = (side(&w, x), side(&w, y));
+    let mx = Mem::new(&w, x, sx.pd);
+    let rights = AccessFlags::LOCAL_WRITE
+        | AccessFlags::REMOTE_WRITE
+        | AccessFlags::REMOTE_READ
+        | AccessFlags::MW_BIND;
+    let my = Mem::with_access(&w, y, sy.pd, rights);
+    let (a, qpn_a) = create_qp(&w, &sx, QpType::Rc, None);
+    let (b, qpn_b) = create_qp(&w, &sy, QpType::Rc, None);
+    connect(&w, x, a, qpn_b, HCA_IPS[1][0]);
+    connect(&w, y, b, qpn_a, HCA_IPS[0][0]);
+
+    // A type 1 window on Y, bound over my[4096..8192].
+    let input = MwAttr {
+        mw_type: MwType::Type1,
+        rkey: RKey::new(0),
+    };
+    let r = w.call_in_dpc_at::<AllocMw>(y, KERNEL, sy.pd, &input, 0);
+    let resp = response::<AllocMw>(&r);
+    assert_eq!(resp.status, IbStatus::Success);
+    let mw = resp.handle;
+    let bind = |key: RKey| SendOp::BindMw {
+        mw: MwHandle::from_raw(mw),
+        rkey: key,
+        bind: MwBind {
+            mr_lkey: my.region.lkey(),
+            addr: my.addr(4096),
+            length: 4096,
+            access: AccessFlags::REMOTE_WRITE,
+        },
+    };
+    let key1 = w.hca_at(y).next_mw_rkey(mw).unwrap();
+    assert_eq!(
+        post_send(&w, y, b, vec![send(1, &[], bind(key1))], None),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        summary(&poll_all(&w, y, sy.cq))
+            .into_iter()
+            .map(|(id, st, _)| (id, st))
+            .collect::<Vec<_>>(),
+        vec![(1, WcStatus::Success)]
+    );
+    let query = |w: &World| {
+        let r = w.call_in_dpc_at::<QueryMw>(y, KERNEL, mw, &Empty, 0);
+        let resp = response::<QueryMw>(&r);
+        assert_eq!(resp.status, IbStatus::Success);
+        resp.output.unwrap().attr.rkey
+    };
+    assert_eq!(query(&w), key1);
+
+    // A UD QP on Y in a multicast group.
+    let (member, _) = create_qp(&w, &sy, QpType::Ud, None);
+    ud_to_rts(&w, y, member, QKEY);
+    let group = McastGroup {
+        mgid: Gid::from_ipv4([239, 1, 2, 3]),
+        mlid: Lid::UNASSIGNED,
+    };
+    let r = w.call_in_dpc_at::<AttachMcast>(y, KERNEL, member, &group, 0);
+    assert_eq!(response::<AttachMcast>(&r).status, IbStatus::Success);
+    let (sender, _) = create_qp(&w, &sx, QpType::Ud, None);
+    ud_to_rts(&w, x, sender, QKEY);
+
+    w.sleep();
+    w.resume();
+
+    // The window: same key, as the device says; its binding is gone (a
+    // write through the key is refused), and a new bind over it works.
+    assert_eq!(query(&w), key1);
+    let reconnect = |w: &World| {
+        for (i, qp) in [(x, a), (y, b)] {
+            assert_eq!(
+                modify(w, i, qp, &QpModify::to_state(QpState::Reset)),
+                IbStatus::Success
+            );
+        }
+        let _ = poll_all(w, x, sx.cq);
+        let _ = poll_all(w, y, sy.cq);
+        connect(w, x, a, qpn_b, HCA_IPS[1][0]);
+        connect(w, y, b, qpn_a, HCA_IPS[0][0]);
+    };
+    reconnect(&w);
+    let via_old = SendOp::RdmaWrite {
+        remote: RemoteAddr {
+            addr: my.addr(4096),
+            rkey: key1,
+        },
+    };
+    assert_eq!(
+        post_send(&w, x, a, vec![send(4, mx.sge(0, 16), via_old)], None),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(poll_all(&w, x, sx.cq)[0].status, WcStatus::RemAccessErr);
+    reconnect(&w);
+    let key2 = w.hca_at(y).next_mw_rkey(mw).unwrap();
+    assert_ne!(key2, key1);
+    assert_eq!(
+        post_send(&w, y, b, vec![send(2, &[], bind(key2))], None),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(poll_all(&w, y, sy.cq)[0].status, WcStatus::Success);
+    let through = pattern(31, 600);
+    mx.write(0, &through);
+    let write = SendOp::RdmaWrite {
+        remote: RemoteAddr {
+            addr: my.addr(4096 + 100),
+            rkey: key2,
+        },
+    };
+    assert_eq!(
+        post_send(&w, x, a, vec![send(3, mx.sge(0, 600), write)], None),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        summary(&poll_all(&w, x, sx.cq)),
+        vec![(3, WcStatus::Success, 600)]
+    );
+    assert_eq!(my.read(4096 + 100, 600), through);
+
+    // The membership: a datagram to the group reaches the member.
+    assert_eq!(
+        post_recv(&w, y, member, vec![recv(50, my.sge(0, 1064))]),
+        (1, IbStatus::Success)
+    );
+    let datagram = pattern(32, 300);
+    mx.write(1024, &datagram);
+    let to_group = hca_prm::av::Av::try_from(&av_to([239, 1, 2, 3])).unwrap();
+    assert_eq!(
+        post_send(
+            &w,
+            x,
+            sender,
+            vec![ud_send(51, mx.sge(1024, 300), 0xFF_FFFF)],
+            Some(to_group)
+        ),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        summary(&poll_all(&w, x, sx.cq)),
+        vec![(51, WcStatus::Success, 300)]
+    );
+    assert_eq!(
+        summary(&poll_all(&w, y, sy.cq)),
+        vec![(50, WcStatus::Success, 340)]
+    );
+    assert_eq!(my.read(40, 300), datagram);
+
+    let r = w.call_in_dpc_at::<DeallocMw>(y, KERNEL, mw, &Empty, 0);
+    assert_eq!(response::<DeallocMw>(&r).status, IbStatus::Success);
+    for (i, qp) in [(x, a), (x, sender), (y, b), (y, member)] {
+        let r = w.call_in_dpc_at::<DestroyQp>(i, KERNEL, qp, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let _ = poll_all(&w, x, sx.cq);
+    let _ = poll_all(&w, y, sy.cq);
+    mx.free(&w);
+    my.free(&w);
+    w.finish();
+}

@@ -33,7 +33,8 @@
 //!   outstanding WRs completed with `WR_FLUSH_ERR` into their CQs'
 //!   backlogs (`wr_id`s kept, posting order) and their cached state set
 //!   to ERR; the client gets [`AsyncEventCode::QpFatal`] for each that
-//!   was not already in ERR, from the DPC after D0 entry.
+//!   was not already in ERR, from the DPC after D0 entry. Each memory
+//!   window's tag is read back (`QUERY_MPT`).
 //! - **D0 entry** (polled commands, before events are enabled again):
 //!   memory regions (`WRITE_MTT` of each translation, `SW2HW_MPT` with the
 //!   same index and tag, so the same L_Key and R_Key), CQs (ring
@@ -43,9 +44,11 @@
 //!   `SW2HW_SRQ` with the saved limit), QPs (`SW2HW_QP`, then the modify
 //!   chain from RESET to the cached state with the cached attributes the
 //!   IBA Table 91 rule of each step takes; RESET to ERR for the ones
-//!   above; posted send WQEs are rung again). PDs and AVs are software
-//!   objects and need nothing. Memory windows are not built, so none is
-//!   restored.
+//!   above; posted send WQEs are rung again), multicast memberships
+//!   (`ATTACH_MCG` again). PDs and AVs are software objects and need
+//!   nothing. Memory windows come back free (PRM 7.1 creates a window only
+//!   unbound) with the tag read back at D0 exit, so their R_Key is
+//!   unchanged but a binding is lost: the client binds again.
 //! - Destroyed QPs kept for their completions' `wr_id`s are not
 //!   re-created (the device had already forgotten them).
 
@@ -181,11 +184,30 @@ impl<P: Platform> Hca<P> {
     // ----- D0 exit ----------------------------------------------------
 
     /// Before the device is taken down (polled commands): reads back each
-    /// SRQ's armed limit.
+    /// SRQ's armed limit and each memory window's tag (the last bind's).
     pub(crate) fn save_before_reset(
         &self,
         polled: &dyn Fn(Command) -> Result<Vec<u8>, CommandError>,
     ) {
+        let windows = self
+            .with_objects(|o| o.mws.iter().map(|(h, _)| h).collect::<Vec<_>>())
+            .unwrap_or_default();
+        for handle in windows {
+            let query = Command::new(Opcode::QueryMpt, handle.number())
+                .with_output(size_of::<hca_prm::mpt::MptEntry>());
+            let tag = polled(query).ok().and_then(|mailbox| {
+                hca_prm::mpt::MptEntry::read_from_prefix(&mailbox)
+                    .ok()
+                    .map(|(entry, _)| entry.tag)
+            });
+            if let Some(tag) = tag {
+                let _ = self.with_objects(|o| {
+                    if let Some(window) = o.mws.get_mut(handle) {
+                        window.saved_tag = tag;
+                    }
+                });
+            }
+        }
         let srqs = self
             .with_objects(|o| o.srqs.iter().map(|(_, s)| s.clone()).collect::<Vec<_>>())
             .unwrap_or_default();
@@ -335,7 +357,7 @@ impl<P: Platform> Hca<P> {
             }
             Ok(())
         };
-        let Ok((mtt, eqn, cqs, srqs)) = self.with_objects(|o| {
+        let Ok((mtt, eqn, cqs, srqs, windows, memberships)) = self.with_objects(|o| {
             (
                 o.mtt.clone(),
                 o.eqn,
@@ -344,12 +366,34 @@ impl<P: Platform> Hca<P> {
                     .map(|(h, c)| (h.raw(), c.clone()))
                     .collect::<Vec<_>>(),
                 o.srqs.iter().map(|(_, s)| s.clone()).collect::<Vec<_>>(),
+                o.mws
+                    .iter()
+                    .map(|(h, w)| (h.number(), *w))
+                    .collect::<Vec<_>>(),
+                o.mcasts
+                    .iter()
+                    .map(|(_, m)| (m.qp.qpn(), m.gid))
+                    .collect::<Vec<_>>(),
             )
         }) else {
             // No object was ever made: nothing to restore.
             return Ok(());
         };
         run(mtt.restore_commands())?;
+        // Windows come back free (PRM 7.1 creates them unbound) with the
+        // tag they had, so their R_Key is unchanged; a binding is lost.
+        for (index, window) in &windows {
+            let entry = hca_prm::mpt::MptEntry {
+                kind: super::mw::mpt_kind(window.mw_type).code(),
+                state: 0,
+                tag: window.saved_tag,
+                pd: Le32::new(Handle::<kind::Pd>::from_raw(window.pd).number()),
+                ..hca_prm::mpt::MptEntry::default()
+            };
+            run(alloc::vec![
+                Command::new(Opcode::Sw2HwMpt, *index).with_mailbox(entry.as_bytes().to_vec())
+            ])?;
+        }
         for (_, cq) in &cqs {
             run(self.restore_cq(cq, eqn))?;
         }
@@ -362,6 +406,13 @@ impl<P: Platform> Hca<P> {
             if let Some(producer) = ring_sq {
                 self.ring_send_doorbell(qp.qpn, producer);
             }
+        }
+        // Multicast memberships (UD QPs only, attached whatever their
+        // state).
+        for (qpn, gid) in &memberships {
+            run(alloc::vec![
+                Command::new(Opcode::AttachMcg, *qpn).with_mailbox(gid.as_bytes().to_vec())
+            ])?;
         }
         for (handle, cq) in &cqs {
             let mut ring = cq.ring.lock();

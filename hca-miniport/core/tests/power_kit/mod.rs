@@ -247,6 +247,15 @@ pub(crate) const MEM_BYTES: usize = 8192;
 
 impl Mem {
     pub(crate) fn new(w: &World, i: usize, pd: u64) -> Self {
+        Self::with_access(
+            w,
+            i,
+            pd,
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+        )
+    }
+
+    pub(crate) fn with_access(w: &World, i: usize, pd: u64, access: AccessFlags) -> Self {
         use driver_platform::{CommonBuffer, DmaAdapter};
         let buffer = w.adapter_at(i).alloc_common(MEM_BYTES).unwrap();
         let bus = buffer.bus_address();
@@ -264,9 +273,7 @@ impl Mem {
                 first_byte_offset: 0,
                 page_shift: 12,
                 pages: &pages,
-                access: AccessFlags::LOCAL_WRITE
-                    | AccessFlags::REMOTE_WRITE
-                    | AccessFlags::REMOTE_READ,
+                access,
                 pd: pd_number,
             };
             mt.register_physical(&hca, request, Box::new(move |r| *lock(&sink) = Some(r)));
