@@ -658,7 +658,9 @@ impl Scheduler {
                 .next_due()
                 .is_some_and(|due| deadline.is_none_or(|deadline| due <= deadline))
     }
+}
 
+impl SchedulerHandle {
     /// Deterministic mode: picks and runs one item, jumping time to the next
     /// timer (if at or before `deadline`) when nothing is ready.
     fn step(&self, deadline: Option<u64>) -> Option<RanItem> {
@@ -690,6 +692,16 @@ impl Scheduler {
         let _running = Running(&self.shared);
         run_item(&self.shared.verifier, item);
         Some(ran)
+    }
+
+    /// Runs one item on the calling thread for a PASSIVE_LEVEL waiter
+    /// (deterministic mode): while this processor waits, the others run,
+    /// so whatever will end the wait gets its turn. Returns false when
+    /// nothing is ready and no timer is armed (the wait would never end),
+    /// and always in threaded mode, where the workers run items on their
+    /// own.
+    pub(crate) fn run_one_for_waiter(&self) -> bool {
+        self.mode() == Mode::Deterministic && self.step(None).is_some()
     }
 }
 

@@ -161,6 +161,7 @@ impl Platform for LyingPlatform {
     type Registry = RegistryView;
     type Request = HostRequest;
     type Irql = IrqlTracker;
+    type Event = sim_host::event::HostEvent;
 }
 
 impl TestPlatform for LyingPlatform {
