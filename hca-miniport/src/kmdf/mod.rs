@@ -1,0 +1,1 @@
+//! The KMDF shell (Windows only; never compiled here). Being written.
