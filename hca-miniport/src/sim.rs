@@ -404,7 +404,9 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         let provider = self.provider()?;
         Some(ProvidedInterface {
             version: CiProvider::<P>::VERSION.packed(),
-            object: provider as Arc<dyn Any + Send + Sync>,
+            // The object is an `Arc<CiProvider<P>>`, so a consumer can keep
+            // the provider in its own routines while it holds the reference.
+            object: Arc::new(provider) as Arc<dyn Any + Send + Sync>,
         })
     }
 }
