@@ -13,6 +13,13 @@
 #![cfg_attr(windows, no_std)]
 
 #[cfg(windows)]
+extern crate alloc;
+
+// The kernel's panic handler (a bug check); kernel drivers do not unwind.
+#[cfg(all(windows, not(test)))]
+extern crate wdk_panic;
+
+#[cfg(windows)]
 pub mod kmdf;
 
 #[cfg(not(windows))]

@@ -73,6 +73,12 @@ const UVP: UvpName = match UvpName::new(UVP_NAME) {
     Err(_) => panic!("UVP_NAME is not a valid bare DLL name"),
 };
 
+/// The name of the user-mode verbs provider for this miniport's HCAs
+/// ([`UVP_NAME`]), as the interface carries it.
+pub const fn uvp_name() -> UvpName {
+    UVP
+}
+
 /// Who the HCA is, as the CI interface reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CaIdentity {
