@@ -16,6 +16,7 @@ use alloc::boxed::Box;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 use core::ptr;
+use core::sync::atomic::{AtomicPtr, Ordering};
 
 use driver_platform::SpinLock;
 use hca_miniport_core::ci::CiProvider;
@@ -67,6 +68,11 @@ pub struct DeviceShell {
     /// The command watchdog's timer.
     pub timer: WDFTIMER,
     state: SpinLock<WdfPlatform, Hardware>,
+    /// The core as the ISR reaches it, without a lock (a spin lock cannot
+    /// be taken at DIRQL): an `Arc::into_raw` pointer set in
+    /// prepare-hardware before the framework connects the interrupts, and
+    /// released in release-hardware after it disconnected them.
+    isr_hca: AtomicPtr<Hca<WdfPlatform>>,
 }
 
 // SAFETY: WDF handles are valid from any thread; the mutable state is
@@ -90,7 +96,22 @@ impl DeviceShell {
                 bar0: None,
                 interrupts: Vec::new(),
             }),
+            isr_hca: AtomicPtr::new(ptr::null_mut()),
         }
+    }
+
+    /// The ISR's entry: `Hca::isr` without taking a lock or a reference.
+    /// Callable at DIRQL.
+    pub fn isr(&self, message_id: u16) -> bool {
+        let hca = self.isr_hca.load(Ordering::Acquire);
+        if hca.is_null() {
+            return false;
+        }
+        // SAFETY: a non-null pointer is an `Arc<Hca>` reference this shell
+        // holds from prepare-hardware until release-hardware, which runs
+        // only after the framework disconnected the interrupts (field
+        // doc), so it outlives every ISR.
+        unsafe { &*hca }.isr(message_id)
     }
 
     /// The core, while prepared.
@@ -236,6 +257,14 @@ pub unsafe extern "C" fn evt_prepare_hardware(
         HcaConfig::default(),
         Arc::new(TraceSink),
     ));
+    // Before the framework connects the interrupts (after this callback).
+    let previous = shell
+        .isr_hca
+        .swap(Arc::into_raw(hca.clone()).cast_mut(), Ordering::AcqRel);
+    if !previous.is_null() {
+        // SAFETY: a reference an earlier prepare-hardware left (none should).
+        drop(unsafe { Arc::from_raw(previous) });
+    }
     let mut state = shell.state.lock();
     state.provider = Some(Arc::new(CiProvider::new(hca.clone())));
     state.hca = Some(hca);
@@ -262,6 +291,12 @@ pub unsafe extern "C" fn evt_release_hardware(
     };
     if let Some(hca) = hca {
         hca.stop();
+    }
+    // The framework disconnected the interrupts before this callback.
+    let isr_hca = shell.isr_hca.swap(ptr::null_mut(), Ordering::AcqRel);
+    if !isr_hca.is_null() {
+        // SAFETY: the reference prepare-hardware stored; no ISR can run.
+        drop(unsafe { Arc::from_raw(isr_hca) });
     }
     if let Some((base, len)) = bar0 {
         // SAFETY: the mapping made in prepare-hardware; the core, the only

@@ -8,7 +8,7 @@ use wdk_sys::{
     call_unsafe_wdf_function_binding,
 };
 
-use super::context::shell_of;
+use super::context::{device_context, shell_of};
 
 /// `EvtInterruptIsr`: acknowledges through the core and queues the DPC
 /// when it asks. Touches no ring and calls no client (the core's ISR
@@ -17,12 +17,22 @@ pub unsafe extern "C" fn evt_interrupt_isr(interrupt: WDFINTERRUPT, message_id: 
     // SAFETY: the framework passes its live interrupt object.
     let device: WDFDEVICE =
         unsafe { call_unsafe_wdf_function_binding!(WdfInterruptGetDevice, interrupt) };
-    // SAFETY: the interrupt's parent is our live device. (Taking an `Arc`
-    // reference at DIRQL is an atomic increment: no allocation, no lock.)
-    let Some(hca) = (unsafe { shell_of(device) }).and_then(|shell| shell.hca()) else {
+    // SAFETY: the interrupt's parent is our live device; `device_context`
+    // (`WdfObjectGetTypedContextWorker`) may be called at any IRQL.
+    let context = unsafe { device_context(device) };
+    if context.is_null() {
         return FALSE as BOOLEAN;
-    };
-    if hca.isr(message_id as u16) {
+    }
+    // SAFETY: the context lives as long as the device; its shell pointer is
+    // set before the device can interrupt and cleared only at cleanup.
+    let shell = unsafe { (*context).shell };
+    if shell.is_null() {
+        return FALSE as BOOLEAN;
+    }
+    // No `Arc` and no lock at DIRQL: a plain reference for the call.
+    // SAFETY: the context owns a reference to the shell (see above).
+    let shell = unsafe { &*shell };
+    if shell.isr(message_id as u16) {
         // SAFETY: the live interrupt object; callable from its ISR.
         let _ = unsafe { call_unsafe_wdf_function_binding!(WdfInterruptQueueDpcForIsr, interrupt) };
     }
