@@ -25,7 +25,9 @@
 //!   first D0 entry after prepare-hardware finds it started and does
 //!   nothing.
 //! - `release_hardware` (`EvtDeviceReleaseHardware`): stops the device if
-//!   it still runs, disconnects the ISR, drops the adapter.
+//!   it still runs, disconnects the ISR, drops the adapter, and flushes the
+//!   DPC, work item and timer (`DeviceDeferred::flush`), so that nothing of
+//!   the driver runs after it unloads.
 //! - `io_request` (`EvtIoDeviceControl` of the power-managed queue): every
 //!   request goes to `Hca::submit_request` (the verbs decode the code; an
 //!   unknown one is `STATUS_INVALID_DEVICE_REQUEST`).
@@ -192,6 +194,8 @@ impl<P: ShellPlatform> DriverEntry for MiniportDriver<P> {
 /// What a device holds between prepare- and release-hardware.
 struct Hardware<P: Platform> {
     hca: Option<Arc<Hca<P>>>,
+    /// The device's DPC, work item and timer, flushed at release.
+    deferred: Option<DeviceDeferred>,
     provider: Option<Arc<CiProvider<P>>>,
     function: Option<Arc<PciFunction>>,
     adapter: Option<HostDmaAdapter>,
@@ -202,6 +206,7 @@ impl<P: Platform> Default for Hardware<P> {
     fn default() -> Self {
         Self {
             hca: None,
+            deferred: None,
             provider: None,
             function: None,
             adapter: None,
@@ -263,8 +268,13 @@ impl<P: ShellPlatform> MiniportDevice<P> {
         self.sink.clone()
     }
 
-    /// Builds the core and connects the ISR; returns the core.
-    fn build(&self, function: &Arc<PciFunction>, adapter: &HostDmaAdapter) -> Option<Arc<Hca<P>>> {
+    /// Builds the core and connects the ISR; returns the core and its
+    /// deferred work.
+    fn build(
+        &self,
+        function: &Arc<PciFunction>,
+        adapter: &HostDmaAdapter,
+    ) -> Option<(Arc<Hca<P>>, DeviceDeferred)> {
         let mut isr_deferred = None;
         let hca = Arc::new_cyclic(|weak: &Weak<Hca<P>>| {
             let (dpc, work, timer) = (weak.clone(), weak.clone(), weak.clone());
@@ -300,8 +310,8 @@ impl<P: ShellPlatform> MiniportDevice<P> {
                 self.sink.clone(),
             )
         });
-        let isr_deferred = isr_deferred?;
-        let isr_hca = Arc::downgrade(&hca);
+        let deferred = isr_deferred?;
+        let (isr_deferred, isr_hca) = (deferred.clone(), Arc::downgrade(&hca));
         function
             .connect_interrupt(move |vector| {
                 if isr_hca.upgrade().is_some_and(|hca| hca.isr(vector)) {
@@ -309,7 +319,7 @@ impl<P: ShellPlatform> MiniportDevice<P> {
                 }
             })
             .ok()?;
-        Some(hca)
+        Some((hca, deferred))
     }
 
     /// Leaving D0 (`EvtDeviceD0Exit`). THE place to switch to the core's
@@ -350,7 +360,7 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
             Ok(adapter) => adapter,
             Err(status) => return status,
         };
-        let Some(hca) = self.build(&function, &adapter) else {
+        let Some((hca, deferred)) = self.build(&function, &adapter) else {
             return UNSUCCESSFUL;
         };
         let started = hca.start();
@@ -359,23 +369,34 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         state.provider = Some(Arc::new(CiProvider::new(hca.clone())));
         state.started = Some(started);
         state.hca = Some(hca);
+        state.deferred = Some(deferred);
         state.function = Some(function);
         state.adapter = Some(adapter);
         if ok { SUCCESS } else { UNSUCCESSFUL }
     }
 
     fn release_hardware(&self) -> NtStatus {
-        let (hca, function) = {
+        let (hca, deferred, function) = {
             let mut state = lock(&self.state);
             state.adapter = None;
             state.provider = None;
-            (state.hca.take(), state.function.take())
+            (
+                state.hca.take(),
+                state.deferred.take(),
+                state.function.take(),
+            )
         };
         if let Some(hca) = hca {
             hca.stop();
         }
         if let Some(function) = function {
             function.disconnect_interrupt();
+        }
+        // Nothing of the driver may run after it unloads: what the device
+        // raised while stopping is flushed now (KMDF flushes a device's
+        // DPC, work item and timer when it deletes them).
+        if let Some(deferred) = deferred {
+            deferred.flush();
         }
         SUCCESS
     }

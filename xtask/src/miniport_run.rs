@@ -203,8 +203,7 @@ impl Machine {
             out_len,
         );
         let event = HostEvent::new(self.host.scheduler_handle());
-        let setter = event.clone();
-        request.set_completion_routine(Box::new(move |_, _, _| setter.set()));
+        request.set_completion_event(event.clone());
         ci.submit_and_wait(&IrqlTracker, request, &event)
             .map_err(|_| "the synchronous wrapper refused at PASSIVE_LEVEL".to_owned())?;
         if !event.is_set() {
