@@ -30,5 +30,14 @@ fn rc_and_ud_traffic_through_the_real_miniport_then_sleep_wake_and_a_clean_shutd
         assert!(summary.restarted_after_wake, "seed {seed}");
         let report = miniport_run::render(seed, &summary);
         assert!(report.contains("verifier: 0 violation(s)"), "{report}");
+        let stacks = summary
+            .lines
+            .iter()
+            .filter(|l| l.contains("[pci (Pdo) < hcaminiport (Function) < ibalbus (UpperFilter)]"))
+            .count();
+        assert_eq!(
+            stacks, 2,
+            "both HCAs bound to the miniport from inf/: {report}"
+        );
     }
 }

@@ -289,6 +289,17 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
                 ci.uvp_name().as_str()
             ),
         );
+        let stack: Vec<String> = m
+            .host
+            .pnp()
+            .stack_services(node)
+            .into_iter()
+            .map(|(service, role)| format!("{service} ({role:?})"))
+            .collect();
+        summary.lines.push(format!(
+            "{node:?}: stack bound from inf/ [{}]",
+            stack.join(" < ")
+        ));
         let client = Arc::new(Client::default());
         let ca = ci
             .open_ca(client.clone())
