@@ -16,7 +16,9 @@
 //!   timer call `Hca::dpc`, `Hca::work_item` and `Hca::timer` through a
 //!   `Weak` (the WDF DPC, work item and timer objects), connects the ISR
 //!   (`WdfInterruptCreate`: `Hca::isr`, queueing the DPC when it says
-//!   so) *before* starting, then brings the device up (`Hca::start`).
+//!   so) *before* starting, installs the kernel-memory locker for kernel
+//!   registrations (`Hca::set_kernel_locker`), then brings the device up
+//!   (`Hca::start`).
 //! - `d0_exit` / `d0_entry` (`EvtDeviceD0Exit` / `EvtDeviceD0Entry`):
 //!   [`MiniportDevice::power_down`] / [`MiniportDevice::power_up`], the
 //!   one place the power entry points of the core are called. Today the
@@ -54,12 +56,13 @@ use hca_miniport_core::init::{BringUpReport, HcaConfig, InitError};
 use ib_types::interface::{GUID_IB_CI_INTERFACE, InterfaceVersion, WinGuid};
 use ib_types::scalars::{PortNum, Qpn};
 use ib_types::status::NtStatus;
-use sim_host::dma::HostDmaAdapter;
+use sim_host::dma::{HostDmaAdapter, HostLocker};
 use sim_host::driver::{
     DeviceCallbacks, DeviceInit, DriverEntry, Forward, NO_SUCH_DEVICE, ProvidedInterface, SUCCESS,
     UNSUCCESSFUL,
 };
 use sim_host::host::Host;
+use sim_host::memory::AddressSpace;
 use sim_host::pci::PciFunction;
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::{DevNodeId, DeviceServices};
@@ -72,12 +75,22 @@ pub const SERVICE: &str = "hcaminiport";
 /// What the simulated host's platform must be for this shell: its DMA
 /// adapter, deferred work and requests (BAR0 may be wrapped).
 pub trait ShellPlatform:
-    Platform<Dma = HostDmaAdapter, Deferred = DeviceDeferred, Request = HostRequest>
+    Platform<
+        Dma = HostDmaAdapter,
+        Deferred = DeviceDeferred,
+        Request = HostRequest,
+        Locker = HostLocker,
+    >
 {
 }
 
 impl<P> ShellPlatform for P where
-    P: Platform<Dma = HostDmaAdapter, Deferred = DeviceDeferred, Request = HostRequest>
+    P: Platform<
+            Dma = HostDmaAdapter,
+            Deferred = DeviceDeferred,
+            Request = HostRequest,
+            Locker = HostLocker,
+        >
 {
 }
 
@@ -130,6 +143,8 @@ impl MiniportOptions<SimPlatform> {
 /// The driver: `DriverEntry` state, and every device it added.
 pub struct MiniportDriver<P: Platform> {
     sched: SchedulerHandle,
+    /// Kernel memory, for the locker of kernel registrations.
+    kernel_space: AddressSpace,
     options: MiniportOptions<P>,
     devices: Mutex<Vec<Arc<MiniportDevice<P>>>>,
 }
@@ -160,6 +175,7 @@ impl<P: ShellPlatform> MiniportDriver<P> {
     pub fn register_with(host: &Host, options: MiniportOptions<P>) -> Arc<Self> {
         let driver = Arc::new(Self {
             sched: host.scheduler_handle(),
+            kernel_space: host.pool().kernel_space().clone(),
             options,
             devices: Mutex::new(Vec::new()),
         });
@@ -182,6 +198,7 @@ impl<P: ShellPlatform> DriverEntry for MiniportDriver<P> {
         let device = Arc::new(MiniportDevice {
             host: host.clone(),
             sched: self.sched.clone(),
+            kernel_space: self.kernel_space.clone(),
             options: self.options.clone(),
             sink: (self.options.sink)(),
             state: Mutex::new(Hardware::default()),
@@ -219,6 +236,7 @@ impl<P: Platform> Default for Hardware<P> {
 pub struct MiniportDevice<P: Platform> {
     host: DeviceServices,
     sched: SchedulerHandle,
+    kernel_space: AddressSpace,
     options: MiniportOptions<P>,
     sink: Arc<dyn EventSink>,
     state: Mutex<Hardware<P>>,
@@ -363,6 +381,9 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         let Some((hca, deferred)) = self.build(&function, &adapter) else {
             return UNSUCCESSFUL;
         };
+        // Kernel registrations lock kernel pages with it (user requests
+        // bring their process's locker).
+        hca.set_kernel_locker(HostLocker::new(&self.kernel_space, None));
         let started = hca.start();
         let ok = started.is_ok();
         let mut state = lock(&self.state);

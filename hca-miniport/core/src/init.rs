@@ -408,7 +408,7 @@ impl<P: Platform> Hca<P> {
     /// no longer use any of it.
     fn release(&self, mut buffers: Vec<Buffer<P>>) {
         self.deferred.set_timer(None);
-        buffers.extend(self.verbs.take_buffers());
+        buffers.extend(self.verbs.take_buffers(self));
         if let Some(ring) = self.eq.detach() {
             buffers.push(ring.buffer);
         }
