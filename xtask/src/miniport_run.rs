@@ -5,17 +5,17 @@
 //! host's stand-ins), and a kernel client that does what the bus filter
 //! will: asks each HCA's stack for the CI interface
 //! (`IRP_MN_QUERY_INTERFACE`), opens the CA with its callbacks, creates a
-//! PD, a CQ, QPs and an AV with control verbs through the interface's
-//! synchronous wrapper, and moves RC (send, RDMA write, RDMA read) and UD
+//! PD, a CQ, QPs and an AV and registers memory with control verbs through
+//! the interface's synchronous wrapper, and moves RC (send, RDMA write, RDMA read) and UD
 //! traffic between the two HCAs through the interface's fast path, every
 //! byte checked, completions signalled by the CQ events it armed for.
 //! Then it tears everything down, sleeps the machine (S3) and wakes it,
 //! checks the CI works again, shuts down, and requires an empty verifier
 //! report.
 //!
-//! Memory is registered with the core's `MemoryTranslation` directly (a
-//! kernel client's physical registration): the MR verbs of the CI are
-//! being built in parallel. Objects do not survive sleep yet: the shell
+//! Memory is a common buffer of each HCA's DMA adapter, registered through
+//! the CI with `RegPhysMr` (a kernel client's physical registration: the
+//! page list of bus addresses). Objects do not survive sleep yet: the shell
 //! stops the device on D0 exit and starts it afresh on D0 entry until the
 //! core's power restore lands, so the client tears down before sleeping.
 //!
@@ -28,7 +28,6 @@ use driver_platform::{CommonBuffer, DmaAdapter, Event, RequestorMode, SystemPowe
 use hca_miniport::sim::{MiniportDevice, MiniportDriver, SERVICE};
 use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::init::HcaConfig;
-use hca_miniport_core::mr::{MemoryRegion, PhysicalRegion};
 use hca_miniport_core::verbs::{CaClient, CqNotify};
 use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
@@ -37,14 +36,15 @@ use ib_types::event::AsyncEventRecord;
 use ib_types::handle::{AvHandle, CqHandle, PdHandle};
 use ib_types::interface::{CI_INTERFACE_VERSION, GUID_IB_CI_INTERFACE};
 use ib_types::ioctl::{
-    AllocPd, CreateAv, CreateCq, CreateQp, DeallocPd, DestroyAv, DestroyCq, DestroyQp, Empty,
-    ModifyQp, Verb, decode_response, encode_request, request_len, response_len,
+    AllocPd, CreateAv, CreateCq, CreateQp, DeallocPd, DeregMr, DestroyAv, DestroyCq, DestroyQp,
+    Empty, ModifyQp, RegPhysMr, Verb, decode_response, encode_request, request_len, response_len,
 };
+use ib_types::mr::PhysMrRegister;
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
 use ib_types::scalars::{Gid, Lid, Mtu, PortNum, Psn, QKey, Qpn};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcStatus, WorkCompletion};
-use ib_types::wr::{RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge, UdDest};
+use ib_types::wr::{LKey, RKey, RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge, UdDest};
 use sim_hca::device::DeviceConfig;
 use sim_host::dma::{HostCommonBuffer, HostDmaAdapter};
 use sim_host::driver::InterfaceRef;
@@ -55,7 +55,13 @@ use sim_host::platform::SimPlatform;
 use sim_host::request::HostRequest;
 
 type Provider = CiProvider<SimPlatform>;
-type Region = MemoryRegion<SimPlatform>;
+/// A memory region the CI registered.
+struct Registered {
+    handle: u64,
+    start: u64,
+    lkey: LKey,
+    rkey: RKey,
+}
 
 /// The main job's seed.
 pub(crate) const SEED: u64 = 2026;
@@ -122,7 +128,7 @@ struct Side {
     pd: u64,
     cq: u64,
     buffer: Option<HostCommonBuffer>,
-    region: Option<Region>,
+    region: Option<Registered>,
     ip: [u8; 4],
 }
 
@@ -135,13 +141,13 @@ impl Side {
         self.buffer.as_ref().ok_or("no buffer".to_owned())
     }
 
-    fn region(&self) -> Result<&Region, String> {
+    fn region(&self) -> Result<&Registered, String> {
         self.region.as_ref().ok_or("no region".to_owned())
     }
 
     fn sge(&self, offset: usize, len: u32) -> Result<Sge, String> {
         let region = self.region()?;
-        Ok(Sge::new(region.start() + offset as u64, len, region.lkey()))
+        Ok(Sge::new(region.start + offset as u64, len, region.lkey))
     }
 
     fn write(&self, offset: usize, bytes: &[u8]) -> Result<(), String> {
@@ -192,8 +198,19 @@ impl Machine {
         handle: u64,
         input: &V::In,
     ) -> Result<(u64, Option<V::Out>), String> {
-        let mut bytes = vec![0; request_len::<V>(0).ok_or("request size")?];
-        encode_request::<V>(handle, input, &[], 0, &mut bytes).map_err(|e| e.to_string())?;
+        self.call_with::<V>(ci, handle, input, &[])
+    }
+
+    /// [`Self::call`] with private input bytes.
+    fn call_with<V: Verb>(
+        &self,
+        ci: &Provider,
+        handle: u64,
+        input: &V::In,
+        private: &[u8],
+    ) -> Result<(u64, Option<V::Out>), String> {
+        let mut bytes = vec![0; request_len::<V>(private.len()).ok_or("request size")?];
+        encode_request::<V>(handle, input, private, 0, &mut bytes).map_err(|e| e.to_string())?;
         let out_len = response_len::<V>(0).ok_or("response size")?;
         let (mut request, issuer) = HostRequest::new(
             self.host.verifier(),
@@ -330,7 +347,7 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
         register_memory(&m, side)?;
     }
     summary.lines.push(
-        "each HCA: CA opened with callbacks, PD, CQ (synchronous CI calls), 16 KiB registered"
+        "each HCA: CA opened with callbacks, PD, CQ, 16 KiB registered with RegPhysMr (synchronous CI calls)"
             .to_owned(),
     );
 
@@ -406,61 +423,42 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
     }
 }
 
-/// A common buffer of the HCA's adapter registered physically (iova = bus
-/// address) through the core's memory translation, from a DPC.
+/// A common buffer of the HCA's adapter registered physically through the
+/// CI (`RegPhysMr`, kernel only: the page list of bus addresses as private
+/// input; the IOVA is the first page's bus address).
 fn register_memory(m: &Machine, side: &mut Side) -> Result<(), String> {
     let buffer = side
         .adapter()?
         .alloc_common(MEM_BYTES)
         .map_err(|s| format!("common buffer: {s:?}"))?;
     let bus = buffer.bus_address();
-    let hca = side.device.hca().ok_or("no HCA")?;
-    let mt = hca.memory_translation().map_err(|s| format!("{s:?}"))?;
-    let pd = (side.pd & 0xFF_FFFF) as u32;
-    let out = Arc::new(Mutex::new(None));
-    let sink = out.clone();
-    m.in_dpc(move || {
-        let pages: Vec<u64> = (0..(MEM_BYTES / 4096) as u64)
-            .map(|i| bus + i * 4096)
-            .collect();
-        let request = PhysicalRegion {
-            iova: bus,
-            length: MEM_BYTES as u64,
-            first_byte_offset: 0,
-            page_shift: 12,
-            pages: &pages,
-            access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
-            pd,
-        };
-        mt.register_physical(&hca, request, Box::new(move |r| *lock(&sink) = Some(r)));
-    })?;
-    m.settle()?;
-    let region = lock(&out)
-        .take()
-        .ok_or("the registration did not complete")?
-        .map_err(|e| format!("registration: {e:?}"))?;
+    let pages = MEM_BYTES / 4096;
+    let input = PhysMrRegister {
+        iova: bus,
+        length: MEM_BYTES as u64,
+        first_byte_offset: 0,
+        page_shift: 12,
+        num_pages: pages as u32,
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+    };
+    let list: Vec<u8> = (0..pages as u64)
+        .flat_map(|i| (bus + i * 4096).to_le_bytes())
+        .collect();
     side.buffer = Some(buffer);
-    side.region = Some(region);
+    let (mr, out) = m.call_with::<RegPhysMr>(&side.ci, side.pd, &input, &list)?;
+    let out = out.ok_or("RegPhysMr without output")?;
+    side.region = Some(Registered {
+        handle: mr,
+        start: out.iova,
+        lkey: out.keys.lkey,
+        rkey: out.keys.rkey,
+    });
     Ok(())
 }
 
 fn deregister_memory(m: &Machine, side: &mut Side) -> Result<(), String> {
-    let hca = side.device.hca().ok_or("no HCA")?;
-    let mt = hca.memory_translation().map_err(|s| format!("{s:?}"))?;
     let region = side.region.take().ok_or("no region")?;
-    let out = Arc::new(Mutex::new(None));
-    let sink = out.clone();
-    m.in_dpc(move || {
-        mt.deregister(
-            &hca,
-            region,
-            Box::new(move |r| *lock(&sink) = Some(r.is_ok())),
-        );
-    })?;
-    m.settle()?;
-    if *lock(&out) != Some(true) {
-        return Err("deregistration failed".to_owned());
-    }
+    m.call::<DeregMr>(&side.ci, region.handle, &Empty)?;
     if let Some(buffer) = side.buffer.take() {
         side.adapter()?.free_common(buffer);
     }
@@ -661,8 +659,8 @@ fn rc_traffic(m: &Machine, sides: &[Side], summary: &mut Summary) -> Result<(), 
     let written = pattern(55, 3000);
     x.write(0, &written)?;
     let remote = RemoteAddr {
-        addr: y.region()?.start() + 4096,
-        rkey: y.region()?.rkey(),
+        addr: y.region()?.start + 4096,
+        rkey: y.region()?.rkey,
     };
     let wrs = vec![
         SendWr {
