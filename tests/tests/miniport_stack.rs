@@ -1,9 +1,9 @@
 //! Scenario: the main job's machine with the real miniport, over several
 //! seeds — two HCAs bound from `inf/`, the CI interface obtained by
 //! `IRP_MN_QUERY_INTERFACE`, PD/CQ/QP/AV created and memory registered
-//! (`RegPhysMr`) through its synchronous wrapper, RC sends both ways, an RDMA write and read, and a UD datagram
-//! through an AV handle moved through its fast path with every byte
-//! checked, completion events at DISPATCH_LEVEL, teardown, S3 and back,
+//! (`RegPhysMr`) through its synchronous wrapper, RC sends both ways, an
+//! RDMA write and read, and a UD datagram through an AV handle moved
+//! through its fast path with every byte checked, completion events at DISPATCH_LEVEL, teardown, S3 and back,
 //! shutdown with an empty verifier report. It runs the very module the
 //! main job runs (`xtask/src/miniport_run.rs`).
 

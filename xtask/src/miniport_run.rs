@@ -5,10 +5,10 @@
 //! host's stand-ins), and a kernel client that does what the bus filter
 //! will: asks each HCA's stack for the CI interface
 //! (`IRP_MN_QUERY_INTERFACE`), opens the CA with its callbacks, creates a
-//! PD, a CQ, QPs and an AV and registers memory with control verbs through
-//! the interface's synchronous wrapper, and moves RC (send, RDMA write, RDMA read) and UD
-//! traffic between the two HCAs through the interface's fast path, every
-//! byte checked, completions signalled by the CQ events it armed for.
+//! PD, a CQ, QPs and an AV and registers memory with control verbs
+//! through the interface's synchronous wrapper, and moves RC (send, RDMA
+//! write, RDMA read) and UD traffic between the two HCAs through the
+//! interface's fast path, every byte checked, completions signalled by the CQ events it armed for.
 //! Then it tears everything down, sleeps the machine (S3) and wakes it,
 //! checks the CI works again, shuts down, and requires an empty verifier
 //! report.
