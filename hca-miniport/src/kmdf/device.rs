@@ -33,7 +33,7 @@ use wdk_sys::{
 
 use super::context::shell_of;
 use super::interrupt::{evt_interrupt_dpc, evt_interrupt_isr};
-use super::platform::{Bar0, WdfDeferred, WdfDma, WdfPlatform};
+use super::platform::{Bar0, MdlLocker, WdfDeferred, WdfDma, WdfPlatform};
 
 /// `CmResourceTypeInterrupt`.
 const CM_RESOURCE_TYPE_INTERRUPT: u8 = 2;
@@ -257,6 +257,9 @@ pub unsafe extern "C" fn evt_prepare_hardware(
         HcaConfig::default(),
         Arc::new(TraceSink),
     ));
+    // Kernel registrations lock pages with it (not implemented yet: it
+    // answers STATUS_NOT_SUPPORTED; see `platform`).
+    hca.set_kernel_locker(MdlLocker);
     // Before the framework connects the interrupts (after this callback).
     let previous = shell
         .isr_hca
