@@ -343,7 +343,8 @@ impl<P: ShellPlatform> MiniportDevice<P> {
     /// Leaving D0 (`EvtDeviceD0Exit`). THE place to switch to the core's
     /// power entry points once it has them (keep software state, quiesce
     /// the device): today the core has none, so the device is stopped and
-    /// its objects are gone.
+    /// its objects are gone. The switch: `hca.d0_exit()` instead of
+    /// `hca.stop()` here, and `hca.d0_entry()` in [`Self::power_up`].
     pub fn power_down(&self, _to: DevicePowerState) -> NtStatus {
         if let Some(hca) = self.hca() {
             hca.stop();
@@ -354,7 +355,11 @@ impl<P: ShellPlatform> MiniportDevice<P> {
     /// Returning to D0 (`EvtDeviceD0Entry`). THE place to switch to the
     /// core's power entry points once it has them (re-initialise, restore
     /// objects): today a stopped device is started afresh; the first D0
-    /// entry after prepare-hardware finds it started and leaves it.
+    /// entry after prepare-hardware finds it started and leaves it. The
+    /// switch: `hca.d0_entry()` for a device that went through
+    /// `d0_exit` (success reported to the power manager either way, so
+    /// that a device that failed to come back can still have its objects
+    /// destroyed).
     pub fn power_up(&self, _from: DevicePowerState) -> NtStatus {
         let Some(hca) = self.hca() else {
             return UNSUCCESSFUL;
