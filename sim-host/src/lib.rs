@@ -9,6 +9,7 @@ pub mod binder;
 pub mod context;
 pub mod dma;
 pub mod driver;
+pub mod event;
 pub mod host;
 pub mod inf;
 pub mod irql;

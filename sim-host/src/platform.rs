@@ -4,6 +4,7 @@
 use driver_platform::Platform;
 
 use crate::dma::{HostDmaAdapter, HostLocker};
+use crate::event::HostEvent;
 use crate::irql::{HostSpinLock, IrqlTracker};
 use crate::pci::Bar0;
 use crate::registry::RegistryView;
@@ -23,4 +24,5 @@ impl Platform for SimPlatform {
     type Registry = RegistryView;
     type Request = HostRequest;
     type Irql = IrqlTracker;
+    type Event = HostEvent;
 }

@@ -227,6 +227,13 @@ impl<P: Platform> Hca<P> {
         self.declare_failed(DeviceFailure::SurpriseRemoval);
     }
 
+    /// Whether the device is between [`Hca::d0_exit`] and the end of
+    /// [`Hca::d0_entry`] (for the shells: a D0 entry then restores rather
+    /// than starts).
+    pub fn is_below_d0(&self) -> bool {
+        self.powered_down.load(Ordering::Acquire)
+    }
+
     /// The failure the device was declared in, if any.
     pub fn failure(&self) -> Option<DeviceFailure> {
         *self.failure.lock()
