@@ -445,6 +445,14 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         self.power_down(to)
     }
 
+    fn surprise_removal(&self) {
+        // EvtDeviceSurpriseRemoval: the core fails over before D0 exit and
+        // release-hardware follow.
+        if let Some(hca) = self.hca() {
+            hca.surprise_removed();
+        }
+    }
+
     fn io_request(&self, _lower: &dyn Forward, req: HostRequest) {
         match self.hca() {
             Some(hca) => hca.submit_request(req),

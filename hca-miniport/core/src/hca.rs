@@ -222,9 +222,13 @@ impl<P: Platform> Hca<P> {
 
     /// The shell's `EvtDeviceSurpriseRemoval`: the device is gone, so it is
     /// declared failed ([`DeviceFailure::SurpriseRemoval`]) with everything
-    /// that implies for the verbs. Callable at PASSIVE or DISPATCH_LEVEL.
+    /// that implies for the verbs. The events for the client are delivered
+    /// before this returns, from the caller's context (PASSIVE_LEVEL in the
+    /// shell's callback, or DISPATCH_LEVEL): D0 exit and release-hardware
+    /// follow at once, and no DPC may run after them.
     pub fn surprise_removed(&self) {
         self.declare_failed(DeviceFailure::SurpriseRemoval);
+        self.deliver_soft_events();
     }
 
     /// Whether the device is between [`Hca::d0_exit`] and the end of

@@ -333,3 +333,57 @@ fn every_way_of_failing_over_more_schedules() {
         fail_with_work_in_flight(seed, Trigger::SurpriseRemoval, true, false);
     }
 }
+
+#[test]
+fn a_surprise_removal_through_pnp_tells_the_client_before_the_objects_go() {
+    // The PnP manager removes HCA x under live objects: the shell's
+    // surprise-removal callback fails the core over (the client hears of
+    // it at once, flushed completions are announced), then D0 exit and
+    // release-hardware free everything; the other HCA keeps working.
+    let (w, [x, y]) = two_hcas(91, HcaConfig::default());
+    let (sx, sy) = (side(&w, x), side(&w, y));
+    let (a, _) = create_qp(&w, &sx, QpType::Ud, None);
+    ud_to_rts(&w, x, a, 0x1111);
+    // Receives nothing will consume (the key is never used).
+    let sge = leak(vec![ib_types::wr::Sge::new(
+        0x1000,
+        64,
+        ib_types::wr::LKey::new(0x100),
+    )]);
+    assert_eq!(
+        post_recv(
+            &w,
+            x,
+            a,
+            vec![RecvWr {
+                wr_id: 7,
+                sg_list: sge
+            }]
+        ),
+        (1, IbStatus::Success)
+    );
+    let hca = w.hca_at(x);
+    let node = w.device_at(x).node();
+    w.host.pnp().surprise_remove(node);
+    w.settle();
+    assert_eq!(hca.failure(), Some(DeviceFailure::SurpriseRemoval));
+    let events = sx.client.events_of(AsyncEventCode::LocalCatastrophic);
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert!(
+        support::lock(&sx.client.completions)
+            .iter()
+            .any(|&(cq, _)| cq == sx.cq)
+    );
+    // The objects went with the device (release-hardware); verbs on the
+    // old core answer with a clear status.
+    assert_eq!(
+        hca.poll_cq(sx.cq, &mut [ib_types::wc::WorkCompletion::EMPTY; 1]),
+        Err(IbStatus::InvalidState)
+    );
+    drop(hca);
+    // The other HCA is untouched.
+    let (b, _) = create_qp(&w, &sy, QpType::Ud, None);
+    let r = w.call_in_dpc_at::<DestroyQp>(y, KERNEL, b, &Empty, 0);
+    assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    w.finish();
+}

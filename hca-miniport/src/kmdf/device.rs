@@ -333,6 +333,16 @@ pub unsafe extern "C" fn evt_d0_exit(_device: WDFDEVICE, _to: WDF_POWER_DEVICE_S
     STATUS_SUCCESS
 }
 
+/// `EvtDeviceSurpriseRemoval`: the device is gone; the core fails over
+/// (`Hca::surprise_removed`: outstanding requests answered, posted work
+/// flushed, the client told) before D0 exit and release-hardware follow.
+pub unsafe extern "C" fn evt_surprise_removal(device: WDFDEVICE) {
+    // SAFETY: as in `evt_prepare_hardware`.
+    if let Some(hca) = unsafe { shell_of(device) }.and_then(|shell| shell.hca()) {
+        hca.surprise_removed();
+    }
+}
+
 /// `EvtDeviceD0EntryPostInterruptsEnabled`: starts the device.
 pub unsafe extern "C" fn evt_d0_entry_post_interrupts(
     device: WDFDEVICE,
