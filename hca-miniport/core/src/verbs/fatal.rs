@@ -22,7 +22,9 @@
 //!   [`AsyncEventCode::SrqCatastrophic`] and destroys it.
 //! - **QP state.** Every live QP's cached state becomes ERR.
 //! - **The client** gets [`AsyncEventCode::LocalCatastrophic`] (the CA is
-//!   unusable), from the DPC.
+//!   unusable), from the DPC; after a surprise removal at once, from
+//!   [`Hca::surprise_removed`]'s caller (no DPC may run after the
+//!   removal).
 //! - **Later verbs** are refused with [`IbStatus::InvalidState`], posting
 //!   and arming included, except those that free something (close CA,
 //!   destroy/deallocate PD, CQ, QP, SRQ, AV, MR, MW, multicast detach): their
