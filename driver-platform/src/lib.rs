@@ -39,6 +39,7 @@ pub mod mmio;
 pub mod power;
 pub mod registry;
 pub mod request;
+pub mod user;
 
 pub use bus::{ChildBus, ChildDescription};
 pub use deferred::Deferred;
@@ -49,6 +50,7 @@ pub use mmio::Mmio;
 pub use power::{DevicePowerState, SystemPowerState};
 pub use registry::{RegValue, Registry, RegistryKey};
 pub use request::{Request, RequestorMode};
+pub use user::{CallerProcess, UserMapping};
 
 /// Everything a driver core needs from its platform, as associated types.
 ///
@@ -72,6 +74,9 @@ pub trait Platform: Send + Sync + 'static {
     type Request: Request;
     /// The IRQL of the calling thread.
     type Irql: IrqlQuery;
+    /// The user process a user-mode request came from, in its context
+    /// ([`user`]).
+    type Caller: CallerProcess<Mmio = Self::Mmio, Locker = Self::Locker>;
 }
 
 /// A spin lock protecting `T`, over the platform's raw spin lock.

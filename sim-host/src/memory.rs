@@ -259,6 +259,9 @@ struct SpaceMap {
     limit: u64,
     /// Set when the owning process exited.
     closed: bool,
+    /// Device pages mapped into the space (`MmMapLockedPagesSpecifyCache`
+    /// of a BAR page), keyed by first virtual address; one page each.
+    device_maps: BTreeMap<u64, Arc<dyn DevicePage>>,
 }
 
 impl SpaceMap {
@@ -328,6 +331,7 @@ impl AddressSpace {
                     next_va: base,
                     limit,
                     closed: false,
+                    device_maps: BTreeMap::new(),
                 }),
                 locked_pages: AtomicUsize::new(0),
             }),
@@ -493,8 +497,68 @@ impl AddressSpace {
         let mut map = write_lock(&self.shared.map);
         map.closed = true;
         map.allocations.clear();
+        map.device_maps.clear();
         self.locked_pages()
     }
+
+    /// Maps one device page into this space at a fresh page-aligned
+    /// address (followed by a guard page, never reused) and returns it.
+    pub(crate) fn map_device(&self, page: Arc<dyn DevicePage>) -> Result<u64, MemoryError> {
+        let mut map = write_lock(&self.shared.map);
+        if map.closed {
+            return Err(MemoryError::ProcessExited);
+        }
+        let va = map.next_va;
+        let next = va
+            .checked_add(2 * PAGE_BYTES)
+            .filter(|&next| next <= map.limit)
+            .ok_or(MemoryError::Exhausted)?;
+        map.next_va = next;
+        map.device_maps.insert(va, page);
+        Ok(va)
+    }
+
+    /// Removes the device mapping at `va`.
+    pub(crate) fn unmap_device(&self, va: u64) -> Result<(), MemoryError> {
+        let mut map = write_lock(&self.shared.map);
+        if map.closed {
+            return Err(MemoryError::ProcessExited);
+        }
+        map.device_maps
+            .remove(&va)
+            .map(drop)
+            .ok_or(MemoryError::NotAnAllocation { va })
+    }
+
+    /// Device pages mapped now.
+    pub fn device_mapping_count(&self) -> usize {
+        read_lock(&self.shared.map).device_maps.len()
+    }
+
+    /// A CPU store of 64 bits to a mapped device page (a doorbell): `va`
+    /// must lie in a device mapping, 8-byte aligned. Refused otherwise,
+    /// with nothing written.
+    pub fn write_device64(&self, va: u64, value: u64) -> Result<(), MemoryError> {
+        let map = read_lock(&self.shared.map);
+        if map.closed {
+            return Err(MemoryError::ProcessExited);
+        }
+        let unmapped = MemoryError::Unmapped { va, len: 8 };
+        let (&start, page) = map.device_maps.range(..=va).next_back().ok_or(unmapped)?;
+        let offset = va - start;
+        if offset + 8 > PAGE_BYTES || !offset.is_multiple_of(8) {
+            return Err(unmapped);
+        }
+        page.write64(offset, value);
+        Ok(())
+    }
+}
+
+/// A page of device memory (a BAR page) as a process sees it through a
+/// mapping: stores go to the device.
+pub trait DevicePage: Send + Sync + fmt::Debug {
+    /// A 64-bit store at `offset` in the page.
+    fn write64(&self, offset: u64, value: u64);
 }
 
 /// A user-mode process: an id and its address space. Cloning gives another
@@ -555,6 +619,12 @@ impl Process {
     /// CPU write in this process (see [`AddressSpace::write`]).
     pub fn write(&self, va: u64, data: &[u8]) -> Result<(), MemoryError> {
         self.space.write(va, data)
+    }
+
+    /// A doorbell store to a mapped device page (see
+    /// [`AddressSpace::write_device64`]).
+    pub fn write_device64(&self, va: u64, value: u64) -> Result<(), MemoryError> {
+        self.space.write_device64(va, value)
     }
 
     /// Ends the process: its allocations are dropped and every later

@@ -3,6 +3,7 @@
 
 use driver_platform::Platform;
 
+use crate::caller::HostCaller;
 use crate::dma::{HostDmaAdapter, HostLocker};
 use crate::irql::{HostSpinLock, IrqlTracker};
 use crate::pci::Bar0;
@@ -23,4 +24,5 @@ impl Platform for SimPlatform {
     type Registry = RegistryView;
     type Request = HostRequest;
     type Irql = IrqlTracker;
+    type Caller = HostCaller;
 }

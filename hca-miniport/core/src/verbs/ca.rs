@@ -221,8 +221,13 @@ where
             a.responder.fail(status);
             return;
         }
+        self.query_ca_answer(a.responder);
+    }
+
+    /// Answers a QueryCa whose CA handle was checked.
+    pub(crate) fn query_ca_answer(self: &Arc<Self>, responder: super::Responder<QueryCa, P::Request>) {
         let Some(report) = self.report() else {
-            a.responder.fail(IbStatus::InvalidState);
+            responder.fail(IbStatus::InvalidState);
             return;
         };
         let commands = (1..=report.capabilities.num_ports)
@@ -230,7 +235,6 @@ where
                 Command::new(Opcode::QueryPort, u32::from(port)).with_output(QUERY_PORT_BYTES)
             })
             .collect();
-        let responder = a.responder;
         self.run_commands(
             commands,
             Box::new(move |_hca, result| match result {

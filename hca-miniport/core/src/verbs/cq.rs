@@ -72,7 +72,7 @@ const CQE_BYTES: usize = 1 << CQE_LOG_STRIDE;
 
 /// Where a CQ is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Life {
+pub(super) enum Life {
     /// Memory and commands under way; the client has no handle yet.
     Creating,
     /// Usable.
@@ -108,7 +108,7 @@ impl<P: Platform> core::fmt::Debug for Cq<P> {
 }
 
 impl<P: Platform> Cq<P> {
-    fn new(cqn: u32, log_entries: u8, mtt: EntryRange) -> Self {
+    pub(super) fn new(cqn: u32, log_entries: u8, mtt: EntryRange) -> Self {
         Self {
             cqn,
             ring: SpinLock::<P, _>::new(Ring {
@@ -132,8 +132,13 @@ impl<P: Platform> Cq<P> {
             .collect()
     }
 
-    fn set_life(&self, life: Life) {
+    pub(super) fn set_life(&self, life: Life) {
         self.ring.lock().life = life;
+    }
+
+    /// The CQ number.
+    pub(super) fn number(&self) -> u32 {
+        self.cqn
     }
 }
 
@@ -324,7 +329,7 @@ impl<P: Platform> Hca<P> {
 
     /// Removes a CQ whose creation failed, giving back its number and MTT
     /// entries.
-    fn forget_cq(&self, handle: Handle<kind::Cq>, mtt: EntryRange) {
+    pub(super) fn forget_cq(&self, handle: Handle<kind::Cq>, mtt: EntryRange) {
         let _ = self.with_objects(|o| {
             let _ = o.cqs.remove(handle);
             let _ = o.mtt.return_entries(mtt);
@@ -548,8 +553,26 @@ where
     }
 
     pub(crate) fn destroy_cq_request(self: &Arc<Self>, a: Accepted<DestroyCq, P::Request>) {
-        let mode = a.mode;
-        let handle = Handle::<kind::Cq>::from_raw(a.handle);
+        let responder = a.responder;
+        self.destroy_cq_then(
+            a.handle,
+            a.mode,
+            Box::new(move |_hca, result| match result {
+                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
+                Err(status) => responder.fail(status),
+            }),
+        );
+    }
+
+    /// Destroys the CQ `raw` (see the module doc), then calls `done`
+    /// (inline when refused, else from the DPC).
+    pub(super) fn destroy_cq_then(
+        self: &Arc<Self>,
+        raw: u64,
+        mode: RequestorMode,
+        done: Box<dyn FnOnce(&Arc<Self>, Result<(), IbStatus>) + Send>,
+    ) {
+        let handle = Handle::<kind::Cq>::from_raw(raw);
         let found = self.with_objects(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidCqHandle);
@@ -572,12 +595,8 @@ where
         });
         let cq = match found.and_then(|r| r) {
             Ok(cq) => cq,
-            Err(status) => {
-                a.responder.fail(status);
-                return;
-            }
+            Err(status) => return done(self, Err(status)),
         };
-        let responder = a.responder;
         self.run_commands(
             alloc::vec![Command::new(Opcode::Hw2SwCq, cq.cqn)],
             Box::new(move |hca, result| match result {
@@ -592,11 +611,11 @@ where
                         }
                     });
                     hca.free_later(cq.take_buffers());
-                    responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+                    done(hca, Ok(()));
                 }
                 Err(error) => {
                     cq.set_life(Life::Live);
-                    responder.fail(error.ib_status());
+                    done(hca, Err(error.ib_status()));
                 }
             }),
         );

@@ -66,6 +66,7 @@ pub mod cq;
 pub mod pd;
 pub mod qp;
 pub mod srq;
+pub mod user;
 
 use alloc::boxed::Box;
 use alloc::collections::VecDeque;
@@ -143,6 +144,8 @@ pub(crate) struct Objects<P: Platform> {
     pub(crate) eqn: u32,
     /// `log2` of the largest CQ.
     pub(crate) log_max_cqes: u8,
+    /// User-mode contexts and what they hold ([`user`]).
+    pub(crate) user: user::UserContexts<P>,
 }
 
 /// The verb state of one [`Hca`].
@@ -544,6 +547,7 @@ impl<P: Platform> Hca<P> {
                 mtt,
                 eqn: report.eqn,
                 log_max_cqes: report.capabilities.log_max_cqes,
+                user: user::UserContexts::new(report.capabilities.num_uars.get().into()),
             });
         }
         guard.as_mut().map(f).ok_or(IbStatus::InvalidState)
@@ -557,9 +561,13 @@ impl<P: Platform> Hca<P> {
         })?
     }
 
-    /// Whether objects of the open CA are visible to `mode`.
+    /// Whether objects of the open CA are visible to `mode`. Kernel
+    /// requests also see objects while user contexts are open (user
+    /// requests reach them only after [`user`]'s ownership check, as
+    /// trusted requests).
     pub(crate) fn ca_visible(objects: &Objects<P>, mode: RequestorMode) -> bool {
         objects.ca.as_ref().is_some_and(|ca| visible(ca.mode, mode))
+            || (mode == RequestorMode::Kernel && !objects.user.is_empty())
     }
 
     /// Runs `commands` one after another (each only after the previous
