@@ -7,10 +7,10 @@
 //! [`CallerProcess`] there; it is the only way the core reaches into a
 //! process:
 //!
-//! - [`CallerProcess::locker`]: locks the caller's memory for DMA
+//! - [`CallerProcess::locker`] locks the caller's memory for DMA
 //!   (`MmProbeAndLockPages` with `UserMode`), for rings and doorbell
 //!   records in user memory.
-//! - [`CallerProcess::map_device_page`]: maps one page of the device's BAR
+//! - [`CallerProcess::map_device_page`] maps one page of the device's BAR
 //!   uncached into the caller (a doorbell/UAR page): `MmMapIoSpaceEx` of
 //!   the page's physical address (the shell knows the BAR's translated
 //!   resource), an MDL built over it (`IoAllocateMdl` +
@@ -18,7 +18,7 @@
 //!   UserMode, MmNonCached, NULL, FALSE, NormalPagePriority)`, inside a
 //!   `__try` because a user mapping can raise. PASSIVE_LEVEL only, in the
 //!   caller's context.
-//! - [`CallerProcess::unmap_device_page`]: `MmUnmapLockedPages`,
+//! - [`CallerProcess::unmap_device_page`] undoes it: `MmUnmapLockedPages`,
 //!   `IoFreeMdl`, `MmUnmapIoSpace`; PASSIVE_LEVEL, in the owning
 //!   process's context (the proxy's file cleanup runs there, also when the
 //!   process exits without closing).

@@ -105,7 +105,8 @@ impl<M: Mmio + Clone + std::fmt::Debug + 'static> CallerProcess for HostCaller<M
     fn map_device_page(&self, bar: &M, offset: u64) -> Result<HostUserMapping, NtStatus> {
         crate::irql::check_max("MmMapLockedPagesSpecifyCache", Irql::PASSIVE);
         let page = PAGE_SIZE as u64;
-        if !offset.is_multiple_of(page) || offset.checked_add(page).is_none_or(|end| end > bar.len())
+        if !offset.is_multiple_of(page)
+            || offset.checked_add(page).is_none_or(|end| end > bar.len())
         {
             return Err(NtStatus::INVALID_PARAMETER);
         }

@@ -109,6 +109,8 @@ const PD_LIMIT: u32 = 1 << 24;
 
 type Pages<P> = <<P as Platform>::Dma as DmaAdapter>::Pages;
 type Mapping<P> = <<P as Platform>::Dma as DmaAdapter>::Mapping;
+/// A lock, its mapping, and the bus address of each page.
+type LockedAndMapped<P> = (Pages<P>, Mapping<P>, Vec<u64>);
 
 /// What a translation's MTT entries describe, and what releasing it undoes.
 enum Backing<P: Platform> {
@@ -971,7 +973,8 @@ impl<P: Platform> MemoryTranslation<P> {
         if irql > ceiling {
             return Err(MrError::IrqlTooHigh { irql });
         }
-        let (locked, mapping, bus_pages) = self.pin(hca, locker, mode, va, length, writable, pages)?;
+        let (locked, mapping, bus_pages) =
+            self.pin(hca, locker, mode, va, length, writable, pages)?;
         let range = match self.alloc_range(pages) {
             Ok(range) => range,
             Err(error) => {
@@ -1008,7 +1011,7 @@ impl<P: Platform> MemoryTranslation<P> {
         length: u64,
         writable: bool,
         pages: u32,
-    ) -> Result<(Pages<P>, Mapping<P>, Vec<u64>), MrError> {
+    ) -> Result<LockedAndMapped<P>, MrError> {
         let locked = locker
             .lock(mode, va, length, writable)
             .map_err(MrError::Lock)?;

@@ -570,7 +570,7 @@ where
         self: &Arc<Self>,
         raw: u64,
         mode: RequestorMode,
-        done: Box<dyn FnOnce(&Arc<Self>, Result<(), IbStatus>) + Send>,
+        done: super::Done<P>,
     ) {
         let handle = Handle::<kind::Cq>::from_raw(raw);
         let found = self.with_objects(|o| {

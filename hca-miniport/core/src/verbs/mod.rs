@@ -108,6 +108,9 @@ pub(crate) type Buffer<P> = <<P as Platform>::Dma as DmaAdapter>::Buffer;
 pub(crate) type Sequel<P> =
     Box<dyn FnOnce(&Arc<Hca<P>>, Result<Vec<CommandOutput>, CommandError>) + Send>;
 
+/// What runs when a destroy (or another step without output) ends.
+pub(crate) type Done<P> = Box<dyn FnOnce(&Arc<Hca<P>>, Result<(), IbStatus>) + Send>;
+
 /// Work that must run at PASSIVE_LEVEL (common-buffer allocation).
 type Job<P> = Box<dyn FnOnce(&Arc<Hca<P>>) + Send>;
 

@@ -1038,7 +1038,7 @@ where
         self: &Arc<Self>,
         raw: u64,
         qp: Arc<Qp<P>>,
-        done: Box<dyn FnOnce(&Arc<Self>, Result<(), IbStatus>) + Send>,
+        done: super::Done<P>,
     ) {
         let handle = Handle::<kind::Qp>::from_raw(raw);
         {

@@ -59,7 +59,9 @@ use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 
-use driver_platform::{CallerProcess, Deferred, Irql, NtStatus, Platform, Request, RequestorMode, UserMapping};
+use driver_platform::{
+    CallerProcess, Deferred, Irql, NtStatus, Platform, Request, RequestorMode, UserMapping,
+};
 use hca_prm::cmd::{MAX_MTT_PER_WRITE, Opcode};
 use hca_prm::ctx::{BufDesc, CQE_LOG_STRIDE, Cqc, Qpc, QpcFlags, SQ_LOG_STRIDE};
 use hca_prm::doorbell::uar_offset;
@@ -79,7 +81,9 @@ use ib_types::status::IbStatus;
 use zerocopy::{FromZeros, IntoBytes};
 
 use super::cq::{Cq, Life as CqLife};
-use super::qp::{Geometry, Life as QpLife, MAX_LOG_WQE_SIZE, MAX_LOG_WQES, Qp, RC_PREFIX, UD_ADDR_SEG};
+use super::qp::{
+    Geometry, Life as QpLife, MAX_LOG_WQE_SIZE, MAX_LOG_WQES, Qp, RC_PREFIX, UD_ADDR_SEG,
+};
 use super::{Accepted, Objects, Responder, UVP_NAME, accept};
 use crate::cmd::Command;
 use crate::hca::Hca;
@@ -118,6 +122,13 @@ impl<P: Platform> UserContexts<P> {
     /// True when no context is open.
     pub(crate) fn is_empty(&self) -> bool {
         self.contexts.is_empty()
+    }
+
+    /// PDs and CQs the contexts hold (they live in the shared tables).
+    pub(crate) fn owned_pds_and_cqs(&self) -> (u32, u32) {
+        self.contexts.values().fold((0, 0), |(pds, cqs), c| {
+            (pds + c.pds.len() as u32, cqs + c.cqs.len() as u32)
+        })
     }
 
     /// Contexts open now.
@@ -184,7 +195,12 @@ impl Owned {
 }
 
 /// The context of `process` that owns `raw` as a `what`, if it is open.
-fn owner<P: Platform>(o: &Objects<P>, process: u64, what: Owned, raw: u64) -> Result<u64, IbStatus> {
+fn owner<P: Platform>(
+    o: &Objects<P>,
+    process: u64,
+    what: Owned,
+    raw: u64,
+) -> Result<u64, IbStatus> {
     o.user
         .contexts
         .iter()
@@ -253,7 +269,8 @@ fn user_qp_caps(
 ) -> Result<QpCaps, IbStatus> {
     let log_max_wqes = cap.log_max_wqes.min(MAX_LOG_WQES);
     let max_wqe = (1usize << cap.log_max_wqe_size.min(MAX_LOG_WQE_SIZE)).min(MAX_SEND_WQE_BYTES);
-    let (max_send_sges, max_recv_sges) = (u32::from(cap.max_send_sges), u32::from(cap.max_recv_sges));
+    let (max_send_sges, max_recv_sges) =
+        (u32::from(cap.max_send_sges), u32::from(cap.max_recv_sges));
     let max_inline = u32::from(cap.max_inline_bytes.get());
     if asked.max_send_sge > max_send_sges || asked.max_recv_sge > max_recv_sges {
         return Err(IbStatus::InvalidMaxSge);
@@ -408,11 +425,42 @@ where
             };
         }
         refuse!(
-            OpenCa, CloseCa, QueryCa, ModifyCa, AllocPd, DeallocPd, CreateAv, QueryAv, ModifyAv,
-            DestroyAv, CreateQp, QueryQp, ModifyQp, DestroyQp, CreateCq, QueryCq, ResizeCq,
-            DestroyCq, CreateSrq, QuerySrq, ModifySrq, DestroySrq, RegMr, RegSharedMr, ReregMr,
-            QueryMr, DeregMr, AllocMw, QueryMw, DeallocMw, AttachMcast, DetachMcast, WaitCqEvent,
-            GetAsyncEvent, RegPhysMr, LocalMad
+            OpenCa,
+            CloseCa,
+            QueryCa,
+            ModifyCa,
+            AllocPd,
+            DeallocPd,
+            CreateAv,
+            QueryAv,
+            ModifyAv,
+            DestroyAv,
+            CreateQp,
+            QueryQp,
+            ModifyQp,
+            DestroyQp,
+            CreateCq,
+            QueryCq,
+            ResizeCq,
+            DestroyCq,
+            CreateSrq,
+            QuerySrq,
+            ModifySrq,
+            DestroySrq,
+            RegMr,
+            RegSharedMr,
+            ReregMr,
+            QueryMr,
+            DeregMr,
+            AllocMw,
+            QueryMw,
+            DeallocMw,
+            AttachMcast,
+            DetachMcast,
+            WaitCqEvent,
+            GetAsyncEvent,
+            RegPhysMr,
+            LocalMad
         );
     }
 
@@ -600,48 +648,41 @@ where
     /// (the device no longer uses it), whatever the device answered: a
     /// failed destroy means a failed device, which is reset before it runs
     /// again. Then calls `done` with the destroy's result.
-    fn destroy_owned(
-        self: &Arc<Self>,
-        ctx: u64,
-        what: Owned,
-        object: u64,
-        done: Box<dyn FnOnce(&Arc<Self>, Result<(), IbStatus>) + Send>,
-    ) {
-        let release: Box<dyn FnOnce(&Arc<Self>, Result<(), IbStatus>) + Send> =
-            Box::new(move |hca, result| {
-                // A QP or CQ refused as busy stays (and stays pinned),
-                // except when the context is closing and the object is gone
-                // from the tables already (the kernel client destroyed it).
-                let pins = hca
-                    .with_objects(|o| {
-                        let gone = match what {
-                            Owned::Cq => !o.cqs.contains(Handle::<kind::Cq>::from_raw(object)),
-                            Owned::Qp => !o
-                                .qps
-                                .objects()
-                                .contains(Handle::<kind::Qp>::from_raw(object)),
-                            Owned::Srq => !o.srqs.contains(Handle::<kind::Srq>::from_raw(object)),
-                            Owned::Ca | Owned::Pd => true,
-                        };
-                        let closing = o.user.contexts.get(&ctx).is_some_and(|c| c.closing);
-                        if result.is_err() && !gone && !closing {
-                            return None;
-                        }
-                        let c = o.user.contexts.get_mut(&ctx)?;
-                        match what {
-                            Owned::Cq => c.cqs.remove(&object),
-                            Owned::Qp => c.qps.remove(&object),
-                            Owned::Srq => c.srqs.remove(&object),
-                            Owned::Ca | Owned::Pd => None,
-                        }
-                    })
-                    .ok()
-                    .flatten();
-                if let Some(pins) = pins {
-                    hca.unpin_all(pins);
-                }
-                done(hca, result);
-            });
+    fn destroy_owned(self: &Arc<Self>, ctx: u64, what: Owned, object: u64, done: super::Done<P>) {
+        let release: super::Done<P> = Box::new(move |hca, result| {
+            // A QP or CQ refused as busy stays (and stays pinned),
+            // except when the context is closing and the object is gone
+            // from the tables already (the kernel client destroyed it).
+            let pins = hca
+                .with_objects(|o| {
+                    let gone = match what {
+                        Owned::Cq => !o.cqs.contains(Handle::<kind::Cq>::from_raw(object)),
+                        Owned::Qp => !o
+                            .qps
+                            .objects()
+                            .contains(Handle::<kind::Qp>::from_raw(object)),
+                        Owned::Srq => !o.srqs.contains(Handle::<kind::Srq>::from_raw(object)),
+                        Owned::Ca | Owned::Pd => true,
+                    };
+                    let closing = o.user.contexts.get(&ctx).is_some_and(|c| c.closing);
+                    if result.is_err() && !gone && !closing {
+                        return None;
+                    }
+                    let c = o.user.contexts.get_mut(&ctx)?;
+                    match what {
+                        Owned::Cq => c.cqs.remove(&object),
+                        Owned::Qp => c.qps.remove(&object),
+                        Owned::Srq => c.srqs.remove(&object),
+                        Owned::Ca | Owned::Pd => None,
+                    }
+                })
+                .ok()
+                .flatten();
+            if let Some(pins) = pins {
+                hca.unpin_all(pins);
+            }
+            done(hca, result);
+        });
         match what {
             Owned::Cq => self.destroy_cq_then(object, RequestorMode::Kernel, release),
             Owned::Qp => match self.find_qp(object, RequestorMode::Kernel) {
@@ -848,9 +889,8 @@ where
             ..Cqc::default()
         };
         let mut commands = write_mtt_pages(mtt.start(), &ring_pages);
-        commands.push(
-            Command::new(Opcode::Sw2HwCq, cq.number()).with_mailbox(cqc.as_bytes().to_vec()),
-        );
+        commands
+            .push(Command::new(Opcode::Sw2HwCq, cq.number()).with_mailbox(cqc.as_bytes().to_vec()));
         let responder = a.responder;
         self.run_commands(
             commands,
@@ -1017,7 +1057,8 @@ where
             qpc.rq_dbr = Le64::new(dbr);
             commands.extend(write_mtt_pages(rq_mtt, &rq_pages));
         }
-        commands.push(Command::new(Opcode::Sw2HwQp, qp.qpn()).with_mailbox(qpc.as_bytes().to_vec()));
+        commands
+            .push(Command::new(Opcode::Sw2HwQp, qp.qpn()).with_mailbox(qpc.as_bytes().to_vec()));
         let responder = a.responder;
         self.run_commands(
             commands,
@@ -1090,11 +1131,7 @@ where
 
     /// Destroy of a user SRQ (not built yet: user SRQs cannot be created,
     /// so there is none to destroy).
-    fn destroy_user_srq(
-        self: &Arc<Self>,
-        _object: u64,
-        done: Box<dyn FnOnce(&Arc<Self>, Result<(), IbStatus>) + Send>,
-    ) {
+    fn destroy_user_srq(self: &Arc<Self>, _object: u64, done: super::Done<P>) {
         done(self, Err(IbStatus::InvalidSrqHandle));
     }
 }
@@ -1154,7 +1191,8 @@ mod tests {
     fn user_layouts_grant_what_they_hold() {
         let cap = caps_device();
         // 64 BBs of 2 (128-byte WQEs): 32 send WRs; RQ 16 x 32 bytes.
-        let layout = CreateQpPriv::new(6, 1, 0x10_0000, Some((4, 5, 0x20_0000, 0x30_0000))).unwrap();
+        let layout =
+            CreateQpPriv::new(6, 1, 0x10_0000, Some((4, 5, 0x20_0000, 0x30_0000))).unwrap();
         let caps = user_qp_caps(QpType::Rc, &ask(32, 2), &layout, &cap).unwrap();
         assert_eq!(caps.max_send_wr, 32);
         assert_eq!(caps.max_recv_wr, 16);
@@ -1176,7 +1214,8 @@ mod tests {
             Err(IbStatus::InvalidParameter)
         );
         // A ring beyond the device's deepest queue.
-        let deep = CreateQpPriv::new(15, 1, 0x10_0000, Some((4, 5, 0x100_0000, 0x30_0000))).unwrap();
+        let deep =
+            CreateQpPriv::new(15, 1, 0x10_0000, Some((4, 5, 0x100_0000, 0x30_0000))).unwrap();
         assert_eq!(
             user_qp_caps(QpType::Rc, &ask(1, 1), &deep, &cap),
             Err(IbStatus::InvalidMaxWrs)

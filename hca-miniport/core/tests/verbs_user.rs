@@ -1,0 +1,779 @@
+//! User-mode resources on the simulated host: a test-side "user process"
+//! plays the user-mode verbs provider (UVP). It opens a user context
+//! (its doorbell page mapped into the process), creates CQs and QPs whose
+//! rings live in its own memory (`hca_prm::uverbs` private data), builds
+//! WQEs with the `hca_prm` builders, rings its own doorbell page and polls
+//! CQEs from its own memory, while a kernel client drives a QP on the other
+//! HCA. Hostile private data, foreign handles and another process's
+//! doorbell page are refused; close with live objects leaves nothing
+//! behind. Each test ends with the host shut down and the verifier clean.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+
+use driver_platform::{Irql, Mmio, RequestorMode};
+use hca_miniport_core::mr::{MemoryRegion, VirtualRegion};
+use hca_miniport_core::verbs::qp::SendRequest;
+use hca_prm::cqe::Cqe;
+use hca_prm::doorbell::{DoorbellRecord, SQ_DOORBELL, SqDoorbell};
+use hca_prm::uverbs::{CreateCqPriv, CreateCqPrivOut, CreateQpPriv, CreateQpPrivOut, OpenCaPriv};
+use hca_prm::wqe::{build_recv_wqe, build_send_wqe};
+use ib_types::access::AccessFlags;
+use ib_types::av::{AvAttr, Grh};
+use ib_types::cq::CqAttr;
+use ib_types::handle::{CqHandle, PdHandle};
+use ib_types::ioctl::{
+    AllocPd, CloseCa, CreateAv, CreateCq, CreateQp, DeallocPd, DestroyCq, DestroyQp, Empty,
+    ModifyQp, OpenCa, OpenCaIn, QueryCq, QueryQp, Verb,
+};
+use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
+use ib_types::scalars::{Gid, Lid, Mtu, PortNum, Psn, QKey, Qpn};
+use ib_types::status::IbStatus;
+use ib_types::wc::{WcStatus, WorkCompletion};
+use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
+use sim_hca::device::DeviceConfig;
+use sim_host::caller::HostCaller;
+use sim_host::memory::Process;
+use sim_host::platform::SimPlatform;
+use support::{World, response};
+use zerocopy::{FromBytes, IntoBytes};
+
+const KERNEL: RequestorMode = RequestorMode::Kernel;
+
+const IPS: [[[u8; 4]; 2]; 2] = [
+    [[10, 0, 0, 1], [10, 0, 1, 1]],
+    [[10, 0, 2, 1], [10, 0, 3, 1]],
+];
+const GUIDS: [u64; 2] = [0x0002_C900_0000_2000, 0x0002_C900_0000_3000];
+
+/// Two HCAs on one fabric; returns the world and each index's port-1 IP.
+fn two_hcas(seed: u64) -> (World, [[u8; 4]; 2]) {
+    let configs = vec![
+        DeviceConfig::with_ports(GUIDS[0], &IPS[0]),
+        DeviceConfig::with_ports(GUIDS[1], &IPS[1]),
+    ];
+    let w = World::with_hcas(seed, configs, hca_miniport_core::init::HcaConfig::default());
+    let ip = |i: usize| {
+        let guid = w.hca_at(i).report().unwrap().capabilities.node_guid.get();
+        if guid == GUIDS[0] {
+            IPS[0][0]
+        } else {
+            IPS[1][0]
+        }
+    };
+    let ips = [ip(0), ip(1)];
+    (w, ips)
+}
+
+/// Deterministic, non-trivial bytes.
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed))
+        .collect()
+}
+
+fn status_of<V: Verb>(c: &sim_host::request::Completion) -> IbStatus {
+    response::<V>(c).status
+}
+
+/// The user HCA.
+const U: usize = 0;
+/// The kernel client's HCA.
+const K: usize = 1;
+
+/// The test-side user-mode provider of one process.
+struct Uvp {
+    caller: HostCaller,
+    ca: u64,
+    doorbell: u64,
+    uar: u32,
+}
+
+/// A user CQ: ring and consumer record in the process.
+struct UserCq {
+    handle: u64,
+    log: u8,
+    ring: u64,
+    dbr: u64,
+    consumer: u32,
+}
+
+/// A user QP: rings and receive record in the process.
+struct UserQp {
+    handle: u64,
+    qpn: u32,
+    sq: u64,
+    sq_log_bbs: u8,
+    rq: u64,
+    rq_dbr: u64,
+    sq_producer: u32,
+    rq_producer: u32,
+}
+
+impl Uvp {
+    fn process(&self) -> &Process {
+        self.caller.process()
+    }
+
+    fn open(w: &World, pid: u32) -> Self {
+        let process = Process::new(pid);
+        let caller = HostCaller::new(w.host.pool().kernel_space(), &process);
+        let c = w.user_call_at::<OpenCa>(U, &caller, 0, &OpenCaIn::CURRENT, &[], 64);
+        let r = response::<OpenCa>(&c);
+        assert_eq!(r.status, IbStatus::Success);
+        let out = r.output.unwrap();
+        let private = OpenCaPriv::parse(r.private).unwrap();
+        let doorbell = out.doorbell.expect("a user open maps a doorbell page");
+        assert_eq!(doorbell.size, 4096);
+        assert_ne!(private.uar_index, 0, "never the kernel's page");
+        Self {
+            caller,
+            ca: r.handle,
+            doorbell: doorbell.va,
+            uar: private.uar_index,
+        }
+    }
+
+    fn call<V: Verb>(
+        &self,
+        w: &World,
+        handle: u64,
+        input: &V::In,
+        private: &[u8],
+    ) -> sim_host::request::Completion {
+        w.user_call_at::<V>(U, &self.caller, handle, input, private, 64)
+    }
+
+    fn alloc_pd(&self, w: &World) -> u64 {
+        let c = self.call::<AllocPd>(w, self.ca, &Empty, &[]);
+        let r = response::<AllocPd>(&c);
+        assert_eq!(r.status, IbStatus::Success);
+        r.handle
+    }
+
+    fn create_cq(&self, w: &World, log: u8) -> UserCq {
+        let ring = self.process().alloc(32 << log).unwrap();
+        let dbr = self.process().alloc(64).unwrap();
+        let layout = CreateCqPriv::new(log, ring, dbr).unwrap();
+        let attr = CqAttr {
+            cqe: 1 << log,
+            comp_vector: 0,
+        };
+        let c = self.call::<CreateCq>(w, self.ca, &attr, layout.emit().as_bytes());
+        let r = response::<CreateCq>(&c);
+        assert_eq!(r.status, IbStatus::Success);
+        assert_eq!(r.output.unwrap().cqe, 1 << log);
+        let out = CreateCqPrivOut::parse(r.private).unwrap();
+        assert_eq!(out.log_entries, log);
+        UserCq {
+            handle: r.handle,
+            log,
+            ring,
+            dbr,
+            consumer: 0,
+        }
+    }
+
+    /// An RC or UD QP with 8 one-BB send WQEs and 8 32-byte receives.
+    fn create_qp(&self, w: &World, qp_type: QpType, pd: u64, cq: &UserCq) -> UserQp {
+        let (sq_log_bbs, log_wqe_bbs) = match qp_type {
+            QpType::Ud => (4, 1),
+            _ => (3, 0),
+        };
+        let sq = self.process().alloc(64 << sq_log_bbs).unwrap();
+        let rq = self.process().alloc(32 << 3).unwrap();
+        let rq_dbr = self.process().alloc(64).unwrap();
+        let layout =
+            CreateQpPriv::new(sq_log_bbs, log_wqe_bbs, sq, Some((3, 5, rq, rq_dbr))).unwrap();
+        let input = qp_create(qp_type, pd, cq.handle);
+        let c = self.call::<CreateQp>(w, self.ca, &input, layout.emit().as_bytes());
+        let r = response::<CreateQp>(&c);
+        assert_eq!(r.status, IbStatus::Success, "{qp_type:?}");
+        let created = r.output.unwrap();
+        let out = CreateQpPrivOut::parse(r.private).unwrap();
+        assert_eq!(out.qpn, created.qpn.get());
+        assert_eq!(out.uar_index, self.uar);
+        assert_eq!(created.caps.max_send_wr, 8);
+        assert_eq!(created.caps.max_recv_wr, 8);
+        UserQp {
+            handle: r.handle,
+            qpn: out.qpn,
+            sq,
+            sq_log_bbs,
+            rq,
+            rq_dbr,
+            sq_producer: 0,
+            rq_producer: 0,
+        }
+    }
+
+    fn modify(&self, w: &World, qp: u64, m: &QpModify) -> IbStatus {
+        status_of::<ModifyQp>(&self.call::<ModifyQp>(w, qp, m, &[]))
+    }
+
+    /// Posts one receive: the WQE into the ring, then the record.
+    fn post_recv(&self, qp: &mut UserQp, sges: &[Sge]) {
+        let mut wqe = [0u8; 32];
+        build_recv_wqe(sges, qp.rq_producer as u16, 32, &mut wqe).unwrap();
+        let slot = u64::from(qp.rq_producer & 7) * 32;
+        self.process().write(qp.rq + slot, &wqe).unwrap();
+        qp.rq_producer += 1;
+        self.process()
+            .write(qp.rq_dbr, DoorbellRecord::new(qp.rq_producer).as_bytes())
+            .unwrap();
+    }
+
+    /// Posts one send WQE and rings the SQ doorbell on this process's page
+    /// with `qpn` (normally the QP's own).
+    fn post_send(&self, qp: &mut UserQp, wr: &SendWr<'_>, av: Option<&hca_prm::av::Av>, qpn: u32) {
+        let mut wqe = [0u8; 256];
+        let len = build_send_wqe(wr, av, qp.sq_producer as u16, None, &mut wqe).unwrap();
+        let bbs = hca_prm::wqe::basic_blocks(len) as u32;
+        let slot = u64::from(qp.sq_producer & ((1 << qp.sq_log_bbs) - 1)) * 64;
+        self.process().write(qp.sq + slot, &wqe[..len]).unwrap();
+        qp.sq_producer += bbs;
+        self.ring(qpn, qp.sq_producer);
+    }
+
+    fn ring(&self, qpn: u32, producer: u32) {
+        let doorbell = SqDoorbell {
+            qpn: Qpn::from_low_bits(qpn),
+            producer,
+        };
+        self.process()
+            .write_device64(self.doorbell + SQ_DOORBELL, doorbell.encode())
+            .unwrap();
+    }
+
+    /// Polls every valid CQE from the ring, then writes the record.
+    fn poll(&self, cq: &mut UserCq) -> Vec<Cqe> {
+        let mut out = Vec::new();
+        loop {
+            let slot = u64::from(cq.consumer & ((1 << cq.log) - 1)) * 32;
+            let mut raw = [0u8; 32];
+            self.process().read(cq.ring + slot, &mut raw).unwrap();
+            let cqe = Cqe::read_from_bytes(&raw).unwrap();
+            if !cqe.is_valid(cq.consumer, cq.log) {
+                break;
+            }
+            out.push(cqe);
+            cq.consumer += 1;
+        }
+        self.process()
+            .write(cq.dbr, DoorbellRecord::new(cq.consumer).as_bytes())
+            .unwrap();
+        out
+    }
+
+    /// Registers `len` bytes of process memory (PASSIVE_LEVEL, in the
+    /// process's context, as the MR verbs will).
+    fn register(&self, w: &World, pd: u64, va: u64, len: u64) -> MemoryRegion<SimPlatform> {
+        let mt = w.hca_at(U).memory_translation().unwrap();
+        let out = Arc::new(Mutex::new(None));
+        let sink = out.clone();
+        mt.register_virtual(
+            &w.hca_at(U),
+            self.caller.locker_for_tests(),
+            Irql::PASSIVE,
+            VirtualRegion {
+                mode: RequestorMode::User,
+                va,
+                length: len,
+                access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+                pd: support::number_of(pd),
+            },
+            Box::new(move |r| *support::lock(&sink) = Some(r)),
+        );
+        w.settle();
+        support::lock(&out).take().unwrap().unwrap()
+    }
+
+    fn close(&self, w: &World) -> IbStatus {
+        status_of::<CloseCa>(&self.call::<CloseCa>(w, self.ca, &Empty, &[]))
+    }
+}
+
+trait LockerForTests {
+    fn locker_for_tests(&self) -> &sim_host::dma::HostLocker;
+}
+
+impl LockerForTests for HostCaller {
+    fn locker_for_tests(&self) -> &sim_host::dma::HostLocker {
+        driver_platform::CallerProcess::locker(self)
+    }
+}
+
+fn deregister(w: &World, i: usize, region: MemoryRegion<SimPlatform>) {
+    let mt = w.hca_at(i).memory_translation().unwrap();
+    let out = Arc::new(Mutex::new(None));
+    let sink = out.clone();
+    mt.deregister(
+        &w.hca_at(i),
+        region,
+        Box::new(move |r| *support::lock(&sink) = Some(r.is_ok())),
+    );
+    w.settle();
+    assert_eq!(support::lock(&out).take(), Some(true));
+}
+
+fn qp_create(qp_type: QpType, pd: u64, cq: u64) -> QpCreate {
+    QpCreate {
+        qp_type,
+        pd: PdHandle::from_raw(pd),
+        send_cq: CqHandle::from_raw(cq),
+        recv_cq: CqHandle::from_raw(cq),
+        srq: None,
+        caps: QpCaps {
+            max_send_wr: 8,
+            max_recv_wr: 8,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        },
+        sq_sig_all: false,
+        port: None,
+    }
+}
+
+fn av_to(ip: [u8; 4]) -> AvAttr {
+    AvAttr {
+        port: PortNum::FIRST,
+        sl: 0,
+        dlid: Lid::default(),
+        path_bits: 0,
+        static_rate: 0,
+        grh: Some(Grh {
+            dgid: Gid::from_ipv4(ip),
+            flow_label: 0,
+            hop_limit: 64,
+            traffic_class: 0,
+            sgid_index: 0,
+        }),
+    }
+}
+
+/// RESET to RTS for an RC QP, or to RTS for a UD QP with Q_Key 0x11.
+fn to_rts(qp_type: QpType, dest: u32, dest_ip: [u8; 4]) -> Vec<QpModify> {
+    let init = QpModify {
+        state: Some(QpState::Init),
+        pkey_index: Some(0),
+        port: Some(PortNum::FIRST),
+        ..QpModify::default()
+    };
+    match qp_type {
+        QpType::Ud => vec![
+            QpModify {
+                qkey: Some(QKey::new(0x11)),
+                ..init
+            },
+            QpModify::to_state(QpState::Rtr),
+            QpModify {
+                sq_psn: Some(Psn::new(1).unwrap()),
+                ..QpModify::to_state(QpState::Rts)
+            },
+        ],
+        _ => vec![
+            QpModify {
+                access: Some(AccessFlags::REMOTE_WRITE),
+                ..init
+            },
+            QpModify {
+                state: Some(QpState::Rtr),
+                av: Some(av_to(dest_ip)),
+                path_mtu: Some(Mtu::Mtu1024),
+                dest_qpn: Some(Qpn::new(dest).unwrap()),
+                rq_psn: Some(Psn::new(100).unwrap()),
+                max_dest_rd_atomic: Some(1),
+                min_rnr_timer: Some(12),
+                ..QpModify::default()
+            },
+            QpModify {
+                state: Some(QpState::Rts),
+                sq_psn: Some(Psn::new(100).unwrap()),
+                timeout: Some(14),
+                retry_cnt: Some(7),
+                rnr_retry: Some(7),
+                max_rd_atomic: Some(1),
+                ..QpModify::default()
+            },
+        ],
+    }
+}
+
+/// The kernel client on HCA `K`: CA, PD, CQ, one QP and a registered
+/// common buffer.
+struct Kernel {
+    ca: u64,
+    pd: u64,
+    cq: u64,
+    qp: u64,
+    qpn: u32,
+    buffer: sim_host::dma::HostCommonBuffer,
+    region: MemoryRegion<SimPlatform>,
+}
+
+impl Kernel {
+    fn new(w: &World, qp_type: QpType) -> Self {
+        use driver_platform::{CommonBuffer, DmaAdapter};
+        let c = w.call_in_dpc_at::<OpenCa>(K, KERNEL, 0, &OpenCaIn::CURRENT, 0);
+        let ca = response::<OpenCa>(&c).handle;
+        let pd = response::<AllocPd>(&w.call_in_dpc_at::<AllocPd>(K, KERNEL, ca, &Empty, 0)).handle;
+        let attr = CqAttr {
+            cqe: 64,
+            comp_vector: 0,
+        };
+        let cq =
+            response::<CreateCq>(&w.call_in_dpc_at::<CreateCq>(K, KERNEL, ca, &attr, 0)).handle;
+        let input = qp_create(qp_type, pd, cq);
+        let c = w.call_in_dpc_at::<CreateQp>(K, KERNEL, ca, &input, 0);
+        let r = response::<CreateQp>(&c);
+        assert_eq!(r.status, IbStatus::Success);
+        let (qp, qpn) = (r.handle, r.output.unwrap().qpn.get());
+        let buffer = w.adapter_at(K).alloc_common(8192).unwrap();
+        let bus = buffer.bus_address();
+        let pages = vec![bus, bus + 4096];
+        let mt = w.hca_at(K).memory_translation().unwrap();
+        let out = Arc::new(Mutex::new(None));
+        let (hca, sink) = (w.hca_at(K), out.clone());
+        let pd_number = support::number_of(pd);
+        w.in_dpc(move || {
+            let request = hca_miniport_core::mr::PhysicalRegion {
+                iova: bus,
+                length: 8192,
+                first_byte_offset: 0,
+                page_shift: 12,
+                pages: &pages,
+                access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+                pd: pd_number,
+            };
+            mt.register_physical(
+                &hca,
+                request,
+                Box::new(move |r| *support::lock(&sink) = Some(r)),
+            );
+        });
+        w.settle();
+        let region = support::lock(&out).take().unwrap().unwrap();
+        Self {
+            ca,
+            pd,
+            cq,
+            qp,
+            qpn,
+            buffer,
+            region,
+        }
+    }
+
+    fn modify(&self, w: &World, m: &QpModify) -> IbStatus {
+        status_of::<ModifyQp>(&w.call_in_dpc_at::<ModifyQp>(K, KERNEL, self.qp, m, 0))
+    }
+
+    fn sge(&self, offset: u64, len: u32) -> Sge {
+        Sge::new(self.region.start() + offset, len, self.region.lkey())
+    }
+
+    fn write(&self, offset: usize, bytes: &[u8]) {
+        use driver_platform::CommonBuffer;
+        assert!(self.buffer.write(offset, bytes));
+    }
+
+    fn read(&self, offset: usize, len: usize) -> Vec<u8> {
+        use driver_platform::CommonBuffer;
+        let mut out = vec![0; len];
+        assert!(self.buffer.read(offset, &mut out));
+        out
+    }
+
+    fn post_recv(&self, w: &World, wr_id: u64, sges: Vec<Sge>) {
+        let out = Arc::new(Mutex::new(None));
+        let (hca, sink, qp) = (w.hca_at(K), out.clone(), self.qp);
+        w.in_dpc(move || {
+            let wrs = [RecvWr {
+                wr_id,
+                sg_list: &sges,
+            }];
+            *support::lock(&sink) = Some(hca.post_recv(qp, &wrs));
+        });
+        w.settle();
+        assert_eq!(support::lock(&out).take(), Some((1, IbStatus::Success)));
+    }
+
+    fn post_send(&self, w: &World, wr_id: u64, sges: Vec<Sge>) {
+        let out = Arc::new(Mutex::new(None));
+        let (hca, sink, qp) = (w.hca_at(K), out.clone(), self.qp);
+        w.in_dpc(move || {
+            let wr = SendWr {
+                wr_id,
+                op: SendOp::Send,
+                flags: SendFlags::SIGNALED,
+                sg_list: &sges,
+                ud: None,
+            };
+            let requests = [SendRequest {
+                wr,
+                av: None,
+                inline: None,
+            }];
+            *support::lock(&sink) = Some(hca.post_send(qp, &requests));
+        });
+        w.settle();
+        assert_eq!(support::lock(&out).take(), Some((1, IbStatus::Success)));
+    }
+
+    fn poll(&self, w: &World) -> Vec<WorkCompletion> {
+        let out = Arc::new(Mutex::new(Vec::new()));
+        let (hca, sink, cq) = (w.hca_at(K), out.clone(), self.cq);
+        w.in_dpc(move || {
+            let mut wcs = [WorkCompletion::EMPTY; 8];
+            loop {
+                let n = hca.poll_cq(cq, &mut wcs).unwrap();
+                if n == 0 {
+                    break;
+                }
+                support::lock(&sink).extend_from_slice(&wcs[..n]);
+            }
+        });
+        w.settle();
+        support::lock(&out).clone()
+    }
+
+    fn finish(self, w: &World) {
+        let Kernel {
+            ca,
+            pd,
+            cq,
+            qp,
+            buffer,
+            region,
+            ..
+        } = self;
+        deregister(w, K, region);
+        w.adapter_at(K).free_common(buffer);
+        assert_eq!(
+            status_of::<DestroyQp>(&w.call_in_dpc_at::<DestroyQp>(K, KERNEL, qp, &Empty, 0)),
+            IbStatus::Success
+        );
+        assert_eq!(
+            status_of::<DestroyCq>(&w.call_in_dpc_at::<DestroyCq>(K, KERNEL, cq, &Empty, 0)),
+            IbStatus::Success
+        );
+        assert_eq!(
+            status_of::<DeallocPd>(&w.call_in_dpc_at::<DeallocPd>(K, KERNEL, pd, &Empty, 0)),
+            IbStatus::Success
+        );
+        assert_eq!(
+            status_of::<CloseCa>(&w.call_in_dpc_at::<CloseCa>(K, KERNEL, ca, &Empty, 0)),
+            IbStatus::Success
+        );
+    }
+}
+
+/// Reads the device's count of dropped doorbells (PRM 2).
+fn dropped_doorbells(w: &World) -> u32 {
+    w.function()
+        .bar0()
+        .read32(hca_prm::regs::offset::DROPPED_DOORBELLS)
+}
+
+#[test]
+fn a_user_rc_qp_moves_data_both_ways_with_a_kernel_qp_on_another_hca() {
+    let (w, ips) = two_hcas(71);
+    let uvp = Uvp::open(&w, 7);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 4);
+    let mut qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
+    let k = Kernel::new(&w, QpType::Rc);
+
+    // Query through the user path: the QP is the caller's, in RESET.
+    let c = uvp.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
+    let q = response::<QueryQp>(&c).output.unwrap();
+    assert_eq!(
+        (q.qp_type, q.state, q.qpn.get()),
+        (QpType::Rc, QpState::Reset, qp.qpn)
+    );
+    let c = uvp.call::<QueryCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(response::<QueryCq>(&c).output.unwrap().cqe, 16);
+
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+
+    // The user's buffer: 8 KiB of process memory, registered.
+    let buf = uvp.process().alloc(8192).unwrap();
+    let region = uvp.register(&w, pd, buf, 8192);
+    let user_sge = |offset: u64, len: u32| Sge::new(buf + offset, len, region.lkey());
+
+    // Kernel -> user: the user posts a receive in its own ring.
+    let to_user = pattern(5, 3000);
+    k.write(0, &to_user);
+    uvp.post_recv(&mut qp, &[user_sge(0, 4096)]);
+    k.post_send(&w, 41, vec![k.sge(0, 3000)]);
+    let cqes = uvp.poll(&mut cq);
+    assert_eq!(cqes.len(), 1);
+    let wc = cqes[0].to_work_completion(0).unwrap();
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 3000));
+    assert_eq!(cqes[0].qpn.get() & 0xFF_FFFF, qp.qpn);
+    let mut got = vec![0; 3000];
+    uvp.process().read(buf, &mut got).unwrap();
+    assert_eq!(got, to_user);
+    let kwc = k.poll(&w);
+    assert_eq!(kwc.len(), 1);
+    assert_eq!((kwc[0].wr_id, kwc[0].status), (41, WcStatus::Success));
+
+    // User -> kernel: the user builds the WQE and rings its own page.
+    let to_kernel = pattern(77, 2500);
+    uvp.process().write(buf + 4096, &to_kernel).unwrap();
+    k.post_recv(&w, 51, vec![k.sge(4096, 4096)]);
+    let sges = [user_sge(4096, 2500)];
+    let wr = SendWr {
+        wr_id: 0,
+        op: SendOp::Send,
+        flags: SendFlags::SIGNALED,
+        sg_list: &sges,
+        ud: None,
+    };
+    let qpn = qp.qpn;
+    uvp.post_send(&mut qp, &wr, None, qpn);
+    w.settle();
+    let kwc = k.poll(&w);
+    assert_eq!(kwc.len(), 1);
+    assert_eq!(
+        (kwc[0].wr_id, kwc[0].status, kwc[0].byte_len),
+        (51, WcStatus::Success, 2500)
+    );
+    assert_eq!(k.read(4096, 2500), to_kernel);
+    let cqes = uvp.poll(&mut cq);
+    assert_eq!(cqes.len(), 1);
+    assert_eq!(
+        cqes[0].to_work_completion(0).unwrap().status,
+        WcStatus::Success
+    );
+
+    // Another process's doorbell page cannot ring this QP: the device
+    // drops the doorbell (PRM 9.1) and nothing is sent.
+    let other = Uvp::open(&w, 8);
+    assert_ne!(other.uar, uvp.uar);
+    k.post_recv(&w, 52, vec![k.sge(0, 4096)]);
+    let dropped = dropped_doorbells(&w);
+    // The WQE is in the ring; only the doorbell comes from the wrong page.
+    let mut wqe = [0u8; 64];
+    let len = build_send_wqe(&wr, None, qp.sq_producer as u16, None, &mut wqe).unwrap();
+    let slot = u64::from(qp.sq_producer & 7) * 64;
+    uvp.process().write(qp.sq + slot, &wqe[..len]).unwrap();
+    other.ring(qp.qpn, qp.sq_producer + 1);
+    w.settle();
+    assert_eq!(dropped_doorbells(&w), dropped + 1);
+    assert!(k.poll(&w).is_empty(), "nothing was sent");
+    // The owner's page rings it.
+    qp.sq_producer += 1;
+    uvp.ring(qp.qpn, qp.sq_producer);
+    w.settle();
+    let kwc = k.poll(&w);
+    assert_eq!((kwc.len(), kwc[0].wr_id), (1, 52));
+    assert_eq!(uvp.poll(&mut cq).len(), 1);
+
+    // Handles of one context are not another's, nor is a kernel object a
+    // user's: refused, nothing changed.
+    let c = other.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<QueryQp>(&c), IbStatus::InvalidQpHandle);
+    let c = other.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::InvalidQpHandle);
+    let c = other.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::InvalidCqHandle);
+    let c = other.call::<AllocPd>(&w, uvp.ca, &Empty, &[]);
+    assert_eq!(status_of::<AllocPd>(&c), IbStatus::InvalidCaHandle);
+    // A kernel client's objects on the user's HCA.
+    let kca =
+        response::<OpenCa>(&w.call_in_dpc_at::<OpenCa>(U, KERNEL, 0, &OpenCaIn::CURRENT, 0)).handle;
+    let kpd = response::<AllocPd>(&w.call_in_dpc_at::<AllocPd>(U, KERNEL, kca, &Empty, 0)).handle;
+    let attr = CqAttr {
+        cqe: 8,
+        comp_vector: 0,
+    };
+    let kcq = response::<CreateCq>(&w.call_in_dpc_at::<CreateCq>(U, KERNEL, kca, &attr, 0)).handle;
+    let c = uvp.call::<QueryCq>(&w, kcq, &Empty, &[]);
+    assert_eq!(status_of::<QueryCq>(&c), IbStatus::InvalidCqHandle);
+    let c = uvp.call::<DestroyCq>(&w, kcq, &Empty, &[]);
+    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::InvalidCqHandle);
+    let c = uvp.call::<DeallocPd>(&w, kpd, &Empty, &[]);
+    assert_eq!(status_of::<DeallocPd>(&c), IbStatus::InvalidPdHandle);
+    let c = uvp.call::<AllocPd>(&w, kca, &Empty, &[]);
+    assert_eq!(status_of::<AllocPd>(&c), IbStatus::InvalidCaHandle);
+    let c = uvp.call::<CloseCa>(&w, kca, &Empty, &[]);
+    assert_eq!(status_of::<CloseCa>(&c), IbStatus::InvalidCaHandle);
+    // The kernel sees the user's objects (kernel requests see everything)
+    // but its CA stays its own: the user QP is not on its CA to close.
+    assert_eq!(
+        status_of::<DestroyCq>(&w.call_in_dpc_at::<DestroyCq>(U, KERNEL, kcq, &Empty, 0)),
+        IbStatus::Success
+    );
+    assert_eq!(
+        status_of::<DeallocPd>(&w.call_in_dpc_at::<DeallocPd>(U, KERNEL, kpd, &Empty, 0)),
+        IbStatus::Success
+    );
+    assert_eq!(
+        status_of::<CloseCa>(&w.call_in_dpc_at::<CloseCa>(U, KERNEL, kca, &Empty, 0)),
+        IbStatus::Success
+    );
+    // A QP over another context's CQ and PD.
+    let other_pd = other.alloc_pd(&w);
+    let other_cq = other.create_cq(&w, 3);
+    let layout = CreateQpPriv::new(
+        3,
+        0,
+        other.process().alloc(512).unwrap(),
+        Some((
+            3,
+            5,
+            other.process().alloc(256).unwrap(),
+            other.process().alloc(64).unwrap(),
+        )),
+    )
+    .unwrap();
+    let c = other.call::<CreateQp>(
+        &w,
+        other.ca,
+        &qp_create(QpType::Rc, pd, other_cq.handle),
+        layout.emit().as_bytes(),
+    );
+    assert_eq!(status_of::<CreateQp>(&c), IbStatus::InvalidPdHandle);
+    let c = other.call::<CreateQp>(
+        &w,
+        other.ca,
+        &qp_create(QpType::Rc, other_pd, cq.handle),
+        layout.emit().as_bytes(),
+    );
+    assert_eq!(status_of::<CreateQp>(&c), IbStatus::InvalidCqHandle);
+    // User AVs are the provider's: a user CreateAv reaching the kernel.
+    let c = uvp.call::<CreateAv>(&w, pd, &av_to(ips[K]), &[]);
+    assert_eq!(status_of::<CreateAv>(&c), IbStatus::Unsupported);
+
+    // Destroy through the user path; the CQ is busy while the QP lives.
+    let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::ResourceBusy);
+    let c = uvp.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
+    let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::Success);
+    deregister(&w, U, region);
+
+    // Close the other context with its CQ and PD still live: everything
+    // goes, its page is unmapped and its pages unlocked.
+    let free_uars = w.hca_at(U).free_uar_pages();
+    assert_eq!(other.close(&w), IbStatus::Success);
+    assert_eq!(w.hca_at(U).free_uar_pages(), free_uars + 1);
+    assert_eq!(other.process().space().device_mapping_count(), 0);
+    assert_eq!(other.process().space().locked_pages(), 0);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(w.hca_at(U).user_context_count(), 0);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    assert_eq!(other.process().exit(), 0);
+    k.finish(&w);
+    w.finish();
+}
