@@ -777,3 +777,333 @@ fn a_user_rc_qp_moves_data_both_ways_with_a_kernel_qp_on_another_hca() {
     k.finish(&w);
     w.finish();
 }
+
+/// What a refused request must leave unchanged.
+#[derive(Debug, PartialEq, Eq)]
+struct Footprint {
+    mtt: hca_miniport_core::mr::TranslationUsage,
+    locked: usize,
+    contexts: usize,
+    uars: u32,
+}
+
+fn footprint(w: &World, uvp: &Uvp) -> Footprint {
+    Footprint {
+        mtt: w.hca_at(U).memory_translation().unwrap().usage(),
+        locked: uvp.process().space().locked_pages(),
+        contexts: w.hca_at(U).user_context_count(),
+        uars: w.hca_at(U).free_uar_pages(),
+    }
+}
+
+#[test]
+fn hostile_ring_descriptions_are_refused_and_change_nothing() {
+    use hca_prm::uverbs::{CreateCqPrivAbi, CreateQpPrivAbi};
+    use hca_prm::{Le32, Le64};
+    use sim_host::memory::Protection;
+    let (w, _) = two_hcas(72);
+    let uvp = Uvp::open(&w, 9);
+    let pd = uvp.alloc_pd(&w);
+    let cq = uvp.create_cq(&w, 3);
+    let before = footprint(&w, &uvp);
+    let p = uvp.process();
+    let ring = p.alloc(8192).unwrap();
+    let dbr = p.alloc(64).unwrap();
+    let read_only = p.alloc_with(4096, Protection::ReadOnly).unwrap();
+    let good = CreateCqPriv::new(4, ring, dbr).unwrap().emit();
+    let attr = CqAttr {
+        cqe: 16,
+        comp_vector: 0,
+    };
+    let cq_status = |bytes: &[u8], attr: &CqAttr| {
+        status_of::<CreateCq>(&uvp.call::<CreateCq>(&w, uvp.ca, attr, bytes))
+    };
+    let with = |f: &dyn Fn(&mut CreateCqPrivAbi)| {
+        let mut abi = good;
+        f(&mut abi);
+        abi
+    };
+    let bad = IbStatus::InvalidParameter;
+    let cases: Vec<(&str, Vec<u8>, CqAttr, IbStatus)> = vec![
+        ("no private data", vec![], attr, bad),
+        ("short", good.as_bytes()[..31].to_vec(), attr, bad),
+        ("long", [good.as_bytes(), &[0]].concat(), attr, bad),
+        (
+            "reserved",
+            with(&|a| a.reserved_at_0x19[0] = 1).as_bytes().to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "misaligned ring",
+            with(&|a| a.ring_va = Le64::new(ring + 8))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "misaligned record",
+            with(&|a| a.dbr_va = Le64::new(dbr + 2)).as_bytes().to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "ring wraps",
+            with(&|a| a.ring_va = Le64::new(u64::MAX - 511))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "record in the ring",
+            with(&|a| a.dbr_va = Le64::new(ring + 64))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "length disagrees",
+            with(&|a| a.ring_bytes = Le64::new(1024))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "zero size",
+            with(&|a| a.ring_bytes = Le64::new(0)).as_bytes().to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "huge",
+            with(&|a| {
+                a.log_entries = 26;
+                a.ring_bytes = Le64::new(32 << 26);
+                a.dbr_va = Le64::new(ring - 64);
+            })
+            .as_bytes()
+            .to_vec(),
+            CqAttr {
+                cqe: 1 << 26,
+                ..attr
+            },
+            IbStatus::InvalidCqSize,
+        ),
+        (
+            "more entries asked than the ring",
+            good.as_bytes().to_vec(),
+            CqAttr { cqe: 17, ..attr },
+            IbStatus::InvalidCqSize,
+        ),
+        (
+            "another vector",
+            good.as_bytes().to_vec(),
+            CqAttr {
+                comp_vector: 1,
+                ..attr
+            },
+            bad,
+        ),
+        (
+            "unmapped ring",
+            with(&|a| a.ring_va = Le64::new(ring + 0x10_0000))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            IbStatus::InvalidPermission,
+        ),
+        (
+            "read-only ring",
+            with(&|a| a.ring_va = Le64::new(read_only))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            IbStatus::InvalidPermission,
+        ),
+        (
+            "ring past its allocation",
+            with(&|a| a.ring_va = Le64::new(ring + 8192 - 256))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            IbStatus::InvalidPermission,
+        ),
+    ];
+    for (what, bytes, attr, expected) in cases {
+        assert_eq!(cq_status(&bytes, &attr), expected, "{what}");
+        assert_eq!(footprint(&w, &uvp), before, "{what}");
+    }
+
+    // QPs: the same for rings and records, and layouts the device cannot
+    // take.
+    let sq = p.alloc(4096).unwrap();
+    let rq = p.alloc(4096).unwrap();
+    let rq_dbr = p.alloc(64).unwrap();
+    let good = CreateQpPriv::new(3, 0, sq, Some((3, 5, rq, rq_dbr)))
+        .unwrap()
+        .emit();
+    let input = qp_create(QpType::Rc, pd, cq.handle);
+    let qp_status = |bytes: &[u8], input: &QpCreate| {
+        status_of::<CreateQp>(&uvp.call::<CreateQp>(&w, uvp.ca, input, bytes))
+    };
+    let with = |f: &dyn Fn(&mut CreateQpPrivAbi)| {
+        let mut abi = good;
+        f(&mut abi);
+        abi.as_bytes().to_vec()
+    };
+    let cases: Vec<(&str, Vec<u8>, QpCreate, IbStatus)> = vec![
+        ("no private data", vec![], input, bad),
+        (
+            "rings overlap",
+            with(&|a| a.rq_va = Le64::new(sq + 256)),
+            input,
+            bad,
+        ),
+        (
+            "record in a ring",
+            with(&|a| a.rq_dbr_va = Le64::new(sq + 64)),
+            input,
+            bad,
+        ),
+        (
+            "half a receive queue",
+            with(&|a| a.rq_dbr_va = Le64::new(0)),
+            input,
+            bad,
+        ),
+        (
+            "no receive queue without an SRQ",
+            CreateQpPriv::new(3, 0, sq, None)
+                .unwrap()
+                .emit()
+                .as_bytes()
+                .to_vec(),
+            input,
+            bad,
+        ),
+        (
+            "sq wraps",
+            with(&|a| a.sq_va = Le64::new(u64::MAX - 511)),
+            input,
+            bad,
+        ),
+        (
+            "deeper than the device",
+            with(&|a| {
+                a.sq_log_bbs = 21;
+                a.sq_bytes = Le32::new(64 << 21);
+                a.sq_va = Le64::new(0x7000_0000_0000);
+            }),
+            input,
+            IbStatus::InvalidMaxWrs,
+        ),
+        (
+            "WQE stride beyond the device",
+            with(&|a| {
+                a.sq_log_bbs = 7;
+                a.log_wqe_bbs = 7;
+                a.sq_bytes = Le32::new(64 << 7);
+                a.sq_va = Le64::new(0x7000_0000_0000);
+            }),
+            input,
+            IbStatus::InvalidParameter,
+        ),
+        (
+            "more WRs than the ring",
+            good.as_bytes().to_vec(),
+            QpCreate {
+                caps: QpCaps {
+                    max_send_wr: 9,
+                    ..input.caps
+                },
+                ..input
+            },
+            IbStatus::InvalidMaxWrs,
+        ),
+        (
+            "special QP",
+            good.as_bytes().to_vec(),
+            QpCreate {
+                qp_type: QpType::Gsi,
+                port: Some(PortNum::FIRST),
+                ..input
+            },
+            IbStatus::InvalidPermission,
+        ),
+        (
+            "unmapped receive ring",
+            with(&|a| a.rq_va = Le64::new(rq + 0x10_0000)),
+            input,
+            IbStatus::InvalidPermission,
+        ),
+        (
+            "read-only send ring",
+            with(&|a| a.sq_va = Le64::new(read_only)),
+            input,
+            IbStatus::InvalidPermission,
+        ),
+        (
+            "a stale CQ",
+            good.as_bytes().to_vec(),
+            qp_create(QpType::Rc, pd, cq.handle ^ (1 << 30)),
+            IbStatus::InvalidCqHandle,
+        ),
+        (
+            "a CQ for a PD",
+            good.as_bytes().to_vec(),
+            qp_create(QpType::Rc, cq.handle, cq.handle),
+            IbStatus::InvalidPdHandle,
+        ),
+    ];
+    for (what, bytes, input, expected) in cases {
+        assert_eq!(qp_status(&bytes, &input), expected, "{what}");
+        assert_eq!(footprint(&w, &uvp), before, "{what}");
+    }
+
+    // Garbage framing of every length on the user path: refused, nothing
+    // changed, never a panic.
+    for len in 0..160 {
+        let bytes = pattern(len as u8, len);
+        for code in [CreateCq::ID, CreateQp::ID, OpenCa::ID, CloseCa::ID].map(|v| v.ioctl().raw()) {
+            let c = w.user_raw_at(U, &uvp.caller, code, bytes.clone(), 256);
+            assert!(c.status.is_error(), "{len} bytes");
+        }
+        assert_eq!(footprint(&w, &uvp), before);
+    }
+
+    // Arbitrary private bytes: never a success that was not asked for,
+    // never a change.
+    let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
+        cases: 96,
+        ..Default::default()
+    });
+    let strategy = proptest::collection::vec(proptest::prelude::any::<u8>(), 0..80);
+    runner
+        .run(&strategy, |bytes| {
+            let cq_status = status_of::<CreateCq>(&uvp.call::<CreateCq>(&w, uvp.ca, &attr, &bytes));
+            let qp_status =
+                status_of::<CreateQp>(&uvp.call::<CreateQp>(&w, uvp.ca, &input, &bytes));
+            proptest::prop_assert_ne!(cq_status, IbStatus::Success);
+            proptest::prop_assert_ne!(qp_status, IbStatus::Success);
+            proptest::prop_assert_eq!(footprint(&w, &uvp), footprint_of(&before));
+            Ok(())
+        })
+        .unwrap();
+
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().exit(), 0);
+    w.finish();
+}
+
+fn footprint_of(f: &Footprint) -> Footprint {
+    Footprint {
+        mtt: f.mtt,
+        locked: f.locked,
+        contexts: f.contexts,
+        uars: f.uars,
+    }
+}
