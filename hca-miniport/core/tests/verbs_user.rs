@@ -1107,3 +1107,111 @@ fn footprint_of(f: &Footprint) -> Footprint {
         uars: f.uars,
     }
 }
+
+#[test]
+fn a_user_ud_qp_exchanges_datagrams_and_close_takes_live_objects_with_it() {
+    let (w, ips) = two_hcas(73);
+    let uvp = Uvp::open(&w, 11);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 4);
+    let mut qp = uvp.create_qp(&w, QpType::Ud, pd, &cq);
+    let k = Kernel::new(&w, QpType::Ud);
+    for m in to_rts(QpType::Ud, 0, [0; 4]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+    let buf = uvp.process().alloc(8192).unwrap();
+    let region = uvp.register(&w, pd, buf, 8192);
+
+    // Kernel -> user datagram: 40 bytes of GRH, then the payload.
+    let payload = pattern(9, 1000);
+    k.write(0, &payload);
+    uvp.post_recv(&mut qp, &[Sge::new(buf, 2048, region.lkey())]);
+    let av = hca_prm::av::Av::try_from(&av_to(ips[U])).unwrap();
+    {
+        let out = Arc::new(Mutex::new(None));
+        let (hca, sink, kqp, sge, qpn) = (w.hca_at(K), out.clone(), k.qp, k.sge(0, 1000), qp.qpn);
+        w.in_dpc(move || {
+            let sges = [sge];
+            let wr = SendWr {
+                wr_id: 61,
+                op: SendOp::Send,
+                flags: SendFlags::SIGNALED,
+                sg_list: &sges,
+                ud: Some(ib_types::wr::UdDest {
+                    av: ib_types::handle::AvHandle::from_raw(1),
+                    remote_qpn: Qpn::new(qpn).unwrap(),
+                    remote_qkey: QKey::new(0x11),
+                }),
+            };
+            let requests = [SendRequest {
+                wr,
+                av: Some(av),
+                inline: None,
+            }];
+            *support::lock(&sink) = Some(hca.post_send(kqp, &requests));
+        });
+        w.settle();
+        assert_eq!(support::lock(&out).take(), Some((1, IbStatus::Success)));
+    }
+    let cqes = uvp.poll(&mut cq);
+    assert_eq!(cqes.len(), 1);
+    let wc = cqes[0].to_work_completion(0).unwrap();
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 1040));
+    assert_eq!(wc.src_qp.get(), k.qpn);
+    let mut got = vec![0; 1000];
+    uvp.process().read(buf + 40, &mut got).unwrap();
+    assert_eq!(got, payload);
+    assert_eq!(k.poll(&w).len(), 1);
+
+    // User -> kernel datagram: the provider puts the PRM address vector
+    // into its own WQE (user AVs never reach the kernel).
+    let payload = pattern(99, 700);
+    uvp.process().write(buf + 4096, &payload).unwrap();
+    k.post_recv(&w, 62, vec![k.sge(4096, 2048)]);
+    let av = hca_prm::av::Av::try_from(&av_to(ips[K])).unwrap();
+    let sges = [Sge::new(buf + 4096, 700, region.lkey())];
+    let wr = SendWr {
+        wr_id: 0,
+        op: SendOp::Send,
+        flags: SendFlags::SIGNALED,
+        sg_list: &sges,
+        ud: Some(ib_types::wr::UdDest {
+            av: ib_types::handle::AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(k.qpn).unwrap(),
+            remote_qkey: QKey::new(0x11),
+        }),
+    };
+    let qpn = qp.qpn;
+    uvp.post_send(&mut qp, &wr, Some(&av), qpn);
+    w.settle();
+    let kwc = k.poll(&w);
+    assert_eq!(kwc.len(), 1);
+    assert_eq!(
+        (kwc[0].wr_id, kwc[0].status, kwc[0].byte_len),
+        (62, WcStatus::Success, 740)
+    );
+    assert_eq!(k.read(4096 + 40, 700), payload);
+    assert_eq!(uvp.poll(&mut cq).len(), 1);
+
+    // The process exits without destroying anything: the proxy's cleanup
+    // closes the context, which destroys the QP and CQ, frees the PD,
+    // unmaps the doorbell page and unlocks every ring page.
+    deregister(&w, U, region);
+    let mtt_before_open = w.hca_at(U).memory_translation().unwrap().usage().mtt_free;
+    assert!(uvp.process().space().locked_pages() > 0);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().space().device_mapping_count(), 0);
+    assert!(w.hca_at(U).memory_translation().unwrap().usage().mtt_free > mtt_before_open);
+    assert_eq!(w.hca_at(U).user_context_count(), 0);
+    // Its handles are gone; a second close is refused.
+    assert_eq!(uvp.close(&w), IbStatus::InvalidCaHandle);
+    let c = uvp.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<QueryQp>(&c), IbStatus::InvalidQpHandle);
+    // The doorbell page is gone from the process.
+    assert!(uvp.process().write_device64(uvp.doorbell, 0).is_err());
+    assert_eq!(uvp.process().exit(), 0);
+    k.finish(&w);
+    w.finish();
+}
