@@ -1215,3 +1215,112 @@ fn a_user_ud_qp_exchanges_datagrams_and_close_takes_live_objects_with_it() {
     k.finish(&w);
     w.finish();
 }
+
+#[test]
+fn a_user_rc_qp_receives_through_a_user_srq() {
+    use hca_prm::uverbs::{CreateSrqPriv, CreateSrqPrivOut};
+    use ib_types::ioctl::{CreateSrq, DestroySrq, ModifySrq, QuerySrq};
+    use ib_types::srq::{SrqAttr, SrqCreate, SrqModify};
+    let (w, ips) = two_hcas(74);
+    let uvp = Uvp::open(&w, 12);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 4);
+    let p = uvp.process();
+
+    // The SRQ: 8 WQEs of 32 bytes and its producer record, in the process.
+    let srq_ring = p.alloc(256).unwrap();
+    let srq_dbr = p.alloc(64).unwrap();
+    let layout = CreateSrqPriv::new(3, 5, srq_ring, srq_dbr).unwrap();
+    let create = SrqCreate {
+        pd: PdHandle::from_raw(pd),
+        attr: SrqAttr {
+            max_wr: 8,
+            max_sge: 1,
+            srq_limit: 0,
+        },
+    };
+    let c = uvp.call::<CreateSrq>(&w, uvp.ca, &create, layout.emit().as_bytes());
+    let r = response::<CreateSrq>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    assert_eq!(r.output.unwrap().max_wr, 8);
+    let srq = r.handle;
+    CreateSrqPrivOut::parse(r.private).unwrap();
+    // Too many SGEs for the stride; a kernel client's PD.
+    let c = uvp.call::<CreateSrq>(
+        &w,
+        uvp.ca,
+        &SrqCreate {
+            attr: SrqAttr {
+                max_sge: 2,
+                ..create.attr
+            },
+            ..create
+        },
+        CreateSrqPriv::new(3, 5, p.alloc(256).unwrap(), p.alloc(64).unwrap())
+            .unwrap()
+            .emit()
+            .as_bytes(),
+    );
+    assert_eq!(status_of::<CreateSrq>(&c), IbStatus::InvalidMaxSge);
+    let c = uvp.call::<QuerySrq>(&w, srq, &Empty, &[]);
+    assert_eq!(response::<QuerySrq>(&c).output.unwrap().max_wr, 8);
+    let arm = SrqModify {
+        max_wr: None,
+        srq_limit: Some(2),
+    };
+    let c = uvp.call::<ModifySrq>(&w, srq, &arm, &[]);
+    assert_eq!(status_of::<ModifySrq>(&c), IbStatus::Success);
+
+    // An RC QP on it: no receive queue of its own.
+    let sq = p.alloc(512).unwrap();
+    let qp_layout = CreateQpPriv::new(3, 0, sq, None).unwrap();
+    let input = QpCreate {
+        srq: Some(ib_types::handle::SrqHandle::from_raw(srq)),
+        caps: QpCaps {
+            max_recv_wr: 0,
+            max_recv_sge: 0,
+            ..qp_create(QpType::Rc, pd, cq.handle).caps
+        },
+        ..qp_create(QpType::Rc, pd, cq.handle)
+    };
+    let c = uvp.call::<CreateQp>(&w, uvp.ca, &input, qp_layout.emit().as_bytes());
+    let r = response::<CreateQp>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let (qp, qpn) = (r.handle, r.output.unwrap().qpn.get());
+    let k = Kernel::new(&w, QpType::Rc);
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(&w, qp, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qpn, ips[U]) {
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+
+    // The provider posts to the SRQ ring and its record; the kernel sends.
+    let buf = p.alloc(4096).unwrap();
+    let region = uvp.register(&w, pd, buf, 4096);
+    let mut wqe = [0u8; 32];
+    build_recv_wqe(&[Sge::new(buf, 4096, region.lkey())], 0, 32, &mut wqe).unwrap();
+    p.write(srq_ring, &wqe).unwrap();
+    p.write(srq_dbr, DoorbellRecord::new(1).as_bytes()).unwrap();
+    let payload = pattern(44, 1800);
+    k.write(0, &payload);
+    k.post_send(&w, 71, vec![k.sge(0, 1800)]);
+    let cqes = uvp.poll(&mut cq);
+    assert_eq!(cqes.len(), 1);
+    assert!(cqes[0].flags().contains(hca_prm::cqe::CqeFlags::SRQ));
+    assert_eq!(cqes[0].to_work_completion(0).unwrap().byte_len, 1800);
+    let mut got = vec![0; 1800];
+    p.read(buf, &mut got).unwrap();
+    assert_eq!(got, payload);
+    assert_eq!(k.poll(&w).len(), 1);
+
+    // Busy while the QP uses it; the close takes QP, SRQ, CQ and PD.
+    let c = uvp.call::<DestroySrq>(&w, srq, &Empty, &[]);
+    assert_eq!(status_of::<DestroySrq>(&c), IbStatus::ResourceBusy);
+    deregister(&w, U, region);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(p.space().locked_pages(), 0);
+    assert_eq!(p.exit(), 0);
+    k.finish(&w);
+    w.finish();
+}

@@ -74,7 +74,7 @@ const LOG_MAX_INDEX: u8 = 16;
 
 /// Where an SRQ is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Life {
+pub(super) enum Life {
     /// Memory and commands under way; the client has no handle yet.
     Creating,
     /// Usable.
@@ -163,8 +163,41 @@ impl<P: Platform> Srq<P> {
             .collect()
     }
 
-    fn set_life(&self, life: Life) {
+    pub(super) fn set_life(&self, life: Life) {
         self.ring.lock().life = life;
+    }
+
+    /// A user SRQ (`verbs::user`): the same object with no kernel ring
+    /// (the user-mode provider posts to its own) and a one-slot `wr_id`
+    /// shadow, as the kernel never posts to it. Holds a use of `pd`.
+    pub(super) fn new_user(
+        srqn: u32,
+        pd: u64,
+        log_entries: u8,
+        log_stride: u8,
+        max_sge: u32,
+        mtt: EntryRange,
+    ) -> Self {
+        Self {
+            srqn,
+            pd,
+            log_entries,
+            log_stride,
+            max_sge,
+            ring: SpinLock::<P, _>::new(Ring {
+                life: Life::Creating,
+                ring: None,
+                dbr: None,
+                mtt: Some(mtt),
+                producer: 0,
+                wr_ids: vec![None; 1],
+            }),
+        }
+    }
+
+    /// The SRQ number.
+    pub(super) fn number(&self) -> u32 {
+        self.srqn
     }
 }
 
@@ -312,7 +345,7 @@ impl<P: Platform> Hca<P> {
 
     /// Removes an SRQ whose creation failed: its number, MTT entries and
     /// PD use go back.
-    fn forget_srq(&self, handle: Handle<kind::Srq>, pd: u64, mtt: EntryRange) {
+    pub(super) fn forget_srq(&self, handle: Handle<kind::Srq>, pd: u64, mtt: EntryRange) {
         let _ = self.with_objects(|o| {
             let _ = o.srqs.remove(handle);
             let _ = o.mtt.return_entries(mtt);
@@ -545,8 +578,26 @@ where
     }
 
     pub(crate) fn destroy_srq_request(self: &Arc<Self>, a: Accepted<DestroySrq, P::Request>) {
-        let mode = a.mode;
-        let handle = Handle::<kind::Srq>::from_raw(a.handle);
+        let responder = a.responder;
+        self.destroy_srq_then(
+            a.handle,
+            a.mode,
+            Box::new(move |_hca, result| match result {
+                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
+                Err(status) => responder.fail(status),
+            }),
+        );
+    }
+
+    /// Destroys the SRQ `raw` (see the module doc), then calls `done`
+    /// (inline when refused, else from the DPC).
+    pub(super) fn destroy_srq_then(
+        self: &Arc<Self>,
+        raw: u64,
+        mode: RequestorMode,
+        done: super::Done<P>,
+    ) {
+        let handle = Handle::<kind::Srq>::from_raw(raw);
         let found = self.with_objects(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidSrqHandle);
@@ -569,12 +620,8 @@ where
         });
         let srq = match found.and_then(|r| r) {
             Ok(srq) => srq,
-            Err(status) => {
-                a.responder.fail(status);
-                return;
-            }
+            Err(status) => return done(self, Err(status)),
         };
-        let responder = a.responder;
         self.run_commands(
             vec![Command::new(Opcode::Hw2SwSrq, srq.srqn)],
             Box::new(move |hca, result| match result {
@@ -590,11 +637,11 @@ where
                         let _ = o.pds.release(Handle::<kind::Pd>::from_raw(srq.pd));
                     });
                     hca.free_later(srq.take_buffers());
-                    responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+                    done(hca, Ok(()));
                 }
                 Err(error) => {
                     srq.set_life(Life::Live);
-                    responder.fail(error.ib_status());
+                    done(hca, Err(error.ib_status()));
                 }
             }),
         );

@@ -63,10 +63,11 @@ use driver_platform::{
     CallerProcess, Deferred, Irql, NtStatus, Platform, Request, RequestorMode, UserMapping,
 };
 use hca_prm::cmd::{MAX_MTT_PER_WRITE, Opcode};
-use hca_prm::ctx::{BufDesc, CQE_LOG_STRIDE, Cqc, Qpc, QpcFlags, SQ_LOG_STRIDE};
+use hca_prm::ctx::{BufDesc, CQE_LOG_STRIDE, Cqc, Qpc, QpcFlags, SQ_LOG_STRIDE, Srqc};
 use hca_prm::doorbell::uar_offset;
 use hca_prm::uverbs::{
-    CreateCqPriv, CreateCqPrivOut, CreateQpPriv, CreateQpPrivOut, OpenCaPriv, UserRange,
+    CreateCqPriv, CreateCqPrivOut, CreateQpPriv, CreateQpPrivOut, CreateSrqPriv, CreateSrqPrivOut,
+    OpenCaPriv, UserRange,
 };
 use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES, SEG_SIZE, inline_seg_len};
 use hca_prm::{Le32, Le64};
@@ -77,6 +78,7 @@ use ib_types::ioctl::{
 };
 use ib_types::qp::{QpCaps, QpState, QpType};
 use ib_types::scalars::{NodeGuid, Qpn};
+use ib_types::srq::SrqAttr;
 use ib_types::status::IbStatus;
 use zerocopy::{FromZeros, IntoBytes};
 
@@ -84,6 +86,7 @@ use super::cq::{Cq, Life as CqLife};
 use super::qp::{
     Geometry, Life as QpLife, MAX_LOG_WQE_SIZE, MAX_LOG_WQES, Qp, RC_PREFIX, UD_ADDR_SEG,
 };
+use super::srq::{Life as SrqLife, Srq};
 use super::{Accepted, Objects, Responder, UVP_NAME, accept};
 use crate::cmd::Command;
 use crate::hca::Hca;
@@ -408,6 +411,23 @@ where
             VerbId::DestroyQp => {
                 if let Some(a) = accept::<v::DestroyQp, R<P>>(request) {
                     self.user_destroy(a.responder, a.handle, pid, Owned::Qp);
+                }
+            }
+            VerbId::CreateSrq => {
+                let private = private_input::<v::CreateSrq, _>(&request);
+                if let Some(a) = accept::<v::CreateSrq, R<P>>(request) {
+                    self.user_create_srq(a, private.unwrap_or_default(), caller);
+                }
+            }
+            VerbId::QuerySrq => self.trusted::<v::QuerySrq>(request, pid, Owned::Srq, |h, a| {
+                h.query_srq_request(a);
+            }),
+            VerbId::ModifySrq => self.trusted::<v::ModifySrq>(request, pid, Owned::Srq, |h, a| {
+                h.modify_srq_request(a);
+            }),
+            VerbId::DestroySrq => {
+                if let Some(a) = accept::<v::DestroySrq, R<P>>(request) {
+                    self.user_destroy(a.responder, a.handle, pid, Owned::Srq);
                 }
             }
             _ => self.user_unsupported(verb, request),
@@ -1129,10 +1149,169 @@ where
         Ok((layout, caps, port))
     }
 
-    /// Destroy of a user SRQ (not built yet: user SRQs cannot be created,
-    /// so there is none to destroy).
-    fn destroy_user_srq(self: &Arc<Self>, _object: u64, done: super::Done<P>) {
-        done(self, Err(IbStatus::InvalidSrqHandle));
+    fn destroy_user_srq(self: &Arc<Self>, object: u64, done: super::Done<P>) {
+        self.destroy_srq_then(object, RequestorMode::Kernel, done);
+    }
+
+    fn user_create_srq(
+        self: &Arc<Self>,
+        a: Accepted<v::CreateSrq, P::Request>,
+        private: Vec<u8>,
+        caller: P::Caller,
+    ) {
+        let process = caller.process_id();
+        let ctx = a.handle;
+        if let Err(status) = self.begin_create(process, ctx) {
+            return a.responder.fail(status);
+        }
+        let (layout, max_sge) = match self.check_user_srq(&a, &private, process) {
+            Ok(checked) => checked,
+            Err(status) => {
+                self.end_create(ctx, Owned::Srq, None);
+                return a.responder.fail(status);
+            }
+        };
+        let pd = a.input.pd.raw();
+        let limit = a.input.attr.srq_limit;
+        let pins = match self.pin_ranges(&caller, &[layout.ring, layout.dbr]) {
+            Ok(pins) => pins,
+            Err(status) => {
+                self.end_create(ctx, Owned::Srq, None);
+                return a.responder.fail(status);
+            }
+        };
+        let (ring_pages, dbr_bus) = match (&pins[0], pins[1].bus_address(layout.dbr.va)) {
+            (ring, Some(dbr)) => (ring.bus_pages.clone(), dbr),
+            _ => {
+                self.end_create(ctx, Owned::Srq, Some((0, pins)));
+                return a.responder.fail(IbStatus::GenericError);
+            }
+        };
+        let (log_entries, log_stride) = (layout.log_entries, layout.log_stride);
+        let reserved = self.with_objects(|o| {
+            let pd_handle = Handle::<kind::Pd>::from_raw(pd);
+            o.pds
+                .acquire(pd_handle)
+                .map_err(|_| IbStatus::InvalidPdHandle)?;
+            let mtt = match o.mtt.take_entries(ring_pages.len() as u32) {
+                Ok(mtt) => mtt,
+                Err(error) => {
+                    let _ = o.pds.release(pd_handle);
+                    return Err(IbStatus::from(error));
+                }
+            };
+            let made = o.srqs.insert_with(|h| {
+                Arc::new(Srq::<P>::new_user(
+                    h.number(),
+                    pd,
+                    log_entries,
+                    log_stride,
+                    max_sge,
+                    mtt,
+                ))
+            });
+            match made.map(|h| (h, o.srqs.get(h).cloned())) {
+                Ok((handle, Some(srq))) => Ok((handle, srq, mtt)),
+                Ok((handle, None)) => {
+                    let _ = o.srqs.remove(handle);
+                    let _ = o.mtt.return_entries(mtt);
+                    let _ = o.pds.release(pd_handle);
+                    Err(IbStatus::GenericError)
+                }
+                Err(error) => {
+                    let _ = o.mtt.return_entries(mtt);
+                    let _ = o.pds.release(pd_handle);
+                    Err(IbStatus::from(error))
+                }
+            }
+        });
+        let (handle, srq, mtt) = match reserved.and_then(|r| r) {
+            Ok(r) => r,
+            Err(status) => {
+                self.end_create(ctx, Owned::Srq, Some((0, pins)));
+                return a.responder.fail(status);
+            }
+        };
+        let srqc = Srqc {
+            pd: Le32::new(Handle::<kind::Pd>::from_raw(pd).number()),
+            limit: Le32::new(limit),
+            ring: user_desc(mtt.start(), &layout.ring, log_entries, log_stride),
+            dbr: Le64::new(dbr_bus),
+            ..Srqc::default()
+        };
+        let mut commands = write_mtt_pages(mtt.start(), &ring_pages);
+        commands.push(
+            Command::new(Opcode::Sw2HwSrq, srq.number()).with_mailbox(srqc.as_bytes().to_vec()),
+        );
+        let responder = a.responder;
+        self.run_commands(
+            commands,
+            Box::new(move |hca, result| match result {
+                Ok(_) => {
+                    srq.set_life(SrqLife::Live);
+                    hca.end_create(ctx, Owned::Srq, Some((handle.raw(), pins)));
+                    let out = SrqAttr {
+                        max_wr: 1 << log_entries,
+                        max_sge,
+                        srq_limit: limit,
+                    };
+                    let private = CreateSrqPrivOut { srqn: srq.number() };
+                    responder.finish(
+                        IbStatus::Success,
+                        handle.raw(),
+                        Some(&out),
+                        private.emit().as_bytes(),
+                    );
+                }
+                Err(error) => {
+                    hca.forget_srq(handle, pd, mtt);
+                    hca.end_create(ctx, Owned::Srq, Some((0, pins)));
+                    responder.fail(error.ib_status());
+                }
+            }),
+        );
+    }
+
+    /// The checks of a user CreateSrq that touch nothing; the SGEs a WQE
+    /// of the layout holds.
+    fn check_user_srq(
+        &self,
+        a: &Accepted<v::CreateSrq, P::Request>,
+        private: &[u8],
+        process: u64,
+    ) -> Result<(CreateSrqPriv, u32), IbStatus> {
+        if a.responder.private_room() < CreateSrqPrivOut::SIZE {
+            return Err(IbStatus::InvalidParameter);
+        }
+        let layout = CreateSrqPriv::parse(private).map_err(|_| IbStatus::InvalidParameter)?;
+        let report = self.report().ok_or(IbStatus::InvalidState)?;
+        let cap = &report.capabilities;
+        // A receive WQE's index is 16 bits (PRM 10.3).
+        if layout.log_entries > cap.log_max_srq_wqes.min(16) {
+            return Err(IbStatus::InvalidSrqSize);
+        }
+        let max_recv_sges = usize::from(cap.max_recv_sges);
+        let largest = (SEG_SIZE * (1 + max_recv_sges))
+            .next_power_of_two()
+            .max(hca_prm::wqe::MIN_RECV_STRIDE);
+        let stride = 1usize << layout.log_stride;
+        if stride > largest {
+            return Err(IbStatus::InvalidParameter);
+        }
+        let max_sge = (hca_prm::wqe::recv_sges_per_stride(stride).min(max_recv_sges)) as u32;
+        let attr = a.input.attr;
+        let entries = 1u32 << layout.log_entries;
+        if attr.max_wr > entries {
+            return Err(IbStatus::InvalidSrqSize);
+        }
+        if attr.max_sge > max_sge {
+            return Err(IbStatus::InvalidMaxSge);
+        }
+        if attr.srq_limit > entries {
+            return Err(IbStatus::InvalidParameter);
+        }
+        self.with_objects(|o| owner(o, process, Owned::Pd, a.input.pd.raw()))??;
+        Ok((layout, max_sge))
     }
 }
 
