@@ -93,6 +93,7 @@ struct Uvp {
 /// A user CQ: ring and consumer record in the process.
 struct UserCq {
     handle: u64,
+    cqn: u32,
     log: u8,
     ring: u64,
     dbr: u64,
@@ -168,6 +169,7 @@ impl Uvp {
         assert_eq!(out.log_entries, log);
         UserCq {
             handle: r.handle,
+            cqn: out.cqn,
             log,
             ring,
             dbr,
@@ -1321,6 +1323,107 @@ fn a_user_rc_qp_receives_through_a_user_srq() {
     assert_eq!(uvp.close(&w), IbStatus::Success);
     assert_eq!(p.space().locked_pages(), 0);
     assert_eq!(p.exit(), 0);
+    k.finish(&w);
+    w.finish();
+}
+
+/// Issues a user WaitCqEvent on `cq` and returns the issuer's handle
+/// (the request may stay pending).
+fn wait_cq(w: &World, uvp: &Uvp, cq: u64) -> sim_host::request::RequestHandle {
+    use ib_types::ioctl::{WaitCqEvent, encode_request, request_len, response_len};
+    let mut bytes = vec![0; request_len::<WaitCqEvent>(0).unwrap()];
+    encode_request::<WaitCqEvent>(cq, &Empty, &[], 0, &mut bytes).unwrap();
+    let (request, issuer) = w.raw_request(
+        WaitCqEvent::ID.ioctl().raw(),
+        RequestorMode::User,
+        bytes,
+        response_len::<WaitCqEvent>(0).unwrap(),
+    );
+    w.hca_at(U).submit_user_request(request, uvp.caller.clone());
+    w.settle();
+    issuer
+}
+
+#[test]
+fn wait_cq_event_completes_on_the_armed_cqs_event_and_is_cancellable() {
+    use hca_prm::doorbell::{CQ_DOORBELL, CqArm, CqDoorbell};
+    let (w, ips) = two_hcas(75);
+    let uvp = Uvp::open(&w, 13);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 4);
+    let mut qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
+    let k = Kernel::new(&w, QpType::Rc);
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+    let buf = uvp.process().alloc(4096).unwrap();
+    let region = uvp.register(&w, pd, buf, 4096);
+    let cqn = cq.cqn;
+    let arm = |consumer: u32| {
+        let doorbell = CqDoorbell::new(cqn, CqArm::Next, consumer).unwrap();
+        uvp.process()
+            .write_device64(uvp.doorbell + CQ_DOORBELL, doorbell.encode())
+            .unwrap();
+    };
+
+    // Armed, then a wait: pending until the completion arrives.
+    arm(cq.consumer);
+    let waiting = wait_cq(&w, &uvp, cq.handle);
+    assert!(!waiting.is_done(), "nothing completed yet");
+    uvp.post_recv(&mut qp, &[Sge::new(buf, 4096, region.lkey())]);
+    k.write(0, b"wake up");
+    k.post_send(&w, 81, vec![k.sge(0, 7)]);
+    let done = waiting.completion().expect("the event completed the wait");
+    assert_eq!(
+        status_of::<ib_types::ioctl::WaitCqEvent>(&done),
+        IbStatus::Success
+    );
+    assert_eq!(uvp.poll(&mut cq).len(), 1);
+    assert_eq!(k.poll(&w).len(), 1);
+
+    // An event that fires before the wait is kept for it: arming with
+    // CQEs already beyond the consumer fires at once (PRM 9.3).
+    uvp.post_recv(&mut qp, &[Sge::new(buf, 4096, region.lkey())]);
+    k.post_send(&w, 82, vec![k.sge(0, 7)]);
+    arm(cq.consumer);
+    w.settle();
+    let early = wait_cq(&w, &uvp, cq.handle);
+    assert!(early.is_done());
+    assert_eq!(uvp.poll(&mut cq).len(), 1);
+    assert_eq!(k.poll(&w).len(), 1);
+
+    // A wait nobody wakes is cancelled by the proxy's cancel routine.
+    let stuck = wait_cq(&w, &uvp, cq.handle);
+    assert!(!stuck.is_done());
+    w.hca_at(U).cancel_user_waits();
+    assert!(!stuck.is_done(), "not cancelled: kept");
+    stuck.cancel();
+    w.hca_at(U).cancel_user_waits();
+    let c = stuck.completion().unwrap();
+    assert_eq!(c.status, ib_types::status::NtStatus::CANCELLED);
+    // Another process cannot wait on this CQ.
+    let other = Uvp::open(&w, 14);
+    let foreign = wait_cq(&w, &other, cq.handle);
+    let c = foreign.completion().unwrap();
+    assert_eq!(
+        status_of::<ib_types::ioctl::WaitCqEvent>(&c),
+        IbStatus::InvalidCqHandle
+    );
+
+    // A wait pending at close ends with the CQ.
+    let orphan = wait_cq(&w, &uvp, cq.handle);
+    assert!(!orphan.is_done());
+    deregister(&w, U, region);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(
+        orphan.completion().unwrap().status,
+        ib_types::status::NtStatus::CANCELLED
+    );
+    assert_eq!(other.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().exit(), 0);
     k.finish(&w);
     w.finish();
 }

@@ -241,6 +241,11 @@ impl<V: Verb, R: Request> Responder<V, R> {
     pub fn private_room(&self) -> usize {
         self.private_room
     }
+
+    /// True once the issuer asked to cancel the request.
+    pub fn is_canceled(&self) -> bool {
+        self.request.as_ref().is_some_and(Request::is_canceled)
+    }
 }
 
 impl<V: Verb, R: Request> Drop for Responder<V, R> {
@@ -668,7 +673,11 @@ pub(crate) struct VerbsRouter<'a, P: Platform> {
 
 impl<P: Platform> EventSink for VerbsRouter<'_, P> {
     fn completion(&self, cqn: u32) {
-        if let Some(cq) = self.hca.cq_owner(cqn) {
+        // A user CQ's event completes its process's waits ([`user`]); a
+        // kernel CQ's goes to the client.
+        if let Some(cq) = self.hca.cq_owner(cqn)
+            && !self.hca.user_cq_event(cq.raw())
+        {
             self.hca.deliver(|client| client.completion(cq));
         }
         self.hca.sink.completion(cqn);

@@ -48,11 +48,19 @@
 //!   and frees its PDs, and only then frees the UAR page and answers.
 //!   Close is refused with [`IbStatus::ResourceBusy`] while a create of the
 //!   context is in flight.
-//! - **Not built:** user `ResizeCq` (unsupported), `WaitCqEvent` and
-//!   `GetAsyncEvent` (unsupported: completion and asynchronous events of
-//!   user objects go to the kernel client's callbacks, if any), user AVs
-//!   (the provider keeps them in user space, guide 6.4.2; a user
-//!   `CreateAv` that reaches the kernel is unsupported).
+//! - **Completion events** (`WaitCqEvent`): the provider arms its CQ
+//!   through its doorbell page and waits; the CQ's completion event (from
+//!   the DPC) completes every wait pending on it, and an event with no wait
+//!   pending is kept for the next one (no lost wake-up). Waits end with
+//!   [`IbStatus::Canceled`] when cancelled ([`Hca::cancel_user_waits`],
+//!   from the proxy's cancel routine) or when their CQ is destroyed. User
+//!   CQs' events never reach the kernel client's callbacks.
+//! - **Not built:** user `ResizeCq` and `GetAsyncEvent` (unsupported:
+//!   asynchronous events of user objects go to the kernel client's
+//!   callbacks, if any), user AVs (the provider keeps them in user space,
+//!   guide 6.4.2; a user `CreateAv` that reaches the kernel is
+//!   unsupported), MR/MW/multicast verbs for user mode (unsupported until
+//!   their kernel verbs exist).
 
 use alloc::boxed::Box;
 use alloc::collections::{BTreeMap, BTreeSet};
@@ -107,6 +115,8 @@ type Mapping<P> = <<P as Platform>::Caller as CallerProcess>::Mapping;
 /// The user contexts of one started device.
 pub(crate) struct UserContexts<P: Platform> {
     contexts: BTreeMap<u64, UserContext<P>>,
+    /// Completion-event waits by user CQ (raw handle).
+    waits: BTreeMap<u64, CqWaits<P>>,
     /// `None` when the device reports no UAR page beyond the kernel's.
     uars: Option<UarAllocator>,
     generation: u32,
@@ -117,6 +127,7 @@ impl<P: Platform> UserContexts<P> {
     pub(crate) fn new(num_uars: u32) -> Self {
         Self {
             contexts: BTreeMap::new(),
+            waits: BTreeMap::new(),
             uars: UarAllocator::new(num_uars).ok(),
             generation: 0,
         }
@@ -154,6 +165,14 @@ impl<P: Platform> UserContexts<P> {
         }
         all
     }
+}
+
+/// The `WaitCqEvent` requests pending on one user CQ.
+struct CqWaits<P: Platform> {
+    /// A completion event arrived with no wait pending: the next wait
+    /// completes at once (no lost wake-up between arming and waiting).
+    fired: bool,
+    waiters: Vec<Responder<v::WaitCqEvent, P::Request>>,
 }
 
 /// One process's open CA.
@@ -411,6 +430,11 @@ where
             VerbId::DestroyQp => {
                 if let Some(a) = accept::<v::DestroyQp, R<P>>(request) {
                     self.user_destroy(a.responder, a.handle, pid, Owned::Qp);
+                }
+            }
+            VerbId::WaitCqEvent => {
+                if let Some(a) = accept::<v::WaitCqEvent, R<P>>(request) {
+                    self.user_wait_cq(a, pid);
                 }
             }
             VerbId::CreateSrq => {
@@ -701,6 +725,9 @@ where
             if let Some(pins) = pins {
                 hca.unpin_all(pins);
             }
+            if what == Owned::Cq && result.is_ok() {
+                hca.end_waits(|cq| cq == object);
+            }
             done(hca, result);
         });
         match what {
@@ -744,6 +771,35 @@ where
         };
         for pin in pins {
             mtt.unpin_user(self, pin);
+        }
+    }
+
+    /// `WaitCqEvent` on a user CQ of the caller: completes at the CQ's next
+    /// completion event (the provider armed it through its doorbell page),
+    /// at once if one fired since the last wait, with
+    /// [`IbStatus::Canceled`] when cancelled ([`Hca::cancel_user_waits`])
+    /// or when the CQ or its context goes away.
+    fn user_wait_cq(&self, a: Accepted<v::WaitCqEvent, P::Request>, process: u64) {
+        let cq = a.handle;
+        let mut slot = Some(a.responder);
+        let waited = self.with_objects(|o| {
+            owner(o, process, Owned::Cq, cq)?;
+            let waits = o.user.waits.entry(cq).or_insert_with(|| CqWaits {
+                fired: false,
+                waiters: Vec::new(),
+            });
+            if core::mem::take(&mut waits.fired) {
+                return Ok(true);
+            }
+            if let Some(responder) = slot.take() {
+                waits.waiters.push(responder);
+            }
+            Ok(false)
+        });
+        let Some(responder) = slot else { return };
+        match waited.and_then(|r| r) {
+            Ok(_) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
+            Err(status) => responder.fail(status),
         }
     }
 
@@ -1316,6 +1372,74 @@ where
 }
 
 impl<P: Platform> Hca<P> {
+    /// A completion event on CQ `cq` (raw handle): completes the waits
+    /// pending on it, or remembers the event for the next wait. Returns
+    /// false when `cq` is no user CQ. From the DPC.
+    pub(crate) fn user_cq_event(&self, cq: u64) -> bool {
+        let woken = self.with_objects(|o| {
+            if !o.user.contexts.values().any(|c| c.cqs.contains_key(&cq)) {
+                return None;
+            }
+            let waits = o.user.waits.entry(cq).or_insert_with(|| CqWaits {
+                fired: false,
+                waiters: Vec::new(),
+            });
+            let woken = core::mem::take(&mut waits.waiters);
+            waits.fired = woken.is_empty();
+            Some(woken)
+        });
+        match woken {
+            Ok(Some(woken)) => {
+                for responder in woken {
+                    responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Completes with [`IbStatus::Canceled`] every pending `WaitCqEvent`
+    /// whose request was cancelled (the shell calls it from the request's
+    /// cancel routine). Callable at DISPATCH_LEVEL.
+    pub fn cancel_user_waits(&self) {
+        let canceled = self.with_objects(|o| {
+            let mut canceled = Vec::new();
+            for waits in o.user.waits.values_mut() {
+                let (gone, kept): (Vec<_>, Vec<_>) = core::mem::take(&mut waits.waiters)
+                    .into_iter()
+                    .partition(|r| r.is_canceled());
+                waits.waiters = kept;
+                canceled.extend(gone);
+            }
+            canceled
+        });
+        for responder in canceled.unwrap_or_default() {
+            responder.fail(IbStatus::Canceled);
+        }
+    }
+
+    /// Ends the waits of the CQs `which` selects (destroyed, or their
+    /// context closed) with [`IbStatus::Canceled`].
+    fn end_waits(&self, which: impl Fn(u64) -> bool) {
+        let ended = self.with_objects(|o| {
+            let cqs: Vec<u64> = o
+                .user
+                .waits
+                .keys()
+                .copied()
+                .filter(|&cq| which(cq))
+                .collect();
+            cqs.into_iter()
+                .filter_map(|cq| o.user.waits.remove(&cq))
+                .flat_map(|w| w.waiters)
+                .collect::<Vec<_>>()
+        });
+        for responder in ended.unwrap_or_default() {
+            responder.fail(IbStatus::Canceled);
+        }
+    }
+
     /// Unmaps and unlocks the user memory every user object pinned; the
     /// device no longer uses memory (teardown).
     pub(crate) fn release_user_pins(&self) {
