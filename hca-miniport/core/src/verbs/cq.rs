@@ -10,9 +10,10 @@
 //!   record (PRM 9.2) is one more common buffer of one page, kept across
 //!   resizes because `RESIZE_CQ` keeps `ci_dbr`. Both are allocated by the
 //!   work item (PASSIVE_LEVEL), then `WRITE_MTT` and `SW2HW_CQ` (UAR page 0,
-//!   the core's EQ) complete the request from the DPC. A user-mode
-//!   CreateCq is [`IbStatus::Unsupported`] until rings in the caller's
-//!   pinned memory exist (guide 6.8.1); only comp_vector 0 exists (one EQ).
+//!   the core's EQ) complete the request from the DPC. User CQs (rings in
+//!   the caller's pinned memory, guide 6.8.1) are `verbs::user`'s; a
+//!   user-mode CreateCq reaching this path is [`IbStatus::Unsupported`].
+//!   Only comp_vector 0 exists (one EQ).
 //! - **Resize** (guide 6.8.2): a new ring and MTT range, then `RESIZE_CQ`:
 //!   the device copies the outstanding CQEs into the new ring and resets
 //!   the consumer record to 0. While the command is outstanding the CQ

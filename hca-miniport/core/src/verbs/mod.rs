@@ -55,7 +55,9 @@
 //!   command continuation runs.
 //!
 //! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]), AV
-//! ([`av`]), SRQ ([`srq`]), kernel QPs ([`qp`]); every other verb answers
+//! ([`av`]), SRQ ([`srq`]), kernel QPs ([`qp`]), and user-mode contexts
+//! with their CQs, QPs and SRQs in user memory through
+//! [`Hca::submit_user_request`] ([`user`]); every other verb answers
 //! [`IbStatus::Unsupported`].
 //!
 //! [`BringUpReport`]: crate::init::BringUpReport

@@ -16,8 +16,9 @@
 //!   the work item, described by MTT entries of the verbs' one allocator,
 //!   then `WRITE_MTT` and `SW2HW_QP` (UAR page 0). The QP takes a use of its
 //!   PD ([`Hca::reference_pd`]) and of its CQs ([`Hca::reference_cq`]),
-//!   given back on destroy. A user-mode CreateQp is
-//!   [`IbStatus::Unsupported`] (rings in pinned user memory are not built).
+//!   given back on destroy. User QPs (rings in pinned user memory) are
+//!   `verbs::user`'s; a user-mode CreateQp reaching this path is
+//!   [`IbStatus::Unsupported`].
 //! - **On an SRQ** (guide 6.5.1, 6.4; PRM 6.1): with the create's `srq`
 //!   set the QP takes a use of the SRQ ([`Hca::reference_srq`], given back
 //!   on destroy or a failed create, so the SRQ's destroy is

@@ -14,8 +14,9 @@
 //!   ring described by MTT entries from the verbs' one allocator; then
 //!   `WRITE_MTT` and `SW2HW_SRQ` (the PD's number, the limit) complete the
 //!   request from the DPC. The SRQ takes a use of its PD
-//!   ([`Hca::reference_pd`]) until it is destroyed. A user-mode CreateSrq
-//!   is [`IbStatus::Unsupported`] until user rings exist.
+//!   ([`Hca::reference_pd`]) until it is destroyed. User SRQs are
+//!   `verbs::user`'s; a user-mode CreateSrq reaching this path is
+//!   [`IbStatus::Unsupported`].
 //! - **Query** reads the device's context (`QUERY_SRQ`): the depth and
 //!   SGEs are the software's, the limit the device's (0 once the
 //!   `SRQ_LIMIT` event has fired: the limit is one-shot, PRM 6.4).
