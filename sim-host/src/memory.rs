@@ -1042,4 +1042,41 @@ mod tests {
         let s: NtStatus = MemoryError::Exhausted.into();
         assert_eq!(s, NtStatus::INSUFFICIENT_RESOURCES);
     }
+
+    #[derive(Debug, Default)]
+    struct Recorder(Mutex<Vec<(u64, u64)>>);
+
+    impl DevicePage for Recorder {
+        fn write64(&self, offset: u64, value: u64) {
+            lock(&self.0).push((offset, value));
+        }
+    }
+
+    #[test]
+    fn device_pages_take_aligned_stores_inside_the_page_only() {
+        let process = Process::new(5);
+        let page = Arc::new(Recorder::default());
+        let va = process.space().map_device(page.clone()).unwrap();
+        assert_eq!(va % PAGE_BYTES, 0);
+        assert_eq!(process.space().device_mapping_count(), 1);
+        process.write_device64(va + 8, 0x1234).unwrap();
+        // Unaligned, past the page (the guard page), before it: refused.
+        assert!(process.write_device64(va + 4, 1).is_err());
+        assert!(process.write_device64(va + PAGE_BYTES, 1).is_err());
+        assert!(process.write_device64(va - 8, 1).is_err());
+        // Not memory: CPU reads and writes there fail.
+        assert!(process.read(va, &mut [0u8; 8]).is_err());
+        assert_eq!(*lock(&page.0), vec![(8, 0x1234)]);
+        // A later allocation does not reuse the mapping's addresses.
+        let next = process.alloc(PAGE_SIZE).unwrap();
+        assert!(next >= va + 2 * PAGE_BYTES);
+        process.space().unmap_device(va).unwrap();
+        assert!(process.write_device64(va + 8, 1).is_err());
+        assert!(process.space().unmap_device(va).is_err());
+        // Exit takes mappings with it.
+        process.space().map_device(page.clone()).unwrap();
+        process.exit();
+        assert_eq!(process.space().device_mapping_count(), 0);
+        assert_eq!(lock(&page.0).len(), 1);
+    }
 }
