@@ -411,7 +411,7 @@ impl<P: Platform> Hca<P> {
         // User memory pinned for user objects' rings, unmapped before the
         // objects go.
         self.release_user_pins();
-        buffers.extend(self.verbs.take_buffers());
+        buffers.extend(self.verbs.take_buffers(self));
         if let Some(ring) = self.eq.detach() {
             buffers.push(ring.buffer);
         }

@@ -53,9 +53,11 @@
 //!   only if that fails too is the region lost ([`MrError::RegionLost`]).
 //! - **Deregister** ([`deregister`](MemoryTranslation::deregister), guide
 //!   7.1.1.6): refused with [`MrError::WindowsBound`] while windows are
-//!   bound (the MW code counts them with [`MemoryRegion::bind_window`] and
-//!   [`MemoryRegion::unbind_window`]), and so is a device
-//!   `RESOURCE_BUSY`; the region comes back untouched. Otherwise
+//!   counted as bound ([`MemoryRegion::bind_window`] and
+//!   [`MemoryRegion::unbind_window`], for a caller that knows its binds
+//!   completed), and so is a device `RESOURCE_BUSY` (the device's own
+//!   `window_count`, which is what the verbs rely on: `verbs::region`);
+//!   the region comes back untouched. Otherwise
 //!   `HW2SW_MPT`, then the key is freed and the translation released if
 //!   this was its last region. On a failed device (timeout, catastrophic
 //!   error) the host resources are released anyway: the device will be

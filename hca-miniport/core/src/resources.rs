@@ -145,6 +145,8 @@ kinds! {
     Mr => "MR", InvalidMrHandle;
     /// Memory windows (MPT entries of kind window).
     Mw => "MW", InvalidMwHandle;
+    /// Multicast memberships (one UD QP attached to one group).
+    Mcast => "MCAST", InvalidMcastHandle;
 }
 
 /// The bits of a handle that hold the object's number.
@@ -266,6 +268,7 @@ ci_handles! {
     Srq => SrqHandle;
     Mr => MrHandle;
     Mw => MwHandle;
+    Mcast => McastHandle;
 }
 
 #[cfg(test)]

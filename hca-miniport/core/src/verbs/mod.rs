@@ -55,18 +55,29 @@
 //!   command continuation runs.
 //!
 //! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]), AV
-//! ([`av`]), SRQ ([`srq`]), kernel QPs ([`qp`]), and user-mode contexts
-//! with their CQs, QPs and SRQs in user memory through
-//! [`Hca::submit_user_request`] ([`user`]); every other verb answers
-//! [`IbStatus::Unsupported`].
+//! ([`av`]), SRQ ([`srq`]), kernel QPs ([`qp`]), memory regions
+//! ([`region`]), memory windows ([`mw`]), multicast ([`mcast`]), local MAD
+//! ([`mad`]), and user-mode contexts with their CQs, QPs and SRQs in user
+//! memory through [`Hca::submit_user_request`] ([`user`]); every other verb
+//! answers [`IbStatus::Unsupported`].
+//!
+//! **Caller context.** Registering user memory locks pages of the calling
+//! process at PASSIVE_LEVEL (`mr`): the shell submits such requests with
+//! [`Hca::submit_request_in_context`], from the requesting thread, giving
+//! that context's locker and IRQL ([`region::CallerContext`]); kernel
+//! registrations use the locker installed with [`Hca::set_kernel_locker`].
 //!
 //! [`BringUpReport`]: crate::init::BringUpReport
 
 pub mod av;
 pub mod ca;
 pub mod cq;
+pub mod mad;
+pub mod mcast;
+pub mod mw;
 pub mod pd;
 pub mod qp;
+pub mod region;
 pub mod srq;
 pub mod user;
 
@@ -141,6 +152,12 @@ pub(crate) struct Objects<P: Platform> {
     /// Destroyed QPs by number, kept (without rings) until the number is
     /// reused so that their flushed completions still find their wr_ids.
     pub(crate) retired_qps: alloc::collections::BTreeMap<u32, Arc<qp::Qp<P>>>,
+    /// Memory regions, each at its MPT index ([`region`]).
+    pub(crate) mrs: ObjectTable<kind::Mr, region::MrEntry<P>>,
+    /// Memory windows, each at its MPT index ([`mw`]).
+    pub(crate) mws: ObjectTable<kind::Mw, mw::Mw>,
+    /// Multicast memberships ([`mcast`]).
+    pub(crate) mcasts: ObjectTable<kind::Mcast, mcast::Membership<P>>,
     /// The memory translation service: MPT keys, and the one MTT
     /// allocator (after the EQ's reserved entries) that CQ rings and
     /// memory regions share.
@@ -161,6 +178,8 @@ pub struct Verbs<P: Platform> {
     to_free: SpinLock<P, Vec<Buffer<P>>>,
     /// Client callbacks running now (guide 6.1.4: close waits for them).
     callbacks_in_flight: AtomicU32,
+    /// The locker for kernel-mode registrations ([`Hca::set_kernel_locker`]).
+    kernel_locker: SpinLock<P, Option<Arc<P::Locker>>>,
 }
 
 impl<P: Platform> core::fmt::Debug for Verbs<P> {
@@ -183,16 +202,21 @@ impl<P: Platform> Verbs<P> {
             jobs: SpinLock::<P, _>::new(VecDeque::new()),
             to_free: SpinLock::<P, _>::new(Vec::new()),
             callbacks_in_flight: AtomicU32::new(0),
+            kernel_locker: SpinLock::<P, _>::new(None),
         }
     }
 
     /// Drops every object and hands back every common buffer they held and
-    /// every buffer waiting to be freed. Called by teardown once the device
-    /// owns no memory any more.
-    pub(crate) fn take_buffers(&self) -> Vec<Buffer<P>> {
+    /// every buffer waiting to be freed; memory regions still registered
+    /// are released without commands (unmapped, unlocked). Called by
+    /// teardown once the device owns no memory any more.
+    pub(crate) fn take_buffers(&self, hca: &Hca<P>) -> Vec<Buffer<P>> {
         let objects = self.objects.lock().take();
         let mut buffers = core::mem::take(&mut *self.to_free.lock());
-        if let Some(objects) = objects {
+        if let Some(mut objects) = objects {
+            for region in Hca::take_all_regions(&mut objects) {
+                objects.mtt.release_after_reset(hca, region);
+            }
             for (_, cq) in objects.cqs.iter() {
                 buffers.extend(cq.take_buffers());
             }
@@ -353,6 +377,16 @@ where
     /// is completed exactly once, possibly before this returns, possibly
     /// later from the DPC or the work item.
     pub fn submit_request(self: &Arc<Self>, request: P::Request) {
+        self.dispatch_request(request, None);
+    }
+
+    /// Decodes and runs one request; `context` is the caller's, if the
+    /// shell gave it.
+    fn dispatch_request(
+        self: &Arc<Self>,
+        request: P::Request,
+        context: Option<&region::CallerContext<'_, P>>,
+    ) {
         use ib_types::ioctl as v;
         let code = IoctlCode::from_raw(request.ioctl_code());
         let Ok(verb) = VerbId::from_ioctl(code) else {
@@ -471,21 +505,84 @@ where
                     self.destroy_srq_request(a);
                 }
             }
-            VerbId::RegMr => unsupported::<v::RegMr, R<P>>(request),
-            VerbId::RegSharedMr => unsupported::<v::RegSharedMr, R<P>>(request),
-            VerbId::ReregMr => unsupported::<v::ReregMr, R<P>>(request),
-            VerbId::QueryMr => unsupported::<v::QueryMr, R<P>>(request),
-            VerbId::DeregMr => unsupported::<v::DeregMr, R<P>>(request),
-            VerbId::AllocMw => unsupported::<v::AllocMw, R<P>>(request),
-            VerbId::QueryMw => unsupported::<v::QueryMw, R<P>>(request),
-            VerbId::DeallocMw => unsupported::<v::DeallocMw, R<P>>(request),
-            VerbId::AttachMcast => unsupported::<v::AttachMcast, R<P>>(request),
-            VerbId::DetachMcast => unsupported::<v::DetachMcast, R<P>>(request),
+            VerbId::RegMr => {
+                if let Some(a) = accept::<v::RegMr, R<P>>(request) {
+                    self.reg_mr_request(a, context);
+                }
+            }
+            VerbId::RegSharedMr => {
+                if let Some(a) = accept::<v::RegSharedMr, R<P>>(request) {
+                    self.reg_shared_mr_request(a);
+                }
+            }
+            VerbId::ReregMr => {
+                if let Some(a) = accept::<v::ReregMr, R<P>>(request) {
+                    self.rereg_mr_request(a, context);
+                }
+            }
+            VerbId::QueryMr => {
+                if let Some(a) = accept::<v::QueryMr, R<P>>(request) {
+                    self.query_mr_request(a);
+                }
+            }
+            VerbId::DeregMr => {
+                if let Some(a) = accept::<v::DeregMr, R<P>>(request) {
+                    self.dereg_mr_request(a);
+                }
+            }
+            VerbId::AllocMw => {
+                if let Some(a) = accept::<v::AllocMw, R<P>>(request) {
+                    self.alloc_mw_request(a);
+                }
+            }
+            VerbId::QueryMw => {
+                if let Some(a) = accept::<v::QueryMw, R<P>>(request) {
+                    self.query_mw_request(a);
+                }
+            }
+            VerbId::DeallocMw => {
+                if let Some(a) = accept::<v::DeallocMw, R<P>>(request) {
+                    self.dealloc_mw_request(a);
+                }
+            }
+            VerbId::AttachMcast => {
+                if let Some(a) = accept::<v::AttachMcast, R<P>>(request) {
+                    self.attach_mcast_request(a);
+                }
+            }
+            VerbId::DetachMcast => {
+                if let Some(a) = accept::<v::DetachMcast, R<P>>(request) {
+                    self.detach_mcast_request(a);
+                }
+            }
             VerbId::WaitCqEvent => unsupported::<v::WaitCqEvent, R<P>>(request),
             VerbId::GetAsyncEvent => unsupported::<v::GetAsyncEvent, R<P>>(request),
-            VerbId::RegPhysMr => unsupported::<v::RegPhysMr, R<P>>(request),
-            VerbId::LocalMad => unsupported::<v::LocalMad, R<P>>(request),
+            VerbId::RegPhysMr => {
+                if let Some(a) = accept::<v::RegPhysMr, R<P>>(request) {
+                    self.reg_phys_mr_request(a);
+                }
+            }
+            VerbId::LocalMad => {
+                if let Some(a) = accept::<v::LocalMad, R<P>>(request) {
+                    self.local_mad_request(a);
+                }
+            }
         }
+    }
+
+    /// [`submit_request`](Self::submit_request) with the caller's context
+    /// ([`region::CallerContext`]): the locker of the requesting thread's
+    /// address space and its IRQL. The shell uses it for requests that
+    /// lock the caller's memory (RegMr, ReregMr), calling from the
+    /// requesting thread; a user-mode registration needs PASSIVE_LEVEL (or
+    /// APC_LEVEL) there. Every other verb behaves as through
+    /// `submit_request`.
+    pub fn submit_request_in_context(
+        self: &Arc<Self>,
+        request: P::Request,
+        context: &region::CallerContext<'_, P>,
+    ) {
+        self.dispatch_request(request, Some(context));
     }
 }
 
@@ -540,6 +637,12 @@ impl<P: Platform> Hca<P> {
             let cqs = 1u32 << report.table(hca_prm::cmd::Table::Cqc).log_count;
             let srqs = 1u32 << report.table(hca_prm::cmd::Table::Srqc).log_count;
             let mtt = MemoryTranslation::new(&report).map_err(|e| e.ib_status())?;
+            // Regions and windows are stored at their MPT index (24 bits
+            // at most, `MAX_OBJECTS`).
+            let mpts = 1u32
+                .checked_shl(u32::from(report.table(hca_prm::cmd::Table::Mpt).log_count))
+                .unwrap_or(u32::MAX)
+                .min(crate::resources::MAX_OBJECTS);
             *guard = Some(Objects {
                 ca: None,
                 ca_generation: 0,
@@ -554,6 +657,10 @@ impl<P: Platform> Hca<P> {
                 )
                 .map_err(|_| IbStatus::InvalidState)?,
                 retired_qps: alloc::collections::BTreeMap::new(),
+                mrs: ObjectTable::new(mpts, 0..0).map_err(|_| IbStatus::InvalidState)?,
+                mws: ObjectTable::new(mpts, 0..0).map_err(|_| IbStatus::InvalidState)?,
+                mcasts: ObjectTable::new(mcast::MAX_MEMBERSHIPS, 0..0)
+                    .map_err(|_| IbStatus::InvalidState)?,
                 mtt,
                 eqn: report.eqn,
                 log_max_cqes: report.capabilities.log_max_cqes,

@@ -51,13 +51,18 @@
 //!   work without completions and keeps the CQEs already written, PRM
 //!   6.1.3/6.1.4); when it completes the number goes to quarantine
 //!   (`QpTable::destroy`), the uses of PD and CQs are dropped, and the
-//!   memory is freed by the work item. Multicast attachments: the device
-//!   drops them with the QP (PRM 6.1.4); the core keeps a per-QP count
-//!   ([`Qp::mcast_attachments`]) that the multicast verbs will maintain,
-//!   and destroy answers [`IbStatus::ResourceBusy`] while it is not zero
-//!   (guide 6.5.5: detach first). Destroy first moves a QP that is not in
-//!   RESET to ERR, so the device completes every outstanding WQE with
-//!   `WR_FLUSH_ERR` (PRM 10.5) before `HW2SW_QP`; posts are refused
+//!   memory is freed by the work item. Multicast attachments (guide 6.5.5
+//!   item 6: remove the QP from every group): destroy detaches every
+//!   membership first (`DETACH_MCG` each, one after the other; a refusal
+//!   is not an obstacle, since `HW2SW_QP` drops attachments too, PRM
+//!   6.1.4) and forgets it, so its handle goes stale; an attach or detach
+//!   still in flight makes destroy [`IbStatus::ResourceBusy`] before
+//!   anything is sent (the per-QP count [`Qp::mcast_attachments`]
+//!   disagrees with the memberships). If a later command of the destroy
+//!   fails, the QP stays, out of its groups. Destroy then moves a QP
+//!   that is not in RESET to ERR, so the device completes every
+//!   outstanding WQE with `WR_FLUSH_ERR` (PRM 10.5) before `HW2SW_QP`;
+//!   posts are refused
 //!   ([`IbStatus::InvalidQpHandle`]) from the moment destroy begins. The
 //!   destroyed QP stays findable by number (without its rings) until the
 //!   number is reused, so its flushed completions get their `wr_id`s.
@@ -378,6 +383,34 @@ impl<P: Platform> Qp<P> {
     /// attach and decrement it on detach.
     pub fn mcast_attachments(&self) -> &AtomicU32 {
         &self.mcast
+    }
+
+    /// The QP's type.
+    pub fn qp_type(&self) -> QpType {
+        self.qp_type
+    }
+
+    /// Counts an attachment about to be made (`verbs::mcast`), under the
+    /// control lock so that a destroy that has begun sees it or refuses
+    /// it: [`IbStatus::InvalidQpHandle`] once destroy began.
+    pub(crate) fn begin_mcast_attach(&self) -> Result<(), IbStatus> {
+        let c = self.control.lock();
+        match c.life {
+            Life::Live | Life::Modifying => {
+                self.mcast.fetch_add(1, Ordering::AcqRel);
+                Ok(())
+            }
+            Life::Creating | Life::Destroying => Err(IbStatus::InvalidQpHandle),
+        }
+    }
+
+    /// Drops an attachment counted by
+    /// [`begin_mcast_attach`](Self::begin_mcast_attach) (it failed, or was
+    /// detached).
+    pub(crate) fn end_mcast_attach(&self) {
+        let _ = self
+            .mcast
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
 
     /// The cached state.
@@ -1042,14 +1075,20 @@ where
         done: super::Done<P>,
     ) {
         let handle = Handle::<kind::Qp>::from_raw(raw);
+        // Guide 6.5.5 item 6: the QP leaves every multicast group it is in.
+        // Its memberships are claimed first (object-table lock), then
+        // checked against the count under the control lock: an attach or
+        // detach still in flight makes the destroy busy.
+        let memberships = match self.claim_memberships(qp.qpn) {
+            Ok(memberships) => memberships,
+            Err(status) => return done(self, Err(status)),
+        };
         {
             let mut c = qp.control.lock();
-            if c.life != Life::Live {
+            let settled = qp.mcast.load(Ordering::Acquire) as usize == memberships.len();
+            if c.life != Life::Live || !settled {
                 drop(c);
-                return done(self, Err(IbStatus::ResourceBusy));
-            }
-            if qp.mcast.load(Ordering::Acquire) != 0 {
-                drop(c);
+                self.unclaim_memberships(&memberships);
                 return done(self, Err(IbStatus::ResourceBusy));
             }
             c.life = Life::Destroying;
@@ -1075,7 +1114,24 @@ where
             );
         }
         commands.push(Command::new(Opcode::Hw2SwQp, qp.qpn));
-        self.run_commands(
+        let qpn = qp.qpn;
+        self.leave_groups(
+            qpn,
+            memberships,
+            Box::new(move |hca| Self::finish_destroy(hca, qp, handle, commands, done)),
+        );
+    }
+
+    /// The rest of a destroy, once the QP left its groups: to ERR, then
+    /// `HW2SW_QP`.
+    fn finish_destroy(
+        hca: &Arc<Self>,
+        qp: Arc<Qp<P>>,
+        handle: Handle<kind::Qp>,
+        commands: Vec<Command>,
+        done: super::Done<P>,
+    ) {
+        hca.run_commands(
             commands,
             Box::new(move |hca, result| match result {
                 Ok(_) => {
@@ -1104,9 +1160,9 @@ where
 
 impl<P: Platform> Hca<P> {
     /// The memory translation service the verbs own (the one MTT
-    /// allocator), for kernel clients that register memory directly until
-    /// the MR verbs exist. Fails with [`IbStatus::InvalidState`] while the
-    /// device is not started.
+    /// allocator), for kernel code that registers memory directly rather
+    /// than through the MR verbs (`verbs::region`). Fails with
+    /// [`IbStatus::InvalidState`] while the device is not started.
     pub fn memory_translation(&self) -> Result<crate::mr::MemoryTranslation<P>, IbStatus> {
         self.with_objects(|o| o.mtt.clone())
     }

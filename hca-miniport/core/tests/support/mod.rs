@@ -390,6 +390,52 @@ pub(crate) fn two_port_hca() -> DeviceConfig {
 }
 
 impl World {
+    /// Installs a kernel-memory locker in HCA `i`, as a shell does after
+    /// start: the MR verbs lock kernel pages with it.
+    pub(crate) fn install_kernel_locker(&self, i: usize) {
+        let locker = sim_host::dma::HostLocker::new(self.host.pool().kernel_space(), None);
+        self.hca_at(i).set_kernel_locker(locker);
+    }
+
+    /// A request of verb `V` whose encoded input is then changed by
+    /// `patch` (offsets from the start of the fixed input), so tests can
+    /// send what `encode_request` refuses to produce.
+    pub(crate) fn patched_request<V: Verb>(
+        &self,
+        mode: RequestorMode,
+        handle: u64,
+        input: &V::In,
+        patch: impl FnOnce(&mut [u8]),
+    ) -> (HostRequest, RequestHandle) {
+        let mut bytes = vec![0; request_len::<V>(0).unwrap()];
+        encode_request::<V>(handle, input, &[], 0, &mut bytes).unwrap();
+        patch(&mut bytes[ib_types::ioctl::REQUEST_HEADER_SIZE..]);
+        let out_len = ib_types::ioctl::response_len::<V>(0).unwrap();
+        self.raw_request(V::ID.ioctl().raw(), mode, bytes, out_len)
+    }
+
+    /// The PCI function of HCA `i` (to look at the simulated device).
+    pub(crate) fn function_at(&self, i: usize) -> Arc<PciFunction> {
+        lock(&self.all[i].function).clone().expect("started")
+    }
+
+    /// Submits `request` to HCA `i` from a DPC, runs the machine, and
+    /// returns the completion.
+    pub(crate) fn submit_in_dpc_at(
+        &self,
+        i: usize,
+        request: HostRequest,
+        issuer: RequestHandle,
+    ) -> Completion {
+        let hca = self.hca_at(i);
+        self.in_dpc(move || {
+            assert_eq!(sim_host::irql::current(), driver_platform::Irql::DISPATCH);
+            hca.submit_request(request);
+        });
+        self.settle();
+        issuer.completion().expect("the request completed")
+    }
+
     /// Submits `V` to HCA `i` as a user-mode request of `caller`, with
     /// `private` input bytes, at PASSIVE_LEVEL from the test thread (the
     /// proxy's caller context); runs the machine and returns the

@@ -4,14 +4,16 @@
 
 use core::sync::atomic::Ordering;
 
+use alloc::vec::Vec;
 use driver_platform::{CommonBuffer, Mmio, Platform, RequestorMode};
 use hca_prm::doorbell::{DoorbellRecord, SQ_DOORBELL, SqDoorbell, uar_offset};
-use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES};
+use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES, SendWqe, WqeOp};
+use ib_types::mr::MwType;
 use ib_types::qp::{QpState, QpType};
 use ib_types::scalars::Qpn;
 use ib_types::status::IbStatus;
 use ib_types::wc::WcStatus;
-use ib_types::wr::{RecvWr, SendWr, Transport, WrLimits};
+use ib_types::wr::{RecvWr, SendOp, SendWr, Transport, WrLimits};
 use zerocopy::IntoBytes;
 
 use super::{Qp, SendSlot};
@@ -62,8 +64,15 @@ impl<P: Platform> Hca<P> {
     /// nothing else changed. The WQEs are written to the ring, their
     /// `wr_id`s to the shadow ring, and the doorbell (UAR page 0) is rung
     /// once for the batch. Only the QP's send-ring lock is taken (and the
-    /// object-table lock briefly, to find the QP). Callable at
-    /// DISPATCH_LEVEL.
+    /// object-table lock briefly before, to find the QP and the windows of
+    /// bind WRs). Callable at DISPATCH_LEVEL.
+    ///
+    /// Memory windows (`verbs::mw`): a [`SendOp::BindMw`] binds a type 1
+    /// or type 2 window (a zero length unbinds a type 1 window);
+    /// `LocalInvalidate` and `SendWithInvalidate` of a type 2 window's key
+    /// unbind it. A bind naming a stale window is
+    /// [`IbStatus::InvalidMwHandle`], one whose new key is not the
+    /// window's MPT index [`IbStatus::InvalidRkey`].
     pub fn post_send(&self, qp: u64, wrs: &[SendRequest<'_>]) -> (usize, IbStatus) {
         let qp = match self.find_qp(qp, RequestorMode::Kernel) {
             Ok(qp) => qp,
@@ -74,13 +83,27 @@ impl<P: Platform> Hca<P> {
             max_sge: g.caps.max_send_sge,
             max_inline: g.caps.max_inline_data,
         };
+        // The windows that bind WRs name, resolved before the ring lock
+        // (the object-table lock is never taken under a ring lock); no
+        // allocation for batches without a bind.
+        let windows: Vec<Result<(MwType, u32), IbStatus>> =
+            if wrs.iter().any(|r| matches!(r.wr.op, SendOp::BindMw { .. })) {
+                wrs.iter()
+                    .map(|r| match r.wr.op {
+                        SendOp::BindMw { mw, .. } => self.window_for_bind(mw.raw()),
+                        _ => Ok((MwType::Type2, 0)),
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
         let ring_bbs = 1u32 << g.sq_log_bbs;
         let ring_bytes = BB_SIZE << g.sq_log_bbs;
         let mut sq = qp.sq.lock();
         let mut posted = 0;
         let mut status = IbStatus::Success;
         let mut wqe = [0u8; MAX_SEND_WQE_BYTES];
-        for request in wrs {
+        for (i, request) in wrs.iter().enumerate() {
             if qp.closing.load(Ordering::Acquire) {
                 status = IbStatus::InvalidQpHandle;
                 break;
@@ -93,14 +116,31 @@ impl<P: Platform> Hca<P> {
                 status = error.status();
                 break;
             }
+            // A bind names a live window, and its new key that window's
+            // MPT index (`verbs::mw`); the bind segment carries its type.
+            let bind_type = match (request.wr.op, windows.get(i)) {
+                (SendOp::BindMw { rkey, .. }, Some(window)) => match window {
+                    Ok((mw_type, index)) if rkey.get() >> 8 == *index => Some(*mw_type),
+                    Ok(_) => {
+                        status = IbStatus::InvalidRkey;
+                        break;
+                    }
+                    Err(error) => {
+                        status = *error;
+                        break;
+                    }
+                },
+                _ => None,
+            };
             let index = sq.producer as u16;
-            let len = match hca_prm::wqe::build_send_wqe(
-                &request.wr,
-                request.av.as_ref(),
-                index,
-                request.inline,
-                &mut wqe,
-            ) {
+            let built = SendWqe::from_wr(&request.wr, request.av.as_ref(), index, request.inline)
+                .and_then(|mut w| {
+                    if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
+                        bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
+                    }
+                    w.emit(&mut wqe)
+                });
+            let len = match built {
                 Ok(len) => len,
                 Err(_) => {
                     status = IbStatus::InvalidParameter;

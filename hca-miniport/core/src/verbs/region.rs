@@ -1,0 +1,534 @@
+//! Memory region verbs (guide 7.1, Table 4-1): RegMr, RegPhysMr,
+//! RegSharedMr, ReregMr, QueryMr and DeregMr as thin request-path verbs
+//! over [`MemoryTranslation`], which does the work (locking, mapping, MTT,
+//! MPT commands, undo on failure).
+//!
+//! Contract:
+//! - **Handles.** A region's handle is generation-checked like every other
+//!   kind, and its number is the region's MPT index (stable across
+//!   re-registration, `mr` module doc): the entry is stored at that index
+//!   of the MR table. A stale handle, or a handle of another kind, is
+//!   [`IbStatus::InvalidMrHandle`]; a region of a kernel CA is invisible
+//!   to a user request.
+//! - **PD uses** (guide 7.1.1.1, 7.1.1.3): a region holds one use of its PD
+//!   from the moment its registration is accepted until it is deregistered
+//!   (or the registration fails), so DeallocPd answers
+//!   [`IbStatus::ResourceBusy`] meanwhile. A re-registration to another PD
+//!   takes a use of the new PD first and drops the old PD's only once the
+//!   device switched the entry; a failed one drops the new use and leaves
+//!   the old.
+//! - **One operation at a time.** A re-registration or deregistration holds
+//!   the region until its commands complete; meanwhile every verb on it
+//!   answers [`IbStatus::ResourceBusy`] and changes nothing.
+//! - **Deregistration with windows bound** is refused with
+//!   [`IbStatus::ResourceBusy`], the region unchanged: the device keeps the
+//!   count of windows bound to each region (PRM 7.1 `window_count`, raised
+//!   and lowered by the bind WQEs it executes) and answers `HW2SW_MPT` of
+//!   such a region with `RESOURCE_BUSY`, which `mr` hands back with the
+//!   region intact. The core cannot count binds itself: a bind posted is
+//!   not a bind done (the device may fail it with `MW_BIND_ERR`).
+//! - **Caller context** (`mr` module doc, IRQL): locking the pages of a
+//!   virtual registration is the one synchronous step; kernel pages may be
+//!   locked at DISPATCH_LEVEL with the locker the shell installed with
+//!   [`Hca::set_kernel_locker`]; *user* pages only at PASSIVE_LEVEL in the
+//!   requesting thread's process, so the shell passes a user request's
+//!   RegMr/ReregMr through [`Hca::submit_request_in_context`] with that
+//!   context's locker and IRQL, from the thread that issued it. Without a
+//!   context (plain [`Hca::submit_request`]) a user registration answers
+//!   [`IbStatus::InvalidState`], as does any registration before a kernel
+//!   locker is installed. (User CAs are not built yet, so today every
+//!   region belongs to a kernel CA.)
+//! - **Query** is answered from the region the core keeps (guide 7.1.1.4:
+//!   "obtained from the region handle maintained by the driver"): PD,
+//!   range, rights and keys, no command.
+//! - **Physical** registrations (kernel only) use the requested I/O
+//!   virtual address as given; RegPhysOut and RegSharedOut answer the
+//!   address actually used.
+
+use alloc::boxed::Box;
+use alloc::sync::{Arc, Weak};
+use alloc::vec::Vec;
+
+use driver_platform::{Irql, Platform, Request, RequestorMode};
+use ib_types::handle::PdHandle;
+use ib_types::ioctl::{
+    DeregMr, Empty, QueryMr, RegMr, RegPhysMr, RegPhysOut, RegSharedMr, RegSharedOut, ReregMr,
+    decode_request,
+};
+use ib_types::mr::{MrKeys, MrQuery};
+use ib_types::status::IbStatus;
+
+use super::{Accepted, Responder};
+use crate::hca::Hca;
+use crate::mr::{
+    MemoryRegion, MemoryTranslation, PhysicalRegion, Reregistration, SharedRegion, VirtualRegion,
+};
+use crate::resources::{Handle, kind};
+
+/// What the shell knows about the thread a request came from: the locker
+/// for that thread's address space (`MmProbeAndLockPages` in the current
+/// process on Windows) and the IRQL it runs at.
+pub struct CallerContext<'a, P: Platform> {
+    /// Locks the caller's pages.
+    pub locker: &'a P::Locker,
+    /// The caller's IRQL.
+    pub irql: Irql,
+}
+
+impl<P: Platform> core::fmt::Debug for CallerContext<'_, P> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("CallerContext")
+            .field("irql", &self.irql)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A registered region in the MR table.
+pub(crate) struct MrEntry<P: Platform> {
+    /// The region; `None` while a re-registration or deregistration has it.
+    region: Option<MemoryRegion<P>>,
+    /// The PD (raw handle) whose use the region holds.
+    pd: u64,
+}
+
+/// A locker to use for one request, and the IRQL to tell `mr`.
+enum Locking<'a, P: Platform> {
+    Caller(&'a P::Locker, Irql),
+    Kernel(Arc<P::Locker>),
+}
+
+impl<P: Platform> Locking<'_, P> {
+    fn parts(&self) -> (&P::Locker, Irql) {
+        match self {
+            Self::Caller(locker, irql) => (locker, *irql),
+            // A kernel client may call at DISPATCH_LEVEL; kernel pages are
+            // non-paged and lockable there (`mr`'s ceiling for them).
+            Self::Kernel(locker) => (locker, Irql::DISPATCH),
+        }
+    }
+}
+
+fn keys_of<P: Platform>(region: &MemoryRegion<P>) -> MrKeys {
+    MrKeys {
+        lkey: region.lkey(),
+        rkey: region.rkey(),
+    }
+}
+
+impl<P: Platform> Hca<P> {
+    /// Installs the locker the core uses for kernel-mode registrations
+    /// (kernel memory is non-paged and may be locked in any context at
+    /// DISPATCH_LEVEL or below). The shell calls it once after start.
+    pub fn set_kernel_locker(&self, locker: P::Locker) {
+        *self.verbs.kernel_locker.lock() = Some(Arc::new(locker));
+    }
+
+    /// The locker for a request of `mode`, given the caller's context if
+    /// the shell passed one.
+    fn locking<'a>(
+        &self,
+        mode: RequestorMode,
+        context: Option<&CallerContext<'a, P>>,
+    ) -> Result<Locking<'a, P>, IbStatus> {
+        match (context, mode) {
+            (Some(c), _) => Ok(Locking::Caller(c.locker, c.irql)),
+            (None, RequestorMode::Kernel) => self
+                .verbs
+                .kernel_locker
+                .lock()
+                .clone()
+                .map(Locking::Kernel)
+                .ok_or(IbStatus::InvalidState),
+            (None, RequestorMode::User) => Err(IbStatus::InvalidState),
+        }
+    }
+
+    /// Takes a use of the PD `pd` for a new region of a `mode` request;
+    /// returns the PD's number and the translation service.
+    fn take_region_pd(
+        &self,
+        pd: u64,
+        mode: RequestorMode,
+    ) -> Result<(u32, MemoryTranslation<P>), IbStatus> {
+        self.with_objects(|o| {
+            if !Self::ca_visible(o, mode) {
+                return Err(IbStatus::InvalidPdHandle);
+            }
+            let handle = Handle::<kind::Pd>::from_raw(pd);
+            o.pds.acquire(handle).map_err(IbStatus::from)?;
+            Ok((handle.number(), o.mtt.clone()))
+        })?
+    }
+
+    /// Stores a fresh region at its MPT index and answers the request;
+    /// if it cannot be stored (the device was stopped meanwhile, so it
+    /// forgot the entry) the region's host resources are released and the
+    /// PD use dropped.
+    fn install_region<V: ib_types::ioctl::Verb>(
+        self: &Arc<Self>,
+        mt: &MemoryTranslation<P>,
+        region: MemoryRegion<P>,
+        pd: u64,
+        responder: Responder<V, P::Request>,
+        out: &V::Out,
+    ) {
+        let index = region.mpt_index();
+        let mut slot = Some(region);
+        let stored = self.with_objects(|o| {
+            if o.mrs.get_by_number(index).is_some() {
+                return Err(IbStatus::InvalidState);
+            }
+            o.mrs
+                .insert_at_with(index, |_| MrEntry {
+                    region: slot.take(),
+                    pd,
+                })
+                .map_err(IbStatus::from)
+        });
+        match stored.and_then(|r| r) {
+            Ok(handle) => responder.finish(IbStatus::Success, handle.raw(), Some(out), &[]),
+            Err(status) => {
+                let _ = self.release_pd(pd);
+                if let Some(region) = slot.take() {
+                    mt.release_after_reset(self, region);
+                }
+                responder.fail(status);
+            }
+        }
+    }
+
+    /// Takes the region out of its entry for an operation (`None` in its
+    /// place marks it busy); returns it, its PD and the translation service.
+    fn take_region(
+        &self,
+        mr: u64,
+        mode: RequestorMode,
+    ) -> Result<(MemoryRegion<P>, u64, MemoryTranslation<P>), IbStatus> {
+        self.with_objects(|o| {
+            if !Self::ca_visible(o, mode) {
+                return Err(IbStatus::InvalidMrHandle);
+            }
+            let mt = o.mtt.clone();
+            let entry = o
+                .mrs
+                .get_mut(Handle::<kind::Mr>::from_raw(mr))
+                .ok_or(IbStatus::InvalidMrHandle)?;
+            let region = entry.region.take().ok_or(IbStatus::ResourceBusy)?;
+            Ok((region, entry.pd, mt))
+        })?
+    }
+
+    /// Puts a region back into its entry, with its (possibly new) PD.
+    /// Returns the region if the entry is gone (the device was stopped).
+    fn put_region(&self, mr: u64, region: MemoryRegion<P>, pd: u64) -> Result<(), MemoryRegion<P>> {
+        let mut slot = Some(region);
+        let _ = self.with_objects(|o| {
+            if let Some(entry) = o.mrs.get_mut(Handle::<kind::Mr>::from_raw(mr)) {
+                entry.region = slot.take();
+                entry.pd = pd;
+            }
+        });
+        match slot {
+            None => Ok(()),
+            Some(region) => Err(region),
+        }
+    }
+
+    /// Removes a region's entry (after its deregistration or loss).
+    fn forget_region(&self, mr: u64) {
+        let _ = self.with_objects(|o| o.mrs.remove(Handle::<kind::Mr>::from_raw(mr)));
+    }
+
+    /// Every region still registered, taken out of the table (teardown:
+    /// the device no longer uses their entries).
+    pub(crate) fn take_all_regions(objects: &mut super::Objects<P>) -> Vec<MemoryRegion<P>> {
+        let handles: Vec<Handle<kind::Mr>> = objects.mrs.iter().map(|(h, _)| h).collect();
+        handles
+            .into_iter()
+            .filter_map(|h| objects.mrs.remove(h).ok())
+            .filter_map(|entry| entry.region)
+            .collect()
+    }
+
+    pub(crate) fn reg_mr_request(
+        self: &Arc<Self>,
+        a: Accepted<RegMr, P::Request>,
+        context: Option<&CallerContext<'_, P>>,
+    ) {
+        let locking = match self.locking(a.mode, context) {
+            Ok(locking) => locking,
+            Err(status) => return a.responder.fail(status),
+        };
+        let (pd_number, mt) = match self.take_region_pd(a.handle, a.mode) {
+            Ok(taken) => taken,
+            Err(status) => return a.responder.fail(status),
+        };
+        let request = VirtualRegion {
+            mode: a.mode,
+            va: a.input.vaddr,
+            length: a.input.length,
+            access: a.input.access,
+            pd: pd_number,
+        };
+        let (weak, pd, responder) = (Arc::downgrade(self), a.handle, a.responder);
+        let (locker, irql) = locking.parts();
+        let mt2 = mt.clone();
+        mt.register_virtual(
+            self,
+            locker,
+            irql,
+            request,
+            Box::new(move |result| {
+                let Some(hca) = Weak::upgrade(&weak) else {
+                    return;
+                };
+                match result {
+                    Ok(region) => {
+                        let keys = keys_of(&region);
+                        hca.install_region(&mt2, region, pd, responder, &keys);
+                    }
+                    Err(error) => {
+                        let _ = hca.release_pd(pd);
+                        responder.fail(error.ib_status());
+                    }
+                }
+            }),
+        );
+    }
+
+    pub(crate) fn reg_phys_mr_request(self: &Arc<Self>, a: Accepted<RegPhysMr, P::Request>) {
+        // The page list is the private input (`RegPhysMr::check_request`
+        // validated its length and alignment when the request was decoded).
+        let pages: Option<Vec<u64>> = a.responder.request.as_ref().and_then(|request| {
+            let decoded = decode_request::<RegPhysMr>(request.input()).ok()?;
+            let list = decoded.input.page_list(decoded.private).ok()?;
+            Some(list.iter().map(|p| p.get()).collect())
+        });
+        let Some(pages) = pages else {
+            return a.responder.fail(IbStatus::InvalidParameter);
+        };
+        let (pd_number, mt) = match self.take_region_pd(a.handle, a.mode) {
+            Ok(taken) => taken,
+            Err(status) => return a.responder.fail(status),
+        };
+        let request = PhysicalRegion {
+            iova: a.input.iova,
+            length: a.input.length,
+            first_byte_offset: a.input.first_byte_offset,
+            page_shift: a.input.page_shift,
+            pages: &pages,
+            access: a.input.access,
+            pd: pd_number,
+        };
+        let (weak, pd, responder) = (Arc::downgrade(self), a.handle, a.responder);
+        let mt2 = mt.clone();
+        mt.register_physical(
+            self,
+            request,
+            Box::new(move |result| {
+                let Some(hca) = Weak::upgrade(&weak) else {
+                    return;
+                };
+                match result {
+                    Ok(region) => {
+                        let out = RegPhysOut {
+                            keys: keys_of(&region),
+                            iova: region.start(),
+                        };
+                        hca.install_region(&mt2, region, pd, responder, &out);
+                    }
+                    Err(error) => {
+                        let _ = hca.release_pd(pd);
+                        responder.fail(error.ib_status());
+                    }
+                }
+            }),
+        );
+    }
+
+    pub(crate) fn reg_shared_mr_request(self: &Arc<Self>, a: Accepted<RegSharedMr, P::Request>) {
+        let new_pd = a.input.pd.raw();
+        let (pd_number, _) = match self.take_region_pd(new_pd, a.mode) {
+            Ok(taken) => taken,
+            Err(status) => return a.responder.fail(status),
+        };
+        let (existing, existing_pd, mt) = match self.take_region(a.handle, a.mode) {
+            Ok(taken) => taken,
+            Err(status) => {
+                let _ = self.release_pd(new_pd);
+                return a.responder.fail(status);
+            }
+        };
+        let request = SharedRegion {
+            va: a.input.vaddr,
+            access: a.input.access,
+            pd: pd_number,
+        };
+        let (weak, responder) = (Arc::downgrade(self), a.responder);
+        let mt2 = mt.clone();
+        // `register_shared` reads the existing region only before it
+        // returns (it shares the translation and copies the range).
+        mt.register_shared(
+            self,
+            &existing,
+            request,
+            Box::new(move |result| {
+                let Some(hca) = Weak::upgrade(&weak) else {
+                    return;
+                };
+                match result {
+                    Ok(region) => {
+                        let out = RegSharedOut {
+                            keys: keys_of(&region),
+                            vaddr: region.start(),
+                        };
+                        hca.install_region(&mt2, region, new_pd, responder, &out);
+                    }
+                    Err(error) => {
+                        let _ = hca.release_pd(new_pd);
+                        responder.fail(error.ib_status());
+                    }
+                }
+            }),
+        );
+        if let Err(region) = self.put_region(a.handle, existing, existing_pd) {
+            mt.release_after_reset(self, region);
+        }
+    }
+
+    pub(crate) fn rereg_mr_request(
+        self: &Arc<Self>,
+        a: Accepted<ReregMr, P::Request>,
+        context: Option<&CallerContext<'_, P>>,
+    ) {
+        let locking = match self.locking(a.mode, context) {
+            Ok(locking) => locking,
+            Err(status) => return a.responder.fail(status),
+        };
+        // A new PD is taken before anything else and given back on failure.
+        let new_pd = match a.input.pd.map(PdHandle::raw) {
+            Some(pd) => match self.take_region_pd(pd, a.mode) {
+                Ok((number, _)) => Some((pd, number)),
+                Err(status) => return a.responder.fail(status),
+            },
+            None => None,
+        };
+        let (region, old_pd, mt) = match self.take_region(a.handle, a.mode) {
+            Ok(taken) => taken,
+            Err(status) => {
+                if let Some((pd, _)) = new_pd {
+                    let _ = self.release_pd(pd);
+                }
+                return a.responder.fail(status);
+            }
+        };
+        let changes = Reregistration {
+            pd: new_pd.map(|(_, number)| number),
+            access: a.input.access,
+            range: a.input.translation,
+        };
+        let (weak, mr, responder) = (Arc::downgrade(self), a.handle, a.responder);
+        let (locker, irql) = locking.parts();
+        let mt2 = mt.clone();
+        mt.reregister(
+            self,
+            locker,
+            irql,
+            region,
+            changes,
+            Box::new(move |result| {
+                let Some(hca) = Weak::upgrade(&weak) else {
+                    return;
+                };
+                match result {
+                    Ok(region) => {
+                        let keys = keys_of(&region);
+                        let pd = new_pd.map_or(old_pd, |(pd, _)| pd);
+                        if let Err(region) = hca.put_region(mr, region, pd) {
+                            mt2.release_after_reset(&hca, region);
+                        }
+                        if new_pd.is_some() {
+                            let _ = hca.release_pd(old_pd);
+                        }
+                        responder.finish(IbStatus::Success, 0, Some(&keys), &[]);
+                    }
+                    Err(failure) => {
+                        if let Some((pd, _)) = new_pd {
+                            let _ = hca.release_pd(pd);
+                        }
+                        match failure.region {
+                            Some(region) => {
+                                if let Err(region) = hca.put_region(mr, region, old_pd) {
+                                    mt2.release_after_reset(&hca, region);
+                                }
+                            }
+                            None => {
+                                // Lost (`MrError::RegionLost`): its keys are
+                                // dead and its resources freed.
+                                hca.forget_region(mr);
+                                let _ = hca.release_pd(old_pd);
+                            }
+                        }
+                        responder.fail(failure.error.ib_status());
+                    }
+                }
+            }),
+        );
+    }
+
+    pub(crate) fn query_mr_request<R: Request>(&self, a: Accepted<QueryMr, R>) {
+        let mode = a.mode;
+        let answer = self.with_objects(|o| {
+            if !Self::ca_visible(o, mode) {
+                return Err(IbStatus::InvalidMrHandle);
+            }
+            let entry = o
+                .mrs
+                .get(Handle::<kind::Mr>::from_raw(a.handle))
+                .ok_or(IbStatus::InvalidMrHandle)?;
+            let region = entry.region.as_ref().ok_or(IbStatus::ResourceBusy)?;
+            Ok(MrQuery {
+                pd: PdHandle::from_raw(entry.pd),
+                vaddr: region.start(),
+                length: region.length(),
+                access: region.access(),
+                keys: keys_of(region),
+            })
+        });
+        match answer.and_then(|r| r) {
+            Ok(out) => a.responder.finish(IbStatus::Success, 0, Some(&out), &[]),
+            Err(status) => a.responder.fail(status),
+        }
+    }
+
+    pub(crate) fn dereg_mr_request(self: &Arc<Self>, a: Accepted<DeregMr, P::Request>) {
+        let (region, pd, mt) = match self.take_region(a.handle, a.mode) {
+            Ok(taken) => taken,
+            Err(status) => return a.responder.fail(status),
+        };
+        let (weak, mr, responder) = (Arc::downgrade(self), a.handle, a.responder);
+        let mt2 = mt.clone();
+        mt.deregister(
+            self,
+            region,
+            Box::new(move |result| {
+                let Some(hca) = Weak::upgrade(&weak) else {
+                    return;
+                };
+                match result {
+                    Ok(()) => {
+                        hca.forget_region(mr);
+                        let _ = hca.release_pd(pd);
+                        responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+                    }
+                    Err(failure) => {
+                        if let Err(region) = hca.put_region(mr, failure.region, pd) {
+                            mt2.release_after_reset(&hca, region);
+                        }
+                        responder.fail(failure.error.ib_status());
+                    }
+                }
+            }),
+        );
+    }
+}
