@@ -588,6 +588,13 @@ fn a_user_rc_qp_moves_data_both_ways_with_a_kernel_qp_on_another_hca() {
     let mut qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
     let k = Kernel::new(&w, QpType::Rc);
 
+    // QueryCa on the context: the attribute block does not fit 64 bytes,
+    // so the size report comes back (the verb ran for this context).
+    let c = uvp.call::<ib_types::ioctl::QueryCa>(&w, uvp.ca, &Empty, &[]);
+    let r = response::<ib_types::ioctl::QueryCa>(&c);
+    assert_eq!(r.status, IbStatus::Overflow);
+    assert!(r.output.unwrap().total_size > 64);
+
     // Query through the user path: the QP is the caller's, in RESET.
     let c = uvp.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
     let q = response::<QueryQp>(&c).output.unwrap();

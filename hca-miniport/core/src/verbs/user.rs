@@ -48,6 +48,11 @@
 //!   and frees its PDs, and only then frees the UAR page and answers.
 //!   Close is refused with [`IbStatus::ResourceBusy`] while a create of the
 //!   context is in flight.
+//! - **Stop** with contexts open (`Hca::stop`): the pinned memory is
+//!   unmapped and unlocked with the device quiet; the contexts go with the
+//!   objects, and their doorbell mappings, which only the owning process's
+//!   context can remove, are left to the proxy, which closes every context
+//!   before the device is removed.
 //! - **Completion events** (`WaitCqEvent`): the provider arms its CQ
 //!   through its doorbell page and waits; the CQ's completion event (from
 //!   the DPC) completes every wait pending on it, and an event with no wait
