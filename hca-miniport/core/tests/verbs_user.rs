@@ -12,8 +12,8 @@ mod support;
 
 use std::sync::{Arc, Mutex};
 
-use driver_platform::{Irql, Mmio, RequestorMode};
-use hca_miniport_core::mr::{MemoryRegion, VirtualRegion};
+use driver_platform::{Mmio, RequestorMode};
+use hca_miniport_core::mr::MemoryRegion;
 use hca_miniport_core::verbs::qp::SendRequest;
 use hca_prm::cqe::Cqe;
 use hca_prm::doorbell::{DoorbellRecord, SQ_DOORBELL, SqDoorbell};
@@ -88,6 +88,12 @@ struct Uvp {
     ca: u64,
     doorbell: u64,
     uar: u32,
+}
+
+/// A user memory region.
+struct UserMr {
+    handle: u64,
+    lkey: ib_types::wr::LKey,
 }
 
 /// A user CQ: ring and consumer record in the process.
@@ -268,41 +274,30 @@ impl Uvp {
         out
     }
 
-    /// Registers `len` bytes of process memory (PASSIVE_LEVEL, in the
-    /// process's context, as the MR verbs will).
-    fn register(&self, w: &World, pd: u64, va: u64, len: u64) -> MemoryRegion<SimPlatform> {
-        let mt = w.hca_at(U).memory_translation().unwrap();
-        let out = Arc::new(Mutex::new(None));
-        let sink = out.clone();
-        mt.register_virtual(
-            &w.hca_at(U),
-            self.caller.locker_for_tests(),
-            Irql::PASSIVE,
-            VirtualRegion {
-                mode: RequestorMode::User,
-                va,
-                length: len,
-                access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
-                pd: support::number_of(pd),
-            },
-            Box::new(move |r| *support::lock(&sink) = Some(r)),
-        );
-        w.settle();
-        support::lock(&out).take().unwrap().unwrap()
+    /// Registers `len` bytes of process memory with the user RegMr verb
+    /// (the pages are locked in this process).
+    fn register(&self, w: &World, pd: u64, va: u64, len: u64) -> UserMr {
+        let input = ib_types::mr::MrRegister {
+            vaddr: va,
+            length: len,
+            access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        };
+        let c = self.call::<ib_types::ioctl::RegMr>(w, pd, &input, &[]);
+        let r = response::<ib_types::ioctl::RegMr>(&c);
+        assert_eq!(r.status, IbStatus::Success);
+        UserMr {
+            handle: r.handle,
+            lkey: r.output.unwrap().lkey,
+        }
+    }
+
+    fn dereg(&self, w: &World, mr: &UserMr) {
+        let c = self.call::<ib_types::ioctl::DeregMr>(w, mr.handle, &Empty, &[]);
+        assert_eq!(status_of::<ib_types::ioctl::DeregMr>(&c), IbStatus::Success);
     }
 
     fn close(&self, w: &World) -> IbStatus {
         status_of::<CloseCa>(&self.call::<CloseCa>(w, self.ca, &Empty, &[]))
-    }
-}
-
-trait LockerForTests {
-    fn locker_for_tests(&self) -> &sim_host::dma::HostLocker;
-}
-
-impl LockerForTests for HostCaller {
-    fn locker_for_tests(&self) -> &sim_host::dma::HostLocker {
-        driver_platform::CallerProcess::locker(self)
     }
 }
 
@@ -615,7 +610,7 @@ fn a_user_rc_qp_moves_data_both_ways_with_a_kernel_qp_on_another_hca() {
     // The user's buffer: 8 KiB of process memory, registered.
     let buf = uvp.process().alloc(8192).unwrap();
     let region = uvp.register(&w, pd, buf, 8192);
-    let user_sge = |offset: u64, len: u32| Sge::new(buf + offset, len, region.lkey());
+    let user_sge = |offset: u64, len: u32| Sge::new(buf + offset, len, region.lkey);
 
     // Kernel -> user: the user posts a receive in its own ring.
     let to_user = pattern(5, 3000);
@@ -769,7 +764,7 @@ fn a_user_rc_qp_moves_data_both_ways_with_a_kernel_qp_on_another_hca() {
     assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
     let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
     assert_eq!(status_of::<DestroyCq>(&c), IbStatus::Success);
-    deregister(&w, U, region);
+    uvp.dereg(&w, &region);
 
     // Close the other context with its CQ and PD still live: everything
     // goes, its page is unmapped and its pages unlocked.
@@ -1073,6 +1068,38 @@ fn hostile_ring_descriptions_are_refused_and_change_nothing() {
         assert_eq!(footprint(&w, &uvp), before, "{what}");
     }
 
+    // Regions: kernel addresses, unmapped or read-only memory for a
+    // writable region, a stale PD, a CQ for a PD.
+    let reg = |pd: u64, vaddr: u64, access: AccessFlags| {
+        let input = ib_types::mr::MrRegister {
+            vaddr,
+            length: 4096,
+            access,
+        };
+        status_of::<ib_types::ioctl::RegMr>(&uvp.call::<ib_types::ioctl::RegMr>(
+            &w,
+            pd,
+            &input,
+            &[],
+        ))
+    };
+    let write = AccessFlags::LOCAL_WRITE;
+    let kernel_va = sim_host::memory::KERNEL_VA_BASE;
+    assert_eq!(reg(pd, kernel_va, write), IbStatus::InvalidPermission);
+    assert_eq!(
+        reg(pd, ring + 0x10_0000, write),
+        IbStatus::InvalidPermission
+    );
+    assert_eq!(reg(pd, read_only, write), IbStatus::InvalidPermission);
+    assert_eq!(reg(pd ^ (1 << 30), ring, write), IbStatus::InvalidPdHandle);
+    assert_eq!(reg(cq.handle, ring, write), IbStatus::InvalidPdHandle);
+    assert_eq!(footprint(&w, &uvp), before);
+    // A read-only region of read-only memory is fine, and goes with the
+    // context.
+    assert_eq!(reg(pd, read_only, AccessFlags::empty()), IbStatus::Success);
+
+    let before = footprint(&w, &uvp);
+
     // Garbage framing of every length on the user path: refused, nothing
     // changed, never a panic.
     for len in 0..160 {
@@ -1135,7 +1162,7 @@ fn a_user_ud_qp_exchanges_datagrams_and_close_takes_live_objects_with_it() {
     // Kernel -> user datagram: 40 bytes of GRH, then the payload.
     let payload = pattern(9, 1000);
     k.write(0, &payload);
-    uvp.post_recv(&mut qp, &[Sge::new(buf, 2048, region.lkey())]);
+    uvp.post_recv(&mut qp, &[Sge::new(buf, 2048, region.lkey)]);
     let av = hca_prm::av::Av::try_from(&av_to(ips[U])).unwrap();
     {
         let out = Arc::new(Mutex::new(None));
@@ -1179,7 +1206,7 @@ fn a_user_ud_qp_exchanges_datagrams_and_close_takes_live_objects_with_it() {
     uvp.process().write(buf + 4096, &payload).unwrap();
     k.post_recv(&w, 62, vec![k.sge(4096, 2048)]);
     let av = hca_prm::av::Av::try_from(&av_to(ips[K])).unwrap();
-    let sges = [Sge::new(buf + 4096, 700, region.lkey())];
+    let sges = [Sge::new(buf + 4096, 700, region.lkey)];
     let wr = SendWr {
         wr_id: 0,
         op: SendOp::Send,
@@ -1204,15 +1231,32 @@ fn a_user_ud_qp_exchanges_datagrams_and_close_takes_live_objects_with_it() {
     assert_eq!(uvp.poll(&mut cq).len(), 1);
 
     // The process exits without destroying anything: the proxy's cleanup
-    // closes the context, which destroys the QP and CQ, frees the PD,
-    // unmaps the doorbell page and unlocks every ring page.
-    deregister(&w, U, region);
-    let mtt_before_open = w.hca_at(U).memory_translation().unwrap().usage().mtt_free;
+    // closes the context, which destroys the QP and CQ, deregisters the
+    // region, frees the PD, unmaps the doorbell page and unlocks every
+    // ring and region page.
+    let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, region.handle, &Empty, &[]);
+    assert_eq!(
+        response::<ib_types::ioctl::QueryMr>(&c)
+            .output
+            .unwrap()
+            .length,
+        8192
+    );
+    let usage = w.hca_at(U).memory_translation().unwrap().usage();
+    assert_eq!(usage.regions, 1);
+    let mtt_before_open = usage.mtt_free;
     assert!(uvp.process().space().locked_pages() > 0);
     assert_eq!(uvp.close(&w), IbStatus::Success);
     assert_eq!(uvp.process().space().locked_pages(), 0);
     assert_eq!(uvp.process().space().device_mapping_count(), 0);
-    assert!(w.hca_at(U).memory_translation().unwrap().usage().mtt_free > mtt_before_open);
+    let usage = w.hca_at(U).memory_translation().unwrap().usage();
+    assert!(usage.mtt_free > mtt_before_open);
+    assert_eq!(usage.regions, 0);
+    let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, region.handle, &Empty, &[]);
+    assert_eq!(
+        status_of::<ib_types::ioctl::QueryMr>(&c),
+        IbStatus::InvalidMrHandle
+    );
     assert_eq!(w.hca_at(U).user_context_count(), 0);
     // Its handles are gone; a second close is refused.
     assert_eq!(uvp.close(&w), IbStatus::InvalidCaHandle);
@@ -1308,7 +1352,7 @@ fn a_user_rc_qp_receives_through_a_user_srq() {
     let buf = p.alloc(4096).unwrap();
     let region = uvp.register(&w, pd, buf, 4096);
     let mut wqe = [0u8; 32];
-    build_recv_wqe(&[Sge::new(buf, 4096, region.lkey())], 0, 32, &mut wqe).unwrap();
+    build_recv_wqe(&[Sge::new(buf, 4096, region.lkey)], 0, 32, &mut wqe).unwrap();
     p.write(srq_ring, &wqe).unwrap();
     p.write(srq_dbr, DoorbellRecord::new(1).as_bytes()).unwrap();
     let payload = pattern(44, 1800);
@@ -1326,7 +1370,7 @@ fn a_user_rc_qp_receives_through_a_user_srq() {
     // Busy while the QP uses it; the close takes QP, SRQ, CQ and PD.
     let c = uvp.call::<DestroySrq>(&w, srq, &Empty, &[]);
     assert_eq!(status_of::<DestroySrq>(&c), IbStatus::ResourceBusy);
-    deregister(&w, U, region);
+    uvp.dereg(&w, &region);
     assert_eq!(uvp.close(&w), IbStatus::Success);
     assert_eq!(p.space().locked_pages(), 0);
     assert_eq!(p.exit(), 0);
@@ -1380,7 +1424,7 @@ fn wait_cq_event_completes_on_the_armed_cqs_event_and_is_cancellable() {
     arm(cq.consumer);
     let waiting = wait_cq(&w, &uvp, cq.handle);
     assert!(!waiting.is_done(), "nothing completed yet");
-    uvp.post_recv(&mut qp, &[Sge::new(buf, 4096, region.lkey())]);
+    uvp.post_recv(&mut qp, &[Sge::new(buf, 4096, region.lkey)]);
     k.write(0, b"wake up");
     k.post_send(&w, 81, vec![k.sge(0, 7)]);
     let done = waiting.completion().expect("the event completed the wait");
@@ -1393,7 +1437,7 @@ fn wait_cq_event_completes_on_the_armed_cqs_event_and_is_cancellable() {
 
     // An event that fires before the wait is kept for it: arming with
     // CQEs already beyond the consumer fires at once (PRM 9.3).
-    uvp.post_recv(&mut qp, &[Sge::new(buf, 4096, region.lkey())]);
+    uvp.post_recv(&mut qp, &[Sge::new(buf, 4096, region.lkey)]);
     k.post_send(&w, 82, vec![k.sge(0, 7)]);
     arm(cq.consumer);
     w.settle();
@@ -1423,7 +1467,7 @@ fn wait_cq_event_completes_on_the_armed_cqs_event_and_is_cancellable() {
     // A wait pending at close ends with the CQ.
     let orphan = wait_cq(&w, &uvp, cq.handle);
     assert!(!orphan.is_done());
-    deregister(&w, U, region);
+    uvp.dereg(&w, &region);
     assert_eq!(uvp.close(&w), IbStatus::Success);
     assert_eq!(
         orphan.completion().unwrap().status,

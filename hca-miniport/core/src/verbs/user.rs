@@ -44,8 +44,9 @@
 //!   pinned memory is unmapped and unlocked. **Close** of a context
 //!   (explicit, or the proxy's cleanup when the process exits) first
 //!   unmaps the doorbell page (in the caller's context: nothing can ring
-//!   any more), then destroys every QP, SRQ and CQ the context still holds
-//!   and frees its PDs, and only then frees the UAR page and answers.
+//!   any more), then destroys every QP, SRQ and CQ the context still
+//!   holds, deregisters its regions and frees its PDs, and only then frees
+//!   the UAR page and answers.
 //!   Close is refused with [`IbStatus::ResourceBusy`] while a create of the
 //!   context is in flight.
 //! - **Stop** with contexts open (`Hca::stop`): the pinned memory is
@@ -64,8 +65,12 @@
 //!   asynchronous events of user objects go to the kernel client's
 //!   callbacks, if any), user AVs (the provider keeps them in user space,
 //!   guide 6.4.2; a user `CreateAv` that reaches the kernel is
-//!   unsupported), MR/MW/multicast verbs for user mode (unsupported until
-//!   their kernel verbs exist).
+//!   unsupported), user `RegSharedMr`, `ReregMr`, memory windows and
+//!   multicast (unsupported on this path).
+//! - **Regions.** `RegMr` in one of the caller's PDs locks the caller's
+//!   pages (`mr`, with the process's locker) and stores the region with
+//!   the kernel's (`verbs::region`); `QueryMr` and `DeregMr` need the
+//!   caller's region; close deregisters what is left (before the PDs).
 
 use alloc::boxed::Box;
 use alloc::collections::{BTreeMap, BTreeSet};
@@ -89,6 +94,7 @@ use ib_types::ioctl::{
     self as v, CqOut, DoorbellPage, Empty, IoctlCode, OpenCaOut, PROXY_ABI_VERSION, QpCreated,
     Verb, VerbId, decode_request,
 };
+use ib_types::mr::MrKeys;
 use ib_types::qp::{QpCaps, QpState, QpType};
 use ib_types::scalars::{NodeGuid, Qpn};
 use ib_types::srq::SrqAttr;
@@ -103,7 +109,7 @@ use super::srq::{Life as SrqLife, Srq};
 use super::{Accepted, Objects, Responder, UVP_NAME, accept};
 use crate::cmd::Command;
 use crate::hca::Hca;
-use crate::mr::PinnedUser;
+use crate::mr::{PinnedUser, VirtualRegion};
 use crate::resources::{Handle, UarAllocator, kind};
 
 /// Low bits of a user context's handle (a kernel CA's are `0xCA`), so the
@@ -193,6 +199,8 @@ struct UserContext<P: Platform> {
     /// Creates under way (close waits for none).
     creating: u32,
     pds: BTreeSet<u64>,
+    /// Memory regions (raw handles); their pages are the `mr` service's.
+    mrs: BTreeSet<u64>,
     /// Objects by raw handle, with the user memory pinned for them.
     cqs: BTreeMap<u64, Vec<PinnedUser<P>>>,
     qps: BTreeMap<u64, Vec<PinnedUser<P>>>,
@@ -207,6 +215,7 @@ enum Owned {
     Cq,
     Qp,
     Srq,
+    Mr,
 }
 
 impl Owned {
@@ -217,6 +226,7 @@ impl Owned {
             Self::Cq => IbStatus::InvalidCqHandle,
             Self::Qp => IbStatus::InvalidQpHandle,
             Self::Srq => IbStatus::InvalidSrqHandle,
+            Self::Mr => IbStatus::InvalidMrHandle,
         }
     }
 }
@@ -240,6 +250,7 @@ fn owner<P: Platform>(
                     Owned::Cq => ctx.cqs.contains_key(&raw),
                     Owned::Qp => ctx.qps.contains_key(&raw),
                     Owned::Srq => ctx.srqs.contains_key(&raw),
+                    Owned::Mr => ctx.mrs.contains(&raw),
                 }
         })
         .map(|(&handle, _)| handle)
@@ -437,6 +448,19 @@ where
                     self.user_destroy(a.responder, a.handle, pid, Owned::Qp);
                 }
             }
+            VerbId::RegMr => {
+                if let Some(a) = accept::<v::RegMr, R<P>>(request) {
+                    self.user_reg_mr(a, caller);
+                }
+            }
+            VerbId::QueryMr => self.trusted::<v::QueryMr>(request, pid, Owned::Mr, |h, a| {
+                h.query_mr_request(a);
+            }),
+            VerbId::DeregMr => {
+                if let Some(a) = accept::<v::DeregMr, R<P>>(request) {
+                    self.user_destroy(a.responder, a.handle, pid, Owned::Mr);
+                }
+            }
             VerbId::WaitCqEvent => {
                 if let Some(a) = accept::<v::WaitCqEvent, R<P>>(request) {
                     self.user_wait_cq(a, pid);
@@ -583,6 +607,7 @@ where
                     closing: false,
                     creating: 0,
                     pds: BTreeSet::new(),
+                    mrs: BTreeSet::new(),
                     cqs: BTreeMap::new(),
                     qps: BTreeMap::new(),
                     srqs: BTreeMap::new(),
@@ -663,6 +688,7 @@ where
                 .map(|&h| (Owned::Qp, h))
                 .or_else(|| ctx.srqs.keys().next().map(|&h| (Owned::Srq, h)))
                 .or_else(|| ctx.cqs.keys().next().map(|&h| (Owned::Cq, h)))
+                .or_else(|| ctx.mrs.iter().next().map(|&h| (Owned::Mr, h)))
         });
         match next {
             Ok(Some((what, object))) => {
@@ -711,6 +737,7 @@ where
                             .objects()
                             .contains(Handle::<kind::Qp>::from_raw(object)),
                         Owned::Srq => !o.srqs.contains(Handle::<kind::Srq>::from_raw(object)),
+                        Owned::Mr => !o.mrs.contains(Handle::<kind::Mr>::from_raw(object)),
                         Owned::Ca | Owned::Pd => true,
                     };
                     let closing = o.user.contexts.get(&ctx).is_some_and(|c| c.closing);
@@ -722,6 +749,10 @@ where
                         Owned::Cq => c.cqs.remove(&object),
                         Owned::Qp => c.qps.remove(&object),
                         Owned::Srq => c.srqs.remove(&object),
+                        Owned::Mr => {
+                            c.mrs.remove(&object);
+                            None
+                        }
                         Owned::Ca | Owned::Pd => None,
                     }
                 })
@@ -742,6 +773,7 @@ where
                 Err(status) => release(self, Err(status)),
             },
             Owned::Srq => self.destroy_user_srq(object, release),
+            Owned::Mr => self.dereg_mr_then(object, RequestorMode::Kernel, release),
             Owned::Ca | Owned::Pd => release(self, Err(IbStatus::InvalidParameter)),
         }
     }
@@ -806,6 +838,72 @@ where
             Ok(_) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
             Err(status) => responder.fail(status),
         }
+    }
+
+    /// RegMr of the caller's memory in one of its PDs: the pages are locked
+    /// in the caller's process (PASSIVE or APC level, `mr`), the region is
+    /// stored like any other and belongs to the context (close
+    /// deregisters it).
+    fn user_reg_mr(self: &Arc<Self>, a: Accepted<v::RegMr, P::Request>, caller: P::Caller) {
+        let process = caller.process_id();
+        let pd = a.handle;
+        let ctx = match self.with_objects(|o| owner(o, process, Owned::Pd, pd)) {
+            Ok(Ok(ctx)) => ctx,
+            Ok(Err(status)) | Err(status) => return a.responder.fail(status),
+        };
+        if let Err(status) = self.begin_create(process, ctx) {
+            return a.responder.fail(status);
+        }
+        let mt = match self.memory_translation() {
+            Ok(mt) => mt,
+            Err(status) => {
+                self.end_create(ctx, Owned::Mr, None);
+                return a.responder.fail(status);
+            }
+        };
+        if let Err(status) = self.reference_pd(pd) {
+            self.end_create(ctx, Owned::Mr, None);
+            return a.responder.fail(status);
+        }
+        let request = VirtualRegion {
+            mode: RequestorMode::User,
+            va: a.input.vaddr,
+            length: a.input.length,
+            access: a.input.access,
+            pd: Handle::<kind::Pd>::from_raw(pd).number(),
+        };
+        let (weak, responder, mt2) = (Arc::downgrade(self), a.responder, mt.clone());
+        mt.register_virtual(
+            self,
+            caller.locker(),
+            caller.current_irql(),
+            request,
+            Box::new(move |result| {
+                let Some(hca) = weak.upgrade() else { return };
+                let stored = result
+                    .map_err(|error| {
+                        let _ = hca.release_pd(pd);
+                        error.ib_status()
+                    })
+                    .and_then(|region| {
+                        let keys = MrKeys {
+                            lkey: region.lkey(),
+                            rkey: region.rkey(),
+                        };
+                        hca.store_region(&mt2, region, pd).map(|h| (h, keys))
+                    });
+                match stored {
+                    Ok((handle, keys)) => {
+                        hca.end_create(ctx, Owned::Mr, Some((handle, Vec::new())));
+                        responder.finish(IbStatus::Success, handle, Some(&keys), &[]);
+                    }
+                    Err(status) => {
+                        hca.end_create(ctx, Owned::Mr, None);
+                        responder.fail(status);
+                    }
+                }
+            }),
+        );
     }
 
     fn user_alloc_pd(&self, a: Accepted<v::AllocPd, P::Request>, process: u64) {
@@ -891,6 +989,10 @@ where
                     Owned::Cq => c.cqs.insert(handle, pins),
                     Owned::Qp => c.qps.insert(handle, pins),
                     Owned::Srq => c.srqs.insert(handle, pins),
+                    Owned::Mr => {
+                        c.mrs.insert(handle);
+                        Some(pins)
+                    }
                     Owned::Ca | Owned::Pd => Some(pins),
                 }
             })
