@@ -39,7 +39,7 @@
 //!   locker is installed. A user context's RegMr, QueryMr and DeregMr
 //!   arrive through `verbs::user` (the caller's process, its PD), which
 //!   registers through `mr` with the process's locker and stores the
-//!   region here ([`Hca::store_region`](super::region)); close deregisters
+//!   region here (`store_region`); close deregisters
 //!   what the context still holds.
 //! - **Query** is answered from the region the core keeps (guide 7.1.1.4:
 //!   "obtained from the region handle maintained by the driver"): PD,
