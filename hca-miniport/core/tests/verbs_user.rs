@@ -1478,3 +1478,114 @@ fn wait_cq_event_completes_on_the_armed_cqs_event_and_is_cancellable() {
     k.finish(&w);
     w.finish();
 }
+
+/// Issues a user GetAsyncEvent on the context and returns the issuer's
+/// handle (the request may stay pending).
+fn get_async_event(w: &World, uvp: &Uvp) -> sim_host::request::RequestHandle {
+    use ib_types::ioctl::{GetAsyncEvent, encode_request, request_len, response_len};
+    let mut bytes = vec![0; request_len::<GetAsyncEvent>(0).unwrap()];
+    encode_request::<GetAsyncEvent>(uvp.ca, &Empty, &[], 0, &mut bytes).unwrap();
+    let (request, issuer) = w.raw_request(
+        GetAsyncEvent::ID.ioctl().raw(),
+        RequestorMode::User,
+        bytes,
+        response_len::<GetAsyncEvent>(0).unwrap(),
+    );
+    w.hca_at(U).submit_user_request(request, uvp.caller.clone());
+    w.settle();
+    issuer
+}
+
+#[test]
+fn a_user_qps_access_error_reaches_its_process_as_an_async_event() {
+    use ib_types::event::AsyncEventCode;
+    use ib_types::ioctl::GetAsyncEvent;
+    let (w, ips) = two_hcas(76);
+    let uvp = Uvp::open(&w, 15);
+    let pd = uvp.alloc_pd(&w);
+    let cq = uvp.create_cq(&w, 4);
+    let qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
+    let k = Kernel::new(&w, QpType::Rc);
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+
+    // A wait posted before the event.
+    let waiting = get_async_event(&w, &uvp);
+    assert!(!waiting.is_done());
+
+    // The kernel writes to the user QP with an R_Key that names nothing:
+    // the user QP (the responder) raises WQ_ACCESS_ERROR.
+    let out = Arc::new(Mutex::new(None));
+    let (hca, sink, kqp, sge) = (w.hca_at(K), out.clone(), k.qp, k.sge(0, 64));
+    w.in_dpc(move || {
+        let sges = [sge];
+        let wr = SendWr {
+            wr_id: 91,
+            op: SendOp::RdmaWrite {
+                remote: ib_types::wr::RemoteAddr {
+                    addr: 0x1000,
+                    rkey: ib_types::wr::RKey::new(0x00DE_AD00),
+                },
+            },
+            flags: SendFlags::SIGNALED,
+            sg_list: &sges,
+            ud: None,
+        };
+        let requests = [SendRequest {
+            wr,
+            av: None,
+            inline: None,
+        }];
+        *support::lock(&sink) = Some(hca.post_send(kqp, &requests));
+    });
+    w.settle();
+    assert_eq!(support::lock(&out).take(), Some((1, IbStatus::Success)));
+    let kwc = k.poll(&w);
+    assert_eq!(kwc.len(), 1);
+    assert_ne!(kwc[0].status, WcStatus::Success);
+
+    let c = waiting.completion().expect("the event completed the wait");
+    let r = response::<GetAsyncEvent>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let record = r.output.unwrap();
+    assert_eq!(
+        (record.code, record.handle),
+        (AsyncEventCode::WqAccessError, qp.handle)
+    );
+    // The cached state took it.
+    let c = uvp.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(response::<QueryQp>(&c).output.unwrap().state, QpState::Err);
+
+    // No more events: the next request pends until cancelled.
+    let stuck = get_async_event(&w, &uvp);
+    assert!(!stuck.is_done());
+    stuck.cancel();
+    w.hca_at(U).cancel_user_waits();
+    assert_eq!(
+        stuck.completion().unwrap().status,
+        ib_types::status::NtStatus::CANCELLED
+    );
+    // Another process cannot take this context's events.
+    let other = Uvp::open(&w, 16);
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<GetAsyncEvent>(0).unwrap()];
+    ib_types::ioctl::encode_request::<GetAsyncEvent>(uvp.ca, &Empty, &[], 0, &mut bytes).unwrap();
+    let c = w.user_raw_at(U, &other.caller, GetAsyncEvent::ID.ioctl().raw(), bytes, 64);
+    assert_eq!(status_of::<GetAsyncEvent>(&c), IbStatus::InvalidCaHandle);
+
+    // A request pending at close ends with the context.
+    let orphan = get_async_event(&w, &uvp);
+    assert!(!orphan.is_done());
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(
+        orphan.completion().unwrap().status,
+        ib_types::status::NtStatus::CANCELLED
+    );
+    assert_eq!(other.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().exit(), 0);
+    k.finish(&w);
+    w.finish();
+}

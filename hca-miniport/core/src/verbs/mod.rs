@@ -805,6 +805,7 @@ impl<P: Platform> EventSink for VerbsRouter<'_, P> {
         };
         if let Some(qp) = self.hca.qp_device_event(qpn.get(), event)
             && let Ok(record) = AsyncEventRecord::new(code, qp, None, 0)
+            && !self.hca.user_async_event(&record)
         {
             self.hca.deliver(|client| client.async_event(&record));
         }
@@ -818,6 +819,7 @@ impl<P: Platform> EventSink for VerbsRouter<'_, P> {
         };
         if let Some(srq) = self.hca.srq_owner(srqn)
             && let Ok(record) = AsyncEventRecord::new(code, srq, None, 0)
+            && !self.hca.user_async_event(&record)
         {
             self.hca.deliver(|client| client.async_event(&record));
         }
@@ -828,6 +830,7 @@ impl<P: Platform> EventSink for VerbsRouter<'_, P> {
         if let Some(cq) = self.hca.cq_owner(cqn)
             && let Ok(record) =
                 AsyncEventRecord::new(ib_types::event::AsyncEventCode::CqError, cq.raw(), None, 0)
+            && !self.hca.user_async_event(&record)
         {
             self.hca.deliver(|client| client.async_event(&record));
         }

@@ -61,19 +61,23 @@
 //!   [`IbStatus::Canceled`] when cancelled ([`Hca::cancel_user_waits`],
 //!   from the proxy's cancel routine) or when their CQ is destroyed. User
 //!   CQs' events never reach the kernel client's callbacks.
-//! - **Not built:** user `ResizeCq` and `GetAsyncEvent` (unsupported:
-//!   asynchronous events of user objects go to the kernel client's
-//!   callbacks, if any), user AVs (the provider keeps them in user space,
-//!   guide 6.4.2; a user `CreateAv` that reaches the kernel is
-//!   unsupported), user `RegSharedMr`, `ReregMr`, memory windows and
-//!   multicast (unsupported on this path).
+//! - **Asynchronous events** (`GetAsyncEvent`): an event of a user QP,
+//!   SRQ or CQ (PRM 8.2, after the QP's cached state took it) goes to its
+//!   context, never to the kernel client: it completes the context's
+//!   oldest pending `GetAsyncEvent`, or waits in a queue of
+//!   [`MAX_QUEUED_EVENTS`] (the oldest dropped when full). Pending requests
+//!   end with [`IbStatus::Canceled`] when cancelled or at close.
+//! - **Not built:** user `ResizeCq`, `RegSharedMr`, `ReregMr`, memory
+//!   windows and multicast (unsupported on this path). User AVs are the
+//!   provider's by design (guide 6.4.2): a user `CreateAv` that reaches
+//!   the kernel is unsupported.
 //! - **Regions.** `RegMr` in one of the caller's PDs locks the caller's
 //!   pages (`mr`, with the process's locker) and stores the region with
 //!   the kernel's (`verbs::region`); `QueryMr` and `DeregMr` need the
 //!   caller's region; close deregisters what is left (before the PDs).
 
 use alloc::boxed::Box;
-use alloc::collections::{BTreeMap, BTreeSet};
+use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 
@@ -89,6 +93,7 @@ use hca_prm::uverbs::{
 };
 use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES, SEG_SIZE, inline_seg_len};
 use hca_prm::{Le32, Le64};
+use ib_types::event::AsyncEventRecord;
 use ib_types::interface::UvpName;
 use ib_types::ioctl::{
     self as v, CqOut, DoorbellPage, Empty, IoctlCode, OpenCaOut, PROXY_ABI_VERSION, QpCreated,
@@ -115,6 +120,9 @@ use crate::resources::{Handle, UarAllocator, kind};
 /// Low bits of a user context's handle (a kernel CA's are `0xCA`), so the
 /// two are never taken for each other.
 const USER_CA_TAG: u64 = 0xCA1;
+
+/// Events a context keeps for its `GetAsyncEvent` requests.
+pub const MAX_QUEUED_EVENTS: usize = 64;
 
 /// `log2` of a host page (PRM 5.3).
 const LOG_PAGE: u8 = 12;
@@ -198,6 +206,14 @@ struct UserContext<P: Platform> {
     closing: bool,
     /// Creates under way (close waits for none).
     creating: u32,
+    /// Asynchronous events of the context's objects not yet taken by a
+    /// `GetAsyncEvent` (at most [`MAX_QUEUED_EVENTS`]; older ones are
+    /// dropped and counted).
+    events: VecDeque<AsyncEventRecord>,
+    /// Events dropped because the queue was full.
+    events_lost: u64,
+    /// `GetAsyncEvent` requests waiting for an event.
+    event_waiters: Vec<Responder<v::GetAsyncEvent, P::Request>>,
     pds: BTreeSet<u64>,
     /// Memory regions (raw handles); their pages are the `mr` service's.
     mrs: BTreeSet<u64>,
@@ -461,6 +477,11 @@ where
                     self.user_destroy(a.responder, a.handle, pid, Owned::Mr);
                 }
             }
+            VerbId::GetAsyncEvent => {
+                if let Some(a) = accept::<v::GetAsyncEvent, R<P>>(request) {
+                    self.user_get_async_event(a, pid);
+                }
+            }
             VerbId::WaitCqEvent => {
                 if let Some(a) = accept::<v::WaitCqEvent, R<P>>(request) {
                     self.user_wait_cq(a, pid);
@@ -606,6 +627,9 @@ where
                     mapping: Some(mapping),
                     closing: false,
                     creating: 0,
+                    events: VecDeque::new(),
+                    events_lost: 0,
+                    event_waiters: Vec::new(),
                     pds: BTreeSet::new(),
                     mrs: BTreeSet::new(),
                     cqs: BTreeMap::new(),
@@ -708,10 +732,15 @@ where
                     if let Some(uars) = o.user.uars.as_mut() {
                         let _ = uars.free(ctx.uar);
                     }
-                    Some(())
+                    Some(ctx.event_waiters)
                 });
                 match freed {
-                    Ok(Some(())) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
+                    Ok(Some(waiters)) => {
+                        for waiter in waiters {
+                            waiter.fail(IbStatus::Canceled);
+                        }
+                        responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+                    }
                     _ => responder.fail(IbStatus::InvalidState),
                 }
             }
@@ -904,6 +933,35 @@ where
                 }
             }),
         );
+    }
+
+    /// `GetAsyncEvent` on the caller's context: the oldest queued event of
+    /// its objects, or, when none is queued, pends until one arrives (or
+    /// until cancelled or the context closes: [`IbStatus::Canceled`]).
+    fn user_get_async_event(&self, a: Accepted<v::GetAsyncEvent, P::Request>, process: u64) {
+        let ca = a.handle;
+        let mut slot = Some(a.responder);
+        let taken = self.with_objects(|o| {
+            owner(o, process, Owned::Ca, ca)?;
+            let ctx = o
+                .user
+                .contexts
+                .get_mut(&ca)
+                .ok_or(IbStatus::InvalidCaHandle)?;
+            if let Some(record) = ctx.events.pop_front() {
+                return Ok(Some(record));
+            }
+            if let Some(responder) = slot.take() {
+                ctx.event_waiters.push(responder);
+            }
+            Ok(None)
+        });
+        let Some(responder) = slot else { return };
+        match taken.and_then(|r| r) {
+            Ok(Some(record)) => responder.finish(IbStatus::Success, 0, Some(&record), &[]),
+            Ok(None) => responder.fail(IbStatus::GenericError),
+            Err(status) => responder.fail(status),
+        }
     }
 
     fn user_alloc_pd(&self, a: Accepted<v::AllocPd, P::Request>, process: u64) {
@@ -1507,22 +1565,66 @@ impl<P: Platform> Hca<P> {
     }
 
     /// Completes with [`IbStatus::Canceled`] every pending `WaitCqEvent`
-    /// whose request was cancelled (the shell calls it from the request's
-    /// cancel routine). Callable at DISPATCH_LEVEL.
+    /// and `GetAsyncEvent` whose request was cancelled (the shell calls it
+    /// from the request's cancel routine). Callable at DISPATCH_LEVEL.
     pub fn cancel_user_waits(&self) {
         let canceled = self.with_objects(|o| {
-            let mut canceled = Vec::new();
-            for waits in o.user.waits.values_mut() {
-                let (gone, kept): (Vec<_>, Vec<_>) = core::mem::take(&mut waits.waiters)
+            let mut waits = Vec::new();
+            for cq in o.user.waits.values_mut() {
+                let (gone, kept): (Vec<_>, Vec<_>) = core::mem::take(&mut cq.waiters)
                     .into_iter()
                     .partition(|r| r.is_canceled());
-                waits.waiters = kept;
-                canceled.extend(gone);
+                cq.waiters = kept;
+                waits.extend(gone);
             }
-            canceled
+            let mut events = Vec::new();
+            for ctx in o.user.contexts.values_mut() {
+                let (gone, kept): (Vec<_>, Vec<_>) = core::mem::take(&mut ctx.event_waiters)
+                    .into_iter()
+                    .partition(|r| r.is_canceled());
+                ctx.event_waiters = kept;
+                events.extend(gone);
+            }
+            (waits, events)
         });
-        for responder in canceled.unwrap_or_default() {
+        let (waits, events) = canceled.unwrap_or_default();
+        for responder in waits {
             responder.fail(IbStatus::Canceled);
+        }
+        for responder in events {
+            responder.fail(IbStatus::Canceled);
+        }
+    }
+
+    /// An asynchronous event of the object `record.handle` names: for an
+    /// object of a user context, completes that context's oldest pending
+    /// `GetAsyncEvent` or queues the event, and returns true; false for
+    /// anything else (the kernel client's). From the DPC.
+    pub(crate) fn user_async_event(&self, record: &AsyncEventRecord) -> bool {
+        let object = record.handle;
+        let found = self.with_objects(|o| {
+            let ctx = o.user.contexts.values_mut().find(|c| {
+                c.qps.contains_key(&object)
+                    || c.cqs.contains_key(&object)
+                    || c.srqs.contains_key(&object)
+            })?;
+            if ctx.event_waiters.is_empty() {
+                if ctx.events.len() == MAX_QUEUED_EVENTS {
+                    ctx.events.pop_front();
+                    ctx.events_lost += 1;
+                }
+                ctx.events.push_back(*record);
+                return Some(None);
+            }
+            Some(Some(ctx.event_waiters.remove(0)))
+        });
+        match found {
+            Ok(Some(Some(responder))) => {
+                responder.finish(IbStatus::Success, 0, Some(record), &[]);
+                true
+            }
+            Ok(Some(None)) => true,
+            _ => false,
         }
     }
 
