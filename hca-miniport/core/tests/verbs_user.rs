@@ -1589,3 +1589,73 @@ fn a_user_qps_access_error_reaches_its_process_as_an_async_event() {
     k.finish(&w);
     w.finish();
 }
+
+#[test]
+fn close_waits_for_creates_in_flight_and_user_objects_need_the_caller() {
+    let (w, _) = two_hcas(77);
+    let uvp = Uvp::open(&w, 17);
+    let pd = uvp.alloc_pd(&w);
+    let cq = uvp.create_cq(&w, 3);
+
+    // A CreateCq whose commands are still outstanding when the process's
+    // close arrives (both from its thread, before the DPC ran).
+    let ring = uvp.process().alloc(256).unwrap();
+    let dbr = uvp.process().alloc(64).unwrap();
+    let layout = CreateCqPriv::new(3, ring, dbr).unwrap();
+    let attr = CqAttr {
+        cqe: 8,
+        comp_vector: 0,
+    };
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<CreateCq>(CreateCqPriv::SIZE).unwrap()];
+    ib_types::ioctl::encode_request::<CreateCq>(
+        uvp.ca,
+        &attr,
+        layout.emit().as_bytes(),
+        64,
+        &mut bytes,
+    )
+    .unwrap();
+    let (request, creating) = w.raw_request(
+        CreateCq::ID.ioctl().raw(),
+        RequestorMode::User,
+        bytes,
+        ib_types::ioctl::response_len::<CreateCq>(64).unwrap(),
+    );
+    w.hca_at(U).submit_user_request(request, uvp.caller.clone());
+    assert!(!creating.is_done(), "the device has not answered yet");
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<CloseCa>(0).unwrap()];
+    ib_types::ioctl::encode_request::<CloseCa>(uvp.ca, &Empty, &[], 0, &mut bytes).unwrap();
+    let (request, closing) = w.raw_request(
+        CloseCa::ID.ioctl().raw(),
+        RequestorMode::User,
+        bytes,
+        ib_types::ioctl::response_len::<CloseCa>(0).unwrap(),
+    );
+    w.hca_at(U).submit_user_request(request, uvp.caller.clone());
+    assert_eq!(
+        status_of::<CloseCa>(&closing.completion().unwrap()),
+        IbStatus::ResourceBusy
+    );
+    w.settle();
+    let created = response::<CreateCq>(&creating.completion().unwrap()).status;
+    assert_eq!(created, IbStatus::Success);
+
+    // A user request without its process (plain submit_request) sees no
+    // user context's objects; a kernel request sees them.
+    let c = w.call::<QueryCq>(RequestorMode::User, cq.handle, &Empty, 0);
+    assert_eq!(status_of::<QueryCq>(&c), IbStatus::InvalidCqHandle);
+    let c = w.call::<AllocPd>(RequestorMode::User, uvp.ca, &Empty, 0);
+    assert_eq!(status_of::<AllocPd>(&c), IbStatus::InvalidCaHandle);
+    let c = w.call::<DeallocPd>(RequestorMode::User, pd, &Empty, 0);
+    assert_eq!(status_of::<DeallocPd>(&c), IbStatus::InvalidPdHandle);
+    let c = w.call::<OpenCa>(RequestorMode::User, 0, &OpenCaIn::CURRENT, 64);
+    assert_eq!(status_of::<OpenCa>(&c), IbStatus::Unsupported);
+    let c = w.call::<QueryCq>(KERNEL, cq.handle, &Empty, 0);
+    assert_eq!(response::<QueryCq>(&c).output.unwrap().cqe, 8);
+
+    // Now the close goes through, taking both CQs.
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    w.finish();
+}
