@@ -21,6 +21,8 @@
 //! - Memory the device reaches is handed over as bus addresses of DMA
 //!   mappings ([`DmaAdapter`]); the core reads and writes common buffers
 //!   through copy methods, so it needs no raw pointers and no `unsafe`.
+//! - A PASSIVE_LEVEL caller that wants to wait for a request waits on an
+//!   [`Event`] its request's completion sets; the core itself never waits.
 //! - A request is completed by consuming it ([`Request::complete`]): the type
 //!   system makes "exactly once" structural.
 //!
@@ -34,6 +36,7 @@ extern crate alloc;
 pub mod bus;
 pub mod deferred;
 pub mod dma;
+pub mod event;
 pub mod irql;
 pub mod mmio;
 pub mod power;
@@ -44,6 +47,7 @@ pub mod user;
 pub use bus::{ChildBus, ChildDescription};
 pub use deferred::Deferred;
 pub use dma::{CommonBuffer, DmaAdapter, DmaMapping, LockedPages, MemoryLocker};
+pub use event::Event;
 pub use ib_types::status::NtStatus;
 pub use irql::{Irql, IrqlQuery};
 pub use mmio::Mmio;
@@ -74,6 +78,8 @@ pub trait Platform: Send + Sync + 'static {
     type Request: Request;
     /// The IRQL of the calling thread.
     type Irql: IrqlQuery;
+    /// An event a PASSIVE_LEVEL caller waits on (a `KEVENT`).
+    type Event: Event;
     /// The user process a user-mode request came from, in its context
     /// ([`user`]).
     type Caller: CallerProcess<Mmio = Self::Mmio, Locker = Self::Locker>;

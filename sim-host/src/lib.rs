@@ -10,6 +10,7 @@ pub mod caller;
 pub mod context;
 pub mod dma;
 pub mod driver;
+pub mod event;
 pub mod host;
 pub mod inf;
 pub mod irql;

@@ -5,6 +5,7 @@ use driver_platform::Platform;
 
 use crate::caller::HostCaller;
 use crate::dma::{HostDmaAdapter, HostLocker};
+use crate::event::HostEvent;
 use crate::irql::{HostSpinLock, IrqlTracker};
 use crate::pci::Bar0;
 use crate::registry::RegistryView;
@@ -25,4 +26,5 @@ impl Platform for SimPlatform {
     type Request = HostRequest;
     type Irql = IrqlTracker;
     type Caller = HostCaller;
+    type Event = HostEvent;
 }

@@ -27,9 +27,10 @@
 
 use std::sync::{Arc, Condvar, Mutex};
 
-use driver_platform::{Request, RequestorMode};
+use driver_platform::{Event, Request, RequestorMode};
 use ib_types::status::NtStatus;
 
+use crate::event::HostEvent;
 use crate::verifier::{Verifier, ViolationKind};
 
 /// How a request ended, as its issuer sees it.
@@ -119,6 +120,8 @@ pub struct HostRequest {
     /// The driver that owns the request now (for attribution).
     owner: Option<Arc<str>>,
     completed: bool,
+    /// Set once the issuer's completion is recorded.
+    event: Option<HostEvent>,
 }
 
 impl std::fmt::Debug for HostRequest {
@@ -152,6 +155,7 @@ impl HostRequest {
             verifier: verifier.clone(),
             owner: None,
             completed: false,
+            event: None,
         };
         (request, handle)
     }
@@ -164,6 +168,14 @@ impl HostRequest {
     /// The driver that owns the request.
     pub fn owner(&self) -> Option<&str> {
         self.owner.as_deref()
+    }
+
+    /// The event to set when the request is done (the `Event` argument of
+    /// `IoBuildDeviceIoControlRequest`): set after every completion routine
+    /// ran and the issuer's completion is recorded, so a waiter that wakes
+    /// finds it (also set if the request is abandoned, so no waiter hangs).
+    pub fn set_completion_event(&mut self, event: HostEvent) {
+        self.event = Some(event);
     }
 
     /// Attaches a completion routine before forwarding the request down.
@@ -225,6 +237,9 @@ impl Request for HostRequest {
         });
         drop(s);
         self.slot.done.notify_all();
+        if let Some(event) = self.event.take() {
+            event.set();
+        }
     }
 
     fn is_canceled(&self) -> bool {
@@ -243,12 +258,41 @@ impl Drop for HostRequest {
         );
         self.lock().abandoned = true;
         self.slot.done.notify_all();
+        if let Some(event) = self.event.take() {
+            event.set();
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_completion_event_is_set_after_the_issuer_can_see_the_completion() {
+        let v = Verifier::new();
+        let sched = crate::sched::Scheduler::deterministic(1, v.clone());
+        let event = HostEvent::new(sched.handle());
+        let (mut req, handle) = HostRequest::new(&v, 0x3B_E000, RequestorMode::Kernel, vec![], 4);
+        let (seen, probe) = (event.clone(), handle.clone());
+        // A completion routine runs before the event is set, and before the
+        // issuer sees the completion.
+        req.set_completion_routine(Box::new(move |_, _, _| {
+            assert!(!seen.is_set());
+            assert!(probe.completion().is_none());
+        }));
+        req.set_completion_event(event.clone());
+        req.complete(NtStatus::from_raw(0), 2);
+        assert!(event.is_set());
+        assert_eq!(handle.completion().unwrap().information, 2);
+
+        // Abandoned: the event is set too, so a waiter does not hang.
+        let event = HostEvent::new(sched.handle());
+        let (mut req, handle) = HostRequest::new(&v, 0x3B_E004, RequestorMode::Kernel, vec![], 0);
+        req.set_completion_event(event.clone());
+        drop(req);
+        assert!(event.is_set() && handle.was_abandoned());
+    }
 
     #[test]
     fn completion_reaches_the_issuer_with_routines_applied() {

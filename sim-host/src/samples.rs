@@ -1,7 +1,10 @@
 //! Stand-in drivers under the service names our INFs install
-//! (`hcaminiport`, `ibalbus`, `ibportclient`), for tests of the host and
-//! scenario tests until the real drivers exist. Each does, at each PnP and
-//! power step, the minimum the real driver must, and logs it:
+//! (`hcaminiport`, `ibalbus`, `ibportclient`), for tests of the host
+//! itself (the power order is checked from their log) and, for the bus
+//! filter and the port client, for scenario tests until the real drivers
+//! exist. The real miniport is `hca_miniport::sim`, registered over the
+//! `hcaminiport` stand-in where a scenario runs it. Each does, at each PnP
+//! and power step, the minimum the real driver must, and logs it:
 //!
 //! - `hcaminiport` (function driver of the HCA): finds its `PciFunction`,
 //!   checks BAR0's magic, takes the DMA adapter and keeps one common buffer

@@ -658,7 +658,9 @@ impl Scheduler {
                 .next_due()
                 .is_some_and(|due| deadline.is_none_or(|deadline| due <= deadline))
     }
+}
 
+impl SchedulerHandle {
     /// Deterministic mode: picks and runs one item, jumping time to the next
     /// timer (if at or before `deadline`) when nothing is ready.
     fn step(&self, deadline: Option<u64>) -> Option<RanItem> {
@@ -690,6 +692,16 @@ impl Scheduler {
         let _running = Running(&self.shared);
         run_item(&self.shared.verifier, item);
         Some(ran)
+    }
+
+    /// Runs one item on the calling thread for a PASSIVE_LEVEL waiter
+    /// (deterministic mode): while this processor waits, the others run,
+    /// so whatever will end the wait gets its turn. Returns false when
+    /// nothing is ready and no timer is armed (the wait would never end),
+    /// and always in threaded mode, where the workers run items on their
+    /// own.
+    pub(crate) fn run_one_for_waiter(&self) -> bool {
+        self.mode() == Mode::Deterministic && self.step(None).is_some()
     }
 }
 
@@ -919,7 +931,32 @@ impl DeviceDeferred {
     pub fn work_item_queued(&self) -> bool {
         self.inner.work_item_queued.load(Ordering::Acquire)
     }
+
+    /// What a driver does in release-hardware so that none of its routines
+    /// runs after it unloads (`KeCancelTimer`, `KeFlushQueuedDpcs`,
+    /// `WdfWorkItemFlush`; KMDF does it for a device's own objects when it
+    /// deletes them): cancels the timer, then, in threaded mode, waits
+    /// (yielding, at most `FLUSH_LIMIT`) until neither the DPC nor the work
+    /// item is queued — the workers start them meanwhile. In deterministic
+    /// mode nothing else runs while the caller does, so an item still
+    /// queued stays queued: it runs only if the test runs the scheduler
+    /// again, and after an unload that is reported as a callback into an
+    /// unloaded driver. PASSIVE_LEVEL.
+    pub fn flush(&self) {
+        self.in_context(|| irql::check_max("KeFlushQueuedDpcs", Irql::PASSIVE));
+        self.inner.scheduler.cancel_timer(self.inner.timer);
+        if self.inner.scheduler.mode() != Mode::Threaded {
+            return;
+        }
+        let give_up = Instant::now() + FLUSH_LIMIT;
+        while (self.dpc_queued() || self.work_item_queued()) && Instant::now() < give_up {
+            std::thread::yield_now();
+        }
+    }
 }
+
+/// How long [`DeviceDeferred::flush`] waits for the workers (threaded mode).
+const FLUSH_LIMIT: Duration = Duration::from_secs(10);
 
 impl Deferred for DeviceDeferred {
     fn queue_dpc(&self) {

@@ -79,6 +79,12 @@ pub enum ViolationKind {
         /// The callback.
         callback: String,
     },
+    /// A wait that can never end (deterministic mode: nothing left to run
+    /// would set the event waited on).
+    Deadlock {
+        /// What waited.
+        what: String,
+    },
     /// Anything else the host model checks (PnP or power protocol).
     Protocol {
         /// What happened.

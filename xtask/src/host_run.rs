@@ -1,8 +1,9 @@
 //! The simulated Windows host in the main job: a machine with two HCAs
 //! boots from our INF files, sleeps (S3), wakes and shuts down, under the
-//! deterministic scheduler. The drivers are still the host's stand-ins
-//! (`sim_host::samples`) — the miniport and bus filter replace them as they
-//! are built — so this shows the platform, not the stack, at work.
+//! deterministic scheduler. The drivers are the host's stand-ins
+//! (`sim_host::samples`), which log each D0 transition, so this shows the
+//! platform's power ordering at work; `miniport_run` boots the same
+//! machine with the real miniport.
 
 use driver_platform::SystemPowerState;
 use sim_hca::device::DeviceConfig;

@@ -3,14 +3,18 @@
 //! - `run`: the main job. It reports and checks the stack's ABI contract
 //!   (`abi_report`), then moves checked RDMA traffic between two simulated
 //!   HCAs in fast mode (`rdma_run`), then boots a simulated Windows machine
-//!   from our INFs, cycles its power and shuts it down (`host_run`). Once
-//!   the drivers land, the traffic runs through the whole stack.
+//!   from our INFs with stand-in drivers, cycles its power checking the
+//!   order and shuts it down (`host_run`), then boots it with the real
+//!   miniport and moves checked RC and UD traffic through the miniport's
+//!   CI interface (`miniport_run`). Once the bus filter lands, the traffic
+//!   runs through the whole stack.
 //! - `test`: the test suite, exactly what CI runs after its lint gates.
 //! - `capture --out FILE`: runs the simulated HCA's scripted traffic mix and
 //!   writes its pcap capture (open it in Wireshark).
 
 mod abi_report;
 mod host_run;
+mod miniport_run;
 mod rdma_run;
 
 use std::process::{Command, ExitCode};
@@ -59,10 +63,17 @@ fn main() -> ExitCode {
                 eprintln!("RDMA run failed: {e}");
                 return ExitCode::FAILURE;
             }
-            match host_run::run() {
-                Ok(()) => ExitCode::SUCCESS,
+            if let Err(e) = host_run::run() {
+                eprintln!("simulated host run failed: {e}");
+                return ExitCode::FAILURE;
+            }
+            match miniport_run::run(miniport_run::SEED) {
+                Ok(summary) => {
+                    print!("{}", miniport_run::render(miniport_run::SEED, &summary));
+                    ExitCode::SUCCESS
+                }
                 Err(e) => {
-                    eprintln!("simulated host run failed: {e}");
+                    eprintln!("miniport run failed: {e}");
                     ExitCode::FAILURE
                 }
             }

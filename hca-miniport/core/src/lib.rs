@@ -14,13 +14,15 @@
 //!
 //! Verbs: [`verbs`] is the request path of every control verb
 //! (`Hca::submit_request`) with the CA, PD and CQ verbs, polling and
-//! arming (guide 4, 6.1, 6.2, 6.8, 8.2, 8.3).
+//! arming (guide 4, 6.1, 6.2, 6.8, 8.2, 8.3); [`ci::CiProvider`] is the
+//! CI interface the shells hand out for `IRP_MN_QUERY_INTERFACE`.
 
 #![cfg_attr(not(test), no_std)]
 #![forbid(unsafe_code)]
 
 extern crate alloc;
 
+pub mod ci;
 pub mod cmd;
 pub mod eq;
 pub mod hca;

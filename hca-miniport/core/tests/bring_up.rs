@@ -1,20 +1,21 @@
-//! Bring-up and events of the miniport core on the simulated host: a
-//! function driver under the service name `hcaminiport` creates an
-//! `Hca<SimPlatform>` in prepare-hardware from the PCI function's
-//! resources, connects an ISR that calls `Hca::isr` and queues the DPC,
-//! and starts it; a pass-through `ibalbus` filter sits above it as the INF
-//! says. Each test ends with the host shut down and the verifier clean.
+//! Bring-up and events of the miniport core on the simulated host, driven
+//! through the miniport's simulated-host shell (`hca_miniport::sim`: the
+//! `Hca` built in prepare-hardware from the PCI function's resources, the
+//! ISR calling `Hca::isr` and queueing the DPC, then started), with BAR0
+//! wrapped where a test needs a lying device; a pass-through `ibalbus`
+//! filter sits above it as the INF says. Each test ends with the host shut down and the verifier clean.
 
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use driver_platform::{Irql, Mmio, Platform};
+use hca_miniport::sim::{MiniportDevice, MiniportDriver, MiniportOptions, ShellPlatform};
 use hca_miniport_core::cmd::{Command, CommandError, CommandOutput};
 use hca_miniport_core::eq::{
     DeviceFailure, EventSink, MAX_LOG_EQ_ENTRIES, PortViolation, QpEvent, SrqEvent,
     size_event_queue,
 };
-use hca_miniport_core::hca::{Hca, HcaResources};
+use hca_miniport_core::hca::Hca;
 use hca_miniport_core::init::{BringUpReport, HcaConfig, InitError, choose_table_sizes};
 use hca_prm::cmd::{CmdStatus, Opcode, PortInfo, Table};
 use hca_prm::regs::{CmdqConfig, FatalSyndrome, Status, offset};
@@ -24,7 +25,7 @@ use proptest::prelude::*;
 use sim_hca::device::DeviceConfig;
 use sim_hca::host::HostMemory;
 use sim_host::dma::{HostDmaAdapter, HostLocker};
-use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry, SUCCESS, UNSUCCESSFUL};
+use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry};
 use sim_host::host::{Host, HostConfig};
 use sim_host::irql::{HostSpinLock, IrqlTracker};
 use sim_host::pci::{Bar0, PciFunction};
@@ -32,10 +33,10 @@ use sim_host::platform::SimPlatform;
 use sim_host::pnp::{DeviceServices, PnpState};
 use sim_host::registry::RegistryView;
 use sim_host::request::HostRequest;
-use sim_host::sched::{DeviceDeferred, SchedulerHandle};
+use sim_host::sched::DeviceDeferred;
 use zerocopy::FromBytes;
 
-const DRIVER: &str = "hcaminiport";
+const DRIVER: &str = hca_miniport::sim::SERVICE;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -95,7 +96,7 @@ impl EventSink for RecordingSink {
 
 /// A platform the test driver can run the core on: the simulated host's
 /// types, with BAR0 possibly wrapped.
-trait TestPlatform: Platform<Dma = HostDmaAdapter, Deferred = DeviceDeferred> + Sized {
+trait TestPlatform: ShellPlatform + Sized {
     /// BAR0 as this platform presents it.
     fn bar0(function: &Arc<PciFunction>, overrides: &RegisterOverrides) -> Self::Mmio;
 }
@@ -162,6 +163,7 @@ impl Platform for LyingPlatform {
     type Request = HostRequest;
     type Irql = IrqlTracker;
     type Caller = sim_host::caller::HostCaller<LyingBar0>;
+    type Event = sim_host::event::HostEvent;
 }
 
 impl TestPlatform for LyingPlatform {
@@ -170,115 +172,6 @@ impl TestPlatform for LyingPlatform {
             inner: function.bar0(),
             overrides: overrides.clone(),
         }
-    }
-}
-
-/// What the driver shares with the test.
-struct Shared<P: Platform> {
-    config: HcaConfig,
-    overrides: RegisterOverrides,
-    sink: Arc<RecordingSink>,
-    hca: Mutex<Option<Arc<Hca<P>>>>,
-    function: Mutex<Option<Arc<PciFunction>>>,
-    adapter: Mutex<Option<HostDmaAdapter>>,
-    started: Mutex<Option<Result<BringUpReport, InitError>>>,
-}
-
-struct MiniportDriver<P: Platform> {
-    sched: SchedulerHandle,
-    shared: Arc<Shared<P>>,
-}
-
-impl<P: TestPlatform> DriverEntry for MiniportDriver<P> {
-    fn add_device(
-        &self,
-        _init: &DeviceInit,
-        host: &DeviceServices,
-    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
-        Ok(Arc::new(MiniportDevice {
-            host: host.clone(),
-            sched: self.sched.clone(),
-            shared: self.shared.clone(),
-        }))
-    }
-}
-
-struct MiniportDevice<P: Platform> {
-    host: DeviceServices,
-    sched: SchedulerHandle,
-    shared: Arc<Shared<P>>,
-}
-
-impl<P: TestPlatform> DeviceCallbacks for MiniportDevice<P> {
-    fn prepare_hardware(&self) -> NtStatus {
-        let Some(function) = self.host.resources::<PciFunction>() else {
-            return UNSUCCESSFUL;
-        };
-        let adapter = match function.dma_adapter() {
-            Ok(adapter) => adapter,
-            Err(status) => return status,
-        };
-        let mut isr_deferred = None;
-        let hca = Arc::new_cyclic(|weak: &Weak<Hca<P>>| {
-            let (dpc_hca, timer_hca) = (weak.clone(), weak.clone());
-            let deferred = DeviceDeferred::new(
-                self.sched.clone(),
-                DRIVER,
-                Arc::new(move || {
-                    if let Some(hca) = dpc_hca.upgrade() {
-                        hca.dpc();
-                    }
-                }),
-                Arc::new(|| {}),
-                Arc::new(move || {
-                    if let Some(hca) = timer_hca.upgrade() {
-                        hca.timer();
-                    }
-                }),
-            );
-            isr_deferred = Some(deferred.clone());
-            Hca::new(
-                HcaResources {
-                    bar0: P::bar0(&function, &self.shared.overrides),
-                    dma: adapter.clone(),
-                    deferred,
-                    msix_vectors: function.message_count(),
-                    free_common: Box::new(|dma: &HostDmaAdapter, buffer| dma.free_common(buffer)),
-                },
-                self.shared.config,
-                self.shared.sink.clone(),
-            )
-        });
-        let Some(isr_deferred) = isr_deferred else {
-            return UNSUCCESSFUL;
-        };
-        let isr_hca = Arc::downgrade(&hca);
-        let connected = function.connect_interrupt(move |vector| {
-            if isr_hca.upgrade().is_some_and(|hca| hca.isr(vector)) {
-                isr_deferred.insert_dpc();
-            }
-        });
-        if let Err(status) = connected {
-            return status;
-        }
-        let started = hca.start();
-        let ok = started.is_ok();
-        *lock(&self.shared.started) = Some(started);
-        *lock(&self.shared.hca) = Some(hca);
-        *lock(&self.shared.function) = Some(function);
-        *lock(&self.shared.adapter) = Some(adapter);
-        if ok { SUCCESS } else { UNSUCCESSFUL }
-    }
-
-    fn release_hardware(&self) -> NtStatus {
-        if let Some(hca) = lock(&self.shared.hca).take() {
-            hca.stop();
-        }
-        if let Some(function) = lock(&self.shared.function).take() {
-            function.disconnect_interrupt();
-        }
-        lock(&self.shared.adapter).take();
-        SUCCESS
     }
 }
 
@@ -299,10 +192,12 @@ impl DeviceCallbacks for PassThrough {
     }
 }
 
-/// A booted machine with the core driving its one HCA.
+/// A booted machine with the core driving its one HCA, through the
+/// miniport's simulated-host shell.
 struct World<P: Platform = SimPlatform> {
     host: Host,
-    shared: Arc<Shared<P>>,
+    driver: Arc<MiniportDriver<P>>,
+    sink: Arc<RecordingSink>,
 }
 
 impl World<SimPlatform> {
@@ -314,38 +209,45 @@ impl World<SimPlatform> {
 impl<P: TestPlatform> World<P> {
     fn with_overrides(config: HostConfig, hca_config: HcaConfig, lies: Vec<(u64, u32)>) -> Self {
         let host = Host::new(config).unwrap();
-        let shared = Arc::new(Shared {
-            config: hca_config,
-            overrides: Arc::new(Mutex::new(lies)),
-            sink: Arc::default(),
-            hca: Mutex::new(None),
-            function: Mutex::new(None),
-            adapter: Mutex::new(None),
-            started: Mutex::new(None),
-        });
-        host.register_driver(
-            DRIVER,
-            Arc::new(MiniportDriver::<P> {
-                sched: host.scheduler_handle(),
-                shared: shared.clone(),
-            }),
+        let overrides: RegisterOverrides = Arc::new(Mutex::new(lies));
+        let sink = Arc::new(RecordingSink::default());
+        let device_sink = sink.clone();
+        let driver = MiniportDriver::<P>::register_with(
+            &host,
+            MiniportOptions {
+                config: hca_config,
+                sink: Arc::new(move || device_sink.clone() as Arc<dyn EventSink>),
+                bar0: Arc::new(move |function: &Arc<PciFunction>| P::bar0(function, &overrides)),
+            },
         );
         host.register_driver("ibalbus", Arc::new(PassThroughFilter));
         host.boot();
-        World { host, shared }
+        World { host, driver, sink }
+    }
+
+    fn device(&self) -> Arc<MiniportDevice<P>> {
+        self.driver.devices()[0].clone()
     }
 
     fn hca(&self) -> Arc<Hca<P>> {
-        lock(&self.shared.hca).clone().expect("the HCA was created")
+        self.device().hca().expect("the HCA was created")
     }
 
     fn function(&self) -> Arc<PciFunction> {
-        lock(&self.shared.function).clone().expect("started")
+        self.device().function().expect("started")
+    }
+
+    fn adapter(&self) -> HostDmaAdapter {
+        self.device().adapter().expect("started")
+    }
+
+    fn started(&self) -> Option<Result<BringUpReport, InitError>> {
+        self.device().started()
     }
 
     fn report(&self) -> BringUpReport {
-        match lock(&self.shared.started).as_ref() {
-            Some(Ok(report)) => *report,
+        match self.started() {
+            Some(Ok(report)) => report,
             other => panic!("bring-up did not succeed: {other:?}"),
         }
     }
@@ -412,7 +314,7 @@ fn bring_up_succeeds_and_port_changes_reach_the_sink_from_the_dpc() {
         w.hca_devnode_state(),
         Some(PnpState::Started),
         "{:?}",
-        lock(&w.shared.started)
+        w.started()
     );
     w.settle();
     let report = w.report();
@@ -438,7 +340,7 @@ fn bring_up_succeeds_and_port_changes_reach_the_sink_from_the_dpc() {
 
     // Both ports came up; their events arrived through ISR -> DPC, at
     // DISPATCH_LEVEL, never at DIRQL.
-    let events = w.shared.sink.events();
+    let events = w.sink.events();
     for port in [1, 2] {
         let port = PortNum::new(port).unwrap();
         assert!(
@@ -641,7 +543,6 @@ fn a_command_timeout_fails_the_device_and_every_outstanding_command() {
     };
     assert_eq!(hca.failure(), Some(failure));
     let failures: Vec<_> = w
-        .shared
         .sink
         .events()
         .into_iter()
@@ -675,8 +576,7 @@ fn a_catastrophic_error_reaches_the_sink_and_fails_later_commands() {
     };
     assert_eq!(hca.failure(), Some(failure));
     assert!(
-        w.shared
-            .sink
+        w.sink
             .events()
             .contains(&(Seen::DeviceFailed(failure), Irql::DISPATCH))
     );
@@ -694,7 +594,7 @@ fn a_garbage_eqe_is_counted_and_skipped() {
     let w = World::deterministic(6);
     w.settle();
     let hca = w.hca();
-    let before = w.shared.sink.events().len();
+    let before = w.sink.events().len();
     let position = hca.eq_position().expect("EQ live");
     // The link of port 1 drops: the device writes PORT_CHANGE(down) at the
     // consumer's slot. Before the DPC sees it, corrupt its event type
@@ -703,7 +603,7 @@ fn a_garbage_eqe_is_counted_and_skipped() {
     function.with_device(|d| d.set_link(1, false));
     let slot = u64::from(position.consumer) & ((1 << position.log_entries) - 1);
     let eqe_address = position.ring_bus_address + 32 * slot;
-    let adapter = lock(&w.shared.adapter).clone().unwrap();
+    let adapter = w.adapter();
     adapter.device_view().write(eqe_address, &[0xEE]).unwrap();
     // Then the link comes back: a well-formed event after the garbage.
     function.with_device(|d| d.set_link(1, true));
@@ -711,7 +611,7 @@ fn a_garbage_eqe_is_counted_and_skipped() {
     let counters = hca.eq_counters();
     assert_eq!(counters.garbage_eqes, 1, "{counters:?}");
     let port1 = PortNum::new(1).unwrap();
-    let after: Vec<_> = w.shared.sink.events().split_off(before);
+    let after: Vec<_> = w.sink.events().split_off(before);
     assert_eq!(after, vec![(Seen::PortChange(port1, true), Irql::DISPATCH)]);
     // The EQ keeps working: a command still completes by event.
     let log = recorder();
@@ -735,7 +635,7 @@ fn teardown_returns_every_buffer_and_a_restart_works() {
     hca.stop();
     assert!(hca.report().is_none());
     assert_eq!(hca.command_slots(), 0);
-    let adapter = lock(&w.shared.adapter).clone().unwrap();
+    let adapter = w.adapter();
     assert!(adapter.leaks().is_empty(), "{:?}", adapter.leaks());
     // The device is closed: INITIALIZED is clear.
     let status = w.function().bar0().read32(offset::STATUS);
@@ -774,7 +674,6 @@ fn threaded_mode_brings_up_runs_commands_and_tears_down_cleanly() {
     }
     for _ in 0..5000 {
         let ports_up = w
-            .shared
             .sink
             .events()
             .iter()
@@ -793,7 +692,7 @@ fn threaded_mode_brings_up_runs_commands_and_tears_down_cleanly() {
             .iter()
             .all(|(_, r, irql)| r.is_ok() && *irql == Irql::DISPATCH)
     );
-    let events = w.shared.sink.events();
+    let events = w.sink.events();
     assert!(
         events.iter().all(|(_, irql)| *irql == Irql::DISPATCH),
         "{events:?}"
@@ -816,8 +715,7 @@ fn an_eq_capped_by_the_device_is_reported_and_still_works() {
     assert!(report.eq_sizing.wanted_events > 256);
     let port1 = PortNum::new(1).unwrap();
     assert!(
-        w.shared
-            .sink
+        w.sink
             .events()
             .contains(&(Seen::PortChange(port1, true), Irql::DISPATCH))
     );
@@ -872,11 +770,11 @@ fn failed_start(lies: Vec<(u64, u32)>) -> InitError {
         w.hca_devnode_state(),
         Some(PnpState::FailedStart(_))
     ));
-    let error = match *lock(&w.shared.started) {
+    let error = match w.started() {
         Some(Err(error)) => error,
         other => panic!("bring-up should have failed: {other:?}"),
     };
-    let adapter = lock(&w.shared.adapter).clone().unwrap();
+    let adapter = w.adapter();
     assert!(adapter.leaks().is_empty(), "{:?}", adapter.leaks());
     w.finish();
     error

@@ -1,6 +1,6 @@
 //! The memory translation service on the simulated host (guide 7.1; PRM
-//! 6.0, 7.1): the miniport's function driver brings the HCA up as in
-//! `bring_up.rs`, and the tests register kernel pool buffers and user
+//! 6.0, 7.1): the miniport's simulated-host shell (`hca_miniport::sim`)
+//! brings the HCA up, and the tests register kernel pool buffers and user
 //! process buffers through [`MemoryTranslation`], check what the device
 //! holds (`QUERY_MPT`, and the MTT entries it wrote into its MTT table),
 //! and free everything. Each test ends with the host shut down and the
@@ -11,11 +11,12 @@
 //! 3 step 5), so the test (not the driver: software must not read context
 //! memory) reads that table through the device's own view of the bus.
 
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use driver_platform::{DmaAdapter, DmaMapping, Irql, MemoryLocker, RequestorMode};
+use hca_miniport::sim::{MiniportDevice, MiniportDriver, MiniportOptions};
 use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
-use hca_miniport_core::hca::{Hca, HcaResources};
+use hca_miniport_core::hca::Hca;
 use hca_miniport_core::init::{BringUpReport, HcaConfig};
 use hca_miniport_core::mr::{
     DeregFailure, MemoryRegion, MemoryTranslation, MptQuery, MrError, PhysicalRegion, ReregFailure,
@@ -31,15 +32,14 @@ use ib_types::status::{IbStatus, NtStatus};
 use sim_hca::device::DeviceConfig;
 use sim_hca::host::HostMemory;
 use sim_host::dma::{DmaLeak, HostDmaAdapter, HostLocker};
-use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry, SUCCESS, UNSUCCESSFUL};
+use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry};
 use sim_host::host::{Host, HostConfig};
 use sim_host::memory::{PoolBlock, Process};
 use sim_host::pci::PciFunction;
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::DeviceServices;
-use sim_host::sched::{DeviceDeferred, SchedulerHandle};
 
-const DRIVER: &str = "hcaminiport";
+const DRIVER: &str = hca_miniport::sim::SERVICE;
 const PAGE: u64 = 4096;
 
 type Region = MemoryRegion<SimPlatform>;
@@ -60,115 +60,6 @@ impl EventSink for NullSink {
     fn port_change(&self, _port: PortNum, _active: bool) {}
     fn port_violation(&self, _port: PortNum, _violation: PortViolation) {}
     fn device_failed(&self, _failure: DeviceFailure) {}
-}
-
-struct Shared {
-    config: HcaConfig,
-    hca: Mutex<Option<Arc<Hca<SimPlatform>>>>,
-    function: Mutex<Option<Arc<PciFunction>>>,
-    adapter: Mutex<Option<HostDmaAdapter>>,
-    report: Mutex<Option<BringUpReport>>,
-}
-
-struct MiniportDriver {
-    sched: SchedulerHandle,
-    shared: Arc<Shared>,
-}
-
-impl DriverEntry for MiniportDriver {
-    fn add_device(
-        &self,
-        _init: &DeviceInit,
-        host: &DeviceServices,
-    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
-        Ok(Arc::new(MiniportDevice {
-            host: host.clone(),
-            sched: self.sched.clone(),
-            shared: self.shared.clone(),
-        }))
-    }
-}
-
-struct MiniportDevice {
-    host: DeviceServices,
-    sched: SchedulerHandle,
-    shared: Arc<Shared>,
-}
-
-impl DeviceCallbacks for MiniportDevice {
-    fn prepare_hardware(&self) -> NtStatus {
-        let Some(function) = self.host.resources::<PciFunction>() else {
-            return UNSUCCESSFUL;
-        };
-        let adapter = match function.dma_adapter() {
-            Ok(adapter) => adapter,
-            Err(status) => return status,
-        };
-        let mut isr_deferred = None;
-        let hca = Arc::new_cyclic(|weak: &Weak<Hca<SimPlatform>>| {
-            let (dpc_hca, timer_hca) = (weak.clone(), weak.clone());
-            let deferred = DeviceDeferred::new(
-                self.sched.clone(),
-                DRIVER,
-                Arc::new(move || {
-                    if let Some(hca) = dpc_hca.upgrade() {
-                        hca.dpc();
-                    }
-                }),
-                Arc::new(|| {}),
-                Arc::new(move || {
-                    if let Some(hca) = timer_hca.upgrade() {
-                        hca.timer();
-                    }
-                }),
-            );
-            isr_deferred = Some(deferred.clone());
-            Hca::new(
-                HcaResources {
-                    bar0: function.bar0(),
-                    dma: adapter.clone(),
-                    deferred,
-                    msix_vectors: function.message_count(),
-                    free_common: Box::new(|dma: &HostDmaAdapter, buffer| dma.free_common(buffer)),
-                },
-                self.shared.config,
-                Arc::new(NullSink),
-            )
-        });
-        let Some(isr_deferred) = isr_deferred else {
-            return UNSUCCESSFUL;
-        };
-        let isr_hca = Arc::downgrade(&hca);
-        if let Err(status) = function.connect_interrupt(move |vector| {
-            if isr_hca.upgrade().is_some_and(|hca| hca.isr(vector)) {
-                isr_deferred.insert_dpc();
-            }
-        }) {
-            return status;
-        }
-        let started = hca.start();
-        *lock(&self.shared.hca) = Some(hca);
-        *lock(&self.shared.function) = Some(function);
-        *lock(&self.shared.adapter) = Some(adapter);
-        match started {
-            Ok(report) => {
-                *lock(&self.shared.report) = Some(report);
-                SUCCESS
-            }
-            Err(_) => UNSUCCESSFUL,
-        }
-    }
-
-    fn release_hardware(&self) -> NtStatus {
-        if let Some(hca) = lock(&self.shared.hca).take() {
-            hca.stop();
-        }
-        if let Some(function) = lock(&self.shared.function).take() {
-            function.disconnect_interrupt();
-        }
-        lock(&self.shared.adapter).take();
-        SUCCESS
-    }
 }
 
 struct PassThroughFilter;
@@ -205,7 +96,7 @@ fn small_tables() -> HcaConfig {
 /// translation service over it.
 struct World {
     host: Host,
-    shared: Arc<Shared>,
+    device: Arc<MiniportDevice<SimPlatform>>,
     mt: Service,
     hca: Arc<Hca<SimPlatform>>,
 }
@@ -231,44 +122,42 @@ impl World {
             )],
         ))
         .unwrap();
-        let shared = Arc::new(Shared {
-            config,
-            hca: Mutex::new(None),
-            function: Mutex::new(None),
-            adapter: Mutex::new(None),
-            report: Mutex::new(None),
-        });
-        host.register_driver(
-            DRIVER,
-            Arc::new(MiniportDriver {
-                sched: host.scheduler_handle(),
-                shared: shared.clone(),
-            }),
-        );
+        let options = MiniportOptions {
+            sink: Arc::new(|| Arc::new(NullSink) as Arc<dyn EventSink>),
+            ..MiniportOptions::new(config)
+        };
+        let driver = MiniportDriver::register_with(&host, options);
         host.register_driver("ibalbus", Arc::new(PassThroughFilter));
         host.boot();
         host.scheduler().run_until_idle(100_000).unwrap();
-        let report = lock(&shared.report).expect("bring-up succeeded");
-        let hca = lock(&shared.hca).clone().expect("the HCA exists");
+        let device = driver.devices()[0].clone();
+        let report = device
+            .started()
+            .expect("bring-up ran")
+            .expect("bring-up succeeded");
+        let hca = device.hca().expect("the HCA exists");
         let mt = Service::new(&report).expect("the service");
         World {
             host,
-            shared,
+            device,
             mt,
             hca,
         }
     }
 
     fn report(&self) -> BringUpReport {
-        lock(&self.shared.report).expect("started")
+        self.device
+            .hca()
+            .and_then(|hca| hca.report())
+            .expect("started")
     }
 
     fn adapter(&self) -> HostDmaAdapter {
-        lock(&self.shared.adapter).clone().expect("started")
+        self.device.adapter().expect("started")
     }
 
     fn function(&self) -> Arc<PciFunction> {
-        lock(&self.shared.function).clone().expect("started")
+        self.device.function().expect("started")
     }
 
     fn settle(&self) {

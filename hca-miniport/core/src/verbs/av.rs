@@ -101,7 +101,6 @@ impl<P: Platform> Hca<P> {
     /// the UD post path: the 32 bytes a UD send WQE's address segment
     /// carries (PRM 10.2). `None` for a stale or wrong-kind handle.
     /// Callable at DISPATCH_LEVEL; takes the object-table lock briefly.
-    #[expect(dead_code, reason = "the UD post path of verbs/qp.rs calls it")]
     pub(crate) fn av_for_post(&self, av: u64) -> Option<hca_prm::av::Av> {
         self.with_objects(|o| {
             o.avs

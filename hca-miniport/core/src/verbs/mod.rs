@@ -24,10 +24,9 @@
 //!   DPC). A verb that needs a DMA common buffer (whose allocation and
 //!   freeing are PASSIVE_LEVEL only, `AllocateCommonBuffer`) queues a job
 //!   for the device's work item ([`Hca::work_item`]) and continues from
-//!   there. So every verb may be issued at DISPATCH_LEVEL. A synchronous
-//!   wrapper for PASSIVE_LEVEL callers is not provided yet: the platform
-//!   has no event object to wait on; callers wait on the request's
-//!   completion themselves.
+//!   there. So every verb may be issued at DISPATCH_LEVEL. PASSIVE_LEVEL
+//!   callers that want to wait use the CI's synchronous wrapper
+//!   (`crate::ci::CiProvider::submit_and_wait`, on a platform event).
 //! - **Events.** The DPC hands every device event to the verbs first
 //!   (`VerbsRouter`): `COMPLETION` and `CQ_ERROR` go, by CQ number, to the
 //!   client of the CA that owns the CQ *now* (a CQ's number is freed only

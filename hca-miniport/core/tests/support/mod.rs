@@ -1,33 +1,32 @@
 //! A booted simulated machine with the miniport core driving one HCA, for
-//! the verbs tests: a function driver `hcaminiport` creates an
-//! `Hca<SimPlatform>` in prepare-hardware, connects the ISR (which queues
-//! the DPC), wires the DPC, the work item and the timer to the core, and
-//! starts it; a pass-through `ibalbus` filter sits above it as the INF
-//! says.
+//! the verbs tests: the miniport's simulated-host shell
+//! (`hca_miniport::sim`, the Linux counterpart of the KMDF shell) is
+//! registered as `hcaminiport` with a [`CountingSink`] per HCA, and a
+//! pass-through `ibalbus` filter sits above it as the INF says.
 
 #![allow(dead_code, reason = "each test binary uses part of the support")]
 
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use driver_platform::RequestorMode;
+use hca_miniport::sim::{MiniportDevice, MiniportDriver, MiniportOptions};
 use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
-use hca_miniport_core::hca::{Hca, HcaResources};
-use hca_miniport_core::init::{BringUpReport, HcaConfig, InitError};
+use hca_miniport_core::hca::Hca;
+use hca_miniport_core::init::HcaConfig;
 use ib_types::ioctl::{Response, Verb, decode_response, encode_request, request_len};
 use ib_types::scalars::{PortNum, Qpn};
 use ib_types::status::NtStatus;
 use sim_hca::device::DeviceConfig;
 use sim_host::dma::HostDmaAdapter;
-use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry, SUCCESS, UNSUCCESSFUL};
+use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry};
 use sim_host::host::{Host, HostConfig};
 use sim_host::pci::PciFunction;
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::DeviceServices;
 use sim_host::request::{Completion, HostRequest, RequestHandle};
-use sim_host::sched::{DeviceDeferred, SchedulerHandle};
 
 /// The driver's service name.
-pub(crate) const DRIVER: &str = "hcaminiport";
+pub(crate) const DRIVER: &str = hca_miniport::sim::SERVICE;
 
 /// The node GUID of the test HCA.
 pub(crate) const NODE_GUID: u64 = 0x0002_C900_0000_1000;
@@ -63,121 +62,6 @@ impl EventSink for CountingSink {
     fn device_failed(&self, _: DeviceFailure) {}
 }
 
-struct Shared {
-    config: HcaConfig,
-    sink: Arc<CountingSink>,
-    hca: Mutex<Option<Arc<Hca<SimPlatform>>>>,
-    function: Mutex<Option<Arc<PciFunction>>>,
-    adapter: Mutex<Option<HostDmaAdapter>>,
-    started: Mutex<Option<Result<BringUpReport, InitError>>>,
-}
-
-struct MiniportDriver {
-    sched: SchedulerHandle,
-    /// One slot per HCA, taken in the order the devices are added.
-    shared: Vec<Arc<Shared>>,
-    next: std::sync::atomic::AtomicUsize,
-}
-
-impl DriverEntry for MiniportDriver {
-    fn add_device(
-        &self,
-        _init: &DeviceInit,
-        host: &DeviceServices,
-    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
-        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let shared = self.shared.get(i).ok_or(UNSUCCESSFUL)?;
-        Ok(Arc::new(MiniportDevice {
-            host: host.clone(),
-            sched: self.sched.clone(),
-            shared: shared.clone(),
-        }))
-    }
-}
-
-struct MiniportDevice {
-    host: DeviceServices,
-    sched: SchedulerHandle,
-    shared: Arc<Shared>,
-}
-
-impl DeviceCallbacks for MiniportDevice {
-    fn prepare_hardware(&self) -> NtStatus {
-        let Some(function) = self.host.resources::<PciFunction>() else {
-            return UNSUCCESSFUL;
-        };
-        let adapter = match function.dma_adapter() {
-            Ok(adapter) => adapter,
-            Err(status) => return status,
-        };
-        let mut isr_deferred = None;
-        let hca = Arc::new_cyclic(|weak: &Weak<Hca<SimPlatform>>| {
-            let (dpc, work, timer) = (weak.clone(), weak.clone(), weak.clone());
-            let deferred = DeviceDeferred::new(
-                self.sched.clone(),
-                DRIVER,
-                Arc::new(move || {
-                    if let Some(hca) = dpc.upgrade() {
-                        hca.dpc();
-                    }
-                }),
-                Arc::new(move || {
-                    if let Some(hca) = work.upgrade() {
-                        hca.work_item();
-                    }
-                }),
-                Arc::new(move || {
-                    if let Some(hca) = timer.upgrade() {
-                        hca.timer();
-                    }
-                }),
-            );
-            isr_deferred = Some(deferred.clone());
-            Hca::new(
-                HcaResources {
-                    bar0: function.bar0(),
-                    dma: adapter.clone(),
-                    deferred,
-                    msix_vectors: function.message_count(),
-                    free_common: Box::new(|dma: &HostDmaAdapter, buffer| dma.free_common(buffer)),
-                },
-                self.shared.config,
-                self.shared.sink.clone(),
-            )
-        });
-        let Some(isr_deferred) = isr_deferred else {
-            return UNSUCCESSFUL;
-        };
-        let isr_hca = Arc::downgrade(&hca);
-        let connected = function.connect_interrupt(move |vector| {
-            if isr_hca.upgrade().is_some_and(|hca| hca.isr(vector)) {
-                isr_deferred.insert_dpc();
-            }
-        });
-        if let Err(status) = connected {
-            return status;
-        }
-        let started = hca.start();
-        let ok = started.is_ok();
-        *lock(&self.shared.started) = Some(started);
-        *lock(&self.shared.hca) = Some(hca);
-        *lock(&self.shared.function) = Some(function);
-        *lock(&self.shared.adapter) = Some(adapter);
-        if ok { SUCCESS } else { UNSUCCESSFUL }
-    }
-
-    fn release_hardware(&self) -> NtStatus {
-        if let Some(hca) = lock(&self.shared.hca).take() {
-            hca.stop();
-        }
-        if let Some(function) = lock(&self.shared.function).take() {
-            function.disconnect_interrupt();
-        }
-        lock(&self.shared.adapter).take();
-        SUCCESS
-    }
-}
-
 struct PassThroughFilter;
 impl DriverEntry for PassThroughFilter {
     fn add_device(
@@ -199,9 +83,10 @@ impl DeviceCallbacks for PassThrough {
 pub(crate) struct World {
     /// The host.
     pub(crate) host: Host,
-    shared: Arc<Shared>,
-    /// Every HCA's slot (the first is `shared`).
-    all: Vec<Arc<Shared>>,
+    /// The miniport, as registered.
+    driver: Arc<MiniportDriver<SimPlatform>>,
+    /// Each device's sink, in the order the devices were added.
+    sinks: Arc<Mutex<Vec<Arc<CountingSink>>>>,
 }
 
 impl World {
@@ -213,50 +98,46 @@ impl World {
     /// Deterministic host with seed `seed` and one HCA per device config,
     /// each driven by a core configured with `config`.
     pub(crate) fn with_hcas(seed: u64, devices: Vec<DeviceConfig>, config: HcaConfig) -> Self {
-        let count = devices.len();
         let host = Host::new(HostConfig::deterministic(seed, devices)).unwrap();
-        let all: Vec<Arc<Shared>> = (0..count)
-            .map(|_| {
-                Arc::new(Shared {
-                    config,
-                    sink: Arc::default(),
-                    hca: Mutex::new(None),
-                    function: Mutex::new(None),
-                    adapter: Mutex::new(None),
-                    started: Mutex::new(None),
-                })
-            })
-            .collect();
-        host.register_driver(
-            DRIVER,
-            Arc::new(MiniportDriver {
-                sched: host.scheduler_handle(),
-                shared: all.clone(),
-                next: std::sync::atomic::AtomicUsize::new(0),
+        let sinks: Arc<Mutex<Vec<Arc<CountingSink>>>> = Arc::default();
+        let made = sinks.clone();
+        let options = MiniportOptions {
+            sink: Arc::new(move || {
+                let sink = Arc::new(CountingSink::default());
+                lock(&made).push(sink.clone());
+                sink as Arc<dyn EventSink>
             }),
-        );
+            ..MiniportOptions::new(config)
+        };
+        let driver = MiniportDriver::register_with(&host, options);
         host.register_driver("ibalbus", Arc::new(PassThroughFilter));
         host.boot();
-        let shared = all[0].clone();
-        let w = World { host, shared, all };
+        let w = World {
+            host,
+            driver,
+            sinks,
+        };
         w.settle();
-        for shared in &w.all {
-            assert!(
-                matches!(*lock(&shared.started), Some(Ok(_))),
-                "bring-up failed"
-            );
+        for device in w.driver.devices() {
+            assert!(matches!(device.started(), Some(Ok(_))), "bring-up failed");
         }
         w
     }
 
+    /// The shell's device object of HCA `i` (in the order the devices were
+    /// added).
+    pub(crate) fn device_at(&self, i: usize) -> Arc<MiniportDevice<SimPlatform>> {
+        self.driver.devices()[i].clone()
+    }
+
     /// The core of HCA `i` (in the order the devices were added).
     pub(crate) fn hca_at(&self, i: usize) -> Arc<Hca<SimPlatform>> {
-        lock(&self.all[i].hca).clone().expect("the HCA was created")
+        self.device_at(i).hca().expect("the HCA was created")
     }
 
     /// The DMA adapter of HCA `i`.
     pub(crate) fn adapter_at(&self, i: usize) -> HostDmaAdapter {
-        lock(&self.all[i].adapter).clone().expect("started")
+        self.device_at(i).adapter().expect("started")
     }
 
     /// Submits `V` to HCA `i` from a DPC, runs the machine, and returns the
@@ -281,22 +162,22 @@ impl World {
 
     /// The core.
     pub(crate) fn hca(&self) -> Arc<Hca<SimPlatform>> {
-        lock(&self.shared.hca).clone().expect("the HCA was created")
+        self.hca_at(0)
     }
 
     /// The PCI function.
     pub(crate) fn function(&self) -> Arc<PciFunction> {
-        lock(&self.shared.function).clone().expect("started")
+        self.device_at(0).function().expect("started")
     }
 
     /// The function's DMA adapter (for test-owned device memory).
     pub(crate) fn adapter(&self) -> HostDmaAdapter {
-        lock(&self.shared.adapter).clone().expect("started")
+        self.adapter_at(0)
     }
 
     /// The outer sink.
     pub(crate) fn sink(&self) -> Arc<CountingSink> {
-        self.shared.sink.clone()
+        lock(&self.sinks)[0].clone()
     }
 
     /// Runs the scheduler until nothing is left to do.
@@ -390,8 +271,9 @@ pub(crate) fn two_port_hca() -> DeviceConfig {
 }
 
 impl World {
-    /// Installs a kernel-memory locker in HCA `i`, as a shell does after
-    /// start: the MR verbs lock kernel pages with it.
+    /// Installs a kernel-memory locker in HCA `i` (the shell already did,
+    /// at prepare-hardware; installing again is harmless): the MR verbs
+    /// lock kernel pages with it.
     pub(crate) fn install_kernel_locker(&self, i: usize) {
         let locker = sim_host::dma::HostLocker::new(self.host.pool().kernel_space(), None);
         self.hca_at(i).set_kernel_locker(locker);
@@ -416,7 +298,7 @@ impl World {
 
     /// The PCI function of HCA `i` (to look at the simulated device).
     pub(crate) fn function_at(&self, i: usize) -> Arc<PciFunction> {
-        lock(&self.all[i].function).clone().expect("started")
+        self.device_at(i).function().expect("started")
     }
 
     /// Submits `request` to HCA `i` from a DPC, runs the machine, and

@@ -1,0 +1,282 @@
+//! The CI interface (guide 4; docs/miniport.md "ci"): what the miniport
+//! hands the bus filter above it for `IRP_MN_QUERY_INTERFACE` with
+//! `ib_types::interface::GUID_IB_CI_INTERFACE`.
+//!
+//! [`CiProvider`] is the Rust side of the interface, one per HCA. Both
+//! shells hand it out; they differ only in the wrapping:
+//! - the KMDF shell builds the FFI table `ib_types::interface::CiInterface`
+//!   (`extern "system"` entry points, the provider behind its `context`,
+//!   `InterfaceReference`/`InterfaceDereference` counting an `Arc`), whose
+//!   entry points call the methods below one for one;
+//! - the simulated host's shell (`hca_miniport::sim`) answers the query
+//!   with the provider itself (an `Arc<CiProvider<SimPlatform>>` inside the
+//!   host's counted `InterfaceRef`): in one Rust process there is no ABI
+//!   to cross, and the host counts the reference the FFI header would.
+//!
+//! Contract, entry by entry:
+//! - **Version.** [`CiProvider::VERSION`] is `CI_INTERFACE_VERSION`; a
+//!   consumer asking for a version it does not satisfy gets no interface
+//!   ([`CiProvider::check_version`]: same major, at least the minor).
+//! - **Identity.** [`CiProvider::identity`] (CA GUID, vendor, device,
+//!   revision, from `QUERY_DEV_CAP`) and [`CiProvider::uvp_name`] (the
+//!   user-mode verbs provider user mode must load for this HCA,
+//!   [`UVP_NAME`]).
+//! - **Open/close.** [`CiProvider::open_ca`] registers the client's
+//!   callbacks ([`CaClient`]: called from the DPC at DISPATCH_LEVEL, never
+//!   after close returned); one open at a time. [`CiProvider::close_ca`]
+//!   is PASSIVE_LEVEL only (it waits for callbacks in flight).
+//! - **Control verbs.** [`CiProvider::submit`] takes a platform request
+//!   carrying an `ib_types::ioctl` verb code and buffers in the same
+//!   framing as the user-mode proxy IOCTLs (one implementation for both
+//!   paths: `Hca::submit_request`). It never blocks and may be called at
+//!   DISPATCH_LEVEL; the request is completed exactly once with the
+//!   verb's status and, for creates, the new handle in the response
+//!   header — at once, or later from the DPC or work item while a device
+//!   command or a common-buffer allocation is outstanding (the FFI entry
+//!   returns `STATUS_PENDING` then).
+//! - **Synchronous wrapper.** [`CiProvider::submit_and_wait`] is for
+//!   PASSIVE_LEVEL callers: it submits and waits on the caller's event,
+//!   which the caller arranged to be set by the request's completion (the
+//!   `Event` of `IoBuildDeviceIoControlRequest`; a completion routine on
+//!   the simulated host). Above PASSIVE_LEVEL it refuses (the request is
+//!   not submitted but handed back) rather than wait.
+//! - **Fast path.** [`CiProvider::post_send`], [`CiProvider::post_recv`],
+//!   [`CiProvider::post_srq_recv`], [`CiProvider::poll_cq`],
+//!   [`CiProvider::arm_cq`]: direct calls, DISPATCH_LEVEL, no allocation,
+//!   no request. A UD send names its destination by an AV handle
+//!   (`CreateAv`), resolved here; an inline send is refused with
+//!   [`IbStatus::InvalidParameter`] (the core never reads a caller's
+//!   addresses, and a kernel caller's SGEs are registered I/O virtual
+//!   addresses, not CPU pointers).
+
+use alloc::sync::Arc;
+
+use driver_platform::{Event, Irql, IrqlQuery, Platform};
+use ib_types::interface::{CI_INTERFACE_VERSION, InterfaceVersion, UvpName};
+use ib_types::scalars::NodeGuid;
+use ib_types::status::IbStatus;
+use ib_types::wc::WorkCompletion;
+use ib_types::wr::{RecvWr, SendFlags, SendWr};
+
+use crate::hca::Hca;
+use crate::verbs::qp::SendRequest;
+use crate::verbs::{CaClient, CqNotify, UVP_NAME};
+
+/// Send WRs handed to the core per doorbell by [`CiProvider::post_send`]
+/// (a stack array: the fast path does not allocate).
+const SEND_BATCH: usize = 16;
+
+/// [`UVP_NAME`] as the interface carries it, checked when the crate is
+/// compiled (a name the rules refuse fails the build, not a caller).
+const UVP: UvpName = match UvpName::new(UVP_NAME) {
+    Ok(name) => name,
+    Err(_) => panic!("UVP_NAME is not a valid bare DLL name"),
+};
+
+/// The name of the user-mode verbs provider for this miniport's HCAs
+/// ([`UVP_NAME`]), as the interface carries it.
+pub const fn uvp_name() -> UvpName {
+    UVP
+}
+
+/// Who the HCA is, as the CI interface reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CaIdentity {
+    /// The CA (node) GUID.
+    pub ca_guid: NodeGuid,
+    /// IEEE vendor ID (24 bits).
+    pub vendor_id: u32,
+    /// Device ID.
+    pub device_id: u16,
+    /// Hardware revision.
+    pub revision: u16,
+}
+
+/// The CI interface of one HCA (see the module doc).
+pub struct CiProvider<P: Platform> {
+    hca: Arc<Hca<P>>,
+}
+
+impl<P: Platform> core::fmt::Debug for CiProvider<P> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("CiProvider")
+            .field("version", &Self::VERSION)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P: Platform> CiProvider<P>
+where
+    P::Request: 'static,
+{
+    /// The version this provider implements.
+    pub const VERSION: InterfaceVersion = CI_INTERFACE_VERSION;
+
+    /// The provider of `hca`.
+    pub fn new(hca: Arc<Hca<P>>) -> Self {
+        Self { hca }
+    }
+
+    /// Whether this provider can serve a consumer that needs `required`
+    /// (same major version, at least the minor); else
+    /// [`IbStatus::InvalidParameter`].
+    pub fn check_version(required: InterfaceVersion) -> Result<(), IbStatus> {
+        if Self::VERSION.satisfies(required) {
+            Ok(())
+        } else {
+            Err(IbStatus::InvalidParameter)
+        }
+    }
+
+    /// The device behind the interface.
+    pub fn hca(&self) -> &Arc<Hca<P>> {
+        &self.hca
+    }
+
+    /// The name of the user-mode verbs provider for this HCA.
+    pub fn uvp_name(&self) -> UvpName {
+        UVP
+    }
+
+    /// The CA's identity; [`IbStatus::InvalidState`] while the device is
+    /// not started.
+    pub fn identity(&self) -> Result<CaIdentity, IbStatus> {
+        let cap = self
+            .hca
+            .report()
+            .ok_or(IbStatus::InvalidState)?
+            .capabilities;
+        Ok(CaIdentity {
+            ca_guid: NodeGuid::new(cap.node_guid.get()),
+            vendor_id: cap.vendor_id.get() & 0x00FF_FFFF,
+            device_id: cap.device_id.get(),
+            revision: cap.revision.get(),
+        })
+    }
+
+    /// Opens the CA for the consumer and registers its callbacks; returns
+    /// the CA handle. [`IbStatus::ResourceBusy`] while open,
+    /// [`IbStatus::InvalidState`] while the device is not started.
+    /// Callable at DISPATCH_LEVEL.
+    pub fn open_ca(&self, client: Arc<dyn CaClient>) -> Result<u64, IbStatus> {
+        self.hca.open_ca(Some(client))
+    }
+
+    /// Closes the CA: refused with [`IbStatus::ResourceBusy`] while PDs or
+    /// CQs live; on success no callback runs after it returns.
+    /// PASSIVE_LEVEL (it waits for callbacks in flight).
+    pub fn close_ca(&self, ca: u64) -> Result<(), IbStatus> {
+        self.hca.close_ca(ca)
+    }
+
+    /// Runs one control verb request (see the module doc). Callable at
+    /// DISPATCH_LEVEL; never blocks.
+    pub fn submit(&self, request: P::Request) {
+        self.hca.submit_request(request);
+    }
+
+    /// Submits `request` and waits until `completed` is set, which the
+    /// caller arranged to happen when the request completes. PASSIVE_LEVEL
+    /// only: at a higher IRQL (`irql` says which) the request comes back
+    /// unsubmitted in `Err`, for the caller to complete or submit
+    /// asynchronously.
+    pub fn submit_and_wait(
+        &self,
+        irql: &P::Irql,
+        request: P::Request,
+        completed: &P::Event,
+    ) -> Result<(), P::Request> {
+        if irql.current_irql() != Irql::PASSIVE {
+            return Err(request);
+        }
+        self.hca.submit_request(request);
+        completed.wait();
+        Ok(())
+    }
+
+    /// Posts send WRs to the kernel QP `qp`; returns how many were posted
+    /// and the status of the first that was not (earlier ones stay
+    /// posted). A UD WR's AV handle is resolved to the device's address
+    /// vector ([`IbStatus::InvalidAvHandle`] if stale); an inline WR is
+    /// [`IbStatus::InvalidParameter`]. Callable at DISPATCH_LEVEL.
+    pub fn post_send(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
+        let mut posted = 0;
+        for chunk in wrs.chunks(SEND_BATCH) {
+            let mut batch = [SendRequest {
+                wr: chunk[0],
+                av: None,
+                inline: None,
+            }; SEND_BATCH];
+            let mut ready = 0;
+            let mut refusal = None;
+            for wr in chunk {
+                if wr.flags.contains(SendFlags::INLINE) {
+                    refusal = Some(IbStatus::InvalidParameter);
+                    break;
+                }
+                let av = match wr.ud {
+                    None => None,
+                    Some(dest) => match self.hca.av_for_post(dest.av.raw()) {
+                        Some(av) => Some(av),
+                        None => {
+                            refusal = Some(IbStatus::InvalidAvHandle);
+                            break;
+                        }
+                    },
+                };
+                batch[ready] = SendRequest {
+                    wr: *wr,
+                    av,
+                    inline: None,
+                };
+                ready += 1;
+            }
+            if ready > 0 {
+                let (done, status) = self.hca.post_send(qp, &batch[..ready]);
+                posted += done;
+                if status != IbStatus::Success {
+                    return (posted, status);
+                }
+            }
+            if let Some(status) = refusal {
+                return (posted, status);
+            }
+        }
+        (posted, IbStatus::Success)
+    }
+
+    /// Posts receive WRs to the kernel QP `qp` (as
+    /// [`Hca::post_recv`]). Callable at DISPATCH_LEVEL.
+    pub fn post_recv(&self, qp: u64, wrs: &[RecvWr<'_>]) -> (usize, IbStatus) {
+        self.hca.post_recv(qp, wrs)
+    }
+
+    /// Posts receive WRs to the kernel SRQ `srq` (as
+    /// [`Hca::post_srq_recv`]). Callable at DISPATCH_LEVEL.
+    pub fn post_srq_recv(&self, srq: u64, wrs: &[RecvWr<'_>]) -> (usize, IbStatus) {
+        let (posted, status) = self.hca.post_srq_recv(srq, wrs);
+        (posted as usize, status)
+    }
+
+    /// Polls up to `wcs.len()` completions of the CQ `cq`; returns how
+    /// many. Callable at DISPATCH_LEVEL.
+    pub fn poll_cq(&self, cq: u64, wcs: &mut [WorkCompletion]) -> Result<usize, IbStatus> {
+        self.hca.poll_cq(cq, wcs)
+    }
+
+    /// Arms the CQ `cq` for one completion event. Callable at
+    /// DISPATCH_LEVEL.
+    pub fn arm_cq(&self, cq: u64, notify: CqNotify) -> Result<(), IbStatus> {
+        self.hca.arm_cq(cq, notify)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_uvp_name_is_a_valid_bare_name() {
+        assert_eq!(UvpName::new(UVP_NAME).unwrap().as_str(), UVP_NAME);
+    }
+}

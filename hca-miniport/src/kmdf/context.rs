@@ -1,0 +1,119 @@
+//! Typed object context: the framework allocates it (zeroed) with the
+//! device object and hands it back by handle; it holds one strong
+//! reference to the device's [`DeviceShell`], given back in the device's
+//! cleanup callback.
+//!
+//! WDF's `WDF_DECLARE_CONTEXT_TYPE` is a C macro; windows-drivers-rs does
+//! not generate it, so the type-info record is declared by hand here
+//! (one static per context type, its `UniqueType` pointing at itself).
+//!
+//! # Invariants
+//! `DeviceContext::shell` is null or the pointer of an `Arc<DeviceShell>`
+//! made by `Arc::into_raw`, owned by the context until cleanup.
+
+use alloc::sync::Arc;
+use core::ptr;
+
+use wdk_sys::{
+    _WDF_EXECUTION_LEVEL, _WDF_SYNCHRONIZATION_SCOPE, WDF_OBJECT_ATTRIBUTES,
+    WDF_OBJECT_CONTEXT_TYPE_INFO, WDFDEVICE, WDFOBJECT, call_unsafe_wdf_function_binding,
+};
+
+use super::device::DeviceShell;
+
+/// The device object's context.
+#[repr(C)]
+pub struct DeviceContext {
+    /// The shell state (see the module's invariants).
+    pub shell: *const DeviceShell,
+}
+
+/// The type-info record of [`DeviceContext`].
+#[repr(transparent)]
+pub struct ContextTypeInfo(WDF_OBJECT_CONTEXT_TYPE_INFO);
+
+// SAFETY: the record is immutable after its static initialisation; the
+// raw pointers in it point at static data.
+unsafe impl Sync for ContextTypeInfo {}
+
+/// `WDF_DECLARE_CONTEXT_TYPE(DeviceContext)`.
+pub static DEVICE_CONTEXT_TYPE: ContextTypeInfo = ContextTypeInfo(WDF_OBJECT_CONTEXT_TYPE_INFO {
+    Size: size_of::<WDF_OBJECT_CONTEXT_TYPE_INFO>() as u32,
+    ContextName: c"DeviceContext".as_ptr(),
+    ContextSize: size_of::<DeviceContext>(),
+    UniqueType: ptr::addr_of!(DEVICE_CONTEXT_TYPE).cast::<WDF_OBJECT_CONTEXT_TYPE_INFO>(),
+    EvtDriverGetUniqueContextType: None,
+});
+
+/// Object attributes that give a device object a [`DeviceContext`] and the
+/// cleanup callback that releases it.
+pub fn device_attributes() -> WDF_OBJECT_ATTRIBUTES {
+    WDF_OBJECT_ATTRIBUTES {
+        Size: size_of::<WDF_OBJECT_ATTRIBUTES>() as u32,
+        ExecutionLevel: _WDF_EXECUTION_LEVEL::WdfExecutionLevelInheritFromParent,
+        SynchronizationScope: _WDF_SYNCHRONIZATION_SCOPE::WdfSynchronizationScopeInheritFromParent,
+        ContextTypeInfo: &DEVICE_CONTEXT_TYPE.0,
+        EvtCleanupCallback: Some(evt_device_cleanup),
+        ..WDF_OBJECT_ATTRIBUTES::default()
+    }
+}
+
+/// The context of `device`, or null if it has none.
+///
+/// # Safety
+/// `device` is a live framework device object.
+pub unsafe fn device_context(device: WDFDEVICE) -> *mut DeviceContext {
+    // SAFETY: the caller guarantees `device` is live; the type info is the
+    // static the device was created with.
+    let raw = unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfObjectGetTypedContextWorker,
+            device as WDFOBJECT,
+            DEVICE_CONTEXT_TYPE.0.UniqueType
+        )
+    };
+    raw.cast::<DeviceContext>()
+}
+
+/// A strong reference to `device`'s shell state, if it has one.
+///
+/// # Safety
+/// `device` is a live framework device object created with
+/// [`device_attributes`].
+pub unsafe fn shell_of(device: WDFDEVICE) -> Option<Arc<DeviceShell>> {
+    // SAFETY: forwarded from the caller.
+    let context = unsafe { device_context(device) };
+    if context.is_null() {
+        return None;
+    }
+    // SAFETY: the framework allocated the context with the device and keeps
+    // it until the device is deleted, which cannot happen during a callback
+    // on it.
+    let shell = unsafe { (*context).shell };
+    if shell.is_null() {
+        return None;
+    }
+    // SAFETY: per the module's invariants `shell` came from `Arc::into_raw`
+    // and the context still owns that reference; this takes one more.
+    unsafe { Arc::increment_strong_count(shell) };
+    // SAFETY: the count taken just above is the one this `Arc` owns.
+    Some(unsafe { Arc::from_raw(shell) })
+}
+
+/// `EvtCleanupCallback` of the device object: gives the context's
+/// reference back.
+unsafe extern "C" fn evt_device_cleanup(object: WDFOBJECT) {
+    // SAFETY: the framework calls cleanup on a device created with
+    // [`device_attributes`], before freeing its context.
+    let context = unsafe { device_context(object as WDFDEVICE) };
+    if context.is_null() {
+        return;
+    }
+    // SAFETY: as in `shell_of`; cleanup runs once, after every other
+    // callback on the device.
+    let shell = unsafe { core::mem::replace(&mut (*context).shell, ptr::null()) };
+    if !shell.is_null() {
+        // SAFETY: the reference the context owned (module invariants).
+        drop(unsafe { Arc::from_raw(shell) });
+    }
+}

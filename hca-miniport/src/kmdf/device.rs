@@ -1,0 +1,363 @@
+//! The device's shell state and its PnP/power callbacks:
+//! `EvtDevicePrepareHardware`, `EvtDeviceReleaseHardware`,
+//! `EvtDeviceD0Entry`/`Exit` and the interrupt-aware power callbacks.
+//!
+//! Where the KMDF shell differs from the simulated one (`crate::sim`): the
+//! framework connects a device's interrupts only *after*
+//! `EvtDeviceD0Entry`, and the core must have its ISR connected before
+//! `Hca::start` (or the first EQ interrupts are lost). So prepare-hardware
+//! maps BAR0, creates the interrupts and builds the `Hca`, and the device
+//! is started in `EvtDeviceD0EntryPostInterruptsEnabled` and stopped in
+//! `EvtDeviceD0ExitPreInterruptsDisabled` — [`DeviceShell::power_up`] and
+//! [`DeviceShell::power_down`], the one place to switch to the core's
+//! power entry points once it has them (as in the simulated shell).
+
+use alloc::boxed::Box;
+use alloc::sync::Arc;
+use alloc::vec::Vec;
+use core::ptr;
+use core::sync::atomic::{AtomicPtr, Ordering};
+
+use driver_platform::SpinLock;
+use hca_miniport_core::ci::CiProvider;
+use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
+use hca_miniport_core::hca::{Hca, HcaResources};
+use hca_miniport_core::init::HcaConfig;
+use ib_types::scalars::{PortNum, Qpn};
+use wdk_sys::ntddk::{MmMapIoSpaceEx, MmUnmapIoSpace};
+use wdk_sys::{
+    NTSTATUS, PAGE_NOCACHE, PAGE_READWRITE, STATUS_DEVICE_CONFIGURATION_ERROR, STATUS_SUCCESS,
+    STATUS_UNSUCCESSFUL, WDF_INTERRUPT_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDF_POWER_DEVICE_STATE,
+    WDFCMRESLIST, WDFDEVICE, WDFINTERRUPT, WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
+};
+
+use super::context::shell_of;
+use super::interrupt::{evt_interrupt_dpc, evt_interrupt_isr};
+use super::platform::{Bar0, MdlLocker, WdfDeferred, WdfDma, WdfPlatform};
+
+/// `CmResourceTypeInterrupt`.
+const CM_RESOURCE_TYPE_INTERRUPT: u8 = 2;
+/// `CmResourceTypeMemory`.
+const CM_RESOURCE_TYPE_MEMORY: u8 = 3;
+/// `CM_RESOURCE_INTERRUPT_MESSAGE`.
+const CM_RESOURCE_INTERRUPT_MESSAGE: u16 = 0x0002;
+/// Interrupt messages the shell connects (the core uses vector 0; the
+/// rest are connected so the PnP manager's grant is honoured).
+const MAX_MESSAGES: usize = 16;
+
+/// What prepare-hardware built, released by release-hardware.
+struct Hardware {
+    hca: Option<Arc<Hca<WdfPlatform>>>,
+    provider: Option<Arc<CiProvider<WdfPlatform>>>,
+    bar0: Option<(*mut u8, u64)>,
+    interrupts: Vec<WDFINTERRUPT>,
+}
+
+// SAFETY: the raw BAR0 pointer and interrupt handles are only used from
+// PnP/power callbacks, which the framework serialises.
+unsafe impl Send for Hardware {}
+
+/// The shell state of one HCA device object (owned by its context).
+pub struct DeviceShell {
+    /// The device.
+    pub device: WDFDEVICE,
+    /// The DMA enabler.
+    pub dma: WdfDma,
+    /// The work item.
+    pub work_item: WDFWORKITEM,
+    /// The command watchdog's timer.
+    pub timer: WDFTIMER,
+    state: SpinLock<WdfPlatform, Hardware>,
+    /// The core as the ISR reaches it, without a lock (a spin lock cannot
+    /// be taken at DIRQL): an `Arc::into_raw` pointer set in
+    /// prepare-hardware before the framework connects the interrupts, and
+    /// released in release-hardware after it disconnected them.
+    isr_hca: AtomicPtr<Hca<WdfPlatform>>,
+}
+
+// SAFETY: WDF handles are valid from any thread; the mutable state is
+// behind a spin lock.
+unsafe impl Send for DeviceShell {}
+// SAFETY: as above.
+unsafe impl Sync for DeviceShell {}
+
+impl DeviceShell {
+    /// The shell of a device whose enabler, work item and timer
+    /// `EvtDriverDeviceAdd` created.
+    pub fn new(device: WDFDEVICE, dma: WdfDma, work_item: WDFWORKITEM, timer: WDFTIMER) -> Self {
+        Self {
+            device,
+            dma,
+            work_item,
+            timer,
+            state: SpinLock::<WdfPlatform, _>::new(Hardware {
+                hca: None,
+                provider: None,
+                bar0: None,
+                interrupts: Vec::new(),
+            }),
+            isr_hca: AtomicPtr::new(ptr::null_mut()),
+        }
+    }
+
+    /// The ISR's entry: `Hca::isr` without taking a lock or a reference.
+    /// Callable at DIRQL.
+    pub fn isr(&self, message_id: u16) -> bool {
+        let hca = self.isr_hca.load(Ordering::Acquire);
+        if hca.is_null() {
+            return false;
+        }
+        // SAFETY: a non-null pointer is an `Arc<Hca>` reference this shell
+        // holds from prepare-hardware until release-hardware, which runs
+        // only after the framework disconnected the interrupts (field
+        // doc), so it outlives every ISR.
+        unsafe { &*hca }.isr(message_id)
+    }
+
+    /// The core, while prepared.
+    pub fn hca(&self) -> Option<Arc<Hca<WdfPlatform>>> {
+        self.state.lock().hca.clone()
+    }
+
+    /// The CI provider, while prepared.
+    pub fn provider(&self) -> Option<Arc<CiProvider<WdfPlatform>>> {
+        self.state.lock().provider.clone()
+    }
+
+    /// The device leaves its working state. THE place to switch to the
+    /// core's power entry points once it has them: today the device is
+    /// stopped (its objects are gone).
+    pub fn power_down(&self) -> NTSTATUS {
+        if let Some(hca) = self.hca() {
+            hca.stop();
+        }
+        STATUS_SUCCESS
+    }
+
+    /// The device returns to its working state, interrupts connected. THE
+    /// place to switch to the core's power entry points once it has them:
+    /// today a stopped device is started afresh.
+    pub fn power_up(&self) -> NTSTATUS {
+        let Some(hca) = self.hca() else {
+            return STATUS_UNSUCCESSFUL;
+        };
+        if hca.report().is_some() {
+            return STATUS_SUCCESS;
+        }
+        match hca.start() {
+            Ok(_) => STATUS_SUCCESS,
+            Err(_) => STATUS_DEVICE_CONFIGURATION_ERROR,
+        }
+    }
+}
+
+/// `EvtDevicePrepareHardware`: maps BAR0, creates one interrupt per MSI-X
+/// message, builds the core and its CI provider.
+pub unsafe extern "C" fn evt_prepare_hardware(
+    device: WDFDEVICE,
+    resources_raw: WDFCMRESLIST,
+    resources_translated: WDFCMRESLIST,
+) -> NTSTATUS {
+    // SAFETY: the framework calls this on a live device created by
+    // `evt_driver_device_add`.
+    let Some(shell) = (unsafe { shell_of(device) }) else {
+        return STATUS_UNSUCCESSFUL;
+    };
+    // SAFETY: a live resource list for the duration of the callback.
+    let count = unsafe {
+        call_unsafe_wdf_function_binding!(WdfCmResourceListGetCount, resources_translated)
+    };
+    let mut bar0 = None;
+    let mut interrupts = Vec::new();
+    for index in 0..count {
+        // SAFETY: `index` < count of the live list.
+        let translated = unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfCmResourceListGetDescriptor,
+                resources_translated,
+                index
+            )
+        };
+        if translated.is_null() {
+            continue;
+        }
+        // SAFETY: a non-null descriptor the framework owns for the callback.
+        let descriptor = unsafe { &*translated };
+        let kind = descriptor.Type;
+        if kind == CM_RESOURCE_TYPE_MEMORY && bar0.is_none() {
+            // SAFETY: `Type` says the `Memory` member of the union is the
+            // live one.
+            let memory = unsafe { descriptor.u.Memory };
+            // SAFETY: the PnP manager assigned this range to the device;
+            // non-cached read/write is how registers are mapped.
+            let base = unsafe {
+                MmMapIoSpaceEx(
+                    memory.Start,
+                    memory.Length as usize,
+                    PAGE_READWRITE | PAGE_NOCACHE,
+                )
+            };
+            if base.is_null() {
+                return STATUS_UNSUCCESSFUL;
+            }
+            bar0 = Some((base.cast::<u8>(), u64::from(memory.Length)));
+        } else if kind == CM_RESOURCE_TYPE_INTERRUPT && interrupts.len() < MAX_MESSAGES {
+            if descriptor.Flags & CM_RESOURCE_INTERRUPT_MESSAGE == 0 {
+                continue;
+            }
+            // SAFETY: the raw list has the same layout and count.
+            let raw = unsafe {
+                call_unsafe_wdf_function_binding!(
+                    WdfCmResourceListGetDescriptor,
+                    resources_raw,
+                    index
+                )
+            };
+            let mut config = WDF_INTERRUPT_CONFIG {
+                Size: size_of::<WDF_INTERRUPT_CONFIG>() as u32,
+                EvtInterruptIsr: Some(evt_interrupt_isr),
+                EvtInterruptDpc: Some(evt_interrupt_dpc),
+                InterruptRaw: raw,
+                InterruptTranslated: translated,
+                ..WDF_INTERRUPT_CONFIG::default()
+            };
+            let mut interrupt: WDFINTERRUPT = ptr::null_mut();
+            // SAFETY: creating interrupts in prepare-hardware with their
+            // descriptors is allowed (KMDF 1.11+); out pointer valid.
+            let status = unsafe {
+                call_unsafe_wdf_function_binding!(
+                    WdfInterruptCreate,
+                    device,
+                    &mut config,
+                    WDF_NO_OBJECT_ATTRIBUTES,
+                    &mut interrupt
+                )
+            };
+            if status < 0 {
+                return status;
+            }
+            interrupts.push(interrupt);
+        }
+    }
+    let (Some((base, len)), Some(&first)) = (bar0, interrupts.first()) else {
+        return STATUS_DEVICE_CONFIGURATION_ERROR;
+    };
+    // SAFETY: `base` maps `len` bytes of BAR0 until release-hardware, which
+    // stops the core before unmapping.
+    let mmio = unsafe { Bar0::new(base, len) };
+    let dma = shell.dma;
+    let hca = Arc::new(Hca::new(
+        HcaResources {
+            bar0: mmio,
+            dma,
+            deferred: WdfDeferred::new(first, shell.work_item, shell.timer),
+            msix_vectors: interrupts.len() as u16,
+            free_common: Box::new(|dma: &WdfDma, buffer| dma.free_common(buffer)),
+        },
+        HcaConfig::default(),
+        Arc::new(TraceSink),
+    ));
+    // Kernel registrations lock pages with it (not implemented yet: it
+    // answers STATUS_NOT_SUPPORTED; see `platform`).
+    hca.set_kernel_locker(MdlLocker);
+    // Before the framework connects the interrupts (after this callback).
+    let previous = shell
+        .isr_hca
+        .swap(Arc::into_raw(hca.clone()).cast_mut(), Ordering::AcqRel);
+    if !previous.is_null() {
+        // SAFETY: a reference an earlier prepare-hardware left (none should).
+        drop(unsafe { Arc::from_raw(previous) });
+    }
+    let mut state = shell.state.lock();
+    state.provider = Some(Arc::new(CiProvider::new(hca.clone())));
+    state.hca = Some(hca);
+    state.bar0 = Some((base, len));
+    state.interrupts = interrupts;
+    STATUS_SUCCESS
+}
+
+/// `EvtDeviceReleaseHardware`: stops the core if it still runs, then
+/// unmaps BAR0. The framework deletes the interrupts.
+pub unsafe extern "C" fn evt_release_hardware(
+    device: WDFDEVICE,
+    _resources_translated: WDFCMRESLIST,
+) -> NTSTATUS {
+    // SAFETY: as in `evt_prepare_hardware`.
+    let Some(shell) = (unsafe { shell_of(device) }) else {
+        return STATUS_SUCCESS;
+    };
+    let (hca, bar0) = {
+        let mut state = shell.state.lock();
+        state.provider = None;
+        state.interrupts.clear();
+        (state.hca.take(), state.bar0.take())
+    };
+    if let Some(hca) = hca {
+        hca.stop();
+    }
+    // The framework disconnected the interrupts before this callback.
+    let isr_hca = shell.isr_hca.swap(ptr::null_mut(), Ordering::AcqRel);
+    if !isr_hca.is_null() {
+        // SAFETY: the reference prepare-hardware stored; no ISR can run.
+        drop(unsafe { Arc::from_raw(isr_hca) });
+    }
+    if let Some((base, len)) = bar0 {
+        // SAFETY: the mapping made in prepare-hardware; the core, the only
+        // user, has stopped.
+        unsafe { MmUnmapIoSpace(base.cast(), len as usize) };
+    }
+    STATUS_SUCCESS
+}
+
+/// `EvtDeviceD0Entry`: nothing to do before the interrupts are connected.
+pub unsafe extern "C" fn evt_d0_entry(
+    _device: WDFDEVICE,
+    _from: WDF_POWER_DEVICE_STATE,
+) -> NTSTATUS {
+    STATUS_SUCCESS
+}
+
+/// `EvtDeviceD0Exit`: the device was stopped before its interrupts were
+/// disconnected.
+pub unsafe extern "C" fn evt_d0_exit(_device: WDFDEVICE, _to: WDF_POWER_DEVICE_STATE) -> NTSTATUS {
+    STATUS_SUCCESS
+}
+
+/// `EvtDeviceD0EntryPostInterruptsEnabled`: starts the device.
+pub unsafe extern "C" fn evt_d0_entry_post_interrupts(
+    device: WDFDEVICE,
+    _from: WDF_POWER_DEVICE_STATE,
+) -> NTSTATUS {
+    // SAFETY: as in `evt_prepare_hardware`.
+    match unsafe { shell_of(device) } {
+        Some(shell) => shell.power_up(),
+        None => STATUS_UNSUCCESSFUL,
+    }
+}
+
+/// `EvtDeviceD0ExitPreInterruptsDisabled`: stops the device.
+pub unsafe extern "C" fn evt_d0_exit_pre_interrupts(
+    device: WDFDEVICE,
+    _to: WDF_POWER_DEVICE_STATE,
+) -> NTSTATUS {
+    // SAFETY: as in `evt_prepare_hardware`.
+    match unsafe { shell_of(device) } {
+        Some(shell) => shell.power_down(),
+        None => STATUS_SUCCESS,
+    }
+}
+
+/// The outer sink: the verbs already routed every event to its client;
+/// what is left is a device failure, which a production driver would
+/// trace (WPP) and report with `WdfDeviceSetFailed`.
+struct TraceSink;
+
+impl EventSink for TraceSink {
+    fn completion(&self, _: u32) {}
+    fn qp_event(&self, _: Qpn, _: QpEvent) {}
+    fn srq_event(&self, _: u32, _: SrqEvent) {}
+    fn cq_error(&self, _: u32) {}
+    fn port_change(&self, _: PortNum, _: bool) {}
+    fn port_violation(&self, _: PortNum, _: PortViolation) {}
+    fn device_failed(&self, _: DeviceFailure) {}
+}

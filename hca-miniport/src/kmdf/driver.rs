@@ -1,0 +1,253 @@
+//! `DriverEntry` and `EvtDriverDeviceAdd`: the driver object, then per HCA
+//! function a device object with its context, PnP/power callbacks, the
+//! default I/O queue, the DMA enabler, the work item and timer, and the CI
+//! interface registered for `IRP_MN_QUERY_INTERFACE`.
+
+use alloc::boxed::Box;
+use alloc::sync::Arc;
+use core::ffi::c_void;
+use core::ptr;
+
+use ib_types::interface::{CiInterface, GUID_IB_CI_INTERFACE};
+use wdk_sys::{
+    _WDF_DMA_PROFILE, DRIVER_OBJECT, FALSE, GUID, LPGUID, NTSTATUS, PCUNICODE_STRING, PINTERFACE,
+    PVOID, PWDFDEVICE_INIT, STATUS_NOT_SUPPORTED, STATUS_SUCCESS, ULONG, WDF_DMA_ENABLER_CONFIG,
+    WDF_DRIVER_CONFIG, WDF_NO_HANDLE, WDF_NO_OBJECT_ATTRIBUTES, WDF_OBJECT_ATTRIBUTES,
+    WDF_PNPPOWER_EVENT_CALLBACKS, WDF_QUERY_INTERFACE_CONFIG, WDF_TIMER_CONFIG,
+    WDF_WORKITEM_CONFIG, WDFDEVICE, WDFDMAENABLER, WDFDRIVER, WDFOBJECT, WDFTIMER, WDFWORKITEM,
+    call_unsafe_wdf_function_binding,
+};
+
+use super::context::{device_attributes, device_context, shell_of};
+use super::device::{
+    DeviceShell, evt_d0_entry, evt_d0_entry_post_interrupts, evt_d0_exit,
+    evt_d0_exit_pre_interrupts, evt_prepare_hardware, evt_release_hardware,
+};
+use super::interface::{accepts, ci_interface, fill_identity};
+use super::interrupt::{evt_timer, evt_work_item};
+use super::platform::WdfDma;
+use super::queue::create_queue;
+
+/// Largest single DMA transfer the enabler describes (registrations are
+/// mapped page by page; this bounds one scatter/gather list).
+const MAX_DMA_TRANSFER: usize = 1 << 20;
+
+/// `DriverEntry`.
+///
+/// # Safety
+/// Called once by the I/O manager with its driver object and registry
+/// path.
+// SAFETY: "DriverEntry" is the symbol the kernel loader calls; nothing else
+// in the image exports it.
+#[unsafe(export_name = "DriverEntry")]
+pub unsafe extern "system" fn driver_entry(
+    driver: &mut DRIVER_OBJECT,
+    registry_path: PCUNICODE_STRING,
+) -> NTSTATUS {
+    let mut config = WDF_DRIVER_CONFIG {
+        Size: size_of::<WDF_DRIVER_CONFIG>() as ULONG,
+        EvtDriverDeviceAdd: Some(evt_driver_device_add),
+        ..WDF_DRIVER_CONFIG::default()
+    };
+    let handle = WDF_NO_HANDLE as *mut WDFDRIVER;
+    // SAFETY: the loader's driver object and registry path, once.
+    unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfDriverCreate,
+            driver as *mut DRIVER_OBJECT,
+            registry_path,
+            WDF_NO_OBJECT_ATTRIBUTES,
+            &mut config,
+            handle
+        )
+    }
+}
+
+/// `EvtDriverDeviceAdd`.
+unsafe extern "C" fn evt_driver_device_add(
+    _driver: WDFDRIVER,
+    mut device_init: PWDFDEVICE_INIT,
+) -> NTSTATUS {
+    let mut pnp = WDF_PNPPOWER_EVENT_CALLBACKS {
+        Size: size_of::<WDF_PNPPOWER_EVENT_CALLBACKS>() as ULONG,
+        EvtDevicePrepareHardware: Some(evt_prepare_hardware),
+        EvtDeviceReleaseHardware: Some(evt_release_hardware),
+        EvtDeviceD0Entry: Some(evt_d0_entry),
+        EvtDeviceD0EntryPostInterruptsEnabled: Some(evt_d0_entry_post_interrupts),
+        EvtDeviceD0ExitPreInterruptsDisabled: Some(evt_d0_exit_pre_interrupts),
+        EvtDeviceD0Exit: Some(evt_d0_exit),
+        ..WDF_PNPPOWER_EVENT_CALLBACKS::default()
+    };
+    // SAFETY: the framework's live init structure, before WdfDeviceCreate.
+    unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfDeviceInitSetPnpPowerEventCallbacks,
+            device_init,
+            &mut pnp
+        )
+    };
+
+    let mut attributes = device_attributes();
+    let mut device: WDFDEVICE = ptr::null_mut();
+    // SAFETY: the init structure is consumed on success (the framework
+    // frees it); out pointer valid.
+    let status = unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfDeviceCreate,
+            &mut device_init,
+            &mut attributes,
+            &mut device
+        )
+    };
+    if status < 0 {
+        return status;
+    }
+
+    let dma = match create_dma_enabler(device) {
+        Ok(enabler) => WdfDma::new(enabler),
+        Err(status) => return status,
+    };
+    let work_item = match create_work_item(device) {
+        Ok(item) => item,
+        Err(status) => return status,
+    };
+    let timer = match create_timer(device) {
+        Ok(timer) => timer,
+        Err(status) => return status,
+    };
+    let shell = Arc::new(DeviceShell::new(device, dma, work_item, timer));
+    // SAFETY: the device just created with a DeviceContext.
+    let context = unsafe { device_context(device) };
+    if context.is_null() {
+        return STATUS_NOT_SUPPORTED;
+    }
+    let shell_ptr = Arc::into_raw(shell);
+    // SAFETY: the zeroed context of the new device; it takes ownership of
+    // the reference (released by its cleanup callback).
+    unsafe { (*context).shell = shell_ptr };
+
+    // SAFETY: the live device just created.
+    let status = unsafe { create_queue(device) };
+    if status < 0 {
+        return status;
+    }
+    register_ci_interface(device, shell_ptr)
+}
+
+fn create_dma_enabler(device: WDFDEVICE) -> Result<WDFDMAENABLER, NTSTATUS> {
+    let mut config = WDF_DMA_ENABLER_CONFIG {
+        Size: size_of::<WDF_DMA_ENABLER_CONFIG>() as ULONG,
+        Profile: _WDF_DMA_PROFILE::WdfDmaProfileScatterGather64Duplex,
+        MaximumLength: MAX_DMA_TRANSFER,
+        ..WDF_DMA_ENABLER_CONFIG::default()
+    };
+    let mut enabler: WDFDMAENABLER = ptr::null_mut();
+    // SAFETY: a live device in EvtDriverDeviceAdd; out pointer valid.
+    let status = unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfDmaEnablerCreate,
+            device,
+            &mut config,
+            WDF_NO_OBJECT_ATTRIBUTES,
+            &mut enabler
+        )
+    };
+    if status < 0 { Err(status) } else { Ok(enabler) }
+}
+
+fn parented_to(device: WDFDEVICE) -> WDF_OBJECT_ATTRIBUTES {
+    WDF_OBJECT_ATTRIBUTES {
+        Size: size_of::<WDF_OBJECT_ATTRIBUTES>() as ULONG,
+        ParentObject: device as WDFOBJECT,
+        ..WDF_OBJECT_ATTRIBUTES::default()
+    }
+}
+
+fn create_work_item(device: WDFDEVICE) -> Result<WDFWORKITEM, NTSTATUS> {
+    let mut config = WDF_WORKITEM_CONFIG {
+        Size: size_of::<WDF_WORKITEM_CONFIG>() as ULONG,
+        EvtWorkItemFunc: Some(evt_work_item),
+        AutomaticSerialization: FALSE as u8,
+        ..WDF_WORKITEM_CONFIG::default()
+    };
+    let mut attributes = parented_to(device);
+    let mut item: WDFWORKITEM = ptr::null_mut();
+    // SAFETY: valid config and attributes; out pointer valid.
+    let status = unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfWorkItemCreate,
+            &mut config,
+            &mut attributes,
+            &mut item
+        )
+    };
+    if status < 0 { Err(status) } else { Ok(item) }
+}
+
+fn create_timer(device: WDFDEVICE) -> Result<WDFTIMER, NTSTATUS> {
+    let mut config = WDF_TIMER_CONFIG {
+        Size: size_of::<WDF_TIMER_CONFIG>() as ULONG,
+        EvtTimerFunc: Some(evt_timer),
+        Period: 0,
+        AutomaticSerialization: FALSE as u8,
+        ..WDF_TIMER_CONFIG::default()
+    };
+    let mut attributes = parented_to(device);
+    let mut timer: WDFTIMER = ptr::null_mut();
+    // SAFETY: valid config and attributes; out pointer valid.
+    let status = unsafe {
+        call_unsafe_wdf_function_binding!(WdfTimerCreate, &mut config, &mut attributes, &mut timer)
+    };
+    if status < 0 { Err(status) } else { Ok(timer) }
+}
+
+/// `WdfDeviceAddQueryInterface` for `GUID_IB_CI_INTERFACE`. The framework
+/// copies the table when a consumer asks and calls its
+/// `InterfaceReference`.
+fn register_ci_interface(device: WDFDEVICE, shell: *const DeviceShell) -> NTSTATUS {
+    // The framework copies the structure at registration; a box keeps it
+    // in non-paged pool for the call.
+    let mut table: Box<CiInterface> = Box::new(ci_interface(shell));
+    // Same 16-byte layout (ib_types::interface::WinGuid is the Windows GUID).
+    let guid: *const GUID = ptr::addr_of!(GUID_IB_CI_INTERFACE).cast::<GUID>();
+    let mut config = WDF_QUERY_INTERFACE_CONFIG {
+        Size: size_of::<WDF_QUERY_INTERFACE_CONFIG>() as ULONG,
+        Interface: ptr::addr_of_mut!(table.header).cast::<c_void>() as PINTERFACE,
+        InterfaceType: guid,
+        SendQueryToParentStack: FALSE as u8,
+        EvtDeviceProcessQueryInterfaceRequest: Some(evt_process_query_interface),
+        ImportInterface: FALSE as u8,
+    };
+    // SAFETY: a live device; the config and table are valid for the call.
+    unsafe { call_unsafe_wdf_function_binding!(WdfDeviceAddQueryInterface, device, &mut config) }
+}
+
+/// `EvtDeviceProcessQueryInterfaceRequest`: refuses a requester whose
+/// structure is too small or whose version this provider does not
+/// satisfy, and fills the started device's identity into its copy.
+/// (Which size and version the framework leaves in `exposed` at this point
+/// — the requester's or ours — is to be confirmed on the first Windows
+/// build; both are checked against what this provider serves.)
+unsafe extern "C" fn evt_process_query_interface(
+    device: WDFDEVICE,
+    _interface_type: LPGUID,
+    exposed: PINTERFACE,
+    _specific: PVOID,
+) -> NTSTATUS {
+    if exposed.is_null() {
+        return STATUS_NOT_SUPPORTED;
+    }
+    let table = exposed.cast::<CiInterface>();
+    // SAFETY: `exposed` is the requester's INTERFACE-headed buffer, at
+    // least an INTERFACE long.
+    let header = unsafe { (*table).header };
+    if !accepts(header.size, header.version) {
+        return STATUS_NOT_SUPPORTED;
+    }
+    // SAFETY: the live device the query was sent to.
+    if let Some(shell) = unsafe { shell_of(device) } {
+        // SAFETY: `accepts` checked the buffer holds a whole CiInterface.
+        fill_identity(unsafe { &mut *table }, &shell);
+    }
+    STATUS_SUCCESS
+}

@@ -1,0 +1,430 @@
+//! The CI interface as the bus filter receives it: the FFI table
+//! `ib_types::interface::CiInterface`, registered with
+//! `WdfDeviceAddQueryInterface` for `GUID_IB_CI_INTERFACE`. Its entry
+//! points are thin `extern "system"` adapters over the device's
+//! `CiProvider` (see `hca_miniport_core::ci`); the simulated host's shell
+//! hands out the provider itself instead.
+//!
+//! The header's `context` is the device's `DeviceShell` (an `Arc` pointer):
+//! `InterfaceReference`/`InterfaceDereference` take and drop strong
+//! references on it, so the shell outlives every consumer's copy. The
+//! provider exists between prepare- and release-hardware; an entry point
+//! called outside that window answers `STATUS_DEVICE_NOT_READY`.
+//!
+//! # Safety contract for consumers
+//! Every pointer argument is valid for the documented count (`wrs` for
+//! `count` descriptors, each descriptor's `sg_list` for its `num_sge`
+//! entries, `wcs` for `capacity` completions, the out parameters), for the
+//! duration of the call; `context` is the header's.
+
+use alloc::sync::Arc;
+use core::ffi::c_void;
+
+use hca_miniport_core::ci::CiProvider;
+use hca_miniport_core::verbs::{CaClient, CqNotify};
+use ib_types::abi::Repr;
+use ib_types::event::{AsyncEventRecord, AsyncEventRecordAbi};
+use ib_types::handle::CqHandle;
+use ib_types::interface::{
+    CI_INTERFACE_VERSION, CiInterface, EventCallbacks, InterfaceHeader, InterfaceVersion,
+    VerbEntryPoints,
+};
+use ib_types::scalars::NodeGuid;
+use ib_types::status::{IbStatus, NtStatus};
+use ib_types::wc::WorkCompletion;
+use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
+use ib_types::wr_desc::{RecvWrDesc, SendWrDesc};
+use wdk_sys::{WDFREQUEST, call_unsafe_wdf_function_binding};
+
+use super::device::DeviceShell;
+use super::platform::{WdfPlatform, WdfRequest};
+
+type Provider = CiProvider<WdfPlatform>;
+
+/// `STATUS_PENDING`.
+const PENDING: NtStatus = NtStatus::from_raw(0x0000_0103);
+/// `STATUS_DEVICE_NOT_READY`.
+const NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
+/// WRs decoded per batch on the stack (the fast path does not allocate).
+const BATCH: usize = 16;
+
+/// Fills the unused slots of a send batch (never posted).
+const PLACEHOLDER_SEND: SendWr<'static> = SendWr {
+    wr_id: 0,
+    op: SendOp::Send,
+    flags: SendFlags::empty(),
+    sg_list: &[],
+    ud: None,
+};
+
+/// The table for `shell`, its header's context a pointer to it (no
+/// reference taken: the framework calls `interface_reference` on every
+/// copy it hands out). Identity fields are filled at query time
+/// (`fill_identity`), once the device is started.
+pub fn ci_interface(shell: *const DeviceShell) -> CiInterface {
+    CiInterface {
+        header: InterfaceHeader {
+            size: size_of::<CiInterface>() as u16,
+            version: CI_INTERFACE_VERSION.packed(),
+            context: shell.cast_mut().cast::<c_void>(),
+            interface_reference: Some(interface_reference),
+            interface_dereference: Some(interface_dereference),
+        },
+        ca_guid: NodeGuid::new(0),
+        vendor_id: 0,
+        device_id: 0,
+        revision: 0,
+        uvp_name: hca_miniport_core::ci::uvp_name().emit(),
+        open_ca: Some(open_ca),
+        close_ca: Some(close_ca),
+        verbs: VerbEntryPoints {
+            submit: Some(submit),
+            post_send: Some(post_send),
+            post_recv: Some(post_recv),
+            post_srq_recv: Some(post_srq_recv),
+            poll_cq: Some(poll_cq),
+            arm_cq: Some(arm_cq),
+        },
+    }
+}
+
+/// Whether a requester asking for `version` with a structure of `size`
+/// bytes can be served.
+pub fn accepts(size: u16, version: u16) -> bool {
+    usize::from(size) >= size_of::<CiInterface>()
+        && Provider::check_version(InterfaceVersion::from_packed(version)).is_ok()
+}
+
+/// Fills the identity of the started device into a copy of the table.
+pub fn fill_identity(interface: &mut CiInterface, shell: &DeviceShell) {
+    if let Some(id) = shell.provider().and_then(|p| p.identity().ok()) {
+        interface.ca_guid = id.ca_guid;
+        interface.vendor_id = id.vendor_id;
+        interface.device_id = id.device_id;
+        interface.revision = id.revision;
+    }
+}
+
+/// The provider behind `context`.
+///
+/// # Safety
+/// `context` is a header context made by [`ci_interface`] whose consumer
+/// holds a reference.
+unsafe fn provider(context: *mut c_void) -> Option<Arc<Provider>> {
+    let shell = context.cast_const().cast::<DeviceShell>();
+    // SAFETY: the consumer's reference keeps the shell alive (caller).
+    unsafe { (*shell).provider() }
+}
+
+/// `InterfaceReference`.
+unsafe extern "system" fn interface_reference(context: *mut c_void) {
+    // SAFETY: `context` is an `Arc<DeviceShell>` pointer kept alive by the
+    // device context or an earlier reference; this takes one more.
+    unsafe { Arc::increment_strong_count(context.cast_const().cast::<DeviceShell>()) };
+}
+
+/// `InterfaceDereference`.
+unsafe extern "system" fn interface_dereference(context: *mut c_void) {
+    // SAFETY: gives back a reference `interface_reference` took.
+    unsafe { Arc::decrement_strong_count(context.cast_const().cast::<DeviceShell>()) };
+}
+
+/// A client's callbacks as a [`CaClient`].
+struct FfiClient {
+    callbacks: EventCallbacks,
+    client: *mut c_void,
+}
+
+// SAFETY: the client promised (CiOpenCaFn) that its callbacks may run on
+// any processor at DISPATCH_LEVEL with its `client` pointer.
+unsafe impl Send for FfiClient {}
+// SAFETY: as above.
+unsafe impl Sync for FfiClient {}
+
+impl CaClient for FfiClient {
+    fn completion(&self, cq: CqHandle) {
+        if let Some(f) = self.callbacks.completion {
+            // SAFETY: the client's own callback with its own context.
+            unsafe { f(self.client, cq.raw()) };
+        }
+    }
+
+    fn async_event(&self, event: &AsyncEventRecord) {
+        if let Some(f) = self.callbacks.async_event {
+            let record: AsyncEventRecordAbi = event.emit();
+            // SAFETY: as above; the record lives for the call.
+            unsafe { f(self.client, &record) };
+        }
+    }
+}
+
+unsafe extern "system" fn open_ca(
+    context: *mut c_void,
+    callbacks: *const EventCallbacks,
+    client: *mut c_void,
+    ca: *mut u64,
+) -> NtStatus {
+    // SAFETY: header context (consumer contract).
+    let Some(ci) = (unsafe { provider(context) }) else {
+        return NOT_READY;
+    };
+    if callbacks.is_null() || ca.is_null() {
+        return IbStatus::InvalidParameter.to_ntstatus();
+    }
+    // SAFETY: non-null and valid for the call (consumer contract).
+    let callbacks = unsafe { *callbacks };
+    match ci.open_ca(Arc::new(FfiClient { callbacks, client })) {
+        Ok(handle) => {
+            // SAFETY: a valid out pointer (consumer contract).
+            unsafe { ca.write(handle) };
+            IbStatus::Success.to_ntstatus()
+        }
+        Err(status) => status.to_ntstatus(),
+    }
+}
+
+unsafe extern "system" fn close_ca(context: *mut c_void, ca: u64) -> NtStatus {
+    // SAFETY: header context (consumer contract).
+    let Some(ci) = (unsafe { provider(context) }) else {
+        return NOT_READY;
+    };
+    match ci.close_ca(ca) {
+        Ok(()) => IbStatus::Success.to_ntstatus(),
+        Err(status) => status.to_ntstatus(),
+    }
+}
+
+/// `submit`: `request` is a `WDFREQUEST` the caller hands over (it owns
+/// no part of it afterwards). Always `STATUS_PENDING`: the request is
+/// completed, possibly before this returns, with the verb's status.
+unsafe extern "system" fn submit(context: *mut c_void, request: *mut c_void) -> NtStatus {
+    let request = request.cast::<wdk_sys::WDFREQUEST__>() as WDFREQUEST;
+    // SAFETY: header context (consumer contract).
+    let Some(ci) = (unsafe { provider(context) }) else {
+        WdfRequest::complete_raw(request, NOT_READY);
+        return PENDING;
+    };
+    let mut params = wdk_sys::WDF_REQUEST_PARAMETERS {
+        Size: size_of::<wdk_sys::WDF_REQUEST_PARAMETERS>() as u16,
+        ..Default::default()
+    };
+    // SAFETY: the caller handed over a live request; out pointer valid.
+    unsafe { call_unsafe_wdf_function_binding!(WdfRequestGetParameters, request, &mut params) };
+    // SAFETY: a device-control request's parameters are the
+    // `DeviceIoControl` member.
+    let code = unsafe { params.Parameters.DeviceIoControl.IoControlCode };
+    // SAFETY: a live request the driver now owns.
+    let mode = unsafe { call_unsafe_wdf_function_binding!(WdfRequestGetRequestorMode, request) };
+    let mode = if mode == wdk_sys::_MODE::UserMode as i8 {
+        driver_platform::RequestorMode::User
+    } else {
+        driver_platform::RequestorMode::Kernel
+    };
+    // SAFETY: owned, METHOD_BUFFERED (this stack's IOCTLs).
+    match unsafe { WdfRequest::new(request, code, mode) } {
+        Ok(request) => ci.submit(request),
+        Err(request) => WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A)),
+    }
+    PENDING
+}
+
+/// The SGEs a descriptor designates.
+///
+/// # Safety
+/// `sg_list` is valid for `num_sge` entries (consumer contract).
+unsafe fn sges<'a>(sg_list: *const Sge, num_sge: u32) -> &'a [Sge] {
+    if sg_list.is_null() || num_sge == 0 {
+        return &[];
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { core::slice::from_raw_parts(sg_list, num_sge as usize) }
+}
+
+unsafe extern "system" fn post_send(
+    context: *mut c_void,
+    qp: u64,
+    wrs: *const SendWrDesc,
+    count: u32,
+    posted: *mut u32,
+) -> NtStatus {
+    // SAFETY: header context (consumer contract).
+    let Some(ci) = (unsafe { provider(context) }) else {
+        return NOT_READY;
+    };
+    if posted.is_null() || (wrs.is_null() && count != 0) {
+        return IbStatus::InvalidParameter.to_ntstatus();
+    }
+    let descs = if count == 0 {
+        &[][..]
+    } else {
+        // SAFETY: `wrs` is valid for `count` descriptors (consumer contract).
+        unsafe { core::slice::from_raw_parts(wrs, count as usize) }
+    };
+    let mut done = 0usize;
+    let mut status = IbStatus::Success;
+    'batches: for chunk in descs.chunks(BATCH) {
+        let mut wrs: [SendWr<'_>; BATCH] = [PLACEHOLDER_SEND; BATCH];
+        let mut ready = 0;
+        let mut refusal = None;
+        for desc in chunk {
+            // SAFETY: each descriptor's list is valid (consumer contract).
+            let list = unsafe { sges(desc.sg_list, desc.num_sge) };
+            match desc.decode(list) {
+                Ok(wr) => {
+                    wrs[ready] = wr;
+                    ready += 1;
+                }
+                Err(_) => {
+                    refusal = Some(IbStatus::InvalidParameter);
+                    break;
+                }
+            }
+        }
+        let (n, s) = ci.post_send(qp, &wrs[..ready]);
+        done += n;
+        if s != IbStatus::Success {
+            status = s;
+            break 'batches;
+        }
+        if let Some(s) = refusal {
+            status = s;
+            break 'batches;
+        }
+    }
+    // SAFETY: a valid out pointer (consumer contract).
+    unsafe { posted.write(done as u32) };
+    status.to_ntstatus()
+}
+
+/// Decodes receive descriptors in batches and posts each with `post`.
+///
+/// # Safety
+/// `wrs` is valid for `count` descriptors and `posted` is writable
+/// (consumer contract).
+unsafe fn post_receives(
+    wrs: *const RecvWrDesc,
+    count: u32,
+    posted: *mut u32,
+    post: impl Fn(&[RecvWr<'_>]) -> (usize, IbStatus),
+) -> NtStatus {
+    if posted.is_null() || (wrs.is_null() && count != 0) {
+        return IbStatus::InvalidParameter.to_ntstatus();
+    }
+    let descs = if count == 0 {
+        &[][..]
+    } else {
+        // SAFETY: forwarded from the caller.
+        unsafe { core::slice::from_raw_parts(wrs, count as usize) }
+    };
+    let mut done = 0usize;
+    let mut status = IbStatus::Success;
+    for chunk in descs.chunks(BATCH) {
+        let mut batch = [RecvWr {
+            wr_id: 0,
+            sg_list: &[],
+        }; BATCH];
+        let mut ready = 0;
+        let mut refusal = None;
+        for desc in chunk {
+            // SAFETY: forwarded from the caller.
+            let list = unsafe { sges(desc.sg_list, desc.num_sge) };
+            match desc.decode(list) {
+                Ok(wr) => {
+                    batch[ready] = wr;
+                    ready += 1;
+                }
+                Err(_) => {
+                    refusal = Some(IbStatus::InvalidParameter);
+                    break;
+                }
+            }
+        }
+        let (n, s) = post(&batch[..ready]);
+        done += n;
+        if s != IbStatus::Success {
+            status = s;
+            break;
+        }
+        if let Some(s) = refusal {
+            status = s;
+            break;
+        }
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { posted.write(done as u32) };
+    status.to_ntstatus()
+}
+
+unsafe extern "system" fn post_recv(
+    context: *mut c_void,
+    qp: u64,
+    wrs: *const RecvWrDesc,
+    count: u32,
+    posted: *mut u32,
+) -> NtStatus {
+    // SAFETY: header context (consumer contract).
+    let Some(ci) = (unsafe { provider(context) }) else {
+        return NOT_READY;
+    };
+    // SAFETY: forwarded consumer contract.
+    unsafe { post_receives(wrs, count, posted, |batch| ci.post_recv(qp, batch)) }
+}
+
+unsafe extern "system" fn post_srq_recv(
+    context: *mut c_void,
+    srq: u64,
+    wrs: *const RecvWrDesc,
+    count: u32,
+    posted: *mut u32,
+) -> NtStatus {
+    // SAFETY: header context (consumer contract).
+    let Some(ci) = (unsafe { provider(context) }) else {
+        return NOT_READY;
+    };
+    // SAFETY: forwarded consumer contract.
+    unsafe { post_receives(wrs, count, posted, |batch| ci.post_srq_recv(srq, batch)) }
+}
+
+unsafe extern "system" fn poll_cq(
+    context: *mut c_void,
+    cq: u64,
+    wcs: *mut WorkCompletion,
+    capacity: u32,
+    polled: *mut u32,
+) -> NtStatus {
+    // SAFETY: header context (consumer contract).
+    let Some(ci) = (unsafe { provider(context) }) else {
+        return NOT_READY;
+    };
+    if polled.is_null() || (wcs.is_null() && capacity != 0) {
+        return IbStatus::InvalidParameter.to_ntstatus();
+    }
+    let out = if capacity == 0 {
+        &mut [][..]
+    } else {
+        // SAFETY: `wcs` is valid for `capacity` completions (consumer
+        // contract) and not aliased during the call.
+        unsafe { core::slice::from_raw_parts_mut(wcs, capacity as usize) }
+    };
+    let (n, status) = match ci.poll_cq(cq, out) {
+        Ok(n) => (n, IbStatus::Success),
+        Err(status) => (0, status),
+    };
+    // SAFETY: a valid out pointer (consumer contract).
+    unsafe { polled.write(n as u32) };
+    status.to_ntstatus()
+}
+
+unsafe extern "system" fn arm_cq(context: *mut c_void, cq: u64, notify: u8) -> NtStatus {
+    // SAFETY: header context (consumer contract).
+    let Some(ci) = (unsafe { provider(context) }) else {
+        return NOT_READY;
+    };
+    let Ok(notify) = CqNotify::try_from(notify) else {
+        return IbStatus::InvalidParameter.to_ntstatus();
+    };
+    match ci.arm_cq(cq, notify) {
+        Ok(()) => IbStatus::Success.to_ntstatus(),
+        Err(status) => status.to_ntstatus(),
+    }
+}

@@ -1,0 +1,35 @@
+//! The KMDF shell of the HCA miniport (Windows only).
+//!
+//! **Never compiled.** `wdk-sys` cannot build on a non-Windows host (not
+//! even `cargo check`), and no Windows build has been run yet; the CI
+//! workflow `.github/workflows/windows-drivers.yml` is where it will first
+//! meet a compiler. Expect the WDF names and signatures here to need the
+//! corrections a first build brings; the structure is what to review.
+//!
+//! It is the same shell as `crate::sim` (the simulated host's), callback for
+//! callback, on WDF objects:
+//!
+//! | file | WDF | core |
+//! |---|---|---|
+//! | [`driver`] | `DriverEntry`, `EvtDriverDeviceAdd` (PnP/power callbacks, device object and context, IOCTL queue, DMA enabler, work item, timer, `WdfDeviceAddQueryInterface`) | — |
+//! | [`device`] | `EvtDevicePrepareHardware` (map BAR0 with `MmMapIoSpaceEx`, one `WDFINTERRUPT` per MSI-X message), `EvtDeviceReleaseHardware`, `EvtDeviceD0Entry`/`Exit` | `Hca::new`/`start`/`stop`, the power switch place |
+//! | [`interrupt`] | `EvtInterruptIsr`, `EvtInterruptDpc`, the work item and timer routines | `Hca::isr`, `dpc`, `work_item`, `timer` |
+//! | [`queue`] | the power-managed IOCTL queue (`EvtIoDeviceControl`, `EvtIoInternalDeviceControl`) | `Hca::submit_request` |
+//! | [`interface`] | the `CiInterface` FFI table (`extern "system"` entry points over the `CiProvider`) | `ci::CiProvider` |
+//! | [`platform`] | the `driver_platform` traits on WDF/WDM: spin lock, BAR0, DMA enabler and common buffers, deferred work, registry, requests, IRQL, events | — |
+//! | [`context`] | typed object context (the device's shell state) | — |
+//!
+//! Rules: every `unsafe` block holds one unsafe operation and carries a
+//! `// SAFETY:` comment; nothing here decides anything the core could.
+
+pub mod context;
+pub mod device;
+pub mod driver;
+pub mod interface;
+pub mod interrupt;
+pub mod platform;
+pub mod queue;
+
+#[cfg(not(test))]
+#[global_allocator]
+static GLOBAL_ALLOCATOR: wdk_alloc::WdkAllocator = wdk_alloc::WdkAllocator;

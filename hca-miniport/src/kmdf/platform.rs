@@ -1,0 +1,823 @@
+//! The `driver_platform` traits on WDF and WDM: what the core is
+//! instantiated with on Windows ([`WdfPlatform`]).
+//!
+//! | trait | here | Windows |
+//! |---|---|---|
+//! | `RawMutex` (spin lock) | [`KernelSpinLock`] | `KSPIN_LOCK`, `KeAcquireSpinLockRaiseToDpc`/`KeReleaseSpinLock` |
+//! | `Mmio` | [`Bar0`] | the `MmMapIoSpaceEx` mapping, volatile reads and writes |
+//! | `DmaAdapter`, `CommonBuffer` | [`WdfDma`], [`WdfCommonBuffer`] | `WDFDMAENABLER`, `WdfCommonBufferCreate` |
+//! | `MemoryLocker`, `LockedPages`, `DmaMapping` | [`MdlLocker`], [`LockedMdl`], [`SgMapping`] | MDLs — **not implemented** (see below) |
+//! | `Deferred` | [`WdfDeferred`] | the interrupt's DPC, a `WDFWORKITEM`, a `WDFTIMER` |
+//! | `Registry` | [`WdfRegistry`] | `WdfDriverOpenParametersRegistryKey`, `WdfDeviceOpenRegistryKey` (DWORDs) |
+//! | `Request` | [`WdfRequest`] | `WDFREQUEST` |
+//! | `IrqlQuery` | [`KeIrql`] | `KeGetCurrentIrql` |
+//! | `Event` | [`KernelEvent`] | a notification `KEVENT` |
+//! | `CallerProcess` | [`WdfCaller`] | the requesting process in `EvtIoInCallerContext`: its MDL locker, `MmMapIoSpaceEx` + `IoAllocateMdl` + `MmBuildMdlForNonPagedPool` + `MmMapLockedPagesSpecifyCache(UserMode, MmNonCached)` for a doorbell page — **not implemented** (see below) |
+//!
+//! Not implemented yet, and answered with `STATUS_NOT_SUPPORTED`: locking
+//! and mapping caller memory (`MemoryLocker::lock`, `DmaAdapter::map`).
+//! `MmProbeAndLockPages` reports a bad address by raising an SEH
+//! exception, which Rust cannot catch, so user pages need a small C shim
+//! with `__try`; and a persistent scatter/gather mapping needs
+//! `GetScatterGatherListEx` with its callback. The memory-region verbs
+//! that need them answer their error on Windows until then. Mapping a
+//! doorbell page into a user process (`CallerProcess::map_device_page`)
+//! likewise: `MmMapLockedPagesSpecifyCache` with `UserMode` raises on
+//! failure and needs the same `__try` shim; user `OpenCa` answers its
+//! error on Windows until then.
+
+use alloc::boxed::Box;
+use alloc::vec::Vec;
+use core::cell::UnsafeCell;
+use core::ptr;
+use core::sync::atomic::{AtomicU8, Ordering};
+
+use driver_platform::{
+    CommonBuffer, Deferred, DmaAdapter, DmaMapping, Event, Irql, IrqlQuery, LockedPages,
+    MemoryLocker, Mmio, NtStatus, Platform, RegValue, Registry, RegistryKey, Request,
+    RequestorMode,
+};
+use wdk_sys::ntddk::{
+    KeAcquireSpinLockRaiseToDpc, KeClearEvent, KeGetCurrentIrql, KeInitializeEvent,
+    KeQueryInterruptTimePrecise, KeReadStateEvent, KeReleaseSpinLock, KeSetEvent,
+    KeWaitForSingleObject,
+};
+use wdk_sys::{
+    _EVENT_TYPE, _KWAIT_REASON, _MODE, FALSE, KEVENT, KIRQL, KSPIN_LOCK, LONGLONG, TRUE, ULONG,
+    WDF_NO_OBJECT_ATTRIBUTES, WDFCOMMONBUFFER, WDFDMAENABLER, WDFINTERRUPT, WDFKEY, WDFOBJECT,
+    WDFREQUEST, WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
+};
+
+/// `STATUS_NOT_SUPPORTED`.
+const NOT_SUPPORTED: NtStatus = NtStatus::from_raw(0xC000_00BB);
+
+/// The WDF implementation of the platform.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WdfPlatform;
+
+impl Platform for WdfPlatform {
+    type RawSpinLock = KernelSpinLock;
+    type Mmio = Bar0;
+    type Dma = WdfDma;
+    type Locker = MdlLocker;
+    type Deferred = WdfDeferred;
+    type Registry = WdfRegistry;
+    type Request = WdfRequest;
+    type Irql = KeIrql;
+    type Event = KernelEvent;
+    type Caller = WdfCaller;
+}
+
+// ---------------------------------------------------------------------------
+// Spin lock
+
+/// A `KSPIN_LOCK` as a `lock_api::RawMutex`: acquiring raises to
+/// DISPATCH_LEVEL, releasing restores the IRQL saved at acquisition.
+///
+/// # Invariants
+/// `old_irql` is written only by the holder, right after acquiring, and
+/// read only by the holder when releasing.
+pub struct KernelSpinLock {
+    lock: UnsafeCell<KSPIN_LOCK>,
+    old_irql: AtomicU8,
+}
+
+// SAFETY: a KSPIN_LOCK is made to be shared between processors; the cell
+// is only touched through the kernel's spin-lock routines.
+unsafe impl Sync for KernelSpinLock {}
+// SAFETY: as above; a released spin lock may move between threads.
+unsafe impl Send for KernelSpinLock {}
+
+// SAFETY: `lock` excludes other holders until `unlock`; the kernel's
+// spin-lock routines give acquire/release ordering.
+unsafe impl lock_api::RawMutex for KernelSpinLock {
+    // A zeroed KSPIN_LOCK is a released one (`KeInitializeSpinLock` stores 0).
+    const INIT: Self = Self {
+        lock: UnsafeCell::new(0),
+        old_irql: AtomicU8::new(0),
+    };
+    type GuardMarker = lock_api::GuardNoSend;
+
+    fn lock(&self) {
+        // SAFETY: `self.lock` is a valid, initialised KSPIN_LOCK; the
+        // caller is at DISPATCH_LEVEL or below (the core's lock contract).
+        let old = unsafe { KeAcquireSpinLockRaiseToDpc(self.lock.get()) };
+        self.old_irql.store(old, Ordering::Relaxed);
+    }
+
+    fn try_lock(&self) -> bool {
+        // The core never needs a failing acquisition; a spin lock held
+        // elsewhere is waited for, which `lock` does.
+        self.lock();
+        true
+    }
+
+    unsafe fn unlock(&self) {
+        let old: KIRQL = self.old_irql.load(Ordering::Relaxed);
+        // SAFETY: the caller holds the lock (lock_api contract) and `old`
+        // is the IRQL it was acquired from (type invariants).
+        unsafe { KeReleaseSpinLock(self.lock.get(), old) };
+    }
+}
+
+// ---------------------------------------------------------------------------
+// BAR0
+
+/// BAR0 as mapped by `MmMapIoSpaceEx` in prepare-hardware.
+///
+/// # Invariants
+/// `base` maps `len` bytes of the device's register space, non-cached,
+/// until the owner unmaps it in release-hardware, after the core stopped.
+#[derive(Debug)]
+pub struct Bar0 {
+    base: *mut u8,
+    len: u64,
+}
+
+// SAFETY: register accesses are volatile single loads and stores on MMIO,
+// valid from any processor.
+unsafe impl Send for Bar0 {}
+// SAFETY: as above.
+unsafe impl Sync for Bar0 {}
+
+impl Bar0 {
+    /// Wraps a mapping.
+    ///
+    /// # Safety
+    /// `base` maps `len` bytes of the device's BAR0 for as long as the
+    /// returned value is used.
+    pub unsafe fn new(base: *mut u8, len: u64) -> Self {
+        Self { base, len }
+    }
+
+    /// The mapping, for `MmUnmapIoSpace`.
+    pub fn base(&self) -> *mut u8 {
+        self.base
+    }
+
+    fn in_range(&self, offset: u64, width: u64) -> bool {
+        offset % width == 0 && offset.checked_add(width).is_some_and(|end| end <= self.len)
+    }
+}
+
+impl Mmio for Bar0 {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn read32(&self, offset: u64) -> u32 {
+        if !self.in_range(offset, 4) {
+            return u32::MAX;
+        }
+        // SAFETY: in range and aligned (checked), within the live mapping
+        // (type invariants); `READ_REGISTER_ULONG` is this volatile load.
+        unsafe { ptr::read_volatile(self.base.wrapping_add(offset as usize).cast::<u32>()) }
+    }
+
+    fn write32(&self, offset: u64, value: u32) {
+        if self.in_range(offset, 4) {
+            // SAFETY: as in `read32`.
+            unsafe {
+                ptr::write_volatile(self.base.wrapping_add(offset as usize).cast::<u32>(), value)
+            };
+        }
+    }
+
+    fn read64(&self, offset: u64) -> u64 {
+        if !self.in_range(offset, 8) {
+            return u64::MAX;
+        }
+        // SAFETY: as in `read32`.
+        unsafe { ptr::read_volatile(self.base.wrapping_add(offset as usize).cast::<u64>()) }
+    }
+
+    fn write64(&self, offset: u64, value: u64) {
+        if self.in_range(offset, 8) {
+            // SAFETY: as in `read32`; one 64-bit store (x64, arm64).
+            unsafe {
+                ptr::write_volatile(self.base.wrapping_add(offset as usize).cast::<u64>(), value)
+            };
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// DMA
+
+/// The device's DMA enabler.
+#[derive(Debug, Clone, Copy)]
+pub struct WdfDma {
+    enabler: WDFDMAENABLER,
+}
+
+// SAFETY: a WDF handle is valid from any thread; the framework serialises
+// what needs it.
+unsafe impl Send for WdfDma {}
+// SAFETY: as above.
+unsafe impl Sync for WdfDma {}
+
+impl WdfDma {
+    /// Wraps the enabler `EvtDriverDeviceAdd` created.
+    pub fn new(enabler: WDFDMAENABLER) -> Self {
+        Self { enabler }
+    }
+
+    /// Frees a common buffer (`WdfObjectDelete`). PASSIVE_LEVEL.
+    pub fn free_common(&self, buffer: WdfCommonBuffer) {
+        // SAFETY: `buffer.handle` is a live common buffer this adapter
+        // created; it is consumed, so nothing uses it afterwards.
+        unsafe { call_unsafe_wdf_function_binding!(WdfObjectDelete, buffer.handle as WDFOBJECT) };
+    }
+}
+
+/// A common buffer.
+///
+/// # Invariants
+/// `va` maps `len` bytes that the device reaches at `bus`, until the buffer
+/// is deleted by [`WdfDma::free_common`].
+#[derive(Debug)]
+pub struct WdfCommonBuffer {
+    handle: WDFCOMMONBUFFER,
+    va: *mut u8,
+    bus: u64,
+    len: usize,
+}
+
+// SAFETY: common-buffer memory is non-paged and shared by design; accesses
+// go through bounds-checked copies.
+unsafe impl Send for WdfCommonBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for WdfCommonBuffer {}
+
+impl CommonBuffer for WdfCommonBuffer {
+    fn bus_address(&self) -> u64 {
+        self.bus
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn read(&self, offset: usize, out: &mut [u8]) -> bool {
+        if offset
+            .checked_add(out.len())
+            .is_none_or(|end| end > self.len)
+        {
+            return false;
+        }
+        // SAFETY: in range (checked) of the live buffer (type invariants);
+        // `out` is a distinct Rust buffer.
+        unsafe {
+            ptr::copy_nonoverlapping(self.va.wrapping_add(offset), out.as_mut_ptr(), out.len())
+        };
+        core::sync::atomic::fence(Ordering::Acquire);
+        true
+    }
+
+    fn write(&self, offset: usize, data: &[u8]) -> bool {
+        if offset
+            .checked_add(data.len())
+            .is_none_or(|end| end > self.len)
+        {
+            return false;
+        }
+        // SAFETY: as in `read`.
+        unsafe {
+            ptr::copy_nonoverlapping(data.as_ptr(), self.va.wrapping_add(offset), data.len())
+        };
+        // Ordered before a later doorbell write (the trait's contract).
+        core::sync::atomic::fence(Ordering::Release);
+        true
+    }
+}
+
+/// Locked pages (an MDL). Not implemented yet (module doc).
+#[derive(Debug)]
+pub struct LockedMdl {
+    len: u64,
+    byte_offset: u32,
+    pages: usize,
+}
+
+impl LockedPages for LockedMdl {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn byte_offset(&self) -> u32 {
+        self.byte_offset
+    }
+    fn page_count(&self) -> usize {
+        self.pages
+    }
+}
+
+/// A scatter/gather mapping. Not implemented yet (module doc).
+#[derive(Debug)]
+pub struct SgMapping {
+    pages: Vec<u64>,
+}
+
+impl DmaMapping for SgMapping {
+    fn page_bus_address(&self, index: usize) -> Option<u64> {
+        self.pages.get(index).copied()
+    }
+    fn page_count(&self) -> usize {
+        self.pages.len()
+    }
+}
+
+/// Locks caller memory with MDLs. Not implemented yet (module doc).
+#[derive(Debug, Default, Clone)]
+pub struct MdlLocker;
+
+impl MemoryLocker for MdlLocker {
+    type Pages = LockedMdl;
+
+    fn lock(
+        &self,
+        _mode: RequestorMode,
+        _va: u64,
+        _len: u64,
+        _writable: bool,
+    ) -> Result<LockedMdl, NtStatus> {
+        Err(NOT_SUPPORTED)
+    }
+}
+
+impl DmaAdapter for WdfDma {
+    type Buffer = WdfCommonBuffer;
+    type Pages = LockedMdl;
+    type Mapping = SgMapping;
+
+    fn page_size(&self) -> usize {
+        4096
+    }
+
+    fn alloc_common(&self, len: usize) -> Result<WdfCommonBuffer, NtStatus> {
+        let mut handle: WDFCOMMONBUFFER = ptr::null_mut();
+        // SAFETY: `self.enabler` is the device's live enabler; PASSIVE_LEVEL
+        // (the trait's contract); `handle` is a valid out pointer.
+        let status = unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfCommonBufferCreate,
+                self.enabler,
+                len,
+                WDF_NO_OBJECT_ATTRIBUTES,
+                &mut handle
+            )
+        };
+        if status < 0 {
+            return Err(NtStatus::from_raw(status as u32));
+        }
+        // SAFETY: `handle` is the live buffer just created.
+        let va = unsafe {
+            call_unsafe_wdf_function_binding!(WdfCommonBufferGetAlignedVirtualAddress, handle)
+        };
+        // SAFETY: as above.
+        let logical = unsafe {
+            call_unsafe_wdf_function_binding!(WdfCommonBufferGetAlignedLogicalAddress, handle)
+        };
+        // SAFETY: `QuadPart` is the whole 64-bit value of the
+        // PHYSICAL_ADDRESS union; every bit pattern is valid.
+        let bus = unsafe { logical.QuadPart } as u64;
+        let buffer = WdfCommonBuffer {
+            handle,
+            va: va.cast::<u8>(),
+            bus,
+            len,
+        };
+        // WdfCommonBufferCreate does not promise zeroed memory; the trait does.
+        // SAFETY: `va` maps `len` bytes of the buffer just created.
+        unsafe { ptr::write_bytes(buffer.va, 0, len) };
+        Ok(buffer)
+    }
+
+    fn map(&self, _pages: &LockedMdl) -> Result<SgMapping, NtStatus> {
+        Err(NOT_SUPPORTED)
+    }
+
+    fn unmap(&self, _mapping: SgMapping) {}
+}
+
+// ---------------------------------------------------------------------------
+// Deferred work
+
+/// One device's DPC (the first interrupt's), work item and timer.
+#[derive(Debug, Clone, Copy)]
+pub struct WdfDeferred {
+    interrupt: WDFINTERRUPT,
+    work_item: WDFWORKITEM,
+    timer: WDFTIMER,
+}
+
+// SAFETY: WDF handles are valid from any thread; the routines used are
+// documented as callable at the IRQLs the trait allows.
+unsafe impl Send for WdfDeferred {}
+// SAFETY: as above.
+unsafe impl Sync for WdfDeferred {}
+
+impl WdfDeferred {
+    /// Wraps the device's objects.
+    pub fn new(interrupt: WDFINTERRUPT, work_item: WDFWORKITEM, timer: WDFTIMER) -> Self {
+        Self {
+            interrupt,
+            work_item,
+            timer,
+        }
+    }
+
+    /// Cancels the timer and waits for a running timer routine
+    /// (release-hardware, PASSIVE_LEVEL).
+    pub fn stop_timer_and_wait(&self) {
+        // SAFETY: the timer is live until the device is deleted.
+        let _ = unsafe { call_unsafe_wdf_function_binding!(WdfTimerStop, self.timer, TRUE as u8) };
+    }
+}
+
+impl Deferred for WdfDeferred {
+    fn queue_dpc(&self) {
+        // SAFETY: the interrupt object lives as long as the device;
+        // `WdfInterruptQueueDpcForIsr` may be called at any IRQL.
+        let _ = unsafe {
+            call_unsafe_wdf_function_binding!(WdfInterruptQueueDpcForIsr, self.interrupt)
+        };
+    }
+
+    fn queue_work_item(&self) {
+        // SAFETY: the work item lives as long as the device; enqueueing an
+        // enqueued item is a no-op (coalescing, as the trait says).
+        unsafe { call_unsafe_wdf_function_binding!(WdfWorkItemEnqueue, self.work_item) };
+    }
+
+    fn set_timer(&self, due_ns: Option<u64>) {
+        match due_ns {
+            None => {
+                // SAFETY: the timer is live; not waiting (DISPATCH_LEVEL).
+                let _ = unsafe {
+                    call_unsafe_wdf_function_binding!(WdfTimerStop, self.timer, FALSE as u8)
+                };
+            }
+            Some(due) => {
+                // Relative due time: negative, in 100 ns units, at least 1.
+                let ticks = (due.saturating_sub(self.now_ns()) / 100).max(1);
+                let relative: LONGLONG = -(ticks.min(i64::MAX as u64) as i64);
+                // SAFETY: the timer is live; re-arming replaces the expiry.
+                let _ = unsafe {
+                    call_unsafe_wdf_function_binding!(WdfTimerStart, self.timer, relative)
+                };
+            }
+        }
+    }
+
+    fn now_ns(&self) -> u64 {
+        // SAFETY: callable at any IRQL; the out parameter is optional.
+        let ticks = unsafe { KeQueryInterruptTimePrecise(ptr::null_mut()) };
+        ticks.saturating_mul(100)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Registry
+
+/// The driver's `Parameters` key and the device's hardware key. Reads
+/// `REG_DWORD` values; other types answer `None` for now.
+#[derive(Debug, Clone, Copy)]
+pub struct WdfRegistry {
+    parameters: WDFKEY,
+    device: WDFKEY,
+}
+
+// SAFETY: WDF handles are valid from any thread (reads are PASSIVE_LEVEL).
+unsafe impl Send for WdfRegistry {}
+// SAFETY: as above.
+unsafe impl Sync for WdfRegistry {}
+
+impl WdfRegistry {
+    /// Wraps keys opened in prepare-hardware (either may be null).
+    pub fn new(parameters: WDFKEY, device: WDFKEY) -> Self {
+        Self { parameters, device }
+    }
+}
+
+impl Registry for WdfRegistry {
+    fn read(&self, key: RegistryKey, name: &str) -> Option<RegValue> {
+        let handle = match key {
+            RegistryKey::ServiceParameters => self.parameters,
+            RegistryKey::Device => self.device,
+        };
+        if handle.is_null() {
+            return None;
+        }
+        let mut wide: Vec<u16> = name.encode_utf16().collect();
+        let bytes = u16::try_from(wide.len() * 2).ok()?;
+        let unicode = wdk_sys::UNICODE_STRING {
+            Length: bytes,
+            MaximumLength: bytes,
+            Buffer: wide.as_mut_ptr(),
+        };
+        let mut value: ULONG = 0;
+        // SAFETY: `handle` is an open key; `unicode` describes `wide`, which
+        // outlives the call; PASSIVE_LEVEL (the trait's contract).
+        let status = unsafe {
+            call_unsafe_wdf_function_binding!(WdfRegistryQueryULong, handle, &unicode, &mut value)
+        };
+        (status >= 0).then_some(RegValue::Dword(value))
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Requests
+
+/// A `WDFREQUEST` with METHOD_BUFFERED buffers. The input is copied when
+/// the request is wrapped: with METHOD_BUFFERED the input and output share
+/// one system buffer, and the core holds the input while it writes the
+/// output.
+///
+/// # Invariants
+/// `request` is owned by the driver until `complete`; `output` points at
+/// `output_len` bytes of its system buffer until then.
+#[derive(Debug)]
+pub struct WdfRequest {
+    request: WDFREQUEST,
+    code: u32,
+    mode: RequestorMode,
+    input: Vec<u8>,
+    output: *mut u8,
+    output_len: usize,
+}
+
+// SAFETY: a request may be completed from any thread at DISPATCH_LEVEL or
+// below; the buffers are non-paged system buffers.
+unsafe impl Send for WdfRequest {}
+
+impl WdfRequest {
+    /// Wraps a request the queue delivered (or a direct-call IRP's
+    /// request), copying its input.
+    ///
+    /// # Safety
+    /// `request` is a live request the driver owns, whose buffers are
+    /// METHOD_BUFFERED.
+    pub unsafe fn new(
+        request: WDFREQUEST,
+        code: u32,
+        mode: RequestorMode,
+    ) -> Result<Self, WDFREQUEST> {
+        let mut input_ptr: *mut core::ffi::c_void = ptr::null_mut();
+        let mut input_len: usize = 0;
+        // SAFETY: `request` is live (caller); out pointers are valid.
+        let status = unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfRequestRetrieveInputBuffer,
+                request,
+                0,
+                &mut input_ptr,
+                &mut input_len
+            )
+        };
+        let mut input = Vec::new();
+        if status >= 0 && !input_ptr.is_null() {
+            if input.try_reserve_exact(input_len).is_err() {
+                return Err(request);
+            }
+            // SAFETY: the framework returned `input_len` readable bytes.
+            let bytes = unsafe { core::slice::from_raw_parts(input_ptr.cast::<u8>(), input_len) };
+            input.extend_from_slice(bytes);
+        }
+        let mut output_ptr: *mut core::ffi::c_void = ptr::null_mut();
+        let mut output_len: usize = 0;
+        // SAFETY: as above.
+        let status = unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfRequestRetrieveOutputBuffer,
+                request,
+                0,
+                &mut output_ptr,
+                &mut output_len
+            )
+        };
+        if status < 0 || output_ptr.is_null() {
+            output_len = 0;
+        }
+        Ok(Self {
+            request,
+            code,
+            mode,
+            input,
+            output: output_ptr.cast::<u8>(),
+            output_len,
+        })
+    }
+
+    /// Completes a request that could not be wrapped.
+    pub fn complete_raw(request: WDFREQUEST, status: NtStatus) {
+        // SAFETY: the caller owned `request`; this consumes it.
+        unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfRequestCompleteWithInformation,
+                request,
+                status.raw() as i32,
+                0
+            )
+        };
+    }
+}
+
+impl Request for WdfRequest {
+    fn ioctl_code(&self) -> u32 {
+        self.code
+    }
+
+    fn requestor_mode(&self) -> RequestorMode {
+        self.mode
+    }
+
+    fn input(&self) -> &[u8] {
+        &self.input
+    }
+
+    fn output(&mut self) -> &mut [u8] {
+        if self.output.is_null() {
+            return &mut [];
+        }
+        // SAFETY: `output` points at `output_len` bytes of the request's
+        // system buffer while the driver owns it (type invariants); the
+        // input was copied out, so nothing else aliases it.
+        unsafe { core::slice::from_raw_parts_mut(self.output, self.output_len) }
+    }
+
+    fn complete(self, status: NtStatus, information: u64) {
+        Self::complete_info(self.request, status, information);
+    }
+
+    fn is_canceled(&self) -> bool {
+        // SAFETY: the driver owns the live request.
+        let canceled =
+            unsafe { call_unsafe_wdf_function_binding!(WdfRequestIsCanceled, self.request) };
+        canceled != 0
+    }
+}
+
+impl WdfRequest {
+    fn complete_info(request: WDFREQUEST, status: NtStatus, information: u64) {
+        // SAFETY: the driver owned `request`; completing consumes it (the
+        // wrapper was moved into `complete`).
+        unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfRequestCompleteWithInformation,
+                request,
+                status.raw() as i32,
+                information
+            )
+        };
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The calling process
+
+/// The process a user-mode request came from, built by the proxy in
+/// `EvtIoInCallerContext` with `PsGetCurrentProcessId`. Mapping device
+/// pages is not implemented yet (module doc).
+#[derive(Debug, Clone, Default)]
+pub struct WdfCaller {
+    process_id: u64,
+    locker: MdlLocker,
+}
+
+impl WdfCaller {
+    /// The caller whose process id is `process_id`.
+    pub fn new(process_id: u64) -> Self {
+        Self {
+            process_id,
+            locker: MdlLocker,
+        }
+    }
+}
+
+/// A device page mapped into a process (never made yet: module doc).
+#[derive(Debug)]
+pub struct UserPageMapping {
+    va: u64,
+}
+
+impl driver_platform::UserMapping for UserPageMapping {
+    fn user_va(&self) -> u64 {
+        self.va
+    }
+
+    fn len(&self) -> u64 {
+        4096
+    }
+}
+
+impl driver_platform::CallerProcess for WdfCaller {
+    type Mmio = Bar0;
+    type Locker = MdlLocker;
+    type Mapping = UserPageMapping;
+
+    fn process_id(&self) -> u64 {
+        self.process_id
+    }
+
+    fn current_irql(&self) -> Irql {
+        KeIrql.current_irql()
+    }
+
+    fn locker(&self) -> &MdlLocker {
+        &self.locker
+    }
+
+    fn map_device_page(&self, _bar: &Bar0, _offset: u64) -> Result<UserPageMapping, NtStatus> {
+        Err(NOT_SUPPORTED)
+    }
+
+    fn unmap_device_page(&self, _mapping: UserPageMapping) {}
+}
+
+// ---------------------------------------------------------------------------
+// IRQL and events
+
+/// `KeGetCurrentIrql`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KeIrql;
+
+impl IrqlQuery for KeIrql {
+    fn current_irql(&self) -> Irql {
+        // SAFETY: callable at any IRQL.
+        let level = unsafe { KeGetCurrentIrql() };
+        match level {
+            0 => Irql::PASSIVE,
+            1 => Irql::APC,
+            2 => Irql::DISPATCH,
+            n => Irql::device(n),
+        }
+    }
+}
+
+/// A notification `KEVENT` in non-paged pool (boxed: a KEVENT must not
+/// move once initialised).
+pub struct KernelEvent {
+    event: Box<UnsafeCell<KEVENT>>,
+}
+
+// SAFETY: a KEVENT is made to be signalled and waited on from any thread;
+// it is only touched through the kernel's event routines.
+unsafe impl Send for KernelEvent {}
+// SAFETY: as above.
+unsafe impl Sync for KernelEvent {}
+
+impl core::fmt::Debug for KernelEvent {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("KernelEvent")
+            .field("set", &self.is_set())
+            .finish()
+    }
+}
+
+impl KernelEvent {
+    /// A cleared notification event.
+    pub fn new() -> Self {
+        let event = Box::new(UnsafeCell::new(KEVENT::default()));
+        // SAFETY: `event` is non-paged (wdk-alloc), pinned in its box for
+        // the event's life.
+        unsafe { KeInitializeEvent(event.get(), _EVENT_TYPE::NotificationEvent, FALSE as u8) };
+        Self { event }
+    }
+
+    /// The KEVENT, for `IoBuildDeviceIoControlRequest`'s `Event`.
+    pub fn as_ptr(&self) -> *mut KEVENT {
+        self.event.get()
+    }
+}
+
+impl Event for KernelEvent {
+    fn set(&self) {
+        // SAFETY: an initialised event; DISPATCH_LEVEL or below.
+        unsafe { KeSetEvent(self.event.get(), 0, FALSE as u8) };
+    }
+
+    fn clear(&self) {
+        // SAFETY: as above.
+        unsafe { KeClearEvent(self.event.get()) };
+    }
+
+    fn is_set(&self) -> bool {
+        // SAFETY: as above.
+        let state = unsafe { KeReadStateEvent(self.event.get()) };
+        state != 0
+    }
+
+    fn wait(&self) {
+        // SAFETY: an initialised event; PASSIVE_LEVEL (the trait's
+        // contract), no timeout.
+        let _ = unsafe {
+            KeWaitForSingleObject(
+                self.event.get().cast(),
+                _KWAIT_REASON::Executive,
+                _MODE::KernelMode as i8,
+                FALSE as u8,
+                ptr::null_mut(),
+            )
+        };
+    }
+}
