@@ -42,6 +42,7 @@ pub mod mmio;
 pub mod power;
 pub mod registry;
 pub mod request;
+pub mod user;
 
 pub use bus::{ChildBus, ChildDescription};
 pub use deferred::Deferred;
@@ -53,6 +54,7 @@ pub use mmio::Mmio;
 pub use power::{DevicePowerState, SystemPowerState};
 pub use registry::{RegValue, Registry, RegistryKey};
 pub use request::{Request, RequestorMode};
+pub use user::{CallerProcess, UserMapping};
 
 /// Everything a driver core needs from its platform, as associated types.
 ///
@@ -78,6 +80,9 @@ pub trait Platform: Send + Sync + 'static {
     type Irql: IrqlQuery;
     /// An event a PASSIVE_LEVEL caller waits on (a `KEVENT`).
     type Event: Event;
+    /// The user process a user-mode request came from, in its context
+    /// ([`user`]).
+    type Caller: CallerProcess<Mmio = Self::Mmio, Locker = Self::Locker>;
 }
 
 /// A spin lock protecting `T`, over the platform's raw spin lock.

@@ -93,6 +93,7 @@ pub mod eqe;
 pub mod mpt;
 pub mod owner;
 pub mod regs;
+pub mod uverbs;
 pub mod wqe;
 
 pub use ib_types::abi::{Be32, Le16, Le32, Le64};

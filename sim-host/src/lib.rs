@@ -6,6 +6,7 @@
 //! rule to the [`verifier`].
 
 pub mod binder;
+pub mod caller;
 pub mod context;
 pub mod dma;
 pub mod driver;

@@ -259,6 +259,9 @@ struct SpaceMap {
     limit: u64,
     /// Set when the owning process exited.
     closed: bool,
+    /// Device pages mapped into the space (`MmMapLockedPagesSpecifyCache`
+    /// of a BAR page), keyed by first virtual address; one page each.
+    device_maps: BTreeMap<u64, Arc<dyn DevicePage>>,
 }
 
 impl SpaceMap {
@@ -328,6 +331,7 @@ impl AddressSpace {
                     next_va: base,
                     limit,
                     closed: false,
+                    device_maps: BTreeMap::new(),
                 }),
                 locked_pages: AtomicUsize::new(0),
             }),
@@ -493,8 +497,68 @@ impl AddressSpace {
         let mut map = write_lock(&self.shared.map);
         map.closed = true;
         map.allocations.clear();
+        map.device_maps.clear();
         self.locked_pages()
     }
+
+    /// Maps one device page into this space at a fresh page-aligned
+    /// address (followed by a guard page, never reused) and returns it.
+    pub(crate) fn map_device(&self, page: Arc<dyn DevicePage>) -> Result<u64, MemoryError> {
+        let mut map = write_lock(&self.shared.map);
+        if map.closed {
+            return Err(MemoryError::ProcessExited);
+        }
+        let va = map.next_va;
+        let next = va
+            .checked_add(2 * PAGE_BYTES)
+            .filter(|&next| next <= map.limit)
+            .ok_or(MemoryError::Exhausted)?;
+        map.next_va = next;
+        map.device_maps.insert(va, page);
+        Ok(va)
+    }
+
+    /// Removes the device mapping at `va`.
+    pub(crate) fn unmap_device(&self, va: u64) -> Result<(), MemoryError> {
+        let mut map = write_lock(&self.shared.map);
+        if map.closed {
+            return Err(MemoryError::ProcessExited);
+        }
+        map.device_maps
+            .remove(&va)
+            .map(drop)
+            .ok_or(MemoryError::NotAnAllocation { va })
+    }
+
+    /// Device pages mapped now.
+    pub fn device_mapping_count(&self) -> usize {
+        read_lock(&self.shared.map).device_maps.len()
+    }
+
+    /// A CPU store of 64 bits to a mapped device page (a doorbell): `va`
+    /// must lie in a device mapping, 8-byte aligned. Refused otherwise,
+    /// with nothing written.
+    pub fn write_device64(&self, va: u64, value: u64) -> Result<(), MemoryError> {
+        let map = read_lock(&self.shared.map);
+        if map.closed {
+            return Err(MemoryError::ProcessExited);
+        }
+        let unmapped = MemoryError::Unmapped { va, len: 8 };
+        let (&start, page) = map.device_maps.range(..=va).next_back().ok_or(unmapped)?;
+        let offset = va - start;
+        if offset + 8 > PAGE_BYTES || !offset.is_multiple_of(8) {
+            return Err(unmapped);
+        }
+        page.write64(offset, value);
+        Ok(())
+    }
+}
+
+/// A page of device memory (a BAR page) as a process sees it through a
+/// mapping: stores go to the device.
+pub trait DevicePage: Send + Sync + fmt::Debug {
+    /// A 64-bit store at `offset` in the page.
+    fn write64(&self, offset: u64, value: u64);
 }
 
 /// A user-mode process: an id and its address space. Cloning gives another
@@ -555,6 +619,12 @@ impl Process {
     /// CPU write in this process (see [`AddressSpace::write`]).
     pub fn write(&self, va: u64, data: &[u8]) -> Result<(), MemoryError> {
         self.space.write(va, data)
+    }
+
+    /// A doorbell store to a mapped device page (see
+    /// [`AddressSpace::write_device64`]).
+    pub fn write_device64(&self, va: u64, value: u64) -> Result<(), MemoryError> {
+        self.space.write_device64(va, value)
     }
 
     /// Ends the process: its allocations are dropped and every later
@@ -971,5 +1041,42 @@ mod tests {
         assert_eq!(s.raw(), 0xC000_0005);
         let s: NtStatus = MemoryError::Exhausted.into();
         assert_eq!(s, NtStatus::INSUFFICIENT_RESOURCES);
+    }
+
+    #[derive(Debug, Default)]
+    struct Recorder(Mutex<Vec<(u64, u64)>>);
+
+    impl DevicePage for Recorder {
+        fn write64(&self, offset: u64, value: u64) {
+            lock(&self.0).push((offset, value));
+        }
+    }
+
+    #[test]
+    fn device_pages_take_aligned_stores_inside_the_page_only() {
+        let process = Process::new(5);
+        let page = Arc::new(Recorder::default());
+        let va = process.space().map_device(page.clone()).unwrap();
+        assert_eq!(va % PAGE_BYTES, 0);
+        assert_eq!(process.space().device_mapping_count(), 1);
+        process.write_device64(va + 8, 0x1234).unwrap();
+        // Unaligned, past the page (the guard page), before it: refused.
+        assert!(process.write_device64(va + 4, 1).is_err());
+        assert!(process.write_device64(va + PAGE_BYTES, 1).is_err());
+        assert!(process.write_device64(va - 8, 1).is_err());
+        // Not memory: CPU reads and writes there fail.
+        assert!(process.read(va, &mut [0u8; 8]).is_err());
+        assert_eq!(*lock(&page.0), vec![(8, 0x1234)]);
+        // A later allocation does not reuse the mapping's addresses.
+        let next = process.alloc(PAGE_SIZE).unwrap();
+        assert!(next >= va + 2 * PAGE_BYTES);
+        process.space().unmap_device(va).unwrap();
+        assert!(process.write_device64(va + 8, 1).is_err());
+        assert!(process.space().unmap_device(va).is_err());
+        // Exit takes mappings with it.
+        process.space().map_device(page.clone()).unwrap();
+        process.exit();
+        assert_eq!(process.space().device_mapping_count(), 0);
+        assert_eq!(lock(&page.0).len(), 1);
     }
 }

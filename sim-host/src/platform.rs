@@ -3,6 +3,7 @@
 
 use driver_platform::Platform;
 
+use crate::caller::HostCaller;
 use crate::dma::{HostDmaAdapter, HostLocker};
 use crate::event::HostEvent;
 use crate::irql::{HostSpinLock, IrqlTracker};
@@ -24,5 +25,6 @@ impl Platform for SimPlatform {
     type Registry = RegistryView;
     type Request = HostRequest;
     type Irql = IrqlTracker;
+    type Caller = HostCaller;
     type Event = HostEvent;
 }

@@ -556,6 +556,9 @@ impl<P: Platform> Hca<P> {
     /// no longer use any of it.
     fn release(&self, mut buffers: Vec<Buffer<P>>) {
         self.deferred.set_timer(None);
+        // User memory pinned for user objects' rings, unmapped before the
+        // objects go.
+        self.release_user_pins();
         buffers.extend(self.verbs.take_buffers(self));
         if let Some(ring) = self.eq.detach() {
             buffers.push(ring.buffer);

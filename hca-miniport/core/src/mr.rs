@@ -111,6 +111,8 @@ const PD_LIMIT: u32 = 1 << 24;
 
 type Pages<P> = <<P as Platform>::Dma as DmaAdapter>::Pages;
 type Mapping<P> = <<P as Platform>::Dma as DmaAdapter>::Mapping;
+/// A lock, its mapping, and the bus address of each page.
+type LockedAndMapped<P> = (Pages<P>, Mapping<P>, Vec<u64>);
 
 /// What a translation's MTT entries describe, and what releasing it undoes.
 enum Backing<P: Platform> {
@@ -136,6 +138,33 @@ struct Translation<P: Platform> {
     bus_pages: Arc<[u64]>,
     device_writable: bool,
     backing: Backing<P>,
+}
+
+/// User memory locked and mapped for the device without a region
+/// ([`MemoryTranslation::pin_user`]).
+#[must_use = "pinned memory dropped without unpinning leaks its DMA mapping"]
+pub(crate) struct PinnedUser<P: Platform> {
+    pages: Pages<P>,
+    mapping: Mapping<P>,
+    /// Bus address of each page, first to last.
+    pub(crate) bus_pages: Vec<u64>,
+    /// First byte pinned.
+    pub(crate) va: u64,
+    /// Bytes pinned.
+    pub(crate) length: u64,
+}
+
+impl<P: Platform> PinnedUser<P> {
+    /// The bus address of user address `va` inside the pinned range.
+    pub(crate) fn bus_address(&self, va: u64) -> Option<u64> {
+        let offset = va.checked_sub(self.va)?;
+        if offset >= self.length {
+            return None;
+        }
+        let in_pages = (self.va & (HOST_PAGE - 1)) + offset;
+        let page = usize::try_from(in_pages >> HOST_PAGE_SHIFT).ok()?;
+        Some(self.bus_pages.get(page)? + (in_pages & (HOST_PAGE - 1)))
+    }
 }
 
 impl<P: Platform> Translation<P> {
@@ -974,31 +1003,8 @@ impl<P: Platform> MemoryTranslation<P> {
         if irql > ceiling {
             return Err(MrError::IrqlTooHigh { irql });
         }
-        let locked = locker
-            .lock(mode, va, length, writable)
-            .map_err(MrError::Lock)?;
-        let mapping = match hca.dma.map(&locked) {
-            Ok(mapping) => mapping,
-            Err(status) => return Err(MrError::Map(status)),
-        };
-        let bus_pages: Option<Vec<u64>> = (0..mapping.page_count())
-            .map(|i| {
-                mapping
-                    .page_bus_address(i)
-                    .filter(|bus| bus % HOST_PAGE == 0)
-            })
-            .collect();
-        let bus_pages = match bus_pages {
-            Some(list)
-                if list.len() == locked.page_count() && list.len() as u64 == u64::from(pages) =>
-            {
-                list
-            }
-            _ => {
-                hca.dma.unmap(mapping);
-                return Err(MrError::BadMapping);
-            }
-        };
+        let (locked, mapping, bus_pages) =
+            self.pin(hca, locker, mode, va, length, writable, pages)?;
         let range = match self.alloc_range(pages) {
             Ok(range) => range,
             Err(error) => {
@@ -1018,6 +1024,88 @@ impl<P: Platform> MemoryTranslation<P> {
                 first_page_va: va & !(HOST_PAGE - 1),
             },
         })
+    }
+
+    /// Locks `length` bytes at `va` and maps them: the lock, the mapping
+    /// and one bus address per page (`pages` of them), or nothing.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a private step; the inputs are the lock request"
+    )]
+    fn pin(
+        &self,
+        hca: &Hca<P>,
+        locker: &P::Locker,
+        mode: RequestorMode,
+        va: u64,
+        length: u64,
+        writable: bool,
+        pages: u32,
+    ) -> Result<LockedAndMapped<P>, MrError> {
+        let locked = locker
+            .lock(mode, va, length, writable)
+            .map_err(MrError::Lock)?;
+        let mapping = match hca.dma.map(&locked) {
+            Ok(mapping) => mapping,
+            Err(status) => return Err(MrError::Map(status)),
+        };
+        let bus_pages: Option<Vec<u64>> = (0..mapping.page_count())
+            .map(|i| {
+                mapping
+                    .page_bus_address(i)
+                    .filter(|bus| bus % HOST_PAGE == 0)
+            })
+            .collect();
+        match bus_pages {
+            Some(list)
+                if list.len() == locked.page_count() && list.len() as u64 == u64::from(pages) =>
+            {
+                Ok((locked, mapping, list))
+            }
+            _ => {
+                hca.dma.unmap(mapping);
+                Err(MrError::BadMapping)
+            }
+        }
+    }
+
+    /// Locks and maps user memory for a ring or a doorbell record the
+    /// device writes or reads (user CQs, QPs and SRQs, guide 6.5.3 and
+    /// 6.8.1): the same lock-and-map step as a registration, without an
+    /// MPT entry or MTT range (the caller takes MTT entries for rings
+    /// itself). PASSIVE_LEVEL or APC_LEVEL, in the owning process's
+    /// context; refused above. Always for device writes.
+    pub(crate) fn pin_user(
+        &self,
+        hca: &Hca<P>,
+        locker: &P::Locker,
+        irql: Irql,
+        va: u64,
+        length: u64,
+    ) -> Result<PinnedUser<P>, MrError> {
+        let page_offset = (va & (HOST_PAGE - 1)) as u32;
+        let pages = mtt_pages(page_offset, HOST_PAGE_SHIFT, length)
+            .ok_or(MrError::RangeOverflow { start: va, length })?;
+        let pages = self.check_pages(pages)?;
+        if irql > Irql::APC {
+            return Err(MrError::IrqlTooHigh { irql });
+        }
+        let (pages, mapping, bus_pages) =
+            self.pin(hca, locker, RequestorMode::User, va, length, true, pages)?;
+        Ok(PinnedUser {
+            pages,
+            mapping,
+            bus_pages,
+            va,
+            length,
+        })
+    }
+
+    /// Unmaps and unlocks what [`pin_user`](Self::pin_user) pinned; the
+    /// device must no longer use it.
+    pub(crate) fn unpin_user(&self, hca: &Hca<P>, pinned: PinnedUser<P>) {
+        hca.dma.unmap(pinned.mapping);
+        drop(pinned.pages);
     }
 
     /// Validates a physical page list and takes its MTT range.

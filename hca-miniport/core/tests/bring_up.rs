@@ -116,7 +116,7 @@ const DROP_WRITES: u32 = 0xDEAD_0000;
 
 /// BAR0 of a device that is not what it seems: reads of the overridden
 /// registers return the given values; everything else reaches the device.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct LyingBar0 {
     inner: Bar0,
     overrides: RegisterOverrides,
@@ -162,6 +162,7 @@ impl Platform for LyingPlatform {
     type Registry = RegistryView;
     type Request = HostRequest;
     type Irql = IrqlTracker;
+    type Caller = sim_host::caller::HostCaller<LyingBar0>;
     type Event = sim_host::event::HostEvent;
 }
 

@@ -12,6 +12,7 @@
 //! | `Request` | [`WdfRequest`] | `WDFREQUEST` |
 //! | `IrqlQuery` | [`KeIrql`] | `KeGetCurrentIrql` |
 //! | `Event` | [`KernelEvent`] | a notification `KEVENT` |
+//! | `CallerProcess` | [`WdfCaller`] | the requesting process in `EvtIoInCallerContext`: its MDL locker, `MmMapIoSpaceEx` + `IoAllocateMdl` + `MmBuildMdlForNonPagedPool` + `MmMapLockedPagesSpecifyCache(UserMode, MmNonCached)` for a doorbell page — **not implemented** (see below) |
 //!
 //! Not implemented yet, and answered with `STATUS_NOT_SUPPORTED`: locking
 //! and mapping caller memory (`MemoryLocker::lock`, `DmaAdapter::map`).
@@ -19,7 +20,11 @@
 //! exception, which Rust cannot catch, so user pages need a small C shim
 //! with `__try`; and a persistent scatter/gather mapping needs
 //! `GetScatterGatherListEx` with its callback. The memory-region verbs
-//! that need them answer their error on Windows until then.
+//! that need them answer their error on Windows until then. Mapping a
+//! doorbell page into a user process (`CallerProcess::map_device_page`)
+//! likewise: `MmMapLockedPagesSpecifyCache` with `UserMode` raises on
+//! failure and needs the same `__try` shim; user `OpenCa` answers its
+//! error on Windows until then.
 
 use alloc::boxed::Box;
 use alloc::vec::Vec;
@@ -60,6 +65,7 @@ impl Platform for WdfPlatform {
     type Request = WdfRequest;
     type Irql = KeIrql;
     type Event = KernelEvent;
+    type Caller = WdfCaller;
 }
 
 // ---------------------------------------------------------------------------
@@ -321,7 +327,7 @@ impl DmaMapping for SgMapping {
 }
 
 /// Locks caller memory with MDLs. Not implemented yet (module doc).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct MdlLocker;
 
 impl MemoryLocker for MdlLocker {
@@ -664,6 +670,68 @@ impl WdfRequest {
             )
         };
     }
+}
+
+// ---------------------------------------------------------------------------
+// The calling process
+
+/// The process a user-mode request came from, built by the proxy in
+/// `EvtIoInCallerContext` with `PsGetCurrentProcessId`. Mapping device
+/// pages is not implemented yet (module doc).
+#[derive(Debug, Clone, Default)]
+pub struct WdfCaller {
+    process_id: u64,
+    locker: MdlLocker,
+}
+
+impl WdfCaller {
+    /// The caller whose process id is `process_id`.
+    pub fn new(process_id: u64) -> Self {
+        Self {
+            process_id,
+            locker: MdlLocker,
+        }
+    }
+}
+
+/// A device page mapped into a process (never made yet: module doc).
+#[derive(Debug)]
+pub struct UserPageMapping {
+    va: u64,
+}
+
+impl driver_platform::UserMapping for UserPageMapping {
+    fn user_va(&self) -> u64 {
+        self.va
+    }
+
+    fn len(&self) -> u64 {
+        4096
+    }
+}
+
+impl driver_platform::CallerProcess for WdfCaller {
+    type Mmio = Bar0;
+    type Locker = MdlLocker;
+    type Mapping = UserPageMapping;
+
+    fn process_id(&self) -> u64 {
+        self.process_id
+    }
+
+    fn current_irql(&self) -> Irql {
+        KeIrql.current_irql()
+    }
+
+    fn locker(&self) -> &MdlLocker {
+        &self.locker
+    }
+
+    fn map_device_page(&self, _bar: &Bar0, _offset: u64) -> Result<UserPageMapping, NtStatus> {
+        Err(NOT_SUPPORTED)
+    }
+
+    fn unmap_device_page(&self, _mapping: UserPageMapping) {}
 }
 
 // ---------------------------------------------------------------------------

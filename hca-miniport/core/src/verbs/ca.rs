@@ -5,11 +5,14 @@
 //!   caller and opens once; further opens are denied with
 //!   [`IbStatus::ResourceBusy`]). The CI's typed entry
 //!   [`Hca::open_ca`] registers the client's callbacks ([`CaClient`]); the
-//!   `OpenCa` request opens without callbacks. A user-mode `OpenCa` is
-//!   [`IbStatus::Unsupported`] until the core can map a doorbell (UAR) page
-//!   into the caller (the response must then carry it).
+//!   `OpenCa` request opens without callbacks. User processes open
+//!   contexts of their own through [`Hca::submit_user_request`]
+//!   (`verbs::user`: a doorbell page each, any number beside this open);
+//!   a user-mode `OpenCa` given to `submit_request` has no process to map
+//!   the page into and is [`IbStatus::Unsupported`].
 //! - **Close** (guide 6.1.4) refuses with [`IbStatus::ResourceBusy`] while
-//!   a PD or CQ lives, and otherwise waits (spinning: callbacks run at
+//!   a PD or CQ of this CA (not of a user context, `verbs::user`) lives,
+//!   and otherwise waits (spinning: callbacks run at
 //!   DISPATCH_LEVEL and never block) until no callback is in flight; none
 //!   follows its return. It must not be called from inside a callback.
 //! - **Query** (guide 6.1.2) builds the `ib_types::ca` attribute block from
@@ -122,7 +125,9 @@ impl<P: Platform> Hca<P> {
                 Some(open) if open.handle == ca && visible(open.mode, mode) => {}
                 _ => return Err(IbStatus::InvalidCaHandle),
             }
-            if !o.pds.is_empty() || !o.cqs.is_empty() {
+            // Only the CA's own objects count: user contexts' are theirs.
+            let (user_pds, user_cqs) = o.user.owned_pds_and_cqs();
+            if o.pds.len() > user_pds || o.cqs.len() > user_cqs {
                 return Err(IbStatus::ResourceBusy);
             }
             o.ca = None;
@@ -221,8 +226,16 @@ where
             a.responder.fail(status);
             return;
         }
+        self.query_ca_answer(a.responder);
+    }
+
+    /// Answers a QueryCa whose CA handle was checked.
+    pub(crate) fn query_ca_answer(
+        self: &Arc<Self>,
+        responder: super::Responder<QueryCa, P::Request>,
+    ) {
         let Some(report) = self.report() else {
-            a.responder.fail(IbStatus::InvalidState);
+            responder.fail(IbStatus::InvalidState);
             return;
         };
         let commands = (1..=report.capabilities.num_ports)
@@ -230,7 +243,6 @@ where
                 Command::new(Opcode::QueryPort, u32::from(port)).with_output(QUERY_PORT_BYTES)
             })
             .collect();
-        let responder = a.responder;
         self.run_commands(
             commands,
             Box::new(move |_hca, result| match result {

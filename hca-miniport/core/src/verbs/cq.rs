@@ -10,9 +10,10 @@
 //!   record (PRM 9.2) is one more common buffer of one page, kept across
 //!   resizes because `RESIZE_CQ` keeps `ci_dbr`. Both are allocated by the
 //!   work item (PASSIVE_LEVEL), then `WRITE_MTT` and `SW2HW_CQ` (UAR page 0,
-//!   the core's EQ) complete the request from the DPC. A user-mode
-//!   CreateCq is [`IbStatus::Unsupported`] until rings in the caller's
-//!   pinned memory exist (guide 6.8.1); only comp_vector 0 exists (one EQ).
+//!   the core's EQ) complete the request from the DPC. User CQs (rings in
+//!   the caller's pinned memory, guide 6.8.1) are `verbs::user`'s; a
+//!   user-mode CreateCq reaching this path is [`IbStatus::Unsupported`].
+//!   Only comp_vector 0 exists (one EQ).
 //! - **Resize** (guide 6.8.2): a new ring and MTT range, then `RESIZE_CQ`:
 //!   the device copies the outstanding CQEs into the new ring and resets
 //!   the consumer record to 0. While the command is outstanding the CQ
@@ -122,7 +123,7 @@ impl<P: Platform> core::fmt::Debug for Cq<P> {
 }
 
 impl<P: Platform> Cq<P> {
-    fn new(cqn: u32, log_entries: u8, mtt: EntryRange) -> Self {
+    pub(super) fn new(cqn: u32, log_entries: u8, mtt: EntryRange) -> Self {
         Self {
             cqn,
             ring: SpinLock::<P, _>::new(Ring {
@@ -148,8 +149,13 @@ impl<P: Platform> Cq<P> {
             .collect()
     }
 
-    fn set_life(&self, life: Life) {
+    pub(super) fn set_life(&self, life: Life) {
         self.ring.lock().life = life;
+    }
+
+    /// The CQ number.
+    pub(super) fn number(&self) -> u32 {
+        self.cqn
     }
 }
 
@@ -361,7 +367,7 @@ impl<P: Platform> Hca<P> {
 
     /// Removes a CQ whose creation failed, giving back its number and MTT
     /// entries.
-    fn forget_cq(&self, handle: Handle<kind::Cq>, mtt: EntryRange) {
+    pub(super) fn forget_cq(&self, handle: Handle<kind::Cq>, mtt: EntryRange) {
         let _ = self.with_objects(|o| {
             let _ = o.cqs.remove(handle);
             let _ = o.mtt.return_entries(mtt);
@@ -590,8 +596,26 @@ where
     }
 
     pub(crate) fn destroy_cq_request(self: &Arc<Self>, a: Accepted<DestroyCq, P::Request>) {
-        let mode = a.mode;
-        let handle = Handle::<kind::Cq>::from_raw(a.handle);
+        let responder = a.responder;
+        self.destroy_cq_then(
+            a.handle,
+            a.mode,
+            Box::new(move |_hca, result| match result {
+                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
+                Err(status) => responder.fail(status),
+            }),
+        );
+    }
+
+    /// Destroys the CQ `raw` (see the module doc), then calls `done`
+    /// (inline when refused, else from the DPC).
+    pub(super) fn destroy_cq_then(
+        self: &Arc<Self>,
+        raw: u64,
+        mode: RequestorMode,
+        done: super::Done<P>,
+    ) {
+        let handle = Handle::<kind::Cq>::from_raw(raw);
         let found = self.with_objects(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidCqHandle);
@@ -614,33 +638,31 @@ where
         });
         let cq = match found.and_then(|r| r) {
             Ok(cq) => cq,
-            Err(status) => {
-                a.responder.fail(status);
-                return;
-            }
+            Err(status) => return done(self, Err(status)),
         };
-        let responder = a.responder;
         self.run_commands(
             alloc::vec![Command::new(Opcode::Hw2SwCq, cq.cqn)],
-            Box::new(move |hca, result| match hca.forgive_when_failed(result) {
-                Ok(_) => {
-                    // Only now is the number free: every event of this CQ
-                    // came before this completion on the one EQ.
-                    let mtt = cq.ring.lock().mtt.take();
-                    let _ = hca.with_objects(|o| {
-                        let _ = o.cqs.remove(handle);
-                        if let Some(mtt) = mtt {
-                            let _ = o.mtt.return_entries(mtt);
-                        }
-                    });
-                    hca.free_later(cq.take_buffers());
-                    responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
-                }
-                Err(error) => {
-                    cq.set_life(Life::Live);
-                    responder.fail(error.ib_status());
-                }
-            }),
+            Box::new(
+                move |hca, result| match hca.forgive_destroy(handle.raw(), result) {
+                    Ok(_) => {
+                        // Only now is the number free: every event of this CQ
+                        // came before this completion on the one EQ.
+                        let mtt = cq.ring.lock().mtt.take();
+                        let _ = hca.with_objects(|o| {
+                            let _ = o.cqs.remove(handle);
+                            if let Some(mtt) = mtt {
+                                let _ = o.mtt.return_entries(mtt);
+                            }
+                        });
+                        hca.free_later(cq.take_buffers());
+                        done(hca, Ok(()));
+                    }
+                    Err(error) => {
+                        cq.set_life(Life::Live);
+                        done(hca, Err(error.ib_status()));
+                    }
+                },
+            ),
         );
     }
 }

@@ -101,6 +101,30 @@ impl<P: Platform> Hca<P> {
         }
     }
 
+    /// A CQ's, QP's or SRQ's destroy result: forgiven as
+    /// [`forgive_when_failed`](Self::forgive_when_failed) does, and also
+    /// when the object is one D0 entry could not give back to the device
+    /// (`handle` in the lost set, [`super::restore`]): the device has no
+    /// such object, so whatever it answers, freeing it is right.
+    pub(crate) fn forgive_destroy(
+        &self,
+        handle: u64,
+        result: Result<Vec<CommandOutput>, CommandError>,
+    ) -> Result<Vec<CommandOutput>, CommandError> {
+        let lost = self.verbs.lost.lock().remove(&handle);
+        match self.forgive_when_failed(result) {
+            Err(CommandError::Status { .. }) if lost => Ok(Vec::new()),
+            Err(error) => {
+                if lost {
+                    // Not this time (a timeout, say): still lost.
+                    self.verbs.lost.lock().insert(handle);
+                }
+                Err(error)
+            }
+            ok => ok,
+        }
+    }
+
     /// The verbs' side of a device failure (see the module doc). Runs once,
     /// at DISPATCH_LEVEL or below; takes no lock across a client callback.
     pub(crate) fn fail_verbs(&self) {

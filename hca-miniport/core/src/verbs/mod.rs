@@ -62,7 +62,9 @@
 //! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]), AV
 //! ([`av`]), SRQ ([`srq`]), kernel QPs ([`qp`]), memory regions
 //! ([`region`]), memory windows ([`mw`]), multicast ([`mcast`]), local MAD
-//! ([`mad`]); every other verb answers [`IbStatus::Unsupported`].
+//! ([`mad`]), and user-mode contexts with their CQs, QPs and SRQs in user
+//! memory through [`Hca::submit_user_request`] ([`user`]); every other verb
+//! answers [`IbStatus::Unsupported`].
 //!
 //! **Caller context.** Registering user memory locks pages of the calling
 //! process at PASSIVE_LEVEL (`mr`): the shell submits such requests with
@@ -84,6 +86,7 @@ pub mod qp;
 pub mod region;
 pub mod restore;
 pub mod srq;
+pub mod user;
 
 use alloc::boxed::Box;
 use alloc::collections::VecDeque;
@@ -124,6 +127,9 @@ pub(crate) type Buffer<P> = <<P as Platform>::Dma as DmaAdapter>::Buffer;
 /// outputs, or the first error.
 pub(crate) type Sequel<P> =
     Box<dyn FnOnce(&Arc<Hca<P>>, Result<Vec<CommandOutput>, CommandError>) + Send>;
+
+/// What runs when a destroy (or another step without output) ends.
+pub(crate) type Done<P> = Box<dyn FnOnce(&Arc<Hca<P>>, Result<(), IbStatus>) + Send>;
 
 /// Work that must run at PASSIVE_LEVEL (common-buffer allocation).
 type Job<P> = Box<dyn FnOnce(&Arc<Hca<P>>) + Send>;
@@ -167,6 +173,8 @@ pub(crate) struct Objects<P: Platform> {
     pub(crate) eqn: u32,
     /// `log2` of the largest CQ.
     pub(crate) log_max_cqes: u8,
+    /// User-mode contexts and what they hold ([`user`]).
+    pub(crate) user: user::UserContexts<P>,
 }
 
 /// The verb state of one [`Hca`].
@@ -180,6 +188,10 @@ pub struct Verbs<P: Platform> {
     /// Events software produced for clients, delivered by the DPC
     /// ([`restore`], [`fatal`]).
     soft_events: SpinLock<P, Vec<restore::SoftEvent>>,
+    /// Objects D0 entry could not give back to the device (user CQs, QPs
+    /// and SRQs, [`restore`]), by raw handle: their destroy frees them
+    /// whatever the device answers.
+    lost: SpinLock<P, alloc::collections::BTreeSet<u64>>,
     /// The locker for kernel-mode registrations ([`Hca::set_kernel_locker`]).
     kernel_locker: SpinLock<P, Option<Arc<P::Locker>>>,
 }
@@ -205,6 +217,7 @@ impl<P: Platform> Verbs<P> {
             to_free: SpinLock::<P, _>::new(Vec::new()),
             callbacks_in_flight: AtomicU32::new(0),
             soft_events: SpinLock::<P, _>::new(Vec::new()),
+            lost: SpinLock::<P, _>::new(alloc::collections::BTreeSet::new()),
             kernel_locker: SpinLock::<P, _>::new(None),
         }
     }
@@ -217,6 +230,7 @@ impl<P: Platform> Verbs<P> {
         let objects = self.objects.lock().take();
         // Their objects are gone; a later start's must not hear of them.
         self.soft_events.lock().clear();
+        self.lost.lock().clear();
         let mut buffers = core::mem::take(&mut *self.to_free.lock());
         if let Some(mut objects) = objects {
             for region in Hca::take_all_regions(&mut objects) {
@@ -271,6 +285,11 @@ impl<V: Verb, R: Request> Responder<V, R> {
     /// Bytes of private output the caller can take.
     pub fn private_room(&self) -> usize {
         self.private_room
+    }
+
+    /// True once the issuer asked to cancel the request.
+    pub fn is_canceled(&self) -> bool {
+        self.request.as_ref().is_some_and(Request::is_canceled)
     }
 }
 
@@ -669,6 +688,7 @@ impl<P: Platform> Hca<P> {
                 mtt,
                 eqn: report.eqn,
                 log_max_cqes: report.capabilities.log_max_cqes,
+                user: user::UserContexts::new(report.capabilities.num_uars.get().into()),
             });
         }
         guard.as_mut().map(f).ok_or(IbStatus::InvalidState)
@@ -682,9 +702,13 @@ impl<P: Platform> Hca<P> {
         })?
     }
 
-    /// Whether objects of the open CA are visible to `mode`.
+    /// Whether objects of the open CA are visible to `mode`. Kernel
+    /// requests also see objects while user contexts are open (user
+    /// requests reach them only after [`user`]'s ownership check, as
+    /// trusted requests).
     pub(crate) fn ca_visible(objects: &Objects<P>, mode: RequestorMode) -> bool {
         objects.ca.as_ref().is_some_and(|ca| visible(ca.mode, mode))
+            || (mode == RequestorMode::Kernel && !objects.user.is_empty())
     }
 
     /// Runs `commands` one after another (each only after the previous
@@ -783,7 +807,11 @@ pub(crate) struct VerbsRouter<'a, P: Platform> {
 impl<P: Platform> EventSink for VerbsRouter<'_, P> {
     fn completion(&self, cqn: u32) {
         self.hca.note_cq_event(cqn);
-        if let Some(cq) = self.hca.cq_owner(cqn) {
+        // A user CQ's event completes its process's waits ([`user`]); a
+        // kernel CQ's goes to the client.
+        if let Some(cq) = self.hca.cq_owner(cqn)
+            && !self.hca.user_cq_event(cq.raw())
+        {
             self.hca.deliver(|client| client.completion(cq));
         }
         self.hca.sink.completion(cqn);
@@ -802,6 +830,7 @@ impl<P: Platform> EventSink for VerbsRouter<'_, P> {
         };
         if let Some(qp) = self.hca.qp_device_event(qpn.get(), event)
             && let Ok(record) = AsyncEventRecord::new(code, qp, None, 0)
+            && !self.hca.user_async_event(&record)
         {
             self.hca.deliver(|client| client.async_event(&record));
         }
@@ -815,6 +844,7 @@ impl<P: Platform> EventSink for VerbsRouter<'_, P> {
         };
         if let Some(srq) = self.hca.srq_owner(srqn)
             && let Ok(record) = AsyncEventRecord::new(code, srq, None, 0)
+            && !self.hca.user_async_event(&record)
         {
             self.hca.deliver(|client| client.async_event(&record));
         }
@@ -825,6 +855,7 @@ impl<P: Platform> EventSink for VerbsRouter<'_, P> {
         if let Some(cq) = self.hca.cq_owner(cqn)
             && let Ok(record) =
                 AsyncEventRecord::new(ib_types::event::AsyncEventCode::CqError, cq.raw(), None, 0)
+            && !self.hca.user_async_event(&record)
         {
             self.hca.deliver(|client| client.async_event(&record));
         }

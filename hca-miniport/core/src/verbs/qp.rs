@@ -16,8 +16,9 @@
 //!   the work item, described by MTT entries of the verbs' one allocator,
 //!   then `WRITE_MTT` and `SW2HW_QP` (UAR page 0). The QP takes a use of its
 //!   PD ([`Hca::reference_pd`]) and of its CQs ([`Hca::reference_cq`]),
-//!   given back on destroy. A user-mode CreateQp is
-//!   [`IbStatus::Unsupported`] (rings in pinned user memory are not built).
+//!   given back on destroy. User QPs (rings in pinned user memory) are
+//!   `verbs::user`'s; a user-mode CreateQp reaching this path is
+//!   [`IbStatus::Unsupported`].
 //! - **On an SRQ** (guide 6.5.1, 6.4; PRM 6.1): with the create's `srq`
 //!   set the QP takes a use of the SRQ ([`Hca::reference_srq`], given back
 //!   on destroy or a failed create, so the SRQ's destroy is
@@ -137,17 +138,17 @@ pub const QPN_QUIET_PERIOD_NS: u64 = 2_000_000_000;
 
 /// Largest ring (`log2` of basic blocks or receive WQEs) the core makes,
 /// whatever the device reports: bounds the shadow rings' memory.
-const MAX_LOG_WQES: u8 = 20;
+pub(super) const MAX_LOG_WQES: u8 = 20;
 /// Largest send WQE (`log2` of bytes) the core considers; `size16` is one
 /// byte, so no WQE exceeds 4080 bytes anyway.
-const MAX_LOG_WQE_SIZE: u8 = 12;
+pub(super) const MAX_LOG_WQE_SIZE: u8 = 12;
 
 /// `log2` of a send basic block (PRM 10.2).
 pub(super) const SQ_LOG_STRIDE: u8 = 6;
 /// Bytes of the UD address segment.
-const UD_ADDR_SEG: usize = 48;
+pub(super) const UD_ADDR_SEG: usize = 48;
 /// Bytes of the remote address and atomic segments (RC's largest prefix).
-const RC_PREFIX: usize = 32;
+pub(super) const RC_PREFIX: usize = 32;
 
 /// Where a QP is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,6 +181,25 @@ pub(crate) struct Geometry {
 }
 
 impl Geometry {
+    /// The geometry of a user QP whose rings the user-mode provider laid
+    /// out (`verbs::user`, which checks it against the device first).
+    pub(super) fn user(
+        sq_log_bbs: u8,
+        log_wqe_bbs: u8,
+        rq: Option<(u8, u8)>,
+        caps: QpCaps,
+    ) -> Self {
+        let (rq_log_entries, rq_log_stride) = rq.unwrap_or((0, 0));
+        Self {
+            sq_log_bbs,
+            log_wqe_bbs,
+            rq_log_entries,
+            rq_log_stride,
+            caps,
+            has_rq: rq.is_some(),
+        }
+    }
+
     pub(super) fn sq_pages(&self) -> usize {
         (BB_SIZE << self.sq_log_bbs).div_ceil(PAGE)
     }
@@ -431,8 +451,65 @@ impl<P: Platform> Qp<P> {
             .collect()
     }
 
-    fn set_life(&self, life: Life) {
+    pub(super) fn set_life(&self, life: Life) {
         self.control.lock().life = life;
+    }
+
+    /// A user QP (`verbs::user`): the same object with no kernel rings
+    /// (the user-mode provider posts to rings in its own memory) and
+    /// one-slot shadows, as the kernel never posts to it.
+    #[expect(clippy::too_many_arguments, reason = "the QP's fixed properties")]
+    pub(super) fn new_user(
+        qpn: u32,
+        qp_type: QpType,
+        sq_sig_all: bool,
+        pd: u64,
+        send_cq: u64,
+        recv_cq: u64,
+        srq: Option<u64>,
+        geometry: Geometry,
+        mtt: EntryRange,
+    ) -> Self {
+        Self {
+            qpn,
+            qp_type,
+            sq_sig_all,
+            pd,
+            send_cq,
+            recv_cq,
+            srq,
+            geometry,
+            mcast: AtomicU32::new(0),
+            state: AtomicU8::new(QpState::Reset.code()),
+            closing: AtomicBool::new(false),
+            control: SpinLock::<P, _>::new(Control {
+                life: Life::Creating,
+                state: QpState::Reset,
+                attr: QpModify::default(),
+                mtt: Some(mtt),
+            }),
+            sq: SpinLock::<P, _>::new(SendRing {
+                ring: None,
+                producer: 0,
+                tail: 0,
+                shadow: alloc::vec![SendSlot::default(); 1],
+            }),
+            rq: SpinLock::<P, _>::new(RecvRing {
+                ring: None,
+                dbr: None,
+                producer: 0,
+                tail: 0,
+                shadow: alloc::vec![0; 1],
+            }),
+            // User QPs are not re-created from kernel state on D0 entry
+            // (`verbs::restore`).
+            create_port: 0,
+        }
+    }
+
+    /// The capacities granted.
+    pub(super) fn caps(&self) -> QpCaps {
+        self.geometry.caps
     }
 }
 
@@ -567,7 +644,7 @@ impl<P: Platform> Hca<P> {
 
     /// Takes the uses a QP holds: its PD, both CQs and its SRQ if any.
     /// Undoes what it took on failure.
-    fn reference_qp_parents(
+    pub(super) fn reference_qp_parents(
         &self,
         pd: u64,
         send_cq: u64,
@@ -607,7 +684,7 @@ impl<P: Platform> Hca<P> {
     }
 
     /// Drops the uses taken by [`reference_qp_parents`](Self::reference_qp_parents).
-    fn release_qp_parents(&self, pd: u64, send_cq: u64, recv_cq: u64, srq: Option<u64>) {
+    pub(super) fn release_qp_parents(&self, pd: u64, send_cq: u64, recv_cq: u64, srq: Option<u64>) {
         if let Some(srq) = srq {
             let _ = self.release_srq(srq);
         }
@@ -618,7 +695,7 @@ impl<P: Platform> Hca<P> {
 
     /// Removes a QP whose creation failed: its table entry (the number to
     /// quarantine), MTT entries and parent uses.
-    fn forget_qp(&self, handle: Handle<kind::Qp>, qp: &Qp<P>) {
+    pub(super) fn forget_qp(&self, handle: Handle<kind::Qp>, qp: &Qp<P>) {
         let mtt = qp.control.lock().mtt.take();
         let now = self.deferred.now_ns();
         let _ = self.with_objects(|o| {
@@ -980,7 +1057,6 @@ where
     }
 
     pub(crate) fn destroy_qp_request(self: &Arc<Self>, a: Accepted<DestroyQp, P::Request>) {
-        let handle = Handle::<kind::Qp>::from_raw(a.handle);
         let qp = match self.find_qp(a.handle, a.mode) {
             Ok(qp) => qp,
             Err(status) => {
@@ -988,13 +1064,33 @@ where
                 return;
             }
         };
+        let responder = a.responder;
+        self.destroy_qp_then(
+            a.handle,
+            qp,
+            Box::new(move |_hca, result| match result {
+                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
+                Err(status) => responder.fail(status),
+            }),
+        );
+    }
+
+    /// Destroys `qp` (handle `raw`; see the module doc), then calls `done`
+    /// (inline when refused, else from the DPC).
+    pub(super) fn destroy_qp_then(
+        self: &Arc<Self>,
+        raw: u64,
+        qp: Arc<Qp<P>>,
+        done: super::Done<P>,
+    ) {
+        let handle = Handle::<kind::Qp>::from_raw(raw);
         // Guide 6.5.5 item 6: the QP leaves every multicast group it is in.
         // Its memberships are claimed first (object-table lock), then
         // checked against the count under the control lock: an attach or
         // detach still in flight makes the destroy busy.
         let memberships = match self.claim_memberships(qp.qpn) {
             Ok(memberships) => memberships,
-            Err(status) => return a.responder.fail(status),
+            Err(status) => return done(self, Err(status)),
         };
         {
             let mut c = qp.control.lock();
@@ -1002,8 +1098,7 @@ where
             if c.life != Life::Live || !settled {
                 drop(c);
                 self.unclaim_memberships(&memberships);
-                a.responder.fail(IbStatus::ResourceBusy);
-                return;
+                return done(self, Err(IbStatus::ResourceBusy));
             }
             c.life = Life::Destroying;
         }
@@ -1015,7 +1110,6 @@ where
             let _rq = qp.rq.lock();
             qp.closing.store(true, Ordering::Release);
         }
-        let responder = a.responder;
         // To ERR first (PRM 6.1.3): the device completes every outstanding
         // WQE with WR_FLUSH_ERR, so no posted WR is lost silently; then
         // HW2SW_QP. A QP in RESET has nothing outstanding.
@@ -1033,7 +1127,7 @@ where
         self.leave_groups(
             qpn,
             memberships,
-            Box::new(move |hca| Self::finish_destroy(hca, qp, handle, commands, responder)),
+            Box::new(move |hca| Self::finish_destroy(hca, qp, handle, commands, done)),
         );
     }
 
@@ -1044,31 +1138,33 @@ where
         qp: Arc<Qp<P>>,
         handle: Handle<kind::Qp>,
         commands: Vec<Command>,
-        responder: super::Responder<DestroyQp, P::Request>,
+        done: super::Done<P>,
     ) {
         hca.run_commands(
             commands,
-            Box::new(move |hca, result| match hca.forgive_when_failed(result) {
-                Ok(_) => {
-                    {
-                        let mut c = qp.control.lock();
-                        c.state = QpState::Reset;
+            Box::new(
+                move |hca, result| match hca.forgive_destroy(handle.raw(), result) {
+                    Ok(_) => {
+                        {
+                            let mut c = qp.control.lock();
+                            c.state = QpState::Reset;
+                        }
+                        qp.state.store(QpState::Reset.code(), Ordering::Release);
+                        // Every event of this QP came before this completion on
+                        // the one EQ: the number can go to quarantine now. The
+                        // QP stays findable by number for the flushed
+                        // completions' wr_ids until the number is reused.
+                        let _ = hca.with_objects(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
+                        hca.forget_qp(handle, &qp);
+                        done(hca, Ok(()));
                     }
-                    qp.state.store(QpState::Reset.code(), Ordering::Release);
-                    // Every event of this QP came before this completion on
-                    // the one EQ: the number can go to quarantine now. The
-                    // QP stays findable by number for the flushed
-                    // completions' wr_ids until the number is reused.
-                    let _ = hca.with_objects(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
-                    hca.forget_qp(handle, &qp);
-                    responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
-                }
-                Err(error) => {
-                    qp.closing.store(false, Ordering::Release);
-                    qp.set_life(Life::Live);
-                    responder.fail(error.ib_status());
-                }
-            }),
+                    Err(error) => {
+                        qp.closing.store(false, Ordering::Release);
+                        qp.set_life(Life::Live);
+                        done(hca, Err(error.ib_status()));
+                    }
+                },
+            ),
         );
     }
 }

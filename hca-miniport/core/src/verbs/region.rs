@@ -36,8 +36,11 @@
 //!   context's locker and IRQL, from the thread that issued it. Without a
 //!   context (plain [`Hca::submit_request`]) a user registration answers
 //!   [`IbStatus::InvalidState`], as does any registration before a kernel
-//!   locker is installed. (User CAs are not built yet, so today every
-//!   region belongs to a kernel CA.)
+//!   locker is installed. A user context's RegMr, QueryMr and DeregMr
+//!   arrive through `verbs::user` (the caller's process, its PD), which
+//!   registers through `mr` with the process's locker and stores the
+//!   region here (`store_region`); close deregisters
+//!   what the context still holds.
 //! - **Query** is answered from the region the core keeps (guide 7.1.1.4:
 //!   "obtained from the region handle maintained by the driver"): PD,
 //!   range, rights and keys, no command.
@@ -172,6 +175,21 @@ impl<P: Platform> Hca<P> {
         responder: Responder<V, P::Request>,
         out: &V::Out,
     ) {
+        match self.store_region(mt, region, pd) {
+            Ok(handle) => responder.finish(IbStatus::Success, handle, Some(out), &[]),
+            Err(status) => responder.fail(status),
+        }
+    }
+
+    /// Stores a fresh region at its MPT index and returns its handle; if it
+    /// cannot be stored its host resources are released and the PD use
+    /// dropped.
+    pub(super) fn store_region(
+        self: &Arc<Self>,
+        mt: &MemoryTranslation<P>,
+        region: MemoryRegion<P>,
+        pd: u64,
+    ) -> Result<u64, IbStatus> {
         let index = region.mpt_index();
         let mut slot = Some(region);
         let stored = self.with_objects(|o| {
@@ -186,13 +204,13 @@ impl<P: Platform> Hca<P> {
                 .map_err(IbStatus::from)
         });
         match stored.and_then(|r| r) {
-            Ok(handle) => responder.finish(IbStatus::Success, handle.raw(), Some(out), &[]),
+            Ok(handle) => Ok(handle.raw()),
             Err(status) => {
                 let _ = self.release_pd(pd);
                 if let Some(region) = slot.take() {
                     mt.release_after_reset(self, region);
                 }
-                responder.fail(status);
+                Err(status)
             }
         }
     }
@@ -502,11 +520,30 @@ impl<P: Platform> Hca<P> {
     }
 
     pub(crate) fn dereg_mr_request(self: &Arc<Self>, a: Accepted<DeregMr, P::Request>) {
-        let (region, pd, mt) = match self.take_region(a.handle, a.mode) {
+        let responder = a.responder;
+        self.dereg_mr_then(
+            a.handle,
+            a.mode,
+            Box::new(move |_hca, result| match result {
+                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
+                Err(status) => responder.fail(status),
+            }),
+        );
+    }
+
+    /// Deregisters the region `mr` (see the module doc), then calls `done`
+    /// (inline when refused, else from the DPC).
+    pub(super) fn dereg_mr_then(
+        self: &Arc<Self>,
+        mr: u64,
+        mode: RequestorMode,
+        done: super::Done<P>,
+    ) {
+        let (region, pd, mt) = match self.take_region(mr, mode) {
             Ok(taken) => taken,
-            Err(status) => return a.responder.fail(status),
+            Err(status) => return done(self, Err(status)),
         };
-        let (weak, mr, responder) = (Arc::downgrade(self), a.handle, a.responder);
+        let weak = Arc::downgrade(self);
         let mt2 = mt.clone();
         mt.deregister(
             self,
@@ -519,13 +556,13 @@ impl<P: Platform> Hca<P> {
                     Ok(()) => {
                         hca.forget_region(mr);
                         let _ = hca.release_pd(pd);
-                        responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+                        done(&hca, Ok(()));
                     }
                     Err(failure) => {
                         if let Err(region) = hca.put_region(mr, failure.region, pd) {
                             mt2.release_after_reset(&hca, region);
                         }
-                        responder.fail(failure.error.ib_status());
+                        done(&hca, Err(failure.error.ib_status()));
                     }
                 }
             }),

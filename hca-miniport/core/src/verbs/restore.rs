@@ -51,6 +51,13 @@
 //!   unchanged but a binding is lost: the client binds again.
 //! - Destroyed QPs kept for their completions' `wr_id`s are not
 //!   re-created (the device had already forgotten them).
+//! - **User-mode CQs, QPs and SRQs** (`super::user`) are not re-created:
+//!   their rings and counters live in the process's provider, which cannot
+//!   be told that the device restarted every counter at 0. They are marked
+//!   lost (their destroy frees them whatever the device answers), user QPs
+//!   read ERR, and each object's context hears of it through
+//!   `GetAsyncEvent` (`CqError`, `QpFatal`, `SrqCatastrophic`). User
+//!   contexts, PDs and memory regions survive like the kernel's.
 
 use alloc::sync::Arc;
 use alloc::vec::Vec;
@@ -160,12 +167,20 @@ impl<P: Platform> Hca<P> {
             if !live {
                 continue;
             }
+            // A user object's events go to its context ([`super::user`]),
+            // a kernel object's to the client.
             match event {
                 SoftEvent::Completion(cq) => {
-                    let cq = ib_types::handle::CqHandle::from_raw(cq);
-                    self.deliver(|client| client.completion(cq));
+                    if !self.user_cq_event(cq) {
+                        let cq = ib_types::handle::CqHandle::from_raw(cq);
+                        self.deliver(|client| client.completion(cq));
+                    }
                 }
-                SoftEvent::Async(record) => self.deliver(|client| client.async_event(&record)),
+                SoftEvent::Async(record) => {
+                    if !self.user_async_event(&record) {
+                        self.deliver(|client| client.async_event(&record));
+                    }
+                }
             }
         }
     }
@@ -228,6 +243,10 @@ impl<P: Platform> Hca<P> {
         self.drain_rings_to_backlogs();
         let qps = self.live_qps();
         for (handle, qp) in qps {
+            if qp.sq.lock().ring.is_none() {
+                // A user QP: given up at D0 entry (`give_up_user_objects`).
+                continue;
+            }
             let state = qp.state();
             let connected = matches!(qp.qp_type, QpType::Rc | QpType::Uc)
                 && matches!(
@@ -365,7 +384,10 @@ impl<P: Platform> Hca<P> {
                     .iter()
                     .map(|(h, c)| (h.raw(), c.clone()))
                     .collect::<Vec<_>>(),
-                o.srqs.iter().map(|(_, s)| s.clone()).collect::<Vec<_>>(),
+                o.srqs
+                    .iter()
+                    .map(|(h, s)| (h.raw(), s.clone()))
+                    .collect::<Vec<_>>(),
                 o.mws
                     .iter()
                     .map(|(h, w)| (h.number(), *w))
@@ -380,6 +402,7 @@ impl<P: Platform> Hca<P> {
             return Ok(());
         };
         run(mtt.restore_commands())?;
+        self.give_up_user_objects(&cqs, &srqs);
         // Windows come back free (PRM 7.1 creates them unbound) with the
         // tag they had, so their R_Key is unchanged; a binding is lost.
         for (index, window) in &windows {
@@ -397,7 +420,7 @@ impl<P: Platform> Hca<P> {
         for (_, cq) in &cqs {
             run(self.restore_cq(cq, eqn))?;
         }
-        for srq in &srqs {
+        for (_, srq) in &srqs {
             run(restore_srq(srq))?;
         }
         for (_, qp) in self.live_qps() {
@@ -433,6 +456,45 @@ impl<P: Platform> Hca<P> {
             }
         }
         Ok(())
+    }
+
+    /// User CQs, QPs and SRQs (rings in a process's memory, counters in
+    /// its provider) cannot be given back: the device restarts every
+    /// counter at 0 and the provider cannot be told to. They are left off
+    /// the device, marked lost (their destroy frees them, `forgive_destroy`),
+    /// their QPs' cached state set to ERR, and each one's context told:
+    /// `CqError`, `QpFatal`, `SrqCatastrophic` (from the DPC, through the
+    /// context's `GetAsyncEvent`).
+    fn give_up_user_objects(
+        &self,
+        cqs: &[(u64, Arc<cq::Cq<P>>)],
+        srqs: &[(u64, Arc<srq::Srq<P>>)],
+    ) {
+        let mut lost = Vec::new();
+        for (handle, cq) in cqs {
+            if cq.ring.lock().ring.is_none() {
+                lost.push((*handle, AsyncEventCode::CqError));
+            }
+        }
+        for (handle, srq) in srqs {
+            if srq.ring.lock().ring.is_none() {
+                lost.push((*handle, AsyncEventCode::SrqCatastrophic));
+            }
+        }
+        for (handle, qp) in self.live_qps() {
+            if qp.sq.lock().ring.is_none() {
+                let mut c = qp.control.lock();
+                qp.set_state(&mut c, QpState::Err);
+                drop(c);
+                lost.push((handle, AsyncEventCode::QpFatal));
+            }
+        }
+        for (handle, code) in lost {
+            self.verbs.lost.lock().insert(handle);
+            if let Ok(record) = AsyncEventRecord::new(code, handle, None, 0) {
+                self.queue_soft_event(SoftEvent::Async(record));
+            }
+        }
     }
 
     /// A CQ's ring restarted empty (its entries are in the backlog) and

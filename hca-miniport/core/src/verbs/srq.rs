@@ -14,8 +14,9 @@
 //!   ring described by MTT entries from the verbs' one allocator; then
 //!   `WRITE_MTT` and `SW2HW_SRQ` (the PD's number, the limit) complete the
 //!   request from the DPC. The SRQ takes a use of its PD
-//!   ([`Hca::reference_pd`]) until it is destroyed. A user-mode CreateSrq
-//!   is [`IbStatus::Unsupported`] until user rings exist.
+//!   ([`Hca::reference_pd`]) until it is destroyed. User SRQs are
+//!   `verbs::user`'s; a user-mode CreateSrq reaching this path is
+//!   [`IbStatus::Unsupported`].
 //! - **Query** reads the device's context (`QUERY_SRQ`): the depth and
 //!   SGEs are the software's, the limit the device's (0 once the
 //!   `SRQ_LIMIT` event has fired: the limit is one-shot, PRM 6.4).
@@ -166,8 +167,42 @@ impl<P: Platform> Srq<P> {
             .collect()
     }
 
-    fn set_life(&self, life: Life) {
+    pub(super) fn set_life(&self, life: Life) {
         self.ring.lock().life = life;
+    }
+
+    /// A user SRQ (`verbs::user`): the same object with no kernel ring
+    /// (the user-mode provider posts to its own) and a one-slot `wr_id`
+    /// shadow, as the kernel never posts to it. Holds a use of `pd`.
+    pub(super) fn new_user(
+        srqn: u32,
+        pd: u64,
+        log_entries: u8,
+        log_stride: u8,
+        max_sge: u32,
+        mtt: EntryRange,
+    ) -> Self {
+        Self {
+            srqn,
+            pd,
+            log_entries,
+            log_stride,
+            max_sge,
+            ring: SpinLock::<P, _>::new(Ring {
+                life: Life::Creating,
+                ring: None,
+                dbr: None,
+                mtt: Some(mtt),
+                producer: 0,
+                wr_ids: vec![None; 1],
+                saved_limit: 0,
+            }),
+        }
+    }
+
+    /// The SRQ number.
+    pub(super) fn number(&self) -> u32 {
+        self.srqn
     }
 }
 
@@ -318,7 +353,7 @@ impl<P: Platform> Hca<P> {
 
     /// Removes an SRQ whose creation failed: its number, MTT entries and
     /// PD use go back.
-    fn forget_srq(&self, handle: Handle<kind::Srq>, pd: u64, mtt: EntryRange) {
+    pub(super) fn forget_srq(&self, handle: Handle<kind::Srq>, pd: u64, mtt: EntryRange) {
         let _ = self.with_objects(|o| {
             let _ = o.srqs.remove(handle);
             let _ = o.mtt.return_entries(mtt);
@@ -554,8 +589,26 @@ where
     }
 
     pub(crate) fn destroy_srq_request(self: &Arc<Self>, a: Accepted<DestroySrq, P::Request>) {
-        let mode = a.mode;
-        let handle = Handle::<kind::Srq>::from_raw(a.handle);
+        let responder = a.responder;
+        self.destroy_srq_then(
+            a.handle,
+            a.mode,
+            Box::new(move |_hca, result| match result {
+                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
+                Err(status) => responder.fail(status),
+            }),
+        );
+    }
+
+    /// Destroys the SRQ `raw` (see the module doc), then calls `done`
+    /// (inline when refused, else from the DPC).
+    pub(super) fn destroy_srq_then(
+        self: &Arc<Self>,
+        raw: u64,
+        mode: RequestorMode,
+        done: super::Done<P>,
+    ) {
+        let handle = Handle::<kind::Srq>::from_raw(raw);
         let found = self.with_objects(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidSrqHandle);
@@ -578,34 +631,32 @@ where
         });
         let srq = match found.and_then(|r| r) {
             Ok(srq) => srq,
-            Err(status) => {
-                a.responder.fail(status);
-                return;
-            }
+            Err(status) => return done(self, Err(status)),
         };
-        let responder = a.responder;
         self.run_commands(
             vec![Command::new(Opcode::Hw2SwSrq, srq.srqn)],
-            Box::new(move |hca, result| match hca.forgive_when_failed(result) {
-                Ok(_) => {
-                    // Only now is the number free: every event of this SRQ
-                    // came before this completion on the one EQ.
-                    let mtt = srq.ring.lock().mtt.take();
-                    let _ = hca.with_objects(|o| {
-                        let _ = o.srqs.remove(handle);
-                        if let Some(mtt) = mtt {
-                            let _ = o.mtt.return_entries(mtt);
-                        }
-                        let _ = o.pds.release(Handle::<kind::Pd>::from_raw(srq.pd));
-                    });
-                    hca.free_later(srq.take_buffers());
-                    responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
-                }
-                Err(error) => {
-                    srq.set_life(Life::Live);
-                    responder.fail(error.ib_status());
-                }
-            }),
+            Box::new(
+                move |hca, result| match hca.forgive_destroy(handle.raw(), result) {
+                    Ok(_) => {
+                        // Only now is the number free: every event of this SRQ
+                        // came before this completion on the one EQ.
+                        let mtt = srq.ring.lock().mtt.take();
+                        let _ = hca.with_objects(|o| {
+                            let _ = o.srqs.remove(handle);
+                            if let Some(mtt) = mtt {
+                                let _ = o.mtt.return_entries(mtt);
+                            }
+                            let _ = o.pds.release(Handle::<kind::Pd>::from_raw(srq.pd));
+                        });
+                        hca.free_later(srq.take_buffers());
+                        done(hca, Ok(()));
+                    }
+                    Err(error) => {
+                        srq.set_life(Life::Live);
+                        done(hca, Err(error.ib_status()));
+                    }
+                },
+            ),
         );
     }
 }

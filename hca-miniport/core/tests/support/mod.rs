@@ -317,6 +317,41 @@ impl World {
         self.settle();
         issuer.completion().expect("the request completed")
     }
+
+    /// Submits `V` to HCA `i` as a user-mode request of `caller`, with
+    /// `private` input bytes, at PASSIVE_LEVEL from the test thread (the
+    /// proxy's caller context); runs the machine and returns the
+    /// completion.
+    pub(crate) fn user_call_at<V: Verb>(
+        &self,
+        i: usize,
+        caller: &sim_host::caller::HostCaller,
+        handle: u64,
+        input: &V::In,
+        private: &[u8],
+        private_out_max: u32,
+    ) -> Completion {
+        let mut bytes = vec![0; request_len::<V>(private.len()).unwrap()];
+        encode_request::<V>(handle, input, private, private_out_max, &mut bytes).unwrap();
+        let out_len = ib_types::ioctl::response_len::<V>(private_out_max as usize).unwrap();
+        self.user_raw_at(i, caller, V::ID.ioctl().raw(), bytes, out_len)
+    }
+
+    /// Submits raw user-mode request bytes to HCA `i` for `caller` at
+    /// PASSIVE_LEVEL; runs the machine and returns the completion.
+    pub(crate) fn user_raw_at(
+        &self,
+        i: usize,
+        caller: &sim_host::caller::HostCaller,
+        code: u32,
+        input: Vec<u8>,
+        output_len: usize,
+    ) -> Completion {
+        let (request, issuer) = self.raw_request(code, RequestorMode::User, input, output_len);
+        self.hca_at(i).submit_user_request(request, caller.clone());
+        self.settle();
+        issuer.completion().expect("the request completed")
+    }
 }
 
 // ----- Power transitions (power.rs, catastrophic.rs) ---------------------

@@ -295,13 +295,23 @@ impl<P: Platform> Hca<P> {
             let mut rq = qp.rq.lock();
             let mask = (1u32 << qp.geometry.rq_log_entries) - 1;
             let ahead = u32::from(wqe_index.wrapping_sub(rq.tail as u16));
-            let wr_id = rq.shadow[(u32::from(wqe_index) & mask) as usize];
+            // `get`: a user QP keeps no shadow (one slot); a stale CQE that
+            // names its number finds no wr_id rather than a panic.
+            let wr_id = rq
+                .shadow
+                .get((u32::from(wqe_index) & mask) as usize)
+                .copied()
+                .unwrap_or(0);
             rq.tail = rq.tail.wrapping_add(ahead + 1);
             wr_id
         } else {
             let mut sq = qp.sq.lock();
             let mask = (1u32 << qp.geometry.sq_log_bbs) - 1;
-            let slot = sq.shadow[(u32::from(wqe_index) & mask) as usize];
+            let slot = sq
+                .shadow
+                .get((u32::from(wqe_index) & mask) as usize)
+                .copied()
+                .unwrap_or_default();
             let ahead = u32::from(wqe_index.wrapping_sub(sq.tail as u16));
             sq.tail = sq.tail.wrapping_add(ahead + slot.bbs);
             slot.wr_id

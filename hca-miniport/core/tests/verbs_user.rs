@@ -1,0 +1,1719 @@
+//! User-mode resources on the simulated host: a test-side "user process"
+//! plays the user-mode verbs provider (UVP). It opens a user context
+//! (its doorbell page mapped into the process), creates CQs and QPs whose
+//! rings live in its own memory (`hca_prm::uverbs` private data), builds
+//! WQEs with the `hca_prm` builders, rings its own doorbell page and polls
+//! CQEs from its own memory, while a kernel client drives a QP on the other
+//! HCA. Hostile private data, foreign handles and another process's
+//! doorbell page are refused; close with live objects leaves nothing
+//! behind. Each test ends with the host shut down and the verifier clean.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+
+use driver_platform::{Mmio, RequestorMode};
+use hca_miniport_core::mr::MemoryRegion;
+use hca_miniport_core::verbs::qp::SendRequest;
+use hca_prm::cqe::Cqe;
+use hca_prm::doorbell::{DoorbellRecord, SQ_DOORBELL, SqDoorbell};
+use hca_prm::uverbs::{CreateCqPriv, CreateCqPrivOut, CreateQpPriv, CreateQpPrivOut, OpenCaPriv};
+use hca_prm::wqe::{build_recv_wqe, build_send_wqe};
+use ib_types::access::AccessFlags;
+use ib_types::av::{AvAttr, Grh};
+use ib_types::cq::CqAttr;
+use ib_types::handle::{CqHandle, PdHandle};
+use ib_types::ioctl::{
+    AllocPd, CloseCa, CreateAv, CreateCq, CreateQp, DeallocPd, DestroyCq, DestroyQp, Empty,
+    ModifyQp, OpenCa, OpenCaIn, QueryCq, QueryQp, Verb,
+};
+use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
+use ib_types::scalars::{Gid, Lid, Mtu, PortNum, Psn, QKey, Qpn};
+use ib_types::status::IbStatus;
+use ib_types::wc::{WcStatus, WorkCompletion};
+use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
+use sim_hca::device::DeviceConfig;
+use sim_host::caller::HostCaller;
+use sim_host::memory::Process;
+use sim_host::platform::SimPlatform;
+use support::{World, response};
+use zerocopy::{FromBytes, IntoBytes};
+
+const KERNEL: RequestorMode = RequestorMode::Kernel;
+
+const IPS: [[[u8; 4]; 2]; 2] = [
+    [[10, 0, 0, 1], [10, 0, 1, 1]],
+    [[10, 0, 2, 1], [10, 0, 3, 1]],
+];
+const GUIDS: [u64; 2] = [0x0002_C900_0000_2000, 0x0002_C900_0000_3000];
+
+/// Two HCAs on one fabric; returns the world and each index's port-1 IP.
+fn two_hcas(seed: u64) -> (World, [[u8; 4]; 2]) {
+    let configs = vec![
+        DeviceConfig::with_ports(GUIDS[0], &IPS[0]),
+        DeviceConfig::with_ports(GUIDS[1], &IPS[1]),
+    ];
+    let w = World::with_hcas(seed, configs, hca_miniport_core::init::HcaConfig::default());
+    let ip = |i: usize| {
+        let guid = w.hca_at(i).report().unwrap().capabilities.node_guid.get();
+        if guid == GUIDS[0] {
+            IPS[0][0]
+        } else {
+            IPS[1][0]
+        }
+    };
+    let ips = [ip(0), ip(1)];
+    (w, ips)
+}
+
+/// Deterministic, non-trivial bytes.
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed))
+        .collect()
+}
+
+fn status_of<V: Verb>(c: &sim_host::request::Completion) -> IbStatus {
+    response::<V>(c).status
+}
+
+/// The user HCA.
+const U: usize = 0;
+/// The kernel client's HCA.
+const K: usize = 1;
+
+/// The test-side user-mode provider of one process.
+struct Uvp {
+    caller: HostCaller,
+    ca: u64,
+    doorbell: u64,
+    uar: u32,
+}
+
+/// A user memory region.
+struct UserMr {
+    handle: u64,
+    lkey: ib_types::wr::LKey,
+}
+
+/// A user CQ: ring and consumer record in the process.
+struct UserCq {
+    handle: u64,
+    cqn: u32,
+    log: u8,
+    ring: u64,
+    dbr: u64,
+    consumer: u32,
+}
+
+/// A user QP: rings and receive record in the process.
+struct UserQp {
+    handle: u64,
+    qpn: u32,
+    sq: u64,
+    sq_log_bbs: u8,
+    rq: u64,
+    rq_dbr: u64,
+    sq_producer: u32,
+    rq_producer: u32,
+}
+
+impl Uvp {
+    fn process(&self) -> &Process {
+        self.caller.process()
+    }
+
+    fn open(w: &World, pid: u32) -> Self {
+        let process = Process::new(pid);
+        let caller = HostCaller::new(w.host.pool().kernel_space(), &process);
+        let c = w.user_call_at::<OpenCa>(U, &caller, 0, &OpenCaIn::CURRENT, &[], 64);
+        let r = response::<OpenCa>(&c);
+        assert_eq!(r.status, IbStatus::Success);
+        let out = r.output.unwrap();
+        let private = OpenCaPriv::parse(r.private).unwrap();
+        let doorbell = out.doorbell.expect("a user open maps a doorbell page");
+        assert_eq!(doorbell.size, 4096);
+        assert_ne!(private.uar_index, 0, "never the kernel's page");
+        Self {
+            caller,
+            ca: r.handle,
+            doorbell: doorbell.va,
+            uar: private.uar_index,
+        }
+    }
+
+    fn call<V: Verb>(
+        &self,
+        w: &World,
+        handle: u64,
+        input: &V::In,
+        private: &[u8],
+    ) -> sim_host::request::Completion {
+        w.user_call_at::<V>(U, &self.caller, handle, input, private, 64)
+    }
+
+    fn alloc_pd(&self, w: &World) -> u64 {
+        let c = self.call::<AllocPd>(w, self.ca, &Empty, &[]);
+        let r = response::<AllocPd>(&c);
+        assert_eq!(r.status, IbStatus::Success);
+        r.handle
+    }
+
+    fn create_cq(&self, w: &World, log: u8) -> UserCq {
+        let ring = self.process().alloc(32 << log).unwrap();
+        let dbr = self.process().alloc(64).unwrap();
+        let layout = CreateCqPriv::new(log, ring, dbr).unwrap();
+        let attr = CqAttr {
+            cqe: 1 << log,
+            comp_vector: 0,
+        };
+        let c = self.call::<CreateCq>(w, self.ca, &attr, layout.emit().as_bytes());
+        let r = response::<CreateCq>(&c);
+        assert_eq!(r.status, IbStatus::Success);
+        assert_eq!(r.output.unwrap().cqe, 1 << log);
+        let out = CreateCqPrivOut::parse(r.private).unwrap();
+        assert_eq!(out.log_entries, log);
+        UserCq {
+            handle: r.handle,
+            cqn: out.cqn,
+            log,
+            ring,
+            dbr,
+            consumer: 0,
+        }
+    }
+
+    /// An RC or UD QP with 8 one-BB send WQEs and 8 32-byte receives.
+    fn create_qp(&self, w: &World, qp_type: QpType, pd: u64, cq: &UserCq) -> UserQp {
+        let (sq_log_bbs, log_wqe_bbs) = match qp_type {
+            QpType::Ud => (4, 1),
+            _ => (3, 0),
+        };
+        let sq = self.process().alloc(64 << sq_log_bbs).unwrap();
+        let rq = self.process().alloc(32 << 3).unwrap();
+        let rq_dbr = self.process().alloc(64).unwrap();
+        let layout =
+            CreateQpPriv::new(sq_log_bbs, log_wqe_bbs, sq, Some((3, 5, rq, rq_dbr))).unwrap();
+        let input = qp_create(qp_type, pd, cq.handle);
+        let c = self.call::<CreateQp>(w, self.ca, &input, layout.emit().as_bytes());
+        let r = response::<CreateQp>(&c);
+        assert_eq!(r.status, IbStatus::Success, "{qp_type:?}");
+        let created = r.output.unwrap();
+        let out = CreateQpPrivOut::parse(r.private).unwrap();
+        assert_eq!(out.qpn, created.qpn.get());
+        assert_eq!(out.uar_index, self.uar);
+        assert_eq!(created.caps.max_send_wr, 8);
+        assert_eq!(created.caps.max_recv_wr, 8);
+        UserQp {
+            handle: r.handle,
+            qpn: out.qpn,
+            sq,
+            sq_log_bbs,
+            rq,
+            rq_dbr,
+            sq_producer: 0,
+            rq_producer: 0,
+        }
+    }
+
+    fn modify(&self, w: &World, qp: u64, m: &QpModify) -> IbStatus {
+        status_of::<ModifyQp>(&self.call::<ModifyQp>(w, qp, m, &[]))
+    }
+
+    /// Posts one receive: the WQE into the ring, then the record.
+    fn post_recv(&self, qp: &mut UserQp, sges: &[Sge]) {
+        let mut wqe = [0u8; 32];
+        build_recv_wqe(sges, qp.rq_producer as u16, 32, &mut wqe).unwrap();
+        let slot = u64::from(qp.rq_producer & 7) * 32;
+        self.process().write(qp.rq + slot, &wqe).unwrap();
+        qp.rq_producer += 1;
+        self.process()
+            .write(qp.rq_dbr, DoorbellRecord::new(qp.rq_producer).as_bytes())
+            .unwrap();
+    }
+
+    /// Posts one send WQE and rings the SQ doorbell on this process's page
+    /// with `qpn` (normally the QP's own).
+    fn post_send(&self, qp: &mut UserQp, wr: &SendWr<'_>, av: Option<&hca_prm::av::Av>, qpn: u32) {
+        let mut wqe = [0u8; 256];
+        let len = build_send_wqe(wr, av, qp.sq_producer as u16, None, &mut wqe).unwrap();
+        let bbs = hca_prm::wqe::basic_blocks(len) as u32;
+        let slot = u64::from(qp.sq_producer & ((1 << qp.sq_log_bbs) - 1)) * 64;
+        self.process().write(qp.sq + slot, &wqe[..len]).unwrap();
+        qp.sq_producer += bbs;
+        self.ring(qpn, qp.sq_producer);
+    }
+
+    fn ring(&self, qpn: u32, producer: u32) {
+        let doorbell = SqDoorbell {
+            qpn: Qpn::from_low_bits(qpn),
+            producer,
+        };
+        self.process()
+            .write_device64(self.doorbell + SQ_DOORBELL, doorbell.encode())
+            .unwrap();
+    }
+
+    /// Polls every valid CQE from the ring, then writes the record.
+    fn poll(&self, cq: &mut UserCq) -> Vec<Cqe> {
+        let mut out = Vec::new();
+        loop {
+            let slot = u64::from(cq.consumer & ((1 << cq.log) - 1)) * 32;
+            let mut raw = [0u8; 32];
+            self.process().read(cq.ring + slot, &mut raw).unwrap();
+            let cqe = Cqe::read_from_bytes(&raw).unwrap();
+            if !cqe.is_valid(cq.consumer, cq.log) {
+                break;
+            }
+            out.push(cqe);
+            cq.consumer += 1;
+        }
+        self.process()
+            .write(cq.dbr, DoorbellRecord::new(cq.consumer).as_bytes())
+            .unwrap();
+        out
+    }
+
+    /// Registers `len` bytes of process memory with the user RegMr verb
+    /// (the pages are locked in this process).
+    fn register(&self, w: &World, pd: u64, va: u64, len: u64) -> UserMr {
+        let input = ib_types::mr::MrRegister {
+            vaddr: va,
+            length: len,
+            access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        };
+        let c = self.call::<ib_types::ioctl::RegMr>(w, pd, &input, &[]);
+        let r = response::<ib_types::ioctl::RegMr>(&c);
+        assert_eq!(r.status, IbStatus::Success);
+        UserMr {
+            handle: r.handle,
+            lkey: r.output.unwrap().lkey,
+        }
+    }
+
+    fn dereg(&self, w: &World, mr: &UserMr) {
+        let c = self.call::<ib_types::ioctl::DeregMr>(w, mr.handle, &Empty, &[]);
+        assert_eq!(status_of::<ib_types::ioctl::DeregMr>(&c), IbStatus::Success);
+    }
+
+    fn close(&self, w: &World) -> IbStatus {
+        status_of::<CloseCa>(&self.call::<CloseCa>(w, self.ca, &Empty, &[]))
+    }
+}
+
+fn deregister(w: &World, i: usize, region: MemoryRegion<SimPlatform>) {
+    let mt = w.hca_at(i).memory_translation().unwrap();
+    let out = Arc::new(Mutex::new(None));
+    let sink = out.clone();
+    mt.deregister(
+        &w.hca_at(i),
+        region,
+        Box::new(move |r| *support::lock(&sink) = Some(r.is_ok())),
+    );
+    w.settle();
+    assert_eq!(support::lock(&out).take(), Some(true));
+}
+
+fn qp_create(qp_type: QpType, pd: u64, cq: u64) -> QpCreate {
+    QpCreate {
+        qp_type,
+        pd: PdHandle::from_raw(pd),
+        send_cq: CqHandle::from_raw(cq),
+        recv_cq: CqHandle::from_raw(cq),
+        srq: None,
+        caps: QpCaps {
+            max_send_wr: 8,
+            max_recv_wr: 8,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        },
+        sq_sig_all: false,
+        port: None,
+    }
+}
+
+fn av_to(ip: [u8; 4]) -> AvAttr {
+    AvAttr {
+        port: PortNum::FIRST,
+        sl: 0,
+        dlid: Lid::default(),
+        path_bits: 0,
+        static_rate: 0,
+        grh: Some(Grh {
+            dgid: Gid::from_ipv4(ip),
+            flow_label: 0,
+            hop_limit: 64,
+            traffic_class: 0,
+            sgid_index: 0,
+        }),
+    }
+}
+
+/// RESET to RTS for an RC QP, or to RTS for a UD QP with Q_Key 0x11.
+fn to_rts(qp_type: QpType, dest: u32, dest_ip: [u8; 4]) -> Vec<QpModify> {
+    let init = QpModify {
+        state: Some(QpState::Init),
+        pkey_index: Some(0),
+        port: Some(PortNum::FIRST),
+        ..QpModify::default()
+    };
+    match qp_type {
+        QpType::Ud => vec![
+            QpModify {
+                qkey: Some(QKey::new(0x11)),
+                ..init
+            },
+            QpModify::to_state(QpState::Rtr),
+            QpModify {
+                sq_psn: Some(Psn::new(1).unwrap()),
+                ..QpModify::to_state(QpState::Rts)
+            },
+        ],
+        _ => vec![
+            QpModify {
+                access: Some(AccessFlags::REMOTE_WRITE),
+                ..init
+            },
+            QpModify {
+                state: Some(QpState::Rtr),
+                av: Some(av_to(dest_ip)),
+                path_mtu: Some(Mtu::Mtu1024),
+                dest_qpn: Some(Qpn::new(dest).unwrap()),
+                rq_psn: Some(Psn::new(100).unwrap()),
+                max_dest_rd_atomic: Some(1),
+                min_rnr_timer: Some(12),
+                ..QpModify::default()
+            },
+            QpModify {
+                state: Some(QpState::Rts),
+                sq_psn: Some(Psn::new(100).unwrap()),
+                timeout: Some(14),
+                retry_cnt: Some(7),
+                rnr_retry: Some(7),
+                max_rd_atomic: Some(1),
+                ..QpModify::default()
+            },
+        ],
+    }
+}
+
+/// The kernel client on HCA `K`: CA, PD, CQ, one QP and a registered
+/// common buffer.
+struct Kernel {
+    ca: u64,
+    pd: u64,
+    cq: u64,
+    qp: u64,
+    qpn: u32,
+    buffer: sim_host::dma::HostCommonBuffer,
+    region: MemoryRegion<SimPlatform>,
+}
+
+impl Kernel {
+    fn new(w: &World, qp_type: QpType) -> Self {
+        use driver_platform::{CommonBuffer, DmaAdapter};
+        let c = w.call_in_dpc_at::<OpenCa>(K, KERNEL, 0, &OpenCaIn::CURRENT, 0);
+        let ca = response::<OpenCa>(&c).handle;
+        let pd = response::<AllocPd>(&w.call_in_dpc_at::<AllocPd>(K, KERNEL, ca, &Empty, 0)).handle;
+        let attr = CqAttr {
+            cqe: 64,
+            comp_vector: 0,
+        };
+        let cq =
+            response::<CreateCq>(&w.call_in_dpc_at::<CreateCq>(K, KERNEL, ca, &attr, 0)).handle;
+        let input = qp_create(qp_type, pd, cq);
+        let c = w.call_in_dpc_at::<CreateQp>(K, KERNEL, ca, &input, 0);
+        let r = response::<CreateQp>(&c);
+        assert_eq!(r.status, IbStatus::Success);
+        let (qp, qpn) = (r.handle, r.output.unwrap().qpn.get());
+        let buffer = w.adapter_at(K).alloc_common(8192).unwrap();
+        let bus = buffer.bus_address();
+        let pages = vec![bus, bus + 4096];
+        let mt = w.hca_at(K).memory_translation().unwrap();
+        let out = Arc::new(Mutex::new(None));
+        let (hca, sink) = (w.hca_at(K), out.clone());
+        let pd_number = support::number_of(pd);
+        w.in_dpc(move || {
+            let request = hca_miniport_core::mr::PhysicalRegion {
+                iova: bus,
+                length: 8192,
+                first_byte_offset: 0,
+                page_shift: 12,
+                pages: &pages,
+                access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+                pd: pd_number,
+            };
+            mt.register_physical(
+                &hca,
+                request,
+                Box::new(move |r| *support::lock(&sink) = Some(r)),
+            );
+        });
+        w.settle();
+        let region = support::lock(&out).take().unwrap().unwrap();
+        Self {
+            ca,
+            pd,
+            cq,
+            qp,
+            qpn,
+            buffer,
+            region,
+        }
+    }
+
+    fn modify(&self, w: &World, m: &QpModify) -> IbStatus {
+        status_of::<ModifyQp>(&w.call_in_dpc_at::<ModifyQp>(K, KERNEL, self.qp, m, 0))
+    }
+
+    fn sge(&self, offset: u64, len: u32) -> Sge {
+        Sge::new(self.region.start() + offset, len, self.region.lkey())
+    }
+
+    fn write(&self, offset: usize, bytes: &[u8]) {
+        use driver_platform::CommonBuffer;
+        assert!(self.buffer.write(offset, bytes));
+    }
+
+    fn read(&self, offset: usize, len: usize) -> Vec<u8> {
+        use driver_platform::CommonBuffer;
+        let mut out = vec![0; len];
+        assert!(self.buffer.read(offset, &mut out));
+        out
+    }
+
+    fn post_recv(&self, w: &World, wr_id: u64, sges: Vec<Sge>) {
+        let out = Arc::new(Mutex::new(None));
+        let (hca, sink, qp) = (w.hca_at(K), out.clone(), self.qp);
+        w.in_dpc(move || {
+            let wrs = [RecvWr {
+                wr_id,
+                sg_list: &sges,
+            }];
+            *support::lock(&sink) = Some(hca.post_recv(qp, &wrs));
+        });
+        w.settle();
+        assert_eq!(support::lock(&out).take(), Some((1, IbStatus::Success)));
+    }
+
+    fn post_send(&self, w: &World, wr_id: u64, sges: Vec<Sge>) {
+        let out = Arc::new(Mutex::new(None));
+        let (hca, sink, qp) = (w.hca_at(K), out.clone(), self.qp);
+        w.in_dpc(move || {
+            let wr = SendWr {
+                wr_id,
+                op: SendOp::Send,
+                flags: SendFlags::SIGNALED,
+                sg_list: &sges,
+                ud: None,
+            };
+            let requests = [SendRequest {
+                wr,
+                av: None,
+                inline: None,
+            }];
+            *support::lock(&sink) = Some(hca.post_send(qp, &requests));
+        });
+        w.settle();
+        assert_eq!(support::lock(&out).take(), Some((1, IbStatus::Success)));
+    }
+
+    fn poll(&self, w: &World) -> Vec<WorkCompletion> {
+        let out = Arc::new(Mutex::new(Vec::new()));
+        let (hca, sink, cq) = (w.hca_at(K), out.clone(), self.cq);
+        w.in_dpc(move || {
+            let mut wcs = [WorkCompletion::EMPTY; 8];
+            loop {
+                let n = hca.poll_cq(cq, &mut wcs).unwrap();
+                if n == 0 {
+                    break;
+                }
+                support::lock(&sink).extend_from_slice(&wcs[..n]);
+            }
+        });
+        w.settle();
+        support::lock(&out).clone()
+    }
+
+    fn finish(self, w: &World) {
+        let Kernel {
+            ca,
+            pd,
+            cq,
+            qp,
+            buffer,
+            region,
+            ..
+        } = self;
+        deregister(w, K, region);
+        w.adapter_at(K).free_common(buffer);
+        assert_eq!(
+            status_of::<DestroyQp>(&w.call_in_dpc_at::<DestroyQp>(K, KERNEL, qp, &Empty, 0)),
+            IbStatus::Success
+        );
+        assert_eq!(
+            status_of::<DestroyCq>(&w.call_in_dpc_at::<DestroyCq>(K, KERNEL, cq, &Empty, 0)),
+            IbStatus::Success
+        );
+        assert_eq!(
+            status_of::<DeallocPd>(&w.call_in_dpc_at::<DeallocPd>(K, KERNEL, pd, &Empty, 0)),
+            IbStatus::Success
+        );
+        assert_eq!(
+            status_of::<CloseCa>(&w.call_in_dpc_at::<CloseCa>(K, KERNEL, ca, &Empty, 0)),
+            IbStatus::Success
+        );
+    }
+}
+
+/// Reads the device's count of dropped doorbells (PRM 2).
+fn dropped_doorbells(w: &World) -> u32 {
+    w.function()
+        .bar0()
+        .read32(hca_prm::regs::offset::DROPPED_DOORBELLS)
+}
+
+#[test]
+fn a_user_rc_qp_moves_data_both_ways_with_a_kernel_qp_on_another_hca() {
+    let (w, ips) = two_hcas(71);
+    let uvp = Uvp::open(&w, 7);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 4);
+    let mut qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
+    let k = Kernel::new(&w, QpType::Rc);
+
+    // QueryCa on the context: the attribute block does not fit 64 bytes,
+    // so the size report comes back (the verb ran for this context).
+    let c = uvp.call::<ib_types::ioctl::QueryCa>(&w, uvp.ca, &Empty, &[]);
+    let r = response::<ib_types::ioctl::QueryCa>(&c);
+    assert_eq!(r.status, IbStatus::Overflow);
+    assert!(r.output.unwrap().total_size > 64);
+
+    // Query through the user path: the QP is the caller's, in RESET.
+    let c = uvp.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
+    let q = response::<QueryQp>(&c).output.unwrap();
+    assert_eq!(
+        (q.qp_type, q.state, q.qpn.get()),
+        (QpType::Rc, QpState::Reset, qp.qpn)
+    );
+    let c = uvp.call::<QueryCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(response::<QueryCq>(&c).output.unwrap().cqe, 16);
+
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+
+    // The user's buffer: 8 KiB of process memory, registered.
+    let buf = uvp.process().alloc(8192).unwrap();
+    let region = uvp.register(&w, pd, buf, 8192);
+    let user_sge = |offset: u64, len: u32| Sge::new(buf + offset, len, region.lkey);
+
+    // Kernel -> user: the user posts a receive in its own ring.
+    let to_user = pattern(5, 3000);
+    k.write(0, &to_user);
+    uvp.post_recv(&mut qp, &[user_sge(0, 4096)]);
+    k.post_send(&w, 41, vec![k.sge(0, 3000)]);
+    let cqes = uvp.poll(&mut cq);
+    assert_eq!(cqes.len(), 1);
+    let wc = cqes[0].to_work_completion(0).unwrap();
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 3000));
+    assert_eq!(cqes[0].qpn.get() & 0xFF_FFFF, qp.qpn);
+    let mut got = vec![0; 3000];
+    uvp.process().read(buf, &mut got).unwrap();
+    assert_eq!(got, to_user);
+    let kwc = k.poll(&w);
+    assert_eq!(kwc.len(), 1);
+    assert_eq!((kwc[0].wr_id, kwc[0].status), (41, WcStatus::Success));
+
+    // User -> kernel: the user builds the WQE and rings its own page.
+    let to_kernel = pattern(77, 2500);
+    uvp.process().write(buf + 4096, &to_kernel).unwrap();
+    k.post_recv(&w, 51, vec![k.sge(4096, 4096)]);
+    let sges = [user_sge(4096, 2500)];
+    let wr = SendWr {
+        wr_id: 0,
+        op: SendOp::Send,
+        flags: SendFlags::SIGNALED,
+        sg_list: &sges,
+        ud: None,
+    };
+    let qpn = qp.qpn;
+    uvp.post_send(&mut qp, &wr, None, qpn);
+    w.settle();
+    let kwc = k.poll(&w);
+    assert_eq!(kwc.len(), 1);
+    assert_eq!(
+        (kwc[0].wr_id, kwc[0].status, kwc[0].byte_len),
+        (51, WcStatus::Success, 2500)
+    );
+    assert_eq!(k.read(4096, 2500), to_kernel);
+    let cqes = uvp.poll(&mut cq);
+    assert_eq!(cqes.len(), 1);
+    assert_eq!(
+        cqes[0].to_work_completion(0).unwrap().status,
+        WcStatus::Success
+    );
+
+    // Another process's doorbell page cannot ring this QP: the device
+    // drops the doorbell (PRM 9.1) and nothing is sent.
+    let other = Uvp::open(&w, 8);
+    assert_ne!(other.uar, uvp.uar);
+    k.post_recv(&w, 52, vec![k.sge(0, 4096)]);
+    let dropped = dropped_doorbells(&w);
+    // The WQE is in the ring; only the doorbell comes from the wrong page.
+    let mut wqe = [0u8; 64];
+    let len = build_send_wqe(&wr, None, qp.sq_producer as u16, None, &mut wqe).unwrap();
+    let slot = u64::from(qp.sq_producer & 7) * 64;
+    uvp.process().write(qp.sq + slot, &wqe[..len]).unwrap();
+    other.ring(qp.qpn, qp.sq_producer + 1);
+    w.settle();
+    assert_eq!(dropped_doorbells(&w), dropped + 1);
+    assert!(k.poll(&w).is_empty(), "nothing was sent");
+    // The owner's page rings it.
+    qp.sq_producer += 1;
+    uvp.ring(qp.qpn, qp.sq_producer);
+    w.settle();
+    let kwc = k.poll(&w);
+    assert_eq!((kwc.len(), kwc[0].wr_id), (1, 52));
+    assert_eq!(uvp.poll(&mut cq).len(), 1);
+
+    // Handles of one context are not another's, nor is a kernel object a
+    // user's: refused, nothing changed.
+    let c = other.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<QueryQp>(&c), IbStatus::InvalidQpHandle);
+    let c = other.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::InvalidQpHandle);
+    let c = other.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::InvalidCqHandle);
+    let c = other.call::<AllocPd>(&w, uvp.ca, &Empty, &[]);
+    assert_eq!(status_of::<AllocPd>(&c), IbStatus::InvalidCaHandle);
+    // A kernel client's objects on the user's HCA.
+    let kca =
+        response::<OpenCa>(&w.call_in_dpc_at::<OpenCa>(U, KERNEL, 0, &OpenCaIn::CURRENT, 0)).handle;
+    let kpd = response::<AllocPd>(&w.call_in_dpc_at::<AllocPd>(U, KERNEL, kca, &Empty, 0)).handle;
+    let attr = CqAttr {
+        cqe: 8,
+        comp_vector: 0,
+    };
+    let kcq = response::<CreateCq>(&w.call_in_dpc_at::<CreateCq>(U, KERNEL, kca, &attr, 0)).handle;
+    let c = uvp.call::<QueryCq>(&w, kcq, &Empty, &[]);
+    assert_eq!(status_of::<QueryCq>(&c), IbStatus::InvalidCqHandle);
+    let c = uvp.call::<DestroyCq>(&w, kcq, &Empty, &[]);
+    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::InvalidCqHandle);
+    let c = uvp.call::<DeallocPd>(&w, kpd, &Empty, &[]);
+    assert_eq!(status_of::<DeallocPd>(&c), IbStatus::InvalidPdHandle);
+    let c = uvp.call::<AllocPd>(&w, kca, &Empty, &[]);
+    assert_eq!(status_of::<AllocPd>(&c), IbStatus::InvalidCaHandle);
+    let c = uvp.call::<CloseCa>(&w, kca, &Empty, &[]);
+    assert_eq!(status_of::<CloseCa>(&c), IbStatus::InvalidCaHandle);
+    // The kernel sees the user's objects (kernel requests see everything)
+    // but its CA stays its own: the user QP is not on its CA to close.
+    assert_eq!(
+        status_of::<DestroyCq>(&w.call_in_dpc_at::<DestroyCq>(U, KERNEL, kcq, &Empty, 0)),
+        IbStatus::Success
+    );
+    assert_eq!(
+        status_of::<DeallocPd>(&w.call_in_dpc_at::<DeallocPd>(U, KERNEL, kpd, &Empty, 0)),
+        IbStatus::Success
+    );
+    assert_eq!(
+        status_of::<CloseCa>(&w.call_in_dpc_at::<CloseCa>(U, KERNEL, kca, &Empty, 0)),
+        IbStatus::Success
+    );
+    // A QP over another context's CQ and PD.
+    let other_pd = other.alloc_pd(&w);
+    let other_cq = other.create_cq(&w, 3);
+    let layout = CreateQpPriv::new(
+        3,
+        0,
+        other.process().alloc(512).unwrap(),
+        Some((
+            3,
+            5,
+            other.process().alloc(256).unwrap(),
+            other.process().alloc(64).unwrap(),
+        )),
+    )
+    .unwrap();
+    let c = other.call::<CreateQp>(
+        &w,
+        other.ca,
+        &qp_create(QpType::Rc, pd, other_cq.handle),
+        layout.emit().as_bytes(),
+    );
+    assert_eq!(status_of::<CreateQp>(&c), IbStatus::InvalidPdHandle);
+    let c = other.call::<CreateQp>(
+        &w,
+        other.ca,
+        &qp_create(QpType::Rc, other_pd, cq.handle),
+        layout.emit().as_bytes(),
+    );
+    assert_eq!(status_of::<CreateQp>(&c), IbStatus::InvalidCqHandle);
+    // User AVs are the provider's: a user CreateAv reaching the kernel.
+    let c = uvp.call::<CreateAv>(&w, pd, &av_to(ips[K]), &[]);
+    assert_eq!(status_of::<CreateAv>(&c), IbStatus::Unsupported);
+
+    // Destroy through the user path; the CQ is busy while the QP lives.
+    let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::ResourceBusy);
+    let c = uvp.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
+    let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::Success);
+    uvp.dereg(&w, &region);
+
+    // Close the other context with its CQ and PD still live: everything
+    // goes, its page is unmapped and its pages unlocked.
+    let free_uars = w.hca_at(U).free_uar_pages();
+    assert_eq!(other.close(&w), IbStatus::Success);
+    assert_eq!(w.hca_at(U).free_uar_pages(), free_uars + 1);
+    assert_eq!(other.process().space().device_mapping_count(), 0);
+    assert_eq!(other.process().space().locked_pages(), 0);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(w.hca_at(U).user_context_count(), 0);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    assert_eq!(other.process().exit(), 0);
+    k.finish(&w);
+    w.finish();
+}
+
+/// What a refused request must leave unchanged.
+#[derive(Debug, PartialEq, Eq)]
+struct Footprint {
+    mtt: hca_miniport_core::mr::TranslationUsage,
+    locked: usize,
+    contexts: usize,
+    uars: u32,
+}
+
+fn footprint(w: &World, uvp: &Uvp) -> Footprint {
+    Footprint {
+        mtt: w.hca_at(U).memory_translation().unwrap().usage(),
+        locked: uvp.process().space().locked_pages(),
+        contexts: w.hca_at(U).user_context_count(),
+        uars: w.hca_at(U).free_uar_pages(),
+    }
+}
+
+#[test]
+fn hostile_ring_descriptions_are_refused_and_change_nothing() {
+    use hca_prm::uverbs::{CreateCqPrivAbi, CreateQpPrivAbi};
+    use hca_prm::{Le32, Le64};
+    use sim_host::memory::Protection;
+    let (w, _) = two_hcas(72);
+    let uvp = Uvp::open(&w, 9);
+    let pd = uvp.alloc_pd(&w);
+    let cq = uvp.create_cq(&w, 3);
+    let before = footprint(&w, &uvp);
+    let p = uvp.process();
+    let ring = p.alloc(8192).unwrap();
+    let dbr = p.alloc(64).unwrap();
+    let read_only = p.alloc_with(4096, Protection::ReadOnly).unwrap();
+    let good = CreateCqPriv::new(4, ring, dbr).unwrap().emit();
+    let attr = CqAttr {
+        cqe: 16,
+        comp_vector: 0,
+    };
+    let cq_status = |bytes: &[u8], attr: &CqAttr| {
+        status_of::<CreateCq>(&uvp.call::<CreateCq>(&w, uvp.ca, attr, bytes))
+    };
+    let with = |f: &dyn Fn(&mut CreateCqPrivAbi)| {
+        let mut abi = good;
+        f(&mut abi);
+        abi
+    };
+    let bad = IbStatus::InvalidParameter;
+    let cases: Vec<(&str, Vec<u8>, CqAttr, IbStatus)> = vec![
+        ("no private data", vec![], attr, bad),
+        ("short", good.as_bytes()[..31].to_vec(), attr, bad),
+        ("long", [good.as_bytes(), &[0]].concat(), attr, bad),
+        (
+            "reserved",
+            with(&|a| a.reserved_at_0x19[0] = 1).as_bytes().to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "misaligned ring",
+            with(&|a| a.ring_va = Le64::new(ring + 8))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "misaligned record",
+            with(&|a| a.dbr_va = Le64::new(dbr + 2)).as_bytes().to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "ring wraps",
+            with(&|a| a.ring_va = Le64::new(u64::MAX - 511))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "record in the ring",
+            with(&|a| a.dbr_va = Le64::new(ring + 64))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "length disagrees",
+            with(&|a| a.ring_bytes = Le64::new(1024))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "zero size",
+            with(&|a| a.ring_bytes = Le64::new(0)).as_bytes().to_vec(),
+            attr,
+            bad,
+        ),
+        (
+            "huge",
+            with(&|a| {
+                a.log_entries = 26;
+                a.ring_bytes = Le64::new(32 << 26);
+                a.dbr_va = Le64::new(ring - 64);
+            })
+            .as_bytes()
+            .to_vec(),
+            CqAttr {
+                cqe: 1 << 26,
+                ..attr
+            },
+            IbStatus::InvalidCqSize,
+        ),
+        (
+            "more entries asked than the ring",
+            good.as_bytes().to_vec(),
+            CqAttr { cqe: 17, ..attr },
+            IbStatus::InvalidCqSize,
+        ),
+        (
+            "another vector",
+            good.as_bytes().to_vec(),
+            CqAttr {
+                comp_vector: 1,
+                ..attr
+            },
+            bad,
+        ),
+        (
+            "unmapped ring",
+            with(&|a| a.ring_va = Le64::new(ring + 0x10_0000))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            IbStatus::InvalidPermission,
+        ),
+        (
+            "read-only ring",
+            with(&|a| a.ring_va = Le64::new(read_only))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            IbStatus::InvalidPermission,
+        ),
+        (
+            "ring past its allocation",
+            with(&|a| a.ring_va = Le64::new(ring + 8192 - 256))
+                .as_bytes()
+                .to_vec(),
+            attr,
+            IbStatus::InvalidPermission,
+        ),
+    ];
+    for (what, bytes, attr, expected) in cases {
+        assert_eq!(cq_status(&bytes, &attr), expected, "{what}");
+        assert_eq!(footprint(&w, &uvp), before, "{what}");
+    }
+
+    // QPs: the same for rings and records, and layouts the device cannot
+    // take.
+    let sq = p.alloc(4096).unwrap();
+    let rq = p.alloc(4096).unwrap();
+    let rq_dbr = p.alloc(64).unwrap();
+    let good = CreateQpPriv::new(3, 0, sq, Some((3, 5, rq, rq_dbr)))
+        .unwrap()
+        .emit();
+    let input = qp_create(QpType::Rc, pd, cq.handle);
+    let qp_status = |bytes: &[u8], input: &QpCreate| {
+        status_of::<CreateQp>(&uvp.call::<CreateQp>(&w, uvp.ca, input, bytes))
+    };
+    let with = |f: &dyn Fn(&mut CreateQpPrivAbi)| {
+        let mut abi = good;
+        f(&mut abi);
+        abi.as_bytes().to_vec()
+    };
+    let cases: Vec<(&str, Vec<u8>, QpCreate, IbStatus)> = vec![
+        ("no private data", vec![], input, bad),
+        (
+            "rings overlap",
+            with(&|a| a.rq_va = Le64::new(sq + 256)),
+            input,
+            bad,
+        ),
+        (
+            "record in a ring",
+            with(&|a| a.rq_dbr_va = Le64::new(sq + 64)),
+            input,
+            bad,
+        ),
+        (
+            "half a receive queue",
+            with(&|a| a.rq_dbr_va = Le64::new(0)),
+            input,
+            bad,
+        ),
+        (
+            "no receive queue without an SRQ",
+            CreateQpPriv::new(3, 0, sq, None)
+                .unwrap()
+                .emit()
+                .as_bytes()
+                .to_vec(),
+            input,
+            bad,
+        ),
+        (
+            "sq wraps",
+            with(&|a| a.sq_va = Le64::new(u64::MAX - 511)),
+            input,
+            bad,
+        ),
+        (
+            "deeper than the device",
+            with(&|a| {
+                a.sq_log_bbs = 21;
+                a.sq_bytes = Le32::new(64 << 21);
+                a.sq_va = Le64::new(0x7000_0000_0000);
+            }),
+            input,
+            IbStatus::InvalidMaxWrs,
+        ),
+        (
+            "WQE stride beyond the device",
+            with(&|a| {
+                a.sq_log_bbs = 7;
+                a.log_wqe_bbs = 7;
+                a.sq_bytes = Le32::new(64 << 7);
+                a.sq_va = Le64::new(0x7000_0000_0000);
+            }),
+            input,
+            IbStatus::InvalidParameter,
+        ),
+        (
+            "more WRs than the ring",
+            good.as_bytes().to_vec(),
+            QpCreate {
+                caps: QpCaps {
+                    max_send_wr: 9,
+                    ..input.caps
+                },
+                ..input
+            },
+            IbStatus::InvalidMaxWrs,
+        ),
+        (
+            "special QP",
+            good.as_bytes().to_vec(),
+            QpCreate {
+                qp_type: QpType::Gsi,
+                port: Some(PortNum::FIRST),
+                ..input
+            },
+            IbStatus::InvalidPermission,
+        ),
+        (
+            "unmapped receive ring",
+            with(&|a| a.rq_va = Le64::new(rq + 0x10_0000)),
+            input,
+            IbStatus::InvalidPermission,
+        ),
+        (
+            "read-only send ring",
+            with(&|a| a.sq_va = Le64::new(read_only)),
+            input,
+            IbStatus::InvalidPermission,
+        ),
+        (
+            "a stale CQ",
+            good.as_bytes().to_vec(),
+            qp_create(QpType::Rc, pd, cq.handle ^ (1 << 30)),
+            IbStatus::InvalidCqHandle,
+        ),
+        (
+            "a CQ for a PD",
+            good.as_bytes().to_vec(),
+            qp_create(QpType::Rc, cq.handle, cq.handle),
+            IbStatus::InvalidPdHandle,
+        ),
+    ];
+    for (what, bytes, input, expected) in cases {
+        assert_eq!(qp_status(&bytes, &input), expected, "{what}");
+        assert_eq!(footprint(&w, &uvp), before, "{what}");
+    }
+
+    // Regions: kernel addresses, unmapped or read-only memory for a
+    // writable region, a stale PD, a CQ for a PD.
+    let reg = |pd: u64, vaddr: u64, access: AccessFlags| {
+        let input = ib_types::mr::MrRegister {
+            vaddr,
+            length: 4096,
+            access,
+        };
+        status_of::<ib_types::ioctl::RegMr>(&uvp.call::<ib_types::ioctl::RegMr>(
+            &w,
+            pd,
+            &input,
+            &[],
+        ))
+    };
+    let write = AccessFlags::LOCAL_WRITE;
+    let kernel_va = sim_host::memory::KERNEL_VA_BASE;
+    assert_eq!(reg(pd, kernel_va, write), IbStatus::InvalidPermission);
+    assert_eq!(
+        reg(pd, ring + 0x10_0000, write),
+        IbStatus::InvalidPermission
+    );
+    assert_eq!(reg(pd, read_only, write), IbStatus::InvalidPermission);
+    assert_eq!(reg(pd ^ (1 << 30), ring, write), IbStatus::InvalidPdHandle);
+    assert_eq!(reg(cq.handle, ring, write), IbStatus::InvalidPdHandle);
+    assert_eq!(footprint(&w, &uvp), before);
+    // A read-only region of read-only memory is fine, and goes with the
+    // context.
+    assert_eq!(reg(pd, read_only, AccessFlags::empty()), IbStatus::Success);
+
+    let before = footprint(&w, &uvp);
+
+    // Garbage framing of every length on the user path: refused, nothing
+    // changed, never a panic.
+    for len in 0..160 {
+        let bytes = pattern(len as u8, len);
+        for code in [CreateCq::ID, CreateQp::ID, OpenCa::ID, CloseCa::ID].map(|v| v.ioctl().raw()) {
+            let c = w.user_raw_at(U, &uvp.caller, code, bytes.clone(), 256);
+            assert!(c.status.is_error(), "{len} bytes");
+        }
+        assert_eq!(footprint(&w, &uvp), before);
+    }
+
+    // Arbitrary private bytes: never a success that was not asked for,
+    // never a change.
+    let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
+        cases: 96,
+        ..Default::default()
+    });
+    let strategy = proptest::collection::vec(proptest::prelude::any::<u8>(), 0..80);
+    runner
+        .run(&strategy, |bytes| {
+            let cq_status = status_of::<CreateCq>(&uvp.call::<CreateCq>(&w, uvp.ca, &attr, &bytes));
+            let qp_status =
+                status_of::<CreateQp>(&uvp.call::<CreateQp>(&w, uvp.ca, &input, &bytes));
+            proptest::prop_assert_ne!(cq_status, IbStatus::Success);
+            proptest::prop_assert_ne!(qp_status, IbStatus::Success);
+            proptest::prop_assert_eq!(footprint(&w, &uvp), footprint_of(&before));
+            Ok(())
+        })
+        .unwrap();
+
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().exit(), 0);
+    w.finish();
+}
+
+fn footprint_of(f: &Footprint) -> Footprint {
+    Footprint {
+        mtt: f.mtt,
+        locked: f.locked,
+        contexts: f.contexts,
+        uars: f.uars,
+    }
+}
+
+#[test]
+fn a_user_ud_qp_exchanges_datagrams_and_close_takes_live_objects_with_it() {
+    let (w, ips) = two_hcas(73);
+    let uvp = Uvp::open(&w, 11);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 4);
+    let mut qp = uvp.create_qp(&w, QpType::Ud, pd, &cq);
+    let k = Kernel::new(&w, QpType::Ud);
+    for m in to_rts(QpType::Ud, 0, [0; 4]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+    let buf = uvp.process().alloc(8192).unwrap();
+    let region = uvp.register(&w, pd, buf, 8192);
+
+    // Kernel -> user datagram: 40 bytes of GRH, then the payload.
+    let payload = pattern(9, 1000);
+    k.write(0, &payload);
+    uvp.post_recv(&mut qp, &[Sge::new(buf, 2048, region.lkey)]);
+    let av = hca_prm::av::Av::try_from(&av_to(ips[U])).unwrap();
+    {
+        let out = Arc::new(Mutex::new(None));
+        let (hca, sink, kqp, sge, qpn) = (w.hca_at(K), out.clone(), k.qp, k.sge(0, 1000), qp.qpn);
+        w.in_dpc(move || {
+            let sges = [sge];
+            let wr = SendWr {
+                wr_id: 61,
+                op: SendOp::Send,
+                flags: SendFlags::SIGNALED,
+                sg_list: &sges,
+                ud: Some(ib_types::wr::UdDest {
+                    av: ib_types::handle::AvHandle::from_raw(1),
+                    remote_qpn: Qpn::new(qpn).unwrap(),
+                    remote_qkey: QKey::new(0x11),
+                }),
+            };
+            let requests = [SendRequest {
+                wr,
+                av: Some(av),
+                inline: None,
+            }];
+            *support::lock(&sink) = Some(hca.post_send(kqp, &requests));
+        });
+        w.settle();
+        assert_eq!(support::lock(&out).take(), Some((1, IbStatus::Success)));
+    }
+    let cqes = uvp.poll(&mut cq);
+    assert_eq!(cqes.len(), 1);
+    let wc = cqes[0].to_work_completion(0).unwrap();
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 1040));
+    assert_eq!(wc.src_qp.get(), k.qpn);
+    let mut got = vec![0; 1000];
+    uvp.process().read(buf + 40, &mut got).unwrap();
+    assert_eq!(got, payload);
+    assert_eq!(k.poll(&w).len(), 1);
+
+    // User -> kernel datagram: the provider puts the PRM address vector
+    // into its own WQE (user AVs never reach the kernel).
+    let payload = pattern(99, 700);
+    uvp.process().write(buf + 4096, &payload).unwrap();
+    k.post_recv(&w, 62, vec![k.sge(4096, 2048)]);
+    let av = hca_prm::av::Av::try_from(&av_to(ips[K])).unwrap();
+    let sges = [Sge::new(buf + 4096, 700, region.lkey)];
+    let wr = SendWr {
+        wr_id: 0,
+        op: SendOp::Send,
+        flags: SendFlags::SIGNALED,
+        sg_list: &sges,
+        ud: Some(ib_types::wr::UdDest {
+            av: ib_types::handle::AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(k.qpn).unwrap(),
+            remote_qkey: QKey::new(0x11),
+        }),
+    };
+    let qpn = qp.qpn;
+    uvp.post_send(&mut qp, &wr, Some(&av), qpn);
+    w.settle();
+    let kwc = k.poll(&w);
+    assert_eq!(kwc.len(), 1);
+    assert_eq!(
+        (kwc[0].wr_id, kwc[0].status, kwc[0].byte_len),
+        (62, WcStatus::Success, 740)
+    );
+    assert_eq!(k.read(4096 + 40, 700), payload);
+    assert_eq!(uvp.poll(&mut cq).len(), 1);
+
+    // The process exits without destroying anything: the proxy's cleanup
+    // closes the context, which destroys the QP and CQ, deregisters the
+    // region, frees the PD, unmaps the doorbell page and unlocks every
+    // ring and region page.
+    let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, region.handle, &Empty, &[]);
+    assert_eq!(
+        response::<ib_types::ioctl::QueryMr>(&c)
+            .output
+            .unwrap()
+            .length,
+        8192
+    );
+    let usage = w.hca_at(U).memory_translation().unwrap().usage();
+    assert_eq!(usage.regions, 1);
+    let mtt_before_open = usage.mtt_free;
+    assert!(uvp.process().space().locked_pages() > 0);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().space().device_mapping_count(), 0);
+    let usage = w.hca_at(U).memory_translation().unwrap().usage();
+    assert!(usage.mtt_free > mtt_before_open);
+    assert_eq!(usage.regions, 0);
+    let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, region.handle, &Empty, &[]);
+    assert_eq!(
+        status_of::<ib_types::ioctl::QueryMr>(&c),
+        IbStatus::InvalidMrHandle
+    );
+    assert_eq!(w.hca_at(U).user_context_count(), 0);
+    // Its handles are gone; a second close is refused.
+    assert_eq!(uvp.close(&w), IbStatus::InvalidCaHandle);
+    let c = uvp.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<QueryQp>(&c), IbStatus::InvalidQpHandle);
+    // The doorbell page is gone from the process.
+    assert!(uvp.process().write_device64(uvp.doorbell, 0).is_err());
+    assert_eq!(uvp.process().exit(), 0);
+    k.finish(&w);
+    w.finish();
+}
+
+#[test]
+fn a_user_rc_qp_receives_through_a_user_srq() {
+    use hca_prm::uverbs::{CreateSrqPriv, CreateSrqPrivOut};
+    use ib_types::ioctl::{CreateSrq, DestroySrq, ModifySrq, QuerySrq};
+    use ib_types::srq::{SrqAttr, SrqCreate, SrqModify};
+    let (w, ips) = two_hcas(74);
+    let uvp = Uvp::open(&w, 12);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 4);
+    let p = uvp.process();
+
+    // The SRQ: 8 WQEs of 32 bytes and its producer record, in the process.
+    let srq_ring = p.alloc(256).unwrap();
+    let srq_dbr = p.alloc(64).unwrap();
+    let layout = CreateSrqPriv::new(3, 5, srq_ring, srq_dbr).unwrap();
+    let create = SrqCreate {
+        pd: PdHandle::from_raw(pd),
+        attr: SrqAttr {
+            max_wr: 8,
+            max_sge: 1,
+            srq_limit: 0,
+        },
+    };
+    let c = uvp.call::<CreateSrq>(&w, uvp.ca, &create, layout.emit().as_bytes());
+    let r = response::<CreateSrq>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    assert_eq!(r.output.unwrap().max_wr, 8);
+    let srq = r.handle;
+    CreateSrqPrivOut::parse(r.private).unwrap();
+    // Too many SGEs for the stride; a kernel client's PD.
+    let c = uvp.call::<CreateSrq>(
+        &w,
+        uvp.ca,
+        &SrqCreate {
+            attr: SrqAttr {
+                max_sge: 2,
+                ..create.attr
+            },
+            ..create
+        },
+        CreateSrqPriv::new(3, 5, p.alloc(256).unwrap(), p.alloc(64).unwrap())
+            .unwrap()
+            .emit()
+            .as_bytes(),
+    );
+    assert_eq!(status_of::<CreateSrq>(&c), IbStatus::InvalidMaxSge);
+    let c = uvp.call::<QuerySrq>(&w, srq, &Empty, &[]);
+    assert_eq!(response::<QuerySrq>(&c).output.unwrap().max_wr, 8);
+    let arm = SrqModify {
+        max_wr: None,
+        srq_limit: Some(2),
+    };
+    let c = uvp.call::<ModifySrq>(&w, srq, &arm, &[]);
+    assert_eq!(status_of::<ModifySrq>(&c), IbStatus::Success);
+
+    // An RC QP on it: no receive queue of its own.
+    let sq = p.alloc(512).unwrap();
+    let qp_layout = CreateQpPriv::new(3, 0, sq, None).unwrap();
+    let input = QpCreate {
+        srq: Some(ib_types::handle::SrqHandle::from_raw(srq)),
+        caps: QpCaps {
+            max_recv_wr: 0,
+            max_recv_sge: 0,
+            ..qp_create(QpType::Rc, pd, cq.handle).caps
+        },
+        ..qp_create(QpType::Rc, pd, cq.handle)
+    };
+    let c = uvp.call::<CreateQp>(&w, uvp.ca, &input, qp_layout.emit().as_bytes());
+    let r = response::<CreateQp>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let (qp, qpn) = (r.handle, r.output.unwrap().qpn.get());
+    let k = Kernel::new(&w, QpType::Rc);
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(&w, qp, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qpn, ips[U]) {
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+
+    // The provider posts to the SRQ ring and its record; the kernel sends.
+    let buf = p.alloc(4096).unwrap();
+    let region = uvp.register(&w, pd, buf, 4096);
+    let mut wqe = [0u8; 32];
+    build_recv_wqe(&[Sge::new(buf, 4096, region.lkey)], 0, 32, &mut wqe).unwrap();
+    p.write(srq_ring, &wqe).unwrap();
+    p.write(srq_dbr, DoorbellRecord::new(1).as_bytes()).unwrap();
+    let payload = pattern(44, 1800);
+    k.write(0, &payload);
+    k.post_send(&w, 71, vec![k.sge(0, 1800)]);
+    let cqes = uvp.poll(&mut cq);
+    assert_eq!(cqes.len(), 1);
+    assert!(cqes[0].flags().contains(hca_prm::cqe::CqeFlags::SRQ));
+    assert_eq!(cqes[0].to_work_completion(0).unwrap().byte_len, 1800);
+    let mut got = vec![0; 1800];
+    p.read(buf, &mut got).unwrap();
+    assert_eq!(got, payload);
+    assert_eq!(k.poll(&w).len(), 1);
+
+    // Busy while the QP uses it; the close takes QP, SRQ, CQ and PD.
+    let c = uvp.call::<DestroySrq>(&w, srq, &Empty, &[]);
+    assert_eq!(status_of::<DestroySrq>(&c), IbStatus::ResourceBusy);
+    uvp.dereg(&w, &region);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(p.space().locked_pages(), 0);
+    assert_eq!(p.exit(), 0);
+    k.finish(&w);
+    w.finish();
+}
+
+/// Issues a user WaitCqEvent on `cq` and returns the issuer's handle
+/// (the request may stay pending).
+fn wait_cq(w: &World, uvp: &Uvp, cq: u64) -> sim_host::request::RequestHandle {
+    use ib_types::ioctl::{WaitCqEvent, encode_request, request_len, response_len};
+    let mut bytes = vec![0; request_len::<WaitCqEvent>(0).unwrap()];
+    encode_request::<WaitCqEvent>(cq, &Empty, &[], 0, &mut bytes).unwrap();
+    let (request, issuer) = w.raw_request(
+        WaitCqEvent::ID.ioctl().raw(),
+        RequestorMode::User,
+        bytes,
+        response_len::<WaitCqEvent>(0).unwrap(),
+    );
+    w.hca_at(U).submit_user_request(request, uvp.caller.clone());
+    w.settle();
+    issuer
+}
+
+#[test]
+fn wait_cq_event_completes_on_the_armed_cqs_event_and_is_cancellable() {
+    use hca_prm::doorbell::{CQ_DOORBELL, CqArm, CqDoorbell};
+    let (w, ips) = two_hcas(75);
+    let uvp = Uvp::open(&w, 13);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 4);
+    let mut qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
+    let k = Kernel::new(&w, QpType::Rc);
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+    let buf = uvp.process().alloc(4096).unwrap();
+    let region = uvp.register(&w, pd, buf, 4096);
+    let cqn = cq.cqn;
+    let arm = |consumer: u32| {
+        let doorbell = CqDoorbell::new(cqn, CqArm::Next, consumer).unwrap();
+        uvp.process()
+            .write_device64(uvp.doorbell + CQ_DOORBELL, doorbell.encode())
+            .unwrap();
+    };
+
+    // Armed, then a wait: pending until the completion arrives.
+    arm(cq.consumer);
+    let waiting = wait_cq(&w, &uvp, cq.handle);
+    assert!(!waiting.is_done(), "nothing completed yet");
+    uvp.post_recv(&mut qp, &[Sge::new(buf, 4096, region.lkey)]);
+    k.write(0, b"wake up");
+    k.post_send(&w, 81, vec![k.sge(0, 7)]);
+    let done = waiting.completion().expect("the event completed the wait");
+    assert_eq!(
+        status_of::<ib_types::ioctl::WaitCqEvent>(&done),
+        IbStatus::Success
+    );
+    assert_eq!(uvp.poll(&mut cq).len(), 1);
+    assert_eq!(k.poll(&w).len(), 1);
+
+    // An event that fires before the wait is kept for it: arming with
+    // CQEs already beyond the consumer fires at once (PRM 9.3).
+    uvp.post_recv(&mut qp, &[Sge::new(buf, 4096, region.lkey)]);
+    k.post_send(&w, 82, vec![k.sge(0, 7)]);
+    arm(cq.consumer);
+    w.settle();
+    let early = wait_cq(&w, &uvp, cq.handle);
+    assert!(early.is_done());
+    assert_eq!(uvp.poll(&mut cq).len(), 1);
+    assert_eq!(k.poll(&w).len(), 1);
+
+    // A wait nobody wakes is cancelled by the proxy's cancel routine.
+    let stuck = wait_cq(&w, &uvp, cq.handle);
+    assert!(!stuck.is_done());
+    w.hca_at(U).cancel_user_waits();
+    assert!(!stuck.is_done(), "not cancelled: kept");
+    stuck.cancel();
+    w.hca_at(U).cancel_user_waits();
+    let c = stuck.completion().unwrap();
+    assert_eq!(c.status, ib_types::status::NtStatus::CANCELLED);
+    // Another process cannot wait on this CQ.
+    let other = Uvp::open(&w, 14);
+    let foreign = wait_cq(&w, &other, cq.handle);
+    let c = foreign.completion().unwrap();
+    assert_eq!(
+        status_of::<ib_types::ioctl::WaitCqEvent>(&c),
+        IbStatus::InvalidCqHandle
+    );
+
+    // A wait pending at close ends with the CQ.
+    let orphan = wait_cq(&w, &uvp, cq.handle);
+    assert!(!orphan.is_done());
+    uvp.dereg(&w, &region);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(
+        orphan.completion().unwrap().status,
+        ib_types::status::NtStatus::CANCELLED
+    );
+    assert_eq!(other.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().exit(), 0);
+    k.finish(&w);
+    w.finish();
+}
+
+/// Issues a user GetAsyncEvent on the context and returns the issuer's
+/// handle (the request may stay pending).
+fn get_async_event(w: &World, uvp: &Uvp) -> sim_host::request::RequestHandle {
+    use ib_types::ioctl::{GetAsyncEvent, encode_request, request_len, response_len};
+    let mut bytes = vec![0; request_len::<GetAsyncEvent>(0).unwrap()];
+    encode_request::<GetAsyncEvent>(uvp.ca, &Empty, &[], 0, &mut bytes).unwrap();
+    let (request, issuer) = w.raw_request(
+        GetAsyncEvent::ID.ioctl().raw(),
+        RequestorMode::User,
+        bytes,
+        response_len::<GetAsyncEvent>(0).unwrap(),
+    );
+    w.hca_at(U).submit_user_request(request, uvp.caller.clone());
+    w.settle();
+    issuer
+}
+
+#[test]
+fn a_user_qps_access_error_reaches_its_process_as_an_async_event() {
+    use ib_types::event::AsyncEventCode;
+    use ib_types::ioctl::GetAsyncEvent;
+    let (w, ips) = two_hcas(76);
+    let uvp = Uvp::open(&w, 15);
+    let pd = uvp.alloc_pd(&w);
+    let cq = uvp.create_cq(&w, 4);
+    let qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
+    let k = Kernel::new(&w, QpType::Rc);
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+
+    // A wait posted before the event.
+    let waiting = get_async_event(&w, &uvp);
+    assert!(!waiting.is_done());
+
+    // The kernel writes to the user QP with an R_Key that names nothing:
+    // the user QP (the responder) raises WQ_ACCESS_ERROR.
+    let out = Arc::new(Mutex::new(None));
+    let (hca, sink, kqp, sge) = (w.hca_at(K), out.clone(), k.qp, k.sge(0, 64));
+    w.in_dpc(move || {
+        let sges = [sge];
+        let wr = SendWr {
+            wr_id: 91,
+            op: SendOp::RdmaWrite {
+                remote: ib_types::wr::RemoteAddr {
+                    addr: 0x1000,
+                    rkey: ib_types::wr::RKey::new(0x00DE_AD00),
+                },
+            },
+            flags: SendFlags::SIGNALED,
+            sg_list: &sges,
+            ud: None,
+        };
+        let requests = [SendRequest {
+            wr,
+            av: None,
+            inline: None,
+        }];
+        *support::lock(&sink) = Some(hca.post_send(kqp, &requests));
+    });
+    w.settle();
+    assert_eq!(support::lock(&out).take(), Some((1, IbStatus::Success)));
+    let kwc = k.poll(&w);
+    assert_eq!(kwc.len(), 1);
+    assert_ne!(kwc[0].status, WcStatus::Success);
+
+    let c = waiting.completion().expect("the event completed the wait");
+    let r = response::<GetAsyncEvent>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let record = r.output.unwrap();
+    assert_eq!(
+        (record.code, record.handle),
+        (AsyncEventCode::WqAccessError, qp.handle)
+    );
+    // The cached state took it.
+    let c = uvp.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(response::<QueryQp>(&c).output.unwrap().state, QpState::Err);
+
+    // No more events: the next request pends until cancelled.
+    let stuck = get_async_event(&w, &uvp);
+    assert!(!stuck.is_done());
+    stuck.cancel();
+    w.hca_at(U).cancel_user_waits();
+    assert_eq!(
+        stuck.completion().unwrap().status,
+        ib_types::status::NtStatus::CANCELLED
+    );
+    // Another process cannot take this context's events.
+    let other = Uvp::open(&w, 16);
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<GetAsyncEvent>(0).unwrap()];
+    ib_types::ioctl::encode_request::<GetAsyncEvent>(uvp.ca, &Empty, &[], 0, &mut bytes).unwrap();
+    let c = w.user_raw_at(U, &other.caller, GetAsyncEvent::ID.ioctl().raw(), bytes, 64);
+    assert_eq!(status_of::<GetAsyncEvent>(&c), IbStatus::InvalidCaHandle);
+
+    // A request pending at close ends with the context.
+    let orphan = get_async_event(&w, &uvp);
+    assert!(!orphan.is_done());
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(
+        orphan.completion().unwrap().status,
+        ib_types::status::NtStatus::CANCELLED
+    );
+    assert_eq!(other.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().exit(), 0);
+    k.finish(&w);
+    w.finish();
+}
+
+#[test]
+fn close_waits_for_creates_in_flight_and_user_objects_need_the_caller() {
+    let (w, _) = two_hcas(77);
+    let uvp = Uvp::open(&w, 17);
+    let pd = uvp.alloc_pd(&w);
+    let cq = uvp.create_cq(&w, 3);
+
+    // A CreateCq whose commands are still outstanding when the process's
+    // close arrives (both from its thread, before the DPC ran).
+    let ring = uvp.process().alloc(256).unwrap();
+    let dbr = uvp.process().alloc(64).unwrap();
+    let layout = CreateCqPriv::new(3, ring, dbr).unwrap();
+    let attr = CqAttr {
+        cqe: 8,
+        comp_vector: 0,
+    };
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<CreateCq>(CreateCqPriv::SIZE).unwrap()];
+    ib_types::ioctl::encode_request::<CreateCq>(
+        uvp.ca,
+        &attr,
+        layout.emit().as_bytes(),
+        64,
+        &mut bytes,
+    )
+    .unwrap();
+    let (request, creating) = w.raw_request(
+        CreateCq::ID.ioctl().raw(),
+        RequestorMode::User,
+        bytes,
+        ib_types::ioctl::response_len::<CreateCq>(64).unwrap(),
+    );
+    w.hca_at(U).submit_user_request(request, uvp.caller.clone());
+    assert!(!creating.is_done(), "the device has not answered yet");
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<CloseCa>(0).unwrap()];
+    ib_types::ioctl::encode_request::<CloseCa>(uvp.ca, &Empty, &[], 0, &mut bytes).unwrap();
+    let (request, closing) = w.raw_request(
+        CloseCa::ID.ioctl().raw(),
+        RequestorMode::User,
+        bytes,
+        ib_types::ioctl::response_len::<CloseCa>(0).unwrap(),
+    );
+    w.hca_at(U).submit_user_request(request, uvp.caller.clone());
+    assert_eq!(
+        status_of::<CloseCa>(&closing.completion().unwrap()),
+        IbStatus::ResourceBusy
+    );
+    w.settle();
+    let created = response::<CreateCq>(&creating.completion().unwrap()).status;
+    assert_eq!(created, IbStatus::Success);
+
+    // A user request without its process (plain submit_request) sees no
+    // user context's objects; a kernel request sees them.
+    let c = w.call::<QueryCq>(RequestorMode::User, cq.handle, &Empty, 0);
+    assert_eq!(status_of::<QueryCq>(&c), IbStatus::InvalidCqHandle);
+    let c = w.call::<AllocPd>(RequestorMode::User, uvp.ca, &Empty, 0);
+    assert_eq!(status_of::<AllocPd>(&c), IbStatus::InvalidCaHandle);
+    let c = w.call::<DeallocPd>(RequestorMode::User, pd, &Empty, 0);
+    assert_eq!(status_of::<DeallocPd>(&c), IbStatus::InvalidPdHandle);
+    let c = w.call::<OpenCa>(RequestorMode::User, 0, &OpenCaIn::CURRENT, 64);
+    assert_eq!(status_of::<OpenCa>(&c), IbStatus::Unsupported);
+    let c = w.call::<QueryCq>(KERNEL, cq.handle, &Empty, 0);
+    assert_eq!(response::<QueryCq>(&c).output.unwrap().cqe, 8);
+
+    // Now the close goes through, taking both CQs.
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    w.finish();
+}
+
+#[test]
+fn user_objects_do_not_survive_sleep_their_process_is_told_and_they_still_free() {
+    // Sleep and resume under a live user context (`verbs::restore`): its
+    // CQ and QP cannot be given back to the device (their counters live in
+    // the provider), so the process hears of each through GetAsyncEvent,
+    // the QP reads ERR, its region keeps its key, and destroy and close
+    // free everything.
+    use ib_types::event::AsyncEventCode;
+    use ib_types::ioctl::GetAsyncEvent;
+    let (w, _) = two_hcas(79);
+    let uvp = Uvp::open(&w, 12);
+    let pd = uvp.alloc_pd(&w);
+    let cq = uvp.create_cq(&w, 4);
+    let qp = uvp.create_qp(&w, QpType::Ud, pd, &cq);
+    for m in to_rts(QpType::Ud, 0, [0; 4]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+    }
+    let buf = uvp.process().alloc(8192).unwrap();
+    let region = uvp.register(&w, pd, buf, 8192);
+    let waiting = get_async_event(&w, &uvp);
+    assert!(!waiting.is_done());
+
+    w.sleep();
+    w.resume();
+
+    let mut told = Vec::new();
+    let c = waiting.completion().expect("an event after resume");
+    let r = response::<GetAsyncEvent>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let record = r.output.unwrap();
+    told.push((record.code, record.handle));
+    let next = get_async_event(&w, &uvp);
+    let c = next.completion().expect("the second event was queued");
+    let record = response::<GetAsyncEvent>(&c).output.unwrap();
+    told.push((record.code, record.handle));
+    told.sort_by_key(|(_, handle)| *handle);
+    let mut expected = vec![
+        (AsyncEventCode::CqError, cq.handle),
+        (AsyncEventCode::QpFatal, qp.handle),
+    ];
+    expected.sort_by_key(|(_, handle)| *handle);
+    assert_eq!(told, expected);
+    let c = uvp.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(response::<QueryQp>(&c).output.unwrap().state, QpState::Err);
+    let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, region.handle, &Empty, &[]);
+    let keys = response::<ib_types::ioctl::QueryMr>(&c).output.unwrap();
+    assert_eq!(keys.keys.lkey, region.lkey);
+
+    let c = uvp.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
+    let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::Success);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    w.finish();
+}
