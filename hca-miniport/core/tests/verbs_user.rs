@@ -1717,3 +1717,41 @@ fn user_objects_do_not_survive_sleep_their_process_is_told_and_they_still_free()
     assert_eq!(uvp.process().exit(), 0);
     w.finish();
 }
+
+#[test]
+fn a_catastrophic_error_tells_a_user_context_and_its_objects_still_free() {
+    use hca_prm::regs::FatalSyndrome;
+    use ib_types::event::AsyncEventCode;
+    use ib_types::ioctl::GetAsyncEvent;
+    let (w, _) = two_hcas(83);
+    let uvp = Uvp::open(&w, 13);
+    let pd = uvp.alloc_pd(&w);
+    let cq = uvp.create_cq(&w, 4);
+    let qp = uvp.create_qp(&w, QpType::Ud, pd, &cq);
+    let waiting = get_async_event(&w, &uvp);
+    w.function_at(U)
+        .with_device(|d| d.declare_fatal(FatalSyndrome::Internal));
+    w.settle();
+    let c = waiting.completion().expect("an event after the failure");
+    let first = response::<GetAsyncEvent>(&c).output.unwrap();
+    let c = get_async_event(&w, &uvp)
+        .completion()
+        .expect("the second event was queued");
+    let second = response::<GetAsyncEvent>(&c).output.unwrap();
+    let mut told = vec![(first.code, first.handle), (second.code, second.handle)];
+    told.sort_by_key(|(_, handle)| *handle);
+    let mut expected = vec![
+        (AsyncEventCode::CqError, cq.handle),
+        (AsyncEventCode::QpFatal, qp.handle),
+    ];
+    expected.sort_by_key(|(_, handle)| *handle);
+    assert_eq!(told, expected);
+    let c = uvp.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
+    let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::Success);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    w.finish();
+}

@@ -19,7 +19,10 @@
 //!   with `WR_FLUSH_ERR`, `wr_id` kept, and the CQ's client gets a
 //!   completion event. Receive WRs posted to an SRQ belong to no QP's CQ
 //!   and are not completed; the SRQ's owner gets
-//!   [`AsyncEventCode::SrqCatastrophic`] and destroys it.
+//!   [`AsyncEventCode::SrqCatastrophic`] and destroys it. User-mode CQs,
+//!   QPs and SRQs keep their rings in the process's provider, so nothing
+//!   is completed for them; each one's context is told (`CqError`,
+//!   `QpFatal`, `SrqCatastrophic` through `GetAsyncEvent`).
 //! - **QP state.** Every live QP's cached state becomes ERR.
 //! - **The client** gets [`AsyncEventCode::LocalCatastrophic`] (the CA is
 //!   unusable), from the DPC; after a surprise removal at once, from
@@ -130,7 +133,7 @@ impl<P: Platform> Hca<P> {
     pub(crate) fn fail_verbs(&self) {
         self.bar0.write32(offset::CONTROL, Control::RESET.bits());
         self.drain_rings_to_backlogs();
-        let (qps, retired, srqs, ca) = match self.with_objects(|o| {
+        let (qps, retired, srqs, ca, cqs) = match self.with_objects(|o| {
             (
                 o.qps
                     .objects()
@@ -138,8 +141,15 @@ impl<P: Platform> Hca<P> {
                     .map(|(_, q)| q.clone())
                     .collect::<Vec<_>>(),
                 o.retired_qps.values().cloned().collect::<Vec<_>>(),
-                o.srqs.iter().map(|(h, _)| h.raw()).collect::<Vec<_>>(),
+                o.srqs
+                    .iter()
+                    .map(|(h, s)| (h.raw(), s.clone()))
+                    .collect::<Vec<_>>(),
                 o.ca.as_ref().map(|ca| ca.handle),
+                o.cqs
+                    .iter()
+                    .map(|(h, c)| (h.raw(), c.clone()))
+                    .collect::<Vec<_>>(),
             )
         }) {
             Ok(found) => found,
@@ -155,12 +165,22 @@ impl<P: Platform> Hca<P> {
                 qp.set_state(&mut c, ib_types::qp::QpState::Err);
             }
         }
-        for srq in srqs {
-            if let Ok(record) = AsyncEventRecord::new(AsyncEventCode::SrqCatastrophic, srq, None, 0)
+        // Kernel SRQs: their owner is told. User CQs, QPs and SRQs: their
+        // provider owns their rings, so nothing is flushed for them; each
+        // one's context is told instead (`CqError`, `QpFatal`,
+        // `SrqCatastrophic`).
+        for (srq, object) in &srqs {
+            if object.ring.lock().ring.is_none() {
+                // A user SRQ (told below), or one still being created.
+                continue;
+            }
+            if let Ok(record) =
+                AsyncEventRecord::new(AsyncEventCode::SrqCatastrophic, *srq, None, 0)
             {
                 self.queue_soft_event(SoftEvent::Async(record));
             }
         }
+        self.give_up_user_objects(&cqs, &srqs, false);
         if ca.is_some() {
             let record = AsyncEventRecord::new(AsyncEventCode::LocalCatastrophic, 0, None, 0)
                 .or_else(|_| {

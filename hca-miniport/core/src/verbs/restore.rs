@@ -402,7 +402,7 @@ impl<P: Platform> Hca<P> {
             return Ok(());
         };
         run(mtt.restore_commands())?;
-        self.give_up_user_objects(&cqs, &srqs);
+        self.give_up_user_objects(&cqs, &srqs, true);
         // Windows come back free (PRM 7.1 creates them unbound) with the
         // tag they had, so their R_Key is unchanged; a binding is lost.
         for (index, window) in &windows {
@@ -465,19 +465,26 @@ impl<P: Platform> Hca<P> {
     /// their QPs' cached state set to ERR, and each one's context told:
     /// `CqError`, `QpFatal`, `SrqCatastrophic` (from the DPC, through the
     /// context's `GetAsyncEvent`).
-    fn give_up_user_objects(
+    /// With `mark_lost` false (a device failure, [`super::fatal`]) only the
+    /// QPs' state and the events.
+    pub(crate) fn give_up_user_objects(
         &self,
         cqs: &[(u64, Arc<cq::Cq<P>>)],
         srqs: &[(u64, Arc<srq::Srq<P>>)],
+        mark_lost: bool,
     ) {
         let mut lost = Vec::new();
+        // A user object has no kernel ring; a kernel one being created has
+        // none yet either, so only live objects count.
         for (handle, cq) in cqs {
-            if cq.ring.lock().ring.is_none() {
+            let ring = cq.ring.lock();
+            if ring.ring.is_none() && ring.life == cq::Life::Live {
                 lost.push((*handle, AsyncEventCode::CqError));
             }
         }
         for (handle, srq) in srqs {
-            if srq.ring.lock().ring.is_none() {
+            let ring = srq.ring.lock();
+            if ring.ring.is_none() && ring.life == srq::Life::Live {
                 lost.push((*handle, AsyncEventCode::SrqCatastrophic));
             }
         }
@@ -490,7 +497,9 @@ impl<P: Platform> Hca<P> {
             }
         }
         for (handle, code) in lost {
-            self.verbs.lost.lock().insert(handle);
+            if mark_lost {
+                self.verbs.lost.lock().insert(handle);
+            }
             if let Ok(record) = AsyncEventRecord::new(code, handle, None, 0) {
                 self.queue_soft_event(SoftEvent::Async(record));
             }
