@@ -231,6 +231,13 @@ impl<P: Platform> Hca<P> {
         self.deliver_soft_events();
     }
 
+    /// Whether the failure was reported, lock-free: set before the verbs
+    /// fail over (`verbs::fatal` flushes under each ring's lock), so a post
+    /// that reads it false under its ring lock is flushed with the rest.
+    pub(crate) fn failure_reported(&self) -> bool {
+        self.failure_reported.load(Ordering::Acquire)
+    }
+
     /// Whether the device is between [`Hca::d0_exit`] and the end of
     /// [`Hca::d0_entry`] (for the shells: a D0 entry then restores rather
     /// than starts).

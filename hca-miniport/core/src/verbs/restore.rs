@@ -102,9 +102,13 @@ pub(crate) enum RestoreError {
 
 impl<P: Platform> Hca<P> {
     /// Fails with [`IbStatus::InvalidState`] while the device is below D0
-    /// or failed: the data-path verbs (post, arm) need the device.
+    /// or failed: the data-path verbs (post, arm) need the device. Two
+    /// atomic loads, no lock. The posting paths call it under their ring
+    /// lock: D0 exit and the failure path set their flag before they flush
+    /// under the same lock, so a WR is either refused or flushed, never
+    /// lost.
     pub(crate) fn check_running(&self) -> Result<(), IbStatus> {
-        if self.powered_down.load(Ordering::Acquire) || self.is_failed() {
+        if self.powered_down.load(Ordering::Acquire) || self.failure_reported() {
             Err(IbStatus::InvalidState)
         } else {
             Ok(())

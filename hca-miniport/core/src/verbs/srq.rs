@@ -268,10 +268,10 @@ impl<P: Platform> Hca<P> {
         };
         let mask = srq.entries() - 1;
         let stride = srq.stride();
+        let mut state = srq.ring.lock();
         if let Err(status) = self.check_running() {
             return (0, status);
         }
-        let mut state = srq.ring.lock();
         if state.life != Life::Live {
             return (0, IbStatus::InvalidState);
         }
