@@ -38,8 +38,10 @@ const KERNEL: RequestorMode = RequestorMode::Kernel;
 /// Exhaustive on purpose: a new verb must be given a row.
 fn expected_at_dispatch(verb: VerbId) -> IbStatus {
     match verb {
-        // Not built yet (docs/miniport.md "verbs still to build"): the
-        // request path answers them at once, whatever the IRQL.
+        // User-context verbs (`verbs::user`: a provider waits on its CQ's
+        // events and its context's async events); a kernel client gets
+        // callbacks instead, so a kernel CA's request is answered
+        // Unsupported at once, whatever the IRQL.
         VerbId::WaitCqEvent | VerbId::GetAsyncEvent => IbStatus::Unsupported,
         VerbId::OpenCa
         | VerbId::CloseCa
@@ -320,7 +322,7 @@ fn every_verb_completes_when_issued_at_dispatch_level() {
     );
     assert_eq!(reply.unwrap().mad[3], 0x81, "a GetResp");
 
-    // Not built: answered Unsupported at once (the table's row).
+    // Kernel CA: user-context verbs are answered Unsupported (the table).
     t.issue::<WaitCqEvent>(cq, &Empty);
     t.issue::<GetAsyncEvent>(ca, &Empty);
 

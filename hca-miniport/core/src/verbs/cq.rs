@@ -91,6 +91,10 @@ struct Ring<B> {
     dbr: Option<B>,
     log_entries: u8,
     consumer: u32,
+    /// CQEs polled over the CQ's life (a resize restarts `consumer`, not
+    /// this): the sequence number of the next CQE polled, by which a QP
+    /// reset tells its earlier completions from later ones (`qp`).
+    polled: u64,
     mtt: Option<EntryRange>,
 }
 
@@ -118,6 +122,7 @@ impl<P: Platform> Cq<P> {
                 dbr: None,
                 log_entries,
                 consumer: 0,
+                polled: 0,
                 mtt: Some(mtt),
             }),
         }
@@ -288,8 +293,10 @@ impl<P: Platform> Hca<P> {
                 polled += 1;
             }
         }
+        let first_seq = ring.polled;
         if polled > 0 {
             ring.consumer = consumer;
+            ring.polled += polled as u64;
             // One consumer-record update per batch (PRM 9.2).
             if let Some(dbr) = ring.dbr.as_ref() {
                 dbr.write(0, DoorbellRecord::new(consumer).as_bytes());
@@ -297,13 +304,45 @@ impl<P: Platform> Hca<P> {
         }
         drop(ring);
         // Outside the CQ lock: each QP's ring lock, never both at once.
-        for wc in &mut wcs[..polled] {
+        for (seq, wc) in (first_seq..).zip(&mut wcs[..polled]) {
             let index = wc.wr_id as u16;
             let (recv, srq) = (wc.wr_id & (1 << 16) != 0, wc.wr_id & (1 << 17) != 0);
-            wc.wr_id = self.complete_wr(wc.qp_num.get(), index, recv, srq);
+            wc.wr_id = self.complete_wr(wc.qp_num.get(), index, recv, srq, seq);
             self.note_error_completion(wc.qp_num.get(), recv, wc.status);
         }
         Ok(polled)
+    }
+
+    /// The sequence number (`Ring::polled`) the next CQE the device
+    /// writes to CQ `cq` (a raw handle) will be polled with: the CQEs
+    /// polled so far plus those waiting from the consumer counter on. A
+    /// QP moved to RESET takes it for its send and receive CQs, so that
+    /// its completions polled with a smaller number are known as the ones
+    /// written before the reset (guide 6.5.5 item 3). 0 for a stale
+    /// handle. Limitation: a CQ whose resize is outstanding is counted in
+    /// its old ring.
+    pub(crate) fn cq_next_sequence(&self, cq: u64) -> u64 {
+        let Ok(cq) = self.find_cq(cq, RequestorMode::Kernel) else {
+            return 0;
+        };
+        let ring = cq.ring.lock();
+        let log = ring.log_entries;
+        let mut waiting = 0u32;
+        if let Some(buffer) = ring.ring.as_ref() {
+            while waiting < (1u32 << log) {
+                let consumer = ring.consumer.wrapping_add(waiting);
+                let slot = hca_prm::owner::slot(consumer, log) as usize;
+                let mut raw = [0u8; CQE_BYTES];
+                if !buffer.read(slot * CQE_BYTES, &mut raw) {
+                    break;
+                }
+                match Cqe::read_from_bytes(&raw) {
+                    Ok(cqe) if cqe.is_valid(consumer, log) => waiting += 1,
+                    _ => break,
+                }
+            }
+        }
+        ring.polled + u64::from(waiting)
     }
 
     /// Arms the CQ `cq` for one completion event (PRM 9.3): the next

@@ -97,6 +97,14 @@
 //!   and SRQ numbers have no quiet period, so a completion polled after
 //!   the SRQ itself was destroyed and its number reused could take the
 //!   new SRQ's slot.
+//! - **Reset** (PRM 6.1.3, guide 6.5.5 items 3-5): a QP moved to RESET
+//!   restarts its rings at WQE index 0, while completions written before
+//!   the reset may still wait in its CQs with the old indices. When the
+//!   modify is answered the core notes, per CQ, the sequence number the
+//!   next CQE will be polled with (`Hca::cq_next_sequence`) and keeps the
+//!   rings' `wr_id` shadows; a completion polled with a smaller number is
+//!   answered from them, so earlier completions keep their `wr_id`s after
+//!   the QP is reconnected and posted to again.
 //! - **Locks.** A QP's control lock (state, attributes), then its send-ring
 //!   lock, then its receive-ring lock; never the object-table lock or a
 //!   CQ's lock while holding one of them. Post takes one ring lock (and the
@@ -105,6 +113,7 @@
 //!   share no lock except a ring lock for the moment a `wr_id` is read.
 
 use alloc::boxed::Box;
+use alloc::collections::VecDeque;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
@@ -324,6 +333,10 @@ struct SendRing<B> {
     tail: u32,
     /// By basic block of each WQE's start: its `wr_id` and size.
     shadow: Vec<SendSlot>,
+    /// The shadows of the rings before each RESET whose completions may
+    /// still wait in the send CQ, with the CQ sequence number the first
+    /// completion after that reset is polled with (`Hca::cq_next_sequence`).
+    before_reset: VecDeque<(u64, Vec<SendSlot>)>,
 }
 
 /// The receive ring and its doorbell record, under their own lock (PRM
@@ -337,6 +350,8 @@ struct RecvRing<B> {
     tail: u32,
     /// `wr_id` by slot.
     shadow: Vec<u64>,
+    /// As [`SendRing::before_reset`], in the receive CQ.
+    before_reset: VecDeque<(u64, Vec<u64>)>,
 }
 
 /// A queue pair.
@@ -437,6 +452,27 @@ impl<P: Platform> Qp<P> {
         }
     }
 
+    /// Before a RESET: keeps each ring's `wr_id`s for the completions
+    /// still to be polled (guide 6.5.5 item 3: a reset must not change
+    /// what earlier completions report, and new work restarts at WQE index
+    /// 0, PRM 6.1.3), tagged with the CQ sequence numbers that end them.
+    /// A ring with nothing outstanding keeps nothing.
+    fn keep_before_reset(&self, (send_end, recv_end): (u64, u64)) {
+        let mut sq = self.sq.lock();
+        if sq.producer != sq.tail {
+            let shadow = sq.shadow.clone();
+            sq.before_reset.push_back((send_end, shadow));
+        }
+        drop(sq);
+        if self.srq.is_none() {
+            let mut rq = self.rq.lock();
+            if rq.producer != rq.tail {
+                let shadow = rq.shadow.clone();
+                rq.before_reset.push_back((recv_end, shadow));
+            }
+        }
+    }
+
     /// Takes the QP's common buffers (for freeing once the device no longer
     /// uses them).
     pub(crate) fn take_buffers(&self) -> Vec<Buffer<P>> {
@@ -490,6 +526,7 @@ impl<P: Platform> Qp<P> {
                 producer: 0,
                 tail: 0,
                 shadow: alloc::vec![SendSlot::default(); 1],
+                before_reset: VecDeque::new(),
             }),
             rq: SpinLock::<P, _>::new(RecvRing {
                 ring: None,
@@ -497,6 +534,7 @@ impl<P: Platform> Qp<P> {
                 producer: 0,
                 tail: 0,
                 shadow: alloc::vec![0; 1],
+                before_reset: VecDeque::new(),
             }),
         }
     }
@@ -851,6 +889,7 @@ where
                         producer: 0,
                         tail: 0,
                         shadow: alloc::vec![SendSlot::default(); 1 << geometry.sq_log_bbs],
+                        before_reset: VecDeque::new(),
                     }),
                     rq: SpinLock::<P, _>::new(RecvRing {
                         ring: None,
@@ -858,6 +897,7 @@ where
                         producer: 0,
                         tail: 0,
                         shadow: alloc::vec![0; 1 << geometry.rq_log_entries],
+                        before_reset: VecDeque::new(),
                     }),
                 })
             };
@@ -1024,11 +1064,24 @@ where
             alloc::vec![
                 Command::new(Opcode::ModifyQp, qp.qpn).with_mailbox(input.as_bytes().to_vec())
             ],
-            Box::new(move |_hca, result| {
+            Box::new(move |hca, result| {
+                // Where the completions written before a reset end in each
+                // CQ, read before the QP's lock (a CQ's lock is never
+                // taken under it): the device wrote them all before it
+                // answered.
+                let reset_at = (next == QpState::Reset && result.is_ok()).then(|| {
+                    (
+                        hca.cq_next_sequence(qp.send_cq),
+                        hca.cq_next_sequence(qp.recv_cq),
+                    )
+                });
                 let mut c = qp.control.lock();
                 c.life = Life::Live;
                 match result {
                     Ok(_) => {
+                        if let Some(sequences) = reset_at {
+                            qp.keep_before_reset(sequences);
+                        }
                         qp.set_state(&mut c, next);
                         if next == QpState::Reset {
                             c.attr = QpModify::default();

@@ -266,7 +266,19 @@ impl<P: Platform> Hca<P> {
     /// A receive the CQE marks as taken from an SRQ (`from_srq`, PRM 10.4)
     /// is looked up in the QP's SRQ, which frees that SRQ slot; 0 if the
     /// QP has no SRQ or the slot is empty.
-    pub(crate) fn complete_wr(&self, qpn: u32, wqe_index: u16, recv: bool, from_srq: bool) -> u64 {
+    ///
+    /// `seq` is the completion's sequence number in its CQ: one polled
+    /// before the end a RESET recorded belongs to the work before that
+    /// reset, and is looked up in that epoch's kept `wr_id`s without
+    /// touching the live ring.
+    pub(crate) fn complete_wr(
+        &self,
+        qpn: u32,
+        wqe_index: u16,
+        recv: bool,
+        from_srq: bool,
+        seq: u64,
+    ) -> u64 {
         let qp = self
             .with_objects(|o| {
                 o.qps
@@ -288,6 +300,12 @@ impl<P: Platform> Hca<P> {
         if recv {
             let mut rq = qp.rq.lock();
             let mask = (1u32 << qp.geometry.rq_log_entries) - 1;
+            while rq.before_reset.front().is_some_and(|(end, _)| *end <= seq) {
+                rq.before_reset.pop_front();
+            }
+            if let Some((_, shadow)) = rq.before_reset.front() {
+                return shadow[(u32::from(wqe_index) & mask) as usize];
+            }
             let ahead = u32::from(wqe_index.wrapping_sub(rq.tail as u16));
             // `get`: a user QP keeps no shadow (one slot); a stale CQE that
             // names its number finds no wr_id rather than a panic.
@@ -301,6 +319,12 @@ impl<P: Platform> Hca<P> {
         } else {
             let mut sq = qp.sq.lock();
             let mask = (1u32 << qp.geometry.sq_log_bbs) - 1;
+            while sq.before_reset.front().is_some_and(|(end, _)| *end <= seq) {
+                sq.before_reset.pop_front();
+            }
+            if let Some((_, shadow)) = sq.before_reset.front() {
+                return shadow[(u32::from(wqe_index) & mask) as usize].wr_id;
+            }
             let slot = sq
                 .shadow
                 .get((u32::from(wqe_index) & mask) as usize)
