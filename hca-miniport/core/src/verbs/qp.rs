@@ -84,9 +84,11 @@
 //!   the shell's job where `unsafe` lives; the AV handle is resolved by the
 //!   caller until the AV verbs provide a lookup.
 //! - **wr_id** (PRM 10.4): each ring keeps a shadow of `wr_id`s by WQE
-//!   index; [`Hca::poll_cq`] reads the CQEs under the CQ lock, drops it,
-//!   and then asks each completion's QP (by number) for the `wr_id`,
-//!   retiring that WQE (and, for sends, the unsignaled ones before it).
+//!   index, in atomics outside the ring's lock (`Completions`);
+//!   [`Hca::poll_cq`] reads the CQEs under the CQ lock, drops it, and then
+//!   asks each completion's QP (by number) for the `wr_id`, retiring that
+//!   WQE (and, for sends, the unsignaled ones before it) by advancing the
+//!   ring's atomic tail, which post reads for room.
 //!   Limitation: polls of one CQ on two processors at once are not
 //!   serialised, so a slot could be reposted before the other poll reads
 //!   its `wr_id`; a CQ is to be polled from one place at a time (as the
@@ -107,16 +109,20 @@
 //!   the QP is reconnected and posted to again.
 //! - **Locks.** A QP's control lock (state, attributes), then its send-ring
 //!   lock, then its receive-ring lock; never the object-table lock or a
-//!   CQ's lock while holding one of them. Post takes one ring lock (and the
-//!   object-table lock briefly before, to find the QP); poll takes the CQ
-//!   lock, releases it, then the rings' locks one at a time: post and poll
-//!   share no lock except a ring lock for the moment a `wr_id` is read.
+//!   CQ's lock while holding one of them. Post takes one ring lock; poll
+//!   takes the CQ lock, releases it, and reads the `wr_id`s without any
+//!   QP lock (guide 6.5.5 item 2: no cross lock between post and poll on a
+//!   QP; only a reset's kept `wr_id`s have a lock, which post never takes).
+//!   Both still take the object-table lock briefly to resolve a handle or
+//!   number (post: the QP; poll: the CQ, then each completion's QP), and a
+//!   receive from an SRQ takes the SRQ's lock, which posting to the SRQ
+//!   takes too.
 
 use alloc::boxed::Box;
 use alloc::collections::VecDeque;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
-use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 
 use driver_platform::{CommonBuffer, Deferred, Platform, Request, RequestorMode, SpinLock};
 use hca_prm::cmd::Opcode;
@@ -316,27 +322,11 @@ struct Control {
     mtt: Option<EntryRange>,
 }
 
-/// A WQE the send ring holds until its completion.
-#[derive(Debug, Clone, Copy, Default)]
-struct SendSlot {
-    wr_id: u64,
-    /// Basic blocks of the WQE.
-    bbs: u32,
-}
-
 /// The send ring, under its own lock (PRM 10.2).
 struct SendRing<B> {
     ring: Option<B>,
     /// Basic blocks posted (the doorbell's producer counter).
     producer: u32,
-    /// Basic blocks completed (polled).
-    tail: u32,
-    /// By basic block of each WQE's start: its `wr_id` and size.
-    shadow: Vec<SendSlot>,
-    /// The shadows of the rings before each RESET whose completions may
-    /// still wait in the send CQ, with the CQ sequence number the first
-    /// completion after that reset is polled with (`Hca::cq_next_sequence`).
-    before_reset: VecDeque<(u64, Vec<SendSlot>)>,
 }
 
 /// The receive ring and its doorbell record, under their own lock (PRM
@@ -346,12 +336,52 @@ struct RecvRing<B> {
     dbr: Option<B>,
     /// Receive WQEs posted.
     producer: u32,
+}
+
+/// The poll side's view of a QP's rings, apart from the rings' locks so
+/// that polling takes no lock posting takes (guide 6.5.5 item 2): by slot,
+/// the `wr_id` (and, for sends, the basic blocks) of each WQE, stored by
+/// post before its doorbell and read by poll when the WQE's completion
+/// arrives; and how far completions reached (`*_tail`), advanced by poll
+/// and read by post for room. A CQ is polled from one place at a time
+/// (module docs), so a tail's only other writer is a reset, which poll
+/// detects with a compare-and-swap.
+pub(crate) struct Completions<P: Platform> {
+    pub(crate) send_wr_ids: Vec<AtomicU64>,
+    pub(crate) send_bbs: Vec<AtomicU32>,
+    /// Basic blocks completed (polled).
+    pub(crate) send_tail: AtomicU32,
+    pub(crate) recv_wr_ids: Vec<AtomicU64>,
     /// Receive WQEs completed (polled).
-    tail: u32,
-    /// `wr_id` by slot.
-    shadow: Vec<u64>,
-    /// As [`SendRing::before_reset`], in the receive CQ.
-    before_reset: VecDeque<(u64, Vec<u64>)>,
+    pub(crate) recv_tail: AtomicU32,
+    /// Set once a reset kept `wr_id`s in `before_reset`.
+    pub(crate) reset_kept: AtomicBool,
+    /// The `wr_id`s of the rings before each RESET whose completions may
+    /// still wait in the send and receive CQs, each with the CQ sequence
+    /// number the first completion after that reset is polled with
+    /// (`Hca::cq_next_sequence`). Taken by poll and reset, never by post.
+    pub(crate) before_reset: SpinLock<P, BeforeReset>,
+}
+
+/// See [`Completions::before_reset`].
+#[derive(Default)]
+pub(crate) struct BeforeReset {
+    pub(crate) send: VecDeque<(u64, Vec<u64>)>,
+    pub(crate) recv: VecDeque<(u64, Vec<u64>)>,
+}
+
+impl<P: Platform> Completions<P> {
+    fn new(send_slots: usize, recv_slots: usize) -> Self {
+        Self {
+            send_wr_ids: (0..send_slots).map(|_| AtomicU64::new(0)).collect(),
+            send_bbs: (0..send_slots).map(|_| AtomicU32::new(0)).collect(),
+            send_tail: AtomicU32::new(0),
+            recv_wr_ids: (0..recv_slots).map(|_| AtomicU64::new(0)).collect(),
+            recv_tail: AtomicU32::new(0),
+            reset_kept: AtomicBool::new(false),
+            before_reset: SpinLock::<P, _>::new(BeforeReset::default()),
+        }
+    }
 }
 
 /// A queue pair.
@@ -377,6 +407,8 @@ pub struct Qp<P: Platform> {
     control: SpinLock<P, Control>,
     sq: SpinLock<P, SendRing<Buffer<P>>>,
     rq: SpinLock<P, RecvRing<Buffer<P>>>,
+    /// What poll needs, without the ring locks.
+    done: Completions<P>,
 }
 
 impl<P: Platform> core::fmt::Debug for Qp<P> {
@@ -441,11 +473,11 @@ impl<P: Platform> Qp<P> {
         if state == QpState::Reset {
             let mut sq = self.sq.lock();
             sq.producer = 0;
-            sq.tail = 0;
+            self.done.send_tail.store(0, Ordering::Release);
             drop(sq);
             let mut rq = self.rq.lock();
             rq.producer = 0;
-            rq.tail = 0;
+            self.done.recv_tail.store(0, Ordering::Release);
             if let Some(dbr) = rq.dbr.as_ref() {
                 dbr.write(0, DoorbellRecord::new(0).as_bytes());
             }
@@ -458,19 +490,26 @@ impl<P: Platform> Qp<P> {
     /// 0, PRM 6.1.3), tagged with the CQ sequence numbers that end them.
     /// A ring with nothing outstanding keeps nothing.
     fn keep_before_reset(&self, (send_end, recv_end): (u64, u64)) {
-        let mut sq = self.sq.lock();
-        if sq.producer != sq.tail {
-            let shadow = sq.shadow.clone();
-            sq.before_reset.push_back((send_end, shadow));
+        let ids = |slots: &[AtomicU64]| -> Vec<u64> {
+            slots.iter().map(|a| a.load(Ordering::Acquire)).collect()
+        };
+        let done = &self.done;
+        let send_outstanding = self.sq.lock().producer != done.send_tail.load(Ordering::Acquire);
+        let recv_outstanding =
+            self.srq.is_none() && self.rq.lock().producer != done.recv_tail.load(Ordering::Acquire);
+        if !(send_outstanding || recv_outstanding) {
+            return;
         }
-        drop(sq);
-        if self.srq.is_none() {
-            let mut rq = self.rq.lock();
-            if rq.producer != rq.tail {
-                let shadow = rq.shadow.clone();
-                rq.before_reset.push_back((recv_end, shadow));
-            }
+        let mut kept = done.before_reset.lock();
+        if send_outstanding {
+            kept.send.push_back((send_end, ids(&done.send_wr_ids)));
         }
+        if recv_outstanding {
+            kept.recv.push_back((recv_end, ids(&done.recv_wr_ids)));
+        }
+        // Before `set_state` zeroes the tails: a poll that sees a tail
+        // move under it looks here.
+        done.reset_kept.store(true, Ordering::Release);
     }
 
     /// Takes the QP's common buffers (for freeing once the device no longer
@@ -524,18 +563,13 @@ impl<P: Platform> Qp<P> {
             sq: SpinLock::<P, _>::new(SendRing {
                 ring: None,
                 producer: 0,
-                tail: 0,
-                shadow: alloc::vec![SendSlot::default(); 1],
-                before_reset: VecDeque::new(),
             }),
             rq: SpinLock::<P, _>::new(RecvRing {
                 ring: None,
                 dbr: None,
                 producer: 0,
-                tail: 0,
-                shadow: alloc::vec![0; 1],
-                before_reset: VecDeque::new(),
             }),
+            done: Completions::new(1, 1),
         }
     }
 
@@ -887,18 +921,13 @@ where
                     sq: SpinLock::<P, _>::new(SendRing {
                         ring: None,
                         producer: 0,
-                        tail: 0,
-                        shadow: alloc::vec![SendSlot::default(); 1 << geometry.sq_log_bbs],
-                        before_reset: VecDeque::new(),
                     }),
                     rq: SpinLock::<P, _>::new(RecvRing {
                         ring: None,
                         dbr: None,
                         producer: 0,
-                        tail: 0,
-                        shadow: alloc::vec![0; 1 << geometry.rq_log_entries],
-                        before_reset: VecDeque::new(),
                     }),
+                    done: Completions::new(1 << geometry.sq_log_bbs, 1 << geometry.rq_log_entries),
                 })
             };
             let made = match which {
