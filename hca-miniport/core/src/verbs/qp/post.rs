@@ -338,6 +338,11 @@ impl<P: Platform> Hca<P> {
                 if let Some((_, ids)) = epochs.front() {
                     return ids.get(slot).copied().unwrap_or(0);
                 }
+                // All polled: back to the lock-free path (a reset sets the
+                // flag again under this lock).
+                if kept.send.is_empty() && kept.recv.is_empty() {
+                    done.reset_kept.store(false, Ordering::Release);
+                }
             }
             let at = tail.load(Ordering::Acquire);
             // `get`: a user QP keeps no shadow (one slot); a stale CQE that
