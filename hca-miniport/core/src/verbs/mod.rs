@@ -60,11 +60,16 @@
 //! memory through [`Hca::submit_user_request`] ([`user`]); every other verb
 //! answers [`IbStatus::Unsupported`].
 //!
-//! **Caller context.** Registering user memory locks pages of the calling
-//! process at PASSIVE_LEVEL (`mr`): the shell submits such requests with
-//! [`Hca::submit_request_in_context`], from the requesting thread, giving
-//! that context's locker and IRQL ([`region::CallerContext`]); kernel
-//! registrations use the locker installed with [`Hca::set_kernel_locker`].
+//! **Caller context.** One mechanism: a user-mode request carries the
+//! process it came from (`driver_platform::CallerProcess`) and enters
+//! through [`Hca::submit_user_request`], in that process's context at
+//! PASSIVE_LEVEL (the shell's `EvtIoInCallerContext`); everything that
+//! reaches into the process (locking its pages for rings and regions,
+//! mapping its doorbell page) goes through that caller. Kernel requests
+//! enter through [`Hca::submit_request`] at any IRQL up to DISPATCH_LEVEL
+//! without one, and kernel registrations lock with the locker installed
+//! with [`Hca::set_kernel_locker`]. A user request without its caller
+//! reaches nothing of a user context and registers nothing.
 //!
 //! [`BringUpReport`]: crate::init::BringUpReport
 
@@ -376,16 +381,12 @@ where
     /// is completed exactly once, possibly before this returns, possibly
     /// later from the DPC or the work item.
     pub fn submit_request(self: &Arc<Self>, request: P::Request) {
-        self.dispatch_request(request, None);
+        self.dispatch_request(request);
     }
 
-    /// Decodes and runs one request; `context` is the caller's, if the
-    /// shell gave it.
-    fn dispatch_request(
-        self: &Arc<Self>,
-        request: P::Request,
-        context: Option<&region::CallerContext<'_, P>>,
-    ) {
+    /// Decodes and runs one request without a caller process (a kernel
+    /// request, or a user request whose process the shell did not give).
+    fn dispatch_request(self: &Arc<Self>, request: P::Request) {
         use ib_types::ioctl as v;
         let code = IoctlCode::from_raw(request.ioctl_code());
         let Ok(verb) = VerbId::from_ioctl(code) else {
@@ -506,7 +507,7 @@ where
             }
             VerbId::RegMr => {
                 if let Some(a) = accept::<v::RegMr, R<P>>(request) {
-                    self.reg_mr_request(a, context);
+                    self.reg_mr_request(a, None);
                 }
             }
             VerbId::RegSharedMr => {
@@ -516,7 +517,7 @@ where
             }
             VerbId::ReregMr => {
                 if let Some(a) = accept::<v::ReregMr, R<P>>(request) {
-                    self.rereg_mr_request(a, context);
+                    self.rereg_mr_request(a, None);
                 }
             }
             VerbId::QueryMr => {
@@ -567,21 +568,6 @@ where
                 }
             }
         }
-    }
-
-    /// [`submit_request`](Self::submit_request) with the caller's context
-    /// ([`region::CallerContext`]): the locker of the requesting thread's
-    /// address space and its IRQL. The shell uses it for requests that
-    /// lock the caller's memory (RegMr, ReregMr), calling from the
-    /// requesting thread; a user-mode registration needs PASSIVE_LEVEL (or
-    /// APC_LEVEL) there. Every other verb behaves as through
-    /// `submit_request`.
-    pub fn submit_request_in_context(
-        self: &Arc<Self>,
-        request: P::Request,
-        context: &region::CallerContext<'_, P>,
-    ) {
-        self.dispatch_request(request, Some(context));
     }
 }
 
