@@ -1659,3 +1659,75 @@ fn close_waits_for_creates_in_flight_and_user_objects_need_the_caller() {
     assert_eq!(uvp.process().exit(), 0);
     w.finish();
 }
+
+/// Sends `V` down HCA `U`'s device stack (the IOCTL path through the
+/// shell's `io_request`) from the test thread at PASSIVE_LEVEL, as a
+/// user-mode request of `process` when one is given; returns the
+/// completion.
+fn through_stack<V: Verb>(
+    w: &World,
+    process: Option<&Process>,
+    handle: u64,
+    input: &V::In,
+) -> sim_host::request::Completion {
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<V>(0).unwrap()];
+    ib_types::ioctl::encode_request::<V>(handle, input, &[], 64, &mut bytes).unwrap();
+    let (mut request, issuer) = w.raw_request(
+        V::ID.ioctl().raw(),
+        RequestorMode::User,
+        bytes,
+        ib_types::ioctl::response_len::<V>(64).unwrap(),
+    );
+    if let Some(process) = process {
+        request.set_process(process.clone());
+    }
+    w.host.pnp().send_request(w.device_at(U).node(), request);
+    w.settle();
+    issuer.completion().expect("the request completed")
+}
+
+#[test]
+fn user_requests_through_the_device_stack_reach_the_user_path_in_their_callers_context() {
+    let (w, _) = two_hcas(78);
+    let process = Process::new(23);
+    // Without its process a user OpenCa has nothing to map into: the
+    // kernel path refuses it.
+    let c = through_stack::<OpenCa>(&w, None, 0, &OpenCaIn::CURRENT);
+    assert_eq!(status_of::<OpenCa>(&c), IbStatus::Unsupported);
+    assert_eq!(process.space().device_mapping_count(), 0);
+
+    // With it: a context whose doorbell page is mapped into that process.
+    let c = through_stack::<OpenCa>(&w, Some(&process), 0, &OpenCaIn::CURRENT);
+    let r = response::<OpenCa>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let ca = r.handle;
+    let doorbell = r.output.unwrap().doorbell.unwrap();
+    assert_eq!(process.space().device_mapping_count(), 1);
+    assert_ne!(doorbell.va, 0);
+
+    // A PD, and a region of the process's memory locked in its space.
+    let c = through_stack::<AllocPd>(&w, Some(&process), ca, &Empty);
+    let pd = response::<AllocPd>(&c).handle;
+    let va = process.alloc(2 * 4096).unwrap();
+    let input = ib_types::mr::MrRegister {
+        vaddr: va,
+        length: 2 * 4096,
+        access: AccessFlags::LOCAL_WRITE,
+    };
+    let c = through_stack::<ib_types::ioctl::RegMr>(&w, Some(&process), pd, &input);
+    assert_eq!(status_of::<ib_types::ioctl::RegMr>(&c), IbStatus::Success);
+    assert_eq!(process.space().locked_pages(), 2);
+
+    // Another process naming the context's objects is refused.
+    let other = Process::new(24);
+    let c = through_stack::<AllocPd>(&w, Some(&other), ca, &Empty);
+    assert_eq!(status_of::<AllocPd>(&c), IbStatus::InvalidCaHandle);
+
+    // Close through the stack: the doorbell unmapped, the pages unlocked.
+    let c = through_stack::<CloseCa>(&w, Some(&process), ca, &Empty);
+    assert_eq!(status_of::<CloseCa>(&c), IbStatus::Success);
+    assert_eq!(process.space().device_mapping_count(), 0);
+    assert_eq!(process.space().locked_pages(), 0);
+    assert_eq!(process.exit(), 0);
+    w.finish();
+}
