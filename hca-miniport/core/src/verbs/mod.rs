@@ -243,8 +243,14 @@ pub struct Responder<V: Verb, R: Request> {
     request: Option<R>,
     /// Room for private output: `min(private_out_max, output left)`.
     private_room: usize,
+    /// Runs with the answer's status and handle just before the request
+    /// is completed ([`before_answer`](Self::before_answer)).
+    before_answer: Option<BeforeAnswer>,
     verb: PhantomData<fn() -> V>,
 }
+
+/// What a [`Responder`] runs before it answers: the status and handle.
+pub(crate) type BeforeAnswer = Box<dyn FnOnce(IbStatus, u64) + Send>;
 
 impl<V: Verb, R: Request> core::fmt::Debug for Responder<V, R> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
@@ -257,6 +263,9 @@ impl<V: Verb, R: Request> core::fmt::Debug for Responder<V, R> {
 impl<V: Verb, R: Request> Responder<V, R> {
     /// Completes the request with the encoded response.
     pub fn finish(mut self, status: IbStatus, handle: u64, out: Option<&V::Out>, private: &[u8]) {
+        if let Some(hook) = self.before_answer.take() {
+            hook(status, handle);
+        }
         if let Some(request) = self.request.take() {
             complete_request::<V, R>(request, status, handle, out, private);
         }
@@ -265,6 +274,16 @@ impl<V: Verb, R: Request> Responder<V, R> {
     /// Completes the request with a failure status (no output, no handle).
     pub fn fail(self, status: IbStatus) {
         self.finish(status, 0, None, &[]);
+    }
+
+    /// Has `hook` run with the status and handle of the answer just before
+    /// the request completes (also when the responder is dropped
+    /// unanswered, with [`IbStatus::GenericError`]): a user context
+    /// records what a trusted verb made, or ends an operation it counted,
+    /// before its process can see the answer. Called with no core lock
+    /// held, like every answer.
+    pub(crate) fn before_answer(&mut self, hook: BeforeAnswer) {
+        self.before_answer = Some(hook);
     }
 
     /// Bytes of private output the caller can take.
@@ -280,6 +299,9 @@ impl<V: Verb, R: Request> Responder<V, R> {
 
 impl<V: Verb, R: Request> Drop for Responder<V, R> {
     fn drop(&mut self) {
+        if let Some(hook) = self.before_answer.take() {
+            hook(IbStatus::GenericError, 0);
+        }
         if let Some(request) = self.request.take() {
             complete_request::<V, R>(request, IbStatus::GenericError, 0, None, &[]);
         }
@@ -346,6 +368,7 @@ fn accept<V: Verb, R: Request>(mut request: R) -> Option<Accepted<V, R>> {
     let mut responder = Responder::<V, R> {
         request: Some(request),
         private_room: 0,
+        before_answer: None,
         verb: PhantomData,
     };
     let Ok((handle, input, private_out_max, kernel_only)) = decoded else {
