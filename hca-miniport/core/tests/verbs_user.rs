@@ -1731,3 +1731,230 @@ fn user_requests_through_the_device_stack_reach_the_user_path_in_their_callers_c
     assert_eq!(process.exit(), 0);
     w.finish();
 }
+
+/// A user ResizeCq request of `cq` to `2^log` CQEs with its new ring at
+/// `ring` (private bytes `private` if given, else the valid record).
+fn resize_request(
+    w: &World,
+    uvp: &Uvp,
+    cq: u64,
+    cqe: u32,
+    private: &[u8],
+) -> (
+    sim_host::request::HostRequest,
+    sim_host::request::RequestHandle,
+) {
+    use ib_types::ioctl::ResizeCq;
+    let attr = CqAttr {
+        cqe,
+        comp_vector: 0,
+    };
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<ResizeCq>(private.len()).unwrap()];
+    ib_types::ioctl::encode_request::<ResizeCq>(cq, &attr, private, 0, &mut bytes).unwrap();
+    let _ = uvp;
+    w.raw_request(
+        ResizeCq::ID.ioctl().raw(),
+        RequestorMode::User,
+        bytes,
+        ib_types::ioctl::response_len::<ResizeCq>(0).unwrap(),
+    )
+}
+
+/// Resizes a user CQ synchronously; on success the test-side CQ moves to
+/// the new ring, polled from 0 (PRM 6.2).
+fn resize(w: &World, uvp: &Uvp, cq: &mut UserCq, log: u8) -> IbStatus {
+    use ib_types::ioctl::ResizeCq;
+    let ring = uvp.process().alloc(32 << log).unwrap();
+    let layout = hca_prm::uverbs::ResizeCqPriv::new(log, ring).unwrap();
+    let c = uvp.call::<ResizeCq>(
+        w,
+        cq.handle,
+        &CqAttr {
+            cqe: 1 << log,
+            comp_vector: 0,
+        },
+        layout.emit().as_bytes(),
+    );
+    let r = response::<ResizeCq>(&c);
+    if r.status == IbStatus::Success {
+        assert_eq!(r.output.unwrap().cqe, 1 << log);
+        cq.ring = ring;
+        cq.log = log;
+        cq.consumer = 0;
+    }
+    r.status
+}
+
+#[test]
+fn a_user_cq_resized_under_traffic_loses_no_completion_and_a_failed_resize_keeps_the_old_ring() {
+    let (w, ips) = two_hcas(79);
+    let uvp = Uvp::open(&w, 31);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 3);
+    let mut qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
+    let k = Kernel::new(&w, QpType::Rc);
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+    let buf = uvp.process().alloc(8 * 512).unwrap();
+    let region = uvp.register(&w, pd, buf, 8 * 512);
+    // Message `n` is `100 + n` bytes: a completion's length names it.
+    let mut sent = 0u32;
+    let mut received: Vec<u32> = Vec::new();
+    let post_receives = |uvp: &Uvp, qp: &mut UserQp, count: u32| {
+        for _ in 0..count {
+            let slot = u64::from(qp.rq_producer & 7) * 512;
+            uvp.post_recv(qp, &[Sge::new(buf + slot, 512, region.lkey)]);
+        }
+    };
+    // The kernel side polls its send completions as it goes (its send
+    // queue holds 8).
+    let send = |w: &World, k: &Kernel, count: u32, sent: &mut u32| {
+        for _ in 0..count {
+            let len = 100 + *sent;
+            k.write(0, &pattern(*sent as u8, len as usize));
+            k.post_send(w, u64::from(*sent), vec![k.sge(0, len)]);
+            let done = k.poll(w);
+            assert_eq!(done.len(), 1);
+            assert_eq!(
+                (done[0].wr_id, done[0].status),
+                (u64::from(*sent), WcStatus::Success)
+            );
+            *sent += 1;
+        }
+    };
+    let take = |cqes: Vec<Cqe>, received: &mut Vec<u32>| {
+        for cqe in cqes {
+            let wc = cqe.to_work_completion(0).unwrap();
+            assert_eq!(wc.status, WcStatus::Success);
+            received.push(wc.byte_len - 100);
+        }
+    };
+
+    // Six messages; the UVP takes two and leaves four in the 8-entry ring
+    // (its consumer record says 2).
+    post_receives(&uvp, &mut qp, 6);
+    send(&w, &k, 6, &mut sent);
+    let mut first = uvp.poll(&mut cq);
+    assert_eq!(first.len(), 6);
+    first.truncate(2);
+    take(first, &mut received);
+    cq.consumer = 2;
+    uvp.process()
+        .write(cq.dbr, DoorbellRecord::new(2).as_bytes())
+        .unwrap();
+
+    // A resize to 2 entries cannot hold the four outstanding: refused,
+    // nothing pinned or taken for it, and the old ring still in use: the
+    // four and a seventh message are polled from it.
+    let locked = uvp.process().space().locked_pages();
+    let usage = w.hca_at(U).memory_translation().unwrap().usage();
+    assert_eq!(resize(&w, &uvp, &mut cq, 1), IbStatus::InvalidCqSize);
+    assert_eq!(uvp.process().space().locked_pages(), locked);
+    assert_eq!(w.hca_at(U).memory_translation().unwrap().usage(), usage);
+    assert_eq!(cq.log, 3);
+    post_receives(&uvp, &mut qp, 1);
+    send(&w, &k, 1, &mut sent);
+    take(uvp.poll(&mut cq), &mut received);
+    assert_eq!(received, (0..7).collect::<Vec<_>>());
+
+    // Two more left in the old ring, unpolled.
+    post_receives(&uvp, &mut qp, 2);
+    send(&w, &k, 2, &mut sent);
+
+    // Grow to 32 while two more messages are in flight: the resize
+    // request's commands and the sends' completions race in one run of
+    // the machine. The UVP does not poll until its request is answered.
+    post_receives(&uvp, &mut qp, 2);
+    let new_ring = uvp.process().alloc(32 << 5).unwrap();
+    let layout = hca_prm::uverbs::ResizeCqPriv::new(5, new_ring).unwrap();
+    let (request, issuer) = resize_request(&w, &uvp, cq.handle, 32, layout.emit().as_bytes());
+    for n in 0..2u32 {
+        let len = 100 + sent + n;
+        k.write(
+            4096 + (n as usize) * 1024,
+            &pattern((sent + n) as u8, len as usize),
+        );
+    }
+    {
+        let (hca, sink, kqp, base, lkey, start) = (
+            w.hca_at(K),
+            Arc::new(Mutex::new(Vec::new())),
+            k.qp,
+            k.region.start() + 4096,
+            k.region.lkey(),
+            sent,
+        );
+        let sink2 = sink.clone();
+        w.in_dpc(move || {
+            for n in 0..2u32 {
+                let sges = [Sge::new(base + u64::from(n) * 1024, 100 + start + n, lkey)];
+                let wr = SendWr {
+                    wr_id: u64::from(start + n),
+                    op: SendOp::Send,
+                    flags: SendFlags::SIGNALED,
+                    sg_list: &sges,
+                    ud: None,
+                };
+                let requests = [SendRequest {
+                    wr,
+                    av: None,
+                    inline: None,
+                }];
+                support::lock(&sink2).push(hca.post_send(kqp, &requests));
+            }
+        });
+        w.hca_at(U).submit_user_request(request, uvp.caller.clone());
+        w.settle();
+        assert_eq!(
+            *support::lock(&sink),
+            vec![(1, IbStatus::Success), (1, IbStatus::Success)]
+        );
+    }
+    sent += 2;
+    assert_eq!(k.poll(&w).len(), 2);
+    let r = issuer.completion().unwrap();
+    assert_eq!(
+        response::<ib_types::ioctl::ResizeCq>(&r).status,
+        IbStatus::Success
+    );
+    cq.ring = new_ring;
+    cq.log = 5;
+    cq.consumer = 0;
+    // The new ring holds the two left behind and the two sent meanwhile,
+    // in order; none lost, none twice.
+    take(uvp.poll(&mut cq), &mut received);
+    assert_eq!(received, (0..11).collect::<Vec<_>>());
+    let c = uvp.call::<QueryCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(response::<QueryCq>(&c).output.unwrap().cqe, 32);
+
+    // Traffic continues into the new ring beyond the old ring's size.
+    for _ in 0..2 {
+        post_receives(&uvp, &mut qp, 8);
+        send(&w, &k, 8, &mut sent);
+    }
+    take(uvp.poll(&mut cq), &mut received);
+    assert_eq!(received, (0..sent).collect::<Vec<_>>());
+    // Each message's bytes arrived (the last one checked).
+    let last = sent - 1;
+    let mut got = vec![0; (100 + last) as usize];
+    let slot = u64::from((qp.rq_producer - 1) & 7) * 512;
+    uvp.process().read(buf + slot, &mut got).unwrap();
+    assert_eq!(got, pattern(last as u8, (100 + last) as usize));
+
+    // Shrinking back to 8 with nothing outstanding works too.
+    assert_eq!(resize(&w, &uvp, &mut cq, 3), IbStatus::Success);
+    post_receives(&uvp, &mut qp, 3);
+    send(&w, &k, 3, &mut sent);
+    take(uvp.poll(&mut cq), &mut received);
+    assert_eq!(received, (0..sent).collect::<Vec<_>>());
+
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    k.finish(&w);
+    w.finish();
+}
