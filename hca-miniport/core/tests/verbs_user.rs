@@ -1958,3 +1958,239 @@ fn a_user_cq_resized_under_traffic_loses_no_completion_and_a_failed_resize_keeps
     k.finish(&w);
     w.finish();
 }
+
+/// The kernel client RDMA-writes `bytes` (staged at offset 0 of its
+/// buffer) to `addr` through `rkey`; returns its completion's status.
+fn kernel_rdma_write(
+    w: &World,
+    k: &Kernel,
+    wr_id: u64,
+    bytes: &[u8],
+    addr: u64,
+    rkey: ib_types::wr::RKey,
+) -> WcStatus {
+    k.write(0, bytes);
+    let out = Arc::new(Mutex::new(None));
+    let (hca, sink, qp, sge) = (w.hca_at(K), out.clone(), k.qp, k.sge(0, bytes.len() as u32));
+    w.in_dpc(move || {
+        let sges = [sge];
+        let wr = SendWr {
+            wr_id,
+            op: SendOp::RdmaWrite {
+                remote: ib_types::wr::RemoteAddr { addr, rkey },
+            },
+            flags: SendFlags::SIGNALED,
+            sg_list: &sges,
+            ud: None,
+        };
+        let requests = [SendRequest {
+            wr,
+            av: None,
+            inline: None,
+        }];
+        *support::lock(&sink) = Some(hca.post_send(qp, &requests));
+    });
+    w.settle();
+    assert_eq!(support::lock(&out).take(), Some((1, IbStatus::Success)));
+    let wcs = k.poll(w);
+    assert_eq!(wcs.len(), 1);
+    assert_eq!(wcs[0].wr_id, wr_id);
+    wcs[0].status
+}
+
+#[test]
+fn user_windows_bound_by_user_wqes_rereg_and_shared_regions_work_and_old_keys_are_refused() {
+    use ib_types::ioctl::{AllocMw, DeallocMw, DeregMr, QueryMw, RegSharedMr, ReregMr};
+    use ib_types::mr::{MrRereg, MrShare, MwAttr, MwType};
+    use ib_types::wr::{MwBind, RKey};
+    let (w, ips) = two_hcas(80);
+    let uvp = Uvp::open(&w, 41);
+    let other = Uvp::open(&w, 42);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 4);
+    let mut qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
+    let k = Kernel::new(&w, QpType::Rc);
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+
+    // Region A allows binding; a type 2 window in the same PD.
+    let a_buf = uvp.process().alloc(8192).unwrap();
+    let input = ib_types::mr::MrRegister {
+        vaddr: a_buf,
+        length: 8192,
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+    };
+    let c = uvp.call::<ib_types::ioctl::RegMr>(&w, pd, &input, &[]);
+    let r = response::<ib_types::ioctl::RegMr>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let (a_mr, a_keys) = (r.handle, r.output.unwrap());
+    let attr = MwAttr {
+        mw_type: MwType::Type2,
+        rkey: RKey::new(0),
+    };
+    let c = uvp.call::<AllocMw>(&w, pd, &attr, &[]);
+    let r = response::<AllocMw>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let (mw, first_rkey) = (r.handle, r.output.unwrap().rkey);
+    let c = uvp.call::<QueryMw>(&w, mw, &Empty, &[]);
+    let q = response::<QueryMw>(&c).output.unwrap();
+    assert_eq!((q.pd.raw(), q.attr.rkey), (pd, first_rkey));
+    // Not another process's to query, free, or allocate in.
+    let c = other.call::<QueryMw>(&w, mw, &Empty, &[]);
+    assert_eq!(status_of::<QueryMw>(&c), IbStatus::InvalidMwHandle);
+    let c = other.call::<DeallocMw>(&w, mw, &Empty, &[]);
+    assert_eq!(status_of::<DeallocMw>(&c), IbStatus::InvalidMwHandle);
+    let c = other.call::<AllocMw>(&w, pd, &attr, &[]);
+    assert_eq!(status_of::<AllocMw>(&c), IbStatus::InvalidPdHandle);
+
+    // The UVP binds it with a WQE of its own over A[1024, 3072) with a
+    // new tag, and rings its own doorbell.
+    let raw = first_rkey.get();
+    let bound_rkey = RKey::new((raw & !0xFF) | (raw.wrapping_add(1) & 0xFF));
+    let wr = SendWr {
+        wr_id: 0,
+        op: SendOp::BindMw {
+            mw: ib_types::handle::MwHandle::from_raw(mw),
+            rkey: bound_rkey,
+            bind: MwBind {
+                mr_lkey: a_keys.lkey,
+                addr: a_buf + 1024,
+                length: 2048,
+                access: AccessFlags::REMOTE_WRITE,
+            },
+        },
+        flags: SendFlags::SIGNALED,
+        sg_list: &[],
+        ud: None,
+    };
+    let qpn = qp.qpn;
+    uvp.post_send(&mut qp, &wr, None, qpn);
+    w.settle();
+    let cqes = uvp.poll(&mut cq);
+    assert_eq!(cqes.len(), 1);
+    assert_eq!(
+        cqes[0].to_work_completion(0).unwrap().status,
+        WcStatus::Success
+    );
+    let c = uvp.call::<QueryMw>(&w, mw, &Empty, &[]);
+    assert_eq!(
+        response::<QueryMw>(&c).output.unwrap().attr.rkey,
+        bound_rkey
+    );
+
+    // The peer writes through the window's key; the bytes land in A.
+    let data = pattern(9, 2000);
+    assert_eq!(
+        kernel_rdma_write(&w, &k, 1, &data, a_buf + 1024, bound_rkey),
+        WcStatus::Success
+    );
+    let mut got = vec![0; 2000];
+    uvp.process().read(a_buf + 1024, &mut got).unwrap();
+    assert_eq!(got, data);
+    // A region with a window bound is not deregistered.
+    let c = uvp.call::<DeregMr>(&w, a_mr, &Empty, &[]);
+    assert_eq!(status_of::<DeregMr>(&c), IbStatus::ResourceBusy);
+
+    // Re-registration of region B to a new range C of the process: new
+    // keys, B's pages unlocked, C's locked with the caller's locker.
+    let b_buf = uvp.process().alloc(4096).unwrap();
+    let b = uvp.register(&w, pd, b_buf, 4096);
+    let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, b.handle, &Empty, &[]);
+    let b_keys = response::<ib_types::ioctl::QueryMr>(&c)
+        .output
+        .unwrap()
+        .keys;
+    let locked = uvp.process().space().locked_pages();
+    let c_buf = uvp.process().alloc(8192).unwrap();
+    let rereg = MrRereg {
+        translation: Some((c_buf, 8192)),
+        ..MrRereg::default()
+    };
+    // Not another process's region, nor into another process's PD.
+    let c = other.call::<ReregMr>(&w, b.handle, &rereg, &[]);
+    assert_eq!(status_of::<ReregMr>(&c), IbStatus::InvalidMrHandle);
+    let other_pd = other.alloc_pd(&w);
+    let to_other = MrRereg {
+        pd: Some(PdHandle::from_raw(other_pd)),
+        ..MrRereg::default()
+    };
+    let c = uvp.call::<ReregMr>(&w, b.handle, &to_other, &[]);
+    assert_eq!(status_of::<ReregMr>(&c), IbStatus::InvalidPdHandle);
+    let c = uvp.call::<ReregMr>(&w, b.handle, &rereg, &[]);
+    let r = response::<ReregMr>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let c_keys = r.output.unwrap();
+    assert_ne!(c_keys.rkey, b_keys.rkey);
+    assert_eq!(uvp.process().space().locked_pages(), locked - 1 + 2);
+
+    // Shared into the same PD at another address: the same pages as C.
+    let share = MrShare {
+        pd: PdHandle::from_raw(pd),
+        vaddr: 0x7000_0000,
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+    };
+    let c = other.call::<RegSharedMr>(&w, b.handle, &share, &[]);
+    assert_eq!(status_of::<RegSharedMr>(&c), IbStatus::InvalidMrHandle);
+    let c = uvp.call::<RegSharedMr>(&w, b.handle, &share, &[]);
+    let r = response::<RegSharedMr>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let (shared, shared_out) = (r.handle, r.output.unwrap());
+    let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, shared, &Empty, &[]);
+    assert_eq!(
+        response::<ib_types::ioctl::QueryMr>(&c)
+            .output
+            .unwrap()
+            .vaddr,
+        shared_out.vaddr
+    );
+
+    // The peer writes through C's new key, and through the shared one.
+    let data = pattern(21, 3000);
+    assert_eq!(
+        kernel_rdma_write(&w, &k, 2, &data, c_buf + 100, c_keys.rkey),
+        WcStatus::Success
+    );
+    let mut got = vec![0; 3000];
+    uvp.process().read(c_buf + 100, &mut got).unwrap();
+    assert_eq!(got, data);
+    let data = pattern(33, 1500);
+    assert_eq!(
+        kernel_rdma_write(
+            &w,
+            &k,
+            3,
+            &data,
+            shared_out.vaddr + 5000,
+            shared_out.keys.rkey
+        ),
+        WcStatus::Success
+    );
+    let mut got = vec![0; 1500];
+    uvp.process().read(c_buf + 5000, &mut got).unwrap();
+    assert_eq!(got, data);
+
+    // B's old key is refused by the responder (the connection then
+    // breaks, so this comes last), and nothing was written.
+    uvp.process().write(b_buf, &[0u8; 64]).unwrap();
+    assert_eq!(
+        kernel_rdma_write(&w, &k, 4, &pattern(44, 64), b_buf, b_keys.rkey),
+        WcStatus::RemAccessErr
+    );
+    let mut got = vec![0; 64];
+    uvp.process().read(b_buf, &mut got).unwrap();
+    assert_eq!(got, vec![0u8; 64]);
+
+    // Close with the window still bound and three regions: the window
+    // goes first, then the regions; nothing stays locked.
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    assert_eq!(other.close(&w), IbStatus::Success);
+    assert_eq!(other.process().exit(), 0);
+    k.finish(&w);
+    w.finish();
+}
