@@ -2194,3 +2194,147 @@ fn user_windows_bound_by_user_wqes_rereg_and_shared_regions_work_and_old_keys_ar
     k.finish(&w);
     w.finish();
 }
+
+/// The kernel client on HCA `K` sends `payload` from its UD QP to the
+/// multicast group `ip` (Q_Key 0x11); returns its completion status.
+fn kernel_send_to_group(w: &World, k: &Kernel, payload: &[u8], ip: [u8; 4]) -> WcStatus {
+    k.write(0, payload);
+    let av = hca_prm::av::Av::try_from(&av_to(ip)).unwrap();
+    let out = Arc::new(Mutex::new(None));
+    let (hca, sink, kqp, sge) = (
+        w.hca_at(K),
+        out.clone(),
+        k.qp,
+        k.sge(0, payload.len() as u32),
+    );
+    w.in_dpc(move || {
+        let sges = [sge];
+        let wr = SendWr {
+            wr_id: 90,
+            op: SendOp::Send,
+            flags: SendFlags::SIGNALED,
+            sg_list: &sges,
+            ud: Some(ib_types::wr::UdDest {
+                av: ib_types::handle::AvHandle::from_raw(1),
+                remote_qpn: Qpn::new(0xFF_FFFF).unwrap(),
+                remote_qkey: QKey::new(0x11),
+            }),
+        };
+        let requests = [SendRequest {
+            wr,
+            av: Some(av),
+            inline: None,
+        }];
+        *support::lock(&sink) = Some(hca.post_send(kqp, &requests));
+    });
+    w.settle();
+    assert_eq!(support::lock(&out).take(), Some((1, IbStatus::Success)));
+    let wcs = k.poll(w);
+    assert_eq!(wcs.len(), 1);
+    wcs[0].status
+}
+
+#[test]
+fn a_user_ud_qp_joins_a_multicast_group_and_leaves_it_on_detach_destroy_and_close() {
+    use ib_types::ioctl::{AttachMcast, DetachMcast};
+    use ib_types::mcast::McastGroup;
+    let (w, _) = two_hcas(81);
+    let uvp = Uvp::open(&w, 51);
+    let other = Uvp::open(&w, 52);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 4);
+    let mut qp = uvp.create_qp(&w, QpType::Ud, pd, &cq);
+    let rc_qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
+    let k = Kernel::new(&w, QpType::Ud);
+    for m in to_rts(QpType::Ud, 0, [0; 4]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+    let buf = uvp.process().alloc(8192).unwrap();
+    let region = uvp.register(&w, pd, buf, 8192);
+    const GROUP: [u8; 4] = [239, 5, 6, 7];
+    let group = McastGroup {
+        mgid: Gid::from_ipv4(GROUP),
+        mlid: Lid::UNASSIGNED,
+    };
+
+    // Only the owner attaches its QP, and only a UD QP.
+    let c = other.call::<AttachMcast>(&w, qp.handle, &group, &[]);
+    assert_eq!(status_of::<AttachMcast>(&c), IbStatus::InvalidQpHandle);
+    let c = uvp.call::<AttachMcast>(&w, rc_qp.handle, &group, &[]);
+    assert_eq!(status_of::<AttachMcast>(&c), IbStatus::InvalidServiceType);
+    let c = uvp.call::<AttachMcast>(&w, qp.handle, &group, &[]);
+    let r = response::<AttachMcast>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let membership = r.handle;
+
+    // The peer's datagram to the group reaches the user QP.
+    let payload = pattern(61, 900);
+    uvp.post_recv(&mut qp, &[Sge::new(buf, 2048, region.lkey)]);
+    assert_eq!(
+        kernel_send_to_group(&w, &k, &payload, GROUP),
+        WcStatus::Success
+    );
+    let cqes = uvp.poll(&mut cq);
+    assert_eq!(cqes.len(), 1);
+    let wc = cqes[0].to_work_completion(0).unwrap();
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 940));
+    let mut got = vec![0; 900];
+    uvp.process().read(buf + 40, &mut got).unwrap();
+    assert_eq!(got, payload);
+
+    // Another process cannot detach it; the owner can, and then nothing
+    // arrives.
+    let c = other.call::<DetachMcast>(&w, membership, &Empty, &[]);
+    assert_eq!(status_of::<DetachMcast>(&c), IbStatus::InvalidMcastHandle);
+    let c = uvp.call::<DetachMcast>(&w, membership, &Empty, &[]);
+    assert_eq!(status_of::<DetachMcast>(&c), IbStatus::Success);
+    let c = uvp.call::<DetachMcast>(&w, membership, &Empty, &[]);
+    assert_eq!(status_of::<DetachMcast>(&c), IbStatus::InvalidMcastHandle);
+    uvp.post_recv(&mut qp, &[Sge::new(buf + 4096, 2048, region.lkey)]);
+    assert_eq!(
+        kernel_send_to_group(&w, &k, &payload, GROUP),
+        WcStatus::Success
+    );
+    assert!(uvp.poll(&mut cq).is_empty());
+
+    // Attached again, then the QP destroyed: the membership goes with it.
+    let c = uvp.call::<AttachMcast>(&w, qp.handle, &group, &[]);
+    let again = response::<AttachMcast>(&c).handle;
+    let c = uvp.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
+    let c = uvp.call::<DetachMcast>(&w, again, &Empty, &[]);
+    assert_eq!(status_of::<DetachMcast>(&c), IbStatus::InvalidMcastHandle);
+    // The receive the destroyed QP never consumed is flushed.
+    let flushed = uvp.poll(&mut cq);
+    assert_eq!(flushed.len(), 1);
+    assert_eq!(
+        flushed[0].to_work_completion(0).unwrap().status,
+        WcStatus::WrFlushErr
+    );
+
+    // A new UD QP attached and left attached at close: close detaches it
+    // (the QP's destroy does), and a datagram after close reaches nobody.
+    let mut last = uvp.create_qp(&w, QpType::Ud, pd, &cq);
+    for m in to_rts(QpType::Ud, 0, [0; 4]) {
+        assert_eq!(uvp.modify(&w, last.handle, &m), IbStatus::Success);
+    }
+    let c = uvp.call::<AttachMcast>(&w, last.handle, &group, &[]);
+    assert_eq!(status_of::<AttachMcast>(&c), IbStatus::Success);
+    uvp.post_recv(&mut last, &[Sge::new(buf, 2048, region.lkey)]);
+    assert_eq!(
+        kernel_send_to_group(&w, &k, &payload, GROUP),
+        WcStatus::Success
+    );
+    assert_eq!(uvp.poll(&mut cq).len(), 1);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(
+        kernel_send_to_group(&w, &k, &payload, GROUP),
+        WcStatus::Success
+    );
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    assert_eq!(other.close(&w), IbStatus::Success);
+    k.finish(&w);
+    w.finish();
+}
