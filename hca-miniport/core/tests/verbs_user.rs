@@ -2338,3 +2338,181 @@ fn a_user_ud_qp_joins_a_multicast_group_and_leaves_it_on_detach_destroy_and_clos
     k.finish(&w);
     w.finish();
 }
+
+#[test]
+fn hostile_resize_records_and_region_changes_are_refused_and_change_nothing() {
+    use hca_prm::Le64;
+    use hca_prm::uverbs::{ResizeCqPriv, ResizeCqPrivAbi};
+    use ib_types::ioctl::{AllocMw, ReregMr, ResizeCq};
+    use ib_types::mr::{MrRereg, MwAttr, MwType};
+    use sim_host::memory::Protection;
+    let (w, _) = two_hcas(82);
+    let uvp = Uvp::open(&w, 61);
+    let other = Uvp::open(&w, 62);
+    let pd = uvp.alloc_pd(&w);
+    let cq = uvp.create_cq(&w, 3);
+    let p = uvp.process();
+    let ring = p.alloc(8192).unwrap();
+    let read_only = p.alloc_with(4096, Protection::ReadOnly).unwrap();
+    let good = ResizeCqPriv::new(5, ring).unwrap().emit();
+    let resize_status = |caller: &Uvp, cq: u64, cqe: u32, bytes: &[u8]| {
+        let attr = CqAttr {
+            cqe,
+            comp_vector: 0,
+        };
+        status_of::<ResizeCq>(&caller.call::<ResizeCq>(&w, cq, &attr, bytes))
+    };
+    let with = |f: &dyn Fn(&mut ResizeCqPrivAbi)| {
+        let mut abi = good;
+        f(&mut abi);
+        abi
+    };
+    // A kernel client's CQ on the same HCA (not the user's to resize).
+    let kca =
+        response::<OpenCa>(&w.call_in_dpc_at::<OpenCa>(U, KERNEL, 0, &OpenCaIn::CURRENT, 0)).handle;
+    let attr = CqAttr {
+        cqe: 8,
+        comp_vector: 0,
+    };
+    let kcq = response::<CreateCq>(&w.call_in_dpc_at::<CreateCq>(U, KERNEL, kca, &attr, 0)).handle;
+    let before = footprint(&w, &uvp);
+    let bad = IbStatus::InvalidParameter;
+    let cases: Vec<(ResizeCqPrivAbi, u32, IbStatus)> = vec![
+        // Misaligned ring, reserved bytes, a length that is not the log's.
+        (with(&|a| a.ring_va = Le64::new(ring + 8)), 32, bad),
+        (with(&|a| a.reserved_at_0x11[0] = 1), 32, bad),
+        (with(&|a| a.ring_bytes = Le64::new(2048)), 32, bad),
+        // A ring that wraps, and a log no shift survives.
+        (with(&|a| a.ring_va = Le64::new(u64::MAX - 1023)), 32, bad),
+        (with(&|a| a.log_entries = 200), 32, bad),
+        // Beyond the device's CQ size; more CQEs asked than the ring holds.
+        (
+            ResizeCqPriv::new(24, 0x10_0000_0000).unwrap().emit(),
+            1,
+            IbStatus::InvalidCqSize,
+        ),
+        (good, 33, IbStatus::InvalidCqSize),
+        // Over the CQ's own consumer record, or over its current ring.
+        (with(&|a| a.ring_va = Le64::new(cq.dbr & !63)), 32, bad),
+        (with(&|a| a.ring_va = Le64::new(cq.ring)), 32, bad),
+        // Memory the process does not have, kernel memory, read-only pages.
+        (
+            with(&|a| a.ring_va = Le64::new(ring + 0x10_0000)),
+            32,
+            IbStatus::InvalidPermission,
+        ),
+        (
+            with(&|a| a.ring_va = Le64::new(sim_host::memory::KERNEL_VA_BASE)),
+            32,
+            IbStatus::InvalidPermission,
+        ),
+        (
+            with(&|a| a.ring_va = Le64::new(read_only)),
+            32,
+            IbStatus::InvalidPermission,
+        ),
+    ];
+    for (i, (abi, cqe, expected)) in cases.iter().enumerate() {
+        assert_eq!(
+            resize_status(&uvp, cq.handle, *cqe, abi.as_bytes()),
+            *expected,
+            "case {i}"
+        );
+        assert_eq!(footprint(&w, &uvp), before, "case {i}");
+    }
+    // Short and long records; no record.
+    assert_eq!(
+        resize_status(&uvp, cq.handle, 32, &good.as_bytes()[..23]),
+        bad
+    );
+    let mut long = good.as_bytes().to_vec();
+    long.push(0);
+    assert_eq!(resize_status(&uvp, cq.handle, 32, &long), bad);
+    assert_eq!(resize_status(&uvp, cq.handle, 32, &[]), bad);
+    // Another process's CQ, a PD handle, a kernel CQ.
+    assert_eq!(
+        resize_status(&other, cq.handle, 32, good.as_bytes()),
+        IbStatus::InvalidCqHandle
+    );
+    assert_eq!(
+        resize_status(&uvp, pd, 32, good.as_bytes()),
+        IbStatus::InvalidCqHandle
+    );
+    assert_eq!(
+        resize_status(&uvp, kcq, 32, good.as_bytes()),
+        IbStatus::InvalidCqHandle
+    );
+    assert_eq!(footprint(&w, &uvp), before);
+
+    // Arbitrary private bytes: never a success, never a change.
+    let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
+        cases: 96,
+        ..Default::default()
+    });
+    let strategy = proptest::collection::vec(proptest::prelude::any::<u8>(), 0..48);
+    runner
+        .run(&strategy, |bytes| {
+            proptest::prop_assert_ne!(
+                resize_status(&uvp, cq.handle, 32, &bytes),
+                IbStatus::Success
+            );
+            proptest::prop_assert_eq!(footprint(&w, &uvp), footprint_of(&before));
+            Ok(())
+        })
+        .unwrap();
+
+    // Region changes: a re-registration to memory the process lacks or
+    // to kernel memory is refused, the region intact with its keys.
+    let buf = p.alloc(4096).unwrap();
+    let region = uvp.register(&w, pd, buf, 4096);
+    let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, region.handle, &Empty, &[]);
+    let kept = response::<ib_types::ioctl::QueryMr>(&c).output.unwrap();
+    let before = footprint(&w, &uvp);
+    for va in [ring + 0x10_0000, sim_host::memory::KERNEL_VA_BASE] {
+        let rereg = MrRereg {
+            translation: Some((va, 4096)),
+            ..MrRereg::default()
+        };
+        let c = uvp.call::<ReregMr>(&w, region.handle, &rereg, &[]);
+        assert_eq!(status_of::<ReregMr>(&c), IbStatus::InvalidPermission);
+        assert_eq!(footprint(&w, &uvp), before);
+        let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, region.handle, &Empty, &[]);
+        let now = response::<ib_types::ioctl::QueryMr>(&c).output.unwrap();
+        assert_eq!(
+            (now.keys, now.vaddr, now.length),
+            (kept.keys, kept.vaddr, kept.length)
+        );
+    }
+    // A window in a kernel PD, or in another process's PD.
+    let kpd = response::<AllocPd>(&w.call_in_dpc_at::<AllocPd>(U, KERNEL, kca, &Empty, 0)).handle;
+    let other_pd = other.alloc_pd(&w);
+    let attr = MwAttr {
+        mw_type: MwType::Type2,
+        rkey: ib_types::wr::RKey::new(0),
+    };
+    for target in [kpd, other_pd, cq.handle] {
+        let c = uvp.call::<AllocMw>(&w, target, &attr, &[]);
+        assert_eq!(status_of::<AllocMw>(&c), IbStatus::InvalidPdHandle);
+    }
+    assert_eq!(footprint(&w, &uvp), before);
+
+    // After all that, a valid resize works.
+    let mut cq = cq;
+    assert_eq!(resize(&w, &uvp, &mut cq, 5), IbStatus::Success);
+    assert_eq!(
+        status_of::<DestroyCq>(&w.call_in_dpc_at::<DestroyCq>(U, KERNEL, kcq, &Empty, 0)),
+        IbStatus::Success
+    );
+    assert_eq!(
+        status_of::<DeallocPd>(&w.call_in_dpc_at::<DeallocPd>(U, KERNEL, kpd, &Empty, 0)),
+        IbStatus::Success
+    );
+    assert_eq!(
+        status_of::<CloseCa>(&w.call_in_dpc_at::<CloseCa>(U, KERNEL, kca, &Empty, 0)),
+        IbStatus::Success
+    );
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(other.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().exit(), 0);
+    w.finish();
+}
