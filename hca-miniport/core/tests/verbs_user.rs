@@ -1908,6 +1908,21 @@ fn a_user_cq_resized_under_traffic_loses_no_completion_and_a_failed_resize_keeps
             }
         });
         w.hca_at(U).submit_user_request(request, uvp.caller.clone());
+        assert!(!issuer.is_done(), "the device has not answered yet");
+        // A close meanwhile is refused: the resize is under way.
+        let mut bytes = vec![0; ib_types::ioctl::request_len::<CloseCa>(0).unwrap()];
+        ib_types::ioctl::encode_request::<CloseCa>(uvp.ca, &Empty, &[], 0, &mut bytes).unwrap();
+        let (close, closing) = w.raw_request(
+            CloseCa::ID.ioctl().raw(),
+            RequestorMode::User,
+            bytes,
+            ib_types::ioctl::response_len::<CloseCa>(0).unwrap(),
+        );
+        w.hca_at(U).submit_user_request(close, uvp.caller.clone());
+        assert_eq!(
+            status_of::<CloseCa>(&closing.completion().unwrap()),
+            IbStatus::ResourceBusy
+        );
         w.settle();
         assert_eq!(
             *support::lock(&sink),
