@@ -21,11 +21,11 @@
 //!   (`Hca::start`).
 //! - `d0_exit` / `d0_entry` (`EvtDeviceD0Exit` / `EvtDeviceD0Entry`):
 //!   [`MiniportDevice::power_down`] / [`MiniportDevice::power_up`], the
-//!   one place the power entry points of the core are called. Today the
-//!   core has none, so leaving D0 stops the device (every object is gone,
-//!   clients' handles turn stale) and returning starts it afresh; the
-//!   first D0 entry after prepare-hardware finds it started and does
-//!   nothing.
+//!   one place the power entry points of the core are called:
+//!   `Hca::d0_exit` keeps every verb object and resets the device,
+//!   `Hca::d0_entry` brings it up again and restores them (clients'
+//!   handles stay valid); the first D0 entry after prepare-hardware finds
+//!   the device started and does nothing.
 //! - `release_hardware` (`EvtDeviceReleaseHardware`): stops the device if
 //!   it still runs, disconnects the ISR, drops the adapter, and flushes the
 //!   DPC, work item and timer (`DeviceDeferred::flush`), so that nothing of
@@ -354,31 +354,41 @@ impl<P: ShellPlatform> MiniportDevice<P> {
         Some((hca, deferred))
     }
 
-    /// Leaving D0 (`EvtDeviceD0Exit`). THE place to switch to the core's
-    /// power entry points once it has them (keep software state, quiesce
-    /// the device): today the core has none, so the device is stopped and
-    /// its objects are gone. The switch: `hca.d0_exit()` instead of
-    /// `hca.stop()` here, and `hca.d0_entry()` in [`Self::power_up`].
+    /// Leaving D0 (`EvtDeviceD0Exit`): the core's `d0_exit` keeps every
+    /// verb object and takes the device down (see
+    /// `hca_miniport_core::verbs::restore`).
     pub fn power_down(&self, _to: DevicePowerState) -> NtStatus {
         if let Some(hca) = self.hca() {
-            hca.stop();
+            hca.d0_exit();
         }
         SUCCESS
     }
 
-    /// Returning to D0 (`EvtDeviceD0Entry`). THE place to switch to the
-    /// core's power entry points once it has them (re-initialise, restore
-    /// objects): today a stopped device is started afresh; the first D0
-    /// entry after prepare-hardware finds it started and leaves it. The
-    /// switch: `hca.d0_entry()` for a device that went through
-    /// `d0_exit` (success reported to the power manager either way, so
-    /// that a device that failed to come back can still have its objects
-    /// destroyed).
+    /// Returning to D0 (`EvtDeviceD0Entry`): after a D0 exit the core's
+    /// `d0_entry` brings the device up and restores the objects (success
+    /// reported to the power manager either way, so that a device that
+    /// failed to come back, which the core then declares failed, can
+    /// still have its objects destroyed; the outcome is kept in the
+    /// state's `started`); the first D0 entry after prepare-hardware finds
+    /// the device started and leaves it; a stopped device is started
+    /// afresh.
     pub fn power_up(&self, _from: DevicePowerState) -> NtStatus {
         let Some(hca) = self.hca() else {
             return UNSUCCESSFUL;
         };
         if hca.report().is_some() {
+            return SUCCESS;
+        }
+        if hca.is_below_d0() {
+            let entered = hca.d0_entry();
+            lock(&self.state).started = Some(entered.and_then(|()| {
+                hca.report()
+                    .ok_or(InitError::Capabilities("no report after D0 entry"))
+            }));
+            return SUCCESS;
+        }
+        if hca.failure().is_some() {
+            // A failed device stays down until PnP restarts it.
             return SUCCESS;
         }
         let started = hca.start();
@@ -447,6 +457,14 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
 
     fn d0_exit(&self, to: DevicePowerState) -> NtStatus {
         self.power_down(to)
+    }
+
+    fn surprise_removal(&self) {
+        // EvtDeviceSurpriseRemoval: the core fails over before D0 exit and
+        // release-hardware follow.
+        if let Some(hca) = self.hca() {
+            hca.surprise_removed();
+        }
     }
 
     fn io_request(&self, _lower: &dyn Forward, req: HostRequest) {

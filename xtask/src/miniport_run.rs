@@ -15,9 +15,10 @@
 //!
 //! Memory is a common buffer of each HCA's DMA adapter, registered through
 //! the CI with `RegPhysMr` (a kernel client's physical registration: the
-//! page list of bus addresses). Objects do not survive sleep yet: the shell
-//! stops the device on D0 exit and starts it afresh on D0 entry until the
-//! core's power restore lands, so the client tears down before sleeping.
+//! page list of bus addresses). The client tears down before sleeping;
+//! objects left alive would survive it (the core keeps them on D0 exit and
+//! restores them on D0 entry, `hca_miniport_core::verbs::restore`, tested
+//! in `hca-miniport/core/tests/power.rs`).
 //!
 //! The scenario test `tests/tests/miniport_stack.rs` runs this same module.
 
@@ -402,7 +403,7 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
     if !summary.restarted_after_wake {
         return Err("the HCAs did not stop in S3 and start again in S0".to_owned());
     }
-    summary.lines.push("S0 -> S3 -> S0: each HCA stopped on D0 exit and came back on D0 entry (objects do not survive sleep yet: the core's power restore is being built)".to_owned(),
+    summary.lines.push("S0 -> S3 -> S0: each HCA taken down on D0 exit and brought back on D0 entry (its objects kept and restored by the core)".to_owned(),
     );
     drop(sides);
 

@@ -165,6 +165,12 @@ pub enum DeviceFailure {
         /// The command that timed out.
         opcode: Opcode,
     },
+    /// The device was surprise-removed (`EvtDeviceSurpriseRemoval`):
+    /// nothing of it answers any more.
+    SurpriseRemoval,
+    /// D0 entry could not bring the device up again or give the verb
+    /// objects back (`Hca::d0_entry`).
+    ResumeFailed,
 }
 
 /// Where the DPC delivers events other than command completions; the

@@ -16,8 +16,16 @@
 //!   first interrupts are lost.
 //! - Events reach the [`EventSink`] only from the DPC (and a command
 //!   timeout from the timer routine), never from the ISR (guide 9).
-//! - A device failure (catastrophic event or command timeout) is reported
-//!   to the sink once; afterwards every command fails at once.
+//! - A device failure (catastrophic event, command timeout, or
+//!   [`Hca::surprise_removed`]) is reported to the sink once; afterwards
+//!   every command fails at once, and the verbs fail over to software
+//!   ([`crate::verbs::fatal`]: QPs to ERR, posted WRs flushed, the client
+//!   told, outstanding requests completed with an error, destroy still
+//!   frees).
+//! - Power: [`Hca::d0_exit`] and [`Hca::d0_entry`] (PASSIVE_LEVEL,
+//!   `EvtDeviceD0Exit`/`EvtDeviceD0Entry`) take the device down and back
+//!   keeping every client handle valid; see [`crate::init`] and
+//!   [`crate::verbs::restore`].
 
 use alloc::boxed::Box;
 use alloc::sync::Arc;
@@ -89,6 +97,12 @@ pub struct Hca<P: Platform> {
     pub(crate) failure: SpinLock<P, Option<DeviceFailure>>,
     /// Set once the failure was reported to the sink.
     failure_reported: AtomicBool,
+    /// Set between [`Hca::d0_exit`] and the end of [`Hca::d0_entry`]: verbs
+    /// are refused ([`ib_types::status::IbStatus::InvalidState`]).
+    pub(crate) powered_down: AtomicBool,
+    /// The bring-up report of the last D0 exit: D0 entry must find the same
+    /// layout.
+    pub(crate) saved_layout: SpinLock<P, Option<BringUpReport>>,
     /// The verb objects (`crate::verbs`).
     pub(crate) verbs: crate::verbs::Verbs<P>,
 }
@@ -120,6 +134,8 @@ impl<P: Platform> Hca<P> {
             report: SpinLock::<P, _>::new(None),
             failure: SpinLock::<P, _>::new(None),
             failure_reported: AtomicBool::new(false),
+            powered_down: AtomicBool::new(false),
+            saved_layout: SpinLock::<P, _>::new(None),
             verbs: crate::verbs::Verbs::new(),
         }
     }
@@ -135,6 +151,9 @@ impl<P: Platform> Hca<P> {
     /// commands, delivers events to the sink, re-arms, and checks command
     /// timeouts.
     pub fn dpc(&self) {
+        // Events software produced for clients (flushes, restored QPs'
+        // errors) go out from here, at DISPATCH_LEVEL like the device's.
+        self.deliver_soft_events();
         self.eq.drain(&self.bar0, |event| {
             // The verbs route CQ and port events to their clients first,
             // then pass every event on to `self.sink`.
@@ -196,8 +215,34 @@ impl<P: Platform> Hca<P> {
         let first = *self.failure.lock().get_or_insert(failure);
         self.cmd.fail();
         if !self.failure_reported.swap(true, Ordering::AcqRel) {
+            self.fail_verbs();
             self.sink.device_failed(first);
         }
+    }
+
+    /// The shell's `EvtDeviceSurpriseRemoval`: the device is gone, so it is
+    /// declared failed ([`DeviceFailure::SurpriseRemoval`]) with everything
+    /// that implies for the verbs. The events for the client are delivered
+    /// before this returns, from the caller's context (PASSIVE_LEVEL in the
+    /// shell's callback, or DISPATCH_LEVEL): D0 exit and release-hardware
+    /// follow at once, and no DPC may run after them.
+    pub fn surprise_removed(&self) {
+        self.declare_failed(DeviceFailure::SurpriseRemoval);
+        self.deliver_soft_events();
+    }
+
+    /// Whether the failure was reported, lock-free: set before the verbs
+    /// fail over (`verbs::fatal` flushes under each ring's lock), so a post
+    /// that reads it false under its ring lock is flushed with the rest.
+    pub(crate) fn failure_reported(&self) -> bool {
+        self.failure_reported.load(Ordering::Acquire)
+    }
+
+    /// Whether the device is between [`Hca::d0_exit`] and the end of
+    /// [`Hca::d0_entry`] (for the shells: a D0 entry then restores rather
+    /// than starts).
+    pub fn is_below_d0(&self) -> bool {
+        self.powered_down.load(Ordering::Acquire)
     }
 
     /// The failure the device was declared in, if any.

@@ -34,6 +34,26 @@
 //! failed or any step fails, a reset instead. Only then is every common
 //! buffer freed, so the verifier sees no DMA leak and the device no freed
 //! memory.
+//!
+//! Power (`EvtDeviceD0Exit` / `EvtDeviceD0Entry`, PASSIVE_LEVEL):
+//! [`Hca::d0_exit`] refuses new verbs from then on
+//! ([`IbStatus::InvalidState`](ib_types::status::IbStatus::InvalidState);
+//! the shell's power-managed queue holds requests, so this is reached only
+//! by direct calls), runs the passive jobs already queued, fails what is
+//! still outstanding on the command interface (those verbs complete with
+//! an error and undo themselves, as at a stop), reads back each SRQ's
+//! limit, tears the device down as [`Hca::stop`] does, resets it, and
+//! saves what the device held that software must keep
+//! ([`crate::verbs::restore`]); it frees the context tables, the EQ and the
+//! command queue but keeps every verb object and its memory.
+//! [`Hca::d0_entry`] runs bring-up again (same configuration, so the same
+//! context-table layout and EQ; anything else is refused and the device
+//! declared failed), re-creates every object with polled commands, then
+//! switches to event mode and lets verbs in again; software events
+//! (restored QPs' errors, completion events of re-armed CQs with saved
+//! completions) go out from the next DPC. A failed device stays failed
+//! across D0 exit and entry (its objects can be destroyed); [`Hca::stop`]
+//! after a D0 exit without entry frees the verb objects' memory.
 
 use alloc::vec;
 use alloc::vec::Vec;
@@ -369,6 +389,14 @@ impl<P: Platform> Hca<P> {
     pub fn stop(&self) {
         let mode = self.cmd.mode();
         if mode == CommandMode::Offline {
+            // Released below D0, or after a failed D0 entry: the device was
+            // reset then; only the verb objects' memory is left.
+            self.powered_down
+                .store(false, core::sync::atomic::Ordering::Release);
+            *self.saved_layout.lock() = None;
+            for buffer in self.verbs.take_buffers(self) {
+                (self.free_common)(&self.dma, buffer);
+            }
             return;
         }
         self.cmd.disable_events();
@@ -394,6 +422,126 @@ impl<P: Platform> Hca<P> {
             self.release(tables);
         } else {
             self.abandon(tables);
+        }
+    }
+
+    /// Takes the device below D0 keeping every verb object (see the
+    /// module doc and [`crate::verbs::restore`]). PASSIVE_LEVEL. Does
+    /// nothing on a stopped device.
+    pub fn d0_exit(self: &alloc::sync::Arc<Self>) {
+        if self.cmd.mode() == CommandMode::Offline {
+            return;
+        }
+        self.powered_down
+            .store(true, core::sync::atomic::Ordering::Release);
+        // Jobs already queued issue their commands now; they fail below and
+        // undo themselves, so none runs against the device while it is down.
+        self.work_item();
+        self.cmd.disable_events();
+        self.deferred.set_timer(None);
+        let polled_mailbox = |command: Command| self.polled(command).map(|o| o.mailbox);
+        if self.cmd.mode() == CommandMode::Polled {
+            self.save_before_reset(&polled_mailbox);
+        }
+        let saved = *self.report.lock();
+        self.take_device_down(saved.map_or(0, |r| r.capabilities.num_ports));
+        *self.saved_layout.lock() = saved;
+        self.save_after_reset();
+    }
+
+    /// Brings the device back to D0 and gives every verb object back (see
+    /// the module doc). PASSIVE_LEVEL. On failure the device is declared
+    /// failed (the verbs fail over as for a catastrophic error) and the
+    /// error returned; the shell still reports success to the power
+    /// manager so the objects can be destroyed.
+    pub fn d0_entry(self: &alloc::sync::Arc<Self>) -> Result<(), InitError> {
+        if !self
+            .powered_down
+            .load(core::sync::atomic::Ordering::Acquire)
+        {
+            return Ok(());
+        }
+        let saved = self.saved_layout.lock().take();
+        if self.is_failed() {
+            // A failed device stays failed until PnP restarts it (the shell
+            // calls WdfDeviceSetFailed): its objects can only be destroyed,
+            // which needs no device.
+            self.powered_down
+                .store(false, core::sync::atomic::Ordering::Release);
+            self.deferred.queue_dpc();
+            return Ok(());
+        }
+        let result = self.start().and_then(|report| {
+            let same = saved.is_none_or(|old| {
+                old.tables == report.tables
+                    && old.reserved_mtt_entries == report.reserved_mtt_entries
+                    && old.eqn == report.eqn
+            });
+            if !same {
+                return Err(InitError::Capabilities(
+                    "the device came back with another context-table layout",
+                ));
+            }
+            // Polled again for the restore, so that D0 entry returns with
+            // every object back and nothing can overtake it.
+            self.cmd.disable_events();
+            let polled_mailbox = |command: Command| self.polled(command).map(|o| o.mailbox);
+            self.restore_verbs(&polled_mailbox).map_err(
+                |crate::verbs::restore::RestoreError::Command(error)| InitError::Command {
+                    step: "restoring the verb objects",
+                    error,
+                },
+            )?;
+            self.cmd
+                .enable_events(&self.bar0, self.deferred.now_ns())
+                .map_err(|error| InitError::Command {
+                    step: "event mode",
+                    error,
+                })
+        });
+        self.powered_down
+            .store(false, core::sync::atomic::Ordering::Release);
+        if let Err(error) = result {
+            // The objects stay for their owners to destroy, which needs no
+            // device (verbs/fatal.rs).
+            self.declare_failed(crate::eq::DeviceFailure::ResumeFailed);
+            return Err(error);
+        }
+        self.deferred.queue_dpc();
+        Ok(())
+    }
+
+    /// The polled half of teardown (ports closed, EQ destroyed,
+    /// `CLOSE_HCA`, queue disabled when the device still answers), then a
+    /// reset in any case, then the context tables, EQ and command queue
+    /// freed. The verb objects and their memory stay.
+    fn take_device_down(&self, ports: u8) {
+        let fatal =
+            Status::from_bits_retain(self.bar0.read32(offset::STATUS)).contains(Status::FATAL);
+        if !fatal && self.cmd.mode() == CommandMode::Polled {
+            for port in 1..=ports {
+                let _ = self.polled(Command::new(Opcode::ClosePort, u32::from(port)));
+            }
+            let _ = self.polled(Command::new(Opcode::Hw2SwEq, EQN));
+            let _ = self.polled(Command::new(Opcode::CloseHca, 0));
+            self.bar0
+                .write32(offset::CMDQ_CONFIG, CmdqConfig::default().to_bits());
+        }
+        self.bar0.write32(offset::CONTROL, Control::RESET.bits());
+        let mut buffers = core::mem::take(&mut *self.tables.lock());
+        *self.report.lock() = None;
+        if let Some(ring) = self.eq.detach() {
+            buffers.push(ring.buffer);
+        }
+        if let Some(memory) = self.cmd.detach() {
+            buffers.push(memory.ring);
+            for (input, output) in memory.mailboxes {
+                buffers.push(input);
+                buffers.push(output);
+            }
+        }
+        for buffer in buffers {
+            (self.free_common)(&self.dma, buffer);
         }
     }
 
@@ -428,7 +576,10 @@ impl<P: Platform> Hca<P> {
     }
 
     /// One polled command with the platform clock.
-    fn polled(&self, command: Command) -> Result<crate::cmd::CommandOutput, CommandError> {
+    pub(crate) fn polled(
+        &self,
+        command: Command,
+    ) -> Result<crate::cmd::CommandOutput, CommandError> {
         let now = || self.deferred.now_ns();
         self.cmd.execute_polled(&self.bar0, &now, command)
     }

@@ -16,6 +16,10 @@
 //! (`Hca::submit_request`) with the CA, PD and CQ verbs, polling and
 //! arming (guide 4, 6.1, 6.2, 6.8, 8.2, 8.3); [`ci::CiProvider`] is the
 //! CI interface the shells hand out for `IRP_MN_QUERY_INTERFACE`.
+//!
+//! Power and failure: [`Hca::d0_exit`] and [`Hca::d0_entry`] keep every
+//! verb object across a D0 exit ([`verbs::restore`]); a device failure
+//! fails the verbs over to software ([`verbs::fatal`]).
 
 #![cfg_attr(not(test), no_std)]
 #![forbid(unsafe_code)]

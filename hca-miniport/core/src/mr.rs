@@ -521,6 +521,27 @@ struct Allocators {
     keys: KeyAllocator,
     regions: u32,
     translations: u32,
+    /// The MPT entries the device holds now, by index, with the MTT run
+    /// each describes: what D0 entry writes back (same keys) after the
+    /// device lost its tables ([`MemoryTranslation::restore_commands`]).
+    live: alloc::collections::BTreeMap<u32, LiveMpt>,
+}
+
+/// A registered MPT entry as the device was given it.
+struct LiveMpt {
+    entry: MptEntry,
+    first_mtt: u32,
+    bus_pages: Arc<[u64]>,
+}
+
+impl LiveMpt {
+    fn of<P: Platform>(region: &MemoryRegion<P>, entry: MptEntry) -> Self {
+        Self {
+            entry,
+            first_mtt: region.translation.range.start(),
+            bus_pages: Arc::clone(&region.translation.bus_pages),
+        }
+    }
 }
 
 struct Shared<P: Platform> {
@@ -585,6 +606,7 @@ impl<P: Platform> MemoryTranslation<P> {
                     keys,
                     regions: 0,
                     translations: 0,
+                    live: alloc::collections::BTreeMap::new(),
                 }),
                 mtt_first: reserved,
                 max_region_bytes: report.capabilities.max_mr_size.get(),
@@ -869,6 +891,12 @@ impl<P: Platform> MemoryTranslation<P> {
                     this.retire(&hca2, region);
                     continuation(Ok(()));
                 }
+                // A failed device taken below D0 has no command queue; it
+                // holds nothing either.
+                Err(CommandError::NotRunning) if hca2.failure().is_some() => {
+                    this.retire(&hca2, region);
+                    continuation(Ok(()));
+                }
                 Err(error) => continuation(Err(DeregFailure {
                     error: MrError::Command(error),
                     region,
@@ -1132,6 +1160,41 @@ impl<P: Platform> MemoryTranslation<P> {
         })
     }
 
+    /// The commands that give a device brought up again (D0 entry) every
+    /// registered region back with the same keys: `WRITE_MTT` of each
+    /// translation once (shared regions share one), then `SW2HW_MPT` of
+    /// each entry as it was last written (index and tag, so L_Key and
+    /// R_Key, unchanged). Memory windows are not tracked here.
+    pub(crate) fn restore_commands(&self) -> Vec<Command> {
+        let state = self.shared.state.lock();
+        let mut commands = Vec::new();
+        let mut written = alloc::collections::BTreeSet::new();
+        for live in state.live.values() {
+            if !written.insert(live.first_mtt) {
+                continue;
+            }
+            for (chunk, pages) in live
+                .bus_pages
+                .chunks(self.shared.mtts_per_write)
+                .enumerate()
+            {
+                let first = u64::from(live.first_mtt) + (chunk * self.shared.mtts_per_write) as u64;
+                let mut mailbox = Vec::with_capacity(8 + 8 * pages.len());
+                mailbox.extend_from_slice(&first.to_le_bytes());
+                for page in pages {
+                    mailbox.extend_from_slice(&page.to_le_bytes());
+                }
+                commands.push(Command::new(Opcode::WriteMtt, 0).with_mailbox(mailbox));
+            }
+        }
+        for (&index, live) in &state.live {
+            commands.push(
+                Command::new(Opcode::Sw2HwMpt, index).with_mailbox(live.entry.as_bytes().to_vec()),
+            );
+        }
+        commands
+    }
+
     /// Takes a run of `count` MTT entries (absolute entry numbers) for
     /// another user of the MTT, such as a CQ ring: one allocator serves
     /// every user, so no two hand out the same entries.
@@ -1264,7 +1327,13 @@ impl<P: Platform> MemoryTranslation<P> {
                 .with_mailbox(entry.as_bytes().to_vec()),
             Box::new(move |result| match result {
                 Ok(_) => {
-                    this.shared.state.lock().regions += 1;
+                    {
+                        let mut state = this.shared.state.lock();
+                        state.regions += 1;
+                        state
+                            .live
+                            .insert(region.key.index(), LiveMpt::of(&region, entry));
+                    }
                     continuation(Ok(region));
                 }
                 Err(error) => {
@@ -1307,8 +1376,12 @@ impl<P: Platform> MemoryTranslation<P> {
                     Command::new(Opcode::Sw2HwMpt, index).with_mailbox(entry.as_bytes().to_vec()),
                     Box::new(move |result| match result {
                         Ok(_) => {
-                            // The allocator's tag follows the device's.
-                            let _ = this2.shared.state.lock().keys.bump_tag(index);
+                            {
+                                let mut state = this2.shared.state.lock();
+                                // The allocator's tag follows the device's.
+                                let _ = state.keys.bump_tag(index);
+                                state.live.insert(index, LiveMpt::of(&new, entry));
+                            }
                             let old_translation = old.translation;
                             this2.release_translation(&hca3, old_translation);
                             continuation(Ok(new));
@@ -1336,10 +1409,14 @@ impl<P: Platform> MemoryTranslation<P> {
         hca.submit(
             Command::new(Opcode::Sw2HwMpt, old.key.index()).with_mailbox(entry.as_bytes().to_vec()),
             Box::new(move |result| match result {
-                Ok(_) => continuation(Err(ReregFailure {
-                    error: MrError::Command(error),
-                    region: Some(old),
-                })),
+                Ok(_) => {
+                    let live = LiveMpt::of(&old, entry);
+                    this.shared.state.lock().live.insert(old.key.index(), live);
+                    continuation(Err(ReregFailure {
+                        error: MrError::Command(error),
+                        region: Some(old),
+                    }))
+                }
                 Err(_) => {
                     this.retire(&hca2, old);
                     continuation(Err(ReregFailure {
@@ -1364,6 +1441,7 @@ impl<P: Platform> MemoryTranslation<P> {
             // The key is current unless the device was failed mid-switch;
             // free the index whatever its tag.
             let _ = state.keys.free_index(region.key.index());
+            state.live.remove(&region.key.index());
             state.regions = state.regions.saturating_sub(1);
         }
         self.release_translation(hca, region.translation);

@@ -2531,3 +2531,99 @@ fn hostile_resize_records_and_region_changes_are_refused_and_change_nothing() {
     assert_eq!(uvp.process().exit(), 0);
     w.finish();
 }
+
+#[test]
+fn user_objects_do_not_survive_sleep_their_process_is_told_and_they_still_free() {
+    // Sleep and resume under a live user context (`verbs::restore`): its
+    // CQ and QP cannot be given back to the device (their counters live in
+    // the provider), so the process hears of each through GetAsyncEvent,
+    // the QP reads ERR, its region keeps its key, and destroy and close
+    // free everything.
+    use ib_types::event::AsyncEventCode;
+    use ib_types::ioctl::GetAsyncEvent;
+    let (w, _) = two_hcas(79);
+    let uvp = Uvp::open(&w, 12);
+    let pd = uvp.alloc_pd(&w);
+    let cq = uvp.create_cq(&w, 4);
+    let qp = uvp.create_qp(&w, QpType::Ud, pd, &cq);
+    for m in to_rts(QpType::Ud, 0, [0; 4]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+    }
+    let buf = uvp.process().alloc(8192).unwrap();
+    let region = uvp.register(&w, pd, buf, 8192);
+    let waiting = get_async_event(&w, &uvp);
+    assert!(!waiting.is_done());
+
+    w.sleep();
+    w.resume();
+
+    let mut told = Vec::new();
+    let c = waiting.completion().expect("an event after resume");
+    let r = response::<GetAsyncEvent>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let record = r.output.unwrap();
+    told.push((record.code, record.handle));
+    let next = get_async_event(&w, &uvp);
+    let c = next.completion().expect("the second event was queued");
+    let record = response::<GetAsyncEvent>(&c).output.unwrap();
+    told.push((record.code, record.handle));
+    told.sort_by_key(|(_, handle)| *handle);
+    let mut expected = vec![
+        (AsyncEventCode::CqError, cq.handle),
+        (AsyncEventCode::QpFatal, qp.handle),
+    ];
+    expected.sort_by_key(|(_, handle)| *handle);
+    assert_eq!(told, expected);
+    let c = uvp.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(response::<QueryQp>(&c).output.unwrap().state, QpState::Err);
+    let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, region.handle, &Empty, &[]);
+    let keys = response::<ib_types::ioctl::QueryMr>(&c).output.unwrap();
+    assert_eq!(keys.keys.lkey, region.lkey);
+
+    let c = uvp.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
+    let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::Success);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    w.finish();
+}
+
+#[test]
+fn a_catastrophic_error_tells_a_user_context_and_its_objects_still_free() {
+    use hca_prm::regs::FatalSyndrome;
+    use ib_types::event::AsyncEventCode;
+    use ib_types::ioctl::GetAsyncEvent;
+    let (w, _) = two_hcas(83);
+    let uvp = Uvp::open(&w, 13);
+    let pd = uvp.alloc_pd(&w);
+    let cq = uvp.create_cq(&w, 4);
+    let qp = uvp.create_qp(&w, QpType::Ud, pd, &cq);
+    let waiting = get_async_event(&w, &uvp);
+    w.function_at(U)
+        .with_device(|d| d.declare_fatal(FatalSyndrome::Internal));
+    w.settle();
+    let c = waiting.completion().expect("an event after the failure");
+    let first = response::<GetAsyncEvent>(&c).output.unwrap();
+    let c = get_async_event(&w, &uvp)
+        .completion()
+        .expect("the second event was queued");
+    let second = response::<GetAsyncEvent>(&c).output.unwrap();
+    let mut told = vec![(first.code, first.handle), (second.code, second.handle)];
+    told.sort_by_key(|(_, handle)| *handle);
+    let mut expected = vec![
+        (AsyncEventCode::CqError, cq.handle),
+        (AsyncEventCode::QpFatal, qp.handle),
+    ];
+    expected.sort_by_key(|(_, handle)| *handle);
+    assert_eq!(told, expected);
+    let c = uvp.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
+    let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::Success);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    w.finish();
+}

@@ -124,24 +124,34 @@ impl DeviceShell {
         self.state.lock().provider.clone()
     }
 
-    /// The device leaves its working state. THE place to switch to the
-    /// core's power entry points once it has them: today the device is
-    /// stopped (its objects are gone).
+    /// The device leaves its working state (before its interrupts are
+    /// disconnected): `Hca::d0_exit` keeps every verb object and resets
+    /// the device (polled commands, no interrupt needed).
     pub fn power_down(&self) -> NTSTATUS {
         if let Some(hca) = self.hca() {
-            hca.stop();
+            hca.d0_exit();
         }
         STATUS_SUCCESS
     }
 
-    /// The device returns to its working state, interrupts connected. THE
-    /// place to switch to the core's power entry points once it has them:
-    /// today a stopped device is started afresh.
+    /// The device returns to its working state, interrupts connected: the
+    /// first time after prepare-hardware `Hca::start`, after a D0 exit
+    /// `Hca::d0_entry` (objects restored; success reported either way, so
+    /// that a device that failed to come back, declared failed by the
+    /// core, can still have its objects destroyed).
     pub fn power_up(&self) -> NTSTATUS {
         let Some(hca) = self.hca() else {
             return STATUS_UNSUCCESSFUL;
         };
         if hca.report().is_some() {
+            return STATUS_SUCCESS;
+        }
+        if hca.is_below_d0() {
+            let _ = hca.d0_entry();
+            return STATUS_SUCCESS;
+        }
+        if hca.failure().is_some() {
+            // A failed device stays down until PnP restarts it.
             return STATUS_SUCCESS;
         }
         match hca.start() {
@@ -321,6 +331,16 @@ pub unsafe extern "C" fn evt_d0_entry(
 /// disconnected.
 pub unsafe extern "C" fn evt_d0_exit(_device: WDFDEVICE, _to: WDF_POWER_DEVICE_STATE) -> NTSTATUS {
     STATUS_SUCCESS
+}
+
+/// `EvtDeviceSurpriseRemoval`: the device is gone; the core fails over
+/// (`Hca::surprise_removed`: outstanding requests answered, posted work
+/// flushed, the client told) before D0 exit and release-hardware follow.
+pub unsafe extern "C" fn evt_surprise_removal(device: WDFDEVICE) {
+    // SAFETY: as in `evt_prepare_hardware`.
+    if let Some(hca) = unsafe { shell_of(device) }.and_then(|shell| shell.hca()) {
+        hca.surprise_removed();
+    }
 }
 
 /// `EvtDeviceD0EntryPostInterruptsEnabled`: starts the device.

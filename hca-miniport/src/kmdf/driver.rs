@@ -21,7 +21,7 @@ use wdk_sys::{
 use super::context::{device_attributes, device_context, shell_of};
 use super::device::{
     DeviceShell, evt_d0_entry, evt_d0_entry_post_interrupts, evt_d0_exit,
-    evt_d0_exit_pre_interrupts, evt_prepare_hardware, evt_release_hardware,
+    evt_d0_exit_pre_interrupts, evt_prepare_hardware, evt_release_hardware, evt_surprise_removal,
 };
 use super::interface::{accepts, ci_interface, fill_identity};
 use super::interrupt::{evt_timer, evt_work_item};
@@ -76,6 +76,7 @@ unsafe extern "C" fn evt_driver_device_add(
         EvtDeviceD0EntryPostInterruptsEnabled: Some(evt_d0_entry_post_interrupts),
         EvtDeviceD0ExitPreInterruptsDisabled: Some(evt_d0_exit_pre_interrupts),
         EvtDeviceD0Exit: Some(evt_d0_exit),
+        EvtDeviceSurpriseRemoval: Some(evt_surprise_removal),
         ..WDF_PNPPOWER_EVENT_CALLBACKS::default()
     };
     // SAFETY: the framework's live init structure, before WdfDeviceCreate.

@@ -12,7 +12,7 @@
 //! | file | WDF | core |
 //! |---|---|---|
 //! | [`driver`] | `DriverEntry`, `EvtDriverDeviceAdd` (PnP/power callbacks, device object and context, IOCTL queue, DMA enabler, work item, timer, `WdfDeviceAddQueryInterface`) | — |
-//! | [`device`] | `EvtDevicePrepareHardware` (map BAR0 with `MmMapIoSpaceEx`, one `WDFINTERRUPT` per MSI-X message), `EvtDeviceReleaseHardware`, `EvtDeviceD0Entry`/`Exit` | `Hca::new`/`start`/`stop`, the power switch place |
+//! | [`device`] | `EvtDevicePrepareHardware` (map BAR0 with `MmMapIoSpaceEx`, one `WDFINTERRUPT` per MSI-X message), `EvtDeviceReleaseHardware`, `EvtDeviceD0Entry`/`Exit` | `Hca::new`/`start`/`stop`, `Hca::d0_exit`/`d0_entry` |
 //! | [`interrupt`] | `EvtInterruptIsr`, `EvtInterruptDpc`, the work item and timer routines | `Hca::isr`, `dpc`, `work_item`, `timer` |
 //! | [`queue`] | the power-managed IOCTL queue (`EvtIoDeviceControl`, `EvtIoInternalDeviceControl`) | `Hca::submit_request` |
 //! | [`interface`] | the `CiInterface` FFI table (`extern "system"` entry points over the `CiProvider`) | `ci::CiProvider` |

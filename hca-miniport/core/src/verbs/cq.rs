@@ -41,6 +41,13 @@
 //!   UAR page 0 with the consumer counter at the time of arming; the device
 //!   fires at once if CQEs arrived beyond it. [`poll_and_rearm`] is the
 //!   guide's 8.3 algorithm on top.
+//! - **Backlog** (`super::restore`, `super::fatal`): completions the device
+//!   can no longer deliver through the ring (those unpolled at a D0 exit,
+//!   software flushes after a device failure) wait in order in the CQ's
+//!   backlog, `wr_id`s resolved; a poll returns them before the ring, and
+//!   arming a CQ whose backlog is not empty raises the completion event
+//!   from software (the DPC). The arming is remembered until the event, so
+//!   D0 entry can arm again.
 
 use alloc::boxed::Box;
 use alloc::sync::Arc;
@@ -85,19 +92,26 @@ pub(super) enum Life {
 }
 
 /// A CQ's ring and consumer state, under the CQ's own lock.
-struct Ring<B> {
-    life: Life,
-    ring: Option<B>,
-    dbr: Option<B>,
-    log_entries: u8,
-    consumer: u32,
-    mtt: Option<EntryRange>,
+pub(super) struct Ring<B> {
+    pub(super) life: Life,
+    pub(super) ring: Option<B>,
+    pub(super) dbr: Option<B>,
+    pub(super) log_entries: u8,
+    pub(super) consumer: u32,
+    pub(super) mtt: Option<EntryRange>,
+    /// Completions the device can no longer deliver through the ring, in
+    /// order, `wr_id`s resolved: the entries outstanding at a D0 exit and
+    /// software flushes ([`super::restore`], [`super::fatal`]). Polled
+    /// before the ring.
+    pub(super) backlog: alloc::collections::VecDeque<WorkCompletion>,
+    /// How the client last armed the CQ, until its completion event.
+    pub(super) armed: Option<CqNotify>,
 }
 
 /// A completion queue.
 pub struct Cq<P: Platform> {
-    cqn: u32,
-    ring: SpinLock<P, Ring<Buffer<P>>>,
+    pub(super) cqn: u32,
+    pub(super) ring: SpinLock<P, Ring<Buffer<P>>>,
 }
 
 impl<P: Platform> core::fmt::Debug for Cq<P> {
@@ -119,6 +133,8 @@ impl<P: Platform> Cq<P> {
                 log_entries,
                 consumer: 0,
                 mtt: Some(mtt),
+                backlog: alloc::collections::VecDeque::new(),
+                armed: None,
             }),
         }
     }
@@ -179,7 +195,7 @@ fn ring_size(cqe: u32, log_max_cqes: u8) -> Result<(u32, u8), IbStatus> {
 }
 
 /// Pages of a ring of `2^log` CQEs.
-fn ring_pages(log: u8) -> usize {
+pub(super) fn ring_pages(log: u8) -> usize {
     (CQE_BYTES << log).div_ceil(PAGE)
 }
 
@@ -203,7 +219,7 @@ pub(super) fn write_mtt(first: u32, bus: u64, pages: usize) -> Vec<Command> {
 }
 
 /// The ring's buffer descriptor (PRM 6.0).
-fn buf_desc(mtt: EntryRange, log_entries: u8) -> BufDesc {
+pub(super) fn buf_desc(mtt: EntryRange, log_entries: u8) -> BufDesc {
     BufDesc {
         mtt_index: Le32::new(mtt.start()),
         page_offset: Le32::new(0),
@@ -278,6 +294,16 @@ impl<P: Platform> Hca<P> {
         let log = ring.log_entries;
         let mut consumer = ring.consumer;
         let mut polled = 0;
+        // Software completions first: they precede whatever the device
+        // wrote since (restore.rs, fatal.rs).
+        while polled < wcs.len() {
+            let Some(wc) = ring.backlog.pop_front() else {
+                break;
+            };
+            wcs[polled] = wc;
+            polled += 1;
+        }
+        let from_backlog = polled;
         if let Some(buffer) = ring.ring.as_ref() {
             while polled < wcs.len() {
                 let slot = hca_prm::owner::slot(consumer, log) as usize;
@@ -310,7 +336,7 @@ impl<P: Platform> Hca<P> {
                 polled += 1;
             }
         }
-        if polled > 0 {
+        if polled > from_backlog {
             ring.consumer = consumer;
             // One consumer-record update per batch (PRM 9.2).
             if let Some(dbr) = ring.dbr.as_ref() {
@@ -319,7 +345,7 @@ impl<P: Platform> Hca<P> {
         }
         drop(ring);
         // Outside the CQ lock: each QP's ring lock, never both at once.
-        for wc in &mut wcs[..polled] {
+        for wc in &mut wcs[from_backlog..polled] {
             let index = wc.wr_id as u16;
             let (recv, srq) = (wc.wr_id & (1 << 16) != 0, wc.wr_id & (1 << 17) != 0);
             wc.wr_id = self.complete_wr(wc.qp_num.get(), index, recv, srq);
@@ -333,11 +359,22 @@ impl<P: Platform> Hca<P> {
     /// [`IbStatus::InvalidState`] while the CQ is being resized or
     /// destroyed. Callable at DISPATCH_LEVEL.
     pub fn arm_cq(&self, cq: u64, notify: CqNotify) -> Result<(), IbStatus> {
+        self.check_running()?;
+        let handle = cq;
         let cq = self.find_cq(cq, RequestorMode::Kernel)?;
-        let ring = cq.ring.lock();
+        let mut ring = cq.ring.lock();
         if ring.life != Life::Live {
             return Err(IbStatus::InvalidState);
         }
+        if !ring.backlog.is_empty() {
+            // The device does not know of these completions: the event
+            // comes from software, from the DPC.
+            ring.armed = None;
+            drop(ring);
+            self.queue_soft_completion(handle);
+            return Ok(());
+        }
+        ring.armed = Some(notify);
         let cmd = match notify {
             CqNotify::Solicited => CqArm::Solicited,
             CqNotify::NextCompletion => CqArm::Next,
@@ -426,8 +463,10 @@ where
         };
         let responder = a.responder;
         self.queue_passive(Box::new(move |hca| {
-            // A stop since the request dropped every object: nothing to undo.
+            // Stopped (every object dropped: the undo finds nothing) or
+            // below D0 (the objects stay: give the reservation back).
             if hca.report().is_none() {
+                hca.forget_cq(handle, mtt);
                 responder.fail(IbStatus::InvalidState);
                 return;
             }
@@ -519,6 +558,9 @@ where
         };
         self.queue_passive(Box::new(move |hca| {
             if hca.report().is_none() {
+                // Below D0 the CQ stays: back to its old ring.
+                let _ = hca.with_objects(|o| o.mtt.return_entries(mtt));
+                cq.set_life(Life::Live);
                 responder.fail(IbStatus::InvalidState);
                 return;
             }
@@ -622,25 +664,27 @@ where
         };
         self.run_commands(
             alloc::vec![Command::new(Opcode::Hw2SwCq, cq.cqn)],
-            Box::new(move |hca, result| match result {
-                Ok(_) => {
-                    // Only now is the number free: every event of this CQ
-                    // came before this completion on the one EQ.
-                    let mtt = cq.ring.lock().mtt.take();
-                    let _ = hca.with_objects(|o| {
-                        let _ = o.cqs.remove(handle);
-                        if let Some(mtt) = mtt {
-                            let _ = o.mtt.return_entries(mtt);
-                        }
-                    });
-                    hca.free_later(cq.take_buffers());
-                    done(hca, Ok(()));
-                }
-                Err(error) => {
-                    cq.set_life(Life::Live);
-                    done(hca, Err(error.ib_status()));
-                }
-            }),
+            Box::new(
+                move |hca, result| match hca.forgive_destroy(handle.raw(), result) {
+                    Ok(_) => {
+                        // Only now is the number free: every event of this CQ
+                        // came before this completion on the one EQ.
+                        let mtt = cq.ring.lock().mtt.take();
+                        let _ = hca.with_objects(|o| {
+                            let _ = o.cqs.remove(handle);
+                            if let Some(mtt) = mtt {
+                                let _ = o.mtt.return_entries(mtt);
+                            }
+                        });
+                        hca.free_later(cq.take_buffers());
+                        done(hca, Ok(()));
+                    }
+                    Err(error) => {
+                        cq.set_life(Life::Live);
+                        done(hca, Err(error.ib_status()));
+                    }
+                },
+            ),
         );
     }
 }

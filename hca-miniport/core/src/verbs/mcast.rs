@@ -45,8 +45,8 @@ pub const MAX_MEMBERSHIPS: u32 = 1 << 14;
 
 /// One UD QP's membership in one group.
 pub(crate) struct Membership<P: Platform> {
-    qp: Arc<Qp<P>>,
-    gid: Gid,
+    pub(super) qp: Arc<Qp<P>>,
+    pub(super) gid: Gid,
     /// An attach, a detach, or the QP's destroy is under way.
     busy: bool,
 }
@@ -146,7 +146,7 @@ impl<P: Platform> Hca<P> {
         let responder = a.responder;
         self.run_commands(
             vec![detach_command(qp.qpn(), &gid)],
-            Box::new(move |hca, result| match result {
+            Box::new(move |hca, result| match hca.forgive_when_failed(result) {
                 Ok(_) => {
                     let _ = hca.with_objects(|o| o.mcasts.remove(handle));
                     qp.end_mcast_attach();

@@ -53,6 +53,12 @@
 //!   other way round; no core lock is held while a client callback or a
 //!   command continuation runs.
 //!
+//! - **Power and failure.** The objects outlive a D0 exit and come back
+//!   on D0 entry ([`restore`]); while below D0 every verb answers
+//!   [`IbStatus::InvalidState`]. After a device failure only the verbs that
+//!   free something run, and software completes what the device cannot
+//!   ([`fatal`]).
+//!
 //! Verbs implemented here: CA ([`ca`]), PD ([`pd`]), CQ ([`cq`]), AV
 //! ([`av`]), SRQ ([`srq`]), kernel QPs ([`qp`]), memory regions
 //! ([`region`]), memory windows ([`mw`]), multicast ([`mcast`]), local MAD
@@ -76,12 +82,14 @@
 pub mod av;
 pub mod ca;
 pub mod cq;
+pub mod fatal;
 pub mod mad;
 pub mod mcast;
 pub mod mw;
 pub mod pd;
 pub mod qp;
 pub mod region;
+pub mod restore;
 pub mod srq;
 pub mod user;
 
@@ -182,6 +190,13 @@ pub struct Verbs<P: Platform> {
     to_free: SpinLock<P, Vec<Buffer<P>>>,
     /// Client callbacks running now (guide 6.1.4: close waits for them).
     callbacks_in_flight: AtomicU32,
+    /// Events software produced for clients, delivered by the DPC
+    /// ([`restore`], [`fatal`]).
+    soft_events: SpinLock<P, Vec<restore::SoftEvent>>,
+    /// Objects D0 entry could not give back to the device (user CQs, QPs
+    /// and SRQs, [`restore`]), by raw handle: their destroy frees them
+    /// whatever the device answers.
+    lost: SpinLock<P, alloc::collections::BTreeSet<u64>>,
     /// The locker for kernel-mode registrations ([`Hca::set_kernel_locker`]).
     kernel_locker: SpinLock<P, Option<Arc<P::Locker>>>,
 }
@@ -206,6 +221,8 @@ impl<P: Platform> Verbs<P> {
             jobs: SpinLock::<P, _>::new(VecDeque::new()),
             to_free: SpinLock::<P, _>::new(Vec::new()),
             callbacks_in_flight: AtomicU32::new(0),
+            soft_events: SpinLock::<P, _>::new(Vec::new()),
+            lost: SpinLock::<P, _>::new(alloc::collections::BTreeSet::new()),
             kernel_locker: SpinLock::<P, _>::new(None),
         }
     }
@@ -216,6 +233,9 @@ impl<P: Platform> Verbs<P> {
     /// teardown once the device owns no memory any more.
     pub(crate) fn take_buffers(&self, hca: &Hca<P>) -> Vec<Buffer<P>> {
         let objects = self.objects.lock().take();
+        // Their objects are gone; a later start's must not hear of them.
+        self.soft_events.lock().clear();
+        self.lost.lock().clear();
         let mut buffers = core::mem::take(&mut *self.to_free.lock());
         if let Some(mut objects) = objects {
             for region in Hca::take_all_regions(&mut objects) {
@@ -416,6 +436,11 @@ where
             request.complete(NtStatus::INVALID_DEVICE_REQUEST, 0);
             return;
         };
+        // Below D0 or after a device failure (restore.rs, fatal.rs).
+        if let Err(status) = self.admit(verb) {
+            fatal::refuse_request(request, verb, status);
+            return;
+        }
         type R<P> = <P as Platform>::Request;
         match verb {
             VerbId::OpenCa => {
@@ -738,7 +763,7 @@ impl<P: Platform> Hca<P> {
 
     /// Delivers `f` to the open CA's client, counting it in flight so that
     /// close can wait for it; no core lock is held during the call.
-    fn deliver(&self, f: impl FnOnce(&dyn CaClient)) {
+    pub(crate) fn deliver(&self, f: impl FnOnce(&dyn CaClient)) {
         self.verbs
             .callbacks_in_flight
             .fetch_add(1, Ordering::AcqRel);
@@ -768,7 +793,7 @@ impl<P: Platform> Hca<P> {
 
     /// The CQ's current owner's handle for a device CQ number, if the
     /// number is live.
-    fn cq_owner(&self, cqn: u32) -> Option<CqHandle> {
+    pub(crate) fn cq_owner(&self, cqn: u32) -> Option<CqHandle> {
         let objects = self.verbs.objects.lock();
         let (handle, _) = objects.as_ref()?.cqs.get_by_number(cqn)?;
         Some(handle.into())
@@ -790,6 +815,7 @@ pub(crate) struct VerbsRouter<'a, P: Platform> {
 
 impl<P: Platform> EventSink for VerbsRouter<'_, P> {
     fn completion(&self, cqn: u32) {
+        self.hca.note_cq_event(cqn);
         // A user CQ's event completes its process's waits ([`user`]); a
         // kernel CQ's goes to the client.
         if let Some(cq) = self.hca.cq_owner(cqn)

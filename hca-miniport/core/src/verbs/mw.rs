@@ -54,15 +54,18 @@ use crate::resources::{Handle, MemoryKey, kind};
 /// A memory window in the MW table (its number is its MPT index).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Mw {
-    mw_type: MwType,
+    pub(super) mw_type: MwType,
     /// The PD (raw handle) whose use the window holds.
-    pd: u64,
+    pub(super) pd: u64,
     /// A deallocation is in flight.
     busy: bool,
+    /// The entry's tag as the device last had it: set at allocation, read
+    /// back at D0 exit, given back at D0 entry ([`super::restore`]).
+    pub(super) saved_tag: u8,
 }
 
 /// The PRM entry kind of a window type.
-fn mpt_kind(mw_type: MwType) -> MptKind {
+pub(super) fn mpt_kind(mw_type: MwType) -> MptKind {
     match mw_type {
         MwType::Type1 => MptKind::WindowType1,
         MwType::Type2 => MptKind::WindowType2,
@@ -146,6 +149,7 @@ impl<P: Platform> Hca<P> {
                     mw_type,
                     pd,
                     busy: false,
+                    saved_tag: key.tag(),
                 };
                 let stored = hca.with_objects(|o| {
                     o.mws
@@ -262,7 +266,7 @@ impl<P: Platform> Hca<P> {
         };
         self.run_commands(
             vec![Command::new(Opcode::Hw2SwMpt, handle.number())],
-            Box::new(move |hca, result| match result {
+            Box::new(move |hca, result| match hca.forgive_when_failed(result) {
                 Ok(_) => {
                     let _ = hca.with_objects(|o| o.mws.remove(handle));
                     let _ = mt.free_window_key(handle.number());

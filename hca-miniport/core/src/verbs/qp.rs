@@ -144,7 +144,7 @@ pub(super) const MAX_LOG_WQES: u8 = 20;
 pub(super) const MAX_LOG_WQE_SIZE: u8 = 12;
 
 /// `log2` of a send basic block (PRM 10.2).
-const SQ_LOG_STRIDE: u8 = 6;
+pub(super) const SQ_LOG_STRIDE: u8 = 6;
 /// Bytes of the UD address segment.
 pub(super) const UD_ADDR_SEG: usize = 48;
 /// Bytes of the remote address and atomic segments (RC's largest prefix).
@@ -167,17 +167,17 @@ pub(super) enum Life {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Geometry {
     /// `log2` of the send ring's basic blocks.
-    sq_log_bbs: u8,
+    pub(super) sq_log_bbs: u8,
     /// `log2` of the basic blocks of one send WQE.
     log_wqe_bbs: u8,
     /// `log2` of the receive ring's WQEs.
-    rq_log_entries: u8,
+    pub(super) rq_log_entries: u8,
     /// `log2` of the receive stride.
-    rq_log_stride: u8,
+    pub(super) rq_log_stride: u8,
     /// The capacities granted.
     caps: QpCaps,
     /// Whether the QP has its own receive ring (not on an SRQ).
-    has_rq: bool,
+    pub(super) has_rq: bool,
 }
 
 impl Geometry {
@@ -200,11 +200,11 @@ impl Geometry {
         }
     }
 
-    fn sq_pages(&self) -> usize {
+    pub(super) fn sq_pages(&self) -> usize {
         (BB_SIZE << self.sq_log_bbs).div_ceil(PAGE)
     }
 
-    fn rq_pages(&self) -> usize {
+    pub(super) fn rq_pages(&self) -> usize {
         if !self.has_rq {
             return 0;
         }
@@ -298,58 +298,58 @@ pub(crate) fn geometry(
 }
 
 /// A QP's control state, under the QP's own lock.
-struct Control {
-    life: Life,
+pub(super) struct Control {
+    pub(super) life: Life,
     /// The state the last successful `MODIFY_QP` left (or RESET).
-    state: QpState,
+    pub(super) state: QpState,
     /// The attributes set so far (never STATE, CUR_STATE or CAP).
-    attr: QpModify,
-    mtt: Option<EntryRange>,
+    pub(super) attr: QpModify,
+    pub(super) mtt: Option<EntryRange>,
 }
 
 /// A WQE the send ring holds until its completion.
 #[derive(Debug, Clone, Copy, Default)]
-struct SendSlot {
-    wr_id: u64,
+pub(super) struct SendSlot {
+    pub(super) wr_id: u64,
     /// Basic blocks of the WQE.
-    bbs: u32,
+    pub(super) bbs: u32,
 }
 
 /// The send ring, under its own lock (PRM 10.2).
-struct SendRing<B> {
-    ring: Option<B>,
+pub(super) struct SendRing<B> {
+    pub(super) ring: Option<B>,
     /// Basic blocks posted (the doorbell's producer counter).
-    producer: u32,
+    pub(super) producer: u32,
     /// Basic blocks completed (polled).
-    tail: u32,
+    pub(super) tail: u32,
     /// By basic block of each WQE's start: its `wr_id` and size.
-    shadow: Vec<SendSlot>,
+    pub(super) shadow: Vec<SendSlot>,
 }
 
 /// The receive ring and its doorbell record, under their own lock (PRM
 /// 10.3, 9.2).
-struct RecvRing<B> {
-    ring: Option<B>,
-    dbr: Option<B>,
+pub(super) struct RecvRing<B> {
+    pub(super) ring: Option<B>,
+    pub(super) dbr: Option<B>,
     /// Receive WQEs posted.
-    producer: u32,
+    pub(super) producer: u32,
     /// Receive WQEs completed (polled).
-    tail: u32,
+    pub(super) tail: u32,
     /// `wr_id` by slot.
-    shadow: Vec<u64>,
+    pub(super) shadow: Vec<u64>,
 }
 
 /// A queue pair.
 pub struct Qp<P: Platform> {
-    qpn: u32,
-    qp_type: QpType,
-    sq_sig_all: bool,
-    pd: u64,
-    send_cq: u64,
-    recv_cq: u64,
+    pub(super) qpn: u32,
+    pub(super) qp_type: QpType,
+    pub(super) sq_sig_all: bool,
+    pub(super) pd: u64,
+    pub(super) send_cq: u64,
+    pub(super) recv_cq: u64,
     /// The SRQ the QP receives from (raw handle), holding a use of it.
-    srq: Option<u64>,
-    geometry: Geometry,
+    pub(super) srq: Option<u64>,
+    pub(super) geometry: Geometry,
     /// Multicast groups the QP is attached to (maintained by the multicast
     /// verbs; destroy is refused while it is not zero).
     mcast: AtomicU32,
@@ -359,9 +359,12 @@ pub struct Qp<P: Platform> {
     /// Set (under both ring locks) when destroy begins: posts are refused
     /// from then on, so none can reach the device after `HW2SW_QP`.
     closing: AtomicBool,
-    control: SpinLock<P, Control>,
-    sq: SpinLock<P, SendRing<Buffer<P>>>,
-    rq: SpinLock<P, RecvRing<Buffer<P>>>,
+    pub(super) control: SpinLock<P, Control>,
+    pub(super) sq: SpinLock<P, SendRing<Buffer<P>>>,
+    pub(super) rq: SpinLock<P, RecvRing<Buffer<P>>>,
+    /// The port `SW2HW_QP` was given (the create's, or its stand-in), for
+    /// re-creating the QP on D0 entry ([`super::restore`]).
+    pub(super) create_port: u8,
 }
 
 impl<P: Platform> core::fmt::Debug for Qp<P> {
@@ -420,7 +423,7 @@ impl<P: Platform> Qp<P> {
 
     /// Records the state a successful `MODIFY_QP` left; to RESET the
     /// device's counters return to 0, and so do the rings'.
-    fn set_state(&self, c: &mut Control, state: QpState) {
+    pub(super) fn set_state(&self, c: &mut Control, state: QpState) {
         c.state = state;
         self.state.store(state.code(), Ordering::Release);
         if state == QpState::Reset {
@@ -498,6 +501,9 @@ impl<P: Platform> Qp<P> {
                 tail: 0,
                 shadow: alloc::vec![0; 1],
             }),
+            // User QPs are not re-created from kernel state on D0 entry
+            // (`verbs::restore`).
+            create_port: 0,
         }
     }
 
@@ -508,7 +514,7 @@ impl<P: Platform> Qp<P> {
 }
 
 /// The buffer descriptor of a ring (PRM 6.0).
-fn desc(mtt: u32, log_entries: u8, log_stride: u8) -> BufDesc {
+pub(super) fn desc(mtt: u32, log_entries: u8, log_stride: u8) -> BufDesc {
     BufDesc {
         mtt_index: Le32::new(mtt),
         page_offset: Le32::new(0),
@@ -532,7 +538,7 @@ fn special(qp_type: QpType) -> Option<SpecialQp> {
 /// Fails with [`IbStatus::Unsupported`] for attributes this device has no
 /// place for, and [`IbStatus::InvalidParameter`] for an address vector it
 /// cannot encode.
-fn modify_input(m: &QpModify) -> Result<ModifyQpInput, IbStatus> {
+pub(super) fn modify_input(m: &QpModify) -> Result<ModifyQpInput, IbStatus> {
     if m.alt_path.is_some() || m.path_mig_state.is_some() || m.cap.is_some() {
         return Err(IbStatus::Unsupported);
     }
@@ -859,6 +865,7 @@ where
                         tail: 0,
                         shadow: alloc::vec![0; 1 << geometry.rq_log_entries],
                     }),
+                    create_port: port,
                 })
             };
             let made = match which {
@@ -902,6 +909,8 @@ where
         );
         self.queue_passive(Box::new(move |hca| {
             if hca.report().is_none() {
+                // Stopped (nothing to undo) or below D0 (give it back).
+                hca.forget_qp(handle, &qp);
                 responder.fail(IbStatus::InvalidState);
                 return;
             }
@@ -1133,27 +1142,29 @@ where
     ) {
         hca.run_commands(
             commands,
-            Box::new(move |hca, result| match result {
-                Ok(_) => {
-                    {
-                        let mut c = qp.control.lock();
-                        c.state = QpState::Reset;
+            Box::new(
+                move |hca, result| match hca.forgive_destroy(handle.raw(), result) {
+                    Ok(_) => {
+                        {
+                            let mut c = qp.control.lock();
+                            c.state = QpState::Reset;
+                        }
+                        qp.state.store(QpState::Reset.code(), Ordering::Release);
+                        // Every event of this QP came before this completion on
+                        // the one EQ: the number can go to quarantine now. The
+                        // QP stays findable by number for the flushed
+                        // completions' wr_ids until the number is reused.
+                        let _ = hca.with_objects(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
+                        hca.forget_qp(handle, &qp);
+                        done(hca, Ok(()));
                     }
-                    qp.state.store(QpState::Reset.code(), Ordering::Release);
-                    // Every event of this QP came before this completion on
-                    // the one EQ: the number can go to quarantine now. The
-                    // QP stays findable by number for the flushed
-                    // completions' wr_ids until the number is reused.
-                    let _ = hca.with_objects(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
-                    hca.forget_qp(handle, &qp);
-                    done(hca, Ok(()));
-                }
-                Err(error) => {
-                    qp.closing.store(false, Ordering::Release);
-                    qp.set_life(Life::Live);
-                    done(hca, Err(error.ib_status()));
-                }
-            }),
+                    Err(error) => {
+                        qp.closing.store(false, Ordering::Release);
+                        qp.set_life(Life::Live);
+                        done(hca, Err(error.ib_status()));
+                    }
+                },
+            ),
         );
     }
 }

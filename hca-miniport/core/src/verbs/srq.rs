@@ -85,28 +85,31 @@ pub(super) enum Life {
 }
 
 /// An SRQ's ring and producer state, under the SRQ's own lock.
-struct Ring<B> {
-    life: Life,
-    ring: Option<B>,
-    dbr: Option<B>,
-    mtt: Option<EntryRange>,
+pub(super) struct Ring<B> {
+    pub(super) life: Life,
+    pub(super) ring: Option<B>,
+    pub(super) dbr: Option<B>,
+    pub(super) mtt: Option<EntryRange>,
     /// WRs posted (the producer counter, wrapping).
-    producer: u32,
+    pub(super) producer: u32,
     /// The `wr_id` of the WR in each slot until its completion is polled;
     /// `None`: the slot is free.
-    wr_ids: Vec<Option<u64>>,
+    pub(super) wr_ids: Vec<Option<u64>>,
+    /// The limit armed at the last D0 exit (read back with `QUERY_SRQ`),
+    /// re-armed on D0 entry ([`super::restore`]).
+    pub(super) saved_limit: u32,
 }
 
 /// A shared receive queue.
 pub struct Srq<P: Platform> {
-    srqn: u32,
+    pub(super) srqn: u32,
     /// The raw handle of its PD (one use held).
-    pd: u64,
-    log_entries: u8,
-    log_stride: u8,
+    pub(super) pd: u64,
+    pub(super) log_entries: u8,
+    pub(super) log_stride: u8,
     /// SGEs a WR may carry.
     max_sge: u32,
-    ring: SpinLock<P, Ring<Buffer<P>>>,
+    pub(super) ring: SpinLock<P, Ring<Buffer<P>>>,
 }
 
 impl<P: Platform> core::fmt::Debug for Srq<P> {
@@ -146,11 +149,11 @@ fn srq_size(
 }
 
 impl<P: Platform> Srq<P> {
-    fn entries(&self) -> u32 {
+    pub(super) fn entries(&self) -> u32 {
         1 << self.log_entries
     }
 
-    fn stride(&self) -> usize {
+    pub(super) fn stride(&self) -> usize {
         1 << self.log_stride
     }
 
@@ -192,6 +195,7 @@ impl<P: Platform> Srq<P> {
                 mtt: Some(mtt),
                 producer: 0,
                 wr_ids: vec![None; 1],
+                saved_limit: 0,
             }),
         }
     }
@@ -265,6 +269,9 @@ impl<P: Platform> Hca<P> {
         let mask = srq.entries() - 1;
         let stride = srq.stride();
         let mut state = srq.ring.lock();
+        if let Err(status) = self.check_running() {
+            return (0, status);
+        }
         if state.life != Life::Live {
             return (0, IbStatus::InvalidState);
         }
@@ -416,6 +423,7 @@ where
                         mtt: Some(mtt),
                         producer: 0,
                         wr_ids: vec![None; entries as usize],
+                        saved_limit: 0,
                     }),
                 })
             });
@@ -443,8 +451,10 @@ where
         };
         let responder = a.responder;
         self.queue_passive(Box::new(move |hca| {
-            // A stop since the request dropped every object: nothing to undo.
+            // Stopped (every object dropped: the undo finds nothing) or
+            // below D0 (the objects stay: give the reservation back).
             if hca.report().is_none() {
+                hca.forget_srq(handle, pd, mtt);
                 responder.fail(IbStatus::InvalidState);
                 return;
             }
@@ -625,26 +635,28 @@ where
         };
         self.run_commands(
             vec![Command::new(Opcode::Hw2SwSrq, srq.srqn)],
-            Box::new(move |hca, result| match result {
-                Ok(_) => {
-                    // Only now is the number free: every event of this SRQ
-                    // came before this completion on the one EQ.
-                    let mtt = srq.ring.lock().mtt.take();
-                    let _ = hca.with_objects(|o| {
-                        let _ = o.srqs.remove(handle);
-                        if let Some(mtt) = mtt {
-                            let _ = o.mtt.return_entries(mtt);
-                        }
-                        let _ = o.pds.release(Handle::<kind::Pd>::from_raw(srq.pd));
-                    });
-                    hca.free_later(srq.take_buffers());
-                    done(hca, Ok(()));
-                }
-                Err(error) => {
-                    srq.set_life(Life::Live);
-                    done(hca, Err(error.ib_status()));
-                }
-            }),
+            Box::new(
+                move |hca, result| match hca.forgive_destroy(handle.raw(), result) {
+                    Ok(_) => {
+                        // Only now is the number free: every event of this SRQ
+                        // came before this completion on the one EQ.
+                        let mtt = srq.ring.lock().mtt.take();
+                        let _ = hca.with_objects(|o| {
+                            let _ = o.srqs.remove(handle);
+                            if let Some(mtt) = mtt {
+                                let _ = o.mtt.return_entries(mtt);
+                            }
+                            let _ = o.pds.release(Handle::<kind::Pd>::from_raw(srq.pd));
+                        });
+                        hca.free_later(srq.take_buffers());
+                        done(hca, Ok(()));
+                    }
+                    Err(error) => {
+                        srq.set_life(Life::Live);
+                        done(hca, Err(error.ib_status()));
+                    }
+                },
+            ),
         );
     }
 }

@@ -353,3 +353,43 @@ impl World {
         issuer.completion().expect("the request completed")
     }
 }
+
+// ----- Power transitions (power.rs, catastrophic.rs) ---------------------
+
+impl World {
+    /// System sleep (S3): the power manager moves the stacks below D0
+    /// (power-managed queues hold requests from then on) and the shell's
+    /// D0 exit calls each core's `d0_exit` (PASSIVE_LEVEL).
+    pub(crate) fn sleep(&self) {
+        self.host
+            .pnp()
+            .set_system_power(driver_platform::SystemPowerState::S3)
+            .expect("nobody vetoes sleep");
+        self.settle();
+        for i in 0..self.driver.devices().len() {
+            assert!(self.hca_at(i).is_below_d0() || self.hca_at(i).failure().is_some());
+        }
+    }
+
+    /// Resume (S0): the shell's D0 entry calls each core's `d0_entry`,
+    /// then the power manager releases the requests it held. A device that
+    /// was working before the sleep is working after it.
+    pub(crate) fn resume(&self) {
+        let failed: Vec<bool> = (0..self.driver.devices().len())
+            .map(|i| self.hca_at(i).failure().is_some())
+            .collect();
+        self.host
+            .pnp()
+            .set_system_power(driver_platform::SystemPowerState::S0)
+            .expect("resume");
+        self.settle();
+        for (i, was_failed) in failed.into_iter().enumerate() {
+            let hca = self.hca_at(i);
+            assert!(!hca.is_below_d0(), "HCA {i} is back in D0");
+            if !was_failed {
+                assert_eq!(hca.failure(), None, "D0 entry of HCA {i}");
+                assert!(hca.report().is_some(), "HCA {i} is up");
+            }
+        }
+    }
+}

@@ -100,6 +100,11 @@ impl<P: Platform> Hca<P> {
         let ring_bbs = 1u32 << g.sq_log_bbs;
         let ring_bytes = BB_SIZE << g.sq_log_bbs;
         let mut sq = qp.sq.lock();
+        // Under the ring lock: refused, or flushed by D0 exit or the
+        // failure path (restore.rs, fatal.rs).
+        if let Err(status) = self.check_running() {
+            return (0, status);
+        }
         let mut posted = 0;
         let mut status = IbStatus::Success;
         let mut wqe = [0u8; MAX_SEND_WQE_BYTES];
@@ -195,6 +200,9 @@ impl<P: Platform> Hca<P> {
         let entries = 1u32 << g.rq_log_entries;
         let stride = 1usize << g.rq_log_stride;
         let mut rq = qp.rq.lock();
+        if let Err(status) = self.check_running() {
+            return (0, status);
+        }
         let mut posted = 0;
         let mut status = IbStatus::Success;
         let mut wqe = [0u8; 1 << 9];
