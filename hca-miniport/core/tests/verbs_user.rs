@@ -2459,6 +2459,21 @@ fn hostile_resize_records_and_region_changes_are_refused_and_change_nothing() {
     );
     assert_eq!(footprint(&w, &uvp), before);
 
+    // A kernel request cannot resize a user CQ either (its ring is the
+    // provider's): refused, nothing changed.
+    let c = w.call_in_dpc_at::<ResizeCq>(
+        U,
+        KERNEL,
+        cq.handle,
+        &CqAttr {
+            cqe: 64,
+            comp_vector: 0,
+        },
+        0,
+    );
+    assert_eq!(status_of::<ResizeCq>(&c), IbStatus::InvalidCqHandle);
+    assert_eq!(footprint(&w, &uvp), before);
+
     // Arbitrary private bytes: never a success, never a change.
     let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
         cases: 96,

@@ -534,6 +534,11 @@ where
             if ring.life != Life::Live {
                 return Err(IbStatus::ResourceBusy);
             }
+            // A live CQ without a kernel ring is a user CQ: its ring is the
+            // provider's and only its own (user) resize may move it.
+            if ring.ring.is_none() {
+                return Err(IbStatus::InvalidCqHandle);
+            }
             if ring.log_entries == log {
                 return Ok((entries, log, None));
             }
