@@ -73,7 +73,9 @@
 //!   copies the outstanding CQEs into it (PRM 6.2); only after the device
 //!   switched is the old ring unpinned. A failed resize (the entries do
 //!   not fit: [`IbStatus::InvalidCqSize`]) leaves the old ring in use and
-//!   undoes the new one. Close is refused while a resize is under way.
+//!   undoes the new one. Close is refused while a resize is under way. A
+//!   kernel `ResizeCq` of a user CQ is refused ([`IbStatus::InvalidCqHandle`]):
+//!   its ring is the provider's.
 //! - **Regions, windows, multicast.** `ReregMr` (the caller's region, a
 //!   new PD of the same context, a new range locked with the caller's
 //!   locker) and `RegSharedMr` (a region of the context, shared into one
