@@ -555,3 +555,117 @@ fn a_responder_access_error_moves_the_cached_state_to_err_and_reaches_the_client
     assert_eq!(hca.close_ca(ca), Ok(()));
     w.finish();
 }
+
+/// A device-raised ERR that arrives while a `MODIFY_QP` of the same QP is
+/// outstanding: the device executed the modify (RTS->RTS, new RNR timer)
+/// and only then failed the QP on a bad-R_Key write, so the access-error
+/// event precedes the modify's completion in the EQ (the simulated device
+/// holds its command completions back, as a real device's firmware may).
+/// The modify succeeded on the device and says so; the QP's cached state
+/// stays ERR, not the modify's target. A later modify from the stale RTS
+/// is then judged from ERR and refused.
+#[test]
+fn an_err_event_during_an_outstanding_modify_is_not_overwritten_by_its_completion() {
+    let w = World::deterministic(62);
+    let client = Arc::new(Client::default());
+    let hca = w.hca();
+    let ca = hca.open_ca(Some(client.clone())).unwrap();
+    let r = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
+    let pd = response::<AllocPd>(&r).handle;
+    let attr = CqAttr {
+        cqe: 64,
+        comp_vector: 0,
+    };
+    let r = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
+    let cq = response::<CreateCq>(&r).handle;
+    let create = QpCreate {
+        qp_type: QpType::Rc,
+        pd: PdHandle::from_raw(pd),
+        send_cq: CqHandle::from_raw(cq),
+        recv_cq: CqHandle::from_raw(cq),
+        srq: None,
+        caps: QpCaps {
+            max_send_wr: 4,
+            max_recv_wr: 4,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        },
+        sq_sig_all: false,
+        port: None,
+    };
+    let (_, a, a_out) = create_qp(&w, ca, &create);
+    let (_, b, b_out) = create_qp(&w, ca, &create);
+    let (qpn_a, qpn_b) = (a_out.unwrap().qpn.get(), b_out.unwrap().qpn.get());
+    connect(&w, a, 1, qpn_b, [10, 0, 1, 1]);
+    connect(&w, b, 2, qpn_a, [10, 0, 0, 1]);
+    let a_mem = Mem::new(&w, pd);
+    let b_mem = Mem::new(&w, pd);
+
+    // The modify runs on the device now; its completion is held.
+    w.function().with_device(|d| d.hold_command_completions());
+    let stay_rts = QpModify {
+        min_rnr_timer: Some(3),
+        ..QpModify::default()
+    };
+    let (request, issuer) = w.request::<ModifyQp>(KERNEL, b, &stay_rts, 0);
+    let bad = SendWr {
+        wr_id: 78,
+        op: SendOp::RdmaWrite {
+            remote: RemoteAddr {
+                addr: b_mem.region.start(),
+                rkey: RKey::new(b_mem.region.rkey().get() ^ 0x5A5A_0000),
+            },
+        },
+        flags: SendFlags::SIGNALED,
+        sg_list: leak_sges(vec![a_mem.sge(0, 64)]),
+        ud: None,
+    };
+    let core = w.hca();
+    w.in_dpc(move || {
+        core.submit_request(request);
+        let posted = core.post_send(
+            a,
+            &[SendRequest {
+                wr: bad,
+                av: None,
+                inline: None,
+            }],
+        );
+        assert_eq!(posted, (1, IbStatus::Success));
+    });
+    // Long enough for the write and its error, far short of the command
+    // timeout.
+    w.host.scheduler().run_for(1_000_000, 100_000).unwrap();
+    assert!(issuer.completion().is_none(), "the completion is held");
+    let record = AsyncEventRecord::new(AsyncEventCode::WqAccessError, b, None, 0).unwrap();
+    assert_eq!(lock(&client.events).clone(), vec![(record, Irql::DISPATCH)]);
+
+    w.function()
+        .with_device(|d| d.release_command_completions());
+    w.settle();
+    let done = issuer.completion().expect("the modify completed");
+    assert_eq!(response::<ModifyQp>(&done).status, IbStatus::Success);
+    assert_eq!(query_state(&w, b), QpState::Err);
+    // Judged from ERR: staying in ERR takes no attributes (Table 91).
+    assert_eq!(modify(&w, b, &stay_rts), IbStatus::InvalidSetting);
+    assert_eq!(query_state(&w, b), QpState::Err);
+
+    for q in [a, b] {
+        let r = w.call_in_dpc::<DestroyQp>(KERNEL, q, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let wcs = poll_all(&w, cq);
+    assert!(
+        wcs.iter()
+            .any(|wc| wc.wr_id == 78 && wc.qp_num.get() == qpn_a)
+    );
+    a_mem.free(&w);
+    b_mem.free(&w);
+    let r = w.call_in_dpc::<DestroyCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc::<DeallocPd>(KERNEL, pd, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    assert_eq!(hca.close_ca(ca), Ok(()));
+    w.finish();
+}

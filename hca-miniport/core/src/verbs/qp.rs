@@ -305,6 +305,13 @@ pub(super) struct Control {
     /// The attributes set so far (never STATE, CUR_STATE or CAP).
     pub(super) attr: QpModify,
     pub(super) mtt: Option<EntryRange>,
+    /// The device put the QP in ERR (an event of PRM 8.2) while a
+    /// `MODIFY_QP` was outstanding. A device posts a command's completion
+    /// some time after executing it, so the error may have come after the
+    /// modify took effect: the QP is in ERR whatever the modify did, unless
+    /// the modify took it to RESET (a QP in RESET raises no error; the
+    /// error came first and the reset cleared it).
+    pub(super) err_while_modifying: bool,
 }
 
 /// A WQE the send ring holds until its completion.
@@ -484,6 +491,7 @@ impl<P: Platform> Qp<P> {
             closing: AtomicBool::new(false),
             control: SpinLock::<P, _>::new(Control {
                 life: Life::Creating,
+                err_while_modifying: false,
                 state: QpState::Reset,
                 attr: QpModify::default(),
                 mtt: Some(mtt),
@@ -739,6 +747,9 @@ impl<P: Platform> Hca<P> {
                     if c.state != QpState::Reset {
                         qp.set_state(&mut c, QpState::Err);
                     }
+                    if c.life == Life::Modifying {
+                        c.err_while_modifying = true;
+                    }
                 }
             }
         }
@@ -848,6 +859,7 @@ where
                     closing: AtomicBool::new(false),
                     control: SpinLock::<P, _>::new(Control {
                         life: Life::Creating,
+                        err_while_modifying: false,
                         state: QpState::Reset,
                         attr: QpModify::default(),
                         mtt: Some(mtt),
@@ -1018,6 +1030,7 @@ where
                 .and_then(|next| modify_input(&modify).map(|input| (next, input)));
             if next.is_ok() {
                 c.life = Life::Modifying;
+                c.err_while_modifying = false;
             }
             next
         };
@@ -1036,8 +1049,17 @@ where
             Box::new(move |_hca, result| {
                 let mut c = qp.control.lock();
                 c.life = Life::Live;
+                // An error the device raised meanwhile outlives the modify
+                // (see `Control::err_while_modifying`); a failed modify
+                // leaves the ERR the event recorded.
+                let device_err = core::mem::take(&mut c.err_while_modifying);
                 match result {
                     Ok(_) => {
+                        let next = if device_err && next != QpState::Reset {
+                            QpState::Err
+                        } else {
+                            next
+                        };
                         qp.set_state(&mut c, next);
                         if next == QpState::Reset {
                             c.attr = QpModify::default();
