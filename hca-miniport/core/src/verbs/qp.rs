@@ -369,7 +369,8 @@ pub struct Qp<P: Platform> {
     pub(super) control: SpinLock<P, Control>,
     pub(super) sq: SpinLock<P, SendRing<Buffer<P>>>,
     pub(super) rq: SpinLock<P, RecvRing<Buffer<P>>>,
-    /// The port `SW2HW_QP` was given (the create's, or its stand-in), for
+    /// The port `SW2HW_QP` was given (the create's; 0 for a general QP
+    /// created without one), for
     /// re-creating the QP on D0 entry ([`super::restore`]).
     pub(super) create_port: u8,
 }
@@ -825,13 +826,11 @@ where
                 return;
             }
         };
-        // A general QP's port is set by RESET->INIT; SW2HW_QP needs a valid
-        // one, so port 1 stands in until then.
+        // A special QP's port names its slot; a general QP's is set by
+        // RESET->INIT (0 until then, PRM 6.1.2) unless the create names one.
         let which = special(input.qp_type);
-        let port = input
-            .port
-            .map_or(if which.is_some() { 0 } else { 1 }, |p| p.get());
-        if port == 0 || port > num_ports {
+        let port = input.port.map_or(0, |p| p.get());
+        if (which.is_some() && port == 0) || port > num_ports {
             a.responder.fail(IbStatus::InvalidPort);
             return;
         }

@@ -1354,8 +1354,9 @@ where
         }
         let report = self.report().ok_or(IbStatus::InvalidState)?;
         let caps = user_qp_caps(input.qp_type, &input.caps, &layout, &report.capabilities)?;
-        let port = input.port.map_or(1, |p| p.get());
-        if port == 0 || port > report.capabilities.num_ports {
+        // No port until RESET->INIT names one, unless the create does.
+        let port = input.port.map_or(0, |p| p.get());
+        if port > report.capabilities.num_ports {
             return Err(IbStatus::InvalidPort);
         }
         self.with_objects(|o| {
