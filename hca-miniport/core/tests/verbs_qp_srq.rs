@@ -669,3 +669,158 @@ fn an_err_event_during_an_outstanding_modify_is_not_overwritten_by_its_completio
     assert_eq!(hca.close_ca(ca), Ok(()));
     w.finish();
 }
+
+/// A destroyed QP's receive completion taken from its SRQ (CQE SRQ flag)
+/// that the client polls only after destroying that SRQ too and creating a
+/// new one at the same SRQ number: the CQE sitting in the CQ ring is not
+/// covered by the one-EQ ordering of events, so the number alone would
+/// hand it the new SRQ's `wr_id` and free the new SRQ's slot. It gets the
+/// old SRQ's `wr_id`, and the new SRQ's receive still takes the next
+/// message with its own.
+#[test]
+fn a_late_srq_completion_never_reaches_a_reused_srq_number() {
+    let w = World::deterministic(63);
+    let hca = w.hca();
+    let ca = hca.open_ca(None).unwrap();
+    let r = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
+    let pd = response::<AllocPd>(&r).handle;
+    let attr = CqAttr {
+        cqe: 64,
+        comp_vector: 0,
+    };
+    let mut cqs = [0; 2];
+    for cq in &mut cqs {
+        let r = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
+        *cq = response::<CreateCq>(&r).handle;
+    }
+    let [send_cq, recv_cq] = cqs;
+    let srq_create = SrqCreate {
+        pd: PdHandle::from_raw(pd),
+        attr: SrqAttr {
+            max_wr: 4,
+            max_sge: 1,
+            srq_limit: 0,
+        },
+    };
+    let qp = |cq: u64, srq: Option<u64>| QpCreate {
+        qp_type: QpType::Rc,
+        pd: PdHandle::from_raw(pd),
+        send_cq: CqHandle::from_raw(cq),
+        recv_cq: CqHandle::from_raw(cq),
+        srq: srq.map(SrqHandle::from_raw),
+        caps: QpCaps {
+            max_send_wr: 4,
+            max_recv_wr: if srq.is_some() { 0 } else { 4 },
+            max_send_sge: 1,
+            max_recv_sge: if srq.is_some() { 0 } else { 1 },
+            max_inline_data: 0,
+        },
+        sq_sig_all: false,
+        port: None,
+    };
+    let a_mem = Mem::new(&w, pd);
+    let b_mem = Mem::new(&w, pd);
+    let recv = |wr_id: u64, at: usize| RecvWr {
+        wr_id,
+        sg_list: leak_sges(vec![b_mem.sge(at, 256)]),
+    };
+    let send = |wr_id: u64, seed: u8| {
+        a_mem.write(0, &pattern(seed, 128));
+        SendWr {
+            wr_id,
+            op: SendOp::Send,
+            flags: SendFlags::empty(),
+            sg_list: leak_sges(vec![a_mem.sge(0, 128)]),
+            ud: None,
+        }
+    };
+    // A pair whose receiver takes from the first SRQ.
+    let r = w.call_in_dpc::<CreateSrq>(KERNEL, ca, &srq_create, 0);
+    let old_srq = response::<CreateSrq>(&r).handle;
+    let (_, a, a_out) = create_qp(&w, ca, &qp(send_cq, None));
+    let (_, b, b_out) = create_qp(&w, ca, &qp(recv_cq, Some(old_srq)));
+    let (qpn_a, qpn_b) = (a_out.unwrap().qpn.get(), b_out.unwrap().qpn.get());
+    connect(&w, a, 1, qpn_b, [10, 0, 1, 1]);
+    connect(&w, b, 2, qpn_a, [10, 0, 0, 1]);
+    assert_eq!(
+        post_srq(&w, old_srq, vec![recv(1001, 0)]),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        post_sends(&w, a, vec![send(1, 0x21)]),
+        (1, IbStatus::Success)
+    );
+
+    // The receive's CQE stays unpolled while its QP and SRQ go.
+    let r = w.call_in_dpc::<DestroyQp>(KERNEL, b, &Empty, 0);
+    assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc::<DestroySrq>(KERNEL, old_srq, &Empty, 0);
+    assert_eq!(response::<DestroySrq>(&r).status, IbStatus::Success);
+    // Create SRQs (destroying those at other numbers) until the old
+    // number comes back.
+    let new_srq = (0..100_000)
+        .find_map(|_| {
+            let r = w.call_in_dpc::<CreateSrq>(KERNEL, ca, &srq_create, 0);
+            let created = response::<CreateSrq>(&r);
+            assert_eq!(created.status, IbStatus::Success);
+            if support::number_of(created.handle) == support::number_of(old_srq) {
+                return Some(created.handle);
+            }
+            let r = w.call_in_dpc::<DestroySrq>(KERNEL, created.handle, &Empty, 0);
+            assert_eq!(response::<DestroySrq>(&r).status, IbStatus::Success);
+            None
+        })
+        .expect("the SRQ number is reused");
+    assert_ne!(new_srq, old_srq);
+    assert_eq!(
+        post_srq(&w, new_srq, vec![recv(2001, 512)]),
+        (1, IbStatus::Success)
+    );
+
+    let wcs = poll_all(&w, recv_cq);
+    let summary: Vec<(u32, u64, WcStatus)> = wcs
+        .iter()
+        .map(|wc| (wc.qp_num.get(), wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(summary, vec![(qpn_b, 1001, WcStatus::Success)]);
+    assert_eq!(b_mem.read(0, 128), pattern(0x21, 128));
+
+    // The new SRQ's receive is still posted and takes the next message.
+    let (_, c, c_out) = create_qp(&w, ca, &qp(recv_cq, Some(new_srq)));
+    let qpn_c = c_out.unwrap().qpn.get();
+    let reset = QpModify {
+        state: Some(QpState::Reset),
+        ..QpModify::default()
+    };
+    assert_eq!(modify(&w, a, &reset), IbStatus::Success);
+    connect(&w, a, 1, qpn_c, [10, 0, 1, 1]);
+    connect(&w, c, 2, qpn_a, [10, 0, 0, 1]);
+    assert_eq!(
+        post_sends(&w, a, vec![send(2, 0x42)]),
+        (1, IbStatus::Success)
+    );
+    let summary: Vec<(u32, u64, WcStatus)> = poll_all(&w, recv_cq)
+        .iter()
+        .map(|wc| (wc.qp_num.get(), wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(summary, vec![(qpn_c, 2001, WcStatus::Success)]);
+    assert_eq!(b_mem.read(512, 128), pattern(0x42, 128));
+
+    for q in [a, c] {
+        let r = w.call_in_dpc::<DestroyQp>(KERNEL, q, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let _ = poll_all(&w, send_cq);
+    let r = w.call_in_dpc::<DestroySrq>(KERNEL, new_srq, &Empty, 0);
+    assert_eq!(response::<DestroySrq>(&r).status, IbStatus::Success);
+    a_mem.free(&w);
+    b_mem.free(&w);
+    for cq in cqs {
+        let r = w.call_in_dpc::<DestroyCq>(KERNEL, cq, &Empty, 0);
+        assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    }
+    let r = w.call_in_dpc::<DeallocPd>(KERNEL, pd, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    assert_eq!(hca.close_ca(ca), Ok(()));
+    w.finish();
+}

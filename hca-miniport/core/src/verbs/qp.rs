@@ -887,7 +887,7 @@ where
                 Ok(handle) => {
                     // The number's previous QP is no longer needed for
                     // resolving its completions' wr_ids.
-                    o.retired_qps.remove(&handle.number());
+                    o.forget_retired_qp(handle.number());
                     match o.qps.objects().get(handle).cloned() {
                         Some(qp) => Ok((handle, qp, mtt)),
                         None => Err(IbStatus::GenericError),

@@ -38,7 +38,11 @@
 //!   completed: the device stores no `wr_id` (PRM 10.4), so the SRQ keeps
 //!   each WR's `wr_id` in a shadow ring by `wqe_index`, and the CQ poll
 //!   path takes it back with `Hca::srq_complete` (crate-private), which
-//!   frees the slot. The producer doorbell record is written once per post
+//!   frees the slot. The lookup is by the QP's generation-checked SRQ
+//!   handle, not the number: a destroyed QP's receive CQEs can sit unpolled
+//!   in a CQ after its SRQ is destroyed and the number reused, so a
+//!   destroyed SRQ that a retired QP names is kept (`Objects::retired_srqs`)
+//!   until that QP's number is reused. The producer doorbell record is written once per post
 //!   after the WQEs (release order, PRM 9.2); posting needs no MMIO.
 //! - **Events**: `SRQ_LIMIT` and `SRQ_CATASTROPHIC` go, by SRQ number, to
 //!   the client of the CA that owns the SRQ now, as asynchronous events
@@ -330,9 +334,15 @@ impl<P: Platform> Hca<P> {
     /// (a CQE's, PRM 10.4) of the SRQ number `srqn`, taken back, which
     /// frees its slot for posting. `None` if the SRQ or the slot is empty.
     /// Takes the object-table lock, then the SRQ's.
-    pub(crate) fn srq_complete(&self, srqn: u32, wqe_index: u16) -> Option<u64> {
+    pub(crate) fn srq_complete(&self, raw: u64, wqe_index: u16) -> Option<u64> {
+        let handle = Handle::<kind::Srq>::from_raw(raw);
         let srq = self
-            .with_objects(|o| o.srqs.get_by_number(srqn).map(|(_, s)| s.clone()))
+            .with_objects(|o| {
+                o.srqs
+                    .get(handle)
+                    .or_else(|| o.retired_srqs.get(&raw))
+                    .cloned()
+            })
             .ok()
             .flatten()?;
         let mask = srq.entries() - 1;
@@ -643,6 +653,11 @@ where
                         let mtt = srq.ring.lock().mtt.take();
                         let _ = hca.with_objects(|o| {
                             let _ = o.srqs.remove(handle);
+                            // Kept while a destroyed QP's CQEs may name it.
+                            let raw = handle.raw();
+                            if o.retired_qps.values().any(|qp| qp.srq == Some(raw)) {
+                                o.retired_srqs.insert(raw, srq.clone());
+                            }
                             if let Some(mtt) = mtt {
                                 let _ = o.mtt.return_entries(mtt);
                             }

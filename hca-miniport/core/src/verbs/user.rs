@@ -1253,7 +1253,7 @@ where
             };
             match o.qps.create_with(now, make) {
                 Ok(handle) => {
-                    o.retired_qps.remove(&handle.number());
+                    o.forget_retired_qp(handle.number());
                     match o.qps.objects().get(handle).cloned() {
                         Some(qp) => Ok((handle, qp, mtt)),
                         None => Err(IbStatus::GenericError),
