@@ -448,3 +448,74 @@ fn event_mode_commands_complete_through_the_eq() {
         "the EQ raised its vector"
     );
 }
+
+#[test]
+fn a_send_doorbell_rung_while_the_qp_is_in_reset_is_dropped() {
+    use hca_prm::regs::offset::DROPPED_DOORBELLS;
+    use ib_types::qp::{QpModify, QpState};
+    let (mut p, mut a, mut b) = rc_pair(Mtu::Mtu1024);
+    let to_reset = QpModify::to_state(QpState::Reset);
+    assert_eq!(
+        p.a.drv.modify_qp(&mut p.a.dev, &a.qp, &to_reset),
+        CmdStatus::Ok
+    );
+    // A post racing with the reset: its WQEs are written and its doorbell
+    // rung after the device took the QP to RESET. PRM 6.1.3: the QP's
+    // counters are 0 and stay so until software posts again after
+    // RESET->INIT; the doorbell is dropped and counted.
+    let dropped = p.a.dev.mmio_read32(DROPPED_DOORBELLS);
+    p.a.drv.write_mr(&a.mr, 0, b"stale");
+    let sg = [sim_hca::testkit::Driver::sge(&a.mr, 0, 5)];
+    for id in 0..3 {
+        p.a.drv
+            .post_send(
+                &mut p.a.dev,
+                &mut a.qp,
+                &send_wr(id, SendOp::Send, &sg),
+                None,
+                None,
+                true,
+            )
+            .unwrap();
+    }
+    assert_eq!(p.a.dev.mmio_read32(DROPPED_DOORBELLS), dropped + 3);
+    // The driver starts over at WQE index 0 and reconnects with the PSNs
+    // `rc_pair` used (nothing was sent yet).
+    a.qp.sq_producer = 0;
+    let access = AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+    for m in [
+        bring_up::to_init(QpType::Rc, access, 0),
+        bring_up::to_rtr(QpType::Rc, IP_B, b.qp.qpn, 5000, Mtu::Mtu1024),
+        bring_up::to_rts(QpType::Rc, 100, 14, 7, 7),
+    ] {
+        assert_eq!(p.a.drv.modify_qp(&mut p.a.dev, &a.qp, &m), CmdStatus::Ok);
+    }
+    for id in 0..4 {
+        p.b.drv.post_recv(
+            &mut b.qp,
+            100 + id,
+            &[sim_hca::testkit::Driver::sge(&b.mr, 64 * id, 64)],
+        );
+    }
+    p.a.drv.write_mr(&a.mr, 0, b"fresh");
+    p.a.drv
+        .post_send(
+            &mut p.a.dev,
+            &mut a.qp,
+            &send_wr(9, SendOp::Send, &sg),
+            None,
+            None,
+            true,
+        )
+        .unwrap();
+    p.pump();
+    // Exactly the one WQE posted after the reset ran.
+    let sent = p.a.drv.drain_cq(&mut a.cq);
+    assert_eq!(
+        summary(&sent),
+        vec![(WqeOpcode::Send.code(), WcStatus::Success.code(), 0)]
+    );
+    let got = p.b.drv.drain_cq(&mut b.cq);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(p.b.drv.read_mr(&b.mr, 0, 5), b"fresh");
+}

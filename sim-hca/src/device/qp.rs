@@ -453,7 +453,12 @@ impl Device {
     }
 
     fn sq_doorbell(&mut self, uar: u32, qpn: u32, producer: u32) {
-        let authorised = self.qp_ref(qpn).is_some_and(|qp| qp.uar == uar);
+        // A QP in RESET has no send queue to run: its counters are 0 until
+        // software posts again after RESET->INIT (PRM 6.1.3), so a
+        // doorbell rung meanwhile (a post racing with the reset) is dropped.
+        let authorised = self
+            .qp_ref(qpn)
+            .is_some_and(|qp| qp.uar == uar && qp.state != QpState::Reset);
         if !authorised {
             self.counters.dropped_doorbells += 1;
             return;

@@ -98,6 +98,10 @@ pub(super) struct Ring<B> {
     pub(super) dbr: Option<B>,
     pub(super) log_entries: u8,
     pub(super) consumer: u32,
+    /// CQEs polled over the CQ's life (a resize restarts `consumer`, not
+    /// this): the sequence number of the next CQE polled, by which a QP
+    /// reset tells its earlier completions from later ones (`qp`).
+    pub(super) polled: u64,
     pub(super) mtt: Option<EntryRange>,
     /// Completions the device can no longer deliver through the ring, in
     /// order, `wr_id`s resolved: the entries outstanding at a D0 exit and
@@ -132,6 +136,7 @@ impl<P: Platform> Cq<P> {
                 dbr: None,
                 log_entries,
                 consumer: 0,
+                polled: 0,
                 mtt: Some(mtt),
                 backlog: alloc::collections::VecDeque::new(),
                 armed: None,
@@ -314,8 +319,10 @@ impl<P: Platform> Hca<P> {
                 polled += 1;
             }
         }
+        let first_seq = ring.polled;
         if polled > from_backlog {
             ring.consumer = consumer;
+            ring.polled += (polled - from_backlog) as u64;
             // One consumer-record update per batch (PRM 9.2).
             if let Some(dbr) = ring.dbr.as_ref() {
                 dbr.write(0, DoorbellRecord::new(consumer).as_bytes());
@@ -323,13 +330,46 @@ impl<P: Platform> Hca<P> {
         }
         drop(ring);
         // Outside the CQ lock: each QP's ring lock, never both at once.
-        for wc in &mut wcs[from_backlog..polled] {
+        // Backlog entries were resolved when they were taken off the ring.
+        for (seq, wc) in (first_seq..).zip(&mut wcs[from_backlog..polled]) {
             let index = wc.wr_id as u16;
             let (recv, srq) = (wc.wr_id & (1 << 16) != 0, wc.wr_id & (1 << 17) != 0);
-            wc.wr_id = self.complete_wr(wc.qp_num.get(), index, recv, srq);
+            wc.wr_id = self.complete_wr(wc.qp_num.get(), index, recv, srq, seq);
             self.note_error_completion(wc.qp_num.get(), recv, wc.status);
         }
         Ok(polled)
+    }
+
+    /// The sequence number (`Ring::polled`) the next CQE the device
+    /// writes to CQ `cq` (a raw handle) will be polled with: the CQEs
+    /// polled so far plus those waiting from the consumer counter on. A
+    /// QP moved to RESET takes it for its send and receive CQs, so that
+    /// its completions polled with a smaller number are known as the ones
+    /// written before the reset (guide 6.5.5 item 3). 0 for a stale
+    /// handle. Limitation: a CQ whose resize is outstanding is counted in
+    /// its old ring.
+    pub(crate) fn cq_next_sequence(&self, cq: u64) -> u64 {
+        let Ok(cq) = self.find_cq(cq, RequestorMode::Kernel) else {
+            return 0;
+        };
+        let ring = cq.ring.lock();
+        let log = ring.log_entries;
+        let mut waiting = 0u32;
+        if let Some(buffer) = ring.ring.as_ref() {
+            while waiting < (1u32 << log) {
+                let consumer = ring.consumer.wrapping_add(waiting);
+                let slot = hca_prm::owner::slot(consumer, log) as usize;
+                let mut raw = [0u8; CQE_BYTES];
+                if !buffer.read(slot * CQE_BYTES, &mut raw) {
+                    break;
+                }
+                match Cqe::read_from_bytes(&raw) {
+                    Ok(cqe) if cqe.is_valid(consumer, log) => waiting += 1,
+                    _ => break,
+                }
+            }
+        }
+        ring.polled + u64::from(waiting)
     }
 
     /// Arms the CQ `cq` for one completion event (PRM 9.3): the next

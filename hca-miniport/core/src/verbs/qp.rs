@@ -84,9 +84,11 @@
 //!   the shell's job where `unsafe` lives; the AV handle is resolved by the
 //!   caller until the AV verbs provide a lookup.
 //! - **wr_id** (PRM 10.4): each ring keeps a shadow of `wr_id`s by WQE
-//!   index; [`Hca::poll_cq`] reads the CQEs under the CQ lock, drops it,
-//!   and then asks each completion's QP (by number) for the `wr_id`,
-//!   retiring that WQE (and, for sends, the unsignaled ones before it).
+//!   index, in atomics outside the ring's lock (`Completions`);
+//!   [`Hca::poll_cq`] reads the CQEs under the CQ lock, drops it, and then
+//!   asks each completion's QP (by number) for the `wr_id`, retiring that
+//!   WQE (and, for sends, the unsignaled ones before it) by advancing the
+//!   ring's atomic tail, which post reads for room.
 //!   Limitation: polls of one CQ on two processors at once are not
 //!   serialised, so a slot could be reposted before the other poll reads
 //!   its `wr_id`; a CQ is to be polled from one place at a time (as the
@@ -97,17 +99,30 @@
 //!   and SRQ numbers have no quiet period, so a completion polled after
 //!   the SRQ itself was destroyed and its number reused could take the
 //!   new SRQ's slot.
+//! - **Reset** (PRM 6.1.3, guide 6.5.5 items 3-5): a QP moved to RESET
+//!   restarts its rings at WQE index 0, while completions written before
+//!   the reset may still wait in its CQs with the old indices. When the
+//!   modify is answered the core notes, per CQ, the sequence number the
+//!   next CQE will be polled with (`Hca::cq_next_sequence`) and keeps the
+//!   rings' `wr_id` shadows; a completion polled with a smaller number is
+//!   answered from them, so earlier completions keep their `wr_id`s after
+//!   the QP is reconnected and posted to again.
 //! - **Locks.** A QP's control lock (state, attributes), then its send-ring
 //!   lock, then its receive-ring lock; never the object-table lock or a
-//!   CQ's lock while holding one of them. Post takes one ring lock (and the
-//!   object-table lock briefly before, to find the QP); poll takes the CQ
-//!   lock, releases it, then the rings' locks one at a time: post and poll
-//!   share no lock except a ring lock for the moment a `wr_id` is read.
+//!   CQ's lock while holding one of them. Post takes one ring lock; poll
+//!   takes the CQ lock, releases it, and reads the `wr_id`s without any
+//!   QP lock (guide 6.5.5 item 2: no cross lock between post and poll on a
+//!   QP; only a reset's kept `wr_id`s have a lock, which post never takes).
+//!   Both still take the object-table lock briefly to resolve a handle or
+//!   number (post: the QP; poll: the CQ, then each completion's QP), and a
+//!   receive from an SRQ takes the SRQ's lock, which posting to the SRQ
+//!   takes too.
 
 use alloc::boxed::Box;
+use alloc::collections::VecDeque;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
-use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 
 use driver_platform::{CommonBuffer, Deferred, Platform, Request, RequestorMode, SpinLock};
 use hca_prm::cmd::Opcode;
@@ -314,23 +329,11 @@ pub(super) struct Control {
     pub(super) err_while_modifying: bool,
 }
 
-/// A WQE the send ring holds until its completion.
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct SendSlot {
-    pub(super) wr_id: u64,
-    /// Basic blocks of the WQE.
-    pub(super) bbs: u32,
-}
-
 /// The send ring, under its own lock (PRM 10.2).
 pub(super) struct SendRing<B> {
     pub(super) ring: Option<B>,
     /// Basic blocks posted (the doorbell's producer counter).
     pub(super) producer: u32,
-    /// Basic blocks completed (polled).
-    pub(super) tail: u32,
-    /// By basic block of each WQE's start: its `wr_id` and size.
-    pub(super) shadow: Vec<SendSlot>,
 }
 
 /// The receive ring and its doorbell record, under their own lock (PRM
@@ -340,10 +343,52 @@ pub(super) struct RecvRing<B> {
     pub(super) dbr: Option<B>,
     /// Receive WQEs posted.
     pub(super) producer: u32,
+}
+
+/// The poll side's view of a QP's rings, apart from the rings' locks so
+/// that polling takes no lock posting takes (guide 6.5.5 item 2): by slot,
+/// the `wr_id` (and, for sends, the basic blocks) of each WQE, stored by
+/// post before its doorbell and read by poll when the WQE's completion
+/// arrives; and how far completions reached (`*_tail`), advanced by poll
+/// and read by post for room. A CQ is polled from one place at a time
+/// (module docs), so a tail's only other writer is a reset, which poll
+/// detects with a compare-and-swap.
+pub(crate) struct Completions<P: Platform> {
+    pub(crate) send_wr_ids: Vec<AtomicU64>,
+    pub(crate) send_bbs: Vec<AtomicU32>,
+    /// Basic blocks completed (polled).
+    pub(crate) send_tail: AtomicU32,
+    pub(crate) recv_wr_ids: Vec<AtomicU64>,
     /// Receive WQEs completed (polled).
-    pub(super) tail: u32,
-    /// `wr_id` by slot.
-    pub(super) shadow: Vec<u64>,
+    pub(crate) recv_tail: AtomicU32,
+    /// Set once a reset kept `wr_id`s in `before_reset`.
+    pub(crate) reset_kept: AtomicBool,
+    /// The `wr_id`s of the rings before each RESET whose completions may
+    /// still wait in the send and receive CQs, each with the CQ sequence
+    /// number the first completion after that reset is polled with
+    /// (`Hca::cq_next_sequence`). Taken by poll and reset, never by post.
+    pub(crate) before_reset: SpinLock<P, BeforeReset>,
+}
+
+/// See [`Completions::before_reset`].
+#[derive(Default)]
+pub(crate) struct BeforeReset {
+    pub(crate) send: VecDeque<(u64, Vec<u64>)>,
+    pub(crate) recv: VecDeque<(u64, Vec<u64>)>,
+}
+
+impl<P: Platform> Completions<P> {
+    fn new(send_slots: usize, recv_slots: usize) -> Self {
+        Self {
+            send_wr_ids: (0..send_slots).map(|_| AtomicU64::new(0)).collect(),
+            send_bbs: (0..send_slots).map(|_| AtomicU32::new(0)).collect(),
+            send_tail: AtomicU32::new(0),
+            recv_wr_ids: (0..recv_slots).map(|_| AtomicU64::new(0)).collect(),
+            recv_tail: AtomicU32::new(0),
+            reset_kept: AtomicBool::new(false),
+            before_reset: SpinLock::<P, _>::new(BeforeReset::default()),
+        }
+    }
 }
 
 /// A queue pair.
@@ -373,6 +418,8 @@ pub struct Qp<P: Platform> {
     /// created without one), for
     /// re-creating the QP on D0 entry ([`super::restore`]).
     pub(super) create_port: u8,
+    /// What poll needs, without the ring locks.
+    pub(super) done: Completions<P>,
 }
 
 impl<P: Platform> core::fmt::Debug for Qp<P> {
@@ -437,15 +484,43 @@ impl<P: Platform> Qp<P> {
         if state == QpState::Reset {
             let mut sq = self.sq.lock();
             sq.producer = 0;
-            sq.tail = 0;
+            self.done.send_tail.store(0, Ordering::Release);
             drop(sq);
             let mut rq = self.rq.lock();
             rq.producer = 0;
-            rq.tail = 0;
+            self.done.recv_tail.store(0, Ordering::Release);
             if let Some(dbr) = rq.dbr.as_ref() {
                 dbr.write(0, DoorbellRecord::new(0).as_bytes());
             }
         }
+    }
+
+    /// Before a RESET: keeps each ring's `wr_id`s for the completions
+    /// still to be polled (guide 6.5.5 item 3: a reset must not change
+    /// what earlier completions report, and new work restarts at WQE index
+    /// 0, PRM 6.1.3), tagged with the CQ sequence numbers that end them.
+    /// A ring with nothing outstanding keeps nothing.
+    fn keep_before_reset(&self, (send_end, recv_end): (u64, u64)) {
+        let ids = |slots: &[AtomicU64]| -> Vec<u64> {
+            slots.iter().map(|a| a.load(Ordering::Acquire)).collect()
+        };
+        let done = &self.done;
+        let send_outstanding = self.sq.lock().producer != done.send_tail.load(Ordering::Acquire);
+        let recv_outstanding =
+            self.srq.is_none() && self.rq.lock().producer != done.recv_tail.load(Ordering::Acquire);
+        if !(send_outstanding || recv_outstanding) {
+            return;
+        }
+        let mut kept = done.before_reset.lock();
+        if send_outstanding {
+            kept.send.push_back((send_end, ids(&done.send_wr_ids)));
+        }
+        if recv_outstanding {
+            kept.recv.push_back((recv_end, ids(&done.recv_wr_ids)));
+        }
+        // Before `set_state` zeroes the tails: a poll that sees a tail
+        // move under it looks here.
+        done.reset_kept.store(true, Ordering::Release);
     }
 
     /// Takes the QP's common buffers (for freeing once the device no longer
@@ -500,19 +575,16 @@ impl<P: Platform> Qp<P> {
             sq: SpinLock::<P, _>::new(SendRing {
                 ring: None,
                 producer: 0,
-                tail: 0,
-                shadow: alloc::vec![SendSlot::default(); 1],
             }),
             rq: SpinLock::<P, _>::new(RecvRing {
                 ring: None,
                 dbr: None,
                 producer: 0,
-                tail: 0,
-                shadow: alloc::vec![0; 1],
             }),
             // User QPs are not re-created from kernel state on D0 entry
             // (`verbs::restore`).
             create_port: 0,
+            done: Completions::new(1, 1),
         }
     }
 
@@ -866,17 +938,14 @@ where
                     sq: SpinLock::<P, _>::new(SendRing {
                         ring: None,
                         producer: 0,
-                        tail: 0,
-                        shadow: alloc::vec![SendSlot::default(); 1 << geometry.sq_log_bbs],
                     }),
                     rq: SpinLock::<P, _>::new(RecvRing {
                         ring: None,
                         dbr: None,
                         producer: 0,
-                        tail: 0,
-                        shadow: alloc::vec![0; 1 << geometry.rq_log_entries],
                     }),
                     create_port: port,
+                    done: Completions::new(1 << geometry.sq_log_bbs, 1 << geometry.rq_log_entries),
                 })
             };
             let made = match which {
@@ -1045,7 +1114,17 @@ where
             alloc::vec![
                 Command::new(Opcode::ModifyQp, qp.qpn).with_mailbox(input.as_bytes().to_vec())
             ],
-            Box::new(move |_hca, result| {
+            Box::new(move |hca, result| {
+                // Where the completions written before a reset end in each
+                // CQ, read before the QP's lock (a CQ's lock is never
+                // taken under it): the device wrote them all before it
+                // answered.
+                let reset_at = (next == QpState::Reset && result.is_ok()).then(|| {
+                    (
+                        hca.cq_next_sequence(qp.send_cq),
+                        hca.cq_next_sequence(qp.recv_cq),
+                    )
+                });
                 let mut c = qp.control.lock();
                 c.life = Life::Live;
                 // An error the device raised meanwhile outlives the modify
@@ -1054,6 +1133,9 @@ where
                 let device_err = core::mem::take(&mut c.err_while_modifying);
                 match result {
                     Ok(_) => {
+                        if let Some(sequences) = reset_at {
+                            qp.keep_before_reset(sequences);
+                        }
                         let next = if device_err && next != QpState::Reset {
                             QpState::Err
                         } else {

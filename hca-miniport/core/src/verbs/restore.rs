@@ -324,32 +324,34 @@ impl<P: Platform> Hca<P> {
         };
         let mut sends = Vec::new();
         {
-            let mut sq = qp.sq.lock();
+            let sq = qp.sq.lock();
+            let done = &qp.done;
             let mask = (1u32 << qp.geometry.sq_log_bbs) - 1;
-            let mut counter = sq.tail;
+            let mut counter = done.send_tail.load(Ordering::Acquire);
             while counter != sq.producer {
-                let slot = sq.shadow[(counter & mask) as usize];
-                sends.push(flushed(slot.wr_id, WcOpcode::Send));
-                if slot.bbs == 0 {
+                let (wr_id, bbs) = send_slot(done, (counter & mask) as usize);
+                sends.push(flushed(wr_id, WcOpcode::Send));
+                if bbs == 0 {
                     break;
                 }
-                counter = counter.wrapping_add(slot.bbs);
+                counter = counter.wrapping_add(bbs);
             }
-            sq.tail = sq.producer;
+            done.send_tail.store(sq.producer, Ordering::Release);
         }
         let mut recvs = Vec::new();
         {
-            let mut rq = qp.rq.lock();
+            let rq = qp.rq.lock();
+            let done = &qp.done;
             let mask = (1u32 << qp.geometry.rq_log_entries) - 1;
-            let mut counter = rq.tail;
+            let mut counter = done.recv_tail.load(Ordering::Acquire);
             while counter != rq.producer {
                 recvs.push(flushed(
-                    rq.shadow[(counter & mask) as usize],
+                    recv_slot(done, (counter & mask) as usize),
                     WcOpcode::Recv,
                 ));
                 counter = counter.wrapping_add(1);
             }
-            rq.tail = rq.producer;
+            done.recv_tail.store(rq.producer, Ordering::Release);
         }
         for (cq, wcs) in [(qp.send_cq, sends), (qp.recv_cq, recvs)] {
             if wcs.is_empty() {
@@ -574,13 +576,13 @@ impl<P: Platform> Hca<P> {
                 return (Vec::new(), None);
             };
             commands.extend(cq::write_mtt(mtt.start(), ring.bus_address(), sq_pages));
-            compact_send_ring(&mut sq, g.sq_log_bbs);
+            compact_send_ring(&mut sq, &qp.done, g.sq_log_bbs);
             sq.producer
         };
         {
             let mut rq = qp.rq.lock();
             if g.has_rq {
-                compact_recv_ring(&mut rq, g.rq_log_entries, g.rq_log_stride);
+                compact_recv_ring(&mut rq, &qp.done, g.rq_log_entries, g.rq_log_stride);
                 if let (Some(ring), Some(dbr)) = (rq.ring.as_ref(), rq.dbr.as_ref()) {
                     qpc.rq = qp::desc(rq_mtt, g.rq_log_entries, g.rq_log_stride);
                     qpc.rq_dbr = Le64::new(dbr.bus_address());
@@ -702,21 +704,46 @@ fn set_wqe_index(wqe: &mut [u8], offset: usize, index: u16) {
     }
 }
 
+/// The `wr_id` and basic blocks recorded for the send WQE at `slot`
+/// (0, 0 past the records: a user QP keeps none).
+fn send_slot<P: Platform>(done: &qp::Completions<P>, slot: usize) -> (u64, u32) {
+    let wr_id = done
+        .send_wr_ids
+        .get(slot)
+        .map_or(0, |id| id.load(Ordering::Acquire));
+    let bbs = done
+        .send_bbs
+        .get(slot)
+        .map_or(0, |bbs| bbs.load(Ordering::Acquire));
+    (wr_id, bbs)
+}
+
+/// The `wr_id` recorded for the receive WQE at `slot` (0 past the records).
+fn recv_slot<P: Platform>(done: &qp::Completions<P>, slot: usize) -> u64 {
+    done.recv_wr_ids
+        .get(slot)
+        .map_or(0, |id| id.load(Ordering::Acquire))
+}
+
 /// Moves the send WQEs between tail and producer to counters `0..` (the
 /// device's send counter restarts at 0), patching each control segment's
-/// `wqe_index` (PRM 10.2) and the shadow.
-fn compact_send_ring<B: CommonBuffer>(sq: &mut qp::SendRing<B>, log_bbs: u8) {
+/// `wqe_index` (PRM 10.2) and the `wr_id` records.
+fn compact_send_ring<P: Platform, B: CommonBuffer>(
+    sq: &mut qp::SendRing<B>,
+    done: &qp::Completions<P>,
+    log_bbs: u8,
+) {
     let bbs = 1u32 << log_bbs;
     let mask = bbs - 1;
     let ring_bytes = BB_SIZE << log_bbs;
     let mut waiting = Vec::new();
-    let mut counter = sq.tail;
+    let mut counter = done.send_tail.load(Ordering::Acquire);
     while counter != sq.producer {
-        let slot = sq.shadow[(counter & mask) as usize];
-        if slot.bbs == 0 || slot.bbs > bbs {
+        let (wr_id, size) = send_slot(done, (counter & mask) as usize);
+        if size == 0 || size > bbs {
             break;
         }
-        let mut wqe = alloc::vec![0u8; slot.bbs as usize * BB_SIZE];
+        let mut wqe = alloc::vec![0u8; size as usize * BB_SIZE];
         if let Some(ring) = sq.ring.as_ref() {
             let at = (counter & mask) as usize * BB_SIZE;
             let first = wqe.len().min(ring_bytes - at);
@@ -725,37 +752,48 @@ fn compact_send_ring<B: CommonBuffer>(sq: &mut qp::SendRing<B>, log_bbs: u8) {
                 ring.read(0, &mut wqe[first..]);
             }
         }
-        waiting.push((slot, wqe));
-        counter = counter.wrapping_add(slot.bbs);
+        waiting.push((wr_id, size, wqe));
+        counter = counter.wrapping_add(size);
     }
     let mut at = 0u32;
-    for (slot, mut wqe) in waiting {
+    for (wr_id, size, mut wqe) in waiting {
         set_wqe_index(&mut wqe, 4, at as u16);
         if let Some(ring) = sq.ring.as_ref() {
             // Compacted from 0, so no WQE wraps the ring end.
             ring.write(at as usize * BB_SIZE, &wqe);
         }
-        sq.shadow[at as usize] = slot;
-        at += slot.bbs;
+        if let (Some(id), Some(blocks)) = (
+            done.send_wr_ids.get(at as usize),
+            done.send_bbs.get(at as usize),
+        ) {
+            id.store(wr_id, Ordering::Release);
+            blocks.store(size, Ordering::Release);
+        }
+        at += size;
     }
     sq.producer = at;
-    sq.tail = 0;
+    done.send_tail.store(0, Ordering::Release);
 }
 
 /// Moves the receive WQEs between tail and producer to counters `0..`,
-/// patching each header's `wqe_index` (PRM 10.3) and the shadow.
-fn compact_recv_ring<B: CommonBuffer>(rq: &mut qp::RecvRing<B>, log_entries: u8, log_stride: u8) {
+/// patching each header's `wqe_index` (PRM 10.3) and the `wr_id` records.
+fn compact_recv_ring<P: Platform, B: CommonBuffer>(
+    rq: &mut qp::RecvRing<B>,
+    done: &qp::Completions<P>,
+    log_entries: u8,
+    log_stride: u8,
+) {
     let mask = (1u32 << log_entries) - 1;
     let stride = 1usize << log_stride;
     let mut waiting = Vec::new();
-    let mut counter = rq.tail;
+    let mut counter = done.recv_tail.load(Ordering::Acquire);
     while counter != rq.producer {
         let slot = (counter & mask) as usize;
         let mut wqe = alloc::vec![0u8; stride];
         if let Some(ring) = rq.ring.as_ref() {
             ring.read(slot * stride, &mut wqe);
         }
-        waiting.push((rq.shadow[slot], wqe));
+        waiting.push((recv_slot(done, slot), wqe));
         counter = counter.wrapping_add(1);
     }
     let count = waiting.len() as u32;
@@ -764,10 +802,12 @@ fn compact_recv_ring<B: CommonBuffer>(rq: &mut qp::RecvRing<B>, log_entries: u8,
         if let Some(ring) = rq.ring.as_ref() {
             ring.write(index * stride, &wqe);
         }
-        rq.shadow[index] = wr_id;
+        if let Some(id) = done.recv_wr_ids.get(index) {
+            id.store(wr_id, Ordering::Release);
+        }
     }
     rq.producer = count;
-    rq.tail = 0;
+    done.recv_tail.store(0, Ordering::Release);
 }
 
 /// The transitions from RESET to `state` (IBA Table 91's forward path).

@@ -48,6 +48,8 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub(crate) struct CountingSink {
     /// Completion events seen.
     pub(crate) completions: Mutex<Vec<u32>>,
+    /// Port changes seen: (port, active).
+    pub(crate) port_changes: Mutex<Vec<(u8, bool)>>,
 }
 
 impl EventSink for CountingSink {
@@ -57,7 +59,9 @@ impl EventSink for CountingSink {
     fn qp_event(&self, _: Qpn, _: QpEvent) {}
     fn srq_event(&self, _: u32, _: SrqEvent) {}
     fn cq_error(&self, _: u32) {}
-    fn port_change(&self, _: PortNum, _: bool) {}
+    fn port_change(&self, port: PortNum, active: bool) {
+        lock(&self.port_changes).push((port.get(), active));
+    }
     fn port_violation(&self, _: PortNum, _: PortViolation) {}
     fn device_failed(&self, _: DeviceFailure) {}
 }
@@ -391,5 +395,93 @@ impl World {
                 assert!(hca.report().is_some(), "HCA {i} is up");
             }
         }
+    }
+}
+
+impl World {
+    /// A threaded host (`workers` worker threads, devices wired back to
+    /// back and run on the threads that touch them) with one HCA per
+    /// device config; waits until every HCA is up with both ports active.
+    /// Run it with [`Self::call_in_dpc_waiting_at`], not `settle`.
+    pub(crate) fn threaded_with_hcas(
+        workers: usize,
+        devices: Vec<DeviceConfig>,
+        config: HcaConfig,
+    ) -> Self {
+        let count = devices.len();
+        let host = Host::new(HostConfig::threaded(workers, devices)).unwrap();
+        let sinks: Arc<Mutex<Vec<Arc<CountingSink>>>> = Arc::default();
+        let made = sinks.clone();
+        let options = MiniportOptions {
+            sink: Arc::new(move || {
+                let sink = Arc::new(CountingSink::default());
+                lock(&made).push(sink.clone());
+                sink as Arc<dyn EventSink>
+            }),
+            ..MiniportOptions::new(config)
+        };
+        let driver = MiniportDriver::register_with(&host, options);
+        host.register_driver("ibalbus", Arc::new(PassThroughFilter));
+        host.boot();
+        let w = World {
+            host,
+            driver,
+            sinks,
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            w.host.scheduler().quiesce().unwrap();
+            let devices = w.driver.devices();
+            let up = devices.len() == count
+                && devices.iter().all(|d| matches!(d.started(), Some(Ok(_))));
+            let sinks = lock(&w.sinks).clone();
+            let ports_up = sinks.len() == count
+                && sinks.iter().all(|s| {
+                    let changes = lock(&s.port_changes);
+                    (1..=2).all(|p| changes.iter().rev().find(|c| c.0 == p) == Some(&(p, true)))
+                });
+            let up = up && ports_up;
+            if up {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "bring-up timed out");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        w
+    }
+
+    /// Submits `V` to HCA `i` from a DPC and waits (threaded host) for its
+    /// completion.
+    pub(crate) fn call_in_dpc_waiting_at<V: Verb>(
+        &self,
+        i: usize,
+        mode: RequestorMode,
+        handle: u64,
+        input: &V::In,
+        private_out_max: u32,
+    ) -> Completion {
+        let (request, issuer) = self.request::<V>(mode, handle, input, private_out_max);
+        let hca = self.hca_at(i);
+        self.in_dpc(move || {
+            assert_eq!(sim_host::irql::current(), driver_platform::Irql::DISPATCH);
+            hca.submit_request(request);
+        });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            if let Some(done) = issuer.completion() {
+                return done;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} timed out",
+                V::ID.name()
+            );
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+    }
+
+    /// The outer sink of HCA `i`.
+    pub(crate) fn sink_at(&self, i: usize) -> Arc<CountingSink> {
+        lock(&self.sinks)[i].clone()
     }
 }

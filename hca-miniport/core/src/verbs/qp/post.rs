@@ -16,7 +16,7 @@ use ib_types::wc::WcStatus;
 use ib_types::wr::{RecvWr, SendOp, SendWr, Transport, WrLimits};
 use zerocopy::IntoBytes;
 
-use super::{Qp, SendSlot};
+use super::Qp;
 use crate::hca::Hca;
 use crate::resources::KERNEL_UAR;
 
@@ -152,7 +152,9 @@ impl<P: Platform> Hca<P> {
                 }
             };
             let bbs = hca_prm::wqe::basic_blocks(len) as u32;
-            let used = sq.producer.wrapping_sub(sq.tail);
+            let used = sq
+                .producer
+                .wrapping_sub(qp.done.send_tail.load(Ordering::Acquire));
             if used + bbs > ring_bbs {
                 status = IbStatus::InsufficientResources;
                 break;
@@ -163,10 +165,14 @@ impl<P: Platform> Hca<P> {
                 break;
             };
             write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe[..len]);
-            sq.shadow[slot] = SendSlot {
-                wr_id: request.wr.wr_id,
-                bbs,
-            };
+            // Read by poll without this lock (`Completions`): stored before
+            // the doorbell (its release fence) makes the WQE visible.
+            if let (Some(id), Some(size)) =
+                (qp.done.send_wr_ids.get(slot), qp.done.send_bbs.get(slot))
+            {
+                id.store(request.wr.wr_id, Ordering::Release);
+                size.store(bbs, Ordering::Release);
+            }
             sq.producer = sq.producer.wrapping_add(bbs);
             posted += 1;
         }
@@ -218,7 +224,11 @@ impl<P: Platform> Hca<P> {
                 status = error.status();
                 break;
             }
-            if rq.producer.wrapping_sub(rq.tail) >= entries {
+            if rq
+                .producer
+                .wrapping_sub(qp.done.recv_tail.load(Ordering::Acquire))
+                >= entries
+            {
                 status = IbStatus::InsufficientResources;
                 break;
             }
@@ -236,7 +246,9 @@ impl<P: Platform> Hca<P> {
                 break;
             };
             ring.write(slot * stride, out);
-            rq.shadow[slot] = wr.wr_id;
+            if let Some(id) = qp.done.recv_wr_ids.get(slot) {
+                id.store(wr.wr_id, Ordering::Release);
+            }
             rq.producer = rq.producer.wrapping_add(1);
             posted += 1;
         }
@@ -273,7 +285,19 @@ impl<P: Platform> Hca<P> {
     /// A receive the CQE marks as taken from an SRQ (`from_srq`, PRM 10.4)
     /// is looked up in the QP's SRQ, which frees that SRQ slot; 0 if the
     /// QP has no SRQ or the slot is empty.
-    pub(crate) fn complete_wr(&self, qpn: u32, wqe_index: u16, recv: bool, from_srq: bool) -> u64 {
+    ///
+    /// `seq` is the completion's sequence number in its CQ: one polled
+    /// before the end a RESET recorded belongs to the work before that
+    /// reset, and is looked up in that epoch's kept `wr_id`s without
+    /// touching the live ring.
+    pub(crate) fn complete_wr(
+        &self,
+        qpn: u32,
+        wqe_index: u16,
+        recv: bool,
+        from_srq: bool,
+        seq: u64,
+    ) -> u64 {
         let qp = self
             .with_objects(|o| {
                 o.qps
@@ -293,31 +317,62 @@ impl<P: Platform> Hca<P> {
             let Some(srq) = qp.srq else { return 0 };
             return self.srq_complete(srq, wqe_index).unwrap_or(0);
         }
-        if recv {
-            let mut rq = qp.rq.lock();
-            let mask = (1u32 << qp.geometry.rq_log_entries) - 1;
-            let ahead = u32::from(wqe_index.wrapping_sub(rq.tail as u16));
+        // No ring lock (`Completions`): posting to the QP goes on while
+        // its completions are polled.
+        let done = &qp.done;
+        let (wr_ids, tail, mask) = if recv {
+            (
+                &done.recv_wr_ids,
+                &done.recv_tail,
+                (1u32 << qp.geometry.rq_log_entries) - 1,
+            )
+        } else {
+            (
+                &done.send_wr_ids,
+                &done.send_tail,
+                (1u32 << qp.geometry.sq_log_bbs) - 1,
+            )
+        };
+        let slot = (u32::from(wqe_index) & mask) as usize;
+        // Twice at most: a failed compare-and-swap means a reset zeroed the
+        // tail meanwhile, and the completion is then one kept from before it.
+        for _ in 0..2 {
+            if done.reset_kept.load(Ordering::Acquire) {
+                let mut kept = done.before_reset.lock();
+                let epochs = if recv { &mut kept.recv } else { &mut kept.send };
+                while epochs.front().is_some_and(|(end, _)| *end <= seq) {
+                    epochs.pop_front();
+                }
+                if let Some((_, ids)) = epochs.front() {
+                    return ids.get(slot).copied().unwrap_or(0);
+                }
+                // All polled: back to the lock-free path (a reset sets the
+                // flag again under this lock).
+                if kept.send.is_empty() && kept.recv.is_empty() {
+                    done.reset_kept.store(false, Ordering::Release);
+                }
+            }
+            let at = tail.load(Ordering::Acquire);
             // `get`: a user QP keeps no shadow (one slot); a stale CQE that
             // names its number finds no wr_id rather than a panic.
-            let wr_id = rq
-                .shadow
-                .get((u32::from(wqe_index) & mask) as usize)
-                .copied()
-                .unwrap_or(0);
-            rq.tail = rq.tail.wrapping_add(ahead + 1);
-            wr_id
-        } else {
-            let mut sq = qp.sq.lock();
-            let mask = (1u32 << qp.geometry.sq_log_bbs) - 1;
-            let slot = sq
-                .shadow
-                .get((u32::from(wqe_index) & mask) as usize)
-                .copied()
-                .unwrap_or_default();
-            let ahead = u32::from(wqe_index.wrapping_sub(sq.tail as u16));
-            sq.tail = sq.tail.wrapping_add(ahead + slot.bbs);
-            slot.wr_id
+            let wr_id = wr_ids.get(slot).map_or(0, |id| id.load(Ordering::Acquire));
+            let size = if recv {
+                1
+            } else {
+                done.send_bbs
+                    .get(slot)
+                    .map_or(0, |bbs| bbs.load(Ordering::Acquire))
+            };
+            let ahead = u32::from(wqe_index.wrapping_sub(at as u16));
+            let next = at.wrapping_add(ahead + size);
+            if tail
+                .compare_exchange(at, next, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return wr_id;
+            }
         }
+        0
     }
 
     /// Records the state an error completion of live QP `qpn` implies
