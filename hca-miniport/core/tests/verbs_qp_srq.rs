@@ -256,15 +256,7 @@ fn rc_receives_from_an_srq_refilled_past_its_depth_with_wr_ids_and_bytes() {
     let w = World::deterministic(57);
     let client = Arc::new(Client::default());
     let hca = w.hca();
-    let ca = hca.open_ca(Some(client.clone())).unwrap();
-    let r = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
-    let pd = response::<AllocPd>(&r).handle;
-    let attr = CqAttr {
-        cqe: 64,
-        comp_vector: 0,
-    };
-    let r = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
-    let cq = response::<CreateCq>(&r).handle;
+    let (ca, pd, cq) = open_pd_cq(&w, client.clone());
     let create = SrqCreate {
         pd: PdHandle::from_raw(pd),
         attr: SrqAttr {
@@ -442,6 +434,39 @@ fn rc_receives_from_an_srq_refilled_past_its_depth_with_wr_ids_and_bytes() {
     w.finish();
 }
 
+/// Opens the CA for `client` with a PD and a 64-entry CQ: (CA, PD, CQ).
+fn open_pd_cq(w: &World, client: Arc<Client>) -> (u64, u64, u64) {
+    let ca = w.hca().open_ca(Some(client)).unwrap();
+    let r = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
+    let pd = response::<AllocPd>(&r).handle;
+    let attr = CqAttr {
+        cqe: 64,
+        comp_vector: 0,
+    };
+    let r = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
+    (ca, pd, response::<CreateCq>(&r).handle)
+}
+
+/// A small RC QP on `cq`, receiving from `srq` or from its own queue.
+fn rc_create(pd: u64, cq: u64, srq: Option<u64>) -> QpCreate {
+    QpCreate {
+        qp_type: QpType::Rc,
+        pd: PdHandle::from_raw(pd),
+        send_cq: CqHandle::from_raw(cq),
+        recv_cq: CqHandle::from_raw(cq),
+        srq: srq.map(SrqHandle::from_raw),
+        caps: QpCaps {
+            max_send_wr: 4,
+            max_recv_wr: if srq.is_some() { 0 } else { 4 },
+            max_send_sge: 1,
+            max_recv_sge: if srq.is_some() { 0 } else { 1 },
+            max_inline_data: 0,
+        },
+        sq_sig_all: false,
+        port: None,
+    }
+}
+
 fn query_state(w: &World, qp: u64) -> QpState {
     let r = w.call_in_dpc::<QueryQp>(KERNEL, qp, &Empty, 0);
     let resp = response::<QueryQp>(&r);
@@ -459,15 +484,7 @@ fn a_responder_access_error_moves_the_cached_state_to_err_and_reaches_the_client
     let w = World::deterministic(61);
     let client = Arc::new(Client::default());
     let hca = w.hca();
-    let ca = hca.open_ca(Some(client.clone())).unwrap();
-    let r = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
-    let pd = response::<AllocPd>(&r).handle;
-    let attr = CqAttr {
-        cqe: 64,
-        comp_vector: 0,
-    };
-    let r = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
-    let cq = response::<CreateCq>(&r).handle;
+    let (ca, pd, cq) = open_pd_cq(&w, client.clone());
     let create = SrqCreate {
         pd: PdHandle::from_raw(pd),
         attr: SrqAttr {
@@ -478,22 +495,7 @@ fn a_responder_access_error_moves_the_cached_state_to_err_and_reaches_the_client
     };
     let r = w.call_in_dpc::<CreateSrq>(KERNEL, ca, &create, 0);
     let srq = response::<CreateSrq>(&r).handle;
-    let qp = |srq: Option<u64>| QpCreate {
-        qp_type: QpType::Rc,
-        pd: PdHandle::from_raw(pd),
-        send_cq: CqHandle::from_raw(cq),
-        recv_cq: CqHandle::from_raw(cq),
-        srq: srq.map(SrqHandle::from_raw),
-        caps: QpCaps {
-            max_send_wr: 4,
-            max_recv_wr: if srq.is_some() { 0 } else { 4 },
-            max_send_sge: 1,
-            max_recv_sge: if srq.is_some() { 0 } else { 1 },
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    };
+    let qp = |srq: Option<u64>| rc_create(pd, cq, srq);
     let (_, a, ca_out) = create_qp(&w, ca, &qp(None));
     let (_, b, cb_out) = create_qp(&w, ca, &qp(Some(srq)));
     let (qpn_a, qpn_b) = (ca_out.unwrap().qpn.get(), cb_out.unwrap().qpn.get());
@@ -569,31 +571,8 @@ fn an_err_event_during_an_outstanding_modify_is_not_overwritten_by_its_completio
     let w = World::deterministic(62);
     let client = Arc::new(Client::default());
     let hca = w.hca();
-    let ca = hca.open_ca(Some(client.clone())).unwrap();
-    let r = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
-    let pd = response::<AllocPd>(&r).handle;
-    let attr = CqAttr {
-        cqe: 64,
-        comp_vector: 0,
-    };
-    let r = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
-    let cq = response::<CreateCq>(&r).handle;
-    let create = QpCreate {
-        qp_type: QpType::Rc,
-        pd: PdHandle::from_raw(pd),
-        send_cq: CqHandle::from_raw(cq),
-        recv_cq: CqHandle::from_raw(cq),
-        srq: None,
-        caps: QpCaps {
-            max_send_wr: 4,
-            max_recv_wr: 4,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    };
+    let (ca, pd, cq) = open_pd_cq(&w, client.clone());
+    let create = rc_create(pd, cq, None);
     let (_, a, a_out) = create_qp(&w, ca, &create);
     let (_, b, b_out) = create_qp(&w, ca, &create);
     let (qpn_a, qpn_b) = (a_out.unwrap().qpn.get(), b_out.unwrap().qpn.get());
@@ -702,22 +681,7 @@ fn a_late_srq_completion_never_reaches_a_reused_srq_number() {
             srq_limit: 0,
         },
     };
-    let qp = |cq: u64, srq: Option<u64>| QpCreate {
-        qp_type: QpType::Rc,
-        pd: PdHandle::from_raw(pd),
-        send_cq: CqHandle::from_raw(cq),
-        recv_cq: CqHandle::from_raw(cq),
-        srq: srq.map(SrqHandle::from_raw),
-        caps: QpCaps {
-            max_send_wr: 4,
-            max_recv_wr: if srq.is_some() { 0 } else { 4 },
-            max_send_sge: 1,
-            max_recv_sge: if srq.is_some() { 0 } else { 1 },
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    };
+    let qp = |cq: u64, srq: Option<u64>| rc_create(pd, cq, srq);
     let a_mem = Mem::new(&w, pd);
     let b_mem = Mem::new(&w, pd);
     let recv = |wr_id: u64, at: usize| RecvWr {

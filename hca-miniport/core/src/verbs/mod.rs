@@ -81,6 +81,7 @@ pub mod fatal;
 pub mod mad;
 pub mod mcast;
 pub mod mw;
+mod objects;
 pub mod pd;
 pub mod qp;
 pub mod region;

@@ -329,11 +329,34 @@ pub(super) struct Control {
     pub(super) err_while_modifying: bool,
 }
 
+impl Control {
+    /// The control state of a QP being created, holding its MTT entries.
+    fn creating(mtt: EntryRange) -> Self {
+        Self {
+            life: Life::Creating,
+            err_while_modifying: false,
+            state: QpState::Reset,
+            attr: QpModify::default(),
+            mtt: Some(mtt),
+        }
+    }
+}
+
 /// The send ring, under its own lock (PRM 10.2).
 pub(super) struct SendRing<B> {
     pub(super) ring: Option<B>,
     /// Basic blocks posted (the doorbell's producer counter).
     pub(super) producer: u32,
+}
+
+impl<B> SendRing<B> {
+    /// No ring yet, nothing posted.
+    fn empty() -> Self {
+        Self {
+            ring: None,
+            producer: 0,
+        }
+    }
 }
 
 /// The receive ring and its doorbell record, under their own lock (PRM
@@ -343,6 +366,17 @@ pub(super) struct RecvRing<B> {
     pub(super) dbr: Option<B>,
     /// Receive WQEs posted.
     pub(super) producer: u32,
+}
+
+impl<B> RecvRing<B> {
+    /// No ring or doorbell record yet, nothing posted.
+    fn empty() -> Self {
+        Self {
+            ring: None,
+            dbr: None,
+            producer: 0,
+        }
+    }
 }
 
 /// The poll side's view of a QP's rings, apart from the rings' locks so
@@ -565,22 +599,9 @@ impl<P: Platform> Qp<P> {
             mcast: AtomicU32::new(0),
             state: AtomicU8::new(QpState::Reset.code()),
             closing: AtomicBool::new(false),
-            control: SpinLock::<P, _>::new(Control {
-                life: Life::Creating,
-                err_while_modifying: false,
-                state: QpState::Reset,
-                attr: QpModify::default(),
-                mtt: Some(mtt),
-            }),
-            sq: SpinLock::<P, _>::new(SendRing {
-                ring: None,
-                producer: 0,
-            }),
-            rq: SpinLock::<P, _>::new(RecvRing {
-                ring: None,
-                dbr: None,
-                producer: 0,
-            }),
+            control: SpinLock::<P, _>::new(Control::creating(mtt)),
+            sq: SpinLock::<P, _>::new(SendRing::empty()),
+            rq: SpinLock::<P, _>::new(RecvRing::empty()),
             // User QPs are not re-created from kernel state on D0 entry
             // (`verbs::restore`).
             create_port: 0,
@@ -711,16 +732,7 @@ fn merge(cache: &mut QpModify, m: &QpModify) {
 impl<P: Platform> Hca<P> {
     /// The live QP behind a raw handle, for a request of `mode`.
     pub(crate) fn find_qp(&self, raw: u64, mode: RequestorMode) -> Result<Arc<Qp<P>>, IbStatus> {
-        self.with_objects(|o| {
-            if !Self::ca_visible(o, mode) {
-                return Err(IbStatus::InvalidQpHandle);
-            }
-            o.qps
-                .objects()
-                .get(Handle::<kind::Qp>::from_raw(raw))
-                .cloned()
-                .ok_or(IbStatus::InvalidQpHandle)
-        })?
+        self.find_object::<kind::Qp>(raw, mode)
     }
 
     /// Takes the uses a QP holds: its PD, both CQs and its SRQ if any.
@@ -928,22 +940,9 @@ where
                     mcast: AtomicU32::new(0),
                     state: AtomicU8::new(QpState::Reset.code()),
                     closing: AtomicBool::new(false),
-                    control: SpinLock::<P, _>::new(Control {
-                        life: Life::Creating,
-                        err_while_modifying: false,
-                        state: QpState::Reset,
-                        attr: QpModify::default(),
-                        mtt: Some(mtt),
-                    }),
-                    sq: SpinLock::<P, _>::new(SendRing {
-                        ring: None,
-                        producer: 0,
-                    }),
-                    rq: SpinLock::<P, _>::new(RecvRing {
-                        ring: None,
-                        dbr: None,
-                        producer: 0,
-                    }),
+                    control: SpinLock::<P, _>::new(Control::creating(mtt)),
+                    sq: SpinLock::<P, _>::new(SendRing::empty()),
+                    rq: SpinLock::<P, _>::new(RecvRing::empty()),
                     create_port: port,
                     done: Completions::new(1 << geometry.sq_log_bbs, 1 << geometry.rq_log_entries),
                 })

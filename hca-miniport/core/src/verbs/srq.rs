@@ -213,15 +213,7 @@ impl<P: Platform> Srq<P> {
 impl<P: Platform> Hca<P> {
     /// The live SRQ behind a raw handle, for a request of `mode`.
     fn find_srq(&self, raw: u64, mode: RequestorMode) -> Result<Arc<Srq<P>>, IbStatus> {
-        self.with_objects(|o| {
-            if !Self::ca_visible(o, mode) {
-                return Err(IbStatus::InvalidSrqHandle);
-            }
-            o.srqs
-                .get(Handle::<kind::Srq>::from_raw(raw))
-                .cloned()
-                .ok_or(IbStatus::InvalidSrqHandle)
-        })?
+        self.find_object::<kind::Srq>(raw, mode)
     }
 
     /// Records that a QP receives from the SRQ `srq` (raw handle); destroy
@@ -231,24 +223,13 @@ impl<P: Platform> Hca<P> {
     /// The SRQ number the QP context needs is the handle's number
     /// (`resources::Handle::number`, the low 24 bits).
     pub fn reference_srq(&self, srq: u64) -> Result<u32, IbStatus> {
-        self.with_objects(|o| {
-            let handle = Handle::<kind::Srq>::from_raw(srq);
-            let object = o.srqs.get(handle).ok_or(IbStatus::InvalidSrqHandle)?;
-            if object.ring.lock().life != Life::Live {
-                return Err(IbStatus::InvalidState);
-            }
-            o.srqs.acquire(handle).map_err(IbStatus::from)
-        })?
+        self.reference_object::<kind::Srq>(srq)
     }
 
     /// Drops a use recorded by [`reference_srq`](Self::reference_srq);
     /// returns the new use count.
     pub fn release_srq(&self, srq: u64) -> Result<u32, IbStatus> {
-        self.with_objects(|o| {
-            o.srqs
-                .release(Handle::<kind::Srq>::from_raw(srq))
-                .map_err(IbStatus::from)
-        })?
+        self.release_object::<kind::Srq>(srq)
     }
 
     /// Posts receive WRs to the SRQ `srq` (a kernel client's handle), in
