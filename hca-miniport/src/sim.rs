@@ -30,9 +30,13 @@
 //!   it still runs, disconnects the ISR, drops the adapter, and flushes the
 //!   DPC, work item and timer (`DeviceDeferred::flush`), so that nothing of
 //!   the driver runs after it unloads.
-//! - `io_request` (`EvtIoDeviceControl` of the power-managed queue): every
-//!   request goes to `Hca::submit_request` (the verbs decode the code; an
-//!   unknown one is `STATUS_INVALID_DEVICE_REQUEST`).
+//! - `io_request` (`EvtIoInCallerContext` + `EvtIoDeviceControl` of the
+//!   power-managed queue): a user-mode request that carries its issuing
+//!   process (`HostRequest::process`) and arrives at PASSIVE_LEVEL goes to
+//!   `Hca::submit_user_request` with that process as its caller
+//!   (`HostCaller`); every other request goes to `Hca::submit_request`
+//!   (the verbs decode the code; an unknown one is
+//!   `STATUS_INVALID_DEVICE_REQUEST`).
 //! - `query_interface` (`WdfDeviceAddQueryInterface`): answers
 //!   `GUID_IB_CI_INTERFACE` at any version the provider satisfies with
 //!   the [`CiProvider`] itself, an `Arc<CiProvider<P>>` in the host's
@@ -48,7 +52,7 @@ use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use driver_platform::{DevicePowerState, Platform, Request};
+use driver_platform::{DevicePowerState, Irql, Platform, Request, RequestorMode};
 use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use hca_miniport_core::hca::{Hca, HcaResources};
@@ -56,13 +60,14 @@ use hca_miniport_core::init::{BringUpReport, HcaConfig, InitError};
 use ib_types::interface::{GUID_IB_CI_INTERFACE, InterfaceVersion, WinGuid};
 use ib_types::scalars::{PortNum, Qpn};
 use ib_types::status::NtStatus;
+use sim_host::caller::HostCaller;
 use sim_host::dma::{HostDmaAdapter, HostLocker};
 use sim_host::driver::{
     DeviceCallbacks, DeviceInit, DriverEntry, Forward, NO_SUCH_DEVICE, ProvidedInterface, SUCCESS,
     UNSUCCESSFUL,
 };
 use sim_host::host::Host;
-use sim_host::memory::AddressSpace;
+use sim_host::memory::{AddressSpace, Process};
 use sim_host::pci::PciFunction;
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::{DevNodeId, DeviceServices};
@@ -82,16 +87,25 @@ pub trait ShellPlatform:
         Locker = HostLocker,
     >
 {
+    /// The caller of a user-mode request issued by `process` (its memory
+    /// locked with kernel memory in `kernel` beside it).
+    fn caller(kernel: &AddressSpace, process: &Process) -> Self::Caller;
 }
 
-impl<P> ShellPlatform for P where
+impl<P, M> ShellPlatform for P
+where
     P: Platform<
             Dma = HostDmaAdapter,
             Deferred = DeviceDeferred,
             Request = HostRequest,
             Locker = HostLocker,
-        >
+            Mmio = M,
+            Caller = HostCaller<M>,
+        >,
 {
+    fn caller(kernel: &AddressSpace, process: &Process) -> HostCaller<M> {
+        HostCaller::new(kernel, process)
+    }
 }
 
 /// Builds BAR0 as the platform presents it from the PCI function.
@@ -454,9 +468,23 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
     }
 
     fn io_request(&self, _lower: &dyn Forward, req: HostRequest) {
-        match self.hca() {
-            Some(hca) => hca.submit_request(req),
-            None => req.complete(NO_SUCH_DEVICE, 0),
+        let Some(hca) = self.hca() else {
+            return req.complete(NO_SUCH_DEVICE, 0);
+        };
+        // `EvtIoInCallerContext`: a user-mode request that carries its
+        // process, arriving at PASSIVE_LEVEL in the issuing thread, goes to
+        // the user path with that process as its caller. Anything else
+        // (kernel requests, or a user request without its process, which
+        // then reaches no user object) takes the kernel path.
+        let caller = match (req.requestor_mode(), req.process()) {
+            (RequestorMode::User, Some(process)) if sim_host::irql::current() == Irql::PASSIVE => {
+                Some(P::caller(&self.kernel_space, process))
+            }
+            _ => None,
+        };
+        match caller {
+            Some(caller) => hca.submit_user_request(req, caller),
+            None => hca.submit_request(req),
         }
     }
 

@@ -442,6 +442,98 @@ fn check_offset(field: &'static str, offset: u16, expected: u64) -> Result<(), A
 }
 
 // ---------------------------------------------------------------------------
+// ResizeCq
+// ---------------------------------------------------------------------------
+
+/// `ResizeCq` private input: the new ring of a user CQ in the caller's
+/// memory (the consumer record stays where `CreateCq` put it; the device
+/// writes 0 to it when it switches, PRM 6.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ResizeCqPriv {
+    /// `log2` of the new ring's CQEs.
+    pub log_entries: u8,
+    /// The new ring (64-byte aligned, zero-filled by the UVP).
+    pub ring: UserRange,
+}
+
+/// ABI layout of [`ResizeCqPriv`]: 24 bytes.
+#[derive(Debug, Clone, Copy, Default, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+pub struct ResizeCqPrivAbi {
+    /// New ring user VA.
+    pub ring_va: Le64,
+    /// New ring bytes: `32 << log_entries`.
+    pub ring_bytes: Le64,
+    /// `log2` of the entries.
+    pub log_entries: u8,
+    /// Reserved, zero.
+    pub reserved_at_0x11: [u8; 7],
+}
+
+assert_layout!(ResizeCqPrivAbi, size = 24, ring_va @ 0x00, ring_bytes @ 0x08,
+    log_entries @ 0x10, reserved_at_0x11 @ 0x11);
+
+impl ResizeCqPriv {
+    /// Bytes of the record.
+    pub const SIZE: usize = core::mem::size_of::<ResizeCqPrivAbi>();
+
+    /// A new ring of `2^log_entries` CQEs at `ring_va` (the UVP's side;
+    /// checked as the kernel will).
+    pub fn new(log_entries: u8, ring_va: u64) -> Result<Self, AbiError> {
+        let bytes = ring_bytes(
+            "ResizeCqPrivAbi.log_entries",
+            u32::from(log_entries) + u32::from(CQE_LOG_STRIDE),
+        )?;
+        let abi = ResizeCqPrivAbi {
+            ring_va: Le64::new(ring_va),
+            ring_bytes: Le64::new(bytes),
+            log_entries,
+            reserved_at_0x11: [0; 7],
+        };
+        Self::parse(abi.as_bytes())
+    }
+
+    /// Parses and checks the record (the kernel's side; hostile bytes).
+    /// That the new ring does not overlap the CQ's consumer record (or
+    /// anything else the kernel pinned) is the kernel's to check.
+    pub fn parse(bytes: &[u8]) -> Result<Self, AbiError> {
+        let abi: ResizeCqPrivAbi = read_exact("ResizeCqPrivAbi", bytes)?;
+        ensure_zero("ResizeCqPrivAbi.reserved_at_0x11", &abi.reserved_at_0x11)?;
+        let expected = ring_bytes(
+            "ResizeCqPrivAbi.log_entries",
+            u32::from(abi.log_entries) + u32::from(CQE_LOG_STRIDE),
+        )?;
+        if abi.ring_bytes.get() != expected {
+            return Err(AbiError::BadLength {
+                field: "ResizeCqPrivAbi.ring_bytes",
+                declared: abi.ring_bytes.get(),
+                available: expected,
+            });
+        }
+        let ring = UserRange::checked(
+            "ResizeCqPrivAbi.ring_va",
+            abi.ring_va.get(),
+            expected,
+            RING_ALIGN,
+        )?;
+        Ok(Self {
+            log_entries: abi.log_entries,
+            ring,
+        })
+    }
+
+    /// The layout.
+    pub fn emit(&self) -> ResizeCqPrivAbi {
+        ResizeCqPrivAbi {
+            ring_va: Le64::new(self.ring.va),
+            ring_bytes: Le64::new(self.ring.len),
+            log_entries: self.log_entries,
+            reserved_at_0x11: [0; 7],
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // CreateQp
 // ---------------------------------------------------------------------------
 
@@ -898,6 +990,34 @@ mod tests {
     }
 
     #[test]
+    fn resize_record_bytes_and_checks() {
+        let resize = ResizeCqPriv::new(5, 0x10_0000_4000).unwrap();
+        assert_eq!(resize.ring.len, 1024);
+        let bytes = resize.emit();
+        let raw = bytes.as_bytes();
+        assert_eq!(&raw[0..8], &0x10_0000_4000u64.to_le_bytes());
+        assert_eq!(&raw[8..16], &1024u64.to_le_bytes());
+        assert_eq!(raw[16], 5);
+        assert_eq!(ResizeCqPriv::parse(raw), Ok(resize));
+        // Misaligned, null, wrapping, a log too large, reserved bytes, a
+        // length that disagrees with the log, short and long records.
+        assert!(ResizeCqPriv::new(5, 0x10_0000_4020).is_err());
+        assert!(ResizeCqPriv::new(5, 0).is_err());
+        assert!(ResizeCqPriv::new(5, u64::MAX - 511).is_err());
+        assert!(ResizeCqPriv::new(27, PAGE).is_err());
+        let mut bad = bytes;
+        bad.reserved_at_0x11[6] = 1;
+        assert!(ResizeCqPriv::parse(bad.as_bytes()).is_err());
+        let mut bad = bytes;
+        bad.ring_bytes = Le64::new(512);
+        assert!(ResizeCqPriv::parse(bad.as_bytes()).is_err());
+        assert!(ResizeCqPriv::parse(&raw[..23]).is_err());
+        let mut long = raw.to_vec();
+        long.push(0);
+        assert!(ResizeCqPriv::parse(&long).is_err());
+    }
+
+    #[test]
     fn qp_record_bytes_and_checks() {
         let qp = CreateQpPriv::new(6, 1, 0x20_0000, Some((4, 5, 0x30_0000, 0x40_0000))).unwrap();
         let raw = qp.emit();
@@ -980,6 +1100,7 @@ mod tests {
             round_trips(&bytes, OpenCaPriv::parse, OpenCaPriv::emit);
             round_trips(&bytes, CreateCqPriv::parse, CreateCqPriv::emit);
             round_trips(&bytes, CreateCqPrivOut::parse, CreateCqPrivOut::emit);
+            round_trips(&bytes, ResizeCqPriv::parse, ResizeCqPriv::emit);
             round_trips(&bytes, CreateQpPriv::parse, CreateQpPriv::emit);
             round_trips(&bytes, CreateQpPrivOut::parse, CreateQpPrivOut::emit);
             round_trips(&bytes, CreateSrqPriv::parse, CreateSrqPriv::emit);
@@ -993,6 +1114,16 @@ mod tests {
             if let Ok(cq) = CreateCqPriv::new(log, ring_va, dbr_va) {
                 prop_assert!(!cq.ring.overlaps(&cq.dbr));
                 prop_assert_eq!(CreateCqPriv::parse(cq.emit().as_bytes()), Ok(cq));
+            }
+        }
+
+        #[test]
+        fn valid_resize_records_round_trip(log in 0u8..30, ring_va in any::<u64>()) {
+            if let Ok(resize) = ResizeCqPriv::new(log, ring_va) {
+                prop_assert_eq!(resize.ring.va % RING_ALIGN, 0);
+                prop_assert!(resize.ring.va.checked_add(resize.ring.len).is_some());
+                prop_assert_eq!(resize.ring.len, 32u64 << log);
+                prop_assert_eq!(ResizeCqPriv::parse(resize.emit().as_bytes()), Ok(resize));
             }
         }
 

@@ -31,6 +31,7 @@ use driver_platform::{Event, Request, RequestorMode};
 use ib_types::status::NtStatus;
 
 use crate::event::HostEvent;
+use crate::memory::Process;
 use crate::verifier::{Verifier, ViolationKind};
 
 /// How a request ended, as its issuer sees it.
@@ -122,6 +123,9 @@ pub struct HostRequest {
     completed: bool,
     /// Set once the issuer's completion is recorded.
     event: Option<HostEvent>,
+    /// The process of the thread that issued a user-mode request (what
+    /// WDF's `EvtIoInCallerContext` runs in), if the issuer gave it.
+    process: Option<Process>,
 }
 
 impl std::fmt::Debug for HostRequest {
@@ -156,8 +160,21 @@ impl HostRequest {
             owner: None,
             completed: false,
             event: None,
+            process: None,
         };
         (request, handle)
+    }
+
+    /// Records the process whose thread issued the request (a user-mode
+    /// request's caller: a driver reaches into that process only while it
+    /// serves the request in the caller's context).
+    pub fn set_process(&mut self, process: Process) {
+        self.process = Some(process);
+    }
+
+    /// The issuing process, if the issuer recorded it.
+    pub fn process(&self) -> Option<&Process> {
+        self.process.as_ref()
     }
 
     /// Records the driver that now owns the request.
@@ -292,6 +309,17 @@ mod tests {
         req.set_completion_event(event.clone());
         drop(req);
         assert!(event.is_set() && handle.was_abandoned());
+    }
+
+    #[test]
+    fn a_request_carries_the_process_that_issued_it() {
+        let v = Verifier::new();
+        let (mut req, handle) = HostRequest::new(&v, 0x3B_E000, RequestorMode::User, vec![], 0);
+        assert!(req.process().is_none());
+        req.set_process(Process::new(41));
+        assert_eq!(req.process().map(Process::pid), Some(41));
+        req.complete(NtStatus::from_raw(0), 0);
+        assert!(handle.is_done());
     }
 
     #[test]

@@ -976,9 +976,9 @@ fn bad_inputs_get_a_clear_status_and_change_nothing() {
     let pd = alloc_pd(&w, x, s.ca);
     let s = Setup { pd, ..s };
 
-    // A user-mode registration: without the caller's context (a DPC) it
-    // is refused; in the caller's context at PASSIVE_LEVEL it reaches the
-    // PD check, and a kernel CA's PD is invisible to user mode.
+    // A user-mode registration: without its caller (a DPC) it is
+    // refused; carrying its caller at PASSIVE_LEVEL it reaches the PD
+    // check, and a kernel CA's PD is invisible to user mode.
     let (request, issuer) = w.request::<RegMr>(RequestorMode::User, s.pd, &good, 0);
     let r = w.submit_in_dpc_at(x, request, issuer);
     assert_eq!(response::<RegMr>(&r).status, IbStatus::InvalidState);
@@ -988,26 +988,8 @@ fn bad_inputs_get_a_clear_status_and_change_nothing() {
         vaddr: user_va,
         ..good
     };
-    let (request, issuer) = w.request::<RegMr>(RequestorMode::User, s.pd, &user_input, 0);
-    {
-        let (hca, kernel, process) = (
-            w.hca_at(x),
-            w.host.pool().kernel_space().clone(),
-            process.clone(),
-        );
-        w.host
-            .scheduler_handle()
-            .queue_work_item(support::DRIVER, move || {
-                let locker = sim_host::dma::HostLocker::new(&kernel, Some(&process));
-                let context = hca_miniport_core::verbs::region::CallerContext {
-                    locker: &locker,
-                    irql: sim_host::irql::current(),
-                };
-                hca.submit_request_in_context(request, &context);
-            });
-    }
-    w.settle();
-    let r = issuer.completion().unwrap();
+    let caller = sim_host::caller::HostCaller::new(w.host.pool().kernel_space(), &process);
+    let r = w.user_call_at::<RegMr>(x, &caller, s.pd, &user_input, &[], 0);
     assert_eq!(response::<RegMr>(&r).status, IbStatus::InvalidPdHandle);
     assert_eq!(process.space().locked_pages(), 0);
 

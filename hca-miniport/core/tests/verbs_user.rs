@@ -1660,6 +1660,893 @@ fn close_waits_for_creates_in_flight_and_user_objects_need_the_caller() {
     w.finish();
 }
 
+/// Sends `V` down HCA `U`'s device stack (the IOCTL path through the
+/// shell's `io_request`) from the test thread at PASSIVE_LEVEL, as a
+/// user-mode request of `process` when one is given; returns the
+/// completion.
+fn through_stack<V: Verb>(
+    w: &World,
+    process: Option<&Process>,
+    handle: u64,
+    input: &V::In,
+) -> sim_host::request::Completion {
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<V>(0).unwrap()];
+    ib_types::ioctl::encode_request::<V>(handle, input, &[], 64, &mut bytes).unwrap();
+    let (mut request, issuer) = w.raw_request(
+        V::ID.ioctl().raw(),
+        RequestorMode::User,
+        bytes,
+        ib_types::ioctl::response_len::<V>(64).unwrap(),
+    );
+    if let Some(process) = process {
+        request.set_process(process.clone());
+    }
+    w.host.pnp().send_request(w.device_at(U).node(), request);
+    w.settle();
+    issuer.completion().expect("the request completed")
+}
+
+#[test]
+fn user_requests_through_the_device_stack_reach_the_user_path_in_their_callers_context() {
+    let (w, _) = two_hcas(78);
+    let process = Process::new(23);
+    // Without its process a user OpenCa has nothing to map into: the
+    // kernel path refuses it.
+    let c = through_stack::<OpenCa>(&w, None, 0, &OpenCaIn::CURRENT);
+    assert_eq!(status_of::<OpenCa>(&c), IbStatus::Unsupported);
+    assert_eq!(process.space().device_mapping_count(), 0);
+
+    // With it: a context whose doorbell page is mapped into that process.
+    let c = through_stack::<OpenCa>(&w, Some(&process), 0, &OpenCaIn::CURRENT);
+    let r = response::<OpenCa>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let ca = r.handle;
+    let doorbell = r.output.unwrap().doorbell.unwrap();
+    assert_eq!(process.space().device_mapping_count(), 1);
+    assert_ne!(doorbell.va, 0);
+
+    // A PD, and a region of the process's memory locked in its space.
+    let c = through_stack::<AllocPd>(&w, Some(&process), ca, &Empty);
+    let pd = response::<AllocPd>(&c).handle;
+    let va = process.alloc(2 * 4096).unwrap();
+    let input = ib_types::mr::MrRegister {
+        vaddr: va,
+        length: 2 * 4096,
+        access: AccessFlags::LOCAL_WRITE,
+    };
+    let c = through_stack::<ib_types::ioctl::RegMr>(&w, Some(&process), pd, &input);
+    assert_eq!(status_of::<ib_types::ioctl::RegMr>(&c), IbStatus::Success);
+    assert_eq!(process.space().locked_pages(), 2);
+
+    // Another process naming the context's objects is refused.
+    let other = Process::new(24);
+    let c = through_stack::<AllocPd>(&w, Some(&other), ca, &Empty);
+    assert_eq!(status_of::<AllocPd>(&c), IbStatus::InvalidCaHandle);
+
+    // Close through the stack: the doorbell unmapped, the pages unlocked.
+    let c = through_stack::<CloseCa>(&w, Some(&process), ca, &Empty);
+    assert_eq!(status_of::<CloseCa>(&c), IbStatus::Success);
+    assert_eq!(process.space().device_mapping_count(), 0);
+    assert_eq!(process.space().locked_pages(), 0);
+    assert_eq!(process.exit(), 0);
+    w.finish();
+}
+
+/// A user ResizeCq request of `cq` to `2^log` CQEs with its new ring at
+/// `ring` (private bytes `private` if given, else the valid record).
+fn resize_request(
+    w: &World,
+    uvp: &Uvp,
+    cq: u64,
+    cqe: u32,
+    private: &[u8],
+) -> (
+    sim_host::request::HostRequest,
+    sim_host::request::RequestHandle,
+) {
+    use ib_types::ioctl::ResizeCq;
+    let attr = CqAttr {
+        cqe,
+        comp_vector: 0,
+    };
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<ResizeCq>(private.len()).unwrap()];
+    ib_types::ioctl::encode_request::<ResizeCq>(cq, &attr, private, 0, &mut bytes).unwrap();
+    let _ = uvp;
+    w.raw_request(
+        ResizeCq::ID.ioctl().raw(),
+        RequestorMode::User,
+        bytes,
+        ib_types::ioctl::response_len::<ResizeCq>(0).unwrap(),
+    )
+}
+
+/// Resizes a user CQ synchronously; on success the test-side CQ moves to
+/// the new ring, polled from 0 (PRM 6.2).
+fn resize(w: &World, uvp: &Uvp, cq: &mut UserCq, log: u8) -> IbStatus {
+    use ib_types::ioctl::ResizeCq;
+    let ring = uvp.process().alloc(32 << log).unwrap();
+    let layout = hca_prm::uverbs::ResizeCqPriv::new(log, ring).unwrap();
+    let c = uvp.call::<ResizeCq>(
+        w,
+        cq.handle,
+        &CqAttr {
+            cqe: 1 << log,
+            comp_vector: 0,
+        },
+        layout.emit().as_bytes(),
+    );
+    let r = response::<ResizeCq>(&c);
+    if r.status == IbStatus::Success {
+        assert_eq!(r.output.unwrap().cqe, 1 << log);
+        cq.ring = ring;
+        cq.log = log;
+        cq.consumer = 0;
+    }
+    r.status
+}
+
+#[test]
+fn a_user_cq_resized_under_traffic_loses_no_completion_and_a_failed_resize_keeps_the_old_ring() {
+    let (w, ips) = two_hcas(79);
+    let uvp = Uvp::open(&w, 31);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 3);
+    let mut qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
+    let k = Kernel::new(&w, QpType::Rc);
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+    let buf = uvp.process().alloc(8 * 512).unwrap();
+    let region = uvp.register(&w, pd, buf, 8 * 512);
+    // Message `n` is `100 + n` bytes: a completion's length names it.
+    let mut sent = 0u32;
+    let mut received: Vec<u32> = Vec::new();
+    let post_receives = |uvp: &Uvp, qp: &mut UserQp, count: u32| {
+        for _ in 0..count {
+            let slot = u64::from(qp.rq_producer & 7) * 512;
+            uvp.post_recv(qp, &[Sge::new(buf + slot, 512, region.lkey)]);
+        }
+    };
+    // The kernel side polls its send completions as it goes (its send
+    // queue holds 8).
+    let send = |w: &World, k: &Kernel, count: u32, sent: &mut u32| {
+        for _ in 0..count {
+            let len = 100 + *sent;
+            k.write(0, &pattern(*sent as u8, len as usize));
+            k.post_send(w, u64::from(*sent), vec![k.sge(0, len)]);
+            let done = k.poll(w);
+            assert_eq!(done.len(), 1);
+            assert_eq!(
+                (done[0].wr_id, done[0].status),
+                (u64::from(*sent), WcStatus::Success)
+            );
+            *sent += 1;
+        }
+    };
+    let take = |cqes: Vec<Cqe>, received: &mut Vec<u32>| {
+        for cqe in cqes {
+            let wc = cqe.to_work_completion(0).unwrap();
+            assert_eq!(wc.status, WcStatus::Success);
+            received.push(wc.byte_len - 100);
+        }
+    };
+
+    // Six messages; the UVP takes two and leaves four in the 8-entry ring
+    // (its consumer record says 2).
+    post_receives(&uvp, &mut qp, 6);
+    send(&w, &k, 6, &mut sent);
+    let mut first = uvp.poll(&mut cq);
+    assert_eq!(first.len(), 6);
+    first.truncate(2);
+    take(first, &mut received);
+    cq.consumer = 2;
+    uvp.process()
+        .write(cq.dbr, DoorbellRecord::new(2).as_bytes())
+        .unwrap();
+
+    // A resize to 2 entries cannot hold the four outstanding: refused,
+    // nothing pinned or taken for it, and the old ring still in use: the
+    // four and a seventh message are polled from it.
+    let locked = uvp.process().space().locked_pages();
+    let usage = w.hca_at(U).memory_translation().unwrap().usage();
+    assert_eq!(resize(&w, &uvp, &mut cq, 1), IbStatus::InvalidCqSize);
+    assert_eq!(uvp.process().space().locked_pages(), locked);
+    assert_eq!(w.hca_at(U).memory_translation().unwrap().usage(), usage);
+    assert_eq!(cq.log, 3);
+    post_receives(&uvp, &mut qp, 1);
+    send(&w, &k, 1, &mut sent);
+    take(uvp.poll(&mut cq), &mut received);
+    assert_eq!(received, (0..7).collect::<Vec<_>>());
+
+    // Two more left in the old ring, unpolled.
+    post_receives(&uvp, &mut qp, 2);
+    send(&w, &k, 2, &mut sent);
+
+    // Grow to 32 while two more messages are in flight: the resize
+    // request's commands and the sends' completions race in one run of
+    // the machine. The UVP does not poll until its request is answered.
+    post_receives(&uvp, &mut qp, 2);
+    let new_ring = uvp.process().alloc(32 << 5).unwrap();
+    let layout = hca_prm::uverbs::ResizeCqPriv::new(5, new_ring).unwrap();
+    let (request, issuer) = resize_request(&w, &uvp, cq.handle, 32, layout.emit().as_bytes());
+    for n in 0..2u32 {
+        let len = 100 + sent + n;
+        k.write(
+            4096 + (n as usize) * 1024,
+            &pattern((sent + n) as u8, len as usize),
+        );
+    }
+    {
+        let (hca, sink, kqp, base, lkey, start) = (
+            w.hca_at(K),
+            Arc::new(Mutex::new(Vec::new())),
+            k.qp,
+            k.region.start() + 4096,
+            k.region.lkey(),
+            sent,
+        );
+        let sink2 = sink.clone();
+        w.in_dpc(move || {
+            for n in 0..2u32 {
+                let sges = [Sge::new(base + u64::from(n) * 1024, 100 + start + n, lkey)];
+                let wr = SendWr {
+                    wr_id: u64::from(start + n),
+                    op: SendOp::Send,
+                    flags: SendFlags::SIGNALED,
+                    sg_list: &sges,
+                    ud: None,
+                };
+                let requests = [SendRequest {
+                    wr,
+                    av: None,
+                    inline: None,
+                }];
+                support::lock(&sink2).push(hca.post_send(kqp, &requests));
+            }
+        });
+        w.hca_at(U).submit_user_request(request, uvp.caller.clone());
+        assert!(!issuer.is_done(), "the device has not answered yet");
+        // A close meanwhile is refused: the resize is under way.
+        let mut bytes = vec![0; ib_types::ioctl::request_len::<CloseCa>(0).unwrap()];
+        ib_types::ioctl::encode_request::<CloseCa>(uvp.ca, &Empty, &[], 0, &mut bytes).unwrap();
+        let (close, closing) = w.raw_request(
+            CloseCa::ID.ioctl().raw(),
+            RequestorMode::User,
+            bytes,
+            ib_types::ioctl::response_len::<CloseCa>(0).unwrap(),
+        );
+        w.hca_at(U).submit_user_request(close, uvp.caller.clone());
+        assert_eq!(
+            status_of::<CloseCa>(&closing.completion().unwrap()),
+            IbStatus::ResourceBusy
+        );
+        w.settle();
+        assert_eq!(
+            *support::lock(&sink),
+            vec![(1, IbStatus::Success), (1, IbStatus::Success)]
+        );
+    }
+    sent += 2;
+    assert_eq!(k.poll(&w).len(), 2);
+    let r = issuer.completion().unwrap();
+    assert_eq!(
+        response::<ib_types::ioctl::ResizeCq>(&r).status,
+        IbStatus::Success
+    );
+    cq.ring = new_ring;
+    cq.log = 5;
+    cq.consumer = 0;
+    // The new ring holds the two left behind and the two sent meanwhile,
+    // in order; none lost, none twice.
+    take(uvp.poll(&mut cq), &mut received);
+    assert_eq!(received, (0..11).collect::<Vec<_>>());
+    let c = uvp.call::<QueryCq>(&w, cq.handle, &Empty, &[]);
+    assert_eq!(response::<QueryCq>(&c).output.unwrap().cqe, 32);
+
+    // Traffic continues into the new ring beyond the old ring's size.
+    for _ in 0..2 {
+        post_receives(&uvp, &mut qp, 8);
+        send(&w, &k, 8, &mut sent);
+    }
+    take(uvp.poll(&mut cq), &mut received);
+    assert_eq!(received, (0..sent).collect::<Vec<_>>());
+    // Each message's bytes arrived (the last one checked).
+    let last = sent - 1;
+    let mut got = vec![0; (100 + last) as usize];
+    let slot = u64::from((qp.rq_producer - 1) & 7) * 512;
+    uvp.process().read(buf + slot, &mut got).unwrap();
+    assert_eq!(got, pattern(last as u8, (100 + last) as usize));
+
+    // Shrinking back to 8 with nothing outstanding works too.
+    assert_eq!(resize(&w, &uvp, &mut cq, 3), IbStatus::Success);
+    post_receives(&uvp, &mut qp, 3);
+    send(&w, &k, 3, &mut sent);
+    take(uvp.poll(&mut cq), &mut received);
+    assert_eq!(received, (0..sent).collect::<Vec<_>>());
+
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    k.finish(&w);
+    w.finish();
+}
+
+/// The kernel client RDMA-writes `bytes` (staged at offset 0 of its
+/// buffer) to `addr` through `rkey`; returns its completion's status.
+fn kernel_rdma_write(
+    w: &World,
+    k: &Kernel,
+    wr_id: u64,
+    bytes: &[u8],
+    addr: u64,
+    rkey: ib_types::wr::RKey,
+) -> WcStatus {
+    k.write(0, bytes);
+    let out = Arc::new(Mutex::new(None));
+    let (hca, sink, qp, sge) = (w.hca_at(K), out.clone(), k.qp, k.sge(0, bytes.len() as u32));
+    w.in_dpc(move || {
+        let sges = [sge];
+        let wr = SendWr {
+            wr_id,
+            op: SendOp::RdmaWrite {
+                remote: ib_types::wr::RemoteAddr { addr, rkey },
+            },
+            flags: SendFlags::SIGNALED,
+            sg_list: &sges,
+            ud: None,
+        };
+        let requests = [SendRequest {
+            wr,
+            av: None,
+            inline: None,
+        }];
+        *support::lock(&sink) = Some(hca.post_send(qp, &requests));
+    });
+    w.settle();
+    assert_eq!(support::lock(&out).take(), Some((1, IbStatus::Success)));
+    let wcs = k.poll(w);
+    assert_eq!(wcs.len(), 1);
+    assert_eq!(wcs[0].wr_id, wr_id);
+    wcs[0].status
+}
+
+#[test]
+fn user_windows_bound_by_user_wqes_rereg_and_shared_regions_work_and_old_keys_are_refused() {
+    use ib_types::ioctl::{AllocMw, DeallocMw, DeregMr, QueryMw, RegSharedMr, ReregMr};
+    use ib_types::mr::{MrRereg, MrShare, MwAttr, MwType};
+    use ib_types::wr::{MwBind, RKey};
+    let (w, ips) = two_hcas(80);
+    let uvp = Uvp::open(&w, 41);
+    let other = Uvp::open(&w, 42);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 4);
+    let mut qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
+    let k = Kernel::new(&w, QpType::Rc);
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+
+    // Region A allows binding; a type 2 window in the same PD.
+    let a_buf = uvp.process().alloc(8192).unwrap();
+    let input = ib_types::mr::MrRegister {
+        vaddr: a_buf,
+        length: 8192,
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+    };
+    let c = uvp.call::<ib_types::ioctl::RegMr>(&w, pd, &input, &[]);
+    let r = response::<ib_types::ioctl::RegMr>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let (a_mr, a_keys) = (r.handle, r.output.unwrap());
+    let attr = MwAttr {
+        mw_type: MwType::Type2,
+        rkey: RKey::new(0),
+    };
+    let c = uvp.call::<AllocMw>(&w, pd, &attr, &[]);
+    let r = response::<AllocMw>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let (mw, first_rkey) = (r.handle, r.output.unwrap().rkey);
+    let c = uvp.call::<QueryMw>(&w, mw, &Empty, &[]);
+    let q = response::<QueryMw>(&c).output.unwrap();
+    assert_eq!((q.pd.raw(), q.attr.rkey), (pd, first_rkey));
+    // Not another process's to query, free, or allocate in.
+    let c = other.call::<QueryMw>(&w, mw, &Empty, &[]);
+    assert_eq!(status_of::<QueryMw>(&c), IbStatus::InvalidMwHandle);
+    let c = other.call::<DeallocMw>(&w, mw, &Empty, &[]);
+    assert_eq!(status_of::<DeallocMw>(&c), IbStatus::InvalidMwHandle);
+    let c = other.call::<AllocMw>(&w, pd, &attr, &[]);
+    assert_eq!(status_of::<AllocMw>(&c), IbStatus::InvalidPdHandle);
+
+    // The UVP binds it with a WQE of its own over A[1024, 3072) with a
+    // new tag, and rings its own doorbell.
+    let raw = first_rkey.get();
+    let bound_rkey = RKey::new((raw & !0xFF) | (raw.wrapping_add(1) & 0xFF));
+    let wr = SendWr {
+        wr_id: 0,
+        op: SendOp::BindMw {
+            mw: ib_types::handle::MwHandle::from_raw(mw),
+            rkey: bound_rkey,
+            bind: MwBind {
+                mr_lkey: a_keys.lkey,
+                addr: a_buf + 1024,
+                length: 2048,
+                access: AccessFlags::REMOTE_WRITE,
+            },
+        },
+        flags: SendFlags::SIGNALED,
+        sg_list: &[],
+        ud: None,
+    };
+    let qpn = qp.qpn;
+    uvp.post_send(&mut qp, &wr, None, qpn);
+    w.settle();
+    let cqes = uvp.poll(&mut cq);
+    assert_eq!(cqes.len(), 1);
+    assert_eq!(
+        cqes[0].to_work_completion(0).unwrap().status,
+        WcStatus::Success
+    );
+    let c = uvp.call::<QueryMw>(&w, mw, &Empty, &[]);
+    assert_eq!(
+        response::<QueryMw>(&c).output.unwrap().attr.rkey,
+        bound_rkey
+    );
+
+    // The peer writes through the window's key; the bytes land in A.
+    let data = pattern(9, 2000);
+    assert_eq!(
+        kernel_rdma_write(&w, &k, 1, &data, a_buf + 1024, bound_rkey),
+        WcStatus::Success
+    );
+    let mut got = vec![0; 2000];
+    uvp.process().read(a_buf + 1024, &mut got).unwrap();
+    assert_eq!(got, data);
+    // A region with a window bound is not deregistered.
+    let c = uvp.call::<DeregMr>(&w, a_mr, &Empty, &[]);
+    assert_eq!(status_of::<DeregMr>(&c), IbStatus::ResourceBusy);
+
+    // Re-registration of region B to a new range C of the process: new
+    // keys, B's pages unlocked, C's locked with the caller's locker.
+    let b_buf = uvp.process().alloc(4096).unwrap();
+    let b = uvp.register(&w, pd, b_buf, 4096);
+    let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, b.handle, &Empty, &[]);
+    let b_keys = response::<ib_types::ioctl::QueryMr>(&c)
+        .output
+        .unwrap()
+        .keys;
+    let locked = uvp.process().space().locked_pages();
+    let c_buf = uvp.process().alloc(8192).unwrap();
+    let rereg = MrRereg {
+        translation: Some((c_buf, 8192)),
+        ..MrRereg::default()
+    };
+    // Not another process's region, nor into another process's PD.
+    let c = other.call::<ReregMr>(&w, b.handle, &rereg, &[]);
+    assert_eq!(status_of::<ReregMr>(&c), IbStatus::InvalidMrHandle);
+    let other_pd = other.alloc_pd(&w);
+    let to_other = MrRereg {
+        pd: Some(PdHandle::from_raw(other_pd)),
+        ..MrRereg::default()
+    };
+    let c = uvp.call::<ReregMr>(&w, b.handle, &to_other, &[]);
+    assert_eq!(status_of::<ReregMr>(&c), IbStatus::InvalidPdHandle);
+    let c = uvp.call::<ReregMr>(&w, b.handle, &rereg, &[]);
+    let r = response::<ReregMr>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let c_keys = r.output.unwrap();
+    assert_ne!(c_keys.rkey, b_keys.rkey);
+    assert_eq!(uvp.process().space().locked_pages(), locked - 1 + 2);
+
+    // Shared into the same PD at another address: the same pages as C.
+    let share = MrShare {
+        pd: PdHandle::from_raw(pd),
+        vaddr: 0x7000_0000,
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+    };
+    let c = other.call::<RegSharedMr>(&w, b.handle, &share, &[]);
+    assert_eq!(status_of::<RegSharedMr>(&c), IbStatus::InvalidMrHandle);
+    let c = uvp.call::<RegSharedMr>(&w, b.handle, &share, &[]);
+    let r = response::<RegSharedMr>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let (shared, shared_out) = (r.handle, r.output.unwrap());
+    let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, shared, &Empty, &[]);
+    assert_eq!(
+        response::<ib_types::ioctl::QueryMr>(&c)
+            .output
+            .unwrap()
+            .vaddr,
+        shared_out.vaddr
+    );
+
+    // The peer writes through C's new key, and through the shared one.
+    let data = pattern(21, 3000);
+    assert_eq!(
+        kernel_rdma_write(&w, &k, 2, &data, c_buf + 100, c_keys.rkey),
+        WcStatus::Success
+    );
+    let mut got = vec![0; 3000];
+    uvp.process().read(c_buf + 100, &mut got).unwrap();
+    assert_eq!(got, data);
+    let data = pattern(33, 1500);
+    assert_eq!(
+        kernel_rdma_write(
+            &w,
+            &k,
+            3,
+            &data,
+            shared_out.vaddr + 5000,
+            shared_out.keys.rkey
+        ),
+        WcStatus::Success
+    );
+    let mut got = vec![0; 1500];
+    uvp.process().read(c_buf + 5000, &mut got).unwrap();
+    assert_eq!(got, data);
+
+    // B's old key is refused by the responder (the connection then
+    // breaks, so this comes last), and nothing was written.
+    uvp.process().write(b_buf, &[0u8; 64]).unwrap();
+    assert_eq!(
+        kernel_rdma_write(&w, &k, 4, &pattern(44, 64), b_buf, b_keys.rkey),
+        WcStatus::RemAccessErr
+    );
+    let mut got = vec![0; 64];
+    uvp.process().read(b_buf, &mut got).unwrap();
+    assert_eq!(got, vec![0u8; 64]);
+
+    // Close with the window still bound and three regions: the window
+    // goes first, then the regions; nothing stays locked.
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    assert_eq!(other.close(&w), IbStatus::Success);
+    assert_eq!(other.process().exit(), 0);
+    k.finish(&w);
+    w.finish();
+}
+
+/// The kernel client on HCA `K` sends `payload` from its UD QP to the
+/// multicast group `ip` (Q_Key 0x11); returns its completion status.
+fn kernel_send_to_group(w: &World, k: &Kernel, payload: &[u8], ip: [u8; 4]) -> WcStatus {
+    k.write(0, payload);
+    let av = hca_prm::av::Av::try_from(&av_to(ip)).unwrap();
+    let out = Arc::new(Mutex::new(None));
+    let (hca, sink, kqp, sge) = (
+        w.hca_at(K),
+        out.clone(),
+        k.qp,
+        k.sge(0, payload.len() as u32),
+    );
+    w.in_dpc(move || {
+        let sges = [sge];
+        let wr = SendWr {
+            wr_id: 90,
+            op: SendOp::Send,
+            flags: SendFlags::SIGNALED,
+            sg_list: &sges,
+            ud: Some(ib_types::wr::UdDest {
+                av: ib_types::handle::AvHandle::from_raw(1),
+                remote_qpn: Qpn::new(0xFF_FFFF).unwrap(),
+                remote_qkey: QKey::new(0x11),
+            }),
+        };
+        let requests = [SendRequest {
+            wr,
+            av: Some(av),
+            inline: None,
+        }];
+        *support::lock(&sink) = Some(hca.post_send(kqp, &requests));
+    });
+    w.settle();
+    assert_eq!(support::lock(&out).take(), Some((1, IbStatus::Success)));
+    let wcs = k.poll(w);
+    assert_eq!(wcs.len(), 1);
+    wcs[0].status
+}
+
+#[test]
+fn a_user_ud_qp_joins_a_multicast_group_and_leaves_it_on_detach_destroy_and_close() {
+    use ib_types::ioctl::{AttachMcast, DetachMcast};
+    use ib_types::mcast::McastGroup;
+    let (w, _) = two_hcas(81);
+    let uvp = Uvp::open(&w, 51);
+    let other = Uvp::open(&w, 52);
+    let pd = uvp.alloc_pd(&w);
+    let mut cq = uvp.create_cq(&w, 4);
+    let mut qp = uvp.create_qp(&w, QpType::Ud, pd, &cq);
+    let rc_qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
+    let k = Kernel::new(&w, QpType::Ud);
+    for m in to_rts(QpType::Ud, 0, [0; 4]) {
+        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
+        assert_eq!(k.modify(&w, &m), IbStatus::Success);
+    }
+    let buf = uvp.process().alloc(8192).unwrap();
+    let region = uvp.register(&w, pd, buf, 8192);
+    const GROUP: [u8; 4] = [239, 5, 6, 7];
+    let group = McastGroup {
+        mgid: Gid::from_ipv4(GROUP),
+        mlid: Lid::UNASSIGNED,
+    };
+
+    // Only the owner attaches its QP, and only a UD QP.
+    let c = other.call::<AttachMcast>(&w, qp.handle, &group, &[]);
+    assert_eq!(status_of::<AttachMcast>(&c), IbStatus::InvalidQpHandle);
+    let c = uvp.call::<AttachMcast>(&w, rc_qp.handle, &group, &[]);
+    assert_eq!(status_of::<AttachMcast>(&c), IbStatus::InvalidServiceType);
+    let c = uvp.call::<AttachMcast>(&w, qp.handle, &group, &[]);
+    let r = response::<AttachMcast>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    let membership = r.handle;
+
+    // The peer's datagram to the group reaches the user QP.
+    let payload = pattern(61, 900);
+    uvp.post_recv(&mut qp, &[Sge::new(buf, 2048, region.lkey)]);
+    assert_eq!(
+        kernel_send_to_group(&w, &k, &payload, GROUP),
+        WcStatus::Success
+    );
+    let cqes = uvp.poll(&mut cq);
+    assert_eq!(cqes.len(), 1);
+    let wc = cqes[0].to_work_completion(0).unwrap();
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 940));
+    let mut got = vec![0; 900];
+    uvp.process().read(buf + 40, &mut got).unwrap();
+    assert_eq!(got, payload);
+
+    // Another process cannot detach it; the owner can, and then nothing
+    // arrives.
+    let c = other.call::<DetachMcast>(&w, membership, &Empty, &[]);
+    assert_eq!(status_of::<DetachMcast>(&c), IbStatus::InvalidMcastHandle);
+    let c = uvp.call::<DetachMcast>(&w, membership, &Empty, &[]);
+    assert_eq!(status_of::<DetachMcast>(&c), IbStatus::Success);
+    let c = uvp.call::<DetachMcast>(&w, membership, &Empty, &[]);
+    assert_eq!(status_of::<DetachMcast>(&c), IbStatus::InvalidMcastHandle);
+    uvp.post_recv(&mut qp, &[Sge::new(buf + 4096, 2048, region.lkey)]);
+    assert_eq!(
+        kernel_send_to_group(&w, &k, &payload, GROUP),
+        WcStatus::Success
+    );
+    assert!(uvp.poll(&mut cq).is_empty());
+
+    // Attached again, then the QP destroyed: the membership goes with it.
+    let c = uvp.call::<AttachMcast>(&w, qp.handle, &group, &[]);
+    let again = response::<AttachMcast>(&c).handle;
+    let c = uvp.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
+    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
+    let c = uvp.call::<DetachMcast>(&w, again, &Empty, &[]);
+    assert_eq!(status_of::<DetachMcast>(&c), IbStatus::InvalidMcastHandle);
+    // The receive the destroyed QP never consumed is flushed.
+    let flushed = uvp.poll(&mut cq);
+    assert_eq!(flushed.len(), 1);
+    assert_eq!(
+        flushed[0].to_work_completion(0).unwrap().status,
+        WcStatus::WrFlushErr
+    );
+
+    // A new UD QP attached and left attached at close: close detaches it
+    // (the QP's destroy does), and a datagram after close reaches nobody.
+    let mut last = uvp.create_qp(&w, QpType::Ud, pd, &cq);
+    for m in to_rts(QpType::Ud, 0, [0; 4]) {
+        assert_eq!(uvp.modify(&w, last.handle, &m), IbStatus::Success);
+    }
+    let c = uvp.call::<AttachMcast>(&w, last.handle, &group, &[]);
+    assert_eq!(status_of::<AttachMcast>(&c), IbStatus::Success);
+    uvp.post_recv(&mut last, &[Sge::new(buf, 2048, region.lkey)]);
+    assert_eq!(
+        kernel_send_to_group(&w, &k, &payload, GROUP),
+        WcStatus::Success
+    );
+    assert_eq!(uvp.poll(&mut cq).len(), 1);
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(
+        kernel_send_to_group(&w, &k, &payload, GROUP),
+        WcStatus::Success
+    );
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+    assert_eq!(other.close(&w), IbStatus::Success);
+    k.finish(&w);
+    w.finish();
+}
+
+#[test]
+fn hostile_resize_records_and_region_changes_are_refused_and_change_nothing() {
+    use hca_prm::Le64;
+    use hca_prm::uverbs::{ResizeCqPriv, ResizeCqPrivAbi};
+    use ib_types::ioctl::{AllocMw, ReregMr, ResizeCq};
+    use ib_types::mr::{MrRereg, MwAttr, MwType};
+    use sim_host::memory::Protection;
+    let (w, _) = two_hcas(82);
+    let uvp = Uvp::open(&w, 61);
+    let other = Uvp::open(&w, 62);
+    let pd = uvp.alloc_pd(&w);
+    let cq = uvp.create_cq(&w, 3);
+    let p = uvp.process();
+    let ring = p.alloc(8192).unwrap();
+    let read_only = p.alloc_with(4096, Protection::ReadOnly).unwrap();
+    let good = ResizeCqPriv::new(5, ring).unwrap().emit();
+    let resize_status = |caller: &Uvp, cq: u64, cqe: u32, bytes: &[u8]| {
+        let attr = CqAttr {
+            cqe,
+            comp_vector: 0,
+        };
+        status_of::<ResizeCq>(&caller.call::<ResizeCq>(&w, cq, &attr, bytes))
+    };
+    let with = |f: &dyn Fn(&mut ResizeCqPrivAbi)| {
+        let mut abi = good;
+        f(&mut abi);
+        abi
+    };
+    // A kernel client's CQ on the same HCA (not the user's to resize).
+    let kca =
+        response::<OpenCa>(&w.call_in_dpc_at::<OpenCa>(U, KERNEL, 0, &OpenCaIn::CURRENT, 0)).handle;
+    let attr = CqAttr {
+        cqe: 8,
+        comp_vector: 0,
+    };
+    let kcq = response::<CreateCq>(&w.call_in_dpc_at::<CreateCq>(U, KERNEL, kca, &attr, 0)).handle;
+    let before = footprint(&w, &uvp);
+    let bad = IbStatus::InvalidParameter;
+    let cases: Vec<(ResizeCqPrivAbi, u32, IbStatus)> = vec![
+        // Misaligned ring, reserved bytes, a length that is not the log's.
+        (with(&|a| a.ring_va = Le64::new(ring + 8)), 32, bad),
+        (with(&|a| a.reserved_at_0x11[0] = 1), 32, bad),
+        (with(&|a| a.ring_bytes = Le64::new(2048)), 32, bad),
+        // A ring that wraps, and a log no shift survives.
+        (with(&|a| a.ring_va = Le64::new(u64::MAX - 1023)), 32, bad),
+        (with(&|a| a.log_entries = 200), 32, bad),
+        // Beyond the device's CQ size; more CQEs asked than the ring holds.
+        (
+            ResizeCqPriv::new(24, 0x10_0000_0000).unwrap().emit(),
+            1,
+            IbStatus::InvalidCqSize,
+        ),
+        (good, 33, IbStatus::InvalidCqSize),
+        // Over the CQ's own consumer record, or over its current ring.
+        (with(&|a| a.ring_va = Le64::new(cq.dbr & !63)), 32, bad),
+        (with(&|a| a.ring_va = Le64::new(cq.ring)), 32, bad),
+        // Memory the process does not have, kernel memory, read-only pages.
+        (
+            with(&|a| a.ring_va = Le64::new(ring + 0x10_0000)),
+            32,
+            IbStatus::InvalidPermission,
+        ),
+        (
+            with(&|a| a.ring_va = Le64::new(sim_host::memory::KERNEL_VA_BASE)),
+            32,
+            IbStatus::InvalidPermission,
+        ),
+        (
+            with(&|a| a.ring_va = Le64::new(read_only)),
+            32,
+            IbStatus::InvalidPermission,
+        ),
+    ];
+    for (i, (abi, cqe, expected)) in cases.iter().enumerate() {
+        assert_eq!(
+            resize_status(&uvp, cq.handle, *cqe, abi.as_bytes()),
+            *expected,
+            "case {i}"
+        );
+        assert_eq!(footprint(&w, &uvp), before, "case {i}");
+    }
+    // Short and long records; no record.
+    assert_eq!(
+        resize_status(&uvp, cq.handle, 32, &good.as_bytes()[..23]),
+        bad
+    );
+    let mut long = good.as_bytes().to_vec();
+    long.push(0);
+    assert_eq!(resize_status(&uvp, cq.handle, 32, &long), bad);
+    assert_eq!(resize_status(&uvp, cq.handle, 32, &[]), bad);
+    // Another process's CQ, a PD handle, a kernel CQ.
+    assert_eq!(
+        resize_status(&other, cq.handle, 32, good.as_bytes()),
+        IbStatus::InvalidCqHandle
+    );
+    assert_eq!(
+        resize_status(&uvp, pd, 32, good.as_bytes()),
+        IbStatus::InvalidCqHandle
+    );
+    assert_eq!(
+        resize_status(&uvp, kcq, 32, good.as_bytes()),
+        IbStatus::InvalidCqHandle
+    );
+    assert_eq!(footprint(&w, &uvp), before);
+
+    // A kernel request cannot resize a user CQ either (its ring is the
+    // provider's): refused, nothing changed.
+    let c = w.call_in_dpc_at::<ResizeCq>(
+        U,
+        KERNEL,
+        cq.handle,
+        &CqAttr {
+            cqe: 64,
+            comp_vector: 0,
+        },
+        0,
+    );
+    assert_eq!(status_of::<ResizeCq>(&c), IbStatus::InvalidCqHandle);
+    assert_eq!(footprint(&w, &uvp), before);
+
+    // Arbitrary private bytes: never a success, never a change.
+    let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
+        cases: 96,
+        ..Default::default()
+    });
+    let strategy = proptest::collection::vec(proptest::prelude::any::<u8>(), 0..48);
+    runner
+        .run(&strategy, |bytes| {
+            proptest::prop_assert_ne!(
+                resize_status(&uvp, cq.handle, 32, &bytes),
+                IbStatus::Success
+            );
+            proptest::prop_assert_eq!(footprint(&w, &uvp), footprint_of(&before));
+            Ok(())
+        })
+        .unwrap();
+
+    // Region changes: a re-registration to memory the process lacks or
+    // to kernel memory is refused, the region intact with its keys.
+    let buf = p.alloc(4096).unwrap();
+    let region = uvp.register(&w, pd, buf, 4096);
+    let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, region.handle, &Empty, &[]);
+    let kept = response::<ib_types::ioctl::QueryMr>(&c).output.unwrap();
+    let before = footprint(&w, &uvp);
+    for va in [ring + 0x10_0000, sim_host::memory::KERNEL_VA_BASE] {
+        let rereg = MrRereg {
+            translation: Some((va, 4096)),
+            ..MrRereg::default()
+        };
+        let c = uvp.call::<ReregMr>(&w, region.handle, &rereg, &[]);
+        assert_eq!(status_of::<ReregMr>(&c), IbStatus::InvalidPermission);
+        assert_eq!(footprint(&w, &uvp), before);
+        let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, region.handle, &Empty, &[]);
+        let now = response::<ib_types::ioctl::QueryMr>(&c).output.unwrap();
+        assert_eq!(
+            (now.keys, now.vaddr, now.length),
+            (kept.keys, kept.vaddr, kept.length)
+        );
+    }
+    // A window in a kernel PD, or in another process's PD.
+    let kpd = response::<AllocPd>(&w.call_in_dpc_at::<AllocPd>(U, KERNEL, kca, &Empty, 0)).handle;
+    let other_pd = other.alloc_pd(&w);
+    let attr = MwAttr {
+        mw_type: MwType::Type2,
+        rkey: ib_types::wr::RKey::new(0),
+    };
+    for target in [kpd, other_pd, cq.handle] {
+        let c = uvp.call::<AllocMw>(&w, target, &attr, &[]);
+        assert_eq!(status_of::<AllocMw>(&c), IbStatus::InvalidPdHandle);
+    }
+    assert_eq!(footprint(&w, &uvp), before);
+
+    // After all that, a valid resize works.
+    let mut cq = cq;
+    assert_eq!(resize(&w, &uvp, &mut cq, 5), IbStatus::Success);
+    assert_eq!(
+        status_of::<DestroyCq>(&w.call_in_dpc_at::<DestroyCq>(U, KERNEL, kcq, &Empty, 0)),
+        IbStatus::Success
+    );
+    assert_eq!(
+        status_of::<DeallocPd>(&w.call_in_dpc_at::<DeallocPd>(U, KERNEL, kpd, &Empty, 0)),
+        IbStatus::Success
+    );
+    assert_eq!(
+        status_of::<CloseCa>(&w.call_in_dpc_at::<CloseCa>(U, KERNEL, kca, &Empty, 0)),
+        IbStatus::Success
+    );
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(other.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().exit(), 0);
+    w.finish();
+}
+
 #[test]
 fn user_objects_do_not_survive_sleep_their_process_is_told_and_they_still_free() {
     // Sleep and resume under a live user context (`verbs::restore`): its

@@ -158,6 +158,28 @@ impl<P: Platform> Cq<P> {
         self.ring.lock().life = life;
     }
 
+    /// Marks a live CQ resizing (a user CQ's resize, `verbs::user`);
+    /// busy otherwise.
+    pub(super) fn begin_resize(&self) -> Result<(), IbStatus> {
+        let mut ring = self.ring.lock();
+        if ring.life != Life::Live {
+            return Err(IbStatus::ResourceBusy);
+        }
+        ring.life = Life::Resizing;
+        Ok(())
+    }
+
+    /// The device switched to a ring of `2^log` CQEs described by `mtt`
+    /// (in user memory): the CQ is live again; returns the old ring's MTT
+    /// entries.
+    pub(super) fn switch_ring(&self, log: u8, mtt: EntryRange) -> Option<EntryRange> {
+        let mut ring = self.ring.lock();
+        ring.log_entries = log;
+        ring.consumer = 0;
+        ring.life = Life::Live;
+        ring.mtt.replace(mtt)
+    }
+
     /// The CQ number.
     pub(super) fn number(&self) -> u32 {
         self.cqn
@@ -533,6 +555,11 @@ where
             if ring.life != Life::Live {
                 return Err(IbStatus::ResourceBusy);
             }
+            // A live CQ without a kernel ring is a user CQ: its ring is the
+            // provider's and only its own (user) resize may move it.
+            if ring.ring.is_none() {
+                return Err(IbStatus::InvalidCqHandle);
+            }
             if ring.log_entries == log {
                 return Ok((entries, log, None));
             }
@@ -690,7 +717,7 @@ where
 
 /// The status of a failed resize: `EXCEED_LIMIT` means the outstanding
 /// entries do not fit the new size (PRM 6.2).
-fn resize_status(error: CommandError) -> IbStatus {
+pub(super) fn resize_status(error: CommandError) -> IbStatus {
     match error.prm_status() {
         Some(CmdStatus::ExceedLimit) => IbStatus::InvalidCqSize,
         _ => error.ib_status(),

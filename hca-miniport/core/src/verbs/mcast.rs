@@ -51,6 +51,13 @@ pub(crate) struct Membership<P: Platform> {
     busy: bool,
 }
 
+impl<P: Platform> Membership<P> {
+    /// The member QP's number.
+    pub(crate) fn qpn(&self) -> u32 {
+        self.qp.qpn()
+    }
+}
+
 /// `DETACH_MCG` of QP `qpn` from group `gid`.
 pub(crate) fn detach_command(qpn: u32, gid: &Gid) -> Command {
     Command::new(Opcode::DetachMcg, qpn).with_mailbox(gid.as_bytes().to_vec())

@@ -66,11 +66,16 @@
 //! memory through [`Hca::submit_user_request`] ([`user`]); every other verb
 //! answers [`IbStatus::Unsupported`].
 //!
-//! **Caller context.** Registering user memory locks pages of the calling
-//! process at PASSIVE_LEVEL (`mr`): the shell submits such requests with
-//! [`Hca::submit_request_in_context`], from the requesting thread, giving
-//! that context's locker and IRQL ([`region::CallerContext`]); kernel
-//! registrations use the locker installed with [`Hca::set_kernel_locker`].
+//! **Caller context.** One mechanism: a user-mode request carries the
+//! process it came from (`driver_platform::CallerProcess`) and enters
+//! through [`Hca::submit_user_request`], in that process's context at
+//! PASSIVE_LEVEL (the shell's `EvtIoInCallerContext`); everything that
+//! reaches into the process (locking its pages for rings and regions,
+//! mapping its doorbell page) goes through that caller. Kernel requests
+//! enter through [`Hca::submit_request`] at any IRQL up to DISPATCH_LEVEL
+//! without one, and kernel registrations lock with the locker installed
+//! with [`Hca::set_kernel_locker`]. A user request without its caller
+//! reaches nothing of a user context and registers nothing.
 //!
 //! [`BringUpReport`]: crate::init::BringUpReport
 
@@ -278,8 +283,14 @@ pub struct Responder<V: Verb, R: Request> {
     request: Option<R>,
     /// Room for private output: `min(private_out_max, output left)`.
     private_room: usize,
+    /// Runs with the answer's status and handle just before the request
+    /// is completed ([`before_answer`](Self::before_answer)).
+    before_answer: Option<BeforeAnswer>,
     verb: PhantomData<fn() -> V>,
 }
+
+/// What a [`Responder`] runs before it answers: the status and handle.
+pub(crate) type BeforeAnswer = Box<dyn FnOnce(IbStatus, u64) + Send>;
 
 impl<V: Verb, R: Request> core::fmt::Debug for Responder<V, R> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
@@ -292,6 +303,9 @@ impl<V: Verb, R: Request> core::fmt::Debug for Responder<V, R> {
 impl<V: Verb, R: Request> Responder<V, R> {
     /// Completes the request with the encoded response.
     pub fn finish(mut self, status: IbStatus, handle: u64, out: Option<&V::Out>, private: &[u8]) {
+        if let Some(hook) = self.before_answer.take() {
+            hook(status, handle);
+        }
         if let Some(request) = self.request.take() {
             complete_request::<V, R>(request, status, handle, out, private);
         }
@@ -300,6 +314,16 @@ impl<V: Verb, R: Request> Responder<V, R> {
     /// Completes the request with a failure status (no output, no handle).
     pub fn fail(self, status: IbStatus) {
         self.finish(status, 0, None, &[]);
+    }
+
+    /// Has `hook` run with the status and handle of the answer just before
+    /// the request completes (also when the responder is dropped
+    /// unanswered, with [`IbStatus::GenericError`]): a user context
+    /// records what a trusted verb made, or ends an operation it counted,
+    /// before its process can see the answer. Called with no core lock
+    /// held, like every answer.
+    pub(crate) fn before_answer(&mut self, hook: BeforeAnswer) {
+        self.before_answer = Some(hook);
     }
 
     /// Bytes of private output the caller can take.
@@ -315,6 +339,9 @@ impl<V: Verb, R: Request> Responder<V, R> {
 
 impl<V: Verb, R: Request> Drop for Responder<V, R> {
     fn drop(&mut self) {
+        if let Some(hook) = self.before_answer.take() {
+            hook(IbStatus::GenericError, 0);
+        }
         if let Some(request) = self.request.take() {
             complete_request::<V, R>(request, IbStatus::GenericError, 0, None, &[]);
         }
@@ -381,6 +408,7 @@ fn accept<V: Verb, R: Request>(mut request: R) -> Option<Accepted<V, R>> {
     let mut responder = Responder::<V, R> {
         request: Some(request),
         private_room: 0,
+        before_answer: None,
         verb: PhantomData,
     };
     let Ok((handle, input, private_out_max, kernel_only)) = decoded else {
@@ -416,16 +444,12 @@ where
     /// is completed exactly once, possibly before this returns, possibly
     /// later from the DPC or the work item.
     pub fn submit_request(self: &Arc<Self>, request: P::Request) {
-        self.dispatch_request(request, None);
+        self.dispatch_request(request);
     }
 
-    /// Decodes and runs one request; `context` is the caller's, if the
-    /// shell gave it.
-    fn dispatch_request(
-        self: &Arc<Self>,
-        request: P::Request,
-        context: Option<&region::CallerContext<'_, P>>,
-    ) {
+    /// Decodes and runs one request without a caller process (a kernel
+    /// request, or a user request whose process the shell did not give).
+    fn dispatch_request(self: &Arc<Self>, request: P::Request) {
         use ib_types::ioctl as v;
         let code = IoctlCode::from_raw(request.ioctl_code());
         let Ok(verb) = VerbId::from_ioctl(code) else {
@@ -551,7 +575,7 @@ where
             }
             VerbId::RegMr => {
                 if let Some(a) = accept::<v::RegMr, R<P>>(request) {
-                    self.reg_mr_request(a, context);
+                    self.reg_mr_request(a, None);
                 }
             }
             VerbId::RegSharedMr => {
@@ -561,7 +585,7 @@ where
             }
             VerbId::ReregMr => {
                 if let Some(a) = accept::<v::ReregMr, R<P>>(request) {
-                    self.rereg_mr_request(a, context);
+                    self.rereg_mr_request(a, None);
                 }
             }
             VerbId::QueryMr => {
@@ -612,21 +636,6 @@ where
                 }
             }
         }
-    }
-
-    /// [`submit_request`](Self::submit_request) with the caller's context
-    /// ([`region::CallerContext`]): the locker of the requesting thread's
-    /// address space and its IRQL. The shell uses it for requests that
-    /// lock the caller's memory (RegMr, ReregMr), calling from the
-    /// requesting thread; a user-mode registration needs PASSIVE_LEVEL (or
-    /// APC_LEVEL) there. Every other verb behaves as through
-    /// `submit_request`.
-    pub fn submit_request_in_context(
-        self: &Arc<Self>,
-        request: P::Request,
-        context: &region::CallerContext<'_, P>,
-    ) {
-        self.dispatch_request(request, Some(context));
     }
 }
 

@@ -229,8 +229,26 @@ impl<P: Platform> Hca<P> {
     }
 
     pub(crate) fn dealloc_mw_request(self: &Arc<Self>, a: Accepted<DeallocMw, P::Request>) {
-        let mode = a.mode;
-        let handle = Handle::<kind::Mw>::from_raw(a.handle);
+        let responder = a.responder;
+        self.dealloc_mw_then(
+            a.handle,
+            a.mode,
+            Box::new(move |_hca, result| match result {
+                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
+                Err(status) => responder.fail(status),
+            }),
+        );
+    }
+
+    /// Deallocates the window `mw` (see the module doc), then calls `done`
+    /// (inline when refused, else from the DPC).
+    pub(super) fn dealloc_mw_then(
+        self: &Arc<Self>,
+        mw: u64,
+        mode: RequestorMode,
+        done: super::Done<P>,
+    ) {
+        let handle = Handle::<kind::Mw>::from_raw(mw);
         let claimed = self.with_objects(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidMwHandle);
@@ -244,9 +262,8 @@ impl<P: Platform> Hca<P> {
         });
         let (pd, mt) = match claimed.and_then(|r| r) {
             Ok(claimed) => claimed,
-            Err(status) => return a.responder.fail(status),
+            Err(status) => return done(self, Err(status)),
         };
-        let responder = a.responder;
         self.run_commands(
             vec![Command::new(Opcode::Hw2SwMpt, handle.number())],
             Box::new(move |hca, result| match hca.forgive_when_failed(result) {
@@ -254,7 +271,7 @@ impl<P: Platform> Hca<P> {
                     let _ = hca.with_objects(|o| o.mws.remove(handle));
                     let _ = mt.free_window_key(handle.number());
                     let _ = hca.release_pd(pd);
-                    responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+                    done(hca, Ok(()));
                 }
                 Err(error) => {
                     let _ = hca.with_objects(|o| {
@@ -262,7 +279,7 @@ impl<P: Platform> Hca<P> {
                             window.busy = false;
                         }
                     });
-                    responder.fail(error.ib_status());
+                    done(hca, Err(error.ib_status()));
                 }
             }),
         );

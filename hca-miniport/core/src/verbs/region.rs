@@ -30,17 +30,16 @@
 //! - **Caller context** (`mr` module doc, IRQL): locking the pages of a
 //!   virtual registration is the one synchronous step; kernel pages may be
 //!   locked at DISPATCH_LEVEL with the locker the shell installed with
-//!   [`Hca::set_kernel_locker`]; *user* pages only at PASSIVE_LEVEL in the
-//!   requesting thread's process, so the shell passes a user request's
-//!   RegMr/ReregMr through [`Hca::submit_request_in_context`] with that
-//!   context's locker and IRQL, from the thread that issued it. Without a
-//!   context (plain [`Hca::submit_request`]) a user registration answers
-//!   [`IbStatus::InvalidState`], as does any registration before a kernel
-//!   locker is installed. A user context's RegMr, QueryMr and DeregMr
-//!   arrive through `verbs::user` (the caller's process, its PD), which
-//!   registers through `mr` with the process's locker and stores the
-//!   region here (`store_region`); close deregisters
-//!   what the context still holds.
+//!   [`Hca::set_kernel_locker`]; *user* pages only at PASSIVE_LEVEL (or
+//!   APC_LEVEL) in the requesting thread's process. A user request
+//!   carries its caller ([`Hca::submit_user_request`], the one
+//!   caller-context path): `verbs::user` checks that the caller owns the
+//!   PD or region, and registers or re-registers with the caller's
+//!   locker and IRQL (`driver_platform::CallerProcess`). A user
+//!   registration without its caller (plain [`Hca::submit_request`])
+//!   answers [`IbStatus::InvalidState`], as does any kernel registration
+//!   before a kernel locker is installed. Close of a user context
+//!   deregisters what it still holds.
 //! - **Query** is answered from the region the core keeps (guide 7.1.1.4:
 //!   "obtained from the region handle maintained by the driver"): PD,
 //!   range, rights and keys, no command.
@@ -52,7 +51,7 @@ use alloc::boxed::Box;
 use alloc::sync::{Arc, Weak};
 use alloc::vec::Vec;
 
-use driver_platform::{Irql, Platform, Request, RequestorMode};
+use driver_platform::{CallerProcess, Irql, Platform, Request, RequestorMode};
 use ib_types::handle::PdHandle;
 use ib_types::ioctl::{
     DeregMr, Empty, QueryMr, RegMr, RegPhysMr, RegPhysOut, RegSharedMr, RegSharedOut, ReregMr,
@@ -67,24 +66,6 @@ use crate::mr::{
     MemoryRegion, MemoryTranslation, PhysicalRegion, Reregistration, SharedRegion, VirtualRegion,
 };
 use crate::resources::{Handle, kind};
-
-/// What the shell knows about the thread a request came from: the locker
-/// for that thread's address space (`MmProbeAndLockPages` in the current
-/// process on Windows) and the IRQL it runs at.
-pub struct CallerContext<'a, P: Platform> {
-    /// Locks the caller's pages.
-    pub locker: &'a P::Locker,
-    /// The caller's IRQL.
-    pub irql: Irql,
-}
-
-impl<P: Platform> core::fmt::Debug for CallerContext<'_, P> {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("CallerContext")
-            .field("irql", &self.irql)
-            .finish_non_exhaustive()
-    }
-}
 
 /// A registered region in the MR table.
 pub(crate) struct MrEntry<P: Platform> {
@@ -126,15 +107,16 @@ impl<P: Platform> Hca<P> {
         *self.verbs.kernel_locker.lock() = Some(Arc::new(locker));
     }
 
-    /// The locker for a request of `mode`, given the caller's context if
-    /// the shell passed one.
+    /// The locker for a request of `mode`: the calling process's when the
+    /// request carries its caller (a user request, served in that
+    /// process's context), else the kernel locker.
     fn locking<'a>(
         &self,
         mode: RequestorMode,
-        context: Option<&CallerContext<'a, P>>,
+        caller: Option<&'a P::Caller>,
     ) -> Result<Locking<'a, P>, IbStatus> {
-        match (context, mode) {
-            (Some(c), _) => Ok(Locking::Caller(c.locker, c.irql)),
+        match (caller, mode) {
+            (Some(c), _) => Ok(Locking::Caller(c.locker(), c.current_irql())),
             (None, RequestorMode::Kernel) => self
                 .verbs
                 .kernel_locker
@@ -271,9 +253,9 @@ impl<P: Platform> Hca<P> {
     pub(crate) fn reg_mr_request(
         self: &Arc<Self>,
         a: Accepted<RegMr, P::Request>,
-        context: Option<&CallerContext<'_, P>>,
+        caller: Option<&P::Caller>,
     ) {
-        let locking = match self.locking(a.mode, context) {
+        let locking = match self.locking(a.mode, caller) {
             Ok(locking) => locking,
             Err(status) => return a.responder.fail(status),
         };
@@ -417,9 +399,9 @@ impl<P: Platform> Hca<P> {
     pub(crate) fn rereg_mr_request(
         self: &Arc<Self>,
         a: Accepted<ReregMr, P::Request>,
-        context: Option<&CallerContext<'_, P>>,
+        caller: Option<&P::Caller>,
     ) {
-        let locking = match self.locking(a.mode, context) {
+        let locking = match self.locking(a.mode, caller) {
             Ok(locking) => locking,
             Err(status) => return a.responder.fail(status),
         };

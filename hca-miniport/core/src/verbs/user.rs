@@ -67,10 +67,30 @@
 //!   oldest pending `GetAsyncEvent`, or waits in a queue of
 //!   [`MAX_QUEUED_EVENTS`] (the oldest dropped when full). Pending requests
 //!   end with [`IbStatus::Canceled`] when cancelled or at close.
-//! - **Not built:** user `ResizeCq`, `RegSharedMr`, `ReregMr`, memory
-//!   windows and multicast (unsupported on this path). User AVs are the
-//!   provider's by design (guide 6.4.2): a user `CreateAv` that reaches
-//!   the kernel is unsupported.
+//! - **Resize** of a user CQ (`ResizeCq` with `uverbs::ResizeCqPriv`):
+//!   the new ring is checked as hostile like CreateCq's (and must not
+//!   overlap what the CQ has pinned), pinned and mapped, then `RESIZE_CQ`
+//!   copies the outstanding CQEs into it (PRM 6.2); only after the device
+//!   switched is the old ring unpinned. A failed resize (the entries do
+//!   not fit: [`IbStatus::InvalidCqSize`]) leaves the old ring in use and
+//!   undoes the new one. Close is refused while a resize is under way. A
+//!   kernel `ResizeCq` of a user CQ is refused ([`IbStatus::InvalidCqHandle`]):
+//!   its ring is the provider's.
+//! - **Regions, windows, multicast.** `ReregMr` (the caller's region, a
+//!   new PD of the same context, a new range locked with the caller's
+//!   locker) and `RegSharedMr` (a region of the context, shared into one
+//!   of its PDs) run the kernel's verbs as trusted requests; `AllocMw`
+//!   in a context's PD makes a window of the context, `QueryMw` and
+//!   `DeallocMw` need one. Binds are posted by the provider in its own
+//!   send WQEs (the device checks them, PRM 7.1), so the kernel's part is
+//!   the MPT entry. `AttachMcast` on a user UD QP, `DetachMcast` of a
+//!   membership of one; destroying the QP (also at close) detaches it.
+//!   These count as operations under way: close is refused with
+//!   [`IbStatus::ResourceBusy`] until they are answered. Close takes
+//!   windows before regions (the device refuses to deregister a region
+//!   with a window bound).
+//! - User AVs are the provider's by design (guide 6.4.2): a user
+//!   `CreateAv` that reaches the kernel is unsupported.
 //! - **Regions.** `RegMr` in one of the caller's PDs locks the caller's
 //!   pages (`mr`, with the process's locker) and stores the region with
 //!   the kernel's (`verbs::region`); `QueryMr` and `DeregMr` need the
@@ -217,6 +237,8 @@ struct UserContext<P: Platform> {
     pds: BTreeSet<u64>,
     /// Memory regions (raw handles); their pages are the `mr` service's.
     mrs: BTreeSet<u64>,
+    /// Memory windows (raw handles) in the context's PDs.
+    mws: BTreeSet<u64>,
     /// Objects by raw handle, with the user memory pinned for them.
     cqs: BTreeMap<u64, Vec<PinnedUser<P>>>,
     qps: BTreeMap<u64, Vec<PinnedUser<P>>>,
@@ -232,6 +254,9 @@ enum Owned {
     Qp,
     Srq,
     Mr,
+    Mw,
+    /// A multicast membership: owned with its QP.
+    Mcast,
 }
 
 impl Owned {
@@ -243,6 +268,8 @@ impl Owned {
             Self::Qp => IbStatus::InvalidQpHandle,
             Self::Srq => IbStatus::InvalidSrqHandle,
             Self::Mr => IbStatus::InvalidMrHandle,
+            Self::Mw => IbStatus::InvalidMwHandle,
+            Self::Mcast => IbStatus::InvalidMcastHandle,
         }
     }
 }
@@ -267,6 +294,12 @@ fn owner<P: Platform>(
                     Owned::Qp => ctx.qps.contains_key(&raw),
                     Owned::Srq => ctx.srqs.contains_key(&raw),
                     Owned::Mr => ctx.mrs.contains(&raw),
+                    Owned::Mw => ctx.mws.contains(&raw),
+                    Owned::Mcast => o
+                        .mcasts
+                        .get(Handle::<kind::Mcast>::from_raw(raw))
+                        .and_then(|m| o.qps.objects().get_by_number(m.qpn()))
+                        .is_some_and(|(qp, _)| ctx.qps.contains_key(&qp.raw())),
                 }
         })
         .map(|(&handle, _)| handle)
@@ -504,8 +537,112 @@ where
                     self.user_destroy(a.responder, a.handle, pid, Owned::Srq);
                 }
             }
+            VerbId::ResizeCq => {
+                let private = private_input::<v::ResizeCq, _>(&request);
+                if let Some(a) = accept::<v::ResizeCq, R<P>>(request) {
+                    self.user_resize_cq(a, private.unwrap_or_default(), caller);
+                }
+            }
+            VerbId::ReregMr => {
+                let caller2 = caller.clone();
+                self.trusted_in_context::<v::ReregMr>(
+                    request,
+                    pid,
+                    Owned::Mr,
+                    |input| input.pd.map(|pd| (Owned::Pd, pd.raw())),
+                    None,
+                    move |h, a| h.rereg_mr_request(a, Some(&caller2)),
+                );
+            }
+            VerbId::RegSharedMr => self.trusted_in_context::<v::RegSharedMr>(
+                request,
+                pid,
+                Owned::Mr,
+                |input| Some((Owned::Pd, input.pd.raw())),
+                Some(Owned::Mr),
+                |h, a| h.reg_shared_mr_request(a),
+            ),
+            VerbId::AllocMw => self.trusted_in_context::<v::AllocMw>(
+                request,
+                pid,
+                Owned::Pd,
+                |_| None,
+                Some(Owned::Mw),
+                |h, a| h.alloc_mw_request(a),
+            ),
+            VerbId::QueryMw => self.trusted::<v::QueryMw>(request, pid, Owned::Mw, |h, a| {
+                h.query_mw_request(a);
+            }),
+            VerbId::DeallocMw => {
+                if let Some(a) = accept::<v::DeallocMw, R<P>>(request) {
+                    self.user_destroy(a.responder, a.handle, pid, Owned::Mw);
+                }
+            }
+            VerbId::AttachMcast => self.trusted_in_context::<v::AttachMcast>(
+                request,
+                pid,
+                Owned::Qp,
+                |_| None,
+                None,
+                |h, a| h.attach_mcast_request(a),
+            ),
+            VerbId::DetachMcast => self.trusted_in_context::<v::DetachMcast>(
+                request,
+                pid,
+                Owned::Mcast,
+                |_| None,
+                None,
+                |h, a| h.detach_mcast_request(a),
+            ),
             _ => self.user_unsupported(verb, request),
         }
+    }
+
+    /// Like [`trusted`](Self::trusted), for a verb that makes or changes
+    /// something of the caller's context: `also` names a second handle the
+    /// same context must own (a region's new PD), the operation counts as
+    /// a create under way until it is answered (close is refused meanwhile
+    /// rather than racing it), and on success the object it `made` joins
+    /// the context before the process sees the answer.
+    fn trusted_in_context<V: Verb>(
+        self: &Arc<Self>,
+        request: P::Request,
+        process: u64,
+        what: Owned,
+        also: impl FnOnce(&V::In) -> Option<(Owned, u64)>,
+        made: Option<Owned>,
+        run: impl FnOnce(&Arc<Self>, Accepted<V, P::Request>),
+    ) {
+        let Some(mut a) = accept::<V, P::Request>(request) else {
+            return;
+        };
+        let second = also(&a.input);
+        let checked = self.with_objects(|o| {
+            let ctx = owner(o, process, what, a.handle)?;
+            if let Some((kind, raw)) = second
+                && owner(o, process, kind, raw)? != ctx
+            {
+                return Err(kind.invalid());
+            }
+            Ok(ctx)
+        });
+        let ctx = match checked.and_then(|r| r) {
+            Ok(ctx) => ctx,
+            Err(status) => return a.responder.fail(status),
+        };
+        if let Err(status) = self.begin_create(process, ctx) {
+            return a.responder.fail(status);
+        }
+        let weak = Arc::downgrade(self);
+        a.responder.before_answer(Box::new(move |status, handle| {
+            let Some(hca) = weak.upgrade() else { return };
+            let object = made
+                .filter(|_| status == IbStatus::Success)
+                .map(|_| (handle, Vec::new()));
+            hca.end_create(ctx, made.unwrap_or(Owned::Ca), object);
+        }));
+        a.mode = RequestorMode::Kernel;
+        run(self, a);
     }
 
     /// Answers [`IbStatus::Unsupported`] to a user request of a verb this
@@ -632,6 +769,7 @@ where
                     event_waiters: Vec::new(),
                     pds: BTreeSet::new(),
                     mrs: BTreeSet::new(),
+                    mws: BTreeSet::new(),
                     cqs: BTreeMap::new(),
                     qps: BTreeMap::new(),
                     srqs: BTreeMap::new(),
@@ -712,6 +850,10 @@ where
                 .map(|&h| (Owned::Qp, h))
                 .or_else(|| ctx.srqs.keys().next().map(|&h| (Owned::Srq, h)))
                 .or_else(|| ctx.cqs.keys().next().map(|&h| (Owned::Cq, h)))
+                // Windows before regions: a region with a window bound is
+                // refused deregistration (the device unbinds a window
+                // when it is deallocated).
+                .or_else(|| ctx.mws.iter().next().map(|&h| (Owned::Mw, h)))
                 .or_else(|| ctx.mrs.iter().next().map(|&h| (Owned::Mr, h)))
         });
         match next {
@@ -767,7 +909,8 @@ where
                             .contains(Handle::<kind::Qp>::from_raw(object)),
                         Owned::Srq => !o.srqs.contains(Handle::<kind::Srq>::from_raw(object)),
                         Owned::Mr => !o.mrs.contains(Handle::<kind::Mr>::from_raw(object)),
-                        Owned::Ca | Owned::Pd => true,
+                        Owned::Mw => !o.mws.contains(Handle::<kind::Mw>::from_raw(object)),
+                        Owned::Ca | Owned::Pd | Owned::Mcast => true,
                     };
                     let closing = o.user.contexts.get(&ctx).is_some_and(|c| c.closing);
                     if result.is_err() && !gone && !closing {
@@ -782,7 +925,11 @@ where
                             c.mrs.remove(&object);
                             None
                         }
-                        Owned::Ca | Owned::Pd => None,
+                        Owned::Mw => {
+                            c.mws.remove(&object);
+                            None
+                        }
+                        Owned::Ca | Owned::Pd | Owned::Mcast => None,
                     }
                 })
                 .ok()
@@ -803,7 +950,8 @@ where
             },
             Owned::Srq => self.destroy_user_srq(object, release),
             Owned::Mr => self.dereg_mr_then(object, RequestorMode::Kernel, release),
-            Owned::Ca | Owned::Pd => release(self, Err(IbStatus::InvalidParameter)),
+            Owned::Mw => self.dealloc_mw_then(object, RequestorMode::Kernel, release),
+            Owned::Ca | Owned::Pd | Owned::Mcast => release(self, Err(IbStatus::InvalidParameter)),
         }
     }
 
@@ -1051,7 +1199,11 @@ where
                         c.mrs.insert(handle);
                         Some(pins)
                     }
-                    Owned::Ca | Owned::Pd => Some(pins),
+                    Owned::Mw => {
+                        c.mws.insert(handle);
+                        Some(pins)
+                    }
+                    Owned::Ca | Owned::Pd | Owned::Mcast => Some(pins),
                 }
             })
             .ok()
@@ -1154,6 +1306,139 @@ where
                     hca.forget_cq(handle, mtt);
                     hca.end_create(ctx, Owned::Cq, Some((0, pins)));
                     responder.fail(error.ib_status());
+                }
+            }),
+        );
+    }
+
+    /// ResizeCq of a user CQ: the new ring (`uverbs::ResizeCqPriv`, parsed
+    /// as hostile, within the device's limits, overlapping nothing the CQ
+    /// has pinned) is pinned and described in fresh MTT entries, then
+    /// `RESIZE_CQ` moves the outstanding CQEs into it (PRM 6.2; the UVP
+    /// polls nothing while its request is outstanding, and polls the new
+    /// ring from 0 afterwards). Once the device switched, the old ring is
+    /// unpinned and its MTT entries returned; a refusal at any step leaves
+    /// the old ring in use, unchanged, and undoes the new one.
+    fn user_resize_cq(
+        self: &Arc<Self>,
+        a: Accepted<v::ResizeCq, P::Request>,
+        private: Vec<u8>,
+        caller: P::Caller,
+    ) {
+        let process = caller.process_id();
+        let raw = a.handle;
+        // The CQ, its context, and what it has pinned now.
+        let found = self.with_objects(|o| {
+            let ctx = owner(o, process, Owned::Cq, raw)?;
+            let cq = o
+                .cqs
+                .get(Handle::<kind::Cq>::from_raw(raw))
+                .cloned()
+                .ok_or(IbStatus::InvalidCqHandle)?;
+            let pinned: Vec<UserRange> = o
+                .user
+                .contexts
+                .get(&ctx)
+                .and_then(|c| c.cqs.get(&raw))
+                .map(|pins| {
+                    pins.iter()
+                        .map(|p| UserRange {
+                            va: p.va,
+                            len: p.length,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            Ok((ctx, cq, pinned, o.log_max_cqes))
+        });
+        let (ctx, cq, pinned, log_max) = match found.and_then(|r| r) {
+            Ok(found) => found,
+            Err(status) => return a.responder.fail(status),
+        };
+        let Ok(layout) = hca_prm::uverbs::ResizeCqPriv::parse(&private) else {
+            return a.responder.fail(IbStatus::InvalidParameter);
+        };
+        if pinned.iter().any(|p| p.overlaps(&layout.ring)) {
+            return a.responder.fail(IbStatus::InvalidParameter);
+        }
+        let log = layout.log_entries;
+        if log > log_max || u64::from(a.input.cqe) > 1u64 << log {
+            return a.responder.fail(IbStatus::InvalidCqSize);
+        }
+        if let Err(status) = self.begin_create(process, ctx) {
+            return a.responder.fail(status);
+        }
+        if let Err(status) = cq.begin_resize() {
+            self.end_create(ctx, Owned::Ca, None);
+            return a.responder.fail(status);
+        }
+        // Undoes everything but the new pin (which the caller hands back).
+        let abandon = |hca: &Self| {
+            cq.set_life(CqLife::Live);
+            hca.end_create(ctx, Owned::Ca, None);
+        };
+        let mut pins = match self.pin_ranges(&caller, &[layout.ring]) {
+            Ok(pins) => pins,
+            Err(status) => {
+                abandon(self);
+                return a.responder.fail(status);
+            }
+        };
+        let Some(new_pin) = pins.pop() else {
+            abandon(self);
+            return a.responder.fail(IbStatus::GenericError);
+        };
+        let taken = self.with_objects(|o| {
+            o.mtt
+                .take_entries(new_pin.bus_pages.len() as u32)
+                .map_err(IbStatus::from)
+        });
+        let mtt = match taken.and_then(|r| r) {
+            Ok(mtt) => mtt,
+            Err(status) => {
+                abandon(self);
+                self.unpin_all(alloc::vec![new_pin]);
+                return a.responder.fail(status);
+            }
+        };
+        let input = hca_prm::ctx::ResizeCq {
+            ring: user_desc(mtt.start(), &layout.ring, log, CQE_LOG_STRIDE),
+            ..hca_prm::ctx::ResizeCq::default()
+        };
+        let mut commands = write_mtt_pages(mtt.start(), &new_pin.bus_pages);
+        commands.push(
+            Command::new(Opcode::ResizeCq, cq.number()).with_mailbox(input.as_bytes().to_vec()),
+        );
+        let responder = a.responder;
+        self.run_commands(
+            commands,
+            Box::new(move |hca, result| match result {
+                Ok(_) => {
+                    let old_mtt = cq.switch_ring(log, mtt);
+                    // The device no longer reads the old ring: swap the
+                    // pins, and unpin the old one.
+                    let mut slot = Some(new_pin);
+                    let old_pin = hca
+                        .with_objects(|o| {
+                            if let Some(old) = old_mtt {
+                                let _ = o.mtt.return_entries(old);
+                            }
+                            let pins = o.user.contexts.get_mut(&ctx)?.cqs.get_mut(&raw)?;
+                            let new_pin = slot.take()?;
+                            Some(core::mem::replace(pins.first_mut()?, new_pin))
+                        })
+                        .ok()
+                        .flatten();
+                    hca.unpin_all(old_pin.into_iter().chain(slot).collect());
+                    hca.end_create(ctx, Owned::Ca, None);
+                    responder.finish(IbStatus::Success, 0, Some(&CqOut { cqe: 1 << log }), &[]);
+                }
+                Err(error) => {
+                    let _ = hca.with_objects(|o| o.mtt.return_entries(mtt));
+                    cq.set_life(CqLife::Live);
+                    hca.unpin_all(alloc::vec![new_pin]);
+                    hca.end_create(ctx, Owned::Ca, None);
+                    responder.fail(super::cq::resize_status(error));
                 }
             }),
         );
