@@ -46,7 +46,7 @@ pub fn append_bus_pages(
         while done < bytes {
             // A page is recorded where the buffer enters it: its first
             // byte, or the buffer's own first byte.
-            if cursor % PAGE_SIZE == 0 || cursor == va {
+            if cursor.is_multiple_of(PAGE_SIZE) || cursor == va {
                 pages.push((bus + done) & !(PAGE_SIZE - 1));
             }
             let step = (PAGE_SIZE - cursor % PAGE_SIZE).min(bytes - done);
