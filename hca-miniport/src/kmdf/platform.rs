@@ -1086,17 +1086,6 @@ pub struct WdfCaller {
 }
 
 impl WdfCaller {
-    /// The current process, as the caller (call in the caller's context).
-    pub fn current() -> Self {
-        let process_id = current_process_id();
-        Self {
-            process_id,
-            locker: MdlLocker {
-                process: Some(process_id),
-            },
-        }
-    }
-
     /// The caller whose process id is `process_id` (stored in a request's
     /// context by `EvtIoInCallerContext`).
     pub fn new(process_id: u64) -> Self {
