@@ -127,6 +127,41 @@ fn ring_bytes(field: &'static str, log: u32) -> Result<u64, AbiError> {
     Ok(1u64 << log)
 }
 
+/// The length of a ring the record declares as `declared` bytes: `1 << log`
+/// (bounded by [`MAX_LOG_RING_BYTES`]), and `declared` must say the same.
+fn declared_ring_len(
+    log_field: &'static str,
+    log: u32,
+    bytes_field: &'static str,
+    declared: u64,
+) -> Result<u64, AbiError> {
+    let len = ring_bytes(log_field, log)?;
+    if declared != len {
+        return Err(AbiError::BadLength {
+            field: bytes_field,
+            declared,
+            available: len,
+        });
+    }
+    Ok(len)
+}
+
+/// A doorbell record at `va`: [`DBR_BYTES`] long, [`DBR_ALIGN`] aligned.
+fn checked_dbr(field: &'static str, va: u64) -> Result<UserRange, AbiError> {
+    UserRange::checked(field, va, DBR_BYTES, DBR_ALIGN)
+}
+
+/// A receive stride of at least [`MIN_RECV_STRIDE`] bytes (PRM 10.3).
+fn check_recv_stride(field: &'static str, log_stride: u8) -> Result<(), AbiError> {
+    if usize::from(log_stride) < MIN_RECV_STRIDE.trailing_zeros() as usize {
+        return Err(AbiError::OutOfRange {
+            field,
+            value: log_stride.into(),
+        });
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------
 // OpenCa
 // ---------------------------------------------------------------------------
@@ -318,29 +353,19 @@ impl CreateCqPriv {
     pub fn parse(bytes: &[u8]) -> Result<Self, AbiError> {
         let abi: CreateCqPrivAbi = read_exact("CreateCqPrivAbi", bytes)?;
         ensure_zero("CreateCqPrivAbi.reserved_at_0x19", &abi.reserved_at_0x19)?;
-        let expected = ring_bytes(
+        let expected = declared_ring_len(
             "CreateCqPrivAbi.log_entries",
             u32::from(abi.log_entries) + u32::from(CQE_LOG_STRIDE),
+            "CreateCqPrivAbi.ring_bytes",
+            abi.ring_bytes.get(),
         )?;
-        if abi.ring_bytes.get() != expected {
-            return Err(AbiError::BadLength {
-                field: "CreateCqPrivAbi.ring_bytes",
-                declared: abi.ring_bytes.get(),
-                available: expected,
-            });
-        }
         let ring = UserRange::checked(
             "CreateCqPrivAbi.ring_va",
             abi.ring_va.get(),
             expected,
             RING_ALIGN,
         )?;
-        let dbr = UserRange::checked(
-            "CreateCqPrivAbi.dbr_va",
-            abi.dbr_va.get(),
-            DBR_BYTES,
-            DBR_ALIGN,
-        )?;
+        let dbr = checked_dbr("CreateCqPrivAbi.dbr_va", abi.dbr_va.get())?;
         disjoint("CreateCqPrivAbi.dbr_va (overlaps the ring)", &[ring, dbr])?;
         Ok(Self {
             log_entries: abi.log_entries,
@@ -499,17 +524,12 @@ impl ResizeCqPriv {
     pub fn parse(bytes: &[u8]) -> Result<Self, AbiError> {
         let abi: ResizeCqPrivAbi = read_exact("ResizeCqPrivAbi", bytes)?;
         ensure_zero("ResizeCqPrivAbi.reserved_at_0x11", &abi.reserved_at_0x11)?;
-        let expected = ring_bytes(
+        let expected = declared_ring_len(
             "ResizeCqPrivAbi.log_entries",
             u32::from(abi.log_entries) + u32::from(CQE_LOG_STRIDE),
+            "ResizeCqPrivAbi.ring_bytes",
+            abi.ring_bytes.get(),
         )?;
-        if abi.ring_bytes.get() != expected {
-            return Err(AbiError::BadLength {
-                field: "ResizeCqPrivAbi.ring_bytes",
-                declared: abi.ring_bytes.get(),
-                available: expected,
-            });
-        }
         let ring = UserRange::checked(
             "ResizeCqPrivAbi.ring_va",
             abi.ring_va.get(),
@@ -605,17 +625,12 @@ impl CreateQpPriv {
     pub fn parse(bytes: &[u8]) -> Result<Self, AbiError> {
         let abi: CreateQpPrivAbi = read_exact("CreateQpPrivAbi", bytes)?;
         ensure_zero("CreateQpPrivAbi.reserved_at_0x24", &abi.reserved_at_0x24)?;
-        let sq_len = ring_bytes(
+        let sq_len = declared_ring_len(
             "CreateQpPrivAbi.sq_log_bbs",
             u32::from(abi.sq_log_bbs) + BB_SIZE.trailing_zeros(),
+            "CreateQpPrivAbi.sq_bytes",
+            abi.sq_bytes.get().into(),
         )?;
-        if u64::from(abi.sq_bytes.get()) != sq_len {
-            return Err(AbiError::BadLength {
-                field: "CreateQpPrivAbi.sq_bytes",
-                declared: abi.sq_bytes.get().into(),
-                available: sq_len,
-            });
-        }
         if abi.log_wqe_bbs > abi.sq_log_bbs {
             return Err(AbiError::OutOfRange {
                 field: "CreateQpPrivAbi.log_wqe_bbs",
@@ -631,31 +646,16 @@ impl CreateQpPriv {
         let rq = if no_rq {
             None
         } else {
-            if usize::from(abi.rq_log_stride) < MIN_RECV_STRIDE.trailing_zeros() as usize {
-                return Err(AbiError::OutOfRange {
-                    field: "CreateQpPrivAbi.rq_log_stride",
-                    value: abi.rq_log_stride.into(),
-                });
-            }
-            let rq_len = ring_bytes(
+            check_recv_stride("CreateQpPrivAbi.rq_log_stride", abi.rq_log_stride)?;
+            let rq_len = declared_ring_len(
                 "CreateQpPrivAbi.rq_log_entries",
                 u32::from(abi.rq_log_entries) + u32::from(abi.rq_log_stride),
+                "CreateQpPrivAbi.rq_bytes",
+                abi.rq_bytes.get().into(),
             )?;
-            if u64::from(abi.rq_bytes.get()) != rq_len {
-                return Err(AbiError::BadLength {
-                    field: "CreateQpPrivAbi.rq_bytes",
-                    declared: abi.rq_bytes.get().into(),
-                    available: rq_len,
-                });
-            }
             let ring =
                 UserRange::checked("CreateQpPrivAbi.rq_va", abi.rq_va.get(), rq_len, RING_ALIGN)?;
-            let dbr = UserRange::checked(
-                "CreateQpPrivAbi.rq_dbr_va",
-                abi.rq_dbr_va.get(),
-                DBR_BYTES,
-                DBR_ALIGN,
-            )?;
+            let dbr = checked_dbr("CreateQpPrivAbi.rq_dbr_va", abi.rq_dbr_va.get())?;
             Some(UserRecvQueue {
                 log_entries: abi.rq_log_entries,
                 log_stride: abi.rq_log_stride,
@@ -857,35 +857,20 @@ impl CreateSrqPriv {
     pub fn parse(bytes: &[u8]) -> Result<Self, AbiError> {
         let abi: CreateSrqPrivAbi = read_exact("CreateSrqPrivAbi", bytes)?;
         ensure_zero("CreateSrqPrivAbi.reserved_at_0x16", &abi.reserved_at_0x16)?;
-        if usize::from(abi.log_stride) < MIN_RECV_STRIDE.trailing_zeros() as usize {
-            return Err(AbiError::OutOfRange {
-                field: "CreateSrqPrivAbi.log_stride",
-                value: abi.log_stride.into(),
-            });
-        }
-        let len = ring_bytes(
+        check_recv_stride("CreateSrqPrivAbi.log_stride", abi.log_stride)?;
+        let len = declared_ring_len(
             "CreateSrqPrivAbi.log_entries",
             u32::from(abi.log_entries) + u32::from(abi.log_stride),
+            "CreateSrqPrivAbi.ring_bytes",
+            abi.ring_bytes.get().into(),
         )?;
-        if u64::from(abi.ring_bytes.get()) != len {
-            return Err(AbiError::BadLength {
-                field: "CreateSrqPrivAbi.ring_bytes",
-                declared: abi.ring_bytes.get().into(),
-                available: len,
-            });
-        }
         let ring = UserRange::checked(
             "CreateSrqPrivAbi.ring_va",
             abi.ring_va.get(),
             len,
             RING_ALIGN,
         )?;
-        let dbr = UserRange::checked(
-            "CreateSrqPrivAbi.dbr_va",
-            abi.dbr_va.get(),
-            DBR_BYTES,
-            DBR_ALIGN,
-        )?;
+        let dbr = checked_dbr("CreateSrqPrivAbi.dbr_va", abi.dbr_va.get())?;
         disjoint("CreateSrqPrivAbi.dbr_va (overlaps the ring)", &[ring, dbr])?;
         Ok(Self {
             log_entries: abi.log_entries,
