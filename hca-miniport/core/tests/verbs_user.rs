@@ -152,6 +152,15 @@ impl Uvp {
         w.user_call_at::<V>(U, &self.caller, handle, input, private, 64)
     }
 
+    /// Makes one call without private data and asserts its status.
+    #[track_caller]
+    fn expect<V: Verb>(&self, w: &World, handle: u64, input: &V::In, status: IbStatus) {
+        assert_eq!(
+            status_of::<V>(&self.call::<V>(w, handle, input, &[])),
+            status
+        );
+    }
+
     fn alloc_pd(&self, w: &World) -> u64 {
         let c = self.call::<AllocPd>(w, self.ca, &Empty, &[]);
         let r = response::<AllocPd>(&c);
@@ -700,16 +709,11 @@ fn a_user_rc_qp_moves_data_both_ways_with_a_kernel_qp_on_another_hca() {
         comp_vector: 0,
     };
     let kcq = response::<CreateCq>(&w.call_in_dpc_at::<CreateCq>(U, KERNEL, kca, &attr, 0)).handle;
-    let c = uvp.call::<QueryCq>(&w, kcq, &Empty, &[]);
-    assert_eq!(status_of::<QueryCq>(&c), IbStatus::InvalidCqHandle);
-    let c = uvp.call::<DestroyCq>(&w, kcq, &Empty, &[]);
-    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::InvalidCqHandle);
-    let c = uvp.call::<DeallocPd>(&w, kpd, &Empty, &[]);
-    assert_eq!(status_of::<DeallocPd>(&c), IbStatus::InvalidPdHandle);
-    let c = uvp.call::<AllocPd>(&w, kca, &Empty, &[]);
-    assert_eq!(status_of::<AllocPd>(&c), IbStatus::InvalidCaHandle);
-    let c = uvp.call::<CloseCa>(&w, kca, &Empty, &[]);
-    assert_eq!(status_of::<CloseCa>(&c), IbStatus::InvalidCaHandle);
+    uvp.expect::<QueryCq>(&w, kcq, &Empty, IbStatus::InvalidCqHandle);
+    uvp.expect::<DestroyCq>(&w, kcq, &Empty, IbStatus::InvalidCqHandle);
+    uvp.expect::<DeallocPd>(&w, kpd, &Empty, IbStatus::InvalidPdHandle);
+    uvp.expect::<AllocPd>(&w, kca, &Empty, IbStatus::InvalidCaHandle);
+    uvp.expect::<CloseCa>(&w, kca, &Empty, IbStatus::InvalidCaHandle);
     // The kernel sees the user's objects (kernel requests see everything)
     // but its CA stays its own: the user QP is not on its CA to close.
     assert_eq!(
@@ -754,16 +758,12 @@ fn a_user_rc_qp_moves_data_both_ways_with_a_kernel_qp_on_another_hca() {
     );
     assert_eq!(status_of::<CreateQp>(&c), IbStatus::InvalidCqHandle);
     // User AVs are the provider's: a user CreateAv reaching the kernel.
-    let c = uvp.call::<CreateAv>(&w, pd, &av_to(ips[K]), &[]);
-    assert_eq!(status_of::<CreateAv>(&c), IbStatus::Unsupported);
+    uvp.expect::<CreateAv>(&w, pd, &av_to(ips[K]), IbStatus::Unsupported);
 
     // Destroy through the user path; the CQ is busy while the QP lives.
-    let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
-    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::ResourceBusy);
-    let c = uvp.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
-    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
-    let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
-    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::Success);
+    uvp.expect::<DestroyCq>(&w, cq.handle, &Empty, IbStatus::ResourceBusy);
+    uvp.expect::<DestroyQp>(&w, qp.handle, &Empty, IbStatus::Success);
+    uvp.expect::<DestroyCq>(&w, cq.handle, &Empty, IbStatus::Success);
     uvp.dereg(&w, &region);
 
     // Close the other context with its CQ and PD still live: everything
@@ -1260,8 +1260,7 @@ fn a_user_ud_qp_exchanges_datagrams_and_close_takes_live_objects_with_it() {
     assert_eq!(w.hca_at(U).user_context_count(), 0);
     // Its handles are gone; a second close is refused.
     assert_eq!(uvp.close(&w), IbStatus::InvalidCaHandle);
-    let c = uvp.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
-    assert_eq!(status_of::<QueryQp>(&c), IbStatus::InvalidQpHandle);
+    uvp.expect::<QueryQp>(&w, qp.handle, &Empty, IbStatus::InvalidQpHandle);
     // The doorbell page is gone from the process.
     assert!(uvp.process().write_device64(uvp.doorbell, 0).is_err());
     assert_eq!(uvp.process().exit(), 0);
@@ -1321,8 +1320,7 @@ fn a_user_rc_qp_receives_through_a_user_srq() {
         max_wr: None,
         srq_limit: Some(2),
     };
-    let c = uvp.call::<ModifySrq>(&w, srq, &arm, &[]);
-    assert_eq!(status_of::<ModifySrq>(&c), IbStatus::Success);
+    uvp.expect::<ModifySrq>(&w, srq, &arm, IbStatus::Success);
 
     // An RC QP on it: no receive queue of its own.
     let sq = p.alloc(512).unwrap();
@@ -1368,8 +1366,7 @@ fn a_user_rc_qp_receives_through_a_user_srq() {
     assert_eq!(k.poll(&w).len(), 1);
 
     // Busy while the QP uses it; the close takes QP, SRQ, CQ and PD.
-    let c = uvp.call::<DestroySrq>(&w, srq, &Empty, &[]);
-    assert_eq!(status_of::<DestroySrq>(&c), IbStatus::ResourceBusy);
+    uvp.expect::<DestroySrq>(&w, srq, &Empty, IbStatus::ResourceBusy);
     uvp.dereg(&w, &region);
     assert_eq!(uvp.close(&w), IbStatus::Success);
     assert_eq!(p.space().locked_pages(), 0);
@@ -2107,8 +2104,7 @@ fn user_windows_bound_by_user_wqes_rereg_and_shared_regions_work_and_old_keys_ar
     uvp.process().read(a_buf + 1024, &mut got).unwrap();
     assert_eq!(got, data);
     // A region with a window bound is not deregistered.
-    let c = uvp.call::<DeregMr>(&w, a_mr, &Empty, &[]);
-    assert_eq!(status_of::<DeregMr>(&c), IbStatus::ResourceBusy);
+    uvp.expect::<DeregMr>(&w, a_mr, &Empty, IbStatus::ResourceBusy);
 
     // Re-registration of region B to a new range C of the process: new
     // keys, B's pages unlocked, C's locked with the caller's locker.
@@ -2133,8 +2129,7 @@ fn user_windows_bound_by_user_wqes_rereg_and_shared_regions_work_and_old_keys_ar
         pd: Some(PdHandle::from_raw(other_pd)),
         ..MrRereg::default()
     };
-    let c = uvp.call::<ReregMr>(&w, b.handle, &to_other, &[]);
-    assert_eq!(status_of::<ReregMr>(&c), IbStatus::InvalidPdHandle);
+    uvp.expect::<ReregMr>(&w, b.handle, &to_other, IbStatus::InvalidPdHandle);
     let c = uvp.call::<ReregMr>(&w, b.handle, &rereg, &[]);
     let r = response::<ReregMr>(&c);
     assert_eq!(r.status, IbStatus::Success);
@@ -2276,8 +2271,7 @@ fn a_user_ud_qp_joins_a_multicast_group_and_leaves_it_on_detach_destroy_and_clos
     // Only the owner attaches its QP, and only a UD QP.
     let c = other.call::<AttachMcast>(&w, qp.handle, &group, &[]);
     assert_eq!(status_of::<AttachMcast>(&c), IbStatus::InvalidQpHandle);
-    let c = uvp.call::<AttachMcast>(&w, rc_qp.handle, &group, &[]);
-    assert_eq!(status_of::<AttachMcast>(&c), IbStatus::InvalidServiceType);
+    uvp.expect::<AttachMcast>(&w, rc_qp.handle, &group, IbStatus::InvalidServiceType);
     let c = uvp.call::<AttachMcast>(&w, qp.handle, &group, &[]);
     let r = response::<AttachMcast>(&c);
     assert_eq!(r.status, IbStatus::Success);
@@ -2302,10 +2296,8 @@ fn a_user_ud_qp_joins_a_multicast_group_and_leaves_it_on_detach_destroy_and_clos
     // arrives.
     let c = other.call::<DetachMcast>(&w, membership, &Empty, &[]);
     assert_eq!(status_of::<DetachMcast>(&c), IbStatus::InvalidMcastHandle);
-    let c = uvp.call::<DetachMcast>(&w, membership, &Empty, &[]);
-    assert_eq!(status_of::<DetachMcast>(&c), IbStatus::Success);
-    let c = uvp.call::<DetachMcast>(&w, membership, &Empty, &[]);
-    assert_eq!(status_of::<DetachMcast>(&c), IbStatus::InvalidMcastHandle);
+    uvp.expect::<DetachMcast>(&w, membership, &Empty, IbStatus::Success);
+    uvp.expect::<DetachMcast>(&w, membership, &Empty, IbStatus::InvalidMcastHandle);
     uvp.post_recv(&mut qp, &[Sge::new(buf + 4096, 2048, region.lkey)]);
     assert_eq!(
         kernel_send_to_group(&w, &k, &payload, GROUP),
@@ -2316,10 +2308,8 @@ fn a_user_ud_qp_joins_a_multicast_group_and_leaves_it_on_detach_destroy_and_clos
     // Attached again, then the QP destroyed: the membership goes with it.
     let c = uvp.call::<AttachMcast>(&w, qp.handle, &group, &[]);
     let again = response::<AttachMcast>(&c).handle;
-    let c = uvp.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
-    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
-    let c = uvp.call::<DetachMcast>(&w, again, &Empty, &[]);
-    assert_eq!(status_of::<DetachMcast>(&c), IbStatus::InvalidMcastHandle);
+    uvp.expect::<DestroyQp>(&w, qp.handle, &Empty, IbStatus::Success);
+    uvp.expect::<DetachMcast>(&w, again, &Empty, IbStatus::InvalidMcastHandle);
     // The receive the destroyed QP never consumed is flushed.
     let flushed = uvp.poll(&mut cq);
     assert_eq!(flushed.len(), 1);
@@ -2334,8 +2324,7 @@ fn a_user_ud_qp_joins_a_multicast_group_and_leaves_it_on_detach_destroy_and_clos
     for m in to_rts(QpType::Ud, 0, [0; 4]) {
         assert_eq!(uvp.modify(&w, last.handle, &m), IbStatus::Success);
     }
-    let c = uvp.call::<AttachMcast>(&w, last.handle, &group, &[]);
-    assert_eq!(status_of::<AttachMcast>(&c), IbStatus::Success);
+    uvp.expect::<AttachMcast>(&w, last.handle, &group, IbStatus::Success);
     uvp.post_recv(&mut last, &[Sge::new(buf, 2048, region.lkey)]);
     assert_eq!(
         kernel_send_to_group(&w, &k, &payload, GROUP),
@@ -2503,8 +2492,7 @@ fn hostile_resize_records_and_region_changes_are_refused_and_change_nothing() {
             translation: Some((va, 4096)),
             ..MrRereg::default()
         };
-        let c = uvp.call::<ReregMr>(&w, region.handle, &rereg, &[]);
-        assert_eq!(status_of::<ReregMr>(&c), IbStatus::InvalidPermission);
+        uvp.expect::<ReregMr>(&w, region.handle, &rereg, IbStatus::InvalidPermission);
         assert_eq!(footprint(&w, &uvp), before);
         let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, region.handle, &Empty, &[]);
         let now = response::<ib_types::ioctl::QueryMr>(&c).output.unwrap();
@@ -2521,8 +2509,7 @@ fn hostile_resize_records_and_region_changes_are_refused_and_change_nothing() {
         rkey: ib_types::wr::RKey::new(0),
     };
     for target in [kpd, other_pd, cq.handle] {
-        let c = uvp.call::<AllocMw>(&w, target, &attr, &[]);
-        assert_eq!(status_of::<AllocMw>(&c), IbStatus::InvalidPdHandle);
+        uvp.expect::<AllocMw>(&w, target, &attr, IbStatus::InvalidPdHandle);
     }
     assert_eq!(footprint(&w, &uvp), before);
 
@@ -2547,6 +2534,35 @@ fn hostile_resize_records_and_region_changes_are_refused_and_change_nothing() {
     w.finish();
 }
 
+/// The two events a user context hears when its CQ and QP are lost (in
+/// any order): the CQ's error and the QP's fatal error.
+#[track_caller]
+fn assert_told_cq_error_and_qp_fatal(
+    mut told: Vec<(ib_types::event::AsyncEventCode, u64)>,
+    cq: &UserCq,
+    qp: &UserQp,
+) {
+    use ib_types::event::AsyncEventCode;
+    told.sort_by_key(|(_, handle)| *handle);
+    let mut expected = vec![
+        (AsyncEventCode::CqError, cq.handle),
+        (AsyncEventCode::QpFatal, qp.handle),
+    ];
+    expected.sort_by_key(|(_, handle)| *handle);
+    assert_eq!(told, expected);
+}
+
+/// Destroys the QP and its CQ, closes the context, and checks that the
+/// process is left with nothing locked and exits cleanly.
+#[track_caller]
+fn destroy_close_and_exit(w: &World, uvp: &Uvp, qp: &UserQp, cq: &UserCq) {
+    uvp.expect::<DestroyQp>(w, qp.handle, &Empty, IbStatus::Success);
+    uvp.expect::<DestroyCq>(w, cq.handle, &Empty, IbStatus::Success);
+    assert_eq!(uvp.close(w), IbStatus::Success);
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    assert_eq!(uvp.process().exit(), 0);
+}
+
 #[test]
 fn user_objects_do_not_survive_sleep_their_process_is_told_and_they_still_free() {
     // Sleep and resume under a live user context (`verbs::restore`): its
@@ -2554,7 +2570,6 @@ fn user_objects_do_not_survive_sleep_their_process_is_told_and_they_still_free()
     // the provider), so the process hears of each through GetAsyncEvent,
     // the QP reads ERR, its region keeps its key, and destroy and close
     // free everything.
-    use ib_types::event::AsyncEventCode;
     use ib_types::ioctl::GetAsyncEvent;
     let (w, _) = two_hcas(79);
     let uvp = Uvp::open(&w, 12);
@@ -2582,33 +2597,20 @@ fn user_objects_do_not_survive_sleep_their_process_is_told_and_they_still_free()
     let c = next.completion().expect("the second event was queued");
     let record = response::<GetAsyncEvent>(&c).output.unwrap();
     told.push((record.code, record.handle));
-    told.sort_by_key(|(_, handle)| *handle);
-    let mut expected = vec![
-        (AsyncEventCode::CqError, cq.handle),
-        (AsyncEventCode::QpFatal, qp.handle),
-    ];
-    expected.sort_by_key(|(_, handle)| *handle);
-    assert_eq!(told, expected);
+    assert_told_cq_error_and_qp_fatal(told, &cq, &qp);
     let c = uvp.call::<QueryQp>(&w, qp.handle, &Empty, &[]);
     assert_eq!(response::<QueryQp>(&c).output.unwrap().state, QpState::Err);
     let c = uvp.call::<ib_types::ioctl::QueryMr>(&w, region.handle, &Empty, &[]);
     let keys = response::<ib_types::ioctl::QueryMr>(&c).output.unwrap();
     assert_eq!(keys.keys.lkey, region.lkey);
 
-    let c = uvp.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
-    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
-    let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
-    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::Success);
-    assert_eq!(uvp.close(&w), IbStatus::Success);
-    assert_eq!(uvp.process().space().locked_pages(), 0);
-    assert_eq!(uvp.process().exit(), 0);
+    destroy_close_and_exit(&w, &uvp, &qp, &cq);
     w.finish();
 }
 
 #[test]
 fn a_catastrophic_error_tells_a_user_context_and_its_objects_still_free() {
     use hca_prm::regs::FatalSyndrome;
-    use ib_types::event::AsyncEventCode;
     use ib_types::ioctl::GetAsyncEvent;
     let (w, _) = two_hcas(83);
     let uvp = Uvp::open(&w, 13);
@@ -2625,21 +2627,9 @@ fn a_catastrophic_error_tells_a_user_context_and_its_objects_still_free() {
         .completion()
         .expect("the second event was queued");
     let second = response::<GetAsyncEvent>(&c).output.unwrap();
-    let mut told = vec![(first.code, first.handle), (second.code, second.handle)];
-    told.sort_by_key(|(_, handle)| *handle);
-    let mut expected = vec![
-        (AsyncEventCode::CqError, cq.handle),
-        (AsyncEventCode::QpFatal, qp.handle),
-    ];
-    expected.sort_by_key(|(_, handle)| *handle);
-    assert_eq!(told, expected);
-    let c = uvp.call::<DestroyQp>(&w, qp.handle, &Empty, &[]);
-    assert_eq!(status_of::<DestroyQp>(&c), IbStatus::Success);
-    let c = uvp.call::<DestroyCq>(&w, cq.handle, &Empty, &[]);
-    assert_eq!(status_of::<DestroyCq>(&c), IbStatus::Success);
-    assert_eq!(uvp.close(&w), IbStatus::Success);
-    assert_eq!(uvp.process().space().locked_pages(), 0);
-    assert_eq!(uvp.process().exit(), 0);
+    let told = vec![(first.code, first.handle), (second.code, second.handle)];
+    assert_told_cq_error_and_qp_fatal(told, &cq, &qp);
+    destroy_close_and_exit(&w, &uvp, &qp, &cq);
     w.finish();
 }
 
@@ -2673,13 +2663,11 @@ fn user_modify_ca_is_refused_by_policy_and_changes_no_port() {
     )
     .unwrap();
     // On its own context: refused by policy, no port changed.
-    let c = uvp.call::<ModifyCa>(&w, uvp.ca, &set_sm, &[]);
-    assert_eq!(status_of::<ModifyCa>(&c), IbStatus::InvalidPermission);
+    uvp.expect::<ModifyCa>(&w, uvp.ca, &set_sm, IbStatus::InvalidPermission);
     // Another process's context and the kernel's CA are not its handles.
     let c = other.call::<ModifyCa>(&w, uvp.ca, &set_sm, &[]);
     assert_eq!(status_of::<ModifyCa>(&c), IbStatus::InvalidCaHandle);
-    let c = uvp.call::<ModifyCa>(&w, kca, &set_sm, &[]);
-    assert_eq!(status_of::<ModifyCa>(&c), IbStatus::InvalidCaHandle);
+    uvp.expect::<ModifyCa>(&w, kca, &set_sm, IbStatus::InvalidCaHandle);
     assert_eq!([port_caps(1), port_caps(2)], before);
     assert_eq!(footprint(&w, &uvp), footprint_before);
     // The kernel client (the access layer) still may.
