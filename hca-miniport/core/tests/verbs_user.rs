@@ -1375,21 +1375,31 @@ fn a_user_rc_qp_receives_through_a_user_srq() {
     w.finish();
 }
 
-/// Issues a user WaitCqEvent on `cq` and returns the issuer's handle
-/// (the request may stay pending).
-fn wait_cq(w: &World, uvp: &Uvp, cq: u64) -> sim_host::request::RequestHandle {
-    use ib_types::ioctl::{WaitCqEvent, encode_request, request_len, response_len};
-    let mut bytes = vec![0; request_len::<WaitCqEvent>(0).unwrap()];
-    encode_request::<WaitCqEvent>(cq, &Empty, &[], 0, &mut bytes).unwrap();
+/// Submits `V` (no input, no private data) as a raw user request from
+/// `uvp`'s caller and returns the issuer's handle (it may stay pending).
+fn submit_user_raw<V: Verb<In = Empty>>(
+    w: &World,
+    uvp: &Uvp,
+    handle: u64,
+) -> sim_host::request::RequestHandle {
+    use ib_types::ioctl::{encode_request, request_len, response_len};
+    let mut bytes = vec![0; request_len::<V>(0).unwrap()];
+    encode_request::<V>(handle, &Empty, &[], 0, &mut bytes).unwrap();
     let (request, issuer) = w.raw_request(
-        WaitCqEvent::ID.ioctl().raw(),
+        V::ID.ioctl().raw(),
         RequestorMode::User,
         bytes,
-        response_len::<WaitCqEvent>(0).unwrap(),
+        response_len::<V>(0).unwrap(),
     );
     w.hca_at(U).submit_user_request(request, uvp.caller.clone());
     w.settle();
     issuer
+}
+
+/// Issues a user WaitCqEvent on `cq` and returns the issuer's handle
+/// (the request may stay pending).
+fn wait_cq(w: &World, uvp: &Uvp, cq: u64) -> sim_host::request::RequestHandle {
+    submit_user_raw::<ib_types::ioctl::WaitCqEvent>(w, uvp, cq)
 }
 
 #[test]
@@ -1479,18 +1489,7 @@ fn wait_cq_event_completes_on_the_armed_cqs_event_and_is_cancellable() {
 /// Issues a user GetAsyncEvent on the context and returns the issuer's
 /// handle (the request may stay pending).
 fn get_async_event(w: &World, uvp: &Uvp) -> sim_host::request::RequestHandle {
-    use ib_types::ioctl::{GetAsyncEvent, encode_request, request_len, response_len};
-    let mut bytes = vec![0; request_len::<GetAsyncEvent>(0).unwrap()];
-    encode_request::<GetAsyncEvent>(uvp.ca, &Empty, &[], 0, &mut bytes).unwrap();
-    let (request, issuer) = w.raw_request(
-        GetAsyncEvent::ID.ioctl().raw(),
-        RequestorMode::User,
-        bytes,
-        response_len::<GetAsyncEvent>(0).unwrap(),
-    );
-    w.hca_at(U).submit_user_request(request, uvp.caller.clone());
-    w.settle();
-    issuer
+    submit_user_raw::<ib_types::ioctl::GetAsyncEvent>(w, uvp, uvp.ca)
 }
 
 #[test]
