@@ -407,6 +407,35 @@ fn to_rts(qp_type: QpType, dest: u32, dest_ip: [u8; 4]) -> Vec<QpModify> {
     }
 }
 
+/// Takes a user RC QP (`(handle, qpn)`) and the kernel's RC QP to RTS,
+/// each aimed at the other.
+#[track_caller]
+fn connect_rc(w: &World, uvp: &Uvp, (qp, qpn): (u64, u32), k: &Kernel, ips: [[u8; 4]; 2]) {
+    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
+        assert_eq!(uvp.modify(w, qp, &m), IbStatus::Success);
+    }
+    for m in to_rts(QpType::Rc, qpn, ips[U]) {
+        assert_eq!(k.modify(w, &m), IbStatus::Success);
+    }
+}
+
+/// Frees a kernel CQ, PD and CA on the user-side HCA, in that order.
+#[track_caller]
+fn free_kernel_cq_pd_and_ca(w: &World, kcq: u64, kpd: u64, kca: u64) {
+    assert_eq!(
+        status_of::<DestroyCq>(&w.call_in_dpc_at::<DestroyCq>(U, KERNEL, kcq, &Empty, 0)),
+        IbStatus::Success
+    );
+    assert_eq!(
+        status_of::<DeallocPd>(&w.call_in_dpc_at::<DeallocPd>(U, KERNEL, kpd, &Empty, 0)),
+        IbStatus::Success
+    );
+    assert_eq!(
+        status_of::<CloseCa>(&w.call_in_dpc_at::<CloseCa>(U, KERNEL, kca, &Empty, 0)),
+        IbStatus::Success
+    );
+}
+
 /// The kernel client on HCA `K`: CA, PD, CQ, one QP and a registered
 /// common buffer.
 struct Kernel {
@@ -609,12 +638,7 @@ fn a_user_rc_qp_moves_data_both_ways_with_a_kernel_qp_on_another_hca() {
     let c = uvp.call::<QueryCq>(&w, cq.handle, &Empty, &[]);
     assert_eq!(response::<QueryCq>(&c).output.unwrap().cqe, 16);
 
-    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
-        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
-    }
-    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
-        assert_eq!(k.modify(&w, &m), IbStatus::Success);
-    }
+    connect_rc(&w, &uvp, (qp.handle, qp.qpn), &k, ips);
 
     // The user's buffer: 8 KiB of process memory, registered.
     let buf = uvp.process().alloc(8192).unwrap();
@@ -716,18 +740,7 @@ fn a_user_rc_qp_moves_data_both_ways_with_a_kernel_qp_on_another_hca() {
     uvp.expect::<CloseCa>(&w, kca, &Empty, IbStatus::InvalidCaHandle);
     // The kernel sees the user's objects (kernel requests see everything)
     // but its CA stays its own: the user QP is not on its CA to close.
-    assert_eq!(
-        status_of::<DestroyCq>(&w.call_in_dpc_at::<DestroyCq>(U, KERNEL, kcq, &Empty, 0)),
-        IbStatus::Success
-    );
-    assert_eq!(
-        status_of::<DeallocPd>(&w.call_in_dpc_at::<DeallocPd>(U, KERNEL, kpd, &Empty, 0)),
-        IbStatus::Success
-    );
-    assert_eq!(
-        status_of::<CloseCa>(&w.call_in_dpc_at::<CloseCa>(U, KERNEL, kca, &Empty, 0)),
-        IbStatus::Success
-    );
+    free_kernel_cq_pd_and_ca(&w, kcq, kpd, kca);
     // A QP over another context's CQ and PD.
     let other_pd = other.alloc_pd(&w);
     let other_cq = other.create_cq(&w, 3);
@@ -1339,12 +1352,7 @@ fn a_user_rc_qp_receives_through_a_user_srq() {
     assert_eq!(r.status, IbStatus::Success);
     let (qp, qpn) = (r.handle, r.output.unwrap().qpn.get());
     let k = Kernel::new(&w, QpType::Rc);
-    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
-        assert_eq!(uvp.modify(&w, qp, &m), IbStatus::Success);
-    }
-    for m in to_rts(QpType::Rc, qpn, ips[U]) {
-        assert_eq!(k.modify(&w, &m), IbStatus::Success);
-    }
+    connect_rc(&w, &uvp, (qp, qpn), &k, ips);
 
     // The provider posts to the SRQ ring and its record; the kernel sends.
     let buf = p.alloc(4096).unwrap();
@@ -1411,12 +1419,7 @@ fn wait_cq_event_completes_on_the_armed_cqs_event_and_is_cancellable() {
     let mut cq = uvp.create_cq(&w, 4);
     let mut qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
     let k = Kernel::new(&w, QpType::Rc);
-    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
-        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
-    }
-    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
-        assert_eq!(k.modify(&w, &m), IbStatus::Success);
-    }
+    connect_rc(&w, &uvp, (qp.handle, qp.qpn), &k, ips);
     let buf = uvp.process().alloc(4096).unwrap();
     let region = uvp.register(&w, pd, buf, 4096);
     let cqn = cq.cqn;
@@ -1502,12 +1505,7 @@ fn a_user_qps_access_error_reaches_its_process_as_an_async_event() {
     let cq = uvp.create_cq(&w, 4);
     let qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
     let k = Kernel::new(&w, QpType::Rc);
-    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
-        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
-    }
-    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
-        assert_eq!(k.modify(&w, &m), IbStatus::Success);
-    }
+    connect_rc(&w, &uvp, (qp.handle, qp.qpn), &k, ips);
 
     // A wait posted before the event.
     let waiting = get_async_event(&w, &uvp);
@@ -1789,12 +1787,7 @@ fn a_user_cq_resized_under_traffic_loses_no_completion_and_a_failed_resize_keeps
     let mut cq = uvp.create_cq(&w, 3);
     let mut qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
     let k = Kernel::new(&w, QpType::Rc);
-    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
-        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
-    }
-    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
-        assert_eq!(k.modify(&w, &m), IbStatus::Success);
-    }
+    connect_rc(&w, &uvp, (qp.handle, qp.qpn), &k, ips);
     let buf = uvp.process().alloc(8 * 512).unwrap();
     let region = uvp.register(&w, pd, buf, 8 * 512);
     // Message `n` is `100 + n` bytes: a completion's length names it.
@@ -2021,12 +2014,7 @@ fn user_windows_bound_by_user_wqes_rereg_and_shared_regions_work_and_old_keys_ar
     let mut cq = uvp.create_cq(&w, 4);
     let mut qp = uvp.create_qp(&w, QpType::Rc, pd, &cq);
     let k = Kernel::new(&w, QpType::Rc);
-    for m in to_rts(QpType::Rc, k.qpn, ips[K]) {
-        assert_eq!(uvp.modify(&w, qp.handle, &m), IbStatus::Success);
-    }
-    for m in to_rts(QpType::Rc, qp.qpn, ips[U]) {
-        assert_eq!(k.modify(&w, &m), IbStatus::Success);
-    }
+    connect_rc(&w, &uvp, (qp.handle, qp.qpn), &k, ips);
 
     // Region A allows binding; a type 2 window in the same PD.
     let a_buf = uvp.process().alloc(8192).unwrap();
@@ -2515,18 +2503,7 @@ fn hostile_resize_records_and_region_changes_are_refused_and_change_nothing() {
     // After all that, a valid resize works.
     let mut cq = cq;
     assert_eq!(resize(&w, &uvp, &mut cq, 5), IbStatus::Success);
-    assert_eq!(
-        status_of::<DestroyCq>(&w.call_in_dpc_at::<DestroyCq>(U, KERNEL, kcq, &Empty, 0)),
-        IbStatus::Success
-    );
-    assert_eq!(
-        status_of::<DeallocPd>(&w.call_in_dpc_at::<DeallocPd>(U, KERNEL, kpd, &Empty, 0)),
-        IbStatus::Success
-    );
-    assert_eq!(
-        status_of::<CloseCa>(&w.call_in_dpc_at::<CloseCa>(U, KERNEL, kca, &Empty, 0)),
-        IbStatus::Success
-    );
+    free_kernel_cq_pd_and_ca(&w, kcq, kpd, kca);
     assert_eq!(uvp.close(&w), IbStatus::Success);
     assert_eq!(other.close(&w), IbStatus::Success);
     assert_eq!(uvp.process().exit(), 0);
