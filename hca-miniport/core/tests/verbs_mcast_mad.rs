@@ -11,11 +11,10 @@ use driver_platform::RequestorMode;
 use hca_miniport_core::verbs::qp::SendRequest;
 use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
-use ib_types::cq::CqAttr;
 use ib_types::handle::{AvHandle, CqHandle, PdHandle};
 use ib_types::ioctl::{
-    AllocPd, AttachMcast, CreateCq, CreateQp, DeallocPd, DeregMr, DestroyCq, DestroyQp,
-    DetachMcast, Empty, LocalMad, LocalMadIn, MAD_SIZE, ModifyQp, OpenCa, OpenCaIn, RegMr,
+    AttachMcast, CreateQp, DeregMr, DestroyQp, DetachMcast, Empty, LocalMad, LocalMadIn, MAD_SIZE,
+    ModifyQp, RegMr,
 };
 use ib_types::mcast::McastGroup;
 use ib_types::mr::{MrKeys, MrRegister};
@@ -25,6 +24,7 @@ use ib_types::status::IbStatus;
 use ib_types::wc::{WcStatus, WorkCompletion};
 use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge, UdDest};
 use sim_host::memory::PoolBlock;
+use support::kernel_pair::{Setup, setup, teardown};
 use support::{World, response};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;
@@ -39,46 +39,7 @@ const QKEY: u32 = 0x2222;
 const MULTICAST_QPN: u32 = 0xFF_FFFF;
 
 fn two_hcas(seed: u64) -> (World, [usize; 2]) {
-    use sim_hca::device::DeviceConfig;
-    let configs = vec![
-        DeviceConfig::with_ports(GUIDS[0], &HCA_IPS[0]),
-        DeviceConfig::with_ports(GUIDS[1], &HCA_IPS[1]),
-    ];
-    let w = World::with_hcas(seed, configs, hca_miniport_core::init::HcaConfig::default());
-    let guid = |i: usize| w.hca_at(i).report().unwrap().capabilities.node_guid.get();
-    let first = if guid(0) == GUIDS[0] { 0 } else { 1 };
-    for i in 0..2 {
-        w.install_kernel_locker(i);
-    }
-    (w, [first, 1 - first])
-}
-
-struct Setup {
-    i: usize,
-    ca: u64,
-    pd: u64,
-    cq: u64,
-}
-
-fn setup(w: &World, i: usize) -> Setup {
-    let r = w.call_in_dpc_at::<OpenCa>(i, KERNEL, 0, &OpenCaIn::CURRENT, 0);
-    let ca = response::<OpenCa>(&r).handle;
-    let r = w.call_in_dpc_at::<AllocPd>(i, KERNEL, ca, &Empty, 0);
-    let pd = response::<AllocPd>(&r).handle;
-    let attr = CqAttr {
-        cqe: 64,
-        comp_vector: 0,
-    };
-    let r = w.call_in_dpc_at::<CreateCq>(i, KERNEL, ca, &attr, 0);
-    let cq = response::<CreateCq>(&r).handle;
-    Setup { i, ca, pd, cq }
-}
-
-fn teardown(w: &World, s: &Setup) {
-    let r = w.call_in_dpc_at::<DestroyCq>(s.i, KERNEL, s.cq, &Empty, 0);
-    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
-    let r = w.call_in_dpc_at::<DeallocPd>(s.i, KERNEL, s.pd, &Empty, 0);
-    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    support::kernel_pair::two_two_port_hcas(seed, GUIDS, &HCA_IPS)
 }
 
 /// Kernel memory registered with RegMr for local access.

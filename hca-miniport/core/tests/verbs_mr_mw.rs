@@ -11,11 +11,10 @@ use driver_platform::RequestorMode;
 use hca_miniport_core::verbs::qp::SendRequest;
 use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
-use ib_types::cq::CqAttr;
 use ib_types::handle::{CqHandle, MwHandle, PdHandle};
 use ib_types::ioctl::{
-    AllocMw, AllocPd, CreateCq, CreateQp, DeallocMw, DeallocPd, DeregMr, DestroyCq, DestroyQp,
-    Empty, ModifyQp, OpenCa, OpenCaIn, QueryMr, QueryMw, RegMr, RegPhysMr, RegSharedMr, ReregMr,
+    AllocMw, AllocPd, CreateQp, DeallocMw, DeallocPd, DeregMr, DestroyQp, Empty, ModifyQp, QueryMr,
+    QueryMw, RegMr, RegPhysMr, RegSharedMr, ReregMr,
 };
 use ib_types::mr::{MrKeys, MrRegister, MrRereg, MrShare, MwAttr, MwType, PhysMrRegister};
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
@@ -24,6 +23,7 @@ use ib_types::status::IbStatus;
 use ib_types::wc::{WcOpcode, WcStatus, WorkCompletion};
 use ib_types::wr::{MwBind, RKey, RemoteAddr, SendFlags, SendOp, SendWr, Sge};
 use sim_host::memory::PoolBlock;
+use support::kernel_pair::{Setup, setup, teardown};
 use support::{World, response};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;
@@ -38,38 +38,7 @@ const GUIDS: [u64; 2] = [0x0002_C900_0000_2000, 0x0002_C900_0000_3000];
 /// A host with two two-port HCAs on one fabric, kernel lockers installed;
 /// returns it and each HCA's index in `GUIDS` order.
 fn two_hcas(seed: u64) -> (World, [usize; 2]) {
-    use sim_hca::device::DeviceConfig;
-    let configs = vec![
-        DeviceConfig::with_ports(GUIDS[0], &HCA_IPS[0]),
-        DeviceConfig::with_ports(GUIDS[1], &HCA_IPS[1]),
-    ];
-    let w = World::with_hcas(seed, configs, hca_miniport_core::init::HcaConfig::default());
-    let guid = |i: usize| w.hca_at(i).report().unwrap().capabilities.node_guid.get();
-    let first = if guid(0) == GUIDS[0] { 0 } else { 1 };
-    for i in 0..2 {
-        w.install_kernel_locker(i);
-    }
-    (w, [first, 1 - first])
-}
-
-struct Setup {
-    i: usize,
-    ca: u64,
-    pd: u64,
-    cq: u64,
-}
-
-fn setup(w: &World, i: usize) -> Setup {
-    let r = w.call_in_dpc_at::<OpenCa>(i, KERNEL, 0, &OpenCaIn::CURRENT, 0);
-    let ca = response::<OpenCa>(&r).handle;
-    let pd = alloc_pd(w, i, ca);
-    let attr = CqAttr {
-        cqe: 64,
-        comp_vector: 0,
-    };
-    let r = w.call_in_dpc_at::<CreateCq>(i, KERNEL, ca, &attr, 0);
-    let cq = response::<CreateCq>(&r).handle;
-    Setup { i, ca, pd, cq }
+    support::kernel_pair::two_two_port_hcas(seed, GUIDS, &HCA_IPS)
 }
 
 fn alloc_pd(w: &World, i: usize, ca: u64) -> u64 {
@@ -82,12 +51,6 @@ fn alloc_pd(w: &World, i: usize, ca: u64) -> u64 {
 fn dealloc_pd(w: &World, i: usize, pd: u64) -> IbStatus {
     let r = w.call_in_dpc_at::<DeallocPd>(i, KERNEL, pd, &Empty, 0);
     response::<DeallocPd>(&r).status
-}
-
-fn teardown(w: &World, s: &Setup) {
-    let r = w.call_in_dpc_at::<DestroyCq>(s.i, KERNEL, s.cq, &Empty, 0);
-    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
-    assert_eq!(dealloc_pd(w, s.i, s.pd), IbStatus::Success);
 }
 
 const ALL_RIGHTS: AccessFlags = AccessFlags::LOCAL_WRITE

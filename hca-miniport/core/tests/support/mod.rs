@@ -485,3 +485,6 @@ impl World {
         lock(&self.sinks)[i].clone()
     }
 }
+
+/// Shared start of the two-HCA kernel verbs tests.
+pub(crate) mod kernel_pair;
