@@ -294,6 +294,15 @@ fn pair(w: &World, sa: &Setup, sb: &Setup) -> (u64, u64) {
     (a, b)
 }
 
+/// Destroys a pair made by [`pair`] and drains both CQs of what the
+/// destroyed QPs left there.
+fn unpair(w: &World, sa: &Setup, sb: &Setup, (a, b): (u64, u64)) {
+    destroy_qp(w, sa.i, a);
+    destroy_qp(w, sb.i, b);
+    let _ = poll_all(w, sa.i, sa.cq);
+    let _ = poll_all(w, sb.i, sb.cq);
+}
+
 /// Which of `GUIDS` the setup's HCA has.
 fn sb_index(w: &World, s: &Setup) -> usize {
     let guid = w.hca_at(s.i).report().unwrap().capabilities.node_guid.get();
@@ -502,10 +511,7 @@ fn rdma_atomics_shared_and_reregistered_regions_through_the_mr_verbs() {
     assert_eq!(by.read(9000, 1024), again, "nothing written");
     let _ = poll_all(&w, y, sy.cq);
 
-    destroy_qp(&w, x, a);
-    destroy_qp(&w, y, b);
-    let _ = poll_all(&w, x, sx.cq);
-    let _ = poll_all(&w, y, sy.cq);
+    unpair(&w, &sx, &sy, (a, b));
     let by_mr = by.mr;
     by.free(&w, y);
     // Deregistered: the handle is stale, the PD free.
@@ -765,19 +771,13 @@ fn memory_windows_of_both_types_bind_grant_access_and_are_revoked() {
     let wc = run_one(&w, &sx, a, signaled(16, src, via(key1, 5000)));
     assert_eq!(wc.status, WcStatus::RemAccessErr);
     assert_eq!(by.read(5000, 2000), through, "nothing written");
-    destroy_qp(&w, x, a);
-    destroy_qp(&w, y, b);
-    let _ = poll_all(&w, x, sx.cq);
-    let _ = poll_all(&w, y, sy.cq);
+    unpair(&w, &sx, &sy, (a, b));
     // The invalidated type 2 key is refused too (a fresh pair).
     let (a, b) = pair(&w, &sx, &sy);
     let wc = run_one(&w, &sx, a, signaled(17, src, via(key2, 9000)));
     assert_eq!(wc.status, WcStatus::RemAccessErr);
     assert_eq!(by.read(9000, 2000), second, "nothing written");
-    destroy_qp(&w, x, a);
-    destroy_qp(&w, y, b);
-    let _ = poll_all(&w, x, sx.cq);
-    let _ = poll_all(&w, y, sy.cq);
+    unpair(&w, &sx, &sy, (a, b));
 
     // A remote SEND_WITH_INV unbinds a type 2 window too: bound again (a
     // new key) on a fresh pair's responder, the key carried by a send that
@@ -829,10 +829,7 @@ fn memory_windows_of_both_types_bind_grant_access_and_are_revoked() {
     assert_eq!(got[0].imm_or_invalidated_rkey, key2b.get());
     let wc = run_one(&w, &sx, a, signaled(24, src, via(key2b, 10000)));
     assert_eq!(wc.status, WcStatus::RemAccessErr);
-    destroy_qp(&w, x, a);
-    destroy_qp(&w, y, b);
-    let _ = poll_all(&w, x, sx.cq);
-    let _ = poll_all(&w, y, sy.cq);
+    unpair(&w, &sx, &sy, (a, b));
 
     // No window bound: the region deregisters. The windows still hold
     // their PD.
