@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex};
 use driver_platform::RequestorMode;
 use hca_miniport_core::verbs::qp::SendRequest;
 use ib_types::access::AccessFlags;
-use ib_types::av::{AvAttr, Grh};
 use ib_types::cq::CqAttr;
 use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::ioctl::{
@@ -22,12 +21,12 @@ use ib_types::ioctl::{
 };
 use ib_types::mr::{MrKeys, MrRegister};
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
-use ib_types::scalars::{Gid, Lid, Mtu, PortNum, Psn, Qpn};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcOpcode, WcStatus, WorkCompletion};
 use ib_types::wr::{RemoteAddr, SendFlags, SendOp, SendWr, Sge};
 use sim_host::memory::PoolBlock;
 use sim_host::request::RequestHandle;
+use support::rc_path::rc_to_rts_steps;
 use support::{World, lock, response};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;
@@ -149,47 +148,7 @@ impl Rig {
     }
 
     fn connect(&self, qp: u64, port: u8, dest: u32, dest_ip: [u8; 4]) {
-        let steps = [
-            QpModify {
-                state: Some(QpState::Init),
-                pkey_index: Some(0),
-                port: Some(PortNum::new(port).unwrap()),
-                access: Some(AccessFlags::REMOTE_WRITE),
-                ..QpModify::default()
-            },
-            QpModify {
-                state: Some(QpState::Rtr),
-                av: Some(AvAttr {
-                    port: PortNum::new(port).unwrap(),
-                    sl: 0,
-                    dlid: Lid::default(),
-                    path_bits: 0,
-                    static_rate: 0,
-                    grh: Some(Grh {
-                        dgid: Gid::from_ipv4(dest_ip),
-                        flow_label: 0,
-                        hop_limit: 64,
-                        traffic_class: 0,
-                        sgid_index: 0,
-                    }),
-                }),
-                path_mtu: Some(Mtu::Mtu1024),
-                dest_qpn: Some(Qpn::new(dest).unwrap()),
-                rq_psn: Some(Psn::new(100).unwrap()),
-                max_dest_rd_atomic: Some(4),
-                min_rnr_timer: Some(12),
-                ..QpModify::default()
-            },
-            QpModify {
-                state: Some(QpState::Rts),
-                sq_psn: Some(Psn::new(100).unwrap()),
-                timeout: Some(14),
-                retry_cnt: Some(7),
-                rnr_retry: Some(7),
-                max_rd_atomic: Some(4),
-                ..QpModify::default()
-            },
-        ];
+        let steps = rc_to_rts_steps(port, AccessFlags::REMOTE_WRITE, dest, dest_ip, 4);
         for m in steps {
             call::<ModifyQp>(&self.w, qp, &m);
         }

@@ -10,20 +10,19 @@ mod support;
 use driver_platform::RequestorMode;
 use hca_miniport_core::verbs::qp::SendRequest;
 use ib_types::access::AccessFlags;
-use ib_types::av::{AvAttr, Grh};
 use ib_types::handle::{CqHandle, MwHandle, PdHandle};
 use ib_types::ioctl::{
     AllocMw, AllocPd, CreateQp, DeallocMw, DeallocPd, DeregMr, DestroyQp, Empty, ModifyQp, QueryMr,
     QueryMw, RegMr, RegPhysMr, RegSharedMr, ReregMr,
 };
 use ib_types::mr::{MrKeys, MrRegister, MrRereg, MrShare, MwAttr, MwType, PhysMrRegister};
-use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
-use ib_types::scalars::{Gid, Lid, Mtu, PortNum, Psn, Qpn};
+use ib_types::qp::{QpCaps, QpCreate, QpModify, QpType};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcOpcode, WcStatus, WorkCompletion};
 use ib_types::wr::{MwBind, RKey, RemoteAddr, SendFlags, SendOp, SendWr, Sge};
 use sim_host::memory::PoolBlock;
 use support::kernel_pair::{Setup, setup, teardown};
+use support::rc_path::rc_to_rts_steps;
 use support::{World, response};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;
@@ -226,63 +225,10 @@ fn modify(w: &World, i: usize, qp: u64, m: &QpModify) {
 /// Takes `qp` of HCA `i` (port 1) to RTS towards `dest` at `dest_ip`,
 /// accepting remote writes, reads and atomics.
 fn connect(w: &World, i: usize, qp: u64, dest: u32, dest_ip: [u8; 4]) {
-    modify(
-        w,
-        i,
-        qp,
-        &QpModify {
-            state: Some(QpState::Init),
-            pkey_index: Some(0),
-            port: Some(PortNum::new(1).unwrap()),
-            access: Some(
-                AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC,
-            ),
-            ..QpModify::default()
-        },
-    );
-    let av = AvAttr {
-        port: PortNum::new(1).unwrap(),
-        sl: 0,
-        dlid: Lid::default(),
-        path_bits: 0,
-        static_rate: 0,
-        grh: Some(Grh {
-            dgid: Gid::from_ipv4(dest_ip),
-            flow_label: 0,
-            hop_limit: 64,
-            traffic_class: 0,
-            sgid_index: 0,
-        }),
-    };
-    modify(
-        w,
-        i,
-        qp,
-        &QpModify {
-            state: Some(QpState::Rtr),
-            av: Some(av),
-            path_mtu: Some(Mtu::Mtu1024),
-            dest_qpn: Some(Qpn::new(dest).unwrap()),
-            rq_psn: Some(Psn::new(100).unwrap()),
-            max_dest_rd_atomic: Some(4),
-            min_rnr_timer: Some(12),
-            ..QpModify::default()
-        },
-    );
-    modify(
-        w,
-        i,
-        qp,
-        &QpModify {
-            state: Some(QpState::Rts),
-            sq_psn: Some(Psn::new(100).unwrap()),
-            timeout: Some(14),
-            retry_cnt: Some(7),
-            rnr_retry: Some(7),
-            max_rd_atomic: Some(4),
-            ..QpModify::default()
-        },
-    );
+    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC;
+    for m in rc_to_rts_steps(1, access, dest, dest_ip, 4) {
+        modify(w, i, qp, &m);
+    }
 }
 
 /// A connected RC pair: `a` on `sa`'s HCA, `b` on `sb`'s.

@@ -20,7 +20,7 @@ use hca_prm::doorbell::{DoorbellRecord, SQ_DOORBELL, SqDoorbell};
 use hca_prm::uverbs::{CreateCqPriv, CreateCqPrivOut, CreateQpPriv, CreateQpPrivOut, OpenCaPriv};
 use hca_prm::wqe::{build_recv_wqe, build_send_wqe};
 use ib_types::access::AccessFlags;
-use ib_types::av::{AvAttr, Grh};
+use ib_types::av::AvAttr;
 use ib_types::cq::CqAttr;
 use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::ioctl::{
@@ -28,7 +28,7 @@ use ib_types::ioctl::{
     ModifyQp, OpenCa, OpenCaIn, QueryCq, QueryQp, Verb,
 };
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
-use ib_types::scalars::{Gid, Lid, Mtu, PortNum, Psn, QKey, Qpn};
+use ib_types::scalars::{Gid, Lid, PortNum, Psn, QKey, Qpn};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcStatus, WorkCompletion};
 use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
@@ -36,6 +36,7 @@ use sim_hca::device::DeviceConfig;
 use sim_host::caller::HostCaller;
 use sim_host::memory::Process;
 use sim_host::platform::SimPlatform;
+use support::rc_path::rc_to_rts_steps;
 use support::{World, response};
 use zerocopy::{FromBytes, IntoBytes};
 
@@ -343,20 +344,7 @@ fn qp_create(qp_type: QpType, pd: u64, cq: u64) -> QpCreate {
 }
 
 fn av_to(ip: [u8; 4]) -> AvAttr {
-    AvAttr {
-        port: PortNum::FIRST,
-        sl: 0,
-        dlid: Lid::default(),
-        path_bits: 0,
-        static_rate: 0,
-        grh: Some(Grh {
-            dgid: Gid::from_ipv4(ip),
-            flow_label: 0,
-            hop_limit: 64,
-            traffic_class: 0,
-            sgid_index: 0,
-        }),
-    }
+    support::rc_path::grh_av(1, ip)
 }
 
 /// RESET to RTS for an RC QP, or to RTS for a UD QP with Q_Key 0x11.
@@ -379,31 +367,7 @@ fn to_rts(qp_type: QpType, dest: u32, dest_ip: [u8; 4]) -> Vec<QpModify> {
                 ..QpModify::to_state(QpState::Rts)
             },
         ],
-        _ => vec![
-            QpModify {
-                access: Some(AccessFlags::REMOTE_WRITE),
-                ..init
-            },
-            QpModify {
-                state: Some(QpState::Rtr),
-                av: Some(av_to(dest_ip)),
-                path_mtu: Some(Mtu::Mtu1024),
-                dest_qpn: Some(Qpn::new(dest).unwrap()),
-                rq_psn: Some(Psn::new(100).unwrap()),
-                max_dest_rd_atomic: Some(1),
-                min_rnr_timer: Some(12),
-                ..QpModify::default()
-            },
-            QpModify {
-                state: Some(QpState::Rts),
-                sq_psn: Some(Psn::new(100).unwrap()),
-                timeout: Some(14),
-                retry_cnt: Some(7),
-                rnr_retry: Some(7),
-                max_rd_atomic: Some(1),
-                ..QpModify::default()
-            },
-        ],
+        _ => rc_to_rts_steps(1, AccessFlags::REMOTE_WRITE, dest, dest_ip, 1).to_vec(),
     }
 }
 

@@ -10,13 +10,13 @@ use driver_platform::{Irql, RequestorMode};
 use hca_miniport_core::verbs::CaClient;
 use hca_miniport_core::verbs::qp::SendRequest;
 use ib_types::access::AccessFlags;
-use ib_types::av::{AvAttr, Grh};
+use ib_types::av::AvAttr;
 use ib_types::cq::CqAttr;
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::{CqHandle, PdHandle, SrqHandle};
 use ib_types::ioctl::{AllocPd, CreateCq, CreateQp, CreateSrq, Empty, ModifyQp, QueryQp};
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
-use ib_types::scalars::{Gid, Lid, Mtu, PortNum, Psn, QKey, Qpn};
+use ib_types::scalars::{PortNum, Psn, QKey};
 use ib_types::srq::{SrqAttr, SrqCreate};
 use ib_types::status::IbStatus;
 use ib_types::wc::WorkCompletion;
@@ -162,54 +162,16 @@ pub(crate) fn qp_state(w: &World, i: usize, qp: u64) -> QpState {
 }
 
 pub(crate) fn av_to(ip: [u8; 4]) -> AvAttr {
-    AvAttr {
-        port: PortNum::new(1).unwrap(),
-        sl: 0,
-        dlid: Lid::default(),
-        path_bits: 0,
-        static_rate: 0,
-        grh: Some(Grh {
-            dgid: Gid::from_ipv4(ip),
-            flow_label: 0,
-            hop_limit: 64,
-            traffic_class: 0,
-            sgid_index: 0,
-        }),
-    }
+    support::rc_path::grh_av(1, ip)
 }
 
 /// RESET -> INIT -> RTR -> RTS of an RC QP of HCA `i` (port 1) towards
 /// `dest` at `dest_ip`.
 pub(crate) fn connect(w: &World, i: usize, qp: u64, dest: u32, dest_ip: [u8; 4]) {
-    let init = QpModify {
-        state: Some(QpState::Init),
-        pkey_index: Some(0),
-        port: Some(PortNum::new(1).unwrap()),
-        access: Some(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ),
-        ..QpModify::default()
-    };
-    assert_eq!(modify(w, i, qp, &init), IbStatus::Success);
-    let rtr = QpModify {
-        state: Some(QpState::Rtr),
-        av: Some(av_to(dest_ip)),
-        path_mtu: Some(Mtu::Mtu1024),
-        dest_qpn: Some(Qpn::new(dest).unwrap()),
-        rq_psn: Some(Psn::new(100).unwrap()),
-        max_dest_rd_atomic: Some(4),
-        min_rnr_timer: Some(12),
-        ..QpModify::default()
-    };
-    assert_eq!(modify(w, i, qp, &rtr), IbStatus::Success);
-    let rts = QpModify {
-        state: Some(QpState::Rts),
-        sq_psn: Some(Psn::new(100).unwrap()),
-        timeout: Some(14),
-        retry_cnt: Some(7),
-        rnr_retry: Some(7),
-        max_rd_atomic: Some(4),
-        ..QpModify::default()
-    };
-    assert_eq!(modify(w, i, qp, &rts), IbStatus::Success);
+    let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    for m in support::rc_path::rc_to_rts_steps(1, access, dest, dest_ip, 4) {
+        assert_eq!(modify(w, i, qp, &m), IbStatus::Success);
+    }
 }
 
 /// RESET -> INIT -> RTR -> RTS of a UD QP of HCA `i` (port 1, Q_Key `qkey`).

@@ -488,3 +488,6 @@ impl World {
 
 /// Shared start of the two-HCA kernel verbs tests.
 pub(crate) mod kernel_pair;
+
+/// The RC QP path to RTS shared by the data-moving tests.
+pub(crate) mod rc_path;
