@@ -63,7 +63,8 @@ use ib_types::status::IbStatus;
 use super::{Accepted, Responder};
 use crate::hca::Hca;
 use crate::mr::{
-    MemoryRegion, MemoryTranslation, PhysicalRegion, Reregistration, SharedRegion, VirtualRegion,
+    MemoryRegion, MemoryTranslation, PhysicalRegion, RegionContinuation, Reregistration,
+    SharedRegion, VirtualRegion,
 };
 use crate::resources::{Handle, kind};
 
@@ -161,6 +162,35 @@ impl<P: Platform> Hca<P> {
             Ok(handle) => responder.finish(IbStatus::Success, handle, Some(out), &[]),
             Err(status) => responder.fail(status),
         }
+    }
+
+    /// The continuation of a registration that took a use of PD `pd`: a
+    /// new region is stored and answered with `out_of(&region)`; a failure
+    /// drops the PD use and fails the request. Nothing is done once the
+    /// HCA is gone.
+    fn install_when_registered<V: ib_types::ioctl::Verb>(
+        self: &Arc<Self>,
+        mt: &MemoryTranslation<P>,
+        pd: u64,
+        responder: Responder<V, P::Request>,
+        out_of: fn(&MemoryRegion<P>) -> V::Out,
+    ) -> RegionContinuation<P> {
+        let (weak, mt) = (Arc::downgrade(self), mt.clone());
+        Box::new(move |result| {
+            let Some(hca) = Weak::upgrade(&weak) else {
+                return;
+            };
+            match result {
+                Ok(region) => {
+                    let out = out_of(&region);
+                    hca.install_region(&mt, region, pd, responder, &out);
+                }
+                Err(error) => {
+                    let _ = hca.release_pd(pd);
+                    responder.fail(error.ib_status());
+                }
+            }
+        })
     }
 
     /// Stores a fresh region at its MPT index and returns its handle; if it
@@ -270,30 +300,9 @@ impl<P: Platform> Hca<P> {
             access: a.input.access,
             pd: pd_number,
         };
-        let (weak, pd, responder) = (Arc::downgrade(self), a.handle, a.responder);
         let (locker, irql) = locking.parts();
-        let mt2 = mt.clone();
-        mt.register_virtual(
-            self,
-            locker,
-            irql,
-            request,
-            Box::new(move |result| {
-                let Some(hca) = Weak::upgrade(&weak) else {
-                    return;
-                };
-                match result {
-                    Ok(region) => {
-                        let keys = keys_of(&region);
-                        hca.install_region(&mt2, region, pd, responder, &keys);
-                    }
-                    Err(error) => {
-                        let _ = hca.release_pd(pd);
-                        responder.fail(error.ib_status());
-                    }
-                }
-            }),
-        );
+        let done = self.install_when_registered(&mt, a.handle, a.responder, keys_of);
+        mt.register_virtual(self, locker, irql, request, done);
     }
 
     pub(crate) fn reg_phys_mr_request(self: &Arc<Self>, a: Accepted<RegPhysMr, P::Request>) {
@@ -320,30 +329,11 @@ impl<P: Platform> Hca<P> {
             access: a.input.access,
             pd: pd_number,
         };
-        let (weak, pd, responder) = (Arc::downgrade(self), a.handle, a.responder);
-        let mt2 = mt.clone();
-        mt.register_physical(
-            self,
-            request,
-            Box::new(move |result| {
-                let Some(hca) = Weak::upgrade(&weak) else {
-                    return;
-                };
-                match result {
-                    Ok(region) => {
-                        let out = RegPhysOut {
-                            keys: keys_of(&region),
-                            iova: region.start(),
-                        };
-                        hca.install_region(&mt2, region, pd, responder, &out);
-                    }
-                    Err(error) => {
-                        let _ = hca.release_pd(pd);
-                        responder.fail(error.ib_status());
-                    }
-                }
-            }),
-        );
+        let done = self.install_when_registered(&mt, a.handle, a.responder, |region| RegPhysOut {
+            keys: keys_of(region),
+            iova: region.start(),
+        });
+        mt.register_physical(self, request, done);
     }
 
     pub(crate) fn reg_shared_mr_request(self: &Arc<Self>, a: Accepted<RegSharedMr, P::Request>) {
@@ -364,33 +354,13 @@ impl<P: Platform> Hca<P> {
             access: a.input.access,
             pd: pd_number,
         };
-        let (weak, responder) = (Arc::downgrade(self), a.responder);
-        let mt2 = mt.clone();
+        let done = self.install_when_registered(&mt, new_pd, a.responder, |region| RegSharedOut {
+            keys: keys_of(region),
+            vaddr: region.start(),
+        });
         // `register_shared` reads the existing region only before it
         // returns (it shares the translation and copies the range).
-        mt.register_shared(
-            self,
-            &existing,
-            request,
-            Box::new(move |result| {
-                let Some(hca) = Weak::upgrade(&weak) else {
-                    return;
-                };
-                match result {
-                    Ok(region) => {
-                        let out = RegSharedOut {
-                            keys: keys_of(&region),
-                            vaddr: region.start(),
-                        };
-                        hca.install_region(&mt2, region, new_pd, responder, &out);
-                    }
-                    Err(error) => {
-                        let _ = hca.release_pd(new_pd);
-                        responder.fail(error.ib_status());
-                    }
-                }
-            }),
-        );
+        mt.register_shared(self, &existing, request, done);
         if let Err(region) = self.put_region(a.handle, existing, existing_pd) {
             mt.release_after_reset(self, region);
         }
