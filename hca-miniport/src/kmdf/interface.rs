@@ -355,35 +355,29 @@ unsafe fn post_receives(
     status.to_ntstatus()
 }
 
-unsafe extern "system" fn post_recv(
-    context: *mut c_void,
-    qp: u64,
-    wrs: *const RecvWrDesc,
-    count: u32,
-    posted: *mut u32,
-) -> NtStatus {
-    // SAFETY: header context (consumer contract).
-    let Some(ci) = (unsafe { provider(context) }) else {
-        return NOT_READY;
+/// `PostRecv` and `PostSrqRecv`: one adapter shape over the provider's
+/// `$post` for the queue (QP or SRQ) handle.
+macro_rules! receive_entry_point {
+    ($name:ident, $post:ident) => {
+        unsafe extern "system" fn $name(
+            context: *mut c_void,
+            queue: u64,
+            wrs: *const RecvWrDesc,
+            count: u32,
+            posted: *mut u32,
+        ) -> NtStatus {
+            // SAFETY: header context (consumer contract).
+            let Some(ci) = (unsafe { provider(context) }) else {
+                return NOT_READY;
+            };
+            // SAFETY: forwarded consumer contract.
+            unsafe { post_receives(wrs, count, posted, |batch| ci.$post(queue, batch)) }
+        }
     };
-    // SAFETY: forwarded consumer contract.
-    unsafe { post_receives(wrs, count, posted, |batch| ci.post_recv(qp, batch)) }
 }
 
-unsafe extern "system" fn post_srq_recv(
-    context: *mut c_void,
-    srq: u64,
-    wrs: *const RecvWrDesc,
-    count: u32,
-    posted: *mut u32,
-) -> NtStatus {
-    // SAFETY: header context (consumer contract).
-    let Some(ci) = (unsafe { provider(context) }) else {
-        return NOT_READY;
-    };
-    // SAFETY: forwarded consumer contract.
-    unsafe { post_receives(wrs, count, posted, |batch| ci.post_srq_recv(srq, batch)) }
-}
+receive_entry_point!(post_recv, post_recv);
+receive_entry_point!(post_srq_recv, post_srq_recv);
 
 unsafe extern "system" fn poll_cq(
     context: *mut c_void,
