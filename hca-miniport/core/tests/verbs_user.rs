@@ -1347,9 +1347,21 @@ fn a_user_rc_qp_receives_through_a_user_srq() {
     w.finish();
 }
 
-/// Submits `V` (no input, no private data) as a raw user request from
-/// `uvp`'s caller and returns the issuer's handle (it may stay pending).
+/// [`submit_user_raw_unsettled`], then lets the host run what it started.
 fn submit_user_raw<V: Verb<In = Empty>>(
+    w: &World,
+    uvp: &Uvp,
+    handle: u64,
+) -> sim_host::request::RequestHandle {
+    let issuer = submit_user_raw_unsettled::<V>(w, uvp, handle);
+    w.settle();
+    issuer
+}
+
+/// Submits `V` (no input, no private data) as a raw user request from
+/// `uvp`'s caller and returns the issuer's handle at once (the request
+/// may stay pending).
+fn submit_user_raw_unsettled<V: Verb<In = Empty>>(
     w: &World,
     uvp: &Uvp,
     handle: u64,
@@ -1364,7 +1376,6 @@ fn submit_user_raw<V: Verb<In = Empty>>(
         response_len::<V>(0).unwrap(),
     );
     w.hca_at(U).submit_user_request(request, uvp.caller.clone());
-    w.settle();
     issuer
 }
 
@@ -1581,15 +1592,7 @@ fn close_waits_for_creates_in_flight_and_user_objects_need_the_caller() {
     );
     w.hca_at(U).submit_user_request(request, uvp.caller.clone());
     assert!(!creating.is_done(), "the device has not answered yet");
-    let mut bytes = vec![0; ib_types::ioctl::request_len::<CloseCa>(0).unwrap()];
-    ib_types::ioctl::encode_request::<CloseCa>(uvp.ca, &Empty, &[], 0, &mut bytes).unwrap();
-    let (request, closing) = w.raw_request(
-        CloseCa::ID.ioctl().raw(),
-        RequestorMode::User,
-        bytes,
-        ib_types::ioctl::response_len::<CloseCa>(0).unwrap(),
-    );
-    w.hca_at(U).submit_user_request(request, uvp.caller.clone());
+    let closing = submit_user_raw_unsettled::<CloseCa>(&w, &uvp, uvp.ca);
     assert_eq!(
         status_of::<CloseCa>(&closing.completion().unwrap()),
         IbStatus::ResourceBusy
@@ -1863,15 +1866,7 @@ fn a_user_cq_resized_under_traffic_loses_no_completion_and_a_failed_resize_keeps
         w.hca_at(U).submit_user_request(request, uvp.caller.clone());
         assert!(!issuer.is_done(), "the device has not answered yet");
         // A close meanwhile is refused: the resize is under way.
-        let mut bytes = vec![0; ib_types::ioctl::request_len::<CloseCa>(0).unwrap()];
-        ib_types::ioctl::encode_request::<CloseCa>(uvp.ca, &Empty, &[], 0, &mut bytes).unwrap();
-        let (close, closing) = w.raw_request(
-            CloseCa::ID.ioctl().raw(),
-            RequestorMode::User,
-            bytes,
-            ib_types::ioctl::response_len::<CloseCa>(0).unwrap(),
-        );
-        w.hca_at(U).submit_user_request(close, uvp.caller.clone());
+        let closing = submit_user_raw_unsettled::<CloseCa>(&w, &uvp, uvp.ca);
         assert_eq!(
             status_of::<CloseCa>(&closing.completion().unwrap()),
             IbStatus::ResourceBusy
