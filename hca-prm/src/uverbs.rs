@@ -146,6 +146,21 @@ fn declared_ring_len(
     Ok(len)
 }
 
+/// A ring of `len` bytes at `va`, [`RING_ALIGN`] aligned.
+fn checked_ring(field: &'static str, va: u64, len: u64) -> Result<UserRange, AbiError> {
+    UserRange::checked(field, va, len, RING_ALIGN)
+}
+
+/// `log2` of the bytes of a CQ ring of `2^log_entries` CQEs.
+fn cq_ring_log(log_entries: u8) -> u32 {
+    u32::from(log_entries) + u32::from(CQE_LOG_STRIDE)
+}
+
+/// The bytes of a CQ ring of `2^log_entries` CQEs.
+fn cq_ring_bytes(field: &'static str, log_entries: u8) -> Result<u64, AbiError> {
+    ring_bytes(field, cq_ring_log(log_entries))
+}
+
 /// A doorbell record at `va`: [`DBR_BYTES`] long, [`DBR_ALIGN`] aligned.
 fn checked_dbr(field: &'static str, va: u64) -> Result<UserRange, AbiError> {
     UserRange::checked(field, va, DBR_BYTES, DBR_ALIGN)
@@ -335,10 +350,7 @@ impl CreateCqPriv {
     /// A CQ of `2^log_entries` CQEs at `ring_va` with its record at
     /// `dbr_va` (the UVP's side; checked as the kernel will).
     pub fn new(log_entries: u8, ring_va: u64, dbr_va: u64) -> Result<Self, AbiError> {
-        let bytes = ring_bytes(
-            "CreateCqPrivAbi.log_entries",
-            u32::from(log_entries) + u32::from(CQE_LOG_STRIDE),
-        )?;
+        let bytes = cq_ring_bytes("CreateCqPrivAbi.log_entries", log_entries)?;
         let abi = CreateCqPrivAbi {
             ring_va: Le64::new(ring_va),
             ring_bytes: Le64::new(bytes),
@@ -355,16 +367,11 @@ impl CreateCqPriv {
         ensure_zero("CreateCqPrivAbi.reserved_at_0x19", &abi.reserved_at_0x19)?;
         let expected = declared_ring_len(
             "CreateCqPrivAbi.log_entries",
-            u32::from(abi.log_entries) + u32::from(CQE_LOG_STRIDE),
+            cq_ring_log(abi.log_entries),
             "CreateCqPrivAbi.ring_bytes",
             abi.ring_bytes.get(),
         )?;
-        let ring = UserRange::checked(
-            "CreateCqPrivAbi.ring_va",
-            abi.ring_va.get(),
-            expected,
-            RING_ALIGN,
-        )?;
+        let ring = checked_ring("CreateCqPrivAbi.ring_va", abi.ring_va.get(), expected)?;
         let dbr = checked_dbr("CreateCqPrivAbi.dbr_va", abi.dbr_va.get())?;
         disjoint("CreateCqPrivAbi.dbr_va (overlaps the ring)", &[ring, dbr])?;
         Ok(Self {
@@ -505,10 +512,7 @@ impl ResizeCqPriv {
     /// A new ring of `2^log_entries` CQEs at `ring_va` (the UVP's side;
     /// checked as the kernel will).
     pub fn new(log_entries: u8, ring_va: u64) -> Result<Self, AbiError> {
-        let bytes = ring_bytes(
-            "ResizeCqPrivAbi.log_entries",
-            u32::from(log_entries) + u32::from(CQE_LOG_STRIDE),
-        )?;
+        let bytes = cq_ring_bytes("ResizeCqPrivAbi.log_entries", log_entries)?;
         let abi = ResizeCqPrivAbi {
             ring_va: Le64::new(ring_va),
             ring_bytes: Le64::new(bytes),
@@ -526,16 +530,11 @@ impl ResizeCqPriv {
         ensure_zero("ResizeCqPrivAbi.reserved_at_0x11", &abi.reserved_at_0x11)?;
         let expected = declared_ring_len(
             "ResizeCqPrivAbi.log_entries",
-            u32::from(abi.log_entries) + u32::from(CQE_LOG_STRIDE),
+            cq_ring_log(abi.log_entries),
             "ResizeCqPrivAbi.ring_bytes",
             abi.ring_bytes.get(),
         )?;
-        let ring = UserRange::checked(
-            "ResizeCqPrivAbi.ring_va",
-            abi.ring_va.get(),
-            expected,
-            RING_ALIGN,
-        )?;
+        let ring = checked_ring("ResizeCqPrivAbi.ring_va", abi.ring_va.get(), expected)?;
         Ok(Self {
             log_entries: abi.log_entries,
             ring,
@@ -637,7 +636,7 @@ impl CreateQpPriv {
                 value: abi.log_wqe_bbs.into(),
             });
         }
-        let sq = UserRange::checked("CreateQpPrivAbi.sq_va", abi.sq_va.get(), sq_len, RING_ALIGN)?;
+        let sq = checked_ring("CreateQpPrivAbi.sq_va", abi.sq_va.get(), sq_len)?;
         let no_rq = abi.rq_va.get() == 0
             && abi.rq_dbr_va.get() == 0
             && abi.rq_bytes.get() == 0
@@ -653,8 +652,7 @@ impl CreateQpPriv {
                 "CreateQpPrivAbi.rq_bytes",
                 abi.rq_bytes.get().into(),
             )?;
-            let ring =
-                UserRange::checked("CreateQpPrivAbi.rq_va", abi.rq_va.get(), rq_len, RING_ALIGN)?;
+            let ring = checked_ring("CreateQpPrivAbi.rq_va", abi.rq_va.get(), rq_len)?;
             let dbr = checked_dbr("CreateQpPrivAbi.rq_dbr_va", abi.rq_dbr_va.get())?;
             Some(UserRecvQueue {
                 log_entries: abi.rq_log_entries,
@@ -864,12 +862,7 @@ impl CreateSrqPriv {
             "CreateSrqPrivAbi.ring_bytes",
             abi.ring_bytes.get().into(),
         )?;
-        let ring = UserRange::checked(
-            "CreateSrqPrivAbi.ring_va",
-            abi.ring_va.get(),
-            len,
-            RING_ALIGN,
-        )?;
+        let ring = checked_ring("CreateSrqPrivAbi.ring_va", abi.ring_va.get(), len)?;
         let dbr = checked_dbr("CreateSrqPrivAbi.dbr_va", abi.dbr_va.get())?;
         disjoint("CreateSrqPrivAbi.dbr_va (overlaps the ring)", &[ring, dbr])?;
         Ok(Self {
