@@ -267,7 +267,7 @@ impl<P: Platform> Hca<P> {
     /// for a stale handle and [`IbStatus::InvalidState`] for a CQ being
     /// resized or destroyed.
     pub fn reference_cq(&self, cq: u64) -> Result<u32, IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             let handle = Handle::<kind::Cq>::from_raw(cq);
             let object = o.cqs.get(handle).ok_or(IbStatus::InvalidCqHandle)?;
             if object.ring.lock().life != Life::Live {
@@ -279,7 +279,7 @@ impl<P: Platform> Hca<P> {
 
     /// Drops a use recorded by [`reference_cq`](Self::reference_cq).
     pub fn release_cq(&self, cq: u64) -> Result<u32, IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             o.cqs
                 .release(Handle::<kind::Cq>::from_raw(cq))
                 .map_err(IbStatus::from)
@@ -430,7 +430,7 @@ impl<P: Platform> Hca<P> {
     /// Removes a CQ whose creation failed, giving back its number and MTT
     /// entries.
     pub(super) fn forget_cq(&self, handle: Handle<kind::Cq>, mtt: EntryRange) {
-        let _ = self.with_objects(|o| {
+        let _ = self.with_objects_mut(|o| {
             let _ = o.cqs.remove(handle);
             let _ = o.mtt.return_entries(mtt);
         });
@@ -469,7 +469,7 @@ where
             return;
         }
         let cqe = a.input.cqe;
-        let reserved = self.with_objects(|o| {
+        let reserved = self.with_objects_mut(|o| {
             let (entries, log) = ring_size(cqe, o.log_max_cqes)?;
             let mtt = o
                 .mtt
@@ -715,7 +715,7 @@ where
                         // Only now is the number free: every event of this CQ
                         // came before this completion on the one EQ.
                         let mtt = cq.ring.lock().mtt.take();
-                        let _ = hca.with_objects(|o| {
+                        let _ = hca.with_objects_mut(|o| {
                             let _ = o.cqs.remove(handle);
                             if let Some(mtt) = mtt {
                                 let _ = o.mtt.return_entries(mtt);

@@ -29,7 +29,7 @@ impl<P: Platform> Hca<P> {
     /// new use count. Fails with [`IbStatus::InvalidPdHandle`] for a stale
     /// handle.
     pub fn reference_pd(&self, pd: u64) -> Result<u32, IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             o.pds
                 .acquire(Handle::<kind::Pd>::from_raw(pd))
                 .map_err(IbStatus::from)
@@ -39,7 +39,7 @@ impl<P: Platform> Hca<P> {
     /// Drops a use recorded by [`reference_pd`](Self::reference_pd);
     /// returns the new use count.
     pub fn release_pd(&self, pd: u64) -> Result<u32, IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             o.pds
                 .release(Handle::<kind::Pd>::from_raw(pd))
                 .map_err(IbStatus::from)
@@ -51,7 +51,7 @@ impl<P: Platform> Hca<P> {
             a.responder.fail(status);
             return;
         }
-        let made = self.with_objects(|o| o.pds.insert_with(|_| Pd).map_err(IbStatus::from));
+        let made = self.with_objects_mut(|o| o.pds.insert_with(|_| Pd).map_err(IbStatus::from));
         match made.and_then(|r| r) {
             Ok(pd) => a
                 .responder
@@ -62,7 +62,7 @@ impl<P: Platform> Hca<P> {
 
     pub(crate) fn dealloc_pd_request<R: Request>(&self, a: Accepted<DeallocPd, R>) {
         let mode = a.mode;
-        let removed = self.with_objects(|o| {
+        let removed = self.with_objects_mut(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidPdHandle);
             }

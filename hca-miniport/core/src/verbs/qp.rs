@@ -770,7 +770,7 @@ impl<P: Platform> Hca<P> {
     pub(super) fn forget_qp(&self, handle: Handle<kind::Qp>, qp: &Qp<P>) {
         let mtt = qp.control.lock().mtt.take();
         let now = self.deferred.now_ns();
-        let _ = self.with_objects(|o| {
+        let _ = self.with_objects_mut(|o| {
             let _ = o.qps.destroy(handle, now);
             if let Some(mtt) = mtt {
                 let _ = o.mtt.return_entries(mtt);
@@ -903,7 +903,7 @@ where
         }
         let now = self.deferred.now_ns();
         let pages = (geometry.sq_pages() + geometry.rq_pages()) as u32;
-        let reserved = self.with_objects(|o| {
+        let reserved = self.with_objects_mut(|o| {
             let mtt = o.mtt.take_entries(pages).map_err(IbStatus::from)?;
             let make = |h: Handle<kind::Qp>| {
                 Arc::new(Qp::<P> {
@@ -1236,7 +1236,7 @@ where
                         // the one EQ: the number can go to quarantine now. The
                         // QP stays findable by number for the flushed
                         // completions' wr_ids until the number is reused.
-                        let _ = hca.with_objects(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
+                        let _ = hca.with_objects_mut(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
                         hca.forget_qp(handle, &qp);
                         done(hca, Ok(()));
                     }

@@ -220,7 +220,7 @@ impl<P: Platform> Hca<P> {
                     .map(|(entry, _)| entry.tag)
             });
             if let Some(tag) = tag {
-                let _ = self.with_objects(|o| {
+                let _ = self.with_objects_mut(|o| {
                     if let Some(window) = o.mws.get_mut(handle) {
                         window.saved_tag = tag;
                     }

@@ -227,7 +227,7 @@ impl<P: Platform> Hca<P> {
     /// The SRQ number the QP context needs is the handle's number
     /// (`resources::Handle::number`, the low 24 bits).
     pub fn reference_srq(&self, srq: u64) -> Result<u32, IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             let handle = Handle::<kind::Srq>::from_raw(srq);
             let object = o.srqs.get(handle).ok_or(IbStatus::InvalidSrqHandle)?;
             if object.ring.lock().life != Life::Live {
@@ -240,7 +240,7 @@ impl<P: Platform> Hca<P> {
     /// Drops a use recorded by [`reference_srq`](Self::reference_srq);
     /// returns the new use count.
     pub fn release_srq(&self, srq: u64) -> Result<u32, IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             o.srqs
                 .release(Handle::<kind::Srq>::from_raw(srq))
                 .map_err(IbStatus::from)
@@ -354,7 +354,7 @@ impl<P: Platform> Hca<P> {
     /// Removes an SRQ whose creation failed: its number, MTT entries and
     /// PD use go back.
     pub(super) fn forget_srq(&self, handle: Handle<kind::Srq>, pd: u64, mtt: EntryRange) {
-        let _ = self.with_objects(|o| {
+        let _ = self.with_objects_mut(|o| {
             let _ = o.srqs.remove(handle);
             let _ = o.mtt.return_entries(mtt);
             let _ = o.pds.release(Handle::<kind::Pd>::from_raw(pd));
@@ -397,7 +397,7 @@ where
         }
         let pd = create.pd.raw();
         let pages = ((1usize << log_stride) << log_entries).div_ceil(PAGE);
-        let reserved = self.with_objects(|o| {
+        let reserved = self.with_objects_mut(|o| {
             let pd_handle = Handle::<kind::Pd>::from_raw(pd);
             o.pds
                 .acquire(pd_handle)
@@ -641,7 +641,7 @@ where
                         // Only now is the number free: every event of this SRQ
                         // came before this completion on the one EQ.
                         let mtt = srq.ring.lock().mtt.take();
-                        let _ = hca.with_objects(|o| {
+                        let _ = hca.with_objects_mut(|o| {
                             let _ = o.srqs.remove(handle);
                             if let Some(mtt) = mtt {
                                 let _ = o.mtt.return_entries(mtt);
