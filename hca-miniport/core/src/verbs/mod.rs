@@ -684,6 +684,18 @@ impl<P: Platform> Hca<P> {
             .ok_or(IbStatus::InvalidState)
     }
 
+    /// Runs `f` with the object tables held shared, as every lookup holds
+    /// them, and returns what it returns: for tests showing what a shared
+    /// holder does not delay (posting, polling: they take the tables
+    /// shared too) and for diagnostics. `f` must not call a verb of this
+    /// HCA that changes objects: exclusive after shared on one thread
+    /// deadlocks (`driver_platform::Platform::RawRwSpinLock`). Fails with
+    /// [`IbStatus::InvalidState`] while the device is not started.
+    #[doc(hidden)]
+    pub fn hold_object_tables_shared<R>(&self, f: impl FnOnce() -> R) -> Result<R, IbStatus> {
+        self.with_objects(|_| f())
+    }
+
     /// Runs `f` on the verb objects with the object tables held
     /// *exclusive*: creates, destroys and every change of what the tables
     /// hold. Builds them on first use like [`Self::with_objects`].
