@@ -49,9 +49,21 @@
 //!   command interface leaves event mode, and a passive job that runs
 //!   after the stop answers [`IbStatus::InvalidState`]. (A passive job
 //!   running on another thread *during* a stop is not fenced yet.)
-//! - **Locks.** The object-table lock, then a CQ's own lock, never the
-//!   other way round; no core lock is held while a client callback or a
-//!   command continuation runs.
+//! - **Locks.** The object tables are behind a reader-writer spin lock
+//!   (`driver_platform::RwSpinLock`, `EX_SPIN_LOCK` on Windows): lookups
+//!   take it shared (`Hca::with_objects`: post, poll, `wr_id`
+//!   resolution, event routing, every handle check), and only what
+//!   changes the tables takes it exclusive (`Hca::with_objects_mut`:
+//!   creates, destroys, uses taken and dropped, state kept in the tables),
+//!   so lookups never wait for each other. Order: the object tables (in
+//!   either mode), then an object's own lock (a CQ's ring, an SRQ's ring,
+//!   a QP's control and ring locks, the MTT allocator's), never the other
+//!   way round. The tables are never acquired again while held, in any
+//!   mode: exclusive after shared on one thread deadlocks on Windows, and
+//!   shared after shared can too, behind a waiting exclusive acquirer;
+//!   there is no upgrade (a lookup that needs a change releases and
+//!   takes the tables exclusive, then looks again). No core lock is held
+//!   while a client callback or a command continuation runs.
 //!
 //! - **Power and failure.** The objects outlive a D0 exit and come back
 //!   on D0 entry ([`restore`]); while below D0 every verb answers

@@ -94,7 +94,8 @@
 //!   its `wr_id`; a CQ is to be polled from one place at a time (as the
 //!   8.3 helper does). A receive taken from an SRQ (CQE flag SRQ, PRM
 //!   10.4; or any receive of a QP on an SRQ) is looked up in the SRQ by
-//!   the CQE's WQE index (`srq_complete`), which frees that SRQ slot.
+//!   the CQE's WQE index (`srq_complete`), which frees that SRQ slot
+//!   (lock-free, as `Completions`: `srq::WrIdSlots`).
 //!   Limitation: a destroyed QP's late completions name its SRQ by number,
 //!   and SRQ numbers have no quiet period, so a completion polled after
 //!   the SRQ itself was destroyed and its number reused could take the
@@ -113,10 +114,14 @@
 //!   takes the CQ lock, releases it, and reads the `wr_id`s without any
 //!   QP lock (guide 6.5.5 item 2: no cross lock between post and poll on a
 //!   QP; only a reset's kept `wr_id`s have a lock, which post never takes).
-//!   Both still take the object-table lock briefly to resolve a handle or
-//!   number (post: the QP; poll: the CQ, then each completion's QP), and a
-//!   receive from an SRQ takes the SRQ's lock, which posting to the SRQ
-//!   takes too.
+//!   The one lock post and poll have in common is the object tables'
+//!   (post: the QP, an SRQ, a window or AV; poll: the CQ, then each
+//!   completion's QP and SRQ), and both take it *shared* only
+//!   (`Hca::with_objects`, an `EX_SPIN_LOCK` on Windows), so it never makes
+//!   one wait for the other; only a create, destroy or other table change
+//!   (exclusive) makes them wait. A receive completed from an SRQ takes no
+//!   SRQ lock either (`srq::WrIdSlots`), so posting to an SRQ and polling
+//!   its completions share no lock.
 
 use alloc::boxed::Box;
 use alloc::collections::VecDeque;
