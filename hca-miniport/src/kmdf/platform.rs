@@ -172,7 +172,6 @@ impl KernelRwSpinLock {
 // the kernel's routines give acquire/release ordering.
 unsafe impl lock_api::RawRwLock for KernelRwSpinLock {
     // A zeroed EX_SPIN_LOCK is a released one (the documented initial value).
-    #[allow(clippy::declare_interior_mutable_const)]
     const INIT: Self = Self {
         lock: UnsafeCell::new(0),
         exclusive_old_irql: AtomicU8::new(0),
