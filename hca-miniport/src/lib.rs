@@ -4,7 +4,7 @@
 //! requests, query interface) into calls on `hca-miniport-core`, and
 //! supplies that core's platform.
 //!
-//! - [`kmdf`] (Windows only): the KMDF driver, on windows-drivers-rs.
+//! - `kmdf` (Windows only): the KMDF driver, on windows-drivers-rs.
 //!   **Never compiled**: `wdk-sys` cannot build on a non-Windows host, and
 //!   no Windows build has been run yet.
 //! - [`sim`] (other hosts): the same shell for the simulated Windows host

@@ -548,6 +548,48 @@ mod tests {
         }
     }
 
+    /// IBA Table 91 lists "current QP state" as an optional attribute only
+    /// in the rows that end in RTS (RTR->RTS, RTS->RTS, SQD->RTS, SQE->RTS:
+    /// the consumer may assert where it believes the QP is when it resumes
+    /// sending); no other row, RESET->INIT included, takes it. (Linux's
+    /// `ib_modify_qp_is_ok` encodes the same rows.) So a RESET->INIT with
+    /// CUR_STATE is refused as an attribute the transition does not accept,
+    /// even when it names RESET truly.
+    #[test]
+    fn cur_state_is_optional_exactly_on_the_rows_into_rts() {
+        for &t in QpType::ALL {
+            for &from in QpState::ALL {
+                for &to in QpState::ALL {
+                    let Some(r) = attr_rule(t, from, to) else {
+                        continue;
+                    };
+                    let into_rts = to == Rts && matches!(from, Rtr | Rts | Sqd | Sqe);
+                    assert_eq!(
+                        r.optional.contains(M::CUR_STATE),
+                        into_rts,
+                        "{t:?} {from:?}->{to:?}"
+                    );
+                }
+            }
+        }
+        let to_init = QpModify {
+            state: Some(Init),
+            cur_state: Some(Reset),
+            pkey_index: Some(0),
+            port: Some(crate::scalars::PortNum::FIRST),
+            access: Some(crate::access::AccessFlags::REMOTE_WRITE),
+            ..QpModify::default()
+        };
+        assert_eq!(
+            check_modify(QpType::Rc, Reset, &to_init),
+            Err(TransitionError::NotAllowed {
+                from: Reset,
+                to: Init,
+                unexpected: M::CUR_STATE
+            })
+        );
+    }
+
     #[test]
     fn cur_state_must_match() {
         let m = QpModify {

@@ -708,8 +708,9 @@ impl Driver {
             qpc.rq_dbr = Le64::new(rq_dbr.bus);
         }
         let qpn = match qp_type {
-            QpType::Smi => 2 * u32::from(port - 1),
-            QpType::Gsi => 2 * u32::from(port - 1) + 1,
+            // Port 0 (refused by the device) maps to port 1's slots.
+            QpType::Smi => 2 * u32::from(port.saturating_sub(1)),
+            QpType::Gsi => 2 * u32::from(port.saturating_sub(1)) + 1,
             _ => self.qpn_next,
         };
         let (status, _) = self.cmd(dev, Opcode::Sw2HwQp, 0, qpn, qpc.as_bytes(), 0);

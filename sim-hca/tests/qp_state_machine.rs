@@ -72,3 +72,31 @@ proptest! {
         }
     }
 }
+
+/// PRM 6.1.2: a general QP may be created with no port (0) and gets one at
+/// RESET->INIT; a special QP's port names its slot, so 0 is refused, as is
+/// a port the device lacks for either.
+#[test]
+fn a_general_qp_takes_its_port_at_reset_to_init() {
+    let mut p = Pair::new();
+    let ep = endpoint(&mut p.a, QpType::Ud, AccessFlags::empty());
+    let qpc = p.a.drv.query_qp(&mut p.a.dev, ep.qp.qpn).unwrap();
+    assert_eq!(qpc.port, 0);
+    let init = bring_up::to_init(QpType::Ud, AccessFlags::empty(), 0x11);
+    assert_eq!(
+        p.a.drv.modify_qp(&mut p.a.dev, &ep.qp, &init),
+        CmdStatus::Ok
+    );
+    let qpc = p.a.drv.query_qp(&mut p.a.dev, ep.qp.qpn).unwrap();
+    assert_eq!(qpc.port, 1);
+
+    let cq = &ep.cq;
+    let create = |node: &mut Node, qp_type, port| {
+        node.drv
+            .create_qp(&mut node.dev, qp_type, port, PD, cq, cq, None, (4, 4))
+            .map(|_| ())
+    };
+    assert_eq!(create(&mut p.a, QpType::Gsi, 0), Err(CmdStatus::BadPort));
+    assert_eq!(create(&mut p.a, QpType::Rc, 9), Err(CmdStatus::BadPort));
+    assert_eq!(create(&mut p.a, QpType::Rc, 1), Ok(()));
+}

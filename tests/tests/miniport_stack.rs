@@ -3,8 +3,10 @@
 //! `IRP_MN_QUERY_INTERFACE`, PD/CQ/QP/AV created and memory registered
 //! (`RegPhysMr`) through its synchronous wrapper, RC sends both ways, an
 //! RDMA write and read, and a UD datagram through an AV handle moved
-//! through its fast path with every byte checked, completion events at DISPATCH_LEVEL, teardown, S3 and back,
-//! shutdown with an empty verifier report. It runs the very module the
+//! through its fast path with every byte checked, completion events at
+//! DISPATCH_LEVEL; S3 and back with every object alive (UD traffic again,
+//! the RC pair back in ERR with `QpFatal`, reconnected, traffic again, all
+//! checked), teardown, shutdown with an empty verifier report. It runs the very module the
 //! main job runs (`xtask/src/miniport_run.rs`).
 
 #[path = "../../xtask/src/miniport_run.rs"]
@@ -14,19 +16,23 @@ mod miniport_run;
 fn rc_and_ud_traffic_through_the_real_miniport_then_sleep_wake_and_a_clean_shutdown() {
     for seed in [1, 7, 42, miniport_run::SEED] {
         let summary = miniport_run::run(seed).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        // 4 sends of 1 + 100 + 1024 + 4000 bytes each way, 3000 bytes
-        // written and read back, a 900-byte datagram.
+        // Before sleep: 4 sends of 1 + 100 + 1024 + 4000 bytes each way,
+        // 3000 bytes written and read back, a 900-byte datagram; after
+        // resume: another datagram, and the sends again over the
+        // reconnected RC pair.
         assert_eq!(
             summary.bytes_checked,
-            2 * 5125 + 2 * 3000 + 900,
+            2 * 5125 + 2 * 3000 + 900 + 900 + 2 * 5125,
             "seed {seed}"
         );
         // 8 sends and 8 receives, the write and the read, the datagram's
-        // send and receive.
-        assert_eq!(summary.completions, 20, "seed {seed}");
+        // send and receive; after resume 2 for the datagram and 16 for the
+        // sends.
+        assert_eq!(summary.completions, 20 + 2 + 16, "seed {seed}");
         // Every reap that found completions was preceded by the event it
-        // armed for: at least one per reap with work (7 of them).
-        assert!(summary.completion_events >= 7, "seed {seed}: {summary:?}");
+        // armed for: at least one per reap with work (7 before the sleep,
+        // 6 after it).
+        assert!(summary.completion_events >= 13, "seed {seed}: {summary:?}");
         assert!(summary.restarted_after_wake, "seed {seed}");
         let report = miniport_run::render(seed, &summary);
         assert!(report.contains("verifier: 0 violation(s)"), "{report}");

@@ -9,16 +9,18 @@
 //! through the interface's synchronous wrapper, and moves RC (send, RDMA
 //! write, RDMA read) and UD traffic between the two HCAs through the
 //! interface's fast path, every byte checked, completions signalled by the CQ events it armed for.
-//! Then it tears everything down, sleeps the machine (S3) and wakes it,
-//! checks the CI works again, shuts down, and requires an empty verifier
-//! report.
+//! Then it sleeps the machine (S3) with every object alive and wakes it:
+//! the UD pair moves a datagram again (checked), the connected RC QPs come
+//! back in ERR with `QpFatal`, are reset and reconnected, and SENDs flow
+//! again (checked). Then it tears everything down, shuts down, and requires
+//! an empty verifier report.
 //!
 //! Memory is a common buffer of each HCA's DMA adapter, registered through
 //! the CI with `RegPhysMr` (a kernel client's physical registration: the
-//! page list of bus addresses). The client tears down before sleeping;
-//! objects left alive would survive it (the core keeps them on D0 exit and
-//! restores them on D0 entry, `hca_miniport_core::verbs::restore`, tested
-//! in `hca-miniport/core/tests/power.rs`).
+//! page list of bus addresses). The objects survive sleep because the core
+//! keeps them on D0 exit and gives them back on D0 entry
+//! (`hca_miniport_core::verbs::restore`; in detail in
+//! `hca-miniport/core/tests/power.rs`).
 //!
 //! The scenario test `tests/tests/miniport_stack.rs` runs this same module.
 
@@ -33,12 +35,13 @@ use hca_miniport_core::verbs::{CaClient, CqNotify};
 use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
 use ib_types::cq::CqAttr;
-use ib_types::event::AsyncEventRecord;
+use ib_types::event::{AsyncEventCode, AsyncEventRecord};
 use ib_types::handle::{AvHandle, CqHandle, PdHandle};
 use ib_types::interface::{CI_INTERFACE_VERSION, GUID_IB_CI_INTERFACE};
 use ib_types::ioctl::{
     AllocPd, CreateAv, CreateCq, CreateQp, DeallocPd, DeregMr, DestroyAv, DestroyCq, DestroyQp,
-    Empty, ModifyQp, RegPhysMr, Verb, decode_response, encode_request, request_len, response_len,
+    Empty, ModifyQp, QueryQp, RegPhysMr, Verb, decode_response, encode_request, request_len,
+    response_len,
 };
 use ib_types::mr::PhysMrRegister;
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
@@ -352,8 +355,29 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
             .to_owned(),
     );
 
-    rc_traffic(&m, &sides, &mut summary)?;
-    ud_traffic(&m, &sides, &mut summary)?;
+    let rc = rc_traffic(&m, &sides, &mut summary)?;
+    let ud = ud_traffic(&m, &sides, &mut summary)?;
+
+    // Sleep with every object alive: PD, CQ, QPs, AV and regions.
+    m.host
+        .pnp()
+        .set_system_power(SystemPowerState::S3)
+        .map_err(|veto| veto.to_string())?;
+    let asleep = sides
+        .iter()
+        .all(|s| s.device.hca().is_some_and(|hca| hca.report().is_none()));
+    m.host
+        .pnp()
+        .set_system_power(SystemPowerState::S0)
+        .map_err(|veto| veto.to_string())?;
+    m.settle()?;
+    let awake = sides.iter().all(|s| s.ci.identity().is_ok());
+    summary.restarted_after_wake = asleep && awake;
+    if !summary.restarted_after_wake {
+        return Err("the HCAs did not stop in S3 and start again in S0".to_owned());
+    }
+    summary.lines.push("S0 -> S3 -> S0 with PD, CQ, QPs, AV and regions alive: each HCA taken down on D0 exit and its objects given back on D0 entry".to_owned());
+    after_resume(&m, &sides, rc, ud, &mut summary)?;
 
     for side in &mut sides {
         summary.completion_events += lock(&side.client.completions).len();
@@ -363,6 +387,18 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
         if wrong_level {
             return Err("a completion callback outside DISPATCH_LEVEL".to_owned());
         }
+    }
+    let (a, _, b, _) = rc;
+    let (ua, _, ub, _, av) = ud;
+    let (x, y) = (&sides[0], &sides[1]);
+    m.call::<DestroyAv>(&x.ci, av, &Empty)?;
+    for (side, qp) in [(x, a), (y, b), (x, ua), (y, ub)] {
+        m.call::<DestroyQp>(&side.ci, qp, &Empty)?;
+    }
+    // Whatever a destroy flushed is polled away.
+    reap(&m, x).ok();
+    reap(&m, y).ok();
+    for side in &mut sides {
         deregister_memory(&m, side)?;
         m.call::<DestroyCq>(&side.ci, side.cq, &Empty)?;
         m.call::<DeallocPd>(&side.ci, side.pd, &Empty)?;
@@ -377,33 +413,6 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
             "torn down: every QP, AV, CQ, PD and region destroyed, CAs closed, interfaces dereferenced ({} completion events, all at DISPATCH_LEVEL)",
             summary.completion_events
         ),
-    );
-
-    m.host
-        .pnp()
-        .set_system_power(SystemPowerState::S3)
-        .map_err(|veto| veto.to_string())?;
-    let asleep = sides
-        .iter()
-        .all(|s| s.device.hca().is_some_and(|hca| hca.report().is_none()));
-    m.host
-        .pnp()
-        .set_system_power(SystemPowerState::S0)
-        .map_err(|veto| veto.to_string())?;
-    m.settle()?;
-    let mut awake = true;
-    for side in &sides {
-        let ca = side
-            .ci
-            .open_ca(Arc::new(Client::default()))
-            .map_err(|s| format!("open after wake: {s:?}"))?;
-        awake &= side.ci.close_ca(ca).is_ok() && side.ci.identity().is_ok();
-    }
-    summary.restarted_after_wake = asleep && awake;
-    if !summary.restarted_after_wake {
-        return Err("the HCAs did not stop in S3 and start again in S0".to_owned());
-    }
-    summary.lines.push("S0 -> S3 -> S0: each HCA taken down on D0 exit and brought back on D0 entry (its objects kept and restored by the core)".to_owned(),
     );
     drop(sides);
 
@@ -422,6 +431,50 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
             .collect::<Vec<_>>()
             .join("; "))
     }
+}
+
+/// After S3 -> S0: the UD pair and the AV work as before (a datagram,
+/// checked); the connected RC QPs came back in ERR, each side's client told
+/// with `QpFatal`; they are reset and connected again, and SENDs flow both
+/// ways. The regions keep their keys throughout.
+fn after_resume(
+    m: &Machine,
+    sides: &[Side],
+    rc: RcPair,
+    ud: UdPair,
+    summary: &mut Summary,
+) -> Result<(), String> {
+    ud_datagram(m, sides, ud, 88, summary)?;
+    let (a, qpn_a, b, qpn_b) = rc;
+    let (x, y) = (&sides[0], &sides[1]);
+    for (side, qp) in [(x, a), (y, b)] {
+        let fatal = lock(&side.client.events)
+            .iter()
+            .any(|e| e.code == AsyncEventCode::QpFatal && e.handle == qp);
+        if !fatal {
+            return Err(format!("no QpFatal for RC QP {qp:#x} after resume"));
+        }
+        let (_, query) = m.call::<QueryQp>(&side.ci, qp, &Empty)?;
+        let state = query.ok_or("QueryQp without output")?.state;
+        if state != QpState::Err {
+            return Err(format!("RC QP {qp:#x} is {state:?} after resume, not ERR"));
+        }
+        m.call::<ModifyQp>(&side.ci, qp, &QpModify::to_state(QpState::Reset))?;
+    }
+    // Nothing was outstanding at D0 exit, so nothing was flushed.
+    for side in [x, y] {
+        let flushed = reap(m, side)?;
+        if !flushed.is_empty() {
+            return Err(format!("completions after resume: {flushed:?}"));
+        }
+    }
+    connect(m, x, a, qpn_b, y.ip)?;
+    connect(m, y, b, qpn_a, x.ip)?;
+    rc_sends(m, sides, rc, summary)?;
+    summary.lines.push(format!(
+        "after resume: UD datagram checked; RC {qpn_a:#x} <-> {qpn_b:#x} back in ERR with QpFatal, reset, reconnected, sends both ways checked"
+    ));
+    Ok(())
 }
 
 /// A common buffer of the HCA's adapter registered physically through the
@@ -592,13 +645,71 @@ fn leak(sges: Vec<Sge>) -> &'static [Sge] {
     Box::leak(sges.into_boxed_slice())
 }
 
-fn rc_traffic(m: &Machine, sides: &[Side], summary: &mut Summary) -> Result<(), String> {
+/// The connected RC pair: (QP on X, its number, QP on Y, its number).
+type RcPair = (u64, u32, u64, u32);
+
+fn rc_traffic(m: &Machine, sides: &[Side], summary: &mut Summary) -> Result<RcPair, String> {
     let (x, y) = (&sides[0], &sides[1]);
     let (a, qpn_a) = create_qp(m, x, QpType::Rc)?;
     let (b, qpn_b) = create_qp(m, y, QpType::Rc)?;
     connect(m, x, a, qpn_b, y.ip)?;
     connect(m, y, b, qpn_a, x.ip)?;
+    rc_sends(m, sides, (a, qpn_a, b, qpn_b), summary)?;
 
+    // RDMA write from X into Y, then RDMA read of it back into X.
+    let written = pattern(55, 3000);
+    x.write(0, &written)?;
+    let remote = RemoteAddr {
+        addr: y.region()?.start + 4096,
+        rkey: y.region()?.rkey,
+    };
+    let wrs = vec![
+        SendWr {
+            wr_id: 200,
+            op: SendOp::RdmaWrite { remote },
+            flags: SendFlags::SIGNALED,
+            sg_list: leak(vec![x.sge(0, 3000)?]),
+            ud: None,
+        },
+        SendWr {
+            wr_id: 201,
+            op: SendOp::RdmaRead { remote },
+            flags: SendFlags::SIGNALED,
+            sg_list: leak(vec![x.sge(4096, 3000)?]),
+            ud: None,
+        },
+    ];
+    let ci = x.ci.clone();
+    let (posted, status) = m.in_dpc(move || ci.post_send(a, &wrs))?;
+    if (posted, status) != (2, IbStatus::Success) {
+        return Err(format!("RDMA post: {posted} {status:?}"));
+    }
+    m.settle()?;
+    let done = reap(m, x)?;
+    expect_ids(&done, vec![200, 201])?;
+    if y.read(4096, 3000)? != written || x.read(4096, 3000)? != written {
+        return Err("RDMA write/read bytes differ".to_owned());
+    }
+    summary.bytes_checked += 6000;
+    summary.completions += done.len();
+    summary.lines.push(format!(
+        "RC {qpn_a:#x} <-> {qpn_b:#x}: {} sends each way ({} bytes), RDMA write and read of 3000 bytes, all checked",
+        RC_SENDS.len(),
+        RC_SENDS.iter().sum::<u32>()
+    ));
+
+    Ok((a, qpn_a, b, qpn_b))
+}
+
+/// RC SENDs both ways over the connected pair, every byte checked.
+fn rc_sends(
+    m: &Machine,
+    sides: &[Side],
+    pair: RcPair,
+    summary: &mut Summary,
+) -> Result<(), String> {
+    let (x, y) = (&sides[0], &sides[1]);
+    let (a, _, b, _) = pair;
     // SENDs both ways: each side receives into slots of 4 KiB at 8 KiB.
     for (from, to, qp_from, qp_to, seed) in [(x, y, a, b, 1u8), (y, x, b, a, 101u8)] {
         let recvs: Vec<RecvWr<'static>> = (0..RC_SENDS.len())
@@ -656,57 +767,13 @@ fn rc_traffic(m: &Machine, sides: &[Side], summary: &mut Summary) -> Result<(), 
         summary.completions += sent.len() + got.len();
     }
 
-    // RDMA write from X into Y, then RDMA read of it back into X.
-    let written = pattern(55, 3000);
-    x.write(0, &written)?;
-    let remote = RemoteAddr {
-        addr: y.region()?.start + 4096,
-        rkey: y.region()?.rkey,
-    };
-    let wrs = vec![
-        SendWr {
-            wr_id: 200,
-            op: SendOp::RdmaWrite { remote },
-            flags: SendFlags::SIGNALED,
-            sg_list: leak(vec![x.sge(0, 3000)?]),
-            ud: None,
-        },
-        SendWr {
-            wr_id: 201,
-            op: SendOp::RdmaRead { remote },
-            flags: SendFlags::SIGNALED,
-            sg_list: leak(vec![x.sge(4096, 3000)?]),
-            ud: None,
-        },
-    ];
-    let ci = x.ci.clone();
-    let (posted, status) = m.in_dpc(move || ci.post_send(a, &wrs))?;
-    if (posted, status) != (2, IbStatus::Success) {
-        return Err(format!("RDMA post: {posted} {status:?}"));
-    }
-    m.settle()?;
-    let done = reap(m, x)?;
-    expect_ids(&done, vec![200, 201])?;
-    if y.read(4096, 3000)? != written || x.read(4096, 3000)? != written {
-        return Err("RDMA write/read bytes differ".to_owned());
-    }
-    summary.bytes_checked += 6000;
-    summary.completions += done.len();
-    summary.lines.push(format!(
-        "RC {qpn_a:#x} <-> {qpn_b:#x}: {} sends each way ({} bytes), RDMA write and read of 3000 bytes, all checked",
-        RC_SENDS.len(),
-        RC_SENDS.iter().sum::<u32>()
-    ));
-
-    m.call::<DestroyQp>(&x.ci, a, &Empty)?;
-    m.call::<DestroyQp>(&y.ci, b, &Empty)?;
-    // Whatever the peer's destroy flushed is polled away.
-    reap(m, x).ok();
-    reap(m, y).ok();
     Ok(())
 }
 
-fn ud_traffic(m: &Machine, sides: &[Side], summary: &mut Summary) -> Result<(), String> {
+/// The UD pair: (QP on X, its number, QP on Y, its number, X's AV to Y).
+type UdPair = (u64, u32, u64, u32, u64);
+
+fn ud_traffic(m: &Machine, sides: &[Side], summary: &mut Summary) -> Result<UdPair, String> {
     let (x, y) = (&sides[0], &sides[1]);
     let (ua, qpn_ua) = create_qp(m, x, QpType::Ud)?;
     let (ub, qpn_ub) = create_qp(m, y, QpType::Ud)?;
@@ -729,7 +796,23 @@ fn ud_traffic(m: &Machine, sides: &[Side], summary: &mut Summary) -> Result<(), 
     }
     // The AV is a CI object; the fast path resolves its handle.
     let (av, _) = m.call::<CreateAv>(&x.ci, x.pd, &av_to(y.ip)?)?;
-    let datagram = pattern(77, 900);
+    let pair = (ua, qpn_ua, ub, qpn_ub, av);
+    ud_datagram(m, sides, pair, 77, summary)?;
+    Ok(pair)
+}
+
+/// One 900-byte datagram from X to Y through the AV, checked after the
+/// 40-byte GRH.
+fn ud_datagram(
+    m: &Machine,
+    sides: &[Side],
+    pair: UdPair,
+    seed: u8,
+    summary: &mut Summary,
+) -> Result<(), String> {
+    let (x, y) = (&sides[0], &sides[1]);
+    let (ua, qpn_ua, ub, qpn_ub, av) = pair;
+    let datagram = pattern(seed, 900);
     x.write(12288, &datagram)?;
     let recv = vec![RecvWr {
         wr_id: 61,
@@ -774,9 +857,6 @@ fn ud_traffic(m: &Machine, sides: &[Side], summary: &mut Summary) -> Result<(), 
     summary.lines.push(format!(
         "UD {qpn_ua:#x} -> {qpn_ub:#x} through an AV handle: 900 bytes after the 40-byte GRH, checked"
     ));
-    m.call::<DestroyAv>(&x.ci, av, &Empty)?;
-    m.call::<DestroyQp>(&x.ci, ua, &Empty)?;
-    m.call::<DestroyQp>(&y.ci, ub, &Empty)?;
     Ok(())
 }
 

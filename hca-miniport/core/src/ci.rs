@@ -139,13 +139,12 @@ where
     }
 
     /// The CA's identity; [`IbStatus::InvalidState`] while the device is
-    /// not started.
+    /// not started. Below D0 it is answered from the bring-up report saved
+    /// at D0 exit: the identity does not change across sleep (D0 entry
+    /// fails the device if the layout came back different).
     pub fn identity(&self) -> Result<CaIdentity, IbStatus> {
-        let cap = self
-            .hca
-            .report()
-            .ok_or(IbStatus::InvalidState)?
-            .capabilities;
+        let report = self.hca.report().or_else(|| *self.hca.saved_layout.lock());
+        let cap = report.ok_or(IbStatus::InvalidState)?.capabilities;
         Ok(CaIdentity {
             ca_guid: NodeGuid::new(cap.node_guid.get()),
             vendor_id: cap.vendor_id.get() & 0x00FF_FFFF,

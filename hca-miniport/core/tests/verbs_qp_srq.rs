@@ -256,15 +256,7 @@ fn rc_receives_from_an_srq_refilled_past_its_depth_with_wr_ids_and_bytes() {
     let w = World::deterministic(57);
     let client = Arc::new(Client::default());
     let hca = w.hca();
-    let ca = hca.open_ca(Some(client.clone())).unwrap();
-    let r = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
-    let pd = response::<AllocPd>(&r).handle;
-    let attr = CqAttr {
-        cqe: 64,
-        comp_vector: 0,
-    };
-    let r = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
-    let cq = response::<CreateCq>(&r).handle;
+    let (ca, pd, cq) = open_pd_cq(&w, client.clone());
     let create = SrqCreate {
         pd: PdHandle::from_raw(pd),
         attr: SrqAttr {
@@ -442,6 +434,39 @@ fn rc_receives_from_an_srq_refilled_past_its_depth_with_wr_ids_and_bytes() {
     w.finish();
 }
 
+/// Opens the CA for `client` with a PD and a 64-entry CQ: (CA, PD, CQ).
+fn open_pd_cq(w: &World, client: Arc<Client>) -> (u64, u64, u64) {
+    let ca = w.hca().open_ca(Some(client)).unwrap();
+    let r = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
+    let pd = response::<AllocPd>(&r).handle;
+    let attr = CqAttr {
+        cqe: 64,
+        comp_vector: 0,
+    };
+    let r = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
+    (ca, pd, response::<CreateCq>(&r).handle)
+}
+
+/// A small RC QP on `cq`, receiving from `srq` or from its own queue.
+fn rc_create(pd: u64, cq: u64, srq: Option<u64>) -> QpCreate {
+    QpCreate {
+        qp_type: QpType::Rc,
+        pd: PdHandle::from_raw(pd),
+        send_cq: CqHandle::from_raw(cq),
+        recv_cq: CqHandle::from_raw(cq),
+        srq: srq.map(SrqHandle::from_raw),
+        caps: QpCaps {
+            max_send_wr: 4,
+            max_recv_wr: if srq.is_some() { 0 } else { 4 },
+            max_send_sge: 1,
+            max_recv_sge: if srq.is_some() { 0 } else { 1 },
+            max_inline_data: 0,
+        },
+        sq_sig_all: false,
+        port: None,
+    }
+}
+
 fn query_state(w: &World, qp: u64) -> QpState {
     let r = w.call_in_dpc::<QueryQp>(KERNEL, qp, &Empty, 0);
     let resp = response::<QueryQp>(&r);
@@ -459,15 +484,7 @@ fn a_responder_access_error_moves_the_cached_state_to_err_and_reaches_the_client
     let w = World::deterministic(61);
     let client = Arc::new(Client::default());
     let hca = w.hca();
-    let ca = hca.open_ca(Some(client.clone())).unwrap();
-    let r = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
-    let pd = response::<AllocPd>(&r).handle;
-    let attr = CqAttr {
-        cqe: 64,
-        comp_vector: 0,
-    };
-    let r = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
-    let cq = response::<CreateCq>(&r).handle;
+    let (ca, pd, cq) = open_pd_cq(&w, client.clone());
     let create = SrqCreate {
         pd: PdHandle::from_raw(pd),
         attr: SrqAttr {
@@ -478,22 +495,7 @@ fn a_responder_access_error_moves_the_cached_state_to_err_and_reaches_the_client
     };
     let r = w.call_in_dpc::<CreateSrq>(KERNEL, ca, &create, 0);
     let srq = response::<CreateSrq>(&r).handle;
-    let qp = |srq: Option<u64>| QpCreate {
-        qp_type: QpType::Rc,
-        pd: PdHandle::from_raw(pd),
-        send_cq: CqHandle::from_raw(cq),
-        recv_cq: CqHandle::from_raw(cq),
-        srq: srq.map(SrqHandle::from_raw),
-        caps: QpCaps {
-            max_send_wr: 4,
-            max_recv_wr: if srq.is_some() { 0 } else { 4 },
-            max_send_sge: 1,
-            max_recv_sge: if srq.is_some() { 0 } else { 1 },
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    };
+    let qp = |srq: Option<u64>| rc_create(pd, cq, srq);
     let (_, a, ca_out) = create_qp(&w, ca, &qp(None));
     let (_, b, cb_out) = create_qp(&w, ca, &qp(Some(srq)));
     let (qpn_a, qpn_b) = (ca_out.unwrap().qpn.get(), cb_out.unwrap().qpn.get());
@@ -550,6 +552,237 @@ fn a_responder_access_error_moves_the_cached_state_to_err_and_reaches_the_client
     b_mem.free(&w);
     let r = w.call_in_dpc::<DestroyCq>(KERNEL, cq, &Empty, 0);
     assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc::<DeallocPd>(KERNEL, pd, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    assert_eq!(hca.close_ca(ca), Ok(()));
+    w.finish();
+}
+
+/// A device-raised ERR that arrives while a `MODIFY_QP` of the same QP is
+/// outstanding: the device executed the modify (RTS->RTS, new RNR timer)
+/// and only then failed the QP on a bad-R_Key write, so the access-error
+/// event precedes the modify's completion in the EQ (the simulated device
+/// holds its command completions back, as a real device's firmware may).
+/// The modify succeeded on the device and says so; the QP's cached state
+/// stays ERR, not the modify's target. A later modify from the stale RTS
+/// is then judged from ERR and refused.
+#[test]
+fn an_err_event_during_an_outstanding_modify_is_not_overwritten_by_its_completion() {
+    let w = World::deterministic(62);
+    let client = Arc::new(Client::default());
+    let hca = w.hca();
+    let (ca, pd, cq) = open_pd_cq(&w, client.clone());
+    let create = rc_create(pd, cq, None);
+    let (_, a, a_out) = create_qp(&w, ca, &create);
+    let (_, b, b_out) = create_qp(&w, ca, &create);
+    let (qpn_a, qpn_b) = (a_out.unwrap().qpn.get(), b_out.unwrap().qpn.get());
+    connect(&w, a, 1, qpn_b, [10, 0, 1, 1]);
+    connect(&w, b, 2, qpn_a, [10, 0, 0, 1]);
+    let a_mem = Mem::new(&w, pd);
+    let b_mem = Mem::new(&w, pd);
+
+    // The modify runs on the device now; its completion is held.
+    w.function().with_device(|d| d.hold_command_completions());
+    let stay_rts = QpModify {
+        min_rnr_timer: Some(3),
+        ..QpModify::default()
+    };
+    let (request, issuer) = w.request::<ModifyQp>(KERNEL, b, &stay_rts, 0);
+    let bad = SendWr {
+        wr_id: 78,
+        op: SendOp::RdmaWrite {
+            remote: RemoteAddr {
+                addr: b_mem.region.start(),
+                rkey: RKey::new(b_mem.region.rkey().get() ^ 0x5A5A_0000),
+            },
+        },
+        flags: SendFlags::SIGNALED,
+        sg_list: leak_sges(vec![a_mem.sge(0, 64)]),
+        ud: None,
+    };
+    let core = w.hca();
+    w.in_dpc(move || {
+        core.submit_request(request);
+        let posted = core.post_send(
+            a,
+            &[SendRequest {
+                wr: bad,
+                av: None,
+                inline: None,
+            }],
+        );
+        assert_eq!(posted, (1, IbStatus::Success));
+    });
+    // Long enough for the write and its error, far short of the command
+    // timeout.
+    w.host.scheduler().run_for(1_000_000, 100_000).unwrap();
+    assert!(issuer.completion().is_none(), "the completion is held");
+    let record = AsyncEventRecord::new(AsyncEventCode::WqAccessError, b, None, 0).unwrap();
+    assert_eq!(lock(&client.events).clone(), vec![(record, Irql::DISPATCH)]);
+
+    w.function()
+        .with_device(|d| d.release_command_completions());
+    w.settle();
+    let done = issuer.completion().expect("the modify completed");
+    assert_eq!(response::<ModifyQp>(&done).status, IbStatus::Success);
+    assert_eq!(query_state(&w, b), QpState::Err);
+    // Judged from ERR: staying in ERR takes no attributes (Table 91).
+    assert_eq!(modify(&w, b, &stay_rts), IbStatus::InvalidSetting);
+    assert_eq!(query_state(&w, b), QpState::Err);
+
+    for q in [a, b] {
+        let r = w.call_in_dpc::<DestroyQp>(KERNEL, q, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let wcs = poll_all(&w, cq);
+    assert!(
+        wcs.iter()
+            .any(|wc| wc.wr_id == 78 && wc.qp_num.get() == qpn_a)
+    );
+    a_mem.free(&w);
+    b_mem.free(&w);
+    let r = w.call_in_dpc::<DestroyCq>(KERNEL, cq, &Empty, 0);
+    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc::<DeallocPd>(KERNEL, pd, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    assert_eq!(hca.close_ca(ca), Ok(()));
+    w.finish();
+}
+
+/// A destroyed QP's receive completion taken from its SRQ (CQE SRQ flag)
+/// that the client polls only after destroying that SRQ too and creating a
+/// new one at the same SRQ number: the CQE sitting in the CQ ring is not
+/// covered by the one-EQ ordering of events, so the number alone would
+/// hand it the new SRQ's `wr_id` and free the new SRQ's slot. It gets the
+/// old SRQ's `wr_id`, and the new SRQ's receive still takes the next
+/// message with its own.
+#[test]
+fn a_late_srq_completion_never_reaches_a_reused_srq_number() {
+    let w = World::deterministic(63);
+    let hca = w.hca();
+    let ca = hca.open_ca(None).unwrap();
+    let r = w.call_in_dpc::<AllocPd>(KERNEL, ca, &Empty, 0);
+    let pd = response::<AllocPd>(&r).handle;
+    let attr = CqAttr {
+        cqe: 64,
+        comp_vector: 0,
+    };
+    let mut cqs = [0; 2];
+    for cq in &mut cqs {
+        let r = w.call_in_dpc::<CreateCq>(KERNEL, ca, &attr, 0);
+        *cq = response::<CreateCq>(&r).handle;
+    }
+    let [send_cq, recv_cq] = cqs;
+    let srq_create = SrqCreate {
+        pd: PdHandle::from_raw(pd),
+        attr: SrqAttr {
+            max_wr: 4,
+            max_sge: 1,
+            srq_limit: 0,
+        },
+    };
+    let qp = |cq: u64, srq: Option<u64>| rc_create(pd, cq, srq);
+    let a_mem = Mem::new(&w, pd);
+    let b_mem = Mem::new(&w, pd);
+    let recv = |wr_id: u64, at: usize| RecvWr {
+        wr_id,
+        sg_list: leak_sges(vec![b_mem.sge(at, 256)]),
+    };
+    let send = |wr_id: u64, seed: u8| {
+        a_mem.write(0, &pattern(seed, 128));
+        SendWr {
+            wr_id,
+            op: SendOp::Send,
+            flags: SendFlags::empty(),
+            sg_list: leak_sges(vec![a_mem.sge(0, 128)]),
+            ud: None,
+        }
+    };
+    // A pair whose receiver takes from the first SRQ.
+    let r = w.call_in_dpc::<CreateSrq>(KERNEL, ca, &srq_create, 0);
+    let old_srq = response::<CreateSrq>(&r).handle;
+    let (_, a, a_out) = create_qp(&w, ca, &qp(send_cq, None));
+    let (_, b, b_out) = create_qp(&w, ca, &qp(recv_cq, Some(old_srq)));
+    let (qpn_a, qpn_b) = (a_out.unwrap().qpn.get(), b_out.unwrap().qpn.get());
+    connect(&w, a, 1, qpn_b, [10, 0, 1, 1]);
+    connect(&w, b, 2, qpn_a, [10, 0, 0, 1]);
+    assert_eq!(
+        post_srq(&w, old_srq, vec![recv(1001, 0)]),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(
+        post_sends(&w, a, vec![send(1, 0x21)]),
+        (1, IbStatus::Success)
+    );
+
+    // The receive's CQE stays unpolled while its QP and SRQ go.
+    let r = w.call_in_dpc::<DestroyQp>(KERNEL, b, &Empty, 0);
+    assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc::<DestroySrq>(KERNEL, old_srq, &Empty, 0);
+    assert_eq!(response::<DestroySrq>(&r).status, IbStatus::Success);
+    // Create SRQs (destroying those at other numbers) until the old
+    // number comes back.
+    let new_srq = (0..100_000)
+        .find_map(|_| {
+            let r = w.call_in_dpc::<CreateSrq>(KERNEL, ca, &srq_create, 0);
+            let created = response::<CreateSrq>(&r);
+            assert_eq!(created.status, IbStatus::Success);
+            if support::number_of(created.handle) == support::number_of(old_srq) {
+                return Some(created.handle);
+            }
+            let r = w.call_in_dpc::<DestroySrq>(KERNEL, created.handle, &Empty, 0);
+            assert_eq!(response::<DestroySrq>(&r).status, IbStatus::Success);
+            None
+        })
+        .expect("the SRQ number is reused");
+    assert_ne!(new_srq, old_srq);
+    assert_eq!(
+        post_srq(&w, new_srq, vec![recv(2001, 512)]),
+        (1, IbStatus::Success)
+    );
+
+    let wcs = poll_all(&w, recv_cq);
+    let summary: Vec<(u32, u64, WcStatus)> = wcs
+        .iter()
+        .map(|wc| (wc.qp_num.get(), wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(summary, vec![(qpn_b, 1001, WcStatus::Success)]);
+    assert_eq!(b_mem.read(0, 128), pattern(0x21, 128));
+
+    // The new SRQ's receive is still posted and takes the next message.
+    let (_, c, c_out) = create_qp(&w, ca, &qp(recv_cq, Some(new_srq)));
+    let qpn_c = c_out.unwrap().qpn.get();
+    let reset = QpModify {
+        state: Some(QpState::Reset),
+        ..QpModify::default()
+    };
+    assert_eq!(modify(&w, a, &reset), IbStatus::Success);
+    connect(&w, a, 1, qpn_c, [10, 0, 1, 1]);
+    connect(&w, c, 2, qpn_a, [10, 0, 0, 1]);
+    assert_eq!(
+        post_sends(&w, a, vec![send(2, 0x42)]),
+        (1, IbStatus::Success)
+    );
+    let summary: Vec<(u32, u64, WcStatus)> = poll_all(&w, recv_cq)
+        .iter()
+        .map(|wc| (wc.qp_num.get(), wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(summary, vec![(qpn_c, 2001, WcStatus::Success)]);
+    assert_eq!(b_mem.read(512, 128), pattern(0x42, 128));
+
+    for q in [a, c] {
+        let r = w.call_in_dpc::<DestroyQp>(KERNEL, q, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let _ = poll_all(&w, send_cq);
+    let r = w.call_in_dpc::<DestroySrq>(KERNEL, new_srq, &Empty, 0);
+    assert_eq!(response::<DestroySrq>(&r).status, IbStatus::Success);
+    a_mem.free(&w);
+    b_mem.free(&w);
+    for cq in cqs {
+        let r = w.call_in_dpc::<DestroyCq>(KERNEL, cq, &Empty, 0);
+        assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    }
     let r = w.call_in_dpc::<DeallocPd>(KERNEL, pd, &Empty, 0);
     assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
     assert_eq!(hca.close_ca(ca), Ok(()));

@@ -81,6 +81,10 @@ impl Device {
 
     /// Completes a command by event (PRM 4.3).
     pub(super) fn post_cmd_completion(&mut self, token: u16, status: CmdStatus, out_imm: u64) {
+        if let Some(held) = self.held_completions.as_mut() {
+            held.push((token, status.code(), out_imm));
+            return;
+        }
         self.post_event(Event::CmdCompletion {
             token,
             status: status.code(),

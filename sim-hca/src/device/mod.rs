@@ -73,6 +73,9 @@ pub struct Device {
     pub(crate) now_ns: u64,
     status: Status,
     cmdq: CommandQueue,
+    /// Completions of event-completed commands held back by
+    /// [`Device::hold_command_completions`] (token, status, `out_imm`).
+    held_completions: Option<Vec<(u16, u8, u64)>>,
     pub(crate) counters: DeviceCounters,
     ports: Vec<Port>,
     pub(crate) hca: Option<Hca>,
@@ -112,6 +115,7 @@ impl Device {
             now_ns: 0,
             status: Status::READY,
             cmdq: CommandQueue::default(),
+            held_completions: None,
             counters: DeviceCounters::default(),
             ports,
             hca: None,
@@ -154,6 +158,29 @@ impl Device {
     /// Advances the device's notion of time (monotonic; earlier is ignored).
     pub fn set_time(&mut self, now_ns: u64) {
         self.now_ns = self.now_ns.max(now_ns);
+    }
+
+    /// Tests: from now on, commands still execute at their doorbell but the
+    /// `CMD_COMPLETION` events of event-completed commands are held back
+    /// until [`release_command_completions`](Self::release_command_completions).
+    /// A real device's firmware posts a completion some time after it
+    /// executed the command, so events the device raises in between (a QP
+    /// error after a `MODIFY_QP` took effect) precede the completion.
+    pub fn hold_command_completions(&mut self) {
+        self.held_completions.get_or_insert_with(Vec::new);
+    }
+
+    /// Tests: posts the completions held since
+    /// [`hold_command_completions`](Self::hold_command_completions), in
+    /// command order, and completes later commands at once again.
+    pub fn release_command_completions(&mut self) {
+        for (token, status, out_imm) in self.held_completions.take().unwrap_or_default() {
+            self.post_event(hca_prm::eqe::Event::CmdCompletion {
+                token,
+                status,
+                out_imm,
+            });
+        }
     }
 
     /// The device's current time.

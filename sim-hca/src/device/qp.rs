@@ -160,7 +160,10 @@ impl Device {
             return Err(CmdStatus::BadParam);
         }
         let num_ports = self.num_ports();
-        if ctx.port == 0 || ctx.port > num_ports {
+        // A special QP's port fixes its slot; a general QP's may wait for
+        // RESET->INIT (0: none yet), where Table 91 requires it.
+        let unset_allowed = !qp_type.is_special() && ctx.port == 0;
+        if !unset_allowed && (ctx.port == 0 || ctx.port > num_ports) {
             return Err(CmdStatus::BadPort);
         }
         // Special QPs live at their fixed slots; general QPs above them.

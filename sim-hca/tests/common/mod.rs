@@ -185,7 +185,8 @@ pub fn endpoint_with(
         .create_qp_with_flags(
             &mut node.dev,
             qp_type,
-            1,
+            // No port until RESET->INIT names one (PRM 6.1.2).
+            0,
             PD,
             (rcq, rcq),
             None,

@@ -119,22 +119,14 @@ impl<P: Platform> Hca<P> {
     }
 
     pub(crate) fn query_av_request<R: Request>(&self, a: Accepted<QueryAv, R>) {
-        let mode = a.mode;
-        let found = self.with_objects(|o| {
-            if !Self::ca_visible(o, mode) {
-                return None;
-            }
-            o.avs.get(Handle::<kind::Av>::from_raw(a.handle)).copied()
-        });
-        match found {
-            Ok(Some(av)) => {
+        match self.find_object::<kind::Av>(a.handle, a.mode) {
+            Ok(av) => {
                 let out = QueryAvOut {
                     pd: PdHandle::from_raw(av.pd),
                     av: av.attr,
                 };
                 a.responder.finish(IbStatus::Success, 0, Some(&out), &[]);
             }
-            Ok(None) => a.responder.fail(IbStatus::InvalidAvHandle),
             Err(status) => a.responder.fail(status),
         }
     }

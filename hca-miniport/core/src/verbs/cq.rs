@@ -251,15 +251,7 @@ pub(super) fn alloc_pages<P: Platform>(hca: &Hca<P>, pages: usize) -> Result<Buf
 impl<P: Platform> Hca<P> {
     /// The live CQ behind a raw handle, for a request of `mode`.
     fn find_cq(&self, raw: u64, mode: RequestorMode) -> Result<Arc<Cq<P>>, IbStatus> {
-        self.with_objects(|o| {
-            if !Self::ca_visible(o, mode) {
-                return Err(IbStatus::InvalidCqHandle);
-            }
-            o.cqs
-                .get(Handle::<kind::Cq>::from_raw(raw))
-                .cloned()
-                .ok_or(IbStatus::InvalidCqHandle)
-        })?
+        self.find_object::<kind::Cq>(raw, mode)
     }
 
     /// Records that a QP (or SRQ) uses the CQ `cq`; destroy is refused
@@ -267,23 +259,12 @@ impl<P: Platform> Hca<P> {
     /// for a stale handle and [`IbStatus::InvalidState`] for a CQ being
     /// resized or destroyed.
     pub fn reference_cq(&self, cq: u64) -> Result<u32, IbStatus> {
-        self.with_objects_mut(|o| {
-            let handle = Handle::<kind::Cq>::from_raw(cq);
-            let object = o.cqs.get(handle).ok_or(IbStatus::InvalidCqHandle)?;
-            if object.ring.lock().life != Life::Live {
-                return Err(IbStatus::InvalidState);
-            }
-            o.cqs.acquire(handle).map_err(IbStatus::from)
-        })?
+        self.reference_object::<kind::Cq>(cq)
     }
 
     /// Drops a use recorded by [`reference_cq`](Self::reference_cq).
     pub fn release_cq(&self, cq: u64) -> Result<u32, IbStatus> {
-        self.with_objects_mut(|o| {
-            o.cqs
-                .release(Handle::<kind::Cq>::from_raw(cq))
-                .map_err(IbStatus::from)
-        })?
+        self.release_object::<kind::Cq>(cq)
     }
 
     /// Polls up to `wcs.len()` completions of the CQ `cq` (a kernel

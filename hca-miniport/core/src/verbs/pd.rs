@@ -29,21 +29,13 @@ impl<P: Platform> Hca<P> {
     /// new use count. Fails with [`IbStatus::InvalidPdHandle`] for a stale
     /// handle.
     pub fn reference_pd(&self, pd: u64) -> Result<u32, IbStatus> {
-        self.with_objects_mut(|o| {
-            o.pds
-                .acquire(Handle::<kind::Pd>::from_raw(pd))
-                .map_err(IbStatus::from)
-        })?
+        self.reference_object::<kind::Pd>(pd)
     }
 
     /// Drops a use recorded by [`reference_pd`](Self::reference_pd);
     /// returns the new use count.
     pub fn release_pd(&self, pd: u64) -> Result<u32, IbStatus> {
-        self.with_objects_mut(|o| {
-            o.pds
-                .release(Handle::<kind::Pd>::from_raw(pd))
-                .map_err(IbStatus::from)
-        })?
+        self.release_object::<kind::Pd>(pd)
     }
 
     pub(crate) fn alloc_pd_request<R: Request>(&self, a: Accepted<AllocPd, R>) {

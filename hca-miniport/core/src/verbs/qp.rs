@@ -325,6 +325,26 @@ pub(super) struct Control {
     /// The attributes set so far (never STATE, CUR_STATE or CAP).
     pub(super) attr: QpModify,
     pub(super) mtt: Option<EntryRange>,
+    /// The device put the QP in ERR (an event of PRM 8.2) while a
+    /// `MODIFY_QP` was outstanding. A device posts a command's completion
+    /// some time after executing it, so the error may have come after the
+    /// modify took effect: the QP is in ERR whatever the modify did, unless
+    /// the modify took it to RESET (a QP in RESET raises no error; the
+    /// error came first and the reset cleared it).
+    pub(super) err_while_modifying: bool,
+}
+
+impl Control {
+    /// The control state of a QP being created, holding its MTT entries.
+    fn creating(mtt: EntryRange) -> Self {
+        Self {
+            life: Life::Creating,
+            err_while_modifying: false,
+            state: QpState::Reset,
+            attr: QpModify::default(),
+            mtt: Some(mtt),
+        }
+    }
 }
 
 /// The send ring, under its own lock (PRM 10.2).
@@ -334,6 +354,16 @@ pub(super) struct SendRing<B> {
     pub(super) producer: u32,
 }
 
+impl<B> SendRing<B> {
+    /// No ring yet, nothing posted.
+    fn empty() -> Self {
+        Self {
+            ring: None,
+            producer: 0,
+        }
+    }
+}
+
 /// The receive ring and its doorbell record, under their own lock (PRM
 /// 10.3, 9.2).
 pub(super) struct RecvRing<B> {
@@ -341,6 +371,17 @@ pub(super) struct RecvRing<B> {
     pub(super) dbr: Option<B>,
     /// Receive WQEs posted.
     pub(super) producer: u32,
+}
+
+impl<B> RecvRing<B> {
+    /// No ring or doorbell record yet, nothing posted.
+    fn empty() -> Self {
+        Self {
+            ring: None,
+            dbr: None,
+            producer: 0,
+        }
+    }
 }
 
 /// The poll side's view of a QP's rings, apart from the rings' locks so
@@ -412,7 +453,8 @@ pub struct Qp<P: Platform> {
     pub(super) control: SpinLock<P, Control>,
     pub(super) sq: SpinLock<P, SendRing<Buffer<P>>>,
     pub(super) rq: SpinLock<P, RecvRing<Buffer<P>>>,
-    /// The port `SW2HW_QP` was given (the create's, or its stand-in), for
+    /// The port `SW2HW_QP` was given (the create's; 0 for a general QP
+    /// created without one), for
     /// re-creating the QP on D0 entry ([`super::restore`]).
     pub(super) create_port: u8,
     /// What poll needs, without the ring locks.
@@ -562,21 +604,9 @@ impl<P: Platform> Qp<P> {
             mcast: AtomicU32::new(0),
             state: AtomicU8::new(QpState::Reset.code()),
             closing: AtomicBool::new(false),
-            control: SpinLock::<P, _>::new(Control {
-                life: Life::Creating,
-                state: QpState::Reset,
-                attr: QpModify::default(),
-                mtt: Some(mtt),
-            }),
-            sq: SpinLock::<P, _>::new(SendRing {
-                ring: None,
-                producer: 0,
-            }),
-            rq: SpinLock::<P, _>::new(RecvRing {
-                ring: None,
-                dbr: None,
-                producer: 0,
-            }),
+            control: SpinLock::<P, _>::new(Control::creating(mtt)),
+            sq: SpinLock::<P, _>::new(SendRing::empty()),
+            rq: SpinLock::<P, _>::new(RecvRing::empty()),
             // User QPs are not re-created from kernel state on D0 entry
             // (`verbs::restore`).
             create_port: 0,
@@ -707,16 +737,7 @@ fn merge(cache: &mut QpModify, m: &QpModify) {
 impl<P: Platform> Hca<P> {
     /// The live QP behind a raw handle, for a request of `mode`.
     pub(crate) fn find_qp(&self, raw: u64, mode: RequestorMode) -> Result<Arc<Qp<P>>, IbStatus> {
-        self.with_objects(|o| {
-            if !Self::ca_visible(o, mode) {
-                return Err(IbStatus::InvalidQpHandle);
-            }
-            o.qps
-                .objects()
-                .get(Handle::<kind::Qp>::from_raw(raw))
-                .cloned()
-                .ok_or(IbStatus::InvalidQpHandle)
-        })?
+        self.find_object::<kind::Qp>(raw, mode)
     }
 
     /// Takes the uses a QP holds: its PD, both CQs and its SRQ if any.
@@ -816,6 +837,9 @@ impl<P: Platform> Hca<P> {
                     if c.state != QpState::Reset {
                         qp.set_state(&mut c, QpState::Err);
                     }
+                    if c.life == Life::Modifying {
+                        c.err_while_modifying = true;
+                    }
                 }
             }
         }
@@ -891,13 +915,11 @@ where
                 return;
             }
         };
-        // A general QP's port is set by RESET->INIT; SW2HW_QP needs a valid
-        // one, so port 1 stands in until then.
+        // A special QP's port names its slot; a general QP's is set by
+        // RESET->INIT (0 until then, PRM 6.1.2) unless the create names one.
         let which = special(input.qp_type);
-        let port = input
-            .port
-            .map_or(if which.is_some() { 0 } else { 1 }, |p| p.get());
-        if port == 0 || port > num_ports {
+        let port = input.port.map_or(0, |p| p.get());
+        if (which.is_some() && port == 0) || port > num_ports {
             a.responder.fail(IbStatus::InvalidPort);
             return;
         }
@@ -923,21 +945,9 @@ where
                     mcast: AtomicU32::new(0),
                     state: AtomicU8::new(QpState::Reset.code()),
                     closing: AtomicBool::new(false),
-                    control: SpinLock::<P, _>::new(Control {
-                        life: Life::Creating,
-                        state: QpState::Reset,
-                        attr: QpModify::default(),
-                        mtt: Some(mtt),
-                    }),
-                    sq: SpinLock::<P, _>::new(SendRing {
-                        ring: None,
-                        producer: 0,
-                    }),
-                    rq: SpinLock::<P, _>::new(RecvRing {
-                        ring: None,
-                        dbr: None,
-                        producer: 0,
-                    }),
+                    control: SpinLock::<P, _>::new(Control::creating(mtt)),
+                    sq: SpinLock::<P, _>::new(SendRing::empty()),
+                    rq: SpinLock::<P, _>::new(RecvRing::empty()),
                     create_port: port,
                     done: Completions::new(1 << geometry.sq_log_bbs, 1 << geometry.rq_log_entries),
                 })
@@ -950,7 +960,7 @@ where
                 Ok(handle) => {
                     // The number's previous QP is no longer needed for
                     // resolving its completions' wr_ids.
-                    o.retired_qps.remove(&handle.number());
+                    o.forget_retired_qp(handle.number());
                     match o.qps.objects().get(handle).cloned() {
                         Some(qp) => Ok((handle, qp, mtt)),
                         None => Err(IbStatus::GenericError),
@@ -1092,6 +1102,7 @@ where
                 .and_then(|next| modify_input(&modify).map(|input| (next, input)));
             if next.is_ok() {
                 c.life = Life::Modifying;
+                c.err_while_modifying = false;
             }
             next
         };
@@ -1120,11 +1131,20 @@ where
                 });
                 let mut c = qp.control.lock();
                 c.life = Life::Live;
+                // An error the device raised meanwhile outlives the modify
+                // (see `Control::err_while_modifying`); a failed modify
+                // leaves the ERR the event recorded.
+                let device_err = core::mem::take(&mut c.err_while_modifying);
                 match result {
                     Ok(_) => {
                         if let Some(sequences) = reset_at {
                             qp.keep_before_reset(sequences);
                         }
+                        let next = if device_err && next != QpState::Reset {
+                            QpState::Err
+                        } else {
+                            next
+                        };
                         qp.set_state(&mut c, next);
                         if next == QpState::Reset {
                             c.attr = QpModify::default();

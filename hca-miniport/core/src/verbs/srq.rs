@@ -38,10 +38,14 @@
 //!   completed: the device stores no `wr_id` (PRM 10.4), so the SRQ keeps
 //!   each WR's `wr_id` in a shadow ring by `wqe_index`, and the CQ poll
 //!   path takes it back with `Hca::srq_complete` (crate-private), which
-//!   frees the slot. The shadow ring is atomics outside the SRQ's lock
-//!   (`WrIdSlots`): posters serialise on that lock, the poll path takes
-//!   none, so posting to an SRQ never waits for its completions being
-//!   polled, nor the other way round. The producer doorbell record is written once per post
+//!   frees the slot. The lookup is by the QP's generation-checked SRQ
+//!   handle, not the number: a destroyed QP's receive CQEs can sit unpolled
+//!   in a CQ after its SRQ is destroyed and the number reused, so a
+//!   destroyed SRQ that a retired QP names is kept (`Objects::retired_srqs`)
+//!   until that QP's number is reused. The shadow ring is atomics outside
+//!   the SRQ's lock (`WrIdSlots`): posters serialise on that lock, the poll
+//!   path takes none, so posting to an SRQ never waits for its completions
+//!   being polled, nor the other way round. The producer doorbell record is written once per post
 //!   after the WQEs (release order, PRM 9.2); posting needs no MMIO.
 //! - **Events**: `SRQ_LIMIT` and `SRQ_CATASTROPHIC` go, by SRQ number, to
 //!   the client of the CA that owns the SRQ now, as asynchronous events
@@ -273,15 +277,7 @@ impl<P: Platform> Srq<P> {
 impl<P: Platform> Hca<P> {
     /// The live SRQ behind a raw handle, for a request of `mode`.
     fn find_srq(&self, raw: u64, mode: RequestorMode) -> Result<Arc<Srq<P>>, IbStatus> {
-        self.with_objects(|o| {
-            if !Self::ca_visible(o, mode) {
-                return Err(IbStatus::InvalidSrqHandle);
-            }
-            o.srqs
-                .get(Handle::<kind::Srq>::from_raw(raw))
-                .cloned()
-                .ok_or(IbStatus::InvalidSrqHandle)
-        })?
+        self.find_object::<kind::Srq>(raw, mode)
     }
 
     /// Records that a QP receives from the SRQ `srq` (raw handle); destroy
@@ -291,24 +287,13 @@ impl<P: Platform> Hca<P> {
     /// The SRQ number the QP context needs is the handle's number
     /// (`resources::Handle::number`, the low 24 bits).
     pub fn reference_srq(&self, srq: u64) -> Result<u32, IbStatus> {
-        self.with_objects_mut(|o| {
-            let handle = Handle::<kind::Srq>::from_raw(srq);
-            let object = o.srqs.get(handle).ok_or(IbStatus::InvalidSrqHandle)?;
-            if object.ring.lock().life != Life::Live {
-                return Err(IbStatus::InvalidState);
-            }
-            o.srqs.acquire(handle).map_err(IbStatus::from)
-        })?
+        self.reference_object::<kind::Srq>(srq)
     }
 
     /// Drops a use recorded by [`reference_srq`](Self::reference_srq);
     /// returns the new use count.
     pub fn release_srq(&self, srq: u64) -> Result<u32, IbStatus> {
-        self.with_objects_mut(|o| {
-            o.srqs
-                .release(Handle::<kind::Srq>::from_raw(srq))
-                .map_err(IbStatus::from)
-        })?
+        self.release_object::<kind::Srq>(srq)
     }
 
     /// Posts receive WRs to the SRQ `srq` (a kernel client's handle), in
@@ -395,9 +380,15 @@ impl<P: Platform> Hca<P> {
     /// frees its slot for posting. `None` if the SRQ or the slot is empty.
     /// Takes the object tables shared for the lookup and no lock after
     /// ([`WrIdSlots`]): a post to the SRQ goes on meanwhile.
-    pub(crate) fn srq_complete(&self, srqn: u32, wqe_index: u16) -> Option<u64> {
+    pub(crate) fn srq_complete(&self, raw: u64, wqe_index: u16) -> Option<u64> {
+        let handle = Handle::<kind::Srq>::from_raw(raw);
         let srq = self
-            .with_objects(|o| o.srqs.get_by_number(srqn).map(|(_, s)| s.clone()))
+            .with_objects(|o| {
+                o.srqs
+                    .get(handle)
+                    .or_else(|| o.retired_srqs.get(&raw))
+                    .cloned()
+            })
             .ok()
             .flatten()?;
         let mask = srq.entries() - 1;
@@ -704,6 +695,11 @@ where
                         let mtt = srq.ring.lock().mtt.take();
                         let _ = hca.with_objects_mut(|o| {
                             let _ = o.srqs.remove(handle);
+                            // Kept while a destroyed QP's CQEs may name it.
+                            let raw = handle.raw();
+                            if o.retired_qps.values().any(|qp| qp.srq == Some(raw)) {
+                                o.retired_srqs.insert(raw, srq.clone());
+                            }
                             if let Some(mtt) = mtt {
                                 let _ = o.mtt.return_entries(mtt);
                             }

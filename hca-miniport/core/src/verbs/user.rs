@@ -1542,7 +1542,7 @@ where
             };
             match o.qps.create_with(now, make) {
                 Ok(handle) => {
-                    o.retired_qps.remove(&handle.number());
+                    o.forget_retired_qp(handle.number());
                     match o.qps.objects().get(handle).cloned() {
                         Some(qp) => Ok((handle, qp, mtt)),
                         None => Err(IbStatus::GenericError),
@@ -1643,8 +1643,9 @@ where
         }
         let report = self.report().ok_or(IbStatus::InvalidState)?;
         let caps = user_qp_caps(input.qp_type, &input.caps, &layout, &report.capabilities)?;
-        let port = input.port.map_or(1, |p| p.get());
-        if port == 0 || port > report.capabilities.num_ports {
+        // No port until RESET->INIT names one, unless the create does.
+        let port = input.port.map_or(0, |p| p.get());
+        if port > report.capabilities.num_ports {
             return Err(IbStatus::InvalidPort);
         }
         self.with_objects(|o| {

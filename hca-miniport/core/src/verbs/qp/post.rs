@@ -19,7 +19,6 @@ use zerocopy::IntoBytes;
 use super::Qp;
 use crate::hca::Hca;
 use crate::resources::KERNEL_UAR;
-use crate::resources::{Handle, kind};
 
 /// One send work request for [`Hca::post_send`], with what the core cannot
 /// read itself: the PRM address vector of a UD destination (resolved from
@@ -313,9 +312,10 @@ impl<P: Platform> Hca<P> {
         if recv && (from_srq || qp.srq.is_some()) {
             // The QP's lookup is over (no lock held): the SRQ's takes the
             // object-table lock, then the SRQ's own.
+            // By the QP's generation-checked handle: the SRQ may be gone
+            // and its number reused (`Objects::retired_srqs`).
             let Some(srq) = qp.srq else { return 0 };
-            let srqn = Handle::<kind::Srq>::from_raw(srq).number();
-            return self.srq_complete(srqn, wqe_index).unwrap_or(0);
+            return self.srq_complete(srq, wqe_index).unwrap_or(0);
         }
         // No ring lock (`Completions`): posting to the QP goes on while
         // its completions are polled.
