@@ -760,4 +760,44 @@ mod tests {
             Err(IbStatus::InvalidSrqSize)
         );
     }
+
+    #[test]
+    fn wr_id_slots_hand_each_posted_wr_id_back_once_and_free_the_slot() {
+        let slots = WrIdSlots::new(4);
+        assert!(slots.is_free(3));
+        assert!(!slots.is_free(4), "out of range is never free");
+        assert_eq!(slots.take(2), None, "nothing posted");
+        slots.put(2, u64::MAX);
+        assert!(!slots.is_free(2));
+        assert_eq!(slots.take(2), Some(u64::MAX));
+        assert_eq!(slots.take(2), None, "taken once");
+        assert!(slots.is_free(2));
+        slots.put(2, 7);
+        assert_eq!(slots.take(2), Some(7), "the slot is reused");
+        slots.put(9, 1); // out of range: ignored, no panic
+        assert_eq!(slots.take(9), None);
+    }
+
+    #[test]
+    fn wr_id_slots_taken_from_two_threads_give_each_wr_id_to_one() {
+        use std::sync::Arc;
+        let slots = Arc::new(WrIdSlots::new(64));
+        for slot in 0..64 {
+            slots.put(slot, 1000 + slot as u64);
+        }
+        let takers: Vec<_> = (0..2)
+            .map(|_| {
+                let slots = Arc::clone(&slots);
+                std::thread::spawn(move || {
+                    (0..64)
+                        .filter_map(|slot| slots.take(slot))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let mut taken: Vec<u64> = takers.into_iter().flat_map(|t| t.join().unwrap()).collect();
+        taken.sort_unstable();
+        assert_eq!(taken, (1000..1064).collect::<Vec<_>>());
+        assert!((0..64).all(|slot| slots.is_free(slot)));
+    }
 }
