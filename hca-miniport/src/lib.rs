@@ -9,6 +9,8 @@
 //!   no Windows build has been run yet.
 //! - [`sim`] (other hosts): the same shell for the simulated Windows host
 //!   (`sim-host`), which tests and the main job boot.
+//! - [`sg_pages`] (every host): the KMDF shell's scatter/gather-to-pages
+//!   arithmetic, portable so it is compiled and tested here.
 
 #![cfg_attr(windows, no_std)]
 
@@ -24,3 +26,5 @@ pub mod kmdf;
 
 #[cfg(not(windows))]
 pub mod sim;
+
+pub mod sg_pages;

@@ -210,7 +210,8 @@ code_enum! {
         CompareSwap = 6,
         /// Atomic fetch and add.
         FetchAdd = 7,
-        /// Bind a memory window (type 2, posted as a WR).
+        /// Bind a memory window (type 1 or 2; both are posted as WRs here, there
+        /// being no separate bind verb in the request surface).
         BindMw = 8,
         /// Invalidate a local key.
         LocalInvalidate = 9,

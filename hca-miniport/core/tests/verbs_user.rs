@@ -2642,3 +2642,52 @@ fn a_catastrophic_error_tells_a_user_context_and_its_objects_still_free() {
     assert_eq!(uvp.process().exit(), 0);
     w.finish();
 }
+
+#[test]
+fn user_modify_ca_is_refused_by_policy_and_changes_no_port() {
+    use ib_types::ca::{CaAttrView, CaModify, CaModifyFlags, PortCaps};
+    use ib_types::ioctl::{ModifyCa, QueryCa};
+    let (w, _) = two_hcas(83);
+    let uvp = Uvp::open(&w, 63);
+    let other = Uvp::open(&w, 64);
+    let kca =
+        response::<OpenCa>(&w.call_in_dpc_at::<OpenCa>(U, KERNEL, 0, &OpenCaIn::CURRENT, 0)).handle;
+    let needed = response::<QueryCa>(&w.call_in_dpc_at::<QueryCa>(U, KERNEL, kca, &Empty, 16))
+        .output
+        .unwrap()
+        .total_size;
+    let port_caps = |port: u8| {
+        let c = w.call_in_dpc_at::<QueryCa>(U, KERNEL, kca, &Empty, needed);
+        let r = response::<QueryCa>(&c);
+        assert_eq!(r.status, IbStatus::Success);
+        let view = CaAttrView::parse(r.private).unwrap();
+        view.port(PortNum::new(port).unwrap()).unwrap().attr().caps
+    };
+    let before = [port_caps(1), port_caps(2)];
+    assert!(!before[0].contains(PortCaps::IS_SM));
+    let footprint_before = footprint(&w, &uvp);
+    let set_sm = CaModify::new(
+        PortNum::FIRST,
+        CaModifyFlags::IS_SM | CaModifyFlags::RESET_QKEY_COUNTER,
+        CaModifyFlags::empty(),
+    )
+    .unwrap();
+    // On its own context: refused by policy, no port changed.
+    let c = uvp.call::<ModifyCa>(&w, uvp.ca, &set_sm, &[]);
+    assert_eq!(status_of::<ModifyCa>(&c), IbStatus::InvalidPermission);
+    // Another process's context and the kernel's CA are not its handles.
+    let c = other.call::<ModifyCa>(&w, uvp.ca, &set_sm, &[]);
+    assert_eq!(status_of::<ModifyCa>(&c), IbStatus::InvalidCaHandle);
+    let c = uvp.call::<ModifyCa>(&w, kca, &set_sm, &[]);
+    assert_eq!(status_of::<ModifyCa>(&c), IbStatus::InvalidCaHandle);
+    assert_eq!([port_caps(1), port_caps(2)], before);
+    assert_eq!(footprint(&w, &uvp), footprint_before);
+    // The kernel client (the access layer) still may.
+    let c = w.call_in_dpc_at::<ModifyCa>(U, KERNEL, kca, &set_sm, 0);
+    assert_eq!(status_of::<ModifyCa>(&c), IbStatus::Success);
+    assert!(port_caps(1).contains(PortCaps::IS_SM));
+    assert_eq!(uvp.close(&w), IbStatus::Success);
+    assert_eq!(other.close(&w), IbStatus::Success);
+    assert_eq!(uvp.process().exit(), 0);
+    w.finish();
+}

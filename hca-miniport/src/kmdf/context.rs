@@ -16,7 +16,8 @@ use core::ptr;
 
 use wdk_sys::{
     _WDF_EXECUTION_LEVEL, _WDF_SYNCHRONIZATION_SCOPE, WDF_OBJECT_ATTRIBUTES,
-    WDF_OBJECT_CONTEXT_TYPE_INFO, WDFDEVICE, WDFOBJECT, call_unsafe_wdf_function_binding,
+    WDF_OBJECT_CONTEXT_TYPE_INFO, WDFDEVICE, WDFOBJECT, WDFREQUEST,
+    call_unsafe_wdf_function_binding,
 };
 
 use super::device::DeviceShell;
@@ -116,4 +117,54 @@ unsafe extern "C" fn evt_device_cleanup(object: WDFOBJECT) {
         // SAFETY: the reference the context owned (module invariants).
         drop(unsafe { Arc::from_raw(shell) });
     }
+}
+
+/// A user-mode request's context: the process `EvtIoInCallerContext`
+/// found the request in (`queue::evt_io_in_caller_context`). Allocated
+/// (zeroed) on the request there; freed by the framework with it.
+#[repr(C)]
+pub struct RequestContext {
+    /// Non-zero once `process_id` was recorded.
+    pub recorded: u8,
+    /// `PsGetCurrentProcessId` in the requesting thread.
+    pub process_id: u64,
+}
+
+/// `WDF_DECLARE_CONTEXT_TYPE(RequestContext)`.
+pub static REQUEST_CONTEXT_TYPE: ContextTypeInfo = ContextTypeInfo(WDF_OBJECT_CONTEXT_TYPE_INFO {
+    Size: size_of::<WDF_OBJECT_CONTEXT_TYPE_INFO>() as u32,
+    ContextName: c"RequestContext".as_ptr(),
+    ContextSize: size_of::<RequestContext>(),
+    UniqueType: ptr::addr_of!(REQUEST_CONTEXT_TYPE).cast::<WDF_OBJECT_CONTEXT_TYPE_INFO>(),
+    EvtDriverGetUniqueContextType: None,
+});
+
+/// Attributes for `WdfObjectAllocateContext` of a [`RequestContext`]
+/// (nothing to clean up: it holds plain data).
+pub fn request_context_attributes() -> WDF_OBJECT_ATTRIBUTES {
+    WDF_OBJECT_ATTRIBUTES {
+        Size: size_of::<WDF_OBJECT_ATTRIBUTES>() as u32,
+        ExecutionLevel: _WDF_EXECUTION_LEVEL::WdfExecutionLevelInheritFromParent,
+        SynchronizationScope: _WDF_SYNCHRONIZATION_SCOPE::WdfSynchronizationScopeInheritFromParent,
+        ContextTypeInfo: &REQUEST_CONTEXT_TYPE.0,
+        ..WDF_OBJECT_ATTRIBUTES::default()
+    }
+}
+
+/// The context of `request`, or null if none was allocated (a kernel
+/// request).
+///
+/// # Safety
+/// `request` is a live request the driver owns.
+pub unsafe fn request_context(request: WDFREQUEST) -> *mut RequestContext {
+    // SAFETY: the caller guarantees `request` is live; the type info is
+    // the static the context was allocated with.
+    let raw = unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfObjectGetTypedContextWorker,
+            request as WDFOBJECT,
+            REQUEST_CONTEXT_TYPE.0.UniqueType
+        )
+    };
+    raw.cast::<RequestContext>()
 }

@@ -269,7 +269,7 @@ pub unsafe extern "C" fn evt_prepare_hardware(
     ));
     // Kernel registrations lock pages with it (not implemented yet: it
     // answers STATUS_NOT_SUPPORTED; see `platform`).
-    hca.set_kernel_locker(MdlLocker);
+    hca.set_kernel_locker(MdlLocker::kernel());
     // Before the framework connects the interrupts (after this callback).
     let previous = shell
         .isr_hca

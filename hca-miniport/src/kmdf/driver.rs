@@ -26,7 +26,7 @@ use super::device::{
 use super::interface::{accepts, ci_interface, fill_identity};
 use super::interrupt::{evt_timer, evt_work_item};
 use super::platform::WdfDma;
-use super::queue::create_queue;
+use super::queue::{create_queue, evt_io_in_caller_context};
 
 /// Largest single DMA transfer the enabler describes (registrations are
 /// mapped page by page; this bounds one scatter/gather list).
@@ -88,6 +88,17 @@ unsafe extern "C" fn evt_driver_device_add(
         )
     };
 
+    // User-mode requests pass through the caller's context first, where
+    // their process is recorded (`queue::evt_io_in_caller_context`).
+    // SAFETY: the framework's live init structure, before WdfDeviceCreate.
+    unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfDeviceInitSetIoInCallerContextCallback,
+            device_init,
+            Some(evt_io_in_caller_context)
+        )
+    };
+
     let mut attributes = device_attributes();
     let mut device: WDFDEVICE = ptr::null_mut();
     // SAFETY: the init structure is consumed on success (the framework
@@ -105,7 +116,7 @@ unsafe extern "C" fn evt_driver_device_add(
     }
 
     let dma = match create_dma_enabler(device) {
-        Ok(enabler) => WdfDma::new(enabler),
+        Ok(enabler) => WdfDma::new(enabler, device),
         Err(status) => return status,
     };
     let work_item = match create_work_item(device) {

@@ -14,10 +14,13 @@
 //! | [`driver`] | `DriverEntry`, `EvtDriverDeviceAdd` (PnP/power callbacks, device object and context, IOCTL queue, DMA enabler, work item, timer, `WdfDeviceAddQueryInterface`) | — |
 //! | [`device`] | `EvtDevicePrepareHardware` (map BAR0 with `MmMapIoSpaceEx`, one `WDFINTERRUPT` per MSI-X message), `EvtDeviceReleaseHardware`, `EvtDeviceD0Entry`/`Exit` | `Hca::new`/`start`/`stop`, `Hca::d0_exit`/`d0_entry` |
 //! | [`interrupt`] | `EvtInterruptIsr`, `EvtInterruptDpc`, the work item and timer routines | `Hca::isr`, `dpc`, `work_item`, `timer` |
-//! | [`queue`] | the power-managed IOCTL queue (`EvtIoDeviceControl`, `EvtIoInternalDeviceControl`) | `Hca::submit_request` |
+//! | [`queue`] | `EvtIoInCallerContext` (records a user request's process) and the power-managed IOCTL queue (`EvtIoDeviceControl`, `EvtIoInternalDeviceControl`) | `Hca::submit_user_request` (user requests with their `WdfCaller`), `Hca::submit_request` |
 //! | [`interface`] | the `CiInterface` FFI table (`extern "system"` entry points over the `CiProvider`) | `ci::CiProvider` |
-//! | [`platform`] | the `driver_platform` traits on WDF/WDM: spin lock, BAR0, DMA enabler and common buffers, deferred work, registry, requests, IRQL, events | — |
+//! | [`platform`] | the `driver_platform` traits on WDF/WDM: spin lock, BAR0, DMA enabler and common buffers, MDL locking (SEH shim `probe.c`), scatter/gather mapping, deferred work, registry, requests, IRQL, events, the calling process (doorbell pages mapped into it) | — |
 //! | [`context`] | typed object context (the device's shell state) | — |
+//!
+//! `probe.c` (C, compiled by `build.rs` with `cc`) holds the two calls
+//! that raise SEH exceptions, under `__try`.
 //!
 //! Rules: every `unsafe` block holds one unsafe operation and carries a
 //! `// SAFETY:` comment; nothing here decides anything the core could.

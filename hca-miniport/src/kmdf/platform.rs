@@ -7,31 +7,42 @@
 //! | `RawRwLock` (reader-writer spin lock) | [`KernelRwSpinLock`] | `EX_SPIN_LOCK`, `ExAcquireSpinLockShared`/`Exclusive`, `ExReleaseSpinLockShared`/`Exclusive` |
 //! | `Mmio` | [`Bar0`] | the `MmMapIoSpaceEx` mapping, volatile reads and writes |
 //! | `DmaAdapter`, `CommonBuffer` | [`WdfDma`], [`WdfCommonBuffer`] | `WDFDMAENABLER`, `WdfCommonBufferCreate` |
-//! | `MemoryLocker`, `LockedPages`, `DmaMapping` | [`MdlLocker`], [`LockedMdl`], [`SgMapping`] | MDLs — **not implemented** (see below) |
+//! | `MemoryLocker`, `LockedPages`, `DmaMapping` | [`MdlLocker`], [`LockedMdl`], [`SgMapping`] | `IoAllocateMdl` + `MmProbeAndLockPages` (in the SEH shim), `MmUnlockPages`/`IoFreeMdl`; `BuildScatterGatherList` into a caller-supplied buffer, `PutScatterGatherList` |
 //! | `Deferred` | [`WdfDeferred`] | the interrupt's DPC, a `WDFWORKITEM`, a `WDFTIMER` |
 //! | `Registry` | [`WdfRegistry`] | `WdfDriverOpenParametersRegistryKey`, `WdfDeviceOpenRegistryKey` (DWORDs) |
 //! | `Request` | [`WdfRequest`] | `WDFREQUEST` |
 //! | `IrqlQuery` | [`KeIrql`] | `KeGetCurrentIrql` |
 //! | `Event` | [`KernelEvent`] | a notification `KEVENT` |
-//! | `CallerProcess` | [`WdfCaller`] | the requesting process in `EvtIoInCallerContext`: its MDL locker, `MmMapIoSpaceEx` + `IoAllocateMdl` + `MmBuildMdlForNonPagedPool` + `MmMapLockedPagesSpecifyCache(UserMode, MmNonCached)` for a doorbell page — **not implemented** (see below) |
+//! | `CallerProcess` | [`WdfCaller`] | the requesting process (`PsGetCurrentProcessId` in `EvtIoInCallerContext`): its MDL locker; a doorbell page by `IoAllocateMdl` over the page of the BAR0 mapping + `MmBuildMdlForNonPagedPool` + `MmMapLockedPagesSpecifyCache(UserMode, MmNonCached)` (in the shim), undone by `MmUnmapLockedPages` + `IoFreeMdl` |
 //!
-//! Not implemented yet, and answered with `STATUS_NOT_SUPPORTED`: locking
-//! and mapping caller memory (`MemoryLocker::lock`, `DmaAdapter::map`).
-//! `MmProbeAndLockPages` reports a bad address by raising an SEH
-//! exception, which Rust cannot catch, so user pages need a small C shim
-//! with `__try`; and a persistent scatter/gather mapping needs
-//! `GetScatterGatherListEx` with its callback. The memory-region verbs
-//! that need them answer their error on Windows until then. Mapping a
-//! doorbell page into a user process (`CallerProcess::map_device_page`)
-//! likewise: `MmMapLockedPagesSpecifyCache` with `UserMode` raises on
-//! failure and needs the same `__try` shim; user `OpenCa` answers its
-//! error on Windows until then.
+//! **SEH.** `MmProbeAndLockPages` (bad address) and a `UserMode`
+//! `MmMapLockedPagesSpecifyCache` (no room) raise instead of returning a
+//! status; Rust cannot catch SEH, so those two calls are made by a small C
+//! shim under `__try` (`probe.c`, compiled by `build.rs` with `cc`).
+//!
+//! **Why `BuildScatterGatherList`.** Registrations are long-lived (until
+//! deregistration), so the mapping must not hold adapter resources other
+//! transfers need. A scatter/gather list built into a buffer the driver
+//! supplies (`CalculateScatterGatherList` sizes it) on the 64-bit
+//! scatter/gather enabler needs no map registers, so it can be kept
+//! indefinitely and put back with `PutScatterGatherList` at
+//! deregistration; its buffer is the driver's, so nothing is allocated at
+//! DISPATCH_LEVEL by the HAL. `MapTransferEx` needs map registers
+//! allocated with `AllocateAdapterChannelEx` and held for the mapping's
+//! life — packet-style DMA, not registrations — and `GetScatterGatherList`
+//! allocates the list from pool on every call. The HAL may coalesce pages
+//! contiguous in bus space into one element; `crate::sg_pages` splits the
+//! elements back into one bus address per page (portable and tested on
+//! every host). Ranges above [`MAP_CHUNK`] are mapped as several lists.
+//! The execution routine runs before `BuildScatterGatherList` returns for
+//! such an adapter; if it ever did not, the mapping is refused (nothing
+//! here waits) and the routine puts the late list back itself.
 
 use alloc::boxed::Box;
 use alloc::vec::Vec;
 use core::cell::UnsafeCell;
 use core::ptr;
-use core::sync::atomic::{AtomicU8, Ordering};
+use core::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
 
 use driver_platform::{
     CommonBuffer, Deferred, DmaAdapter, DmaMapping, Event, Irql, IrqlQuery, LockedPages,
@@ -40,15 +51,21 @@ use driver_platform::{
 };
 use wdk_sys::ntddk::{
     ExAcquireSpinLockExclusive, ExAcquireSpinLockShared, ExReleaseSpinLockExclusive,
-    ExReleaseSpinLockShared, KeAcquireSpinLockRaiseToDpc, KeClearEvent, KeGetCurrentIrql,
-    KeGetCurrentProcessorNumberEx, KeInitializeEvent, KeQueryInterruptTimePrecise,
-    KeReadStateEvent, KeReleaseSpinLock, KeSetEvent, KeWaitForSingleObject,
+    ExReleaseSpinLockShared, IoAllocateMdl, IoFreeMdl, KeAcquireSpinLockRaiseToDpc, KeClearEvent,
+    KeGetCurrentIrql, KeGetCurrentProcessorNumberEx, KeInitializeEvent,
+    KeQueryInterruptTimePrecise, KeReadStateEvent, KeReleaseSpinLock, KeSetEvent,
+    KeWaitForSingleObject, MmBuildMdlForNonPagedPool, MmUnlockPages, MmUnmapLockedPages,
+    PsGetCurrentProcessId,
 };
 use wdk_sys::{
-    _EVENT_TYPE, _KWAIT_REASON, _MODE, EX_SPIN_LOCK, FALSE, KEVENT, KIRQL, KSPIN_LOCK, LONGLONG,
-    TRUE, ULONG, WDF_NO_OBJECT_ATTRIBUTES, WDFCOMMONBUFFER, WDFDMAENABLER, WDFINTERRUPT, WDFKEY,
+    _EVENT_TYPE, _KWAIT_REASON, _MODE, _WDF_DMA_DIRECTION, BOOLEAN, EX_SPIN_LOCK, FALSE, HANDLE,
+    KEVENT, KIRQL, KPROCESSOR_MODE, KSPIN_LOCK, LONGLONG, NTSTATUS, PDEVICE_OBJECT, PDMA_ADAPTER,
+    PIRP, PMDL, PSCATTER_GATHER_LIST, PVOID, SCATTER_GATHER_LIST, TRUE, ULONG,
+    WDF_NO_OBJECT_ATTRIBUTES, WDFCOMMONBUFFER, WDFDEVICE, WDFDMAENABLER, WDFINTERRUPT, WDFKEY,
     WDFOBJECT, WDFREQUEST, WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
 };
+
+use crate::sg_pages;
 
 /// `STATUS_NOT_SUPPORTED`.
 const NOT_SUPPORTED: NtStatus = NtStatus::from_raw(0xC000_00BB);
@@ -307,6 +324,8 @@ impl Mmio for Bar0 {
 #[derive(Debug, Clone, Copy)]
 pub struct WdfDma {
     enabler: WDFDMAENABLER,
+    /// The device's WDM object, for `BuildScatterGatherList`.
+    device_object: PDEVICE_OBJECT,
 }
 
 // SAFETY: a WDF handle is valid from any thread; the framework serialises
@@ -316,9 +335,15 @@ unsafe impl Send for WdfDma {}
 unsafe impl Sync for WdfDma {}
 
 impl WdfDma {
-    /// Wraps the enabler `EvtDriverDeviceAdd` created.
-    pub fn new(enabler: WDFDMAENABLER) -> Self {
-        Self { enabler }
+    /// Wraps the enabler `EvtDriverDeviceAdd` created for `device`.
+    pub fn new(enabler: WDFDMAENABLER, device: WDFDEVICE) -> Self {
+        // SAFETY: a live device; its WDM object lives as long as it does.
+        let device_object =
+            unsafe { call_unsafe_wdf_function_binding!(WdfDeviceWdmGetDeviceObject, device) };
+        Self {
+            enabler,
+            device_object,
+        }
     }
 
     /// Frees a common buffer (`WdfObjectDelete`). PASSIVE_LEVEL.
@@ -390,59 +415,6 @@ impl CommonBuffer for WdfCommonBuffer {
     }
 }
 
-/// Locked pages (an MDL). Not implemented yet (module doc).
-#[derive(Debug)]
-pub struct LockedMdl {
-    len: u64,
-    byte_offset: u32,
-    pages: usize,
-}
-
-impl LockedPages for LockedMdl {
-    fn len(&self) -> u64 {
-        self.len
-    }
-    fn byte_offset(&self) -> u32 {
-        self.byte_offset
-    }
-    fn page_count(&self) -> usize {
-        self.pages
-    }
-}
-
-/// A scatter/gather mapping. Not implemented yet (module doc).
-#[derive(Debug)]
-pub struct SgMapping {
-    pages: Vec<u64>,
-}
-
-impl DmaMapping for SgMapping {
-    fn page_bus_address(&self, index: usize) -> Option<u64> {
-        self.pages.get(index).copied()
-    }
-    fn page_count(&self) -> usize {
-        self.pages.len()
-    }
-}
-
-/// Locks caller memory with MDLs. Not implemented yet (module doc).
-#[derive(Debug, Default, Clone)]
-pub struct MdlLocker;
-
-impl MemoryLocker for MdlLocker {
-    type Pages = LockedMdl;
-
-    fn lock(
-        &self,
-        _mode: RequestorMode,
-        _va: u64,
-        _len: u64,
-        _writable: bool,
-    ) -> Result<LockedMdl, NtStatus> {
-        Err(NOT_SUPPORTED)
-    }
-}
-
 impl DmaAdapter for WdfDma {
     type Buffer = WdfCommonBuffer;
     type Pages = LockedMdl;
@@ -491,11 +463,436 @@ impl DmaAdapter for WdfDma {
         Ok(buffer)
     }
 
-    fn map(&self, _pages: &LockedMdl) -> Result<SgMapping, NtStatus> {
-        Err(NOT_SUPPORTED)
+    fn map(&self, pages: &LockedMdl) -> Result<SgMapping, NtStatus> {
+        // The device writes into writable registrations (reads from the
+        // device's point of view); the duplex enabler has one adapter per
+        // direction.
+        let direction = if pages.writable {
+            _WDF_DMA_DIRECTION::WdfDmaDirectionReadFromDevice
+        } else {
+            _WDF_DMA_DIRECTION::WdfDmaDirectionWriteToDevice
+        };
+        // SAFETY: the device's live enabler; callable at DISPATCH_LEVEL.
+        let adapter = unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfDmaEnablerWdmGetDmaAdapter,
+                self.enabler,
+                direction
+            )
+        };
+        if adapter.is_null() {
+            return Err(NOT_SUPPORTED);
+        }
+        let mut mapping = SgMapping {
+            chunks: Vec::new(),
+            pages: Vec::new(),
+        };
+        if mapping.pages.try_reserve_exact(pages.page_count()).is_err() {
+            return Err(INSUFFICIENT_RESOURCES);
+        }
+        let end = pages.va + pages.len;
+        let mut start = pages.va;
+        while start < end {
+            // Pieces end on MAP_CHUNK boundaries (page multiples), so no
+            // page is split between two lists.
+            let piece_end = (start - start % MAP_CHUNK)
+                .saturating_add(MAP_CHUNK)
+                .min(end);
+            // A failure drops `mapping`, which puts back the lists built.
+            let chunk =
+                self.map_chunk(pages, adapter, start, piece_end - start, &mut mapping.pages)?;
+            mapping.chunks.push(chunk);
+            start = piece_end;
+        }
+        if mapping.pages.len() != pages.page_count() {
+            return Err(INSUFFICIENT_RESOURCES);
+        }
+        Ok(mapping)
     }
 
-    fn unmap(&self, _mapping: SgMapping) {}
+    fn unmap(&self, mapping: SgMapping) {
+        // Dropping puts every list back (`PutScatterGatherList`).
+        drop(mapping);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Locking memory (MDLs)
+
+// The SEH shim (`probe.c`, compiled by build.rs): the two kernel routines
+// that raise instead of returning a status, called under `__try`.
+unsafe extern "C" {
+    /// `MmProbeAndLockPages(mdl, access_mode, writable ? IoWriteAccess :
+    /// IoReadAccess)`; the exception code on failure (the MDL unlocked).
+    fn HcaProbeAndLockPages(mdl: PMDL, access_mode: KPROCESSOR_MODE, writable: BOOLEAN)
+    -> NTSTATUS;
+    /// `MmMapLockedPagesSpecifyCache(mdl, UserMode, MmNonCached, NULL,
+    /// FALSE, NormalPagePriority)` into the current process.
+    fn HcaMapLockedPagesToUser(mdl: PMDL, user_va: *mut PVOID) -> NTSTATUS;
+}
+
+/// `STATUS_INVALID_PARAMETER`.
+const INVALID_PARAMETER: NtStatus = NtStatus::from_raw(0xC000_000D);
+/// `STATUS_INSUFFICIENT_RESOURCES`.
+const INSUFFICIENT_RESOURCES: NtStatus = NtStatus::from_raw(0xC000_009A);
+/// `STATUS_INVALID_DEVICE_STATE`: a step that must run in the caller's
+/// process reached from another one, or at too high an IRQL.
+const INVALID_DEVICE_STATE: NtStatus = NtStatus::from_raw(0xC000_0184);
+
+/// The current process's id (`PsGetCurrentProcessId`).
+pub fn current_process_id() -> u64 {
+    // SAFETY: callable at any IRQL; returns the current process's id.
+    let id: HANDLE = unsafe { PsGetCurrentProcessId() };
+    id as usize as u64
+}
+
+/// Raises to DISPATCH_LEVEL for the scope of `f` (the old DMA routines
+/// must be called there). x64's `KeRaiseIrql` is an inline intrinsic that
+/// bindgen does not bind, so a private spin lock, which nothing else ever
+/// takes, does the raising (`KeAcquireSpinLockRaiseToDpc`).
+fn at_dispatch<R>(f: impl FnOnce() -> R) -> R {
+    let raise = <KernelSpinLock as lock_api::RawMutex>::INIT;
+    lock_api::RawMutex::lock(&raise);
+    let result = f();
+    // SAFETY: acquired just above by this thread.
+    unsafe { lock_api::RawMutex::unlock(&raise) };
+    result
+}
+
+/// Locked pages: an MDL from `IoAllocateMdl`, probed and locked by the
+/// shim; unlocked (`MmUnlockPages`) and freed (`IoFreeMdl`) when dropped,
+/// at DISPATCH_LEVEL or below, from any process context.
+///
+/// # Invariants
+/// `mdl` describes `len` bytes at `va`, its pages locked, until drop.
+#[derive(Debug)]
+pub struct LockedMdl {
+    mdl: PMDL,
+    va: u64,
+    len: u64,
+    writable: bool,
+}
+
+// SAFETY: a locked MDL describes resident pages by frame number; it may be
+// used and released from any thread.
+unsafe impl Send for LockedMdl {}
+// SAFETY: nothing mutates it through a shared reference.
+unsafe impl Sync for LockedMdl {}
+
+impl Drop for LockedMdl {
+    fn drop(&mut self) {
+        // SAFETY: the MDL's pages are locked (type invariants); unlocking
+        // is allowed at DISPATCH_LEVEL or below in any context.
+        unsafe { MmUnlockPages(self.mdl) };
+        // SAFETY: the MDL came from IoAllocateMdl and is no longer used.
+        unsafe { IoFreeMdl(self.mdl) };
+    }
+}
+
+impl LockedPages for LockedMdl {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn byte_offset(&self) -> u32 {
+        (self.va % sg_pages::PAGE_SIZE) as u32
+    }
+    fn page_count(&self) -> usize {
+        sg_pages::span_pages(self.va, self.len) as usize
+    }
+}
+
+/// Locks memory with MDLs. A user-mode lock must run in the process the
+/// locker was made for (a [`WdfCaller`]'s), at APC_LEVEL or below; kernel
+/// memory (the kernel locker, `Hca::set_kernel_locker`) must be
+/// non-paged when locked at DISPATCH_LEVEL, as kernel clients' registered
+/// buffers are.
+#[derive(Debug, Default, Clone)]
+pub struct MdlLocker {
+    /// The process whose user memory this locker may lock (none: kernel
+    /// memory only).
+    process: Option<u64>,
+}
+
+impl MdlLocker {
+    /// The locker for kernel clients' memory.
+    pub fn kernel() -> Self {
+        Self { process: None }
+    }
+}
+
+impl MemoryLocker for MdlLocker {
+    type Pages = LockedMdl;
+
+    fn lock(
+        &self,
+        mode: RequestorMode,
+        va: u64,
+        len: u64,
+        writable: bool,
+    ) -> Result<LockedMdl, NtStatus> {
+        // IoAllocateMdl describes at most a ULONG of bytes.
+        let Ok(length) = ULONG::try_from(len) else {
+            return Err(INVALID_PARAMETER);
+        };
+        if len == 0 || va.checked_add(len).is_none() {
+            return Err(INVALID_PARAMETER);
+        }
+        let access_mode = match mode {
+            RequestorMode::User => {
+                // User pages: only in the owning process's context, where
+                // the address means what the caller meant, and at most at
+                // APC_LEVEL (probing may fault).
+                if self.process != Some(current_process_id()) || KeIrql.current_irql() > Irql::APC {
+                    return Err(INVALID_DEVICE_STATE);
+                }
+                _MODE::UserMode as KPROCESSOR_MODE
+            }
+            RequestorMode::Kernel => _MODE::KernelMode as KPROCESSOR_MODE,
+        };
+        // SAFETY: only describes the range (nothing is touched yet); no IRP.
+        let mdl = unsafe {
+            IoAllocateMdl(
+                va as usize as PVOID,
+                length,
+                FALSE as BOOLEAN,
+                FALSE as BOOLEAN,
+                ptr::null_mut(),
+            )
+        };
+        if mdl.is_null() {
+            return Err(INSUFFICIENT_RESOURCES);
+        }
+        // SAFETY: a fresh MDL for this range; the shim turns a bad address
+        // into a status; the mode and IRQL were checked above.
+        let status = unsafe { HcaProbeAndLockPages(mdl, access_mode, writable as BOOLEAN) };
+        if status < 0 {
+            // SAFETY: not locked (the shim failed); no one else has it.
+            unsafe { IoFreeMdl(mdl) };
+            return Err(NtStatus::from_raw(status as u32));
+        }
+        Ok(LockedMdl {
+            mdl,
+            va,
+            len,
+            writable,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Mapping locked pages for the device (scatter/gather lists)
+
+/// Largest piece of a registration one scatter/gather list describes: the
+/// DMA enabler's maximum transfer (`driver::MAX_DMA_TRANSFER`), so no list
+/// asks the adapter for more than it was configured for. Page multiple.
+const MAP_CHUNK: u64 = 1 << 20;
+
+/// One scatter/gather list, built by `BuildScatterGatherList` into
+/// `buffer` (sized by `CalculateScatterGatherList`).
+///
+/// # Invariants
+/// `list` is null until the execution routine stored the built list (or
+/// [`ABANDONED`] once the builder gave up waiting); a stored list lives in
+/// `buffer` until `PutScatterGatherList`.
+struct SgChunk {
+    adapter: PDMA_ADAPTER,
+    write_to_device: bool,
+    list: AtomicPtr<SCATTER_GATHER_LIST>,
+    buffer: Vec<u8>,
+}
+
+/// Marks a chunk whose execution routine had not run when
+/// `BuildScatterGatherList` returned: the routine, when it runs, puts the
+/// list back and frees the chunk itself.
+fn abandoned() -> *mut SCATTER_GATHER_LIST {
+    ptr::NonNull::dangling().as_ptr()
+}
+
+/// The execution routine (`PDRIVER_LIST_CONTROL`) of
+/// `BuildScatterGatherList`: records the list. A 64-bit scatter/gather
+/// adapter needs no map registers, so it runs before the builder returns;
+/// if it ever runs later, the mapping was already refused and the list is
+/// put back here.
+unsafe extern "C" fn on_list_built(
+    _device: PDEVICE_OBJECT,
+    _irp: PIRP,
+    list: PSCATTER_GATHER_LIST,
+    context: PVOID,
+) {
+    let chunk = context.cast::<SgChunk>();
+    // SAFETY: `context` is the boxed chunk the builder leaked for this
+    // call; it is freed only below or by the builder after this stored.
+    let stored = unsafe { &(*chunk).list }.compare_exchange(
+        ptr::null_mut(),
+        list,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    );
+    if stored.is_err() {
+        // SAFETY: the builder abandoned the chunk (invariants): this
+        // routine owns it now, and the list is the adapter's to take back.
+        let chunk = unsafe { Box::from_raw(chunk) };
+        put_list(&chunk, list);
+    }
+}
+
+fn put_list(chunk: &SgChunk, list: PSCATTER_GATHER_LIST) {
+    // SAFETY: the adapter's operations table is valid while the enabler
+    // lives (the device outlives its registrations).
+    let put = unsafe { (*(*chunk.adapter).DmaOperations).PutScatterGatherList };
+    if let Some(put) = put {
+        // SAFETY: `list` was built by this adapter with this direction and
+        // is put back once; DISPATCH_LEVEL as the routine requires.
+        at_dispatch(|| unsafe { put(chunk.adapter, list, chunk.write_to_device as BOOLEAN) });
+    }
+}
+
+/// A registration mapped for the device: its scatter/gather lists (put
+/// back when dropped) and the bus address of every page.
+pub struct SgMapping {
+    chunks: Vec<Box<SgChunk>>,
+    pages: Vec<u64>,
+}
+
+// SAFETY: the lists are the adapter's, usable and releasable from any
+// thread at DISPATCH_LEVEL or below.
+unsafe impl Send for SgMapping {}
+// SAFETY: nothing mutates it through a shared reference.
+unsafe impl Sync for SgMapping {}
+
+impl core::fmt::Debug for SgMapping {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("SgMapping")
+            .field("lists", &self.chunks.len())
+            .field("pages", &self.pages.len())
+            .finish()
+    }
+}
+
+impl Drop for SgMapping {
+    fn drop(&mut self) {
+        for chunk in self.chunks.drain(..) {
+            let list = chunk.list.load(Ordering::Acquire);
+            put_list(&chunk, list);
+        }
+    }
+}
+
+impl DmaMapping for SgMapping {
+    fn page_bus_address(&self, index: usize) -> Option<u64> {
+        self.pages.get(index).copied()
+    }
+    fn page_count(&self) -> usize {
+        self.pages.len()
+    }
+}
+
+impl WdfDma {
+    /// Builds one scatter/gather list for `len` bytes at `va` of `pages`
+    /// and appends the bus address of each page it spans to `out`.
+    fn map_chunk(
+        &self,
+        pages: &LockedMdl,
+        adapter: PDMA_ADAPTER,
+        va: u64,
+        len: u64,
+        out: &mut Vec<u64>,
+    ) -> Result<Box<SgChunk>, NtStatus> {
+        let write_to_device = !pages.writable;
+        // SAFETY: the adapter's operations table lives with the enabler.
+        let ops = unsafe { &*(*adapter).DmaOperations };
+        let (Some(calculate), Some(build)) =
+            (ops.CalculateScatterGatherList, ops.BuildScatterGatherList)
+        else {
+            return Err(NOT_SUPPORTED);
+        };
+        let mut list_bytes: ULONG = 0;
+        // SAFETY: `pages.mdl` describes `va..va + len` (a sub-range of the
+        // locked MDL); the map-register count is optional.
+        let status = unsafe {
+            calculate(
+                adapter,
+                pages.mdl,
+                va as usize as PVOID,
+                len as ULONG,
+                &mut list_bytes,
+                ptr::null_mut(),
+            )
+        };
+        if status < 0 {
+            return Err(NtStatus::from_raw(status as u32));
+        }
+        let mut buffer = Vec::new();
+        if buffer.try_reserve_exact(list_bytes as usize).is_err() {
+            return Err(INSUFFICIENT_RESOURCES);
+        }
+        buffer.resize(list_bytes as usize, 0u8);
+        let chunk = Box::into_raw(Box::new(SgChunk {
+            adapter,
+            write_to_device,
+            list: AtomicPtr::new(ptr::null_mut()),
+            buffer,
+        }));
+        // SAFETY: `chunk` is live (leaked just above); its buffer has the
+        // size the adapter asked for and does not move (boxed, not resized).
+        let buffer_ptr = unsafe { (*chunk).buffer.as_mut_ptr() };
+        // SAFETY: the adapter's own routine on a locked MDL sub-range, the
+        // caller-supplied list buffer and this device object; DISPATCH_LEVEL
+        // as it requires; `chunk` outlives the execution routine (it frees
+        // an abandoned chunk itself).
+        let status = at_dispatch(|| unsafe {
+            build(
+                adapter,
+                self.device_object,
+                pages.mdl,
+                va as usize as PVOID,
+                len as ULONG,
+                Some(on_list_built),
+                chunk.cast(),
+                write_to_device as BOOLEAN,
+                buffer_ptr.cast(),
+                list_bytes,
+            )
+        });
+        if status < 0 {
+            // SAFETY: the routine is not called when the build fails; the
+            // chunk is still ours alone.
+            drop(unsafe { Box::from_raw(chunk) });
+            return Err(NtStatus::from_raw(status as u32));
+        }
+        // SAFETY: `chunk` is live until one side frees it (invariants).
+        let built = unsafe { &(*chunk).list }.compare_exchange(
+            ptr::null_mut(),
+            abandoned(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        let list = match built {
+            Err(list) => list,
+            // Deferred (map registers were short): never waited for, since
+            // nothing here blocks; the routine cleans up when it runs.
+            Ok(_) => return Err(INSUFFICIENT_RESOURCES),
+        };
+        // SAFETY: the routine stored its list and will not touch the chunk
+        // again; it is ours.
+        let chunk = unsafe { Box::from_raw(chunk) };
+        // SAFETY: the HAL built `list` in our buffer: a count followed by
+        // that many elements.
+        let elements = unsafe {
+            let count = (*list).NumberOfElements as usize;
+            (*list).Elements.as_slice(count)
+        };
+        let ranges = elements.iter().map(|element| {
+            // SAFETY: `QuadPart` is the whole PHYSICAL_ADDRESS.
+            let bus = unsafe { element.Address.QuadPart } as u64;
+            (bus, u64::from(element.Length))
+        });
+        if sg_pages::append_bus_pages(va, len, ranges, out).is_err() {
+            put_list(&chunk, list);
+            return Err(INSUFFICIENT_RESOURCES);
+        }
+        Ok(chunk)
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -774,9 +1171,14 @@ impl WdfRequest {
 // ---------------------------------------------------------------------------
 // The calling process
 
-/// The process a user-mode request came from, built by the proxy in
-/// `EvtIoInCallerContext` with `PsGetCurrentProcessId`. Mapping device
-/// pages is not implemented yet (module doc).
+/// The process a user-mode request came from, built in
+/// `EvtIoInCallerContext` (`queue::evt_io_in_caller_context`) with
+/// `PsGetCurrentProcessId`. Its locker locks that process's memory, and
+/// it maps device pages into that process, only while running in it:
+/// both check the current process, so a request the power-managed queue
+/// held and delivered later from another context is refused
+/// (`STATUS_INVALID_DEVICE_STATE`) rather than reaching into the wrong
+/// address space.
 #[derive(Debug, Clone, Default)]
 pub struct WdfCaller {
     process_id: u64,
@@ -784,20 +1186,37 @@ pub struct WdfCaller {
 }
 
 impl WdfCaller {
-    /// The caller whose process id is `process_id`.
+    /// The caller whose process id is `process_id` (stored in a request's
+    /// context by `EvtIoInCallerContext`).
     pub fn new(process_id: u64) -> Self {
         Self {
             process_id,
-            locker: MdlLocker,
+            locker: MdlLocker {
+                process: Some(process_id),
+            },
         }
     }
 }
 
-/// A device page mapped into a process (never made yet: module doc).
+/// A BAR page mapped into a process: an MDL built over the page of the
+/// kernel's BAR0 mapping (`MmBuildMdlForNonPagedPool`), mapped uncached
+/// into the process by the shim.
+///
+/// # Invariants
+/// `mdl` describes one page of the live BAR0 mapping, mapped at `va` in
+/// the process `process_id` until `unmap_device_page`.
 #[derive(Debug)]
 pub struct UserPageMapping {
     va: u64,
+    mdl: PMDL,
+    process_id: u64,
 }
+
+// SAFETY: the mapping is a token: it is undone only in its own process's
+// context (checked), from whichever thread that is.
+unsafe impl Send for UserPageMapping {}
+// SAFETY: nothing mutates it through a shared reference.
+unsafe impl Sync for UserPageMapping {}
 
 impl driver_platform::UserMapping for UserPageMapping {
     fn user_va(&self) -> u64 {
@@ -805,7 +1224,7 @@ impl driver_platform::UserMapping for UserPageMapping {
     }
 
     fn len(&self) -> u64 {
-        4096
+        sg_pages::PAGE_SIZE
     }
 }
 
@@ -826,11 +1245,64 @@ impl driver_platform::CallerProcess for WdfCaller {
         &self.locker
     }
 
-    fn map_device_page(&self, _bar: &Bar0, _offset: u64) -> Result<UserPageMapping, NtStatus> {
-        Err(NOT_SUPPORTED)
+    fn map_device_page(&self, bar: &Bar0, offset: u64) -> Result<UserPageMapping, NtStatus> {
+        let page = sg_pages::PAGE_SIZE;
+        if !offset.is_multiple_of(page) || offset.checked_add(page).is_none_or(|end| end > bar.len)
+        {
+            return Err(INVALID_PARAMETER);
+        }
+        if current_process_id() != self.process_id || KeIrql.current_irql() != Irql::PASSIVE {
+            return Err(INVALID_DEVICE_STATE);
+        }
+        // The page of the kernel's BAR0 mapping (non-cached, live until
+        // release-hardware, after the proxy closed every context).
+        let kernel_va = bar.base.wrapping_add(offset as usize);
+        // SAFETY: describes one page of a live mapping; no IRP.
+        let mdl = unsafe {
+            IoAllocateMdl(
+                kernel_va.cast(),
+                page as ULONG,
+                FALSE as BOOLEAN,
+                FALSE as BOOLEAN,
+                ptr::null_mut(),
+            )
+        };
+        if mdl.is_null() {
+            return Err(INSUFFICIENT_RESOURCES);
+        }
+        // SAFETY: the MDL describes resident (I/O space) memory mapped in
+        // system space; this fills in its frame numbers.
+        unsafe { MmBuildMdlForNonPagedPool(mdl) };
+        let mut user_va: PVOID = ptr::null_mut();
+        // SAFETY: a built MDL; PASSIVE_LEVEL in the caller's process
+        // (checked above); the shim turns the raise into a status.
+        let status = unsafe { HcaMapLockedPagesToUser(mdl, &mut user_va) };
+        if status < 0 {
+            // SAFETY: not mapped; no one else has the MDL.
+            unsafe { IoFreeMdl(mdl) };
+            return Err(NtStatus::from_raw(status as u32));
+        }
+        Ok(UserPageMapping {
+            va: user_va as usize as u64,
+            mdl,
+            process_id: self.process_id,
+        })
     }
 
-    fn unmap_device_page(&self, _mapping: UserPageMapping) {}
+    fn unmap_device_page(&self, mapping: UserPageMapping) {
+        if current_process_id() != mapping.process_id {
+            // Only the owning process's context can unmap (the proxy's
+            // cleanup runs there, also at process exit, and the mapping
+            // goes with the process's address space). Freeing the MDL of
+            // a still-mapped view would be worse than keeping it.
+            return;
+        }
+        // SAFETY: mapped by `map_device_page` in this process (checked),
+        // unmapped once (consumed).
+        unsafe { MmUnmapLockedPages(mapping.va as usize as PVOID, mapping.mdl) };
+        // SAFETY: no longer mapped anywhere.
+        unsafe { IoFreeMdl(mapping.mdl) };
+    }
 }
 
 // ---------------------------------------------------------------------------

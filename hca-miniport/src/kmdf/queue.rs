@@ -1,17 +1,29 @@
 //! The device's default I/O queue: parallel, power-managed (the framework
 //! holds requests while the device is below D0 and delivers them on its
-//! return, as the design asks). Every device control request — from user
-//! mode through the bus filter's proxy, or internal from a kernel client —
-//! goes to `Hca::submit_request`, which decodes the verb code and answers.
+//! return, as the design asks), and the device's `EvtIoInCallerContext`
+//! in front of it.
+//!
+//! As `crate::sim` does: a user-mode request (from the bus filter's proxy)
+//! first passes [`evt_io_in_caller_context`], at PASSIVE_LEVEL in the
+//! requesting thread, which records the calling process in the request's
+//! context and enqueues it; the queue's handler then gives it with that
+//! process as its caller ([`WdfCaller`]) to `Hca::submit_user_request`.
+//! Every other request — internal, from a kernel client, or a user request
+//! without a recorded process — goes to `Hca::submit_request`. The queue
+//! delivers an enqueued request in the enqueuing thread while the device
+//! is in D0 (a parallel queue with no synchronization scope); a request
+//! held across a power transition is delivered from another context, and
+//! `WdfCaller` then refuses the steps that reach into the process.
 
 use driver_platform::{NtStatus, RequestorMode};
 use wdk_sys::{
-    _MODE, _WDF_IO_QUEUE_DISPATCH_TYPE, _WDF_TRI_STATE, NTSTATUS, TRUE, ULONG, WDF_IO_QUEUE_CONFIG,
-    WDF_NO_OBJECT_ATTRIBUTES, WDFDEVICE, WDFQUEUE, WDFREQUEST, call_unsafe_wdf_function_binding,
+    _MODE, _WDF_IO_QUEUE_DISPATCH_TYPE, _WDF_TRI_STATE, NTSTATUS, PVOID, TRUE, ULONG,
+    WDF_IO_QUEUE_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDFDEVICE, WDFOBJECT, WDFQUEUE, WDFREQUEST,
+    call_unsafe_wdf_function_binding,
 };
 
-use super::context::shell_of;
-use super::platform::WdfRequest;
+use super::context::{RequestContext, request_context, request_context_attributes, shell_of};
+use super::platform::{WdfCaller, WdfRequest, current_process_id};
 
 /// `STATUS_DEVICE_NOT_READY`.
 const DEVICE_NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
@@ -65,10 +77,83 @@ unsafe extern "C" fn evt_io_device_control(
     } else {
         RequestorMode::Kernel
     };
+    let caller = match mode {
+        // SAFETY: the driver owns the live request.
+        RequestorMode::User => unsafe { caller_of(request) },
+        RequestorMode::Kernel => None,
+    };
     // SAFETY: the driver owns the request; this stack's IOCTLs are
     // METHOD_BUFFERED (ib_types::ioctl).
-    match unsafe { WdfRequest::new(request, code, mode) } {
-        Ok(request) => hca.submit_request(request),
-        Err(request) => WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A)),
+    match (unsafe { WdfRequest::new(request, code, mode) }, caller) {
+        (Ok(request), Some(caller)) => hca.submit_user_request(request, caller),
+        (Ok(request), None) => hca.submit_request(request),
+        (Err(request), _) => WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A)),
+    }
+}
+
+/// The caller `evt_io_in_caller_context` recorded for `request`, if any.
+///
+/// # Safety
+/// `request` is a live request the driver owns.
+unsafe fn caller_of(request: WDFREQUEST) -> Option<WdfCaller> {
+    // SAFETY: forwarded from the caller.
+    let context = unsafe { request_context(request) };
+    if context.is_null() {
+        return None;
+    }
+    // SAFETY: the framework keeps the context with the live request; it
+    // was fully written before the request was enqueued.
+    let RequestContext {
+        recorded,
+        process_id,
+    } = unsafe { context.read() };
+    (recorded != 0).then(|| WdfCaller::new(process_id))
+}
+
+/// `EvtIoInCallerContext` of the device (registered with
+/// `WdfDeviceInitSetIoInCallerContextCallback`): runs at PASSIVE_LEVEL in
+/// the thread that sent the request, before any queue. A user-mode
+/// request gets a [`RequestContext`] naming the current process; then
+/// every request goes to the default queue.
+pub unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WDFREQUEST) {
+    // SAFETY: the framework passes a live request the driver owns.
+    let mode = unsafe { call_unsafe_wdf_function_binding!(WdfRequestGetRequestorMode, request) };
+    if mode == _MODE::UserMode as i8 {
+        let mut attributes = request_context_attributes();
+        let mut context: PVOID = core::ptr::null_mut();
+        // SAFETY: a live request; the attributes name the static type
+        // info; out pointer valid.
+        let status = unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfObjectAllocateContext,
+                request as WDFOBJECT,
+                &mut attributes,
+                &mut context
+            )
+        };
+        if status < 0 {
+            WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32));
+            return;
+        }
+        if context.is_null() {
+            // STATUS_INSUFFICIENT_RESOURCES.
+            WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A));
+            return;
+        }
+        // SAFETY: the framework allocated `size_of::<RequestContext>()`
+        // zeroed bytes for this request, aligned for it.
+        unsafe {
+            context.cast::<RequestContext>().write(RequestContext {
+                recorded: 1,
+                process_id: current_process_id(),
+            })
+        };
+    }
+    // SAFETY: a live device and a request the driver owns; on failure the
+    // request is still the driver's to complete.
+    let status =
+        unsafe { call_unsafe_wdf_function_binding!(WdfDeviceEnqueueRequest, device, request) };
+    if status < 0 {
+        WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32));
     }
 }

@@ -24,6 +24,9 @@
 //!   refused with the kind's invalid-handle status and changes nothing.
 //!   Once a request passed that check it is run by the verb's ordinary
 //!   implementation as a trusted one (queries, `ModifyQp`, `ModifySrq`).
+//!   `ModifyCa` is refused for user mode by policy with
+//!   [`IbStatus::InvalidPermission`] (after the ownership check): the
+//!   CA's port attributes are shared, and the access layer's and SM's.
 //!   Verbs not listed in [`Hca::submit_user_request`] answer
 //!   [`IbStatus::Unsupported`] for user mode, never the kernel's behaviour.
 //! - **Rings in user memory.** The private input is parsed as hostile
@@ -459,6 +462,15 @@ where
             }
             VerbId::QueryCa => self.trusted::<v::QueryCa>(request, pid, Owned::Ca, |h, a| {
                 h.query_ca_answer(a.responder);
+            }),
+            // Policy: the CA's attributes (port capability bits, Q_Key
+            // violation counter resets, ...) are shared by every process
+            // and owned by the kernel's access layer and the SM, so a user
+            // process may not change them. Its own context is checked
+            // first (a foreign handle is still an invalid handle), then
+            // the request is refused with InvalidPermission.
+            VerbId::ModifyCa => self.trusted::<v::ModifyCa>(request, pid, Owned::Ca, |_, a| {
+                a.responder.fail(IbStatus::InvalidPermission);
             }),
             VerbId::AllocPd => {
                 if let Some(a) = accept::<v::AllocPd, R<P>>(request) {
