@@ -64,6 +64,25 @@ pub trait Platform: Send + Sync + 'static {
     /// A spin lock: acquiring raises to DISPATCH_LEVEL, releasing restores
     /// the previous IRQL. Cores use it through [`SpinLock`].
     type RawSpinLock: lock_api::RawMutex + Send + Sync;
+    /// A reader-writer spin lock (`EX_SPIN_LOCK`), used through
+    /// [`RwSpinLock`]: lookups take it shared and never wait for each
+    /// other, only for an exclusive holder.
+    ///
+    /// IRQL contract, as `ExAcquireSpinLockShared` /
+    /// `ExAcquireSpinLockExclusive`:
+    /// - Both modes may be acquired at or below DISPATCH_LEVEL; both raise
+    ///   to DISPATCH_LEVEL and releasing restores the previous IRQL.
+    /// - Any number of shared holders at once; an exclusive acquisition
+    ///   waits until every shared holder has released (and keeps new ones
+    ///   out while it waits), then excludes everyone.
+    /// - No recursive acquisition in any mode combination: a thread that
+    ///   holds the lock (shared or exclusive) must not acquire it again.
+    ///   Exclusive-after-shared on one thread deadlocks on Windows, and a
+    ///   second shared acquisition can deadlock behind a waiting exclusive
+    ///   one.
+    /// - No upgrade: a shared holder that needs exclusive access releases
+    ///   and acquires exclusive, then re-checks what it looked up.
+    type RawRwSpinLock: lock_api::RawRwLock + Send + Sync;
     /// The device's register BAR.
     type Mmio: Mmio;
     /// The device's DMA adapter.
@@ -90,3 +109,16 @@ pub type SpinLock<P, T> = lock_api::Mutex<<P as Platform>::RawSpinLock, T>;
 
 /// The guard of a [`SpinLock`]; the IRQL stays raised while it lives.
 pub type SpinLockGuard<'a, P, T> = lock_api::MutexGuard<'a, <P as Platform>::RawSpinLock, T>;
+
+/// A reader-writer spin lock protecting `T`, over the platform's raw
+/// reader-writer spin lock (see [`Platform::RawRwSpinLock`] for its IRQL
+/// contract): `read` is shared acquisition, `write` exclusive.
+pub type RwSpinLock<P, T> = lock_api::RwLock<<P as Platform>::RawRwSpinLock, T>;
+
+/// The guard of a shared acquisition of a [`RwSpinLock`].
+pub type RwSpinLockReadGuard<'a, P, T> =
+    lock_api::RwLockReadGuard<'a, <P as Platform>::RawRwSpinLock, T>;
+
+/// The guard of an exclusive acquisition of a [`RwSpinLock`].
+pub type RwSpinLockWriteGuard<'a, P, T> =
+    lock_api::RwLockWriteGuard<'a, <P as Platform>::RawRwSpinLock, T>;

@@ -21,6 +21,8 @@
 //! - [`HostSpinLock`] is `KSPIN_LOCK`: acquiring raises to DISPATCH_LEVEL
 //!   (a violation above it) and remembers the previous level; releasing
 //!   restores it (a violation if the level changed while the lock was held).
+//! - [`HostRwSpinLock`](crate::rw_spin_lock::HostRwSpinLock) is
+//!   `EX_SPIN_LOCK`, the reader-writer variant, with the same rules.
 //!
 //! Violations go to the thread's [`context`]; with no context entered they
 //! are not recorded. The one misuse that is not merely recorded is a thread
@@ -51,7 +53,7 @@ pub fn current() -> Irql {
 }
 
 /// Sets the calling thread's IRQL with no checks: the host's primitive.
-fn set(irql: Irql) {
+pub(crate) fn set(irql: Irql) {
     CURRENT.set(irql);
 }
 
@@ -66,7 +68,7 @@ fn from_level(level: u8) -> Irql {
     }
 }
 
-fn report_mismatch(detail: String) {
+pub(crate) fn report_mismatch(detail: String) {
     context::report(ViolationKind::IrqlMismatch { detail });
 }
 
@@ -217,7 +219,7 @@ fn thread_id() -> u64 {
 
 /// After this many failed polls a waiting thread yields its CPU: the holder
 /// may be descheduled (there are only two cores and many test threads).
-const SPINS_BEFORE_YIELD: u32 = 64;
+pub(crate) const SPINS_BEFORE_YIELD: u32 = 64;
 
 /// The host's spin lock (`KSPIN_LOCK` with `KeAcquireSpinLock` and
 /// `KeReleaseSpinLock`), the `RawSpinLock` of the simulated platform; cores

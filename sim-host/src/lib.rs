@@ -21,6 +21,7 @@ pub mod pnp;
 pub mod power;
 pub mod registry;
 pub mod request;
+pub mod rw_spin_lock;
 pub mod samples;
 pub mod sched;
 pub mod verifier;

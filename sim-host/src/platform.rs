@@ -10,6 +10,7 @@ use crate::irql::{HostSpinLock, IrqlTracker};
 use crate::pci::Bar0;
 use crate::registry::RegistryView;
 use crate::request::HostRequest;
+use crate::rw_spin_lock::HostRwSpinLock;
 use crate::sched::DeviceDeferred;
 
 /// The simulated Windows host's implementation of the platform traits.
@@ -18,6 +19,7 @@ pub struct SimPlatform;
 
 impl Platform for SimPlatform {
     type RawSpinLock = HostSpinLock;
+    type RawRwSpinLock = HostRwSpinLock;
     type Mmio = Bar0;
     type Dma = HostDmaAdapter;
     type Locker = HostLocker;

@@ -155,6 +155,7 @@ struct LyingPlatform;
 
 impl Platform for LyingPlatform {
     type RawSpinLock = HostSpinLock;
+    type RawRwSpinLock = sim_host::rw_spin_lock::HostRwSpinLock;
     type Mmio = LyingBar0;
     type Dma = HostDmaAdapter;
     type Locker = HostLocker;

@@ -8,6 +8,9 @@
 //! Posts and polls run at DISPATCH_LEVEL inside the miniport's context.
 //! Ends with the host shut down and the verifier clean.
 //!
+//! Then: post and poll take the object tables shared only, and a thread
+//! holding them shared delays neither (the reader-writer spin lock).
+//!
 //! The long soak: `cargo test -p hca-miniport-core --test scenarios_threads
 //! -- --ignored`.
 
@@ -40,6 +43,7 @@ use sim_host::context::{self, Context};
 use sim_host::irql::IrqlGuard;
 use sim_host::memory::PoolBlock;
 use sim_host::platform::SimPlatform;
+use sim_host::rw_spin_lock::{self, RwAcquisitions};
 use support::rc_path::rc_to_rts_steps;
 use support::{World, response};
 
@@ -512,4 +516,156 @@ fn post_and_poll_on_different_threads_on_both_hcas() {
 #[ignore = "soak: cargo test -p hca-miniport-core --test scenarios_threads -- --ignored"]
 fn post_and_poll_on_different_threads_soak() {
     run(400_000);
+}
+
+/// The object-table acquisitions the calling thread makes while running
+/// `f` at DISPATCH_LEVEL in the miniport's context, with `f`'s result.
+fn counting<R>(w: &World, f: impl FnOnce() -> R) -> (R, RwAcquisitions) {
+    let before = rw_spin_lock::acquisitions();
+    let result = at_dispatch(w, f);
+    (result, rw_spin_lock::acquisitions().since(before))
+}
+
+/// Post and poll share no lock but the object tables, and those only
+/// shared: (1) every post_send, post_recv and poll_cq (with its
+/// completions' `wr_id` resolution) takes the tables shared and never
+/// exclusive; (2) while one thread holds both HCAs' object tables shared,
+/// another thread posts sends and receives on them and polls their CQs to
+/// completion (under an exclusive lock, or the spin lock before, it would
+/// wait for the holder, which waits for it: the test fails at the
+/// holder's deadline, as checked by making the holder exclusive).
+#[test]
+fn post_and_poll_take_the_object_tables_shared_and_a_shared_holder_delays_neither() {
+    let configs = vec![
+        DeviceConfig::with_ports(GUIDS[0], &HCA_IPS[0]),
+        DeviceConfig::with_ports(GUIDS[1], &HCA_IPS[1]),
+    ];
+    let w = Arc::new(World::threaded_with_hcas(
+        2,
+        configs,
+        hca_miniport_core::init::HcaConfig::default(),
+    ));
+    let guid = |i: usize| w.hca_at(i).report().unwrap().capabilities.node_guid.get();
+    let x = if guid(0) == GUIDS[0] { 0 } else { 1 };
+    let (a, b) = (side(&w, x), side(&w, 1 - x));
+    connect(&w, &a, b.qpn, HCA_IPS[1][0]);
+    connect(&w, &b, a.qpn, HCA_IPS[0][0]);
+    let (hca_a, hca_b) = (w.hca_at(a.i), w.hca_at(b.i));
+
+    // One send of `a` to `b`, tagged `tag`: posts a receive on `b`, the
+    // send on `a`, polls both CQs until each gave its completion, checks
+    // the bytes. Returns the acquisitions of this thread.
+    let round = |tag: u64| -> RwAcquisitions {
+        let mut total = RwAcquisitions::default();
+        let mut add = |c: RwAcquisitions| {
+            total.shared += c.shared;
+            total.shared_waited += c.shared_waited;
+            total.exclusive += c.exclusive;
+            total.exclusive_waited += c.exclusive_waited;
+        };
+        let recv_sge = [Sge::new(
+            b.block.va() + RECV_AREA as u64,
+            MSG as u32,
+            b.keys.lkey,
+        )];
+        let recv = RecvWr {
+            wr_id: 1000 + tag,
+            sg_list: &recv_sge,
+        };
+        let (posted, c) = counting(&w, || hca_b.post_recv(b.qp, &[recv]));
+        assert_eq!(posted, (1, IbStatus::Success));
+        add(c);
+        assert!(a.block.write(SEND_AREA, &pattern(tag, MSG)));
+        let send_sge = [Sge::new(
+            a.block.va() + SEND_AREA as u64,
+            MSG as u32,
+            a.keys.lkey,
+        )];
+        let send = SendRequest {
+            wr: SendWr {
+                wr_id: 2000 + tag,
+                op: SendOp::Send,
+                flags: SendFlags::SIGNALED,
+                sg_list: &send_sge,
+                ud: None,
+            },
+            av: None,
+            inline: None,
+        };
+        let (posted, c) = counting(&w, || hca_a.post_send(a.qp, &[send]));
+        assert_eq!(posted, (1, IbStatus::Success));
+        add(c);
+        for (hca, cq, wr_id, opcode) in [
+            (&hca_a, a.send_cq, 2000 + tag, WcOpcode::Send),
+            (&hca_b, b.recv_cq, 1000 + tag, WcOpcode::Recv),
+        ] {
+            let mut wcs = [WorkCompletion::EMPTY; 2];
+            let mut got = 0;
+            wait_for("the completion", || {
+                let (polled, c) = counting(&w, || hca.poll_cq(cq, &mut wcs));
+                add(c);
+                got = polled.unwrap();
+                got > 0
+            });
+            assert_eq!(got, 1);
+            assert_eq!(wcs[0].status, WcStatus::Success, "{:?}", wcs[0]);
+            assert_eq!((wcs[0].wr_id, wcs[0].opcode), (wr_id, opcode));
+        }
+        let mut received = vec![0; MSG];
+        assert!(b.block.read(RECV_AREA, &mut received));
+        assert_eq!(received, pattern(tag, MSG));
+        total
+    };
+
+    // (1) Post and poll on this thread: shared only, never exclusive.
+    for tag in 0..8 {
+        let c = round(tag);
+        assert_eq!(
+            (c.exclusive, c.exclusive_waited),
+            (0, 0),
+            "round {tag}: {c:?}"
+        );
+        assert!(
+            c.shared >= 4,
+            "round {tag}: every verb looked its object up: {c:?}"
+        );
+    }
+
+    // (2) A holder of both HCAs' tables (shared) on another thread waits
+    // for rounds run here; it lets go only after them.
+    let (held_tx, held_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let holder = {
+        let (w, hca_a, hca_b) = (w.clone(), hca_a.clone(), hca_b.clone());
+        thread::spawn(move || {
+            let _context =
+                context::enter(Context::driver(w.host.verifier().clone(), support::DRIVER));
+            let held = hca_a.hold_object_tables_shared(|| {
+                hca_b.hold_object_tables_shared(|| {
+                    assert_eq!(sim_host::irql::current(), Irql::DISPATCH);
+                    held_tx.send(()).unwrap();
+                    // Not a timing assertion: the deadline only turns a
+                    // deadlock into a failure.
+                    done_rx.recv_timeout(Duration::from_secs(60)).is_ok()
+                })
+            });
+            assert_eq!(
+                held,
+                Ok(Ok(true)),
+                "the rounds finished while the tables were held"
+            );
+        })
+    };
+    held_rx.recv().unwrap();
+    for tag in 100..104 {
+        let c = round(tag);
+        assert_eq!(c.exclusive, 0, "{c:?}");
+    }
+    done_tx.send(()).unwrap();
+    holder.join().unwrap();
+
+    teardown(&w, a);
+    teardown(&w, b);
+    let w = Arc::try_unwrap(w).ok().expect("the threads are done");
+    w.finish();
 }

@@ -4,6 +4,7 @@
 //! | trait | here | Windows |
 //! |---|---|---|
 //! | `RawMutex` (spin lock) | [`KernelSpinLock`] | `KSPIN_LOCK`, `KeAcquireSpinLockRaiseToDpc`/`KeReleaseSpinLock` |
+//! | `RawRwLock` (reader-writer spin lock) | [`KernelRwSpinLock`] | `EX_SPIN_LOCK`, `ExAcquireSpinLockShared`/`Exclusive`, `ExReleaseSpinLockShared`/`Exclusive` |
 //! | `Mmio` | [`Bar0`] | the `MmMapIoSpaceEx` mapping, volatile reads and writes |
 //! | `DmaAdapter`, `CommonBuffer` | [`WdfDma`], [`WdfCommonBuffer`] | `WDFDMAENABLER`, `WdfCommonBufferCreate` |
 //! | `MemoryLocker`, `LockedPages`, `DmaMapping` | [`MdlLocker`], [`LockedMdl`], [`SgMapping`] | `IoAllocateMdl` + `MmProbeAndLockPages` (in the SEH shim), `MmUnlockPages`/`IoFreeMdl`; `BuildScatterGatherList` into a caller-supplied buffer, `PutScatterGatherList` |
@@ -49,17 +50,19 @@ use driver_platform::{
     RequestorMode,
 };
 use wdk_sys::ntddk::{
-    IoAllocateMdl, IoFreeMdl, KeAcquireSpinLockRaiseToDpc, KeClearEvent, KeGetCurrentIrql,
-    KeInitializeEvent, KeQueryInterruptTimePrecise, KeReadStateEvent, KeReleaseSpinLock,
-    KeSetEvent, KeWaitForSingleObject, MmBuildMdlForNonPagedPool, MmUnlockPages,
-    MmUnmapLockedPages, PsGetCurrentProcessId,
+    ExAcquireSpinLockExclusive, ExAcquireSpinLockShared, ExReleaseSpinLockExclusive,
+    ExReleaseSpinLockShared, IoAllocateMdl, IoFreeMdl, KeAcquireSpinLockRaiseToDpc, KeClearEvent,
+    KeGetCurrentIrql, KeGetCurrentProcessorNumberEx, KeInitializeEvent,
+    KeQueryInterruptTimePrecise, KeReadStateEvent, KeReleaseSpinLock, KeSetEvent,
+    KeWaitForSingleObject, MmBuildMdlForNonPagedPool, MmUnlockPages, MmUnmapLockedPages,
+    PsGetCurrentProcessId,
 };
 use wdk_sys::{
-    _EVENT_TYPE, _KWAIT_REASON, _MODE, _WDF_DMA_DIRECTION, BOOLEAN, FALSE, HANDLE, KEVENT, KIRQL,
-    KPROCESSOR_MODE, KSPIN_LOCK, LONGLONG, NTSTATUS, PDEVICE_OBJECT, PDMA_ADAPTER, PIRP, PMDL,
-    PSCATTER_GATHER_LIST, PVOID, SCATTER_GATHER_LIST, TRUE, ULONG, WDF_NO_OBJECT_ATTRIBUTES,
-    WDFCOMMONBUFFER, WDFDEVICE, WDFDMAENABLER, WDFINTERRUPT, WDFKEY, WDFOBJECT, WDFREQUEST,
-    WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
+    _EVENT_TYPE, _KWAIT_REASON, _MODE, _WDF_DMA_DIRECTION, BOOLEAN, EX_SPIN_LOCK, FALSE, HANDLE,
+    KEVENT, KIRQL, KPROCESSOR_MODE, KSPIN_LOCK, LONGLONG, NTSTATUS, PDEVICE_OBJECT, PDMA_ADAPTER,
+    PIRP, PMDL, PSCATTER_GATHER_LIST, PVOID, SCATTER_GATHER_LIST, TRUE, ULONG,
+    WDF_NO_OBJECT_ATTRIBUTES, WDFCOMMONBUFFER, WDFDEVICE, WDFDMAENABLER, WDFINTERRUPT, WDFKEY,
+    WDFOBJECT, WDFREQUEST, WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
 };
 
 use crate::sg_pages;
@@ -73,6 +76,7 @@ pub struct WdfPlatform;
 
 impl Platform for WdfPlatform {
     type RawSpinLock = KernelSpinLock;
+    type RawRwSpinLock = KernelRwSpinLock;
     type Mmio = Bar0;
     type Dma = WdfDma;
     type Locker = MdlLocker;
@@ -133,6 +137,102 @@ unsafe impl lock_api::RawMutex for KernelSpinLock {
         // SAFETY: the caller holds the lock (lock_api contract) and `old`
         // is the IRQL it was acquired from (type invariants).
         unsafe { KeReleaseSpinLock(self.lock.get(), old) };
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Reader-writer spin lock
+
+/// The most logical processors Windows supports (32 groups of 64): the
+/// bound of `KeGetCurrentProcessorNumberEx`'s system-wide index.
+const MAX_PROCESSORS: usize = 2048;
+
+/// An `EX_SPIN_LOCK` as a `lock_api::RawRwLock`: both modes raise to
+/// DISPATCH_LEVEL, and releasing restores the IRQL the holder came from.
+///
+/// Readers are many, so the IRQL a shared holder came from is kept per
+/// processor: a holder runs at DISPATCH_LEVEL and cannot migrate, and one
+/// processor holds the lock shared at most once (no recursive
+/// acquisition, the `EX_SPIN_LOCK` rule), so the slot of the processor it
+/// acquired on is its own until it releases. 2 KiB per lock; the core has
+/// one per device.
+///
+/// # Invariants
+/// `shared_old_irql[p]` is written by the shared holder on processor `p`
+/// right after acquiring and read by it when releasing; `exclusive_old_irql`
+/// likewise by the one exclusive holder.
+pub struct KernelRwSpinLock {
+    lock: UnsafeCell<EX_SPIN_LOCK>,
+    exclusive_old_irql: AtomicU8,
+    shared_old_irql: [AtomicU8; MAX_PROCESSORS],
+}
+
+// SAFETY: an EX_SPIN_LOCK is made to be shared between processors; the
+// cell is only touched through the kernel's Ex*SpinLock* routines.
+unsafe impl Sync for KernelRwSpinLock {}
+// SAFETY: as above; a released spin lock may move between threads.
+unsafe impl Send for KernelRwSpinLock {}
+
+impl KernelRwSpinLock {
+    /// The calling processor's slot. Called at DISPATCH_LEVEL (holding the
+    /// lock), so the processor cannot change under it.
+    fn processor_slot(&self) -> &AtomicU8 {
+        // SAFETY: a null PROCESSOR_NUMBER pointer asks for the index only
+        // (documented); callable at any IRQL.
+        let index = unsafe { KeGetCurrentProcessorNumberEx(ptr::null_mut()) } as usize;
+        &self.shared_old_irql[index % MAX_PROCESSORS]
+    }
+}
+
+// SAFETY: `ExAcquireSpinLockExclusive` excludes every other holder and
+// `ExAcquireSpinLockShared` every exclusive one until the matching release;
+// the kernel's routines give acquire/release ordering.
+unsafe impl lock_api::RawRwLock for KernelRwSpinLock {
+    // A zeroed EX_SPIN_LOCK is a released one (the documented initial value).
+    const INIT: Self = Self {
+        lock: UnsafeCell::new(0),
+        exclusive_old_irql: AtomicU8::new(0),
+        shared_old_irql: [const { AtomicU8::new(0) }; MAX_PROCESSORS],
+    };
+    type GuardMarker = lock_api::GuardNoSend;
+
+    fn lock_shared(&self) {
+        // SAFETY: `self.lock` is a valid EX_SPIN_LOCK in nonpaged memory (the
+        // device context); the caller is at DISPATCH_LEVEL or below and does
+        // not hold it (the core's lock contract).
+        let old = unsafe { ExAcquireSpinLockShared(self.lock.get()) };
+        self.processor_slot().store(old, Ordering::Relaxed);
+    }
+
+    fn try_lock_shared(&self) -> bool {
+        // The core never needs a failing acquisition: wait, as `lock_shared`.
+        self.lock_shared();
+        true
+    }
+
+    unsafe fn unlock_shared(&self) {
+        let old: KIRQL = self.processor_slot().load(Ordering::Relaxed);
+        // SAFETY: the caller holds the lock shared (lock_api contract) on
+        // this processor, and `old` is the IRQL it came from (invariants).
+        unsafe { ExReleaseSpinLockShared(self.lock.get(), old) };
+    }
+
+    fn lock_exclusive(&self) {
+        // SAFETY: as in `lock_shared`.
+        let old = unsafe { ExAcquireSpinLockExclusive(self.lock.get()) };
+        self.exclusive_old_irql.store(old, Ordering::Relaxed);
+    }
+
+    fn try_lock_exclusive(&self) -> bool {
+        self.lock_exclusive();
+        true
+    }
+
+    unsafe fn unlock_exclusive(&self) {
+        let old: KIRQL = self.exclusive_old_irql.load(Ordering::Relaxed);
+        // SAFETY: the caller holds the lock exclusive (lock_api contract),
+        // and `old` is the IRQL it came from (invariants).
+        unsafe { ExReleaseSpinLockExclusive(self.lock.get(), old) };
     }
 }
 

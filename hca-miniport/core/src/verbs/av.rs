@@ -133,7 +133,7 @@ impl<P: Platform> Hca<P> {
 
     pub(crate) fn destroy_av_request<R: Request>(&self, a: Accepted<DestroyAv, R>) {
         let mode = a.mode;
-        let removed = self.with_objects(|o| {
+        let removed = self.with_objects_mut(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidAvHandle);
             }
@@ -170,7 +170,7 @@ where
         };
         let pd = a.handle;
         let mode = a.mode;
-        let referenced = self.with_objects(|o| {
+        let referenced = self.with_objects_mut(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidPdHandle);
             }
@@ -197,7 +197,7 @@ where
                     Err(error) => Err(error.ib_status()),
                 };
                 let made = checked.and_then(|()| {
-                    hca.with_objects(|o| {
+                    hca.with_objects_mut(|o| {
                         o.avs
                             .insert_with(|_| Av { pd, attr, encoded })
                             .map_err(IbStatus::from)
@@ -255,7 +255,7 @@ where
                 };
                 // The AV may have been destroyed while QUERY_PORT ran.
                 let applied = checked.and_then(|()| {
-                    hca.with_objects(|o| match o.avs.get_mut(handle) {
+                    hca.with_objects_mut(|o| match o.avs.get_mut(handle) {
                         Some(av) => {
                             av.attr = attr;
                             av.encoded = encoded;

@@ -93,7 +93,7 @@ impl<P: Platform> Hca<P> {
         mode: RequestorMode,
         client: Option<Arc<dyn CaClient>>,
     ) -> Result<u64, IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             if o.ca.is_some() {
                 return Err(IbStatus::ResourceBusy);
             }
@@ -120,7 +120,7 @@ impl<P: Platform> Hca<P> {
     }
 
     fn close_ca_as(&self, ca: u64, mode: RequestorMode) -> Result<(), IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             match &o.ca {
                 Some(open) if open.handle == ca && visible(open.mode, mode) => {}
                 _ => return Err(IbStatus::InvalidCaHandle),

@@ -411,7 +411,7 @@ impl<P: Platform> Hca<P> {
     /// Removes a CQ whose creation failed, giving back its number and MTT
     /// entries.
     pub(super) fn forget_cq(&self, handle: Handle<kind::Cq>, mtt: EntryRange) {
-        let _ = self.with_objects(|o| {
+        let _ = self.with_objects_mut(|o| {
             let _ = o.cqs.remove(handle);
             let _ = o.mtt.return_entries(mtt);
         });
@@ -450,7 +450,7 @@ where
             return;
         }
         let cqe = a.input.cqe;
-        let reserved = self.with_objects(|o| {
+        let reserved = self.with_objects_mut(|o| {
             let (entries, log) = ring_size(cqe, o.log_max_cqes)?;
             let mtt = o
                 .mtt
@@ -696,7 +696,7 @@ where
                         // Only now is the number free: every event of this CQ
                         // came before this completion on the one EQ.
                         let mtt = cq.ring.lock().mtt.take();
-                        let _ = hca.with_objects(|o| {
+                        let _ = hca.with_objects_mut(|o| {
                             let _ = o.cqs.remove(handle);
                             if let Some(mtt) = mtt {
                                 let _ = o.mtt.return_entries(mtt);

@@ -93,7 +93,7 @@ impl<P: Platform> Hca<P> {
             busy: true,
         };
         let recorded =
-            self.with_objects(|o| o.mcasts.insert_with(|_| membership).map_err(IbStatus::from));
+            self.with_objects_mut(|o| o.mcasts.insert_with(|_| membership).map_err(IbStatus::from));
         let handle = match recorded.and_then(|r| r) {
             Ok(handle) => handle,
             Err(status) => {
@@ -106,7 +106,7 @@ impl<P: Platform> Hca<P> {
             vec![Command::new(Opcode::AttachMcg, qp.qpn()).with_mailbox(gid.as_bytes().to_vec())],
             Box::new(move |hca, result| match result {
                 Ok(_) => {
-                    let _ = hca.with_objects(|o| {
+                    let _ = hca.with_objects_mut(|o| {
                         if let Some(m) = o.mcasts.get_mut(handle) {
                             m.busy = false;
                         }
@@ -114,7 +114,7 @@ impl<P: Platform> Hca<P> {
                     responder.finish(IbStatus::Success, handle.raw(), Some(&Empty), &[]);
                 }
                 Err(error) => {
-                    let _ = hca.with_objects(|o| o.mcasts.remove(handle));
+                    let _ = hca.with_objects_mut(|o| o.mcasts.remove(handle));
                     qp.end_mcast_attach();
                     responder.fail(status_of(&error));
                 }
@@ -125,7 +125,7 @@ impl<P: Platform> Hca<P> {
     pub(crate) fn detach_mcast_request(self: &Arc<Self>, a: Accepted<DetachMcast, P::Request>) {
         let mode = a.mode;
         let handle = Handle::<kind::Mcast>::from_raw(a.handle);
-        let claimed = self.with_objects(|o| {
+        let claimed = self.with_objects_mut(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidMcastHandle);
             }
@@ -148,12 +148,12 @@ impl<P: Platform> Hca<P> {
             vec![detach_command(qp.qpn(), &gid)],
             Box::new(move |hca, result| match hca.forgive_when_failed(result) {
                 Ok(_) => {
-                    let _ = hca.with_objects(|o| o.mcasts.remove(handle));
+                    let _ = hca.with_objects_mut(|o| o.mcasts.remove(handle));
                     qp.end_mcast_attach();
                     responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
                 }
                 Err(error) => {
-                    let _ = hca.with_objects(|o| {
+                    let _ = hca.with_objects_mut(|o| {
                         if let Some(m) = o.mcasts.get_mut(handle) {
                             m.busy = false;
                         }
@@ -171,7 +171,7 @@ impl<P: Platform> Hca<P> {
         &self,
         qpn: u32,
     ) -> Result<Vec<(Handle<kind::Mcast>, Gid)>, IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             if o.mcasts.is_empty() {
                 return Ok(Vec::new());
             }
@@ -213,7 +213,7 @@ impl<P: Platform> Hca<P> {
             vec![detach_command(qpn, &gid)],
             Box::new(move |hca, _| {
                 let qp = hca
-                    .with_objects(|o| o.mcasts.remove(handle).ok().map(|m| m.qp))
+                    .with_objects_mut(|o| o.mcasts.remove(handle).ok().map(|m| m.qp))
                     .ok()
                     .flatten();
                 if let Some(qp) = qp {
@@ -228,7 +228,7 @@ impl<P: Platform> Hca<P> {
     /// [`claim_memberships`](Self::claim_memberships) (the destroy did not
     /// happen).
     pub(crate) fn unclaim_memberships(&self, memberships: &[(Handle<kind::Mcast>, Gid)]) {
-        let _ = self.with_objects(|o| {
+        let _ = self.with_objects_mut(|o| {
             for (h, _) in memberships {
                 if let Some(m) = o.mcasts.get_mut(*h) {
                     m.busy = false;

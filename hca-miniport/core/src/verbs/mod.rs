@@ -49,9 +49,21 @@
 //!   command interface leaves event mode, and a passive job that runs
 //!   after the stop answers [`IbStatus::InvalidState`]. (A passive job
 //!   running on another thread *during* a stop is not fenced yet.)
-//! - **Locks.** The object-table lock, then a CQ's own lock, never the
-//!   other way round; no core lock is held while a client callback or a
-//!   command continuation runs.
+//! - **Locks.** The object tables are behind a reader-writer spin lock
+//!   (`driver_platform::RwSpinLock`, `EX_SPIN_LOCK` on Windows): lookups
+//!   take it shared (`Hca::with_objects`: post, poll, `wr_id`
+//!   resolution, event routing, every handle check), and only what
+//!   changes the tables takes it exclusive (`Hca::with_objects_mut`:
+//!   creates, destroys, uses taken and dropped, state kept in the tables),
+//!   so lookups never wait for each other. Order: the object tables (in
+//!   either mode), then an object's own lock (a CQ's ring, an SRQ's ring,
+//!   a QP's control and ring locks, the MTT allocator's), never the other
+//!   way round. The tables are never acquired again while held, in any
+//!   mode: exclusive after shared on one thread deadlocks on Windows, and
+//!   shared after shared can too, behind a waiting exclusive acquirer;
+//!   there is no upgrade (a lookup that needs a change releases and
+//!   takes the tables exclusive, then looks again). No core lock is held
+//!   while a client callback or a command continuation runs.
 //!
 //! - **Power and failure.** The objects outlive a D0 exit and come back
 //!   on D0 entry ([`restore`]); while below D0 every verb answers
@@ -101,7 +113,9 @@ use alloc::vec::Vec;
 use core::marker::PhantomData;
 use core::sync::atomic::{AtomicU32, Ordering};
 
-use driver_platform::{Deferred, DmaAdapter, NtStatus, Platform, Request, RequestorMode, SpinLock};
+use driver_platform::{
+    Deferred, DmaAdapter, NtStatus, Platform, Request, RequestorMode, RwSpinLock, SpinLock,
+};
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::CqHandle;
 use ib_types::ioctl::{
@@ -204,7 +218,9 @@ impl<P: Platform> Objects<P> {
 
 /// The verb state of one [`Hca`].
 pub struct Verbs<P: Platform> {
-    objects: SpinLock<P, Option<Objects<P>>>,
+    /// The object tables: shared for lookups, exclusive for changes
+    /// ([`Hca::with_objects`], [`Hca::with_objects_mut`]).
+    objects: RwSpinLock<P, Option<Objects<P>>>,
     jobs: SpinLock<P, VecDeque<Job<P>>>,
     /// Common buffers the device no longer uses, freed by the work item.
     to_free: SpinLock<P, Vec<Buffer<P>>>,
@@ -237,7 +253,7 @@ impl<P: Platform> Verbs<P> {
     /// No objects yet.
     pub fn new() -> Self {
         Self {
-            objects: SpinLock::<P, _>::new(None),
+            objects: RwSpinLock::<P, _>::new(None),
             jobs: SpinLock::<P, _>::new(VecDeque::new()),
             to_free: SpinLock::<P, _>::new(Vec::new()),
             callbacks_in_flight: AtomicU32::new(0),
@@ -252,7 +268,7 @@ impl<P: Platform> Verbs<P> {
     /// are released without commands (unmapped, unlocked). Called by
     /// teardown once the device owns no memory any more.
     pub(crate) fn take_buffers(&self, hca: &Hca<P>) -> Vec<Buffer<P>> {
-        let objects = self.objects.lock().take();
+        let objects = self.objects.write().take();
         // Their objects are gone; a later start's must not hear of them.
         self.soft_events.lock().clear();
         self.lost.lock().clear();
@@ -677,14 +693,63 @@ impl<P: Platform> Hca<P> {
         }
     }
 
-    /// Runs `f` on the verb objects, building them from the bring-up report
-    /// on first use. Fails with [`IbStatus::InvalidState`] while the device
-    /// is not started.
-    pub(crate) fn with_objects<T>(
+    /// Runs `f` on the verb objects with the object tables held *shared*
+    /// (lookups: posters, pollers and every other reader run at once and
+    /// wait only for an exclusive holder), building the tables from the
+    /// bring-up report on first use. Fails with [`IbStatus::InvalidState`]
+    /// while the device is not started.
+    pub(crate) fn with_objects<T>(&self, f: impl FnOnce(&Objects<P>) -> T) -> Result<T, IbStatus> {
+        {
+            let guard = self.verbs.objects.read();
+            if let Some(objects) = guard.as_ref() {
+                return Ok(f(objects));
+            }
+        }
+        // First use: build them exclusive (no upgrade from shared exists,
+        // `EX_SPIN_LOCK`), then look up shared again.
+        self.build_objects()?;
+        self.verbs
+            .objects
+            .read()
+            .as_ref()
+            .map(f)
+            .ok_or(IbStatus::InvalidState)
+    }
+
+    /// Runs `f` with the object tables held shared, as every lookup holds
+    /// them, and returns what it returns: for tests showing what a shared
+    /// holder does not delay (posting, polling: they take the tables
+    /// shared too) and for diagnostics. `f` must not call a verb of this
+    /// HCA that changes objects: exclusive after shared on one thread
+    /// deadlocks (`driver_platform::Platform::RawRwSpinLock`). Fails with
+    /// [`IbStatus::InvalidState`] while the device is not started.
+    #[doc(hidden)]
+    pub fn hold_object_tables_shared<R>(&self, f: impl FnOnce() -> R) -> Result<R, IbStatus> {
+        self.with_objects(|_| f())
+    }
+
+    /// Runs `f` on the verb objects with the object tables held
+    /// *exclusive*: creates, destroys and every change of what the tables
+    /// hold. Builds them on first use like [`Self::with_objects`].
+    pub(crate) fn with_objects_mut<T>(
         &self,
         f: impl FnOnce(&mut Objects<P>) -> T,
     ) -> Result<T, IbStatus> {
-        let mut guard = self.verbs.objects.lock();
+        self.build_objects()?;
+        self.verbs
+            .objects
+            .write()
+            .as_mut()
+            .map(f)
+            .ok_or(IbStatus::InvalidState)
+    }
+
+    /// Builds the object tables from the bring-up report unless they exist.
+    fn build_objects(&self) -> Result<(), IbStatus> {
+        if self.verbs.objects.read().is_some() {
+            return Ok(());
+        }
+        let mut guard = self.verbs.objects.write();
         if guard.is_none() {
             let report = self.report().ok_or(IbStatus::InvalidState)?;
             let cqs = 1u32 << report.table(hca_prm::cmd::Table::Cqc).log_count;
@@ -721,7 +786,7 @@ impl<P: Platform> Hca<P> {
                 user: user::UserContexts::new(report.capabilities.num_uars.get().into()),
             });
         }
-        guard.as_mut().map(f).ok_or(IbStatus::InvalidState)
+        Ok(())
     }
 
     /// Checks that `handle` is the open CA and visible to `mode`.
@@ -791,7 +856,7 @@ impl<P: Platform> Hca<P> {
         let client = self
             .verbs
             .objects
-            .lock()
+            .read()
             .as_ref()
             .and_then(|o| o.ca.as_ref())
             .and_then(|ca| ca.client.clone());
@@ -815,7 +880,7 @@ impl<P: Platform> Hca<P> {
     /// The CQ's current owner's handle for a device CQ number, if the
     /// number is live.
     pub(crate) fn cq_owner(&self, cqn: u32) -> Option<CqHandle> {
-        let objects = self.verbs.objects.lock();
+        let objects = self.verbs.objects.read();
         let (handle, _) = objects.as_ref()?.cqs.get_by_number(cqn)?;
         Some(handle.into())
     }

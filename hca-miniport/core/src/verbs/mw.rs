@@ -107,7 +107,7 @@ impl<P: Platform> Hca<P> {
     pub(crate) fn alloc_mw_request(self: &Arc<Self>, a: Accepted<AllocMw, P::Request>) {
         let mode = a.mode;
         let pd = a.handle;
-        let taken = self.with_objects(|o| {
+        let taken = self.with_objects_mut(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidPdHandle);
             }
@@ -151,7 +151,7 @@ impl<P: Platform> Hca<P> {
                     busy: false,
                     saved_tag: key.tag(),
                 };
-                let stored = hca.with_objects(|o| {
+                let stored = hca.with_objects_mut(|o| {
                     o.mws
                         .insert_at_with(key.index(), |_| window)
                         .map_err(IbStatus::from)
@@ -249,7 +249,7 @@ impl<P: Platform> Hca<P> {
         done: super::Done<P>,
     ) {
         let handle = Handle::<kind::Mw>::from_raw(mw);
-        let claimed = self.with_objects(|o| {
+        let claimed = self.with_objects_mut(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidMwHandle);
             }
@@ -268,13 +268,13 @@ impl<P: Platform> Hca<P> {
             vec![Command::new(Opcode::Hw2SwMpt, handle.number())],
             Box::new(move |hca, result| match hca.forgive_when_failed(result) {
                 Ok(_) => {
-                    let _ = hca.with_objects(|o| o.mws.remove(handle));
+                    let _ = hca.with_objects_mut(|o| o.mws.remove(handle));
                     let _ = mt.free_window_key(handle.number());
                     let _ = hca.release_pd(pd);
                     done(hca, Ok(()));
                 }
                 Err(error) => {
-                    let _ = hca.with_objects(|o| {
+                    let _ = hca.with_objects_mut(|o| {
                         if let Some(window) = o.mws.get_mut(handle) {
                             window.busy = false;
                         }

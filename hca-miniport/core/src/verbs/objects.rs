@@ -117,7 +117,7 @@ impl<P: Platform> Hca<P> {
     /// invalid-handle status for a stale handle, [`IbStatus::InvalidState`]
     /// for an object that takes no use now.
     pub(crate) fn reference_object<K: Counted<P>>(&self, raw: u64) -> Result<u32, IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             let handle = Handle::<K>::from_raw(raw);
             let object = K::table(o)
                 .get(handle)
@@ -132,7 +132,7 @@ impl<P: Platform> Hca<P> {
     /// Drops a use recorded by [`reference_object`](Self::reference_object);
     /// returns the new use count.
     pub(crate) fn release_object<K: Counted<P>>(&self, raw: u64) -> Result<u32, IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             K::table_mut(o)
                 .release(Handle::<K>::from_raw(raw))
                 .map_err(IbStatus::from)

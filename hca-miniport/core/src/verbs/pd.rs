@@ -43,7 +43,7 @@ impl<P: Platform> Hca<P> {
             a.responder.fail(status);
             return;
         }
-        let made = self.with_objects(|o| o.pds.insert_with(|_| Pd).map_err(IbStatus::from));
+        let made = self.with_objects_mut(|o| o.pds.insert_with(|_| Pd).map_err(IbStatus::from));
         match made.and_then(|r| r) {
             Ok(pd) => a
                 .responder
@@ -54,7 +54,7 @@ impl<P: Platform> Hca<P> {
 
     pub(crate) fn dealloc_pd_request<R: Request>(&self, a: Accepted<DeallocPd, R>) {
         let mode = a.mode;
-        let removed = self.with_objects(|o| {
+        let removed = self.with_objects_mut(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidPdHandle);
             }

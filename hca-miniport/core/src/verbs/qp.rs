@@ -94,7 +94,8 @@
 //!   its `wr_id`; a CQ is to be polled from one place at a time (as the
 //!   8.3 helper does). A receive taken from an SRQ (CQE flag SRQ, PRM
 //!   10.4; or any receive of a QP on an SRQ) is looked up in the SRQ by
-//!   the CQE's WQE index (`srq_complete`), which frees that SRQ slot.
+//!   the CQE's WQE index (`srq_complete`), which frees that SRQ slot
+//!   (lock-free, as `Completions`: `srq::WrIdSlots`).
 //!   Limitation: a destroyed QP's late completions name its SRQ by number,
 //!   and SRQ numbers have no quiet period, so a completion polled after
 //!   the SRQ itself was destroyed and its number reused could take the
@@ -113,10 +114,14 @@
 //!   takes the CQ lock, releases it, and reads the `wr_id`s without any
 //!   QP lock (guide 6.5.5 item 2: no cross lock between post and poll on a
 //!   QP; only a reset's kept `wr_id`s have a lock, which post never takes).
-//!   Both still take the object-table lock briefly to resolve a handle or
-//!   number (post: the QP; poll: the CQ, then each completion's QP), and a
-//!   receive from an SRQ takes the SRQ's lock, which posting to the SRQ
-//!   takes too.
+//!   The one lock post and poll have in common is the object tables'
+//!   (post: the QP, an SRQ, a window or AV; poll: the CQ, then each
+//!   completion's QP and SRQ), and both take it *shared* only
+//!   (`Hca::with_objects`, an `EX_SPIN_LOCK` on Windows), so it never makes
+//!   one wait for the other; only a create, destroy or other table change
+//!   (exclusive) makes them wait. A receive completed from an SRQ takes no
+//!   SRQ lock either (`srq::WrIdSlots`), so posting to an SRQ and polling
+//!   its completions share no lock.
 
 use alloc::boxed::Box;
 use alloc::collections::VecDeque;
@@ -791,7 +796,7 @@ impl<P: Platform> Hca<P> {
     pub(super) fn forget_qp(&self, handle: Handle<kind::Qp>, qp: &Qp<P>) {
         let mtt = qp.control.lock().mtt.take();
         let now = self.deferred.now_ns();
-        let _ = self.with_objects(|o| {
+        let _ = self.with_objects_mut(|o| {
             let _ = o.qps.destroy(handle, now);
             if let Some(mtt) = mtt {
                 let _ = o.mtt.return_entries(mtt);
@@ -925,7 +930,7 @@ where
         }
         let now = self.deferred.now_ns();
         let pages = (geometry.sq_pages() + geometry.rq_pages()) as u32;
-        let reserved = self.with_objects(|o| {
+        let reserved = self.with_objects_mut(|o| {
             let mtt = o.mtt.take_entries(pages).map_err(IbStatus::from)?;
             let make = |h: Handle<kind::Qp>| {
                 Arc::new(Qp::<P> {
@@ -1256,7 +1261,7 @@ where
                         // the one EQ: the number can go to quarantine now. The
                         // QP stays findable by number for the flushed
                         // completions' wr_ids until the number is reused.
-                        let _ = hca.with_objects(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
+                        let _ = hca.with_objects_mut(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
                         hca.forget_qp(handle, &qp);
                         done(hca, Ok(()));
                     }

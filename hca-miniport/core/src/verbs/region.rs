@@ -136,7 +136,7 @@ impl<P: Platform> Hca<P> {
         pd: u64,
         mode: RequestorMode,
     ) -> Result<(u32, MemoryTranslation<P>), IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidPdHandle);
             }
@@ -204,7 +204,7 @@ impl<P: Platform> Hca<P> {
     ) -> Result<u64, IbStatus> {
         let index = region.mpt_index();
         let mut slot = Some(region);
-        let stored = self.with_objects(|o| {
+        let stored = self.with_objects_mut(|o| {
             if o.mrs.get_by_number(index).is_some() {
                 return Err(IbStatus::InvalidState);
             }
@@ -234,7 +234,7 @@ impl<P: Platform> Hca<P> {
         mr: u64,
         mode: RequestorMode,
     ) -> Result<(MemoryRegion<P>, u64, MemoryTranslation<P>), IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             if !Self::ca_visible(o, mode) {
                 return Err(IbStatus::InvalidMrHandle);
             }
@@ -252,7 +252,7 @@ impl<P: Platform> Hca<P> {
     /// Returns the region if the entry is gone (the device was stopped).
     fn put_region(&self, mr: u64, region: MemoryRegion<P>, pd: u64) -> Result<(), MemoryRegion<P>> {
         let mut slot = Some(region);
-        let _ = self.with_objects(|o| {
+        let _ = self.with_objects_mut(|o| {
             if let Some(entry) = o.mrs.get_mut(Handle::<kind::Mr>::from_raw(mr)) {
                 entry.region = slot.take();
                 entry.pd = pd;
@@ -266,7 +266,7 @@ impl<P: Platform> Hca<P> {
 
     /// Removes a region's entry (after its deregistration or loss).
     fn forget_region(&self, mr: u64) {
-        let _ = self.with_objects(|o| o.mrs.remove(Handle::<kind::Mr>::from_raw(mr)));
+        let _ = self.with_objects_mut(|o| o.mrs.remove(Handle::<kind::Mr>::from_raw(mr)));
     }
 
     /// Every region still registered, taken out of the table (teardown:

@@ -220,7 +220,7 @@ impl<P: Platform> Hca<P> {
                     .map(|(entry, _)| entry.tag)
             });
             if let Some(tag) = tag {
-                let _ = self.with_objects(|o| {
+                let _ = self.with_objects_mut(|o| {
                     if let Some(window) = o.mws.get_mut(handle) {
                         window.saved_tag = tag;
                     }
@@ -645,7 +645,7 @@ fn restore_srq<P: Platform>(srq: &srq::Srq<P>) -> Vec<Command> {
     for i in 0..entries {
         let counter = state.producer.wrapping_add(i);
         let slot = (counter & mask) as usize;
-        if let Some(wr_id) = state.wr_ids[slot].take() {
+        if let Some(wr_id) = srq.wr_ids.take(slot) {
             let mut wqe = alloc::vec![0u8; stride];
             if let Some(ring) = state.ring.as_ref() {
                 ring.read(slot * stride, &mut wqe);
@@ -659,7 +659,7 @@ fn restore_srq<P: Platform>(srq: &srq::Srq<P>) -> Vec<Command> {
         if let Some(ring) = state.ring.as_ref() {
             ring.write(counter * stride, &wqe);
         }
-        state.wr_ids[counter] = Some(wr_id);
+        srq.wr_ids.put(counter, wr_id);
     }
     state.producer = count;
     let (Some(ring), Some(dbr)) = (state.ring.as_ref(), state.dbr.as_ref()) else {

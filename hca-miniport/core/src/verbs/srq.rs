@@ -42,7 +42,10 @@
 //!   handle, not the number: a destroyed QP's receive CQEs can sit unpolled
 //!   in a CQ after its SRQ is destroyed and the number reused, so a
 //!   destroyed SRQ that a retired QP names is kept (`Objects::retired_srqs`)
-//!   until that QP's number is reused. The producer doorbell record is written once per post
+//!   until that QP's number is reused. The shadow ring is atomics outside
+//!   the SRQ's lock (`WrIdSlots`): posters serialise on that lock, the poll
+//!   path takes none, so posting to an SRQ never waits for its completions
+//!   being polled, nor the other way round. The producer doorbell record is written once per post
 //!   after the WQEs (release order, PRM 9.2); posting needs no MMIO.
 //! - **Events**: `SRQ_LIMIT` and `SRQ_CATASTROPHIC` go, by SRQ number, to
 //!   the client of the CA that owns the SRQ now, as asynchronous events
@@ -54,7 +57,7 @@ use alloc::boxed::Box;
 use alloc::sync::Arc;
 use alloc::vec;
 use alloc::vec::Vec;
-use core::sync::atomic::{Ordering, fence};
+use core::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 
 use driver_platform::{CommonBuffer, Platform, RequestorMode, SpinLock};
 use hca_prm::cmd::Opcode;
@@ -96,12 +99,71 @@ pub(super) struct Ring<B> {
     pub(super) mtt: Option<EntryRange>,
     /// WRs posted (the producer counter, wrapping).
     pub(super) producer: u32,
-    /// The `wr_id` of the WR in each slot until its completion is polled;
-    /// `None`: the slot is free.
-    pub(super) wr_ids: Vec<Option<u64>>,
     /// The limit armed at the last D0 exit (read back with `QUERY_SRQ`),
     /// re-armed on D0 entry ([`super::restore`]).
     pub(super) saved_limit: u32,
+}
+
+/// The `wr_id` of the WR in each slot of an SRQ until its completion is
+/// polled, outside the SRQ's lock: posters (serialised by that lock) fill
+/// free slots, pollers take them back with no lock at all, so posting and
+/// polling never wait for each other (as `qp::Completions` for QPs).
+pub(super) struct WrIdSlots {
+    slots: Box<[WrIdSlot]>,
+}
+
+/// One slot of [`WrIdSlots`].
+struct WrIdSlot {
+    wr_id: AtomicU64,
+    /// Set (Release) after `wr_id` is written by the poster; cleared
+    /// (Release) by the one taker after it read `wr_id`, which makes the
+    /// slot free again.
+    posted: AtomicBool,
+}
+
+impl WrIdSlots {
+    fn new(count: usize) -> Self {
+        Self {
+            slots: (0..count)
+                .map(|_| WrIdSlot {
+                    wr_id: AtomicU64::new(0),
+                    posted: AtomicBool::new(false),
+                })
+                .collect(),
+        }
+    }
+
+    /// Whether `slot` exists and holds no WR.
+    pub(super) fn is_free(&self, slot: usize) -> bool {
+        self.slots
+            .get(slot)
+            .is_some_and(|s| !s.posted.load(Ordering::Acquire))
+    }
+
+    /// Records `wr_id` in the free `slot`. Posters only, under the SRQ's
+    /// lock (one writer per slot at a time).
+    pub(super) fn put(&self, slot: usize, wr_id: u64) {
+        if let Some(s) = self.slots.get(slot) {
+            s.wr_id.store(wr_id, Ordering::Relaxed);
+            s.posted.store(true, Ordering::Release);
+        }
+    }
+
+    /// Takes the `wr_id` of `slot` back and frees it; `None` if the slot
+    /// is empty (or out of range). Lock-free; of two takers of one slot
+    /// only one gets it.
+    pub(super) fn take(&self, slot: usize) -> Option<u64> {
+        let s = self.slots.get(slot)?;
+        if !s.posted.load(Ordering::Acquire) {
+            return None;
+        }
+        // Read before freeing: a poster writes only a free slot.
+        let wr_id = s.wr_id.load(Ordering::Relaxed);
+        s.posted
+            .compare_exchange(true, false, Ordering::AcqRel, Ordering::Relaxed)
+            .ok()
+            .map(|_| wr_id)
+    }
 }
 
 /// A shared receive queue.
@@ -114,6 +176,8 @@ pub struct Srq<P: Platform> {
     /// SGEs a WR may carry.
     max_sge: u32,
     pub(super) ring: SpinLock<P, Ring<Buffer<P>>>,
+    /// The posted WRs' `wr_id`s, by slot (no lock: [`WrIdSlots`]).
+    pub(super) wr_ids: WrIdSlots,
 }
 
 impl<P: Platform> core::fmt::Debug for Srq<P> {
@@ -198,9 +262,9 @@ impl<P: Platform> Srq<P> {
                 dbr: None,
                 mtt: Some(mtt),
                 producer: 0,
-                wr_ids: vec![None; 1],
                 saved_limit: 0,
             }),
+            wr_ids: WrIdSlots::new(1),
         }
     }
 
@@ -273,7 +337,7 @@ impl<P: Platform> Hca<P> {
             }
             let counter = state.producer;
             let slot = (counter & mask) as usize;
-            if state.wr_ids.get(slot).is_none_or(Option::is_some) {
+            if !srq.wr_ids.is_free(slot) {
                 status = IbStatus::InsufficientResources;
                 break;
             }
@@ -295,7 +359,7 @@ impl<P: Platform> Hca<P> {
                 status = IbStatus::GenericError;
                 break;
             }
-            state.wr_ids[slot] = Some(wr.wr_id);
+            srq.wr_ids.put(slot, wr.wr_id);
             state.producer = counter.wrapping_add(1);
             posted += 1;
         }
@@ -314,7 +378,8 @@ impl<P: Platform> Hca<P> {
     /// For the CQ poll path: the `wr_id` of the receive WQE `wqe_index`
     /// (a CQE's, PRM 10.4) of the SRQ number `srqn`, taken back, which
     /// frees its slot for posting. `None` if the SRQ or the slot is empty.
-    /// Takes the object-table lock, then the SRQ's.
+    /// Takes the object tables shared for the lookup and no lock after
+    /// ([`WrIdSlots`]): a post to the SRQ goes on meanwhile.
     pub(crate) fn srq_complete(&self, raw: u64, wqe_index: u16) -> Option<u64> {
         let handle = Handle::<kind::Srq>::from_raw(raw);
         let srq = self
@@ -327,11 +392,7 @@ impl<P: Platform> Hca<P> {
             .ok()
             .flatten()?;
         let mask = srq.entries() - 1;
-        let mut state = srq.ring.lock();
-        state
-            .wr_ids
-            .get_mut((u32::from(wqe_index) & mask) as usize)?
-            .take()
+        srq.wr_ids.take((u32::from(wqe_index) & mask) as usize)
     }
 
     /// The SRQ's current owner's handle for a device SRQ number, if the
@@ -345,7 +406,7 @@ impl<P: Platform> Hca<P> {
     /// Removes an SRQ whose creation failed: its number, MTT entries and
     /// PD use go back.
     pub(super) fn forget_srq(&self, handle: Handle<kind::Srq>, pd: u64, mtt: EntryRange) {
-        let _ = self.with_objects(|o| {
+        let _ = self.with_objects_mut(|o| {
             let _ = o.srqs.remove(handle);
             let _ = o.mtt.return_entries(mtt);
             let _ = o.pds.release(Handle::<kind::Pd>::from_raw(pd));
@@ -388,7 +449,7 @@ where
         }
         let pd = create.pd.raw();
         let pages = ((1usize << log_stride) << log_entries).div_ceil(PAGE);
-        let reserved = self.with_objects(|o| {
+        let reserved = self.with_objects_mut(|o| {
             let pd_handle = Handle::<kind::Pd>::from_raw(pd);
             o.pds
                 .acquire(pd_handle)
@@ -413,9 +474,9 @@ where
                         dbr: None,
                         mtt: Some(mtt),
                         producer: 0,
-                        wr_ids: vec![None; entries as usize],
                         saved_limit: 0,
                     }),
+                    wr_ids: WrIdSlots::new(entries as usize),
                 })
             });
             match made.map(|h| (h, o.srqs.get(h).cloned())) {
@@ -632,7 +693,7 @@ where
                         // Only now is the number free: every event of this SRQ
                         // came before this completion on the one EQ.
                         let mtt = srq.ring.lock().mtt.take();
-                        let _ = hca.with_objects(|o| {
+                        let _ = hca.with_objects_mut(|o| {
                             let _ = o.srqs.remove(handle);
                             // Kept while a destroyed QP's CQEs may name it.
                             let raw = handle.raw();
@@ -698,5 +759,45 @@ mod tests {
             srq_size(&attr(u32::MAX, 1), 31, 16),
             Err(IbStatus::InvalidSrqSize)
         );
+    }
+
+    #[test]
+    fn wr_id_slots_hand_each_posted_wr_id_back_once_and_free_the_slot() {
+        let slots = WrIdSlots::new(4);
+        assert!(slots.is_free(3));
+        assert!(!slots.is_free(4), "out of range is never free");
+        assert_eq!(slots.take(2), None, "nothing posted");
+        slots.put(2, u64::MAX);
+        assert!(!slots.is_free(2));
+        assert_eq!(slots.take(2), Some(u64::MAX));
+        assert_eq!(slots.take(2), None, "taken once");
+        assert!(slots.is_free(2));
+        slots.put(2, 7);
+        assert_eq!(slots.take(2), Some(7), "the slot is reused");
+        slots.put(9, 1); // out of range: ignored, no panic
+        assert_eq!(slots.take(9), None);
+    }
+
+    #[test]
+    fn wr_id_slots_taken_from_two_threads_give_each_wr_id_to_one() {
+        use std::sync::Arc;
+        let slots = Arc::new(WrIdSlots::new(64));
+        for slot in 0..64 {
+            slots.put(slot, 1000 + slot as u64);
+        }
+        let takers: Vec<_> = (0..2)
+            .map(|_| {
+                let slots = Arc::clone(&slots);
+                std::thread::spawn(move || {
+                    (0..64)
+                        .filter_map(|slot| slots.take(slot))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let mut taken: Vec<u64> = takers.into_iter().flat_map(|t| t.join().unwrap()).collect();
+        taken.sort_unstable();
+        assert_eq!(taken, (1000..1064).collect::<Vec<_>>());
+        assert!((0..64).all(|slot| slots.is_free(slot)));
     }
 }

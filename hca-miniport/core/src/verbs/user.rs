@@ -105,7 +105,8 @@ use alloc::sync::Arc;
 use alloc::vec::Vec;
 
 use driver_platform::{
-    CallerProcess, Deferred, Irql, NtStatus, Platform, Request, RequestorMode, UserMapping,
+    CallerProcess, Deferred, Irql, NtStatus, Platform, Request, RequestorMode, SpinLock,
+    UserMapping,
 };
 use hca_prm::cmd::{MAX_MTT_PER_WRITE, Opcode};
 use hca_prm::ctx::{BufDesc, CQE_LOG_STRIDE, Cqc, Qpc, QpcFlags, SQ_LOG_STRIDE, Srqc};
@@ -214,7 +215,9 @@ struct CqWaits<P: Platform> {
     /// A completion event arrived with no wait pending: the next wait
     /// completes at once (no lost wake-up between arming and waiting).
     fired: bool,
-    waiters: Vec<Responder<v::WaitCqEvent, P::Request>>,
+    /// Behind a lock only to make the tables `Sync` (a request is `Send`,
+    /// not `Sync`); reached through `get_mut` under the exclusive table lock.
+    waiters: SpinLock<P, Vec<Responder<v::WaitCqEvent, P::Request>>>,
 }
 
 /// One process's open CA.
@@ -235,8 +238,9 @@ struct UserContext<P: Platform> {
     events: VecDeque<AsyncEventRecord>,
     /// Events dropped because the queue was full.
     events_lost: u64,
-    /// `GetAsyncEvent` requests waiting for an event.
-    event_waiters: Vec<Responder<v::GetAsyncEvent, P::Request>>,
+    /// `GetAsyncEvent` requests waiting for an event (behind a lock only
+    /// to make the tables `Sync`, like [`CqWaits::waiters`]).
+    event_waiters: SpinLock<P, Vec<Responder<v::GetAsyncEvent, P::Request>>>,
     pds: BTreeSet<u64>,
     /// Memory regions (raw handles); their pages are the `mr` service's.
     mrs: BTreeSet<u64>,
@@ -741,7 +745,7 @@ where
         let Ok(uvp_name) = UvpName::new(UVP_NAME) else {
             return a.responder.fail(IbStatus::GenericError);
         };
-        let uar = self.with_objects(|o| match o.user.uars.as_mut() {
+        let uar = self.with_objects_mut(|o| match o.user.uars.as_mut() {
             Some(uars) => uars.alloc().map_err(|_| IbStatus::InsufficientResources),
             None => Err(IbStatus::InsufficientResources),
         });
@@ -752,7 +756,7 @@ where
         let mapping = match caller.map_device_page(&self.bar0, uar_offset(uar)) {
             Ok(mapping) => mapping,
             Err(_) => {
-                let _ = self.with_objects(|o| o.user.uars.as_mut().map(|u| u.free(uar)));
+                let _ = self.with_objects_mut(|o| o.user.uars.as_mut().map(|u| u.free(uar)));
                 return a.responder.fail(IbStatus::InsufficientResources);
             }
         };
@@ -761,7 +765,7 @@ where
             size: mapping.len() as u32,
         };
         let process = caller.process_id();
-        let made = self.with_objects(|o| {
+        let made = self.with_objects_mut(|o| {
             o.user.generation = o.user.generation.wrapping_add(1);
             let mut handle = u64::from(o.user.generation) << 32 | USER_CA_TAG;
             while o.user.contexts.contains_key(&handle) {
@@ -778,7 +782,7 @@ where
                     creating: 0,
                     events: VecDeque::new(),
                     events_lost: 0,
-                    event_waiters: Vec::new(),
+                    event_waiters: SpinLock::<P, _>::new(Vec::new()),
                     pds: BTreeSet::new(),
                     mrs: BTreeSet::new(),
                     mws: BTreeSet::new(),
@@ -826,7 +830,7 @@ where
         }
         let process = caller.process_id();
         let handle = a.handle;
-        let started = self.with_objects(|o| {
+        let started = self.with_objects_mut(|o| {
             owner(o, process, Owned::Ca, handle)?;
             let ctx = o
                 .user
@@ -878,7 +882,7 @@ where
                 );
             }
             Ok(None) => {
-                let freed = self.with_objects(|o| {
+                let freed = self.with_objects_mut(|o| {
                     let ctx = o.user.contexts.remove(&handle)?;
                     for pd in &ctx.pds {
                         let _ = o.pds.remove(Handle::<kind::Pd>::from_raw(*pd));
@@ -886,7 +890,7 @@ where
                     if let Some(uars) = o.user.uars.as_mut() {
                         let _ = uars.free(ctx.uar);
                     }
-                    Some(ctx.event_waiters)
+                    Some(ctx.event_waiters.into_inner())
                 });
                 match freed {
                     Ok(Some(waiters)) => {
@@ -912,7 +916,7 @@ where
             // except when the context is closing and the object is gone
             // from the tables already (the kernel client destroyed it).
             let pins = hca
-                .with_objects(|o| {
+                .with_objects_mut(|o| {
                     let gone = match what {
                         Owned::Cq => !o.cqs.contains(Handle::<kind::Cq>::from_raw(object)),
                         Owned::Qp => !o
@@ -1008,17 +1012,17 @@ where
     fn user_wait_cq(&self, a: Accepted<v::WaitCqEvent, P::Request>, process: u64) {
         let cq = a.handle;
         let mut slot = Some(a.responder);
-        let waited = self.with_objects(|o| {
+        let waited = self.with_objects_mut(|o| {
             owner(o, process, Owned::Cq, cq)?;
             let waits = o.user.waits.entry(cq).or_insert_with(|| CqWaits {
                 fired: false,
-                waiters: Vec::new(),
+                waiters: SpinLock::<P, _>::new(Vec::new()),
             });
             if core::mem::take(&mut waits.fired) {
                 return Ok(true);
             }
             if let Some(responder) = slot.take() {
-                waits.waiters.push(responder);
+                waits.waiters.get_mut().push(responder);
             }
             Ok(false)
         });
@@ -1101,7 +1105,7 @@ where
     fn user_get_async_event(&self, a: Accepted<v::GetAsyncEvent, P::Request>, process: u64) {
         let ca = a.handle;
         let mut slot = Some(a.responder);
-        let taken = self.with_objects(|o| {
+        let taken = self.with_objects_mut(|o| {
             owner(o, process, Owned::Ca, ca)?;
             let ctx = o
                 .user
@@ -1112,7 +1116,7 @@ where
                 return Ok(Some(record));
             }
             if let Some(responder) = slot.take() {
-                ctx.event_waiters.push(responder);
+                ctx.event_waiters.get_mut().push(responder);
             }
             Ok(None)
         });
@@ -1125,7 +1129,7 @@ where
     }
 
     fn user_alloc_pd(&self, a: Accepted<v::AllocPd, P::Request>, process: u64) {
-        let made = self.with_objects(|o| {
+        let made = self.with_objects_mut(|o| {
             let ctx = owner(o, process, Owned::Ca, a.handle)?;
             let pd = o
                 .pds
@@ -1143,7 +1147,7 @@ where
     }
 
     fn user_dealloc_pd(&self, a: Accepted<v::DeallocPd, P::Request>, process: u64) {
-        let removed = self.with_objects(|o| {
+        let removed = self.with_objects_mut(|o| {
             let ctx = owner(o, process, Owned::Pd, a.handle)?;
             o.pds
                 .remove(Handle::<kind::Pd>::from_raw(a.handle))
@@ -1184,7 +1188,7 @@ where
 
     /// Marks a create of context `ctx` under way (close waits for it).
     fn begin_create(&self, process: u64, ctx: u64) -> Result<u32, IbStatus> {
-        self.with_objects(|o| {
+        self.with_objects_mut(|o| {
             owner(o, process, Owned::Ca, ctx)?;
             let c = o
                 .user
@@ -1199,7 +1203,7 @@ where
     /// Ends a create: on success the object's pins join the context.
     fn end_create(&self, ctx: u64, what: Owned, object: Option<(u64, Vec<PinnedUser<P>>)>) {
         let leftover = self
-            .with_objects(|o| {
+            .with_objects_mut(|o| {
                 let c = o.user.contexts.get_mut(&ctx)?;
                 c.creating = c.creating.saturating_sub(1);
                 let (handle, pins) = object?;
@@ -1260,7 +1264,7 @@ where
             }
         };
         let log = layout.log_entries;
-        let reserved = self.with_objects(|o| {
+        let reserved = self.with_objects_mut(|o| {
             let mtt = o
                 .mtt
                 .take_entries(ring_pages.len() as u32)
@@ -1431,7 +1435,7 @@ where
                     // pins, and unpin the old one.
                     let mut slot = Some(new_pin);
                     let old_pin = hca
-                        .with_objects(|o| {
+                        .with_objects_mut(|o| {
                             if let Some(old) = old_mtt {
                                 let _ = o.mtt.return_entries(old);
                             }
@@ -1533,7 +1537,7 @@ where
         );
         let now = self.deferred.now_ns();
         let total = (sq_pages.len() + rq_pages.len()) as u32;
-        let reserved = self.with_objects(|o| {
+        let reserved = self.with_objects_mut(|o| {
             let mtt = o.mtt.take_entries(total).map_err(IbStatus::from)?;
             let make = |h: Handle<kind::Qp>| {
                 Arc::new(Qp::<P>::new_user(
@@ -1707,7 +1711,7 @@ where
             }
         };
         let (log_entries, log_stride) = (layout.log_entries, layout.log_stride);
-        let reserved = self.with_objects(|o| {
+        let reserved = self.with_objects_mut(|o| {
             let pd_handle = Handle::<kind::Pd>::from_raw(pd);
             o.pds
                 .acquire(pd_handle)
@@ -1839,15 +1843,15 @@ impl<P: Platform> Hca<P> {
     /// pending on it, or remembers the event for the next wait. Returns
     /// false when `cq` is no user CQ. From the DPC.
     pub(crate) fn user_cq_event(&self, cq: u64) -> bool {
-        let woken = self.with_objects(|o| {
+        let woken = self.with_objects_mut(|o| {
             if !o.user.contexts.values().any(|c| c.cqs.contains_key(&cq)) {
                 return None;
             }
             let waits = o.user.waits.entry(cq).or_insert_with(|| CqWaits {
                 fired: false,
-                waiters: Vec::new(),
+                waiters: SpinLock::<P, _>::new(Vec::new()),
             });
-            let woken = core::mem::take(&mut waits.waiters);
+            let woken = core::mem::take(waits.waiters.get_mut());
             waits.fired = woken.is_empty();
             Some(woken)
         });
@@ -1866,21 +1870,21 @@ impl<P: Platform> Hca<P> {
     /// and `GetAsyncEvent` whose request was cancelled (the shell calls it
     /// from the request's cancel routine). Callable at DISPATCH_LEVEL.
     pub fn cancel_user_waits(&self) {
-        let canceled = self.with_objects(|o| {
+        let canceled = self.with_objects_mut(|o| {
             let mut waits = Vec::new();
             for cq in o.user.waits.values_mut() {
-                let (gone, kept): (Vec<_>, Vec<_>) = core::mem::take(&mut cq.waiters)
+                let (gone, kept): (Vec<_>, Vec<_>) = core::mem::take(cq.waiters.get_mut())
                     .into_iter()
                     .partition(|r| r.is_canceled());
-                cq.waiters = kept;
+                *cq.waiters.get_mut() = kept;
                 waits.extend(gone);
             }
             let mut events = Vec::new();
             for ctx in o.user.contexts.values_mut() {
-                let (gone, kept): (Vec<_>, Vec<_>) = core::mem::take(&mut ctx.event_waiters)
+                let (gone, kept): (Vec<_>, Vec<_>) = core::mem::take(ctx.event_waiters.get_mut())
                     .into_iter()
                     .partition(|r| r.is_canceled());
-                ctx.event_waiters = kept;
+                *ctx.event_waiters.get_mut() = kept;
                 events.extend(gone);
             }
             (waits, events)
@@ -1900,13 +1904,13 @@ impl<P: Platform> Hca<P> {
     /// anything else (the kernel client's). From the DPC.
     pub(crate) fn user_async_event(&self, record: &AsyncEventRecord) -> bool {
         let object = record.handle;
-        let found = self.with_objects(|o| {
+        let found = self.with_objects_mut(|o| {
             let ctx = o.user.contexts.values_mut().find(|c| {
                 c.qps.contains_key(&object)
                     || c.cqs.contains_key(&object)
                     || c.srqs.contains_key(&object)
             })?;
-            if ctx.event_waiters.is_empty() {
+            if ctx.event_waiters.get_mut().is_empty() {
                 if ctx.events.len() == MAX_QUEUED_EVENTS {
                     ctx.events.pop_front();
                     ctx.events_lost += 1;
@@ -1914,7 +1918,7 @@ impl<P: Platform> Hca<P> {
                 ctx.events.push_back(*record);
                 return Some(None);
             }
-            Some(Some(ctx.event_waiters.remove(0)))
+            Some(Some(ctx.event_waiters.get_mut().remove(0)))
         });
         match found {
             Ok(Some(Some(responder))) => {
@@ -1929,7 +1933,7 @@ impl<P: Platform> Hca<P> {
     /// Ends the waits of the CQs `which` selects (destroyed, or their
     /// context closed) with [`IbStatus::Canceled`].
     fn end_waits(&self, which: impl Fn(u64) -> bool) {
-        let ended = self.with_objects(|o| {
+        let ended = self.with_objects_mut(|o| {
             let cqs: Vec<u64> = o
                 .user
                 .waits
@@ -1939,7 +1943,7 @@ impl<P: Platform> Hca<P> {
                 .collect();
             cqs.into_iter()
                 .filter_map(|cq| o.user.waits.remove(&cq))
-                .flat_map(|w| w.waiters)
+                .flat_map(|w| w.waiters.into_inner())
                 .collect::<Vec<_>>()
         });
         for responder in ended.unwrap_or_default() {
@@ -1950,7 +1954,7 @@ impl<P: Platform> Hca<P> {
     /// Unmaps and unlocks the user memory every user object pinned; the
     /// device no longer uses memory (teardown).
     pub(crate) fn release_user_pins(&self) {
-        let taken = self.with_objects(|o| (o.mtt.clone(), o.user.take_pinned()));
+        let taken = self.with_objects_mut(|o| (o.mtt.clone(), o.user.take_pinned()));
         if let Ok((mtt, pins)) = taken {
             for pin in pins {
                 mtt.unpin_user(self, pin);
