@@ -248,6 +248,28 @@ impl Rig {
     }
 
     /// Queues a DPC submitting `V` (without running the machine).
+    /// Ten signaled writes, completed; then 40 more in 8 batches from a
+    /// chain of DPCs with a modify of `a` to `state` submitted after a
+    /// seed-chosen number of host steps. Returns each batch's answer and
+    /// the modify's issuer once everything ran.
+    fn modify_during_traffic(
+        &mut self,
+        seed: u64,
+        state: QpState,
+    ) -> (Vec<(usize, IbStatus)>, RequestHandle) {
+        let wrs = self.writes(10);
+        let posted = self.post_in_dpc(wrs);
+        self.w.settle();
+        assert_eq!(lock(&posted).take(), Some((10, IbStatus::Success)));
+        let batches = (0..8).map(|_| self.writes(5)).collect();
+        let posted = self.post_chain_in_dpcs(batches);
+        run_steps(&self.w, ((seed * 7) % 25) as usize);
+        let modify = self.submit_in_dpc::<ModifyQp>(self.a, &QpModify::to_state(state));
+        self.w.settle();
+        let posted = lock(&posted).clone();
+        (posted, modify)
+    }
+
     fn submit_in_dpc<V: Verb>(&self, handle: u64, input: &V::In) -> RequestHandle {
         let (request, issuer) = self.w.request::<V>(KERNEL, handle, input, 0);
         let hca = self.w.hca();
@@ -443,20 +465,11 @@ fn reconnect(rig: &Rig) {
 /// Returns how many of the 50 WRs succeeded.
 fn err_during_traffic(seed: u64) -> usize {
     let mut rig = Rig::new(seed, 128);
-    // Completions already in the CQ before the error.
-    let wrs = rig.writes(10);
-    let posted = rig.post_in_dpc(wrs);
-    rig.w.settle();
-    assert_eq!(lock(&posted).take(), Some((10, IbStatus::Success)));
-    // 40 more, in 8 batches from a chain of DPCs, while the QP is moved
-    // to ERR: the batches before the modify run, those after it are
-    // flushed (a QP in ERR takes posts and flushes them, PRM 10.5).
-    let batches = (0..8).map(|_| rig.writes(5)).collect();
-    let posted = rig.post_chain_in_dpcs(batches);
-    run_steps(&rig.w, ((seed * 7) % 25) as usize);
-    let to_err = rig.submit_in_dpc::<ModifyQp>(rig.a, &QpModify::to_state(QpState::Err));
-    rig.w.settle();
-    let posted = lock(&posted).clone();
+    // Completions already in the CQ before the error, then 40 more while
+    // the QP is moved to ERR: the batches before the modify run, those
+    // after it are flushed (a QP in ERR takes posts and flushes them,
+    // PRM 10.5).
+    let (posted, to_err) = rig.modify_during_traffic(seed, QpState::Err);
     assert_eq!(posted, vec![(5, IbStatus::Success); 8]);
     let n = 40;
     assert_eq!(
@@ -507,20 +520,10 @@ fn err_with_work_outstanding_flushes_every_wr_once_and_the_qp_reconnects() {
 fn reset_during_traffic(seed: u64) -> usize {
     let mut rig = Rig::new(seed, 128);
     // Completions already in the CQ before the reset stay there, with
-    // their wr_ids (guide 6.5.5 item 3).
-    let wrs = rig.writes(10);
-    let posted = rig.post_in_dpc(wrs);
-    rig.w.settle();
-    assert_eq!(lock(&posted).take(), Some((10, IbStatus::Success)));
-    // 40 more, in 8 batches from a chain of DPCs, while the QP is moved
-    // to RESET: PRM 6.1.3, outstanding work is discarded without
+    // their wr_ids (guide 6.5.5 item 3); 40 more while the QP is moved to
+    // RESET: PRM 6.1.3, outstanding work is discarded without
     // completions; once the reset is answered posts are refused.
-    let batches = (0..8).map(|_| rig.writes(5)).collect();
-    let posted = rig.post_chain_in_dpcs(batches);
-    run_steps(&rig.w, ((seed * 7) % 25) as usize);
-    let to_reset = rig.submit_in_dpc::<ModifyQp>(rig.a, &QpModify::to_state(QpState::Reset));
-    rig.w.settle();
-    let posted = lock(&posted).clone();
+    let (posted, to_reset) = rig.modify_during_traffic(seed, QpState::Reset);
     let accepted = posted
         .iter()
         .take_while(|p| **p == (5, IbStatus::Success))
