@@ -13,18 +13,15 @@ use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
 use ib_types::handle::{AvHandle, CqHandle, PdHandle};
 use ib_types::ioctl::{
-    AttachMcast, CreateQp, DeregMr, DestroyQp, DetachMcast, Empty, LocalMad, LocalMadIn, MAD_SIZE,
-    ModifyQp, RegMr,
+    AttachMcast, CreateQp, DestroyQp, DetachMcast, Empty, LocalMad, LocalMadIn, MAD_SIZE, ModifyQp,
 };
 use ib_types::mcast::McastGroup;
-use ib_types::mr::{MrKeys, MrRegister};
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
 use ib_types::scalars::{Gid, Lid, PortNum, Psn, QKey, Qpn};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcStatus, WorkCompletion};
 use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge, UdDest};
-use sim_host::memory::PoolBlock;
-use support::kernel_pair::{Setup, setup, teardown};
+use support::kernel_pair::{KernelBuf, Setup, setup, teardown};
 use support::{World, response};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;
@@ -43,48 +40,11 @@ fn two_hcas(seed: u64) -> (World, [usize; 2]) {
 }
 
 /// Kernel memory registered with RegMr for local access.
-struct Buf {
-    block: PoolBlock,
-    mr: u64,
-    keys: MrKeys,
-}
+type Buf = KernelBuf;
 
 impl Buf {
     fn new(w: &World, s: &Setup, len: usize) -> Self {
-        let block = w.host.pool().alloc(support::DRIVER, *b"McT ", len).unwrap();
-        let input = MrRegister {
-            vaddr: block.va(),
-            length: len as u64,
-            access: AccessFlags::LOCAL_WRITE,
-        };
-        let r = w.call_in_dpc_at::<RegMr>(s.i, KERNEL, s.pd, &input, 0);
-        let resp = response::<RegMr>(&r);
-        assert_eq!(resp.status, IbStatus::Success);
-        Buf {
-            block,
-            mr: resp.handle,
-            keys: resp.output.unwrap(),
-        }
-    }
-
-    fn sge(&self, offset: usize, len: u32) -> Sge {
-        Sge::new(self.block.va() + offset as u64, len, self.keys.lkey)
-    }
-
-    fn write(&self, offset: usize, bytes: &[u8]) {
-        assert!(self.block.write(offset, bytes));
-    }
-
-    fn read(&self, offset: usize, len: usize) -> Vec<u8> {
-        let mut out = vec![0; len];
-        assert!(self.block.read(offset, &mut out));
-        out
-    }
-
-    fn free(self, w: &World, i: usize) {
-        let r = w.call_in_dpc_at::<DeregMr>(i, KERNEL, self.mr, &Empty, 0);
-        assert_eq!(response::<DeregMr>(&r).status, IbStatus::Success);
-        w.host.pool().free(self.block);
+        KernelBuf::register(w, s, *b"McT ", len, AccessFlags::LOCAL_WRITE)
     }
 }
 

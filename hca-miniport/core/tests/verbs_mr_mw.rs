@@ -15,13 +15,12 @@ use ib_types::ioctl::{
     AllocMw, AllocPd, CreateQp, DeallocMw, DeallocPd, DeregMr, DestroyQp, Empty, ModifyQp, QueryMr,
     QueryMw, RegMr, RegPhysMr, RegSharedMr, ReregMr,
 };
-use ib_types::mr::{MrKeys, MrRegister, MrRereg, MrShare, MwAttr, MwType, PhysMrRegister};
+use ib_types::mr::{MrRegister, MrRereg, MrShare, MwAttr, MwType, PhysMrRegister};
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpType};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcOpcode, WcStatus, WorkCompletion};
 use ib_types::wr::{MwBind, RKey, RemoteAddr, SendFlags, SendOp, SendWr, Sge};
-use sim_host::memory::PoolBlock;
-use support::kernel_pair::{Setup, setup, teardown};
+use support::kernel_pair::{KernelBuf, Setup, setup, teardown};
 use support::rc_path::rc_to_rts_steps;
 use support::{World, response};
 
@@ -59,43 +58,13 @@ const ALL_RIGHTS: AccessFlags = AccessFlags::LOCAL_WRITE
     .union(AccessFlags::MW_BIND);
 
 /// Kernel memory of one HCA's side, registered with RegMr.
-struct Buf {
-    block: PoolBlock,
-    mr: u64,
-    keys: MrKeys,
-}
+type Buf = KernelBuf;
 
 const BUF_BYTES: usize = 4 * 4096;
 
 impl Buf {
     fn new(w: &World, s: &Setup, access: AccessFlags) -> Self {
-        let block = w
-            .host
-            .pool()
-            .alloc(support::DRIVER, *b"MrV ", BUF_BYTES)
-            .unwrap();
-        let input = MrRegister {
-            vaddr: block.va(),
-            length: BUF_BYTES as u64,
-            access,
-        };
-        let r = w.call_in_dpc_at::<RegMr>(s.i, KERNEL, s.pd, &input, 0);
-        let resp = response::<RegMr>(&r);
-        assert_eq!(resp.status, IbStatus::Success);
-        let keys = resp.output.unwrap();
-        Buf {
-            block,
-            mr: resp.handle,
-            keys,
-        }
-    }
-
-    fn addr(&self, offset: usize) -> u64 {
-        self.block.va() + offset as u64
-    }
-
-    fn sge(&self, offset: usize, len: u32) -> Sge {
-        Sge::new(self.addr(offset), len, self.keys.lkey)
+        KernelBuf::register(w, s, *b"MrV ", BUF_BYTES, access)
     }
 
     fn remote(&self, offset: usize) -> RemoteAddr {
@@ -105,24 +74,8 @@ impl Buf {
         }
     }
 
-    fn write(&self, offset: usize, bytes: &[u8]) {
-        assert!(self.block.write(offset, bytes));
-    }
-
-    fn read(&self, offset: usize, len: usize) -> Vec<u8> {
-        let mut out = vec![0; len];
-        assert!(self.block.read(offset, &mut out));
-        out
-    }
-
     fn read_u64(&self, offset: usize) -> u64 {
         u64::from_le_bytes(self.read(offset, 8).try_into().unwrap())
-    }
-
-    fn free(self, w: &World, i: usize) {
-        let r = w.call_in_dpc_at::<DeregMr>(i, KERNEL, self.mr, &Empty, 0);
-        assert_eq!(response::<DeregMr>(&r).status, IbStatus::Success);
-        w.host.pool().free(self.block);
     }
 }
 

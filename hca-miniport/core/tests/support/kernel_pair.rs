@@ -65,3 +65,66 @@ pub(crate) fn teardown(w: &World, s: &Setup) {
     let r = w.call_in_dpc_at::<DeallocPd>(s.i, KERNEL, s.pd, &Empty, 0);
     assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
 }
+
+/// Kernel pool memory registered with RegMr on one HCA's side.
+pub(crate) struct KernelBuf {
+    pub(crate) block: sim_host::memory::PoolBlock,
+    pub(crate) mr: u64,
+    pub(crate) keys: ib_types::mr::MrKeys,
+}
+
+impl KernelBuf {
+    /// `len` bytes of pool memory tagged `tag`, registered in `s`'s PD
+    /// with `access`.
+    pub(crate) fn register(
+        w: &World,
+        s: &Setup,
+        tag: [u8; 4],
+        len: usize,
+        access: ib_types::access::AccessFlags,
+    ) -> Self {
+        use ib_types::ioctl::RegMr;
+        let block = w.host.pool().alloc(super::DRIVER, tag, len).unwrap();
+        let input = ib_types::mr::MrRegister {
+            vaddr: block.va(),
+            length: len as u64,
+            access,
+        };
+        let r = w.call_in_dpc_at::<RegMr>(s.i, KERNEL, s.pd, &input, 0);
+        let resp = response::<RegMr>(&r);
+        assert_eq!(resp.status, IbStatus::Success);
+        Self {
+            block,
+            mr: resp.handle,
+            keys: resp.output.unwrap(),
+        }
+    }
+
+    /// The address of byte `offset`.
+    pub(crate) fn addr(&self, offset: usize) -> u64 {
+        self.block.va() + offset as u64
+    }
+
+    /// `len` bytes from `offset` under the local key.
+    pub(crate) fn sge(&self, offset: usize, len: u32) -> ib_types::wr::Sge {
+        ib_types::wr::Sge::new(self.addr(offset), len, self.keys.lkey)
+    }
+
+    pub(crate) fn write(&self, offset: usize, bytes: &[u8]) {
+        assert!(self.block.write(offset, bytes));
+    }
+
+    pub(crate) fn read(&self, offset: usize, len: usize) -> Vec<u8> {
+        let mut out = vec![0; len];
+        assert!(self.block.read(offset, &mut out));
+        out
+    }
+
+    /// Deregisters the region on HCA `i` and frees the memory.
+    pub(crate) fn free(self, w: &World, i: usize) {
+        use ib_types::ioctl::DeregMr;
+        let r = w.call_in_dpc_at::<DeregMr>(i, KERNEL, self.mr, &Empty, 0);
+        assert_eq!(response::<DeregMr>(&r).status, IbStatus::Success);
+        w.host.pool().free(self.block);
+    }
+}
