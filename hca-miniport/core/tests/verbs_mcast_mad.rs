@@ -19,9 +19,9 @@ use ib_types::mcast::McastGroup;
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
 use ib_types::scalars::{Gid, Lid, PortNum, Psn, QKey, Qpn};
 use ib_types::status::IbStatus;
-use ib_types::wc::{WcStatus, WorkCompletion};
+use ib_types::wc::WcStatus;
 use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge, UdDest};
-use support::kernel_pair::{KernelBuf, Setup, setup, teardown};
+use support::kernel_pair::{KernelBuf, Setup, poll_all, setup, teardown};
 use support::{World, response};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;
@@ -127,23 +127,6 @@ fn group(ip: [u8; 4]) -> McastGroup {
         mgid: Gid::from_ipv4(ip),
         mlid: Lid::UNASSIGNED,
     }
-}
-
-fn poll_all(w: &World, i: usize, cq: u64) -> Vec<WorkCompletion> {
-    let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let (hca, sink) = (w.hca_at(i), out.clone());
-    w.in_dpc(move || {
-        let mut wcs = [WorkCompletion::EMPTY; 4];
-        loop {
-            let n = hca.poll_cq(cq, &mut wcs).unwrap();
-            if n == 0 {
-                break;
-            }
-            support::lock(&sink).extend_from_slice(&wcs[..n]);
-        }
-    });
-    w.settle();
-    support::lock(&out).clone()
 }
 
 fn post_recv(w: &World, i: usize, qp: u64, wr_id: u64, sge: Sge) {

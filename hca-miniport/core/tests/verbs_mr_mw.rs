@@ -20,7 +20,7 @@ use ib_types::qp::{QpCaps, QpCreate, QpModify, QpType};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcOpcode, WcStatus, WorkCompletion};
 use ib_types::wr::{MwBind, RKey, RemoteAddr, SendFlags, SendOp, SendWr, Sge};
-use support::kernel_pair::{KernelBuf, Setup, setup, teardown};
+use support::kernel_pair::{KernelBuf, Setup, poll_all, setup, teardown};
 use support::rc_path::rc_to_rts_steps;
 use support::{World, response};
 
@@ -97,23 +97,6 @@ fn signaled(wr_id: u64, sg_list: &'static [Sge], op: SendOp) -> SendWr<'static> 
         sg_list,
         ud: None,
     }
-}
-
-fn poll_all(w: &World, i: usize, cq: u64) -> Vec<WorkCompletion> {
-    let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let (hca, sink) = (w.hca_at(i), out.clone());
-    w.in_dpc(move || {
-        let mut wcs = [WorkCompletion::EMPTY; 4];
-        loop {
-            let n = hca.poll_cq(cq, &mut wcs).unwrap();
-            if n == 0 {
-                break;
-            }
-            support::lock(&sink).extend_from_slice(&wcs[..n]);
-        }
-    });
-    w.settle();
-    support::lock(&out).clone()
 }
 
 fn post_send(w: &World, i: usize, qp: u64, wrs: Vec<SendWr<'static>>) -> (usize, IbStatus) {

@@ -522,20 +522,7 @@ impl Kernel {
     }
 
     fn poll(&self, w: &World) -> Vec<WorkCompletion> {
-        let out = Arc::new(Mutex::new(Vec::new()));
-        let (hca, sink, cq) = (w.hca_at(K), out.clone(), self.cq);
-        w.in_dpc(move || {
-            let mut wcs = [WorkCompletion::EMPTY; 8];
-            loop {
-                let n = hca.poll_cq(cq, &mut wcs).unwrap();
-                if n == 0 {
-                    break;
-                }
-                support::lock(&sink).extend_from_slice(&wcs[..n]);
-            }
-        });
-        w.settle();
-        support::lock(&out).clone()
+        support::kernel_pair::poll_all(w, K, self.cq)
     }
 
     fn finish(self, w: &World) {

@@ -128,3 +128,23 @@ impl KernelBuf {
         w.host.pool().free(self.block);
     }
 }
+
+/// Polls everything CQ `cq` of HCA `i` holds, from a DPC (a poll that
+/// fails panics).
+pub(crate) fn poll_all(w: &World, i: usize, cq: u64) -> Vec<ib_types::wc::WorkCompletion> {
+    use ib_types::wc::WorkCompletion;
+    let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (hca, sink) = (w.hca_at(i), out.clone());
+    w.in_dpc(move || {
+        let mut wcs = [WorkCompletion::EMPTY; 4];
+        loop {
+            let n = hca.poll_cq(cq, &mut wcs).unwrap();
+            if n == 0 {
+                break;
+            }
+            super::lock(&sink).extend_from_slice(&wcs[..n]);
+        }
+    });
+    w.settle();
+    super::lock(&out).clone()
+}
