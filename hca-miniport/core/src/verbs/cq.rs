@@ -59,7 +59,7 @@ use hca_prm::cqe::Cqe;
 use hca_prm::ctx::{BufDesc, CQE_LOG_STRIDE, Cqc, ResizeCq as ResizeCqInput};
 use hca_prm::doorbell::{CQ_DOORBELL, CqArm, CqDoorbell, DoorbellRecord, uar_offset};
 use hca_prm::{Le32, Le64};
-use ib_types::ioctl::{CqOut, CreateCq, DestroyCq, Empty, QueryCq, ResizeCq};
+use ib_types::ioctl::{CqOut, CreateCq, DestroyCq, QueryCq, ResizeCq};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcStatus, WorkCompletion};
 use zerocopy::{FromBytes, IntoBytes};
@@ -645,14 +645,7 @@ where
 
     pub(crate) fn destroy_cq_request(self: &Arc<Self>, a: Accepted<DestroyCq, P::Request>) {
         let responder = a.responder;
-        self.destroy_cq_then(
-            a.handle,
-            a.mode,
-            Box::new(move |_hca, result| match result {
-                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
-                Err(status) => responder.fail(status),
-            }),
-        );
+        self.destroy_cq_then(a.handle, a.mode, responder.into_done());
     }
 
     /// Destroys the CQ `raw` (see the module doc), then calls `done`

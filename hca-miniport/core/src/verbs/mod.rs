@@ -353,6 +353,17 @@ impl<V: Verb, R: Request> Responder<V, R> {
     }
 }
 
+impl<V: Verb<Out = ib_types::ioctl::Empty>, R: Request + 'static> Responder<V, R> {
+    /// The [`Done`] of a verb with no output: answers success, or the
+    /// failure it is given.
+    pub(crate) fn into_done<P: Platform>(self) -> Done<P> {
+        Box::new(move |_hca, result| match result {
+            Ok(()) => self.finish(IbStatus::Success, 0, Some(&ib_types::ioctl::Empty), &[]),
+            Err(status) => self.fail(status),
+        })
+    }
+}
+
 impl<V: Verb, R: Request> Drop for Responder<V, R> {
     fn drop(&mut self) {
         if let Some(hook) = self.before_answer.take() {

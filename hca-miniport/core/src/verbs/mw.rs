@@ -40,7 +40,7 @@ use hca_prm::Le32;
 use hca_prm::cmd::Opcode;
 use hca_prm::mpt::{MptEntry, MptKind};
 use ib_types::handle::PdHandle;
-use ib_types::ioctl::{AllocMw, DeallocMw, Empty, QueryMw, QueryMwOut};
+use ib_types::ioctl::{AllocMw, DeallocMw, QueryMw, QueryMwOut};
 use ib_types::mr::{MwAttr, MwType};
 use ib_types::status::IbStatus;
 use ib_types::wr::RKey;
@@ -230,14 +230,7 @@ impl<P: Platform> Hca<P> {
 
     pub(crate) fn dealloc_mw_request(self: &Arc<Self>, a: Accepted<DeallocMw, P::Request>) {
         let responder = a.responder;
-        self.dealloc_mw_then(
-            a.handle,
-            a.mode,
-            Box::new(move |_hca, result| match result {
-                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
-                Err(status) => responder.fail(status),
-            }),
-        );
+        self.dealloc_mw_then(a.handle, a.mode, responder.into_done());
     }
 
     /// Deallocates the window `mw` (see the module doc), then calls `done`

@@ -1172,14 +1172,7 @@ where
             }
         };
         let responder = a.responder;
-        self.destroy_qp_then(
-            a.handle,
-            qp,
-            Box::new(move |_hca, result| match result {
-                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
-                Err(status) => responder.fail(status),
-            }),
-        );
+        self.destroy_qp_then(a.handle, qp, responder.into_done());
     }
 
     /// Destroys `qp` (handle `raw`; see the module doc), then calls `done`

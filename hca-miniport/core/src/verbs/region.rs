@@ -54,7 +54,7 @@ use alloc::vec::Vec;
 use driver_platform::{CallerProcess, Irql, Platform, Request, RequestorMode};
 use ib_types::handle::PdHandle;
 use ib_types::ioctl::{
-    DeregMr, Empty, QueryMr, RegMr, RegPhysMr, RegPhysOut, RegSharedMr, RegSharedOut, ReregMr,
+    DeregMr, QueryMr, RegMr, RegPhysMr, RegPhysOut, RegSharedMr, RegSharedOut, ReregMr,
     decode_request,
 };
 use ib_types::mr::{MrKeys, MrQuery};
@@ -473,14 +473,7 @@ impl<P: Platform> Hca<P> {
 
     pub(crate) fn dereg_mr_request(self: &Arc<Self>, a: Accepted<DeregMr, P::Request>) {
         let responder = a.responder;
-        self.dereg_mr_then(
-            a.handle,
-            a.mode,
-            Box::new(move |_hca, result| match result {
-                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
-                Err(status) => responder.fail(status),
-            }),
-        );
+        self.dereg_mr_then(a.handle, a.mode, responder.into_done());
     }
 
     /// Deregisters the region `mr` (see the module doc), then calls `done`

@@ -642,14 +642,7 @@ where
 
     pub(crate) fn destroy_srq_request(self: &Arc<Self>, a: Accepted<DestroySrq, P::Request>) {
         let responder = a.responder;
-        self.destroy_srq_then(
-            a.handle,
-            a.mode,
-            Box::new(move |_hca, result| match result {
-                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
-                Err(status) => responder.fail(status),
-            }),
-        );
+        self.destroy_srq_then(a.handle, a.mode, responder.into_done());
     }
 
     /// Destroys the SRQ `raw` (see the module doc), then calls `done`

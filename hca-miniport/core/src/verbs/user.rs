@@ -983,15 +983,7 @@ where
             Ok(Ok(ctx)) => ctx,
             Ok(Err(status)) | Err(status) => return responder.fail(status),
         };
-        self.destroy_owned(
-            ctx,
-            what,
-            object,
-            Box::new(move |_hca, result| match result {
-                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
-                Err(status) => responder.fail(status),
-            }),
-        );
+        self.destroy_owned(ctx, what, object, responder.into_done());
     }
 
     fn unpin_all(&self, pins: Vec<PinnedUser<P>>) {
