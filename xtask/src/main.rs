@@ -33,6 +33,13 @@ enum Cmd {
     /// The main job: the ABI contract, RDMA on two simulated HCAs, the
     /// simulated Windows host.
     Run,
+    /// Model-check the cores' lock-free protocols with loom (extra
+    /// arguments go to the test binary, e.g. a test-name filter).
+    Loom {
+        /// Passed through to the test binary.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Run the scripted RoCEv2 traffic mix and write its pcap capture.
     Capture {
         /// Where to write the capture.
@@ -78,7 +85,14 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Cmd::Test { args } => test(&args),
+        Cmd::Test { args } => {
+            let workspace = test(&args);
+            if workspace != ExitCode::SUCCESS {
+                return workspace;
+            }
+            loom(&[])
+        }
+        Cmd::Loom { args } => loom(&args),
         Cmd::Capture { out, seed } => capture(&out, seed),
     }
 }
@@ -144,6 +158,45 @@ fn test(extra: &[String]) -> ExitCode {
     match status {
         Ok(status) if status.success() && failed == 0 => ExitCode::SUCCESS,
         _ => ExitCode::FAILURE,
+    }
+}
+
+/// Runs every `loom_` model test of the driver cores, built with `--cfg
+/// loom` in release mode (loom explores thousands of interleavings) into
+/// its own target directory, so the normal build stays warm.
+fn loom(extra: &[String]) -> ExitCode {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let target = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("target")
+        .join("loom");
+    let filter: Vec<String> = if extra.is_empty() {
+        vec!["loom_".into()]
+    } else {
+        extra.to_vec()
+    };
+    println!("\n== loom models (cargo xtask loom) ==");
+    let status = Command::new(cargo)
+        .args([
+            "test",
+            "--locked",
+            "--release",
+            "-p",
+            "hca-miniport-core",
+            "--lib",
+            "--",
+        ])
+        .args(&filter)
+        .env("RUSTFLAGS", "--cfg loom")
+        .env("CARGO_TARGET_DIR", target)
+        .status();
+    match status {
+        Ok(status) if status.success() => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("cannot run cargo: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -32,8 +32,8 @@
 //! - Interrupts are one-shot (PRM 8.3): the EQ is re-armed at the end of
 //!   every drain, and nowhere else once running.
 
+use crate::sync::{AtomicBool, AtomicU64, Ordering};
 use alloc::vec::Vec;
-use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use driver_platform::{CommonBuffer, DmaAdapter, Mmio, Platform, SpinLock};
 use hca_prm::cmd::Opcode;

@@ -21,7 +21,7 @@
 //! verb object across a D0 exit ([`verbs::restore`]); a device failure
 //! fails the verbs over to software ([`verbs::fatal`]).
 
-#![cfg_attr(not(test), no_std)]
+#![cfg_attr(not(any(test, loom)), no_std)]
 #![forbid(unsafe_code)]
 
 extern crate alloc;
@@ -33,6 +33,7 @@ pub mod hca;
 pub mod init;
 pub mod mr;
 pub mod resources;
+mod sync;
 pub mod verbs;
 
 pub use cmd::{Command, CommandError, CommandInput, CommandOutput, Continuation};
