@@ -25,18 +25,19 @@ use ib_types::cq::CqAttr;
 use ib_types::event::{AsyncEventCode, AsyncEventRecord};
 use ib_types::handle::{AvHandle, CqHandle, PdHandle};
 use ib_types::ioctl::{
-    AllocPd, CloseCa, CreateCq, CreateQp, DestroyQp, Empty, GetAsyncEvent, ModifyQp, OpenCa,
-    OpenCaIn, QpCreated, QueryQp, Verb,
+    AllocPd, CloseCa, CreateCq, CreateQp, DeallocPd, DeregMr, DestroyQp, Empty, GetAsyncEvent,
+    ModifyQp, OpenCa, OpenCaIn, QpCreated, QueryMr, QueryQp, RegPhysMr, ReregPhysMr, Verb,
 };
+use ib_types::mr::{PhysMrRegister, PhysMrRereg, PhysTranslation};
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
 use ib_types::scalars::{PortNum, Psn, QKey, Qpn};
 use ib_types::status::IbStatus;
 use ib_types::wc::WcStatus;
-use ib_types::wr::{SendFlags, SendOp, SendWr, UdDest};
+use ib_types::wr::{RKey, RemoteAddr, SendFlags, SendOp, SendWr, Sge, UdDest};
 use sim_host::caller::HostCaller;
 use sim_host::memory::Process;
 use sim_host::request::RequestHandle;
-use support::kernel_pair::{Setup, poll_all, setup, teardown};
+use support::kernel_pair::{KernelBuf, Setup, poll_all, setup, teardown};
 use support::rc_path::{grh_av, rc_to_rts_steps};
 use support::{World, lock, response};
 
@@ -392,5 +393,242 @@ fn p_key_and_q_key_violations_reach_the_kernel_client_and_every_user_context() {
     teardown(&w, &receiver);
     assert_eq!(ci.close_ca(ca), Ok(()));
     teardown(&w, &sender);
+    w.finish();
+}
+
+/// Issues `V` to HCA `i` from a DPC with private input bytes.
+fn call_with<V: Verb>(
+    w: &World,
+    i: usize,
+    mode: RequestorMode,
+    handle: u64,
+    input: &V::In,
+    private: &[u8],
+) -> sim_host::request::Completion {
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<V>(private.len()).unwrap()];
+    ib_types::ioctl::encode_request::<V>(handle, input, private, 0, &mut bytes).unwrap();
+    let out_len = ib_types::ioctl::response_len::<V>(0).unwrap();
+    let (request, issuer) = w.raw_request(V::ID.ioctl().raw(), mode, bytes, out_len);
+    w.submit_in_dpc_at(i, request, issuer)
+}
+
+fn page_bytes(pages: &[u64]) -> Vec<u8> {
+    pages.iter().flat_map(|p| p.to_le_bytes()).collect()
+}
+
+#[track_caller]
+fn query_mr(w: &World, i: usize, mr: u64) -> ib_types::mr::MrQuery {
+    let r = w.call_in_dpc_at::<QueryMr>(i, KERNEL, mr, &Empty, 0);
+    let resp = response::<QueryMr>(&r);
+    assert_eq!(resp.status, IbStatus::Success);
+    resp.output.unwrap()
+}
+
+/// One signaled RDMA write of `src` to `remote` posted on `qp` of HCA
+/// `s.i`; returns its completion status.
+fn rdma_write(w: &World, s: &Setup, qp: u64, src: Sge, remote: RemoteAddr) -> WcStatus {
+    let hca = w.hca_at(s.i);
+    let out = Arc::new(Mutex::new(None));
+    let sink = out.clone();
+    w.in_dpc(move || {
+        let sges = [src];
+        let wr = SendWr {
+            wr_id: 5,
+            op: SendOp::RdmaWrite { remote },
+            flags: SendFlags::SIGNALED,
+            sg_list: &sges,
+            ud: None,
+        };
+        let request = SendRequest {
+            wr,
+            av: None,
+            inline: None,
+        };
+        *lock(&sink) = Some(hca.post_send(qp, &[request]));
+    });
+    w.settle();
+    assert_eq!(lock(&out).take(), Some((1, IbStatus::Success)));
+    let wcs = poll_all(w, s.i, s.cq);
+    assert_eq!(wcs.len(), 1, "{wcs:?}");
+    wcs[0].status
+}
+
+#[test]
+fn reregister_physical_memory_moves_a_region_keeping_its_handle() {
+    use driver_platform::{CommonBuffer, DmaAdapter};
+    let (w, [x, y]) = support::kernel_pair::two_two_port_hcas(93, GUIDS, &HCA_IPS);
+    let (sx, sy) = (setup(&w, x), setup(&w, y));
+    // An RC pair: Y writes into X's regions.
+    let (a, qa) = create(&w, &sx, QpType::Rc);
+    let (b, qb) = create(&w, &sy, QpType::Rc);
+    let access = AccessFlags::REMOTE_WRITE;
+    for step in rc_to_rts_steps(1, access, qb.qpn.get(), HCA_IPS[1][0], 1) {
+        assert_eq!(modify(&w, &sx, a, &step), IbStatus::Success);
+    }
+    for step in rc_to_rts_steps(1, access, qa.qpn.get(), HCA_IPS[0][0], 1) {
+        assert_eq!(modify(&w, &sy, b, &step), IbStatus::Success);
+    }
+    let src = KernelBuf::register(&w, &sy, *b"Srce", 4096, AccessFlags::LOCAL_WRITE);
+    src.write(0, &[0xA5; 256]);
+
+    // A physical region over common buffer `first`.
+    let first = w.adapter_at(x).alloc_common(4096).unwrap();
+    let second = w.adapter_at(x).alloc_common(8192).unwrap();
+    let rights = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+    let phys = PhysMrRegister {
+        iova: 0x7000_0000,
+        length: 4096,
+        first_byte_offset: 0,
+        page_shift: 12,
+        num_pages: 1,
+        access: rights,
+    };
+    let r = call_with::<RegPhysMr>(
+        &w,
+        x,
+        KERNEL,
+        sx.pd,
+        &phys,
+        &page_bytes(&[first.bus_address()]),
+    );
+    let resp = response::<RegPhysMr>(&r);
+    assert_eq!(resp.status, IbStatus::Success);
+    let (mr, old) = (resp.handle, resp.output.unwrap());
+    let to_old = RemoteAddr {
+        addr: 0x7000_0010,
+        rkey: old.keys.rkey,
+    };
+    assert_eq!(
+        rdma_write(&w, &sy, b, src.sge(0, 64), to_old),
+        WcStatus::Success
+    );
+    let mut seen = [0u8; 64];
+    assert!(first.read(0x10, &mut seen));
+    assert_eq!(seen, [0xA5; 64]);
+
+    // Kernel only: a user-mode request is refused, nothing changes.
+    let moved = PhysMrRereg {
+        translation: Some(PhysTranslation {
+            iova: 0x9000_0100,
+            length: 6000,
+            first_byte_offset: 0x100,
+            page_shift: 12,
+            num_pages: 2,
+        }),
+        ..PhysMrRereg::default()
+    };
+    let second_pages = page_bytes(&[second.bus_address(), second.bus_address() + 4096]);
+    let r = call_with::<ReregPhysMr>(&w, x, RequestorMode::User, mr, &moved, &second_pages);
+    assert_eq!(
+        response::<ReregPhysMr>(&r).status,
+        IbStatus::InvalidPermission
+    );
+    assert_eq!(query_mr(&w, x, mr).vaddr, 0x7000_0000);
+
+    // The translation moves to `second`'s two pages: same handle, new
+    // keys, the I/O virtual address used answered.
+    let r = call_with::<ReregPhysMr>(&w, x, KERNEL, mr, &moved, &second_pages);
+    let resp = response::<ReregPhysMr>(&r);
+    assert_eq!(resp.status, IbStatus::Success);
+    let new = resp.output.unwrap();
+    assert_eq!(new.iova, 0x9000_0100);
+    assert_ne!(new.keys, old.keys);
+    let q = query_mr(&w, x, mr);
+    assert_eq!(
+        (q.vaddr, q.length, q.access, q.keys, q.pd.raw()),
+        (0x9000_0100, 6000, rights, new.keys, sx.pd)
+    );
+    // Writes land in the new pages, across the page boundary.
+    let across = RemoteAddr {
+        addr: 0x9000_0100 + 4096 - 0x100 - 32,
+        rkey: new.keys.rkey,
+    };
+    assert_eq!(
+        rdma_write(&w, &sy, b, src.sge(0, 64), across),
+        WcStatus::Success
+    );
+    let mut seen = [0u8; 64];
+    assert!(second.read(4096 - 32, &mut seen));
+    assert_eq!(seen, [0xA5; 64]);
+
+    // Rights and PD only (no page list): the pages stay; the PD use moves.
+    let r = w.call_in_dpc_at::<AllocPd>(x, KERNEL, sx.ca, &Empty, 0);
+    let pd2 = response::<AllocPd>(&r).handle;
+    let rights_and_pd = PhysMrRereg {
+        pd: Some(PdHandle::from_raw(pd2)),
+        access: Some(AccessFlags::LOCAL_WRITE),
+        ..PhysMrRereg::default()
+    };
+    let r = call_with::<ReregPhysMr>(&w, x, KERNEL, mr, &rights_and_pd, &[]);
+    let resp = response::<ReregPhysMr>(&r);
+    assert_eq!(resp.status, IbStatus::Success);
+    assert_eq!(resp.output.unwrap().iova, 0x9000_0100);
+    let q = query_mr(&w, x, mr);
+    assert_eq!(
+        (q.vaddr, q.access, q.pd.raw()),
+        (0x9000_0100, AccessFlags::LOCAL_WRITE, pd2)
+    );
+    assert_eq!(q.keys.rkey, RKey::new(0), "no remote right, no R_Key");
+    let r = w.call_in_dpc_at::<DeallocPd>(x, KERNEL, pd2, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::ResourceBusy);
+
+    // A region registered from virtual memory takes a page list too; its
+    // locked pages are released (the verifier checks at the end).
+    let virt = KernelBuf::register(&w, &sx, *b"Virt", 4096, rights);
+    let back = PhysMrRereg {
+        translation: Some(PhysTranslation {
+            iova: 0x7000_0000,
+            length: 4096,
+            first_byte_offset: 0,
+            page_shift: 12,
+            num_pages: 1,
+        }),
+        ..PhysMrRereg::default()
+    };
+    let r = call_with::<ReregPhysMr>(
+        &w,
+        x,
+        KERNEL,
+        virt.mr,
+        &back,
+        &page_bytes(&[first.bus_address()]),
+    );
+    let resp = response::<ReregPhysMr>(&r);
+    assert_eq!(resp.status, IbStatus::Success);
+    let moved_keys = resp.output.unwrap().keys;
+    let into_first = RemoteAddr {
+        addr: 0x7000_0800,
+        rkey: moved_keys.rkey,
+    };
+    src.write(0, &[0x3C; 64]);
+    assert_eq!(
+        rdma_write(&w, &sy, b, src.sge(0, 64), into_first),
+        WcStatus::Success
+    );
+    assert!(first.read(0x800, &mut seen));
+    assert_eq!(seen, [0x3C; 64]);
+
+    // The first region's old R_Key is dead: the responder refuses it.
+    assert_ne!(
+        rdma_write(&w, &sy, b, src.sge(0, 64), to_old),
+        WcStatus::Success
+    );
+
+    for (s, qp) in [(&sx, a), (&sy, b)] {
+        destroy(&w, s, qp);
+    }
+    let _ = poll_all(&w, x, sx.cq);
+    for region in [mr, virt.mr] {
+        let r = w.call_in_dpc_at::<DeregMr>(x, KERNEL, region, &Empty, 0);
+        assert_eq!(response::<DeregMr>(&r).status, IbStatus::Success);
+    }
+    w.host.pool().free(virt.block);
+    let r = w.call_in_dpc_at::<DeallocPd>(x, KERNEL, pd2, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    src.free(&w, y);
+    w.adapter_at(x).free_common(first);
+    w.adapter_at(x).free_common(second);
+    teardown(&w, &sx);
+    teardown(&w, &sy);
     w.finish();
 }

@@ -665,6 +665,11 @@ where
                     self.local_mad_request(a);
                 }
             }
+            VerbId::ReregPhysMr => {
+                if let Some(a) = accept::<v::ReregPhysMr, R<P>>(request) {
+                    self.rereg_phys_mr_request(a);
+                }
+            }
         }
     }
 }

@@ -731,7 +731,8 @@ where
             WaitCqEvent,
             GetAsyncEvent,
             RegPhysMr,
-            LocalMad
+            LocalMad,
+            ReregPhysMr
         );
     }
 
