@@ -41,8 +41,8 @@
 //! - The trailing private bytes carry vendor data between the user-mode
 //!   plug-in and the miniport (the guide's `umv_buf`), opaque here, except
 //!   for [`QueryCa`], whose private output is the CA attribute block of
-//!   [`crate::ca`], and [`RegPhysMr`], whose private input is the page list of
-//!   [`PhysMrRegister`]. The caller bounds the private output with
+//!   [`crate::ca`], and [`RegPhysMr`] and [`ReregPhysMr`], whose private
+//!   input is the page list of [`PhysMrRegister`] or [`PhysMrRereg`]. The caller bounds the private output with
 //!   `private_out_max`; the kernel must not answer with more (the response
 //!   decoder cannot see the request, so the caller compares).
 //!
@@ -82,7 +82,9 @@ use crate::event::AsyncEventRecord;
 use crate::handle::PdHandle;
 use crate::interface::{InterfaceVersion, UvpName, UvpNameAbi};
 use crate::mcast::McastGroup;
-use crate::mr::{MrKeys, MrQuery, MrRegister, MrRereg, MrShare, MwAttr, MwAttrAbi, PhysMrRegister};
+use crate::mr::{
+    MrKeys, MrQuery, MrRegister, MrRereg, MrShare, MwAttr, MwAttrAbi, PhysMrRegister, PhysMrRereg,
+};
 use crate::qp::{QpAttrMask, QpCaps, QpCapsAbi, QpCreate, QpModify, QpModifyAbi, QpState, QpType};
 use crate::scalars::{NodeGuid, PortNum, Qpn};
 use crate::srq::{SrqAttr, SrqCreate, SrqModify};
@@ -804,6 +806,15 @@ verbs! {
     };
     /// Processes a MAD through the CA's local agents (kernel only).
     LocalMad = 35: READ_WRITE, kernel, Ca -> _, LocalMadIn => LocalMadOut;
+    /// Re-registers a region (kernel only; guide Table 4-1 "Reregister
+    /// Physical Memory"): each part present changes; a new translation is a
+    /// page list, the private input. Answers the new keys and the I/O
+    /// virtual address used.
+    ReregPhysMr = 36: READ_WRITE, kernel, Mr -> _, PhysMrRereg => RegPhysOut {
+        fn check_request(input: &PhysMrRereg, private: &[u8]) -> Result<(), AbiError> {
+            input.page_list(private).map(|_| ())
+        }
+    };
 }
 
 const _: () = {
@@ -1645,7 +1656,7 @@ mod tests {
 
     #[test]
     fn registry_is_consistent() {
-        assert_eq!(VerbId::ALL.len(), 36);
+        assert_eq!(VerbId::ALL.len(), 37);
         let mut codes = HashSet::new();
         for (i, &verb) in VerbId::ALL.iter().enumerate() {
             let code = verb.ioctl();
@@ -1665,7 +1676,10 @@ mod tests {
             assert_eq!(verb.access(), want, "{verb:?}");
             assert_eq!(
                 verb.user_mode_allowed(),
-                !matches!(verb, VerbId::RegPhysMr | VerbId::LocalMad),
+                !matches!(
+                    verb,
+                    VerbId::RegPhysMr | VerbId::LocalMad | VerbId::ReregPhysMr
+                ),
                 "{verb:?}"
             );
             assert_eq!(verb.target().is_none(), verb == VerbId::OpenCa, "{verb:?}");
@@ -1692,6 +1706,7 @@ mod tests {
             (VerbId::GetAsyncEvent, 0, 24),
             (VerbId::RegPhysMr, 32, 16),
             (VerbId::LocalMad, 264, 256),
+            (VerbId::ReregPhysMr, 48, 16),
         ];
         for &(verb, in_size, out_size) in table {
             assert_eq!(
@@ -1729,7 +1744,7 @@ mod tests {
                 })
             ));
         }
-        for function in [0x000, 0x7FF, 0x824, 0xFFF] {
+        for function in [0x000, 0x7FF, 0x825, 0xFFF] {
             assert!(matches!(
                 with(0x3B, function, M::Buffered, A::READ_WRITE),
                 Err(AbiError::InvalidCode {
@@ -2304,6 +2319,35 @@ mod tests {
     }
 
     #[test]
+    fn rereg_phys_mr_carries_the_page_list_only_with_a_translation() {
+        let pages = page_list();
+        let p = phys();
+        let moved = PhysMrRereg {
+            translation: Some(crate::mr::PhysTranslation {
+                iova: p.iova,
+                length: p.length,
+                first_byte_offset: p.first_byte_offset,
+                page_shift: p.page_shift,
+                num_pages: p.num_pages,
+            }),
+            ..PhysMrRereg::default()
+        };
+        let bytes = req_bytes::<ReregPhysMr>(0x9, &moved, &pages, 0);
+        let req = decode_request::<ReregPhysMr>(&bytes).unwrap();
+        assert_eq!((req.input, req.private), (moved, &pages[..]));
+        assert!(req.kernel_only());
+        let mut buf = vec![0; 256];
+        assert!(encode_request::<ReregPhysMr>(0x9, &moved, &pages[..16], 0, &mut buf).is_err());
+        let rights = PhysMrRereg {
+            access: Some(AccessFlags::LOCAL_WRITE),
+            ..PhysMrRereg::default()
+        };
+        let bytes = req_bytes::<ReregPhysMr>(0x9, &rights, &[], 0);
+        assert_eq!(decode_request::<ReregPhysMr>(&bytes).unwrap().input, rights);
+        assert!(encode_request::<ReregPhysMr>(0x9, &rights, &pages[..8], 0, &mut buf).is_err());
+    }
+
+    #[test]
     fn alloc_mw_request_has_no_rkey() {
         let request = MwAttr {
             mw_type: MwType::Type2,
@@ -2529,6 +2573,7 @@ mod tests {
         request_total::<AttachMcast>(bytes);
         request_total::<RegPhysMr>(bytes);
         request_total::<LocalMad>(bytes);
+        request_total::<ReregPhysMr>(bytes);
     }
 
     fn every_response(bytes: &[u8]) {
@@ -2546,6 +2591,7 @@ mod tests {
         response_total::<GetAsyncEvent>(bytes);
         response_total::<RegPhysMr>(bytes);
         response_total::<LocalMad>(bytes);
+        response_total::<ReregPhysMr>(bytes);
     }
 
     /// Valid requests of several verbs.

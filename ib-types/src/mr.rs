@@ -156,6 +156,71 @@ pub struct PhysMrRegisterAbi {
 assert_layout!(PhysMrRegisterAbi, size = 32, iova @ 0, length @ 8, first_byte_offset @ 16,
     num_pages @ 20, access @ 24, page_shift @ 28, reserved_at_0x1d @ 29);
 
+/// The names of a physical layout's fields, for its errors.
+struct PhysFields {
+    page_shift: &'static str,
+    first_byte_offset: &'static str,
+    length: &'static str,
+    num_pages: &'static str,
+}
+
+/// Checks a physical translation's fixed part: page size in range, offset
+/// inside the first page, a non-empty non-wrapping range, and exactly the
+/// pages it spans.
+fn check_physical(
+    names: &PhysFields,
+    iova: u64,
+    length: u64,
+    offset: u32,
+    page_shift: u8,
+    num_pages: u32,
+) -> Result<(), AbiError> {
+    if !(PhysMrRegister::MIN_PAGE_SHIFT..=PhysMrRegister::MAX_PAGE_SHIFT).contains(&page_shift) {
+        return Err(AbiError::OutOfRange {
+            field: names.page_shift,
+            value: page_shift.into(),
+        });
+    }
+    if u64::from(offset) >= 1u64 << page_shift {
+        return Err(AbiError::OutOfRange {
+            field: names.first_byte_offset,
+            value: offset.into(),
+        });
+    }
+    check_range(names.length, iova, length)?;
+    let needed = PhysMrRegister::pages_needed(offset, length, page_shift);
+    if needed != Some(num_pages.into()) {
+        return Err(AbiError::BadLength {
+            field: names.num_pages,
+            declared: num_pages.into(),
+            available: needed.unwrap_or(u64::MAX),
+        });
+    }
+    Ok(())
+}
+
+/// Reads a page list of exactly `num_pages` addresses aligned to
+/// `1 << page_shift`.
+fn read_page_list(num_pages: u32, page_shift: u8, bytes: &[u8]) -> Result<&[Le64], AbiError> {
+    let bad_length = || AbiError::BadLength {
+        field: "physical page list",
+        declared: u64::from(num_pages) * 8,
+        available: bytes.len() as u64,
+    };
+    let pages = <[Le64]>::ref_from_bytes(bytes).map_err(|_| bad_length())?;
+    if pages.len() != num_pages as usize {
+        return Err(bad_length());
+    }
+    let page_mask = (1u64 << page_shift) - 1;
+    if let Some(bad) = pages.iter().find(|p| p.get() & page_mask != 0) {
+        return Err(AbiError::OutOfRange {
+            field: "physical page address (unaligned)",
+            value: bad.get(),
+        });
+    }
+    Ok(pages)
+}
+
 impl PhysMrRegister {
     /// Smallest page shift (4 KiB).
     pub const MIN_PAGE_SHIFT: u8 = 12;
@@ -178,26 +243,7 @@ impl PhysMrRegister {
     /// Reads the page list that follows the fixed layout: exactly
     /// `num_pages` page-aligned addresses.
     pub fn page_list<'a>(&self, bytes: &'a [u8]) -> Result<&'a [Le64], AbiError> {
-        let pages = <[Le64]>::ref_from_bytes(bytes).map_err(|_| AbiError::BadLength {
-            field: "PhysMrRegister page list",
-            declared: u64::from(self.num_pages) * 8,
-            available: bytes.len() as u64,
-        })?;
-        if pages.len() != self.num_pages as usize {
-            return Err(AbiError::BadLength {
-                field: "PhysMrRegister page list",
-                declared: u64::from(self.num_pages) * 8,
-                available: bytes.len() as u64,
-            });
-        }
-        let page_mask = (1u64 << self.page_shift) - 1;
-        if let Some(bad) = pages.iter().find(|p| p.get() & page_mask != 0) {
-            return Err(AbiError::OutOfRange {
-                field: "PhysMrRegister page address (unaligned)",
-                value: bad.get(),
-            });
-        }
-        Ok(pages)
+        read_page_list(self.num_pages, self.page_shift, bytes)
     }
 }
 
@@ -206,29 +252,20 @@ impl Repr for PhysMrRegister {
 
     fn parse(abi: &PhysMrRegisterAbi) -> Result<Self, AbiError> {
         ensure_zero("PhysMrRegisterAbi.reserved_at_0x1d", &abi.reserved_at_0x1d)?;
-        let page_shift = abi.page_shift;
-        if !(Self::MIN_PAGE_SHIFT..=Self::MAX_PAGE_SHIFT).contains(&page_shift) {
-            return Err(AbiError::OutOfRange {
-                field: "PhysMrRegisterAbi.page_shift",
-                value: page_shift.into(),
-            });
-        }
-        let offset = abi.first_byte_offset.get();
-        if u64::from(offset) >= 1u64 << page_shift {
-            return Err(AbiError::OutOfRange {
-                field: "PhysMrRegisterAbi.first_byte_offset",
-                value: offset.into(),
-            });
-        }
-        check_range("PhysMrRegisterAbi.length", abi.iova.get(), abi.length.get())?;
-        let needed = Self::pages_needed(offset, abi.length.get(), page_shift);
-        if needed != Some(abi.num_pages.get().into()) {
-            return Err(AbiError::BadLength {
-                field: "PhysMrRegisterAbi.num_pages",
-                declared: abi.num_pages.get().into(),
-                available: needed.unwrap_or(u64::MAX),
-            });
-        }
+        let (page_shift, offset) = (abi.page_shift, abi.first_byte_offset.get());
+        check_physical(
+            &PhysFields {
+                page_shift: "PhysMrRegisterAbi.page_shift",
+                first_byte_offset: "PhysMrRegisterAbi.first_byte_offset",
+                length: "PhysMrRegisterAbi.length",
+                num_pages: "PhysMrRegisterAbi.num_pages",
+            },
+            abi.iova.get(),
+            abi.length.get(),
+            offset,
+            page_shift,
+            abi.num_pages.get(),
+        )?;
         Ok(Self {
             iova: abi.iova.get(),
             length: abi.length.get(),
@@ -422,6 +459,171 @@ impl Repr for MrRereg {
             vaddr: Le64::new(vaddr),
             length: Le64::new(length),
             ..MrReregAbi::default()
+        }
+    }
+}
+
+/// The new translation of a Reregister Physical Memory request: a page
+/// list, as [`PhysMrRegister`] describes one (the list follows the fixed
+/// layout as the request's private input).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PhysTranslation {
+    /// Requested I/O virtual address of the region's first byte.
+    pub iova: u64,
+    /// Length in bytes.
+    pub length: u64,
+    /// Offset of the first byte within the first page.
+    pub first_byte_offset: u32,
+    /// log2 of the page size, 12 ..= 30.
+    pub page_shift: u8,
+    /// Number of page entries in the list: exactly the pages the region
+    /// touches.
+    pub num_pages: u32,
+}
+
+/// Reregister Physical Memory (guide Table 4-1, mandatory; kernel callers
+/// only): each part present is changed, the rest stays, as for
+/// [`MrRereg`]; a new translation is a physical page list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct PhysMrRereg {
+    /// New translation: a page list (the private input).
+    pub translation: Option<PhysTranslation>,
+    /// New protection domain.
+    pub pd: Option<PdHandle>,
+    /// New access rights.
+    pub access: Option<AccessFlags>,
+}
+
+/// ABI layout of [`PhysMrRereg`]: 48 bytes, followed (with
+/// [`ReregFlags::TRANSLATION`]) by `num_pages` little-endian 64-bit page
+/// addresses. Fields outside `flags` must be zero.
+#[derive(Debug, Clone, Copy, Default, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+pub struct PhysMrReregAbi {
+    /// [`ReregFlags`] bits.
+    pub flags: Le32,
+    /// [`AccessFlags`] bits.
+    pub access: Le32,
+    /// New protection domain.
+    pub pd: PdHandle,
+    /// Requested IOVA.
+    pub iova: Le64,
+    /// Length.
+    pub length: Le64,
+    /// Offset into the first page.
+    pub first_byte_offset: Le32,
+    /// Page entries that follow.
+    pub num_pages: Le32,
+    /// log2 page size.
+    pub page_shift: u8,
+    /// Reserved, zero.
+    pub reserved_at_0x29: [u8; 7],
+}
+
+assert_layout!(PhysMrReregAbi, size = 48, flags @ 0, access @ 4, pd @ 8, iova @ 16,
+    length @ 24, first_byte_offset @ 32, num_pages @ 36, page_shift @ 40,
+    reserved_at_0x29 @ 41);
+
+impl PhysMrRereg {
+    /// The flags: exactly the parts present.
+    pub fn flags(&self) -> ReregFlags {
+        let mut flags = ReregFlags::empty();
+        flags.set(ReregFlags::TRANSLATION, self.translation.is_some());
+        flags.set(ReregFlags::PD, self.pd.is_some());
+        flags.set(ReregFlags::ACCESS, self.access.is_some());
+        flags
+    }
+
+    /// Reads the page list that follows the fixed layout: exactly the
+    /// translation's `num_pages` aligned addresses, or nothing when the
+    /// translation does not change.
+    pub fn page_list<'a>(&self, bytes: &'a [u8]) -> Result<&'a [Le64], AbiError> {
+        match self.translation {
+            Some(t) => read_page_list(t.num_pages, t.page_shift, bytes),
+            None => read_page_list(0, PhysMrRegister::MIN_PAGE_SHIFT, bytes),
+        }
+    }
+}
+
+impl Repr for PhysMrRereg {
+    type Abi = PhysMrReregAbi;
+
+    fn parse(abi: &PhysMrReregAbi) -> Result<Self, AbiError> {
+        let flags = ReregFlags::from_bits(abi.flags.get()).ok_or(AbiError::ReservedNotZero {
+            field: "PhysMrReregAbi.flags",
+        })?;
+        if flags.is_empty() {
+            return Err(AbiError::OutOfRange {
+                field: "PhysMrReregAbi.flags (nothing to change)",
+                value: 0,
+            });
+        }
+        let translation = if flags.contains(ReregFlags::TRANSLATION) {
+            let t = PhysTranslation {
+                iova: abi.iova.get(),
+                length: abi.length.get(),
+                first_byte_offset: abi.first_byte_offset.get(),
+                page_shift: abi.page_shift,
+                num_pages: abi.num_pages.get(),
+            };
+            check_physical(
+                &PhysFields {
+                    page_shift: "PhysMrReregAbi.page_shift",
+                    first_byte_offset: "PhysMrReregAbi.first_byte_offset",
+                    length: "PhysMrReregAbi.length",
+                    num_pages: "PhysMrReregAbi.num_pages",
+                },
+                t.iova,
+                t.length,
+                t.first_byte_offset,
+                t.page_shift,
+                t.num_pages,
+            )?;
+            Some(t)
+        } else {
+            None
+        };
+        let pd = if flags.contains(ReregFlags::PD) {
+            if abi.pd.is_null() {
+                return Err(AbiError::OutOfRange {
+                    field: "PhysMrReregAbi.pd",
+                    value: 0,
+                });
+            }
+            Some(abi.pd)
+        } else {
+            None
+        };
+        let access = if flags.contains(ReregFlags::ACCESS) {
+            Some(region_access("PhysMrReregAbi.access", abi.access.get())?)
+        } else {
+            None
+        };
+        let rereg = Self {
+            translation,
+            pd,
+            access,
+        };
+        if rereg.emit().as_bytes() != abi.as_bytes() {
+            return Err(AbiError::ReservedNotZero {
+                field: "PhysMrReregAbi (field outside flags, or reserved)",
+            });
+        }
+        Ok(rereg)
+    }
+
+    fn emit(&self) -> PhysMrReregAbi {
+        let t = self.translation;
+        PhysMrReregAbi {
+            flags: Le32::new(self.flags().bits()),
+            access: Le32::new(self.access.map_or(0, |a| a.bits())),
+            pd: self.pd.unwrap_or(PdHandle::NULL),
+            iova: Le64::new(t.map_or(0, |t| t.iova)),
+            length: Le64::new(t.map_or(0, |t| t.length)),
+            first_byte_offset: Le32::new(t.map_or(0, |t| t.first_byte_offset)),
+            num_pages: Le32::new(t.map_or(0, |t| t.num_pages)),
+            page_shift: t.map_or(0, |t| t.page_shift),
+            ..PhysMrReregAbi::default()
         }
     }
 }
@@ -643,6 +845,67 @@ mod tests {
     }
 
     #[test]
+    fn physical_rereg_rules() {
+        let translation = PhysTranslation {
+            iova: 0x1000_0064,
+            length: 10_000,
+            first_byte_offset: 100,
+            page_shift: 12,
+            num_pages: 3,
+        };
+        let all = PhysMrRereg {
+            translation: Some(translation),
+            pd: Some(PdHandle::from_raw(5)),
+            access: Some(AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE),
+        };
+        assert_eq!(all.flags(), ReregFlags::all());
+        assert_round_trip(&all);
+        let pages: Vec<u8> = [0x10_0000u64, 0x23_0000, 0x11_1000]
+            .iter()
+            .flat_map(|p| p.to_le_bytes())
+            .collect();
+        assert_eq!(all.page_list(&pages).unwrap().len(), 3);
+        assert!(all.page_list(&pages[..16]).is_err(), "too few pages");
+        let mut unaligned = pages.clone();
+        unaligned[0] = 0x08;
+        assert!(all.page_list(&unaligned).is_err(), "unaligned page");
+        let cases: &[Corruption<PhysMrReregAbi>] = &[
+            (|a| a.flags = Le32::new(0), "nothing to change"),
+            (|a| a.flags = Le32::new(8 | 1), "unknown flag"),
+            (|a| a.num_pages = Le32::new(4), "page count disagrees"),
+            (
+                |a| a.first_byte_offset = Le32::new(4096),
+                "offset past page",
+            ),
+            (|a| a.page_shift = 11, "page too small"),
+            (|a| a.length = Le64::new(0), "empty region"),
+            (|a| a.pd = PdHandle::NULL, "null PD"),
+            (
+                |a| a.access = Le32::new(AccessFlags::REMOTE_WRITE.bits()),
+                "C11-13",
+            ),
+            (|a| a.reserved_at_0x29 = [0, 0, 1, 0, 0, 0, 0], "reserved"),
+        ];
+        assert_corruptions_rejected::<PhysMrRereg>(&all.emit(), cases);
+
+        // Rights only: no page list, and no translation field may be set.
+        let access_only = PhysMrRereg {
+            access: Some(AccessFlags::LOCAL_WRITE),
+            ..PhysMrRereg::default()
+        };
+        assert_eq!(access_only.flags(), ReregFlags::ACCESS);
+        assert_round_trip(&access_only);
+        assert_eq!(access_only.page_list(&[]).unwrap().len(), 0);
+        assert!(access_only.page_list(&pages[..8]).is_err());
+        let cases: &[Corruption<PhysMrReregAbi>] = &[
+            (|a| a.num_pages = Le32::new(1), "translation outside flags"),
+            (|a| a.iova = Le64::new(0x1000), "translation outside flags"),
+            (|a| a.pd = PdHandle::from_raw(3), "PD outside flags"),
+        ];
+        assert_corruptions_rejected::<PhysMrRereg>(&access_only.emit(), cases);
+    }
+
+    #[test]
     fn query_and_windows() {
         assert_round_trip(&MrQuery {
             pd: PdHandle::from_raw(1),
@@ -665,11 +928,12 @@ mod tests {
 
     proptest! {
         #[test]
-        fn decode_is_total(bytes in proptest::collection::vec(any::<u8>(), 0..48)) {
+        fn decode_is_total(bytes in proptest::collection::vec(any::<u8>(), 0..56)) {
             assert_decode_total::<MrRegister>(&bytes);
             assert_decode_total::<PhysMrRegister>(&bytes);
             assert_decode_total::<MrShare>(&bytes);
             assert_decode_total::<MrRereg>(&bytes);
+            assert_decode_total::<PhysMrRereg>(&bytes);
             assert_decode_total::<MrQuery>(&bytes);
             assert_decode_total::<MwAttr>(&bytes);
         }

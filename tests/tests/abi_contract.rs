@@ -227,12 +227,14 @@ fn verb_codes_are_frozen() {
         (VerbId::ModifyQp, code(0x80C, rw), 0x003B_E030),
         (VerbId::WaitCqEvent, code(0x820, read), 0x003B_6080),
         (VerbId::LocalMad, code(0x823, rw), 0x003B_E08C),
+        (VerbId::ReregPhysMr, code(0x824, rw), 0x003B_E090),
     ];
     for (verb, computed, literal) in frozen {
         assert_eq!(computed, literal, "the hand computation itself");
         assert_eq!(verb.ioctl().raw(), literal, "{} changed code", verb.name());
     }
-    assert_eq!(VerbId::ALL.len(), 36, "verbs are only ever appended");
+    assert_eq!(VerbId::ALL.len(), 37, "verbs are only ever appended");
     assert!(!VerbId::LocalMad.user_mode_allowed());
     assert!(!VerbId::RegPhysMr.user_mode_allowed());
+    assert!(!VerbId::ReregPhysMr.user_mode_allowed());
 }

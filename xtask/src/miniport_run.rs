@@ -468,6 +468,12 @@ fn after_resume(
             return Err(format!("completions after resume: {flushed:?}"));
         }
     }
+    // A reset after a connection waits out TIME WAIT before RTR (guide
+    // 6.5.2); virtual time moves past it.
+    m.host
+        .scheduler()
+        .advance(hca_miniport_core::verbs::qp::QPN_QUIET_PERIOD_NS)
+        .map_err(|e| e.to_string())?;
     connect(m, x, a, qpn_b, y.ip)?;
     connect(m, y, b, qpn_a, x.ip)?;
     rc_sends(m, sides, rc, summary)?;

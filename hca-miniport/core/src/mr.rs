@@ -40,9 +40,15 @@
 //!   locked pages, mapping) is reference-counted and released with its
 //!   last region (guide 7.1.1.6).
 //! - **Re-register** ([`reregister`](MemoryTranslation::reregister), guide
-//!   7.1.1.3): new PD and/or rights and/or range. A new range that lies in
+//!   7.1.1.3, and Reregister Physical Memory of Table 4-1, one path): new
+//!   PD and/or rights and/or translation — a virtual range in the address
+//!   space the region's pages were locked in, or a physical page list
+//!   ([`NewTranslation`]; kernel only, for a region registered either way;
+//!   a physical region gets a new range only as a page list,
+//!   [`MrError::PhysicalRange`]). A new virtual range that lies in
 //!   the pages already locked reuses the translation; otherwise a new one
-//!   is built and the old released after the switch. Keys: the MPT index
+//!   is built and the old released (unmapped and unlocked if it was
+//!   locked) after the switch. Keys: the MPT index
 //!   (and so the region's handle) stays, the tag moves on, so the L_Key and
 //!   R_Key change and old keys stop matching (PRM 7.1: the device requires
 //!   the key's low byte to equal the entry's tag; a re-registration, as
@@ -405,16 +411,51 @@ pub struct SharedRegion {
     pub pd: u32,
 }
 
+/// A physical page list: the translation of a physical registration or
+/// re-registration (guide 7.1.1.2; kernel callers only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PhysicalPages<'a> {
+    /// The I/O virtual address of the region's first byte.
+    pub iova: u64,
+    /// Bytes (non-zero).
+    pub length: u64,
+    /// Offset of the first byte in the first page.
+    pub first_byte_offset: u32,
+    /// log2 of the page size, 12..=30.
+    pub page_shift: u8,
+    /// Bus addresses of the pages, each aligned to the page size; exactly
+    /// the pages the region spans.
+    pub pages: &'a [u64],
+}
+
+/// The new translation of a re-registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NewTranslation<'a> {
+    /// A range `va..va+length` of the address space the region's pages
+    /// were locked in (Reregister Memory Region); refused for a region
+    /// registered from a physical list ([`MrError::PhysicalRange`]).
+    Virtual {
+        /// First byte.
+        va: u64,
+        /// Bytes.
+        length: u64,
+    },
+    /// A physical page list (Reregister Physical Memory, guide Table 4-1;
+    /// kernel only), for a region registered either way: a virtual
+    /// region's locked pages are released once the device switched.
+    Physical(PhysicalPages<'a>),
+}
+
 /// What a re-registration changes (guide 7.1.1.3); `None` keeps the
 /// current value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Reregistration {
+pub struct Reregistration<'a> {
     /// A new protection domain.
     pub pd: Option<u32>,
     /// New rights.
     pub access: Option<AccessFlags>,
-    /// A new range `(va, length)` in the same address space.
-    pub range: Option<(u64, u64)>,
+    /// A new translation.
+    pub translation: Option<NewTranslation<'a>>,
 }
 
 /// What a re-registration that failed leaves.
@@ -707,7 +748,14 @@ impl<P: Platform> MemoryTranslation<P> {
         request: PhysicalRegion<'_>,
         continuation: RegionContinuation<P>,
     ) {
-        match self.physical_translation(&request) {
+        let pages = PhysicalPages {
+            iova: request.iova,
+            length: request.length,
+            first_byte_offset: request.first_byte_offset,
+            page_shift: request.page_shift,
+            pages: request.pages,
+        };
+        match self.physical_translation(&pages, request.access, request.pd) {
             Ok(translation) => {
                 let region = MemoryRegion {
                     key: MemoryKey::from_raw(0),
@@ -770,14 +818,17 @@ impl<P: Platform> MemoryTranslation<P> {
     /// Re-registers `region` (guide 7.1.1.3; see the module doc for what
     /// is reused, which keys result, and what a failure leaves). A new
     /// range of a virtual region is locked in `irql`'s context as
-    /// [`register_virtual`](Self::register_virtual) does, with `locker`.
+    /// [`register_virtual`](Self::register_virtual) does, with `locker`
+    /// (used for nothing else); a new physical page list is validated as
+    /// [`register_physical`](Self::register_physical) does. One path for
+    /// Reregister Memory Region and Reregister Physical Memory.
     pub fn reregister(
         &self,
         hca: &Arc<Hca<P>>,
         locker: &P::Locker,
         irql: Irql,
         region: MemoryRegion<P>,
-        changes: Reregistration,
+        changes: Reregistration<'_>,
         continuation: ReregContinuation<P>,
     ) {
         if changes == Reregistration::default() {
@@ -789,22 +840,37 @@ impl<P: Platform> MemoryTranslation<P> {
         }
         let pd = changes.pd.unwrap_or(region.pd);
         let access = changes.access.unwrap_or(region.access);
-        let (va, length) = changes.range.unwrap_or((region.start, region.length));
+        let (va, length, new_page_offset) = match changes.translation {
+            None => (region.start, region.length, region.page_offset),
+            Some(NewTranslation::Virtual { va, length }) => {
+                (va, length, (va & (HOST_PAGE - 1)) as u32)
+            }
+            Some(NewTranslation::Physical(p)) => (p.iova, p.length, p.first_byte_offset),
+        };
         if let Err(error) = self.validate(va, length, access, pd) {
             return refuse(continuation, region, error);
         }
         // Keep the translation when the range is unchanged or lies in the
         // locked pages, and the pages allow the rights.
         let writable_ok = !needs_write(access) || region.translation.device_writable;
-        let kept = match (changes.range, &region.translation.backing) {
+        let kept = match (changes.translation, &region.translation.backing) {
             (None, _) => Some((region.mtt_index, region.page_offset)),
-            (Some(_), Backing::Locked { mode, .. }) => region.translation.locate(*mode, va, length),
-            (Some(_), Backing::Physical) => {
+            (Some(NewTranslation::Virtual { .. }), Backing::Locked { mode, .. }) => {
+                region.translation.locate(*mode, va, length)
+            }
+            (Some(NewTranslation::Virtual { .. }), Backing::Physical) => {
                 return refuse(continuation, region, MrError::PhysicalRange);
             }
+            (Some(NewTranslation::Physical(_)), _) => None,
         };
-        let new_translation = match kept {
-            Some(_) if writable_ok => None,
+        let new_translation = match (kept, changes.translation) {
+            (Some(_), _) if writable_ok => None,
+            (_, Some(NewTranslation::Physical(pages))) => {
+                match self.physical_translation(&pages, access, pd) {
+                    Ok(translation) => Some(Arc::new(translation)),
+                    Err(error) => return refuse(continuation, region, error),
+                }
+            }
             _ => {
                 let Backing::Locked { mode, .. } = &region.translation.backing else {
                     // A physical region needing writable pages it lacks.
@@ -818,11 +884,7 @@ impl<P: Platform> MemoryTranslation<P> {
             }
         };
         let (translation, mtt_index, page_offset) = match (&new_translation, kept) {
-            (Some(t), _) => (
-                Arc::clone(t),
-                t.range.start(),
-                (va & (HOST_PAGE - 1)) as u32,
-            ),
+            (Some(t), _) => (Arc::clone(t), t.range.start(), new_page_offset),
             (None, Some((mtt_index, page_offset))) => {
                 (Arc::clone(&region.translation), mtt_index, page_offset)
             }
@@ -1111,9 +1173,11 @@ impl<P: Platform> MemoryTranslation<P> {
     /// Validates a physical page list and takes its MTT range.
     fn physical_translation(
         &self,
-        request: &PhysicalRegion<'_>,
+        request: &PhysicalPages<'_>,
+        access: AccessFlags,
+        pd: u32,
     ) -> Result<Translation<P>, MrError> {
-        self.validate(request.iova, request.length, request.access, request.pd)?;
+        self.validate(request.iova, request.length, access, pd)?;
         let shift = request.page_shift;
         if !PAGE_SHIFT_RANGE.contains(&shift) {
             return Err(MrError::InvalidPageShift(shift));

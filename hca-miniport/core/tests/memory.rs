@@ -19,8 +19,8 @@ use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, Sr
 use hca_miniport_core::hca::Hca;
 use hca_miniport_core::init::{BringUpReport, HcaConfig};
 use hca_miniport_core::mr::{
-    DeregFailure, MemoryRegion, MemoryTranslation, MptQuery, MrError, PhysicalRegion, ReregFailure,
-    Reregistration, SharedRegion, TranslationUsage, VirtualRegion,
+    DeregFailure, MemoryRegion, MemoryTranslation, MptQuery, MrError, NewTranslation,
+    PhysicalRegion, ReregFailure, Reregistration, SharedRegion, TranslationUsage, VirtualRegion,
 };
 use hca_miniport_core::resources::ResourceError;
 use hca_prm::cmd::{MAX_MTT_PER_WRITE, Table};
@@ -243,7 +243,7 @@ impl World {
         &self,
         locker: &HostLocker,
         region: Region,
-        changes: Reregistration,
+        changes: Reregistration<'static>,
     ) -> Result<Region, ReregFailure<SimPlatform>> {
         let slot: Slot<Result<Region, ReregFailure<SimPlatform>>> = Arc::default();
         let (mt, hca, locker, out) = (
@@ -855,7 +855,7 @@ fn reregistration_reuses_or_rebuilds_the_translation_and_changes_the_keys() {
             Reregistration {
                 pd: Some(8),
                 access: Some(AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ),
-                range: None,
+                translation: None,
             },
         )
         .unwrap();
@@ -873,7 +873,10 @@ fn reregistration_reuses_or_rebuilds_the_translation_and_changes_the_keys() {
             &locker,
             region,
             Reregistration {
-                range: Some((va + PAGE + 16, 2 * PAGE)),
+                translation: Some(NewTranslation::Virtual {
+                    va: va + PAGE + 16,
+                    length: 2 * PAGE,
+                }),
                 ..Reregistration::default()
             },
         )
@@ -891,7 +894,10 @@ fn reregistration_reuses_or_rebuilds_the_translation_and_changes_the_keys() {
             &locker,
             region,
             Reregistration {
-                range: Some((va + 8 * PAGE, 8 * PAGE)),
+                translation: Some(NewTranslation::Virtual {
+                    va: va + 8 * PAGE,
+                    length: 8 * PAGE,
+                }),
                 ..Reregistration::default()
             },
         )
@@ -937,7 +943,10 @@ fn reregistration_reuses_or_rebuilds_the_translation_and_changes_the_keys() {
             &locker,
             rw,
             Reregistration {
-                range: Some((va + 100 * PAGE, PAGE)),
+                translation: Some(NewTranslation::Virtual {
+                    va: va + 100 * PAGE,
+                    length: PAGE,
+                }),
                 ..Reregistration::default()
             },
         )
@@ -1348,7 +1357,10 @@ fn a_physical_region_cannot_move_to_a_new_virtual_range() {
             &w.locker(None),
             region,
             Reregistration {
-                range: Some((0x2000, 64)),
+                translation: Some(NewTranslation::Virtual {
+                    va: 0x2000,
+                    length: 64,
+                }),
                 ..Reregistration::default()
             },
         )

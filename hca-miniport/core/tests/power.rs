@@ -334,6 +334,11 @@ fn sleep_and_resume(seed: u64) {
         let r = w.call_in_dpc_at::<ModifyQp>(i, KERNEL, qp, &QpModify::to_state(QpState::Reset), 0);
         assert_eq!(response::<ModifyQp>(&r).status, IbStatus::Success);
     }
+    // Reset after a connection: RTR waits out TIME WAIT (guide 6.5.2).
+    w.host
+        .scheduler()
+        .advance(hca_miniport_core::verbs::qp::QPN_QUIET_PERIOD_NS)
+        .unwrap();
     connect(&w, x, a, qpn_b, HCA_IPS[1][0]);
     connect(&w, y, b, qpn_a, HCA_IPS[0][0]);
     let written = pattern(5, 900);
@@ -903,6 +908,11 @@ fn windows_keep_their_key_and_multicast_memberships_come_back() {
         }
         let _ = poll_all(w, x, sx.cq);
         let _ = poll_all(w, y, sy.cq);
+        // Reset after a connection: RTR waits out TIME WAIT (guide 6.5.2).
+        w.host
+            .scheduler()
+            .advance(hca_miniport_core::verbs::qp::QPN_QUIET_PERIOD_NS)
+            .unwrap();
         connect(w, x, a, qpn_b, HCA_IPS[1][0]);
         connect(w, y, b, qpn_a, HCA_IPS[0][0]);
     };

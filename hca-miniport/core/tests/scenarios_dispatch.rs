@@ -20,11 +20,13 @@ use ib_types::ioctl::{
     DeallocPd, DeregMr, DestroyAv, DestroyCq, DestroyQp, DestroySrq, DetachMcast, Empty,
     GetAsyncEvent, LocalMad, LocalMadIn, MAD_SIZE, ModifyAv, ModifyCa, ModifyQp, ModifySrq, OpenCa,
     OpenCaIn, QueryAv, QueryCa, QueryCq, QueryMr, QueryMw, QueryQp, QuerySrq, RegMr, RegPhysMr,
-    RegSharedMr, ReregMr, ResizeCq, Response, Verb, VerbId, WaitCqEvent, encode_request,
-    request_len, response_len,
+    RegSharedMr, ReregMr, ReregPhysMr, ResizeCq, Response, Verb, VerbId, WaitCqEvent,
+    encode_request, request_len, response_len,
 };
 use ib_types::mcast::McastGroup;
-use ib_types::mr::{MrRegister, MrRereg, MrShare, MwAttr, MwType, PhysMrRegister};
+use ib_types::mr::{
+    MrRegister, MrRereg, MrShare, MwAttr, MwType, PhysMrRegister, PhysMrRereg, PhysTranslation,
+};
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
 use ib_types::scalars::{Gid, Lid, PortNum, Psn, QKey};
 use ib_types::srq::{SrqAttr, SrqCreate, SrqModify};
@@ -79,6 +81,7 @@ fn expected_at_dispatch(verb: VerbId) -> IbStatus {
         | VerbId::AttachMcast
         | VerbId::DetachMcast
         | VerbId::RegPhysMr
+        | VerbId::ReregPhysMr
         | VerbId::LocalMad => IbStatus::Success,
     }
 }
@@ -295,6 +298,21 @@ fn every_verb_completes_when_issued_at_dispatch_level() {
     let (phys_mr, phys_out, _) =
         t.issue_with::<RegPhysMr>(pd, &phys, &common.bus_address().to_le_bytes(), 0);
     assert_eq!(phys_out.unwrap().iova, 0x7000_0000);
+    // Reregister Physical Memory: the region moves to the buffer's other
+    // half (kernel only, from a DPC like the rest).
+    let moved = PhysMrRereg {
+        translation: Some(PhysTranslation {
+            iova: 0x7100_0800,
+            length: 2048,
+            first_byte_offset: 2048,
+            page_shift: 12,
+            num_pages: 1,
+        }),
+        ..PhysMrRereg::default()
+    };
+    let (_, moved_out, _) =
+        t.issue_with::<ReregPhysMr>(phys_mr, &moved, &common.bus_address().to_le_bytes(), 0);
+    assert_eq!(moved_out.unwrap().iova, 0x7100_0800);
     let (mw, mw_out) = t.issue::<AllocMw>(
         pd,
         &MwAttr {

@@ -459,6 +459,12 @@ fn reconnect(rig: &Rig) {
             call::<ModifyQp>(&rig.w, qp, &QpModify::to_state(QpState::Reset));
         }
     }
+    // Reset after a connection: RTR waits out TIME WAIT (guide 6.5.2).
+    rig.w
+        .host
+        .scheduler()
+        .advance(hca_miniport_core::verbs::qp::QPN_QUIET_PERIOD_NS)
+        .unwrap();
     rig.connect_both();
 }
 

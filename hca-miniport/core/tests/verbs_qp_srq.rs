@@ -757,6 +757,11 @@ fn a_late_srq_completion_never_reaches_a_reused_srq_number() {
         ..QpModify::default()
     };
     assert_eq!(modify(&w, a, &reset), IbStatus::Success);
+    // Reset after a connection: RTR waits out TIME WAIT (guide 6.5.2).
+    w.host
+        .scheduler()
+        .advance(hca_miniport_core::verbs::qp::QPN_QUIET_PERIOD_NS)
+        .unwrap();
     connect(&w, a, 1, qpn_c, [10, 0, 1, 1]);
     connect(&w, c, 2, qpn_a, [10, 0, 0, 1]);
     assert_eq!(

@@ -39,7 +39,10 @@
 //!   to the live QP only (a destroyed QP kept for its late completions'
 //!   `wr_id`s gets none), first into its cached state ([`qp`]), then as
 //!   asynchronous events; port changes go to the client as asynchronous
-//!   events. Every event is also
+//!   events; P_Key and Q_Key violations (`PKEY_VIOLATION`,
+//!   `QKEY_VIOLATION`) go as the guide's Table 6-3 traps (`PkeyTrap`,
+//!   `QkeyTrap`, naming the port) to the kernel client and to every user
+//!   context ([`user`]). Every event is also
 //!   passed on to the sink given to [`Hca::new`]. Client callbacks run from
 //!   the DPC with no core lock held.
 //! - **State.** The object tables are built from the [`BringUpReport`] on
@@ -662,6 +665,11 @@ where
                     self.local_mad_request(a);
                 }
             }
+            VerbId::ReregPhysMr => {
+                if let Some(a) = accept::<v::ReregPhysMr, R<P>>(request) {
+                    self.rereg_phys_mr_request(a);
+                }
+            }
         }
     }
 }
@@ -981,6 +989,16 @@ impl<P: Platform> EventSink for VerbsRouter<'_, P> {
     }
 
     fn port_violation(&self, port: PortNum, violation: PortViolation) {
+        // Guide 6.7.4, Table 6-3: the trap is an unaffiliated event of the
+        // port, for the kernel client and every user context alike.
+        let code = match violation {
+            PortViolation::Pkey => ib_types::event::AsyncEventCode::PkeyTrap,
+            PortViolation::Qkey => ib_types::event::AsyncEventCode::QkeyTrap,
+        };
+        if let Ok(record) = AsyncEventRecord::new(code, 0, Some(port), 0) {
+            self.hca.user_port_event(&record);
+            self.hca.deliver(|client| client.async_event(&record));
+        }
         self.hca.sink.port_violation(port, violation);
     }
 

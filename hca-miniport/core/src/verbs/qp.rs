@@ -33,7 +33,13 @@
 //!   status and nothing changes; alternate paths, path migration and
 //!   queue resizing are [`IbStatus::Unsupported`]. One modify at a time
 //!   ([`IbStatus::ResourceBusy`] while one is outstanding). The state and
-//!   attributes are cached only when `MODIFY_QP` succeeds.
+//!   attributes are cached only when `MODIFY_QP` succeeds. TIME WAIT
+//!   (guide 6.5.2): an RC or UC QP that reached RTR and was then reset may
+//!   not reach RTR again until [`QPN_QUIET_PERIOD_NS`] after the reset
+//!   completed; until then INIT->RTR is refused with
+//!   [`IbStatus::QpInTimewait`] and nothing changes (refused rather than
+//!   delayed: the caller, a connection manager, chooses when to retry). A
+//!   QP reset before it ever reached RTR, and a datagram QP, never wait.
 //! - **Query** (guide 6.5.4): answered from the cache, no command.
 //! - **Device events** (PRM 8.2, guide 6.5.3 state caching): an event
 //!   the device raises for a QP reaches the live QP with that number only
@@ -152,8 +158,9 @@ mod post;
 
 pub use post::SendRequest;
 
-/// How long a destroyed QP's number waits before reuse (guide 6.5.5 item
-/// 11, the TIME WAIT): 2 seconds.
+/// The TIME WAIT (guide 6.5.2, 6.5.5 item 11): how long a destroyed QP's
+/// number waits before reuse, and how long a connected QP that was reset
+/// waits before it may reach RTR again: 2 seconds.
 pub const QPN_QUIET_PERIOD_NS: u64 = 2_000_000_000;
 
 /// Largest ring (`log2` of basic blocks or receive WQEs) the core makes,
@@ -332,6 +339,12 @@ pub(super) struct Control {
     /// the modify took it to RESET (a QP in RESET raises no error; the
     /// error came first and the reset cleared it).
     pub(super) err_while_modifying: bool,
+    /// The QP is connected (RC/UC) and reached RTR since it was last in
+    /// RESET: its reset begins a TIME WAIT.
+    pub(super) connected: bool,
+    /// Until when (host time, ns) a RESET->INIT QP may not go to RTR: the
+    /// TIME WAIT of its last connection (guide 6.5.2); 0 when none.
+    pub(super) time_wait_until_ns: u64,
 }
 
 impl Control {
@@ -340,6 +353,8 @@ impl Control {
         Self {
             life: Life::Creating,
             err_while_modifying: false,
+            connected: false,
+            time_wait_until_ns: 0,
             state: QpState::Reset,
             attr: QpModify::default(),
             mtt: Some(mtt),
@@ -1088,6 +1103,7 @@ where
             }
         };
         let modify = a.input;
+        let now = self.deferred.now_ns();
         let checked = {
             let mut c = qp.control.lock();
             match c.life {
@@ -1099,6 +1115,15 @@ where
             }
             let next = ib_types::qp_state::check_modify(qp.qp_type, c.state, &modify)
                 .map_err(|e| e.status())
+                .and_then(|next| {
+                    // Guide 6.5.2: after a connected QP's reset, the next
+                    // RTR waits out the TIME WAIT; refused, not delayed.
+                    if next == QpState::Rtr && now < c.time_wait_until_ns {
+                        Err(IbStatus::QpInTimewait)
+                    } else {
+                        Ok(next)
+                    }
+                })
                 .and_then(|next| modify_input(&modify).map(|input| (next, input)));
             if next.is_ok() {
                 c.life = Life::Modifying;
@@ -1139,6 +1164,13 @@ where
                     Ok(_) => {
                         if let Some(sequences) = reset_at {
                             qp.keep_before_reset(sequences);
+                        }
+                        if next == QpState::Rtr && qp.qp_type.is_connected() {
+                            c.connected = true;
+                        }
+                        if next == QpState::Reset && core::mem::take(&mut c.connected) {
+                            c.time_wait_until_ns =
+                                hca.deferred.now_ns().saturating_add(QPN_QUIET_PERIOD_NS);
                         }
                         let next = if device_err && next != QpState::Reset {
                             QpState::Err

@@ -1,7 +1,7 @@
 //! Memory region verbs (guide 7.1, Table 4-1): RegMr, RegPhysMr,
-//! RegSharedMr, ReregMr, QueryMr and DeregMr as thin request-path verbs
-//! over [`MemoryTranslation`], which does the work (locking, mapping, MTT,
-//! MPT commands, undo on failure).
+//! RegSharedMr, ReregMr, ReregPhysMr, QueryMr and DeregMr as thin
+//! request-path verbs over [`MemoryTranslation`], which does the work
+//! (locking, mapping, MTT, MPT commands, undo on failure).
 //!
 //! Contract:
 //! - **Handles.** A region's handle is generation-checked like every other
@@ -46,16 +46,28 @@
 //! - **Physical** registrations (kernel only) use the requested I/O
 //!   virtual address as given; RegPhysOut and RegSharedOut answer the
 //!   address actually used.
+//! - **Re-registration** (guide 7.1.1.3): ReregMr and ReregPhysMr (Table
+//!   4-1 "Reregister Physical Memory", kernel only) are one path
+//!   (`reregister_region`, then `MemoryTranslation::reregister`): each
+//!   changes any of translation, rights and PD and keeps the rest; they
+//!   differ only in the new translation (a virtual range; a page list, the
+//!   private input, for a region registered either way) and the answer
+//!   (keys; keys and I/O virtual address). The handle stays (its number is
+//!   the MPT index); the keys are new (the tag moves on, `mr`); the PD use
+//!   moves as above. The kernel locker must be installed for either (it
+//!   locks only a new virtual range). A failed re-registration leaves the
+//!   region as it was.
 
 use alloc::boxed::Box;
 use alloc::sync::{Arc, Weak};
 use alloc::vec::Vec;
 
 use driver_platform::{CallerProcess, Irql, Platform, Request, RequestorMode};
+use ib_types::access::AccessFlags;
 use ib_types::handle::PdHandle;
 use ib_types::ioctl::{
     DeregMr, QueryMr, RegMr, RegPhysMr, RegPhysOut, RegSharedMr, RegSharedOut, ReregMr,
-    decode_request,
+    ReregPhysMr, Verb, decode_request,
 };
 use ib_types::mr::{MrKeys, MrQuery};
 use ib_types::status::IbStatus;
@@ -63,8 +75,8 @@ use ib_types::status::IbStatus;
 use super::{Accepted, Responder};
 use crate::hca::Hca;
 use crate::mr::{
-    MemoryRegion, MemoryTranslation, PhysicalRegion, RegionContinuation, Reregistration,
-    SharedRegion, VirtualRegion,
+    MemoryRegion, MemoryTranslation, NewTranslation, PhysicalPages, PhysicalRegion,
+    RegionContinuation, Reregistration, SharedRegion, VirtualRegion,
 };
 use crate::resources::{Handle, kind};
 
@@ -98,6 +110,24 @@ fn keys_of<P: Platform>(region: &MemoryRegion<P>) -> MrKeys {
         lkey: region.lkey(),
         rkey: region.rkey(),
     }
+}
+
+/// The keys and the I/O virtual address of a region (RegPhysMr's and
+/// ReregPhysMr's answer).
+fn phys_out_of<P: Platform>(region: &MemoryRegion<P>) -> RegPhysOut {
+    RegPhysOut {
+        keys: keys_of(region),
+        iova: region.start(),
+    }
+}
+
+/// What a ReregMr or ReregPhysMr request asks of region `mr`.
+struct ReregRequest<'a> {
+    mr: u64,
+    mode: RequestorMode,
+    pd: Option<PdHandle>,
+    access: Option<AccessFlags>,
+    translation: Option<NewTranslation<'a>>,
 }
 
 impl<P: Platform> Hca<P> {
@@ -329,10 +359,7 @@ impl<P: Platform> Hca<P> {
             access: a.input.access,
             pd: pd_number,
         };
-        let done = self.install_when_registered(&mt, a.handle, a.responder, |region| RegPhysOut {
-            keys: keys_of(region),
-            iova: region.start(),
-        });
+        let done = self.install_when_registered(&mt, a.handle, a.responder, phys_out_of);
         mt.register_physical(self, request, done);
     }
 
@@ -371,33 +398,88 @@ impl<P: Platform> Hca<P> {
         a: Accepted<ReregMr, P::Request>,
         caller: Option<&P::Caller>,
     ) {
-        let locking = match self.locking(a.mode, caller) {
+        let request = ReregRequest {
+            mr: a.handle,
+            mode: a.mode,
+            pd: a.input.pd,
+            access: a.input.access,
+            translation: a
+                .input
+                .translation
+                .map(|(va, length)| NewTranslation::Virtual { va, length }),
+        };
+        self.reregister_region(request, caller, a.responder, keys_of);
+    }
+
+    /// Reregister Physical Memory (guide Table 4-1; kernel only, the verb's
+    /// policy): the ReregMr path with a page list as the new translation.
+    pub(crate) fn rereg_phys_mr_request(self: &Arc<Self>, a: Accepted<ReregPhysMr, P::Request>) {
+        // The page list is the private input (`ReregPhysMr::check_request`
+        // validated it against the translation when the request was
+        // decoded).
+        let pages: Option<Vec<u64>> = a.responder.request.as_ref().and_then(|request| {
+            let decoded = decode_request::<ReregPhysMr>(request.input()).ok()?;
+            let list = decoded.input.page_list(decoded.private).ok()?;
+            Some(list.iter().map(|p| p.get()).collect())
+        });
+        let Some(pages) = pages else {
+            return a.responder.fail(IbStatus::InvalidParameter);
+        };
+        let request = ReregRequest {
+            mr: a.handle,
+            mode: a.mode,
+            pd: a.input.pd,
+            access: a.input.access,
+            translation: a.input.translation.map(|t| {
+                NewTranslation::Physical(PhysicalPages {
+                    iova: t.iova,
+                    length: t.length,
+                    first_byte_offset: t.first_byte_offset,
+                    page_shift: t.page_shift,
+                    pages: &pages,
+                })
+            }),
+        };
+        self.reregister_region(request, None, a.responder, phys_out_of);
+    }
+
+    /// The one re-registration path (guide 7.1.1.3): the new PD's use is
+    /// taken first, the region held busy, `mr` re-registers, and the
+    /// answer is `out_of` the new region.
+    fn reregister_region<V: Verb>(
+        self: &Arc<Self>,
+        request: ReregRequest<'_>,
+        caller: Option<&P::Caller>,
+        responder: Responder<V, P::Request>,
+        out_of: fn(&MemoryRegion<P>) -> V::Out,
+    ) {
+        let locking = match self.locking(request.mode, caller) {
             Ok(locking) => locking,
-            Err(status) => return a.responder.fail(status),
+            Err(status) => return responder.fail(status),
         };
         // A new PD is taken before anything else and given back on failure.
-        let new_pd = match a.input.pd.map(PdHandle::raw) {
-            Some(pd) => match self.take_region_pd(pd, a.mode) {
+        let new_pd = match request.pd.map(PdHandle::raw) {
+            Some(pd) => match self.take_region_pd(pd, request.mode) {
                 Ok((number, _)) => Some((pd, number)),
-                Err(status) => return a.responder.fail(status),
+                Err(status) => return responder.fail(status),
             },
             None => None,
         };
-        let (region, old_pd, mt) = match self.take_region(a.handle, a.mode) {
+        let (region, old_pd, mt) = match self.take_region(request.mr, request.mode) {
             Ok(taken) => taken,
             Err(status) => {
                 if let Some((pd, _)) = new_pd {
                     let _ = self.release_pd(pd);
                 }
-                return a.responder.fail(status);
+                return responder.fail(status);
             }
         };
         let changes = Reregistration {
             pd: new_pd.map(|(_, number)| number),
-            access: a.input.access,
-            range: a.input.translation,
+            access: request.access,
+            translation: request.translation,
         };
-        let (weak, mr, responder) = (Arc::downgrade(self), a.handle, a.responder);
+        let (weak, mr) = (Arc::downgrade(self), request.mr);
         let (locker, irql) = locking.parts();
         let mt2 = mt.clone();
         mt.reregister(
@@ -412,7 +494,7 @@ impl<P: Platform> Hca<P> {
                 };
                 match result {
                     Ok(region) => {
-                        let keys = keys_of(&region);
+                        let out = out_of(&region);
                         let pd = new_pd.map_or(old_pd, |(pd, _)| pd);
                         if let Err(region) = hca.put_region(mr, region, pd) {
                             mt2.release_after_reset(&hca, region);
@@ -420,7 +502,7 @@ impl<P: Platform> Hca<P> {
                         if new_pd.is_some() {
                             let _ = hca.release_pd(old_pd);
                         }
-                        responder.finish(IbStatus::Success, 0, Some(&keys), &[]);
+                        responder.finish(IbStatus::Success, 0, Some(&out), &[]);
                     }
                     Err(failure) => {
                         if let Some((pd, _)) = new_pd {

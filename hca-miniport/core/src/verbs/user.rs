@@ -68,8 +68,11 @@
 //!   SRQ or CQ (PRM 8.2, after the QP's cached state took it) goes to its
 //!   context, never to the kernel client: it completes the context's
 //!   oldest pending `GetAsyncEvent`, or waits in a queue of
-//!   [`MAX_QUEUED_EVENTS`] (the oldest dropped when full). Pending requests
-//!   end with [`IbStatus::Canceled`] when cancelled or at close.
+//!   [`MAX_QUEUED_EVENTS`] (the oldest dropped when full). The Table 6-3
+//!   trap events (P_Key and Q_Key violations, about a port, no object) go
+//!   to every open context this way, as well as to the kernel client.
+//!   Pending requests end with [`IbStatus::Canceled`] when cancelled or at
+//!   close.
 //! - **Resize** of a user CQ (`ResizeCq` with `uverbs::ResizeCqPriv`):
 //!   the new ring is checked as hostile like CreateCq's (and must not
 //!   overlap what the CQ has pinned), pinned and mapped, then `RESIZE_CQ`
@@ -250,6 +253,27 @@ struct UserContext<P: Platform> {
     cqs: BTreeMap<u64, Vec<PinnedUser<P>>>,
     qps: BTreeMap<u64, Vec<PinnedUser<P>>>,
     srqs: BTreeMap<u64, Vec<PinnedUser<P>>>,
+}
+
+impl<P: Platform> UserContext<P> {
+    /// Hands `record` to the context: its oldest pending `GetAsyncEvent`,
+    /// returned for the caller to answer outside the tables' lock, or else
+    /// the queue (the oldest queued event dropped and counted when full).
+    fn take_event(
+        &mut self,
+        record: &AsyncEventRecord,
+    ) -> Option<Responder<v::GetAsyncEvent, P::Request>> {
+        let waiters = self.event_waiters.get_mut();
+        if !waiters.is_empty() {
+            return Some(waiters.remove(0));
+        }
+        if self.events.len() == MAX_QUEUED_EVENTS {
+            self.events.pop_front();
+            self.events_lost += 1;
+        }
+        self.events.push_back(*record);
+        None
+    }
 }
 
 /// What a user request's handle must name.
@@ -707,7 +731,8 @@ where
             WaitCqEvent,
             GetAsyncEvent,
             RegPhysMr,
-            LocalMad
+            LocalMad,
+            ReregPhysMr
         );
     }
 
@@ -1902,15 +1927,7 @@ impl<P: Platform> Hca<P> {
                     || c.cqs.contains_key(&object)
                     || c.srqs.contains_key(&object)
             })?;
-            if ctx.event_waiters.get_mut().is_empty() {
-                if ctx.events.len() == MAX_QUEUED_EVENTS {
-                    ctx.events.pop_front();
-                    ctx.events_lost += 1;
-                }
-                ctx.events.push_back(*record);
-                return Some(None);
-            }
-            Some(Some(ctx.event_waiters.get_mut().remove(0)))
+            Some(ctx.take_event(record))
         });
         match found {
             Ok(Some(Some(responder))) => {
@@ -1919,6 +1936,23 @@ impl<P: Platform> Hca<P> {
             }
             Ok(Some(None)) => true,
             _ => false,
+        }
+    }
+
+    /// An unaffiliated (port) event, such as a Table 6-3 trap: every open
+    /// user context gets it, as its oldest pending `GetAsyncEvent`'s
+    /// answer or queued. From the DPC.
+    pub(crate) fn user_port_event(&self, record: &AsyncEventRecord) {
+        let waiters = self.with_objects_mut(|o| {
+            o.user
+                .contexts
+                .values_mut()
+                .filter(|ctx| !ctx.closing)
+                .filter_map(|ctx| ctx.take_event(record))
+                .collect::<Vec<_>>()
+        });
+        for responder in waiters.unwrap_or_default() {
+            responder.finish(IbStatus::Success, 0, Some(record), &[]);
         }
     }
 
