@@ -311,7 +311,7 @@ impl Device {
                 len,
                 first_psn: qp.req.psn,
                 npkts,
-                resp_pkts: 0,
+                acked_pkts: 0,
                 done: false,
                 status: WcStatus::Success,
             };
@@ -716,7 +716,7 @@ impl Device {
             len: 0,
             first_psn: qp.req.psn,
             npkts: 0,
-            resp_pkts: 0,
+            acked_pkts: 0,
             done: true,
             status,
         });
