@@ -12,6 +12,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use common::*;
+use hca_prm::ctx::QpcFlags;
 use ib_types::access::AccessFlags;
 use ib_types::qp::{QpState, QpType};
 use ib_types::scalars::Mtu;
@@ -187,6 +188,82 @@ fn an_always_lost_read_response_ends_in_retry_exc_err() {
         "the request and retry_cnt re-requests, no more"
     );
     assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+}
+
+// ----- defect 5: no ACK for a message whose completion was lost ----------
+
+/// IBA 9.7.5: a SEND (or RDMA WRITE with immediate) is acknowledged only
+/// once the responder executed it, and executing it includes its receive
+/// completion. When the receive CQ has overflowed, the responder's QP goes
+/// to ERR (QP_FATAL) and answers nothing more (rxe likewise: CQ overflow
+/// goes to the error state without acknowledging); the requester, seeing
+/// no ACK, retries until `RETRY_EXC_ERR`. It must never report success for
+/// a message the receiver's software never learned of.
+///
+/// Three messages of `op(receiver)` towards a receiver whose CQ holds two
+/// completions and is never polled; returns the requester's completion
+/// statuses.
+fn three_messages_into_a_full_receive_cq(
+    op: impl Fn(&Endpoint) -> SendOp,
+) -> Vec<Result<WcStatus, u8>> {
+    let retries = Retries {
+        timeout: 1,
+        retry: 2,
+        rnr_retry: 7,
+    };
+    let mut p = Pair::new();
+    let mut a = endpoint(&mut p.a, QpType::Rc, AccessFlags::empty());
+    let mut b = endpoint_with(
+        &mut p.b,
+        QpType::Rc,
+        1,
+        QpcFlags::empty(),
+        AccessFlags::empty(),
+    );
+    connect(&mut p, &a, &b, QpType::Rc, Mtu::Mtu1024, retries);
+    for k in 0..3u64 {
+        let sg = Driver::sge(&b.mr, k * 256, 256);
+        p.b.drv.post_recv(&mut b.qp, k, &[sg]);
+    }
+    let sg = [Driver::sge(&a.mr, 0, 64)];
+    let op = op(&b);
+    for k in 0..3 {
+        post(&mut p.a, &mut a, k, op, &sg);
+    }
+    p.advance(10_000_000);
+    assert_eq!(p.b.qp_state(b.qp.qpn), QpState::Err);
+    statuses(&mut p.a, &mut a)
+}
+
+const TWO_THEN_NO_ACK: [Result<WcStatus, u8>; 3] = [
+    Ok(WcStatus::Success),
+    Ok(WcStatus::Success),
+    Ok(WcStatus::RetryExcErr),
+];
+
+#[test]
+fn a_send_whose_receive_completion_overflowed_is_not_acknowledged() {
+    assert_eq!(
+        three_messages_into_a_full_receive_cq(|_| SendOp::Send),
+        TWO_THEN_NO_ACK,
+        "the third send's receive completion was lost: no ACK, so no success"
+    );
+}
+
+#[test]
+fn a_write_with_immediate_whose_completion_overflowed_is_not_acknowledged() {
+    let op = |b: &Endpoint| SendOp::RdmaWriteWithImm {
+        remote: RemoteAddr {
+            addr: b.mr.va + 4096,
+            rkey: b.mr.rkey,
+        },
+        imm: ib_types::abi::Be32::new(7),
+    };
+    assert_eq!(
+        three_messages_into_a_full_receive_cq(op),
+        TWO_THEN_NO_ACK,
+        "the third write's receive completion was lost: no ACK, so no success"
+    );
 }
 
 // ----- defect 6: retransmission resumes after the last ACKed PSN ---------
