@@ -12,12 +12,16 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use common::*;
+use hca_prm::av::Av;
+use hca_prm::cmd::CmdStatus;
 use hca_prm::ctx::QpcFlags;
 use ib_types::access::AccessFlags;
-use ib_types::qp::{QpState, QpType};
-use ib_types::scalars::Mtu;
+use ib_types::av::AvAttr;
+use ib_types::handle::AvHandle;
+use ib_types::qp::{QpModify, QpState, QpType};
+use ib_types::scalars::{Gid, Mtu, PortNum, QKey, Qpn};
 use ib_types::wc::WcStatus;
-use ib_types::wr::{RemoteAddr, SendFlags, SendOp, SendWr, Sge};
+use ib_types::wr::{RemoteAddr, SendFlags, SendOp, SendWr, Sge, UdDest};
 use sim_hca::testkit::Driver;
 
 /// Ethernet (14) + IPv4 (20) + UDP (8): where the BTH starts.
@@ -342,7 +346,7 @@ fn a_partial_ack_refreshes_the_retry_budget() {
     );
 }
 
-// ----- defect 7 (part): PSN sequence NAKs are counted -------------------
+// ----- defect 7: smaller deviations ---------------------------------------
 
 /// IBA 9.9.2 (and rxe's completer): a PSN sequence error NAK starts a
 /// retry, and every retry is charged to `retry_cnt`. A 4-packet send
@@ -373,4 +377,95 @@ fn a_psn_sequence_nak_consumes_a_retry() {
         4 + 3,
         "the message, and one retry (after the NAK) of packets 1..4"
     );
+}
+
+/// `max_rd_atomic` 0: the requester may have no RDMA READ or atomic
+/// outstanding (the initiator depth of IBA chapter 11; rxe and qib hold the
+/// WQE until a credit frees). So a read waits at the head of the send
+/// queue, nothing goes on the wire and nothing completes, until the limit
+/// is raised (SQD -> SQD, IBA Table 91); then it runs and succeeds.
+#[test]
+fn max_rd_atomic_zero_allows_no_outstanding_read() {
+    let (mut p, mut a, b) = rc_pair_with(Mtu::Mtu1024, Retries::PATIENT);
+    let set_limit = |p: &mut Pair, a: &Endpoint, limit: u8| {
+        for m in [
+            QpModify::to_state(QpState::Sqd),
+            QpModify {
+                state: Some(QpState::Sqd),
+                max_rd_atomic: Some(limit),
+                ..QpModify::default()
+            },
+            QpModify::to_state(QpState::Rts),
+        ] {
+            assert_eq!(p.a.drv.modify_qp(&mut p.a.dev, &a.qp, &m), CmdStatus::Ok);
+        }
+    };
+    set_limit(&mut p, &a, 0);
+    let data = pattern(2048, 9);
+    p.b.drv.write_mr(&b.mr, 0, &data);
+    let log = watch(&mut p, |_, _| false);
+    let remote = RemoteAddr {
+        addr: b.mr.va,
+        rkey: b.mr.rkey,
+    };
+    let sg = [Driver::sge(&a.mr, 0, 2048)];
+    post(&mut p.a, &mut a, 1, SendOp::RdmaRead { remote }, &sg);
+    p.advance(1_000_000_000);
+    assert_eq!(count(&log, |s| s.to_b), 0, "no read request is sent");
+    assert_eq!(statuses(&mut p.a, &mut a), vec![], "the read waits");
+    set_limit(&mut p, &a, 1);
+    p.advance(1_000_000);
+    assert_eq!(count(&log, |s| s.to_b), 1);
+    assert_eq!(statuses(&mut p.a, &mut a), vec![Ok(WcStatus::Success)]);
+    assert_eq!(p.a.drv.read_mr(&a.mr, 0, 2048), data);
+}
+
+/// IBA 9.8 (UD requester): every UD packet carries the next PSN of the
+/// send queue, which advances by one per packet.
+#[test]
+fn each_ud_send_advances_the_psn() {
+    const QKEY: u32 = 0x1111_2222;
+    let mut p = Pair::new();
+    let mut a = endpoint(&mut p.a, QpType::Ud, AccessFlags::empty());
+    let mut b = endpoint(&mut p.b, QpType::Ud, AccessFlags::empty());
+    for (node, ep) in [(&mut p.a, &a), (&mut p.b, &b)] {
+        for m in [
+            bring_up::to_init(QpType::Ud, AccessFlags::empty(), QKEY),
+            bring_up::to_rtr(QpType::Ud, [0; 4], 0, 0, Mtu::Mtu1024),
+            bring_up::to_rts(QpType::Ud, 77, 0, 0, 0),
+        ] {
+            assert_eq!(node.drv.modify_qp(&mut node.dev, &ep.qp, &m), CmdStatus::Ok);
+        }
+    }
+    let log = watch(&mut p, |_, _| false);
+    let av = Av::try_from(&AvAttr::roce(PortNum::FIRST, Gid::from_ipv4(IP_B), 0)).unwrap();
+    for k in 0..3u64 {
+        p.b.drv
+            .post_recv(&mut b.qp, k, &[Driver::sge(&b.mr, k * 256, 256)]);
+        let sg = [Driver::sge(&a.mr, 0, 16)];
+        let wr = SendWr {
+            wr_id: k,
+            op: SendOp::Send,
+            flags: SendFlags::SIGNALED,
+            sg_list: &sg,
+            ud: Some(UdDest {
+                av: AvHandle::from_raw(1),
+                remote_qpn: Qpn::new(b.qp.qpn).unwrap(),
+                remote_qkey: QKey::new(QKEY),
+            }),
+        };
+        p.a.drv
+            .post_send(&mut p.a.dev, &mut a.qp, &wr, Some(&av), None, true)
+            .expect("a well-formed UD WR");
+    }
+    p.pump();
+    assert_eq!(statuses(&mut p.b, &mut b).len(), 3);
+    let psns: Vec<u32> = log
+        .borrow()
+        .iter()
+        .filter(|s| s.to_b)
+        .map(|s| s.psn)
+        .collect();
+    assert_eq!(psns, vec![77, 78, 79], "the SQ PSN, one per packet");
+    assert_eq!(statuses(&mut p.a, &mut a).len(), 3);
 }
