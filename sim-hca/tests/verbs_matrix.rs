@@ -1324,6 +1324,41 @@ fn mw_bind_err_type2_window_bound_twice() {
     assert_eq!(query_mpt(&mut p.a, w).unwrap().tag, 1);
 }
 
+/// IBA o10-37.2.40 (rxe `rxe_check_bind_mw` likewise): a type 2 window is
+/// unbound only by invalidation; a zero-length bind of one fails with
+/// `MW_BIND_ERR` and leaves the window free (a type 1 window's zero-length
+/// bind is how it unbinds, PRM 7.1).
+#[test]
+fn mw_bind_err_zero_length_type2_bind() {
+    let (mut p, mut a, _b) = rc_pair();
+    let w =
+        p.a.drv
+            .alloc_mw(&mut p.a.dev, PD, MptKind::WindowType2)
+            .unwrap();
+    let before = query_mpt(&mut p.a, w).unwrap();
+    let i0 = post_bind2(
+        &mut p.a,
+        &mut a,
+        mw_key(w, before.tag.wrapping_add(1)),
+        None,
+        0,
+        0,
+        AccessFlags::REMOTE_READ,
+    );
+    p.pump();
+    assert_eq!(
+        summary(&cqes(&mut p.a, &mut a)),
+        vec![c(WqeOpcode::BindMw, WcStatus::MwBindErr, i0)]
+    );
+    assert_eq!(p.a.qp_state(a.qp.qpn), QpState::Err);
+    let window = query_mpt(&mut p.a, w).unwrap();
+    assert_eq!(
+        (window.state, window.tag),
+        (0, before.tag),
+        "still free, key unchanged"
+    );
+}
+
 #[test]
 fn mw_bind_err_region_without_mw_bind() {
     let (mut p, mut a, _b) = rc_pair();

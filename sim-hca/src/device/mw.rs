@@ -13,6 +13,9 @@ pub(crate) enum MwError {
     NotWindow,
     /// A type 2 window that is already bound.
     Busy,
+    /// A zero-length bind of a type 2 window (IBA o10-37.2.40: a type 2
+    /// window is unbound only by invalidation, never by a bind).
+    ZeroLengthType2,
     /// The region key is invalid or the region lacks MW_BIND.
     BadRegion,
     /// PD mismatch between QP, window and region.
@@ -48,9 +51,13 @@ pub(crate) fn bind(mpts: &mut [MptEntry], bind: &Bind, pd: u32, qpn: u32) -> Res
     if kind == MptKind::WindowType2 && window.state == 1 {
         return Err(MwError::Busy);
     }
+    if kind == MptKind::WindowType2 && bind.length == 0 {
+        return Err(MwError::ZeroLengthType2);
+    }
     let old_region = (window.state == 1).then_some(window.bound_mr.get());
     if bind.length == 0 {
-        // A zero-length bind unbinds (type 1 rebind to nothing).
+        // A zero-length bind unbinds a type 1 window (type 2: refused
+        // above).
         let w = &mut mpts[wi];
         w.state = 0;
         w.tag = key_tag(key);

@@ -98,9 +98,10 @@ impl Device {
                 Some(Syndrome::Ack { .. }) => self.ack_through(qp, psn),
                 Some(Syndrome::RnrNak { timer }) => self.on_rnr_nak(qp, psn, timer.code()),
                 Some(Syndrome::Nak(NakCode::PsnSequenceError)) => {
-                    // Everything before the NAK's PSN arrived.
+                    // Everything before the NAK's PSN arrived; the rest is
+                    // retried, and the retry is counted (IBA 9.9.2).
                     self.ack_through(qp, psn.wrapping_add(0xFF_FFFF));
-                    self.retransmit_from(qp, psn);
+                    self.retry(qp, psn);
                 }
                 Some(Syndrome::Nak(code)) => {
                     self.ack_through(qp, psn.wrapping_add(0xFF_FFFF));
@@ -122,17 +123,32 @@ impl Device {
     }
 
     /// Marks every send and write whose last PSN is at or before `psn` as
-    /// done (IBA 9.7.5.2: ACKs are cumulative). Reads and atomics complete
-    /// only with their responses, so acknowledgement stops at one.
+    /// done, and the packets through `psn` of a message it ends inside as
+    /// acknowledged (IBA 9.7.5.2: ACKs are cumulative, and a message's
+    /// packets may be acknowledged before its last). Reads and atomics
+    /// complete only with their responses, so acknowledgement stops at one.
     fn ack_through(&mut self, qp: &mut Qp, psn: Psn) {
         let mut progress = false;
         for r in qp.req.inflight.iter_mut() {
             if r.done || r.npkts == 0 {
                 continue;
             }
-            if r.is_read_or_atomic() || psn.precedes(r.last_psn()) {
+            if r.is_read_or_atomic() {
                 break;
             }
+            if psn.precedes(r.last_psn()) {
+                // A partial ACK: progress if it covers packets not yet
+                // acknowledged (a stale one covers none).
+                if r.contains(psn) {
+                    let through = psn.distance_from(r.first_psn) + 1;
+                    if through > r.acked_pkts {
+                        r.acked_pkts = through;
+                        progress = true;
+                    }
+                }
+                break;
+            }
+            r.acked_pkts = r.npkts;
             r.done = true;
             progress = true;
         }
@@ -141,8 +157,11 @@ impl Device {
         }
     }
 
-    /// Forward progress: fresh retry budgets and a restarted ACK timer.
+    /// Forward progress: fresh retry budgets and a restarted ACK timer
+    /// (IBA 9.7.6.1.3: the retry count bounds consecutive retries that make
+    /// no progress), and the retry under way, if any, has done its work.
     fn progress_made(&mut self, qp: &mut Qp) {
+        qp.req.retrying = false;
         qp.req.retries_left = qp.attrs.retry_cnt;
         qp.req.rnr_left = qp.attrs.rnr_retry;
         qp.req.ack_deadline = ack_timeout_ns(qp.attrs.timeout).map(|t| self.now_ns + t);
@@ -178,18 +197,22 @@ impl Device {
             return; // a duplicate of a finished read
         };
         let r = qp.req.inflight[i];
-        let expected = r.first_psn.wrapping_add(r.resp_pkts);
+        let expected = r.first_psn.wrapping_add(r.acked_pkts);
         if psn != expected {
-            if expected.precedes(psn) {
-                // A response was lost: ask again from the missing one.
-                self.retransmit_from(qp, expected);
+            // A response beyond the expected one: one was lost. The gap is
+            // an implied NAK (IBA 9.7.5.2, as rxe's completer): one counted
+            // retry from the missing response. Until it makes progress (or
+            // the ACK timer retries again), the rest of the old response
+            // stream is ignored, not answered with a re-request each.
+            if expected.precedes(psn) && !qp.req.retrying {
+                self.retry(qp, expected);
             }
             return;
         }
         // Sends and writes before the read are implicitly acknowledged.
         self.ack_through(qp, r.first_psn.wrapping_add(0xFF_FFFF));
         let mtu = qp.attrs.path_mtu.bytes();
-        let offset = r.resp_pkts * mtu;
+        let offset = r.acked_pkts * mtu;
         let payload = pkt.payload();
         let ends = matches!(pos, Position::Last | Position::Only);
         let size_ok = if ends {
@@ -208,7 +231,7 @@ impl Device {
         });
         match result {
             Some(Ok(())) => {
-                qp.req.inflight[i].resp_pkts += 1;
+                qp.req.inflight[i].acked_pkts += 1;
                 self.progress_made(qp);
                 if ends {
                     self.finish_record(qp, i, WcStatus::Success);
@@ -280,11 +303,9 @@ impl Device {
             } else {
                 0
             };
-            let from = if matches!(r.opcode, hca_prm::wqe::WqeOpcode::RdmaRead) {
-                from.max(r.resp_pkts)
-            } else {
-                from
-            };
+            // Never before what already arrived: a message resumes after
+            // its last acknowledged packet (or received response).
+            let from = from.max(r.acked_pkts);
             let sent = self.with_wqe(qp, r.bb_start, &mut buf, |dev, qp, wqe| {
                 if matches!(wqe.op, WqeOp::AtomicCs { .. } | WqeOp::AtomicFa { .. }) && from > 0 {
                     return;
@@ -302,13 +323,29 @@ impl Device {
         qp.req.ack_deadline = ack_timeout_ns(qp.attrs.timeout).map(|t| self.now_ns + t);
     }
 
+    /// One transport retry from `psn` (IBA 9.7.6.1.3, 9.9.2): an ACK
+    /// timeout, a PSN sequence error NAK or a read-response gap. Each spends
+    /// one of `retry_cnt`; with none left, the oldest outstanding WQE
+    /// completes with `RETRY_EXC_ERR` (and the QP goes to ERR).
+    fn retry(&mut self, qp: &mut Qp, psn: Psn) {
+        if qp.req.retries_left == 0 {
+            if let Some(i) = qp.req.inflight.iter().position(|r| !r.done && r.npkts > 0) {
+                self.finish_record(qp, i, WcStatus::RetryExcErr);
+            }
+            return;
+        }
+        qp.req.retries_left -= 1;
+        qp.req.retrying = true;
+        self.retransmit_from(qp, psn);
+    }
+
     /// The oldest PSN not yet acknowledged, if any request is outstanding.
     fn oldest_unacked(qp: &Qp) -> Option<Psn> {
         qp.req
             .inflight
             .iter()
             .find(|r| !r.done && r.npkts > 0)
-            .map(|r| r.first_psn.wrapping_add(r.resp_pkts))
+            .map(|r| r.first_psn.wrapping_add(r.acked_pkts))
     }
 
     /// The earliest time any QP's timer fires.
@@ -366,14 +403,7 @@ impl Device {
         if qp.req.ack_deadline.is_some_and(|t| t <= now) {
             qp.req.ack_deadline = None;
             if let Some(psn) = Self::oldest_unacked(qp) {
-                if qp.req.retries_left == 0 {
-                    if let Some(i) = qp.req.inflight.iter().position(|r| !r.done && r.npkts > 0) {
-                        self.finish_record(qp, i, WcStatus::RetryExcErr);
-                    }
-                } else {
-                    qp.req.retries_left -= 1;
-                    self.retransmit_from(qp, psn);
-                }
+                self.retry(qp, psn);
             }
         }
         self.retire(qp);

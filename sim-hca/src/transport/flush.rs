@@ -160,7 +160,7 @@ impl Device {
                 len: 0,
                 first_psn: qp.req.psn,
                 npkts: 0,
-                resp_pkts: 0,
+                acked_pkts: 0,
                 done: true,
                 status: WcStatus::WrFlushErr,
             });

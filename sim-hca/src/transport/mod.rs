@@ -73,8 +73,10 @@ pub(crate) struct SendRecord {
     pub first_psn: Psn,
     /// PSNs the operation consumes (response packets for reads).
     pub npkts: u32,
-    /// Read response packets received so far.
-    pub resp_pkts: u32,
+    /// Packets of the operation known to have arrived: request packets
+    /// acknowledged (sends and writes, partial ACKs included) or response
+    /// packets received (reads). A retransmission resumes after them.
+    pub acked_pkts: u32,
     /// Finished; waiting for earlier WQEs to retire first.
     pub done: bool,
     /// The completion status once done.
@@ -112,8 +114,15 @@ pub(crate) struct Requester {
     pub inflight: VecDeque<SendRecord>,
     /// RDMA reads and atomics outstanding.
     pub rd_atomic: u32,
-    /// Transport retries left before `RETRY_EXC_ERR` (RC).
+    /// Transport retries left before `RETRY_EXC_ERR` (RC): every ACK
+    /// timeout, PSN sequence NAK and read-response gap spends one; progress
+    /// restores `retry_cnt`.
     pub retries_left: u8,
+    /// A retry is under way and no progress has been made since: a gap in
+    /// the read responses (an implied NAK) starts no other, so the
+    /// responses still in flight from before the retry are ignored; only
+    /// the ACK timer retries again.
+    pub retrying: bool,
     /// RNR retries left before `RNR_RETRY_EXC_ERR` (RC; 7 = forever).
     pub rnr_left: u8,
     /// When the ACK timeout fires (RC, while requests are outstanding).
@@ -209,7 +218,7 @@ mod tests {
             len: 10,
             first_psn: Psn::new(0xFF_FFFE).unwrap(),
             npkts: 3,
-            resp_pkts: 0,
+            acked_pkts: 0,
             done: false,
             status: WcStatus::Success,
         };

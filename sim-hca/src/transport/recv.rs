@@ -518,6 +518,16 @@ impl Device {
         qp.resp.nak_sent = false;
         let info = repr.bth.opcode.info();
         match self.execute_request(qp, pkt, true) {
+            Ok(_) if qp.state == QpState::Err => {
+                // The request was carried out but its receive completion
+                // could not be written (`cq_write_failed`: CQ overflow), so
+                // its execution failed after all. No ACK may follow it:
+                // the requester would report success for a message this
+                // side's software never learned of. The QP is in ERR and
+                // answers nothing more (a QP in the Error state sends no
+                // responses; rxe likewise); the
+                // requester times out and completes with RETRY_EXC_ERR.
+            }
             Ok(Some(rnr)) => {
                 let timer = RnrTimer::new(rnr).unwrap_or(RnrTimer::MAX);
                 self.send_ack(qp, psn, Syndrome::RnrNak { timer });

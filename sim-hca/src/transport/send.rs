@@ -290,7 +290,12 @@ impl Device {
             if wqe.flags.contains(WqeFlags::FENCE) && qp.req.rd_atomic > 0 {
                 break;
             }
-            if is_rd_atomic && qp.req.rd_atomic >= u32::from(qp.attrs.max_rd_atomic.max(1)) {
+            // The initiator depth (IBA chapter 11, QP attributes): `max_rd_atomic`
+            // reads and atomics outstanding at most, so with 0 none is ever
+            // started and the WQE waits at the head of the queue (as rxe
+            // and qib do) until an SQD -> SQD modify raises the limit, or
+            // the QP's ERR flushes it.
+            if is_rd_atomic && qp.req.rd_atomic >= u32::from(qp.attrs.max_rd_atomic) {
                 break;
             }
             let signaled = wqe.flags.contains(WqeFlags::SIGNALED)
@@ -311,7 +316,7 @@ impl Device {
                 len,
                 first_psn: qp.req.psn,
                 npkts,
-                resp_pkts: 0,
+                acked_pkts: 0,
                 done: false,
                 status: WcStatus::Success,
             };
@@ -334,9 +339,9 @@ impl Device {
                 }
                 _ => {}
             }
-            if transport != Transport::Ud && npkts > 0 {
-                qp.req.psn = qp.req.psn.wrapping_add(npkts);
-            }
+            // Every packet takes the next PSN of the send queue, UD's
+            // included (IBA 9.8: the PSN advances by one per packet).
+            qp.req.psn = qp.req.psn.wrapping_add(npkts);
             let failed = record.status != WcStatus::Success;
             qp.req.inflight.push_back(record);
             if failed {
@@ -716,7 +721,7 @@ impl Device {
             len: 0,
             first_psn: qp.req.psn,
             npkts: 0,
-            resp_pkts: 0,
+            acked_pkts: 0,
             done: true,
             status,
         });
