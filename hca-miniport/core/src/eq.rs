@@ -28,11 +28,15 @@
 //!   type, bad port, bad subtype) is counted and skipped, never a panic.
 //! - At most one drain runs at a time, so events (and command
 //!   completions) are delivered in ring order even when the platform runs
-//!   the DPC on two processors at once.
+//!   the DPC on two processors at once. The hand-off ([`DrainHandoff`], one
+//!   atomic count of requests) loses no request by construction: a DPC
+//!   that finds a drain running leaves its request in the count, and the
+//!   drainer cannot stop while a request it has not answered is there
+//!   (model-checked by the `loom_` tests, `cargo xtask loom`).
 //! - Interrupts are one-shot (PRM 8.3): the EQ is re-armed at the end of
 //!   every drain, and nowhere else once running.
 
-use crate::sync::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::{AtomicU64, AtomicUsize, Ordering};
 use alloc::vec::Vec;
 
 use driver_platform::{CommonBuffer, DmaAdapter, Mmio, Platform, SpinLock};
@@ -233,6 +237,53 @@ pub struct EqCounters {
     pub drains: u64,
 }
 
+/// The hand-off between callers that want the EQ drained (DPCs, which
+/// Windows may run on two processors at once): at most one drains at a
+/// time, and no request is lost, by construction.
+///
+/// One word counts the requests not yet answered. The caller that moves
+/// it from 0 becomes the drainer; any other caller only adds its request
+/// and leaves. The drainer may stop only by moving the count from the value
+/// it last saw back to 0; if a request came meanwhile that exchange fails,
+/// and it drains again, so every request is followed by a drain that
+/// started after it. (The count would have to wrap through 2^64 requests
+/// during one drain pass to break this.)
+#[derive(Debug)]
+pub(crate) struct DrainHandoff {
+    requests: AtomicUsize,
+}
+
+impl DrainHandoff {
+    /// No request.
+    pub(crate) fn new() -> Self {
+        Self {
+            requests: AtomicUsize::new(0),
+        }
+    }
+
+    /// Requests a drain: if no drain is running, runs `drain` until no
+    /// request is left unanswered and returns true; otherwise leaves the
+    /// request to the running drainer and returns false at once.
+    pub(crate) fn run(&self, mut drain: impl FnMut()) -> bool {
+        // Release: what this caller saw (the interrupt, so the EQE behind
+        // it) is visible to the drainer that acquires the count.
+        if self.requests.fetch_add(1, Ordering::AcqRel) != 0 {
+            return false;
+        }
+        let mut seen = 1;
+        loop {
+            drain();
+            match self
+                .requests
+                .compare_exchange(seen, 0, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return true,
+                Err(now) => seen = now,
+            }
+        }
+    }
+}
+
 /// One EQ's ring and software state.
 #[derive(Debug)]
 pub struct EqRing<B> {
@@ -289,10 +340,8 @@ pub struct EventQueue<P: Platform> {
     /// The vector of the live EQ, `u64::MAX` when there is none; read by
     /// the ISR without a lock.
     live_vector: AtomicU64,
-    /// A drain is in progress (see [`EventQueue::drain`]).
-    draining: AtomicBool,
-    /// A DPC came while a drain was in progress: drain again.
-    look_again: AtomicBool,
+    /// Who drains, and whether again (see [`EventQueue::drain`]).
+    handoff: DrainHandoff,
     interrupts: AtomicU64,
     eqes: AtomicU64,
     garbage_eqes: AtomicU64,
@@ -319,8 +368,7 @@ impl<P: Platform> EventQueue<P> {
         Self {
             ring: SpinLock::<P, _>::new(None),
             live_vector: AtomicU64::new(u64::MAX),
-            draining: AtomicBool::new(false),
-            look_again: AtomicBool::new(false),
+            handoff: DrainHandoff::new(),
             interrupts: AtomicU64::new(0),
             eqes: AtomicU64::new(0),
             garbage_eqes: AtomicU64::new(0),
@@ -380,25 +428,13 @@ impl<P: Platform> EventQueue<P> {
     /// Events are handed out one drain at a time, in ring order: Windows
     /// may run a DPC on a second processor while it still runs on the
     /// first (it can be queued again once it started), so a second caller
-    /// finding a drain in progress only asks that one to look again.
+    /// finding a drain in progress leaves its request to that one, which
+    /// drains again before it stops ([`DrainHandoff`]).
     pub fn drain(&self, bar0: &P::Mmio, mut handle: impl FnMut(Event)) -> usize {
-        if self.draining.swap(true, Ordering::AcqRel) {
-            self.look_again.store(true, Ordering::Release);
-            return 0;
-        }
         let mut handled = 0;
-        loop {
-            self.look_again.store(false, Ordering::Release);
-            handled += self.drain_once(bar0, &mut handle);
-            self.draining.store(false, Ordering::Release);
-            // A caller that came while we drained left its work to us;
-            // take it unless yet another caller took the drain meanwhile.
-            if !self.look_again.load(Ordering::Acquire)
-                || self.draining.swap(true, Ordering::AcqRel)
-            {
-                return handled;
-            }
-        }
+        self.handoff
+            .run(|| handled += self.drain_once(bar0, &mut handle));
+        handled
     }
 
     /// One pass: takes valid EQEs in batches until none is left, then arms.
@@ -471,5 +507,199 @@ impl<P: Platform> EventQueue<P> {
             garbage_eqes: self.garbage_eqes.load(Ordering::Relaxed),
             drains: self.drains.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// loom models of the drain hand-off (`cargo xtask loom`): DPCs that
+/// overlap (as Windows runs a DPC queued again while it still runs) and a
+/// device that publishes EQEs and fires one-shot when armed (PRM 8.3).
+#[cfg(all(test, loom))]
+mod loom_drain_handoff {
+    use super::DrainHandoff;
+    use crate::sync::{AtomicBool, Ordering};
+    use alloc::vec::Vec;
+    use loom::sync::{Arc, Mutex};
+
+    /// The device's side of one EQ and the platform's DPC queue, as the
+    /// simulated device keeps them (under its lock).
+    #[derive(Debug)]
+    struct Device {
+        /// EQEs written.
+        producer: u32,
+        /// The consumer counter the driver last wrote.
+        consumer: u32,
+        /// One-shot: the next EQE fires the vector.
+        armed: bool,
+        /// The DPC is queued and not started (queueing coalesces).
+        dpc_queued: bool,
+    }
+
+    impl Device {
+        fn fire(&mut self) {
+            self.armed = false;
+            self.dpc_queued = true;
+        }
+    }
+
+    struct Model {
+        device: Mutex<Device>,
+        /// The driver's consumer counter (the ring lock).
+        ring: Mutex<u32>,
+        /// Events handed out, in the order the driver handled them.
+        handled: Mutex<Vec<u32>>,
+        handoff: DrainHandoff,
+        /// A drain pass is running: two at once break ring order.
+        in_drain: AtomicBool,
+    }
+
+    impl Model {
+        fn new() -> Self {
+            Self {
+                device: Mutex::new(Device {
+                    producer: 0,
+                    consumer: 0,
+                    armed: true,
+                    dpc_queued: false,
+                }),
+                ring: Mutex::new(0),
+                handled: Mutex::new(Vec::new()),
+                handoff: DrainHandoff::new(),
+                in_drain: AtomicBool::new(false),
+            }
+        }
+
+        /// The device writes EQE number `producer` and fires if armed.
+        fn publish(&self) {
+            let mut device = self.device.lock().unwrap();
+            device.producer += 1;
+            if device.armed {
+                device.fire();
+            }
+        }
+
+        /// One drain pass, shaped like `EventQueue::drain_once`: take the
+        /// valid EQEs under the ring lock, write the consumer with ARM
+        /// (which fires at once if EQEs arrived past it), then hand the
+        /// events out with no lock held.
+        fn drain_once(&self) {
+            assert!(
+                !self.in_drain.swap(true, Ordering::AcqRel),
+                "two drains at once"
+            );
+            let taken = {
+                let mut consumer = self.ring.lock().unwrap();
+                let producer = self.device.lock().unwrap().producer;
+                let first = *consumer;
+                *consumer = producer;
+                let mut device = self.device.lock().unwrap();
+                device.consumer = producer;
+                if device.producer != device.consumer {
+                    device.fire();
+                } else {
+                    device.armed = true;
+                }
+                first..producer
+            };
+            self.handled.lock().unwrap().extend(taken);
+            self.in_drain.store(false, Ordering::Release);
+        }
+
+        /// A DPC invocation: runs only if the DPC was queued (a fire), and
+        /// dequeues it before running, so a fire meanwhile queues it again.
+        fn dpc(&self) {
+            let queued = {
+                let mut device = self.device.lock().unwrap();
+                core::mem::replace(&mut device.dpc_queued, false)
+            };
+            if queued {
+                self.handoff.run(|| self.drain_once());
+            }
+        }
+
+        /// After every thread finished: no EQE may be left behind an EQ
+        /// that will never fire again. Then the DPCs still queued run, and
+        /// every event must have been handled once, in ring order.
+        fn check(&self, events: u32) {
+            {
+                let device = self.device.lock().unwrap();
+                let consumer = *self.ring.lock().unwrap();
+                let stranded = consumer != device.producer;
+                assert!(
+                    !stranded || device.armed || device.dpc_queued,
+                    "lost wake-up: EQEs {consumer}..{} unconsumed, EQ unarmed, no DPC queued",
+                    device.producer
+                );
+            }
+            while self.device.lock().unwrap().dpc_queued {
+                self.dpc();
+            }
+            let handled = self.handled.lock().unwrap().clone();
+            assert_eq!(handled, (0..events).collect::<Vec<_>>());
+        }
+    }
+
+    fn overlapping_dpcs(dpcs: usize, events: u32, preemption_bound: usize) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(preemption_bound);
+        builder.check(move || {
+            let model = Arc::new(Model::new());
+            let device = {
+                let model = model.clone();
+                loom::thread::spawn(move || {
+                    for _ in 0..events {
+                        model.publish();
+                    }
+                })
+            };
+            let dpcs: Vec<_> = (0..dpcs)
+                .map(|_| {
+                    let model = model.clone();
+                    loom::thread::spawn(move || model.dpc())
+                })
+                .collect();
+            device.join().unwrap();
+            for dpc in dpcs {
+                dpc.join().unwrap();
+            }
+            model.check(events);
+        });
+    }
+
+    #[test]
+    fn loom_two_overlapping_dpcs_lose_no_wakeup() {
+        overlapping_dpcs(2, 3, 3);
+    }
+
+    #[test]
+    fn loom_three_overlapping_dpcs_lose_no_wakeup() {
+        overlapping_dpcs(3, 2, 2);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::DrainHandoff;
+    use core::cell::Cell;
+
+    #[test]
+    fn a_request_during_a_drain_is_answered_by_another_drain_not_a_second_drainer() {
+        let handoff = DrainHandoff::new();
+        let passes = Cell::new(0);
+        let nested_drained = Cell::new(None);
+        let drained = handoff.run(|| {
+            passes.set(passes.get() + 1);
+            if passes.get() == 1 {
+                // Another DPC arrives while this one drains: it must not
+                // drain itself, and its request must not be dropped.
+                nested_drained.set(Some(handoff.run(|| panic!("second drainer"))));
+            }
+        });
+        assert!(drained);
+        assert_eq!(nested_drained.get(), Some(false));
+        assert_eq!(passes.get(), 2, "the request made during pass 1 got pass 2");
+        // Quiet again: the next caller drains once.
+        passes.set(0);
+        assert!(handoff.run(|| passes.set(passes.get() + 1)));
+        assert_eq!(passes.get(), 1);
     }
 }

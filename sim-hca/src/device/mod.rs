@@ -27,6 +27,7 @@ pub(crate) mod mw;
 mod port;
 pub(crate) mod qp;
 mod resource;
+pub(crate) mod timers;
 
 use std::sync::Arc;
 

@@ -410,6 +410,7 @@ impl Device {
         self.qp_transition(n, from, QpState::Reset, now);
         let hca = self.hca_mut()?;
         let qp = hca.qps[n as usize].take().ok_or(CmdStatus::BadResState)?;
+        hca.timers.file(n, None);
         for cqn in [qp.send_cqn, qp.recv_cqn] {
             if let Some(cq) = hca.cqs[cqn as usize].as_mut() {
                 cq.users = cq.users.saturating_sub(1);

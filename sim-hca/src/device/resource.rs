@@ -19,6 +19,7 @@ use super::Device;
 use super::command::{CmdResult, reserved};
 use super::dma::{Mtt, MttRange};
 use super::qp::Qp;
+use super::timers::QpTimers;
 use crate::host::HostMemory;
 
 /// Where a context table lives and how big it is.
@@ -88,6 +89,8 @@ pub(crate) struct Hca {
     pub event_map: [Option<u32>; 6],
     /// Multicast GID -> attached QP numbers.
     pub mcgs: BTreeMap<Gid, Vec<u32>>,
+    /// The QPs' armed timers, by deadline.
+    pub timers: QpTimers,
 }
 
 fn slots<T>(count: u32) -> Vec<Option<T>> {
@@ -115,6 +118,7 @@ impl Hca {
             cqs: slots(count(Table::Cqc)),
             srqs: slots(count(Table::Srqc)),
             qps: slots(count(Table::Qpc)),
+            timers: QpTimers::new(count(Table::Qpc) as usize),
             mpts: vec![MptEntry::default(); count(Table::Mpt) as usize],
             mtt: Mtt {
                 entries: vec![0; count(Table::Mtt) as usize],

@@ -354,13 +354,7 @@ impl Device {
         if self.is_fatal() {
             return None;
         }
-        let hca = self.hca.as_ref()?;
-        hca.qps
-            .iter()
-            .flatten()
-            .flat_map(|qp| [qp.req.ack_deadline, qp.req.rnr_until])
-            .flatten()
-            .min()
+        self.hca.as_ref()?.timers.next_deadline()
     }
 
     /// Runs every timer due at `now_ns`: RNR waits end in a retransmission,
@@ -371,17 +365,10 @@ impl Device {
             return;
         }
         let now = self.now_ns;
-        let due: Vec<u32> = match self.hca.as_ref() {
-            Some(hca) => hca
-                .qps
-                .iter()
-                .flatten()
-                .filter(|qp| {
-                    qp.req.ack_deadline.is_some_and(|t| t <= now)
-                        || qp.req.rnr_until.is_some_and(|t| t <= now)
-                })
-                .map(|qp| qp.index)
-                .collect(),
+        // By deadline, not by a scan of every QP slot (`device::timers`);
+        // in QP-index order, as a scan would find them.
+        let due = match self.hca.as_mut() {
+            Some(hca) => hca.timers.take_due(now),
             None => return,
         };
         for n in due {

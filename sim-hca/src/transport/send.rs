@@ -129,7 +129,12 @@ impl Device {
     ) -> Option<R> {
         let mut qp = self.hca.as_mut()?.qps.get_mut(n as usize)?.take()?;
         let result = f(self, &mut qp);
-        if let Some(slot) = self.hca.as_mut().and_then(|h| h.qps.get_mut(n as usize)) {
+        if let Some(hca) = self.hca.as_mut()
+            && let Some(slot) = hca.qps.get_mut(n as usize)
+        {
+            // The one place a QP's timers change: keep the index exact.
+            hca.timers
+                .file(n, crate::device::timers::earliest_deadline(&qp.req));
             *slot = Some(qp);
         }
         Some(result)
