@@ -5,7 +5,7 @@
 use core::sync::atomic::Ordering;
 
 use alloc::vec::Vec;
-use driver_platform::{CommonBuffer, Mmio, Platform, RequestorMode};
+use driver_platform::{CommonBuffer, MemoryLocker, Mmio, Platform, RequestorMode};
 use hca_prm::doorbell::{DoorbellRecord, SQ_DOORBELL, SqDoorbell, uar_offset};
 use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES, SendWqe, WqeOp};
 use ib_types::mr::MwType;
@@ -13,7 +13,7 @@ use ib_types::qp::{QpState, QpType};
 use ib_types::scalars::Qpn;
 use ib_types::status::IbStatus;
 use ib_types::wc::WcStatus;
-use ib_types::wr::{RecvWr, SendOp, SendWr, Transport, WrLimits};
+use ib_types::wr::{RecvWr, SendOp, SendWr, Sge, Transport, WrLimits};
 use zerocopy::IntoBytes;
 
 use super::Qp;
@@ -55,6 +55,43 @@ fn write_wrapping<B: CommonBuffer>(ring: &B, ring_bytes: usize, offset: usize, b
 }
 
 impl<P: Platform> Hca<P> {
+    /// Gathers the data of a kernel client's inline send: the bytes its
+    /// SGEs name, which are kernel virtual addresses of resident memory
+    /// (their L_Keys are ignored, as for any inline send), concatenated
+    /// into the front of `out`; returns how many. Read with the kernel
+    /// memory access the shell installed ([`Hca::set_kernel_locker`]):
+    /// [`IbStatus::InvalidState`] without one, [`IbStatus::InvalidParameter`]
+    /// if the data does not fit `out` or an address is not kernel memory
+    /// (then `out` holds nothing the caller may use). Callable at
+    /// DISPATCH_LEVEL.
+    pub fn gather_kernel_inline(&self, sges: &[Sge], out: &mut [u8]) -> Result<usize, IbStatus> {
+        let total = Sge::total_len(sges).ok_or(IbStatus::InvalidParameter)? as usize;
+        if total > out.len() {
+            return Err(IbStatus::InvalidParameter);
+        }
+        if total == 0 {
+            return Ok(0);
+        }
+        let reader = self
+            .verbs
+            .kernel_locker
+            .lock()
+            .clone()
+            .ok_or(IbStatus::InvalidState)?;
+        let mut at = 0;
+        for sge in sges {
+            let len = sge.length.get() as usize;
+            let Some(dest) = out.get_mut(at..at + len) else {
+                return Err(IbStatus::InvalidParameter);
+            };
+            reader
+                .read_kernel(sge.addr.get(), dest)
+                .map_err(|_| IbStatus::InvalidParameter)?;
+            at += len;
+        }
+        Ok(at)
+    }
+
     /// Posts send work requests to the kernel QP `qp` (guide 8.1.1, PRM
     /// 10.2, 9.1). Returns how many were posted and the status of the
     /// first that was not (or `Success`). Every check — state, room,
