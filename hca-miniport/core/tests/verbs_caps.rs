@@ -11,13 +11,15 @@ use std::sync::{Arc, Mutex};
 
 use driver_platform::RequestorMode;
 use hca_miniport_core::ci::CiProvider;
+use hca_miniport_core::verbs::qp::SendRequest;
 use ib_types::access::AccessFlags;
-use ib_types::handle::{CqHandle, PdHandle};
-use ib_types::ioctl::{CreateQp, DestroyQp, Empty, ModifyQp};
+use ib_types::handle::{CqHandle, MwHandle, PdHandle};
+use ib_types::ioctl::{AllocMw, CreateQp, DeallocMw, DestroyQp, Empty, ModifyQp};
+use ib_types::mr::{MwAttr, MwType};
 use ib_types::qp::{QpCaps, QpCreate, QpType};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcOpcode, WcStatus};
-use ib_types::wr::{RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge};
+use ib_types::wr::{MwBind, RKey, RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge};
 use sim_host::platform::SimPlatform;
 use support::kernel_pair::{KernelBuf, Setup, poll_all, setup, teardown};
 use support::rc_path::rc_to_rts_steps;
@@ -246,6 +248,143 @@ fn inline_sends_through_the_ci_fast_path_carry_exactly_the_granted_size() {
     let _ = (poll_all(&w, x, sx.cq), poll_all(&w, y, sy.cq));
     target.free(&w, y);
     w.host.pool().free(source);
+    teardown(&w, &sx);
+    teardown(&w, &sy);
+    w.finish();
+}
+
+/// Posts `wrs` with the core's `post_send` on HCA `i` from a DPC.
+fn core_post_send(w: &World, i: usize, qp: u64, wrs: Vec<SendWr<'static>>) -> (usize, IbStatus) {
+    let hca = w.hca_at(i);
+    let out = Arc::new(Mutex::new(None));
+    let sink = out.clone();
+    w.in_dpc(move || {
+        let requests: Vec<SendRequest<'_>> = wrs
+            .iter()
+            .map(|wr| SendRequest {
+                wr: *wr,
+                av: None,
+                inline: None,
+            })
+            .collect();
+        *lock(&sink) = Some(hca.post_send(qp, &requests));
+    });
+    w.settle();
+    lock(&out).take().unwrap()
+}
+
+fn signaled(wr_id: u64, op: SendOp, sg_list: &'static [Sge]) -> SendWr<'static> {
+    SendWr {
+        wr_id,
+        op,
+        flags: SendFlags::SIGNALED,
+        sg_list,
+        ud: None,
+    }
+}
+
+#[test]
+fn every_type_1_bind_needs_a_new_rkey_so_stale_requests_fail() {
+    let (w, [x, y]) = support::kernel_pair::two_two_port_hcas(82, GUIDS, &HCA_IPS);
+    let (sx, sy) = (setup(&w, x), setup(&w, y));
+    let (a, qpn_a, _) = create_rc(&w, &sx, 0);
+    let (b, qpn_b, _) = create_rc(&w, &sy, 0);
+    connect(&w, x, a, qpn_b, HCA_IPS[1][0]);
+    connect(&w, y, b, qpn_a, HCA_IPS[0][0]);
+    let rights = AccessFlags::LOCAL_WRITE
+        | AccessFlags::REMOTE_WRITE
+        | AccessFlags::REMOTE_READ
+        | AccessFlags::MW_BIND;
+    let src = KernelBuf::register(&w, &sx, *b"MwS ", 4096, rights);
+    let dst = KernelBuf::register(&w, &sy, *b"MwD ", 8192, rights);
+    let r = w.call_in_dpc_at::<AllocMw>(
+        y,
+        KERNEL,
+        sy.pd,
+        &MwAttr {
+            mw_type: MwType::Type1,
+            rkey: RKey::new(0),
+        },
+        0,
+    );
+    let resp = response::<AllocMw>(&r);
+    assert_eq!(resp.status, IbStatus::Success);
+    let (mw, first) = (resp.handle, resp.output.unwrap().rkey);
+    let bind = |rkey: RKey, offset: usize| SendOp::BindMw {
+        mw: MwHandle::from_raw(mw),
+        rkey,
+        bind: MwBind {
+            mr_lkey: dst.keys.lkey,
+            addr: dst.addr(offset),
+            length: 1024,
+            access: AccessFlags::REMOTE_WRITE,
+        },
+    };
+    let write_via = |rkey: RKey, offset: usize| SendOp::RdmaWrite {
+        remote: RemoteAddr {
+            addr: dst.addr(offset),
+            rkey,
+        },
+    };
+    let piece = leak(vec![src.sge(0, 64)]);
+    src.write(0, &pattern(3, 64));
+
+    // The window's first key is not a new one: refused, nothing posted.
+    assert_eq!(
+        core_post_send(&w, y, b, vec![signaled(1, bind(first, 0), &[])]),
+        (0, IbStatus::InvalidRkey)
+    );
+    assert!(poll_all(&w, y, sy.cq).is_empty());
+    // A new key binds, and the peer writes through it.
+    let key1 = w.hca_at(y).next_mw_rkey(mw).unwrap();
+    assert_eq!(
+        core_post_send(&w, y, b, vec![signaled(2, bind(key1, 0), &[])]),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(poll_all(&w, y, sy.cq)[0].status, WcStatus::Success);
+    assert_eq!(
+        core_post_send(&w, x, a, vec![signaled(3, write_via(key1, 0), piece)]),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(poll_all(&w, x, sx.cq)[0].status, WcStatus::Success);
+    assert_eq!(dst.read(0, 64), pattern(3, 64));
+    // Binding it elsewhere with the same key would let requests meant for
+    // the old binding reach the new one: refused, nothing posted, the
+    // window still where it was.
+    assert_eq!(
+        core_post_send(&w, y, b, vec![signaled(4, bind(key1, 4096), &[])]),
+        (0, IbStatus::InvalidRkey)
+    );
+    assert!(poll_all(&w, y, sy.cq).is_empty());
+    // With a new key it moves, and the old key is refused by the device.
+    let key2 = w.hca_at(y).next_mw_rkey(mw).unwrap();
+    assert_ne!(key2, key1);
+    assert_eq!(
+        core_post_send(&w, y, b, vec![signaled(5, bind(key2, 4096), &[])]),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(poll_all(&w, y, sy.cq)[0].status, WcStatus::Success);
+    src.write(0, &pattern(9, 64));
+    assert_eq!(
+        core_post_send(&w, x, a, vec![signaled(6, write_via(key1, 4096), piece)]),
+        (1, IbStatus::Success)
+    );
+    assert_eq!(poll_all(&w, x, sx.cq)[0].status, WcStatus::RemAccessErr);
+    assert_eq!(
+        dst.read(4096, 64),
+        vec![0; 64],
+        "the stale key wrote nothing"
+    );
+
+    for (i, qp) in [(x, a), (y, b)] {
+        let r = w.call_in_dpc_at::<DestroyQp>(i, KERNEL, qp, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let _ = (poll_all(&w, x, sx.cq), poll_all(&w, y, sy.cq));
+    let r = w.call_in_dpc_at::<DeallocMw>(y, KERNEL, mw, &Empty, 0);
+    assert_eq!(response::<DeallocMw>(&r).status, IbStatus::Success);
+    src.free(&w, x);
+    dst.free(&w, y);
     teardown(&w, &sx);
     teardown(&w, &sy);
     w.finish();

@@ -19,6 +19,7 @@ use zerocopy::IntoBytes;
 use super::Qp;
 use crate::hca::Hca;
 use crate::resources::KERNEL_UAR;
+use crate::verbs::mw::BindTarget;
 
 /// One send work request for [`Hca::post_send`], with what the core cannot
 /// read itself: the PRM address vector of a UD destination (resolved from
@@ -122,12 +123,12 @@ impl<P: Platform> Hca<P> {
         // The windows that bind WRs name, resolved before the ring lock
         // (the object-table lock is never taken under a ring lock); no
         // allocation for batches without a bind.
-        let windows: Vec<Result<(MwType, u32), IbStatus>> =
+        let windows: Vec<Option<Result<BindTarget, IbStatus>>> =
             if wrs.iter().any(|r| matches!(r.wr.op, SendOp::BindMw { .. })) {
                 wrs.iter()
                     .map(|r| match r.wr.op {
-                        SendOp::BindMw { mw, .. } => self.window_for_bind(mw.raw()),
-                        _ => Ok((MwType::Type2, 0)),
+                        SendOp::BindMw { mw, .. } => Some(self.window_for_bind(mw.raw())),
+                        _ => None,
                     })
                     .collect()
             } else {
@@ -159,9 +160,18 @@ impl<P: Platform> Hca<P> {
             }
             // A bind names a live window, and its new key that window's
             // MPT index (`verbs::mw`); the bind segment carries its type.
-            let bind_type = match (request.wr.op, windows.get(i)) {
-                (SendOp::BindMw { rkey, .. }, Some(window)) => match window {
-                    Ok((mw_type, index)) if rkey.get() >> 8 == *index => Some(*mw_type),
+            // A type 1 bind's key must differ from the last bind's.
+            let (bind_type, new_bind_key) = match (request.wr.op, windows.get(i)) {
+                (SendOp::BindMw { rkey, .. }, Some(Some(window))) => match window {
+                    Ok(target) if rkey.get() >> 8 == target.index => {
+                        let rkey = rkey.get();
+                        let last = target.last_bind_rkey.load(Ordering::Acquire);
+                        if target.mw_type == MwType::Type1 && rkey == last {
+                            status = IbStatus::InvalidRkey;
+                            break;
+                        }
+                        (Some(target.mw_type), Some((target, last, rkey)))
+                    }
                     Ok(_) => {
                         status = IbStatus::InvalidRkey;
                         break;
@@ -171,7 +181,7 @@ impl<P: Platform> Hca<P> {
                         break;
                     }
                 },
-                _ => None,
+                _ => (None, None),
             };
             let index = sq.producer as u16;
             let built = SendWqe::from_wr(&request.wr, request.av.as_ref(), index, request.inline)
@@ -201,6 +211,17 @@ impl<P: Platform> Hca<P> {
                 status = IbStatus::InvalidQpState;
                 break;
             };
+            // The bind's key becomes the window's last, unless another
+            // bind of the window (on another QP) took its place meanwhile.
+            if let Some((target, last, rkey)) = new_bind_key
+                && target
+                    .last_bind_rkey
+                    .compare_exchange(last, rkey, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+            {
+                status = IbStatus::InvalidRkey;
+                break;
+            }
             write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe[..len]);
             // Read by poll without this lock (`Completions`): stored before
             // the doorbell (its release fence) makes the WQE visible.
