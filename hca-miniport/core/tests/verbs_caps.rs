@@ -389,3 +389,438 @@ fn every_type_1_bind_needs_a_new_rkey_so_stale_requests_fail() {
     teardown(&w, &sy);
     w.finish();
 }
+
+/// Submits one request of `V` per `(handle, input)` from one DPC, runs the
+/// machine, and returns each response's status and handle, in order.
+fn batch<V: ib_types::ioctl::Verb>(w: &World, inputs: &[(u64, V::In)]) -> Vec<(IbStatus, u64)> {
+    let (requests, issuers): (Vec<_>, Vec<_>) = inputs
+        .iter()
+        .map(|(handle, input)| w.request::<V>(KERNEL, *handle, input, 0))
+        .unzip();
+    let hca = w.hca();
+    w.in_dpc(move || {
+        for request in requests {
+            hca.submit_request(request);
+        }
+    });
+    w.settle();
+    issuers
+        .iter()
+        .map(|issuer| {
+            let completion = issuer.completion().expect("completed");
+            let r = response::<V>(&completion);
+            (r.status, r.handle)
+        })
+        .collect()
+}
+
+/// `n` creations that must all succeed; returns the handles.
+#[track_caller]
+fn create_all<V: ib_types::ioctl::Verb>(
+    w: &World,
+    inputs: &[(u64, V::In)],
+    what: &str,
+) -> Vec<u64> {
+    let out = batch::<V>(w, inputs);
+    for (i, (status, _)) in out.iter().enumerate() {
+        assert_eq!(
+            *status,
+            IbStatus::Success,
+            "{what} #{i} of {}",
+            inputs.len()
+        );
+    }
+    out.into_iter().map(|(_, h)| h).collect()
+}
+
+/// One creation; returns its status and handle.
+fn create_one<V: ib_types::ioctl::Verb>(w: &World, handle: u64, input: V::In) -> (IbStatus, u64) {
+    batch::<V>(w, &[(handle, input)])[0]
+}
+
+/// Destroys every handle with `V`, each of which must succeed.
+#[track_caller]
+fn destroy_all<V: ib_types::ioctl::Verb<In = Empty>>(w: &World, handles: &[u64]) {
+    let inputs: Vec<(u64, Empty)> = handles.iter().map(|&h| (h, Empty)).collect();
+    for (status, _) in batch::<V>(w, &inputs) {
+        assert_eq!(status, IbStatus::Success);
+    }
+}
+
+/// A small device, so every table can be filled quickly.
+fn small_device() -> sim_hca::device::DeviceConfig {
+    let mut d = sim_hca::device::DeviceConfig::with_ports(GUIDS[0], &HCA_IPS[0]);
+    let l = &mut d.limits;
+    l.log_max_qps = 5;
+    l.log_max_cqs = 4;
+    l.log_max_srqs = 2;
+    l.log_max_mpts = 5;
+    l.log_max_wqes = 8;
+    l.log_max_cqes = 8;
+    l.log_max_srq_wqes = 7;
+    l.max_send_sges = 4;
+    l.max_recv_sges = 4;
+    l.max_rd_atomic = 4;
+    l.max_inline_bytes = 64;
+    l.max_mcast_groups = 3;
+    l.max_qps_per_mcast_group = 3;
+    d
+}
+
+fn qp_input(
+    pd: u64,
+    send_cq: u64,
+    recv_cq: u64,
+    qp_type: QpType,
+    caps: QpCaps,
+    port: Option<u8>,
+) -> QpCreate {
+    QpCreate {
+        qp_type,
+        pd: PdHandle::from_raw(pd),
+        send_cq: CqHandle::from_raw(send_cq),
+        recv_cq: CqHandle::from_raw(recv_cq),
+        srq: None,
+        caps,
+        sq_sig_all: false,
+        port: port.map(|p| ib_types::scalars::PortNum::new(p).unwrap()),
+    }
+}
+
+const ONE_WR: QpCaps = QpCaps {
+    max_send_wr: 1,
+    max_recv_wr: 1,
+    max_send_sge: 1,
+    max_recv_sge: 1,
+    max_inline_data: 0,
+};
+
+#[test]
+fn every_limit_query_ca_reports_is_exactly_what_works() {
+    use ib_types::ioctl::{
+        AllocPd, AttachMcast, CreateAv, CreateCq, CreateSrq, DeallocPd, DeregMr, DestroyAv,
+        DestroyCq, DestroySrq, DetachMcast, OpenCa, OpenCaIn, QueryCa, RegMr, RegPhysMr,
+    };
+    let w = World::with_hcas(
+        83,
+        vec![small_device()],
+        hca_miniport_core::init::HcaConfig::default(),
+    );
+    w.install_kernel_locker(0);
+    let r = w.call_in_dpc::<OpenCa>(KERNEL, 0, &OpenCaIn::CURRENT, 0);
+    let ca = response::<OpenCa>(&r).handle;
+    let r = w.call_in_dpc::<QueryCa>(KERNEL, ca, &Empty, 16);
+    let needed = response::<QueryCa>(&r).output.unwrap().total_size;
+    let r = w.call_in_dpc::<QueryCa>(KERNEL, ca, &Empty, needed);
+    let l = ib_types::ca::CaAttrView::parse(response::<QueryCa>(&r).private)
+        .unwrap()
+        .attr()
+        .limits;
+    // The small device's tables (a sanity check that this is the device
+    // configured above, not the limits under test).
+    assert_eq!((l.max_qps, l.max_cqs, l.max_srqs), (32, 16, 4));
+
+    // Protection domains: the limit, then one more.
+    let pds = create_all::<AllocPd>(&w, &vec![(ca, Empty); l.max_pds as usize], "PD");
+    assert_ne!(
+        create_one::<AllocPd>(&w, ca, Empty).0,
+        IbStatus::Success,
+        "PD past the limit"
+    );
+    destroy_all::<DeallocPd>(&w, &pds[1..]);
+    let pd = pds[0];
+
+    // Address vectors.
+    let av = support::rc_path::grh_av(1, HCA_IPS[0][1]);
+    let avs = create_all::<CreateAv>(&w, &vec![(pd, av); l.max_avs as usize], "AV");
+    assert_ne!(
+        create_one::<CreateAv>(&w, pd, av).0,
+        IbStatus::Success,
+        "AV past the limit"
+    );
+    destroy_all::<DestroyAv>(&w, &avs);
+
+    // CQ entries, then CQs.
+    let cq_of = |cqe| ib_types::cq::CqAttr {
+        cqe,
+        comp_vector: 0,
+    };
+    let (status, big_cq) = create_one::<CreateCq>(&w, ca, cq_of(l.max_cqes));
+    assert_eq!(status, IbStatus::Success, "a CQ of max_cqes entries");
+    assert_eq!(
+        create_one::<CreateCq>(&w, ca, cq_of(l.max_cqes + 1)).0,
+        IbStatus::InvalidCqSize
+    );
+    let mut cqs = vec![big_cq];
+    cqs.extend(create_all::<CreateCq>(
+        &w,
+        &vec![(ca, cq_of(1)); l.max_cqs as usize - 1],
+        "CQ",
+    ));
+    assert_ne!(
+        create_one::<CreateCq>(&w, ca, cq_of(1)).0,
+        IbStatus::Success,
+        "CQ past the limit"
+    );
+    destroy_all::<DestroyCq>(&w, &cqs[2..]);
+    let (cq, cq2) = (cqs[0], cqs[1]);
+
+    // QPs: every port's two special QPs and general UD QPs up to the limit.
+    let mut qps = Vec::new();
+    for port in 1..=2u8 {
+        for qp_type in [QpType::Smi, QpType::Gsi] {
+            let input = qp_input(pd, cq, cq, qp_type, ONE_WR, Some(port));
+            let (status, qp) = create_one::<CreateQp>(&w, ca, input);
+            assert_eq!(status, IbStatus::Success, "{qp_type:?} on port {port}");
+            qps.push(qp);
+        }
+    }
+    let ud = qp_input(pd, cq, cq, QpType::Ud, ONE_WR, None);
+    let general = create_all::<CreateQp>(&w, &vec![(ca, ud); l.max_qps as usize - qps.len()], "QP");
+    assert_ne!(
+        create_one::<CreateQp>(&w, ca, ud).0,
+        IbStatus::Success,
+        "QP past the limit"
+    );
+
+    // Multicast: one QP in max_mcast_groups groups, max_qps_per_mcast_group
+    // QPs in one group; one more of each is refused.
+    let group = |n: u8| ib_types::mcast::McastGroup {
+        mgid: ib_types::scalars::Gid::from_ipv4([239, 1, 1, n]),
+        mlid: ib_types::scalars::Lid::default(),
+    };
+    let groups: Vec<_> = (0..l.max_mcast_groups as u8)
+        .map(|n| (general[0], group(n)))
+        .collect();
+    let mut members = create_all::<AttachMcast>(&w, &groups, "group");
+    let extra = group(l.max_mcast_groups as u8);
+    assert_eq!(
+        create_one::<AttachMcast>(&w, general[0], extra).0,
+        IbStatus::MaxMcastQpsReached
+    );
+    let more: Vec<_> = general[1..l.max_qps_per_mcast_group as usize]
+        .iter()
+        .map(|&qp| (qp, group(0)))
+        .collect();
+    members.extend(create_all::<AttachMcast>(&w, &more, "member"));
+    let next = general[l.max_qps_per_mcast_group as usize];
+    assert_eq!(
+        create_one::<AttachMcast>(&w, next, group(0)).0,
+        IbStatus::MaxMcastQpsReached
+    );
+    destroy_all::<DetachMcast>(&w, &members);
+    qps.extend(general);
+    destroy_all::<DestroyQp>(&w, &qps);
+    // The numbers are reused only after the quiet period.
+    w.host
+        .scheduler()
+        .advance(hca_miniport_core::verbs::qp::QPN_QUIET_PERIOD_NS)
+        .unwrap();
+
+    // Per QP: WRs (one-SGE RC QPs, whose WQEs take one basic block), SGEs,
+    // inline data; each exactly, then one more.
+    let rc = |caps: QpCaps| qp_input(pd, cq, cq2, QpType::Rc, caps, None);
+    let exactly = [
+        QpCaps {
+            max_send_wr: l.max_wrs_per_qp,
+            ..ONE_WR
+        },
+        QpCaps {
+            max_recv_wr: l.max_wrs_per_qp,
+            ..ONE_WR
+        },
+        QpCaps {
+            max_send_sge: l.max_sges,
+            ..ONE_WR
+        },
+        QpCaps {
+            max_recv_sge: l.max_sges,
+            ..ONE_WR
+        },
+        QpCaps {
+            max_inline_data: l.max_inline_data,
+            ..ONE_WR
+        },
+    ];
+    for caps in exactly {
+        let (status, qp) = create_one::<CreateQp>(&w, ca, rc(caps));
+        assert_eq!(status, IbStatus::Success, "{caps:?}");
+        destroy_all::<DestroyQp>(&w, &[qp]);
+    }
+    let one_more = [
+        (
+            QpCaps {
+                max_send_wr: l.max_wrs_per_qp + 1,
+                ..ONE_WR
+            },
+            IbStatus::InvalidMaxWrs,
+        ),
+        (
+            QpCaps {
+                max_recv_wr: l.max_wrs_per_qp + 1,
+                ..ONE_WR
+            },
+            IbStatus::InvalidMaxWrs,
+        ),
+        (
+            QpCaps {
+                max_send_sge: l.max_sges + 1,
+                ..ONE_WR
+            },
+            IbStatus::InvalidMaxSge,
+        ),
+        (
+            QpCaps {
+                max_recv_sge: l.max_sges + 1,
+                ..ONE_WR
+            },
+            IbStatus::InvalidMaxSge,
+        ),
+        (
+            QpCaps {
+                max_inline_data: l.max_inline_data + 1,
+                ..ONE_WR
+            },
+            IbStatus::InvalidParameter,
+        ),
+    ];
+    for (caps, refusal) in one_more {
+        assert_eq!(
+            create_one::<CreateQp>(&w, ca, rc(caps)).0,
+            refusal,
+            "{caps:?}"
+        );
+    }
+
+    // Reads and atomics in flight: both depths at the limit take an RC QP
+    // to RTS; one more is refused at RTR (responder resources) and at RTS
+    // (initiator depth).
+    let access = AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC;
+    assert_eq!(l.max_qp_rd_atomic, l.max_qp_resp_res);
+    let depth = l.max_qp_rd_atomic as u8;
+    let modify = |qp: u64, m: &ib_types::qp::QpModify| {
+        let r = w.call_in_dpc::<ModifyQp>(KERNEL, qp, m, 0);
+        response::<ModifyQp>(&r).status
+    };
+    let (_, qp) = create_one::<CreateQp>(&w, ca, rc(ONE_WR));
+    for m in rc_to_rts_steps(1, access, 2, HCA_IPS[0][1], depth) {
+        assert_eq!(modify(qp, &m), IbStatus::Success, "{m:?}");
+    }
+    let [init, mut rtr, _] = rc_to_rts_steps(1, access, 2, HCA_IPS[0][1], depth);
+    rtr.max_dest_rd_atomic = Some(depth + 1);
+    let (_, over_resp) = create_one::<CreateQp>(&w, ca, rc(ONE_WR));
+    assert_eq!(modify(over_resp, &init), IbStatus::Success);
+    assert_ne!(
+        modify(over_resp, &rtr),
+        IbStatus::Success,
+        "responder resources past the limit"
+    );
+    let [init, rtr, mut rts] = rc_to_rts_steps(1, access, 2, HCA_IPS[0][1], depth);
+    rts.max_rd_atomic = Some(depth + 1);
+    let (_, over_init) = create_one::<CreateQp>(&w, ca, rc(ONE_WR));
+    assert_eq!(modify(over_init, &init), IbStatus::Success);
+    assert_eq!(modify(over_init, &rtr), IbStatus::Success);
+    assert_ne!(
+        modify(over_init, &rts),
+        IbStatus::Success,
+        "initiator depth past the limit"
+    );
+    destroy_all::<DestroyQp>(&w, &[qp, over_resp, over_init]);
+
+    // SRQs: depth and SGEs exactly and one more, then the table.
+    let srq_of = |max_wr, max_sge| ib_types::srq::SrqCreate {
+        pd: PdHandle::from_raw(pd),
+        attr: ib_types::srq::SrqAttr {
+            max_wr,
+            max_sge,
+            srq_limit: 0,
+        },
+    };
+    let (status, deep) = create_one::<CreateSrq>(&w, ca, srq_of(l.max_srq_wrs, l.max_srq_sges));
+    assert_eq!(status, IbStatus::Success);
+    assert_eq!(
+        create_one::<CreateSrq>(&w, ca, srq_of(l.max_srq_wrs + 1, 1)).0,
+        IbStatus::InvalidSrqSize
+    );
+    assert_ne!(
+        create_one::<CreateSrq>(&w, ca, srq_of(1, l.max_srq_sges + 1)).0,
+        IbStatus::Success
+    );
+    let mut srqs = vec![deep];
+    srqs.extend(create_all::<CreateSrq>(
+        &w,
+        &vec![(ca, srq_of(1, 1)); l.max_srqs as usize - 1],
+        "SRQ",
+    ));
+    assert_ne!(
+        create_one::<CreateSrq>(&w, ca, srq_of(1, 1)).0,
+        IbStatus::Success,
+        "SRQ past the limit"
+    );
+    destroy_all::<DestroySrq>(&w, &srqs);
+
+    // The largest region: a physical one of exactly max_mr_size in 1 GiB
+    // pages (nothing behind them is touched), then one byte more.
+    let reg_phys = |length: u64| {
+        let gib = 1u64 << 30;
+        let num_pages = length.div_ceil(gib) as u32;
+        let input = ib_types::mr::PhysMrRegister {
+            iova: 0,
+            length,
+            first_byte_offset: 0,
+            page_shift: 30,
+            num_pages,
+            access: AccessFlags::LOCAL_WRITE,
+        };
+        let pages: Vec<u8> = (0..u64::from(num_pages))
+            .flat_map(|i| (i * gib).to_le_bytes())
+            .collect();
+        let mut bytes = vec![0; ib_types::ioctl::request_len::<RegPhysMr>(pages.len()).unwrap()];
+        ib_types::ioctl::encode_request::<RegPhysMr>(pd, &input, &pages, 0, &mut bytes).unwrap();
+        let out_len = ib_types::ioctl::response_len::<RegPhysMr>(0).unwrap();
+        let code = <RegPhysMr as ib_types::ioctl::Verb>::ID.ioctl().raw();
+        let (request, issuer) = w.raw_request(code, KERNEL, bytes, out_len);
+        let r = w.submit_in_dpc_at(0, request, issuer);
+        let resp = response::<RegPhysMr>(&r);
+        (resp.status, resp.handle)
+    };
+    let (status, largest) = reg_phys(l.max_mr_size);
+    assert_eq!(status, IbStatus::Success, "a region of max_mr_size bytes");
+    assert_eq!(reg_phys(l.max_mr_size + 1).0, IbStatus::InvalidParameter);
+    destroy_all::<DeregMr>(&w, &[largest]);
+
+    // Regions, then windows (they share the MPT table).
+    let block = w
+        .host
+        .pool()
+        .alloc(support::DRIVER, *b"Lim ", 4096)
+        .unwrap();
+    let region = ib_types::mr::MrRegister {
+        vaddr: block.va(),
+        length: 4096,
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND,
+    };
+    let mrs = create_all::<RegMr>(&w, &vec![(pd, region); l.max_mrs as usize], "MR");
+    assert_ne!(
+        create_one::<RegMr>(&w, pd, region).0,
+        IbStatus::Success,
+        "MR past the limit"
+    );
+    destroy_all::<DeregMr>(&w, &mrs);
+    let window = MwAttr {
+        mw_type: MwType::Type2,
+        rkey: RKey::new(0),
+    };
+    let mws = create_all::<AllocMw>(&w, &vec![(pd, window); l.max_mws as usize], "MW");
+    assert_ne!(
+        create_one::<AllocMw>(&w, pd, window).0,
+        IbStatus::Success,
+        "MW past the limit"
+    );
+    destroy_all::<DeallocMw>(&w, &mws);
+    w.host.pool().free(block);
+
+    destroy_all::<DestroyCq>(&w, &[cq, cq2]);
+    destroy_all::<DeallocPd>(&w, &[pd]);
+    w.finish();
+}

@@ -19,7 +19,13 @@
 //!   the bring-up report's capabilities and a `QUERY_PORT` per port (PRM
 //!   5.4), issued one after another from the DPC. When the block does not
 //!   fit the caller's private output the answer is [`IbStatus::Overflow`]
-//!   carrying the size needed (the framing's size report).
+//!   carrying the size needed (the framing's size report). Every limit
+//!   is what the verbs accept, exactly (`tests/verbs_caps.rs` creates each
+//!   up to it and one more): the tables' sizes (QPs counting every port's
+//!   SMI and GSI QP; regions and windows share the MPT table without its
+//!   index 0; PDs and AVs the core's tables), the device's per-queue
+//!   maxima (`max_wrs_per_qp` for a one-SGE RC QP, whose WQEs take one
+//!   basic block), inline bytes, multicast and read/atomic depths.
 //! - **Modify** (guide 6.1.3) is one `SET_PORT` (PRM 5.5): the capability
 //!   bits to set and clear as PortInfo CapabilityMask bits, the counter
 //!   resets as its flags. Query reads the mask back into port
@@ -60,9 +66,6 @@ pub const UVP_NAME: &str = "uvp_plugin";
 
 /// The page sizes the core registers memory with.
 const PAGE_SIZES: [u32; 1] = [4096];
-
-/// Address vectors reported in the CA limits (AVs are software objects).
-const MAX_AVS: u32 = 1 << 16;
 
 /// Bytes asked for a `QUERY_PORT` answer: a whole mailbox, which holds the
 /// fixed part and the tables of any port the PRM allows.
@@ -352,6 +355,9 @@ fn ca_attributes(report: &BringUpReport, ports: &[CommandOutput]) -> Result<Vec<
         }
     }
     let pow = |log: u8| 1u32.checked_shl(u32::from(log)).unwrap_or(u32::MAX);
+    // Regions and windows share the MPT table, stored at their index (at
+    // most `MAX_OBJECTS` of them), and index 0 is never a key (`mr`).
+    let mpt_keys = count(Table::Mpt).min(crate::resources::MAX_OBJECTS) - 1;
     let attr = CaAttr {
         node_guid: NodeGuid::new(cap.node_guid.get()),
         system_image_guid: SystemImageGuid::new(cap.system_image_guid.get()),
@@ -369,10 +375,11 @@ fn ca_attributes(report: &BringUpReport, ports: &[CommandOutput]) -> Result<Vec<
             max_srq_wrs: pow(cap.log_max_srq_wqes),
             max_srq_sges: cap.max_recv_sges.into(),
             max_pds: MAX_PDS,
-            max_mrs: count(Table::Mpt),
+            max_mrs: mpt_keys,
             max_mr_size: cap.max_mr_size.get(),
-            max_mws: count(Table::Mpt),
-            max_avs: MAX_AVS,
+            max_mws: mpt_keys,
+            // The AV table's size (AVs are software objects).
+            max_avs: super::av::MAX_AVS,
             max_mcast_groups: cap.max_mcast_groups.get(),
             max_qps_per_mcast_group: cap.max_qps_per_mcast_group.get(),
             max_qp_rd_atomic: cap.max_rd_atomic.into(),
