@@ -551,10 +551,12 @@ fn every_limit_query_ca_reports_is_exactly_what_works() {
         create_one::<CreateCq>(&w, ca, cq_of(l.max_cqes + 1)).0,
         IbStatus::InvalidCqSize
     );
-    let mut cqs = vec![big_cq];
+    let (status, big_cq2) = create_one::<CreateCq>(&w, ca, cq_of(l.max_cqes));
+    assert_eq!(status, IbStatus::Success);
+    let mut cqs = vec![big_cq, big_cq2];
     cqs.extend(create_all::<CreateCq>(
         &w,
-        &vec![(ca, cq_of(1)); l.max_cqs as usize - 1],
+        &vec![(ca, cq_of(1)); l.max_cqs as usize - 2],
         "CQ",
     ));
     assert_ne!(
@@ -822,5 +824,102 @@ fn every_limit_query_ca_reports_is_exactly_what_works() {
 
     destroy_all::<DestroyCq>(&w, &[cq, cq2]);
     destroy_all::<DeallocPd>(&w, &[pd]);
+    w.finish();
+}
+
+#[test]
+fn a_cq_never_takes_more_work_queue_entries_than_it_holds() {
+    use ib_types::ioctl::{CreateCq, CreateSrq, DestroyCq, DestroySrq, ResizeCq};
+    let w = World::deterministic(84);
+    w.install_kernel_locker(0);
+    let s = setup(&w, 0);
+    let cq_of = |cqe| ib_types::cq::CqAttr {
+        cqe,
+        comp_vector: 0,
+    };
+    let (status, small) = create_one::<CreateCq>(&w, s.ca, cq_of(16));
+    assert_eq!(status, IbStatus::Success);
+    let wrs = |send, recv| QpCaps {
+        max_send_wr: send,
+        max_recv_wr: recv,
+        ..ONE_WR
+    };
+    let rc = |send_cq, recv_cq, caps| qp_input(s.pd, send_cq, recv_cq, QpType::Rc, caps, None);
+
+    // Guide 8.2.3 item 1: 8 sends and 8 receives fill the 16 entries;
+    // one more WR anywhere could overflow the CQ, so the QP is refused.
+    let (status, full) = create_one::<CreateQp>(&w, s.ca, rc(small, small, wrs(8, 8)));
+    assert_eq!(status, IbStatus::Success);
+    assert_eq!(
+        create_one::<CreateQp>(&w, s.ca, rc(small, s.cq, wrs(1, 1))).0,
+        IbStatus::InsufficientResources,
+        "a send queue past the CQ's room"
+    );
+    assert_eq!(
+        create_one::<CreateQp>(&w, s.ca, rc(s.cq, small, wrs(1, 1))).0,
+        IbStatus::InsufficientResources,
+        "a receive queue past the CQ's room"
+    );
+    // Nor may a resize shrink the CQ below its QPs' work queues; growing
+    // it makes room.
+    let resize = |cq: u64, cqe: u32| {
+        let r = w.call_in_dpc::<ResizeCq>(KERNEL, cq, &cq_of(cqe), 0);
+        response::<ResizeCq>(&r).status
+    };
+    assert_eq!(resize(small, 8), IbStatus::InvalidCqSize);
+    assert_eq!(resize(small, 32), IbStatus::Success);
+    let (status, second) = create_one::<CreateQp>(&w, s.ca, rc(small, small, wrs(8, 8)));
+    assert_eq!(status, IbStatus::Success);
+    assert_eq!(resize(small, 16), IbStatus::InvalidCqSize);
+    // Destroying a QP gives its room back.
+    destroy_all::<DestroyQp>(&w, &[second]);
+    let (status, third) = create_one::<CreateQp>(&w, s.ca, rc(small, s.cq, wrs(16, 1)));
+    assert_eq!(status, IbStatus::Success);
+    destroy_all::<DestroyQp>(&w, &[full, third]);
+
+    // Receives from an SRQ complete once each, whichever of its QPs takes
+    // them: the SRQ's depth counts once per CQ.
+    let srq_input = ib_types::srq::SrqCreate {
+        pd: PdHandle::from_raw(s.pd),
+        attr: ib_types::srq::SrqAttr {
+            max_wr: 8,
+            max_sge: 1,
+            srq_limit: 0,
+        },
+    };
+    let (status, srq) = create_one::<CreateSrq>(&w, s.ca, srq_input);
+    assert_eq!(status, IbStatus::Success);
+    let on_srq = QpCreate {
+        srq: Some(ib_types::handle::SrqHandle::from_raw(srq)),
+        ..rc(s.cq, small, wrs(1, 0))
+    };
+    let on_srq = QpCreate {
+        caps: QpCaps {
+            max_recv_wr: 0,
+            max_recv_sge: 0,
+            ..on_srq.caps
+        },
+        ..on_srq
+    };
+    let sharing = create_all::<CreateQp>(&w, &[(s.ca, on_srq); 3], "QP on the SRQ");
+    // 32 entries: 8 for the SRQ, 16 + 8 for two send queues.
+    let rest = create_all::<CreateQp>(
+        &w,
+        &[
+            (s.ca, rc(small, s.cq, wrs(16, 1))),
+            (s.ca, rc(small, s.cq, wrs(8, 1))),
+        ],
+        "send queues",
+    );
+    assert_eq!(
+        create_one::<CreateQp>(&w, s.ca, rc(small, s.cq, wrs(1, 1))).0,
+        IbStatus::InsufficientResources
+    );
+    destroy_all::<DestroyQp>(&w, &sharing);
+    destroy_all::<DestroyQp>(&w, &rest);
+    destroy_all::<DestroySrq>(&w, &[srq]);
+    destroy_all::<DestroyCq>(&w, &[small]);
+    let _ = poll_all(&w, 0, s.cq);
+    teardown(&w, &s);
     w.finish();
 }
