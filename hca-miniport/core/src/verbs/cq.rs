@@ -26,7 +26,7 @@
 //!   cannot be recovered): each CQ counts the CQEs the work queues of the
 //!   kernel QPs completing on it can have outstanding (every WR of a send
 //!   or receive queue, an SRQ's depth once however many of its QPs complete
-//!   here, [`Room`]). A CreateQp whose queues would take a CQ past its
+//!   here, `Room`). A CreateQp whose queues would take a CQ past its
 //!   entries answers [`IbStatus::InsufficientResources`] (nothing created),
 //!   and a resize below the count [`IbStatus::InvalidCqSize`]; destroying
 //!   the QP gives its share back. Not counted: the completions a destroyed
@@ -120,7 +120,7 @@ pub(super) struct Ring<B> {
     pub(super) backlog: alloc::collections::VecDeque<WorkCompletion>,
     /// How the client last armed the CQ, until its completion event.
     pub(super) armed: Option<CqNotify>,
-    /// The CQEs kernel QPs may have outstanding here ([`Room`]).
+    /// The CQEs kernel QPs may have outstanding here (`Room`).
     pub(super) room: Room,
     /// The size (`log2`) a resize under way moves to: until it ends, a
     /// QP's work queues must fit both rings.
@@ -354,7 +354,7 @@ impl<P: Platform> Hca<P> {
 
     /// Records that kernel QP `qpn` may have `send` CQEs outstanding on
     /// `send_cq` and `recv` on `recv_cq` (the same CQ or two), if they fit
-    /// ([`Room`]); else [`IbStatus::InsufficientResources`] and nothing
+    /// (`Room`); else [`IbStatus::InsufficientResources`] and nothing
     /// recorded. A CQ under resize must hold them in its smaller ring.
     pub(super) fn commit_cq_room(
         &self,
