@@ -923,3 +923,43 @@ fn a_cq_never_takes_more_work_queue_entries_than_it_holds() {
     teardown(&w, &s);
     w.finish();
 }
+
+#[test]
+fn the_srq_depth_reported_is_the_one_the_core_builds_not_the_devices() {
+    use ib_types::ioctl::{AllocPd, CreateSrq, DeallocPd, DestroySrq, OpenCa, OpenCaIn, QueryCa};
+    // A device allowing deeper SRQs than the core's 16-bit WQE index.
+    let mut device = small_device();
+    device.limits.log_max_srq_wqes = 17;
+    let w = World::with_hcas(
+        85,
+        vec![device],
+        hca_miniport_core::init::HcaConfig::default(),
+    );
+    let r = w.call_in_dpc::<OpenCa>(KERNEL, 0, &OpenCaIn::CURRENT, 0);
+    let ca = response::<OpenCa>(&r).handle;
+    let r = w.call_in_dpc::<QueryCa>(KERNEL, ca, &Empty, 16);
+    let needed = response::<QueryCa>(&r).output.unwrap().total_size;
+    let r = w.call_in_dpc::<QueryCa>(KERNEL, ca, &Empty, needed);
+    let l = ib_types::ca::CaAttrView::parse(response::<QueryCa>(&r).private)
+        .unwrap()
+        .attr()
+        .limits;
+    let (_, pd) = create_one::<AllocPd>(&w, ca, Empty);
+    let srq_of = |max_wr| ib_types::srq::SrqCreate {
+        pd: PdHandle::from_raw(pd),
+        attr: ib_types::srq::SrqAttr {
+            max_wr,
+            max_sge: 1,
+            srq_limit: 0,
+        },
+    };
+    let (status, srq) = create_one::<CreateSrq>(&w, ca, srq_of(l.max_srq_wrs));
+    assert_eq!(status, IbStatus::Success, "{} WRs", l.max_srq_wrs);
+    assert_eq!(
+        create_one::<CreateSrq>(&w, ca, srq_of(l.max_srq_wrs + 1)).0,
+        IbStatus::InvalidSrqSize
+    );
+    destroy_all::<DestroySrq>(&w, &[srq]);
+    destroy_all::<DeallocPd>(&w, &[pd]);
+    w.finish();
+}

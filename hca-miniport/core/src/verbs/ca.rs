@@ -367,12 +367,14 @@ fn ca_attributes(report: &BringUpReport, ports: &[CommandOutput]) -> Result<Vec<
         fw_version: report.fw_version,
         limits: CaLimits {
             max_qps: count(Table::Qpc),
-            max_wrs_per_qp: pow(cap.log_max_wqes),
+            // The depths the QP and SRQ verbs accept: the device's, within
+            // the core's own bounds.
+            max_wrs_per_qp: pow(cap.log_max_wqes.min(super::qp::MAX_LOG_WQES)),
             max_sges: cap.max_send_sges.into(),
             max_cqs: count(Table::Cqc),
             max_cqes: pow(cap.log_max_cqes),
             max_srqs: count(Table::Srqc),
-            max_srq_wrs: pow(cap.log_max_srq_wqes),
+            max_srq_wrs: pow(cap.log_max_srq_wqes.min(super::srq::LOG_MAX_INDEX)),
             max_srq_sges: cap.max_recv_sges.into(),
             max_pds: MAX_PDS,
             max_mrs: mpt_keys,
