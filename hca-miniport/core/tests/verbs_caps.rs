@@ -963,3 +963,69 @@ fn the_srq_depth_reported_is_the_one_the_core_builds_not_the_devices() {
     destroy_all::<DeallocPd>(&w, &[pd]);
     w.finish();
 }
+
+#[test]
+fn the_inline_size_reported_fits_the_largest_send_wqe() {
+    use ib_types::ioctl::{AllocPd, CreateCq, DeallocPd, DestroyCq, OpenCa, OpenCaIn, QueryCa};
+    // 128-byte send WQEs: less inline room than the 256 bytes the device
+    // would copy.
+    let mut device = small_device();
+    device.limits.log_max_wqe_size = 7;
+    device.limits.max_inline_bytes = 256;
+    let w = World::with_hcas(
+        86,
+        vec![device],
+        hca_miniport_core::init::HcaConfig::default(),
+    );
+    let r = w.call_in_dpc::<OpenCa>(KERNEL, 0, &OpenCaIn::CURRENT, 0);
+    let ca = response::<OpenCa>(&r).handle;
+    let r = w.call_in_dpc::<QueryCa>(KERNEL, ca, &Empty, 16);
+    let needed = response::<QueryCa>(&r).output.unwrap().total_size;
+    let r = w.call_in_dpc::<QueryCa>(KERNEL, ca, &Empty, needed);
+    let l = ib_types::ca::CaAttrView::parse(response::<QueryCa>(&r).private)
+        .unwrap()
+        .attr()
+        .limits;
+    let (_, pd) = create_one::<AllocPd>(&w, ca, Empty);
+    let (_, cq) = create_one::<CreateCq>(
+        &w,
+        ca,
+        ib_types::cq::CqAttr {
+            cqe: 16,
+            comp_vector: 0,
+        },
+    );
+    let uc = |inline| {
+        qp_input(
+            pd,
+            cq,
+            cq,
+            QpType::Uc,
+            QpCaps {
+                max_inline_data: inline,
+                ..ONE_WR
+            },
+            None,
+        )
+    };
+    let r = w.call_in_dpc::<CreateQp>(KERNEL, ca, &uc(l.max_inline_data), 0);
+    let created = response::<CreateQp>(&r);
+    assert_eq!(
+        created.status,
+        IbStatus::Success,
+        "{} inline bytes",
+        l.max_inline_data
+    );
+    assert_eq!(
+        created.output.unwrap().caps.max_inline_data,
+        l.max_inline_data
+    );
+    assert_eq!(
+        create_one::<CreateQp>(&w, ca, uc(l.max_inline_data + 1)).0,
+        IbStatus::InvalidParameter
+    );
+    destroy_all::<DestroyQp>(&w, &[created.handle]);
+    destroy_all::<DestroyCq>(&w, &[cq]);
+    destroy_all::<DeallocPd>(&w, &[pd]);
+    w.finish();
+}

@@ -332,6 +332,18 @@ fn port_caps(mask: u32) -> PortCaps {
     caps
 }
 
+/// The most inline bytes a QP can be granted: the device's limit, within
+/// the largest send WQE the QP verbs build less its control segment, the
+/// smallest transport prefix (UC's remote-address segment) and the inline
+/// header (`qp::geometry`).
+fn max_inline_data(cap: &hca_prm::cmd::DevCap) -> u32 {
+    use hca_prm::wqe::{MAX_SEND_WQE_BYTES, SEG_SIZE};
+    let log = cap.log_max_wqe_size.min(super::qp::MAX_LOG_WQE_SIZE);
+    let wqe = (1usize << log).min(MAX_SEND_WQE_BYTES);
+    let room = wqe.saturating_sub(2 * SEG_SIZE + 4) as u32;
+    u32::from(cap.max_inline_bytes.get()).min(room)
+}
+
 /// The CA attribute block (guide 6.1.2, `ib_types::ca`) from the bring-up
 /// report and one `QUERY_PORT` answer per port, in port order.
 fn ca_attributes(report: &BringUpReport, ports: &[CommandOutput]) -> Result<Vec<u8>, IbStatus> {
@@ -386,7 +398,7 @@ fn ca_attributes(report: &BringUpReport, ports: &[CommandOutput]) -> Result<Vec<
             max_qps_per_mcast_group: cap.max_qps_per_mcast_group.get(),
             max_qp_rd_atomic: cap.max_rd_atomic.into(),
             max_qp_resp_res: cap.max_rd_atomic.into(),
-            max_inline_data: cap.max_inline_bytes.get().into(),
+            max_inline_data: max_inline_data(cap),
         },
         local_ack_delay: cap.local_ack_delay.min(31),
         atomicity: if flags.contains(DevCapFlags::ATOMICS) {
