@@ -60,6 +60,14 @@ pub trait MemoryLocker: Send + Sync {
         len: u64,
         writable: bool,
     ) -> Result<Self::Pages, NtStatus>;
+
+    /// Copies `out.len()` bytes of kernel memory at virtual address `va`
+    /// into `out`: the CPU reading a kernel client's buffer, as the data of
+    /// an inline send (copied into the WQE, never seen by the device).
+    /// DISPATCH_LEVEL or below; the memory must be resident (non-paged), as
+    /// a kernel client's buffers at DISPATCH_LEVEL are. A range that is not
+    /// kernel memory is refused and nothing is copied.
+    fn read_kernel(&self, va: u64, out: &mut [u8]) -> Result<(), NtStatus>;
 }
 
 /// A live mapping of locked pages: one bus address per page.

@@ -658,6 +658,13 @@ impl MemoryLocker for HostLocker {
             pages,
         })
     }
+
+    fn read_kernel(&self, va: u64, out: &mut [u8]) -> Result<(), NtStatus> {
+        crate::irql::check_max("read kernel memory", driver_platform::Irql::DISPATCH);
+        self.kernel
+            .read(va, out)
+            .map_err(|_| STATUS_ACCESS_VIOLATION)
+    }
 }
 
 /// Locked pages (an MDL): the pages spanning `va..va+len`, first to last.

@@ -44,19 +44,22 @@
 //!   [`CiProvider::post_srq_recv`], [`CiProvider::poll_cq`],
 //!   [`CiProvider::arm_cq`]: direct calls, DISPATCH_LEVEL, no allocation,
 //!   no request. A UD send names its destination by an AV handle
-//!   (`CreateAv`), resolved here; an inline send is refused with
-//!   [`IbStatus::InvalidParameter`] (the core never reads a caller's
-//!   addresses, and a kernel caller's SGEs are registered I/O virtual
-//!   addresses, not CPU pointers).
+//!   (`CreateAv`), resolved here. An INLINE send's SGEs are kernel
+//!   virtual addresses of resident memory (as IBAL's inline option): the
+//!   provider copies their bytes into the WQE through the shell's kernel
+//!   memory access (`MemoryLocker::read_kernel`), up to the QP's granted
+//!   `max_inline_data`; every other SGE is a registered address the
+//!   device translates, never dereferenced by the CPU.
 
 use alloc::sync::Arc;
 
 use driver_platform::{Event, Irql, IrqlQuery, Platform};
+use hca_prm::wqe::MAX_SEND_WQE_BYTES;
 use ib_types::interface::{CI_INTERFACE_VERSION, InterfaceVersion, UvpName};
 use ib_types::scalars::NodeGuid;
 use ib_types::status::IbStatus;
 use ib_types::wc::WorkCompletion;
-use ib_types::wr::{RecvWr, SendFlags, SendWr};
+use ib_types::wr::{RecvWr, SendFlags, SendWr, Sge};
 
 use crate::hca::Hca;
 use crate::verbs::qp::SendRequest;
@@ -196,23 +199,57 @@ where
     /// Posts send WRs to the kernel QP `qp`; returns how many were posted
     /// and the status of the first that was not (earlier ones stay
     /// posted). A UD WR's AV handle is resolved to the device's address
-    /// vector ([`IbStatus::InvalidAvHandle`] if stale); an inline WR is
-    /// [`IbStatus::InvalidParameter`]. Callable at DISPATCH_LEVEL.
+    /// vector ([`IbStatus::InvalidAvHandle`] if stale). An INLINE WR's
+    /// SGEs are kernel virtual addresses of resident memory whose bytes
+    /// are copied into the WQE ([`Hca::gather_kernel_inline`]); more than
+    /// the QP's granted `max_inline_data` is refused by the core's checks
+    /// with [`IbStatus::InvalidParameter`], nothing of it posted. Callable
+    /// at DISPATCH_LEVEL; no allocation (inline data is gathered into one
+    /// stack buffer of [`MAX_SEND_WQE_BYTES`], handed to the core batch by
+    /// batch).
     pub fn post_send(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
+        let mut inline_data = [0u8; MAX_SEND_WQE_BYTES];
         let mut posted = 0;
-        for chunk in wrs.chunks(SEND_BATCH) {
-            let mut batch = [SendRequest {
-                wr: chunk[0],
-                av: None,
-                inline: None,
-            }; SEND_BATCH];
+        let mut at = 0;
+        while at < wrs.len() {
+            // One batch: up to SEND_BATCH WRs whose inline data fits the
+            // buffer together, each with its AV and its slice of the data.
+            let mut batch = [(None, None); SEND_BATCH];
             let mut ready = 0;
+            let mut used = 0;
             let mut refusal = None;
-            for wr in chunk {
-                if wr.flags.contains(SendFlags::INLINE) {
-                    refusal = Some(IbStatus::InvalidParameter);
+            while let Some(wr) = wrs.get(at + ready) {
+                if ready == SEND_BATCH {
                     break;
                 }
+                let inline = if wr.flags.contains(SendFlags::INLINE) {
+                    // Checked first, so a WR whose data can never fit is
+                    // refused rather than taken for a full buffer.
+                    let len = Sge::total_len(wr.sg_list).map(|len| len as usize);
+                    if len.is_none_or(|len| len > MAX_SEND_WQE_BYTES) {
+                        refusal = Some(IbStatus::InvalidParameter);
+                        break;
+                    }
+                    let Some(room) = inline_data.get_mut(used..) else {
+                        break;
+                    };
+                    match self.hca.gather_kernel_inline(wr.sg_list, room) {
+                        Ok(len) => {
+                            used += len;
+                            Some((used - len, used))
+                        }
+                        // No room left behind the batch's earlier data:
+                        // post those first, then this WR with a fresh
+                        // buffer.
+                        Err(IbStatus::InvalidParameter) if ready > 0 && used > 0 => break,
+                        Err(status) => {
+                            refusal = Some(status);
+                            break;
+                        }
+                    }
+                } else {
+                    None
+                };
                 let av = match wr.ud {
                     None => None,
                     Some(dest) => match self.hca.av_for_post(dest.av.raw()) {
@@ -223,19 +260,28 @@ where
                         }
                     },
                 };
-                batch[ready] = SendRequest {
-                    wr: *wr,
-                    av,
-                    inline: None,
-                };
+                batch[ready] = (av, inline);
                 ready += 1;
             }
             if ready > 0 {
-                let (done, status) = self.hca.post_send(qp, &batch[..ready]);
+                let mut requests = [SendRequest {
+                    wr: wrs[at],
+                    av: None,
+                    inline: None,
+                }; SEND_BATCH];
+                for (i, (av, inline)) in batch[..ready].iter().enumerate() {
+                    requests[i] = SendRequest {
+                        wr: wrs[at + i],
+                        av: *av,
+                        inline: inline.map(|(from, to)| &inline_data[from..to]),
+                    };
+                }
+                let (done, status) = self.hca.post_send(qp, &requests[..ready]);
                 posted += done;
                 if status != IbStatus::Success {
                     return (posted, status);
                 }
+                at += ready;
             }
             if let Some(status) = refusal {
                 return (posted, status);

@@ -256,7 +256,7 @@ fn the_fast_path_refuses_bad_input_and_changes_nothing() {
     }
     w.settle();
     let log = lock(&outcome).clone();
-    assert_eq!(log[0], (0, IbStatus::InvalidParameter), "inline refused");
+    assert_eq!(log[0], (0, IbStatus::InvalidQpHandle), "no such QP");
     assert_eq!(log[1], (0, IbStatus::InvalidAvHandle), "stale AV refused");
     assert_eq!(log[2], (0, IbStatus::Success), "an empty batch");
     assert_eq!(log[3].0, 0);

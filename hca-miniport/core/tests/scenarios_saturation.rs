@@ -97,11 +97,12 @@ fn saturated(seed: u64) {
     let n = 3 * slots;
     let (ca, _) = call::<OpenCa>(&w, 0, &OpenCaIn::CURRENT);
     let (pd, _) = call::<AllocPd>(&w, ca, &Empty);
+    // Room for every QP's work queues (the CQ-overflow rule, `cq::Room`).
     let (qp_cq, _) = call::<CreateCq>(
         &w,
         ca,
         &CqAttr {
-            cqe: 256,
+            cqe: 1024,
             comp_vector: 0,
         },
     );
@@ -278,11 +279,12 @@ fn device_stops_answering(seed: u64) {
     let n = 2 * slots;
     let (ca, _) = call::<OpenCa>(&w, 0, &OpenCaIn::CURRENT);
     let (pd, _) = call::<AllocPd>(&w, ca, &Empty);
+    // Room for every QP's work queues (the CQ-overflow rule, `cq::Room`).
     let (cq, _) = call::<CreateCq>(
         &w,
         ca,
         &CqAttr {
-            cqe: 64,
+            cqe: 1024,
             comp_vector: 0,
         },
     );
@@ -318,7 +320,7 @@ fn device_stops_answering(seed: u64) {
         &w,
         cq,
         &CqAttr {
-            cqe: 256,
+            cqe: 2048,
             comp_vector: 0,
         },
     );

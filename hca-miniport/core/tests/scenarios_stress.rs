@@ -359,14 +359,16 @@ fn check_writes(rig: &Rig, wcs: &[WorkCompletion], ids: std::ops::Range<u64>) {
 }
 
 fn resize_under_traffic(seed: u64) {
-    let mut rig = Rig::new(seed, 64);
+    // 128 entries: the QP's queues need 68 (64 sends, 4 receives), and a
+    // CQ smaller than that is refused (guide 8.2.3 item 1, `cq::Room`).
+    let mut rig = Rig::new(seed, 128);
     let mut polled: Vec<WorkCompletion> = Vec::new();
     let old = rig.cq_size(rig.cq_a);
-    assert_eq!(old, 64);
+    assert_eq!(old, 128);
     // Grow, shrink to a size that fits, shrink to the original: each
     // resize issued while a batch of writes is being executed and a
     // poller runs, all as DPCs the scheduler interleaves.
-    for (round, size) in [256u32, 128, 64, 200].into_iter().enumerate() {
+    for (round, size) in [512u32, 256, 128, 200].into_iter().enumerate() {
         let wrs = rig.writes(48);
         let posted = rig.post_in_dpc(wrs);
         let resize = rig.submit_in_dpc::<ResizeCq>(
@@ -403,8 +405,9 @@ fn resize_under_traffic(seed: u64) {
     }
 
     // A shrink that cannot fit: 48 completions wait in the CQ, the resize
-    // asks for 16 while 8 more writes run. Refused with the old ring
-    // intact: every completion is still there, in order.
+    // asks for 16 while 8 more writes run. Refused (less than the QP's
+    // work queues) with the old ring intact: every completion is still
+    // there, in order.
     let before = rig.cq_size(rig.cq_a);
     let first = rig.next;
     let wrs = rig.writes(48);

@@ -929,8 +929,16 @@ fn a_destroyed_qps_number_is_reused_only_after_the_quiet_period() {
     };
     let w = World::with_hcas(43, vec![support::two_port_hca()], config);
     let s = setup(&w);
-    // 8 numbers: 0..4 the two ports' special QPs, 4..8 general.
-    let rc = qp_create(&s, QpType::Rc, None);
+    // 8 numbers: 0..4 the two ports' special QPs, 4..8 general. Small
+    // queues, so five QPs fit the 64-entry CQ (`cq::Room`).
+    let rc = QpCreate {
+        caps: QpCaps {
+            max_send_wr: 4,
+            max_recv_wr: 4,
+            ..caps()
+        },
+        ..qp_create(&s, QpType::Rc, None)
+    };
     let mut live = Vec::new();
     for _ in 0..4 {
         let (status, qp, created) = create(&w, KERNEL, &s, &rc);

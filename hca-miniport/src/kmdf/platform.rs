@@ -54,8 +54,8 @@ use wdk_sys::ntddk::{
     ExReleaseSpinLockShared, IoAllocateMdl, IoFreeMdl, KeAcquireSpinLockRaiseToDpc, KeClearEvent,
     KeGetCurrentIrql, KeGetCurrentProcessorNumberEx, KeInitializeEvent,
     KeQueryInterruptTimePrecise, KeReadStateEvent, KeReleaseSpinLock, KeSetEvent,
-    KeWaitForSingleObject, MmBuildMdlForNonPagedPool, MmUnlockPages, MmUnmapLockedPages,
-    PsGetCurrentProcessId,
+    KeWaitForSingleObject, MmBuildMdlForNonPagedPool, MmIsAddressValid, MmUnlockPages,
+    MmUnmapLockedPages, PsGetCurrentProcessId,
 };
 use wdk_sys::{
     _EVENT_TYPE, _KWAIT_REASON, _MODE, _WDF_DMA_DIRECTION, BOOLEAN, EX_SPIN_LOCK, FALSE, HANDLE,
@@ -676,6 +676,40 @@ impl MemoryLocker for MdlLocker {
             len,
             writable,
         })
+    }
+
+    fn read_kernel(&self, va: u64, out: &mut [u8]) -> Result<(), NtStatus> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        let Some(last) = va.checked_add(out.len() as u64 - 1) else {
+            return Err(INVALID_PARAMETER);
+        };
+        // 64-bit Windows keeps kernel space in the upper half of the
+        // canonical address space: a user address is never read here.
+        if (va as i64) >= 0 {
+            return Err(INVALID_PARAMETER);
+        }
+        // Every page must be resident now; kernel clients' buffers at
+        // DISPATCH_LEVEL are non-paged, so this stays true while copying.
+        let mut page = va & !(sg_pages::PAGE_SIZE - 1);
+        while page <= last {
+            // SAFETY: only asks whether the address would fault now.
+            if unsafe { MmIsAddressValid(page as usize as PVOID) } == 0 {
+                return Err(INVALID_PARAMETER);
+            }
+            match page.checked_add(sg_pages::PAGE_SIZE) {
+                Some(next) => page = next,
+                None => break,
+            }
+        }
+        // SAFETY: the range is kernel memory, every page of it resident
+        // (checked above) and non-paged by the CI contract for inline data;
+        // `out` is ours, so the two do not overlap.
+        unsafe {
+            ptr::copy_nonoverlapping(va as usize as *const u8, out.as_mut_ptr(), out.len());
+        }
+        Ok(())
     }
 }
 

@@ -19,7 +19,13 @@
 //!   the bring-up report's capabilities and a `QUERY_PORT` per port (PRM
 //!   5.4), issued one after another from the DPC. When the block does not
 //!   fit the caller's private output the answer is [`IbStatus::Overflow`]
-//!   carrying the size needed (the framing's size report).
+//!   carrying the size needed (the framing's size report). Every limit
+//!   is what the verbs accept, exactly (`tests/verbs_caps.rs` creates each
+//!   up to it and one more): the tables' sizes (QPs counting every port's
+//!   SMI and GSI QP; regions and windows share the MPT table without its
+//!   index 0; PDs and AVs the core's tables), the device's per-queue
+//!   maxima (`max_wrs_per_qp` for a one-SGE RC QP, whose WQEs take one
+//!   basic block), inline bytes, multicast and read/atomic depths.
 //! - **Modify** (guide 6.1.3) is one `SET_PORT` (PRM 5.5): the capability
 //!   bits to set and clear as PortInfo CapabilityMask bits, the counter
 //!   resets as its flags. Query reads the mask back into port
@@ -60,9 +66,6 @@ pub const UVP_NAME: &str = "uvp_plugin";
 
 /// The page sizes the core registers memory with.
 const PAGE_SIZES: [u32; 1] = [4096];
-
-/// Address vectors reported in the CA limits (AVs are software objects).
-const MAX_AVS: u32 = 1 << 16;
 
 /// Bytes asked for a `QUERY_PORT` answer: a whole mailbox, which holds the
 /// fixed part and the tables of any port the PRM allows.
@@ -329,6 +332,18 @@ fn port_caps(mask: u32) -> PortCaps {
     caps
 }
 
+/// The most inline bytes a QP can be granted: the device's limit, within
+/// the largest send WQE the QP verbs build less its control segment, the
+/// smallest transport prefix (UC's remote-address segment) and the inline
+/// header (`qp::geometry`).
+fn max_inline_data(cap: &hca_prm::cmd::DevCap) -> u32 {
+    use hca_prm::wqe::{MAX_SEND_WQE_BYTES, SEG_SIZE};
+    let log = cap.log_max_wqe_size.min(super::qp::MAX_LOG_WQE_SIZE);
+    let wqe = (1usize << log).min(MAX_SEND_WQE_BYTES);
+    let room = wqe.saturating_sub(2 * SEG_SIZE + 4) as u32;
+    u32::from(cap.max_inline_bytes.get()).min(room)
+}
+
 /// The CA attribute block (guide 6.1.2, `ib_types::ca`) from the bring-up
 /// report and one `QUERY_PORT` answer per port, in port order.
 fn ca_attributes(report: &BringUpReport, ports: &[CommandOutput]) -> Result<Vec<u8>, IbStatus> {
@@ -352,6 +367,9 @@ fn ca_attributes(report: &BringUpReport, ports: &[CommandOutput]) -> Result<Vec<
         }
     }
     let pow = |log: u8| 1u32.checked_shl(u32::from(log)).unwrap_or(u32::MAX);
+    // Regions and windows share the MPT table, stored at their index (at
+    // most `MAX_OBJECTS` of them), and index 0 is never a key (`mr`).
+    let mpt_keys = count(Table::Mpt).min(crate::resources::MAX_OBJECTS) - 1;
     let attr = CaAttr {
         node_guid: NodeGuid::new(cap.node_guid.get()),
         system_image_guid: SystemImageGuid::new(cap.system_image_guid.get()),
@@ -361,23 +379,26 @@ fn ca_attributes(report: &BringUpReport, ports: &[CommandOutput]) -> Result<Vec<
         fw_version: report.fw_version,
         limits: CaLimits {
             max_qps: count(Table::Qpc),
-            max_wrs_per_qp: pow(cap.log_max_wqes),
+            // The depths the QP and SRQ verbs accept: the device's, within
+            // the core's own bounds.
+            max_wrs_per_qp: pow(cap.log_max_wqes.min(super::qp::MAX_LOG_WQES)),
             max_sges: cap.max_send_sges.into(),
             max_cqs: count(Table::Cqc),
             max_cqes: pow(cap.log_max_cqes),
             max_srqs: count(Table::Srqc),
-            max_srq_wrs: pow(cap.log_max_srq_wqes),
+            max_srq_wrs: pow(cap.log_max_srq_wqes.min(super::srq::LOG_MAX_INDEX)),
             max_srq_sges: cap.max_recv_sges.into(),
             max_pds: MAX_PDS,
-            max_mrs: count(Table::Mpt),
+            max_mrs: mpt_keys,
             max_mr_size: cap.max_mr_size.get(),
-            max_mws: count(Table::Mpt),
-            max_avs: MAX_AVS,
+            max_mws: mpt_keys,
+            // The AV table's size (AVs are software objects).
+            max_avs: super::av::MAX_AVS,
             max_mcast_groups: cap.max_mcast_groups.get(),
             max_qps_per_mcast_group: cap.max_qps_per_mcast_group.get(),
             max_qp_rd_atomic: cap.max_rd_atomic.into(),
             max_qp_resp_res: cap.max_rd_atomic.into(),
-            max_inline_data: cap.max_inline_bytes.get().into(),
+            max_inline_data: max_inline_data(cap),
         },
         local_ack_delay: cap.local_ack_delay.min(31),
         atomicity: if flags.contains(DevCapFlags::ATOMICS) {

@@ -22,6 +22,16 @@
 //!   outstanding entries do not fit fails (`EXCEED_LIMIT`, answered
 //!   [`IbStatus::InvalidCqSize`]) and leaves the old ring in use. A resize
 //!   to the current size answers at once.
+//! - **Room** (guide 8.2.3 item 1: CQ overflow is prevented, since it
+//!   cannot be recovered): each CQ counts the CQEs the work queues of the
+//!   kernel QPs completing on it can have outstanding (every WR of a send
+//!   or receive queue, an SRQ's depth once however many of its QPs complete
+//!   here, `Room`). A CreateQp whose queues would take a CQ past its
+//!   entries answers [`IbStatus::InsufficientResources`] (nothing created),
+//!   and a resize below the count [`IbStatus::InvalidCqSize`]; destroying
+//!   the QP gives its share back. Not counted: the completions a destroyed
+//!   QP left unpolled (its share is returned at destroy), and user-mode
+//!   QPs (`verbs::user`), whose providers own their rings.
 //! - **Destroy** (guide 6.8.3): refused with [`IbStatus::ResourceBusy`]
 //!   while a QP references the CQ ([`Hca::reference_cq`]); otherwise
 //!   `HW2SW_CQ`, and only when its completion is processed is the number
@@ -110,6 +120,78 @@ pub(super) struct Ring<B> {
     pub(super) backlog: alloc::collections::VecDeque<WorkCompletion>,
     /// How the client last armed the CQ, until its completion event.
     pub(super) armed: Option<CqNotify>,
+    /// The CQEs kernel QPs may have outstanding here (`Room`).
+    pub(super) room: Room,
+    /// The size (`log2`) a resize under way moves to: until it ends, a
+    /// QP's work queues must fit both rings.
+    pub(super) resizing_to: Option<u8>,
+}
+
+/// How many CQEs the work queues of the kernel QPs using a CQ can have
+/// outstanding at once (guide 8.2.3 item 1: CQ overflow is prevented, not
+/// recovered): a send queue's and a receive queue's depth each (every WR
+/// completes, flushed ones included), an SRQ's depth once however many of
+/// its QPs complete here (each of its WQEs completes once). A QP whose
+/// queues would take the total past the CQ's entries is refused, and so
+/// is a resize below it.
+#[derive(Debug, Default)]
+pub(super) struct Room {
+    total: u32,
+    /// Per QP number: its own WQs' depth here, and its SRQ's raw handle if
+    /// its receives complete here.
+    qps: alloc::collections::BTreeMap<u32, (u32, Option<u64>)>,
+    /// Per SRQ (raw handle) completing here: its depth and the QPs sharing it.
+    srqs: alloc::collections::BTreeMap<u64, (u32, u32)>,
+}
+
+/// The CQEs a new QP may add to one CQ ([`Hca::commit_cq_room`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Demand {
+    /// WRs of its own queues completing here.
+    pub(super) wrs: u32,
+    /// Its SRQ (raw handle, depth), if its receives complete here.
+    pub(super) srq: Option<(u64, u32)>,
+}
+
+impl Room {
+    /// Records `demand` for QP `qpn` if it fits `capacity` entries.
+    fn commit(&mut self, qpn: u32, demand: Demand, capacity: u32) -> Result<(), IbStatus> {
+        let mut added = demand.wrs;
+        if let Some((srq, depth)) = demand.srq
+            && !self.srqs.contains_key(&srq)
+        {
+            added = added.saturating_add(depth);
+        }
+        let total = self.total.saturating_add(added);
+        if total > capacity {
+            return Err(IbStatus::InsufficientResources);
+        }
+        let mine = self.qps.entry(qpn).or_default();
+        mine.0 += demand.wrs;
+        if let Some((srq, depth)) = demand.srq {
+            mine.1 = Some(srq);
+            self.srqs.entry(srq).or_insert((depth, 0)).1 += 1;
+        }
+        self.total = total;
+        Ok(())
+    }
+
+    /// Forgets what QP `qpn` committed (nothing if it committed nothing).
+    fn release(&mut self, qpn: u32) {
+        let Some((wrs, srq)) = self.qps.remove(&qpn) else {
+            return;
+        };
+        self.total -= wrs;
+        if let Some(srq) = srq
+            && let Some(share) = self.srqs.get_mut(&srq)
+        {
+            share.1 -= 1;
+            if share.1 == 0 {
+                self.total -= share.0;
+                self.srqs.remove(&srq);
+            }
+        }
+    }
 }
 
 /// A completion queue.
@@ -140,6 +222,8 @@ impl<P: Platform> Cq<P> {
                 mtt: Some(mtt),
                 backlog: alloc::collections::VecDeque::new(),
                 armed: None,
+                room: Room::default(),
+                resizing_to: None,
             }),
         }
     }
@@ -166,6 +250,7 @@ impl<P: Platform> Cq<P> {
             return Err(IbStatus::ResourceBusy);
         }
         ring.life = Life::Resizing;
+        ring.resizing_to = None;
         Ok(())
     }
 
@@ -265,6 +350,43 @@ impl<P: Platform> Hca<P> {
     /// Drops a use recorded by [`reference_cq`](Self::reference_cq).
     pub fn release_cq(&self, cq: u64) -> Result<u32, IbStatus> {
         self.release_object::<kind::Cq>(cq)
+    }
+
+    /// Records that kernel QP `qpn` may have `send` CQEs outstanding on
+    /// `send_cq` and `recv` on `recv_cq` (the same CQ or two), if they fit
+    /// (`Room`); else [`IbStatus::InsufficientResources`] and nothing
+    /// recorded. A CQ under resize must hold them in its smaller ring.
+    pub(super) fn commit_cq_room(
+        &self,
+        qpn: u32,
+        (send_cq, send): (u64, Demand),
+        (recv_cq, recv): (u64, Demand),
+    ) -> Result<(), IbStatus> {
+        let commit = |raw: u64, demand: Demand| -> Result<(), IbStatus> {
+            let cq = self.find_cq(raw, RequestorMode::Kernel)?;
+            let mut ring = cq.ring.lock();
+            let log = match (ring.life, ring.resizing_to) {
+                (Life::Resizing, Some(to)) => ring.log_entries.min(to),
+                _ => ring.log_entries,
+            };
+            ring.room.commit(qpn, demand, 1 << log)
+        };
+        commit(send_cq, send)?;
+        if let Err(status) = commit(recv_cq, recv) {
+            self.release_cq_room(qpn, send_cq, send_cq);
+            return Err(status);
+        }
+        Ok(())
+    }
+
+    /// Forgets what [`commit_cq_room`](Self::commit_cq_room) recorded for
+    /// QP `qpn` on its CQs (nothing for a QP that committed nothing).
+    pub(super) fn release_cq_room(&self, qpn: u32, send_cq: u64, recv_cq: u64) {
+        for raw in [send_cq, recv_cq] {
+            if let Ok(cq) = self.find_cq(raw, RequestorMode::Kernel) {
+                cq.ring.lock().room.release(qpn);
+            }
+        }
     }
 
     /// Polls up to `wcs.len()` completions of the CQ `cq` (a kernel
@@ -563,11 +685,16 @@ where
             if ring.log_entries == log {
                 return Ok((entries, log, None));
             }
+            // Guide 8.2.3 item 1: never smaller than the QPs' work queues.
+            if ring.room.total > entries {
+                return Err(IbStatus::InvalidCqSize);
+            }
             let mtt = o
                 .mtt
                 .take_entries(ring_pages(log) as u32)
                 .map_err(IbStatus::from)?;
             ring.life = Life::Resizing;
+            ring.resizing_to = Some(log);
             Ok((entries, log, Some(mtt)))
         });
         let (entries, log, mtt) = match started.and_then(|r| r) {

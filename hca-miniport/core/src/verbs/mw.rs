@@ -15,10 +15,13 @@
 //!   has no separate Bind MW verb). `post_send` resolves the window (a
 //!   stale handle is [`IbStatus::InvalidMwHandle`]), requires the WR's new
 //!   R_Key to name the window's MPT index ([`IbStatus::InvalidRkey`]
-//!   otherwise) and writes the window's type into the bind segment. The
-//!   new key's tag is the caller's choice: [`Hca::next_mw_rkey`] gives one
-//!   that differs from the previous (guide 7.2: the R_Key changes on every
-//!   bind, so stale requests fail). A zero-length bind unbinds a type 1
+//!   otherwise) and writes the window's type into the bind segment. A
+//!   type 1 bind must bring a new R_Key (guide 7.2: the R_Key changes on
+//!   every bind, so stale requests fail): one equal to the key of the
+//!   window's last posted bind (or its first key) is refused with
+//!   [`IbStatus::InvalidRkey`], nothing posted; [`Hca::next_mw_rkey`]
+//!   gives a new one. A type 2 window's key is its binder's
+//!   (`LOCAL_INV` ends each binding). A zero-length bind unbinds a type 1
 //!   window; a type 2 window is unbound by `LOCAL_INV` (or a remote
 //!   `SEND_WITH_INV`) of its key. The device checks the rest (PRM 7.1:
 //!   region valid with MW_BIND, window inside it, PDs, rights) and
@@ -34,6 +37,7 @@
 use alloc::boxed::Box;
 use alloc::sync::Arc;
 use alloc::vec;
+use core::sync::atomic::AtomicU32;
 
 use driver_platform::{Platform, RequestorMode};
 use hca_prm::Le32;
@@ -52,7 +56,7 @@ use crate::hca::Hca;
 use crate::resources::{Handle, MemoryKey, kind};
 
 /// A memory window in the MW table (its number is its MPT index).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Mw {
     pub(super) mw_type: MwType,
     /// The PD (raw handle) whose use the window holds.
@@ -62,6 +66,21 @@ pub(crate) struct Mw {
     /// The entry's tag as the device last had it: set at allocation, read
     /// back at D0 exit, given back at D0 entry ([`super::restore`]).
     pub(super) saved_tag: u8,
+    /// The R_Key of the last bind posted (the first key until then): a
+    /// type 1 bind must bring another (guide 7.2), checked and replaced by
+    /// `post_send` as it writes the bind.
+    last_bind_rkey: Arc<AtomicU32>,
+}
+
+/// What `post_send` needs of the window a bind names.
+#[derive(Debug, Clone)]
+pub(crate) struct BindTarget {
+    /// The window's type.
+    pub(crate) mw_type: MwType,
+    /// Its MPT index, which the bind's new R_Key must name.
+    pub(crate) index: u32,
+    /// The R_Key of its last posted bind ([`Mw`]).
+    pub(crate) last_bind_rkey: Arc<AtomicU32>,
 }
 
 /// The PRM entry kind of a window type.
@@ -83,14 +102,18 @@ pub(crate) fn wqe_type(mw_type: MwType) -> hca_prm::wqe::MwType {
 impl<P: Platform> Hca<P> {
     /// The type and MPT index of the live window `mw` of a kernel CA, for
     /// a bind work request.
-    pub(crate) fn window_for_bind(&self, mw: u64) -> Result<(MwType, u32), IbStatus> {
+    pub(crate) fn window_for_bind(&self, mw: u64) -> Result<BindTarget, IbStatus> {
         self.with_objects(|o| {
             if !Self::ca_visible(o, RequestorMode::Kernel) {
                 return Err(IbStatus::InvalidMwHandle);
             }
             let handle = Handle::<kind::Mw>::from_raw(mw);
             let window = o.mws.get(handle).ok_or(IbStatus::InvalidMwHandle)?;
-            Ok((window.mw_type, handle.number()))
+            Ok(BindTarget {
+                mw_type: window.mw_type,
+                index: handle.number(),
+                last_bind_rkey: window.last_bind_rkey.clone(),
+            })
         })?
     }
 
@@ -98,7 +121,7 @@ impl<P: Platform> Hca<P> {
     /// tag the previous key of the index did not have (guide 7.2). Kernel
     /// clients put it in the bind work request.
     pub fn next_mw_rkey(&self, mw: u64) -> Result<RKey, IbStatus> {
-        let (_, index) = self.window_for_bind(mw)?;
+        let index = self.window_for_bind(mw)?.index;
         let mt = self.memory_translation()?;
         let key = mt.next_window_key(index).map_err(|e| e.ib_status())?;
         Ok(RKey::new(key.raw()))
@@ -150,6 +173,7 @@ impl<P: Platform> Hca<P> {
                     pd,
                     busy: false,
                     saved_tag: key.tag(),
+                    last_bind_rkey: Arc::new(AtomicU32::new(key.raw())),
                 };
                 let stored = hca.with_objects_mut(|o| {
                     o.mws
@@ -186,7 +210,7 @@ impl<P: Platform> Hca<P> {
             if window.busy {
                 return Err(IbStatus::ResourceBusy);
             }
-            Ok((*window, handle.number()))
+            Ok((window.clone(), handle.number()))
         });
         let (window, index) = match found.and_then(|r| r) {
             Ok(found) => found,

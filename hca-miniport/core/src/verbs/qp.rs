@@ -16,7 +16,9 @@
 //!   the work item, described by MTT entries of the verbs' one allocator,
 //!   then `WRITE_MTT` and `SW2HW_QP` (UAR page 0). The QP takes a use of its
 //!   PD ([`Hca::reference_pd`]) and of its CQs ([`Hca::reference_cq`]),
-//!   given back on destroy. User QPs (rings in pinned user memory) are
+//!   given back on destroy, and room in its CQs for every completion its
+//!   work queues can produce (`cq::Room`, guide 8.2.3 item 1:
+//!   [`IbStatus::InsufficientResources`] when a CQ lacks it). User QPs (rings in pinned user memory) are
 //!   `verbs::user`'s; a user-mode CreateQp reaching this path is
 //!   [`IbStatus::Unsupported`].
 //! - **On an SRQ** (guide 6.5.1, 6.4; PRM 6.1): with the create's `srq`
@@ -149,7 +151,7 @@ use zerocopy::{FromZeros, IntoBytes};
 
 use super::Accepted;
 use super::Buffer;
-use super::cq::{LOG_PAGE, PAGE, alloc_pages, write_mtt};
+use super::cq::{Demand, LOG_PAGE, PAGE, alloc_pages, write_mtt};
 use crate::cmd::Command;
 use crate::hca::Hca;
 use crate::resources::{EntryRange, Handle, KERNEL_UAR, SpecialQp, kind};
@@ -818,6 +820,7 @@ impl<P: Platform> Hca<P> {
             }
         });
         self.free_later(qp.take_buffers());
+        self.release_cq_room(qp.qpn, qp.send_cq, qp.recv_cq);
         self.release_qp_parents(qp.pd, qp.send_cq, qp.recv_cq, qp.srq);
     }
 
@@ -1000,6 +1003,35 @@ where
                 return;
             }
         };
+        // Guide 8.2.3 item 1: the CQs must hold every completion the work
+        // queues can produce (`cq::Room`).
+        let send = Demand {
+            wrs: geometry.caps.max_send_wr,
+            srq: None,
+        };
+        let recv = match srq {
+            Some(raw) => match self.find_object::<kind::Srq>(raw, RequestorMode::Kernel) {
+                Ok(found) => Demand {
+                    wrs: 0,
+                    srq: Some((raw, found.entries())),
+                },
+                Err(status) => {
+                    self.forget_qp(handle, &qp);
+                    a.responder.fail(status);
+                    return;
+                }
+            },
+            None => Demand {
+                wrs: geometry.caps.max_recv_wr,
+                srq: None,
+            },
+        };
+        if let Err(status) = self.commit_cq_room(handle.number(), (send_cq, send), (recv_cq, recv))
+        {
+            self.forget_qp(handle, &qp);
+            a.responder.fail(status);
+            return;
+        }
         let responder = a.responder;
         let (pd_number, send_cqn, recv_cqn) = (
             Handle::<kind::Pd>::from_raw(pd).number(),

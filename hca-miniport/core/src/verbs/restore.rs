@@ -396,7 +396,7 @@ impl<P: Platform> Hca<P> {
                     .collect::<Vec<_>>(),
                 o.mws
                     .iter()
-                    .map(|(h, w)| (h.number(), *w))
+                    .map(|(h, w)| (h.number(), w.clone()))
                     .collect::<Vec<_>>(),
                 o.mcasts
                     .iter()

@@ -78,7 +78,7 @@ use crate::hca::Hca;
 use crate::resources::{EntryRange, Handle, kind};
 
 /// `log2` of the largest SRQ the core builds: `wqe_index` is 16 bits.
-const LOG_MAX_INDEX: u8 = 16;
+pub(super) const LOG_MAX_INDEX: u8 = 16;
 
 /// Where an SRQ is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

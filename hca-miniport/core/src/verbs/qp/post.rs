@@ -5,7 +5,7 @@
 use core::sync::atomic::Ordering;
 
 use alloc::vec::Vec;
-use driver_platform::{CommonBuffer, Mmio, Platform, RequestorMode};
+use driver_platform::{CommonBuffer, MemoryLocker, Mmio, Platform, RequestorMode};
 use hca_prm::doorbell::{DoorbellRecord, SQ_DOORBELL, SqDoorbell, uar_offset};
 use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES, SendWqe, WqeOp};
 use ib_types::mr::MwType;
@@ -13,12 +13,13 @@ use ib_types::qp::{QpState, QpType};
 use ib_types::scalars::Qpn;
 use ib_types::status::IbStatus;
 use ib_types::wc::WcStatus;
-use ib_types::wr::{RecvWr, SendOp, SendWr, Transport, WrLimits};
+use ib_types::wr::{RecvWr, SendOp, SendWr, Sge, Transport, WrLimits};
 use zerocopy::IntoBytes;
 
 use super::Qp;
 use crate::hca::Hca;
 use crate::resources::KERNEL_UAR;
+use crate::verbs::mw::BindTarget;
 
 /// One send work request for [`Hca::post_send`], with what the core cannot
 /// read itself: the PRM address vector of a UD destination (resolved from
@@ -55,6 +56,43 @@ fn write_wrapping<B: CommonBuffer>(ring: &B, ring_bytes: usize, offset: usize, b
 }
 
 impl<P: Platform> Hca<P> {
+    /// Gathers the data of a kernel client's inline send: the bytes its
+    /// SGEs name, which are kernel virtual addresses of resident memory
+    /// (their L_Keys are ignored, as for any inline send), concatenated
+    /// into the front of `out`; returns how many. Read with the kernel
+    /// memory access the shell installed ([`Hca::set_kernel_locker`]):
+    /// [`IbStatus::InvalidState`] without one, [`IbStatus::InvalidParameter`]
+    /// if the data does not fit `out` or an address is not kernel memory
+    /// (then `out` holds nothing the caller may use). Callable at
+    /// DISPATCH_LEVEL.
+    pub fn gather_kernel_inline(&self, sges: &[Sge], out: &mut [u8]) -> Result<usize, IbStatus> {
+        let total = Sge::total_len(sges).ok_or(IbStatus::InvalidParameter)? as usize;
+        if total > out.len() {
+            return Err(IbStatus::InvalidParameter);
+        }
+        if total == 0 {
+            return Ok(0);
+        }
+        let reader = self
+            .verbs
+            .kernel_locker
+            .lock()
+            .clone()
+            .ok_or(IbStatus::InvalidState)?;
+        let mut at = 0;
+        for sge in sges {
+            let len = sge.length.get() as usize;
+            let Some(dest) = out.get_mut(at..at + len) else {
+                return Err(IbStatus::InvalidParameter);
+            };
+            reader
+                .read_kernel(sge.addr.get(), dest)
+                .map_err(|_| IbStatus::InvalidParameter)?;
+            at += len;
+        }
+        Ok(at)
+    }
+
     /// Posts send work requests to the kernel QP `qp` (guide 8.1.1, PRM
     /// 10.2, 9.1). Returns how many were posted and the status of the
     /// first that was not (or `Success`). Every check — state, room,
@@ -85,12 +123,12 @@ impl<P: Platform> Hca<P> {
         // The windows that bind WRs name, resolved before the ring lock
         // (the object-table lock is never taken under a ring lock); no
         // allocation for batches without a bind.
-        let windows: Vec<Result<(MwType, u32), IbStatus>> =
+        let windows: Vec<Option<Result<BindTarget, IbStatus>>> =
             if wrs.iter().any(|r| matches!(r.wr.op, SendOp::BindMw { .. })) {
                 wrs.iter()
                     .map(|r| match r.wr.op {
-                        SendOp::BindMw { mw, .. } => self.window_for_bind(mw.raw()),
-                        _ => Ok((MwType::Type2, 0)),
+                        SendOp::BindMw { mw, .. } => Some(self.window_for_bind(mw.raw())),
+                        _ => None,
                     })
                     .collect()
             } else {
@@ -122,9 +160,18 @@ impl<P: Platform> Hca<P> {
             }
             // A bind names a live window, and its new key that window's
             // MPT index (`verbs::mw`); the bind segment carries its type.
-            let bind_type = match (request.wr.op, windows.get(i)) {
-                (SendOp::BindMw { rkey, .. }, Some(window)) => match window {
-                    Ok((mw_type, index)) if rkey.get() >> 8 == *index => Some(*mw_type),
+            // A type 1 bind's key must differ from the last bind's.
+            let (bind_type, new_bind_key) = match (request.wr.op, windows.get(i)) {
+                (SendOp::BindMw { rkey, .. }, Some(Some(window))) => match window {
+                    Ok(target) if rkey.get() >> 8 == target.index => {
+                        let rkey = rkey.get();
+                        let last = target.last_bind_rkey.load(Ordering::Acquire);
+                        if target.mw_type == MwType::Type1 && rkey == last {
+                            status = IbStatus::InvalidRkey;
+                            break;
+                        }
+                        (Some(target.mw_type), Some((target, last, rkey)))
+                    }
                     Ok(_) => {
                         status = IbStatus::InvalidRkey;
                         break;
@@ -134,7 +181,7 @@ impl<P: Platform> Hca<P> {
                         break;
                     }
                 },
-                _ => None,
+                _ => (None, None),
             };
             let index = sq.producer as u16;
             let built = SendWqe::from_wr(&request.wr, request.av.as_ref(), index, request.inline)
@@ -164,6 +211,17 @@ impl<P: Platform> Hca<P> {
                 status = IbStatus::InvalidQpState;
                 break;
             };
+            // The bind's key becomes the window's last, unless another
+            // bind of the window (on another QP) took its place meanwhile.
+            if let Some((target, last, rkey)) = new_bind_key
+                && target
+                    .last_bind_rkey
+                    .compare_exchange(last, rkey, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+            {
+                status = IbStatus::InvalidRkey;
+                break;
+            }
             write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe[..len]);
             // Read by poll without this lock (`Completions`): stored before
             // the doorbell (its release fence) makes the WQE visible.
