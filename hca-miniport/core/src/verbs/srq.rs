@@ -37,12 +37,13 @@
 //!   posted. A slot is free when the WR last posted in it has been
 //!   completed: the device stores no `wr_id` (PRM 10.4), so the SRQ keeps
 //!   each WR's `wr_id` in a shadow ring by `wqe_index`, and the CQ poll
-//!   path takes it back with `Hca::srq_complete` (crate-private), which
-//!   frees the slot. The lookup is by the QP's generation-checked SRQ
-//!   handle, not the number: a destroyed QP's receive CQEs can sit unpolled
-//!   in a CQ after its SRQ is destroyed and the number reused, so a
-//!   destroyed SRQ that a retired QP names is kept (`Objects::retired_srqs`)
-//!   until that QP's number is reused. The shadow ring is atomics outside
+//!   path takes it back with `Srq::complete` (crate-private), which
+//!   frees the slot. The SRQ is the one the completion's QP incarnation
+//!   received from, never found by number: a live QP's by its
+//!   generation-checked handle (the QP holds a use of it), a destroyed
+//!   QP's kept in the CQ's record of that QP (`cq::RetiredQp`), since its
+//!   receive CQEs can sit unpolled after the SRQ too is destroyed and its
+//!   number reused. The shadow ring is atomics outside
 //!   the SRQ's lock (`WrIdSlots`): posters serialise on that lock, the poll
 //!   path takes none, so posting to an SRQ never waits for its completions
 //!   being polled, nor the other way round. The producer doorbell record is written once per post
@@ -217,6 +218,15 @@ fn srq_size(
 }
 
 impl<P: Platform> Srq<P> {
+    /// For the CQ poll path: the `wr_id` of the receive WQE `wqe_index`
+    /// (a CQE's, PRM 10.4), taken back, which frees its slot for posting.
+    /// `None` if the slot is empty. No lock ([`WrIdSlots`]): a post to the
+    /// SRQ goes on meanwhile.
+    pub(crate) fn complete(&self, wqe_index: u16) -> Option<u64> {
+        let mask = self.entries() - 1;
+        self.wr_ids.take((u32::from(wqe_index) & mask) as usize)
+    }
+
     pub(super) fn entries(&self) -> u32 {
         1 << self.log_entries
     }
@@ -373,26 +383,6 @@ impl<P: Platform> Hca<P> {
             }
         }
         (posted, status)
-    }
-
-    /// For the CQ poll path: the `wr_id` of the receive WQE `wqe_index`
-    /// (a CQE's, PRM 10.4) of the SRQ number `srqn`, taken back, which
-    /// frees its slot for posting. `None` if the SRQ or the slot is empty.
-    /// Takes the object tables shared for the lookup and no lock after
-    /// ([`WrIdSlots`]): a post to the SRQ goes on meanwhile.
-    pub(crate) fn srq_complete(&self, raw: u64, wqe_index: u16) -> Option<u64> {
-        let handle = Handle::<kind::Srq>::from_raw(raw);
-        let srq = self
-            .with_objects(|o| {
-                o.srqs
-                    .get(handle)
-                    .or_else(|| o.retired_srqs.get(&raw))
-                    .cloned()
-            })
-            .ok()
-            .flatten()?;
-        let mask = srq.entries() - 1;
-        srq.wr_ids.take((u32::from(wqe_index) & mask) as usize)
     }
 
     /// The SRQ's current owner's handle for a device SRQ number, if the
@@ -688,11 +678,6 @@ where
                         let mtt = srq.ring.lock().mtt.take();
                         let _ = hca.with_objects_mut(|o| {
                             let _ = o.srqs.remove(handle);
-                            // Kept while a destroyed QP's CQEs may name it.
-                            let raw = handle.raw();
-                            if o.retired_qps.values().any(|qp| qp.srq == Some(raw)) {
-                                o.retired_srqs.insert(raw, srq.clone());
-                            }
                             if let Some(mtt) = mtt {
                                 let _ = o.mtt.return_entries(mtt);
                             }
