@@ -843,18 +843,34 @@ pub fn poll_and_rearm<P: Platform>(
     cq: u64,
     notify: CqNotify,
     wcs: &mut [WorkCompletion],
-    mut process: impl FnMut(&[WorkCompletion]),
+    process: impl FnMut(&[WorkCompletion]),
 ) -> Result<usize, IbStatus> {
+    rearm_loop(
+        |wcs| hca.poll_cq(cq, wcs),
+        || hca.arm_cq(cq, notify),
+        wcs,
+        process,
+    )
+}
+
+/// The 8.3 loop of [`poll_and_rearm`] over any `poll` and `arm` (the loom
+/// model drives it against a model of the device's arming, PRM 9.3).
+fn rearm_loop<E>(
+    mut poll: impl FnMut(&mut [WorkCompletion]) -> Result<usize, E>,
+    mut arm: impl FnMut() -> Result<(), E>,
+    wcs: &mut [WorkCompletion],
+    mut process: impl FnMut(&[WorkCompletion]),
+) -> Result<usize, E> {
     let mut rearm_needed = true;
     let mut total = 0;
     loop {
-        let polled = hca.poll_cq(cq, wcs)?;
+        let polled = poll(wcs)?;
         if !rearm_needed && polled == 0 {
             return Ok(total);
         }
         process(&wcs[..polled]);
         total += polled;
-        hca.arm_cq(cq, notify)?;
+        arm()?;
         rearm_needed = false;
     }
 }
@@ -897,5 +913,103 @@ mod tests {
         let page = 0x10_0000 + (MAX_MTT_PER_WRITE as u64) * PAGE as u64;
         assert_eq!(second[8..16], page.to_le_bytes());
         assert!(write_mtt(0, 0, 0).is_empty());
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_arm {
+    use super::*;
+    use crate::sync::{AtomicBool, AtomicU32, Ordering};
+    use loom::sync::{Arc, Mutex};
+
+    /// The device's side of one CQ as PRM 9.3 and 10.4 describe it: CQE
+    /// slots with their valid (owner) bit, the producer counter and the
+    /// arming, which the device keeps under its own serialisation.
+    struct ModelCq {
+        valid: [AtomicBool; 2],
+        device: Mutex<Device>,
+        events: AtomicU32,
+    }
+
+    struct Device {
+        producer: u32,
+        /// Armed with this consumer counter, until the event.
+        armed: Option<u32>,
+    }
+
+    impl ModelCq {
+        /// The device writes the next CQE, then fires if armed.
+        fn write_cqe(&self) {
+            let mut device = self.device.lock().unwrap();
+            let slot = device.producer as usize;
+            self.valid[slot].store(true, Ordering::Release);
+            device.producer += 1;
+            if device.armed.take().is_some() {
+                self.events.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+
+        /// The CQ doorbell with the consumer counter (`Hca::arm_cq`): the
+        /// device fires at once for CQEs beyond it, else arms.
+        fn arm(&self, consumer: u32) {
+            let mut device = self.device.lock().unwrap();
+            if device.producer != consumer {
+                self.events.fetch_add(1, Ordering::AcqRel);
+            } else {
+                device.armed = Some(consumer);
+            }
+        }
+    }
+
+    /// CQ arm against poll: the client polls empty, arms, and polls again
+    /// (the 8.3 loop, [`rearm_loop`], exactly as `poll_and_rearm` runs it)
+    /// while the device writes a CQE. Every interleaving ends with the CQE
+    /// polled or a completion event raised: none is lost.
+    #[test]
+    fn loom_cq_arm_against_poll_loses_no_event() {
+        loom::model(|| {
+            let cq = Arc::new(ModelCq {
+                valid: [AtomicBool::new(false), AtomicBool::new(false)],
+                device: Mutex::new(Device {
+                    producer: 0,
+                    armed: None,
+                }),
+                events: AtomicU32::new(0),
+            });
+            let device = {
+                let cq = cq.clone();
+                loom::thread::spawn(move || cq.write_cqe())
+            };
+            let consumer = core::cell::Cell::new(0u32);
+            let mut wcs = [WorkCompletion::EMPTY; 2];
+            let polled = rearm_loop::<()>(
+                |wcs| {
+                    let mut n = 0;
+                    while n < wcs.len()
+                        && cq
+                            .valid
+                            .get(consumer.get() as usize)
+                            .is_some_and(|v| v.load(Ordering::Acquire))
+                    {
+                        consumer.set(consumer.get() + 1);
+                        n += 1;
+                    }
+                    Ok(n)
+                },
+                || {
+                    cq.arm(consumer.get());
+                    Ok(())
+                },
+                &mut wcs,
+                |_| {},
+            )
+            .unwrap();
+            device.join().unwrap();
+            let events = cq.events.load(Ordering::Acquire);
+            assert!(
+                polled == 1 || events >= 1,
+                "the CQE was neither polled nor announced"
+            );
+        });
     }
 }

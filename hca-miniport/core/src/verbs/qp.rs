@@ -139,7 +139,9 @@ use alloc::boxed::Box;
 use alloc::collections::VecDeque;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
-use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
+// The `Completions` shadow is `tail`'s protocol: its atomics are the ones
+// loom drives under `--cfg loom` (`crate::sync`).
+use crate::sync::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 
 use driver_platform::{CommonBuffer, Deferred, Platform, Request, RequestorMode, SpinLock};
 use hca_prm::cmd::Opcode;

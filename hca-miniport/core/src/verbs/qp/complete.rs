@@ -23,6 +23,7 @@ use ib_types::qp::{QpState, QpType};
 use ib_types::wc::{WcStatus, WorkCompletion};
 
 use super::Qp;
+use super::tail::{Retire, RingShadow};
 use crate::resources::{Handle, kind};
 use crate::sync::Ordering;
 use crate::verbs::Objects;
@@ -93,6 +94,26 @@ pub(crate) fn resolve_completion<P: Platform>(
 }
 
 impl<P: Platform> Qp<P> {
+    /// The send ring's shadow (post and poll: `tail`).
+    pub(crate) fn send_shadow(&self) -> RingShadow<'_> {
+        RingShadow {
+            wr_ids: &self.done.send_wr_ids,
+            sizes: Some(&self.done.send_bbs),
+            tail: &self.done.send_tail,
+            units: 1 << self.geometry.sq_log_bbs,
+        }
+    }
+
+    /// The receive ring's shadow (post and poll: `tail`).
+    pub(crate) fn recv_shadow(&self) -> RingShadow<'_> {
+        RingShadow {
+            wr_ids: &self.done.recv_wr_ids,
+            sizes: None,
+            tail: &self.done.recv_tail,
+            units: 1 << self.geometry.rq_log_entries,
+        }
+    }
+
     /// The `wr_id` of this QP's completion for the WQE at `wqe_index` in
     /// its own receive ring (`recv`) or send ring (PRM 10.4: the device
     /// stores none), retiring that WQE and, for sends, the unsignaled ones
@@ -105,20 +126,12 @@ impl<P: Platform> Qp<P> {
     /// touching the live ring.
     pub(crate) fn complete(&self, wqe_index: u16, recv: bool, seq: u64) -> u64 {
         let done = &self.done;
-        let (wr_ids, tail, window) = if recv {
-            (
-                &done.recv_wr_ids,
-                &done.recv_tail,
-                1u32 << self.geometry.rq_log_entries,
-            )
+        let shadow = if recv {
+            self.recv_shadow()
         } else {
-            (
-                &done.send_wr_ids,
-                &done.send_tail,
-                1u32 << self.geometry.sq_log_bbs,
-            )
+            self.send_shadow()
         };
-        let slot = (u32::from(wqe_index) & (window - 1)) as usize;
+        let slot = (u32::from(wqe_index) & (shadow.units - 1)) as usize;
         // Twice at most: a restarted tail means a reset happened meanwhile,
         // and the completion is then one kept from before it.
         for _ in 0..2 {
@@ -137,21 +150,10 @@ impl<P: Platform> Qp<P> {
                     done.reset_kept.store(false, Ordering::Release);
                 }
             }
-            let mark = tail.mark();
-            // `get`: a user QP keeps no shadow (one slot); a stale CQE that
-            // names its number finds no wr_id rather than a panic.
-            let wr_id = wr_ids.get(slot).map_or(0, |id| id.load(Ordering::Acquire));
-            let size = if recv {
-                1
-            } else {
-                done.send_bbs
-                    .get(slot)
-                    .map_or(0, |bbs| bbs.load(Ordering::Acquire))
-            };
-            match tail.retire(mark, wqe_index, size, window) {
-                Ok(()) => return wr_id,
-                Err(super::tail::Retire::Stale) => return 0,
-                Err(super::tail::Retire::Restarted) => continue,
+            match shadow.retire(wqe_index) {
+                Ok(wr_id) => return wr_id,
+                Err(Retire::Stale) => return 0,
+                Err(Retire::Restarted) => continue,
             }
         }
         0

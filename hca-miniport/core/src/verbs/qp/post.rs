@@ -152,8 +152,8 @@ impl<P: Platform> Hca<P> {
                 }
             };
             let bbs = hca_prm::wqe::basic_blocks(len) as u32;
-            let used = sq.producer.wrapping_sub(qp.done.send_tail.counter());
-            if used + bbs > ring_bbs {
+            let shadow = qp.send_shadow();
+            if shadow.in_use(sq.producer) + bbs > ring_bbs {
                 status = IbStatus::InsufficientResources;
                 break;
             }
@@ -165,12 +165,7 @@ impl<P: Platform> Hca<P> {
             write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe[..len]);
             // Read by poll without this lock (`Completions`): stored before
             // the doorbell (its release fence) makes the WQE visible.
-            if let (Some(id), Some(size)) =
-                (qp.done.send_wr_ids.get(slot), qp.done.send_bbs.get(slot))
-            {
-                id.store(request.wr.wr_id, Ordering::Release);
-                size.store(bbs, Ordering::Release);
-            }
+            shadow.record(sq.producer, request.wr.wr_id, bbs);
             sq.producer = sq.producer.wrapping_add(bbs);
             posted += 1;
         }
@@ -222,7 +217,7 @@ impl<P: Platform> Hca<P> {
                 status = error.status();
                 break;
             }
-            if rq.producer.wrapping_sub(qp.done.recv_tail.counter()) >= entries {
+            if qp.recv_shadow().in_use(rq.producer) >= entries {
                 status = IbStatus::InsufficientResources;
                 break;
             }
@@ -240,9 +235,7 @@ impl<P: Platform> Hca<P> {
                 break;
             };
             ring.write(slot * stride, out);
-            if let Some(id) = qp.done.recv_wr_ids.get(slot) {
-                id.store(wr.wr_id, Ordering::Release);
-            }
+            qp.recv_shadow().record(rq.producer, wr.wr_id, 1);
             rq.producer = rq.producer.wrapping_add(1);
             posted += 1;
         }

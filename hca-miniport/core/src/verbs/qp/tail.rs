@@ -1,7 +1,12 @@
-//! The completion tail of one QP ring (send or receive): how far polled
-//! completions reached, in the ring's units (send basic blocks, receive
-//! WQEs). Post reads it for room; the poll path moves it when it hands out
-//! a completion's `wr_id`; a reset or a software flush restarts it.
+//! The lock-free protocol between post and poll on one QP ring (send or
+//! receive): the ring's `wr_id` shadow ([`RingShadow`]: post records each
+//! WQE's `wr_id` and size by slot before its doorbell; the poll path reads
+//! them when the WQE's CQE arrives) and its completion tail
+//! ([`CompletionTail`]: how far polled completions reached, in the ring's
+//! units, send basic blocks or receive WQEs). Post reads the tail for
+//! room; the poll path moves it when it hands out a completion's `wr_id`;
+//! a reset or a software flush restarts it. The loom models below drive
+//! exactly these types (`cargo xtask loom`).
 //!
 //! Contract (the parent module's **wr_id** and **Locks**):
 //! - Completions of one ring are retired in the order the device wrote
@@ -17,7 +22,7 @@
 //!   one compare-and-swap ([`Retire::Restarted`]) whatever the counters
 //!   were: a single read-modify-write decides.
 
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// Bits of the counter in the packed tail (the low half); the epoch is the
 /// high half.
@@ -121,6 +126,67 @@ impl CompletionTail {
     }
 }
 
+/// One QP ring's shadow as post and poll share it, without the ring's
+/// lock: by slot, the `wr_id` and (send rings) the size in units of the
+/// WQE posted there, and the ring's completion tail.
+#[derive(Clone, Copy)]
+pub(crate) struct RingShadow<'a> {
+    /// `wr_id` by slot.
+    pub(crate) wr_ids: &'a [AtomicU64],
+    /// Units by slot (a send ring's basic blocks); `None` for a receive
+    /// ring, whose WQEs are one unit each.
+    pub(crate) sizes: Option<&'a [AtomicU32]>,
+    /// How far completions reached.
+    pub(crate) tail: &'a CompletionTail,
+    /// The ring's size in units (a power of two): the window a completion
+    /// must lie in, and the mask of its slot.
+    pub(crate) units: u32,
+}
+
+impl RingShadow<'_> {
+    /// Post, under the ring's lock: units in use with the producer at
+    /// `producer` (posted, not yet retired by a polled completion).
+    pub(crate) fn in_use(&self, producer: u32) -> u32 {
+        producer.wrapping_sub(self.tail.counter())
+    }
+
+    /// Post, under the ring's lock and before the doorbell's release
+    /// fence: records the WQE about to be posted at `producer`, `size`
+    /// units long. Its slot is free: [`in_use`](Self::in_use) said the
+    /// tail passed the WQE that had it, after the poll path read it.
+    pub(crate) fn record(&self, producer: u32, wr_id: u64, size: u32) {
+        let slot = (producer & (self.units - 1)) as usize;
+        if let Some(id) = self.wr_ids.get(slot) {
+            id.store(wr_id, Ordering::Release);
+        }
+        if let Some(units) = self.sizes.and_then(|sizes| sizes.get(slot)) {
+            units.store(size, Ordering::Release);
+        }
+    }
+
+    /// The poll path, under the CQ's lock: the `wr_id` of the WQE at
+    /// `wqe_index` (a CQE's), retiring it and every WQE before it. The
+    /// slot is read before the tail moves, so post cannot have refilled
+    /// it. A slot past the shadow (a user QP keeps none) gives `wr_id` 0.
+    pub(crate) fn retire(&self, wqe_index: u16) -> Result<u64, Retire> {
+        let slot = (u32::from(wqe_index) & (self.units - 1)) as usize;
+        let mark = self.tail.mark();
+        let wr_id = self
+            .wr_ids
+            .get(slot)
+            .map_or(0, |id| id.load(Ordering::Acquire));
+        let size = match self.sizes {
+            None => 1,
+            Some(sizes) => sizes
+                .get(slot)
+                .map_or(0, |units| units.load(Ordering::Acquire)),
+        };
+        self.tail
+            .retire(mark, wqe_index, size, self.units)
+            .map(|()| wr_id)
+    }
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -178,42 +244,99 @@ mod tests {
 mod loom_tail {
     use super::*;
     use loom::sync::Arc;
-    use loom::sync::atomic::AtomicU64 as SlotWord;
 
-    /// The completion tail against post and a reset: post fills a slot
-    /// only when the tail says it is free, and the poll path reads a
-    /// slot's `wr_id` before retiring it; a reset racing the retire either
-    /// comes after it or makes it fail. No interleaving lets the poll path
-    /// hand out a `wr_id` post wrote for a later WQE.
+    /// A send ring of 2 units, each WQE 1 unit, and its shadow.
+    struct Ring {
+        wr_ids: [AtomicU64; 2],
+        sizes: [AtomicU32; 2],
+        tail: CompletionTail,
+    }
+
+    impl Ring {
+        fn new() -> Self {
+            Self {
+                wr_ids: [AtomicU64::new(0), AtomicU64::new(0)],
+                sizes: [AtomicU32::new(0), AtomicU32::new(0)],
+                tail: CompletionTail::new(),
+            }
+        }
+
+        fn shadow(&self) -> RingShadow<'_> {
+            RingShadow {
+                wr_ids: &self.wr_ids,
+                sizes: Some(&self.sizes),
+                tail: &self.tail,
+                units: 2,
+            }
+        }
+    }
+
+    /// Post against poll on one ring (the wr_id slots and the completion
+    /// tail): WQEs 0 and 1 fill the ring; post puts WQE 2 into slot 0 as
+    /// soon as the tail says it is free, while the poll path retires WQE 0
+    /// then WQE 1. The poll path always hands out the `wr_id` each WQE was
+    /// posted with, never the one post wrote into its slot later.
     #[test]
-    fn loom_tail_retire_against_post_and_reset() {
+    fn loom_wr_id_slots_post_against_poll() {
         loom::model(|| {
-            // A one-slot ring: WQE 0 posted with wr_id 10.
-            let tail = Arc::new(CompletionTail::new());
-            let slot = Arc::new(SlotWord::new(10));
+            let ring = Arc::new(Ring::new());
+            ring.shadow().record(0, 100, 1);
+            ring.shadow().record(1, 101, 1);
             let poster = {
-                let (tail, slot) = (tail.clone(), slot.clone());
+                let ring = ring.clone();
                 loom::thread::spawn(move || {
-                    // Post WQE 1 into the slot once WQE 0 is retired
-                    // (producer 1, ring of 1).
-                    if 1u32.wrapping_sub(tail.counter()) < 1 {
-                        slot.store(11, Ordering::Release);
+                    // Producer 2: posts WQE 2 if one unit is free.
+                    let shadow = ring.shadow();
+                    if shadow.in_use(2) < 2 {
+                        shadow.record(2, 102, 1);
+                        true
+                    } else {
+                        false
                     }
                 })
             };
+            let shadow = ring.shadow();
+            assert_eq!(shadow.retire(0), Ok(100));
+            assert_eq!(shadow.retire(1), Ok(101));
+            let posted = poster.join().unwrap();
+            assert_eq!(shadow.in_use(2 + u32::from(posted)), u32::from(posted));
+            if posted {
+                assert_eq!(shadow.retire(2), Ok(102));
+            }
+        });
+    }
+
+    /// The completion tail against a reset and a duplicate: two retires of
+    /// one WQE (a stale CQE and the real one) and a reset racing them. At
+    /// most one retire of the WQE succeeds before the reset, a retire
+    /// marked before the reset never succeeds after it, and the tail ends
+    /// at 0 (the reset came last) or 1 (the retire came after it).
+    #[test]
+    fn loom_completion_tail_retires_once_against_a_reset() {
+        loom::model(|| {
+            let tail = Arc::new(CompletionTail::new());
             let resetter = {
                 let tail = tail.clone();
                 loom::thread::spawn(move || tail.restart(0))
             };
-            // The poll path: the completion of WQE 0.
+            let other = {
+                let tail = tail.clone();
+                loom::thread::spawn(move || {
+                    let mark = tail.mark();
+                    tail.retire(mark, 0, 1, 4).is_ok()
+                })
+            };
             let mark = tail.mark();
-            let wr_id = slot.load(Ordering::Acquire);
-            let retired = tail.retire(mark, 0, 1, 1);
-            if retired.is_ok() {
-                assert_eq!(wr_id, 10, "the wr_id of WQE 0, never a later one");
-            }
-            poster.join().unwrap();
+            let mine = tail.retire(mark, 0, 1, 4).is_ok();
+            let theirs = other.join().unwrap();
             resetter.join().unwrap();
+            let end = tail.counter();
+            assert!(end <= 1, "the tail never jumps: {end}");
+            if mine && theirs {
+                // Both succeeded: only possible with the reset between
+                // them, and then the second one ends the tail at 1.
+                assert_eq!(end, 1);
+            }
         });
     }
 }
