@@ -345,16 +345,18 @@ impl<P: Platform> Hca<P> {
             if !Self::ca_visible(o, RequestorMode::Kernel) {
                 return Err(IbStatus::InvalidCqHandle);
             }
+            let handle = cq;
             let cq = o
                 .cqs
-                .get(Handle::<kind::Cq>::from_raw(cq))
+                .get(Handle::<kind::Cq>::from_raw(handle))
                 .ok_or(IbStatus::InvalidCqHandle)?;
-            Ok(Self::poll_locked(o, cq, wcs))
+            Ok(Self::poll_locked(o, handle, cq, wcs))
         })?
     }
 
-    /// [`poll_cq`](Self::poll_cq) with the tables held (`o`).
-    fn poll_locked(o: &Objects<P>, cq: &Cq<P>, wcs: &mut [WorkCompletion]) -> usize {
+    /// [`poll_cq`](Self::poll_cq) of `cq` (its raw handle `handle`) with
+    /// the tables held (`o`).
+    fn poll_locked(o: &Objects<P>, handle: u64, cq: &Cq<P>, wcs: &mut [WorkCompletion]) -> usize {
         let mut ring = cq.ring.lock();
         if !matches!(ring.life, Life::Live | Life::Destroying) {
             return 0;
@@ -403,7 +405,7 @@ impl<P: Platform> Hca<P> {
                     ..WorkCompletion::EMPTY
                 });
                 let seq = first_seq + (polled - from_backlog) as u64;
-                resolve_completion(o, &ring.retired, &mut wcs[polled], seq);
+                resolve_completion(o, handle, &ring.retired, &mut wcs[polled], seq);
                 consumer = consumer.wrapping_add(1);
                 polled += 1;
             }
@@ -427,8 +429,13 @@ impl<P: Platform> Hca<P> {
     /// ([`RetiredQp`]), so they keep resolving against it after its number
     /// is reused. Called when its `HW2SW_QP` completes, before the number
     /// is freed: the device wrote every CQE of the QP before answering.
-    /// A CQ with none of its CQEs waiting keeps nothing.
+    /// A CQ with none of its CQEs waiting keeps nothing, and so does a
+    /// user QP's (its rings and `wr_id`s are its provider's; the CQ poll
+    /// path leaves a CQE no live QP of that CQ can own alone).
     pub(super) fn retire_qp_in_cqs(&self, qp: &Arc<Qp<P>>) {
+        if qp.sq.lock().ring.is_none() {
+            return;
+        }
         let cqs = if qp.send_cq == qp.recv_cq {
             [Some(qp.send_cq), None]
         } else {

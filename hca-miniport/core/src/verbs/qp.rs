@@ -73,7 +73,10 @@
 //!   the new owner's rings (guide 6.5.4 note, 6.5.5 items 3 and 9, 8.2.3
 //!   item 2). A special QP's number is reused at once, a general QP's
 //!   after the quiet period: both are resolved by the record, which the
-//!   CQ drops once a poll passes its end. Deferring the number's reuse
+//!   CQ drops once a poll passes its end. A user QP keeps none (its
+//!   `wr_id`s are its provider's), and a CQE resolves against the live QP
+//!   only if that QP's completions of its kind go to the CQ polled, so a
+//!   CQE no record covers never touches another QP's ring. Deferring the number's reuse
 //!   instead would block a special QP's re-creation on the client polling.
 //! - **Create details.** A general QP's port is set by RESET->INIT;
 //!   `SW2HW_QP` needs a valid one, so the create's port (or port 1) stands

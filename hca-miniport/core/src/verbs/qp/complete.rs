@@ -38,8 +38,8 @@ enum Owner<'a, P: Platform> {
     Retired(&'a RetiredQp<P>),
 }
 
-/// Fills in the `wr_id` of `wc`, a completion just read from a CQ ring
-/// and polled with sequence number `seq`, whose `wr_id` carries the CQE's
+/// Fills in the `wr_id` of `wc`, a completion just read from the ring of
+/// CQ `cq` and polled with sequence number `seq`, whose `wr_id` carries the CQE's
 /// WQE index (bits 0-15), receive flag (bit 16) and SRQ flag (bit 17);
 /// `retired` are the CQ's records of destroyed QPs. An error completion of
 /// a live QP also records the state it implies. 0 when no QP (or slot)
@@ -47,6 +47,7 @@ enum Owner<'a, P: Platform> {
 /// `wr_id`.
 pub(crate) fn resolve_completion<P: Platform>(
     o: &Objects<P>,
+    cq: u64,
     retired: &[RetiredQp<P>],
     wc: &mut WorkCompletion,
     seq: u64,
@@ -55,7 +56,10 @@ pub(crate) fn resolve_completion<P: Platform>(
     let index = wc.wr_id as u16;
     let (recv, from_srq) = (wc.wr_id & (1 << 16) != 0, wc.wr_id & (1 << 17) != 0);
     // Records are in destroy order: the first one of the number that ends
-    // after `seq` is the incarnation that wrote the CQE.
+    // after `seq` is the incarnation that wrote the CQE. Else the live QP,
+    // if its completions of this kind go to this CQ (`cq`, a raw handle):
+    // a CQE the number's new owner cannot have written (a user QP's, which
+    // keeps no record, left in a CQ the kernel drains) touches nothing.
     let owner = retired
         .iter()
         .find(|r| r.qp.qpn == qpn && seq < r.end)
@@ -64,6 +68,7 @@ pub(crate) fn resolve_completion<P: Platform>(
             o.qps
                 .objects()
                 .get_by_number(qpn)
+                .filter(|(_, qp)| cq == if recv { qp.recv_cq } else { qp.send_cq })
                 .map(|(_, qp)| Owner::Live(qp))
         });
     let Some(owner) = owner else {
