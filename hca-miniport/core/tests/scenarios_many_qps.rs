@@ -76,6 +76,16 @@ fn qp_create(pd: u64, cq: u64) -> QpCreate {
     }
 }
 
+/// QPs created per CQ: each has one send and one receive WR, and a CQ
+/// never takes more work-queue entries than it holds.
+const QPS_PER_CQ: usize = 16_000;
+
+/// The CQ each batch of [`QPS_PER_CQ`] QPs completes into.
+const CQ_FOR_A_BATCH: CqAttr = CqAttr {
+    cqe: 2 * QPS_PER_CQ as u32,
+    comp_vector: 0,
+};
+
 /// Queues a DPC that submits `CreateQp`.
 fn submit_create(w: &World, ca: u64, input: &QpCreate) -> RequestHandle {
     let (request, issuer) = w.request::<CreateQp>(KERNEL, ca, input, 0);
@@ -136,20 +146,21 @@ fn create_many_on(log_qps: u8, count: usize) -> (World, Duration) {
     let w = World::threaded_with_hcas(2, vec![device_with_qps(log_qps)], HcaConfig::default());
     let ca = call::<OpenCa>(&w, 0, &OpenCaIn::CURRENT);
     let pd = call::<AllocPd>(&w, ca, &Empty);
-    let attr = CqAttr {
-        cqe: 64,
-        comp_vector: 0,
-    };
-    let cq = call::<CreateCq>(&w, ca, &attr);
-    let input = qp_create(pd, cq);
     let started = Instant::now();
     let mut in_flight = VecDeque::new();
+    let mut input = None;
     for index in 0..count {
+        if index % QPS_PER_CQ == 0 {
+            // A CQ never takes more work-queue entries than it holds
+            // (guide 8.2.3 item 1), so the QPs share CQs in batches.
+            input = Some(qp_create(pd, call::<CreateCq>(&w, ca, &CQ_FOR_A_BATCH)));
+        }
+        let input = input.as_ref().expect("a CQ for this batch");
         if in_flight.len() == WINDOW {
             let (oldest, issuer) = in_flight.pop_front().expect("window is full");
             expect_created(&w, &issuer, oldest);
         }
-        in_flight.push_back((index, submit_create(&w, ca, &input)));
+        in_flight.push_back((index, submit_create(&w, ca, input)));
     }
     for (index, issuer) in in_flight {
         expect_created(&w, &issuer, index);
@@ -232,19 +243,21 @@ fn deterministic_create_cost() {
     let w = World::with_hcas(3, vec![device_with_qps(16)], HcaConfig::default());
     let ca = call_settled::<OpenCa>(&w, 0, &OpenCaIn::CURRENT);
     let pd = call_settled::<AllocPd>(&w, ca, &Empty);
-    let attr = CqAttr {
-        cqe: 64,
-        comp_vector: 0,
-    };
-    let cq = call_settled::<CreateCq>(&w, ca, &attr);
-    let input = qp_create(pd, cq);
     let started = Instant::now();
     let mut last_100 = Instant::now();
+    let mut input = None;
     for index in 1..=count {
+        if (index - 1) % QPS_PER_CQ == 0 {
+            input = Some(qp_create(
+                pd,
+                call_settled::<CreateCq>(&w, ca, &CQ_FOR_A_BATCH),
+            ));
+        }
+        let input = input.as_ref().expect("a CQ for this batch");
         if index % 100 == 1 {
             last_100 = Instant::now();
         }
-        let done = w.call_in_dpc::<CreateQp>(KERNEL, ca, &input, 0);
+        let done = w.call_in_dpc::<CreateQp>(KERNEL, ca, input, 0);
         assert_eq!(
             response::<CreateQp>(&done).status,
             IbStatus::Success,

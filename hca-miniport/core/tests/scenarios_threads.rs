@@ -669,3 +669,128 @@ fn post_and_poll_take_the_object_tables_shared_and_a_shared_holder_delays_neithe
     let w = Arc::try_unwrap(w).ok().expect("the threads are done");
     w.finish();
 }
+
+/// Issue 9, defect 3: two processors polling one CQ. HCA A posts RDMA
+/// writes to B (every fourth unsignaled, retired by the next signaled
+/// one's completion) as fast as its send queue takes them, while two
+/// threads poll A's send CQ at once in small batches. Every signaled
+/// `wr_id` comes back exactly once, each poller sees its share in posting
+/// order, and the send queue never wedges (a completion tail thrown by
+/// an out-of-order retire made post answer InsufficientResources for
+/// ever).
+#[test]
+fn two_threads_polling_one_cq_get_every_wr_id_once_and_the_queue_never_wedges() {
+    const WRITES: u64 = 40_000;
+    let signaled = |seq: u64| seq % 4 != 1 || seq + 1 == WRITES;
+    let configs = vec![
+        DeviceConfig::with_ports(GUIDS[0], &HCA_IPS[0]),
+        DeviceConfig::with_ports(GUIDS[1], &HCA_IPS[1]),
+    ];
+    let w = Arc::new(World::threaded_with_hcas(
+        2,
+        configs,
+        hca_miniport_core::init::HcaConfig::default(),
+    ));
+    let guid = |i: usize| w.hca_at(i).report().unwrap().capabilities.node_guid.get();
+    let x = if guid(0) == GUIDS[0] { 0 } else { 1 };
+    let (a, b) = (side(&w, x), side(&w, 1 - x));
+    connect(&w, &a, b.qpn, HCA_IPS[1][0]);
+    connect(&w, &b, a.qpn, HCA_IPS[0][0]);
+
+    let hca = w.hca_at(a.i);
+    let expected = (0..WRITES).filter(|&s| signaled(s)).count() as u64;
+    let completed = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicBool::new(false));
+    let pollers: Vec<_> = (0..2)
+        .map(|_| {
+            let (w, hca, cq) = (w.clone(), hca.clone(), a.send_cq);
+            let (completed, failed) = (completed.clone(), failed.clone());
+            thread::spawn(move || {
+                let mut mine = Vec::new();
+                let mut wcs = [WorkCompletion::EMPTY; 2];
+                while completed.load(Ordering::Acquire) < expected
+                    && !failed.load(Ordering::Acquire)
+                {
+                    let n = at_dispatch(&w, || hca.poll_cq(cq, &mut wcs)).unwrap();
+                    for wc in &wcs[..n] {
+                        if wc.status != WcStatus::Success || wc.opcode != WcOpcode::RdmaWrite {
+                            failed.store(true, Ordering::Release);
+                            panic!("completion {wc:?}");
+                        }
+                        mine.push(wc.wr_id);
+                    }
+                    completed.fetch_add(n as u64, Ordering::AcqRel);
+                    if n == 0 {
+                        thread::yield_now();
+                    }
+                }
+                mine
+            })
+        })
+        .collect();
+
+    let sge: &'static [Sge] = Box::leak(Box::new([Sge::new(
+        a.block.va() + SEND_AREA as u64,
+        MSG as u32,
+        a.keys.lkey,
+    )]));
+    let remote = RemoteAddr {
+        addr: b.block.va() + WRITE_AREA as u64,
+        rkey: b.keys.rkey,
+    };
+    let mut seq = 0u64;
+    let mut stalled_since = Instant::now();
+    while seq < WRITES {
+        assert!(!failed.load(Ordering::Acquire), "a poller failed");
+        let wrs: Vec<SendRequest<'_>> = (seq..WRITES.min(seq + 4))
+            .map(|s| SendRequest {
+                wr: SendWr {
+                    wr_id: s,
+                    op: SendOp::RdmaWrite { remote },
+                    flags: if signaled(s) {
+                        SendFlags::SIGNALED
+                    } else {
+                        SendFlags::empty()
+                    },
+                    sg_list: sge,
+                    ud: None,
+                },
+                av: None,
+                inline: None,
+            })
+            .collect();
+        let (posted, status) = at_dispatch(&w, || hca.post_send(a.qp, &wrs));
+        assert!(
+            status == IbStatus::Success || status == IbStatus::InsufficientResources,
+            "{status:?}"
+        );
+        if posted > 0 {
+            stalled_since = Instant::now();
+        } else {
+            let stalled = stalled_since.elapsed();
+            if stalled > Duration::from_secs(10) {
+                failed.store(true, Ordering::Release);
+                panic!("the send queue wedged at WR {seq} (full for {stalled:?})");
+            }
+            thread::yield_now();
+        }
+        seq += posted as u64;
+    }
+    let mut all = Vec::new();
+    for poller in pollers {
+        let mine = poller.join().expect("a poller failed");
+        assert!(
+            mine.windows(2).all(|p| p[0] < p[1]),
+            "each poller's completions in posting order"
+        );
+        all.extend(mine);
+    }
+    all.sort_unstable();
+    let want: Vec<u64> = (0..WRITES).filter(|&s| signaled(s)).collect();
+    assert_eq!(all.len(), want.len(), "every signaled WR completes once");
+    assert_eq!(all, want, "each with its own wr_id");
+    teardown(&w, a);
+    teardown(&w, b);
+    let w = Arc::try_unwrap(w).ok().expect("the threads are done");
+    w.finish();
+}

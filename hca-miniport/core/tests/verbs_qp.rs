@@ -40,8 +40,10 @@ fn setup_at(w: &World, i: usize) -> Setup {
     let ca = response::<OpenCa>(&r).handle;
     let r = w.call_in_dpc_at::<AllocPd>(i, KERNEL, ca, &Empty, 0);
     let pd = response::<AllocPd>(&r).handle;
+    // Room for five QPs of `caps()`' queues: a CQ never takes more
+    // work-queue entries than it holds (guide 8.2.3 item 1, `cq::Room`).
     let attr = CqAttr {
-        cqe: 64,
+        cqe: 256,
         comp_vector: 0,
     };
     let r = w.call_in_dpc_at::<CreateCq>(i, KERNEL, ca, &attr, 0);
@@ -930,7 +932,7 @@ fn a_destroyed_qps_number_is_reused_only_after_the_quiet_period() {
     let w = World::with_hcas(43, vec![support::two_port_hca()], config);
     let s = setup(&w);
     // 8 numbers: 0..4 the two ports' special QPs, 4..8 general. Small
-    // queues, so five QPs fit the 64-entry CQ (`cq::Room`).
+    // queues.
     let rc = QpCreate {
         caps: QpCaps {
             max_send_wr: 4,
@@ -976,6 +978,141 @@ fn a_destroyed_qps_number_is_reused_only_after_the_quiet_period() {
     for (qp, _) in live {
         assert_eq!(destroy(&w, qp), IbStatus::Success);
     }
+    let r = w.call_in_dpc::<DestroyCq>(KERNEL, s.cq, &Empty, 0);
+    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    w.finish();
+}
+
+/// The INIT a special QP takes: P_Key index and Q_Key only (its port is
+/// fixed at create).
+fn to_init_special() -> QpModify {
+    QpModify {
+        state: Some(QpState::Init),
+        pkey_index: Some(0),
+        qkey: Some(QKey::new(0x8001_0000)),
+        ..QpModify::default()
+    }
+}
+
+/// Posts `wr_ids` as receives of one small SGE each to `qp` (in INIT),
+/// all of which must be taken.
+fn post_recvs(w: &World, qp: u64, mem: &Mem, wr_ids: impl IntoIterator<Item = u64>) {
+    let wrs: Vec<RecvWr<'static>> = wr_ids
+        .into_iter()
+        .map(|wr_id| RecvWr {
+            wr_id,
+            sg_list: small_sge(mem),
+        })
+        .collect();
+    let count = wrs.len();
+    assert_eq!(post_recv(w, qp, wrs), (count, IbStatus::Success));
+}
+
+/// What a QP number's two incarnations must show when the first one's
+/// flushed receives are polled after the second one was created at its
+/// number and posted to (issue 9, defect 2; guide 6.5.4 note, 6.5.5
+/// items 3 and 9, 8.2.3 item 2): the first one's `wr_id`s, none of the
+/// second's, and the second's ring untouched: it still takes its full
+/// depth, and its own flush later reports its own `wr_id`s.
+fn check_reused_number(w: &World, s: &Setup, mem: &Mem, number: u32, old: u64, new: u64) {
+    let polled = poll_all(w, s.cq);
+    assert_eq!(
+        polled.iter().map(|wc| wc.wr_id).collect::<Vec<_>>(),
+        vec![100, 101, 102],
+        "the destroyed QP's completions report its own wr_ids"
+    );
+    assert!(
+        polled
+            .iter()
+            .all(|wc| wc.status == WcStatus::WrFlushErr && wc.qp_num.get() == number)
+    );
+    // 12 receives asked for: 16 granted, one posted before the poll.
+    post_recvs(w, new, mem, 901..916);
+    assert_eq!(
+        post_recv(
+            w,
+            new,
+            vec![RecvWr {
+                wr_id: 999,
+                sg_list: small_sge(mem)
+            }]
+        ),
+        (0, IbStatus::InsufficientResources),
+        "exactly the depth fits"
+    );
+    assert_eq!(destroy(w, new), IbStatus::Success);
+    let flushed = poll_all(w, s.cq);
+    assert_eq!(
+        flushed.iter().map(|wc| wc.wr_id).collect::<Vec<_>>(),
+        (900..916).collect::<Vec<_>>(),
+        "the new QP's flush reports its own wr_ids"
+    );
+    assert_eq!(destroy(w, old), IbStatus::InvalidQpHandle);
+}
+
+#[test]
+fn a_special_qps_late_completions_keep_their_wr_ids_when_its_number_is_reused_at_once() {
+    let w = World::deterministic(45);
+    let s = setup(&w);
+    let mem = Mem::new(&w, s.pd);
+    let gsi = qp_create(&s, QpType::Gsi, Some(1));
+    let (status, old, created) = create(&w, KERNEL, &s, &gsi);
+    assert_eq!(status, IbStatus::Success);
+    let number = created.unwrap().qpn.get();
+    assert_eq!(modify(&w, old, &to_init_special()), IbStatus::Success);
+    post_recvs(&w, old, &mem, 100..103);
+    // Destroyed with its flushed receives unpolled; special QPs have no
+    // quiet period, so the number is taken again at once.
+    assert_eq!(destroy(&w, old), IbStatus::Success);
+    let (status, new, created) = create(&w, KERNEL, &s, &gsi);
+    assert_eq!(status, IbStatus::Success);
+    assert_eq!(created.unwrap().qpn.get(), number);
+    assert_eq!(modify(&w, new, &to_init_special()), IbStatus::Success);
+    post_recvs(&w, new, &mem, [900]);
+    check_reused_number(&w, &s, &mem, number, old, new);
+    mem.free(&w);
+    let r = w.call_in_dpc::<DestroyCq>(KERNEL, s.cq, &Empty, 0);
+    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    w.finish();
+}
+
+#[test]
+fn a_general_qps_late_completions_keep_their_wr_ids_when_its_number_is_reused_after_the_quiet_period()
+ {
+    use hca_miniport_core::verbs::qp::QPN_QUIET_PERIOD_NS;
+    let config = hca_miniport_core::init::HcaConfig {
+        max_log_qps: 3,
+        ..hca_miniport_core::init::HcaConfig::default()
+    };
+    let w = World::with_hcas(46, vec![support::two_port_hca()], config);
+    let s = setup(&w);
+    let mem = Mem::new(&w, s.pd);
+    // The four general numbers all taken, so the next create must reuse
+    // the destroyed one's.
+    let rc = qp_create(&s, QpType::Rc, None);
+    let mut others = Vec::new();
+    for _ in 0..3 {
+        let (status, qp, _) = create(&w, KERNEL, &s, &rc);
+        assert_eq!(status, IbStatus::Success);
+        others.push(qp);
+    }
+    let (status, old, created) = create(&w, KERNEL, &s, &rc);
+    assert_eq!(status, IbStatus::Success);
+    let number = created.unwrap().qpn.get();
+    assert_eq!(modify(&w, old, &to_init(1)), IbStatus::Success);
+    post_recvs(&w, old, &mem, 100..103);
+    assert_eq!(destroy(&w, old), IbStatus::Success);
+    w.host.scheduler().advance(QPN_QUIET_PERIOD_NS).unwrap();
+    let (status, new, created) = create(&w, KERNEL, &s, &rc);
+    assert_eq!(status, IbStatus::Success);
+    assert_eq!(created.unwrap().qpn.get(), number);
+    assert_eq!(modify(&w, new, &to_init(1)), IbStatus::Success);
+    post_recvs(&w, new, &mem, [900]);
+    check_reused_number(&w, &s, &mem, number, old, new);
+    for qp in others {
+        assert_eq!(destroy(&w, qp), IbStatus::Success);
+    }
+    mem.free(&w);
     let r = w.call_in_dpc::<DestroyCq>(KERNEL, s.cq, &Empty, 0);
     assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
     w.finish();

@@ -42,11 +42,15 @@
 //!   with `hca_prm::cqe`, and writes the consumer record once per batch.
 //!   A CQE that does not decode (an unknown status or opcode) is reported
 //!   as a [`WcStatus::GeneralErr`] completion, never dropped silently.
-//!   It takes the object-table lock only to find the CQ, then the CQ's own
-//!   lock; it never waits for a command. Work request IDs are the QPs'
-//!   (the device stores none): after the CQ lock is dropped, each
-//!   completion's QP (by number, destroyed ones included until the number
-//!   is reused) supplies it by WQE index ([`Hca::post_send`]).
+//!   It holds the object tables shared and then the CQ's own lock for the
+//!   whole batch; it never waits for a command or a post. Work request
+//!   IDs are the QPs' (the device stores none): under the CQ lock, each
+//!   completion's QP incarnation supplies it by WQE index
+//!   (`qp::resolve_completion`): a destroyed QP this CQ still holds CQEs
+//!   of ([`RetiredQp`], polled before its end), else the live QP with the
+//!   number. Several processors may poll one CQ at once: they take turns
+//!   on its lock, each completion goes to one of them with its own
+//!   `wr_id`, and each QP ring is retired in ring order.
 //! - **Arm** ([`Hca::arm_cq`], guide 8.2.2, PRM 9.3): the CQ doorbell on
 //!   UAR page 0 with the consumer counter at the time of arming; the device
 //!   fires at once if CQEs arrived beyond it. [`poll_and_rearm`] is the
@@ -76,7 +80,9 @@ use zerocopy::{FromBytes, IntoBytes};
 
 pub use ib_types::cq::CqNotify;
 
-use super::{Accepted, Buffer};
+use super::qp::{Qp, resolve_completion};
+use super::srq::Srq;
+use super::{Accepted, Buffer, Objects};
 use crate::cmd::{Command, CommandError};
 use crate::hca::Hca;
 use crate::resources::{EntryRange, Handle, KERNEL_UAR, kind};
@@ -101,11 +107,25 @@ pub(super) enum Life {
     Destroying,
 }
 
+/// A destroyed QP whose CQEs still wait in a CQ's ring (guide 6.5.4 note,
+/// 6.5.5 items 3 and 9): what resolves their `wr_id`s after the QP's number
+/// has a new owner (`qp::resolve_completion`).
+pub(crate) struct RetiredQp<P: Platform> {
+    /// The destroyed QP (its rings freed, its `wr_id` shadows kept).
+    pub(crate) qp: Arc<Qp<P>>,
+    /// The SRQ it received from: its receive CQEs free that SRQ's slots
+    /// even after the SRQ is destroyed and its number reused.
+    pub(crate) srq: Option<Arc<Srq<P>>>,
+    /// The sequence number ([`Ring::polled`]) just past its last CQE in
+    /// this CQ: every CQE naming its number polled before it is its.
+    pub(crate) end: u64,
+}
+
 /// A CQ's ring and consumer state, under the CQ's own lock.
-pub(super) struct Ring<B> {
+pub(super) struct Ring<P: Platform> {
     pub(super) life: Life,
-    pub(super) ring: Option<B>,
-    pub(super) dbr: Option<B>,
+    pub(super) ring: Option<Buffer<P>>,
+    pub(super) dbr: Option<Buffer<P>>,
     pub(super) log_entries: u8,
     pub(super) consumer: u32,
     /// CQEs polled over the CQ's life (a resize restarts `consumer`, not
@@ -125,6 +145,9 @@ pub(super) struct Ring<B> {
     /// The size (`log2`) a resize under way moves to: until it ends, a
     /// QP's work queues must fit both rings.
     pub(super) resizing_to: Option<u8>,
+    /// Destroyed QPs with CQEs still in the ring, in destroy order; each
+    /// dropped once the poll passed its `end`.
+    pub(super) retired: Vec<RetiredQp<P>>,
 }
 
 /// How many CQEs the work queues of the kernel QPs using a CQ can have
@@ -197,7 +220,7 @@ impl Room {
 /// A completion queue.
 pub struct Cq<P: Platform> {
     pub(super) cqn: u32,
-    pub(super) ring: SpinLock<P, Ring<Buffer<P>>>,
+    pub(super) ring: SpinLock<P, Ring<P>>,
 }
 
 impl<P: Platform> core::fmt::Debug for Cq<P> {
@@ -224,6 +247,7 @@ impl<P: Platform> Cq<P> {
                 armed: None,
                 room: Room::default(),
                 resizing_to: None,
+                retired: Vec::new(),
             }),
         }
     }
@@ -269,6 +293,45 @@ impl<P: Platform> Cq<P> {
     pub(super) fn number(&self) -> u32 {
         self.cqn
     }
+}
+
+/// How many valid CQEs wait in `ring` from its consumer counter on,
+/// calling `each` with every one in ring order.
+fn waiting_cqes<P: Platform>(ring: &Ring<P>, mut each: impl FnMut(&Cqe)) -> u32 {
+    let log = ring.log_entries;
+    let mut waiting = 0u32;
+    if let Some(buffer) = ring.ring.as_ref() {
+        while waiting < (1u32 << log) {
+            let consumer = ring.consumer.wrapping_add(waiting);
+            let slot = hca_prm::owner::slot(consumer, log) as usize;
+            let mut raw = [0u8; CQE_BYTES];
+            if !buffer.read(slot * CQE_BYTES, &mut raw) {
+                break;
+            }
+            match Cqe::read_from_bytes(&raw) {
+                Ok(cqe) if cqe.is_valid(consumer, log) => {
+                    each(&cqe);
+                    waiting += 1;
+                }
+                _ => break,
+            }
+        }
+    }
+    waiting
+}
+
+/// The sequence number just past the last CQE of QP `qpn` waiting in
+/// `ring`, if one waits.
+fn last_cqe_of<P: Platform>(ring: &Ring<P>, qpn: u32) -> Option<u64> {
+    let mut at = 0u64;
+    let mut last = None;
+    waiting_cqes(ring, |cqe| {
+        at += 1;
+        if cqe.qpn.get() & 0x00FF_FFFF == qpn {
+            last = Some(ring.polled + at);
+        }
+    });
+    last
 }
 
 /// Entries and `log2` for a requested depth, within the device's limit.
@@ -392,18 +455,40 @@ impl<P: Platform> Hca<P> {
     /// Polls up to `wcs.len()` completions of the CQ `cq` (a kernel
     /// client's handle) into `wcs` and returns how many. Callable at
     /// DISPATCH_LEVEL; never blocks. A CQ whose resize is outstanding polls
-    /// empty.
+    /// empty. Callable on several processors at once for one CQ (as
+    /// `ibv_poll_cq`): each completion goes to one caller, with its own
+    /// `wr_id`.
     pub fn poll_cq(&self, cq: u64, wcs: &mut [WorkCompletion]) -> Result<usize, IbStatus> {
-        let cq = self.find_cq(cq, RequestorMode::Kernel)?;
+        // The tables shared for the whole poll, then the CQ's lock (the
+        // crate's lock order): the `wr_id`s are resolved under both, so
+        // polls of one CQ take turns and retire each QP ring in ring order.
+        // Post takes the tables shared too and never a CQ's lock.
+        self.with_objects(|o| {
+            if !Self::ca_visible(o, RequestorMode::Kernel) {
+                return Err(IbStatus::InvalidCqHandle);
+            }
+            let handle = cq;
+            let cq = o
+                .cqs
+                .get(Handle::<kind::Cq>::from_raw(handle))
+                .ok_or(IbStatus::InvalidCqHandle)?;
+            Ok(Self::poll_locked(o, handle, cq, wcs))
+        })?
+    }
+
+    /// [`poll_cq`](Self::poll_cq) of `cq` (its raw handle `handle`) with
+    /// the tables held (`o`).
+    fn poll_locked(o: &Objects<P>, handle: u64, cq: &Cq<P>, wcs: &mut [WorkCompletion]) -> usize {
         let mut ring = cq.ring.lock();
         if !matches!(ring.life, Life::Live | Life::Destroying) {
-            return Ok(0);
+            return 0;
         }
         let log = ring.log_entries;
         let mut consumer = ring.consumer;
         let mut polled = 0;
         // Software completions first: they precede whatever the device
-        // wrote since (restore.rs, fatal.rs).
+        // wrote since (restore.rs, fatal.rs); their `wr_id`s were resolved
+        // when they were taken off the ring.
         while polled < wcs.len() {
             let Some(wc) = ring.backlog.pop_front() else {
                 break;
@@ -412,6 +497,7 @@ impl<P: Platform> Hca<P> {
             polled += 1;
         }
         let from_backlog = polled;
+        let first_seq = ring.polled;
         if let Some(buffer) = ring.ring.as_ref() {
             while polled < wcs.len() {
                 let slot = hca_prm::owner::slot(consumer, log) as usize;
@@ -440,11 +526,12 @@ impl<P: Platform> Hca<P> {
                     status: WcStatus::GeneralErr,
                     ..WorkCompletion::EMPTY
                 });
+                let seq = first_seq + (polled - from_backlog) as u64;
+                resolve_completion(o, handle, &ring.retired, &mut wcs[polled], seq);
                 consumer = consumer.wrapping_add(1);
                 polled += 1;
             }
         }
-        let first_seq = ring.polled;
         if polled > from_backlog {
             ring.consumer = consumer;
             ring.polled += (polled - from_backlog) as u64;
@@ -452,17 +539,67 @@ impl<P: Platform> Hca<P> {
             if let Some(dbr) = ring.dbr.as_ref() {
                 dbr.write(0, DoorbellRecord::new(consumer).as_bytes());
             }
+            // Destroyed QPs whose last CQE is now polled: forgotten
+            // (`retain` keeps the vector's memory: no allocation here).
+            let next = ring.polled;
+            ring.retired.retain(|r| r.end > next);
         }
-        drop(ring);
-        // Outside the CQ lock: each QP's ring lock, never both at once.
-        // Backlog entries were resolved when they were taken off the ring.
-        for (seq, wc) in (first_seq..).zip(&mut wcs[from_backlog..polled]) {
-            let index = wc.wr_id as u16;
-            let (recv, srq) = (wc.wr_id & (1 << 16) != 0, wc.wr_id & (1 << 17) != 0);
-            wc.wr_id = self.complete_wr(wc.qp_num.get(), index, recv, srq, seq);
-            self.note_error_completion(wc.qp_num.get(), recv, wc.status);
+        polled
+    }
+
+    /// Records, in each CQ of the destroyed QP `qp`, where its CQEs end
+    /// ([`RetiredQp`]), so they keep resolving against it after its number
+    /// is reused. Called when its `HW2SW_QP` completes, before the number
+    /// is freed: the device wrote every CQE of the QP before answering.
+    /// A CQ with none of its CQEs waiting keeps nothing, and so does a
+    /// user QP's (its rings and `wr_id`s are its provider's; the CQ poll
+    /// path leaves a CQE no live QP of that CQ can own alone).
+    pub(super) fn retire_qp_in_cqs(&self, qp: &Arc<Qp<P>>) {
+        if qp.sq.lock().ring.is_none() {
+            return;
         }
-        Ok(polled)
+        let cqs = if qp.send_cq == qp.recv_cq {
+            [Some(qp.send_cq), None]
+        } else {
+            [Some(qp.send_cq), Some(qp.recv_cq)]
+        };
+        let _ = self.with_objects(|o| {
+            let srq = qp
+                .srq
+                .and_then(|raw| o.srqs.get(Handle::<kind::Srq>::from_raw(raw)).cloned());
+            for raw in cqs.into_iter().flatten() {
+                let Some(cq) = o.cqs.get(Handle::<kind::Cq>::from_raw(raw)) else {
+                    continue;
+                };
+                let mut ring = cq.ring.lock();
+                let Some(end) = last_cqe_of(&ring, qp.qpn) else {
+                    continue;
+                };
+                ring.retired.push(RetiredQp {
+                    qp: qp.clone(),
+                    srq: srq.clone(),
+                    end,
+                });
+            }
+        });
+    }
+
+    /// The destroyed QPs every CQ keeps for their unpolled CQEs (for the
+    /// failure path, `verbs::fatal`).
+    pub(crate) fn retired_qps(&self) -> Vec<Arc<Qp<P>>> {
+        self.with_objects(|o| {
+            o.cqs
+                .iter()
+                .flat_map(|(_, cq)| {
+                    let ring = cq.ring.lock();
+                    ring.retired
+                        .iter()
+                        .map(|r| r.qp.clone())
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        })
+        .unwrap_or_default()
     }
 
     /// The sequence number (`Ring::polled`) the next CQE the device
@@ -478,23 +615,7 @@ impl<P: Platform> Hca<P> {
             return 0;
         };
         let ring = cq.ring.lock();
-        let log = ring.log_entries;
-        let mut waiting = 0u32;
-        if let Some(buffer) = ring.ring.as_ref() {
-            while waiting < (1u32 << log) {
-                let consumer = ring.consumer.wrapping_add(waiting);
-                let slot = hca_prm::owner::slot(consumer, log) as usize;
-                let mut raw = [0u8; CQE_BYTES];
-                if !buffer.read(slot * CQE_BYTES, &mut raw) {
-                    break;
-                }
-                match Cqe::read_from_bytes(&raw) {
-                    Ok(cqe) if cqe.is_valid(consumer, log) => waiting += 1,
-                    _ => break,
-                }
-            }
-        }
-        ring.polled + u64::from(waiting)
+        ring.polled + u64::from(waiting_cqes(&ring, |_| ()))
     }
 
     /// Arms the CQ `cq` for one completion event (PRM 9.3): the next
@@ -856,18 +977,34 @@ pub fn poll_and_rearm<P: Platform>(
     cq: u64,
     notify: CqNotify,
     wcs: &mut [WorkCompletion],
-    mut process: impl FnMut(&[WorkCompletion]),
+    process: impl FnMut(&[WorkCompletion]),
 ) -> Result<usize, IbStatus> {
+    rearm_loop(
+        |wcs| hca.poll_cq(cq, wcs),
+        || hca.arm_cq(cq, notify),
+        wcs,
+        process,
+    )
+}
+
+/// The 8.3 loop of [`poll_and_rearm`] over any `poll` and `arm` (the loom
+/// model drives it against a model of the device's arming, PRM 9.3).
+fn rearm_loop<E>(
+    mut poll: impl FnMut(&mut [WorkCompletion]) -> Result<usize, E>,
+    mut arm: impl FnMut() -> Result<(), E>,
+    wcs: &mut [WorkCompletion],
+    mut process: impl FnMut(&[WorkCompletion]),
+) -> Result<usize, E> {
     let mut rearm_needed = true;
     let mut total = 0;
     loop {
-        let polled = hca.poll_cq(cq, wcs)?;
+        let polled = poll(wcs)?;
         if !rearm_needed && polled == 0 {
             return Ok(total);
         }
         process(&wcs[..polled]);
         total += polled;
-        hca.arm_cq(cq, notify)?;
+        arm()?;
         rearm_needed = false;
     }
 }
@@ -910,5 +1047,103 @@ mod tests {
         let page = 0x10_0000 + (MAX_MTT_PER_WRITE as u64) * PAGE as u64;
         assert_eq!(second[8..16], page.to_le_bytes());
         assert!(write_mtt(0, 0, 0).is_empty());
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_arm {
+    use super::*;
+    use crate::sync::{AtomicBool, AtomicU32, Ordering};
+    use loom::sync::{Arc, Mutex};
+
+    /// The device's side of one CQ as PRM 9.3 and 10.4 describe it: CQE
+    /// slots with their valid (owner) bit, the producer counter and the
+    /// arming, which the device keeps under its own serialisation.
+    struct ModelCq {
+        valid: [AtomicBool; 2],
+        device: Mutex<Device>,
+        events: AtomicU32,
+    }
+
+    struct Device {
+        producer: u32,
+        /// Armed with this consumer counter, until the event.
+        armed: Option<u32>,
+    }
+
+    impl ModelCq {
+        /// The device writes the next CQE, then fires if armed.
+        fn write_cqe(&self) {
+            let mut device = self.device.lock().unwrap();
+            let slot = device.producer as usize;
+            self.valid[slot].store(true, Ordering::Release);
+            device.producer += 1;
+            if device.armed.take().is_some() {
+                self.events.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+
+        /// The CQ doorbell with the consumer counter (`Hca::arm_cq`): the
+        /// device fires at once for CQEs beyond it, else arms.
+        fn arm(&self, consumer: u32) {
+            let mut device = self.device.lock().unwrap();
+            if device.producer != consumer {
+                self.events.fetch_add(1, Ordering::AcqRel);
+            } else {
+                device.armed = Some(consumer);
+            }
+        }
+    }
+
+    /// CQ arm against poll: the client polls empty, arms, and polls again
+    /// (the 8.3 loop, [`rearm_loop`], exactly as `poll_and_rearm` runs it)
+    /// while the device writes a CQE. Every interleaving ends with the CQE
+    /// polled or a completion event raised: none is lost.
+    #[test]
+    fn loom_cq_arm_against_poll_loses_no_event() {
+        loom::model(|| {
+            let cq = Arc::new(ModelCq {
+                valid: [AtomicBool::new(false), AtomicBool::new(false)],
+                device: Mutex::new(Device {
+                    producer: 0,
+                    armed: None,
+                }),
+                events: AtomicU32::new(0),
+            });
+            let device = {
+                let cq = cq.clone();
+                loom::thread::spawn(move || cq.write_cqe())
+            };
+            let consumer = core::cell::Cell::new(0u32);
+            let mut wcs = [WorkCompletion::EMPTY; 2];
+            let polled = rearm_loop::<()>(
+                |wcs| {
+                    let mut n = 0;
+                    while n < wcs.len()
+                        && cq
+                            .valid
+                            .get(consumer.get() as usize)
+                            .is_some_and(|v| v.load(Ordering::Acquire))
+                    {
+                        consumer.set(consumer.get() + 1);
+                        n += 1;
+                    }
+                    Ok(n)
+                },
+                || {
+                    cq.arm(consumer.get());
+                    Ok(())
+                },
+                &mut wcs,
+                |_| {},
+            )
+            .unwrap();
+            device.join().unwrap();
+            let events = cq.events.load(Ordering::Acquire);
+            assert!(
+                polled == 1 || events >= 1,
+                "the CQE was neither polled nor announced"
+            );
+        });
     }
 }

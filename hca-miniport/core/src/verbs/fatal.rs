@@ -132,15 +132,16 @@ impl<P: Platform> Hca<P> {
     /// at DISPATCH_LEVEL or below; takes no lock across a client callback.
     pub(crate) fn fail_verbs(&self) {
         self.bar0.write32(offset::CONTROL, Control::RESET.bits());
+        // Before the drain polls their CQEs and the CQs forget them.
+        let retired = self.retired_qps();
         self.drain_rings_to_backlogs();
-        let (qps, retired, srqs, ca, cqs) = match self.with_objects(|o| {
+        let (qps, srqs, ca, cqs) = match self.with_objects(|o| {
             (
                 o.qps
                     .objects()
                     .iter()
                     .map(|(_, q)| q.clone())
                     .collect::<Vec<_>>(),
-                o.retired_qps.values().cloned().collect::<Vec<_>>(),
                 o.srqs
                     .iter()
                     .map(|(h, s)| (h.raw(), s.clone()))

@@ -179,15 +179,6 @@ pub(crate) struct Objects<P: Platform> {
     pub(crate) srqs: ObjectTable<kind::Srq, Arc<srq::Srq<P>>>,
     /// QPs by number (special QPs at their fixed numbers).
     pub(crate) qps: QpTable<Arc<qp::Qp<P>>>,
-    /// Destroyed QPs by number, kept (without rings) until the number is
-    /// reused so that their flushed completions still find their wr_ids.
-    pub(crate) retired_qps: alloc::collections::BTreeMap<u32, Arc<qp::Qp<P>>>,
-    /// Destroyed SRQs by the handle they had, kept (without rings) while a
-    /// retired QP names them: receive CQEs of those QPs may still sit
-    /// unpolled in a CQ ring (the one-EQ ordering covers events, not CQEs)
-    /// and must find their own `wr_id`s, never those of the SRQ number's
-    /// next owner.
-    pub(crate) retired_srqs: alloc::collections::BTreeMap<u64, Arc<srq::Srq<P>>>,
     /// Memory regions, each at its MPT index ([`region`]).
     pub(crate) mrs: ObjectTable<kind::Mr, region::MrEntry<P>>,
     /// Memory windows, each at its MPT index ([`mw`]).
@@ -204,19 +195,6 @@ pub(crate) struct Objects<P: Platform> {
     pub(crate) log_max_cqes: u8,
     /// User-mode contexts and what they hold ([`user`]).
     pub(crate) user: user::UserContexts<P>,
-}
-
-impl<P: Platform> Objects<P> {
-    /// Drops the retired QP at `number` (its number was reused), and the
-    /// retired SRQ it named once no other retired QP names it.
-    pub(crate) fn forget_retired_qp(&mut self, number: u32) {
-        let Some(srq) = self.retired_qps.remove(&number).and_then(|qp| qp.srq) else {
-            return;
-        };
-        if !self.retired_qps.values().any(|qp| qp.srq == Some(srq)) {
-            self.retired_srqs.remove(&srq);
-        }
-    }
 }
 
 /// The verb state of one [`Hca`].
@@ -793,8 +771,6 @@ impl<P: Platform> Hca<P> {
                     qp::QPN_QUIET_PERIOD_NS,
                 )
                 .map_err(|_| IbStatus::InvalidState)?,
-                retired_qps: alloc::collections::BTreeMap::new(),
-                retired_srqs: alloc::collections::BTreeMap::new(),
                 mrs: ObjectTable::new(mpts, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 mws: ObjectTable::new(mpts, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 mcasts: ObjectTable::new(mcast::MAX_MEMBERSHIPS, 0..0)

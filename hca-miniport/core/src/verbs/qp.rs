@@ -71,9 +71,21 @@
 //!   that is not in RESET to ERR, so the device completes every
 //!   outstanding WQE with `WR_FLUSH_ERR` (PRM 10.5) before `HW2SW_QP`;
 //!   posts are refused
-//!   ([`IbStatus::InvalidQpHandle`]) from the moment destroy begins. The
-//!   destroyed QP stays findable by number (without its rings) until the
-//!   number is reused, so its flushed completions get their `wr_id`s.
+//!   ([`IbStatus::InvalidQpHandle`]) from the moment destroy begins. When
+//!   `HW2SW_QP` completes (the device wrote every CQE of the QP before
+//!   answering), each of its CQs that still holds CQEs of it records the
+//!   destroyed QP with the sequence number just past the last of them
+//!   (`cq::RetiredQp`, which also keeps the SRQ it received from); the
+//!   number is freed only after that, so its flushed completions get
+//!   their `wr_id`s even after the number has a new owner, and never touch
+//!   the new owner's rings (guide 6.5.4 note, 6.5.5 items 3 and 9, 8.2.3
+//!   item 2). A special QP's number is reused at once, a general QP's
+//!   after the quiet period: both are resolved by the record, which the
+//!   CQ drops once a poll passes its end. A user QP keeps none (its
+//!   `wr_id`s are its provider's), and a CQE resolves against the live QP
+//!   only if that QP's completions of its kind go to the CQ polled, so a
+//!   CQE no record covers never touches another QP's ring. Deferring the number's reuse
+//!   instead would block a special QP's re-creation on the client polling.
 //! - **Create details.** A general QP's port is set by RESET->INIT;
 //!   `SW2HW_QP` needs a valid one, so the create's port (or port 1) stands
 //!   in until then.
@@ -93,21 +105,22 @@
 //!   caller until the AV verbs provide a lookup.
 //! - **wr_id** (PRM 10.4): each ring keeps a shadow of `wr_id`s by WQE
 //!   index, in atomics outside the ring's lock (`Completions`);
-//!   [`Hca::poll_cq`] reads the CQEs under the CQ lock, drops it, and then
-//!   asks each completion's QP (by number) for the `wr_id`, retiring that
-//!   WQE (and, for sends, the unsignaled ones before it) by advancing the
-//!   ring's atomic tail, which post reads for room.
-//!   Limitation: polls of one CQ on two processors at once are not
-//!   serialised, so a slot could be reposted before the other poll reads
-//!   its `wr_id`; a CQ is to be polled from one place at a time (as the
-//!   8.3 helper does). A receive taken from an SRQ (CQE flag SRQ, PRM
-//!   10.4; or any receive of a QP on an SRQ) is looked up in the SRQ by
-//!   the CQE's WQE index (`srq_complete`), which frees that SRQ slot
-//!   (lock-free, as `Completions`: `srq::WrIdSlots`).
-//!   Limitation: a destroyed QP's late completions name its SRQ by number,
-//!   and SRQ numbers have no quiet period, so a completion polled after
-//!   the SRQ itself was destroyed and its number reused could take the
-//!   new SRQ's slot.
+//!   [`Hca::poll_cq`] holds the object tables shared and the CQ's lock
+//!   while it reads the CQEs and asks each completion's QP incarnation
+//!   (`complete`: a record of a destroyed QP, else the live QP with the
+//!   number) for the `wr_id`, retiring that WQE (and, for sends, the
+//!   unsignaled ones before it) by advancing the ring's completion tail
+//!   (`tail::CompletionTail`), which post reads for room. So several
+//!   processors may poll one CQ at once: they take turns on the CQ's lock,
+//!   each completion goes to one of them, and each ring is retired in the
+//!   order the device wrote its CQEs, so no slot is reposted before its
+//!   `wr_id` was read. A CQE naming no WQE in the window ahead of the tail
+//!   retires nothing and gets `wr_id` 0. A receive taken from an SRQ (CQE
+//!   flag SRQ, PRM 10.4; or any receive of a QP on an SRQ) is looked up in
+//!   the incarnation's SRQ by the CQE's WQE index (`Srq::complete`), which
+//!   frees that SRQ slot (lock-free: `srq::WrIdSlots`). An error
+//!   completion of the live QP records the state it implies; one of a
+//!   destroyed QP changes nothing.
 //! - **Reset** (PRM 6.1.3, guide 6.5.5 items 3-5): a QP moved to RESET
 //!   restarts its rings at WQE index 0, while completions written before
 //!   the reset may still wait in its CQs with the old indices. When the
@@ -119,23 +132,27 @@
 //! - **Locks.** A QP's control lock (state, attributes), then its send-ring
 //!   lock, then its receive-ring lock; never the object-table lock or a
 //!   CQ's lock while holding one of them. Post takes one ring lock; poll
-//!   takes the CQ lock, releases it, and reads the `wr_id`s without any
-//!   QP lock (guide 6.5.5 item 2: no cross lock between post and poll on a
-//!   QP; only a reset's kept `wr_id`s have a lock, which post never takes).
-//!   The one lock post and poll have in common is the object tables'
-//!   (post: the QP, an SRQ, a window or AV; poll: the CQ, then each
-//!   completion's QP and SRQ), and both take it *shared* only
-//!   (`Hca::with_objects`, an `EX_SPIN_LOCK` on Windows), so it never makes
-//!   one wait for the other; only a create, destroy or other table change
-//!   (exclusive) makes them wait. A receive completed from an SRQ takes no
-//!   SRQ lock either (`srq::WrIdSlots`), so posting to an SRQ and polling
-//!   its completions share no lock.
+//!   takes the object tables shared, then the CQ lock, and under it reads
+//!   the `wr_id`s without any ring lock (guide 6.5.5 item 2, 8.2.3 item 3:
+//!   no cross lock between post and poll on a QP; only a reset's kept
+//!   `wr_id`s have a lock, which post never takes, and an error completion
+//!   takes the QP's control lock, after the CQ's). The one lock post and
+//!   poll have in common is the object tables' (post: the QP, an SRQ, a
+//!   window or AV; poll: the CQ and each completion's QP and SRQ), and
+//!   both take it *shared* only (`Hca::with_objects`, an `EX_SPIN_LOCK` on
+//!   Windows), so it never makes one wait for the other; only a create,
+//!   destroy or other table change (exclusive) makes them wait. Polls of
+//!   one CQ wait for each other on its lock, never for a post. A receive
+//!   completed from an SRQ takes no SRQ lock either (`srq::WrIdSlots`), so
+//!   posting to an SRQ and polling its completions share no lock.
 
 use alloc::boxed::Box;
 use alloc::collections::VecDeque;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
-use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
+// The `Completions` shadow is `tail`'s protocol: its atomics are the ones
+// loom drives under `--cfg loom` (`crate::sync`).
+use crate::sync::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 
 use driver_platform::{CommonBuffer, Deferred, Platform, Request, RequestorMode, SpinLock};
 use hca_prm::cmd::Opcode;
@@ -156,9 +173,13 @@ use crate::cmd::Command;
 use crate::hca::Hca;
 use crate::resources::{EntryRange, Handle, KERNEL_UAR, SpecialQp, kind};
 
+mod complete;
 mod post;
+mod tail;
 
+pub(crate) use complete::resolve_completion;
 pub use post::SendRequest;
+pub(crate) use tail::CompletionTail;
 
 /// The TIME WAIT (guide 6.5.2, 6.5.5 item 11): how long a destroyed QP's
 /// number waits before reuse, and how long a connected QP that was reset
@@ -406,17 +427,18 @@ impl<B> RecvRing<B> {
 /// the `wr_id` (and, for sends, the basic blocks) of each WQE, stored by
 /// post before its doorbell and read by poll when the WQE's completion
 /// arrives; and how far completions reached (`*_tail`), advanced by poll
-/// and read by post for room. A CQ is polled from one place at a time
-/// (module docs), so a tail's only other writer is a reset, which poll
-/// detects with a compare-and-swap.
+/// and read by post for room. The poll path retires a ring's completions
+/// under its CQ's lock, in ring order (so polls of one CQ on several
+/// processors take turns); the tail's only other writer is a reset or a
+/// software flush, which restarts it in a new epoch ([`CompletionTail`]).
 pub(crate) struct Completions<P: Platform> {
     pub(crate) send_wr_ids: Vec<AtomicU64>,
     pub(crate) send_bbs: Vec<AtomicU32>,
     /// Basic blocks completed (polled).
-    pub(crate) send_tail: AtomicU32,
+    pub(crate) send_tail: CompletionTail,
     pub(crate) recv_wr_ids: Vec<AtomicU64>,
     /// Receive WQEs completed (polled).
-    pub(crate) recv_tail: AtomicU32,
+    pub(crate) recv_tail: CompletionTail,
     /// Set once a reset kept `wr_id`s in `before_reset`.
     pub(crate) reset_kept: AtomicBool,
     /// The `wr_id`s of the rings before each RESET whose completions may
@@ -438,9 +460,9 @@ impl<P: Platform> Completions<P> {
         Self {
             send_wr_ids: (0..send_slots).map(|_| AtomicU64::new(0)).collect(),
             send_bbs: (0..send_slots).map(|_| AtomicU32::new(0)).collect(),
-            send_tail: AtomicU32::new(0),
+            send_tail: CompletionTail::new(),
             recv_wr_ids: (0..recv_slots).map(|_| AtomicU64::new(0)).collect(),
-            recv_tail: AtomicU32::new(0),
+            recv_tail: CompletionTail::new(),
             reset_kept: AtomicBool::new(false),
             before_reset: SpinLock::<P, _>::new(BeforeReset::default()),
         }
@@ -540,11 +562,11 @@ impl<P: Platform> Qp<P> {
         if state == QpState::Reset {
             let mut sq = self.sq.lock();
             sq.producer = 0;
-            self.done.send_tail.store(0, Ordering::Release);
+            self.done.send_tail.restart(0);
             drop(sq);
             let mut rq = self.rq.lock();
             rq.producer = 0;
-            self.done.recv_tail.store(0, Ordering::Release);
+            self.done.recv_tail.restart(0);
             if let Some(dbr) = rq.dbr.as_ref() {
                 dbr.write(0, DoorbellRecord::new(0).as_bytes());
             }
@@ -561,9 +583,9 @@ impl<P: Platform> Qp<P> {
             slots.iter().map(|a| a.load(Ordering::Acquire)).collect()
         };
         let done = &self.done;
-        let send_outstanding = self.sq.lock().producer != done.send_tail.load(Ordering::Acquire);
+        let send_outstanding = self.sq.lock().producer != done.send_tail.counter();
         let recv_outstanding =
-            self.srq.is_none() && self.rq.lock().producer != done.recv_tail.load(Ordering::Acquire);
+            self.srq.is_none() && self.rq.lock().producer != done.recv_tail.counter();
         if !(send_outstanding || recv_outstanding) {
             return;
         }
@@ -975,15 +997,10 @@ where
                 None => o.qps.create_with(now, make),
             };
             match made {
-                Ok(handle) => {
-                    // The number's previous QP is no longer needed for
-                    // resolving its completions' wr_ids.
-                    o.forget_retired_qp(handle.number());
-                    match o.qps.objects().get(handle).cloned() {
-                        Some(qp) => Ok((handle, qp, mtt)),
-                        None => Err(IbStatus::GenericError),
-                    }
-                }
+                Ok(handle) => match o.qps.objects().get(handle).cloned() {
+                    Some(qp) => Ok((handle, qp, mtt)),
+                    None => Err(IbStatus::GenericError),
+                },
                 Err(error) => {
                     let _ = o.mtt.return_entries(mtt);
                     Err(match error {
@@ -1315,10 +1332,10 @@ where
                         }
                         qp.state.store(QpState::Reset.code(), Ordering::Release);
                         // Every event of this QP came before this completion on
-                        // the one EQ: the number can go to quarantine now. The
-                        // QP stays findable by number for the flushed
-                        // completions' wr_ids until the number is reused.
-                        let _ = hca.with_objects_mut(|o| o.retired_qps.insert(qp.qpn, qp.clone()));
+                        // the one EQ: the number can go to quarantine now. Its
+                        // CQs keep it for the CQEs it left unpolled (written
+                        // before this answer), before the number can be reused.
+                        hca.retire_qp_in_cqs(&qp);
                         hca.forget_qp(handle, &qp);
                         done(hca, Ok(()));
                     }

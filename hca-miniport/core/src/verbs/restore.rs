@@ -327,7 +327,7 @@ impl<P: Platform> Hca<P> {
             let sq = qp.sq.lock();
             let done = &qp.done;
             let mask = (1u32 << qp.geometry.sq_log_bbs) - 1;
-            let mut counter = done.send_tail.load(Ordering::Acquire);
+            let mut counter = done.send_tail.counter();
             while counter != sq.producer {
                 let (wr_id, bbs) = send_slot(done, (counter & mask) as usize);
                 sends.push(flushed(wr_id, WcOpcode::Send));
@@ -336,14 +336,14 @@ impl<P: Platform> Hca<P> {
                 }
                 counter = counter.wrapping_add(bbs);
             }
-            done.send_tail.store(sq.producer, Ordering::Release);
+            done.send_tail.restart(sq.producer);
         }
         let mut recvs = Vec::new();
         {
             let rq = qp.rq.lock();
             let done = &qp.done;
             let mask = (1u32 << qp.geometry.rq_log_entries) - 1;
-            let mut counter = done.recv_tail.load(Ordering::Acquire);
+            let mut counter = done.recv_tail.counter();
             while counter != rq.producer {
                 recvs.push(flushed(
                     recv_slot(done, (counter & mask) as usize),
@@ -351,7 +351,7 @@ impl<P: Platform> Hca<P> {
                 ));
                 counter = counter.wrapping_add(1);
             }
-            done.recv_tail.store(rq.producer, Ordering::Release);
+            done.recv_tail.restart(rq.producer);
         }
         for (cq, wcs) in [(qp.send_cq, sends), (qp.recv_cq, recvs)] {
             if wcs.is_empty() {
@@ -737,7 +737,7 @@ fn compact_send_ring<P: Platform, B: CommonBuffer>(
     let mask = bbs - 1;
     let ring_bytes = BB_SIZE << log_bbs;
     let mut waiting = Vec::new();
-    let mut counter = done.send_tail.load(Ordering::Acquire);
+    let mut counter = done.send_tail.counter();
     while counter != sq.producer {
         let (wr_id, size) = send_slot(done, (counter & mask) as usize);
         if size == 0 || size > bbs {
@@ -772,7 +772,7 @@ fn compact_send_ring<P: Platform, B: CommonBuffer>(
         at += size;
     }
     sq.producer = at;
-    done.send_tail.store(0, Ordering::Release);
+    done.send_tail.restart(0);
 }
 
 /// Moves the receive WQEs between tail and producer to counters `0..`,
@@ -786,7 +786,7 @@ fn compact_recv_ring<P: Platform, B: CommonBuffer>(
     let mask = (1u32 << log_entries) - 1;
     let stride = 1usize << log_stride;
     let mut waiting = Vec::new();
-    let mut counter = done.recv_tail.load(Ordering::Acquire);
+    let mut counter = done.recv_tail.counter();
     while counter != rq.producer {
         let slot = (counter & mask) as usize;
         let mut wqe = alloc::vec![0u8; stride];
@@ -807,7 +807,7 @@ fn compact_recv_ring<P: Platform, B: CommonBuffer>(
         }
     }
     rq.producer = count;
-    done.recv_tail.store(0, Ordering::Release);
+    done.recv_tail.restart(0);
 }
 
 /// The transitions from RESET to `state` (IBA Table 91's forward path).

@@ -37,12 +37,13 @@
 //!   posted. A slot is free when the WR last posted in it has been
 //!   completed: the device stores no `wr_id` (PRM 10.4), so the SRQ keeps
 //!   each WR's `wr_id` in a shadow ring by `wqe_index`, and the CQ poll
-//!   path takes it back with `Hca::srq_complete` (crate-private), which
-//!   frees the slot. The lookup is by the QP's generation-checked SRQ
-//!   handle, not the number: a destroyed QP's receive CQEs can sit unpolled
-//!   in a CQ after its SRQ is destroyed and the number reused, so a
-//!   destroyed SRQ that a retired QP names is kept (`Objects::retired_srqs`)
-//!   until that QP's number is reused. The shadow ring is atomics outside
+//!   path takes it back with `Srq::complete` (crate-private), which
+//!   frees the slot. The SRQ is the one the completion's QP incarnation
+//!   received from, never found by number: a live QP's by its
+//!   generation-checked handle (the QP holds a use of it), a destroyed
+//!   QP's kept in the CQ's record of that QP (`cq::RetiredQp`), since its
+//!   receive CQEs can sit unpolled after the SRQ too is destroyed and its
+//!   number reused. The shadow ring is atomics outside
 //!   the SRQ's lock (`WrIdSlots`): posters serialise on that lock, the poll
 //!   path takes none, so posting to an SRQ never waits for its completions
 //!   being polled, nor the other way round. The producer doorbell record is written once per post
@@ -53,11 +54,11 @@
 //! - The SRQ's number (its context index, which the QP context names) is
 //!   the number in its handle (`resources::Handle::number`).
 
+use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
 use alloc::boxed::Box;
 use alloc::sync::Arc;
 use alloc::vec;
 use alloc::vec::Vec;
-use core::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 
 use driver_platform::{CommonBuffer, Platform, RequestorMode, SpinLock};
 use hca_prm::cmd::Opcode;
@@ -115,11 +116,19 @@ pub(super) struct WrIdSlots {
 /// One slot of [`WrIdSlots`].
 struct WrIdSlot {
     wr_id: AtomicU64,
-    /// Set (Release) after `wr_id` is written by the poster; cleared
-    /// (Release) by the one taker after it read `wr_id`, which makes the
-    /// slot free again.
-    posted: AtomicBool,
+    /// `generation << 1 | posted`. The poster sets `posted` (Release) after
+    /// writing `wr_id`; the one taker clears it and moves to the next
+    /// generation in one compare-and-swap (Release) after reading `wr_id`,
+    /// which frees the slot. The generation makes a stale taker's swap
+    /// fail once the slot was taken and refilled meanwhile (a taker that
+    /// saw "posted" before another took the WR and the poster reposted
+    /// would otherwise hand out the old `wr_id` again and free the new
+    /// WR's slot: the loom model `loom_srq` found it).
+    state: AtomicU32,
 }
+
+/// The `posted` bit of [`WrIdSlot::state`].
+const POSTED: u32 = 1;
 
 impl WrIdSlots {
     fn new(count: usize) -> Self {
@@ -127,7 +136,7 @@ impl WrIdSlots {
             slots: (0..count)
                 .map(|_| WrIdSlot {
                     wr_id: AtomicU64::new(0),
-                    posted: AtomicBool::new(false),
+                    state: AtomicU32::new(0),
                 })
                 .collect(),
         }
@@ -137,30 +146,35 @@ impl WrIdSlots {
     pub(super) fn is_free(&self, slot: usize) -> bool {
         self.slots
             .get(slot)
-            .is_some_and(|s| !s.posted.load(Ordering::Acquire))
+            .is_some_and(|s| s.state.load(Ordering::Acquire) & POSTED == 0)
     }
 
     /// Records `wr_id` in the free `slot`. Posters only, under the SRQ's
-    /// lock (one writer per slot at a time).
+    /// lock (one writer per slot at a time; a free slot's state changes
+    /// only here).
     pub(super) fn put(&self, slot: usize, wr_id: u64) {
         if let Some(s) = self.slots.get(slot) {
+            let free = s.state.load(Ordering::Acquire) & !POSTED;
             s.wr_id.store(wr_id, Ordering::Relaxed);
-            s.posted.store(true, Ordering::Release);
+            s.state.store(free | POSTED, Ordering::Release);
         }
     }
 
     /// Takes the `wr_id` of `slot` back and frees it; `None` if the slot
-    /// is empty (or out of range). Lock-free; of two takers of one slot
-    /// only one gets it.
+    /// is empty (or out of range). Lock-free; of two takers of one posted
+    /// WR only one gets it, and a taker never frees a WR posted after the
+    /// one it read.
     pub(super) fn take(&self, slot: usize) -> Option<u64> {
         let s = self.slots.get(slot)?;
-        if !s.posted.load(Ordering::Acquire) {
+        let seen = s.state.load(Ordering::Acquire);
+        if seen & POSTED == 0 {
             return None;
         }
         // Read before freeing: a poster writes only a free slot.
         let wr_id = s.wr_id.load(Ordering::Relaxed);
-        s.posted
-            .compare_exchange(true, false, Ordering::AcqRel, Ordering::Relaxed)
+        let next_generation = (seen & !POSTED).wrapping_add(POSTED << 1);
+        s.state
+            .compare_exchange(seen, next_generation, Ordering::AcqRel, Ordering::Relaxed)
             .ok()
             .map(|_| wr_id)
     }
@@ -217,6 +231,15 @@ fn srq_size(
 }
 
 impl<P: Platform> Srq<P> {
+    /// For the CQ poll path: the `wr_id` of the receive WQE `wqe_index`
+    /// (a CQE's, PRM 10.4), taken back, which frees its slot for posting.
+    /// `None` if the slot is empty. No lock ([`WrIdSlots`]): a post to the
+    /// SRQ goes on meanwhile.
+    pub(crate) fn complete(&self, wqe_index: u16) -> Option<u64> {
+        let mask = self.entries() - 1;
+        self.wr_ids.take((u32::from(wqe_index) & mask) as usize)
+    }
+
     pub(super) fn entries(&self) -> u32 {
         1 << self.log_entries
     }
@@ -373,26 +396,6 @@ impl<P: Platform> Hca<P> {
             }
         }
         (posted, status)
-    }
-
-    /// For the CQ poll path: the `wr_id` of the receive WQE `wqe_index`
-    /// (a CQE's, PRM 10.4) of the SRQ number `srqn`, taken back, which
-    /// frees its slot for posting. `None` if the SRQ or the slot is empty.
-    /// Takes the object tables shared for the lookup and no lock after
-    /// ([`WrIdSlots`]): a post to the SRQ goes on meanwhile.
-    pub(crate) fn srq_complete(&self, raw: u64, wqe_index: u16) -> Option<u64> {
-        let handle = Handle::<kind::Srq>::from_raw(raw);
-        let srq = self
-            .with_objects(|o| {
-                o.srqs
-                    .get(handle)
-                    .or_else(|| o.retired_srqs.get(&raw))
-                    .cloned()
-            })
-            .ok()
-            .flatten()?;
-        let mask = srq.entries() - 1;
-        srq.wr_ids.take((u32::from(wqe_index) & mask) as usize)
     }
 
     /// The SRQ's current owner's handle for a device SRQ number, if the
@@ -688,11 +691,6 @@ where
                         let mtt = srq.ring.lock().mtt.take();
                         let _ = hca.with_objects_mut(|o| {
                             let _ = o.srqs.remove(handle);
-                            // Kept while a destroyed QP's CQEs may name it.
-                            let raw = handle.raw();
-                            if o.retired_qps.values().any(|qp| qp.srq == Some(raw)) {
-                                o.retired_srqs.insert(raw, srq.clone());
-                            }
                             if let Some(mtt) = mtt {
                                 let _ = o.mtt.return_entries(mtt);
                             }
@@ -792,5 +790,49 @@ mod tests {
         taken.sort_unstable();
         assert_eq!(taken, (1000..1064).collect::<Vec<_>>());
         assert!((0..64).all(|slot| slots.is_free(slot)));
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_srq {
+    use super::*;
+    use loom::sync::Arc;
+
+    /// The SRQ's `wr_id` slots: a stale taker (a CQE naming a slot whose
+    /// WR was already completed) races the real one while the poster
+    /// refills the slot as soon as it is free. Every `wr_id` posted is
+    /// handed out exactly once or still waits in the slot: never twice,
+    /// never lost.
+    #[test]
+    fn loom_srq_wr_id_slots_hand_each_wr_id_out_once() {
+        loom::model(|| {
+            let slots = Arc::new(WrIdSlots::new(1));
+            slots.put(0, 10);
+            let stale = {
+                let slots = slots.clone();
+                loom::thread::spawn(move || slots.take(0))
+            };
+            let poster = {
+                let slots = slots.clone();
+                loom::thread::spawn(move || {
+                    let free = slots.is_free(0);
+                    if free {
+                        slots.put(0, 11);
+                    }
+                    free
+                })
+            };
+            let real = slots.take(0);
+            let stale = stale.join().unwrap();
+            let posted = poster.join().unwrap();
+            let mut handed: Vec<u64> = [real, stale].into_iter().flatten().collect();
+            if posted && !handed.contains(&11) {
+                handed.push(slots.take(0).expect("the refilled wr_id is not lost"));
+            }
+            handed.sort_unstable();
+            let posted_ids = if posted { vec![10, 11] } else { vec![10] };
+            assert_eq!(handed, posted_ids);
+            assert!(slots.is_free(0));
+        });
     }
 }

@@ -1570,13 +1570,10 @@ where
                 ))
             };
             match o.qps.create_with(now, make) {
-                Ok(handle) => {
-                    o.forget_retired_qp(handle.number());
-                    match o.qps.objects().get(handle).cloned() {
-                        Some(qp) => Ok((handle, qp, mtt)),
-                        None => Err(IbStatus::GenericError),
-                    }
-                }
+                Ok(handle) => match o.qps.objects().get(handle).cloned() {
+                    Some(qp) => Ok((handle, qp, mtt)),
+                    None => Err(IbStatus::GenericError),
+                },
                 Err(error) => {
                     let _ = o.mtt.return_entries(mtt);
                     Err(IbStatus::from(error))

@@ -1,5 +1,6 @@
 //! The data path of kernel QPs (guide 8.1, PRM 9.1, 9.2, 10.2-10.4):
-//! posting send and receive WQEs, and the `wr_id` lookup completions use.
+//! posting send and receive WQEs (the `wr_id` lookup completions use is
+//! `complete`'s).
 //! The contract is the parent module's (**Post**, **wr_id**, **Locks**).
 
 use core::sync::atomic::Ordering;
@@ -12,7 +13,6 @@ use ib_types::mr::MwType;
 use ib_types::qp::{QpState, QpType};
 use ib_types::scalars::Qpn;
 use ib_types::status::IbStatus;
-use ib_types::wc::WcStatus;
 use ib_types::wr::{RecvWr, SendOp, SendWr, Sge, Transport, WrLimits};
 use zerocopy::IntoBytes;
 
@@ -199,10 +199,8 @@ impl<P: Platform> Hca<P> {
                 }
             };
             let bbs = hca_prm::wqe::basic_blocks(len) as u32;
-            let used = sq
-                .producer
-                .wrapping_sub(qp.done.send_tail.load(Ordering::Acquire));
-            if used + bbs > ring_bbs {
+            let shadow = qp.send_shadow();
+            if shadow.in_use(sq.producer) + bbs > ring_bbs {
                 status = IbStatus::InsufficientResources;
                 break;
             }
@@ -225,12 +223,7 @@ impl<P: Platform> Hca<P> {
             write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe[..len]);
             // Read by poll without this lock (`Completions`): stored before
             // the doorbell (its release fence) makes the WQE visible.
-            if let (Some(id), Some(size)) =
-                (qp.done.send_wr_ids.get(slot), qp.done.send_bbs.get(slot))
-            {
-                id.store(request.wr.wr_id, Ordering::Release);
-                size.store(bbs, Ordering::Release);
-            }
+            shadow.record(sq.producer, request.wr.wr_id, bbs);
             sq.producer = sq.producer.wrapping_add(bbs);
             posted += 1;
         }
@@ -282,11 +275,7 @@ impl<P: Platform> Hca<P> {
                 status = error.status();
                 break;
             }
-            if rq
-                .producer
-                .wrapping_sub(qp.done.recv_tail.load(Ordering::Acquire))
-                >= entries
-            {
+            if qp.recv_shadow().in_use(rq.producer) >= entries {
                 status = IbStatus::InsufficientResources;
                 break;
             }
@@ -304,9 +293,7 @@ impl<P: Platform> Hca<P> {
                 break;
             };
             ring.write(slot * stride, out);
-            if let Some(id) = qp.done.recv_wr_ids.get(slot) {
-                id.store(wr.wr_id, Ordering::Release);
-            }
+            qp.recv_shadow().record(rq.producer, wr.wr_id, 1);
             rq.producer = rq.producer.wrapping_add(1);
             posted += 1;
         }
@@ -334,136 +321,5 @@ impl<P: Platform> Hca<P> {
         };
         self.bar0
             .write64(uar_offset(KERNEL_UAR) + SQ_DOORBELL, doorbell.encode());
-    }
-
-    /// The `wr_id` of a completion of QP `qpn` for the WQE at
-    /// `wqe_index` (PRM 10.4: the device stores none), retiring that WQE
-    /// and, for sends, the unsignaled ones before it. Destroyed QPs are
-    /// found until their number is reused. 0 when no QP has the number.
-    /// A receive the CQE marks as taken from an SRQ (`from_srq`, PRM 10.4)
-    /// is looked up in the QP's SRQ, which frees that SRQ slot; 0 if the
-    /// QP has no SRQ or the slot is empty.
-    ///
-    /// `seq` is the completion's sequence number in its CQ: one polled
-    /// before the end a RESET recorded belongs to the work before that
-    /// reset, and is looked up in that epoch's kept `wr_id`s without
-    /// touching the live ring.
-    pub(crate) fn complete_wr(
-        &self,
-        qpn: u32,
-        wqe_index: u16,
-        recv: bool,
-        from_srq: bool,
-        seq: u64,
-    ) -> u64 {
-        let qp = self
-            .with_objects(|o| {
-                o.qps
-                    .objects()
-                    .get_by_number(qpn)
-                    .map(|(_, qp)| qp.clone())
-                    .or_else(|| o.retired_qps.get(&qpn).cloned())
-            })
-            .ok()
-            .flatten();
-        let Some(qp) = qp else { return 0 };
-        if recv && (from_srq || qp.srq.is_some()) {
-            // The QP's lookup is over (no lock held): the SRQ's takes the
-            // object-table lock, then the SRQ's own.
-            // By the QP's generation-checked handle: the SRQ may be gone
-            // and its number reused (`Objects::retired_srqs`).
-            let Some(srq) = qp.srq else { return 0 };
-            return self.srq_complete(srq, wqe_index).unwrap_or(0);
-        }
-        // No ring lock (`Completions`): posting to the QP goes on while
-        // its completions are polled.
-        let done = &qp.done;
-        let (wr_ids, tail, mask) = if recv {
-            (
-                &done.recv_wr_ids,
-                &done.recv_tail,
-                (1u32 << qp.geometry.rq_log_entries) - 1,
-            )
-        } else {
-            (
-                &done.send_wr_ids,
-                &done.send_tail,
-                (1u32 << qp.geometry.sq_log_bbs) - 1,
-            )
-        };
-        let slot = (u32::from(wqe_index) & mask) as usize;
-        // Twice at most: a failed compare-and-swap means a reset zeroed the
-        // tail meanwhile, and the completion is then one kept from before it.
-        for _ in 0..2 {
-            if done.reset_kept.load(Ordering::Acquire) {
-                let mut kept = done.before_reset.lock();
-                let epochs = if recv { &mut kept.recv } else { &mut kept.send };
-                while epochs.front().is_some_and(|(end, _)| *end <= seq) {
-                    epochs.pop_front();
-                }
-                if let Some((_, ids)) = epochs.front() {
-                    return ids.get(slot).copied().unwrap_or(0);
-                }
-                // All polled: back to the lock-free path (a reset sets the
-                // flag again under this lock).
-                if kept.send.is_empty() && kept.recv.is_empty() {
-                    done.reset_kept.store(false, Ordering::Release);
-                }
-            }
-            let at = tail.load(Ordering::Acquire);
-            // `get`: a user QP keeps no shadow (one slot); a stale CQE that
-            // names its number finds no wr_id rather than a panic.
-            let wr_id = wr_ids.get(slot).map_or(0, |id| id.load(Ordering::Acquire));
-            let size = if recv {
-                1
-            } else {
-                done.send_bbs
-                    .get(slot)
-                    .map_or(0, |bbs| bbs.load(Ordering::Acquire))
-            };
-            let ahead = u32::from(wqe_index.wrapping_sub(at as u16));
-            let next = at.wrapping_add(ahead + size);
-            if tail
-                .compare_exchange(at, next, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
-                return wr_id;
-            }
-        }
-        0
-    }
-
-    /// Records the state an error completion of live QP `qpn` implies
-    /// (PRM 10.5): the device raises no event for the QP whose own WQE
-    /// failed, so the completion is how the core learns it. Any error but a
-    /// flush moves the QP to ERR, except a local error of a UD or UC send,
-    /// which moves it to SQE. A QP whose modify is outstanding, or already
-    /// in RESET or ERR, is left alone.
-    pub(crate) fn note_error_completion(&self, qpn: u32, recv: bool, status: WcStatus) {
-        if matches!(status, WcStatus::Success | WcStatus::WrFlushErr) {
-            return;
-        }
-        let qp = self
-            .with_objects(|o| o.qps.objects().get_by_number(qpn).map(|(_, qp)| qp.clone()))
-            .ok()
-            .flatten();
-        let Some(qp) = qp else { return };
-        let local = matches!(
-            status,
-            WcStatus::LocLenErr
-                | WcStatus::LocQpOpErr
-                | WcStatus::LocProtErr
-                | WcStatus::MwBindErr
-                | WcStatus::LocAccessErr
-        );
-        let next = if !recv && local && matches!(qp.qp_type, QpType::Ud | QpType::Uc) {
-            QpState::Sqe
-        } else {
-            QpState::Err
-        };
-        let mut c = qp.control.lock();
-        if c.life == super::Life::Live && !matches!(c.state, QpState::Reset | QpState::Err) {
-            qp.set_state(&mut c, next);
-        }
     }
 }
