@@ -15,6 +15,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::path::Path;
 
+use driver_platform::RegistryKey;
+
 use crate::inf::{Inf, InfError, InfLine, LoadError, SPSVCINST_ASSOCSERVICE};
 
 /// One InfVerif rule (or project registry contract) the linter checks.
@@ -183,17 +185,6 @@ impl fmt::Display for Finding {
 // ---------------------------------------------------------------------------
 // The registry contract with our drivers
 
-/// Which key a driver reads a value from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReadKey {
-    /// The device's hardware key (`.HW` `AddReg`, `HKR` = `Device
-    /// Parameters`): `driver_platform::RegistryKey::Device`.
-    Device,
-    /// `Services\<service>\Parameters` (the service install section's
-    /// `AddReg`, `HKR,Parameters`): `RegistryKey::ServiceParameters`.
-    ServiceParameters,
-}
-
 /// A registry value type, as an `AddReg` flags field gives it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ValueKind {
@@ -220,8 +211,10 @@ impl ValueKind {
 pub struct DriverRead {
     /// The driver's service name (as our INFs install it).
     pub service: &'static str,
-    /// The key read.
-    pub key: ReadKey,
+    /// The key read: the device's hardware key (`.HW` `AddReg`, `HKR` =
+    /// `Device Parameters`) or `Services\<service>\Parameters` (the
+    /// service install section's `AddReg`, `HKR,Parameters`).
+    pub key: RegistryKey,
     /// The value name; `*\` before it means "under each name of the
     /// service's `StaticChild` list" (a per-child subkey).
     pub name: &'static str,
@@ -238,43 +231,43 @@ pub struct DriverRead {
 pub const DRIVER_READS: &[DriverRead] = &[
     DriverRead {
         service: "ibalbus",
-        key: ReadKey::ServiceParameters,
+        key: RegistryKey::ServiceParameters,
         name: "StaticChild",
         kind: ValueKind::MultiString,
     },
     DriverRead {
         service: "ibalbus",
-        key: ReadKey::ServiceParameters,
+        key: RegistryKey::ServiceParameters,
         name: "*\\DeviceId",
         kind: ValueKind::String,
     },
     DriverRead {
         service: "ibalbus",
-        key: ReadKey::ServiceParameters,
+        key: RegistryKey::ServiceParameters,
         name: "*\\HardwareId",
         kind: ValueKind::MultiString,
     },
     DriverRead {
         service: "ibalbus",
-        key: ReadKey::ServiceParameters,
+        key: RegistryKey::ServiceParameters,
         name: "*\\CompatibleId",
         kind: ValueKind::MultiString,
     },
     DriverRead {
         service: "ibalbus",
-        key: ReadKey::ServiceParameters,
+        key: RegistryKey::ServiceParameters,
         name: "*\\Description",
         kind: ValueKind::String,
     },
     DriverRead {
         service: "ibalbus",
-        key: ReadKey::ServiceParameters,
+        key: RegistryKey::ServiceParameters,
         name: "*\\PartitionKey",
         kind: ValueKind::Dword,
     },
     DriverRead {
         service: "ibportclient",
-        key: ReadKey::Device,
+        key: RegistryKey::Device,
         name: "ReceiveDepth",
         kind: ValueKind::Dword,
     },
@@ -1205,12 +1198,12 @@ impl Lint<'_> {
                 .unwrap_or_default();
             for read in reads {
                 let (writes, where_, at) = match read.key {
-                    ReadKey::Device => (
+                    RegistryKey::Device => (
                         hw_writes,
                         format!("[{ddinstall}.HW] AddReg"),
                         ddinstall_line,
                     ),
-                    ReadKey::ServiceParameters => (
+                    RegistryKey::ServiceParameters => (
                         own.as_slice(),
                         format!(
                             "[{}] AddReg (HKR,Parameters)",
@@ -1229,9 +1222,9 @@ impl Lint<'_> {
                         None => (String::new(), full.clone()),
                     };
                     let subkey = match read.key {
-                        ReadKey::Device => sub.to_ascii_lowercase(),
-                        ReadKey::ServiceParameters if sub.is_empty() => "parameters".to_owned(),
-                        ReadKey::ServiceParameters => {
+                        RegistryKey::Device => sub.to_ascii_lowercase(),
+                        RegistryKey::ServiceParameters if sub.is_empty() => "parameters".to_owned(),
+                        RegistryKey::ServiceParameters => {
                             format!("parameters\\{}", sub.to_ascii_lowercase())
                         }
                     };
@@ -1441,10 +1434,10 @@ fn key_is(line: &InfLine, name: &str) -> bool {
         .is_some_and(|k| k.trim().eq_ignore_ascii_case(name))
 }
 
-fn key_name(key: ReadKey) -> &'static str {
+fn key_name(key: RegistryKey) -> &'static str {
     match key {
-        ReadKey::Device => "the hardware key's",
-        ReadKey::ServiceParameters => "Parameters",
+        RegistryKey::Device => "the hardware key's",
+        RegistryKey::ServiceParameters => "Parameters",
     }
 }
 

@@ -3,8 +3,11 @@
 //! input panics the linter.
 
 use proptest::prelude::*;
+use sim_hca::device::DeviceConfig;
+use sim_host::host::{Host, HostConfig};
 use sim_host::inf::workspace_inf_dir;
-use sim_host::inf_lint::{Finding, Rule, lint_dir, lint_inf};
+use sim_host::inf_lint::{DRIVER_READS, Finding, Rule, lint_dir, lint_inf};
+use sim_host::samples::register_stand_ins;
 
 const HCA: &str = include_str!("../../inf/hca-miniport.inf");
 const CLIENT: &str = include_str!("../../inf/ib-port-client.inf");
@@ -477,6 +480,40 @@ fn values_the_drivers_read_are_written_with_their_types() {
     );
     let text = edit(CLIENT, "HKR,,ReceiveDepth,0x00010003,256\n", "");
     only(lint("ib-port-client.inf", &text), Rule::DriverRegistry);
+}
+
+/// The lint's table of what drivers read is what they read: boot a machine
+/// from our INFs with the stand-in drivers (bus filter with its child list,
+/// port client on the child) and hold every registry read to the table.
+#[test]
+fn driver_reads_table_covers_every_read_the_drivers_make() {
+    let cfg = DeviceConfig::with_ports(0x0002_C900_0000_1000, &[[10, 0, 0, 1]]);
+    let host = Host::new(HostConfig::deterministic(5, vec![cfg])).unwrap();
+    let _log = register_stand_ins(&host);
+    host.boot();
+    let reads = host.registry().driver_reads();
+    let services: Vec<&str> = reads.iter().map(|(s, _, _)| s.as_str()).collect();
+    assert!(
+        services.contains(&"ibalbus") && services.contains(&"ibportclient"),
+        "{reads:?}"
+    );
+    for (service, key, name) in &reads {
+        let covered = DRIVER_READS.iter().any(|r| {
+            r.service.eq_ignore_ascii_case(service)
+                && r.key == *key
+                && match r.name.strip_prefix("*\\") {
+                    // A per-child value: "<child>\value".
+                    Some(value) => name
+                        .rsplit_once('\\')
+                        .is_some_and(|(_, n)| n.eq_ignore_ascii_case(value)),
+                    None => r.name.eq_ignore_ascii_case(name),
+                }
+        });
+        assert!(
+            covered,
+            "{service} reads {key:?} {name:?}, which inf_lint::DRIVER_READS does not list"
+        );
+    }
 }
 
 #[test]
