@@ -66,6 +66,9 @@ pub enum Rule {
     /// The registry values our drivers read are written by the INF with
     /// the type they read ([`DRIVER_READS`]).
     DriverRegistry,
+    /// A section nothing refers to (InfVerif warning 2083): usually a
+    /// directive naming it wrongly, so what it holds is never installed.
+    UnusedSection,
     /// A PCI device's hardware key enables MSI (`MSISupported = 1`) and
     /// bounds the messages (`MessageNumberLimit`).
     Msi,
@@ -78,7 +81,7 @@ pub enum Rule {
 
 impl Rule {
     /// Every rule, in report order.
-    pub const ALL: [Rule; 16] = [
+    pub const ALL: [Rule; 17] = [
         Rule::Syntax,
         Rule::Version,
         Rule::PnpLockdown,
@@ -93,6 +96,7 @@ impl Rule {
         Rule::SourceFiles,
         Rule::Service,
         Rule::DriverRegistry,
+        Rule::UnusedSection,
         Rule::Msi,
         Rule::DmaRemapping,
     ];
@@ -114,6 +118,7 @@ impl Rule {
             Rule::SourceFiles => "source-files",
             Rule::Service => "service",
             Rule::DriverRegistry => "driver-registry",
+            Rule::UnusedSection => "unused-section",
             Rule::Msi => "msi",
             Rule::DmaRemapping => "dma-remapping",
         }
@@ -153,6 +158,7 @@ impl Rule {
             Rule::DriverRegistry => {
                 "install/inf-addreg-directive; our drivers' reads (docs/inf-lint.md)"
             }
+            Rule::UnusedSection => "devtest/inf-validation-errors-and-warnings (2083)",
             Rule::Msi => "kernel/enabling-message-signaled-interrupts-in-the-registry",
             Rule::DmaRemapping => "pci/enabling-dma-remapping-for-device-drivers",
         }
@@ -510,6 +516,107 @@ impl<'a> Lint<'a> {
             }
         }
         self.source_files();
+        self.unused_sections();
+    }
+
+    // ---- unused sections --------------------------------------------------
+
+    /// Reports sections no reached section refers to. Reachability starts
+    /// at the sections Windows reads by name and follows every field that
+    /// names a section; reaching `X` also reaches `X.<anything>` (install
+    /// sections' decorations and `.HW`, `.Services`, ...; `.security`
+    /// sections). Lenient by design: a field that happens to equal a
+    /// section name counts as a use.
+    fn unused_sections(&mut self) {
+        let names: Vec<&str> = self.inf.section_names().collect();
+        let folded: Vec<String> = names.iter().map(|n| n.to_ascii_lowercase()).collect();
+        let is_root = |n: &str| {
+            [
+                "version",
+                "manufacturer",
+                "destinationdirs",
+                "sourcedisksnames",
+                "sourcedisksfiles",
+                "strings",
+                "defaultinstall",
+                "classinstall32",
+            ]
+            .iter()
+            .any(|r| n == *r || n.strip_prefix(r).is_some_and(|rest| rest.starts_with('.')))
+        };
+        // Models sections and their architecture: a model line reaches the
+        // install section setup would use, not every decoration of it.
+        let mut models_arch: HashMap<String, String> = HashMap::new();
+        for l in self.section("Manufacturer") {
+            let models = l
+                .fields
+                .first()
+                .map_or("", |f| f.trim())
+                .to_ascii_lowercase();
+            if l.fields.len() < 2 {
+                models_arch.insert(models.clone(), String::new());
+            }
+            for d in l.fields.iter().skip(1) {
+                let d = d.trim().to_ascii_lowercase();
+                let arch = d.split('.').next().unwrap_or("").to_owned();
+                models_arch.insert(format!("{models}.{d}"), arch);
+            }
+        }
+        let mut reached: Vec<bool> = folded.iter().map(|n| is_root(n)).collect();
+        let mut queue: Vec<usize> = (0..names.len()).filter(|&i| reached[i]).collect();
+        while let Some(i) = queue.pop() {
+            let Some(name) = names.get(i) else { continue };
+            let mut targets: Vec<String> = Vec::new();
+            let manufacturer = name.eq_ignore_ascii_case("manufacturer");
+            let arch = models_arch.get(&name.to_ascii_lowercase());
+            for l in self.section(name) {
+                let first = l.fields.first().map_or("", |f| f.trim());
+                if let Some(arch) = arch {
+                    let base = first.to_ascii_lowercase();
+                    let tried = [format!("{base}.{arch}"), format!("{base}.nt"), base.clone()];
+                    if let Some(found) = tried
+                        .into_iter()
+                        .filter(|t| !t.ends_with('.'))
+                        .find(|t| self.exists(t))
+                    {
+                        targets.push(found);
+                    }
+                    continue;
+                }
+                for (k, f) in l.fields.iter().enumerate() {
+                    let f = f.trim().to_ascii_lowercase();
+                    if manufacturer && k > 0 {
+                        targets.push(format!("{}.{f}", first.to_ascii_lowercase()));
+                    } else if !f.is_empty() {
+                        targets.push(f);
+                    }
+                }
+            }
+            for target in targets {
+                for (j, n) in folded.iter().enumerate() {
+                    let hit = *n == target
+                        || n.strip_prefix(target.as_str())
+                            .is_some_and(|rest| rest.starts_with('.'));
+                    if hit && !reached[j] {
+                        reached[j] = true;
+                        queue.push(j);
+                    }
+                }
+            }
+        }
+        for (i, name) in names.iter().enumerate() {
+            if !reached[i] {
+                let line = self.inf.section_line(name);
+                self.report(
+                    line,
+                    Rule::UnusedSection,
+                    format!(
+                        "[{name}] is not used: no model line or directive refers to it (2083), \
+                         so nothing in it is installed"
+                    ),
+                );
+            }
+        }
     }
 
     // ---- [Version] --------------------------------------------------------

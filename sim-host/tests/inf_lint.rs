@@ -307,6 +307,42 @@ fn every_referenced_section_exists() {
 }
 
 #[test]
+fn sections_nothing_refers_to_are_reported() {
+    let text = format!("{HCA}\n[Orphan_AddReg]\nHKR,,Setting,0x00010001,1\n");
+    let findings = only(lint("hca-miniport.inf", &text), Rule::UnusedSection);
+    has(
+        &findings,
+        Rule::UnusedSection,
+        line_of(&text, "[Orphan_AddReg]"),
+    );
+    // A misspelt reference: the section is missing and the real one unused.
+    let text = edit(
+        HCA,
+        "AddReg = Hca_Install_HW_AddReg",
+        "AddReg = Hca_Install_HW_AddRg",
+    );
+    let findings = lint("hca-miniport.inf", &text);
+    has(
+        &findings,
+        Rule::SectionMissing,
+        line_of(&text, "Hca_Install_HW_AddRg"),
+    );
+    has(
+        &findings,
+        Rule::UnusedSection,
+        line_of(&text, "[Hca_Install_HW_AddReg]"),
+    );
+    // An install section for an architecture no models section lists.
+    let text = format!("{CLIENT}\n[PortClient_Install.NTx86]\nCopyFiles = @ibportclient.sys\n");
+    let findings = only(lint("ib-port-client.inf", &text), Rule::UnusedSection);
+    has(
+        &findings,
+        Rule::UnusedSection,
+        line_of(&text, "[PortClient_Install.NTx86]"),
+    );
+}
+
+#[test]
 fn every_string_token_is_defined() {
     let text = edit(HCA, "1 = %DiskName%,,,\"\"", "1 = %NoSuchDisk%,,,\"\"");
     let findings = lint("hca-miniport.inf", &text);
