@@ -666,7 +666,7 @@ impl<'a> Lint<'a> {
                     Rule::PnpLockdown,
                     format!(
                         "[Version] needs PnpLockdown = 1 (found {found}): without it, \
-                         anything can replace the driver files after installation"
+                         applications can modify or replace the installed driver files"
                     ),
                 );
             }
@@ -709,7 +709,10 @@ impl<'a> Lint<'a> {
                 Some(
                     "a universal INF cannot have this section (co-installers, legacy configuration)",
                 )
-            } else if let Some(rest) = folded.strip_prefix("defaultinstall") {
+            } else if let Some(rest) = folded
+                .strip_prefix("defaultinstall")
+                .filter(|rest| rest.is_empty() || rest.starts_with('.'))
+            {
                 let arch = rest
                     .strip_prefix('.')
                     .and_then(|r| r.split('.').next())
@@ -756,7 +759,13 @@ impl<'a> Lint<'a> {
             }
             for l in self.section(name) {
                 if let Some(d) = LEGACY_DIRECTIVES.iter().find(|d| key_is(l, d)) {
-                    found.push((l.number, format!("[{name}] uses {d}, which a universal INF cannot use: it changes the system outside the driver package")));
+                    found.push((
+                        l.number,
+                        format!(
+                            "[{name}] uses {d}, which a universal INF cannot use: a legacy \
+                         operation whose result InfVerif cannot predict from the INF (1300-1302)"
+                        ),
+                    ));
                 }
             }
         }

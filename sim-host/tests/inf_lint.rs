@@ -66,6 +66,23 @@ fn workspace_infs_pass_every_rule() {
 }
 
 #[test]
+fn utf16_infs_are_linted_like_utf8() {
+    // Windows tools often write INFs as UTF-16LE with a BOM.
+    let mut bytes = vec![0xFF, 0xFE];
+    bytes.extend(HCA.encode_utf16().flat_map(u16::to_le_bytes));
+    assert!(lint_inf("hca-miniport.inf", &bytes).is_empty());
+    let broken = edit(HCA, "PnpLockdown = 1", "PnpLockdown = 0");
+    let mut bytes = vec![0xFF, 0xFE];
+    bytes.extend(broken.encode_utf16().flat_map(u16::to_le_bytes));
+    let findings = only(lint_inf("hca-miniport.inf", &bytes), Rule::PnpLockdown);
+    has(
+        &findings,
+        Rule::PnpLockdown,
+        line_of(&broken, "PnpLockdown = 0"),
+    );
+}
+
+#[test]
 fn findings_print_file_line_rule_and_message() {
     let text = edit(HCA, "PnpLockdown = 1", "PnpLockdown = 0");
     let findings = only(lint("hca-miniport.inf", &text), Rule::PnpLockdown);
@@ -153,7 +170,7 @@ fn universal_inf_forbids_class_installers_and_legacy_sections() {
         "Hca_Install.NT.CoInstallers",
         "Hca_Install.NT.FactDef",
         "Hca_Install.NT.LogConfigOverride",
-        "DefaultInstall.NTamd64",
+        "DefaultInstall.NTamd64", // with [Manufacturer] (1212)
     ] {
         let text = format!("{HCA}\n[{section}]\n");
         let findings = only(lint("hca-miniport.inf", &text), Rule::UniversalSection);
@@ -163,6 +180,24 @@ fn universal_inf_forbids_class_installers_and_legacy_sections() {
             line_of(&text, &format!("[{section}]")),
         );
     }
+
+    // Without [Manufacturer], an undecorated [DefaultInstall] is refused
+    // and a decorated one is not; a section merely named like it is not.
+    let primitive =
+        "[Version]\nSignature = \"$Windows NT$\"\n[DefaultInstall]\n[DefaultInstallHelpers]\n";
+    let findings = lint("primitive.inf", primitive);
+    let universal: Vec<_> = findings
+        .iter()
+        .filter(|f| f.rule == Rule::UniversalSection)
+        .collect();
+    assert_eq!(universal.len(), 1, "{findings:#?}");
+    assert_eq!(universal[0].line, Some(3));
+    let decorated = primitive.replace("[DefaultInstall]", "[DefaultInstall.NTamd64]");
+    assert!(
+        lint("primitive.inf", &decorated)
+            .iter()
+            .all(|f| f.rule != Rule::UniversalSection)
+    );
 
     // A models decoration with a ProductType.
     let text = HCA.replace("NTamd64.10.0...18362", "NTamd64.10.0.1..18362");
