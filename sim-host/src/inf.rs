@@ -300,6 +300,8 @@ impl InfLine {
 #[derive(Debug, Clone)]
 struct Section {
     name: String,
+    /// 1-based line of the first `[name]` header.
+    line: usize,
     lines: Vec<InfLine>,
 }
 
@@ -323,6 +325,8 @@ pub struct Inf {
     strings: HashMap<String, String>,
     driver_ver: Option<DriverVer>,
     warnings: Vec<String>,
+    /// Undefined `%token%`s with the line each is used on.
+    undefined_strings: Vec<(usize, String)>,
 }
 
 /// A line before tokenising its value.
@@ -334,6 +338,7 @@ struct RawLine {
 
 struct RawSection {
     name: String,
+    line: usize,
     lines: Vec<RawLine>,
 }
 
@@ -363,6 +368,7 @@ impl Inf {
         }
 
         let mut undefined: Vec<String> = Vec::new();
+        let mut undefined_strings: Vec<(usize, String)> = Vec::new();
         let mut sections = Vec::with_capacity(raw.len());
         let mut index = HashMap::new();
         for s in raw {
@@ -372,6 +378,7 @@ impl Inf {
                 .lines
                 .into_iter()
                 .map(|l| {
+                    let before = undefined.len();
                     let fields = if is_strings {
                         vec![unquote(&l.value)]
                     } else {
@@ -387,6 +394,9 @@ impl Inf {
                             substitute(&k, &strings, &mut undefined)
                         }
                     });
+                    for token in undefined.get(before..).unwrap_or_default() {
+                        undefined_strings.push((l.number, token.clone()));
+                    }
                     InfLine {
                         number: l.number,
                         key,
@@ -397,6 +407,7 @@ impl Inf {
             index.insert(s.name.to_lowercase(), sections.len());
             sections.push(Section {
                 name: s.name,
+                line: s.line,
                 lines,
             });
         }
@@ -413,6 +424,7 @@ impl Inf {
             strings,
             driver_ver: None,
             warnings,
+            undefined_strings,
         };
         inf.check_version()?;
         Ok(inf)
@@ -470,6 +482,20 @@ impl Inf {
             .get(&name.to_lowercase())
             .and_then(|&i| self.sections.get(i))
             .map(|s| s.lines.as_slice())
+    }
+
+    /// The line of section `name`'s first header (case-insensitive).
+    pub fn section_line(&self, name: &str) -> Option<usize> {
+        self.index
+            .get(&name.to_lowercase())
+            .and_then(|&i| self.sections.get(i))
+            .map(|s| s.line)
+    }
+
+    /// Every use of a `%token%` that `[Strings]` does not define, with its
+    /// line, in file order.
+    pub fn undefined_strings(&self) -> &[(usize, String)] {
+        &self.undefined_strings
     }
 
     /// Section names in the order they first appear.
@@ -738,6 +764,7 @@ fn parse_sections(text: &str) -> Result<Vec<RawSection>, InfError> {
             let i = *by_name.entry(folded).or_insert_with(|| {
                 sections.push(RawSection {
                     name,
+                    line: number,
                     lines: Vec::new(),
                 });
                 sections.len() - 1
@@ -2284,18 +2311,25 @@ ServiceBinary = %13%\svc.sys
         assert!(b.lower_filters.is_empty());
         assert_eq!(b.kmdf_version, Some((1, 33)));
         assert_eq!(b.files, ["hcaminiport.sys", "ibalbus.sys"]);
+        // System: a universal INF installs no setup class of its own.
         assert_eq!(
             b.class_guid.as_deref(),
-            Some("{af7b7b99-5a8f-401a-a032-ace7d11d30fb}")
+            Some("{4d36e97d-e325-11ce-bfc1-08002be10318}")
         );
+        let msi = "Interrupt Management\\MessageSignaledInterruptProperties";
+        let hw = |subkey: &str, name: &str, v: u32| RegWrite {
+            subkey: subkey.into(),
+            name: name.into(),
+            value: RegValue::Dword(v),
+            no_clobber: false,
+        };
         assert_eq!(
             b.device_values,
-            [RegWrite {
-                subkey: "Interrupt Management\\MessageSignaledInterruptProperties".into(),
-                name: "MSISupported".into(),
-                value: RegValue::Dword(1),
-                no_clobber: false,
-            }]
+            [
+                hw(msi, "MSISupported", 1),
+                hw(msi, "MessageNumberLimit", 32),
+                hw("DMA Management", "RemappingSupported", 1),
+            ]
         );
         let ibal = |subkey: &str, name: &str| {
             b.service_values
@@ -2328,6 +2362,10 @@ ServiceBinary = %13%\svc.sys
             Some(RegValue::Dword(0xFFFF))
         );
         assert_eq!(ibal("", "Start"), Some(RegValue::Dword(3)));
+        assert!(b.service_values.iter().any(|(s, w)| s == "hcaminiport"
+            && w.subkey == "Parameters"
+            && w.name == "DmaRemappingCompatible"
+            && w.value == RegValue::Dword(1)));
 
         // Fewer IDs still bind (the plain VEN&DEV model line), and arm64 too.
         let plain = workspace()

@@ -13,6 +13,7 @@ pub mod driver;
 pub mod event;
 pub mod host;
 pub mod inf;
+pub mod inf_lint;
 pub mod irql;
 pub mod memory;
 pub mod pci;

@@ -22,6 +22,10 @@
 //!   Deleting a key that has subkeys fails ([`RegistryError::HasSubkeys`],
 //!   like `RegDeleteKey`); [`RegistryStore::delete_tree`] removes a whole
 //!   subtree.
+//! - Every read through a [`RegistryView`] is recorded once per (service,
+//!   key, name) ([`RegistryStore::driver_reads`]), so tests can hold the
+//!   INF lint's table of what drivers read (`inf_lint::DRIVER_READS`) to
+//!   what they really read.
 //! - The store is shared: clones see the same keys. It is safe to use from
 //!   several threads. The IRQL rule (registry access only at
 //!   PASSIVE_LEVEL) is enforced by the host where drivers call in, not
@@ -40,9 +44,9 @@
 //! contains `\`, so it spans several key levels, exactly as under
 //! `CurrentControlSet\Enum` on Windows.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use driver_platform::{RegValue, Registry, RegistryKey};
 
@@ -190,6 +194,8 @@ pub(crate) fn check_value_name(name: &str) -> Result<(), RegistryError> {
 #[derive(Clone, Default)]
 pub struct RegistryStore {
     root: Arc<RwLock<Key>>,
+    /// (service, key, value name as asked) of every driver read.
+    reads: Arc<Mutex<HashSet<(String, RegistryKey, String)>>>,
 }
 
 impl fmt::Debug for RegistryStore {
@@ -340,6 +346,15 @@ impl RegistryStore {
         Ok(key.values.clone())
     }
 
+    /// Every distinct (service, key, value name) drivers have read through
+    /// a [`RegistryView`] of this store, sorted by service and name.
+    pub fn driver_reads(&self) -> Vec<(String, RegistryKey, String)> {
+        let reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
+        let mut reads: Vec<_> = reads.iter().cloned().collect();
+        reads.sort_by(|a, b| (&a.0, &a.2).cmp(&(&b.0, &b.2)));
+        reads
+    }
+
     /// The view a driver of `service` gets on the device
     /// `device_instance_path`: its [`driver_platform::Registry`].
     pub fn view(&self, service: &str, device_instance_path: &str) -> RegistryView {
@@ -389,6 +404,11 @@ impl RegistryView {
 impl Registry for RegistryView {
     fn read(&self, key: RegistryKey, name: &str) -> Option<RegValue> {
         crate::irql::check_max("ZwQueryValueKey", driver_platform::Irql::PASSIVE);
+        self.store
+            .reads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((self.service.clone(), key, name.to_owned()));
         let base = self.key_path(key);
         match name.rsplit_once('\\') {
             Some((sub, value)) => self.store.get_value(&format!("{base}\\{sub}"), value),

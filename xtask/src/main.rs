@@ -11,9 +11,12 @@
 //! - `test`: the test suite, exactly what CI runs after its lint gates.
 //! - `capture --out FILE`: runs the simulated HCA's scripted traffic mix and
 //!   writes its pcap capture (open it in Wireshark).
+//! - `inf-lint`: checks `inf/*.inf` against the InfVerif rules checkable
+//!   here (`inf_lint`, `docs/inf-lint.md`).
 
 mod abi_report;
 mod host_run;
+mod inf_lint;
 mod miniport_run;
 mod rdma_run;
 
@@ -49,6 +52,8 @@ enum Cmd {
         #[arg(long, default_value_t = 7)]
         seed: u64,
     },
+    /// Check `inf/*.inf` against the InfVerif rules checkable here.
+    InfLint,
     /// Run the workspace tests (extra arguments go to `cargo test`).
     Test {
         /// Passed through to `cargo test`.
@@ -94,6 +99,7 @@ fn main() -> ExitCode {
         }
         Cmd::Loom { args } => loom(&args),
         Cmd::Capture { out, seed } => capture(&out, seed),
+        Cmd::InfLint => inf_lint::run(),
     }
 }
 
