@@ -11,11 +11,14 @@
 //! - `test`: the test suite, exactly what CI runs after its lint gates.
 //! - `capture --out FILE`: runs the simulated HCA's scripted traffic mix and
 //!   writes its pcap capture (open it in Wireshark).
+//! - `wdk-check`: type-checks and lints the KMDF shells for the Windows
+//!   target against a stand-in WDK (`wdk_check`).
 
 mod abi_report;
 mod host_run;
 mod miniport_run;
 mod rdma_run;
+mod wdk_check;
 
 use std::process::{Command, ExitCode};
 
@@ -48,6 +51,14 @@ enum Cmd {
         /// Seed of the simulation (the capture is reproducible from it).
         #[arg(long, default_value_t = 7)]
         seed: u64,
+    },
+    /// Type-check and lint (`-D warnings`) every KMDF shell for
+    /// x86_64-pc-windows-msvc against a stand-in WDK (see wdk_check.rs).
+    WdkCheck {
+        /// Microsoft's KMDF 1.33 headers (default: $WDK_CHECK_KMDF_HEADERS,
+        /// else the project machines' copy).
+        #[arg(long)]
+        kmdf_headers: Option<std::path::PathBuf>,
     },
     /// Run the workspace tests (extra arguments go to `cargo test`).
     Test {
@@ -94,6 +105,7 @@ fn main() -> ExitCode {
         }
         Cmd::Loom { args } => loom(&args),
         Cmd::Capture { out, seed } => capture(&out, seed),
+        Cmd::WdkCheck { kmdf_headers } => wdk_check::run(kmdf_headers),
     }
 }
 

@@ -26,9 +26,10 @@ use hca_miniport_core::init::HcaConfig;
 use ib_types::scalars::{PortNum, Qpn};
 use wdk_sys::ntddk::{MmMapIoSpaceEx, MmUnmapIoSpace};
 use wdk_sys::{
-    NTSTATUS, PAGE_NOCACHE, PAGE_READWRITE, STATUS_DEVICE_CONFIGURATION_ERROR, STATUS_SUCCESS,
-    STATUS_UNSUCCESSFUL, WDF_INTERRUPT_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDF_POWER_DEVICE_STATE,
-    WDFCMRESLIST, WDFDEVICE, WDFINTERRUPT, WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
+    NTSTATUS, PAGE_NOCACHE, PAGE_READWRITE, SIZE_T, STATUS_DEVICE_CONFIGURATION_ERROR,
+    STATUS_SUCCESS, STATUS_UNSUCCESSFUL, WDF_INTERRUPT_CONFIG, WDF_NO_OBJECT_ATTRIBUTES,
+    WDF_POWER_DEVICE_STATE, WDFCMRESLIST, WDFDEVICE, WDFINTERRUPT, WDFTIMER, WDFWORKITEM,
+    call_unsafe_wdf_function_binding,
 };
 
 use super::context::shell_of;
@@ -49,7 +50,8 @@ const MAX_MESSAGES: usize = 16;
 struct Hardware {
     hca: Option<Arc<Hca<WdfPlatform>>>,
     provider: Option<Arc<CiProvider<WdfPlatform>>>,
-    bar0: Option<(*mut u8, u64)>,
+    /// The BAR0 mapping and its length in bytes.
+    bar0: Option<(*mut u8, SIZE_T)>,
     interrupts: Vec<WDFINTERRUPT>,
 }
 
@@ -198,19 +200,15 @@ pub unsafe extern "C" fn evt_prepare_hardware(
             // SAFETY: `Type` says the `Memory` member of the union is the
             // live one.
             let memory = unsafe { descriptor.u.Memory };
+            let length = SIZE_T::from(memory.Length);
             // SAFETY: the PnP manager assigned this range to the device;
             // non-cached read/write is how registers are mapped.
-            let base = unsafe {
-                MmMapIoSpaceEx(
-                    memory.Start,
-                    memory.Length as usize,
-                    PAGE_READWRITE | PAGE_NOCACHE,
-                )
-            };
+            let base =
+                unsafe { MmMapIoSpaceEx(memory.Start, length, PAGE_READWRITE | PAGE_NOCACHE) };
             if base.is_null() {
                 return STATUS_UNSUCCESSFUL;
             }
-            bar0 = Some((base.cast::<u8>(), u64::from(memory.Length)));
+            bar0 = Some((base.cast::<u8>(), length));
         } else if kind == CM_RESOURCE_TYPE_INTERRUPT && interrupts.len() < MAX_MESSAGES {
             if descriptor.Flags & CM_RESOURCE_INTERRUPT_MESSAGE == 0 {
                 continue;
@@ -314,7 +312,7 @@ pub unsafe extern "C" fn evt_release_hardware(
     if let Some((base, len)) = bar0 {
         // SAFETY: the mapping made in prepare-hardware; the core, the only
         // user, has stopped.
-        unsafe { MmUnmapIoSpace(base.cast(), len as usize) };
+        unsafe { MmUnmapIoSpace(base.cast(), len) };
     }
     STATUS_SUCCESS
 }

@@ -213,6 +213,15 @@ fn create_timer(device: WDFDEVICE) -> Result<WDFTIMER, NTSTATUS> {
     if status < 0 { Err(status) } else { Ok(timer) }
 }
 
+/// `GUID_IB_CI_INTERFACE` as a Windows `GUID`, in static storage: the
+/// query-interface configuration points at it.
+static CI_INTERFACE_GUID: GUID = GUID {
+    Data1: GUID_IB_CI_INTERFACE.data1.get(),
+    Data2: GUID_IB_CI_INTERFACE.data2.get(),
+    Data3: GUID_IB_CI_INTERFACE.data3.get(),
+    Data4: GUID_IB_CI_INTERFACE.data4,
+};
+
 /// `WdfDeviceAddQueryInterface` for `GUID_IB_CI_INTERFACE`. The framework
 /// copies the table when a consumer asks and calls its
 /// `InterfaceReference`.
@@ -220,8 +229,7 @@ fn register_ci_interface(device: WDFDEVICE, shell: *const DeviceShell) -> NTSTAT
     // The framework copies the structure at registration; a box keeps it
     // in non-paged pool for the call.
     let mut table: Box<CiInterface> = Box::new(ci_interface(shell));
-    // Same 16-byte layout (ib_types::interface::WinGuid is the Windows GUID).
-    let guid: *const GUID = ptr::addr_of!(GUID_IB_CI_INTERFACE).cast::<GUID>();
+    let guid: *const GUID = &CI_INTERFACE_GUID;
     let mut config = WDF_QUERY_INTERFACE_CONFIG {
         Size: size_of::<WDF_QUERY_INTERFACE_CONFIG>() as ULONG,
         Interface: ptr::addr_of_mut!(table.header).cast::<c_void>() as PINTERFACE,
