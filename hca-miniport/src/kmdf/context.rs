@@ -23,6 +23,7 @@ use wdk_sys::{
 use super::device::DeviceShell;
 
 /// The device object's context.
+#[derive(Debug)]
 #[repr(C)]
 pub struct DeviceContext {
     /// The shell state (see the module's invariants).
@@ -30,6 +31,7 @@ pub struct DeviceContext {
 }
 
 /// The type-info record of [`DeviceContext`].
+#[derive(Debug)]
 #[repr(transparent)]
 pub struct ContextTypeInfo(WDF_OBJECT_CONTEXT_TYPE_INFO);
 
@@ -122,6 +124,7 @@ unsafe extern "C" fn evt_device_cleanup(object: WDFOBJECT) {
 /// A user-mode request's context: the process `EvtIoInCallerContext`
 /// found the request in (`queue::evt_io_in_caller_context`). Allocated
 /// (zeroed) on the request there; freed by the framework with it.
+#[derive(Debug)]
 #[repr(C)]
 pub struct RequestContext {
     /// Non-zero once `process_id` was recorded.

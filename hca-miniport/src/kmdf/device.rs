@@ -77,6 +77,15 @@ pub struct DeviceShell {
     isr_hca: AtomicPtr<Hca<WdfPlatform>>,
 }
 
+impl core::fmt::Debug for DeviceShell {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("DeviceShell")
+            .field("device", &self.device)
+            .field("prepared", &self.hca().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 // SAFETY: WDF handles are valid from any thread; the mutable state is
 // behind a spin lock.
 unsafe impl Send for DeviceShell {}
@@ -165,6 +174,10 @@ impl DeviceShell {
 
 /// `EvtDevicePrepareHardware`: maps BAR0, creates one interrupt per MSI-X
 /// message, builds the core and its CI provider.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_prepare_hardware(
     device: WDFDEVICE,
     resources_raw: WDFCMRESLIST,
@@ -286,6 +299,10 @@ pub unsafe extern "C" fn evt_prepare_hardware(
 
 /// `EvtDeviceReleaseHardware`: stops the core if it still runs, then
 /// unmaps BAR0. The framework deletes the interrupts.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_release_hardware(
     device: WDFDEVICE,
     _resources_translated: WDFCMRESLIST,
@@ -318,6 +335,10 @@ pub unsafe extern "C" fn evt_release_hardware(
 }
 
 /// `EvtDeviceD0Entry`: nothing to do before the interrupts are connected.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_d0_entry(
     _device: WDFDEVICE,
     _from: WDF_POWER_DEVICE_STATE,
@@ -327,6 +348,10 @@ pub unsafe extern "C" fn evt_d0_entry(
 
 /// `EvtDeviceD0Exit`: the device was stopped before its interrupts were
 /// disconnected.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_d0_exit(_device: WDFDEVICE, _to: WDF_POWER_DEVICE_STATE) -> NTSTATUS {
     STATUS_SUCCESS
 }
@@ -334,6 +359,10 @@ pub unsafe extern "C" fn evt_d0_exit(_device: WDFDEVICE, _to: WDF_POWER_DEVICE_S
 /// `EvtDeviceSurpriseRemoval`: the device is gone; the core fails over
 /// (`Hca::surprise_removed`: outstanding requests answered, posted work
 /// flushed, the client told) before D0 exit and release-hardware follow.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_surprise_removal(device: WDFDEVICE) {
     // SAFETY: as in `evt_prepare_hardware`.
     if let Some(hca) = unsafe { shell_of(device) }.and_then(|shell| shell.hca()) {
@@ -342,6 +371,10 @@ pub unsafe extern "C" fn evt_surprise_removal(device: WDFDEVICE) {
 }
 
 /// `EvtDeviceD0EntryPostInterruptsEnabled`: starts the device.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_d0_entry_post_interrupts(
     device: WDFDEVICE,
     _from: WDF_POWER_DEVICE_STATE,
@@ -354,6 +387,10 @@ pub unsafe extern "C" fn evt_d0_entry_post_interrupts(
 }
 
 /// `EvtDeviceD0ExitPreInterruptsDisabled`: stops the device.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_d0_exit_pre_interrupts(
     device: WDFDEVICE,
     _to: WDF_POWER_DEVICE_STATE,

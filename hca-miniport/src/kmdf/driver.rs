@@ -116,7 +116,8 @@ unsafe extern "C" fn evt_driver_device_add(
     }
 
     let dma = match create_dma_enabler(device) {
-        Ok(enabler) => WdfDma::new(enabler, device),
+        // SAFETY: the live device just created, and its enabler.
+        Ok(enabler) => unsafe { WdfDma::new(enabler, device) },
         Err(status) => return status,
     };
     let work_item = match create_work_item(device) {
@@ -180,7 +181,6 @@ fn create_work_item(device: WDFDEVICE) -> Result<WDFWORKITEM, NTSTATUS> {
         Size: size_of::<WDF_WORKITEM_CONFIG>() as ULONG,
         EvtWorkItemFunc: Some(evt_work_item),
         AutomaticSerialization: FALSE as u8,
-        ..WDF_WORKITEM_CONFIG::default()
     };
     let mut attributes = parented_to(device);
     let mut item: WDFWORKITEM = ptr::null_mut();

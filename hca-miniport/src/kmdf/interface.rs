@@ -201,7 +201,8 @@ unsafe extern "system" fn submit(context: *mut c_void, request: *mut c_void) -> 
     let request = request.cast::<wdk_sys::WDFREQUEST__>() as WDFREQUEST;
     // SAFETY: header context (consumer contract).
     let Some(ci) = (unsafe { provider(context) }) else {
-        WdfRequest::complete_raw(request, NOT_READY);
+        // SAFETY: the caller handed the request over.
+        unsafe { WdfRequest::complete_raw(request, NOT_READY) };
         return PENDING;
     };
     let mut params = wdk_sys::WDF_REQUEST_PARAMETERS {
@@ -223,7 +224,10 @@ unsafe extern "system" fn submit(context: *mut c_void, request: *mut c_void) -> 
     // SAFETY: owned, METHOD_BUFFERED (this stack's IOCTLs).
     match unsafe { WdfRequest::new(request, code, mode) } {
         Ok(request) => ci.submit(request),
-        Err(request) => WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A)),
+        // SAFETY: handed back unwrapped: still ours.
+        Err(request) => unsafe {
+            WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A))
+        },
     }
     PENDING
 }

@@ -97,6 +97,7 @@ impl Platform for WdfPlatform {
 /// # Invariants
 /// `old_irql` is written only by the holder, right after acquiring, and
 /// read only by the holder when releasing.
+#[derive(Debug)]
 pub struct KernelSpinLock {
     lock: UnsafeCell<KSPIN_LOCK>,
     old_irql: AtomicU8,
@@ -165,6 +166,13 @@ pub struct KernelRwSpinLock {
     lock: UnsafeCell<EX_SPIN_LOCK>,
     exclusive_old_irql: AtomicU8,
     shared_old_irql: [AtomicU8; MAX_PROCESSORS],
+}
+
+impl core::fmt::Debug for KernelRwSpinLock {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        // Not the 2048 per-processor slots.
+        f.debug_struct("KernelRwSpinLock").finish_non_exhaustive()
+    }
 }
 
 // SAFETY: an EX_SPIN_LOCK is made to be shared between processors; the
@@ -272,7 +280,7 @@ impl Bar0 {
     }
 
     fn in_range(&self, offset: u64, width: u64) -> bool {
-        offset % width == 0 && offset.checked_add(width).is_some_and(|end| end <= self.len)
+        offset.is_multiple_of(width) && offset.checked_add(width).is_some_and(|end| end <= self.len)
     }
 }
 
@@ -336,8 +344,12 @@ unsafe impl Sync for WdfDma {}
 
 impl WdfDma {
     /// Wraps the enabler `EvtDriverDeviceAdd` created for `device`.
-    pub fn new(enabler: WDFDMAENABLER, device: WDFDEVICE) -> Self {
-        // SAFETY: a live device; its WDM object lives as long as it does.
+    ///
+    /// # Safety
+    /// `device` is a live framework device and `enabler` its DMA enabler.
+    pub unsafe fn new(enabler: WDFDMAENABLER, device: WDFDEVICE) -> Self {
+        // SAFETY: a live device (caller); its WDM object lives as long as
+        // it does.
         let device_object =
             unsafe { call_unsafe_wdf_function_binding!(WdfDeviceWdmGetDeviceObject, device) };
         Self {
@@ -737,9 +749,11 @@ unsafe extern "C" fn on_list_built(
 }
 
 fn put_list(chunk: &SgChunk, list: PSCATTER_GATHER_LIST) {
-    // SAFETY: the adapter's operations table is valid while the enabler
-    // lives (the device outlives its registrations).
-    let put = unsafe { (*(*chunk.adapter).DmaOperations).PutScatterGatherList };
+    // SAFETY: the adapter is valid while the enabler lives (the device
+    // outlives its registrations).
+    let operations = unsafe { (*chunk.adapter).DmaOperations };
+    // SAFETY: as is the adapter's operations table.
+    let put = unsafe { (*operations).PutScatterGatherList };
     if let Some(put) = put {
         // SAFETY: `list` was built by this adapter with this direction and
         // is put back once; DISPATCH_LEVEL as the routine requires.
@@ -750,7 +764,7 @@ fn put_list(chunk: &SgChunk, list: PSCATTER_GATHER_LIST) {
 /// A registration mapped for the device: its scatter/gather lists (put
 /// back when dropped) and the bus address of every page.
 pub struct SgMapping {
-    chunks: Vec<Box<SgChunk>>,
+    chunks: Vec<SgChunk>,
     pages: Vec<u64>,
 }
 
@@ -797,10 +811,12 @@ impl WdfDma {
         va: u64,
         len: u64,
         out: &mut Vec<u64>,
-    ) -> Result<Box<SgChunk>, NtStatus> {
+    ) -> Result<SgChunk, NtStatus> {
         let write_to_device = !pages.writable;
-        // SAFETY: the adapter's operations table lives with the enabler.
-        let ops = unsafe { &*(*adapter).DmaOperations };
+        // SAFETY: the adapter lives with the enabler.
+        let operations = unsafe { (*adapter).DmaOperations };
+        // SAFETY: as does its operations table.
+        let ops = unsafe { &*operations };
         let (Some(calculate), Some(build)) =
             (ops.CalculateScatterGatherList, ops.BuildScatterGatherList)
         else {
@@ -878,10 +894,10 @@ impl WdfDma {
         let chunk = unsafe { Box::from_raw(chunk) };
         // SAFETY: the HAL built `list` in our buffer: a count followed by
         // that many elements.
-        let elements = unsafe {
-            let count = (*list).NumberOfElements as usize;
-            (*list).Elements.as_slice(count)
-        };
+        let header = unsafe { &*list };
+        let count = header.NumberOfElements as usize;
+        // SAFETY: `count` elements follow the header (see above).
+        let elements = unsafe { header.Elements.as_slice(count) };
         let ranges = elements.iter().map(|element| {
             // SAFETY: `QuadPart` is the whole PHYSICAL_ADDRESS.
             let bus = unsafe { element.Address.QuadPart } as u64;
@@ -891,7 +907,9 @@ impl WdfDma {
             put_list(&chunk, list);
             return Err(INSUFFICIENT_RESOURCES);
         }
-        Ok(chunk)
+        // Out of its box: the routine is done with the chunk's address, and
+        // the list lives in `buffer`'s heap block, which does not move.
+        Ok(*chunk)
     }
 }
 
@@ -1105,8 +1123,11 @@ impl WdfRequest {
     }
 
     /// Completes a request that could not be wrapped.
-    pub fn complete_raw(request: WDFREQUEST, status: NtStatus) {
-        // SAFETY: the caller owned `request`; this consumes it.
+    ///
+    /// # Safety
+    /// `request` is a live request this driver owns; it is consumed.
+    pub unsafe fn complete_raw(request: WDFREQUEST, status: NtStatus) {
+        // SAFETY: the caller owned `request` (contract); this consumes it.
         unsafe {
             call_unsafe_wdf_function_binding!(
                 WdfRequestCompleteWithInformation,
@@ -1342,6 +1363,12 @@ impl core::fmt::Debug for KernelEvent {
         f.debug_struct("KernelEvent")
             .field("set", &self.is_set())
             .finish()
+    }
+}
+
+impl Default for KernelEvent {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

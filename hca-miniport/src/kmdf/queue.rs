@@ -67,7 +67,8 @@ unsafe extern "C" fn evt_io_device_control(
     let device = unsafe { call_unsafe_wdf_function_binding!(WdfIoQueueGetDevice, queue) };
     // SAFETY: the queue's device is ours.
     let Some(hca) = unsafe { shell_of(device) }.and_then(|shell| shell.hca()) else {
-        WdfRequest::complete_raw(request, DEVICE_NOT_READY);
+        // SAFETY: the driver owns the delivered request.
+        unsafe { WdfRequest::complete_raw(request, DEVICE_NOT_READY) };
         return;
     };
     // SAFETY: the driver owns the delivered request.
@@ -87,7 +88,10 @@ unsafe extern "C" fn evt_io_device_control(
     match (unsafe { WdfRequest::new(request, code, mode) }, caller) {
         (Ok(request), Some(caller)) => hca.submit_user_request(request, caller),
         (Ok(request), None) => hca.submit_request(request),
-        (Err(request), _) => WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A)),
+        // SAFETY: handed back unwrapped: still the driver's.
+        (Err(request), _) => unsafe {
+            WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A))
+        },
     }
 }
 
@@ -115,6 +119,10 @@ unsafe fn caller_of(request: WDFREQUEST) -> Option<WdfCaller> {
 /// the thread that sent the request, before any queue. A user-mode
 /// request gets a [`RequestContext`] naming the current process; then
 /// every request goes to the default queue.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// and a request the driver owns.
 pub unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WDFREQUEST) {
     // SAFETY: the framework passes a live request the driver owns.
     let mode = unsafe { call_unsafe_wdf_function_binding!(WdfRequestGetRequestorMode, request) };
@@ -132,12 +140,14 @@ pub unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WD
             )
         };
         if status < 0 {
-            WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32));
+            // SAFETY: the driver owns the request (callback contract).
+            unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32)) };
             return;
         }
         if context.is_null() {
             // STATUS_INSUFFICIENT_RESOURCES.
-            WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A));
+            // SAFETY: as above.
+            unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A)) };
             return;
         }
         // SAFETY: the framework allocated `size_of::<RequestContext>()`
@@ -154,6 +164,7 @@ pub unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WD
     let status =
         unsafe { call_unsafe_wdf_function_binding!(WdfDeviceEnqueueRequest, device, request) };
     if status < 0 {
-        WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32));
+        // SAFETY: not enqueued, so still the driver's (see above).
+        unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32)) };
     }
 }
