@@ -60,7 +60,7 @@ const LLVM_ROOT: &str = "/usr/lib/llvm-14";
 const WDK_BUILD_VERSION: &str = "0.6.0";
 /// Bump when the stand-in recipe or the `wdk-build` edits change, so the
 /// cached copies under `target/wdk-check` are rebuilt.
-const RECIPE_REVISION: u32 = 1;
+const RECIPE_REVISION: u32 = 2;
 
 /// Runs the check. `kmdf_headers` overrides where the KMDF headers are.
 pub(crate) fn run(kmdf_headers: Option<PathBuf>) -> ExitCode {

@@ -15,3 +15,6 @@ NTKERNELAPI VOID ExReleaseSpinLockExclusive(PEX_SPIN_LOCK SpinLock, KIRQL OldIrq
 
 NTKERNELAPI ULONG64 KeQueryInterruptTimePrecise(PULONG64 QpcTimeStamp);
 NTKERNELAPI PVOID MmMapIoSpaceEx(PHYSICAL_ADDRESS PhysicalAddress, SIZE_T NumberOfBytes, ULONG Protect);
+
+NTKERNELAPI ULONG ExTryAcquireSpinLockSharedAtDpcLevel(PEX_SPIN_LOCK SpinLock);
+NTKERNELAPI ULONG ExTryAcquireSpinLockExclusiveAtDpcLevel(PEX_SPIN_LOCK SpinLock);

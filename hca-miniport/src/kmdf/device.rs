@@ -26,8 +26,8 @@ use hca_miniport_core::init::HcaConfig;
 use ib_types::scalars::{PortNum, Qpn};
 use wdk_sys::ntddk::{MmMapIoSpaceEx, MmUnmapIoSpace};
 use wdk_sys::{
-    NTSTATUS, PAGE_NOCACHE, PAGE_READWRITE, SIZE_T, STATUS_DEVICE_CONFIGURATION_ERROR,
-    STATUS_SUCCESS, STATUS_UNSUCCESSFUL, WDF_INTERRUPT_CONFIG, WDF_NO_OBJECT_ATTRIBUTES,
+    BOOLEAN, NTSTATUS, PAGE_NOCACHE, PAGE_READWRITE, SIZE_T, STATUS_DEVICE_CONFIGURATION_ERROR,
+    STATUS_SUCCESS, STATUS_UNSUCCESSFUL, TRUE, WDF_INTERRUPT_CONFIG, WDF_NO_OBJECT_ATTRIBUTES,
     WDF_POWER_DEVICE_STATE, WDFCMRESLIST, WDFDEVICE, WDFINTERRUPT, WDFTIMER, WDFWORKITEM,
     call_unsafe_wdf_function_binding,
 };
@@ -297,8 +297,9 @@ pub unsafe extern "C" fn evt_prepare_hardware(
     STATUS_SUCCESS
 }
 
-/// `EvtDeviceReleaseHardware`: stops the core if it still runs, then
-/// unmaps BAR0. The framework deletes the interrupts.
+/// `EvtDeviceReleaseHardware`: stops the core if it still runs, waits for
+/// a running timer or work item routine, then unmaps BAR0. The framework
+/// deletes the interrupts.
 ///
 /// # Safety
 /// A KMDF callback: called only by the framework, with the live device
@@ -320,6 +321,16 @@ pub unsafe extern "C" fn evt_release_hardware(
     if let Some(hca) = hca {
         hca.stop();
     }
+    // The timer and work item routines reach the core, and through it
+    // BAR0: let any running one finish before the unmapping. Started from
+    // now on, they find no core (taken above) and do nothing.
+    // SAFETY: the device's timer, live until the device is deleted;
+    // PASSIVE_LEVEL, not from the timer's own routine.
+    let _ =
+        unsafe { call_unsafe_wdf_function_binding!(WdfTimerStop, shell.timer, TRUE as BOOLEAN) };
+    // SAFETY: the device's work item, live until the device is deleted;
+    // PASSIVE_LEVEL, not from the work item's own routine.
+    unsafe { call_unsafe_wdf_function_binding!(WdfWorkItemFlush, shell.work_item) };
     // The framework disconnected the interrupts before this callback.
     let isr_hca = shell.isr_hca.swap(ptr::null_mut(), Ordering::AcqRel);
     if !isr_hca.is_null() {

@@ -3,8 +3,8 @@
 //!
 //! | trait | here | Windows |
 //! |---|---|---|
-//! | `RawMutex` (spin lock) | [`KernelSpinLock`] | `KSPIN_LOCK`, `KeAcquireSpinLockRaiseToDpc`/`KeReleaseSpinLock` |
-//! | `RawRwLock` (reader-writer spin lock) | [`KernelRwSpinLock`] | `EX_SPIN_LOCK`, `ExAcquireSpinLockShared`/`Exclusive`, `ExReleaseSpinLockShared`/`Exclusive` |
+//! | `RawMutex` (spin lock) | [`KernelSpinLock`] | `KSPIN_LOCK`, `KeAcquireSpinLockRaiseToDpc`/`KeReleaseSpinLock`; `try_lock`: `KeTryToAcquireSpinLockAtDpcLevel` at DISPATCH_LEVEL |
+//! | `RawRwLock` (reader-writer spin lock) | [`KernelRwSpinLock`] | `EX_SPIN_LOCK`, `ExAcquireSpinLockShared`/`Exclusive`, `ExReleaseSpinLockShared`/`Exclusive`; the `try_` forms: `ExTryAcquireSpinLockShared`/`ExclusiveAtDpcLevel` at DISPATCH_LEVEL |
 //! | `Mmio` | [`Bar0`] | the `MmMapIoSpaceEx` mapping, volatile reads and writes |
 //! | `DmaAdapter`, `CommonBuffer` | [`WdfDma`], [`WdfCommonBuffer`] | `WDFDMAENABLER`, `WdfCommonBufferCreate` |
 //! | `MemoryLocker`, `LockedPages`, `DmaMapping` | [`MdlLocker`], [`LockedMdl`], [`SgMapping`] | `IoAllocateMdl` + `MmProbeAndLockPages` (in the SEH shim), `MmUnlockPages`/`IoFreeMdl`; `BuildScatterGatherList` into a caller-supplied buffer, `PutScatterGatherList` |
@@ -51,9 +51,11 @@ use driver_platform::{
 };
 use wdk_sys::ntddk::{
     ExAcquireSpinLockExclusive, ExAcquireSpinLockShared, ExReleaseSpinLockExclusive,
-    ExReleaseSpinLockShared, IoAllocateMdl, IoFreeMdl, KeAcquireSpinLockRaiseToDpc, KeClearEvent,
-    KeGetCurrentIrql, KeGetCurrentProcessorNumberEx, KeInitializeEvent,
-    KeQueryInterruptTimePrecise, KeReadStateEvent, KeReleaseSpinLock, KeSetEvent,
+    ExReleaseSpinLockShared, ExTryAcquireSpinLockExclusiveAtDpcLevel,
+    ExTryAcquireSpinLockSharedAtDpcLevel, IoAllocateMdl, IoFreeMdl, KeAcquireSpinLockRaiseToDpc,
+    KeClearEvent, KeGetCurrentIrql, KeGetCurrentProcessorNumberEx, KeInitializeEvent,
+    KeQueryInterruptTimePrecise, KeReadStateEvent, KeReleaseSpinLock,
+    KeReleaseSpinLockFromDpcLevel, KeSetEvent, KeTryToAcquireSpinLockAtDpcLevel,
     KeWaitForSingleObject, MmBuildMdlForNonPagedPool, MmUnlockPages, MmUnmapLockedPages,
     PsGetCurrentProcessId,
 };
@@ -127,10 +129,18 @@ unsafe impl lock_api::RawMutex for KernelSpinLock {
     }
 
     fn try_lock(&self) -> bool {
-        // The core never needs a failing acquisition; a spin lock held
-        // elsewhere is waited for, which `lock` does.
-        self.lock();
-        true
+        // SAFETY: a valid, initialised KSPIN_LOCK, tried at DISPATCH_LEVEL
+        // as the routine requires (`try_at_dispatch` raised there).
+        let acquired =
+            try_at_dispatch(|| unsafe { KeTryToAcquireSpinLockAtDpcLevel(self.lock.get()) != 0 });
+        match acquired {
+            Some(old) => {
+                // Released by `unlock` (KeReleaseSpinLock back to `old`).
+                self.old_irql.store(old, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
     }
 
     unsafe fn unlock(&self) {
@@ -213,9 +223,19 @@ unsafe impl lock_api::RawRwLock for KernelRwSpinLock {
     }
 
     fn try_lock_shared(&self) -> bool {
-        // The core never needs a failing acquisition: wait, as `lock_shared`.
-        self.lock_shared();
-        true
+        // SAFETY: as in `lock_shared`, tried at DISPATCH_LEVEL as the
+        // routine requires (`try_at_dispatch` raised there).
+        let acquired = try_at_dispatch(|| unsafe {
+            ExTryAcquireSpinLockSharedAtDpcLevel(self.lock.get()) != 0
+        });
+        match acquired {
+            Some(old) => {
+                // At DISPATCH_LEVEL, so still on the acquiring processor.
+                self.processor_slot().store(old, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
     }
 
     unsafe fn unlock_shared(&self) {
@@ -232,8 +252,17 @@ unsafe impl lock_api::RawRwLock for KernelRwSpinLock {
     }
 
     fn try_lock_exclusive(&self) -> bool {
-        self.lock_exclusive();
-        true
+        // SAFETY: as in `try_lock_shared`.
+        let acquired = try_at_dispatch(|| unsafe {
+            ExTryAcquireSpinLockExclusiveAtDpcLevel(self.lock.get()) != 0
+        });
+        match acquired {
+            Some(old) => {
+                self.exclusive_old_irql.store(old, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
     }
 
     unsafe fn unlock_exclusive(&self) {
@@ -556,6 +585,29 @@ pub fn current_process_id() -> u64 {
     // SAFETY: callable at any IRQL; returns the current process's id.
     let id: HANDLE = unsafe { PsGetCurrentProcessId() };
     id as usize as u64
+}
+
+/// Runs the try-acquire `attempt` at DISPATCH_LEVEL, where the kernel's
+/// `…AtDpcLevel` try routines must be called, raising there first the way
+/// [`at_dispatch`] does. If `attempt` acquired its lock, the IRQL stays at
+/// DISPATCH_LEVEL and the IRQL to return to when releasing it comes back;
+/// otherwise the IRQL is restored and `None` comes back. Never waits for
+/// the lock being tried (the private lock is never contended).
+fn try_at_dispatch(attempt: impl FnOnce() -> bool) -> Option<KIRQL> {
+    let mut raise: KSPIN_LOCK = 0;
+    // SAFETY: a released spin lock on this stack that nothing else can
+    // reach: acquiring it only raises to DISPATCH_LEVEL.
+    let old = unsafe { KeAcquireSpinLockRaiseToDpc(&mut raise) };
+    if attempt() {
+        // SAFETY: acquired just above; releasing it from DISPATCH_LEVEL
+        // keeps the IRQL there for the lock `attempt` took.
+        unsafe { KeReleaseSpinLockFromDpcLevel(&mut raise) };
+        Some(old)
+    } else {
+        // SAFETY: acquired just above at `old`; lowers back to it.
+        unsafe { KeReleaseSpinLock(&mut raise, old) };
+        None
+    }
 }
 
 /// Raises to DISPATCH_LEVEL for the scope of `f` (the old DMA routines
@@ -984,8 +1036,11 @@ impl Deferred for WdfDeferred {
     }
 
     fn now_ns(&self) -> u64 {
-        // SAFETY: callable at any IRQL; the out parameter is optional.
-        let ticks = unsafe { KeQueryInterruptTimePrecise(ptr::null_mut()) };
+        // The routine stores the performance counter through its
+        // argument unconditionally (it is not optional): give it a place.
+        let mut performance_counter: u64 = 0;
+        // SAFETY: callable at any IRQL; the out pointer is valid.
+        let ticks = unsafe { KeQueryInterruptTimePrecise(&mut performance_counter) };
         ticks.saturating_mul(100)
     }
 }

@@ -34,13 +34,9 @@ const DEVICE_NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
 /// `device` is the live device `EvtDriverDeviceAdd` just created.
 pub unsafe fn create_queue(device: WDFDEVICE) -> NTSTATUS {
     let mut config = WDF_IO_QUEUE_CONFIG {
-        Size: size_of::<WDF_IO_QUEUE_CONFIG>() as ULONG,
-        PowerManaged: _WDF_TRI_STATE::WdfUseDefault,
-        DefaultQueue: TRUE as u8,
-        DispatchType: _WDF_IO_QUEUE_DISPATCH_TYPE::WdfIoQueueDispatchParallel,
         EvtIoDeviceControl: Some(evt_io_device_control),
         EvtIoInternalDeviceControl: Some(evt_io_device_control),
-        ..WDF_IO_QUEUE_CONFIG::default()
+        ..default_parallel_queue_config()
     };
     let mut queue: WDFQUEUE = core::ptr::null_mut();
     // SAFETY: a live device (caller); out pointer valid.
@@ -53,6 +49,24 @@ pub unsafe fn create_queue(device: WDFDEVICE) -> NTSTATUS {
             &mut queue
         )
     }
+}
+
+/// `WDF_IO_QUEUE_CONFIG_INIT_DEFAULT_QUEUE(&config,
+/// WdfIoQueueDispatchParallel)`: the size, power management left to the
+/// framework's default, the default queue, parallel dispatch with no
+/// limit on the requests presented at once. The limit is
+/// `Settings.Parallel.NumberOfPresentedRequests`, where 0 is not "no
+/// limit" but a queue that presents nothing; the macro sets `(ULONG)-1`.
+fn default_parallel_queue_config() -> WDF_IO_QUEUE_CONFIG {
+    let mut config = WDF_IO_QUEUE_CONFIG {
+        Size: size_of::<WDF_IO_QUEUE_CONFIG>() as ULONG,
+        PowerManaged: _WDF_TRI_STATE::WdfUseDefault,
+        DefaultQueue: TRUE as u8,
+        DispatchType: _WDF_IO_QUEUE_DISPATCH_TYPE::WdfIoQueueDispatchParallel,
+        ..WDF_IO_QUEUE_CONFIG::default()
+    };
+    config.Settings.Parallel.NumberOfPresentedRequests = ULONG::MAX;
+    config
 }
 
 /// `EvtIoDeviceControl` and `EvtIoInternalDeviceControl`.
