@@ -5,14 +5,26 @@
 //! supplies that core's platform.
 //!
 //! - `kmdf` (Windows only): the KMDF driver, on windows-drivers-rs.
-//!   **Never compiled**: `wdk-sys` cannot build on a non-Windows host, and
-//!   no Windows build has been run yet.
+//!   Type-checked and linted on every change by `cargo xtask wdk-check`
+//!   (against a stand-in WDK on Linux); never linked or run yet, as no
+//!   Windows build has been run.
 //! - [`sim`] (other hosts): the same shell for the simulated Windows host
 //!   (`sim-host`), which tests and the main job boot.
 //! - [`sg_pages`] (every host): the KMDF shell's scatter/gather-to-pages
 //!   arithmetic, portable so it is compiled and tested here.
 
 #![cfg_attr(windows, no_std)]
+
+// Kernel drivers must not unwind: the kernel has no unwinder for them, and
+// the panic handler (wdk-panic) bug-checks. A profile cannot set `panic`
+// per target, so Windows driver builds set
+// CARGO_PROFILE_{DEV,RELEASE}_PANIC=abort (the Windows workflow,
+// `cargo xtask wdk-check`); say so here rather than fail at link time.
+#[cfg(all(windows, not(test), not(panic = "abort")))]
+compile_error!(
+    "build the KMDF driver with panic=abort: set CARGO_PROFILE_DEV_PANIC=abort and \
+     CARGO_PROFILE_RELEASE_PANIC=abort (see .cargo/config.toml)"
+);
 
 #[cfg(windows)]
 extern crate alloc;

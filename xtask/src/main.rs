@@ -13,12 +13,15 @@
 //!   writes its pcap capture (open it in Wireshark).
 //! - `inf-lint`: checks `inf/*.inf` against the InfVerif rules checkable
 //!   here (`inf_lint`, `docs/inf-lint.md`).
+//! - `wdk-check`: type-checks and lints the KMDF shells for the Windows
+//!   target against a stand-in WDK (`wdk_check`).
 
 mod abi_report;
 mod host_run;
 mod inf_lint;
 mod miniport_run;
 mod rdma_run;
+mod wdk_check;
 
 use std::process::{Command, ExitCode};
 
@@ -54,6 +57,14 @@ enum Cmd {
     },
     /// Check `inf/*.inf` against the InfVerif rules checkable here.
     InfLint,
+    /// Type-check and lint (`-D warnings`) every KMDF shell for
+    /// x86_64-pc-windows-msvc against a stand-in WDK (see wdk_check.rs).
+    WdkCheck {
+        /// Microsoft's KMDF 1.33 headers (default: $WDK_CHECK_KMDF_HEADERS,
+        /// else the project machines' copy).
+        #[arg(long)]
+        kmdf_headers: Option<std::path::PathBuf>,
+    },
     /// Run the workspace tests (extra arguments go to `cargo test`).
     Test {
         /// Passed through to `cargo test`.
@@ -100,6 +111,7 @@ fn main() -> ExitCode {
         Cmd::Loom { args } => loom(&args),
         Cmd::Capture { out, seed } => capture(&out, seed),
         Cmd::InfLint => inf_lint::run(),
+        Cmd::WdkCheck { kmdf_headers } => wdk_check::run(kmdf_headers),
     }
 }
 

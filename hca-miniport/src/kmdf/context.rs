@@ -23,6 +23,7 @@ use wdk_sys::{
 use super::device::DeviceShell;
 
 /// The device object's context.
+#[derive(Debug)]
 #[repr(C)]
 pub struct DeviceContext {
     /// The shell state (see the module's invariants).
@@ -30,6 +31,7 @@ pub struct DeviceContext {
 }
 
 /// The type-info record of [`DeviceContext`].
+#[derive(Debug)]
 #[repr(transparent)]
 pub struct ContextTypeInfo(WDF_OBJECT_CONTEXT_TYPE_INFO);
 
@@ -46,16 +48,27 @@ pub static DEVICE_CONTEXT_TYPE: ContextTypeInfo = ContextTypeInfo(WDF_OBJECT_CON
     EvtDriverGetUniqueContextType: None,
 });
 
-/// Object attributes that give a device object a [`DeviceContext`] and the
-/// cleanup callback that releases it.
-pub fn device_attributes() -> WDF_OBJECT_ATTRIBUTES {
+/// `WDF_OBJECT_ATTRIBUTES_INIT`: the size set, execution level and
+/// synchronization scope inherited from the parent, everything else zero.
+/// A zeroed structure is not this: its level and scope are the *invalid*
+/// enumerators (0), and the framework refuses to create the object.
+/// Every attribute structure of the shell starts here.
+pub fn object_attributes() -> WDF_OBJECT_ATTRIBUTES {
     WDF_OBJECT_ATTRIBUTES {
         Size: size_of::<WDF_OBJECT_ATTRIBUTES>() as u32,
         ExecutionLevel: _WDF_EXECUTION_LEVEL::WdfExecutionLevelInheritFromParent,
         SynchronizationScope: _WDF_SYNCHRONIZATION_SCOPE::WdfSynchronizationScopeInheritFromParent,
+        ..WDF_OBJECT_ATTRIBUTES::default()
+    }
+}
+
+/// Object attributes that give a device object a [`DeviceContext`] and the
+/// cleanup callback that releases it.
+pub fn device_attributes() -> WDF_OBJECT_ATTRIBUTES {
+    WDF_OBJECT_ATTRIBUTES {
         ContextTypeInfo: &DEVICE_CONTEXT_TYPE.0,
         EvtCleanupCallback: Some(evt_device_cleanup),
-        ..WDF_OBJECT_ATTRIBUTES::default()
+        ..object_attributes()
     }
 }
 
@@ -122,6 +135,7 @@ unsafe extern "C" fn evt_device_cleanup(object: WDFOBJECT) {
 /// A user-mode request's context: the process `EvtIoInCallerContext`
 /// found the request in (`queue::evt_io_in_caller_context`). Allocated
 /// (zeroed) on the request there; freed by the framework with it.
+#[derive(Debug)]
 #[repr(C)]
 pub struct RequestContext {
     /// Non-zero once `process_id` was recorded.
@@ -143,11 +157,8 @@ pub static REQUEST_CONTEXT_TYPE: ContextTypeInfo = ContextTypeInfo(WDF_OBJECT_CO
 /// (nothing to clean up: it holds plain data).
 pub fn request_context_attributes() -> WDF_OBJECT_ATTRIBUTES {
     WDF_OBJECT_ATTRIBUTES {
-        Size: size_of::<WDF_OBJECT_ATTRIBUTES>() as u32,
-        ExecutionLevel: _WDF_EXECUTION_LEVEL::WdfExecutionLevelInheritFromParent,
-        SynchronizationScope: _WDF_SYNCHRONIZATION_SCOPE::WdfSynchronizationScopeInheritFromParent,
         ContextTypeInfo: &REQUEST_CONTEXT_TYPE.0,
-        ..WDF_OBJECT_ATTRIBUTES::default()
+        ..object_attributes()
     }
 }
 

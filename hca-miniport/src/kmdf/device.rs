@@ -26,9 +26,10 @@ use hca_miniport_core::init::HcaConfig;
 use ib_types::scalars::{PortNum, Qpn};
 use wdk_sys::ntddk::{MmMapIoSpaceEx, MmUnmapIoSpace};
 use wdk_sys::{
-    NTSTATUS, PAGE_NOCACHE, PAGE_READWRITE, STATUS_DEVICE_CONFIGURATION_ERROR, STATUS_SUCCESS,
-    STATUS_UNSUCCESSFUL, WDF_INTERRUPT_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDF_POWER_DEVICE_STATE,
-    WDFCMRESLIST, WDFDEVICE, WDFINTERRUPT, WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
+    BOOLEAN, NTSTATUS, PAGE_NOCACHE, PAGE_READWRITE, SIZE_T, STATUS_DEVICE_CONFIGURATION_ERROR,
+    STATUS_SUCCESS, STATUS_UNSUCCESSFUL, TRUE, WDF_INTERRUPT_CONFIG, WDF_NO_OBJECT_ATTRIBUTES,
+    WDF_POWER_DEVICE_STATE, WDFCMRESLIST, WDFDEVICE, WDFINTERRUPT, WDFTIMER, WDFWORKITEM,
+    call_unsafe_wdf_function_binding,
 };
 
 use super::context::shell_of;
@@ -49,7 +50,8 @@ const MAX_MESSAGES: usize = 16;
 struct Hardware {
     hca: Option<Arc<Hca<WdfPlatform>>>,
     provider: Option<Arc<CiProvider<WdfPlatform>>>,
-    bar0: Option<(*mut u8, u64)>,
+    /// The BAR0 mapping and its length in bytes.
+    bar0: Option<(*mut u8, SIZE_T)>,
     interrupts: Vec<WDFINTERRUPT>,
 }
 
@@ -73,6 +75,15 @@ pub struct DeviceShell {
     /// prepare-hardware before the framework connects the interrupts, and
     /// released in release-hardware after it disconnected them.
     isr_hca: AtomicPtr<Hca<WdfPlatform>>,
+}
+
+impl core::fmt::Debug for DeviceShell {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("DeviceShell")
+            .field("device", &self.device)
+            .field("prepared", &self.hca().is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 // SAFETY: WDF handles are valid from any thread; the mutable state is
@@ -163,6 +174,10 @@ impl DeviceShell {
 
 /// `EvtDevicePrepareHardware`: maps BAR0, creates one interrupt per MSI-X
 /// message, builds the core and its CI provider.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_prepare_hardware(
     device: WDFDEVICE,
     resources_raw: WDFCMRESLIST,
@@ -198,19 +213,15 @@ pub unsafe extern "C" fn evt_prepare_hardware(
             // SAFETY: `Type` says the `Memory` member of the union is the
             // live one.
             let memory = unsafe { descriptor.u.Memory };
+            let length = SIZE_T::from(memory.Length);
             // SAFETY: the PnP manager assigned this range to the device;
             // non-cached read/write is how registers are mapped.
-            let base = unsafe {
-                MmMapIoSpaceEx(
-                    memory.Start,
-                    memory.Length as usize,
-                    PAGE_READWRITE | PAGE_NOCACHE,
-                )
-            };
+            let base =
+                unsafe { MmMapIoSpaceEx(memory.Start, length, PAGE_READWRITE | PAGE_NOCACHE) };
             if base.is_null() {
                 return STATUS_UNSUCCESSFUL;
             }
-            bar0 = Some((base.cast::<u8>(), u64::from(memory.Length)));
+            bar0 = Some((base.cast::<u8>(), length));
         } else if kind == CM_RESOURCE_TYPE_INTERRUPT && interrupts.len() < MAX_MESSAGES {
             if descriptor.Flags & CM_RESOURCE_INTERRUPT_MESSAGE == 0 {
                 continue;
@@ -286,8 +297,13 @@ pub unsafe extern "C" fn evt_prepare_hardware(
     STATUS_SUCCESS
 }
 
-/// `EvtDeviceReleaseHardware`: stops the core if it still runs, then
-/// unmaps BAR0. The framework deletes the interrupts.
+/// `EvtDeviceReleaseHardware`: stops the core if it still runs, waits for
+/// a running timer or work item routine, then unmaps BAR0. The framework
+/// deletes the interrupts.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_release_hardware(
     device: WDFDEVICE,
     _resources_translated: WDFCMRESLIST,
@@ -305,6 +321,16 @@ pub unsafe extern "C" fn evt_release_hardware(
     if let Some(hca) = hca {
         hca.stop();
     }
+    // The timer and work item routines reach the core, and through it
+    // BAR0: let any running one finish before the unmapping. Started from
+    // now on, they find no core (taken above) and do nothing.
+    // SAFETY: the device's timer, live until the device is deleted;
+    // PASSIVE_LEVEL, not from the timer's own routine.
+    let _ =
+        unsafe { call_unsafe_wdf_function_binding!(WdfTimerStop, shell.timer, TRUE as BOOLEAN) };
+    // SAFETY: the device's work item, live until the device is deleted;
+    // PASSIVE_LEVEL, not from the work item's own routine.
+    unsafe { call_unsafe_wdf_function_binding!(WdfWorkItemFlush, shell.work_item) };
     // The framework disconnected the interrupts before this callback.
     let isr_hca = shell.isr_hca.swap(ptr::null_mut(), Ordering::AcqRel);
     if !isr_hca.is_null() {
@@ -314,12 +340,16 @@ pub unsafe extern "C" fn evt_release_hardware(
     if let Some((base, len)) = bar0 {
         // SAFETY: the mapping made in prepare-hardware; the core, the only
         // user, has stopped.
-        unsafe { MmUnmapIoSpace(base.cast(), len as usize) };
+        unsafe { MmUnmapIoSpace(base.cast(), len) };
     }
     STATUS_SUCCESS
 }
 
 /// `EvtDeviceD0Entry`: nothing to do before the interrupts are connected.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_d0_entry(
     _device: WDFDEVICE,
     _from: WDF_POWER_DEVICE_STATE,
@@ -329,6 +359,10 @@ pub unsafe extern "C" fn evt_d0_entry(
 
 /// `EvtDeviceD0Exit`: the device was stopped before its interrupts were
 /// disconnected.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_d0_exit(_device: WDFDEVICE, _to: WDF_POWER_DEVICE_STATE) -> NTSTATUS {
     STATUS_SUCCESS
 }
@@ -336,6 +370,10 @@ pub unsafe extern "C" fn evt_d0_exit(_device: WDFDEVICE, _to: WDF_POWER_DEVICE_S
 /// `EvtDeviceSurpriseRemoval`: the device is gone; the core fails over
 /// (`Hca::surprise_removed`: outstanding requests answered, posted work
 /// flushed, the client told) before D0 exit and release-hardware follow.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_surprise_removal(device: WDFDEVICE) {
     // SAFETY: as in `evt_prepare_hardware`.
     if let Some(hca) = unsafe { shell_of(device) }.and_then(|shell| shell.hca()) {
@@ -344,6 +382,10 @@ pub unsafe extern "C" fn evt_surprise_removal(device: WDFDEVICE) {
 }
 
 /// `EvtDeviceD0EntryPostInterruptsEnabled`: starts the device.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_d0_entry_post_interrupts(
     device: WDFDEVICE,
     _from: WDF_POWER_DEVICE_STATE,
@@ -356,6 +398,10 @@ pub unsafe extern "C" fn evt_d0_entry_post_interrupts(
 }
 
 /// `EvtDeviceD0ExitPreInterruptsDisabled`: stops the device.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_d0_exit_pre_interrupts(
     device: WDFDEVICE,
     _to: WDF_POWER_DEVICE_STATE,

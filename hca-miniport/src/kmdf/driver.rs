@@ -10,15 +10,15 @@ use core::ptr;
 
 use ib_types::interface::{CiInterface, GUID_IB_CI_INTERFACE};
 use wdk_sys::{
-    _WDF_DMA_PROFILE, DRIVER_OBJECT, FALSE, GUID, LPGUID, NTSTATUS, PCUNICODE_STRING, PINTERFACE,
-    PVOID, PWDFDEVICE_INIT, STATUS_NOT_SUPPORTED, STATUS_SUCCESS, ULONG, WDF_DMA_ENABLER_CONFIG,
-    WDF_DRIVER_CONFIG, WDF_NO_HANDLE, WDF_NO_OBJECT_ATTRIBUTES, WDF_OBJECT_ATTRIBUTES,
-    WDF_PNPPOWER_EVENT_CALLBACKS, WDF_QUERY_INTERFACE_CONFIG, WDF_TIMER_CONFIG,
-    WDF_WORKITEM_CONFIG, WDFDEVICE, WDFDMAENABLER, WDFDRIVER, WDFOBJECT, WDFTIMER, WDFWORKITEM,
-    call_unsafe_wdf_function_binding,
+    _WDF_DMA_PROFILE, DRIVER_OBJECT, FALSE, FILE_64_BYTE_ALIGNMENT, GUID, LPGUID, NTSTATUS,
+    PCUNICODE_STRING, PINTERFACE, PVOID, PWDFDEVICE_INIT, STATUS_NOT_SUPPORTED, STATUS_SUCCESS,
+    ULONG, WDF_DMA_ENABLER_CONFIG, WDF_DRIVER_CONFIG, WDF_NO_HANDLE, WDF_NO_OBJECT_ATTRIBUTES,
+    WDF_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS, WDF_QUERY_INTERFACE_CONFIG,
+    WDF_TIMER_CONFIG, WDF_WORKITEM_CONFIG, WDFDEVICE, WDFDMAENABLER, WDFDRIVER, WDFOBJECT,
+    WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
 };
 
-use super::context::{device_attributes, device_context, shell_of};
+use super::context::{device_attributes, device_context, object_attributes, shell_of};
 use super::device::{
     DeviceShell, evt_d0_entry, evt_d0_entry_post_interrupts, evt_d0_exit,
     evt_d0_exit_pre_interrupts, evt_prepare_hardware, evt_release_hardware, evt_surprise_removal,
@@ -31,6 +31,12 @@ use super::queue::{create_queue, evt_io_in_caller_context};
 /// Largest single DMA transfer the enabler describes (registrations are
 /// mapped page by page; this bounds one scatter/gather list).
 const MAX_DMA_TRANSFER: usize = 1 << 20;
+
+/// The device's DMA alignment requirement (`FILE_*_ALIGNMENT`: bytes minus
+/// one): rings are 64-byte aligned (PRM), the strictest requirement on a
+/// structure inside a common buffer; tables and the command queue, 4 KiB
+/// aligned, are whole common buffers, which start on a page.
+const DMA_ALIGNMENT_REQUIREMENT: ULONG = FILE_64_BYTE_ALIGNMENT;
 
 /// `DriverEntry`.
 ///
@@ -115,8 +121,19 @@ unsafe extern "C" fn evt_driver_device_add(
         return status;
     }
 
+    // Before the DMA enabler, which takes the device's alignment
+    // requirement when it is created (WdfDeviceSetAlignmentRequirement).
+    // SAFETY: the live device just created.
+    unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfDeviceSetAlignmentRequirement,
+            device,
+            DMA_ALIGNMENT_REQUIREMENT
+        )
+    };
     let dma = match create_dma_enabler(device) {
-        Ok(enabler) => WdfDma::new(enabler, device),
+        // SAFETY: the live device just created, and its enabler.
+        Ok(enabler) => unsafe { WdfDma::new(enabler, device) },
         Err(status) => return status,
     };
     let work_item = match create_work_item(device) {
@@ -167,11 +184,12 @@ fn create_dma_enabler(device: WDFDEVICE) -> Result<WDFDMAENABLER, NTSTATUS> {
     if status < 0 { Err(status) } else { Ok(enabler) }
 }
 
+/// `WDF_OBJECT_ATTRIBUTES_INIT` with `device` as the parent (the work item
+/// and timer must have their device as parent).
 fn parented_to(device: WDFDEVICE) -> WDF_OBJECT_ATTRIBUTES {
     WDF_OBJECT_ATTRIBUTES {
-        Size: size_of::<WDF_OBJECT_ATTRIBUTES>() as ULONG,
         ParentObject: device as WDFOBJECT,
-        ..WDF_OBJECT_ATTRIBUTES::default()
+        ..object_attributes()
     }
 }
 
@@ -180,7 +198,6 @@ fn create_work_item(device: WDFDEVICE) -> Result<WDFWORKITEM, NTSTATUS> {
         Size: size_of::<WDF_WORKITEM_CONFIG>() as ULONG,
         EvtWorkItemFunc: Some(evt_work_item),
         AutomaticSerialization: FALSE as u8,
-        ..WDF_WORKITEM_CONFIG::default()
     };
     let mut attributes = parented_to(device);
     let mut item: WDFWORKITEM = ptr::null_mut();
@@ -213,6 +230,15 @@ fn create_timer(device: WDFDEVICE) -> Result<WDFTIMER, NTSTATUS> {
     if status < 0 { Err(status) } else { Ok(timer) }
 }
 
+/// `GUID_IB_CI_INTERFACE` as a Windows `GUID`, in static storage: the
+/// query-interface configuration points at it.
+static CI_INTERFACE_GUID: GUID = GUID {
+    Data1: GUID_IB_CI_INTERFACE.data1.get(),
+    Data2: GUID_IB_CI_INTERFACE.data2.get(),
+    Data3: GUID_IB_CI_INTERFACE.data3.get(),
+    Data4: GUID_IB_CI_INTERFACE.data4,
+};
+
 /// `WdfDeviceAddQueryInterface` for `GUID_IB_CI_INTERFACE`. The framework
 /// copies the table when a consumer asks and calls its
 /// `InterfaceReference`.
@@ -220,8 +246,7 @@ fn register_ci_interface(device: WDFDEVICE, shell: *const DeviceShell) -> NTSTAT
     // The framework copies the structure at registration; a box keeps it
     // in non-paged pool for the call.
     let mut table: Box<CiInterface> = Box::new(ci_interface(shell));
-    // Same 16-byte layout (ib_types::interface::WinGuid is the Windows GUID).
-    let guid: *const GUID = ptr::addr_of!(GUID_IB_CI_INTERFACE).cast::<GUID>();
+    let guid: *const GUID = &CI_INTERFACE_GUID;
     let mut config = WDF_QUERY_INTERFACE_CONFIG {
         Size: size_of::<WDF_QUERY_INTERFACE_CONFIG>() as ULONG,
         Interface: ptr::addr_of_mut!(table.header).cast::<c_void>() as PINTERFACE,

@@ -5,11 +5,23 @@
 //! `CiProvider` (see `hca_miniport_core::ci`); the simulated host's shell
 //! hands out the provider itself instead.
 //!
-//! The header's `context` is the device's `DeviceShell` (an `Arc` pointer):
-//! `InterfaceReference`/`InterfaceDereference` take and drop strong
-//! references on it, so the shell outlives every consumer's copy. The
-//! provider exists between prepare- and release-hardware; an entry point
-//! called outside that window answers `STATUS_DEVICE_NOT_READY`.
+//! The header's `context` is the device's `DeviceShell` (an `Arc` pointer).
+//! `InterfaceReference`/`InterfaceDereference` take and drop two
+//! references per copy: a strong one on the shell, so it outlives every
+//! consumer's copy, and one on the `WDFDEVICE` (`WdfObjectReference`), as
+//! `WdfDeviceAddQueryInterface` asks of a driver-supplied reference
+//! routine: a referenced framework object is not freed, and the driver
+//! image is not unloaded while one of its device objects exists, so the
+//! entry points stay mapped while a consumer can call them. The provider
+//! exists between prepare- and release-hardware; an entry point called
+//! outside that window answers `STATUS_DEVICE_NOT_READY`.
+//!
+//! Requests cross the interface as IRPs, never as `WDFREQUEST`s: a
+//! framework request belongs to the driver whose queue delivered it, and
+//! only that driver may complete it. [`submit`] passes the caller's IRP to
+//! this driver's device object (`IoCallDriver`), where the framework makes
+//! it this driver's own request, delivered by the default queue like every
+//! IOCTL and completed here by its owner.
 //!
 //! # Safety contract for consumers
 //! Every pointer argument is valid for the documented count (`wrs` for
@@ -34,15 +46,14 @@ use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
 use ib_types::wr_desc::{RecvWrDesc, SendWrDesc};
-use wdk_sys::{WDFREQUEST, call_unsafe_wdf_function_binding};
+use wdk_sys::ntddk::IofCallDriver;
+use wdk_sys::{IRP, LONG, WDFOBJECT, call_unsafe_wdf_function_binding};
 
 use super::device::DeviceShell;
-use super::platform::{WdfPlatform, WdfRequest};
+use super::platform::WdfPlatform;
 
 type Provider = CiProvider<WdfPlatform>;
 
-/// `STATUS_PENDING`.
-const PENDING: NtStatus = NtStatus::from_raw(0x0000_0103);
 /// `STATUS_DEVICE_NOT_READY`.
 const NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
 /// WRs decoded per batch on the stack (the fast path does not allocate).
@@ -116,17 +127,51 @@ unsafe fn provider(context: *mut c_void) -> Option<Arc<Provider>> {
     unsafe { (*shell).provider() }
 }
 
-/// `InterfaceReference`.
+/// The file name the framework's reference tracking records (its
+/// `WdfObjectReference` macro passes `__FILE__`).
+const REFERENCE_SOURCE: &core::ffi::CStr = c"hca-miniport/src/kmdf/interface.rs";
+
+/// `InterfaceReference`: pins the shell and the device object (module
+/// docs). Callable at DISPATCH_LEVEL or below.
 unsafe extern "system" fn interface_reference(context: *mut c_void) {
+    let shell = context.cast_const().cast::<DeviceShell>();
     // SAFETY: `context` is an `Arc<DeviceShell>` pointer kept alive by the
     // device context or an earlier reference; this takes one more.
-    unsafe { Arc::increment_strong_count(context.cast_const().cast::<DeviceShell>()) };
+    unsafe { Arc::increment_strong_count(shell) };
+    // SAFETY: the shell is alive (just referenced).
+    let device = unsafe { (*shell).device };
+    // SAFETY: the device is alive: the framework calls this while handing
+    // out the interface, a consumer while it holds a reference. The tag
+    // pairs it with `interface_dereference`'s.
+    unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfObjectReferenceActual,
+            device as WDFOBJECT,
+            context,
+            line!() as LONG,
+            REFERENCE_SOURCE.as_ptr()
+        )
+    };
 }
 
-/// `InterfaceDereference`.
+/// `InterfaceDereference`: gives back what [`interface_reference`] took.
 unsafe extern "system" fn interface_dereference(context: *mut c_void) {
-    // SAFETY: gives back a reference `interface_reference` took.
-    unsafe { Arc::decrement_strong_count(context.cast_const().cast::<DeviceShell>()) };
+    let shell = context.cast_const().cast::<DeviceShell>();
+    // SAFETY: the consumer still holds the references this gives back.
+    let device = unsafe { (*shell).device };
+    // SAFETY: a reference `interface_reference` took, with its tag.
+    unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfObjectDereferenceActual,
+            device as WDFOBJECT,
+            context,
+            line!() as LONG,
+            REFERENCE_SOURCE.as_ptr()
+        )
+    };
+    // SAFETY: gives back the strong reference `interface_reference` took;
+    // nothing touches the shell after it.
+    unsafe { Arc::decrement_strong_count(shell) };
 }
 
 /// A client's callbacks as a [`CaClient`].
@@ -194,38 +239,30 @@ unsafe extern "system" fn close_ca(context: *mut c_void, ca: u64) -> NtStatus {
     }
 }
 
-/// `submit`: `request` is a `WDFREQUEST` the caller hands over (it owns
-/// no part of it afterwards). Always `STATUS_PENDING`: the request is
-/// completed, possibly before this returns, with the verb's status.
+/// `submit`: `request` is an IRP (`SubmitFn`: the platform's request
+/// object) whose next stack location the caller set up for this HCA's
+/// device object: `IRP_MJ_INTERNAL_DEVICE_CONTROL` with a verb code and
+/// METHOD_BUFFERED buffers, as `IoBuildDeviceIoControlRequest` with
+/// `InternalDeviceIoControl` builds it. It goes to this driver's device
+/// object with `IoCallDriver`: the framework wraps it in a request of
+/// this driver, the default queue delivers it (`queue`), and this driver
+/// completes it, as its owner; the caller learns the status through its
+/// IRP. Returns `IoCallDriver`'s status (`STATUS_PENDING` when the
+/// request completes later). PASSIVE_LEVEL or DISPATCH_LEVEL.
 unsafe extern "system" fn submit(context: *mut c_void, request: *mut c_void) -> NtStatus {
-    let request = request.cast::<wdk_sys::WDFREQUEST__>() as WDFREQUEST;
-    // SAFETY: header context (consumer contract).
-    let Some(ci) = (unsafe { provider(context) }) else {
-        WdfRequest::complete_raw(request, NOT_READY);
-        return PENDING;
-    };
-    let mut params = wdk_sys::WDF_REQUEST_PARAMETERS {
-        Size: size_of::<wdk_sys::WDF_REQUEST_PARAMETERS>() as u16,
-        ..Default::default()
-    };
-    // SAFETY: the caller handed over a live request; out pointer valid.
-    unsafe { call_unsafe_wdf_function_binding!(WdfRequestGetParameters, request, &mut params) };
-    // SAFETY: a device-control request's parameters are the
-    // `DeviceIoControl` member.
-    let code = unsafe { params.Parameters.DeviceIoControl.IoControlCode };
-    // SAFETY: a live request the driver now owns.
-    let mode = unsafe { call_unsafe_wdf_function_binding!(WdfRequestGetRequestorMode, request) };
-    let mode = if mode == wdk_sys::_MODE::UserMode as i8 {
-        driver_platform::RequestorMode::User
-    } else {
-        driver_platform::RequestorMode::Kernel
-    };
-    // SAFETY: owned, METHOD_BUFFERED (this stack's IOCTLs).
-    match unsafe { WdfRequest::new(request, code, mode) } {
-        Ok(request) => ci.submit(request),
-        Err(request) => WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A)),
+    if request.is_null() {
+        return IbStatus::InvalidParameter.to_ntstatus();
     }
-    PENDING
+    let shell = context.cast_const().cast::<DeviceShell>();
+    // SAFETY: header context, kept alive by the consumer's reference.
+    let device = unsafe { (*shell).device };
+    // SAFETY: the consumer's reference keeps the device alive.
+    let device_object =
+        unsafe { call_unsafe_wdf_function_binding!(WdfDeviceWdmGetDeviceObject, device) };
+    // SAFETY: an IRP set up for this device object (consumer contract);
+    // the I/O manager owns it from here until it is completed.
+    let status = unsafe { IofCallDriver(device_object, request.cast::<IRP>()) };
+    NtStatus::from_raw(status as u32)
 }
 
 /// The SGEs a descriptor designates.

@@ -13,6 +13,10 @@ use super::context::{device_context, shell_of};
 /// `EvtInterruptIsr`: acknowledges through the core and queues the DPC
 /// when it asks. Touches no ring and calls no client (the core's ISR
 /// contract).
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with its live object
+/// of a device `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_interrupt_isr(interrupt: WDFINTERRUPT, message_id: ULONG) -> BOOLEAN {
     // SAFETY: the framework passes its live interrupt object.
     let device: WDFDEVICE =
@@ -40,6 +44,10 @@ pub unsafe extern "C" fn evt_interrupt_isr(interrupt: WDFINTERRUPT, message_id: 
 }
 
 /// `EvtInterruptDpc`: the core's DPC.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with its live object
+/// of a device `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_interrupt_dpc(interrupt: WDFINTERRUPT, _device: WDFOBJECT) {
     // SAFETY: as in the ISR.
     let device: WDFDEVICE =
@@ -51,6 +59,10 @@ pub unsafe extern "C" fn evt_interrupt_dpc(interrupt: WDFINTERRUPT, _device: WDF
 }
 
 /// `EvtWorkItemFunc`: the core's passive work (common buffers).
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with its live object
+/// of a device `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_work_item(work_item: WDFWORKITEM) {
     // SAFETY: the framework passes its live work item, parented to the
     // device.
@@ -63,6 +75,10 @@ pub unsafe extern "C" fn evt_work_item(work_item: WDFWORKITEM) {
 }
 
 /// `EvtTimerFunc`: the core's command watchdog.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with its live object
+/// of a device `evt_driver_device_add` created.
 pub unsafe extern "C" fn evt_timer(timer: WDFTIMER) {
     // SAFETY: the framework passes its live timer, parented to the device.
     let device = unsafe { call_unsafe_wdf_function_binding!(WdfTimerGetParentObject, timer) };

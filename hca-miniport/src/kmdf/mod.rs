@@ -1,10 +1,10 @@
 //! The KMDF shell of the HCA miniport (Windows only).
 //!
-//! **Never compiled.** `wdk-sys` cannot build on a non-Windows host (not
-//! even `cargo check`), and no Windows build has been run yet; the CI
-//! workflow `.github/workflows/windows-drivers.yml` is where it will first
-//! meet a compiler. Expect the WDF names and signatures here to need the
-//! corrections a first build brings; the structure is what to review.
+//! **Type-checked, never run.** `cargo xtask wdk-check` (in CI) compiles
+//! and lints it for `x86_64-pc-windows-msvc` against Microsoft's KMDF 1.33
+//! headers and mingw-w64's kernel headers (README, "What is
+//! type-checked"); it has never been linked with the real WDK
+//! (`.github/workflows/windows-drivers.yml`, never run) nor run.
 //!
 //! It is the same shell as `crate::sim` (the simulated host's), callback for
 //! callback, on WDF objects:

@@ -3,8 +3,8 @@
 //!
 //! | trait | here | Windows |
 //! |---|---|---|
-//! | `RawMutex` (spin lock) | [`KernelSpinLock`] | `KSPIN_LOCK`, `KeAcquireSpinLockRaiseToDpc`/`KeReleaseSpinLock` |
-//! | `RawRwLock` (reader-writer spin lock) | [`KernelRwSpinLock`] | `EX_SPIN_LOCK`, `ExAcquireSpinLockShared`/`Exclusive`, `ExReleaseSpinLockShared`/`Exclusive` |
+//! | `RawMutex` (spin lock) | [`KernelSpinLock`] | `KSPIN_LOCK`, `KeAcquireSpinLockRaiseToDpc`/`KeReleaseSpinLock`; `try_lock`: `KeTryToAcquireSpinLockAtDpcLevel` at DISPATCH_LEVEL |
+//! | `RawRwLock` (reader-writer spin lock) | [`KernelRwSpinLock`] | `EX_SPIN_LOCK`, `ExAcquireSpinLockShared`/`Exclusive`, `ExReleaseSpinLockShared`/`Exclusive`; the `try_` forms: `ExTryAcquireSpinLockShared`/`ExclusiveAtDpcLevel` at DISPATCH_LEVEL |
 //! | `Mmio` | [`Bar0`] | the `MmMapIoSpaceEx` mapping, volatile reads and writes |
 //! | `DmaAdapter`, `CommonBuffer` | [`WdfDma`], [`WdfCommonBuffer`] | `WDFDMAENABLER`, `WdfCommonBufferCreate` |
 //! | `MemoryLocker`, `LockedPages`, `DmaMapping` | [`MdlLocker`], [`LockedMdl`], [`SgMapping`] | `IoAllocateMdl` + `MmProbeAndLockPages` (in the SEH shim), `MmUnlockPages`/`IoFreeMdl`; `BuildScatterGatherList` into a caller-supplied buffer, `PutScatterGatherList` |
@@ -51,9 +51,11 @@ use driver_platform::{
 };
 use wdk_sys::ntddk::{
     ExAcquireSpinLockExclusive, ExAcquireSpinLockShared, ExReleaseSpinLockExclusive,
-    ExReleaseSpinLockShared, IoAllocateMdl, IoFreeMdl, KeAcquireSpinLockRaiseToDpc, KeClearEvent,
-    KeGetCurrentIrql, KeGetCurrentProcessorNumberEx, KeInitializeEvent,
-    KeQueryInterruptTimePrecise, KeReadStateEvent, KeReleaseSpinLock, KeSetEvent,
+    ExReleaseSpinLockShared, ExTryAcquireSpinLockExclusiveAtDpcLevel,
+    ExTryAcquireSpinLockSharedAtDpcLevel, IoAllocateMdl, IoFreeMdl, KeAcquireSpinLockRaiseToDpc,
+    KeClearEvent, KeGetCurrentIrql, KeGetCurrentProcessorNumberEx, KeInitializeEvent,
+    KeQueryInterruptTimePrecise, KeReadStateEvent, KeReleaseSpinLock,
+    KeReleaseSpinLockFromDpcLevel, KeSetEvent, KeTryToAcquireSpinLockAtDpcLevel,
     KeWaitForSingleObject, MmBuildMdlForNonPagedPool, MmIsAddressValid, MmUnlockPages,
     MmUnmapLockedPages, PsGetCurrentProcessId,
 };
@@ -97,6 +99,7 @@ impl Platform for WdfPlatform {
 /// # Invariants
 /// `old_irql` is written only by the holder, right after acquiring, and
 /// read only by the holder when releasing.
+#[derive(Debug)]
 pub struct KernelSpinLock {
     lock: UnsafeCell<KSPIN_LOCK>,
     old_irql: AtomicU8,
@@ -126,10 +129,18 @@ unsafe impl lock_api::RawMutex for KernelSpinLock {
     }
 
     fn try_lock(&self) -> bool {
-        // The core never needs a failing acquisition; a spin lock held
-        // elsewhere is waited for, which `lock` does.
-        self.lock();
-        true
+        // SAFETY: a valid, initialised KSPIN_LOCK, tried at DISPATCH_LEVEL
+        // as the routine requires (`try_at_dispatch` raised there).
+        let acquired =
+            try_at_dispatch(|| unsafe { KeTryToAcquireSpinLockAtDpcLevel(self.lock.get()) != 0 });
+        match acquired {
+            Some(old) => {
+                // Released by `unlock` (KeReleaseSpinLock back to `old`).
+                self.old_irql.store(old, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
     }
 
     unsafe fn unlock(&self) {
@@ -165,6 +176,13 @@ pub struct KernelRwSpinLock {
     lock: UnsafeCell<EX_SPIN_LOCK>,
     exclusive_old_irql: AtomicU8,
     shared_old_irql: [AtomicU8; MAX_PROCESSORS],
+}
+
+impl core::fmt::Debug for KernelRwSpinLock {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        // Not the 2048 per-processor slots.
+        f.debug_struct("KernelRwSpinLock").finish_non_exhaustive()
+    }
 }
 
 // SAFETY: an EX_SPIN_LOCK is made to be shared between processors; the
@@ -205,9 +223,19 @@ unsafe impl lock_api::RawRwLock for KernelRwSpinLock {
     }
 
     fn try_lock_shared(&self) -> bool {
-        // The core never needs a failing acquisition: wait, as `lock_shared`.
-        self.lock_shared();
-        true
+        // SAFETY: as in `lock_shared`, tried at DISPATCH_LEVEL as the
+        // routine requires (`try_at_dispatch` raised there).
+        let acquired = try_at_dispatch(|| unsafe {
+            ExTryAcquireSpinLockSharedAtDpcLevel(self.lock.get()) != 0
+        });
+        match acquired {
+            Some(old) => {
+                // At DISPATCH_LEVEL, so still on the acquiring processor.
+                self.processor_slot().store(old, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
     }
 
     unsafe fn unlock_shared(&self) {
@@ -224,8 +252,17 @@ unsafe impl lock_api::RawRwLock for KernelRwSpinLock {
     }
 
     fn try_lock_exclusive(&self) -> bool {
-        self.lock_exclusive();
-        true
+        // SAFETY: as in `try_lock_shared`.
+        let acquired = try_at_dispatch(|| unsafe {
+            ExTryAcquireSpinLockExclusiveAtDpcLevel(self.lock.get()) != 0
+        });
+        match acquired {
+            Some(old) => {
+                self.exclusive_old_irql.store(old, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
     }
 
     unsafe fn unlock_exclusive(&self) {
@@ -272,7 +309,7 @@ impl Bar0 {
     }
 
     fn in_range(&self, offset: u64, width: u64) -> bool {
-        offset % width == 0 && offset.checked_add(width).is_some_and(|end| end <= self.len)
+        offset.is_multiple_of(width) && offset.checked_add(width).is_some_and(|end| end <= self.len)
     }
 }
 
@@ -336,8 +373,12 @@ unsafe impl Sync for WdfDma {}
 
 impl WdfDma {
     /// Wraps the enabler `EvtDriverDeviceAdd` created for `device`.
-    pub fn new(enabler: WDFDMAENABLER, device: WDFDEVICE) -> Self {
-        // SAFETY: a live device; its WDM object lives as long as it does.
+    ///
+    /// # Safety
+    /// `device` is a live framework device and `enabler` its DMA enabler.
+    pub unsafe fn new(enabler: WDFDMAENABLER, device: WDFDEVICE) -> Self {
+        // SAFETY: a live device (caller); its WDM object lives as long as
+        // it does.
         let device_object =
             unsafe { call_unsafe_wdf_function_binding!(WdfDeviceWdmGetDeviceObject, device) };
         Self {
@@ -544,6 +585,29 @@ pub fn current_process_id() -> u64 {
     // SAFETY: callable at any IRQL; returns the current process's id.
     let id: HANDLE = unsafe { PsGetCurrentProcessId() };
     id as usize as u64
+}
+
+/// Runs the try-acquire `attempt` at DISPATCH_LEVEL, where the kernel's
+/// `…AtDpcLevel` try routines must be called, raising there first the way
+/// [`at_dispatch`] does. If `attempt` acquired its lock, the IRQL stays at
+/// DISPATCH_LEVEL and the IRQL to return to when releasing it comes back;
+/// otherwise the IRQL is restored and `None` comes back. Never waits for
+/// the lock being tried (the private lock is never contended).
+fn try_at_dispatch(attempt: impl FnOnce() -> bool) -> Option<KIRQL> {
+    let mut raise: KSPIN_LOCK = 0;
+    // SAFETY: a released spin lock on this stack that nothing else can
+    // reach: acquiring it only raises to DISPATCH_LEVEL.
+    let old = unsafe { KeAcquireSpinLockRaiseToDpc(&mut raise) };
+    if attempt() {
+        // SAFETY: acquired just above; releasing it from DISPATCH_LEVEL
+        // keeps the IRQL there for the lock `attempt` took.
+        unsafe { KeReleaseSpinLockFromDpcLevel(&mut raise) };
+        Some(old)
+    } else {
+        // SAFETY: acquired just above at `old`; lowers back to it.
+        unsafe { KeReleaseSpinLock(&mut raise, old) };
+        None
+    }
 }
 
 /// Raises to DISPATCH_LEVEL for the scope of `f` (the old DMA routines
@@ -771,9 +835,11 @@ unsafe extern "C" fn on_list_built(
 }
 
 fn put_list(chunk: &SgChunk, list: PSCATTER_GATHER_LIST) {
-    // SAFETY: the adapter's operations table is valid while the enabler
-    // lives (the device outlives its registrations).
-    let put = unsafe { (*(*chunk.adapter).DmaOperations).PutScatterGatherList };
+    // SAFETY: the adapter is valid while the enabler lives (the device
+    // outlives its registrations).
+    let operations = unsafe { (*chunk.adapter).DmaOperations };
+    // SAFETY: as is the adapter's operations table.
+    let put = unsafe { (*operations).PutScatterGatherList };
     if let Some(put) = put {
         // SAFETY: `list` was built by this adapter with this direction and
         // is put back once; DISPATCH_LEVEL as the routine requires.
@@ -784,7 +850,7 @@ fn put_list(chunk: &SgChunk, list: PSCATTER_GATHER_LIST) {
 /// A registration mapped for the device: its scatter/gather lists (put
 /// back when dropped) and the bus address of every page.
 pub struct SgMapping {
-    chunks: Vec<Box<SgChunk>>,
+    chunks: Vec<SgChunk>,
     pages: Vec<u64>,
 }
 
@@ -831,10 +897,12 @@ impl WdfDma {
         va: u64,
         len: u64,
         out: &mut Vec<u64>,
-    ) -> Result<Box<SgChunk>, NtStatus> {
+    ) -> Result<SgChunk, NtStatus> {
         let write_to_device = !pages.writable;
-        // SAFETY: the adapter's operations table lives with the enabler.
-        let ops = unsafe { &*(*adapter).DmaOperations };
+        // SAFETY: the adapter lives with the enabler.
+        let operations = unsafe { (*adapter).DmaOperations };
+        // SAFETY: as does its operations table.
+        let ops = unsafe { &*operations };
         let (Some(calculate), Some(build)) =
             (ops.CalculateScatterGatherList, ops.BuildScatterGatherList)
         else {
@@ -912,10 +980,10 @@ impl WdfDma {
         let chunk = unsafe { Box::from_raw(chunk) };
         // SAFETY: the HAL built `list` in our buffer: a count followed by
         // that many elements.
-        let elements = unsafe {
-            let count = (*list).NumberOfElements as usize;
-            (*list).Elements.as_slice(count)
-        };
+        let header = unsafe { &*list };
+        let count = header.NumberOfElements as usize;
+        // SAFETY: `count` elements follow the header (see above).
+        let elements = unsafe { header.Elements.as_slice(count) };
         let ranges = elements.iter().map(|element| {
             // SAFETY: `QuadPart` is the whole PHYSICAL_ADDRESS.
             let bus = unsafe { element.Address.QuadPart } as u64;
@@ -925,7 +993,9 @@ impl WdfDma {
             put_list(&chunk, list);
             return Err(INSUFFICIENT_RESOURCES);
         }
-        Ok(chunk)
+        // Out of its box: the routine is done with the chunk's address, and
+        // the list lives in `buffer`'s heap block, which does not move.
+        Ok(*chunk)
     }
 }
 
@@ -1000,8 +1070,11 @@ impl Deferred for WdfDeferred {
     }
 
     fn now_ns(&self) -> u64 {
-        // SAFETY: callable at any IRQL; the out parameter is optional.
-        let ticks = unsafe { KeQueryInterruptTimePrecise(ptr::null_mut()) };
+        // The routine stores the performance counter through its
+        // argument unconditionally (it is not optional): give it a place.
+        let mut performance_counter: u64 = 0;
+        // SAFETY: callable at any IRQL; the out pointer is valid.
+        let ticks = unsafe { KeQueryInterruptTimePrecise(&mut performance_counter) };
         ticks.saturating_mul(100)
     }
 }
@@ -1139,8 +1212,11 @@ impl WdfRequest {
     }
 
     /// Completes a request that could not be wrapped.
-    pub fn complete_raw(request: WDFREQUEST, status: NtStatus) {
-        // SAFETY: the caller owned `request`; this consumes it.
+    ///
+    /// # Safety
+    /// `request` is a live request this driver owns; it is consumed.
+    pub unsafe fn complete_raw(request: WDFREQUEST, status: NtStatus) {
+        // SAFETY: the caller owned `request` (contract); this consumes it.
         unsafe {
             call_unsafe_wdf_function_binding!(
                 WdfRequestCompleteWithInformation,
@@ -1376,6 +1452,12 @@ impl core::fmt::Debug for KernelEvent {
         f.debug_struct("KernelEvent")
             .field("set", &self.is_set())
             .finish()
+    }
+}
+
+impl Default for KernelEvent {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

@@ -34,13 +34,9 @@ const DEVICE_NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
 /// `device` is the live device `EvtDriverDeviceAdd` just created.
 pub unsafe fn create_queue(device: WDFDEVICE) -> NTSTATUS {
     let mut config = WDF_IO_QUEUE_CONFIG {
-        Size: size_of::<WDF_IO_QUEUE_CONFIG>() as ULONG,
-        PowerManaged: _WDF_TRI_STATE::WdfUseDefault,
-        DefaultQueue: TRUE as u8,
-        DispatchType: _WDF_IO_QUEUE_DISPATCH_TYPE::WdfIoQueueDispatchParallel,
         EvtIoDeviceControl: Some(evt_io_device_control),
         EvtIoInternalDeviceControl: Some(evt_io_device_control),
-        ..WDF_IO_QUEUE_CONFIG::default()
+        ..default_parallel_queue_config()
     };
     let mut queue: WDFQUEUE = core::ptr::null_mut();
     // SAFETY: a live device (caller); out pointer valid.
@@ -55,6 +51,24 @@ pub unsafe fn create_queue(device: WDFDEVICE) -> NTSTATUS {
     }
 }
 
+/// `WDF_IO_QUEUE_CONFIG_INIT_DEFAULT_QUEUE(&config,
+/// WdfIoQueueDispatchParallel)`: the size, power management left to the
+/// framework's default, the default queue, parallel dispatch with no
+/// limit on the requests presented at once. The limit is
+/// `Settings.Parallel.NumberOfPresentedRequests`, where 0 is not "no
+/// limit" but a queue that presents nothing; the macro sets `(ULONG)-1`.
+fn default_parallel_queue_config() -> WDF_IO_QUEUE_CONFIG {
+    let mut config = WDF_IO_QUEUE_CONFIG {
+        Size: size_of::<WDF_IO_QUEUE_CONFIG>() as ULONG,
+        PowerManaged: _WDF_TRI_STATE::WdfUseDefault,
+        DefaultQueue: TRUE as u8,
+        DispatchType: _WDF_IO_QUEUE_DISPATCH_TYPE::WdfIoQueueDispatchParallel,
+        ..WDF_IO_QUEUE_CONFIG::default()
+    };
+    config.Settings.Parallel.NumberOfPresentedRequests = ULONG::MAX;
+    config
+}
+
 /// `EvtIoDeviceControl` and `EvtIoInternalDeviceControl`.
 unsafe extern "C" fn evt_io_device_control(
     queue: WDFQUEUE,
@@ -67,7 +81,8 @@ unsafe extern "C" fn evt_io_device_control(
     let device = unsafe { call_unsafe_wdf_function_binding!(WdfIoQueueGetDevice, queue) };
     // SAFETY: the queue's device is ours.
     let Some(hca) = unsafe { shell_of(device) }.and_then(|shell| shell.hca()) else {
-        WdfRequest::complete_raw(request, DEVICE_NOT_READY);
+        // SAFETY: the driver owns the delivered request.
+        unsafe { WdfRequest::complete_raw(request, DEVICE_NOT_READY) };
         return;
     };
     // SAFETY: the driver owns the delivered request.
@@ -87,7 +102,10 @@ unsafe extern "C" fn evt_io_device_control(
     match (unsafe { WdfRequest::new(request, code, mode) }, caller) {
         (Ok(request), Some(caller)) => hca.submit_user_request(request, caller),
         (Ok(request), None) => hca.submit_request(request),
-        (Err(request), _) => WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A)),
+        // SAFETY: handed back unwrapped: still the driver's.
+        (Err(request), _) => unsafe {
+            WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A))
+        },
     }
 }
 
@@ -115,6 +133,10 @@ unsafe fn caller_of(request: WDFREQUEST) -> Option<WdfCaller> {
 /// the thread that sent the request, before any queue. A user-mode
 /// request gets a [`RequestContext`] naming the current process; then
 /// every request goes to the default queue.
+///
+/// # Safety
+/// A KMDF callback: called only by the framework, with the live device
+/// and a request the driver owns.
 pub unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WDFREQUEST) {
     // SAFETY: the framework passes a live request the driver owns.
     let mode = unsafe { call_unsafe_wdf_function_binding!(WdfRequestGetRequestorMode, request) };
@@ -132,12 +154,14 @@ pub unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WD
             )
         };
         if status < 0 {
-            WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32));
+            // SAFETY: the driver owns the request (callback contract).
+            unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32)) };
             return;
         }
         if context.is_null() {
             // STATUS_INSUFFICIENT_RESOURCES.
-            WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A));
+            // SAFETY: as above.
+            unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A)) };
             return;
         }
         // SAFETY: the framework allocated `size_of::<RequestContext>()`
@@ -154,6 +178,7 @@ pub unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WD
     let status =
         unsafe { call_unsafe_wdf_function_binding!(WdfDeviceEnqueueRequest, device, request) };
     if status < 0 {
-        WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32));
+        // SAFETY: not enqueued, so still the driver's (see above).
+        unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32)) };
     }
 }
