@@ -11,11 +11,14 @@
 //! - `test`: the test suite, exactly what CI runs after its lint gates.
 //! - `capture --out FILE`: runs the simulated HCA's scripted traffic mix and
 //!   writes its pcap capture (open it in Wireshark).
+//! - `swarm [--seed S | --seeds N] [--steps M] [--knobs ...]`: the swarm
+//!   simulation of the whole stack (`swarm_run`, docs/swarm.md).
 
 mod abi_report;
 mod host_run;
 mod miniport_run;
 mod rdma_run;
+mod swarm_run;
 
 use std::process::{Command, ExitCode};
 
@@ -49,6 +52,8 @@ enum Cmd {
         #[arg(long, default_value_t = 7)]
         seed: u64,
     },
+    /// Swarm simulation of the whole stack (docs/swarm.md).
+    Swarm(swarm_run::SwarmArgs),
     /// Run the workspace tests (extra arguments go to `cargo test`).
     Test {
         /// Passed through to `cargo test`.
@@ -94,6 +99,7 @@ fn main() -> ExitCode {
         }
         Cmd::Loom { args } => loom(&args),
         Cmd::Capture { out, seed } => capture(&out, seed),
+        Cmd::Swarm(args) => swarm_run::run(&args),
     }
 }
 
