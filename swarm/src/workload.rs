@@ -86,6 +86,9 @@ struct CqModel {
     users: usize,
     alive: bool,
     busy: bool,
+    /// Reported `CqError` (overflow; only with the `cq-overflow` knob):
+    /// its completions may be lost.
+    overflowed: bool,
 }
 
 #[derive(Debug)]
@@ -111,6 +114,7 @@ struct QpModel {
 enum WrKind {
     Send {
         slot: usize,
+        msg: u64,
     },
     Recv {
         slot: usize,
@@ -141,6 +145,8 @@ struct WrModel {
 /// A message a send carried: where it went and how long it is.
 #[derive(Debug, Clone, Copy)]
 struct Message {
+    /// Sent by an RC QP: a successful send completion means delivered.
+    rc: bool,
     to_side: usize,
     to_qpn: u32,
     len: usize,
@@ -171,6 +177,10 @@ pub(crate) struct Swarm {
     wrs: BTreeMap<u64, WrModel>,
     done: HashSet<u64>,
     messages: HashMap<u64, Message>,
+    /// RC messages whose send completed successfully.
+    acked: HashSet<u64>,
+    /// Messages a receive completed with.
+    received: HashSet<u64>,
     free_slots: [Vec<usize>; 2],
     avs: [u64; 2],
     next_wr_id: u64,
@@ -236,6 +246,8 @@ impl Swarm {
             wrs: BTreeMap::new(),
             done: HashSet::new(),
             messages: HashMap::new(),
+            acked: HashSet::new(),
+            received: HashSet::new(),
             free_slots: [free(), free()],
             avs: [0; 2],
             next_wr_id: 0x1000,
@@ -372,7 +384,32 @@ impl Swarm {
                 return Err(breach.clone());
             }
             self.report.async_events += log.async_events.len() as u64;
-            log.async_events.clear();
+            let events = std::mem::take(&mut log.async_events);
+            drop(log);
+            for event in events {
+                if event.code != ib_types::event::AsyncEventCode::CqError {
+                    continue;
+                }
+                let Some(cq) = self
+                    .cqs
+                    .iter_mut()
+                    .find(|c| c.side == side && c.handle == event.handle)
+                else {
+                    continue;
+                };
+                if !self.knobs.cq_overflow {
+                    return Err(format!(
+                        "CqError on CQ {:#x} of HCA {side}, whose outstanding WRs ({}) fit its {} entries",
+                        event.handle, cq.outstanding, cq.size
+                    ));
+                }
+                cq.overflowed = true;
+                *self
+                    .report
+                    .ops
+                    .entry("CQ overflowed (CqError)")
+                    .or_default() += 1;
+            }
         }
         Ok(())
     }
@@ -424,7 +461,11 @@ impl Swarm {
     // ----- objects ---------------------------------------------------
 
     fn create_cq(&mut self, side: usize) -> Result<Id, String> {
-        let cqe = 32 + self.rng.below(224) as u32;
+        let cqe = if self.knobs.cq_overflow && self.rng.below(3) == 0 {
+            1 + self.rng.below(4) as u32
+        } else {
+            32 + self.rng.below(224) as u32
+        };
         let attr = CqAttr {
             cqe,
             comp_vector: 0,
@@ -444,6 +485,7 @@ impl Swarm {
             users: 0,
             alive: true,
             busy: false,
+            overflowed: false,
         });
         Ok(self.cqs.len() - 1)
     }
@@ -558,7 +600,22 @@ impl Swarm {
             if ty == QpType::Gsi && status == IbStatus::ResourceBusy {
                 return Ok(None);
             }
-            return Err(format!("CreateQp {ty:?}: {status:?}"));
+            // A CQ smaller than the QP's queues is refused (guide 8.2.3
+            // item 1); only the `cq-overflow` knob makes such CQs.
+            // So is a QP on a CQ in error after an overflow.
+            if status == IbStatus::InvalidParameter
+                && (self.cqs[send_cq].size < caps.max_send_wr
+                    || self.cqs[recv_cq].size < caps.max_recv_wr
+                    || self.cqs[send_cq].overflowed
+                    || self.cqs[recv_cq].overflowed)
+            {
+                self.count("refused: CQ smaller than the QP");
+                return Ok(None);
+            }
+            return Err(format!(
+                "CreateQp {ty:?} {caps:?} on CQs of {} and {} entries: {status:?}",
+                self.cqs[send_cq].size, self.cqs[recv_cq].size
+            ));
         }
         let created = out.ok_or("CreateQp without output")?;
         let granted = created.caps;
@@ -840,7 +897,12 @@ impl Swarm {
     /// ERR, so each is flushed if not done).
     fn drain_qp(&mut self, id: Id) -> Result<(), String> {
         for _ in 0..200 {
-            if !self.wrs.values().any(|w| w.qp == id) {
+            self.check_events()?;
+            if !self
+                .wrs
+                .values()
+                .any(|w| w.qp == id && !self.cqs[w.cq].overflowed)
+            {
                 return Ok(());
             }
             self.m
@@ -861,14 +923,18 @@ impl Swarm {
             .map(|(id, _)| *id)
             .collect();
         Err(format!(
-            "QP {:#x} in ERR: WRs {left:#x?} neither completed nor flushed after 20 ms",
+            "QP {:#x} in ERR: WRs {left:x?} neither completed nor flushed after 20 ms",
             self.qps[id].qpn
         ))
     }
 
     fn reconnect(&mut self) -> Result<(), String> {
+        // Pairs in ERR first: reconnecting them is what brings traffic back.
+        let pair =
+            |q: &QpModel| matches!(q.ty, QpType::Rc | QpType::Uc) && !q.busy && q.peer.is_some();
         let Some(a) = self
-            .pick_qp(|q| matches!(q.ty, QpType::Rc | QpType::Uc) && !q.busy && q.peer.is_some())
+            .pick_qp(|q| pair(q) && q.phase != Phase::Ready)
+            .or_else(|| self.pick_qp(pair))
         else {
             return Ok(());
         };
@@ -1212,12 +1278,13 @@ impl Swarm {
                     self.messages.insert(
                         msg,
                         Message {
+                            rc: ty == QpType::Rc,
                             to_side: peer_side,
                             to_qpn: dest_qpn,
                             len,
                         },
                     );
-                    (SendOp::Send, WrKind::Send { slot })
+                    (SendOp::Send, WrKind::Send { slot, msg })
                 }
             };
             let len = match kind {
@@ -1238,6 +1305,16 @@ impl Swarm {
         }
         if batch.is_empty() {
             return Ok(None);
+        }
+        let sends = batch
+            .iter()
+            .filter(|(_, op, ..)| matches!(op, SendOp::Send))
+            .count();
+        // Mostly the receiver is ready first, so SENDs land rather than
+        // end in RNR retries.
+        let q = &self.qps[peer];
+        if sends > 0 && q.alive && q.phase == Phase::Ready && !q.busy && self.rng.below(4) != 0 {
+            self.post_recvs(peer, sends)?;
         }
         self.note(format!(
             "post {} send WR(s) {:?} on {ty:?} QP {:#x} -> {dest_qpn:#x}",
@@ -1412,6 +1489,11 @@ impl Swarm {
         let success = wc.status == WcStatus::Success;
         if success {
             self.check_data(side, qp, kind, wc)?;
+            if let WrKind::Send { msg, .. } = kind
+                && self.qps[qp].ty == QpType::Rc
+            {
+                self.acked.insert(msg);
+            }
         }
         self.forget(wr_id, success);
         self.done.insert(wr_id);
@@ -1463,6 +1545,12 @@ impl Swarm {
                 if self.m.sides[side].read(slot, skip, msg.len)? != payload(id, msg.len) {
                     return Err(format!(
                         "receive of message {id} on QP {:#x}: payload differs",
+                        q.qpn
+                    ));
+                }
+                if !self.received.insert(id) && msg.rc {
+                    return Err(format!(
+                        "RC message {id} received twice (on QP {:#x})",
                         q.qpn
                     ));
                 }
@@ -1740,13 +1828,15 @@ impl Swarm {
             self.apply(pending)?;
         }
         let start = self.m.host.scheduler_handle().now_ns();
-        let is_send = |w: &WrModel| !matches!(w.kind, WrKind::Recv { .. });
-        while self.wrs.values().any(is_send) {
+        let is_send = |w: &WrModel, cqs: &[CqModel]| {
+            !matches!(w.kind, WrKind::Recv { .. }) && !cqs[w.cq].overflowed
+        };
+        while self.wrs.values().any(|w| is_send(w, &self.cqs)) {
             if self.m.host.scheduler_handle().now_ns() - start > LIVENESS_BOUND_NS {
                 let left: Vec<String> = self
                     .wrs
                     .iter()
-                    .filter(|(_, w)| is_send(w))
+                    .filter(|(_, w)| is_send(w, &self.cqs))
                     .take(8)
                     .map(|(id, w)| {
                         format!("{id:#x} on QP {:#x} ({:?})", self.qps[w.qp].qpn, w.kind)
@@ -1787,6 +1877,17 @@ impl Swarm {
                 break;
             }
         }
+        // An overflowed CQ (knob `cq-overflow`) may have lost any of its
+        // completions.
+        let lost: Vec<u64> = self
+            .wrs
+            .iter()
+            .filter(|(_, w)| self.cqs[w.cq].overflowed)
+            .map(|(id, _)| *id)
+            .collect();
+        for wr_id in lost {
+            self.forget(wr_id, false);
+        }
         if !self.wrs.is_empty() {
             let left: Vec<String> = self
                 .wrs
@@ -1807,6 +1908,27 @@ impl Swarm {
                 "liveness: {} WR(s) neither completed nor flushed with every QP in ERR: {}",
                 self.wrs.len(),
                 left.join(", ")
+            ));
+        }
+        // RC is reliable: a send the requester saw succeed was received
+        // (IBA 9.7.5: no ACK for a request whose execution failed).
+        let mut lost: Vec<u64> = self
+            .acked
+            .iter()
+            .filter(|id| !self.received.contains(id))
+            .copied()
+            .collect();
+        if !lost.is_empty() {
+            lost.sort_unstable();
+            let m = self.messages[&lost[0]];
+            return Err(format!(
+                "liveness: {} RC message(s) acknowledged to the sender but never received, e.g. message {} ({} bytes) to HCA {} QP {:#x}: {:?}",
+                lost.len(),
+                lost[0],
+                m.len,
+                m.to_side,
+                m.to_qpn,
+                &lost[..lost.len().min(8)]
             ));
         }
         self.check_events()?;
