@@ -57,6 +57,9 @@ pub struct Report {
     pub bytes_checked: u64,
     /// Asynchronous events the clients received.
     pub async_events: u64,
+    /// Frames the HCAs put on the fabric (retransmission storms show
+    /// here before they become a failure).
+    pub frames: u64,
     /// Virtual time at the end of the liveness phase.
     pub virtual_ns: u64,
     /// Wall-clock time of the run.

@@ -147,6 +147,8 @@ struct WrModel {
 struct Message {
     /// Sent by an RC QP: a successful send completion means delivered.
     rc: bool,
+    /// The receiving QP in the model.
+    to_qp: Id,
     to_side: usize,
     to_qpn: u32,
     len: usize,
@@ -158,7 +160,8 @@ struct Message {
 enum Effect {
     Destroyed(Id),
     Errored(Id),
-    Resized(Id),
+    /// A CQ resize, with the CQ's size before it.
+    Resized(Id, u32),
 }
 
 struct Pending {
@@ -387,6 +390,12 @@ impl Swarm {
             let events = std::mem::take(&mut log.async_events);
             drop(log);
             for event in events {
+                if self.echo {
+                    println!(
+                        "step {}: HCA {side} event {:?} for {:#x}",
+                        self.step, event.code, event.handle
+                    );
+                }
                 if event.code != ib_types::event::AsyncEventCode::CqError {
                     continue;
                 }
@@ -399,7 +408,7 @@ impl Swarm {
                 };
                 if !self.knobs.cq_overflow {
                     return Err(format!(
-                        "CqError on CQ {:#x} of HCA {side}, whose outstanding WRs ({}) fit its {} entries",
+                        "CqError on CQ {:#x} of HCA {side} without the cq-overflow knob ({} WRs outstanding, {} entries)",
                         event.handle, cq.outstanding, cq.size
                     ));
                 }
@@ -446,12 +455,15 @@ impl Swarm {
                 }
                 Ok(())
             }
-            Effect::Resized(id) => {
+            Effect::Resized(id, before) => {
                 let (status, _, out) = decode::<ResizeCq>(&done.submitted)?;
                 self.cqs[id].busy = false;
                 match (status, out) {
                     (IbStatus::Success, Some(out)) => self.cqs[id].size = out.cqe,
-                    (status, _) => self.count(status_name(status)),
+                    (status, _) => {
+                        self.cqs[id].size = before;
+                        self.count(status_name(status));
+                    }
                 }
                 Ok(())
             }
@@ -555,10 +567,14 @@ impl Swarm {
         self.note(format!("resize CQ {handle:#x} to {cqe}"));
         self.count("resize CQ");
         let submitted = self.m.submit::<ResizeCq>(side, handle, &attr, &[])?;
+        // Until the answer, the budget is the smaller of the two sizes:
+        // posts go on meanwhile and must fit either.
+        let before = self.cqs[id].size;
+        self.cqs[id].size = before.min(cqe);
         self.cqs[id].busy = true;
         let pending = Pending {
             submitted,
-            effect: Effect::Resized(id),
+            effect: Effect::Resized(id, before),
         };
         if self.held(side) {
             self.pending.push(pending);
@@ -789,9 +805,13 @@ impl Swarm {
     /// `wr_id`s.
     fn cycle_gsi(&mut self) -> Result<(), String> {
         let side = self.rng.below(2) as usize;
-        if let Some(old) = (0..self.qps.len()).find(|&i| {
+        let gsi = (0..self.qps.len()).find(|&i| {
             self.qps[i].alive && self.qps[i].side == side && self.qps[i].ty == QpType::Gsi
-        }) {
+        });
+        if gsi.is_some_and(|i| self.qps[i].busy) {
+            return Ok(());
+        }
+        if let Some(old) = gsi {
             self.note(format!(
                 "destroy GSI QP {:#x} with receives outstanding",
                 self.qps[old].qpn
@@ -1261,6 +1281,15 @@ impl Swarm {
                     )
                 }
                 2 if reads => {
+                    // Multi-packet reads while the fabric is faulty (knob
+                    // `read-under-loss`): a lost response leaves a gap.
+                    let len = if faulty {
+                        (2 * SMALL_MAX
+                            + self.rng.below((BIG_MAX - 2 * SMALL_MAX + 1) as u64) as usize)
+                            .min(SLOT)
+                    } else {
+                        len
+                    };
                     let len = len.min(READ_SOURCE_SLOTS * SLOT);
                     let source =
                         self.rng.below((READ_SOURCE_SLOTS * SLOT - len + 1) as u64) as usize;
@@ -1279,6 +1308,7 @@ impl Swarm {
                         msg,
                         Message {
                             rc: ty == QpType::Rc,
+                            to_qp: peer,
                             to_side: peer_side,
                             to_qpn: dest_qpn,
                             len,
@@ -1895,12 +1925,17 @@ impl Swarm {
                 .take(8)
                 .map(|(id, w)| {
                     let q = &self.qps[w.qp];
+                    let c = &self.cqs[w.cq];
                     format!(
-                        "{id:#x} on HCA {} QP {:#x} ({}{:?})",
+                        "{id:#x} on HCA {} {:?} QP {:#x} ({}{:?}; CQ {:#x}, {} of {} entries outstanding)",
                         w.side,
+                        q.ty,
                         q.qpn,
                         if q.alive { "" } else { "destroyed, " },
-                        w.kind
+                        w.kind,
+                        c.handle,
+                        c.outstanding,
+                        c.size
                     )
                 })
                 .collect();
@@ -1921,18 +1956,32 @@ impl Swarm {
         if !lost.is_empty() {
             lost.sort_unstable();
             let m = self.messages[&lost[0]];
+            let overflowed = self.cqs[self.qps[m.to_qp].recv_cq].overflowed;
             return Err(format!(
-                "liveness: {} RC message(s) acknowledged to the sender but never received, e.g. message {} ({} bytes) to HCA {} QP {:#x}: {:?}",
+                "liveness: {} RC message(s) acknowledged to the sender but never received, e.g. message {} ({} bytes) to HCA {} QP {:#x}{}: {:?}",
                 lost.len(),
                 lost[0],
                 m.len,
                 m.to_side,
                 m.to_qpn,
+                if overflowed {
+                    " (its receive CQ overflowed)"
+                } else {
+                    ""
+                },
                 &lost[..lost.len().min(8)]
             ));
         }
         self.check_events()?;
         self.report.virtual_ns = self.m.host.scheduler_handle().now_ns();
+        if let Some(counters) = self
+            .m
+            .host
+            .backplane()
+            .with_cluster(|c| c.fabric().total_counters())
+        {
+            self.report.frames = counters.tx_frames;
+        }
         Ok(())
     }
 

@@ -120,7 +120,8 @@ fn print_report(report: &Report, steps: usize) {
         report.completions, report.statuses, report.bytes_checked, report.async_events
     );
     println!(
-        "  {:.3} s of virtual time in {:.1?} of wall time",
+        "  {} frames on the fabric; {:.3} s of virtual time in {:.1?} of wall time",
+        report.frames,
         report.virtual_ns as f64 / 1e9,
         report.wall
     );
