@@ -15,12 +15,15 @@
 //!   here (`inf_lint`, `docs/inf-lint.md`).
 //! - `wdk-check`: type-checks and lints the KMDF shells for the Windows
 //!   target against a stand-in WDK (`wdk_check`).
+//! - `swarm [--seed S | --seeds N] [--steps M] [--knobs ...]`: the swarm
+//!   simulation of the whole stack (`swarm_run`, docs/swarm.md).
 
 mod abi_report;
 mod host_run;
 mod inf_lint;
 mod miniport_run;
 mod rdma_run;
+mod swarm_run;
 mod wdk_check;
 
 use std::process::{Command, ExitCode};
@@ -65,6 +68,8 @@ enum Cmd {
         #[arg(long)]
         kmdf_headers: Option<std::path::PathBuf>,
     },
+    /// Swarm simulation of the whole stack (docs/swarm.md).
+    Swarm(swarm_run::SwarmArgs),
     /// Run the workspace tests (extra arguments go to `cargo test`).
     Test {
         /// Passed through to `cargo test`.
@@ -112,6 +117,7 @@ fn main() -> ExitCode {
         Cmd::Capture { out, seed } => capture(&out, seed),
         Cmd::InfLint => inf_lint::run(),
         Cmd::WdkCheck { kmdf_headers } => wdk_check::run(kmdf_headers),
+        Cmd::Swarm(args) => swarm_run::run(&args),
     }
 }
 

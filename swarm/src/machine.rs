@@ -1,0 +1,455 @@
+//! The machine the swarm drives: a deterministic simulated Windows host
+//! with two HCAs on one seeded fabric, the real miniport bound from
+//! `inf/`, and a kernel client that holds each HCA's CI interface
+//! (`IRP_MN_QUERY_INTERFACE`) as the bus filter will — the same boot as
+//! the main job's (`xtask/src/miniport_run.rs`), but with the fabric's
+//! faults from the seed and every control verb submitted asynchronously
+//! from a DPC so the workload can run while commands are outstanding.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use driver_platform::{CommonBuffer, DmaAdapter, RequestorMode};
+use hca_miniport::sim::{MiniportDevice, MiniportDriver, SERVICE};
+use hca_miniport_core::ci::CiProvider;
+use hca_miniport_core::init::HcaConfig;
+use hca_miniport_core::verbs::CaClient;
+use ib_types::access::AccessFlags;
+use ib_types::av::{AvAttr, Grh};
+use ib_types::event::{AsyncEventRecord, EventSubject};
+use ib_types::handle::CqHandle;
+use ib_types::interface::{CI_INTERFACE_VERSION, GUID_IB_CI_INTERFACE};
+use ib_types::ioctl::{Verb, decode_response, encode_request, request_len, response_len};
+use ib_types::mr::PhysMrRegister;
+use ib_types::scalars::{Gid, Lid, PortNum};
+use ib_types::status::IbStatus;
+use ib_types::wr::{LKey, RKey};
+use sim_hca::device::DeviceConfig;
+use sim_hca::fabric::FabricConfig;
+use sim_host::dma::HostCommonBuffer;
+use sim_host::driver::InterfaceRef;
+use sim_host::host::{Host, HostConfig};
+use sim_host::platform::SimPlatform;
+use sim_host::request::{HostRequest, RequestHandle};
+
+/// The CI interface as the simulated host hands it out.
+pub(crate) type Provider = CiProvider<SimPlatform>;
+
+/// The HCAs: node GUID and port 1's IPv4 address.
+pub(crate) const HCAS: [(u64, [u8; 4]); 2] = [
+    (0x0002_C900_0000_5A01, [10, 9, 0, 1]),
+    (0x0002_C900_0000_5A02, [10, 9, 0, 2]),
+];
+
+/// Bytes per buffer slot: one message, receive, or RDMA target.
+pub(crate) const SLOT: usize = 4096;
+/// Slots of registered memory per HCA.
+pub(crate) const SLOTS: usize = 64;
+/// Slots `0..READ_SOURCE_SLOTS` hold a fixed pattern RDMA READs fetch.
+pub(crate) const READ_SOURCE_SLOTS: usize = 2;
+/// Slots `READ_SOURCE_SLOTS..FIRST_FREE_SLOT` absorb UC RDMA WRITEs, which
+/// complete at the requester before their packets land and so can never
+/// target memory that is handed out again.
+pub(crate) const FIRST_FREE_SLOT: usize = 4;
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What the client callbacks saw, checked by the swarm after every step.
+#[derive(Debug, Default)]
+pub(crate) struct EventLog {
+    /// CQ handles destroyed (the destroy completed): no completion event
+    /// may name one afterwards.
+    pub(crate) dead_cqs: HashSet<u64>,
+    /// QP handles destroyed: no asynchronous event may name one.
+    pub(crate) dead_qps: HashSet<u64>,
+    /// Invariant breaches seen inside a callback.
+    pub(crate) breaches: Vec<String>,
+    /// Completion events, by CQ handle.
+    pub(crate) completion_events: u64,
+    /// Asynchronous events received.
+    pub(crate) async_events: Vec<AsyncEventRecord>,
+}
+
+/// The kernel client's callbacks on one HCA.
+pub(crate) struct Client {
+    side: usize,
+    log: Arc<Mutex<EventLog>>,
+}
+
+impl CaClient for Client {
+    fn completion(&self, cq: CqHandle) {
+        let mut log = lock(&self.log);
+        log.completion_events += 1;
+        if sim_host::irql::current() != driver_platform::Irql::DISPATCH {
+            log.breaches.push(format!(
+                "HCA {}: completion callback outside DISPATCH_LEVEL",
+                self.side
+            ));
+        }
+        if log.dead_cqs.contains(&cq.raw()) {
+            log.breaches.push(format!(
+                "HCA {}: completion event for destroyed CQ {:#x}",
+                self.side,
+                cq.raw()
+            ));
+        }
+    }
+
+    fn async_event(&self, event: &AsyncEventRecord) {
+        let mut log = lock(&self.log);
+        let dead = match event.code.subject() {
+            EventSubject::Qp => log.dead_qps.contains(&event.handle),
+            EventSubject::Cq => log.dead_cqs.contains(&event.handle),
+            _ => false,
+        };
+        if dead {
+            log.breaches.push(format!(
+                "HCA {}: {:?} delivered for destroyed object {:#x}",
+                self.side, event.code, event.handle
+            ));
+        }
+        log.async_events.push(*event);
+    }
+}
+
+/// One HCA as the client sees it.
+pub(crate) struct Side {
+    pub(crate) device: Arc<MiniportDevice<SimPlatform>>,
+    pub(crate) interface: Option<InterfaceRef>,
+    pub(crate) ci: Arc<Provider>,
+    pub(crate) log: Arc<Mutex<EventLog>>,
+    pub(crate) ca: u64,
+    pub(crate) pd: u64,
+    pub(crate) ip: [u8; 4],
+    /// The HCA's function on the backplane (its device and fabric node).
+    pub(crate) function: usize,
+    pub(crate) buffer: Option<HostCommonBuffer>,
+    pub(crate) mr: u64,
+    pub(crate) iova: u64,
+    pub(crate) lkey: LKey,
+    pub(crate) rkey: RKey,
+}
+
+impl Side {
+    /// I/O virtual address of byte `offset` of slot `slot`.
+    pub(crate) fn addr(&self, slot: usize, offset: usize) -> u64 {
+        self.iova + (slot * SLOT + offset) as u64
+    }
+
+    pub(crate) fn write(&self, slot: usize, offset: usize, bytes: &[u8]) -> Result<(), String> {
+        let buffer = self.buffer.as_ref().ok_or("no buffer")?;
+        buffer
+            .write(slot * SLOT + offset, bytes)
+            .then_some(())
+            .ok_or_else(|| "write outside the buffer".to_owned())
+    }
+
+    pub(crate) fn read(&self, slot: usize, offset: usize, len: usize) -> Result<Vec<u8>, String> {
+        let buffer = self.buffer.as_ref().ok_or("no buffer")?;
+        let mut out = vec![0; len];
+        buffer
+            .read(slot * SLOT + offset, &mut out)
+            .then_some(out)
+            .ok_or_else(|| "read outside the buffer".to_owned())
+    }
+
+    /// Whether the device failed (catastrophic error or command timeout).
+    pub(crate) fn failed(&self) -> bool {
+        self.device.hca().is_none_or(|hca| hca.failure().is_some())
+    }
+}
+
+/// The booted machine.
+pub(crate) struct Machine {
+    pub(crate) host: Host,
+    pub(crate) driver: Arc<MiniportDriver<SimPlatform>>,
+    pub(crate) sides: Vec<Side>,
+}
+
+/// A request submitted from a DPC whose completion the swarm awaits.
+pub(crate) struct Submitted {
+    pub(crate) issuer: RequestHandle,
+    pub(crate) verb: &'static str,
+}
+
+impl Machine {
+    /// Boots the machine with `fabric` between the HCAs, opens a CA with
+    /// callbacks, allocates a PD and registers memory on each HCA.
+    pub(crate) fn boot(seed: u64, fabric: FabricConfig) -> Result<Self, String> {
+        let configs = HCAS
+            .iter()
+            .map(|(guid, ip)| DeviceConfig::with_ports(*guid, &[*ip]))
+            .collect();
+        let config = HostConfig {
+            fabric,
+            ..HostConfig::deterministic(seed, configs)
+        };
+        let host = Host::new(config).map_err(|e| e.to_string())?;
+        let _stand_ins = sim_host::samples::register_stand_ins(&host);
+        let driver = MiniportDriver::register(&host, HcaConfig::default());
+        host.boot();
+        let mut m = Machine {
+            host,
+            driver,
+            sides: Vec::new(),
+        };
+        m.settle()?;
+        for node in m.host.hcas() {
+            let device = m
+                .driver
+                .devices()
+                .into_iter()
+                .find(|d| d.node() == node)
+                .ok_or("an HCA without a miniport device")?;
+            if !matches!(device.started(), Some(Ok(_))) {
+                return Err(format!("bring-up of {node:?}: {:?}", device.started()));
+            }
+            let function = device.function().ok_or("no PCI function")?.index();
+            let interface = m
+                .host
+                .pnp()
+                .query_interface(node, &GUID_IB_CI_INTERFACE, CI_INTERFACE_VERSION.packed())
+                .ok_or("no CI interface")?;
+            let ci = interface
+                .get::<Arc<Provider>>()
+                .ok_or("the CI interface is not a CiProvider")?
+                .clone();
+            let guid = ci.identity().map_err(|s| format!("{s:?}"))?.ca_guid.get();
+            let side = HCAS
+                .iter()
+                .position(|(g, _)| *g == guid)
+                .ok_or("an unknown CA GUID")?;
+            let log = Arc::new(Mutex::new(EventLog::default()));
+            let client = Arc::new(Client {
+                side,
+                log: log.clone(),
+            });
+            let ca = ci.open_ca(client).map_err(|s| format!("open: {s:?}"))?;
+            m.sides.push(Side {
+                device,
+                interface: Some(interface),
+                ci,
+                log,
+                ca,
+                pd: 0,
+                ip: HCAS[side].1,
+                function,
+                buffer: None,
+                mr: 0,
+                iova: 0,
+                lkey: LKey::new(0),
+                rkey: RKey::new(0),
+            });
+        }
+        if m.sides.len() != 2 {
+            return Err(format!("{} HCAs, expected 2", m.sides.len()));
+        }
+        m.sides.sort_by_key(|s| s.ip);
+        for i in 0..2 {
+            let pd =
+                m.call::<ib_types::ioctl::AllocPd>(i, m.sides[i].ca, &ib_types::ioctl::Empty)?;
+            m.sides[i].pd = pd.0;
+            m.register_memory(i)?;
+        }
+        Ok(m)
+    }
+
+    /// Runs the scheduler until nothing is ready and no timer is armed.
+    pub(crate) fn settle(&self) -> Result<(), String> {
+        self.host
+            .scheduler()
+            .run_until_idle(1_000_000)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Queues `f` as a DPC of the miniport (DISPATCH_LEVEL); the
+    /// scheduler runs it when it picks it.
+    pub(crate) fn queue_dpc(&self, f: impl FnOnce() + Send + 'static) {
+        self.host.scheduler_handle().queue_dpc(SERVICE, f);
+    }
+
+    /// Submits verb `V` to HCA `side` from a DPC through the CI's
+    /// `submit`; the request completes whenever the device and the
+    /// scheduler get to it.
+    pub(crate) fn submit<V: Verb>(
+        &self,
+        side: usize,
+        handle: u64,
+        input: &V::In,
+        private: &[u8],
+    ) -> Result<Submitted, String> {
+        let mut bytes = vec![0; request_len::<V>(private.len()).ok_or("request size")?];
+        encode_request::<V>(handle, input, private, 0, &mut bytes).map_err(|e| e.to_string())?;
+        let out_len = response_len::<V>(0).ok_or("response size")?;
+        let (request, issuer) = HostRequest::new(
+            self.host.verifier(),
+            V::ID.ioctl().raw(),
+            RequestorMode::Kernel,
+            bytes,
+            out_len,
+        );
+        let ci = self.sides[side].ci.clone();
+        self.queue_dpc(move || ci.submit(request));
+        Ok(Submitted {
+            issuer,
+            verb: V::ID.name(),
+        })
+    }
+
+    /// Runs the scheduler (one item at a time, virtual time jumping to the
+    /// next timer when nothing is ready) until `submitted` completes.
+    pub(crate) fn wait(&self, submitted: &Submitted) -> Result<(), String> {
+        for _ in 0..2_000_000 {
+            if submitted.issuer.completion().is_some() {
+                return Ok(());
+            }
+            let ran = self.host.scheduler().run_one().map_err(|e| e.to_string())?;
+            if ran.is_none() {
+                return Err(format!(
+                    "{}: never completed (nothing left to run)",
+                    submitted.verb
+                ));
+            }
+        }
+        Err(format!(
+            "{}: not completed within 2M scheduler steps",
+            submitted.verb
+        ))
+    }
+
+    /// Submits `V` and waits for it; its status and output.
+    pub(crate) fn call_status<V: Verb>(
+        &self,
+        side: usize,
+        handle: u64,
+        input: &V::In,
+        private: &[u8],
+    ) -> Result<(IbStatus, u64, Option<V::Out>), String> {
+        let submitted = self.submit::<V>(side, handle, input, private)?;
+        self.wait(&submitted)?;
+        decode::<V>(&submitted)
+    }
+
+    /// [`Self::call_status`] that requires success.
+    pub(crate) fn call<V: Verb>(
+        &self,
+        side: usize,
+        handle: u64,
+        input: &V::In,
+    ) -> Result<(u64, Option<V::Out>), String> {
+        match self.call_status::<V>(side, handle, input, &[])? {
+            (IbStatus::Success, handle, out) => Ok((handle, out)),
+            (status, _, _) => Err(format!("{}: {status:?}", V::ID.name())),
+        }
+    }
+
+    /// A common buffer of HCA `side`'s adapter registered physically
+    /// through the CI (`RegPhysMr`), the first slots filled with the
+    /// pattern RDMA READs fetch.
+    fn register_memory(&mut self, side: usize) -> Result<(), String> {
+        let bytes = SLOTS * SLOT;
+        let adapter = self.sides[side].device.adapter().ok_or("no DMA adapter")?;
+        let buffer = adapter
+            .alloc_common(bytes)
+            .map_err(|s| format!("common buffer: {s:?}"))?;
+        let bus = buffer.bus_address();
+        let pages = bytes / 4096;
+        let input = PhysMrRegister {
+            iova: bus,
+            length: bytes as u64,
+            first_byte_offset: 0,
+            page_shift: 12,
+            num_pages: pages as u32,
+            access: region_access(),
+        };
+        let list: Vec<u8> = (0..pages as u64)
+            .flat_map(|i| (bus + i * 4096).to_le_bytes())
+            .collect();
+        self.sides[side].buffer = Some(buffer);
+        let (status, mr, out) = self.call_status::<ib_types::ioctl::RegPhysMr>(
+            side,
+            self.sides[side].pd,
+            &input,
+            &list,
+        )?;
+        let out = match (status, out) {
+            (IbStatus::Success, Some(out)) => out,
+            (status, _) => return Err(format!("RegPhysMr: {status:?}")),
+        };
+        let s = &mut self.sides[side];
+        s.mr = mr;
+        s.iova = out.iova;
+        s.lkey = out.keys.lkey;
+        s.rkey = out.keys.rkey;
+        let source = read_source_pattern();
+        s.write(0, 0, &source)
+    }
+
+    /// Deregisters and frees HCA `side`'s memory.
+    pub(crate) fn deregister_memory(&mut self, side: usize) -> Result<(), String> {
+        let mr = self.sides[side].mr;
+        let (status, _, _) =
+            self.call_status::<ib_types::ioctl::DeregMr>(side, mr, &ib_types::ioctl::Empty, &[])?;
+        if status != IbStatus::Success {
+            return Err(format!("DeregMr: {status:?}"));
+        }
+        if let (Some(buffer), Some(adapter)) = (
+            self.sides[side].buffer.take(),
+            self.sides[side].device.adapter(),
+        ) {
+            adapter.free_common(buffer);
+        }
+        Ok(())
+    }
+}
+
+/// The response of a completed request.
+pub(crate) fn decode<V: Verb>(
+    submitted: &Submitted,
+) -> Result<(IbStatus, u64, Option<V::Out>), String> {
+    let done = submitted
+        .issuer
+        .completion()
+        .ok_or_else(|| format!("{}: not completed", submitted.verb))?;
+    let len = usize::try_from(done.information).unwrap_or(usize::MAX);
+    let bytes = done.output.get(..len).ok_or("information too large")?;
+    let response = decode_response::<V>(bytes).map_err(|e| format!("{}: {e}", submitted.verb))?;
+    Ok((response.status, response.handle, response.output))
+}
+
+/// What the registered memory allows.
+pub(crate) fn region_access() -> AccessFlags {
+    AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ
+}
+
+/// The bytes of the RDMA READ source slots.
+pub(crate) fn read_source_pattern() -> Vec<u8> {
+    (0..READ_SOURCE_SLOTS * SLOT)
+        .map(|i| (i as u8).wrapping_mul(13).wrapping_add((i >> 8) as u8))
+        .collect()
+}
+
+/// An address vector to port 1 at `ip`.
+pub(crate) fn av_to(ip: [u8; 4]) -> Result<AvAttr, String> {
+    Ok(AvAttr {
+        port: port1()?,
+        sl: 0,
+        dlid: Lid::default(),
+        path_bits: 0,
+        static_rate: 0,
+        grh: Some(Grh {
+            dgid: Gid::from_ipv4(ip),
+            flow_label: 0,
+            hop_limit: 64,
+            traffic_class: 0,
+            sgid_index: 0,
+        }),
+    })
+}
+
+pub(crate) fn port1() -> Result<PortNum, String> {
+    PortNum::new(1).map_err(|e| e.to_string())
+}

@@ -1,0 +1,291 @@
+//! What a seed explores: the knobs (verb and fault mixes that reach the
+//! known, not yet fixed defects of issue 9, off unless asked for) and the
+//! per-seed mix drawn from the seed — which operations and faults are
+//! enabled and how often ("swarm testing": different seeds explore
+//! different mixes instead of every run averaging over everything).
+
+use sim_hca::fabric::FaultConfig;
+use sim_hca::rng::Rng;
+
+/// Switches for the verb and fault mixes that reach a known defect of
+/// issue 9 that is being fixed on another branch. The default suite runs
+/// with all of them off; `cargo xtask swarm --knobs all` turns them on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Knobs {
+    /// Destroy a QP while its completions are still unpolled and create
+    /// QPs again at once, and cycle special (GSI) QPs, whose numbers are
+    /// reused with no quiet period (issue 9 defect 2). Off: a QP is moved
+    /// to ERR and its completions polled before it is destroyed.
+    pub reuse_unpolled: bool,
+    /// Poll one CQ from two DPCs queued together (defect 3).
+    pub concurrent_polls: bool,
+    /// RDMA READs while the fabric loses, duplicates or reorders packets
+    /// (defect 4: read-response gaps livelock). Off: READs only while the
+    /// fabric is clean.
+    pub read_under_loss: bool,
+    /// Post past a CQ's capacity (defect 5: ACK for a message whose
+    /// receive CQE could not be written). Off: the workload keeps every
+    /// CQ's outstanding WRs within its size.
+    pub cq_overflow: bool,
+    /// Multi-packet messages (up to 4 KiB at MTU 1024) while the fabric
+    /// loses packets (defect 6: retransmission restarts at the first
+    /// packet). Off: messages fit one packet while the fabric is faulty.
+    pub big_under_loss: bool,
+    /// INLINE sends on QPs granted inline capacity (defect 8: the CI fast
+    /// path refuses them although QueryCA advertises inline).
+    pub inline_sends: bool,
+}
+
+impl Knobs {
+    /// Every knob's name, as `--knobs` takes them.
+    pub const NAMES: [&'static str; 6] = [
+        "reuse-unpolled",
+        "concurrent-polls",
+        "read-under-loss",
+        "cq-overflow",
+        "big-under-loss",
+        "inline-sends",
+    ];
+
+    /// Every knob on.
+    pub const ALL: Self = Self {
+        reuse_unpolled: true,
+        concurrent_polls: true,
+        read_under_loss: true,
+        cq_overflow: true,
+        big_under_loss: true,
+        inline_sends: true,
+    };
+
+    /// Parses a comma-separated list of knob names, `all` or `none`.
+    pub fn parse(list: &str) -> Result<Self, String> {
+        let mut knobs = Self::default();
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match name {
+                "all" => knobs = Self::ALL,
+                "none" => knobs = Self::default(),
+                _ => {
+                    *knobs.flag(name).ok_or_else(|| {
+                        format!("unknown knob {name:?}; knobs: {}", Self::NAMES.join(", "))
+                    })? = true
+                }
+            }
+        }
+        Ok(knobs)
+    }
+
+    fn flag(&mut self, name: &str) -> Option<&mut bool> {
+        Some(match name {
+            "reuse-unpolled" => &mut self.reuse_unpolled,
+            "concurrent-polls" => &mut self.concurrent_polls,
+            "read-under-loss" => &mut self.read_under_loss,
+            "cq-overflow" => &mut self.cq_overflow,
+            "big-under-loss" => &mut self.big_under_loss,
+            "inline-sends" => &mut self.inline_sends,
+            _ => return None,
+        })
+    }
+
+    /// The knobs that are on, comma-separated (`none` if none): what
+    /// `--knobs` takes back.
+    pub fn list(&self) -> String {
+        let mut copy = *self;
+        let on: Vec<&str> = Self::NAMES
+            .into_iter()
+            .filter(|name| copy.flag(name).is_some_and(|f| *f))
+            .collect();
+        if on.is_empty() {
+            "none".to_owned()
+        } else {
+            on.join(",")
+        }
+    }
+}
+
+/// The workload's operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) enum Op {
+    /// Create an RC, UC or UD QP on each HCA and connect them.
+    CreatePair,
+    /// Destroy a QP.
+    DestroyQp,
+    /// Move a connected pair to ERR, drain, RESET and connect it again.
+    Reconnect,
+    /// Post send WRs (SEND, RDMA WRITE, RDMA READ) from a DPC.
+    PostSend,
+    /// Post receive WRs from a DPC.
+    PostRecv,
+    /// Poll a CQ from a DPC.
+    Poll,
+    /// Post on one QP and poll a CQ in two DPCs queued together.
+    PostAndPoll,
+    /// Arm a CQ for its next completion.
+    Arm,
+    /// Move a QP to ERR (`ModifyQp`).
+    ForceErr,
+    /// Resize a CQ.
+    ResizeCq,
+    /// Create a CQ.
+    CreateCq,
+    /// Destroy an unused CQ.
+    DestroyCq,
+    /// Re-register a region (new keys).
+    ReregMr,
+    /// Let virtual time pass.
+    Run,
+    /// Fault: take a port's link down for a while.
+    LinkFlap,
+    /// Fault: switch the fabric's loss, duplication, reordering and
+    /// corruption on or off.
+    FabricToggle,
+    /// Fault: a catastrophic error on one HCA.
+    Catastrophic,
+    /// Fault: sleep (S3) and resume.
+    SleepResume,
+    /// Fault: hold one HCA's command completions back while a control
+    /// verb is outstanding.
+    HoldCommands,
+}
+
+impl Op {
+    pub(crate) const ALL: [Op; 19] = [
+        Op::CreatePair,
+        Op::DestroyQp,
+        Op::Reconnect,
+        Op::PostSend,
+        Op::PostRecv,
+        Op::Poll,
+        Op::PostAndPoll,
+        Op::Arm,
+        Op::ForceErr,
+        Op::ResizeCq,
+        Op::CreateCq,
+        Op::DestroyCq,
+        Op::ReregMr,
+        Op::Run,
+        Op::LinkFlap,
+        Op::FabricToggle,
+        Op::Catastrophic,
+        Op::SleepResume,
+        Op::HoldCommands,
+    ];
+
+    /// Operations every mix keeps, with at least this weight: without
+    /// them nothing moves.
+    fn floor(self) -> u64 {
+        match self {
+            Op::CreatePair | Op::PostSend | Op::PostRecv | Op::Poll | Op::Run => 2,
+            _ => 0,
+        }
+    }
+
+    /// The most a mix gives an operation (faults are rarer).
+    fn ceiling(self) -> u64 {
+        match self {
+            Op::Catastrophic => 1,
+            Op::SleepResume | Op::LinkFlap | Op::FabricToggle | Op::HoldCommands => 3,
+            Op::PostSend | Op::PostRecv | Op::Poll | Op::PostAndPoll => 20,
+            _ => 6,
+        }
+    }
+}
+
+/// One seed's mix.
+#[derive(Debug, Clone)]
+pub(crate) struct Mix {
+    pub(crate) weights: Vec<(Op, u64)>,
+    /// Fabric faults while "on" (the mix may leave them all zero).
+    pub(crate) faults: FaultConfig,
+    /// Whether the fabric starts faulty.
+    pub(crate) faults_at_start: bool,
+    /// Transport types the mix creates: RC, UC, UD.
+    pub(crate) transports: [bool; 3],
+}
+
+impl Mix {
+    /// Draws the mix of one seed.
+    pub(crate) fn draw(rng: &mut Rng) -> Self {
+        let weights = Op::ALL
+            .into_iter()
+            .map(|op| {
+                // A quarter of the optional operations are off for this
+                // seed; the rest get a weight up to their ceiling.
+                let on = op.floor() > 0 || rng.below(4) != 0;
+                let weight = if on {
+                    (1 + rng.below(op.ceiling())).max(op.floor())
+                } else {
+                    0
+                };
+                (op, weight)
+            })
+            .collect();
+        let mut ppm = |max: u64| {
+            if rng.below(2) == 0 {
+                0
+            } else {
+                rng.below(max + 1) as u32
+            }
+        };
+        let faults = FaultConfig {
+            drop_ppm: ppm(50_000),
+            duplicate_ppm: ppm(30_000),
+            reorder_ppm: ppm(30_000),
+            reorder_window_ns: 20_000,
+            corrupt_ppm: ppm(20_000),
+        };
+        let faults_at_start = rng.below(2) == 0;
+        let mut transports = [rng.below(4) != 0, rng.below(3) != 0, rng.below(3) != 0];
+        if !transports.contains(&true) {
+            transports[0] = true;
+        }
+        Self {
+            weights,
+            faults,
+            faults_at_start,
+            transports,
+        }
+    }
+
+    /// Picks the next operation by weight.
+    pub(crate) fn pick(&self, rng: &mut Rng) -> Op {
+        let total: u64 = self.weights.iter().map(|(_, w)| w).sum();
+        let mut draw = rng.below(total);
+        for (op, weight) in &self.weights {
+            if draw < *weight {
+                return *op;
+            }
+            draw -= weight;
+        }
+        Op::Run
+    }
+
+    /// One line describing the mix.
+    pub(crate) fn describe(&self) -> String {
+        let ops: Vec<String> = self
+            .weights
+            .iter()
+            .filter(|(_, w)| *w > 0)
+            .map(|(op, w)| format!("{op:?}:{w}"))
+            .collect();
+        let types: Vec<&str> = ["RC", "UC", "UD"]
+            .into_iter()
+            .zip(self.transports)
+            .filter(|(_, on)| *on)
+            .map(|(t, _)| t)
+            .collect();
+        format!(
+            "ops [{}]; transports {}; fabric faults {} (drop {} dup {} reorder {} corrupt {} ppm)",
+            ops.join(" "),
+            types.join("+"),
+            if self.faults_at_start {
+                "on at start"
+            } else {
+                "off at start"
+            },
+            self.faults.drop_ppm,
+            self.faults.duplicate_ppm,
+            self.faults.reorder_ppm,
+            self.faults.corrupt_ppm
+        )
+    }
+}

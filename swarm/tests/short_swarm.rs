@@ -1,0 +1,30 @@
+//! The short swarm of the default suite: a few seeds of the whole stack
+//! (two HCAs, fabric faults, the real miniport through its CI interface,
+//! the seeded host scheduler) with the known-defect knobs off
+//! (docs/swarm.md). Long runs: `cargo xtask swarm --seeds N --steps M`.
+
+use stack_swarm::{Config, Knobs, run};
+
+/// Seeds and steps of the default suite: a few seconds in a debug build.
+const SEEDS: std::ops::Range<u64> = 1..5;
+const STEPS: usize = 150;
+
+#[test]
+fn short_swarm_runs_clean() {
+    for seed in SEEDS {
+        let config = Config {
+            seed,
+            steps: STEPS,
+            knobs: Knobs::default(),
+        };
+        match run(&config) {
+            Ok(report) => {
+                assert!(
+                    report.completions > 0,
+                    "seed {seed}: nothing completed: {report:?}"
+                );
+            }
+            Err(failure) => panic!("{failure}"),
+        }
+    }
+}
