@@ -11,8 +11,11 @@
 //! - `test`: the test suite, exactly what CI runs after its lint gates.
 //! - `capture --out FILE`: runs the simulated HCA's scripted traffic mix and
 //!   writes its pcap capture (open it in Wireshark).
+//! - `fuzz <target> [--seconds N]` / `fuzz --all`: runs cargo-fuzz targets
+//!   (`fuzz`; README "Fuzzing").
 
 mod abi_report;
+mod fuzz;
 mod host_run;
 mod miniport_run;
 mod rdma_run;
@@ -48,6 +51,18 @@ enum Cmd {
         /// Seed of the simulation (the capture is reproducible from it).
         #[arg(long, default_value_t = 7)]
         seed: u64,
+    },
+    /// Run a cargo-fuzz target of `fuzz/` for a while (needs
+    /// `cargo install cargo-fuzz`).
+    Fuzz {
+        /// The target (`cargo fuzz list`).
+        target: Option<String>,
+        /// Run every target in turn.
+        #[arg(long, conflicts_with = "target")]
+        all: bool,
+        /// Seconds per target.
+        #[arg(long, default_value_t = 120)]
+        seconds: u64,
     },
     /// Run the workspace tests (extra arguments go to `cargo test`).
     Test {
@@ -94,6 +109,11 @@ fn main() -> ExitCode {
         }
         Cmd::Loom { args } => loom(&args),
         Cmd::Capture { out, seed } => capture(&out, seed),
+        Cmd::Fuzz {
+            target,
+            all,
+            seconds,
+        } => fuzz::run(target.as_deref(), all, seconds),
     }
 }
 
