@@ -17,6 +17,20 @@ fn seeds_satisfy_the_property() {
     }
 }
 
+/// Found by the `mad` fuzz target: a SubnGet of an attribute the agent
+/// does not answer (here PortInfo, directed route and LID routed) came
+/// back with its SMP data zeroed instead of echoed with the "unsupported
+/// method/attribute" status like every other unanswered MAD.
+#[test]
+fn unanswered_smp_get_is_echoed() {
+    for class in [0x01, 0x81] {
+        let mut mad = vec![0x5A; 256];
+        mad[..8].copy_from_slice(&[1, class, 1, 0x01, 0, 0, 0, 0]);
+        mad[16..18].copy_from_slice(&0x0015u16.to_be_bytes());
+        assert!(property::check(&[vec![1], mad].concat()));
+    }
+}
+
 /// A seed with a few bytes replaced and possibly cut short (rarely: the
 /// size check is one branch).
 fn mutated_seed() -> impl Strategy<Value = Vec<u8>> {
