@@ -11,7 +11,8 @@
 //! - a frame that parses re-emits from its parsed value into a frame that
 //!   parses to the same value and payload, with the same bytes in every
 //!   header field the value holds (IPv4 identification, flags and the UDP
-//!   checksum are not held: RoCEv2 ignores them);
+//!   checksum, reserved bits and pad contents are not held: RoCEv2
+//!   ignores them);
 //! - delivered to a live device (an RC QP connected to a peer device, a UD
 //!   QP, receives posted), it is counted exactly once: as an error exactly
 //!   when the parser refuses it, else as received or discarded.
@@ -109,10 +110,11 @@ fn round_trip(frame: &[u8]) -> bool {
     assert_eq!(q.payload(), p.payload(), "re-parsed payload");
     // Every held field has the received bytes: Ethernet, IPv4 TOS, total
     // length, TTL, protocol and addresses, UDP ports and length, and the
-    // IB transport headers, payload and pad (the ICRC differs only where
-    // an unheld IPv4 field did). Reserved bits are ignored on receive and
-    // sent as zero (the BTH's resv6 beside FECN/BECN and resv7 beside
-    // AckReq, the DETH byte before SrcQP), so they are masked.
+    // IB transport headers and payload (the ICRC differs only where an
+    // unheld field did). Reserved bits and the pad bytes' contents are
+    // ignored on receive and sent as zero (the BTH's resv6 beside
+    // FECN/BECN and resv7 beside AckReq, the DETH byte before SrcQP), so
+    // they are masked or left out.
     const IP: usize = ETH_LEN;
     const BTH: usize = IP + 28;
     let held = [
@@ -121,7 +123,7 @@ fn round_trip(frame: &[u8]) -> bool {
         IP + 8..IP + 10,
         IP + 12..IP + 20,
         IP + 20..IP + 26,
-        BTH..p.len() - ICRC_LEN,
+        BTH..p.len() - ICRC_LEN - usize::from(repr.pad()),
     ];
     let masked = |bytes: &[u8]| {
         let mut bytes = bytes[..p.len()].to_vec();
