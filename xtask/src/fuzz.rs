@@ -137,6 +137,7 @@ fn run_one(target: &str, seconds: u64) -> Result<RunReport, String> {
 
     println!("\n== cargo fuzz run {target} ({seconds} s) ==");
     let started = Instant::now();
+    let mut fuzzed_seconds = None;
     let mut child = cargo()
         .args(["fuzz", "run", target, "--"])
         .arg(format!("-max_total_time={seconds}"))
@@ -151,6 +152,12 @@ fn run_one(target: &str, seconds: u64) -> Result<RunReport, String> {
             if let Some(n) = line.strip_prefix("stat::number_of_executed_units:") {
                 executions = n.trim().parse().ok();
             }
+            // libFuzzer's closing line: `Done 71861 runs in 11 second(s)`.
+            if let Some(rest) = line.strip_prefix("Done ")
+                && let Some((_, after)) = rest.split_once(" runs in ")
+            {
+                fuzzed_seconds = after.split_whitespace().next().and_then(|s| s.parse().ok());
+            }
         }
     }
     let status = child
@@ -158,7 +165,9 @@ fn run_one(target: &str, seconds: u64) -> Result<RunReport, String> {
         .map_err(|e| format!("cargo fuzz did not finish: {e}"))?;
     Ok(RunReport {
         target: target.to_owned(),
-        seconds: started.elapsed().as_secs_f64(),
+        // The fuzzing time, without building; the wall time if libFuzzer
+        // stopped early (a crash).
+        seconds: fuzzed_seconds.unwrap_or_else(|| started.elapsed().as_secs_f64()),
         executions,
         passed: status.success(),
     })

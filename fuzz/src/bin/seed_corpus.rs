@@ -33,8 +33,11 @@ mod inf;
 use std::path::Path;
 use std::process::ExitCode;
 
+/// Makes a target's seeds.
+type SeedMaker = fn() -> Vec<Vec<u8>>;
+
 /// Every target with its seed maker.
-const TARGETS: [(&str, fn() -> Vec<Vec<u8>>); 7] = [
+const TARGETS: [(&str, SeedMaker); 7] = [
     ("proxy", proxy::seeds),
     ("uvp_private", uvp_private::seeds),
     ("device_entries", device_entries::seeds),
