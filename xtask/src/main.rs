@@ -17,8 +17,11 @@
 //!   target against a stand-in WDK (`wdk_check`).
 //! - `swarm [--seed S | --seeds N] [--steps M] [--knobs ...]`: the swarm
 //!   simulation of the whole stack (`swarm_run`, docs/swarm.md).
+//! - `fuzz <target> [--seconds N]` / `fuzz --all`: runs cargo-fuzz targets
+//!   (`fuzz`; README "Fuzzing").
 
 mod abi_report;
+mod fuzz;
 mod host_run;
 mod inf_lint;
 mod miniport_run;
@@ -70,6 +73,18 @@ enum Cmd {
     },
     /// Swarm simulation of the whole stack (docs/swarm.md).
     Swarm(swarm_run::SwarmArgs),
+    /// Run a cargo-fuzz target of `fuzz/` for a while (needs
+    /// `cargo install cargo-fuzz`).
+    Fuzz {
+        /// The target (`cargo fuzz list`).
+        target: Option<String>,
+        /// Run every target in turn.
+        #[arg(long, conflicts_with = "target")]
+        all: bool,
+        /// Seconds per target.
+        #[arg(long, default_value_t = 120)]
+        seconds: u64,
+    },
     /// Run the workspace tests (extra arguments go to `cargo test`).
     Test {
         /// Passed through to `cargo test`.
@@ -118,6 +133,11 @@ fn main() -> ExitCode {
         Cmd::InfLint => inf_lint::run(),
         Cmd::WdkCheck { kmdf_headers } => wdk_check::run(kmdf_headers),
         Cmd::Swarm(args) => swarm_run::run(&args),
+        Cmd::Fuzz {
+            target,
+            all,
+            seconds,
+        } => fuzz::run(target.as_deref(), all, seconds),
     }
 }
 

@@ -176,8 +176,9 @@ mod mad {
 }
 
 /// The local subnet management agent behind `MAD_IFC`: answers SubnGet of
-/// NodeInfo and NodeDescription; everything else gets a response with the
-/// "unsupported method/attribute" status. The input is 256 bytes.
+/// NodeInfo and NodeDescription (the SMP data replaced by the attribute);
+/// everything else is echoed back as a GetResp with the "unsupported
+/// method/attribute" (or "bad version") status. The input is 256 bytes.
 pub(crate) fn answer_mad(dev: &super::Device, port_no: u8, request: &[u8]) -> Vec<u8> {
     let mut resp = request.to_vec();
     let class = request[mad::MGMT_CLASS];
@@ -194,9 +195,9 @@ pub(crate) fn answer_mad(dev: &super::Device, port_no: u8, request: &[u8]) -> Ve
         mad::STATUS_UNSUPPORTED_ATTR
     } else {
         let data = &mut resp[mad::SMP_DATA..];
-        data.fill(0);
         match attr {
             mad::ATTR_NODE_INFO => {
+                data.fill(0);
                 let cfg = dev.config();
                 let port_guid = cfg.node_guid + u64::from(port_no);
                 data[0] = 1; // base version
@@ -214,6 +215,7 @@ pub(crate) fn answer_mad(dev: &super::Device, port_no: u8, request: &[u8]) -> Ve
                 0
             }
             mad::ATTR_NODE_DESCRIPTION => {
+                data.fill(0);
                 let text = b"simulated RoCE HCA";
                 data[..text.len()].copy_from_slice(text);
                 0
