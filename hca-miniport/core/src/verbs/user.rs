@@ -68,9 +68,10 @@
 //!   SRQ or CQ (PRM 8.2, after the QP's cached state took it) goes to its
 //!   context, never to the kernel client: it completes the context's
 //!   oldest pending `GetAsyncEvent`, or waits in a queue of
-//!   [`MAX_QUEUED_EVENTS`] (the oldest dropped when full). The Table 6-3
-//!   trap events (P_Key and Q_Key violations, about a port, no object) go
-//!   to every open context this way, as well as to the kernel client.
+//!   [`MAX_QUEUED_EVENTS`] (the oldest dropped when full). Port events,
+//!   naming the port and no object — `PortActive`, `PortDown` and the
+//!   Table 6-3 traps (P_Key and Q_Key violations) — go to every open
+//!   context this way, as well as to the kernel client.
 //!   Pending requests end with [`IbStatus::Canceled`] when cancelled or at
 //!   close.
 //! - **Resize** of a user CQ (`ResizeCq` with `uverbs::ResizeCqPriv`):
@@ -1936,7 +1937,7 @@ impl<P: Platform> Hca<P> {
         }
     }
 
-    /// An unaffiliated (port) event, such as a Table 6-3 trap: every open
+    /// An unaffiliated (port) event, a port change or a Table 6-3 trap: every open
     /// user context gets it, as its oldest pending `GetAsyncEvent`'s
     /// answer or queued. From the DPC.
     pub(crate) fn user_port_event(&self, record: &AsyncEventRecord) {
