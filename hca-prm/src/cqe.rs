@@ -22,6 +22,9 @@
 //!   `wqe_index`, looking in the SRQ's table when [`CqeFlags::SRQ`] is set.
 //!   For SMI/GSI QPs `qpn` is the QP's table index, which the driver maps
 //!   back to QP0/QP1 itself.
+//! - `wqe_index` is 16 bits, so a work queue (send ring in basic blocks,
+//!   receive ring or SRQ in WQEs) is at most [`LOG_MAX_WQE_INDEX`]
+//!   (`2^16` units): in a deeper ring two WQEs would answer to one index.
 
 use bitflags::bitflags;
 use ib_types::AbiError;
@@ -33,6 +36,10 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 use crate::owner;
 use crate::wqe::WqeOpcode;
 use crate::{Be32, Le16, Le32};
+
+/// `log2` of the most units (send basic blocks, receive WQEs) a work queue
+/// may have: the ring a CQE's 16-bit `wqe_index` names without ambiguity.
+pub const LOG_MAX_WQE_INDEX: u8 = 16;
 
 bitflags! {
     /// CQE `flags` (PRM 10.4).

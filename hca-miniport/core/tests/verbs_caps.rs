@@ -965,6 +965,84 @@ fn the_srq_depth_reported_is_the_one_the_core_builds_not_the_devices() {
 }
 
 #[test]
+fn the_qp_depth_reported_is_what_a_cqe_wqe_index_names_not_the_devices() {
+    use ib_types::ioctl::{AllocPd, CreateCq, DeallocPd, DestroyCq, OpenCa, OpenCaIn, QueryCa};
+    // A device allowing rings deeper than a CQE's 16-bit `wqe_index` can
+    // name (PRM 10.4): the core must build at most 2^16 units per ring.
+    let mut device = small_device();
+    device.limits.log_max_wqes = 17;
+    device.limits.log_max_cqes = 17;
+    let w = World::with_hcas(
+        87,
+        vec![device],
+        hca_miniport_core::init::HcaConfig::default(),
+    );
+    let r = w.call_in_dpc::<OpenCa>(KERNEL, 0, &OpenCaIn::CURRENT, 0);
+    let ca = response::<OpenCa>(&r).handle;
+    let r = w.call_in_dpc::<QueryCa>(KERNEL, ca, &Empty, 16);
+    let needed = response::<QueryCa>(&r).output.unwrap().total_size;
+    let r = w.call_in_dpc::<QueryCa>(KERNEL, ca, &Empty, needed);
+    let l = ib_types::ca::CaAttrView::parse(response::<QueryCa>(&r).private)
+        .unwrap()
+        .attr()
+        .limits;
+    assert_eq!(l.max_wrs_per_qp, 1 << 16);
+    let (_, pd) = create_one::<AllocPd>(&w, ca, Empty);
+    let cq_of = |cqe| ib_types::cq::CqAttr {
+        cqe,
+        comp_vector: 0,
+    };
+    let (status, cq) = create_one::<CreateCq>(&w, ca, cq_of(l.max_wrs_per_qp + 1));
+    assert_eq!(status, IbStatus::Success);
+    let rc = |caps: QpCaps| qp_input(pd, cq, cq, QpType::Rc, caps, None);
+    for deepest in [
+        QpCaps {
+            max_send_wr: l.max_wrs_per_qp,
+            ..ONE_WR
+        },
+        QpCaps {
+            max_recv_wr: l.max_wrs_per_qp,
+            ..ONE_WR
+        },
+    ] {
+        let (status, qp) = create_one::<CreateQp>(&w, ca, rc(deepest));
+        assert_eq!(status, IbStatus::Success, "{deepest:?}");
+        destroy_all::<DestroyQp>(&w, &[qp]);
+        let deeper = QpCaps {
+            max_send_wr: deepest.max_send_wr * 2,
+            max_recv_wr: deepest.max_recv_wr * 2,
+            ..deepest
+        };
+        assert_eq!(
+            create_one::<CreateQp>(&w, ca, rc(deeper)).0,
+            IbStatus::InvalidMaxWrs,
+            "{deeper:?}"
+        );
+    }
+    // A WQE of two basic blocks halves the WRs the ring holds.
+    let two_bbs = QpCaps {
+        max_send_wr: l.max_wrs_per_qp / 2,
+        max_send_sge: 4,
+        ..ONE_WR
+    };
+    let (status, qp) = create_one::<CreateQp>(&w, ca, rc(two_bbs));
+    assert_eq!(status, IbStatus::Success, "{two_bbs:?}");
+    destroy_all::<DestroyQp>(&w, &[qp]);
+    let too_deep = QpCaps {
+        max_send_wr: l.max_wrs_per_qp,
+        ..two_bbs
+    };
+    assert_eq!(
+        create_one::<CreateQp>(&w, ca, rc(too_deep)).0,
+        IbStatus::InvalidMaxWrs,
+        "{too_deep:?}"
+    );
+    destroy_all::<DestroyCq>(&w, &[cq]);
+    destroy_all::<DeallocPd>(&w, &[pd]);
+    w.finish();
+}
+
+#[test]
 fn the_inline_size_reported_fits_the_largest_send_wqe() {
     use ib_types::ioctl::{AllocPd, CreateCq, DeallocPd, DestroyCq, OpenCa, OpenCaIn, QueryCa};
     // 128-byte send WQEs: less inline room than the 256 bytes the device

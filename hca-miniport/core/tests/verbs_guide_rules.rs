@@ -4,7 +4,8 @@
 //! - TIME WAIT before a connected QP that was reset reaches RTR again
 //!   (guide 6.5.2);
 //! - the Table 6-3 trap events (P_Key and Q_Key violations) delivered to
-//!   the kernel client's async callback and to user contexts;
+//!   the kernel client's async callback and to user contexts, and a link
+//!   flap's PortDown and PortActive to every user context;
 //! - Reregister Physical Memory (Table 4-1, mandatory), through the same
 //!   re-registration path as Reregister Memory Region.
 //!
@@ -393,6 +394,42 @@ fn p_key_and_q_key_violations_reach_the_kernel_client_and_every_user_context() {
     teardown(&w, &receiver);
     assert_eq!(ci.close_ca(ca), Ok(()));
     teardown(&w, &sender);
+    w.finish();
+}
+
+#[test]
+fn a_link_flap_reaches_every_user_contexts_get_async_event() {
+    let w = World::deterministic(93);
+    let first = UserContext::open(&w, 0, 31);
+    let second = UserContext::open(&w, 0, 32);
+    let pending = first.get_async_event(&w, 0);
+    assert!(!pending.is_done(), "no event yet");
+    // Port 2's link goes down on the fabric, then comes back.
+    let flap = |up: bool| {
+        w.host
+            .backplane()
+            .with_cluster(|c| {
+                let node = c.nodes().next().unwrap();
+                c.set_link(node, 2, up).unwrap();
+            })
+            .expect("a stepped host");
+        w.settle();
+    };
+    let port2 = Some(PortNum::new(2).unwrap());
+    let down = AsyncEventRecord::new(AsyncEventCode::PortDown, 0, port2, 0).unwrap();
+    let active = AsyncEventRecord::new(AsyncEventCode::PortActive, 0, port2, 0).unwrap();
+    flap(false);
+    // The waiting request is answered; the other context's event is queued.
+    assert_eq!(answered_event(&pending), down);
+    flap(true);
+    assert_eq!(answered_event(&first.get_async_event(&w, 0)), active);
+    assert_eq!(answered_event(&second.get_async_event(&w, 0)), down);
+    assert_eq!(answered_event(&second.get_async_event(&w, 0)), active);
+    // Nothing more: the next request waits.
+    assert!(!first.get_async_event(&w, 0).is_done());
+    assert!(!second.get_async_event(&w, 0).is_done());
+    first.close(&w, 0);
+    second.close(&w, 0);
     w.finish();
 }
 

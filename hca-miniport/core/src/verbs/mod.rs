@@ -38,11 +38,10 @@
 //!   `WQ_INVALID_REQUEST`, `WQ_ACCESS_ERROR`, `SRQ_LAST_WQE`) by QP number
 //!   to the live QP only (a destroyed QP kept for its late completions'
 //!   `wr_id`s gets none), first into its cached state ([`qp`]), then as
-//!   asynchronous events; port changes go to the client as asynchronous
-//!   events; P_Key and Q_Key violations (`PKEY_VIOLATION`,
-//!   `QKEY_VIOLATION`) go as the guide's Table 6-3 traps (`PkeyTrap`,
-//!   `QkeyTrap`, naming the port) to the kernel client and to every user
-//!   context ([`user`]). Every event is also
+//!   asynchronous events; port changes (`PortActive`, `PortDown`) and
+//!   P_Key and Q_Key violations (`PKEY_VIOLATION`, `QKEY_VIOLATION`, as
+//!   the guide's Table 6-3 traps `PkeyTrap`, `QkeyTrap`), each naming the
+//!   port, go to the kernel client and to every user context ([`user`]). Every event is also
 //!   passed on to the sink given to [`Hca::new`]. Client callbacks run from
 //!   the DPC with no core lock held.
 //! - **State.** The object tables are built from the [`BringUpReport`] on
@@ -958,7 +957,10 @@ impl<P: Platform> EventSink for VerbsRouter<'_, P> {
         } else {
             ib_types::event::AsyncEventCode::PortDown
         };
+        // An unaffiliated event of the port, like the traps below: for the
+        // kernel client and every user context alike.
         if let Ok(record) = AsyncEventRecord::new(code, 0, Some(port), 0) {
+            self.hca.user_port_event(&record);
             self.hca.deliver(|client| client.async_event(&record));
         }
         self.hca.sink.port_change(port, active);

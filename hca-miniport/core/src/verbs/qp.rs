@@ -7,7 +7,8 @@
 //!   64-byte basic blocks large enough for the control segment, the
 //!   transport's address segments and `max(SGEs, inline)` (PRM 10.2), at
 //!   most `2^log_max_wqe_size` bytes; the ring is at most
-//!   `2^log_max_wqes` basic blocks. The receive ring has a power-of-two
+//!   `2^log_max_wqes` basic blocks and at most 2^16 (a CQE's `wqe_index`
+//!   is 16 bits, PRM 10.4), the receive ring likewise in WQEs. The receive ring has a power-of-two
 //!   stride of at least 32 bytes holding the header and the SGEs (PRM
 //!   10.3). Anything beyond the device answers [`IbStatus::InvalidMaxWrs`],
 //!   [`IbStatus::InvalidMaxSge`] or [`IbStatus::InvalidParameter`] (inline)
@@ -187,8 +188,10 @@ pub(crate) use tail::CompletionTail;
 pub const QPN_QUIET_PERIOD_NS: u64 = 2_000_000_000;
 
 /// Largest ring (`log2` of basic blocks or receive WQEs) the core makes,
-/// whatever the device reports: bounds the shadow rings' memory.
-pub(super) const MAX_LOG_WQES: u8 = 20;
+/// whatever the device reports: a CQE names its WQE by a 16-bit
+/// `wqe_index` (PRM 10.4), which a deeper ring would make ambiguous (the
+/// wrong `wr_id` returned).
+pub(super) const MAX_LOG_WQES: u8 = hca_prm::cqe::LOG_MAX_WQE_INDEX;
 /// Largest send WQE (`log2` of bytes) the core considers; `size16` is one
 /// byte, so no WQE exceeds 4080 bytes anyway.
 pub(super) const MAX_LOG_WQE_SIZE: u8 = 12;

@@ -79,7 +79,7 @@ use crate::hca::Hca;
 use crate::resources::{EntryRange, Handle, kind};
 
 /// `log2` of the largest SRQ the core builds: `wqe_index` is 16 bits.
-pub(super) const LOG_MAX_INDEX: u8 = 16;
+pub(super) const LOG_MAX_INDEX: u8 = hca_prm::cqe::LOG_MAX_WQE_INDEX;
 
 /// Where an SRQ is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -68,9 +68,10 @@
 //!   SRQ or CQ (PRM 8.2, after the QP's cached state took it) goes to its
 //!   context, never to the kernel client: it completes the context's
 //!   oldest pending `GetAsyncEvent`, or waits in a queue of
-//!   [`MAX_QUEUED_EVENTS`] (the oldest dropped when full). The Table 6-3
-//!   trap events (P_Key and Q_Key violations, about a port, no object) go
-//!   to every open context this way, as well as to the kernel client.
+//!   [`MAX_QUEUED_EVENTS`] (the oldest dropped when full). Port events,
+//!   naming the port and no object — `PortActive`, `PortDown` and the
+//!   Table 6-3 traps (P_Key and Q_Key violations) — go to every open
+//!   context this way, as well as to the kernel client.
 //!   Pending requests end with [`IbStatus::Canceled`] when cancelled or at
 //!   close.
 //! - **Resize** of a user CQ (`ResizeCq` with `uverbs::ResizeCqPriv`):
@@ -137,7 +138,7 @@ use super::cq::{Cq, Life as CqLife};
 use super::qp::{
     Geometry, Life as QpLife, MAX_LOG_WQE_SIZE, MAX_LOG_WQES, Qp, RC_PREFIX, UD_ADDR_SEG,
 };
-use super::srq::{Life as SrqLife, Srq};
+use super::srq::{LOG_MAX_INDEX as SRQ_LOG_MAX_INDEX, Life as SrqLife, Srq};
 use super::{Accepted, Objects, Responder, UVP_NAME, accept};
 use crate::cmd::Command;
 use crate::hca::Hca;
@@ -836,7 +837,7 @@ where
             log_max_cqes: cap.log_max_cqes,
             log_max_wqes: cap.log_max_wqes.min(MAX_LOG_WQES),
             log_max_wqe_size: cap.log_max_wqe_size.min(MAX_LOG_WQE_SIZE),
-            log_max_srq_wqes: cap.log_max_srq_wqes,
+            log_max_srq_wqes: cap.log_max_srq_wqes.min(SRQ_LOG_MAX_INDEX),
             max_send_sges: cap.max_send_sges,
             max_recv_sges: cap.max_recv_sges,
             max_inline: cap.max_inline_bytes.get(),
@@ -1824,7 +1825,7 @@ where
         let report = self.report().ok_or(IbStatus::InvalidState)?;
         let cap = &report.capabilities;
         // A receive WQE's index is 16 bits (PRM 10.3).
-        if layout.log_entries > cap.log_max_srq_wqes.min(16) {
+        if layout.log_entries > cap.log_max_srq_wqes.min(SRQ_LOG_MAX_INDEX) {
             return Err(IbStatus::InvalidSrqSize);
         }
         let max_recv_sges = usize::from(cap.max_recv_sges);
@@ -1936,7 +1937,7 @@ impl<P: Platform> Hca<P> {
         }
     }
 
-    /// An unaffiliated (port) event, such as a Table 6-3 trap: every open
+    /// An unaffiliated (port) event, a port change or a Table 6-3 trap: every open
     /// user context gets it, as its oldest pending `GetAsyncEvent`'s
     /// answer or queued. From the DPC.
     pub(crate) fn user_port_event(&self, record: &AsyncEventRecord) {
@@ -2055,6 +2056,28 @@ mod tests {
             CreateQpPriv::new(15, 1, 0x10_0000, Some((4, 5, 0x100_0000, 0x30_0000))).unwrap();
         assert_eq!(
             user_qp_caps(QpType::Rc, &ask(1, 1), &deep, &cap),
+            Err(IbStatus::InvalidMaxWrs)
+        );
+    }
+
+    #[test]
+    fn user_rings_beyond_what_a_cqe_wqe_index_names_are_refused() {
+        // A device allowing deeper queues than a CQE's 16-bit `wqe_index`
+        // names (PRM 10.4): 2^16 units is the deepest ring granted.
+        let mut cap = caps_device();
+        cap.log_max_wqes = 20;
+        let sq = |log| CreateQpPriv::new(log, 0, 0x1000_0000, None).unwrap();
+        assert!(user_qp_caps(QpType::Rc, &ask(1, 1), &sq(16), &cap).is_ok());
+        assert_eq!(
+            user_qp_caps(QpType::Rc, &ask(1, 1), &sq(17), &cap),
+            Err(IbStatus::InvalidMaxWrs)
+        );
+        let rq = |log| {
+            CreateQpPriv::new(6, 0, 0x1000_0000, Some((log, 5, 0x2000_0000, 0x30_0000))).unwrap()
+        };
+        assert!(user_qp_caps(QpType::Rc, &ask(1, 1), &rq(16), &cap).is_ok());
+        assert_eq!(
+            user_qp_caps(QpType::Rc, &ask(1, 1), &rq(17), &cap),
             Err(IbStatus::InvalidMaxWrs)
         );
     }
