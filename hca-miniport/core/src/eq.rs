@@ -28,7 +28,7 @@
 //!   type, bad port, bad subtype) is counted and skipped, never a panic.
 //! - At most one drain runs at a time, so events (and command
 //!   completions) are delivered in ring order even when the platform runs
-//!   the DPC on two processors at once. The hand-off ([`DrainHandoff`], one
+//!   the DPC on two processors at once. The hand-off (`DrainHandoff`, one
 //!   atomic count of requests) loses no request by construction: a DPC
 //!   that finds a drain running leaves its request in the count, and the
 //!   drainer cannot stop while a request it has not answered is there
@@ -429,7 +429,7 @@ impl<P: Platform> EventQueue<P> {
     /// may run a DPC on a second processor while it still runs on the
     /// first (it can be queued again once it started), so a second caller
     /// finding a drain in progress leaves its request to that one, which
-    /// drains again before it stops ([`DrainHandoff`]).
+    /// drains again before it stops (`DrainHandoff`).
     pub fn drain(&self, bar0: &P::Mmio, mut handle: impl FnMut(Event)) -> usize {
         let mut handled = 0;
         self.handoff

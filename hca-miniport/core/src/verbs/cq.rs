@@ -47,7 +47,7 @@
 //!   IDs are the QPs' (the device stores none): under the CQ lock, each
 //!   completion's QP incarnation supplies it by WQE index
 //!   (`qp::resolve_completion`): a destroyed QP this CQ still holds CQEs
-//!   of ([`RetiredQp`], polled before its end), else the live QP with the
+//!   of (`RetiredQp`, polled before its end), else the live QP with the
 //!   number. Several processors may poll one CQ at once: they take turns
 //!   on its lock, each completion goes to one of them with its own
 //!   `wr_id`, and each QP ring is retired in ring order.
