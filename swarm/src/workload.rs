@@ -290,8 +290,9 @@ impl Swarm {
             let pd = swarm.m.sides[side].pd;
             let (av, _) = swarm.m.call::<CreateAv>(side, pd, &av_to(peer_ip)?)?;
             swarm.avs[side] = av;
-            swarm.create_cq(side)?;
-            swarm.create_cq(side)?;
+            // The first CQs hold QPs, so every seed has traffic.
+            swarm.create_cq(side, false)?;
+            swarm.create_cq(side, false)?;
         }
         for _ in 0..2 {
             swarm.create_pair()?;
@@ -357,7 +358,7 @@ impl Swarm {
                     .filter(|c| c.alive && c.side == side)
                     .count();
                 if live < MAX_CQS && self.sync_ok(side) {
-                    self.create_cq(side)?;
+                    self.create_cq(side, true)?;
                 }
                 Ok(())
             }
@@ -510,8 +511,10 @@ impl Swarm {
 
     // ----- objects ---------------------------------------------------
 
-    fn create_cq(&mut self, side: usize) -> Result<Id, String> {
-        let cqe = if self.knobs.cq_overflow && self.rng.below(3) == 0 {
+    /// Creates a CQ; `tiny_ok`: with the `cq-overflow` knob it may be too
+    /// small for any QP (1 to 4 entries).
+    fn create_cq(&mut self, side: usize, tiny_ok: bool) -> Result<Id, String> {
+        let cqe = if tiny_ok && self.knobs.cq_overflow && self.rng.below(3) == 0 {
             1 + self.rng.below(4) as u32
         } else {
             32 + self.rng.below(224) as u32
@@ -1481,6 +1484,14 @@ impl Swarm {
                 flags |= SendFlags::INLINE;
                 inline_any = true;
             }
+            // An INLINE SGE names kernel memory the provider copies from
+            // (the CI contract), so its bytes are staged in the pool.
+            let local_addr = if flags.contains(SendFlags::INLINE) {
+                let bytes = self.m.sides[side].read(slot, 0, len)?;
+                self.m.sides[side].stage_inline(&bytes)?
+            } else {
+                local_addr
+            };
             let wr_id = self.new_wr(side, id, cq, kind);
             batch.push((wr_id, op, flags, Sge::new(local_addr, len as u32, lkey)));
         }
