@@ -14,9 +14,9 @@
 //! a bound, then teardown requires a clean verifier. A failure names its
 //! seed and the command that replays it.
 //!
-//! [`Knobs`] switch on the verb and fault mixes that reach the known
-//! defects of issue 9 still being fixed; [`run`] with the default knobs is
-//! what the default test suite runs.
+//! [`Knobs`] switch the verb and fault mixes that reached the defects of
+//! issue 9 (all on by default, as they are fixed); [`run`] with the
+//! default knobs is what the default test suite runs.
 
 mod machine;
 mod mix;

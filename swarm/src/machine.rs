@@ -29,6 +29,7 @@ use sim_hca::fabric::FabricConfig;
 use sim_host::dma::HostCommonBuffer;
 use sim_host::driver::InterfaceRef;
 use sim_host::host::{Host, HostConfig};
+use sim_host::memory::PoolBlock;
 use sim_host::platform::SimPlatform;
 use sim_host::request::{HostRequest, RequestHandle};
 
@@ -51,6 +52,11 @@ pub(crate) const READ_SOURCE_SLOTS: usize = 2;
 /// complete at the requester before their packets land and so can never
 /// target memory that is handed out again.
 pub(crate) const FIRST_FREE_SLOT: usize = 4;
+/// Bytes of one INLINE send's staged data (more than any QP's granted
+/// inline capacity).
+pub(crate) const INLINE_STAGE: usize = 1024;
+/// Staging entries per HCA, used in turn.
+pub(crate) const INLINE_STAGES: usize = 16;
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -126,6 +132,13 @@ pub(crate) struct Side {
     /// The HCA's function on the backplane (its device and fabric node).
     pub(crate) function: usize,
     pub(crate) buffer: Option<HostCommonBuffer>,
+    /// Non-paged pool the INLINE sends' data is staged in: an INLINE
+    /// SGE is a kernel virtual address of resident memory, which the
+    /// provider copies into the WQE (docs/miniport.md `ci`), not a
+    /// registered I/O address like the region's.
+    pub(crate) inline_block: Option<PoolBlock>,
+    /// The next `INLINE_STAGE` entry of `inline_block` to use.
+    pub(crate) inline_next: usize,
     pub(crate) mr: u64,
     pub(crate) iova: u64,
     pub(crate) lkey: LKey,
@@ -153,6 +166,26 @@ impl Side {
             .read(slot * SLOT + offset, &mut out)
             .then_some(out)
             .ok_or_else(|| "read outside the buffer".to_owned())
+    }
+
+    /// Stages `bytes` (at most [`INLINE_STAGE`]) in the kernel pool for an
+    /// INLINE send and returns their kernel virtual address. Entries are
+    /// used in turn: the provider copies them at the post, long before the
+    /// ring of entries comes round.
+    pub(crate) fn stage_inline(&mut self, bytes: &[u8]) -> Result<u64, String> {
+        let block = self
+            .inline_block
+            .as_ref()
+            .ok_or("no inline staging block")?;
+        if bytes.len() > INLINE_STAGE {
+            return Err(format!("{} inline bytes to stage", bytes.len()));
+        }
+        let offset = self.inline_next * INLINE_STAGE;
+        self.inline_next = (self.inline_next + 1) % INLINE_STAGES;
+        block
+            .write(offset, bytes)
+            .then_some(block.va() + offset as u64)
+            .ok_or_else(|| "write outside the inline staging block".to_owned())
     }
 
     /// Whether the device failed (catastrophic error or command timeout).
@@ -237,6 +270,8 @@ impl Machine {
                 ip: HCAS[side].1,
                 function,
                 buffer: None,
+                inline_block: None,
+                inline_next: 0,
                 mr: 0,
                 iova: 0,
                 lkey: LKey::new(0),
@@ -369,6 +404,12 @@ impl Machine {
             .flat_map(|i| (bus + i * 4096).to_le_bytes())
             .collect();
         self.sides[side].buffer = Some(buffer);
+        self.sides[side].inline_block = Some(
+            self.host
+                .pool()
+                .alloc("swarm", *b"Swil", INLINE_STAGE * INLINE_STAGES)
+                .map_err(|e| format!("inline staging block: {e:?}"))?,
+        );
         let (status, mr, out) = self.call_status::<ib_types::ioctl::RegPhysMr>(
             side,
             self.sides[side].pd,
@@ -401,6 +442,9 @@ impl Machine {
             self.sides[side].device.adapter(),
         ) {
             adapter.free_common(buffer);
+        }
+        if let Some(block) = self.sides[side].inline_block.take() {
+            self.host.pool().free(block);
         }
         Ok(())
     }

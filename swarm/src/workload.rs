@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use driver_platform::SystemPowerState;
 use hca_miniport_core::verbs::CqNotify;
+use hca_miniport_core::verbs::qp::QPN_QUIET_PERIOD_NS;
 use hca_prm::regs::FatalSyndrome;
 use ib_types::access::AccessFlags;
 use ib_types::cq::CqAttr;
@@ -84,6 +85,11 @@ struct CqModel {
     outstanding: usize,
     /// Live QPs using it.
     users: usize,
+    /// The CQEs the live QPs' work queues can have outstanding here: the
+    /// granted depth of each send and receive queue completing here
+    /// (guide 8.2.3 item 1; the miniport's `cq::Room`). A QP that would
+    /// take it past `size` is refused, and so is a resize below it.
+    committed: u32,
     alive: bool,
     busy: bool,
     /// Reported `CqError` (overflow; only with the `cq-overflow` knob):
@@ -108,6 +114,13 @@ struct QpModel {
     inline: u32,
     sends: usize,
     recvs: usize,
+    /// An RC/UC QP that reached RTR since its last reset: its next reset
+    /// starts a TIME WAIT (guide 6.5.2).
+    reached_rtr: bool,
+    /// The TIME WAIT of its last reset, as the earliest and latest virtual
+    /// time it can end: the reset's command completes somewhere between
+    /// the submit and the answer, and the quiet period runs from there.
+    time_wait: Option<(u64, u64)>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -160,8 +173,9 @@ struct Message {
 enum Effect {
     Destroyed(Id),
     Errored(Id),
-    /// A CQ resize, with the CQ's size before it.
-    Resized(Id, u32),
+    /// A CQ resize: the CQ's size before it, the ring it asked for, and
+    /// the CQ's `committed` when it was submitted.
+    Resized(Id, u32, u32, u32),
 }
 
 struct Pending {
@@ -276,8 +290,9 @@ impl Swarm {
             let pd = swarm.m.sides[side].pd;
             let (av, _) = swarm.m.call::<CreateAv>(side, pd, &av_to(peer_ip)?)?;
             swarm.avs[side] = av;
-            swarm.create_cq(side)?;
-            swarm.create_cq(side)?;
+            // The first CQs hold QPs, so every seed has traffic.
+            swarm.create_cq(side, false)?;
+            swarm.create_cq(side, false)?;
         }
         for _ in 0..2 {
             swarm.create_pair()?;
@@ -343,7 +358,7 @@ impl Swarm {
                     .filter(|c| c.alive && c.side == side)
                     .count();
                 if live < MAX_CQS && self.sync_ok(side) {
-                    self.create_cq(side)?;
+                    self.create_cq(side, true)?;
                 }
                 Ok(())
             }
@@ -455,14 +470,38 @@ impl Swarm {
                 }
                 Ok(())
             }
-            Effect::Resized(id, before) => {
+            Effect::Resized(id, before, ring, committed_then) => {
                 let (status, _, out) = decode::<ResizeCq>(&done.submitted)?;
-                self.cqs[id].busy = false;
+                let side_ok = self.side_ok(self.cqs[id].side);
+                let cq = &mut self.cqs[id];
+                cq.busy = false;
+                // Below the QPs' queues: refused (`InvalidCqSize`). QPs may
+                // have gone meanwhile, so `committed` when the request ran
+                // lies between now and the submit. A ring too small for the
+                // entries in it is refused too (possible only with the
+                // `cq-overflow` knob, which posts past the size).
+                let must_refuse = ring < cq.committed;
+                let may_refuse = ring < committed_then || ring < cq.outstanding as u32;
+                let refused = status == IbStatus::InvalidCqSize;
                 match (status, out) {
-                    (IbStatus::Success, Some(out)) => self.cqs[id].size = out.cqe,
+                    (IbStatus::Success, Some(out)) if !must_refuse => cq.size = out.cqe,
+                    _ if refused && may_refuse => {
+                        cq.size = before;
+                        *self
+                            .report
+                            .ops
+                            .entry("refused: resize below the QPs' queues")
+                            .or_default() += 1;
+                    }
+                    (status, _) if !side_ok => {
+                        cq.size = before;
+                        *self.report.ops.entry(status_name(status)).or_default() += 1;
+                    }
                     (status, _) => {
-                        self.cqs[id].size = before;
-                        self.count(status_name(status));
+                        return Err(format!(
+                            "ResizeCq {:#x} to {ring} entries ({} committed to QPs, {} when submitted, {} outstanding): {status:?}",
+                            cq.handle, cq.committed, committed_then, cq.outstanding
+                        ));
                     }
                 }
                 Ok(())
@@ -472,8 +511,10 @@ impl Swarm {
 
     // ----- objects ---------------------------------------------------
 
-    fn create_cq(&mut self, side: usize) -> Result<Id, String> {
-        let cqe = if self.knobs.cq_overflow && self.rng.below(3) == 0 {
+    /// Creates a CQ; `tiny_ok`: with the `cq-overflow` knob it may be too
+    /// small for any QP (1 to 4 entries).
+    fn create_cq(&mut self, side: usize, tiny_ok: bool) -> Result<Id, String> {
+        let cqe = if tiny_ok && self.knobs.cq_overflow && self.rng.below(3) == 0 {
             1 + self.rng.below(4) as u32
         } else {
             32 + self.rng.below(224) as u32
@@ -495,6 +536,7 @@ impl Swarm {
             size,
             outstanding: 0,
             users: 0,
+            committed: 0,
             alive: true,
             busy: false,
             overflowed: false,
@@ -553,12 +595,13 @@ impl Swarm {
         if !self.side_ok(side) {
             return Ok(());
         }
-        let floor = if self.knobs.cq_overflow {
+        // Sometimes below what the QPs' queues need: refused.
+        let floor = if self.knobs.cq_overflow || self.rng.below(8) == 0 {
             1
         } else {
-            self.cqs[id].outstanding as u32 + 1
+            (self.cqs[id].outstanding as u32 + 1).max(self.cqs[id].committed)
         };
-        let cqe = floor.max(16 + self.rng.below(300) as u32);
+        let cqe = floor.max(self.rng.below(300) as u32);
         let attr = CqAttr {
             cqe,
             comp_vector: 0,
@@ -570,11 +613,12 @@ impl Swarm {
         // Until the answer, the budget is the smaller of the two sizes:
         // posts go on meanwhile and must fit either.
         let before = self.cqs[id].size;
-        self.cqs[id].size = before.min(cqe);
+        let ring = cqe.next_power_of_two();
+        self.cqs[id].size = before.min(ring);
         self.cqs[id].busy = true;
         let pending = Pending {
             submitted,
-            effect: Effect::Resized(id, before),
+            effect: Effect::Resized(id, before, ring, self.cqs[id].committed),
         };
         if self.held(side) {
             self.pending.push(pending);
@@ -610,22 +654,34 @@ impl Swarm {
             sq_sig_all: false,
             port: if port { Some(port1()?) } else { None },
         };
+        // Guide 8.2.3 item 1: the QP's queues (granted depths: the asked
+        // ones rounded up to a power of two) must fit in what its CQs have
+        // left, or it is refused.
+        let (send_need, recv_need) = (
+            caps.max_send_wr.next_power_of_two(),
+            caps.max_recv_wr.next_power_of_two(),
+        );
+        let fits = if send_cq == recv_cq {
+            self.cqs[send_cq].committed + send_need + recv_need <= self.cqs[send_cq].size
+        } else {
+            self.cqs[send_cq].committed + send_need <= self.cqs[send_cq].size
+                && self.cqs[recv_cq].committed + recv_need <= self.cqs[recv_cq].size
+        };
         let ca = self.m.sides[side].ca;
         let (status, handle, out) = self.m.call_status::<CreateQp>(side, ca, &create, &[])?;
         if status != IbStatus::Success {
             if ty == QpType::Gsi && status == IbStatus::ResourceBusy {
                 return Ok(None);
             }
-            // A CQ smaller than the QP's queues is refused (guide 8.2.3
-            // item 1); only the `cq-overflow` knob makes such CQs.
-            // So is a QP on a CQ in error after an overflow.
+            if status == IbStatus::InsufficientResources && !fits {
+                self.count("refused: QP's queues past its CQ");
+                return Ok(None);
+            }
+            // A QP on a CQ in error after an overflow is refused.
             if status == IbStatus::InvalidParameter
-                && (self.cqs[send_cq].size < caps.max_send_wr
-                    || self.cqs[recv_cq].size < caps.max_recv_wr
-                    || self.cqs[send_cq].overflowed
-                    || self.cqs[recv_cq].overflowed)
+                && (self.cqs[send_cq].overflowed || self.cqs[recv_cq].overflowed)
             {
-                self.count("refused: CQ smaller than the QP");
+                self.count("refused: CQ in error");
                 return Ok(None);
             }
             return Err(format!(
@@ -641,8 +697,19 @@ impl Swarm {
         {
             return Err(format!("CreateQp granted {granted:?} for {caps:?}"));
         }
+        if !fits {
+            return Err(format!(
+                "CreateQp {ty:?} {caps:?} accepted on CQs of {} and {} entries with {} and {} committed",
+                self.cqs[send_cq].size,
+                self.cqs[recv_cq].size,
+                self.cqs[send_cq].committed,
+                self.cqs[recv_cq].committed
+            ));
+        }
         self.cqs[send_cq].users += 1;
         self.cqs[recv_cq].users += 1;
+        self.cqs[send_cq].committed += granted.max_send_wr;
+        self.cqs[recv_cq].committed += granted.max_recv_wr;
         self.qps.push(QpModel {
             side,
             handle,
@@ -659,6 +726,8 @@ impl Swarm {
             inline: granted.max_inline_data,
             sends: 0,
             recvs: 0,
+            reached_rtr: false,
+            time_wait: None,
         });
         Ok(Some(self.qps.len() - 1))
     }
@@ -670,8 +739,9 @@ impl Swarm {
     }
 
     /// Brings QP `id` to RTS aimed at `peer` (RC/UC) or ready to send
-    /// datagrams (UD).
-    fn connect(&mut self, id: Id, peer: Id, sq_psn: u32, rq_psn: u32) -> Result<(), String> {
+    /// datagrams (UD). False if it was refused: RTR in TIME WAIT (then
+    /// the QP is left in INIT), or its HCA failed.
+    fn connect(&mut self, id: Id, peer: Id, sq_psn: u32, rq_psn: u32) -> Result<bool, String> {
         let ty = self.qps[id].ty;
         let peer_ip = self.m.sides[self.qps[peer].side].ip;
         let access = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
@@ -745,10 +815,33 @@ impl Swarm {
             ],
         };
         for step in &steps {
+            let before = self.now();
             let status = self.modify(id, step)?;
+            let after = self.now();
+            if step.state == Some(QpState::Rtr) {
+                // TIME WAIT (guide 6.5.2): refused exactly while the quiet
+                // period of the QP's last reset may not have passed.
+                let wait = self.qps[id].time_wait;
+                let must_refuse = wait.is_some_and(|(earliest, _)| after < earliest);
+                let must_accept = wait.is_none_or(|(_, latest)| before >= latest);
+                let refused = status == IbStatus::QpInTimewait;
+                if (refused && must_accept) || (!refused && must_refuse) {
+                    return Err(format!(
+                        "ModifyQp to RTR of {ty:?} QP {:#x} at {before}..{after} ns, TIME WAIT {wait:?}: {status:?}",
+                        self.qps[id].qpn
+                    ));
+                }
+                if refused {
+                    self.count("refused: RTR in TIME WAIT");
+                    return Ok(false);
+                }
+                if status == IbStatus::Success && ty.is_connected() {
+                    self.qps[id].reached_rtr = true;
+                }
+            }
             if status != IbStatus::Success {
                 if !self.side_ok(self.qps[id].side) {
-                    return Ok(());
+                    return Ok(false);
                 }
                 return Err(format!(
                     "ModifyQp {:?} of {ty:?} QP {:#x}: {status:?}",
@@ -757,6 +850,28 @@ impl Swarm {
             }
         }
         self.qps[id].phase = Phase::Ready;
+        Ok(true)
+    }
+
+    /// Virtual time now.
+    fn now(&self) -> u64 {
+        self.m.host.scheduler_handle().now_ns()
+    }
+
+    /// Moves QP `id` to RESET (from any state) and notes the TIME WAIT
+    /// the reset starts if it had reached RTR.
+    fn reset_qp(&mut self, id: Id) -> Result<(), String> {
+        let before = self.now();
+        let status = self.modify(id, &QpModify::to_state(QpState::Reset))?;
+        if status != IbStatus::Success {
+            return Err(format!("ModifyQp to RESET: {status:?}"));
+        }
+        let after = self.now();
+        let q = &mut self.qps[id];
+        q.phase = Phase::Reset;
+        if std::mem::take(&mut q.reached_rtr) {
+            q.time_wait = Some((before + QPN_QUIET_PERIOD_NS, after + QPN_QUIET_PERIOD_NS));
+        }
         Ok(())
     }
 
@@ -788,8 +903,13 @@ impl Swarm {
             self.rng.below(1 << 24) as u32,
             self.rng.below(1 << 24) as u32,
         );
-        self.connect(a, b, pa, pb)?;
-        self.connect(b, a, pb, pa)?;
+        // New QPs never wait: their numbers had their quiet period.
+        if !(self.connect(a, b, pa, pb)? && self.connect(b, a, pb, pa)?)
+            && self.side_ok(0)
+            && self.side_ok(1)
+        {
+            return Err(format!("connecting new {ty:?} QPs was refused"));
+        }
         self.note(format!(
             "create {ty:?} pair {:#x} <-> {:#x}",
             self.qps[a].qpn, self.qps[b].qpn
@@ -904,8 +1024,11 @@ impl Swarm {
         q.alive = false;
         let (side, handle, send_cq, recv_cq, peer) =
             (q.side, q.handle, q.send_cq, q.recv_cq, q.peer);
+        let (max_send, max_recv) = (q.max_send as u32, q.max_recv as u32);
         self.cqs[send_cq].users -= 1;
         self.cqs[recv_cq].users -= 1;
+        self.cqs[send_cq].committed -= max_send;
+        self.cqs[recv_cq].committed -= max_recv;
         if let Some(peer) = peer {
             self.qps[peer].peer = None;
         }
@@ -980,18 +1103,49 @@ impl Swarm {
         }
         for id in [a, b] {
             self.drain_qp(id)?;
-            let status = self.modify(id, &QpModify::to_state(QpState::Reset))?;
-            if status != IbStatus::Success {
-                return Err(format!("ModifyQp ERR -> RESET: {status:?}"));
+            self.reset_qp(id)?;
+        }
+        // Mostly wait out the TIME WAIT of the resets; sometimes try at
+        // once, and a refusal is the answer the model predicts.
+        if self.rng.below(4) != 0 {
+            let end = [a, b]
+                .iter()
+                .filter_map(|&id| self.qps[id].time_wait.map(|(_, latest)| latest))
+                .max()
+                .unwrap_or(0);
+            let now = self.now();
+            if end > now {
+                self.count("wait out TIME WAIT");
+                self.m
+                    .host
+                    .scheduler()
+                    .run_for(end - now, 2_000_000)
+                    .map_err(|e| format!("waiting out the TIME WAIT: {e}"))?;
             }
-            self.qps[id].phase = Phase::Reset;
         }
         let (pa, pb) = (
             self.rng.below(1 << 24) as u32,
             self.rng.below(1 << 24) as u32,
         );
-        self.connect(a, b, pa, pb)?;
-        self.connect(b, a, pb, pa)
+        if self.connect(a, b, pa, pb)? && self.connect(b, a, pb, pa)? {
+            return Ok(());
+        }
+        // Refused (TIME WAIT) or an HCA failed: both back to RESET for a
+        // later reconnect.
+        for id in [a, b] {
+            if self.side_ok(self.qps[id].side) {
+                if self.qps[id].phase == Phase::Ready {
+                    let status = self.modify(id, &QpModify::to_state(QpState::Err))?;
+                    if status != IbStatus::Success {
+                        return Err(format!("ModifyQp to ERR: {status:?}"));
+                    }
+                    self.qps[id].phase = Phase::Err;
+                    self.drain_qp(id)?;
+                }
+                self.reset_qp(id)?;
+            }
+        }
+        Ok(())
     }
 
     fn force_err(&mut self) -> Result<(), String> {
@@ -1330,6 +1484,14 @@ impl Swarm {
                 flags |= SendFlags::INLINE;
                 inline_any = true;
             }
+            // An INLINE SGE names kernel memory the provider copies from
+            // (the CI contract), so its bytes are staged in the pool.
+            let local_addr = if flags.contains(SendFlags::INLINE) {
+                let bytes = self.m.sides[side].read(slot, 0, len)?;
+                self.m.sides[side].stage_inline(&bytes)?
+            } else {
+                local_addr
+            };
             let wr_id = self.new_wr(side, id, cq, kind);
             batch.push((wr_id, op, flags, Sge::new(local_addr, len as u32, lkey)));
         }

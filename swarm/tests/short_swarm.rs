@@ -1,13 +1,13 @@
 //! The short swarm of the default suite: a few seeds of the whole stack
 //! (two HCAs, fabric faults, the real miniport through its CI interface,
-//! the seeded host scheduler) with the known-defect knobs off
-//! (docs/swarm.md). Long runs: `cargo xtask swarm --seeds N --steps M`.
+//! the seeded host scheduler) with every knob on (`Knobs::ALL`, the
+//! default; docs/swarm.md). Long runs: `cargo xtask swarm --seeds N --steps M`.
 
 use stack_swarm::{Config, Knobs, run};
 
 /// Seeds and steps of the default suite: a few seconds in a debug build.
-const SEEDS: std::ops::Range<u64> = 1..5;
-const STEPS: usize = 150;
+const SEEDS: std::ops::Range<u64> = 1..9;
+const STEPS: usize = 200;
 
 #[test]
 fn short_swarm_runs_clean() {

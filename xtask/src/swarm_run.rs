@@ -25,10 +25,10 @@ pub(crate) struct SwarmArgs {
     /// Workload steps per seed before the liveness phase.
     #[arg(long, default_value_t = 300)]
     steps: usize,
-    /// Known-defect mixes to enable: a comma-separated list of
-    /// reuse-unpolled, concurrent-polls, read-under-loss, cq-overflow,
-    /// big-under-loss, inline-sends; or `all`.
-    #[arg(long, default_value = "none")]
+    /// Mixes to enable: a comma-separated list of reuse-unpolled,
+    /// concurrent-polls, read-under-loss, cq-overflow, big-under-loss,
+    /// inline-sends; `all` (the default) or `none`.
+    #[arg(long, default_value = "all")]
     knobs: String,
 }
 

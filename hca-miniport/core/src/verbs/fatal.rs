@@ -158,7 +158,10 @@ impl<P: Platform> Hca<P> {
             Err(_) => return,
         };
         for qp in qps.iter().chain(retired.iter()) {
-            self.flush_in_software(qp);
+            // The device is failed: a queue whose accounting cannot be
+            // true has nothing trustworthy to flush, and every client
+            // hears LocalCatastrophic below.
+            let _ = self.flush_in_software(qp);
         }
         for qp in &qps {
             let mut c = qp.control.lock();

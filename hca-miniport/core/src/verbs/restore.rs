@@ -261,12 +261,15 @@ impl<P: Platform> Hca<P> {
             if !lost {
                 continue;
             }
-            self.flush_in_software(&qp);
+            // A ring whose accounting cannot be true flushed nothing: its
+            // WRs are lost, so the client hears QpFatal even for a QP it
+            // had already moved to ERR.
+            let lost_wrs = self.flush_in_software(&qp).is_err();
             {
                 let mut c = qp.control.lock();
                 qp.set_state(&mut c, QpState::Err);
             }
-            if state != QpState::Err
+            if (state != QpState::Err || lost_wrs)
                 && let Ok(record) = AsyncEventRecord::new(AsyncEventCode::QpFatal, handle, None, 0)
             {
                 self.queue_soft_event(SoftEvent::Async(record));
@@ -314,7 +317,13 @@ impl<P: Platform> Hca<P> {
     /// CQs' backlogs (sends, then receives, each in posting order, as the
     /// device's flush would) and empties its rings; queues a completion
     /// event for each CQ that got any. A CQ already destroyed gets nothing.
-    pub(crate) fn flush_in_software(&self, qp: &Qp<P>) {
+    ///
+    /// Each walk is bounded by its ring ([`walk_outstanding`]): a queue
+    /// whose completion tail is not within one ring behind its producer
+    /// (accounting that cannot be true) flushes nothing — its slots cannot
+    /// be trusted to name outstanding WRs — is emptied all the same, and
+    /// is reported in the error; the other queue is flushed normally.
+    pub(crate) fn flush_in_software(&self, qp: &Qp<P>) -> Result<(), RingInconsistent> {
         let flushed = |wr_id, opcode| WorkCompletion {
             wr_id,
             qp_num: Qpn::from_low_bits(qp.qpn),
@@ -323,36 +332,41 @@ impl<P: Platform> Hca<P> {
             ..WorkCompletion::EMPTY
         };
         let mut sends = Vec::new();
-        {
+        let send_walk = {
             let sq = qp.sq.lock();
             let done = &qp.done;
-            let mask = (1u32 << qp.geometry.sq_log_bbs) - 1;
-            let mut counter = done.send_tail.counter();
-            while counter != sq.producer {
+            let log = qp.geometry.sq_log_bbs;
+            let mask = (1u32 << log) - 1;
+            let walk = walk_outstanding(done.send_tail.counter(), sq.producer, log, |counter| {
                 let (wr_id, bbs) = send_slot(done, (counter & mask) as usize);
                 sends.push(flushed(wr_id, WcOpcode::Send));
-                if bbs == 0 {
-                    break;
-                }
-                counter = counter.wrapping_add(bbs);
+                bbs
+            });
+            if walk.is_err() {
+                sends.clear();
             }
             done.send_tail.restart(sq.producer);
-        }
+            walk
+        };
         let mut recvs = Vec::new();
-        {
+        let recv_walk = {
             let rq = qp.rq.lock();
             let done = &qp.done;
-            let mask = (1u32 << qp.geometry.rq_log_entries) - 1;
-            let mut counter = done.recv_tail.counter();
-            while counter != rq.producer {
+            let log = qp.geometry.rq_log_entries;
+            let mask = (1u32 << log) - 1;
+            let walk = walk_outstanding(done.recv_tail.counter(), rq.producer, log, |counter| {
                 recvs.push(flushed(
                     recv_slot(done, (counter & mask) as usize),
                     WcOpcode::Recv,
                 ));
-                counter = counter.wrapping_add(1);
+                1
+            });
+            if walk.is_err() {
+                recvs.clear();
             }
             done.recv_tail.restart(rq.producer);
-        }
+            walk
+        };
         for (cq, wcs) in [(qp.send_cq, sends), (qp.recv_cq, recvs)] {
             if wcs.is_empty() {
                 continue;
@@ -366,6 +380,16 @@ impl<P: Platform> Hca<P> {
                 self.queue_soft_completion(cq);
             }
         }
+        let queue = |walk: Result<(), OutOfRing>, recv| {
+            walk.map_err(|out| RingInconsistent {
+                qpn: qp.qpn,
+                recv,
+                tail: out.tail,
+                producer: out.producer,
+                capacity: out.capacity,
+            })
+        };
+        queue(send_walk, false).and(queue(recv_walk, true))
     }
 
     // ----- D0 entry ---------------------------------------------------
@@ -862,9 +886,104 @@ fn step(qp_type: QpType, from: QpState, to: QpState, cache: &QpModify) -> QpModi
     out
 }
 
+/// A QP whose ring accounting cannot be true: a work queue's completion
+/// tail is not within one ring behind its producer (the WRs outstanding
+/// would be more than the ring holds), so [`Hca::flush_in_software`]
+/// could not tell which slots hold outstanding WRs and flushed none of
+/// that queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RingInconsistent {
+    pub(crate) qpn: u32,
+    /// The receive queue (else the send queue).
+    pub(crate) recv: bool,
+    pub(crate) tail: u32,
+    pub(crate) producer: u32,
+    /// Counter units (WQEs, or send basic blocks) the ring holds.
+    pub(crate) capacity: u32,
+}
+
+/// A walk from a tail that does not reach its producer within one ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct OutOfRing {
+    tail: u32,
+    producer: u32,
+    capacity: u32,
+}
+
+/// Calls `visit` with the counter of each WQE outstanding between `tail`
+/// and `producer` in a ring of `2^log_capacity` counter units; `visit`
+/// answers the WQE's size in units (0: stop there, the rest is unknown).
+/// Never more than one ring's worth of calls: a distance past the ring,
+/// or WQE sizes that step over the producer, is [`OutOfRing`] (after the
+/// calls made so far), never a walk round the 32-bit counter space.
+pub(crate) fn walk_outstanding(
+    tail: u32,
+    producer: u32,
+    log_capacity: u8,
+    mut visit: impl FnMut(u32) -> u32,
+) -> Result<(), OutOfRing> {
+    let capacity = 1u32 << log_capacity;
+    let out = OutOfRing {
+        tail,
+        producer,
+        capacity,
+    };
+    let distance = producer.wrapping_sub(tail);
+    if distance > capacity {
+        return Err(out);
+    }
+    let mut walked = 0u32;
+    while walked < distance {
+        let units = visit(tail.wrapping_add(walked));
+        if units == 0 {
+            return Ok(());
+        }
+        walked = walked.saturating_add(units);
+    }
+    if walked == distance { Ok(()) } else { Err(out) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Walks like `flush_in_software`: the counters visited, each WQE
+    /// `units` long.
+    fn walk(tail: u32, producer: u32, log: u8, units: u32) -> (Vec<u32>, Result<(), OutOfRing>) {
+        let mut seen = Vec::new();
+        let result = walk_outstanding(tail, producer, log, |counter| {
+            seen.push(counter);
+            units
+        });
+        (seen, result)
+    }
+
+    #[test]
+    fn flush_walks_are_bounded_by_the_ring() {
+        // Consistent: every outstanding WQE, across the counter wrap.
+        assert_eq!(walk(5, 9, 3, 1), (alloc::vec![5, 6, 7, 8], Ok(())));
+        assert_eq!(
+            walk(u32::MAX - 1, 2, 3, 2),
+            (alloc::vec![u32::MAX - 1, 0], Ok(()))
+        );
+        assert_eq!(walk(7, 7, 3, 1), (alloc::vec![], Ok(())));
+        assert_eq!(walk(0, 8, 3, 1).0.len(), 8, "a full ring");
+        // A tail past its producer (2^32 - 1 "outstanding") or more than a
+        // ring behind it: nothing visited, reported.
+        let out = |tail, producer| OutOfRing {
+            tail,
+            producer,
+            capacity: 8,
+        };
+        assert_eq!(walk(10, 9, 3, 1), (alloc::vec![], Err(out(10, 9))));
+        assert_eq!(walk(0, 9, 3, 1), (alloc::vec![], Err(out(0, 9))));
+        // WQE sizes that step over the producer stop within the ring.
+        let (seen, result) = walk(0, 5, 3, 2);
+        assert_eq!(seen, alloc::vec![0, 2, 4]);
+        assert_eq!(result, Err(out(0, 5)));
+        // A slot of size 0 ends the walk (nothing known beyond it).
+        assert_eq!(walk(0, 4, 3, 0), (alloc::vec![0], Ok(())));
+    }
 
     #[test]
     fn the_chain_climbs_from_reset_and_lost_states_go_to_error() {
