@@ -424,14 +424,7 @@ fn direction(w: &Arc<World>, from: &Side, to: &Side, count: u64) -> Vec<thread::
                     });
                     s += 1;
                 }
-                let requests: Vec<SendRequest<'_>> = wrs
-                    .iter()
-                    .map(|wr| SendRequest {
-                        wr: *wr,
-                        av: None,
-                        inline: None,
-                    })
-                    .collect();
+                let requests = support::plain_sends(&wrs);
                 let (posted, status) = at_dispatch(&w2, || hca.post_send(qp, &requests));
                 assert!(
                     status == IbStatus::Success || status == IbStatus::InsufficientResources,

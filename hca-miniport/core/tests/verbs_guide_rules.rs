@@ -29,7 +29,7 @@ use ib_types::ioctl::{
     ModifyQp, OpenCa, OpenCaIn, QpCreated, QueryMr, QueryQp, RegPhysMr, ReregPhysMr, Verb,
 };
 use ib_types::mr::{PhysMrRegister, PhysMrRereg, PhysTranslation};
-use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
+use ib_types::qp::{QpModify, QpState, QpType};
 use ib_types::scalars::{PortNum, Psn, QKey, Qpn};
 use ib_types::status::IbStatus;
 use ib_types::wc::WcStatus;
@@ -43,28 +43,15 @@ use support::{World, lock, response};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;
 
-fn qp_create(s: &Setup, qp_type: QpType) -> QpCreate {
-    QpCreate {
-        qp_type,
-        pd: PdHandle::from_raw(s.pd),
-        send_cq: CqHandle::from_raw(s.cq),
-        recv_cq: CqHandle::from_raw(s.cq),
-        srq: None,
-        caps: QpCaps {
-            max_send_wr: 8,
-            max_recv_wr: 8,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    }
-}
-
 #[track_caller]
 fn create(w: &World, s: &Setup, qp_type: QpType) -> (u64, QpCreated) {
-    let r = w.call_in_dpc_at::<CreateQp>(s.i, KERNEL, s.ca, &qp_create(s, qp_type), 0);
+    let r = w.call_in_dpc_at::<CreateQp>(
+        s.i,
+        KERNEL,
+        s.ca,
+        &support::small_qp_create(qp_type, s.pd, s.cq),
+        0,
+    );
     let resp = response::<CreateQp>(&r);
     assert_eq!(resp.status, IbStatus::Success);
     (resp.handle, resp.output.unwrap())
