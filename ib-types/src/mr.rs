@@ -359,16 +359,113 @@ bitflags! {
     }
 }
 
-/// Re-Register Memory Region: each part present is changed; the rest stays.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct MrRereg {
-    /// New range: start and length.
-    pub translation: Option<(u64, u64)>,
+/// The names of a reregistration layout's fields, for its errors.
+struct ReregFields {
+    flags: &'static str,
+    nothing_to_change: &'static str,
+    pd: &'static str,
+    access: &'static str,
+    not_canonical: &'static str,
+}
+
+/// Checks `abi` is the canonical layout of what was read from it, `emitted`:
+/// a field outside the flags, or a reserved byte, that is set differs.
+fn ensure_canonical<A: IntoBytes + Immutable>(
+    names: &ReregFields,
+    emitted: &A,
+    abi: &A,
+) -> Result<(), AbiError> {
+    if emitted.as_bytes() != abi.as_bytes() {
+        return Err(AbiError::ReservedNotZero {
+            field: names.not_canonical,
+        });
+    }
+    Ok(())
+}
+
+/// A reregistration: each part present is changed; the rest stays. `T`
+/// is the kind of translation: [`MrRereg`] and [`PhysMrRereg`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Rereg<T> {
+    /// New translation.
+    pub translation: Option<T>,
     /// New protection domain.
     pub pd: Option<PdHandle>,
     /// New access rights.
     pub access: Option<AccessFlags>,
 }
+
+// Not derived: a derive would ask `T: Default`, and a page-list
+// translation has no meaningful default.
+impl<T> Default for Rereg<T> {
+    fn default() -> Self {
+        Self {
+            translation: None,
+            pd: None,
+            access: None,
+        }
+    }
+}
+
+impl<T> Rereg<T> {
+    /// The flags: exactly the parts present.
+    pub fn flags(&self) -> ReregFlags {
+        let mut flags = ReregFlags::empty();
+        flags.set(ReregFlags::TRANSLATION, self.translation.is_some());
+        flags.set(ReregFlags::PD, self.pd.is_some());
+        flags.set(ReregFlags::ACCESS, self.access.is_some());
+        flags
+    }
+
+    /// Reads a reregistration: its flags (only known bits, at least one),
+    /// then each part they name, the translation by `read_translation`.
+    fn read(
+        names: &ReregFields,
+        raw_flags: u32,
+        pd: PdHandle,
+        access: u32,
+        read_translation: impl FnOnce() -> Result<T, AbiError>,
+    ) -> Result<Self, AbiError> {
+        let flags = ReregFlags::from_bits(raw_flags)
+            .ok_or(AbiError::ReservedNotZero { field: names.flags })?;
+        if flags.is_empty() {
+            return Err(AbiError::OutOfRange {
+                field: names.nothing_to_change,
+                value: 0,
+            });
+        }
+        let translation = if flags.contains(ReregFlags::TRANSLATION) {
+            Some(read_translation()?)
+        } else {
+            None
+        };
+        let pd = if flags.contains(ReregFlags::PD) {
+            if pd.is_null() {
+                return Err(AbiError::OutOfRange {
+                    field: names.pd,
+                    value: 0,
+                });
+            }
+            Some(pd)
+        } else {
+            None
+        };
+        let access = if flags.contains(ReregFlags::ACCESS) {
+            Some(region_access(names.access, access)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            translation,
+            pd,
+            access,
+        })
+    }
+}
+
+/// Re-Register Memory Region: the new translation is a range, start and
+/// length.
+pub type MrRereg = Rereg<(u64, u64)>;
 
 /// ABI layout of [`MrRereg`]: 40 bytes. Fields outside `flags` must be zero.
 #[derive(Debug, Clone, Copy, Default, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
@@ -392,61 +489,32 @@ assert_layout!(MrReregAbi, size = 40, flags @ 0, access @ 4, pd @ 8, vaddr @ 16,
     length @ 24, reserved_at_0x20 @ 32);
 
 impl MrRereg {
-    /// The flags: exactly the parts present.
-    pub fn flags(&self) -> ReregFlags {
-        let mut flags = ReregFlags::empty();
-        flags.set(ReregFlags::TRANSLATION, self.translation.is_some());
-        flags.set(ReregFlags::PD, self.pd.is_some());
-        flags.set(ReregFlags::ACCESS, self.access.is_some());
-        flags
-    }
+    /// Its layout's field names, for errors.
+    const FIELDS: ReregFields = ReregFields {
+        flags: "MrReregAbi.flags",
+        nothing_to_change: "MrReregAbi.flags (nothing to change)",
+        pd: "MrReregAbi.pd",
+        access: "MrReregAbi.access",
+        not_canonical: "MrReregAbi (field outside flags, or reserved)",
+    };
 }
 
 impl Repr for MrRereg {
     type Abi = MrReregAbi;
 
     fn parse(abi: &MrReregAbi) -> Result<Self, AbiError> {
-        let flags = ReregFlags::from_bits(abi.flags.get()).ok_or(AbiError::ReservedNotZero {
-            field: "MrReregAbi.flags",
-        })?;
-        if flags.is_empty() {
-            return Err(AbiError::OutOfRange {
-                field: "MrReregAbi.flags (nothing to change)",
-                value: 0,
-            });
-        }
-        let translation = if flags.contains(ReregFlags::TRANSLATION) {
-            check_range("MrReregAbi.length", abi.vaddr.get(), abi.length.get())?;
-            Some((abi.vaddr.get(), abi.length.get()))
-        } else {
-            None
-        };
-        let pd = if flags.contains(ReregFlags::PD) {
-            if abi.pd.is_null() {
-                return Err(AbiError::OutOfRange {
-                    field: "MrReregAbi.pd",
-                    value: 0,
-                });
-            }
-            Some(abi.pd)
-        } else {
-            None
-        };
-        let access = if flags.contains(ReregFlags::ACCESS) {
-            Some(region_access("MrReregAbi.access", abi.access.get())?)
-        } else {
-            None
-        };
-        let rereg = Self {
-            translation,
-            pd,
-            access,
-        };
-        if rereg.emit().as_bytes() != abi.as_bytes() {
-            return Err(AbiError::ReservedNotZero {
-                field: "MrReregAbi (field outside flags, or reserved)",
-            });
-        }
+        let (vaddr, length) = (abi.vaddr.get(), abi.length.get());
+        let rereg = Self::read(
+            &Self::FIELDS,
+            abi.flags.get(),
+            abi.pd,
+            abi.access.get(),
+            || {
+                check_range("MrReregAbi.length", vaddr, length)?;
+                Ok((vaddr, length))
+            },
+        )?;
+        ensure_canonical(&Self::FIELDS, &rereg.emit(), abi)?;
         Ok(rereg)
     }
 
@@ -483,16 +551,9 @@ pub struct PhysTranslation {
 
 /// Reregister Physical Memory (guide Table 4-1, mandatory; kernel callers
 /// only): each part present is changed, the rest stays, as for
-/// [`MrRereg`]; a new translation is a physical page list.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct PhysMrRereg {
-    /// New translation: a page list (the private input).
-    pub translation: Option<PhysTranslation>,
-    /// New protection domain.
-    pub pd: Option<PdHandle>,
-    /// New access rights.
-    pub access: Option<AccessFlags>,
-}
+/// [`MrRereg`]; a new translation is a physical page list (the private
+/// input).
+pub type PhysMrRereg = Rereg<PhysTranslation>;
 
 /// ABI layout of [`PhysMrRereg`]: 48 bytes, followed (with
 /// [`ReregFlags::TRANSLATION`]) by `num_pages` little-endian 64-bit page
@@ -525,14 +586,14 @@ assert_layout!(PhysMrReregAbi, size = 48, flags @ 0, access @ 4, pd @ 8, iova @ 
     reserved_at_0x29 @ 41);
 
 impl PhysMrRereg {
-    /// The flags: exactly the parts present.
-    pub fn flags(&self) -> ReregFlags {
-        let mut flags = ReregFlags::empty();
-        flags.set(ReregFlags::TRANSLATION, self.translation.is_some());
-        flags.set(ReregFlags::PD, self.pd.is_some());
-        flags.set(ReregFlags::ACCESS, self.access.is_some());
-        flags
-    }
+    /// Its layout's field names, for errors.
+    const FIELDS: ReregFields = ReregFields {
+        flags: "PhysMrReregAbi.flags",
+        nothing_to_change: "PhysMrReregAbi.flags (nothing to change)",
+        pd: "PhysMrReregAbi.pd",
+        access: "PhysMrReregAbi.access",
+        not_canonical: "PhysMrReregAbi (field outside flags, or reserved)",
+    };
 
     /// Reads the page list that follows the fixed layout: exactly the
     /// translation's `num_pages` aligned addresses, or nothing when the
@@ -549,66 +610,36 @@ impl Repr for PhysMrRereg {
     type Abi = PhysMrReregAbi;
 
     fn parse(abi: &PhysMrReregAbi) -> Result<Self, AbiError> {
-        let flags = ReregFlags::from_bits(abi.flags.get()).ok_or(AbiError::ReservedNotZero {
-            field: "PhysMrReregAbi.flags",
-        })?;
-        if flags.is_empty() {
-            return Err(AbiError::OutOfRange {
-                field: "PhysMrReregAbi.flags (nothing to change)",
-                value: 0,
-            });
-        }
-        let translation = if flags.contains(ReregFlags::TRANSLATION) {
-            let t = PhysTranslation {
-                iova: abi.iova.get(),
-                length: abi.length.get(),
-                first_byte_offset: abi.first_byte_offset.get(),
-                page_shift: abi.page_shift,
-                num_pages: abi.num_pages.get(),
-            };
-            check_physical(
-                &PhysFields {
-                    page_shift: "PhysMrReregAbi.page_shift",
-                    first_byte_offset: "PhysMrReregAbi.first_byte_offset",
-                    length: "PhysMrReregAbi.length",
-                    num_pages: "PhysMrReregAbi.num_pages",
-                },
-                t.iova,
-                t.length,
-                t.first_byte_offset,
-                t.page_shift,
-                t.num_pages,
-            )?;
-            Some(t)
-        } else {
-            None
-        };
-        let pd = if flags.contains(ReregFlags::PD) {
-            if abi.pd.is_null() {
-                return Err(AbiError::OutOfRange {
-                    field: "PhysMrReregAbi.pd",
-                    value: 0,
-                });
-            }
-            Some(abi.pd)
-        } else {
-            None
-        };
-        let access = if flags.contains(ReregFlags::ACCESS) {
-            Some(region_access("PhysMrReregAbi.access", abi.access.get())?)
-        } else {
-            None
-        };
-        let rereg = Self {
-            translation,
-            pd,
-            access,
-        };
-        if rereg.emit().as_bytes() != abi.as_bytes() {
-            return Err(AbiError::ReservedNotZero {
-                field: "PhysMrReregAbi (field outside flags, or reserved)",
-            });
-        }
+        let rereg = Self::read(
+            &Self::FIELDS,
+            abi.flags.get(),
+            abi.pd,
+            abi.access.get(),
+            || {
+                let t = PhysTranslation {
+                    iova: abi.iova.get(),
+                    length: abi.length.get(),
+                    first_byte_offset: abi.first_byte_offset.get(),
+                    page_shift: abi.page_shift,
+                    num_pages: abi.num_pages.get(),
+                };
+                check_physical(
+                    &PhysFields {
+                        page_shift: "PhysMrReregAbi.page_shift",
+                        first_byte_offset: "PhysMrReregAbi.first_byte_offset",
+                        length: "PhysMrReregAbi.length",
+                        num_pages: "PhysMrReregAbi.num_pages",
+                    },
+                    t.iova,
+                    t.length,
+                    t.first_byte_offset,
+                    t.page_shift,
+                    t.num_pages,
+                )?;
+                Ok(t)
+            },
+        )?;
+        ensure_canonical(&Self::FIELDS, &rereg.emit(), abi)?;
         Ok(rereg)
     }
 

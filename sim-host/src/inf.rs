@@ -535,7 +535,7 @@ impl Inf {
     }
 }
 
-fn is_guid(s: &str) -> bool {
+pub(crate) fn is_guid(s: &str) -> bool {
     let Some(inner) = s.strip_prefix('{').and_then(|s| s.strip_suffix('}')) else {
         return false;
     };
@@ -785,12 +785,47 @@ fn parse_sections(text: &str) -> Result<Vec<RawSection>, InfError> {
     Ok(sections)
 }
 
-fn parse_u32(s: &str) -> Option<u32> {
+/// A decimal or `0x` hexadecimal number, as INF fields write them.
+pub(crate) fn parse_u32(s: &str) -> Option<u32> {
     let s = s.trim();
     match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
         Some(hex) => u32::from_str_radix(hex, 16).ok(),
         None => s.parse().ok(),
     }
+}
+
+/// A file of an INF directory: its file name and its bytes, or why they
+/// could not be read.
+pub(crate) type InfFile = (String, std::io::Result<Vec<u8>>);
+
+/// Every `*.inf` (any case) file in `dir`, in file-name order.
+pub(crate) fn read_inf_dir(dir: &Path) -> Result<Vec<InfFile>, LoadError> {
+    let read_dir_error = |e: std::io::Error| LoadError::ReadDir {
+        path: dir.to_owned(),
+        reason: e.to_string(),
+    };
+    let mut paths = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(read_dir_error)? {
+        let path = entry.map_err(read_dir_error)?.path();
+        let is_inf = path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("inf"));
+        if is_inf && path.is_file() {
+            paths.push(path);
+        }
+    }
+    paths.sort();
+    Ok(paths
+        .into_iter()
+        .map(|path| {
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let bytes = std::fs::read(&path);
+            (name, bytes)
+        })
+        .collect())
 }
 
 // ---------------------------------------------------------------------------
@@ -812,29 +847,9 @@ impl InfSet {
     /// Loads every `*.inf` (any case) in `dir`, in file-name order. Files
     /// that are not usable INFs are recorded in [`Self::rejected`].
     pub fn load_dir(dir: impl AsRef<Path>) -> Result<Self, LoadError> {
-        let dir = dir.as_ref();
-        let read_dir_error = |e: std::io::Error| LoadError::ReadDir {
-            path: dir.to_owned(),
-            reason: e.to_string(),
-        };
-        let mut paths = Vec::new();
-        for entry in std::fs::read_dir(dir).map_err(read_dir_error)? {
-            let path = entry.map_err(read_dir_error)?.path();
-            let is_inf = path
-                .extension()
-                .is_some_and(|e| e.eq_ignore_ascii_case("inf"));
-            if is_inf && path.is_file() {
-                paths.push(path);
-            }
-        }
-        paths.sort();
         let mut set = Self::new();
-        for path in paths {
-            let name = path
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            match std::fs::read(&path) {
+        for (name, read) in read_inf_dir(dir.as_ref())? {
+            match read {
                 Ok(bytes) => {
                     // A rejection is recorded in the set.
                     let _ = set.add(&name, &bytes);

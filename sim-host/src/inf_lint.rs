@@ -17,7 +17,9 @@ use std::path::Path;
 
 use driver_platform::RegistryKey;
 
-use crate::inf::{Inf, InfError, InfLine, LoadError, SPSVCINST_ASSOCSERVICE};
+use crate::inf::{
+    Inf, InfError, InfLine, LoadError, SPSVCINST_ASSOCSERVICE, is_guid, parse_u32, read_inf_dir,
+};
 
 /// One InfVerif rule (or project registry contract) the linter checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -318,30 +320,9 @@ const ARCHES: [&str; 5] = ["ntamd64", "ntarm64", "ntx86", "ntarm", "ntia64"];
 /// Lints every `*.inf` in `dir` (file-name order). Findings name the
 /// files by their file names.
 pub fn lint_dir(dir: impl AsRef<Path>) -> Result<Vec<Finding>, LoadError> {
-    let dir = dir.as_ref();
-    let read_dir_error = |e: std::io::Error| LoadError::ReadDir {
-        path: dir.to_owned(),
-        reason: e.to_string(),
-    };
-    let mut paths = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(read_dir_error)? {
-        let path = entry.map_err(read_dir_error)?.path();
-        if path
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("inf"))
-            && path.is_file()
-        {
-            paths.push(path);
-        }
-    }
-    paths.sort();
     let mut findings = Vec::new();
-    for path in paths {
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        match std::fs::read(&path) {
+    for (name, read) in read_inf_dir(dir.as_ref())? {
+        match read {
             Ok(bytes) => findings.extend(lint_inf(&name, &bytes)),
             Err(e) => findings.push(Finding {
                 file: name,
@@ -1602,26 +1583,6 @@ fn allowed_absolute_root(root: &str, subkey: &str) -> bool {
                 strip_prefix_ci(subkey, allowed)
                     .is_some_and(|rest| rest.is_empty() || rest.starts_with('\\'))
             }))
-}
-
-fn parse_u32(s: &str) -> Option<u32> {
-    let s = s.trim();
-    match strip_prefix_ci(s, "0x") {
-        Some(hex) => u32::from_str_radix(hex, 16).ok(),
-        None => s.parse().ok(),
-    }
-}
-
-fn is_guid(s: &str) -> bool {
-    let Some(inner) = s.strip_prefix('{').and_then(|s| s.strip_suffix('}')) else {
-        return false;
-    };
-    let groups: Vec<&str> = inner.split('-').collect();
-    groups.len() == 5
-        && groups
-            .iter()
-            .zip([8, 4, 4, 4, 12])
-            .all(|(g, n)| g.len() == n && g.chars().all(|c| c.is_ascii_hexdigit()))
 }
 
 /// `DriverVer = mm/dd/yyyy,w.x.y.z`: two-digit month and day, four-digit

@@ -15,13 +15,12 @@ use hca_miniport_core::init::HcaConfig;
 use hca_prm::regs::{CmdqConfig, offset};
 use ib_types::access::AccessFlags;
 use ib_types::cq::CqAttr;
-use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::ioctl::{
     AllocPd, CloseCa, CreateCq, CreateQp, DeallocPd, DeregMr, DestroyCq, DestroyQp, Empty,
     ModifyQp, OpenCa, OpenCaIn, QueryCq, QueryMr, QueryQp, RegMr, ResizeCq, Verb,
 };
 use ib_types::mr::MrRegister;
-use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
+use ib_types::qp::{QpModify, QpState, QpType};
 use ib_types::scalars::PortNum;
 use ib_types::status::IbStatus;
 use sim_host::memory::PoolBlock;
@@ -51,25 +50,6 @@ fn answer<V: Verb>(issuer: &RequestHandle) -> (IbStatus, u64, Option<V::Out>) {
     let done = issuer.completion().expect("the request completed");
     let r = response::<V>(&done);
     (r.status, r.handle, r.output)
-}
-
-fn qp_create(pd: u64, cq: u64) -> QpCreate {
-    QpCreate {
-        qp_type: QpType::Rc,
-        pd: PdHandle::from_raw(pd),
-        send_cq: CqHandle::from_raw(cq),
-        recv_cq: CqHandle::from_raw(cq),
-        srq: None,
-        caps: QpCaps {
-            max_send_wr: 8,
-            max_recv_wr: 8,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    }
 }
 
 fn pages(w: &World, count: usize) -> Vec<PoolBlock> {
@@ -128,7 +108,7 @@ fn saturated(seed: u64) {
         .map(|b| submit::<RegMr>(&w, pd, &register(b)))
         .collect();
     let qps: Vec<RequestHandle> = (0..n)
-        .map(|_| submit::<CreateQp>(&w, ca, &qp_create(pd, qp_cq)))
+        .map(|_| submit::<CreateQp>(&w, ca, &support::small_qp_create(QpType::Rc, pd, qp_cq)))
         .collect();
     w.settle();
     let mut cq_handles = Vec::new();
@@ -288,7 +268,7 @@ fn device_stops_answering(seed: u64) {
             comp_vector: 0,
         },
     );
-    let (qp, _) = call::<CreateQp>(&w, ca, &qp_create(pd, cq));
+    let (qp, _) = call::<CreateQp>(&w, ca, &support::small_qp_create(QpType::Rc, pd, cq));
     let blocks = pages(&w, n);
     // The device stops taking commands: its command doorbells are dropped
     // from now on.
@@ -313,7 +293,7 @@ fn device_stops_answering(seed: u64) {
         .map(|b| submit::<RegMr>(&w, pd, &register(b)))
         .collect();
     let qps: Vec<RequestHandle> = (0..n)
-        .map(|_| submit::<CreateQp>(&w, ca, &qp_create(pd, cq)))
+        .map(|_| submit::<CreateQp>(&w, ca, &support::small_qp_create(QpType::Rc, pd, cq)))
         .collect();
     let modify = submit::<ModifyQp>(&w, qp, &QpModify::to_state(QpState::Err));
     let resize = submit::<ResizeCq>(

@@ -11,7 +11,6 @@ mod support;
 use std::sync::{Arc, Mutex};
 
 use driver_platform::RequestorMode;
-use hca_miniport_core::verbs::qp::SendRequest;
 use ib_types::access::AccessFlags;
 use ib_types::cq::CqAttr;
 use ib_types::handle::{CqHandle, PdHandle};
@@ -191,14 +190,7 @@ impl Rig {
         let out = Arc::new(Mutex::new(None));
         let (hca, sink, qp) = (self.w.hca(), out.clone(), self.a);
         self.w.in_dpc(move || {
-            let requests: Vec<SendRequest<'_>> = wrs
-                .iter()
-                .map(|wr| SendRequest {
-                    wr: *wr,
-                    av: None,
-                    inline: None,
-                })
-                .collect();
+            let requests = support::plain_sends(&wrs);
             *lock(&sink) = Some(hca.post_send(qp, &requests));
         });
         out
@@ -224,14 +216,7 @@ impl Rig {
             };
             let next = sched.clone();
             sched.queue_dpc(support::DRIVER, move || {
-                let requests: Vec<SendRequest<'_>> = batch
-                    .iter()
-                    .map(|wr| SendRequest {
-                        wr: *wr,
-                        av: None,
-                        inline: None,
-                    })
-                    .collect();
+                let requests = support::plain_sends(&batch);
                 lock(&out).push(hca.post_send(qp, &requests));
                 link(next, hca, qp, batches, out);
             });

@@ -424,14 +424,7 @@ fn direction(w: &Arc<World>, from: &Side, to: &Side, count: u64) -> Vec<thread::
                     });
                     s += 1;
                 }
-                let requests: Vec<SendRequest<'_>> = wrs
-                    .iter()
-                    .map(|wr| SendRequest {
-                        wr: *wr,
-                        av: None,
-                        inline: None,
-                    })
-                    .collect();
+                let requests = support::plain_sends(&wrs);
                 let (posted, status) = at_dispatch(&w2, || hca.post_send(qp, &requests));
                 assert!(
                     status == IbStatus::Success || status == IbStatus::InsufficientResources,
@@ -444,7 +437,9 @@ fn direction(w: &Arc<World>, from: &Side, to: &Side, count: u64) -> Vec<thread::
     threads
 }
 
-fn run(count: u64) {
+/// A threaded host with two two-port HCAs and a side on each, their QPs
+/// connected: `a` on the HCA of `GUIDS[0]`, `b` on the other.
+fn connected_pair() -> (Arc<World>, Side, Side) {
     let configs = vec![
         DeviceConfig::with_ports(GUIDS[0], &HCA_IPS[0]),
         DeviceConfig::with_ports(GUIDS[1], &HCA_IPS[1]),
@@ -456,10 +451,14 @@ fn run(count: u64) {
     ));
     let guid = |i: usize| w.hca_at(i).report().unwrap().capabilities.node_guid.get();
     let x = if guid(0) == GUIDS[0] { 0 } else { 1 };
-    let y = 1 - x;
-    let (a, b) = (side(&w, x), side(&w, y));
+    let (a, b) = (side(&w, x), side(&w, 1 - x));
     connect(&w, &a, b.qpn, HCA_IPS[1][0]);
     connect(&w, &b, a.qpn, HCA_IPS[0][0]);
+    (w, a, b)
+}
+
+fn run(count: u64) {
+    let (w, a, b) = connected_pair();
 
     let started = Instant::now();
     let mut threads = direction(&w, &a, &b, count);
@@ -536,20 +535,7 @@ fn counting<R>(w: &World, f: impl FnOnce() -> R) -> (R, RwAcquisitions) {
 /// holder's deadline, as checked by making the holder exclusive).
 #[test]
 fn post_and_poll_take_the_object_tables_shared_and_a_shared_holder_delays_neither() {
-    let configs = vec![
-        DeviceConfig::with_ports(GUIDS[0], &HCA_IPS[0]),
-        DeviceConfig::with_ports(GUIDS[1], &HCA_IPS[1]),
-    ];
-    let w = Arc::new(World::threaded_with_hcas(
-        2,
-        configs,
-        hca_miniport_core::init::HcaConfig::default(),
-    ));
-    let guid = |i: usize| w.hca_at(i).report().unwrap().capabilities.node_guid.get();
-    let x = if guid(0) == GUIDS[0] { 0 } else { 1 };
-    let (a, b) = (side(&w, x), side(&w, 1 - x));
-    connect(&w, &a, b.qpn, HCA_IPS[1][0]);
-    connect(&w, &b, a.qpn, HCA_IPS[0][0]);
+    let (w, a, b) = connected_pair();
     let (hca_a, hca_b) = (w.hca_at(a.i), w.hca_at(b.i));
 
     // One send of `a` to `b`, tagged `tag`: posts a receive on `b`, the
@@ -682,20 +668,7 @@ fn post_and_poll_take_the_object_tables_shared_and_a_shared_holder_delays_neithe
 fn two_threads_polling_one_cq_get_every_wr_id_once_and_the_queue_never_wedges() {
     const WRITES: u64 = 40_000;
     let signaled = |seq: u64| seq % 4 != 1 || seq + 1 == WRITES;
-    let configs = vec![
-        DeviceConfig::with_ports(GUIDS[0], &HCA_IPS[0]),
-        DeviceConfig::with_ports(GUIDS[1], &HCA_IPS[1]),
-    ];
-    let w = Arc::new(World::threaded_with_hcas(
-        2,
-        configs,
-        hca_miniport_core::init::HcaConfig::default(),
-    ));
-    let guid = |i: usize| w.hca_at(i).report().unwrap().capabilities.node_guid.get();
-    let x = if guid(0) == GUIDS[0] { 0 } else { 1 };
-    let (a, b) = (side(&w, x), side(&w, 1 - x));
-    connect(&w, &a, b.qpn, HCA_IPS[1][0]);
-    connect(&w, &b, a.qpn, HCA_IPS[0][0]);
+    let (w, a, b) = connected_pair();
 
     let hca = w.hca_at(a.i);
     let expected = (0..WRITES).filter(|&s| signaled(s)).count() as u64;

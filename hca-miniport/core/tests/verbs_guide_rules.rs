@@ -30,7 +30,7 @@ use ib_types::ioctl::{
     ModifyQp, OpenCa, OpenCaIn, QpCreated, QueryMr, QueryQp, RegPhysMr, ReregPhysMr, Verb,
 };
 use ib_types::mr::{PhysMrRegister, PhysMrRereg, PhysTranslation};
-use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
+use ib_types::qp::{QpModify, QpState, QpType};
 use ib_types::scalars::{PortNum, Psn, QKey, Qpn};
 use ib_types::status::IbStatus;
 use ib_types::wc::WcStatus;
@@ -44,28 +44,15 @@ use support::{World, lock, response};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;
 
-fn qp_create(s: &Setup, qp_type: QpType) -> QpCreate {
-    QpCreate {
-        qp_type,
-        pd: PdHandle::from_raw(s.pd),
-        send_cq: CqHandle::from_raw(s.cq),
-        recv_cq: CqHandle::from_raw(s.cq),
-        srq: None,
-        caps: QpCaps {
-            max_send_wr: 8,
-            max_recv_wr: 8,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    }
-}
-
 #[track_caller]
 fn create(w: &World, s: &Setup, qp_type: QpType) -> (u64, QpCreated) {
-    let r = w.call_in_dpc_at::<CreateQp>(s.i, KERNEL, s.ca, &qp_create(s, qp_type), 0);
+    let r = w.call_in_dpc_at::<CreateQp>(
+        s.i,
+        KERNEL,
+        s.ca,
+        &support::small_qp_create(qp_type, s.pd, s.cq),
+        0,
+    );
     let resp = response::<CreateQp>(&r);
     assert_eq!(resp.status, IbStatus::Success);
     (resp.handle, resp.output.unwrap())
@@ -286,24 +273,41 @@ fn send_datagram(
     qkey: u32,
 ) -> WcStatus {
     let av = hca_prm::av::Av::try_from(&grh_av(1, dest_ip)).unwrap();
+    let wr = SendWr {
+        wr_id: 7,
+        op: SendOp::Send,
+        flags: SendFlags::SIGNALED,
+        sg_list: &[],
+        ud: Some(UdDest {
+            av: AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(dest_qpn).unwrap(),
+            remote_qkey: QKey::new(qkey),
+        }),
+    };
+    post_one_and_complete(w, s, qp, wr, Vec::new(), Some(av))
+}
+
+/// Posts `wr` over the SGEs `sges` (and with `av` for UD) on `qp` of HCA
+/// `s.i` from a DPC, checks it was taken, and returns the status of the
+/// one completion CQ `s.cq` then holds.
+fn post_one_and_complete(
+    w: &World,
+    s: &Setup,
+    qp: u64,
+    wr: SendWr<'static>,
+    sges: Vec<Sge>,
+    av: Option<hca_prm::av::Av>,
+) -> WcStatus {
     let hca = w.hca_at(s.i);
     let out = Arc::new(Mutex::new(None));
     let sink = out.clone();
     w.in_dpc(move || {
-        let wr = SendWr {
-            wr_id: 7,
-            op: SendOp::Send,
-            flags: SendFlags::SIGNALED,
-            sg_list: &[],
-            ud: Some(UdDest {
-                av: AvHandle::from_raw(1),
-                remote_qpn: Qpn::new(dest_qpn).unwrap(),
-                remote_qkey: QKey::new(qkey),
-            }),
-        };
         let request = SendRequest {
-            wr,
-            av: Some(av),
+            wr: SendWr {
+                sg_list: &sges,
+                ..wr
+            },
+            av,
             inline: None,
         };
         *lock(&sink) = Some(hca.post_send(qp, &[request]));
@@ -464,30 +468,14 @@ fn query_mr(w: &World, i: usize, mr: u64) -> ib_types::mr::MrQuery {
 /// One signaled RDMA write of `src` to `remote` posted on `qp` of HCA
 /// `s.i`; returns its completion status.
 fn rdma_write(w: &World, s: &Setup, qp: u64, src: Sge, remote: RemoteAddr) -> WcStatus {
-    let hca = w.hca_at(s.i);
-    let out = Arc::new(Mutex::new(None));
-    let sink = out.clone();
-    w.in_dpc(move || {
-        let sges = [src];
-        let wr = SendWr {
-            wr_id: 5,
-            op: SendOp::RdmaWrite { remote },
-            flags: SendFlags::SIGNALED,
-            sg_list: &sges,
-            ud: None,
-        };
-        let request = SendRequest {
-            wr,
-            av: None,
-            inline: None,
-        };
-        *lock(&sink) = Some(hca.post_send(qp, &[request]));
-    });
-    w.settle();
-    assert_eq!(lock(&out).take(), Some((1, IbStatus::Success)));
-    let wcs = poll_all(w, s.i, s.cq);
-    assert_eq!(wcs.len(), 1, "{wcs:?}");
-    wcs[0].status
+    let wr = SendWr {
+        wr_id: 5,
+        op: SendOp::RdmaWrite { remote },
+        flags: SendFlags::SIGNALED,
+        sg_list: &[],
+        ud: None,
+    };
+    post_one_and_complete(w, s, qp, wr, vec![src], None)
 }
 
 #[test]

@@ -11,12 +11,12 @@ use driver_platform::RequestorMode;
 use hca_miniport_core::verbs::qp::SendRequest;
 use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
-use ib_types::handle::{AvHandle, CqHandle, PdHandle};
+use ib_types::handle::AvHandle;
 use ib_types::ioctl::{
     AttachMcast, CreateQp, DestroyQp, DetachMcast, Empty, LocalMad, LocalMadIn, MAD_SIZE, ModifyQp,
 };
 use ib_types::mcast::McastGroup;
-use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
+use ib_types::qp::{QpModify, QpState, QpType};
 use ib_types::scalars::{Gid, Lid, PortNum, Psn, QKey, Qpn};
 use ib_types::status::IbStatus;
 use ib_types::wc::WcStatus;
@@ -59,22 +59,7 @@ fn leak_sges(sges: Vec<Sge>) -> &'static [Sge] {
 }
 
 fn create_qp(w: &World, s: &Setup, qp_type: QpType) -> (u64, u32) {
-    let input = QpCreate {
-        qp_type,
-        pd: PdHandle::from_raw(s.pd),
-        send_cq: CqHandle::from_raw(s.cq),
-        recv_cq: CqHandle::from_raw(s.cq),
-        srq: None,
-        caps: QpCaps {
-            max_send_wr: 8,
-            max_recv_wr: 8,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    };
+    let input = support::small_qp_create(qp_type, s.pd, s.cq);
     let r = w.call_in_dpc_at::<CreateQp>(s.i, KERNEL, s.ca, &input, 0);
     let resp = response::<CreateQp>(&r);
     assert_eq!(resp.status, IbStatus::Success);

@@ -8,7 +8,6 @@
 mod support;
 
 use driver_platform::RequestorMode;
-use hca_miniport_core::verbs::qp::SendRequest;
 use ib_types::access::AccessFlags;
 use ib_types::handle::{CqHandle, MwHandle, PdHandle};
 use ib_types::ioctl::{
@@ -99,27 +98,12 @@ fn signaled(wr_id: u64, sg_list: &'static [Sge], op: SendOp) -> SendWr<'static> 
     }
 }
 
-fn post_send(w: &World, i: usize, qp: u64, wrs: Vec<SendWr<'static>>) -> (usize, IbStatus) {
-    let out = std::sync::Arc::new(std::sync::Mutex::new(None));
-    let (hca, sink) = (w.hca_at(i), out.clone());
-    w.in_dpc(move || {
-        let requests: Vec<SendRequest<'_>> = wrs
-            .iter()
-            .map(|wr| SendRequest {
-                wr: *wr,
-                av: None,
-                inline: None,
-            })
-            .collect();
-        *support::lock(&sink) = Some(hca.post_send(qp, &requests));
-    });
-    w.settle();
-    support::lock(&out).take().unwrap()
-}
-
 /// Posts one signaled WR on QP `qp` of HCA `i` and returns its completion.
 fn run_one(w: &World, s: &Setup, qp: u64, wr: SendWr<'static>) -> WorkCompletion {
-    assert_eq!(post_send(w, s.i, qp, vec![wr]), (1, IbStatus::Success));
+    assert_eq!(
+        w.post_send_in_dpc(s.i, qp, vec![wr]),
+        (1, IbStatus::Success)
+    );
     let wcs = poll_all(w, s.i, s.cq);
     assert_eq!(wcs.len(), 1, "{wcs:?}");
     assert_eq!(wcs[0].wr_id, wr.wr_id);
@@ -547,17 +531,11 @@ fn memory_windows_of_both_types_bind_grant_access_and_are_revoked() {
     assert_ne!(key1, first1);
     let key2 = hy.next_mw_rkey(mw2).unwrap();
     assert_eq!(
-        post_send(
-            &w,
-            y,
-            b,
-            vec![signaled(90, &[], bind(mw1, key2, &by, 0, 64))]
-        ),
+        w.post_send_in_dpc(y, b, vec![signaled(90, &[], bind(mw1, key2, &by, 0, 64))]),
         (0, IbStatus::InvalidRkey)
     );
     assert_eq!(
-        post_send(
-            &w,
+        w.post_send_in_dpc(
             y,
             b,
             vec![signaled(91, &[], bind(mw1 + (1 << 24), key1, &by, 0, 64))]
@@ -577,7 +555,7 @@ fn memory_windows_of_both_types_bind_grant_access_and_are_revoked() {
         },
     };
     assert_eq!(
-        post_send(&w, y, b, vec![signaled(92, &[], local_rights)]),
+        w.post_send_in_dpc(y, b, vec![signaled(92, &[], local_rights)]),
         (0, IbStatus::InvalidPermission)
     );
 

@@ -795,14 +795,7 @@ fn rc_and_ud_traffic_between_two_hcas_and_destroy_during_traffic() {
     {
         let (hca, posted) = (w.hca_at(x), posted.clone());
         w.in_dpc(move || {
-            let requests: Vec<SendRequest<'_>> = wrs
-                .iter()
-                .map(|wr| SendRequest {
-                    wr: *wr,
-                    av: None,
-                    inline: None,
-                })
-                .collect();
+            let requests = support::plain_sends(&wrs);
             *support::lock(&posted) = Some(hca.post_send(a, &requests));
             hca.submit_request(request);
         });

@@ -208,25 +208,6 @@ fn poll_all(w: &World, cq: u64) -> Vec<WorkCompletion> {
     lock(&out).clone()
 }
 
-/// Posts signaled SENDs from a DPC; returns (posted, status).
-fn post_sends(w: &World, qp: u64, wrs: Vec<SendWr<'static>>) -> (usize, IbStatus) {
-    let out = Arc::new(Mutex::new(None));
-    let (hca, sink) = (w.hca(), out.clone());
-    w.in_dpc(move || {
-        let requests: Vec<SendRequest<'_>> = wrs
-            .iter()
-            .map(|wr| SendRequest {
-                wr: *wr,
-                av: None,
-                inline: None,
-            })
-            .collect();
-        *lock(&sink) = Some(hca.post_send(qp, &requests));
-    });
-    w.settle();
-    lock(&out).take().unwrap()
-}
-
 /// Posts receives to the SRQ from a DPC.
 fn post_srq(w: &World, srq: u64, wrs: Vec<RecvWr<'static>>) -> (u32, IbStatus) {
     let out = Arc::new(Mutex::new(None));
@@ -371,7 +352,7 @@ fn rc_receives_from_an_srq_refilled_past_its_depth_with_wr_ids_and_bytes() {
                 }
             })
             .collect();
-        assert_eq!(post_sends(&w, a, sends), (DEPTH, IbStatus::Success));
+        assert_eq!(w.post_send_in_dpc(0, a, sends), (DEPTH, IbStatus::Success));
         let wcs = poll_all(&w, cq);
         let sent: Vec<(u64, WcStatus)> = wcs
             .iter()
@@ -518,7 +499,7 @@ fn a_responder_access_error_moves_the_cached_state_to_err_and_reaches_the_client
         sg_list: leak_sges(vec![a_mem.sge(0, 64)]),
         ud: None,
     };
-    assert_eq!(post_sends(&w, a, vec![wr]), (1, IbStatus::Success));
+    assert_eq!(w.post_send_in_dpc(0, a, vec![wr]), (1, IbStatus::Success));
     let wcs = poll_all(&w, cq);
     let summary: Vec<(u32, u64, WcStatus)> = wcs
         .iter()
@@ -711,7 +692,7 @@ fn a_late_srq_completion_never_reaches_a_reused_srq_number() {
         (1, IbStatus::Success)
     );
     assert_eq!(
-        post_sends(&w, a, vec![send(1, 0x21)]),
+        w.post_send_in_dpc(0, a, vec![send(1, 0x21)]),
         (1, IbStatus::Success)
     );
 
@@ -765,7 +746,7 @@ fn a_late_srq_completion_never_reaches_a_reused_srq_number() {
     connect(&w, a, 1, qpn_c, [10, 0, 1, 1]);
     connect(&w, c, 2, qpn_a, [10, 0, 0, 1]);
     assert_eq!(
-        post_sends(&w, a, vec![send(2, 0x42)]),
+        w.post_send_in_dpc(0, a, vec![send(2, 0x42)]),
         (1, IbStatus::Success)
     );
     let summary: Vec<(u32, u64, WcStatus)> = poll_all(&w, recv_cq)

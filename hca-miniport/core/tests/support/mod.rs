@@ -13,9 +13,13 @@ use hca_miniport::sim::{MiniportDevice, MiniportDriver, MiniportOptions};
 use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use hca_miniport_core::hca::Hca;
 use hca_miniport_core::init::HcaConfig;
+use hca_miniport_core::verbs::qp::SendRequest;
+use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::ioctl::{Response, Verb, decode_response, encode_request, request_len};
+use ib_types::qp::{QpCaps, QpCreate, QpType};
 use ib_types::scalars::{PortNum, Qpn};
-use ib_types::status::NtStatus;
+use ib_types::status::{IbStatus, NtStatus};
+use ib_types::wr::SendWr;
 use sim_hca::device::DeviceConfig;
 use sim_host::dma::HostDmaAdapter;
 use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry};
@@ -260,6 +264,40 @@ impl World {
     }
 }
 
+/// `wrs` as the core's send requests, with neither an address vector nor
+/// inline data.
+pub(crate) fn plain_sends<'a>(wrs: &[SendWr<'a>]) -> Vec<SendRequest<'a>> {
+    wrs.iter()
+        .map(|wr| SendRequest {
+            wr: *wr,
+            av: None,
+            inline: None,
+        })
+        .collect()
+}
+
+/// A kernel QP of `qp_type` in PD `pd`, sending and receiving on CQ `cq`:
+/// 8 WRs and one SGE each way, no inline data, no SRQ, no port, only
+/// signaled WRs completing.
+pub(crate) fn small_qp_create(qp_type: QpType, pd: u64, cq: u64) -> QpCreate {
+    QpCreate {
+        qp_type,
+        pd: PdHandle::from_raw(pd),
+        send_cq: CqHandle::from_raw(cq),
+        recv_cq: CqHandle::from_raw(cq),
+        srq: None,
+        caps: QpCaps {
+            max_send_wr: 8,
+            max_recv_wr: 8,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        },
+        sq_sig_all: false,
+        port: None,
+    }
+}
+
 /// The response of a completion, decoded; checks that the NTSTATUS agrees
 /// with the response status and `information` with the bytes.
 pub(crate) fn response<V: Verb>(completion: &Completion) -> Response<'_, V> {
@@ -478,6 +516,23 @@ impl World {
             );
             std::thread::sleep(std::time::Duration::from_micros(100));
         }
+    }
+
+    /// Posts `wrs` ([`plain_sends`]) on QP `qp` of HCA `i` from a DPC, runs
+    /// the machine, and returns what `post_send` answered: (posted, status).
+    pub(crate) fn post_send_in_dpc(
+        &self,
+        i: usize,
+        qp: u64,
+        wrs: Vec<SendWr<'static>>,
+    ) -> (usize, IbStatus) {
+        let out = Arc::new(Mutex::new(None));
+        let (hca, sink) = (self.hca_at(i), out.clone());
+        self.in_dpc(move || {
+            *lock(&sink) = Some(hca.post_send(qp, &plain_sends(&wrs)));
+        });
+        self.settle();
+        lock(&out).take().unwrap()
     }
 
     /// The outer sink of HCA `i`.
