@@ -438,15 +438,19 @@ impl Swarm {
         Ok(())
     }
 
+    /// Applies the outstanding requests that completed. A resize is judged
+    /// last: a destroy that completed meanwhile may have given its room
+    /// back before the resize was checked.
     fn check_pending(&mut self) -> Result<(), String> {
-        let mut i = 0;
-        while i < self.pending.len() {
-            if self.pending[i].submitted.issuer.completion().is_some() {
-                let done = self.pending.remove(i);
-                self.apply(done)?;
-            } else {
-                i += 1;
-            }
+        let (done, waiting): (Vec<Pending>, Vec<Pending>) = std::mem::take(&mut self.pending)
+            .into_iter()
+            .partition(|p| p.submitted.issuer.completion().is_some());
+        self.pending = waiting;
+        let (resizes, others): (Vec<Pending>, Vec<Pending>) = done
+            .into_iter()
+            .partition(|p| matches!(p.effect, Effect::Resized(..)));
+        for done in others.into_iter().chain(resizes) {
+            self.apply(done)?;
         }
         Ok(())
     }
@@ -624,8 +628,10 @@ impl Swarm {
             self.pending.push(pending);
             Ok(())
         } else {
+            // Judged with the room of the requests that completed meanwhile.
             self.m.wait(&pending.submitted)?;
-            self.apply(pending)
+            self.pending.push(pending);
+            self.check_pending()
         }
     }
 
@@ -636,6 +642,17 @@ impl Swarm {
             max_send_sge: 1,
             max_recv_sge: 1,
             max_inline_data: if self.rng.below(2) == 0 { 0 } else { 128 },
+        }
+    }
+
+    /// Whether a QP's queues of `send_need` and `recv_need` WRs fit what
+    /// its CQs have left (guide 8.2.3 item 1), as the model counts now.
+    fn qp_fits(&self, send_cq: Id, recv_cq: Id, send_need: u32, recv_need: u32) -> bool {
+        let (send, recv) = (&self.cqs[send_cq], &self.cqs[recv_cq]);
+        if send_cq == recv_cq {
+            send.committed + send_need + recv_need <= send.size
+        } else {
+            send.committed + send_need <= send.size && recv.committed + recv_need <= recv.size
         }
     }
 
@@ -661,19 +678,19 @@ impl Swarm {
             caps.max_send_wr.next_power_of_two(),
             caps.max_recv_wr.next_power_of_two(),
         );
-        let fits = if send_cq == recv_cq {
-            self.cqs[send_cq].committed + send_need + recv_need <= self.cqs[send_cq].size
-        } else {
-            self.cqs[send_cq].committed + send_need <= self.cqs[send_cq].size
-                && self.cqs[recv_cq].committed + recv_need <= self.cqs[recv_cq].size
-        };
+        let fits_then = self.qp_fits(send_cq, recv_cq, send_need, recv_need);
         let ca = self.m.sides[side].ca;
         let (status, handle, out) = self.m.call_status::<CreateQp>(side, ca, &create, &[])?;
+        // Held requests (a destroy, a resize) may have completed while this
+        // one was awaited, before or after the miniport checked its room:
+        // the room it saw lies between the model's before and after them.
+        self.check_pending()?;
+        let fits_now = self.qp_fits(send_cq, recv_cq, send_need, recv_need);
         if status != IbStatus::Success {
             if ty == QpType::Gsi && status == IbStatus::ResourceBusy {
                 return Ok(None);
             }
-            if status == IbStatus::InsufficientResources && !fits {
+            if status == IbStatus::InsufficientResources && !fits_then {
                 self.count("refused: QP's queues past its CQ");
                 return Ok(None);
             }
@@ -697,7 +714,7 @@ impl Swarm {
         {
             return Err(format!("CreateQp granted {granted:?} for {caps:?}"));
         }
-        if !fits {
+        if !fits_now {
             return Err(format!(
                 "CreateQp {ty:?} {caps:?} accepted on CQs of {} and {} entries with {} and {} committed",
                 self.cqs[send_cq].size,
