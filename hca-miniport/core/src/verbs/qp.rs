@@ -837,6 +837,11 @@ impl<P: Platform> Hca<P> {
     /// quarantine), MTT entries and parent uses.
     pub(super) fn forget_qp(&self, handle: Handle<kind::Qp>, qp: &Qp<P>) {
         let mtt = qp.control.lock().mtt.take();
+        // The CQ room is kept per QP number: give it back while the number
+        // is still this QP's, so a QP created at the number on another
+        // processor (special QPs reuse theirs at once) cannot commit into
+        // this QP's entry before the release removes it.
+        self.release_cq_room(qp.qpn, qp.send_cq, qp.recv_cq);
         let now = self.deferred.now_ns();
         let _ = self.with_objects_mut(|o| {
             let _ = o.qps.destroy(handle, now);
@@ -845,7 +850,6 @@ impl<P: Platform> Hca<P> {
             }
         });
         self.free_later(qp.take_buffers());
-        self.release_cq_room(qp.qpn, qp.send_cq, qp.recv_cq);
         self.release_qp_parents(qp.pd, qp.send_cq, qp.recv_cq, qp.srq);
     }
 
