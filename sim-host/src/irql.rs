@@ -138,6 +138,8 @@ pub struct IrqlGuard {
     previous: Irql,
     /// The level the guarded code started at and must end at.
     entered: Irql,
+    /// The routine run under the guard, named in a mismatch report.
+    routine: Option<&'static str>,
     /// Pins the guard to its thread.
     _not_send: PhantomData<*const ()>,
 }
@@ -153,6 +155,7 @@ impl IrqlGuard {
         Self {
             previous,
             entered: current(),
+            routine: None,
             _not_send: PhantomData,
         }
     }
@@ -167,6 +170,20 @@ impl IrqlGuard {
         Self {
             previous,
             entered: irql,
+            routine: None,
+            _not_send: PhantomData,
+        }
+    }
+
+    /// [`IrqlGuard::switched`] for the named `routine` (a KMDF callback
+    /// such as `EvtDeviceD0Entry`), which a mismatch report names.
+    pub fn switched_for(irql: Irql, routine: &'static str) -> Self {
+        let previous = current();
+        set(irql);
+        Self {
+            previous,
+            entered: irql,
+            routine: Some(routine),
             _not_send: PhantomData,
         }
     }
@@ -186,8 +203,9 @@ impl Drop for IrqlGuard {
     fn drop(&mut self) {
         let now = current();
         if now != self.entered {
+            let routine = self.routine.unwrap_or("routine");
             report_mismatch(format!(
-                "routine returned at {now:?}, entered at {:?}",
+                "{routine} returned at {now:?}, entered at {:?}",
                 self.entered
             ));
         }

@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use driver_platform::{ChildBus, ChildDescription, DevicePowerState};
+use driver_platform::{ChildBus, ChildDescription, DevicePowerState, Irql};
 use ib_types::interface::WinGuid;
 use ib_types::status::NtStatus;
 
@@ -30,6 +30,7 @@ use crate::driver::{
     DELETE_PENDING, DeviceCallbacks, DeviceInit, DriverEntry, Forward, InterfaceRef,
     NO_SUCH_DEVICE, NOT_SUPPORTED, SUCCESS, StackRole,
 };
+use crate::irql::IrqlGuard;
 use crate::registry::{RegistryStore, RegistryView};
 use crate::request::HostRequest;
 use crate::verifier::{Verifier, ViolationKind};
@@ -903,6 +904,19 @@ impl PnpManager {
         version: u16,
         consumer: Option<(Arc<str>, DevNodeId)>,
     ) -> Option<InterfaceRef> {
+        // IRP_MN_QUERY_INTERFACE is sent and handled at PASSIVE_LEVEL only.
+        // Recorded against the caller (or, from host code, the consumer),
+        // and answered anyway: the violation is the failure.
+        if context::is_set() {
+            crate::irql::check_max("IRP_MN_QUERY_INTERFACE", Irql::PASSIVE);
+        } else if crate::irql::current() > Irql::PASSIVE {
+            let driver = consumer.as_ref().map(|(service, _)| service.clone());
+            let _caller = context::enter(Context {
+                verifier: self.inner.verifier.clone(),
+                driver,
+            });
+            crate::irql::check_max("IRP_MN_QUERY_INTERFACE", Irql::PASSIVE);
+        }
         let holder = consumer.as_ref().map(|(_, n)| *n);
         let refs = lock(&self.inner.tree)
             .nodes
@@ -1141,9 +1155,11 @@ struct InDriver {
 }
 
 impl InDriver {
+    /// Calls a request callback (`EvtIoDeviceControl`): at the IRQL of the
+    /// caller, as KMDF presents a request on the sender's thread.
     fn call<R>(
         &self,
-        callback: &str,
+        callback: &'static str,
         otherwise: R,
         f: impl FnOnce(&dyn DeviceCallbacks) -> R,
     ) -> R {
@@ -1157,43 +1173,61 @@ impl InDriver {
         let _driver = context::enter(Context::driver(self.verifier.clone(), self.service.clone()));
         f(self.inner.as_ref())
     }
+
+    /// Calls a PnP or power callback as the PnP manager does: on a system
+    /// thread at PASSIVE_LEVEL, whatever IRQL the event that caused it came
+    /// from (a bus reporting a child missing from its DPC). Returning at
+    /// another level is [`ViolationKind::IrqlMismatch`] naming the
+    /// callback; the host's thread goes back to its own level regardless.
+    fn call_pnp<R>(
+        &self,
+        callback: &'static str,
+        otherwise: R,
+        f: impl FnOnce(&dyn DeviceCallbacks) -> R,
+    ) -> R {
+        self.call(callback, otherwise, |d| {
+            // Inside the context, so a mismatch is charged to the driver.
+            let _system_thread = IrqlGuard::switched_for(Irql::PASSIVE, callback);
+            f(d)
+        })
+    }
 }
 
 impl DeviceCallbacks for InDriver {
     fn prepare_hardware(&self) -> NtStatus {
-        self.call("EvtDevicePrepareHardware", NO_SUCH_DEVICE, |d| {
+        self.call_pnp("EvtDevicePrepareHardware", NO_SUCH_DEVICE, |d| {
             d.prepare_hardware()
         })
     }
     fn release_hardware(&self) -> NtStatus {
-        self.call("EvtDeviceReleaseHardware", NO_SUCH_DEVICE, |d| {
+        self.call_pnp("EvtDeviceReleaseHardware", NO_SUCH_DEVICE, |d| {
             d.release_hardware()
         })
     }
     fn d0_entry(&self, from: DevicePowerState) -> NtStatus {
-        self.call("EvtDeviceD0Entry", NO_SUCH_DEVICE, |d| d.d0_entry(from))
+        self.call_pnp("EvtDeviceD0Entry", NO_SUCH_DEVICE, |d| d.d0_entry(from))
     }
     fn d0_exit(&self, to: DevicePowerState) -> NtStatus {
-        self.call("EvtDeviceD0Exit", NO_SUCH_DEVICE, |d| d.d0_exit(to))
+        self.call_pnp("EvtDeviceD0Exit", NO_SUCH_DEVICE, |d| d.d0_exit(to))
     }
     fn query_remove(&self) -> NtStatus {
-        self.call("IRP_MN_QUERY_REMOVE_DEVICE", NO_SUCH_DEVICE, |d| {
+        self.call_pnp("IRP_MN_QUERY_REMOVE_DEVICE", NO_SUCH_DEVICE, |d| {
             d.query_remove()
         })
     }
     fn query_stop(&self) -> NtStatus {
-        self.call("IRP_MN_QUERY_STOP_DEVICE", NO_SUCH_DEVICE, |d| {
+        self.call_pnp("IRP_MN_QUERY_STOP_DEVICE", NO_SUCH_DEVICE, |d| {
             d.query_stop()
         })
     }
     fn cancel_remove(&self) {
-        self.call("IRP_MN_CANCEL_REMOVE_DEVICE", (), |d| d.cancel_remove());
+        self.call_pnp("IRP_MN_CANCEL_REMOVE_DEVICE", (), |d| d.cancel_remove());
     }
     fn surprise_removal(&self) {
-        self.call("EvtDeviceSurpriseRemoval", (), |d| d.surprise_removal());
+        self.call_pnp("EvtDeviceSurpriseRemoval", (), |d| d.surprise_removal());
     }
     fn query_power(&self, target: driver_platform::SystemPowerState) -> NtStatus {
-        self.call("IRP_MN_QUERY_POWER", NO_SUCH_DEVICE, |d| {
+        self.call_pnp("IRP_MN_QUERY_POWER", NO_SUCH_DEVICE, |d| {
             d.query_power(target)
         })
     }
@@ -1212,12 +1246,12 @@ impl DeviceCallbacks for InDriver {
         guid: &WinGuid,
         version: u16,
     ) -> Option<crate::driver::ProvidedInterface> {
-        self.call("IRP_MN_QUERY_INTERFACE", None, |d| {
+        self.call_pnp("IRP_MN_QUERY_INTERFACE", None, |d| {
             d.query_interface(guid, version)
         })
     }
     fn create_child(&self, child: &ChildDescription) -> Option<Arc<dyn DeviceCallbacks>> {
-        self.call("EvtChildListCreateDevice", None, |d| d.create_child(child))
+        self.call_pnp("EvtChildListCreateDevice", None, |d| d.create_child(child))
     }
     fn resources(&self) -> Option<Arc<dyn std::any::Any + Send + Sync>> {
         self.inner.resources()

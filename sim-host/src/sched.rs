@@ -46,7 +46,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::ops::Deref;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -56,7 +56,7 @@ use sim_hca::rng::Rng;
 
 use crate::context::{self, Context};
 use crate::irql::{self, IrqlGuard};
-use crate::verifier::Verifier;
+use crate::verifier::{Verifier, ViolationKind};
 
 /// A queued routine: run once, on whichever thread runs the item.
 pub type Routine = Box<dyn FnOnce() + Send + 'static>;
@@ -824,7 +824,92 @@ struct DeviceInner {
     dpc_queued: AtomicBool,
     /// Same discipline as `dpc_queued`.
     work_item_queued: AtomicBool,
+    /// How often the DPC was queued, and how many of those have finished
+    /// (run to completion, or discarded unrun): a flush waits until
+    /// `finished` reaches what `queued` was when it started.
+    dpc_runs: RunCounts,
+    /// Same for the work item.
+    work_item_runs: RunCounts,
     timer: TimerId,
+}
+
+impl DeviceInner {
+    /// Counts a run of the routine `which` selects as queued; the returned
+    /// token counts it finished when dropped, after the routine returned
+    /// (or unwound), or with the scheduler's item if it is discarded unrun.
+    fn queue_run(self: &Arc<Self>, which: fn(&Self) -> &RunCounts) -> RunToken {
+        which(self).queued.fetch_add(1, Ordering::AcqRel);
+        RunToken {
+            inner: Arc::clone(self),
+            which,
+        }
+    }
+}
+
+/// Queued and finished runs of one deferred routine.
+#[derive(Default)]
+struct RunCounts {
+    queued: AtomicU64,
+    finished: AtomicU64,
+}
+
+impl RunCounts {
+    /// Counts a run queued; the returned token counts it finished when
+    /// dropped, after the routine returned (or unwound), or with the
+    /// scheduler item if it is discarded unrun.
+    /// True once every run queued before `target` was read has finished.
+    fn reached(&self, target: u64) -> bool {
+        self.finished.load(Ordering::Acquire) >= target
+    }
+}
+
+/// Counts a queued run finished when dropped.
+struct RunToken {
+    inner: Arc<DeviceInner>,
+    which: fn(&DeviceInner) -> &RunCounts,
+}
+
+impl Drop for RunToken {
+    fn drop(&mut self) {
+        // Release: a flush that sees the count sees the routine's writes.
+        (self.which)(&self.inner)
+            .finished
+            .fetch_add(1, Ordering::Release);
+    }
+}
+
+thread_local! {
+    /// The devices (by `DeviceInner` address) whose work item this thread
+    /// is running, innermost last: a flush of one of them from inside it
+    /// would wait for itself.
+    static RUNNING_WORK_ITEMS: std::cell::RefCell<Vec<usize>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Marks this thread as running a device's work item until dropped.
+struct RunningWorkItem(usize);
+
+impl RunningWorkItem {
+    fn enter(inner: &DeviceInner) -> Self {
+        let id = std::ptr::from_ref(inner) as usize;
+        RUNNING_WORK_ITEMS.with_borrow_mut(|running| running.push(id));
+        Self(id)
+    }
+
+    fn runs_here(inner: &DeviceInner) -> bool {
+        let id = std::ptr::from_ref(inner) as usize;
+        RUNNING_WORK_ITEMS.with_borrow(|running| running.contains(&id))
+    }
+}
+
+impl Drop for RunningWorkItem {
+    fn drop(&mut self) {
+        RUNNING_WORK_ITEMS.with_borrow_mut(|running| {
+            if let Some(at) = running.iter().rposition(|&id| id == self.0) {
+                running.remove(at);
+            }
+        });
+    }
 }
 
 impl fmt::Debug for DeviceDeferred {
@@ -863,6 +948,8 @@ impl DeviceDeferred {
                 timer_routine: timer,
                 dpc_queued: AtomicBool::new(false),
                 work_item_queued: AtomicBool::new(false),
+                dpc_runs: RunCounts::default(),
+                work_item_runs: RunCounts::default(),
                 timer: timer_id,
             }),
         }
@@ -895,11 +982,13 @@ impl DeviceDeferred {
             return false;
         }
         let inner = Arc::clone(&self.inner);
+        let run = self.inner.queue_run(|inner| &inner.dpc_runs);
         self.inner
             .scheduler
             .queue_dpc(Arc::clone(&self.inner.driver), move || {
                 inner.dpc_queued.store(false, Ordering::Release);
                 (inner.dpc)();
+                drop(run);
             });
         true
     }
@@ -913,11 +1002,14 @@ impl DeviceDeferred {
             return false;
         }
         let inner = Arc::clone(&self.inner);
+        let run = self.inner.queue_run(|inner| &inner.work_item_runs);
         self.inner
             .scheduler
             .queue_work_item(Arc::clone(&self.inner.driver), move || {
                 inner.work_item_queued.store(false, Ordering::Release);
+                let _running = RunningWorkItem::enter(&inner);
                 (inner.work_item)();
+                drop(run);
             });
         true
     }
@@ -935,23 +1027,61 @@ impl DeviceDeferred {
     /// What a driver does in release-hardware so that none of its routines
     /// runs after it unloads (`KeCancelTimer`, `KeFlushQueuedDpcs`,
     /// `WdfWorkItemFlush`; KMDF does it for a device's own objects when it
-    /// deletes them): cancels the timer, then, in threaded mode, waits
-    /// (yielding, at most `FLUSH_LIMIT`) until neither the DPC nor the work
-    /// item is queued — the workers start them meanwhile. In deterministic
-    /// mode nothing else runs while the caller does, so an item still
-    /// queued stays queued: it runs only if the test runs the scheduler
-    /// again, and after an unload that is reported as a callback into an
-    /// unloaded driver. PASSIVE_LEVEL.
+    /// deletes them): cancels the timer, then waits until every run of the
+    /// DPC and the work item queued before the call has finished — also a
+    /// run already started, as `KeFlushQueuedDpcs` returns only after the
+    /// DPC routines "have executed to completion". Runs queued during the
+    /// wait are not waited for. In deterministic mode the caller's
+    /// processor waits while the others run: the scheduler runs ready
+    /// items (seeded, any device's) until those runs are done. In threaded
+    /// mode the workers run them (yielding, at most `FLUSH_LIMIT`).
+    ///
+    /// PASSIVE_LEVEL. A work item that flushes its own device's work item
+    /// would wait for itself forever (`WdfWorkItemFlush` must not be called
+    /// from the work item's callback): recorded as
+    /// [`ViolationKind::Deadlock`](crate::verifier::ViolationKind::Deadlock),
+    /// and that run is not waited for; so is a wait that cannot end.
     pub fn flush(&self) {
         self.in_context(|| irql::check_max("KeFlushQueuedDpcs", Irql::PASSIVE));
         self.inner.scheduler.cancel_timer(self.inner.timer);
-        if self.inner.scheduler.mode() != Mode::Threaded {
+        let inner = &self.inner;
+        let dpc_target = inner.dpc_runs.queued.load(Ordering::Acquire);
+        let mut work_target = inner.work_item_runs.queued.load(Ordering::Acquire);
+        if RunningWorkItem::runs_here(inner) {
+            self.report_deadlock("WdfWorkItemFlush from the device's own work item");
+            // The run in progress (ours) cannot finish first: wait for the
+            // others only.
+            work_target = work_target.saturating_sub(1);
+        }
+        let done =
+            || inner.dpc_runs.reached(dpc_target) && inner.work_item_runs.reached(work_target);
+        if inner.scheduler.mode() == Mode::Deterministic {
+            while !done() {
+                if !inner.scheduler.run_one_for_waiter() {
+                    self.report_deadlock("flush of a DPC or work item nothing left will run");
+                    return;
+                }
+            }
             return;
         }
         let give_up = Instant::now() + FLUSH_LIMIT;
-        while (self.dpc_queued() || self.work_item_queued()) && Instant::now() < give_up {
+        while !done() {
+            if Instant::now() >= give_up {
+                self.report_deadlock("flush of a DPC or work item that did not finish in time");
+                return;
+            }
             std::thread::yield_now();
         }
+    }
+
+    /// Records a flush that cannot end, in the caller's context (or the
+    /// device's driver's).
+    fn report_deadlock(&self, what: &str) {
+        self.in_context(|| {
+            context::report(ViolationKind::Deadlock {
+                what: what.to_owned(),
+            });
+        });
     }
 }
 
@@ -1445,5 +1575,92 @@ mod tests {
         scheduler.schedule_task("after", move || flag.store(true, Ordering::SeqCst));
         scheduler.quiesce().unwrap();
         assert!(ran.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn flush_runs_what_is_queued_to_completion_in_deterministic_mode() {
+        let verifier = Verifier::new();
+        let scheduler = Scheduler::deterministic(5, verifier.clone());
+        let log = Log::default();
+        let device = logging_device(&scheduler, "drv", &log);
+        device.queue_dpc();
+        device.queue_work_item();
+        device.set_timer(Some(1_000));
+        // KeFlushQueuedDpcs / WdfWorkItemFlush: the other processors run
+        // the queued routines while the caller waits; the timer is
+        // cancelled, not waited for.
+        device.flush();
+        let mut entries = log.take();
+        entries.sort();
+        assert_eq!(
+            entries,
+            ["drv:dpc@DISPATCH_LEVEL", "drv:work@PASSIVE_LEVEL"]
+        );
+        assert_eq!(
+            scheduler.run_until_idle(10),
+            Ok(0),
+            "the timer was cancelled"
+        );
+        assert_eq!(irql::current(), Irql::PASSIVE);
+        verifier.assert_clean();
+    }
+
+    #[test]
+    fn flush_waits_for_routines_already_running_in_threaded_mode() {
+        let verifier = Verifier::new();
+        let scheduler = Scheduler::threaded(2, verifier.clone()).unwrap();
+        let started = Arc::new(std::sync::Barrier::new(3));
+        let finished = Arc::new(AtomicUsize::new(0));
+        let slow = || {
+            let (started, finished) = (started.clone(), finished.clone());
+            routine(move || {
+                started.wait();
+                std::thread::sleep(Duration::from_millis(50));
+                finished.fetch_add(1, Ordering::SeqCst);
+            })
+        };
+        let device = DeviceDeferred::new(scheduler.handle(), "drv", slow(), slow(), routine(|| {}));
+        device.queue_dpc();
+        device.queue_work_item();
+        // Both routines have started: neither is queued any more.
+        started.wait();
+        assert!(!device.dpc_queued() && !device.work_item_queued());
+        device.flush();
+        assert_eq!(
+            finished.load(Ordering::SeqCst),
+            2,
+            "flush returned while a routine was still running"
+        );
+        scheduler.quiesce().unwrap();
+        verifier.assert_clean();
+    }
+
+    #[test]
+    fn a_work_item_flushing_itself_is_a_deadlock() {
+        let verifier = Verifier::new();
+        let scheduler = Scheduler::deterministic(2, verifier.clone());
+        let me: Arc<OnceLock<DeviceDeferred>> = Arc::default();
+        let flushes_itself = {
+            let me = me.clone();
+            routine(move || me.get().expect("set before queueing").flush())
+        };
+        let device = DeviceDeferred::new(
+            scheduler.handle(),
+            "drv",
+            routine(|| {}),
+            flushes_itself,
+            routine(|| {}),
+        );
+        me.set(device.clone()).unwrap();
+        device.queue_work_item();
+        assert_eq!(scheduler.run_until_idle(10), Ok(1), "the flush returned");
+        let v = verifier.take();
+        assert!(
+            matches!(&v[..], [x] if x.driver.as_deref() == Some("drv")
+                && matches!(&x.kind, ViolationKind::Deadlock { what } if what.contains("WdfWorkItemFlush"))),
+            "{v:?}"
+        );
+        // Break the cycle device -> routine -> OnceLock -> device.
+        drop(scheduler);
     }
 }

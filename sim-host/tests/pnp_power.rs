@@ -6,7 +6,7 @@ use std::any::Any;
 use std::sync::{Arc, Mutex};
 
 use driver_platform::{
-    ChildBus, ChildDescription, DevicePowerState, Request, RequestorMode, SystemPowerState,
+    ChildBus, ChildDescription, DevicePowerState, Irql, Request, RequestorMode, SystemPowerState,
 };
 use ib_types::interface::WinGuid;
 use ib_types::status::NtStatus;
@@ -68,7 +68,14 @@ impl Logged {
         }
     }
     fn note(&self, what: &str) {
-        log(&self.log, format!("{}:{what}", self.name));
+        // PnP and power callbacks run at PASSIVE_LEVEL (on a system
+        // thread), whatever IRQL the event that caused them came from.
+        let irql = sim_host::irql::current();
+        if irql == Irql::PASSIVE {
+            log(&self.log, format!("{}:{what}", self.name));
+        } else {
+            log(&self.log, format!("{}:{what} at {irql:?}", self.name));
+        }
     }
 }
 
@@ -194,6 +201,7 @@ struct ChildFdo {
     /// Broken variants for verifier tests.
     leak_interface: bool,
     drop_requests: bool,
+    returns_raised: bool,
 }
 
 impl DeviceCallbacks for ChildFdo {
@@ -219,6 +227,10 @@ impl DeviceCallbacks for ChildFdo {
         SUCCESS
     }
     fn d0_entry(&self, f: DevicePowerState) -> NtStatus {
+        if self.returns_raised {
+            // Broken: raised and never lowered.
+            let _previous = sim_host::irql::raise(Irql::DISPATCH);
+        }
         self.inner.d0_entry(f)
     }
     fn d0_exit(&self, t: DevicePowerState) -> NtStatus {
@@ -256,6 +268,8 @@ struct Breakage {
     veto_child_remove: bool,
     leak_interface: bool,
     drop_requests: bool,
+    /// The child's D0 entry raises to DISPATCH_LEVEL and returns there.
+    child_returns_raised: bool,
 }
 
 struct BusDriver {
@@ -314,6 +328,7 @@ impl DriverEntry for ChildDriver {
             pending: Mutex::new(Vec::new()),
             leak_interface: self.b.leak_interface,
             drop_requests: self.b.drop_requests,
+            returns_raised: self.b.child_returns_raised,
         }))
     }
 }
@@ -768,5 +783,82 @@ fn cancellation_reaches_the_owner() {
     w.pnp.surprise_remove(w.bus);
     let status = handle.completion().unwrap().status;
     assert!(status == NO_SUCH_DEVICE || status == CANCELLED);
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn pnp_callbacks_run_at_passive_even_when_the_event_comes_from_a_dpc() {
+    let w = world(Breakage::default());
+    taken(&w.log);
+    let bus = w.bus_services.lock().unwrap().clone().unwrap();
+    {
+        // The bus driver reports a child missing from its DPC
+        // (IoInvalidateDeviceRelations is callable at DISPATCH_LEVEL), and
+        // the PnP manager is even driven from a thread at DISPATCH_LEVEL:
+        // the child's removal callbacks still run at PASSIVE_LEVEL.
+        let _dpc = sim_host::irql::IrqlGuard::at(Irql::DISPATCH);
+        bus.report_missing("child0");
+        w.pnp.process_bus_relations();
+        assert_eq!(sim_host::irql::current(), Irql::DISPATCH);
+    }
+    let events = taken(&w.log);
+    assert!(events.contains(&"child0:d0_exit".to_owned()), "{events:?}");
+    assert!(
+        events.iter().all(|e| !e.contains(" at ")),
+        "a callback ran above PASSIVE_LEVEL: {events:?}"
+    );
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn a_pnp_callback_returning_at_another_irql_is_caught() {
+    let w = world(Breakage {
+        child_returns_raised: true,
+        ..Breakage::default()
+    });
+    let v = w.verifier.take();
+    // Both children's D0 entry returned at DISPATCH_LEVEL; nothing after
+    // them runs raised.
+    assert_eq!(v.len(), 2, "{v:?}");
+    assert!(
+        v.iter().all(|x| x.driver.as_deref() == Some("samplechild")
+            && matches!(&x.kind, ViolationKind::IrqlMismatch { detail } if detail.contains("EvtDeviceD0Entry"))),
+        "{v:?}"
+    );
+    assert_eq!(sim_host::irql::current(), Irql::PASSIVE);
+    let raised: Vec<String> = taken(&w.log)
+        .into_iter()
+        .filter(|e| e.contains(" at "))
+        .collect();
+    assert_eq!(
+        raised,
+        [
+            "child0:d0_entry at DISPATCH_LEVEL",
+            "child1:d0_entry at DISPATCH_LEVEL"
+        ],
+        "only the broken callbacks themselves ran raised: the next one starts at PASSIVE_LEVEL"
+    );
+}
+
+#[test]
+fn query_interface_above_passive_is_caught() {
+    let w = world(Breakage::default());
+    let child = w.pnp.children(w.bus)[0];
+    let iface = {
+        let _dpc = sim_host::irql::IrqlGuard::at(Irql::DISPATCH);
+        let _context = sim_host::context::enter(sim_host::context::Context::driver(
+            w.verifier.clone(),
+            "samplebus",
+        ));
+        w.pnp.query_interface(child, &TEST_INTERFACE, 0x0100)
+    };
+    let v = w.verifier.take();
+    assert!(
+        matches!(&v[..], [x] if x.driver.as_deref() == Some("samplebus")
+            && x.kind == ViolationKind::IrqlTooHigh { service: "IRP_MN_QUERY_INTERFACE", at: 2, max: 0 }),
+        "{v:?}"
+    );
+    // Recorded, and still answered: the violation is the failure.
+    iface.expect("answered").dereference();
     w.verifier.assert_clean();
 }
