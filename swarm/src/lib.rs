@@ -75,6 +75,9 @@ pub struct Report {
     pub virtual_ns: u64,
     /// Whether it ran on the threaded host (not reproducible exactly).
     pub threaded: bool,
+    /// The swarm's DPCs that started while another of its DPCs was
+    /// running (threaded host; always 0 on the deterministic one).
+    pub overlapping_dpcs: u64,
     /// Wall-clock time of the run.
     pub wall: Duration,
 }
@@ -203,6 +206,9 @@ pub struct Summary {
     pub completions: u64,
     /// Payload bytes checked over all seeds.
     pub bytes_checked: u64,
+    /// DPCs of the swarm that ran while another did, over all seeds
+    /// (threaded host).
+    pub overlapping_dpcs: u64,
     /// Wall-clock time.
     pub wall: Duration,
 }
@@ -232,6 +238,7 @@ pub fn run_many(
                 summary.steps += steps as u64;
                 summary.completions += report.completions;
                 summary.bytes_checked += report.bytes_checked;
+                summary.overlapping_dpcs += report.overlapping_dpcs;
             }
             Err(failure) => {
                 summary.steps += failure.step.min(steps) as u64;

@@ -7,6 +7,7 @@
 //! from a DPC so the workload can run while commands are outstanding.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -212,6 +213,10 @@ pub(crate) struct Machine {
     /// The host runs DPCs on [`THREADED_WORKERS`] OS threads in real time
     /// (`--threaded`) instead of its deterministic scheduler.
     pub(crate) threaded: bool,
+    /// The swarm's DPCs running now.
+    dpcs_running: Arc<AtomicUsize>,
+    /// The swarm's DPCs that started while another one was running.
+    dpcs_overlapped: Arc<AtomicU64>,
     pub(crate) driver: Arc<MiniportDriver<SimPlatform>>,
     pub(crate) sides: Vec<Side>,
 }
@@ -250,6 +255,8 @@ impl Machine {
         let mut m = Machine {
             host,
             threaded,
+            dpcs_running: Arc::default(),
+            dpcs_overlapped: Arc::default(),
             driver,
             sides: Vec::new(),
         };
@@ -419,7 +426,21 @@ impl Machine {
     /// Queues `f` as a DPC of the miniport (DISPATCH_LEVEL); the
     /// scheduler runs it when it picks it.
     pub(crate) fn queue_dpc(&self, f: impl FnOnce() + Send + 'static) {
-        self.host.scheduler_handle().queue_dpc(SERVICE, f);
+        let (running, overlapped) = (self.dpcs_running.clone(), self.dpcs_overlapped.clone());
+        self.host.scheduler_handle().queue_dpc(SERVICE, move || {
+            // Counts how often the threaded host really runs two of the
+            // swarm's DPCs at once (the deterministic one never does).
+            if running.fetch_add(1, Ordering::SeqCst) > 0 {
+                overlapped.fetch_add(1, Ordering::Relaxed);
+            }
+            f();
+            running.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+
+    /// How many of the swarm's DPCs started while another was running.
+    pub(crate) fn overlapping_dpcs(&self) -> u64 {
+        self.dpcs_overlapped.load(Ordering::Relaxed)
     }
 
     /// Submits verb `V` to HCA `side` from a DPC through the CI's

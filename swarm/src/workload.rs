@@ -2140,6 +2140,7 @@ impl Swarm {
         }
         self.check_events()?;
         self.report.virtual_ns = self.m.host.scheduler_handle().now_ns();
+        self.report.overlapping_dpcs = self.m.overlapping_dpcs();
         if let Some(counters) = self
             .m
             .host

@@ -110,6 +110,12 @@ pub(crate) fn run(args: &SwarmArgs) -> ExitCode {
         summary.bytes_checked,
         summary.wall
     );
+    if args.threaded {
+        println!(
+            "  {} of the swarm's DPCs started while another was running",
+            summary.overlapping_dpcs
+        );
+    }
     for failure in &summary.failures {
         println!(
             "  seed {}: {} -> {}",
@@ -150,4 +156,10 @@ fn print_report(report: &Report, steps: usize) {
         if report.threaded { "real" } else { "virtual" },
         report.wall
     );
+    if report.threaded {
+        println!(
+            "  {} of the swarm's DPCs started while another was running",
+            report.overlapping_dpcs
+        );
+    }
 }
