@@ -14,6 +14,11 @@
 //! a bound, then teardown requires a clean verifier. A failure names its
 //! seed and the command that replays it.
 //!
+//! With [`Config::threaded`] the same seed's workload runs on sim-host's
+//! threaded host instead (DPCs on two OS threads, real time, no fabric
+//! faults): true concurrency inside the miniport, at the price of exact
+//! replay (docs/swarm.md "Threaded").
+//!
 //! [`Knobs`] switch the verb and fault mixes that reached the defects of
 //! issue 9 (all on by default, as they are fixed); [`run`] with the
 //! default knobs is what the default test suite runs.
@@ -38,6 +43,11 @@ pub struct Config {
     pub steps: usize,
     /// Which known-defect mixes are allowed.
     pub knobs: Knobs,
+    /// Run on sim-host's threaded host (DPCs on two OS threads, real
+    /// time, lossless fabric) instead of the deterministic one: the seed
+    /// draws the same mix and workload, but the interleaving is the
+    /// machine's, so a run does not replay exactly (docs/swarm.md).
+    pub threaded: bool,
 }
 
 /// What a clean run did.
@@ -60,8 +70,14 @@ pub struct Report {
     /// Frames the HCAs put on the fabric (retransmission storms show
     /// here before they become a failure).
     pub frames: u64,
-    /// Virtual time at the end of the liveness phase.
+    /// Virtual time at the end of the liveness phase (threaded: real
+    /// time since the host started).
     pub virtual_ns: u64,
+    /// Whether it ran on the threaded host (not reproducible exactly).
+    pub threaded: bool,
+    /// The swarm's DPCs that started while another of its DPCs was
+    /// running (threaded host; always 0 on the deterministic one).
+    pub overlapping_dpcs: u64,
     /// Wall-clock time of the run.
     pub wall: Duration,
 }
@@ -96,8 +112,9 @@ pub fn replay_command(config: &Config) -> String {
     } else {
         format!(" --knobs {}", config.knobs.list())
     };
+    let threaded = if config.threaded { " --threaded" } else { "" };
     format!(
-        "cargo xtask swarm --seed {} --steps {}{knobs}",
+        "cargo xtask swarm --seed {} --steps {}{knobs}{threaded}",
         config.seed, config.steps
     )
 }
@@ -106,8 +123,16 @@ impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "swarm seed {} failed at step {} of {}: {}",
-            self.config.seed, self.step, self.config.steps, self.message
+            "swarm seed {} failed at step {} of {}{}: {}",
+            self.config.seed,
+            self.step,
+            self.config.steps,
+            if self.config.threaded {
+                " (threaded host: the interleaving is not reproducible; the replay draws the same workload)"
+            } else {
+                ""
+            },
+            self.message
         )?;
         writeln!(f, "  mix: {}", self.mix)?;
         for line in &self.trace {
@@ -153,7 +178,7 @@ pub fn run(config: &Config) -> Result<Report, Failure> {
 /// The run; `at` keeps the step, mix and trace for a failure report
 /// (also when it panics).
 fn run_inner(config: &Config, at: &mut (usize, String, Vec<String>)) -> Result<Report, String> {
-    let mut swarm = workload::Swarm::new(config.seed, config.knobs, config.steps)?;
+    let mut swarm = workload::Swarm::new(config.seed, config.knobs, config.steps, config.threaded)?;
     at.1 = swarm.report.mix.clone();
     for step in 1..=config.steps {
         at.0 = step;
@@ -181,6 +206,9 @@ pub struct Summary {
     pub completions: u64,
     /// Payload bytes checked over all seeds.
     pub bytes_checked: u64,
+    /// DPCs of the swarm that ran while another did, over all seeds
+    /// (threaded host).
+    pub overlapping_dpcs: u64,
     /// Wall-clock time.
     pub wall: Duration,
 }
@@ -192,18 +220,25 @@ pub fn run_many(
     count: u64,
     steps: usize,
     knobs: Knobs,
+    threaded: bool,
     mut progress: impl FnMut(&Summary, &Result<Report, Failure>),
 ) -> Summary {
     let started = Instant::now();
     let mut summary = Summary::default();
     for seed in first..first.saturating_add(count) {
-        let outcome = run(&Config { seed, steps, knobs });
+        let outcome = run(&Config {
+            seed,
+            steps,
+            knobs,
+            threaded,
+        });
         match &outcome {
             Ok(report) => {
                 summary.clean += 1;
                 summary.steps += steps as u64;
                 summary.completions += report.completions;
                 summary.bytes_checked += report.bytes_checked;
+                summary.overlapping_dpcs += report.overlapping_dpcs;
             }
             Err(failure) => {
                 summary.steps += failure.step.min(steps) as u64;

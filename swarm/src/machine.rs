@@ -7,7 +7,9 @@
 //! from a DPC so the workload can run while commands are outstanding.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use driver_platform::{CommonBuffer, DmaAdapter, RequestorMode};
 use hca_miniport::sim::{MiniportDevice, MiniportDriver, SERVICE};
@@ -57,6 +59,17 @@ pub(crate) const FIRST_FREE_SLOT: usize = 4;
 pub(crate) const INLINE_STAGE: usize = 1024;
 /// Staging entries per HCA, used in turn.
 pub(crate) const INLINE_STAGES: usize = 16;
+
+/// Worker threads of the threaded host: two processors, so that two DPCs
+/// really run at once (the machine has two cores).
+pub(crate) const THREADED_WORKERS: usize = 2;
+/// How long the threaded host may take for what the deterministic one
+/// bounds by scheduler steps (a request, a queued DPC, bring-up): generous,
+/// since the machine is shared.
+pub(crate) const REAL_TIME_BOUND: Duration = Duration::from_secs(20);
+/// The longest real sleep one [`Machine::run_for`] takes on the threaded
+/// host (the workload asks for up to 2 s to wait out a TIME WAIT).
+pub(crate) const MAX_REAL_SLEEP: Duration = Duration::from_millis(20);
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -197,6 +210,13 @@ impl Side {
 /// The booted machine.
 pub(crate) struct Machine {
     pub(crate) host: Host,
+    /// The host runs DPCs on [`THREADED_WORKERS`] OS threads in real time
+    /// (`--threaded`) instead of its deterministic scheduler.
+    pub(crate) threaded: bool,
+    /// The swarm's DPCs running now.
+    dpcs_running: Arc<AtomicUsize>,
+    /// The swarm's DPCs that started while another one was running.
+    dpcs_overlapped: Arc<AtomicU64>,
     pub(crate) driver: Arc<MiniportDriver<SimPlatform>>,
     pub(crate) sides: Vec<Side>,
 }
@@ -210,14 +230,23 @@ pub(crate) struct Submitted {
 impl Machine {
     /// Boots the machine with `fabric` between the HCAs, opens a CA with
     /// callbacks, allocates a PD and registers memory on each HCA.
-    pub(crate) fn boot(seed: u64, fabric: FabricConfig) -> Result<Self, String> {
+    /// With `threaded` the host is threaded: the HCAs sit back to back on
+    /// a lossless fabric (`fabric` is ignored) and time is real.
+    pub(crate) fn boot(seed: u64, fabric: FabricConfig, threaded: bool) -> Result<Self, String> {
         let configs = HCAS
             .iter()
             .map(|(guid, ip)| DeviceConfig::with_ports(*guid, &[*ip]))
             .collect();
-        let config = HostConfig {
-            fabric,
-            ..HostConfig::deterministic(seed, configs)
+        let config = if threaded {
+            HostConfig {
+                seed,
+                ..HostConfig::threaded(THREADED_WORKERS, configs)
+            }
+        } else {
+            HostConfig {
+                fabric,
+                ..HostConfig::deterministic(seed, configs)
+            }
         };
         let host = Host::new(config).map_err(|e| e.to_string())?;
         let _stand_ins = sim_host::samples::register_stand_ins(&host);
@@ -225,10 +254,31 @@ impl Machine {
         host.boot();
         let mut m = Machine {
             host,
+            threaded,
+            dpcs_running: Arc::default(),
+            dpcs_overlapped: Arc::default(),
             driver,
             sides: Vec::new(),
         };
         m.settle()?;
+        if threaded {
+            // Bring-up runs on the workers and the device threads: wait
+            // (in real time) until both HCAs have started.
+            let deadline = Instant::now() + REAL_TIME_BOUND;
+            while m.driver.devices().len() != HCAS.len()
+                || !m
+                    .driver
+                    .devices()
+                    .iter()
+                    .all(|d| matches!(d.started(), Some(Ok(_))))
+            {
+                if Instant::now() > deadline {
+                    return Err("threaded host: the HCAs did not start within 20 s".to_owned());
+                }
+                std::thread::sleep(Duration::from_millis(1));
+                m.settle()?;
+            }
+        }
         for node in m.host.hcas() {
             let device = m
                 .driver
@@ -291,8 +341,13 @@ impl Machine {
         Ok(m)
     }
 
-    /// Runs the scheduler until nothing is ready and no timer is armed.
+    /// Runs the scheduler until nothing is ready and no timer is armed
+    /// (threaded: waits until nothing is queued or running; a panic on a
+    /// worker is an error).
     pub(crate) fn settle(&self) -> Result<(), String> {
+        if self.threaded {
+            return self.host.scheduler().quiesce().map_err(|e| e.to_string());
+        }
         self.host
             .scheduler()
             .run_until_idle(1_000_000)
@@ -300,10 +355,92 @@ impl Machine {
             .map_err(|e| e.to_string())
     }
 
+    /// Lets `ns` of time pass: deterministic, runs what falls due within
+    /// `ns` of virtual time (at most `max_steps` items); threaded, sleeps
+    /// that long (at most [`MAX_REAL_SLEEP`]) while the workers and the
+    /// devices run, then waits for the queued DPCs.
+    pub(crate) fn run_for(&self, ns: u64, max_steps: usize) -> Result<(), String> {
+        if self.threaded {
+            std::thread::sleep(Duration::from_nanos(ns).min(MAX_REAL_SLEEP));
+            return self.settle();
+        }
+        self.host
+            .scheduler()
+            .run_for(ns, max_steps)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Makes progress: deterministic, runs one item (`false` when nothing
+    /// is ready and no timer is armed); threaded, waits for the queued
+    /// DPCs and yields a moment to the devices.
+    pub(crate) fn run_one(&self) -> Result<bool, String> {
+        if self.threaded {
+            self.settle()?;
+            std::thread::sleep(Duration::from_micros(20));
+            return Ok(true);
+        }
+        self.host
+            .scheduler()
+            .run_one()
+            .map(|ran| ran.is_some())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Makes progress until `done` holds: deterministic, within `max_steps`
+    /// items; threaded, within [`REAL_TIME_BOUND`].
+    pub(crate) fn run_until(
+        &self,
+        what: &str,
+        max_steps: usize,
+        done: impl Fn() -> bool,
+    ) -> Result<(), String> {
+        let deadline = Instant::now() + REAL_TIME_BOUND;
+        let mut steps = 0;
+        while !done() {
+            let bounded = if self.threaded {
+                Instant::now() < deadline
+            } else {
+                steps < max_steps
+            };
+            if !bounded || !self.run_one()? {
+                return if done() {
+                    Ok(())
+                } else if bounded {
+                    Err(format!("{what}: never completed (nothing left to run)"))
+                } else if self.threaded {
+                    Err(format!(
+                        "{what}: not completed within {REAL_TIME_BOUND:?} (threaded host)"
+                    ))
+                } else {
+                    Err(format!(
+                        "{what}: not completed within {max_steps} scheduler steps"
+                    ))
+                };
+            }
+            steps += 1;
+        }
+        Ok(())
+    }
+
     /// Queues `f` as a DPC of the miniport (DISPATCH_LEVEL); the
     /// scheduler runs it when it picks it.
     pub(crate) fn queue_dpc(&self, f: impl FnOnce() + Send + 'static) {
-        self.host.scheduler_handle().queue_dpc(SERVICE, f);
+        let (running, overlapped) = (self.dpcs_running.clone(), self.dpcs_overlapped.clone());
+        self.host.scheduler_handle().queue_dpc(SERVICE, move || {
+            // Counts how often the threaded host really runs two of the
+            // swarm's DPCs at once (the deterministic one never does).
+            if running.fetch_add(1, Ordering::SeqCst) > 0 {
+                overlapped.fetch_add(1, Ordering::Relaxed);
+            }
+            f();
+            running.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+
+    /// How many of the swarm's DPCs started while another was running.
+    pub(crate) fn overlapping_dpcs(&self) -> u64 {
+        self.dpcs_overlapped.load(Ordering::Relaxed)
     }
 
     /// Submits verb `V` to HCA `side` from a DPC through the CI's
@@ -337,22 +474,9 @@ impl Machine {
     /// Runs the scheduler (one item at a time, virtual time jumping to the
     /// next timer when nothing is ready) until `submitted` completes.
     pub(crate) fn wait(&self, submitted: &Submitted) -> Result<(), String> {
-        for _ in 0..2_000_000 {
-            if submitted.issuer.completion().is_some() {
-                return Ok(());
-            }
-            let ran = self.host.scheduler().run_one().map_err(|e| e.to_string())?;
-            if ran.is_none() {
-                return Err(format!(
-                    "{}: never completed (nothing left to run)",
-                    submitted.verb
-                ));
-            }
-        }
-        Err(format!(
-            "{}: not completed within 2M scheduler steps",
-            submitted.verb
-        ))
+        self.run_until(submitted.verb, 2_000_000, || {
+            submitted.issuer.completion().is_some()
+        })
     }
 
     /// Submits `V` and waits for it; its status and output.

@@ -268,6 +268,30 @@ impl Mix {
         }
     }
 
+    /// Drops what the threaded host cannot do (docs/swarm.md "Threaded"):
+    /// its HCAs sit back to back on a lossless fabric with no fault
+    /// injection or link control, and its time is real, so the faults
+    /// that need the fabric or a deterministic order of device and host
+    /// (link flaps, fabric faults, a catastrophic error, sleep and resume,
+    /// held command completions) are off. The seed still draws them, so
+    /// the rest of the mix is the deterministic run's.
+    pub(crate) fn restrict_to_threaded(&mut self) {
+        for (op, weight) in &mut self.weights {
+            if matches!(
+                op,
+                Op::LinkFlap
+                    | Op::FabricToggle
+                    | Op::Catastrophic
+                    | Op::SleepResume
+                    | Op::HoldCommands
+            ) {
+                *weight = 0;
+            }
+        }
+        self.faults = FaultConfig::default();
+        self.faults_at_start = false;
+    }
+
     /// Picks the next operation by weight.
     pub(crate) fn pick(&self, rng: &mut Rng) -> Op {
         let total: u64 = self.weights.iter().map(|(_, w)| w).sum();

@@ -245,14 +245,22 @@ fn qpn(v: u32) -> Result<Qpn, String> {
 }
 
 impl Swarm {
-    pub(crate) fn new(seed: u64, knobs: Knobs, steps: usize) -> Result<Self, String> {
+    pub(crate) fn new(
+        seed: u64,
+        knobs: Knobs,
+        steps: usize,
+        threaded: bool,
+    ) -> Result<Self, String> {
         let mut rng = Rng::from_seed(seed ^ 0x5A4D_5357_4152_4D21);
-        let mix = Mix::draw(&mut rng);
+        let mut mix = Mix::draw(&mut rng);
+        if threaded {
+            mix.restrict_to_threaded();
+        }
         let mut fabric = sim_hca::fabric::FabricConfig::default();
         if mix.faults_at_start {
             fabric.faults = mix.faults;
         }
-        let m = Machine::boot(seed, fabric)?;
+        let m = Machine::boot(seed, fabric, threaded)?;
         let free = || (FIRST_FREE_SLOT..SLOTS).collect::<Vec<_>>();
         let mut swarm = Self {
             m,
@@ -279,6 +287,7 @@ impl Swarm {
             echo: std::env::var_os("SWARM_TRACE").is_some(),
             report: Report {
                 seed,
+                threaded,
                 mix: mix.describe(),
                 ..Report::default()
             },
@@ -1056,7 +1065,10 @@ impl Swarm {
     /// Polls QP `id`'s CQs until none of its WRs is outstanding (it is in
     /// ERR, so each is flushed if not done).
     fn drain_qp(&mut self, id: Id) -> Result<(), String> {
-        for _ in 0..200 {
+        // 20 ms of virtual time, or (threaded host, 100 us sleeps that
+        // a loaded machine stretches) at least 2 s of real time.
+        let rounds = if self.m.threaded { 20_000 } else { 200 };
+        for _ in 0..rounds {
             self.check_events()?;
             if !self
                 .wrs
@@ -1065,11 +1077,7 @@ impl Swarm {
             {
                 return Ok(());
             }
-            self.m
-                .host
-                .scheduler()
-                .run_for(100_000, 1_000_000)
-                .map_err(|e| e.to_string())?;
+            self.m.run_for(100_000, 1_000_000)?;
             let (a, b) = (self.qps[id].send_cq, self.qps[id].recv_cq);
             self.poll_cq(a, 64, false)?;
             if b != a {
@@ -1083,7 +1091,7 @@ impl Swarm {
             .map(|(id, _)| *id)
             .collect();
         Err(format!(
-            "QP {:#x} in ERR: WRs {left:x?} neither completed nor flushed after 20 ms",
+            "QP {:#x} in ERR: WRs {left:x?} neither completed nor flushed after {rounds} rounds of 100 us",
             self.qps[id].qpn
         ))
     }
@@ -1124,7 +1132,9 @@ impl Swarm {
         }
         // Mostly wait out the TIME WAIT of the resets; sometimes try at
         // once, and a refusal is the answer the model predicts.
-        if self.rng.below(4) != 0 {
+        // The threaded host's time is real: it never waits 2 s, so its
+        // RTR right after a reset is always refused.
+        if self.rng.below(4) != 0 && !self.m.threaded {
             let end = [a, b]
                 .iter()
                 .filter_map(|&id| self.qps[id].time_wait.map(|(_, latest)| latest))
@@ -1134,8 +1144,6 @@ impl Swarm {
             if end > now {
                 self.count("wait out TIME WAIT");
                 self.m
-                    .host
-                    .scheduler()
                     .run_for(end - now, 2_000_000)
                     .map_err(|e| format!("waiting out the TIME WAIT: {e}"))?;
             }
@@ -1313,20 +1321,36 @@ impl Swarm {
             let n = 1 + self.rng.below(4) as usize;
             self.post_recvs_queued(id, n)?
         };
-        let poll = if poll_too {
+        let (poll, second) = if poll_too {
             let max = 4 + self.rng.below(28) as usize;
-            self.pick_cq(side).map(|cq| self.queue_poll(cq, max))
+            let mut cq = self.pick_cq(side);
+            let mut two = false;
+            if self.m.threaded {
+                // The workers really run these DPCs at once: poll the CQ
+                // the post completes on, from two processors with
+                // `concurrent-polls`, while the post rings its doorbell.
+                let q = &self.qps[id];
+                let own = if send { q.send_cq } else { q.recv_cq };
+                if self.cqs[own].alive && !self.cqs[own].busy {
+                    cq = Some(own);
+                }
+                two = self.knobs.concurrent_polls;
+            }
+            let first = cq.map(|cq| self.queue_poll(cq, max));
+            let second = cq.filter(|_| two).map(|cq| self.queue_poll(cq, max));
+            (first, second)
         } else {
-            None
+            (None, None)
         };
         self.run_until(|| {
             posted.as_ref().is_none_or(|p| lock(&p.1).is_some())
                 && poll.as_ref().is_none_or(|p| lock(&p.1).is_some())
+                && second.as_ref().is_none_or(|p| lock(&p.1).is_some())
         })?;
         if let Some(posted) = posted {
             self.posted(posted)?;
         }
-        if let Some(poll) = poll {
+        for poll in [poll, second].into_iter().flatten() {
             self.polled(poll)?;
         }
         Ok(())
@@ -1826,26 +1850,7 @@ impl Swarm {
 
     /// Runs the scheduler one item at a time until `done` holds.
     fn run_until(&self, done: impl Fn() -> bool) -> Result<(), String> {
-        for _ in 0..100_000 {
-            if done() {
-                return Ok(());
-            }
-            if self
-                .m
-                .host
-                .scheduler()
-                .run_one()
-                .map_err(|e| e.to_string())?
-                .is_none()
-            {
-                break;
-            }
-        }
-        if done() {
-            Ok(())
-        } else {
-            Err("a queued DPC never ran".to_owned())
-        }
+        self.m.run_until("a queued DPC", 100_000, done)
     }
 
     fn run_time(&mut self) -> Result<(), String> {
@@ -1856,10 +1861,7 @@ impl Swarm {
         };
         self.count("run");
         self.m
-            .host
-            .scheduler()
             .run_for(ns, 2_000_000)
-            .map(|_| ())
             .map_err(|e| format!("running {ns} ns: {e}"))
     }
 
@@ -1930,11 +1932,7 @@ impl Swarm {
             .host
             .backplane()
             .with_device(function, |d| d.declare_fatal(FatalSyndrome::Internal));
-        self.m
-            .host
-            .scheduler()
-            .run_for(100_000, 1_000_000)
-            .map_err(|e| e.to_string())?;
+        self.m.run_for(100_000, 1_000_000)?;
         if !self.m.sides[side].failed() {
             return Err(format!("HCA {side} not failed after a catastrophic error"));
         }
@@ -1955,11 +1953,7 @@ impl Swarm {
             .map_err(|veto| format!("S3 vetoed: {veto}"))?;
         pnp.set_system_power(SystemPowerState::S0)
             .map_err(|veto| format!("resume: {veto}"))?;
-        self.m
-            .host
-            .scheduler()
-            .run_for(1_000_000, 2_000_000)
-            .map_err(|e| e.to_string())?;
+        self.m.run_for(1_000_000, 2_000_000)?;
         // Connected QPs come back in ERR (docs/miniport.md "Power").
         for q in self
             .qps
@@ -2057,11 +2051,7 @@ impl Swarm {
                     left.join(", ")
                 ));
             }
-            self.m
-                .host
-                .scheduler()
-                .run_for(10_000_000, 5_000_000)
-                .map_err(|e| e.to_string())?;
+            self.m.run_for(10_000_000, 5_000_000)?;
             self.poll_everything()?;
             self.check_events()?;
         }
@@ -2075,12 +2065,9 @@ impl Swarm {
                 }
             }
         }
-        for _ in 0..20 {
-            self.m
-                .host
-                .scheduler()
-                .run_for(1_000_000, 5_000_000)
-                .map_err(|e| e.to_string())?;
+        let rounds = if self.m.threaded { 500 } else { 20 };
+        for _ in 0..rounds {
+            self.m.run_for(1_000_000, 5_000_000)?;
             self.poll_everything()?;
             if self.wrs.is_empty() {
                 break;
@@ -2153,6 +2140,7 @@ impl Swarm {
         }
         self.check_events()?;
         self.report.virtual_ns = self.m.host.scheduler_handle().now_ns();
+        self.report.overlapping_dpcs = self.m.overlapping_dpcs();
         if let Some(counters) = self
             .m
             .host

@@ -12,6 +12,7 @@ fn replay(seed: u64, steps: usize) {
         seed,
         steps,
         knobs: Knobs::default(),
+        threaded: false,
     };
     if let Err(failure) = run(&config) {
         panic!("{failure}");

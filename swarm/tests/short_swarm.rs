@@ -16,6 +16,7 @@ fn short_swarm_runs_clean() {
             seed,
             steps: STEPS,
             knobs: Knobs::default(),
+            threaded: false,
         };
         match run(&config) {
             Ok(report) => {

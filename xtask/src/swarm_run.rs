@@ -3,7 +3,8 @@
 //! prints what it did; many (`--seeds N`, from `--first`) print progress
 //! and, for each failure, its seed, diagnosis and replay command.
 //!
-//! Long runs want an optimised build:
+//! `--threaded` runs the seeds on the threaded host (true concurrency, not
+//! reproducible exactly). Long runs want an optimised build:
 //! `cargo run --release -p xtask -- swarm --seeds 1000 --steps 2000`.
 
 use std::process::ExitCode;
@@ -30,6 +31,11 @@ pub(crate) struct SwarmArgs {
     /// inline-sends; `all` (the default) or `none`.
     #[arg(long, default_value = "all")]
     knobs: String,
+    /// Run on the threaded host (DPCs on two OS threads, real time, no
+    /// fabric faults): true concurrency inside the miniport, but a run
+    /// does not replay exactly (docs/swarm.md "Threaded").
+    #[arg(long)]
+    threaded: bool,
 }
 
 pub(crate) fn run(args: &SwarmArgs) -> ExitCode {
@@ -45,6 +51,7 @@ pub(crate) fn run(args: &SwarmArgs) -> ExitCode {
             seed,
             steps: args.steps,
             knobs,
+            threaded: args.threaded,
         };
         return match stack_swarm::run(&config) {
             Ok(report) => {
@@ -58,29 +65,41 @@ pub(crate) fn run(args: &SwarmArgs) -> ExitCode {
         };
     }
     println!(
-        "swarm: seeds {}..{} x {} steps, knobs: {}",
+        "swarm: seeds {}..{} x {} steps, knobs: {}{}",
         args.first,
         args.first.saturating_add(args.seeds),
         args.steps,
-        knobs.list()
+        knobs.list(),
+        if args.threaded {
+            " (threaded host: not reproducible exactly)"
+        } else {
+            ""
+        }
     );
-    let summary = stack_swarm::run_many(args.first, args.seeds, args.steps, knobs, |s, outcome| {
-        if let Err(failure) = outcome {
-            eprintln!("{failure}");
-        }
-        let done = s.clean + s.failures.len() as u64;
-        if done.is_multiple_of(10) || outcome.is_err() || done == args.seeds {
-            println!(
-                "[{done}/{}] {} clean, {} failed, {} steps, {} completions checked, {:.1?}",
-                args.seeds,
-                s.clean,
-                s.failures.len(),
-                s.steps,
-                s.completions,
-                s.wall
-            );
-        }
-    });
+    let summary = stack_swarm::run_many(
+        args.first,
+        args.seeds,
+        args.steps,
+        knobs,
+        args.threaded,
+        |s, outcome| {
+            if let Err(failure) = outcome {
+                eprintln!("{failure}");
+            }
+            let done = s.clean + s.failures.len() as u64;
+            if done.is_multiple_of(10) || outcome.is_err() || done == args.seeds {
+                println!(
+                    "[{done}/{}] {} clean, {} failed, {} steps, {} completions checked, {:.1?}",
+                    args.seeds,
+                    s.clean,
+                    s.failures.len(),
+                    s.steps,
+                    s.completions,
+                    s.wall
+                );
+            }
+        },
+    );
     let per_step = summary.wall.as_secs_f64() * 1e6 / summary.steps.max(1) as f64;
     println!(
         "swarm: {} clean, {} failed; {} steps, {} completions and {} payload bytes checked in {:.1?} ({per_step:.0} us per step)",
@@ -91,6 +110,12 @@ pub(crate) fn run(args: &SwarmArgs) -> ExitCode {
         summary.bytes_checked,
         summary.wall
     );
+    if args.threaded {
+        println!(
+            "  {} of the swarm's DPCs started while another was running",
+            summary.overlapping_dpcs
+        );
+    }
     for failure in &summary.failures {
         println!(
             "  seed {}: {} -> {}",
@@ -108,8 +133,13 @@ pub(crate) fn run(args: &SwarmArgs) -> ExitCode {
 
 fn print_report(report: &Report, steps: usize) {
     println!(
-        "swarm seed {}: clean after {steps} steps and the liveness phase",
-        report.seed
+        "swarm seed {}: clean after {steps} steps and the liveness phase{}",
+        report.seed,
+        if report.threaded {
+            " on the threaded host (its interleaving is not reproducible)"
+        } else {
+            ""
+        }
     );
     println!("  mix: {}", report.mix);
     for (op, n) in &report.ops {
@@ -120,9 +150,16 @@ fn print_report(report: &Report, steps: usize) {
         report.completions, report.statuses, report.bytes_checked, report.async_events
     );
     println!(
-        "  {} frames on the fabric; {:.3} s of virtual time in {:.1?} of wall time",
+        "  {} frames on the fabric; {:.3} s of {} time in {:.1?} of wall time",
         report.frames,
         report.virtual_ns as f64 / 1e9,
+        if report.threaded { "real" } else { "virtual" },
         report.wall
     );
+    if report.threaded {
+        println!(
+            "  {} of the swarm's DPCs started while another was running",
+            report.overlapping_dpcs
+        );
+    }
 }
