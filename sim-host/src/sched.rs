@@ -13,7 +13,7 @@
 //!   and not yet started coalesces (`KeInsertQueueDpc` returning FALSE);
 //!   an item is dequeued before its routine runs, so the routine may queue
 //!   it again. Queueing a work item or setting the timer above
-//!   DISPATCH_LEVEL is recorded as [`ViolationKind::IrqlTooHigh`](crate::verifier::ViolationKind::IrqlTooHigh) (and still
+//!   DISPATCH_LEVEL is recorded as [`ViolationKind::IrqlTooHigh`] (and still
 //!   done); a DPC may be queued at any IRQL.
 //! - Re-arming a pending timer replaces its expiry; cancelling removes it.
 //!   Neither touches an expiry that already fired and is waiting to run
@@ -995,7 +995,7 @@ impl DeviceDeferred {
 
     /// Queues the work item unless it is already queued and not yet
     /// started; returns whether it was queued. Above DISPATCH_LEVEL this is
-    /// recorded as [`ViolationKind::IrqlTooHigh`](crate::verifier::ViolationKind::IrqlTooHigh) and still done.
+    /// recorded as [`ViolationKind::IrqlTooHigh`] and still done.
     pub fn insert_work_item(&self) -> bool {
         self.in_context(|| irql::check_max("IoQueueWorkItem", Irql::DISPATCH));
         if self.inner.work_item_queued.swap(true, Ordering::AcqRel) {
@@ -1039,7 +1039,7 @@ impl DeviceDeferred {
     /// PASSIVE_LEVEL. A work item that flushes its own device's work item
     /// would wait for itself forever (`WdfWorkItemFlush` must not be called
     /// from the work item's callback): recorded as
-    /// [`ViolationKind::Deadlock`](crate::verifier::ViolationKind::Deadlock),
+    /// [`ViolationKind::Deadlock`],
     /// and that run is not waited for; so is a wait that cannot end.
     pub fn flush(&self) {
         self.in_context(|| irql::check_max("KeFlushQueuedDpcs", Irql::PASSIVE));
