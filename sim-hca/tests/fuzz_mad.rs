@@ -4,11 +4,13 @@
 //! cut short. `cargo xtask fuzz mad` runs the same property under
 //! libFuzzer.
 
+#[path = "../../fuzz/proptest_mutation.rs"]
+mod mutation;
+
 #[path = "fuzz_props/mad.rs"]
 mod property;
 
 use proptest::prelude::*;
-use proptest::sample::Index;
 
 #[test]
 fn seeds_satisfy_the_property() {
@@ -34,22 +36,8 @@ fn unanswered_smp_get_is_echoed() {
 /// A seed with a few bytes replaced and possibly cut short (rarely: the
 /// size check is one branch).
 fn mutated_seed() -> impl Strategy<Value = Vec<u8>> {
-    (
-        proptest::sample::select(property::seeds()),
-        proptest::collection::vec((any::<Index>(), any::<u8>()), 0..6),
-        proptest::option::weighted(0.1, any::<Index>()),
-    )
-        .prop_map(|(mut bytes, edits, cut)| {
-            for (at, value) in edits {
-                // Most edits land in the MAD header, where the agent looks.
-                let at = at.index(bytes.len().min(24));
-                bytes[at] = value;
-            }
-            if let Some(cut) = cut {
-                bytes.truncate(cut.index(bytes.len() + 1));
-            }
-            bytes
-        })
+    // Most edits land in the MAD header, where the agent looks.
+    mutation::mutated(property::seeds(), 6, 24, 0.1)
 }
 
 proptest! {

@@ -4,6 +4,9 @@
 //! bytes replaced and possibly cut short, and with lines dropped. `cargo
 //! xtask fuzz inf` runs the same property under libFuzzer.
 
+#[path = "../../fuzz/proptest_mutation.rs"]
+mod mutation;
+
 #[path = "fuzz_props/inf.rs"]
 mod property;
 
@@ -19,21 +22,7 @@ fn seeds_satisfy_the_property() {
 
 /// A seed with a few bytes replaced and possibly cut short.
 fn mutated_seed() -> impl Strategy<Value = Vec<u8>> {
-    (
-        proptest::sample::select(property::seeds()),
-        proptest::collection::vec((any::<Index>(), any::<u8>()), 0..4),
-        proptest::option::of(any::<Index>()),
-    )
-        .prop_map(|(mut bytes, edits, cut)| {
-            for (at, value) in edits {
-                let at = at.index(bytes.len());
-                bytes[at] = value;
-            }
-            if let Some(cut) = cut {
-                bytes.truncate(cut.index(bytes.len() + 1));
-            }
-            bytes
-        })
+    mutation::mutated(property::seeds(), 4, usize::MAX, 0.5)
 }
 
 /// A UTF-8 seed with a few lines dropped: sections, keys and strings go
