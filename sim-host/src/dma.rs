@@ -629,13 +629,26 @@ impl MemoryLocker for HostLocker {
         len: u64,
         writable: bool,
     ) -> Result<HostLockedPages, NtStatus> {
-        // User pages may be paged out: probing them is a PASSIVE/APC
-        // operation; kernel (non-paged) pages may be described at DISPATCH.
-        let max = match mode {
-            RequestorMode::User => driver_platform::Irql::APC,
-            RequestorMode::Kernel => driver_platform::Irql::DISPATCH,
-        };
-        crate::irql::check_max("MmProbeAndLockPages", max);
+        // Pageable addresses (user memory, paged pool) may be paged out:
+        // locking them is for APC_LEVEL and below; non-paged pool may be
+        // locked at DISPATCH (MmProbeAndLockPages's documented IRQL).
+        match mode {
+            RequestorMode::User => {
+                crate::irql::check_max("MmProbeAndLockPages", driver_platform::Irql::APC);
+            }
+            RequestorMode::Kernel => {
+                let paged =
+                    usize::try_from(len).is_ok_and(|bytes| self.kernel.touches_pageable(va, bytes));
+                if paged {
+                    crate::irql::check_max(
+                        "MmProbeAndLockPages(paged pool)",
+                        driver_platform::Irql::APC,
+                    );
+                } else {
+                    crate::irql::check_max("MmProbeAndLockPages", driver_platform::Irql::DISPATCH);
+                }
+            }
+        }
         if len == 0 {
             return Err(NtStatus::INVALID_PARAMETER);
         }

@@ -242,6 +242,9 @@ pub enum Protection {
 struct Allocation {
     pages: PageRun,
     protection: Protection,
+    /// Paged pool: may be paged out, so touching or locking it is for
+    /// APC_LEVEL and below.
+    pageable: bool,
 }
 
 impl Allocation {
@@ -364,14 +367,16 @@ impl AddressSpace {
     /// Allocates `len` bytes (rounded up to pages, zero-filled) and returns
     /// the page-aligned virtual address of the first byte.
     pub fn alloc(&self, len: usize, protection: Protection) -> Result<u64, MemoryError> {
-        self.alloc_pages(len, protection).map(|(va, _)| va)
+        self.alloc_pages(len, protection, false).map(|(va, _)| va)
     }
 
-    /// [`alloc`](Self::alloc), also returning the pages.
+    /// [`alloc`](Self::alloc), also returning the pages; `pageable` marks
+    /// paged pool.
     pub(crate) fn alloc_pages(
         &self,
         len: usize,
         protection: Protection,
+        pageable: bool,
     ) -> Result<(u64, PageRun), MemoryError> {
         if len == 0 {
             return Err(MemoryError::ZeroLength);
@@ -396,6 +401,7 @@ impl AddressSpace {
             Allocation {
                 pages: Arc::clone(&pages),
                 protection,
+                pageable,
             },
         );
         Ok((va, pages))
@@ -420,7 +426,13 @@ impl AddressSpace {
     /// Nothing is copied on error.
     pub fn read(&self, va: u64, out: &mut [u8]) -> Result<(), MemoryError> {
         let map = read_lock(&self.shared.map);
-        map.walk(va, out.len(), false, |_, _, _| {})?;
+        let mut pageable = false;
+        map.walk(va, out.len(), false, |alloc, _, _| {
+            pageable |= alloc.pageable
+        })?;
+        if pageable {
+            check_paged_access();
+        }
         map.walk(va, out.len(), false, |alloc, at, r| {
             read_pages(&alloc.pages, at, &mut out[r]);
         })
@@ -430,7 +442,13 @@ impl AddressSpace {
     /// unmapped or read-only.
     pub fn write(&self, va: u64, data: &[u8]) -> Result<(), MemoryError> {
         let map = read_lock(&self.shared.map);
-        map.walk(va, data.len(), true, |_, _, _| {})?;
+        let mut pageable = false;
+        map.walk(va, data.len(), true, |alloc, _, _| {
+            pageable |= alloc.pageable
+        })?;
+        if pageable {
+            check_paged_access();
+        }
         map.walk(va, data.len(), true, |alloc, at, r| {
             write_pages(&alloc.pages, at, &data[r]);
         })
@@ -468,6 +486,17 @@ impl AddressSpace {
             .locked_pages
             .fetch_add(pages.len(), Ordering::Relaxed);
         Ok(pages)
+    }
+
+    /// True if any allocated byte of `va..va+len` is paged pool (unmapped
+    /// bytes are left to the caller's own validation).
+    pub(crate) fn touches_pageable(&self, va: u64, len: usize) -> bool {
+        let map = read_lock(&self.shared.map);
+        let end = va.saturating_add(len as u64);
+        let first = map.containing(va).map_or(va, |(start, _)| start);
+        map.allocations
+            .range(first..end)
+            .any(|(_, alloc)| alloc.pageable)
     }
 
     /// Releases `count` pages locked by [`lock_pages`](Self::lock_pages).
@@ -642,6 +671,14 @@ impl Process {
     }
 }
 
+/// A CPU access to paged pool: above APC_LEVEL the page may not be resident,
+/// and the page fault it takes bugchecks (IRQL_NOT_LESS_OR_EQUAL), so every
+/// such access is reported, resident or not (as Driver Verifier's IRQL
+/// checking does by paging pageable memory out). The access still happens.
+fn check_paged_access() {
+    crate::irql::check_max("touch paged pool", driver_platform::Irql::APC);
+}
+
 /// Distinguishes pools, so a block freed to the wrong one is caught.
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -679,6 +716,8 @@ pub struct PoolBlock {
     len: usize,
     tag: [u8; 4],
     pages: PageRun,
+    /// From paged pool: touched only at APC_LEVEL and below.
+    paged: bool,
 }
 
 impl PoolBlock {
@@ -705,12 +744,23 @@ impl PoolBlock {
     /// Copies bytes out of the block; false (nothing copied) if the range
     /// leaves the requested length.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> bool {
+        if self.paged {
+            check_paged_access();
+        }
         range_within(offset, out.len(), self.len) && read_pages(&self.pages, offset, out)
+    }
+
+    /// True for a block of paged pool ([`Pool::alloc_paged`]).
+    pub fn is_paged(&self) -> bool {
+        self.paged
     }
 
     /// Copies bytes into the block; false (nothing copied) if the range
     /// leaves the requested length.
     pub fn write(&self, offset: usize, data: &[u8]) -> bool {
+        if self.paged {
+            check_paged_access();
+        }
         range_within(offset, data.len(), self.len) && write_pages(&self.pages, offset, data)
     }
 }
@@ -742,7 +792,7 @@ impl Pool {
     pub fn alloc(&self, driver: &str, tag: [u8; 4], len: usize) -> Result<PoolBlock, MemoryError> {
         // Non-paged pool: DISPATCH_LEVEL or below.
         crate::irql::check_max("ExAllocatePool2", driver_platform::Irql::DISPATCH);
-        self.alloc_block(driver, tag, len)
+        self.alloc_block(driver, tag, len, false)
     }
 
     /// [`Pool::alloc`] from paged pool (`POOL_FLAG_PAGED`): the memory may
@@ -755,7 +805,7 @@ impl Pool {
         len: usize,
     ) -> Result<PoolBlock, MemoryError> {
         crate::irql::check_max("ExAllocatePool2(PAGED)", driver_platform::Irql::APC);
-        self.alloc_block(driver, tag, len)
+        self.alloc_block(driver, tag, len, true)
     }
 
     fn alloc_block(
@@ -763,11 +813,12 @@ impl Pool {
         driver: &str,
         tag: [u8; 4],
         len: usize,
+        paged: bool,
     ) -> Result<PoolBlock, MemoryError> {
-        let (va, pages) = self
-            .shared
-            .kernel
-            .alloc_pages(len.max(1), Protection::ReadWrite)?;
+        let (va, pages) =
+            self.shared
+                .kernel
+                .alloc_pages(len.max(1), Protection::ReadWrite, paged)?;
         lock(&self.shared.blocks).insert(
             va,
             BlockRecord {
@@ -783,6 +834,7 @@ impl Pool {
             len,
             tag,
             pages,
+            paged,
         })
     }
 
@@ -980,6 +1032,82 @@ mod tests {
                 && matches!(x.kind, ViolationKind::IrqlTooHigh { service: "ExAllocatePool2(PAGED)", .. })),
             "{v:?}"
         );
+    }
+
+    /// Paged pool may be paged out: touching it (through the block or its
+    /// kernel address) or locking it above APC_LEVEL is a violation, while
+    /// the same operations on non-paged pool are fine at DISPATCH_LEVEL.
+    #[test]
+    fn paged_pool_touched_or_locked_above_apc_level_is_an_irql_violation() {
+        use crate::context::{self, Context};
+        use crate::dma::HostLocker;
+        use crate::irql::IrqlGuard;
+        use driver_platform::Irql;
+        use driver_platform::dma::MemoryLocker;
+        use driver_platform::request::RequestorMode;
+        let verifier = Verifier::new();
+        let pool = Pool::new(verifier.clone());
+        let _driver = context::enter(Context::driver(verifier.clone(), "hca"));
+        let paged = pool.alloc_paged("hca", *b"Page", 16).unwrap();
+        let nonpaged = pool.alloc("hca", *b"NonP", 16).unwrap();
+        assert!(paged.is_paged() && !nonpaged.is_paged());
+        let locker = HostLocker::new(pool.kernel_space(), None);
+        let mut out = [0u8; 4];
+        // At PASSIVE everything is allowed.
+        assert!(paged.write(0, &[1; 4]) && paged.read(0, &mut out));
+        pool.kernel_space().read(paged.va(), &mut out).unwrap();
+        drop(
+            locker
+                .lock(RequestorMode::Kernel, paged.va(), 16, true)
+                .unwrap(),
+        );
+        verifier.assert_clean();
+        let _dpc = IrqlGuard::at(Irql::DISPATCH);
+        // Non-paged pool: touching and locking at DISPATCH are fine.
+        assert!(nonpaged.write(0, &[2; 4]) && nonpaged.read(0, &mut out));
+        pool.kernel_space().write(nonpaged.va(), &[3; 4]).unwrap();
+        drop(
+            locker
+                .lock(RequestorMode::Kernel, nonpaged.va(), 16, true)
+                .unwrap(),
+        );
+        verifier.assert_clean();
+        // Paged pool: each touch and the lock are reported (and still done).
+        assert!(paged.write(0, &[4; 4]));
+        assert!(paged.read(0, &mut out));
+        assert_eq!(out, [4; 4]);
+        pool.kernel_space().write(paged.va() + 4, &[5; 4]).unwrap();
+        pool.kernel_space().read(paged.va() + 4, &mut out).unwrap();
+        drop(
+            locker
+                .lock(RequestorMode::Kernel, paged.va(), 16, true)
+                .unwrap(),
+        );
+        let services: Vec<_> = verifier
+            .take()
+            .into_iter()
+            .map(|v| match v.kind {
+                ViolationKind::IrqlTooHigh {
+                    service,
+                    at: 2,
+                    max: 1,
+                } if v.driver.as_deref() == Some("hca") => service,
+                other => panic!("unexpected violation {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            services,
+            [
+                "touch paged pool",
+                "touch paged pool",
+                "touch paged pool",
+                "touch paged pool",
+                "MmProbeAndLockPages(paged pool)"
+            ]
+        );
+        drop(_dpc);
+        pool.free(paged);
+        pool.free(nonpaged);
     }
 
     #[test]
