@@ -60,7 +60,7 @@ const LLVM_ROOT: &str = "/usr/lib/llvm-14";
 const WDK_BUILD_VERSION: &str = "0.6.0";
 /// Bump when the stand-in recipe or the `wdk-build` edits change, so the
 /// cached copies under `target/wdk-check` are rebuilt.
-const RECIPE_REVISION: u32 = 2;
+const RECIPE_REVISION: u32 = 3;
 
 /// Runs the check. `kmdf_headers` overrides where the KMDF headers are.
 pub(crate) fn run(kmdf_headers: Option<PathBuf>) -> ExitCode {
@@ -647,7 +647,7 @@ fn patch_wdk_build(original: &Path, out: &Path) -> Result<(), String> {
             ),
             (
                 refuse,
-                "    unimplemented!(\"set_var/remove_var: Windows hosts only (cargo xtask wdk-check)\")\n",
+                "    panic!(\"set_var/remove_var: Windows hosts only (cargo xtask wdk-check)\")\n",
                 2,
             ),
             (

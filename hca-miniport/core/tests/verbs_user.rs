@@ -22,7 +22,7 @@ use hca_prm::wqe::{build_recv_wqe, build_send_wqe};
 use ib_types::access::AccessFlags;
 use ib_types::av::AvAttr;
 use ib_types::cq::CqAttr;
-use ib_types::handle::{CqHandle, PdHandle};
+use ib_types::handle::PdHandle;
 use ib_types::ioctl::{
     AllocPd, CloseCa, CreateAv, CreateCq, CreateQp, DeallocPd, DestroyCq, DestroyQp, Empty,
     ModifyQp, OpenCa, OpenCaIn, QueryCq, QueryQp, Verb,
@@ -325,22 +325,7 @@ fn deregister(w: &World, i: usize, region: MemoryRegion<SimPlatform>) {
 }
 
 fn qp_create(qp_type: QpType, pd: u64, cq: u64) -> QpCreate {
-    QpCreate {
-        qp_type,
-        pd: PdHandle::from_raw(pd),
-        send_cq: CqHandle::from_raw(cq),
-        recv_cq: CqHandle::from_raw(cq),
-        srq: None,
-        caps: QpCaps {
-            max_send_wr: 8,
-            max_recv_wr: 8,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    }
+    support::small_qp_create(qp_type, pd, cq)
 }
 
 fn av_to(ip: [u8; 4]) -> AvAttr {
