@@ -8,8 +8,10 @@
 //!   Type-checked and linted on every change by `cargo xtask wdk-check`
 //!   (against a stand-in WDK on Linux); never linked or run yet, as no
 //!   Windows build has been run.
-//! - [`sim`] (other hosts): the same shell for the simulated Windows host
-//!   (`sim-host`), which tests and the main job boot.
+//! - The same shell for the simulated Windows host, which tests and the
+//!   main job boot, is not here: it lives with the simulator, in
+//!   `sim-shells` (`sim_shells::hca_miniport`), so that this shipped crate
+//!   never depends on a simulator.
 //! - [`sg_pages`] (every host): the KMDF shell's scatter/gather-to-pages
 //!   arithmetic, portable so it is compiled and tested here.
 
@@ -35,8 +37,5 @@ extern crate wdk_panic;
 
 #[cfg(windows)]
 pub mod kmdf;
-
-#[cfg(not(windows))]
-pub mod sim;
 
 pub mod sg_pages;

@@ -2,7 +2,7 @@
 //! (`hcaminiport`, `ibalbus`, `ibportclient`), for tests of the host
 //! itself (the power order is checked from their log) and, for the bus
 //! filter and the port client, for scenario tests until the real drivers
-//! exist. The real miniport is `hca_miniport::sim`, registered over the
+//! exist. The real miniport is `sim_shells::hca_miniport`, registered over the
 //! `hcaminiport` stand-in where a scenario runs it. Each does, at each PnP
 //! and power step, the minimum the real driver must, and logs it:
 //!

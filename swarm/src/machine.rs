@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use driver_platform::{CommonBuffer, DmaAdapter, RequestorMode};
-use hca_miniport::sim::{MiniportDevice, MiniportDriver, SERVICE};
 use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::init::HcaConfig;
 use hca_miniport_core::verbs::CaClient;
@@ -34,6 +33,7 @@ use sim_host::host::{Host, HostConfig};
 use sim_host::memory::PoolBlock;
 use sim_host::platform::SimPlatform;
 use sim_host::request::{HostRequest, RequestHandle};
+use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver, SERVICE};
 
 /// The CI interface as the simulated host hands it out.
 pub(crate) type Provider = CiProvider<SimPlatform>;

@@ -1,7 +1,7 @@
 //! The main job's simulated Windows machine with the real miniport: two
 //! HCAs on the PCI bus, the drivers bound from our INF files
 //! (`hcaminiport` is the miniport's simulated-host shell,
-//! `hca_miniport::sim`; the bus filter and the port client are still the
+//! `sim_shells::hca_miniport`; the bus filter and the port client are still the
 //! host's stand-ins), and a kernel client that does what the bus filter
 //! will: asks each HCA's stack for the CI interface
 //! (`IRP_MN_QUERY_INTERFACE`), opens the CA with its callbacks, creates a
@@ -28,7 +28,6 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use driver_platform::{CommonBuffer, DmaAdapter, Event, RequestorMode, SystemPowerState};
-use hca_miniport::sim::{MiniportDevice, MiniportDriver, SERVICE};
 use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::init::HcaConfig;
 use hca_miniport_core::verbs::{CaClient, CqNotify};
@@ -57,6 +56,7 @@ use sim_host::host::{Host, HostConfig};
 use sim_host::irql::IrqlTracker;
 use sim_host::platform::SimPlatform;
 use sim_host::request::HostRequest;
+use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver, SERVICE};
 
 type Provider = CiProvider<SimPlatform>;
 /// A memory region the CI registered.

@@ -8,7 +8,7 @@
 //!   (`extern "system"` entry points, the provider behind its `context`,
 //!   `InterfaceReference`/`InterfaceDereference` counting an `Arc`), whose
 //!   entry points call the methods below one for one;
-//! - the simulated host's shell (`hca_miniport::sim`) answers the query
+//! - the simulated host's shell (`sim_shells::hca_miniport`) answers the query
 //!   with the provider itself (an `Arc<CiProvider<SimPlatform>>` inside the
 //!   host's counted `InterfaceRef`): in one Rust process there is no ABI
 //!   to cross, and the host counts the reference the FFI header would.

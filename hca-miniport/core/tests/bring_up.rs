@@ -1,5 +1,5 @@
 //! Bring-up and events of the miniport core on the simulated host, driven
-//! through the miniport's simulated-host shell (`hca_miniport::sim`: the
+//! through the miniport's simulated-host shell (`sim_shells::hca_miniport`: the
 //! `Hca` built in prepare-hardware from the PCI function's resources, the
 //! ISR calling `Hca::isr` and queueing the DPC, then started), with BAR0
 //! wrapped where a test needs a lying device; a pass-through `ibalbus`
@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use driver_platform::{Irql, Mmio, Platform};
-use hca_miniport::sim::{MiniportDevice, MiniportDriver, MiniportOptions, ShellPlatform};
 use hca_miniport_core::cmd::{Command, CommandError, CommandOutput};
 use hca_miniport_core::eq::{
     DeviceFailure, EventSink, MAX_LOG_EQ_ENTRIES, PortViolation, QpEvent, SrqEvent,
@@ -34,9 +33,10 @@ use sim_host::pnp::{DeviceServices, PnpState};
 use sim_host::registry::RegistryView;
 use sim_host::request::HostRequest;
 use sim_host::sched::DeviceDeferred;
+use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver, MiniportOptions, ShellPlatform};
 use zerocopy::FromBytes;
 
-const DRIVER: &str = hca_miniport::sim::SERVICE;
+const DRIVER: &str = sim_shells::hca_miniport::SERVICE;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())

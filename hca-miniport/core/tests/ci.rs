@@ -13,7 +13,6 @@ mod support;
 use std::sync::{Arc, Mutex};
 
 use driver_platform::{Event, Irql, RequestorMode};
-use hca_miniport::sim::{MiniportDriver, SERVICE};
 use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::init::HcaConfig;
 use hca_miniport_core::verbs::{CaClient, CqNotify};
@@ -34,6 +33,7 @@ use sim_host::host::{Host, HostConfig};
 use sim_host::irql::IrqlTracker;
 use sim_host::platform::SimPlatform;
 use sim_host::request::{HostRequest, RequestHandle};
+use sim_shells::hca_miniport::{MiniportDriver, SERVICE};
 use support::{NODE_GUID, World, lock, response};
 
 const KERNEL: RequestorMode = RequestorMode::Kernel;

@@ -1,5 +1,5 @@
 //! The memory translation service on the simulated host (guide 7.1; PRM
-//! 6.0, 7.1): the miniport's simulated-host shell (`hca_miniport::sim`)
+//! 6.0, 7.1): the miniport's simulated-host shell (`sim_shells::hca_miniport`)
 //! brings the HCA up, and the tests register kernel pool buffers and user
 //! process buffers through [`MemoryTranslation`], check what the device
 //! holds (`QUERY_MPT`, and the MTT entries it wrote into its MTT table),
@@ -14,7 +14,6 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use driver_platform::{DmaAdapter, DmaMapping, Irql, MemoryLocker, RequestorMode};
-use hca_miniport::sim::{MiniportDevice, MiniportDriver, MiniportOptions};
 use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use hca_miniport_core::hca::Hca;
 use hca_miniport_core::init::{BringUpReport, HcaConfig};
@@ -38,8 +37,9 @@ use sim_host::memory::{PoolBlock, Process};
 use sim_host::pci::PciFunction;
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::DeviceServices;
+use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver, MiniportOptions};
 
-const DRIVER: &str = hca_miniport::sim::SERVICE;
+const DRIVER: &str = sim_shells::hca_miniport::SERVICE;
 const PAGE: u64 = 4096;
 
 type Region = MemoryRegion<SimPlatform>;

@@ -1,6 +1,6 @@
 //! A booted simulated machine with the miniport core driving one HCA, for
 //! the verbs tests: the miniport's simulated-host shell
-//! (`hca_miniport::sim`, the Linux counterpart of the KMDF shell) is
+//! (`sim_shells::hca_miniport`, the Linux counterpart of the KMDF shell) is
 //! registered as `hcaminiport` with a [`CountingSink`] per HCA, and a
 //! pass-through `ibalbus` filter sits above it as the INF says.
 
@@ -9,7 +9,6 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use driver_platform::RequestorMode;
-use hca_miniport::sim::{MiniportDevice, MiniportDriver, MiniportOptions};
 use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use hca_miniport_core::hca::Hca;
 use hca_miniport_core::init::HcaConfig;
@@ -28,9 +27,10 @@ use sim_host::pci::PciFunction;
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::DeviceServices;
 use sim_host::request::{Completion, HostRequest, RequestHandle};
+use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver, MiniportOptions};
 
 /// The driver's service name.
-pub(crate) const DRIVER: &str = hca_miniport::sim::SERVICE;
+pub(crate) const DRIVER: &str = sim_shells::hca_miniport::SERVICE;
 
 /// The node GUID of the test HCA.
 pub(crate) const NODE_GUID: u64 = 0x0002_C900_0000_1000;

@@ -7,11 +7,11 @@
 //! a non-Microsoft `Provider`).
 #![cfg(not(windows))]
 
-use hca_miniport::sim::SERVICE;
 use hca_prm::regs::{
     PCI_DEVICE_ID, PCI_REVISION, PCI_SUBSYSTEM_ID, PCI_SUBSYSTEM_VENDOR_ID, PCI_VENDOR_ID,
 };
 use sim_host::inf::{InfSet, workspace_inf_dir};
+use sim_shells::hca_miniport::SERVICE;
 
 fn prm_hardware_ids() -> Vec<String> {
     let base = format!("PCI\\VEN_{PCI_VENDOR_ID:04X}&DEV_{PCI_DEVICE_ID:04X}");

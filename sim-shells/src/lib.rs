@@ -1,0 +1,14 @@
+//! The drivers' shells for the simulated Windows host (`sim-host`): the
+//! simulator's side of each driver. Every module here is the Linux
+//! counterpart of one driver's KMDF shell, doing for the host's driver
+//! model (`sim_host::driver`) what that shell does for WDF, callback for
+//! callback and in the same order, so that the path Windows runs is the
+//! path the tests run.
+//!
+//! The shipped driver crates (`hca-miniport`, `ibal-bus`) hold only their
+//! KMDF shells and never depend on the simulator; this crate depends on
+//! their portable cores and on `sim-host`.
+//!
+//! - [`hca_miniport`]: the HCA miniport (`hca-miniport/src/kmdf`).
+
+pub mod hca_miniport;
