@@ -26,6 +26,7 @@
 use driver_platform::SystemPowerState;
 
 use crate::pnp::{DevNodeId, PnpManager, PnpState, Veto};
+use crate::request::StopAction;
 
 /// How a critical sleep treats the query (`IRP_MN_QUERY_POWER`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,7 +134,7 @@ impl PnpManager {
 
     fn power_down(&self, started: &[DevNodeId], target: SystemPowerState) {
         for &n in started.iter().rev() {
-            self.leave_d0(n, target.device_state());
+            self.leave_d0(n, target.device_state(), StopAction::Suspend);
         }
     }
 }
