@@ -89,3 +89,81 @@ fn a_pending_get_async_event_does_not_hold_the_sleep_and_keeps_pending_across_it
     );
     w.finish();
 }
+
+/// Verbs sent down the stack and still in flight (their commands on the
+/// device) when the system sleeps, ordinarily or critically: the queue's
+/// stop waits for them, so each finishes while the device is still in D0,
+/// and succeeds; one sent while asleep is held and runs after the resume.
+#[test]
+fn verbs_in_flight_through_the_queue_finish_before_the_device_leaves_d0() {
+    use driver_platform::SystemPowerState;
+    use ib_types::cq::CqAttr;
+    use ib_types::ioctl::{AllocPd, CreateCq, DeallocPd, DestroyCq};
+    use power_kit::{KERNEL, side};
+    use sim_host::power::CriticalSleep;
+    const ATTR: CqAttr = CqAttr {
+        cqe: 16,
+        comp_vector: 0,
+    };
+    for seed in 200..206 {
+        let (w, [x, _]) = two_hcas(seed, hca_miniport_core::init::HcaConfig::default());
+        let sx = side(&w, x);
+        let node = w.device_at(x).node();
+        let send = |req| w.host.pnp().send_request(node, req);
+        let cqs: Vec<_> = (0..3)
+            .map(|_| {
+                let (req, issuer) = w.request::<CreateCq>(KERNEL, sx.ca, &ATTR, 0);
+                send(req);
+                issuer
+            })
+            .collect();
+        let (req, pd) = w.request::<AllocPd>(KERNEL, sx.ca, &Empty, 0);
+        send(req);
+        assert!(
+            cqs.iter().any(|c| !c.is_done()),
+            "seed {seed}: commands still in flight"
+        );
+        // No settle: the power-down itself must wait for them.
+        if seed % 2 == 0 {
+            w.host.pnp().set_system_power(SystemPowerState::S3).unwrap();
+        } else {
+            let vetoes = w
+                .host
+                .pnp()
+                .set_system_power_critical(SystemPowerState::S3, CriticalSleep::Unqueried);
+            assert!(vetoes.is_empty());
+        }
+        w.host.verifier().assert_clean();
+        let mut handles = Vec::new();
+        for issuer in &cqs {
+            let done = issuer
+                .completion()
+                .unwrap_or_else(|| panic!("seed {seed}: finished before D0 exit"));
+            let r = response::<CreateCq>(&done);
+            assert_eq!(r.status, IbStatus::Success, "seed {seed}");
+            handles.push(r.handle);
+        }
+        let done = pd.completion().expect("AllocPd finished before D0 exit");
+        let pd = response::<AllocPd>(&done);
+        assert_eq!(pd.status, IbStatus::Success);
+
+        // Sent while asleep: held by the queue, run after the resume.
+        let (req, held) = w.request::<CreateCq>(KERNEL, sx.ca, &ATTR, 0);
+        send(req);
+        w.settle();
+        assert!(!held.is_done(), "held below D0");
+        w.resume();
+        let done = completed(&w, &held);
+        let r = response::<CreateCq>(&done);
+        assert_eq!(r.status, IbStatus::Success, "seed {seed}");
+        handles.push(r.handle);
+
+        for cq in handles {
+            let r = w.call_in_dpc_at::<DestroyCq>(x, KERNEL, cq, &Empty, 0);
+            assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+        }
+        let r = w.call_in_dpc_at::<DeallocPd>(x, KERNEL, pd.handle, &Empty, 0);
+        assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+        w.finish();
+    }
+}
