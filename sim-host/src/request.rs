@@ -217,11 +217,6 @@ impl QueueRecord {
     pub(crate) fn take_requeued(&self) -> Vec<HostRequest> {
         std::mem::take(&mut self.lock().requeued)
     }
-
-    /// Whether the driver owns request `id` of this queue.
-    pub fn owns(&self, id: RequestId) -> bool {
-        self.lock().owned.contains_key(&id)
-    }
 }
 
 /// A request the framework names in `EvtIoStop` or `EvtIoResume`: its
