@@ -167,3 +167,52 @@ fn verbs_in_flight_through_the_queue_finish_before_the_device_leaves_d0() {
         w.finish();
     }
 }
+
+/// The same on a threaded host: the power-down waits (in real time) for
+/// verbs the workers are still completing.
+#[test]
+fn on_a_threaded_host_the_sleep_waits_for_verbs_in_flight() {
+    use driver_platform::SystemPowerState;
+    use ib_types::cq::CqAttr;
+    use ib_types::ioctl::{AllocPd, CreateCq, DeallocPd, DestroyCq};
+    use power_kit::KERNEL;
+    let w = World::threaded_with_hcas(
+        2,
+        vec![support::two_port_hca()],
+        hca_miniport_core::init::HcaConfig::default(),
+    );
+    let ca = w.hca().open_ca(None).unwrap();
+    let r = w.call_in_dpc_waiting_at::<AllocPd>(0, KERNEL, ca, &Empty, 0);
+    let pd = response::<AllocPd>(&r).handle;
+    let node = w.device_at(0).node();
+    let attr = CqAttr {
+        cqe: 16,
+        comp_vector: 0,
+    };
+    let cqs: Vec<_> = (0..4)
+        .map(|_| {
+            let (req, issuer) = w.request::<CreateCq>(KERNEL, ca, &attr, 0);
+            w.host.pnp().send_request(node, req);
+            issuer
+        })
+        .collect();
+    w.host.pnp().set_system_power(SystemPowerState::S3).unwrap();
+    w.host.verifier().assert_clean();
+    let handles: Vec<u64> = cqs
+        .iter()
+        .map(|issuer| {
+            let done = issuer.completion().expect("finished before D0 exit");
+            let r = response::<CreateCq>(&done);
+            assert_eq!(r.status, IbStatus::Success);
+            r.handle
+        })
+        .collect();
+    w.host.pnp().set_system_power(SystemPowerState::S0).unwrap();
+    for cq in handles {
+        let r = w.call_in_dpc_waiting_at::<DestroyCq>(0, KERNEL, cq, &Empty, 0);
+        assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    }
+    let r = w.call_in_dpc_waiting_at::<DeallocPd>(0, KERNEL, pd, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    w.finish();
+}
