@@ -19,7 +19,7 @@ use driver_platform::{ChildDescription, DevicePowerState, SystemPowerState};
 use ib_types::interface::WinGuid;
 use ib_types::status::NtStatus;
 
-use crate::request::HostRequest;
+use crate::request::{HostRequest, StoppedRequest};
 use crate::verifier::{Verifier, ViolationKind};
 
 /// `STATUS_SUCCESS`.
@@ -201,6 +201,19 @@ pub trait DeviceCallbacks: Send + Sync {
     fn io_request(&self, lower: &dyn Forward, req: HostRequest) {
         lower.forward(req);
     }
+    /// `EvtIoStop` of this object's power-managed queue: called when the
+    /// device leaves D0 (or is removed), once for every request the queue
+    /// presented and the driver has not completed. The driver completes
+    /// the request, or acknowledges it through `stopped`
+    /// (`WdfRequestStopAcknowledge`: keep it, or `requeue` it), now or
+    /// later; the transition waits for one or the other. The default —
+    /// KMDF without `EvtIoStop` — does neither, so the framework waits for
+    /// the driver to complete the request: right for a driver that never
+    /// holds a request long, a stuck sleep for one that does.
+    fn io_stop(&self, stopped: &StoppedRequest) {}
+    /// `EvtIoResume`: the device is back in D0; `request` was acknowledged
+    /// without requeue in `io_stop` and the driver still owns it.
+    fn io_resume(&self, request: &StoppedRequest) {}
     /// `IRP_MN_QUERY_INTERFACE`: answer for `guid` at `version`, or `None`
     /// to pass the query down the stack.
     fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {

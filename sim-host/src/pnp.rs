@@ -32,8 +32,14 @@ use crate::driver::{
 };
 use crate::irql::IrqlGuard;
 use crate::registry::{RegistryStore, RegistryView};
-use crate::request::HostRequest;
+use crate::request::{HostRequest, QueueRecord, StopAction, StoppedRequest};
+use crate::sched::SchedulerHandle;
 use crate::verifier::{Verifier, ViolationKind};
+
+/// How long a power transition on a threaded host waits for the requests
+/// of a stopping queue before it reports them (KMDF waits for ever; the
+/// Windows power watchdog bug-checks after minutes).
+const STOP_WAIT_THREADED: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The service name of PDOs the host itself creates (root-enumerated
 /// devices, the PCI functions): no driver owns them.
@@ -93,6 +99,9 @@ struct Layer {
     power_managed: bool,
     /// Requests held while the device is below D0.
     held: VecDeque<HostRequest>,
+    /// The requests the power-managed queue presented and the driver has
+    /// not completed (for `EvtIoStop` / `EvtIoResume`).
+    presented: Arc<QueueRecord>,
 }
 
 struct DevNode {
@@ -171,6 +180,9 @@ pub(crate) struct PnpInner {
     /// Children reported by bus drivers, enumerated after the callback that
     /// reported them returns (bus relations are re-queried asynchronously).
     pending_children: Mutex<Vec<(DevNodeId, ChildReport)>>,
+    /// The scheduler a stopping queue waits on (the machine's other
+    /// processors run while the power transition waits).
+    sched: Mutex<Option<SchedulerHandle>>,
 }
 
 enum ChildReport {
@@ -391,6 +403,7 @@ impl PnpManager {
                 drivers: Mutex::default(),
                 interface_events: Mutex::default(),
                 pending_children: Mutex::default(),
+                sched: Mutex::default(),
             }),
         }
     }
@@ -399,6 +412,13 @@ impl PnpManager {
     /// the host checks what the driver left behind (pool, DMA).
     pub fn on_unload(&self, hook: impl Fn(&str) + Send + Sync + 'static) {
         lock(&self.inner.unload_hooks).push(Arc::new(hook));
+    }
+
+    /// The scheduler of the machine: a power transition waiting for the
+    /// requests of a stopping queue runs it meanwhile (without one, only
+    /// what the driver does inside `EvtIoStop` counts).
+    pub fn set_scheduler(&self, sched: SchedulerHandle) {
+        *lock(&self.inner.sched) = Some(sched);
     }
 
     /// The registry the drivers see.
@@ -488,6 +508,7 @@ impl PnpManager {
                     power_managed: false,
                     callbacks,
                     held: VecDeque::new(),
+                    presented: Arc::default(),
                 }],
                 state: PnpState::Enumerated,
                 power: DevicePowerState::D3,
@@ -699,6 +720,7 @@ impl PnpManager {
                     callbacks,
                     power_managed,
                     held: VecDeque::new(),
+                    presented: Arc::default(),
                 });
             }
         }
@@ -730,31 +752,127 @@ impl PnpManager {
                 return Err(format!("`{service}` D0 entry failed: {status:?}"));
             }
         }
-        let held: Vec<(usize, HostRequest)> = {
+        let (queues, held): (Vec<_>, Vec<(usize, HostRequest)>) = {
             let mut tree = lock(&self.inner.tree);
             let n = &mut tree.nodes[node.0];
             n.power = DevicePowerState::D0;
-            n.stack
+            let queues = n
+                .stack
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.power_managed)
+                .map(|(i, l)| {
+                    (
+                        i,
+                        l.service.clone(),
+                        l.callbacks.clone(),
+                        l.presented.clone(),
+                    )
+                })
+                .collect();
+            let held = n
+                .stack
                 .iter_mut()
                 .enumerate()
                 .flat_map(|(i, l)| l.held.drain(..).map(move |r| (i, r)).collect::<Vec<_>>())
-                .collect()
+                .collect();
+            (queues, held)
         };
+        // The queues restart: EvtIoResume for what the drivers kept, then
+        // what they gave back, then what arrived meanwhile.
+        for (layer, _service, cb, presented) in queues {
+            let (resumed, requeued) = presented.restart();
+            for (id, ioctl) in resumed {
+                cb.io_resume(&StoppedRequest::new(
+                    id,
+                    ioctl,
+                    StopAction::Suspend,
+                    presented.clone(),
+                    self.inner.verifier.clone(),
+                ));
+            }
+            for req in requeued {
+                self.deliver(node, layer, req);
+            }
+        }
         for (layer, req) in held {
             self.deliver(node, layer, req);
         }
         Ok(())
     }
 
-    /// D0 exit top-down (the queues hold new requests from now on).
-    pub(crate) fn leave_d0(&self, node: DevNodeId, to: DevicePowerState) {
+    /// Stops one power-managed queue (KMDF, before the device's D0 exit):
+    /// `EvtIoStop` for every request the driver owns from it, then waits —
+    /// running the machine's other processors — until each is completed
+    /// or acknowledged. One that never is would hang the transition on
+    /// Windows: `RequestBlocksPowerDown`, and the transition goes on.
+    fn stop_queue(
+        &self,
+        service: &str,
+        cb: &Arc<dyn DeviceCallbacks>,
+        presented: &Arc<QueueRecord>,
+        action: StopAction,
+    ) {
+        for (id, ioctl) in presented.begin_stop() {
+            cb.io_stop(&StoppedRequest::new(
+                id,
+                ioctl,
+                action,
+                presented.clone(),
+                self.inner.verifier.clone(),
+            ));
+        }
+        let sched = lock(&self.inner.sched).clone();
+        let deadline = std::time::Instant::now() + STOP_WAIT_THREADED;
+        while !presented.still_stopping().is_empty() {
+            let waited = match &sched {
+                Some(s) if s.mode() == crate::sched::Mode::Deterministic => s.run_one_for_waiter(),
+                // Threaded: the workers complete requests on their own.
+                Some(_) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    true
+                }
+                _ => false,
+            };
+            if !waited {
+                break;
+            }
+        }
+        for (id, ioctl) in presented.still_stopping() {
+            self.inner.verifier.report(
+                Some(service),
+                ViolationKind::RequestBlocksPowerDown {
+                    ioctl,
+                    request: id.raw(),
+                },
+            );
+        }
+    }
+
+    /// D0 exit top-down (the queues hold new requests from now on); each
+    /// layer's power-managed queue stops first (`stop_queue`).
+    pub(crate) fn leave_d0(&self, node: DevNodeId, to: DevicePowerState, action: StopAction) {
         if self.power(node) != Some(DevicePowerState::D0) {
             return;
         }
-        if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
+        let layers: Vec<_> = {
+            let mut tree = lock(&self.inner.tree);
+            let Some(n) = tree.nodes.get_mut(node.0) else {
+                return;
+            };
             n.power = to;
-        }
-        for (service, cb) in self.layers(node).into_iter().rev() {
+            n.stack
+                .iter()
+                .map(|l| {
+                    let queue = l.power_managed.then(|| l.presented.clone());
+                    (l.service.clone(), l.callbacks.clone(), queue)
+                })
+                .collect()
+        };
+        for (service, cb, queue) in layers.into_iter().rev() {
+            if let Some(queue) = queue {
+                self.stop_queue(&service, &cb, &queue, action);
+            }
             let status = cb.d0_exit(to);
             if status != SUCCESS {
                 self.inner.verifier.report(
@@ -869,10 +987,12 @@ impl PnpManager {
                 return req_complete(req, NOT_SUPPORTED);
             };
             if l.power_managed && !in_d0 {
+                req.present_from(None);
                 req.set_owner(Some(l.service.clone()));
                 l.held.push_back(req);
                 return;
             }
+            req.present_from(l.power_managed.then(|| l.presented.clone()));
             (l.service.clone(), l.callbacks.clone())
         };
         let (service, cb) = target;
@@ -948,7 +1068,7 @@ impl PnpManager {
     /// A veto sends cancel-stop to the layers that agreed.
     pub fn stop(&self, node: DevNodeId) -> Result<(), Veto> {
         self.query("query-stop", node, |cb| cb.query_stop())?;
-        self.leave_d0(node, DevicePowerState::D3);
+        self.leave_d0(node, DevicePowerState::D3, StopAction::Suspend);
         for (_, cb) in self.layers(node).into_iter().rev() {
             cb.release_hardware();
         }
@@ -1028,7 +1148,11 @@ impl PnpManager {
                 dn.state = PnpState::SurpriseRemoved;
                 dn.stack
                     .iter_mut()
-                    .flat_map(|l| l.held.drain(..).collect::<Vec<_>>())
+                    .flat_map(|l| {
+                        let mut purged: Vec<_> = l.presented.take_requeued();
+                        purged.extend(l.held.drain(..));
+                        purged
+                    })
                     .collect()
             };
             for req in held {
@@ -1049,7 +1173,7 @@ impl PnpManager {
             if self.state(n) == Some(PnpState::Removed) {
                 continue;
             }
-            self.leave_d0(n, DevicePowerState::D3);
+            self.leave_d0(n, DevicePowerState::D3, StopAction::Purge);
             for (_, cb) in self.layers(n).into_iter().rev() {
                 cb.release_hardware();
             }
@@ -1060,7 +1184,11 @@ impl PnpManager {
                 let held: Vec<HostRequest> = dn
                     .stack
                     .iter_mut()
-                    .flat_map(|l| l.held.drain(..).collect::<Vec<_>>())
+                    .flat_map(|l| {
+                        let mut purged: Vec<_> = l.presented.take_requeued();
+                        purged.extend(l.held.drain(..));
+                        purged
+                    })
                     .collect();
                 let layers: Vec<Arc<str>> = dn
                     .stack
@@ -1252,6 +1380,13 @@ impl DeviceCallbacks for InDriver {
     }
     fn create_child(&self, child: &ChildDescription) -> Option<Arc<dyn DeviceCallbacks>> {
         self.call_pnp("EvtChildListCreateDevice", None, |d| d.create_child(child))
+    }
+    fn io_stop(&self, stopped: &StoppedRequest) {
+        // From the power transition's system thread, at PASSIVE_LEVEL.
+        self.call_pnp("EvtIoStop", (), |d| d.io_stop(stopped));
+    }
+    fn io_resume(&self, request: &StoppedRequest) {
+        self.call_pnp("EvtIoResume", (), |d| d.io_resume(request));
     }
     fn resources(&self) -> Option<Arc<dyn std::any::Any + Send + Sync>> {
         self.inner.resources()

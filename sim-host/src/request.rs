@@ -24,8 +24,19 @@
 //! sees `STATUS_CANCELLED`-like abandonment as an error), cancellation is a
 //! flag the owner must honour, and completion is refused above
 //! DISPATCH_LEVEL.
+//!
+//! A power-managed queue keeps a [`QueueRecord`] of the requests it
+//! presented to its driver and the driver has not completed (KMDF's
+//! driver-owned requests). When the device leaves D0 the host calls the
+//! driver's `EvtIoStop` for each with a [`StoppedRequest`], through which
+//! the driver acknowledges it (`WdfRequestStopAcknowledge`), keeping it or
+//! giving it back to be presented again after D0 entry; or the driver
+//! completes it. One that is neither blocks the power transition on
+//! Windows and is a `RequestBlocksPowerDown` violation here.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use driver_platform::{Event, Request, RequestorMode};
 use ib_types::status::NtStatus;
@@ -104,6 +115,207 @@ impl RequestHandle {
     }
 }
 
+/// A request's identity while it lives (what its `WDFREQUEST` handle
+/// names): unique within the process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(u64);
+
+impl RequestId {
+    fn next() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// The raw number (for reports).
+    pub fn raw(self) -> u64 {
+        self.0
+    }
+}
+
+/// Why the framework calls `EvtIoStop` (`WDF_REQUEST_STOP_ACTION_FLAGS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopAction {
+    /// `WdfRequestStopActionSuspend`: the device leaves D0 and will come
+    /// back (sleep, rebalance).
+    Suspend,
+    /// `WdfRequestStopActionPurge`: the device is being removed.
+    Purge,
+}
+
+/// Where a driver-owned request of a power-managed queue stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Presented {
+    /// Being processed.
+    Working,
+    /// `EvtIoStop` was called; neither acknowledged nor completed yet.
+    Stopping,
+    /// Acknowledged without requeue: the driver keeps it and gets
+    /// `EvtIoResume` for it on D0 entry.
+    Acknowledged,
+}
+
+#[derive(Debug, Default)]
+struct QueueState {
+    /// Presented and not completed: the I/O control code and the stand.
+    owned: BTreeMap<RequestId, (u32, Presented)>,
+    /// Given back with requeue, to be presented again after D0 entry.
+    requeued: Vec<HostRequest>,
+}
+
+/// The requests one power-managed queue presented to its driver that the
+/// driver has not completed, and those it gave back on stop.
+#[derive(Debug, Default)]
+pub struct QueueRecord {
+    state: Mutex<QueueState>,
+}
+
+impl QueueRecord {
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The queue stops: every request being processed is now stopping;
+    /// returns them (id and I/O control code), for `EvtIoStop`.
+    pub(crate) fn begin_stop(&self) -> Vec<(RequestId, u32)> {
+        let mut s = self.lock();
+        s.owned
+            .iter_mut()
+            .filter(|(_, (_, at))| *at == Presented::Working)
+            .map(|(&id, (ioctl, at))| {
+                *at = Presented::Stopping;
+                (id, *ioctl)
+            })
+            .collect()
+    }
+
+    /// The requests still stopping (neither acknowledged nor completed).
+    pub(crate) fn still_stopping(&self) -> Vec<(RequestId, u32)> {
+        self.lock()
+            .owned
+            .iter()
+            .filter(|(_, (_, at))| *at == Presented::Stopping)
+            .map(|(&id, (ioctl, _))| (id, *ioctl))
+            .collect()
+    }
+
+    /// The queue restarts (D0 entry): every stopped request is being
+    /// processed again. Returns the acknowledged ones (for
+    /// `EvtIoResume`) and the requeued ones (to present again).
+    pub(crate) fn restart(&self) -> (Vec<(RequestId, u32)>, Vec<HostRequest>) {
+        let mut s = self.lock();
+        let mut resumed = Vec::new();
+        for (&id, (ioctl, at)) in s.owned.iter_mut() {
+            if *at == Presented::Acknowledged {
+                resumed.push((id, *ioctl));
+            }
+            *at = Presented::Working;
+        }
+        (resumed, std::mem::take(&mut s.requeued))
+    }
+
+    /// Takes the requests given back with requeue (the queue is purged).
+    pub(crate) fn take_requeued(&self) -> Vec<HostRequest> {
+        std::mem::take(&mut self.lock().requeued)
+    }
+}
+
+/// A request the framework names in `EvtIoStop` or `EvtIoResume`: its
+/// handle and I/O control code (what `WdfRequestGetParameters` reads), and
+/// the acknowledgement.
+#[derive(Debug, Clone)]
+pub struct StoppedRequest {
+    id: RequestId,
+    ioctl: u32,
+    action: StopAction,
+    queue: Arc<QueueRecord>,
+    verifier: Verifier,
+}
+
+impl StoppedRequest {
+    pub(crate) fn new(
+        id: RequestId,
+        ioctl: u32,
+        action: StopAction,
+        queue: Arc<QueueRecord>,
+        verifier: Verifier,
+    ) -> Self {
+        Self {
+            id,
+            ioctl,
+            action,
+            queue,
+            verifier,
+        }
+    }
+
+    /// The request.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Its I/O control code.
+    pub fn ioctl(&self) -> u32 {
+        self.ioctl
+    }
+
+    /// Why the queue stops.
+    pub fn action(&self) -> StopAction {
+        self.action
+    }
+
+    /// `WdfRequestStopAcknowledge(Request, FALSE)`: the driver keeps the
+    /// request, has stopped whatever of it needs the hardware, and gets
+    /// `EvtIoResume` for it on D0 entry. May be called after `EvtIoStop`
+    /// returned. Acknowledging a request the driver no longer owns (it
+    /// completed it) is a `Protocol` violation (a bug check on Windows).
+    pub fn acknowledge(&self) {
+        let mut s = self.queue.lock();
+        match s.owned.get_mut(&self.id) {
+            Some((_, at)) if *at != Presented::Working => *at = Presented::Acknowledged,
+            _ => {
+                drop(s);
+                self.report_stale("WdfRequestStopAcknowledge");
+            }
+        }
+    }
+
+    /// `WdfRequestStopAcknowledge(Request, TRUE)`: gives `request` back to
+    /// its queue, which presents it again after D0 entry (or completes it
+    /// if the device is removed). `request` must be the one this names; a
+    /// different one, or one the queue did not present, is a `Protocol`
+    /// violation and is completed with `STATUS_CANCELLED` so nothing is
+    /// lost.
+    pub fn requeue(&self, mut request: HostRequest) {
+        let mut s = self.queue.lock();
+        let ours = request.id == self.id
+            && request
+                .queue
+                .as_ref()
+                .is_some_and(|q| Arc::ptr_eq(q, &self.queue))
+            && s.owned.remove(&self.id).is_some();
+        if ours {
+            request.queue = None;
+            s.requeued.push(request);
+            return;
+        }
+        drop(s);
+        self.report_stale("WdfRequestStopAcknowledge(requeue)");
+        request.complete(crate::driver::CANCELLED, 0);
+    }
+
+    fn report_stale(&self, what: &str) {
+        self.verifier.report(
+            crate::context::current_driver().as_deref(),
+            ViolationKind::Protocol {
+                detail: format!(
+                    "{what} on request {} ({:#010x}) that is not stopping in its queue",
+                    self.id.0, self.ioctl
+                ),
+            },
+        );
+    }
+}
+
 /// A completion routine a forwarding driver attaches: it sees the lower
 /// driver's status and information and may change them (`IoSetCompletionRoutine`).
 pub type CompletionRoutine = Box<dyn FnOnce(&mut NtStatus, &mut u64, &mut [u8]) + Send>;
@@ -126,6 +338,9 @@ pub struct HostRequest {
     /// The process of the thread that issued a user-mode request (what
     /// WDF's `EvtIoInCallerContext` runs in), if the issuer gave it.
     process: Option<Process>,
+    id: RequestId,
+    /// The power-managed queue that presented it to its current owner.
+    queue: Option<Arc<QueueRecord>>,
 }
 
 impl std::fmt::Debug for HostRequest {
@@ -161,6 +376,8 @@ impl HostRequest {
             completed: false,
             event: None,
             process: None,
+            id: RequestId::next(),
+            queue: None,
         };
         (request, handle)
     }
@@ -185,6 +402,30 @@ impl HostRequest {
     /// The driver that owns the request.
     pub fn owner(&self) -> Option<&str> {
         self.owner.as_deref()
+    }
+
+    /// The request's identity (its `WDFREQUEST` handle).
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Records that `queue` (a power-managed queue) presents the request
+    /// to its driver, or, with `None`, that no such queue does any more
+    /// (held, or passed on to a layer without one).
+    pub(crate) fn present_from(&mut self, queue: Option<Arc<QueueRecord>>) {
+        self.leave_queue();
+        if let Some(q) = &queue {
+            q.lock()
+                .owned
+                .insert(self.id, (self.ioctl, Presented::Working));
+        }
+        self.queue = queue;
+    }
+
+    fn leave_queue(&mut self) {
+        if let Some(q) = self.queue.take() {
+            q.lock().owned.remove(&self.id);
+        }
     }
 
     /// The event to set when the request is done (the `Event` argument of
@@ -245,6 +486,7 @@ impl Request for HostRequest {
             routine(&mut status, &mut information, &mut self.output);
         }
         self.completed = true;
+        self.leave_queue();
         let output = std::mem::take(&mut self.output);
         let mut s = self.lock();
         s.completion = Some(Completion {
@@ -269,6 +511,7 @@ impl Drop for HostRequest {
         if self.completed {
             return;
         }
+        self.leave_queue();
         self.verifier.report(
             self.owner.as_deref(),
             ViolationKind::RequestNotCompleted { ioctl: self.ioctl },

@@ -47,6 +47,17 @@ pub enum ViolationKind {
         /// The driver that completed it.
         by: String,
     },
+    /// A request the driver owned from a power-managed queue was neither
+    /// completed nor acknowledged (`WdfRequestStopAcknowledge`) after
+    /// `EvtIoStop` when its device left D0: KMDF waits for it, so on
+    /// Windows the power transition never finishes (bug check 0x9F,
+    /// `DRIVER_POWER_STATE_FAILURE`). Recorded after the transition.
+    RequestBlocksPowerDown {
+        /// Its I/O control code.
+        ioctl: u32,
+        /// The request (`RequestId::raw`).
+        request: u64,
+    },
     /// A service was called above the IRQL it allows.
     IrqlTooHigh {
         /// The service.

@@ -260,6 +260,13 @@ impl DeviceCallbacks for ChildFdo {
             _ => req.complete(NtStatus::from_raw(0xC000_0010), 0),
         }
     }
+    fn io_stop(&self, stopped: &sim_host::request::StoppedRequest) {
+        // A held request needs no hardware: kept across the power-down
+        // (without this, the sleep would wait for it for ever).
+        if stopped.ioctl() == IOCTL_HOLD {
+            stopped.acknowledge();
+        }
+    }
 }
 
 #[derive(Default, Clone, Copy)]

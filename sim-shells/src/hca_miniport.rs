@@ -37,6 +37,12 @@
 //!   (`HostCaller`); every other request goes to `Hca::submit_request`
 //!   (the verbs decode the code; an unknown one is
 //!   `STATUS_INVALID_DEVICE_REQUEST`).
+//! - `io_stop` (`EvtIoStop` of the power-managed queue): a wait the core
+//!   holds (`WaitCqEvent`, `GetAsyncEvent`) is acknowledged without
+//!   requeue and keeps pending across the power-down; any other request is
+//!   left to finish, which the host waits for before D0 exit
+//!   (`hca_miniport_core::verbs::on_queue_stop`). No `EvtIoResume`: a
+//!   kept wait needs nothing on D0 entry.
 //! - `query_interface` (`WdfDeviceAddQueryInterface`): answers
 //!   `GUID_IB_CI_INTERFACE` at any version the provider satisfies with
 //!   the [`CiProvider`] itself, an `Arc<CiProvider<P>>` in the host's
@@ -57,6 +63,7 @@ use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use hca_miniport_core::hca::{Hca, HcaResources};
 use hca_miniport_core::init::{BringUpReport, HcaConfig, InitError};
+use hca_miniport_core::verbs::{OnQueueStop, on_queue_stop};
 use ib_types::interface::{GUID_IB_CI_INTERFACE, InterfaceVersion, WinGuid};
 use ib_types::scalars::{PortNum, Qpn};
 use ib_types::status::NtStatus;
@@ -71,7 +78,7 @@ use sim_host::memory::{AddressSpace, Process};
 use sim_host::pci::PciFunction;
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::{DevNodeId, DeviceServices};
-use sim_host::request::HostRequest;
+use sim_host::request::{HostRequest, StoppedRequest};
 use sim_host::sched::{DeviceDeferred, SchedulerHandle};
 
 /// The service name `inf/hca-miniport.inf` installs the miniport under.
@@ -485,6 +492,15 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         match caller {
             Some(caller) => hca.submit_user_request(req, caller),
             None => hca.submit_request(req),
+        }
+    }
+
+    fn io_stop(&self, stopped: &StoppedRequest) {
+        // EvtIoStop: a wait stays pending in the core across the power-down
+        // (acknowledged, no requeue); every other verb finishes first.
+        match on_queue_stop(stopped.ioctl()) {
+            OnQueueStop::KeepPending => stopped.acknowledge(),
+            OnQueueStop::LetFinish => {}
         }
     }
 

@@ -14,12 +14,21 @@
 //! is in D0 (a parallel queue with no synchronization scope); a request
 //! held across a power transition is delivered from another context, and
 //! `WdfCaller` then refuses the steps that reach into the process.
+//!
+//! The queue's `EvtIoStop` ([`evt_io_stop`]): when the device leaves D0
+//! the framework waits until every request the driver owns is completed or
+//! acknowledged. A wait the core holds (`WaitCqEvent`, `GetAsyncEvent`)
+//! may pend far longer, so it is acknowledged without requeue and stays
+//! pending in the core; every other request finishes on its own
+//! (`hca_miniport_core::verbs::on_queue_stop`). No `EvtIoResume`: a kept
+//! wait needs nothing on D0 entry.
 
 use driver_platform::{NtStatus, RequestorMode};
+use hca_miniport_core::verbs::{OnQueueStop, on_queue_stop};
 use wdk_sys::{
-    _MODE, _WDF_IO_QUEUE_DISPATCH_TYPE, _WDF_TRI_STATE, NTSTATUS, PVOID, TRUE, ULONG,
-    WDF_IO_QUEUE_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDFDEVICE, WDFOBJECT, WDFQUEUE, WDFREQUEST,
-    call_unsafe_wdf_function_binding,
+    _MODE, _WDF_IO_QUEUE_DISPATCH_TYPE, _WDF_TRI_STATE, FALSE, NTSTATUS, PVOID, TRUE, ULONG,
+    USHORT, WDF_IO_QUEUE_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDF_REQUEST_PARAMETERS, WDFDEVICE,
+    WDFOBJECT, WDFQUEUE, WDFREQUEST, call_unsafe_wdf_function_binding,
 };
 
 use super::context::{RequestContext, request_context, request_context_attributes, shell_of};
@@ -36,6 +45,7 @@ pub unsafe fn create_queue(device: WDFDEVICE) -> NTSTATUS {
     let mut config = WDF_IO_QUEUE_CONFIG {
         EvtIoDeviceControl: Some(evt_io_device_control),
         EvtIoInternalDeviceControl: Some(evt_io_device_control),
+        EvtIoStop: Some(evt_io_stop),
         ..default_parallel_queue_config()
     };
     let mut queue: WDFQUEUE = core::ptr::null_mut();
@@ -106,6 +116,32 @@ unsafe extern "C" fn evt_io_device_control(
         (Err(request), _) => unsafe {
             WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A))
         },
+    }
+}
+
+/// `EvtIoStop`: the device leaves D0 (or is removed) while the driver owns
+/// `request`. A wait is acknowledged without requeue and stays pending in
+/// the core; anything else is left to complete, which the framework waits
+/// for.
+unsafe extern "C" fn evt_io_stop(_queue: WDFQUEUE, request: WDFREQUEST, _action_flags: ULONG) {
+    // WDF_REQUEST_PARAMETERS_INIT: zeroed, with its size.
+    let mut parameters = WDF_REQUEST_PARAMETERS {
+        Size: size_of::<WDF_REQUEST_PARAMETERS>() as USHORT,
+        ..WDF_REQUEST_PARAMETERS::default()
+    };
+    // SAFETY: the framework passes a live request the driver owns; the
+    // out pointer is valid and sized.
+    unsafe { call_unsafe_wdf_function_binding!(WdfRequestGetParameters, request, &mut parameters) };
+    // SAFETY: the queue takes only device-control requests (internal or
+    // not), whose parameters are the `DeviceIoControl` member (the
+    // internal form's code sits at the same place).
+    let code = unsafe { parameters.Parameters.DeviceIoControl.IoControlCode };
+    if on_queue_stop(code) == OnQueueStop::KeepPending {
+        // SAFETY: a live request the driver owns and keeps (no requeue,
+        // so it need not be unmarked cancelable first).
+        unsafe {
+            call_unsafe_wdf_function_binding!(WdfRequestStopAcknowledge, request, FALSE as u8)
+        };
     }
 }
 

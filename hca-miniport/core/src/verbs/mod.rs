@@ -442,6 +442,31 @@ fn unsupported<V: Verb, R: Request>(request: R) {
     }
 }
 
+/// What the shells' `EvtIoStop` does with a request the core holds when
+/// the device leaves D0 (KMDF waits, before D0 exit, until each is
+/// completed or acknowledged).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnQueueStop {
+    /// A wait (`WaitCqEvent`, `GetAsyncEvent`): it pends until an event,
+    /// which may come long after the device left D0, and touches no
+    /// hardware meanwhile, so it is acknowledged and stays with the core
+    /// (`WdfRequestStopAcknowledge`, no requeue); nothing to do on resume.
+    KeepPending,
+    /// Any other verb: it completes on its own in bounded time (its
+    /// commands and passive jobs finish while the device is still in D0),
+    /// so the queue waits for it.
+    LetFinish,
+}
+
+/// How a request with I/O control code `ioctl` is treated when its queue
+/// stops (see [`OnQueueStop`]).
+pub fn on_queue_stop(ioctl: u32) -> OnQueueStop {
+    match VerbId::from_ioctl(IoctlCode::from_raw(ioctl)) {
+        Ok(VerbId::WaitCqEvent | VerbId::GetAsyncEvent) => OnQueueStop::KeepPending,
+        _ => OnQueueStop::LetFinish,
+    }
+}
+
 impl<P: Platform> Hca<P>
 where
     P::Request: 'static,
