@@ -15,7 +15,8 @@
 //!   `Arc::new_cyclic` with one `DeviceDeferred` whose DPC, work item and
 //!   timer call `Hca::dpc`, `Hca::work_item` and `Hca::timer` through a
 //!   `Weak` (the WDF DPC, work item and timer objects), creates one
-//!   interrupt object per message (`WdfInterruptCreate`: ISR `Hca::isr`,
+//!   interrupt object per message, at most [`MAX_MESSAGES`] as the KMDF
+//!   shell (`WdfInterruptCreate`: ISR `Hca::isr`,
 //!   each with its own DPC running `Hca::dpc`, message 0's being the
 //!   device's, which the core queues itself), and installs the
 //!   kernel-memory locker for kernel registrations
@@ -87,6 +88,11 @@ use sim_host::sched::{DeviceDeferred, SchedulerHandle};
 
 /// The service name `inf/hca-miniport.inf` installs the miniport under.
 pub const SERVICE: &str = "hcaminiport";
+
+/// Interrupt messages the shell connects at most, as the KMDF shell
+/// (`hca_miniport::kmdf::device`'s `MAX_MESSAGES`): the core uses the
+/// first; the rest are connected so the grant is honoured.
+pub const MAX_MESSAGES: u16 = 16;
 
 /// What the simulated host's platform must be for this shell: its DMA
 /// adapter, deferred work and requests (BAR0 may be wrapped).
@@ -297,6 +303,12 @@ impl<P: ShellPlatform> MiniportDevice<P> {
         lock(&self.state).function.clone()
     }
 
+    /// The DPC of each interrupt object, message 0's first, while the
+    /// hardware is held (tests: to run several messages' DPCs at once).
+    pub fn interrupt_dpcs(&self) -> Vec<DeviceDeferred> {
+        lock(&self.state).deferred.clone()
+    }
+
     /// The DMA adapter, while the hardware is held.
     pub fn adapter(&self) -> Option<HostDmaAdapter> {
         lock(&self.state).adapter.clone()
@@ -324,6 +336,7 @@ impl<P: ShellPlatform> MiniportDevice<P> {
         function: &Arc<PciFunction>,
         adapter: &HostDmaAdapter,
     ) -> Option<(Arc<Hca<P>>, Vec<DeviceDeferred>)> {
+        let messages = function.message_count().min(MAX_MESSAGES);
         let mut core_deferred = None;
         let hca = Arc::new_cyclic(|weak: &Weak<Hca<P>>| {
             let (work, timer) = (weak.clone(), weak.clone());
@@ -348,7 +361,7 @@ impl<P: ShellPlatform> MiniportDevice<P> {
                     bar0: (self.options.bar0)(function),
                     dma: adapter.clone(),
                     deferred,
-                    msix_vectors: function.message_count(),
+                    msix_vectors: messages,
                     free_common: Box::new(|dma: &HostDmaAdapter, buffer| dma.free_common(buffer)),
                 },
                 self.options.config,
@@ -356,7 +369,7 @@ impl<P: ShellPlatform> MiniportDevice<P> {
             )
         });
         let mut dpcs = vec![core_deferred?];
-        for message in 1..function.message_count() {
+        for message in 1..messages {
             let idle: Arc<dyn Fn() + Send + Sync> = Arc::new(|| {});
             dpcs.push(DeviceDeferred::new(
                 self.sched.clone(),
