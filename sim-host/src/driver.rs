@@ -32,6 +32,8 @@ pub const NOT_SUPPORTED: NtStatus = NtStatus::from_raw(0xC000_00BB);
 pub const NO_SUCH_DEVICE: NtStatus = NtStatus::from_raw(0xC000_000E);
 /// `STATUS_DELETE_PENDING`: the device is being removed.
 pub const DELETE_PENDING: NtStatus = NtStatus::from_raw(0xC000_0056);
+/// `STATUS_INVALID_PARAMETER`.
+pub const INVALID_PARAMETER: NtStatus = NtStatus::from_raw(0xC000_000D);
 /// `STATUS_CANCELLED`.
 pub const CANCELLED: NtStatus = NtStatus::from_raw(0xC000_0120);
 
@@ -175,6 +177,17 @@ pub trait DeviceCallbacks: Send + Sync {
     }
     /// `EvtDeviceD0Exit`.
     fn d0_exit(&self, to: DevicePowerState) -> NtStatus {
+        SUCCESS
+    }
+    /// `EvtDeviceD0EntryPostInterruptsEnabled`: after D0 entry, once the
+    /// device's interrupts are connected and enabled (where a driver
+    /// starts a device that needs its interrupts).
+    fn d0_entry_post_interrupts_enabled(&self, from: DevicePowerState) -> NtStatus {
+        SUCCESS
+    }
+    /// `EvtDeviceD0ExitPreInterruptsDisabled`: before the device's
+    /// interrupts are disabled and disconnected, then D0 exit.
+    fn d0_exit_pre_interrupts_disabled(&self, to: DevicePowerState) -> NtStatus {
         SUCCESS
     }
     /// `IRP_MN_QUERY_REMOVE_DEVICE`: anything but success vetoes.

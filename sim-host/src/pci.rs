@@ -16,11 +16,20 @@
 //! clock; the devices' own deadlines become scheduler timers) or in
 //! threaded mode on a [`FastFabric`] with a timer thread. Each function's
 //! device reaches host memory only through its [`DmaPort`], which faults
-//! every access until the driver has a DMA adapter. Interrupts the device
-//! raises are delivered to the connected ISR at device IRQL in the
-//! driver's context, after the device access that raised them returns
-//! (the device is never re-entered from its own interrupt).
+//! every access until the driver has a DMA adapter. A driver creates one
+//! interrupt object per message ([`PciFunction::create_interrupt`]); the
+//! PnP manager connects them after the driver's D0 entry and disconnects
+//! them before its D0 exit, as KMDF does. Interrupts the device raises are
+//! delivered to the connected object's ISR at device IRQL in the driver's
+//! context, after the device access that raised them returns (the device
+//! is never re-entered from its own interrupt); one raised while its
+//! message is not connected is lost. Each object has its own DPC and its
+//! interrupt lock ([`HostInterrupt::acquire_lock`]). In D3, after a
+//! surprise removal, and through a mapping its driver gave up, BAR0 reads
+//! all ones and drops writes; the device is reset when it goes to D3 or
+//! away ([`Bar0`]; `docs/host-model.md`).
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
@@ -36,10 +45,12 @@ use sim_hca::host::{DmaDirection, DmaFault, HostMemory, InterruptSink};
 
 use crate::context::{self, Context};
 use crate::dma::{DeviceDma, HostDmaAdapter, Iommu};
-use crate::driver::{DeviceCallbacks, DeviceInit, DriverEntry, NO_SUCH_DEVICE, SUCCESS};
+use crate::driver::{
+    DeviceCallbacks, DeviceInit, DriverEntry, INVALID_PARAMETER, NO_SUCH_DEVICE, SUCCESS,
+};
 use crate::irql::IrqlGuard;
 use crate::pnp::DeviceServices;
-use crate::sched::{SchedulerHandle, TimerId};
+use crate::sched::{DeviceDeferred, SchedulerHandle, TimerId};
 use crate::verifier::{Verifier, ViolationKind};
 
 /// Hardware ID of the PCI Express root bus the host enumerates at boot.
@@ -121,46 +132,128 @@ impl HostMemory for DmaPort {
     }
 }
 
-type Isr = Arc<dyn Fn(u16) + Send + Sync>;
+/// `EvtInterruptIsr`: runs at [`HCA_DIRQL`] with the message that fired;
+/// returns whether to queue the interrupt's DPC
+/// (`WdfInterruptQueueDpcForIsr`).
+pub type InterruptIsr = Arc<dyn Fn(u16) -> bool + Send + Sync>;
+
+/// `EvtInterruptEnable` / `EvtInterruptDisable`: run at [`HCA_DIRQL`]
+/// holding the interrupt's lock (no ISR of the function runs meanwhile).
+pub type InterruptCallback = Arc<dyn Fn() -> NtStatus + Send + Sync>;
+
+/// What a driver gives `WdfInterruptCreate` for one MSI-X message.
+#[derive(Clone)]
+pub struct InterruptConfig {
+    /// The message (the vector the device raises) this object serves.
+    pub message: u16,
+    /// The ISR.
+    pub isr: InterruptIsr,
+    /// The interrupt's DPC: its DPC routine is the driver's
+    /// `EvtInterruptDpc` (the work item and timer of this
+    /// [`DeviceDeferred`] are not the interrupt's business). KMDF gives
+    /// every interrupt object its own DPC, so two messages' DPCs may run
+    /// at once on different processors.
+    pub dpc: DeviceDeferred,
+    /// `EvtInterruptEnable`, if any.
+    pub enable: Option<InterruptCallback>,
+    /// `EvtInterruptDisable`, if any.
+    pub disable: Option<InterruptCallback>,
+}
+
+impl std::fmt::Debug for InterruptConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InterruptConfig")
+            .field("message", &self.message)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One interrupt object (`WDFINTERRUPT`).
+struct InterruptObject {
+    driver: Arc<str>,
+    config: InterruptConfig,
+}
 
 /// One function's MSI-X messages: the vectors raised and not yet
-/// delivered, and the ISR connected to them.
+/// delivered, and the interrupt objects its driver created.
 #[derive(Default)]
 struct InterruptLine {
     pending: Mutex<Vec<u16>>,
-    isr: RwLock<Option<(Arc<str>, Isr)>>,
-    /// Vectors raised with no ISR connected (lost, as on hardware).
+    /// Read-held while ISRs run, write-held while a routine synchronised
+    /// with them runs (`EvtInterruptEnable`/`Disable`, the interrupt
+    /// lock): the model of the interrupt spin lock.
+    objects: RwLock<Vec<Arc<InterruptObject>>>,
+    /// The messages whose interrupt object is connected (by the PnP
+    /// manager after the driver's D0 entry, until before its D0 exit). A
+    /// leaf lock: the device raises under its own lock, which a thread
+    /// holding `objects` may be waiting for.
+    connected: Mutex<BTreeSet<u16>>,
+    /// Vectors raised with no interrupt connected (lost, as on hardware).
     unclaimed: AtomicU64,
 }
 
 impl InterruptSink for InterruptLine {
     fn raise(&self, vector: u16) {
-        lock(&self.pending).push(vector);
+        // An MSI written while no interrupt is connected goes nowhere.
+        if lock(&self.connected).contains(&vector) {
+            lock(&self.pending).push(vector);
+        } else {
+            self.unclaimed.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
 impl InterruptLine {
-    /// Delivers what is pending, in order: each vector to the ISR at
-    /// [`HCA_DIRQL`] in its driver's context.
+    /// Delivers what is pending, in order: each vector to the ISR of its
+    /// connected interrupt object at [`HCA_DIRQL`] in its driver's
+    /// context, queueing the object's DPC when the ISR asks. A thread
+    /// already at device IRQL (in an ISR, or holding the interrupt lock)
+    /// has the interrupt masked: the vectors stay pending and are
+    /// delivered when it lowers (see [`InterruptLine::synchronized`]).
     fn deliver(&self, verifier: &Verifier) {
-        let vectors = std::mem::take(&mut *lock(&self.pending));
-        if vectors.is_empty() {
+        if crate::irql::current() >= HCA_DIRQL {
             return;
         }
-        let isr = self.isr.read().unwrap_or_else(|e| e.into_inner()).clone();
-        let Some((driver, isr)) = isr else {
-            self.unclaimed
-                .fetch_add(vectors.len() as u64, Ordering::Relaxed);
-            return;
-        };
-        for vector in vectors {
-            if !verifier.check_callback(&driver, "EvtInterruptIsr") {
+        loop {
+            let vectors = std::mem::take(&mut *lock(&self.pending));
+            if vectors.is_empty() {
                 return;
             }
-            let _context = context::enter(Context::driver(verifier.clone(), driver.clone()));
-            let _irql = IrqlGuard::at(HCA_DIRQL);
-            isr(vector);
+            let objects = self.objects.read().unwrap_or_else(|e| e.into_inner());
+            for vector in vectors {
+                // Disconnected since it was raised: lost too.
+                let connected = lock(&self.connected).contains(&vector);
+                let target = objects
+                    .iter()
+                    .find(|o| connected && o.config.message == vector);
+                let Some(object) = target else {
+                    self.unclaimed.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                if !verifier.check_callback(&object.driver, "EvtInterruptIsr") {
+                    continue;
+                }
+                let _context =
+                    context::enter(Context::driver(verifier.clone(), object.driver.clone()));
+                let _irql = IrqlGuard::at(HCA_DIRQL);
+                if (object.config.isr)(vector) {
+                    object.config.dpc.insert_dpc();
+                }
+            }
         }
+    }
+
+    /// Runs `f` at [`HCA_DIRQL`] with every ISR of the line excluded
+    /// (`KeSynchronizeExecution`, `WdfInterruptAcquireLock`), then
+    /// delivers what was raised meanwhile.
+    fn synchronized<R>(&self, verifier: &Verifier, f: impl FnOnce() -> R) -> R {
+        let result = {
+            let _objects = self.objects.write().unwrap_or_else(|e| e.into_inner());
+            let _irql = IrqlGuard::at(HCA_DIRQL);
+            f()
+        };
+        self.deliver(verifier);
+        result
     }
 }
 
@@ -429,6 +522,9 @@ impl Backplane {
             message_count: config.limits.num_vectors,
             iommu: iommu.clone(),
             adapter: Mutex::new(None),
+            decoding: AtomicBool::new(true),
+            present: AtomicBool::new(true),
+            mapping: AtomicU64::new(0),
         }))
     }
 
@@ -476,6 +572,13 @@ pub struct PciFunction {
     message_count: u16,
     iommu: Iommu,
     adapter: Mutex<Option<HostDmaAdapter>>,
+    /// The function answers on the bus: not in D3, not surprise-removed.
+    decoding: AtomicBool,
+    /// Cleared for good by a surprise removal.
+    present: AtomicBool,
+    /// Bumped when the driver's mappings of BAR0 end (release-hardware):
+    /// a [`Bar0`] of an older mapping is stale.
+    mapping: AtomicU64,
 }
 
 impl std::fmt::Debug for PciFunction {
@@ -526,9 +629,52 @@ impl PciFunction {
         ]
     }
 
-    /// BAR0 mapped for the driver (`MmMapIoSpaceEx`).
+    /// BAR0 mapped for the driver (`MmMapIoSpaceEx`): valid until the
+    /// driver's release-hardware returns (`MmUnmapIoSpace`); any access
+    /// through it afterwards is a [`ViolationKind::BarAccessAfterUnmap`].
     pub fn bar0(self: &Arc<Self>) -> Bar0 {
-        Bar0(self.clone())
+        Bar0 {
+            function: self.clone(),
+            mapping: self.mapping.load(Ordering::Acquire),
+            mapped_by: context::current_driver(),
+        }
+    }
+
+    /// Whether the function answers BAR accesses (in D0 and present).
+    pub fn decoding(&self) -> bool {
+        self.decoding.load(Ordering::Acquire)
+    }
+
+    /// The bus puts the function in D0 (the PnP manager, before the
+    /// stack's D0 entry): it decodes its BAR again, and comes up from
+    /// reset. A surprise-removed function stays gone.
+    pub(crate) fn enter_d0(&self) {
+        if self.present.load(Ordering::Acquire) {
+            self.decoding.store(true, Ordering::Release);
+        }
+    }
+
+    /// The bus puts the function in D3 (the PnP manager, after the
+    /// stack's D0 exit): it stops decoding its BAR (reads return all
+    /// ones, writes are dropped) and loses its state: the device is
+    /// reset, as power removal would.
+    pub(crate) fn enter_d3(&self) {
+        self.decoding.store(false, Ordering::Release);
+        self.backplane.with_device(self.index, Device::reset);
+    }
+
+    /// The function left the bus (surprise removal): from now on every
+    /// BAR read returns all ones and every write is dropped, and the
+    /// device does nothing (it is reset: no DMA, no interrupt).
+    pub(crate) fn surprise_removed(&self) {
+        self.present.store(false, Ordering::Release);
+        self.decoding.store(false, Ordering::Release);
+        self.backplane.with_device(self.index, Device::reset);
+    }
+
+    /// The driver's mappings of BAR0 end (its release-hardware returned).
+    fn unmap_bars(&self) {
+        self.mapping.fetch_add(1, Ordering::AcqRel);
     }
 
     /// MSI-X messages granted.
@@ -536,27 +682,112 @@ impl PciFunction {
         self.message_count
     }
 
-    /// Connects `isr` to every message of the function
-    /// (`WdfInterruptCreate`), charged to the calling driver. Fails with
-    /// `STATUS_NO_SUCH_DEVICE` outside a driver's context.
-    pub fn connect_interrupt(
-        &self,
-        isr: impl Fn(u16) + Send + Sync + 'static,
-    ) -> Result<(), NtStatus> {
+    /// Creates an interrupt object for one message (`WdfInterruptCreate`,
+    /// in prepare-hardware or add-device), charged to the calling driver.
+    /// It is not connected yet: the PnP manager connects it after the
+    /// driver's D0 entry and disconnects it before its D0 exit (see
+    /// `docs/host-model.md`, "Interrupts"); a vector the device raises
+    /// meanwhile is lost. Fails with `STATUS_NO_SUCH_DEVICE` outside a
+    /// driver's context and `STATUS_INVALID_PARAMETER` for a message the
+    /// function was not granted or that already has an object.
+    pub fn create_interrupt(&self, config: InterruptConfig) -> Result<HostInterrupt, NtStatus> {
         let driver = context::current_driver().ok_or(NO_SUCH_DEVICE)?;
-        *self.backplane.lines[self.index]
-            .isr
-            .write()
-            .unwrap_or_else(|e| e.into_inner()) = Some((driver, Arc::new(isr)));
-        Ok(())
+        let line = &self.backplane.lines[self.index];
+        let mut objects = line.objects.write().unwrap_or_else(|e| e.into_inner());
+        if config.message >= self.message_count
+            || objects.iter().any(|o| o.config.message == config.message)
+        {
+            return Err(INVALID_PARAMETER);
+        }
+        let (dpc, message, driver_name) = (config.dpc.clone(), config.message, driver.clone());
+        objects.push(Arc::new(InterruptObject { driver, config }));
+        Ok(HostInterrupt {
+            backplane: self.backplane.clone(),
+            index: self.index,
+            message,
+            driver: driver_name,
+            dpc,
+        })
     }
 
-    /// Disconnects the ISR (release hardware).
-    pub fn disconnect_interrupt(&self) {
-        *self.backplane.lines[self.index]
-            .isr
+    /// Whether any interrupt of the function is connected.
+    pub fn interrupts_connected(&self) -> bool {
+        let line = &self.backplane.lines[self.index];
+        !lock(&line.connected).is_empty()
+    }
+
+    /// The PnP manager, after `driver`'s `EvtDeviceD0Entry`: connects
+    /// each of its interrupt objects, then calls its `EvtInterruptEnable`
+    /// at device IRQL under the interrupt lock. The first failure is
+    /// returned (the device does not reach D0).
+    pub(crate) fn connect_interrupts(&self, driver: &str) -> NtStatus {
+        let line = &self.backplane.lines[self.index];
+        let objects: Vec<Arc<InterruptObject>> = line
+            .objects
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|o| &*o.driver == driver)
+            .cloned()
+            .collect();
+        for object in objects {
+            lock(&line.connected).insert(object.config.message);
+            if let Some(enable) = &object.config.enable {
+                let verifier = &self.backplane.verifier;
+                let _context = context::enter(Context::driver(verifier.clone(), driver));
+                let status = line.synchronized(verifier, || enable());
+                if status != SUCCESS {
+                    return status;
+                }
+            }
+        }
+        SUCCESS
+    }
+
+    /// The PnP manager, before `driver`'s `EvtDeviceD0Exit`: calls each
+    /// of its interrupt objects' `EvtInterruptDisable` at device IRQL
+    /// under the interrupt lock (not after a surprise removal: the
+    /// hardware is gone), disconnects it, and waits for its DPC
+    /// (`KeFlushQueuedDpcs`), as KMDF does.
+    pub(crate) fn disconnect_interrupts(&self, driver: &str, surprise_removed: bool) {
+        let line = &self.backplane.lines[self.index];
+        let objects: Vec<Arc<InterruptObject>> = line
+            .objects
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|o| &*o.driver == driver && lock(&line.connected).contains(&o.config.message))
+            .cloned()
+            .collect();
+        let verifier = &self.backplane.verifier;
+        for object in objects {
+            let _context = context::enter(Context::driver(verifier.clone(), driver));
+            if let Some(disable) = object.config.disable.as_ref().filter(|_| !surprise_removed) {
+                let status = line.synchronized(verifier, || disable());
+                if status != SUCCESS {
+                    context::report(ViolationKind::Protocol {
+                        detail: format!("EvtInterruptDisable failed: {status:?}"),
+                    });
+                }
+            }
+            // Under the lock, so no ISR of this object is running when it
+            // returns.
+            line.synchronized(verifier, || {
+                lock(&line.connected).remove(&object.config.message)
+            });
+            object.config.dpc.flush_dpc();
+        }
+    }
+
+    /// Deletes the interrupt objects (the framework deletes them after
+    /// release-hardware).
+    fn delete_interrupts(&self) {
+        let line = &self.backplane.lines[self.index];
+        line.objects
             .write()
-            .unwrap_or_else(|e| e.into_inner()) = None;
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        lock(&line.connected).clear();
     }
 
     /// The function's DMA adapter (`IoGetDmaAdapter`), charged to the
@@ -592,44 +823,190 @@ impl PciFunction {
 }
 
 /// BAR0 of one function, as mapped for its driver (`MmMapIoSpaceEx`).
+///
+/// While the function does not decode (D3, surprise-removed) a read
+/// returns all ones, as a PCIe read that ends in an Unsupported Request or
+/// a master abort does, and a write is dropped. After the driver's
+/// release-hardware returned the mapping is gone: an access is a
+/// [`ViolationKind::BarAccessAfterUnmap`] (and reads all ones).
 #[derive(Clone)]
-pub struct Bar0(Arc<PciFunction>);
+pub struct Bar0 {
+    function: Arc<PciFunction>,
+    /// The mapping generation this handle belongs to.
+    mapping: u64,
+    /// The driver that mapped it, charged when the access is made outside
+    /// any driver's context.
+    mapped_by: Option<Arc<str>>,
+}
 
 impl std::fmt::Debug for Bar0 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("Bar0").field(&self.0.index).finish()
+        f.debug_tuple("Bar0").field(&self.function.index).finish()
+    }
+}
+
+impl Bar0 {
+    /// Whether an access at `offset` reaches the device; reports a stale
+    /// mapping.
+    fn reaches_device(&self, offset: u64) -> bool {
+        let function = &self.function;
+        if function.mapping.load(Ordering::Acquire) != self.mapping {
+            let kind = ViolationKind::BarAccessAfterUnmap { offset };
+            if context::current_driver().is_some() {
+                context::report(kind);
+            } else {
+                function
+                    .backplane
+                    .verifier
+                    .report(self.mapped_by.as_deref(), kind);
+            }
+            return false;
+        }
+        function.decoding()
     }
 }
 
 impl Mmio for Bar0 {
     fn len(&self) -> u64 {
-        self.0.bar0_len
+        self.function.bar0_len
     }
 
     fn read32(&self, offset: u64) -> u32 {
-        self.0
+        if !self.reaches_device(offset) {
+            return u32::MAX;
+        }
+        self.function
             .backplane
-            .mmio(self.0.index, |d| u64::from(d.mmio_read32(offset))) as u32
+            .mmio(self.function.index, |d| u64::from(d.mmio_read32(offset))) as u32
     }
 
     fn write32(&self, offset: u64, value: u32) {
-        self.0.backplane.mmio(self.0.index, |d| {
+        if !self.reaches_device(offset) {
+            return;
+        }
+        self.function.backplane.mmio(self.function.index, |d| {
             d.mmio_write32(offset, value);
             0
         });
     }
 
     fn read64(&self, offset: u64) -> u64 {
-        self.0
+        if !self.reaches_device(offset) {
+            return u64::MAX;
+        }
+        self.function
             .backplane
-            .mmio(self.0.index, |d| d.mmio_read64(offset))
+            .mmio(self.function.index, |d| d.mmio_read64(offset))
     }
 
     fn write64(&self, offset: u64, value: u64) {
-        self.0.backplane.mmio(self.0.index, |d| {
+        if !self.reaches_device(offset) {
+            return;
+        }
+        self.function.backplane.mmio(self.function.index, |d| {
             d.mmio_write64(offset, value);
             0
         });
+    }
+}
+
+/// An interrupt object as its driver holds it (`WDFINTERRUPT`).
+#[derive(Clone)]
+pub struct HostInterrupt {
+    backplane: Arc<Backplane>,
+    index: usize,
+    message: u16,
+    /// The driver that created it, charged for misuse outside any
+    /// driver's context.
+    driver: Arc<str>,
+    dpc: DeviceDeferred,
+}
+
+impl std::fmt::Debug for HostInterrupt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostInterrupt")
+            .field("function", &self.index)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HostInterrupt {
+    /// Queues the interrupt's DPC (`WdfInterruptQueueDpcForIsr`); returns
+    /// whether it was queued (not already). Any IRQL.
+    pub fn queue_dpc(&self) -> bool {
+        self.dpc.insert_dpc()
+    }
+
+    /// `WdfInterruptAcquireLock`: raises to the device's IRQL and holds
+    /// the interrupt spin lock, so no ISR of the function runs until the
+    /// guard drops (`WdfInterruptReleaseLock`, which lowers again).
+    /// Acquiring it at device IRQL (from the ISR, or holding it already)
+    /// deadlocks on Windows: recorded as a [`ViolationKind::Deadlock`],
+    /// then a panic. Acquiring it while the interrupt is not connected
+    /// (before `EvtInterruptEnable`, after `EvtInterruptDisable`) is not
+    /// allowed: a [`ViolationKind::Protocol`] (the lock is still taken).
+    pub fn acquire_lock(&self) -> InterruptLock<'_> {
+        let line = &self.backplane.lines[self.index];
+        if crate::irql::current() >= HCA_DIRQL {
+            self.report(ViolationKind::Deadlock {
+                what: "WdfInterruptAcquireLock at device IRQL (in the ISR or holding the lock)"
+                    .to_owned(),
+            });
+            panic!("WdfInterruptAcquireLock at device IRQL deadlocks");
+        }
+        if !lock(&line.connected).contains(&self.message) {
+            self.report(ViolationKind::Protocol {
+                detail: "WdfInterruptAcquireLock on an interrupt that is not connected".to_owned(),
+            });
+        }
+        let objects = line.objects.write().unwrap_or_else(|e| e.into_inner());
+        let irql = IrqlGuard::at(HCA_DIRQL);
+        InterruptLock {
+            line,
+            verifier: &self.backplane.verifier,
+            held: Some((irql, objects)),
+        }
+    }
+}
+
+impl HostInterrupt {
+    /// Records a misuse against the driver running, or the creator.
+    fn report(&self, kind: ViolationKind) {
+        if context::current_driver().is_some() {
+            context::report(kind);
+        } else {
+            self.backplane.verifier.report(Some(&self.driver), kind);
+        }
+    }
+}
+
+type HeldInterruptLock<'a> = (
+    IrqlGuard,
+    std::sync::RwLockWriteGuard<'a, Vec<Arc<InterruptObject>>>,
+);
+
+/// The interrupt spin lock, held (see [`HostInterrupt::acquire_lock`]).
+#[must_use = "the interrupt lock is released as soon as the guard drops"]
+pub struct InterruptLock<'a> {
+    line: &'a InterruptLine,
+    verifier: &'a Verifier,
+    held: Option<HeldInterruptLock<'a>>,
+}
+
+impl std::fmt::Debug for InterruptLock<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InterruptLock").finish_non_exhaustive()
+    }
+}
+
+impl Drop for InterruptLock<'_> {
+    fn drop(&mut self) {
+        if let Some((irql, objects)) = self.held.take() {
+            drop(objects);
+            drop(irql);
+        }
+        // What the device raised while the lock masked it.
+        self.line.deliver(self.verifier);
     }
 }
 
@@ -719,9 +1096,11 @@ struct PciFunctionPdo {
 
 impl DeviceCallbacks for PciFunctionPdo {
     fn release_hardware(&self) -> NtStatus {
-        // The function driver above has released first (top-down); what it
-        // left behind is a leak.
-        self.function.disconnect_interrupt();
+        // The function driver above has released first (top-down): its
+        // mappings of BAR0 are gone, its interrupt objects deleted, and
+        // what it left allocated or mapped for DMA is a leak.
+        self.function.unmap_bars();
+        self.function.delete_interrupts();
         self.function.put_dma_adapter();
         SUCCESS
     }

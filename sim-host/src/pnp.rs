@@ -743,13 +743,45 @@ impl PnpManager {
         self.process_bus_relations();
     }
 
-    /// D0 entry bottom-up, then releases requests the queues held.
+    /// The PCI function under a devnode's stack, if its PDO has one.
+    fn pci_function(&self, node: DevNodeId) -> Option<Arc<crate::pci::PciFunction>> {
+        let pdo = lock(&self.inner.tree)
+            .nodes
+            .get(node.0)?
+            .stack
+            .first()?
+            .callbacks
+            .clone();
+        pdo.resources()?.downcast().ok()
+    }
+
+    /// D0 entry bottom-up, as KMDF runs it for each layer: the hardware
+    /// back in D0 first, then per layer `EvtDeviceD0Entry`, its
+    /// interrupts connected and `EvtInterruptEnable`,
+    /// `EvtDeviceD0EntryPostInterruptsEnabled`; then releases requests the
+    /// queues held.
     pub(crate) fn enter_d0(&self, node: DevNodeId) -> Result<(), String> {
         let from = self.power(node).unwrap_or(DevicePowerState::D3);
+        let function = self.pci_function(node);
+        if let Some(function) = &function {
+            function.enter_d0();
+        }
         for (service, cb) in self.layers(node) {
             let status = cb.d0_entry(from);
             if status != SUCCESS {
                 return Err(format!("`{service}` D0 entry failed: {status:?}"));
+            }
+            if let Some(function) = &function {
+                let status = function.connect_interrupts(&service);
+                if status != SUCCESS {
+                    return Err(format!("`{service}` EvtInterruptEnable failed: {status:?}"));
+                }
+            }
+            let status = cb.d0_entry_post_interrupts_enabled(from);
+            if status != SUCCESS {
+                return Err(format!(
+                    "`{service}` D0 entry (post interrupts enabled) failed: {status:?}"
+                ));
             }
         }
         let (queues, held): (Vec<_>, Vec<(usize, HostRequest)>) = {
@@ -849,12 +881,17 @@ impl PnpManager {
         }
     }
 
-    /// D0 exit top-down (the queues hold new requests from now on); each
-    /// layer's power-managed queue stops first (`stop_queue`).
+    /// D0 exit top-down (the queues hold new requests from now on), as
+    /// KMDF runs it for each layer: the power-managed queue stops
+    /// (`stop_queue`: `EvtIoStop`), `EvtDeviceD0ExitPreInterruptsDisabled`,
+    /// `EvtInterruptDisable` (not after a surprise removal) and the
+    /// interrupts disconnected with their DPCs flushed, `EvtDeviceD0Exit`;
+    /// then the hardware leaves D0 (state lost, BAR reads all ones).
     pub(crate) fn leave_d0(&self, node: DevNodeId, to: DevicePowerState, action: StopAction) {
         if self.power(node) != Some(DevicePowerState::D0) {
             return;
         }
+        let surprise_removed = self.state(node) == Some(PnpState::SurpriseRemoved);
         let layers: Vec<_> = {
             let mut tree = lock(&self.inner.tree);
             let Some(n) = tree.nodes.get_mut(node.0) else {
@@ -869,19 +906,33 @@ impl PnpManager {
                 })
                 .collect()
         };
+        let function = self.pci_function(node);
+        let report = |service: &str, what: &str, status: NtStatus| {
+            self.inner.verifier.report(
+                Some(service),
+                ViolationKind::Protocol {
+                    detail: format!("{what} failed: {status:?}"),
+                },
+            );
+        };
         for (service, cb, queue) in layers.into_iter().rev() {
             if let Some(queue) = queue {
                 self.stop_queue(&service, &cb, &queue, action);
             }
+            let status = cb.d0_exit_pre_interrupts_disabled(to);
+            if status != SUCCESS {
+                report(&service, "D0 exit (pre interrupts disabled)", status);
+            }
+            if let Some(function) = &function {
+                function.disconnect_interrupts(&service, surprise_removed);
+            }
             let status = cb.d0_exit(to);
             if status != SUCCESS {
-                self.inner.verifier.report(
-                    Some(&service),
-                    ViolationKind::Protocol {
-                        detail: format!("D0 exit failed: {status:?}"),
-                    },
-                );
+                report(&service, "D0 exit", status);
             }
+        }
+        if let Some(function) = &function {
+            function.enter_d3();
         }
     }
 
@@ -1141,6 +1192,12 @@ impl PnpManager {
     /// hears it (children first), held requests complete with
     /// `STATUS_NO_SUCH_DEVICE`, then the subtree is removed.
     pub fn surprise_remove(&self, node: DevNodeId) {
+        // The hardware left the bus before anyone hears of it.
+        for n in self.subtree_postorder(node) {
+            if let Some(function) = self.pci_function(n) {
+                function.surprise_removed();
+            }
+        }
         for n in self.subtree_postorder(node) {
             let held: Vec<HostRequest> = {
                 let mut tree = lock(&self.inner.tree);
@@ -1337,6 +1394,20 @@ impl DeviceCallbacks for InDriver {
     }
     fn d0_exit(&self, to: DevicePowerState) -> NtStatus {
         self.call_pnp("EvtDeviceD0Exit", NO_SUCH_DEVICE, |d| d.d0_exit(to))
+    }
+    fn d0_entry_post_interrupts_enabled(&self, from: DevicePowerState) -> NtStatus {
+        self.call_pnp(
+            "EvtDeviceD0EntryPostInterruptsEnabled",
+            NO_SUCH_DEVICE,
+            |d| d.d0_entry_post_interrupts_enabled(from),
+        )
+    }
+    fn d0_exit_pre_interrupts_disabled(&self, to: DevicePowerState) -> NtStatus {
+        self.call_pnp(
+            "EvtDeviceD0ExitPreInterruptsDisabled",
+            NO_SUCH_DEVICE,
+            |d| d.d0_exit_pre_interrupts_disabled(to),
+        )
     }
     fn query_remove(&self) -> NtStatus {
         self.call_pnp("IRP_MN_QUERY_REMOVE_DEVICE", NO_SUCH_DEVICE, |d| {

@@ -1044,10 +1044,29 @@ impl DeviceDeferred {
     pub fn flush(&self) {
         self.in_context(|| irql::check_max("KeFlushQueuedDpcs", Irql::PASSIVE));
         self.inner.scheduler.cancel_timer(self.inner.timer);
+        self.wait_for_runs(true);
+    }
+
+    /// Waits, as [`DeviceDeferred::flush`] does, for the DPC alone: what
+    /// KMDF does for an interrupt's DPC when it disconnects the interrupt
+    /// (`KeFlushQueuedDpcs`); the timer and the work item are left alone.
+    /// PASSIVE_LEVEL.
+    pub fn flush_dpc(&self) {
+        self.in_context(|| irql::check_max("KeFlushQueuedDpcs", Irql::PASSIVE));
+        self.wait_for_runs(false);
+    }
+
+    /// Waits until the runs of the DPC (and, with `work_item`, of the work
+    /// item) queued before the call have finished.
+    fn wait_for_runs(&self, work_item: bool) {
         let inner = &self.inner;
         let dpc_target = inner.dpc_runs.queued.load(Ordering::Acquire);
-        let mut work_target = inner.work_item_runs.queued.load(Ordering::Acquire);
-        if RunningWorkItem::runs_here(inner) {
+        let mut work_target = if work_item {
+            inner.work_item_runs.queued.load(Ordering::Acquire)
+        } else {
+            0
+        };
+        if work_item && RunningWorkItem::runs_here(inner) {
             self.report_deadlock("WdfWorkItemFlush from the device's own work item");
             // The run in progress (ours) cannot finish first: wait for the
             // others only.

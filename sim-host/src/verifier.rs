@@ -96,6 +96,13 @@ pub enum ViolationKind {
         /// What waited.
         what: String,
     },
+    /// A driver read or wrote its device's BAR through a mapping it had
+    /// given up (after its release-hardware returned: `MmUnmapIoSpace`),
+    /// which on Windows touches whatever the address maps to next.
+    BarAccessAfterUnmap {
+        /// The offset in the BAR.
+        offset: u64,
+    },
     /// Anything else the host model checks (PnP or power protocol).
     Protocol {
         /// What happened.

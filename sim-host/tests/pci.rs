@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use driver_platform::{CommonBuffer, DmaAdapter, Irql, Mmio};
+use driver_platform::{CommonBuffer, DevicePowerState, DmaAdapter, Irql, Mmio};
 use hca_prm::cmd::{
     CMD_ENTRY_SIZE, CmdEntry, CmdStatus, DevCap, InitHca, Opcode, Table, TableDesc,
 };
@@ -21,7 +21,7 @@ use sim_hca::device::DeviceConfig;
 use sim_host::dma::{HostCommonBuffer, HostDmaAdapter};
 use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry, SUCCESS, UNSUCCESSFUL};
 use sim_host::host::{Host, HostConfig};
-use sim_host::pci::{HCA_DIRQL, PciFunction};
+use sim_host::pci::{HCA_DIRQL, InterruptConfig, PciFunction};
 use sim_host::pnp::{DeviceServices, PnpState};
 use sim_host::sched::DeviceDeferred;
 use sim_host::verifier::ViolationKind;
@@ -40,6 +40,26 @@ struct Seen {
     dpc_irql: Vec<Irql>,
     hand_cpu_address: bool,
     skip_free: bool,
+    /// The broken driver of the interrupt contract: programs its device
+    /// and brings its port up in prepare-hardware, before the host
+    /// connects its interrupt.
+    start_in_prepare_hardware: bool,
+    /// The broken driver of the D3 contract: programs its device once and
+    /// keeps using it after a D3 exit as if it had kept its state.
+    keep_state_across_d3: bool,
+    /// Callbacks in order (PnP, power, interrupt enable/disable).
+    calls: Vec<&'static str>,
+    /// IRQLs `EvtInterruptEnable` and `EvtInterruptDisable` ran at.
+    enable_irql: Vec<Irql>,
+    /// `QUERY_DEV_CAP`'s status after a return to D0, when the driver did
+    /// not program the device again.
+    resume_command: Option<CmdStatus>,
+    /// The driver's BAR0 mapping, for the test to use as the driver would.
+    bar0: Option<sim_host::pci::Bar0>,
+    /// `MAGIC` as read in `EvtDeviceSurpriseRemoval`.
+    magic_at_surprise_removal: Option<u32>,
+    /// The driver's interrupt object.
+    interrupt: Option<sim_host::pci::HostInterrupt>,
 }
 
 type Shared = Arc<Mutex<Seen>>;
@@ -73,11 +93,13 @@ struct Probe {
 
 /// What the probe holds while started.
 struct Hardware {
-    function: Arc<PciFunction>,
     deferred: DeviceDeferred,
     rings: Arc<Rings>,
     adapter: HostDmaAdapter,
     buffers: Vec<HostCommonBuffer>,
+    /// The device was programmed (and not since lost in D3 as far as the
+    /// probe knows).
+    programmed: bool,
 }
 
 /// The probe's device state shared with its ISR and DPC.
@@ -156,16 +178,18 @@ impl Rings {
 }
 
 impl Probe {
-    fn bring_up(
+    fn note(&self, call: &'static str) {
+        self.seen.lock().unwrap().calls.push(call);
+    }
+
+    /// Allocates the rings and context tables (prepare-hardware).
+    fn allocate(
         &self,
         function: &Arc<PciFunction>,
         adapter: &HostDmaAdapter,
     ) -> Result<(Arc<Rings>, Vec<HostCommonBuffer>), NtStatus> {
-        let bar0 = function.bar0();
-        self.seen.lock().unwrap().magic = bar0.read32(offset::MAGIC);
-        let mut tables = Vec::new();
         let rings = Arc::new(Rings {
-            bar0: bar0.clone(),
+            bar0: function.bar0(),
             cmdq: adapter.alloc_common(PAGE)?,
             mailbox_in: adapter.alloc_common(PAGE)?,
             mailbox_out: adapter.alloc_common(PAGE)?,
@@ -173,12 +197,28 @@ impl Probe {
             produced: AtomicU32::new(0),
             eq_consumer: AtomicU32::new(0),
         });
+        let tables = (0..6)
+            .map(|_| adapter.alloc_common(PAGE))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((rings, tables))
+    }
+
+    /// Programs the device from reset: command queue, `QUERY_DEV_CAP`,
+    /// `INIT_HCA`, EQ 0 on vector 0 armed, then the port brought up
+    /// (its state change raises the EQ's vector).
+    fn program(&self, rings: &Rings, tables: &[HostCommonBuffer]) -> Result<(), NtStatus> {
+        let bar0 = &rings.bar0;
+        self.seen.lock().unwrap().magic = bar0.read32(offset::MAGIC);
+        rings.produced.store(0, Ordering::Release);
+        rings.eq_consumer.store(0, Ordering::Release);
         let cmdq_bus = if self.seen.lock().unwrap().hand_cpu_address {
             // The bug under test: a CPU address instead of a bus address.
             0xFFFF_A000_0000_0000
         } else {
             rings.cmdq.bus_address()
         };
+        assert!(rings.cmdq.write(0, &[0; CMD_ENTRY_SIZE]));
+        assert!(rings.eq.write(0, &[0; PAGE]));
         bar0.write64(offset::CMDQ_BASE, cmdq_bus);
         bar0.write32(
             offset::CMDQ_CONFIG,
@@ -197,21 +237,23 @@ impl Probe {
 
         // Small context tables, one page each except the MTT.
         let mut init = InitHca::new_zeroed();
-        for (table, log) in [
+        for ((table, log), buf) in [
             (Table::Qpc, 2),
             (Table::Cqc, 1),
             (Table::Eqc, 1),
             (Table::Srqc, 0),
             (Table::Mpt, 1),
             (Table::Mtt, 4),
-        ] {
-            let buf = adapter.alloc_common(PAGE)?;
+        ]
+        .into_iter()
+        .zip(tables)
+        {
+            assert!(buf.write(0, &[0; PAGE]));
             init.tables[usize::from(table.code())] = TableDesc {
                 base: Le64::new(buf.bus_address()),
                 log_count: log,
                 ..TableDesc::default()
             };
-            tables.push(buf);
         }
         init.num_uars = Le16::new(1);
         init.log_page_size = 12;
@@ -246,12 +288,35 @@ impl Probe {
         if rings.submit(map) != CmdStatus::Ok {
             return Err(UNSUCCESSFUL);
         }
-        Ok((rings, tables))
+        rings.arm();
+        if rings.command(Opcode::InitPort, 1, &[], false) != CmdStatus::Ok {
+            return Err(UNSUCCESSFUL);
+        }
+        Ok(())
+    }
+
+    /// Programs the device unless the probe thinks it already is.
+    fn program_once(&self) -> NtStatus {
+        let mut hw = self.hw.lock().unwrap();
+        let Some(hw) = hw.as_mut() else {
+            return UNSUCCESSFUL;
+        };
+        if hw.programmed {
+            return SUCCESS;
+        }
+        match self.program(&hw.rings, &hw.buffers) {
+            Ok(()) => {
+                hw.programmed = true;
+                SUCCESS
+            }
+            Err(status) => status,
+        }
     }
 }
 
 impl DeviceCallbacks for Probe {
     fn prepare_hardware(&self) -> NtStatus {
+        self.note("prepare-hardware");
         let Some(function) = self.host.resources::<PciFunction>() else {
             return UNSUCCESSFUL;
         };
@@ -259,12 +324,15 @@ impl DeviceCallbacks for Probe {
             Ok(a) => a,
             Err(s) => return s,
         };
-        let (rings, tables) = match self.bring_up(&function, &adapter) {
+        let (rings, tables) = match self.allocate(&function, &adapter) {
             Ok(r) => r,
             Err(s) => return s,
         };
-        // ISR at DIRQL queues the DPC; the DPC drains the EQ and re-arms.
-        let dpc_rings = rings.clone();
+        self.seen.lock().unwrap().bar0 = Some(rings.bar0.clone());
+        // The interrupt's DPC drains the EQ and re-arms. It holds the
+        // rings weakly: the interrupt object (and so its DPC) outlives
+        // release-hardware, which takes the rings back.
+        let dpc_rings = Arc::downgrade(&rings);
         let dpc_seen = self.seen.clone();
         let deferred = DeviceDeferred::new(
             self.sched.clone(),
@@ -275,43 +343,117 @@ impl DeviceCallbacks for Probe {
                     .unwrap()
                     .dpc_irql
                     .push(sim_host::irql::current());
-                dpc_rings.drain_eq(&dpc_seen);
+                if let Some(rings) = dpc_rings.upgrade() {
+                    rings.drain_eq(&dpc_seen);
+                }
             }),
             Arc::new(|| {}),
             Arc::new(|| {}),
         );
         let isr_seen = self.seen.clone();
-        let isr_deferred = deferred.clone();
-        function
-            .connect_interrupt(move |_vector| {
+        let (enable_seen, disable_seen) = (self.seen.clone(), self.seen.clone());
+        let created = function.create_interrupt(InterruptConfig {
+            message: 0,
+            isr: Arc::new(move |_vector| {
                 isr_seen
                     .lock()
                     .unwrap()
                     .isr_irql
                     .push(sim_host::irql::current());
-                isr_deferred.insert_dpc();
-            })
-            .unwrap();
-        rings.arm();
-        // Bring the port up: its state change raises the EQ's vector.
-        if rings.command(Opcode::InitPort, 1, &[], false) != CmdStatus::Ok {
-            return UNSUCCESSFUL;
+                true
+            }),
+            dpc: deferred.clone(),
+            enable: Some(Arc::new(move || {
+                let mut seen = enable_seen.lock().unwrap();
+                seen.calls.push("interrupt-enable");
+                seen.enable_irql.push(sim_host::irql::current());
+                SUCCESS
+            })),
+            disable: Some(Arc::new(move || {
+                let mut seen = disable_seen.lock().unwrap();
+                seen.calls.push("interrupt-disable");
+                seen.enable_irql.push(sim_host::irql::current());
+                SUCCESS
+            })),
+        });
+        match created {
+            Ok(interrupt) => self.seen.lock().unwrap().interrupt = Some(interrupt),
+            Err(status) => return status,
         }
         *self.hw.lock().unwrap() = Some(Hardware {
-            function,
             deferred,
             rings,
             adapter,
             buffers: tables,
+            programmed: false,
         });
+        if self.seen.lock().unwrap().start_in_prepare_hardware {
+            return self.program_once();
+        }
         SUCCESS
     }
 
+    fn d0_entry(&self, _from: DevicePowerState) -> NtStatus {
+        self.note("d0-entry");
+        SUCCESS
+    }
+
+    fn d0_entry_post_interrupts_enabled(&self, _from: DevicePowerState) -> NtStatus {
+        self.note("d0-entry-post-interrupts-enabled");
+        let programmed = self
+            .hw
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|h| h.programmed);
+        if programmed && self.seen.lock().unwrap().keep_state_across_d3 {
+            // The bug under test: the device is assumed to remember the
+            // command queue it was given before D3.
+            let status = {
+                let hw = self.hw.lock().unwrap();
+                let rings = &hw.as_ref().unwrap().rings;
+                rings.command(Opcode::QueryDevCap, 0, &[], true)
+            };
+            self.seen.lock().unwrap().resume_command = Some(status);
+            return SUCCESS;
+        }
+        self.program_once()
+    }
+
+    fn d0_exit_pre_interrupts_disabled(&self, _to: DevicePowerState) -> NtStatus {
+        self.note("d0-exit-pre-interrupts-disabled");
+        SUCCESS
+    }
+
+    fn d0_exit(&self, _to: DevicePowerState) -> NtStatus {
+        self.note("d0-exit");
+        // The device loses its state in D3: program it again in D0 (unless
+        // the bug under test forgets to).
+        if let Some(hw) = self.hw.lock().unwrap().as_mut()
+            && !self.seen.lock().unwrap().keep_state_across_d3
+        {
+            hw.programmed = false;
+        }
+        SUCCESS
+    }
+
+    fn surprise_removal(&self) {
+        self.note("surprise-removal");
+        let magic = self
+            .hw
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|hw| hw.rings.bar0.read32(offset::MAGIC));
+        self.seen.lock().unwrap().magic_at_surprise_removal = magic;
+    }
+
     fn release_hardware(&self) -> NtStatus {
+        self.note("release-hardware");
         if let Some(hw) = self.hw.lock().unwrap().take() {
-            // Disconnecting the ISR and dropping the DPC leaves the rings
-            // to us alone.
-            hw.function.disconnect_interrupt();
+            // The interrupt was disconnected (and its DPC flushed) before
+            // D0 exit: the rings are ours alone.
+            hw.deferred.flush();
             drop(hw.deferred);
             let mut buffers = hw.buffers;
             match Arc::try_unwrap(hw.rings) {
@@ -553,4 +695,253 @@ fn pool_left_at_unload_is_a_leak() {
             && x.kind == ViolationKind::PoolLeak { tag: *b"Ibal", bytes: 100 }),
         "{v:?}"
     );
+}
+
+fn port_ups(h: &World) -> usize {
+    h.seen
+        .lock()
+        .unwrap()
+        .events
+        .iter()
+        .filter(|e| matches!(e, Event::PortChange { active: true, .. }))
+        .count()
+}
+
+fn the_hca(h: &World) -> sim_host::pnp::DevNodeId {
+    let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
+    h.pnp().children(pci_bus)[0]
+}
+
+fn sleep_and_wake(h: &World) {
+    use driver_platform::SystemPowerState;
+    h.pnp().set_system_power(SystemPowerState::S3).unwrap();
+    settle(h);
+    h.pnp().set_system_power(SystemPowerState::S0).unwrap();
+    settle(h);
+}
+
+/// KMDF's order, per layer: D0 entry, then the interrupts connected and
+/// `EvtInterruptEnable` (at DIRQL), then `EvtDeviceD0EntryPostInterruptsEnabled`;
+/// going down the reverse, with `EvtInterruptDisable`.
+fn interrupts_are_connected_only_between_d0_entry_and_d0_exit(threaded: bool) {
+    let h = host(threaded, Seen::default());
+    settle(&h);
+    assert_eq!(
+        port_ups(&h),
+        1,
+        "the port came up after the interrupt was connected"
+    );
+    sleep_and_wake(&h);
+    assert_eq!(
+        port_ups(&h),
+        2,
+        "the device, reset in D3, was programmed again"
+    );
+    h.pnp().query_and_remove(the_hca(&h)).unwrap();
+    let seen = h.seen.lock().unwrap();
+    let power_cycle = [
+        "d0-entry",
+        "interrupt-enable",
+        "d0-entry-post-interrupts-enabled",
+        "d0-exit-pre-interrupts-disabled",
+        "interrupt-disable",
+        "d0-exit",
+    ];
+    let expected: Vec<&str> = std::iter::once("prepare-hardware")
+        .chain(power_cycle)
+        .chain(power_cycle)
+        .chain(["release-hardware"])
+        .collect();
+    assert_eq!(seen.calls, expected);
+    assert_eq!(seen.enable_irql, vec![HCA_DIRQL; 4]);
+    drop(seen);
+    assert_eq!(h.backplane().unclaimed_interrupts(), 0);
+    h.verifier().assert_clean();
+}
+
+#[test]
+fn deterministic_mode_connects_interrupts_only_between_d0_entry_and_d0_exit() {
+    interrupts_are_connected_only_between_d0_entry_and_d0_exit(false);
+}
+
+#[test]
+fn threaded_mode_connects_interrupts_only_between_d0_entry_and_d0_exit() {
+    interrupts_are_connected_only_between_d0_entry_and_d0_exit(true);
+}
+
+/// The broken driver starts its device in prepare-hardware: the port's
+/// interrupt fires before the host connected the ISR and is lost, as on
+/// Windows, so the driver never hears its port come up.
+fn an_interrupt_raised_in_prepare_hardware_is_lost(threaded: bool) {
+    let h = host(
+        threaded,
+        Seen {
+            start_in_prepare_hardware: true,
+            ..Seen::default()
+        },
+    );
+    assert_eq!(h.pnp().state(the_hca(&h)), Some(PnpState::Started));
+    if threaded {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    settle(&h);
+    {
+        let seen = h.seen.lock().unwrap();
+        assert!(seen.cap.is_some(), "the device was programmed");
+        assert!(seen.isr_irql.is_empty(), "no ISR ran: {:?}", seen.isr_irql);
+        assert!(seen.events.is_empty(), "{:?}", seen.events);
+    }
+    assert!(h.backplane().unclaimed_interrupts() >= 1);
+    h.pnp().query_and_remove(the_hca(&h)).unwrap();
+    h.verifier().assert_clean();
+}
+
+#[test]
+fn deterministic_mode_loses_an_interrupt_raised_in_prepare_hardware() {
+    an_interrupt_raised_in_prepare_hardware_is_lost(false);
+}
+
+#[test]
+fn threaded_mode_loses_an_interrupt_raised_in_prepare_hardware() {
+    an_interrupt_raised_in_prepare_hardware_is_lost(true);
+}
+
+/// The broken driver assumes its device kept its command queue across
+/// D3: the device was reset, so its command is never answered.
+#[test]
+fn a_driver_that_keeps_using_device_state_across_d3_finds_the_device_reset() {
+    let h = host(
+        false,
+        Seen {
+            keep_state_across_d3: true,
+            ..Seen::default()
+        },
+    );
+    settle(&h);
+    assert_eq!(port_ups(&h), 1);
+    sleep_and_wake(&h);
+    assert_eq!(
+        h.seen.lock().unwrap().resume_command,
+        Some(CmdStatus::Internal),
+        "the command queue the driver set up before D3 is gone"
+    );
+    assert_eq!(port_ups(&h), 1);
+    let status = h
+        .backplane()
+        .with_device(0, |d| d.mmio_read32(offset::CMDQ_CONFIG));
+    assert_eq!(
+        status,
+        CmdqConfig::default().to_bits(),
+        "the device is as reset"
+    );
+}
+
+/// BAR0 in D3 reads all ones and drops writes; after release-hardware
+/// the driver's mapping is gone and using it is a violation.
+#[test]
+fn bar0_reads_all_ones_in_d3_and_a_mapping_used_after_release_is_a_violation() {
+    use driver_platform::SystemPowerState;
+    let h = host(false, Seen::default());
+    settle(&h);
+    let bar0 = h.seen.lock().unwrap().bar0.clone().unwrap();
+    assert_eq!(bar0.read32(offset::MAGIC), regs::MAGIC_VALUE);
+    h.pnp().set_system_power(SystemPowerState::S3).unwrap();
+    assert_eq!(bar0.read32(offset::MAGIC), u32::MAX);
+    assert_eq!(bar0.read64(offset::FW_VERSION), u64::MAX);
+    bar0.write64(offset::CMDQ_BASE, 0x1234_5000);
+    let base = h
+        .backplane()
+        .with_device(0, |d| d.mmio_read64(offset::CMDQ_BASE));
+    assert_eq!(base, 0, "a write in D3 is dropped");
+    h.pnp().set_system_power(SystemPowerState::S0).unwrap();
+    settle(&h);
+    assert_eq!(bar0.read32(offset::MAGIC), regs::MAGIC_VALUE);
+    h.verifier().assert_clean();
+
+    h.pnp().query_and_remove(the_hca(&h)).unwrap();
+    h.verifier().assert_clean();
+    assert_eq!(bar0.read32(offset::MAGIC), u32::MAX);
+    bar0.write32(offset::CMDQ_DOORBELL, 1);
+    let v = h.verifier().take();
+    assert_eq!(v.len(), 2, "{v:?}");
+    assert!(
+        v.iter().all(|x| x.driver.as_deref() == Some("hcaminiport")
+            && matches!(x.kind, ViolationKind::BarAccessAfterUnmap { .. })),
+        "{v:?}"
+    );
+}
+
+/// After a surprise removal the function is gone: the driver's
+/// `EvtDeviceSurpriseRemoval` reads all ones, the interrupt is
+/// disconnected without `EvtInterruptDisable` (the hardware is gone).
+#[test]
+fn a_surprise_removed_function_reads_all_ones() {
+    let h = host(false, Seen::default());
+    settle(&h);
+    h.pnp().surprise_remove(the_hca(&h));
+    let seen = h.seen.lock().unwrap();
+    assert_eq!(seen.magic_at_surprise_removal, Some(u32::MAX));
+    let tail: Vec<&str> = seen.calls.iter().rev().take(4).rev().copied().collect();
+    assert_eq!(
+        tail,
+        [
+            "surprise-removal",
+            "d0-exit-pre-interrupts-disabled",
+            "d0-exit",
+            "release-hardware"
+        ]
+    );
+    drop(seen);
+    h.verifier().assert_clean();
+}
+
+/// `WdfInterruptAcquireLock`: the holder runs at DIRQL and no ISR of the
+/// function runs until it releases; what the device raised meanwhile is
+/// delivered then (threaded mode: the device's timer thread and the
+/// raising thread both try).
+#[test]
+fn the_interrupt_lock_raises_to_dirql_and_holds_off_the_isr() {
+    let h = host(true, Seen::default());
+    settle(&h);
+    let interrupt = h.seen.lock().unwrap().interrupt.clone().unwrap();
+    let isrs = || h.seen.lock().unwrap().isr_irql.len();
+    let before = isrs();
+    {
+        let _lock = interrupt.acquire_lock();
+        assert_eq!(sim_host::irql::current(), HCA_DIRQL);
+        // The port goes down: the device raises the EQ's vector now.
+        h.backplane().with_device(0, |d| d.set_link(1, false));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(isrs(), before, "no ISR while the lock is held");
+    }
+    assert_eq!(sim_host::irql::current(), Irql::PASSIVE);
+    for _ in 0..2000 {
+        if port_downs(&h) > 0 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    h.scheduler().quiesce().unwrap();
+    assert!(isrs() > before);
+    assert_eq!(port_downs(&h), 1);
+    h.pnp().query_and_remove(the_hca(&h)).unwrap();
+    h.verifier().assert_clean();
+
+    // Once disconnected, the lock may not be taken.
+    drop(interrupt.acquire_lock());
+    let v = h.verifier().take();
+    assert!(
+        matches!(&v[..], [x] if matches!(x.kind, ViolationKind::Protocol { .. })),
+        "{v:?}"
+    );
+}
+
+fn port_downs(h: &World) -> usize {
+    h.seen
+        .lock()
+        .unwrap()
+        .events
+        .iter()
+        .filter(|e| matches!(e, Event::PortChange { active: false, .. }))
+        .count()
 }

@@ -14,22 +14,34 @@
 //!   adapter (`WdfDmaEnablerCreate`), builds the `Hca` inside
 //!   `Arc::new_cyclic` with one `DeviceDeferred` whose DPC, work item and
 //!   timer call `Hca::dpc`, `Hca::work_item` and `Hca::timer` through a
-//!   `Weak` (the WDF DPC, work item and timer objects), connects the ISR
-//!   (`WdfInterruptCreate`: `Hca::isr`, queueing the DPC when it says
-//!   so) *before* starting, installs the kernel-memory locker for kernel
-//!   registrations (`Hca::set_kernel_locker`), then brings the device up
-//!   (`Hca::start`).
-//! - `d0_exit` / `d0_entry` (`EvtDeviceD0Exit` / `EvtDeviceD0Entry`):
-//!   [`MiniportDevice::power_down`] / [`MiniportDevice::power_up`], the
-//!   one place the power entry points of the core are called:
-//!   `Hca::d0_exit` keeps every verb object and resets the device,
-//!   `Hca::d0_entry` brings it up again and restores them (clients'
-//!   handles stay valid); the first D0 entry after prepare-hardware finds
-//!   the device started and does nothing.
+//!   `Weak` (the WDF DPC, work item and timer objects), creates one
+//!   interrupt object per message, at most [`MAX_MESSAGES`] as the KMDF
+//!   shell (`WdfInterruptCreate`: ISR `Hca::isr`,
+//!   each with its own DPC running `Hca::dpc`, message 0's being the
+//!   device's, which the core queues itself), and installs the
+//!   kernel-memory locker for kernel registrations
+//!   (`Hca::set_kernel_locker`). It does not touch the device: the host
+//!   connects the interrupts only after D0 entry, so an interrupt raised
+//!   now would be lost.
+//! - `d0_entry` / `d0_exit` (`EvtDeviceD0Entry` / `EvtDeviceD0Exit`):
+//!   nothing (KMDF defaults), as in the KMDF shell.
+//! - `d0_entry_post_interrupts_enabled` /
+//!   `d0_exit_pre_interrupts_disabled`
+//!   (`EvtDeviceD0EntryPostInterruptsEnabled` /
+//!   `EvtDeviceD0ExitPreInterruptsDisabled`):
+//!   [`MiniportDevice::power_up`] / [`MiniportDevice::power_down`], the
+//!   one place the start and power entry points of the core are called:
+//!   the first time `Hca::start` brings the device up with its ISR
+//!   connected; `Hca::d0_exit` keeps every verb object and resets the
+//!   device while its interrupts are still connected, `Hca::d0_entry`
+//!   brings it up again and restores them (clients' handles stay valid;
+//!   the device lost its state in D3).
 //! - `release_hardware` (`EvtDeviceReleaseHardware`): stops the device if
-//!   it still runs, disconnects the ISR, drops the adapter, and flushes the
-//!   DPC, work item and timer (`DeviceDeferred::flush`), so that nothing of
-//!   the driver runs after it unloads.
+//!   it still runs (the interrupts were disconnected before D0 exit, and
+//!   their DPCs flushed), drops the adapter, and flushes the DPCs, work
+//!   item and timer (`DeviceDeferred::flush`), so that nothing of the
+//!   driver runs after it unloads; BAR0 must not be touched after it
+//!   returns (the host unmaps it).
 //! - `io_request` (`EvtIoInCallerContext` + `EvtIoDeviceControl` of the
 //!   power-managed queue): a user-mode request that carries its issuing
 //!   process (`HostRequest::process`) and arrives at PASSIVE_LEVEL goes to
@@ -75,7 +87,7 @@ use sim_host::driver::{
 };
 use sim_host::host::Host;
 use sim_host::memory::{AddressSpace, Process};
-use sim_host::pci::PciFunction;
+use sim_host::pci::{InterruptConfig, PciFunction};
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::{DevNodeId, DeviceServices};
 use sim_host::request::{HostRequest, StoppedRequest};
@@ -83,6 +95,11 @@ use sim_host::sched::{DeviceDeferred, SchedulerHandle};
 
 /// The service name `inf/hca-miniport.inf` installs the miniport under.
 pub const SERVICE: &str = "hcaminiport";
+
+/// Interrupt messages the shell connects at most, as the KMDF shell
+/// (`hca_miniport::kmdf::device`'s `MAX_MESSAGES`): the core uses the
+/// first; the rest are connected so the grant is honoured.
+pub const MAX_MESSAGES: u16 = 16;
 
 /// What the simulated host's platform must be for this shell: its DMA
 /// adapter, deferred work and requests (BAR0 may be wrapped).
@@ -232,8 +249,9 @@ impl<P: ShellPlatform> DriverEntry for MiniportDriver<P> {
 /// What a device holds between prepare- and release-hardware.
 struct Hardware<P: Platform> {
     hca: Option<Arc<Hca<P>>>,
-    /// The device's DPC, work item and timer, flushed at release.
-    deferred: Option<DeviceDeferred>,
+    /// The interrupts' DPCs, message 0's first (with the device's work
+    /// item and timer), flushed at release.
+    deferred: Vec<DeviceDeferred>,
     provider: Option<Arc<CiProvider<P>>>,
     function: Option<Arc<PciFunction>>,
     adapter: Option<HostDmaAdapter>,
@@ -244,7 +262,7 @@ impl<P: Platform> Default for Hardware<P> {
     fn default() -> Self {
         Self {
             hca: None,
-            deferred: None,
+            deferred: Vec::new(),
             provider: None,
             function: None,
             adapter: None,
@@ -292,6 +310,12 @@ impl<P: ShellPlatform> MiniportDevice<P> {
         lock(&self.state).function.clone()
     }
 
+    /// The DPC of each interrupt object, message 0's first, while the
+    /// hardware is held (tests: to run several messages' DPCs at once).
+    pub fn interrupt_dpcs(&self) -> Vec<DeviceDeferred> {
+        lock(&self.state).deferred.clone()
+    }
+
     /// The DMA adapter, while the hardware is held.
     pub fn adapter(&self) -> Option<HostDmaAdapter> {
         lock(&self.state).adapter.clone()
@@ -307,24 +331,26 @@ impl<P: ShellPlatform> MiniportDevice<P> {
         self.sink.clone()
     }
 
-    /// Builds the core and connects the ISR; returns the core and its
-    /// deferred work.
+    /// Builds the core and creates one interrupt object per MSI-X message
+    /// (`WdfInterruptCreate`, as the KMDF shell does in prepare-hardware),
+    /// each with its own DPC running `Hca::dpc`: message 0's is the DPC
+    /// of the device's `DeviceDeferred` (the one the core queues itself,
+    /// as the KMDF shell's `WdfDeferred` queues its first interrupt's
+    /// DPC). Returns the core and the DPC objects, message 0's first
+    /// (its work item and timer are the device's).
     fn build(
         &self,
         function: &Arc<PciFunction>,
         adapter: &HostDmaAdapter,
-    ) -> Option<(Arc<Hca<P>>, DeviceDeferred)> {
-        let mut isr_deferred = None;
+    ) -> Option<(Arc<Hca<P>>, Vec<DeviceDeferred>)> {
+        let messages = function.message_count().min(MAX_MESSAGES);
+        let mut core_deferred = None;
         let hca = Arc::new_cyclic(|weak: &Weak<Hca<P>>| {
-            let (dpc, work, timer) = (weak.clone(), weak.clone(), weak.clone());
+            let (work, timer) = (weak.clone(), weak.clone());
             let deferred = DeviceDeferred::new(
                 self.sched.clone(),
                 SERVICE,
-                Arc::new(move || {
-                    if let Some(hca) = dpc.upgrade() {
-                        hca.dpc();
-                    }
-                }),
+                dpc_routine(weak.clone()),
                 Arc::new(move || {
                     if let Some(hca) = work.upgrade() {
                         hca.work_item();
@@ -336,34 +362,52 @@ impl<P: ShellPlatform> MiniportDevice<P> {
                     }
                 }),
             );
-            isr_deferred = Some(deferred.clone());
+            core_deferred = Some(deferred.clone());
             Hca::new(
                 HcaResources {
                     bar0: (self.options.bar0)(function),
                     dma: adapter.clone(),
                     deferred,
-                    msix_vectors: function.message_count(),
+                    msix_vectors: messages,
                     free_common: Box::new(|dma: &HostDmaAdapter, buffer| dma.free_common(buffer)),
                 },
                 self.options.config,
                 self.sink.clone(),
             )
         });
-        let deferred = isr_deferred?;
-        let (isr_deferred, isr_hca) = (deferred.clone(), Arc::downgrade(&hca));
-        function
-            .connect_interrupt(move |vector| {
-                if isr_hca.upgrade().is_some_and(|hca| hca.isr(vector)) {
-                    isr_deferred.insert_dpc();
-                }
-            })
-            .ok()?;
-        Some((hca, deferred))
+        let mut dpcs = vec![core_deferred?];
+        for message in 1..messages {
+            let idle: Arc<dyn Fn() + Send + Sync> = Arc::new(|| {});
+            dpcs.push(DeviceDeferred::new(
+                self.sched.clone(),
+                SERVICE,
+                dpc_routine(Arc::downgrade(&hca)),
+                idle.clone(),
+                idle,
+            ));
+            debug_assert_eq!(dpcs.len(), usize::from(message) + 1);
+        }
+        for (message, dpc) in (0u16..).zip(&dpcs) {
+            let isr_hca = Arc::downgrade(&hca);
+            function
+                .create_interrupt(InterruptConfig {
+                    message,
+                    // `EvtInterruptIsr`: the core acknowledges and says
+                    // whether its DPC must run.
+                    isr: Arc::new(move |vector| isr_hca.upgrade().is_some_and(|h| h.isr(vector))),
+                    dpc: dpc.clone(),
+                    enable: None,
+                    disable: None,
+                })
+                .ok()?;
+        }
+        Some((hca, dpcs))
     }
 
-    /// Leaving D0 (`EvtDeviceD0Exit`): the core's `d0_exit` keeps every
-    /// verb object and takes the device down (see
-    /// `hca_miniport_core::verbs::restore`).
+    /// Leaving D0, before the interrupts are disabled
+    /// (`EvtDeviceD0ExitPreInterruptsDisabled`): the core's `d0_exit`
+    /// keeps every verb object and takes the device down with polled
+    /// commands (see `hca_miniport_core::verbs::restore`).
     pub fn power_down(&self, _to: DevicePowerState) -> NtStatus {
         if let Some(hca) = self.hca() {
             hca.d0_exit();
@@ -371,14 +415,14 @@ impl<P: ShellPlatform> MiniportDevice<P> {
         SUCCESS
     }
 
-    /// Returning to D0 (`EvtDeviceD0Entry`): after a D0 exit the core's
-    /// `d0_entry` brings the device up and restores the objects (success
-    /// reported to the power manager either way, so that a device that
-    /// failed to come back, which the core then declares failed, can
-    /// still have its objects destroyed; the outcome is kept in the
-    /// state's `started`); the first D0 entry after prepare-hardware finds
-    /// the device started and leaves it; a stopped device is started
-    /// afresh.
+    /// In D0 with the interrupts connected and enabled
+    /// (`EvtDeviceD0EntryPostInterruptsEnabled`): the first time after
+    /// prepare-hardware the device is started (`Hca::start`, whose first
+    /// EQ interrupts need the ISR); after a D0 exit the core's `d0_entry`
+    /// brings it up and restores the objects (success reported to the
+    /// power manager either way, so that a device that failed to come
+    /// back, which the core then declares failed, can still have its
+    /// objects destroyed; the outcome is kept in the state's `started`).
     pub fn power_up(&self, _from: DevicePowerState) -> NtStatus {
         let Some(hca) = self.hca() else {
             return UNSUCCESSFUL;
@@ -414,55 +458,51 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
             Ok(adapter) => adapter,
             Err(status) => return status,
         };
-        let Some((hca, deferred)) = self.build(&function, &adapter) else {
+        let Some((hca, dpcs)) = self.build(&function, &adapter) else {
             return UNSUCCESSFUL;
         };
         // Kernel registrations lock kernel pages with it (user requests
         // bring their process's locker).
         hca.set_kernel_locker(HostLocker::new(&self.kernel_space, None));
-        let started = hca.start();
-        let ok = started.is_ok();
+        // Started in `d0_entry_post_interrupts_enabled`, once the
+        // interrupts are connected.
         let mut state = lock(&self.state);
         state.provider = Some(Arc::new(CiProvider::new(hca.clone())));
-        state.started = Some(started);
         state.hca = Some(hca);
-        state.deferred = Some(deferred);
+        state.deferred = dpcs;
         state.function = Some(function);
         state.adapter = Some(adapter);
-        if ok { SUCCESS } else { UNSUCCESSFUL }
+        SUCCESS
     }
 
     fn release_hardware(&self) -> NtStatus {
-        let (hca, deferred, function) = {
+        let (hca, deferred) = {
             let mut state = lock(&self.state);
             state.adapter = None;
             state.provider = None;
-            (
-                state.hca.take(),
-                state.deferred.take(),
-                state.function.take(),
-            )
+            state.function = None;
+            (state.hca.take(), std::mem::take(&mut state.deferred))
         };
+        // The interrupts were disconnected before D0 exit; the host deletes
+        // them after this returns, and unmaps BAR0.
         if let Some(hca) = hca {
             hca.stop();
         }
-        if let Some(function) = function {
-            function.disconnect_interrupt();
-        }
-        // Nothing of the driver may run after it unloads: what the device
-        // raised while stopping is flushed now (KMDF flushes a device's
-        // DPC, work item and timer when it deletes them).
-        if let Some(deferred) = deferred {
+        // Nothing of the driver may run after it unloads: the work item,
+        // the timer and a DPC the core queued itself are flushed now (KMDF
+        // flushes a device's DPCs, work item and timer when it deletes
+        // them).
+        for deferred in deferred {
             deferred.flush();
         }
         SUCCESS
     }
 
-    fn d0_entry(&self, from: DevicePowerState) -> NtStatus {
+    fn d0_entry_post_interrupts_enabled(&self, from: DevicePowerState) -> NtStatus {
         self.power_up(from)
     }
 
-    fn d0_exit(&self, to: DevicePowerState) -> NtStatus {
+    fn d0_exit_pre_interrupts_disabled(&self, to: DevicePowerState) -> NtStatus {
         self.power_down(to)
     }
 
@@ -518,6 +558,16 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
             object: Arc::new(provider) as Arc<dyn Any + Send + Sync>,
         })
     }
+}
+
+/// The DPC routine of an interrupt object (`EvtInterruptDpc`): the core's
+/// DPC, reached through a `Weak` so the DPC never keeps the core alive.
+fn dpc_routine<P: Platform>(hca: Weak<Hca<P>>) -> Arc<dyn Fn() + Send + Sync> {
+    Arc::new(move || {
+        if let Some(hca) = hca.upgrade() {
+            hca.dpc();
+        }
+    })
 }
 
 /// The outer sink of the shell's devices: counts what reaches it (a

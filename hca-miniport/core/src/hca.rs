@@ -5,10 +5,11 @@
 //! Contract:
 //! - [`Hca::new`] builds the object without touching the device, so the
 //!   KMDF shell (or a test) can create it inside `Arc::new_cyclic` and hand
-//!   its DPC and timer routines a `Weak<Hca<P>>`; [`Hca::start`] then
-//!   brings the device up (PASSIVE_LEVEL, `EvtDevicePrepareHardware`) and
-//!   [`Hca::stop`] tears it down (`EvtDeviceReleaseHardware`); see
-//!   [`crate::init`].
+//!   its DPC and timer routines a `Weak<Hca<P>>` (the shells do this in
+//!   `EvtDevicePrepareHardware`); [`Hca::start`] then brings the device up
+//!   (PASSIVE_LEVEL, `EvtDeviceD0EntryPostInterruptsEnabled`, once the
+//!   framework connected the interrupts) and [`Hca::stop`] tears it down
+//!   (`EvtDeviceReleaseHardware`); see [`crate::init`].
 //! - The platform routes the device's interrupts to [`Hca::isr`] (DIRQL),
 //!   queues the device's DPC when it returns true, and calls [`Hca::dpc`]
 //!   from it and [`Hca::timer`] from the device's timer (both
@@ -23,8 +24,9 @@
 //!   told, outstanding requests completed with an error, destroy still
 //!   frees).
 //! - Power: [`Hca::d0_exit`] and [`Hca::d0_entry`] (PASSIVE_LEVEL,
-//!   `EvtDeviceD0Exit`/`EvtDeviceD0Entry`) take the device down and back
-//!   keeping every client handle valid; see [`crate::init`] and
+//!   `EvtDeviceD0ExitPreInterruptsDisabled`/`EvtDeviceD0EntryPostInterruptsEnabled`)
+//!   take the device down and back keeping every client handle valid (the
+//!   device itself loses its state in D3); see [`crate::init`] and
 //!   [`crate::verbs::restore`].
 
 use alloc::boxed::Box;

@@ -2,15 +2,16 @@
 //! `EvtDevicePrepareHardware`, `EvtDeviceReleaseHardware`,
 //! `EvtDeviceD0Entry`/`Exit` and the interrupt-aware power callbacks.
 //!
-//! Where the KMDF shell differs from the simulated one (`crate::sim`): the
-//! framework connects a device's interrupts only *after*
+//! The framework connects a device's interrupts only *after*
 //! `EvtDeviceD0Entry`, and the core must have its ISR connected before
 //! `Hca::start` (or the first EQ interrupts are lost). So prepare-hardware
 //! maps BAR0, creates the interrupts and builds the `Hca`, and the device
 //! is started in `EvtDeviceD0EntryPostInterruptsEnabled` and stopped in
 //! `EvtDeviceD0ExitPreInterruptsDisabled` — [`DeviceShell::power_up`] and
-//! [`DeviceShell::power_down`], the one place to switch to the core's
-//! power entry points once it has them (as in the simulated shell).
+//! [`DeviceShell::power_down`], the one place the core's start and power
+//! entry points are called. The simulated shell
+//! (`sim_shells::hca_miniport`) does the same, callback for callback, on a
+//! host that connects interrupts in the same order.
 
 use alloc::boxed::Box;
 use alloc::sync::Arc;
