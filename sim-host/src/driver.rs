@@ -196,6 +196,20 @@ pub trait DeviceCallbacks: Send + Sync {
     fn query_power(&self, target: SystemPowerState) -> NtStatus {
         SUCCESS
     }
+    /// `EvtDeviceFileCreate` (`IRP_MJ_CREATE`): a process opens a handle
+    /// (`crate::file`). PASSIVE_LEVEL, in the opening process's context;
+    /// anything but success fails the open.
+    fn file_create(&self, file: &crate::file::FileObject) -> NtStatus {
+        SUCCESS
+    }
+    /// `EvtFileCleanup` (`IRP_MJ_CLEANUP`): the file object's last handle
+    /// was closed (requests on it may still be in flight). PASSIVE_LEVEL,
+    /// in the closing process's context: release what the driver locked
+    /// or mapped in that process.
+    fn file_cleanup(&self, file: &crate::file::FileObject) {}
+    /// `EvtFileClose` (`IRP_MJ_CLOSE`): the last reference to the file
+    /// object is gone. PASSIVE_LEVEL, arbitrary thread context.
+    fn file_close(&self, file: &crate::file::FileObject) {}
     /// A request reached this device object: complete it, keep it pending,
     /// or pass it down with `lower.forward(req)` (the default).
     fn io_request(&self, lower: &dyn Forward, req: HostRequest) {

@@ -126,6 +126,7 @@ impl Host {
         let binder = InfBinder::new(InfSet::load_dir(workspace_inf_dir())?, registry.clone())
             .with_builtin(PCI_ROOT_HARDWARE_ID, PCI_SERVICE);
         let pnp = PnpManager::with_registry(verifier.clone(), Box::new(binder), registry.clone());
+        pnp.set_file_close_scheduler(sched.handle());
         let pool = Pool::new(verifier.clone());
         let iommu = Iommu::new(verifier.clone(), cfg.seed);
         pnp.register_driver(

@@ -171,6 +171,8 @@ pub(crate) struct PnpInner {
     /// Children reported by bus drivers, enumerated after the callback that
     /// reported them returns (bus relations are re-queried asynchronously).
     pending_children: Mutex<Vec<(DevNodeId, ChildReport)>>,
+    /// File objects and process handles (`file.rs`).
+    pub(crate) files: crate::file::FileTable,
 }
 
 enum ChildReport {
@@ -391,6 +393,7 @@ impl PnpManager {
                 drivers: Mutex::default(),
                 interface_events: Mutex::default(),
                 pending_children: Mutex::default(),
+                files: crate::file::FileTable::default(),
             }),
         }
     }
@@ -564,6 +567,18 @@ impl PnpManager {
             .nodes
             .get(node.0)
             .map_or(0, |n| n.references_held_outside(&[]))
+    }
+
+    /// The devnodes with an enabled device interface of `class`, in
+    /// devnode order.
+    pub fn devices_with_interface(&self, class: WinGuid) -> Vec<DevNodeId> {
+        lock(&self.inner.tree)
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.interfaces.get(&class).copied().unwrap_or(false))
+            .map(|(i, _)| DevNodeId(i))
+            .collect()
     }
 
     /// Takes the device-interface notifications so far.
@@ -831,8 +846,11 @@ impl PnpManager {
         }
     }
 
-    /// Sends a request to the top of a devnode's stack.
+    /// Sends a request to the top of a devnode's stack. A user request
+    /// that carries its process is sent from a thread of that process:
+    /// its synchronous delivery runs in the process's context (`caller`).
     pub fn send_request(&self, node: DevNodeId, req: HostRequest) {
+        let _issuing_thread = req.process().map(crate::caller::enter_process);
         let top = lock(&self.inner.tree)
             .nodes
             .get(node.0)
@@ -1010,8 +1028,23 @@ impl PnpManager {
     }
 
     /// Query-remove, then remove the subtree (children first). Refused
-    /// while interface references are outstanding or a driver vetoes.
+    /// while interface references are outstanding, a handle is open on a
+    /// device of the subtree, or a driver vetoes.
     pub fn query_and_remove(&self, node: DevNodeId) -> Result<(), Veto> {
+        // Open handles veto (the I/O manager's own check, before any
+        // driver is asked).
+        if let Some(open) = self
+            .subtree_postorder(node)
+            .into_iter()
+            .find(|&n| self.open_handle_count(n) > 0)
+        {
+            return Err(Veto {
+                what: "query-remove",
+                instance_path: self.instance_path(open).unwrap_or_default(),
+                service: "host (open handles)".to_owned(),
+                status: crate::driver::UNSUCCESSFUL,
+            });
+        }
         self.query("query-remove", node, |cb| cb.query_remove())?;
         self.remove(node);
         Ok(())
@@ -1230,6 +1263,17 @@ impl DeviceCallbacks for InDriver {
         self.call_pnp("IRP_MN_QUERY_POWER", NO_SUCH_DEVICE, |d| {
             d.query_power(target)
         })
+    }
+    fn file_create(&self, file: &crate::file::FileObject) -> NtStatus {
+        self.call_pnp("EvtDeviceFileCreate", NO_SUCH_DEVICE, |d| {
+            d.file_create(file)
+        })
+    }
+    fn file_cleanup(&self, file: &crate::file::FileObject) {
+        self.call_pnp("EvtFileCleanup", (), |d| d.file_cleanup(file));
+    }
+    fn file_close(&self, file: &crate::file::FileObject) {
+        self.call_pnp("EvtFileClose", (), |d| d.file_close(file));
     }
     fn io_request(&self, lower: &dyn Forward, req: HostRequest) {
         if &*self.service != HOST_PDO

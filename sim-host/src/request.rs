@@ -126,6 +126,9 @@ pub struct HostRequest {
     /// The process of the thread that issued a user-mode request (what
     /// WDF's `EvtIoInCallerContext` runs in), if the issuer gave it.
     process: Option<Process>,
+    /// The file object the request was sent on (a handle's), referenced
+    /// until the request is completed or dropped.
+    file: Option<crate::file::FileReference>,
 }
 
 impl std::fmt::Debug for HostRequest {
@@ -161,6 +164,7 @@ impl HostRequest {
             completed: false,
             event: None,
             process: None,
+            file: None,
         };
         (request, handle)
     }
@@ -170,6 +174,18 @@ impl HostRequest {
     /// serves the request in the caller's context).
     pub fn set_process(&mut self, process: Process) {
         self.process = Some(process);
+    }
+
+    /// Records the file object the request is sent on (`IRP_MJ_DEVICE_CONTROL`
+    /// on a handle): it stays referenced until the request ends.
+    pub fn set_file(&mut self, file: crate::file::FileReference) {
+        self.file = Some(file);
+    }
+
+    /// The file object the request was sent on, if any
+    /// (`WdfRequestGetFileObject`).
+    pub fn file(&self) -> Option<&crate::file::FileObject> {
+        self.file.as_ref().map(crate::file::FileReference::file)
     }
 
     /// The issuing process, if the issuer recorded it.

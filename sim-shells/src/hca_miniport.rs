@@ -37,6 +37,18 @@
 //!   (`HostCaller`); every other request goes to `Hca::submit_request`
 //!   (the verbs decode the code; an unknown one is
 //!   `STATUS_INVALID_DEVICE_REQUEST`).
+//!   A user request is served on the user path only in its caller's
+//!   context (the host delivers it from the issuing thread,
+//!   `sim_host::caller::in_process`); one delivered elsewhere (held
+//!   across sleep and released on resume) takes the kernel path, which
+//!   reaches no user object and touches no user memory.
+//! - `file_create` / `file_cleanup` (`EvtDeviceFileCreate` /
+//!   `EvtFileCleanup`): counts each process's open file objects; at the
+//!   cleanup of a process's last one, in that process's context, cancels
+//!   its waits (`Hca::cancel_user_waits`) and closes every user context it
+//!   still has (`Hca::user_contexts_of`, a `CloseCa` each, waited for), so
+//!   its doorbell pages are unmapped and its pages unlocked before the
+//!   process can exit (`PROCESS_HAS_LOCKED_PAGES` otherwise).
 //! - `query_interface` (`WdfDeviceAddQueryInterface`): answers
 //!   `GUID_IB_CI_INTERFACE` at any version the provider satisfies with
 //!   the [`CiProvider`] itself, an `Arc<CiProvider<P>>` in the host's
@@ -49,10 +61,11 @@
 //! (`MiniportOptions::bar0`); everything else is the simulated host's.
 
 use std::any::Any;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use driver_platform::{DevicePowerState, Irql, Platform, Request, RequestorMode};
+use driver_platform::{DevicePowerState, Event, Irql, Platform, Request, RequestorMode};
 use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use hca_miniport_core::hca::{Hca, HcaResources};
@@ -66,6 +79,8 @@ use sim_host::driver::{
     DeviceCallbacks, DeviceInit, DriverEntry, Forward, NO_SUCH_DEVICE, ProvidedInterface, SUCCESS,
     UNSUCCESSFUL,
 };
+use sim_host::event::HostEvent;
+use sim_host::file::FileObject;
 use sim_host::host::Host;
 use sim_host::memory::{AddressSpace, Process};
 use sim_host::pci::PciFunction;
@@ -216,6 +231,7 @@ impl<P: ShellPlatform> DriverEntry for MiniportDriver<P> {
             options: self.options.clone(),
             sink: (self.options.sink)(),
             state: Mutex::new(Hardware::default()),
+            open_files: Mutex::new(BTreeMap::new()),
         });
         lock(&self.devices).push(device.clone());
         Ok(device)
@@ -254,6 +270,8 @@ pub struct MiniportDevice<P: Platform> {
     options: MiniportOptions<P>,
     sink: Arc<dyn EventSink>,
     state: Mutex<Hardware<P>>,
+    /// File objects open on the device, by process id.
+    open_files: Mutex<BTreeMap<u32, usize>>,
 }
 
 impl<P: Platform> std::fmt::Debug for MiniportDevice<P> {
@@ -352,6 +370,43 @@ impl<P: ShellPlatform> MiniportDevice<P> {
             })
             .ok()?;
         Some((hca, deferred))
+    }
+
+    /// `EvtFileCleanup` of a process's last file object on the device, in
+    /// its context: its waits cancelled, then each of its user contexts
+    /// closed through the core's own `CloseCa` path (doorbell unmapped in
+    /// the caller's context, objects destroyed, pages unlocked), each
+    /// waited for at PASSIVE_LEVEL.
+    fn close_process_contexts(&self, process: &Process) {
+        use ib_types::ioctl::{CloseCa, Empty, Verb, encode_request, request_len, response_len};
+        let (Some(hca), Some(verifier)) = (self.hca(), self.host.verifier()) else {
+            return;
+        };
+        hca.cancel_user_waits();
+        for context in hca.user_contexts_of(process.pid().into()) {
+            let (Some(in_len), Some(out_len)) =
+                (request_len::<CloseCa>(0), response_len::<CloseCa>(0))
+            else {
+                return;
+            };
+            let mut input = vec![0; in_len];
+            if encode_request::<CloseCa>(context, &Empty, &[], 0, &mut input).is_err() {
+                continue;
+            }
+            let (mut request, issuer) = HostRequest::new(
+                &verifier,
+                CloseCa::ID.ioctl().raw(),
+                RequestorMode::User,
+                input,
+                out_len,
+            );
+            request.set_owner(Some(Arc::from(SERVICE)));
+            let done = HostEvent::new(self.sched.clone());
+            request.set_completion_event(done.clone());
+            hca.submit_user_request(request, P::caller(&self.kernel_space, process));
+            done.wait();
+            debug_assert!(issuer.is_done());
+        }
     }
 
     /// Leaving D0 (`EvtDeviceD0Exit`): the core's `d0_exit` keeps every
@@ -477,7 +532,10 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         // (kernel requests, or a user request without its process, which
         // then reaches no user object) takes the kernel path.
         let caller = match (req.requestor_mode(), req.process()) {
-            (RequestorMode::User, Some(process)) if sim_host::irql::current() == Irql::PASSIVE => {
+            (RequestorMode::User, Some(process))
+                if sim_host::irql::current() == Irql::PASSIVE
+                    && sim_host::caller::in_process(process) =>
+            {
                 Some(P::caller(&self.kernel_space, process))
             }
             _ => None,
@@ -485,6 +543,30 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         match caller {
             Some(caller) => hca.submit_user_request(req, caller),
             None => hca.submit_request(req),
+        }
+    }
+
+    fn file_create(&self, file: &FileObject) -> NtStatus {
+        *lock(&self.open_files)
+            .entry(file.process().pid())
+            .or_default() += 1;
+        SUCCESS
+    }
+
+    fn file_cleanup(&self, file: &FileObject) {
+        let pid = file.process().pid();
+        let last = {
+            let mut open = lock(&self.open_files);
+            let count = open.entry(pid).or_default();
+            *count = count.saturating_sub(1);
+            let last = *count == 0;
+            if last {
+                open.remove(&pid);
+            }
+            last
+        };
+        if last {
+            self.close_process_contexts(file.process());
         }
     }
 

@@ -1986,6 +1986,22 @@ impl<P: Platform> Hca<P> {
         }
     }
 
+    /// The handles of the user contexts `process` has open (not closing):
+    /// what the proxy closes, in that process's context, at the cleanup of
+    /// the process's last handle on the device (`IRP_MJ_CLEANUP`), so that
+    /// no page of the process stays locked when it exits.
+    pub fn user_contexts_of(&self, process: u64) -> Vec<u64> {
+        self.with_objects(|o| {
+            o.user
+                .contexts
+                .iter()
+                .filter(|(_, c)| c.process == process && !c.closing)
+                .map(|(&handle, _)| handle)
+                .collect()
+        })
+        .unwrap_or_default()
+    }
+
     /// User contexts open now (diagnostics and leak checks).
     pub fn user_context_count(&self) -> usize {
         self.with_objects(|o| o.user.len()).unwrap_or(0)
