@@ -68,6 +68,8 @@ pub struct InterfaceRef {
     refs: Arc<AtomicUsize>,
     verifier: Verifier,
     consumer: Option<Arc<str>>,
+    /// The driver whose device object answered (`None`: the host's PDO).
+    provider: Option<Arc<str>>,
     released: bool,
 }
 
@@ -94,8 +96,43 @@ impl InterfaceRef {
             refs,
             verifier,
             consumer,
+            provider: None,
             released: false,
         }
+    }
+
+    /// Records the driver that provides the interface (its routines are
+    /// that driver's code).
+    pub(crate) fn provided_by(mut self, provider: Arc<str>) -> Self {
+        if &*provider != crate::pnp::HOST_PDO {
+            self.provider = Some(provider);
+        }
+        self
+    }
+
+    /// The driver that provides the interface, if a driver does.
+    pub fn provider(&self) -> Option<&str> {
+        self.provider.as_deref()
+    }
+
+    /// Calls one of the interface's routines: `routine` runs as the
+    /// provider's code (in its driver context, so what it does — completing
+    /// a request, say — is charged to the provider), never after the
+    /// provider's image unloaded (`CallbackIntoUnloadedDriver`, and `None`).
+    /// `None` too if the object is not a `T`.
+    pub fn call<T: Any + Send + Sync, R>(&self, routine: impl FnOnce(&T) -> R) -> Option<R> {
+        let object = self.object.downcast_ref::<T>()?;
+        let Some(provider) = &self.provider else {
+            return Some(routine(object));
+        };
+        if !self.verifier.check_callback(provider, "interface routine") {
+            return None;
+        }
+        let _provider = crate::context::enter(crate::context::Context::driver(
+            self.verifier.clone(),
+            provider.clone(),
+        ));
+        Some(routine(object))
     }
 
     /// The interface GUID.

@@ -315,6 +315,17 @@ impl DeviceServices {
     pub fn verifier(&self) -> Option<Verifier> {
         self.pnp.upgrade().map(|i| i.verifier.clone())
     }
+
+    /// Sends `req` to the top of this device object's own stack
+    /// (`IoCallDriver` to its own device): a request another driver handed
+    /// over becomes this driver's own, delivered through its queue, so it
+    /// may complete it.
+    pub fn send_to_own_stack(&self, req: HostRequest) {
+        match self.pnp.upgrade() {
+            Some(inner) => PnpManager { inner }.send_request(self.node, req),
+            None => req_complete(req, NO_SUCH_DEVICE),
+        }
+    }
 }
 
 impl ChildBus for DeviceServices {
@@ -944,18 +955,21 @@ impl PnpManager {
             .or_default()
             .clone();
         let consumer = consumer.map(|(service, _)| service);
-        for (_, cb) in self.layers(node).into_iter().rev() {
+        for (provider, cb) in self.layers(node).into_iter().rev() {
             if let Some(provided) = cb.query_interface(guid, version) {
                 let ok = ib_types::interface::InterfaceVersion::from_packed(provided.version)
                     .satisfies(ib_types::interface::InterfaceVersion::from_packed(version));
                 if ok {
-                    return Some(InterfaceRef::new(
-                        *guid,
-                        provided.object,
-                        refs,
-                        self.inner.verifier.clone(),
-                        consumer,
-                    ));
+                    return Some(
+                        InterfaceRef::new(
+                            *guid,
+                            provided.object,
+                            refs,
+                            self.inner.verifier.clone(),
+                            consumer,
+                        )
+                        .provided_by(provider),
+                    );
                 }
             }
         }

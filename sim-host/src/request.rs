@@ -4,7 +4,14 @@
 //! METHOD_BUFFERED input buffer and an output buffer. Exactly one party owns
 //! it at a time — the issuer hands it to a device stack, a driver forwards it
 //! down (giving it up) or keeps it pending, and whoever owns it last
-//! completes it by consuming it. Completion runs the completion routines the
+//! completes it by consuming it. A driver that builds a request owns it
+//! until it sends it; the host makes each layer it delivers the request to
+//! its owner. Completion by code of another driver (a request handed
+//! across an interface to the provider's routine, which runs as the
+//! provider's code through [`crate::driver::InterfaceRef::call`]) is
+//! [`ViolationKind::RequestCompletedByNonOwner`]: the provider sends the
+//! request to its own device instead
+//! ([`crate::pnp::DeviceServices::send_to_own_stack`]). Completion runs the completion routines the
 //! forwarding drivers attached, innermost first, then reports to the issuer
 //! through its [`RequestHandle`].
 //!
@@ -152,6 +159,8 @@ impl HostRequest {
     ) -> (Self, RequestHandle) {
         let slot = Arc::new(Slot::default());
         let handle = RequestHandle { slot: slot.clone() };
+        // A driver that builds a request owns it until it sends it.
+        let owner = crate::context::current_driver();
         let request = Self {
             ioctl,
             mode,
@@ -160,7 +169,7 @@ impl HostRequest {
             slot,
             routines: Vec::new(),
             verifier: verifier.clone(),
-            owner: None,
+            owner,
             completed: false,
             event: None,
             process: None,
