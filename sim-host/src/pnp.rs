@@ -1042,22 +1042,20 @@ impl PnpManager {
     }
 
     /// Query-remove, then remove the subtree (children first). Refused
-    /// while interface references are outstanding, a handle is open on a
-    /// device of the subtree, or a driver vetoes.
+    /// while interface references are outstanding or a driver vetoes.
     pub fn query_and_remove(&self, node: DevNodeId) -> Result<(), Veto> {
-        // Open handles veto (the I/O manager's own check, before any
-        // driver is asked).
-        if let Some(open) = self
-            .subtree_postorder(node)
-            .into_iter()
-            .find(|&n| self.open_handle_count(n) > 0)
-        {
-            return Err(Veto {
-                what: "query-remove",
-                instance_path: self.instance_path(open).unwrap_or_default(),
-                service: "host (open handles)".to_owned(),
-                status: crate::driver::UNSUCCESSFUL,
-            });
+        // Minimal stand-in until removal's own open-handle hook lands: a
+        // handle open on a devnode of the subtree (`file.rs`) vetoes.
+        for n in self.subtree_postorder(node) {
+            let handles = self.open_handle_count(n);
+            if handles > 0 {
+                return Err(Veto {
+                    what: "query-remove",
+                    instance_path: self.instance_path(n).unwrap_or_default(),
+                    service: format!("host ({handles} open handle(s))"),
+                    status: crate::driver::UNSUCCESSFUL,
+                });
+            }
         }
         self.query("query-remove", node, |cb| cb.query_remove())?;
         self.remove(node);

@@ -296,7 +296,7 @@ fn a_handle_goes_create_then_cleanup_then_close_once_its_requests_are_done() {
 
     // An open handle vetoes query-remove.
     let veto = w.pnp.query_and_remove(w.device).unwrap_err();
-    assert!(veto.service.contains("open handles"), "{veto}");
+    assert_eq!(veto.service, "host (1 open handle(s))", "{veto}");
 
     // A duplicate keeps the file object open; the last close cleans up.
     let pending = handle.send(IOCTL_HOLD, vec![], 0);
