@@ -44,11 +44,11 @@
 //!   reaches no user object and touches no user memory.
 //! - `file_create` / `file_cleanup` (`EvtDeviceFileCreate` /
 //!   `EvtFileCleanup`): counts each process's open file objects; at the
-//!   cleanup of a process's last one, in that process's context, cancels
-//!   its waits (`Hca::cancel_user_waits`) and closes every user context it
-//!   still has (`Hca::user_contexts_of`, a `CloseCa` each, waited for), so
-//!   its doorbell pages are unmapped and its pages unlocked before the
-//!   process can exit (`PROCESS_HAS_LOCKED_PAGES` otherwise).
+//!   cleanup of a process's last one, in that process's context, the core
+//!   closes every user context it still has (`Hca::close_user_contexts_of`,
+//!   waited for), so its doorbell pages are unmapped and its pages
+//!   unlocked before the process can exit (`PROCESS_HAS_LOCKED_PAGES`
+//!   otherwise).
 //! - `query_interface` (`WdfDeviceAddQueryInterface`): answers
 //!   `GUID_IB_CI_INTERFACE` at any version the provider satisfies with
 //!   the [`CiProvider`] itself, an `Arc<CiProvider<P>>` in the host's
@@ -373,40 +373,21 @@ impl<P: ShellPlatform> MiniportDevice<P> {
     }
 
     /// `EvtFileCleanup` of a process's last file object on the device, in
-    /// its context: its waits cancelled, then each of its user contexts
-    /// closed through the core's own `CloseCa` path (doorbell unmapped in
-    /// the caller's context, objects destroyed, pages unlocked), each
-    /// waited for at PASSIVE_LEVEL.
+    /// its context: the core closes every user context of the process
+    /// (`Hca::close_user_contexts_of`: waits cancelled, doorbell pages
+    /// unmapped here, objects destroyed, pages unlocked), waited for at
+    /// PASSIVE_LEVEL, since the process may exit as soon as this returns.
     fn close_process_contexts(&self, process: &Process) {
-        use ib_types::ioctl::{CloseCa, Empty, Verb, encode_request, request_len, response_len};
-        let (Some(hca), Some(verifier)) = (self.hca(), self.host.verifier()) else {
+        let Some(hca) = self.hca() else {
             return;
         };
-        hca.cancel_user_waits();
-        for context in hca.user_contexts_of(process.pid().into()) {
-            let (Some(in_len), Some(out_len)) =
-                (request_len::<CloseCa>(0), response_len::<CloseCa>(0))
-            else {
-                return;
-            };
-            let mut input = vec![0; in_len];
-            if encode_request::<CloseCa>(context, &Empty, &[], 0, &mut input).is_err() {
-                continue;
-            }
-            let (mut request, issuer) = HostRequest::new(
-                &verifier,
-                CloseCa::ID.ioctl().raw(),
-                RequestorMode::User,
-                input,
-                out_len,
-            );
-            request.set_owner(Some(Arc::from(SERVICE)));
-            let done = HostEvent::new(self.sched.clone());
-            request.set_completion_event(done.clone());
-            hca.submit_user_request(request, P::caller(&self.kernel_space, process));
-            done.wait();
-            debug_assert!(issuer.is_done());
-        }
+        let closed = HostEvent::new(self.sched.clone());
+        let set = closed.clone();
+        hca.close_user_contexts_of(
+            P::caller(&self.kernel_space, process),
+            Box::new(move |_left_open| set.set()),
+        );
+        closed.wait();
     }
 
     /// Leaving D0 (`EvtDeviceD0Exit`): the core's `d0_exit` keeps every
