@@ -2664,3 +2664,49 @@ where
         ib_types::ioctl::response_len::<V>(64).unwrap(),
     )
 }
+
+#[test]
+fn a_user_request_held_across_sleep_is_refused_without_touching_the_process() {
+    let (w, _) = two_hcas(81);
+    let process = Process::new(27);
+    let handle = w
+        .host
+        .pnp()
+        .open_file(&process, w.device_at(U).node())
+        .unwrap();
+    let c = on_handle::<OpenCa>(&w, &handle, 0, &OpenCaIn::CURRENT, &[]);
+    let ca = response::<OpenCa>(&c).handle;
+    let pd = response::<AllocPd>(&on_handle::<AllocPd>(&w, &handle, ca, &Empty, &[])).handle;
+    let va = process.alloc(4096).unwrap();
+    let region = ib_types::mr::MrRegister {
+        vaddr: va,
+        length: 4096,
+        access: AccessFlags::LOCAL_WRITE,
+    };
+    // Sent while the device sleeps: the power-managed queue holds it, and
+    // the power manager delivers it on resume, outside the process. The
+    // shell does not take the user path there (locking the process's pages
+    // would be UserMemoryOutsideProcessContext): the region is refused and
+    // nothing of the process is locked.
+    w.sleep();
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<ib_types::ioctl::RegMr>(0).unwrap()];
+    ib_types::ioctl::encode_request::<ib_types::ioctl::RegMr>(pd, &region, &[], 64, &mut bytes)
+        .unwrap();
+    let held = handle.send(
+        <ib_types::ioctl::RegMr as Verb>::ID.ioctl().raw(),
+        bytes,
+        ib_types::ioctl::response_len::<ib_types::ioctl::RegMr>(64).unwrap(),
+    );
+    assert!(!held.is_done());
+    w.resume();
+    let c = held.completion().expect("delivered on resume");
+    assert_ne!(
+        status_of::<ib_types::ioctl::RegMr>(&c),
+        IbStatus::Success,
+        "no user path outside the caller's context"
+    );
+    assert_eq!(process.space().locked_pages(), 0);
+    handle.close();
+    assert_eq!(w.host.pnp().exit_process(&process), 0);
+    w.finish();
+}
