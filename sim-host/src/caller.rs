@@ -225,3 +225,59 @@ impl<M: Mmio + Clone + std::fmt::Debug + 'static> CallerProcess for HostCaller<M
         let _ = mapping.process.space().unmap_device(mapping.va);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::context::{Context, enter};
+    use crate::memory::AddressSpace;
+    use crate::verifier::Verifier;
+    use driver_platform::{LockedPages, MemoryLocker, RequestorMode};
+
+    fn outside(v: &Verifier) -> Vec<(u32, Option<u32>)> {
+        v.take()
+            .into_iter()
+            .filter_map(|x| match x.kind {
+                ViolationKind::UserMemoryOutsideProcessContext { pid, current, .. } => {
+                    Some((pid, current))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn user_pages_are_locked_only_in_their_process_context() {
+        let v = Verifier::new();
+        let kernel = AddressSpace::kernel();
+        let (a, b) = (Process::new(51), Process::new(52));
+        let va = a.alloc(4096).unwrap();
+        let locker = HostLocker::new(&kernel, Some(&a));
+        let lock = || locker.lock(RequestorMode::User, va, 16, false).unwrap();
+
+        // Host code playing the process: not checked.
+        drop(lock());
+        let _driver = enter(Context::driver(v.clone(), "sample"));
+        // In its own process: fine.
+        {
+            let _a = enter_process(&a);
+            assert!(in_process(&a) && !in_process(&b));
+            drop(lock());
+        }
+        assert!(outside(&v).is_empty());
+        // In another process's thread, and in an arbitrary thread (a DPC's
+        // or a work item's): the access happens and is recorded.
+        {
+            let _b = enter_process(&b);
+            assert_eq!(lock().page_count(), 1);
+        }
+        {
+            let _a = enter_process(&a);
+            let _dpc = enter_arbitrary_thread();
+            drop(lock());
+            assert!(current_process().is_none());
+        }
+        assert!(!in_process(&a));
+        assert_eq!(outside(&v), [(51, Some(52)), (51, None)]);
+    }
+}

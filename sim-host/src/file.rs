@@ -66,6 +66,9 @@ struct FileState {
     /// Requests sent on it, to cancel at process exit.
     sent: Vec<RequestHandle>,
     cleaned_up: bool,
+    /// `file_close` is queued or running.
+    close_due: bool,
+    /// `file_close` ran.
     closed: bool,
 }
 
@@ -157,8 +160,8 @@ impl FileObject {
         let close = {
             let mut s = lock(&self.inner.state);
             s.references = s.references.saturating_sub(1);
-            if s.references == 0 && s.cleaned_up && !s.closed {
-                s.closed = true;
+            if s.references == 0 && s.cleaned_up && !s.close_due {
+                s.close_due = true;
                 Some(std::mem::take(&mut s.layers))
             } else {
                 None
@@ -185,6 +188,7 @@ impl FileObject {
         for (_, cb) in layers {
             cb.file_close(self);
         }
+        lock(&self.inner.state).closed = true;
         if let Some(table) = self.inner.table.upgrade() {
             lock(&table.files).remove(&self.inner.id);
             let closed = table.closed_hooks();

@@ -455,3 +455,25 @@ fn pages_still_locked_at_process_exit_are_process_has_locked_pages() {
     w.kept.lock().unwrap().clear();
     assert_eq!(process.space().locked_pages(), 0);
 }
+
+#[test]
+fn a_close_made_due_by_a_completion_runs_later_on_a_system_thread() {
+    let w = world(Breakage::None);
+    w.pnp.set_file_close_scheduler(w.sched.handle());
+    let process = Process::new(37);
+    let handle = w.pnp.open_file(&process, w.device).unwrap();
+    let file = handle.file().clone();
+    w.pnp.set_system_power(SystemPowerState::S3).unwrap();
+    let late = handle.send(0x0022_2FFC, vec![], 0);
+    handle.close();
+    // The completion on resume drops the last reference: CLOSE is queued
+    // as a host task, not run inside the completing driver.
+    w.pnp.set_system_power(SystemPowerState::S0).unwrap();
+    assert!(late.is_done());
+    assert!(file.is_cleaned_up() && !file.is_closed());
+    w.sched.run_until_idle(10).unwrap();
+    assert!(file.is_closed());
+    assert_eq!(w.pnp.file_object_count(w.device), 0);
+    w.pnp.exit_process(&process);
+    w.verifier.assert_clean();
+}
