@@ -617,6 +617,11 @@ impl HostLocker {
             process: process.cloned(),
         }
     }
+
+    /// The process whose memory it locks in user mode, if any.
+    pub fn process(&self) -> Option<&Process> {
+        self.process.as_ref()
+    }
 }
 
 impl MemoryLocker for HostLocker {
@@ -655,15 +660,21 @@ impl MemoryLocker for HostLocker {
         let space = match mode {
             RequestorMode::Kernel => &self.kernel,
             RequestorMode::User => match &self.process {
-                Some(process) => process.space(),
+                Some(process) => {
+                    // A user address means something only in its process.
+                    crate::caller::check_process_context(process, "MmProbeAndLockPages(UserMode)");
+                    process.space()
+                }
                 None => return Err(STATUS_ACCESS_VIOLATION),
             },
         };
         let len = usize::try_from(len).map_err(|_| STATUS_ACCESS_VIOLATION)?;
+        let locked_by = crate::context::current_driver();
         let pages = space
-            .lock_pages(va, len, writable)
+            .lock_pages(va, len, writable, locked_by.as_ref())
             .map_err(|_| STATUS_ACCESS_VIOLATION)?;
         Ok(HostLockedPages {
+            locked_by,
             space: space.clone(),
             va,
             len,
@@ -685,6 +696,8 @@ impl MemoryLocker for HostLocker {
 /// through the mapping.
 #[derive(Debug)]
 pub struct HostLockedPages {
+    /// The driver that locked them (charged if a process exits first).
+    locked_by: Option<Arc<str>>,
     space: AddressSpace,
     va: u64,
     len: usize,
@@ -739,7 +752,8 @@ impl LockedPages for HostLockedPages {
 
 impl Drop for HostLockedPages {
     fn drop(&mut self) {
-        self.space.unlock_pages(self.pages.len());
+        self.space
+            .unlock_pages(self.pages.len(), self.locked_by.as_ref());
     }
 }
 

@@ -70,6 +70,8 @@ pub struct InterfaceRef {
     refs: Arc<AtomicUsize>,
     verifier: Verifier,
     consumer: Option<Arc<str>>,
+    /// The driver whose device object answered (`None`: the host's PDO).
+    provider: Option<Arc<str>>,
     released: bool,
 }
 
@@ -96,8 +98,43 @@ impl InterfaceRef {
             refs,
             verifier,
             consumer,
+            provider: None,
             released: false,
         }
+    }
+
+    /// Records the driver that provides the interface (its routines are
+    /// that driver's code).
+    pub(crate) fn provided_by(mut self, provider: Arc<str>) -> Self {
+        if &*provider != crate::pnp::HOST_PDO {
+            self.provider = Some(provider);
+        }
+        self
+    }
+
+    /// The driver that provides the interface, if a driver does.
+    pub fn provider(&self) -> Option<&str> {
+        self.provider.as_deref()
+    }
+
+    /// Calls one of the interface's routines: `routine` runs as the
+    /// provider's code (in its driver context, so what it does — completing
+    /// a request, say — is charged to the provider), never after the
+    /// provider's image unloaded (`CallbackIntoUnloadedDriver`, and `None`).
+    /// `None` too if the object is not a `T`.
+    pub fn call<T: Any + Send + Sync, R>(&self, routine: impl FnOnce(&T) -> R) -> Option<R> {
+        let object = self.object.downcast_ref::<T>()?;
+        let Some(provider) = &self.provider else {
+            return Some(routine(object));
+        };
+        if !self.verifier.check_callback(provider, "interface routine") {
+            return None;
+        }
+        let _provider = crate::context::enter(crate::context::Context::driver(
+            self.verifier.clone(),
+            provider.clone(),
+        ));
+        Some(routine(object))
     }
 
     /// The interface GUID.
@@ -209,6 +246,20 @@ pub trait DeviceCallbacks: Send + Sync {
     fn query_power(&self, target: SystemPowerState) -> NtStatus {
         SUCCESS
     }
+    /// `EvtDeviceFileCreate` (`IRP_MJ_CREATE`): a process opens a handle
+    /// (`crate::file`). PASSIVE_LEVEL, in the opening process's context;
+    /// anything but success fails the open.
+    fn file_create(&self, file: &crate::file::FileObject) -> NtStatus {
+        SUCCESS
+    }
+    /// `EvtFileCleanup` (`IRP_MJ_CLEANUP`): the file object's last handle
+    /// was closed (requests on it may still be in flight). PASSIVE_LEVEL,
+    /// in the closing process's context: release what the driver locked
+    /// or mapped in that process.
+    fn file_cleanup(&self, file: &crate::file::FileObject) {}
+    /// `EvtFileClose` (`IRP_MJ_CLOSE`): the last reference to the file
+    /// object is gone. PASSIVE_LEVEL, arbitrary thread context.
+    fn file_close(&self, file: &crate::file::FileObject) {}
     /// A request reached this device object: complete it, keep it pending,
     /// or pass it down with `lower.forward(req)` (the default).
     fn io_request(&self, lower: &dyn Forward, req: HostRequest) {

@@ -11,6 +11,7 @@ pub mod context;
 pub mod dma;
 pub mod driver;
 pub mod event;
+pub mod file;
 pub mod host;
 pub mod inf;
 pub mod inf_lint;

@@ -315,6 +315,9 @@ struct SpaceShared {
     map: RwLock<SpaceMap>,
     /// Pages held by live locks (MDLs) taken in this space.
     locked_pages: AtomicUsize,
+    /// The same pages by the driver that locked them (`None`: host code),
+    /// so a process that exits with pages locked names the driver.
+    locked_by: Mutex<BTreeMap<Option<Arc<str>>, usize>>,
 }
 
 /// A virtual address space: a process's user-mode space or the kernel's.
@@ -337,6 +340,7 @@ impl AddressSpace {
                     device_maps: BTreeMap::new(),
                 }),
                 locked_pages: AtomicUsize::new(0),
+                locked_by: Mutex::new(BTreeMap::new()),
             }),
         }
     }
@@ -456,13 +460,14 @@ impl AddressSpace {
 
     /// Locks the pages spanning `va..va+len` (`MmProbeAndLockPages`): every
     /// byte must be allocated, and writable when `for_device_writes`.
-    /// Returns the pages, first to last; they count as locked in this space
-    /// until [`unlock_pages`](Self::unlock_pages).
+    /// Returns the pages, first to last; they count as locked in this space,
+    /// by `locked_by`, until [`unlock_pages`](Self::unlock_pages).
     pub(crate) fn lock_pages(
         &self,
         va: u64,
         len: usize,
         for_device_writes: bool,
+        locked_by: Option<&Arc<str>>,
     ) -> Result<Vec<Arc<Page>>, MemoryError> {
         if len == 0 {
             return Err(MemoryError::ZeroLength);
@@ -485,6 +490,9 @@ impl AddressSpace {
         self.shared
             .locked_pages
             .fetch_add(pages.len(), Ordering::Relaxed);
+        *lock(&self.shared.locked_by)
+            .entry(locked_by.cloned())
+            .or_default() += pages.len();
         Ok(pages)
     }
 
@@ -499,8 +507,17 @@ impl AddressSpace {
             .any(|(_, alloc)| alloc.pageable)
     }
 
-    /// Releases `count` pages locked by [`lock_pages`](Self::lock_pages).
-    pub(crate) fn unlock_pages(&self, count: usize) {
+    /// Releases `count` pages `locked_by` locked with
+    /// [`lock_pages`](Self::lock_pages).
+    pub(crate) fn unlock_pages(&self, count: usize, locked_by: Option<&Arc<str>>) {
+        let mut by = lock(&self.shared.locked_by);
+        if let Some(held) = by.get_mut(&locked_by.cloned()) {
+            *held = held.saturating_sub(count);
+            if *held == 0 {
+                by.remove(&locked_by.cloned());
+            }
+        }
+        drop(by);
         // Saturating: a mismatch is a model bug, and must not underflow.
         let _ = self
             .shared
@@ -513,6 +530,15 @@ impl AddressSpace {
     /// Pages currently locked by MDLs taken in this space.
     pub fn locked_pages(&self) -> usize {
         self.shared.locked_pages.load(Ordering::Relaxed)
+    }
+
+    /// [`locked_pages`](Self::locked_pages) by the driver that locked
+    /// them (`None`: host code), drivers in name order.
+    pub fn locked_pages_by_driver(&self) -> Vec<(Option<Arc<str>>, usize)> {
+        lock(&self.shared.locked_by)
+            .iter()
+            .map(|(driver, pages)| (driver.clone(), *pages))
+            .collect()
     }
 
     /// Live allocations.
@@ -982,8 +1008,8 @@ mod tests {
             Err(MemoryError::ReadOnly { va: ro, len: 1 })
         );
         assert!(p.read(ro, &mut [0u8; 8]).is_ok());
-        assert!(p.space().lock_pages(ro, 8, true).is_err());
-        assert_eq!(p.space().lock_pages(ro, 8, false).unwrap().len(), 1);
+        assert!(p.space().lock_pages(ro, 8, true, None).is_err());
+        assert_eq!(p.space().lock_pages(ro, 8, false, None).unwrap().len(), 1);
     }
 
     #[test]
@@ -991,7 +1017,7 @@ mod tests {
         let p = Process::new(5);
         let va = p.alloc(2 * PAGE_SIZE).unwrap();
         p.write(va + 4095, &[7, 8]).unwrap();
-        let pages = p.space().lock_pages(va + 4095, 2, true).unwrap();
+        let pages = p.space().lock_pages(va + 4095, 2, true, None).unwrap();
         assert_eq!(pages.len(), 2);
         assert_eq!(p.space().locked_pages(), 2);
         assert_eq!(p.exit(), 2, "pages still locked at exit");
@@ -1003,7 +1029,7 @@ mod tests {
         assert_eq!(out, [7]);
         assert!(pages[1].read(0, &mut out));
         assert_eq!(out, [8]);
-        p.space().unlock_pages(2);
+        p.space().unlock_pages(2, None);
         assert_eq!(p.space().locked_pages(), 0);
     }
 

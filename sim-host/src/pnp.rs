@@ -183,6 +183,8 @@ pub(crate) struct PnpInner {
     /// The scheduler a stopping queue waits on (the machine's other
     /// processors run while the power transition waits).
     sched: Mutex<Option<SchedulerHandle>>,
+    /// File objects and process handles (`file.rs`).
+    pub(crate) files: crate::file::FileTable,
 }
 
 enum ChildReport {
@@ -325,6 +327,17 @@ impl DeviceServices {
     pub fn verifier(&self) -> Option<Verifier> {
         self.pnp.upgrade().map(|i| i.verifier.clone())
     }
+
+    /// Sends `req` to the top of this device object's own stack
+    /// (`IoCallDriver` to its own device): a request another driver handed
+    /// over becomes this driver's own, delivered through its queue, so it
+    /// may complete it.
+    pub fn send_to_own_stack(&self, req: HostRequest) {
+        match self.pnp.upgrade() {
+            Some(inner) => PnpManager { inner }.send_request(self.node, req),
+            None => req_complete(req, NO_SUCH_DEVICE),
+        }
+    }
 }
 
 impl ChildBus for DeviceServices {
@@ -404,6 +417,7 @@ impl PnpManager {
                 interface_events: Mutex::default(),
                 pending_children: Mutex::default(),
                 sched: Mutex::default(),
+                files: crate::file::FileTable::default(),
             }),
         }
     }
@@ -416,8 +430,10 @@ impl PnpManager {
 
     /// The scheduler of the machine: a power transition waiting for the
     /// requests of a stopping queue runs it meanwhile (without one, only
-    /// what the driver does inside `EvtIoStop` counts).
+    /// what the driver does inside `EvtIoStop` counts), and an
+    /// `IRP_MJ_CLOSE` made due by a completion runs as its task.
     pub fn set_scheduler(&self, sched: SchedulerHandle) {
+        self.set_file_close_scheduler(sched.clone());
         *lock(&self.inner.sched) = Some(sched);
     }
 
@@ -585,6 +601,18 @@ impl PnpManager {
             .nodes
             .get(node.0)
             .map_or(0, |n| n.references_held_outside(&[]))
+    }
+
+    /// The devnodes with an enabled device interface of `class`, in
+    /// devnode order.
+    pub fn devices_with_interface(&self, class: WinGuid) -> Vec<DevNodeId> {
+        lock(&self.inner.tree)
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.interfaces.get(&class).copied().unwrap_or(false))
+            .map(|(i, _)| DevNodeId(i))
+            .collect()
     }
 
     /// Takes the device-interface notifications so far.
@@ -1000,8 +1028,11 @@ impl PnpManager {
         }
     }
 
-    /// Sends a request to the top of a devnode's stack.
+    /// Sends a request to the top of a devnode's stack. A user request
+    /// that carries its process is sent from a thread of that process:
+    /// its synchronous delivery runs in the process's context (`caller`).
     pub fn send_request(&self, node: DevNodeId, req: HostRequest) {
+        let _issuing_thread = req.process().map(crate::caller::enter_process);
         let top = lock(&self.inner.tree)
             .nodes
             .get(node.0)
@@ -1097,18 +1128,21 @@ impl PnpManager {
             .or_default()
             .clone();
         let consumer = consumer.map(|(service, _)| service);
-        for (_, cb) in self.layers(node).into_iter().rev() {
+        for (provider, cb) in self.layers(node).into_iter().rev() {
             if let Some(provided) = cb.query_interface(guid, version) {
                 let ok = ib_types::interface::InterfaceVersion::from_packed(provided.version)
                     .satisfies(ib_types::interface::InterfaceVersion::from_packed(version));
                 if ok {
-                    return Some(InterfaceRef::new(
-                        *guid,
-                        provided.object,
-                        refs,
-                        self.inner.verifier.clone(),
-                        consumer,
-                    ));
+                    return Some(
+                        InterfaceRef::new(
+                            *guid,
+                            provided.object,
+                            refs,
+                            self.inner.verifier.clone(),
+                            consumer,
+                        )
+                        .provided_by(provider),
+                    );
                 }
             }
         }
@@ -1183,6 +1217,19 @@ impl PnpManager {
     /// Query-remove, then remove the subtree (children first). Refused
     /// while interface references are outstanding or a driver vetoes.
     pub fn query_and_remove(&self, node: DevNodeId) -> Result<(), Veto> {
+        // Minimal stand-in until removal's own open-handle hook lands: a
+        // handle open on a devnode of the subtree (`file.rs`) vetoes.
+        for n in self.subtree_postorder(node) {
+            let handles = self.open_handle_count(n);
+            if handles > 0 {
+                return Err(Veto {
+                    what: "query-remove",
+                    instance_path: self.instance_path(n).unwrap_or_default(),
+                    service: format!("host ({handles} open handle(s))"),
+                    status: crate::driver::UNSUCCESSFUL,
+                });
+            }
+        }
         self.query("query-remove", node, |cb| cb.query_remove())?;
         self.remove(node);
         Ok(())
@@ -1429,6 +1476,17 @@ impl DeviceCallbacks for InDriver {
         self.call_pnp("IRP_MN_QUERY_POWER", NO_SUCH_DEVICE, |d| {
             d.query_power(target)
         })
+    }
+    fn file_create(&self, file: &crate::file::FileObject) -> NtStatus {
+        self.call_pnp("EvtDeviceFileCreate", NO_SUCH_DEVICE, |d| {
+            d.file_create(file)
+        })
+    }
+    fn file_cleanup(&self, file: &crate::file::FileObject) {
+        self.call_pnp("EvtFileCleanup", (), |d| d.file_cleanup(file));
+    }
+    fn file_close(&self, file: &crate::file::FileObject) {
+        self.call_pnp("EvtFileClose", (), |d| d.file_close(file));
     }
     fn io_request(&self, lower: &dyn Forward, req: HostRequest) {
         if &*self.service != HOST_PDO

@@ -4,7 +4,14 @@
 //! METHOD_BUFFERED input buffer and an output buffer. Exactly one party owns
 //! it at a time — the issuer hands it to a device stack, a driver forwards it
 //! down (giving it up) or keeps it pending, and whoever owns it last
-//! completes it by consuming it. Completion runs the completion routines the
+//! completes it by consuming it. A driver that builds a request owns it
+//! until it sends it; the host makes each layer it delivers the request to
+//! its owner. Completion by code of another driver (a request handed
+//! across an interface to the provider's routine, which runs as the
+//! provider's code through [`crate::driver::InterfaceRef::call`]) is
+//! [`ViolationKind::RequestCompletedByNonOwner`]: the provider sends the
+//! request to its own device instead
+//! ([`crate::pnp::DeviceServices::send_to_own_stack`]). Completion runs the completion routines the
 //! forwarding drivers attached, innermost first, then reports to the issuer
 //! through its [`RequestHandle`].
 //!
@@ -341,6 +348,9 @@ pub struct HostRequest {
     id: RequestId,
     /// The power-managed queue that presented it to its current owner.
     queue: Option<Arc<QueueRecord>>,
+    /// The file object the request was sent on (a handle's), referenced
+    /// until the request is completed or dropped.
+    file: Option<crate::file::FileReference>,
 }
 
 impl std::fmt::Debug for HostRequest {
@@ -364,6 +374,8 @@ impl HostRequest {
     ) -> (Self, RequestHandle) {
         let slot = Arc::new(Slot::default());
         let handle = RequestHandle { slot: slot.clone() };
+        // A driver that builds a request owns it until it sends it.
+        let owner = crate::context::current_driver();
         let request = Self {
             ioctl,
             mode,
@@ -372,12 +384,13 @@ impl HostRequest {
             slot,
             routines: Vec::new(),
             verifier: verifier.clone(),
-            owner: None,
+            owner,
             completed: false,
             event: None,
             process: None,
             id: RequestId::next(),
             queue: None,
+            file: None,
         };
         (request, handle)
     }
@@ -387,6 +400,18 @@ impl HostRequest {
     /// serves the request in the caller's context).
     pub fn set_process(&mut self, process: Process) {
         self.process = Some(process);
+    }
+
+    /// Records the file object the request is sent on (`IRP_MJ_DEVICE_CONTROL`
+    /// on a handle): it stays referenced until the request ends.
+    pub fn set_file(&mut self, file: crate::file::FileReference) {
+        self.file = Some(file);
+    }
+
+    /// The file object the request was sent on, if any
+    /// (`WdfRequestGetFileObject`).
+    pub fn file(&self) -> Option<&crate::file::FileObject> {
+        self.file.as_ref().map(crate::file::FileReference::file)
     }
 
     /// The issuing process, if the issuer recorded it.

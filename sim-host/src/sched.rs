@@ -315,6 +315,9 @@ fn run_item(verifier: &Verifier, item: Item) {
     // Declared after the context so it drops first: a routine returning at
     // the wrong IRQL is charged to its driver.
     let _irql = IrqlGuard::switched(kind.irql());
+    // DPCs, timers and work items run in an arbitrary thread: no
+    // process's context (`caller`).
+    let _arbitrary_thread = crate::caller::enter_arbitrary_thread();
     routine();
 }
 

@@ -103,6 +103,28 @@ pub enum ViolationKind {
         /// The offset in the BAR.
         offset: u64,
     },
+    /// A driver reached into a user process's memory (probed or locked a
+    /// user buffer, mapped or unmapped a page in it) outside that
+    /// process's context: from another process's thread, a DPC, a work
+    /// item, or a request delivered after it left its issuing thread
+    /// (held across sleep). On Windows the address means something else
+    /// there, or nothing.
+    UserMemoryOutsideProcessContext {
+        /// The process whose memory was reached.
+        pid: u32,
+        /// The process whose context the thread was in, if any.
+        current: Option<u32>,
+        /// The service used.
+        service: &'static str,
+    },
+    /// A process exited with user pages still locked by the driver named
+    /// (`PROCESS_HAS_LOCKED_PAGES`, bugcheck 0x76).
+    ProcessHasLockedPages {
+        /// The exiting process.
+        pid: u32,
+        /// Pages the driver still holds locked.
+        pages: usize,
+    },
     /// Anything else the host model checks (PnP or power protocol).
     Protocol {
         /// What happened.

@@ -49,12 +49,24 @@
 //!   (`HostCaller`); every other request goes to `Hca::submit_request`
 //!   (the verbs decode the code; an unknown one is
 //!   `STATUS_INVALID_DEVICE_REQUEST`).
+//!   A user request is served on the user path only in its caller's
+//!   context (the host delivers it from the issuing thread,
+//!   `sim_host::caller::in_process`); one delivered elsewhere (held
+//!   across sleep and released on resume) takes the kernel path, which
+//!   reaches no user object and touches no user memory.
 //! - `io_stop` (`EvtIoStop` of the power-managed queue): a wait the core
 //!   holds (`WaitCqEvent`, `GetAsyncEvent`) is acknowledged without
 //!   requeue and keeps pending across the power-down; any other request is
 //!   left to finish, which the host waits for before D0 exit
 //!   (`hca_miniport_core::verbs::on_queue_stop`). No `EvtIoResume`: a
 //!   kept wait needs nothing on D0 entry.
+//! - `file_create` / `file_cleanup` (`EvtDeviceFileCreate` /
+//!   `EvtFileCleanup`): counts each process's open file objects; at the
+//!   cleanup of a process's last one, in that process's context, the core
+//!   closes every user context it still has (`Hca::close_user_contexts_of`,
+//!   waited for), so its doorbell pages are unmapped and its pages
+//!   unlocked before the process can exit (`PROCESS_HAS_LOCKED_PAGES`
+//!   otherwise).
 //! - `query_interface` (`WdfDeviceAddQueryInterface`): answers
 //!   `GUID_IB_CI_INTERFACE` at any version the provider satisfies with
 //!   the [`CiProvider`] itself, an `Arc<CiProvider<P>>` in the host's
@@ -67,10 +79,11 @@
 //! (`MiniportOptions::bar0`); everything else is the simulated host's.
 
 use std::any::Any;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use driver_platform::{DevicePowerState, Irql, Platform, Request, RequestorMode};
+use driver_platform::{DevicePowerState, Event, Irql, Platform, Request, RequestorMode};
 use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use hca_miniport_core::hca::{Hca, HcaResources};
@@ -85,6 +98,8 @@ use sim_host::driver::{
     DeviceCallbacks, DeviceInit, DriverEntry, Forward, NO_SUCH_DEVICE, ProvidedInterface, SUCCESS,
     UNSUCCESSFUL,
 };
+use sim_host::event::HostEvent;
+use sim_host::file::FileObject;
 use sim_host::host::Host;
 use sim_host::memory::{AddressSpace, Process};
 use sim_host::pci::{InterruptConfig, PciFunction};
@@ -240,6 +255,7 @@ impl<P: ShellPlatform> DriverEntry for MiniportDriver<P> {
             options: self.options.clone(),
             sink: (self.options.sink)(),
             state: Mutex::new(Hardware::default()),
+            open_files: Mutex::new(BTreeMap::new()),
         });
         lock(&self.devices).push(device.clone());
         Ok(device)
@@ -279,6 +295,8 @@ pub struct MiniportDevice<P: Platform> {
     options: MiniportOptions<P>,
     sink: Arc<dyn EventSink>,
     state: Mutex<Hardware<P>>,
+    /// File objects open on the device, by process id.
+    open_files: Mutex<BTreeMap<u32, usize>>,
 }
 
 impl<P: Platform> std::fmt::Debug for MiniportDevice<P> {
@@ -404,6 +422,24 @@ impl<P: ShellPlatform> MiniportDevice<P> {
         Some((hca, dpcs))
     }
 
+    /// `EvtFileCleanup` of a process's last file object on the device, in
+    /// its context: the core closes every user context of the process
+    /// (`Hca::close_user_contexts_of`: waits cancelled, doorbell pages
+    /// unmapped here, objects destroyed, pages unlocked), waited for at
+    /// PASSIVE_LEVEL, since the process may exit as soon as this returns.
+    fn close_process_contexts(&self, process: &Process) {
+        let Some(hca) = self.hca() else {
+            return;
+        };
+        let closed = HostEvent::new(self.sched.clone());
+        let set = closed.clone();
+        hca.close_user_contexts_of(
+            P::caller(&self.kernel_space, process),
+            Box::new(move |_left_open| set.set()),
+        );
+        closed.wait();
+    }
+
     /// Leaving D0, before the interrupts are disabled
     /// (`EvtDeviceD0ExitPreInterruptsDisabled`): the core's `d0_exit`
     /// keeps every verb object and takes the device down with polled
@@ -524,7 +560,10 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         // (kernel requests, or a user request without its process, which
         // then reaches no user object) takes the kernel path.
         let caller = match (req.requestor_mode(), req.process()) {
-            (RequestorMode::User, Some(process)) if sim_host::irql::current() == Irql::PASSIVE => {
+            (RequestorMode::User, Some(process))
+                if sim_host::irql::current() == Irql::PASSIVE
+                    && sim_host::caller::in_process(process) =>
+            {
                 Some(P::caller(&self.kernel_space, process))
             }
             _ => None,
@@ -541,6 +580,30 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         match on_queue_stop(stopped.ioctl()) {
             OnQueueStop::KeepPending => stopped.acknowledge(),
             OnQueueStop::LetFinish => {}
+        }
+    }
+
+    fn file_create(&self, file: &FileObject) -> NtStatus {
+        *lock(&self.open_files)
+            .entry(file.process().pid())
+            .or_default() += 1;
+        SUCCESS
+    }
+
+    fn file_cleanup(&self, file: &FileObject) {
+        let pid = file.process().pid();
+        let last = {
+            let mut open = lock(&self.open_files);
+            let count = open.entry(pid).or_default();
+            *count = count.saturating_sub(1);
+            let last = *count == 0;
+            if last {
+                open.remove(&pid);
+            }
+            last
+        };
+        if last {
+            self.close_process_contexts(file.process());
         }
     }
 

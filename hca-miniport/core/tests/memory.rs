@@ -196,7 +196,13 @@ impl World {
             locker.clone(),
             slot.clone(),
         );
+        // PASSIVE_LEVEL stands for the caller's own thread: in its process.
+        let caller = locker
+            .process()
+            .cloned()
+            .filter(|_| level == Level::Passive);
         self.run(level, move || {
+            let _caller = caller.as_ref().map(sim_host::caller::enter_process);
             let irql = sim_host::irql::current();
             mt.register_virtual(
                 &hca,
@@ -252,7 +258,9 @@ impl World {
             locker.clone(),
             slot.clone(),
         );
+        let caller = locker.process().cloned();
         self.run(Level::Passive, move || {
+            let _caller = caller.as_ref().map(sim_host::caller::enter_process);
             let irql = sim_host::irql::current();
             mt.reregister(
                 &hca,
@@ -527,11 +535,14 @@ fn user_memory_cannot_be_locked_from_a_dpc_kernel_memory_can() {
     w.run(Level::Dispatch, move || {
         drop(direct.lock(RequestorMode::User, va, PAGE, false));
     });
+    // From a DPC it is also outside the process's context.
     let violations = w.host.verifier().take();
     assert!(
         matches!(
             violations.as_slice(),
-            [v] if matches!(v.kind, sim_host::verifier::ViolationKind::IrqlTooHigh { .. })
+            [irql, context]
+                if matches!(irql.kind, sim_host::verifier::ViolationKind::IrqlTooHigh { .. })
+                && matches!(context.kind, sim_host::verifier::ViolationKind::UserMemoryOutsideProcessContext { .. })
         ),
         "{violations:?}"
     );

@@ -2586,3 +2586,127 @@ fn user_modify_ca_is_refused_by_policy_and_changes_no_port() {
     assert_eq!(uvp.process().exit(), 0);
     w.finish();
 }
+
+/// Sends `V` on a process's handle (`sim_host::file`) and runs the host
+/// until it completes.
+fn on_handle<V: Verb>(
+    w: &World,
+    handle: &sim_host::file::FileHandle,
+    object: u64,
+    input: &V::In,
+    private: &[u8],
+) -> sim_host::request::Completion {
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<V>(private.len()).unwrap()];
+    ib_types::ioctl::encode_request::<V>(object, input, private, 64, &mut bytes).unwrap();
+    let issuer = handle.send(
+        V::ID.ioctl().raw(),
+        bytes,
+        ib_types::ioctl::response_len::<V>(64).unwrap(),
+    );
+    w.settle();
+    issuer.completion().expect("the request completed")
+}
+
+#[test]
+fn a_process_exiting_with_user_objects_open_leaves_no_page_locked() {
+    let (w, _) = two_hcas(80);
+    let process = Process::new(26);
+    let node = w.device_at(U).node();
+    let handle = w.host.pnp().open_file(&process, node).unwrap();
+    let c = on_handle::<OpenCa>(&w, &handle, 0, &OpenCaIn::CURRENT, &[]);
+    let ca = response::<OpenCa>(&c).handle;
+    let pd = response::<AllocPd>(&on_handle::<AllocPd>(&w, &handle, ca, &Empty, &[])).handle;
+    let va = process.alloc(2 * 4096).unwrap();
+    let region = ib_types::mr::MrRegister {
+        vaddr: va,
+        length: 2 * 4096,
+        access: AccessFlags::LOCAL_WRITE,
+    };
+    let c = on_handle::<ib_types::ioctl::RegMr>(&w, &handle, pd, &region, &[]);
+    assert_eq!(status_of::<ib_types::ioctl::RegMr>(&c), IbStatus::Success);
+    let (ring, dbr) = (process.alloc(32 << 4).unwrap(), process.alloc(64).unwrap());
+    let layout = CreateCqPriv::new(4, ring, dbr).unwrap();
+    let attr = CqAttr {
+        cqe: 1 << 4,
+        comp_vector: 0,
+    };
+    let c = on_handle::<CreateCq>(&w, &handle, ca, &attr, layout.emit().as_bytes());
+    assert_eq!(status_of::<CreateCq>(&c), IbStatus::Success);
+    let waits = on_handle_pending::<ib_types::ioctl::GetAsyncEvent>(&handle, ca);
+    assert!(process.space().locked_pages() > 2);
+    assert_eq!(process.space().device_mapping_count(), 1);
+
+    // The process leaks its handle and exits: its wait is cancelled, the
+    // miniport's cleanup closes its context (in its context), and nothing
+    // of it stays locked or mapped (PROCESS_HAS_LOCKED_PAGES otherwise).
+    drop(handle);
+    assert_eq!(w.host.pnp().exit_process(&process), 0);
+    w.settle();
+    assert!(waits.is_done());
+    assert_eq!(w.hca_at(U).user_context_count(), 0);
+    assert_eq!(w.host.pnp().file_object_count(node), 0);
+    w.finish();
+}
+
+/// Sends `V` on a handle without waiting for it.
+fn on_handle_pending<V: Verb>(
+    handle: &sim_host::file::FileHandle,
+    object: u64,
+) -> sim_host::request::RequestHandle
+where
+    V::In: Default,
+{
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<V>(0).unwrap()];
+    ib_types::ioctl::encode_request::<V>(object, &V::In::default(), &[], 64, &mut bytes).unwrap();
+    handle.send(
+        V::ID.ioctl().raw(),
+        bytes,
+        ib_types::ioctl::response_len::<V>(64).unwrap(),
+    )
+}
+
+#[test]
+fn a_user_request_held_across_sleep_is_refused_without_touching_the_process() {
+    let (w, _) = two_hcas(81);
+    let process = Process::new(27);
+    let handle = w
+        .host
+        .pnp()
+        .open_file(&process, w.device_at(U).node())
+        .unwrap();
+    let c = on_handle::<OpenCa>(&w, &handle, 0, &OpenCaIn::CURRENT, &[]);
+    let ca = response::<OpenCa>(&c).handle;
+    let pd = response::<AllocPd>(&on_handle::<AllocPd>(&w, &handle, ca, &Empty, &[])).handle;
+    let va = process.alloc(4096).unwrap();
+    let region = ib_types::mr::MrRegister {
+        vaddr: va,
+        length: 4096,
+        access: AccessFlags::LOCAL_WRITE,
+    };
+    // Sent while the device sleeps: the power-managed queue holds it, and
+    // the power manager delivers it on resume, outside the process. The
+    // shell does not take the user path there (locking the process's pages
+    // would be UserMemoryOutsideProcessContext): the region is refused and
+    // nothing of the process is locked.
+    w.sleep();
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<ib_types::ioctl::RegMr>(0).unwrap()];
+    ib_types::ioctl::encode_request::<ib_types::ioctl::RegMr>(pd, &region, &[], 64, &mut bytes)
+        .unwrap();
+    let held = handle.send(
+        <ib_types::ioctl::RegMr as Verb>::ID.ioctl().raw(),
+        bytes,
+        ib_types::ioctl::response_len::<ib_types::ioctl::RegMr>(64).unwrap(),
+    );
+    assert!(!held.is_done());
+    w.resume();
+    let c = held.completion().expect("delivered on resume");
+    assert_ne!(
+        status_of::<ib_types::ioctl::RegMr>(&c),
+        IbStatus::Success,
+        "no user path outside the caller's context"
+    );
+    assert_eq!(process.space().locked_pages(), 0);
+    handle.close();
+    assert_eq!(w.host.pnp().exit_process(&process), 0);
+    w.finish();
+}

@@ -14,6 +14,7 @@
 //! host that connects interrupts in the same order.
 
 use alloc::boxed::Box;
+use alloc::collections::BTreeMap;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 use core::ptr;
@@ -76,6 +77,8 @@ pub struct DeviceShell {
     /// prepare-hardware before the framework connects the interrupts, and
     /// released in release-hardware after it disconnected them.
     isr_hca: AtomicPtr<Hca<WdfPlatform>>,
+    /// File objects open on the device, by process id (`file`).
+    open_files: SpinLock<WdfPlatform, BTreeMap<u64, usize>>,
 }
 
 impl core::fmt::Debug for DeviceShell {
@@ -109,7 +112,28 @@ impl DeviceShell {
                 interrupts: Vec::new(),
             }),
             isr_hca: AtomicPtr::new(ptr::null_mut()),
+            open_files: SpinLock::<WdfPlatform, _>::new(BTreeMap::new()),
         }
+    }
+
+    /// `EvtDeviceFileCreate` of `process`: one more file object open.
+    pub fn file_opened(&self, process: u64) {
+        *self.open_files.lock().entry(process).or_default() += 1;
+    }
+
+    /// `EvtFileCleanup` of `process`: one file object fewer; true when it
+    /// was the process's last on the device.
+    pub fn file_cleaned_up(&self, process: u64) -> bool {
+        let mut open = self.open_files.lock();
+        let Some(count) = open.get_mut(&process) else {
+            return true;
+        };
+        *count = count.saturating_sub(1);
+        if *count > 0 {
+            return false;
+        }
+        open.remove(&process);
+        true
     }
 
     /// The ISR's entry: `Hca::isr` without taking a lock or a reference.

@@ -23,6 +23,7 @@ use super::device::{
     DeviceShell, evt_d0_entry, evt_d0_entry_post_interrupts, evt_d0_exit,
     evt_d0_exit_pre_interrupts, evt_prepare_hardware, evt_release_hardware, evt_surprise_removal,
 };
+use super::file::set_file_object_config;
 use super::interface::{accepts, ci_interface, fill_identity};
 use super::interrupt::{evt_timer, evt_work_item};
 use super::platform::WdfDma;
@@ -104,6 +105,10 @@ unsafe extern "C" fn evt_driver_device_add(
             Some(evt_io_in_caller_context)
         )
     };
+
+    // A process's last handle closes its user contexts (`file`).
+    // SAFETY: the framework's live init structure, before WdfDeviceCreate.
+    unsafe { set_file_object_config(device_init) };
 
     let mut attributes = device_attributes();
     let mut device: WDFDEVICE = ptr::null_mut();

@@ -45,7 +45,9 @@
 //!   but its own objects.
 //! - **Destroy** of a user object is the kernel object's destroy, then the
 //!   pinned memory is unmapped and unlocked. **Close** of a context
-//!   (explicit, or the proxy's cleanup when the process exits) first
+//!   (explicit, or [`Hca::close_user_contexts_of`] for every context of a
+//!   process, the proxy's `EvtFileCleanup` of the process's last handle)
+//!   first
 //!   unmaps the doorbell page (in the caller's context: nothing can ring
 //!   any more), then destroys every QP, SRQ and CQ the context still
 //!   holds, deregisters its regions and frees its PDs, and only then frees
@@ -878,12 +880,91 @@ where
         if let Some(mapping) = mapping {
             caller.unmap_device_page(mapping);
         }
-        self.close_step(handle, a.responder);
+        let responder = a.responder;
+        self.close_step(
+            handle,
+            Box::new(move |_, result| match result {
+                Ok(()) => responder.finish(IbStatus::Success, 0, Some(&Empty), &[]),
+                Err(status) => responder.fail(status),
+            }),
+        );
+    }
+
+    /// Closes every user context `caller`'s process still has open, as
+    /// `CloseCa` does (doorbell page unmapped first, in the caller's
+    /// context, then the objects destroyed and the pages unlocked): the
+    /// proxy's cleanup of the process's last handle on the device
+    /// (`EvtFileCleanup`, in that process's context at PASSIVE_LEVEL), so
+    /// no page of the process stays locked when it exits. `done` gets the
+    /// number of contexts that could not be closed (busy with a create
+    /// under way, or the device failed); it may run later, from the DPC.
+    pub fn close_user_contexts_of(
+        self: &Arc<Self>,
+        caller: P::Caller,
+        done: Box<dyn FnOnce(usize) + Send>,
+    ) {
+        if caller.current_irql() != Irql::PASSIVE {
+            return done(self.user_contexts_of(caller.process_id()).len());
+        }
+        self.cancel_user_waits();
+        let process = caller.process_id();
+        let started = self.with_objects_mut(|o| {
+            o.user
+                .contexts
+                .iter_mut()
+                .filter(|(_, c)| c.process == process && !c.closing)
+                .map(|(&handle, ctx)| {
+                    if ctx.creating != 0 {
+                        return (handle, Err(IbStatus::ResourceBusy));
+                    }
+                    ctx.closing = true;
+                    (handle, Ok(ctx.mapping.take()))
+                })
+                .collect::<Vec<_>>()
+        });
+        let Ok(started) = started else {
+            return done(0);
+        };
+        let mut busy = 0;
+        let mut closing = Vec::new();
+        for (handle, mapping) in started {
+            match mapping {
+                Ok(mapping) => {
+                    if let Some(mapping) = mapping {
+                        caller.unmap_device_page(mapping);
+                    }
+                    closing.push(handle);
+                }
+                Err(_) => busy += 1,
+            }
+        }
+        self.close_each(closing, busy, done);
+    }
+
+    /// Closes the contexts `handles` one after another (each may continue
+    /// from the DPC), then calls `done` with `failed` plus the closes that
+    /// failed.
+    fn close_each(
+        self: &Arc<Self>,
+        mut handles: Vec<u64>,
+        failed: usize,
+        done: Box<dyn FnOnce(usize) + Send>,
+    ) {
+        let Some(handle) = handles.pop() else {
+            return done(failed);
+        };
+        self.close_step(
+            handle,
+            Box::new(move |hca, result| {
+                hca.close_each(handles, failed + usize::from(result.is_err()), done);
+            }),
+        );
     }
 
     /// Destroys the next object of the closing context `handle` (QPs, then
-    /// CQs), or, when none is left, frees its PDs and UAR page and answers.
-    fn close_step(self: &Arc<Self>, handle: u64, responder: Responder<v::CloseCa, P::Request>) {
+    /// CQs), or, when none is left, frees its PDs and UAR page and calls
+    /// `done`.
+    fn close_step(self: &Arc<Self>, handle: u64, done: super::Done<P>) {
         let next = self.with_objects(|o| {
             let ctx = o.user.contexts.get(&handle)?;
             ctx.qps
@@ -904,7 +985,7 @@ where
                     handle,
                     what,
                     object,
-                    Box::new(move |hca, _result| hca.close_step(handle, responder)),
+                    Box::new(move |hca, _result| hca.close_step(handle, done)),
                 );
             }
             Ok(None) => {
@@ -923,12 +1004,12 @@ where
                         for waiter in waiters {
                             waiter.fail(IbStatus::Canceled);
                         }
-                        responder.finish(IbStatus::Success, 0, Some(&Empty), &[]);
+                        done(self, Ok(()));
                     }
-                    _ => responder.fail(IbStatus::InvalidState),
+                    _ => done(self, Err(IbStatus::InvalidState)),
                 }
             }
-            Err(status) => responder.fail(status),
+            Err(status) => done(self, Err(status)),
         }
     }
 
@@ -1984,6 +2065,22 @@ impl<P: Platform> Hca<P> {
                 mtt.unpin_user(self, pin);
             }
         }
+    }
+
+    /// The handles of the user contexts `process` has open (not closing):
+    /// what the proxy closes, in that process's context, at the cleanup of
+    /// the process's last handle on the device (`IRP_MJ_CLEANUP`), so that
+    /// no page of the process stays locked when it exits.
+    pub fn user_contexts_of(&self, process: u64) -> Vec<u64> {
+        self.with_objects(|o| {
+            o.user
+                .contexts
+                .iter()
+                .filter(|(_, c)| c.process == process && !c.closing)
+                .map(|(&handle, _)| handle)
+                .collect()
+        })
+        .unwrap_or_default()
     }
 
     /// User contexts open now (diagnostics and leak checks).
