@@ -91,13 +91,15 @@ pub(crate) fn pages_for(len: usize) -> usize {
 
 /// One page of host memory (physical memory, in Windows terms): a real,
 /// page-aligned [`frame::Frame`] the CPU and devices access without a lock.
+/// The pages of one allocation share one [`frame::FrameRun`].
 pub struct Page {
-    frame: Box<frame::Frame>,
+    run: Arc<frame::FrameRun>,
+    index: usize,
 }
 
 impl fmt::Debug for Page {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Page@{:#x}", self.frame.address())
+        write!(f, "Page@{:#x}", self.host_address())
     }
 }
 
@@ -105,36 +107,44 @@ impl Page {
     /// A new zero-filled page.
     pub fn zeroed() -> Arc<Self> {
         Arc::new(Self {
-            frame: frame::Frame::zeroed(),
+            run: Arc::new(frame::FrameRun::zeroed(1)),
+            index: 0,
         })
+    }
+
+    fn frame(&self) -> &frame::Frame {
+        // `index` is in the run by construction (`zeroed_pages`).
+        self.run
+            .get(self.index)
+            .unwrap_or_else(|| unreachable!("page {} of a run of {}", self.index, self.run.len()))
     }
 
     /// CPU copy of `out.len()` bytes from `offset`; false (and nothing
     /// copied) if the range leaves the page.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> bool {
-        self.frame.read(Side::Cpu, offset, out)
+        self.frame().read(Side::Cpu, offset, out)
     }
 
     /// CPU copy of `data` to `offset`; false (and nothing copied) if the
     /// range leaves the page.
     pub fn write(&self, offset: usize, data: &[u8]) -> bool {
-        self.frame.write(Side::Cpu, offset, data)
+        self.frame().write(Side::Cpu, offset, data)
     }
 
     /// Device (DMA) copy out of the page, with the device's ordering.
     pub(crate) fn device_read(&self, offset: usize, out: &mut [u8]) -> bool {
-        self.frame.read(Side::Device, offset, out)
+        self.frame().read(Side::Device, offset, out)
     }
 
     /// Device (DMA) copy into the page, with the device's ordering.
     pub(crate) fn device_write(&self, offset: usize, data: &[u8]) -> bool {
-        self.frame.write(Side::Device, offset, data)
+        self.frame().write(Side::Device, offset, data)
     }
 
     /// Address of the page's first byte in the simulator's own memory
     /// (page aligned; for diagnostics and tests).
     pub fn host_address(&self) -> usize {
-        self.frame.address()
+        self.frame().address()
     }
 }
 
@@ -142,9 +152,17 @@ impl Page {
 /// address space), shared by everything that holds it.
 pub(crate) type PageRun = Arc<[Arc<Page>]>;
 
-/// `count` fresh zero-filled pages.
+/// `count` fresh zero-filled pages, in one allocation of real memory.
 pub(crate) fn zeroed_pages(count: usize) -> PageRun {
-    (0..count).map(|_| Page::zeroed()).collect()
+    let run = Arc::new(frame::FrameRun::zeroed(count));
+    (0..count)
+        .map(|index| {
+            Arc::new(Page {
+                run: Arc::clone(&run),
+                index,
+            })
+        })
+        .collect()
 }
 
 /// Copies out of a run of pages viewed as one buffer; false (and nothing

@@ -36,6 +36,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use zerocopy::{FromZeros, KnownLayout};
+
 use super::PAGE_SIZE;
 
 /// Bytes of a word.
@@ -71,17 +73,47 @@ impl Side {
 }
 
 /// One page of memory: 4 KiB, 4 KiB-aligned, 64-bit atomic words.
+#[derive(FromZeros, KnownLayout)]
 #[repr(C, align(4096))]
 pub(crate) struct Frame {
     words: [AtomicU64; WORDS],
+}
+
+/// Frames allocated together (the pages of one allocation): one aligned,
+/// zeroed allocation instead of one per page. It is freed when no page of
+/// it is reachable any more.
+pub(crate) struct FrameRun(Box<[Frame]>);
+
+impl FrameRun {
+    /// `count` zero-filled frames in one allocation.
+    pub(crate) fn zeroed(count: usize) -> Self {
+        let frames = <[Frame]>::new_box_zeroed_with_elems(count).unwrap_or_else(|_| {
+            std::alloc::handle_alloc_error(
+                std::alloc::Layout::array::<Frame>(count)
+                    .unwrap_or(std::alloc::Layout::new::<Frame>()),
+            )
+        });
+        Self(frames)
+    }
+
+    /// Frame `index`, if the run has it.
+    pub(crate) fn get(&self, index: usize) -> Option<&Frame> {
+        self.0.get(index)
+    }
+
+    /// Frames in the run.
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
 }
 
 const _: () = assert!(size_of::<Frame>() == PAGE_SIZE);
 const _: () = assert!(align_of::<Frame>() == PAGE_SIZE);
 
 impl Frame {
-    /// A zero-filled frame on the heap.
-    pub(crate) fn zeroed() -> Box<Self> {
+    /// A zero-filled frame on the heap (of its own).
+    #[cfg(test)]
+    fn zeroed() -> Box<Self> {
         Box::new(Self {
             words: [const { AtomicU64::new(0) }; WORDS],
         })
@@ -99,14 +131,26 @@ impl Frame {
             return false;
         }
         let order = side.load_order();
-        let mut done = 0;
-        while done < out.len() {
-            let at = offset + done;
-            let in_word = at % WORD_BYTES;
-            let take = (WORD_BYTES - in_word).min(out.len() - done);
-            let word = self.words[at / WORD_BYTES].load(order).to_le_bytes();
-            out[done..done + take].copy_from_slice(&word[in_word..in_word + take]);
-            done += take;
+        let (head, whole, tail) = split_words(offset, out.len());
+        let (head_out, rest) = out.split_at_mut(head);
+        let (whole_out, tail_out) = rest.split_at_mut(whole * WORD_BYTES);
+        if head > 0 {
+            let word = self.words[offset / WORD_BYTES].load(order).to_le_bytes();
+            let in_word = offset % WORD_BYTES;
+            head_out.copy_from_slice(&word[in_word..in_word + head]);
+        }
+        let first = (offset + head) / WORD_BYTES;
+        // The bulk: one load per whole word, in a loop the compiler keeps
+        // tight (no per-byte bookkeeping).
+        for (word, chunk) in self.words[first..first + whole]
+            .iter()
+            .zip(whole_out.chunks_exact_mut(WORD_BYTES))
+        {
+            chunk.copy_from_slice(&word.load(order).to_le_bytes());
+        }
+        if tail > 0 {
+            let word = self.words[first + whole].load(order).to_le_bytes();
+            tail_out.copy_from_slice(&word[..tail]);
         }
         true
     }
@@ -119,27 +163,51 @@ impl Frame {
             return false;
         }
         let order = side.store_order();
-        let mut done = 0;
-        while done < data.len() {
-            let at = offset + done;
-            let in_word = at % WORD_BYTES;
-            let take = (WORD_BYTES - in_word).min(data.len() - done);
-            let chunk = &data[done..done + take];
-            let word = &self.words[at / WORD_BYTES];
-            if let Ok(whole) = <[u8; WORD_BYTES]>::try_from(chunk) {
-                word.store(u64::from_le_bytes(whole), order);
-            } else {
-                // Never fails: the closure always returns `Some`.
-                let _ = word.fetch_update(order, Ordering::Relaxed, |old| {
-                    let mut bytes = old.to_le_bytes();
-                    bytes[in_word..in_word + take].copy_from_slice(chunk);
-                    Some(u64::from_le_bytes(bytes))
-                });
-            }
-            done += take;
+        let (head, whole, tail) = split_words(offset, data.len());
+        let (head_data, rest) = data.split_at(head);
+        let (whole_data, tail_data) = rest.split_at(whole * WORD_BYTES);
+        if head > 0 {
+            self.merge(offset / WORD_BYTES, offset % WORD_BYTES, head_data, order);
+        }
+        let first = (offset + head) / WORD_BYTES;
+        for (word, chunk) in self.words[first..first + whole]
+            .iter()
+            .zip(whole_data.chunks_exact(WORD_BYTES))
+        {
+            let mut bytes = [0u8; WORD_BYTES];
+            bytes.copy_from_slice(chunk);
+            word.store(u64::from_le_bytes(bytes), order);
+        }
+        if tail > 0 {
+            self.merge(first + whole, 0, tail_data, order);
         }
         true
     }
+
+    /// Writes `bytes` into word `index` from byte `in_word` on, keeping the
+    /// word's other bytes: one read-modify-write.
+    fn merge(&self, index: usize, in_word: usize, bytes: &[u8], order: Ordering) {
+        // Never fails: the closure always returns `Some`.
+        let _ = self.words[index].fetch_update(order, Ordering::Relaxed, |old| {
+            let mut word = old.to_le_bytes();
+            word[in_word..in_word + bytes.len()].copy_from_slice(bytes);
+            Some(u64::from_le_bytes(word))
+        });
+    }
+}
+
+/// How an access of `len` bytes at `offset` splits over words: bytes in a
+/// partial first word, whole words, bytes in a partial last word. An access
+/// within one word is all "head".
+fn split_words(offset: usize, len: usize) -> (usize, usize, usize) {
+    let in_word = offset % WORD_BYTES;
+    let head = if in_word == 0 {
+        0
+    } else {
+        (WORD_BYTES - in_word).min(len)
+    };
+    let rest = len - head;
+    (head, rest / WORD_BYTES, rest % WORD_BYTES)
 }
 
 #[cfg(test)]
@@ -150,8 +218,11 @@ mod tests {
 
     #[test]
     fn frames_are_real_page_aligned_memory() {
-        let frames: Vec<Box<Frame>> = (0..8).map(|_| Frame::zeroed()).collect();
-        for frame in &frames {
+        let run = FrameRun::zeroed(8);
+        assert_eq!(run.len(), 8);
+        assert!(run.get(8).is_none());
+        let single = Frame::zeroed();
+        for frame in (0..8).filter_map(|i| run.get(i)).chain([&*single]) {
             assert_eq!(frame.address() % PAGE_SIZE, 0);
             let mut out = [0xAAu8; PAGE_SIZE];
             assert!(frame.read(Side::Cpu, 0, &mut out));
