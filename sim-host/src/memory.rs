@@ -99,7 +99,8 @@ pub struct Page {
 
 impl fmt::Debug for Page {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Page@{:#x}", self.host_address())
+        // Not the address: debug output stays the same from run to run.
+        f.write_str("Page")
     }
 }
 
