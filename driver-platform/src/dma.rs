@@ -5,15 +5,47 @@
 //! - Rings, contexts and doorbell records live in common buffers
 //!   ([`DmaAdapter::alloc_common`]): contiguous in bus space, CPU-accessible
 //!   through copy methods.
+//! - Common buffers are memory the device reads and writes while the CPU
+//!   does: a copy is atomic per aligned 64-bit word at best, and carries no
+//!   ordering of its own. The driver orders its accesses with the two named
+//!   barriers, [`dma_wmb`] and [`dma_rmb`], exactly where the device needs
+//!   them (the PRM's ordering rules, 9.1 and 9.2: WQEs before the doorbell
+//!   or doorbell record; the owner byte of a CQE, EQE or command entry
+//!   before the rest of it).
 //! - Registered memory is locked ([`MemoryLocker::lock`], an MDL on Windows)
 //!   and mapped page by page ([`DmaAdapter::map`]); the bus addresses go into
 //!   the HCA's translation table. Unmapping before the device stops using
 //!   them is the core's responsibility; the platform's IOMMU model faults any
 //!   later access.
 
+use core::sync::atomic::{Ordering, fence};
+
 use ib_types::status::NtStatus;
 
 use crate::request::RequestorMode;
+
+/// The barrier before handing memory to the device (Linux `dma_wmb`,
+/// rdma-core `udma_to_device_barrier`): every earlier CPU access to DMA
+/// memory — the WQEs written, the CQEs read — is ordered before every later
+/// write to DMA memory or to a doorbell register. Call it between writing
+/// ring entries and publishing them (a doorbell record, a doorbell), and
+/// between reading entries and giving their slots back (a consumer
+/// record). A release fence: free on x86 (TSO) beyond stopping the
+/// compiler, a `dmb` on ARM64.
+#[inline]
+pub fn dma_wmb() {
+    fence(Ordering::Release);
+}
+
+/// The barrier after seeing that the device wrote memory (Linux `dma_rmb`,
+/// rdma-core `udma_from_device_barrier`): a read of an owner byte or a
+/// `done` byte found valid is ordered before every later read of the
+/// entry it guards. Without it the rest of the entry may be read stale. An
+/// acquire fence.
+#[inline]
+pub fn dma_rmb() {
+    fence(Ordering::Acquire);
+}
 
 /// Memory the CPU and the device share: a common buffer.
 pub trait CommonBuffer: Send + Sync {
@@ -25,11 +57,14 @@ pub trait CommonBuffer: Send + Sync {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Copies bytes out of the buffer (CPU side). Out-of-range reads are a
-    /// core bug and are refused with `false`.
+    /// Copies bytes out of the buffer (CPU side), word by word: not atomic
+    /// as a whole, and unordered with the device's writes (read an entry's
+    /// owner byte first, then [`dma_rmb`], then the entry). Out-of-range
+    /// reads are a core bug and are refused with `false`, nothing copied.
     fn read(&self, offset: usize, out: &mut [u8]) -> bool;
-    /// Copies bytes into the buffer (CPU side), with release ordering with
-    /// respect to later MMIO writes (the doorbell).
+    /// Copies bytes into the buffer (CPU side), word by word, with no
+    /// ordering of its own: [`dma_wmb`] before publishing what was written.
+    /// Out-of-range writes are refused with `false`, nothing written.
     fn write(&self, offset: usize, data: &[u8]) -> bool;
 }
 

@@ -20,7 +20,9 @@
 //!   keeps its own queue of what they should do.
 //! - Memory the device reaches is handed over as bus addresses of DMA
 //!   mappings ([`DmaAdapter`]); the core reads and writes common buffers
-//!   through copy methods, so it needs no raw pointers and no `unsafe`.
+//!   through copy methods, so it needs no raw pointers and no `unsafe`,
+//!   and orders them with the named barriers [`dma::dma_wmb`] and
+//!   [`dma::dma_rmb`].
 //! - A PASSIVE_LEVEL caller that wants to wait for a request waits on an
 //!   [`Event`] its request's completion sets; the core itself never waits.
 //! - A request is completed by consuming it ([`Request::complete`]): the type

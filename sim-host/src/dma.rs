@@ -42,9 +42,11 @@
 //!   `VirtualFree`, pool free) until the lock and every mapping of them are
 //!   gone.
 //!
-//! Lock order: an adapter's ledger, then its table, then a page; the device
-//! path takes only the table (shared) and pages, so map/unmap and device
-//! accesses of different adapters never contend.
+//! Lock order: an adapter's ledger, then its table. The device path takes
+//! only the table (shared) and then touches the pages' real memory without
+//! a lock (`crate::memory`'s frames), so map/unmap and device accesses of
+//! different adapters never contend, and a CPU access never waits for a
+//! device access.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -544,13 +546,15 @@ impl CommonBuffer for HostCommonBuffer {
         self.len
     }
 
-    /// False (nothing copied) past `len()`.
+    /// False (nothing copied) past `len()`. A CPU read of real memory,
+    /// word by word and relaxed (see `memory`'s contract).
     fn read(&self, offset: usize, out: &mut [u8]) -> bool {
         range_within(offset, out.len(), self.len) && read_pages(&self.pages, offset, out)
     }
 
-    /// False (nothing copied) past `len()`. Each page is written under its
-    /// lock, which orders the write before any later doorbell write.
+    /// False (nothing copied) past `len()`. A CPU write to real memory,
+    /// word by word and relaxed: only the driver's `dma_wmb` orders it
+    /// before a later doorbell or doorbell record.
     fn write(&self, offset: usize, data: &[u8]) -> bool {
         range_within(offset, data.len(), self.len) && write_pages(&self.pages, offset, data)
     }
@@ -845,13 +849,13 @@ fn live_pages(
 impl HostMemory for DeviceDma {
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), DmaFault> {
         self.access(addr, buf.len(), DmaDirection::Read, |page, at, range| {
-            page.read(at, &mut buf[range]);
+            page.device_read(at, &mut buf[range]);
         })
     }
 
     fn write(&self, addr: u64, data: &[u8]) -> Result<(), DmaFault> {
         self.access(addr, data.len(), DmaDirection::Write, |page, at, range| {
-            page.write(at, &data[range]);
+            page.device_write(at, &data[range]);
         })
     }
 }
@@ -1044,6 +1048,43 @@ mod tests {
         assert_eq!(a.alloc_common(0).unwrap_err(), NtStatus::INVALID_PARAMETER);
         assert_eq!(h.verifier.take().len(), 1);
         a.free_common(ring);
+    }
+
+    /// The device reaches the very pages the CPU uses — real, page-aligned
+    /// memory — and only through its adapter's translations: each bus page
+    /// of a mapping translates to the locked page's frame, and nothing
+    /// else leads there.
+    #[test]
+    fn the_iommu_translates_to_the_cpus_own_page_frames() {
+        let h = host(12);
+        let a = h.iommu.create_adapter("hca").unwrap();
+        let process = Process::new(9);
+        let va = process.alloc(3 * PAGE_SIZE).unwrap();
+        let locker = HostLocker::new(h.pool.kernel_space(), Some(&process));
+        let locked = locker
+            .lock(RequestorMode::User, va + 8, 2 * 4096, true)
+            .unwrap();
+        let mapping = a.map(&locked).unwrap();
+        let table = read_lock(&a.shared.table);
+        for (i, page) in locked.pages.iter().enumerate() {
+            assert_eq!(page.host_address() % PAGE_SIZE, 0, "page aligned");
+            let bus = mapping.page_bus_address(i).unwrap();
+            let frame = table.get(&(bus >> PAGE_SHIFT)).unwrap().page.host_address();
+            assert_eq!(frame, page.host_address(), "page {i}");
+        }
+        drop(table);
+        // A device write there is a CPU-visible write of the process, and
+        // the other way round.
+        let bus = mapping.page_bus_address(1).unwrap();
+        a.device_view().write(bus + 16, b"dma").unwrap();
+        let mut out = [0u8; 3];
+        process.read(va + 4096 + 16, &mut out).unwrap();
+        assert_eq!(&out, b"dma");
+        process.write(va + 4096 + 32, b"cpu").unwrap();
+        a.device_view().read(bus + 32, &mut out).unwrap();
+        assert_eq!(&out, b"cpu");
+        a.unmap(mapping);
+        h.verifier.assert_clean();
     }
 
     #[test]

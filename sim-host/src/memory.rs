@@ -8,9 +8,13 @@
 //!   device. It lives as long as the longest of them, so freeing memory or
 //!   exiting a process never pulls a page from under a lock or a live DMA
 //!   mapping (the kernel still owns locked pages, as on Windows).
-//! - Every copy in or out of a page happens under that page's own lock, so a
-//!   CPU access and a device access to the same page never tear within the
-//!   page; accesses spanning pages are not atomic as a whole.
+//! - A page is real memory: a 4 KiB-aligned frame of atomic words
+//!   (`frame`), read and written by the CPU and by devices without a lock,
+//!   as physical memory is. A copy is atomic per 64-bit word only, so a
+//!   reader racing a writer can see part of an old entry and part of a new
+//!   one; CPU accesses are relaxed, device accesses are ordered as PCIe
+//!   orders them, and drivers order theirs with the named barriers of
+//!   `driver_platform::dma` (see `frame`'s contract).
 //! - [`AddressSpace`]: page-aligned allocations from a per-space base, each
 //!   followed by an unmapped guard page, and virtual addresses are never
 //!   reused, so an overrun or a use after free is an error, not silent
@@ -38,6 +42,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, Rw
 use ib_types::status::NtStatus;
 
 use crate::verifier::{Verifier, ViolationKind};
+
+mod frame;
+
+use frame::Side;
 
 /// Bytes of a page.
 pub const PAGE_SIZE: usize = 4096;
@@ -81,13 +89,17 @@ pub(crate) fn pages_for(len: usize) -> usize {
     len.div_ceil(PAGE_SIZE)
 }
 
-/// One page of host memory (physical memory, in Windows terms).
+/// One page of host memory (physical memory, in Windows terms): a real,
+/// page-aligned [`frame::Frame`] the CPU and devices access without a lock.
+/// The pages of one allocation share one [`frame::FrameRun`].
 pub struct Page {
-    bytes: Mutex<[u8; PAGE_SIZE]>,
+    run: Arc<frame::FrameRun>,
+    index: usize,
 }
 
 impl fmt::Debug for Page {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Not the address: debug output stays the same from run to run.
         f.write_str("Page")
     }
 }
@@ -96,36 +108,44 @@ impl Page {
     /// A new zero-filled page.
     pub fn zeroed() -> Arc<Self> {
         Arc::new(Self {
-            bytes: Mutex::new([0; PAGE_SIZE]),
+            run: Arc::new(frame::FrameRun::zeroed(1)),
+            index: 0,
         })
     }
 
-    /// Copies `out.len()` bytes from `offset`; false (and nothing copied) if
-    /// the range leaves the page.
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> bool {
-        let Some(src) = offset
-            .checked_add(out.len())
-            .filter(|&end| end <= PAGE_SIZE)
-            .map(|end| offset..end)
-        else {
-            return false;
-        };
-        out.copy_from_slice(&lock(&self.bytes)[src]);
-        true
+    fn frame(&self) -> &frame::Frame {
+        // `index` is in the run by construction (`zeroed_pages`).
+        self.run
+            .get(self.index)
+            .unwrap_or_else(|| unreachable!("page {} of a run of {}", self.index, self.run.len()))
     }
 
-    /// Copies `data` to `offset`; false (and nothing copied) if the range
-    /// leaves the page.
+    /// CPU copy of `out.len()` bytes from `offset`; false (and nothing
+    /// copied) if the range leaves the page.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> bool {
+        self.frame().read(Side::Cpu, offset, out)
+    }
+
+    /// CPU copy of `data` to `offset`; false (and nothing copied) if the
+    /// range leaves the page.
     pub fn write(&self, offset: usize, data: &[u8]) -> bool {
-        let Some(dst) = offset
-            .checked_add(data.len())
-            .filter(|&end| end <= PAGE_SIZE)
-            .map(|end| offset..end)
-        else {
-            return false;
-        };
-        lock(&self.bytes)[dst].copy_from_slice(data);
-        true
+        self.frame().write(Side::Cpu, offset, data)
+    }
+
+    /// Device (DMA) copy out of the page, with the device's ordering.
+    pub(crate) fn device_read(&self, offset: usize, out: &mut [u8]) -> bool {
+        self.frame().read(Side::Device, offset, out)
+    }
+
+    /// Device (DMA) copy into the page, with the device's ordering.
+    pub(crate) fn device_write(&self, offset: usize, data: &[u8]) -> bool {
+        self.frame().write(Side::Device, offset, data)
+    }
+
+    /// Address of the page's first byte in the simulator's own memory
+    /// (page aligned; for diagnostics and tests).
+    pub fn host_address(&self) -> usize {
+        self.frame().address()
     }
 }
 
@@ -133,9 +153,17 @@ impl Page {
 /// address space), shared by everything that holds it.
 pub(crate) type PageRun = Arc<[Arc<Page>]>;
 
-/// `count` fresh zero-filled pages.
+/// `count` fresh zero-filled pages, in one allocation of real memory.
 pub(crate) fn zeroed_pages(count: usize) -> PageRun {
-    (0..count).map(|_| Page::zeroed()).collect()
+    let run = Arc::new(frame::FrameRun::zeroed(count));
+    (0..count)
+        .map(|index| {
+            Arc::new(Page {
+                run: Arc::clone(&run),
+                index,
+            })
+        })
+        .collect()
 }
 
 /// Copies out of a run of pages viewed as one buffer; false (and nothing

@@ -43,13 +43,18 @@ use alloc::collections::VecDeque;
 use alloc::vec;
 use alloc::vec::Vec;
 
+use driver_platform::dma::dma_wmb;
 use driver_platform::{CommonBuffer, DmaAdapter, Mmio, Platform, SpinLock};
-use hca_prm::cmd::{CMD_ENTRY_SIZE, CmdEntry, CmdFlags, CmdStatus, MAX_MAILBOX_BYTES, Opcode};
+use hca_prm::cmd::{
+    CMD_DONE_OFFSET, CMD_ENTRY_SIZE, CmdEntry, CmdFlags, CmdStatus, MAX_MAILBOX_BYTES, Opcode,
+};
 use hca_prm::owner;
 use hca_prm::regs::offset;
 use hca_prm::{Le16, Le32, Le64};
 use ib_types::status::IbStatus;
 use zerocopy::{FromBytes, IntoBytes};
+
+use crate::ring::read_owned_entry;
 
 /// Default command timeout: 2 s of platform time. The PRM allows the
 /// device up to 1 s for a reset; no command should take longer than that
@@ -474,6 +479,7 @@ impl<P: Platform> CommandInterface<P> {
         };
         state.producer = counter.wrapping_add(1);
         state.counters.issued += 1;
+        dma_wmb();
         bar0.write32(offset::CMDQ_DOORBELL, state.producer);
         let started = now();
         let timeout = state.timeout_ns;
@@ -482,7 +488,9 @@ impl<P: Platform> CommandInterface<P> {
         loop {
             let mut raw = [0u8; CMD_ENTRY_SIZE];
             if let Some(memory) = state.memory.as_ref()
-                && memory.ring.read(ring_offset, &mut raw)
+                && read_owned_entry(&memory.ring, ring_offset, CMD_DONE_OFFSET, &mut raw, |b| {
+                    owner::is_valid(b, counter, log_size)
+                })
                 && let Ok(done) = CmdEntry::read_from_bytes(&raw)
                 && owner::is_valid(done.done, counter, log_size)
             {
@@ -727,6 +735,8 @@ impl<P: Platform> CommandInterface<P> {
             }
         }
         if wrote {
+            // The entries and mailboxes before the doorbell (PRM 4.2).
+            dma_wmb();
             bar0.write32(offset::CMDQ_DOORBELL, state.producer);
         }
         finished

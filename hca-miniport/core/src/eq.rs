@@ -39,6 +39,7 @@
 use crate::sync::{AtomicU64, AtomicUsize, Ordering};
 use alloc::vec::Vec;
 
+use driver_platform::dma::dma_wmb;
 use driver_platform::{CommonBuffer, DmaAdapter, Mmio, Platform, SpinLock};
 use hca_prm::cmd::Opcode;
 use hca_prm::ctx::{BufDesc, EQE_LOG_STRIDE, Eqc};
@@ -47,6 +48,8 @@ use hca_prm::eqe::{Eqe, Event};
 use hca_prm::{Le16, Le32, owner};
 use ib_types::scalars::{PortNum, Qpn};
 use zerocopy::FromBytes;
+
+use crate::ring::read_owned_entry;
 
 /// Bytes of one EQE.
 pub const EQE_BYTES: usize = 32;
@@ -417,6 +420,8 @@ impl<P: Platform> EventQueue<P> {
                 consumer: ring.consumer,
                 arm,
             };
+            // The EQEs were read before the device may reuse their slots.
+            dma_wmb();
             bar0.write32(offset, doorbell.encode());
         }
     }
@@ -482,7 +487,10 @@ impl<P: Platform> EventQueue<P> {
     fn read_valid(ring: &EqRing<<P::Dma as DmaAdapter>::Buffer>) -> Option<Eqe> {
         let slot = owner::slot(ring.consumer, ring.log_entries) as usize;
         let mut raw = [0u8; EQE_BYTES];
-        if !ring.buffer.read(slot * EQE_BYTES, &mut raw) {
+        let owner_at = core::mem::offset_of!(Eqe, owner);
+        if !read_owned_entry(&ring.buffer, slot * EQE_BYTES, owner_at, &mut raw, |b| {
+            owner::is_valid(b, ring.consumer, ring.log_entries)
+        }) {
             return None;
         }
         let eqe = Eqe::read_from_bytes(&raw).ok()?;

@@ -33,6 +33,7 @@ pub mod hca;
 pub mod init;
 pub mod mr;
 pub mod resources;
+mod ring;
 mod sync;
 pub mod verbs;
 

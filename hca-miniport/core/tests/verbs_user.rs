@@ -264,11 +264,21 @@ impl Uvp {
             .unwrap();
     }
 
-    /// Polls every valid CQE from the ring, then writes the record.
+    /// Polls every valid CQE from the ring by the owner rule (the owner
+    /// byte, `dma_rmb`, then the CQE), then writes the record after
+    /// `dma_wmb`, as a user-mode provider must on shared memory.
     fn poll(&self, cq: &mut UserCq) -> Vec<Cqe> {
         let mut out = Vec::new();
         loop {
             let slot = u64::from(cq.consumer & ((1 << cq.log) - 1)) * 32;
+            let mut owner = [0u8];
+            self.process()
+                .read(cq.ring + slot + 31, &mut owner)
+                .unwrap();
+            if !hca_prm::owner::is_valid(owner[0], cq.consumer, cq.log) {
+                break;
+            }
+            driver_platform::dma::dma_rmb();
             let mut raw = [0u8; 32];
             self.process().read(cq.ring + slot, &mut raw).unwrap();
             let cqe = Cqe::read_from_bytes(&raw).unwrap();
@@ -278,6 +288,7 @@ impl Uvp {
             out.push(cqe);
             cq.consumer += 1;
         }
+        driver_platform::dma::dma_wmb();
         self.process()
             .write(cq.dbr, DoorbellRecord::new(cq.consumer).as_bytes())
             .unwrap();

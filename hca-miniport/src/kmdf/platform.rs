@@ -409,7 +409,7 @@ pub struct WdfCommonBuffer {
 }
 
 // SAFETY: common-buffer memory is non-paged and shared by design; accesses
-// go through bounds-checked copies.
+// go through bounds-checked volatile copies, each aligned piece one access.
 unsafe impl Send for WdfCommonBuffer {}
 // SAFETY: as above.
 unsafe impl Sync for WdfCommonBuffer {}
@@ -423,6 +423,8 @@ impl CommonBuffer for WdfCommonBuffer {
         self.len
     }
 
+    /// Word by word (see [`copy_from_shared`]); no ordering of its own: the
+    /// core orders with `dma_rmb` (the trait's contract).
     fn read(&self, offset: usize, out: &mut [u8]) -> bool {
         if offset
             .checked_add(out.len())
@@ -430,15 +432,12 @@ impl CommonBuffer for WdfCommonBuffer {
         {
             return false;
         }
-        // SAFETY: in range (checked) of the live buffer (type invariants);
-        // `out` is a distinct Rust buffer.
-        unsafe {
-            ptr::copy_nonoverlapping(self.va.wrapping_add(offset), out.as_mut_ptr(), out.len())
-        };
-        core::sync::atomic::fence(Ordering::Acquire);
+        copy_from_shared(self.va.wrapping_add(offset), out);
         true
     }
 
+    /// Word by word (see [`copy_to_shared`]); the core orders with
+    /// `dma_wmb` before publishing (the trait's contract).
     fn write(&self, offset: usize, data: &[u8]) -> bool {
         if offset
             .checked_add(data.len())
@@ -446,13 +445,77 @@ impl CommonBuffer for WdfCommonBuffer {
         {
             return false;
         }
-        // SAFETY: as in `read`.
-        unsafe {
-            ptr::copy_nonoverlapping(data.as_ptr(), self.va.wrapping_add(offset), data.len())
-        };
-        // Ordered before a later doorbell write (the trait's contract).
-        core::sync::atomic::fence(Ordering::Release);
+        copy_to_shared(data, self.va.wrapping_add(offset));
         true
+    }
+}
+
+/// Bytes `at` may move in one naturally aligned volatile access (8, 4 or
+/// 1), with `left` bytes still to copy.
+fn access_width(at: *const u8, left: usize) -> usize {
+    let addr = at as usize;
+    if left >= 8 && addr.is_multiple_of(8) {
+        8
+    } else if left >= 4 && addr.is_multiple_of(4) {
+        4
+    } else {
+        1
+    }
+}
+
+/// Copies device-shared memory at `src` into `out` with volatile loads,
+/// each naturally aligned 8- or 4-byte piece as one access, in ascending
+/// address order (as the simulated host's frames do): a doorbell record or
+/// an owner word is never split. The caller guarantees that
+/// `src..src + out.len()` lies in a live common buffer.
+fn copy_from_shared(src: *const u8, out: &mut [u8]) {
+    let mut done = 0;
+    while done < out.len() {
+        let at = src.wrapping_add(done);
+        let width = access_width(at, out.len() - done);
+        let piece = &mut out[done..done + width];
+        match width {
+            8 => {
+                // SAFETY: `at` is 8-aligned (checked) and within the live
+                // buffer (the caller's guarantee).
+                let word = unsafe { ptr::read_volatile(at.cast::<u64>()) };
+                piece.copy_from_slice(&word.to_ne_bytes());
+            }
+            4 => {
+                // SAFETY: `at` is 4-aligned (checked) and within the buffer.
+                let word = unsafe { ptr::read_volatile(at.cast::<u32>()) };
+                piece.copy_from_slice(&word.to_ne_bytes());
+            }
+            _ => {
+                // SAFETY: `at` is within the buffer.
+                piece[0] = unsafe { ptr::read_volatile(at) };
+            }
+        }
+        done += width;
+    }
+}
+
+/// Copies `data` into device-shared memory at `dst` with volatile stores,
+/// as [`copy_from_shared`] reads. The caller guarantees that
+/// `dst..dst + data.len()` lies in a live common buffer.
+fn copy_to_shared(data: &[u8], dst: *mut u8) {
+    let mut done = 0;
+    while done < data.len() {
+        let at = dst.wrapping_add(done);
+        let width = access_width(at, data.len() - done);
+        let piece = &data[done..done + width];
+        if let Ok(bytes) = <[u8; 8]>::try_from(piece) {
+            // SAFETY: `at` is 8-aligned (checked) and within the live
+            // buffer (the caller's guarantee).
+            unsafe { ptr::write_volatile(at.cast::<u64>(), u64::from_ne_bytes(bytes)) };
+        } else if let Ok(bytes) = <[u8; 4]>::try_from(piece) {
+            // SAFETY: `at` is 4-aligned (checked) and within the buffer.
+            unsafe { ptr::write_volatile(at.cast::<u32>(), u32::from_ne_bytes(bytes)) };
+        } else {
+            // SAFETY: `at` is within the buffer.
+            unsafe { ptr::write_volatile(at, piece[0]) };
+        }
+        done += width;
     }
 }
 

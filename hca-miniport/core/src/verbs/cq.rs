@@ -67,12 +67,13 @@ use alloc::boxed::Box;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 
+use driver_platform::dma::dma_wmb;
 use driver_platform::{CommonBuffer, DmaAdapter, Mmio, Platform, Request, RequestorMode, SpinLock};
 use hca_prm::cmd::{CmdStatus, MAX_MTT_PER_WRITE, Opcode};
 use hca_prm::cqe::Cqe;
 use hca_prm::ctx::{BufDesc, CQE_LOG_STRIDE, Cqc, ResizeCq as ResizeCqInput};
 use hca_prm::doorbell::{CQ_DOORBELL, CqArm, CqDoorbell, DoorbellRecord, uar_offset};
-use hca_prm::{Le32, Le64};
+use hca_prm::{Le32, Le64, owner};
 use ib_types::ioctl::{CqOut, CreateCq, DestroyCq, QueryCq, ResizeCq};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcStatus, WorkCompletion};
@@ -86,6 +87,7 @@ use super::{Accepted, Buffer, Objects};
 use crate::cmd::{Command, CommandError};
 use crate::hca::Hca;
 use crate::resources::{EntryRange, Handle, KERNEL_UAR, kind};
+use crate::ring::read_owned_entry;
 
 /// `log2` of the host page the core describes rings with (PRM 5.3).
 pub(super) const LOG_PAGE: u8 = 12;
@@ -93,6 +95,9 @@ pub(super) const LOG_PAGE: u8 = 12;
 pub(super) const PAGE: usize = 1 << LOG_PAGE;
 /// Bytes of a CQE.
 const CQE_BYTES: usize = 1 << CQE_LOG_STRIDE;
+
+/// Where a CQE's owner byte lies (PRM 10.4: 0x1F, written last).
+const CQE_OWNER_AT: usize = core::mem::offset_of!(Cqe, owner);
 
 /// Where a CQ is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -305,7 +310,9 @@ fn waiting_cqes<P: Platform>(ring: &Ring<P>, mut each: impl FnMut(&Cqe)) -> u32 
             let consumer = ring.consumer.wrapping_add(waiting);
             let slot = hca_prm::owner::slot(consumer, log) as usize;
             let mut raw = [0u8; CQE_BYTES];
-            if !buffer.read(slot * CQE_BYTES, &mut raw) {
+            if !read_owned_entry(buffer, slot * CQE_BYTES, CQE_OWNER_AT, &mut raw, |b| {
+                owner::is_valid(b, consumer, log)
+            }) {
                 break;
             }
             match Cqe::read_from_bytes(&raw) {
@@ -502,7 +509,9 @@ impl<P: Platform> Hca<P> {
             while polled < wcs.len() {
                 let slot = hca_prm::owner::slot(consumer, log) as usize;
                 let mut raw = [0u8; CQE_BYTES];
-                if !buffer.read(slot * CQE_BYTES, &mut raw) {
+                if !read_owned_entry(buffer, slot * CQE_BYTES, CQE_OWNER_AT, &mut raw, |b| {
+                    owner::is_valid(b, consumer, log)
+                }) {
                     break;
                 }
                 let Ok(cqe) = Cqe::read_from_bytes(&raw) else {
@@ -535,8 +544,11 @@ impl<P: Platform> Hca<P> {
         if polled > from_backlog {
             ring.consumer = consumer;
             ring.polled += (polled - from_backlog) as u64;
-            // One consumer-record update per batch (PRM 9.2).
+            // One consumer-record update per batch (PRM 9.2), after the
+            // CQEs were read: the device may reuse their slots once it
+            // sees the record.
             if let Some(dbr) = ring.dbr.as_ref() {
+                dma_wmb();
                 dbr.write(0, DoorbellRecord::new(consumer).as_bytes());
             }
             // Destroyed QPs whose last CQE is now polled: forgotten

@@ -640,9 +640,9 @@ impl<P: Platform> Hca<P> {
         (commands, sends.then_some(send_producer))
     }
 
-    /// The SQ doorbell of QP `qpn` (PRM 9.1).
+    /// The SQ doorbell of QP `qpn` (PRM 9.1), after the WQEs.
     fn ring_send_doorbell(&self, qpn: u32, producer: u32) {
-        core::sync::atomic::fence(Ordering::Release);
+        driver_platform::dma::dma_wmb();
         let doorbell = hca_prm::doorbell::SqDoorbell {
             qpn: Qpn::from_low_bits(qpn),
             producer,

@@ -54,7 +54,7 @@
 //! - The SRQ's number (its context index, which the QP context names) is
 //!   the number in its handle (`resources::Handle::number`).
 
-use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use alloc::boxed::Box;
 use alloc::sync::Arc;
 use alloc::vec;
@@ -387,9 +387,8 @@ impl<P: Platform> Hca<P> {
             posted += 1;
         }
         if posted > 0 {
-            // udma_to_device: the WQEs before the record that publishes them
-            // (PRM 9.2).
-            fence(Ordering::Release);
+            // The WQEs before the record that publishes them (PRM 9.2).
+            driver_platform::dma::dma_wmb();
             let producer = state.producer;
             if let Some(dbr) = state.dbr.as_ref() {
                 dbr.write(0, DoorbellRecord::new(producer).as_bytes());

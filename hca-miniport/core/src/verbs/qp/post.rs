@@ -6,6 +6,7 @@
 use core::sync::atomic::Ordering;
 
 use alloc::vec::Vec;
+use driver_platform::dma::dma_wmb;
 use driver_platform::{CommonBuffer, MemoryLocker, Mmio, Platform, RequestorMode};
 use hca_prm::doorbell::{DoorbellRecord, SQ_DOORBELL, SqDoorbell, uar_offset};
 use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES, SendWqe, WqeOp};
@@ -299,7 +300,8 @@ impl<P: Platform> Hca<P> {
         }
         if posted > 0 {
             if let Some(dbr) = rq.dbr.as_ref() {
-                core::sync::atomic::fence(Ordering::Release);
+                // The WQEs before the record that publishes them (PRM 9.2).
+                dma_wmb();
                 dbr.write(0, DoorbellRecord::new(rq.producer).as_bytes());
             }
             drop(rq);
@@ -311,10 +313,10 @@ impl<P: Platform> Hca<P> {
         (posted, status)
     }
 
-    /// The SQ doorbell of `qp` on UAR page 0 (PRM 9.1), after a release
-    /// fence so the WQEs are visible first.
+    /// The SQ doorbell of `qp` on UAR page 0 (PRM 9.1), after
+    /// [`dma_wmb`] so the WQEs are visible first.
     fn ring_sq(&self, qp: &Qp<P>, producer: u32) {
-        core::sync::atomic::fence(Ordering::Release);
+        dma_wmb();
         let doorbell = SqDoorbell {
             qpn: Qpn::from_low_bits(qp.qpn),
             producer,
