@@ -104,6 +104,9 @@ struct DevNode {
     description: String,
     /// Bottom (PDO) first.
     stack: Vec<Layer>,
+    /// How many layers, from the bottom, prepared hardware and have not
+    /// released it yet: release-hardware goes to exactly these.
+    prepared: usize,
     state: PnpState,
     power: DevicePowerState,
     /// References handed out on this stack's interfaces, by the devnode
@@ -489,6 +492,7 @@ impl PnpManager {
                     callbacks,
                     held: VecDeque::new(),
                 }],
+                prepared: 0,
                 state: PnpState::Enumerated,
                 power: DevicePowerState::D3,
                 interface_refs: BTreeMap::new(),
@@ -703,13 +707,16 @@ impl PnpManager {
             }
         }
         // IRP_MN_START_DEVICE: each layer after the ones below it.
-        for (service, cb) in self.layers(node) {
+        for (index, (service, cb)) in self.layers(node).into_iter().enumerate() {
             let status = cb.prepare_hardware();
             if status != SUCCESS {
                 return self.fail_start(
                     node,
                     format!("`{service}` prepare hardware failed: {status:?}"),
                 );
+            }
+            if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
+                n.prepared = index + 1;
             }
         }
         if let Err(reason) = self.enter_d0(node) {
@@ -784,8 +791,16 @@ impl PnpManager {
                     ChildReport::Missing(id) => {
                         let path =
                             format!("{}\\{}", self.instance_path(parent).unwrap_or_default(), id);
+                        // A started child that vanished is surprise-removed;
+                        // one that never started is simply removed.
                         if let Some(child) = self.find(&path) {
-                            self.remove(child);
+                            match self.state(child) {
+                                Some(PnpState::Started | PnpState::Stopped) => {
+                                    self.surprise_remove(child)
+                                }
+                                Some(PnpState::Removed | PnpState::SurpriseRemoved) | None => {}
+                                Some(_) => self.remove(child),
+                            }
                         }
                     }
                 }
@@ -949,9 +964,7 @@ impl PnpManager {
     pub fn stop(&self, node: DevNodeId) -> Result<(), Veto> {
         self.query("query-stop", node, |cb| cb.query_stop())?;
         self.leave_d0(node, DevicePowerState::D3);
-        for (_, cb) in self.layers(node).into_iter().rev() {
-            cb.release_hardware();
-        }
+        self.release_prepared(node);
         if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
             n.state = PnpState::Stopped;
         }
@@ -1017,28 +1030,101 @@ impl PnpManager {
         Ok(())
     }
 
-    /// Surprise removal: the hardware is gone. Every layer of the subtree
-    /// hears it (children first), held requests complete with
-    /// `STATUS_NO_SUCH_DEVICE`, then the subtree is removed.
+    /// Surprise removal (`IRP_MN_SURPRISE_REMOVAL`): the hardware is gone.
+    /// Each stack of the subtree, children first, goes through KMDF's
+    /// sequence: requests its queues held complete with
+    /// `STATUS_NO_SUCH_DEVICE`, every layer top-down hears
+    /// `EvtDeviceSurpriseRemoval`, then the stack leaves D0 and releases
+    /// hardware. `IRP_MN_REMOVE_DEVICE` follows for each devnode only once
+    /// the last handle to it is closed and its children are removed
+    /// ([`PnpManager::remove_when_no_handles_remain`]).
     pub fn surprise_remove(&self, node: DevNodeId) {
-        for n in self.subtree_postorder(node) {
-            let held: Vec<HostRequest> = {
+        let subtree = self.subtree_postorder(node);
+        for &n in &subtree {
+            let (was, held) = {
                 let mut tree = lock(&self.inner.tree);
                 let dn = &mut tree.nodes[n.0];
-                dn.state = PnpState::SurpriseRemoved;
-                dn.stack
+                let was = std::mem::replace(&mut dn.state, PnpState::SurpriseRemoved);
+                let held: Vec<HostRequest> = dn
+                    .stack
                     .iter_mut()
                     .flat_map(|l| l.held.drain(..).collect::<Vec<_>>())
-                    .collect()
+                    .collect();
+                (was, held)
             };
+            if matches!(was, PnpState::Removed | PnpState::SurpriseRemoved) {
+                // Already gone (or going): nothing more to tell its drivers.
+                if let Some(dn) = lock(&self.inner.tree).nodes.get_mut(n.0) {
+                    dn.state = was;
+                }
+                continue;
+            }
             for req in held {
                 req_complete(req, NO_SUCH_DEVICE);
             }
-            for (_, cb) in self.layers(n).into_iter().rev() {
-                cb.surprise_removal();
+            if matches!(was, PnpState::Started | PnpState::Stopped) {
+                for (_, cb) in self.layers(n).into_iter().rev() {
+                    cb.surprise_removal();
+                }
             }
+            self.leave_d0(n, DevicePowerState::D3);
+            self.release_prepared(n);
+        }
+        for &n in &subtree {
+            self.remove_when_no_handles_remain(n, self.open_handles(n));
+        }
+    }
+
+    /// Open handles (file objects) on a devnode's device: the count that
+    /// holds back `IRP_MN_REMOVE_DEVICE` after a surprise removal and
+    /// vetoes a query-remove. File objects are not modelled yet, so no
+    /// handle is ever open; when they are, this is the one place their
+    /// count comes in.
+    fn open_handles(&self, _node: DevNodeId) -> usize {
+        0
+    }
+
+    /// Sends `IRP_MN_REMOVE_DEVICE` to a surprise-removed devnode once
+    /// nothing holds it any more: `open_handles` is the number of handles
+    /// still open on it, and its children must all be removed (a parent is
+    /// removed after its children). Whoever closes a handle to such a
+    /// device calls this with the count left; removing the last child
+    /// retries its surprise-removed parent.
+    pub fn remove_when_no_handles_remain(&self, node: DevNodeId, open_handles: usize) {
+        let (parent, waiting_for_children) = {
+            let tree = lock(&self.inner.tree);
+            let Some(dn) = tree.nodes.get(node.0) else {
+                return;
+            };
+            if dn.state != PnpState::SurpriseRemoved || open_handles > 0 {
+                return;
+            }
+            (
+                dn.parent,
+                dn.children
+                    .iter()
+                    .any(|c| tree.nodes[c.0].state != PnpState::Removed),
+            )
+        };
+        if waiting_for_children {
+            return;
         }
         self.remove(node);
+        if let Some(parent) = parent {
+            self.remove_when_no_handles_remain(parent, self.open_handles(parent));
+        }
+    }
+
+    /// `EvtDeviceReleaseHardware` for every layer that prepared hardware
+    /// and has not released it, top-down.
+    fn release_prepared(&self, node: DevNodeId) {
+        let prepared = lock(&self.inner.tree)
+            .nodes
+            .get_mut(node.0)
+            .map_or(0, |n| std::mem::take(&mut n.prepared));
+        for (_, cb) in self.layers(node).into_iter().take(prepared).rev() {
+            cb.release_hardware();
+        }
     }
 
     /// Removes a subtree, children first: each stack leaves D0 top-down,
@@ -1050,9 +1136,7 @@ impl PnpManager {
                 continue;
             }
             self.leave_d0(n, DevicePowerState::D3);
-            for (_, cb) in self.layers(n).into_iter().rev() {
-                cb.release_hardware();
-            }
+            self.release_prepared(n);
             let (layers, held, refs, path, interfaces) = {
                 let mut tree = lock(&self.inner.tree);
                 let dn = &mut tree.nodes[n.0];

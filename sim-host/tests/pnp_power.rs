@@ -84,6 +84,13 @@ impl DeviceCallbacks for Logged {
         self.note("prepare");
         SUCCESS
     }
+    fn release_hardware(&self) -> NtStatus {
+        self.note("release");
+        SUCCESS
+    }
+    fn surprise_removal(&self) {
+        self.note("surprise");
+    }
     fn d0_entry(&self, _from: DevicePowerState) -> NtStatus {
         self.note("d0_entry");
         SUCCESS
@@ -137,6 +144,12 @@ struct BusFdo {
 impl DeviceCallbacks for BusFdo {
     fn prepare_hardware(&self) -> NtStatus {
         self.inner.prepare_hardware()
+    }
+    fn release_hardware(&self) -> NtStatus {
+        self.inner.release_hardware()
+    }
+    fn surprise_removal(&self) {
+        self.inner.surprise_removal()
     }
     fn d0_entry(&self, f: DevicePowerState) -> NtStatus {
         let s = self.inner.d0_entry(f);
@@ -224,6 +237,7 @@ impl DeviceCallbacks for ChildFdo {
                 i.dereference();
             }
         }
+        self.inner.note("release");
         SUCCESS
     }
     fn d0_entry(&self, f: DevicePowerState) -> NtStatus {
@@ -543,6 +557,60 @@ fn surprise_removal_completes_outstanding_requests() {
         !w.pnp.driver_loaded("samplechild") && !w.pnp.driver_loaded("samplebus"),
         "drivers unloaded"
     );
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn surprise_removal_follows_kmdfs_sequence_stack_by_stack_children_first() {
+    let w = world(Breakage::default());
+    taken(&w.log);
+    w.pnp.surprise_remove(w.bus);
+    let events = taken(&w.log);
+    // Each stack: EvtDeviceSurpriseRemoval, then D0 exit, then
+    // release-hardware; a child's whole sequence before its parent's.
+    for child in ["child0", "child1"] {
+        let surprise = position(&events, &format!("{child}:surprise"));
+        let exit = position(&events, &format!("{child}:d0_exit"));
+        let release = position(&events, &format!("{child}:release"));
+        assert!(surprise < exit && exit < release, "{child}: {events:?}");
+        assert!(
+            release < position(&events, "filter:surprise"),
+            "{child} before its parent: {events:?}"
+        );
+    }
+    assert!(position(&events, "filter:surprise") < position(&events, "bus:surprise"));
+    assert!(position(&events, "bus:surprise") < position(&events, "filter:d0_exit"));
+    assert!(position(&events, "bus:d0_exit") < position(&events, "filter:release"));
+    assert!(position(&events, "filter:release") < position(&events, "bus:release"));
+    assert_eq!(
+        events.iter().filter(|e| e.ends_with(":release")).count(),
+        4,
+        "release-hardware once per layer that prepared: {events:?}"
+    );
+    assert_eq!(w.pnp.state(w.bus), Some(PnpState::Removed));
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn a_started_child_its_bus_reports_missing_is_surprise_removed() {
+    let w = world(Breakage::default());
+    let services = w.bus_services.lock().unwrap().clone().unwrap();
+    let child1 = w.pnp.find("ROOT\\BUS\\0000\\child1").unwrap();
+    taken(&w.log);
+    services.report_missing("child1");
+    w.pnp.process_bus_relations();
+    let events = taken(&w.log);
+    assert_eq!(
+        events,
+        [
+            "child1:surprise",
+            "child1:d0_exit",
+            "pdo-child1:d0_exit",
+            "child1:release"
+        ],
+        "not quietly removed"
+    );
+    assert_eq!(w.pnp.state(child1), Some(PnpState::Removed));
     w.verifier.assert_clean();
 }
 
