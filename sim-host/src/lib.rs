@@ -14,6 +14,7 @@ pub mod event;
 pub mod host;
 pub mod inf;
 pub mod inf_lint;
+pub mod io_target;
 pub mod irql;
 pub mod memory;
 pub mod pci;

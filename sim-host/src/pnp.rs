@@ -117,13 +117,12 @@ struct DevNode {
 }
 
 impl DevNode {
-    /// References on this stack's interfaces held by anyone other than
-    /// the drivers of `inside`.
-    fn references_held_outside(&self, inside: &[DevNodeId]) -> usize {
+    /// References on this stack's interfaces not given back yet, whoever
+    /// holds them.
+    fn references_outstanding(&self) -> usize {
         self.interface_refs
-            .iter()
-            .filter(|(holder, _)| !holder.is_some_and(|h| inside.contains(&h)))
-            .map(|(_, count)| count.load(Ordering::Acquire))
+            .values()
+            .map(|count| count.load(Ordering::Acquire))
             .sum()
     }
 }
@@ -174,6 +173,8 @@ pub(crate) struct PnpInner {
     /// Children reported by bus drivers, enumerated after the callback that
     /// reported them returns (bus relations are re-queried asynchronously).
     pending_children: Mutex<Vec<(DevNodeId, ChildReport)>>,
+    /// Remote I/O targets not closed yet (`io_target.rs`).
+    pub(crate) io_targets: Mutex<Vec<Arc<crate::io_target::TargetInner>>>,
 }
 
 enum ChildReport {
@@ -201,7 +202,7 @@ impl std::fmt::Debug for PnpManager {
 /// queries on its own stack, device interfaces.
 #[derive(Clone)]
 pub struct DeviceServices {
-    pnp: Weak<PnpInner>,
+    pub(crate) pnp: Weak<PnpInner>,
     node: DevNodeId,
     service: Arc<str>,
 }
@@ -394,6 +395,7 @@ impl PnpManager {
                 drivers: Mutex::default(),
                 interface_events: Mutex::default(),
                 pending_children: Mutex::default(),
+                io_targets: Mutex::default(),
             }),
         }
     }
@@ -567,7 +569,7 @@ impl PnpManager {
         lock(&self.inner.tree)
             .nodes
             .get(node.0)
-            .map_or(0, |n| n.references_held_outside(&[]))
+            .map_or(0, |n| n.references_outstanding())
     }
 
     /// Takes the device-interface notifications so far.
@@ -979,7 +981,13 @@ impl PnpManager {
     }
 
     /// Asks every layer of `node`'s subtree (children first, each stack
-    /// top-down); on a veto, everyone who agreed gets cancel-remove.
+    /// top-down); on a veto, everyone who agreed gets cancel-remove. A
+    /// query-remove first notifies the remote I/O targets open on each
+    /// devnode (`EvtIoTargetQueryRemove`, which may veto) and then fails
+    /// if a handle is still open on it, as the PnP manager does; a
+    /// cancelled query-remove ends with `EvtIoTargetRemoveCanceled` for the
+    /// targets notified. Interface references do not count: they are the
+    /// consumer's to give back when its own device goes.
     fn query(
         &self,
         what: &'static str,
@@ -987,28 +995,35 @@ impl PnpManager {
         ask: impl Fn(&dyn DeviceCallbacks) -> NtStatus,
     ) -> Result<(), Veto> {
         let mut agreed: Vec<Arc<dyn DeviceCallbacks>> = Vec::new();
-        let subtree = self.subtree_postorder(node);
-        for &n in &subtree {
-            // References held by drivers inside the subtree are theirs to
-            // release on removal; anyone else's pins the stack.
-            let pinned = lock(&self.inner.tree).nodes[n.0].references_held_outside(&subtree);
-            if what == "query-remove" && pinned > 0 {
-                for cb in &agreed {
-                    cb.cancel_remove();
+        let mut notified = Vec::new();
+        let removing = what == "query-remove";
+        let cancel = |agreed: &[Arc<dyn DeviceCallbacks>], notified| {
+            for cb in agreed {
+                cb.cancel_remove();
+            }
+            self.notify_target_remove_canceled(notified);
+        };
+        for n in self.subtree_postorder(node) {
+            if removing {
+                if let Err(veto) = self.notify_target_query_remove(n, &mut notified) {
+                    cancel(&agreed, notified);
+                    return Err(veto);
                 }
-                return Err(Veto {
-                    what,
-                    instance_path: self.instance_path(n).unwrap_or_default(),
-                    service: "host (interface references outstanding)".to_owned(),
-                    status: crate::driver::UNSUCCESSFUL,
-                });
+                let handles = self.open_handles(n);
+                if handles > 0 {
+                    cancel(&agreed, notified);
+                    return Err(Veto {
+                        what,
+                        instance_path: self.instance_path(n).unwrap_or_default(),
+                        service: format!("host ({handles} open handle(s))"),
+                        status: crate::driver::UNSUCCESSFUL,
+                    });
+                }
             }
             for (service, cb) in self.layers(n).into_iter().rev() {
                 let status = ask(cb.as_ref());
                 if status != SUCCESS {
-                    for cb in &agreed {
-                        cb.cancel_remove();
-                    }
+                    cancel(&agreed, notified);
                     return Err(Veto {
                         what,
                         instance_path: self.instance_path(n).unwrap_or_default(),
@@ -1023,7 +1038,8 @@ impl PnpManager {
     }
 
     /// Query-remove, then remove the subtree (children first). Refused
-    /// while interface references are outstanding or a driver vetoes.
+    /// while a handle is open on a devnode of the subtree, or when a
+    /// driver or a remote I/O target's `EvtIoTargetQueryRemove` vetoes.
     pub fn query_and_remove(&self, node: DevNodeId) -> Result<(), Veto> {
         self.query("query-remove", node, |cb| cb.query_remove())?;
         self.remove(node);
@@ -1069,19 +1085,28 @@ impl PnpManager {
             }
             self.leave_d0(n, DevicePowerState::D3);
             self.release_prepared(n);
+            self.notify_target_remove_complete(n);
         }
         for &n in &subtree {
             self.remove_when_no_handles_remain(n, self.open_handles(n));
         }
     }
 
-    /// Open handles (file objects) on a devnode's device: the count that
-    /// holds back `IRP_MN_REMOVE_DEVICE` after a surprise removal and
-    /// vetoes a query-remove. File objects are not modelled yet, so no
-    /// handle is ever open; when they are, this is the one place their
-    /// count comes in.
-    fn open_handles(&self, _node: DevNodeId) -> usize {
-        0
+    /// Open handles on a devnode's device: the count that holds back
+    /// `IRP_MN_REMOVE_DEVICE` after a surprise removal and fails a
+    /// query-remove. Today these are the open remote I/O targets
+    /// (`io_target.rs`); file objects opened by `IRP_MJ_CREATE` are not
+    /// modelled yet, and this is the one place their count comes in.
+    fn open_handles(&self, node: DevNodeId) -> usize {
+        self.io_target_handles(node)
+    }
+
+    /// Whether `device` has an enabled device interface of `class`.
+    pub(crate) fn interface_enabled(&self, device: DevNodeId, class: WinGuid) -> bool {
+        lock(&self.inner.tree)
+            .nodes
+            .get(device.0)
+            .is_some_and(|n| n.interfaces.get(&class) == Some(&true))
     }
 
     /// Sends `IRP_MN_REMOVE_DEVICE` to a surprise-removed devnode once
@@ -1163,7 +1188,7 @@ impl PnpManager {
                 (
                     layers,
                     held,
-                    dn.references_held_outside(&[]),
+                    dn.references_outstanding(),
                     dn.instance_path.clone(),
                     interfaces,
                 )
@@ -1188,6 +1213,8 @@ impl PnpManager {
             for service in layers {
                 self.device_object_deleted(&service);
             }
+            self.notify_target_remove_complete(n);
+            self.close_targets_opened_by(n);
         }
     }
 

@@ -14,6 +14,9 @@ use sim_host::driver::{
     CANCELLED, DeviceCallbacks, DeviceInit, DriverEntry, Forward, NO_SUCH_DEVICE,
     ProvidedInterface, SUCCESS, StackRole, UNSUCCESSFUL,
 };
+use sim_host::io_target::{
+    DefaultTargetCallbacks, IoTargetCallbacks, IoTargetName, IoTargetState, RemoteIoTarget,
+};
 use sim_host::pnp::{Binder, DeviceServices, InterfaceEvent, PnpManager, PnpState, StackPlan};
 use sim_host::request::HostRequest;
 use sim_host::sched::Scheduler;
@@ -615,24 +618,30 @@ fn a_started_child_its_bus_reports_missing_is_surprise_removed() {
 }
 
 #[test]
-fn query_remove_is_vetoed_while_interfaces_are_referenced_or_a_driver_refuses() {
+fn interface_references_do_not_veto_query_remove_and_one_left_at_removal_leaks() {
     let w = world(Breakage::default());
     let child = w.pnp.children(w.bus)[0];
     // Removing a child PDO's devnode is fine: its FDO dereferences on release.
     w.pnp.query_and_remove(child).unwrap();
     assert_eq!(w.pnp.state(child), Some(PnpState::Removed));
-    // Someone outside holds the bus's interface: removal refused.
+    w.verifier.assert_clean();
+    // Someone outside holds a child's interface: references are the
+    // consumer's responsibility, so removal goes ahead, and the reference
+    // still held when the provider's devnode goes is a leak.
     let w = world(Breakage::default());
     let other = w.pnp.children(w.bus)[1];
     let held = w
         .pnp
         .query_interface(other, &TEST_INTERFACE, 0x0100)
         .unwrap();
-    let veto = w.pnp.query_and_remove(w.bus).unwrap_err();
-    assert!(veto.service.contains("interface references"), "{veto}");
-    held.dereference();
     w.pnp.query_and_remove(w.bus).unwrap();
-    w.verifier.assert_clean();
+    assert_eq!(w.pnp.state(w.bus), Some(PnpState::Removed));
+    let v = w.verifier.take();
+    assert!(
+        matches!(&v[..], [x] if matches!(&x.kind, ViolationKind::ReferenceLeak { what } if what.contains("child1"))),
+        "{v:?}"
+    );
+    held.dereference();
     // A driver vetoes: those who agreed get cancel-remove.
     let w = world(Breakage {
         veto_child_remove: true,
@@ -641,6 +650,227 @@ fn query_remove_is_vetoed_while_interfaces_are_referenced_or_a_driver_refuses() 
     taken(&w.log);
     assert!(w.pnp.query_and_remove(w.bus).is_err());
     assert_eq!(w.pnp.state(w.bus), Some(PnpState::Started));
+}
+
+/// A remote I/O target's callbacks, logged as `<name>:<callback>`.
+struct TargetProbe {
+    name: &'static str,
+    log: Log,
+    /// `EvtIoTargetQueryRemove` vetoes.
+    veto: bool,
+    /// Agrees without `WdfIoTargetCloseForQueryRemove` (broken: its handle
+    /// stays open).
+    agree_but_keep_open: bool,
+    /// `EvtIoTargetRemoveComplete` leaves the target open (the driver
+    /// closes it later).
+    keep_after_removal: bool,
+}
+
+impl TargetProbe {
+    fn new(name: &'static str, log: &Log) -> Self {
+        Self {
+            name,
+            log: log.clone(),
+            veto: false,
+            agree_but_keep_open: false,
+            keep_after_removal: false,
+        }
+    }
+    fn note(&self, what: &str) {
+        let irql = sim_host::irql::current();
+        let context = sim_host::context::current_driver();
+        log(
+            &self.log,
+            format!("{}:{what} ({irql:?}, {context:?})", self.name),
+        );
+    }
+}
+
+impl IoTargetCallbacks for TargetProbe {
+    fn query_remove(&self, target: &RemoteIoTarget) -> NtStatus {
+        self.note("query_remove");
+        if self.veto {
+            return UNSUCCESSFUL;
+        }
+        if !self.agree_but_keep_open {
+            target.close_for_query_remove();
+        }
+        SUCCESS
+    }
+    fn remove_canceled(&self, target: &RemoteIoTarget) {
+        self.note("remove_canceled");
+        if target.state() == IoTargetState::ClosedForQueryRemove {
+            target.reopen().unwrap();
+        }
+    }
+    fn remove_complete(&self, target: &RemoteIoTarget) {
+        self.note("remove_complete");
+        if !self.keep_after_removal {
+            target.close();
+        }
+    }
+}
+
+fn echo(w: &World, target: &RemoteIoTarget) -> NtStatus {
+    let (req, handle) = HostRequest::new(
+        &w.verifier,
+        IOCTL_ECHO,
+        RequestorMode::Kernel,
+        b"hi".to_vec(),
+        2,
+    );
+    target.send(req);
+    handle.completion().expect("completed at once").status
+}
+
+const PASSIVE_IN_BUS: &str = "(PASSIVE_LEVEL, Some(\"samplebus\"))";
+
+#[test]
+fn remote_io_targets_hear_query_remove_and_may_veto_it() {
+    let w = world(Breakage::default());
+    let bus = w.bus_services.lock().unwrap().clone().unwrap();
+    let child1 = w.pnp.find("ROOT\\BUS\\0000\\child1").unwrap();
+    // The bus driver opens child1 by its interface, and by devnode.
+    let agreeing = bus
+        .open_io_target(
+            IoTargetName::Interface {
+                class: CHILD_CLASS,
+                device: child1,
+            },
+            Arc::new(TargetProbe::new("agrees", &w.log)),
+        )
+        .unwrap();
+    let vetoing = bus
+        .open_io_target(
+            IoTargetName::DevNode(child1),
+            Arc::new(TargetProbe {
+                veto: true,
+                ..TargetProbe::new("vetoes", &w.log)
+            }),
+        )
+        .unwrap();
+    assert_eq!(echo(&w, &agreeing), SUCCESS, "requests go through");
+    assert_eq!(
+        bus.open_io_target(
+            IoTargetName::Interface {
+                class: TEST_INTERFACE,
+                device: child1,
+            },
+            Arc::new(DefaultTargetCallbacks),
+        )
+        .unwrap_err(),
+        sim_host::io_target::OBJECT_NAME_NOT_FOUND,
+        "no such interface enabled"
+    );
+    taken(&w.log);
+    let veto = w.pnp.query_and_remove(child1).unwrap_err();
+    assert!(veto.service.contains("samplebus"), "{veto}");
+    assert_eq!(
+        taken(&w.log),
+        [
+            format!("agrees:query_remove {PASSIVE_IN_BUS}"),
+            format!("vetoes:query_remove {PASSIVE_IN_BUS}"),
+            format!("agrees:remove_canceled {PASSIVE_IN_BUS}"),
+            format!("vetoes:remove_canceled {PASSIVE_IN_BUS}"),
+        ],
+        "the driver never saw IRP_MN_QUERY_REMOVE_DEVICE; everyone notified hears the cancel"
+    );
+    assert_eq!(agreeing.state(), IoTargetState::Opened, "reopened");
+    assert_eq!(w.pnp.state(child1), Some(PnpState::Started));
+    // The vetoing target closes: the next query-remove goes through, and
+    // the target that agreed hears that the removal completed.
+    vetoing.close();
+    assert_eq!(
+        echo(&w, &vetoing),
+        sim_host::io_target::INVALID_DEVICE_STATE
+    );
+    w.pnp.query_and_remove(child1).unwrap();
+    assert_eq!(w.pnp.state(child1), Some(PnpState::Removed));
+    let events: Vec<String> = taken(&w.log)
+        .into_iter()
+        .filter(|e| e.starts_with("agrees:"))
+        .collect();
+    assert_eq!(
+        events,
+        [
+            format!("agrees:query_remove {PASSIVE_IN_BUS}"),
+            format!("agrees:remove_complete {PASSIVE_IN_BUS}"),
+        ]
+    );
+    assert_eq!(agreeing.state(), IoTargetState::Closed);
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn a_handle_left_open_fails_query_remove() {
+    // Broken: agrees to the removal but never closes its target.
+    let w = world(Breakage::default());
+    let bus = w.bus_services.lock().unwrap().clone().unwrap();
+    let child0 = w.pnp.find("ROOT\\BUS\\0000\\child0").unwrap();
+    let target = bus
+        .open_io_target(
+            IoTargetName::DevNode(child0),
+            Arc::new(TargetProbe {
+                agree_but_keep_open: true,
+                ..TargetProbe::new("keeps", &w.log)
+            }),
+        )
+        .unwrap();
+    taken(&w.log);
+    let veto = w.pnp.query_and_remove(w.bus).unwrap_err();
+    assert!(veto.service.contains("1 open handle"), "{veto}");
+    assert!(veto.instance_path.ends_with("child0"), "{veto}");
+    let events = taken(&w.log);
+    assert!(
+        events.contains(&format!("keeps:remove_canceled {PASSIVE_IN_BUS}")),
+        "{events:?}"
+    );
+    assert_eq!(w.pnp.state(child0), Some(PnpState::Started));
+    assert_eq!(echo(&w, &target), SUCCESS, "still open");
+    // A surprise removal cannot be refused: the target hears that the
+    // removal completed and closes, and everything goes.
+    w.pnp.surprise_remove(w.bus);
+    assert_eq!(target.state(), IoTargetState::Closed);
+    assert_eq!(w.pnp.state(w.bus), Some(PnpState::Removed));
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn after_surprise_removal_remove_waits_for_the_last_handle() {
+    let w = world(Breakage::default());
+    let bus = w.bus_services.lock().unwrap().clone().unwrap();
+    let child1 = w.pnp.find("ROOT\\BUS\\0000\\child1").unwrap();
+    let target = bus
+        .open_io_target(
+            IoTargetName::DevNode(child1),
+            Arc::new(TargetProbe {
+                keep_after_removal: true,
+                ..TargetProbe::new("holder", &w.log)
+            }),
+        )
+        .unwrap();
+    taken(&w.log);
+    bus.report_missing("child1");
+    w.pnp.process_bus_relations();
+    let events = taken(&w.log);
+    assert!(
+        position(&events, "child1:release")
+            < position(&events, &format!("holder:remove_complete {PASSIVE_IN_BUS}")),
+        "{events:?}"
+    );
+    assert_eq!(
+        w.pnp.state(child1),
+        Some(PnpState::SurpriseRemoved),
+        "no REMOVE while the handle is open"
+    );
+    assert_eq!(echo(&w, &target), NO_SUCH_DEVICE, "the device is gone");
+    let pdo_owner = w.pnp.stack_services(child1);
+    assert_eq!(pdo_owner.len(), 2, "the device objects still exist");
+    target.close();
+    assert_eq!(w.pnp.state(child1), Some(PnpState::Removed));
+    assert_eq!(w.pnp.stack_services(child1).len(), 1);
+    w.pnp.query_and_remove(w.bus).unwrap();
+    w.verifier.assert_clean();
 }
 
 #[test]
