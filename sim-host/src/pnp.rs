@@ -107,6 +107,9 @@ struct DevNode {
     /// How many layers, from the bottom, prepared hardware and have not
     /// released it yet: release-hardware goes to exactly these.
     prepared: usize,
+    /// After a failed D0 entry, how many layers below the failing one
+    /// entered D0 (they leave it again if that was the start).
+    entered_d0: usize,
     state: PnpState,
     power: DevicePowerState,
     /// References handed out on this stack's interfaces, by the devnode
@@ -495,6 +498,7 @@ impl PnpManager {
                     held: VecDeque::new(),
                 }],
                 prepared: 0,
+                entered_d0: 0,
                 state: PnpState::Enumerated,
                 power: DevicePowerState::D3,
                 interface_refs: BTreeMap::new(),
@@ -625,10 +629,13 @@ impl PnpManager {
             .unwrap_or_default()
     }
 
+    /// A start that failed, as KMDF and the PnP manager end it: every layer
+    /// that was asked to prepare hardware (the failing one included) gets
+    /// release-hardware, top-down, then `IRP_MN_REMOVE_DEVICE` deletes the
+    /// stack's device objects above the PDO, which stays with the reason.
     fn fail_start(&self, node: DevNodeId, reason: String) {
-        if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
-            n.state = PnpState::FailedStart(reason);
-        }
+        self.release_prepared(node);
+        self.delete_device_objects(node, PnpState::FailedStart(reason));
     }
 
     /// Builds the stack from the binding and starts it (bottom-up prepare
@@ -711,17 +718,27 @@ impl PnpManager {
         // IRP_MN_START_DEVICE: each layer after the ones below it.
         for (index, (service, cb)) in self.layers(node).into_iter().enumerate() {
             let status = cb.prepare_hardware();
+            // Asked to prepare: it hears release-hardware whatever it said.
+            if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
+                n.prepared = index + 1;
+            }
             if status != SUCCESS {
                 return self.fail_start(
                     node,
                     format!("`{service}` prepare hardware failed: {status:?}"),
                 );
             }
-            if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
-                n.prepared = index + 1;
-            }
         }
         if let Err(reason) = self.enter_d0(node) {
+            // The layers below the one that failed are in D0: they leave
+            // it, top-down, before the hardware is released.
+            let entered = lock(&self.inner.tree)
+                .nodes
+                .get_mut(node.0)
+                .map_or(0, |n| std::mem::take(&mut n.entered_d0));
+            for (_, cb) in self.layers(node).into_iter().take(entered).rev() {
+                cb.d0_exit(DevicePowerState::D3);
+            }
             return self.fail_start(node, reason);
         }
         if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
@@ -733,9 +750,12 @@ impl PnpManager {
     /// D0 entry bottom-up, then releases requests the queues held.
     pub(crate) fn enter_d0(&self, node: DevNodeId) -> Result<(), String> {
         let from = self.power(node).unwrap_or(DevicePowerState::D3);
-        for (service, cb) in self.layers(node) {
+        for (index, (service, cb)) in self.layers(node).into_iter().enumerate() {
             let status = cb.d0_entry(from);
             if status != SUCCESS {
+                if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
+                    n.entered_d0 = index;
+                }
                 return Err(format!("`{service}` D0 entry failed: {status:?}"));
             }
         }
@@ -1162,60 +1182,70 @@ impl PnpManager {
             }
             self.leave_d0(n, DevicePowerState::D3);
             self.release_prepared(n);
-            let (layers, held, refs, path, interfaces) = {
-                let mut tree = lock(&self.inner.tree);
-                let dn = &mut tree.nodes[n.0];
-                dn.state = PnpState::Removed;
-                let held: Vec<HostRequest> = dn
-                    .stack
-                    .iter_mut()
-                    .flat_map(|l| l.held.drain(..).collect::<Vec<_>>())
-                    .collect();
-                let layers: Vec<Arc<str>> = dn
-                    .stack
-                    .iter()
-                    .map(|l| l.service.clone())
-                    .filter(|s| &**s != HOST_PDO)
-                    .collect();
-                dn.stack.truncate(1);
-                let interfaces: Vec<WinGuid> = dn
-                    .interfaces
-                    .iter()
-                    .filter(|(_, on)| **on)
-                    .map(|(g, _)| *g)
-                    .collect();
-                dn.interfaces.clear();
-                (
-                    layers,
-                    held,
-                    dn.references_outstanding(),
-                    dn.instance_path.clone(),
-                    interfaces,
-                )
-            };
-            for req in held {
-                req_complete(req, NO_SUCH_DEVICE);
-            }
-            for class in interfaces {
-                lock(&self.inner.interface_events)
-                    .push(InterfaceEvent::Removal { class, device: n });
-            }
-            if refs > 0 {
-                self.inner.verifier.report(
-                    None,
-                    ViolationKind::ReferenceLeak {
-                        what: format!(
-                            "{refs} interface reference(s) on {path} outstanding at removal"
-                        ),
-                    },
-                );
-            }
-            for service in layers {
-                self.device_object_deleted(&service);
-            }
-            self.notify_target_remove_complete(n);
-            self.close_targets_opened_by(n);
+            self.delete_device_objects(n, PnpState::Removed);
         }
+    }
+
+    /// The end of `IRP_MN_REMOVE_DEVICE` for one devnode: held requests
+    /// complete, its enabled interfaces go (with notifications), a
+    /// reference still held on its interfaces is a leak, its device
+    /// objects are deleted (drivers left without one unload), and the
+    /// remote I/O targets on it or opened by it are done with. A removed
+    /// devnode's PDO goes too; a devnode whose start failed keeps its PDO
+    /// (the bus still reports it) and ends in `end`.
+    fn delete_device_objects(&self, n: DevNodeId, end: PnpState) {
+        let keep_pdo = end != PnpState::Removed;
+        let (layers, held, refs, path, interfaces) = {
+            let mut tree = lock(&self.inner.tree);
+            let dn = &mut tree.nodes[n.0];
+            dn.state = end;
+            let held: Vec<HostRequest> = dn
+                .stack
+                .iter_mut()
+                .flat_map(|l| l.held.drain(..).collect::<Vec<_>>())
+                .collect();
+            let layers: Vec<Arc<str>> = dn
+                .stack
+                .iter()
+                .skip(usize::from(keep_pdo))
+                .map(|l| l.service.clone())
+                .filter(|s| &**s != HOST_PDO)
+                .collect();
+            dn.stack.truncate(1);
+            let interfaces: Vec<WinGuid> = dn
+                .interfaces
+                .iter()
+                .filter(|(_, on)| **on)
+                .map(|(g, _)| *g)
+                .collect();
+            dn.interfaces.clear();
+            (
+                layers,
+                held,
+                dn.references_outstanding(),
+                dn.instance_path.clone(),
+                interfaces,
+            )
+        };
+        for req in held {
+            req_complete(req, NO_SUCH_DEVICE);
+        }
+        for class in interfaces {
+            lock(&self.inner.interface_events).push(InterfaceEvent::Removal { class, device: n });
+        }
+        if refs > 0 {
+            self.inner.verifier.report(
+                None,
+                ViolationKind::ReferenceLeak {
+                    what: format!("{refs} interface reference(s) on {path} outstanding at removal"),
+                },
+            );
+        }
+        for service in layers {
+            self.device_object_deleted(&service);
+        }
+        self.notify_target_remove_complete(n);
+        self.close_targets_opened_by(n);
     }
 
     /// Wraps a driver's callbacks so each runs in that driver's context

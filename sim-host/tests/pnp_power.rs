@@ -218,6 +218,8 @@ struct ChildFdo {
     leak_interface: bool,
     drop_requests: bool,
     returns_raised: bool,
+    prepare_fails: bool,
+    d0_entry_fails: bool,
 }
 
 impl DeviceCallbacks for ChildFdo {
@@ -230,7 +232,11 @@ impl DeviceCallbacks for ChildFdo {
         *self.iface.lock().unwrap() = Some(iface);
         self.services.register_interface(CHILD_CLASS);
         self.services.set_interface_enabled(CHILD_CLASS, true);
-        self.inner.prepare_hardware()
+        let status = self.inner.prepare_hardware();
+        if self.prepare_fails {
+            return UNSUCCESSFUL;
+        }
+        status
     }
     fn release_hardware(&self) -> NtStatus {
         if let Some(i) = self.iface.lock().unwrap().take() {
@@ -248,7 +254,11 @@ impl DeviceCallbacks for ChildFdo {
             // Broken: raised and never lowered.
             let _previous = sim_host::irql::raise(Irql::DISPATCH);
         }
-        self.inner.d0_entry(f)
+        let status = self.inner.d0_entry(f);
+        if self.d0_entry_fails {
+            return UNSUCCESSFUL;
+        }
+        status
     }
     fn d0_exit(&self, t: DevicePowerState) -> NtStatus {
         self.inner.d0_exit(t)
@@ -287,6 +297,10 @@ struct Breakage {
     drop_requests: bool,
     /// The child's D0 entry raises to DISPATCH_LEVEL and returns there.
     child_returns_raised: bool,
+    /// The child's prepare-hardware (after taking its PDO's interface) or
+    /// D0 entry fails.
+    child_prepare_fails: bool,
+    child_d0_entry_fails: bool,
 }
 
 struct BusDriver {
@@ -346,6 +360,8 @@ impl DriverEntry for ChildDriver {
             leak_interface: self.b.leak_interface,
             drop_requests: self.b.drop_requests,
             returns_raised: self.b.child_returns_raised,
+            prepare_fails: self.b.child_prepare_fails,
+            d0_entry_fails: self.b.child_d0_entry_fails,
         }))
     }
 }
@@ -871,6 +887,66 @@ fn after_surprise_removal_remove_waits_for_the_last_handle() {
     assert_eq!(w.pnp.stack_services(child1).len(), 1);
     w.pnp.query_and_remove(w.bus).unwrap();
     w.verifier.assert_clean();
+}
+
+#[test]
+fn a_failed_start_releases_the_hardware_and_removes_the_stack() {
+    for (breakage, failing) in [
+        (
+            Breakage {
+                child_prepare_fails: true,
+                ..Breakage::default()
+            },
+            "prepare hardware failed",
+        ),
+        (
+            Breakage {
+                child_d0_entry_fails: true,
+                ..Breakage::default()
+            },
+            "D0 entry failed",
+        ),
+    ] {
+        let w = world(breakage);
+        let events = taken(&w.log);
+        let child0 = w.pnp.find("ROOT\\BUS\\0000\\child0").unwrap();
+        match w.pnp.state(child0) {
+            Some(PnpState::FailedStart(reason)) => assert!(reason.contains(failing), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        // Release-hardware follows (the failing layer prepared too): the
+        // child gives its PDO's interface back there.
+        assert!(
+            position(&events, "child0:prepare") < position(&events, "child0:release"),
+            "{events:?}"
+        );
+        assert_eq!(w.pnp.interface_references(child0), 0);
+        if breakage.child_d0_entry_fails {
+            // The PDO below had entered D0: it leaves again before the
+            // hardware is released.
+            assert!(
+                position(&events, "pdo-child0:d0_exit") < position(&events, "child0:release"),
+                "{events:?}"
+            );
+        }
+        // The stack above the PDO is gone, and with it the only devices of
+        // the child's driver; the PDO stays with its reason.
+        assert_eq!(
+            w.pnp.stack_services(child0),
+            [("samplebus".to_owned(), StackRole::Pdo)]
+        );
+        assert!(!w.pnp.driver_loaded("samplechild"));
+        let (req, handle) =
+            HostRequest::new(&w.verifier, IOCTL_ECHO, RequestorMode::Kernel, vec![], 0);
+        w.pnp.send_request(child0, req);
+        assert_eq!(
+            handle.completion().unwrap().status,
+            sim_host::driver::DELETE_PENDING
+        );
+        w.pnp.query_and_remove(w.bus).unwrap();
+        assert!(!w.pnp.driver_loaded("samplebus"));
+        w.verifier.assert_clean();
+    }
 }
 
 #[test]
