@@ -480,6 +480,9 @@ impl PnpManager {
             d.devices += 1;
         }
         let callbacks = self.entered(&owner, pdo);
+        // A PDO's queue follows its bus driver's choice; KMDF's default
+        // for a PDO is power-managed, as for a function driver.
+        let power_managed = callbacks.power_managed_queue();
         let id = {
             let mut tree = lock(&self.inner.tree);
             let id = DevNodeId(tree.nodes.len());
@@ -493,7 +496,7 @@ impl PnpManager {
                 stack: vec![Layer {
                     service: owner,
                     role: StackRole::Pdo,
-                    power_managed: false,
+                    power_managed,
                     callbacks,
                     held: VecDeque::new(),
                 }],
@@ -923,8 +926,11 @@ impl PnpManager {
     }
 
     /// `IRP_MN_QUERY_INTERFACE` sent to the top of `node`'s stack; each layer
-    /// top-down may answer. An answer at a lower version than asked is no
-    /// answer; the reference is counted against the stack.
+    /// top-down may answer, with the closest version it supports not above
+    /// the one asked for (the consumer checks [`InterfaceRef::version`]).
+    /// An answer above the version asked breaks that contract: it is a
+    /// `Protocol` violation charged to the provider and no answer. The
+    /// reference is counted against the stack.
     pub fn query_interface(
         &self,
         node: DevNodeId,
@@ -963,19 +969,29 @@ impl PnpManager {
             .or_default()
             .clone();
         let consumer = consumer.map(|(service, _)| service);
-        for (_, cb) in self.layers(node).into_iter().rev() {
+        for (service, cb) in self.layers(node).into_iter().rev() {
             if let Some(provided) = cb.query_interface(guid, version) {
-                let ok = ib_types::interface::InterfaceVersion::from_packed(provided.version)
-                    .satisfies(ib_types::interface::InterfaceVersion::from_packed(version));
-                if ok {
-                    return Some(InterfaceRef::new(
-                        *guid,
-                        provided.object,
-                        refs,
-                        self.inner.verifier.clone(),
-                        consumer,
-                    ));
+                if provided.version > version {
+                    self.inner.verifier.report(
+                        Some(&service),
+                        ViolationKind::Protocol {
+                            detail: format!(
+                                "IRP_MN_QUERY_INTERFACE for {guid} answered at version \
+                                 {:#06x}, above the {version:#06x} asked for",
+                                provided.version
+                            ),
+                        },
+                    );
+                    continue;
                 }
+                return Some(InterfaceRef::new(
+                    *guid,
+                    provided.version,
+                    provided.object,
+                    refs,
+                    self.inner.verifier.clone(),
+                    consumer,
+                ));
             }
         }
         None

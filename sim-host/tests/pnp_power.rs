@@ -26,6 +26,8 @@ const TEST_INTERFACE: WinGuid = WinGuid::from_u128(0x1111_2222_3333_4444_5555_66
 const CHILD_CLASS: WinGuid = WinGuid::from_u128(0x9999_0000_1111_2222_3333_4444_5555_6666);
 const IOCTL_ECHO: u32 = 0x0022_0004;
 const IOCTL_HOLD: u32 = 0x0022_0008;
+/// Passed down to the PDO by the child's function driver.
+const IOCTL_FORWARD: u32 = 0x0022_000C;
 
 type Log = Arc<Mutex<Vec<String>>>;
 
@@ -142,6 +144,7 @@ struct BusFdo {
     inner: Logged,
     services: DeviceServices,
     veto_child_power: bool,
+    pdo_answers_above_asked: bool,
 }
 
 impl DeviceCallbacks for BusFdo {
@@ -177,6 +180,7 @@ impl DeviceCallbacks for BusFdo {
                 veto_power: self.veto_child_power,
                 ..Logged::new(&format!("pdo-{}", child.instance_id), &self.inner.log)
             },
+            answers_above_asked: self.pdo_answers_above_asked,
         }))
     }
     fn power_managed_queue(&self) -> bool {
@@ -187,6 +191,7 @@ impl DeviceCallbacks for BusFdo {
 /// A child PDO: answers the test interface.
 struct ChildPdo {
     inner: Logged,
+    answers_above_asked: bool,
 }
 
 impl DeviceCallbacks for ChildPdo {
@@ -199,9 +204,21 @@ impl DeviceCallbacks for ChildPdo {
     fn query_power(&self, t: SystemPowerState) -> NtStatus {
         self.inner.query_power(t)
     }
-    fn query_interface(&self, guid: &WinGuid, _version: u16) -> Option<ProvidedInterface> {
+    fn io_request(&self, _lower: &dyn Forward, req: HostRequest) {
+        // The PDO answers whatever its function driver passes down.
+        req.complete(SUCCESS, 7);
+    }
+    fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {
+        // It implements 1.0 and 1.1: the closest not above the one asked
+        // for (broken: always its newest).
+        let answer = match version {
+            _ if self.answers_above_asked => 0x0101,
+            0x0101.. => 0x0101,
+            0x0100 => 0x0100,
+            _ => return None,
+        };
         (*guid == TEST_INTERFACE).then(|| ProvidedInterface {
-            version: 0x0100,
+            version: answer,
             object: Arc::new(String::from("hello from the PDO")) as Arc<dyn Any + Send + Sync>,
         })
     }
@@ -220,13 +237,14 @@ struct ChildFdo {
     returns_raised: bool,
     prepare_fails: bool,
     d0_entry_fails: bool,
+    queue_power_managed: bool,
 }
 
 impl DeviceCallbacks for ChildFdo {
     fn prepare_hardware(&self) -> NtStatus {
         let iface = self
             .services
-            .query_interface(&TEST_INTERFACE, 0x0100)
+            .query_interface(&TEST_INTERFACE, 0x0101)
             .expect("the PDO answers");
         assert_eq!(iface.get::<String>().unwrap(), "hello from the PDO");
         *self.iface.lock().unwrap() = Some(iface);
@@ -266,13 +284,16 @@ impl DeviceCallbacks for ChildFdo {
     fn query_remove(&self) -> NtStatus {
         self.inner.query_remove()
     }
+    fn power_managed_queue(&self) -> bool {
+        self.queue_power_managed
+    }
     fn surprise_removal(&self) {
         self.inner.note("surprise");
         for req in self.pending.lock().unwrap().drain(..) {
             req.complete(NO_SUCH_DEVICE, 0);
         }
     }
-    fn io_request(&self, _lower: &dyn Forward, mut req: HostRequest) {
+    fn io_request(&self, lower: &dyn Forward, mut req: HostRequest) {
         if self.drop_requests {
             return; // broken: the request is dropped uncompleted
         }
@@ -284,6 +305,7 @@ impl DeviceCallbacks for ChildFdo {
                 req.complete(SUCCESS, n as u64);
             }
             IOCTL_HOLD => self.pending.lock().unwrap().push(req),
+            IOCTL_FORWARD => lower.forward(req),
             _ => req.complete(NtStatus::from_raw(0xC000_0010), 0),
         }
     }
@@ -301,6 +323,10 @@ struct Breakage {
     /// D0 entry fails.
     child_prepare_fails: bool,
     child_d0_entry_fails: bool,
+    /// The child PDOs answer QUERY_INTERFACE above the version asked.
+    pdo_answers_above_asked: bool,
+    /// The child's function driver makes its queue not power-managed.
+    child_queue_not_power_managed: bool,
 }
 
 struct BusDriver {
@@ -319,6 +345,7 @@ impl DriverEntry for BusDriver {
             inner: Logged::new("bus", &self.log),
             services: host.clone(),
             veto_child_power: self.b.veto_child_power,
+            pdo_answers_above_asked: self.b.pdo_answers_above_asked,
         }))
     }
 }
@@ -362,6 +389,7 @@ impl DriverEntry for ChildDriver {
             returns_raised: self.b.child_returns_raised,
             prepare_fails: self.b.child_prepare_fails,
             d0_entry_fails: self.b.child_d0_entry_fails,
+            queue_power_managed: !self.b.child_queue_not_power_managed,
         }))
     }
 }
@@ -543,6 +571,35 @@ fn requests_wait_in_power_managed_queues_until_resume() {
     let c = handle.completion().expect("delivered after resume");
     assert_eq!(c.status, SUCCESS);
     assert_eq!(&c.output[..4], b"ping");
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn a_pdos_queue_is_power_managed_by_default() {
+    // The function driver's queue is not power-managed (its choice): a
+    // request reaches it in D3 and goes down to the PDO, whose queue (by
+    // KMDF's default) holds it until the device is back in D0.
+    let w = world(Breakage {
+        child_queue_not_power_managed: true,
+        ..Breakage::default()
+    });
+    let child = w.pnp.children(w.bus)[0];
+    let forward = |w: &World| {
+        let (req, handle) =
+            HostRequest::new(&w.verifier, IOCTL_FORWARD, RequestorMode::Kernel, vec![], 0);
+        w.pnp.send_request(child, req);
+        handle
+    };
+    assert_eq!(
+        forward(&w).completion().unwrap().information,
+        7,
+        "the PDO answers in D0"
+    );
+    w.pnp.set_system_power(SystemPowerState::S3).unwrap();
+    let held = forward(&w);
+    assert!(!held.is_done(), "held by the PDO's queue while in D3");
+    w.pnp.set_system_power(SystemPowerState::S0).unwrap();
+    assert_eq!(held.completion().unwrap().status, SUCCESS);
     w.verifier.assert_clean();
 }
 
@@ -1211,6 +1268,48 @@ fn a_pnp_callback_returning_at_another_irql_is_caught() {
             "child1:d0_entry at DISPATCH_LEVEL"
         ],
         "only the broken callbacks themselves ran raised: the next one starts at PASSIVE_LEVEL"
+    );
+}
+
+#[test]
+fn query_interface_answers_the_closest_version_not_above_the_one_asked() {
+    let w = world(Breakage::default());
+    let child = w.pnp.children(w.bus)[0];
+    for (asked, answered) in [(0x0100, 0x0100), (0x0101, 0x0101), (0x0105, 0x0101)] {
+        let iface = w
+            .pnp
+            .query_interface(child, &TEST_INTERFACE, asked)
+            .unwrap_or_else(|| {
+                panic!("asked {asked:#x}: an answer at a lower version is an answer")
+            });
+        assert_eq!(iface.version(), answered, "asked {asked:#x}");
+        iface.dereference();
+    }
+    assert!(
+        w.pnp
+            .query_interface(child, &TEST_INTERFACE, 0x00FF)
+            .is_none(),
+        "nothing that low"
+    );
+    w.verifier.assert_clean();
+    // Broken: a provider answering above the version asked for.
+    let w = world(Breakage {
+        pdo_answers_above_asked: true,
+        ..Breakage::default()
+    });
+    let child = w.pnp.children(w.bus)[0];
+    assert!(
+        w.pnp
+            .query_interface(child, &TEST_INTERFACE, 0x0100)
+            .is_none(),
+        "an answer above the version asked is no answer"
+    );
+    let v = w.verifier.take();
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(
+        v.iter().all(|x| x.driver.as_deref() == Some("samplebus")
+            && matches!(&x.kind, ViolationKind::Protocol { detail } if detail.contains("above the 0x0100 asked"))),
+        "{v:?}"
     );
 }
 

@@ -38,7 +38,8 @@
 //!   (the verbs decode the code; an unknown one is
 //!   `STATUS_INVALID_DEVICE_REQUEST`).
 //! - `query_interface` (`WdfDeviceAddQueryInterface`): answers
-//!   `GUID_IB_CI_INTERFACE` at any version the provider satisfies with
+//!   `GUID_IB_CI_INTERFACE` asked at the provider's version or above (with
+//!   its version, the closest not above: `CiProvider::answer_version`) with
 //!   the [`CiProvider`] itself, an `Arc<CiProvider<P>>` in the host's
 //!   counted `InterfaceRef` (the KMDF shell hands out the FFI table
 //!   `ib_types::interface::CiInterface` over the same provider instead;
@@ -489,14 +490,13 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
     }
 
     fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {
-        if *guid != GUID_IB_CI_INTERFACE
-            || CiProvider::<P>::check_version(InterfaceVersion::from_packed(version)).is_err()
-        {
+        if *guid != GUID_IB_CI_INTERFACE {
             return None;
         }
+        let answered = CiProvider::<P>::answer_version(InterfaceVersion::from_packed(version))?;
         let provider = self.provider()?;
         Some(ProvidedInterface {
-            version: CiProvider::<P>::VERSION.packed(),
+            version: answered.packed(),
             // The object is an `Arc<CiProvider<P>>`, so a consumer can keep
             // the provider in its own routines while it holds the reference.
             object: Arc::new(provider) as Arc<dyn Any + Send + Sync>,
