@@ -84,7 +84,26 @@ pub enum PnpState {
     /// Could not start, with the reason (an INF that does not resolve, a
     /// missing driver, a failing callback).
     FailedStart(String),
+    /// Reported failed by a driver (`WdfDeviceSetFailed`) and torn down
+    /// above its PDO, with the reason; not restarted (`NoRestart`, or
+    /// restarted too often).
+    Failed(String),
 }
+
+/// `WDF_DEVICE_FAILED_ACTION`: what `WdfDeviceSetFailed` asks for after the
+/// device's stack is torn down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceFailedAction {
+    /// `WdfDeviceFailedAttemptRestart`: build the stack again and start it.
+    AttemptRestart,
+    /// `WdfDeviceFailedNoRestart`: leave the device failed.
+    NoRestart,
+}
+
+/// How often a devnode reported failed with `AttemptRestart` is restarted
+/// before the framework stops trying ("several consecutive restart
+/// attempts", `WDF_DEVICE_FAILED_ACTION`).
+pub const MAX_RESTARTS_AFTER_FAILURE: u32 = 3;
 
 struct Layer {
     service: Arc<str>,
@@ -110,6 +129,11 @@ struct DevNode {
     /// After a failed D0 entry, how many layers below the failing one
     /// entered D0 (they leave it again if that was the start).
     entered_d0: usize,
+    /// Reported failed (`WdfDeviceSetFailed`) and being torn down: by
+    /// whom, and what follows.
+    failed: Option<(Arc<str>, DeviceFailedAction)>,
+    /// Restarts after a failure so far.
+    restarts: u32,
     state: PnpState,
     power: DevicePowerState,
     /// References handed out on this stack's interfaces, by the devnode
@@ -176,6 +200,9 @@ pub(crate) struct PnpInner {
     /// Children reported by bus drivers, enumerated after the callback that
     /// reported them returns (bus relations are re-queried asynchronously).
     pending_children: Mutex<Vec<(DevNodeId, ChildReport)>>,
+    /// Devices their drivers reported failed, acted on by the PnP worker
+    /// (`IoInvalidateDeviceState` is asynchronous too).
+    pending_failures: Mutex<Vec<(DevNodeId, Arc<str>, DeviceFailedAction)>>,
     /// Remote I/O targets not closed yet (`io_target.rs`).
     pub(crate) io_targets: Mutex<Vec<Arc<crate::io_target::TargetInner>>>,
 }
@@ -316,6 +343,22 @@ impl DeviceServices {
         }
     }
 
+    /// `WdfDeviceSetFailed` (IRQL <= DISPATCH_LEVEL): the driver met an
+    /// error it cannot recover from. The PnP manager acts on it on its
+    /// worker ([`PnpManager::process_bus_relations`]): the device goes down
+    /// the surprise-removal path (its children removed, then
+    /// `EvtDeviceSurpriseRemoval`, D0 exit and release-hardware on its own
+    /// stack), its device objects above the PDO are deleted once no handle
+    /// is open, and with [`DeviceFailedAction::AttemptRestart`] the stack
+    /// is built and started again (at most
+    /// [`MAX_RESTARTS_AFTER_FAILURE`] times).
+    pub fn set_failed(&self, action: DeviceFailedAction) {
+        crate::irql::check_max("WdfDeviceSetFailed", Irql::DISPATCH);
+        if let Some(inner) = self.pnp.upgrade() {
+            lock(&inner.pending_failures).push((self.node, self.service.clone(), action));
+        }
+    }
+
     /// The verifier of this host.
     pub fn verifier(&self) -> Option<Verifier> {
         self.pnp.upgrade().map(|i| i.verifier.clone())
@@ -398,6 +441,7 @@ impl PnpManager {
                 drivers: Mutex::default(),
                 interface_events: Mutex::default(),
                 pending_children: Mutex::default(),
+                pending_failures: Mutex::default(),
                 io_targets: Mutex::default(),
             }),
         }
@@ -502,6 +546,8 @@ impl PnpManager {
                 }],
                 prepared: 0,
                 entered_d0: 0,
+                failed: None,
+                restarts: 0,
                 state: PnpState::Enumerated,
                 power: DevicePowerState::D3,
                 interface_refs: BTreeMap::new(),
@@ -804,10 +850,16 @@ impl PnpManager {
     /// manager re-queries bus relations on its own thread). The host does
     /// this after every start and resume; a test calls it to model the
     /// PnP worker getting round to a report made from a DPC or work item.
+    /// Devices reported failed (`DeviceServices::set_failed`) are acted on
+    /// here too.
     pub fn process_bus_relations(&self) {
         loop {
+            let failures = std::mem::take(&mut *lock(&self.inner.pending_failures));
+            for (node, service, action) in &failures {
+                self.device_failed(*node, service.clone(), *action);
+            }
             let pending = std::mem::take(&mut *lock(&self.inner.pending_children));
-            if pending.is_empty() {
+            if pending.is_empty() && failures.is_empty() {
                 return;
             }
             for (parent, report) in pending {
@@ -831,6 +883,23 @@ impl PnpManager {
                 }
             }
         }
+    }
+
+    /// A device its driver reported failed: the surprise-removal path, then
+    /// (in `remove_when_no_handles_remain`) its stack above the PDO goes and
+    /// is restarted if asked. A device already going is left alone.
+    fn device_failed(&self, node: DevNodeId, service: Arc<str>, action: DeviceFailedAction) {
+        {
+            let mut tree = lock(&self.inner.tree);
+            let Some(dn) = tree.nodes.get_mut(node.0) else {
+                return;
+            };
+            if !matches!(dn.state, PnpState::Started | PnpState::Stopped) {
+                return;
+            }
+            dn.failed = Some((service, action));
+        }
+        self.surprise_remove(node);
     }
 
     fn child_present(&self, parent: DevNodeId, desc: ChildDescription) {
@@ -897,7 +966,7 @@ impl PnpManager {
                     drop(tree);
                     return req_complete(req, NO_SUCH_DEVICE);
                 }
-                PnpState::FailedStart(_) | PnpState::Enumerated => {
+                PnpState::FailedStart(_) | PnpState::Failed(_) | PnpState::Enumerated => {
                     drop(tree);
                     return req_complete(req, DELETE_PENDING);
                 }
@@ -1170,9 +1239,36 @@ impl PnpManager {
         if waiting_for_children {
             return;
         }
+        let failed = lock(&self.inner.tree)
+            .nodes
+            .get_mut(node.0)
+            .and_then(|n| n.failed.take());
+        if let Some((service, action)) = failed {
+            return self.failed_device_removed(node, &service, action);
+        }
         self.remove(node);
         if let Some(parent) = parent {
             self.remove_when_no_handles_remain(parent, self.open_handles(parent));
+        }
+    }
+
+    /// The end of a failed device's surprise-removal path: its PDO stays
+    /// (the device is still on its bus), the device objects above it are
+    /// deleted, and the stack is built and started again if its driver
+    /// asked for a restart and the restarts are not used up.
+    fn failed_device_removed(&self, node: DevNodeId, service: &str, action: DeviceFailedAction) {
+        let restart = action == DeviceFailedAction::AttemptRestart
+            && lock(&self.inner.tree)
+                .nodes
+                .get_mut(node.0)
+                .is_some_and(|n| {
+                    n.restarts += 1;
+                    n.restarts <= MAX_RESTARTS_AFTER_FAILURE
+                });
+        let reason = format!("`{service}` reported the device failed ({action:?})");
+        self.delete_device_objects(node, PnpState::Failed(reason));
+        if restart {
+            self.start(node);
         }
     }
 

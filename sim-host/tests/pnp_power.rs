@@ -17,7 +17,9 @@ use sim_host::driver::{
 use sim_host::io_target::{
     DefaultTargetCallbacks, IoTargetCallbacks, IoTargetName, IoTargetState, RemoteIoTarget,
 };
-use sim_host::pnp::{Binder, DeviceServices, InterfaceEvent, PnpManager, PnpState, StackPlan};
+use sim_host::pnp::{
+    Binder, DeviceFailedAction, DeviceServices, InterfaceEvent, PnpManager, PnpState, StackPlan,
+};
 use sim_host::request::HostRequest;
 use sim_host::sched::Scheduler;
 use sim_host::verifier::{Verifier, ViolationKind};
@@ -1004,6 +1006,91 @@ fn a_failed_start_releases_the_hardware_and_removes_the_stack() {
         assert!(!w.pnp.driver_loaded("samplebus"));
         w.verifier.assert_clean();
     }
+}
+
+#[test]
+fn a_device_its_driver_sets_failed_takes_the_surprise_removal_path_and_restarts() {
+    let w = world(Breakage::default());
+    let bus = w.bus_services.lock().unwrap().clone().unwrap();
+    let old_children = w.pnp.children(w.bus);
+    taken(&w.log);
+    {
+        // From the bus driver's DPC (WdfDeviceSetFailed is DISPATCH_LEVEL).
+        let _dpc = sim_host::irql::IrqlGuard::at(Irql::DISPATCH);
+        let _driver = sim_host::context::enter(sim_host::context::Context::driver(
+            w.verifier.clone(),
+            "samplebus",
+        ));
+        bus.set_failed(DeviceFailedAction::AttemptRestart);
+    }
+    assert!(
+        taken(&w.log).is_empty(),
+        "the PnP manager acts on its worker"
+    );
+    w.pnp.process_bus_relations();
+    let events = taken(&w.log);
+    // The children are surprise-removed first, then the failed stack goes
+    // through KMDF's sequence...
+    assert!(
+        position(&events, "child1:release") < position(&events, "filter:surprise"),
+        "{events:?}"
+    );
+    assert!(position(&events, "bus:surprise") < position(&events, "filter:d0_exit"));
+    assert!(position(&events, "root-pdo:d0_exit") < position(&events, "bus:release"));
+    // ...and is built and started again on the same PDO.
+    let restarted = position(&events, "bus:release") + 1;
+    assert_eq!(
+        events[restarted..].first().map(String::as_str),
+        Some("bus:prepare"),
+        "{events:?}"
+    );
+    assert_eq!(w.pnp.state(w.bus), Some(PnpState::Started));
+    for old in old_children {
+        assert_eq!(w.pnp.state(old), Some(PnpState::Removed));
+    }
+    let new_children: Vec<_> = w
+        .pnp
+        .children(w.bus)
+        .into_iter()
+        .filter(|&c| w.pnp.state(c) == Some(PnpState::Started))
+        .collect();
+    assert_eq!(new_children.len(), 2, "re-enumerated");
+    w.verifier.assert_clean();
+
+    // NoRestart: the stack above the PDO goes and stays gone, and so do the
+    // drivers that had no other device.
+    let bus = w.bus_services.lock().unwrap().clone().unwrap();
+    bus.set_failed(DeviceFailedAction::NoRestart);
+    w.pnp.process_bus_relations();
+    assert!(
+        matches!(w.pnp.state(w.bus), Some(PnpState::Failed(reason)) if reason.contains("samplebus")),
+        "{:?}",
+        w.pnp.state(w.bus)
+    );
+    assert_eq!(
+        w.pnp.stack_services(w.bus),
+        [("pdo".to_owned(), StackRole::Pdo)]
+    );
+    assert!(!w.pnp.driver_loaded("samplebus") && !w.pnp.driver_loaded("samplechild"));
+    w.verifier.assert_clean();
+
+    // Broken: WdfDeviceSetFailed from an ISR.
+    let w = world(Breakage::default());
+    let bus = w.bus_services.lock().unwrap().clone().unwrap();
+    {
+        let _isr = sim_host::irql::IrqlGuard::at(sim_host::pci::HCA_DIRQL);
+        let _driver = sim_host::context::enter(sim_host::context::Context::driver(
+            w.verifier.clone(),
+            "samplebus",
+        ));
+        bus.set_failed(DeviceFailedAction::NoRestart);
+    }
+    let v = w.verifier.take();
+    assert!(
+        matches!(&v[..], [x] if x.driver.as_deref() == Some("samplebus")
+            && matches!(x.kind, ViolationKind::IrqlTooHigh { service: "WdfDeviceSetFailed", .. })),
+        "{v:?}"
+    );
 }
 
 #[test]
