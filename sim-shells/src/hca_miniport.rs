@@ -26,6 +26,10 @@
 //!   `Hca::d0_entry` brings it up again and restores them (clients'
 //!   handles stay valid); the first D0 entry after prepare-hardware finds
 //!   the device started and does nothing.
+//! - the core's event sink (`ReportingSink`): every event goes on to the
+//!   device's outer sink; a failure only a restart recovers from is
+//!   reported with `DeviceServices::set_failed(AttemptRestart)`
+//!   (`WdfDeviceSetFailed`, as the KMDF shell's `FailureSink`).
 //! - `release_hardware` (`EvtDeviceReleaseHardware`): stops the device if
 //!   it still runs, disconnects the ISR, drops the adapter, and flushes the
 //!   DPC, work item and timer (`DeviceDeferred::flush`), so that nothing of
@@ -71,7 +75,7 @@ use sim_host::host::Host;
 use sim_host::memory::{AddressSpace, Process};
 use sim_host::pci::PciFunction;
 use sim_host::platform::SimPlatform;
-use sim_host::pnp::{DevNodeId, DeviceServices};
+use sim_host::pnp::{DevNodeId, DeviceFailedAction, DeviceServices};
 use sim_host::request::HostRequest;
 use sim_host::sched::{DeviceDeferred, SchedulerHandle};
 
@@ -340,7 +344,10 @@ impl<P: ShellPlatform> MiniportDevice<P> {
                     free_common: Box::new(|dma: &HostDmaAdapter, buffer| dma.free_common(buffer)),
                 },
                 self.options.config,
-                self.sink.clone(),
+                Arc::new(ReportingSink {
+                    outer: self.sink.clone(),
+                    host: self.host.clone(),
+                }),
             )
         });
         let deferred = isr_deferred?;
@@ -501,6 +508,42 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
             // the provider in its own routines while it holds the reference.
             object: Arc::new(provider) as Arc<dyn Any + Send + Sync>,
         })
+    }
+}
+
+/// The sink the core reports to: every event goes on to the device's outer
+/// sink, and a failure only a restart recovers from is reported to the
+/// framework (`WdfDeviceSetFailed` with `AttemptRestart`,
+/// `DeviceServices::set_failed`), as the KMDF shell's sink does.
+struct ReportingSink {
+    outer: Arc<dyn EventSink>,
+    host: DeviceServices,
+}
+
+impl EventSink for ReportingSink {
+    fn completion(&self, cqn: u32) {
+        self.outer.completion(cqn);
+    }
+    fn qp_event(&self, qpn: Qpn, event: QpEvent) {
+        self.outer.qp_event(qpn, event);
+    }
+    fn srq_event(&self, srqn: u32, event: SrqEvent) {
+        self.outer.srq_event(srqn, event);
+    }
+    fn cq_error(&self, cqn: u32) {
+        self.outer.cq_error(cqn);
+    }
+    fn port_change(&self, port: PortNum, active: bool) {
+        self.outer.port_change(port, active);
+    }
+    fn port_violation(&self, port: PortNum, violation: PortViolation) {
+        self.outer.port_violation(port, violation);
+    }
+    fn device_failed(&self, failure: DeviceFailure) {
+        self.outer.device_failed(failure);
+        if failure.needs_restart() {
+            self.host.set_failed(DeviceFailedAction::AttemptRestart);
+        }
     }
 }
 
