@@ -11,7 +11,15 @@
 //!   removed before their parent;
 //! - query-remove and query-stop visit the whole subtree, children first and
 //!   each stack top-down; a veto anywhere sends cancel-remove to everyone
-//!   who already agreed;
+//!   who already agreed; a query-remove first notifies the remote I/O
+//!   targets open on a devnode (`io_target.rs`) and fails while a handle is
+//!   open on it (interface references veto nothing);
+//! - surprise removal (also the path of a device its driver reported
+//!   failed) runs, per stack and children first, `EvtDeviceSurpriseRemoval`,
+//!   D0 exit and release-hardware; `IRP_MN_REMOVE_DEVICE` follows once no
+//!   handle is open ([`PnpManager::remove_when_no_handles_remain`]);
+//! - a failed start releases the hardware of the layers asked to prepare it
+//!   and deletes the stack above the PDO;
 //! - leaving D0 runs top-down within a stack, entering D0 bottom-up.
 //!
 //! The host never holds its own locks while it calls a driver, so a driver
