@@ -872,7 +872,14 @@ impl PnpManager {
             }
             for (parent, report) in pending {
                 match report {
-                    ChildReport::Present(desc) => self.child_present(parent, desc),
+                    // The PnP manager asks a started bus for its relations:
+                    // a report from a stack torn down since (removed, or
+                    // failed) has nobody left to answer.
+                    ChildReport::Present(desc) => {
+                        if self.state(parent) == Some(PnpState::Started) {
+                            self.child_present(parent, desc);
+                        }
+                    }
                     ChildReport::Missing(id) => {
                         let path =
                             format!("{}\\{}", self.instance_path(parent).unwrap_or_default(), id);

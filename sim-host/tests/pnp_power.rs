@@ -147,6 +147,7 @@ struct BusFdo {
     services: DeviceServices,
     veto_child_power: bool,
     pdo_answers_above_asked: bool,
+    fails_every_start: bool,
 }
 
 impl DeviceCallbacks for BusFdo {
@@ -161,6 +162,9 @@ impl DeviceCallbacks for BusFdo {
     }
     fn d0_entry(&self, f: DevicePowerState) -> NtStatus {
         let s = self.inner.d0_entry(f);
+        if self.fails_every_start {
+            self.services.set_failed(DeviceFailedAction::AttemptRestart);
+        }
         for i in 0..2 {
             self.services
                 .report_present(ChildDescription {
@@ -329,6 +333,9 @@ struct Breakage {
     pdo_answers_above_asked: bool,
     /// The child's function driver makes its queue not power-managed.
     child_queue_not_power_managed: bool,
+    /// The bus driver reports its device failed (AttemptRestart) every
+    /// time it enters D0.
+    bus_fails_every_start: bool,
 }
 
 struct BusDriver {
@@ -348,6 +355,7 @@ impl DriverEntry for BusDriver {
             services: host.clone(),
             veto_child_power: self.b.veto_child_power,
             pdo_answers_above_asked: self.b.pdo_answers_above_asked,
+            fails_every_start: self.b.bus_fails_every_start,
         }))
     }
 }
@@ -1091,6 +1099,28 @@ fn a_device_its_driver_sets_failed_takes_the_surprise_removal_path_and_restarts(
             && matches!(x.kind, ViolationKind::IrqlTooHigh { service: "WdfDeviceSetFailed", .. })),
         "{v:?}"
     );
+}
+
+#[test]
+fn a_device_that_fails_after_every_restart_is_given_up_on() {
+    let w = world(Breakage {
+        bus_fails_every_start: true,
+        ..Breakage::default()
+    });
+    let events = taken(&w.log);
+    let starts = events.iter().filter(|e| *e == "bus:prepare").count();
+    assert_eq!(
+        starts,
+        1 + sim_host::pnp::MAX_RESTARTS_AFTER_FAILURE as usize,
+        "{events:?}"
+    );
+    assert!(
+        matches!(w.pnp.state(w.bus), Some(PnpState::Failed(_))),
+        "{:?}",
+        w.pnp.state(w.bus)
+    );
+    assert!(!w.pnp.driver_loaded("samplebus"));
+    w.verifier.assert_clean();
 }
 
 #[test]
