@@ -66,6 +66,7 @@ pub struct DeviceInit {
 /// query; the consumer must call [`InterfaceRef::dereference`]).
 pub struct InterfaceRef {
     guid: WinGuid,
+    version: u16,
     object: Arc<dyn Any + Send + Sync>,
     refs: Arc<AtomicUsize>,
     verifier: Verifier,
@@ -86,6 +87,7 @@ impl fmt::Debug for InterfaceRef {
 impl InterfaceRef {
     pub(crate) fn new(
         guid: WinGuid,
+        version: u16,
         object: Arc<dyn Any + Send + Sync>,
         refs: Arc<AtomicUsize>,
         verifier: Verifier,
@@ -94,6 +96,7 @@ impl InterfaceRef {
         refs.fetch_add(1, Ordering::AcqRel);
         Self {
             guid,
+            version,
             object,
             refs,
             verifier,
@@ -140,6 +143,13 @@ impl InterfaceRef {
     /// The interface GUID.
     pub fn guid(&self) -> WinGuid {
         self.guid
+    }
+
+    /// The version the provider answered with (`INTERFACE::Version`): the
+    /// closest it supports not above the one asked for. The consumer
+    /// decides whether it can use it.
+    pub fn version(&self) -> u16 {
+        self.version
     }
 
     /// The provider's object, if it is a `T`.
@@ -278,8 +288,9 @@ pub trait DeviceCallbacks: Send + Sync {
     /// `EvtIoResume`: the device is back in D0; `request` was acknowledged
     /// without requeue in `io_stop` and the driver still owns it.
     fn io_resume(&self, request: &StoppedRequest) {}
-    /// `IRP_MN_QUERY_INTERFACE`: answer for `guid` at `version`, or `None`
-    /// to pass the query down the stack.
+    /// `IRP_MN_QUERY_INTERFACE`: answer for `guid` with the closest
+    /// version this object supports not above `version`, or `None` (none
+    /// that low, or not this GUID) to pass the query down the stack.
     fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {
         None
     }
@@ -294,8 +305,11 @@ pub trait DeviceCallbacks: Send + Sync {
         None
     }
     /// Whether this object's queue holds requests while the device is below
-    /// D0 (KMDF: power-managed queues, the default for function drivers;
-    /// filters answer false).
+    /// D0 (`WDF_IO_QUEUE_CONFIG::PowerManaged`). The default is KMDF's for
+    /// function drivers and PDOs: power-managed. A filter's queues are never
+    /// power-managed here (KMDF's default once `WdfFdoInitSetFilter` was
+    /// called); a WDM driver without KMDF queues (the host's PCI bus and
+    /// root PDOs) answers false.
     fn power_managed_queue(&self) -> bool {
         true
     }

@@ -15,6 +15,7 @@ pub mod file;
 pub mod host;
 pub mod inf;
 pub mod inf_lint;
+pub mod io_target;
 pub mod irql;
 pub mod memory;
 pub mod pci;

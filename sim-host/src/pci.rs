@@ -672,6 +672,11 @@ impl PciFunction {
         self.backplane.with_device(self.index, Device::reset);
     }
 
+    /// Whether the function is still on the bus (not surprise-removed).
+    pub fn present(&self) -> bool {
+        self.present.load(Ordering::Acquire)
+    }
+
     /// The driver's mappings of BAR0 end (its release-hardware returned).
     fn unmap_bars(&self) {
         self.mapping.fetch_add(1, Ordering::AcqRel);

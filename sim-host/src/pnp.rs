@@ -11,7 +11,15 @@
 //!   removed before their parent;
 //! - query-remove and query-stop visit the whole subtree, children first and
 //!   each stack top-down; a veto anywhere sends cancel-remove to everyone
-//!   who already agreed;
+//!   who already agreed; a query-remove first notifies the remote I/O
+//!   targets open on a devnode (`io_target.rs`) and fails while a handle is
+//!   open on it (interface references veto nothing);
+//! - surprise removal (also the path of a device its driver reported
+//!   failed) runs, per stack and children first, `EvtDeviceSurpriseRemoval`,
+//!   D0 exit and release-hardware; `IRP_MN_REMOVE_DEVICE` follows once no
+//!   handle is open ([`PnpManager::remove_when_no_handles_remain`]);
+//! - a failed start releases the hardware of the layers asked to prepare it
+//!   and deletes the stack above the PDO;
 //! - leaving D0 runs top-down within a stack, entering D0 bottom-up.
 //!
 //! The host never holds its own locks while it calls a driver, so a driver
@@ -90,7 +98,26 @@ pub enum PnpState {
     /// Could not start, with the reason (an INF that does not resolve, a
     /// missing driver, a failing callback).
     FailedStart(String),
+    /// Reported failed by a driver (`WdfDeviceSetFailed`) and torn down
+    /// above its PDO, with the reason; not restarted (`NoRestart`, or
+    /// restarted too often).
+    Failed(String),
 }
+
+/// `WDF_DEVICE_FAILED_ACTION`: what `WdfDeviceSetFailed` asks for after the
+/// device's stack is torn down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceFailedAction {
+    /// `WdfDeviceFailedAttemptRestart`: build the stack again and start it.
+    AttemptRestart,
+    /// `WdfDeviceFailedNoRestart`: leave the device failed.
+    NoRestart,
+}
+
+/// How often a devnode reported failed with `AttemptRestart` is restarted
+/// before the framework stops trying ("several consecutive restart
+/// attempts", `WDF_DEVICE_FAILED_ACTION`).
+pub const MAX_RESTARTS_AFTER_FAILURE: u32 = 3;
 
 struct Layer {
     service: Arc<str>,
@@ -113,6 +140,17 @@ struct DevNode {
     description: String,
     /// Bottom (PDO) first.
     stack: Vec<Layer>,
+    /// How many layers, from the bottom, prepared hardware and have not
+    /// released it yet: release-hardware goes to exactly these.
+    prepared: usize,
+    /// After a failed D0 entry, how many layers below the failing one
+    /// entered D0 (they leave it again if that was the start).
+    entered_d0: usize,
+    /// Reported failed (`WdfDeviceSetFailed`) and being torn down: by
+    /// whom, and what follows.
+    failed: Option<(Arc<str>, DeviceFailedAction)>,
+    /// Restarts after a failure so far.
+    restarts: u32,
     state: PnpState,
     power: DevicePowerState,
     /// References handed out on this stack's interfaces, by the devnode
@@ -123,13 +161,12 @@ struct DevNode {
 }
 
 impl DevNode {
-    /// References on this stack's interfaces held by anyone other than
-    /// the drivers of `inside`.
-    fn references_held_outside(&self, inside: &[DevNodeId]) -> usize {
+    /// References on this stack's interfaces not given back yet, whoever
+    /// holds them.
+    fn references_outstanding(&self) -> usize {
         self.interface_refs
-            .iter()
-            .filter(|(holder, _)| !holder.is_some_and(|h| inside.contains(&h)))
-            .map(|(_, count)| count.load(Ordering::Acquire))
+            .values()
+            .map(|count| count.load(Ordering::Acquire))
             .sum()
     }
 }
@@ -185,6 +222,11 @@ pub(crate) struct PnpInner {
     sched: Mutex<Option<SchedulerHandle>>,
     /// File objects and process handles (`file.rs`).
     pub(crate) files: crate::file::FileTable,
+    /// Devices their drivers reported failed, acted on by the PnP worker
+    /// (`IoInvalidateDeviceState` is asynchronous too).
+    pending_failures: Mutex<Vec<(DevNodeId, Arc<str>, DeviceFailedAction)>>,
+    /// Remote I/O targets not closed yet (`io_target.rs`).
+    pub(crate) io_targets: Mutex<Vec<Arc<crate::io_target::TargetInner>>>,
 }
 
 enum ChildReport {
@@ -212,7 +254,7 @@ impl std::fmt::Debug for PnpManager {
 /// queries on its own stack, device interfaces.
 #[derive(Clone)]
 pub struct DeviceServices {
-    pnp: Weak<PnpInner>,
+    pub(crate) pnp: Weak<PnpInner>,
     node: DevNodeId,
     service: Arc<str>,
 }
@@ -323,6 +365,22 @@ impl DeviceServices {
         }
     }
 
+    /// `WdfDeviceSetFailed` (IRQL <= DISPATCH_LEVEL): the driver met an
+    /// error it cannot recover from. The PnP manager acts on it on its
+    /// worker ([`PnpManager::process_bus_relations`]): the device goes down
+    /// the surprise-removal path (its children removed, then
+    /// `EvtDeviceSurpriseRemoval`, D0 exit and release-hardware on its own
+    /// stack), its device objects above the PDO are deleted once no handle
+    /// is open, and with [`DeviceFailedAction::AttemptRestart`] the stack
+    /// is built and started again (at most
+    /// [`MAX_RESTARTS_AFTER_FAILURE`] times).
+    pub fn set_failed(&self, action: DeviceFailedAction) {
+        crate::irql::check_max("WdfDeviceSetFailed", Irql::DISPATCH);
+        if let Some(inner) = self.pnp.upgrade() {
+            lock(&inner.pending_failures).push((self.node, self.service.clone(), action));
+        }
+    }
+
     /// The verifier of this host.
     pub fn verifier(&self) -> Option<Verifier> {
         self.pnp.upgrade().map(|i| i.verifier.clone())
@@ -406,7 +464,7 @@ impl PnpManager {
         binder: Box<dyn Binder>,
         registry: RegistryStore,
     ) -> Self {
-        Self {
+        let pnp = Self {
             inner: Arc::new(PnpInner {
                 unload_hooks: Mutex::default(),
                 registry,
@@ -418,8 +476,20 @@ impl PnpManager {
                 pending_children: Mutex::default(),
                 sched: Mutex::default(),
                 files: crate::file::FileTable::default(),
+                pending_failures: Mutex::default(),
+                io_targets: Mutex::default(),
             }),
-        }
+        };
+        // A surprise-removed devnode gets IRP_MN_REMOVE_DEVICE once its last
+        // file object closes (weak: the hook must not keep the manager alive).
+        let weak = Arc::downgrade(&pnp.inner);
+        pnp.on_file_closed(move |node| {
+            if let Some(inner) = weak.upgrade() {
+                let pnp = PnpManager { inner };
+                pnp.remove_when_no_handles_remain(node, pnp.open_handles(node));
+            }
+        });
+        pnp
     }
 
     /// Runs `hook` with each driver's service name as it unloads: where
@@ -508,6 +578,9 @@ impl PnpManager {
             d.devices += 1;
         }
         let callbacks = self.entered(&owner, pdo);
+        // A PDO's queue follows its bus driver's choice; KMDF's default
+        // for a PDO is power-managed, as for a function driver.
+        let power_managed = callbacks.power_managed_queue();
         let id = {
             let mut tree = lock(&self.inner.tree);
             let id = DevNodeId(tree.nodes.len());
@@ -521,11 +594,15 @@ impl PnpManager {
                 stack: vec![Layer {
                     service: owner,
                     role: StackRole::Pdo,
-                    power_managed: false,
+                    power_managed,
                     callbacks,
                     held: VecDeque::new(),
                     presented: Arc::default(),
                 }],
+                prepared: 0,
+                entered_d0: 0,
+                failed: None,
+                restarts: 0,
                 state: PnpState::Enumerated,
                 power: DevicePowerState::D3,
                 interface_refs: BTreeMap::new(),
@@ -600,7 +677,7 @@ impl PnpManager {
         lock(&self.inner.tree)
             .nodes
             .get(node.0)
-            .map_or(0, |n| n.references_held_outside(&[]))
+            .map_or(0, |n| n.references_outstanding())
     }
 
     /// The devnodes with an enabled device interface of `class`, in
@@ -668,10 +745,13 @@ impl PnpManager {
             .unwrap_or_default()
     }
 
+    /// A start that failed, as KMDF and the PnP manager end it: every layer
+    /// that was asked to prepare hardware (the failing one included) gets
+    /// release-hardware, top-down, then `IRP_MN_REMOVE_DEVICE` deletes the
+    /// stack's device objects above the PDO, which stays with the reason.
     fn fail_start(&self, node: DevNodeId, reason: String) {
-        if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
-            n.state = PnpState::FailedStart(reason);
-        }
+        self.release_prepared(node);
+        self.delete_device_objects(node, PnpState::FailedStart(reason));
     }
 
     /// Builds the stack from the binding and starts it (bottom-up prepare
@@ -753,8 +833,12 @@ impl PnpManager {
             }
         }
         // IRP_MN_START_DEVICE: each layer after the ones below it.
-        for (service, cb) in self.layers(node) {
+        for (index, (service, cb)) in self.layers(node).into_iter().enumerate() {
             let status = cb.prepare_hardware();
+            // Asked to prepare: it hears release-hardware whatever it said.
+            if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
+                n.prepared = index + 1;
+            }
             if status != SUCCESS {
                 return self.fail_start(
                     node,
@@ -763,6 +847,22 @@ impl PnpManager {
             }
         }
         if let Err(reason) = self.enter_d0(node) {
+            // The layers that entered D0 leave it, top-down, with their
+            // interrupts disconnected, before the hardware is released.
+            let entered = lock(&self.inner.tree)
+                .nodes
+                .get_mut(node.0)
+                .map_or(0, |n| std::mem::take(&mut n.entered_d0));
+            let function = self.pci_function(node);
+            for (service, cb) in self.layers(node).into_iter().take(entered).rev() {
+                if let Some(function) = &function {
+                    function.disconnect_interrupts(&service, false);
+                }
+                cb.d0_exit(DevicePowerState::D3);
+            }
+            if let Some(function) = &function {
+                function.enter_d3();
+            }
             return self.fail_start(node, reason);
         }
         if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
@@ -794,19 +894,30 @@ impl PnpManager {
         if let Some(function) = &function {
             function.enter_d0();
         }
-        for (service, cb) in self.layers(node) {
+        for (index, (service, cb)) in self.layers(node).into_iter().enumerate() {
             let status = cb.d0_entry(from);
             if status != SUCCESS {
+                if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
+                    n.entered_d0 = index;
+                }
                 return Err(format!("`{service}` D0 entry failed: {status:?}"));
             }
+            // From here on this layer is in D0: a failure leaves it again.
+            let entered = |n: &mut DevNode| n.entered_d0 = index + 1;
             if let Some(function) = &function {
                 let status = function.connect_interrupts(&service);
                 if status != SUCCESS {
+                    if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
+                        entered(n);
+                    }
                     return Err(format!("`{service}` EvtInterruptEnable failed: {status:?}"));
                 }
             }
             let status = cb.d0_entry_post_interrupts_enabled(from);
             if status != SUCCESS {
+                if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
+                    entered(n);
+                }
                 return Err(format!(
                     "`{service}` D0 entry (post interrupts enabled) failed: {status:?}"
                 ));
@@ -919,7 +1030,7 @@ impl PnpManager {
         if self.power(node) != Some(DevicePowerState::D0) {
             return;
         }
-        let surprise_removed = self.state(node) == Some(PnpState::SurpriseRemoved);
+        // EvtInterruptDisable is skipped only when the hardware is gone.
         let layers: Vec<_> = {
             let mut tree = lock(&self.inner.tree);
             let Some(n) = tree.nodes.get_mut(node.0) else {
@@ -935,6 +1046,7 @@ impl PnpManager {
                 .collect()
         };
         let function = self.pci_function(node);
+        let hardware_gone = function.as_ref().is_some_and(|f| !f.present());
         let report = |service: &str, what: &str, status: NtStatus| {
             self.inner.verifier.report(
                 Some(service),
@@ -952,7 +1064,7 @@ impl PnpManager {
                 report(&service, "D0 exit (pre interrupts disabled)", status);
             }
             if let Some(function) = &function {
-                function.disconnect_interrupts(&service, surprise_removed);
+                function.disconnect_interrupts(&service, hardware_gone);
             }
             let status = cb.d0_exit(to);
             if status != SUCCESS {
@@ -969,25 +1081,64 @@ impl PnpManager {
     /// manager re-queries bus relations on its own thread). The host does
     /// this after every start and resume; a test calls it to model the
     /// PnP worker getting round to a report made from a DPC or work item.
+    /// Devices reported failed (`DeviceServices::set_failed`) are acted on
+    /// here too.
     pub fn process_bus_relations(&self) {
         loop {
+            let failures = std::mem::take(&mut *lock(&self.inner.pending_failures));
+            for (node, service, action) in &failures {
+                self.device_failed(*node, service.clone(), *action);
+            }
             let pending = std::mem::take(&mut *lock(&self.inner.pending_children));
-            if pending.is_empty() {
+            if pending.is_empty() && failures.is_empty() {
                 return;
             }
             for (parent, report) in pending {
                 match report {
-                    ChildReport::Present(desc) => self.child_present(parent, desc),
+                    // The PnP manager asks a started bus for its relations:
+                    // a report from a stack torn down since (removed, or
+                    // failed) has nobody left to answer.
+                    ChildReport::Present(desc) => {
+                        if self.state(parent) == Some(PnpState::Started) {
+                            self.child_present(parent, desc);
+                        }
+                    }
                     ChildReport::Missing(id) => {
                         let path =
                             format!("{}\\{}", self.instance_path(parent).unwrap_or_default(), id);
+                        // A started child that vanished is surprise-removed;
+                        // one that never started is simply removed.
                         if let Some(child) = self.find(&path) {
-                            self.remove(child);
+                            match self.state(child) {
+                                Some(PnpState::Started | PnpState::Stopped) => {
+                                    self.surprise_remove(child)
+                                }
+                                Some(PnpState::Removed | PnpState::SurpriseRemoved) | None => {}
+                                Some(_) => self.remove(child),
+                            }
                         }
                     }
                 }
             }
         }
+    }
+
+    /// A device its driver reported failed: the surprise-removal path, then
+    /// (in `remove_when_no_handles_remain`) its stack above the PDO goes and
+    /// is restarted if asked. A device already going is left alone.
+    fn device_failed(&self, node: DevNodeId, service: Arc<str>, action: DeviceFailedAction) {
+        {
+            let mut tree = lock(&self.inner.tree);
+            let Some(dn) = tree.nodes.get_mut(node.0) else {
+                return;
+            };
+            if !matches!(dn.state, PnpState::Started | PnpState::Stopped) {
+                return;
+            }
+            dn.failed = Some((service, action));
+        }
+        // The hardware is still there: only the driver gave up on it.
+        self.surprise_removal_sequence(node);
     }
 
     fn child_present(&self, parent: DevNodeId, desc: ChildDescription) {
@@ -1057,7 +1208,7 @@ impl PnpManager {
                     drop(tree);
                     return req_complete(req, NO_SUCH_DEVICE);
                 }
-                PnpState::FailedStart(_) | PnpState::Enumerated => {
+                PnpState::FailedStart(_) | PnpState::Failed(_) | PnpState::Enumerated => {
                     drop(tree);
                     return req_complete(req, DELETE_PENDING);
                 }
@@ -1088,8 +1239,11 @@ impl PnpManager {
     }
 
     /// `IRP_MN_QUERY_INTERFACE` sent to the top of `node`'s stack; each layer
-    /// top-down may answer. An answer at a lower version than asked is no
-    /// answer; the reference is counted against the stack.
+    /// top-down may answer, with the closest version it supports not above
+    /// the one asked for (the consumer checks [`InterfaceRef::version`]).
+    /// An answer above the version asked breaks that contract: it is a
+    /// `Protocol` violation charged to the provider and no answer. The
+    /// reference is counted against the stack.
     pub fn query_interface(
         &self,
         node: DevNodeId,
@@ -1128,22 +1282,32 @@ impl PnpManager {
             .or_default()
             .clone();
         let consumer = consumer.map(|(service, _)| service);
-        for (provider, cb) in self.layers(node).into_iter().rev() {
+        for (service, cb) in self.layers(node).into_iter().rev() {
             if let Some(provided) = cb.query_interface(guid, version) {
-                let ok = ib_types::interface::InterfaceVersion::from_packed(provided.version)
-                    .satisfies(ib_types::interface::InterfaceVersion::from_packed(version));
-                if ok {
-                    return Some(
-                        InterfaceRef::new(
-                            *guid,
-                            provided.object,
-                            refs,
-                            self.inner.verifier.clone(),
-                            consumer,
-                        )
-                        .provided_by(provider),
+                if provided.version > version {
+                    self.inner.verifier.report(
+                        Some(&service),
+                        ViolationKind::Protocol {
+                            detail: format!(
+                                "IRP_MN_QUERY_INTERFACE for {guid} answered at version \
+                                 {:#06x}, above the {version:#06x} asked for",
+                                provided.version
+                            ),
+                        },
                     );
+                    continue;
                 }
+                return Some(
+                    InterfaceRef::new(
+                        *guid,
+                        provided.version,
+                        provided.object,
+                        refs,
+                        self.inner.verifier.clone(),
+                        consumer,
+                    )
+                    .provided_by(service),
+                );
             }
         }
         None
@@ -1154,9 +1318,7 @@ impl PnpManager {
     pub fn stop(&self, node: DevNodeId) -> Result<(), Veto> {
         self.query("query-stop", node, |cb| cb.query_stop())?;
         self.leave_d0(node, DevicePowerState::D3, StopAction::Suspend);
-        for (_, cb) in self.layers(node).into_iter().rev() {
-            cb.release_hardware();
-        }
+        self.release_prepared(node);
         if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
             n.state = PnpState::Stopped;
         }
@@ -1171,7 +1333,13 @@ impl PnpManager {
     }
 
     /// Asks every layer of `node`'s subtree (children first, each stack
-    /// top-down); on a veto, everyone who agreed gets cancel-remove.
+    /// top-down); on a veto, everyone who agreed gets cancel-remove. A
+    /// query-remove first notifies the remote I/O targets open on each
+    /// devnode (`EvtIoTargetQueryRemove`, which may veto) and then fails
+    /// if a handle is still open on it, as the PnP manager does; a
+    /// cancelled query-remove ends with `EvtIoTargetRemoveCanceled` for the
+    /// targets notified. Interface references do not count: they are the
+    /// consumer's to give back when its own device goes.
     fn query(
         &self,
         what: &'static str,
@@ -1179,28 +1347,35 @@ impl PnpManager {
         ask: impl Fn(&dyn DeviceCallbacks) -> NtStatus,
     ) -> Result<(), Veto> {
         let mut agreed: Vec<Arc<dyn DeviceCallbacks>> = Vec::new();
-        let subtree = self.subtree_postorder(node);
-        for &n in &subtree {
-            // References held by drivers inside the subtree are theirs to
-            // release on removal; anyone else's pins the stack.
-            let pinned = lock(&self.inner.tree).nodes[n.0].references_held_outside(&subtree);
-            if what == "query-remove" && pinned > 0 {
-                for cb in &agreed {
-                    cb.cancel_remove();
+        let mut notified = Vec::new();
+        let removing = what == "query-remove";
+        let cancel = |agreed: &[Arc<dyn DeviceCallbacks>], notified| {
+            for cb in agreed {
+                cb.cancel_remove();
+            }
+            self.notify_target_remove_canceled(notified);
+        };
+        for n in self.subtree_postorder(node) {
+            if removing {
+                if let Err(veto) = self.notify_target_query_remove(n, &mut notified) {
+                    cancel(&agreed, notified);
+                    return Err(veto);
                 }
-                return Err(Veto {
-                    what,
-                    instance_path: self.instance_path(n).unwrap_or_default(),
-                    service: "host (interface references outstanding)".to_owned(),
-                    status: crate::driver::UNSUCCESSFUL,
-                });
+                let handles = self.open_handles(n);
+                if handles > 0 {
+                    cancel(&agreed, notified);
+                    return Err(Veto {
+                        what,
+                        instance_path: self.instance_path(n).unwrap_or_default(),
+                        service: format!("host ({handles} open handle(s))"),
+                        status: crate::driver::UNSUCCESSFUL,
+                    });
+                }
             }
             for (service, cb) in self.layers(n).into_iter().rev() {
                 let status = ask(cb.as_ref());
                 if status != SUCCESS {
-                    for cb in &agreed {
-                        cb.cancel_remove();
-                    }
+                    cancel(&agreed, notified);
                     return Err(Veto {
                         what,
                         instance_path: self.instance_path(n).unwrap_or_default(),
@@ -1215,29 +1390,22 @@ impl PnpManager {
     }
 
     /// Query-remove, then remove the subtree (children first). Refused
-    /// while interface references are outstanding or a driver vetoes.
+    /// while a handle is open on a devnode of the subtree, or when a
+    /// driver or a remote I/O target's `EvtIoTargetQueryRemove` vetoes.
     pub fn query_and_remove(&self, node: DevNodeId) -> Result<(), Veto> {
-        // Minimal stand-in until removal's own open-handle hook lands: a
-        // handle open on a devnode of the subtree (`file.rs`) vetoes.
-        for n in self.subtree_postorder(node) {
-            let handles = self.open_handle_count(n);
-            if handles > 0 {
-                return Err(Veto {
-                    what: "query-remove",
-                    instance_path: self.instance_path(n).unwrap_or_default(),
-                    service: format!("host ({handles} open handle(s))"),
-                    status: crate::driver::UNSUCCESSFUL,
-                });
-            }
-        }
         self.query("query-remove", node, |cb| cb.query_remove())?;
         self.remove(node);
         Ok(())
     }
 
-    /// Surprise removal: the hardware is gone. Every layer of the subtree
-    /// hears it (children first), held requests complete with
-    /// `STATUS_NO_SUCH_DEVICE`, then the subtree is removed.
+    /// Surprise removal (`IRP_MN_SURPRISE_REMOVAL`): the hardware is gone.
+    /// Each stack of the subtree, children first, goes through KMDF's
+    /// sequence: requests its queues held complete with
+    /// `STATUS_NO_SUCH_DEVICE`, every layer top-down hears
+    /// `EvtDeviceSurpriseRemoval`, then the stack leaves D0 and releases
+    /// hardware. `IRP_MN_REMOVE_DEVICE` follows for each devnode only once
+    /// the last handle to it is closed and its children are removed
+    /// ([`PnpManager::remove_when_no_handles_remain`]).
     pub fn surprise_remove(&self, node: DevNodeId) {
         // The hardware left the bus before anyone hears of it.
         for n in self.subtree_postorder(node) {
@@ -1245,28 +1413,141 @@ impl PnpManager {
                 function.surprise_removed();
             }
         }
-        for n in self.subtree_postorder(node) {
-            let held: Vec<HostRequest> = {
+        self.surprise_removal_sequence(node);
+    }
+
+    /// KMDF's surprise-removal sequence for each stack of the subtree
+    /// (see [`PnpManager::surprise_remove`]); the hardware may still be
+    /// there (a device its driver reported failed, `WdfDeviceSetFailed`).
+    fn surprise_removal_sequence(&self, node: DevNodeId) {
+        let subtree = self.subtree_postorder(node);
+        for &n in &subtree {
+            let (was, held) = {
                 let mut tree = lock(&self.inner.tree);
                 let dn = &mut tree.nodes[n.0];
-                dn.state = PnpState::SurpriseRemoved;
-                dn.stack
+                let was = std::mem::replace(&mut dn.state, PnpState::SurpriseRemoved);
+                let held: Vec<HostRequest> = dn
+                    .stack
                     .iter_mut()
                     .flat_map(|l| {
                         let mut purged: Vec<_> = l.presented.take_requeued();
                         purged.extend(l.held.drain(..));
                         purged
                     })
-                    .collect()
+                    .collect();
+                (was, held)
             };
+            if matches!(was, PnpState::Removed | PnpState::SurpriseRemoved) {
+                // Already gone (or going): nothing more to tell its drivers.
+                if let Some(dn) = lock(&self.inner.tree).nodes.get_mut(n.0) {
+                    dn.state = was;
+                }
+                continue;
+            }
             for req in held {
                 req_complete(req, NO_SUCH_DEVICE);
             }
-            for (_, cb) in self.layers(n).into_iter().rev() {
-                cb.surprise_removal();
+            if matches!(was, PnpState::Started | PnpState::Stopped) {
+                for (_, cb) in self.layers(n).into_iter().rev() {
+                    cb.surprise_removal();
+                }
             }
+            self.leave_d0(n, DevicePowerState::D3, StopAction::Purge);
+            self.release_prepared(n);
+            self.notify_target_remove_complete(n);
+        }
+        for &n in &subtree {
+            self.remove_when_no_handles_remain(n, self.open_handles(n));
+        }
+    }
+
+    /// Open handles on a devnode's device: the count that holds back
+    /// `IRP_MN_REMOVE_DEVICE` after a surprise removal and fails a
+    /// query-remove: the open remote I/O targets (`io_target.rs`) and the
+    /// file objects not yet closed (`file.rs`: handles open, or requests
+    /// on a cleaned-up file still in flight). Closing the last one
+    /// re-checks a surprise-removed devnode (the hook registered in
+    /// [`PnpManager::with_registry`]).
+    pub(crate) fn open_handles(&self, node: DevNodeId) -> usize {
+        self.io_target_handles(node) + self.file_object_count(node)
+    }
+
+    /// Whether `device` has an enabled device interface of `class`.
+    pub(crate) fn interface_enabled(&self, device: DevNodeId, class: WinGuid) -> bool {
+        lock(&self.inner.tree)
+            .nodes
+            .get(device.0)
+            .is_some_and(|n| n.interfaces.get(&class) == Some(&true))
+    }
+
+    /// Sends `IRP_MN_REMOVE_DEVICE` to a surprise-removed devnode once
+    /// nothing holds it any more: `open_handles` is the number of handles
+    /// still open on it, and its children must all be removed (a parent is
+    /// removed after its children). Whoever closes a handle to such a
+    /// device calls this with the count left; removing the last child
+    /// retries its surprise-removed parent.
+    pub fn remove_when_no_handles_remain(&self, node: DevNodeId, open_handles: usize) {
+        let (parent, waiting_for_children) = {
+            let tree = lock(&self.inner.tree);
+            let Some(dn) = tree.nodes.get(node.0) else {
+                return;
+            };
+            if dn.state != PnpState::SurpriseRemoved || open_handles > 0 {
+                return;
+            }
+            (
+                dn.parent,
+                dn.children
+                    .iter()
+                    .any(|c| tree.nodes[c.0].state != PnpState::Removed),
+            )
+        };
+        if waiting_for_children {
+            return;
+        }
+        let failed = lock(&self.inner.tree)
+            .nodes
+            .get_mut(node.0)
+            .and_then(|n| n.failed.take());
+        if let Some((service, action)) = failed {
+            return self.failed_device_removed(node, &service, action);
         }
         self.remove(node);
+        if let Some(parent) = parent {
+            self.remove_when_no_handles_remain(parent, self.open_handles(parent));
+        }
+    }
+
+    /// The end of a failed device's surprise-removal path: its PDO stays
+    /// (the device is still on its bus), the device objects above it are
+    /// deleted, and the stack is built and started again if its driver
+    /// asked for a restart and the restarts are not used up.
+    fn failed_device_removed(&self, node: DevNodeId, service: &str, action: DeviceFailedAction) {
+        let restart = action == DeviceFailedAction::AttemptRestart
+            && lock(&self.inner.tree)
+                .nodes
+                .get_mut(node.0)
+                .is_some_and(|n| {
+                    n.restarts += 1;
+                    n.restarts <= MAX_RESTARTS_AFTER_FAILURE
+                });
+        let reason = format!("`{service}` reported the device failed ({action:?})");
+        self.delete_device_objects(node, PnpState::Failed(reason));
+        if restart {
+            self.start(node);
+        }
+    }
+
+    /// `EvtDeviceReleaseHardware` for every layer that prepared hardware
+    /// and has not released it, top-down.
+    fn release_prepared(&self, node: DevNodeId) {
+        let prepared = lock(&self.inner.tree)
+            .nodes
+            .get_mut(node.0)
+            .map_or(0, |n| std::mem::take(&mut n.prepared));
+        for (_, cb) in self.layers(node).into_iter().take(prepared).rev() {
+            cb.release_hardware();
+        }
     }
 
     /// Removes a subtree, children first: each stack leaves D0 top-down,
@@ -1278,65 +1559,75 @@ impl PnpManager {
                 continue;
             }
             self.leave_d0(n, DevicePowerState::D3, StopAction::Purge);
-            for (_, cb) in self.layers(n).into_iter().rev() {
-                cb.release_hardware();
-            }
-            let (layers, held, refs, path, interfaces) = {
-                let mut tree = lock(&self.inner.tree);
-                let dn = &mut tree.nodes[n.0];
-                dn.state = PnpState::Removed;
-                let held: Vec<HostRequest> = dn
-                    .stack
-                    .iter_mut()
-                    .flat_map(|l| {
-                        let mut purged: Vec<_> = l.presented.take_requeued();
-                        purged.extend(l.held.drain(..));
-                        purged
-                    })
-                    .collect();
-                let layers: Vec<Arc<str>> = dn
-                    .stack
-                    .iter()
-                    .map(|l| l.service.clone())
-                    .filter(|s| &**s != HOST_PDO)
-                    .collect();
-                dn.stack.truncate(1);
-                let interfaces: Vec<WinGuid> = dn
-                    .interfaces
-                    .iter()
-                    .filter(|(_, on)| **on)
-                    .map(|(g, _)| *g)
-                    .collect();
-                dn.interfaces.clear();
-                (
-                    layers,
-                    held,
-                    dn.references_held_outside(&[]),
-                    dn.instance_path.clone(),
-                    interfaces,
-                )
-            };
-            for req in held {
-                req_complete(req, NO_SUCH_DEVICE);
-            }
-            for class in interfaces {
-                lock(&self.inner.interface_events)
-                    .push(InterfaceEvent::Removal { class, device: n });
-            }
-            if refs > 0 {
-                self.inner.verifier.report(
-                    None,
-                    ViolationKind::ReferenceLeak {
-                        what: format!(
-                            "{refs} interface reference(s) on {path} outstanding at removal"
-                        ),
-                    },
-                );
-            }
-            for service in layers {
-                self.device_object_deleted(&service);
-            }
+            self.release_prepared(n);
+            self.delete_device_objects(n, PnpState::Removed);
         }
+    }
+
+    /// The end of `IRP_MN_REMOVE_DEVICE` for one devnode: held requests
+    /// complete, its enabled interfaces go (with notifications), a
+    /// reference still held on its interfaces is a leak, its device
+    /// objects are deleted (drivers left without one unload), and the
+    /// remote I/O targets on it or opened by it are done with. A removed
+    /// devnode's PDO goes too; a devnode whose start failed keeps its PDO
+    /// (the bus still reports it) and ends in `end`.
+    fn delete_device_objects(&self, n: DevNodeId, end: PnpState) {
+        let keep_pdo = end != PnpState::Removed;
+        let (layers, held, refs, path, interfaces) = {
+            let mut tree = lock(&self.inner.tree);
+            let dn = &mut tree.nodes[n.0];
+            dn.state = end;
+            let held: Vec<HostRequest> = dn
+                .stack
+                .iter_mut()
+                .flat_map(|l| {
+                    let mut purged: Vec<_> = l.presented.take_requeued();
+                    purged.extend(l.held.drain(..));
+                    purged
+                })
+                .collect();
+            let layers: Vec<Arc<str>> = dn
+                .stack
+                .iter()
+                .skip(usize::from(keep_pdo))
+                .map(|l| l.service.clone())
+                .filter(|s| &**s != HOST_PDO)
+                .collect();
+            dn.stack.truncate(1);
+            let interfaces: Vec<WinGuid> = dn
+                .interfaces
+                .iter()
+                .filter(|(_, on)| **on)
+                .map(|(g, _)| *g)
+                .collect();
+            dn.interfaces.clear();
+            (
+                layers,
+                held,
+                dn.references_outstanding(),
+                dn.instance_path.clone(),
+                interfaces,
+            )
+        };
+        for req in held {
+            req_complete(req, NO_SUCH_DEVICE);
+        }
+        for class in interfaces {
+            lock(&self.inner.interface_events).push(InterfaceEvent::Removal { class, device: n });
+        }
+        if refs > 0 {
+            self.inner.verifier.report(
+                None,
+                ViolationKind::ReferenceLeak {
+                    what: format!("{refs} interface reference(s) on {path} outstanding at removal"),
+                },
+            );
+        }
+        for service in layers {
+            self.device_object_deleted(&service);
+        }
+        self.notify_target_remove_complete(n);
+        self.close_targets_opened_by(n);
     }
 
     /// Wraps a driver's callbacks so each runs in that driver's context

@@ -183,11 +183,8 @@ impl DeviceCallbacks for StandInDevice {
     }
 }
 
-/// The PDO of a port child.
+/// The PDO of a port child: its queue is power-managed, KMDF's default
+/// for a PDO.
 struct ChildPdo;
 
-impl DeviceCallbacks for ChildPdo {
-    fn power_managed_queue(&self) -> bool {
-        false
-    }
-}
+impl DeviceCallbacks for ChildPdo {}

@@ -36,6 +36,10 @@
 //!   device while its interrupts are still connected, `Hca::d0_entry`
 //!   brings it up again and restores them (clients' handles stay valid;
 //!   the device lost its state in D3).
+//! - the core's event sink (`ReportingSink`): every event goes on to the
+//!   device's outer sink; a failure only a restart recovers from is
+//!   reported with `DeviceServices::set_failed(AttemptRestart)`
+//!   (`WdfDeviceSetFailed`, as the KMDF shell's `FailureSink`).
 //! - `release_hardware` (`EvtDeviceReleaseHardware`): stops the device if
 //!   it still runs (the interrupts were disconnected before D0 exit, and
 //!   their DPCs flushed), drops the adapter, and flushes the DPCs, work
@@ -68,7 +72,8 @@
 //!   unlocked before the process can exit (`PROCESS_HAS_LOCKED_PAGES`
 //!   otherwise).
 //! - `query_interface` (`WdfDeviceAddQueryInterface`): answers
-//!   `GUID_IB_CI_INTERFACE` at any version the provider satisfies with
+//!   `GUID_IB_CI_INTERFACE` asked at the provider's version or above (with
+//!   its version, the closest not above: `CiProvider::answer_version`) with
 //!   the [`CiProvider`] itself, an `Arc<CiProvider<P>>` in the host's
 //!   counted `InterfaceRef` (the KMDF shell hands out the FFI table
 //!   `ib_types::interface::CiInterface` over the same provider instead;
@@ -104,7 +109,7 @@ use sim_host::host::Host;
 use sim_host::memory::{AddressSpace, Process};
 use sim_host::pci::{InterruptConfig, PciFunction};
 use sim_host::platform::SimPlatform;
-use sim_host::pnp::{DevNodeId, DeviceServices};
+use sim_host::pnp::{DevNodeId, DeviceFailedAction, DeviceServices};
 use sim_host::request::{HostRequest, StoppedRequest};
 use sim_host::sched::{DeviceDeferred, SchedulerHandle};
 
@@ -390,7 +395,10 @@ impl<P: ShellPlatform> MiniportDevice<P> {
                     free_common: Box::new(|dma: &HostDmaAdapter, buffer| dma.free_common(buffer)),
                 },
                 self.options.config,
-                self.sink.clone(),
+                Arc::new(ReportingSink {
+                    outer: self.sink.clone(),
+                    host: self.host.clone(),
+                }),
             )
         });
         let mut dpcs = vec![core_deferred?];
@@ -608,14 +616,13 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
     }
 
     fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {
-        if *guid != GUID_IB_CI_INTERFACE
-            || CiProvider::<P>::check_version(InterfaceVersion::from_packed(version)).is_err()
-        {
+        if *guid != GUID_IB_CI_INTERFACE {
             return None;
         }
+        let answered = CiProvider::<P>::answer_version(InterfaceVersion::from_packed(version))?;
         let provider = self.provider()?;
         Some(ProvidedInterface {
-            version: CiProvider::<P>::VERSION.packed(),
+            version: answered.packed(),
             // The object is an `Arc<CiProvider<P>>`, so a consumer can keep
             // the provider in its own routines while it holds the reference.
             object: Arc::new(provider) as Arc<dyn Any + Send + Sync>,
@@ -631,6 +638,42 @@ fn dpc_routine<P: Platform>(hca: Weak<Hca<P>>) -> Arc<dyn Fn() + Send + Sync> {
             hca.dpc();
         }
     })
+}
+
+/// The sink the core reports to: every event goes on to the device's outer
+/// sink, and a failure only a restart recovers from is reported to the
+/// framework (`WdfDeviceSetFailed` with `AttemptRestart`,
+/// `DeviceServices::set_failed`), as the KMDF shell's sink does.
+struct ReportingSink {
+    outer: Arc<dyn EventSink>,
+    host: DeviceServices,
+}
+
+impl EventSink for ReportingSink {
+    fn completion(&self, cqn: u32) {
+        self.outer.completion(cqn);
+    }
+    fn qp_event(&self, qpn: Qpn, event: QpEvent) {
+        self.outer.qp_event(qpn, event);
+    }
+    fn srq_event(&self, srqn: u32, event: SrqEvent) {
+        self.outer.srq_event(srqn, event);
+    }
+    fn cq_error(&self, cqn: u32) {
+        self.outer.cq_error(cqn);
+    }
+    fn port_change(&self, port: PortNum, active: bool) {
+        self.outer.port_change(port, active);
+    }
+    fn port_violation(&self, port: PortNum, violation: PortViolation) {
+        self.outer.port_violation(port, violation);
+    }
+    fn device_failed(&self, failure: DeviceFailure) {
+        self.outer.device_failed(failure);
+        if failure.needs_restart() {
+            self.host.set_failed(DeviceFailedAction::AttemptRestart);
+        }
+    }
 }
 
 /// The outer sink of the shell's devices: counts what reaches it (a

@@ -1912,8 +1912,10 @@ impl Swarm {
     }
 
     fn catastrophic(&mut self) -> Result<(), String> {
-        // One per run: a failed HCA stays failed until PnP restarts it,
-        // which the swarm does not do (yet).
+        // One per run: the shell reports the failed HCA to PnP
+        // (WdfDeviceSetFailed, AttemptRestart), whose next pass restarts it
+        // under the swarm's live objects; the swarm does not follow a
+        // restart (yet), so after this it runs no PnP pass (no sleep).
         // In the second half of the run, so that the first half moves
         // traffic on two working HCAs.
         if self.catastrophe
@@ -1943,7 +1945,9 @@ impl Swarm {
     }
 
     fn sleep_resume(&mut self) -> Result<(), String> {
-        if !self.pending.is_empty() || self.hold.is_some() {
+        // A resume runs the PnP worker, which would restart an HCA reported
+        // failed (see `catastrophic`).
+        if !self.pending.is_empty() || self.hold.is_some() || self.catastrophe {
             return Ok(());
         }
         self.note("sleep (S3) and resume".to_owned());

@@ -14,8 +14,11 @@
 //!   to cross, and the host counts the reference the FFI header would.
 //!
 //! Contract, entry by entry:
-//! - **Version.** [`CiProvider::VERSION`] is `CI_INTERFACE_VERSION`; a
-//!   consumer asking for a version it does not satisfy gets no interface
+//! - **Version.** [`CiProvider::VERSION`] is `CI_INTERFACE_VERSION`. As
+//!   `IRP_MN_QUERY_INTERFACE` requires, a query is answered with the
+//!   closest version supported not above the one asked for
+//!   ([`CiProvider::answer_version`]), or not at all if that is lower than
+//!   any supported; the consumer checks what it got
 //!   ([`CiProvider::check_version`]: same major, at least the minor).
 //! - **Identity.** [`CiProvider::identity`] (CA GUID, vendor, device,
 //!   revision, from `QUERY_DEV_CAP`) and [`CiProvider::uvp_name`] (the
@@ -118,6 +121,13 @@ where
     /// The provider of `hca`.
     pub fn new(hca: Arc<Hca<P>>) -> Self {
         Self { hca }
+    }
+
+    /// The version a query for `asked` is answered with: the closest this
+    /// provider supports not above it (it supports one, [`Self::VERSION`]),
+    /// or `None` when `asked` is below it.
+    pub fn answer_version(asked: InterfaceVersion) -> Option<InterfaceVersion> {
+        (Self::VERSION.packed() <= asked.packed()).then_some(Self::VERSION)
     }
 
     /// Whether this provider can serve a consumer that needs `required`

@@ -180,6 +180,17 @@ pub enum DeviceFailure {
     ResumeFailed,
 }
 
+impl DeviceFailure {
+    /// Whether the shell reports this failure to the framework
+    /// (`WdfDeviceSetFailed` with `WdfDeviceFailedAttemptRestart`): a
+    /// driver must report an unrecoverable error, and only a restart (reset
+    /// and bring-up) recovers from these; a surprise removal is already the
+    /// framework's own doing.
+    pub fn needs_restart(self) -> bool {
+        !matches!(self, Self::SurpriseRemoval)
+    }
+}
+
 /// Where the DPC delivers events other than command completions; the
 /// verbs and CI layers implement it. Every method is called from the DPC
 /// (or the timer routine for [`device_failed`](Self::device_failed)) at

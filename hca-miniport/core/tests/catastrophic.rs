@@ -39,7 +39,12 @@ enum Trigger {
 
 const TIMEOUT_NS: u64 = 50_000_000;
 
-fn fail_with_work_in_flight(seed: u64, trigger: Trigger, commands_stuck: bool, sleep_after: bool) {
+fn fail_with_work_in_flight(
+    seed: u64,
+    trigger: Trigger,
+    commands_stuck: bool,
+    restart_after: bool,
+) {
     let config = HcaConfig {
         command_timeout_ns: TIMEOUT_NS,
         ..HcaConfig::default()
@@ -255,16 +260,6 @@ fn fail_with_work_in_flight(seed: u64, trigger: Trigger, commands_stuck: bool, s
         Err(IbStatus::InvalidState)
     );
 
-    // A failed device stays failed across sleep and resume.
-    if sleep_after {
-        w.sleep();
-        w.resume();
-        assert_eq!(w.hca_at(x).failure(), Some(failure));
-        let r = w.call_in_dpc_at::<AllocPd>(x, KERNEL, sx.ca, &Empty, 0);
-        assert_eq!(response::<AllocPd>(&r).status, IbStatus::InvalidState);
-        assert!(poll_all(&w, x, sx.cq).is_empty());
-    }
-
     // Destroy and close free everything.
     let r = w.call_in_dpc_at::<DetachMcast>(x, KERNEL, membership, &Empty, 0);
     assert_eq!(response::<DetachMcast>(&r).status, IbStatus::Success);
@@ -283,6 +278,26 @@ fn fail_with_work_in_flight(seed: u64, trigger: Trigger, commands_stuck: bool, s
     assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
     let r = w.call_in_dpc_at::<CloseCa>(x, KERNEL, sx.ca, &Empty, 0);
     assert_eq!(response::<CloseCa>(&r).status, IbStatus::Success);
+
+    // The shell reported a failure only a restart recovers from
+    // (WdfDeviceSetFailed, AttemptRestart); a surprise removal it did not.
+    // The PnP manager's next pass tears the stack down and starts it again
+    // on the same PDO: a fresh device comes up. (Its client let go first,
+    // as the bus filter does on the surprise removal that begins it.)
+    if restart_after {
+        let before = w.device_count();
+        w.host.pnp().process_bus_relations();
+        w.settle();
+        if trigger == Trigger::SurpriseRemoval {
+            assert_eq!(w.device_count(), before, "nothing reported");
+        } else {
+            assert_eq!(w.device_count(), before + 1, "restarted");
+            assert!(w.device_at(x).hca().is_none(), "the failed one released");
+            let fresh = w.hca_at(before);
+            assert_eq!(fresh.failure(), None);
+            assert!(fresh.report().is_some(), "the restarted device is up");
+        }
+    }
 
     // The peer is unaffected apart from its partner: it tears down as usual.
     let r = w.call_in_dpc_at::<DestroyQp>(y, KERNEL, b, &Empty, 0);
@@ -318,8 +333,10 @@ fn a_surprise_removal_fails_the_device_the_same_way() {
 }
 
 #[test]
-fn a_failed_device_stays_failed_across_sleep_and_its_objects_still_free() {
+fn a_failed_device_is_restarted_by_pnp_once_its_client_let_go() {
     fail_with_work_in_flight(89, Trigger::Catastrophic, true, true);
+    fail_with_work_in_flight(90, Trigger::Watchdog, true, true);
+    fail_with_work_in_flight(91, Trigger::SurpriseRemoval, true, true);
 }
 
 #[test]

@@ -82,11 +82,25 @@ fn query_interface_answers_the_provider_by_version_with_identity_and_uvp_name() 
     let node = w.device_at(0).node();
     assert_eq!(Provider::VERSION, CI_INTERFACE_VERSION);
 
-    // Another major version, or a newer minor, gets no interface; neither
-    // does a GUID the miniport does not provide.
+    // A newer version asked for (a newer minor, another major) is answered
+    // with the closest the provider has not above it, its own: the
+    // consumer sees which and decides. An older one than it has gets no
+    // interface; neither does a GUID the miniport does not provide.
     let (major, minor) = (CI_INTERFACE_VERSION.major, CI_INTERFACE_VERSION.minor);
-    assert!(query(&w, InterfaceVersion::new(major + 1, 0)).is_none());
-    assert!(query(&w, InterfaceVersion::new(major, minor + 1)).is_none());
+    for newer in [
+        InterfaceVersion::new(major + 1, 0),
+        InterfaceVersion::new(major, minor + 1),
+    ] {
+        let answered = query(&w, newer).expect("the closest version not above");
+        assert_eq!(answered.version(), CI_INTERFACE_VERSION.packed());
+        assert!(
+            !InterfaceVersion::from_packed(answered.version()).satisfies(newer),
+            "a consumer needing {newer:?} sees it cannot use it"
+        );
+        answered.dereference();
+    }
+    let older = InterfaceVersion::from_packed(CI_INTERFACE_VERSION.packed() - 1);
+    assert!(query(&w, older).is_none());
     assert!(
         w.host
             .pnp()

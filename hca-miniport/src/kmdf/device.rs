@@ -28,10 +28,10 @@ use hca_miniport_core::init::HcaConfig;
 use ib_types::scalars::{PortNum, Qpn};
 use wdk_sys::ntddk::{MmMapIoSpaceEx, MmUnmapIoSpace};
 use wdk_sys::{
-    BOOLEAN, NTSTATUS, PAGE_NOCACHE, PAGE_READWRITE, SIZE_T, STATUS_DEVICE_CONFIGURATION_ERROR,
-    STATUS_SUCCESS, STATUS_UNSUCCESSFUL, TRUE, WDF_INTERRUPT_CONFIG, WDF_NO_OBJECT_ATTRIBUTES,
-    WDF_POWER_DEVICE_STATE, WDFCMRESLIST, WDFDEVICE, WDFINTERRUPT, WDFTIMER, WDFWORKITEM,
-    call_unsafe_wdf_function_binding,
+    _WDF_DEVICE_FAILED_ACTION, BOOLEAN, NTSTATUS, PAGE_NOCACHE, PAGE_READWRITE, SIZE_T,
+    STATUS_DEVICE_CONFIGURATION_ERROR, STATUS_SUCCESS, STATUS_UNSUCCESSFUL, TRUE,
+    WDF_INTERRUPT_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDF_POWER_DEVICE_STATE, WDFCMRESLIST,
+    WDFDEVICE, WDFINTERRUPT, WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
 };
 
 use super::context::shell_of;
@@ -301,7 +301,7 @@ pub unsafe extern "C" fn evt_prepare_hardware(
             free_common: Box::new(|dma: &WdfDma, buffer| dma.free_common(buffer)),
         },
         HcaConfig::default(),
-        Arc::new(TraceSink),
+        Arc::new(FailureSink { device }),
     ));
     // Kernel registrations lock pages with it (not implemented yet: it
     // answers STATUS_NOT_SUPPORTED; see `platform`).
@@ -439,16 +439,42 @@ pub unsafe extern "C" fn evt_d0_exit_pre_interrupts(
 }
 
 /// The outer sink: the verbs already routed every event to its client;
-/// what is left is a device failure, which a production driver would
-/// trace (WPP) and report with `WdfDeviceSetFailed`.
-struct TraceSink;
+/// what is left is a device failure, which a driver must report with
+/// `WdfDeviceSetFailed` when it cannot recover: only a restart (reset and
+/// bring-up) does, so `WdfDeviceFailedAttemptRestart` (a surprise removal
+/// is the framework's own doing and is not reported). The simulated
+/// shell's sink does the same through `DeviceServices::set_failed`.
+struct FailureSink {
+    device: WDFDEVICE,
+}
 
-impl EventSink for TraceSink {
+// SAFETY: a WDFDEVICE handle may be used from any thread, and this one is
+// used only while the device lives: the core reports a failure only from
+// its DPC, timer, D0 entry or surprise-removal path, all of which end by
+// release-hardware (the core is stopped there, and the framework deletes
+// the interrupts, timer and work item with the device, after it).
+unsafe impl Send for FailureSink {}
+// SAFETY: as above; the sink only reads the handle.
+unsafe impl Sync for FailureSink {}
+
+impl EventSink for FailureSink {
     fn completion(&self, _: u32) {}
     fn qp_event(&self, _: Qpn, _: QpEvent) {}
     fn srq_event(&self, _: u32, _: SrqEvent) {}
     fn cq_error(&self, _: u32) {}
     fn port_change(&self, _: PortNum, _: bool) {}
     fn port_violation(&self, _: PortNum, _: PortViolation) {}
-    fn device_failed(&self, _: DeviceFailure) {}
+    fn device_failed(&self, failure: DeviceFailure) {
+        if failure.needs_restart() {
+            // SAFETY: the live device (see the Send impl); called at
+            // DISPATCH_LEVEL or below, as WdfDeviceSetFailed allows.
+            unsafe {
+                call_unsafe_wdf_function_binding!(
+                    WdfDeviceSetFailed,
+                    self.device,
+                    _WDF_DEVICE_FAILED_ACTION::WdfDeviceFailedAttemptRestart
+                )
+            }
+        }
+    }
 }

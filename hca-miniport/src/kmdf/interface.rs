@@ -100,10 +100,12 @@ pub fn ci_interface(shell: *const DeviceShell) -> CiInterface {
 }
 
 /// Whether a requester asking for `version` with a structure of `size`
-/// bytes can be served.
+/// bytes can be served: the table fits, and the provider has a version
+/// not above the one asked for (the table carries `CI_INTERFACE_VERSION`,
+/// the closest; the requester checks it).
 pub fn accepts(size: u16, version: u16) -> bool {
     usize::from(size) >= size_of::<CiInterface>()
-        && Provider::check_version(InterfaceVersion::from_packed(version)).is_ok()
+        && Provider::answer_version(InterfaceVersion::from_packed(version)).is_some()
 }
 
 /// Fills the identity of the started device into a copy of the table.

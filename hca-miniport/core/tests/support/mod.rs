@@ -132,6 +132,12 @@ impl World {
         w
     }
 
+    /// How many device objects the miniport has added (a device PnP
+    /// restarted after a failure is added again, at the end).
+    pub(crate) fn device_count(&self) -> usize {
+        self.driver.devices().len()
+    }
+
     /// The shell's device object of HCA `i` (in the order the devices were
     /// added).
     pub(crate) fn device_at(&self, i: usize) -> Arc<MiniportDevice<SimPlatform>> {
