@@ -5,6 +5,7 @@
 //! IOMMU, the registry and INF-driven binding — and reports every broken
 //! rule to the [`verifier`].
 
+pub mod alloc_hook;
 pub mod binder;
 pub mod caller;
 pub mod context;

@@ -433,6 +433,9 @@ impl Backplane {
     }
 
     fn mmio(&self, index: usize, op: impl FnOnce(&mut Device) -> u64) -> u64 {
+        // The device model's work behind a register is the host's, not
+        // the driver's (an interrupt it delivers re-enters the driver).
+        let _device = crate::alloc_hook::HostCode::enter();
         self.with_device(index, op)
     }
 

@@ -360,6 +360,8 @@ impl SchedulerHandle {
     }
 
     fn push(&self, item: Item) {
+        // The queue is the host's (`KeInsertQueueDpc` allocates nothing).
+        let _host = crate::alloc_hook::HostCode::enter();
         let mut state = self.shared.lock();
         if state.shutdown {
             drop(state);
@@ -439,6 +441,7 @@ impl SchedulerHandle {
     }
 
     fn arm(&self, timer: TimerId, due_ns: u64, item: Item) -> bool {
+        let _host = crate::alloc_hook::HostCode::enter();
         let mut state = self.shared.lock();
         if state.shutdown {
             drop(state);
@@ -978,6 +981,8 @@ impl DeviceDeferred {
     /// Queues the DPC unless it is already queued and not yet started;
     /// returns whether it was queued (`KeInsertQueueDpc`). Any IRQL.
     pub fn insert_dpc(&self) -> bool {
+        // Callable from an ISR: the closure the queue holds is the host's.
+        let _host = crate::alloc_hook::HostCode::enter();
         if self.inner.dpc_queued.swap(true, Ordering::AcqRel) {
             return false;
         }

@@ -128,6 +128,8 @@ impl Verifier {
 
     /// Records a violation.
     pub fn report(&self, driver: Option<&str>, kind: ViolationKind) {
+        // The log is the host's, also when a driver breaks a rule at DIRQL.
+        let _host = crate::alloc_hook::HostCode::enter();
         let v = Violation {
             driver: driver.map(str::to_owned),
             kind,

@@ -3,6 +3,8 @@
 //! an ISR at device IRQL that queues a DPC. A small probe driver brings the
 //! device up in polled mode, sets up an event queue and takes the
 //! port-change interrupt — in both the deterministic and threaded modes.
+//! The binary runs under the driver heap check (`sim_host::alloc_hook`): an
+//! ISR that allocates is caught.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -27,6 +29,8 @@ use sim_host::sched::DeviceDeferred;
 use sim_host::verifier::ViolationKind;
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
+sim_host::install_driver_heap_check!();
+
 const PAGE: usize = 4096;
 const EQ_LOG: u8 = 4;
 
@@ -36,7 +40,13 @@ struct Seen {
     magic: u32,
     cap: Option<DevCap>,
     events: Vec<Event>,
-    isr_irql: Vec<Irql>,
+    /// ISR runs, and those not at HCA_DIRQL (counters: the ISR must not
+    /// allocate, so it cannot push to a list).
+    isr_runs: u32,
+    isr_off_dirql: u32,
+    /// The broken sample: the ISR allocates (a `Box`, as `format!`, a
+    /// growing `Vec` or `Arc::new` would).
+    isr_allocates: bool,
     dpc_irql: Vec<Irql>,
     hand_cpu_address: bool,
     skip_free: bool,
@@ -284,11 +294,15 @@ impl DeviceCallbacks for Probe {
         let isr_deferred = deferred.clone();
         function
             .connect_interrupt(move |_vector| {
-                isr_seen
-                    .lock()
-                    .unwrap()
-                    .isr_irql
-                    .push(sim_host::irql::current());
+                let mut seen = isr_seen.lock().unwrap();
+                seen.isr_runs += 1;
+                if sim_host::irql::current() != HCA_DIRQL {
+                    seen.isr_off_dirql += 1;
+                }
+                if seen.isr_allocates {
+                    std::hint::black_box(Box::new(u64::from(_vector)));
+                }
+                drop(seen);
                 isr_deferred.insert_dpc();
             })
             .unwrap();
@@ -426,7 +440,7 @@ fn the_hca_comes_up_and_interrupts(threaded: bool) {
             "{:?}",
             seen.events
         );
-        assert!(seen.isr_irql.iter().all(|&i| i == HCA_DIRQL) && !seen.isr_irql.is_empty());
+        assert!(seen.isr_runs > 0 && seen.isr_off_dirql == 0);
         assert!(seen.dpc_irql.iter().all(|&i| i == Irql::DISPATCH) && !seen.dpc_irql.is_empty());
     }
     h.pnp().query_and_remove(pci_bus).unwrap();
@@ -442,6 +456,48 @@ fn deterministic_mode_brings_the_hca_up_and_delivers_its_interrupt() {
 #[test]
 fn threaded_mode_brings_the_hca_up_and_delivers_its_interrupt() {
     the_hca_comes_up_and_interrupts(true);
+}
+
+fn an_isr_that_allocates_is_an_irql_violation(threaded: bool) {
+    assert!(sim_host::alloc_hook::is_installed());
+    let h = host(
+        threaded,
+        Seen {
+            isr_allocates: true,
+            ..Seen::default()
+        },
+    );
+    settle(&h);
+    let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
+    h.pnp().query_and_remove(pci_bus).unwrap();
+    let isr_runs = h.seen.lock().unwrap().isr_runs;
+    assert!(isr_runs > 0);
+    let v = h.verifier().take();
+    // Each ISR run that allocated (and freed) is reported once per service.
+    let expected = ViolationKind::IrqlTooHigh {
+        service: sim_host::alloc_hook::ALLOC_SERVICE,
+        at: HCA_DIRQL.level(),
+        max: Irql::DISPATCH.level(),
+    };
+    let allocations = v.iter().filter(|x| x.kind == expected).count();
+    assert_eq!(allocations, isr_runs as usize, "{v:?}");
+    assert!(
+        v.iter().all(|x| x.driver.as_deref() == Some("hcaminiport")
+            && matches!(x.kind, ViolationKind::IrqlTooHigh { service, .. }
+                if service == sim_host::alloc_hook::ALLOC_SERVICE
+                    || service == sim_host::alloc_hook::FREE_SERVICE)),
+        "only the ISR's heap calls are reported: {v:?}"
+    );
+}
+
+#[test]
+fn an_isr_that_allocates_is_an_irql_violation_deterministic() {
+    an_isr_that_allocates_is_an_irql_violation(false);
+}
+
+#[test]
+fn an_isr_that_allocates_is_an_irql_violation_threaded() {
+    an_isr_that_allocates_is_an_irql_violation(true);
 }
 
 #[test]
