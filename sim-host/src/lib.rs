@@ -26,4 +26,5 @@ pub mod request;
 pub mod rw_spin_lock;
 pub mod samples;
 pub mod sched;
+pub mod stack;
 pub mod verifier;

@@ -159,7 +159,9 @@ impl InterruptLine {
             }
             let _context = context::enter(Context::driver(verifier.clone(), driver.clone()));
             let _irql = IrqlGuard::at(HCA_DIRQL);
-            isr(vector);
+            crate::stack::measured(crate::stack::RoutineKind::Isr, "EvtInterruptIsr", || {
+                isr(vector);
+            });
         }
     }
 }

@@ -1171,7 +1171,9 @@ impl InDriver {
             return otherwise;
         }
         let _driver = context::enter(Context::driver(self.verifier.clone(), self.service.clone()));
-        f(self.inner.as_ref())
+        crate::stack::measured(crate::stack::RoutineKind::Callback, callback, || {
+            f(self.inner.as_ref())
+        })
     }
 
     /// Calls a PnP or power callback as the PnP manager does: on a system

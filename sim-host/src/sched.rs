@@ -56,6 +56,7 @@ use sim_hca::rng::Rng;
 
 use crate::context::{self, Context};
 use crate::irql::{self, IrqlGuard};
+use crate::stack::{self, RoutineKind};
 use crate::verifier::{Verifier, ViolationKind};
 
 /// A queued routine: run once, on whichever thread runs the item.
@@ -315,7 +316,18 @@ fn run_item(verifier: &Verifier, item: Item) {
     // Declared after the context so it drops first: a routine returning at
     // the wrong IRQL is charged to its driver.
     let _irql = IrqlGuard::switched(kind.irql());
-    routine();
+    // A driver's routine runs on a kernel-sized stack; the host's tasks
+    // are not drivers.
+    let stack = match kind {
+        ItemKind::Dpc => Some((RoutineKind::Dpc, "DPC")),
+        ItemKind::Timer => Some((RoutineKind::Dpc, "timer DPC")),
+        ItemKind::WorkItem => Some((RoutineKind::WorkItem, "work item")),
+        ItemKind::Task => None,
+    };
+    match stack {
+        Some((kind, name)) => stack::measured(kind, name, routine),
+        None => routine(),
+    }
 }
 
 /// A cheap, cloneable handle to a scheduler: queue work, arm timers, read

@@ -79,6 +79,17 @@ pub enum ViolationKind {
         /// The callback.
         callback: String,
     },
+    /// A driver routine used more stack than a kernel stack holds
+    /// ([`crate::stack`]): on Windows it runs over the guard page and the
+    /// machine bugchecks.
+    KernelStackOverflow {
+        /// The routine (`EvtInterruptIsr`, `DPC`, a PnP callback).
+        routine: &'static str,
+        /// Bytes it used (at least this many).
+        used: usize,
+        /// Bytes a routine may use in this build ([`crate::stack::budget`]).
+        budget: usize,
+    },
     /// A wait that can never end (deterministic mode: nothing left to run
     /// would set the event waited on).
     Deadlock {

@@ -47,6 +47,8 @@ struct Seen {
     /// The broken sample: the ISR allocates (a `Box`, as `format!`, a
     /// growing `Vec` or `Arc::new` would).
     isr_allocates: bool,
+    /// The broken sample: the DPC keeps a 64 KiB array on its stack.
+    dpc_big_array: bool,
     dpc_irql: Vec<Irql>,
     hand_cpu_address: bool,
     skip_free: bool,
@@ -280,11 +282,14 @@ impl DeviceCallbacks for Probe {
             self.sched.clone(),
             "hcaminiport",
             Arc::new(move || {
-                dpc_seen
-                    .lock()
-                    .unwrap()
-                    .dpc_irql
-                    .push(sim_host::irql::current());
+                let big_array = {
+                    let mut seen = dpc_seen.lock().unwrap();
+                    seen.dpc_irql.push(sim_host::irql::current());
+                    seen.dpc_big_array
+                };
+                if big_array {
+                    dpc_with_a_64_kib_array();
+                }
                 dpc_rings.drain_eq(&dpc_seen);
             }),
             Arc::new(|| {}),
@@ -340,6 +345,14 @@ impl DeviceCallbacks for Probe {
         }
         SUCCESS
     }
+}
+
+/// What the broken sample's DPC calls: 64 KiB of locals, as a driver that
+/// keeps a large buffer on the stack instead of in pool.
+#[inline(never)]
+fn dpc_with_a_64_kib_array() {
+    let mut scratch = [0u8; 64 * 1024];
+    std::hint::black_box(&mut scratch);
 }
 
 /// A machine from our INFs with the probe as the HCA's function driver
@@ -498,6 +511,45 @@ fn an_isr_that_allocates_is_an_irql_violation_deterministic() {
 #[test]
 fn an_isr_that_allocates_is_an_irql_violation_threaded() {
     an_isr_that_allocates_is_an_irql_violation(true);
+}
+
+#[test]
+fn a_dpc_with_a_64_kib_array_overflows_the_kernel_stack() {
+    for threaded in [false, true] {
+        let h = host(
+            threaded,
+            Seen {
+                dpc_big_array: true,
+                ..Seen::default()
+            },
+        );
+        settle(&h);
+        let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
+        h.pnp().query_and_remove(pci_bus).unwrap();
+        let dpc_runs = h.seen.lock().unwrap().dpc_irql.len();
+        assert!(dpc_runs > 0);
+        let v = h.verifier().take();
+        let overflows: Vec<_> = v
+            .iter()
+            .filter_map(|x| match x.kind {
+                ViolationKind::KernelStackOverflow {
+                    routine,
+                    used,
+                    budget,
+                } => Some((x.driver.as_deref(), routine, used, budget)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(overflows.len(), dpc_runs, "threaded {threaded}: {v:?}");
+        for (driver, routine, used, budget) in overflows {
+            assert_eq!((driver, routine), (Some("hcaminiport"), "DPC"));
+            assert_eq!(budget, sim_host::stack::budget());
+            // The array, or as deep as the host measures.
+            let measurable = sim_host::stack::budget() + sim_host::stack::MEASURED_BEYOND_BUDGET;
+            assert!(used >= measurable.min(64 * 1024), "measured {used} bytes");
+        }
+        assert_eq!(v.len(), dpc_runs, "nothing else is reported: {v:?}");
+    }
 }
 
 #[test]
