@@ -662,3 +662,177 @@ fn pool_left_at_unload_is_a_leak() {
         "{v:?}"
     );
 }
+
+/// What the long-transfer sample saw when it mapped.
+#[derive(Debug, Default)]
+struct TransferResults {
+    map_registers: usize,
+    remapping: Option<sim_host::dma::DmaRemapping>,
+    too_long: Option<Result<usize, NtStatus>>,
+    fits: Option<Result<usize, NtStatus>>,
+}
+
+/// A broken sample: it declares a 64 KiB maximum transfer for its device
+/// (`DEVICE_DESCRIPTION.MaximumLength`) and then maps a 128 KiB buffer as
+/// one scatter/gather list.
+struct LongTransferDriver {
+    pool: sim_host::memory::Pool,
+    results: Arc<Mutex<TransferResults>>,
+}
+
+impl DriverEntry for LongTransferDriver {
+    fn add_device(
+        &self,
+        _init: &DeviceInit,
+        host: &DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        Ok(Arc::new(LongTransfer {
+            host: host.clone(),
+            pool: self.pool.clone(),
+            results: self.results.clone(),
+        }))
+    }
+}
+
+struct LongTransfer {
+    host: DeviceServices,
+    pool: sim_host::memory::Pool,
+    results: Arc<Mutex<TransferResults>>,
+}
+
+impl DeviceCallbacks for LongTransfer {
+    fn prepare_hardware(&self) -> NtStatus {
+        use driver_platform::{DmaMapping, MemoryLocker, RequestorMode};
+        let Some(function) = self.host.resources::<PciFunction>() else {
+            return UNSUCCESSFUL;
+        };
+        let description = sim_host::dma::DmaDescription {
+            maximum_length: 64 * 1024,
+        };
+        let adapter = match function.dma_adapter_for(description) {
+            Ok(a) => a,
+            Err(s) => return s,
+        };
+        let block = self
+            .pool
+            .alloc("hcaminiport", *b"Xfer", 128 * 1024)
+            .unwrap();
+        let locker = sim_host::dma::HostLocker::new(self.pool.kernel_space(), None);
+        let locked = locker
+            .lock(RequestorMode::Kernel, block.va(), 128 * 1024, false)
+            .unwrap();
+        let map = |offset: usize, len: usize| {
+            adapter.map_transfer(&locked, offset, len).map(|mapping| {
+                let pages = mapping.page_count();
+                adapter.unmap(mapping);
+                pages
+            })
+        };
+        let too_long = map(0, 128 * 1024);
+        // 64 KiB not page aligned spans 17 pages: what the registers allow.
+        let fits = map(PAGE + 100, 64 * 1024);
+        *self.results.lock().unwrap() = TransferResults {
+            map_registers: adapter.map_registers(),
+            remapping: Some(adapter.remapping()),
+            too_long: Some(too_long),
+            fits: Some(fits),
+        };
+        drop(locked);
+        self.pool.free(block);
+        SUCCESS
+    }
+}
+
+fn long_transfer_host(results: &Arc<Mutex<TransferResults>>) -> Host {
+    let cfg = DeviceConfig::with_ports(0x0002_C900_0000_1000, &[[10, 0, 0, 1]]);
+    let host = Host::new(HostConfig::deterministic(5, vec![cfg])).unwrap();
+    host.register_driver(
+        "hcaminiport",
+        Arc::new(LongTransferDriver {
+            pool: host.pool().clone(),
+            results: results.clone(),
+        }),
+    );
+    host.register_driver("ibalbus", Arc::new(PassThroughFilter));
+    host.boot();
+    host
+}
+
+#[test]
+fn a_transfer_longer_than_the_adapter_maps_fails_as_on_windows() {
+    let results = Arc::default();
+    let host = long_transfer_host(&results);
+    host.scheduler().run_until_idle(10_000).unwrap();
+    host.shut_down();
+    let r = results.lock().unwrap();
+    assert_eq!(r.map_registers, 17, "64 KiB / 4 KiB + 1");
+    assert_eq!(
+        r.remapping,
+        Some(sim_host::dma::DmaRemapping::Enforced),
+        "our INF opts in"
+    );
+    assert_eq!(r.too_long, Some(Err(NtStatus::INSUFFICIENT_RESOURCES)));
+    assert_eq!(r.fits, Some(Ok(17)));
+    // The refused list mapped nothing, so nothing leaked.
+    host.verifier().assert_clean();
+}
+
+#[test]
+fn a_device_whose_inf_lacks_the_dma_remapping_opt_in_is_flagged() {
+    use sim_host::registry::{device_parameters_key, service_parameters_key};
+    let results = Arc::default();
+    let host = long_transfer_host(&results);
+    host.scheduler().run_until_idle(10_000).unwrap();
+    host.verifier().assert_clean();
+    let hca = host.hcas()[0];
+    let path = host.pnp().instance_path(hca).unwrap();
+    // What an INF without either directive leaves: no per-device
+    // `DMA Management\RemappingSupported`, no per-driver
+    // `DmaRemappingCompatible`. The device restarts and takes its adapter
+    // again.
+    let registry = host.registry();
+    registry
+        .delete_value(
+            &format!("{}\\DMA Management", device_parameters_key(&path)),
+            "RemappingSupported",
+        )
+        .unwrap();
+    registry
+        .delete_value(
+            &service_parameters_key("hcaminiport"),
+            "DmaRemappingCompatible",
+        )
+        .unwrap();
+    host.pnp().stop(hca).unwrap();
+    host.pnp().restart(hca);
+    host.scheduler().run_until_idle(10_000).unwrap();
+    assert_eq!(
+        results.lock().unwrap().remapping,
+        Some(sim_host::dma::DmaRemapping::NotEnforced)
+    );
+    let v = host.verifier().take();
+    assert!(
+        matches!(&v[..], [x] if x.driver.as_deref() == Some("hcaminiport")
+            && matches!(&x.kind, ViolationKind::Protocol { detail }
+                if detail.contains("without DMA remapping (NotEnforced)"))),
+        "{v:?}"
+    );
+    // An explicit opt-out is flagged too.
+    registry
+        .set_value(
+            &service_parameters_key("hcaminiport"),
+            "DmaRemappingCompatible",
+            driver_platform::RegValue::Dword(0),
+        )
+        .unwrap();
+    host.pnp().stop(hca).unwrap();
+    host.pnp().restart(hca);
+    host.scheduler().run_until_idle(10_000).unwrap();
+    assert_eq!(
+        results.lock().unwrap().remapping,
+        Some(sim_host::dma::DmaRemapping::OptedOut)
+    );
+    assert_eq!(host.verifier().take().len(), 1);
+    host.shut_down();
+    host.verifier().assert_clean();
+}
