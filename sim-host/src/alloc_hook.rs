@@ -100,7 +100,11 @@ impl Drop for HostCode {
 /// constant-initialised thread-locals without destructors, so it never
 /// allocates.
 fn note(slot: &'static std::thread::LocalKey<Cell<u8>>) {
-    INSTALLED.store(true, Ordering::Relaxed);
+    // Read first: a store on every allocation would bounce the line
+    // between cores.
+    if !INSTALLED.load(Ordering::Relaxed) {
+        INSTALLED.store(true, Ordering::Relaxed);
+    }
     let in_driver = IN_DRIVER.try_with(Cell::get).unwrap_or(false);
     if !in_driver {
         return;
