@@ -201,16 +201,20 @@ fn paint(low: usize, top: usize) -> Option<(usize, usize)> {
 }
 
 /// The lowest address in `[low, top)` that no longer holds the paint, or
-/// `top` if none.
+/// the top of what was read if none. Like [`paint`], it reads nothing
+/// within `PAINTER_FRAME` of its own frame.
 #[inline(never)]
 fn lowest_used(low: usize, top: usize) -> usize {
+    let top = top.min(stack_pointer().saturating_sub(PAINTER_FRAME)) & !7;
+    if low >= top {
+        return top;
+    }
     let words = (top - low) / 8;
-    // SAFETY: `[low, top)` was painted by `paint` on this thread and lies
-    // below the caller's frame (the routine measured has returned); it is
-    // read, not referenced beyond this function, and only this thread
-    // writes it (this function's own frame sits above `top`'s low end only
-    // if the routine used less stack than this frame, which then reads as
-    // a little use).
+    // SAFETY: `[low, top)` lies inside this thread's stack (above
+    // `floor()`, as `paint` chose it), 8-byte aligned, and below this
+    // function's frame less `PAINTER_FRAME`, so no live frame is in it and
+    // nothing writes it while the slice, local to this function, exists
+    // (the routine measured has returned; a nested one runs only after).
     let range = unsafe { std::slice::from_raw_parts(low as *const u64, words) };
     let mut at = 0;
     while at < words {
@@ -288,4 +292,57 @@ pub fn measured<R>(kind: RoutineKind, routine: &'static str, f: impl FnOnce() ->
         });
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::context::Context;
+    use crate::verifier::Verifier;
+
+    /// Uses a bit more than `budget() + 8 KiB` of stack.
+    #[inline(never)]
+    fn deep() {
+        let mut scratch = [0u8; budget() + 8 * 1024];
+        std::hint::black_box(&mut scratch);
+    }
+
+    fn overflows(verifier: &Verifier) -> Vec<&'static str> {
+        verifier
+            .take()
+            .into_iter()
+            .filter_map(|v| match v.kind {
+                ViolationKind::KernelStackOverflow { routine, .. } => Some(routine),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_nested_routine_is_charged_its_own_use_not_its_caller() {
+        let verifier = Verifier::new();
+        let _driver = crate::context::enter(Context::driver(verifier.clone(), "drv"));
+        measured(RoutineKind::Callback, "outer", || {
+            measured(RoutineKind::Dpc, "inner", deep);
+        });
+        assert_eq!(overflows(&verifier), ["inner"]);
+        // The same use in the outer routine itself is the outer's.
+        measured(RoutineKind::Callback, "outer", || {
+            measured(RoutineKind::Dpc, "inner", || {});
+            deep();
+        });
+        assert_eq!(overflows(&verifier), ["outer"]);
+    }
+
+    #[test]
+    fn a_small_routine_is_within_budget() {
+        let verifier = Verifier::new();
+        let _driver = crate::context::enter(Context::driver(verifier.clone(), "drv"));
+        let sum = measured(RoutineKind::Isr, "isr", || std::hint::black_box(2) + 2);
+        assert_eq!(sum, 4);
+        verifier.assert_clean();
+        let isr = high_water()[0];
+        assert_eq!(isr.0, RoutineKind::Isr);
+        assert!(isr.1 > 0 && isr.1 < budget(), "{isr:?}");
+    }
 }
