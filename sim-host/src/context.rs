@@ -74,22 +74,31 @@ thread_local! {
 pub struct ContextGuard {
     /// The context that was current before [`enter`].
     previous: Option<Context>,
+    /// Whether the thread ran driver code before [`enter`]
+    /// ([`crate::alloc_hook`]).
+    previous_in_driver: bool,
     /// Pins the guard to the entering thread.
     _not_send: PhantomData<*const ()>,
 }
 
 impl Drop for ContextGuard {
     fn drop(&mut self) {
+        // A heap call the driver made above DISPATCH_LEVEL and no IRQL
+        // guard has reported yet is charged to it while it is still current.
+        crate::alloc_hook::report_pending();
         let previous = self.previous.take();
         CURRENT.with_borrow_mut(|current| *current = previous);
+        crate::alloc_hook::set_in_driver(self.previous_in_driver);
     }
 }
 
 /// Makes `context` the calling thread's context until the guard drops.
 pub fn enter(context: Context) -> ContextGuard {
+    let previous_in_driver = crate::alloc_hook::set_in_driver(context.driver.is_some());
     let previous = CURRENT.with_borrow_mut(|current| current.replace(context));
     ContextGuard {
         previous,
+        previous_in_driver,
         _not_send: PhantomData,
     }
 }

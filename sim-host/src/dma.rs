@@ -42,6 +42,21 @@
 //!   `VirtualFree`, pool free) until the lock and every mapping of them are
 //!   gone.
 //!
+//! - Limits (`IoGetDmaAdapter`'s `DEVICE_DESCRIPTION.MaximumLength` and
+//!   `NumberOfMapRegisters`, `WdfDmaEnablerCreate`'s `MaximumLength`): an
+//!   adapter is created for a [`DmaDescription`]; one scatter/gather list
+//!   ([`HostDmaAdapter::map_transfer`], `GetScatterGatherList` /
+//!   `BuildScatterGatherList`) may span at most
+//!   [`HostDmaAdapter::map_registers`] pages, and a longer one fails with
+//!   `STATUS_INSUFFICIENT_RESOURCES`, mapping nothing.
+//!   [`DmaAdapter::map`] stands for the platform's whole-registration map,
+//!   which the KMDF shell builds as lists of at most `MaximumLength` bytes
+//!   each, so it is not limited by one list's registers.
+//! - DMA remapping ([`DmaRemapping`]): the INF's opt-in decides whether
+//!   Windows puts the device behind the IOMMU; the adapter records what it
+//!   decided, and an adapter whose device is not remapped is flagged (the
+//!   model's IOMMU stays strict: it cannot hand out physical addresses).
+//!
 //! Lock order: an adapter's ledger, then its table. The device path takes
 //! only the table (shared) and then touches the pages' real memory without
 //! a lock (`crate::memory`'s frames), so map/unmap and device accesses of
@@ -84,6 +99,51 @@ pub const MAX_ADAPTERS: u32 = 1 << 16;
 /// The seeded start of an adapter's allocations lies within this many pages
 /// of its window's start.
 const MAX_WINDOW_SKEW_PAGES: u64 = 1 << 20;
+
+/// The most map registers the host grants one adapter (the HAL's cap):
+/// 64 Ki pages, 256 MiB in one scatter/gather list.
+pub const MAX_MAP_REGISTERS: usize = 1 << 16;
+
+/// What a driver declares about its device's DMA when it gets its adapter
+/// (`DEVICE_DESCRIPTION` for `IoGetDmaAdapter`, `WDF_DMA_ENABLER_CONFIG`
+/// for `WdfDmaEnablerCreate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DmaDescription {
+    /// The longest transfer the device does in one list (`MaximumLength`),
+    /// bytes; not zero.
+    pub maximum_length: usize,
+}
+
+impl DmaDescription {
+    /// The largest description the host grants in full: what
+    /// [`crate::pci::PciFunction::dma_adapter`] assumes.
+    pub const HOST_MAXIMUM: Self = Self {
+        maximum_length: (MAX_MAP_REGISTERS - 1) * PAGE_SIZE,
+    };
+
+    /// The map registers an adapter for this description gets
+    /// (`NumberOfMapRegisters`): enough for a `maximum_length` transfer at
+    /// any page offset, capped at [`MAX_MAP_REGISTERS`].
+    pub fn map_registers(&self) -> usize {
+        (self.maximum_length / PAGE_SIZE + 1).min(MAX_MAP_REGISTERS)
+    }
+}
+
+/// Whether Windows puts a device behind DMA remapping, as its INF decides
+/// ("Enabling DMA remapping for device drivers": the per-device
+/// `Device Parameters\DMA Management\RemappingSupported`, which overrides
+/// the per-driver `Services\<driver>\Parameters\DmaRemappingCompatible`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DmaRemapping {
+    /// Opted in (1, or 2 / `RemappingFlags` 1, "only with DMA verification
+    /// on", which the host's verifier always is): the device sees only what
+    /// its adapter maps.
+    Enforced,
+    /// Opted out (0): the device would see physical memory, unchecked.
+    OptedOut,
+    /// No directive: "DMA remapping is not enforced for this device".
+    NotEnforced,
+}
 
 /// log2 of [`PAGE_SIZE`].
 const PAGE_SHIFT: u32 = 12;
@@ -183,6 +243,10 @@ struct AdapterShared {
     ledger: Mutex<Ledger>,
     table: RwLock<PageTable>,
     faults: AtomicU64,
+    /// What the driver declared, and the map registers it got.
+    description: DmaDescription,
+    /// What the INF decided.
+    remapping: DmaRemapping,
 }
 
 impl fmt::Debug for AdapterShared {
@@ -243,6 +307,36 @@ impl Iommu {
     /// violations are attributed to `driver` (the device's function
     /// driver). `STATUS_INSUFFICIENT_RESOURCES` after [`MAX_ADAPTERS`].
     pub fn create_adapter(&self, driver: &str) -> Result<HostDmaAdapter, NtStatus> {
+        self.create_adapter_for(driver, DmaDescription::HOST_MAXIMUM, DmaRemapping::Enforced)
+    }
+
+    /// [`Iommu::create_adapter`] for a device described by `description`,
+    /// whose INF decided `remapping`. `STATUS_INVALID_PARAMETER` for a zero
+    /// `maximum_length`. A device that is not remapped is recorded as a
+    /// [`ViolationKind::Protocol`] against `driver`: on Windows it would
+    /// reach all of memory untranslated, which this host cannot model (its
+    /// adapter stays behind the IOMMU).
+    pub fn create_adapter_for(
+        &self,
+        driver: &str,
+        description: DmaDescription,
+        remapping: DmaRemapping,
+    ) -> Result<HostDmaAdapter, NtStatus> {
+        if description.maximum_length == 0 {
+            return Err(NtStatus::INVALID_PARAMETER);
+        }
+        if remapping != DmaRemapping::Enforced {
+            self.shared.verifier.report(
+                Some(driver),
+                ViolationKind::Protocol {
+                    detail: format!(
+                        "DMA adapter for a device without DMA remapping ({remapping:?}): \
+                         its INF needs `HKR,\"DMA Management\",RemappingSupported,0x00010001,1` \
+                         or the driver's `DmaRemappingCompatible` = 1"
+                    ),
+                },
+            );
+        }
         let (index, skew_pages, adapter_seed) = {
             let mut state = lock(&self.shared.state);
             if state.next_index >= MAX_ADAPTERS {
@@ -270,6 +364,8 @@ impl Iommu {
                 window,
                 table: RwLock::new(PageTable::default()),
                 faults: AtomicU64::new(0),
+                description,
+                remapping,
             }),
         })
     }
@@ -343,6 +439,60 @@ impl HostDmaAdapter {
     /// Its bus-address window.
     pub fn window(&self) -> Range<u64> {
         self.shared.window.clone()
+    }
+
+    /// What its driver declared (`MaximumLength`).
+    pub fn description(&self) -> DmaDescription {
+        self.shared.description
+    }
+
+    /// Pages one scatter/gather list may span (`NumberOfMapRegisters`).
+    pub fn map_registers(&self) -> usize {
+        self.shared.description.map_registers()
+    }
+
+    /// Whether its device is behind DMA remapping, as its INF decided.
+    pub fn remapping(&self) -> DmaRemapping {
+        self.shared.remapping
+    }
+
+    /// Maps `len` bytes at `offset` into `pages` as one scatter/gather list
+    /// (`GetScatterGatherList` / `BuildScatterGatherList` of one transfer).
+    /// DISPATCH_LEVEL or below. A list spanning more pages than
+    /// [`HostDmaAdapter::map_registers`] is `STATUS_INSUFFICIENT_RESOURCES`
+    /// (`CalculateScatterGatherList`: "the number of map registers required
+    /// exceeds the number of map registers available"), a range outside the
+    /// locked bytes or empty is `STATUS_INVALID_PARAMETER`; either maps
+    /// nothing. Unmap with [`DmaAdapter::unmap`] (`PutScatterGatherList`).
+    pub fn map_transfer(
+        &self,
+        pages: &HostLockedPages,
+        offset: usize,
+        len: usize,
+    ) -> Result<HostDmaMapping, NtStatus> {
+        crate::irql::check_max("GetScatterGatherList", driver_platform::Irql::DISPATCH);
+        if len == 0 || !range_within(offset, len, pages.len) {
+            return Err(NtStatus::INVALID_PARAMETER);
+        }
+        let start = pages.first_byte() + offset;
+        let (first, last) = (start / PAGE_SIZE, (start + len - 1) / PAGE_SIZE);
+        let count = last - first + 1;
+        if count > self.map_registers() {
+            return Err(NtStatus::INSUFFICIENT_RESOURCES);
+        }
+        let bus_pages = self.install(
+            &pages.pages[first..=last],
+            pages.device_writable,
+            false,
+            |ledger, bus| {
+                ledger.mappings.insert(bus, count);
+            },
+        )?;
+        Ok(HostDmaMapping {
+            adapter_index: self.shared.index,
+            bus_pages: bus_pages.into_iter().map(|p| p << PAGE_SHIFT).collect(),
+            device_writable: pages.device_writable,
+        })
     }
 
     /// The device's view of host memory through this adapter.

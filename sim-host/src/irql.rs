@@ -100,6 +100,7 @@ pub fn lower(to: Irql) {
         return;
     }
     set(to);
+    crate::alloc_hook::report_pending();
 }
 
 /// Checks that `service` is called at or below `max`; records
@@ -210,6 +211,10 @@ impl Drop for IrqlGuard {
             ));
         }
         set(self.previous);
+        // Back at the level the routine was entered from: a heap call it
+        // made above DISPATCH_LEVEL can be reported now (the allocator
+        // itself cannot).
+        crate::alloc_hook::report_pending();
     }
 }
 

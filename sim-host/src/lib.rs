@@ -5,6 +5,7 @@
 //! IOMMU, the registry and INF-driven binding — and reports every broken
 //! rule to the [`verifier`].
 
+pub mod alloc_hook;
 pub mod binder;
 pub mod caller;
 pub mod context;
@@ -27,4 +28,5 @@ pub mod request;
 pub mod rw_spin_lock;
 pub mod samples;
 pub mod sched;
+pub mod stack;
 pub mod verifier;

@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use driver_platform::{ChildBus, ChildDescription, Irql, Mmio};
+use driver_platform::{ChildBus, ChildDescription, Irql, Mmio, RegValue};
 use ib_types::status::NtStatus;
 use sim_hca::cluster::{Cluster, ClusterError, NodeId};
 use sim_hca::device::{Device, DeviceConfig};
@@ -44,12 +44,13 @@ use sim_hca::fast::FastFabric;
 use sim_hca::host::{DmaDirection, DmaFault, HostMemory, InterruptSink};
 
 use crate::context::{self, Context};
-use crate::dma::{DeviceDma, HostDmaAdapter, Iommu};
+use crate::dma::{DeviceDma, DmaDescription, DmaRemapping, HostDmaAdapter, Iommu};
 use crate::driver::{
     DeviceCallbacks, DeviceInit, DriverEntry, INVALID_PARAMETER, NO_SUCH_DEVICE, SUCCESS,
 };
 use crate::irql::IrqlGuard;
 use crate::pnp::DeviceServices;
+use crate::registry::{RegistryStore, device_parameters_key, service_parameters_key};
 use crate::sched::{DeviceDeferred, SchedulerHandle, TimerId};
 use crate::verifier::{Verifier, ViolationKind};
 
@@ -236,7 +237,12 @@ impl InterruptLine {
                 let _context =
                     context::enter(Context::driver(verifier.clone(), object.driver.clone()));
                 let _irql = IrqlGuard::at(HCA_DIRQL);
-                if (object.config.isr)(vector) {
+                let claimed = crate::stack::measured(
+                    crate::stack::RoutineKind::Isr,
+                    "EvtInterruptIsr",
+                    || (object.config.isr)(vector),
+                );
+                if claimed {
                     object.config.dpc.insert_dpc();
                 }
             }
@@ -525,10 +531,14 @@ impl Backplane {
             decoding: AtomicBool::new(true),
             present: AtomicBool::new(true),
             mapping: AtomicU64::new(0),
+            registry: None,
         }))
     }
 
     fn mmio(&self, index: usize, op: impl FnOnce(&mut Device) -> u64) -> u64 {
+        // The device model's work behind a register is the host's, not
+        // the driver's (an interrupt it delivers re-enters the driver).
+        let _device = crate::alloc_hook::HostCode::enter();
         self.with_device(index, op)
     }
 
@@ -579,6 +589,10 @@ pub struct PciFunction {
     /// Bumped when the driver's mappings of BAR0 end (release-hardware):
     /// a [`Bar0`] of an older mapping is stale.
     mapping: AtomicU64,
+    /// The registry and the function's instance path, where its INF's DMA
+    /// remapping opt-in is read (`None`: a function handed out outside
+    /// PnP, taken as opted in).
+    registry: Option<(RegistryStore, String)>,
 }
 
 impl std::fmt::Debug for PciFunction {
@@ -778,6 +792,8 @@ impl PciFunction {
             // Under the lock, so no ISR of this object is running when it
             // returns.
             line.synchronized(verifier, || {
+                // The host's bookkeeping, not the driver's heap use.
+                let _host = crate::alloc_hook::HostCode::enter();
                 lock(&line.connected).remove(&object.config.message)
             });
             object.config.dpc.flush_dpc();
@@ -797,17 +813,61 @@ impl PciFunction {
 
     /// The function's DMA adapter (`IoGetDmaAdapter`), charged to the
     /// calling driver; from now on the device masters the bus through it.
-    /// A second call returns the same adapter.
+    /// A second call returns the same adapter. The device is described
+    /// with the host's largest transfer ([`DmaDescription::HOST_MAXIMUM`]).
     pub fn dma_adapter(&self) -> Result<HostDmaAdapter, NtStatus> {
+        self.dma_adapter_for(DmaDescription::HOST_MAXIMUM)
+    }
+
+    /// [`PciFunction::dma_adapter`] for a device described by
+    /// `description` (`DEVICE_DESCRIPTION.MaximumLength`,
+    /// `WDF_DMA_ENABLER_CONFIG.MaximumLength`): the adapter gets the map
+    /// registers that transfer needs. Whether the device is behind DMA
+    /// remapping comes from the registry its INF wrote
+    /// ([`PciFunction::dma_remapping`]); a device that is not is flagged
+    /// ([`Iommu::create_adapter_for`]). A second call returns the first
+    /// adapter, whatever `description` says.
+    pub fn dma_adapter_for(&self, description: DmaDescription) -> Result<HostDmaAdapter, NtStatus> {
         let mut slot = lock(&self.adapter);
         if let Some(adapter) = slot.as_ref() {
             return Ok(adapter.clone());
         }
         let driver = context::current_driver().ok_or(NO_SUCH_DEVICE)?;
-        let adapter = self.iommu.create_adapter(&driver)?;
+        let remapping = self.dma_remapping(&driver);
+        let adapter = self
+            .iommu
+            .create_adapter_for(&driver, description, remapping)?;
         self.backplane.ports[self.index].attach(Some(adapter.device_view()));
         *slot = Some(adapter.clone());
         Ok(adapter)
+    }
+
+    /// What the function's INF decided about DMA remapping, with `driver`
+    /// its function driver ("Enabling DMA remapping for device drivers"):
+    /// the per-device `Device Parameters\DMA Management\RemappingSupported`
+    /// if present, else the per-driver
+    /// `Services\<driver>\Parameters\DmaRemappingCompatible`; 1 (or 2, and
+    /// per-device `RemappingFlags` 1: "when DMA verification is enabled",
+    /// which the host's verifier always is) opts in, 0 opts out, no value
+    /// leaves remapping not enforced.
+    pub fn dma_remapping(&self, driver: &str) -> DmaRemapping {
+        let Some((registry, path)) = &self.registry else {
+            return DmaRemapping::Enforced;
+        };
+        let dword = |key: &str, name: &str| match registry.get_value(key, name) {
+            Some(RegValue::Dword(value)) => Some(value),
+            _ => None,
+        };
+        let per_device = dword(
+            &format!("{}\\DMA Management", device_parameters_key(path)),
+            "RemappingSupported",
+        );
+        let per_driver = dword(&service_parameters_key(driver), "DmaRemappingCompatible");
+        match per_device.or(per_driver) {
+            Some(0) => DmaRemapping::OptedOut,
+            Some(_) => DmaRemapping::Enforced,
+            None => DmaRemapping::NotEnforced,
+        }
     }
 
     /// Puts the adapter back (`PutDmaAdapter`, release hardware): bus
@@ -1084,7 +1144,14 @@ impl DeviceCallbacks for PciBusFdo {
             .functions
             .iter()
             .find(|&&i| instance_id(i) == child.instance_id)?;
-        let function = self.backplane.function(index, &self.iommu)?;
+        let mut function = self.backplane.function(index, &self.iommu)?;
+        // The child's INF is applied under this path before its drivers
+        // start; the function reads its DMA remapping opt-in there.
+        if let Some((registry, bus_path)) = self.host.registry_store()
+            && let Some(f) = Arc::get_mut(&mut function)
+        {
+            f.registry = Some((registry, format!("{bus_path}\\{}", child.instance_id)));
+        }
         Some(Arc::new(PciFunctionPdo { function }))
     }
 

@@ -308,6 +308,19 @@ impl DeviceServices {
         pdo.resources()?.downcast::<T>().ok()
     }
 
+    /// The host's registry and this devnode's instance path: what a bus
+    /// driver hands its children's resources (the PCI bus: the DMA
+    /// remapping opt-in their INFs wrote).
+    pub(crate) fn registry_store(&self) -> Option<(crate::registry::RegistryStore, String)> {
+        let inner = self.pnp.upgrade()?;
+        let path = lock(&inner.tree)
+            .nodes
+            .get(self.node.0)?
+            .instance_path
+            .clone();
+        Some((inner.registry.clone(), path))
+    }
+
     /// This driver's view of the registry: its service key and this
     /// device's key (`WdfDriverOpenParametersRegistryKey`,
     /// `WdfDeviceOpenRegistryKey`). Reads are PASSIVE_LEVEL only.
@@ -1694,7 +1707,9 @@ impl InDriver {
             return otherwise;
         }
         let _driver = context::enter(Context::driver(self.verifier.clone(), self.service.clone()));
-        f(self.inner.as_ref())
+        crate::stack::measured(crate::stack::RoutineKind::Callback, callback, || {
+            f(self.inner.as_ref())
+        })
     }
 
     /// Calls a PnP or power callback as the PnP manager does: on a system

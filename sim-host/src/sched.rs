@@ -56,6 +56,7 @@ use sim_hca::rng::Rng;
 
 use crate::context::{self, Context};
 use crate::irql::{self, IrqlGuard};
+use crate::stack::{self, RoutineKind};
 use crate::verifier::{Verifier, ViolationKind};
 
 /// A queued routine: run once, on whichever thread runs the item.
@@ -318,7 +319,18 @@ fn run_item(verifier: &Verifier, item: Item) {
     // DPCs, timers and work items run in an arbitrary thread: no
     // process's context (`caller`).
     let _arbitrary_thread = crate::caller::enter_arbitrary_thread();
-    routine();
+    // A driver's routine runs on a kernel-sized stack; the host's tasks
+    // are not drivers.
+    let stack = match kind {
+        ItemKind::Dpc => Some((RoutineKind::Dpc, "DPC")),
+        ItemKind::Timer => Some((RoutineKind::Dpc, "timer DPC")),
+        ItemKind::WorkItem => Some((RoutineKind::WorkItem, "work item")),
+        ItemKind::Task => None,
+    };
+    match stack {
+        Some((kind, name)) => stack::measured(kind, name, routine),
+        None => routine(),
+    }
 }
 
 /// A cheap, cloneable handle to a scheduler: queue work, arm timers, read
@@ -363,6 +375,8 @@ impl SchedulerHandle {
     }
 
     fn push(&self, item: Item) {
+        // The queue is the host's (`KeInsertQueueDpc` allocates nothing).
+        let _host = crate::alloc_hook::HostCode::enter();
         let mut state = self.shared.lock();
         if state.shutdown {
             drop(state);
@@ -442,6 +456,7 @@ impl SchedulerHandle {
     }
 
     fn arm(&self, timer: TimerId, due_ns: u64, item: Item) -> bool {
+        let _host = crate::alloc_hook::HostCode::enter();
         let mut state = self.shared.lock();
         if state.shutdown {
             drop(state);
@@ -981,6 +996,8 @@ impl DeviceDeferred {
     /// Queues the DPC unless it is already queued and not yet started;
     /// returns whether it was queued (`KeInsertQueueDpc`). Any IRQL.
     pub fn insert_dpc(&self) -> bool {
+        // Callable from an ISR: the closure the queue holds is the host's.
+        let _host = crate::alloc_hook::HostCode::enter();
         if self.inner.dpc_queued.swap(true, Ordering::AcqRel) {
             return false;
         }

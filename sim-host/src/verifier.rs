@@ -90,6 +90,17 @@ pub enum ViolationKind {
         /// The callback.
         callback: String,
     },
+    /// A driver routine used more stack than a kernel stack holds
+    /// ([`crate::stack`]): on Windows it runs over the guard page and the
+    /// machine bugchecks.
+    KernelStackOverflow {
+        /// The routine (`EvtInterruptIsr`, `DPC`, a PnP callback).
+        routine: &'static str,
+        /// Bytes it used (at least this many).
+        used: usize,
+        /// Bytes a routine may use in this build ([`crate::stack::budget`]).
+        budget: usize,
+    },
     /// A wait that can never end (deterministic mode: nothing left to run
     /// would set the event waited on).
     Deadlock {
@@ -168,6 +179,8 @@ impl Verifier {
 
     /// Records a violation.
     pub fn report(&self, driver: Option<&str>, kind: ViolationKind) {
+        // The log is the host's, also when a driver breaks a rule at DIRQL.
+        let _host = crate::alloc_hook::HostCode::enter();
         let v = Violation {
             driver: driver.map(str::to_owned),
             kind,

@@ -16,6 +16,10 @@ use sim_host::registry::device_instance_key;
 use sim_host::samples::{Log, register_stand_ins};
 use sim_host::verifier::ViolationKind;
 
+// Heap calls the drivers make above DISPATCH_LEVEL are violations
+// (docs/host-model.md, "Heap above DISPATCH_LEVEL").
+sim_host::install_driver_heap_check!();
+
 struct RootPdo;
 impl DeviceCallbacks for RootPdo {}
 

@@ -9,6 +9,10 @@ use sim_host::inf::workspace_inf_dir;
 use sim_host::inf_lint::{DRIVER_READS, Finding, Rule, lint_dir, lint_inf};
 use sim_host::samples::register_stand_ins;
 
+// Heap calls the drivers make above DISPATCH_LEVEL are violations
+// (docs/host-model.md, "Heap above DISPATCH_LEVEL").
+sim_host::install_driver_heap_check!();
+
 const HCA: &str = include_str!("../../inf/hca-miniport.inf");
 const CLIENT: &str = include_str!("../../inf/ib-port-client.inf");
 

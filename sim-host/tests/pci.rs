@@ -3,6 +3,8 @@
 //! an ISR at device IRQL that queues a DPC. A small probe driver brings the
 //! device up in polled mode, sets up an event queue and takes the
 //! port-change interrupt — in both the deterministic and threaded modes.
+//! The binary runs under the driver heap check (`sim_host::alloc_hook`): an
+//! ISR that allocates is caught.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -27,6 +29,8 @@ use sim_host::sched::DeviceDeferred;
 use sim_host::verifier::ViolationKind;
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
+sim_host::install_driver_heap_check!();
+
 const PAGE: usize = 4096;
 const EQ_LOG: u8 = 4;
 
@@ -36,7 +40,15 @@ struct Seen {
     magic: u32,
     cap: Option<DevCap>,
     events: Vec<Event>,
-    isr_irql: Vec<Irql>,
+    /// ISR runs, and those not at HCA_DIRQL (counters: the ISR must not
+    /// allocate, so it cannot push to a list).
+    isr_runs: u32,
+    isr_off_dirql: u32,
+    /// The broken sample: the ISR allocates (a `Box`, as `format!`, a
+    /// growing `Vec` or `Arc::new` would).
+    isr_allocates: bool,
+    /// The broken sample: the DPC keeps a 128 KiB array on its stack.
+    dpc_big_array: bool,
     dpc_irql: Vec<Irql>,
     hand_cpu_address: bool,
     skip_free: bool,
@@ -317,6 +329,13 @@ impl Probe {
 impl DeviceCallbacks for Probe {
     fn prepare_hardware(&self) -> NtStatus {
         self.note("prepare-hardware");
+        {
+            // EvtInterruptEnable/Disable run at DIRQL, where the heap is off
+            // limits: room for what they record is made here.
+            let mut seen = self.seen.lock().unwrap();
+            seen.calls.reserve(64);
+            seen.enable_irql.reserve(64);
+        }
         let Some(function) = self.host.resources::<PciFunction>() else {
             return UNSUCCESSFUL;
         };
@@ -338,11 +357,14 @@ impl DeviceCallbacks for Probe {
             self.sched.clone(),
             "hcaminiport",
             Arc::new(move || {
-                dpc_seen
-                    .lock()
-                    .unwrap()
-                    .dpc_irql
-                    .push(sim_host::irql::current());
+                let big_array = {
+                    let mut seen = dpc_seen.lock().unwrap();
+                    seen.dpc_irql.push(sim_host::irql::current());
+                    seen.dpc_big_array
+                };
+                if big_array {
+                    dpc_with_a_128_kib_array();
+                }
                 if let Some(rings) = dpc_rings.upgrade() {
                     rings.drain_eq(&dpc_seen);
                 }
@@ -354,12 +376,15 @@ impl DeviceCallbacks for Probe {
         let (enable_seen, disable_seen) = (self.seen.clone(), self.seen.clone());
         let created = function.create_interrupt(InterruptConfig {
             message: 0,
-            isr: Arc::new(move |_vector| {
-                isr_seen
-                    .lock()
-                    .unwrap()
-                    .isr_irql
-                    .push(sim_host::irql::current());
+            isr: Arc::new(move |vector| {
+                let mut seen = isr_seen.lock().unwrap();
+                seen.isr_runs += 1;
+                if sim_host::irql::current() != HCA_DIRQL {
+                    seen.isr_off_dirql += 1;
+                }
+                if seen.isr_allocates {
+                    std::hint::black_box(Box::new(u64::from(vector)));
+                }
                 true
             }),
             dpc: deferred.clone(),
@@ -470,6 +495,14 @@ impl DeviceCallbacks for Probe {
     }
 }
 
+/// What the broken sample's DPC calls: 128 KiB of locals, as a driver that
+/// keeps a large buffer on the stack instead of in pool.
+#[inline(never)]
+fn dpc_with_a_128_kib_array() {
+    let mut scratch = [0u8; 128 * 1024];
+    std::hint::black_box(&mut scratch);
+}
+
 /// A machine from our INFs with the probe as the HCA's function driver
 /// (service `hcaminiport`) under a pass-through `ibalbus` filter.
 struct World {
@@ -568,7 +601,7 @@ fn the_hca_comes_up_and_interrupts(threaded: bool) {
             "{:?}",
             seen.events
         );
-        assert!(seen.isr_irql.iter().all(|&i| i == HCA_DIRQL) && !seen.isr_irql.is_empty());
+        assert!(seen.isr_runs > 0 && seen.isr_off_dirql == 0);
         assert!(seen.dpc_irql.iter().all(|&i| i == Irql::DISPATCH) && !seen.dpc_irql.is_empty());
     }
     h.pnp().query_and_remove(pci_bus).unwrap();
@@ -584,6 +617,91 @@ fn deterministic_mode_brings_the_hca_up_and_delivers_its_interrupt() {
 #[test]
 fn threaded_mode_brings_the_hca_up_and_delivers_its_interrupt() {
     the_hca_comes_up_and_interrupts(true);
+}
+
+fn an_isr_that_allocates_is_an_irql_violation(threaded: bool) {
+    assert!(sim_host::alloc_hook::is_installed());
+    let h = host(
+        threaded,
+        Seen {
+            isr_allocates: true,
+            ..Seen::default()
+        },
+    );
+    settle(&h);
+    let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
+    h.pnp().query_and_remove(pci_bus).unwrap();
+    let isr_runs = h.seen.lock().unwrap().isr_runs;
+    assert!(isr_runs > 0);
+    let v = h.verifier().take();
+    // Each ISR run that allocated (and freed) is reported once per service.
+    let expected = ViolationKind::IrqlTooHigh {
+        service: sim_host::alloc_hook::ALLOC_SERVICE,
+        at: HCA_DIRQL.level(),
+        max: Irql::DISPATCH.level(),
+    };
+    let allocations = v.iter().filter(|x| x.kind == expected).count();
+    assert_eq!(allocations, isr_runs as usize, "{v:?}");
+    assert!(
+        v.iter().all(|x| x.driver.as_deref() == Some("hcaminiport")
+            && matches!(x.kind, ViolationKind::IrqlTooHigh { service, .. }
+                if service == sim_host::alloc_hook::ALLOC_SERVICE
+                    || service == sim_host::alloc_hook::FREE_SERVICE)),
+        "only the ISR's heap calls are reported: {v:?}"
+    );
+}
+
+#[test]
+fn an_isr_that_allocates_is_an_irql_violation_deterministic() {
+    an_isr_that_allocates_is_an_irql_violation(false);
+}
+
+#[test]
+fn an_isr_that_allocates_is_an_irql_violation_threaded() {
+    an_isr_that_allocates_is_an_irql_violation(true);
+}
+
+#[test]
+fn a_dpc_with_a_128_kib_array_overflows_the_kernel_stack() {
+    for threaded in [false, true] {
+        let h = host(
+            threaded,
+            Seen {
+                dpc_big_array: true,
+                ..Seen::default()
+            },
+        );
+        settle(&h);
+        let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
+        h.pnp().query_and_remove(pci_bus).unwrap();
+        let dpc_runs = h.seen.lock().unwrap().dpc_irql.len();
+        assert!(dpc_runs > 0);
+        let v = h.verifier().take();
+        let overflows: Vec<_> = v
+            .iter()
+            .filter_map(|x| match x.kind {
+                ViolationKind::KernelStackOverflow {
+                    routine,
+                    used,
+                    budget,
+                } => Some((x.driver.as_deref(), routine, used, budget)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(overflows.len(), dpc_runs, "threaded {threaded}: {v:?}");
+        for (driver, routine, used, budget) in overflows {
+            assert_eq!((driver, routine), (Some("hcaminiport"), "DPC"));
+            assert_eq!(budget, sim_host::stack::budget());
+            // The array, or as deep as the host measures.
+            let measurable = sim_host::stack::budget() + sim_host::stack::MEASURED_BEYOND_BUDGET;
+            // (to the last byte the scan can see: one short of `measurable`).
+            assert!(
+                used > budget && used + 8 >= measurable.min(128 * 1024),
+                "measured {used} bytes"
+            );
+        }
+        assert_eq!(v.len(), dpc_runs, "nothing else is reported: {v:?}");
+    }
 }
 
 #[test]
@@ -788,7 +906,7 @@ fn an_interrupt_raised_in_prepare_hardware_is_lost(threaded: bool) {
     {
         let seen = h.seen.lock().unwrap();
         assert!(seen.cap.is_some(), "the device was programmed");
-        assert!(seen.isr_irql.is_empty(), "no ISR ran: {:?}", seen.isr_irql);
+        assert_eq!(seen.isr_runs, 0, "no ISR ran");
         assert!(seen.events.is_empty(), "{:?}", seen.events);
     }
     assert!(h.backplane().unclaimed_interrupts() >= 1);
@@ -904,7 +1022,7 @@ fn the_interrupt_lock_raises_to_dirql_and_holds_off_the_isr() {
     let h = host(true, Seen::default());
     settle(&h);
     let interrupt = h.seen.lock().unwrap().interrupt.clone().unwrap();
-    let isrs = || h.seen.lock().unwrap().isr_irql.len();
+    let isrs = || h.seen.lock().unwrap().isr_runs;
     let before = isrs();
     {
         let _lock = interrupt.acquire_lock();
@@ -944,4 +1062,178 @@ fn port_downs(h: &World) -> usize {
         .iter()
         .filter(|e| matches!(e, Event::PortChange { active: false, .. }))
         .count()
+}
+
+/// What the long-transfer sample saw when it mapped.
+#[derive(Debug, Default)]
+struct TransferResults {
+    map_registers: usize,
+    remapping: Option<sim_host::dma::DmaRemapping>,
+    too_long: Option<Result<usize, NtStatus>>,
+    fits: Option<Result<usize, NtStatus>>,
+}
+
+/// A broken sample: it declares a 64 KiB maximum transfer for its device
+/// (`DEVICE_DESCRIPTION.MaximumLength`) and then maps a 128 KiB buffer as
+/// one scatter/gather list.
+struct LongTransferDriver {
+    pool: sim_host::memory::Pool,
+    results: Arc<Mutex<TransferResults>>,
+}
+
+impl DriverEntry for LongTransferDriver {
+    fn add_device(
+        &self,
+        _init: &DeviceInit,
+        host: &DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        Ok(Arc::new(LongTransfer {
+            host: host.clone(),
+            pool: self.pool.clone(),
+            results: self.results.clone(),
+        }))
+    }
+}
+
+struct LongTransfer {
+    host: DeviceServices,
+    pool: sim_host::memory::Pool,
+    results: Arc<Mutex<TransferResults>>,
+}
+
+impl DeviceCallbacks for LongTransfer {
+    fn prepare_hardware(&self) -> NtStatus {
+        use driver_platform::{DmaMapping, MemoryLocker, RequestorMode};
+        let Some(function) = self.host.resources::<PciFunction>() else {
+            return UNSUCCESSFUL;
+        };
+        let description = sim_host::dma::DmaDescription {
+            maximum_length: 64 * 1024,
+        };
+        let adapter = match function.dma_adapter_for(description) {
+            Ok(a) => a,
+            Err(s) => return s,
+        };
+        let block = self
+            .pool
+            .alloc("hcaminiport", *b"Xfer", 128 * 1024)
+            .unwrap();
+        let locker = sim_host::dma::HostLocker::new(self.pool.kernel_space(), None);
+        let locked = locker
+            .lock(RequestorMode::Kernel, block.va(), 128 * 1024, false)
+            .unwrap();
+        let map = |offset: usize, len: usize| {
+            adapter.map_transfer(&locked, offset, len).map(|mapping| {
+                let pages = mapping.page_count();
+                adapter.unmap(mapping);
+                pages
+            })
+        };
+        let too_long = map(0, 128 * 1024);
+        // 64 KiB not page aligned spans 17 pages: what the registers allow.
+        let fits = map(PAGE + 100, 64 * 1024);
+        *self.results.lock().unwrap() = TransferResults {
+            map_registers: adapter.map_registers(),
+            remapping: Some(adapter.remapping()),
+            too_long: Some(too_long),
+            fits: Some(fits),
+        };
+        drop(locked);
+        self.pool.free(block);
+        SUCCESS
+    }
+}
+
+fn long_transfer_host(results: &Arc<Mutex<TransferResults>>) -> Host {
+    let cfg = DeviceConfig::with_ports(0x0002_C900_0000_1000, &[[10, 0, 0, 1]]);
+    let host = Host::new(HostConfig::deterministic(5, vec![cfg])).unwrap();
+    host.register_driver(
+        "hcaminiport",
+        Arc::new(LongTransferDriver {
+            pool: host.pool().clone(),
+            results: results.clone(),
+        }),
+    );
+    host.register_driver("ibalbus", Arc::new(PassThroughFilter));
+    host.boot();
+    host
+}
+
+#[test]
+fn a_transfer_longer_than_the_adapter_maps_fails_as_on_windows() {
+    let results = Arc::default();
+    let host = long_transfer_host(&results);
+    host.scheduler().run_until_idle(10_000).unwrap();
+    host.shut_down();
+    let r = results.lock().unwrap();
+    assert_eq!(r.map_registers, 17, "64 KiB / 4 KiB + 1");
+    assert_eq!(
+        r.remapping,
+        Some(sim_host::dma::DmaRemapping::Enforced),
+        "our INF opts in"
+    );
+    assert_eq!(r.too_long, Some(Err(NtStatus::INSUFFICIENT_RESOURCES)));
+    assert_eq!(r.fits, Some(Ok(17)));
+    // The refused list mapped nothing, so nothing leaked.
+    host.verifier().assert_clean();
+}
+
+#[test]
+fn a_device_whose_inf_lacks_the_dma_remapping_opt_in_is_flagged() {
+    use sim_host::registry::{device_parameters_key, service_parameters_key};
+    let results = Arc::default();
+    let host = long_transfer_host(&results);
+    host.scheduler().run_until_idle(10_000).unwrap();
+    host.verifier().assert_clean();
+    let hca = host.hcas()[0];
+    let path = host.pnp().instance_path(hca).unwrap();
+    // What an INF without either directive leaves: no per-device
+    // `DMA Management\RemappingSupported`, no per-driver
+    // `DmaRemappingCompatible`. The device restarts and takes its adapter
+    // again.
+    let registry = host.registry();
+    registry
+        .delete_value(
+            &format!("{}\\DMA Management", device_parameters_key(&path)),
+            "RemappingSupported",
+        )
+        .unwrap();
+    registry
+        .delete_value(
+            &service_parameters_key("hcaminiport"),
+            "DmaRemappingCompatible",
+        )
+        .unwrap();
+    host.pnp().stop(hca).unwrap();
+    host.pnp().restart(hca);
+    host.scheduler().run_until_idle(10_000).unwrap();
+    assert_eq!(
+        results.lock().unwrap().remapping,
+        Some(sim_host::dma::DmaRemapping::NotEnforced)
+    );
+    let v = host.verifier().take();
+    assert!(
+        matches!(&v[..], [x] if x.driver.as_deref() == Some("hcaminiport")
+            && matches!(&x.kind, ViolationKind::Protocol { detail }
+                if detail.contains("without DMA remapping (NotEnforced)"))),
+        "{v:?}"
+    );
+    // An explicit opt-out is flagged too.
+    registry
+        .set_value(
+            &service_parameters_key("hcaminiport"),
+            "DmaRemappingCompatible",
+            driver_platform::RegValue::Dword(0),
+        )
+        .unwrap();
+    host.pnp().stop(hca).unwrap();
+    host.pnp().restart(hca);
+    host.scheduler().run_until_idle(10_000).unwrap();
+    assert_eq!(
+        results.lock().unwrap().remapping,
+        Some(sim_host::dma::DmaRemapping::OptedOut)
+    );
+    assert_eq!(host.verifier().take().len(), 1);
+    host.shut_down();
+    host.verifier().assert_clean();
 }

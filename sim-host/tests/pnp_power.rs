@@ -24,6 +24,10 @@ use sim_host::request::HostRequest;
 use sim_host::sched::Scheduler;
 use sim_host::verifier::{Verifier, ViolationKind};
 
+// Heap calls the drivers make above DISPATCH_LEVEL are violations
+// (docs/host-model.md, "Heap above DISPATCH_LEVEL").
+sim_host::install_driver_heap_check!();
+
 const TEST_INTERFACE: WinGuid = WinGuid::from_u128(0x1111_2222_3333_4444_5555_6666_7777_8888);
 const CHILD_CLASS: WinGuid = WinGuid::from_u128(0x9999_0000_1111_2222_3333_4444_5555_6666);
 const IOCTL_ECHO: u32 = 0x0022_0004;

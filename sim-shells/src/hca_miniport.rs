@@ -498,7 +498,11 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         let Some(function) = self.host.resources::<PciFunction>() else {
             return UNSUCCESSFUL;
         };
-        let adapter = match function.dma_adapter() {
+        // The KMDF shell's enabler declares the same maximum transfer.
+        let description = sim_host::dma::DmaDescription {
+            maximum_length: hca_miniport_core::mr::MAX_DMA_TRANSFER,
+        };
+        let adapter = match function.dma_adapter_for(description) {
             Ok(adapter) => adapter,
             Err(status) => return status,
         };

@@ -7,6 +7,10 @@
 
 use stack_swarm::{Config, Knobs, run};
 
+// Heap calls the drivers make above DISPATCH_LEVEL are violations
+// (docs/host-model.md, "Heap above DISPATCH_LEVEL").
+sim_host::install_driver_heap_check!();
+
 fn replay(seed: u64, steps: usize) {
     let config = Config {
         seed,

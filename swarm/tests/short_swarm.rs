@@ -5,6 +5,10 @@
 
 use stack_swarm::{Config, Knobs, run};
 
+// Heap calls the drivers make above DISPATCH_LEVEL are violations
+// (docs/host-model.md, "Heap above DISPATCH_LEVEL").
+sim_host::install_driver_heap_check!();
+
 /// Seeds and steps of the default suite: a few seconds in a debug build.
 const SEEDS: std::ops::Range<u64> = 1..9;
 const STEPS: usize = 200;

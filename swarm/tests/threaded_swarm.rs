@@ -7,6 +7,10 @@
 
 use stack_swarm::{Config, Knobs, run};
 
+// Heap calls the drivers make above DISPATCH_LEVEL are violations
+// (docs/host-model.md, "Heap above DISPATCH_LEVEL").
+sim_host::install_driver_heap_check!();
+
 /// Seeds and steps: well under a second of a debug build (most of it
 /// real-time sleeps), with bounds of seconds for a loaded machine.
 const SEEDS: std::ops::Range<u64> = 1..4;

@@ -12,6 +12,10 @@ use sim_host::host::{Host, HostConfig};
 use sim_host::pnp::PnpState;
 use sim_host::samples::{STAND_IN_SERVICES, register_stand_ins};
 
+// Heap calls the drivers make above DISPATCH_LEVEL are violations
+// (docs/host-model.md, "Heap above DISPATCH_LEVEL").
+sim_host::install_driver_heap_check!();
+
 fn position(log: &[String], needle: &str) -> usize {
     log.iter()
         .position(|l| l.contains(needle))

@@ -12,6 +12,10 @@
 #[path = "../../xtask/src/miniport_run.rs"]
 mod miniport_run;
 
+// Heap calls the drivers make above DISPATCH_LEVEL are violations
+// (docs/host-model.md, "Heap above DISPATCH_LEVEL").
+sim_host::install_driver_heap_check!();
+
 #[test]
 fn rc_and_ud_traffic_through_the_real_miniport_then_sleep_wake_and_a_clean_shutdown() {
     for seed in [1, 7, 42, miniport_run::SEED] {

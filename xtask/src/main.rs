@@ -33,6 +33,10 @@ use std::process::{Command, ExitCode};
 
 use clap::{Parser, Subcommand};
 
+// The main job boots drivers: heap calls they make above DISPATCH_LEVEL
+// are violations (docs/host-model.md, "Heap above DISPATCH_LEVEL").
+sim_host::install_driver_heap_check!();
+
 #[derive(Debug, Parser)]
 #[command(about = "Project automation for the InfiniBand stack")]
 struct Cli {

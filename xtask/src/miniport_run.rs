@@ -417,6 +417,17 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
     drop(sides);
 
     m.host.shut_down();
+    // What the routines used of their kernel stacks (sim_host::stack): the
+    // numbers docs/host-model.md "Kernel stacks" quotes.
+    let high_water = sim_host::stack::high_water()
+        .iter()
+        .map(|(kind, bytes)| format!("{kind:?} {:.1} KiB", *bytes as f64 / 1024.0))
+        .collect::<Vec<_>>()
+        .join(", ");
+    summary.lines.push(format!(
+        "kernel stacks used (most, this process): {high_water}; budget {} KiB in this build",
+        sim_host::stack::budget() / 1024
+    ));
     let violations = m.host.verifier().violations();
     summary.lines.push(format!(
         "shutdown: every driver unloaded; verifier: {} violation(s)",

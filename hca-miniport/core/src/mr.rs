@@ -109,6 +109,13 @@ use crate::resources::{EntryRange, KeyAllocator, MemoryKey, RangeAllocator};
 pub use error::MrError;
 
 /// log2 of the host page size the core locks and maps (PRM 5.3).
+/// The longest transfer both shells declare for the device's DMA (KMDF:
+/// `WDF_DMA_ENABLER_CONFIG.MaximumLength`; the simulated host:
+/// `DmaDescription::maximum_length`): one scatter/gather list describes at
+/// most this many bytes, so a registration is mapped as lists of at most
+/// this size (the KMDF shell's pieces). A page multiple.
+pub const MAX_DMA_TRANSFER: usize = 1 << 20;
+
 const HOST_PAGE_SHIFT: u8 = 12;
 /// Bytes of a host page.
 const HOST_PAGE: u64 = 1 << HOST_PAGE_SHIFT;

@@ -36,6 +36,10 @@ use sim_host::sched::DeviceDeferred;
 use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver, MiniportOptions, ShellPlatform};
 use zerocopy::FromBytes;
 
+// Heap calls the drivers make above DISPATCH_LEVEL are violations
+// (docs/host-model.md, "Heap above DISPATCH_LEVEL").
+sim_host::install_driver_heap_check!();
+
 const DRIVER: &str = sim_shells::hca_miniport::SERVICE;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -39,6 +39,10 @@ use sim_host::platform::SimPlatform;
 use sim_host::pnp::DeviceServices;
 use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver, MiniportOptions};
 
+// Heap calls the drivers make above DISPATCH_LEVEL are violations
+// (docs/host-model.md, "Heap above DISPATCH_LEVEL").
+sim_host::install_driver_heap_check!();
+
 const DRIVER: &str = sim_shells::hca_miniport::SERVICE;
 const PAGE: u64 = 4096;
 

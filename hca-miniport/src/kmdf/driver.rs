@@ -8,6 +8,9 @@ use alloc::sync::Arc;
 use core::ffi::c_void;
 use core::ptr;
 
+// The largest single DMA transfer the enabler describes (one scatter/gather
+// list), shared with the simulated shell.
+use hca_miniport_core::mr::MAX_DMA_TRANSFER;
 use ib_types::interface::{CiInterface, GUID_IB_CI_INTERFACE};
 use wdk_sys::{
     _WDF_DMA_PROFILE, DRIVER_OBJECT, FALSE, FILE_64_BYTE_ALIGNMENT, GUID, LPGUID, NTSTATUS,
@@ -28,10 +31,6 @@ use super::interface::{accepts, ci_interface, fill_identity};
 use super::interrupt::{evt_timer, evt_work_item};
 use super::platform::WdfDma;
 use super::queue::{create_queue, evt_io_in_caller_context};
-
-/// Largest single DMA transfer the enabler describes (registrations are
-/// mapped page by page; this bounds one scatter/gather list).
-const MAX_DMA_TRANSFER: usize = 1 << 20;
 
 /// The device's DMA alignment requirement (`FILE_*_ALIGNMENT`: bytes minus
 /// one): rings are 64-byte aligned (PRM), the strictest requirement on a

@@ -844,9 +844,9 @@ impl MemoryLocker for MdlLocker {
 // Mapping locked pages for the device (scatter/gather lists)
 
 /// Largest piece of a registration one scatter/gather list describes: the
-/// DMA enabler's maximum transfer (`driver::MAX_DMA_TRANSFER`), so no list
-/// asks the adapter for more than it was configured for. Page multiple.
-const MAP_CHUNK: u64 = 1 << 20;
+/// DMA enabler's maximum transfer (`MAX_DMA_TRANSFER`), so no list asks
+/// the adapter for more than it was configured for. Page multiple.
+const MAP_CHUNK: u64 = hca_miniport_core::mr::MAX_DMA_TRANSFER as u64;
 
 /// One scatter/gather list, built by `BuildScatterGatherList` into
 /// `buffer` (sized by `CalculateScatterGatherList`).

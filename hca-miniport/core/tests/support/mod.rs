@@ -29,6 +29,10 @@ use sim_host::pnp::DeviceServices;
 use sim_host::request::{Completion, HostRequest, RequestHandle};
 use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver, MiniportOptions};
 
+// Heap calls the drivers make above DISPATCH_LEVEL are violations
+// (docs/host-model.md, "Heap above DISPATCH_LEVEL").
+sim_host::install_driver_heap_check!();
+
 /// The driver's service name.
 pub(crate) const DRIVER: &str = sim_shells::hca_miniport::SERVICE;
 
