@@ -477,3 +477,28 @@ fn a_close_made_due_by_a_completion_runs_later_on_a_system_thread() {
     w.pnp.exit_process(&process);
     w.verifier.assert_clean();
 }
+
+#[test]
+fn after_surprise_removal_remove_waits_for_the_last_file_object() {
+    let w = world(Breakage::None);
+    let process = Process::new(37);
+    let handle = w.pnp.open_file(&process, w.device).unwrap();
+    w.pnp.surprise_remove(w.device);
+    assert_eq!(
+        w.pnp.state(w.device),
+        Some(sim_host::pnp::PnpState::SurpriseRemoved),
+        "no IRP_MN_REMOVE_DEVICE while a handle is open"
+    );
+    assert!(
+        w.pnp.stack_services(w.device).len() > 1,
+        "the device objects still exist"
+    );
+    // The last handle closes: CLEANUP, CLOSE, and then REMOVE.
+    handle.close();
+    assert_eq!(
+        w.pnp.state(w.device),
+        Some(sim_host::pnp::PnpState::Removed)
+    );
+    assert_eq!(w.pnp.stack_services(w.device).len(), 1, "only the PDO left");
+    w.verifier.assert_clean();
+}
