@@ -11,7 +11,7 @@
 //! not otherwise see, so the check is a `#[global_allocator]`:
 //! [`DriverHeapCheck`] wraps [`System`] and, on every allocation,
 //! reallocation and free, looks at two thread-locals: whether the thread
-//! runs driver code ([`context`](crate::context) sets this on entering a
+//! runs driver code ([`crate::context`] sets this on entering a
 //! driver's context; [`HostCode`] clears it around the host's own services,
 //! such as queueing a DPC or the device answering a register access) and
 //! the thread's IRQL ([`crate::irql`]). Above DISPATCH_LEVEL in driver code

@@ -90,8 +90,8 @@ pub(crate) fn pages_for(len: usize) -> usize {
 }
 
 /// One page of host memory (physical memory, in Windows terms): a real,
-/// page-aligned [`frame::Frame`] the CPU and devices access without a lock.
-/// The pages of one allocation share one [`frame::FrameRun`].
+/// page-aligned `frame::Frame` the CPU and devices access without a lock.
+/// The pages of one allocation share one `frame::FrameRun`.
 pub struct Page {
     run: Arc<frame::FrameRun>,
     index: usize,
