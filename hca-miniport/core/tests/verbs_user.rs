@@ -2677,7 +2677,7 @@ where
 }
 
 #[test]
-fn a_user_request_held_across_sleep_is_refused_without_touching_the_process() {
+fn a_user_request_held_across_sleep_is_served_on_resume_without_touching_the_process() {
     let (w, _) = two_hcas(81);
     let process = Process::new(27);
     let handle = w
@@ -2694,11 +2694,12 @@ fn a_user_request_held_across_sleep_is_refused_without_touching_the_process() {
         length: 4096,
         access: AccessFlags::LOCAL_WRITE,
     };
-    // Sent while the device sleeps: the power-managed queue holds it, and
-    // the power manager delivers it on resume, outside the process. The
-    // shell does not take the user path there (locking the process's pages
-    // would be UserMemoryOutsideProcessContext): the region is refused and
-    // nothing of the process is locked.
+    // Sent while the device sleeps: the shell's EvtIoInCallerContext locks
+    // the region's page in the issuing thread, the power-managed queue
+    // holds the request, and the power manager delivers it on resume,
+    // outside the process, where the verb uses only the page locked
+    // before (touching the process there would be
+    // UserMemoryOutsideProcessContext, which `finish` would report).
     w.sleep();
     let mut bytes = vec![0; ib_types::ioctl::request_len::<ib_types::ioctl::RegMr>(0).unwrap()];
     ib_types::ioctl::encode_request::<ib_types::ioctl::RegMr>(pd, &region, &[], 64, &mut bytes)
@@ -2709,15 +2710,137 @@ fn a_user_request_held_across_sleep_is_refused_without_touching_the_process() {
         ib_types::ioctl::response_len::<ib_types::ioctl::RegMr>(64).unwrap(),
     );
     assert!(!held.is_done());
+    assert_eq!(
+        process.space().locked_pages(),
+        1,
+        "locked in the caller's context"
+    );
     w.resume();
     let c = held.completion().expect("delivered on resume");
-    assert_ne!(
+    assert_eq!(
         status_of::<ib_types::ioctl::RegMr>(&c),
         IbStatus::Success,
-        "no user path outside the caller's context"
+        "served with what was locked in the caller's context"
     );
+    let mr = response::<ib_types::ioctl::RegMr>(&c).handle;
+    assert_eq!(process.space().locked_pages(), 1);
+    assert!(
+        w.host.verifier().violations().is_empty(),
+        "{:?}",
+        w.host.verifier().violations()
+    );
+    // The region is the process's: deregistered on its handle, the page
+    // unlocked.
+    let c = on_handle::<ib_types::ioctl::DeregMr>(&w, &handle, mr, &Empty, &[]);
+    assert_eq!(status_of::<ib_types::ioctl::DeregMr>(&c), IbStatus::Success);
     assert_eq!(process.space().locked_pages(), 0);
     handle.close();
+    assert_eq!(w.host.pnp().exit_process(&process), 0);
+    w.finish();
+}
+
+/// Sends `V` on a process's handle without running the host (a request
+/// the power-managed queue may hold).
+fn send_on_handle<V: Verb>(
+    handle: &sim_host::file::FileHandle,
+    object: u64,
+    input: &V::In,
+    private: &[u8],
+) -> sim_host::request::RequestHandle {
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<V>(private.len()).unwrap()];
+    ib_types::ioctl::encode_request::<V>(object, input, private, 64, &mut bytes).unwrap();
+    handle.send(
+        V::ID.ioctl().raw(),
+        bytes,
+        ib_types::ioctl::response_len::<V>(64).unwrap(),
+    )
+}
+
+#[test]
+fn open_create_and_close_held_across_sleep_touch_the_process_only_in_its_context() {
+    let (w, _) = two_hcas(82);
+    let process = Process::new(28);
+    let handle = w
+        .host
+        .pnp()
+        .open_file(&process, w.device_at(U).node())
+        .unwrap();
+    // OpenCa while asleep: the doorbell page is mapped into the process
+    // by EvtIoInCallerContext; the context is made on resume.
+    w.sleep();
+    let open = send_on_handle::<OpenCa>(&handle, 0, &OpenCaIn::CURRENT, &[]);
+    assert!(!open.is_done());
+    assert_eq!(process.space().device_mapping_count(), 1);
+    w.resume();
+    let c = open.completion().expect("delivered on resume");
+    assert_eq!(status_of::<OpenCa>(&c), IbStatus::Success);
+    let ca = response::<OpenCa>(&c).handle;
+
+    // CreateCq while asleep: ring and doorbell record locked in the
+    // caller's context, the CQ made on resume.
+    let (ring, dbr) = (process.alloc(32 << 4).unwrap(), process.alloc(64).unwrap());
+    let layout = CreateCqPriv::new(4, ring, dbr).unwrap();
+    let attr = CqAttr {
+        cqe: 1 << 4,
+        comp_vector: 0,
+    };
+    w.sleep();
+    let create = send_on_handle::<CreateCq>(&handle, ca, &attr, layout.emit().as_bytes());
+    assert_eq!(process.space().locked_pages(), 2);
+    w.resume();
+    let c = create.completion().expect("delivered on resume");
+    assert_eq!(status_of::<CreateCq>(&c), IbStatus::Success);
+    assert_eq!(process.space().locked_pages(), 2);
+
+    // CloseCa while asleep: the doorbell page is unmapped in the caller's
+    // context at once; the objects go on resume.
+    w.sleep();
+    let close = send_on_handle::<ib_types::ioctl::CloseCa>(&handle, ca, &Empty, &[]);
+    assert_eq!(process.space().device_mapping_count(), 0);
+    w.resume();
+    let c = close.completion().expect("delivered on resume");
+    assert_eq!(status_of::<ib_types::ioctl::CloseCa>(&c), IbStatus::Success);
+    assert_eq!(process.space().locked_pages(), 0);
+    assert_eq!(w.hca_at(U).user_context_count(), 0);
+    assert!(
+        w.host.verifier().violations().is_empty(),
+        "{:?}",
+        w.host.verifier().violations()
+    );
+    handle.close();
+    assert_eq!(w.host.pnp().exit_process(&process), 0);
+    w.finish();
+}
+
+#[test]
+fn a_doorbell_page_mapped_for_a_failed_open_is_unmapped_at_the_process_cleanup() {
+    let (w, _) = two_hcas(83);
+    let process = Process::new(29);
+    let handle = w
+        .host
+        .pnp()
+        .open_file(&process, w.device_at(U).node())
+        .unwrap();
+    // On a failed device an OpenCa is refused when the queue delivers it,
+    // after EvtIoInCallerContext mapped its doorbell page; the delivery
+    // is outside the process (held across sleep), so the page waits for
+    // the process's cleanup.
+    w.device_at(U)
+        .function()
+        .unwrap()
+        .with_device(|d| d.declare_fatal(hca_prm::regs::FatalSyndrome::Internal));
+    w.settle();
+    assert!(w.hca_at(U).failure().is_some());
+    w.sleep();
+    let open = send_on_handle::<OpenCa>(&handle, 0, &OpenCaIn::CURRENT, &[]);
+    assert_eq!(process.space().device_mapping_count(), 1);
+    w.resume();
+    let c = open.completion().expect("delivered on resume");
+    assert_ne!(status_of::<OpenCa>(&c), IbStatus::Success);
+    assert_eq!(process.space().device_mapping_count(), 1);
+    handle.close();
+    w.settle();
+    assert_eq!(process.space().device_mapping_count(), 0);
     assert_eq!(w.host.pnp().exit_process(&process), 0);
     w.finish();
 }
