@@ -1046,9 +1046,20 @@ impl PnpManager {
     /// A request arrives at one layer: its `EvtIoInCallerContext` runs in
     /// the sender's thread, then the request goes to the layer's queue.
     fn arrive(&self, node: DevNodeId, layer: usize, req: HostRequest) {
+        // A device that cannot take requests gets none of its callbacks:
+        // `deliver` refuses the request.
         let cb = lock(&self.inner.tree)
             .nodes
             .get(node.0)
+            .filter(|n| {
+                !matches!(
+                    n.state,
+                    PnpState::Removed
+                        | PnpState::SurpriseRemoved
+                        | PnpState::FailedStart(_)
+                        | PnpState::Enumerated
+                )
+            })
             .and_then(|n| n.stack.get(layer))
             .map(|l| l.callbacks.clone());
         let req = match cb {
@@ -1059,6 +1070,30 @@ impl PnpManager {
             None => req,
         };
         self.deliver(node, layer, req);
+    }
+
+    /// Completes with `STATUS_CANCELLED` every request a power-managed
+    /// queue holds (not yet presented to its driver) whose issuer asked
+    /// for cancellation: a request in a KMDF queue is the framework's,
+    /// which completes it when it is cancelled.
+    pub(crate) fn complete_canceled_held(&self) {
+        use driver_platform::Request;
+        let canceled: Vec<HostRequest> = {
+            let mut tree = lock(&self.inner.tree);
+            let mut out = Vec::new();
+            for n in tree.nodes.iter_mut() {
+                for l in n.stack.iter_mut() {
+                    let (cancel, keep): (VecDeque<_>, VecDeque<_>) =
+                        l.held.drain(..).partition(|r| r.is_canceled());
+                    l.held = keep;
+                    out.extend(cancel);
+                }
+            }
+            out
+        };
+        for req in canceled {
+            req_complete(req, crate::driver::CANCELLED);
+        }
     }
 
     /// Delivers a request to one layer's queue (held below D0 if

@@ -485,6 +485,25 @@ fn a_user_request_locked_in_caller_context_and_held_across_sleep_is_clean() {
 }
 
 #[test]
+fn a_request_held_in_the_queue_at_process_exit_is_cancelled_with_its_context() {
+    let w = world(Breakage::None);
+    let process = Process::new(39);
+    let handle = w.pnp.open_file(&process, w.device).unwrap();
+    let va = process.alloc(4096).unwrap();
+    w.pnp.set_system_power(SystemPowerState::S3).unwrap();
+    let done = handle.send(IOCTL_LOCK_IN_CALLER, lock_request(va), 0);
+    assert_eq!(process.space().locked_pages(), 1);
+    // The framework completes the held request cancelled; the lock in its
+    // context goes with it, before the address space is run down.
+    drop(handle);
+    assert_eq!(w.pnp.exit_process(&process), 0);
+    assert_eq!(done.completion().unwrap().status, CANCELLED);
+    w.verifier.assert_clean();
+    w.pnp.set_system_power(SystemPowerState::S0).unwrap();
+    w.verifier.assert_clean();
+}
+
+#[test]
 fn pages_still_locked_at_process_exit_are_process_has_locked_pages() {
     let w = world(Breakage::KeepLockedPastCleanup);
     let process = Process::new(36);

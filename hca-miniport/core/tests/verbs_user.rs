@@ -2844,3 +2844,37 @@ fn a_doorbell_page_mapped_for_a_failed_open_is_unmapped_at_the_process_cleanup()
     assert_eq!(w.host.pnp().exit_process(&process), 0);
     w.finish();
 }
+
+#[test]
+fn a_prepared_request_cancelled_in_the_queue_leaves_nothing_locked() {
+    let (w, _) = two_hcas(84);
+    let process = Process::new(30);
+    let handle = w
+        .host
+        .pnp()
+        .open_file(&process, w.device_at(U).node())
+        .unwrap();
+    let c = on_handle::<OpenCa>(&w, &handle, 0, &OpenCaIn::CURRENT, &[]);
+    let ca = response::<OpenCa>(&c).handle;
+    let pd = response::<AllocPd>(&on_handle::<AllocPd>(&w, &handle, ca, &Empty, &[])).handle;
+    let va = process.alloc(2 * 4096).unwrap();
+    let region = ib_types::mr::MrRegister {
+        vaddr: va,
+        length: 2 * 4096,
+        access: AccessFlags::LOCAL_WRITE,
+    };
+    // Held while the device sleeps, with its pages locked in the caller's
+    // context; the process exits before the device resumes: the framework
+    // cancels the held request, and the prepared locks go with it.
+    w.sleep();
+    let held = send_on_handle::<ib_types::ioctl::RegMr>(&handle, pd, &region, &[]);
+    assert_eq!(process.space().locked_pages(), 2);
+    drop(handle);
+    assert_eq!(w.host.pnp().exit_process(&process), 0);
+    w.settle();
+    assert!(held.is_done());
+    assert_eq!(process.space().locked_pages(), 0);
+    w.resume();
+    assert_eq!(w.hca_at(U).user_context_count(), 0);
+    w.finish();
+}
