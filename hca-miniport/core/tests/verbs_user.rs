@@ -2878,3 +2878,48 @@ fn a_prepared_request_cancelled_in_the_queue_leaves_nothing_locked() {
     assert_eq!(w.hca_at(U).user_context_count(), 0);
     w.finish();
 }
+
+#[test]
+fn the_queued_phase_uses_only_what_the_caller_context_phase_locked() {
+    let (w, _) = two_hcas(85);
+    let uvp = Uvp::open(&w, 31);
+    let pd = uvp.alloc_pd(&w);
+    let (a, b) = (
+        uvp.process().alloc(4096).unwrap(),
+        uvp.process().alloc(4096).unwrap(),
+    );
+    let reg = |va: u64| {
+        let region = ib_types::mr::MrRegister {
+            vaddr: va,
+            length: 4096,
+            access: AccessFlags::LOCAL_WRITE,
+        };
+        let mut bytes = vec![0; ib_types::ioctl::request_len::<ib_types::ioctl::RegMr>(0).unwrap()];
+        ib_types::ioctl::encode_request::<ib_types::ioctl::RegMr>(pd, &region, &[], 64, &mut bytes)
+            .unwrap();
+        w.raw_request(
+            <ib_types::ioctl::RegMr as Verb>::ID.ioctl().raw(),
+            RequestorMode::User,
+            bytes,
+            ib_types::ioctl::response_len::<ib_types::ioctl::RegMr>(64).unwrap(),
+        )
+    };
+    // Phase 1 for a registration of `a` locks `a`'s page...
+    let (mut request_a, _) = reg(a);
+    let prepared = w
+        .hca_at(U)
+        .prepare_user_request(&mut request_a, &uvp.caller);
+    assert_eq!(prepared.locked_ranges(), 1);
+    assert_eq!(uvp.process().space().locked_pages(), 1);
+    driver_platform::Request::complete(request_a, ib_types::status::NtStatus::CANCELLED, 0);
+    // ...and a request for `b` run with it is refused: the queued phase
+    // never locks what phase 1 did not, so nothing of `b` is locked.
+    let (request_b, issuer) = reg(b);
+    w.hca_at(U).execute_user_request(request_b, prepared);
+    w.settle();
+    let c = issuer.completion().expect("answered");
+    assert_ne!(status_of::<ib_types::ioctl::RegMr>(&c), IbStatus::Success);
+    // The unused lock of `a` went with the prepared request.
+    assert_eq!(uvp.process().space().locked_pages(), 0);
+    w.finish();
+}
