@@ -270,6 +270,19 @@ pub trait DeviceCallbacks: Send + Sync {
     /// `EvtFileClose` (`IRP_MJ_CLOSE`): the last reference to the file
     /// object is gone. PASSIVE_LEVEL, arbitrary thread context.
     fn file_close(&self, file: &crate::file::FileObject) {}
+    /// `EvtIoInCallerContext`: a request reached this device object, in
+    /// the issuing thread's context (a user request's process, at the
+    /// sender's IRQL), before any queue holds it. The driver reaches into
+    /// the caller here (probe and lock its buffers, map pages into it),
+    /// keeps what it needs in the request's context
+    /// (`HostRequest::set_context`), and returns the request to be queued
+    /// (`WdfDeviceEnqueueRequest`), or completes it and returns `None`.
+    /// The queue then presents it through [`io_request`](Self::io_request),
+    /// possibly much later and in another context (held below D0 and
+    /// delivered on resume). The default enqueues it unchanged.
+    fn io_in_caller_context(&self, req: HostRequest) -> Option<HostRequest> {
+        Some(req)
+    }
     /// A request reached this device object: complete it, keep it pending,
     /// or pass it down with `lower.forward(req)` (the default).
     fn io_request(&self, lower: &dyn Forward, req: HostRequest) {

@@ -496,8 +496,10 @@ impl PnpManager {
     }
 
     /// Process exit, as the I/O manager and the process manager do it: the
-    /// process's requests still pending are cancelled (`IoCancelIrp`),
-    /// then every handle it holds is closed (the last one of a file
+    /// process's requests still pending are cancelled (`IoCancelIrp`;
+    /// those a power-managed queue still holds are completed with
+    /// `STATUS_CANCELLED` by the framework, dropping their request
+    /// context), then every handle it holds is closed (the last one of a file
     /// object sends `file_cleanup` in its context), then its address space
     /// goes. Pages still locked then are
     /// [`ViolationKind::ProcessHasLockedPages`], one per driver that holds
@@ -520,6 +522,9 @@ impl PnpManager {
                 request.cancel();
             }
         }
+        // Requests still in a power-managed queue (held below D0) belong
+        // to the framework, which completes them cancelled itself.
+        self.complete_canceled_held();
         for file in &handles {
             close_handle(file);
         }

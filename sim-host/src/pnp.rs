@@ -450,7 +450,7 @@ struct Lower<'a> {
 impl Forward for Lower<'_> {
     fn forward(&self, req: HostRequest) {
         match self.layer {
-            Some(layer) => self.pnp.deliver(self.node, layer, req),
+            Some(layer) => self.pnp.arrive(self.node, layer, req),
             None => {
                 // Below the PDO: nobody handled it.
                 req_complete(req, NOT_SUPPORTED);
@@ -1202,13 +1202,66 @@ impl PnpManager {
             .get(node.0)
             .map(|n| n.stack.len());
         match top {
-            Some(len) if len > 0 => self.deliver(node, len - 1, req),
+            Some(len) if len > 0 => self.arrive(node, len - 1, req),
             _ => req_complete(req, NO_SUCH_DEVICE),
         }
     }
 
-    /// Delivers a request to one layer: through its queue (held below D0
-    /// if power-managed), then its `io_request`.
+    /// A request arrives at one layer: its `EvtIoInCallerContext` runs in
+    /// the sender's thread, then the request goes to the layer's queue.
+    fn arrive(&self, node: DevNodeId, layer: usize, req: HostRequest) {
+        // A device that cannot take requests gets none of its callbacks:
+        // `deliver` refuses the request.
+        let cb = lock(&self.inner.tree)
+            .nodes
+            .get(node.0)
+            .filter(|n| {
+                !matches!(
+                    n.state,
+                    PnpState::Removed
+                        | PnpState::SurpriseRemoved
+                        | PnpState::FailedStart(_)
+                        | PnpState::Enumerated
+                )
+            })
+            .and_then(|n| n.stack.get(layer))
+            .map(|l| l.callbacks.clone());
+        let req = match cb {
+            Some(cb) => match cb.io_in_caller_context(req) {
+                Some(req) => req,
+                None => return,
+            },
+            None => req,
+        };
+        self.deliver(node, layer, req);
+    }
+
+    /// Completes with `STATUS_CANCELLED` every request a power-managed
+    /// queue holds (not yet presented to its driver) whose issuer asked
+    /// for cancellation: a request in a KMDF queue is the framework's,
+    /// which completes it when it is cancelled.
+    pub(crate) fn complete_canceled_held(&self) {
+        use driver_platform::Request;
+        let canceled: Vec<HostRequest> = {
+            let mut tree = lock(&self.inner.tree);
+            let mut out = Vec::new();
+            for n in tree.nodes.iter_mut() {
+                for l in n.stack.iter_mut() {
+                    let (cancel, keep): (VecDeque<_>, VecDeque<_>) =
+                        l.held.drain(..).partition(|r| r.is_canceled());
+                    l.held = keep;
+                    out.extend(cancel);
+                }
+            }
+            out
+        };
+        for req in canceled {
+            req_complete(req, crate::driver::CANCELLED);
+        }
+    }
+
+    /// Delivers a request to one layer's queue (held below D0 if
+    /// power-managed), then its `io_request`.
     fn deliver(&self, node: DevNodeId, layer: usize, mut req: HostRequest) {
         let target = {
             let mut tree = lock(&self.inner.tree);
@@ -1793,6 +1846,19 @@ impl DeviceCallbacks for InDriver {
     }
     fn file_close(&self, file: &crate::file::FileObject) {
         self.call_pnp("EvtFileClose", (), |d| d.file_close(file));
+    }
+    fn io_in_caller_context(&self, req: HostRequest) -> Option<HostRequest> {
+        if &*self.service != HOST_PDO
+            && !self
+                .verifier
+                .check_callback(&self.service, "EvtIoInCallerContext")
+        {
+            req_complete(req, NO_SUCH_DEVICE);
+            return None;
+        }
+        self.call("EvtIoInCallerContext", None, |d| {
+            d.io_in_caller_context(req)
+        })
     }
     fn io_request(&self, lower: &dyn Forward, req: HostRequest) {
         if &*self.service != HOST_PDO

@@ -351,6 +351,10 @@ pub struct HostRequest {
     /// The file object the request was sent on (a handle's), referenced
     /// until the request is completed or dropped.
     file: Option<crate::file::FileReference>,
+    /// The driver's request context (`WdfObjectGetTypedContext` of a
+    /// `WDFREQUEST`): what its `EvtIoInCallerContext` prepared, dropped
+    /// with the request (the context's cleanup callback).
+    context: Option<Box<dyn std::any::Any + Send>>,
 }
 
 impl std::fmt::Debug for HostRequest {
@@ -391,6 +395,7 @@ impl HostRequest {
             id: RequestId::next(),
             queue: None,
             file: None,
+            context: None,
         };
         (request, handle)
     }
@@ -412,6 +417,25 @@ impl HostRequest {
     /// (`WdfRequestGetFileObject`).
     pub fn file(&self) -> Option<&crate::file::FileObject> {
         self.file.as_ref().map(crate::file::FileReference::file)
+    }
+
+    /// Stores the owner's request context (replacing one stored before):
+    /// what `EvtIoInCallerContext` prepared for the queued phase. It is
+    /// dropped when the request is completed or dropped, as WDF deletes a
+    /// request's context with it.
+    pub fn set_context<T: std::any::Any + Send>(&mut self, context: T) {
+        self.context = Some(Box::new(context));
+    }
+
+    /// Takes the request context back if it is a `T`.
+    pub fn take_context<T: std::any::Any + Send>(&mut self) -> Option<T> {
+        match self.context.take()?.downcast::<T>() {
+            Ok(context) => Some(*context),
+            Err(other) => {
+                self.context = Some(other);
+                None
+            }
+        }
     }
 
     /// The issuing process, if the issuer recorded it.

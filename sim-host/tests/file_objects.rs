@@ -27,6 +27,9 @@ use sim_host::verifier::{Verifier, ViolationKind};
 const IOCTL_LOCK: u32 = 0x0022_2000;
 /// Kept pending until cleanup (or cancelled).
 const IOCTL_HOLD: u32 = 0x0022_2004;
+/// Locks the user page at the input's address in `EvtIoInCallerContext`
+/// and keeps it for the file when the queue presents the request.
+const IOCTL_LOCK_IN_CALLER: u32 = 0x0022_2008;
 
 const FUNCTION: &str = "samplefile";
 const FILTER: &str = "samplefilefilter";
@@ -139,11 +142,34 @@ impl DeviceCallbacks for SampleDevice {
         self.note("close", file);
     }
 
-    fn io_request(&self, _lower: &dyn Forward, req: HostRequest) {
+    fn io_in_caller_context(&self, mut req: HostRequest) -> Option<HostRequest> {
+        // The KMDF pattern: probe and lock in the issuing thread, keep the
+        // lock in the request's context, then enqueue.
+        if req.ioctl_code() == IOCTL_LOCK_IN_CALLER
+            && let Some(process) = req.process().cloned()
+        {
+            let va = u64::from_le_bytes(req.input()[..8].try_into().unwrap());
+            if let Some(pages) = Self::lock_user_page(&process, &self.kernel, va) {
+                req.set_context(pages);
+            }
+        }
+        Some(req)
+    }
+
+    fn io_request(&self, _lower: &dyn Forward, mut req: HostRequest) {
         let Some(file) = req.file().cloned() else {
             return req.complete(NtStatus::from_raw(0xC000_0010), 0);
         };
         match req.ioctl_code() {
+            IOCTL_LOCK_IN_CALLER => {
+                // Only what was locked in the caller's context is used.
+                let pages = req.take_context::<HostLockedPages>();
+                let ok = pages.is_some();
+                if let Some(context) = file.context::<FileContext>() {
+                    context.locked.lock().unwrap().extend(pages);
+                }
+                req.complete(if ok { SUCCESS } else { CANCELLED }, 0);
+            }
             IOCTL_LOCK => {
                 let va = u64::from_le_bytes(req.input()[..8].try_into().unwrap());
                 let process = file.process().clone();
@@ -433,6 +459,48 @@ fn a_user_request_held_across_sleep_and_locked_on_resume_is_caught() {
     );
     handle.close();
     w.pnp.exit_process(&process);
+}
+
+#[test]
+fn a_user_request_locked_in_caller_context_and_held_across_sleep_is_clean() {
+    let w = world(Breakage::None);
+    let process = Process::new(38);
+    let handle = w.pnp.open_file(&process, w.device).unwrap();
+    let va = process.alloc(4096).unwrap();
+    w.pnp.set_system_power(SystemPowerState::S3).unwrap();
+    // EvtIoInCallerContext locks the page in the issuing thread, then the
+    // power-managed queue holds the request.
+    let done = handle.send(IOCTL_LOCK_IN_CALLER, lock_request(va), 0);
+    assert!(!done.is_done());
+    assert_eq!(process.space().locked_pages(), 1);
+    // Delivered on resume outside the process: the driver uses only the
+    // lock from the request's context.
+    w.pnp.set_system_power(SystemPowerState::S0).unwrap();
+    assert_eq!(done.completion().unwrap().status, SUCCESS);
+    w.verifier.assert_clean();
+    handle.close();
+    assert_eq!(w.pnp.exit_process(&process), 0);
+    assert_eq!(process.space().locked_pages(), 0);
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn a_request_held_in_the_queue_at_process_exit_is_cancelled_with_its_context() {
+    let w = world(Breakage::None);
+    let process = Process::new(39);
+    let handle = w.pnp.open_file(&process, w.device).unwrap();
+    let va = process.alloc(4096).unwrap();
+    w.pnp.set_system_power(SystemPowerState::S3).unwrap();
+    let done = handle.send(IOCTL_LOCK_IN_CALLER, lock_request(va), 0);
+    assert_eq!(process.space().locked_pages(), 1);
+    // The framework completes the held request cancelled; the lock in its
+    // context goes with it, before the address space is run down.
+    drop(handle);
+    assert_eq!(w.pnp.exit_process(&process), 0);
+    assert_eq!(done.completion().unwrap().status, CANCELLED);
+    w.verifier.assert_clean();
+    w.pnp.set_system_power(SystemPowerState::S0).unwrap();
+    w.verifier.assert_clean();
 }
 
 #[test]

@@ -46,18 +46,24 @@
 //!   item and timer (`DeviceDeferred::flush`), so that nothing of the
 //!   driver runs after it unloads; BAR0 must not be touched after it
 //!   returns (the host unmaps it).
-//! - `io_request` (`EvtIoInCallerContext` + `EvtIoDeviceControl` of the
-//!   power-managed queue): a user-mode request that carries its issuing
-//!   process (`HostRequest::process`) and arrives at PASSIVE_LEVEL goes to
-//!   `Hca::submit_user_request` with that process as its caller
-//!   (`HostCaller`); every other request goes to `Hca::submit_request`
-//!   (the verbs decode the code; an unknown one is
-//!   `STATUS_INVALID_DEVICE_REQUEST`).
-//!   A user request is served on the user path only in its caller's
-//!   context (the host delivers it from the issuing thread,
-//!   `sim_host::caller::in_process`); one delivered elsewhere (held
-//!   across sleep and released on resume) takes the kernel path, which
-//!   reaches no user object and touches no user memory.
+//! - `io_in_caller_context` (`EvtIoInCallerContext`, in the issuing
+//!   thread before the request is queued): a user-mode request that
+//!   carries its issuing process (`HostRequest::process`) and arrives at
+//!   PASSIVE_LEVEL in that process's context (`sim_host::caller::in_process`)
+//!   takes what it needs from the process there:
+//!   `Hca::prepare_user_request` with that process as its caller
+//!   (`HostCaller`) locks the user buffers the verb will use, maps (OpenCa)
+//!   or unmaps (CloseCa) the doorbell page, and the result is kept in the
+//!   request's context (`HostRequest::set_context`); the request is then
+//!   queued.
+//! - `io_request` (`EvtIoDeviceControl` of the power-managed queue, in
+//!   whatever context the queue presents the request, e.g. on resume after
+//!   being held across sleep): a request with a prepared context goes to
+//!   `Hca::execute_user_request`, which uses only what was prepared and
+//!   touches no process memory; every other request goes to
+//!   `Hca::submit_request` (the verbs decode the code; an unknown one is
+//!   `STATUS_INVALID_DEVICE_REQUEST`), where a user request reaches no
+//!   user object and touches no user memory.
 //! - `io_stop` (`EvtIoStop` of the power-managed queue): a wait the core
 //!   holds (`WaitCqEvent`, `GetAsyncEvent`) is acknowledged without
 //!   requeue and keeps pending across the power-down; any other request is
@@ -93,7 +99,7 @@ use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use hca_miniport_core::hca::{Hca, HcaResources};
 use hca_miniport_core::init::{BringUpReport, HcaConfig, InitError};
-use hca_miniport_core::verbs::{OnQueueStop, on_queue_stop};
+use hca_miniport_core::verbs::{OnQueueStop, PreparedUserRequest, on_queue_stop};
 use ib_types::interface::{GUID_IB_CI_INTERFACE, InterfaceVersion, WinGuid};
 use ib_types::scalars::{PortNum, Qpn};
 use ib_types::status::NtStatus;
@@ -562,26 +568,43 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         }
     }
 
-    fn io_request(&self, _lower: &dyn Forward, req: HostRequest) {
-        let Some(hca) = self.hca() else {
-            return req.complete(NO_SUCH_DEVICE, 0);
-        };
+    fn io_in_caller_context(&self, mut req: HostRequest) -> Option<HostRequest> {
         // `EvtIoInCallerContext`: a user-mode request that carries its
-        // process, arriving at PASSIVE_LEVEL in the issuing thread, goes to
-        // the user path with that process as its caller. Anything else
-        // (kernel requests, or a user request without its process, which
-        // then reaches no user object) takes the kernel path.
+        // process, arriving at PASSIVE_LEVEL in the issuing thread, takes
+        // what it needs from the process now (`Hca::prepare_user_request`:
+        // buffers locked, a doorbell page mapped or unmapped), kept in the
+        // request's context; then it is queued
+        // (`WdfDeviceEnqueueRequest`). Anything else is queued as it is.
+        let Some(hca) = self.hca() else {
+            return Some(req);
+        };
         let caller = match (req.requestor_mode(), req.process()) {
             (RequestorMode::User, Some(process))
                 if sim_host::irql::current() == Irql::PASSIVE
                     && sim_host::caller::in_process(process) =>
             {
-                Some(P::caller(&self.kernel_space, process))
+                P::caller(&self.kernel_space, process)
             }
-            _ => None,
+            _ => return Some(req),
         };
-        match caller {
-            Some(caller) => hca.submit_user_request(req, caller),
+        let prepared = hca.prepare_user_request(&mut req, &caller);
+        req.set_context(prepared);
+        Some(req)
+    }
+
+    fn io_request(&self, _lower: &dyn Forward, mut req: HostRequest) {
+        let Some(hca) = self.hca() else {
+            return req.complete(NO_SUCH_DEVICE, 0);
+        };
+        // `EvtIoDeviceControl` of the power-managed queue, in whatever
+        // context the queue presents the request: a user request prepared
+        // in its caller's context runs its verb with what was prepared
+        // (`Hca::execute_user_request`, touching no process memory);
+        // anything else (kernel requests, or a user request without its
+        // process, which then reaches no user object) takes the kernel
+        // path.
+        match req.take_context::<PreparedUserRequest<P>>() {
+            Some(prepared) => hca.execute_user_request(req, prepared),
             None => hca.submit_request(req),
         }
     }

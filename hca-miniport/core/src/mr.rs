@@ -123,6 +123,11 @@ const HOST_PAGE: u64 = 1 << HOST_PAGE_SHIFT;
 const PD_LIMIT: u32 = 1 << 24;
 
 type Pages<P> = <<P as Platform>::Dma as DmaAdapter>::Pages;
+
+/// Any locker of the platform's pages: the shell's (kernel memory, or a
+/// process's in its context) or a user request's pages locked in its
+/// caller's context (`verbs::caller::CallerLocks`).
+pub type DynLocker<P> = dyn MemoryLocker<Pages = Pages<P>>;
 type Mapping<P> = <<P as Platform>::Dma as DmaAdapter>::Mapping;
 /// A lock, its mapping, and the bus address of each page.
 type LockedAndMapped<P> = (Pages<P>, Mapping<P>, Vec<u64>);
@@ -710,7 +715,7 @@ impl<P: Platform> MemoryTranslation<P> {
     pub fn register_virtual(
         &self,
         hca: &Arc<Hca<P>>,
-        locker: &P::Locker,
+        locker: &DynLocker<P>,
         irql: Irql,
         request: VirtualRegion,
         continuation: RegionContinuation<P>,
@@ -832,7 +837,7 @@ impl<P: Platform> MemoryTranslation<P> {
     pub fn reregister(
         &self,
         hca: &Arc<Hca<P>>,
-        locker: &P::Locker,
+        locker: &DynLocker<P>,
         irql: Irql,
         region: MemoryRegion<P>,
         changes: Reregistration<'_>,
@@ -1052,7 +1057,7 @@ impl<P: Platform> MemoryTranslation<P> {
     fn lock_and_map(
         &self,
         hca: &Hca<P>,
-        locker: &P::Locker,
+        locker: &DynLocker<P>,
         irql: Irql,
         mode: RequestorMode,
         va: u64,
@@ -1104,7 +1109,7 @@ impl<P: Platform> MemoryTranslation<P> {
     fn pin(
         &self,
         hca: &Hca<P>,
-        locker: &P::Locker,
+        locker: &DynLocker<P>,
         mode: RequestorMode,
         va: u64,
         length: u64,
@@ -1147,7 +1152,7 @@ impl<P: Platform> MemoryTranslation<P> {
     pub(crate) fn pin_user(
         &self,
         hca: &Hca<P>,
-        locker: &P::Locker,
+        locker: &DynLocker<P>,
         irql: Irql,
         va: u64,
         length: u64,
@@ -1561,7 +1566,7 @@ fn refuse<P: Platform>(
 
 /// True when the rights let the device write into the pages (the
 /// registration rule makes local write the common factor, IBA C11-13).
-fn needs_write(access: AccessFlags) -> bool {
+pub(crate) fn needs_write(access: AccessFlags) -> bool {
     access.intersects(
         AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC,
     )

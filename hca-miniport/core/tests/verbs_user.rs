@@ -2677,7 +2677,7 @@ where
 }
 
 #[test]
-fn a_user_request_held_across_sleep_is_refused_without_touching_the_process() {
+fn a_user_request_held_across_sleep_is_served_on_resume_without_touching_the_process() {
     let (w, _) = two_hcas(81);
     let process = Process::new(27);
     let handle = w
@@ -2694,11 +2694,12 @@ fn a_user_request_held_across_sleep_is_refused_without_touching_the_process() {
         length: 4096,
         access: AccessFlags::LOCAL_WRITE,
     };
-    // Sent while the device sleeps: the power-managed queue holds it, and
-    // the power manager delivers it on resume, outside the process. The
-    // shell does not take the user path there (locking the process's pages
-    // would be UserMemoryOutsideProcessContext): the region is refused and
-    // nothing of the process is locked.
+    // Sent while the device sleeps: the shell's EvtIoInCallerContext locks
+    // the region's page in the issuing thread, the power-managed queue
+    // holds the request, and the power manager delivers it on resume,
+    // outside the process, where the verb uses only the page locked
+    // before (touching the process there would be
+    // UserMemoryOutsideProcessContext, which `finish` would report).
     w.sleep();
     let mut bytes = vec![0; ib_types::ioctl::request_len::<ib_types::ioctl::RegMr>(0).unwrap()];
     ib_types::ioctl::encode_request::<ib_types::ioctl::RegMr>(pd, &region, &[], 64, &mut bytes)
@@ -2709,15 +2710,210 @@ fn a_user_request_held_across_sleep_is_refused_without_touching_the_process() {
         ib_types::ioctl::response_len::<ib_types::ioctl::RegMr>(64).unwrap(),
     );
     assert!(!held.is_done());
+    assert_eq!(
+        process.space().locked_pages(),
+        1,
+        "locked in the caller's context"
+    );
     w.resume();
     let c = held.completion().expect("delivered on resume");
-    assert_ne!(
+    assert_eq!(
         status_of::<ib_types::ioctl::RegMr>(&c),
         IbStatus::Success,
-        "no user path outside the caller's context"
+        "served with what was locked in the caller's context"
     );
+    let mr = response::<ib_types::ioctl::RegMr>(&c).handle;
+    assert_eq!(process.space().locked_pages(), 1);
+    assert!(
+        w.host.verifier().violations().is_empty(),
+        "{:?}",
+        w.host.verifier().violations()
+    );
+    // The region is the process's: deregistered on its handle, the page
+    // unlocked.
+    let c = on_handle::<ib_types::ioctl::DeregMr>(&w, &handle, mr, &Empty, &[]);
+    assert_eq!(status_of::<ib_types::ioctl::DeregMr>(&c), IbStatus::Success);
     assert_eq!(process.space().locked_pages(), 0);
     handle.close();
     assert_eq!(w.host.pnp().exit_process(&process), 0);
+    w.finish();
+}
+
+/// Sends `V` on a process's handle without running the host (a request
+/// the power-managed queue may hold).
+fn send_on_handle<V: Verb>(
+    handle: &sim_host::file::FileHandle,
+    object: u64,
+    input: &V::In,
+    private: &[u8],
+) -> sim_host::request::RequestHandle {
+    let mut bytes = vec![0; ib_types::ioctl::request_len::<V>(private.len()).unwrap()];
+    ib_types::ioctl::encode_request::<V>(object, input, private, 64, &mut bytes).unwrap();
+    handle.send(
+        V::ID.ioctl().raw(),
+        bytes,
+        ib_types::ioctl::response_len::<V>(64).unwrap(),
+    )
+}
+
+#[test]
+fn open_create_and_close_held_across_sleep_touch_the_process_only_in_its_context() {
+    let (w, _) = two_hcas(82);
+    let process = Process::new(28);
+    let handle = w
+        .host
+        .pnp()
+        .open_file(&process, w.device_at(U).node())
+        .unwrap();
+    // OpenCa while asleep: the doorbell page is mapped into the process
+    // by EvtIoInCallerContext; the context is made on resume.
+    w.sleep();
+    let open = send_on_handle::<OpenCa>(&handle, 0, &OpenCaIn::CURRENT, &[]);
+    assert!(!open.is_done());
+    assert_eq!(process.space().device_mapping_count(), 1);
+    w.resume();
+    let c = open.completion().expect("delivered on resume");
+    assert_eq!(status_of::<OpenCa>(&c), IbStatus::Success);
+    let ca = response::<OpenCa>(&c).handle;
+
+    // CreateCq while asleep: ring and doorbell record locked in the
+    // caller's context, the CQ made on resume.
+    let (ring, dbr) = (process.alloc(32 << 4).unwrap(), process.alloc(64).unwrap());
+    let layout = CreateCqPriv::new(4, ring, dbr).unwrap();
+    let attr = CqAttr {
+        cqe: 1 << 4,
+        comp_vector: 0,
+    };
+    w.sleep();
+    let create = send_on_handle::<CreateCq>(&handle, ca, &attr, layout.emit().as_bytes());
+    assert_eq!(process.space().locked_pages(), 2);
+    w.resume();
+    let c = create.completion().expect("delivered on resume");
+    assert_eq!(status_of::<CreateCq>(&c), IbStatus::Success);
+    assert_eq!(process.space().locked_pages(), 2);
+
+    // CloseCa while asleep: the doorbell page is unmapped in the caller's
+    // context at once; the objects go on resume.
+    w.sleep();
+    let close = send_on_handle::<ib_types::ioctl::CloseCa>(&handle, ca, &Empty, &[]);
+    assert_eq!(process.space().device_mapping_count(), 0);
+    w.resume();
+    let c = close.completion().expect("delivered on resume");
+    assert_eq!(status_of::<ib_types::ioctl::CloseCa>(&c), IbStatus::Success);
+    assert_eq!(process.space().locked_pages(), 0);
+    assert_eq!(w.hca_at(U).user_context_count(), 0);
+    assert!(
+        w.host.verifier().violations().is_empty(),
+        "{:?}",
+        w.host.verifier().violations()
+    );
+    handle.close();
+    assert_eq!(w.host.pnp().exit_process(&process), 0);
+    w.finish();
+}
+
+#[test]
+fn a_doorbell_page_mapped_for_an_open_cancelled_in_the_queue_is_unmapped_at_the_process_cleanup() {
+    let (w, _) = two_hcas(83);
+    let process = Process::new(29);
+    let handle = w
+        .host
+        .pnp()
+        .open_file(&process, w.device_at(U).node())
+        .unwrap();
+    // An OpenCa held while the device sleeps had its doorbell page mapped
+    // by EvtIoInCallerContext; the process exits before the device
+    // resumes, so the framework cancels the request in the queue and the
+    // open is never answered with the page: it waits for the process's
+    // cleanup, which unmaps it in the process.
+    w.sleep();
+    let open = send_on_handle::<OpenCa>(&handle, 0, &OpenCaIn::CURRENT, &[]);
+    assert_eq!(process.space().device_mapping_count(), 1);
+    drop(handle);
+    assert_eq!(w.host.pnp().exit_process(&process), 0);
+    w.settle();
+    assert!(open.is_done(), "cancelled in the queue");
+    assert_eq!(process.space().device_mapping_count(), 0);
+    w.resume();
+    assert_eq!(w.hca_at(U).user_context_count(), 0);
+    w.finish();
+}
+
+#[test]
+fn a_prepared_request_cancelled_in_the_queue_leaves_nothing_locked() {
+    let (w, _) = two_hcas(84);
+    let process = Process::new(30);
+    let handle = w
+        .host
+        .pnp()
+        .open_file(&process, w.device_at(U).node())
+        .unwrap();
+    let c = on_handle::<OpenCa>(&w, &handle, 0, &OpenCaIn::CURRENT, &[]);
+    let ca = response::<OpenCa>(&c).handle;
+    let pd = response::<AllocPd>(&on_handle::<AllocPd>(&w, &handle, ca, &Empty, &[])).handle;
+    let va = process.alloc(2 * 4096).unwrap();
+    let region = ib_types::mr::MrRegister {
+        vaddr: va,
+        length: 2 * 4096,
+        access: AccessFlags::LOCAL_WRITE,
+    };
+    // Held while the device sleeps, with its pages locked in the caller's
+    // context; the process exits before the device resumes: the framework
+    // cancels the held request, and the prepared locks go with it.
+    w.sleep();
+    let held = send_on_handle::<ib_types::ioctl::RegMr>(&handle, pd, &region, &[]);
+    assert_eq!(process.space().locked_pages(), 2);
+    drop(handle);
+    assert_eq!(w.host.pnp().exit_process(&process), 0);
+    w.settle();
+    assert!(held.is_done());
+    assert_eq!(process.space().locked_pages(), 0);
+    w.resume();
+    assert_eq!(w.hca_at(U).user_context_count(), 0);
+    w.finish();
+}
+
+#[test]
+fn the_queued_phase_uses_only_what_the_caller_context_phase_locked() {
+    let (w, _) = two_hcas(85);
+    let uvp = Uvp::open(&w, 31);
+    let pd = uvp.alloc_pd(&w);
+    let (a, b) = (
+        uvp.process().alloc(4096).unwrap(),
+        uvp.process().alloc(4096).unwrap(),
+    );
+    let reg = |va: u64| {
+        let region = ib_types::mr::MrRegister {
+            vaddr: va,
+            length: 4096,
+            access: AccessFlags::LOCAL_WRITE,
+        };
+        let mut bytes = vec![0; ib_types::ioctl::request_len::<ib_types::ioctl::RegMr>(0).unwrap()];
+        ib_types::ioctl::encode_request::<ib_types::ioctl::RegMr>(pd, &region, &[], 64, &mut bytes)
+            .unwrap();
+        w.raw_request(
+            <ib_types::ioctl::RegMr as Verb>::ID.ioctl().raw(),
+            RequestorMode::User,
+            bytes,
+            ib_types::ioctl::response_len::<ib_types::ioctl::RegMr>(64).unwrap(),
+        )
+    };
+    // Phase 1 for a registration of `a` locks `a`'s page...
+    let (mut request_a, _) = reg(a);
+    let prepared = w
+        .hca_at(U)
+        .prepare_user_request(&mut request_a, &uvp.caller);
+    assert_eq!(prepared.locked_ranges(), 1);
+    assert_eq!(uvp.process().space().locked_pages(), 1);
+    driver_platform::Request::complete(request_a, ib_types::status::NtStatus::CANCELLED, 0);
+    // ...and a request for `b` run with it is refused: the queued phase
+    // never locks what phase 1 did not, so nothing of `b` is locked.
+    let (request_b, issuer) = reg(b);
+    w.hca_at(U).execute_user_request(request_b, prepared);
+    w.settle();
+    let c = issuer.completion().expect("answered");
+    assert_ne!(status_of::<ib_types::ioctl::RegMr>(&c), IbStatus::Success);
+    // The unused lock of `a` went with the prepared request.
+    assert_eq!(uvp.process().space().locked_pages(), 0);
     w.finish();
 }

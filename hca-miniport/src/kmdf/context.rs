@@ -11,6 +11,7 @@
 //! `DeviceContext::shell` is null or the pointer of an `Arc<DeviceShell>`
 //! made by `Arc::into_raw`, owned by the context until cleanup.
 
+use alloc::boxed::Box;
 use alloc::sync::Arc;
 use core::ptr;
 
@@ -21,6 +22,8 @@ use wdk_sys::{
 };
 
 use super::device::DeviceShell;
+use super::platform::WdfPlatform;
+use hca_miniport_core::verbs::PreparedUserRequest;
 
 /// The device object's context.
 #[derive(Debug)]
@@ -132,16 +135,24 @@ unsafe extern "C" fn evt_device_cleanup(object: WDFOBJECT) {
     }
 }
 
-/// A user-mode request's context: the process `EvtIoInCallerContext`
-/// found the request in (`queue::evt_io_in_caller_context`). Allocated
-/// (zeroed) on the request there; freed by the framework with it.
+/// What a user request's `EvtIoInCallerContext` took from its process.
+pub type Prepared = PreparedUserRequest<WdfPlatform>;
+
+/// A user-mode request's context: what `EvtIoInCallerContext` prepared in
+/// the requesting process (`queue::evt_io_in_caller_context`,
+/// `Hca::prepare_user_request`). Allocated (zeroed) on the request there;
+/// the queue's handler takes the prepared request out; the context's
+/// cleanup callback frees one never taken (the request completed or
+/// cancelled while queued), so its locks are released.
+///
+/// # Invariants
+/// `prepared` is null or the pointer of a `Box<Prepared>` made by
+/// `Box::into_raw`, owned by the context until taken or cleaned up.
 #[derive(Debug)]
 #[repr(C)]
 pub struct RequestContext {
-    /// Non-zero once `process_id` was recorded.
-    pub recorded: u8,
-    /// `PsGetCurrentProcessId` in the requesting thread.
-    pub process_id: u64,
+    /// The prepared request, or null.
+    pub prepared: *mut Prepared,
 }
 
 /// `WDF_DECLARE_CONTEXT_TYPE(RequestContext)`.
@@ -153,13 +164,45 @@ pub static REQUEST_CONTEXT_TYPE: ContextTypeInfo = ContextTypeInfo(WDF_OBJECT_CO
     EvtDriverGetUniqueContextType: None,
 });
 
-/// Attributes for `WdfObjectAllocateContext` of a [`RequestContext`]
-/// (nothing to clean up: it holds plain data).
+/// Attributes for `WdfObjectAllocateContext` of a [`RequestContext`],
+/// with the cleanup callback that frees a prepared request never taken.
 pub fn request_context_attributes() -> WDF_OBJECT_ATTRIBUTES {
     WDF_OBJECT_ATTRIBUTES {
         ContextTypeInfo: &REQUEST_CONTEXT_TYPE.0,
+        EvtCleanupCallback: Some(evt_request_cleanup),
         ..object_attributes()
     }
+}
+
+/// Takes the prepared request out of `request`'s context, if it has one.
+///
+/// # Safety
+/// `request` is a live request the driver owns.
+pub unsafe fn take_prepared(request: WDFREQUEST) -> Option<Prepared> {
+    // SAFETY: forwarded from the caller.
+    let context = unsafe { request_context(request) };
+    if context.is_null() {
+        return None;
+    }
+    // SAFETY: the framework keeps the context with the live request; the
+    // driver owns the request, so nothing else touches the context now.
+    let prepared = unsafe { core::mem::replace(&mut (*context).prepared, ptr::null_mut()) };
+    if prepared.is_null() {
+        return None;
+    }
+    // SAFETY: per the type's invariants `prepared` came from
+    // `Box::into_raw` and the context owned it until the swap above.
+    Some(*unsafe { Box::from_raw(prepared) })
+}
+
+/// `EvtCleanupCallback` of a request's [`RequestContext`]: frees a
+/// prepared request the queue's handler never took (its unused locks are
+/// released; a doorbell page it mapped is parked for the process's
+/// cleanup).
+unsafe extern "C" fn evt_request_cleanup(object: WDFOBJECT) {
+    // SAFETY: the framework calls cleanup on the request the context was
+    // allocated on, before freeing the context.
+    drop(unsafe { take_prepared(object as WDFREQUEST) });
 }
 
 /// The context of `request`, or null if none was allocated (a kernel

@@ -15,7 +15,7 @@
 //! | [`device`] | `EvtDevicePrepareHardware` (map BAR0 with `MmMapIoSpaceEx`, one `WDFINTERRUPT` per MSI-X message), `EvtDeviceReleaseHardware`, `EvtDeviceD0Entry`/`Exit` | `Hca::new`/`start`/`stop`, `Hca::d0_exit`/`d0_entry` |
 //! | [`interrupt`] | `EvtInterruptIsr`, `EvtInterruptDpc`, the work item and timer routines | `Hca::isr`, `dpc`, `work_item`, `timer` |
 //! | [`file`] | `EvtDeviceFileCreate`, `EvtFileCleanup` (a process's last file object closes its user contexts, waited for) | `Hca::close_user_contexts_of` |
-//! | [`queue`] | `EvtIoInCallerContext` (records a user request's process) and the power-managed IOCTL queue (`EvtIoDeviceControl`, `EvtIoInternalDeviceControl`) | `Hca::submit_user_request` (user requests with their `WdfCaller`), `Hca::submit_request` |
+//! | [`queue`] | `EvtIoInCallerContext` (a user request's process: its buffers locked, its doorbell page mapped or unmapped, kept in the request's context) and the power-managed IOCTL queue (`EvtIoDeviceControl`, `EvtIoInternalDeviceControl`) | `Hca::prepare_user_request` (with the caller's `WdfCaller`), `Hca::execute_user_request` (user requests, with what was prepared), `Hca::submit_request` |
 //! | [`interface`] | the `CiInterface` FFI table (`extern "system"` entry points over the `CiProvider`) | `ci::CiProvider` |
 //! | [`platform`] | the `driver_platform` traits on WDF/WDM: spin lock, BAR0, DMA enabler and common buffers, MDL locking (SEH shim `probe.c`), scatter/gather mapping, deferred work, registry, requests, IRQL, events, the calling process (doorbell pages mapped into it) | — |
 //! | [`context`] | typed object context (the device's shell state) | — |

@@ -1348,10 +1348,11 @@ impl WdfRequest {
 /// `EvtIoInCallerContext` (`queue::evt_io_in_caller_context`) with
 /// `PsGetCurrentProcessId`. Its locker locks that process's memory, and
 /// it maps device pages into that process, only while running in it:
-/// both check the current process, so a request the power-managed queue
-/// held and delivered later from another context is refused
+/// both check the current process and refuse from any other
 /// (`STATUS_INVALID_DEVICE_STATE`) rather than reaching into the wrong
-/// address space.
+/// address space. The core uses it only in `EvtIoInCallerContext`
+/// (`Hca::prepare_user_request`) and at the process's file cleanup; the
+/// queued phase of a request uses what was prepared, never a caller.
 #[derive(Debug, Clone, Default)]
 pub struct WdfCaller {
     process_id: u64,

@@ -3,17 +3,19 @@
 //! return, as the design asks), and the device's `EvtIoInCallerContext`
 //! in front of it.
 //!
-//! As `crate::sim` does: a user-mode request (from the bus filter's proxy)
-//! first passes [`evt_io_in_caller_context`], at PASSIVE_LEVEL in the
-//! requesting thread, which records the calling process in the request's
-//! context and enqueues it; the queue's handler then gives it with that
-//! process as its caller ([`WdfCaller`]) to `Hca::submit_user_request`.
-//! Every other request — internal, from a kernel client, or a user request
-//! without a recorded process — goes to `Hca::submit_request`. The queue
-//! delivers an enqueued request in the enqueuing thread while the device
-//! is in D0 (a parallel queue with no synchronization scope); a request
-//! held across a power transition is delivered from another context, and
-//! `WdfCaller` then refuses the steps that reach into the process.
+//! As the simulated shell (`sim-shells`) does: a user-mode request (from
+//! the bus filter's proxy) first passes [`evt_io_in_caller_context`], at
+//! PASSIVE_LEVEL in the requesting thread, where the core takes what the
+//! verb needs from the process (`Hca::prepare_user_request` with the
+//! process as its caller, [`WdfCaller`]: user buffers probed and locked
+//! with MDLs, a doorbell page mapped or unmapped); the prepared request
+//! is kept in the request's context and the request enqueued. The queue's
+//! handler, in whatever context the queue presents it (a request held
+//! across a power transition is delivered from another one), gives it to
+//! `Hca::execute_user_request`, which uses only what was prepared and
+//! never the process's virtual addresses. Every other request — internal,
+//! from a kernel client, or a user request with nothing prepared — goes
+//! to `Hca::submit_request`.
 //!
 //! The queue's `EvtIoStop` ([`evt_io_stop`]): when the device leaves D0
 //! the framework waits until every request the driver owns is completed or
@@ -23,6 +25,8 @@
 //! (`hca_miniport_core::verbs::on_queue_stop`). No `EvtIoResume`: a kept
 //! wait needs nothing on D0 entry.
 
+use alloc::boxed::Box;
+
 use driver_platform::{NtStatus, RequestorMode};
 use hca_miniport_core::verbs::{OnQueueStop, on_queue_stop};
 use wdk_sys::{
@@ -31,7 +35,7 @@ use wdk_sys::{
     WDFOBJECT, WDFQUEUE, WDFREQUEST, call_unsafe_wdf_function_binding,
 };
 
-use super::context::{RequestContext, request_context, request_context_attributes, shell_of};
+use super::context::{RequestContext, request_context_attributes, shell_of, take_prepared};
 use super::platform::{WdfCaller, WdfRequest, current_process_id};
 
 /// `STATUS_DEVICE_NOT_READY`.
@@ -102,15 +106,15 @@ unsafe extern "C" fn evt_io_device_control(
     } else {
         RequestorMode::Kernel
     };
-    let caller = match mode {
+    let prepared = match mode {
         // SAFETY: the driver owns the live request.
-        RequestorMode::User => unsafe { caller_of(request) },
+        RequestorMode::User => unsafe { take_prepared(request) },
         RequestorMode::Kernel => None,
     };
     // SAFETY: the driver owns the request; this stack's IOCTLs are
     // METHOD_BUFFERED (ib_types::ioctl).
-    match (unsafe { WdfRequest::new(request, code, mode) }, caller) {
-        (Ok(request), Some(caller)) => hca.submit_user_request(request, caller),
+    match (unsafe { WdfRequest::new(request, code, mode) }, prepared) {
+        (Ok(request), Some(prepared)) => hca.execute_user_request(request, prepared),
         (Ok(request), None) => hca.submit_request(request),
         // SAFETY: handed back unwrapped: still the driver's.
         (Err(request), _) => unsafe {
@@ -119,23 +123,32 @@ unsafe extern "C" fn evt_io_device_control(
     }
 }
 
-/// `EvtIoStop`: the device leaves D0 (or is removed) while the driver owns
-/// `request`. A wait is acknowledged without requeue and stays pending in
-/// the core; anything else is left to complete, which the framework waits
-/// for.
-unsafe extern "C" fn evt_io_stop(_queue: WDFQUEUE, request: WDFREQUEST, _action_flags: ULONG) {
+/// The I/O control code of a device-control request (internal or not).
+///
+/// # Safety
+/// `request` is a live request the driver owns.
+unsafe fn ioctl_code(request: WDFREQUEST) -> ULONG {
     // WDF_REQUEST_PARAMETERS_INIT: zeroed, with its size.
     let mut parameters = WDF_REQUEST_PARAMETERS {
         Size: size_of::<WDF_REQUEST_PARAMETERS>() as USHORT,
         ..WDF_REQUEST_PARAMETERS::default()
     };
-    // SAFETY: the framework passes a live request the driver owns; the
-    // out pointer is valid and sized.
+    // SAFETY: a live request the driver owns (caller); the out pointer is
+    // valid and sized.
     unsafe { call_unsafe_wdf_function_binding!(WdfRequestGetParameters, request, &mut parameters) };
-    // SAFETY: the queue takes only device-control requests (internal or
+    // SAFETY: the device takes only device-control requests (internal or
     // not), whose parameters are the `DeviceIoControl` member (the
     // internal form's code sits at the same place).
-    let code = unsafe { parameters.Parameters.DeviceIoControl.IoControlCode };
+    unsafe { parameters.Parameters.DeviceIoControl.IoControlCode }
+}
+
+/// `EvtIoStop`: the device leaves D0 (or is removed) while the driver owns
+/// `request`. A wait is acknowledged without requeue and stays pending in
+/// the core; anything else is left to complete, which the framework waits
+/// for.
+unsafe extern "C" fn evt_io_stop(_queue: WDFQUEUE, request: WDFREQUEST, _action_flags: ULONG) {
+    // SAFETY: the framework passes a live request the driver owns.
+    let code = unsafe { ioctl_code(request) };
     if on_queue_stop(code) == OnQueueStop::KeepPending {
         // SAFETY: a live request the driver owns and keeps (no requeue,
         // so it need not be unmarked cancelable first).
@@ -145,30 +158,12 @@ unsafe extern "C" fn evt_io_stop(_queue: WDFQUEUE, request: WDFREQUEST, _action_
     }
 }
 
-/// The caller `evt_io_in_caller_context` recorded for `request`, if any.
-///
-/// # Safety
-/// `request` is a live request the driver owns.
-unsafe fn caller_of(request: WDFREQUEST) -> Option<WdfCaller> {
-    // SAFETY: forwarded from the caller.
-    let context = unsafe { request_context(request) };
-    if context.is_null() {
-        return None;
-    }
-    // SAFETY: the framework keeps the context with the live request; it
-    // was fully written before the request was enqueued.
-    let RequestContext {
-        recorded,
-        process_id,
-    } = unsafe { context.read() };
-    (recorded != 0).then(|| WdfCaller::new(process_id))
-}
-
 /// `EvtIoInCallerContext` of the device (registered with
 /// `WdfDeviceInitSetIoInCallerContextCallback`): runs at PASSIVE_LEVEL in
 /// the thread that sent the request, before any queue. A user-mode
-/// request gets a [`RequestContext`] naming the current process; then
-/// every request goes to the default queue.
+/// request gets a [`RequestContext`] holding what
+/// `Hca::prepare_user_request` took from the current process; then every
+/// request goes to the default queue.
 ///
 /// # Safety
 /// A KMDF callback: called only by the framework, with the live device
@@ -204,10 +199,30 @@ pub unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WD
         // zeroed bytes for this request, aligned for it.
         unsafe {
             context.cast::<RequestContext>().write(RequestContext {
-                recorded: 1,
-                process_id: current_process_id(),
+                prepared: core::ptr::null_mut(),
             })
         };
+        // SAFETY: the framework passes its live device.
+        let hca = unsafe { shell_of(device) }.and_then(|shell| shell.hca());
+        // SAFETY: a live request the driver owns (callback contract).
+        let code = unsafe { ioctl_code(request) };
+        // Without the core, the queue's handler refuses the request.
+        if let Some(hca) = hca {
+            // SAFETY: the driver owns the request; this stack's IOCTLs
+            // are METHOD_BUFFERED. The wrapper is a view used to read the
+            // request here; the request itself goes on to the queue.
+            if let Ok(mut view) = unsafe { WdfRequest::new(request, code, RequestorMode::User) } {
+                let caller = WdfCaller::new(current_process_id());
+                let prepared = hca.prepare_user_request(&mut view, &caller);
+                // SAFETY: the context was written above and belongs to the
+                // request the driver owns; it takes the box (type
+                // invariants of `RequestContext`).
+                unsafe {
+                    (*context.cast::<RequestContext>()).prepared =
+                        Box::into_raw(Box::new(prepared));
+                }
+            }
+        }
     }
     // SAFETY: a live device and a request the driver owns; on failure the
     // request is still the driver's to complete.

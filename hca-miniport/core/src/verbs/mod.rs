@@ -81,11 +81,13 @@
 //! answers [`IbStatus::Unsupported`].
 //!
 //! **Caller context.** One mechanism: a user-mode request carries the
-//! process it came from (`driver_platform::CallerProcess`) and enters
-//! through [`Hca::submit_user_request`], in that process's context at
-//! PASSIVE_LEVEL (the shell's `EvtIoInCallerContext`); everything that
-//! reaches into the process (locking its pages for rings and regions,
-//! mapping its doorbell page) goes through that caller. Kernel requests
+//! process it came from (`driver_platform::CallerProcess`) into
+//! [`Hca::prepare_user_request`], in that process's context at
+//! PASSIVE_LEVEL (the shell's `EvtIoInCallerContext`, before the queue);
+//! everything that reaches into the process (locking its pages for rings
+//! and regions, mapping or unmapping its doorbell page) happens there, and
+//! [`Hca::execute_user_request`] runs the verb wherever the queue delivers
+//! it with only what that produced ([`caller`]). Kernel requests
 //! enter through [`Hca::submit_request`] at any IRQL up to DISPATCH_LEVEL
 //! without one, and kernel registrations lock with the locker installed
 //! with [`Hca::set_kernel_locker`]. A user request without its caller
@@ -95,6 +97,7 @@
 
 pub mod av;
 pub mod ca;
+pub mod caller;
 pub mod cq;
 pub mod fatal;
 pub mod mad;
@@ -133,6 +136,7 @@ use crate::mr::MemoryTranslation;
 use crate::resources::{ObjectTable, QpTable, kind};
 
 pub use ca::{CaClient, UVP_NAME};
+pub use caller::{CallerLocks, PreparedUserRequest};
 pub use cq::{CqNotify, poll_and_rearm};
 
 /// `STATUS_BUFFER_TOO_SMALL`: the output buffer cannot hold the verb's

@@ -32,10 +32,11 @@
 //!   locked at DISPATCH_LEVEL with the locker the shell installed with
 //!   [`Hca::set_kernel_locker`]; *user* pages only at PASSIVE_LEVEL (or
 //!   APC_LEVEL) in the requesting thread's process. A user request
-//!   carries its caller ([`Hca::submit_user_request`], the one
-//!   caller-context path): `verbs::user` checks that the caller owns the
-//!   PD or region, and registers or re-registers with the caller's
-//!   locker and IRQL (`driver_platform::CallerProcess`). A user
+//!   carries its caller ([`Hca::prepare_user_request`], the one
+//!   caller-context path, which locks the range there): `verbs::user`
+//!   checks that the caller owns the PD or region, and registers or
+//!   re-registers with the pages locked in the caller's context and its
+//!   IRQL (`verbs::caller::CallerLocks`). A user
 //!   registration without its caller (plain [`Hca::submit_request`])
 //!   answers [`IbStatus::InvalidState`], as does any kernel registration
 //!   before a kernel locker is installed. Close of a user context
@@ -62,7 +63,7 @@ use alloc::boxed::Box;
 use alloc::sync::{Arc, Weak};
 use alloc::vec::Vec;
 
-use driver_platform::{CallerProcess, Irql, Platform, Request, RequestorMode};
+use driver_platform::{Irql, Platform, Request, RequestorMode};
 use ib_types::access::AccessFlags;
 use ib_types::handle::PdHandle;
 use ib_types::ioctl::{
@@ -75,7 +76,7 @@ use ib_types::status::IbStatus;
 use super::{Accepted, Responder};
 use crate::hca::Hca;
 use crate::mr::{
-    MemoryRegion, MemoryTranslation, NewTranslation, PhysicalPages, PhysicalRegion,
+    DynLocker, MemoryRegion, MemoryTranslation, NewTranslation, PhysicalPages, PhysicalRegion,
     RegionContinuation, Reregistration, SharedRegion, VirtualRegion,
 };
 use crate::resources::{Handle, kind};
@@ -90,17 +91,21 @@ pub(crate) struct MrEntry<P: Platform> {
 
 /// A locker to use for one request, and the IRQL to tell `mr`.
 enum Locking<'a, P: Platform> {
-    Caller(&'a P::Locker, Irql),
+    Caller(&'a DynLocker<P>, Irql),
     Kernel(Arc<P::Locker>),
 }
 
+/// The pages a user request locked in its caller's context, and the IRQL
+/// it locked them at (`verbs::caller`).
+pub(crate) type CallerLocking<'a, P> = (&'a DynLocker<P>, Irql);
+
 impl<P: Platform> Locking<'_, P> {
-    fn parts(&self) -> (&P::Locker, Irql) {
+    fn parts(&self) -> (&DynLocker<P>, Irql) {
         match self {
-            Self::Caller(locker, irql) => (locker, *irql),
+            Self::Caller(locker, irql) => (*locker, *irql),
             // A kernel client may call at DISPATCH_LEVEL; kernel pages are
             // non-paged and lockable there (`mr`'s ceiling for them).
-            Self::Kernel(locker) => (locker, Irql::DISPATCH),
+            Self::Kernel(locker) => (&**locker, Irql::DISPATCH),
         }
     }
 }
@@ -131,6 +136,18 @@ struct ReregRequest<'a> {
 }
 
 impl<P: Platform> Hca<P> {
+    /// The access rights of the region `raw` (a raw MR handle), if it is
+    /// registered and not busy.
+    pub(crate) fn region_access(&self, raw: u64) -> Option<AccessFlags> {
+        self.with_objects(|o| {
+            o.mrs
+                .get(Handle::<kind::Mr>::from_raw(raw))
+                .and_then(|entry| entry.region.as_ref().map(MemoryRegion::access))
+        })
+        .ok()
+        .flatten()
+    }
+
     /// Installs the locker the core uses for kernel-mode registrations
     /// (kernel memory is non-paged and may be locked in any context at
     /// DISPATCH_LEVEL or below). The shell calls it once after start.
@@ -144,10 +161,10 @@ impl<P: Platform> Hca<P> {
     fn locking<'a>(
         &self,
         mode: RequestorMode,
-        caller: Option<&'a P::Caller>,
+        caller: Option<CallerLocking<'a, P>>,
     ) -> Result<Locking<'a, P>, IbStatus> {
         match (caller, mode) {
-            (Some(c), _) => Ok(Locking::Caller(c.locker(), c.current_irql())),
+            (Some((locker, irql)), _) => Ok(Locking::Caller(locker, irql)),
             (None, RequestorMode::Kernel) => self
                 .verbs
                 .kernel_locker
@@ -313,7 +330,7 @@ impl<P: Platform> Hca<P> {
     pub(crate) fn reg_mr_request(
         self: &Arc<Self>,
         a: Accepted<RegMr, P::Request>,
-        caller: Option<&P::Caller>,
+        caller: Option<CallerLocking<'_, P>>,
     ) {
         let locking = match self.locking(a.mode, caller) {
             Ok(locking) => locking,
@@ -396,7 +413,7 @@ impl<P: Platform> Hca<P> {
     pub(crate) fn rereg_mr_request(
         self: &Arc<Self>,
         a: Accepted<ReregMr, P::Request>,
-        caller: Option<&P::Caller>,
+        caller: Option<CallerLocking<'_, P>>,
     ) {
         let request = ReregRequest {
             mr: a.handle,
@@ -449,7 +466,7 @@ impl<P: Platform> Hca<P> {
     fn reregister_region<V: Verb>(
         self: &Arc<Self>,
         request: ReregRequest<'_>,
-        caller: Option<&P::Caller>,
+        caller: Option<CallerLocking<'_, P>>,
         responder: Responder<V, P::Request>,
         out_of: fn(&MemoryRegion<P>) -> V::Out,
     ) {

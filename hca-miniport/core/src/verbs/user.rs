@@ -4,9 +4,14 @@
 //! sides share is `hca_prm::uverbs` (docs/prm.md section 13).
 //!
 //! Contract:
-//! - **Entry.** User-mode requests arrive through [`Hca::submit_user_request`]
-//!   with the [`CallerProcess`] they came from, in that process's context
-//!   (the proxy's `EvtIoInCallerContext`, PASSIVE_LEVEL). A user request
+//! - **Entry.** User-mode requests arrive in two phases
+//!   (`verbs::caller`): [`Hca::prepare_user_request`] with the
+//!   [`CallerProcess`] they came from, in that process's context (the
+//!   shell's `EvtIoInCallerContext`, PASSIVE_LEVEL), takes from the process
+//!   what the verb needs (locked buffers, a doorbell page mapped or
+//!   unmapped); [`Hca::execute_user_request`] runs the verb below wherever
+//!   the queue delivers the request, with only that
+//!   ([`Hca::submit_user_request`] does both at once). A user request
 //!   given to [`Hca::submit_request`] has no process to reach into and is
 //!   served by the older policy there (user `OpenCa` unsupported), so no
 //!   path lets a user request past the checks below.
@@ -27,7 +32,7 @@
 //!   `ModifyCa` is refused for user mode by policy with
 //!   [`IbStatus::InvalidPermission`] (after the ownership check): the
 //!   CA's port attributes are shared, and the access layer's and SM's.
-//!   Verbs not listed in [`Hca::submit_user_request`] answer
+//!   Verbs not listed in `run_user_request` answer
 //!   [`IbStatus::Unsupported`] for user mode, never the kernel's behaviour.
 //! - **Rings in user memory.** The private input is parsed as hostile
 //!   (`uverbs`: exact length, reserved bytes, alignment, overflow, overlap),
@@ -49,11 +54,12 @@
 //!   process, the proxy's `EvtFileCleanup` of the process's last handle)
 //!   first
 //!   unmaps the doorbell page (in the caller's context: nothing can ring
-//!   any more), then destroys every QP, SRQ and CQ the context still
+//!   any more; for `CloseCa` that is its phase 1), then destroys every QP, SRQ and CQ the context still
 //!   holds, deregisters its regions and frees its PDs, and only then frees
 //!   the UAR page and answers.
 //!   Close is refused with [`IbStatus::ResourceBusy`] while a create of the
-//!   context is in flight.
+//!   context is in flight (also when one was in flight in phase 1, which
+//!   then left the page mapped: only the process's context may unmap it).
 //! - **Stop** with contexts open (`Hca::stop`): the pinned memory is
 //!   unmapped and unlocked with the device quiet; the contexts go with the
 //!   objects, and their doorbell mappings, which only the owning process's
@@ -116,7 +122,6 @@ use driver_platform::{
 };
 use hca_prm::cmd::{MAX_MTT_PER_WRITE, Opcode};
 use hca_prm::ctx::{BufDesc, CQE_LOG_STRIDE, Cqc, Qpc, QpcFlags, SQ_LOG_STRIDE, Srqc};
-use hca_prm::doorbell::uar_offset;
 use hca_prm::uverbs::{
     CreateCqPriv, CreateCqPrivOut, CreateQpPriv, CreateQpPrivOut, CreateSrqPriv, CreateSrqPrivOut,
     OpenCaPriv, UserRange,
@@ -136,6 +141,7 @@ use ib_types::srq::SrqAttr;
 use ib_types::status::IbStatus;
 use zerocopy::{FromZeros, IntoBytes};
 
+use super::caller::{PreparedDoorbell, PreparedUserRequest};
 use super::cq::{Cq, Life as CqLife};
 use super::qp::{
     Geometry, Life as QpLife, MAX_LOG_WQE_SIZE, MAX_LOG_WQES, Qp, RC_PREFIX, UD_ADDR_SEG,
@@ -144,7 +150,7 @@ use super::srq::{LOG_MAX_INDEX as SRQ_LOG_MAX_INDEX, Life as SrqLife, Srq};
 use super::{Accepted, Objects, Responder, UVP_NAME, accept};
 use crate::cmd::Command;
 use crate::hca::Hca;
-use crate::mr::{PinnedUser, VirtualRegion};
+use crate::mr::{DynLocker, PinnedUser, VirtualRegion};
 use crate::resources::{Handle, UarAllocator, kind};
 
 /// Low bits of a user context's handle (a kernel CA's are `0xCA`), so the
@@ -163,11 +169,14 @@ type Mapping<P> = <<P as Platform>::Caller as CallerProcess>::Mapping;
 
 /// The user contexts of one started device.
 pub(crate) struct UserContexts<P: Platform> {
+    /// Doorbell pages mapped for opens that made no context, by process,
+    /// until its cleanup unmaps them (`verbs::caller`).
+    parked: Vec<(u64, PreparedDoorbell<P>)>,
     contexts: BTreeMap<u64, UserContext<P>>,
     /// Completion-event waits by user CQ (raw handle).
     waits: BTreeMap<u64, CqWaits<P>>,
     /// `None` when the device reports no UAR page beyond the kernel's.
-    uars: Option<UarAllocator>,
+    pub(super) uars: Option<UarAllocator>,
     generation: u32,
 }
 
@@ -178,6 +187,7 @@ impl<P: Platform> UserContexts<P> {
             contexts: BTreeMap::new(),
             waits: BTreeMap::new(),
             uars: UarAllocator::new(num_uars).ok(),
+            parked: Vec::new(),
             generation: 0,
         }
     }
@@ -460,12 +470,17 @@ impl<P: Platform> Hca<P>
 where
     P::Request: 'static,
 {
-    /// The entry point for user-mode requests (see the module doc): like
-    /// [`submit_request`](Self::submit_request), with the process the
-    /// request came from. Call it in that process's context at
-    /// PASSIVE_LEVEL; the request is completed exactly once. A kernel-mode
+    /// The verb of a user-mode request (see the module doc): like
+    /// [`submit_request`](Self::submit_request), with what its
+    /// caller-context phase prepared (`verbs::caller`); touches no process
+    /// memory. The request is completed exactly once. A kernel-mode
     /// request given here goes to `submit_request`.
-    pub fn submit_user_request(self: &Arc<Self>, request: P::Request, caller: P::Caller) {
+    pub(crate) fn run_user_request(
+        self: &Arc<Self>,
+        request: P::Request,
+        prepared: PreparedUserRequest<P>,
+    ) {
+        let caller = prepared;
         if request.requestor_mode() == RequestorMode::Kernel {
             return self.submit_request(request);
         }
@@ -475,7 +490,7 @@ where
             return;
         };
         type R<P> = <P as Platform>::Request;
-        let pid = caller.process_id();
+        let pid = caller.process;
         match verb {
             VerbId::OpenCa => {
                 if let Some(a) = accept::<v::OpenCa, R<P>>(request) {
@@ -587,14 +602,14 @@ where
                 }
             }
             VerbId::ReregMr => {
-                let caller2 = caller.clone();
+                let locks: (&DynLocker<P>, Irql) = (&caller.locks, caller.irql);
                 self.trusted_in_context::<v::ReregMr>(
                     request,
                     pid,
                     Owned::Mr,
                     |input| input.pd.map(|pd| (Owned::Pd, pd.raw())),
                     None,
-                    move |h, a| h.rereg_mr_request(a, Some(&caller2)),
+                    move |h, a| h.rereg_mr_request(a, Some(locks)),
                 );
             }
             VerbId::RegSharedMr => self.trusted_in_context::<v::RegSharedMr>(
@@ -760,11 +775,11 @@ where
         }
     }
 
-    fn user_open(&self, a: Accepted<v::OpenCa, P::Request>, caller: P::Caller) {
+    fn user_open(&self, a: Accepted<v::OpenCa, P::Request>, mut caller: PreparedUserRequest<P>) {
         if a.responder.private_room() < OpenCaPriv::SIZE {
             return a.responder.fail(IbStatus::InvalidParameter);
         }
-        if caller.current_irql() != Irql::PASSIVE {
+        if caller.irql != Irql::PASSIVE {
             return a.responder.fail(IbStatus::InvalidState);
         }
         let Some(report) = self.report() else {
@@ -773,26 +788,19 @@ where
         let Ok(uvp_name) = UvpName::new(UVP_NAME) else {
             return a.responder.fail(IbStatus::GenericError);
         };
-        let uar = self.with_objects_mut(|o| match o.user.uars.as_mut() {
-            Some(uars) => uars.alloc().map_err(|_| IbStatus::InsufficientResources),
-            None => Err(IbStatus::InsufficientResources),
-        });
-        let uar = match uar.and_then(|r| r) {
-            Ok(uar) => uar,
-            Err(status) => return a.responder.fail(status),
-        };
-        let mapping = match caller.map_device_page(&self.bar0, uar_offset(uar)) {
-            Ok(mapping) => mapping,
-            Err(_) => {
-                let _ = self.with_objects_mut(|o| o.user.uars.as_mut().map(|u| u.free(uar)));
-                return a.responder.fail(IbStatus::InsufficientResources);
-            }
+        // The page was mapped into the process in its context (phase 1);
+        // a failure from here on parks it for the process's cleanup.
+        let PreparedDoorbell { uar, mapping } = match caller.take_doorbell() {
+            Some(Ok(doorbell)) => doorbell,
+            Some(Err(status)) => return a.responder.fail(status),
+            None => return a.responder.fail(IbStatus::InvalidState),
         };
         let doorbell = DoorbellPage {
             va: mapping.user_va(),
             size: mapping.len() as u32,
         };
-        let process = caller.process_id();
+        let process = caller.process;
+        let mut mapping = Some(mapping);
         let made = self.with_objects_mut(|o| {
             o.user.generation = o.user.generation.wrapping_add(1);
             let mut handle = u64::from(o.user.generation) << 32 | USER_CA_TAG;
@@ -805,7 +813,7 @@ where
                 UserContext {
                     process,
                     uar,
-                    mapping: Some(mapping),
+                    mapping: mapping.take(),
                     closing: false,
                     creating: 0,
                     events: VecDeque::new(),
@@ -822,6 +830,9 @@ where
             handle
         });
         let Ok(handle) = made else {
+            if let Some(mapping) = mapping {
+                self.park_doorbell(process, PreparedDoorbell { uar, mapping });
+            }
             return a.responder.fail(IbStatus::InvalidState);
         };
         let cap = &report.capabilities;
@@ -852,11 +863,15 @@ where
         );
     }
 
-    fn user_close(self: &Arc<Self>, a: Accepted<v::CloseCa, P::Request>, caller: P::Caller) {
-        if caller.current_irql() != Irql::PASSIVE {
+    fn user_close(
+        self: &Arc<Self>,
+        a: Accepted<v::CloseCa, P::Request>,
+        caller: PreparedUserRequest<P>,
+    ) {
+        if caller.irql != Irql::PASSIVE {
             return a.responder.fail(IbStatus::InvalidState);
         }
-        let process = caller.process_id();
+        let process = caller.process;
         let handle = a.handle;
         let started = self.with_objects_mut(|o| {
             owner(o, process, Owned::Ca, handle)?;
@@ -865,20 +880,18 @@ where
                 .contexts
                 .get_mut(&handle)
                 .ok_or(IbStatus::InvalidCaHandle)?;
-            if ctx.creating != 0 {
+            // Phase 1 unmapped the page in the caller's context unless a
+            // create was under way then; a page still mapped can be
+            // unmapped only in the process, so the close is refused as
+            // busy then too, and the context stays as it was.
+            if ctx.creating != 0 || ctx.mapping.is_some() {
                 return Err(IbStatus::ResourceBusy);
             }
             ctx.closing = true;
-            Ok(ctx.mapping.take())
+            Ok(())
         });
-        let mapping = match started.and_then(|r| r) {
-            Ok(mapping) => mapping,
-            Err(status) => return a.responder.fail(status),
-        };
-        // In the caller's context, before anything else: from now on the
-        // process can ring no doorbell of this context.
-        if let Some(mapping) = mapping {
-            caller.unmap_device_page(mapping);
+        if let Err(status) = started.and_then(|r| r) {
+            return a.responder.fail(status);
         }
         let responder = a.responder;
         self.close_step(
@@ -922,6 +935,13 @@ where
                 })
                 .collect::<Vec<_>>()
         });
+        // Doorbell pages mapped for opens that never became contexts
+        // (failed, or cancelled in the queue) are unmapped here, in the
+        // process, and only then is their UAR page free for another.
+        for parked in self.take_parked_doorbells(process) {
+            caller.unmap_device_page(parked.mapping);
+            let _ = self.with_objects_mut(|o| o.user.uars.as_mut().map(|u| u.free(parked.uar)));
+        }
         let Ok(started) = started else {
             return done(0);
         };
@@ -939,6 +959,58 @@ where
             }
         }
         self.close_each(closing, busy, done);
+    }
+
+    /// Keeps a doorbell page mapped into `process` for an `OpenCa` that
+    /// did not make a context, with its UAR page, until the process's
+    /// cleanup unmaps it in its context (`close_user_contexts_of`).
+    pub(crate) fn park_doorbell(&self, process: u64, doorbell: PreparedDoorbell<P>) {
+        let mut doorbell = Some(doorbell);
+        let _ = self.with_objects_mut(|o| {
+            if let Some(d) = doorbell.take() {
+                o.user.parked.push((process, d));
+            }
+        });
+        // With the device's tables gone (stopped) the UAR pages went with
+        // them; the mapping is the process's until it exits, as a
+        // context's is after a stop (module doc, "Stop").
+        drop(doorbell);
+    }
+
+    /// The parked doorbell pages of `process`.
+    fn take_parked_doorbells(&self, process: u64) -> Vec<PreparedDoorbell<P>> {
+        self.with_objects_mut(|o| {
+            let (mine, others) = core::mem::take(&mut o.user.parked)
+                .into_iter()
+                .partition::<Vec<_>, _>(|(p, _)| *p == process);
+            o.user.parked = others;
+            mine.into_iter().map(|(_, d)| d).collect()
+        })
+        .unwrap_or_default()
+    }
+
+    /// `CloseCa`'s part in the caller (phase 1, `verbs::caller`): the
+    /// context's doorbell page is unmapped from the process, so it can
+    /// ring nothing of the context any more; the rest of the close runs
+    /// when the request is delivered. Nothing happens unless the context
+    /// is the process's and no create of it is under way (the close is
+    /// refused as busy then).
+    pub(crate) fn unmap_closing_doorbell(&self, caller: &P::Caller, irql: Irql, handle: u64) {
+        if irql != Irql::PASSIVE {
+            return;
+        }
+        let process = caller.process_id();
+        let taken = self.with_objects_mut(|o| {
+            owner(o, process, Owned::Ca, handle).ok()?;
+            let ctx = o.user.contexts.get_mut(&handle)?;
+            if ctx.creating != 0 || ctx.closing {
+                return None;
+            }
+            ctx.mapping.take()
+        });
+        if let Ok(Some(mapping)) = taken {
+            caller.unmap_device_page(mapping);
+        }
     }
 
     /// Closes the contexts `handles` one after another (each may continue
@@ -1136,8 +1208,12 @@ where
     /// in the caller's process (PASSIVE or APC level, `mr`), the region is
     /// stored like any other and belongs to the context (close
     /// deregisters it).
-    fn user_reg_mr(self: &Arc<Self>, a: Accepted<v::RegMr, P::Request>, caller: P::Caller) {
-        let process = caller.process_id();
+    fn user_reg_mr(
+        self: &Arc<Self>,
+        a: Accepted<v::RegMr, P::Request>,
+        caller: PreparedUserRequest<P>,
+    ) {
+        let process = caller.process;
         let pd = a.handle;
         let ctx = match self.with_objects(|o| owner(o, process, Owned::Pd, pd)) {
             Ok(Ok(ctx)) => ctx,
@@ -1167,8 +1243,8 @@ where
         let (weak, responder, mt2) = (Arc::downgrade(self), a.responder, mt.clone());
         mt.register_virtual(
             self,
-            caller.locker(),
-            caller.current_irql(),
+            &caller.locks,
+            caller.irql,
             request,
             Box::new(move |result| {
                 let Some(hca) = weak.upgrade() else { return };
@@ -1262,17 +1338,18 @@ where
         }
     }
 
-    /// Pins `ranges` in the caller, all or none.
+    /// Pins `ranges`, all or none, with the pages the caller-context phase
+    /// locked for them.
     fn pin_ranges(
         &self,
-        caller: &P::Caller,
+        caller: &PreparedUserRequest<P>,
         ranges: &[UserRange],
     ) -> Result<Vec<PinnedUser<P>>, IbStatus> {
         let mtt = self.memory_translation()?;
-        let irql = caller.current_irql();
+        let irql = caller.irql;
         let mut pins = Vec::with_capacity(ranges.len());
         for range in ranges {
-            match mtt.pin_user(self, caller.locker(), irql, range.va, range.len) {
+            match mtt.pin_user(self, &caller.locks, irql, range.va, range.len) {
                 Ok(pin) => pins.push(pin),
                 Err(error) => {
                     for pin in pins {
@@ -1332,9 +1409,9 @@ where
         self: &Arc<Self>,
         a: Accepted<v::CreateCq, P::Request>,
         private: Vec<u8>,
-        caller: P::Caller,
+        caller: PreparedUserRequest<P>,
     ) {
-        let process = caller.process_id();
+        let process = caller.process;
         let ctx = a.handle;
         let uar = match self.begin_create(process, ctx) {
             Ok(uar) => uar,
@@ -1438,9 +1515,9 @@ where
         self: &Arc<Self>,
         a: Accepted<v::ResizeCq, P::Request>,
         private: Vec<u8>,
-        caller: P::Caller,
+        caller: PreparedUserRequest<P>,
     ) {
-        let process = caller.process_id();
+        let process = caller.process;
         let raw = a.handle;
         // The CQ, its context, and what it has pinned now.
         let found = self.with_objects(|o| {
@@ -1583,9 +1660,9 @@ where
         self: &Arc<Self>,
         a: Accepted<v::CreateQp, P::Request>,
         private: Vec<u8>,
-        caller: P::Caller,
+        caller: PreparedUserRequest<P>,
     ) {
-        let process = caller.process_id();
+        let process = caller.process;
         let ctx = a.handle;
         let uar = match self.begin_create(process, ctx) {
             Ok(uar) => uar,
@@ -1776,9 +1853,9 @@ where
         self: &Arc<Self>,
         a: Accepted<v::CreateSrq, P::Request>,
         private: Vec<u8>,
-        caller: P::Caller,
+        caller: PreparedUserRequest<P>,
     ) {
-        let process = caller.process_id();
+        let process = caller.process;
         let ctx = a.handle;
         if let Err(status) = self.begin_create(process, ctx) {
             return a.responder.fail(status);
