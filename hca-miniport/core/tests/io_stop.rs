@@ -5,6 +5,8 @@
 //! completed or acknowledged, so without `EvtIoStop` such a request would
 //! hold the sleep for ever. The shell acknowledges the waits (they keep
 //! pending and need no hardware) and lets every other request finish.
+//! A wait kept this way and still pending when the device is removed is
+//! completed by the core's stop as cancelled.
 
 mod power_kit;
 mod support;
