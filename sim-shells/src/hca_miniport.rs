@@ -84,7 +84,13 @@
 //!   counted `InterfaceRef` (the KMDF shell hands out the FFI table
 //!   `ib_types::interface::CiInterface` over the same provider instead;
 //!   see `hca_miniport_core::ci`). The host counts the reference; the
-//!   consumer gives it back with `InterfaceRef::dereference`.
+//!   consumer gives it back with `InterfaceRef::dereference`. The
+//!   provider's `submit` route (`OwnStackRoute`) sends the consumer's
+//!   request to this device's own stack
+//!   (`DeviceServices::send_to_own_stack`, the KMDF shell's `IoCallDriver`
+//!   to its device object): it arrives through `io_request` of the
+//!   power-managed queue like any IOCTL, held while the device is below
+//!   D0 and met by `io_stop` at D0 exit.
 //!
 //! The shell is generic over the platform so that tests can wrap BAR0
 //! (`MiniportOptions::bar0`); everything else is the simulated host's.
@@ -95,7 +101,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use driver_platform::{DevicePowerState, Event, Irql, Platform, Request, RequestorMode};
-use hca_miniport_core::ci::CiProvider;
+use hca_miniport_core::ci::{CiProvider, SubmitRoute};
 use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use hca_miniport_core::hca::{Hca, HcaResources};
 use hca_miniport_core::init::{BringUpReport, HcaConfig, InitError};
@@ -521,7 +527,8 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         // Started in `d0_entry_post_interrupts_enabled`, once the
         // interrupts are connected.
         let mut state = lock(&self.state);
-        state.provider = Some(Arc::new(CiProvider::new(hca.clone())));
+        let route = Arc::new(OwnStackRoute(self.host.clone()));
+        state.provider = Some(Arc::new(CiProvider::new(hca.clone(), route)));
         state.hca = Some(hca);
         state.deferred = dpcs;
         state.function = Some(function);
@@ -654,6 +661,21 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
             // the provider in its own routines while it holds the reference.
             object: Arc::new(provider) as Arc<dyn Any + Send + Sync>,
         })
+    }
+}
+
+/// The CI provider's [`SubmitRoute`]: a consumer's request goes to this
+/// device's own stack (`DeviceServices::send_to_own_stack`, as the KMDF
+/// shell's `IoCallDriver` to its device object), so it reaches the core
+/// through `io_request` of the power-managed queue, as this driver's own
+/// request: held below D0, stopped at D0 exit (`io_stop`), completed by
+/// its owner. The host reports completion only through the request.
+struct OwnStackRoute(DeviceServices);
+
+impl SubmitRoute<HostRequest> for OwnStackRoute {
+    fn send(&self, request: HostRequest) -> NtStatus {
+        self.0.send_to_own_stack(request);
+        NtStatus::PENDING
     }
 }
 

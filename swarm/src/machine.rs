@@ -464,7 +464,9 @@ impl Machine {
             out_len,
         );
         let ci = self.sides[side].ci.clone();
-        self.queue_dpc(move || ci.submit(request));
+        self.queue_dpc(move || {
+            ci.submit(request);
+        });
         Ok(Submitted {
             issuer,
             verb: V::ID.name(),

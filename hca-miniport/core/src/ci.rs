@@ -28,21 +28,33 @@
 //!   callbacks ([`CaClient`]: called from the DPC at DISPATCH_LEVEL, never
 //!   after close returned); one open at a time. [`CiProvider::close_ca`]
 //!   is PASSIVE_LEVEL only (it waits for callbacks in flight).
-//! - **Control verbs.** [`CiProvider::submit`] takes a platform request
-//!   carrying an `ib_types::ioctl` verb code and buffers in the same
-//!   framing as the user-mode proxy IOCTLs (one implementation for both
-//!   paths: `Hca::submit_request`). It never blocks and may be called at
-//!   DISPATCH_LEVEL; the request is completed exactly once with the
-//!   verb's status and, for creates, the new handle in the response
-//!   header — at once, or later from the DPC or work item while a device
-//!   command or a common-buffer allocation is outstanding (the FFI entry
-//!   returns `STATUS_PENDING` then).
+//! - **Control verbs.** [`CiProvider::submit`] takes a request carrying
+//!   an `ib_types::ioctl` verb code and buffers in the same framing as the
+//!   user-mode proxy IOCTLs, and sends it along the provider's
+//!   [`SubmitRoute`]: the shell's path into the miniport's own device, so
+//!   the request reaches the core exactly as an IOCTL does — through the
+//!   miniport's power-managed queue, as the miniport's own request (a
+//!   request is completed only by its owner), then `Hca::submit_request`.
+//!   The KMDF shell's route passes the consumer's IRP to its device object
+//!   (`IoCallDriver`); the simulated shell's sends the request to its own
+//!   stack (`DeviceServices::send_to_own_stack`). So, as on Windows, a
+//!   request submitted while the device is below D0 is held by the queue
+//!   and runs after D0 entry, and one in flight when the device leaves D0
+//!   meets `EvtIoStop` ([`crate::verbs::on_queue_stop`]): a control verb
+//!   finishes before D0 exit, a wait is kept pending. It never blocks and
+//!   may be called at DISPATCH_LEVEL; the request is completed exactly
+//!   once with the verb's status and, for creates, the new handle in the
+//!   response header — at once, or later (from the DPC or work item while
+//!   a device command or a common-buffer allocation is outstanding, or
+//!   after resume); `submit` returns what the route reports at once
+//!   (`IoCallDriver`'s status, `STATUS_PENDING` when it completes later).
 //! - **Synchronous wrapper.** [`CiProvider::submit_and_wait`] is for
-//!   PASSIVE_LEVEL callers: it submits and waits on the caller's event,
-//!   which the caller arranged to be set by the request's completion (the
-//!   `Event` of `IoBuildDeviceIoControlRequest`; a completion routine on
-//!   the simulated host). Above PASSIVE_LEVEL it refuses (the request is
-//!   not submitted but handed back) rather than wait.
+//!   PASSIVE_LEVEL callers: it submits along the same route and waits on
+//!   the caller's event, which the caller arranged to be set by the
+//!   request's completion (the `Event` of `IoBuildDeviceIoControlRequest`;
+//!   a completion routine on the simulated host). Above PASSIVE_LEVEL it
+//!   refuses (the request is not submitted but handed back) rather than
+//!   wait.
 //! - **Fast path.** [`CiProvider::post_send`], [`CiProvider::post_recv`],
 //!   [`CiProvider::post_srq_recv`], [`CiProvider::poll_cq`],
 //!   [`CiProvider::arm_cq`]: direct calls, DISPATCH_LEVEL, no allocation,
@@ -60,7 +72,7 @@ use driver_platform::{Event, Irql, IrqlQuery, Platform};
 use hca_prm::wqe::MAX_SEND_WQE_BYTES;
 use ib_types::interface::{CI_INTERFACE_VERSION, InterfaceVersion, UvpName};
 use ib_types::scalars::NodeGuid;
-use ib_types::status::IbStatus;
+use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendFlags, SendWr, Sge};
 
@@ -98,12 +110,28 @@ pub struct CaIdentity {
     pub revision: u16,
 }
 
-/// The CI interface of one HCA (see the module doc).
-pub struct CiProvider<P: Platform> {
-    hca: Arc<Hca<P>>,
+/// The path [`CiProvider::submit`] sends a consumer's request along: into
+/// the miniport's own device, whose power-managed queue delivers it to the
+/// core as the miniport's own request (see the module doc). Each shell
+/// supplies one; `R` is what crosses the interface (an IRP for the KMDF
+/// shell, the platform's request on the simulated host).
+pub trait SubmitRoute<R>: Send + Sync {
+    /// Sends `request` to the miniport's own device. Never blocks;
+    /// callable at DISPATCH_LEVEL. Returns the status the path reports at
+    /// once: `IoCallDriver`'s, or [`NtStatus::PENDING`] when completion is
+    /// reported only through the request (the caller then learns the
+    /// result from its completion, whenever that comes).
+    fn send(&self, request: R) -> NtStatus;
 }
 
-impl<P: Platform> core::fmt::Debug for CiProvider<P> {
+/// The CI interface of one HCA (see the module doc). `R` is the request
+/// type its [`SubmitRoute`] carries.
+pub struct CiProvider<P: Platform, R = <P as Platform>::Request> {
+    hca: Arc<Hca<P>>,
+    route: Arc<dyn SubmitRoute<R>>,
+}
+
+impl<P: Platform, R> core::fmt::Debug for CiProvider<P, R> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("CiProvider")
             .field("version", &Self::VERSION)
@@ -111,16 +139,17 @@ impl<P: Platform> core::fmt::Debug for CiProvider<P> {
     }
 }
 
-impl<P: Platform> CiProvider<P>
+impl<P: Platform, R> CiProvider<P, R>
 where
     P::Request: 'static,
 {
     /// The version this provider implements.
     pub const VERSION: InterfaceVersion = CI_INTERFACE_VERSION;
 
-    /// The provider of `hca`.
-    pub fn new(hca: Arc<Hca<P>>) -> Self {
-        Self { hca }
+    /// The provider of `hca`, whose control verbs go along `route` (the
+    /// shell's path into its own device's queue).
+    pub fn new(hca: Arc<Hca<P>>, route: Arc<dyn SubmitRoute<R>>) -> Self {
+        Self { hca, route }
     }
 
     /// The version a query for `asked` is answered with: the closest this
@@ -181,13 +210,17 @@ where
         self.hca.close_ca(ca)
     }
 
-    /// Runs one control verb request (see the module doc). Callable at
-    /// DISPATCH_LEVEL; never blocks.
-    pub fn submit(&self, request: P::Request) {
-        self.hca.submit_request(request);
+    /// Sends one control verb request along the route into the
+    /// miniport's queue (see the module doc); returns what the route
+    /// reports at once ([`SubmitRoute::send`]). Callable at DISPATCH_LEVEL;
+    /// never blocks.
+    pub fn submit(&self, request: R) -> NtStatus {
+        self.route.send(request)
     }
 
-    /// Submits `request` and waits until `completed` is set, which the
+    /// Submits `request` (as [`Self::submit`]: through the queue, so below
+    /// D0 the wait lasts until the device is back) and waits until
+    /// `completed` is set, which the
     /// caller arranged to happen when the request completes. PASSIVE_LEVEL
     /// only: at a higher IRQL (`irql` says which) the request comes back
     /// unsubmitted in `Err`, for the caller to complete or submit
@@ -195,13 +228,13 @@ where
     pub fn submit_and_wait(
         &self,
         irql: &P::Irql,
-        request: P::Request,
+        request: R,
         completed: &P::Event,
-    ) -> Result<(), P::Request> {
+    ) -> Result<(), R> {
         if irql.current_irql() != Irql::PASSIVE {
             return Err(request);
         }
-        self.hca.submit_request(request);
+        self.route.send(request);
         completed.wait();
         Ok(())
     }

@@ -387,6 +387,9 @@ impl<P: Platform> Hca<P> {
     /// Tears the device down and frees every common buffer (see the module
     /// doc). PASSIVE_LEVEL. Does nothing on a stopped device.
     pub fn stop(&self) {
+        // Requests the core holds (user waits) are completed as cancelled
+        // before their objects go, as at any removal.
+        self.end_all_user_waits();
         let mode = self.cmd.mode();
         if mode == CommandMode::Offline {
             // Released below D0, or after a failed D0 entry: the device was

@@ -146,7 +146,9 @@ fn verbs_through_submit_the_ioctl_path_and_the_synchronous_wrapper() {
     // the response header.
     let (request, issuer) = w.request::<AllocPd>(KERNEL, ca, &Empty, 0);
     let submitter = ci.clone();
-    w.in_dpc(move || submitter.submit(request));
+    w.in_dpc(move || {
+        submitter.submit(request);
+    });
     w.settle();
     let pd = response::<AllocPd>(&issuer.completion().unwrap()).handle;
     assert_ne!(pd, 0);
@@ -410,5 +412,136 @@ fn a_request_sent_while_asleep_is_held_and_answered_after_wake() {
     assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
     assert_eq!(ci.close_ca(ca), Ok(()));
     interface.dereference();
+    w.finish();
+}
+
+/// A kernel client's request goes through `submit`, which sends it into
+/// the miniport's own queue (as the KMDF shell's `IoCallDriver`): made
+/// while the device sleeps, it is held, not refused, and runs after
+/// resume — from a DPC, and a CQ create that needs a common buffer and a
+/// device command.
+#[test]
+fn a_kernel_clients_submit_while_the_device_sleeps_is_held_until_resume() {
+    let w = World::deterministic(65);
+    let interface = query(&w, CI_INTERFACE_VERSION).unwrap();
+    let ci = interface.get::<Arc<Provider>>().unwrap().clone();
+    let ca = ci.open_ca(Arc::new(Client::default())).unwrap();
+
+    w.sleep();
+    let (pd_request, pd_issuer) = w.request::<AllocPd>(KERNEL, ca, &Empty, 0);
+    let attr = CqAttr {
+        cqe: 16,
+        comp_vector: 0,
+    };
+    let (cq_request, cq_issuer) = w.request::<CreateCq>(KERNEL, ca, &attr, 0);
+    let submitter = ci.clone();
+    w.in_dpc(move || {
+        submitter.submit(pd_request);
+        submitter.submit(cq_request);
+    });
+    w.settle();
+    assert!(!pd_issuer.is_done(), "held by the queue below D0");
+    assert!(!cq_issuer.is_done(), "held by the queue below D0");
+    w.host.verifier().assert_clean();
+
+    w.resume();
+    let pd_done = pd_issuer.completion().expect("ran after resume");
+    let pd = response::<AllocPd>(&pd_done);
+    assert_eq!(pd.status, IbStatus::Success);
+    let cq_done = cq_issuer.completion().expect("ran after resume");
+    let cq = response::<CreateCq>(&cq_done);
+    assert_eq!(cq.status, IbStatus::Success);
+    let r = w.call_in_dpc::<DestroyCq>(KERNEL, cq.handle, &Empty, 0);
+    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc::<DeallocPd>(KERNEL, pd.handle, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    assert_eq!(ci.close_ca(ca), Ok(()));
+    interface.dereference();
+    w.finish();
+}
+
+/// Control verbs a kernel client submitted and still in flight (their
+/// commands on the device) when the system sleeps: they are the
+/// miniport's requests in its power-managed queue, so EvtIoStop lets them
+/// finish and the power-down waits for them; each succeeds before the
+/// device leaves D0.
+#[test]
+fn kernel_clients_verbs_in_flight_at_d0_exit_finish_before_it() {
+    use driver_platform::SystemPowerState;
+    let w = World::deterministic(66);
+    let interface = query(&w, CI_INTERFACE_VERSION).unwrap();
+    let ci = interface.get::<Arc<Provider>>().unwrap().clone();
+    let ca = ci.open_ca(Arc::new(Client::default())).unwrap();
+    let attr = CqAttr {
+        cqe: 16,
+        comp_vector: 0,
+    };
+    let cqs: Vec<_> = (0..3)
+        .map(|_| {
+            let (request, issuer) = w.request::<CreateCq>(KERNEL, ca, &attr, 0);
+            ci.submit(request);
+            issuer
+        })
+        .collect();
+    assert!(cqs.iter().any(|c| !c.is_done()), "commands in flight");
+    // No settle: the power-down itself waits for them.
+    w.host.pnp().set_system_power(SystemPowerState::S3).unwrap();
+    w.host.verifier().assert_clean();
+    let handles: Vec<u64> = cqs
+        .iter()
+        .map(|issuer| {
+            let done = issuer.completion().expect("finished before D0 exit");
+            let created = response::<CreateCq>(&done);
+            assert_eq!(created.status, IbStatus::Success);
+            created.handle
+        })
+        .collect();
+    w.host.pnp().set_system_power(SystemPowerState::S0).unwrap();
+    w.settle();
+    for cq in handles {
+        let r = w.call_in_dpc::<DestroyCq>(KERNEL, cq, &Empty, 0);
+        assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    }
+    assert_eq!(ci.close_ca(ca), Ok(()));
+    interface.dereference();
+    w.finish();
+}
+
+/// The threaded counterpart: a PASSIVE_LEVEL kernel client's synchronous
+/// call made while the device sleeps waits in the queue (not refused)
+/// until another thread resumes the system, then returns with success.
+#[test]
+fn a_synchronous_call_while_the_device_sleeps_waits_for_resume_in_threaded_mode() {
+    use driver_platform::SystemPowerState;
+    let w = World::threaded_with_hcas(2, vec![support::two_port_hca()], HcaConfig::default());
+    let interface = query(&w, CI_INTERFACE_VERSION).unwrap();
+    let ci = interface.get::<Arc<Provider>>().unwrap().clone();
+    let ca = ci.open_ca(Arc::new(Client::default())).unwrap();
+
+    w.host.pnp().set_system_power(SystemPowerState::S3).unwrap();
+    assert!(w.hca().is_below_d0());
+    let event = HostEvent::new(w.host.scheduler_handle());
+    let (request, issuer) = request_setting::<AllocPd>(&w, ca, &Empty, &event);
+    let caller = {
+        let (ci, event) = (ci.clone(), event.clone());
+        std::thread::spawn(move || {
+            assert_eq!(sim_host::irql::current(), Irql::PASSIVE);
+            ci.submit_and_wait(&IrqlTracker, request, &event).is_ok()
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(!issuer.is_done(), "held by the queue while asleep");
+    assert!(!caller.is_finished(), "the caller still waits");
+
+    w.host.pnp().set_system_power(SystemPowerState::S0).unwrap();
+    assert!(caller.join().unwrap(), "submitted at PASSIVE_LEVEL");
+    let done = issuer.completion().expect("completed after resume");
+    let pd = response::<AllocPd>(&done);
+    assert_eq!(pd.status, IbStatus::Success);
+    let r = w.call_in_dpc_waiting_at::<DeallocPd>(0, KERNEL, pd.handle, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    assert_eq!(ci.close_ca(ca), Ok(()));
+    interface.dereference();
+    w.host.scheduler().quiesce().unwrap();
     w.finish();
 }

@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use driver_platform::RequestorMode;
-use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::verbs::CaClient;
 use hca_miniport_core::verbs::qp::SendRequest;
 use ib_types::access::AccessFlags;
@@ -26,7 +25,6 @@ use ib_types::scalars::{PortNum, Psn, QKey, Qpn};
 use ib_types::status::IbStatus;
 use ib_types::wc::WcStatus;
 use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, UdDest};
-use sim_host::platform::SimPlatform;
 use support::kernel_pair::{KernelBuf, Setup, poll_all, setup, teardown};
 use support::rc_path::{grh_av, rc_to_rts_steps};
 use support::{World, lock, response};
@@ -90,7 +88,7 @@ fn close_ca_returns_only_after_the_callback_in_flight_returned() {
         vec![support::two_port_hca()],
         hca_miniport_core::init::HcaConfig::default(),
     );
-    let ci = Arc::new(CiProvider::<SimPlatform>::new(w.hca()));
+    let ci = w.device_at(0).provider().expect("the CI provider");
     let clock = Arc::new(AtomicU32::new(0));
     let client = Arc::new(Client {
         hold: AtomicBool::new(true),
@@ -146,7 +144,7 @@ fn close_ca_returns_only_after_the_callback_in_flight_returned() {
 #[test]
 fn a_link_flap_on_the_fabric_reaches_the_ci_clients_async_callback() {
     let w = World::deterministic(91);
-    let ci = CiProvider::<SimPlatform>::new(w.hca());
+    let ci = w.device_at(0).provider().expect("the CI provider");
     let client = Arc::new(Client::default());
     let ca = ci.open_ca(client.clone()).unwrap();
     w.settle();

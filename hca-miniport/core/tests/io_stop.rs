@@ -5,6 +5,8 @@
 //! completed or acknowledged, so without `EvtIoStop` such a request would
 //! hold the sleep for ever. The shell acknowledges the waits (they keep
 //! pending and need no hardware) and lets every other request finish.
+//! A wait kept this way and still pending when the device is removed is
+//! completed by the core's stop as cancelled.
 
 mod power_kit;
 mod support;
@@ -215,4 +217,42 @@ fn on_a_threaded_host_the_sleep_waits_for_verbs_in_flight() {
     let r = w.call_in_dpc_waiting_at::<DeallocPd>(0, KERNEL, pd, &Empty, 0);
     assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
     w.finish();
+}
+
+/// A user `GetAsyncEvent` the core holds when the device is removed
+/// (orderly: query-remove then remove; or surprise removal) is completed
+/// by the core's stop at release-hardware as Windows drivers complete the
+/// requests they hold at removal: cancelled (`IbStatus::Canceled`,
+/// `STATUS_CANCELLED`), not as a generic failure.
+#[test]
+fn a_wait_pending_at_device_removal_ends_cancelled() {
+    use ib_types::status::NtStatus;
+    for surprise in [false, true] {
+        let (w, [x, _]) = two_hcas(93, hca_miniport_core::init::HcaConfig::default());
+        let process = Process::new(33);
+        let open = send_through_stack::<OpenCa>(&w, x, &process, 0, &OpenCaIn::CURRENT);
+        let ca = response::<OpenCa>(&completed(&w, &open)).handle;
+        // The ports' first events are taken, so the next wait pends.
+        let mut event = send_through_stack::<GetAsyncEvent>(&w, x, &process, ca, &Empty);
+        w.settle();
+        while event.is_done() {
+            event = send_through_stack::<GetAsyncEvent>(&w, x, &process, ca, &Empty);
+            w.settle();
+        }
+
+        let node = w.device_at(x).node();
+        if surprise {
+            w.host.pnp().surprise_remove(node);
+        } else {
+            w.host.pnp().query_and_remove(node).expect("nothing vetoes");
+        }
+        let ended = completed(&w, &event);
+        assert_eq!(ended.status, NtStatus::CANCELLED, "surprise: {surprise}");
+        assert_eq!(
+            response::<GetAsyncEvent>(&ended).status,
+            IbStatus::Canceled,
+            "surprise: {surprise}"
+        );
+        w.finish();
+    }
 }

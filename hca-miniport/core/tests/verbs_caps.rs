@@ -10,7 +10,6 @@ mod support;
 use std::sync::{Arc, Mutex};
 
 use driver_platform::RequestorMode;
-use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::verbs::qp::SendRequest;
 use ib_types::access::AccessFlags;
 use ib_types::handle::{CqHandle, MwHandle, PdHandle};
@@ -20,7 +19,6 @@ use ib_types::qp::{QpCaps, QpCreate, QpType};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcOpcode, WcStatus};
 use ib_types::wr::{MwBind, RKey, RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge};
-use sim_host::platform::SimPlatform;
 use support::kernel_pair::{KernelBuf, Setup, poll_all, setup, teardown};
 use support::rc_path::rc_to_rts_steps;
 use support::{World, lock, response};
@@ -80,7 +78,7 @@ fn connect(w: &World, i: usize, qp: u64, dest: u32, dest_ip: [u8; 4]) {
 
 /// Posts `wrs` through the CI fast path of HCA `i` from a DPC.
 fn ci_post_send(w: &World, i: usize, qp: u64, wrs: Vec<SendWr<'static>>) -> (usize, IbStatus) {
-    let ci = CiProvider::<SimPlatform>::new(w.hca_at(i));
+    let ci = w.device_at(i).provider().expect("the CI provider");
     let out = Arc::new(Mutex::new(None));
     let sink = out.clone();
     w.in_dpc(move || *lock(&sink) = Some(ci.post_send(qp, &wrs)));
@@ -89,7 +87,7 @@ fn ci_post_send(w: &World, i: usize, qp: u64, wrs: Vec<SendWr<'static>>) -> (usi
 }
 
 fn ci_post_recv(w: &World, i: usize, qp: u64, wrs: Vec<RecvWr<'static>>) -> (usize, IbStatus) {
-    let ci = CiProvider::<SimPlatform>::new(w.hca_at(i));
+    let ci = w.device_at(i).provider().expect("the CI provider");
     let out = Arc::new(Mutex::new(None));
     let sink = out.clone();
     w.in_dpc(move || *lock(&sink) = Some(ci.post_recv(qp, &wrs)));

@@ -16,7 +16,6 @@ mod support;
 use std::sync::{Arc, Mutex};
 
 use driver_platform::RequestorMode;
-use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::cmd::Command;
 use hca_miniport_core::verbs::CaClient;
 use hca_miniport_core::verbs::qp::{QPN_QUIET_PERIOD_NS, SendRequest};
@@ -326,7 +325,7 @@ fn p_key_and_q_key_violations_reach_the_kernel_client_and_every_user_context() {
     // The receiving HCA's kernel client opens the CA through the CI, with
     // its callbacks; two processes have user contexts there.
     let client = Arc::new(Client::default());
-    let ci = CiProvider::new(w.hca_at(y));
+    let ci = w.device_at(y).provider().expect("the CI provider");
     let ca = ci.open_ca(client.clone()).unwrap();
     let r = w.call_in_dpc_at::<AllocPd>(y, KERNEL, ca, &Empty, 0);
     let pd = response::<AllocPd>(&r).handle;

@@ -35,6 +35,7 @@ use wdk_sys::{
 };
 
 use super::context::shell_of;
+use super::interface;
 use super::interrupt::{evt_interrupt_dpc, evt_interrupt_isr};
 use super::platform::{Bar0, MdlLocker, WdfDeferred, WdfDma, WdfPlatform};
 
@@ -51,7 +52,7 @@ const MAX_MESSAGES: usize = 16;
 /// What prepare-hardware built, released by release-hardware.
 struct Hardware {
     hca: Option<Arc<Hca<WdfPlatform>>>,
-    provider: Option<Arc<CiProvider<WdfPlatform>>>,
+    provider: Option<Arc<interface::Provider>>,
     /// The BAR0 mapping and its length in bytes.
     bar0: Option<(*mut u8, SIZE_T)>,
     interrupts: Vec<WDFINTERRUPT>,
@@ -156,7 +157,7 @@ impl DeviceShell {
     }
 
     /// The CI provider, while prepared.
-    pub fn provider(&self) -> Option<Arc<CiProvider<WdfPlatform>>> {
+    pub fn provider(&self) -> Option<Arc<interface::Provider>> {
         self.state.lock().provider.clone()
     }
 
@@ -315,7 +316,8 @@ pub unsafe extern "C" fn evt_prepare_hardware(
         drop(unsafe { Arc::from_raw(previous) });
     }
     let mut state = shell.state.lock();
-    state.provider = Some(Arc::new(CiProvider::new(hca.clone())));
+    let route = Arc::new(interface::DeviceObjectRoute::new(device));
+    state.provider = Some(Arc::new(CiProvider::new(hca.clone(), route)));
     state.hca = Some(hca);
     state.bar0 = Some((base, len));
     state.interrupts = interrupts;

@@ -18,10 +18,13 @@
 //!
 //! Requests cross the interface as IRPs, never as `WDFREQUEST`s: a
 //! framework request belongs to the driver whose queue delivered it, and
-//! only that driver may complete it. [`submit`] passes the caller's IRP to
-//! this driver's device object (`IoCallDriver`), where the framework makes
-//! it this driver's own request, delivered by the default queue like every
-//! IOCTL and completed here by its owner.
+//! only that driver may complete it. [`submit`] hands the caller's IRP to
+//! the provider, whose route ([`DeviceObjectRoute`], the core's
+//! `SubmitRoute`) passes it to this driver's device object
+//! (`IoCallDriver`), where the framework makes it this driver's own
+//! request, delivered by the power-managed default queue like every IOCTL
+//! (held below D0, stopped with `EvtIoStop` at D0 exit) and completed here
+//! by its owner.
 //!
 //! # Safety contract for consumers
 //! Every pointer argument is valid for the documented count (`wrs` for
@@ -32,7 +35,7 @@
 use alloc::sync::Arc;
 use core::ffi::c_void;
 
-use hca_miniport_core::ci::CiProvider;
+use hca_miniport_core::ci::{CiProvider, SubmitRoute};
 use hca_miniport_core::verbs::{CaClient, CqNotify};
 use ib_types::abi::Repr;
 use ib_types::event::{AsyncEventRecord, AsyncEventRecordAbi};
@@ -47,12 +50,13 @@ use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
 use ib_types::wr_desc::{RecvWrDesc, SendWrDesc};
 use wdk_sys::ntddk::IofCallDriver;
-use wdk_sys::{IRP, LONG, WDFOBJECT, call_unsafe_wdf_function_binding};
+use wdk_sys::{IRP, LONG, WDFDEVICE, WDFOBJECT, call_unsafe_wdf_function_binding};
 
 use super::device::DeviceShell;
 use super::platform::WdfPlatform;
 
-type Provider = CiProvider<WdfPlatform>;
+/// The provider as this shell builds it: its requests are IRPs.
+pub type Provider = CiProvider<WdfPlatform, CiIrp>;
 
 /// `STATUS_DEVICE_NOT_READY`.
 const NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
@@ -245,26 +249,62 @@ unsafe extern "system" fn close_ca(context: *mut c_void, ca: u64) -> NtStatus {
 /// object) whose next stack location the caller set up for this HCA's
 /// device object: `IRP_MJ_INTERNAL_DEVICE_CONTROL` with a verb code and
 /// METHOD_BUFFERED buffers, as `IoBuildDeviceIoControlRequest` with
-/// `InternalDeviceIoControl` builds it. It goes to this driver's device
-/// object with `IoCallDriver`: the framework wraps it in a request of
-/// this driver, the default queue delivers it (`queue`), and this driver
-/// completes it, as its owner; the caller learns the status through its
-/// IRP. Returns `IoCallDriver`'s status (`STATUS_PENDING` when the
-/// request completes later). PASSIVE_LEVEL or DISPATCH_LEVEL.
+/// `InternalDeviceIoControl` builds it. The provider sends it along its
+/// route ([`DeviceObjectRoute`]: `IoCallDriver` to this driver's device
+/// object): the framework wraps it in a request of this driver, the
+/// power-managed default queue delivers it (`queue`; held below D0,
+/// `EvtIoStop` at D0 exit), and this driver completes it, as its owner;
+/// the caller learns the status through its IRP. Returns `IoCallDriver`'s
+/// status (`STATUS_PENDING` when the request completes later); outside
+/// the provider's window `STATUS_DEVICE_NOT_READY`, the IRP not taken.
+/// PASSIVE_LEVEL or DISPATCH_LEVEL.
 unsafe extern "system" fn submit(context: *mut c_void, request: *mut c_void) -> NtStatus {
     if request.is_null() {
         return IbStatus::InvalidParameter.to_ntstatus();
     }
-    let shell = context.cast_const().cast::<DeviceShell>();
     // SAFETY: header context, kept alive by the consumer's reference.
-    let device = unsafe { (*shell).device };
-    // SAFETY: the consumer's reference keeps the device alive.
-    let device_object =
-        unsafe { call_unsafe_wdf_function_binding!(WdfDeviceWdmGetDeviceObject, device) };
-    // SAFETY: an IRP set up for this device object (consumer contract);
-    // the I/O manager owns it from here until it is completed.
-    let status = unsafe { IofCallDriver(device_object, request.cast::<IRP>()) };
-    NtStatus::from_raw(status as u32)
+    match unsafe { provider(context) } {
+        Some(p) => p.submit(CiIrp(request.cast::<IRP>())),
+        None => NOT_READY,
+    }
+}
+
+/// A consumer's IRP as it crosses the interface (`submit`'s request).
+#[derive(Debug)]
+pub struct CiIrp(*mut IRP);
+
+/// The provider's [`SubmitRoute`]: a consumer's IRP goes to this driver's
+/// device object with `IoCallDriver`, so it reaches the core through the
+/// power-managed default queue as this driver's own request.
+#[derive(Debug)]
+pub struct DeviceObjectRoute {
+    device: WDFDEVICE,
+}
+
+impl DeviceObjectRoute {
+    /// The route into `device` (this driver's device object).
+    pub fn new(device: WDFDEVICE) -> Self {
+        Self { device }
+    }
+}
+
+// SAFETY: a WDFDEVICE handle is valid from any thread; the route only
+// reads it.
+unsafe impl Send for DeviceObjectRoute {}
+// SAFETY: as above.
+unsafe impl Sync for DeviceObjectRoute {}
+
+impl SubmitRoute<CiIrp> for DeviceObjectRoute {
+    fn send(&self, request: CiIrp) -> NtStatus {
+        // SAFETY: the provider holding this route exists only between
+        // prepare- and release-hardware, while the device object lives.
+        let device_object =
+            unsafe { call_unsafe_wdf_function_binding!(WdfDeviceWdmGetDeviceObject, self.device) };
+        // SAFETY: an IRP set up for this device object (consumer contract);
+        // the I/O manager owns it from here until it is completed.
+        let status = unsafe { IofCallDriver(device_object, request.0) };
+        NtStatus::from_raw(status as u32)
+    }
 }
 
 /// The SGEs a descriptor designates.

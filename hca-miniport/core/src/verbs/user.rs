@@ -70,7 +70,8 @@
 //!   the DPC) completes every wait pending on it, and an event with no wait
 //!   pending is kept for the next one (no lost wake-up). Waits end with
 //!   [`IbStatus::Canceled`] when cancelled ([`Hca::cancel_user_waits`],
-//!   from the proxy's cancel routine) or when their CQ is destroyed. User
+//!   from the proxy's cancel routine), when their CQ is destroyed, or at
+//!   removal (below). User
 //!   CQs' events never reach the kernel client's callbacks.
 //! - **Asynchronous events** (`GetAsyncEvent`): an event of a user QP,
 //!   SRQ or CQ (PRM 8.2, after the QP's cached state took it) goes to its
@@ -82,6 +83,11 @@
 //!   context this way, as well as to the kernel client.
 //!   Pending requests end with [`IbStatus::Canceled`] when cancelled or at
 //!   close.
+//! - **Removal.** Waits of either kind still pending when the device is
+//!   stopped for good (`Hca::stop`, at release-hardware after a removal,
+//!   orderly or surprise) end with [`IbStatus::Canceled`]
+//!   (`STATUS_CANCELLED`), as a driver completes the requests it holds at
+//!   removal (`Hca::end_all_user_waits`).
 //! - **Resize** of a user CQ (`ResizeCq` with `uverbs::ResizeCqPriv`):
 //!   the new ring is checked as hostile like CreateCq's (and must not
 //!   overlap what the CQ has pinned), pinned and mapped, then `RESIZE_CQ`
@@ -2109,6 +2115,25 @@ impl<P: Platform> Hca<P> {
         });
         for responder in waiters.unwrap_or_default() {
             responder.finish(IbStatus::Success, 0, Some(record), &[]);
+        }
+    }
+
+    /// Ends every pending `WaitCqEvent` and `GetAsyncEvent` with
+    /// [`IbStatus::Canceled`] (`STATUS_CANCELLED`): the device is being
+    /// stopped for good (release-hardware after a removal), and a driver
+    /// completes the requests it holds at removal as cancelled, rather than
+    /// letting them fall with their objects as a generic failure.
+    pub(crate) fn end_all_user_waits(&self) {
+        self.end_waits(|_| true);
+        let events = self.with_objects_mut(|o| {
+            o.user
+                .contexts
+                .values_mut()
+                .flat_map(|ctx| core::mem::take(ctx.event_waiters.get_mut()))
+                .collect::<Vec<_>>()
+        });
+        for responder in events.unwrap_or_default() {
+            responder.fail(IbStatus::Canceled);
         }
     }
 
