@@ -399,13 +399,24 @@ impl DeviceServices {
         self.pnp.upgrade().map(|i| i.verifier.clone())
     }
 
-    /// Sends `req` to the top of this device object's own stack
-    /// (`IoCallDriver` to its own device): a request another driver handed
-    /// over becomes this driver's own, delivered through its queue, so it
-    /// may complete it.
-    pub fn send_to_own_stack(&self, req: HostRequest) {
-        match self.pnp.upgrade() {
-            Some(inner) => PnpManager { inner }.send_request(self.node, req),
+    /// Sends `req` to this device object itself (`IoCallDriver` on its
+    /// own device object): it enters the stack at this layer, below any
+    /// upper filter, and a request another driver handed over becomes this
+    /// driver's own, delivered through its queue, so it may complete it.
+    pub fn send_to_own_device(&self, req: HostRequest) {
+        let Some(inner) = self.pnp.upgrade() else {
+            return req_complete(req, NO_SUCH_DEVICE);
+        };
+        let pnp = PnpManager { inner };
+        let layer = lock(&pnp.inner.tree)
+            .nodes
+            .get(self.node.0)
+            .and_then(|n| n.stack.iter().rposition(|l| l.service == self.service));
+        match layer {
+            Some(layer) => {
+                let _issuing_thread = req.process().map(crate::caller::enter_process);
+                pnp.arrive(self.node, layer, req);
+            }
             None => req_complete(req, NO_SUCH_DEVICE),
         }
     }

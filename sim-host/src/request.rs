@@ -11,7 +11,7 @@
 //! provider's code through [`crate::driver::InterfaceRef::call`]) is
 //! [`ViolationKind::RequestCompletedByNonOwner`]: the provider sends the
 //! request to its own device instead
-//! ([`crate::pnp::DeviceServices::send_to_own_stack`]). Completion runs the completion routines the
+//! ([`crate::pnp::DeviceServices::send_to_own_device`]). Completion runs the completion routines the
 //! forwarding drivers attached, innermost first, then reports to the issuer
 //! through its [`RequestHandle`].
 //!

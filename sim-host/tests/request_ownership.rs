@@ -19,19 +19,25 @@ const SUBMIT_INTERFACE: WinGuid = WinGuid::from_u128(0x5AB0_0000_0000_0000_0000_
 const IOCTL_WORK: u32 = 0x0022_3000;
 const PROVIDER: &str = "sampleprovider";
 const CONSUMER: &str = "sampleconsumer";
+/// An upper filter on the provider's stack: a request the provider sends
+/// to its own device object (`IoCallDriver` on its FDO) never passes it.
+const UPPER: &str = "sampleupper";
+
+/// Requests the upper filter saw.
+static UPPER_SAW: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 struct TwoDevices;
 
 impl Binder for TwoDevices {
     fn bind(&self, _path: &str, hw: &[String], _compat: &[String]) -> Result<StackPlan, String> {
-        let function = match hw.first().map(String::as_str) {
-            Some("TEST\\PROVIDER") => PROVIDER,
-            Some("TEST\\CONSUMER") => CONSUMER,
+        let (function, upper_filters) = match hw.first().map(String::as_str) {
+            Some("TEST\\PROVIDER") => (PROVIDER, vec![UPPER.into()]),
+            Some("TEST\\CONSUMER") => (CONSUMER, vec![]),
             other => return Err(format!("no INF matches {other:?}")),
         };
         Ok(StackPlan {
             function: function.into(),
-            upper_filters: vec![],
+            upper_filters,
             lower_filters: vec![],
         })
     }
@@ -51,7 +57,7 @@ impl Submit {
         } else {
             // Send it to this driver's own device: the host delivers it,
             // the provider owns it, and its io_request completes it.
-            self.services.send_to_own_stack(req);
+            self.services.send_to_own_device(req);
         }
     }
 }
@@ -113,6 +119,29 @@ impl DriverEntry for Drivers {
 struct NoCallbacks;
 impl DeviceCallbacks for NoCallbacks {}
 
+/// The upper filter: counts what reaches it and passes it down.
+struct UpperFilter;
+
+impl DeviceCallbacks for UpperFilter {
+    fn io_request(&self, lower: &dyn Forward, req: HostRequest) {
+        UPPER_SAW.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        lower.forward(req);
+    }
+    fn power_managed_queue(&self) -> bool {
+        false
+    }
+}
+
+impl DriverEntry for UpperFilter {
+    fn add_device(
+        &self,
+        _init: &DeviceInit,
+        _services: &DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        Ok(Arc::new(UpperFilter))
+    }
+}
+
 fn send_through_consumer(completes_foreign: bool) -> (Verifier, u64) {
     let verifier = Verifier::new();
     let pnp = PnpManager::new(verifier.clone(), Box::new(TwoDevices));
@@ -123,6 +152,7 @@ fn send_through_consumer(completes_foreign: bool) -> (Verifier, u64) {
     });
     pnp.register_driver(PROVIDER, drivers.clone());
     pnp.register_driver(CONSUMER, drivers);
+    pnp.register_driver(UPPER, Arc::new(UpperFilter));
     let add = |path: &str, id: &str| -> DevNodeId {
         pnp.add_device(None, path, vec![id.into()], vec![], Arc::new(NoCallbacks))
     };
@@ -162,6 +192,11 @@ fn completing_a_request_handed_over_an_interface_is_caught() {
 fn sending_the_handed_over_request_to_the_providers_own_device_is_clean() {
     let (verifier, information) = send_through_consumer(false);
     assert_eq!(information, 2, "completed by the provider's io_request");
+    assert_eq!(
+        UPPER_SAW.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "IoCallDriver on the provider's own device object skips the filter above it"
+    );
     verifier.assert_clean();
 }
 

@@ -85,9 +85,9 @@
 //!   `ib_types::interface::CiInterface` over the same provider instead;
 //!   see `hca_miniport_core::ci`). The host counts the reference; the
 //!   consumer gives it back with `InterfaceRef::dereference`. The
-//!   provider's `submit` route (`OwnStackRoute`) sends the consumer's
+//!   provider's `submit` route (`OwnDeviceRoute`) sends the consumer's
 //!   request to this device's own stack
-//!   (`DeviceServices::send_to_own_stack`, the KMDF shell's `IoCallDriver`
+//!   (`DeviceServices::send_to_own_device`, the KMDF shell's `IoCallDriver`
 //!   to its device object): it arrives through `io_request` of the
 //!   power-managed queue like any IOCTL, held while the device is below
 //!   D0 and met by `io_stop` at D0 exit.
@@ -527,7 +527,7 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
         // Started in `d0_entry_post_interrupts_enabled`, once the
         // interrupts are connected.
         let mut state = lock(&self.state);
-        let route = Arc::new(OwnStackRoute(self.host.clone()));
+        let route = Arc::new(OwnDeviceRoute(self.host.clone()));
         state.provider = Some(Arc::new(CiProvider::new(hca.clone(), route)));
         state.hca = Some(hca);
         state.deferred = dpcs;
@@ -665,16 +665,16 @@ impl<P: ShellPlatform> DeviceCallbacks for MiniportDevice<P> {
 }
 
 /// The CI provider's [`SubmitRoute`]: a consumer's request goes to this
-/// device's own stack (`DeviceServices::send_to_own_stack`, as the KMDF
+/// device's own stack (`DeviceServices::send_to_own_device`, as the KMDF
 /// shell's `IoCallDriver` to its device object), so it reaches the core
 /// through `io_request` of the power-managed queue, as this driver's own
 /// request: held below D0, stopped at D0 exit (`io_stop`), completed by
 /// its owner. The host reports completion only through the request.
-struct OwnStackRoute(DeviceServices);
+struct OwnDeviceRoute(DeviceServices);
 
-impl SubmitRoute<HostRequest> for OwnStackRoute {
+impl SubmitRoute<HostRequest> for OwnDeviceRoute {
     fn send(&self, request: HostRequest) -> NtStatus {
-        self.0.send_to_own_stack(request);
+        self.0.send_to_own_device(request);
         NtStatus::PENDING
     }
 }

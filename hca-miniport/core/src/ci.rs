@@ -37,7 +37,7 @@
 //!   request is completed only by its owner), then `Hca::submit_request`.
 //!   The KMDF shell's route passes the consumer's IRP to its device object
 //!   (`IoCallDriver`); the simulated shell's sends the request to its own
-//!   stack (`DeviceServices::send_to_own_stack`). So, as on Windows, a
+//!   stack (`DeviceServices::send_to_own_device`). So, as on Windows, a
 //!   request submitted while the device is below D0 is held by the queue
 //!   and runs after D0 entry, and one in flight when the device leaves D0
 //!   meets `EvtIoStop` ([`crate::verbs::on_queue_stop`]): a control verb
