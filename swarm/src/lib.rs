@@ -209,6 +209,9 @@ pub struct Summary {
     /// DPCs of the swarm that ran while another did, over all seeds
     /// (threaded host).
     pub overlapping_dpcs: u64,
+    /// Operations run by the clean seeds, by name (faults, restarts and
+    /// sleeps show how much of the mix the seeds reached).
+    pub ops: BTreeMap<&'static str, u64>,
     /// Wall-clock time.
     pub wall: Duration,
 }
@@ -239,6 +242,9 @@ pub fn run_many(
                 summary.completions += report.completions;
                 summary.bytes_checked += report.bytes_checked;
                 summary.overlapping_dpcs += report.overlapping_dpcs;
+                for (op, n) in &report.ops {
+                    *summary.ops.entry(op).or_default() += n;
+                }
             }
             Err(failure) => {
                 summary.steps += failure.step.min(steps) as u64;

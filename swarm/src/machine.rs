@@ -286,47 +286,8 @@ impl Machine {
                 .into_iter()
                 .find(|d| d.node() == node)
                 .ok_or("an HCA without a miniport device")?;
-            if !matches!(device.started(), Some(Ok(_))) {
-                return Err(format!("bring-up of {node:?}: {:?}", device.started()));
-            }
-            let function = device.function().ok_or("no PCI function")?.index();
-            let interface = m
-                .host
-                .pnp()
-                .query_interface(node, &GUID_IB_CI_INTERFACE, CI_INTERFACE_VERSION.packed())
-                .ok_or("no CI interface")?;
-            let ci = interface
-                .get::<Arc<Provider>>()
-                .ok_or("the CI interface is not a CiProvider")?
-                .clone();
-            let guid = ci.identity().map_err(|s| format!("{s:?}"))?.ca_guid.get();
-            let side = HCAS
-                .iter()
-                .position(|(g, _)| *g == guid)
-                .ok_or("an unknown CA GUID")?;
-            let log = Arc::new(Mutex::new(EventLog::default()));
-            let client = Arc::new(Client {
-                side,
-                log: log.clone(),
-            });
-            let ca = ci.open_ca(client).map_err(|s| format!("open: {s:?}"))?;
-            m.sides.push(Side {
-                device,
-                interface: Some(interface),
-                ci,
-                log,
-                ca,
-                pd: 0,
-                ip: HCAS[side].1,
-                function,
-                buffer: None,
-                inline_block: None,
-                inline_next: 0,
-                mr: 0,
-                iova: 0,
-                lkey: LKey::new(0),
-                rkey: RKey::new(0),
-            });
+            let side = m.attach(device)?;
+            m.sides.push(side);
         }
         if m.sides.len() != 2 {
             return Err(format!("{} HCAs, expected 2", m.sides.len()));
@@ -339,6 +300,103 @@ impl Machine {
             m.register_memory(i)?;
         }
         Ok(m)
+    }
+
+    /// The kernel client takes hold of a started HCA as the bus filter
+    /// does: queries its CI interface (`IRP_MN_QUERY_INTERFACE`) and opens
+    /// the CA with callbacks. The PD and the memory come after.
+    fn attach(&self, device: Arc<MiniportDevice<SimPlatform>>) -> Result<Side, String> {
+        let node = device.node();
+        if !matches!(device.started(), Some(Ok(_))) {
+            return Err(format!("bring-up of {node:?}: {:?}", device.started()));
+        }
+        let function = device.function().ok_or("no PCI function")?.index();
+        let interface = self
+            .host
+            .pnp()
+            .query_interface(node, &GUID_IB_CI_INTERFACE, CI_INTERFACE_VERSION.packed())
+            .ok_or("no CI interface")?;
+        let ci = interface
+            .get::<Arc<Provider>>()
+            .ok_or("the CI interface is not a CiProvider")?
+            .clone();
+        let guid = ci.identity().map_err(|s| format!("{s:?}"))?.ca_guid.get();
+        let side = HCAS
+            .iter()
+            .position(|(g, _)| *g == guid)
+            .ok_or("an unknown CA GUID")?;
+        let log = Arc::new(Mutex::new(EventLog::default()));
+        let client = Arc::new(Client {
+            side,
+            log: log.clone(),
+        });
+        let ca = ci.open_ca(client).map_err(|s| format!("open: {s:?}"))?;
+        Ok(Side {
+            device,
+            interface: Some(interface),
+            ci,
+            log,
+            ca,
+            pd: 0,
+            ip: HCAS[side].1,
+            function,
+            buffer: None,
+            inline_block: None,
+            inline_next: 0,
+            mr: 0,
+            iova: 0,
+            lkey: LKey::new(0),
+            rkey: RKey::new(0),
+        })
+    }
+
+    /// The kernel client lets go of HCA `side`, which failed, as the bus
+    /// filter does on the surprise removal that follows
+    /// `WdfDeviceSetFailed`: its memory deregistered and freed, the PD
+    /// deallocated, the CA closed (on a failed device the freeing verbs
+    /// succeed) and the CI interface reference given back, so the PnP
+    /// manager can remove the stack and start it again. The caller has
+    /// destroyed the QPs, CQs and AVs.
+    pub(crate) fn let_go(&mut self, side: usize) -> Result<(), String> {
+        self.deregister_memory(side)?;
+        let (ca, pd) = (self.sides[side].ca, self.sides[side].pd);
+        self.call::<ib_types::ioctl::DeallocPd>(side, pd, &ib_types::ioctl::Empty)?;
+        self.sides[side]
+            .ci
+            .close_ca(ca)
+            .map_err(|s| format!("close CA of the failed HCA {side}: {s:?}"))?;
+        if let Some(interface) = self.sides[side].interface.take() {
+            interface.dereference();
+        }
+        Ok(())
+    }
+
+    /// After the PnP manager restarted the stack of HCA `side` (a new
+    /// device object and core on the same devnode): the client queries
+    /// the CI interface of the new device, opens the CA, allocates a PD
+    /// and registers memory again. The event log is a new one: handles of
+    /// the new core may repeat the old core's.
+    pub(crate) fn reattach(&mut self, side: usize) -> Result<(), String> {
+        let node = self.sides[side].device.node();
+        let old = self.sides[side].device.clone();
+        let device = self
+            .driver
+            .devices()
+            .into_iter()
+            .find(|d| d.node() == node && !Arc::ptr_eq(d, &old) && d.hca().is_some())
+            .ok_or_else(|| format!("HCA {side} was not restarted after its failure"))?;
+        let fresh = self.attach(device)?;
+        if fresh.ip != self.sides[side].ip {
+            return Err(format!("the restarted HCA {side} has another CA GUID"));
+        }
+        self.sides[side] = fresh;
+        let pd = self.call::<ib_types::ioctl::AllocPd>(
+            side,
+            self.sides[side].ca,
+            &ib_types::ioctl::Empty,
+        )?;
+        self.sides[side].pd = pd.0;
+        self.register_memory(side)
     }
 
     /// Runs the scheduler until nothing is ready and no timer is armed

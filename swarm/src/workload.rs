@@ -209,6 +209,13 @@ pub(crate) struct Swarm {
     link_down: Option<(usize, usize)>,
     pending: Vec<Pending>,
     catastrophe: bool,
+    /// HCA that failed and was let go, and the step by which the PnP
+    /// manager's pass restarts it (sooner if a resume runs the pass).
+    restart_due: Option<(usize, usize)>,
+    /// The HCAs the PnP manager restarted under the client (their
+    /// completions are counted apart, to show the new device carries
+    /// traffic).
+    restarted: [bool; 2],
     step: usize,
     steps: usize,
     /// Print every operation as it runs (`SWARM_TRACE=1`).
@@ -282,6 +289,8 @@ impl Swarm {
             link_down: None,
             pending: Vec::new(),
             catastrophe: false,
+            restart_due: None,
+            restarted: [false; 2],
             step: 0,
             steps,
             echo: std::env::var_os("SWARM_TRACE").is_some(),
@@ -357,8 +366,8 @@ impl Swarm {
                 self.post_and_poll(send, true)
             }
             Op::Arm => self.arm(),
-            Op::ForceErr => self.force_err(),
-            Op::ResizeCq => self.resize_cq(),
+            Op::ForceErr => self.force_err(true),
+            Op::ResizeCq => self.resize_cq(true),
             Op::CreateCq => {
                 let side = self.rng.below(2) as usize;
                 let live = self
@@ -385,6 +394,11 @@ impl Swarm {
     // ----- invariants ------------------------------------------------
 
     fn after_step(&mut self) -> Result<(), String> {
+        if let Some((side, due)) = self.restart_due
+            && self.step >= due
+        {
+            self.restart(side)?;
+        }
         if let Some((side, until)) = self.hold
             && self.step >= until
         {
@@ -600,7 +614,9 @@ impl Swarm {
         Ok(())
     }
 
-    fn resize_cq(&mut self) -> Result<(), String> {
+    /// Resizes a random CQ; with `wait` false (or its HCA's command
+    /// completions held) the request is left outstanding.
+    fn resize_cq(&mut self, wait: bool) -> Result<(), String> {
         let side = self.rng.below(2) as usize;
         let Some(id) = self.pick_cq(side) else {
             return Ok(());
@@ -633,7 +649,7 @@ impl Swarm {
             submitted,
             effect: Effect::Resized(id, before, ring, self.cqs[id].committed),
         };
-        if self.held(side) {
+        if self.held(side) || !wait {
             self.pending.push(pending);
             Ok(())
         } else {
@@ -1173,7 +1189,9 @@ impl Swarm {
         Ok(())
     }
 
-    fn force_err(&mut self) -> Result<(), String> {
+    /// Moves a random QP to ERR; with `wait` false (or its HCA's command
+    /// completions held) the request is left outstanding.
+    fn force_err(&mut self, wait: bool) -> Result<(), String> {
         let Some(id) = self.pick_qp(|q| !q.busy && q.phase != Phase::Reset) else {
             return Ok(());
         };
@@ -1197,7 +1215,7 @@ impl Swarm {
             submitted,
             effect: Effect::Errored(id),
         };
-        if self.held(side) {
+        if self.held(side) || !wait {
             self.pending.push(pending);
             Ok(())
         } else {
@@ -1720,6 +1738,12 @@ impl Swarm {
             ));
         }
         let success = wc.status == WcStatus::Success;
+        if self.echo && !success {
+            println!(
+                "step {}: HCA {side} QP {:#x} wr_id {wr_id:#x} ({kind:?}): {:?}",
+                self.step, self.qps[qp].qpn, wc.status
+            );
+        }
         if success {
             self.check_data(side, qp, kind, wc)?;
             if let WrKind::Send { msg, .. } = kind
@@ -1731,6 +1755,9 @@ impl Swarm {
         self.forget(wr_id, success);
         self.done.insert(wr_id);
         self.report.completions += 1;
+        if self.restarted[side] && success {
+            self.count("successful completion on a restarted HCA");
+        }
         *self
             .report
             .statuses
@@ -1913,9 +1940,9 @@ impl Swarm {
 
     fn catastrophic(&mut self) -> Result<(), String> {
         // One per run: the shell reports the failed HCA to PnP
-        // (WdfDeviceSetFailed, AttemptRestart), whose next pass restarts it
-        // under the swarm's live objects; the swarm does not follow a
-        // restart (yet), so after this it runs no PnP pass (no sleep).
+        // (WdfDeviceSetFailed, AttemptRestart); the client lets go of it
+        // at once (`let_go`) and takes hold of the restarted one after
+        // the PnP manager's next pass (`restart`).
         // In the second half of the run, so that the first half moves
         // traffic on two working HCAs.
         if self.catastrophe
@@ -1941,17 +1968,189 @@ impl Swarm {
         for q in self.qps.iter_mut().filter(|q| q.side == side) {
             q.phase = Phase::Err;
         }
+        self.let_go(side)?;
+        // Mostly the PnP worker gets round to it within a few steps;
+        // sometimes only the next resume's pass (or the liveness phase)
+        // restarts it, so the machine sleeps with the failed HCA let go.
+        let due = if self.rng.below(3) == 0 {
+            usize::MAX
+        } else {
+            self.step + 1 + self.rng.below(16) as usize
+        };
+        self.restart_due = Some((side, due));
+        Ok(())
+    }
+
+    /// The client lets go of failed HCA `side` (the bus filter does so on
+    /// the surprise removal `WdfDeviceSetFailed` begins): every WR on it
+    /// completes exactly once (the failed core flushes them all), its QPs,
+    /// CQs and AV are destroyed, its memory freed, the CA closed and the
+    /// CI interface given back. The other HCA's QPs connected to it go to
+    /// ERR: their partner is gone, and the restarted device hands out the
+    /// same QP numbers again to strangers.
+    fn let_go(&mut self, side: usize) -> Result<(), String> {
+        self.check_events()?;
+        let mine = |w: &WrModel| w.side == side;
+        for _ in 0..64 {
+            if !self.wrs.values().any(mine) {
+                break;
+            }
+            let cqs: Vec<Id> = (0..self.cqs.len())
+                .filter(|&i| self.cqs[i].alive && self.cqs[i].side == side)
+                .collect();
+            for cq in cqs {
+                self.poll_cq(cq, 256, false)?;
+            }
+        }
+        let left: Vec<u64> = self
+            .wrs
+            .iter()
+            .filter(|(_, w)| mine(w) && !self.cqs[w.cq].overflowed)
+            .map(|(id, _)| *id)
+            .collect();
+        if !left.is_empty() {
+            return Err(format!(
+                "HCA {side} failed: WRs {left:x?} neither completed nor flushed"
+            ));
+        }
+        // Lost with an overflowed CQ (knob `cq-overflow`).
+        let lost: Vec<u64> = self
+            .wrs
+            .iter()
+            .filter(|(_, w)| mine(w))
+            .map(|(id, _)| *id)
+            .collect();
+        for wr_id in lost {
+            self.forget(wr_id, false);
+        }
+        let orphans: Vec<Id> = (0..self.qps.len())
+            .filter(|&i| {
+                let q = &self.qps[i];
+                q.alive
+                    && q.side != side
+                    && matches!(q.ty, QpType::Rc | QpType::Uc)
+                    && q.peer.is_some_and(|p| self.qps[p].side == side)
+            })
+            .collect();
+        for id in 0..self.qps.len() {
+            if self.qps[id].alive && self.qps[id].side == side {
+                let submitted =
+                    self.m
+                        .submit::<DestroyQp>(side, self.qps[id].handle, &Empty, &[])?;
+                self.m.wait(&submitted)?;
+                let (status, _, _) = decode::<DestroyQp>(&submitted)?;
+                self.destroyed_qp(id, status)?;
+            }
+        }
+        for id in 0..self.cqs.len() {
+            if self.cqs[id].alive && self.cqs[id].side == side {
+                let handle = self.cqs[id].handle;
+                self.m.call::<DestroyCq>(side, handle, &Empty)?;
+                self.cqs[id].alive = false;
+            }
+        }
+        self.m.call::<DestroyAv>(side, self.avs[side], &Empty)?;
+        // The other HCA's RDMA WRITEs into the failed HCA's memory can no
+        // longer be checked (the memory is freed) and their target slots
+        // belong to the old region.
+        for w in self.wrs.values_mut() {
+            if let WrKind::Write { target, .. } = &mut w.kind
+                && target.is_some_and(|(s, _)| s == side)
+            {
+                *target = None;
+            }
+        }
+        self.m.let_go(side)?;
+        self.free_slots[side] = (FIRST_FREE_SLOT..SLOTS).collect();
+        for id in orphans {
+            if self.qps[id].phase != Phase::Reset {
+                let status = self.modify(id, &QpModify::to_state(QpState::Err))?;
+                if status != IbStatus::Success {
+                    return Err(format!(
+                        "ModifyQp to ERR of QP {:#x}, its partner on the failed HCA gone: {status:?}",
+                        self.qps[id].qpn
+                    ));
+                }
+                self.qps[id].phase = Phase::Err;
+            }
+        }
+        self.note(format!("HCA {side} let go: objects freed, CA closed"));
+        Ok(())
+    }
+
+    /// The PnP manager's pass (unless a resume ran it already) restarts
+    /// the failed HCA `side`'s stack; the client takes hold of the new
+    /// device and builds its objects again: an AV, two CQs, two QP pairs
+    /// connected afresh.
+    fn restart(&mut self, side: usize) -> Result<(), String> {
+        self.restart_due = None;
+        self.check_events()?;
+        let node = self.m.sides[side].device.node();
+        let restarted = self
+            .m
+            .driver
+            .devices()
+            .iter()
+            .any(|d| d.node() == node && d.hca().is_some_and(|h| h.failure().is_none()));
+        if restarted {
+            self.count("PnP restart by the resume's pass");
+        } else {
+            self.m.host.pnp().process_bus_relations();
+            self.m.settle()?;
+        }
+        self.restarted[side] = true;
+        self.m.reattach(side)?;
+        self.note(format!("HCA {side} restarted by PnP: CA opened again"));
+        self.count("PnP restart of the failed HCA");
+        let peer_ip = self.m.sides[1 - side].ip;
+        let pd = self.m.sides[side].pd;
+        let (av, _) = self.m.call::<CreateAv>(side, pd, &av_to(peer_ip)?)?;
+        self.avs[side] = av;
+        self.create_cq(side, false)?;
+        self.create_cq(side, false)?;
+        for _ in 0..2 {
+            self.create_pair()?;
+        }
         Ok(())
     }
 
     fn sleep_resume(&mut self) -> Result<(), String> {
-        // A resume runs the PnP worker, which would restart an HCA reported
-        // failed (see `catastrophic`).
-        if !self.pending.is_empty() || self.hold.is_some() || self.catastrophe {
-            return Ok(());
+        // The host waits for requests its power-managed queues delivered
+        // before D0 exit: a device holding its command completions would
+        // never let it go on, so a hold ends here.
+        if let Some((side, _)) = self.hold {
+            self.note(format!("release HCA {side}'s held command completions"));
+            self.release_hold(side);
         }
-        self.note("sleep (S3) and resume".to_owned());
+        // Control verbs in flight: some reach the miniport's queue before
+        // the sleep (D0 exit waits for them), some are sent while asleep
+        // (the queue holds them until resume).
+        let in_flight = self.rng.below(4);
+        for _ in 0..in_flight {
+            if self.rng.below(2) == 0 {
+                self.force_err(false)?;
+            } else {
+                self.resize_cq(false)?;
+            }
+        }
+        for _ in 0..self.rng.below(4) {
+            self.m.run_one()?;
+        }
+        let outstanding = self
+            .pending
+            .iter()
+            .filter(|p| p.submitted.issuer.completion().is_none())
+            .count();
+        self.note(format!(
+            "sleep (S3) and resume with {outstanding} request(s) outstanding"
+        ));
         self.count("fault: sleep and resume");
+        if outstanding > 0 {
+            self.count("sleep with requests outstanding");
+        }
+        if self.catastrophe {
+            self.count("sleep after the catastrophic error");
+        }
         let pnp = self.m.host.pnp();
         pnp.set_system_power(SystemPowerState::S3)
             .map_err(|veto| format!("S3 vetoed: {veto}"))?;
@@ -1967,6 +2166,11 @@ impl Swarm {
             if q.phase == Phase::Ready {
                 q.phase = Phase::Err;
             }
+        }
+        // The resume ran the PnP manager's pass: a failed HCA let go of
+        // is restarted now.
+        if let Some((side, _)) = self.restart_due {
+            self.restart(side)?;
         }
         Ok(())
     }
@@ -2030,6 +2234,9 @@ impl Swarm {
             self.set_link(function, true);
         }
         self.set_fabric_faults(false);
+        if let Some((side, _)) = self.restart_due {
+            self.restart(side)?;
+        }
         for pending in std::mem::take(&mut self.pending) {
             self.m.wait(&pending.submitted)?;
             self.apply(pending)?;

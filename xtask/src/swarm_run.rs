@@ -110,6 +110,24 @@ pub(crate) fn run(args: &SwarmArgs) -> ExitCode {
         summary.bytes_checked,
         summary.wall
     );
+    let coverage: Vec<String> = summary
+        .ops
+        .iter()
+        .filter(|(op, _)| {
+            [
+                "fault:",
+                "PnP",
+                "sleep",
+                "successful completion on a restarted",
+            ]
+            .iter()
+            .any(|prefix| op.starts_with(prefix))
+        })
+        .map(|(op, n)| format!("{op}: {n}"))
+        .collect();
+    if !coverage.is_empty() {
+        println!("  {}", coverage.join(", "));
+    }
     if args.threaded {
         println!(
             "  {} of the swarm's DPCs started while another was running",
