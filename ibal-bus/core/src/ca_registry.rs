@@ -1,13 +1,16 @@
 //! Binding the filter to an HCA and the registry of bound CAs
 //! (docs/ibal-bus.md "Binding to the HCA").
 //!
-//! [`BoundCa::bind`] does what the filter's start does with the CI
-//! interface it queried from the stack below: checks the version first
-//! (a provider that does not satisfy [`REQUIRED_CI_VERSION`] fails the
-//! start with [`BindError::VersionMismatch`], `STATUS_REVISION_MISMATCH`,
-//! before anything is opened), then reads the identity, opens the CA with
-//! the filter's callbacks and queries its ports; a failure after the open
-//! closes the CA again, so a failed bind leaves nothing behind.
+//! Binding takes two steps, because the ports come from a control verb
+//! that completes later (`crate::ci`): [`check_version`] when the
+//! interface is queried (a provider that does not satisfy
+//! [`REQUIRED_CI_VERSION`] fails the filter's start with
+//! [`BindError::VersionMismatch`], `STATUS_REVISION_MISMATCH`, before
+//! anything is opened); then [`OpenedCa::open`] (version again, identity,
+//! open with the filter's callbacks) and, once the port query answered,
+//! [`OpenedCa::with_ports`], which gives the [`BoundCa`] or hands the
+//! opened CA back for the shell to close at PASSIVE_LEVEL, so a failed
+//! bind leaves nothing behind.
 //! [`CaRegistry`] holds the bound CAs by CA GUID: any number, arriving
 //! and leaving in any order; a second CA with a GUID already registered is
 //! refused ([`BindError::AlreadyRegistered`]).
@@ -112,33 +115,74 @@ pub fn check_version(got: InterfaceVersion) -> Result<(), BindError> {
     }
 }
 
-impl<C: CiAccess> BoundCa<C> {
-    /// Binds the HCA behind `ci` (see the module doc): version, identity,
-    /// open with `events`, ports. PASSIVE_LEVEL (the port query waits).
-    pub fn bind(ci: Arc<C>, events: Arc<dyn CaEvents>) -> Result<Self, BindError> {
+/// A CA the filter opened and whose ports it has not learnt yet.
+pub struct OpenedCa<C: CiAccess> {
+    ci: Arc<C>,
+    identity: CaIdentity,
+    ca: u64,
+}
+
+impl<C: CiAccess> fmt::Debug for OpenedCa<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpenedCa")
+            .field("identity", &self.identity)
+            .field("ca", &self.ca)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: CiAccess> OpenedCa<C> {
+    /// Checks the version, reads the identity and opens the CA with
+    /// `events`. DISPATCH_LEVEL or below.
+    pub fn open(ci: Arc<C>, events: Arc<dyn CaEvents>) -> Result<Self, BindError> {
         check_version(ci.version())?;
         let identity = ci.identity().map_err(BindError::Identity)?;
         let ca = ci.open_ca(events).map_err(BindError::Open)?;
-        let ports = match ci.query_ports(ca) {
-            Ok(ports) if ports.is_empty() => Err(BindError::NoPorts),
-            Ok(ports) => Ok(ports),
-            Err(status) => Err(BindError::QueryPorts(status)),
-        };
+        Ok(Self { ci, identity, ca })
+    }
+
+    /// The interface.
+    pub fn ci(&self) -> &Arc<C> {
+        &self.ci
+    }
+
+    /// The CA handle (what the port query is sent on).
+    pub fn ca_handle(&self) -> u64 {
+        self.ca
+    }
+
+    /// The CA's identity.
+    pub fn identity(&self) -> CaIdentity {
+        self.identity
+    }
+
+    /// Completes the bind with the port query's result: the bound CA, or
+    /// this opened CA back with why ([`BindError::QueryPorts`],
+    /// [`BindError::NoPorts`]) for the caller to [`close`](Self::close).
+    /// DISPATCH_LEVEL or below.
+    pub fn with_ports(
+        self,
+        ports: Result<Vec<PortIdentity>, IbStatus>,
+    ) -> Result<BoundCa<C>, (Self, BindError)> {
         match ports {
-            Ok(ports) => Ok(Self {
-                ci,
-                identity,
-                ca,
+            Ok(ports) if ports.is_empty() => Err((self, BindError::NoPorts)),
+            Ok(ports) => Ok(BoundCa {
+                ci: self.ci,
+                identity: self.identity,
+                ca: self.ca,
                 ports,
             }),
-            Err(error) => {
-                // Nothing was created on the CA: the close cannot be busy.
-                let _ = ci.close_ca(ca);
-                Err(error)
-            }
+            Err(status) => Err((self, BindError::QueryPorts(status))),
         }
     }
 
+    /// Closes the CA again. PASSIVE_LEVEL.
+    pub fn close(self) -> Result<(), IbStatus> {
+        self.ci.close_ca(self.ca)
+    }
+}
+
+impl<C: CiAccess> BoundCa<C> {
     /// Closes the CA. PASSIVE_LEVEL. [`IbStatus::ResourceBusy`] while
     /// objects live on it (the access layer, not built yet, would own
     /// them).

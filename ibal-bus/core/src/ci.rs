@@ -7,10 +7,19 @@
 //! and result is a plain `ib-types` value, a handle (`u64`) or a callback
 //! object, so the FFI implementation is a one-for-one call through the
 //! table's entry points.
+//!
+//! The ports are learnt the way any CI consumer learns them: a `QueryCa`
+//! control verb sent through [`CiAccess::submit`], whose answer (the CA
+//! attribute block, `ib_types::ca::CaAttrView`) [`ports_from_attributes`]
+//! reads. The shell builds and sends that request (its framing is the
+//! platform's request) and hands the answer back to the core when it
+//! completes, which may be at DISPATCH_LEVEL and after the stack's D0
+//! entry, when the miniport's power-managed queue runs it.
 
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 
+use ib_types::ca::CaAttrView;
 use ib_types::cq::CqNotify;
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::CqHandle;
@@ -80,10 +89,6 @@ pub trait CiAccess: Send + Sync {
     /// PASSIVE_LEVEL (it waits for callbacks in flight).
     fn close_ca(&self, ca: u64) -> Result<(), IbStatus>;
 
-    /// The ports of the CA opened as `ca`, in port order, from the CA's
-    /// attribute query (a `QueryCa` control verb, waited for). PASSIVE_LEVEL.
-    fn query_ports(&self, ca: u64) -> Result<Vec<PortIdentity>, IbStatus>;
-
     /// Sends one control verb request into the miniport's queue; returns
     /// what the path reports at once (`STATUS_PENDING` when it completes
     /// later). Never blocks; DISPATCH_LEVEL or below.
@@ -100,4 +105,19 @@ pub trait CiAccess: Send + Sync {
 
     /// Arms `cq` for one completion event (direct call).
     fn arm_cq(&self, cq: u64, notify: CqNotify) -> Result<(), IbStatus>;
+}
+
+/// The ports of a CA from its `QueryCa` answer (the attribute block, as
+/// untrusted bytes from below: any inconsistency is
+/// [`IbStatus::GenericError`]). DISPATCH_LEVEL or below.
+pub fn ports_from_attributes(block: &[u8]) -> Result<Vec<PortIdentity>, IbStatus> {
+    let view = CaAttrView::parse(block).map_err(|_| IbStatus::GenericError)?;
+    Ok(view
+        .ports()
+        .map(|port| PortIdentity {
+            port_num: port.port_num(),
+            port_guid: port.attr().port_guid,
+            pkeys: port.pkeys().to_vec(),
+        })
+        .collect())
 }

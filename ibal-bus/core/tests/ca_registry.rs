@@ -1,6 +1,6 @@
 //! Binding and the CA registry over a fake CI interface that records what
 //! the filter did: the version is checked before anything is opened, a
-//! failed port query closes the CA again, and CAs arrive and leave in any
+//! failed port query hands the opened CA back to be closed, and CAs arrive and leave in any
 //! order.
 
 use std::sync::{Arc, Mutex};
@@ -13,7 +13,9 @@ use ib_types::scalars::{NodeGuid, PKey, PortGuid, PortNum};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendWr};
-use ibal_bus_core::ca_registry::{BindError, BoundCa, CaRegistry, STATUS_REVISION_MISMATCH};
+use ibal_bus_core::ca_registry::{
+    BindError, BoundCa, CaRegistry, OpenedCa, STATUS_REVISION_MISMATCH, check_version,
+};
 use ibal_bus_core::ci::{CaEvents, CaIdentity, CiAccess, PortIdentity, REQUIRED_CI_VERSION};
 
 struct FakeCi {
@@ -69,10 +71,6 @@ impl CiAccess for FakeCi {
         self.note("close");
         Ok(())
     }
-    fn query_ports(&self, _ca: u64) -> Result<Vec<PortIdentity>, IbStatus> {
-        self.note("ports");
-        self.ports.clone()
-    }
     fn submit(&self, _request: ()) -> NtStatus {
         NtStatus::NOT_SUPPORTED
     }
@@ -96,8 +94,18 @@ impl CaEvents for NoEvents {
     fn async_event(&self, _event: &AsyncEventRecord) {}
 }
 
+/// Both steps, as the shell runs them; a failed second step closes the CA.
 fn bind(ci: &Arc<FakeCi>) -> Result<BoundCa<FakeCi>, BindError> {
-    BoundCa::bind(ci.clone(), Arc::new(NoEvents))
+    let opened = OpenedCa::open(ci.clone(), Arc::new(NoEvents))?;
+    assert_eq!(opened.identity().ca_guid.get(), ci.guid);
+    // The port query, answered.
+    ci.note("ports");
+    opened
+        .with_ports(ci.ports.clone())
+        .map_err(|(opened, error)| {
+            opened.close().unwrap();
+            error
+        })
 }
 
 #[test]
@@ -120,6 +128,7 @@ fn a_version_mismatch_fails_before_anything_is_opened() {
         assert_eq!(error.nt_status(), STATUS_REVISION_MISMATCH);
         assert!(error.to_string().contains("does not satisfy"));
         assert!(ci.calls().is_empty(), "nothing asked of a mismatched CA");
+        assert_eq!(check_version(version), Err(error));
     }
     // A newer minor is fine.
     let mut fake = FakeCi::new(0x100, 1);
@@ -128,7 +137,7 @@ fn a_version_mismatch_fails_before_anything_is_opened() {
 }
 
 #[test]
-fn a_failed_port_query_closes_the_ca_again() {
+fn a_failed_port_query_hands_the_ca_back_to_be_closed() {
     for (ports, expected) in [
         (
             Err(IbStatus::InvalidState),
@@ -177,4 +186,14 @@ fn cas_arrive_and_leave_in_any_order() {
         let closes = calls.iter().filter(|c| **c == "close").count();
         assert_eq!(opens, closes, "every open CA was closed");
     }
+}
+
+#[test]
+fn ports_come_from_the_ca_attribute_block_and_garbage_is_refused() {
+    use ibal_bus_core::ci::ports_from_attributes;
+    assert_eq!(ports_from_attributes(&[]), Err(IbStatus::GenericError));
+    assert_eq!(
+        ports_from_attributes(&[0xFF; 64]),
+        Err(IbStatus::GenericError)
+    );
 }

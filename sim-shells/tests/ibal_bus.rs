@@ -1,0 +1,368 @@
+//! Scenario: the real IBAL bus filter (`sim_shells::ibal_bus`) as the
+//! upper filter of two HCAs with two ports each, over the real miniport,
+//! its port children bound to the `ibportclient` stand-in from
+//! `inf/ib-port-client.inf`: children per port from the INF's list, from
+//! the default (no list) and from a custom list; entries added and removed
+//! at runtime; instance IDs stable across a restart of an HCA stack; a CI
+//! version mismatch failing the filter's start cleanly. Every test ends
+//! with the host shut down and the verifier report empty.
+#![cfg(not(windows))]
+
+use std::any::Any;
+use std::sync::Arc;
+
+use driver_platform::RegValue;
+use hca_miniport_core::init::HcaConfig;
+use ib_types::interface::{GUID_IB_CI_INTERFACE, InterfaceVersion, WinGuid};
+use ib_types::status::NtStatus;
+use ibal_bus_core::ca_registry::STATUS_REVISION_MISMATCH;
+use ibal_bus_core::children::ChildEntry;
+use ibal_bus_core::ci::REQUIRED_CI_VERSION;
+use sim_hca::device::DeviceConfig;
+use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry, ProvidedInterface};
+use sim_host::host::{Host, HostConfig};
+use sim_host::pnp::{DevNodeId, DeviceServices, PnpState};
+use sim_host::registry::service_parameters_key;
+use sim_shells::hca_miniport::MiniportDriver;
+use sim_shells::ibal_bus::{IbalBusDriver, SERVICE};
+
+/// Two HCAs, two ports each.
+const HCAS: [u64; 2] = [0x0002_C900_0000_1000, 0x0002_C900_0000_2000];
+
+fn host(seed: u64) -> Host {
+    let configs = HCAS
+        .iter()
+        .enumerate()
+        .map(|(i, guid)| {
+            let i = i as u8;
+            DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
+        })
+        .collect();
+    Host::new(HostConfig::deterministic(seed, configs)).unwrap()
+}
+
+fn settle(host: &Host) {
+    host.scheduler().run_until_idle(1_000_000).unwrap();
+    host.pnp().process_bus_relations();
+    host.scheduler().run_until_idle(1_000_000).unwrap();
+}
+
+/// Registers the stand-ins (the port client), the real miniport and the
+/// real filter.
+fn drivers(host: &Host) -> Arc<IbalBusDriver> {
+    let _log = sim_host::samples::register_stand_ins(host);
+    MiniportDriver::register(host, HcaConfig::default());
+    IbalBusDriver::register(host)
+}
+
+fn params() -> String {
+    service_parameters_key(SERVICE)
+}
+
+fn add_entry(host: &Host, name: &str, device: &str, pkey: u32) {
+    let key = format!("{}\\{name}", params());
+    let reg = host.registry();
+    reg.create_key(&key).unwrap();
+    reg.set_value(&key, "DeviceId", RegValue::String(device.into()))
+        .unwrap();
+    reg.set_value(
+        &key,
+        "HardwareId",
+        RegValue::MultiString(vec![device.into()]),
+    )
+    .unwrap();
+    reg.set_value(
+        &key,
+        "CompatibleId",
+        RegValue::MultiString(vec!["IBA\\PORT_CLIENT".into()]),
+    )
+    .unwrap();
+    reg.set_value(&key, "PartitionKey", RegValue::Dword(pkey))
+        .unwrap();
+}
+
+fn set_list(host: &Host, names: &[&str]) {
+    host.registry()
+        .set_value(
+            &params(),
+            "StaticChild",
+            RegValue::MultiString(names.iter().map(|s| s.to_string()).collect()),
+        )
+        .unwrap();
+}
+
+/// The instance paths of the started children of `hca`, sorted.
+fn started_children(host: &Host, hca: DevNodeId) -> Vec<String> {
+    let mut paths: Vec<String> = host
+        .pnp()
+        .children(hca)
+        .into_iter()
+        .filter(|c| host.pnp().state(*c) == Some(PnpState::Started))
+        .filter_map(|c| host.pnp().instance_path(c))
+        .collect();
+    paths.sort();
+    paths
+}
+
+/// The filter's children of every HCA: (CA GUID, port, entry, instance ID).
+fn filter_children(driver: &IbalBusDriver) -> Vec<(u64, u8, String, String)> {
+    let mut all: Vec<_> = driver
+        .devices()
+        .iter()
+        .flat_map(|d| d.children())
+        .map(|c| {
+            (
+                c.ca_guid.get(),
+                c.port_num.get(),
+                c.entry.clone(),
+                c.instance_id().to_owned(),
+            )
+        })
+        .collect();
+    all.sort();
+    all
+}
+
+/// Stops and restarts every HCA stack.
+fn restart_all(host: &Host) {
+    for hca in host.hcas() {
+        host.pnp().stop(hca).unwrap();
+        settle(host);
+        host.pnp().restart(hca);
+        settle(host);
+    }
+}
+
+fn finish(host: Host) {
+    host.shut_down();
+    host.verifier().assert_clean();
+}
+
+#[test]
+fn two_hcas_with_two_ports_get_one_child_per_port_from_the_inf_list_and_the_default() {
+    let host = host(11);
+    let driver = drivers(&host);
+    host.boot();
+    settle(&host);
+    for remove_list in [false, true] {
+        if remove_list {
+            // No list: the IPoIB default, read when the stacks start again.
+            host.registry()
+                .delete_value(&params(), "StaticChild")
+                .unwrap();
+            restart_all(&host);
+            for device in driver.devices() {
+                assert_eq!(device.child_list().entries, [ChildEntry::ipoib()]);
+            }
+        }
+        let mut registered: Vec<u64> = driver.registered_cas().iter().map(|g| g.get()).collect();
+        registered.sort();
+        assert_eq!(registered, HCAS);
+        let children = filter_children(&driver);
+        assert_eq!(children.len(), 4, "{children:?}");
+        for hca in HCAS {
+            let ports: Vec<u8> = children
+                .iter()
+                .filter(|c| c.0 == hca)
+                .map(|c| c.1)
+                .collect();
+            assert_eq!(ports, [1, 2]);
+        }
+        assert!(
+            children
+                .iter()
+                .all(|c| c.2 == "IPoIB" && c.3.ends_with("_FFFF_IPoIB"))
+        );
+        // Each child is a devnode of its HCA, started with the port
+        // client's stand-in bound from its INF.
+        for (device, hca) in driver.devices().iter().zip(host.hcas()) {
+            let bound = device.bound().expect("bound");
+            let paths = started_children(&host, hca);
+            assert_eq!(paths.len(), 2, "{paths:?}");
+            for port in bound.ports() {
+                let id = format!("{:016X}_FFFF_IPoIB", port.port_guid.get());
+                assert!(paths.iter().any(|p| p.ends_with(&id)), "{id} in {paths:?}");
+            }
+            let child = host.pnp().children(hca)[0];
+            let services = host.pnp().stack_services(child);
+            assert!(
+                services.iter().any(|(s, _)| s == "ibportclient"),
+                "{services:?}"
+            );
+        }
+    }
+    finish(host);
+}
+
+#[test]
+fn a_custom_list_gives_its_children_and_refuses_bad_entries() {
+    let host = host(12);
+    let driver = drivers(&host);
+    host.boot();
+    settle(&host);
+    // The INF's list replaced (the INF writes it at install), read when
+    // the stacks start again.
+    add_entry(&host, "Srp", "IBA\\SRP", 0x8001);
+    add_entry(&host, "Bad", "IBA\\A,B", 0xFFFF);
+    set_list(&host, &["IPoIB", "Srp", "Bad"]);
+    restart_all(&host);
+    let children = filter_children(&driver);
+    assert_eq!(children.len(), 8, "{children:?}");
+    assert_eq!(children.iter().filter(|c| c.2 == "Srp").count(), 4);
+    assert!(
+        children
+            .iter()
+            .filter(|c| c.2 == "Srp")
+            .all(|c| c.3.contains("_8001_"))
+    );
+    for device in driver.devices() {
+        let list = device.child_list();
+        assert_eq!(list.refused.len(), 1);
+        assert_eq!(list.refused[0].name, "Bad");
+    }
+    for hca in host.hcas() {
+        // Srp's children bind the port client through the compatible ID.
+        let paths = started_children(&host, hca);
+        assert_eq!(paths.len(), 4, "{paths:?}");
+        assert_eq!(paths.iter().filter(|p| p.ends_with("_8001_Srp")).count(), 2);
+    }
+    finish(host);
+}
+
+#[test]
+fn entries_added_and_removed_at_runtime_add_and_remove_children() {
+    let host = host(13);
+    let driver = drivers(&host);
+    host.boot();
+    settle(&host);
+    assert_eq!(filter_children(&driver).len(), 4);
+
+    // A second IPoIB partition appears.
+    add_entry(&host, "IPoIB-8001", "IBA\\IPOIB", 0x8001);
+    set_list(&host, &["IPoIB", "IPoIB-8001"]);
+    driver.registry_changed();
+    settle(&host);
+    let children = filter_children(&driver);
+    assert_eq!(children.len(), 8);
+    for hca in host.hcas() {
+        let paths = started_children(&host, hca);
+        assert_eq!(paths.len(), 4, "{paths:?}");
+        assert_eq!(paths.iter().filter(|p| p.contains("_8001_")).count(), 2);
+    }
+
+    // The default partition's entry is removed: its children go.
+    set_list(&host, &["IPoIB-8001"]);
+    driver.registry_changed();
+    settle(&host);
+    let children = filter_children(&driver);
+    assert_eq!(children.len(), 4);
+    assert!(children.iter().all(|c| c.2 == "IPoIB-8001"));
+    for hca in host.hcas() {
+        let paths = started_children(&host, hca);
+        assert_eq!(paths.len(), 2, "{paths:?}");
+        assert!(paths.iter().all(|p| p.contains("_8001_IPoIB-8001")));
+    }
+    finish(host);
+}
+
+#[test]
+fn instance_ids_are_stable_across_a_restart_of_the_hca_stack_and_a_reboot() {
+    let host = host(14);
+    let driver = drivers(&host);
+    host.boot();
+    settle(&host);
+    let before = filter_children(&driver);
+    let paths_before: Vec<Vec<String>> = host
+        .hcas()
+        .iter()
+        .map(|h| started_children(&host, *h))
+        .collect();
+    assert_eq!(before.len(), 4);
+
+    let hca = host.hcas()[0];
+    host.pnp().stop(hca).unwrap();
+    settle(&host);
+    assert_eq!(driver.registered_cas().len(), 1, "the stopped CA left");
+    host.pnp().restart(hca);
+    settle(&host);
+    assert_eq!(driver.registered_cas().len(), 2, "and came back");
+    assert_eq!(filter_children(&driver), before);
+    let paths_after: Vec<Vec<String>> = host
+        .hcas()
+        .iter()
+        .map(|h| started_children(&host, *h))
+        .collect();
+    assert_eq!(paths_after, paths_before);
+    finish(host);
+
+    // A reboot: another host with the same HCAs gives the same children.
+    let host = self::host(99);
+    let driver = drivers(&host);
+    host.boot();
+    settle(&host);
+    assert_eq!(filter_children(&driver), before);
+    let paths_rebooted: Vec<Vec<String>> = host
+        .hcas()
+        .iter()
+        .map(|h| started_children(&host, *h))
+        .collect();
+    assert_eq!(paths_rebooted, paths_before);
+    finish(host);
+}
+
+/// A function driver that answers the CI query with a version the filter
+/// cannot use (0.9: a major below the required).
+struct OldCiDriver;
+
+struct OldCiDevice;
+
+impl DeviceCallbacks for OldCiDevice {
+    fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {
+        let old = InterfaceVersion::new(0, 9);
+        (*guid == GUID_IB_CI_INTERFACE && old.packed() <= version).then(|| ProvidedInterface {
+            version: old.packed(),
+            object: Arc::new(()) as Arc<dyn Any + Send + Sync>,
+        })
+    }
+}
+
+impl DriverEntry for OldCiDriver {
+    fn add_device(
+        &self,
+        _init: &DeviceInit,
+        _host: &DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        Ok(Arc::new(OldCiDevice))
+    }
+}
+
+#[test]
+fn a_ci_version_mismatch_fails_the_filters_start_cleanly() {
+    assert!(!InterfaceVersion::new(0, 9).satisfies(REQUIRED_CI_VERSION));
+    let host = host(15);
+    let driver = drivers(&host);
+    host.register_driver("hcaminiport", Arc::new(OldCiDriver));
+    host.boot();
+    settle(&host);
+    for hca in host.hcas() {
+        let state = host.pnp().state(hca);
+        let Some(PnpState::FailedStart(reason)) = &state else {
+            panic!("{hca:?}: {state:?}");
+        };
+        // The filter's start failed, with STATUS_REVISION_MISMATCH.
+        assert!(
+            reason.contains("`ibalbus` prepare hardware failed"),
+            "{reason}"
+        );
+        assert!(
+            reason.contains("C0000059") || reason.contains("c0000059"),
+            "{reason}"
+        );
+        assert!(host.pnp().children(hca).is_empty());
+        assert_eq!(host.pnp().interface_references(hca), 0, "dereferenced");
+    }
+    assert!(driver.registered_cas().is_empty(), "nothing registered");
+    assert!(driver.devices().iter().all(|d| d.bound().is_none()));
+    assert_eq!(STATUS_REVISION_MISMATCH, NtStatus::from_raw(0xC000_0059));
+    finish(host);
+}
