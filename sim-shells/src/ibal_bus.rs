@@ -48,9 +48,11 @@
 //!   child whose entry stayed keeps its devnode and instance ID.
 //! - `create_child` (the child list's `EvtChildListCreateDevice`): a
 //!   [`PortChildPdo`] for the port and entry; its queue is power-managed
-//!   (KMDF's default for a PDO). It answers no interface yet: the AL
-//!   interface and the forwarding of the bus interface and DMA adapter to
-//!   the HCA's PDO are not built (docs/ibal-bus.md).
+//!   (KMDF's default for a PDO). It forwards `IRP_MN_QUERY_INTERFACE` for
+//!   `GUID_BUS_INTERFACE_STANDARD` to the HCA's stack, whose PCI PDO
+//!   answers, so `IoGetDmaAdapter` on a child gives the HCA's own DMA
+//!   adapter (`sim_host::pci::BusInterfaceStandard`). The AL interface is
+//!   not built (docs/ibal-bus.md).
 //! - the CA callbacks (`ci::CaEvents`): counted ([`IbalBusDevice::ca_events`]);
 //!   the access layer that will deliver them to clients is not built.
 //! - the filter's queue is not power-managed (KMDF's default for a
@@ -65,7 +67,7 @@ use hca_miniport_core::verbs::CaClient;
 use ib_types::cq::CqNotify;
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::CqHandle;
-use ib_types::interface::{GUID_IB_CI_INTERFACE, InterfaceVersion};
+use ib_types::interface::{GUID_IB_CI_INTERFACE, InterfaceVersion, WinGuid};
 use ib_types::ioctl::{
     Empty, QueryCa, Verb, decode_response, encode_request, request_len, response_len,
 };
@@ -79,9 +81,10 @@ use ibal_bus_core::ci::{
     CaEvents, CaIdentity, CiAccess, REQUIRED_CI_VERSION, ports_from_attributes,
 };
 use sim_host::driver::{
-    DeviceCallbacks, DeviceInit, DriverEntry, InterfaceRef, SUCCESS, StackRole,
+    DeviceCallbacks, DeviceInit, DriverEntry, InterfaceRef, ProvidedInterface, SUCCESS, StackRole,
 };
 use sim_host::host::Host;
+use sim_host::pci::GUID_BUS_INTERFACE_STANDARD;
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::DeviceServices;
 use sim_host::request::HostRequest;
@@ -571,7 +574,10 @@ impl DeviceCallbacks for IbalBusDevice {
             .iter()
             .find(|c| c.instance_id() == child.instance_id)
             .cloned()?;
-        Some(Arc::new(PortChildPdo { port }))
+        Some(Arc::new(PortChildPdo {
+            port,
+            parent: self.host.clone(),
+        }))
     }
 
     fn power_managed_queue(&self) -> bool {
@@ -598,6 +604,9 @@ fn close_bound(bound: Arc<BoundCa<SimCi>>) -> Arc<SimCi> {
 /// power-managed, KMDF's default for a PDO.
 pub struct PortChildPdo {
     port: PortChild,
+    /// The filter's device on the HCA stack: where the bus interface is
+    /// queried.
+    parent: DeviceServices,
 }
 
 impl std::fmt::Debug for PortChildPdo {
@@ -615,4 +624,18 @@ impl PortChildPdo {
     }
 }
 
-impl DeviceCallbacks for PortChildPdo {}
+impl DeviceCallbacks for PortChildPdo {
+    /// `GUID_BUS_INTERFACE_STANDARD` is forwarded to the HCA's stack, whose
+    /// PCI PDO answers it: `IoGetDmaAdapter` on the child gets the HCA's
+    /// own adapter. The filter's reference on the HCA's stack is given
+    /// back at once; the consumer's is counted against the child.
+    fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {
+        if *guid != GUID_BUS_INTERFACE_STANDARD {
+            return None;
+        }
+        let parent = self.parent.query_interface(guid, version)?;
+        let provided = parent.forward();
+        parent.dereference();
+        Some(provided)
+    }
+}

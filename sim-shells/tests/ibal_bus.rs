@@ -4,14 +4,16 @@
 //! `inf/ib-port-client.inf`: children per port from the INF's list, from
 //! the default (no list) and from a custom list; entries added and removed
 //! at runtime; instance IDs stable across a restart of an HCA stack; a CI
-//! version mismatch failing the filter's start cleanly. Every test ends
+//! version mismatch failing the filter's start cleanly; a child's DMA
+//! adapter being the HCA's own (IOMMU). Every test ends
 //! with the host shut down and the verifier report empty.
 #![cfg(not(windows))]
 
 use std::any::Any;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use driver_platform::RegValue;
+use driver_platform::{CommonBuffer, DmaAdapter};
 use hca_miniport_core::init::HcaConfig;
 use ib_types::interface::{GUID_IB_CI_INTERFACE, InterfaceVersion, WinGuid};
 use ib_types::status::NtStatus;
@@ -19,10 +21,18 @@ use ibal_bus_core::ca_registry::STATUS_REVISION_MISMATCH;
 use ibal_bus_core::children::ChildEntry;
 use ibal_bus_core::ci::REQUIRED_CI_VERSION;
 use sim_hca::device::DeviceConfig;
+use sim_hca::host::HostMemory;
+use sim_host::dma::{HostCommonBuffer, HostDmaAdapter};
+use sim_host::driver::SUCCESS;
 use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry, ProvidedInterface};
 use sim_host::host::{Host, HostConfig};
+use sim_host::pci::{
+    BUS_INTERFACE_STANDARD_VERSION, BusInterfaceStandard, GUID_BUS_INTERFACE_STANDARD,
+};
+use sim_host::platform::SimPlatform;
 use sim_host::pnp::{DevNodeId, DeviceServices, PnpState};
 use sim_host::registry::service_parameters_key;
+use sim_host::verifier::ViolationKind;
 use sim_shells::hca_miniport::MiniportDriver;
 use sim_shells::ibal_bus::{IbalBusDriver, SERVICE};
 
@@ -50,9 +60,13 @@ fn settle(host: &Host) {
 /// Registers the stand-ins (the port client), the real miniport and the
 /// real filter.
 fn drivers(host: &Host) -> Arc<IbalBusDriver> {
+    drivers_and_miniport(host).0
+}
+
+fn drivers_and_miniport(host: &Host) -> (Arc<IbalBusDriver>, Arc<MiniportDriver<SimPlatform>>) {
     let _log = sim_host::samples::register_stand_ins(host);
-    MiniportDriver::register(host, HcaConfig::default());
-    IbalBusDriver::register(host)
+    let miniport = MiniportDriver::register(host, HcaConfig::default());
+    (IbalBusDriver::register(host), miniport)
 }
 
 fn params() -> String {
@@ -364,5 +378,140 @@ fn a_ci_version_mismatch_fails_the_filters_start_cleanly() {
     assert!(driver.registered_cas().is_empty(), "nothing registered");
     assert!(driver.devices().iter().all(|d| d.bound().is_none()));
     assert_eq!(STATUS_REVISION_MISMATCH, NtStatus::from_raw(0xC000_0059));
+    finish(host);
+}
+
+/// A port client that does what a kernel client of a port child does for
+/// DMA: `IoGetDmaAdapter` on its PDO (the bus interface's
+/// `GetDmaAdapter`), then a common buffer through that adapter, filled
+/// with a pattern of its own.
+#[derive(Default)]
+struct DmaClient {
+    devices: Mutex<Vec<Arc<DmaClientDevice>>>,
+}
+
+struct DmaClientDevice {
+    host: DeviceServices,
+    dma: Mutex<Option<(HostDmaAdapter, HostCommonBuffer)>>,
+}
+
+impl DriverEntry for DmaClient {
+    fn add_device(
+        &self,
+        _init: &DeviceInit,
+        host: &DeviceServices,
+    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
+        let device = Arc::new(DmaClientDevice {
+            host: host.clone(),
+            dma: Mutex::default(),
+        });
+        self.devices.lock().unwrap().push(device.clone());
+        Ok(device)
+    }
+}
+
+impl DmaClientDevice {
+    fn pattern(&self) -> Vec<u8> {
+        // Distinct per device: its devnode's debug name, repeated.
+        format!("{:?}", self.host.node())
+            .bytes()
+            .cycle()
+            .take(64)
+            .collect()
+    }
+}
+
+impl DeviceCallbacks for DmaClientDevice {
+    fn prepare_hardware(&self) -> NtStatus {
+        let Some(bus) = self
+            .host
+            .query_interface(&GUID_BUS_INTERFACE_STANDARD, BUS_INTERFACE_STANDARD_VERSION)
+        else {
+            return NtStatus::NOT_SUPPORTED;
+        };
+        let adapter = bus.call(|b: &BusInterfaceStandard| b.get_dma_adapter());
+        bus.dereference();
+        let adapter = match adapter {
+            Some(Ok(adapter)) => adapter,
+            Some(Err(status)) => return status,
+            None => return NtStatus::NOT_SUPPORTED,
+        };
+        let buffer = match adapter.alloc_common(4096) {
+            Ok(buffer) => buffer,
+            Err(status) => return status,
+        };
+        assert!(buffer.write(0, &self.pattern()));
+        *self.dma.lock().unwrap() = Some((adapter, buffer));
+        SUCCESS
+    }
+
+    fn release_hardware(&self) -> NtStatus {
+        if let Some((adapter, buffer)) = self.dma.lock().unwrap().take() {
+            adapter.free_common(buffer);
+        }
+        SUCCESS
+    }
+}
+
+#[test]
+fn a_childs_dma_adapter_is_its_hcas_own() {
+    let host = host(16);
+    let (_driver, miniport) = drivers_and_miniport(&host);
+    let client = Arc::new(DmaClient::default());
+    host.register_driver("ibportclient", client.clone());
+    host.boot();
+    settle(&host);
+    let clients = client.devices.lock().unwrap().clone();
+    assert_eq!(clients.len(), 4, "one client per port of each HCA");
+
+    let hca_of = |node: DevNodeId| {
+        host.hcas()
+            .into_iter()
+            .find(|h| host.pnp().children(*h).contains(&node))
+            .unwrap()
+    };
+    let adapter_of_hca = |hca: DevNodeId| {
+        miniport
+            .devices()
+            .into_iter()
+            .find(|d| d.node() == hca)
+            .and_then(|d| d.adapter())
+            .unwrap()
+    };
+    for client in &clients {
+        let hca = hca_of(client.host.node());
+        let hca_adapter = adapter_of_hca(hca);
+        let dma = client.dma.lock().unwrap();
+        let (adapter, buffer) = dma.as_ref().expect("the client got an adapter");
+        assert_eq!(
+            adapter.index(),
+            hca_adapter.index(),
+            "the HCA's own adapter"
+        );
+        // The HCA reaches the client's buffer at its bus address.
+        let mut seen = vec![0; 64];
+        hca_adapter
+            .device_view()
+            .read(buffer.bus_address(), &mut seen)
+            .unwrap();
+        assert_eq!(seen, client.pattern());
+    }
+    assert_eq!(host.verifier().violations(), []);
+
+    // Through another adapter (the other HCA's children's), not: the
+    // device's read faults, and the fault is recorded.
+    let (a, b) = (&clients[0], &clients[clients.len() - 1]);
+    assert_ne!(hca_of(a.host.node()), hca_of(b.host.node()));
+    let hca_a = adapter_of_hca(hca_of(a.host.node()));
+    let other_bus = b.dma.lock().unwrap().as_ref().unwrap().1.bus_address();
+    let mut seen = vec![0; 64];
+    assert!(hca_a.device_view().read(other_bus, &mut seen).is_err());
+    let faults = host.verifier().take();
+    assert_eq!(faults.len(), 1, "{faults:?}");
+    assert!(matches!(faults[0].kind, ViolationKind::DmaFault { addr, .. } if addr == other_bus));
+    // The bus interface references were given back.
+    for client in &clients {
+        assert_eq!(host.pnp().interface_references(client.host.node()), 0);
+    }
     finish(host);
 }
