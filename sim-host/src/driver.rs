@@ -228,6 +228,13 @@ pub trait DeviceCallbacks: Send + Sync {
     fn prepare_hardware(&self) -> NtStatus {
         SUCCESS
     }
+    /// `EvtDeviceSelfManagedIoInit`: the stack has started (every layer
+    /// prepared and in D0, the devnode started, its queues accepting
+    /// requests). Called bottom-up after each start of the stack: the
+    /// first one, and a restart after a stop or a failure (KMDF's
+    /// `EvtDeviceSelfManagedIoRestart` there); not on resume from sleep.
+    /// Where a driver starts I/O it sends down its own stack at start.
+    fn self_managed_io_init(&self) {}
     /// `EvtDeviceReleaseHardware` (stop or remove, after leaving D0).
     fn release_hardware(&self) -> NtStatus {
         SUCCESS

@@ -20,15 +20,13 @@
 //! - `d0_entry` (`EvtDeviceD0Entry`), the first time: the HCA below is
 //!   in D0 and started. Reads the child list (PASSIVE_LEVEL registry
 //!   reads), opens the CA (`OpenedCa::open`: identity, `open_ca` with the
-//!   filter's callbacks; a failure fails the start) and queues the
-//!   device's work item. Later D0 entries (resume) do nothing: the CA
-//!   stays open across sleep.
-//! - the work item (`WdfWorkItemEnqueue`, PASSIVE_LEVEL): sends a
-//!   `QueryCa` control verb on the opened CA through the interface's
-//!   `submit`, with a completion routine, and does not wait. Not sent from
-//!   D0 entry itself: the simulated host accepts requests for a devnode
-//!   only once its whole start has finished (on Windows the miniport's
-//!   device object would already take it, its own start being complete).
+//!   filter's callbacks; a failure fails the start). Later D0 entries
+//!   (resume) do nothing: the CA stays open across sleep.
+//! - `self_managed_io_init` (`EvtDeviceSelfManagedIoInit`, and
+//!   `EvtDeviceSelfManagedIoRestart` after a stop; PASSIVE_LEVEL, the
+//!   stack started and taking requests): sends a `QueryCa` control verb on
+//!   the opened CA through the interface's `submit`, with a completion
+//!   routine, and does not wait.
 //! - the `QueryCa` completion (any IRQL up to DISPATCH_LEVEL): the ports
 //!   from the attribute block (`ci::ports_from_attributes`), the bind
 //!   completed (`OpenedCa::with_ports`), the CA registered in the driver's
@@ -40,8 +38,9 @@
 //!   registry change notification on the Parameters key, PASSIVE_LEVEL):
 //!   re-reads the list and reports the children that appeared present and
 //!   those that disappeared missing (`ChildSet::reconcile`).
-//! - `release_hardware` (`EvtDeviceReleaseHardware`): flushes the work
-//!   item, deregisters the CA, closes it, and dereferences the interface.
+//! - `release_hardware` (`EvtDeviceReleaseHardware`): deregisters the CA,
+//!   closes it (a query still in flight finds the binding gone), and
+//!   dereferences the interface.
 //!   The children reported stay, as a KMDF child list lives as long as its
 //!   device: when the stack starts again (after a stop, or a restart after
 //!   a failure) the list is read again and reconciled against them, so a
@@ -88,7 +87,6 @@ use sim_host::pci::GUID_BUS_INTERFACE_STANDARD;
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::DeviceServices;
 use sim_host::request::HostRequest;
-use sim_host::sched::{DeferredRoutine, DeviceDeferred, SchedulerHandle};
 
 /// The service name `inf/hca-miniport.inf` installs the filter under.
 pub const SERVICE: &str = "ibalbus";
@@ -252,7 +250,6 @@ enum Binding {
 
 /// The driver: the CA registry shared by its devices, and the devices.
 pub struct IbalBusDriver {
-    sched: SchedulerHandle,
     registry: Arc<Mutex<CaRegistry<SimCi>>>,
     devices: Mutex<Vec<Arc<IbalBusDevice>>>,
 }
@@ -268,7 +265,6 @@ impl IbalBusDriver {
     /// stand-in registered there before).
     pub fn register(host: &Host) -> Arc<Self> {
         let driver = Arc::new(Self {
-            sched: host.scheduler_handle(),
             registry: Arc::default(),
             devices: Mutex::default(),
         });
@@ -312,21 +308,6 @@ impl DriverEntry for IbalBusDriver {
             list: Mutex::default(),
             children: Mutex::default(),
             events: Arc::default(),
-            deferred: {
-                let device = me.clone();
-                let work_item: DeferredRoutine = Arc::new(move || {
-                    if let Some(device) = device.upgrade() {
-                        device.send_port_query();
-                    }
-                });
-                DeviceDeferred::new(
-                    self.sched.clone(),
-                    SERVICE,
-                    Arc::new(|| {}),
-                    work_item,
-                    Arc::new(|| {}),
-                )
-            },
         });
         lock(&self.devices).push(device.clone());
         Ok(device)
@@ -342,9 +323,6 @@ pub struct IbalBusDevice {
     list: Mutex<ChildList>,
     children: Mutex<ChildSet>,
     events: Arc<FilterEvents>,
-    /// The device's work item (the port query); its DPC and timer are
-    /// never queued.
-    deferred: DeviceDeferred,
 }
 
 impl std::fmt::Debug for IbalBusDevice {
@@ -431,8 +409,8 @@ impl IbalBusDevice {
         self.report_children(&bound);
     }
 
-    /// Opens the CA and queues the work item that sends the port query
-    /// (first D0 entry).
+    /// Opens the CA (first D0 entry); the port query follows in
+    /// self-managed I/O init.
     fn open_ca(&self, ci: Arc<SimCi>) -> NtStatus {
         if let Some(view) = self.host.registry() {
             *lock(&self.list) = read_child_list(&view);
@@ -442,12 +420,11 @@ impl IbalBusDevice {
             Err(error) => return error.nt_status(),
         };
         *lock(&self.binding) = Binding::Opening(opened);
-        self.deferred.insert_work_item();
         SUCCESS
     }
 
-    /// The work item: sends the `QueryCa` on the opened CA, with a
-    /// completion routine that finishes the bind. PASSIVE_LEVEL.
+    /// Sends the `QueryCa` on the opened CA, with a completion routine
+    /// that finishes the bind (self-managed I/O init). PASSIVE_LEVEL.
     fn send_port_query(&self) {
         let (ci, ca) = match &*lock(&self.binding) {
             Binding::Opening(opened) => (opened.ci().clone(), opened.ca_handle()),
@@ -534,9 +511,11 @@ impl DeviceCallbacks for IbalBusDevice {
         self.open_ca(ci)
     }
 
+    fn self_managed_io_init(&self) {
+        self.send_port_query();
+    }
+
     fn release_hardware(&self) -> NtStatus {
-        // No port query is sent after this (WdfWorkItemFlush).
-        self.deferred.flush();
         let binding = std::mem::replace(&mut *lock(&self.binding), Binding::Idle);
         // The children stay (a KMDF child list lives as long as its
         // device): after a restart the list read again is reconciled

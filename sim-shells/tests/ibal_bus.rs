@@ -515,3 +515,28 @@ fn a_childs_dma_adapter_is_its_hcas_own() {
     }
     finish(host);
 }
+
+/// On the threaded host (the port query and its completion on worker
+/// threads, racing the rest of the start) every HCA gets its children.
+#[test]
+fn children_appear_on_the_threaded_host_too() {
+    for _ in 0..5 {
+        let configs = HCAS
+            .iter()
+            .enumerate()
+            .map(|(i, guid)| {
+                let i = i as u8;
+                DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
+            })
+            .collect();
+        let host = Host::new(HostConfig::threaded(2, configs)).unwrap();
+        let driver = drivers(&host);
+        host.boot();
+        for _ in 0..3 {
+            host.scheduler().quiesce().unwrap();
+            host.pnp().process_bus_relations();
+        }
+        assert_eq!(filter_children(&driver).len(), 4);
+        finish(host);
+    }
+}
