@@ -3,7 +3,8 @@
 //! its port children bound to the `ibportclient` stand-in from
 //! `inf/ib-port-client.inf`: children per port from the INF's list, from
 //! the default (no list) and from a custom list; entries added and removed
-//! at runtime; instance IDs stable across a restart of an HCA stack; a CI
+//! at runtime; instance IDs stable across a restart of an HCA stack and a
+//! reboot; HCAs leaving in either order; the threaded host; a CI
 //! version mismatch failing the filter's start cleanly; a child's DMA
 //! adapter being the HCA's own (IOMMU). Every test ends
 //! with the host shut down and the verifier report empty.
@@ -537,6 +538,35 @@ fn children_appear_on_the_threaded_host_too() {
             host.pnp().process_bus_relations();
         }
         assert_eq!(filter_children(&driver).len(), 4);
+        finish(host);
+    }
+}
+
+/// HCAs leave in either order, by query-remove or surprise removal: the
+/// one that left is deregistered and its children gone, the other keeps
+/// its registration and children.
+#[test]
+fn hcas_leave_in_any_order_and_the_others_keep_their_children() {
+    for (first, surprise) in [(0, false), (1, true)] {
+        let host = host(17);
+        let driver = drivers(&host);
+        host.boot();
+        settle(&host);
+        let hcas = host.hcas();
+        let (gone, kept) = (hcas[first], hcas[1 - first]);
+        let kept_children = started_children(&host, kept);
+        assert_eq!(kept_children.len(), 2);
+        if surprise {
+            host.pnp().surprise_remove(gone);
+            host.pnp().remove_when_no_handles_remain(gone, 0);
+        } else {
+            host.pnp().query_and_remove(gone).unwrap();
+        }
+        settle(&host);
+        let registered: Vec<u64> = driver.registered_cas().iter().map(|g| g.get()).collect();
+        assert_eq!(registered, [HCAS[1 - first]], "surprise: {surprise}");
+        assert!(started_children(&host, gone).is_empty());
+        assert_eq!(started_children(&host, kept), kept_children);
         finish(host);
     }
 }
