@@ -157,6 +157,20 @@ impl InterfaceRef {
         self.object.downcast_ref()
     }
 
+    /// The same interface, to answer a query on another device object
+    /// with: a bus driver's PDO that forwards a query to its parent's
+    /// stack (as the IBAL bus filter's children forward the bus interface
+    /// to the HCA's PDO) answers with the parent's object and version. The
+    /// consumer's reference is then counted against the PDO's devnode; the
+    /// forwarder gives its own reference on the parent back
+    /// (`dereference`), as the parent outlives its children.
+    pub fn forward(&self) -> ProvidedInterface {
+        ProvidedInterface {
+            version: self.version,
+            object: self.object.clone(),
+        }
+    }
+
     /// `InterfaceDereference`: gives the reference back.
     pub fn dereference(mut self) {
         self.released = true;
@@ -214,6 +228,13 @@ pub trait DeviceCallbacks: Send + Sync {
     fn prepare_hardware(&self) -> NtStatus {
         SUCCESS
     }
+    /// `EvtDeviceSelfManagedIoInit`: the stack has started (every layer
+    /// prepared and in D0, the devnode started, its queues accepting
+    /// requests). Called bottom-up after each start of the stack: the
+    /// first one, and a restart after a stop or a failure (KMDF's
+    /// `EvtDeviceSelfManagedIoRestart` there); not on resume from sleep.
+    /// Where a driver starts I/O it sends down its own stack at start.
+    fn self_managed_io_init(&self) {}
     /// `EvtDeviceReleaseHardware` (stop or remove, after leaving D0).
     fn release_hardware(&self) -> NtStatus {
         SUCCESS

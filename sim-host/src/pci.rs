@@ -36,6 +36,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use driver_platform::{ChildBus, ChildDescription, Irql, Mmio, RegValue};
+use ib_types::interface::WinGuid;
 use ib_types::status::NtStatus;
 use sim_hca::cluster::{Cluster, ClusterError, NodeId};
 use sim_hca::device::{Device, DeviceConfig};
@@ -46,7 +47,8 @@ use sim_hca::host::{DmaDirection, DmaFault, HostMemory, InterruptSink};
 use crate::context::{self, Context};
 use crate::dma::{DeviceDma, DmaDescription, DmaRemapping, HostDmaAdapter, Iommu};
 use crate::driver::{
-    DeviceCallbacks, DeviceInit, DriverEntry, INVALID_PARAMETER, NO_SUCH_DEVICE, SUCCESS,
+    DeviceCallbacks, DeviceInit, DriverEntry, INVALID_PARAMETER, NO_SUCH_DEVICE, ProvidedInterface,
+    SUCCESS,
 };
 use crate::irql::IrqlGuard;
 use crate::pnp::DeviceServices;
@@ -1160,8 +1162,39 @@ impl DeviceCallbacks for PciBusFdo {
     }
 }
 
-/// The PDO of one function: hands its resources to the stack, and takes
-/// the adapter back when the stack lets go of the hardware.
+/// `GUID_BUS_INTERFACE_STANDARD` ({496B8280-6F25-11D0-BEAF-08002BE2092F}):
+/// the bus interface a PCI PDO answers `IRP_MN_QUERY_INTERFACE` with.
+pub const GUID_BUS_INTERFACE_STANDARD: WinGuid =
+    WinGuid::from_u128(0x496b8280_6f25_11d0_beaf_08002be2092f);
+
+/// The version of [`BusInterfaceStandard`] (`BUS_INTERFACE_STANDARD` is
+/// version 1).
+pub const BUS_INTERFACE_STANDARD_VERSION: u16 = 1;
+
+/// `BUS_INTERFACE_STANDARD` of one PCI function, as its PDO answers
+/// `IRP_MN_QUERY_INTERFACE` for [`GUID_BUS_INTERFACE_STANDARD`]; of its
+/// routines only `GetDmaAdapter` is modelled. A bus driver whose children
+/// use their parent's DMA (the IBAL bus filter's port children) forwards
+/// the query to this PDO, so `IoGetDmaAdapter` on the child resolves here.
+#[derive(Debug)]
+pub struct BusInterfaceStandard {
+    function: Weak<PciFunction>,
+}
+
+impl BusInterfaceStandard {
+    /// `GetDmaAdapter`: the function's own DMA adapter
+    /// ([`PciFunction::dma_adapter`]: the one its function driver holds
+    /// if it took one already). PASSIVE_LEVEL. `STATUS_NO_SUCH_DEVICE`
+    /// once the function is gone.
+    pub fn get_dma_adapter(&self) -> Result<HostDmaAdapter, NtStatus> {
+        crate::irql::check_max("GetDmaAdapter", Irql::PASSIVE);
+        self.function.upgrade().ok_or(NO_SUCH_DEVICE)?.dma_adapter()
+    }
+}
+
+/// The PDO of one function: hands its resources to the stack, answers the
+/// bus interface, and takes the adapter back when the stack lets go of the
+/// hardware.
 struct PciFunctionPdo {
     function: Arc<PciFunction>,
 }
@@ -1179,6 +1212,17 @@ impl DeviceCallbacks for PciFunctionPdo {
 
     fn resources(&self) -> Option<Arc<dyn std::any::Any + Send + Sync>> {
         Some(self.function.clone())
+    }
+
+    fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {
+        (*guid == GUID_BUS_INTERFACE_STANDARD && version >= BUS_INTERFACE_STANDARD_VERSION).then(
+            || ProvidedInterface {
+                version: BUS_INTERFACE_STANDARD_VERSION,
+                object: Arc::new(BusInterfaceStandard {
+                    function: Arc::downgrade(&self.function),
+                }),
+            },
+        )
     }
 
     fn power_managed_queue(&self) -> bool {

@@ -892,6 +892,9 @@ impl PnpManager {
         if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
             n.state = PnpState::Started;
         }
+        for (_service, cb) in self.layers(node) {
+            cb.self_managed_io_init();
+        }
         self.process_bus_relations();
     }
 
@@ -1835,6 +1838,11 @@ impl DeviceCallbacks for InDriver {
         self.call_pnp("IRP_MN_QUERY_STOP_DEVICE", NO_SUCH_DEVICE, |d| {
             d.query_stop()
         })
+    }
+    fn self_managed_io_init(&self) {
+        self.call_pnp("EvtDeviceSelfManagedIoInit", (), |d| {
+            d.self_managed_io_init()
+        });
     }
     fn cancel_remove(&self) {
         self.call_pnp("IRP_MN_CANCEL_REMOVE_DEVICE", (), |d| d.cancel_remove());

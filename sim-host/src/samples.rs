@@ -3,7 +3,8 @@
 //! itself (the power order is checked from their log) and, for the bus
 //! filter and the port client, for scenario tests until the real drivers
 //! exist. The real miniport is `sim_shells::hca_miniport`, registered over the
-//! `hcaminiport` stand-in where a scenario runs it. Each does, at each PnP
+//! `hcaminiport` stand-in where a scenario runs it; the real bus filter,
+//! `sim_shells::ibal_bus`, likewise over `ibalbus`. Each does, at each PnP
 //! and power step, the minimum the real driver must, and logs it:
 //!
 //! - `hcaminiport` (function driver of the HCA): finds its `PciFunction`,

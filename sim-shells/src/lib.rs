@@ -10,5 +10,8 @@
 //! their portable cores and on `sim-host`.
 //!
 //! - [`hca_miniport`]: the HCA miniport (`hca-miniport/src/kmdf`).
+//! - [`ibal_bus`]: the IBAL bus filter (its KMDF shell in `ibal-bus` is
+//!   not written yet).
 
 pub mod hca_miniport;
+pub mod ibal_bus;

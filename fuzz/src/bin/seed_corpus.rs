@@ -30,6 +30,9 @@ mod mad;
 #[path = "../../../sim-host/tests/fuzz_props/inf.rs"]
 mod inf;
 
+#[path = "../../../ibal-bus/core/tests/fuzz_props/child_list.rs"]
+mod child_list;
+
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -37,7 +40,7 @@ use std::process::ExitCode;
 type SeedMaker = fn() -> Vec<Vec<u8>>;
 
 /// Every target with its seed maker.
-const TARGETS: [(&str, SeedMaker); 7] = [
+const TARGETS: [(&str, SeedMaker); 8] = [
     ("proxy", proxy::seeds),
     ("uvp_private", uvp_private::seeds),
     ("device_entries", device_entries::seeds),
@@ -45,6 +48,7 @@ const TARGETS: [(&str, SeedMaker); 7] = [
     ("packet", packet::seeds),
     ("mad", mad::seeds),
     ("inf", inf::seeds),
+    ("child_list", child_list::seeds),
 ];
 
 fn main() -> ExitCode {

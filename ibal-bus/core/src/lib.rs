@@ -1,9 +1,28 @@
-//! Portable core of the IBAL bus filter: the access layer over the CI
-//! interface, per-port child enumeration from the registry list, the AL
-//! interface for kernel clients, and the user-mode proxy.
+//! Portable core of the IBAL bus filter (docs/ibal-bus.md): the filter's
+//! binding to each HCA below it through the CI interface, the registry of
+//! bound CAs, and the per-port children enumerated from the registry list
+//! under the filter's Parameters key.
 //!
-//! Status: not written yet. The crate exists so the workspace has its final
-//! shape; it exports nothing.
+//! Built so far (issue 11, first increment):
+//! - [`ci`]: [`ci::CiAccess`], what the filter needs from one HCA's CI
+//!   interface (identity, ports, open/close with callbacks, control verb
+//!   requests, the direct post/poll/arm calls), implemented by each shell
+//!   over what the miniport hands out;
+//! - [`ca_registry`]: binding an HCA (version check first, then open and
+//!   port query) and the registry of bound CAs, in any arrival and
+//!   departure order;
+//! - [`children`]: the child list parsed as untrusted input, the children
+//!   of each port with their stable instance IDs, and the reconciliation
+//!   that turns a changed list into children reported present or missing.
+//!
+//! Not built yet: the access layer for kernel clients, the AL interface on
+//! the children, the user-mode proxy (see docs/ibal-bus.md).
 
 #![cfg_attr(not(test), no_std)]
 #![forbid(unsafe_code)]
+
+extern crate alloc;
+
+pub mod ca_registry;
+pub mod children;
+pub mod ci;

@@ -1,0 +1,123 @@
+//! What the bus filter needs from one HCA's CI interface
+//! (`GUID_IB_CI_INTERFACE`, docs/miniport.md "ci"), as a trait each shell
+//! implements over what the miniport below hands out: the simulated
+//! host's shell over the miniport core's `CiProvider` it receives in the
+//! host's counted interface reference; the KMDF shell (not written yet)
+//! over the FFI table `ib_types::interface::CiInterface`. Every argument
+//! and result is a plain `ib-types` value, a handle (`u64`) or a callback
+//! object, so the FFI implementation is a one-for-one call through the
+//! table's entry points.
+//!
+//! The ports are learnt the way any CI consumer learns them: a `QueryCa`
+//! control verb sent through [`CiAccess::submit`], whose answer (the CA
+//! attribute block, `ib_types::ca::CaAttrView`) [`ports_from_attributes`]
+//! reads. The shell builds and sends that request (its framing is the
+//! platform's request) and hands the answer back to the core when it
+//! completes, which may be at DISPATCH_LEVEL and after the stack's D0
+//! entry, when the miniport's power-managed queue runs it.
+
+use alloc::sync::Arc;
+use alloc::vec::Vec;
+
+use ib_types::ca::CaAttrView;
+use ib_types::cq::CqNotify;
+use ib_types::event::AsyncEventRecord;
+use ib_types::handle::CqHandle;
+use ib_types::interface::{CI_INTERFACE_VERSION, InterfaceVersion};
+use ib_types::scalars::{NodeGuid, PKey, PortGuid, PortNum};
+use ib_types::status::{IbStatus, NtStatus};
+use ib_types::wc::WorkCompletion;
+use ib_types::wr::{RecvWr, SendWr};
+
+/// The CI interface version this filter is written against: a provider
+/// must satisfy it (same major, at least this minor).
+pub const REQUIRED_CI_VERSION: InterfaceVersion = CI_INTERFACE_VERSION;
+
+/// Who the HCA is, as its CI interface reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CaIdentity {
+    /// The CA (node) GUID: the key of the CA in the registry.
+    pub ca_guid: NodeGuid,
+    /// IEEE vendor ID (24 bits).
+    pub vendor_id: u32,
+    /// Device ID.
+    pub device_id: u16,
+    /// Hardware revision.
+    pub revision: u16,
+}
+
+/// One port as the CA's attribute query reports it: what the children of
+/// the port are built from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortIdentity {
+    /// The port's number (1-based).
+    pub port_num: PortNum,
+    /// The port GUID (part of each child's instance ID).
+    pub port_guid: PortGuid,
+    /// The port's P_Key table.
+    pub pkeys: Vec<PKey>,
+}
+
+/// The callbacks a consumer registers when it opens the CA. Called at
+/// DISPATCH_LEVEL, never after `close_ca` returned.
+pub trait CaEvents: Send + Sync {
+    /// A completion event on `cq` (one-shot: re-arm for another).
+    fn completion(&self, cq: CqHandle);
+    /// An asynchronous event of the CA (port up or down, an object's
+    /// error).
+    fn async_event(&self, event: &AsyncEventRecord);
+}
+
+/// The bus filter's access to one HCA's CI interface. `Request` is what
+/// the interface's control-verb path carries (an IRP on Windows, the
+/// simulated host's request on Linux).
+pub trait CiAccess: Send + Sync {
+    /// What [`CiAccess::submit`] carries.
+    type Request;
+
+    /// The version the provider answered the query with.
+    fn version(&self) -> InterfaceVersion;
+
+    /// The CA's identity.
+    fn identity(&self) -> Result<CaIdentity, IbStatus>;
+
+    /// Opens the CA and registers `events`; returns the CA handle.
+    /// DISPATCH_LEVEL or below.
+    fn open_ca(&self, events: Arc<dyn CaEvents>) -> Result<u64, IbStatus>;
+
+    /// Closes the CA opened as `ca`; no callback follows once it returned.
+    /// PASSIVE_LEVEL (it waits for callbacks in flight).
+    fn close_ca(&self, ca: u64) -> Result<(), IbStatus>;
+
+    /// Sends one control verb request into the miniport's queue; returns
+    /// what the path reports at once (`STATUS_PENDING` when it completes
+    /// later). Never blocks; DISPATCH_LEVEL or below.
+    fn submit(&self, request: Self::Request) -> NtStatus;
+
+    /// Posts send WRs to the kernel QP `qp` (direct call, no request).
+    fn post_send(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus);
+
+    /// Posts receive WRs to the kernel QP `qp` (direct call).
+    fn post_recv(&self, qp: u64, wrs: &[RecvWr<'_>]) -> (usize, IbStatus);
+
+    /// Polls up to `wcs.len()` completions of `cq` (direct call).
+    fn poll_cq(&self, cq: u64, wcs: &mut [WorkCompletion]) -> Result<usize, IbStatus>;
+
+    /// Arms `cq` for one completion event (direct call).
+    fn arm_cq(&self, cq: u64, notify: CqNotify) -> Result<(), IbStatus>;
+}
+
+/// The ports of a CA from its `QueryCa` answer (the attribute block, as
+/// untrusted bytes from below: any inconsistency is
+/// [`IbStatus::GenericError`]). DISPATCH_LEVEL or below.
+pub fn ports_from_attributes(block: &[u8]) -> Result<Vec<PortIdentity>, IbStatus> {
+    let view = CaAttrView::parse(block).map_err(|_| IbStatus::GenericError)?;
+    Ok(view
+        .ports()
+        .map(|port| PortIdentity {
+            port_num: port.port_num(),
+            port_guid: port.attr().port_guid,
+            pkeys: port.pkeys().to_vec(),
+        })
+        .collect())
+}
