@@ -99,3 +99,30 @@ impl<T> HandleTable<T> {
         self.live
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reused_slot_refuses_the_old_handle_and_another_tag() {
+        let mut table = HandleTable::new(7);
+        let first = table.insert("pd").unwrap();
+        assert_eq!(table.remove(first), Some("pd"));
+        let second = table.insert("cq").unwrap();
+        // Same slot, next generation: the old handle names nothing.
+        assert_eq!(first as u32, second as u32);
+        assert_ne!(first, second);
+        assert_eq!(table.get(first), None);
+        assert_eq!(table.remove(first), None);
+        assert_eq!(table.get(second), Some(&"cq"));
+        // The same slot and generation under another client's tag.
+        let other = HandleTable::<&str>::new(8);
+        let forged = (second & !(0xFFFF << 48)) | (u64::from(other.tag) << 48);
+        assert_eq!(table.get(forged), None);
+        // Zero and out-of-range slots name nothing.
+        assert_eq!(table.get(0), None);
+        assert_eq!(table.get(second + 5), None);
+        assert_eq!(table.len(), 1);
+    }
+}
