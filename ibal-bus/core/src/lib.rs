@@ -15,14 +15,21 @@
 //!   of each port with their stable instance IDs, and the reconciliation
 //!   that turns a changed list into children reported present or missing.
 //!
-//! Not built yet: the access layer for kernel clients, the AL interface on
-//! the children, the user-mode proxy (see docs/ibal-bus.md).
+//! - [`al`] (second increment): the access layer for kernel clients over
+//!   one CA: clients opened with a held reference, per-client handle
+//!   tables, control verbs as requests sent to the CA with handles
+//!   translated both ways, the direct post/poll/arm calls, events to the
+//!   owning client.
+//!
+//! Not built yet: the access layer in the shells, the AL interface on the
+//! children, the user-mode proxy (see docs/ibal-bus.md).
 
 #![cfg_attr(not(test), no_std)]
 #![forbid(unsafe_code)]
 
 extern crate alloc;
 
+pub mod al;
 pub mod ca_registry;
 pub mod children;
 pub mod ci;
