@@ -2354,3 +2354,17 @@ mod tests {
         }
     }
 }
+
+/// Who an HCA is, as its CI interface reports it (the miniport answers
+/// it; the bus filter keys its CA registry on it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CaIdentity {
+    /// The CA (node) GUID.
+    pub ca_guid: NodeGuid,
+    /// IEEE vendor ID (24 bits).
+    pub vendor_id: u32,
+    /// Device ID.
+    pub device_id: u16,
+    /// Hardware revision.
+    pub revision: u16,
+}

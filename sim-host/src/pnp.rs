@@ -161,6 +161,18 @@ struct DevNode {
 }
 
 impl DevNode {
+    /// Empties every layer's queue for a device that is going away: the
+    /// requests a driver gave back in `EvtIoStop` and those held below D0,
+    /// for the caller to complete.
+    fn purge_queues(&mut self) -> Vec<HostRequest> {
+        let mut purged = Vec::new();
+        for layer in &mut self.stack {
+            purged.extend(layer.presented.take_requeued());
+            purged.extend(layer.held.drain(..));
+        }
+        purged
+    }
+
     /// References on this stack's interfaces not given back yet, whoever
     /// holds them.
     fn references_outstanding(&self) -> usize {
@@ -1506,15 +1518,7 @@ impl PnpManager {
                 let mut tree = lock(&self.inner.tree);
                 let dn = &mut tree.nodes[n.0];
                 let was = std::mem::replace(&mut dn.state, PnpState::SurpriseRemoved);
-                let held: Vec<HostRequest> = dn
-                    .stack
-                    .iter_mut()
-                    .flat_map(|l| {
-                        let mut purged: Vec<_> = l.presented.take_requeued();
-                        purged.extend(l.held.drain(..));
-                        purged
-                    })
-                    .collect();
+                let held = dn.purge_queues();
                 (was, held)
             };
             if matches!(was, PnpState::Removed | PnpState::SurpriseRemoved) {
@@ -1657,15 +1661,7 @@ impl PnpManager {
             let mut tree = lock(&self.inner.tree);
             let dn = &mut tree.nodes[n.0];
             dn.state = end;
-            let held: Vec<HostRequest> = dn
-                .stack
-                .iter_mut()
-                .flat_map(|l| {
-                    let mut purged: Vec<_> = l.presented.take_requeued();
-                    purged.extend(l.held.drain(..));
-                    purged
-                })
-                .collect();
+            let held = dn.purge_queues();
             let layers: Vec<Arc<str>> = dn
                 .stack
                 .iter()

@@ -579,8 +579,7 @@ fn settle(h: &World) {
 
 fn the_hca_comes_up_and_interrupts(threaded: bool) {
     let h = host(threaded, Seen::default());
-    let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
-    let hca = h.pnp().children(pci_bus)[0];
+    let hca = the_hca(&h);
     assert_eq!(
         h.pnp().state(hca),
         Some(PnpState::Started),
@@ -604,7 +603,7 @@ fn the_hca_comes_up_and_interrupts(threaded: bool) {
         assert!(seen.isr_runs > 0 && seen.isr_off_dirql == 0);
         assert!(seen.dpc_irql.iter().all(|&i| i == Irql::DISPATCH) && !seen.dpc_irql.is_empty());
     }
-    h.pnp().query_and_remove(pci_bus).unwrap();
+    h.pnp().query_and_remove(pci_bus(&h)).unwrap();
     assert_eq!(h.backplane().faults_before_adapter(), 0);
     h.verifier().assert_clean();
 }
@@ -628,9 +627,7 @@ fn an_isr_that_allocates_is_an_irql_violation(threaded: bool) {
             ..Seen::default()
         },
     );
-    settle(&h);
-    let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
-    h.pnp().query_and_remove(pci_bus).unwrap();
+    settle_and_remove(&h);
     let isr_runs = h.seen.lock().unwrap().isr_runs;
     assert!(isr_runs > 0);
     let v = h.verifier().take();
@@ -671,9 +668,7 @@ fn a_dpc_with_a_128_kib_array_overflows_the_kernel_stack() {
                 ..Seen::default()
             },
         );
-        settle(&h);
-        let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
-        h.pnp().query_and_remove(pci_bus).unwrap();
+        settle_and_remove(&h);
         let dpc_runs = h.seen.lock().unwrap().dpc_irql.len();
         assert!(dpc_runs > 0);
         let v = h.verifier().take();
@@ -713,8 +708,7 @@ fn a_cpu_address_handed_to_the_device_is_a_dma_fault() {
             ..Seen::default()
         },
     );
-    let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
-    let hca = h.pnp().children(pci_bus)[0];
+    let hca = the_hca(&h);
     assert!(matches!(h.pnp().state(hca), Some(PnpState::FailedStart(_))));
     let v = h.verifier().take();
     assert!(
@@ -738,9 +732,7 @@ fn buffers_left_at_release_are_dma_leaks() {
             ..Seen::default()
         },
     );
-    settle(&h);
-    let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
-    h.pnp().query_and_remove(pci_bus).unwrap();
+    settle_and_remove(&h);
     let v = h.verifier().take();
     assert!(
         v.iter()
@@ -825,9 +817,18 @@ fn port_ups(h: &World) -> usize {
         .count()
 }
 
+fn pci_bus(h: &World) -> sim_host::pnp::DevNodeId {
+    h.pnp().find("ACPI\\PNP0A08\\0").unwrap()
+}
+
 fn the_hca(h: &World) -> sim_host::pnp::DevNodeId {
-    let pci_bus = h.pnp().find("ACPI\\PNP0A08\\0").unwrap();
-    h.pnp().children(pci_bus)[0]
+    h.pnp().children(pci_bus(h))[0]
+}
+
+/// Lets the machine run, then removes the PCI bus and everything on it.
+fn settle_and_remove(h: &World) {
+    settle(h);
+    h.pnp().query_and_remove(pci_bus(h)).unwrap();
 }
 
 fn sleep_and_wake(h: &World) {

@@ -159,15 +159,7 @@ impl CiAccess for SimCi {
     }
 
     fn identity(&self) -> Result<CaIdentity, IbStatus> {
-        let id = self
-            .call(|p| p.identity())
-            .ok_or(IbStatus::InvalidState)??;
-        Ok(CaIdentity {
-            ca_guid: id.ca_guid,
-            vendor_id: id.vendor_id,
-            device_id: id.device_id,
-            revision: id.revision,
-        })
+        self.call(|p| p.identity()).ok_or(IbStatus::InvalidState)?
     }
 
     fn open_ca(&self, events: Arc<dyn CaEvents>) -> Result<u64, IbStatus> {

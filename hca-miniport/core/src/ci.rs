@@ -97,18 +97,7 @@ pub const fn uvp_name() -> UvpName {
     UVP
 }
 
-/// Who the HCA is, as the CI interface reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CaIdentity {
-    /// The CA (node) GUID.
-    pub ca_guid: NodeGuid,
-    /// IEEE vendor ID (24 bits).
-    pub vendor_id: u32,
-    /// Device ID.
-    pub device_id: u16,
-    /// Hardware revision.
-    pub revision: u16,
-}
+pub use ib_types::ca::CaIdentity;
 
 /// The path [`CiProvider::submit`] sends a consumer's request along: into
 /// the miniport's own device, whose power-managed queue delivers it to the

@@ -2607,13 +2607,7 @@ fn on_handle<V: Verb>(
     input: &V::In,
     private: &[u8],
 ) -> sim_host::request::Completion {
-    let mut bytes = vec![0; ib_types::ioctl::request_len::<V>(private.len()).unwrap()];
-    ib_types::ioctl::encode_request::<V>(object, input, private, 64, &mut bytes).unwrap();
-    let issuer = handle.send(
-        V::ID.ioctl().raw(),
-        bytes,
-        ib_types::ioctl::response_len::<V>(64).unwrap(),
-    );
+    let issuer = send_on_handle::<V>(handle, object, input, private);
     w.settle();
     issuer.completion().expect("the request completed")
 }
@@ -2667,13 +2661,7 @@ fn on_handle_pending<V: Verb>(
 where
     V::In: Default,
 {
-    let mut bytes = vec![0; ib_types::ioctl::request_len::<V>(0).unwrap()];
-    ib_types::ioctl::encode_request::<V>(object, &V::In::default(), &[], 64, &mut bytes).unwrap();
-    handle.send(
-        V::ID.ioctl().raw(),
-        bytes,
-        ib_types::ioctl::response_len::<V>(64).unwrap(),
-    )
+    send_on_handle::<V>(handle, object, &V::In::default(), &[])
 }
 
 #[test]

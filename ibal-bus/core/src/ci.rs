@@ -24,7 +24,7 @@ use ib_types::cq::CqNotify;
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::CqHandle;
 use ib_types::interface::{CI_INTERFACE_VERSION, InterfaceVersion};
-use ib_types::scalars::{NodeGuid, PKey, PortGuid, PortNum};
+use ib_types::scalars::{PKey, PortGuid, PortNum};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendWr};
@@ -33,18 +33,7 @@ use ib_types::wr::{RecvWr, SendWr};
 /// must satisfy it (same major, at least this minor).
 pub const REQUIRED_CI_VERSION: InterfaceVersion = CI_INTERFACE_VERSION;
 
-/// Who the HCA is, as its CI interface reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CaIdentity {
-    /// The CA (node) GUID: the key of the CA in the registry.
-    pub ca_guid: NodeGuid,
-    /// IEEE vendor ID (24 bits).
-    pub vendor_id: u32,
-    /// Device ID.
-    pub device_id: u16,
-    /// Hardware revision.
-    pub revision: u16,
-}
+pub use ib_types::ca::CaIdentity;
 
 /// One port as the CA's attribute query reports it: what the children of
 /// the port are built from.

@@ -120,6 +120,17 @@ struct State {
     next_tag: u16,
 }
 
+impl State {
+    /// A client that is open and not closing; any other is an invalid AL
+    /// handle.
+    fn open_client(&mut self, client: ClientId) -> Result<&mut Client, IbStatus> {
+        self.clients
+            .get_mut(&client.0)
+            .filter(|entry| !entry.closing)
+            .ok_or(IbStatus::InvalidAlHandle)
+    }
+}
+
 /// The access layer over one CA, opened as `ca` through `ci`. `L` is the
 /// platform's raw spin lock.
 pub struct AccessLayer<L: RawMutex, C: CiRequests> {
@@ -329,13 +340,7 @@ where
         }
         let must_wait = {
             let mut state = self.state.lock();
-            let entry = state
-                .clients
-                .get_mut(&client.0)
-                .ok_or(IbStatus::InvalidAlHandle)?;
-            if entry.closing {
-                return Err(IbStatus::InvalidAlHandle);
-            }
+            let entry = state.open_client(client)?;
             // The CA record is the one object a client always has.
             if entry.table.len() > 1 || entry.requests_in_flight != 0 {
                 return Err(IbStatus::ResourceBusy);
@@ -453,13 +458,7 @@ where
         let target_kind = verb.target().ok_or(IbStatus::Unsupported)?;
 
         let mut state = self.state.lock();
-        let entry = state
-            .clients
-            .get_mut(&client.0)
-            .ok_or(IbStatus::InvalidAlHandle)?;
-        if entry.closing {
-            return Err(IbStatus::InvalidAlHandle);
-        }
+        let entry = state.open_client(client)?;
         let ca_target = Self::resolve(entry, target, target_kind)?;
         write_u64(&mut bytes, 0, ca_target);
         let mut parents = Vec::new();
