@@ -50,23 +50,36 @@
 //!   (KMDF's default for a PDO). It forwards `IRP_MN_QUERY_INTERFACE` for
 //!   `GUID_BUS_INTERFACE_STANDARD` to the HCA's stack, whose PCI PDO
 //!   answers, so `IoGetDmaAdapter` on a child gives the HCA's own DMA
-//!   adapter (`sim_host::pci::BusInterfaceStandard`). The AL interface is
-//!   not built (docs/ibal-bus.md).
-//! - the CA callbacks (`ci::CaEvents`): counted ([`IbalBusDevice::ca_events`]);
-//!   the access layer that will deliver them to clients is not built.
+//!   adapter (`sim_host::pci::BusInterfaceStandard`). It answers
+//!   `GUID_IB_AL_INTERFACE` itself, at [`AL_INTERFACE_VERSION`] when asked
+//!   at it or above, with its [`AlPortInterface`] (the port's data and the
+//!   access layer's entry points), the consumer's reference counted
+//!   against the child's devnode.
+//! - the `QueryCa` completion also creates the [`SimAccessLayer`] over the
+//!   bound CA (before the children are reported, so their interface finds
+//!   it); release-hardware drops it first. A stop is vetoed
+//!   (`query_stop`, `STATUS_DEVICE_BUSY`) while a client is open.
+//! - the CA callbacks (`ci::CaEvents`): counted ([`IbalBusDevice::ca_events`])
+//!   and forwarded to the access layer, which routes them to the owning
+//!   client.
 //! - the filter's queue is not power-managed (KMDF's default for a
 //!   filter); requests pass down unchanged.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use driver_platform::{ChildBus, ChildDescription, DevicePowerState, Request, RequestorMode};
+use driver_platform::{
+    ChildBus, ChildDescription, DevicePowerState, Event, Request, RequestorMode,
+};
 use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::verbs::CaClient;
 use ib_types::cq::CqNotify;
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::CqHandle;
-use ib_types::interface::{GUID_IB_CI_INTERFACE, InterfaceVersion, WinGuid};
+use ib_types::interface::{
+    AL_INTERFACE_VERSION, GUID_IB_AL_INTERFACE, GUID_IB_CI_INTERFACE, InterfaceVersion,
+    PortInterfaceData, WinGuid,
+};
 use ib_types::ioctl::{
     Empty, QueryCa, Verb, decode_response, encode_request, request_len, response_len,
 };
@@ -74,19 +87,26 @@ use ib_types::scalars::NodeGuid;
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendWr};
+use ibal_bus_core::al::{
+    AccessLayer, CaCompletion, CiRequests, ClientEvents, ClientId, ClientReference,
+};
 use ibal_bus_core::ca_registry::{BoundCa, CaRegistry, OpenedCa, check_version};
 use ibal_bus_core::children::{ChildList, ChildSet, PortChild, port_children, read_child_list};
 use ibal_bus_core::ci::{
     CaEvents, CaIdentity, CiAccess, REQUIRED_CI_VERSION, ports_from_attributes,
 };
+use sim_host::context::{self, Context};
 use sim_host::driver::{
-    DeviceCallbacks, DeviceInit, DriverEntry, InterfaceRef, ProvidedInterface, SUCCESS, StackRole,
+    DeviceCallbacks, DeviceInit, DriverEntry, Forward, InterfaceRef, ProvidedInterface, SUCCESS,
+    StackRole,
 };
 use sim_host::host::Host;
+use sim_host::irql::{HostSpinLock, IrqlTracker};
 use sim_host::pci::GUID_BUS_INTERFACE_STANDARD;
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::DeviceServices;
 use sim_host::request::HostRequest;
+use sim_host::verifier::Verifier;
 
 /// The service name `inf/hca-miniport.inf` installs the filter under.
 pub const SERVICE: &str = "ibalbus";
@@ -98,6 +118,13 @@ const QUERY_CA_ROOM: u32 = 16 * 1024;
 /// The miniport's CI provider as the host hands it out.
 type Provider = CiProvider<SimPlatform>;
 
+/// The access layer over one bound CA, as this shell builds it.
+pub type SimAccessLayer = AccessLayer<HostSpinLock, SimCi>;
+
+/// A filter device's access layer while its CA is bound: shared with its
+/// children's AL interfaces, emptied at release-hardware.
+type AlSlot = Arc<Mutex<Option<Arc<SimAccessLayer>>>>;
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -108,6 +135,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct SimCi {
     interface: Mutex<Option<Arc<InterfaceRef>>>,
     version: InterfaceVersion,
+    /// For the requests the access layer builds.
+    verifier: Verifier,
 }
 
 impl std::fmt::Debug for SimCi {
@@ -207,19 +236,60 @@ impl CiAccess for SimCi {
     }
 }
 
-/// Counts the CA's callbacks (the access layer that will route them to
-/// clients is not built).
+impl CiRequests for SimCi {
+    /// A kernel request with the filter's completion routine: it runs in
+    /// the completer's (the miniport's) thread, as the filter's code, so
+    /// the client request the access layer completes from it is completed
+    /// by its owner.
+    fn control_request(
+        &self,
+        ioctl: u32,
+        input: Vec<u8>,
+        output_len: usize,
+        done: CaCompletion,
+    ) -> HostRequest {
+        let (mut request, _issuer) = HostRequest::new(
+            &self.verifier,
+            ioctl,
+            RequestorMode::Kernel,
+            input,
+            output_len,
+        );
+        let verifier = self.verifier.clone();
+        request.set_completion_routine(Box::new(move |status, _information, output| {
+            let _filter = context::enter(Context::driver(verifier, SERVICE));
+            done(*status, output);
+        }));
+        request
+    }
+}
+
+/// The CA's callbacks: counted, and forwarded to the access layer while
+/// the CA is bound (it routes them to the owning client).
 #[derive(Debug, Default)]
 struct FilterEvents {
     count: AtomicU64,
+    al: Mutex<Weak<SimAccessLayer>>,
+}
+
+impl FilterEvents {
+    fn al(&self) -> Option<Arc<SimAccessLayer>> {
+        lock(&self.al).upgrade()
+    }
 }
 
 impl CaEvents for FilterEvents {
-    fn completion(&self, _cq: CqHandle) {
+    fn completion(&self, cq: CqHandle) {
         self.count.fetch_add(1, Ordering::Relaxed);
+        if let Some(al) = self.al() {
+            al.completion(cq);
+        }
     }
-    fn async_event(&self, _event: &AsyncEventRecord) {
+    fn async_event(&self, event: &AsyncEventRecord) {
         self.count.fetch_add(1, Ordering::Relaxed);
+        if let Some(al) = self.al() {
+            al.async_event(event);
+        }
     }
 }
 
@@ -300,6 +370,7 @@ impl DriverEntry for IbalBusDriver {
             list: Mutex::default(),
             children: Mutex::default(),
             events: Arc::default(),
+            al: AlSlot::default(),
         });
         lock(&self.devices).push(device.clone());
         Ok(device)
@@ -315,6 +386,8 @@ pub struct IbalBusDevice {
     list: Mutex<ChildList>,
     children: Mutex<ChildSet>,
     events: Arc<FilterEvents>,
+    /// The access layer while the CA is bound.
+    al: AlSlot,
 }
 
 impl std::fmt::Debug for IbalBusDevice {
@@ -342,6 +415,11 @@ impl IbalBusDevice {
     /// The child list as last read (entries and refusals).
     pub fn child_list(&self) -> ChildList {
         lock(&self.list).clone()
+    }
+
+    /// The access layer over the bound CA, while it is bound.
+    pub fn access_layer(&self) -> Option<Arc<SimAccessLayer>> {
+        lock(&self.al).clone()
     }
 
     /// How many CA callbacks arrived.
@@ -398,6 +476,11 @@ impl IbalBusDevice {
             return;
         }
         *lock(&self.binding) = Binding::Bound(bound.clone());
+        // The access layer before the children: their AL interface serves
+        // from it.
+        let al = Arc::new(SimAccessLayer::new(bound.ci().clone(), bound.ca_handle()));
+        *lock(&self.events.al) = Arc::downgrade(&al);
+        *lock(&self.al) = Some(al);
         self.report_children(&bound);
     }
 
@@ -486,9 +569,14 @@ impl DeviceCallbacks for IbalBusDevice {
             interface.dereference();
             return NtStatus::INVALID_DEVICE_STATE;
         }
+        let Some(verifier) = self.host.verifier() else {
+            interface.dereference();
+            return NtStatus::INVALID_DEVICE_STATE;
+        };
         let ci = Arc::new(SimCi {
             interface: Mutex::new(Some(Arc::new(interface))),
             version,
+            verifier,
         });
         *lock(&self.binding) = Binding::Queried(ci);
         SUCCESS
@@ -507,7 +595,24 @@ impl DeviceCallbacks for IbalBusDevice {
         self.send_port_query();
     }
 
+    /// A stop (resource rebalance) would close the CA under open AL
+    /// clients: vetoed while any is open.
+    fn query_stop(&self) -> NtStatus {
+        match self.access_layer() {
+            Some(al) if al.open_clients() != 0 => NtStatus::DEVICE_BUSY,
+            _ => SUCCESS,
+        }
+    }
+
     fn release_hardware(&self) -> NtStatus {
+        // The access layer goes first: no client call reaches the CA once
+        // it is closed. PnP removed the children first, and their drivers
+        // closed their clients on the way; one still open (a client that
+        // ignored its own removal) finds every call refused from now on.
+        // The access layer is dropped with the last of its in-flight
+        // completions.
+        *lock(&self.events.al) = Weak::new();
+        drop(lock(&self.al).take());
         let binding = std::mem::replace(&mut *lock(&self.binding), Binding::Idle);
         // The children stay (a KMDF child list lives as long as its
         // device): after a restart the list read again is reconciled
@@ -545,9 +650,22 @@ impl DeviceCallbacks for IbalBusDevice {
             .iter()
             .find(|c| c.instance_id() == child.instance_id)
             .cloned()?;
+        let verifier = self.host.verifier()?;
+        let interface = Arc::new(AlPortInterface {
+            data: PortInterfaceData {
+                ca_guid: port.ca_guid,
+                port_guid: port.port_guid,
+                port: port.port_num,
+                pkey: port.pkey,
+            },
+            al: self.al.clone(),
+            verifier,
+            opened: Mutex::default(),
+        });
         Some(Arc::new(PortChildPdo {
             port,
             parent: self.host.clone(),
+            interface,
         }))
     }
 
@@ -578,6 +696,8 @@ pub struct PortChildPdo {
     /// The filter's device on the HCA stack: where the bus interface is
     /// queried.
     parent: DeviceServices,
+    /// The AL interface it answers with, and serves its IOCTLs through.
+    interface: Arc<AlPortInterface>,
 }
 
 impl std::fmt::Debug for PortChildPdo {
@@ -593,6 +713,11 @@ impl PortChildPdo {
     pub fn port(&self) -> &PortChild {
         &self.port
     }
+
+    /// The AL interface this child answers with.
+    pub fn al_interface(&self) -> &Arc<AlPortInterface> {
+        &self.interface
+    }
 }
 
 impl DeviceCallbacks for PortChildPdo {
@@ -600,7 +725,19 @@ impl DeviceCallbacks for PortChildPdo {
     /// PCI PDO answers it: `IoGetDmaAdapter` on the child gets the HCA's
     /// own adapter. The filter's reference on the HCA's stack is given
     /// back at once; the consumer's is counted against the child.
+    /// `GUID_IB_AL_INTERFACE` is answered here, at [`AL_INTERFACE_VERSION`]
+    /// when asked at it or above (the closest not above the one asked, as
+    /// the CI is), with the child's [`AlPortInterface`]: the consumer's
+    /// reference is counted against this child's devnode.
     fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {
+        if *guid == GUID_IB_AL_INTERFACE {
+            return (AL_INTERFACE_VERSION.packed() <= version).then(|| ProvidedInterface {
+                version: AL_INTERFACE_VERSION.packed(),
+                // An `Arc<AlPortInterface>`, so the consumer can keep it
+                // in its own routines while it holds the reference.
+                object: Arc::new(self.interface.clone()) as Arc<dyn std::any::Any + Send + Sync>,
+            });
+        }
         if *guid != GUID_BUS_INTERFACE_STANDARD {
             return None;
         }
@@ -608,5 +745,229 @@ impl DeviceCallbacks for PortChildPdo {
         let provided = parent.forward();
         parent.dereference();
         Some(provided)
+    }
+
+    /// The IOCTL path: an internal device-control request carrying an AL
+    /// verb, served by the same `submit` as the interface's.
+    fn io_request(&self, _lower: &dyn Forward, req: HostRequest) {
+        self.interface.serve_request(req);
+    }
+}
+
+/// The reference on a client's driver object the AL holds while the
+/// client is open (`ObReferenceObject` on its driver or device object):
+/// counted in the host's driver record
+/// (`PnpManager::driver_references`), so unloading the client's driver
+/// while the AL holds it is the verifier's `UnloadWhileReferenced`.
+/// Dropping it dereferences.
+#[derive(Debug)]
+pub struct DriverObjectReference(Arc<AtomicUsize>);
+
+impl DriverObjectReference {
+    /// Takes a reference on the counter of a driver's objects.
+    pub fn new(references: Arc<AtomicUsize>) -> Self {
+        references.fetch_add(1, Ordering::AcqRel);
+        Self(references)
+    }
+}
+
+impl Drop for DriverObjectReference {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// An open client of the AL as it holds it: its identity and its handle of
+/// the CA (the target of `QueryCa`, `AllocPd`, `CreateCq`, `CreateQp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AlClient {
+    id: ClientId,
+    ca: u64,
+}
+
+impl AlClient {
+    /// The client's identity in the AL.
+    pub fn id(&self) -> ClientId {
+        self.id
+    }
+
+    /// The client's handle of the CA.
+    pub fn ca_handle(&self) -> u64 {
+        self.ca
+    }
+}
+
+/// The AL interface one port child answers `GUID_IB_AL_INTERFACE` with
+/// (the sim form of `ib_types::interface::AlInterface`): the child's port
+/// data and the access layer's entry points over its HCA's CA. Every
+/// routine runs as the filter's code, whoever calls it; without a bound
+/// CA (before the bind, after release-hardware) each refuses with
+/// `InvalidState` / `STATUS_INVALID_DEVICE_STATE`, a request completed.
+pub struct AlPortInterface {
+    data: PortInterfaceData,
+    al: AlSlot,
+    verifier: Verifier,
+    /// The clients opened through this interface: the only ones requests
+    /// on this child's IOCTL path may act for.
+    opened: Mutex<Vec<ClientId>>,
+}
+
+impl std::fmt::Debug for AlPortInterface {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlPortInterface")
+            .field("data", &self.data)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AlPortInterface {
+    /// Runs `routine` as the filter's code on the access layer, if the CA
+    /// is bound.
+    fn with_al<R>(&self, routine: impl FnOnce(&Arc<SimAccessLayer>) -> R) -> Option<R> {
+        let al = lock(&self.al).clone()?;
+        let _filter = context::enter(Context::driver(self.verifier.clone(), SERVICE));
+        Some(routine(&al))
+    }
+
+    /// The interface-specific data: CA GUID, port GUID, port number and
+    /// the P_Key the child was made for.
+    pub fn port_data(&self) -> PortInterfaceData {
+        self.data
+    }
+
+    /// Opens the AL for a client: the AL holds `reference` (its driver or
+    /// device object's, e.g. a [`DriverObjectReference`]) until no
+    /// callback can follow, and calls `events`. DISPATCH_LEVEL or below.
+    pub fn open(
+        &self,
+        reference: ClientReference,
+        events: Arc<dyn ClientEvents>,
+    ) -> Result<AlClient, IbStatus> {
+        let client = self
+            .with_al(|al| {
+                let id = al.open(reference, events)?;
+                let ca = al.ca_handle(id).ok_or(IbStatus::InvalidAlHandle)?;
+                Ok(AlClient { id, ca })
+            })
+            .unwrap_or(Err(IbStatus::InvalidState))?;
+        lock(&self.opened).push(client.id);
+        Ok(client)
+    }
+
+    /// Closes a client (PASSIVE_LEVEL; `AccessLayer::close`): refused with
+    /// `ResourceBusy` while it owns objects or has requests in flight;
+    /// waits on `drained` for callbacks in flight. After release-hardware
+    /// the client is gone with the access layer: `Ok`.
+    pub fn close(&self, client: AlClient, drained: Arc<dyn Event>) -> Result<(), IbStatus> {
+        if let Some(result) = self.with_al(|al| al.close(client.id, &IrqlTracker, drained)) {
+            result?;
+        }
+        lock(&self.opened).retain(|id| *id != client.id);
+        Ok(())
+    }
+
+    /// Sends one control-verb request in the `ib_types::ioctl` framing
+    /// (`AccessLayer::submit`): completed exactly once, at once when
+    /// refused, else when the CA answers (a create's new handle in the
+    /// information field). The request becomes the filter's.
+    /// DISPATCH_LEVEL or below; never blocks.
+    pub fn submit(&self, client: AlClient, mut request: HostRequest) -> NtStatus {
+        request.set_owner(Some(SERVICE.into()));
+        let mut request = Some(request);
+        let submitted =
+            self.with_al(|al| al.submit(client.id, request.take().expect("submitted once")));
+        match (submitted, request) {
+            (Some(status), _) => status,
+            (None, Some(request)) => {
+                let _filter = context::enter(Context::driver(self.verifier.clone(), SERVICE));
+                request.complete(NtStatus::INVALID_DEVICE_STATE, 0);
+                NtStatus::INVALID_DEVICE_STATE
+            }
+            (None, None) => NtStatus::INVALID_DEVICE_STATE,
+        }
+    }
+
+    /// [`Self::submit`] and a wait for `completed`, which the caller
+    /// arranged to be set when the request completes. PASSIVE_LEVEL only:
+    /// above it the request comes back unsubmitted in `Err` (boxed).
+    pub fn submit_and_wait(
+        &self,
+        client: AlClient,
+        request: HostRequest,
+        completed: &dyn Event,
+    ) -> Result<NtStatus, Box<HostRequest>> {
+        if sim_host::irql::current() != driver_platform::Irql::PASSIVE {
+            return Err(Box::new(request));
+        }
+        let status = self.submit(client, request);
+        completed.wait();
+        Ok(status)
+    }
+
+    /// Posts send WRs to the client's QP (a UD WR's AV is the client's
+    /// handle). Direct call, DISPATCH_LEVEL.
+    pub fn post_send(&self, client: AlClient, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
+        self.with_al(|al| al.post_send(client.id, qp, wrs))
+            .unwrap_or((0, IbStatus::InvalidState))
+    }
+
+    /// Posts receive WRs to the client's QP. Direct call.
+    pub fn post_recv(&self, client: AlClient, qp: u64, wrs: &[RecvWr<'_>]) -> (usize, IbStatus) {
+        self.with_al(|al| al.post_recv(client.id, qp, wrs))
+            .unwrap_or((0, IbStatus::InvalidState))
+    }
+
+    /// Polls the client's CQ. Direct call.
+    pub fn poll_cq(
+        &self,
+        client: AlClient,
+        cq: u64,
+        wcs: &mut [WorkCompletion],
+    ) -> Result<usize, IbStatus> {
+        self.with_al(|al| al.poll_cq(client.id, cq, wcs))
+            .unwrap_or(Err(IbStatus::InvalidState))
+    }
+
+    /// Arms the client's CQ for one completion event. Direct call.
+    pub fn arm_cq(&self, client: AlClient, cq: u64, notify: CqNotify) -> Result<(), IbStatus> {
+        self.with_al(|al| al.arm_cq(client.id, cq, notify))
+            .unwrap_or(Err(IbStatus::InvalidState))
+    }
+
+    /// The IOCTL path (the child's `io_request`, the filter's code): an
+    /// internal device-control request is kernel-only
+    /// (`STATUS_INVALID_DEVICE_REQUEST` from user mode); the client is the
+    /// one whose tag the header's handle carries, among the clients opened
+    /// through this child (`STATUS_INVALID_HANDLE` otherwise, and
+    /// `STATUS_INVALID_PARAMETER` without a header); then
+    /// `AccessLayer::submit`, which checks the handle itself.
+    fn serve_request(&self, request: HostRequest) {
+        if request.requestor_mode() != RequestorMode::Kernel {
+            request.complete(NtStatus::INVALID_DEVICE_REQUEST, 0);
+            return;
+        }
+        let Some(header) = request.input().get(..8) else {
+            request.complete(NtStatus::INVALID_PARAMETER, 0);
+            return;
+        };
+        let mut handle = [0; 8];
+        handle.copy_from_slice(header);
+        let handle = u64::from_le_bytes(handle);
+        let client = lock(&self.opened)
+            .iter()
+            .copied()
+            .find(|id| id.owns(handle));
+        let Some(id) = client else {
+            request.complete(NtStatus::INVALID_HANDLE, 0);
+            return;
+        };
+        let mut request = Some(request);
+        if self
+            .with_al(|al| al.submit(id, request.take().expect("submitted once")))
+            .is_none()
+            && let Some(request) = request
+        {
+            request.complete(NtStatus::INVALID_DEVICE_STATE, 0);
+        }
     }
 }

@@ -35,13 +35,18 @@ impl<T> HandleTable<T> {
         }
     }
 
+    /// The tag a handle carries: the client it was given to.
+    pub(crate) fn tag_of(handle: u64) -> u16 {
+        (handle >> 48) as u16
+    }
+
     fn handle(&self, slot: u32, generation: u16) -> u64 {
         (u64::from(self.tag) << 48) | (u64::from(generation) << 32) | (u64::from(slot) + 1)
     }
 
     /// The slot a handle names, if it is this table's and live.
     fn slot_of(&self, handle: u64) -> Option<usize> {
-        let tag = (handle >> 48) as u16;
+        let tag = Self::tag_of(handle);
         let generation = (handle >> 32) as u16;
         let slot = (handle as u32).checked_sub(1)? as usize;
         let entry = self.slots.get(slot)?;

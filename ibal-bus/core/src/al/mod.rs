@@ -86,6 +86,15 @@ pub type ClientReference = Box<dyn Any + Send + Sync>;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ClientId(u16);
 
+impl ClientId {
+    /// Whether `handle` carries this client's tag: how a shell tells which
+    /// client a request naming the handle comes from (the AL still checks
+    /// the handle itself against the client's table).
+    pub fn owns(self, handle: u64) -> bool {
+        HandleTable::<Object>::tag_of(handle) == self.0
+    }
+}
+
 /// A kernel object of a client: the CA's handle for it and what it
 /// depends on.
 #[derive(Debug)]
@@ -310,6 +319,12 @@ where
             },
         );
         Ok(ClientId(tag))
+    }
+
+    /// How many clients are open (closing ones included): a shell's
+    /// check before it lets the CA go.
+    pub fn open_clients(&self) -> usize {
+        self.state.lock().clients.len()
     }
 
     /// The client's handle of the CA (the target of `QueryCa`, `AllocPd`,
