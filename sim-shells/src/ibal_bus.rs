@@ -55,7 +55,12 @@
 //! - the CA callbacks (`ci::CaEvents`): counted ([`IbalBusDevice::ca_events`]);
 //!   the access layer that will deliver them to clients is not built.
 //! - the filter's queue is not power-managed (KMDF's default for a
-//!   filter); requests pass down unchanged.
+//!   filter); kernel requests pass down unchanged.
+//! - the user-mode proxy ([`crate::ibal_proxy`]): add-device assigns the
+//!   stack's security descriptor and registers the device interface,
+//!   self-managed I/O init enables it and release-hardware disables it;
+//!   `file_create`, `file_cleanup` and `io_in_caller_context` delegate to
+//!   it (user requests judged per open before they go down).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -243,7 +248,7 @@ enum Binding {
 /// The driver: the CA registry shared by its devices, and the devices.
 pub struct IbalBusDriver {
     registry: Arc<Mutex<CaRegistry<SimCi>>>,
-    devices: Mutex<Vec<Arc<IbalBusDevice>>>,
+    devices: Arc<Mutex<Vec<Arc<IbalBusDevice>>>>,
 }
 
 impl std::fmt::Debug for IbalBusDriver {
@@ -258,7 +263,7 @@ impl IbalBusDriver {
     pub fn register(host: &Host) -> Arc<Self> {
         let driver = Arc::new(Self {
             registry: Arc::default(),
-            devices: Mutex::default(),
+            devices: Arc::default(),
         });
         host.register_driver(SERVICE, driver.clone());
         driver
@@ -292,6 +297,18 @@ impl DriverEntry for IbalBusDriver {
         if init.role != StackRole::UpperFilter {
             return Err(NtStatus::INVALID_DEVICE_REQUEST);
         }
+        // The proxy's administrator IOCTL changes the driver-wide list:
+        // every device reconciles, as after a registry notification.
+        let devices = Arc::downgrade(&self.devices);
+        let reconcile: crate::ibal_proxy::Reconcile = Arc::new(move || {
+            let all = devices
+                .upgrade()
+                .map(|d| lock(&d).clone())
+                .unwrap_or_default();
+            for device in all {
+                device.registry_changed();
+            }
+        });
         let device = Arc::new_cyclic(|me| IbalBusDevice {
             me: me.clone(),
             host: host.clone(),
@@ -300,6 +317,7 @@ impl DriverEntry for IbalBusDriver {
             list: Mutex::default(),
             children: Mutex::default(),
             events: Arc::default(),
+            proxy: crate::ibal_proxy::IbalProxy::new(host.clone(), reconcile),
         });
         lock(&self.devices).push(device.clone());
         Ok(device)
@@ -315,6 +333,8 @@ pub struct IbalBusDevice {
     list: Mutex<ChildList>,
     children: Mutex<ChildSet>,
     events: Arc<FilterEvents>,
+    /// The user-mode proxy (`crate::ibal_proxy`).
+    proxy: crate::ibal_proxy::IbalProxy,
 }
 
 impl std::fmt::Debug for IbalBusDevice {
@@ -342,6 +362,11 @@ impl IbalBusDevice {
     /// The child list as last read (entries and refusals).
     pub fn child_list(&self) -> ChildList {
         lock(&self.list).clone()
+    }
+
+    /// The user-mode proxy of this HCA.
+    pub fn proxy(&self) -> &crate::ibal_proxy::IbalProxy {
+        &self.proxy
     }
 
     /// How many CA callbacks arrived.
@@ -505,9 +530,23 @@ impl DeviceCallbacks for IbalBusDevice {
 
     fn self_managed_io_init(&self) {
         self.send_port_query();
+        self.proxy.started();
+    }
+
+    fn file_create(&self, file: &sim_host::file::FileObject) -> NtStatus {
+        self.proxy.file_create(file)
+    }
+
+    fn file_cleanup(&self, file: &sim_host::file::FileObject) {
+        self.proxy.file_cleanup(file);
+    }
+
+    fn io_in_caller_context(&self, req: HostRequest) -> Option<HostRequest> {
+        self.proxy.in_caller_context(req)
     }
 
     fn release_hardware(&self) -> NtStatus {
+        self.proxy.stopped();
         let binding = std::mem::replace(&mut *lock(&self.binding), Binding::Idle);
         // The children stay (a KMDF child list lives as long as its
         // device): after a restart the list read again is reconciled
