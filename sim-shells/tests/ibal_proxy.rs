@@ -8,7 +8,8 @@
 //! to a standard user and applied for an administrator; an open the
 //! stack's security descriptor denies; a process dying with objects open
 //! leaving nothing locked, mapped or alive; requests sent while the HCA
-//! sleeps completed after resume. Every test ends with the host shut down
+//! sleeps completed after resume; a surprise-removed HCA losing its
+//! interface while the other keeps serving. Every test ends with the host shut down
 //! and the verifier report empty.
 #![cfg(not(windows))]
 
@@ -589,5 +590,38 @@ fn requests_a_process_sends_while_the_hca_sleeps_complete_after_resume() {
         NtStatus::SUCCESS
     );
     h.close();
+    w.finish();
+}
+
+#[test]
+fn a_surprise_removed_hca_loses_its_interface_and_its_opens_fail_while_the_other_keeps_working() {
+    let w = World::new(39);
+    let [gone, kept] = <[DevNodeId; 2]>::try_from(w.interfaces()).unwrap();
+    let process = Process::new(51);
+    let (h_gone, h_kept) = (w.open(&process, gone), w.open(&process, kept));
+    let (ca_gone, ca_kept) = (open_ca(&w, &h_gone), open_ca(&w, &h_kept));
+    let wait = send::<v::GetAsyncEvent>(&h_gone, ca_gone, &Empty, 0);
+    w.settle();
+    assert!(!wait.is_done());
+
+    w.host.pnp().surprise_remove(gone);
+    w.settle();
+    assert_eq!(w.interfaces(), [kept], "only the HCA still present");
+    let ended = wait.completion().expect("the wait ended at removal");
+    assert!(!ended.status.is_success());
+    // A request on the removed HCA's open fails; the other HCA serves.
+    let c = w.verb::<v::AllocPd>(&h_gone, ca_gone, &Empty);
+    assert!(!c.status.is_success());
+    let pd = alloc_pd(&w, &h_kept, ca_kept);
+    assert_eq!(
+        w.verb::<v::DeallocPd>(&h_kept, pd, &Empty).status,
+        NtStatus::SUCCESS
+    );
+    // The process exits: nothing stays locked or mapped anywhere.
+    drop((h_gone, h_kept));
+    assert_eq!(w.host.pnp().exit_process(&process), 0);
+    w.settle();
+    assert_eq!(process.space().device_mapping_count(), 0);
+    assert_eq!(w.hca(kept).user_context_count(), 0);
     w.finish();
 }
