@@ -63,7 +63,12 @@
 //!   and forwarded to the access layer, which routes them to the owning
 //!   client.
 //! - the filter's queue is not power-managed (KMDF's default for a
-//!   filter); requests pass down unchanged.
+//!   filter); kernel requests pass down unchanged.
+//! - the user-mode proxy ([`crate::ibal_proxy`]): add-device assigns the
+//!   stack's security descriptor and registers the device interface,
+//!   self-managed I/O init enables it and release-hardware disables it;
+//!   `file_create`, `file_cleanup` and `io_in_caller_context` delegate to
+//!   it (user requests judged per open before they go down).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -313,7 +318,7 @@ enum Binding {
 /// The driver: the CA registry shared by its devices, and the devices.
 pub struct IbalBusDriver {
     registry: Arc<Mutex<CaRegistry<SimCi>>>,
-    devices: Mutex<Vec<Arc<IbalBusDevice>>>,
+    devices: Arc<Mutex<Vec<Arc<IbalBusDevice>>>>,
 }
 
 impl std::fmt::Debug for IbalBusDriver {
@@ -328,7 +333,7 @@ impl IbalBusDriver {
     pub fn register(host: &Host) -> Arc<Self> {
         let driver = Arc::new(Self {
             registry: Arc::default(),
-            devices: Mutex::default(),
+            devices: Arc::default(),
         });
         host.register_driver(SERVICE, driver.clone());
         driver
@@ -362,6 +367,18 @@ impl DriverEntry for IbalBusDriver {
         if init.role != StackRole::UpperFilter {
             return Err(NtStatus::INVALID_DEVICE_REQUEST);
         }
+        // The proxy's administrator IOCTL changes the driver-wide list:
+        // every device reconciles, as after a registry notification.
+        let devices = Arc::downgrade(&self.devices);
+        let reconcile: crate::ibal_proxy::Reconcile = Arc::new(move || {
+            let all = devices
+                .upgrade()
+                .map(|d| lock(&d).clone())
+                .unwrap_or_default();
+            for device in all {
+                device.registry_changed();
+            }
+        });
         let device = Arc::new_cyclic(|me| IbalBusDevice {
             me: me.clone(),
             host: host.clone(),
@@ -371,6 +388,7 @@ impl DriverEntry for IbalBusDriver {
             children: Mutex::default(),
             events: Arc::default(),
             al: AlSlot::default(),
+            proxy: crate::ibal_proxy::IbalProxy::new(host.clone(), reconcile),
         });
         lock(&self.devices).push(device.clone());
         Ok(device)
@@ -388,6 +406,8 @@ pub struct IbalBusDevice {
     events: Arc<FilterEvents>,
     /// The access layer while the CA is bound.
     al: AlSlot,
+    /// The user-mode proxy (`crate::ibal_proxy`).
+    proxy: crate::ibal_proxy::IbalProxy,
 }
 
 impl std::fmt::Debug for IbalBusDevice {
@@ -420,6 +440,11 @@ impl IbalBusDevice {
     /// The access layer over the bound CA, while it is bound.
     pub fn access_layer(&self) -> Option<Arc<SimAccessLayer>> {
         lock(&self.al).clone()
+    }
+
+    /// The user-mode proxy of this HCA.
+    pub fn proxy(&self) -> &crate::ibal_proxy::IbalProxy {
+        &self.proxy
     }
 
     /// How many CA callbacks arrived.
@@ -593,6 +618,19 @@ impl DeviceCallbacks for IbalBusDevice {
 
     fn self_managed_io_init(&self) {
         self.send_port_query();
+        self.proxy.started();
+    }
+
+    fn file_create(&self, file: &sim_host::file::FileObject) -> NtStatus {
+        self.proxy.file_create(file)
+    }
+
+    fn file_cleanup(&self, file: &sim_host::file::FileObject) {
+        self.proxy.file_cleanup(file);
+    }
+
+    fn io_in_caller_context(&self, req: HostRequest) -> Option<HostRequest> {
+        self.proxy.in_caller_context(req)
     }
 
     /// A stop (resource rebalance) would close the CA under open AL
@@ -613,6 +651,7 @@ impl DeviceCallbacks for IbalBusDevice {
         // completions.
         *lock(&self.events.al) = Weak::new();
         drop(lock(&self.al).take());
+        self.proxy.stopped();
         let binding = std::mem::replace(&mut *lock(&self.binding), Binding::Idle);
         // The children stay (a KMDF child list lives as long as its
         // device): after a restart the list read again is reconciled

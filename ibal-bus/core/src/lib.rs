@@ -21,8 +21,12 @@
 //!   translated both ways, the direct post/poll/arm calls, events to the
 //!   owning client.
 //!
+//! - [`proxy`]: the user-mode proxy's per-open handle tables and the
+//!   hostile-input policy every user request passes before it goes down
+//!   to the miniport's user request path.
+//!
 //! Not built yet: the access layer in the shells, the AL interface on the
-//! children, the user-mode proxy (see docs/ibal-bus.md).
+//! children (see docs/ibal-bus.md).
 
 #![cfg_attr(not(test), no_std)]
 #![forbid(unsafe_code)]
@@ -33,3 +37,4 @@ pub mod al;
 pub mod ca_registry;
 pub mod children;
 pub mod ci;
+pub mod proxy;
