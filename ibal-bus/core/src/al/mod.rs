@@ -5,9 +5,12 @@
 //!   reference object (the client's device or driver object reference,
 //!   dropped = dereferenced) and its callbacks; the AL holds the reference
 //!   until no callback can follow. [`AccessLayer::close`] is PASSIVE_LEVEL:
-//!   it stops new callbacks and waits on the caller's event until those in
-//!   flight have left (bounded: a callback runs at DISPATCH_LEVEL and may
-//!   not block), then drops the reference.
+//!   it refuses the client's new requests and stops new callbacks, waits on
+//!   the caller's event for its requests in flight, destroys what it left
+//!   open through the CA in dependency order (QPs, AVs and MRs, CQs, PDs;
+//!   a destroy the CA refuses leaves an [`Orphan`], never a silent leak),
+//!   waits for callbacks in flight (bounded: a callback runs at
+//!   DISPATCH_LEVEL and may not block), then drops the reference.
 //! - **Handles.** Each client has its own generation-checked table
 //!   (module `handles`); a record maps the client's handle to the CA's. A handle
 //!   of another client, of a destroyed object or of the wrong kind is
@@ -40,7 +43,11 @@ use driver_platform::{Event, Irql, IrqlQuery, Request};
 use ib_types::cq::CqNotify;
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::CqHandle;
-use ib_types::ioctl::{IoctlCode, ObjectKind, REQUEST_HEADER_SIZE, RESPONSE_HEADER_SIZE, VerbId};
+use ib_types::ioctl::{
+    DeallocPd, DeregMr, DestroyAv, DestroyCq, DestroyQp, Empty, IoctlCode, ObjectKind,
+    REQUEST_HEADER_SIZE, RESPONSE_HEADER_SIZE, Verb, VerbId, encode_request, request_len,
+    response_len,
+};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendWr};
@@ -112,12 +119,40 @@ struct Client {
     drained: Option<Arc<dyn Event>>,
 }
 
+/// An object a closed client left that the CA refused to destroy (or that
+/// holds one that was refused, so its destroy was not sent): kept by the
+/// AL rather than dropped, so the leak is visible
+/// ([`AccessLayer::orphans`]) and the CA's handle known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Orphan {
+    /// What it is.
+    pub kind: ObjectKind,
+    /// The CA's handle of it.
+    pub ca_handle: u64,
+    /// Why it is left: the CA's answer to its destroy, or
+    /// [`IbStatus::ResourceBusy`] for one an orphan still uses.
+    pub status: IbStatus,
+}
+
+impl Client {
+    /// The caller's event of a closing client once nothing of it is in
+    /// flight (no request, no destroy, no callback): whoever made it so
+    /// sets it, outside the lock.
+    fn drained_if_quiet(&self) -> Option<Arc<dyn Event>> {
+        (self.closing && self.requests_in_flight == 0 && self.callbacks_in_flight == 0)
+            .then(|| self.drained.clone())
+            .flatten()
+    }
+}
+
 struct State {
     clients: BTreeMap<u16, Client>,
     /// The owner of each CA handle of a QP, CQ or SRQ, for routing events:
     /// (kind code, CA handle) to (client, client handle).
     owners: BTreeMap<(u8, u64), (u16, u64)>,
     next_tag: u16,
+    /// What closed clients left that the CA would not destroy.
+    orphans: Vec<Orphan>,
 }
 
 impl State {
@@ -136,7 +171,8 @@ impl State {
 pub struct AccessLayer<L: RawMutex, C: CiRequests> {
     ci: Arc<C>,
     ca: u64,
-    state: Mutex<L, State>,
+    /// Shared with the completions of the destroys `close` sends.
+    state: Arc<Mutex<L, State>>,
 }
 
 impl<L: RawMutex, C: CiRequests> fmt::Debug for AccessLayer<L, C> {
@@ -236,6 +272,103 @@ fn release_parents(table: &mut HandleTable<Object>, parents: &[u64]) {
     }
 }
 
+/// The order `close` destroys a client's objects in: each tier only after
+/// everything of the tier before is gone (QPs use CQs and the PD; AVs and
+/// MRs the PD).
+const TEARDOWN_ORDER: [&[ObjectKind]; 4] = [
+    &[ObjectKind::Qp],
+    &[ObjectKind::Av, ObjectKind::Mr],
+    &[ObjectKind::Cq],
+    &[ObjectKind::Pd],
+];
+
+/// A destroy request of verb `V` on the CA's `ca_handle`: its code, input
+/// and output length.
+fn framed_destroy<V: Verb<In = Empty>>(ca_handle: u64) -> Option<(u32, Vec<u8>, usize)> {
+    let mut input = alloc::vec![0; request_len::<V>(0)?];
+    encode_request::<V>(ca_handle, &Empty, &[], 0, &mut input).ok()?;
+    Some((V::ID.ioctl().raw(), input, response_len::<V>(0)?))
+}
+
+/// The destroy request of an object of `kind` (the kinds the AL hands out).
+fn destroy_request(kind: ObjectKind, ca_handle: u64) -> Option<(u32, Vec<u8>, usize)> {
+    match kind {
+        ObjectKind::Qp => framed_destroy::<DestroyQp>(ca_handle),
+        ObjectKind::Av => framed_destroy::<DestroyAv>(ca_handle),
+        ObjectKind::Mr => framed_destroy::<DeregMr>(ca_handle),
+        ObjectKind::Cq => framed_destroy::<DestroyCq>(ca_handle),
+        ObjectKind::Pd => framed_destroy::<DeallocPd>(ca_handle),
+        _ => None,
+    }
+}
+
+/// Keeps a record a closing client's table gave up as an orphan; it no
+/// longer routes events (its owner is gone).
+fn orphan(
+    owners: &mut BTreeMap<(u8, u64), (u16, u64)>,
+    orphans: &mut Vec<Orphan>,
+    object: Object,
+    status: IbStatus,
+) {
+    owners.remove(&(kind_code(object.kind), object.ca_handle));
+    orphans.push(Orphan {
+        kind: object.kind,
+        ca_handle: object.ca_handle,
+        status,
+    });
+}
+
+/// The CA answered a destroy `close` sent for the closing client `tag`'s
+/// object `handle`: the record goes (its parents released), or, refused,
+/// becomes an orphan with the CA's status and keeps its parents in use.
+fn teardown_done<L: RawMutex>(
+    state: &Mutex<L, State>,
+    tag: u16,
+    handle: u64,
+    status: NtStatus,
+    output: &[u8],
+) {
+    let answered = (output.len() >= RESPONSE_HEADER_SIZE)
+        .then(|| IbStatus::try_from(read_u32(output, 0)).unwrap_or(IbStatus::GenericError));
+    let refusal = match answered {
+        _ if !status.is_success() => Some(
+            answered
+                .filter(|ib| ib.is_error())
+                .unwrap_or(IbStatus::from_ntstatus(status)),
+        ),
+        Some(IbStatus::Success) => None,
+        Some(other) => Some(other),
+        None => Some(IbStatus::GenericError),
+    };
+    let drained = {
+        let mut state = state.lock();
+        let State {
+            clients,
+            owners,
+            orphans,
+            ..
+        } = &mut *state;
+        let Some(entry) = clients.get_mut(&tag) else {
+            // Unreachable: close waits for its destroys.
+            return;
+        };
+        entry.requests_in_flight -= 1;
+        if let Some(object) = entry.table.remove(handle) {
+            match refusal {
+                None => {
+                    owners.remove(&(kind_code(object.kind), object.ca_handle));
+                    release_parents(&mut entry.table, &object.parents);
+                }
+                Some(reason) => orphan(owners, orphans, object, reason),
+            }
+        }
+        entry.drained_if_quiet()
+    };
+    if let Some(drained) = drained {
+        drained.set();
+    }
+}
+
 /// A request the AL accepted and sent on: what its completion needs.
 struct InFlight {
     tag: u16,
@@ -260,11 +393,12 @@ where
         Self {
             ci,
             ca,
-            state: Mutex::new(State {
+            state: Arc::new(Mutex::new(State {
                 clients: BTreeMap::new(),
                 owners: BTreeMap::new(),
                 next_tag: 1,
-            }),
+                orphans: Vec::new(),
+            })),
         }
     }
 
@@ -322,13 +456,29 @@ where
             .map(|c| c.ca_handle)
     }
 
-    /// Closes the client: refused with [`IbStatus::ResourceBusy`] while it
-    /// owns objects or has requests in flight (it destroys them first),
-    /// with [`IbStatus::InvalidState`] above PASSIVE_LEVEL (`irql` says),
-    /// nothing changed. Otherwise no new callback starts; if some are in
-    /// flight, it waits on `drained` (cleared here, set by the last one to
-    /// leave), which is bounded because callbacks may not block. Then the
-    /// reference is released and the client is gone.
+    /// Closes the client, destroying what it left open (process death, a
+    /// client that unloads without cleaning up). PASSIVE_LEVEL: refused with
+    /// [`IbStatus::InvalidState`] above it (`irql` says), nothing changed;
+    /// [`IbStatus::InvalidAlHandle`] for a client not open (or already
+    /// closing).
+    ///
+    /// From the call on, the client's new requests and direct calls are
+    /// refused with [`IbStatus::InvalidAlHandle`] and no new callback
+    /// starts. Then, each wait on `drained` (cleared here, set by whoever
+    /// leaves last; bounded, as requests complete when the CA answers and
+    /// callbacks may not block):
+    /// 1. requests in flight complete to the client as the CA answers them
+    ///    (a create that succeeds is recorded, and destroyed below);
+    /// 2. its objects are destroyed through the CA, one control request
+    ///    each as [`Self::submit`] sends, tier by tier in dependency
+    ///    order: QPs, then AVs and MRs, then CQs, then PDs;
+    /// 3. callbacks in flight have left.
+    ///
+    /// A destroy the CA refuses does not drop the record silently: it
+    /// becomes an [`Orphan`] of the AL with the CA's status (and what it
+    /// still uses, e.g. its PD, too, with [`IbStatus::ResourceBusy`],
+    /// unsent). The client is closed regardless: its reference is released
+    /// and `Ok` returned.
     pub fn close(
         &self,
         client: ClientId,
@@ -338,26 +488,103 @@ where
         if irql.current_irql() != Irql::PASSIVE {
             return Err(IbStatus::InvalidState);
         }
-        let must_wait = {
+        {
             let mut state = self.state.lock();
             let entry = state.open_client(client)?;
-            // The CA record is the one object a client always has.
-            if entry.table.len() > 1 || entry.requests_in_flight != 0 {
-                return Err(IbStatus::ResourceBusy);
-            }
             entry.closing = true;
-            drained.clear();
             entry.drained = Some(drained.clone());
-            entry.callbacks_in_flight != 0
-        };
-        if must_wait {
-            drained.wait();
+        }
+        self.wait_until_quiet(client.0, &*drained);
+        for tier in TEARDOWN_ORDER {
+            let destroys = self.start_teardown(client.0, tier);
+            for (handle, ioctl, input, output_len) in destroys {
+                let state = Arc::clone(&self.state);
+                let tag = client.0;
+                let done: CaCompletion = Box::new(move |status, output| {
+                    teardown_done(&state, tag, handle, status, output);
+                });
+                let ca_request = self.ci.control_request(ioctl, input, output_len, done);
+                self.ci.submit(ca_request);
+            }
+            self.wait_until_quiet(client.0, &*drained);
         }
         let removed = self.state.lock().clients.remove(&client.0);
         // Dropping the reference outside the lock: its release may run
         // the client's cleanup.
         drop(removed.and_then(|mut c| c.reference.take()));
         Ok(())
+    }
+
+    /// Waits on `drained` until the closing client `tag` has no request,
+    /// destroy or callback in flight. A set left over from an earlier wait
+    /// only wakes it early to look again; a set that matters comes after
+    /// the clear, which is made under the lock the setter decides under.
+    fn wait_until_quiet(&self, tag: u16, drained: &dyn Event) {
+        loop {
+            {
+                let state = self.state.lock();
+                let Some(entry) = state.clients.get(&tag) else {
+                    return;
+                };
+                if entry.requests_in_flight == 0 && entry.callbacks_in_flight == 0 {
+                    return;
+                }
+                drained.clear();
+            }
+            drained.wait();
+        }
+    }
+
+    /// Picks the closing client's objects of the kinds in `tier`: each one
+    /// something still uses (a dependent an orphan kept) becomes an orphan
+    /// at once; the others are marked and counted in flight, and their
+    /// destroy requests returned (client handle, code, input, output
+    /// length).
+    fn start_teardown(&self, tag: u16, tier: &[ObjectKind]) -> Vec<(u64, u32, Vec<u8>, usize)> {
+        let mut state = self.state.lock();
+        let State {
+            clients,
+            owners,
+            orphans,
+            ..
+        } = &mut *state;
+        let Some(entry) = clients.get_mut(&tag) else {
+            return Vec::new();
+        };
+        let handles = entry
+            .table
+            .handles_where(|object| tier.contains(&object.kind));
+        let mut destroys = Vec::new();
+        for handle in handles {
+            let Some(object) = entry.table.get_mut(handle) else {
+                continue;
+            };
+            let request = destroy_request(object.kind, object.ca_handle);
+            match request {
+                Some((ioctl, input, output_len)) if object.dependents == 0 => {
+                    object.destroying = true;
+                    entry.requests_in_flight += 1;
+                    destroys.push((handle, ioctl, input, output_len));
+                }
+                _ => {
+                    let status = if object.dependents != 0 {
+                        IbStatus::ResourceBusy
+                    } else {
+                        IbStatus::GenericError
+                    };
+                    if let Some(object) = entry.table.remove(handle) {
+                        orphan(owners, orphans, object, status);
+                    }
+                }
+            }
+        }
+        destroys
+    }
+
+    /// The objects closed clients left that the CA refused to destroy
+    /// (see [`Self::close`]).
+    pub fn orphans(&self) -> Vec<Orphan> {
+        self.state.lock().orphans.clone()
     }
 
     /// Runs `call` on the client `tag`'s callbacks unless it is closing,
@@ -381,11 +608,7 @@ where
                 return;
             };
             client.callbacks_in_flight -= 1;
-            if client.closing && client.callbacks_in_flight == 0 {
-                client.drained.clone()
-            } else {
-                None
-            }
+            client.drained_if_quiet()
         };
         if let Some(drained) = drained {
             drained.set();
@@ -544,13 +767,13 @@ where
         let mut information = 0;
         let mut client_handle = 0;
         let mut failed_here = None;
-        {
+        let drained = {
             let mut state = self.state.lock();
             let State {
                 clients, owners, ..
             } = &mut *state;
             let Some(entry) = clients.get_mut(&in_flight.tag) else {
-                // Unreachable while requests are in flight (close refuses).
+                // Unreachable: close waits for requests in flight.
                 drop(state);
                 request.complete(status, 0);
                 return;
@@ -604,6 +827,10 @@ where
                 }
                 (Plan::Use, _) => {}
             }
+            entry.drained_if_quiet()
+        };
+        if let Some(drained) = drained {
+            drained.set();
         }
         let status = failed_here.map_or(status, IbStatus::to_ntstatus);
         if let Some((_, private_out, _)) = response {
@@ -652,6 +879,7 @@ where
         let entry = state
             .clients
             .get(&client.0)
+            .filter(|entry| !entry.closing)
             .ok_or(IbStatus::InvalidAlHandle)?;
         Self::resolve(entry, handle, kind)
     }

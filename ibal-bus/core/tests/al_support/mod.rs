@@ -6,7 +6,7 @@
 
 #![allow(dead_code)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -93,11 +93,31 @@ pub(crate) struct MockCa {
     /// The next create answers success with handle 0 and keeps nothing (a
     /// broken CA).
     pub drop_next_handle: AtomicBool,
+    /// CA handles whose destroy the CA refuses with `ResourceBusy` (as a
+    /// CA does for an object it still uses, e.g. a region a window is
+    /// bound to).
+    pub refuse_destroy: Mutex<HashSet<u64>>,
+    /// The kind of every object destroyed, in order.
+    pub destroyed: Mutex<Vec<ObjectKind>>,
 }
 
 impl MockCa {
     pub(crate) fn live(&self) -> usize {
         self.objects.lock().unwrap().len()
+    }
+
+    /// The CA's handles of its live objects of `kind`, oldest first.
+    pub(crate) fn handles_of(&self, kind: ObjectKind) -> Vec<u64> {
+        let mut handles: Vec<u64> = self
+            .objects
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, object)| object.kind == kind)
+            .map(|(handle, _)| *handle)
+            .collect();
+        handles.sort_unstable();
+        handles
     }
 
     pub(crate) fn need(
@@ -135,10 +155,13 @@ impl MockCa {
             Some(object) if object.kind == kind => {}
             _ => return Err(invalid),
         }
-        if objects.values().any(|o| o.parents.contains(&handle)) {
+        if objects.values().any(|o| o.parents.contains(&handle))
+            || self.refuse_destroy.lock().unwrap().contains(&handle)
+        {
             return Err(IbStatus::ResourceBusy);
         }
         objects.remove(&handle);
+        self.destroyed.lock().unwrap().push(kind);
         Ok(())
     }
 
