@@ -29,6 +29,10 @@
 //! - **Events.** A CA's completion and affiliated async events reach only
 //!   the client that owns the object, with the client's handle; CA and
 //!   port events reach every open client.
+//! - **Removal.** After [`AccessLayer::ca_removed`] every open client has
+//!   been told, new requests end at once with `STATUS_DEVICE_REMOVED`,
+//!   direct calls are refused, requests at the CA complete once as it
+//!   answers, and `close` frees records without sending destroys.
 
 mod handles;
 
@@ -83,6 +87,10 @@ pub trait ClientEvents: Send + Sync {
     /// An async event: an affiliated one with the client's handle of its
     /// object, or a CA or port event.
     fn async_event(&self, event: &AsyncEventRecord);
+    /// The CA is going away ([`AccessLayer::ca_removed`]): from now on
+    /// requests end with `STATUS_DEVICE_REMOVED`; the client should close.
+    /// Told once, to each client open (not closing) at the removal.
+    fn ca_removed(&self) {}
 }
 
 /// The reference object a client opens the AL with (its device or driver
@@ -153,6 +161,9 @@ struct State {
     next_tag: u16,
     /// What closed clients left that the CA would not destroy.
     orphans: Vec<Orphan>,
+    /// The CA is gone ([`AccessLayer::ca_removed`]): nothing more is sent
+    /// to it.
+    removed: bool,
 }
 
 impl State {
@@ -346,6 +357,7 @@ fn teardown_done<L: RawMutex>(
             clients,
             owners,
             orphans,
+            removed,
             ..
         } = &mut *state;
         let Some(entry) = clients.get_mut(&tag) else {
@@ -354,7 +366,9 @@ fn teardown_done<L: RawMutex>(
         };
         entry.requests_in_flight -= 1;
         if let Some(object) = entry.table.remove(handle) {
-            match refusal {
+            // After a removal a refused destroy orphans nothing: the CA's
+            // objects went with it.
+            match refusal.filter(|_| !*removed) {
                 None => {
                     owners.remove(&(kind_code(object.kind), object.ca_handle));
                     release_parents(&mut entry.table, &object.parents);
@@ -398,6 +412,7 @@ where
                 owners: BTreeMap::new(),
                 next_tag: 1,
                 orphans: Vec::new(),
+                removed: false,
             })),
         }
     }
@@ -546,6 +561,7 @@ where
             clients,
             owners,
             orphans,
+            removed,
             ..
         } = &mut *state;
         let Some(entry) = clients.get_mut(&tag) else {
@@ -555,6 +571,15 @@ where
             .table
             .handles_where(|object| tier.contains(&object.kind));
         let mut destroys = Vec::new();
+        if *removed {
+            // The CA's objects went with it: free the records here.
+            for handle in handles {
+                if let Some(object) = entry.table.remove(handle) {
+                    owners.remove(&(kind_code(object.kind), object.ca_handle));
+                }
+            }
+            return destroys;
+        }
         for handle in handles {
             let Some(object) = entry.table.get_mut(handle) else {
                 continue;
@@ -579,6 +604,29 @@ where
             }
         }
         destroys
+    }
+
+    /// The CA is gone (surprise removal, or the device leaving): tells
+    /// every open client ([`ClientEvents::ca_removed`]), once. From then on
+    /// new requests complete at once with `STATUS_DEVICE_REMOVED`
+    /// ([`IbStatus::DeviceRemoved`]) and direct calls are refused with it,
+    /// nothing reaching the CA; requests already at the CA complete exactly
+    /// once with whatever it answers; `close` sends no destroy, freeing the
+    /// records here, and the orphans are forgotten (their objects went
+    /// with the CA). DISPATCH_LEVEL or below; never blocks.
+    pub fn ca_removed(&self) {
+        let tags: Vec<u16> = {
+            let mut state = self.state.lock();
+            if state.removed {
+                return;
+            }
+            state.removed = true;
+            state.orphans.clear();
+            state.clients.keys().copied().collect()
+        };
+        for tag in tags {
+            self.deliver(tag, |events| events.ca_removed());
+        }
     }
 
     /// The objects closed clients left that the CA refused to destroy
@@ -658,6 +706,9 @@ where
         client: ClientId,
         request: &mut R,
     ) -> Result<(u32, Vec<u8>, usize, InFlight), IbStatus> {
+        if self.state.lock().removed {
+            return Err(IbStatus::DeviceRemoved);
+        }
         let ioctl = request.ioctl_code();
         let verb = VerbId::from_ioctl(IoctlCode::from_raw(ioctl))
             .map_err(|_| IbStatus::InvalidParameter)?;
@@ -876,6 +927,9 @@ where
     /// The CA's handle of the client's object, for the direct calls.
     fn ca_object(&self, client: ClientId, handle: u64, kind: ObjectKind) -> Result<u64, IbStatus> {
         let state = self.state.lock();
+        if state.removed {
+            return Err(IbStatus::DeviceRemoved);
+        }
         let entry = state
             .clients
             .get(&client.0)

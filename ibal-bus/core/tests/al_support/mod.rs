@@ -7,7 +7,7 @@
 #![allow(dead_code)]
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use driver_platform::{Event, Irql, IrqlQuery, Request, RequestorMode};
@@ -395,6 +395,8 @@ pub(crate) struct Recorder {
     pub gate: Mutex<bool>,
     pub gate_changed: Condvar,
     pub entered: AtomicBool,
+    /// How many times the client was told its CA is going away.
+    pub removals: AtomicUsize,
 }
 
 impl ClientEvents for Recorder {
@@ -408,6 +410,9 @@ impl ClientEvents for Recorder {
     }
     fn async_event(&self, event: &AsyncEventRecord) {
         self.events.lock().unwrap().push(*event);
+    }
+    fn ca_removed(&self) {
+        self.removals.fetch_add(1, Ordering::SeqCst);
     }
 }
 
