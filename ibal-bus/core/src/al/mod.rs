@@ -28,7 +28,8 @@
 //!   poll and arm are direct calls with no request.
 //! - **Events.** A CA's completion and affiliated async events reach only
 //!   the client that owns the object, with the client's handle; CA and
-//!   port events reach every open client.
+//!   port events reach every open client, and so do the P_Key and GID
+//!   table changes the shell finds ([`AccessLayer::port_changed`]).
 //! - **Removal.** After [`AccessLayer::ca_removed`] every open client has
 //!   been told, new requests end at once with `STATUS_DEVICE_REMOVED`,
 //!   direct calls are refused, requests at the CA complete once as it
@@ -45,7 +46,7 @@ use core::fmt;
 
 use driver_platform::{Event, Irql, IrqlQuery, Request};
 use ib_types::cq::CqNotify;
-use ib_types::event::AsyncEventRecord;
+use ib_types::event::{AsyncEventCode, AsyncEventRecord};
 use ib_types::handle::CqHandle;
 use ib_types::ioctl::{
     DeallocPd, DeregMr, DestroyAv, DestroyCq, DestroyQp, Empty, IoctlCode, ObjectKind,
@@ -57,7 +58,7 @@ use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendWr};
 use lock_api::{Mutex, RawMutex};
 
-use crate::ci::{CaEvents, CiAccess};
+use crate::ci::{CaEvents, CiAccess, PortIdentity};
 use handles::HandleTable;
 
 /// What the CA calls when a control request the AL sent completes: the
@@ -629,6 +630,32 @@ where
         }
     }
 
+    /// The shell re-queried a port (after a port event, or on its own
+    /// schedule) and found it `new`, having known it as `old`: each table
+    /// that changed is told to every open client as the port event the CA
+    /// itself does not raise, [`AsyncEventCode::PkeyChange`] for the P_Key
+    /// table and [`AsyncEventCode::GidChange`] for the GID table, in that
+    /// order; nothing when neither changed. DISPATCH_LEVEL or below.
+    pub fn port_changed(&self, old: &PortIdentity, new: &PortIdentity) {
+        let changes = [
+            (old.pkeys != new.pkeys, AsyncEventCode::PkeyChange),
+            (old.gids != new.gids, AsyncEventCode::GidChange),
+        ];
+        for (_, code) in changes.into_iter().filter(|(changed, _)| *changed) {
+            if let Ok(event) = AsyncEventRecord::new(code, 0, Some(new.port_num), 0) {
+                self.broadcast(&event);
+            }
+        }
+    }
+
+    /// Delivers a CA or port event to every open client.
+    fn broadcast(&self, event: &AsyncEventRecord) {
+        let tags: Vec<u16> = self.state.lock().clients.keys().copied().collect();
+        for tag in tags {
+            self.deliver(tag, |events| events.async_event(event));
+        }
+    }
+
     /// The objects closed clients left that the CA refused to destroy
     /// (see [`Self::close`]).
     pub fn orphans(&self) -> Vec<Orphan> {
@@ -1015,10 +1042,7 @@ where
             EventSubject::Cq => ObjectKind::Cq,
             EventSubject::Srq => ObjectKind::Srq,
             EventSubject::Ca | EventSubject::Port => {
-                let tags: Vec<u16> = self.state.lock().clients.keys().copied().collect();
-                for tag in tags {
-                    self.deliver(tag, |events| events.async_event(event));
-                }
+                self.broadcast(event);
                 return;
             }
         };
