@@ -265,8 +265,13 @@ impl MockCa {
 
     /// Answers the requests held so far (the CA back in D0).
     pub(crate) fn release_held(&self) {
-        self.hold.store(false, Ordering::SeqCst);
-        let held: Vec<_> = self.held.lock().unwrap().drain(..).collect();
+        // Under the queue's lock, so a request submitted meanwhile is
+        // either held here or answered at once, never left behind.
+        let held: Vec<_> = {
+            let mut held = self.held.lock().unwrap();
+            self.hold.store(false, Ordering::SeqCst);
+            held.drain(..).collect()
+        };
         for request in held {
             self.answer(request);
         }
@@ -288,9 +293,12 @@ impl CiAccess for MockCa {
         Ok(())
     }
     fn submit(&self, request: MockRequest) -> NtStatus {
-        if self.hold.load(Ordering::SeqCst) {
-            self.held.lock().unwrap().push(request);
-            return NtStatus::PENDING;
+        {
+            let mut held = self.held.lock().unwrap();
+            if self.hold.load(Ordering::SeqCst) {
+                held.push(request);
+                return NtStatus::PENDING;
+            }
         }
         self.answer(request);
         NtStatus::PENDING
