@@ -4,6 +4,7 @@
 //! are waited for (a create that completes meanwhile is destroyed too), and
 //! a destroy the CA refuses leaves the record with the AL as an orphan.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
@@ -11,9 +12,13 @@ use std::time::{Duration, Instant};
 
 use driver_platform::{Event, Irql};
 use ib_types::cq::CqNotify;
-use ib_types::ioctl::{AllocPd, CreateAv, Empty, ObjectKind, RegMr};
+use ib_types::ioctl::{
+    AllocPd, CreateAv, DeallocPd, DeregMr, DestroyAv, DestroyCq, DestroyQp, Empty, ObjectKind,
+    RegMr,
+};
 use ib_types::status::{IbStatus, NtStatus};
-use ibal_bus_core::al::Orphan;
+use ibal_bus_core::al::{ClientId, Orphan};
+use proptest::prelude::*;
 
 mod al_support;
 use al_support::*;
@@ -58,10 +63,7 @@ fn close_destroys_what_the_client_left_open_in_dependency_order() {
     assert_eq!(f.al.ca_handle(a.id), None);
     // B is untouched and still served.
     assert!(!b.released.load(Ordering::SeqCst));
-    assert_eq!(
-        f.call::<ib_types::ioctl::DeallocPd>(b.id, pd_b, &Empty).0,
-        NtStatus::SUCCESS
-    );
+    assert_eq!(f.call::<DeallocPd>(b.id, pd_b, &Empty).0, NtStatus::SUCCESS);
     assert_eq!(f.ca.live(), 0);
 }
 
@@ -187,4 +189,152 @@ fn close_is_refused_above_passive_and_for_a_client_not_open() {
     assert_eq!(close(&f, &a), Ok(()));
     assert_eq!(close(&f, &a), Err(IbStatus::InvalidAlHandle));
     assert_eq!(f.ca.live(), 0);
+}
+
+/// The client's own destroy of its object `handle` of `kind`.
+fn destroy(f: &Fixture, client: ClientId, handle: u64, kind: ObjectKind) -> NtStatus {
+    match kind {
+        ObjectKind::Pd => f.call::<DeallocPd>(client, handle, &Empty).0,
+        ObjectKind::Cq => f.call::<DestroyCq>(client, handle, &Empty).0,
+        ObjectKind::Qp => f.call::<DestroyQp>(client, handle, &Empty).0,
+        ObjectKind::Av => f.call::<DestroyAv>(client, handle, &Empty).0,
+        ObjectKind::Mr => f.call::<DeregMr>(client, handle, &Empty).0,
+        other => panic!("the steps create no {other:?}"),
+    }
+}
+
+/// One step of a client building up objects before it dies.
+#[derive(Debug, Clone)]
+enum Step {
+    AllocPd,
+    CreateCq,
+    /// A QP on the `pd`th PD and the `cq`th CQ (modulo how many there are).
+    CreateQp {
+        pd: usize,
+        cq: usize,
+    },
+    CreateAv {
+        pd: usize,
+    },
+    RegMr {
+        pd: usize,
+    },
+    /// The client destroys its `nth` object (the AL may answer busy).
+    Destroy {
+        nth: usize,
+    },
+}
+
+fn step() -> impl Strategy<Value = (Step, bool)> {
+    let step = prop_oneof![
+        Just(Step::AllocPd),
+        Just(Step::CreateCq),
+        (any::<usize>(), any::<usize>()).prop_map(|(pd, cq)| Step::CreateQp { pd, cq }),
+        any::<usize>().prop_map(|pd| Step::CreateAv { pd }),
+        any::<usize>().prop_map(|pd| Step::RegMr { pd }),
+        any::<usize>().prop_map(|nth| Step::Destroy { nth }),
+    ];
+    // Whether the CA will refuse to destroy what the step creates.
+    (step, prop::bool::weighted(0.15))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Whatever a client left, closing it leaves at the CA exactly the
+    /// orphans: each one refused by the CA or holding an orphan; nothing
+    /// else of the client, nothing of another client touched.
+    #[test]
+    fn close_leaves_at_the_ca_exactly_the_orphans(steps in prop::collection::vec(step(), 0..40)) {
+        let f = Fixture::new();
+        let a = f.open();
+        let b = f.open();
+        let pd_b = f.pd(b.id);
+        let _cq_b = f.cq(b.id);
+        let ca_a = f.al.ca_handle(a.id).unwrap();
+        // The client's live objects: (its handle, kind); the CA handles
+        // the CA will refuse to destroy.
+        let mut live: Vec<(u64, ObjectKind)> = Vec::new();
+        let mut refused = HashSet::new();
+        let of = |live: &Vec<(u64, ObjectKind)>, kind, nth: usize| {
+            let matching: Vec<u64> =
+                live.iter().filter(|(_, k)| *k == kind).map(|(h, _)| *h).collect();
+            (!matching.is_empty()).then(|| matching[nth % matching.len()])
+        };
+        for (step, refuse) in steps {
+            let created = match step {
+                Step::AllocPd => Some((f.call::<AllocPd>(a.id, ca_a, &Empty), ObjectKind::Pd)),
+                Step::CreateCq => Some((
+                    f.call::<ib_types::ioctl::CreateCq>(
+                        a.id,
+                        ca_a,
+                        &ib_types::cq::CqAttr { cqe: 8, comp_vector: 0 },
+                    ),
+                    ObjectKind::Cq,
+                )),
+                Step::CreateQp { pd, cq } => {
+                    match (of(&live, ObjectKind::Pd, pd), of(&live, ObjectKind::Cq, cq)) {
+                        (Some(pd), Some(cq)) => Some((
+                            f.call::<ib_types::ioctl::CreateQp>(a.id, ca_a, &qp_create(pd, cq)),
+                            ObjectKind::Qp,
+                        )),
+                        _ => None,
+                    }
+                }
+                Step::CreateAv { pd } => of(&live, ObjectKind::Pd, pd)
+                    .map(|pd| (f.call::<CreateAv>(a.id, pd, &av_attr()), ObjectKind::Av)),
+                Step::RegMr { pd } => of(&live, ObjectKind::Pd, pd)
+                    .map(|pd| (f.call::<RegMr>(a.id, pd, &mr_register()), ObjectKind::Mr)),
+                Step::Destroy { nth } => {
+                    if !live.is_empty() {
+                        let (handle, kind) = live[nth % live.len()];
+                        if destroy(&f, a.id, handle, kind) == NtStatus::SUCCESS {
+                            live.retain(|(h, _)| *h != handle);
+                        }
+                    }
+                    None
+                }
+            };
+            if let Some(((status, handle, _), kind)) = created {
+                prop_assert_eq!(status, NtStatus::SUCCESS);
+                live.push((handle, kind));
+                if refuse {
+                    // The CA's handle of what was just created: the newest.
+                    let ca_handle = 0x1000 + f.ca.next.load(Ordering::SeqCst) - 1;
+                    f.ca.refuse_destroy.lock().unwrap().insert(ca_handle);
+                    refused.insert(ca_handle);
+                }
+            }
+        }
+        let objects_of_b: Vec<u64> = f.ca.objects.lock().unwrap().keys().copied()
+            .filter(|h| *h <= 0x1001).collect();
+        prop_assert_eq!(objects_of_b.len(), 2);
+        let alive_before: HashSet<u64> = f.ca.objects.lock().unwrap().keys().copied().collect();
+
+        prop_assert_eq!(close(&f, &a), Ok(()));
+
+        prop_assert!(a.released.load(Ordering::SeqCst));
+        let objects = f.ca.objects.lock().unwrap().clone();
+        let orphans: HashSet<u64> = f.al.orphans().iter().map(|o| o.ca_handle).collect();
+        let left: HashSet<u64> = objects.keys().copied()
+            .filter(|h| !objects_of_b.contains(h)).collect();
+        prop_assert_eq!(&left, &orphans, "the CA holds exactly the orphans");
+        for orphan in &orphans {
+            let holds_an_orphan = objects.values().any(|o| {
+                o.parents.contains(orphan)
+            });
+            prop_assert!(refused.contains(orphan) || holds_an_orphan, "{:#x} orphaned for nothing", orphan);
+        }
+        for handle in refused.iter().filter(|h| alive_before.contains(h)) {
+            prop_assert!(orphans.contains(handle));
+        }
+        // B's objects are untouched and still its own.
+        for handle in &objects_of_b {
+            prop_assert!(objects.contains_key(handle));
+        }
+        prop_assert_eq!(
+            f.call::<DeallocPd>(b.id, pd_b, &Empty).0,
+            NtStatus::SUCCESS
+        );
+    }
 }
