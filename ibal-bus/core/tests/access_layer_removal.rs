@@ -156,3 +156,70 @@ fn orphans_of_a_removed_ca_are_released() {
     f.al.ca_removed();
     assert!(f.al.orphans().is_empty());
 }
+
+#[test]
+fn a_removal_racing_a_client_ends_every_request_once_and_sends_nothing_after_it() {
+    let f = Arc::new(Fixture::new());
+    let a = f.open();
+    let ca = f.al.ca_handle(a.id).unwrap();
+    // What reaches the CA before the removal is held there (a CA that
+    // answers late), so it is in flight when the removal comes.
+    f.ca.hold.store(true, Ordering::SeqCst);
+    let issued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let client = {
+        let f = f.clone();
+        let issued = issued.clone();
+        let id = a.id;
+        thread::spawn(move || {
+            (0..200)
+                .map(|_| {
+                    let outcome = f.send::<AllocPd>(id, ca, &Empty);
+                    issued.fetch_add(1, Ordering::SeqCst);
+                    thread::yield_now();
+                    outcome
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while issued.load(Ordering::SeqCst) < 20 {
+        assert!(Instant::now() < deadline, "the client stalled");
+        thread::yield_now();
+    }
+    // Every request issued before the removal reached the CA; of those
+    // issued after it, only the one in the middle of its submit at the
+    // removal may have.
+    let issued_before = issued.load(Ordering::SeqCst);
+    f.al.ca_removed();
+    let issued_after = issued.load(Ordering::SeqCst);
+    let outcomes = client.join().unwrap();
+    let sent = f.ca.held.lock().unwrap().len();
+    assert!(
+        (issued_before..=issued_after + 1).contains(&sent),
+        "{sent} sent; {issued_before} issued before the removal, {issued_after} after it"
+    );
+    f.ca.release_held();
+
+    // Each request ended once: those at the CA with its answer, all later
+    // ones at once with the device-removed status, in that order.
+    let ends: Vec<(NtStatus, u64)> = outcomes
+        .iter()
+        .map(|o| {
+            let (status, information, _) = o.lock().unwrap().take().expect("completed");
+            (status, information)
+        })
+        .collect();
+    let answered = ends
+        .iter()
+        .take_while(|(status, _)| *status == NtStatus::SUCCESS)
+        .count();
+    assert_eq!(answered, sent);
+    assert!(
+        ends[answered..]
+            .iter()
+            .all(|end| *end == (NtStatus::DEVICE_REMOVED, 0))
+    );
+    assert_eq!(f.ca.live(), sent);
+    assert_eq!(close(&f, &a), Ok(()));
+    assert_eq!(f.ca.live(), sent, "no destroy sent to the removed CA");
+}
