@@ -332,9 +332,50 @@ proptest! {
         for handle in &objects_of_b {
             prop_assert!(objects.contains_key(handle));
         }
+        // Once the CA lets them go, the orphans go, and only B's are left.
+        f.ca.refuse_destroy.lock().unwrap().clear();
+        let drained: Arc<dyn Event> = Arc::new(TestEvent::default());
+        prop_assert_eq!(f.al.destroy_orphans(&AtIrql(Irql::PASSIVE), drained), Ok(0));
+        prop_assert_eq!(f.ca.live(), objects_of_b.len());
         prop_assert_eq!(
             f.call::<DeallocPd>(b.id, pd_b, &Empty).0,
             NtStatus::SUCCESS
         );
     }
+}
+
+#[test]
+fn orphans_are_destroyed_when_the_ca_lets_them_go_and_kept_while_it_does_not() {
+    let f = Fixture::new();
+    let a = f.open();
+    let pd = f.pd(a.id);
+    let _mr = f.create::<RegMr>(a.id, pd, &mr_register());
+    let ca_mr = f.ca.handles_of(ObjectKind::Mr)[0];
+    f.ca.refuse_destroy.lock().unwrap().insert(ca_mr);
+    assert_eq!(close(&f, &a), Ok(()));
+    assert_eq!(f.al.orphans().len(), 2);
+    let drained: Arc<dyn Event> = Arc::new(TestEvent::default());
+
+    // Not above PASSIVE_LEVEL (it waits).
+    assert_eq!(
+        f.al.destroy_orphans(&AtIrql(Irql::DISPATCH), drained.clone()),
+        Err(IbStatus::InvalidState)
+    );
+    // The CA still refuses the MR: both stay (the PD's destroy is sent
+    // and refused as busy by the CA this time).
+    assert_eq!(
+        f.al.destroy_orphans(&AtIrql(Irql::PASSIVE), drained.clone()),
+        Ok(2)
+    );
+    assert_eq!(f.al.orphans().len(), 2);
+    assert_eq!(f.ca.live(), 2);
+    // Once the CA lets the MR go, the MR goes first, then the PD.
+    f.ca.refuse_destroy.lock().unwrap().clear();
+    assert_eq!(f.al.destroy_orphans(&AtIrql(Irql::PASSIVE), drained), Ok(0));
+    assert!(f.al.orphans().is_empty());
+    assert_eq!(f.ca.live(), 0);
+    assert_eq!(
+        *f.ca.destroyed.lock().unwrap(),
+        vec![ObjectKind::Mr, ObjectKind::Pd]
+    );
 }

@@ -8,7 +8,8 @@
 //!   it refuses the client's new requests and stops new callbacks, waits on
 //!   the caller's event for its requests in flight, destroys what it left
 //!   open through the CA in dependency order (QPs, AVs and MRs, CQs, PDs;
-//!   a destroy the CA refuses leaves an [`Orphan`], never a silent leak),
+//!   a destroy the CA refuses leaves an [`Orphan`], never a silent leak,
+//!   sent again by [`AccessLayer::destroy_orphans`]),
 //!   waits for callbacks in flight (bounded: a callback runs at
 //!   DISPATCH_LEVEL and may not block), then drops the reference.
 //! - **Handles.** Each client has its own generation-checked table
@@ -165,6 +166,7 @@ struct State {
     /// The CA is gone ([`AccessLayer::ca_removed`]): nothing more is sent
     /// to it.
     removed: bool,
+    orphan_sweep: OrphanSweep,
 }
 
 impl State {
@@ -294,16 +296,18 @@ const TEARDOWN_ORDER: [&[ObjectKind]; 4] = [
     &[ObjectKind::Pd],
 ];
 
-/// A destroy request of verb `V` on the CA's `ca_handle`: its code, input
-/// and output length.
-fn framed_destroy<V: Verb<In = Empty>>(ca_handle: u64) -> Option<(u32, Vec<u8>, usize)> {
+/// A destroy request for the CA: its code, input and output length.
+type CaDestroy = (u32, Vec<u8>, usize);
+
+/// A destroy request of verb `V` on the CA's `ca_handle`.
+fn framed_destroy<V: Verb<In = Empty>>(ca_handle: u64) -> Option<CaDestroy> {
     let mut input = alloc::vec![0; request_len::<V>(0)?];
     encode_request::<V>(ca_handle, &Empty, &[], 0, &mut input).ok()?;
     Some((V::ID.ioctl().raw(), input, response_len::<V>(0)?))
 }
 
 /// The destroy request of an object of `kind` (the kinds the AL hands out).
-fn destroy_request(kind: ObjectKind, ca_handle: u64) -> Option<(u32, Vec<u8>, usize)> {
+fn destroy_request(kind: ObjectKind, ca_handle: u64) -> Option<CaDestroy> {
     match kind {
         ObjectKind::Qp => framed_destroy::<DestroyQp>(ca_handle),
         ObjectKind::Av => framed_destroy::<DestroyAv>(ca_handle),
@@ -330,6 +334,59 @@ fn orphan(
     });
 }
 
+/// Why the CA did not destroy an object, from its answer to the destroy
+/// (`None`: destroyed): the response's status, else the request's.
+fn destroy_refusal(status: NtStatus, output: &[u8]) -> Option<IbStatus> {
+    let answered = (output.len() >= RESPONSE_HEADER_SIZE)
+        .then(|| IbStatus::try_from(read_u32(output, 0)).unwrap_or(IbStatus::GenericError));
+    match answered {
+        _ if !status.is_success() => Some(
+            answered
+                .filter(|ib| ib.is_error())
+                .unwrap_or(IbStatus::from_ntstatus(status)),
+        ),
+        Some(IbStatus::Success) => None,
+        Some(other) => Some(other),
+        None => Some(IbStatus::GenericError),
+    }
+}
+
+/// The CA answered a destroy [`AccessLayer::destroy_orphans`] sent for
+/// `orphan`: gone, or kept with the CA's new reason (unless the CA is gone
+/// too).
+fn orphan_destroy_done<L: RawMutex>(
+    state: &Mutex<L, State>,
+    orphan: Orphan,
+    status: NtStatus,
+    output: &[u8],
+) {
+    let refusal = destroy_refusal(status, output);
+    let drained = {
+        let mut state = state.lock();
+        state.orphan_sweep.in_flight -= 1;
+        if let Some(reason) = refusal.filter(|_| !state.removed) {
+            state.orphans.push(Orphan {
+                status: reason,
+                ..orphan
+            });
+        }
+        (state.orphan_sweep.in_flight == 0)
+            .then(|| state.orphan_sweep.drained.clone())
+            .flatten()
+    };
+    if let Some(drained) = drained {
+        drained.set();
+    }
+}
+
+/// A [`AccessLayer::destroy_orphans`] under way: its destroys at the CA and
+/// the caller's event, set by the last to come back.
+#[derive(Default)]
+struct OrphanSweep {
+    drained: Option<Arc<dyn Event>>,
+    in_flight: usize,
+}
+
 /// The CA answered a destroy `close` sent for the closing client `tag`'s
 /// object `handle`: the record goes (its parents released), or, refused,
 /// becomes an orphan with the CA's status and keeps its parents in use.
@@ -340,18 +397,7 @@ fn teardown_done<L: RawMutex>(
     status: NtStatus,
     output: &[u8],
 ) {
-    let answered = (output.len() >= RESPONSE_HEADER_SIZE)
-        .then(|| IbStatus::try_from(read_u32(output, 0)).unwrap_or(IbStatus::GenericError));
-    let refusal = match answered {
-        _ if !status.is_success() => Some(
-            answered
-                .filter(|ib| ib.is_error())
-                .unwrap_or(IbStatus::from_ntstatus(status)),
-        ),
-        Some(IbStatus::Success) => None,
-        Some(other) => Some(other),
-        None => Some(IbStatus::GenericError),
-    };
+    let refusal = destroy_refusal(status, output);
     let drained = {
         let mut state = state.lock();
         let State {
@@ -414,6 +460,7 @@ where
                 next_tag: 1,
                 orphans: Vec::new(),
                 removed: false,
+                orphan_sweep: OrphanSweep::default(),
             })),
         }
     }
@@ -605,6 +652,76 @@ where
             }
         }
         destroys
+    }
+
+    /// Sends the orphans' destroys to the CA again, tier by tier in the
+    /// order `close` uses, waiting on `drained` (cleared here, set by the
+    /// last answer) after each: what the CA destroys goes, what it refuses
+    /// again stays an orphan with its new status. Returns how many are
+    /// left. PASSIVE_LEVEL ([`IbStatus::InvalidState`] above it, nothing
+    /// sent); [`IbStatus::ResourceBusy`] while another call is under way.
+    /// For the shell before it closes the CA (release-hardware): the
+    /// miniport refuses to close a CA whose kernel objects remain. While it
+    /// runs, the orphans at the CA are not listed by [`Self::orphans`].
+    /// After a removal there are none.
+    pub fn destroy_orphans(
+        &self,
+        irql: &dyn IrqlQuery,
+        drained: Arc<dyn Event>,
+    ) -> Result<usize, IbStatus> {
+        if irql.current_irql() != Irql::PASSIVE {
+            return Err(IbStatus::InvalidState);
+        }
+        {
+            let mut state = self.state.lock();
+            if state.orphan_sweep.drained.is_some() {
+                return Err(IbStatus::ResourceBusy);
+            }
+            state.orphan_sweep.drained = Some(drained.clone());
+        }
+        for tier in TEARDOWN_ORDER {
+            let sends: Vec<(Orphan, CaDestroy)> = {
+                let mut state = self.state.lock();
+                if state.removed {
+                    break;
+                }
+                let (picked, kept): (Vec<Orphan>, Vec<Orphan>) =
+                    core::mem::take(&mut state.orphans)
+                        .into_iter()
+                        .partition(|orphan| tier.contains(&orphan.kind));
+                state.orphans = kept;
+                let mut sends = Vec::new();
+                for orphan in picked {
+                    match destroy_request(orphan.kind, orphan.ca_handle) {
+                        Some(request) => sends.push((orphan, request)),
+                        None => state.orphans.push(orphan),
+                    }
+                }
+                state.orphan_sweep.in_flight += sends.len();
+                sends
+            };
+            for (orphan, (ioctl, input, output_len)) in sends {
+                let state = Arc::clone(&self.state);
+                let done: CaCompletion = Box::new(move |status, output| {
+                    orphan_destroy_done(&state, orphan, status, output);
+                });
+                let ca_request = self.ci.control_request(ioctl, input, output_len, done);
+                self.ci.submit(ca_request);
+            }
+            loop {
+                {
+                    let state = self.state.lock();
+                    if state.orphan_sweep.in_flight == 0 {
+                        break;
+                    }
+                    drained.clear();
+                }
+                drained.wait();
+            }
+        }
+        let mut state = self.state.lock();
+        state.orphan_sweep.drained = None;
+        Ok(state.orphans.len())
     }
 
     /// The CA is gone (surprise removal, or the device leaving): tells
