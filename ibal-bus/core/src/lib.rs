@@ -19,7 +19,9 @@
 //!   one CA: clients opened with a held reference, per-client handle
 //!   tables, control verbs as requests sent to the CA with handles
 //!   translated both ways, the direct post/poll/arm calls, events to the
-//!   owning client.
+//!   owning client; close destroying what a client left in dependency
+//!   order (refused destroys kept as orphans), P_Key and GID table
+//!   changes told to every client, and the CA's removal.
 //!
 //! Not built yet: the access layer in the shells, the AL interface on the
 //! children, the user-mode proxy (see docs/ibal-bus.md).

@@ -124,8 +124,11 @@ struct Client {
     events: Arc<dyn ClientEvents>,
     reference: Option<ClientReference>,
     callbacks_in_flight: usize,
+    /// Its requests at the CA, and the destroys `close` sent for it.
     requests_in_flight: usize,
+    /// `close` began: no new request, direct call or callback.
     closing: bool,
+    /// `close`'s caller's event, set by whoever leaves it quiet.
     drained: Option<Arc<dyn Event>>,
 }
 
@@ -166,6 +169,7 @@ struct State {
     /// The CA is gone ([`AccessLayer::ca_removed`]): nothing more is sent
     /// to it.
     removed: bool,
+    /// A `destroy_orphans` under way.
     orphan_sweep: OrphanSweep,
 }
 
@@ -534,8 +538,10 @@ where
     ///    (a create that succeeds is recorded, and destroyed below);
     /// 2. its objects are destroyed through the CA, one control request
     ///    each as [`Self::submit`] sends, tier by tier in dependency
-    ///    order: QPs, then AVs and MRs, then CQs, then PDs;
-    /// 3. callbacks in flight have left.
+    ///    order: QPs, then AVs and MRs, then CQs, then PDs (after
+    ///    [`Self::ca_removed`] none is sent: the records are freed here);
+    ///
+    /// and every wait also lasts until the callbacks in flight have left.
     ///
     /// A destroy the CA refuses does not drop the record silently: it
     /// becomes an [`Orphan`] of the AL with the CA's status (and what it
