@@ -19,7 +19,9 @@
 //!   one CA: clients opened with a held reference, per-client handle
 //!   tables, control verbs as requests sent to the CA with handles
 //!   translated both ways, the direct post/poll/arm calls, events to the
-//!   owning client.
+//!   owning client; close destroying what a client left in dependency
+//!   order (refused destroys kept as orphans), P_Key and GID table
+//!   changes told to every client, and the CA's removal.
 //!
 //! - [`proxy`]: the user-mode proxy's per-open handle tables and the
 //!   hostile-input policy every user request passes before it goes down
