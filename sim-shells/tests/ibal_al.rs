@@ -192,6 +192,12 @@ struct World {
 }
 
 fn world(seed: u64, leak_interface: bool) -> World {
+    world_on(seed, leak_interface, false)
+}
+
+/// [`world`] on the deterministic host, or on the threaded one (two
+/// worker threads) if `threaded`.
+fn world_on(seed: u64, leak_interface: bool, threaded: bool) -> World {
     let configs = HCAS
         .iter()
         .enumerate()
@@ -200,7 +206,12 @@ fn world(seed: u64, leak_interface: bool) -> World {
             DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
         })
         .collect();
-    let host = Host::new(HostConfig::deterministic(seed, configs)).unwrap();
+    let config = if threaded {
+        HostConfig::threaded(2, configs)
+    } else {
+        HostConfig::deterministic(seed, configs)
+    };
+    let host = Host::new(config).unwrap();
     let _log = sim_host::samples::register_stand_ins(&host);
     MiniportDriver::register(&host, HcaConfig::default());
     let driver = IbalBusDriver::register(&host);
@@ -223,9 +234,14 @@ fn world(seed: u64, leak_interface: bool) -> World {
 }
 
 fn settle(host: &Host) {
-    host.scheduler().run_until_idle(1_000_000).unwrap();
+    let run = || {
+        if host.scheduler().quiesce().is_err() {
+            host.scheduler().run_until_idle(1_000_000).unwrap();
+        }
+    };
+    run();
     host.pnp().process_bus_relations();
-    host.scheduler().run_until_idle(1_000_000).unwrap();
+    run();
 }
 
 fn finish(host: Host) {
@@ -962,6 +978,36 @@ fn a_client_still_open_when_its_hca_leaves_finds_its_calls_refused() {
         let drained = Arc::new(HostEvent::new(w.host.scheduler_handle()));
         assert_eq!(al.close(id, drained), Ok(()), "gone with the access layer");
         assert_eq!(w.host.verifier().violations(), [], "surprise: {surprise}");
+        finish(w.host);
+    }
+}
+
+/// On the threaded host (requests completing on worker threads while the
+/// test thread waits) every client's verbs go through its AL, and the
+/// clients close and the filters let go cleanly at shutdown.
+#[test]
+fn clients_use_the_al_on_the_threaded_host_too() {
+    for round in 0..3 {
+        let w = world_on(0, false, true);
+        // The children's stacks start on worker threads.
+        for _ in 0..3 {
+            settle(&w.host);
+        }
+        for (hca, port) in [(0, 1), (0, 2), (1, 1), (1, 2)] {
+            let client = w.client(hca, port);
+            let (_, id) = client.al();
+            let (pd, _) = call::<AllocPd>(&w.host, &client, id.ca_handle(), &Empty, &[]).unwrap();
+            let attr = CqAttr {
+                cqe: 16,
+                comp_vector: 0,
+            };
+            let (cq, _) = call::<CreateCq>(&w.host, &client, id.ca_handle(), &attr, &[]).unwrap();
+            let (al, id) = client.al();
+            assert_eq!(al.arm_cq(id, cq, CqNotify::NextCompletion), Ok(()));
+            call::<DestroyCq>(&w.host, &client, cq, &Empty, &[]).unwrap();
+            call::<DeallocPd>(&w.host, &client, pd, &Empty, &[]).unwrap();
+        }
+        assert_eq!(w.references(), 4, "round {round}");
         finish(w.host);
     }
 }
