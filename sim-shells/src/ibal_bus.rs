@@ -619,7 +619,9 @@ impl DeviceCallbacks for IbalBusDevice {
         // The access layer is dropped with the last of its in-flight
         // completions.
         *lock(&self.events.al) = Weak::new();
-        drop(lock(&self.al).take());
+        // Dropped outside the lock: it may release clients' references.
+        let al = lock(&self.al).take();
+        drop(al);
         let binding = std::mem::replace(&mut *lock(&self.binding), Binding::Idle);
         // The children stay (a KMDF child list lives as long as its
         // device): after a restart the list read again is reconciled
