@@ -38,8 +38,9 @@
 //!   registry change notification on the Parameters key, PASSIVE_LEVEL):
 //!   re-reads the list and reports the children that appeared present and
 //!   those that disappeared missing (`ChildSet::reconcile`).
-//! - `release_hardware` (`EvtDeviceReleaseHardware`): deregisters the CA,
-//!   closes it (a query still in flight finds the binding gone), and
+//! - `release_hardware` (`EvtDeviceReleaseHardware`): drops the access
+//!   layer (a client still open finds its calls refused), deregisters the
+//!   CA, closes it (a query still in flight finds the binding gone), and
 //!   dereferences the interface.
 //!   The children reported stay, as a KMDF child list lives as long as its
 //!   device: when the stack starts again (after a stop, or a restart after
@@ -54,7 +55,11 @@
 //!   `GUID_IB_AL_INTERFACE` itself, at [`AL_INTERFACE_VERSION`] when asked
 //!   at it or above, with its [`AlPortInterface`] (the port's data and the
 //!   access layer's entry points), the consumer's reference counted
-//!   against the child's devnode.
+//!   against the child's devnode. Its `io_request` is the IOCTL path: an
+//!   internal device-control request carrying an AL verb is served by the
+//!   same `AccessLayer::submit`, for the client whose tag the header's
+//!   handle carries among those opened through this child
+//!   (docs/ibal-bus.md "The IOCTL path").
 //! - the `QueryCa` completion also creates the [`SimAccessLayer`] over the
 //!   bound CA (before the children are reported, so their interface finds
 //!   it); release-hardware drops it first. A stop is vetoed
@@ -92,9 +97,10 @@ use ib_types::scalars::NodeGuid;
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendWr};
-use ibal_bus_core::al::{
-    AccessLayer, CaCompletion, CiRequests, ClientEvents, ClientId, ClientReference,
-};
+use ibal_bus_core::al::{AccessLayer, CaCompletion, CiRequests};
+/// What a client of [`AlPortInterface`] implements and passes (re-exported
+/// so a client needs no dependency of its own on the core).
+pub use ibal_bus_core::al::{ClientEvents, ClientId, ClientReference};
 use ibal_bus_core::ca_registry::{BoundCa, CaRegistry, OpenedCa, check_version};
 use ibal_bus_core::children::{ChildList, ChildSet, PortChild, port_children, read_child_list};
 use ibal_bus_core::ci::{
@@ -162,7 +168,8 @@ impl SimCi {
     fn dereference(&self) {
         if let Some(interface) = lock(&self.interface).take() {
             // At release nothing of the filter calls the interface any
-            // more (the work item is flushed; no client exists yet), so
+            // more (the work item is flushed; the access layer is dropped,
+            // its clients closed when their children were removed), so
             // this is the last clone. Were a routine still running, its
             // clone would be the last, and dropping it is reported as a
             // reference leak by the host.
@@ -650,7 +657,9 @@ impl DeviceCallbacks for IbalBusDevice {
         // The access layer is dropped with the last of its in-flight
         // completions.
         *lock(&self.events.al) = Weak::new();
-        drop(lock(&self.al).take());
+        // Dropped outside the lock: it may release clients' references.
+        let al = lock(&self.al).take();
+        drop(al);
         self.proxy.stopped();
         let binding = std::mem::replace(&mut *lock(&self.binding), Binding::Idle);
         // The children stay (a KMDF child list lives as long as its
