@@ -643,6 +643,29 @@ fn a_handle_of_another_client_is_refused_as_invalid() {
     assert_eq!(f.ca.armed.lock().unwrap().len(), 1);
 }
 
+/// A request that reaches a shell without naming its client (an IRP on a
+/// child's queue) is attributed by the handle it names: the client whose
+/// table holds that live object, and no other.
+#[test]
+fn a_live_handle_names_its_client_and_nothing_else_does() {
+    let f = Fixture::new();
+    let a = f.open();
+    let b = f.open();
+    let pd_a = f.pd(a.id);
+    let ca_b = f.al.ca_handle(b.id).unwrap();
+    assert_eq!(f.al.client_of_handle(pd_a), Some(a.id));
+    assert_eq!(f.al.client_of_handle(ca_b), Some(b.id));
+    // A destroyed object, zero and a made-up handle name no client.
+    assert_eq!(f.call::<DeallocPd>(a.id, pd_a, &Empty).0, NtStatus::SUCCESS);
+    assert_eq!(f.al.client_of_handle(pd_a), None);
+    assert_eq!(f.al.client_of_handle(0), None);
+    assert_eq!(f.al.client_of_handle(u64::MAX), None);
+    // A closed client's handles name nothing.
+    let drained: Arc<dyn Event> = Arc::new(TestEvent::default());
+    f.al.close(b.id, &AtIrql(Irql::PASSIVE), drained).unwrap();
+    assert_eq!(f.al.client_of_handle(ca_b), None);
+}
+
 #[test]
 fn destroying_an_object_others_depend_on_is_busy() {
     let f = Fixture::new();

@@ -322,6 +322,18 @@ where
             .map(|c| c.ca_handle)
     }
 
+    /// The open client whose table holds the live object `handle`, if
+    /// any: how a shell attributes a request that does not name its client
+    /// (an IRP on a child's queue names only the object in its header).
+    pub fn client_of_handle(&self, handle: u64) -> Option<ClientId> {
+        self.state
+            .lock()
+            .clients
+            .iter()
+            .find(|(_, c)| !c.closing && c.table.get(handle).is_some())
+            .map(|(tag, _)| ClientId(*tag))
+    }
+
     /// Closes the client: refused with [`IbStatus::ResourceBusy`] while it
     /// owns objects or has requests in flight (it destroys them first),
     /// with [`IbStatus::InvalidState`] above PASSIVE_LEVEL (`irql` says),
