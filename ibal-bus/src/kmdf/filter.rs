@@ -8,8 +8,8 @@
 //! 1. `EvtDriverDeviceAdd`: `WdfFdoInitSetFilter`; the default child list
 //!    (`WdfFdoInitSetDefaultChildListConfig`, identification description
 //!    [`ChildIdentification`]); the device with its [`FilterShell`]; the
-//!    device interface `GUID_IB_AL_DEVICE_INTERFACE`; a power-managed
-//!    queue for `IRP_MJ_DEVICE_CONTROL` (the user-mode proxy's path).
+//!    device interface `GUID_IB_AL_DEVICE_INTERFACE` (no queue yet: see
+//!    the end of [`evt_driver_device_add`]).
 //! 2. `EvtDevicePrepareHardware`: `GUID_IB_CI_INTERFACE` queried at the
 //!    required version ([`FfiCi::query`]; `STATUS_REVISION_MISMATCH` fails
 //!    the start, nothing opened).
@@ -44,11 +44,9 @@ use ibal_bus_core::children::{
 };
 use ibal_bus_core::ci::{CaEvents, CiAccess, PortIdentity, ports_from_attributes};
 use wdk_sys::{
-    _WDF_IO_QUEUE_DISPATCH_TYPE, _WDF_REQUEST_SEND_OPTIONS_FLAGS, _WDF_REQUEST_TYPE,
-    _WDF_TRI_STATE, DRIVER_OBJECT, GUID, NTSTATUS, PCUNICODE_STRING, PWDFDEVICE_INIT, ULONG,
-    WDF_CHILD_LIST_CONFIG, WDF_DRIVER_CONFIG, WDF_IO_QUEUE_CONFIG, WDF_NO_HANDLE,
-    WDF_NO_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS, WDF_POWER_DEVICE_STATE,
-    WDF_REQUEST_SEND_OPTIONS, WDFCMRESLIST, WDFDEVICE, WDFDRIVER, WDFOBJECT, WDFQUEUE, WDFREQUEST,
+    DRIVER_OBJECT, GUID, NTSTATUS, PCUNICODE_STRING, PWDFDEVICE_INIT, ULONG, WDF_CHILD_LIST_CONFIG,
+    WDF_DRIVER_CONFIG, WDF_NO_HANDLE, WDF_NO_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS,
+    WDF_POWER_DEVICE_STATE, WDFCMRESLIST, WDFDEVICE, WDFDRIVER, WDFOBJECT,
     call_unsafe_wdf_function_binding,
 };
 
@@ -193,87 +191,13 @@ unsafe extern "C" fn evt_driver_device_add(
             ptr::null()
         )
     };
-    if status < 0 {
-        return status;
-    }
-    // SAFETY: the live device just created.
-    unsafe { create_proxy_queue(device) }
-}
-
-/// The queue of the user-mode proxy's requests (`IRP_MJ_DEVICE_CONTROL`):
-/// power-managed (a filter's queues are not by default), so requests that
-/// arrive while the HCA is below D0 wait for D0 instead of reaching a
-/// sleeping device. The proxy itself is not built (docs/ibal-bus.md):
-/// every request is passed down to the miniport unchanged, as a filter
-/// without this queue would.
-///
-/// # Safety
-/// `device` is the live filter device, in `EvtDriverDeviceAdd`.
-unsafe fn create_proxy_queue(device: WDFDEVICE) -> NTSTATUS {
-    let mut config = WDF_IO_QUEUE_CONFIG {
-        Size: size_of::<WDF_IO_QUEUE_CONFIG>() as ULONG,
-        PowerManaged: _WDF_TRI_STATE::WdfTrue,
-        DispatchType: _WDF_IO_QUEUE_DISPATCH_TYPE::WdfIoQueueDispatchParallel,
-        EvtIoDeviceControl: Some(evt_proxy_device_control),
-        ..WDF_IO_QUEUE_CONFIG::default()
-    };
-    config.Settings.Parallel.NumberOfPresentedRequests = ULONG::MAX;
-    let mut queue: WDFQUEUE = ptr::null_mut();
-    // SAFETY: a live device (caller); out pointer valid.
-    let status = unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfIoQueueCreate,
-            device,
-            &mut config,
-            WDF_NO_OBJECT_ATTRIBUTES,
-            &mut queue
-        )
-    };
-    if status < 0 {
-        return status;
-    }
-    // SAFETY: the live device and the queue just created on it.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfDeviceConfigureRequestDispatching,
-            device,
-            queue,
-            _WDF_REQUEST_TYPE::WdfRequestTypeDeviceControl
-        )
-    }
-}
-
-/// `EvtIoDeviceControl` of the proxy queue: passed down (module doc of
-/// [`create_proxy_queue`]).
-unsafe extern "C" fn evt_proxy_device_control(
-    queue: WDFQUEUE,
-    request: WDFREQUEST,
-    _output_len: usize,
-    _input_len: usize,
-    _code: ULONG,
-) {
-    // SAFETY: the framework passes its live queue.
-    let device = unsafe { call_unsafe_wdf_function_binding!(WdfIoQueueGetDevice, queue) };
-    // SAFETY: the live filter device.
-    let target = unsafe { call_unsafe_wdf_function_binding!(WdfDeviceGetIoTarget, device) };
-    // SAFETY: the driver owns the delivered request; its current stack
-    // location is copied to the next one.
-    unsafe { call_unsafe_wdf_function_binding!(WdfRequestFormatRequestUsingCurrentType, request) };
-    let mut options = WDF_REQUEST_SEND_OPTIONS {
-        Size: size_of::<WDF_REQUEST_SEND_OPTIONS>() as ULONG,
-        Flags: _WDF_REQUEST_SEND_OPTIONS_FLAGS::WDF_REQUEST_SEND_OPTION_SEND_AND_FORGET as ULONG,
-        Timeout: 0,
-    };
-    // SAFETY: the driver owns the formatted request; the device's own
-    // target; the options live for the call.
-    let sent =
-        unsafe { call_unsafe_wdf_function_binding!(WdfRequestSend, request, target, &mut options) };
-    if sent == 0 {
-        // SAFETY: not sent: still the driver's request.
-        let status = unsafe { call_unsafe_wdf_function_binding!(WdfRequestGetStatus, request) };
-        // SAFETY: as above; completing consumes it.
-        unsafe { call_unsafe_wdf_function_binding!(WdfRequestComplete, request, status) };
-    }
+    // No I/O queue yet: until the user-mode proxy exists, the framework
+    // passes every request down to the miniport as it came, in the
+    // caller's thread, where the miniport's EvtIoInCallerContext prepares
+    // user requests. A queue here (power-managed, so that the proxy's
+    // requests wait for D0) comes with the proxy, which must prepare its
+    // requests in the caller's context the same way before queuing them.
+    status
 }
 
 /// Forwards the CA's callbacks to the access layer once there is one (the

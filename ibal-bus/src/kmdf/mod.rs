@@ -11,7 +11,7 @@
 //!
 //! | file | WDF | core |
 //! |---|---|---|
-//! | [`filter`] | `DriverEntry`; `EvtDriverDeviceAdd` (`WdfFdoInitSetFilter`, the default child list, the device interface, the proxy's power-managed queue); prepare-hardware, first D0 entry, self-managed I/O init, release-hardware | `ca_registry` (`OpenedCa`, `BoundCa`, `CaRegistry`), `children` (`read_child_list`, `port_children`, `ChildSet`), `al::AccessLayer` per bound CA |
+//! | [`filter`] | `DriverEntry`; `EvtDriverDeviceAdd` (`WdfFdoInitSetFilter`, the default child list, the device interface); prepare-hardware, first D0 entry, self-managed I/O init, release-hardware | `ca_registry` (`OpenedCa`, `BoundCa`, `CaRegistry`), `children` (`read_child_list`, `port_children`, `ChildSet`), `al::AccessLayer` per bound CA |
 //! | [`ci`] | the HCA's `CiInterface` from `WdfFdoQueryForInterface`; control verbs as IRPs from `IoAllocateIrp` with a completion routine | `ci::CiAccess`, `al::CiRequests` |
 //! | [`child`] | `EvtChildListCreateDevice` (PDO IDs, text, SDDL, power-managed verb queue, `WdfDeviceAddQueryInterface` for the AL interface and, sent to the parent's stack, the bus interface) | `AccessLayer::submit` |
 //! | [`al_interface`] | the `AlInterface` FFI table (`extern "system"` entry points) | `al::AccessLayer` |
