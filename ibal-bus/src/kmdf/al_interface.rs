@@ -48,7 +48,7 @@ use ibal_bus_core::al::ClientEvents;
 use wdk_sys::ntddk::{IofCallDriver, ObfDereferenceObject, ObfReferenceObject};
 use wdk_sys::{IRP, LONG, WDFOBJECT, call_unsafe_wdf_function_binding};
 
-use super::child::ChildShell;
+use super::child::{ChildShell, OpenedClient};
 use super::platform::{KeIrql, KernelEvent};
 
 /// `STATUS_DEVICE_NOT_READY`.
@@ -216,7 +216,7 @@ unsafe extern "system" fn open_al(
     let Some(handle) = al.ca_handle(id) else {
         return IbStatus::InvalidState.to_ntstatus();
     };
-    shell.add_client(handle, id);
+    shell.add_client(&al, handle, id);
     // SAFETY: a valid out pointer (consumer contract).
     unsafe { al_handle.write(handle) };
     IbStatus::Success.to_ntstatus()
@@ -225,8 +225,15 @@ unsafe extern "system" fn open_al(
 unsafe extern "system" fn close_al(context: *mut c_void, al_handle: u64) -> NtStatus {
     // SAFETY: header context (consumer contract).
     let shell = unsafe { child(context) };
-    let (Some(al), Some(id)) = (shell.al(), shell.client(al_handle)) else {
-        return IbStatus::InvalidAlHandle.to_ntstatus();
+    let (al, id) = match shell.client(al_handle) {
+        OpenedClient::Current(al, id) => (al, id),
+        OpenedClient::Stale => {
+            // Its AL went with the HCA stack's stop, and released the
+            // client's reference then: only the record is left.
+            shell.remove_client(al_handle);
+            return IbStatus::Success.to_ntstatus();
+        }
+        OpenedClient::Unknown => return IbStatus::InvalidAlHandle.to_ntstatus(),
     };
     match al.close(id, &KeIrql, Arc::new(KernelEvent::default())) {
         Ok(()) => {

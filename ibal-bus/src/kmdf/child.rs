@@ -33,7 +33,7 @@
 
 use alloc::collections::BTreeMap;
 use alloc::string::String;
-use alloc::sync::Arc;
+use alloc::sync::{Arc, Weak};
 use core::ffi::c_void;
 use core::ptr;
 
@@ -141,6 +141,18 @@ impl ChildIdentification {
     }
 }
 
+/// What an AL handle of a child names.
+#[derive(Debug)]
+pub enum OpenedClient {
+    /// A client open on the current access layer.
+    Current(Arc<Al>, ClientId),
+    /// A client of an access layer that is gone (its HCA stack stopped):
+    /// the AL released its reference when it went.
+    Stale,
+    /// No client.
+    Unknown,
+}
+
 /// The shell state of one child PDO (owned by its context).
 pub struct ChildShell {
     /// The PDO.
@@ -150,8 +162,11 @@ pub struct ChildShell {
     /// The filter it is a child of (outlives it: a parent is removed after
     /// its children).
     parent: Arc<FilterShell>,
-    /// The AL clients opened through this child, by AL handle.
-    clients: SpinLock<BTreeMap<u64, ClientId>>,
+    /// The AL clients opened through this child, by AL handle, each with
+    /// the access layer it was opened on: a restarted HCA stack has a new
+    /// one, whose client IDs start again, so an ID is meaningful only with
+    /// its AL.
+    clients: SpinLock<BTreeMap<u64, (Weak<Al>, ClientId)>>,
 }
 
 impl core::fmt::Debug for ChildShell {
@@ -174,14 +189,27 @@ impl ChildShell {
         self.parent.al()
     }
 
-    /// Records a client opened through this child under its AL handle.
-    pub fn add_client(&self, handle: u64, client: ClientId) {
-        self.clients.lock().insert(handle, client);
+    /// Records a client opened on `al` through this child under its AL
+    /// handle.
+    pub fn add_client(&self, al: &Arc<Al>, handle: u64, client: ClientId) {
+        self.clients
+            .lock()
+            .insert(handle, (Arc::downgrade(al), client));
     }
 
     /// The client opened through this child as `handle`.
-    pub fn client(&self, handle: u64) -> Option<ClientId> {
-        self.clients.lock().get(&handle).copied()
+    pub fn client(&self, handle: u64) -> OpenedClient {
+        let al = self.al();
+        let clients = self.clients.lock();
+        match (clients.get(&handle), al) {
+            (None, _) => OpenedClient::Unknown,
+            (Some((opened_on, client)), Some(al))
+                if Weak::ptr_eq(opened_on, &Arc::downgrade(&al)) =>
+            {
+                OpenedClient::Current(al, *client)
+            }
+            (Some(_), _) => OpenedClient::Stale,
+        }
     }
 
     /// Forgets the client opened as `handle`.
@@ -194,10 +222,11 @@ impl ChildShell {
     pub fn owner_of(&self, handle: u64) -> Option<(Arc<Al>, ClientId)> {
         let al = self.al()?;
         let client = al.client_of_handle(handle)?;
+        let current = Arc::downgrade(&al);
         self.clients
             .lock()
             .values()
-            .any(|c| *c == client)
+            .any(|(opened_on, c)| *c == client && Weak::ptr_eq(opened_on, &current))
             .then_some((al, client))
     }
 }
