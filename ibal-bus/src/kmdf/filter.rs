@@ -178,10 +178,11 @@ unsafe extern "C" fn evt_driver_device_add(
         return NtStatus::INVALID_DEVICE_STATE.raw() as NTSTATUS;
     }
 
-    // One device interface per HCA: user mode opens the HCA it means. Its
-    // security is the devnode's (the INF's `Security` value): a filter's
-    // FDO cannot carry its own SDDL (WdfDeviceInitAssignSDDLString is for
-    // PDOs and control devices).
+    // One device interface per HCA: user mode opens the HCA it means. An
+    // open is checked against the stack's named device object, the PDO,
+    // whose security the PnP manager sets from the devnode's `Security`
+    // property (the INF's IbalBus_Security_AddReg) and applies to the
+    // stack: an SDDL on this unnamed filter FDO would not be what decides.
     // SAFETY: the live device just created; the GUID is static.
     let status = unsafe {
         call_unsafe_wdf_function_binding!(
