@@ -308,6 +308,22 @@ impl FilterShell {
         }
     }
 
+    /// A change of the child list in the Parameters key (the simulated
+    /// shell's `IbalBusDevice::registry_changed`): the list read again and
+    /// the children reported present and missing. PASSIVE_LEVEL. Nothing
+    /// calls it yet: neither a registry change notification nor the
+    /// proxy's administrator IOCTL is wired (docs/ibal-bus.md).
+    pub fn registry_changed(&self) {
+        self.read_list();
+        let bound = match &*self.binding.lock() {
+            Binding::Bound(bound, _) => Some(bound.clone()),
+            _ => None,
+        };
+        if let Some(bound) = bound {
+            self.report_children(&bound);
+        }
+    }
+
     /// Reports what changed between the children present and those the
     /// list gives `bound`'s ports. DISPATCH_LEVEL or below.
     fn report_children(&self, bound: &BoundCa<FfiCi>) {
