@@ -239,6 +239,8 @@ pub(crate) struct PnpInner {
     pending_failures: Mutex<Vec<(DevNodeId, Arc<str>, DeviceFailedAction)>>,
     /// Remote I/O targets not closed yet (`io_target.rs`).
     pub(crate) io_targets: Mutex<Vec<Arc<crate::io_target::TargetInner>>>,
+    /// The order of system transitions (`power.rs`).
+    pub(crate) power_order: Mutex<crate::power::PowerOrderState>,
 }
 
 enum ChildReport {
@@ -514,6 +516,7 @@ impl PnpManager {
                 files: crate::file::FileTable::default(),
                 pending_failures: Mutex::default(),
                 io_targets: Mutex::default(),
+                power_order: Mutex::default(),
             }),
         };
         // A surprise-removed devnode gets IRP_MN_REMOVE_DEVICE once its last
