@@ -1348,7 +1348,7 @@ impl PnpManager {
         self.query_interface_as(node, guid, version, None)
     }
 
-    fn query_interface_as(
+    pub(crate) fn query_interface_as(
         &self,
         node: DevNodeId,
         guid: &WinGuid,

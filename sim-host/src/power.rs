@@ -64,6 +64,12 @@ pub enum PowerOrder {
     /// leaves D0 first), resume in pre-order.
     #[default]
     Enumeration,
+    /// The first-enumerated root's subtree first: sleep takes the root
+    /// devnodes' subtrees in enumeration order (each children first), so
+    /// the PCI bus and its HCAs, enumerated at boot, leave D0 before a
+    /// root-enumerated device added later; resume takes them in the
+    /// reverse order (each parents first).
+    EarliestRootFirst,
     /// A pick among every valid order, drawn afresh for each transition
     /// from this seed and the number of transitions so far: reproducible
     /// for a seed, different between seeds and between sleeps.
@@ -115,6 +121,10 @@ impl PnpManager {
             let mut state = self.power_order_state();
             match state.order {
                 PowerOrder::Enumeration => None,
+                PowerOrder::EarliestRootFirst => {
+                    drop(state);
+                    return self.earliest_root_first(started, down);
+                }
                 PowerOrder::Seeded(seed) => {
                     state.transitions += 1;
                     Some(seed ^ state.transitions.wrapping_mul(0xA24B_AED4_963E_E407))
@@ -162,6 +172,28 @@ impl PnpManager {
             }
         }
         order
+    }
+
+    /// [`PowerOrder::EarliestRootFirst`]: `started` (pre-order) cut into
+    /// its roots' subtrees.
+    fn earliest_root_first(&self, started: &[DevNodeId], down: bool) -> Vec<DevNodeId> {
+        let children: std::collections::BTreeSet<DevNodeId> =
+            started.iter().flat_map(|&n| self.children(n)).collect();
+        let mut subtrees: Vec<Vec<DevNodeId>> = Vec::new();
+        for &n in started {
+            match subtrees.last_mut() {
+                Some(subtree) if children.contains(&n) => subtree.push(n),
+                _ => subtrees.push(vec![n]),
+            }
+        }
+        if down {
+            subtrees
+                .into_iter()
+                .flat_map(|subtree| subtree.into_iter().rev())
+                .collect()
+        } else {
+            subtrees.into_iter().rev().flatten().collect()
+        }
     }
 
     /// Moves the system to `target` (S3, S4 or S5 from S0; S0 to resume).

@@ -270,6 +270,15 @@ fn the_enumeration_order_powers_the_device_enumerated_last_down_first() {
     w.verifier.assert_clean();
 }
 
+#[test]
+fn earliest_root_first_powers_the_bus_subtree_down_before_a_later_root_device() {
+    let w = world(PowerOrder::EarliestRootFirst, false);
+    let (down, up) = w.sleep_and_resume();
+    assert_eq!(down, ["device:exit", "pdo:exit", "bus:exit", "user:exit"]);
+    assert_eq!(up, ["user:entry", "bus:entry", "pdo:entry", "device:entry"]);
+    w.verifier.assert_clean();
+}
+
 /// The broken sample: a root-enumerated user whose D0 exit needs the
 /// device it uses still in D0. The enumeration order happens to suit it;
 /// a seeded order that powers the device down first fails its D0 exit.
@@ -278,6 +287,17 @@ fn a_driver_relying_on_the_order_of_unrelated_devnodes_is_caught_by_a_seeded_ord
     let w = world(PowerOrder::Enumeration, true);
     w.sleep_and_resume();
     w.verifier.assert_clean();
+
+    // The order that powers the device down first, chosen outright.
+    let w = world(PowerOrder::EarliestRootFirst, true);
+    w.sleep_and_resume();
+    assert!(
+        w.verifier
+            .take()
+            .iter()
+            .any(|v| v.driver.as_deref() == Some("orderuser")),
+        "the user's D0 exit failed"
+    );
 
     let caught = (0..16).any(|seed| {
         let w = world(PowerOrder::Seeded(seed), true);

@@ -64,6 +64,13 @@
 //!   client.
 //! - the filter's queue is not power-managed (KMDF's default for a
 //!   filter); requests pass down unchanged.
+//! - for kernel clients outside the HCA's subtree (a root-enumerated
+//!   client, `crate::legacy_client`): add-device registers
+//!   `GUID_IB_AL_DEVICE_INTERFACE` on the HCA's stack, self-managed I/O
+//!   init enables it and release-hardware disables it; the filter's own
+//!   device answers `IRP_MN_QUERY_INTERFACE` for `GUID_IB_AL_INTERFACE`
+//!   sent over that stack (`WdfIoTargetQueryForInterface`) with an
+//!   [`AlPortInterface`] of the CA's first port, while the CA is bound.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -77,13 +84,13 @@ use ib_types::cq::CqNotify;
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::CqHandle;
 use ib_types::interface::{
-    AL_INTERFACE_VERSION, GUID_IB_AL_INTERFACE, GUID_IB_CI_INTERFACE, InterfaceVersion,
-    PortInterfaceData, WinGuid,
+    AL_INTERFACE_VERSION, GUID_IB_AL_DEVICE_INTERFACE, GUID_IB_AL_INTERFACE, GUID_IB_CI_INTERFACE,
+    InterfaceVersion, PortInterfaceData, WinGuid,
 };
 use ib_types::ioctl::{
     Empty, QueryCa, Verb, decode_response, encode_request, request_len, response_len,
 };
-use ib_types::scalars::NodeGuid;
+use ib_types::scalars::{NodeGuid, PKey};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendWr};
@@ -371,7 +378,9 @@ impl DriverEntry for IbalBusDriver {
             children: Mutex::default(),
             events: Arc::default(),
             al: AlSlot::default(),
+            ca_interface: Mutex::default(),
         });
+        host.register_interface(GUID_IB_AL_DEVICE_INTERFACE);
         lock(&self.devices).push(device.clone());
         Ok(device)
     }
@@ -388,6 +397,9 @@ pub struct IbalBusDevice {
     events: Arc<FilterEvents>,
     /// The access layer while the CA is bound.
     al: AlSlot,
+    /// The AL interface answered on the HCA's own stack while the CA is
+    /// bound (for clients outside its subtree).
+    ca_interface: Mutex<Option<Arc<AlPortInterface>>>,
 }
 
 impl std::fmt::Debug for IbalBusDevice {
@@ -481,7 +493,25 @@ impl IbalBusDevice {
         let al = Arc::new(SimAccessLayer::new(bound.ci().clone(), bound.ca_handle()));
         *lock(&self.events.al) = Arc::downgrade(&al);
         *lock(&self.al) = Some(al);
+        *lock(&self.ca_interface) = self.ca_interface_of(&bound);
         self.report_children(&bound);
+    }
+
+    /// The AL interface the HCA's stack answers: the CA's first port with
+    /// the default partition (a client finds the others with `QueryCa`).
+    fn ca_interface_of(&self, bound: &BoundCa<SimCi>) -> Option<Arc<AlPortInterface>> {
+        let port = bound.ports().first()?;
+        Some(Arc::new(AlPortInterface {
+            data: PortInterfaceData {
+                ca_guid: bound.identity().ca_guid,
+                port_guid: port.port_guid,
+                port: port.port_num,
+                pkey: PKey::DEFAULT,
+            },
+            al: self.al.clone(),
+            verifier: self.host.verifier()?,
+            opened: Mutex::default(),
+        }))
     }
 
     /// Opens the CA (first D0 entry); the port query follows in
@@ -593,6 +623,23 @@ impl DeviceCallbacks for IbalBusDevice {
 
     fn self_managed_io_init(&self) {
         self.send_port_query();
+        self.host
+            .set_interface_enabled(GUID_IB_AL_DEVICE_INTERFACE, true);
+    }
+
+    /// `GUID_IB_AL_INTERFACE` asked over the HCA's stack (by a client
+    /// outside its subtree, through a remote I/O target) is answered by
+    /// the filter while the CA is bound, as a child answers it; anything
+    /// else passes down.
+    fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {
+        if *guid != GUID_IB_AL_INTERFACE || version < AL_INTERFACE_VERSION.packed() {
+            return None;
+        }
+        let interface = lock(&self.ca_interface).clone()?;
+        Some(ProvidedInterface {
+            version: AL_INTERFACE_VERSION.packed(),
+            object: Arc::new(interface) as Arc<dyn std::any::Any + Send + Sync>,
+        })
     }
 
     /// A stop (resource rebalance) would close the CA under open AL
@@ -611,6 +658,9 @@ impl DeviceCallbacks for IbalBusDevice {
         // ignored its own removal) finds every call refused from now on.
         // The access layer is dropped with the last of its in-flight
         // completions.
+        self.host
+            .set_interface_enabled(GUID_IB_AL_DEVICE_INTERFACE, false);
+        drop(lock(&self.ca_interface).take());
         *lock(&self.events.al) = Weak::new();
         drop(lock(&self.al).take());
         let binding = std::mem::replace(&mut *lock(&self.binding), Binding::Idle);

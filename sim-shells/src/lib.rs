@@ -12,6 +12,9 @@
 //! - [`hca_miniport`]: the HCA miniport (`hca-miniport/src/kmdf`).
 //! - [`ibal_bus`]: the IBAL bus filter (its KMDF shell in `ibal-bus` is
 //!   not written yet).
+//! - [`legacy_client`]: a root-enumerated kernel client of the access
+//!   layer, the old way (a sample; no KMDF shell).
 
 pub mod hca_miniport;
 pub mod ibal_bus;
+pub mod legacy_client;
