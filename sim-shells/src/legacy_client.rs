@@ -27,15 +27,23 @@
 //!   ([`LegacyClient::refuse_removal`], `STATUS_DEVICE_BUSY`); a cancelled
 //!   removal reopens the target and builds the link again; remove-complete
 //!   lets go (after a surprise removal) and closes the target.
-//! - D0 exit (its own sleep): the shutdown exchange on every connection it
-//!   started: a goodbye SEND to the peer, waited for boundedly, then a
-//!   `ModifyQp` to SQD (drain) as a request, waited for boundedly. If the
-//!   HCA is already below D0, the post is refused and the request is held
-//!   by the HCA's power-managed queue: the wait times out, the D0 exit
-//!   returns (the sleep completes), and the held request completes after
-//!   resume ([`ShutdownReport`]).
+//! - D0 exit (its own sleep): the shutdown exchange on every connection:
+//!   if the peer already said goodbye the connection is closed; otherwise
+//!   a goodbye SEND to the peer, waited for boundedly, then a `ModifyQp`
+//!   to SQD (drain) as a request, waited for boundedly. If the HCA is
+//!   already below D0, the post is refused and the request is held by the
+//!   HCA's power-managed queue: the wait times out, the D0 exit returns
+//!   (the sleep completes), and the held request completes after resume
+//!   ([`ShutdownReport`]).
 //! - release-hardware (its removal): lets go of every link and closes the
 //!   targets.
+//!
+//! **The same client bound the new way**, for the side-by-side
+//! comparison: [`LegacyClientDriver::register_as_port_client`] registers
+//! the same code as the port children's function driver (`ibportclient`,
+//! `inf/ib-port-client.inf`); each device then links to its own parent
+//! (the AL and bus interfaces queried from its own stack, no target, no
+//! interface notification), and is powered down before its HCA.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
@@ -79,6 +87,8 @@ use crate::ibal_bus::{AlClient, AlPortInterface, DriverObjectReference};
 
 /// The service `inf/ib-legacy-client.inf` installs.
 pub const SERVICE: &str = "iblegacyclient";
+/// The port children's client service (`inf/ib-port-client.inf`).
+pub const PORT_CLIENT_SERVICE: &str = "ibportclient";
 /// The root-enumerated device's hardware ID.
 pub const HARDWARE_ID: &str = "ROOT\\IBLEGACYCLIENT";
 
@@ -105,6 +115,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The driver: its devices, and the count of references on its objects
 /// the AL holds.
 pub struct LegacyClientDriver {
+    /// Root-enumerated (the old way) or a port child's function driver.
+    as_port_client: bool,
     sched: SchedulerHandle,
     verifier: Verifier,
     references: OnceLock<Arc<std::sync::atomic::AtomicUsize>>,
@@ -120,14 +132,26 @@ impl std::fmt::Debug for LegacyClientDriver {
 impl LegacyClientDriver {
     /// Registers the driver on `host` under [`SERVICE`].
     pub fn register(host: &Host) -> Arc<Self> {
+        Self::register_under(host, SERVICE, false)
+    }
+
+    /// Registers the same client as the port children's function driver
+    /// ([`PORT_CLIENT_SERVICE`], replacing the stand-in): each device links
+    /// to its own parent.
+    pub fn register_as_port_client(host: &Host) -> Arc<Self> {
+        Self::register_under(host, PORT_CLIENT_SERVICE, true)
+    }
+
+    fn register_under(host: &Host, service: &'static str, as_port_client: bool) -> Arc<Self> {
         let driver = Arc::new(Self {
+            as_port_client,
             sched: host.scheduler_handle(),
             verifier: host.verifier().clone(),
             references: OnceLock::new(),
             devices: Mutex::default(),
         });
-        host.register_driver(SERVICE, driver.clone());
-        if let Some(references) = host.pnp().driver_references(SERVICE) {
+        host.register_driver(service, driver.clone());
+        if let Some(references) = host.pnp().driver_references(service) {
             let _ = driver.references.set(references);
         }
         driver
@@ -158,6 +182,9 @@ impl LegacyClientDriver {
     /// target-device-change notifications came first.
     pub fn interface_events(&self, events: &[InterfaceEvent]) {
         let _driver = context::enter(Context::driver(self.verifier.clone(), SERVICE));
+        if self.as_port_client {
+            return;
+        }
         for event in events {
             if let InterfaceEvent::Arrival { class, device } = event
                 && *class == GUID_IB_AL_DEVICE_INTERFACE
@@ -185,6 +212,7 @@ impl DriverEntry for LegacyClientDriver {
             .ok_or(NtStatus::INVALID_DEVICE_STATE)?;
         let device = Arc::new_cyclic(|me| LegacyClient {
             me: me.clone(),
+            as_port_client: self.as_port_client,
             host: host.clone(),
             sched: self.sched.clone(),
             verifier: self.verifier.clone(),
@@ -221,6 +249,9 @@ pub enum Goodbye {
     Failed(WcStatus),
     /// No completion within [`WAIT_BOUND_NS`].
     NoAnswer,
+    /// The peer said goodbye first: the connection is already closed,
+    /// nothing to send.
+    AlreadyClosed,
 }
 
 /// What one D0 exit's shutdown exchange did on one connection.
@@ -230,10 +261,14 @@ pub struct ShutdownReport {
     pub hca: DevNodeId,
     /// The goodbye.
     pub goodbye: Goodbye,
-    /// The drain request (`ModifyQp` to SQD).
-    pub drain: RequestHandle,
+    /// The drain request (`ModifyQp` to SQD), unless the connection was
+    /// already closed.
+    pub drain: Option<RequestHandle>,
     /// Whether the drain completed within the bound (else it was held).
     pub drained_in_time: bool,
+    /// Receives the exchange found completed in error before it began
+    /// (an HCA that left D0 first flushed the connection's receive).
+    pub receive_errors: Vec<WcStatus>,
 }
 
 impl ShutdownReport {
@@ -241,6 +276,7 @@ impl ShutdownReport {
     /// verb's.
     pub fn drain_result(&self) -> Option<Result<(), IbStatus>> {
         self.drain
+            .as_ref()?
             .completion()
             .map(|done| answer::<ModifyQp>(&done).map(|_| ()))
     }
@@ -249,6 +285,7 @@ impl ShutdownReport {
 /// One root-enumerated client device.
 pub struct LegacyClient {
     me: Weak<LegacyClient>,
+    as_port_client: bool,
     host: DeviceServices,
     sched: SchedulerHandle,
     verifier: Verifier,
@@ -303,6 +340,7 @@ impl LegacyClient {
         let link = Arc::new(HcaLink {
             hca,
             client: self.me.clone(),
+            own_stack: None,
             target: OnceLock::new(),
             session: Mutex::default(),
             events: Arc::default(),
@@ -325,22 +363,21 @@ impl LegacyClient {
         lock(&self.links).push(link);
     }
 
-    /// Connects `a` and `b` (links of this device to two HCAs) with their
-    /// RC QPs, a receive posted on each. `a` starts the shutdown exchange
-    /// at D0 exit. PASSIVE_LEVEL.
-    pub fn connect(&self, a: &Arc<HcaLink>, b: &Arc<HcaLink>) -> Result<(), IbStatus> {
-        let (ga, qa) = a.address()?;
-        let (gb, qb) = b.address()?;
-        a.connect_to(self, gb, qb)?;
-        b.connect_to(self, ga, qa)?;
-        *lock(&a.events.peer) = Some(b.clone());
-        Ok(())
-    }
-
-    /// Sends `bytes` from `from` on its connection and waits (boundedly)
-    /// for the send's completion. PASSIVE_LEVEL.
-    pub fn send(&self, from: &HcaLink, bytes: &[u8]) -> Goodbye {
-        from.send(self, bytes)
+    /// A port child's one link: to its own parent, through its own stack.
+    fn link_to_parent(&self) {
+        let link = Arc::new(HcaLink {
+            hca: self.node(),
+            client: self.me.clone(),
+            own_stack: Some(self.host.clone()),
+            target: OnceLock::new(),
+            session: Mutex::default(),
+            events: Arc::default(),
+            let_go: AtomicUsize::new(0),
+            came_back: AtomicUsize::new(0),
+        });
+        if link.come_up(self).is_ok() {
+            lock(&self.links).push(link);
+        }
     }
 
     /// Issues a `QueryCa` on `link` without waiting (a client that keeps
@@ -423,10 +460,23 @@ impl LegacyClient {
     /// (see the module doc).
     fn shutdown_exchange(&self) {
         for link in self.links() {
-            if lock(&link.events.peer).is_none() {
+            if !link.events.connected.load(Ordering::Acquire) {
+                continue;
+            }
+            let (messages, receive_errors) = link.received();
+            if messages.iter().any(|m| m == GOODBYE) {
+                link.events.connected.store(false, Ordering::Release);
+                lock(&self.reports).push(ShutdownReport {
+                    hca: link.hca,
+                    goodbye: Goodbye::AlreadyClosed,
+                    drain: None,
+                    drained_in_time: true,
+                    receive_errors,
+                });
                 continue;
             }
             let goodbye = link.send(self, GOODBYE);
+            link.events.connected.store(false, Ordering::Release);
             let guard = lock(&link.session);
             let Some(session) = guard.as_ref() else {
                 continue;
@@ -445,8 +495,9 @@ impl LegacyClient {
             lock(&self.reports).push(ShutdownReport {
                 hca: link.hca,
                 goodbye,
-                drain,
+                drain: Some(drain),
                 drained_in_time: done.is_some(),
+                receive_errors,
             });
         }
     }
@@ -463,10 +514,27 @@ impl LegacyClient {
     }
 }
 
+/// Connects `a` and `b` (links to two HCAs, of one device or of two) with
+/// their RC QPs, a receive posted on each; either side may start the
+/// shutdown exchange. PASSIVE_LEVEL.
+pub fn connect(a: &HcaLink, b: &HcaLink) -> Result<(), IbStatus> {
+    let (ca, cb) = (a.owner()?, b.owner()?);
+    let (ga, qa) = a.address()?;
+    let (gb, qb) = b.address()?;
+    a.connect_to(&ca, gb, qb)?;
+    b.connect_to(&cb, ga, qa)?;
+    a.events.connected.store(true, Ordering::Release);
+    b.events.connected.store(true, Ordering::Release);
+    Ok(())
+}
+
 impl DeviceCallbacks for LegacyClient {
     /// Registers for interface arrival, existing interfaces included.
     fn self_managed_io_init(&self) {
         self.started.store(true, Ordering::Release);
+        if self.as_port_client {
+            return self.link_to_parent();
+        }
         for hca in self.host.device_interfaces(GUID_IB_AL_DEVICE_INTERFACE) {
             self.link_to(hca);
         }
@@ -505,8 +573,8 @@ struct Session {
 struct LinkEvents {
     waiting: Mutex<Option<HostEvent>>,
     async_events: Mutex<Vec<AsyncEventRecord>>,
-    /// The other side of the connection this link started.
-    peer: Mutex<Option<Arc<HcaLink>>>,
+    /// Connected, and no goodbye exchanged yet.
+    connected: AtomicBool,
 }
 
 impl ClientEvents for LinkEvents {
@@ -522,8 +590,12 @@ impl ClientEvents for LinkEvents {
 
 /// One device's link to one HCA: its remote I/O target and AL session.
 pub struct HcaLink {
+    /// The HCA (a port child's link: the child itself).
     hca: DevNodeId,
     client: Weak<LegacyClient>,
+    /// A port child queries its own stack; a root-enumerated client the
+    /// target's.
+    own_stack: Option<DeviceServices>,
     target: OnceLock<RemoteIoTarget>,
     session: Mutex<Option<Session>>,
     events: Arc<LinkEvents>,
@@ -586,8 +658,7 @@ impl HcaLink {
     /// The AL interface, its DMA adapter and objects (see the module
     /// doc); on a failure what was made is undone.
     fn come_up(&self, client: &LegacyClient) -> Result<(), IbStatus> {
-        let target = self.target.get().ok_or(IbStatus::InvalidState)?;
-        let interface = target
+        let interface = self
             .query_interface(&GUID_IB_AL_INTERFACE, AL_INTERFACE_VERSION.packed())
             .ok_or(IbStatus::NotFound)?;
         let Some(al) = interface.get::<Arc<AlPortInterface>>().cloned() else {
@@ -615,14 +686,40 @@ impl HcaLink {
             qp: None,
             mr: None,
         });
-        let made = self.make_objects(client, target);
+        let made = self.make_objects(client);
         if made.is_err() {
             self.let_go(client);
         }
         made
     }
 
-    fn make_objects(&self, client: &LegacyClient, target: &RemoteIoTarget) -> Result<(), IbStatus> {
+    /// `IRP_MN_QUERY_INTERFACE` over the target's stack, or its own.
+    fn query_interface(
+        &self,
+        guid: &ib_types::interface::WinGuid,
+        version: u16,
+    ) -> Option<sim_host::driver::InterfaceRef> {
+        match (&self.own_stack, self.target.get()) {
+            (Some(own), _) => own.query_interface(guid, version),
+            (None, Some(target)) => target.query_interface(guid, version),
+            (None, None) => None,
+        }
+    }
+
+    fn owner(&self) -> Result<Arc<LegacyClient>, IbStatus> {
+        self.client.upgrade().ok_or(IbStatus::InvalidState)
+    }
+
+    /// Sends `bytes` on its connection and waits (boundedly) for the
+    /// send's completion. PASSIVE_LEVEL.
+    pub fn send_bytes(&self, bytes: &[u8]) -> Goodbye {
+        match self.owner() {
+            Ok(client) => self.send(&client, bytes),
+            Err(status) => Goodbye::Refused(status),
+        }
+    }
+
+    fn make_objects(&self, client: &LegacyClient) -> Result<(), IbStatus> {
         let mut guard = lock(&self.session);
         let s = guard.as_mut().ok_or(IbStatus::InvalidState)?;
         let ca = s.client.ca_handle();
@@ -645,7 +742,7 @@ impl HcaLink {
         s.gid.ok_or(IbStatus::GenericError)?;
         // The HCA's own DMA adapter, through the bus interface its PCI PDO
         // answers at the bottom of the stack the target is open on.
-        let bus = target
+        let bus = self
             .query_interface(&GUID_BUS_INTERFACE_STANDARD, BUS_INTERFACE_STANDARD_VERSION)
             .ok_or(IbStatus::NotFound)?;
         let adapter = bus.call(|b: &BusInterfaceStandard| b.get_dma_adapter());
@@ -731,7 +828,7 @@ impl HcaLink {
         let drained = Arc::new(HostEvent::new(client.sched.clone()));
         let _ = s.al.close(s.client, drained);
         s.interface.dereference();
-        *lock(&self.events.peer) = None;
+        self.events.connected.store(false, Ordering::Release);
         self.let_go.fetch_add(1, Ordering::AcqRel);
     }
 

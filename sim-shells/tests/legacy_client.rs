@@ -32,7 +32,7 @@ use sim_host::verifier::ViolationKind;
 use sim_shells::hca_miniport::MiniportDriver;
 use sim_shells::ibal_bus::IbalBusDriver;
 use sim_shells::legacy_client::{
-    GOODBYE, Goodbye, HcaLink, LegacyClient, LegacyClientDriver, SERVICE,
+    Goodbye, HcaLink, LegacyClient, LegacyClientDriver, PORT_CLIENT_SERVICE, SERVICE, connect,
 };
 
 const HCAS: [u64; 2] = [0x0002_C900_0000_3000, 0x0002_C900_0000_4000];
@@ -106,7 +106,7 @@ impl World {
         let hcas = self.host.hcas();
         let a = client.link(hcas[0]).expect("a link to HCA 0");
         let b = client.link(hcas[1]).expect("a link to HCA 1");
-        client.connect(&a, &b).unwrap();
+        connect(&a, &b).unwrap();
         (client, a, b)
     }
 
@@ -165,7 +165,7 @@ fn a_root_enumerated_client_finds_each_hca_by_its_interface_and_runs_traffic() {
             .devices_with_interface(GUID_IB_AL_DEVICE_INTERFACE),
         hcas
     );
-    let (client, a, b) = w.connected(0);
+    let (_client, a, b) = w.connected(0);
     for (link, hca) in [(&a, 0), (&b, 1)] {
         assert_eq!(link.target_state(), Some(IoTargetState::Opened));
         let port = link.port().expect("the AL interface's data");
@@ -180,7 +180,7 @@ fn a_root_enumerated_client_finds_each_hca_by_its_interface_and_runs_traffic() {
 
     // Traffic both ways, bytes checked.
     for (from, to, text) in [(&a, &b, &b"over the fabric"[..]), (&b, &a, b"and back")] {
-        assert_eq!(client.send(from, text), Goodbye::Acknowledged);
+        assert_eq!(from.send_bytes(text), Goodbye::Acknowledged);
         settle(&w.host);
         let (got, errors) = to.received();
         assert_eq!(got, vec![text.to_vec()]);
@@ -228,20 +228,27 @@ fn with_the_hcas_powered_down_first_the_shutdown_exchange_cannot_reach_the_fabri
     for node in hcas.iter().copied().chain([client.node()]) {
         assert_eq!(w.host.pnp().power(node), Some(DevicePowerState::D3));
     }
+    // Each side tried: both HCAs were already below D0.
     let reports = client.shutdown_reports();
-    assert_eq!(reports.len(), 1);
-    let report = &reports[0];
-    assert_eq!(report.hca, hcas[0]);
-    assert_eq!(
-        report.goodbye,
-        Goodbye::Refused(IbStatus::InvalidState),
-        "the HCA below D0 refuses the post"
-    );
-    assert!(
-        !report.drained_in_time,
-        "the drain is held, the wait bounded"
-    );
-    assert!(report.drain_result().is_none());
+    assert_eq!(reports.len(), 2);
+    for (report, hca) in reports.iter().zip(&hcas) {
+        assert_eq!(report.hca, *hca);
+        assert_eq!(
+            report.goodbye,
+            Goodbye::Refused(IbStatus::InvalidState),
+            "the HCA below D0 refuses the post"
+        );
+        assert!(
+            !report.drained_in_time,
+            "the drain is held, the wait bounded"
+        );
+        assert!(report.drain_result().is_none());
+        assert_eq!(
+            report.receive_errors,
+            [WcStatus::WrFlushErr],
+            "the HCA flushed the connection's receive as it left D0"
+        );
+    }
 
     // A client that keeps issuing during the sleep: held, never crashed.
     let during_sleep = client.issue_query_ca(&a).unwrap();
@@ -252,8 +259,10 @@ fn with_the_hcas_powered_down_first_the_shutdown_exchange_cannot_reach_the_fabri
     settle(&w.host);
     // The held drain ran after D0 entry: the connected QP came back in
     // ERR (its peer is gone as far as the QP knows), so SQD is refused.
-    let drained = report.drain_result().expect("completed after resume");
-    assert!(drained.is_err(), "{drained:?}");
+    for report in &reports {
+        let drained = report.drain_result().expect("completed after resume");
+        assert!(drained.is_err(), "{drained:?}");
+    }
     let query = during_sleep.completion().expect("completed after resume");
     assert!(query.status.is_success());
     let len = query.information as usize;
@@ -263,11 +272,9 @@ fn with_the_hcas_powered_down_first_the_shutdown_exchange_cannot_reach_the_fabri
             .status,
         IbStatus::Success
     );
-    // The goodbye never reached the peer; its receive was flushed when the
-    // connection came back broken.
+    // The goodbye never reached the peer, then or later.
     let (got, errors) = b.received();
-    assert!(got.is_empty(), "no goodbye arrived: {got:?}");
-    assert_eq!(errors, [WcStatus::WrFlushErr]);
+    assert!(got.is_empty() && errors.is_empty(), "{got:?} {errors:?}");
     assert!(
         a.async_events()
             .iter()
@@ -284,16 +291,20 @@ fn with_the_hcas_powered_down_first_the_shutdown_exchange_cannot_reach_the_fabri
 fn with_the_client_powered_down_first_the_same_exchange_succeeds() {
     let w = world(34, 1, false);
     assert_eq!(w.host.pnp().power_order(), PowerOrder::Enumeration);
-    let (client, _a, b) = w.connected(0);
+    let (client, _a, _b) = w.connected(0);
     w.host.pnp().set_system_power(SystemPowerState::S3).unwrap();
-    let report = client.shutdown_reports().pop().expect("a report");
-    assert_eq!(report.goodbye, Goodbye::Acknowledged);
-    assert!(report.drained_in_time);
-    assert_eq!(report.drain_result(), Some(Ok(())));
+    let reports = client.shutdown_reports();
+    assert_eq!(reports.len(), 2);
+    assert_eq!(reports[0].goodbye, Goodbye::Acknowledged);
+    assert!(reports[0].drained_in_time);
+    assert_eq!(reports[0].drain_result(), Some(Ok(())));
+    assert_eq!(
+        reports[1].goodbye,
+        Goodbye::AlreadyClosed,
+        "the peer side got the goodbye"
+    );
     w.host.pnp().set_system_power(SystemPowerState::S0).unwrap();
     settle(&w.host);
-    let (got, _flushed) = b.received();
-    assert_eq!(got, vec![GOODBYE.to_vec()], "the peer got the goodbye");
     w.finish();
 }
 
@@ -310,7 +321,7 @@ fn under_seeded_orders_the_goodbye_depends_on_the_draw() {
         w.host.pnp().set_system_power(SystemPowerState::S4).unwrap();
         w.host.pnp().set_system_power(SystemPowerState::S0).unwrap();
         settle(&w.host);
-        let report = client.shutdown_reports().pop().expect("a report");
+        let report = client.shutdown_reports().swap_remove(0);
         assert!(report.drain_result().is_some(), "the drain completed");
         outcomes.insert(report.goodbye == Goodbye::Acknowledged);
         w.finish();
@@ -379,4 +390,72 @@ fn a_surprise_removed_hca_is_let_go_through_remove_complete_too_late_for_its_dma
         "the client's buffer, still allocated when the adapter went: {violations:?}"
     );
     w.finish();
+}
+
+/// The same client bound the new way, as the port children's function
+/// driver: its devices link to their parents through their own stacks.
+/// Children leave D0 before their HCA, so whichever side of the
+/// connection goes first says goodbye over the fabric and the other finds
+/// it closed: under the order that defeats the root-enumerated client and
+/// under seeded ones alike.
+#[test]
+fn the_same_client_as_a_port_child_says_goodbye_whatever_the_order() {
+    let orders = [
+        PowerOrder::EarliestRootFirst,
+        PowerOrder::Seeded(1),
+        PowerOrder::Seeded(2),
+        PowerOrder::Enumeration,
+    ];
+    for (seed, order) in (50..).zip(orders) {
+        let configs = HCAS
+            .iter()
+            .enumerate()
+            .map(|(i, guid)| {
+                let i = i as u8;
+                DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
+            })
+            .collect();
+        let host = Host::new(HostConfig::deterministic(seed, configs)).unwrap();
+        let _log = sim_host::samples::register_stand_ins(&host);
+        MiniportDriver::register(&host, HcaConfig::default());
+        IbalBusDriver::register(&host);
+        let driver = LegacyClientDriver::register_as_port_client(&host);
+        host.boot();
+        settle(&host);
+        host.pnp().set_power_order(order);
+        let on_port = |hca: usize| -> (Arc<LegacyClient>, Arc<HcaLink>) {
+            driver
+                .devices()
+                .into_iter()
+                .find_map(|c| {
+                    let link = c.links().pop()?;
+                    let port = link.port()?;
+                    (port.ca_guid.get() == HCAS[hca] && port.port.get() == 1).then_some((c, link))
+                })
+                .expect("a client on port 1")
+        };
+        assert_eq!(driver.devices().len(), 4, "one per port of each HCA");
+        let ((x, a), (y, b)) = (on_port(0), on_port(1));
+        connect(&a, &b).unwrap();
+        assert_eq!(a.send_bytes(b"hello"), Goodbye::Acknowledged);
+
+        host.pnp().set_system_power(SystemPowerState::S3).unwrap();
+        let mut goodbyes: Vec<Goodbye> = [&x, &y]
+            .iter()
+            .flat_map(|c| c.shutdown_reports())
+            .map(|r| r.goodbye)
+            .collect();
+        goodbyes.sort_by_key(|g| *g == Goodbye::AlreadyClosed);
+        assert_eq!(
+            goodbyes,
+            [Goodbye::Acknowledged, Goodbye::AlreadyClosed],
+            "{order:?}"
+        );
+        host.pnp().set_system_power(SystemPowerState::S0).unwrap();
+        settle(&host);
+        host.shut_down();
+        host.verifier().assert_clean();
+        let references = host.pnp().driver_references(PORT_CLIENT_SERVICE).unwrap();
+        assert_eq!(references.load(Ordering::Acquire), 0, "every AL closed");
+    }
 }
