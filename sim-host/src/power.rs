@@ -30,9 +30,10 @@
 //! bus and a root-enumerated driver that uses it) get their IRPs in no
 //! promised order, and since Windows Vista concurrently. [`PowerOrder`]
 //! says which of the valid orders the host takes: the enumeration order
-//! (the default, reproducible: the devnode enumerated last leaves D0
-//! first) or a seeded pick among all of them ([`PowerOrder::Seeded`]),
-//! under which a driver that relies on an accidental order between
+//! (the `PnpManager` default, reproducible: the devnode enumerated last
+//! leaves D0 first), the earliest root's subtree first, or a seeded pick
+//! among all of them ([`PowerOrder::Seeded`], what a `Host` uses, from its
+//! seed), under which a driver that relies on an accidental order between
 //! unrelated devnodes is caught.
 
 use std::collections::BTreeMap;
