@@ -119,7 +119,7 @@ pub struct LegacyClientDriver {
     as_port_client: bool,
     sched: SchedulerHandle,
     verifier: Verifier,
-    references: OnceLock<Arc<std::sync::atomic::AtomicUsize>>,
+    references: OnceLock<Arc<AtomicUsize>>,
     devices: Mutex<Vec<Arc<LegacyClient>>>,
 }
 
@@ -289,7 +289,7 @@ pub struct LegacyClient {
     host: DeviceServices,
     sched: SchedulerHandle,
     verifier: Verifier,
-    references: Arc<std::sync::atomic::AtomicUsize>,
+    references: Arc<AtomicUsize>,
     started: AtomicBool,
     refuse_removal: AtomicBool,
     links: Mutex<Vec<Arc<HcaLink>>>,
