@@ -31,6 +31,7 @@ pub mod mmio;
 pub mod qp;
 mod queue;
 pub mod srq;
+mod sync;
 
 pub use context::{Context, QpCreated};
 pub use cq::{ArmFor, Cq};
