@@ -13,10 +13,12 @@ use std::sync::Arc;
 use hca_prm::cqe::{Cqe, CqeFlags};
 use hca_prm::doorbell::{CqArm, CqDoorbell};
 use hca_prm::owner;
+use hca_prm::uverbs::ResizeCqPriv;
 use ib_types::wc::WorkCompletion;
 use zerocopy::FromBytes;
 
 use crate::dma::{DmaBuffer, from_device};
+use crate::error::SetupError;
 use crate::mmio::UarPage;
 use crate::queue::{Directory, Route};
 
@@ -128,6 +130,33 @@ impl Cq {
             let _ = self.record.store_u32_release(0, self.consumer);
         }
         filled
+    }
+
+    /// Moves to the new ring of a successful `ResizeCq` (PRM 6.2, 13): the
+    /// device copied the outstanding CQEs to its slot 0 onward and zeroed
+    /// the consumer record, so polling goes on from counter 0 there. Call
+    /// it only after the kernel answered success, and poll nothing while
+    /// the request is outstanding; after a failure the old ring stays.
+    ///
+    /// # Safety
+    /// As [`crate::Context::cq`], for `layout`'s ring and the rest of the
+    /// CQ's life.
+    pub unsafe fn resized(&mut self, layout: &ResizeCqPriv) -> Result<(), SetupError> {
+        if layout.ring.len < (CQE_BYTES as u64) << layout.log_entries {
+            return Err(SetupError::Layout {
+                what: "CQ ring",
+                detail: "smaller than its entries",
+            });
+        }
+        let len = usize::try_from(layout.ring.len).map_err(|_| SetupError::Layout {
+            what: "CQ ring",
+            detail: "longer than the address space",
+        })?;
+        // SAFETY: the caller's contract is `from_raw`'s for the new ring.
+        self.ring = unsafe { DmaBuffer::from_raw(layout.ring.va, len) }?;
+        self.log_entries = layout.log_entries;
+        self.consumer = 0;
+        Ok(())
     }
 
     /// Arms the CQ for one completion event through the doorbell page,
