@@ -16,7 +16,7 @@ use ib_types::scalars::Qpn;
 use ib_types::wr::{Transport, WrLimits};
 
 use crate::cq::Cq;
-use crate::dma::DmaBuffer;
+use crate::dma::{DmaBuffer, Record};
 use crate::error::SetupError;
 use crate::mmio::UarPage;
 use crate::qp::{Qp, RecvQueue, SendQueue};
@@ -55,20 +55,19 @@ unsafe fn buffer(range: &UserRange) -> Result<DmaBuffer, SetupError> {
     Ok(unsafe { DmaBuffer::from_raw(range.va, len) }?)
 }
 
-/// A doorbell record's range: the 8-byte word holding it (records are
-/// 4-byte aligned; the provider gives each its own word).
+/// A doorbell record's range (4-byte aligned, at least 4 bytes).
 ///
 /// # Safety
-/// As [`DmaBuffer::from_raw`], for the record's word.
-unsafe fn record(range: &UserRange) -> Result<DmaBuffer, SetupError> {
-    if !range.va.is_multiple_of(8) || range.len < 4 {
+/// As [`Record::from_raw`].
+unsafe fn record(range: &UserRange) -> Result<Record, SetupError> {
+    if range.len < 4 {
         return Err(SetupError::Layout {
             what: "doorbell record",
-            detail: "must start an 8-byte word of its own",
+            detail: "shorter than 4 bytes",
         });
     }
-    // SAFETY: the caller's contract covers the record's word.
-    Ok(unsafe { DmaBuffer::from_raw(range.va, 8) }?)
+    // SAFETY: the caller's contract is `Record::from_raw`'s.
+    Ok(unsafe { Record::from_raw(range.va) }?)
 }
 
 const fn transport(qp_type: QpType) -> Transport {

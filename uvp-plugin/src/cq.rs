@@ -17,7 +17,7 @@ use hca_prm::uverbs::ResizeCqPriv;
 use ib_types::wc::WorkCompletion;
 use zerocopy::FromBytes;
 
-use crate::dma::{DmaBuffer, from_device};
+use crate::dma::{DmaBuffer, Record, from_device};
 use crate::error::SetupError;
 use crate::mmio::UarPage;
 use crate::queue::{Directory, Route};
@@ -39,7 +39,7 @@ pub enum ArmFor {
 pub struct Cq {
     cqn: u32,
     ring: DmaBuffer,
-    record: DmaBuffer,
+    record: Record,
     log_entries: u8,
     /// CQEs consumed (wrapping).
     consumer: u32,
@@ -55,7 +55,7 @@ impl Cq {
     pub(crate) fn new(
         cqn: u32,
         ring: DmaBuffer,
-        record: DmaBuffer,
+        record: Record,
         log_entries: u8,
         uar: Arc<UarPage>,
         doorbell_offset: u64,
@@ -126,8 +126,7 @@ impl Cq {
         }
         drop(directory);
         if self.consumer != start {
-            // A record at offset 0 of its buffer, checked at setup.
-            let _ = self.record.store_u32_release(0, self.consumer);
+            self.record.store_release(self.consumer);
         }
         filled
     }

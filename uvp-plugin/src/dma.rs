@@ -211,6 +211,43 @@ impl DmaBuffer {
     }
 }
 
+/// A doorbell record (PRM 9.2): 4 bytes, 4-byte aligned, stored as one
+/// 64-bit read-modify-write of the aligned word that holds it.
+#[derive(Debug)]
+pub struct Record {
+    word: DmaBuffer,
+    offset: usize,
+}
+
+impl Record {
+    /// The record at `address` (4-byte aligned).
+    ///
+    /// # Safety
+    /// As [`DmaBuffer::from_raw`] for the aligned 8-byte word holding the
+    /// record (it lies in the record's page, so any page-granular
+    /// allocation holding the record holds the word).
+    pub unsafe fn from_raw(address: u64) -> Result<Self, BufferError> {
+        if !address.is_multiple_of(4) {
+            return Err(BufferError::BadRange { address, len: 4 });
+        }
+        let word_address = address & !(WORD as u64 - 1);
+        // SAFETY: the caller's contract covers this word.
+        let word = unsafe { DmaBuffer::from_raw(word_address, WORD) }?;
+        Ok(Self {
+            word,
+            offset: (address - word_address) as usize,
+        })
+    }
+
+    /// Stores the counter with `Release` order: the WQEs written before it
+    /// are visible to a device that reads it (PRM 9.2).
+    #[inline]
+    pub fn store_release(&self, value: u32) {
+        // In range by construction: the offset is 0 or 4 of one word.
+        let _ = self.word.store_u32_release(self.offset, value);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,6 +279,23 @@ mod tests {
         assert!(!b.read_words(24, &mut out));
         b.zero();
         assert!(words.iter().all(|w| w.load(Ordering::Relaxed) == 0));
+    }
+
+    #[test]
+    fn a_record_in_either_half_of_its_word_keeps_the_other() {
+        let mut words: Vec<AtomicU64> = (0..2).map(|_| AtomicU64::new(0)).collect();
+        let base = words.as_mut_ptr() as u64;
+        // SAFETY: word 1 is a live atomic that outlives the record.
+        let low = unsafe { Record::from_raw(base + 8) }.unwrap();
+        // SAFETY: as above.
+        let high = unsafe { Record::from_raw(base + 12) }.unwrap();
+        low.store_release(0x1111_1111);
+        high.store_release(0x2222_2222);
+        low.store_release(0x3333_3333);
+        assert_eq!(words[1].load(Ordering::Relaxed), 0x2222_2222_3333_3333);
+        assert_eq!(words[0].load(Ordering::Relaxed), 0);
+        // SAFETY: refused before anything is accessed.
+        assert!(unsafe { Record::from_raw(base + 2) }.is_err());
     }
 
     #[test]

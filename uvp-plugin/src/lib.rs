@@ -39,3 +39,19 @@ pub use error::{PostError, PostErrorKind, SetupError};
 pub use mmio::UarPage;
 pub use qp::{Qp, RecvQueue, SendQueue, SendRequest};
 pub use srq::Srq;
+
+// The thread-safety the module docs promise, checked by the compiler:
+// every object may move to another thread; the context (shared by the
+// objects' setup) and the UAR page may be shared.
+const _: () = {
+    const fn send<T: Send>() {}
+    const fn sync<T: Sync>() {}
+    send::<Cq>();
+    send::<Qp>();
+    send::<SendQueue>();
+    send::<RecvQueue>();
+    send::<Srq>();
+    send::<Context>();
+    sync::<Context>();
+    sync::<UarPage>();
+};

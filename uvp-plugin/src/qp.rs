@@ -21,7 +21,7 @@ use hca_prm::wqe::{BB_SIZE, WqeError, basic_blocks, build_recv_wqe, build_send_w
 use ib_types::scalars::Qpn;
 use ib_types::wr::{RecvWr, SendWr, Transport, WrLimits};
 
-use crate::dma::DmaBuffer;
+use crate::dma::{DmaBuffer, Record};
 use crate::error::{PostError, PostErrorKind};
 use crate::mmio::UarPage;
 use crate::queue::{Directory, WorkQueueShared};
@@ -181,7 +181,7 @@ impl SendQueue {
 #[derive(Debug)]
 pub struct RecvQueue {
     ring: DmaBuffer,
-    record: DmaBuffer,
+    record: Record,
     limits: WrLimits,
     entries: u32,
     producer: u32,
@@ -193,7 +193,7 @@ pub struct RecvQueue {
 impl RecvQueue {
     pub(crate) fn new(
         ring: DmaBuffer,
-        record: DmaBuffer,
+        record: Record,
         max_sge: u32,
         log_entries: u8,
         stride: usize,
@@ -238,8 +238,7 @@ impl RecvQueue {
             Ok(())
         });
         if posted > 0 {
-            // A record at offset 0 of its buffer, checked at setup.
-            let _ = self.record.store_u32_release(0, self.producer);
+            self.record.store_release(self.producer);
         }
         outcome(posted, failure)
     }

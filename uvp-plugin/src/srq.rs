@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use ib_types::wr::{RecvWr, WrLimits};
 
-use crate::dma::DmaBuffer;
+use crate::dma::{DmaBuffer, Record};
 use crate::error::PostError;
 use crate::qp::write_recv_wqe;
 use crate::queue::SrqShared;
@@ -17,7 +17,7 @@ use crate::queue::SrqShared;
 pub struct Srq {
     srqn: u32,
     ring: DmaBuffer,
-    record: DmaBuffer,
+    record: Record,
     limits: WrLimits,
     producer: u32,
     shared: Arc<SrqShared>,
@@ -28,7 +28,7 @@ impl Srq {
     pub(crate) fn new(
         srqn: u32,
         ring: DmaBuffer,
-        record: DmaBuffer,
+        record: Record,
         max_sge: u32,
         log_entries: u8,
         stride: usize,
@@ -84,8 +84,7 @@ impl Srq {
             }
         }
         if posted > 0 {
-            // A record at offset 0 of its buffer, checked at setup.
-            let _ = self.record.store_u32_release(0, self.producer);
+            self.record.store_release(self.producer);
         }
         match failure {
             None => Ok(posted),

@@ -94,6 +94,10 @@ struct User {
     ca: u64,
     doorbell: u64,
     ctx: Context,
+    /// The next doorbell record: records are packed 4 bytes apart in one
+    /// page, so two of them share each 64-bit word (the provider's record
+    /// store must keep the other half).
+    next_record: std::cell::Cell<u64>,
 }
 
 /// A user QP: its handle and the plugin's half.
@@ -117,13 +121,22 @@ impl User {
             // A store outside the mapping goes nowhere (it would fault).
             let _ = mapped.write_device64(address, value);
         });
+        let records = process.alloc(4096).unwrap();
         Self {
             ctx: Context::new(limits, UarPage::simulated(doorbell, hook)),
             process,
             i,
             ca: r.handle,
             doorbell,
+            next_record: std::cell::Cell::new(records),
         }
+    }
+
+    /// The next 4-byte doorbell record.
+    fn record(&self) -> u64 {
+        let va = self.next_record.get();
+        self.next_record.set(va + 4);
+        va
     }
 
     fn call<V: Verb>(&self, w: &World, handle: u64, input: &V::In, private: &[u8]) -> Completion {
@@ -144,8 +157,7 @@ impl User {
     /// A CQ of `2^log` CQEs: ring and record allocated in the process.
     fn create_cq(&self, w: &World, log: u8) -> (u64, Cq) {
         let ring = self.process.alloc(32 << log).unwrap();
-        let record = self.process.alloc(8).unwrap();
-        let layout = CreateCqPriv::new(log, ring, record).unwrap();
+        let layout = CreateCqPriv::new(log, ring, self.record()).unwrap();
         let attr = CqAttr {
             cqe: 1 << log,
             comp_vector: 0,
@@ -165,8 +177,7 @@ impl User {
     /// An SRQ of 8 WQEs with one SGE each.
     fn create_srq(&self, w: &World, pd: u64) -> (u64, Srq) {
         let ring = self.process.alloc(256).unwrap();
-        let record = self.process.alloc(8).unwrap();
-        let layout = CreateSrqPriv::new(3, 5, ring, record).unwrap();
+        let layout = CreateSrqPriv::new(3, 5, ring, self.record()).unwrap();
         let create = SrqCreate {
             pd: PdHandle::from_raw(pd),
             attr: SrqAttr {
@@ -199,12 +210,7 @@ impl User {
         let sq = self.process.alloc(64 << 4).unwrap();
         let rq = match srq {
             Some(_) => None,
-            None => Some((
-                4,
-                6,
-                self.process.alloc(64 << 4).unwrap(),
-                self.process.alloc(8).unwrap(),
-            )),
+            None => Some((4, 6, self.process.alloc(64 << 4).unwrap(), self.record())),
         };
         let layout = CreateQpPriv::new(4, 1, sq, rq).unwrap();
         let input = QpCreate {
