@@ -34,6 +34,20 @@ pub struct QpCreated {
     pub private: CreateQpPrivOut,
 }
 
+/// The deepest work queue: a CQE's `wqe_index` names 2^16 slots (PRM 10.4).
+const MAX_LOG_QUEUE: u8 = 16;
+
+/// Refuses a queue deeper than a CQE's `wqe_index` can name.
+fn check_depth(what: &'static str, log: u8) -> Result<(), SetupError> {
+    if log > MAX_LOG_QUEUE {
+        return Err(SetupError::Layout {
+            what,
+            detail: "deeper than a wqe_index names (2^16)",
+        });
+    }
+    Ok(())
+}
+
 /// One user context (one `OpenCa` of one process).
 #[derive(Debug)]
 pub struct Context {
@@ -151,6 +165,7 @@ impl Context {
         created: &CreateSrqPrivOut,
         max_sge: u32,
     ) -> Result<Srq, SetupError> {
+        check_depth("SRQ", layout.log_entries)?;
         let stride = 1usize << layout.log_stride;
         if layout.ring.len < (stride as u64) << layout.log_entries {
             return Err(SetupError::Layout {
@@ -198,6 +213,10 @@ impl Context {
                 what: "QP",
                 detail: "a QP has its own receive queue exactly when it has no SRQ",
             });
+        }
+        check_depth("send queue", layout.sq_log_bbs)?;
+        if let Some(rq) = &layout.rq {
+            check_depth("receive queue", rq.log_entries)?;
         }
         if layout.sq.len < (BB_SIZE as u64) << layout.sq_log_bbs {
             return Err(SetupError::Layout {

@@ -80,7 +80,7 @@ pub struct SendQueue {
 }
 
 impl SendQueue {
-    #[allow(clippy::too_many_arguments, reason = "one private constructor")]
+    #[expect(clippy::too_many_arguments, reason = "one private constructor")]
     pub(crate) fn new(
         ring: DmaBuffer,
         qpn: Qpn,
@@ -228,10 +228,11 @@ impl RecvQueue {
                 wr,
                 self.producer,
                 || {
-                    self.producer.wrapping_sub(self.shared.consumer()) < self.entries && {
+                    let room = self.producer.wrapping_sub(self.shared.consumer()) < self.entries;
+                    if room {
                         self.shared.record(self.producer, wr.wr_id, 1);
-                        true
                     }
+                    room
                 },
             )?;
             self.producer = self.producer.wrapping_add(1);

@@ -82,8 +82,26 @@ fn user_call<V: Verb>(
     );
     request.set_process(process.clone());
     w.host.pnp().send_request(w.device_at(i).node(), request);
-    w.settle();
-    issuer.completion().expect("the request completed")
+    run_until_done(w, &issuer)
+}
+
+/// Runs the machine until `issuer`'s request completed: the deterministic
+/// host settles; a threaded host's workers run it while this thread waits.
+fn run_until_done(w: &World, issuer: &sim_host::request::RequestHandle) -> Completion {
+    if w.host.scheduler_handle().mode() == sim_host::sched::Mode::Deterministic {
+        w.settle();
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        if let Some(done) = issuer.completion() {
+            return done;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the request timed out"
+        );
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
 }
 
 /// One user process with an open context on HCA `i` and the plugin's
@@ -413,7 +431,23 @@ fn user_teardown(w: &World, user: User, qps: Vec<UserQp>, cqs: Vec<(u64, Cq)>, m
 
 #[test]
 fn the_plugin_moves_data_both_ways_with_a_kernel_qp_and_never_calls_the_kernel() {
-    const ROUNDS: u32 = 150;
+    data_rounds(150);
+}
+
+/// A million post and poll operations (62 500 rounds of 16), every byte
+/// checked, no request to the stack; the 16-bit `wqe_index` wraps many
+/// times. Long: `cargo test --release -p hca-miniport-core --test
+/// uvp_fast_path -- --ignored`.
+#[test]
+#[ignore = "long: a million operations; run with --release -- --ignored"]
+fn a_million_post_and_poll_operations_make_no_request() {
+    data_rounds(62_500);
+}
+
+/// RC data both ways between the plugin and a kernel QP, `rounds` rounds
+/// of 4 receives, 4 sends and their 8 polls, byte-checked; asserts the
+/// process sent no request during them.
+fn data_rounds(rounds: u32) {
     const BATCH: usize = 4;
     let (w, u, k) = world(91);
     let user = User::open(&w, u, 31);
@@ -431,7 +465,8 @@ fn the_plugin_moves_data_both_ways_with_a_kernel_qp_and_never_calls_the_kernel()
         "the control path went through the stack"
     );
     let mut operations = 0u64;
-    for round in 0..ROUNDS {
+    let started = std::time::Instant::now();
+    for round in 0..rounds {
         // Kernel -> user: a batch of receives in the plugin's ring (one
         // record store), the kernel sends into them.
         let (sq, rq) = qp.qp.queues();
@@ -575,8 +610,8 @@ fn the_plugin_moves_data_both_ways_with_a_kernel_qp_and_never_calls_the_kernel()
     // Kernel bypass: the whole data phase sent no request down the stack.
     assert_eq!(user.process.requests_issued(), requests_before);
     println!(
-        "{operations} post/poll operations, {} requests before and after",
-        requests_before
+        "{operations} post/poll operations in {:?}, {requests_before} requests before and after",
+        started.elapsed()
     );
 
     user_teardown(&w, user, vec![qp], vec![(cq_handle, cq)], mr);
@@ -971,5 +1006,178 @@ fn srq_receives_arming_and_another_processs_doorbell_page() {
     drop(srq);
     user_teardown(&w, user, vec![], vec![(cq_handle, cq)], mr);
     kernel.finish(&w);
+    w.finish();
+}
+
+/// Post and poll on two OS threads at once, with no lock between them: on
+/// a threaded host (devices run on the threads that touch them), one
+/// thread posts RDMA writes to a kernel region on the other HCA in
+/// batches, spinning while the send ring is full, while another polls the
+/// CQ. Every `wr_id` comes back once and in order, the written region holds
+/// every slot's bytes, and the process sends no request meanwhile.
+#[test]
+fn one_thread_posts_while_another_polls() {
+    const WRITES: u64 = 4000;
+    const SLOTS: u64 = 64;
+    const MSG: usize = 64;
+    let w = World::threaded_with_hcas(
+        2,
+        vec![
+            sim_hca::device::DeviceConfig::with_ports(GUIDS[0], &IPS[0]),
+            sim_hca::device::DeviceConfig::with_ports(GUIDS[1], &IPS[1]),
+        ],
+        hca_miniport_core::init::HcaConfig::default(),
+    );
+    let guid = |i: usize| w.hca_at(i).report().unwrap().capabilities.node_guid.get();
+    let u = if guid(0) == GUIDS[0] { 0 } else { 1 };
+    let k = 1 - u;
+
+    // The kernel side: a CA, PD, CQ, RC QP and a region it lets the peer
+    // write.
+    let r = w.call_in_dpc_waiting_at::<OpenCa>(k, KERNEL, 0, &OpenCaIn::CURRENT, 0);
+    let kca = response::<OpenCa>(&r).handle;
+    let r = w.call_in_dpc_waiting_at::<AllocPd>(k, KERNEL, kca, &Empty, 0);
+    let kpd = response::<AllocPd>(&r).handle;
+    let attr = CqAttr {
+        cqe: 64,
+        comp_vector: 0,
+    };
+    let r = w.call_in_dpc_waiting_at::<CreateCq>(k, KERNEL, kca, &attr, 0);
+    let kcq = response::<CreateCq>(&r).handle;
+    let input = support::small_qp_create(QpType::Rc, kpd, kcq);
+    let r = w.call_in_dpc_waiting_at::<CreateQp>(k, KERNEL, kca, &input, 0);
+    let (kqp, kqpn) = (
+        response::<CreateQp>(&r).handle,
+        response::<CreateQp>(&r).output.unwrap().qpn.get(),
+    );
+    let block = w
+        .host
+        .pool()
+        .alloc(support::DRIVER, *b"UvpT", (SLOTS as usize) * MSG)
+        .unwrap();
+    let reg = ib_types::mr::MrRegister {
+        vaddr: block.va(),
+        length: SLOTS * MSG as u64,
+        access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+    };
+    let r = w.call_in_dpc_waiting_at::<RegMr>(k, KERNEL, kpd, &reg, 0);
+    let (kmr, rkey) = (
+        response::<RegMr>(&r).handle,
+        response::<RegMr>(&r).output.unwrap().rkey,
+    );
+
+    // The user side, its control calls down the stack.
+    let user = User::open(&w, u, 35);
+    let pd = user.alloc_pd(&w);
+    let (cq_handle, mut cq) = user.create_cq(&w, 6);
+    let mut qp = user.create_qp(&w, QpType::Rc, pd, cq_handle, None);
+    for m in rc_to_rts_steps(1, AccessFlags::REMOTE_WRITE, kqpn, KERNEL_IP, 1) {
+        let c = user.call::<ModifyQp>(&w, qp.handle, &m, &[]);
+        assert_eq!(response::<ModifyQp>(&c).status, IbStatus::Success);
+    }
+    for m in rc_to_rts_steps(1, AccessFlags::REMOTE_WRITE, qp.qp.qpn().get(), USER_IP, 1) {
+        let c = w.call_in_dpc_waiting_at::<ModifyQp>(k, KERNEL, kqp, &m, 0);
+        assert_eq!(response::<ModifyQp>(&c).status, IbStatus::Success);
+    }
+    let (buf, mr, lkey) = user.register(&w, pd, (SLOTS as usize) * MSG);
+    for slot in 0..SLOTS {
+        user.process
+            .write(buf + slot * MSG as u64, &pattern(slot as u32, MSG))
+            .unwrap();
+    }
+    let lists: Vec<[Sge; 1]> = (0..SLOTS)
+        .map(|slot| [Sge::new(buf + slot * MSG as u64, MSG as u32, lkey)])
+        .collect();
+    let requests_before = user.process.requests_issued();
+
+    let started = std::time::Instant::now();
+    let sq = qp.qp.send_queue();
+    let (full, polled) = std::thread::scope(|scope| {
+        let poster = scope.spawn(|| {
+            let mut next = 0u64;
+            let mut full = 0u64;
+            while next < WRITES {
+                let batch: Vec<SendRequest<'_>> = (next..WRITES.min(next + 4))
+                    .map(|n| {
+                        let slot = n % SLOTS;
+                        SendRequest {
+                            wr: SendWr {
+                                wr_id: n,
+                                op: SendOp::RdmaWrite {
+                                    remote: ib_types::wr::RemoteAddr {
+                                        addr: block.va() + slot * MSG as u64,
+                                        rkey,
+                                    },
+                                },
+                                flags: SendFlags::SIGNALED,
+                                sg_list: &lists[slot as usize],
+                                ud: None,
+                            },
+                            av: None,
+                            inline: None,
+                        }
+                    })
+                    .collect();
+                match sq.post(&batch) {
+                    Ok(posted) => next += posted as u64,
+                    Err(e) if e.kind == PostErrorKind::QueueFull => {
+                        next += e.posted as u64;
+                        full += 1;
+                        std::thread::yield_now();
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            full
+        });
+        let poller = scope.spawn(|| {
+            let mut next = 0u64;
+            let mut wcs = [WorkCompletion::EMPTY; 16];
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            while next < WRITES {
+                let n = cq.poll(&mut wcs);
+                for wc in &wcs[..n] {
+                    assert_eq!((wc.wr_id, wc.status), (next, WcStatus::Success));
+                    next += 1;
+                }
+                if n == 0 {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "{next} of {WRITES} completed"
+                    );
+                    std::thread::yield_now();
+                }
+            }
+            next
+        });
+        (poster.join().unwrap(), poller.join().unwrap())
+    });
+    println!(
+        "{WRITES} RDMA writes posted and polled on two threads in {:?}; the poster found the ring full {full} times",
+        started.elapsed()
+    );
+    assert_eq!(polled, WRITES);
+    for slot in 0..SLOTS {
+        let mut got = vec![0; MSG];
+        assert!(block.read((slot as usize) * MSG, &mut got));
+        assert_eq!(got, pattern(slot as u32, MSG), "slot {slot}");
+    }
+    assert_eq!(cq.stray_completions(), 0);
+    assert_eq!(user.process.requests_issued(), requests_before);
+
+    user_teardown(&w, user, vec![qp], vec![(cq_handle, cq)], mr);
+    for (verb, handle) in [(0, kqp), (1, kmr), (2, kcq), (3, kpd), (4, kca)] {
+        let c = match verb {
+            0 => w.call_in_dpc_waiting_at::<DestroyQp>(k, KERNEL, handle, &Empty, 0),
+            1 => w.call_in_dpc_waiting_at::<DeregMr>(k, KERNEL, handle, &Empty, 0),
+            2 => w.call_in_dpc_waiting_at::<DestroyCq>(k, KERNEL, handle, &Empty, 0),
+            3 => {
+                w.call_in_dpc_waiting_at::<ib_types::ioctl::DeallocPd>(k, KERNEL, handle, &Empty, 0)
+            }
+            _ => w.call_in_dpc_waiting_at::<CloseCa>(k, KERNEL, handle, &Empty, 0),
+        };
+        assert_eq!(c.status, ib_types::status::NtStatus::SUCCESS);
+    }
+    w.host.pool().free(block);
     w.finish();
 }
