@@ -23,13 +23,14 @@
 //!   the address the process sees, so a user-mode provider's raw-pointer
 //!   stores reach the same frames the device reaches through the IOMMU
 //!   (always as 64-bit atomics, per `frame`'s contract). The kernel's space
-//!   keeps simulated addresses that are never dereferenced. CPU accesses ([`AddressSpace::read`], [`AddressSpace::write`])
-//!   outside allocations, or writes to read-only ones, are refused with a
-//!   [`MemoryError`] and touch nothing.
+//!   keeps simulated addresses that are never dereferenced. CPU accesses
+//!   ([`AddressSpace::read`], [`AddressSpace::write`]) outside allocations,
+//!   or writes to read-only ones, are refused with a [`MemoryError`] and
+//!   touch nothing.
 //! - User address spaces live below `0x8000_0000_0000` (host addresses of
-//!   this Linux process), the kernel's at [`KERNEL_VA_BASE`] and above, and device bus addresses
-//!   ([`crate::dma`]) in the non-canonical range between: no CPU address is
-//!   ever a valid bus address.
+//!   this Linux process), the kernel's at [`KERNEL_VA_BASE`] and above, and
+//!   device bus addresses ([`crate::dma`]) in the non-canonical range
+//!   between: no CPU address is ever a valid bus address.
 //! - [`Pool`] is the kernel pool (`ExAllocatePool2` / `ExFreePoolWithTag`):
 //!   blocks tracked per driver and tag. Freeing is explicit
 //!   ([`Pool::free`]); dropping a [`PoolBlock`] handle without freeing it
@@ -326,7 +327,7 @@ struct DeviceMap {
     page: Arc<dyn DevicePage>,
     /// In a host-placed space, the two frames (page and guard) whose
     /// address the mapping took, so no allocation can take it.
-    _reservation: Option<Arc<frame::FrameRun>>,
+    reservation: Option<Arc<frame::FrameRun>>,
 }
 
 impl SpaceMap {
@@ -675,13 +676,7 @@ impl AddressSpace {
                 (va, Some(run))
             }
         };
-        map.device_maps.insert(
-            va,
-            DeviceMap {
-                page,
-                _reservation: reservation,
-            },
-        );
+        map.device_maps.insert(va, DeviceMap { page, reservation });
         Ok(va)
     }
 
@@ -695,7 +690,7 @@ impl AddressSpace {
             .device_maps
             .remove(&va)
             .ok_or(MemoryError::NotAnAllocation { va })?;
-        if let (Placement::Host { retired }, Some(run)) = (&mut map.placement, removed._reservation)
+        if let (Placement::Host { retired }, Some(run)) = (&mut map.placement, removed.reservation)
         {
             retired.push(run);
         }
