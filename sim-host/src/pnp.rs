@@ -1251,7 +1251,11 @@ impl PnpManager {
     /// Sends a request to the top of a devnode's stack. A user request
     /// that carries its process is sent from a thread of that process:
     /// its synchronous delivery runs in the process's context (`caller`).
+    /// It counts in [`Process::requests_issued`](crate::memory::Process::requests_issued).
     pub fn send_request(&self, node: DevNodeId, req: HostRequest) {
+        if let Some(process) = req.process() {
+            process.count_request();
+        }
         let _issuing_thread = req.process().map(crate::caller::enter_process);
         let top = lock(&self.inner.tree)
             .nodes
