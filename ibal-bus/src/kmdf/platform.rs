@@ -375,7 +375,7 @@ impl ParametersKey {
 }
 
 impl ParametersKey {
-    /// Writes `value` as `name` (`entry\\value` writes `value` of the
+    /// Writes `value` as `name` (`entry\value` writes `value` of the
     /// subkey `entry`, created if missing), as the reader reads it back.
     /// The key must have been opened with [`Self::open_writable`].
     /// PASSIVE_LEVEL.
