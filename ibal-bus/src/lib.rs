@@ -12,7 +12,10 @@
 //!   (`sim_shells::ibal_bus`), so that this shipped crate never depends on
 //!   a simulator. Both run the same callbacks in the same order.
 //!
-//! On other hosts the crate is empty.
+//! - `admin_check` (every host): the security descriptor the proxy's
+//!   administrator check is made against, built by hand and tested here.
+//!
+//! On other hosts the crate holds only `admin_check`.
 
 #![cfg_attr(windows, no_std)]
 
@@ -33,6 +36,8 @@ extern crate alloc;
 // The kernel's panic handler (a bug check); kernel drivers do not unwind.
 #[cfg(all(windows, not(test)))]
 extern crate wdk_panic;
+
+pub mod admin_check;
 
 #[cfg(windows)]
 pub mod kmdf;

@@ -1,7 +1,8 @@
-//! Typed object contexts: the framework allocates one (zeroed) with a
-//! device object and hands it back by handle; it holds one strong
-//! reference to the device's shell state (the filter's [`FilterShell`] or
-//! a child's [`ChildShell`]), given back in the device's cleanup callback.
+//! Typed object contexts: the framework allocates one (zeroed) with an
+//! object and hands it back by handle; it holds one strong reference to
+//! the object's shell state (the filter's [`FilterShell`], a child's
+//! [`ChildShell`], or a file object's [`ProxyOpen`]), given back in the
+//! object's cleanup callback (or earlier, by [`take`]).
 //!
 //! WDF's `WDF_DECLARE_CONTEXT_TYPE` is a C macro; windows-drivers-rs does
 //! not generate it, so each type-info record is declared by hand here
@@ -22,6 +23,7 @@ use wdk_sys::{
 
 use super::child::ChildShell;
 use super::filter::FilterShell;
+use super::proxy::ProxyOpen;
 
 /// The context of a device object: its shell state.
 #[derive(Debug)]
@@ -64,6 +66,23 @@ pub static CHILD_CONTEXT_TYPE: ContextTypeInfo = ContextTypeInfo(WDF_OBJECT_CONT
     EvtDriverGetUniqueContextType: None,
 });
 
+/// `WDF_DECLARE_CONTEXT_TYPE` for a file object's context (the proxy's
+/// open).
+pub static PROXY_OPEN_CONTEXT_TYPE: ContextTypeInfo =
+    ContextTypeInfo(WDF_OBJECT_CONTEXT_TYPE_INFO {
+        Size: size_of::<WDF_OBJECT_CONTEXT_TYPE_INFO>() as u32,
+        ContextName: c"ProxyOpenContext".as_ptr(),
+        ContextSize: size_of::<ShellContext<ProxyOpen>>(),
+        UniqueType: ptr::addr_of!(PROXY_OPEN_CONTEXT_TYPE).cast::<WDF_OBJECT_CONTEXT_TYPE_INFO>(),
+        EvtDriverGetUniqueContextType: None,
+    });
+
+impl Shell for ProxyOpen {
+    fn type_info() -> &'static ContextTypeInfo {
+        &PROXY_OPEN_CONTEXT_TYPE
+    }
+}
+
 impl Shell for FilterShell {
     fn type_info() -> &'static ContextTypeInfo {
         &FILTER_CONTEXT_TYPE
@@ -89,7 +108,7 @@ pub fn object_attributes() -> WDF_OBJECT_ATTRIBUTES {
     }
 }
 
-/// Object attributes that give a device object a `ShellContext<T>` and the
+/// Object attributes that give an object a `ShellContext<T>` and the
 /// cleanup callback that releases it.
 pub fn shell_attributes<T: Shell>() -> WDF_OBJECT_ATTRIBUTES {
     WDF_OBJECT_ATTRIBUTES {
@@ -121,8 +140,8 @@ unsafe fn context_of<T: Shell>(object: WDFOBJECT) -> *mut ShellContext<T> {
 /// such context (the shell is dropped).
 ///
 /// # Safety
-/// `object` is a live device object created with [`shell_attributes`]
-/// for `T`, whose context was not installed yet.
+/// `object` is a live object created with [`shell_attributes`] for `T`,
+/// whose context was not installed yet.
 pub unsafe fn install<T: Shell>(object: WDFOBJECT, shell: Arc<T>) -> bool {
     // SAFETY: forwarded from the caller.
     let context = unsafe { context_of::<T>(object) };
@@ -159,19 +178,34 @@ pub unsafe fn shell_of<T: Shell>(object: WDFOBJECT) -> Option<Arc<T>> {
     Some(unsafe { Arc::from_raw(shell) })
 }
 
-/// `EvtCleanupCallback` of a device object: gives the context's reference
-/// back.
-unsafe extern "C" fn evt_cleanup<T: Shell>(object: WDFOBJECT) {
-    // SAFETY: the framework calls cleanup on an object created with
-    // [`shell_attributes`] for `T`, before freeing its context.
+/// Takes the context's reference to `object`'s shell state out (the
+/// context holds nothing afterwards); `None` if it held none.
+///
+/// # Safety
+/// `object` is a live framework object created with [`shell_attributes`]
+/// for `T`, in a callback that runs once per object (its close or its
+/// cleanup), so no other thread takes the same reference.
+pub unsafe fn take<T: Shell>(object: WDFOBJECT) -> Option<Arc<T>> {
+    // SAFETY: forwarded from the caller.
     let context = unsafe { context_of::<T>(object) };
     if context.is_null() {
-        return;
+        return None;
     }
-    // SAFETY: cleanup runs once, after every other callback on the object.
+    // SAFETY: the framework keeps the context with the live object; the
+    // caller's callback is the only one touching it now.
     let shell = unsafe { core::mem::replace(&mut (*context).shell, ptr::null()) };
-    if !shell.is_null() {
-        // SAFETY: the reference the context owned (module invariants).
-        drop(unsafe { Arc::from_raw(shell) });
+    if shell.is_null() {
+        return None;
     }
+    // SAFETY: the reference the context owned (module invariants), now
+    // this `Arc`'s.
+    Some(unsafe { Arc::from_raw(shell) })
+}
+
+/// `EvtCleanupCallback` of an object: gives the context's reference back.
+unsafe extern "C" fn evt_cleanup<T: Shell>(object: WDFOBJECT) {
+    // SAFETY: the framework calls cleanup once, after every other callback
+    // on an object created with [`shell_attributes`] for `T`, before
+    // freeing its context.
+    drop(unsafe { take::<T>(object) });
 }

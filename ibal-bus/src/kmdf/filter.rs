@@ -7,9 +7,11 @@
 //!
 //! 1. `EvtDriverDeviceAdd`: `WdfFdoInitSetFilter`; the default child list
 //!    (`WdfFdoInitSetDefaultChildListConfig`, identification description
-//!    [`ChildIdentification`]); the device with its [`FilterShell`]; the
-//!    device interface `GUID_IB_AL_DEVICE_INTERFACE` (no queue yet: see
-//!    the end of [`evt_driver_device_add`]).
+//!    [`ChildIdentification`]); the user-mode proxy's file objects and
+//!    `EvtIoInCallerContext` ([`super::proxy::configure`]); the device
+//!    with its [`FilterShell`]; the device interface
+//!    `GUID_IB_AL_DEVICE_INTERFACE`; the proxy's default queue, not
+//!    power-managed ([`super::proxy::create_queue`]).
 //! 2. `EvtDevicePrepareHardware`: `GUID_IB_CI_INTERFACE` queried at the
 //!    required version ([`FfiCi::query`]; `STATUS_REVISION_MISMATCH` fails
 //!    the start, nothing opened).
@@ -54,6 +56,7 @@ use super::child::{ChildIdentification, evt_child_list_create_device};
 use super::ci::FfiCi;
 use super::context::{install, shell_attributes, shell_of};
 use super::platform::{KernelSpinLock, ParametersKey, SpinLock};
+use super::proxy;
 
 /// The access layer over one bound CA.
 pub type Al = AccessLayer<KernelSpinLock, FfiCi>;
@@ -73,6 +76,25 @@ static AL_DEVICE_INTERFACE_GUID: GUID = GUID {
 /// The CAs bound by every filter device of this driver, by CA GUID.
 static CA_REGISTRY: SpinLock<Option<CaRegistry<FfiCi>>> =
     lock_api::Mutex::const_new(<KernelSpinLock as lock_api::RawMutex>::INIT, None);
+
+/// Every filter device of this driver that still has its shell (the
+/// administrator IOCTL reconciles them all, as a registry change does).
+static FILTERS: SpinLock<Vec<Weak<FilterShell>>> =
+    lock_api::Mutex::const_new(<KernelSpinLock as lock_api::RawMutex>::INIT, Vec::new());
+
+/// Re-reads the child list on every filter device and reports the
+/// children that appeared and disappeared (`FilterShell::registry_changed`
+/// on each). PASSIVE_LEVEL.
+pub fn reconcile_every_filter() {
+    let live: Vec<Arc<FilterShell>> = {
+        let mut filters = FILTERS.lock();
+        filters.retain(|shell| shell.strong_count() > 0);
+        filters.iter().filter_map(Weak::upgrade).collect()
+    };
+    for shell in live {
+        shell.registry_changed();
+    }
+}
 
 /// `DriverEntry`.
 ///
@@ -149,6 +171,9 @@ unsafe extern "C" fn evt_driver_device_add(
         )
     };
 
+    // SAFETY: the framework's live init structure, before WdfDeviceCreate.
+    unsafe { proxy::configure(device_init) };
+
     let mut attributes = shell_attributes::<FilterShell>();
     let mut device: WDFDEVICE = ptr::null_mut();
     // SAFETY: the init structure is consumed on success (the framework
@@ -173,9 +198,15 @@ unsafe extern "C" fn evt_driver_device_add(
         children: SpinLock::new(ChildSet::default()),
         relay: Arc::new(CaRelay::default()),
     });
+    let weak = Arc::downgrade(&shell);
     // SAFETY: the device just created with a FilterShell context.
     if !unsafe { install(device as WDFOBJECT, shell) } {
         return NtStatus::INVALID_DEVICE_STATE.raw() as NTSTATUS;
+    }
+    {
+        let mut filters = FILTERS.lock();
+        filters.retain(|shell| shell.strong_count() > 0);
+        filters.push(weak);
     }
 
     // One device interface per HCA: user mode opens the HCA it means. An
@@ -192,13 +223,11 @@ unsafe extern "C" fn evt_driver_device_add(
             ptr::null()
         )
     };
-    // No I/O queue yet: until the user-mode proxy exists, the framework
-    // passes every request down to the miniport as it came, in the
-    // caller's thread, where the miniport's EvtIoInCallerContext prepares
-    // user requests. A queue here (power-managed, so that the proxy's
-    // requests wait for D0) comes with the proxy, which must prepare its
-    // requests in the caller's context the same way before queuing them.
-    status
+    if status < 0 {
+        return status;
+    }
+    // SAFETY: the live filter device just created.
+    unsafe { proxy::create_queue(device) }
 }
 
 /// Forwards the CA's callbacks to the access layer once there is one (the
@@ -310,9 +339,10 @@ impl FilterShell {
 
     /// A change of the child list in the Parameters key (the simulated
     /// shell's `IbalBusDevice::registry_changed`): the list read again and
-    /// the children reported present and missing. PASSIVE_LEVEL. Nothing
-    /// calls it yet: neither a registry change notification nor the
-    /// proxy's administrator IOCTL is wired (docs/ibal-bus.md).
+    /// the children reported present and missing. PASSIVE_LEVEL. The
+    /// proxy's administrator IOCTL calls it on every filter device
+    /// ([`reconcile_every_filter`]); no registry change notification is
+    /// wired yet (docs/ibal-bus.md).
     pub fn registry_changed(&self) {
         self.read_list();
         let bound = match &*self.binding.lock() {

@@ -15,8 +15,9 @@
 //! | [`ci`] | the HCA's `CiInterface` from `WdfFdoQueryForInterface`; control verbs as IRPs from `IoAllocateIrp` with a completion routine | `ci::CiAccess`, `al::CiRequests` |
 //! | [`child`] | `EvtChildListCreateDevice` (PDO IDs, text, SDDL, power-managed verb queue, `WdfDeviceAddQueryInterface` for the AL interface and, sent to the parent's stack, the bus interface) | `AccessLayer::submit` |
 //! | [`al_interface`] | the `AlInterface` FFI table (`extern "system"` entry points) | `al::AccessLayer` |
-//! | [`platform`] | spin lock, IRQL, event, the Parameters key, `WDFREQUEST` | `driver_platform` traits |
-//! | [`context`] | typed object contexts (filter and child shells) | — |
+//! | [`proxy`] | the user-mode proxy: `EvtDeviceFileCreate` / `EvtFileCleanup` / `EvtFileClose` (an `OpenTable` per file object), `EvtIoInCallerContext` (user requests judged in the caller's thread, verbs sent down with a completion routine, the administrator IOCTL checked with `SeAccessCheck` and written to the Parameters key), the default queue (not power-managed, send-and-forget) | `proxy::OpenTable`, `proxy::ChildEntryChange` |
+//! | [`platform`] | spin lock, IRQL, event, the Parameters key (read and written), `WDFREQUEST` | `driver_platform` traits |
+//! | [`context`] | typed object contexts (filter and child shells, the proxy's opens) | — |
 //!
 //! Rules: every `unsafe` block holds one unsafe operation and carries a
 //! `// SAFETY:` comment; nothing here decides anything the core could.
@@ -27,6 +28,7 @@ pub mod ci;
 pub mod context;
 pub mod filter;
 pub mod platform;
+pub mod proxy;
 
 // Kernel pool allocations (`ExAllocatePool2`) for `alloc`.
 #[cfg(not(test))]

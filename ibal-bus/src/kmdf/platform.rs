@@ -4,6 +4,7 @@
 //! |---|---|---|
 //! | `lock_api::RawMutex` (the AL's and the shell's spin lock) | [`KernelSpinLock`] | `KSPIN_LOCK`, `KeAcquireSpinLockRaiseToDpc`/`KeReleaseSpinLock`; `try_lock`: `KeTryToAcquireSpinLockAtDpcLevel` at DISPATCH_LEVEL |
 //! | `driver_platform::Registry` (`children::read_child_list`) | [`ParametersKey`] | `WdfDriverOpenParametersRegistryKey`; an entry's subkey with `WdfRegistryOpenKey`; `REG_SZ`/`REG_EXPAND_SZ`, `REG_MULTI_SZ`, `REG_DWORD`, `REG_BINARY` by `WdfRegistryQueryValue` |
+//! | (the proxy's administrator IOCTL) | [`ParametersKey::write`], [`ParametersKey::delete_subkey`] | `WdfRegistryCreateKey` + `WdfRegistryAssignValue`; `WdfRegistryRemoveValue` + `WdfRegistryRemoveKey` |
 //! | `driver_platform::Request` (`AccessLayer::submit`) | [`WdfRequest`] | a `WDFREQUEST` with METHOD_BUFFERED buffers, the input copied |
 //! | `driver_platform::IrqlQuery` | [`KeIrql`] | `KeGetCurrentIrql` |
 //! | `driver_platform::Event` (`AccessLayer::close`) | [`KernelEvent`] | a notification `KEVENT` |
@@ -29,9 +30,10 @@ use wdk_sys::ntddk::{
     KeTryToAcquireSpinLockAtDpcLevel, KeWaitForSingleObject,
 };
 use wdk_sys::{
-    _EVENT_TYPE, _KWAIT_REASON, _MODE, FALSE, KEVENT, KEY_READ, KIRQL, KSPIN_LOCK, REG_BINARY,
-    REG_DWORD, REG_EXPAND_SZ, REG_MULTI_SZ, REG_SZ, ULONG, UNICODE_STRING,
-    WDF_NO_OBJECT_ATTRIBUTES, WDFDRIVER, WDFKEY, WDFREQUEST, call_unsafe_wdf_function_binding,
+    _EVENT_TYPE, _KWAIT_REASON, _MODE, DELETE, FALSE, KEVENT, KEY_READ, KEY_SET_VALUE, KEY_WRITE,
+    KIRQL, KSPIN_LOCK, REG_BINARY, REG_DWORD, REG_EXPAND_SZ, REG_MULTI_SZ, REG_OPTION_NON_VOLATILE,
+    REG_SZ, ULONG, UNICODE_STRING, WDF_NO_OBJECT_ATTRIBUTES, WDFDRIVER, WDFKEY, WDFREQUEST,
+    call_unsafe_wdf_function_binding,
 };
 
 /// The shell's spin-locked data.
@@ -275,6 +277,23 @@ impl ParametersKey {
     /// # Safety
     /// `driver` is the live driver object; PASSIVE_LEVEL.
     pub unsafe fn open(driver: WDFDRIVER) -> Result<Self, NtStatus> {
+        // SAFETY: forwarded from the caller.
+        unsafe { Self::open_with(driver, KEY_READ) }
+    }
+
+    /// Opens the Parameters key of `driver` for reading and writing (the
+    /// proxy's administrator IOCTL).
+    ///
+    /// # Safety
+    /// `driver` is the live driver object; PASSIVE_LEVEL.
+    pub unsafe fn open_writable(driver: WDFDRIVER) -> Result<Self, NtStatus> {
+        // SAFETY: forwarded from the caller.
+        unsafe { Self::open_with(driver, KEY_READ | KEY_WRITE) }
+    }
+
+    /// # Safety
+    /// As [`Self::open`].
+    unsafe fn open_with(driver: WDFDRIVER, access: u32) -> Result<Self, NtStatus> {
         let mut key: WDFKEY = ptr::null_mut();
         // SAFETY: the live driver object; out pointer valid; PASSIVE_LEVEL
         // (the caller's contract).
@@ -282,7 +301,7 @@ impl ParametersKey {
             call_unsafe_wdf_function_binding!(
                 WdfDriverOpenParametersRegistryKey,
                 driver,
-                KEY_READ,
+                access,
                 WDF_NO_OBJECT_ATTRIBUTES,
                 &mut key
             )
@@ -352,6 +371,135 @@ impl ParametersKey {
             REG_BINARY => Some(RegValue::Binary(data)),
             _ => None,
         }
+    }
+}
+
+impl ParametersKey {
+    /// Writes `value` as `name` (`entry\value` writes `value` of the
+    /// subkey `entry`, created if missing), as the reader reads it back.
+    /// The key must have been opened with [`Self::open_writable`].
+    /// PASSIVE_LEVEL.
+    pub fn write(&self, name: &str, value: &RegValue) -> Result<(), NtStatus> {
+        let Some((subkey, value_name)) = name.rsplit_once('\\') else {
+            return Self::assign(self.key, name, value);
+        };
+        let mut path = WideString::new(subkey).ok_or(NtStatus::INVALID_PARAMETER)?;
+        let unicode = path.unicode();
+        let mut child: WDFKEY = ptr::null_mut();
+        // SAFETY: an open parent key; `unicode` describes `path`, alive for
+        // the call; no disposition wanted; out pointer valid; PASSIVE_LEVEL
+        // (this method's contract).
+        let status = unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfRegistryCreateKey,
+                self.key,
+                &unicode,
+                KEY_READ | KEY_WRITE,
+                REG_OPTION_NON_VOLATILE,
+                ptr::null_mut(),
+                WDF_NO_OBJECT_ATTRIBUTES,
+                &mut child
+            )
+        };
+        if status < 0 {
+            return Err(NtStatus::from_raw(status as u32));
+        }
+        let written = Self::assign(child, value_name, value);
+        // SAFETY: created or opened just above, closed once.
+        unsafe { call_unsafe_wdf_function_binding!(WdfRegistryClose, child) };
+        written
+    }
+
+    /// Deletes the subkey `name` with the `values` it holds (an entry of
+    /// the child list has no subkeys of its own). PASSIVE_LEVEL.
+    pub fn delete_subkey(&self, name: &str, values: &[&str]) -> Result<(), NtStatus> {
+        let mut path = WideString::new(name).ok_or(NtStatus::INVALID_PARAMETER)?;
+        let unicode = path.unicode();
+        let mut child: WDFKEY = ptr::null_mut();
+        // SAFETY: an open parent key; `unicode` describes `path`, alive for
+        // the call; out pointer valid; PASSIVE_LEVEL.
+        let status = unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfRegistryOpenKey,
+                self.key,
+                &unicode,
+                DELETE | KEY_SET_VALUE,
+                WDF_NO_OBJECT_ATTRIBUTES,
+                &mut child
+            )
+        };
+        if status < 0 {
+            return Err(NtStatus::from_raw(status as u32));
+        }
+        // WdfRegistryRemoveKey wants the key emptied first; a value already
+        // missing is not an error.
+        for value in values {
+            if let Some(mut value) = WideString::new(value) {
+                let unicode = value.unicode();
+                // SAFETY: the key opened above with KEY_SET_VALUE; the name
+                // lives for the call.
+                let _ = unsafe {
+                    call_unsafe_wdf_function_binding!(WdfRegistryRemoveValue, child, &unicode)
+                };
+            }
+        }
+        // SAFETY: the key opened above with DELETE access; the framework
+        // deletes the key object too, so it is not closed afterwards.
+        let status = unsafe { call_unsafe_wdf_function_binding!(WdfRegistryRemoveKey, child) };
+        if status < 0 {
+            return Err(NtStatus::from_raw(status as u32));
+        }
+        Ok(())
+    }
+
+    /// `WdfRegistryAssignValue` of `value` as `name` under the open `key`.
+    fn assign(key: WDFKEY, name: &str, value: &RegValue) -> Result<(), NtStatus> {
+        let (kind, mut data) = registry_data(value);
+        let length = ULONG::try_from(data.len()).map_err(|_| NtStatus::INVALID_PARAMETER)?;
+        let mut name = WideString::new(name).ok_or(NtStatus::INVALID_PARAMETER)?;
+        let unicode = name.unicode();
+        // SAFETY: an open key; `unicode` and `data` live for the call, which
+        // copies `length` bytes of `data`; PASSIVE_LEVEL.
+        let status = unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfRegistryAssignValue,
+                key,
+                &unicode,
+                kind,
+                length,
+                data.as_mut_ptr().cast()
+            )
+        };
+        if status < 0 {
+            return Err(NtStatus::from_raw(status as u32));
+        }
+        Ok(())
+    }
+}
+
+/// A value's registry type and bytes: strings in UTF-16LE, each with its
+/// terminator, a `REG_MULTI_SZ` ended by an empty string.
+fn registry_data(value: &RegValue) -> (ULONG, Vec<u8>) {
+    fn push_string(bytes: &mut Vec<u8>, text: &str) {
+        for unit in text.encode_utf16().chain(core::iter::once(0)) {
+            bytes.extend_from_slice(&unit.to_le_bytes());
+        }
+    }
+    let mut bytes = Vec::new();
+    match value {
+        RegValue::String(text) => {
+            push_string(&mut bytes, text);
+            (REG_SZ, bytes)
+        }
+        RegValue::MultiString(texts) => {
+            for text in texts {
+                push_string(&mut bytes, text);
+            }
+            bytes.extend_from_slice(&[0, 0]);
+            (REG_MULTI_SZ, bytes)
+        }
+        RegValue::Dword(v) => (REG_DWORD, v.to_le_bytes().to_vec()),
+        RegValue::Binary(data) => (REG_BINARY, data.clone()),
     }
 }
 
