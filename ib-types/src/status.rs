@@ -140,6 +140,9 @@ code_enum! {
         /// A failure whose cause is unknown (including a status code from a
         /// newer peer that this side does not know).
         UnknownError = 54,
+        /// The CA was removed (surprise removal or the device leaving): the
+        /// call was not sent to it.
+        DeviceRemoved = 55,
     }
 }
 
@@ -190,6 +193,7 @@ impl IbStatus {
             Self::ResourceBusy => NtStatus::DEVICE_BUSY,
             Self::InvalidHandle => NtStatus::INVALID_HANDLE,
             Self::GenericError => NtStatus::UNSUCCESSFUL,
+            Self::DeviceRemoved => NtStatus::DEVICE_REMOVED,
             other => NtStatus::ib_custom(other),
         }
     }
@@ -315,6 +319,8 @@ impl NtStatus {
     pub const INVALID_DEVICE_STATE: Self = Self::from_raw(0xC000_0184);
     /// `STATUS_NOT_FOUND`.
     pub const NOT_FOUND: Self = Self::from_raw(0xC000_0225);
+    /// `STATUS_DEVICE_REMOVED`: the device is gone (surprise removal).
+    pub const DEVICE_REMOVED: Self = Self::from_raw(0xC000_02B6);
 
     /// The facility of this project's customer-defined statuses (0x1B1, "IB",
     /// first allocation). Customer values cannot collide with Microsoft's,
@@ -427,8 +433,8 @@ mod tests {
             assert_eq!(s.code(), i as u32, "{s:?} is not numbered in order");
             assert_eq!(IbStatus::from_code(s.code()), Ok(s));
         }
-        assert_eq!(IbStatus::ALL.len(), 55);
-        assert!(IbStatus::from_code(55).is_err());
+        assert_eq!(IbStatus::ALL.len(), 56);
+        assert!(IbStatus::from_code(56).is_err());
     }
 
     #[test]
@@ -476,6 +482,7 @@ mod tests {
             (IbStatus::Canceled, 0xC000_0120),
             (IbStatus::InvalidState, 0xC000_0184),
             (IbStatus::NotFound, 0xC000_0225),
+            (IbStatus::DeviceRemoved, 0xC000_02B6),
             (IbStatus::Overflow, 0x8000_0005),
             (IbStatus::ResourceBusy, 0x8000_0011),
             // Customer values: severity | C | facility 0x1B1 | code.

@@ -5,7 +5,10 @@
 //!
 //! Contract (`docs/host-model.md`, "File objects and processes"):
 //! - [`PnpManager::open_file`] (or [`PnpManager::open_interface`]) opens a
-//!   handle as a process: a new [`FileObject`] goes to the stack's layers
+//!   handle as a process, asking read and write access: a stack with a
+//!   security descriptor that does not grant both to the process's token
+//!   refuses with `STATUS_ACCESS_DENIED` before any layer sees it
+//!   (`crate::security`); then a new [`FileObject`] goes to the stack's layers
 //!   top-down, down to the function driver, each layer's
 //!   [`DeviceCallbacks::file_create`] at PASSIVE_LEVEL in the process's
 //!   context. A failure fails the open; the layers above that had
@@ -43,6 +46,7 @@ use crate::memory::Process;
 use crate::pnp::{DevNodeId, HOST_PDO, PnpManager, PnpState};
 use crate::request::{HostRequest, RequestHandle};
 use crate::sched::SchedulerHandle;
+use crate::security::AccessMask;
 use crate::verifier::{Verifier, ViolationKind};
 
 /// `STATUS_PROCESS_IS_TERMINATING`: an exited process opens nothing.
@@ -412,6 +416,11 @@ impl PnpManager {
                 return Err(NO_SUCH_DEVICE);
             }
             Some(_) => return Err(DELETE_PENDING),
+        }
+        // The I/O manager's access check comes before any driver sees the
+        // create (`crate::security`).
+        if let Some(descriptor) = self.security(node) {
+            descriptor.access_check(process.token(), AccessMask::READ_WRITE)?;
         }
         // Top-down, down to the function driver (which completes the
         // create; KMDF filters pass it on).

@@ -28,5 +28,6 @@ pub mod request;
 pub mod rw_spin_lock;
 pub mod samples;
 pub mod sched;
+pub mod security;
 pub mod stack;
 pub mod verifier;

@@ -658,15 +658,31 @@ pub trait DevicePage: Send + Sync + fmt::Debug {
 pub struct Process {
     pid: u32,
     space: AddressSpace,
+    /// Its primary access token (`crate::security`).
+    token: crate::security::Token,
 }
 
 impl Process {
-    /// A new process with an empty address space.
+    /// A new process with an empty address space, run by an interactive
+    /// standard user ([`crate::security::Token::standard_user`]).
     pub fn new(pid: u32) -> Self {
+        Self::with_token(pid, crate::security::Token::standard_user())
+    }
+
+    /// A new process with an empty address space and the access token
+    /// `token` (who runs it: an administrator, an anonymous logon, ...).
+    pub fn with_token(pid: u32, token: crate::security::Token) -> Self {
         Self {
             pid,
             space: AddressSpace::user(pid),
+            token,
         }
+    }
+
+    /// Its primary access token (what `SeAccessCheck` at `CreateFile` and
+    /// an administrator-only IOCTL's check read).
+    pub fn token(&self) -> &crate::security::Token {
+        &self.token
     }
 
     /// The process id.

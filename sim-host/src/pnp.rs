@@ -158,6 +158,9 @@ struct DevNode {
     interface_refs: BTreeMap<Option<DevNodeId>, Arc<AtomicUsize>>,
     /// Registered device interfaces and whether each is enabled.
     interfaces: BTreeMap<WinGuid, bool>,
+    /// The stack's security descriptor (`crate::security`), checked at
+    /// `IRP_MJ_CREATE`; `None`: open to everyone.
+    security: Option<crate::security::SecurityDescriptor>,
 }
 
 impl DevNode {
@@ -344,6 +347,21 @@ impl DeviceServices {
             .instance_path
             .clone();
         Some(inner.registry.view(&self.service, &path))
+    }
+
+    /// Sets the security descriptor of this device's stack from SDDL (on
+    /// Windows the INF's `Security` value of the hardware `AddReg`
+    /// section; `crate::security`): every later `IRP_MJ_CREATE` is checked
+    /// against it. SDDL outside the modelled subset is refused with
+    /// `STATUS_INVALID_PARAMETER`, nothing changed.
+    pub fn assign_security(&self, sddl: &str) -> Result<(), NtStatus> {
+        let descriptor = crate::security::SecurityDescriptor::from_sddl(sddl)
+            .map_err(|_| crate::driver::INVALID_PARAMETER)?;
+        let inner = self.pnp.upgrade().ok_or(NO_SUCH_DEVICE)?;
+        let mut tree = lock(&inner.tree);
+        let node = tree.nodes.get_mut(self.node.0).ok_or(NO_SUCH_DEVICE)?;
+        node.security = Some(descriptor);
+        Ok(())
     }
 
     /// Registers a device interface of `class` (disabled until enabled).
@@ -643,6 +661,7 @@ impl PnpManager {
                 power: DevicePowerState::D3,
                 interface_refs: BTreeMap::new(),
                 interfaces: BTreeMap::new(),
+                security: None,
             });
             if let Some(p) = parent {
                 tree.nodes[p.0].children.push(id);
@@ -714,6 +733,14 @@ impl PnpManager {
             .nodes
             .get(node.0)
             .map_or(0, |n| n.references_outstanding())
+    }
+
+    /// The security descriptor of a devnode's stack, if one was assigned.
+    pub fn security(&self, node: DevNodeId) -> Option<crate::security::SecurityDescriptor> {
+        lock(&self.inner.tree)
+            .nodes
+            .get(node.0)
+            .and_then(|n| n.security.clone())
     }
 
     /// The devnodes with an enabled device interface of `class`, in

@@ -401,6 +401,38 @@ impl RegistryView {
     }
 }
 
+impl RegistryView {
+    /// `ZwSetValueKey` under `key` (PASSIVE_LEVEL): a `name` containing
+    /// `\` names a value in a subkey, created if absent, as
+    /// [`Registry::read`] reads it.
+    pub fn write(
+        &self,
+        key: RegistryKey,
+        name: &str,
+        value: RegValue,
+    ) -> Result<(), RegistryError> {
+        crate::irql::check_max("ZwSetValueKey", driver_platform::Irql::PASSIVE);
+        let base = self.key_path(key);
+        let (path, value_name) = match name.rsplit_once('\\') {
+            Some((sub, value_name)) => (format!("{base}\\{sub}"), value_name),
+            None => (base, name),
+        };
+        self.store.create_key(&path)?;
+        self.store.set_value(&path, value_name, value)
+    }
+
+    /// `ZwDeleteKey` of the subkey `subkey` of `key` and everything under
+    /// it (PASSIVE_LEVEL); an absent subkey is not an error.
+    pub fn delete_subkey(&self, key: RegistryKey, subkey: &str) -> Result<(), RegistryError> {
+        crate::irql::check_max("ZwDeleteKey", driver_platform::Irql::PASSIVE);
+        let path = format!("{}\\{subkey}", self.key_path(key));
+        if !self.store.key_exists(&path) {
+            return Ok(());
+        }
+        self.store.delete_tree(&path)
+    }
+}
+
 impl Registry for RegistryView {
     fn read(&self, key: RegistryKey, name: &str) -> Option<RegValue> {
         crate::irql::check_max("ZwQueryValueKey", driver_platform::Irql::PASSIVE);

@@ -38,8 +38,9 @@
 //!   registry change notification on the Parameters key, PASSIVE_LEVEL):
 //!   re-reads the list and reports the children that appeared present and
 //!   those that disappeared missing (`ChildSet::reconcile`).
-//! - `release_hardware` (`EvtDeviceReleaseHardware`): deregisters the CA,
-//!   closes it (a query still in flight finds the binding gone), and
+//! - `release_hardware` (`EvtDeviceReleaseHardware`): drops the access
+//!   layer (a client still open finds its calls refused), deregisters the
+//!   CA, closes it (a query still in flight finds the binding gone), and
 //!   dereferences the interface.
 //!   The children reported stay, as a KMDF child list lives as long as its
 //!   device: when the stack starts again (after a stop, or a restart after
@@ -54,7 +55,11 @@
 //!   `GUID_IB_AL_INTERFACE` itself, at [`AL_INTERFACE_VERSION`] when asked
 //!   at it or above, with its [`AlPortInterface`] (the port's data and the
 //!   access layer's entry points), the consumer's reference counted
-//!   against the child's devnode.
+//!   against the child's devnode. Its `io_request` is the IOCTL path: an
+//!   internal device-control request carrying an AL verb is served by the
+//!   same `AccessLayer::submit`, for the client whose tag the header's
+//!   handle carries among those opened through this child
+//!   (docs/ibal-bus.md "The IOCTL path").
 //! - the `QueryCa` completion also creates the [`SimAccessLayer`] over the
 //!   bound CA (before the children are reported, so their interface finds
 //!   it); release-hardware drops it first. A stop is vetoed
@@ -63,7 +68,12 @@
 //!   and forwarded to the access layer, which routes them to the owning
 //!   client.
 //! - the filter's queue is not power-managed (KMDF's default for a
-//!   filter); requests pass down unchanged.
+//!   filter); kernel requests pass down unchanged.
+//! - the user-mode proxy ([`crate::ibal_proxy`]): add-device assigns the
+//!   stack's security descriptor and registers the device interface,
+//!   self-managed I/O init enables it and release-hardware disables it;
+//!   `file_create`, `file_cleanup` and `io_in_caller_context` delegate to
+//!   it (user requests judged per open before they go down).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -87,9 +97,10 @@ use ib_types::scalars::NodeGuid;
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendWr};
-use ibal_bus_core::al::{
-    AccessLayer, CaCompletion, CiRequests, ClientEvents, ClientId, ClientReference,
-};
+use ibal_bus_core::al::{AccessLayer, CaCompletion, CiRequests};
+/// What a client of [`AlPortInterface`] implements and passes (re-exported
+/// so a client needs no dependency of its own on the core).
+pub use ibal_bus_core::al::{ClientEvents, ClientId, ClientReference};
 use ibal_bus_core::ca_registry::{BoundCa, CaRegistry, OpenedCa, check_version};
 use ibal_bus_core::children::{ChildList, ChildSet, PortChild, port_children, read_child_list};
 use ibal_bus_core::ci::{
@@ -157,7 +168,8 @@ impl SimCi {
     fn dereference(&self) {
         if let Some(interface) = lock(&self.interface).take() {
             // At release nothing of the filter calls the interface any
-            // more (the work item is flushed; no client exists yet), so
+            // more (the work item is flushed; the access layer is dropped,
+            // its clients closed when their children were removed), so
             // this is the last clone. Were a routine still running, its
             // clone would be the last, and dropping it is reported as a
             // reference leak by the host.
@@ -313,7 +325,7 @@ enum Binding {
 /// The driver: the CA registry shared by its devices, and the devices.
 pub struct IbalBusDriver {
     registry: Arc<Mutex<CaRegistry<SimCi>>>,
-    devices: Mutex<Vec<Arc<IbalBusDevice>>>,
+    devices: Arc<Mutex<Vec<Arc<IbalBusDevice>>>>,
 }
 
 impl std::fmt::Debug for IbalBusDriver {
@@ -328,7 +340,7 @@ impl IbalBusDriver {
     pub fn register(host: &Host) -> Arc<Self> {
         let driver = Arc::new(Self {
             registry: Arc::default(),
-            devices: Mutex::default(),
+            devices: Arc::default(),
         });
         host.register_driver(SERVICE, driver.clone());
         driver
@@ -362,6 +374,18 @@ impl DriverEntry for IbalBusDriver {
         if init.role != StackRole::UpperFilter {
             return Err(NtStatus::INVALID_DEVICE_REQUEST);
         }
+        // The proxy's administrator IOCTL changes the driver-wide list:
+        // every device reconciles, as after a registry notification.
+        let devices = Arc::downgrade(&self.devices);
+        let reconcile: crate::ibal_proxy::Reconcile = Arc::new(move || {
+            let all = devices
+                .upgrade()
+                .map(|d| lock(&d).clone())
+                .unwrap_or_default();
+            for device in all {
+                device.registry_changed();
+            }
+        });
         let device = Arc::new_cyclic(|me| IbalBusDevice {
             me: me.clone(),
             host: host.clone(),
@@ -371,6 +395,7 @@ impl DriverEntry for IbalBusDriver {
             children: Mutex::default(),
             events: Arc::default(),
             al: AlSlot::default(),
+            proxy: crate::ibal_proxy::IbalProxy::new(host.clone(), reconcile),
         });
         lock(&self.devices).push(device.clone());
         Ok(device)
@@ -388,6 +413,8 @@ pub struct IbalBusDevice {
     events: Arc<FilterEvents>,
     /// The access layer while the CA is bound.
     al: AlSlot,
+    /// The user-mode proxy (`crate::ibal_proxy`).
+    proxy: crate::ibal_proxy::IbalProxy,
 }
 
 impl std::fmt::Debug for IbalBusDevice {
@@ -420,6 +447,11 @@ impl IbalBusDevice {
     /// The access layer over the bound CA, while it is bound.
     pub fn access_layer(&self) -> Option<Arc<SimAccessLayer>> {
         lock(&self.al).clone()
+    }
+
+    /// The user-mode proxy of this HCA.
+    pub fn proxy(&self) -> &crate::ibal_proxy::IbalProxy {
+        &self.proxy
     }
 
     /// How many CA callbacks arrived.
@@ -593,6 +625,19 @@ impl DeviceCallbacks for IbalBusDevice {
 
     fn self_managed_io_init(&self) {
         self.send_port_query();
+        self.proxy.started();
+    }
+
+    fn file_create(&self, file: &sim_host::file::FileObject) -> NtStatus {
+        self.proxy.file_create(file)
+    }
+
+    fn file_cleanup(&self, file: &sim_host::file::FileObject) {
+        self.proxy.file_cleanup(file);
+    }
+
+    fn io_in_caller_context(&self, req: HostRequest) -> Option<HostRequest> {
+        self.proxy.in_caller_context(req)
     }
 
     /// A stop (resource rebalance) would close the CA under open AL
@@ -612,7 +657,10 @@ impl DeviceCallbacks for IbalBusDevice {
         // The access layer is dropped with the last of its in-flight
         // completions.
         *lock(&self.events.al) = Weak::new();
-        drop(lock(&self.al).take());
+        // Dropped outside the lock: it may release clients' references.
+        let al = lock(&self.al).take();
+        drop(al);
+        self.proxy.stopped();
         let binding = std::mem::replace(&mut *lock(&self.binding), Binding::Idle);
         // The children stay (a KMDF child list lives as long as its
         // device): after a restart the list read again is reconciled

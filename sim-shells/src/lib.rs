@@ -12,6 +12,9 @@
 //! - [`hca_miniport`]: the HCA miniport (`hca-miniport/src/kmdf`).
 //! - [`ibal_bus`]: the IBAL bus filter (its KMDF shell in `ibal-bus` is
 //!   not written yet).
+//! - [`ibal_proxy`]: the filter's user-mode proxy (device interface,
+//!   security descriptor, per-open handle tables, hostile-input checks).
 
 pub mod hca_miniport;
 pub mod ibal_bus;
+pub mod ibal_proxy;

@@ -12,12 +12,13 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use driver_platform::SystemPowerState;
 use driver_platform::{CommonBuffer, DmaAdapter, Irql, RequestorMode};
 use hca_miniport_core::init::HcaConfig;
 use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
 use ib_types::cq::{CqAttr, CqNotify};
-use ib_types::event::AsyncEventRecord;
+use ib_types::event::{AsyncEventCode, AsyncEventRecord, EventSubject};
 use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::interface::{
     AL_INTERFACE_VERSION, GUID_IB_AL_INTERFACE, InterfaceVersion, PortInterfaceData,
@@ -191,6 +192,12 @@ struct World {
 }
 
 fn world(seed: u64, leak_interface: bool) -> World {
+    world_on(seed, leak_interface, false)
+}
+
+/// [`world`] on the deterministic host, or on the threaded one (two
+/// worker threads) if `threaded`.
+fn world_on(seed: u64, leak_interface: bool, threaded: bool) -> World {
     let configs = HCAS
         .iter()
         .enumerate()
@@ -199,7 +206,12 @@ fn world(seed: u64, leak_interface: bool) -> World {
             DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
         })
         .collect();
-    let host = Host::new(HostConfig::deterministic(seed, configs)).unwrap();
+    let config = if threaded {
+        HostConfig::threaded(2, configs)
+    } else {
+        HostConfig::deterministic(seed, configs)
+    };
+    let host = Host::new(config).unwrap();
     let _log = sim_host::samples::register_stand_ins(&host);
     MiniportDriver::register(&host, HcaConfig::default());
     let driver = IbalBusDriver::register(&host);
@@ -222,9 +234,14 @@ fn world(seed: u64, leak_interface: bool) -> World {
 }
 
 fn settle(host: &Host) {
-    host.scheduler().run_until_idle(1_000_000).unwrap();
+    let run = || {
+        if host.scheduler().quiesce().is_err() {
+            host.scheduler().run_until_idle(1_000_000).unwrap();
+        }
+    };
+    run();
     host.pnp().process_bus_relations();
-    host.scheduler().run_until_idle(1_000_000).unwrap();
+    run();
 }
 
 fn finish(host: Host) {
@@ -647,7 +664,7 @@ fn rc_side(host: &Host, client: &PortClient) -> RcSide {
 }
 
 #[test]
-fn clients_on_two_hcas_create_at_dispatch_and_move_checked_rc_traffic() {
+fn clients_on_two_hcas_create_at_dispatch_move_checked_rc_traffic_and_get_their_events() {
     let w = world(23, false);
     let (x, y) = (w.client(0, 1), w.client(1, 1));
     let (sx, sy) = (rc_side(&w.host, &x), rc_side(&w.host, &y));
@@ -707,6 +724,32 @@ fn clients_on_two_hcas_create_at_dispatch_and_move_checked_rc_traffic() {
     for other in [w.client(0, 2), w.client(1, 2)] {
         assert!(lock(&other.recorder.completions).is_empty());
         assert!(lock(&other.recorder.events).is_empty());
+    }
+
+    // Sleep with the connection up: the children leave D0 before their
+    // HCAs and the AL stays; on resume the connected QPs come back in ERR
+    // and each owner, only, is told with its own handle.
+    w.host.pnp().set_system_power(SystemPowerState::S3).unwrap();
+    w.host.pnp().set_system_power(SystemPowerState::S0).unwrap();
+    settle(&w.host);
+    for (client, side) in [(&x, &sx), (&y, &sy)] {
+        let events = lock(&client.recorder.events).clone();
+        assert!(
+            events
+                .iter()
+                .any(|e| e.code == AsyncEventCode::QpFatal && e.handle == side.qp),
+            "{events:?}"
+        );
+    }
+    for other in [w.client(0, 2), w.client(1, 2)] {
+        let events = lock(&other.recorder.events).clone();
+        assert!(
+            events
+                .iter()
+                .all(|e| e.code.subject() != EventSubject::Qp
+                    && e.code.subject() != EventSubject::Cq),
+            "no object event for a client owning none: {events:?}"
+        );
     }
 
     destroy(&w.host, &x, sx);
@@ -850,10 +893,7 @@ fn handles_of_one_client_are_refused_for_another() {
         };
         assert_eq!(issuer.completion().unwrap().status, expected);
     }
-    // A's objects are untouched, and A cannot close while it owns them.
-    let (al, id) = a.al();
-    let drained = Arc::new(HostEvent::new(w.host.scheduler_handle()));
-    assert_eq!(al.close(id, drained), Err(IbStatus::ResourceBusy));
+    // A's objects are untouched: A still destroys them.
     call::<DestroyCq>(&w.host, &a, cq, &Empty, &[]).unwrap();
     call::<DeallocPd>(&w.host, &a, pd, &Empty, &[]).unwrap();
     finish(w.host);
@@ -901,4 +941,75 @@ fn clients_close_before_their_hca_goes_and_a_stop_waits_for_them() {
     let (pd, _) = call::<AllocPd>(&w.host, &c, id.ca_handle(), &Empty, &[]).unwrap();
     call::<DeallocPd>(&w.host, &c, pd, &Empty, &[]).unwrap();
     finish(w.host);
+}
+
+/// A client that still owns objects when its HCA leaves: its close at its
+/// own removal destroys them (the AL closes what a client left open, in
+/// dependency order), the filter drops the access layer at release-hardware,
+/// the client's reference on its driver is given back, and every later call
+/// of the client is refused; nothing leaks.
+#[test]
+fn a_client_owning_objects_when_its_hca_leaves_closes_cleanly_and_later_calls_are_refused() {
+    for surprise in [false, true] {
+        let w = world(27, false);
+        let a = w.client(0, 1);
+        let (al, id) = a.al();
+        let (pd, _) = call::<AllocPd>(&w.host, &a, id.ca_handle(), &Empty, &[]).unwrap();
+        let hca = w.host.hcas()[0];
+        if surprise {
+            w.host.pnp().surprise_remove(hca);
+            w.host.pnp().remove_when_no_handles_remain(hca, 0);
+        } else {
+            w.host.pnp().query_and_remove(hca).unwrap();
+        }
+        settle(&w.host);
+        assert_eq!(
+            *lock(&a.closed),
+            Some(Ok(())),
+            "its PD destroyed by the close"
+        );
+        assert_eq!(w.references(), 2, "only the other HCA's clients' remain");
+        let (req, issuer) = request::<DeallocPd>(&w.host, pd, &Empty, &[]);
+        assert_eq!(al.submit(id, req), NtStatus::INVALID_DEVICE_STATE);
+        assert_eq!(
+            issuer.completion().unwrap().status,
+            NtStatus::INVALID_DEVICE_STATE
+        );
+        let mut wcs = [WorkCompletion::EMPTY; 1];
+        assert_eq!(al.poll_cq(id, 1, &mut wcs), Err(IbStatus::InvalidState));
+        let drained = Arc::new(HostEvent::new(w.host.scheduler_handle()));
+        assert_eq!(al.close(id, drained), Ok(()), "gone with the access layer");
+        assert_eq!(w.host.verifier().violations(), [], "surprise: {surprise}");
+        finish(w.host);
+    }
+}
+
+/// On the threaded host (requests completing on worker threads while the
+/// test thread waits) every client's verbs go through its AL, and the
+/// clients close and the filters let go cleanly at shutdown.
+#[test]
+fn clients_use_the_al_on_the_threaded_host_too() {
+    for round in 0..3 {
+        let w = world_on(0, false, true);
+        // The children's stacks start on worker threads.
+        for _ in 0..3 {
+            settle(&w.host);
+        }
+        for (hca, port) in [(0, 1), (0, 2), (1, 1), (1, 2)] {
+            let client = w.client(hca, port);
+            let (_, id) = client.al();
+            let (pd, _) = call::<AllocPd>(&w.host, &client, id.ca_handle(), &Empty, &[]).unwrap();
+            let attr = CqAttr {
+                cqe: 16,
+                comp_vector: 0,
+            };
+            let (cq, _) = call::<CreateCq>(&w.host, &client, id.ca_handle(), &attr, &[]).unwrap();
+            let (al, id) = client.al();
+            assert_eq!(al.arm_cq(id, cq, CqNotify::NextCompletion), Ok(()));
+            call::<DestroyCq>(&w.host, &client, cq, &Empty, &[]).unwrap();
+            call::<DeallocPd>(&w.host, &client, pd, &Empty, &[]).unwrap();
+        }
+        assert_eq!(w.references(), 4, "round {round}");
+        finish(w.host);
+    }
 }

@@ -1,9 +1,10 @@
-//! Scenario: the main job's machine with the real miniport, over several
-//! seeds — two HCAs bound from `inf/`, the CI interface obtained by
+//! Scenario: the main job's machine with the real miniport and the real
+//! bus filter, over several seeds — two HCAs bound from `inf/`, the AL
+//! interface obtained from each HCA's port-1 child by
 //! `IRP_MN_QUERY_INTERFACE`, PD/CQ/QP/AV created and memory registered
-//! (`RegPhysMr`) through its synchronous wrapper, RC sends both ways, an
+//! (`RegPhysMr`) through its synchronous helper, RC sends both ways, an
 //! RDMA write and read, and a UD datagram through an AV handle moved
-//! through its fast path with every byte checked, completion events at
+//! through its direct calls with every byte checked, completion events at
 //! DISPATCH_LEVEL; S3 and back with every object alive (UD traffic again,
 //! the RC pair back in ERR with `QpFatal`, reconnected, traffic again, all
 //! checked), teardown, shutdown with an empty verifier report. It runs the very module the

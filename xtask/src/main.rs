@@ -5,9 +5,9 @@
 //!   HCAs in fast mode (`rdma_run`), then boots a simulated Windows machine
 //!   from our INFs with stand-in drivers, cycles its power checking the
 //!   order and shuts it down (`host_run`), then boots it with the real
-//!   miniport and moves checked RC and UD traffic through the miniport's
-//!   CI interface (`miniport_run`). Once the bus filter lands, the traffic
-//!   runs through the whole stack.
+//!   miniport and the real bus filter and moves checked RC and UD traffic
+//!   through the whole kernel stack: a client of each HCA's port child on
+//!   the AL interface, the AL over the miniport's CI (`miniport_run`).
 //! - `test`: the test suite, exactly what CI runs after its lint gates.
 //! - `capture --out FILE`: runs the simulated HCA's scripted traffic mix and
 //!   writes its pcap capture (open it in Wireshark).

@@ -1,23 +1,29 @@
-//! The main job's simulated Windows machine with the real miniport: two
-//! HCAs on the PCI bus, the drivers bound from our INF files
+//! The main job's simulated Windows machine with the whole kernel stack:
+//! two HCAs on the PCI bus, the drivers bound from our INF files
 //! (`hcaminiport` is the miniport's simulated-host shell,
-//! `sim_shells::hca_miniport`; the bus filter and the port client are still the
-//! host's stand-ins), and a kernel client that does what the bus filter
-//! will: asks each HCA's stack for the CI interface
-//! (`IRP_MN_QUERY_INTERFACE`), opens the CA with its callbacks, creates a
+//! `sim_shells::hca_miniport`; `ibalbus` the bus filter's,
+//! `sim_shells::ibal_bus`, which binds to the miniport's CI and reports
+//! the port children; the port client on the children is still the host's
+//! stand-in), and a kernel client of each HCA's port-1 child: it asks the
+//! child for the AL interface (`IRP_MN_QUERY_INTERFACE`,
+//! `GUID_IB_AL_INTERFACE`) and for its DMA adapter (the bus interface,
+//! the HCA's own), opens the AL with its callbacks and a reference on its
+//! driver object, creates a
 //! PD, a CQ, QPs and an AV and registers memory with control verbs
-//! through the interface's synchronous wrapper, and moves RC (send, RDMA
+//! through the interface's synchronous helper, and moves RC (send, RDMA
 //! write, RDMA read) and UD traffic between the two HCAs through the
-//! interface's fast path, every byte checked, completions signalled by the CQ events it armed for.
+//! AL's direct calls, every byte checked, completions signalled by the CQ events it armed for.
 //! Then it sleeps the machine (S3) with every object alive and wakes it:
 //! the UD pair moves a datagram again (checked), the connected RC QPs come
 //! back in ERR with `QpFatal`, are reset and reconnected, and SENDs flow
-//! again (checked). Then it tears everything down, shuts down, and requires
-//! an empty verifier report.
+//! again (checked). Then it tears everything down, closes the AL, gives
+//! the interfaces back, shuts down, and requires an empty verifier report.
 //!
 //! Memory is a common buffer of each HCA's DMA adapter, registered through
-//! the CI with `RegPhysMr` (a kernel client's physical registration: the
-//! page list of bus addresses). The objects survive sleep because the core
+//! the AL with `RegPhysMr` (a kernel client's physical registration: the
+//! page list of bus addresses). Every handle the client holds is its own
+//! (the AL's per-client table), translated to the CA's by the AL. The
+//! objects survive sleep because the core
 //! keeps them on D0 exit and gives them back on D0 entry
 //! (`hca_miniport_core::verbs::restore`; in detail in
 //! `hca-miniport/core/tests/power.rs`).
@@ -28,15 +34,14 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use driver_platform::{CommonBuffer, DmaAdapter, Event, RequestorMode, SystemPowerState};
-use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::init::HcaConfig;
-use hca_miniport_core::verbs::{CaClient, CqNotify};
+use hca_miniport_core::verbs::CqNotify;
 use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
 use ib_types::cq::CqAttr;
 use ib_types::event::{AsyncEventCode, AsyncEventRecord};
 use ib_types::handle::{AvHandle, CqHandle, PdHandle};
-use ib_types::interface::{CI_INTERFACE_VERSION, GUID_IB_CI_INTERFACE};
+use ib_types::interface::{AL_INTERFACE_VERSION, GUID_IB_AL_INTERFACE};
 use ib_types::ioctl::{
     AllocPd, CreateAv, CreateCq, CreateQp, DeallocPd, DeregMr, DestroyAv, DestroyCq, DestroyQp,
     Empty, ModifyQp, QueryQp, RegPhysMr, Verb, decode_response, encode_request, request_len,
@@ -53,12 +58,20 @@ use sim_host::dma::{HostCommonBuffer, HostDmaAdapter};
 use sim_host::driver::InterfaceRef;
 use sim_host::event::HostEvent;
 use sim_host::host::{Host, HostConfig};
-use sim_host::irql::IrqlTracker;
+use sim_host::pci::{
+    BUS_INTERFACE_STANDARD_VERSION, BusInterfaceStandard, GUID_BUS_INTERFACE_STANDARD,
+};
 use sim_host::platform::SimPlatform;
+use sim_host::pnp::DevNodeId;
 use sim_host::request::HostRequest;
-use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver, SERVICE};
+use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver};
+use sim_shells::ibal_bus::{
+    AlClient, AlPortInterface, ClientEvents, DriverObjectReference, IbalBusDriver,
+};
 
-type Provider = CiProvider<SimPlatform>;
+/// The port client's service, on whose behalf the kernel client runs (its
+/// DPCs, the driver object the AL holds a reference on).
+const CLIENT_SERVICE: &str = "ibportclient";
 /// A memory region the CI registered.
 struct Registered {
     handle: u64,
@@ -105,16 +118,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The kernel client's callbacks: completion events (with the IRQL they
-/// came at) and asynchronous events.
+/// The kernel client's AL callbacks: completion events on its CQs (its
+/// handles, with the IRQL they came at) and asynchronous events.
 #[derive(Default)]
 struct Client {
-    completions: Mutex<Vec<(CqHandle, driver_platform::Irql)>>,
+    completions: Mutex<Vec<(u64, driver_platform::Irql)>>,
     events: Mutex<Vec<AsyncEventRecord>>,
 }
 
-impl CaClient for Client {
-    fn completion(&self, cq: CqHandle) {
+impl ClientEvents for Client {
+    fn completion(&self, cq: u64) {
         lock(&self.completions).push((cq, sim_host::irql::current()));
     }
     fn async_event(&self, event: &AsyncEventRecord) {
@@ -125,9 +138,15 @@ impl CaClient for Client {
 /// One HCA as the client sees it.
 struct Side {
     device: Arc<MiniportDevice<SimPlatform>>,
+    /// The AL interface of the HCA's port-1 child.
     interface: Option<InterfaceRef>,
-    ci: Arc<Provider>,
+    al: Arc<AlPortInterface>,
+    /// The client's open of the AL.
+    handle: AlClient,
     client: Arc<Client>,
+    /// The DMA adapter the child gave (the HCA's own).
+    adapter: HostDmaAdapter,
+    /// The client's handle of the CA.
     ca: u64,
     pd: u64,
     cq: u64,
@@ -138,7 +157,7 @@ struct Side {
 
 impl Side {
     fn adapter(&self) -> Result<HostDmaAdapter, String> {
-        self.device.adapter().ok_or("no DMA adapter".to_owned())
+        Ok(self.adapter.clone())
     }
 
     fn buffer(&self) -> Result<&HostCommonBuffer, String> {
@@ -177,10 +196,11 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// The machine and its miniport.
+/// The machine, its miniport and its bus filter.
 struct Machine {
     host: Host,
     driver: Arc<MiniportDriver<SimPlatform>>,
+    filter: Arc<IbalBusDriver>,
 }
 
 impl Machine {
@@ -192,23 +212,31 @@ impl Machine {
             .map_err(|e| e.to_string())
     }
 
-    /// Runs verb `V` through the CI's synchronous wrapper from this
+    /// Settles, then reports the children the filter enumerated and
+    /// settles again (their stacks start).
+    fn settle_tree(&self) -> Result<(), String> {
+        self.settle()?;
+        self.host.pnp().process_bus_relations();
+        self.settle()
+    }
+
+    /// Runs verb `V` through the AL's synchronous helper from this
     /// (PASSIVE_LEVEL) thread: the request's completion sets the event the
-    /// wrapper waits on; the deterministic wait runs the DPCs and work
+    /// helper waits on; the deterministic wait runs the DPCs and work
     /// items that complete it.
     fn call<V: Verb>(
         &self,
-        ci: &Provider,
+        side: &Side,
         handle: u64,
         input: &V::In,
     ) -> Result<(u64, Option<V::Out>), String> {
-        self.call_with::<V>(ci, handle, input, &[])
+        self.call_with::<V>(side, handle, input, &[])
     }
 
     /// [`Self::call`] with private input bytes.
     fn call_with<V: Verb>(
         &self,
-        ci: &Provider,
+        side: &Side,
         handle: u64,
         input: &V::In,
         private: &[u8],
@@ -225,17 +253,24 @@ impl Machine {
         );
         let event = HostEvent::new(self.host.scheduler_handle());
         request.set_completion_event(event.clone());
-        ci.submit_and_wait(&IrqlTracker, request, &event)
-            .map_err(|_| "the synchronous wrapper refused at PASSIVE_LEVEL".to_owned())?;
+        side.al
+            .submit_and_wait(side.handle, request, &event)
+            .map_err(|_| "the synchronous helper refused at PASSIVE_LEVEL".to_owned())?;
         if !event.is_set() {
             return Err(format!("{:?}: the wait returned unset", V::ID));
         }
         let done = issuer
             .completion()
             .ok_or(format!("{:?}: no completion", V::ID))?;
-        let len = usize::try_from(done.information).unwrap_or(usize::MAX);
-        let bytes = done.output.get(..len).ok_or("information too large")?;
-        let response = decode_response::<V>(bytes).map_err(|e| e.to_string())?;
+        if !done.status.is_success() {
+            return Err(format!("{:?}: {:?}", V::ID, done.status));
+        }
+        // The whole output is the response (no private output asked); a
+        // create's Information is the new handle, else the length.
+        let response = decode_response::<V>(&done.output).map_err(|e| e.to_string())?;
+        if V::ID.creates().is_some() && done.information != response.handle {
+            return Err(format!("{:?}: the handle is not in Information", V::ID));
+        }
         if response.status != IbStatus::Success {
             return Err(format!("{:?}: {:?}", V::ID, response.status));
         }
@@ -251,7 +286,7 @@ impl Machine {
         let sink = out.clone();
         self.host
             .scheduler_handle()
-            .queue_dpc(SERVICE, move || *lock(&sink) = Some(f()));
+            .queue_dpc(CLIENT_SERVICE, move || *lock(&sink) = Some(f()));
         self.settle()?;
         lock(&out).take().ok_or("the DPC did not run".to_owned())
     }
@@ -265,14 +300,24 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
         .map(|(guid, ip)| DeviceConfig::with_ports(*guid, &[*ip]))
         .collect();
     let host = Host::new(HostConfig::deterministic(seed, configs)).map_err(|e| e.to_string())?;
-    // Stand-ins for the filter and the port client; the real miniport
-    // replaces the stand-in registered under its service name.
+    // Stand-ins for the port client; the real miniport and the real bus
+    // filter replace the stand-ins registered under their service names.
     let _stand_in_log = sim_host::samples::register_stand_ins(&host);
     let driver = MiniportDriver::register(&host, HcaConfig::default());
+    let filter = IbalBusDriver::register(&host);
     host.boot();
-    let m = Machine { host, driver };
-    m.settle()?;
+    let m = Machine {
+        host,
+        driver,
+        filter,
+    };
+    m.settle_tree()?;
     let mut summary = Summary::default();
+    let client_references = m
+        .host
+        .pnp()
+        .driver_references(CLIENT_SERVICE)
+        .ok_or("the port client is not registered")?;
 
     let mut sides = Vec::new();
     for node in m.host.hcas() {
@@ -286,30 +331,40 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
             Some(Ok(_)) => {}
             other => return Err(format!("bring-up of {node:?}: {other:?}")),
         }
-        let interface = m
-            .host
-            .pnp()
-            .query_interface(node, &GUID_IB_CI_INTERFACE, CI_INTERFACE_VERSION.packed())
-            .ok_or("no CI interface")?;
-        let ci = interface
-            .get::<Arc<Provider>>()
-            .ok_or("the CI interface is not a CiProvider")?
+        let (child, interface) = port1_child(&m, node)?;
+        let al = interface
+            .get::<Arc<AlPortInterface>>()
+            .ok_or("the AL interface is not an AlPortInterface")?
             .clone();
-        let id = ci.identity().map_err(|s| format!("{s:?}"))?;
+        let data = al.port_data();
         let ip = HCAS
             .iter()
-            .find(|(guid, _)| *guid == id.ca_guid.get())
+            .find(|(guid, _)| *guid == data.ca_guid.get())
             .map(|(_, ip)| *ip)
             .ok_or("an unknown CA GUID")?;
+        let filter_bound = m
+            .filter
+            .devices()
+            .iter()
+            .filter_map(|d| d.bound())
+            .find(|b| b.identity().ca_guid == data.ca_guid)
+            .ok_or("the filter did not bind the CA")?;
+        let id = filter_bound.identity();
+        let uvp = device
+            .provider()
+            .map(|p| p.uvp_name().as_str().to_owned())
+            .unwrap_or_default();
         summary.lines.push(format!(
-                "{node:?}: CI {:?} via QUERY_INTERFACE, CA {:#018x}, vendor {:#x} device {:#x}, UVP {:?}",
-                CI_INTERFACE_VERSION,
-                id.ca_guid.get(),
-                id.vendor_id,
-                id.device_id,
-                ci.uvp_name().as_str()
-            ),
-        );
+            "{node:?}: filter bound CA {:#018x} (vendor {:#x} device {:#x}, UVP {uvp:?}); AL {:?} via QUERY_INTERFACE on its child {}: port {} GUID {:#018x} P_Key {:#06x}",
+            id.ca_guid.get(),
+            id.vendor_id,
+            id.device_id,
+            AL_INTERFACE_VERSION,
+            m.host.pnp().instance_path(child).unwrap_or_default(),
+            data.port.get(),
+            data.port_guid.get(),
+            data.pkey.get(),
+        ));
         let stack: Vec<String> = m
             .host
             .pnp()
@@ -321,28 +376,39 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
             "{node:?}: stack bound from inf/ [{}]",
             stack.join(" < ")
         ));
+        let adapter = child_adapter(&m, child)?;
+        if device.adapter().map(|a| a.index()) != Some(adapter.index()) {
+            return Err(format!(
+                "{node:?}: the child's DMA adapter is not the HCA's"
+            ));
+        }
         let client = Arc::new(Client::default());
-        let ca = ci
-            .open_ca(client.clone())
-            .map_err(|s| format!("open: {s:?}"))?;
-        let (pd, _) = m.call::<AllocPd>(&ci, ca, &Empty)?;
+        let reference = Box::new(DriverObjectReference::new(client_references.clone()));
+        let handle = al
+            .open(reference, client.clone())
+            .map_err(|s| format!("AL open: {s:?}"))?;
+        let mut side = Side {
+            device,
+            interface: Some(interface),
+            al,
+            handle,
+            client,
+            adapter,
+            ca: handle.ca_handle(),
+            pd: 0,
+            cq: 0,
+            buffer: None,
+            region: None,
+            ip,
+        };
+        let (pd, _) = m.call::<AllocPd>(&side, side.ca, &Empty)?;
         let attr = CqAttr {
             cqe: 128,
             comp_vector: 0,
         };
-        let (cq, _) = m.call::<CreateCq>(&ci, ca, &attr)?;
-        sides.push(Side {
-            device,
-            interface: Some(interface),
-            ci,
-            client,
-            ca,
-            pd,
-            cq,
-            buffer: None,
-            region: None,
-            ip,
-        });
+        let (cq, _) = m.call::<CreateCq>(&side, side.ca, &attr)?;
+        (side.pd, side.cq) = (pd, cq);
+        sides.push(side);
     }
     if sides.len() != 2 {
         return Err(format!("{} HCAs, expected 2", sides.len()));
@@ -351,7 +417,7 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
         register_memory(&m, side)?;
     }
     summary.lines.push(
-        "each HCA: CA opened with callbacks, PD, CQ, 16 KiB registered with RegPhysMr (synchronous CI calls)"
+        "each HCA's port-1 child: AL opened with callbacks, PD, CQ, 16 KiB of the child's DMA adapter (the HCA's own) registered with RegPhysMr (synchronous AL calls)"
             .to_owned(),
     );
 
@@ -371,7 +437,11 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
         .set_system_power(SystemPowerState::S0)
         .map_err(|veto| veto.to_string())?;
     m.settle()?;
-    let awake = sides.iter().all(|s| s.ci.identity().is_ok());
+    let awake = sides.iter().all(|s| {
+        s.device
+            .provider()
+            .is_some_and(|provider| provider.identity().is_ok())
+    });
     summary.restarted_after_wake = asleep && awake;
     if !summary.restarted_after_wake {
         return Err("the HCAs did not stop in S3 and start again in S0".to_owned());
@@ -391,26 +461,27 @@ pub(crate) fn run(seed: u64) -> Result<Summary, String> {
     let (a, _, b, _) = rc;
     let (ua, _, ub, _, av) = ud;
     let (x, y) = (&sides[0], &sides[1]);
-    m.call::<DestroyAv>(&x.ci, av, &Empty)?;
+    m.call::<DestroyAv>(x, av, &Empty)?;
     for (side, qp) in [(x, a), (y, b), (x, ua), (y, ub)] {
-        m.call::<DestroyQp>(&side.ci, qp, &Empty)?;
+        m.call::<DestroyQp>(side, qp, &Empty)?;
     }
     // Whatever a destroy flushed is polled away.
     reap(&m, x).ok();
     reap(&m, y).ok();
     for side in &mut sides {
         deregister_memory(&m, side)?;
-        m.call::<DestroyCq>(&side.ci, side.cq, &Empty)?;
-        m.call::<DeallocPd>(&side.ci, side.pd, &Empty)?;
-        side.ci
-            .close_ca(side.ca)
-            .map_err(|s| format!("close: {s:?}"))?;
+        m.call::<DestroyCq>(side, side.cq, &Empty)?;
+        m.call::<DeallocPd>(side, side.pd, &Empty)?;
+        let drained = Arc::new(HostEvent::new(m.host.scheduler_handle()));
+        side.al
+            .close(side.handle, drained)
+            .map_err(|s| format!("AL close: {s:?}"))?;
         if let Some(interface) = side.interface.take() {
             interface.dereference();
         }
     }
     summary.lines.push(format!(
-            "torn down: every QP, AV, CQ, PD and region destroyed, CAs closed, interfaces dereferenced ({} completion events, all at DISPATCH_LEVEL)",
+            "torn down: every QP, AV, CQ, PD and region destroyed, the AL closed (its reference on the client's driver given back), interfaces dereferenced ({} completion events, all at DISPATCH_LEVEL)",
             summary.completion_events
         ),
     );
@@ -465,12 +536,12 @@ fn after_resume(
         if !fatal {
             return Err(format!("no QpFatal for RC QP {qp:#x} after resume"));
         }
-        let (_, query) = m.call::<QueryQp>(&side.ci, qp, &Empty)?;
+        let (_, query) = m.call::<QueryQp>(side, qp, &Empty)?;
         let state = query.ok_or("QueryQp without output")?.state;
         if state != QpState::Err {
             return Err(format!("RC QP {qp:#x} is {state:?} after resume, not ERR"));
         }
-        m.call::<ModifyQp>(&side.ci, qp, &QpModify::to_state(QpState::Reset))?;
+        m.call::<ModifyQp>(side, qp, &QpModify::to_state(QpState::Reset))?;
     }
     // Nothing was outstanding at D0 exit, so nothing was flushed.
     for side in [x, y] {
@@ -494,8 +565,52 @@ fn after_resume(
     Ok(())
 }
 
+/// The port-1 child of `hca` and the AL interface it answered with (the
+/// other children's given back).
+fn port1_child(m: &Machine, hca: DevNodeId) -> Result<(DevNodeId, InterfaceRef), String> {
+    let mut found = None;
+    for child in m.host.pnp().children(hca) {
+        let Some(interface) = m.host.pnp().query_interface(
+            child,
+            &GUID_IB_AL_INTERFACE,
+            AL_INTERFACE_VERSION.packed(),
+        ) else {
+            continue;
+        };
+        let port1 = interface
+            .get::<Arc<AlPortInterface>>()
+            .is_some_and(|al| al.port_data().port.get() == 1);
+        if port1 && found.is_none() {
+            found = Some((child, interface));
+        } else {
+            interface.dereference();
+        }
+    }
+    found.ok_or(format!("{hca:?}: no port-1 child answers the AL interface"))
+}
+
+/// The DMA adapter of a child (`IoGetDmaAdapter` through the bus interface
+/// its PDO forwards to the HCA's).
+fn child_adapter(m: &Machine, child: DevNodeId) -> Result<HostDmaAdapter, String> {
+    let bus = m
+        .host
+        .pnp()
+        .query_interface(
+            child,
+            &GUID_BUS_INTERFACE_STANDARD,
+            BUS_INTERFACE_STANDARD_VERSION,
+        )
+        .ok_or("no bus interface on the child")?;
+    let adapter = bus.call(|b: &BusInterfaceStandard| b.get_dma_adapter());
+    bus.dereference();
+    match adapter {
+        Some(Ok(adapter)) => Ok(adapter),
+        other => Err(format!("IoGetDmaAdapter on the child: {other:?}")),
+    }
+}
+
 /// A common buffer of the HCA's adapter registered physically through the
-/// CI (`RegPhysMr`, kernel only: the page list of bus addresses as private
+/// AL (`RegPhysMr`, kernel only: the page list of bus addresses as private
 /// input; the IOVA is the first page's bus address).
 fn register_memory(m: &Machine, side: &mut Side) -> Result<(), String> {
     let buffer = side
@@ -516,7 +631,7 @@ fn register_memory(m: &Machine, side: &mut Side) -> Result<(), String> {
         .flat_map(|i| (bus + i * 4096).to_le_bytes())
         .collect();
     side.buffer = Some(buffer);
-    let (mr, out) = m.call_with::<RegPhysMr>(&side.ci, side.pd, &input, &list)?;
+    let (mr, out) = m.call_with::<RegPhysMr>(side, side.pd, &input, &list)?;
     let out = out.ok_or("RegPhysMr without output")?;
     side.region = Some(Registered {
         handle: mr,
@@ -529,7 +644,7 @@ fn register_memory(m: &Machine, side: &mut Side) -> Result<(), String> {
 
 fn deregister_memory(m: &Machine, side: &mut Side) -> Result<(), String> {
     let region = side.region.take().ok_or("no region")?;
-    m.call::<DeregMr>(&side.ci, region.handle, &Empty)?;
+    m.call::<DeregMr>(side, region.handle, &Empty)?;
     if let Some(buffer) = side.buffer.take() {
         side.adapter()?.free_common(buffer);
     }
@@ -557,7 +672,7 @@ fn create_qp(m: &Machine, side: &Side, qp_type: QpType) -> Result<(u64, u32), St
         sq_sig_all: false,
         port: None,
     };
-    let (qp, created) = m.call::<CreateQp>(&side.ci, side.ca, &create)?;
+    let (qp, created) = m.call::<CreateQp>(side, side.ca, &create)?;
     let qpn = created.ok_or("CreateQp without output")?.qpn.get();
     Ok((qp, qpn))
 }
@@ -615,7 +730,7 @@ fn connect(m: &Machine, side: &Side, qp: u64, dest: u32, dest_ip: [u8; 4]) -> Re
         },
     ];
     for step in &steps {
-        m.call::<ModifyQp>(&side.ci, qp, step)?;
+        m.call::<ModifyQp>(side, qp, step)?;
     }
     Ok(())
 }
@@ -624,17 +739,17 @@ fn connect(m: &Machine, side: &Side, qp: u64, dest: u32, dest_ip: [u8; 4]) -> Re
 /// CI; requires that the arm produced a completion event first.
 fn reap(m: &Machine, side: &Side) -> Result<Vec<WorkCompletion>, String> {
     let events_before = lock(&side.client.completions).len();
-    let ci = side.ci.clone();
+    let (ci, client) = (side.al.clone(), side.handle);
     let cq = side.cq;
-    m.in_dpc(move || ci.arm_cq(cq, CqNotify::NextCompletion))?
+    m.in_dpc(move || ci.arm_cq(client, cq, CqNotify::NextCompletion))?
         .map_err(|s| format!("arm: {s:?}"))?;
     m.settle()?;
-    let ci = side.ci.clone();
+    let (ci, client) = (side.al.clone(), side.handle);
     let wcs = m.in_dpc(move || {
         let mut all = Vec::new();
         let mut wcs = [WorkCompletion::EMPTY; 8];
         loop {
-            match ci.poll_cq(cq, &mut wcs) {
+            match ci.poll_cq(client, cq, &mut wcs) {
                 Ok(0) => break Ok(all),
                 Ok(n) => all.extend_from_slice(&wcs[..n]),
                 Err(status) => break Err(format!("poll: {status:?}")),
@@ -696,8 +811,8 @@ fn rc_traffic(m: &Machine, sides: &[Side], summary: &mut Summary) -> Result<RcPa
             ud: None,
         },
     ];
-    let ci = x.ci.clone();
-    let (posted, status) = m.in_dpc(move || ci.post_send(a, &wrs))?;
+    let (ci, client) = (x.al.clone(), x.handle);
+    let (posted, status) = m.in_dpc(move || ci.post_send(client, a, &wrs))?;
     if (posted, status) != (2, IbStatus::Success) {
         return Err(format!("RDMA post: {posted} {status:?}"));
     }
@@ -737,8 +852,8 @@ fn rc_sends(
                 })
             })
             .collect::<Result<_, _>>()?;
-        let ci = to.ci.clone();
-        let (posted, status) = m.in_dpc(move || ci.post_recv(qp_to, &recvs))?;
+        let (ci, client) = (to.al.clone(), to.handle);
+        let (posted, status) = m.in_dpc(move || ci.post_recv(client, qp_to, &recvs))?;
         if (posted, status) != (RC_SENDS.len(), IbStatus::Success) {
             return Err(format!("post_recv: {posted} {status:?}"));
         }
@@ -758,8 +873,8 @@ fn rc_sends(
             expected.push((8192 + i * 1024, bytes));
             offset += len as usize;
         }
-        let ci = from.ci.clone();
-        let (posted, status) = m.in_dpc(move || ci.post_send(qp_from, &sends))?;
+        let (ci, client) = (from.al.clone(), from.handle);
+        let (posted, status) = m.in_dpc(move || ci.post_send(client, qp_from, &sends))?;
         if (posted, status) != (RC_SENDS.len(), IbStatus::Success) {
             return Err(format!("post_send: {posted} {status:?}"));
         }
@@ -802,17 +917,17 @@ fn ud_traffic(m: &Machine, sides: &[Side], summary: &mut Summary) -> Result<UdPa
             qkey: Some(QKey::new(UD_QKEY)),
             ..QpModify::default()
         };
-        m.call::<ModifyQp>(&side.ci, qp, &init)?;
-        m.call::<ModifyQp>(&side.ci, qp, &QpModify::to_state(QpState::Rtr))?;
+        m.call::<ModifyQp>(side, qp, &init)?;
+        m.call::<ModifyQp>(side, qp, &QpModify::to_state(QpState::Rtr))?;
         let rts = QpModify {
             state: Some(QpState::Rts),
             sq_psn: Some(Psn::new(7).map_err(|e| e.to_string())?),
             ..QpModify::default()
         };
-        m.call::<ModifyQp>(&side.ci, qp, &rts)?;
+        m.call::<ModifyQp>(side, qp, &rts)?;
     }
     // The AV is a CI object; the fast path resolves its handle.
-    let (av, _) = m.call::<CreateAv>(&x.ci, x.pd, &av_to(y.ip)?)?;
+    let (av, _) = m.call::<CreateAv>(x, x.pd, &av_to(y.ip)?)?;
     let pair = (ua, qpn_ua, ub, qpn_ub, av);
     ud_datagram(m, sides, pair, 77, summary)?;
     Ok(pair)
@@ -835,8 +950,8 @@ fn ud_datagram(
         wr_id: 61,
         sg_list: leak(vec![y.sge(12288, 40 + 1024)?]),
     }];
-    let ci = y.ci.clone();
-    let (posted, status) = m.in_dpc(move || ci.post_recv(ub, &recv))?;
+    let (ci, client) = (y.al.clone(), y.handle);
+    let (posted, status) = m.in_dpc(move || ci.post_recv(client, ub, &recv))?;
     if (posted, status) != (1, IbStatus::Success) {
         return Err(format!("UD post_recv: {posted} {status:?}"));
     }
@@ -851,8 +966,8 @@ fn ud_datagram(
             remote_qkey: QKey::new(UD_QKEY),
         }),
     }];
-    let ci = x.ci.clone();
-    let (posted, status) = m.in_dpc(move || ci.post_send(ua, &send))?;
+    let (ci, client) = (x.al.clone(), x.handle);
+    let (posted, status) = m.in_dpc(move || ci.post_send(client, ua, &send))?;
     if (posted, status) != (1, IbStatus::Success) {
         return Err(format!("UD post_send: {posted} {status:?}"));
     }
@@ -879,13 +994,15 @@ fn ud_datagram(
 
 /// The summary as the main job prints it.
 pub(crate) fn render(seed: u64, summary: &Summary) -> String {
-    let mut out = format!("\n== simulated Windows host with the real miniport (seed {seed}) ==\n");
+    let mut out = format!(
+        "\n== simulated Windows host with the real miniport and bus filter (seed {seed}) ==\n"
+    );
     for line in &summary.lines {
         let _ = writeln!(out, "{line}");
     }
     let _ = writeln!(
         out,
-        "{} payload bytes checked, {} work completions polled through the CI",
+        "{} payload bytes checked, {} work completions polled through the AL",
         summary.bytes_checked, summary.completions
     );
     out

@@ -150,6 +150,39 @@ pub struct ChildList {
     pub refused: Vec<Refusal>,
 }
 
+/// Checks one entry against every rule the list read applies to an entry
+/// on its own (name, IDs, description, P_Key): what an entry written
+/// through the proxy's administrator IOCTL must pass before it reaches the
+/// registry.
+pub fn check_entry(entry: &ChildEntry) -> Result<(), EntryError> {
+    if !valid_name(&entry.name) {
+        return Err(EntryError::BadName);
+    }
+    if !valid_id(&entry.device_id) {
+        return Err(EntryError::BadId("DeviceId"));
+    }
+    for (value, list, required) in [
+        ("HardwareId", &entry.hardware_ids, true),
+        ("CompatibleId", &entry.compatible_ids, false),
+    ] {
+        if list.len() > MAX_IDS || (required && list.is_empty()) {
+            return Err(EntryError::IdCount(value));
+        }
+        if !list.iter().all(|id| valid_id(id)) {
+            return Err(EntryError::BadId(value));
+        }
+    }
+    if entry.description.chars().count() > MAX_DESCRIPTION_LEN
+        || entry.description.chars().any(char::is_control)
+    {
+        return Err(EntryError::BadDescription);
+    }
+    if !entry.pkey.is_valid() {
+        return Err(EntryError::BadPartitionKey(entry.pkey.get().into()));
+    }
+    Ok(())
+}
+
 fn valid_name(name: &str) -> bool {
     (1..=MAX_NAME_LEN).contains(&name.len())
         && name

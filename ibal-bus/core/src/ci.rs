@@ -24,7 +24,7 @@ use ib_types::cq::CqNotify;
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::CqHandle;
 use ib_types::interface::{CI_INTERFACE_VERSION, InterfaceVersion};
-use ib_types::scalars::{PKey, PortGuid, PortNum};
+use ib_types::scalars::{Gid, PKey, PortGuid, PortNum};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendWr};
@@ -45,6 +45,9 @@ pub struct PortIdentity {
     pub port_guid: PortGuid,
     /// The port's P_Key table.
     pub pkeys: Vec<PKey>,
+    /// The port's GID table (the access layer tells its clients when it
+    /// changes, `al::AccessLayer::port_changed`).
+    pub gids: Vec<Gid>,
 }
 
 /// The callbacks a consumer registers when it opens the CA. Called at
@@ -107,6 +110,7 @@ pub fn ports_from_attributes(block: &[u8]) -> Result<Vec<PortIdentity>, IbStatus
             port_num: port.port_num(),
             port_guid: port.attr().port_guid,
             pkeys: port.pkeys().to_vec(),
+            gids: port.gids().to_vec(),
         })
         .collect())
 }

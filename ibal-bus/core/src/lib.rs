@@ -19,10 +19,16 @@
 //!   one CA: clients opened with a held reference, per-client handle
 //!   tables, control verbs as requests sent to the CA with handles
 //!   translated both ways, the direct post/poll/arm calls, events to the
-//!   owning client.
+//!   owning client; close destroying what a client left in dependency
+//!   order (refused destroys kept as orphans), P_Key and GID table
+//!   changes told to every client, and the CA's removal.
+//!
+//! - [`proxy`]: the user-mode proxy's per-open handle tables and the
+//!   hostile-input policy every user request passes before it goes down
+//!   to the miniport's user request path.
 //!
 //! Not built yet: the access layer in the shells, the AL interface on the
-//! children, the user-mode proxy (see docs/ibal-bus.md).
+//! children (see docs/ibal-bus.md).
 
 #![cfg_attr(not(test), no_std)]
 #![forbid(unsafe_code)]
@@ -33,3 +39,4 @@ pub mod al;
 pub mod ca_registry;
 pub mod children;
 pub mod ci;
+pub mod proxy;

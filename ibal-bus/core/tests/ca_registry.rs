@@ -32,6 +32,7 @@ impl FakeCi {
                 port_num: PortNum::new(n).unwrap(),
                 port_guid: PortGuid::new(guid + u64::from(n)),
                 pkeys: vec![PKey::DEFAULT],
+                gids: Vec::new(),
             })
             .collect();
         Self {

@@ -41,6 +41,7 @@ fn ports(base: u64, count: u8) -> Vec<PortIdentity> {
             port_num: PortNum::new(n).unwrap(),
             port_guid: PortGuid::new(base + u64::from(n)),
             pkeys: vec![PKey::DEFAULT],
+            gids: Vec::new(),
         })
         .collect()
 }

@@ -99,7 +99,20 @@ impl<T> HandleTable<T> {
         entry.value.take()
     }
 
+    /// The handles of the live entries `keep` selects, in slot order.
+    pub(crate) fn handles_where(&self, mut keep: impl FnMut(&T) -> bool) -> Vec<u64> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, entry)| {
+                let value = entry.value.as_ref()?;
+                keep(value).then(|| self.handle(slot as u32, entry.generation))
+            })
+            .collect()
+    }
+
     /// Live entries.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.live
     }

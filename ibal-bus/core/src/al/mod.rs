@@ -5,9 +5,13 @@
 //!   reference object (the client's device or driver object reference,
 //!   dropped = dereferenced) and its callbacks; the AL holds the reference
 //!   until no callback can follow. [`AccessLayer::close`] is PASSIVE_LEVEL:
-//!   it stops new callbacks and waits on the caller's event until those in
-//!   flight have left (bounded: a callback runs at DISPATCH_LEVEL and may
-//!   not block), then drops the reference.
+//!   it refuses the client's new requests and stops new callbacks, waits on
+//!   the caller's event for its requests in flight, destroys what it left
+//!   open through the CA in dependency order (QPs, AVs and MRs, CQs, PDs;
+//!   a destroy the CA refuses leaves an [`Orphan`], never a silent leak,
+//!   sent again by [`AccessLayer::destroy_orphans`]),
+//!   waits for callbacks in flight (bounded: a callback runs at
+//!   DISPATCH_LEVEL and may not block), then drops the reference.
 //! - **Handles.** Each client has its own generation-checked table
 //!   (module `handles`); a record maps the client's handle to the CA's. A handle
 //!   of another client, of a destroyed object or of the wrong kind is
@@ -25,7 +29,12 @@
 //!   poll and arm are direct calls with no request.
 //! - **Events.** A CA's completion and affiliated async events reach only
 //!   the client that owns the object, with the client's handle; CA and
-//!   port events reach every open client.
+//!   port events reach every open client, and so do the P_Key and GID
+//!   table changes the shell finds ([`AccessLayer::port_changed`]).
+//! - **Removal.** After [`AccessLayer::ca_removed`] every open client has
+//!   been told, new requests end at once with `STATUS_DEVICE_REMOVED`,
+//!   direct calls are refused, requests at the CA complete once as it
+//!   answers, and `close` frees records without sending destroys.
 
 mod handles;
 
@@ -38,15 +47,19 @@ use core::fmt;
 
 use driver_platform::{Event, Irql, IrqlQuery, Request};
 use ib_types::cq::CqNotify;
-use ib_types::event::AsyncEventRecord;
+use ib_types::event::{AsyncEventCode, AsyncEventRecord};
 use ib_types::handle::CqHandle;
-use ib_types::ioctl::{IoctlCode, ObjectKind, REQUEST_HEADER_SIZE, RESPONSE_HEADER_SIZE, VerbId};
+use ib_types::ioctl::{
+    DeallocPd, DeregMr, DestroyAv, DestroyCq, DestroyQp, Empty, IoctlCode, ObjectKind,
+    REQUEST_HEADER_SIZE, RESPONSE_HEADER_SIZE, Verb, VerbId, encode_request, request_len,
+    response_len,
+};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendWr};
 use lock_api::{Mutex, RawMutex};
 
-use crate::ci::{CaEvents, CiAccess};
+use crate::ci::{CaEvents, CiAccess, PortIdentity};
 use handles::HandleTable;
 
 /// What the CA calls when a control request the AL sent completes: the
@@ -76,6 +89,10 @@ pub trait ClientEvents: Send + Sync {
     /// An async event: an affiliated one with the client's handle of its
     /// object, or a CA or port event.
     fn async_event(&self, event: &AsyncEventRecord);
+    /// The CA is going away ([`AccessLayer::ca_removed`]): from now on
+    /// requests end with `STATUS_DEVICE_REMOVED`; the client should close.
+    /// Told once, to each client open (not closing) at the removal.
+    fn ca_removed(&self) {}
 }
 
 /// The reference object a client opens the AL with (its device or driver
@@ -116,9 +133,38 @@ struct Client {
     events: Arc<dyn ClientEvents>,
     reference: Option<ClientReference>,
     callbacks_in_flight: usize,
+    /// Its requests at the CA, and the destroys `close` sent for it.
     requests_in_flight: usize,
+    /// `close` began: no new request, direct call or callback.
     closing: bool,
+    /// `close`'s caller's event, set by whoever leaves it quiet.
     drained: Option<Arc<dyn Event>>,
+}
+
+/// An object a closed client left that the CA refused to destroy (or that
+/// holds one that was refused, so its destroy was not sent): kept by the
+/// AL rather than dropped, so the leak is visible
+/// ([`AccessLayer::orphans`]) and the CA's handle known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Orphan {
+    /// What it is.
+    pub kind: ObjectKind,
+    /// The CA's handle of it.
+    pub ca_handle: u64,
+    /// Why it is left: the CA's answer to its destroy, or
+    /// [`IbStatus::ResourceBusy`] for one an orphan still uses.
+    pub status: IbStatus,
+}
+
+impl Client {
+    /// The caller's event of a closing client once nothing of it is in
+    /// flight (no request, no destroy, no callback): whoever made it so
+    /// sets it, outside the lock.
+    fn drained_if_quiet(&self) -> Option<Arc<dyn Event>> {
+        (self.closing && self.requests_in_flight == 0 && self.callbacks_in_flight == 0)
+            .then(|| self.drained.clone())
+            .flatten()
+    }
 }
 
 struct State {
@@ -127,6 +173,13 @@ struct State {
     /// (kind code, CA handle) to (client, client handle).
     owners: BTreeMap<(u8, u64), (u16, u64)>,
     next_tag: u16,
+    /// What closed clients left that the CA would not destroy.
+    orphans: Vec<Orphan>,
+    /// The CA is gone ([`AccessLayer::ca_removed`]): nothing more is sent
+    /// to it.
+    removed: bool,
+    /// A `destroy_orphans` under way.
+    orphan_sweep: OrphanSweep,
 }
 
 impl State {
@@ -145,7 +198,8 @@ impl State {
 pub struct AccessLayer<L: RawMutex, C: CiRequests> {
     ci: Arc<C>,
     ca: u64,
-    state: Mutex<L, State>,
+    /// Shared with the completions of the destroys `close` sends.
+    state: Arc<Mutex<L, State>>,
 }
 
 impl<L: RawMutex, C: CiRequests> fmt::Debug for AccessLayer<L, C> {
@@ -245,6 +299,150 @@ fn release_parents(table: &mut HandleTable<Object>, parents: &[u64]) {
     }
 }
 
+/// The order `close` destroys a client's objects in: each tier only after
+/// everything of the tier before is gone (QPs use CQs and the PD; AVs and
+/// MRs the PD).
+const TEARDOWN_ORDER: [&[ObjectKind]; 4] = [
+    &[ObjectKind::Qp],
+    &[ObjectKind::Av, ObjectKind::Mr],
+    &[ObjectKind::Cq],
+    &[ObjectKind::Pd],
+];
+
+/// A destroy request for the CA: its code, input and output length.
+type CaDestroy = (u32, Vec<u8>, usize);
+
+/// A destroy request of verb `V` on the CA's `ca_handle`.
+fn framed_destroy<V: Verb<In = Empty>>(ca_handle: u64) -> Option<CaDestroy> {
+    let mut input = alloc::vec![0; request_len::<V>(0)?];
+    encode_request::<V>(ca_handle, &Empty, &[], 0, &mut input).ok()?;
+    Some((V::ID.ioctl().raw(), input, response_len::<V>(0)?))
+}
+
+/// The destroy request of an object of `kind` (the kinds the AL hands out).
+fn destroy_request(kind: ObjectKind, ca_handle: u64) -> Option<CaDestroy> {
+    match kind {
+        ObjectKind::Qp => framed_destroy::<DestroyQp>(ca_handle),
+        ObjectKind::Av => framed_destroy::<DestroyAv>(ca_handle),
+        ObjectKind::Mr => framed_destroy::<DeregMr>(ca_handle),
+        ObjectKind::Cq => framed_destroy::<DestroyCq>(ca_handle),
+        ObjectKind::Pd => framed_destroy::<DeallocPd>(ca_handle),
+        _ => None,
+    }
+}
+
+/// Keeps a record a closing client's table gave up as an orphan; it no
+/// longer routes events (its owner is gone).
+fn orphan(
+    owners: &mut BTreeMap<(u8, u64), (u16, u64)>,
+    orphans: &mut Vec<Orphan>,
+    object: Object,
+    status: IbStatus,
+) {
+    owners.remove(&(kind_code(object.kind), object.ca_handle));
+    orphans.push(Orphan {
+        kind: object.kind,
+        ca_handle: object.ca_handle,
+        status,
+    });
+}
+
+/// Why the CA did not destroy an object, from its answer to the destroy
+/// (`None`: destroyed): the response's status, else the request's.
+fn destroy_refusal(status: NtStatus, output: &[u8]) -> Option<IbStatus> {
+    let answered = (output.len() >= RESPONSE_HEADER_SIZE)
+        .then(|| IbStatus::try_from(read_u32(output, 0)).unwrap_or(IbStatus::GenericError));
+    match answered {
+        _ if !status.is_success() => Some(
+            answered
+                .filter(|ib| ib.is_error())
+                .unwrap_or(IbStatus::from_ntstatus(status)),
+        ),
+        Some(IbStatus::Success) => None,
+        Some(other) => Some(other),
+        None => Some(IbStatus::GenericError),
+    }
+}
+
+/// The CA answered a destroy [`AccessLayer::destroy_orphans`] sent for
+/// `orphan`: gone, or kept with the CA's new reason (unless the CA is gone
+/// too).
+fn orphan_destroy_done<L: RawMutex>(
+    state: &Mutex<L, State>,
+    orphan: Orphan,
+    status: NtStatus,
+    output: &[u8],
+) {
+    let refusal = destroy_refusal(status, output);
+    let drained = {
+        let mut state = state.lock();
+        state.orphan_sweep.in_flight -= 1;
+        if let Some(reason) = refusal.filter(|_| !state.removed) {
+            state.orphans.push(Orphan {
+                status: reason,
+                ..orphan
+            });
+        }
+        (state.orphan_sweep.in_flight == 0)
+            .then(|| state.orphan_sweep.drained.clone())
+            .flatten()
+    };
+    if let Some(drained) = drained {
+        drained.set();
+    }
+}
+
+/// A [`AccessLayer::destroy_orphans`] under way: its destroys at the CA and
+/// the caller's event, set by the last to come back.
+#[derive(Default)]
+struct OrphanSweep {
+    drained: Option<Arc<dyn Event>>,
+    in_flight: usize,
+}
+
+/// The CA answered a destroy `close` sent for the closing client `tag`'s
+/// object `handle`: the record goes (its parents released), or, refused,
+/// becomes an orphan with the CA's status and keeps its parents in use.
+fn teardown_done<L: RawMutex>(
+    state: &Mutex<L, State>,
+    tag: u16,
+    handle: u64,
+    status: NtStatus,
+    output: &[u8],
+) {
+    let refusal = destroy_refusal(status, output);
+    let drained = {
+        let mut state = state.lock();
+        let State {
+            clients,
+            owners,
+            orphans,
+            removed,
+            ..
+        } = &mut *state;
+        let Some(entry) = clients.get_mut(&tag) else {
+            // Unreachable: close waits for its destroys.
+            return;
+        };
+        entry.requests_in_flight -= 1;
+        if let Some(object) = entry.table.remove(handle) {
+            // After a removal a refused destroy orphans nothing: the CA's
+            // objects went with it.
+            match refusal.filter(|_| !*removed) {
+                None => {
+                    owners.remove(&(kind_code(object.kind), object.ca_handle));
+                    release_parents(&mut entry.table, &object.parents);
+                }
+                Some(reason) => orphan(owners, orphans, object, reason),
+            }
+        }
+        entry.drained_if_quiet()
+    };
+    if let Some(drained) = drained {
+        drained.set();
+    }
+}
+
 /// A request the AL accepted and sent on: what its completion needs.
 struct InFlight {
     tag: u16,
@@ -269,11 +467,14 @@ where
         Self {
             ci,
             ca,
-            state: Mutex::new(State {
+            state: Arc::new(Mutex::new(State {
                 clients: BTreeMap::new(),
                 owners: BTreeMap::new(),
                 next_tag: 1,
-            }),
+                orphans: Vec::new(),
+                removed: false,
+                orphan_sweep: OrphanSweep::default(),
+            })),
         }
     }
 
@@ -337,13 +538,31 @@ where
             .map(|c| c.ca_handle)
     }
 
-    /// Closes the client: refused with [`IbStatus::ResourceBusy`] while it
-    /// owns objects or has requests in flight (it destroys them first),
-    /// with [`IbStatus::InvalidState`] above PASSIVE_LEVEL (`irql` says),
-    /// nothing changed. Otherwise no new callback starts; if some are in
-    /// flight, it waits on `drained` (cleared here, set by the last one to
-    /// leave), which is bounded because callbacks may not block. Then the
-    /// reference is released and the client is gone.
+    /// Closes the client, destroying what it left open (process death, a
+    /// client that unloads without cleaning up). PASSIVE_LEVEL: refused with
+    /// [`IbStatus::InvalidState`] above it (`irql` says), nothing changed;
+    /// [`IbStatus::InvalidAlHandle`] for a client not open (or already
+    /// closing).
+    ///
+    /// From the call on, the client's new requests and direct calls are
+    /// refused with [`IbStatus::InvalidAlHandle`] and no new callback
+    /// starts. Then, each wait on `drained` (cleared here, set by whoever
+    /// leaves last; bounded, as requests complete when the CA answers and
+    /// callbacks may not block):
+    /// 1. requests in flight complete to the client as the CA answers them
+    ///    (a create that succeeds is recorded, and destroyed below);
+    /// 2. its objects are destroyed through the CA, one control request
+    ///    each as [`Self::submit`] sends, tier by tier in dependency
+    ///    order: QPs, then AVs and MRs, then CQs, then PDs (after
+    ///    [`Self::ca_removed`] none is sent: the records are freed here);
+    ///
+    /// and every wait also lasts until the callbacks in flight have left.
+    ///
+    /// A destroy the CA refuses does not drop the record silently: it
+    /// becomes an [`Orphan`] of the AL with the CA's status (and what it
+    /// still uses, e.g. its PD, too, with [`IbStatus::ResourceBusy`],
+    /// unsent). The client is closed regardless: its reference is released
+    /// and `Ok` returned.
     pub fn close(
         &self,
         client: ClientId,
@@ -353,26 +572,232 @@ where
         if irql.current_irql() != Irql::PASSIVE {
             return Err(IbStatus::InvalidState);
         }
-        let must_wait = {
+        {
             let mut state = self.state.lock();
             let entry = state.open_client(client)?;
-            // The CA record is the one object a client always has.
-            if entry.table.len() > 1 || entry.requests_in_flight != 0 {
-                return Err(IbStatus::ResourceBusy);
-            }
             entry.closing = true;
-            drained.clear();
             entry.drained = Some(drained.clone());
-            entry.callbacks_in_flight != 0
-        };
-        if must_wait {
-            drained.wait();
+        }
+        self.wait_until_quiet(client.0, &*drained);
+        for tier in TEARDOWN_ORDER {
+            let destroys = self.start_teardown(client.0, tier);
+            for (handle, ioctl, input, output_len) in destroys {
+                let state = Arc::clone(&self.state);
+                let tag = client.0;
+                let done: CaCompletion = Box::new(move |status, output| {
+                    teardown_done(&state, tag, handle, status, output);
+                });
+                let ca_request = self.ci.control_request(ioctl, input, output_len, done);
+                self.ci.submit(ca_request);
+            }
+            self.wait_until_quiet(client.0, &*drained);
         }
         let removed = self.state.lock().clients.remove(&client.0);
         // Dropping the reference outside the lock: its release may run
         // the client's cleanup.
         drop(removed.and_then(|mut c| c.reference.take()));
         Ok(())
+    }
+
+    /// Waits on `drained` until the closing client `tag` has no request,
+    /// destroy or callback in flight. A set left over from an earlier wait
+    /// only wakes it early to look again; a set that matters comes after
+    /// the clear, which is made under the lock the setter decides under.
+    fn wait_until_quiet(&self, tag: u16, drained: &dyn Event) {
+        loop {
+            {
+                let state = self.state.lock();
+                let Some(entry) = state.clients.get(&tag) else {
+                    return;
+                };
+                if entry.requests_in_flight == 0 && entry.callbacks_in_flight == 0 {
+                    return;
+                }
+                drained.clear();
+            }
+            drained.wait();
+        }
+    }
+
+    /// Picks the closing client's objects of the kinds in `tier`: each one
+    /// something still uses (a dependent an orphan kept) becomes an orphan
+    /// at once; the others are marked and counted in flight, and their
+    /// destroy requests returned (client handle, code, input, output
+    /// length).
+    fn start_teardown(&self, tag: u16, tier: &[ObjectKind]) -> Vec<(u64, u32, Vec<u8>, usize)> {
+        let mut state = self.state.lock();
+        let State {
+            clients,
+            owners,
+            orphans,
+            removed,
+            ..
+        } = &mut *state;
+        let Some(entry) = clients.get_mut(&tag) else {
+            return Vec::new();
+        };
+        let handles = entry
+            .table
+            .handles_where(|object| tier.contains(&object.kind));
+        let mut destroys = Vec::new();
+        if *removed {
+            // The CA's objects went with it: free the records here.
+            for handle in handles {
+                if let Some(object) = entry.table.remove(handle) {
+                    owners.remove(&(kind_code(object.kind), object.ca_handle));
+                }
+            }
+            return destroys;
+        }
+        for handle in handles {
+            let Some(object) = entry.table.get_mut(handle) else {
+                continue;
+            };
+            let request = destroy_request(object.kind, object.ca_handle);
+            match request {
+                Some((ioctl, input, output_len)) if object.dependents == 0 => {
+                    object.destroying = true;
+                    entry.requests_in_flight += 1;
+                    destroys.push((handle, ioctl, input, output_len));
+                }
+                _ => {
+                    let status = if object.dependents != 0 {
+                        IbStatus::ResourceBusy
+                    } else {
+                        IbStatus::GenericError
+                    };
+                    if let Some(object) = entry.table.remove(handle) {
+                        orphan(owners, orphans, object, status);
+                    }
+                }
+            }
+        }
+        destroys
+    }
+
+    /// Sends the orphans' destroys to the CA again, tier by tier in the
+    /// order `close` uses, waiting on `drained` (cleared here, set by the
+    /// last answer) after each: what the CA destroys goes, what it refuses
+    /// again stays an orphan with its new status. Returns how many are
+    /// left. PASSIVE_LEVEL ([`IbStatus::InvalidState`] above it, nothing
+    /// sent); [`IbStatus::ResourceBusy`] while another call is under way.
+    /// For the shell before it closes the CA (release-hardware): the
+    /// miniport refuses to close a CA whose kernel objects remain. While it
+    /// runs, the orphans at the CA are not listed by [`Self::orphans`].
+    /// After a removal there are none.
+    pub fn destroy_orphans(
+        &self,
+        irql: &dyn IrqlQuery,
+        drained: Arc<dyn Event>,
+    ) -> Result<usize, IbStatus> {
+        if irql.current_irql() != Irql::PASSIVE {
+            return Err(IbStatus::InvalidState);
+        }
+        {
+            let mut state = self.state.lock();
+            if state.orphan_sweep.drained.is_some() {
+                return Err(IbStatus::ResourceBusy);
+            }
+            state.orphan_sweep.drained = Some(drained.clone());
+        }
+        for tier in TEARDOWN_ORDER {
+            let sends: Vec<(Orphan, CaDestroy)> = {
+                let mut state = self.state.lock();
+                if state.removed {
+                    break;
+                }
+                let (picked, kept): (Vec<Orphan>, Vec<Orphan>) =
+                    core::mem::take(&mut state.orphans)
+                        .into_iter()
+                        .partition(|orphan| tier.contains(&orphan.kind));
+                state.orphans = kept;
+                let mut sends = Vec::new();
+                for orphan in picked {
+                    match destroy_request(orphan.kind, orphan.ca_handle) {
+                        Some(request) => sends.push((orphan, request)),
+                        None => state.orphans.push(orphan),
+                    }
+                }
+                state.orphan_sweep.in_flight += sends.len();
+                sends
+            };
+            for (orphan, (ioctl, input, output_len)) in sends {
+                let state = Arc::clone(&self.state);
+                let done: CaCompletion = Box::new(move |status, output| {
+                    orphan_destroy_done(&state, orphan, status, output);
+                });
+                let ca_request = self.ci.control_request(ioctl, input, output_len, done);
+                self.ci.submit(ca_request);
+            }
+            loop {
+                {
+                    let state = self.state.lock();
+                    if state.orphan_sweep.in_flight == 0 {
+                        break;
+                    }
+                    drained.clear();
+                }
+                drained.wait();
+            }
+        }
+        let mut state = self.state.lock();
+        state.orphan_sweep.drained = None;
+        Ok(state.orphans.len())
+    }
+
+    /// The CA is gone (surprise removal, or the device leaving): tells
+    /// every open client ([`ClientEvents::ca_removed`]), once. From then on
+    /// new requests complete at once with `STATUS_DEVICE_REMOVED`
+    /// ([`IbStatus::DeviceRemoved`]) and direct calls are refused with it,
+    /// nothing reaching the CA; requests already at the CA complete exactly
+    /// once with whatever it answers; `close` sends no destroy, freeing the
+    /// records here, and the orphans are forgotten (their objects went
+    /// with the CA). DISPATCH_LEVEL or below; never blocks.
+    pub fn ca_removed(&self) {
+        let tags: Vec<u16> = {
+            let mut state = self.state.lock();
+            if state.removed {
+                return;
+            }
+            state.removed = true;
+            state.orphans.clear();
+            state.clients.keys().copied().collect()
+        };
+        for tag in tags {
+            self.deliver(tag, |events| events.ca_removed());
+        }
+    }
+
+    /// The shell re-queried a port (after a port event, or on its own
+    /// schedule) and found it `new`, having known it as `old`: each table
+    /// that changed is told to every open client as the port event the CA
+    /// itself does not raise, [`AsyncEventCode::PkeyChange`] for the P_Key
+    /// table and [`AsyncEventCode::GidChange`] for the GID table, in that
+    /// order; nothing when neither changed. DISPATCH_LEVEL or below.
+    pub fn port_changed(&self, old: &PortIdentity, new: &PortIdentity) {
+        let changes = [
+            (old.pkeys != new.pkeys, AsyncEventCode::PkeyChange),
+            (old.gids != new.gids, AsyncEventCode::GidChange),
+        ];
+        for (_, code) in changes.into_iter().filter(|(changed, _)| *changed) {
+            if let Ok(event) = AsyncEventRecord::new(code, 0, Some(new.port_num), 0) {
+                self.broadcast(&event);
+            }
+        }
+    }
+
+    /// Delivers a CA or port event to every open client.
+    fn broadcast(&self, event: &AsyncEventRecord) {
+        let tags: Vec<u16> = self.state.lock().clients.keys().copied().collect();
+        for tag in tags {
+            self.deliver(tag, |events| events.async_event(event));
+        }
+    }
+
+    /// The objects closed clients left that the CA refused to destroy
+    /// (see [`Self::close`]).
+    pub fn orphans(&self) -> Vec<Orphan> {
+        self.state.lock().orphans.clone()
     }
 
     /// Runs `call` on the client `tag`'s callbacks unless it is closing,
@@ -396,11 +821,7 @@ where
                 return;
             };
             client.callbacks_in_flight -= 1;
-            if client.closing && client.callbacks_in_flight == 0 {
-                client.drained.clone()
-            } else {
-                None
-            }
+            client.drained_if_quiet()
         };
         if let Some(drained) = drained {
             drained.set();
@@ -450,6 +871,9 @@ where
         client: ClientId,
         request: &mut R,
     ) -> Result<(u32, Vec<u8>, usize, InFlight), IbStatus> {
+        if self.state.lock().removed {
+            return Err(IbStatus::DeviceRemoved);
+        }
         let ioctl = request.ioctl_code();
         let verb = VerbId::from_ioctl(IoctlCode::from_raw(ioctl))
             .map_err(|_| IbStatus::InvalidParameter)?;
@@ -559,13 +983,13 @@ where
         let mut information = 0;
         let mut client_handle = 0;
         let mut failed_here = None;
-        {
+        let drained = {
             let mut state = self.state.lock();
             let State {
                 clients, owners, ..
             } = &mut *state;
             let Some(entry) = clients.get_mut(&in_flight.tag) else {
-                // Unreachable while requests are in flight (close refuses).
+                // Unreachable: close waits for requests in flight.
                 drop(state);
                 request.complete(status, 0);
                 return;
@@ -619,6 +1043,10 @@ where
                 }
                 (Plan::Use, _) => {}
             }
+            entry.drained_if_quiet()
+        };
+        if let Some(drained) = drained {
+            drained.set();
         }
         let status = failed_here.map_or(status, IbStatus::to_ntstatus);
         if let Some((_, private_out, _)) = response {
@@ -664,9 +1092,13 @@ where
     /// The CA's handle of the client's object, for the direct calls.
     fn ca_object(&self, client: ClientId, handle: u64, kind: ObjectKind) -> Result<u64, IbStatus> {
         let state = self.state.lock();
+        if state.removed {
+            return Err(IbStatus::DeviceRemoved);
+        }
         let entry = state
             .clients
             .get(&client.0)
+            .filter(|entry| !entry.closing)
             .ok_or(IbStatus::InvalidAlHandle)?;
         Self::resolve(entry, handle, kind)
     }
@@ -748,10 +1180,7 @@ where
             EventSubject::Cq => ObjectKind::Cq,
             EventSubject::Srq => ObjectKind::Srq,
             EventSubject::Ca | EventSubject::Port => {
-                let tags: Vec<u16> = self.state.lock().clients.keys().copied().collect();
-                for tag in tags {
-                    self.deliver(tag, |events| events.async_event(event));
-                }
+                self.broadcast(event);
                 return;
             }
         };

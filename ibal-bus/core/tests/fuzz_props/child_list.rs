@@ -229,6 +229,7 @@ pub(crate) fn check(data: &[u8]) -> bool {
             port_num: PortNum::new(n).unwrap(),
             port_guid: PortGuid::new(0x0002_C903_0000_0000 | u64::from(n)),
             pkeys: vec![PKey::DEFAULT],
+            gids: Vec::new(),
         })
         .collect();
     let children = port_children(NodeGuid::new(0x0002_C903_0000_0000), &ports, &list);
