@@ -223,3 +223,34 @@ fn a_removal_racing_a_client_ends_every_request_once_and_sends_nothing_after_it(
     assert_eq!(close(&f, &a), Ok(()));
     assert_eq!(f.ca.live(), sent, "no destroy sent to the removed CA");
 }
+
+#[test]
+fn a_request_at_the_ca_that_fails_after_the_removal_ends_with_device_removed() {
+    let f = Fixture::new();
+    let a = f.open();
+    let pd = f.pd(a.id);
+    let cq = f.cq(a.id);
+    let qp = f.qp(a.id, pd, cq);
+    let ca_qp = f.ca.handles_of(ObjectKind::Qp)[0];
+    // Two requests at the CA when it goes: one it fails (the gone device
+    // did not answer it: here a refused destroy), one it answers.
+    f.ca.refuse_destroy.lock().unwrap().insert(ca_qp);
+    f.ca.hold.store(true, Ordering::SeqCst);
+    let failing = f.send::<DestroyQp>(a.id, qp, &Empty);
+    let answered = f.send::<CreateAv>(a.id, pd, &av_attr());
+    until_held(&f, 2);
+    f.al.ca_removed();
+    f.ca.release_held();
+    // The failure is the removal's: one clear status, in the completion
+    // and in the response header; the success stands.
+    let (status, _, output) = failing.lock().unwrap().take().expect("completed");
+    assert_eq!(status, NtStatus::DEVICE_REMOVED);
+    assert_eq!(
+        u32::from_le_bytes(output[..4].try_into().unwrap()),
+        IbStatus::DeviceRemoved.code()
+    );
+    let (status, av, _) = answered.lock().unwrap().take().expect("completed");
+    assert_eq!(status, NtStatus::SUCCESS);
+    assert_ne!(av, 0);
+    assert_eq!(close(&f, &a), Ok(()));
+}

@@ -34,7 +34,8 @@
 //! - **Removal.** After [`AccessLayer::ca_removed`] every open client has
 //!   been told, new requests end at once with `STATUS_DEVICE_REMOVED`,
 //!   direct calls are refused, requests at the CA complete once as it
-//!   answers, and `close` frees records without sending destroys.
+//!   answers (a failure as `STATUS_DEVICE_REMOVED`), and `close` frees
+//!   records without sending destroys.
 
 mod handles;
 
@@ -750,7 +751,8 @@ where
     /// new requests complete at once with `STATUS_DEVICE_REMOVED`
     /// ([`IbStatus::DeviceRemoved`]) and direct calls are refused with it,
     /// nothing reaching the CA; requests already at the CA complete exactly
-    /// once with whatever it answers; `close` sends no destroy, freeing the
+    /// once as it answers, a failure as `STATUS_DEVICE_REMOVED` (the
+    /// removal is its reason); `close` sends no destroy, freeing the
     /// records here, and the orphans are forgotten (their objects went
     /// with the CA). DISPATCH_LEVEL or below; never blocks.
     pub fn ca_removed(&self) {
@@ -986,7 +988,10 @@ where
         let drained = {
             let mut state = self.state.lock();
             let State {
-                clients, owners, ..
+                clients,
+                owners,
+                removed,
+                ..
             } = &mut *state;
             let Some(entry) = clients.get_mut(&in_flight.tag) else {
                 // Unreachable: close waits for requests in flight.
@@ -995,6 +1000,12 @@ where
                 return;
             };
             entry.requests_in_flight -= 1;
+            if *removed && !succeeded {
+                // The CA went while this was at it: whatever the gone
+                // device answered (a command timeout, a failed-over
+                // verb), the reason is the removal.
+                failed_here = Some(IbStatus::DeviceRemoved);
+            }
             match (in_flight.plan, in_flight.creates) {
                 (Plan::Create, Some(kind)) if succeeded => {
                     let ca_handle = response.map_or(0, |(_, _, handle)| handle);
