@@ -9,7 +9,7 @@
 //! verifier report empty.
 #![cfg(not(windows))]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use driver_platform::{
@@ -64,14 +64,35 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 struct Recorder {
     completions: Mutex<Vec<u64>>,
     events: Mutex<Vec<AsyncEventRecord>>,
+    /// `ca_removed` calls.
+    removals: AtomicUsize,
+    /// The client closed its AL: a callback from now on touches what it
+    /// freed.
+    closed: AtomicBool,
+    /// Callbacks that came after the close.
+    late: AtomicUsize,
+}
+
+impl Recorder {
+    fn check_open(&self) {
+        if self.closed.load(Ordering::Acquire) {
+            self.late.fetch_add(1, Ordering::AcqRel);
+        }
+    }
 }
 
 impl ClientEvents for Recorder {
     fn completion(&self, cq: u64) {
+        self.check_open();
         lock(&self.completions).push(cq);
     }
     fn async_event(&self, event: &AsyncEventRecord) {
+        self.check_open();
         lock(&self.events).push(*event);
+    }
+    fn ca_removed(&self) {
+        self.check_open();
+        self.removals.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -100,6 +121,9 @@ struct PortClient {
     pinned: Mutex<Option<u64>>,
     /// What its close in release-hardware returned.
     closed: Mutex<Option<Result<(), IbStatus>>>,
+    /// Its common buffers: what is left of them is freed in its
+    /// release-hardware.
+    dma: Mutex<Vec<Dma>>,
     /// The status of the `QueryCa` it sends in each of its D0 exits.
     d0_exit_queries: Mutex<Vec<NtStatus>>,
     port: OnceLock<PortInterfaceData>,
@@ -120,6 +144,7 @@ impl DriverEntry for ClientDriver {
             pinned: Mutex::default(),
             closed: Mutex::default(),
             d0_exit_queries: Mutex::default(),
+            dma: Mutex::default(),
             port: OnceLock::new(),
         });
         lock(&self.devices).push(device.clone());
@@ -187,12 +212,17 @@ impl DeviceCallbacks for PortClient {
         }
     }
 
-    /// Closes the AL and gives the interface back.
+    /// Closes the AL (which destroys what it left open), frees its
+    /// buffers and gives the interface back.
     fn release_hardware(&self) -> NtStatus {
         if let Some(opened) = lock(&self.opened).take() {
             let drained = Arc::new(HostEvent::new(self.sched.clone()));
             *lock(&self.closed) = Some(opened.al.close(opened.client, drained));
+            self.recorder.closed.store(true, Ordering::Release);
             opened.interface.dereference();
+        }
+        for dma in lock(&self.dma).drain(..) {
+            free_dma(&dma);
         }
         SUCCESS
     }
@@ -652,11 +682,37 @@ fn an_hca_removed_and_plugged_in_again_gets_its_children_back_the_same() {
 /// A common buffer of the adapter the client got from its child (the
 /// HCA's own), registered physically through the AL.
 struct Memory {
-    adapter: HostDmaAdapter,
-    buffer: HostCommonBuffer,
+    /// The buffer and its adapter, shared with the client, which frees
+    /// what is left of it in its release-hardware (before its HCA takes
+    /// the adapter back).
+    dma: Dma,
     mr: u64,
     start: u64,
     lkey: LKey,
+}
+
+/// A client's common buffer with its adapter, until freed.
+type Dma = Arc<Mutex<Option<(HostDmaAdapter, HostCommonBuffer)>>>;
+
+impl Memory {
+    fn write(&self, offset: usize, bytes: &[u8]) -> bool {
+        lock(&self.dma)
+            .as_ref()
+            .is_some_and(|(_, buffer)| buffer.write(offset, bytes))
+    }
+
+    fn read(&self, offset: usize, out: &mut [u8]) -> bool {
+        lock(&self.dma)
+            .as_ref()
+            .is_some_and(|(_, buffer)| buffer.read(offset, out))
+    }
+}
+
+/// Frees a client's common buffer if it is still allocated.
+fn free_dma(dma: &Dma) {
+    if let Some((adapter, buffer)) = lock(dma).take() {
+        adapter.free_common(buffer);
+    }
 }
 
 const MEM_BYTES: usize = 8192;
@@ -691,9 +747,10 @@ fn register(host: &Host, client: &PortClient, pd: u64) -> Memory {
         .collect();
     let (mr, out) = call_out::<RegPhysMr>(host, client, pd, &input, &list).unwrap();
     let out = out.unwrap();
+    let dma: Dma = Arc::new(Mutex::new(Some((adapter, buffer))));
+    lock(&client.dma).push(dma.clone());
     Memory {
-        adapter,
-        buffer,
+        dma,
         mr,
         start: out.iova,
         lkey: out.keys.lkey,
@@ -749,7 +806,20 @@ fn create_qp(host: &Host, client: &PortClient, pd: u64, cq: u64) -> (u64, u32) {
 
 /// RESET -> INIT -> RTR -> RTS towards `dest` on the port 10.0.`dest_hca`.1.
 fn connect(host: &Host, client: &PortClient, qp: u64, dest: u32, dest_hca: u8) {
-    let port1 = PortNum::new(1).unwrap();
+    connect_ports(host, client, qp, 1, dest, (dest_hca, 1));
+}
+
+/// RESET -> INIT -> RTR -> RTS from the client's `port` towards `dest` on
+/// the port 10.0.`hca`.`port` given by `(hca, port)`.
+fn connect_ports(
+    host: &Host,
+    client: &PortClient,
+    qp: u64,
+    port: u8,
+    dest: u32,
+    (dest_hca, dest_port): (u8, u8),
+) {
+    let port1 = PortNum::new(port).unwrap();
     let steps = [
         QpModify {
             state: Some(QpState::Init),
@@ -767,7 +837,7 @@ fn connect(host: &Host, client: &PortClient, qp: u64, dest: u32, dest_hca: u8) {
                 path_bits: 0,
                 static_rate: 0,
                 grh: Some(Grh {
-                    dgid: Gid::from_ipv4([10, 0, dest_hca, 1]),
+                    dgid: Gid::from_ipv4([10, 0, dest_hca, dest_port]),
                     flow_label: 0,
                     hop_limit: 64,
                     traffic_class: 0,
@@ -837,7 +907,7 @@ fn start_transfer(
     seed: u8,
 ) -> ((usize, IbStatus), (usize, IbStatus)) {
     let payload = pattern(len, seed);
-    assert!(sx.memory.buffer.write(0, &payload));
+    assert!(sx.memory.write(0, &payload));
     let (yal, yid) = y.al();
     let recv_sge = leak(vec![Sge::new(sy.memory.start + 4096, 4096, sy.memory.lkey)]);
     let yqp = sy.qp;
@@ -893,7 +963,7 @@ fn check_transfer(
         "got: {got:?}"
     );
     let mut seen = vec![0; len as usize];
-    assert!(sy.memory.buffer.read(4096, &mut seen));
+    assert!(sy.memory.read(4096, &mut seen));
     assert_eq!(seen, pattern(len, seed), "the bytes arrived");
 }
 
@@ -903,7 +973,7 @@ fn destroy(host: &Host, client: &PortClient, side: RcSide) {
     call::<DeregMr>(host, client, side.memory.mr, &Empty).unwrap();
     call::<DestroyCq>(host, client, side.cq, &Empty).unwrap();
     call::<DeallocPd>(host, client, side.pd, &Empty).unwrap();
-    side.memory.adapter.free_common(side.memory.buffer);
+    free_dma(&side.memory.dma);
 }
 
 /// A connected RC QP cannot survive a sleep (the miniport brings it back
@@ -999,7 +1069,7 @@ fn a_client_issuing_without_pause_through_s3_and_s4_on_the_threaded_host_gets_ev
     let (al, id) = x.al();
     let ca = id.ca_handle();
     let verifier = w.host.verifier().clone();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
     let issuing = {
         let (stop, services) = (stop.clone(), x.host.clone());
         std::thread::spawn(move || {
@@ -1039,5 +1109,103 @@ fn a_client_issuing_without_pause_through_s3_and_s4_on_the_threaded_host_gets_ev
             .iter()
             .all(|s| *s == NtStatus::SUCCESS)
     );
+    finish(w.host);
+}
+
+/// Surprise removal of one HCA while its clients have objects, requests
+/// in flight and posted work, and the other HCA's clients move traffic:
+/// the removed HCA's requests all complete (none hangs, none succeeds
+/// after the hardware went), its clients' AL closes reclaim everything,
+/// and the other HCA keeps moving checked traffic.
+#[test]
+fn surprise_removal_of_one_hca_under_load_leaves_the_other_working() {
+    let w = world(47);
+    let hca0 = w.host.hcas()[0];
+    let (a, b) = (w.client(0, 1), w.client(0, 2));
+    let (y, z) = (w.client(1, 1), w.client(1, 2));
+    // A pair on each HCA, port 1 to port 2.
+    let (sa, sb) = (rc_side(&w.host, &a), rc_side(&w.host, &b));
+    let (sy, sz) = (rc_side(&w.host, &y), rc_side(&w.host, &z));
+    connect_ports(&w.host, &a, sa.qp, 1, sb.qpn, (0, 2));
+    connect_ports(&w.host, &b, sb.qp, 2, sa.qpn, (0, 1));
+    connect_ports(&w.host, &y, sy.qp, 1, sz.qpn, (1, 2));
+    connect_ports(&w.host, &z, sz.qp, 2, sy.qpn, (1, 1));
+    for (pair, seed) in [
+        (((&*a, &sa), (&*b, &sb)), 3u8),
+        (((&*y, &sy), (&*z, &sz)), 4),
+    ] {
+        let posted = start_transfer(&w.host, pair.0, pair.1, 1500, seed);
+        assert_eq!(posted, ((1, IbStatus::Success), (1, IbStatus::Success)));
+        settle(&w.host);
+        check_transfer(&w.host, pair.0, pair.1, 1500, seed);
+    }
+
+    // Load on both HCAs: transfers posted, requests in flight on both
+    // paths of the HCA that goes.
+    let posted = start_transfer(&w.host, (&a, &sa), (&b, &sb), 1000, 5);
+    assert_eq!(posted, ((1, IbStatus::Success), (1, IbStatus::Success)));
+    let posted = start_transfer(&w.host, (&y, &sy), (&z, &sz), 1000, 6);
+    assert_eq!(posted, ((1, IbStatus::Success), (1, IbStatus::Success)));
+    let (_, aid) = a.al();
+    let in_flight = [
+        send_ioctl::<AllocPd>(&w.host, &a, aid.ca_handle(), &Empty),
+        send_ioctl::<QueryQp>(&w.host, &a, sa.qp, &Empty),
+        send_ioctl::<CreateCq>(&w.host, &b, b.al().1.ca_handle(), &CQ_ATTR),
+    ];
+    w.host.pnp().surprise_remove(hca0);
+    settle(&w.host);
+
+    // Every request of the removed HCA completed (none hangs); one the
+    // device did not answer before it went ends with the removal's
+    // status.
+    let statuses: Vec<NtStatus> = in_flight
+        .iter()
+        .map(|issuer| issuer.completion().expect("completed, not stuck").status)
+        .collect();
+    assert!(
+        statuses
+            .iter()
+            .all(|s| s.is_success() || *s == NtStatus::DEVICE_REMOVED),
+        "{statuses:?}"
+    );
+    assert!(statuses.contains(&NtStatus::DEVICE_REMOVED), "{statuses:?}");
+    for client in [&a, &b] {
+        // Told once, before its own removal went on: the exchange in its
+        // D0 exit ended at once with the removal's status.
+        assert_eq!(client.recorder.removals.load(Ordering::Acquire), 1);
+        assert_eq!(*lock(&client.d0_exit_queries), [NtStatus::DEVICE_REMOVED]);
+        // Its close destroyed what it left (nothing sent to the gone CA)
+        // and no callback came after it.
+        assert_eq!(*lock(&client.closed), Some(Ok(())));
+        assert_eq!(client.recorder.late.load(Ordering::Acquire), 0);
+    }
+    assert_eq!(w.host.pnp().state(hca0), Some(PnpState::Removed));
+    assert_eq!(w.driver.registered_cas().len(), 1);
+    assert_eq!(w.references(), 2, "the removed HCA's clients let go");
+
+    // The other HCA kept working: its transfer arrived, and more do.
+    check_transfer(&w.host, (&y, &sy), (&z, &sz), 1000, 6);
+    let posted = start_transfer(&w.host, (&y, &sy), (&z, &sz), 2500, 8);
+    assert_eq!(posted, ((1, IbStatus::Success), (1, IbStatus::Success)));
+    settle(&w.host);
+    check_transfer(&w.host, (&y, &sy), (&z, &sz), 2500, 8);
+    destroy(&w.host, &y, sy);
+    destroy(&w.host, &z, sz);
+    drop((sa, sb));
+
+    // Plugged in again, the HCA's new clients move checked traffic.
+    w.host.replug_hca(0).unwrap();
+    settle(&w.host);
+    assert_eq!(w.references(), 4);
+    let (a, b) = (w.client(0, 1), w.client(0, 2));
+    let (sa, sb) = (rc_side(&w.host, &a), rc_side(&w.host, &b));
+    connect_ports(&w.host, &a, sa.qp, 1, sb.qpn, (0, 2));
+    connect_ports(&w.host, &b, sb.qp, 2, sa.qpn, (0, 1));
+    let posted = start_transfer(&w.host, (&a, &sa), (&b, &sb), 1200, 10);
+    assert_eq!(posted, ((1, IbStatus::Success), (1, IbStatus::Success)));
+    settle(&w.host);
+    check_transfer(&w.host, (&a, &sa), (&b, &sb), 1200, 10);
+    destroy(&w.host, &a, sa);
+    destroy(&w.host, &b, sb);
     finish(w.host);
 }
