@@ -254,3 +254,38 @@ fn a_request_at_the_ca_that_fails_after_the_removal_ends_with_device_removed() {
     assert_ne!(av, 0);
     assert_eq!(close(&f, &a), Ok(()));
 }
+
+#[test]
+fn a_close_after_the_removal_ends_requests_at_the_gone_ca_instead_of_waiting() {
+    let f = Arc::new(Fixture::new());
+    let a = f.open();
+    let ca = f.al.ca_handle(a.id).unwrap();
+    // A CA that never answers (a vanished device): the request stays.
+    f.ca.hold.store(true, Ordering::SeqCst);
+    let stuck = f.send::<AllocPd>(a.id, ca, &Empty);
+    until_held(&f, 1);
+    f.al.ca_removed();
+    let closer = {
+        let (f, id) = (f.clone(), a.id);
+        thread::spawn(move || {
+            let drained: Arc<dyn Event> = Arc::new(TestEvent::default());
+            f.al.close(id, &AtIrql(Irql::PASSIVE), drained)
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !closer.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "close waits for the gone CA to answer"
+        );
+        thread::yield_now();
+    }
+    assert_eq!(closer.join().unwrap(), Ok(()));
+    let (status, information, _) = stuck.lock().unwrap().take().expect("ended by the close");
+    assert_eq!((status, information), (NtStatus::DEVICE_REMOVED, 0));
+    assert!(a.released.load(Ordering::SeqCst));
+    // The CA's late answer ends nothing more (a second completion of the
+    // client's request would panic) and touches no freed record.
+    f.ca.release_held();
+    assert!(stuck.lock().unwrap().is_none());
+}
