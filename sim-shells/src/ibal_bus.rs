@@ -73,7 +73,11 @@
 //!   the access layer its CA is gone if the HCA's function left the bus,
 //!   and so does the filter's own (`surprise_removal`): the clients hear
 //!   it before their own removal goes on, requests end with
-//!   `STATUS_DEVICE_REMOVED`, closes send no destroy.
+//!   `STATUS_DEVICE_REMOVED`, closes send no destroy. The child's
+//!   `EvtIoStop` (purge, the function gone) acknowledges the AL requests
+//!   its queue presented that are still at the gone CA, so the removal
+//!   does not wait for the device's command timeout; the client's close
+//!   ends them.
 //! - the filter's queue is not power-managed (KMDF's default for a
 //!   filter); kernel requests pass down unchanged.
 //! - the user-mode proxy ([`crate::ibal_proxy`]): add-device assigns the
@@ -123,7 +127,7 @@ use sim_host::irql::{HostSpinLock, IrqlTracker};
 use sim_host::pci::{GUID_BUS_INTERFACE_STANDARD, PciFunction};
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::DeviceServices;
-use sim_host::request::HostRequest;
+use sim_host::request::{HostRequest, StopAction, StoppedRequest};
 use sim_host::verifier::Verifier;
 
 /// The service name `inf/hca-miniport.inf` installs the filter under.
@@ -855,6 +859,28 @@ impl DeviceCallbacks for PortChildPdo {
             && filter.hardware_gone()
         {
             filter.ca_gone();
+        }
+    }
+
+    /// `EvtIoStop` of the child's queue, for an AL request it presented
+    /// that is still at the CA. Leaving D0 for a sleep, or in an orderly
+    /// removal, nothing is done: the HCA is still in D0 and answers it
+    /// first. When the child is purged because its HCA left the bus, the
+    /// gone device answers nothing, and the miniport gives up on it only
+    /// at its command timeout or in its own surprise removal, which PnP
+    /// runs after the children: waiting here would hold the removal for
+    /// the timeout. The request is acknowledged and kept instead; it
+    /// completes, once, when the miniport fails over right after
+    /// (`STATUS_DEVICE_REMOVED`, the access layer told at
+    /// `surprise_removal`).
+    fn io_stop(&self, stopped: &StoppedRequest) {
+        if stopped.action() == StopAction::Purge
+            && self
+                .filter
+                .upgrade()
+                .is_some_and(|filter| filter.hardware_gone())
+        {
+            stopped.acknowledge();
         }
     }
 
