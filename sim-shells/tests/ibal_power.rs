@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use driver_platform::{
-    CommonBuffer, DevicePowerState, DmaAdapter, RequestorMode, SystemPowerState,
+    CommonBuffer, DevicePowerState, DmaAdapter, RegValue, RequestorMode, SystemPowerState,
 };
 use hca_miniport_core::cmd::DEFAULT_COMMAND_TIMEOUT_NS;
 use hca_miniport_core::init::HcaConfig;
@@ -44,10 +44,13 @@ use sim_host::pci::{
 };
 use sim_host::pnp::{DevNodeId, DeviceServices, PnpState};
 use sim_host::power::CriticalSleep;
+use sim_host::registry::service_parameters_key;
 use sim_host::request::{Completion, HostRequest, RequestHandle};
 use sim_host::sched::SchedulerHandle;
 use sim_shells::hca_miniport::MiniportDriver;
-use sim_shells::ibal_bus::{AlClient, AlPortInterface, DriverObjectReference, IbalBusDriver};
+use sim_shells::ibal_bus::{
+    AlClient, AlPortInterface, DriverObjectReference, IbalBusDriver, SERVICE,
+};
 
 /// Two HCAs, two ports each; port p of HCA i has the IPv4 address
 /// 10.0.i.p.
@@ -1239,5 +1242,75 @@ fn surprise_removal_under_load(config: HostConfig) {
     check_transfer(&w.host, (&a, &sa), (&b, &sb), 1200, 10);
     destroy(&w.host, &a, sa);
     destroy(&w.host, &b, sb);
+    finish(w.host);
+}
+
+/// A child that goes alone (its list entry removed at runtime: the bus
+/// reports it missing and PnP surprise-removes it) does not take its HCA's
+/// CA with it: its client, which holds an object, closes cleanly; the
+/// HCA's other clients are told of no removal and keep working.
+#[test]
+fn a_child_removed_alone_leaves_its_hcas_ca_and_other_clients_alone() {
+    let w = world(48);
+    let params = service_parameters_key(SERVICE);
+    let entry = format!("{params}\\IPoIB-8001");
+    let registry = w.host.registry();
+    registry.create_key(&entry).unwrap();
+    registry
+        .set_value(&entry, "DeviceId", RegValue::String("IBA\\IPOIB".into()))
+        .unwrap();
+    registry
+        .set_value(
+            &entry,
+            "HardwareId",
+            RegValue::MultiString(vec!["IBA\\IPOIB".into()]),
+        )
+        .unwrap();
+    registry
+        .set_value(&entry, "PartitionKey", RegValue::Dword(0x8001))
+        .unwrap();
+    let set_list = |names: &[&str]| {
+        registry
+            .set_value(
+                &params,
+                "StaticChild",
+                RegValue::MultiString(names.iter().map(|s| s.to_string()).collect()),
+            )
+            .unwrap();
+        w.driver.registry_changed();
+        settle(&w.host);
+    };
+    set_list(&["IPoIB", "IPoIB-8001"]);
+    assert_eq!(w.references(), 8, "a client per port and partition");
+    let on_partition = |pkey: u16| -> Vec<Arc<PortClient>> {
+        lock(&w.clients.devices)
+            .iter()
+            .filter(|c| c.port.get().is_some_and(|d| d.pkey.get() == pkey))
+            .cloned()
+            .collect()
+    };
+    let going = on_partition(0x8001);
+    let staying = on_partition(0xFFFF);
+    assert_eq!((going.len(), staying.len()), (4, 4));
+    // The going clients hold a PD each.
+    for client in &going {
+        let (_, id) = client.al();
+        call::<AllocPd>(&w.host, client, id.ca_handle(), &Empty).unwrap();
+    }
+
+    set_list(&["IPoIB"]);
+    assert_eq!(w.references(), 4);
+    for client in &going {
+        assert_eq!(*lock(&client.closed), Some(Ok(())));
+        assert_eq!(client.recorder.removals.load(Ordering::Acquire), 0);
+        assert_eq!(*lock(&client.d0_exit_queries), [NtStatus::SUCCESS]);
+    }
+    assert_eq!(w.driver.registered_cas().len(), 2);
+    for client in &staying {
+        assert_eq!(client.recorder.removals.load(Ordering::Acquire), 0);
+        let (_, id) = client.al();
+        let pd = call::<AllocPd>(&w.host, client, id.ca_handle(), &Empty).unwrap();
+        call::<DeallocPd>(&w.host, client, pd, &Empty).unwrap();
+    }
     finish(w.host);
 }
