@@ -1,11 +1,18 @@
-//! KMDF shell of the IBAL bus filter: an upper filter on the HCA stack and the
-//! bus driver for its per-port children. It translates WDF callbacks into
-//! calls on `ibal-bus-core` and implements that core's platform traits.
+//! KMDF shell of the IBAL bus filter: an upper filter on the HCA stack and
+//! the bus driver for its per-port children. It translates WDF callbacks
+//! into calls on `ibal-bus-core` and implements that core's platform
+//! traits (docs/ibal-bus.md, "The KMDF shell").
 //!
-//! Status: not written yet. On Windows targets the crate is the (empty)
-//! driver image with the kernel's panic handler and allocator, so that
-//! `cargo xtask wdk-check` type-checks and lints it against the WDK
-//! bindings from the start; on other hosts it is empty.
+//! - `kmdf` (Windows only): the KMDF driver, on windows-drivers-rs.
+//!   Type-checked and linted on every change by `cargo xtask wdk-check`
+//!   (against a stand-in WDK on Linux); never linked or run yet, as no
+//!   Windows build has been run.
+//! - The same shell for the simulated Windows host, which tests boot, is
+//!   not here: it lives with the simulator, in `sim-shells`
+//!   (`sim_shells::ibal_bus`), so that this shipped crate never depends on
+//!   a simulator. Both run the same callbacks in the same order.
+//!
+//! On other hosts the crate is empty.
 
 #![cfg_attr(windows, no_std)]
 
@@ -20,11 +27,12 @@ compile_error!(
      CARGO_PROFILE_RELEASE_PANIC=abort (see .cargo/config.toml)"
 );
 
+#[cfg(windows)]
+extern crate alloc;
+
 // The kernel's panic handler (a bug check); kernel drivers do not unwind.
 #[cfg(all(windows, not(test)))]
 extern crate wdk_panic;
 
-// Kernel pool allocations (`ExAllocatePool2`) for `alloc`.
-#[cfg(all(windows, not(test)))]
-#[global_allocator]
-static GLOBAL_ALLOCATOR: wdk_alloc::WdkAllocator = wdk_alloc::WdkAllocator;
+#[cfg(windows)]
+pub mod kmdf;

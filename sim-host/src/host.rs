@@ -129,6 +129,10 @@ impl Host {
             .with_builtin(PCI_ROOT_HARDWARE_ID, PCI_SERVICE);
         let pnp = PnpManager::with_registry(verifier.clone(), Box::new(binder), registry.clone());
         pnp.set_scheduler(sched.handle());
+        // Windows promises no order between unrelated devnodes at a sleep:
+        // the machine draws one of the valid orders from its seed, so a
+        // driver relying on an accidental order fails under some seed.
+        pnp.set_power_order(crate::power::PowerOrder::Seeded(cfg.seed));
         let pool = Pool::new(verifier.clone());
         let iommu = Iommu::new(verifier.clone(), cfg.seed);
         let pci_bus = Arc::new(PciBusDriver::new(

@@ -2287,7 +2287,14 @@ ServiceBinary = %13%\svc.sys
         let set = workspace();
         assert!(set.rejected().is_empty(), "{:?}", set.rejected());
         let names: Vec<&str> = set.infs().iter().map(Inf::name).collect();
-        assert_eq!(names, ["hca-miniport.inf", "ib-port-client.inf"]);
+        assert_eq!(
+            names,
+            [
+                "hca-miniport.inf",
+                "ib-legacy-client.inf",
+                "ib-port-client.inf"
+            ]
+        );
         for inf in set.infs() {
             assert!(
                 inf.warnings().is_empty(),

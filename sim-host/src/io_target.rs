@@ -22,7 +22,7 @@ use ib_types::interface::WinGuid;
 use ib_types::status::NtStatus;
 
 use crate::context::{self, Context};
-use crate::driver::{NO_SUCH_DEVICE, SUCCESS};
+use crate::driver::{InterfaceRef, NO_SUCH_DEVICE, SUCCESS};
 use crate::irql::IrqlGuard;
 use crate::pnp::{DevNodeId, DeviceServices, PnpInner, PnpManager, PnpState, Veto};
 use crate::request::HostRequest;
@@ -156,6 +156,27 @@ impl RemoteIoTarget {
         }
     }
 
+    /// `WdfIoTargetQueryForInterface` (PASSIVE_LEVEL): sends
+    /// `IRP_MN_QUERY_INTERFACE` to the top of the target device's stack,
+    /// how a driver outside that stack (a root-enumerated client) gets an
+    /// interface from it. The consumer's reference is counted against the
+    /// target's devnode, held by the opener's devnode; it must be given
+    /// back before that device is removed (a target-device-change
+    /// query-remove is the time). `None` when the target is not open or
+    /// no layer answers.
+    pub fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<InterfaceRef> {
+        crate::irql::check_max("WdfIoTargetQueryForInterface", Irql::PASSIVE);
+        if self.state() != IoTargetState::Opened {
+            return None;
+        }
+        self.pnp()?.query_interface_as(
+            self.inner.device,
+            guid,
+            version,
+            Some((self.inner.owner_service.clone(), self.inner.owner)),
+        )
+    }
+
     /// `WdfIoTargetCloseForQueryRemove`: closes the handle while the
     /// device may be removed; no request goes through until
     /// [`RemoteIoTarget::reopen`].
@@ -227,6 +248,19 @@ impl RemoteIoTarget {
 }
 
 impl DeviceServices {
+    /// `IoGetDeviceInterfaces` (PASSIVE_LEVEL): the devnodes with an
+    /// enabled device interface of `class` now, what a client registering
+    /// for interface arrival with
+    /// `PNPNOTIFY_DEVICE_INTERFACE_INCLUDE_EXISTING_INTERFACES` is told of
+    /// first.
+    pub fn device_interfaces(&self, class: WinGuid) -> Vec<DevNodeId> {
+        crate::irql::check_max("IoGetDeviceInterfaces", Irql::PASSIVE);
+        self.pnp
+            .upgrade()
+            .map(|inner| PnpManager { inner }.devices_with_interface(class))
+            .unwrap_or_default()
+    }
+
     /// `WdfIoTargetCreate` + `WdfIoTargetOpen`: opens a remote I/O target
     /// on another device, by devnode or by an enabled device interface,
     /// with `callbacks` for its removal (PASSIVE_LEVEL only). Refused with

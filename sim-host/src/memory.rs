@@ -15,16 +15,22 @@
 //!   one; CPU accesses are relaxed, device accesses are ordered as PCIe
 //!   orders them, and drivers order theirs with the named barriers of
 //!   `driver_platform::dma` (see `frame`'s contract).
-//! - [`AddressSpace`]: page-aligned allocations from a per-space base, each
-//!   followed by an unmapped guard page, and virtual addresses are never
-//!   reused, so an overrun or a use after free is an error, not silent
-//!   corruption. CPU accesses ([`AddressSpace::read`], [`AddressSpace::write`])
-//!   outside allocations, or writes to read-only ones, are refused with a
-//!   [`MemoryError`] and touch nothing.
-//! - User address spaces live below `0x8000_0000_0000`, the kernel's at
-//!   [`KERNEL_VA_BASE`] and above, and device bus addresses
-//!   ([`crate::dma`]) in the non-canonical range between: no CPU address is
-//!   ever a valid bus address.
+//! - [`AddressSpace`]: page-aligned allocations, each followed by an
+//!   unmapped guard page, and virtual addresses are never reused within a
+//!   space's life, so an overrun or a use after free is an error, not
+//!   silent corruption. A user process's virtual addresses are **real
+//!   pointers**: an allocation is one run of frames whose host address is
+//!   the address the process sees, so a user-mode provider's raw-pointer
+//!   stores reach the same frames the device reaches through the IOMMU
+//!   (always as 64-bit atomics, per `frame`'s contract). The kernel's space
+//!   keeps simulated addresses that are never dereferenced. CPU accesses
+//!   ([`AddressSpace::read`], [`AddressSpace::write`]) outside allocations,
+//!   or writes to read-only ones, are refused with a [`MemoryError`] and
+//!   touch nothing.
+//! - User address spaces live below `0x8000_0000_0000` (host addresses of
+//!   this Linux process), the kernel's at [`KERNEL_VA_BASE`] and above, and
+//!   device bus addresses ([`crate::dma`]) in the non-canonical range
+//!   between: no CPU address is ever a valid bus address.
 //! - [`Pool`] is the kernel pool (`ExAllocatePool2` / `ExFreePoolWithTag`):
 //!   blocks tracked per driver and tag. Freeing is explicit
 //!   ([`Pool::free`]); dropping a [`PoolBlock`] handle without freeing it
@@ -53,16 +59,10 @@ pub const PAGE_SIZE: usize = 4096;
 /// [`PAGE_SIZE`] as an address quantity.
 const PAGE_BYTES: u64 = PAGE_SIZE as u64;
 
-/// Lowest user-mode virtual address any process hands out.
-pub const USER_VA_BASE: u64 = 0x0000_0010_0000_0000;
-
 /// One past the highest user-mode virtual address (the Windows x64 user
-/// range ends at `0x7FFF_FFFF_FFFF`).
+/// range ends at `0x7FFF_FFFF_FFFF`; so does x86-64 Linux's, where a
+/// process's addresses come from).
 pub const USER_VA_LIMIT: u64 = 0x0000_7FFF_FFFF_0000;
-
-/// Stride between the first addresses of processes with consecutive ids,
-/// so a virtual address of one process is unlikely to be mapped in another.
-const USER_VA_STRIDE: u64 = 0x0000_0010_0000_0000;
 
 /// Lowest kernel virtual address (pool blocks).
 pub const KERNEL_VA_BASE: u64 = 0xFFFF_A000_0000_0000;
@@ -155,11 +155,15 @@ pub(crate) type PageRun = Arc<[Arc<Page>]>;
 
 /// `count` fresh zero-filled pages, in one allocation of real memory.
 pub(crate) fn zeroed_pages(count: usize) -> PageRun {
-    let run = Arc::new(frame::FrameRun::zeroed(count));
-    (0..count)
+    pages_of_run(&Arc::new(frame::FrameRun::zeroed(count)), count)
+}
+
+/// The first `count` frames of `run` as pages.
+fn pages_of_run(run: &Arc<frame::FrameRun>, count: usize) -> PageRun {
+    (0..count.min(run.len()))
         .map(|index| {
             Arc::new(Page {
-                run: Arc::clone(&run),
+                run: Arc::clone(run),
                 index,
             })
         })
@@ -285,14 +289,45 @@ impl Allocation {
 struct SpaceMap {
     /// Keyed by first virtual address.
     allocations: BTreeMap<u64, Allocation>,
-    /// Where the next allocation starts (a bump pointer: no reuse).
-    next_va: u64,
-    limit: u64,
+    /// How virtual addresses are chosen.
+    placement: Placement,
     /// Set when the owning process exited.
     closed: bool,
     /// Device pages mapped into the space (`MmMapLockedPagesSpecifyCache`
     /// of a BAR page), keyed by first virtual address; one page each.
-    device_maps: BTreeMap<u64, Arc<dyn DevicePage>>,
+    device_maps: BTreeMap<u64, DeviceMap>,
+}
+
+/// How an address space places its allocations.
+#[derive(Debug)]
+enum Placement {
+    /// Simulated addresses from a bump pointer (the kernel's space): no
+    /// reuse, never dereferenced.
+    Bump {
+        /// Where the next allocation starts.
+        next_va: u64,
+        /// One past the last address handed out.
+        limit: u64,
+    },
+    /// A user space: an allocation's virtual address is the host address
+    /// of its first frame, so it is a valid pointer in this Linux process
+    /// (a user-mode provider writes rings through it). Freed runs and
+    /// device-mapping reservations are kept until the process exits, so
+    /// the allocator cannot hand their addresses out again within the
+    /// process's life (no reuse, as with the bump pointer).
+    Host {
+        /// Frames of freed allocations and unmapped device pages.
+        retired: Vec<Arc<frame::FrameRun>>,
+    },
+}
+
+/// A device page mapped into a space.
+#[derive(Debug)]
+struct DeviceMap {
+    page: Arc<dyn DevicePage>,
+    /// In a host-placed space, the two frames (page and guard) whose
+    /// address the mapping took, so no allocation can take it.
+    reservation: Option<Arc<frame::FrameRun>>,
 }
 
 impl SpaceMap {
@@ -346,6 +381,8 @@ struct SpaceShared {
     /// The same pages by the driver that locked them (`None`: host code),
     /// so a process that exits with pages locked names the driver.
     locked_by: Mutex<BTreeMap<Option<Arc<str>>, usize>>,
+    /// Requests the owning process sent to device stacks.
+    requests_issued: AtomicU64,
 }
 
 /// A virtual address space: a process's user-mode space or the kernel's.
@@ -356,19 +393,19 @@ pub struct AddressSpace {
 }
 
 impl AddressSpace {
-    fn with_range(pid: Option<u32>, base: u64, limit: u64) -> Self {
+    fn with_placement(pid: Option<u32>, placement: Placement) -> Self {
         Self {
             shared: Arc::new(SpaceShared {
                 pid,
                 map: RwLock::new(SpaceMap {
                     allocations: BTreeMap::new(),
-                    next_va: base,
-                    limit,
+                    placement,
                     closed: false,
                     device_maps: BTreeMap::new(),
                 }),
                 locked_pages: AtomicUsize::new(0),
                 locked_by: Mutex::new(BTreeMap::new()),
+                requests_issued: AtomicU64::new(0),
             }),
         }
     }
@@ -376,14 +413,24 @@ impl AddressSpace {
     /// A new, empty kernel address space (addresses from
     /// [`KERNEL_VA_BASE`]). A host has one, owned by its [`Pool`].
     pub fn kernel() -> Self {
-        Self::with_range(None, KERNEL_VA_BASE, KERNEL_VA_LIMIT)
+        Self::with_placement(
+            None,
+            Placement::Bump {
+                next_va: KERNEL_VA_BASE,
+                limit: KERNEL_VA_LIMIT,
+            },
+        )
     }
 
-    /// A new, empty user address space for process `pid`; its allocations
-    /// start at a base derived from `pid`.
+    /// A new, empty user address space for process `pid`: its addresses
+    /// are host addresses of its frames (see [`Process`]).
     fn user(pid: u32) -> Self {
-        let base = USER_VA_BASE + u64::from(pid % 1024) * USER_VA_STRIDE;
-        Self::with_range(Some(pid), base, USER_VA_LIMIT)
+        Self::with_placement(
+            Some(pid),
+            Placement::Host {
+                retired: Vec::new(),
+            },
+        )
     }
 
     /// True for the kernel's space.
@@ -418,16 +465,29 @@ impl AddressSpace {
         if map.closed {
             return Err(MemoryError::ProcessExited);
         }
-        let va = map.next_va;
         // One guard page after every allocation, so an overrun faults.
-        let next = (count as u64)
-            .checked_add(1)
-            .and_then(|n| n.checked_mul(PAGE_BYTES))
-            .and_then(|bytes| va.checked_add(bytes))
-            .filter(|&next| next <= map.limit)
-            .ok_or(MemoryError::Exhausted)?;
-        let pages = zeroed_pages(count);
-        map.next_va = next;
+        let (va, pages) = match &mut map.placement {
+            Placement::Bump { next_va, limit } => {
+                let va = *next_va;
+                *next_va = (count as u64)
+                    .checked_add(1)
+                    .and_then(|n| n.checked_mul(PAGE_BYTES))
+                    .and_then(|bytes| va.checked_add(bytes))
+                    .filter(|next| next <= limit)
+                    .ok_or(MemoryError::Exhausted)?;
+                (va, zeroed_pages(count))
+            }
+            Placement::Host { .. } => {
+                // The guard is a real frame of the run that no page maps:
+                // a CPU access through the space is refused there, and a
+                // stray store through a pointer lands in memory the run
+                // owns.
+                let count_with_guard = count.checked_add(1).ok_or(MemoryError::Exhausted)?;
+                let run = Arc::new(frame::FrameRun::zeroed(count_with_guard));
+                let va = run.get(0).map_or(0, frame::Frame::address) as u64;
+                (va, pages_of_run(&run, count))
+            }
+        };
         map.allocations.insert(
             va,
             Allocation {
@@ -447,10 +507,15 @@ impl AddressSpace {
         if map.closed {
             return Err(MemoryError::ProcessExited);
         }
-        map.allocations
+        let freed = map
+            .allocations
             .remove(&va)
-            .map(drop)
-            .ok_or(MemoryError::NotAnAllocation { va })
+            .ok_or(MemoryError::NotAnAllocation { va })?;
+        if let (Placement::Host { retired }, Some(page)) = (&mut map.placement, freed.pages.first())
+        {
+            retired.push(Arc::clone(&page.run));
+        }
+        Ok(())
     }
 
     /// CPU read of `out.len()` bytes at `va`: every byte must be allocated
@@ -581,6 +646,9 @@ impl AddressSpace {
         map.closed = true;
         map.allocations.clear();
         map.device_maps.clear();
+        if let Placement::Host { retired } = &mut map.placement {
+            retired.clear();
+        }
         self.locked_pages()
     }
 
@@ -591,13 +659,24 @@ impl AddressSpace {
         if map.closed {
             return Err(MemoryError::ProcessExited);
         }
-        let va = map.next_va;
-        let next = va
-            .checked_add(2 * PAGE_BYTES)
-            .filter(|&next| next <= map.limit)
-            .ok_or(MemoryError::Exhausted)?;
-        map.next_va = next;
-        map.device_maps.insert(va, page);
+        let (va, reservation) = match &mut map.placement {
+            Placement::Bump { next_va, limit } => {
+                let va = *next_va;
+                *next_va = va
+                    .checked_add(2 * PAGE_BYTES)
+                    .filter(|next| next <= limit)
+                    .ok_or(MemoryError::Exhausted)?;
+                (va, None)
+            }
+            Placement::Host { .. } => {
+                // The address of two real frames (the page and its guard):
+                // unique while reserved, never memory the space maps.
+                let run = Arc::new(frame::FrameRun::zeroed(2));
+                let va = run.get(0).map_or(0, frame::Frame::address) as u64;
+                (va, Some(run))
+            }
+        };
+        map.device_maps.insert(va, DeviceMap { page, reservation });
         Ok(va)
     }
 
@@ -607,10 +686,15 @@ impl AddressSpace {
         if map.closed {
             return Err(MemoryError::ProcessExited);
         }
-        map.device_maps
+        let removed = map
+            .device_maps
             .remove(&va)
-            .map(drop)
-            .ok_or(MemoryError::NotAnAllocation { va })
+            .ok_or(MemoryError::NotAnAllocation { va })?;
+        if let (Placement::Host { retired }, Some(run)) = (&mut map.placement, removed.reservation)
+        {
+            retired.push(run);
+        }
+        Ok(())
     }
 
     /// Device pages mapped now.
@@ -632,7 +716,7 @@ impl AddressSpace {
         if offset + 8 > PAGE_BYTES || !offset.is_multiple_of(8) {
             return Err(unmapped);
         }
-        page.write64(offset, value);
+        page.page.write64(offset, value);
         Ok(())
     }
 }
@@ -646,6 +730,15 @@ pub trait DevicePage: Send + Sync + fmt::Debug {
 
 /// A user-mode process: an id and its address space. Cloning gives another
 /// handle to the same process.
+///
+/// Its memory is addressable by real pointers: the address
+/// [`alloc`](Self::alloc) returns is the host address of the allocation's
+/// first frame, valid until the process exits (a freed allocation's frames
+/// stay reserved until then, so no later allocation takes its address).
+/// Code playing the process's user mode may store through it as long as
+/// every access is a naturally aligned 64-bit atomic (the frames are
+/// `AtomicU64` words shared with the device); [`read`](Self::read) and
+/// [`write`](Self::write) check the mapping first.
 ///
 /// Exit ([`exit`](Self::exit)) tears the address space down, but pages
 /// locked by an MDL stay valid, and reachable by the device through live
@@ -738,6 +831,21 @@ impl Process {
     /// True once [`exit`](Self::exit) ran.
     pub fn has_exited(&self) -> bool {
         read_lock(&self.space.shared.map).closed
+    }
+
+    /// Requests this process has sent to device stacks (IOCTLs through
+    /// `Pnp::send_request`): a kernel-bypass path is one that leaves this
+    /// count unchanged.
+    pub fn requests_issued(&self) -> u64 {
+        self.space.shared.requests_issued.load(Ordering::Relaxed)
+    }
+
+    /// Counts one request sent by this process.
+    pub(crate) fn count_request(&self) {
+        self.space
+            .shared
+            .requests_issued
+            .fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -993,8 +1101,11 @@ mod tests {
         let b = p.alloc(2 * PAGE_SIZE).unwrap();
         assert_eq!(a % PAGE_BYTES, 0);
         assert_eq!(b % PAGE_BYTES, 0);
-        assert!(b >= a + 2 * PAGE_BYTES, "a guard page between allocations");
-        assert!(a >= USER_VA_BASE && b < USER_VA_LIMIT);
+        assert!(
+            b >= a + 2 * PAGE_BYTES || a >= b + 3 * PAGE_BYTES,
+            "disjoint, each followed by its guard page"
+        );
+        assert!(a > 0 && b < USER_VA_LIMIT);
         p.write(a + 4000, &[9; 96]).unwrap();
         let mut out = [0u8; 96];
         p.read(a + 4000, &mut out).unwrap();
@@ -1018,11 +1129,37 @@ mod tests {
         assert!(p.read(u64::MAX - 3, &mut span).is_err(), "wraps");
     }
 
+    /// A process's virtual address is the host address of the frame
+    /// behind it: the pointer user-mode code stores through is the memory
+    /// the device reaches through a lock and the IOMMU.
     #[test]
-    fn processes_have_distinct_bases() {
-        let a = Process::new(1).alloc(1).unwrap();
-        let b = Process::new(2).alloc(1).unwrap();
-        assert_ne!(a, b);
+    fn a_process_address_is_the_host_address_of_its_frame() {
+        let p = Process::new(9);
+        let va = p.alloc(3 * PAGE_SIZE).unwrap();
+        let pages = p.space().lock_pages(va, 3 * PAGE_SIZE, true, None).unwrap();
+        for (i, page) in pages.iter().enumerate() {
+            assert_eq!(page.host_address() as u64, va + (i * PAGE_SIZE) as u64);
+        }
+        p.write(va + 4100, &[5; 8]).unwrap();
+        let mut out = [0u8; 8];
+        assert!(pages[1].read(4, &mut out));
+        assert_eq!(out, [5; 8]);
+        // Freed, the address stays reserved: no later allocation takes it.
+        let other = p.alloc(PAGE_SIZE).unwrap();
+        p.free(other).unwrap();
+        for _ in 0..64 {
+            assert_ne!(p.alloc(PAGE_SIZE).unwrap(), other);
+        }
+        p.space().unlock_pages(3, None);
+        assert_eq!(p.exit(), 0);
+    }
+
+    #[test]
+    fn live_processes_never_share_an_address() {
+        let (one, two) = (Process::new(1), Process::new(2));
+        let a = one.alloc(1).unwrap();
+        let b = two.alloc(1).unwrap();
+        assert!(a + PAGE_BYTES <= b || b + PAGE_BYTES <= a);
         let k = Pool::new(Verifier::new()).alloc("d", *b"Tag1", 1).unwrap();
         assert!(k.va() >= KERNEL_VA_BASE);
     }
@@ -1267,7 +1404,7 @@ mod tests {
         assert_eq!(*lock(&page.0), vec![(8, 0x1234)]);
         // A later allocation does not reuse the mapping's addresses.
         let next = process.alloc(PAGE_SIZE).unwrap();
-        assert!(next >= va + 2 * PAGE_BYTES);
+        assert!(next >= va + 2 * PAGE_BYTES || va >= next + 2 * PAGE_BYTES);
         process.space().unmap_device(va).unwrap();
         assert!(process.write_device64(va + 8, 1).is_err());
         assert!(process.space().unmap_device(va).is_err());

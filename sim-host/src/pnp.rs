@@ -242,6 +242,8 @@ pub(crate) struct PnpInner {
     pending_failures: Mutex<Vec<(DevNodeId, Arc<str>, DeviceFailedAction)>>,
     /// Remote I/O targets not closed yet (`io_target.rs`).
     pub(crate) io_targets: Mutex<Vec<Arc<crate::io_target::TargetInner>>>,
+    /// The order of system transitions (`power.rs`).
+    pub(crate) power_order: Mutex<crate::power::PowerOrderState>,
 }
 
 enum ChildReport {
@@ -532,6 +534,7 @@ impl PnpManager {
                 files: crate::file::FileTable::default(),
                 pending_failures: Mutex::default(),
                 io_targets: Mutex::default(),
+                power_order: Mutex::default(),
             }),
         };
         // A surprise-removed devnode gets IRP_MN_REMOVE_DEVICE once its last
@@ -1248,7 +1251,11 @@ impl PnpManager {
     /// Sends a request to the top of a devnode's stack. A user request
     /// that carries its process is sent from a thread of that process:
     /// its synchronous delivery runs in the process's context (`caller`).
+    /// It counts in [`Process::requests_issued`](crate::memory::Process::requests_issued).
     pub fn send_request(&self, node: DevNodeId, req: HostRequest) {
+        if let Some(process) = req.process() {
+            process.count_request();
+        }
         let _issuing_thread = req.process().map(crate::caller::enter_process);
         let top = lock(&self.inner.tree)
             .nodes
@@ -1372,7 +1379,7 @@ impl PnpManager {
         self.query_interface_as(node, guid, version, None)
     }
 
-    fn query_interface_as(
+    pub(crate) fn query_interface_as(
         &self,
         node: DevNodeId,
         guid: &WinGuid,

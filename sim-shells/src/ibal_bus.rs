@@ -85,6 +85,12 @@
 //!   self-managed I/O init enables it and release-hardware disables it;
 //!   `file_create`, `file_cleanup` and `io_in_caller_context` delegate to
 //!   it (user requests judged per open before they go down).
+//! - for kernel clients outside the HCA's subtree (a root-enumerated
+//!   client, `crate::legacy_client`), which find the HCA by the proxy's
+//!   `GUID_IB_AL_DEVICE_INTERFACE`: the filter's own
+//!   device answers `IRP_MN_QUERY_INTERFACE` for `GUID_IB_AL_INTERFACE`
+//!   sent over that stack (`WdfIoTargetQueryForInterface`) with an
+//!   [`AlPortInterface`] of the CA's first port, while the CA is bound.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -104,7 +110,7 @@ use ib_types::interface::{
 use ib_types::ioctl::{
     Empty, QueryCa, Verb, decode_response, encode_request, request_len, response_len,
 };
-use ib_types::scalars::NodeGuid;
+use ib_types::scalars::{NodeGuid, PKey};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{RecvWr, SendWr};
@@ -413,6 +419,7 @@ impl DriverEntry for IbalBusDriver {
             events: Arc::default(),
             al: AlSlot::default(),
             proxy: crate::ibal_proxy::IbalProxy::new(host.clone(), reconcile),
+            ca_interface: Mutex::default(),
         });
         lock(&self.devices).push(device.clone());
         Ok(device)
@@ -432,6 +439,9 @@ pub struct IbalBusDevice {
     al: AlSlot,
     /// The user-mode proxy (`crate::ibal_proxy`).
     proxy: crate::ibal_proxy::IbalProxy,
+    /// The AL interface answered on the HCA's own stack while the CA is
+    /// bound (for clients outside its subtree).
+    ca_interface: Mutex<Option<Arc<AlPortInterface>>>,
 }
 
 impl std::fmt::Debug for IbalBusDevice {
@@ -553,7 +563,25 @@ impl IbalBusDevice {
         let al = Arc::new(SimAccessLayer::new(bound.ci().clone(), bound.ca_handle()));
         *lock(&self.events.al) = Arc::downgrade(&al);
         *lock(&self.al) = Some(al);
+        *lock(&self.ca_interface) = self.ca_interface_of(&bound);
         self.report_children(&bound);
+    }
+
+    /// The AL interface the HCA's stack answers: the CA's first port with
+    /// the default partition (a client finds the others with `QueryCa`).
+    fn ca_interface_of(&self, bound: &BoundCa<SimCi>) -> Option<Arc<AlPortInterface>> {
+        let port = bound.ports().first()?;
+        Some(Arc::new(AlPortInterface {
+            data: PortInterfaceData {
+                ca_guid: bound.identity().ca_guid,
+                port_guid: port.port_guid,
+                port: port.port_num,
+                pkey: PKey::DEFAULT,
+            },
+            al: self.al.clone(),
+            verifier: self.host.verifier()?,
+            opened: Mutex::default(),
+        }))
     }
 
     /// Opens the CA (first D0 entry); the port query follows in
@@ -687,6 +715,21 @@ impl DeviceCallbacks for IbalBusDevice {
         self.ca_gone();
     }
 
+    /// `GUID_IB_AL_INTERFACE` asked over the HCA's stack (by a client
+    /// outside its subtree, through a remote I/O target) is answered by
+    /// the filter while the CA is bound, as a child answers it; anything
+    /// else passes down.
+    fn query_interface(&self, guid: &WinGuid, version: u16) -> Option<ProvidedInterface> {
+        if *guid != GUID_IB_AL_INTERFACE || version < AL_INTERFACE_VERSION.packed() {
+            return None;
+        }
+        let interface = lock(&self.ca_interface).clone()?;
+        Some(ProvidedInterface {
+            version: AL_INTERFACE_VERSION.packed(),
+            object: Arc::new(interface) as Arc<dyn std::any::Any + Send + Sync>,
+        })
+    }
+
     /// A stop (resource rebalance) would close the CA under open AL
     /// clients: vetoed while any is open.
     fn query_stop(&self) -> NtStatus {
@@ -703,6 +746,7 @@ impl DeviceCallbacks for IbalBusDevice {
         // ignored its own removal) finds every call refused from now on.
         // The access layer is dropped with the last of its in-flight
         // completions.
+        drop(lock(&self.ca_interface).take());
         *lock(&self.events.al) = Weak::new();
         // Dropped outside the lock: it may release clients' references.
         let al = lock(&self.al).take();

@@ -10,11 +10,13 @@
 //! their portable cores and on `sim-host`.
 //!
 //! - [`hca_miniport`]: the HCA miniport (`hca-miniport/src/kmdf`).
-//! - [`ibal_bus`]: the IBAL bus filter (its KMDF shell in `ibal-bus` is
-//!   not written yet).
+//! - [`ibal_bus`]: the IBAL bus filter (`ibal-bus/src/kmdf`).
 //! - [`ibal_proxy`]: the filter's user-mode proxy (device interface,
 //!   security descriptor, per-open handle tables, hostile-input checks).
+//! - [`legacy_client`]: a root-enumerated kernel client of the access
+//!   layer, the old way (a sample; no KMDF shell).
 
 pub mod hca_miniport;
 pub mod ibal_bus;
 pub mod ibal_proxy;
+pub mod legacy_client;

@@ -625,3 +625,26 @@ fn a_surprise_removed_hca_loses_its_interface_and_its_opens_fail_while_the_other
     assert_eq!(w.hca(kept).user_context_count(), 0);
     w.finish();
 }
+
+/// The security descriptor the simulated shell assigns is the one the INF
+/// gives the HCA's devnode on Windows (its `Security` property).
+#[test]
+fn the_infs_security_descriptor_is_the_proxys() {
+    let infs = sim_host::inf::InfSet::load_dir(sim_host::inf::workspace_inf_dir()).unwrap();
+    let inf = infs
+        .get("hca-miniport.inf")
+        .unwrap_or_else(|| panic!("the HCA's INF: {:?}", infs.rejected()));
+    let section = inf
+        .section("IbalBus_Security_AddReg")
+        .expect("the security add-registry section");
+    let security: Vec<&str> = section
+        .iter()
+        .filter(|line| line.fields.get(2).is_some_and(|f| f == "Security"))
+        .filter_map(|line| line.fields.get(4).map(String::as_str))
+        .collect();
+    assert_eq!(
+        security,
+        [ibal_bus_core::proxy::PROXY_SDDL.trim_matches('"')],
+        "{section:?}"
+    );
+}

@@ -1,6 +1,57 @@
-//! User-mode verbs provider (UVP) for the project's HCA: pre/post hooks around
-//! the proxy IOCTLs and the kernel-bypass fast path (post send/receive, poll,
-//! arm) on mapped rings and doorbells.
+//! User-mode verbs provider (UVP) for the project's HCA: the kernel-bypass
+//! fast path — post send, post receive, post SRQ receive, poll CQ, arm CQ —
+//! on rings in the process's own memory and the context's UAR page
+//! (PRM 9, 10, 13). `docs/uvp.md` describes it.
 //!
-//! Status: not written yet. The crate exists so the workspace has its final
-//! shape; it exports nothing.
+//! Layer contract:
+//! - No call here enters the kernel. The control path (creating the
+//!   context, CQs, QPs and SRQs through the proxy) hands this crate what
+//!   the kernel answered ([`Context::new`], [`Context::cq`],
+//!   [`Context::qp`], [`Context::srq`]); from then on every post, poll and
+//!   arm is loads and stores on shared memory and one doorbell store.
+//! - Shared memory is touched only in [`dma`] (64-bit atomics through raw
+//!   pointers, named barriers) and the device only in [`mmio`] (one 64-bit
+//!   store on the UAR page; on Linux through a hook the simulator hands
+//!   over). Those two modules hold every `unsafe` block.
+//! - Thread safety, made true by the types: every object is `Send`; posts
+//!   and polls take `&mut` of their own queue or CQ, so a queue has one
+//!   poster and a CQ one poller at a time, and posters and pollers share
+//!   no lock (they meet only in atomics, `queue`'s protocol).
+//! - Every refused post says how many requests went before it and leaves
+//!   nothing of the refused one in the ring ([`PostError`]).
+//!
+//! Not here yet: the pre/post hooks of the proxy verbs (guide Table 10-1),
+//! the DLL's exported entry point, user address vectors.
+
+pub mod context;
+pub mod cq;
+pub mod dma;
+pub mod error;
+pub mod mmio;
+pub mod qp;
+mod queue;
+pub mod srq;
+mod sync;
+
+pub use context::{Context, QpCreated};
+pub use cq::{ArmFor, Cq};
+pub use error::{PostError, PostErrorKind, SetupError};
+pub use mmio::UarPage;
+pub use qp::{Qp, RecvQueue, SendQueue, SendRequest};
+pub use srq::Srq;
+
+// The thread-safety the module docs promise, checked by the compiler:
+// every object may move to another thread; the context (shared by the
+// objects' setup) and the UAR page may be shared.
+const _: () = {
+    const fn send<T: Send>() {}
+    const fn sync<T: Sync>() {}
+    send::<Cq>();
+    send::<Qp>();
+    send::<SendQueue>();
+    send::<RecvQueue>();
+    send::<Srq>();
+    send::<Context>();
+    sync::<Context>();
+    sync::<UarPage>();
+};

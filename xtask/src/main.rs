@@ -209,7 +209,7 @@ fn test(extra: &[String]) -> ExitCode {
     }
 }
 
-/// Runs every `loom_` model test of the driver cores, built with `--cfg
+/// Runs every `loom_` model test of the driver cores and the UVP, built with `--cfg
 /// loom` in release mode (loom explores thousands of interleavings) into
 /// its own target directory, so the normal build stays warm.
 fn loom(extra: &[String]) -> ExitCode {
@@ -231,6 +231,8 @@ fn loom(extra: &[String]) -> ExitCode {
             "--release",
             "-p",
             "hca-miniport-core",
+            "-p",
+            "uvp-plugin",
             "--lib",
             "--",
         ])

@@ -114,7 +114,10 @@ fn check(kmdf_headers: Option<PathBuf>) -> Result<(), String> {
             .arg(subcommand)
             .args(["--target", TARGET, "--config", &patch])
             .args(&packages)
-            .args(["--features", "hca-miniport/wdk-cross-check"])
+            .args([
+                "--features",
+                "hca-miniport/wdk-cross-check,ibal-bus/wdk-cross-check",
+            ])
             .envs(tools.environment(&stand_in, &root))
             .env("CARGO_TARGET_DIR", &target_dir);
         command

@@ -2,7 +2,7 @@
 //! (`GUID_IB_CI_INTERFACE`, docs/miniport.md "ci"), as a trait each shell
 //! implements over what the miniport below hands out: the simulated
 //! host's shell over the miniport core's `CiProvider` it receives in the
-//! host's counted interface reference; the KMDF shell (not written yet)
+//! host's counted interface reference; the KMDF shell (`ibal-bus`, `kmdf::ci::FfiCi`)
 //! over the FFI table `ib_types::interface::CiInterface`. Every argument
 //! and result is a plain `ib-types` value, a handle (`u64`) or a callback
 //! object, so the FFI implementation is a one-for-one call through the

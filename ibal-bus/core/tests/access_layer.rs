@@ -115,6 +115,27 @@ fn a_handle_of_another_client_is_refused_as_invalid() {
     assert_eq!(f.ca.armed.lock().unwrap().len(), 1);
 }
 
+/// A request that reaches a shell without naming its client (an IRP on a
+/// child's queue) is attributed by the handle it names: every handle a
+/// client was given carries that client's tag and no other's (the AL then
+/// checks the handle itself against that client's table).
+#[test]
+fn a_clients_handles_carry_its_tag_and_no_other_clients() {
+    let f = Fixture::new();
+    let a = f.open();
+    let b = f.open();
+    let pd_a = f.pd(a.id);
+    let ca_a = f.al.ca_handle(a.id).unwrap();
+    let ca_b = f.al.ca_handle(b.id).unwrap();
+    for handle in [pd_a, ca_a] {
+        assert!(a.id.owns(handle) && !b.id.owns(handle));
+    }
+    assert!(b.id.owns(ca_b) && !a.id.owns(ca_b));
+    for made_up in [0, u64::MAX] {
+        assert!(!a.id.owns(made_up) && !b.id.owns(made_up));
+    }
+}
+
 #[test]
 fn destroying_an_object_others_depend_on_is_busy() {
     let f = Fixture::new();

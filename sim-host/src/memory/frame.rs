@@ -84,6 +84,13 @@ pub(crate) struct Frame {
 /// it is reachable any more.
 pub(crate) struct FrameRun(Box<[Frame]>);
 
+impl std::fmt::Debug for FrameRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not the address: debug output stays the same from run to run.
+        write!(f, "FrameRun({} frames)", self.0.len())
+    }
+}
+
 impl FrameRun {
     /// `count` zero-filled frames in one allocation.
     pub(crate) fn zeroed(count: usize) -> Self {
@@ -119,7 +126,8 @@ impl Frame {
         })
     }
 
-    /// Address of byte 0 (page aligned): for diagnostics and tests.
+    /// Address of byte 0 (page aligned): a user space hands it out as the
+    /// virtual address of the frame (`Placement::Host`).
     pub(crate) fn address(&self) -> usize {
         self.words.as_ptr() as usize
     }

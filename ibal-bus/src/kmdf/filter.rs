@@ -1,0 +1,553 @@
+//! `DriverEntry`, `EvtDriverDeviceAdd` and the filter device's PnP/power
+//! callbacks: the binding to the HCA below, the access layer over it, and
+//! the children reported on its child list.
+//!
+//! The callbacks run in the order of the simulated shell
+//! (`sim_shells::ibal_bus`), which the scenario tests check:
+//!
+//! 1. `EvtDriverDeviceAdd`: `WdfFdoInitSetFilter`; the default child list
+//!    (`WdfFdoInitSetDefaultChildListConfig`, identification description
+//!    [`ChildIdentification`]); the device with its [`FilterShell`]; the
+//!    device interface `GUID_IB_AL_DEVICE_INTERFACE` (no queue yet: see
+//!    the end of [`evt_driver_device_add`]).
+//! 2. `EvtDevicePrepareHardware`: `GUID_IB_CI_INTERFACE` queried at the
+//!    required version ([`FfiCi::query`]; `STATUS_REVISION_MISMATCH` fails
+//!    the start, nothing opened).
+//! 3. `EvtDeviceD0Entry`, the first one (the miniport below is in D0): the
+//!    child list read from the Parameters key, the CA opened. Resume does
+//!    nothing: the CA stays open across sleep.
+//! 4. `EvtDeviceSelfManagedIoInit` (the stack started): `QueryCa` sent
+//!    through the interface; its completion (any IRQL up to DISPATCH_LEVEL)
+//!    binds and registers the CA, creates its access layer and reports the
+//!    children present.
+//! 5. `EvtDeviceReleaseHardware`: the access layer detached, the CA
+//!    deregistered and closed, the interface dereferenced. The children
+//!    stay (the child list lives with the device); a restarted stack
+//!    reconciles them against the list read again.
+
+use alloc::sync::{Arc, Weak};
+use alloc::vec;
+use alloc::vec::Vec;
+use core::ptr;
+
+use ib_types::event::AsyncEventRecord;
+use ib_types::handle::CqHandle;
+use ib_types::interface::GUID_IB_AL_DEVICE_INTERFACE;
+use ib_types::ioctl::{
+    Empty, QueryCa, Verb, decode_response, encode_request, request_len, response_len,
+};
+use ib_types::status::{IbStatus, NtStatus};
+use ibal_bus_core::al::{AccessLayer, CiRequests};
+use ibal_bus_core::ca_registry::{BoundCa, CaRegistry, OpenedCa};
+use ibal_bus_core::children::{
+    ChildEntry, ChildList, ChildSet, PortChild, port_children, read_child_list,
+};
+use ibal_bus_core::ci::{CaEvents, CiAccess, PortIdentity, ports_from_attributes};
+use wdk_sys::{
+    DRIVER_OBJECT, GUID, NTSTATUS, PCUNICODE_STRING, PWDFDEVICE_INIT, ULONG, WDF_CHILD_LIST_CONFIG,
+    WDF_DRIVER_CONFIG, WDF_NO_HANDLE, WDF_NO_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS,
+    WDF_POWER_DEVICE_STATE, WDFCMRESLIST, WDFDEVICE, WDFDRIVER, WDFOBJECT,
+    call_unsafe_wdf_function_binding,
+};
+
+use super::child::{ChildIdentification, evt_child_list_create_device};
+use super::ci::FfiCi;
+use super::context::{install, shell_attributes, shell_of};
+use super::platform::{KernelSpinLock, ParametersKey, SpinLock};
+
+/// The access layer over one bound CA.
+pub type Al = AccessLayer<KernelSpinLock, FfiCi>;
+
+/// Room for the CA attribute block `QueryCa` answers with (the guide's
+/// variable layout: a few ports with their P_Key and GID tables).
+const QUERY_CA_ROOM: u32 = 16 * 1024;
+
+/// `GUID_IB_AL_DEVICE_INTERFACE` as a Windows `GUID`.
+static AL_DEVICE_INTERFACE_GUID: GUID = GUID {
+    Data1: GUID_IB_AL_DEVICE_INTERFACE.data1.get(),
+    Data2: GUID_IB_AL_DEVICE_INTERFACE.data2.get(),
+    Data3: GUID_IB_AL_DEVICE_INTERFACE.data3.get(),
+    Data4: GUID_IB_AL_DEVICE_INTERFACE.data4,
+};
+
+/// The CAs bound by every filter device of this driver, by CA GUID.
+static CA_REGISTRY: SpinLock<Option<CaRegistry<FfiCi>>> =
+    lock_api::Mutex::const_new(<KernelSpinLock as lock_api::RawMutex>::INIT, None);
+
+/// `DriverEntry`.
+///
+/// # Safety
+/// Called once by the I/O manager with its driver object and registry
+/// path.
+// SAFETY: "DriverEntry" is the symbol the kernel loader calls; nothing else
+// in the image exports it.
+#[unsafe(export_name = "DriverEntry")]
+pub unsafe extern "system" fn driver_entry(
+    driver: &mut DRIVER_OBJECT,
+    registry_path: PCUNICODE_STRING,
+) -> NTSTATUS {
+    let mut config = WDF_DRIVER_CONFIG {
+        Size: size_of::<WDF_DRIVER_CONFIG>() as ULONG,
+        EvtDriverDeviceAdd: Some(evt_driver_device_add),
+        ..WDF_DRIVER_CONFIG::default()
+    };
+    let handle = WDF_NO_HANDLE as *mut WDFDRIVER;
+    // SAFETY: the loader's driver object and registry path, once.
+    unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfDriverCreate,
+            driver as *mut DRIVER_OBJECT,
+            registry_path,
+            WDF_NO_OBJECT_ATTRIBUTES,
+            &mut config,
+            handle
+        )
+    }
+}
+
+/// `EvtDriverDeviceAdd`: the filter device on one HCA stack.
+unsafe extern "C" fn evt_driver_device_add(
+    driver: WDFDRIVER,
+    mut device_init: PWDFDEVICE_INIT,
+) -> NTSTATUS {
+    // SAFETY: the framework's live init structure, before WdfDeviceCreate.
+    unsafe { call_unsafe_wdf_function_binding!(WdfFdoInitSetFilter, device_init) };
+
+    let mut pnp = WDF_PNPPOWER_EVENT_CALLBACKS {
+        Size: size_of::<WDF_PNPPOWER_EVENT_CALLBACKS>() as ULONG,
+        EvtDevicePrepareHardware: Some(evt_prepare_hardware),
+        EvtDeviceReleaseHardware: Some(evt_release_hardware),
+        EvtDeviceD0Entry: Some(evt_d0_entry),
+        EvtDeviceSelfManagedIoInit: Some(evt_self_managed_io_init),
+        ..WDF_PNPPOWER_EVENT_CALLBACKS::default()
+    };
+    // SAFETY: the framework's live init structure, before WdfDeviceCreate.
+    unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfDeviceInitSetPnpPowerEventCallbacks,
+            device_init,
+            &mut pnp
+        )
+    };
+
+    // WDF_CHILD_LIST_CONFIG_INIT: the identification description is
+    // compared byte for byte (no compare callback), so it has no padding
+    // (`ChildIdentification`).
+    let mut children = WDF_CHILD_LIST_CONFIG {
+        Size: size_of::<WDF_CHILD_LIST_CONFIG>() as ULONG,
+        IdentificationDescriptionSize: size_of::<ChildIdentification>() as ULONG,
+        EvtChildListCreateDevice: Some(evt_child_list_create_device),
+        ..WDF_CHILD_LIST_CONFIG::default()
+    };
+    // SAFETY: the framework's live init structure, before WdfDeviceCreate.
+    unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfFdoInitSetDefaultChildListConfig,
+            device_init,
+            &mut children,
+            WDF_NO_OBJECT_ATTRIBUTES
+        )
+    };
+
+    let mut attributes = shell_attributes::<FilterShell>();
+    let mut device: WDFDEVICE = ptr::null_mut();
+    // SAFETY: the init structure is consumed on success (the framework
+    // frees it); out pointer valid.
+    let status = unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfDeviceCreate,
+            &mut device_init,
+            &mut attributes,
+            &mut device
+        )
+    };
+    if status < 0 {
+        return status;
+    }
+    let shell = Arc::new_cyclic(|me| FilterShell {
+        me: me.clone(),
+        device,
+        driver,
+        binding: SpinLock::new(Binding::Idle),
+        list: SpinLock::new(ChildList::default()),
+        children: SpinLock::new(ChildSet::default()),
+        relay: Arc::new(CaRelay::default()),
+    });
+    // SAFETY: the device just created with a FilterShell context.
+    if !unsafe { install(device as WDFOBJECT, shell) } {
+        return NtStatus::INVALID_DEVICE_STATE.raw() as NTSTATUS;
+    }
+
+    // One device interface per HCA: user mode opens the HCA it means. An
+    // open is checked against the stack's named device object, the PDO,
+    // whose security the PnP manager sets from the devnode's `Security`
+    // property (the INF's IbalBus_Security_AddReg) and applies to the
+    // stack: an SDDL on this unnamed filter FDO would not be what decides.
+    // SAFETY: the live device just created; the GUID is static.
+    let status = unsafe {
+        call_unsafe_wdf_function_binding!(
+            WdfDeviceCreateDeviceInterface,
+            device,
+            &AL_DEVICE_INTERFACE_GUID,
+            ptr::null()
+        )
+    };
+    // No I/O queue yet: until the user-mode proxy exists, the framework
+    // passes every request down to the miniport as it came, in the
+    // caller's thread, where the miniport's EvtIoInCallerContext prepares
+    // user requests. A queue here (power-managed, so that the proxy's
+    // requests wait for D0) comes with the proxy, which must prepare its
+    // requests in the caller's context the same way before queuing them.
+    status
+}
+
+/// Forwards the CA's callbacks to the access layer once there is one (the
+/// CA is opened before its ports, and so its AL, are known).
+#[derive(Debug, Default)]
+struct CaRelay {
+    al: SpinLock<Option<Arc<Al>>>,
+}
+
+impl CaRelay {
+    fn al(&self) -> Option<Arc<Al>> {
+        self.al.lock().clone()
+    }
+}
+
+impl CaEvents for CaRelay {
+    fn completion(&self, cq: CqHandle) {
+        if let Some(al) = self.al() {
+            al.completion(cq);
+        }
+    }
+
+    fn async_event(&self, event: &AsyncEventRecord) {
+        if let Some(al) = self.al() {
+            al.async_event(event);
+        }
+    }
+}
+
+/// Where one filter device is in its binding (as in the simulated shell).
+enum Binding {
+    /// Not started, or released.
+    Idle,
+    /// The interface is queried and its version checked.
+    Queried(Arc<FfiCi>),
+    /// The CA is open; the port query is in flight.
+    Opening(OpenedCa<FfiCi>),
+    /// The port query failed: the opened CA waits for release-hardware.
+    Failed(OpenedCa<FfiCi>),
+    /// Bound and registered, with its access layer.
+    Bound(Arc<BoundCa<FfiCi>>, Arc<Al>),
+    /// Bound, but another stack registered a CA with the same GUID: not
+    /// registered, no children; closed at release.
+    Duplicate(Arc<BoundCa<FfiCi>>),
+}
+
+/// The shell state of one filter device (owned by its context).
+pub struct FilterShell {
+    me: Weak<FilterShell>,
+    device: WDFDEVICE,
+    driver: WDFDRIVER,
+    binding: SpinLock<Binding>,
+    list: SpinLock<ChildList>,
+    children: SpinLock<ChildSet>,
+    relay: Arc<CaRelay>,
+}
+
+impl core::fmt::Debug for FilterShell {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("FilterShell")
+            .field("device", &self.device)
+            .field("children", &self.children.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+// SAFETY: WDF handles are valid from any thread; the mutable state is
+// behind spin locks.
+unsafe impl Send for FilterShell {}
+// SAFETY: as above.
+unsafe impl Sync for FilterShell {}
+
+impl FilterShell {
+    /// The access layer of the bound CA, while bound.
+    pub fn al(&self) -> Option<Arc<Al>> {
+        self.relay.al()
+    }
+
+    /// The child present under `instance_id` and its entry's device ID
+    /// (the entry as last read; its first hardware ID if the entry is gone
+    /// from the list).
+    pub fn child(&self, instance_id: &str) -> Option<(PortChild, alloc::string::String)> {
+        let port = self
+            .children
+            .lock()
+            .iter()
+            .find(|c| c.instance_id() == instance_id)
+            .cloned()?;
+        let device_id = self
+            .list
+            .lock()
+            .entries
+            .iter()
+            .find(|e: &&ChildEntry| e.name == port.entry)
+            .map(|e| e.device_id.clone())
+            .or_else(|| port.description.hardware_ids.first().cloned())?;
+        Some((port, device_id))
+    }
+
+    /// Reads the child list from the Parameters key. PASSIVE_LEVEL.
+    fn read_list(&self) {
+        // SAFETY: the driver object outlives its devices; callers are at
+        // PASSIVE_LEVEL (D0 entry).
+        if let Ok(key) = unsafe { ParametersKey::open(self.driver) } {
+            let list = read_child_list(&key);
+            *self.list.lock() = list;
+        }
+    }
+
+    /// A change of the child list in the Parameters key (the simulated
+    /// shell's `IbalBusDevice::registry_changed`): the list read again and
+    /// the children reported present and missing. PASSIVE_LEVEL. Nothing
+    /// calls it yet: neither a registry change notification nor the
+    /// proxy's administrator IOCTL is wired (docs/ibal-bus.md).
+    pub fn registry_changed(&self) {
+        self.read_list();
+        let bound = match &*self.binding.lock() {
+            Binding::Bound(bound, _) => Some(bound.clone()),
+            _ => None,
+        };
+        if let Some(bound) = bound {
+            self.report_children(&bound);
+        }
+    }
+
+    /// Reports what changed between the children present and those the
+    /// list gives `bound`'s ports. DISPATCH_LEVEL or below.
+    fn report_children(&self, bound: &BoundCa<FfiCi>) {
+        let desired = port_children(bound.identity().ca_guid, bound.ports(), &self.list.lock());
+        let changes = self.children.lock().reconcile(desired);
+        // SAFETY: the live filter device, created with a default child list.
+        let list =
+            unsafe { call_unsafe_wdf_function_binding!(WdfFdoGetDefaultChildList, self.device) };
+        for gone in &changes.disappeared {
+            let mut identification = ChildIdentification::of(gone);
+            // SAFETY: the device's child list; the description is
+            // initialised and lives for the call (the framework copies it).
+            let _ = unsafe {
+                call_unsafe_wdf_function_binding!(
+                    WdfChildListUpdateChildDescriptionAsMissing,
+                    list,
+                    identification.header()
+                )
+            };
+        }
+        for child in &changes.appeared {
+            let mut identification = ChildIdentification::of(child);
+            // SAFETY: as above; no address description.
+            let _ = unsafe {
+                call_unsafe_wdf_function_binding!(
+                    WdfChildListAddOrUpdateChildDescriptionAsPresent,
+                    list,
+                    identification.header(),
+                    ptr::null_mut()
+                )
+            };
+        }
+    }
+
+    /// The `QueryCa` answered: completes the bind, registers the CA,
+    /// creates its access layer and reports the children. Up to
+    /// DISPATCH_LEVEL.
+    fn ports_answered(&self, ports: Result<Vec<PortIdentity>, IbStatus>) {
+        let opened = {
+            let mut binding = self.binding.lock();
+            match core::mem::replace(&mut *binding, Binding::Idle) {
+                Binding::Opening(opened) => opened,
+                other => {
+                    *binding = other;
+                    return;
+                }
+            }
+        };
+        let bound = match opened.with_ports(ports) {
+            Ok(bound) => Arc::new(bound),
+            Err((opened, _error)) => {
+                *self.binding.lock() = Binding::Failed(opened);
+                return;
+            }
+        };
+        let registered = CA_REGISTRY
+            .lock()
+            .get_or_insert_with(CaRegistry::default)
+            .register(bound.clone());
+        if let Err((bound, _error)) = registered {
+            *self.binding.lock() = Binding::Duplicate(bound);
+            return;
+        }
+        let al = Arc::new(Al::new(bound.ci().clone(), bound.ca_handle()));
+        *self.relay.al.lock() = Some(al.clone());
+        *self.binding.lock() = Binding::Bound(bound.clone(), al);
+        self.report_children(&bound);
+    }
+
+    /// Sends `QueryCa` on the opened CA with a completion that finishes
+    /// the bind. PASSIVE_LEVEL.
+    fn send_port_query(&self) {
+        let (ci, ca) = match &*self.binding.lock() {
+            Binding::Opening(opened) => (opened.ci().clone(), opened.ca_handle()),
+            _ => return,
+        };
+        let (Some(in_len), Some(out_len)) = (
+            request_len::<QueryCa>(0),
+            response_len::<QueryCa>(QUERY_CA_ROOM as usize),
+        ) else {
+            self.ports_answered(Err(IbStatus::InsufficientResources));
+            return;
+        };
+        let mut bytes = vec![0; in_len];
+        if encode_request::<QueryCa>(ca, &Empty, &[], QUERY_CA_ROOM, &mut bytes).is_err() {
+            self.ports_answered(Err(IbStatus::InvalidParameter));
+            return;
+        }
+        let me = self.me.clone();
+        let request = ci.control_request(
+            QueryCa::ID.ioctl().raw(),
+            bytes,
+            out_len,
+            alloc::boxed::Box::new(move |status: NtStatus, output: &[u8]| {
+                let ports = if status.is_success() {
+                    match decode_response::<QueryCa>(output) {
+                        Ok(response) if response.status == IbStatus::Success => {
+                            ports_from_attributes(response.private)
+                        }
+                        Ok(response) => Err(response.status),
+                        Err(_) => Err(IbStatus::GenericError),
+                    }
+                } else {
+                    Err(IbStatus::from_ntstatus(status))
+                };
+                if let Some(shell) = me.upgrade() {
+                    shell.ports_answered(ports);
+                }
+            }),
+        );
+        // Completion is reported through the routine, now or later.
+        ci.submit(request);
+    }
+
+    /// Release-hardware: the AL detached, the CA deregistered and closed,
+    /// the interface dereferenced. PASSIVE_LEVEL.
+    fn release(&self) {
+        let binding = core::mem::replace(&mut *self.binding.lock(), Binding::Idle);
+        let detached = self.relay.al.lock().take();
+        drop(detached);
+        let ci = match binding {
+            Binding::Idle => None,
+            Binding::Queried(ci) => Some(ci),
+            Binding::Opening(opened) | Binding::Failed(opened) => {
+                let ci = opened.ci().clone();
+                let _ = opened.close();
+                Some(ci)
+            }
+            Binding::Duplicate(bound) => Some(close_bound(bound)),
+            Binding::Bound(bound, al) => {
+                drop(al);
+                let guid = bound.identity().ca_guid;
+                let mut registry = CA_REGISTRY.lock();
+                if let Some(registry) = registry.as_mut()
+                    && registry
+                        .get(guid)
+                        .is_some_and(|registered| Arc::ptr_eq(registered, &bound))
+                {
+                    registry.deregister(guid);
+                }
+                drop(registry);
+                Some(close_bound(bound))
+            }
+        };
+        if let Some(ci) = ci {
+            ci.release();
+        }
+    }
+}
+
+/// Closes a bound CA (PASSIVE_LEVEL); returns its interface.
+fn close_bound(bound: Arc<BoundCa<FfiCi>>) -> Arc<FfiCi> {
+    let ci = bound.ci().clone();
+    match Arc::try_unwrap(bound) {
+        Ok(bound) => {
+            let _ = bound.unbind();
+        }
+        Err(shared) => {
+            let _ = ci.close_ca(shared.ca_handle());
+        }
+    }
+    ci
+}
+
+/// `EvtDevicePrepareHardware`: the CI interface queried and its version
+/// checked.
+unsafe extern "C" fn evt_prepare_hardware(
+    device: WDFDEVICE,
+    _resources_raw: WDFCMRESLIST,
+    _resources_translated: WDFCMRESLIST,
+) -> NTSTATUS {
+    // SAFETY: the framework calls this on the live filter device.
+    let Some(shell) = (unsafe { shell_of::<FilterShell>(device as WDFOBJECT) }) else {
+        return NtStatus::INVALID_DEVICE_STATE.raw() as NTSTATUS;
+    };
+    // SAFETY: the live filter device, in prepare-hardware.
+    match unsafe { FfiCi::query(device) } {
+        Ok(ci) => {
+            *shell.binding.lock() = Binding::Queried(Arc::new(ci));
+            0
+        }
+        Err(status) => status.raw() as NTSTATUS,
+    }
+}
+
+/// `EvtDeviceD0Entry`: the first one opens the CA; a resume does nothing.
+unsafe extern "C" fn evt_d0_entry(device: WDFDEVICE, _from: WDF_POWER_DEVICE_STATE) -> NTSTATUS {
+    // SAFETY: the framework calls this on the live filter device.
+    let Some(shell) = (unsafe { shell_of::<FilterShell>(device as WDFOBJECT) }) else {
+        return NtStatus::INVALID_DEVICE_STATE.raw() as NTSTATUS;
+    };
+    let ci = match &*shell.binding.lock() {
+        Binding::Queried(ci) => ci.clone(),
+        // Resume: the CA stayed open across sleep.
+        _ => return 0,
+    };
+    shell.read_list();
+    let events: Arc<dyn CaEvents> = shell.relay.clone();
+    match OpenedCa::open(ci, events) {
+        Ok(opened) => {
+            *shell.binding.lock() = Binding::Opening(opened);
+            0
+        }
+        Err(error) => error.nt_status().raw() as NTSTATUS,
+    }
+}
+
+/// `EvtDeviceSelfManagedIoInit`: the port query.
+unsafe extern "C" fn evt_self_managed_io_init(device: WDFDEVICE) -> NTSTATUS {
+    // SAFETY: the framework calls this on the live filter device.
+    if let Some(shell) = unsafe { shell_of::<FilterShell>(device as WDFOBJECT) } {
+        shell.send_port_query();
+    }
+    0
+}
+
+/// `EvtDeviceReleaseHardware`.
+unsafe extern "C" fn evt_release_hardware(
+    device: WDFDEVICE,
+    _resources_translated: WDFCMRESLIST,
+) -> NTSTATUS {
+    // SAFETY: the framework calls this on the live filter device.
+    if let Some(shell) = unsafe { shell_of::<FilterShell>(device as WDFOBJECT) } {
+        shell.release();
+    }
+    0
+}

@@ -1,0 +1,196 @@
+//! A user CQ's fast path: polling CQEs from the ring by the owner bit
+//! (PRM 10.4) and arming through the doorbell page (PRM 9.3), no kernel
+//! call.
+//!
+//! [`Cq::poll`] and [`Cq::arm`] take `&mut self`/`&self` of the CQ alone:
+//! one poller per CQ (wrap it in a lock to share it), with no lock shared
+//! with the posters of its QPs. The context's QP directory is read-locked
+//! once per poll to find the queues a batch completes (its writers are QP
+//! setup and drop only).
+
+use std::sync::Arc;
+
+use hca_prm::cqe::{Cqe, CqeFlags};
+use hca_prm::doorbell::{CqArm, CqDoorbell};
+use hca_prm::owner;
+use hca_prm::uverbs::ResizeCqPriv;
+use ib_types::wc::WorkCompletion;
+use zerocopy::FromBytes;
+
+use crate::dma::{DmaBuffer, Record, from_device};
+use crate::error::SetupError;
+use crate::mmio::UarPage;
+use crate::queue::{Directory, Route};
+
+/// Bytes of a CQE.
+const CQE_BYTES: usize = 32;
+
+/// Which completion an armed CQ raises its event for (PRM 9.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArmFor {
+    /// The next solicited completion (or any error completion).
+    Solicited,
+    /// The next completion.
+    Next,
+}
+
+/// A user completion queue.
+#[derive(Debug)]
+pub struct Cq {
+    cqn: u32,
+    ring: DmaBuffer,
+    record: Record,
+    log_entries: u8,
+    /// CQEs consumed (wrapping).
+    consumer: u32,
+    /// CQEs that named no QP of the context (a QP dropped with
+    /// completions outstanding) or could not be decoded.
+    stray: u64,
+    uar: Arc<UarPage>,
+    doorbell_offset: u64,
+    directory: Arc<Directory>,
+}
+
+impl Cq {
+    pub(crate) fn new(
+        cqn: u32,
+        ring: DmaBuffer,
+        record: Record,
+        log_entries: u8,
+        uar: Arc<UarPage>,
+        doorbell_offset: u64,
+        directory: Arc<Directory>,
+    ) -> Self {
+        Self {
+            cqn,
+            ring,
+            record,
+            log_entries,
+            consumer: 0,
+            stray: 0,
+            uar,
+            doorbell_offset,
+            directory,
+        }
+    }
+
+    /// The CQ number.
+    pub fn cqn(&self) -> u32 {
+        self.cqn
+    }
+
+    /// CQEs consumed so far (the consumer counter).
+    pub fn consumer(&self) -> u32 {
+        self.consumer
+    }
+
+    /// CQEs consumed that named no QP of the context or did not decode;
+    /// they produce no work completion.
+    pub fn stray_completions(&self) -> u64 {
+        self.stray
+    }
+
+    /// Moves up to `out.len()` completions into `out`, oldest first, and
+    /// returns how many. For each CQE: its owner bit decides whether the
+    /// device wrote it on this pass; the from-device barrier; then the
+    /// entry. The consumer record is stored once per batch.
+    pub fn poll(&mut self, out: &mut [WorkCompletion]) -> usize {
+        let mask = (1u32 << self.log_entries) - 1;
+        let directory = self.directory.read();
+        let mut filled = 0;
+        let start = self.consumer;
+        while filled < out.len() {
+            let at = (self.consumer & mask) as usize * CQE_BYTES;
+            // The owner byte is the last byte of the entry's last word.
+            let Some(last_word) = self.ring.load_word(at + CQE_BYTES - 8) else {
+                break;
+            };
+            let owner_byte = (last_word >> 56) as u8;
+            if !owner::is_valid(owner_byte, self.consumer, self.log_entries) {
+                break;
+            }
+            from_device();
+            let mut raw = [0u8; CQE_BYTES];
+            let _ = self.ring.read_words(at, &mut raw);
+            self.consumer = self.consumer.wrapping_add(1);
+            let completion = Cqe::read_from_bytes(&raw)
+                .ok()
+                .and_then(|cqe| complete(&directory, &cqe));
+            match completion {
+                Some(wc) => {
+                    out[filled] = wc;
+                    filled += 1;
+                }
+                None => self.stray += 1,
+            }
+        }
+        drop(directory);
+        if self.consumer != start {
+            self.record.store_release(self.consumer);
+        }
+        filled
+    }
+
+    /// Moves to the new ring of a successful `ResizeCq` (PRM 6.2, 13): the
+    /// device copied the outstanding CQEs to its slot 0 onward and zeroed
+    /// the consumer record, so polling goes on from counter 0 there. Call
+    /// it only after the kernel answered success, and poll nothing while
+    /// the request is outstanding; after a failure the old ring stays.
+    ///
+    /// # Safety
+    /// As [`crate::Context::cq`], for `layout`'s ring and the rest of the
+    /// CQ's life.
+    pub unsafe fn resized(&mut self, layout: &ResizeCqPriv) -> Result<(), SetupError> {
+        if layout.ring.len < (CQE_BYTES as u64) << layout.log_entries {
+            return Err(SetupError::Layout {
+                what: "CQ ring",
+                detail: "smaller than its entries",
+            });
+        }
+        let len = usize::try_from(layout.ring.len).map_err(|_| SetupError::Layout {
+            what: "CQ ring",
+            detail: "longer than the address space",
+        })?;
+        // SAFETY: the caller's contract is `from_raw`'s for the new ring.
+        self.ring = unsafe { DmaBuffer::from_raw(layout.ring.va, len) }?;
+        self.log_entries = layout.log_entries;
+        self.consumer = 0;
+        Ok(())
+    }
+
+    /// Arms the CQ for one completion event through the doorbell page,
+    /// with the consumer counter as of now: CQEs the device wrote past it
+    /// raise the event at once (PRM 9.3), so poll, arm, poll again is
+    /// race-free.
+    pub fn arm(&self, for_: ArmFor) {
+        let cmd = match for_ {
+            ArmFor::Solicited => CqArm::Solicited,
+            ArmFor::Next => CqArm::Next,
+        };
+        // The CQN fits 24 bits: checked at setup.
+        if let Ok(doorbell) = CqDoorbell::new(self.cqn, cmd, self.consumer) {
+            let _ = self.uar.write64(self.doorbell_offset, doorbell.encode());
+        }
+    }
+}
+
+/// The work completion of `cqe`, its `wr_id` taken from the queue it
+/// completes; `None` for a CQE of no QP in the directory or that does not
+/// decode.
+#[inline]
+fn complete(
+    directory: &std::collections::BTreeMap<u32, Route>,
+    cqe: &Cqe,
+) -> Option<WorkCompletion> {
+    let route = directory.get(&cqe.qpn().ok()?.get())?;
+    let flags = cqe.flags();
+    let index = cqe.wqe_index();
+    let wr_id = if !flags.contains(CqeFlags::RECV) {
+        route.send.complete(index)
+    } else if flags.contains(CqeFlags::SRQ) {
+        route.srq.as_ref()?.complete(index)
+    } else {
+        route.recv.as_ref()?.complete(index)
+    };
+    cqe.to_work_completion(wr_id).ok()
+}

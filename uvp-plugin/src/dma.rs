@@ -1,0 +1,312 @@
+//! Memory the provider shares with the device: rings and doorbell records
+//! in the process's own memory, reached through raw pointers.
+//!
+//! Contract:
+//! - A [`DmaBuffer`] is a range of user memory the kernel pinned and mapped
+//!   for the device (PRM 13). The provider reaches it only through this
+//!   module, and only as naturally aligned 64-bit atomic words: the device
+//!   reads and writes the same memory at any moment, so a plain store
+//!   would be a data race. On the simulated host the memory *is* a run of
+//!   `AtomicU64` words (`sim_host::memory`); on Windows it is ordinary
+//!   pinned memory, where atomic accesses are ordinary loads and stores.
+//! - Stores are relaxed: ordering towards the device comes from the named
+//!   barriers below, placed by the queue code (rdma-core's
+//!   `udma_to_device_barrier` / `udma_from_device_barrier`).
+//! - Out-of-range accesses are refused (`false` / `None`), never performed.
+//!
+//! This module and [`crate::mmio`] hold the crate's only `unsafe` code.
+
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicU64, Ordering, fence};
+
+/// Bytes of a word, the unit of every access.
+const WORD: usize = 8;
+
+/// Orders the provider's earlier stores to shared memory (WQEs, records)
+/// before a later store the device acts on (a doorbell): a release fence.
+#[inline]
+pub fn to_device() {
+    fence(Ordering::Release);
+}
+
+/// Orders a load that saw the device's ownership mark (a CQE's owner bit)
+/// before the loads of the entry it guards: an acquire fence (`dma_rmb`).
+#[inline]
+pub fn from_device() {
+    fence(Ordering::Acquire);
+}
+
+/// Why a range cannot be used as a [`DmaBuffer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BufferError {
+    /// Null, not 8-byte aligned, empty, not a whole number of words, or
+    /// wrapping the address space.
+    #[error("{len} bytes at {address:#x} are not an aligned, non-empty range of words")]
+    BadRange {
+        /// Start of the range.
+        address: u64,
+        /// Its length.
+        len: usize,
+    },
+}
+
+/// A range of memory shared with the device, accessed as 64-bit atomics.
+///
+/// # Invariants
+/// `base` points to `words` consecutive, 8-byte aligned 64-bit words that
+/// stay valid for the buffer's life and that everybody else accesses only
+/// atomically (see [`DmaBuffer::from_raw`]).
+#[derive(Debug)]
+pub struct DmaBuffer {
+    base: NonNull<AtomicU64>,
+    words: usize,
+}
+
+// SAFETY: the buffer is a pointer to memory every party accesses only
+// through atomics (type invariant), so moving it to another thread moves no
+// unsynchronised state.
+unsafe impl Send for DmaBuffer {}
+// SAFETY: every method takes `&self` and touches the memory only through
+// `AtomicU64` operations, which are safe to run from many threads at once.
+unsafe impl Sync for DmaBuffer {}
+
+impl DmaBuffer {
+    /// The `len` bytes at `address` as a shared buffer.
+    ///
+    /// # Safety
+    /// For as long as the returned buffer (and anything it moves into)
+    /// lives, `address..address + len` must be memory of this process,
+    /// valid for reads and writes, that nothing accesses other than through
+    /// naturally aligned 64-bit atomic operations (the device's accesses
+    /// are DMA and count as such). Memory the provider allocated and the
+    /// kernel pinned for a ring or a record satisfies this until it is freed.
+    pub unsafe fn from_raw(address: u64, len: usize) -> Result<Self, BufferError> {
+        let bad = BufferError::BadRange { address, len };
+        let fits = usize::try_from(address)
+            .ok()
+            .and_then(|start| start.checked_add(len))
+            .is_some();
+        if len == 0 || !len.is_multiple_of(WORD) || !address.is_multiple_of(WORD as u64) || !fits {
+            return Err(bad);
+        }
+        let base = NonNull::new(address as usize as *mut AtomicU64).ok_or(bad)?;
+        Ok(Self {
+            base,
+            words: len / WORD,
+        })
+    }
+
+    /// Bytes of the buffer.
+    pub fn len(&self) -> usize {
+        self.words * WORD
+    }
+
+    /// Always false: a buffer has at least one word.
+    pub fn is_empty(&self) -> bool {
+        self.words == 0
+    }
+
+    /// The address of byte 0.
+    pub fn address(&self) -> u64 {
+        self.base.as_ptr() as usize as u64
+    }
+
+    /// Word `index`, if the buffer has it.
+    #[inline]
+    fn word(&self, index: usize) -> Option<&AtomicU64> {
+        if index >= self.words {
+            return None;
+        }
+        let word = self.base.as_ptr().wrapping_add(index);
+        // SAFETY: `index` is within the buffer, so `word` points to one of
+        // its aligned, live words, which are only accessed atomically (type
+        // invariant); the reference lives no longer than `&self`.
+        Some(unsafe { &*word })
+    }
+
+    /// Stores `bytes` (a whole number of words, little-endian) at the
+    /// word-aligned `offset`, word by word in ascending order; false, with
+    /// nothing stored, if the range is not whole words inside the buffer.
+    #[inline]
+    pub fn store_words(&self, offset: usize, bytes: &[u8]) -> bool {
+        let whole = offset.is_multiple_of(WORD) && bytes.len().is_multiple_of(WORD);
+        let first = offset / WORD;
+        let inside = first
+            .checked_add(bytes.len() / WORD)
+            .is_some_and(|end| end <= self.words);
+        if !whole || !inside {
+            return false;
+        }
+        for (i, chunk) in bytes.chunks_exact(WORD).enumerate() {
+            let mut word = [0u8; WORD];
+            word.copy_from_slice(chunk);
+            if let Some(w) = self.word(first + i) {
+                w.store(u64::from_le_bytes(word), Ordering::Relaxed);
+            }
+        }
+        true
+    }
+
+    /// Loads the word at the word-aligned `offset` (relaxed).
+    #[inline]
+    pub fn load_word(&self, offset: usize) -> Option<u64> {
+        if !offset.is_multiple_of(WORD) {
+            return None;
+        }
+        self.word(offset / WORD).map(|w| w.load(Ordering::Relaxed))
+    }
+
+    /// Copies whole words from the word-aligned `offset` into `out`, in
+    /// ascending order (relaxed); false, with `out` untouched, if the range
+    /// is not whole words inside the buffer.
+    #[inline]
+    pub fn read_words(&self, offset: usize, out: &mut [u8]) -> bool {
+        let whole = offset.is_multiple_of(WORD) && out.len().is_multiple_of(WORD);
+        let first = offset / WORD;
+        let inside = first
+            .checked_add(out.len() / WORD)
+            .is_some_and(|end| end <= self.words);
+        if !whole || !inside {
+            return false;
+        }
+        for (i, chunk) in out.chunks_exact_mut(WORD).enumerate() {
+            if let Some(w) = self.word(first + i) {
+                chunk.copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+            }
+        }
+        true
+    }
+
+    /// Stores the 4-byte little-endian `value` at the 4-byte aligned
+    /// `offset` (a doorbell record, PRM 9.2) as one read-modify-write of
+    /// its word with `Release` order, keeping the word's other half: the
+    /// device reads the record with 64-bit accesses, so the store must not
+    /// be a mixed-size one. False if out of range or misaligned.
+    #[inline]
+    pub fn store_u32_release(&self, offset: usize, value: u32) -> bool {
+        if !offset.is_multiple_of(4) {
+            return false;
+        }
+        let Some(word) = self.word(offset / WORD) else {
+            return false;
+        };
+        let shift = (offset % WORD) * 8;
+        let mask = 0xFFFF_FFFFu64 << shift;
+        // Never fails: the closure always returns `Some`.
+        let _ = word.fetch_update(Ordering::Release, Ordering::Relaxed, |old| {
+            Some((old & !mask) | (u64::from(value) << shift))
+        });
+        true
+    }
+
+    /// Zero-fills the buffer (a CQ ring before it is handed to the kernel:
+    /// PRM 10.4's owner rule needs the first pass to start from zeros).
+    pub fn zero(&self) {
+        for i in 0..self.words {
+            if let Some(w) = self.word(i) {
+                w.store(0, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// A doorbell record (PRM 9.2): 4 bytes, 4-byte aligned, stored as one
+/// 64-bit read-modify-write of the aligned word that holds it.
+#[derive(Debug)]
+pub struct Record {
+    word: DmaBuffer,
+    offset: usize,
+}
+
+impl Record {
+    /// The record at `address` (4-byte aligned).
+    ///
+    /// # Safety
+    /// As [`DmaBuffer::from_raw`] for the aligned 8-byte word holding the
+    /// record (it lies in the record's page, so any page-granular
+    /// allocation holding the record holds the word).
+    pub unsafe fn from_raw(address: u64) -> Result<Self, BufferError> {
+        if !address.is_multiple_of(4) {
+            return Err(BufferError::BadRange { address, len: 4 });
+        }
+        let word_address = address & !(WORD as u64 - 1);
+        // SAFETY: the caller's contract covers this word.
+        let word = unsafe { DmaBuffer::from_raw(word_address, WORD) }?;
+        Ok(Self {
+            word,
+            offset: (address - word_address) as usize,
+        })
+    }
+
+    /// Stores the counter with `Release` order: the WQEs written before it
+    /// are visible to a device that reads it (PRM 9.2).
+    #[inline]
+    pub fn store_release(&self, value: u32) {
+        // In range by construction: the offset is 0 or 4 of one word.
+        let _ = self.word.store_u32_release(self.offset, value);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn buffer(words: &mut [AtomicU64]) -> DmaBuffer {
+        // SAFETY: `words` is a live array of atomics that outlives the
+        // buffer in each test and is accessed only atomically.
+        unsafe { DmaBuffer::from_raw(words.as_mut_ptr() as u64, words.len() * 8) }.unwrap()
+    }
+
+    #[test]
+    fn word_accesses_stay_inside_and_keep_neighbours() {
+        let mut words: Vec<AtomicU64> = (0..4).map(|_| AtomicU64::new(u64::MAX)).collect();
+        let b = buffer(&mut words);
+        assert_eq!(b.len(), 32);
+        assert!(b.store_words(8, &[1, 2, 3, 4, 5, 6, 7, 8]));
+        assert_eq!(b.load_word(8), Some(0x0807_0605_0403_0201));
+        assert!(!b.store_words(4, &[0; 8]), "misaligned");
+        assert!(!b.store_words(24, &[0; 16]), "past the end");
+        assert!(!b.store_words(8, &[0; 4]), "not a whole word");
+        assert_eq!(b.load_word(32), None);
+        assert!(b.store_u32_release(4, 0x1122_3344));
+        assert_eq!(b.load_word(0), Some(0x1122_3344_FFFF_FFFF));
+        assert!(!b.store_u32_release(2, 0));
+        assert!(!b.store_u32_release(32, 0));
+        let mut out = [0u8; 16];
+        assert!(b.read_words(0, &mut out));
+        assert_eq!(&out[8..], &[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert!(!b.read_words(24, &mut out));
+        b.zero();
+        assert!(words.iter().all(|w| w.load(Ordering::Relaxed) == 0));
+    }
+
+    #[test]
+    fn a_record_in_either_half_of_its_word_keeps_the_other() {
+        let mut words: Vec<AtomicU64> = (0..2).map(|_| AtomicU64::new(0)).collect();
+        let base = words.as_mut_ptr() as u64;
+        // SAFETY: word 1 is a live atomic that outlives the record.
+        let low = unsafe { Record::from_raw(base + 8) }.unwrap();
+        // SAFETY: as above.
+        let high = unsafe { Record::from_raw(base + 12) }.unwrap();
+        low.store_release(0x1111_1111);
+        high.store_release(0x2222_2222);
+        low.store_release(0x3333_3333);
+        assert_eq!(words[1].load(Ordering::Relaxed), 0x2222_2222_3333_3333);
+        assert_eq!(words[0].load(Ordering::Relaxed), 0);
+        // SAFETY: refused before anything is accessed.
+        assert!(unsafe { Record::from_raw(base + 2) }.is_err());
+    }
+
+    #[test]
+    fn bad_ranges_are_refused() {
+        // SAFETY: every call is refused before anything could be accessed.
+        let refused =
+            |address: u64, len: usize| unsafe { DmaBuffer::from_raw(address, len) }.is_err();
+        assert!(refused(0, 8));
+        assert!(refused(8, 0));
+        assert!(refused(12, 8));
+        assert!(refused(8, 12));
+        assert!(refused(u64::MAX - 7, 16));
+    }
+}

@@ -1,0 +1,322 @@
+//! A user QP's send and receive queues: WQEs written straight into the
+//! rings in the process's memory, one doorbell (send) or one record store
+//! (receive) per batch, no kernel call.
+//!
+//! Thread safety: [`SendQueue::post`] and [`RecvQueue::post`] take
+//! `&mut self`, and the two queues are separate values ([`Qp::queues`]),
+//! so one thread may post sends while another posts receives and others
+//! poll the CQs, with no lock between any of them. Posting to one queue
+//! from several threads needs the caller's own lock around that queue
+//! (e.g. a `Mutex<SendQueue>`), as with rdma-core's single-threaded QPs.
+//!
+//! Failure: a post validates each request completely and builds its WQE
+//! before writing a byte of the ring, so a refused request leaves nothing
+//! behind; the requests before it stay posted (and announced).
+
+use std::sync::Arc;
+
+use hca_prm::av::Av;
+use hca_prm::doorbell::SqDoorbell;
+use hca_prm::wqe::{BB_SIZE, WqeError, basic_blocks, build_recv_wqe, build_send_wqe};
+use ib_types::scalars::Qpn;
+use ib_types::wr::{RecvWr, SendWr, Transport, WrLimits};
+
+use crate::dma::{DmaBuffer, Record};
+use crate::error::{PostError, PostErrorKind};
+use crate::mmio::UarPage;
+use crate::queue::{Directory, WorkQueueShared};
+
+/// One send work request as the fast path takes it.
+#[derive(Debug, Clone, Copy)]
+pub struct SendRequest<'a> {
+    /// The work request.
+    pub wr: SendWr<'a>,
+    /// The destination's address vector (user AVs live in user mode,
+    /// PRM 13 `CreateAv`), exactly when `wr.ud` is set.
+    pub av: Option<Av>,
+    /// The data of the SGEs, exactly when `wr.flags` has INLINE: it is
+    /// copied into the WQE, so the buffer needs no registration.
+    pub inline: Option<&'a [u8]>,
+}
+
+/// Runs `posts` over `items` until one fails: how many were posted, and
+/// the failure.
+fn post_each<T>(
+    items: &[T],
+    mut post: impl FnMut(&T) -> Result<(), PostErrorKind>,
+) -> (usize, Option<PostErrorKind>) {
+    for (posted, item) in items.iter().enumerate() {
+        if let Err(kind) = post(item) {
+            return (posted, Some(kind));
+        }
+    }
+    (items.len(), None)
+}
+
+fn outcome(posted: usize, failure: Option<PostErrorKind>) -> Result<usize, PostError> {
+    match failure {
+        None => Ok(posted),
+        Some(kind) => Err(PostError { posted, kind }),
+    }
+}
+
+/// The send queue of a user QP.
+#[derive(Debug)]
+pub struct SendQueue {
+    ring: DmaBuffer,
+    qpn: Qpn,
+    transport: Transport,
+    limits: WrLimits,
+    /// Basic blocks in the ring (a power of two).
+    ring_bbs: u32,
+    /// Basic blocks posted (wrapping).
+    producer: u32,
+    shared: Arc<WorkQueueShared>,
+    uar: Arc<UarPage>,
+    doorbell_offset: u64,
+    /// One stride: where a WQE is built before it is copied into the ring
+    /// (the ring is shared memory written only as atomic words).
+    scratch: Box<[u8]>,
+}
+
+impl SendQueue {
+    #[expect(clippy::too_many_arguments, reason = "one private constructor")]
+    pub(crate) fn new(
+        ring: DmaBuffer,
+        qpn: Qpn,
+        transport: Transport,
+        limits: WrLimits,
+        log_bbs: u8,
+        stride: usize,
+        uar: Arc<UarPage>,
+        doorbell_offset: u64,
+    ) -> Self {
+        Self {
+            ring,
+            qpn,
+            transport,
+            limits,
+            ring_bbs: 1 << log_bbs,
+            producer: 0,
+            shared: Arc::new(WorkQueueShared::new(1 << log_bbs)),
+            uar,
+            doorbell_offset,
+            scratch: vec![0; stride].into_boxed_slice(),
+        }
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<WorkQueueShared> {
+        &self.shared
+    }
+
+    /// The basic blocks posted so far (the producer counter the doorbell
+    /// carries).
+    pub fn producer(&self) -> u32 {
+        self.producer
+    }
+
+    /// Posts `requests` in order: each WQE into the ring, then one
+    /// `SQ_DOORBELL` for all of them. Returns how many were posted; on a
+    /// refused request, the error says how many went before it (posted and
+    /// rung) and nothing of it or after it is in the ring.
+    pub fn post(&mut self, requests: &[SendRequest<'_>]) -> Result<usize, PostError> {
+        let (posted, failure) = post_each(requests, |r| self.write_wqe(r));
+        if posted > 0 {
+            self.ring_doorbell();
+        }
+        outcome(posted, failure)
+    }
+
+    /// Rings the doorbell with the current producer counter (after a post;
+    /// also what flushes receives of a QP in ERR, PRM 10.5).
+    pub fn ring_doorbell(&self) {
+        let doorbell = SqDoorbell {
+            qpn: self.qpn,
+            producer: self.producer,
+        };
+        // The offset came from the kernel's response, checked at setup.
+        let _ = self.uar.write64(self.doorbell_offset, doorbell.encode());
+    }
+
+    /// Validates, builds and writes one WQE at the producer counter.
+    #[inline]
+    fn write_wqe(&mut self, request: &SendRequest<'_>) -> Result<(), PostErrorKind> {
+        request.wr.validate(self.transport, &self.limits)?;
+        let stride = self.scratch.len();
+        let len = build_send_wqe(
+            &request.wr,
+            request.av.as_ref(),
+            self.producer as u16,
+            request.inline,
+            &mut self.scratch,
+        )
+        .map_err(|e| match e {
+            WqeError::OutputTooSmall { needed, .. } | WqeError::TooLong { bytes: needed } => {
+                PostErrorKind::WqeTooLarge {
+                    bytes: needed,
+                    stride,
+                }
+            }
+            other => PostErrorKind::Wqe(other),
+        })?;
+        let bbs = basic_blocks(len) as u32;
+        let in_flight = self.producer.wrapping_sub(self.shared.consumer());
+        if in_flight.saturating_add(bbs) > self.ring_bbs {
+            return Err(PostErrorKind::QueueFull);
+        }
+        self.shared.record(self.producer, request.wr.wr_id, bbs);
+        let mask = self.ring_bbs - 1;
+        for (i, block) in self.scratch[..len].chunks(BB_SIZE).enumerate() {
+            let slot = self.producer.wrapping_add(i as u32) & mask;
+            // In range by construction: the slot is inside the ring, whose
+            // size was checked at setup, and `len` is a multiple of 16.
+            let _ = self.ring.store_words(slot as usize * BB_SIZE, block);
+        }
+        self.producer = self.producer.wrapping_add(bbs);
+        Ok(())
+    }
+}
+
+/// The receive queue of a user QP that has one (not on an SRQ).
+#[derive(Debug)]
+pub struct RecvQueue {
+    ring: DmaBuffer,
+    record: Record,
+    limits: WrLimits,
+    entries: u32,
+    producer: u32,
+    shared: Arc<WorkQueueShared>,
+    /// One stride, where a WQE is built before it is copied.
+    scratch: Box<[u8]>,
+}
+
+impl RecvQueue {
+    pub(crate) fn new(
+        ring: DmaBuffer,
+        record: Record,
+        max_sge: u32,
+        log_entries: u8,
+        stride: usize,
+    ) -> Self {
+        Self {
+            ring,
+            record,
+            limits: WrLimits {
+                max_sge,
+                max_inline: 0,
+            },
+            entries: 1 << log_entries,
+            producer: 0,
+            shared: Arc::new(WorkQueueShared::new(1 << log_entries)),
+            scratch: vec![0; stride].into_boxed_slice(),
+        }
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<WorkQueueShared> {
+        &self.shared
+    }
+
+    /// Posts `wrs` in order: each WQE into the ring, then one store of the
+    /// receive doorbell record (Release), which is all the device needs
+    /// (PRM 9.2). Failure as for [`SendQueue::post`].
+    pub fn post(&mut self, wrs: &[RecvWr<'_>]) -> Result<usize, PostError> {
+        let (posted, failure) = post_each(wrs, |wr| {
+            write_recv_wqe(
+                &self.ring,
+                &mut self.scratch,
+                &self.limits,
+                wr,
+                self.producer,
+                || {
+                    let room = self.producer.wrapping_sub(self.shared.consumer()) < self.entries;
+                    if room {
+                        self.shared.record(self.producer, wr.wr_id, 1);
+                    }
+                    room
+                },
+            )?;
+            self.producer = self.producer.wrapping_add(1);
+            Ok(())
+        });
+        if posted > 0 {
+            self.record.store_release(self.producer);
+        }
+        outcome(posted, failure)
+    }
+}
+
+/// Validates and builds receive WQE `counter` in `scratch`, asks `claim`
+/// for its slot (false: the queue is full), then copies it into the ring.
+#[inline]
+pub(crate) fn write_recv_wqe(
+    ring: &DmaBuffer,
+    scratch: &mut [u8],
+    limits: &WrLimits,
+    wr: &RecvWr<'_>,
+    counter: u32,
+    claim: impl FnOnce() -> bool,
+) -> Result<(), PostErrorKind> {
+    wr.validate(limits)?;
+    let stride = scratch.len();
+    build_recv_wqe(wr.sg_list, counter as u16, stride, scratch)?;
+    if !claim() {
+        return Err(PostErrorKind::QueueFull);
+    }
+    let slots = ring.len() / stride;
+    let slot = counter as usize & (slots - 1);
+    // In range by construction: the ring holds `slots` strides.
+    let _ = ring.store_words(slot * stride, scratch);
+    Ok(())
+}
+
+/// A user QP's fast-path half: its queues, and its entry in the context's
+/// directory (which its CQs' pollers use), removed when it drops.
+#[derive(Debug)]
+pub struct Qp {
+    qpn: Qpn,
+    send: SendQueue,
+    recv: Option<RecvQueue>,
+    directory: Arc<Directory>,
+}
+
+impl Qp {
+    pub(crate) fn new(
+        qpn: Qpn,
+        send: SendQueue,
+        recv: Option<RecvQueue>,
+        directory: Arc<Directory>,
+    ) -> Self {
+        Self {
+            qpn,
+            send,
+            recv,
+            directory,
+        }
+    }
+
+    /// The QP number.
+    pub fn qpn(&self) -> Qpn {
+        self.qpn
+    }
+
+    /// The send queue.
+    pub fn send_queue(&mut self) -> &mut SendQueue {
+        &mut self.send
+    }
+
+    /// The receive queue; `None` for a QP on an SRQ.
+    pub fn recv_queue(&mut self) -> Option<&mut RecvQueue> {
+        self.recv.as_mut()
+    }
+
+    /// Both queues at once, e.g. to post on each from its own thread.
+    pub fn queues(&mut self) -> (&mut SendQueue, Option<&mut RecvQueue>) {
+        (&mut self.send, self.recv.as_mut())
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        self.directory.remove(self.qpn.get());
+    }
+}

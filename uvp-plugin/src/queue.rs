@@ -1,0 +1,235 @@
+//! What a work queue's poster and its CQ's poller share: the `wr_id` of
+//! each posted WQE and the consumer counter, all atomics. No lock is shared
+//! between post and poll.
+//!
+//! Protocol (one poster and one poller per queue, each holding `&mut` of
+//! its side):
+//! - The poster reads `consumer` (Acquire) to find free slots, writes a
+//!   slot's `wr_id` (and size) before the WQE, then makes the WQE visible
+//!   to the device (release barrier, doorbell or record).
+//! - The poller sees the WQE's CQE (owner bit, then the from-device
+//!   barrier), reads the slot, then publishes the new `consumer` (Release).
+//!   A slot is rewritten only after the consumer passed it, so a `wr_id` is
+//!   never overwritten before its completion was read.
+//! - Send and receive completions of one queue arrive in order on one CQ
+//!   (PRM 10.2, 10.3), so the consumer follows the CQEs' `wqe_index`. SRQ
+//!   completions of different QPs may reach different CQs out of order, so
+//!   an SRQ slot carries its own busy flag instead: set by the poster,
+//!   cleared (Release) by whichever poller completes it.
+//!
+//! The `loom_` models below (`cargo xtask loom`) run this code's atomics
+//! (`crate::sync`) through every interleaving of a post racing a poll; they
+//! fail if the poller publishes a slot before reading it. Loom does not
+//! model load buffering, so the Acquire/Release pairs are argued above, not
+//! model-checked.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+
+use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+
+/// A send or receive queue's shared state: per slot the `wr_id` and the
+/// slots the WQE occupies (send basic blocks; 1 for receives).
+#[derive(Debug)]
+pub(crate) struct WorkQueueShared {
+    wr_ids: Box<[AtomicU64]>,
+    sizes: Box<[AtomicU32]>,
+    /// Slots completed (wrapping): written by the poller only.
+    consumer: AtomicU32,
+}
+
+impl WorkQueueShared {
+    /// A queue of `slots` slots (a power of two, at most 2^16).
+    pub(crate) fn new(slots: usize) -> Self {
+        Self {
+            wr_ids: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+            sizes: (0..slots).map(|_| AtomicU32::new(0)).collect(),
+            consumer: AtomicU32::new(0),
+        }
+    }
+
+    fn mask(&self) -> u32 {
+        (self.wr_ids.len() as u32).wrapping_sub(1)
+    }
+
+    /// The consumer counter, for the poster (Acquire: the poller's reads of
+    /// the slots it freed happen before the poster rewrites them).
+    #[inline]
+    pub(crate) fn consumer(&self) -> u32 {
+        self.consumer.load(Ordering::Acquire)
+    }
+
+    /// Records the WQE posted at `counter`, occupying `size` slots.
+    #[inline]
+    pub(crate) fn record(&self, counter: u32, wr_id: u64, size: u32) {
+        let slot = (counter & self.mask()) as usize;
+        if let (Some(id), Some(len)) = (self.wr_ids.get(slot), self.sizes.get(slot)) {
+            id.store(wr_id, Ordering::Relaxed);
+            len.store(size, Ordering::Relaxed);
+        }
+    }
+
+    /// The poller's side: the WQE whose `wqe_index` a CQE names completed,
+    /// and with it every WQE before it. Returns its `wr_id`.
+    #[inline]
+    pub(crate) fn complete(&self, wqe_index: u16) -> u64 {
+        let consumer = self.consumer.load(Ordering::Relaxed);
+        // The full counter of the WQE: at most 2^16 slots are outstanding,
+        // so the low 16 bits place it after the consumer.
+        let counter = consumer.wrapping_add(u32::from(wqe_index.wrapping_sub(consumer as u16)));
+        let slot = (counter & self.mask()) as usize;
+        let wr_id = self
+            .wr_ids
+            .get(slot)
+            .map_or(0, |w| w.load(Ordering::Relaxed));
+        let size = self
+            .sizes
+            .get(slot)
+            .map_or(1, |s| s.load(Ordering::Relaxed).max(1));
+        self.consumer
+            .store(counter.wrapping_add(size), Ordering::Release);
+        wr_id
+    }
+}
+
+/// An SRQ's shared state: per slot the `wr_id` and whether the WQE there
+/// is still outstanding.
+#[derive(Debug)]
+pub(crate) struct SrqShared {
+    wr_ids: Box<[AtomicU64]>,
+    busy: Box<[AtomicBool]>,
+}
+
+impl SrqShared {
+    pub(crate) fn new(slots: usize) -> Self {
+        Self {
+            wr_ids: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+            busy: (0..slots).map(|_| AtomicBool::new(false)).collect(),
+        }
+    }
+
+    fn slot(&self, counter: u32) -> usize {
+        (counter & (self.wr_ids.len() as u32).wrapping_sub(1)) as usize
+    }
+
+    /// The poster's side: claims the slot of `counter` for `wr_id`; false
+    /// if the WQE there has not completed yet.
+    #[inline]
+    pub(crate) fn claim(&self, counter: u32, wr_id: u64) -> bool {
+        let slot = self.slot(counter);
+        let (Some(busy), Some(id)) = (self.busy.get(slot), self.wr_ids.get(slot)) else {
+            return false;
+        };
+        // Acquire: the poller's read of the old `wr_id` happens before the
+        // store below.
+        if busy.load(Ordering::Acquire) {
+            return false;
+        }
+        id.store(wr_id, Ordering::Relaxed);
+        busy.store(true, Ordering::Relaxed);
+        true
+    }
+
+    /// The poller's side: the WQE at `wqe_index` completed; its `wr_id`.
+    #[inline]
+    pub(crate) fn complete(&self, wqe_index: u16) -> u64 {
+        let slot = self.slot(u32::from(wqe_index));
+        let wr_id = self
+            .wr_ids
+            .get(slot)
+            .map_or(0, |w| w.load(Ordering::Relaxed));
+        if let Some(busy) = self.busy.get(slot) {
+            busy.store(false, Ordering::Release);
+        }
+        wr_id
+    }
+}
+
+/// Where a QP's completions find their `wr_id`s.
+#[derive(Debug, Clone)]
+pub(crate) struct Route {
+    pub(crate) send: Arc<WorkQueueShared>,
+    pub(crate) recv: Option<Arc<WorkQueueShared>>,
+    pub(crate) srq: Option<Arc<SrqShared>>,
+}
+
+/// The context's QPs by number, for the pollers. Written when a QP is set
+/// up or dropped (the control path); the post path never touches it.
+#[derive(Debug, Default)]
+pub(crate) struct Directory(RwLock<BTreeMap<u32, Route>>);
+
+impl Directory {
+    pub(crate) fn insert(&self, qpn: u32, route: Route) {
+        self.0
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(qpn, route);
+    }
+
+    pub(crate) fn remove(&self, qpn: u32) {
+        self.0
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&qpn);
+    }
+
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, BTreeMap<u32, Route>> {
+        self.0.read().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_queue {
+    use super::*;
+
+    /// Post against poll on a send queue of 2 slots, one WQE per slot:
+    /// WQEs 0 and 1 fill it; the poster puts WQE 2 into slot 0 as soon as
+    /// the consumer says the slot is free (as `SendQueue::write_wqe` checks
+    /// for room), while the poller completes WQE 0 then WQE 1. The poller
+    /// always gets the `wr_id` each WQE was posted with, never the one
+    /// written into its slot later.
+    #[test]
+    fn loom_send_slots_post_against_poll() {
+        loom::model(|| {
+            let queue = loom::sync::Arc::new(WorkQueueShared::new(2));
+            queue.record(0, 100, 1);
+            queue.record(1, 101, 1);
+            let poster = {
+                let queue = queue.clone();
+                loom::thread::spawn(move || {
+                    let in_flight = 2u32.wrapping_sub(queue.consumer());
+                    let room = in_flight < 2;
+                    if room {
+                        queue.record(2, 102, 1);
+                    }
+                    room
+                })
+            };
+            assert_eq!(queue.complete(0), 100);
+            assert_eq!(queue.complete(1), 101);
+            if poster.join().unwrap() {
+                assert_eq!(queue.complete(2), 102);
+            }
+        });
+    }
+
+    /// An SRQ slot is claimed by the poster only after the poller that
+    /// completed its previous WQE read that WQE's `wr_id`.
+    #[test]
+    fn loom_srq_slot_claim_against_complete() {
+        loom::model(|| {
+            let srq = loom::sync::Arc::new(SrqShared::new(1));
+            assert!(srq.claim(0, 7));
+            let poller = {
+                let srq = srq.clone();
+                loom::thread::spawn(move || srq.complete(0))
+            };
+            let claimed = srq.claim(1, 8);
+            assert_eq!(poller.join().unwrap(), 7);
+            // Whichever won, the slot ends claimed by the poster at most
+            // once, and a failed claim changed nothing.
+            assert!(claimed || srq.claim(1, 8));
+            assert!(!srq.claim(2, 9), "busy until its completion");
+        });
+    }
+}
