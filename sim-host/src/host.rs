@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use ib_types::status::NtStatus;
 use sim_hca::cluster::ClusterError;
 use sim_hca::device::DeviceConfig;
 use sim_hca::fabric::FabricConfig;
@@ -87,6 +88,7 @@ pub struct Host {
     pool: Pool,
     iommu: Iommu,
     backplane: Arc<Backplane>,
+    pci_bus: Arc<PciBusDriver>,
 }
 
 impl std::fmt::Debug for Host {
@@ -133,14 +135,12 @@ impl Host {
         pnp.set_power_order(crate::power::PowerOrder::Seeded(cfg.seed));
         let pool = Pool::new(verifier.clone());
         let iommu = Iommu::new(verifier.clone(), cfg.seed);
-        pnp.register_driver(
-            PCI_SERVICE,
-            Arc::new(PciBusDriver::new(
-                backplane.clone(),
-                (0..cfg.hcas.len()).collect(),
-                iommu.clone(),
-            )),
-        );
+        let pci_bus = Arc::new(PciBusDriver::new(
+            backplane.clone(),
+            (0..cfg.hcas.len()).collect(),
+            iommu.clone(),
+        ));
+        pnp.register_driver(PCI_SERVICE, pci_bus.clone());
         // Whatever a driver leaves in pool when it unloads is a leak.
         let leak_pool = pool.clone();
         pnp.on_unload(move |service| {
@@ -154,6 +154,7 @@ impl Host {
             pool,
             iommu,
             backplane,
+            pci_bus,
         })
     }
 
@@ -175,12 +176,34 @@ impl Host {
         )
     }
 
-    /// The HCA devnodes, function 0 first.
+    /// The HCA devnodes, function 0 first; of a function plugged in again
+    /// ([`Host::replug_hca`]), its newest devnode.
     pub fn hcas(&self) -> Vec<DevNodeId> {
-        self.pnp
+        let children = self
+            .pnp
             .find(PCI_ROOT_INSTANCE)
             .map(|root| self.pnp.children(root))
-            .unwrap_or_default()
+            .unwrap_or_default();
+        // Instance paths `...\dd.0` sort in function order; a later devnode
+        // of the same path replaces the earlier.
+        let newest: std::collections::BTreeMap<String, DevNodeId> = children
+            .into_iter()
+            .filter_map(|n| Some((self.pnp.instance_path(n)?, n)))
+            .collect();
+        newest.into_values().collect()
+    }
+
+    /// Plugs HCA `index` (its function number) in again after it was
+    /// removed (orderly or by surprise): the PCI bus reports it, and the
+    /// PnP manager enumerates a new devnode with the same instance path,
+    /// which binds and starts as at boot. A function whose devnode is not
+    /// removed yet (present, or surprise-removed with a handle still open)
+    /// is left as it is. `STATUS_INVALID_PARAMETER` for a function the
+    /// machine does not have, `STATUS_NO_SUCH_DEVICE` before boot.
+    pub fn replug_hca(&self, index: usize) -> Result<(), NtStatus> {
+        self.pci_bus.replug(index)?;
+        self.pnp.process_bus_relations();
+        Ok(())
     }
 
     /// Removes everything (query-remove of the root bus, or surprise

@@ -1084,6 +1084,8 @@ pub struct PciBusDriver {
     backplane: Arc<Backplane>,
     functions: Vec<usize>,
     iommu: Iommu,
+    /// The bus's FDO once added: where a re-plug is reported.
+    fdo: Mutex<Weak<PciBusFdo>>,
 }
 
 impl PciBusDriver {
@@ -1094,7 +1096,23 @@ impl PciBusDriver {
             backplane,
             functions,
             iommu,
+            fdo: Mutex::default(),
         }
+    }
+
+    /// A function is plugged in again (a hot-plug slot's presence detect):
+    /// the bus reports it in its relations once more, and the PnP manager
+    /// (`PnpManager::process_bus_relations`) enumerates a new devnode with
+    /// the same instance path if the old one is removed; one still present
+    /// (or surprise-removed, waiting for its last handle) is left as it
+    /// is. `STATUS_NO_SUCH_DEVICE` without a started bus,
+    /// `STATUS_INVALID_PARAMETER` for a function the bus does not have.
+    pub fn replug(&self, index: usize) -> Result<(), NtStatus> {
+        let fdo = lock(&self.fdo).upgrade().ok_or(NO_SUCH_DEVICE)?;
+        if !fdo.functions.contains(&index) {
+            return Err(INVALID_PARAMETER);
+        }
+        fdo.host.report_present(function_description(index))
     }
 }
 
@@ -1104,12 +1122,14 @@ impl DriverEntry for PciBusDriver {
         _init: &DeviceInit,
         host: &DeviceServices,
     ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
-        Ok(Arc::new(PciBusFdo {
+        let fdo = Arc::new(PciBusFdo {
             host: host.clone(),
             backplane: self.backplane.clone(),
             functions: self.functions.clone(),
             iommu: self.iommu.clone(),
-        }))
+        });
+        *lock(&self.fdo) = Arc::downgrade(&fdo);
+        Ok(fdo)
     }
 }
 
@@ -1125,16 +1145,20 @@ fn instance_id(index: usize) -> String {
     format!("{index:02x}.0")
 }
 
+/// What the bus reports for function `index`.
+fn function_description(index: usize) -> ChildDescription {
+    ChildDescription {
+        instance_id: instance_id(index),
+        hardware_ids: PciFunction::hardware_ids(),
+        compatible_ids: PciFunction::compatible_ids(),
+        description: "Simulated RoCE HCA".to_owned(),
+    }
+}
+
 impl DeviceCallbacks for PciBusFdo {
     fn prepare_hardware(&self) -> NtStatus {
         for &index in &self.functions {
-            let child = ChildDescription {
-                instance_id: instance_id(index),
-                hardware_ids: PciFunction::hardware_ids(),
-                compatible_ids: PciFunction::compatible_ids(),
-                description: "Simulated RoCE HCA".to_owned(),
-            };
-            if let Err(status) = self.host.report_present(child) {
+            if let Err(status) = self.host.report_present(function_description(index)) {
                 return status;
             }
         }

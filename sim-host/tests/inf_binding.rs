@@ -135,3 +135,53 @@ fn reading_the_registry_from_a_dpc_is_an_irql_violation() {
         "{v:?}"
     );
 }
+
+/// The instance paths of `node` and its started descendants.
+fn started_paths(host: &Host, node: sim_host::pnp::DevNodeId) -> Vec<String> {
+    let pnp = host.pnp();
+    let mut paths = vec![pnp.instance_path(node).unwrap()];
+    for child in pnp.children(node) {
+        if pnp.state(child) == Some(PnpState::Started) {
+            paths.extend(started_paths(host, child));
+        }
+    }
+    paths
+}
+
+#[test]
+fn a_removed_hca_plugged_in_again_comes_back_with_the_same_instance_paths() {
+    let w = world();
+    let hca = w.hcas()[0];
+    let before = started_paths(&w, hca);
+    assert_eq!(before.len(), 2, "the HCA and its child");
+    // Plugging in a function that is present changes nothing.
+    w.replug_hca(0).unwrap();
+    assert_eq!(w.hcas(), [hca]);
+    assert_eq!(
+        w.replug_hca(7),
+        Err(ib_types::status::NtStatus::INVALID_PARAMETER),
+        "no such function"
+    );
+
+    // Orderly removal, then the slot reports the HCA again: a new devnode
+    // with the same instance path, bound and started as at boot, and the
+    // same child under it.
+    w.pnp().query_and_remove(hca).unwrap();
+    assert_eq!(w.pnp().state(hca), Some(PnpState::Removed));
+    w.replug_hca(0).unwrap();
+    let again = w.hcas()[0];
+    assert_ne!(again, hca, "a new devnode");
+    assert_eq!(w.pnp().state(again), Some(PnpState::Started));
+    assert_eq!(started_paths(&w, again), before);
+    assert_eq!(w.pnp().find(&before[0]), Some(again), "found by its path");
+
+    // Surprise removal, then a re-plug: the same again.
+    w.pnp().surprise_remove(again);
+    assert_eq!(w.pnp().state(again), Some(PnpState::Removed));
+    w.replug_hca(0).unwrap();
+    let third = w.hcas()[0];
+    assert_eq!(w.pnp().state(third), Some(PnpState::Started));
+    assert_eq!(started_paths(&w, third), before);
+    w.shut_down();
+    w.verifier().assert_clean();
+}

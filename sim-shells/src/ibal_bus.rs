@@ -66,7 +66,18 @@
 //!   (`query_stop`, `STATUS_DEVICE_BUSY`) while a client is open.
 //! - the CA callbacks (`ci::CaEvents`): counted ([`IbalBusDevice::ca_events`])
 //!   and forwarded to the access layer, which routes them to the owning
-//!   client.
+//!   client; `LocalCatastrophic` (the device failed for good) also tells
+//!   the access layer its CA is gone (`AccessLayer::ca_removed`).
+//! - surprise removal: a child's (`PortChildPdo`'s
+//!   `EvtDeviceSurpriseRemoval`, which PnP runs before the HCA's) tells
+//!   the access layer its CA is gone if the HCA's function left the bus,
+//!   and so does the filter's own (`surprise_removal`): the clients hear
+//!   it before their own removal goes on, requests end with
+//!   `STATUS_DEVICE_REMOVED`, closes send no destroy. The child's
+//!   `EvtIoStop` (purge, the function gone) acknowledges the AL requests
+//!   its queue presented that are still at the gone CA, so the removal
+//!   does not wait for the device's command timeout; the client's close
+//!   ends them.
 //! - the filter's queue is not power-managed (KMDF's default for a
 //!   filter); kernel requests pass down unchanged.
 //! - the user-mode proxy ([`crate::ibal_proxy`]): add-device assigns the
@@ -90,7 +101,7 @@ use driver_platform::{
 use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::verbs::CaClient;
 use ib_types::cq::CqNotify;
-use ib_types::event::AsyncEventRecord;
+use ib_types::event::{AsyncEventCode, AsyncEventRecord};
 use ib_types::handle::CqHandle;
 use ib_types::interface::{
     AL_INTERFACE_VERSION, GUID_IB_AL_INTERFACE, GUID_IB_CI_INTERFACE, InterfaceVersion,
@@ -119,10 +130,10 @@ use sim_host::driver::{
 };
 use sim_host::host::Host;
 use sim_host::irql::{HostSpinLock, IrqlTracker};
-use sim_host::pci::GUID_BUS_INTERFACE_STANDARD;
+use sim_host::pci::{GUID_BUS_INTERFACE_STANDARD, PciFunction};
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::DeviceServices;
-use sim_host::request::HostRequest;
+use sim_host::request::{HostRequest, StopAction, StoppedRequest};
 use sim_host::verifier::Verifier;
 
 /// The service name `inf/hca-miniport.inf` installs the filter under.
@@ -307,6 +318,12 @@ impl CaEvents for FilterEvents {
         self.count.fetch_add(1, Ordering::Relaxed);
         if let Some(al) = self.al() {
             al.async_event(event);
+            // The CA is unusable for good (the device failed: its stack
+            // goes and, if at all, comes back as a new CA): requests end
+            // at once with the removal's status rather than at the CA.
+            if event.code == AsyncEventCode::LocalCatastrophic {
+                al.ca_removed();
+            }
         }
     }
 }
@@ -462,6 +479,29 @@ impl IbalBusDevice {
     /// The user-mode proxy of this HCA.
     pub fn proxy(&self) -> &crate::ibal_proxy::IbalProxy {
         &self.proxy
+    }
+
+    /// The CA is gone for good (its HCA left the bus or failed): the
+    /// access layer tells its clients once and ends their requests with
+    /// `STATUS_DEVICE_REMOVED` from now on (`AccessLayer::ca_removed`).
+    /// Any IRQL up to DISPATCH_LEVEL.
+    pub fn ca_gone(&self) {
+        if let Some(al) = self.access_layer() {
+            let _filter = self
+                .host
+                .verifier()
+                .map(|verifier| context::enter(Context::driver(verifier, SERVICE)));
+            al.ca_removed();
+        }
+    }
+
+    /// Whether the HCA's PCI function has left the bus (surprise removal).
+    /// The simulated host's view of what the KMDF shell would learn from
+    /// the miniport; a failed device's function stays present.
+    fn hardware_gone(&self) -> bool {
+        self.host
+            .resources::<PciFunction>()
+            .is_some_and(|function| !function.present())
     }
 
     /// How many CA callbacks arrived.
@@ -668,6 +708,13 @@ impl DeviceCallbacks for IbalBusDevice {
         self.proxy.in_caller_context(req)
     }
 
+    /// The HCA is surprise-removed (or failed): the CA goes, whatever
+    /// told the access layer before (a child's surprise removal, the CA's
+    /// catastrophic event).
+    fn surprise_removal(&self) {
+        self.ca_gone();
+    }
+
     /// `GUID_IB_AL_INTERFACE` asked over the HCA's stack (by a client
     /// outside its subtree, through a remote I/O target) is answered by
     /// the filter while the CA is bound, as a child answers it; anything
@@ -757,6 +804,7 @@ impl DeviceCallbacks for IbalBusDevice {
         Some(Arc::new(PortChildPdo {
             port,
             parent: self.host.clone(),
+            filter: self.me.clone(),
             interface,
         }))
     }
@@ -788,6 +836,8 @@ pub struct PortChildPdo {
     /// The filter's device on the HCA stack: where the bus interface is
     /// queried.
     parent: DeviceServices,
+    /// The filter itself: told when the child goes because its HCA does.
+    filter: Weak<IbalBusDevice>,
     /// The AL interface it answers with, and serves its IOCTLs through.
     interface: Arc<AlPortInterface>,
 }
@@ -837,6 +887,45 @@ impl DeviceCallbacks for PortChildPdo {
         let provided = parent.forward();
         parent.dereference();
         Some(provided)
+    }
+
+    /// `EvtDeviceSurpriseRemoval` of the child. PnP surprise-removes a
+    /// subtree children first, so when the HCA vanishes its children hear
+    /// it before the filter does; if the HCA's function is gone from the
+    /// bus, the CA is gone with it and the access layer is told now
+    /// ([`IbalBusDevice::ca_gone`]), before this child's client goes down:
+    /// its requests end at once with `STATUS_DEVICE_REMOVED` instead of
+    /// waiting at the gone device, and its close sends no destroy. A child
+    /// going alone (its entry removed from the list, its own stack failed)
+    /// leaves the CA alone.
+    fn surprise_removal(&self) {
+        if let Some(filter) = self.filter.upgrade()
+            && filter.hardware_gone()
+        {
+            filter.ca_gone();
+        }
+    }
+
+    /// `EvtIoStop` of the child's queue, for an AL request it presented
+    /// that is still at the CA. Leaving D0 for a sleep, or in an orderly
+    /// removal, nothing is done: the HCA is still in D0 and answers it
+    /// first. When the child is purged because its HCA left the bus, the
+    /// gone device answers nothing, and the miniport gives up on it only
+    /// at its command timeout or in its own surprise removal, which PnP
+    /// runs after the children: waiting here would hold the removal for
+    /// the timeout. The request is acknowledged and kept instead; it
+    /// completes, once, when the miniport fails over right after
+    /// (`STATUS_DEVICE_REMOVED`, the access layer told at
+    /// `surprise_removal`).
+    fn io_stop(&self, stopped: &StoppedRequest) {
+        if stopped.action() == StopAction::Purge
+            && self
+                .filter
+                .upgrade()
+                .is_some_and(|filter| filter.hardware_gone())
+        {
+            stopped.acknowledge();
+        }
     }
 
     /// The IOCTL path: an internal device-control request carrying an AL

@@ -223,3 +223,69 @@ fn a_removal_racing_a_client_ends_every_request_once_and_sends_nothing_after_it(
     assert_eq!(close(&f, &a), Ok(()));
     assert_eq!(f.ca.live(), sent, "no destroy sent to the removed CA");
 }
+
+#[test]
+fn a_request_at_the_ca_that_fails_after_the_removal_ends_with_device_removed() {
+    let f = Fixture::new();
+    let a = f.open();
+    let pd = f.pd(a.id);
+    let cq = f.cq(a.id);
+    let qp = f.qp(a.id, pd, cq);
+    let ca_qp = f.ca.handles_of(ObjectKind::Qp)[0];
+    // Two requests at the CA when it goes: one it fails (the gone device
+    // did not answer it: here a refused destroy), one it answers.
+    f.ca.refuse_destroy.lock().unwrap().insert(ca_qp);
+    f.ca.hold.store(true, Ordering::SeqCst);
+    let failing = f.send::<DestroyQp>(a.id, qp, &Empty);
+    let answered = f.send::<CreateAv>(a.id, pd, &av_attr());
+    until_held(&f, 2);
+    f.al.ca_removed();
+    f.ca.release_held();
+    // The failure is the removal's: one clear status, in the completion
+    // and in the response header; the success stands.
+    let (status, _, output) = failing.lock().unwrap().take().expect("completed");
+    assert_eq!(status, NtStatus::DEVICE_REMOVED);
+    assert_eq!(
+        u32::from_le_bytes(output[..4].try_into().unwrap()),
+        IbStatus::DeviceRemoved.code()
+    );
+    let (status, av, _) = answered.lock().unwrap().take().expect("completed");
+    assert_eq!(status, NtStatus::SUCCESS);
+    assert_ne!(av, 0);
+    assert_eq!(close(&f, &a), Ok(()));
+}
+
+#[test]
+fn a_close_after_the_removal_ends_requests_at_the_gone_ca_instead_of_waiting() {
+    let f = Arc::new(Fixture::new());
+    let a = f.open();
+    let ca = f.al.ca_handle(a.id).unwrap();
+    // A CA that never answers (a vanished device): the request stays.
+    f.ca.hold.store(true, Ordering::SeqCst);
+    let stuck = f.send::<AllocPd>(a.id, ca, &Empty);
+    until_held(&f, 1);
+    f.al.ca_removed();
+    let closer = {
+        let (f, id) = (f.clone(), a.id);
+        thread::spawn(move || {
+            let drained: Arc<dyn Event> = Arc::new(TestEvent::default());
+            f.al.close(id, &AtIrql(Irql::PASSIVE), drained)
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !closer.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "close waits for the gone CA to answer"
+        );
+        thread::yield_now();
+    }
+    assert_eq!(closer.join().unwrap(), Ok(()));
+    let (status, information, _) = stuck.lock().unwrap().take().expect("ended by the close");
+    assert_eq!((status, information), (NtStatus::DEVICE_REMOVED, 0));
+    assert!(a.released.load(Ordering::SeqCst));
+    // The CA's late answer ends nothing more (a second completion of the
+    // client's request would panic) and touches no freed record.
+    f.ca.release_held();
+    assert!(stuck.lock().unwrap().is_none());
+}

@@ -34,7 +34,9 @@
 //! - **Removal.** After [`AccessLayer::ca_removed`] every open client has
 //!   been told, new requests end at once with `STATUS_DEVICE_REMOVED`,
 //!   direct calls are refused, requests at the CA complete once as it
-//!   answers, and `close` frees records without sending destroys.
+//!   answers (a failure as `STATUS_DEVICE_REMOVED`) or at their client's
+//!   close, which does not wait for the gone CA, and `close` frees
+//!   records without sending destroys.
 
 mod handles;
 
@@ -139,7 +141,16 @@ struct Client {
     closing: bool,
     /// `close`'s caller's event, set by whoever leaves it quiet.
     drained: Option<Arc<dyn Event>>,
+    /// Its requests at the CA, by sequence number: each ends the request
+    /// with the status given, if the CA's answer did not end it first
+    /// (returns whether it did). A close after the CA's removal ends them
+    /// rather than wait for the gone device.
+    pending: BTreeMap<u64, EndRequest>,
 }
+
+/// Ends a client's request held at the CA with a status (see
+/// [`Client::pending`]); whether it was still there to end.
+type EndRequest = Box<dyn FnOnce(NtStatus) -> bool + Send>;
 
 /// An object a closed client left that the CA refused to destroy (or that
 /// holds one that was refused, so its destroy was not sent): kept by the
@@ -173,6 +184,8 @@ struct State {
     /// (kind code, CA handle) to (client, client handle).
     owners: BTreeMap<(u8, u64), (u16, u64)>,
     next_tag: u16,
+    /// The sequence number of the next request sent to the CA.
+    next_request: u64,
     /// What closed clients left that the CA would not destroy.
     orphans: Vec<Orphan>,
     /// The CA is gone ([`AccessLayer::ca_removed`]): nothing more is sent
@@ -446,6 +459,8 @@ fn teardown_done<L: RawMutex>(
 /// A request the AL accepted and sent on: what its completion needs.
 struct InFlight {
     tag: u16,
+    /// Its key in the client's `pending`.
+    sequence: u64,
     plan: Plan,
     creates: Option<ObjectKind>,
     /// The client's handle of the target (a destroy's object).
@@ -471,6 +486,7 @@ where
                 clients: BTreeMap::new(),
                 owners: BTreeMap::new(),
                 next_tag: 1,
+                next_request: 0,
                 orphans: Vec::new(),
                 removed: false,
                 orphan_sweep: OrphanSweep::default(),
@@ -517,6 +533,7 @@ where
                 requests_in_flight: 0,
                 closing: false,
                 drained: None,
+                pending: BTreeMap::new(),
             },
         );
         Ok(ClientId(tag))
@@ -550,7 +567,11 @@ where
     /// leaves last; bounded, as requests complete when the CA answers and
     /// callbacks may not block):
     /// 1. requests in flight complete to the client as the CA answers them
-    ///    (a create that succeeds is recorded, and destroyed below);
+    ///    (a create that succeeds is recorded, and destroyed below); after
+    ///    [`Self::ca_removed`] they are ended at once with
+    ///    `STATUS_DEVICE_REMOVED` instead (the gone device may answer only
+    ///    at its driver's command timeout, or never), and an answer that
+    ///    comes later ends nothing;
     /// 2. its objects are destroyed through the CA, one control request
     ///    each as [`Self::submit`] sends, tier by tier in dependency
     ///    order: QPs, then AVs and MRs, then CQs, then PDs (after
@@ -572,11 +593,15 @@ where
         if irql.current_irql() != Irql::PASSIVE {
             return Err(IbStatus::InvalidState);
         }
-        {
+        let removed = {
             let mut state = self.state.lock();
             let entry = state.open_client(client)?;
             entry.closing = true;
             entry.drained = Some(drained.clone());
+            state.removed
+        };
+        if removed {
+            self.end_requests_at_removed_ca(client.0);
         }
         self.wait_until_quiet(client.0, &*drained);
         for tier in TEARDOWN_ORDER {
@@ -597,6 +622,37 @@ where
         // the client's cleanup.
         drop(removed.and_then(|mut c| c.reference.take()));
         Ok(())
+    }
+
+    /// After the CA's removal, for a closing client `tag`: ends its
+    /// requests still at the gone CA with `STATUS_DEVICE_REMOVED`, so its
+    /// close does not wait for a device that may answer only at its
+    /// driver's command timeout, or never. An answer that comes later
+    /// finds nothing to end.
+    fn end_requests_at_removed_ca(&self, tag: u16) {
+        let ends: Vec<EndRequest> = match self.state.lock().clients.get_mut(&tag) {
+            Some(entry) => core::mem::take(&mut entry.pending).into_values().collect(),
+            None => return,
+        };
+        let status = IbStatus::DeviceRemoved.to_ntstatus();
+        // Outside the lock: completing a request may run its issuer's
+        // routine. Only the ends that found their request count: an answer
+        // that took one first counted it itself.
+        let ended = ends
+            .into_iter()
+            .filter_map(|end| end(status).then_some(()))
+            .count();
+        let drained = {
+            let mut state = self.state.lock();
+            let Some(entry) = state.clients.get_mut(&tag) else {
+                return;
+            };
+            entry.requests_in_flight -= ended;
+            entry.drained_if_quiet()
+        };
+        if let Some(drained) = drained {
+            drained.set();
+        }
     }
 
     /// Waits on `drained` until the closing client `tag` has no request,
@@ -750,21 +806,36 @@ where
     /// new requests complete at once with `STATUS_DEVICE_REMOVED`
     /// ([`IbStatus::DeviceRemoved`]) and direct calls are refused with it,
     /// nothing reaching the CA; requests already at the CA complete exactly
-    /// once with whatever it answers; `close` sends no destroy, freeing the
+    /// once as it answers, a failure as `STATUS_DEVICE_REMOVED` (the
+    /// removal is its reason), or, if their client closes (or is closing)
+    /// first, with `STATUS_DEVICE_REMOVED` at that close, which does not
+    /// wait for the gone CA; `close` sends no destroy, freeing the
     /// records here, and the orphans are forgotten (their objects went
     /// with the CA). DISPATCH_LEVEL or below; never blocks.
     pub fn ca_removed(&self) {
-        let tags: Vec<u16> = {
+        let (tags, closing): (Vec<u16>, Vec<u16>) = {
             let mut state = self.state.lock();
             if state.removed {
                 return;
             }
             state.removed = true;
             state.orphans.clear();
-            state.clients.keys().copied().collect()
+            (
+                state.clients.keys().copied().collect(),
+                state
+                    .clients
+                    .iter()
+                    .filter(|(_, client)| client.closing)
+                    .map(|(tag, _)| *tag)
+                    .collect(),
+            )
         };
         for tag in tags {
             self.deliver(tag, |events| events.ca_removed());
+        }
+        // A close under way stops waiting for the gone CA.
+        for tag in closing {
+            self.end_requests_at_removed_ca(tag);
         }
     }
 
@@ -847,10 +918,30 @@ where
         mut request: R,
     ) -> NtStatus {
         match self.accept(client, &mut request) {
-            Ok((ioctl, input, output_len, in_flight)) => {
+            Ok((ioctl, input, output_len, mut in_flight)) => {
+                // The request is ended once: by the CA's answer, or by a
+                // close after the CA's removal, whichever takes it first.
+                let slot: Arc<Mutex<L, Option<R>>> = Arc::new(Mutex::new(Some(request)));
+                let end_slot = Arc::clone(&slot);
+                let end: EndRequest = Box::new(move |status| {
+                    let taken = end_slot.lock().take();
+                    taken.map(|request| request.complete(status, 0)).is_some()
+                });
+                {
+                    let mut state = self.state.lock();
+                    in_flight.sequence = state.next_request;
+                    state.next_request = state.next_request.wrapping_add(1);
+                    if let Some(entry) = state.clients.get_mut(&in_flight.tag) {
+                        entry.pending.insert(in_flight.sequence, end);
+                    }
+                }
                 let al = Arc::clone(self);
                 let done: CaCompletion = Box::new(move |status, output| {
-                    al.finish(in_flight, request, status, output);
+                    // Taken outside the AL's lock; gone if a close ended it.
+                    let taken = slot.lock().take();
+                    if let Some(request) = taken {
+                        al.finish(in_flight, request, status, output);
+                    }
                 });
                 let ca_request = self.ci.control_request(ioctl, input, output_len, done);
                 self.ci.submit(ca_request);
@@ -950,6 +1041,7 @@ where
             output_len,
             InFlight {
                 tag: client.0,
+                sequence: 0,
                 plan,
                 creates: verb.creates(),
                 target,
@@ -986,7 +1078,10 @@ where
         let drained = {
             let mut state = self.state.lock();
             let State {
-                clients, owners, ..
+                clients,
+                owners,
+                removed,
+                ..
             } = &mut *state;
             let Some(entry) = clients.get_mut(&in_flight.tag) else {
                 // Unreachable: close waits for requests in flight.
@@ -995,6 +1090,13 @@ where
                 return;
             };
             entry.requests_in_flight -= 1;
+            entry.pending.remove(&in_flight.sequence);
+            if *removed && !succeeded {
+                // The CA went while this was at it: whatever the gone
+                // device answered (a command timeout, a failed-over
+                // verb), the reason is the removal.
+                failed_here = Some(IbStatus::DeviceRemoved);
+            }
             match (in_flight.plan, in_flight.creates) {
                 (Plan::Create, Some(kind)) if succeeded => {
                     let ca_handle = response.map_or(0, |(_, _, handle)| handle);
