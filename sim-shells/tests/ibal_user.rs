@@ -478,8 +478,25 @@ fn objects_live_through_the_proxy_and_go_at_drop_in_order() {
         let mut read = [0; 10];
         buffer.read(100, &mut read).unwrap();
         assert_eq!(&read, b"registered");
-        // Drop order is the reverse of creation: QP, CQ, MR, buffer, PD,
-        // context; the borrow checker refuses any other.
+        // Each drop destroys its object through the proxy at once, while
+        // the open stays; the borrow checker allows no other order.
+        let count = || w.proxy(0).proxy().object_count();
+        drop(qp);
+        assert_eq!(count(), 4);
+        drop(cq);
+        assert_eq!(count(), 3);
+        drop(mr);
+        assert_eq!(count(), 2);
+        assert!(
+            process.space().locked_pages() == 0,
+            "rings and region unpinned"
+        );
+        drop(buffer);
+        drop(pd);
+        assert_eq!(count(), 1);
+        drop(ctx);
+        assert_eq!(count(), 0);
+        assert_eq!(w.hca(0).user_context_count(), 0, "the context closed");
     }
     assert_eq!(w.leftovers(&process), [0; 5]);
     assert_eq!(
@@ -623,5 +640,124 @@ fn a_process_exiting_with_everything_open_leaves_nothing_behind() {
     );
     settle(&w.host);
     assert_eq!(w.leftovers(&process), [0; 5]);
+    w.finish();
+}
+
+/// Deterministic, non-trivial bytes.
+fn pattern(seed: u32, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            (i as u32)
+                .wrapping_mul(37)
+                .wrapping_add(seed.wrapping_mul(11)) as u8
+        })
+        .collect()
+}
+
+/// A datagram to port 1 of the HCA at `ip`.
+fn av_to(ip: [u8; 4]) -> hca_prm::av::Av {
+    use ib_types::av::{AvAttr, Grh};
+    use ib_types::scalars::{Gid, Lid};
+    let attr = AvAttr {
+        port: PortNum::new(1).unwrap(),
+        sl: 0,
+        dlid: Lid::default(),
+        path_bits: 0,
+        static_rate: 0,
+        grh: Some(Grh {
+            dgid: Gid::from_ipv4(ip),
+            flow_label: 0,
+            hop_limit: 64,
+            traffic_class: 0,
+            sgid_index: 0,
+        }),
+    };
+    hca_prm::av::Av::try_from(&attr).unwrap()
+}
+
+#[test]
+fn datagrams_move_between_the_hcas_with_post_and_poll_alone() {
+    use ib_types::scalars::Qpn;
+    use ib_types::wr::{SendFlags, SendOp, SendWr, UdDest};
+    const GRH: usize = 40;
+    const LEN: usize = 1000;
+    let w = World::new(57);
+    let process = Process::new(66);
+    let io = w.io(&process);
+    {
+        let sender = Context::open(&io, CaSelector::Index(0), &PluginSource::Linked).unwrap();
+        let receiver = Context::open(&io, CaSelector::Index(1), &PluginSource::Linked).unwrap();
+        let (spd, rpd) = (Pd::new(&sender).unwrap(), Pd::new(&receiver).unwrap());
+        let (sbuf, rbuf) = (
+            Buffer::new(&sender, 4096).unwrap(),
+            Buffer::new(&receiver, 4096).unwrap(),
+        );
+        let smr = Mr::new(&spd, &sbuf, AccessFlags::LOCAL_WRITE).unwrap();
+        let rmr = Mr::new(&rpd, &rbuf, AccessFlags::LOCAL_WRITE).unwrap();
+        let (scq, rcq) = (Cq::new(&sender, 8).unwrap(), Cq::new(&receiver, 8).unwrap());
+        let mut sqp = Qp::new(&spd, &scq, &scq, &UD_INIT).unwrap();
+        let mut rqp = Qp::new(&rpd, &rcq, &rcq, &UD_INIT).unwrap();
+        ud_to_rts(&sqp);
+        ud_to_rts(&rqp);
+        let dest = UdDest {
+            av: ib_types::handle::AvHandle::from_raw(1),
+            remote_qpn: Qpn::new(rqp.qpn()).unwrap(),
+            remote_qkey: QKey::new(0x1111),
+        };
+        let av = av_to([10, 2, 1, 1]);
+
+        let requests = process.requests_issued();
+        // 40 rounds: the 8-entry queues and CQs wrap five times.
+        for round in 0..40u32 {
+            let payload = pattern(round, LEN);
+            sbuf.write(0, &payload).unwrap();
+            let rsge = [Sge::new(rbuf.va(), 2048, rmr.keys().lkey)];
+            let recv = [RecvWr {
+                wr_id: 1000 + u64::from(round),
+                sg_list: &rsge,
+            }];
+            assert_eq!(rqp.post_recv(&recv).unwrap(), 1);
+            let ssge = [Sge::new(sbuf.va(), LEN as u32, smr.keys().lkey)];
+            let send = [ibal_user::SendRequest {
+                wr: SendWr {
+                    wr_id: u64::from(round),
+                    op: SendOp::Send,
+                    flags: SendFlags::SIGNALED,
+                    sg_list: &ssge,
+                    ud: Some(dest),
+                },
+                av: Some(av),
+                inline: None,
+            }];
+            assert_eq!(sqp.post_send(&send).unwrap(), 1);
+            // The device and the wire run; the process makes no call.
+            settle(&w.host);
+            let mut wcs = [WorkCompletion::EMPTY; 2];
+            assert_eq!(scq.poll(&mut wcs), 1, "round {round}");
+            assert_eq!(
+                (wcs[0].wr_id, wcs[0].status),
+                (u64::from(round), WcStatus::Success)
+            );
+            assert_eq!(rcq.poll(&mut wcs), 1, "round {round}");
+            assert_eq!(
+                (wcs[0].wr_id, wcs[0].status, wcs[0].byte_len),
+                (
+                    1000 + u64::from(round),
+                    WcStatus::Success,
+                    (GRH + LEN) as u32
+                )
+            );
+            let mut got = vec![0; LEN];
+            rbuf.read(GRH, &mut got).unwrap();
+            assert_eq!(got, payload, "round {round}");
+        }
+        assert_eq!(
+            process.requests_issued(),
+            requests,
+            "post and poll stayed in user mode"
+        );
+    }
+    assert_eq!(w.leftovers(&process), [0; 5]);
+    assert_eq!(process.exit(), 0);
     w.finish();
 }
