@@ -1,6 +1,56 @@
-//! User-mode access library: opens a CA through the proxy, binds the ABI
-//! version, loads the UVP the kernel names, and runs verbs with the plug-in's
-//! pre/post hooks (implementer's guide Table 10-1).
+//! User-mode access library: enumerates the HCAs through their proxy
+//! interfaces, opens the one asked for (the ABI version checked on both
+//! sides at `OpenCa`), takes the CA's UVP plugin (linked, or loaded by
+//! absolute path from a verified directory), and offers the verbs as safe
+//! Rust objects whose lifetimes encode the destroy order. `docs/ibal-user.md`
+//! describes it and compares it with the `ibverbs` crate and rdma-core.
 //!
-//! Status: not written yet. The crate exists so the workspace has its final
-//! shape; it exports nothing.
+//! Layers:
+//! - [`device`]: the OS seam (interfaces, `CreateFile`, `DeviceIoControl`,
+//!   process memory). [`windows`] implements it on Windows; the simulated
+//!   host's implementation lives with the tests (`sim-shells`), since this
+//!   crate never depends on a simulator.
+//! - [`Context`] (one `OpenCa`), [`Pd`], [`Cq`], [`Qp`], [`Mr`] over a
+//!   [`Buffer`]: control verbs go through the proxy; post, poll and arm are
+//!   the plugin's fast path, with no kernel call.
+//! - [`plugin`]: loading the UVP the kernel names, never through the DLL
+//!   search order.
+//!
+//! Thread safety, checked below: [`Context`], [`Pd`], [`Cq`], [`Mr`] and
+//! [`Buffer`] are `Send + Sync` (their calls are `DeviceIoControl`s, and a
+//! CQ's polls take its own lock); [`Qp`] is `Send` only (posts take
+//! `&mut`, one poster at a time).
+
+pub mod context;
+pub mod device;
+pub mod error;
+pub mod plugin;
+mod proxy;
+pub mod verbs;
+#[cfg(windows)]
+pub mod windows;
+#[cfg(windows)]
+pub use windows::WindowsIo;
+
+pub use context::{CaInfo, CaSelector, Context, PluginSource, list_cas};
+pub use device::{DeviceFile, DeviceIo, DevicePath, OsStatus};
+pub use error::{Error, Result};
+pub use plugin::{LoadedPlugin, PluginError};
+pub use uvp_plugin::{ArmFor, SendRequest, UarPage};
+pub use verbs::{Buffer, Cq, Mr, Pd, Qp, QpInit};
+
+const _: () = {
+    const fn send<T: Send>() {}
+    const fn sync<T: Sync>() {}
+    send::<Context>();
+    sync::<Context>();
+    send::<Pd<'static>>();
+    sync::<Pd<'static>>();
+    send::<Cq<'static>>();
+    sync::<Cq<'static>>();
+    send::<Buffer<'static>>();
+    sync::<Buffer<'static>>();
+    send::<Mr<'static, 'static>>();
+    sync::<Mr<'static, 'static>>();
+    send::<Qp<'static, 'static>>();
+};

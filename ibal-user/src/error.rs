@@ -1,0 +1,94 @@
+//! The library's errors: each says which layer refused and why.
+
+use ib_types::abi::AbiError;
+use ib_types::interface::InterfaceVersion;
+use ib_types::ioctl::VerbId;
+use ib_types::status::{IbStatus, NtStatus};
+
+use crate::device::OsStatus;
+
+/// `STATUS_REVISION_MISMATCH`: the proxy refused the library's ABI version.
+pub const STATUS_REVISION_MISMATCH: NtStatus = NtStatus::from_raw(0xC000_0059);
+/// Win32 `ERROR_REVISION_MISMATCH`, the same refusal through `GetLastError`.
+pub const ERROR_REVISION_MISMATCH: u32 = 1306;
+
+/// Why a call of the access library failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The OS refused an operation on the device (enumeration, open,
+    /// `DeviceIoControl`) with a status that is not a verb's.
+    #[error("the OS refused {what}: {status:?}")]
+    Os {
+        /// The operation.
+        what: &'static str,
+        /// The OS status.
+        status: OsStatus,
+    },
+    /// No HCA matches the selector.
+    #[error("no HCA matches {0}")]
+    NoSuchCa(String),
+    /// The two sides speak ABI versions that do not satisfy each other:
+    /// the kernel refused ours (`kernel: None`), or answered one ours does
+    /// not accept.
+    #[error("ABI version mismatch: the library speaks {library:?}, the kernel {kernel:?}")]
+    AbiMismatch {
+        /// The library's version.
+        library: InterfaceVersion,
+        /// The kernel's, when it answered one.
+        kernel: Option<InterfaceVersion>,
+    },
+    /// The verb failed with an IB status.
+    #[error("{verb:?} failed: {status:?}")]
+    Verb {
+        /// The verb.
+        verb: VerbId,
+        /// Its status.
+        status: IbStatus,
+    },
+    /// A buffer does not encode or decode as the verb's ABI says.
+    #[error("{verb:?}: malformed buffer: {error}")]
+    Abi {
+        /// The verb.
+        verb: VerbId,
+        /// What is wrong.
+        error: AbiError,
+    },
+    /// The call needs the CA's UVP plugin (ring layouts, the fast path)
+    /// and none is loaded.
+    #[error("{0} needs the CA's UVP plugin, which is not loaded")]
+    NeedsPlugin(&'static str),
+    /// The plugin could not be loaded.
+    #[error(transparent)]
+    Plugin(#[from] crate::plugin::PluginError),
+    /// The plugin refused to set up the fast path from the kernel's answer.
+    #[error("the plugin refused the kernel's answer: {0}")]
+    Setup(#[from] uvp_plugin::SetupError),
+    /// A fast-path post stopped at a request.
+    #[error(transparent)]
+    Post(#[from] uvp_plugin::PostError),
+    /// A request the library refuses before any call (a size out of range).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(&'static str),
+}
+
+impl Error {
+    /// The IB status of this failure, as a verbs caller sees it.
+    pub fn status(&self) -> IbStatus {
+        match self {
+            Self::Verb { status, .. } => *status,
+            Self::Post(e) => e.status(),
+            Self::Setup(e) => e.status(),
+            Self::NeedsPlugin(_) => IbStatus::Unsupported,
+            Self::NoSuchCa(_) => IbStatus::InvalidGuid,
+            Self::Os { status, .. } => match status {
+                OsStatus::Nt(nt) => IbStatus::from_ntstatus(*nt),
+                OsStatus::Win32(_) => IbStatus::GenericError,
+            },
+            _ => IbStatus::InvalidParameter,
+        }
+    }
+}
+
+/// The library's result.
+pub type Result<T, E = Error> = core::result::Result<T, E>;

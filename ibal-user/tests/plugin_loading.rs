@@ -1,0 +1,119 @@
+//! Loading the UVP the kernel names: only from the verified directory, by
+//! absolute path, with its interface version checked. The plugins are real
+//! shared libraries compiled for the test with `rustc` (a few hundred
+//! milliseconds each).
+#![cfg(unix)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use ib_types::interface::{InterfaceVersion, UvpName};
+use ibal_user::plugin::{LoadedPlugin, PluginError, file_name};
+
+/// A fresh directory for one test.
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ibal-user-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Compiles `source` as the shared library of plugin `name` in `dir`.
+fn build_plugin(dir: &Path, name: &str, source: &str) -> PathBuf {
+    let src = dir.join(format!("{name}.rs"));
+    std::fs::write(&src, source).unwrap();
+    let out = dir.join(file_name(&UvpName::new(name).unwrap()));
+    let status = Command::new(std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into()))
+        .args(["--crate-type", "cdylib", "--edition", "2021", "-o"])
+        .arg(&out)
+        .arg(&src)
+        .status()
+        .expect("rustc runs");
+    assert!(status.success());
+    out
+}
+
+fn version_entry(packed: u16) -> String {
+    format!("#[no_mangle]\npub extern \"C\" fn uvp_interface_version() -> u16 {{ {packed} }}\n")
+}
+
+fn name(s: &str) -> UvpName {
+    UvpName::new(s).unwrap()
+}
+
+#[test]
+fn a_plugin_in_the_verified_directory_loads_by_absolute_path_with_its_version_checked() {
+    let dir = scratch("load");
+    let good = InterfaceVersion::new(1, 2);
+    let built = build_plugin(&dir, "good_uvp", &version_entry(good.packed()));
+    let plugin = LoadedPlugin::load(&dir, &name("good_uvp")).unwrap();
+    assert!(plugin.path().is_absolute());
+    assert_eq!(plugin.path(), built.canonicalize().unwrap());
+    assert_eq!(plugin.version(), good, "a newer minor is accepted");
+    drop(plugin);
+
+    // Another major version is refused.
+    build_plugin(
+        &dir,
+        "v2_uvp",
+        &version_entry(InterfaceVersion::new(2, 0).packed()),
+    );
+    assert_eq!(
+        LoadedPlugin::load(&dir, &name("v2_uvp")).unwrap_err(),
+        PluginError::Version {
+            found: InterfaceVersion::new(2, 0),
+            required: ibal_user::plugin::UVP_INTERFACE_VERSION,
+        }
+    );
+    // A library without the entry point is refused.
+    build_plugin(
+        &dir,
+        "bare_uvp",
+        "#[no_mangle]\npub extern \"C\" fn other() {}\n",
+    );
+    assert!(matches!(
+        LoadedPlugin::load(&dir, &name("bare_uvp")),
+        Err(PluginError::NoEntryPoint(_))
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn nothing_outside_the_verified_directory_and_nothing_that_is_not_a_library_loads() {
+    let dir = scratch("refuse");
+    let outside = scratch("outside");
+    // Absent.
+    assert!(matches!(
+        LoadedPlugin::load(&dir, &name("missing_uvp")),
+        Err(PluginError::Absent { .. })
+    ));
+    // A link in the directory to a plugin outside it.
+    let real = build_plugin(&outside, "escape_uvp", &version_entry(0x0100));
+    std::os::unix::fs::symlink(&real, dir.join(file_name(&name("escape_uvp")))).unwrap();
+    assert!(matches!(
+        LoadedPlugin::load(&dir, &name("escape_uvp")),
+        Err(PluginError::Unverified(_))
+    ));
+    // A directory of the plugin's name.
+    std::fs::create_dir(dir.join(file_name(&name("dir_uvp")))).unwrap();
+    assert!(matches!(
+        LoadedPlugin::load(&dir, &name("dir_uvp")),
+        Err(PluginError::Unverified(_))
+    ));
+    // A file that is no library.
+    std::fs::write(
+        dir.join(file_name(&name("junk_uvp"))),
+        b"not a shared object",
+    )
+    .unwrap();
+    assert!(matches!(
+        LoadedPlugin::load(&dir, &name("junk_uvp")),
+        Err(PluginError::Load { .. })
+    ));
+    // A name with a directory or an extension cannot even be spelled.
+    for hostile in ["../evil", "evil.dll", "C:\\evil", ""] {
+        assert!(UvpName::new(hostile).is_err(), "{hostile}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&outside).unwrap();
+}
