@@ -243,6 +243,8 @@ assert_layout!(UvpVerbHooks, size = 16, pre @ 0, post @ 8);
 
 /// Posts `count` send descriptors to the QP handle `qp`; `posted` receives
 /// how many went before the first refusal. Returns an [`IbStatus`] code.
+/// For an inline request the plug-in copies the bytes its SGEs name: they
+/// must be the caller's readable memory for the call.
 pub type UvpPostSendFn = unsafe extern "system" fn(
     context: *mut c_void,
     qp: u64,

@@ -31,6 +31,7 @@ pub mod context;
 pub mod cq;
 pub mod dma;
 pub mod error;
+pub mod export;
 #[cfg(feature = "fault-injection")]
 pub mod faults;
 pub mod mmio;

@@ -31,7 +31,9 @@ use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
 use ib_types::scalars::{PortNum, Psn, QKey, Qpn};
 use ib_types::srq::{SrqAttr, SrqCreate};
 use ib_types::status::IbStatus;
-use ib_types::uvp::{PostCall, PreCall, PreOutcome, UserSend, UserVerbsProvider};
+use ib_types::uvp::{
+    PostCall, PreCall, PreOutcome, UVP_INTERFACE_VERSION, UserSend, UserVerbsProvider, UvpInterface,
+};
 use ib_types::wc::{WcStatus, WorkCompletion};
 use ib_types::wr::{LKey, RKey, RecvWr, SendFlags, SendOp, SendWr, Sge, UdDest};
 use sim_host::memory::Process;
@@ -40,7 +42,7 @@ use support::kernel_pair;
 use support::rc_path::{grh_av, rc_to_rts_steps};
 use uvp_plugin::faults::{Fault, FaultInjector, HookEvent};
 use uvp_plugin::provider::USER_AV_TAG;
-use uvp_plugin::{Platform, Provider, UserMemory};
+use uvp_plugin::{Platform, Provider, UserMemory, export};
 use zerocopy::IntoBytes;
 
 const GUIDS: [u64; 2] = [0x0002_C900_0000_7000, 0x0002_C900_0000_8000];
@@ -310,15 +312,19 @@ fn ud_to_rts() -> Vec<QpModify> {
 }
 
 fn provider(process: &Process) -> Provider {
+    Provider::new(platform(process))
+}
+
+fn platform(process: &Process) -> Platform {
     let mapped = process.clone();
-    Provider::new(Platform {
+    Platform {
         memory: Arc::new(SimMemory(process.clone())),
         // The simulator's side of the doorbell: the store reaches the
         // device in the calling thread.
         mmio: Arc::new(move |address, value| {
             let _ = mapped.write_device64(address, value);
         }),
-    })
+    }
 }
 
 fn world(seed: u64) -> (World, [usize; 2]) {
@@ -340,8 +346,49 @@ fn every_hook_creates_its_object_through_the_miniport_and_data_moves_byte_for_by
     let (w, [a_hca, b_hca]) = world(5);
     let (a_process, b_process) = (Process::new(41), Process::new(42));
     let (a_uvp, b_uvp) = (provider(&a_process), provider(&b_process));
-    let a = Lib::new(&w, a_hca, a_process, &a_uvp);
-    let b = Lib::new(&w, b_hca, b_process, &b_uvp);
+    hooks_and_data(&w, [a_hca, b_hca], [a_process, b_process], [&a_uvp, &b_uvp]);
+    assert_eq!((a_uvp.allocations(), b_uvp.allocations()), (0, 0));
+    w.finish();
+}
+
+/// The same through the DLL form: each process's provider is the table
+/// the exported `uvp_get_interface` returns for its platform, called
+/// through its C entry points (`export::Table`).
+#[test]
+fn the_exported_table_runs_the_same_hooks_and_fast_path() {
+    let (w, [a_hca, b_hca]) = world(9);
+    let (a_process, b_process) = (Process::new(43), Process::new(44));
+    let table = |process: &Process| {
+        export::set_platform(Some(platform(process)));
+        let mut table = std::mem::MaybeUninit::<UvpInterface>::uninit();
+        // SAFETY: `table` is writable for one table.
+        let status = unsafe {
+            export::uvp_get_interface(UVP_INTERFACE_VERSION.packed(), table.as_mut_ptr())
+        };
+        export::set_platform(None);
+        assert_eq!(status, ib_types::status::NtStatus::SUCCESS);
+        // SAFETY: the entry point succeeded, so it filled the table.
+        let table = unsafe { table.assume_init() };
+        // SAFETY: the plug-in's own table, released by `Table`'s drop only.
+        unsafe { export::Table::new(table) }.unwrap()
+    };
+    let (a_uvp, b_uvp) = (table(&a_process), table(&b_process));
+    hooks_and_data(&w, [a_hca, b_hca], [a_process, b_process], [&a_uvp, &b_uvp]);
+    w.finish();
+}
+
+/// Two processes on two HCAs, each with its provider: every object made
+/// through the hooks, RC both ways and UD through a user AV with data
+/// checked byte for byte and no request in the data phase, then every
+/// object destroyed through the hooks and every ring freed.
+fn hooks_and_data<P: UserVerbsProvider>(
+    w: &World,
+    [a_hca, b_hca]: [usize; 2],
+    [a_process, b_process]: [Process; 2],
+    [a_uvp, b_uvp]: [&P; 2],
+) {
+    let a = Lib::new(w, a_hca, a_process, a_uvp);
+    let b = Lib::new(w, b_hca, b_process, b_uvp);
     let (a_baseline, b_baseline) = (a.allocations(), b.allocations());
 
     // Control path, every object through pre, the IOCTL and post.
@@ -369,12 +416,12 @@ fn every_hook_creates_its_object_through_the_miniport_and_data_moves_byte_for_by
         rkey: RKey::new(0),
     };
     let a_mw = a.ok::<AllocMw>(a_pd, &mw).0;
-    let (a_buf, a_mr, a_lkey) = a.register(a_pd, 1 << 14);
-    let (b_buf, b_mr, b_lkey) = b.register(b_pd, 1 << 14);
     // The rings are the provider's allocations in each process: one per
     // CQ, QP and SRQ.
-    assert_eq!(a_uvp.allocations(), 3);
-    assert_eq!(b_uvp.allocations(), 4);
+    assert_eq!(a.allocations(), a_baseline + 3);
+    assert_eq!(b.allocations(), b_baseline + 4);
+    let (a_buf, a_mr, a_lkey) = a.register(a_pd, 1 << 14);
+    let (b_buf, b_mr, b_lkey) = b.register(b_pd, 1 << 14);
     a.modify(
         a_rc,
         &rc_to_rts_steps(1, AccessFlags::REMOTE_WRITE, b_rc_qpn, IPS[1][0], 1),
@@ -532,7 +579,6 @@ fn every_hook_creates_its_object_through_the_miniport_and_data_moves_byte_for_by
     b.ok::<DeallocPd>(b_pd, &Empty);
     a.ok::<CloseCa>(a_ca, &Empty);
     b.ok::<CloseCa>(b_ca, &Empty);
-    assert_eq!((a_uvp.allocations(), b_uvp.allocations()), (0, 0));
     a.process.free(a_buf).unwrap();
     b.process.free(b_buf).unwrap();
     assert_eq!(a.allocations(), a_baseline);
@@ -541,7 +587,6 @@ fn every_hook_creates_its_object_through_the_miniport_and_data_moves_byte_for_by
         assert_eq!(lib.process.space().locked_pages(), 0);
         assert_eq!(lib.process.exit(), 0);
     }
-    w.finish();
 }
 
 #[test]
