@@ -656,15 +656,16 @@ impl UserVerbsProvider for Provider {
     fn post(&self, call: &PostCall<'_>) -> Result<(), IbStatus> {
         let pending = match call.verb {
             VerbId::CreateCq | VerbId::ResizeCq | VerbId::CreateQp | VerbId::CreateSrq => {
-                Some(self.take_pending(call.cookie)?)
+                Some(self.take_pending(call.cookie))
             }
             _ => None,
         };
-        // Row 3: a failed IOCTL fails post, after `pending` (dropped here)
-        // freed what pre allocated.
+        // Row 3: a failed IOCTL fails post with its status, after
+        // `pending` (dropped here) freed what pre allocated.
         if call.status != IbStatus::Success {
             return Err(call.status);
         }
+        let pending = pending.transpose()?;
         match (call.verb, pending) {
             (VerbId::OpenCa, _) => self.post_open_ca(call),
             (VerbId::AllocPd, _) => {
@@ -745,5 +746,66 @@ impl UserVerbsProvider for Provider {
         };
         self.cq(cq)?.lock().arm(for_);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct NoMemory;
+
+    impl UserMemory for NoMemory {
+        fn alloc(&self, _: usize) -> Option<u64> {
+            None
+        }
+
+        fn free(&self, _: u64) {}
+    }
+
+    fn post_call(verb: VerbId, cookie: u64, status: IbStatus) -> PostCall<'static> {
+        PostCall {
+            verb,
+            handle: 1,
+            input: &[],
+            private_in: &[],
+            cookie,
+            status,
+            created: 0,
+            output: &[],
+            private_out: &[],
+        }
+    }
+
+    #[test]
+    fn post_reports_a_failed_ioctl_even_without_its_pre() {
+        let provider = Provider::new(Platform {
+            memory: Arc::new(NoMemory),
+            #[cfg(not(windows))]
+            mmio: Arc::new(|_, _| {}),
+        });
+        // A post whose cookie names nothing pre made: after a failed IOCTL
+        // it still answers the IOCTL's status (row 3); after a successful
+        // one it refuses.
+        let failed = post_call(VerbId::CreateCq, 99, IbStatus::InvalidCqSize);
+        assert_eq!(provider.post(&failed), Err(IbStatus::InvalidCqSize));
+        let succeeded = post_call(VerbId::CreateQp, 99, IbStatus::Success);
+        assert_eq!(provider.post(&succeeded), Err(IbStatus::InvalidParameter));
+        // No memory: pre refuses before anything is sent.
+        let mut private = [0u8; 64];
+        let attr = CqAttr {
+            cqe: 8,
+            comp_vector: 0,
+        };
+        let input = attr.emit();
+        let mut pre = PreCall {
+            verb: VerbId::CreateCq,
+            handle: 1,
+            input: input.as_bytes(),
+            private_in: &mut private,
+            output: &mut [],
+        };
+        assert_eq!(provider.pre(&mut pre), Err(IbStatus::InvalidCaHandle));
+        assert_eq!(provider.allocations(), 0);
     }
 }
