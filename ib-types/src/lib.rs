@@ -41,6 +41,7 @@ pub mod qp_state;
 pub mod scalars;
 pub mod srq;
 pub mod status;
+pub mod uvp;
 pub mod wc;
 pub mod wr;
 pub mod wr_desc;

@@ -20,14 +20,22 @@
 //! - Every refused post says how many requests went before it and leaves
 //!   nothing of the refused one in the ring ([`PostError`]).
 //!
-//! Not here yet: the pre/post hooks of the proxy verbs (guide Table 10-1),
-//! the DLL's exported entry point, user address vectors.
+//! The control path is [`provider::Provider`]: the pre/post hooks of every
+//! proxy verb (guide Table 10-1) behind `ib_types::uvp::UserVerbsProvider`,
+//! which allocate the rings, build the objects above from the kernel's
+//! answers and keep user address vectors in user mode. The `faults` module
+//! (feature `fault-injection`, tests only) wraps a provider to force each
+//! row of Table 10-1.
 
 pub mod context;
 pub mod cq;
 pub mod dma;
 pub mod error;
+pub mod export;
+#[cfg(feature = "fault-injection")]
+pub mod faults;
 pub mod mmio;
+pub mod provider;
 pub mod qp;
 mod queue;
 pub mod srq;
@@ -37,6 +45,7 @@ pub use context::{Context, QpCreated};
 pub use cq::{ArmFor, Cq};
 pub use error::{PostError, PostErrorKind, SetupError};
 pub use mmio::UarPage;
+pub use provider::{Platform, Provider, UserMemory};
 pub use qp::{Qp, RecvQueue, SendQueue, SendRequest};
 pub use srq::Srq;
 

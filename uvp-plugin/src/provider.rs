@@ -1,0 +1,811 @@
+//! The provider's control path: the pre/post hooks of every proxy verb
+//! (guide 6.2.2, 6.4.2, 6.5.3, 6.8.1, Table 10-1) and the fast path by
+//! handle, behind [`ib_types::uvp::UserVerbsProvider`].
+//!
+//! Contract:
+//! - **Context** (`OpenCa`): post parses the private limits (PRM 13) and
+//!   takes the doorbell page the kernel mapped (`OpenCaOut::doorbell`) as
+//!   the context's [`UarPage`].
+//! - **CQ, QP, SRQ, ResizeCq**: pre allocates the rings and the doorbell
+//!   record in the process ([`UserMemory`], one zero-filled allocation per
+//!   object: rings first, the record after them) and describes them in the
+//!   private input; post builds the fast-path object from that layout and
+//!   the kernel's answer. A post that does not build one (the IOCTL failed,
+//!   or a response short, hostile or not matching the layout) frees what
+//!   pre allocated and returns a status; for a failed IOCTL always its
+//!   status (row 3), else `InvalidParameter` (row 2: the library destroys
+//!   the kernel object). Destroy's post drops the object, then frees its
+//!   memory.
+//! - **Address vectors** live in the provider only (guide 6.4.2):
+//!   `CreateAv`, `QueryAv`, `ModifyAv` and `DestroyAv` finish in pre with
+//!   `VerbsProcessingDone`; no IOCTL. An AV's handle has
+//!   [`USER_AV_TAG`] set, so it never equals a kernel handle; the PD it
+//!   names must be one this provider saw allocated, and a PD with AVs is
+//!   refused `DeallocPd` (`ResourceBusy`) before the IOCTL.
+//! - **PD, MR, MW and every other verb**: no private data; post reports the
+//!   IOCTL's status (PDs are remembered for the AVs).
+//! - Unknown handles, bad inputs and a private buffer too small are refused
+//!   in pre with a status; nothing is allocated then.
+//! - The fast path takes the object's lock (one per CQ, QP, SRQ), so the
+//!   trait's "any thread" promise holds; the objects themselves stay the
+//!   lock-free ones of `docs/uvp.md`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use hca_prm::av::Av;
+use hca_prm::uverbs::{
+    CreateCqPriv, CreateCqPrivOut, CreateQpPriv, CreateQpPrivOut, CreateSrqPriv, CreateSrqPrivOut,
+    OpenCaPriv, ResizeCqPriv,
+};
+use hca_prm::wqe::{BB_SIZE, MIN_RECV_STRIDE, SEG_SIZE, inline_seg_len};
+use ib_types::abi::Repr;
+use ib_types::av::AvAttr;
+use ib_types::cq::{CqAttr, CqNotify};
+use ib_types::handle::PdHandle;
+use ib_types::ioctl::{OpenCaOut, QpCreated as QpCreatedOut, QueryAvOut, VerbId};
+use ib_types::qp::{QpCreate, QpType};
+use ib_types::srq::{SrqAttr, SrqCreate};
+use ib_types::status::IbStatus;
+use ib_types::uvp::{PostCall, PostRefused, PreCall, PreOutcome, UserSend, UserVerbsProvider};
+use ib_types::wc::WorkCompletion;
+use ib_types::wr::RecvWr;
+use zerocopy::IntoBytes;
+
+use crate::context::{Context, QpCreated};
+use crate::cq::{ArmFor, Cq};
+use crate::error::PostError;
+use crate::mmio::UarPage;
+use crate::qp::{Qp, SendRequest};
+use crate::srq::Srq;
+
+/// Bit set in every user AV handle: kernel handles never have it.
+pub const USER_AV_TAG: u64 = 1 << 63;
+
+/// Bytes after an object's rings for its doorbell record (one 64-byte
+/// line, so the record shares no cache line with a ring).
+const RECORD_ROOM: usize = 64;
+
+/// Send WQE bytes before the data segments, per transport (PRM 10.2):
+/// the control segment, then the UD address or the RC remote segment.
+const fn send_prefix(qp_type: QpType) -> usize {
+    match qp_type {
+        QpType::Ud | QpType::Smi | QpType::Gsi => SEG_SIZE + 48,
+        QpType::Rc => SEG_SIZE + 32,
+        QpType::Uc => SEG_SIZE + SEG_SIZE,
+    }
+}
+
+/// The process memory the provider lays its rings out in.
+pub trait UserMemory: Send + Sync {
+    /// `len` zero-filled bytes of this process, page aligned: their
+    /// address, or `None` when there is no memory.
+    fn alloc(&self, len: usize) -> Option<u64>;
+    /// Frees what [`alloc`](Self::alloc) returned at `va`.
+    fn free(&self, va: u64);
+}
+
+/// What the provider needs from the platform it runs on.
+#[derive(Clone)]
+pub struct Platform {
+    /// Ring memory.
+    pub memory: Arc<dyn UserMemory>,
+    /// Where doorbell stores go (the simulated host's device; on Windows
+    /// the page the kernel mapped is written directly).
+    #[cfg(not(windows))]
+    pub mmio: crate::mmio::MmioHook,
+}
+
+impl core::fmt::Debug for Platform {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Platform").finish_non_exhaustive()
+    }
+}
+
+/// One allocation of the process, freed when dropped.
+struct Allocation {
+    memory: Arc<dyn UserMemory>,
+    va: u64,
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        self.memory.free(self.va);
+    }
+}
+
+/// What pre allocated, waiting for post.
+enum Pending {
+    Cq {
+        ca: u64,
+        layout: CreateCqPriv,
+        memory: Allocation,
+    },
+    Resize {
+        cq: u64,
+        layout: ResizeCqPriv,
+        memory: Allocation,
+    },
+    Qp {
+        ca: u64,
+        qp_type: QpType,
+        srq: Option<u64>,
+        layout: CreateQpPriv,
+        memory: Allocation,
+    },
+    Srq {
+        ca: u64,
+        layout: CreateSrqPriv,
+        memory: Allocation,
+    },
+}
+
+/// A fast-path object and its memory. Fields drop in order: the object
+/// (which stops using the rings) before the memory is freed.
+struct Owned<T> {
+    ca: u64,
+    object: Mutex<T>,
+    memory: Mutex<Allocation>,
+}
+
+impl<T> Owned<T> {
+    fn new(ca: u64, object: T, memory: Allocation) -> Arc<Self> {
+        Arc::new(Self {
+            ca,
+            object: Mutex::new(object),
+            memory: Mutex::new(memory),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, T> {
+        self.object.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+struct UserAv {
+    ca: u64,
+    pd: u64,
+    attr: AvAttr,
+    av: Av,
+}
+
+#[derive(Default)]
+struct State {
+    next_cookie: u64,
+    next_av: u64,
+    pending: HashMap<u64, Pending>,
+    contexts: HashMap<u64, Arc<Context>>,
+    /// PD handle -> its CA.
+    pds: HashMap<u64, u64>,
+    avs: HashMap<u64, UserAv>,
+    cqs: HashMap<u64, Arc<Owned<Cq>>>,
+    qps: HashMap<u64, Arc<Owned<Qp>>>,
+    srqs: HashMap<u64, Arc<Owned<Srq>>>,
+}
+
+/// The provider of one process: every context it opened and their objects.
+pub struct Provider {
+    platform: Platform,
+    state: Mutex<State>,
+}
+
+impl core::fmt::Debug for Provider {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Provider").finish_non_exhaustive()
+    }
+}
+
+/// The whole of `bytes` as a `T`.
+fn exact<T: Repr>(bytes: &[u8]) -> Result<T, IbStatus> {
+    match T::decode(bytes) {
+        Ok((value, [])) => Ok(value),
+        _ => Err(IbStatus::InvalidParameter),
+    }
+}
+
+/// `ceil(log2(n))` for `n >= 1`; `None` past 31.
+fn log2_ceil(n: u32) -> Option<u8> {
+    let log = n.max(1).checked_next_power_of_two()?.trailing_zeros();
+    u8::try_from(log).ok()
+}
+
+/// Writes `record` into the private buffer: its length.
+fn write_private(out: &mut [u8], record: &[u8]) -> Result<usize, IbStatus> {
+    let room = out
+        .get_mut(..record.len())
+        .ok_or(IbStatus::InsufficientMemory)?;
+    room.copy_from_slice(record);
+    Ok(record.len())
+}
+
+impl Provider {
+    /// A provider with no context yet.
+    pub fn new(platform: Platform) -> Self {
+        Self {
+            platform,
+            state: Mutex::default(),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Allocations the provider holds now (pending and live objects'):
+    /// what a test compares with the process's count.
+    pub fn allocations(&self) -> usize {
+        let s = self.state();
+        s.pending.len() + s.cqs.len() + s.qps.len() + s.srqs.len()
+    }
+
+    /// User AVs alive.
+    pub fn address_vectors(&self) -> usize {
+        self.state().avs.len()
+    }
+
+    fn allocate(&self, len: usize) -> Result<Allocation, IbStatus> {
+        let va = self
+            .platform
+            .memory
+            .alloc(len)
+            .ok_or(IbStatus::InsufficientMemory)?;
+        Ok(Allocation {
+            memory: Arc::clone(&self.platform.memory),
+            va,
+        })
+    }
+
+    fn context(&self, ca: u64) -> Result<Arc<Context>, IbStatus> {
+        self.state()
+            .contexts
+            .get(&ca)
+            .cloned()
+            .ok_or(IbStatus::InvalidCaHandle)
+    }
+
+    fn park(&self, pending: Pending) -> u64 {
+        let mut s = self.state();
+        s.next_cookie += 1;
+        let cookie = s.next_cookie;
+        s.pending.insert(cookie, pending);
+        cookie
+    }
+
+    fn ioctl(private_in_len: usize, private_out_max: usize, cookie: u64) -> PreOutcome {
+        PreOutcome::Ioctl {
+            private_in_len,
+            private_out_max,
+            cookie,
+        }
+    }
+
+    // -- pre hooks ----------------------------------------------------------
+
+    fn pre_create_cq(&self, call: &mut PreCall<'_>) -> Result<PreOutcome, IbStatus> {
+        let ctx = self.context(call.handle)?;
+        let attr: CqAttr = exact(call.input)?;
+        let log = log2_ceil(attr.cqe)
+            .filter(|&log| log <= ctx.limits().log_max_cqes)
+            .ok_or(IbStatus::InvalidCqSize)?;
+        let ring = 32usize << log;
+        let memory = self.allocate(ring + RECORD_ROOM)?;
+        let layout = CreateCqPriv::new(log, memory.va, memory.va + ring as u64)
+            .map_err(|_| IbStatus::InvalidCqSize)?;
+        let len = write_private(call.private_in, layout.emit().as_bytes())?;
+        let cookie = self.park(Pending::Cq {
+            ca: call.handle,
+            layout,
+            memory,
+        });
+        Ok(Self::ioctl(len, CreateCqPrivOut::SIZE, cookie))
+    }
+
+    fn pre_resize_cq(&self, call: &mut PreCall<'_>) -> Result<PreOutcome, IbStatus> {
+        let ca = {
+            let s = self.state();
+            s.cqs.get(&call.handle).ok_or(IbStatus::InvalidCqHandle)?.ca
+        };
+        let ctx = self.context(ca)?;
+        let attr: CqAttr = exact(call.input)?;
+        let log = log2_ceil(attr.cqe)
+            .filter(|&log| log <= ctx.limits().log_max_cqes)
+            .ok_or(IbStatus::InvalidCqSize)?;
+        let memory = self.allocate(32usize << log)?;
+        let layout = ResizeCqPriv::new(log, memory.va).map_err(|_| IbStatus::InvalidCqSize)?;
+        let len = write_private(call.private_in, layout.emit().as_bytes())?;
+        let cookie = self.park(Pending::Resize {
+            cq: call.handle,
+            layout,
+            memory,
+        });
+        Ok(Self::ioctl(len, 0, cookie))
+    }
+
+    fn pre_create_qp(&self, call: &mut PreCall<'_>) -> Result<PreOutcome, IbStatus> {
+        let ctx = self.context(call.handle)?;
+        let create: QpCreate = exact(call.input)?;
+        if create.qp_type.is_special() {
+            return Err(IbStatus::InvalidPermission);
+        }
+        let srq = create.srq.map(|s| s.raw());
+        if let Some(srq) = srq
+            && !self.state().srqs.contains_key(&srq)
+        {
+            return Err(IbStatus::InvalidSrqHandle);
+        }
+        let caps = &create.caps;
+        // The send stride: the prefix and the larger of the SGEs and the
+        // inline segment, in a power of two of basic blocks.
+        let data = (caps.max_send_sge.max(1) as usize * SEG_SIZE)
+            .max(inline_seg_len(caps.max_inline_data as usize));
+        let stride = (send_prefix(create.qp_type) + data)
+            .next_power_of_two()
+            .max(BB_SIZE);
+        let log_wqe_bbs = (stride / BB_SIZE).trailing_zeros() as u8;
+        let log_wrs = log2_ceil(caps.max_send_wr).ok_or(IbStatus::InvalidMaxWrs)?;
+        let sq_log_bbs = log_wrs + log_wqe_bbs;
+        if sq_log_bbs > ctx.limits().log_max_wqes {
+            return Err(IbStatus::InvalidMaxWrs);
+        }
+        let sq_bytes = BB_SIZE << sq_log_bbs;
+        let rq = match srq {
+            Some(_) => None,
+            None => {
+                let rq_stride = (SEG_SIZE * (1 + caps.max_recv_sge.max(1) as usize))
+                    .next_power_of_two()
+                    .max(MIN_RECV_STRIDE);
+                let log_entries = log2_ceil(caps.max_recv_wr).ok_or(IbStatus::InvalidMaxWrs)?;
+                if log_entries > ctx.limits().log_max_wqes {
+                    return Err(IbStatus::InvalidMaxWrs);
+                }
+                Some((log_entries, rq_stride.trailing_zeros() as u8))
+            }
+        };
+        let rq_bytes = rq.map_or(0, |(log, log_stride)| 1usize << (log + log_stride));
+        let memory = self.allocate(sq_bytes + rq_bytes + RECORD_ROOM)?;
+        let (sq_va, rq_va) = (memory.va, memory.va + sq_bytes as u64);
+        let record = rq_va + rq_bytes as u64;
+        let layout = CreateQpPriv::new(
+            sq_log_bbs,
+            log_wqe_bbs,
+            sq_va,
+            rq.map(|(log, log_stride)| (log, log_stride, rq_va, record)),
+        )
+        .map_err(|_| IbStatus::InvalidParameter)?;
+        let len = write_private(call.private_in, layout.emit().as_bytes())?;
+        let cookie = self.park(Pending::Qp {
+            ca: call.handle,
+            qp_type: create.qp_type,
+            srq,
+            layout,
+            memory,
+        });
+        Ok(Self::ioctl(len, CreateQpPrivOut::SIZE, cookie))
+    }
+
+    fn pre_create_srq(&self, call: &mut PreCall<'_>) -> Result<PreOutcome, IbStatus> {
+        let ctx = self.context(call.handle)?;
+        let create: SrqCreate = exact(call.input)?;
+        let log_entries = log2_ceil(create.attr.max_wr)
+            .filter(|&log| log <= ctx.limits().log_max_srq_wqes)
+            .ok_or(IbStatus::InvalidSrqSize)?;
+        let stride = (SEG_SIZE * (1 + create.attr.max_sge.max(1) as usize))
+            .next_power_of_two()
+            .max(MIN_RECV_STRIDE);
+        let ring = stride << log_entries;
+        let memory = self.allocate(ring + RECORD_ROOM)?;
+        let layout = CreateSrqPriv::new(
+            log_entries,
+            stride.trailing_zeros() as u8,
+            memory.va,
+            memory.va + ring as u64,
+        )
+        .map_err(|_| IbStatus::InvalidSrqSize)?;
+        let len = write_private(call.private_in, layout.emit().as_bytes())?;
+        let cookie = self.park(Pending::Srq {
+            ca: call.handle,
+            layout,
+            memory,
+        });
+        Ok(Self::ioctl(len, CreateSrqPrivOut::SIZE, cookie))
+    }
+
+    /// The RoCEv2 AV of `attr` (guide 6.4.2: built into the UD WQEs).
+    fn user_av(attr: &AvAttr) -> Result<Av, IbStatus> {
+        Av::try_from(attr).map_err(|_| IbStatus::InvalidParameter)
+    }
+
+    fn pre_av(&self, call: &mut PreCall<'_>) -> Result<PreOutcome, IbStatus> {
+        let mut s = self.state();
+        match call.verb {
+            VerbId::CreateAv => {
+                let ca = *s.pds.get(&call.handle).ok_or(IbStatus::InvalidPdHandle)?;
+                let attr: AvAttr = exact(call.input)?;
+                let av = Self::user_av(&attr)?;
+                s.next_av += 1;
+                let handle = USER_AV_TAG | s.next_av;
+                s.avs.insert(
+                    handle,
+                    UserAv {
+                        ca,
+                        pd: call.handle,
+                        attr,
+                        av,
+                    },
+                );
+                Ok(PreOutcome::Done { handle })
+            }
+            VerbId::QueryAv => {
+                let user = s.avs.get(&call.handle).ok_or(IbStatus::InvalidAvHandle)?;
+                let out = QueryAvOut {
+                    pd: PdHandle::from_raw(user.pd),
+                    av: user.attr,
+                };
+                let bytes = out.emit();
+                let room = call
+                    .output
+                    .get_mut(..bytes.as_bytes().len())
+                    .ok_or(IbStatus::InsufficientMemory)?;
+                room.copy_from_slice(bytes.as_bytes());
+                Ok(PreOutcome::Done { handle: 0 })
+            }
+            VerbId::ModifyAv => {
+                let attr: AvAttr = exact(call.input)?;
+                let av = Self::user_av(&attr)?;
+                let user = s
+                    .avs
+                    .get_mut(&call.handle)
+                    .ok_or(IbStatus::InvalidAvHandle)?;
+                user.attr = attr;
+                user.av = av;
+                Ok(PreOutcome::Done { handle: 0 })
+            }
+            _ => {
+                s.avs
+                    .remove(&call.handle)
+                    .ok_or(IbStatus::InvalidAvHandle)?;
+                Ok(PreOutcome::Done { handle: 0 })
+            }
+        }
+    }
+
+    // -- post hooks ---------------------------------------------------------
+
+    fn take_pending(&self, cookie: u64) -> Result<Pending, IbStatus> {
+        self.state()
+            .pending
+            .remove(&cookie)
+            .ok_or(IbStatus::InvalidParameter)
+    }
+
+    fn post_open_ca(&self, call: &PostCall<'_>) -> Result<(), IbStatus> {
+        let out: OpenCaOut = exact(call.output)?;
+        let doorbell = out.doorbell.ok_or(IbStatus::InvalidParameter)?;
+        let limits = OpenCaPriv::parse(call.private_out).map_err(|_| IbStatus::InvalidParameter)?;
+        #[cfg(not(windows))]
+        let uar = UarPage::simulated(doorbell.va, Arc::clone(&self.platform.mmio));
+        #[cfg(windows)]
+        // SAFETY: the kernel mapped the context's UAR page at this address
+        // into the process for as long as the context's file is open; the
+        // context is dropped at `CloseCa`'s post, before that.
+        let uar = unsafe { UarPage::mapped(doorbell.va) };
+        self.state()
+            .contexts
+            .insert(call.created, Arc::new(Context::new(limits, uar)));
+        Ok(())
+    }
+
+    fn post_create(&self, call: &PostCall<'_>, pending: Pending) -> Result<(), IbStatus> {
+        match pending {
+            Pending::Cq { ca, layout, memory } => {
+                let created = CreateCqPrivOut::parse(call.private_out)
+                    .map_err(|_| IbStatus::InvalidParameter)?;
+                let ctx = self.context(ca)?;
+                // SAFETY: the ring and record are `memory`, this process's
+                // own allocation, kept (in `Owned`) until after the CQ is
+                // dropped; the device reaches it only by DMA of 64-bit
+                // words and nothing else of the process uses it.
+                let cq = unsafe { ctx.cq(&layout, &created) }.map_err(|e| e.status())?;
+                self.state()
+                    .cqs
+                    .insert(call.created, Owned::new(ca, cq, memory));
+            }
+            Pending::Resize { cq, layout, memory } => {
+                let owned = self
+                    .state()
+                    .cqs
+                    .get(&cq)
+                    .cloned()
+                    .ok_or(IbStatus::InvalidCqHandle)?;
+                let mut object = owned.lock();
+                // SAFETY: as for a CQ's creation: `memory` is kept in the
+                // CQ's `Owned` from now on, in place of the old ring, which
+                // the device left (the resize succeeded).
+                unsafe { object.resized(&layout) }.map_err(|e| e.status())?;
+                *owned.memory.lock().unwrap_or_else(|p| p.into_inner()) = memory;
+            }
+            Pending::Qp {
+                ca,
+                qp_type,
+                srq,
+                layout,
+                memory,
+            } => {
+                let out: QpCreatedOut = exact(call.output)?;
+                let private = CreateQpPrivOut::parse(call.private_out)
+                    .map_err(|_| IbStatus::InvalidParameter)?;
+                if private.qpn != out.qpn.get() {
+                    return Err(IbStatus::InvalidParameter);
+                }
+                let ctx = self.context(ca)?;
+                let created = QpCreated {
+                    qp_type,
+                    caps: out.caps,
+                    private,
+                };
+                let srq = match srq {
+                    Some(handle) => Some(
+                        self.state()
+                            .srqs
+                            .get(&handle)
+                            .cloned()
+                            .ok_or(IbStatus::InvalidSrqHandle)?,
+                    ),
+                    None => None,
+                };
+                let srq_guard = srq.as_ref().map(|s| s.lock());
+                // SAFETY: as for a CQ's creation, for the QP's rings.
+                let qp = unsafe { ctx.qp(&layout, &created, srq_guard.as_deref()) }
+                    .map_err(|e| e.status())?;
+                drop(srq_guard);
+                self.state()
+                    .qps
+                    .insert(call.created, Owned::new(ca, qp, memory));
+            }
+            Pending::Srq { ca, layout, memory } => {
+                let out: SrqAttr = exact(call.output)?;
+                let created = CreateSrqPrivOut::parse(call.private_out)
+                    .map_err(|_| IbStatus::InvalidParameter)?;
+                let ctx = self.context(ca)?;
+                // SAFETY: as for a CQ's creation, for the SRQ's ring.
+                let srq =
+                    unsafe { ctx.srq(&layout, &created, out.max_sge) }.map_err(|e| e.status())?;
+                self.state()
+                    .srqs
+                    .insert(call.created, Owned::new(ca, srq, memory));
+            }
+        }
+        Ok(())
+    }
+
+    fn post_destroy(&self, call: &PostCall<'_>) {
+        let mut s = self.state();
+        match call.verb {
+            VerbId::CloseCa => {
+                let ca = call.handle;
+                s.contexts.remove(&ca);
+                s.pds.retain(|_, c| *c != ca);
+                s.avs.retain(|_, av| av.ca != ca);
+                // QPs before the SRQs and CQs their pollers know.
+                s.qps.retain(|_, o| o.ca != ca);
+                s.srqs.retain(|_, o| o.ca != ca);
+                s.cqs.retain(|_, o| o.ca != ca);
+            }
+            VerbId::DeallocPd => {
+                s.pds.remove(&call.handle);
+            }
+            VerbId::DestroyCq => {
+                s.cqs.remove(&call.handle);
+            }
+            VerbId::DestroyQp => {
+                s.qps.remove(&call.handle);
+            }
+            VerbId::DestroySrq => {
+                s.srqs.remove(&call.handle);
+            }
+            _ => {}
+        }
+    }
+
+    // -- fast path ----------------------------------------------------------
+
+    fn qp(&self, qp: u64) -> Result<Arc<Owned<Qp>>, PostRefused> {
+        self.state().qps.get(&qp).cloned().ok_or(PostRefused {
+            posted: 0,
+            status: IbStatus::InvalidQpHandle,
+        })
+    }
+
+    fn cq(&self, cq: u64) -> Result<Arc<Owned<Cq>>, IbStatus> {
+        self.state()
+            .cqs
+            .get(&cq)
+            .cloned()
+            .ok_or(IbStatus::InvalidCqHandle)
+    }
+}
+
+fn refused(error: PostError) -> PostRefused {
+    PostRefused {
+        posted: error.posted,
+        status: error.status(),
+    }
+}
+
+impl UserVerbsProvider for Provider {
+    fn pre(&self, call: &mut PreCall<'_>) -> Result<PreOutcome, IbStatus> {
+        match call.verb {
+            VerbId::OpenCa => Ok(Self::ioctl(0, OpenCaPriv::SIZE, 0)),
+            VerbId::CreateCq => self.pre_create_cq(call),
+            VerbId::ResizeCq => self.pre_resize_cq(call),
+            VerbId::CreateQp => self.pre_create_qp(call),
+            VerbId::CreateSrq => self.pre_create_srq(call),
+            VerbId::CreateAv | VerbId::QueryAv | VerbId::ModifyAv | VerbId::DestroyAv => {
+                self.pre_av(call)
+            }
+            VerbId::DeallocPd => {
+                if self.state().avs.values().any(|av| av.pd == call.handle) {
+                    return Err(IbStatus::ResourceBusy);
+                }
+                Ok(Self::ioctl(0, 0, 0))
+            }
+            _ => Ok(Self::ioctl(0, 0, 0)),
+        }
+    }
+
+    fn post(&self, call: &PostCall<'_>) -> Result<(), IbStatus> {
+        let pending = match call.verb {
+            VerbId::CreateCq | VerbId::ResizeCq | VerbId::CreateQp | VerbId::CreateSrq => {
+                Some(self.take_pending(call.cookie))
+            }
+            _ => None,
+        };
+        // Row 3: a failed IOCTL fails post with its status, after
+        // `pending` (dropped here) freed what pre allocated.
+        if call.status != IbStatus::Success {
+            return Err(call.status);
+        }
+        let pending = pending.transpose()?;
+        match (call.verb, pending) {
+            (VerbId::OpenCa, _) => self.post_open_ca(call),
+            (VerbId::AllocPd, _) => {
+                self.state().pds.insert(call.created, call.handle);
+                Ok(())
+            }
+            (_, Some(pending)) => self.post_create(call, pending),
+            _ => {
+                self.post_destroy(call);
+                Ok(())
+            }
+        }
+    }
+
+    fn post_send(&self, qp: u64, wrs: &[UserSend<'_>]) -> Result<usize, PostRefused> {
+        let owned = self.qp(qp)?;
+        let mut requests = Vec::with_capacity(wrs.len());
+        // A request naming an AV this provider does not hold stops the
+        // batch there: the requests before it are posted, then it is
+        // refused.
+        let mut unknown_av = false;
+        {
+            let s = self.state();
+            for send in wrs {
+                let av = match &send.wr.ud {
+                    Some(ud) => match s.avs.get(&ud.av.raw()) {
+                        Some(user) => Some(user.av),
+                        None => {
+                            unknown_av = true;
+                            break;
+                        }
+                    },
+                    None => None,
+                };
+                requests.push(SendRequest {
+                    wr: send.wr,
+                    av,
+                    inline: send.inline,
+                });
+            }
+        }
+        let posted = owned.lock().send_queue().post(&requests).map_err(refused)?;
+        if unknown_av {
+            return Err(PostRefused {
+                posted,
+                status: IbStatus::InvalidAvHandle,
+            });
+        }
+        Ok(posted)
+    }
+
+    fn post_recv(&self, qp: u64, wrs: &[RecvWr<'_>]) -> Result<usize, PostRefused> {
+        let owned = self.qp(qp)?;
+        let mut object = owned.lock();
+        let queue = object.recv_queue().ok_or(PostRefused {
+            posted: 0,
+            status: IbStatus::InvalidQpHandle,
+        })?;
+        queue.post(wrs).map_err(refused)
+    }
+
+    fn post_srq_recv(&self, srq: u64, wrs: &[RecvWr<'_>]) -> Result<usize, PostRefused> {
+        let owned = self.state().srqs.get(&srq).cloned().ok_or(PostRefused {
+            posted: 0,
+            status: IbStatus::InvalidSrqHandle,
+        })?;
+        owned.lock().post(wrs).map_err(refused)
+    }
+
+    fn poll_cq(&self, cq: u64, out: &mut [WorkCompletion]) -> Result<usize, IbStatus> {
+        Ok(self.cq(cq)?.lock().poll(out))
+    }
+
+    fn arm_cq(&self, cq: u64, notify: CqNotify) -> Result<(), IbStatus> {
+        let for_ = match notify {
+            CqNotify::Solicited => ArmFor::Solicited,
+            CqNotify::NextCompletion => ArmFor::Next,
+        };
+        self.cq(cq)?.lock().arm(for_);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct NoMemory;
+
+    impl UserMemory for NoMemory {
+        fn alloc(&self, _: usize) -> Option<u64> {
+            None
+        }
+
+        fn free(&self, _: u64) {}
+    }
+
+    fn post_call(verb: VerbId, cookie: u64, status: IbStatus) -> PostCall<'static> {
+        PostCall {
+            verb,
+            handle: 1,
+            input: &[],
+            private_in: &[],
+            cookie,
+            status,
+            created: 0,
+            output: &[],
+            private_out: &[],
+        }
+    }
+
+    #[test]
+    fn post_reports_a_failed_ioctl_even_without_its_pre() {
+        let provider = Provider::new(Platform {
+            memory: Arc::new(NoMemory),
+            #[cfg(not(windows))]
+            mmio: Arc::new(|_, _| {}),
+        });
+        // A post whose cookie names nothing pre made: after a failed IOCTL
+        // it still answers the IOCTL's status (row 3); after a successful
+        // one it refuses.
+        let failed = post_call(VerbId::CreateCq, 99, IbStatus::InvalidCqSize);
+        assert_eq!(provider.post(&failed), Err(IbStatus::InvalidCqSize));
+        let succeeded = post_call(VerbId::CreateQp, 99, IbStatus::Success);
+        assert_eq!(provider.post(&succeeded), Err(IbStatus::InvalidParameter));
+        // No memory: pre refuses before anything is sent.
+        let mut private = [0u8; 64];
+        let attr = CqAttr {
+            cqe: 8,
+            comp_vector: 0,
+        };
+        let input = attr.emit();
+        let mut pre = PreCall {
+            verb: VerbId::CreateCq,
+            handle: 1,
+            input: input.as_bytes(),
+            private_in: &mut private,
+            output: &mut [],
+        };
+        assert_eq!(provider.pre(&mut pre), Err(IbStatus::InvalidCaHandle));
+        assert_eq!(provider.allocations(), 0);
+    }
+}
