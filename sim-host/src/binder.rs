@@ -58,6 +58,7 @@ impl Binder for InfBinder {
                 function: service.clone(),
                 upper_filters: Vec::new(),
                 lower_filters: Vec::new(),
+                security: None,
             });
         }
         let hw: Vec<&str> = hardware_ids.iter().map(String::as_str).collect();
@@ -73,6 +74,7 @@ impl Binder for InfBinder {
             function: binding.function_service,
             upper_filters: binding.upper_filters,
             lower_filters: binding.lower_filters,
+            security: binding.security,
         })
     }
 }

@@ -56,7 +56,12 @@
 //! 6. Registry writes: `.HW` `AddReg` (`HKR` = the device's hardware key)
 //!    become [`Binding::device_values`], except the filter values above
 //!    (`UpperFilters`, `LowerFilters`, the level values), which Windows
-//!    keeps as device properties on the instance key; each service install section's
+//!    keeps as device properties on the instance key, and `Security` (a
+//!    `REG_SZ` SDDL at the root of `HKR`), which is the device's security
+//!    property: [`Binding::security`], applied by the PnP manager to the
+//!    devnode's stack before any driver's add-device; an SDDL outside
+//!    [`crate::security`]'s subset fails the binding, as Windows fails the
+//!    install. Each service install section's
 //!    standard values (`Type`, `Start`, `ErrorControl`, `ImagePath`,
 //!    `DisplayName`) and `AddReg` (`HKR` = the service key) become
 //!    [`Binding::service_values`]. Only `HKR` is accepted (InfVerif's rule).
@@ -94,6 +99,7 @@ use std::path::{Path, PathBuf};
 use driver_platform::RegValue;
 
 use crate::registry::{self, RegistryError, RegistryStore};
+use crate::security::SecurityDescriptor;
 
 /// The host's Windows version for decorations: 10.0, build 26100.
 const HOST_OS: (u32, u32, u32) = (10, 0, 26_100);
@@ -1229,6 +1235,11 @@ pub struct Binding {
     pub files: Vec<String>,
     /// Values for the device's hardware key (`.HW` `AddReg`, `HKR`).
     pub device_values: Vec<RegWrite>,
+    /// The devnode's security descriptor: the `.HW` `AddReg` `Security`
+    /// value at the root of `HKR`, which Windows applies as the device's
+    /// security property (every device object of its stack), not as a
+    /// registry value.
+    pub security: Option<SecurityDescriptor>,
     /// Values for service keys: `(service, write)`, `HKR` = the service
     /// key `Services\<service>`.
     pub service_values: Vec<(String, RegWrite)>,
@@ -1437,6 +1448,7 @@ fn install(c: Candidate<'_>, arch: Arch) -> Result<Binding, BindError> {
     // 5a. `.HW`: device values and legacy filters.
     let hw_name = format!("{install_section}.HW");
     let mut device_values = Vec::new();
+    let mut security = None;
     let mut filter_values = FilterValues::default();
     if let Some(hw) = inf.section(&hw_name) {
         for line in hw {
@@ -1453,7 +1465,9 @@ fn install(c: Candidate<'_>, arch: Arch) -> Result<Binding, BindError> {
             {
                 for reg_line in ctx.referenced(name, "AddReg", &hw_name)? {
                     let w = parse_addreg(&ctx, name, reg_line)?;
-                    if !take_filter_value(&ctx, name, reg_line, &w, &mut filter_values)? {
+                    if !take_filter_value(&ctx, name, reg_line, &w, &mut filter_values)?
+                        && !take_security_value(&ctx, name, reg_line, &w, &mut security)?
+                    {
                         device_values.push(w);
                     }
                 }
@@ -1646,6 +1660,7 @@ fn install(c: Candidate<'_>, arch: Arch) -> Result<Binding, BindError> {
         kmdf_version,
         files,
         device_values,
+        security,
         service_values,
     })
 }
@@ -2031,6 +2046,33 @@ fn take_filter_value(
     Ok(true)
 }
 
+/// Takes the `Security` value out of `.HW` writes into `into`; `true` if
+/// `w` was it. The SDDL must be a `REG_SZ` the host's security model
+/// parses: Windows fails the installation of a descriptor it cannot
+/// convert, so a malformed one fails the binding here.
+fn take_security_value(
+    ctx: &Ctx<'_>,
+    section: &str,
+    line: &InfLine,
+    w: &RegWrite,
+    into: &mut Option<SecurityDescriptor>,
+) -> Result<bool, BindError> {
+    if !w.subkey.is_empty() || !w.name.eq_ignore_ascii_case("Security") {
+        return Ok(false);
+    }
+    let bad = |reason: String| ctx.malformed(section, Some(line.number), reason);
+    let RegValue::String(sddl) = &w.value else {
+        return Err(bad("Security must be a REG_SZ SDDL string".to_owned()));
+    };
+    let descriptor = SecurityDescriptor::from_sddl(sddl)
+        .map_err(|e| bad(format!("Security is not a usable descriptor: {e}")))?;
+    // NOCLOBBER keeps a descriptor an earlier line set.
+    if !(w.no_clobber && into.is_some()) {
+        *into = Some(descriptor);
+    }
+    Ok(true)
+}
+
 fn add_filter(
     ctx: &Ctx<'_>,
     filters_name: &str,
@@ -2352,6 +2394,12 @@ ServiceBinary = %13%\svc.sys
                 hw(msi, "MessageNumberLimit", 32),
                 hw("DMA Management", "RemappingSupported", 1),
             ]
+        );
+        // The `.HW` `Security` value is the devnode's security property,
+        // not a value under Device Parameters.
+        assert_eq!(
+            b.security.as_ref().map(SecurityDescriptor::sddl),
+            Some("D:P(A;;GA;;;SY)(A;;GA;;;BA)(A;;GRGW;;;AU)")
         );
         let ibal = |subkey: &str, name: &str| {
             b.service_values
@@ -2936,6 +2984,46 @@ FilterLevel = crypto
             bind_one(&text, &["X\\Y"]),
             Err(BindError::Malformed { line: Some(_), .. })
         ));
+    }
+
+    /// The `.HW` `Security` value is the binding's descriptor (not a
+    /// device value); one the security model cannot parse, or not a
+    /// string, fails the binding as Windows fails the install.
+    #[test]
+    fn hw_security_value_is_the_bindings_descriptor_and_a_malformed_one_fails() {
+        let with = |line: &str| {
+            let hw = format!("[Inst.NT.HW]\nAddReg = R\n[R]\n{line}\n[Inst.NT.Services]");
+            pkg(
+                "%P% = Inst, X\\Y",
+                &INSTALL.replace("[Inst.NT.Services]", &hw),
+            )
+        };
+        let good = "D:P(A;;GA;;;SY)(A;;GR;;;WD)";
+        let b = bind_one(&with(&format!("HKR,,Security,,\"{good}\"")), &["X\\Y"]).unwrap();
+        assert_eq!(
+            b.security.as_ref().map(SecurityDescriptor::sddl),
+            Some(good)
+        );
+        assert!(b.device_values.is_empty(), "{:?}", b.device_values);
+        // Under a subkey it is an ordinary value.
+        let b = bind_one(&with(&format!("HKR,Sub,Security,,\"{good}\"")), &["X\\Y"]).unwrap();
+        assert!(b.security.is_none());
+        assert_eq!(b.device_values.len(), 1);
+
+        for (line, needle) in [
+            (
+                "HKR,,Security,,\"D:P(A;;GA;;;S-1-5-18)\"",
+                "unknown SID alias",
+            ),
+            ("HKR,,security,,\"O:BA\"", "no DACL"),
+            ("HKR,,Security,0x00010001,1", "REG_SZ"),
+        ] {
+            match bind_one(&with(line), &["X\\Y"]) {
+                Err(e @ BindError::Malformed { line: Some(_), .. })
+                    if e.to_string().contains(needle) => {}
+                other => panic!("{line}: expected Malformed mentioning {needle:?}, got {other:?}"),
+            }
+        }
     }
 
     #[test]

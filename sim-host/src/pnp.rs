@@ -68,6 +68,10 @@ pub struct StackPlan {
     pub upper_filters: Vec<String>,
     /// Lower filters, lowest first.
     pub lower_filters: Vec<String>,
+    /// The devnode's security descriptor (the INF's `.HW` `Security`
+    /// value, [`crate::inf::Binding::security`]), set on the stack before
+    /// any driver's add-device; `None`: open to everyone.
+    pub security: Option<crate::security::SecurityDescriptor>,
 }
 
 /// Finds the drivers of a device from its IDs (the INF set implements
@@ -349,21 +353,6 @@ impl DeviceServices {
             .instance_path
             .clone();
         Some(inner.registry.view(&self.service, &path))
-    }
-
-    /// Sets the security descriptor of this device's stack from SDDL (on
-    /// Windows the INF's `Security` value of the hardware `AddReg`
-    /// section; `crate::security`): every later `IRP_MJ_CREATE` is checked
-    /// against it. SDDL outside the modelled subset is refused with
-    /// `STATUS_INVALID_PARAMETER`, nothing changed.
-    pub fn assign_security(&self, sddl: &str) -> Result<(), NtStatus> {
-        let descriptor = crate::security::SecurityDescriptor::from_sddl(sddl)
-            .map_err(|_| crate::driver::INVALID_PARAMETER)?;
-        let inner = self.pnp.upgrade().ok_or(NO_SUCH_DEVICE)?;
-        let mut tree = lock(&inner.tree);
-        let node = tree.nodes.get_mut(self.node.0).ok_or(NO_SUCH_DEVICE)?;
-        node.security = Some(descriptor);
-        Ok(())
     }
 
     /// Registers a device interface of `class` (disabled until enabled).
@@ -738,7 +727,8 @@ impl PnpManager {
             .map_or(0, |n| n.references_outstanding())
     }
 
-    /// The security descriptor of a devnode's stack, if one was assigned.
+    /// The security descriptor of a devnode's stack, if its binding gave
+    /// one.
     pub fn security(&self, node: DevNodeId) -> Option<crate::security::SecurityDescriptor> {
         lock(&self.inner.tree)
             .nodes
@@ -838,6 +828,8 @@ impl PnpManager {
                 Ok(plan) => plan,
                 Err(reason) => return self.fail_start(node, reason),
             };
+            // The security property first, so the first open is checked.
+            lock(&self.inner.tree).nodes[node.0].security = plan.security.clone();
             let mut order: Vec<(String, StackRole)> = Vec::new();
             order.extend(
                 plan.lower_filters

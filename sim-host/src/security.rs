@@ -4,13 +4,15 @@
 //!
 //! Contract (`docs/host-model.md`, "Device security descriptors and the
 //! caller's token"):
-//! - A driver of the stack sets the stack's descriptor
-//!   ([`crate::pnp::DeviceServices::assign_security`]; on Windows the INF's
-//!   `Security` value in the device's hardware `AddReg` section, which the
-//!   PnP manager applies to every device object of the stack; a PnP filter
-//!   has no name of its own, so `WdfDeviceInitAssignSDDLString` is not for
-//!   it). An SDDL string outside the subset modelled is refused with
-//!   `STATUS_INVALID_PARAMETER` and changes nothing.
+//! - The INF sets the stack's descriptor: the `Security` value at the root
+//!   of the device's hardware `AddReg` section is the device's security
+//!   property ([`crate::inf::Binding::security`], carried by
+//!   [`crate::pnp::StackPlan::security`]), which the PnP manager applies to
+//!   every device object of the stack before any driver's add-device; no
+//!   driver of a PnP stack assigns it (a PnP filter has no name of its own,
+//!   so `WdfDeviceInitAssignSDDLString` is not for it). An SDDL string
+//!   outside the subset modelled fails the binding (the device does not
+//!   start), as Windows fails the install.
 //! - [`crate::pnp::PnpManager::open_file`] asks for read and write access
 //!   (what `CreateFile(GENERIC_READ | GENERIC_WRITE)` on a device asks):
 //!   a caller whose token the descriptor does not grant both gets

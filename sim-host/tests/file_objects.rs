@@ -49,6 +49,7 @@ impl Binder for OneDeviceBinder {
                 function: FUNCTION.into(),
                 upper_filters: vec![FILTER.into()],
                 lower_filters: vec![],
+                security: None,
             }),
             other => Err(format!("no INF matches {other:?}")),
         }

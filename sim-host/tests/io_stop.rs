@@ -48,6 +48,7 @@ impl Binder for SampleBinder {
             function: "holder".into(),
             upper_filters: vec![],
             lower_filters: vec![],
+            security: None,
         })
     }
 }

@@ -50,11 +50,13 @@ impl Binder for TestBinder {
                 function: "samplebus".into(),
                 upper_filters: vec!["samplefilter".into()],
                 lower_filters: vec![],
+                security: None,
             }),
             Some("TEST\\CHILD") => Ok(StackPlan {
                 function: "samplechild".into(),
                 upper_filters: vec![],
                 lower_filters: vec![],
+                security: None,
             }),
             other => Err(format!("no INF matches {other:?}")),
         }

@@ -38,6 +38,7 @@ impl Binder for SampleBinder {
             function: "sample".into(),
             upper_filters: vec![],
             lower_filters: vec![],
+            security: None,
         })
     }
 }

@@ -34,6 +34,7 @@ impl Binder for TestBinder {
             function: function.into(),
             upper_filters: vec![],
             lower_filters: vec![],
+            security: None,
         })
     }
 }

@@ -39,6 +39,7 @@ impl Binder for TwoDevices {
             function: function.into(),
             upper_filters,
             lower_filters: vec![],
+            security: None,
         })
     }
 }

@@ -39,9 +39,11 @@
 //!   re-reads the list and reports the children that appeared present and
 //!   those that disappeared missing (`ChildSet::reconcile`).
 //! - `release_hardware` (`EvtDeviceReleaseHardware`): drops the access
-//!   layer (a client still open finds its calls refused), deregisters the
-//!   CA, closes it (a query still in flight finds the binding gone), and
-//!   dereferences the interface.
+//!   layer (a client still open finds its calls refused) after sending the
+//!   orphans' destroys again (`AccessLayer::destroy_orphans`: what the CA
+//!   refused at a client's close, which would keep `close_ca` refusing),
+//!   deregisters the CA, closes it (a query still in flight finds the
+//!   binding gone), and dereferences the interface.
 //!   The children reported stay, as a KMDF child list lives as long as its
 //!   device: when the stack starts again (after a stop, or a restart after
 //!   a failure) the list is read again and reconciled against them, so a
@@ -67,7 +69,12 @@
 //! - the CA callbacks (`ci::CaEvents`): counted ([`IbalBusDevice::ca_events`])
 //!   and forwarded to the access layer, which routes them to the owning
 //!   client; `LocalCatastrophic` (the device failed for good) also tells
-//!   the access layer its CA is gone (`AccessLayer::ca_removed`).
+//!   the access layer its CA is gone (`AccessLayer::ca_removed`);
+//!   `PortActive` (a port came up: its tables may have changed while it
+//!   was down, and the CA raises no table event) sends a `QueryCa` whose
+//!   answer is compared port by port with the last one, each change told
+//!   to every client (`AccessLayer::port_changed`: `PkeyChange`,
+//!   `GidChange`).
 //! - surprise removal: a child's (`PortChildPdo`'s
 //!   `EvtDeviceSurpriseRemoval`, which PnP runs before the HCA's) tells
 //!   the access layer its CA is gone if the HCA's function left the bus,
@@ -80,8 +87,8 @@
 //!   ends them.
 //! - the filter's queue is not power-managed (KMDF's default for a
 //!   filter); kernel requests pass down unchanged.
-//! - the user-mode proxy ([`crate::ibal_proxy`]): add-device assigns the
-//!   stack's security descriptor and registers the device interface,
+//! - the user-mode proxy ([`crate::ibal_proxy`]): add-device registers the
+//!   device interface (the stack's security descriptor is the INF's),
 //!   self-managed I/O init enables it and release-hardware disables it;
 //!   `file_create`, `file_cleanup` and `io_in_caller_context` delegate to
 //!   it (user requests judged per open before they go down).
@@ -121,19 +128,21 @@ pub use ibal_bus_core::al::{ClientEvents, ClientId, ClientReference};
 use ibal_bus_core::ca_registry::{BoundCa, CaRegistry, OpenedCa, check_version};
 use ibal_bus_core::children::{ChildList, ChildSet, PortChild, port_children, read_child_list};
 use ibal_bus_core::ci::{
-    CaEvents, CaIdentity, CiAccess, REQUIRED_CI_VERSION, ports_from_attributes,
+    CaEvents, CaIdentity, CiAccess, PortIdentity, REQUIRED_CI_VERSION, ports_from_attributes,
 };
 use sim_host::context::{self, Context};
 use sim_host::driver::{
     DeviceCallbacks, DeviceInit, DriverEntry, Forward, InterfaceRef, ProvidedInterface, SUCCESS,
     StackRole,
 };
+use sim_host::event::HostEvent;
 use sim_host::host::Host;
 use sim_host::irql::{HostSpinLock, IrqlTracker};
 use sim_host::pci::{GUID_BUS_INTERFACE_STANDARD, PciFunction};
 use sim_host::platform::SimPlatform;
 use sim_host::pnp::DeviceServices;
 use sim_host::request::{HostRequest, StopAction, StoppedRequest};
+use sim_host::sched::SchedulerHandle;
 use sim_host::verifier::Verifier;
 
 /// The service name `inf/hca-miniport.inf` installs the filter under.
@@ -299,6 +308,8 @@ impl CiRequests for SimCi {
 struct FilterEvents {
     count: AtomicU64,
     al: Mutex<Weak<SimAccessLayer>>,
+    /// The filter device, which re-queries its ports on a port event.
+    device: Weak<IbalBusDevice>,
 }
 
 impl FilterEvents {
@@ -325,6 +336,13 @@ impl CaEvents for FilterEvents {
                 al.ca_removed();
             }
         }
+        // A port came up: its tables may have changed meanwhile, which
+        // the CA raises no event for; the answer tells the clients.
+        if event.code == AsyncEventCode::PortActive
+            && let Some(device) = self.device.upgrade()
+        {
+            device.requery_ports();
+        }
     }
 }
 
@@ -349,6 +367,7 @@ enum Binding {
 pub struct IbalBusDriver {
     registry: Arc<Mutex<CaRegistry<SimCi>>>,
     devices: Arc<Mutex<Vec<Arc<IbalBusDevice>>>>,
+    sched: SchedulerHandle,
 }
 
 impl std::fmt::Debug for IbalBusDriver {
@@ -364,6 +383,7 @@ impl IbalBusDriver {
         let driver = Arc::new(Self {
             registry: Arc::default(),
             devices: Arc::default(),
+            sched: host.scheduler_handle(),
         });
         host.register_driver(SERVICE, driver.clone());
         driver
@@ -416,7 +436,12 @@ impl DriverEntry for IbalBusDriver {
             binding: Mutex::new(Binding::Idle),
             list: Mutex::default(),
             children: Mutex::default(),
-            events: Arc::default(),
+            events: Arc::new(FilterEvents {
+                device: me.clone(),
+                ..FilterEvents::default()
+            }),
+            ports: Mutex::default(),
+            sched: self.sched.clone(),
             al: AlSlot::default(),
             proxy: crate::ibal_proxy::IbalProxy::new(host.clone(), reconcile),
             ca_interface: Mutex::default(),
@@ -435,6 +460,11 @@ pub struct IbalBusDevice {
     list: Mutex<ChildList>,
     children: Mutex<ChildSet>,
     events: Arc<FilterEvents>,
+    /// The bound CA's ports as last queried (at the bind, then after each
+    /// port event), against which a new answer is compared.
+    ports: Mutex<Vec<PortIdentity>>,
+    /// For the events release-hardware waits on.
+    sched: SchedulerHandle,
     /// The access layer while the CA is bound.
     al: AlSlot,
     /// The user-mode proxy (`crate::ibal_proxy`).
@@ -534,7 +564,7 @@ impl IbalBusDevice {
 
     /// The `QueryCa` answered (see the module doc): completes the bind,
     /// registers the CA and reports its children. Up to DISPATCH_LEVEL.
-    fn ports_answered(&self, ports: Result<Vec<ibal_bus_core::ci::PortIdentity>, IbStatus>) {
+    fn ports_answered(&self, ports: Result<Vec<PortIdentity>, IbStatus>) {
         let mut binding = lock(&self.binding);
         let opened = match std::mem::replace(&mut *binding, Binding::Idle) {
             Binding::Opening(opened) => opened,
@@ -558,6 +588,7 @@ impl IbalBusDevice {
             return;
         }
         *lock(&self.binding) = Binding::Bound(bound.clone());
+        *lock(&self.ports) = bound.ports().to_vec();
         // The access layer before the children: their AL interface serves
         // from it.
         let al = Arc::new(SimAccessLayer::new(bound.ci().clone(), bound.ca_handle()));
@@ -605,12 +636,63 @@ impl IbalBusDevice {
             Binding::Opening(opened) => (opened.ci().clone(), opened.ca_handle()),
             _ => return,
         };
-        if let Err(status) = self.submit_port_query(&ci, ca) {
+        if let Err(status) = self.submit_port_query(&ci, ca, Self::ports_answered) {
             self.ports_answered(Err(IbStatus::from_ntstatus(status)));
         }
     }
 
-    fn submit_port_query(&self, ci: &SimCi, ca: u64) -> Result<(), NtStatus> {
+    /// A port event on the bound CA (the CA callback, up to
+    /// DISPATCH_LEVEL): sends a `QueryCa` whose answer
+    /// ([`Self::ports_requeried`]) tells the clients what changed. Never
+    /// waits.
+    fn requery_ports(&self) {
+        let Some(bound) = self.bound() else {
+            return;
+        };
+        // Not sent (no resources, the device going): the tables stay as
+        // last known, and the next port event asks again.
+        let _ = self.submit_port_query(bound.ci(), bound.ca_handle(), Self::ports_requeried);
+    }
+
+    /// The `QueryCa` after a port event answered: each port's tables are
+    /// compared with what was known (`AccessLayer::port_changed` tells
+    /// every open client of a P_Key or GID table change) and kept. A
+    /// failed query changes nothing. Up to DISPATCH_LEVEL.
+    fn ports_requeried(&self, ports: Result<Vec<PortIdentity>, IbStatus>) {
+        let Ok(ports) = ports else {
+            return;
+        };
+        let changed: Vec<(PortIdentity, PortIdentity)> = {
+            let mut known = lock(&self.ports);
+            let pairs = ports
+                .iter()
+                .filter_map(|new| {
+                    known
+                        .iter()
+                        .find(|old| old.port_num == new.port_num)
+                        .map(|old| (old.clone(), new.clone()))
+                })
+                .collect();
+            *known = ports;
+            pairs
+        };
+        if let Some(al) = self.access_layer() {
+            let _filter = self
+                .host
+                .verifier()
+                .map(|verifier| context::enter(Context::driver(verifier, SERVICE)));
+            for (old, new) in &changed {
+                al.port_changed(old, new);
+            }
+        }
+    }
+
+    fn submit_port_query(
+        &self,
+        ci: &SimCi,
+        ca: u64,
+        answered: fn(&Self, Result<Vec<PortIdentity>, IbStatus>),
+    ) -> Result<(), NtStatus> {
         let (Some(in_len), Some(out_len)) = (
             request_len::<QueryCa>(0),
             response_len::<QueryCa>(QUERY_CA_ROOM as usize),
@@ -643,7 +725,7 @@ impl IbalBusDevice {
                 Err(IbStatus::from_ntstatus(*status))
             };
             if let Some(device) = me.upgrade() {
-                device.ports_answered(ports);
+                answered(&device, ports);
             }
         }));
         // Completion is reported through the routine, now or later.
@@ -750,6 +832,14 @@ impl DeviceCallbacks for IbalBusDevice {
         *lock(&self.events.al) = Weak::new();
         // Dropped outside the lock: it may release clients' references.
         let al = lock(&self.al).take();
+        // What the CA refused to destroy at a client's close is sent again
+        // now that the clients are gone: the miniport refuses to close a
+        // CA whose kernel objects remain. PASSIVE_LEVEL; it waits only for
+        // the CA's answers (each command bounded by its timeout).
+        if let Some(al) = &al {
+            let drained = Arc::new(HostEvent::new(self.sched.clone()));
+            let _ = al.destroy_orphans(&IrqlTracker, drained);
+        }
         drop(al);
         self.proxy.stopped();
         let binding = std::mem::replace(&mut *lock(&self.binding), Binding::Idle);

@@ -6,11 +6,13 @@
 //! callbacks, which the filter's `DeviceCallbacks` delegate here.
 //!
 //! What each callback does (KMDF name in brackets):
-//! - add-device: the stack's security descriptor ([`PROXY_SDDL`]; the KMDF
-//!   shell's INF writes it as the HW section's `Security` value, since a
-//!   PnP filter has no name `WdfDeviceInitAssignSDDLString` could secure)
-//!   and `GUID_IB_AL_DEVICE_INTERFACE` registered on the HCA's stack
-//!   (`WdfDeviceCreateDeviceInterface`), disabled.
+//! - add-device: `GUID_IB_AL_DEVICE_INTERFACE` registered on the HCA's
+//!   stack (`WdfDeviceCreateDeviceInterface`), disabled. The stack's
+//!   security descriptor is not the filter's to set: `inf/hca-miniport.inf`
+//!   gives it as the `.HW` section's `Security` value (equal to
+//!   `ibal_bus_core::proxy::PROXY_SDDL`), which the host applies before any
+//!   driver's add-device, as Windows does (a PnP filter has no name
+//!   `WdfDeviceInitAssignSDDLString` could secure).
 //! - self-managed I/O init: the interface enabled
 //!   (`WdfDeviceSetDeviceInterfaceState`); release-hardware (stop or
 //!   removal): disabled. One interface per HCA; user mode enumerates them
@@ -44,7 +46,7 @@ use driver_platform::{RegValue, Registry, RegistryKey, Request, RequestorMode};
 use ib_types::interface::GUID_IB_AL_DEVICE_INTERFACE;
 use ib_types::status::NtStatus;
 use ibal_bus_core::children::{ChildEntry, LIST_VALUE};
-use ibal_bus_core::proxy::{Checked, ChildEntryChange, OpenTable, PROXY_SDDL};
+use ibal_bus_core::proxy::{Checked, ChildEntryChange, OpenTable};
 use sim_host::driver::SUCCESS;
 use sim_host::file::FileObject;
 use sim_host::pnp::DeviceServices;
@@ -78,8 +80,6 @@ pub struct IbalProxy {
     reconcile: Reconcile,
     /// The opens not cleaned up yet, by file object id (for inspection).
     opens: Mutex<BTreeMap<u64, Arc<ProxyOpen>>>,
-    /// What assigning the security descriptor answered.
-    security: NtStatus,
 }
 
 impl std::fmt::Debug for IbalProxy {
@@ -91,23 +91,15 @@ impl std::fmt::Debug for IbalProxy {
 }
 
 impl IbalProxy {
-    /// The proxy of a new filter device (add-device): the stack's
-    /// descriptor assigned, the device interface registered (disabled).
+    /// The proxy of a new filter device (add-device): the device
+    /// interface registered (disabled).
     pub fn new(host: DeviceServices, reconcile: Reconcile) -> Self {
-        let security = host.assign_security(PROXY_SDDL).err().unwrap_or(SUCCESS);
         host.register_interface(GUID_IB_AL_DEVICE_INTERFACE);
         Self {
             host,
             reconcile,
             opens: Mutex::default(),
-            security,
         }
-    }
-
-    /// What assigning [`PROXY_SDDL`] answered (success unless the host
-    /// refused it).
-    pub fn security_status(&self) -> NtStatus {
-        self.security
     }
 
     /// The stack started: user mode may find and open it.
