@@ -1,0 +1,524 @@
+//! The connection with the peer, as a sans-IO state machine.
+//!
+//! Each method takes what happened (the device came up, a datagram or an
+//! RC payload arrived, the RC QP finished connecting, the device is going
+//! down, a bounded wait ran out) and returns the [`Action`]s the shell
+//! carries out, in order. The shell holds the session under its lock and
+//! carries the actions out after releasing it.
+//!
+//! The protocol (docs/port-client.md):
+//! - **Discovery.** On start (D0 entry) a side that knows its peer's UD
+//!   address sends `Hello` with its RC parameters. A side that receives a
+//!   `Hello` connects its RC QP to the sender and, once connected,
+//!   answers `HelloAck` with its own: it is the *responder*. A side that
+//!   receives a `HelloAck` connects and then starts the rounds: it is the
+//!   *initiator*. Should both have said hello at once, both end up
+//!   connected and acknowledged, and the side with the smaller port GUID
+//!   initiates.
+//! - **Ping-pong.** The initiator sends ping `n`; the responder checks it
+//!   and answers pong `n`; the initiator checks it, counts a round, and
+//!   sends ping `n + 1` until the target is reached.
+//! - **Goodbye.** In its D0 exit a connected side stops starting rounds,
+//!   sends `Goodbye` and waits (boundedly) for `GoodbyeAck`; the peer
+//!   answers, resets its RC QP and waits for a new `Hello`. Then the side
+//!   going down resets its own. A side that finds itself already closed
+//!   by its peer has nothing to exchange.
+
+use alloc::vec::Vec;
+
+use crate::message::{
+    ConnParams, Message, MessageError, MessageKind, PayloadKind, check_payload, payload,
+};
+
+/// What the shell must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Send this datagram to the peer's UD QP (Q_Key
+    /// `message::PORT_CLIENT_QKEY`).
+    SendDatagram(Message),
+    /// Take the RC QP to RESET, then INIT, RTR towards `remote` and RTS
+    /// sending from `local_psn`, with receives posted; report the outcome
+    /// with [`Session::on_connected`].
+    ConnectRc {
+        /// The peer's parameters.
+        remote: ConnParams,
+        /// This side's first send PSN.
+        local_psn: u32,
+    },
+    /// Send this payload on the RC QP.
+    SendRc([u8; crate::message::PAYLOAD_LEN]),
+    /// Take the RC QP to RESET (the connection is over).
+    ResetRc,
+    /// The goodbye exchange is over (acknowledged, or its wait ran out):
+    /// release the D0 exit's wait.
+    CloseDone,
+}
+
+/// Where the session is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Not started, or down (below D0).
+    Down,
+    /// Started; `Hello` sent or waiting for the peer's.
+    Discovering,
+    /// The RC QP is being connected.
+    Connecting,
+    /// Connected: rounds run.
+    Running,
+    /// `Goodbye` sent in the D0 exit; waiting for the answer.
+    Closing,
+    /// The peer said goodbye and its side is gone: waiting for its
+    /// `Hello`.
+    PeerClosed,
+    /// The RC QP could not be connected.
+    Failed,
+}
+
+/// What the session counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Counters {
+    /// Rounds completed (pong checked) as initiator.
+    pub rounds: u64,
+    /// Pings answered as responder.
+    pub pongs_sent: u64,
+    /// RC payloads whose bytes were not what the round says.
+    pub bad_payloads: u64,
+    /// Datagrams refused by the parser.
+    pub bad_datagrams: u64,
+    /// Connections made.
+    pub connections: u64,
+    /// `Goodbye`s this side sent and saw acknowledged over the fabric.
+    pub goodbyes_acknowledged: u64,
+    /// `Goodbye`s of the peer this side answered.
+    pub goodbyes_answered: u64,
+    /// Goodbye waits that ran out without an answer.
+    pub goodbye_timeouts: u64,
+}
+
+/// One side's connection with its peer.
+#[derive(Debug)]
+pub struct Session {
+    port_guid: u64,
+    local: ConnParams,
+    rounds_per_connection: u32,
+    phase: Phase,
+    remote: Option<(u64, ConnParams)>,
+    /// Answer `HelloAck` once connected.
+    ack_when_connected: bool,
+    /// Start the rounds once connected.
+    initiate_when_connected: bool,
+    initiator: bool,
+    next_seq: u32,
+    rounds_this_connection: u32,
+    counters: Counters,
+}
+
+impl Session {
+    /// A session for the port `port_guid` whose RC side is `local`,
+    /// running `rounds_per_connection` rounds each time it connects as
+    /// initiator.
+    pub fn new(port_guid: u64, local: ConnParams, rounds_per_connection: u32) -> Self {
+        Self {
+            port_guid,
+            local,
+            rounds_per_connection,
+            phase: Phase::Down,
+            remote: None,
+            ack_when_connected: false,
+            initiate_when_connected: false,
+            initiator: false,
+            next_seq: 0,
+            rounds_this_connection: 0,
+            counters: Counters::default(),
+        }
+    }
+
+    /// Where it is.
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// What it counted.
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// Whether this side runs the rounds on the current connection.
+    pub fn is_initiator(&self) -> bool {
+        self.initiator
+    }
+
+    /// This side's RC parameters, as its messages carry them.
+    pub fn local(&self) -> ConnParams {
+        self.local
+    }
+
+    fn message(&self, kind: MessageKind) -> Message {
+        Message {
+            kind,
+            port_guid: self.port_guid,
+            params: self.local,
+        }
+    }
+
+    /// The device is in D0 (first start or resume): say hello if the
+    /// peer's UD address is known (`peer_known`), else wait for its.
+    pub fn start(&mut self, peer_known: bool) -> Vec<Action> {
+        self.phase = Phase::Discovering;
+        self.remote = None;
+        self.ack_when_connected = false;
+        self.initiate_when_connected = false;
+        self.initiator = false;
+        // A new first PSN per start, so nothing of an old connection
+        // matches the new one.
+        self.local.psn = (self.local.psn + 0x1000) & 0x00FF_FFFF;
+        if peer_known {
+            alloc::vec![Action::SendDatagram(self.message(MessageKind::Hello))]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// A datagram arrived (its bytes after the GRH). A malformed one is
+    /// counted and refused; nothing changes.
+    pub fn on_datagram(&mut self, bytes: &[u8]) -> Result<Vec<Action>, MessageError> {
+        let message = Message::decode(bytes).inspect_err(|_| self.counters.bad_datagrams += 1)?;
+        Ok(self.on_message(message))
+    }
+
+    fn is_from_peer(&self, message: &Message) -> bool {
+        self.remote.is_some_and(|(guid, params)| {
+            guid == message.port_guid && params.qpn == message.params.qpn
+        })
+    }
+
+    fn connect(&mut self, message: &Message) -> Action {
+        self.remote = Some((message.port_guid, message.params));
+        self.phase = Phase::Connecting;
+        Action::ConnectRc {
+            remote: message.params,
+            local_psn: self.local.psn,
+        }
+    }
+
+    fn on_message(&mut self, message: Message) -> Vec<Action> {
+        let mut actions = Vec::new();
+        match (message.kind, self.phase) {
+            // Going down or down: no new connection.
+            (_, Phase::Down) => {}
+            (MessageKind::Hello, Phase::Closing) => {}
+            (MessageKind::Hello, _) => {
+                // A new peer, or the peer restarted: (re)connect and
+                // answer once connected.
+                self.ack_when_connected = true;
+                self.initiate_when_connected = false;
+                self.initiator = false;
+                actions.push(self.connect(&message));
+            }
+            (MessageKind::HelloAck, Phase::Discovering) => {
+                self.initiate_when_connected = true;
+                actions.push(self.connect(&message));
+            }
+            // Both said hello at once: the smaller port GUID initiates.
+            (MessageKind::HelloAck, Phase::Connecting | Phase::Running)
+                if self.is_from_peer(&message) && self.port_guid < message.port_guid =>
+            {
+                if self.phase == Phase::Running {
+                    actions.extend(self.initiate());
+                } else {
+                    self.initiate_when_connected = true;
+                }
+            }
+            (MessageKind::Goodbye, Phase::Connecting | Phase::Running | Phase::Closing)
+                if self.is_from_peer(&message) =>
+            {
+                // The peer goes down: answer, tear down, wait for its
+                // hello. (Both closing at once: each answers the other.)
+                self.counters.goodbyes_answered += 1;
+                actions.push(Action::SendDatagram(self.message(MessageKind::GoodbyeAck)));
+                actions.push(Action::ResetRc);
+                if self.phase == Phase::Closing {
+                    actions.push(Action::CloseDone);
+                    self.phase = Phase::Down;
+                } else {
+                    self.phase = Phase::PeerClosed;
+                }
+                self.remote = None;
+            }
+            (MessageKind::GoodbyeAck, Phase::Closing) if self.is_from_peer(&message) => {
+                self.counters.goodbyes_acknowledged += 1;
+                self.remote = None;
+                self.phase = Phase::Down;
+                actions.push(Action::ResetRc);
+                actions.push(Action::CloseDone);
+            }
+            // Stale or unsolicited: ignored.
+            _ => {}
+        }
+        actions
+    }
+
+    fn initiate(&mut self) -> Vec<Action> {
+        self.initiator = true;
+        self.initiate_when_connected = false;
+        self.rounds_this_connection = 0;
+        self.ping()
+    }
+
+    fn ping(&mut self) -> Vec<Action> {
+        if self.phase != Phase::Running || self.rounds_this_connection >= self.rounds_per_connection
+        {
+            return Vec::new();
+        }
+        alloc::vec![Action::SendRc(payload(self.next_seq, PayloadKind::Ping))]
+    }
+
+    /// The RC QP finished connecting (`ok`) or failed to.
+    pub fn on_connected(&mut self, ok: bool) -> Vec<Action> {
+        if self.phase != Phase::Connecting {
+            return Vec::new();
+        }
+        if !ok {
+            self.phase = Phase::Failed;
+            return alloc::vec![Action::ResetRc];
+        }
+        self.phase = Phase::Running;
+        self.counters.connections += 1;
+        let mut actions = Vec::new();
+        if core::mem::take(&mut self.ack_when_connected) {
+            actions.push(Action::SendDatagram(self.message(MessageKind::HelloAck)));
+        }
+        if self.initiate_when_connected {
+            actions.extend(self.initiate());
+        }
+        actions
+    }
+
+    /// An RC payload arrived.
+    pub fn on_rc_received(&mut self, bytes: &[u8]) -> Vec<Action> {
+        let Some((seq, kind)) = check_payload(bytes) else {
+            self.counters.bad_payloads += 1;
+            return Vec::new();
+        };
+        match kind {
+            PayloadKind::Ping if !self.initiator => {
+                self.counters.pongs_sent += 1;
+                alloc::vec![Action::SendRc(payload(seq, PayloadKind::Pong))]
+            }
+            PayloadKind::Pong if self.initiator && seq == self.next_seq => {
+                self.counters.rounds += 1;
+                self.rounds_this_connection += 1;
+                self.next_seq = self.next_seq.wrapping_add(1);
+                // In `Closing` no new round starts: the connection drains.
+                self.ping()
+            }
+            _ => {
+                self.counters.bad_payloads += 1;
+                Vec::new()
+            }
+        }
+    }
+
+    /// The device leaves D0 (the shell's D0 exit, PASSIVE_LEVEL). Returns
+    /// the actions and whether the shell must wait (boundedly) for
+    /// [`Action::CloseDone`].
+    pub fn begin_close(&mut self) -> (Vec<Action>, bool) {
+        match self.phase {
+            Phase::Connecting | Phase::Running if self.remote.is_some() => {
+                self.phase = Phase::Closing;
+                (
+                    alloc::vec![Action::SendDatagram(self.message(MessageKind::Goodbye))],
+                    true,
+                )
+            }
+            Phase::Closing => (Vec::new(), true),
+            Phase::Down => (Vec::new(), false),
+            // Already closed by the peer, never connected, or failed.
+            _ => {
+                self.phase = Phase::Down;
+                self.remote = None;
+                (alloc::vec![Action::ResetRc], false)
+            }
+        }
+    }
+
+    /// The goodbye wait ran out (the peer or the fabric is gone).
+    pub fn close_timed_out(&mut self) -> Vec<Action> {
+        if self.phase != Phase::Closing {
+            return Vec::new();
+        }
+        self.counters.goodbye_timeouts += 1;
+        self.phase = Phase::Down;
+        self.remote = None;
+        alloc::vec![Action::ResetRc, Action::CloseDone]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+
+    fn params(qpn: u32) -> ConnParams {
+        ConnParams {
+            qpn,
+            psn: 100,
+            rkey: 0x100 + qpn,
+            addr: 0x10_0000,
+            len: 8192,
+        }
+    }
+
+    /// Two sessions wired through a perfect fabric: datagrams and RC
+    /// payloads delivered in order, connects succeeding at once.
+    struct Pair {
+        s: [Session; 2],
+        /// (to, what)
+        wire: VecDeque<(usize, Delivery)>,
+        resets: [u32; 2],
+        close_done: [u32; 2],
+    }
+
+    enum Delivery {
+        Datagram([u8; crate::message::WIRE_LEN]),
+        Rc([u8; crate::message::PAYLOAD_LEN]),
+        Connected,
+    }
+
+    impl Pair {
+        fn new(rounds: u32) -> Self {
+            Self {
+                s: [
+                    Session::new(0xA, params(0x40), rounds),
+                    Session::new(0xB, params(0x41), rounds),
+                ],
+                wire: VecDeque::new(),
+                resets: [0; 2],
+                close_done: [0; 2],
+            }
+        }
+        fn act(&mut self, from: usize, actions: Vec<Action>) {
+            for action in actions {
+                match action {
+                    Action::SendDatagram(m) => self
+                        .wire
+                        .push_back((1 - from, Delivery::Datagram(m.encode()))),
+                    Action::SendRc(p) => self.wire.push_back((1 - from, Delivery::Rc(p))),
+                    Action::ConnectRc { .. } => self.wire.push_back((from, Delivery::Connected)),
+                    Action::ResetRc => self.resets[from] += 1,
+                    Action::CloseDone => self.close_done[from] += 1,
+                }
+            }
+        }
+        fn run(&mut self) {
+            while let Some((to, what)) = self.wire.pop_front() {
+                let actions = match what {
+                    Delivery::Datagram(bytes) => self.s[to].on_datagram(&bytes).unwrap(),
+                    Delivery::Rc(bytes) => self.s[to].on_rc_received(&bytes),
+                    Delivery::Connected => self.s[to].on_connected(true),
+                };
+                self.act(to, actions);
+            }
+        }
+    }
+
+    #[test]
+    fn the_later_side_says_hello_and_the_other_initiates_the_rounds() {
+        let mut p = Pair::new(5);
+        let a = p.s[0].start(false);
+        p.act(0, a);
+        let b = p.s[1].start(true);
+        p.act(1, b);
+        p.run();
+        assert!(p.s[0].phase() == Phase::Running && p.s[1].phase() == Phase::Running);
+        // B said hello, A answered: B initiates.
+        assert!(p.s[1].is_initiator() && !p.s[0].is_initiator());
+        assert_eq!(p.s[1].counters().rounds, 5);
+        assert_eq!(p.s[0].counters().pongs_sent, 5);
+        assert_eq!(
+            p.s[0].counters().bad_payloads + p.s[1].counters().bad_payloads,
+            0
+        );
+    }
+
+    #[test]
+    fn simultaneous_hellos_give_one_initiator() {
+        let mut p = Pair::new(3);
+        let (a, b) = (p.s[0].start(true), p.s[1].start(true));
+        p.act(0, a);
+        p.act(1, b);
+        p.run();
+        assert!(p.s[0].is_initiator() ^ p.s[1].is_initiator());
+        assert!(p.s[0].is_initiator(), "the smaller port GUID");
+        assert_eq!(p.s[0].counters().rounds, 3);
+    }
+
+    #[test]
+    fn goodbye_is_answered_by_the_peer_and_the_other_finds_it_closed() {
+        let mut p = Pair::new(2);
+        let a = p.s[0].start(false);
+        p.act(0, a);
+        let b = p.s[1].start(true);
+        p.act(1, b);
+        p.run();
+        let (actions, wait) = p.s[1].begin_close();
+        assert!(wait);
+        p.act(1, actions);
+        p.run();
+        assert_eq!(p.close_done, [0, 1]);
+        assert_eq!(p.s[1].counters().goodbyes_acknowledged, 1);
+        assert_eq!(p.s[0].counters().goodbyes_answered, 1);
+        assert_eq!(p.s[0].phase(), Phase::PeerClosed);
+        assert_eq!(p.resets, [1, 1]);
+        // A goes down later: nothing to exchange.
+        let (actions, wait) = p.s[0].begin_close();
+        assert!(!wait);
+        assert_eq!(actions, [Action::ResetRc]);
+        // Both resume: they reconnect and run rounds again.
+        let a = p.s[0].start(false);
+        p.act(0, a);
+        let b = p.s[1].start(true);
+        p.act(1, b);
+        p.run();
+        assert_eq!(p.s[1].counters().rounds, 4);
+        assert_eq!(p.s[1].counters().connections, 2);
+    }
+
+    #[test]
+    fn a_goodbye_wait_that_runs_out_closes_anyway() {
+        let mut p = Pair::new(1);
+        let a = p.s[0].start(false);
+        p.act(0, a);
+        let b = p.s[1].start(true);
+        p.act(1, b);
+        p.run();
+        let (_lost, wait) = p.s[0].begin_close();
+        assert!(wait);
+        assert_eq!(
+            p.s[0].close_timed_out(),
+            [Action::ResetRc, Action::CloseDone]
+        );
+        assert_eq!(p.s[0].counters().goodbye_timeouts, 1);
+        assert_eq!(p.s[0].phase(), Phase::Down);
+        assert!(p.s[0].close_timed_out().is_empty(), "once");
+    }
+
+    #[test]
+    fn garbage_and_strangers_change_nothing() {
+        let mut s = Session::new(0xA, params(0x40), 1);
+        let _ = s.start(false);
+        assert!(s.on_datagram(&[0; 7]).is_err());
+        assert_eq!(s.counters().bad_datagrams, 1);
+        // A goodbye from a port that is not the peer: ignored.
+        let stranger = Message {
+            kind: MessageKind::Goodbye,
+            port_guid: 0xC,
+            params: params(0x77),
+        };
+        assert_eq!(s.on_datagram(&stranger.encode()), Ok(Vec::new()));
+        assert_eq!(s.phase(), Phase::Discovering);
+        // A pong nobody asked for is counted as bad.
+        assert!(s.on_rc_received(&payload(0, PayloadKind::Pong)).is_empty());
+        assert_eq!(s.counters().bad_payloads, 1);
+    }
+}
