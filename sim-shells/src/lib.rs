@@ -12,6 +12,10 @@
 //! - [`hca_miniport`]: the HCA miniport (`hca-miniport/src/kmdf`).
 //! - [`ibal_bus`]: the IBAL bus filter (its KMDF shell in `ibal-bus` is
 //!   not written yet).
+//! - [`port_client`]: `ibportclient`, the sample kernel client on the
+//!   filter's port children (its portable core is `ib-port-client-core`;
+//!   no KMDF shell yet).
 
 pub mod hca_miniport;
 pub mod ibal_bus;
+pub mod port_client;

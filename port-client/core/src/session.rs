@@ -47,7 +47,10 @@ pub enum Action {
     },
     /// Send this payload on the RC QP.
     SendRc([u8; crate::message::PAYLOAD_LEN]),
-    /// Take the RC QP to RESET (the connection is over).
+    /// The connection is over: tear the RC QP down. (A shell replaces it
+    /// with a new QP and reports its number with
+    /// [`Session::set_local_qpn`]: a QP that was connected may not connect
+    /// again before the TIME WAIT quiet period, guide 6.5.2.)
     ResetRc,
     /// The goodbye exchange is over (acknowledged, or its wait ran out):
     /// release the D0 exit's wait.
@@ -110,6 +113,8 @@ pub struct Session {
     initiator: bool,
     next_seq: u32,
     rounds_this_connection: u32,
+    /// Rounds allowed on this connection.
+    budget: u32,
     counters: Counters,
 }
 
@@ -129,6 +134,7 @@ impl Session {
             initiator: false,
             next_seq: 0,
             rounds_this_connection: 0,
+            budget: 0,
             counters: Counters::default(),
         }
     }
@@ -262,15 +268,34 @@ impl Session {
         self.initiator = true;
         self.initiate_when_connected = false;
         self.rounds_this_connection = 0;
+        self.budget = self.rounds_per_connection;
         self.ping()
     }
 
     fn ping(&mut self) -> Vec<Action> {
-        if self.phase != Phase::Running || self.rounds_this_connection >= self.rounds_per_connection
-        {
+        if self.phase != Phase::Running || self.rounds_this_connection >= self.budget {
             return Vec::new();
         }
         alloc::vec![Action::SendRc(payload(self.next_seq, PayloadKind::Ping))]
+    }
+
+    /// The shell replaced the RC QP (a connection's QP is not reused: its
+    /// number waits out TIME WAIT): later messages carry the new number.
+    pub fn set_local_qpn(&mut self, qpn: u32) {
+        self.local.qpn = qpn;
+    }
+
+    /// Allows `rounds` more round trips on the current connection (as
+    /// initiator; a responder answers whatever comes). Starts the next
+    /// round if the connection was idle.
+    pub fn run_more(&mut self, rounds: u32) -> Vec<Action> {
+        let idle = self.rounds_this_connection >= self.budget;
+        self.budget = self.budget.saturating_add(rounds);
+        if self.initiator && idle {
+            self.ping()
+        } else {
+            Vec::new()
+        }
     }
 
     /// The RC QP finished connecting (`ok`) or failed to.
@@ -333,11 +358,17 @@ impl Session {
             }
             Phase::Closing => (Vec::new(), true),
             Phase::Down => (Vec::new(), false),
-            // Already closed by the peer, never connected, or failed.
+            // A failed connect leaves the RC QP to reset.
+            Phase::Failed => {
+                self.phase = Phase::Down;
+                (alloc::vec![Action::ResetRc], false)
+            }
+            // Already closed (and reset) by the peer, or never connected:
+            // nothing to exchange or tear down.
             _ => {
                 self.phase = Phase::Down;
                 self.remote = None;
-                (alloc::vec![Action::ResetRc], false)
+                (Vec::new(), false)
             }
         }
     }
@@ -442,6 +473,24 @@ mod tests {
     }
 
     #[test]
+    fn more_rounds_restart_an_idle_connection() {
+        let mut p = Pair::new(2);
+        let a = p.s[0].start(false);
+        p.act(0, a);
+        let b = p.s[1].start(true);
+        p.act(1, b);
+        p.run();
+        assert_eq!(p.s[1].counters().rounds, 2);
+        let more = p.s[1].run_more(3);
+        assert_eq!(more.len(), 1, "the next ping");
+        p.act(1, more);
+        p.run();
+        assert_eq!(p.s[1].counters().rounds, 5);
+        // The responder does not start rounds.
+        assert!(p.s[0].run_more(3).is_empty());
+    }
+
+    #[test]
     fn simultaneous_hellos_give_one_initiator() {
         let mut p = Pair::new(3);
         let (a, b) = (p.s[0].start(true), p.s[1].start(true));
@@ -473,7 +522,7 @@ mod tests {
         // A goes down later: nothing to exchange.
         let (actions, wait) = p.s[0].begin_close();
         assert!(!wait);
-        assert_eq!(actions, [Action::ResetRc]);
+        assert!(actions.is_empty(), "reset when the peer said goodbye");
         // Both resume: they reconnect and run rounds again.
         let a = p.s[0].start(false);
         p.act(0, a);

@@ -1,0 +1,233 @@
+//! Scenario: `ibportclient`, the sample kernel client (a ping-pong ULP,
+//! `sim_shells::port_client` over `ib-port-client-core`), on the IBAL bus
+//! filter's port children of two HCAs with two ports each, over the real
+//! miniport. The client on port p of one HCA pairs with the client on
+//! port p of the other: they exchange their RC parameters over UD, connect
+//! and run checked round trips; in their D0 exit they say goodbye over the
+//! fabric while their HCA is still in D0. Every test ends with the host
+//! shut down (children removed first: their goodbyes and teardown) and the
+//! verifier report empty.
+#![cfg(not(windows))]
+
+use std::sync::Arc;
+
+use driver_platform::SystemPowerState;
+use hca_miniport_core::init::HcaConfig;
+use ib_port_client_core::session::{Counters, Phase};
+use sim_hca::device::DeviceConfig;
+use sim_host::host::{Host, HostConfig};
+use sim_shells::hca_miniport::MiniportDriver;
+use sim_shells::ibal_bus::IbalBusDriver;
+use sim_shells::port_client::{PortClientDevice, PortClientDriver};
+
+/// Two HCAs, two ports each; port p of HCA i has the IPv4 address 10.0.i.p.
+const HCAS: [u64; 2] = [0x0002_C900_0000_1000, 0x0002_C900_0000_2000];
+
+/// Round trips per connection.
+const ROUNDS: u32 = 16;
+
+struct World {
+    host: Host,
+    clients: Arc<PortClientDriver>,
+}
+
+fn world(seed: u64) -> World {
+    let configs = HCAS
+        .iter()
+        .enumerate()
+        .map(|(i, guid)| {
+            let i = i as u8;
+            DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
+        })
+        .collect();
+    let host = Host::new(HostConfig::deterministic(seed, configs)).unwrap();
+    let _log = sim_host::samples::register_stand_ins(&host);
+    MiniportDriver::register(&host, HcaConfig::default());
+    let _filter = IbalBusDriver::register(&host);
+    let clients = PortClientDriver::register(&host, ROUNDS);
+    host.boot();
+    settle(&host);
+    World { host, clients }
+}
+
+fn settle(host: &Host) {
+    host.scheduler().run_until_idle(1_000_000).unwrap();
+    host.pnp().process_bus_relations();
+    host.scheduler().run_until_idle(1_000_000).unwrap();
+}
+
+impl World {
+    /// The client on port `port` of HCA `hca`.
+    fn client(&self, hca: usize, port: u8) -> Arc<PortClientDevice> {
+        self.clients
+            .devices()
+            .into_iter()
+            .find(|c| {
+                c.port_data()
+                    .is_some_and(|d| d.ca_guid.get() == HCAS[hca] && d.port.get() == port)
+            })
+            .expect("a client on that port")
+    }
+
+    /// The two clients of port `port`'s pair: (initiator, responder).
+    fn pair(&self, port: u8) -> (Arc<PortClientDevice>, Arc<PortClientDevice>) {
+        let (x, y) = (self.client(0, port), self.client(1, port));
+        if x.counters().rounds >= y.counters().rounds {
+            (x, y)
+        } else {
+            (y, x)
+        }
+    }
+
+    fn references(&self) -> usize {
+        self.host
+            .pnp()
+            .driver_references(sim_shells::port_client::SERVICE)
+            .unwrap()
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+fn sum(a: Counters, b: Counters) -> Counters {
+    Counters {
+        rounds: a.rounds + b.rounds,
+        pongs_sent: a.pongs_sent + b.pongs_sent,
+        bad_payloads: a.bad_payloads + b.bad_payloads,
+        bad_datagrams: a.bad_datagrams + b.bad_datagrams,
+        connections: a.connections + b.connections,
+        goodbyes_acknowledged: a.goodbyes_acknowledged + b.goodbyes_acknowledged,
+        goodbyes_answered: a.goodbyes_answered + b.goodbyes_answered,
+        goodbye_timeouts: a.goodbye_timeouts + b.goodbye_timeouts,
+    }
+}
+
+/// Shuts the host down (every client says goodbye and closes) and checks
+/// nothing leaked: every AL closed, every reference given back, the
+/// verifier empty.
+fn finish(w: World) {
+    let World { host, clients } = w;
+    host.shut_down();
+    host.verifier().assert_clean();
+    for client in clients.devices() {
+        assert_eq!(client.closed(), Some(Ok(())), "{client:?} closed its AL");
+        assert_eq!(client.driver_references(), 0);
+    }
+}
+
+#[test]
+fn clients_on_two_hcas_find_their_peers_over_ud_and_run_checked_round_trips() {
+    let w = world(41);
+    assert_eq!(w.clients.devices().len(), 4, "one client per port child");
+    assert_eq!(w.references(), 4, "each open AL holds the driver object");
+    for port in [1, 2] {
+        let (initiator, responder) = w.pair(port);
+        let (i, r) = (initiator.counters(), responder.counters());
+        assert_eq!(i.rounds, u64::from(ROUNDS), "port {port}: every round trip");
+        assert_eq!(r.pongs_sent, u64::from(ROUNDS));
+        assert_eq!(i.bad_payloads + r.bad_payloads, 0, "every byte as sent");
+        assert_eq!((i.connections, r.connections), (1, 1));
+        assert_eq!(initiator.phase(), Phase::Running);
+        assert_eq!(responder.phase(), Phase::Running);
+        // Each pair's traffic stayed on its port: the RC messages posted
+        // are the pings and pongs.
+        let sent =
+            |c: &PortClientDevice| c.stats().rc_sent.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(sent(&initiator), u64::from(ROUNDS));
+        assert_eq!(sent(&responder), u64::from(ROUNDS));
+    }
+    // More rounds on a live connection.
+    let (initiator, _) = w.pair(1);
+    initiator.run_more(5);
+    settle(&w.host);
+    assert_eq!(initiator.counters().rounds, u64::from(ROUNDS) + 5);
+    finish(w);
+}
+
+/// Sleeps with rounds in flight; returns the pair counters after resume.
+fn sleep_with_traffic_in_flight(w: &World, state: SystemPowerState) {
+    let before: Vec<Counters> = [1, 2]
+        .map(|port| {
+            let (i, r) = w.pair(port);
+            sum(i.counters(), r.counters())
+        })
+        .to_vec();
+    // Pings posted and not answered when the sleep starts.
+    for port in [1, 2] {
+        w.pair(port).0.run_more(1000);
+    }
+    w.host.pnp().set_system_power(state).unwrap();
+    for (k, port) in [1u8, 2].into_iter().enumerate() {
+        let (x, y) = (w.client(0, port), w.client(1, port));
+        let pair = sum(x.counters(), y.counters());
+        // One goodbye per pair, sent by whichever went down first and
+        // acknowledged over the fabric by the other, still in D0; the
+        // second found the connection closed and had nothing to exchange.
+        assert_eq!(
+            pair.goodbyes_acknowledged - before[k].goodbyes_acknowledged,
+            1,
+            "port {port}: the goodbye was answered over the fabric"
+        );
+        assert_eq!(pair.goodbyes_answered - before[k].goodbyes_answered, 1);
+        assert_eq!(pair.goodbye_timeouts, 0, "no wait ran out");
+        assert!(
+            pair.rounds > before[k].rounds,
+            "port {port}: traffic was running"
+        );
+        assert_eq!(pair.bad_payloads, 0);
+        assert_eq!((x.phase(), y.phase()), (Phase::Down, Phase::Down));
+    }
+    w.host.pnp().set_system_power(SystemPowerState::S0).unwrap();
+    settle(&w.host);
+    for (k, port) in [1u8, 2].into_iter().enumerate() {
+        let (x, y) = (w.client(0, port), w.client(1, port));
+        let pair = sum(x.counters(), y.counters());
+        assert_eq!(
+            pair.connections - before[k].connections,
+            2,
+            "port {port}: reconnected"
+        );
+        assert_eq!((x.phase(), y.phase()), (Phase::Running, Phase::Running));
+        let (initiator, _) = w.pair(port);
+        assert!(initiator.counters().rounds >= u64::from(ROUNDS));
+        assert_eq!(pair.bad_payloads, 0);
+    }
+}
+
+#[test]
+fn s3_and_s4_with_traffic_in_flight_say_goodbye_over_the_fabric_and_resume() {
+    let w = world(42);
+    let rounds_at_boot: Vec<u64> = [1, 2].map(|p| w.pair(p).0.counters().rounds).to_vec();
+    sleep_with_traffic_in_flight(&w, SystemPowerState::S3);
+    // After wake the new connection runs its own rounds.
+    for (k, port) in [1u8, 2].into_iter().enumerate() {
+        let (x, y) = (w.client(0, port), w.client(1, port));
+        assert!(sum(x.counters(), y.counters()).rounds >= rounds_at_boot[k] + u64::from(ROUNDS));
+    }
+    sleep_with_traffic_in_flight(&w, SystemPowerState::S4);
+    finish(w);
+}
+
+#[test]
+fn query_remove_of_one_hca_closes_its_clients_with_a_goodbye_while_the_other_stays() {
+    let w = world(43);
+    let hca = w.host.hcas()[0];
+    w.host.pnp().query_and_remove(hca).unwrap();
+    settle(&w.host);
+    for port in [1, 2] {
+        let (gone, stays) = (w.client(0, port), w.client(1, port));
+        // The removed HCA's children went first: their clients said
+        // goodbye (answered) and closed their AL before the HCA left.
+        assert_eq!(gone.counters().goodbyes_acknowledged, 1);
+        assert_eq!(gone.closed(), Some(Ok(())));
+        // The other side tore its connection down and waits for a peer,
+        // its AL open and its objects alive.
+        assert_eq!(stays.counters().goodbyes_answered, 1);
+        assert_eq!(stays.phase(), Phase::PeerClosed);
+        assert_eq!(stays.closed(), None);
+    }
+    assert_eq!(w.references(), 2);
+    // The remaining HCA's clients still serve the fabric: a rendezvous
+    // entry each, and their UD QPs still receive (none lost).
+    assert_eq!(w.clients.rendezvous().endpoints().len(), 2);
+    finish(w);
+}
