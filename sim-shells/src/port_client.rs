@@ -27,7 +27,8 @@
 //! - the AL's completion callback (DISPATCH_LEVEL): queues the client's
 //!   DPC, which polls the CQ, feeds datagrams (after their 40-byte GRH,
 //!   whose source GID and the completion's source QP are the sender's UD
-//!   address) and RC payloads to the session, reposts the receives, re-arms
+//!   address) and RC payloads to the session (an error completion of the
+//!   connection's RC QP as a lost connection), reposts the receives, re-arms
 //!   and carries out the session's actions: datagrams through an AV made
 //!   on first use for each peer GID, RC sends, and the RC QP's connect
 //!   (RESET, INIT, receives posted, RTR, RTS) and the replacement of a
@@ -41,10 +42,15 @@
 //!   that was connected waits out TIME WAIT before it may connect again)
 //!   and the exit waits, boundedly, for those requests; the other objects
 //!   stay across sleep (the miniport keeps them).
-//! - `release_hardware` (`EvtDeviceReleaseHardware`, removal): the objects
-//!   destroyed in dependency order with the synchronous helper, the
-//!   client's DPCs drained, the buffer freed, the AL closed, the AL
-//!   interface dereferenced.
+//! - `surprise_removal` (`EvtDeviceSurpriseRemoval`, before the HCA's): no
+//!   fabric any more; the D0 exit that follows abandons the session
+//!   without a goodbye or a wait.
+//! - `release_hardware` (`EvtDeviceReleaseHardware`, removal): the
+//!   session's requests finished (bounded by [`DRAIN_WAIT_NS`]), the
+//!   objects destroyed in dependency order with the synchronous helper (a
+//!   destroy the dying device failed is sent once more), the client's DPCs
+//!   drained, the buffer freed, the AL closed, the AL interface
+//!   dereferenced.
 //!
 //! **Discovery.** The first `Hello` needs the peer's UD QP number, which
 //! only the peer's HCA knows. In InfiniBand that is what service ID
@@ -56,7 +62,7 @@
 //! hello (the RC parameters, the goodbye) goes over the fabric, and
 //! answers go to the sender's address as the datagram carried it.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use driver_platform::{CommonBuffer, DevicePowerState, DmaAdapter, Event, RequestorMode};
@@ -107,6 +113,11 @@ pub const CREATE_WAIT_NS: u64 = 1_000_000_000;
 
 /// The longest a D0 exit waits for the peer's `GoodbyeAck`.
 pub const GOODBYE_WAIT_NS: u64 = 200_000_000;
+
+/// The longest a D0 exit or the teardown waits for the client's requests
+/// in flight: above the miniport's command timeout, so a command to a
+/// device that vanished has ended (with an error) by then.
+pub const DRAIN_WAIT_NS: u64 = 5_000_000_000;
 
 /// The client's buffer: two pages, registered whole.
 const BUFFER_BYTES: usize = 8192;
@@ -280,6 +291,7 @@ impl DriverEntry for PortClientDriver {
             rc_send_slot: AtomicUsize::new(0),
             stats: Stats::default(),
             closed: Mutex::default(),
+            surprise_removed: AtomicBool::new(false),
         });
         lock(&self.devices).push(device.clone());
         Ok(device)
@@ -360,6 +372,8 @@ pub struct PortClientDevice {
     rc_send_slot: AtomicUsize,
     stats: Stats,
     closed: Mutex<Option<Result<(), IbStatus>>>,
+    /// The HCA is gone (surprise removal): nothing to say on the fabric.
+    surprise_removed: AtomicBool,
 }
 
 impl std::fmt::Debug for PortClientDevice {
@@ -395,6 +409,13 @@ impl PortClientDevice {
         lock(&self.session)
             .as_ref()
             .map_or(Phase::Down, Session::phase)
+    }
+
+    /// Whether it runs the rounds on its current connection.
+    pub fn is_initiator(&self) -> bool {
+        lock(&self.session)
+            .as_ref()
+            .is_some_and(Session::is_initiator)
     }
 
     /// What the session counted (what it had counted at its end, after
@@ -841,9 +862,15 @@ impl PortClientDevice {
         if old == 0 {
             return;
         }
-        self.submit::<DestroyQp>(old, &Empty, &[], 0, |me, answer| {
-            me.note(answer.map(|_| 0));
-            me.create_qp(QpType::Rc, false);
+        self.submit::<DestroyQp>(old, &Empty, &[], 0, move |me, answer| {
+            if answer.is_ok() {
+                me.create_qp(QpType::Rc, false);
+            } else {
+                // Still ours (the device failed under the command, say):
+                // the teardown destroys it again.
+                me.note(answer.map(|_| 0));
+                lock(&me.objects).rc_qp = old;
+            }
         });
     }
 
@@ -877,11 +904,22 @@ impl PortClientDevice {
 
     fn completed(&self, wc: &WorkCompletion) {
         let (kind, slot) = (wc.wr_id >> 32, (wc.wr_id & 0xFFFF_FFFF) as usize);
+        let objects = *lock(&self.objects);
         if wc.status != WcStatus::Success {
             self.stats.error_completions.fetch_add(1, Ordering::Relaxed);
+            // An error on the connection's own QP (not the flushes of a
+            // replaced one): the peer vanished without a goodbye.
+            let rc = matches!(kind, KIND_RC_SEND | KIND_RC_RECV);
+            if rc && wc.qp_num.get() == objects.rc_qpn {
+                let actions = lock(&self.session)
+                    .as_mut()
+                    .map(Session::on_connection_lost);
+                if let Some(actions) = actions {
+                    self.carry_out(actions);
+                }
+            }
             return;
         }
-        let objects = *lock(&self.objects);
         match kind {
             KIND_UD_RECV => {
                 self.stats
@@ -1088,28 +1126,28 @@ impl PortClientDevice {
     /// the interface back.
     fn teardown(&self) {
         // What the session started (a QP's replacement) finishes first.
-        self.wait_drained(&self.requests, GOODBYE_WAIT_NS);
+        self.wait_drained(&self.requests, DRAIN_WAIT_NS);
         let objects = std::mem::take(&mut *lock(&self.objects));
         let av = lock(&self.av).take();
         for qp in [objects.rc_qp, objects.ud_qp] {
             if qp != 0 {
-                self.note(self.call::<DestroyQp>(qp, &Empty));
+                self.destroy::<DestroyQp>(qp);
             }
         }
         if let Some((_, av)) = av {
-            self.note(self.call::<DestroyAv>(av, &Empty));
+            self.destroy::<DestroyAv>(av);
         }
         if objects.mr != 0 {
-            self.note(self.call::<DeregMr>(objects.mr, &Empty));
+            self.destroy::<DeregMr>(objects.mr);
         }
         if objects.cq != 0 {
-            self.note(self.call::<DestroyCq>(objects.cq, &Empty));
+            self.destroy::<DestroyCq>(objects.cq);
         }
         if objects.pd != 0 {
-            self.note(self.call::<DeallocPd>(objects.pd, &Empty));
+            self.destroy::<DeallocPd>(objects.pd);
         }
         // No completion event can come now; wait for DPCs already queued.
-        self.wait_drained(&self.dpcs, GOODBYE_WAIT_NS);
+        self.wait_drained(&self.dpcs, DRAIN_WAIT_NS);
         if let Some(session) = lock(&self.session).take() {
             *lock(&self.final_counters) = session.counters();
         }
@@ -1124,6 +1162,17 @@ impl PortClientDevice {
         *lock(&self.closed) = Some(closed);
         if let Ok(link) = Arc::try_unwrap(link) {
             link.interface.dereference();
+        }
+    }
+
+    /// Destroys one object (PASSIVE_LEVEL). A destroy that failed because
+    /// the device failed under its command (the HCA vanished) is sent once
+    /// more: once the miniport knows, a destroy frees in software.
+    fn destroy<V: Verb<In = Empty>>(&self, handle: u64) {
+        let first = self.call::<V>(handle, &Empty);
+        if first.is_err() {
+            self.note(first);
+            self.note(self.call::<V>(handle, &Empty));
         }
     }
 
@@ -1262,6 +1311,14 @@ impl DeviceCallbacks for PortClientDevice {
             self.rendezvous
                 .withdraw(port.ca_guid.get(), port.port.get());
         }
+        if self.surprise_removed.load(Ordering::Acquire) {
+            // The HCA is gone: no goodbye can reach the peer (it finds out
+            // from its RC QP), and the teardown destroys what is left.
+            if let Some(session) = lock(&self.session).as_mut() {
+                session.abandon();
+            }
+            return SUCCESS;
+        }
         let event = HostEvent::new(self.sched.clone());
         *lock(&self.close_wait) = Some(event.clone());
         let closing = lock(&self.session).as_mut().map(Session::begin_close);
@@ -1278,8 +1335,14 @@ impl DeviceCallbacks for PortClientDevice {
         *lock(&self.close_wait) = None;
         // The HCA is still in D0: let the teardown of the connection (the
         // RC QP's replacement) finish before it leaves, boundedly.
-        self.wait_drained(&self.requests, GOODBYE_WAIT_NS);
+        self.wait_drained(&self.requests, DRAIN_WAIT_NS);
         SUCCESS
+    }
+
+    /// `EvtDeviceSurpriseRemoval`: the HCA (and so this child) is gone;
+    /// D0 exit and release-hardware follow.
+    fn surprise_removal(&self) {
+        self.surprise_removed.store(true, Ordering::Release);
     }
 
     fn release_hardware(&self) -> NtStatus {

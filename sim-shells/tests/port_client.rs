@@ -69,14 +69,15 @@ impl World {
             .expect("a client on that port")
     }
 
-    /// The two clients of port `port`'s pair: (initiator, responder).
+    /// The two clients of port `port`'s pair: (initiator, responder) of
+    /// their current connection (the roles may change at a reconnect).
     fn pair(&self, port: u8) -> (Arc<PortClientDevice>, Arc<PortClientDevice>) {
         let (x, y) = (self.client(0, port), self.client(1, port));
-        if x.counters().rounds >= y.counters().rounds {
-            (x, y)
-        } else {
-            (y, x)
-        }
+        assert!(
+            x.is_initiator() ^ y.is_initiator(),
+            "port {port}: one initiator"
+        );
+        if x.is_initiator() { (x, y) } else { (y, x) }
     }
 
     fn references(&self) -> usize {
@@ -98,6 +99,7 @@ fn sum(a: Counters, b: Counters) -> Counters {
         goodbyes_acknowledged: a.goodbyes_acknowledged + b.goodbyes_acknowledged,
         goodbyes_answered: a.goodbyes_answered + b.goodbyes_answered,
         goodbye_timeouts: a.goodbye_timeouts + b.goodbye_timeouts,
+        connections_lost: a.connections_lost + b.connections_lost,
     }
 }
 
@@ -173,6 +175,9 @@ fn sleep_with_traffic_in_flight(w: &World, state: SystemPowerState) {
             pair.rounds > before[k].rounds,
             "port {port}: traffic was running"
         );
+        // The round in flight drained before the goodbye: every ping was
+        // answered and every pong came back.
+        assert_eq!(pair.rounds, pair.pongs_sent, "port {port}: nothing lost");
         assert_eq!(pair.bad_payloads, 0);
         assert_eq!((x.phase(), y.phase()), (Phase::Down, Phase::Down));
     }
@@ -228,6 +233,51 @@ fn query_remove_of_one_hca_closes_its_clients_with_a_goodbye_while_the_other_sta
     assert_eq!(w.references(), 2);
     // The remaining HCA's clients still serve the fabric: a rendezvous
     // entry each, and their UD QPs still receive (none lost).
+    assert_eq!(w.clients.rendezvous().endpoints().len(), 2);
+    finish(w);
+}
+
+#[test]
+fn surprise_removal_of_one_hca_under_traffic_leaves_the_other_working() {
+    let w = world(44);
+    // Remove the HCA of the responders: the initiators, on the other HCA,
+    // have a ping in flight to a peer that vanishes without a goodbye.
+    let (initiator, responder) = w.pair(1);
+    let gone_hca = HCAS
+        .iter()
+        .position(|g| responder.port_data().unwrap().ca_guid.get() == *g)
+        .unwrap();
+    for port in [1, 2] {
+        let (initiator, responder) = w.pair(port);
+        assert_eq!(responder.port_data().unwrap().ca_guid.get(), HCAS[gone_hca]);
+        initiator.run_more(1000);
+    }
+    drop((initiator, responder));
+    w.host.pnp().surprise_remove(w.host.hcas()[gone_hca]);
+    settle(&w.host);
+    for port in [1u8, 2] {
+        let (gone, stays) = (w.client(gone_hca, port), w.client(1 - gone_hca, port));
+        // The removed HCA's client had no fabric to say goodbye on: it
+        // tried nothing, waited for nothing, and still closed its AL
+        // (a destroy the vanished device failed was sent again).
+        let g = gone.counters();
+        assert_eq!((g.goodbyes_acknowledged, g.goodbye_timeouts), (0, 0));
+        assert_eq!(gone.closed(), Some(Ok(())));
+        // The survivor's ping ran out of retries: the connection is lost,
+        // torn down (a new RC QP), and it waits for a peer, AL open.
+        let k = stays.counters();
+        assert_eq!(k.connections_lost, 1, "port {port}");
+        assert_eq!(stays.phase(), Phase::PeerClosed);
+        assert_eq!(stays.closed(), None);
+        assert_eq!(
+            stays
+                .stats()
+                .refused
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
+    }
+    assert_eq!(w.references(), 2);
     assert_eq!(w.clients.rendezvous().endpoints().len(), 2);
     finish(w);
 }

@@ -19,10 +19,13 @@
 //!   and answers pong `n`; the initiator checks it, counts a round, and
 //!   sends ping `n + 1` until the target is reached.
 //! - **Goodbye.** In its D0 exit a connected side stops starting rounds,
-//!   sends `Goodbye` and waits (boundedly) for `GoodbyeAck`; the peer
-//!   answers, resets its RC QP and waits for a new `Hello`. Then the side
-//!   going down resets its own. A side that finds itself already closed
-//!   by its peer has nothing to exchange.
+//!   lets the round in flight drain, sends `Goodbye` and waits (boundedly)
+//!   for `GoodbyeAck`; the peer (after the pong of its own round in flight,
+//!   if any) answers, tears its side down and waits for a new `Hello`.
+//!   Then the side going down tears down its own. A side that finds
+//!   itself already closed by its peer has nothing to exchange.
+//! - **Loss.** An error on the connection's RC QP (the peer vanished)
+//!   tears the connection down; a side whose HCA vanished abandons it.
 
 use alloc::vec::Vec;
 
@@ -70,6 +73,9 @@ pub enum Phase {
     Running,
     /// `Goodbye` sent in the D0 exit; waiting for the answer.
     Closing,
+    /// The peer said goodbye while this side's round was in flight: the
+    /// answer waits for the round's pong.
+    PeerLeaving,
     /// The peer said goodbye and its side is gone: waiting for its
     /// `Hello`.
     PeerClosed,
@@ -96,6 +102,9 @@ pub struct Counters {
     pub goodbyes_answered: u64,
     /// Goodbye waits that ran out without an answer.
     pub goodbye_timeouts: u64,
+    /// Connections that ended in an error on the RC QP (the peer vanished
+    /// without a goodbye).
+    pub connections_lost: u64,
 }
 
 /// One side's connection with its peer.
@@ -115,6 +124,10 @@ pub struct Session {
     rounds_this_connection: u32,
     /// Rounds allowed on this connection.
     budget: u32,
+    /// The initiator's ping is out and its pong not back.
+    round_in_flight: bool,
+    /// The goodbye waits for the round in flight.
+    goodbye_deferred: bool,
     counters: Counters,
 }
 
@@ -135,6 +148,8 @@ impl Session {
             next_seq: 0,
             rounds_this_connection: 0,
             budget: 0,
+            round_in_flight: false,
+            goodbye_deferred: false,
             counters: Counters::default(),
         }
     }
@@ -175,6 +190,8 @@ impl Session {
         self.ack_when_connected = false;
         self.initiate_when_connected = false;
         self.initiator = false;
+        self.round_in_flight = false;
+        self.goodbye_deferred = false;
         // A new first PSN per start, so nothing of an old connection
         // matches the new one.
         self.local.psn = (self.local.psn + 0x1000) & 0x00FF_FFFF;
@@ -200,6 +217,7 @@ impl Session {
 
     fn connect(&mut self, message: &Message) -> Action {
         self.remote = Some((message.port_guid, message.params));
+        self.round_in_flight = false;
         self.phase = Phase::Connecting;
         Action::ConnectRc {
             remote: message.params,
@@ -235,21 +253,19 @@ impl Session {
                     self.initiate_when_connected = true;
                 }
             }
+            // The peer goes down with our round in flight: its pong
+            // first, then the answer (the peer's wait is bounded).
+            (MessageKind::Goodbye, Phase::Running)
+                if self.is_from_peer(&message) && self.round_in_flight =>
+            {
+                self.phase = Phase::PeerLeaving;
+            }
             (MessageKind::Goodbye, Phase::Connecting | Phase::Running | Phase::Closing)
                 if self.is_from_peer(&message) =>
             {
                 // The peer goes down: answer, tear down, wait for its
                 // hello. (Both closing at once: each answers the other.)
-                self.counters.goodbyes_answered += 1;
-                actions.push(Action::SendDatagram(self.message(MessageKind::GoodbyeAck)));
-                actions.push(Action::ResetRc);
-                if self.phase == Phase::Closing {
-                    actions.push(Action::CloseDone);
-                    self.phase = Phase::Down;
-                } else {
-                    self.phase = Phase::PeerClosed;
-                }
-                self.remote = None;
+                actions = self.answer_goodbye();
             }
             (MessageKind::GoodbyeAck, Phase::Closing) if self.is_from_peer(&message) => {
                 self.counters.goodbyes_acknowledged += 1;
@@ -264,6 +280,25 @@ impl Session {
         actions
     }
 
+    /// Answers the peer's goodbye and tears this side down.
+    fn answer_goodbye(&mut self) -> Vec<Action> {
+        self.counters.goodbyes_answered += 1;
+        let mut actions = alloc::vec![
+            Action::SendDatagram(self.message(MessageKind::GoodbyeAck)),
+            Action::ResetRc,
+        ];
+        if self.phase == Phase::Closing {
+            actions.push(Action::CloseDone);
+            self.phase = Phase::Down;
+        } else {
+            self.phase = Phase::PeerClosed;
+        }
+        self.remote = None;
+        self.round_in_flight = false;
+        self.goodbye_deferred = false;
+        actions
+    }
+
     fn initiate(&mut self) -> Vec<Action> {
         self.initiator = true;
         self.initiate_when_connected = false;
@@ -273,9 +308,13 @@ impl Session {
     }
 
     fn ping(&mut self) -> Vec<Action> {
-        if self.phase != Phase::Running || self.rounds_this_connection >= self.budget {
+        if self.phase != Phase::Running
+            || self.round_in_flight
+            || self.rounds_this_connection >= self.budget
+        {
             return Vec::new();
         }
+        self.round_in_flight = true;
         alloc::vec![Action::SendRc(payload(self.next_seq, PayloadKind::Ping))]
     }
 
@@ -330,12 +369,21 @@ impl Session {
                 self.counters.pongs_sent += 1;
                 alloc::vec![Action::SendRc(payload(seq, PayloadKind::Pong))]
             }
-            PayloadKind::Pong if self.initiator && seq == self.next_seq => {
+            PayloadKind::Pong if self.initiator && self.round_in_flight && seq == self.next_seq => {
                 self.counters.rounds += 1;
                 self.rounds_this_connection += 1;
                 self.next_seq = self.next_seq.wrapping_add(1);
-                // In `Closing` no new round starts: the connection drains.
-                self.ping()
+                self.round_in_flight = false;
+                match self.phase {
+                    // Drained: the goodbye deferred for this round goes now.
+                    Phase::Closing if core::mem::take(&mut self.goodbye_deferred) => {
+                        alloc::vec![Action::SendDatagram(self.message(MessageKind::Goodbye))]
+                    }
+                    // Drained: the peer's goodbye is answered now.
+                    Phase::PeerLeaving => self.answer_goodbye(),
+                    // In `Closing` no new round starts.
+                    _ => self.ping(),
+                }
             }
             _ => {
                 self.counters.bad_payloads += 1;
@@ -349,12 +397,25 @@ impl Session {
     /// [`Action::CloseDone`].
     pub fn begin_close(&mut self) -> (Vec<Action>, bool) {
         match self.phase {
+            // A round in flight drains first: the goodbye follows its pong.
+            Phase::Running if self.remote.is_some() && self.round_in_flight => {
+                self.phase = Phase::Closing;
+                self.goodbye_deferred = true;
+                (Vec::new(), true)
+            }
             Phase::Connecting | Phase::Running if self.remote.is_some() => {
                 self.phase = Phase::Closing;
                 (
                     alloc::vec![Action::SendDatagram(self.message(MessageKind::Goodbye))],
                     true,
                 )
+            }
+            // Going down while the peer's goodbye waits for our pong: answer
+            // it now (the pong will not come back to a QP being torn down).
+            Phase::PeerLeaving => {
+                let actions = self.answer_goodbye();
+                self.phase = Phase::Down;
+                (actions, false)
             }
             Phase::Closing => (Vec::new(), true),
             Phase::Down => (Vec::new(), false),
@@ -373,11 +434,44 @@ impl Session {
         }
     }
 
+    /// The RC QP reported an error on the connection (retries exhausted:
+    /// the peer vanished without a goodbye). Tears the connection down
+    /// and waits for a hello; nothing once it is already down.
+    pub fn on_connection_lost(&mut self) -> Vec<Action> {
+        match self.phase {
+            Phase::Connecting | Phase::Running | Phase::PeerLeaving => {
+                self.counters.connections_lost += 1;
+                self.round_in_flight = false;
+                self.phase = Phase::PeerClosed;
+                self.remote = None;
+                alloc::vec![Action::ResetRc]
+            }
+            Phase::Closing => {
+                self.counters.connections_lost += 1;
+                self.round_in_flight = false;
+                self.goodbye_deferred = false;
+                self.phase = Phase::Down;
+                self.remote = None;
+                alloc::vec![Action::ResetRc, Action::CloseDone]
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// The HCA is gone (surprise removal): no exchange is possible and
+    /// nothing on the fabric is torn down; the session is down.
+    pub fn abandon(&mut self) {
+        self.phase = Phase::Down;
+        self.remote = None;
+    }
+
     /// The goodbye wait ran out (the peer or the fabric is gone).
     pub fn close_timed_out(&mut self) -> Vec<Action> {
         if self.phase != Phase::Closing {
             return Vec::new();
         }
+        self.round_in_flight = false;
+        self.goodbye_deferred = false;
         self.counters.goodbye_timeouts += 1;
         self.phase = Phase::Down;
         self.remote = None;
@@ -533,6 +627,52 @@ mod tests {
         assert_eq!(p.s[1].counters().connections, 2);
     }
 
+    /// A connected pair with no rounds run yet: (pair, initiator index).
+    fn connected_idle() -> (Pair, usize) {
+        let mut p = Pair::new(0);
+        let a = p.s[0].start(false);
+        p.act(0, a);
+        let b = p.s[1].start(true);
+        p.act(1, b);
+        p.run();
+        assert!(p.s[1].is_initiator());
+        (p, 1)
+    }
+
+    #[test]
+    fn an_initiator_going_down_drains_its_round_before_the_goodbye() {
+        let (mut p, i) = connected_idle();
+        let ping = p.s[i].run_more(1);
+        p.act(i, ping);
+        // The ping is on the wire: the goodbye waits for its pong.
+        let (actions, wait) = p.s[i].begin_close();
+        assert!(wait && actions.is_empty());
+        p.run();
+        assert_eq!(p.s[i].counters().rounds, 1, "the round completed");
+        assert_eq!(p.s[i].counters().goodbyes_acknowledged, 1);
+        assert_eq!(p.close_done[i], 1);
+        assert_eq!(p.s[1 - i].phase(), Phase::PeerClosed);
+    }
+
+    #[test]
+    fn a_responder_going_down_gets_its_answer_after_the_round_in_flight() {
+        let (mut p, i) = connected_idle();
+        let r = 1 - i;
+        let ping = p.s[i].run_more(1);
+        p.act(i, ping);
+        let (goodbye, wait) = p.s[r].begin_close();
+        assert!(wait);
+        p.act(r, goodbye);
+        // The responder answers the ping while closing; the initiator
+        // holds its answer to the goodbye until the pong is back.
+        p.run();
+        assert_eq!(p.s[i].counters().rounds, 1);
+        assert_eq!(p.s[i].counters().goodbyes_answered, 1);
+        assert_eq!(p.s[r].counters().goodbyes_acknowledged, 1);
+        assert_eq!(p.close_done[r], 1);
+        assert_eq!(p.s[i].phase(), Phase::PeerClosed);
+    }
+
     #[test]
     fn a_goodbye_wait_that_runs_out_closes_anyway() {
         let mut p = Pair::new(1);
@@ -550,6 +690,29 @@ mod tests {
         assert_eq!(p.s[0].counters().goodbye_timeouts, 1);
         assert_eq!(p.s[0].phase(), Phase::Down);
         assert!(p.s[0].close_timed_out().is_empty(), "once");
+    }
+
+    #[test]
+    fn a_lost_connection_is_torn_down_once_and_the_pair_reconnects() {
+        let mut p = Pair::new(1);
+        let a = p.s[0].start(false);
+        p.act(0, a);
+        let b = p.s[1].start(true);
+        p.act(1, b);
+        p.run();
+        assert_eq!(p.s[1].on_connection_lost(), [Action::ResetRc]);
+        assert!(p.s[1].on_connection_lost().is_empty(), "once");
+        assert_eq!(p.s[1].phase(), Phase::PeerClosed);
+        assert_eq!(p.s[1].counters().connections_lost, 1);
+        // The peer comes back with a hello: connected again.
+        let a = p.s[0].start(true);
+        p.act(0, a);
+        p.run();
+        assert_eq!(p.s[1].phase(), Phase::Running);
+        assert_eq!(p.s[1].counters().connections, 2);
+        p.s[0].abandon();
+        assert_eq!(p.s[0].phase(), Phase::Down);
+        assert_eq!(p.s[0].begin_close(), (Vec::new(), false));
     }
 
     #[test]
