@@ -33,6 +33,9 @@ mod inf;
 #[path = "../../../ibal-bus/core/tests/fuzz_props/child_list.rs"]
 mod child_list;
 
+#[path = "../../../port-client/core/tests/fuzz_props/port_message.rs"]
+mod port_message;
+
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -40,7 +43,7 @@ use std::process::ExitCode;
 type SeedMaker = fn() -> Vec<Vec<u8>>;
 
 /// Every target with its seed maker.
-const TARGETS: [(&str, SeedMaker); 8] = [
+const TARGETS: [(&str, SeedMaker); 9] = [
     ("proxy", proxy::seeds),
     ("uvp_private", uvp_private::seeds),
     ("device_entries", device_entries::seeds),
@@ -49,6 +52,7 @@ const TARGETS: [(&str, SeedMaker); 8] = [
     ("mad", mad::seeds),
     ("inf", inf::seeds),
     ("child_list", child_list::seeds),
+    ("port_message", port_message::seeds),
 ];
 
 fn main() -> ExitCode {

@@ -231,6 +231,12 @@ impl Session {
             // Going down or down: no new connection.
             (_, Phase::Down) => {}
             (MessageKind::Hello, Phase::Closing) => {}
+            // Connected: only the peer itself may restart the connection
+            // (a stranger's hello would hijack it).
+            (MessageKind::Hello, Phase::Connecting | Phase::Running | Phase::PeerLeaving)
+                if self
+                    .remote
+                    .is_some_and(|(guid, _)| guid != message.port_guid) => {}
             (MessageKind::Hello, _) => {
                 // A new peer, or the peer restarted: (re)connect and
                 // answer once connected.
@@ -713,6 +719,27 @@ mod tests {
         p.s[0].abandon();
         assert_eq!(p.s[0].phase(), Phase::Down);
         assert_eq!(p.s[0].begin_close(), (Vec::new(), false));
+    }
+
+    #[test]
+    fn a_strangers_hello_does_not_take_over_a_connection_but_the_peers_restarts_it() {
+        let (mut p, i) = connected_idle();
+        let r = 1 - i;
+        let stranger = Message {
+            kind: MessageKind::Hello,
+            port_guid: 0xC,
+            params: params(0x77),
+        };
+        assert_eq!(p.s[r].on_datagram(&stranger.encode()), Ok(Vec::new()));
+        assert_eq!(p.s[r].phase(), Phase::Running);
+        // The peer itself restarted (a new QP): reconnect to it.
+        let restarted = Message {
+            kind: MessageKind::Hello,
+            port_guid: 0xB,
+            params: params(0x99),
+        };
+        let actions = p.s[r].on_datagram(&restarted.encode()).unwrap();
+        assert!(matches!(actions[..], [Action::ConnectRc { remote, .. }] if remote.qpn == 0x99));
     }
 
     #[test]
