@@ -5,8 +5,10 @@
 //! down before its HCA and up after it.
 //!
 //! What each callback does (KMDF name in brackets):
-//! - `prepare_hardware` (`EvtDevicePrepareHardware`, PASSIVE_LEVEL):
-//!   `GUID_IB_AL_INTERFACE` queried from its PDO at `AL_INTERFACE_VERSION`
+//! - `prepare_hardware` (`EvtDevicePrepareHardware`, PASSIVE_LEVEL): the
+//!   settings read from the hardware key (`ReceiveDepth`; a malformed
+//!   value refused with its reason, the default used) and the buffer laid
+//!   out for them; `GUID_IB_AL_INTERFACE` queried from its PDO at `AL_INTERFACE_VERSION`
 //!   (`WdfFdoQueryForInterface`) and its version checked (another major:
 //!   `STATUS_REVISION_MISMATCH`, the reference given back); the port data
 //!   taken from it; `GUID_BUS_INTERFACE_STANDARD` queried from the PDO,
@@ -66,6 +68,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use driver_platform::{CommonBuffer, DevicePowerState, DmaAdapter, Event, RequestorMode};
+use ib_port_client_core::config::{Config, DEFAULT_RECEIVE_DEPTH, read_config};
 use ib_port_client_core::message::{ConnParams, PAYLOAD_LEN, PORT_CLIENT_QKEY, WIRE_LEN};
 use ib_port_client_core::session::{Action, Counters, Phase, Session};
 use ib_types::access::AccessFlags;
@@ -119,15 +122,43 @@ pub const GOODBYE_WAIT_NS: u64 = 200_000_000;
 /// device that vanished has ended (with an error) by then.
 pub const DRAIN_WAIT_NS: u64 = 5_000_000_000;
 
-/// The client's buffer: two pages, registered whole.
-const BUFFER_BYTES: usize = 8192;
 /// The GRH a UD receive starts with.
 const GRH_BYTES: usize = 40;
-/// Slots of the buffer: (offset of the first, slot size, count).
-const UD_RECV: (usize, usize, usize) = (0, 128, 4);
-const UD_SEND: (usize, usize, usize) = (512, 64, 8);
-const RC_RECV: (usize, usize, usize) = (1024, 64, 4);
-const RC_SEND: (usize, usize, usize) = (1280, 64, 8);
+/// Send slots per QP (the session has at most a few messages out).
+const SEND_SLOTS: usize = 8;
+
+/// Slots of one kind in the buffer: (offset of the first, slot size,
+/// count).
+type Slots = (usize, usize, usize);
+
+/// The client's buffer, sized by its receive depth (`ReceiveDepth`):
+/// UD receives (GRH and datagram), UD sends, RC receives, RC sends.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    ud_recv: Slots,
+    ud_send: Slots,
+    rc_recv: Slots,
+    rc_send: Slots,
+    /// Whole pages.
+    bytes: usize,
+}
+
+impl Layout {
+    fn new(depth: usize) -> Self {
+        let ud_recv = (0, 128, depth);
+        let ud_send = (depth * 128, 64, SEND_SLOTS);
+        let rc_recv = (ud_send.0 + SEND_SLOTS * 64, 64, depth);
+        let rc_send = (rc_recv.0 + depth * 64, 64, SEND_SLOTS);
+        let end = rc_send.0 + SEND_SLOTS * 64;
+        Self {
+            ud_recv,
+            ud_send,
+            rc_recv,
+            rc_send,
+            bytes: end.div_ceil(4096) * 4096,
+        }
+    }
+}
 
 /// `wr_id`: the slot kind in the high half, the slot in the low.
 const KIND_UD_RECV: u64 = 1;
@@ -277,6 +308,8 @@ impl DriverEntry for PortClientDriver {
             references: self.references.get().cloned().unwrap_or_default(),
             link: Mutex::default(),
             port: OnceLock::new(),
+            config: Mutex::default(),
+            layout: Mutex::new(Layout::new(DEFAULT_RECEIVE_DEPTH as usize)),
             buffer: Mutex::default(),
             objects: Mutex::default(),
             session: Mutex::default(),
@@ -351,6 +384,9 @@ pub struct PortClientDevice {
     references: Arc<AtomicUsize>,
     link: Mutex<Option<Arc<Link>>>,
     port: OnceLock<PortInterfaceData>,
+    /// The settings read at the last start.
+    config: Mutex<Config>,
+    layout: Mutex<Layout>,
     buffer: Mutex<Option<HostCommonBuffer>>,
     objects: Mutex<Objects>,
     session: Mutex<Option<Session>>,
@@ -409,6 +445,11 @@ impl PortClientDevice {
         lock(&self.session)
             .as_ref()
             .map_or(Phase::Down, Session::phase)
+    }
+
+    /// The settings it read at its last start (and what it refused).
+    pub fn config(&self) -> Config {
+        *lock(&self.config)
     }
 
     /// Whether it runs the rounds on its current connection.
@@ -626,7 +667,8 @@ impl PortClientDevice {
     fn create_cq(&self) {
         let Some((_, client)) = self.al() else { return };
         let attr = CqAttr {
-            cqe: 64,
+            // Every receive and send slot may hold a completion.
+            cqe: (2 * (lock(&self.layout).ud_recv.2 + SEND_SLOTS)) as u32,
             comp_vector: 0,
         };
         self.submit::<CreateCq>(
@@ -657,7 +699,7 @@ impl PortClientDevice {
             srq: None,
             caps: QpCaps {
                 max_send_wr: 16,
-                max_recv_wr: 8,
+                max_recv_wr: lock(&self.layout).ud_recv.2 as u32,
                 max_send_sge: 1,
                 max_recv_sge: 1,
                 max_inline_data: 0,
@@ -698,10 +740,11 @@ impl PortClientDevice {
             self.created(Err(IbStatus::InvalidState));
             return;
         };
-        let pages = BUFFER_BYTES / 4096;
+        let bytes = lock(&self.layout).bytes;
+        let pages = bytes / 4096;
         let input = PhysMrRegister {
             iova: base,
-            length: BUFFER_BYTES as u64,
+            length: bytes as u64,
             first_byte_offset: 0,
             page_shift: 12,
             num_pages: pages as u32,
@@ -735,6 +778,7 @@ impl PortClientDevice {
             return;
         };
         let ud_qp = lock(&self.objects).ud_qp;
+        let layout = *lock(&self.layout);
         let modify = match step {
             0 => QpModify {
                 state: Some(QpState::Init),
@@ -750,8 +794,8 @@ impl PortClientDevice {
                 ..QpModify::default()
             },
             _ => {
-                let posted =
-                    (0..UD_RECV.2).all(|slot| self.post_recv(ud_qp, KIND_UD_RECV, UD_RECV, slot));
+                let posted = (0..layout.ud_recv.2)
+                    .all(|slot| self.post_recv(ud_qp, KIND_UD_RECV, layout.ud_recv, slot));
                 let cq = lock(&self.objects).cq;
                 let armed = link.al.arm_cq(link.client, cq, CqNotify::NextCompletion);
                 self.created(if posted && armed.is_ok() {
@@ -905,6 +949,7 @@ impl PortClientDevice {
     fn completed(&self, wc: &WorkCompletion) {
         let (kind, slot) = (wc.wr_id >> 32, (wc.wr_id & 0xFFFF_FFFF) as usize);
         let objects = *lock(&self.objects);
+        let layout = *lock(&self.layout);
         if wc.status != WcStatus::Success {
             self.stats.error_completions.fetch_add(1, Ordering::Relaxed);
             // An error on the connection's own QP (not the flushes of a
@@ -925,10 +970,11 @@ impl PortClientDevice {
                 self.stats
                     .datagrams_received
                     .fetch_add(1, Ordering::Relaxed);
-                let offset = UD_RECV.0 + slot * UD_RECV.1;
-                let len = (wc.byte_len as usize).min(UD_RECV.1);
+                let (first, size, _) = layout.ud_recv;
+                let offset = first + slot * size;
+                let len = (wc.byte_len as usize).min(size);
                 let received = self.read_slot(offset, len);
-                self.post_recv(objects.ud_qp, KIND_UD_RECV, UD_RECV, slot);
+                self.post_recv(objects.ud_qp, KIND_UD_RECV, layout.ud_recv, slot);
                 let Some(bytes) = received.filter(|b| b.len() >= GRH_BYTES) else {
                     return;
                 };
@@ -943,9 +989,10 @@ impl PortClientDevice {
                 }
             }
             KIND_RC_RECV => {
-                let offset = RC_RECV.0 + slot * RC_RECV.1;
-                let received = self.read_slot(offset, (wc.byte_len as usize).min(RC_RECV.1));
-                self.post_recv(objects.rc_qp, KIND_RC_RECV, RC_RECV, slot);
+                let (first, size, _) = layout.rc_recv;
+                let received =
+                    self.read_slot(first + slot * size, (wc.byte_len as usize).min(size));
+                self.post_recv(objects.rc_qp, KIND_RC_RECV, layout.rc_recv, slot);
                 let actions = received.and_then(|bytes| {
                     lock(&self.session)
                         .as_mut()
@@ -978,13 +1025,14 @@ impl PortClientDevice {
     }
 
     fn send_rc(&self, payload: [u8; PAYLOAD_LEN]) {
-        let slot = self.rc_send_slot.fetch_add(1, Ordering::Relaxed) % RC_SEND.2;
-        if !self.write_slot(RC_SEND.0 + slot * RC_SEND.1, &payload) {
+        let rc_send = lock(&self.layout).rc_send;
+        let slot = self.rc_send_slot.fetch_add(1, Ordering::Relaxed) % rc_send.2;
+        if !self.write_slot(rc_send.0 + slot * rc_send.1, &payload) {
             return;
         }
         let rc_qp = lock(&self.objects).rc_qp;
         self.stats.rc_sent.fetch_add(1, Ordering::Relaxed);
-        self.post_send(rc_qp, KIND_RC_SEND, RC_SEND, slot, PAYLOAD_LEN, None);
+        self.post_send(rc_qp, KIND_RC_SEND, rc_send, slot, PAYLOAD_LEN, None);
     }
 
     /// A datagram to the peer's UD address, through the AV to its GID
@@ -1026,8 +1074,9 @@ impl PortClientDevice {
         let Ok(remote_qpn) = Qpn::new(qpn) else {
             return;
         };
-        let slot = self.ud_send_slot.fetch_add(1, Ordering::Relaxed) % UD_SEND.2;
-        if !self.write_slot(UD_SEND.0 + slot * UD_SEND.1, &bytes) {
+        let ud_send = lock(&self.layout).ud_send;
+        let slot = self.ud_send_slot.fetch_add(1, Ordering::Relaxed) % ud_send.2;
+        if !self.write_slot(ud_send.0 + slot * ud_send.1, &bytes) {
             return;
         }
         let ud_qp = lock(&self.objects).ud_qp;
@@ -1037,7 +1086,7 @@ impl PortClientDevice {
             remote_qpn,
             remote_qkey: QKey::new(PORT_CLIENT_QKEY),
         };
-        self.post_send(ud_qp, KIND_UD_SEND, UD_SEND, slot, WIRE_LEN, Some(dest));
+        self.post_send(ud_qp, KIND_UD_SEND, ud_send, slot, WIRE_LEN, Some(dest));
     }
 
     /// RESET, INIT, receives posted, RTR towards `remote` on the peer's
@@ -1061,8 +1110,9 @@ impl PortClientDevice {
                 ..QpModify::default()
             },
             2 => {
-                let posted = (0..RC_RECV.2)
-                    .all(|slot| self.post_recv(objects.rc_qp, KIND_RC_RECV, RC_RECV, slot));
+                let rc_recv = lock(&self.layout).rc_recv;
+                let posted = (0..rc_recv.2)
+                    .all(|slot| self.post_recv(objects.rc_qp, KIND_RC_RECV, rc_recv, slot));
                 let (Ok(dest_qpn), Ok(rq_psn)) = (Qpn::new(remote.qpn), Psn::new(remote.psn))
                 else {
                     self.connected(false);
@@ -1209,7 +1259,7 @@ impl PortClientDevice {
             interface.dereference();
             return Err(NtStatus::NOT_SUPPORTED);
         };
-        let buffer = match adapter.alloc_common(BUFFER_BYTES) {
+        let buffer = match adapter.alloc_common(lock(&self.layout).bytes) {
             Ok(buffer) => buffer,
             Err(status) => {
                 interface.dereference();
@@ -1242,6 +1292,15 @@ impl PortClientDevice {
 
 impl DeviceCallbacks for PortClientDevice {
     fn prepare_hardware(&self) -> NtStatus {
+        // The settings from the hardware key (the INF's, or an
+        // administrator's): a malformed value is refused, the default used.
+        let config = self
+            .host
+            .registry()
+            .map(|view| read_config(&view))
+            .unwrap_or_default();
+        *lock(&self.config) = config;
+        *lock(&self.layout) = Layout::new(config.receive_depth as usize);
         if let Err(status) = self.acquire() {
             return status;
         }
@@ -1268,7 +1327,7 @@ impl DeviceCallbacks for PortClientDevice {
                     psn: 0x10,
                     rkey: objects.rkey,
                     addr: objects.iova,
-                    len: BUFFER_BYTES as u32,
+                    len: lock(&self.layout).bytes as u32,
                 };
                 let guid = self.port_data().map_or(0, |p| p.port_guid.get());
                 *lock(&self.session) = Some(Session::new(guid, local, self.rounds));

@@ -11,11 +11,13 @@
 
 use std::sync::Arc;
 
-use driver_platform::SystemPowerState;
+use driver_platform::{RegValue, SystemPowerState};
 use hca_miniport_core::init::HcaConfig;
+use ib_port_client_core::config::{Config, ConfigRefusal, RECEIVE_DEPTH};
 use ib_port_client_core::session::{Counters, Phase};
 use sim_hca::device::DeviceConfig;
 use sim_host::host::{Host, HostConfig};
+use sim_host::registry::device_parameters_key;
 use sim_shells::hca_miniport::MiniportDriver;
 use sim_shells::ibal_bus::IbalBusDriver;
 use sim_shells::port_client::{PortClientDevice, PortClientDriver};
@@ -279,5 +281,69 @@ fn surprise_removal_of_one_hca_under_traffic_leaves_the_other_working() {
     }
     assert_eq!(w.references(), 2);
     assert_eq!(w.clients.rendezvous().endpoints().len(), 2);
+    finish(w);
+}
+
+#[test]
+fn the_receive_depth_comes_from_the_hardware_key_and_a_malformed_one_is_refused() {
+    let w = world(45);
+    // The INF's value, written to each child's hardware key at install
+    // (also the default; the administrator's value below tells them apart).
+    for client in w.clients.devices() {
+        let path = w.host.pnp().instance_path(client.node()).unwrap();
+        assert_eq!(
+            w.host
+                .registry()
+                .get_value(&device_parameters_key(&path), RECEIVE_DEPTH),
+            Some(RegValue::Dword(256))
+        );
+        assert_eq!(
+            client.config(),
+            Config {
+                receive_depth: 256,
+                refused: None
+            }
+        );
+    }
+    // An administrator sets 16 on one client of the port-1 pair and a
+    // string on the other; each stack is stopped and restarted (rebalance).
+    let (a, b) = (w.client(0, 1), w.client(1, 1));
+    for (client, value) in [
+        (&a, RegValue::Dword(16)),
+        (&b, RegValue::String("lots".into())),
+    ] {
+        let path = w.host.pnp().instance_path(client.node()).unwrap();
+        w.host
+            .registry()
+            .set_value(&device_parameters_key(&path), RECEIVE_DEPTH, value)
+            .unwrap();
+        w.host.pnp().stop(client.node()).unwrap();
+        settle(&w.host);
+        w.host.pnp().restart(client.node());
+        settle(&w.host);
+    }
+    assert_eq!(
+        a.config(),
+        Config {
+            receive_depth: 16,
+            refused: None
+        }
+    );
+    assert_eq!(
+        b.config(),
+        Config {
+            receive_depth: 256,
+            refused: Some(ConfigRefusal::ReceiveDepthNotDword)
+        }
+    );
+    // Each stop said goodbye, each restart said hello: the pair is
+    // connected again and runs its rounds.
+    let (initiator, _) = w.pair(1);
+    assert_eq!(initiator.phase(), Phase::Running);
+    let before = initiator.counters().rounds;
+    initiator.run_more(3);
+    settle(&w.host);
+    assert_eq!(initiator.counters().rounds, before + 3);
+    assert_eq!(w.references(), 4);
     finish(w);
 }

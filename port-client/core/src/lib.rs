@@ -5,6 +5,8 @@
 //! - [`message`]: the small versioned message two peers exchange over UD
 //!   (connection parameters, goodbye), parsed as untrusted input, and the
 //!   RC ping/pong payload with its check.
+//! - [`config`]: the device settings from its hardware key (the INF's
+//!   `ReceiveDepth`), refused with a reason when malformed.
 //! - [`session`]: the connection state machine, sans-IO: it takes what
 //!   the fabric delivered and answers with [`session::Action`]s its shell
 //!   carries out through the AL interface (send a datagram, connect or
@@ -20,5 +22,6 @@
 
 extern crate alloc;
 
+pub mod config;
 pub mod message;
 pub mod session;
