@@ -9,7 +9,8 @@
 //!   settings read from the hardware key (`ReceiveDepth`; a malformed
 //!   value refused with its reason, the default used) and the buffer laid
 //!   out for them; `GUID_IB_AL_INTERFACE` queried from its PDO at `AL_INTERFACE_VERSION`
-//!   (`WdfFdoQueryForInterface`) and its version checked (another major:
+//!   (`WdfFdoQueryForInterface`) and its version checked (one that does
+//!   not satisfy it, another major or an older minor:
 //!   `STATUS_REVISION_MISMATCH`, the reference given back); the port data
 //!   taken from it; `GUID_BUS_INTERFACE_STANDARD` queried from the PDO,
 //!   whose parent forwards it to the HCA's PCI PDO, and its
@@ -49,7 +50,7 @@
 //!   without a goodbye or a wait.
 //! - `release_hardware` (`EvtDeviceReleaseHardware`, removal): the
 //!   session's requests finished (bounded by [`DRAIN_WAIT_NS`]), the
-//!   objects destroyed in dependency order with the synchronous helper (a
+//!   objects destroyed in dependency order, each call waited for boundedly (a
 //!   destroy the dying device failed is sent once more), the client's DPCs
 //!   drained, the buffer freed, the AL closed, the AL interface
 //!   dereferenced.
@@ -570,7 +571,8 @@ impl PortClientDevice {
         let _ = al.submit(client, request);
     }
 
-    /// Verb `V` through the AL's synchronous helper (PASSIVE_LEVEL).
+    /// Verb `V` through the AL, waiting for its completion at most
+    /// [`DRAIN_WAIT_NS`] (PASSIVE_LEVEL).
     fn call<V: Verb>(&self, handle: u64, input: &V::In) -> Result<u64, IbStatus> {
         let (al, client) = self.al().ok_or(IbStatus::InvalidState)?;
         let mut bytes = vec![0; request_len::<V>(0).ok_or(IbStatus::InvalidParameter)?];
@@ -586,9 +588,11 @@ impl PortClientDevice {
         );
         let event = HostEvent::new(self.sched.clone());
         request.set_completion_event(event.clone());
-        al.submit_and_wait(client, request, &event)
-            .map_err(|_| IbStatus::InvalidState)?;
-        let done = issuer.completion().ok_or(IbStatus::InvalidState)?;
+        let _ = al.submit(client, request);
+        // Bounded: a request the HCA holds (below D0) or never answers
+        // ends the call as a timeout; its completion still comes later.
+        self.wait_bounded(&event, DRAIN_WAIT_NS);
+        let done = issuer.completion().ok_or(IbStatus::Timeout)?;
         answer::<V>(done.status, done.information, &done.output).map(|(handle, _, _)| handle)
     }
 
@@ -1239,7 +1243,7 @@ impl PortClientDevice {
             .query_interface(&GUID_IB_AL_INTERFACE, AL_INTERFACE_VERSION.packed())
             .ok_or(NtStatus::NOT_SUPPORTED)?;
         let answered = InterfaceVersion::from_packed(interface.version());
-        if answered.major != AL_INTERFACE_VERSION.major {
+        if !answered.satisfies(AL_INTERFACE_VERSION) {
             interface.dereference();
             return Err(STATUS_REVISION_MISMATCH);
         }
