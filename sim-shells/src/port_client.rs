@@ -26,7 +26,10 @@
 //!   failed or did not finish fails the start, what was made undone.
 //! - `d0_entry` (`EvtDeviceD0Entry`, first start and resume): the UD
 //!   address published in the [`Rendezvous`], the peer looked up there,
-//!   the session started (`Session::start`: hello to a known peer).
+//!   the session started (`Session::start`: hello to a known peer), the
+//!   driver's timer armed to send an unanswered hello again
+//!   (`Session::on_tick`), and the CQ polled and re-armed (a DPC that ran
+//!   while the HCA was below D0 could not arm it).
 //! - the AL's completion callback (DISPATCH_LEVEL): queues the client's
 //!   DPC, which polls the CQ, feeds datagrams (after their 40-byte GRH,
 //!   whose source GID and the completion's source QP are the sender's UD
@@ -38,9 +41,10 @@
 //!   finished connection's RC QP, as requests chained by their completion
 //!   routines.
 //! - `d0_exit` (`EvtDeviceD0Exit`, PASSIVE_LEVEL, the HCA still in D0):
-//!   the UD address withdrawn; `Session::begin_close`: a connected side
-//!   sends `Goodbye` and waits on an event for the peer's `GoodbyeAck`,
-//!   at most [`GOODBYE_WAIT_NS`] (a timer sets it otherwise). The
+//!   the timer cancelled, the UD address withdrawn; `Session::begin_close`:
+//!   a connected side lets its round in flight drain, sends `Goodbye` and
+//!   waits on an event for the peer's `GoodbyeAck`, at most
+//!   [`GOODBYE_WAIT_NS`] (a timer sets it otherwise). The
 //!   connection's RC QP is replaced (destroyed, a new one created: a QP
 //!   that was connected waits out TIME WAIT before it may connect again)
 //!   and the exit waits, boundedly, for those requests; the other objects
@@ -71,7 +75,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use driver_platform::{CommonBuffer, DevicePowerState, DmaAdapter, Event, RequestorMode};
 use ib_port_client_core::config::{Config, DEFAULT_RECEIVE_DEPTH, read_config};
 use ib_port_client_core::message::{ConnParams, PAYLOAD_LEN, PORT_CLIENT_QKEY, WIRE_LEN};
-use ib_port_client_core::session::{Action, Counters, Phase, Session};
+use ib_port_client_core::session::{Action, Counters, Phase, Session, TICK_NS};
 use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
 use ib_types::ca::CaAttrView;
@@ -104,7 +108,7 @@ use sim_host::pci::{
 };
 use sim_host::pnp::DeviceServices;
 use sim_host::request::HostRequest;
-use sim_host::sched::SchedulerHandle;
+use sim_host::sched::{SchedulerHandle, TimerId};
 use sim_host::verifier::Verifier;
 
 use crate::ibal_bus::{AlClient, AlPortInterface, DriverObjectReference};
@@ -326,6 +330,7 @@ impl DriverEntry for PortClientDriver {
             stats: Stats::default(),
             closed: Mutex::default(),
             surprise_removed: AtomicBool::new(false),
+            tick_timer: self.sched.new_timer(),
         });
         lock(&self.devices).push(device.clone());
         Ok(device)
@@ -411,6 +416,8 @@ pub struct PortClientDevice {
     closed: Mutex<Option<Result<(), IbStatus>>>,
     /// The HCA is gone (surprise removal): nothing to say on the fabric.
     surprise_removed: AtomicBool,
+    /// The timer of the session's ticks (an unanswered hello sent again).
+    tick_timer: TimerId,
 }
 
 impl std::fmt::Debug for PortClientDevice {
@@ -884,6 +891,40 @@ impl PortClientDevice {
         });
     }
 
+    /// Arms the client's timer for the session's next tick if it wants one
+    /// (an unanswered hello). The routine counts as a DPC in flight, so
+    /// the teardown waits for it. DISPATCH_LEVEL or below.
+    fn arm_tick(&self) {
+        let wants = lock(&self.session)
+            .as_ref()
+            .is_some_and(Session::wants_tick);
+        let Some(me) = self.me().filter(|_| wants) else {
+            return;
+        };
+        enter(&self.dpcs);
+        let due = self.sched.now_ns().saturating_add(TICK_NS);
+        let replaced = self
+            .sched
+            .set_timer(self.tick_timer, SERVICE, due, move || {
+                let actions = lock(&me.session).as_mut().map(Session::on_tick);
+                if let Some(actions) = actions {
+                    me.carry_out(actions);
+                }
+                me.arm_tick();
+                leave(&me.dpcs);
+            });
+        if replaced {
+            // The replaced expiry will never run.
+            leave(&self.dpcs);
+        }
+    }
+
+    fn cancel_tick(&self) {
+        if self.sched.cancel_timer(self.tick_timer) {
+            leave(&self.dpcs);
+        }
+    }
+
     /// Waits until nothing counted in `slot` is in flight, at most `ns`
     /// (PASSIVE_LEVEL). Returns whether it drained.
     fn wait_drained(&self, slot: &InFlight, ns: u64) -> bool {
@@ -1179,6 +1220,7 @@ impl PortClientDevice {
     /// for the client's DPCs, frees the buffer, closes the AL and gives
     /// the interface back.
     fn teardown(&self) {
+        self.cancel_tick();
         // What the session started (a QP's replacement) finishes first.
         self.wait_drained(&self.requests, DRAIN_WAIT_NS);
         let objects = std::mem::take(&mut *lock(&self.objects));
@@ -1366,10 +1408,15 @@ impl DeviceCallbacks for PortClientDevice {
         if let Some(actions) = actions {
             self.carry_out(actions);
         }
+        self.arm_tick();
+        // A DPC of ours that ran while the HCA was below D0 could neither
+        // poll nor re-arm the CQ: poll and arm now, the HCA being in D0.
+        self.queue_drain();
         SUCCESS
     }
 
     fn d0_exit(&self, _to: DevicePowerState) -> NtStatus {
+        self.cancel_tick();
         if let Some(port) = self.port_data() {
             self.rendezvous
                 .withdraw(port.ca_guid.get(), port.port.get());

@@ -77,7 +77,8 @@ impl World {
         let (x, y) = (self.client(0, port), self.client(1, port));
         assert!(
             x.is_initiator() ^ y.is_initiator(),
-            "port {port}: one initiator"
+            "port {port}: one initiator; the clients:\n{}",
+            describe(self)
         );
         if x.is_initiator() { (x, y) } else { (y, x) }
     }
@@ -102,6 +103,8 @@ fn sum(a: Counters, b: Counters) -> Counters {
         goodbyes_answered: a.goodbyes_answered + b.goodbyes_answered,
         goodbye_timeouts: a.goodbye_timeouts + b.goodbye_timeouts,
         connections_lost: a.connections_lost + b.connections_lost,
+        hellos_resent: a.hellos_resent + b.hellos_resent,
+        duplicates: a.duplicates + b.duplicates,
     }
 }
 
@@ -346,4 +349,92 @@ fn the_receive_depth_comes_from_the_hardware_key_and_a_malformed_one_is_refused(
     assert_eq!(initiator.counters().rounds, before + 3);
     assert_eq!(w.references(), 4);
     finish(w);
+}
+
+/// Quiesces the threaded host until `done` holds (the fabric and the
+/// device run on their own threads, so one quiescent moment may come
+/// between two packets of a round), at most about ten seconds.
+fn quiesce_until(w: &World, what: &str, done: impl Fn() -> bool) {
+    for _ in 0..2000 {
+        w.host.scheduler().quiesce().unwrap();
+        w.host.pnp().process_bus_relations();
+        if done() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    panic!("{what}: not reached; the clients:\n{}", describe(w));
+}
+
+/// Each client's port, phase, role and counts.
+fn describe(w: &World) -> String {
+    w.clients
+        .devices()
+        .iter()
+        .map(|c| {
+            format!(
+                "{:?} {:?} init={} {:?} {:?}\n",
+                c.port_data().map(|p| (p.ca_guid, p.port)),
+                c.phase(),
+                c.is_initiator(),
+                c.counters(),
+                c.stats()
+            )
+        })
+        .collect()
+}
+
+/// On the threaded host (DPCs, completions and the fabric on worker
+/// threads, racing the starts and the D0 exits): the pairs connect, run
+/// their rounds, and S3 with rounds in flight still gives one acknowledged
+/// goodbye per pair and loses no round.
+#[test]
+fn pairs_run_and_sleep_on_the_threaded_host_too() {
+    for _ in 0..3 {
+        let configs = HCAS
+            .iter()
+            .enumerate()
+            .map(|(i, guid)| {
+                let i = i as u8;
+                DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
+            })
+            .collect();
+        let host = Host::new(HostConfig::threaded(2, configs)).unwrap();
+        let _log = sim_host::samples::register_stand_ins(&host);
+        MiniportDriver::register(&host, HcaConfig::default());
+        let _filter = IbalBusDriver::register(&host);
+        let clients = PortClientDriver::register(&host, ROUNDS);
+        host.boot();
+        let w = World { host, clients };
+        let rounds_done = |port: u8| {
+            let (x, y) = (w.client(0, port), w.client(1, port));
+            let pair = sum(x.counters(), y.counters());
+            (x.is_initiator() ^ y.is_initiator())
+                && pair.rounds == u64::from(ROUNDS)
+                && pair.pongs_sent == u64::from(ROUNDS)
+        };
+        quiesce_until(&w, "every round at boot", || {
+            w.clients.devices().len() == 4 && rounds_done(1) && rounds_done(2)
+        });
+        for port in [1, 2] {
+            w.pair(port).0.run_more(1000);
+        }
+        w.host.pnp().set_system_power(SystemPowerState::S3).unwrap();
+        for port in [1u8, 2] {
+            let pair = sum(w.client(0, port).counters(), w.client(1, port).counters());
+            assert_eq!(pair.goodbyes_acknowledged, 1, "port {port}");
+            assert_eq!(pair.goodbyes_answered, 1);
+            assert_eq!(pair.goodbye_timeouts, 0);
+            assert_eq!(pair.rounds, pair.pongs_sent, "no round lost");
+        }
+        w.host.pnp().set_system_power(SystemPowerState::S0).unwrap();
+        quiesce_until(&w, "reconnected after wake", || {
+            [1u8, 2].into_iter().all(|port| {
+                let (x, y) = (w.client(0, port), w.client(1, port));
+                let pair = sum(x.counters(), y.counters());
+                pair.connections == 4 && x.is_initiator() ^ y.is_initiator()
+            })
+        });
+        finish(w);
+    }
 }

@@ -33,6 +33,13 @@ use crate::message::{
     ConnParams, Message, MessageError, MessageKind, PayloadKind, check_payload, payload,
 };
 
+/// How long an unanswered hello waits before it is sent again (simulated
+/// or real time, as the shell's timer counts it).
+pub const TICK_NS: u64 = 20_000_000;
+
+/// How many times an unanswered hello is sent again per start.
+pub const HELLO_RETRIES: u32 = 20;
+
 /// What the shell must do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
@@ -105,6 +112,11 @@ pub struct Counters {
     /// Connections that ended in an error on the RC QP (the peer vanished
     /// without a goodbye).
     pub connections_lost: u64,
+    /// Hellos sent again because no answer came.
+    pub hellos_resent: u64,
+    /// The peer's hello received again on a live connection (answered
+    /// again).
+    pub duplicates: u64,
 }
 
 /// One side's connection with its peer.
@@ -128,6 +140,8 @@ pub struct Session {
     round_in_flight: bool,
     /// The goodbye waits for the round in flight.
     goodbye_deferred: bool,
+    /// Times the hello may still be sent again.
+    hellos_left: u32,
     counters: Counters,
 }
 
@@ -150,6 +164,7 @@ impl Session {
             budget: 0,
             round_in_flight: false,
             goodbye_deferred: false,
+            hellos_left: 0,
             counters: Counters::default(),
         }
     }
@@ -195,6 +210,7 @@ impl Session {
         // A new first PSN per start, so nothing of an old connection
         // matches the new one.
         self.local.psn = (self.local.psn + 0x1000) & 0x00FF_FFFF;
+        self.hellos_left = if peer_known { HELLO_RETRIES } else { 0 };
         if peer_known {
             alloc::vec![Action::SendDatagram(self.message(MessageKind::Hello))]
         } else {
@@ -237,6 +253,16 @@ impl Session {
                 if self
                     .remote
                     .is_some_and(|(guid, _)| guid != message.port_guid) => {}
+            // The peer's hello again, the same parameters: our answer was
+            // lost (UD is unreliable) — answer again, keep the connection.
+            (MessageKind::Hello, Phase::Connecting | Phase::Running | Phase::PeerLeaving)
+                if self.remote == Some((message.port_guid, message.params)) =>
+            {
+                self.counters.duplicates += 1;
+                if self.phase != Phase::Connecting {
+                    actions.push(Action::SendDatagram(self.message(MessageKind::HelloAck)));
+                }
+            }
             (MessageKind::Hello, _) => {
                 // A new peer, or the peer restarted: (re)connect and
                 // answer once connected.
@@ -251,7 +277,10 @@ impl Session {
             }
             // Both said hello at once: the smaller port GUID initiates.
             (MessageKind::HelloAck, Phase::Connecting | Phase::Running)
-                if self.is_from_peer(&message) && self.port_guid < message.port_guid =>
+                if self.is_from_peer(&message)
+                    && self.port_guid < message.port_guid
+                    && !self.initiator
+                    && !self.initiate_when_connected =>
             {
                 if self.phase == Phase::Running {
                     actions.extend(self.initiate());
@@ -328,6 +357,23 @@ impl Session {
     /// number waits out TIME WAIT): later messages carry the new number.
     pub fn set_local_qpn(&mut self, qpn: u32) {
         self.local.qpn = qpn;
+    }
+
+    /// Whether the shell should call [`Session::on_tick`] after
+    /// [`TICK_NS`]: a hello is out, unanswered, with retries left.
+    pub fn wants_tick(&self) -> bool {
+        self.phase == Phase::Discovering && self.hellos_left > 0
+    }
+
+    /// [`TICK_NS`] passed: an unanswered hello is sent again (UD loses
+    /// datagrams), at most [`HELLO_RETRIES`] times per start.
+    pub fn on_tick(&mut self) -> Vec<Action> {
+        if !self.wants_tick() {
+            return Vec::new();
+        }
+        self.hellos_left -= 1;
+        self.counters.hellos_resent += 1;
+        alloc::vec![Action::SendDatagram(self.message(MessageKind::Hello))]
     }
 
     /// Allows `rounds` more round trips on the current connection (as
@@ -677,6 +723,56 @@ mod tests {
         assert_eq!(p.s[r].counters().goodbyes_acknowledged, 1);
         assert_eq!(p.close_done[r], 1);
         assert_eq!(p.s[i].phase(), Phase::PeerClosed);
+    }
+
+    #[test]
+    fn a_lost_hello_or_answer_is_sent_again_and_a_duplicate_keeps_the_connection() {
+        let mut p = Pair::new(2);
+        let a = p.s[0].start(false);
+        p.act(0, a);
+        assert!(!p.s[0].wants_tick(), "no hello out");
+        // B's hello is lost.
+        let _lost = p.s[1].start(true);
+        assert!(p.s[1].wants_tick());
+        let again = p.s[1].on_tick();
+        p.act(1, again);
+        // A answers, but the answer is lost: A is connected, B still asks.
+        let (to, hello) = p.wire.pop_front().unwrap();
+        assert_eq!(to, 0);
+        let Delivery::Datagram(hello) = hello else {
+            panic!("a datagram")
+        };
+        let connect = p.s[0].on_datagram(&hello).unwrap();
+        let _lost_ack = p.s[0].on_connected(matches!(connect[..], [Action::ConnectRc { .. }]));
+        assert_eq!(p.s[0].phase(), Phase::Running);
+        let again = p.s[1].on_tick();
+        p.act(1, again);
+        p.run();
+        assert_eq!(p.s[0].counters().duplicates, 1, "answered again");
+        assert_eq!(p.s[0].counters().connections, 1, "not reconnected");
+        assert_eq!(p.s[1].counters().hellos_resent, 2);
+        assert_eq!(p.s[1].counters().rounds, 2);
+        assert!(!p.s[1].wants_tick());
+        // A duplicate answer does not start the rounds again.
+        let ack = Message {
+            kind: MessageKind::HelloAck,
+            port_guid: 0xA,
+            params: p.s[0].local(),
+        };
+        assert!(p.s[1].on_datagram(&ack.encode()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn hellos_are_resent_a_bounded_number_of_times() {
+        let mut s = Session::new(0xA, params(0x40), 1);
+        let _ = s.start(true);
+        let mut resent = 0;
+        while s.wants_tick() {
+            assert_eq!(s.on_tick().len(), 1);
+            resent += 1;
+        }
+        assert_eq!(resent, HELLO_RETRIES);
+        assert!(s.on_tick().is_empty());
     }
 
     #[test]
