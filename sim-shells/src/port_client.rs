@@ -178,6 +178,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// What follows a QP's creation.
+#[derive(Debug, Clone, Copy)]
+enum Then {
+    /// The next step of the creation chain.
+    Chain,
+    /// It replaced a finished connection's RC QP; connect it if asked.
+    Replaced(Option<(ConnParams, u32)>),
+}
+
 /// A verb's answer: the created handle (or 0), the fixed output, the
 /// private output bytes.
 type Answer<V> = Result<(u64, Option<<V as Verb>::Out>, Vec<u8>), IbStatus>;
@@ -690,7 +699,7 @@ impl PortClientDevice {
             |me, answer| match answer {
                 Ok((cq, _, _)) => {
                     lock(&me.objects).cq = cq;
-                    me.create_qp(QpType::Ud, true);
+                    me.create_qp(QpType::Ud, Then::Chain);
                 }
                 Err(status) => me.created(Err(status)),
             },
@@ -698,8 +707,8 @@ impl PortClientDevice {
     }
 
     /// Creates the UD QP (then the RC QP) in the creation chain, or a
-    /// replacement RC QP (`chain` false).
-    fn create_qp(&self, qp_type: QpType, chain: bool) {
+    /// replacement RC QP.
+    fn create_qp(&self, qp_type: QpType, then: Then) {
         let Some((_, client)) = self.al() else { return };
         let objects = *lock(&self.objects);
         let create = QpCreate {
@@ -726,20 +735,33 @@ impl PortClientDevice {
                     let mut objects = lock(&me.objects);
                     (objects.ud_qp, objects.ud_qpn) = (qp, qpn);
                     drop(objects);
-                    me.create_qp(QpType::Rc, true);
+                    me.create_qp(QpType::Rc, Then::Chain);
                 }
                 (Ok((qp, qpn)), _) => {
                     let mut objects = lock(&me.objects);
                     (objects.rc_qp, objects.rc_qpn) = (qp, qpn);
                     drop(objects);
-                    if chain {
-                        me.register_buffer();
-                    } else if let Some(session) = lock(&me.session).as_mut() {
-                        session.set_local_qpn(qpn);
+                    match then {
+                        Then::Chain => me.register_buffer(),
+                        Then::Replaced(connect) => {
+                            if let Some(session) = lock(&me.session).as_mut() {
+                                session.set_local_qpn(qpn);
+                            }
+                            if let Some((remote, local_psn)) = connect {
+                                me.connect_rc(remote, local_psn, 0);
+                            }
+                        }
                     }
                 }
-                (Err(status), _) if chain => me.created(Err(status)),
-                (Err(status), _) => me.note(Err(status)),
+                (Err(status), _) => match then {
+                    Then::Chain => me.created(Err(status)),
+                    Then::Replaced(connect) => {
+                        me.note(Err(status));
+                        if connect.is_some() {
+                            me.connected(false);
+                        }
+                    }
+                },
             }
         });
     }
@@ -946,19 +968,26 @@ impl PortClientDevice {
     /// (a QP that was connected may not connect again before the TIME
     /// WAIT quiet period, guide 6.5.2); the session learns its number.
     /// Requests chained by their completions, up to DISPATCH_LEVEL.
-    fn replace_rc(&self) {
+    /// Then, `connect`: connect the new QP (a reconnect).
+    fn replace_rc(&self, connect: Option<(ConnParams, u32)>) {
         let old = std::mem::take(&mut lock(&self.objects).rc_qp);
         if old == 0 {
+            if connect.is_some() {
+                self.connected(false);
+            }
             return;
         }
         self.submit::<DestroyQp>(old, &Empty, &[], 0, move |me, answer| {
             if answer.is_ok() {
-                me.create_qp(QpType::Rc, false);
+                me.create_qp(QpType::Rc, Then::Replaced(connect));
             } else {
                 // Still ours (the device failed under the command, say):
                 // the teardown destroys it again.
                 me.note(answer.map(|_| 0));
                 lock(&me.objects).rc_qp = old;
+                if connect.is_some() {
+                    me.connected(false);
+                }
             }
         });
     }
@@ -1054,12 +1083,19 @@ impl PortClientDevice {
     // ---- the session's actions --------------------------------------
 
     fn carry_out(&self, actions: Vec<Action>) {
-        for action in actions {
+        let mut actions = actions.into_iter().peekable();
+        while let Some(action) = actions.next() {
             match action {
+                // A reconnect: the new QP first, then the connect on it.
+                Action::ResetRc if matches!(actions.peek(), Some(Action::ConnectRc { .. })) => {
+                    if let Some(Action::ConnectRc { remote, local_psn }) = actions.next() {
+                        self.replace_rc(Some((remote, local_psn)));
+                    }
+                }
                 Action::SendDatagram(message) => self.send_datagram(message.encode()),
                 Action::SendRc(payload) => self.send_rc(payload),
                 Action::ConnectRc { remote, local_psn } => self.connect_rc(remote, local_psn, 0),
-                Action::ResetRc => self.replace_rc(),
+                Action::ResetRc => self.replace_rc(None),
                 Action::CloseDone => {
                     if let Some(event) = lock(&self.close_wait).as_ref() {
                         event.set();

@@ -16,6 +16,7 @@ use hca_miniport_core::init::HcaConfig;
 use ib_port_client_core::config::{Config, ConfigRefusal, RECEIVE_DEPTH};
 use ib_port_client_core::session::{Counters, Phase};
 use sim_hca::device::DeviceConfig;
+use sim_hca::fabric::FaultConfig;
 use sim_host::host::{Host, HostConfig};
 use sim_host::registry::device_parameters_key;
 use sim_shells::hca_miniport::MiniportDriver;
@@ -437,4 +438,69 @@ fn pairs_run_and_sleep_on_the_threaded_host_too() {
         });
         finish(w);
     }
+}
+
+/// A lossy fabric (a tenth of the frames dropped, some duplicated): lost
+/// hellos and answers are sent again, duplicates answered without a
+/// reconnect, RC recovers by itself; a goodbye or its answer may be lost
+/// (the wait runs out, bounded) and the peer that missed it reconnects to
+/// the sleeper's new QP when it says hello after wake.
+#[test]
+fn pairs_connect_sleep_and_reconnect_over_a_lossy_fabric() {
+    let mut seen = Counters::default();
+    for seed in [51, 52, 53, 54] {
+        let configs = HCAS
+            .iter()
+            .enumerate()
+            .map(|(i, guid)| {
+                let i = i as u8;
+                DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
+            })
+            .collect();
+        let mut config = HostConfig::deterministic(seed, configs);
+        config.fabric.faults = FaultConfig {
+            drop_ppm: 100_000,
+            duplicate_ppm: 50_000,
+            ..FaultConfig::default()
+        };
+        let host = Host::new(config).unwrap();
+        let _log = sim_host::samples::register_stand_ins(&host);
+        MiniportDriver::register(&host, HcaConfig::default());
+        let _filter = IbalBusDriver::register(&host);
+        let clients = PortClientDriver::register(&host, ROUNDS);
+        host.boot();
+        settle(&host);
+        let w = World { host, clients };
+        for port in [1u8, 2] {
+            let (initiator, responder) = w.pair(port);
+            assert_eq!(
+                initiator.counters().rounds,
+                u64::from(ROUNDS),
+                "seed {seed}"
+            );
+            assert_eq!(responder.phase(), Phase::Running);
+        }
+        for state in [SystemPowerState::S3, SystemPowerState::S0] {
+            w.host.pnp().set_system_power(state).unwrap();
+            settle(&w.host);
+        }
+        for port in [1u8, 2] {
+            let (initiator, responder) = w.pair(port);
+            let pair = sum(initiator.counters(), responder.counters());
+            assert_eq!(pair.bad_payloads, 0);
+            assert!(
+                initiator.counters().rounds >= u64::from(ROUNDS),
+                "seed {seed} port {port}: rounds after wake; the clients:\n{}",
+                describe(&w)
+            );
+            assert_eq!(responder.phase(), Phase::Running);
+        }
+        for client in w.clients.devices() {
+            seen = sum(seen, client.counters());
+        }
+        finish(w);
+    }
+    // The losses were real: hellos sent again, duplicates answered, a
+    // goodbye wait that ran out (these seeds have each).
+    assert!(seen.hellos_resent > 0 && seen.duplicates > 0 && seen.goodbye_timeouts > 0);
 }

@@ -48,7 +48,9 @@ pub enum Action {
     SendDatagram(Message),
     /// Take the RC QP to RESET, then INIT, RTR towards `remote` and RTS
     /// sending from `local_psn`, with receives posted; report the outcome
-    /// with [`Session::on_connected`].
+    /// with [`Session::on_connected`]. Right after [`Action::ResetRc`] it
+    /// is meant for the new QP: the shell connects once the old one is
+    /// replaced.
     ConnectRc {
         /// The peer's parameters.
         remote: ConnParams,
@@ -263,9 +265,17 @@ impl Session {
                     actions.push(Action::SendDatagram(self.message(MessageKind::HelloAck)));
                 }
             }
+            // The peer restarted (new parameters) while a connect is
+            // under way: ignored; its hello comes again once we are
+            // connected (it resends until answered).
+            (MessageKind::Hello, Phase::Connecting) if self.remote.is_some() => {}
             (MessageKind::Hello, _) => {
                 // A new peer, or the peer restarted: (re)connect and
-                // answer once connected.
+                // answer once connected. A QP that was connected is torn
+                // down first (it may not connect again before TIME WAIT).
+                if matches!(self.phase, Phase::Running | Phase::PeerLeaving) {
+                    actions.push(Action::ResetRc);
+                }
                 self.ack_when_connected = true;
                 self.initiate_when_connected = false;
                 self.initiator = false;
@@ -835,7 +845,10 @@ mod tests {
             params: params(0x99),
         };
         let actions = p.s[r].on_datagram(&restarted.encode()).unwrap();
-        assert!(matches!(actions[..], [Action::ConnectRc { remote, .. }] if remote.qpn == 0x99));
+        assert!(
+            matches!(actions[..], [Action::ResetRc, Action::ConnectRc { remote, .. }] if remote.qpn == 0x99),
+            "the connected QP torn down, then a connect: {actions:?}"
+        );
     }
 
     #[test]
