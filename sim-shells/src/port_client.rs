@@ -183,8 +183,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 enum Then {
     /// The next step of the creation chain.
     Chain,
-    /// It replaced a finished connection's RC QP; connect it if asked.
-    Replaced(Option<(ConnParams, u32)>),
+    /// It replaced a finished connection's RC QP.
+    Replaced,
+}
+
+/// The RC QP's replacement, while one is under way, and the connect that
+/// waits for the new QP.
+#[derive(Debug, Default)]
+struct Replacement {
+    under_way: bool,
+    /// The peer's parameters and this side's first PSN.
+    then_connect: Option<(ConnParams, u32)>,
 }
 
 /// A verb's answer: the created handle (or 0), the fixed output, the
@@ -340,6 +349,7 @@ impl DriverEntry for PortClientDriver {
             closed: Mutex::default(),
             surprise_removed: AtomicBool::new(false),
             tick_timer: self.sched.new_timer(),
+            replacement: Mutex::default(),
         });
         lock(&self.devices).push(device.clone());
         Ok(device)
@@ -427,6 +437,8 @@ pub struct PortClientDevice {
     surprise_removed: AtomicBool,
     /// The timer of the session's ticks (an unanswered hello sent again).
     tick_timer: TimerId,
+    /// The RC QP's replacement under way, and the connect waiting for it.
+    replacement: Mutex<Replacement>,
 }
 
 impl std::fmt::Debug for PortClientDevice {
@@ -743,11 +755,11 @@ impl PortClientDevice {
                     drop(objects);
                     match then {
                         Then::Chain => me.register_buffer(),
-                        Then::Replaced(connect) => {
+                        Then::Replaced => {
                             if let Some(session) = lock(&me.session).as_mut() {
                                 session.set_local_qpn(qpn);
                             }
-                            if let Some((remote, local_psn)) = connect {
+                            if let Some((remote, local_psn)) = me.replaced() {
                                 me.connect_rc(remote, local_psn, 0);
                             }
                         }
@@ -755,9 +767,9 @@ impl PortClientDevice {
                 }
                 (Err(status), _) => match then {
                     Then::Chain => me.created(Err(status)),
-                    Then::Replaced(connect) => {
+                    Then::Replaced => {
                         me.note(Err(status));
-                        if connect.is_some() {
+                        if me.replaced().is_some() {
                             me.connected(false);
                         }
                     }
@@ -968,28 +980,57 @@ impl PortClientDevice {
     /// (a QP that was connected may not connect again before the TIME
     /// WAIT quiet period, guide 6.5.2); the session learns its number.
     /// Requests chained by their completions, up to DISPATCH_LEVEL.
-    /// Then, `connect`: connect the new QP (a reconnect).
+    /// Then, `connect`: connect the new QP (a reconnect). One replacement
+    /// at a time: a second one asked meanwhile only keeps its connect (the
+    /// QP will be new anyway).
     fn replace_rc(&self, connect: Option<(ConnParams, u32)>) {
-        let old = std::mem::take(&mut lock(&self.objects).rc_qp);
-        if old == 0 {
+        {
+            let mut replacement = lock(&self.replacement);
             if connect.is_some() {
+                replacement.then_connect = connect;
+            }
+            if replacement.under_way {
+                return;
+            }
+            replacement.under_way = true;
+        }
+        // The old QP's number goes too: its flushes are no loss of the
+        // connection that follows on the new one.
+        let (old, old_qpn) = {
+            let mut objects = lock(&self.objects);
+            (
+                std::mem::take(&mut objects.rc_qp),
+                std::mem::take(&mut objects.rc_qpn),
+            )
+        };
+        if old == 0 {
+            if self.replaced().is_some() {
                 self.connected(false);
             }
             return;
         }
         self.submit::<DestroyQp>(old, &Empty, &[], 0, move |me, answer| {
             if answer.is_ok() {
-                me.create_qp(QpType::Rc, Then::Replaced(connect));
+                me.create_qp(QpType::Rc, Then::Replaced);
             } else {
                 // Still ours (the device failed under the command, say):
                 // the teardown destroys it again.
                 me.note(answer.map(|_| 0));
-                lock(&me.objects).rc_qp = old;
-                if connect.is_some() {
+                let mut objects = lock(&me.objects);
+                (objects.rc_qp, objects.rc_qpn) = (old, old_qpn);
+                drop(objects);
+                if me.replaced().is_some() {
                     me.connected(false);
                 }
             }
         });
+    }
+
+    /// The replacement ended: the connect that waited for it, if any.
+    fn replaced(&self) -> Option<(ConnParams, u32)> {
+        let mut replacement = lock(&self.replacement);
+        replacement.under_way = false;
+        replacement.then_connect.take()
     }
 
     /// The client's DPC: polls everything, re-arms, polls again (a
@@ -1173,6 +1214,15 @@ impl PortClientDevice {
     /// RESET, INIT, receives posted, RTR towards `remote` on the peer's
     /// GID, RTS from `local_psn`; then the session hears the outcome.
     fn connect_rc(&self, remote: ConnParams, local_psn: u32, step: usize) {
+        if step == 0 {
+            // The QP is being replaced (the last connection ended): the
+            // connect goes to the new one, once it exists.
+            let mut replacement = lock(&self.replacement);
+            if replacement.under_way {
+                replacement.then_connect = Some((remote, local_psn));
+                return;
+            }
+        }
         let Some(port) = self.port_data().map(|p| p.port) else {
             return;
         };

@@ -504,3 +504,58 @@ fn pairs_connect_sleep_and_reconnect_over_a_lossy_fabric() {
     // goodbye wait that ran out (these seeds have each).
     assert!(seen.hellos_resent > 0 && seen.duplicates > 0 && seen.goodbye_timeouts > 0);
 }
+
+/// One client's stack is stopped and restarted (rebalance) on a fabric that
+/// loses its goodbye: its peer, still up, finds the connection lost (its
+/// pong runs out of retries) and replaces its RC QP, and the restarted
+/// client's hello may arrive while that replacement is under way. The
+/// connect waits for the new QP: nothing is refused, the pair reconnects
+/// and runs its rounds.
+#[test]
+fn a_peer_restarted_without_a_goodbye_is_reconnected_on_a_new_qp() {
+    let configs = HCAS
+        .iter()
+        .enumerate()
+        .map(|(i, guid)| {
+            let i = i as u8;
+            DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
+        })
+        .collect();
+    // Seed and loss rate chosen so that the goodbye is lost.
+    let mut config = HostConfig::deterministic(2, configs);
+    config.fabric.faults = FaultConfig {
+        drop_ppm: 300_000,
+        ..FaultConfig::default()
+    };
+    let host = Host::new(config).unwrap();
+    let _log = sim_host::samples::register_stand_ins(&host);
+    MiniportDriver::register(&host, HcaConfig::default());
+    let _filter = IbalBusDriver::register(&host);
+    let clients = PortClientDriver::register(&host, ROUNDS);
+    host.boot();
+    settle(&host);
+    let w = World { host, clients };
+    let (a, b) = (w.client(0, 1), w.client(1, 1));
+    w.host.pnp().stop(a.node()).unwrap();
+    settle(&w.host);
+    assert_eq!(a.counters().goodbye_timeouts, 1, "the goodbye was lost");
+    assert_eq!(b.counters().goodbyes_answered, 0);
+    w.host.pnp().restart(a.node());
+    settle(&w.host);
+    let refused =
+        |c: &PortClientDevice| c.stats().refused.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        (refused(&a), refused(&b)),
+        (0, 0),
+        "nothing refused:\n{}",
+        describe(&w)
+    );
+    assert_eq!(b.counters().connections, 2);
+    let (initiator, _) = w.pair(1);
+    assert_eq!(initiator.phase(), Phase::Running);
+    let before = initiator.counters().rounds;
+    initiator.run_more(3);
+    settle(&w.host);
+    assert_eq!(initiator.counters().rounds, before + 3);
+    finish(w);
+}
