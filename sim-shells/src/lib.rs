@@ -15,8 +15,12 @@
 //!   security descriptor, per-open handle tables, hostile-input checks).
 //! - [`legacy_client`]: a root-enumerated kernel client of the access
 //!   layer, the old way (a sample; no KMDF shell).
+//! - [`port_client`]: `ibportclient`, the sample kernel client on the
+//!   filter's port children (its portable core is `ib-port-client-core`;
+//!   no KMDF shell yet).
 
 pub mod hca_miniport;
 pub mod ibal_bus;
 pub mod ibal_proxy;
 pub mod legacy_client;
+pub mod port_client;

@@ -35,6 +35,8 @@ mod child_list;
 
 #[path = "../../../ibal-bus/core/tests/fuzz_props/proxy_open.rs"]
 mod proxy_open;
+#[path = "../../../port-client/core/tests/fuzz_props/port_message.rs"]
+mod port_message;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -43,7 +45,7 @@ use std::process::ExitCode;
 type SeedMaker = fn() -> Vec<Vec<u8>>;
 
 /// Every target with its seed maker.
-const TARGETS: [(&str, SeedMaker); 9] = [
+const TARGETS: [(&str, SeedMaker); 10] = [
     ("proxy", proxy::seeds),
     ("uvp_private", uvp_private::seeds),
     ("device_entries", device_entries::seeds),
@@ -53,6 +55,7 @@ const TARGETS: [(&str, SeedMaker); 9] = [
     ("inf", inf::seeds),
     ("child_list", child_list::seeds),
     ("proxy_open", proxy_open::seeds),
+    ("port_message", port_message::seeds),
 ];
 
 fn main() -> ExitCode {
