@@ -22,13 +22,13 @@ use ib_types::event::{AsyncEventRecord, EventSubject};
 use ib_types::interface::{AL_INTERFACE_VERSION, GUID_IB_AL_INTERFACE};
 use ib_types::ioctl::{Verb, decode_response, encode_request, request_len, response_len};
 use ib_types::mr::PhysMrRegister;
-use ib_types::scalars::{Gid, Lid, PortNum};
+use ib_types::scalars::{Gid, Lid, PKey, PortNum};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::{LKey, RKey, RecvWr, SendWr};
 use sim_hca::device::DeviceConfig;
 use sim_hca::fabric::FabricConfig;
-use sim_host::dma::{HostCommonBuffer, HostDmaAdapter};
+use sim_host::dma::{DmaLeak, HostCommonBuffer, HostDmaAdapter};
 use sim_host::driver::InterfaceRef;
 use sim_host::event::HostEvent;
 use sim_host::host::{Host, HostConfig};
@@ -41,7 +41,8 @@ use sim_host::pnp::DevNodeId;
 use sim_host::request::{HostRequest, RequestHandle};
 use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver};
 use sim_shells::ibal_bus::{
-    AlClient, AlPortInterface, ClientEvents, DriverObjectReference, IbalBusDriver,
+    AlClient, AlPortInterface, ClientEvents, DriverObjectReference, IbalBusDevice, IbalBusDriver,
+    SimAccessLayer,
 };
 
 /// The port client's service, on whose behalf the swarm's kernel clients
@@ -178,6 +179,8 @@ impl AlOpen {
 /// One HCA as the client sees it.
 pub(crate) struct Side {
     pub(crate) device: Arc<MiniportDevice<SimPlatform>>,
+    /// The port-1 IPoIB child the client is a driver of.
+    pub(crate) child: DevNodeId,
     /// The child's AL interface reference (given back when the client
     /// lets go).
     pub(crate) interface: Option<InterfaceRef>,
@@ -411,6 +414,7 @@ impl Machine {
             .map_err(|s| format!("AL open: {s:?}"))?;
         Ok(Side {
             device,
+            child,
             interface: Some(interface),
             ci: Arc::new(AlOpen { al, client: opened }),
             adapter,
@@ -429,8 +433,9 @@ impl Machine {
         })
     }
 
-    /// The started port-1 child of `hca` and the AL interface it answered
-    /// with (the other children's given back).
+    /// The started port-1 IPoIB child of `hca` (the INF's entry, default
+    /// P_Key) and the AL interface it answered with (the other children's
+    /// given back).
     pub(crate) fn port1_child(&self, hca: DevNodeId) -> Result<(DevNodeId, InterfaceRef), String> {
         let mut found = None;
         // Removed children stay in the tree; a restarted stack reports
@@ -446,9 +451,11 @@ impl Machine {
             ) else {
                 continue;
             };
-            let port1 = interface
-                .get::<Arc<AlPortInterface>>()
-                .is_some_and(|al| al.port_data().port.get() == 1);
+            // The INF's IPoIB entry (default P_Key): the swarm's own
+            // entries (knob `child-churn`) come and go on other P_Keys.
+            let port1 = interface.get::<Arc<AlPortInterface>>().is_some_and(|al| {
+                al.port_data().port.get() == 1 && al.port_data().pkey == PKey::DEFAULT
+            });
             if port1 && found.is_none() {
                 found = Some((child, interface));
             } else {
@@ -667,6 +674,57 @@ impl Machine {
             });
     }
 
+    /// Runs `f` in a DPC of the port client and returns its result.
+    pub(crate) fn in_dpc<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, String> {
+        let out = Arc::new(Mutex::new(None));
+        let sink = out.clone();
+        self.queue_dpc(move || *lock(&sink) = Some(f()));
+        self.run_until("a queued DPC", 100_000, || lock(&out).is_some())?;
+        let result = lock(&out).take();
+        result.ok_or_else(|| "the DPC did not run".to_owned())
+    }
+
+    /// The access layer of HCA `side`'s filter, while its CA is bound.
+    pub(crate) fn access_layer(&self, side: usize) -> Option<Arc<SimAccessLayer>> {
+        let guid = HCAS[side].0;
+        self.filter
+            .devices()
+            .into_iter()
+            .filter(|d| {
+                d.bound()
+                    .is_some_and(|b| b.identity().ca_guid.get() == guid)
+            })
+            .find_map(|d| d.access_layer())
+    }
+
+    /// The bus filter's device on HCA `side`'s stack now (the newest: a
+    /// restarted stack has a new one).
+    pub(crate) fn filter_device(&self, side: usize) -> Option<Arc<IbalBusDevice>> {
+        let guid = HCAS[side].0;
+        self.filter.devices().into_iter().rev().find(|d| {
+            d.bound()
+                .is_some_and(|b| b.identity().ca_guid.get() == guid)
+        })
+    }
+
+    /// Bus addresses of the common buffers live now on HCA `side`'s DMA
+    /// adapter: the miniport's CQ and QP rings among them, so an object
+    /// the CA destroyed has given its rings back.
+    pub(crate) fn live_buffers(&self, side: usize) -> HashSet<u64> {
+        self.sides[side]
+            .adapter
+            .leaks()
+            .into_iter()
+            .filter_map(|leak| match leak {
+                DmaLeak::CommonBuffer { bus, .. } => Some(bus),
+                DmaLeak::Mapping { .. } => None,
+            })
+            .collect()
+    }
+
     /// How many of the swarm's DPCs started while another was running.
     pub(crate) fn overlapping_dpcs(&self) -> u64 {
         self.dpcs_overlapped.load(Ordering::Relaxed)
@@ -682,6 +740,18 @@ impl Machine {
         input: &V::In,
         private: &[u8],
     ) -> Result<Submitted, String> {
+        let open = self.sides[side].ci.clone();
+        self.submit_on::<V>(&open, handle, input, private)
+    }
+
+    /// Submits verb `V` on the AL open `open` (any client's) from a DPC.
+    pub(crate) fn submit_on<V: Verb>(
+        &self,
+        open: &Arc<AlOpen>,
+        handle: u64,
+        input: &V::In,
+        private: &[u8],
+    ) -> Result<Submitted, String> {
         let mut bytes = vec![0; request_len::<V>(private.len()).ok_or("request size")?];
         encode_request::<V>(handle, input, private, 0, &mut bytes).map_err(|e| e.to_string())?;
         let out_len = response_len::<V>(0).ok_or("response size")?;
@@ -692,7 +762,7 @@ impl Machine {
             bytes,
             out_len,
         );
-        let ci = self.sides[side].ci.clone();
+        let ci = open.clone();
         self.queue_dpc(move || {
             ci.submit(request);
         });
@@ -720,6 +790,19 @@ impl Machine {
         private: &[u8],
     ) -> Result<(IbStatus, u64, Option<V::Out>), String> {
         let submitted = self.submit::<V>(side, handle, input, private)?;
+        self.wait(&submitted)?;
+        decode::<V>(&submitted)
+    }
+
+    /// Submits `V` on `open` and waits for it; its status and output.
+    pub(crate) fn call_on<V: Verb>(
+        &self,
+        open: &Arc<AlOpen>,
+        handle: u64,
+        input: &V::In,
+        private: &[u8],
+    ) -> Result<(IbStatus, u64, Option<V::Out>), String> {
+        let submitted = self.submit_on::<V>(open, handle, input, private)?;
         self.wait(&submitted)?;
         decode::<V>(&submitted)
     }
@@ -813,7 +896,7 @@ pub(crate) fn decode<V: Verb>(
         .ok_or_else(|| format!("{}: not completed", submitted.verb))?;
     // The AL completes a request it refuses at once, with no response:
     // its NTSTATUS is the answer.
-    if done.status.is_error() && done.information == 0 {
+    if !done.status.is_success() && done.information == 0 {
         return Ok((IbStatus::from_ntstatus(done.status), 0, None));
     }
     // A create's information is the new handle, else the response's
@@ -824,7 +907,8 @@ pub(crate) fn decode<V: Verb>(
         usize::try_from(done.information).unwrap_or(usize::MAX)
     };
     let bytes = done.output.get(..len).ok_or("information too large")?;
-    let response = decode_response::<V>(bytes).map_err(|e| format!("{}: {e}", submitted.verb))?;
+    let response = decode_response::<V>(bytes)
+        .map_err(|e| format!("{}: {:?}: {e}", submitted.verb, done.status))?;
     Ok((response.status, response.handle, response.output))
 }
 

@@ -47,6 +47,8 @@ use crate::machine::{
 };
 use crate::mix::{Knobs, Mix, Op};
 
+mod clients;
+
 /// The Q_Key of every UD QP.
 const UD_QKEY: u32 = 0x5157_0001;
 /// Most QPs alive per HCA.
@@ -220,6 +222,9 @@ pub(crate) struct Swarm {
     steps: usize,
     /// Print every operation as it runs (`SWARM_TRACE=1`).
     echo: bool,
+    /// The issue-11 actors: extra AL clients, child-list entries, user
+    /// processes (`clients`).
+    extra: clients::Extras,
     pub(crate) report: Report,
     /// The last operations, for a failure's context.
     pub(crate) trace: Vec<String>,
@@ -260,6 +265,8 @@ impl Swarm {
     ) -> Result<Self, String> {
         let mut rng = Rng::from_seed(seed ^ 0x5A4D_5357_4152_4D21);
         let mut mix = Mix::draw(&mut rng);
+        mix.draw_issue_11(&mut Rng::from_seed(seed ^ 0x4953_5355_4531_3131));
+        mix.apply_knobs(knobs);
         if threaded {
             mix.restrict_to_threaded();
         }
@@ -294,6 +301,7 @@ impl Swarm {
             step: 0,
             steps,
             echo: std::env::var_os("SWARM_TRACE").is_some(),
+            extra: clients::Extras::default(),
             report: Report {
                 seed,
                 threaded,
@@ -388,6 +396,10 @@ impl Swarm {
             Op::Catastrophic => self.catastrophic(),
             Op::SleepResume => self.sleep_resume(),
             Op::HoldCommands => self.hold_commands(),
+            Op::AlClient => self.al_client_op(),
+            Op::ChildChurn => self.child_churn(),
+            Op::UserOpen => self.user_op(),
+            Op::ForgeHandle => self.forge_handle(),
         }
     }
 
@@ -411,6 +423,7 @@ impl Swarm {
         }
         self.check_pending()?;
         self.check_events()?;
+        self.check_extras()?;
         let violations = self.m.host.verifier().violations();
         if !violations.is_empty() {
             return Err(format!("verifier: {violations:?}"));
@@ -1998,6 +2011,11 @@ impl Swarm {
     /// same QP numbers again to strangers.
     fn let_go(&mut self, side: usize) -> Result<(), String> {
         self.check_events()?;
+        // The other port clients let go too: the extra AL clients close
+        // with whatever they own (the AL destroys it on the failed CA),
+        // and the applications with opens on it exit.
+        self.close_extras(Some(side))?;
+        self.kill_users(Some(side))?;
         let mine = |w: &WrModel| w.side == side;
         for _ in 0..64 {
             if !self.wrs.values().any(mine) {
@@ -2141,6 +2159,7 @@ impl Swarm {
                 self.resize_cq(false)?;
             }
         }
+        let al_requests = self.sleep_requests()?;
         for _ in 0..self.rng.below(4) {
             self.m.run_one()?;
         }
@@ -2165,6 +2184,10 @@ impl Swarm {
         pnp.set_system_power(SystemPowerState::S0)
             .map_err(|veto| format!("resume: {veto}"))?;
         self.m.run_for(1_000_000, 2_000_000)?;
+        if !al_requests.is_empty() {
+            self.count("sleep with AL requests in flight");
+        }
+        self.after_sleep_requests(al_requests)?;
         // Connected QPs come back in ERR (docs/miniport.md "Power").
         for q in self
             .qps
@@ -2374,6 +2397,9 @@ impl Swarm {
     /// Destroys everything, closes the CAs, shuts the machine down and
     /// requires an empty verifier report.
     pub(crate) fn teardown(mut self) -> Result<Report, String> {
+        self.close_extras(None)?;
+        self.kill_users(None)?;
+        self.check_extras()?;
         for id in 0..self.qps.len() {
             if self.qps[id].alive {
                 let side = self.qps[id].side;
