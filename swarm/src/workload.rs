@@ -2016,6 +2016,7 @@ impl Swarm {
         // and the applications with opens on it exit.
         self.close_extras(Some(side))?;
         self.kill_users(Some(side))?;
+        self.forget_stale_handles(side);
         let mine = |w: &WrModel| w.side == side;
         for _ in 0..64 {
             if !self.wrs.values().any(mine) {
@@ -2111,6 +2112,13 @@ impl Swarm {
     fn restart(&mut self, side: usize) -> Result<(), String> {
         self.restart_due = None;
         self.check_events()?;
+        // The PnP pass and the bring-up settle the machine: a device
+        // holding its command completions would run into its command
+        // timeout meanwhile and be failed too, so a hold ends first.
+        if let Some((held, _)) = self.hold {
+            self.note(format!("release HCA {held}'s held command completions"));
+            self.release_hold(held);
+        }
         let node = self.m.sides[side].device.node();
         let restarted = self
             .m

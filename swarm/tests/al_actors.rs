@@ -23,7 +23,7 @@ fn count(report: &stack_swarm::Report, op: &str) -> u64 {
 #[test]
 fn al_clients_children_user_opens_and_forged_handles_run_clean() {
     let config = Config {
-        seed: 26,
+        seed: 59,
         steps: 250,
         knobs: Knobs::default(),
         threaded: false,

@@ -662,6 +662,14 @@ impl Swarm {
         Ok(())
     }
 
+    /// HCA `side` failed: its access layer goes with its stack, and the
+    /// restarted stack's AL hands out handles afresh (its client tags
+    /// start again), so the closed clients' handles of the old one may
+    /// name a new client's objects: no longer forgeries.
+    pub(super) fn forget_stale_handles(&mut self, side: usize) {
+        self.extra.stale.retain(|(s, ..)| *s != side);
+    }
+
     /// The extra clients' callbacks: none after a close returned.
     pub(super) fn check_extras(&mut self) -> Result<(), String> {
         for events in self
@@ -707,7 +715,10 @@ impl Swarm {
     /// exactly the list's, one per port (one port each), and the main
     /// client's IPoIB child is the same devnode, still started.
     pub(super) fn child_churn(&mut self) -> Result<(), String> {
-        if self.restart_due.is_some() || !(0..2).all(|s| self.side_ok(s)) {
+        // The PnP pass settles the machine, which would let virtual time
+        // run into the command timeout of a device holding its
+        // completions (the miniport then reports the device failed).
+        if self.restart_due.is_some() || self.hold.is_some() || !(0..2).all(|s| self.side_ok(s)) {
             return Ok(());
         }
         let (name, pkey) = CHURN_ENTRIES[self.rng.below(CHURN_ENTRIES.len() as u64) as usize];
@@ -777,8 +788,14 @@ impl Swarm {
                 .collect();
             got.sort();
             if got != want {
+                let all: Vec<String> = pnp
+                    .children(node)
+                    .into_iter()
+                    .map(|c| format!("{:?} {:?}", pnp.instance_path(c), pnp.state(c)))
+                    .collect();
                 return Err(format!(
-                    "HCA {side}'s started children {got:?} after the list became {want:?}"
+                    "HCA {side}'s started children {got:?} after the list became {want:?} (children: {all:?}; HCA {:?})",
+                    pnp.state(node)
                 ));
             }
             let child = self.m.sides[side].child;
