@@ -2050,13 +2050,18 @@ impl Swarm {
         for wr_id in lost {
             self.forget(wr_id, false);
         }
+        // Every RC/UC QP of the other HCA was connected to this one (pairs
+        // span the two), also one whose partner was destroyed before (no
+        // `peer` any more) but is still connected to its number: the
+        // restarted core hands QP numbers out again at once, with no quiet
+        // period, so such a QP left in RTS would deliver into a stranger.
         let orphans: Vec<Id> = (0..self.qps.len())
             .filter(|&i| {
                 let q = &self.qps[i];
                 q.alive
                     && q.side != side
                     && matches!(q.ty, QpType::Rc | QpType::Uc)
-                    && q.peer.is_some_and(|p| self.qps[p].side == side)
+                    && q.peer.is_none_or(|p| self.qps[p].side == side)
             })
             .collect();
         for id in 0..self.qps.len() {
