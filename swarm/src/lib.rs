@@ -3,7 +3,8 @@
 //! drives the simulated HCAs and their fabric, the simulated host's
 //! deterministic scheduler (virtual time, seeded interleaving of DPCs,
 //! work items, timers and the device stepper) and a workload that issues
-//! random verbs through the real miniport's CI interface, while faults
+//! random verbs through the real bus filter's access layer (an AL client
+//! on each HCA's port-1 child) to the real miniport, while faults
 //! drawn from the same seed hit it: packet loss, duplication, reordering
 //! and corruption, link flaps, QPs forced to ERR, a catastrophic error,
 //! sleep and resume, command completions held back. Each seed also draws
@@ -19,8 +20,13 @@
 //! faults): true concurrency inside the miniport, at the price of exact
 //! replay (docs/swarm.md "Threaded").
 //!
+//! Beside that client, the actors of issue 11 (extra AL clients opening
+//! and closing with live objects, children added and removed at runtime,
+//! user processes opening HCAs through the proxy and dying, handles
+//! forged across opens, AL requests in flight across a sleep).
+//!
 //! [`Knobs`] switch the verb and fault mixes that reached the defects of
-//! issue 9 (all on by default, as they are fixed); [`run`] with the
+//! issue 9 and the issue-11 actors (all on by default); [`run`] with the
 //! default knobs is what the default test suite runs.
 
 mod machine;

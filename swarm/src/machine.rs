@@ -1,10 +1,12 @@
 //! The machine the swarm drives: a deterministic simulated Windows host
-//! with two HCAs on one seeded fabric, the real miniport bound from
-//! `inf/`, and a kernel client that holds each HCA's CI interface
-//! (`IRP_MN_QUERY_INTERFACE`) as the bus filter will — the same boot as
-//! the main job's (`xtask/src/miniport_run.rs`), but with the fabric's
-//! faults from the seed and every control verb submitted asynchronously
-//! from a DPC so the workload can run while commands are outstanding.
+//! with two HCAs on one seeded fabric, the real miniport and the real bus
+//! filter (`ibalbus`) bound from `inf/`, and a kernel client of each HCA's
+//! port-1 child that gets the child's AL interface
+//! (`IRP_MN_QUERY_INTERFACE`, `GUID_IB_AL_INTERFACE`) and its DMA adapter
+//! (the HCA's own) and opens the AL — the same boot as the main job's
+//! (`xtask/src/miniport_run.rs`), but with the fabric's faults from the
+//! seed and every control verb submitted asynchronously from a DPC so the
+//! workload can run while commands are outstanding.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -12,31 +14,41 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use driver_platform::{CommonBuffer, DmaAdapter, RequestorMode};
-use hca_miniport_core::ci::CiProvider;
 use hca_miniport_core::init::HcaConfig;
-use hca_miniport_core::verbs::CaClient;
 use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
+use ib_types::cq::CqNotify;
 use ib_types::event::{AsyncEventRecord, EventSubject};
-use ib_types::handle::CqHandle;
-use ib_types::interface::{CI_INTERFACE_VERSION, GUID_IB_CI_INTERFACE};
+use ib_types::interface::{AL_INTERFACE_VERSION, GUID_IB_AL_INTERFACE};
 use ib_types::ioctl::{Verb, decode_response, encode_request, request_len, response_len};
 use ib_types::mr::PhysMrRegister;
-use ib_types::scalars::{Gid, Lid, PortNum};
-use ib_types::status::IbStatus;
-use ib_types::wr::{LKey, RKey};
+use ib_types::scalars::{Gid, Lid, PKey, PortNum};
+use ib_types::status::{IbStatus, NtStatus};
+use ib_types::wc::WorkCompletion;
+use ib_types::wr::{LKey, RKey, RecvWr, SendWr};
 use sim_hca::device::DeviceConfig;
 use sim_hca::fabric::FabricConfig;
-use sim_host::dma::HostCommonBuffer;
+use sim_host::dma::{DmaLeak, HostCommonBuffer, HostDmaAdapter};
 use sim_host::driver::InterfaceRef;
+use sim_host::event::HostEvent;
 use sim_host::host::{Host, HostConfig};
 use sim_host::memory::PoolBlock;
+use sim_host::pci::{
+    BUS_INTERFACE_STANDARD_VERSION, BusInterfaceStandard, GUID_BUS_INTERFACE_STANDARD,
+};
 use sim_host::platform::SimPlatform;
+use sim_host::pnp::DevNodeId;
 use sim_host::request::{HostRequest, RequestHandle};
-use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver, SERVICE};
+use sim_shells::hca_miniport::{MiniportDevice, MiniportDriver};
+use sim_shells::ibal_bus::{
+    AlClient, AlPortInterface, ClientEvents, DriverObjectReference, IbalBusDevice, IbalBusDriver,
+    SimAccessLayer,
+};
 
-/// The CI interface as the simulated host hands it out.
-pub(crate) type Provider = CiProvider<SimPlatform>;
+/// The port client's service, on whose behalf the swarm's kernel clients
+/// run (their DPCs, the driver object the AL holds a reference on): the
+/// driver a port child binds (`inf/`), as in the main job.
+pub(crate) const CLIENT_SERVICE: &str = "ibportclient";
 
 /// The HCAs: node GUID and port 1's IPv4 address.
 pub(crate) const HCAS: [(u64, [u8; 4]); 2] = [
@@ -91,14 +103,15 @@ pub(crate) struct EventLog {
     pub(crate) async_events: Vec<AsyncEventRecord>,
 }
 
-/// The kernel client's callbacks on one HCA.
+/// The kernel client's AL callbacks on one HCA (its own handles: the AL
+/// routes a CQ's or QP's events to its owner only).
 pub(crate) struct Client {
-    side: usize,
-    log: Arc<Mutex<EventLog>>,
+    pub(crate) side: usize,
+    pub(crate) log: Arc<Mutex<EventLog>>,
 }
 
-impl CaClient for Client {
-    fn completion(&self, cq: CqHandle) {
+impl ClientEvents for Client {
+    fn completion(&self, cq: u64) {
         let mut log = lock(&self.log);
         log.completion_events += 1;
         if sim_host::irql::current() != driver_platform::Irql::DISPATCH {
@@ -107,11 +120,10 @@ impl CaClient for Client {
                 self.side
             ));
         }
-        if log.dead_cqs.contains(&cq.raw()) {
+        if log.dead_cqs.contains(&cq) {
             log.breaches.push(format!(
-                "HCA {}: completion event for destroyed CQ {:#x}",
-                self.side,
-                cq.raw()
+                "HCA {}: completion event for destroyed CQ {cq:#x}",
+                self.side
             ));
         }
     }
@@ -133,11 +145,49 @@ impl CaClient for Client {
     }
 }
 
+/// One open of the AL through a child's AL interface: what the workload
+/// calls its verbs on (the AL's `submit` and direct calls, with the
+/// client's own handles).
+pub(crate) struct AlOpen {
+    pub(crate) al: Arc<AlPortInterface>,
+    pub(crate) client: AlClient,
+}
+
+impl AlOpen {
+    /// `AccessLayer::submit`: completes `request` exactly once.
+    pub(crate) fn submit(&self, request: HostRequest) -> NtStatus {
+        self.al.submit(self.client, request)
+    }
+
+    pub(crate) fn post_send(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
+        self.al.post_send(self.client, qp, wrs)
+    }
+
+    pub(crate) fn post_recv(&self, qp: u64, wrs: &[RecvWr<'_>]) -> (usize, IbStatus) {
+        self.al.post_recv(self.client, qp, wrs)
+    }
+
+    pub(crate) fn poll_cq(&self, cq: u64, wcs: &mut [WorkCompletion]) -> Result<usize, IbStatus> {
+        self.al.poll_cq(self.client, cq, wcs)
+    }
+
+    pub(crate) fn arm_cq(&self, cq: u64, notify: CqNotify) -> Result<(), IbStatus> {
+        self.al.arm_cq(self.client, cq, notify)
+    }
+}
+
 /// One HCA as the client sees it.
 pub(crate) struct Side {
     pub(crate) device: Arc<MiniportDevice<SimPlatform>>,
+    /// The port-1 IPoIB child the client is a driver of.
+    pub(crate) child: DevNodeId,
+    /// The child's AL interface reference (given back when the client
+    /// lets go).
     pub(crate) interface: Option<InterfaceRef>,
-    pub(crate) ci: Arc<Provider>,
+    /// The client's open of the AL.
+    pub(crate) ci: Arc<AlOpen>,
+    /// The DMA adapter the child gave (the HCA's own, checked).
+    pub(crate) adapter: HostDmaAdapter,
     pub(crate) log: Arc<Mutex<EventLog>>,
     pub(crate) ca: u64,
     pub(crate) pd: u64,
@@ -210,6 +260,11 @@ impl Side {
 /// The booted machine.
 pub(crate) struct Machine {
     pub(crate) host: Host,
+    /// The real bus filter on every HCA stack.
+    pub(crate) filter: Arc<IbalBusDriver>,
+    /// The port client's driver-object references (the AL holds one per
+    /// open client).
+    pub(crate) client_references: Arc<AtomicUsize>,
     /// The host runs DPCs on [`THREADED_WORKERS`] OS threads in real time
     /// (`--threaded`) instead of its deterministic scheduler.
     pub(crate) threaded: bool,
@@ -225,6 +280,8 @@ pub(crate) struct Machine {
 pub(crate) struct Submitted {
     pub(crate) issuer: RequestHandle,
     pub(crate) verb: &'static str,
+    /// A create: the information field is the new handle.
+    pub(crate) creates: bool,
 }
 
 impl Machine {
@@ -249,11 +306,20 @@ impl Machine {
             }
         };
         let host = Host::new(config).map_err(|e| e.to_string())?;
+        // Stand-ins for the port client; the real miniport and the real
+        // bus filter replace the stand-ins registered under their names.
         let _stand_ins = sim_host::samples::register_stand_ins(&host);
         let driver = MiniportDriver::register(&host, HcaConfig::default());
+        let filter = IbalBusDriver::register(&host);
         host.boot();
+        let client_references = host
+            .pnp()
+            .driver_references(CLIENT_SERVICE)
+            .ok_or("the port client is not registered")?;
         let mut m = Machine {
             host,
+            filter,
+            client_references,
             threaded,
             dpcs_running: Arc::default(),
             dpcs_overlapped: Arc::default(),
@@ -279,6 +345,14 @@ impl Machine {
                 m.settle()?;
             }
         }
+        m.settle_tree()?;
+        if m.filter.registered_cas().len() != HCAS.len() {
+            return Err(format!(
+                "the bus filter registered {} CAs, expected {}",
+                m.filter.registered_cas().len(),
+                HCAS.len()
+            ));
+        }
         for node in m.host.hcas() {
             let device = m
                 .driver
@@ -302,41 +376,50 @@ impl Machine {
         Ok(m)
     }
 
-    /// The kernel client takes hold of a started HCA as the bus filter
-    /// does: queries its CI interface (`IRP_MN_QUERY_INTERFACE`) and opens
-    /// the CA with callbacks. The PD and the memory come after.
+    /// The kernel client takes hold of a started HCA through its port-1
+    /// child, as the main job's does: the child's AL interface
+    /// (`IRP_MN_QUERY_INTERFACE`) and DMA adapter (the HCA's own), the AL
+    /// opened with its callbacks and a reference on the port client's
+    /// driver object. The PD and the memory come after.
     fn attach(&self, device: Arc<MiniportDevice<SimPlatform>>) -> Result<Side, String> {
         let node = device.node();
         if !matches!(device.started(), Some(Ok(_))) {
             return Err(format!("bring-up of {node:?}: {:?}", device.started()));
         }
         let function = device.function().ok_or("no PCI function")?.index();
-        let interface = self
-            .host
-            .pnp()
-            .query_interface(node, &GUID_IB_CI_INTERFACE, CI_INTERFACE_VERSION.packed())
-            .ok_or("no CI interface")?;
-        let ci = interface
-            .get::<Arc<Provider>>()
-            .ok_or("the CI interface is not a CiProvider")?
+        let (child, interface) = self.port1_child(node)?;
+        let al = interface
+            .get::<Arc<AlPortInterface>>()
+            .ok_or("the AL interface is not an AlPortInterface")?
             .clone();
-        let guid = ci.identity().map_err(|s| format!("{s:?}"))?.ca_guid.get();
+        let guid = al.port_data().ca_guid.get();
         let side = HCAS
             .iter()
             .position(|(g, _)| *g == guid)
             .ok_or("an unknown CA GUID")?;
+        let adapter = self.child_adapter(child)?;
+        if device.adapter().map(|a| a.index()) != Some(adapter.index()) {
+            return Err(format!(
+                "{node:?}: the child's DMA adapter is not the HCA's"
+            ));
+        }
         let log = Arc::new(Mutex::new(EventLog::default()));
         let client = Arc::new(Client {
             side,
             log: log.clone(),
         });
-        let ca = ci.open_ca(client).map_err(|s| format!("open: {s:?}"))?;
+        let reference = Box::new(DriverObjectReference::new(self.client_references.clone()));
+        let opened = al
+            .open(reference, client)
+            .map_err(|s| format!("AL open: {s:?}"))?;
         Ok(Side {
             device,
+            child,
             interface: Some(interface),
-            ci,
+            ci: Arc::new(AlOpen { al, client: opened }),
+            adapter,
             log,
-            ca,
+            ca: opened.ca_handle(),
             pd: 0,
             ip: HCAS[side].1,
             function,
@@ -350,30 +433,98 @@ impl Machine {
         })
     }
 
-    /// The kernel client lets go of HCA `side`, which failed, as the bus
-    /// filter does on the surprise removal that follows
-    /// `WdfDeviceSetFailed`: its memory deregistered and freed, the PD
-    /// deallocated, the CA closed (on a failed device the freeing verbs
-    /// succeed) and the CI interface reference given back, so the PnP
-    /// manager can remove the stack and start it again. The caller has
-    /// destroyed the QPs, CQs and AVs.
-    pub(crate) fn let_go(&mut self, side: usize) -> Result<(), String> {
-        self.deregister_memory(side)?;
-        let (ca, pd) = (self.sides[side].ca, self.sides[side].pd);
-        self.call::<ib_types::ioctl::DeallocPd>(side, pd, &ib_types::ioctl::Empty)?;
-        self.sides[side]
-            .ci
-            .close_ca(ca)
-            .map_err(|s| format!("close CA of the failed HCA {side}: {s:?}"))?;
+    /// The started port-1 IPoIB child of `hca` (the INF's entry, default
+    /// P_Key) and the AL interface it answered with (the other children's
+    /// given back).
+    pub(crate) fn port1_child(&self, hca: DevNodeId) -> Result<(DevNodeId, InterfaceRef), String> {
+        let mut found = None;
+        // Removed children stay in the tree; a restarted stack reports
+        // new devnodes for them.
+        let started = self.host.pnp().children(hca).into_iter().filter(|child| {
+            self.host.pnp().state(*child) == Some(sim_host::pnp::PnpState::Started)
+        });
+        for child in started {
+            let Some(interface) = self.host.pnp().query_interface(
+                child,
+                &GUID_IB_AL_INTERFACE,
+                AL_INTERFACE_VERSION.packed(),
+            ) else {
+                continue;
+            };
+            // The INF's IPoIB entry (default P_Key): the swarm's own
+            // entries (knob `child-churn`) come and go on other P_Keys.
+            let port1 = interface.get::<Arc<AlPortInterface>>().is_some_and(|al| {
+                al.port_data().port.get() == 1 && al.port_data().pkey == PKey::DEFAULT
+            });
+            if port1 && found.is_none() {
+                found = Some((child, interface));
+            } else {
+                interface.dereference();
+            }
+        }
+        found.ok_or(format!("{hca:?}: no port-1 child answers the AL interface"))
+    }
+
+    /// The DMA adapter of a child (`IoGetDmaAdapter` through the bus
+    /// interface its PDO forwards to the HCA's).
+    fn child_adapter(&self, child: DevNodeId) -> Result<HostDmaAdapter, String> {
+        let bus = self
+            .host
+            .pnp()
+            .query_interface(
+                child,
+                &GUID_BUS_INTERFACE_STANDARD,
+                BUS_INTERFACE_STANDARD_VERSION,
+            )
+            .ok_or("no bus interface on the child")?;
+        let adapter = bus.call(|b: &BusInterfaceStandard| b.get_dma_adapter());
+        bus.dereference();
+        match adapter {
+            Some(Ok(adapter)) => Ok(adapter),
+            other => Err(format!("IoGetDmaAdapter on the child: {other:?}")),
+        }
+    }
+
+    /// Closes the client's AL open on HCA `side` (PASSIVE_LEVEL; the AL
+    /// destroys whatever it still owns) and gives the child's interface
+    /// back. Its reference on the client's driver object must be released
+    /// by then.
+    pub(crate) fn close_client(&mut self, side: usize) -> Result<(), String> {
+        let before = self.client_references.load(Ordering::SeqCst);
+        let drained = Arc::new(HostEvent::new(self.host.scheduler_handle()));
+        let open = self.sides[side].ci.clone();
+        open.al
+            .close(open.client, drained)
+            .map_err(|s| format!("AL close of HCA {side}'s client: {s:?}"))?;
+        if self.client_references.load(Ordering::SeqCst) + 1 != before {
+            return Err(format!(
+                "AL close of HCA {side}'s client: its driver-object reference not released"
+            ));
+        }
         if let Some(interface) = self.sides[side].interface.take() {
             interface.dereference();
         }
         Ok(())
     }
 
+    /// The kernel client lets go of HCA `side`, which failed, as a port
+    /// client does on the surprise removal that follows
+    /// `WdfDeviceSetFailed`: its memory deregistered and freed, the PD
+    /// deallocated (on a failed device the freeing verbs succeed), the AL
+    /// closed and the child's AL interface given back, so the PnP manager
+    /// can remove the stack and start it again. The caller has destroyed
+    /// the QPs, CQs and AVs.
+    pub(crate) fn let_go(&mut self, side: usize) -> Result<(), String> {
+        self.deregister_memory(side)?;
+        let pd = self.sides[side].pd;
+        self.call::<ib_types::ioctl::DeallocPd>(side, pd, &ib_types::ioctl::Empty)?;
+        self.close_client(side)
+    }
+
     /// After the PnP manager restarted the stack of HCA `side` (a new
-    /// device object and core on the same devnode): the client queries
-    /// the CI interface of the new device, opens the CA, allocates a PD
+    /// device object and core on the same devnode, the filter bound again
+    /// and its children reported): the client queries the AL interface of
+    /// the port-1 child again, opens the AL, allocates a PD
     /// and registers memory again. The event log is a new one: handles of
     /// the new core may repeat the old core's.
     pub(crate) fn reattach(&mut self, side: usize) -> Result<(), String> {
@@ -385,6 +536,7 @@ impl Machine {
             .into_iter()
             .find(|d| d.node() == node && !Arc::ptr_eq(d, &old) && d.hca().is_some())
             .ok_or_else(|| format!("HCA {side} was not restarted after its failure"))?;
+        self.settle_tree()?;
         let fresh = self.attach(device)?;
         if fresh.ip != self.sides[side].ip {
             return Err(format!("the restarted HCA {side} has another CA GUID"));
@@ -397,6 +549,30 @@ impl Machine {
         )?;
         self.sides[side].pd = pd.0;
         self.register_memory(side)
+    }
+
+    /// Settles, then lets the PnP manager enumerate the children the filter
+    /// reported and settles again (their stacks start). Threaded: until
+    /// every HCA's port-1 child answers the AL interface.
+    pub(crate) fn settle_tree(&self) -> Result<(), String> {
+        let deadline = Instant::now() + REAL_TIME_BOUND;
+        loop {
+            self.settle()?;
+            self.host.pnp().process_bus_relations();
+            self.settle()?;
+            let ready = self.host.hcas().into_iter().all(|hca| {
+                self.port1_child(hca)
+                    .map(|(_, interface)| interface.dereference())
+                    .is_ok()
+            });
+            if ready || !self.threaded {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err("threaded host: the port children did not start within 20 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Runs the scheduler until nothing is ready and no timer is armed
@@ -481,19 +657,72 @@ impl Machine {
         Ok(())
     }
 
-    /// Queues `f` as a DPC of the miniport (DISPATCH_LEVEL); the
+    /// Queues `f` as a DPC of the port client (DISPATCH_LEVEL); the
     /// scheduler runs it when it picks it.
     pub(crate) fn queue_dpc(&self, f: impl FnOnce() + Send + 'static) {
         let (running, overlapped) = (self.dpcs_running.clone(), self.dpcs_overlapped.clone());
-        self.host.scheduler_handle().queue_dpc(SERVICE, move || {
-            // Counts how often the threaded host really runs two of the
-            // swarm's DPCs at once (the deterministic one never does).
-            if running.fetch_add(1, Ordering::SeqCst) > 0 {
-                overlapped.fetch_add(1, Ordering::Relaxed);
-            }
-            f();
-            running.fetch_sub(1, Ordering::SeqCst);
-        });
+        self.host
+            .scheduler_handle()
+            .queue_dpc(CLIENT_SERVICE, move || {
+                // Counts how often the threaded host really runs two of the
+                // swarm's DPCs at once (the deterministic one never does).
+                if running.fetch_add(1, Ordering::SeqCst) > 0 {
+                    overlapped.fetch_add(1, Ordering::Relaxed);
+                }
+                f();
+                running.fetch_sub(1, Ordering::SeqCst);
+            });
+    }
+
+    /// Runs `f` in a DPC of the port client and returns its result.
+    pub(crate) fn in_dpc<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, String> {
+        let out = Arc::new(Mutex::new(None));
+        let sink = out.clone();
+        self.queue_dpc(move || *lock(&sink) = Some(f()));
+        self.run_until("a queued DPC", 100_000, || lock(&out).is_some())?;
+        let result = lock(&out).take();
+        result.ok_or_else(|| "the DPC did not run".to_owned())
+    }
+
+    /// The access layer of HCA `side`'s filter, while its CA is bound.
+    pub(crate) fn access_layer(&self, side: usize) -> Option<Arc<SimAccessLayer>> {
+        let guid = HCAS[side].0;
+        self.filter
+            .devices()
+            .into_iter()
+            .filter(|d| {
+                d.bound()
+                    .is_some_and(|b| b.identity().ca_guid.get() == guid)
+            })
+            .find_map(|d| d.access_layer())
+    }
+
+    /// The bus filter's device on HCA `side`'s stack now (the newest: a
+    /// restarted stack has a new one).
+    pub(crate) fn filter_device(&self, side: usize) -> Option<Arc<IbalBusDevice>> {
+        let guid = HCAS[side].0;
+        self.filter.devices().into_iter().rev().find(|d| {
+            d.bound()
+                .is_some_and(|b| b.identity().ca_guid.get() == guid)
+        })
+    }
+
+    /// Bus addresses of the common buffers live now on HCA `side`'s DMA
+    /// adapter: the miniport's CQ and QP rings among them, so an object
+    /// the CA destroyed has given its rings back.
+    pub(crate) fn live_buffers(&self, side: usize) -> HashSet<u64> {
+        self.sides[side]
+            .adapter
+            .leaks()
+            .into_iter()
+            .filter_map(|leak| match leak {
+                DmaLeak::CommonBuffer { bus, .. } => Some(bus),
+                DmaLeak::Mapping { .. } => None,
+            })
+            .collect()
     }
 
     /// How many of the swarm's DPCs started while another was running.
@@ -501,12 +730,24 @@ impl Machine {
         self.dpcs_overlapped.load(Ordering::Relaxed)
     }
 
-    /// Submits verb `V` to HCA `side` from a DPC through the CI's
-    /// `submit`; the request completes whenever the device and the
-    /// scheduler get to it.
+    /// Submits verb `V` to HCA `side` from a DPC through the AL's
+    /// `submit` (the client's handles); the request completes whenever
+    /// the AL, the device and the scheduler get to it.
     pub(crate) fn submit<V: Verb>(
         &self,
         side: usize,
+        handle: u64,
+        input: &V::In,
+        private: &[u8],
+    ) -> Result<Submitted, String> {
+        let open = self.sides[side].ci.clone();
+        self.submit_on::<V>(&open, handle, input, private)
+    }
+
+    /// Submits verb `V` on the AL open `open` (any client's) from a DPC.
+    pub(crate) fn submit_on<V: Verb>(
+        &self,
+        open: &Arc<AlOpen>,
         handle: u64,
         input: &V::In,
         private: &[u8],
@@ -521,13 +762,14 @@ impl Machine {
             bytes,
             out_len,
         );
-        let ci = self.sides[side].ci.clone();
+        let ci = open.clone();
         self.queue_dpc(move || {
             ci.submit(request);
         });
         Ok(Submitted {
             issuer,
             verb: V::ID.name(),
+            creates: V::ID.creates().is_some(),
         })
     }
 
@@ -552,6 +794,19 @@ impl Machine {
         decode::<V>(&submitted)
     }
 
+    /// Submits `V` on `open` and waits for it; its status and output.
+    pub(crate) fn call_on<V: Verb>(
+        &self,
+        open: &Arc<AlOpen>,
+        handle: u64,
+        input: &V::In,
+        private: &[u8],
+    ) -> Result<(IbStatus, u64, Option<V::Out>), String> {
+        let submitted = self.submit_on::<V>(open, handle, input, private)?;
+        self.wait(&submitted)?;
+        decode::<V>(&submitted)
+    }
+
     /// [`Self::call_status`] that requires success.
     pub(crate) fn call<V: Verb>(
         &self,
@@ -570,7 +825,7 @@ impl Machine {
     /// pattern RDMA READs fetch.
     fn register_memory(&mut self, side: usize) -> Result<(), String> {
         let bytes = SLOTS * SLOT;
-        let adapter = self.sides[side].device.adapter().ok_or("no DMA adapter")?;
+        let adapter = self.sides[side].adapter.clone();
         let buffer = adapter
             .alloc_common(bytes)
             .map_err(|s| format!("common buffer: {s:?}"))?;
@@ -621,11 +876,8 @@ impl Machine {
         if status != IbStatus::Success {
             return Err(format!("DeregMr: {status:?}"));
         }
-        if let (Some(buffer), Some(adapter)) = (
-            self.sides[side].buffer.take(),
-            self.sides[side].device.adapter(),
-        ) {
-            adapter.free_common(buffer);
+        if let Some(buffer) = self.sides[side].buffer.take() {
+            self.sides[side].adapter.free_common(buffer);
         }
         if let Some(block) = self.sides[side].inline_block.take() {
             self.host.pool().free(block);
@@ -642,9 +894,21 @@ pub(crate) fn decode<V: Verb>(
         .issuer
         .completion()
         .ok_or_else(|| format!("{}: not completed", submitted.verb))?;
-    let len = usize::try_from(done.information).unwrap_or(usize::MAX);
+    // The AL completes a request it refuses at once, with no response:
+    // its NTSTATUS is the answer.
+    if !done.status.is_success() && done.information == 0 {
+        return Ok((IbStatus::from_ntstatus(done.status), 0, None));
+    }
+    // A create's information is the new handle, else the response's
+    // length (docs/ibal-bus.md "Verbs as requests").
+    let len = if submitted.creates {
+        done.output.len()
+    } else {
+        usize::try_from(done.information).unwrap_or(usize::MAX)
+    };
     let bytes = done.output.get(..len).ok_or("information too large")?;
-    let response = decode_response::<V>(bytes).map_err(|e| format!("{}: {e}", submitted.verb))?;
+    let response = decode_response::<V>(bytes)
+        .map_err(|e| format!("{}: {:?}: {e}", submitted.verb, done.status))?;
     Ok((response.status, response.handle, response.output))
 }
 

@@ -1,5 +1,5 @@
-//! What a seed explores: the knobs (verb and fault mixes that reach the
-//! known, not yet fixed defects of issue 9, off unless asked for) and the
+//! What a seed explores: the knobs (verb and fault mixes that reached the
+//! defects of issue 9, and the issue-11 actors; all on by default) and the
 //! per-seed mix drawn from the seed — which operations and faults are
 //! enabled and how often ("swarm testing": different seeds explore
 //! different mixes instead of every run averaging over everything).
@@ -39,6 +39,23 @@ pub struct Knobs {
     /// INLINE sends on QPs granted inline capacity (defect 8: the CI fast
     /// path refuses them although QueryCA advertises inline).
     pub inline_sends: bool,
+    /// More AL clients (issue 11) opening on the port children and closing
+    /// at random, often with live objects (the AL destroys them in
+    /// dependency order), also when their HCA fails.
+    pub al_clients: bool,
+    /// Children added and removed at runtime: entries of the filter's
+    /// registry list written and deleted, then `registry_changed`.
+    pub child_churn: bool,
+    /// User-mode opens through the proxy (`GUID_IB_AL_DEVICE_INTERFACE`)
+    /// creating a CA context, PDs, CQs and a region, and their processes
+    /// dying at random.
+    pub user_opens: bool,
+    /// Handles forged across opens: another client's, a closed client's,
+    /// another process's open's; each must be refused, nothing changed.
+    pub forged_handles: bool,
+    /// Sleeps with the extra AL clients' requests in flight (sent before
+    /// the sleep and while asleep): each completes exactly once.
+    pub sleep_al_requests: bool,
 }
 
 impl Default for Knobs {
@@ -50,13 +67,18 @@ impl Default for Knobs {
 
 impl Knobs {
     /// Every knob's name, as `--knobs` takes them.
-    pub const NAMES: [&'static str; 6] = [
+    pub const NAMES: [&'static str; 11] = [
         "reuse-unpolled",
         "concurrent-polls",
         "read-under-loss",
         "cq-overflow",
         "big-under-loss",
         "inline-sends",
+        "al-clients",
+        "child-churn",
+        "user-opens",
+        "forged-handles",
+        "sleep-al-requests",
     ];
 
     /// Every knob off.
@@ -67,6 +89,11 @@ impl Knobs {
         cq_overflow: false,
         big_under_loss: false,
         inline_sends: false,
+        al_clients: false,
+        child_churn: false,
+        user_opens: false,
+        forged_handles: false,
+        sleep_al_requests: false,
     };
 
     /// Every knob on.
@@ -77,6 +104,24 @@ impl Knobs {
         cq_overflow: true,
         big_under_loss: true,
         inline_sends: true,
+        al_clients: true,
+        child_churn: true,
+        user_opens: true,
+        forged_handles: true,
+        sleep_al_requests: true,
+    };
+
+    /// The knobs of issue 9 on, the issue-11 actors off: a seed then runs
+    /// exactly the workload it ran before those actors existed (their
+    /// weights come from a generator of their own), so replays of seeds
+    /// found then keep replaying.
+    pub const ISSUE_9: Self = Self {
+        al_clients: false,
+        child_churn: false,
+        user_opens: false,
+        forged_handles: false,
+        sleep_al_requests: false,
+        ..Self::ALL
     };
 
     /// Parses a comma-separated list of knob names, `all` or `none`.
@@ -104,6 +149,11 @@ impl Knobs {
             "cq-overflow" => &mut self.cq_overflow,
             "big-under-loss" => &mut self.big_under_loss,
             "inline-sends" => &mut self.inline_sends,
+            "al-clients" => &mut self.al_clients,
+            "child-churn" => &mut self.child_churn,
+            "user-opens" => &mut self.user_opens,
+            "forged-handles" => &mut self.forged_handles,
+            "sleep-al-requests" => &mut self.sleep_al_requests,
             _ => return None,
         })
     }
@@ -167,6 +217,16 @@ pub(crate) enum Op {
     /// Fault: hold one HCA's command completions back while a control
     /// verb is outstanding.
     HoldCommands,
+    /// An extra AL client: open one, build or destroy one of its objects,
+    /// or close it with whatever it owns (knob `al-clients`).
+    AlClient,
+    /// Add or remove an entry of the child list (knob `child-churn`).
+    ChildChurn,
+    /// A user process: open an HCA through the proxy, create objects, or
+    /// die (knob `user-opens`).
+    UserOpen,
+    /// Use a handle across opens (knob `forged-handles`).
+    ForgeHandle,
 }
 
 impl Op {
@@ -191,6 +251,11 @@ impl Op {
         Op::SleepResume,
         Op::HoldCommands,
     ];
+
+    /// The operations of issue 11 (AL clients, children, user opens,
+    /// forged handles), drawn apart ([`Mix::draw_issue_11`]).
+    pub(crate) const ISSUE_11: [Op; 4] =
+        [Op::AlClient, Op::ChildChurn, Op::UserOpen, Op::ForgeHandle];
 
     /// Operations every mix keeps, with at least this weight: without
     /// them nothing moves.
@@ -227,7 +292,7 @@ pub(crate) struct Mix {
 impl Mix {
     /// Draws the mix of one seed.
     pub(crate) fn draw(rng: &mut Rng) -> Self {
-        let weights = Op::ALL
+        let weights: Vec<(Op, u64)> = Op::ALL
             .into_iter()
             .map(|op| {
                 // A quarter of the optional operations are off for this
@@ -273,7 +338,8 @@ impl Mix {
     /// injection or link control, and its time is real, so the faults
     /// that need the fabric or a deterministic order of device and host
     /// (link flaps, fabric faults, a catastrophic error, sleep and resume,
-    /// held command completions) are off. The seed still draws them, so
+    /// held command completions) are off, and so are the issue-11 actors,
+    /// whose checks need a quiet machine (rings measured at a create). The seed still draws them, so
     /// the rest of the mix is the deterministic run's.
     pub(crate) fn restrict_to_threaded(&mut self) {
         for (op, weight) in &mut self.weights {
@@ -284,12 +350,47 @@ impl Mix {
                     | Op::Catastrophic
                     | Op::SleepResume
                     | Op::HoldCommands
+                    | Op::AlClient
+                    | Op::ChildChurn
+                    | Op::UserOpen
+                    | Op::ForgeHandle
             ) {
                 *weight = 0;
             }
         }
         self.faults = FaultConfig::default();
         self.faults_at_start = false;
+    }
+
+    /// Draws the weights of the issue-11 operations from their own
+    /// generator (`rng`, seeded apart from the workload's), so that with
+    /// their knobs off a seed runs exactly the workload it ran before
+    /// them. A quarter of them are off for a seed.
+    pub(crate) fn draw_issue_11(&mut self, rng: &mut Rng) {
+        for op in Op::ISSUE_11 {
+            let weight = if rng.below(4) != 0 {
+                1 + rng.below(op.ceiling())
+            } else {
+                0
+            };
+            self.weights.push((op, weight));
+        }
+    }
+
+    /// Switches off the operations whose knob is off.
+    pub(crate) fn apply_knobs(&mut self, knobs: Knobs) {
+        for (op, weight) in &mut self.weights {
+            let on = match op {
+                Op::AlClient => knobs.al_clients,
+                Op::ChildChurn => knobs.child_churn,
+                Op::UserOpen => knobs.user_opens,
+                Op::ForgeHandle => knobs.forged_handles,
+                _ => true,
+            };
+            if !on {
+                *weight = 0;
+            }
+        }
     }
 
     /// Picks the next operation by weight.

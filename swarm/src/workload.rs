@@ -47,6 +47,8 @@ use crate::machine::{
 };
 use crate::mix::{Knobs, Mix, Op};
 
+mod clients;
+
 /// The Q_Key of every UD QP.
 const UD_QKEY: u32 = 0x5157_0001;
 /// Most QPs alive per HCA.
@@ -220,6 +222,9 @@ pub(crate) struct Swarm {
     steps: usize,
     /// Print every operation as it runs (`SWARM_TRACE=1`).
     echo: bool,
+    /// The issue-11 actors: extra AL clients, child-list entries, user
+    /// processes (`clients`).
+    extra: clients::Extras,
     pub(crate) report: Report,
     /// The last operations, for a failure's context.
     pub(crate) trace: Vec<String>,
@@ -260,6 +265,8 @@ impl Swarm {
     ) -> Result<Self, String> {
         let mut rng = Rng::from_seed(seed ^ 0x5A4D_5357_4152_4D21);
         let mut mix = Mix::draw(&mut rng);
+        mix.draw_issue_11(&mut Rng::from_seed(seed ^ 0x4953_5355_4531_3131));
+        mix.apply_knobs(knobs);
         if threaded {
             mix.restrict_to_threaded();
         }
@@ -294,6 +301,7 @@ impl Swarm {
             step: 0,
             steps,
             echo: std::env::var_os("SWARM_TRACE").is_some(),
+            extra: clients::Extras::default(),
             report: Report {
                 seed,
                 threaded,
@@ -388,6 +396,10 @@ impl Swarm {
             Op::Catastrophic => self.catastrophic(),
             Op::SleepResume => self.sleep_resume(),
             Op::HoldCommands => self.hold_commands(),
+            Op::AlClient => self.al_client_op(),
+            Op::ChildChurn => self.child_churn(),
+            Op::UserOpen => self.user_op(),
+            Op::ForgeHandle => self.forge_handle(),
         }
     }
 
@@ -411,6 +423,7 @@ impl Swarm {
         }
         self.check_pending()?;
         self.check_events()?;
+        self.check_extras()?;
         let violations = self.m.host.verifier().violations();
         if !violations.is_empty() {
             return Err(format!("verifier: {violations:?}"));
@@ -1238,6 +1251,14 @@ impl Swarm {
         let (status, _, out) = self.m.call_status::<ReregMr>(side, mr, &rereg, &[])?;
         let keys = match (status, out) {
             (IbStatus::Success, Some(keys)) => keys,
+            // The AL does not serve re-registration yet (its layout carries
+            // a PD handle it does not translate; docs/ibal-bus.md "Verbs as
+            // requests"): refused at once, nothing reaching the CA, the
+            // region and its keys unchanged.
+            (IbStatus::Unsupported, _) => {
+                self.count("rereg MR refused by the AL (not served)");
+                return Ok(());
+            }
             (status, _) => return Err(format!("ReregMr: {status:?}")),
         };
         let s = &mut self.m.sides[side];
@@ -1990,6 +2011,12 @@ impl Swarm {
     /// same QP numbers again to strangers.
     fn let_go(&mut self, side: usize) -> Result<(), String> {
         self.check_events()?;
+        // The other port clients let go too: the extra AL clients close
+        // with whatever they own (the AL destroys it on the failed CA),
+        // and the applications with opens on it exit.
+        self.close_extras(Some(side))?;
+        self.kill_users(Some(side))?;
+        self.forget_stale_handles(side);
         let mine = |w: &WrModel| w.side == side;
         for _ in 0..64 {
             if !self.wrs.values().any(mine) {
@@ -2023,13 +2050,18 @@ impl Swarm {
         for wr_id in lost {
             self.forget(wr_id, false);
         }
+        // Every RC/UC QP of the other HCA was connected to this one (pairs
+        // span the two), also one whose partner was destroyed before (no
+        // `peer` any more) but is still connected to its number: the
+        // restarted core hands QP numbers out again at once, with no quiet
+        // period, so such a QP left in RTS would deliver into a stranger.
         let orphans: Vec<Id> = (0..self.qps.len())
             .filter(|&i| {
                 let q = &self.qps[i];
                 q.alive
                     && q.side != side
                     && matches!(q.ty, QpType::Rc | QpType::Uc)
-                    && q.peer.is_some_and(|p| self.qps[p].side == side)
+                    && q.peer.is_none_or(|p| self.qps[p].side == side)
             })
             .collect();
         for id in 0..self.qps.len() {
@@ -2085,6 +2117,13 @@ impl Swarm {
     fn restart(&mut self, side: usize) -> Result<(), String> {
         self.restart_due = None;
         self.check_events()?;
+        // The PnP pass and the bring-up settle the machine: a device
+        // holding its command completions would run into its command
+        // timeout meanwhile and be failed too, so a hold ends first.
+        if let Some((held, _)) = self.hold {
+            self.note(format!("release HCA {held}'s held command completions"));
+            self.release_hold(held);
+        }
         let node = self.m.sides[side].device.node();
         let restarted = self
             .m
@@ -2133,6 +2172,7 @@ impl Swarm {
                 self.resize_cq(false)?;
             }
         }
+        let al_requests = self.sleep_requests()?;
         for _ in 0..self.rng.below(4) {
             self.m.run_one()?;
         }
@@ -2157,6 +2197,10 @@ impl Swarm {
         pnp.set_system_power(SystemPowerState::S0)
             .map_err(|veto| format!("resume: {veto}"))?;
         self.m.run_for(1_000_000, 2_000_000)?;
+        if !al_requests.is_empty() {
+            self.count("sleep with AL requests in flight");
+        }
+        self.after_sleep_requests(al_requests)?;
         // Connected QPs come back in ERR (docs/miniport.md "Power").
         for q in self
             .qps
@@ -2366,6 +2410,9 @@ impl Swarm {
     /// Destroys everything, closes the CAs, shuts the machine down and
     /// requires an empty verifier report.
     pub(crate) fn teardown(mut self) -> Result<Report, String> {
+        self.close_extras(None)?;
+        self.kill_users(None)?;
+        self.check_extras()?;
         for id in 0..self.qps.len() {
             if self.qps[id].alive {
                 let side = self.qps[id].side;
@@ -2389,16 +2436,10 @@ impl Swarm {
         }
         for side in 0..2 {
             self.m.deregister_memory(side)?;
-            let (ca, pd) = (self.m.sides[side].ca, self.m.sides[side].pd);
+            let pd = self.m.sides[side].pd;
             self.m
                 .call::<ib_types::ioctl::DeallocPd>(side, pd, &Empty)?;
-            self.m.sides[side]
-                .ci
-                .close_ca(ca)
-                .map_err(|s| format!("close CA: {s:?}"))?;
-            if let Some(interface) = self.m.sides[side].interface.take() {
-                interface.dereference();
-            }
+            self.m.close_client(side)?;
         }
         self.check_events()?;
         self.m.host.shut_down();

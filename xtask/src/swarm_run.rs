@@ -28,7 +28,8 @@ pub(crate) struct SwarmArgs {
     steps: usize,
     /// Mixes to enable: a comma-separated list of reuse-unpolled,
     /// concurrent-polls, read-under-loss, cq-overflow, big-under-loss,
-    /// inline-sends; `all` (the default) or `none`.
+    /// inline-sends, al-clients, child-churn, user-opens, forged-handles,
+    /// sleep-al-requests; `all` (the default) or `none`.
     #[arg(long, default_value = "all")]
     knobs: String,
     /// Run on the threaded host (DPCs on two OS threads, real time, no
@@ -119,6 +120,11 @@ pub(crate) fn run(args: &SwarmArgs) -> ExitCode {
                 "PnP",
                 "sleep",
                 "successful completion on a restarted",
+                "AL ",
+                "child entry",
+                "user ",
+                "forged",
+                "rereg",
             ]
             .iter()
             .any(|prefix| op.starts_with(prefix))
