@@ -341,6 +341,14 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
         if init.qp_type.is_special() {
             return Err(Error::InvalidArgument("special QPs are for kernel clients"));
         }
+        // The lifetimes cannot tell one context from another: a CQ of
+        // another open would only be refused by the kernel after the
+        // plugin laid rings out for it.
+        if !std::ptr::eq(send_cq.ctx, ctx) || !std::ptr::eq(recv_cq.ctx, ctx) {
+            return Err(Error::InvalidArgument(
+                "the QP's CQs belong to another context than its PD",
+            ));
+        }
         let input = ib_types::qp::QpCreate {
             qp_type: init.qp_type,
             pd: PdHandle::from_raw(pd.handle),

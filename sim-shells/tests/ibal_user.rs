@@ -179,12 +179,14 @@ impl DeviceIo for SimIo {
 }
 
 /// A seam that rewrites the `OpenCa` exchange as a library or a kernel of
-/// another ABI version would send or answer it.
+/// another ABI version would send or answer it, or fails every IOCTL of
+/// one code with an OS status (`fail`) without sending it.
 #[derive(Debug)]
 struct OtherVersion {
     inner: Arc<SimIo>,
     request: Option<InterfaceVersion>,
     answer: Option<InterfaceVersion>,
+    fail: Option<(u32, NtStatus)>,
 }
 
 #[derive(Debug)]
@@ -192,10 +194,16 @@ struct OtherVersionFile {
     inner: Box<dyn DeviceFile>,
     request: Option<InterfaceVersion>,
     answer: Option<InterfaceVersion>,
+    fail: Option<(u32, NtStatus)>,
 }
 
 impl DeviceFile for OtherVersionFile {
     fn ioctl(&self, code: u32, input: &[u8], output: &mut [u8]) -> Result<usize, OsStatus> {
+        if let Some((failing, status)) = self.fail
+            && failing == code
+        {
+            return Err(OsStatus::Nt(status));
+        }
         if code != v::OpenCa::ID.ioctl().raw() {
             return self.inner.ioctl(code, input, output);
         }
@@ -222,6 +230,7 @@ impl DeviceIo for OtherVersion {
             inner: self.inner.open(path)?,
             request: self.request,
             answer: self.answer,
+            fail: self.fail,
         }))
     }
     fn alloc(&self, len: usize) -> Result<u64, OsStatus> {
@@ -363,6 +372,7 @@ fn an_abi_mismatch_is_refused_on_either_side_and_leaves_nothing_open() {
             inner: Arc::clone(&sim),
             request: Some(version),
             answer: None,
+            fail: None,
         });
         let e = Context::open(&io, CaSelector::Index(0), &PluginSource::None).unwrap_err();
         assert_eq!(
@@ -380,6 +390,7 @@ fn an_abi_mismatch_is_refused_on_either_side_and_leaves_nothing_open() {
             inner: Arc::clone(&sim),
             request: None,
             answer: Some(version),
+            fail: None,
         });
         let e = Context::open(&io, CaSelector::Index(1), &PluginSource::Linked).unwrap_err();
         assert_eq!(
@@ -938,6 +949,72 @@ fn address_vector_calls_stay_in_user_mode() {
             Error::NeedsPlugin("CreateAv")
         );
     }
+    assert_eq!(w.leftovers(&process), [0; 5]);
+    assert_eq!(process.exit(), 0);
+    w.finish();
+}
+
+#[test]
+fn a_create_whose_ioctl_fails_lets_post_free_the_rings_and_report_the_status() {
+    use uvp_plugin::faults::{FaultInjector, HookEvent};
+    let w = World::new(60);
+    let process = Process::new(69);
+    let io: Arc<dyn DeviceIo> = Arc::new(OtherVersion {
+        inner: SimIo::new(&w.host, &process),
+        request: None,
+        answer: None,
+        fail: Some((
+            v::CreateQp::ID.ioctl().raw(),
+            NtStatus::INSUFFICIENT_RESOURCES,
+        )),
+    });
+    let uvp = Arc::new(FaultInjector::new(ibal_user::linked_provider(&io)));
+    {
+        let source = PluginSource::LinkedProvider(uvp.clone());
+        let ctx = Context::open(&io, CaSelector::Index(0), &source).unwrap();
+        let pd = Pd::new(&ctx).unwrap();
+        let cq = Cq::new(&ctx, 8).unwrap();
+        let allocations = process.space().allocation_count();
+        uvp.take_events();
+        // Row 3: pre laid the rings out, the IOCTL failed at the OS level;
+        // post ran, saw that status as the IB status, and freed them.
+        let e = Qp::new(&pd, &cq, &cq, &UD_INIT).unwrap_err();
+        let status = IbStatus::from_ntstatus(NtStatus::INSUFFICIENT_RESOURCES);
+        assert_eq!(
+            e,
+            Error::Verb {
+                verb: v::VerbId::CreateQp,
+                status
+            }
+        );
+        assert_eq!(
+            uvp.take_events(),
+            [
+                HookEvent::Pre {
+                    verb: v::VerbId::CreateQp,
+                    result: Ok(true)
+                },
+                HookEvent::Post {
+                    verb: v::VerbId::CreateQp,
+                    ioctl: status,
+                    result: Err(status)
+                },
+            ]
+        );
+        assert_eq!(process.space().allocation_count(), allocations);
+        assert_eq!(uvp.inner().allocations(), 1, "the CQ only");
+
+        // CQs of another context are refused before any call.
+        let other = Context::open(&io, CaSelector::Index(1), &PluginSource::Linked).unwrap();
+        let foreign = Cq::new(&other, 8).unwrap();
+        let requests = process.requests_issued();
+        assert!(matches!(
+            Qp::new(&pd, &cq, &foreign, &UD_INIT),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!(process.requests_issued(), requests);
+    }
+    assert_eq!(uvp.inner().allocations(), 0);
     assert_eq!(w.leftovers(&process), [0; 5]);
     assert_eq!(process.exit(), 0);
     w.finish();
