@@ -1,22 +1,20 @@
 //! Enumerating the HCAs and opening one: a [`Context`] (one `OpenCa`).
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
-use hca_prm::uverbs::OpenCaPriv;
 use ib_types::event::AsyncEventRecord;
 use ib_types::interface::InterfaceVersion;
 use ib_types::ioctl::{
-    self as v, Empty, OpenCaIn, OpenCaOut, PROXY_ABI_VERSION, RESPONSE_HEADER_SIZE,
-    ResponseHeaderAbi,
+    self as v, Empty, OpenCaIn, OpenCaOut, PROXY_ABI_VERSION, RESPONSE_HEADER_SIZE, Verb,
 };
 use ib_types::status::IbStatus;
-use zerocopy::FromBytes;
+use ib_types::uvp::UserVerbsProvider;
 
 use crate::device::{DeviceFile, DeviceIo, DevicePath, OsStatus};
 use crate::error::{ERROR_REVISION_MISMATCH, Error, Result, STATUS_REVISION_MISMATCH};
 use crate::plugin::{LINKED_UVP_NAME, LoadedPlugin, PluginError};
-use crate::proxy::{self, ExchangeError, ROOM};
+use crate::proxy::{self, Failure, ROOM};
 
 /// Which HCA to open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,16 +26,54 @@ pub enum CaSelector {
 }
 
 /// Where the CA's UVP plugin comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub enum PluginSource {
     /// No plugin: control verbs through the proxy only.
     None,
     /// The `uvp-plugin` crate linked into this program (the kernel must
-    /// name it, [`LINKED_UVP_NAME`]).
+    /// name it, [`LINKED_UVP_NAME`]): a new [`linked_provider`] per open.
     Linked,
+    /// The linked plugin as the caller built it (for instance wrapped in
+    /// `uvp_plugin::faults::FaultInjector` by a test); the kernel must
+    /// name it, as for [`Linked`](Self::Linked).
+    LinkedProvider(Arc<dyn UserVerbsProvider>),
     /// The plugin the kernel names, loaded from this verified directory
     /// ([`crate::plugin`]).
     Directory(PathBuf),
+}
+
+impl core::fmt::Debug for PluginSource {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::None => f.write_str("None"),
+            Self::Linked => f.write_str("Linked"),
+            Self::LinkedProvider(_) => f.write_str("LinkedProvider(..)"),
+            Self::Directory(dir) => f.debug_tuple("Directory").field(dir).finish(),
+        }
+    }
+}
+
+/// The process memory the plugin lays its rings out in: the seam's.
+struct SeamMemory(Arc<dyn DeviceIo>);
+
+impl uvp_plugin::UserMemory for SeamMemory {
+    fn alloc(&self, len: usize) -> Option<u64> {
+        self.0.alloc(len).ok()
+    }
+
+    fn free(&self, va: u64) {
+        self.0.free(va);
+    }
+}
+
+/// A new instance of the linked plugin over the seam `io`: its rings in
+/// the process's memory, its doorbell stores through the seam.
+pub fn linked_provider(io: &Arc<dyn DeviceIo>) -> uvp_plugin::Provider {
+    uvp_plugin::Provider::new(uvp_plugin::Platform {
+        memory: Arc::new(SeamMemory(Arc::clone(io))),
+        #[cfg(not(windows))]
+        mmio: io.doorbell_hook(),
+    })
 }
 
 /// What an HCA says about itself at open.
@@ -72,29 +108,32 @@ pub fn list_cas(io: &Arc<dyn DeviceIo>) -> Result<Vec<CaInfo>> {
     Ok(cas)
 }
 
-/// The fast-path state of a context with its plugin.
-#[derive(Debug)]
-pub(crate) struct Fast {
-    pub(crate) plugin: uvp_plugin::Context,
-    /// The page doorbell records are cut from, and the next free offset.
-    records: Mutex<Vec<(u64, usize)>>,
-}
-
-const RECORD_PAGE: usize = 4096;
-
 /// One open CA (one `OpenCa` on one handle). Every object borrows it;
 /// dropping it closes the CA (`CloseCa`) and then the handle.
 ///
 /// `Send + Sync`: its calls are `DeviceIoControl`s on a handle, which any
 /// thread may issue at any time.
-#[derive(Debug)]
 pub struct Context {
     pub(crate) io: Arc<dyn DeviceIo>,
     pub(crate) file: Box<dyn DeviceFile>,
     pub(crate) ca: u64,
     info: CaInfo,
-    pub(crate) fast: Option<Fast>,
+    /// The plugin every verb is called through; `None` only without one
+    /// (and inside `Drop`).
+    pub(crate) uvp: Option<Arc<dyn UserVerbsProvider>>,
+    /// The plugin's library, unloaded after `uvp` is released.
     loaded: Option<LoadedPlugin>,
+}
+
+impl core::fmt::Debug for Context {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Context")
+            .field("ca", &self.ca)
+            .field("info", &self.info)
+            .field("plugin", &self.uvp.is_some())
+            .field("loaded", &self.loaded)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Context {
@@ -145,26 +184,27 @@ impl Context {
             library: PROXY_ABI_VERSION,
             kernel,
         };
-        let bytes = match proxy::exchange::<v::OpenCa>(&*file, 0, &OpenCaIn::CURRENT, &[], ROOM) {
-            Ok(bytes) => bytes,
-            Err(ExchangeError::Os(
+        // The plugin comes first: `OpenCa` itself goes through its hooks
+        // (its post takes the context's limits and doorbell page).
+        let (uvp, loaded): (Option<Arc<dyn UserVerbsProvider>>, _) = match plugin {
+            PluginSource::None => (None, None),
+            PluginSource::Linked => (Some(Arc::new(linked_provider(io))), None),
+            PluginSource::LinkedProvider(uvp) => (Some(Arc::clone(uvp)), None),
+            PluginSource::Directory(_) => (None, None),
+        };
+        let answer = match proxy::run::<v::OpenCa>(
+            &*file,
+            uvp.as_deref(),
+            0,
+            &OpenCaIn::CURRENT,
+            if uvp.is_some() { 0 } else { ROOM },
+        ) {
+            Ok(answer) => answer,
+            Err(Failure::Os(
                 OsStatus::Nt(STATUS_REVISION_MISMATCH) | OsStatus::Win32(ERROR_REVISION_MISMATCH),
             )) => return Err(mismatch(None)),
-            Err(ExchangeError::Os(status)) => return Err(proxy::os_failure::<v::OpenCa>(status)),
-            Err(ExchangeError::Library(e)) => return Err(e),
-        };
-        let answer = match proxy::decode::<v::OpenCa>(&bytes) {
-            Ok(answer) => answer,
-            Err(e) => {
-                // The kernel may have opened a context whose answer we
-                // refuse: close it, so nothing stays open.
-                let header = ResponseHeaderAbi::read_from_prefix(&bytes).ok();
-                if let Some((header, _)) = header
-                    && header.status.get() == IbStatus::Success as u32
-                    && header.handle.get() != 0
-                {
-                    let _ = proxy::call::<v::CloseCa>(&*file, header.handle.get(), &Empty, &[], 0);
-                }
+            Err(Failure::Malformed { error, bytes }) => {
+                // The context the kernel opened is closed already.
                 let version = bytes
                     .get(RESPONSE_HEADER_SIZE..RESPONSE_HEADER_SIZE + 2)
                     .map(|b| InterfaceVersion::from_packed(u16::from_le_bytes([b[0], b[1]])));
@@ -172,9 +212,10 @@ impl Context {
                     Some(kernel) if kernel.check(PROXY_ABI_VERSION).is_err() => {
                         mismatch(Some(kernel))
                     }
-                    _ => e,
+                    _ => error,
                 });
             }
+            Err(failure) => return Err(failure.into_error()),
         };
         let mut context = Self {
             io: Arc::clone(io),
@@ -184,36 +225,60 @@ impl Context {
                 path: path.clone(),
                 open: answer.output,
             },
-            fast: None,
-            loaded: None,
+            uvp,
+            loaded,
         };
         // Dropping `context` on an error below closes the CA.
+        let name = context.info.open.uvp_name;
         match plugin {
             PluginSource::None => {}
-            PluginSource::Linked => {
-                let name = context.info.open.uvp_name;
+            PluginSource::Linked | PluginSource::LinkedProvider(_) => {
                 if name.as_str() != LINKED_UVP_NAME {
                     return Err(PluginError::NotLinked(name.as_str().to_owned()).into());
                 }
-                let limits = OpenCaPriv::parse(&answer.private).map_err(|error| Error::Abi {
-                    verb: v::VerbId::OpenCa,
-                    error,
-                })?;
-                let doorbell = context.info.open.doorbell.ok_or(Error::Verb {
-                    verb: v::VerbId::OpenCa,
-                    status: IbStatus::InvalidParameter,
-                })?;
-                let page = context.io.doorbell_page(doorbell.va);
-                context.fast = Some(Fast {
-                    plugin: uvp_plugin::Context::new(limits, page),
-                    records: Mutex::new(Vec::new()),
-                });
             }
             PluginSource::Directory(dir) => {
-                context.loaded = Some(LoadedPlugin::load(dir, &context.info.open.uvp_name)?);
+                // Loaded after the open, which names it: this open went
+                // without hooks, so it is closed and opened again through
+                // the loaded plugin's.
+                let loaded = LoadedPlugin::load(dir, &name)?;
+                let uvp = loaded.provider();
+                drop(context);
+                let file = io.open(path).map_err(|status| Error::Os {
+                    what: "opening the HCA",
+                    status,
+                })?;
+                let answer = proxy::call::<v::OpenCa>(&*file, Some(&*uvp), 0, &OpenCaIn::CURRENT)?;
+                context = Self {
+                    io: Arc::clone(io),
+                    file,
+                    ca: answer.handle,
+                    info: CaInfo {
+                        path: path.clone(),
+                        open: answer.output,
+                    },
+                    uvp: Some(uvp),
+                    loaded: Some(loaded),
+                };
             }
         }
         Ok(context)
+    }
+
+    /// The plugin, if any.
+    pub(crate) fn uvp(&self) -> Option<&dyn UserVerbsProvider> {
+        self.uvp.as_deref()
+    }
+
+    /// Calls `V` on `target` as Table 10-1 prescribes (through the
+    /// plugin's hooks; `crate::proxy`).
+    pub(crate) fn call<V: Verb>(&self, target: u64, input: &V::In) -> Result<proxy::Answer<V>> {
+        proxy::call::<V>(&*self.file, self.uvp(), target, input)
+    }
+
+    /// The plugin, or `NeedsPlugin(what)`.
+    pub(crate) fn plugin(&self, what: &'static str) -> Result<&dyn UserVerbsProvider> {
+        self.uvp().ok_or(Error::NeedsPlugin(what))
     }
 
     /// What the CA said at open.
@@ -228,7 +293,7 @@ impl Context {
 
     /// True when the fast path (post, poll, arm, user rings) is available.
     pub fn has_fast_path(&self) -> bool {
-        self.fast.is_some()
+        self.uvp.is_some()
     }
 
     /// The plugin loaded from a directory, if any.
@@ -242,28 +307,13 @@ impl Context {
     pub fn query_raw(&self) -> Result<Vec<u8>> {
         let mut room = 4096u32;
         loop {
-            let bytes = match proxy::exchange::<v::QueryCa>(&*self.file, self.ca, &Empty, &[], room)
-            {
-                Ok(bytes) => bytes,
-                Err(ExchangeError::Os(status)) => {
-                    return Err(proxy::os_failure::<v::QueryCa>(status));
-                }
-                Err(ExchangeError::Library(e)) => return Err(e),
-            };
-            let response =
-                v::decode_response::<v::QueryCa>(&bytes).map_err(|error| Error::Abi {
-                    verb: v::VerbId::QueryCa,
-                    error,
-                })?;
-            match (response.status, response.output) {
-                (IbStatus::Success, _) => return Ok(response.private.to_vec()),
-                (IbStatus::Overflow, Some(out)) if out.total_size > room => room = out.total_size,
-                (status, _) => {
-                    return Err(Error::Verb {
-                        verb: v::VerbId::QueryCa,
-                        status,
-                    });
-                }
+            match proxy::run::<v::QueryCa>(&*self.file, self.uvp(), self.ca, &Empty, room) {
+                Ok(answer) => return Ok(answer.private),
+                Err(Failure::Status {
+                    status: IbStatus::Overflow,
+                    output: Some(out),
+                }) if out.total_size > room => room = out.total_size,
+                Err(failure) => return Err(failure.into_error()),
             }
         }
     }
@@ -273,27 +323,8 @@ impl Context {
     /// kernel keeps events that arrive with no wait pending, so none is
     /// lost between two calls. Blocks the calling thread.
     pub fn async_event(&self) -> Result<AsyncEventRecord> {
-        let answer = proxy::call::<v::GetAsyncEvent>(&*self.file, self.ca, &Empty, &[], 0)?;
+        let answer = self.call::<v::GetAsyncEvent>(self.ca, &Empty)?;
         Ok(answer.output)
-    }
-
-    /// A 4-byte doorbell record in a page of this process.
-    pub(crate) fn record(&self) -> Result<u64> {
-        let fast = self
-            .fast
-            .as_ref()
-            .ok_or(Error::NeedsPlugin("a doorbell record"))?;
-        let mut pages = fast.records.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((va, used)) = pages.last_mut()
-            && *used + 4 <= RECORD_PAGE
-        {
-            let at = *va + *used as u64;
-            *used += 4;
-            return Ok(at);
-        }
-        let va = self.alloc(RECORD_PAGE)?;
-        pages.push((va, 4));
-        Ok(va)
     }
 
     /// Process memory the device may pin.
@@ -308,17 +339,11 @@ impl Context {
 impl Drop for Context {
     fn drop(&mut self) {
         // Every object borrowed the context, so all are destroyed by now.
-        // The plugin's context (its view of the UAR page) goes before
-        // `CloseCa` unmaps the page; the records after it.
-        let pages = self.fast.take().map(|fast| {
-            drop(fast.plugin);
-            fast.records
-                .into_inner()
-                .unwrap_or_else(PoisonError::into_inner)
-        });
-        let _ = proxy::call::<v::CloseCa>(&*self.file, self.ca, &Empty, &[], 0);
-        for (va, _) in pages.into_iter().flatten() {
-            self.io.free(va);
-        }
+        // `CloseCa`'s post drops the plugin's context (its view of the UAR
+        // page) once the kernel closed it; then the plugin instance is
+        // released, then its library unloaded.
+        let _ = self.call::<v::CloseCa>(self.ca, &Empty);
+        drop(self.uvp.take());
+        drop(self.loaded.take());
     }
 }

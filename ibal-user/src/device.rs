@@ -67,7 +67,10 @@ pub trait DeviceIo: Send + Sync + fmt::Debug {
     /// Copies `data` into this process's memory at `va`.
     fn write(&self, va: u64, data: &[u8]) -> Result<(), OsStatus>;
 
-    /// The context's UAR (doorbell) page the kernel mapped at `va`, as the
-    /// plugin's one MMIO primitive reaches it.
-    fn doorbell_page(&self, va: u64) -> uvp_plugin::UarPage;
+    /// Where the plugin's doorbell stores go on a platform with no mapped
+    /// device page (the simulated host: the hook delivers each store to
+    /// the device in the calling thread). On Windows the plugin writes the
+    /// page the kernel mapped itself.
+    #[cfg(not(windows))]
+    fn doorbell_hook(&self) -> uvp_plugin::mmio::MmioHook;
 }

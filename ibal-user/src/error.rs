@@ -61,12 +61,41 @@ pub enum Error {
     /// The plugin could not be loaded.
     #[error(transparent)]
     Plugin(#[from] crate::plugin::PluginError),
-    /// The plugin refused to set up the fast path from the kernel's answer.
-    #[error("the plugin refused the kernel's answer: {0}")]
-    Setup(#[from] uvp_plugin::SetupError),
-    /// A fast-path post stopped at a request.
-    #[error(transparent)]
-    Post(#[from] uvp_plugin::PostError),
+    /// The plugin's pre hook refused the call: no IOCTL was sent (Table
+    /// 10-1 row 4).
+    #[error("the plugin refused {verb:?} before the call: {status:?}")]
+    PreCall {
+        /// The verb.
+        verb: VerbId,
+        /// Pre's status.
+        status: IbStatus,
+    },
+    /// The kernel did the call, the plugin's post hook refused its answer;
+    /// an object the call created was destroyed (Table 10-1 row 2).
+    #[error("the plugin refused the kernel's answer to {verb:?}: {status:?}")]
+    PostCall {
+        /// The verb.
+        verb: VerbId,
+        /// Post's status.
+        status: IbStatus,
+    },
+    /// The plugin broke Table 10-1: its post answered success after the
+    /// IOCTL failed with `status` (or its pre overran its buffer).
+    #[error("the plugin broke the call protocol of {verb:?} (the call failed: {status:?})")]
+    PluginBug {
+        /// The verb.
+        verb: VerbId,
+        /// The call's status.
+        status: IbStatus,
+    },
+    /// A fast-path post stopped at a request: `posted` went before it.
+    #[error("{posted} work requests posted, the next refused: {status:?}")]
+    Refused {
+        /// Requests posted before the refused one.
+        posted: usize,
+        /// Why it was refused.
+        status: IbStatus,
+    },
     /// A request the library refuses before any call (a size out of range).
     #[error("invalid argument: {0}")]
     InvalidArgument(&'static str),
@@ -76,9 +105,11 @@ impl Error {
     /// The IB status of this failure, as a verbs caller sees it.
     pub fn status(&self) -> IbStatus {
         match self {
-            Self::Verb { status, .. } => *status,
-            Self::Post(e) => e.status(),
-            Self::Setup(e) => e.status(),
+            Self::Verb { status, .. }
+            | Self::PreCall { status, .. }
+            | Self::PostCall { status, .. }
+            | Self::PluginBug { status, .. }
+            | Self::Refused { status, .. } => *status,
             Self::NeedsPlugin(_) => IbStatus::Unsupported,
             Self::NoSuchCa(_) => IbStatus::InvalidGuid,
             Self::Os { status, .. } => match status {

@@ -10,15 +10,17 @@
 //!   process memory). [`windows`] implements it on Windows; the simulated
 //!   host's implementation lives with the tests (`sim-shells`), since this
 //!   crate never depends on a simulator.
-//! - [`Context`] (one `OpenCa`), [`Pd`], [`Cq`], [`Qp`], [`Mr`] over a
-//!   [`Buffer`]: control verbs go through the proxy; post, poll and arm are
-//!   the plugin's fast path, with no kernel call.
+//! - [`Context`] (one `OpenCa`), [`Pd`], [`Av`], [`Cq`], [`Qp`], [`Mr`]
+//!   over a [`Buffer`]: every verb is called through the plugin's pre and
+//!   post hooks around the proxy IOCTL as the guide's Table 10-1 prescribes
+//!   (`proxy`); the plugin lays the rings out, keeps address vectors in
+//!   user mode, and runs post, poll and arm with no kernel call.
 //! - [`plugin`]: loading the UVP the kernel names, never through the DLL
 //!   search order.
 //!
-//! Thread safety, checked below: [`Context`], [`Pd`], [`Cq`], [`Mr`] and
-//! [`Buffer`] are `Send + Sync` (their calls are `DeviceIoControl`s, and a
-//! CQ's polls take its own lock); [`Qp`] is `Send` only (posts take
+//! Thread safety, checked below: [`Context`], [`Pd`], [`Av`], [`Cq`],
+//! [`Mr`] and [`Buffer`] are `Send + Sync` (their calls are
+//! `DeviceIoControl`s or the plugin's, which serializes a CQ's polls); [`Qp`] is `Send` only (posts take
 //! `&mut`, one poster at a time).
 
 pub mod context;
@@ -32,12 +34,13 @@ pub mod windows;
 #[cfg(windows)]
 pub use windows::WindowsIo;
 
-pub use context::{CaInfo, CaSelector, Context, PluginSource, list_cas};
+pub use context::{CaInfo, CaSelector, Context, PluginSource, linked_provider, list_cas};
 pub use device::{DeviceFile, DeviceIo, DevicePath, OsStatus};
 pub use error::{Error, Result};
+pub use ib_types::uvp::UserSend;
 pub use plugin::{LoadedPlugin, PluginError};
-pub use uvp_plugin::{ArmFor, SendRequest, UarPage};
-pub use verbs::{Buffer, Cq, Mr, Pd, Qp, QpInit};
+pub use uvp_plugin::ArmFor;
+pub use verbs::{Av, Buffer, Cq, Mr, Pd, Qp, QpInit};
 
 const _: () = {
     const fn send<T: Send>() {}
@@ -52,5 +55,7 @@ const _: () = {
     sync::<Buffer<'static>>();
     send::<Mr<'static, 'static>>();
     sync::<Mr<'static, 'static>>();
+    send::<Av<'static>>();
+    sync::<Av<'static>>();
     send::<Qp<'static, 'static>>();
 };

@@ -14,16 +14,22 @@
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use ib_types::interface::{InterfaceVersion, UvpName};
+use ib_types::status::NtStatus;
+use ib_types::uvp::{
+    UVP_HOOK_SLOTS, UserVerbsProvider, UvpGetInterfaceFn, UvpInterface, UvpVerbHooks,
+};
+use uvp_plugin::export::Table;
 
 /// The plugin interface version this library drives.
-pub const UVP_INTERFACE_VERSION: InterfaceVersion = InterfaceVersion::new(1, 0);
+pub const UVP_INTERFACE_VERSION: InterfaceVersion = ib_types::uvp::UVP_INTERFACE_VERSION;
 
-/// The exported entry point every plugin has: `extern "C" fn() -> u16`,
-/// the packed interface version it implements. Provisional: the plugin's
-/// interface table (issue 12, in progress in `uvp-plugin`) replaces it
-/// with its get-interface entry point.
-pub const UVP_VERSION_SYMBOL: &[u8] = b"uvp_interface_version\0";
+/// The exported entry point every plugin has
+/// (`ib_types::uvp::UVP_GET_INTERFACE_SYMBOL`, a [`UvpGetInterfaceFn`]),
+/// NUL-terminated for the loader.
+pub const UVP_ENTRY_SYMBOL: &[u8] = b"uvp_get_interface\0";
 
 /// The name the kernel reports for the plugin linked into this library
 /// (the `uvp-plugin` crate, `hca_miniport_core::verbs::UVP_NAME`).
@@ -56,6 +62,22 @@ pub enum PluginError {
     /// The file exports no entry point.
     #[error("{0:?} exports no UVP entry point")]
     NoEntryPoint(PathBuf),
+    /// The entry point refused the library's version or its table.
+    #[error("{path:?}'s entry point answered {status:?}")]
+    Refused {
+        /// The file.
+        path: PathBuf,
+        /// Its status.
+        status: NtStatus,
+    },
+    /// The table the plugin filled is too small or lacks an entry point.
+    #[error("{path:?} filled an unusable table: {reason}")]
+    Table {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// The plugin's interface version does not satisfy the library's.
     #[error("the plugin implements interface {found:?}, the library needs {required:?}")]
     Version {
@@ -97,17 +119,50 @@ pub fn verified_path(dir: &Path, name: &UvpName) -> Result<PathBuf, PluginError>
     Ok(path)
 }
 
-/// A plugin loaded by absolute path, its version checked. Unloaded when
-/// dropped (after every object of its context).
-#[derive(Debug)]
+/// A table for the plugin to fill: empty.
+fn empty_table() -> UvpInterface {
+    UvpInterface {
+        size: 0,
+        version: 0,
+        reserved_at_0x6: 0,
+        context: core::ptr::null_mut(),
+        release: None,
+        hooks: [UvpVerbHooks {
+            pre: None,
+            post: None,
+        }; UVP_HOOK_SLOTS],
+        post_send: None,
+        post_recv: None,
+        post_srq_recv: None,
+        poll_cq: None,
+        arm_cq: None,
+    }
+}
+
+/// A plugin loaded by absolute path: its interface table, checked, held as
+/// a provider. Unloaded when dropped (after every object of its context,
+/// and after the table is released).
 pub struct LoadedPlugin {
     path: PathBuf,
     version: InterfaceVersion,
+    table: Arc<Table>,
+    // Last: unloaded after the table's release ran.
     _library: libloading::Library,
 }
 
+impl core::fmt::Debug for LoadedPlugin {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("LoadedPlugin")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .finish_non_exhaustive()
+    }
+}
+
 impl LoadedPlugin {
-    /// Loads plugin `name` from the verified directory `dir`.
+    /// Loads plugin `name` from the verified directory `dir` and takes its
+    /// table from `uvp_get_interface`, checked with
+    /// [`UvpInterface::check`].
     pub fn load(dir: &Path, name: &UvpName) -> Result<Self, PluginError> {
         let path = verified_path(dir, name)?;
         // SAFETY: loading runs the library's initializers. The path is a
@@ -120,20 +175,48 @@ impl LoadedPlugin {
                 reason: e.to_string(),
             })?;
         // SAFETY: the symbol's type is the entry point's documented
-        // signature (`UVP_VERSION_SYMBOL`); the library stays loaded while
-        // the symbol is used (it is called once, here).
-        let entry = unsafe { library.get::<extern "C" fn() -> u16>(UVP_VERSION_SYMBOL) }
+        // signature (`ib_types::uvp::UvpGetInterfaceFn`); the library stays
+        // loaded while it is called (here, once).
+        let entry = unsafe { library.get::<UvpGetInterfaceFn>(UVP_ENTRY_SYMBOL) }
             .map_err(|_| PluginError::NoEntryPoint(path.clone()))?;
-        let version = InterfaceVersion::from_packed(entry());
-        if version.check(UVP_INTERFACE_VERSION).is_err() {
-            return Err(PluginError::Version {
-                found: version,
-                required: UVP_INTERFACE_VERSION,
+        let mut table = empty_table();
+        // SAFETY: `table` is writable memory for one `UvpInterface`, as the
+        // entry point requires.
+        let status = unsafe { entry(UVP_INTERFACE_VERSION.packed(), &mut table) };
+        if status.is_error() {
+            return Err(PluginError::Refused { path, status });
+        }
+        let version = InterfaceVersion::from_packed(table.version);
+        if let Err(e) = table.check(UVP_INTERFACE_VERSION) {
+            if let Some(release) = table.release {
+                // SAFETY: the instance the entry point just created, which
+                // nothing else holds, released once.
+                unsafe { release(table.context) };
+            }
+            return Err(if version.check(UVP_INTERFACE_VERSION).is_err() {
+                PluginError::Version {
+                    found: version,
+                    required: UVP_INTERFACE_VERSION,
+                }
+            } else {
+                PluginError::Table {
+                    path,
+                    reason: e.to_string(),
+                }
             });
         }
+        // SAFETY: the plugin's entry point filled the table (checked
+        // above); it is released only by the `Table`, which is dropped
+        // before the library is unloaded (field order; the context drops
+        // its clone first).
+        let table = unsafe { Table::new(table) }.map_err(|e| PluginError::Table {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
         Ok(Self {
             path,
             version,
+            table: Arc::new(table),
             _library: library,
         })
     }
@@ -146,5 +229,10 @@ impl LoadedPlugin {
     /// Its interface version.
     pub fn version(&self) -> InterfaceVersion {
         self.version
+    }
+
+    /// The plugin as the library calls it.
+    pub fn provider(&self) -> Arc<dyn UserVerbsProvider> {
+        Arc::clone(&self.table) as Arc<dyn UserVerbsProvider>
     }
 }

@@ -1,36 +1,32 @@
-//! The objects: protection domains, CQs, QPs, registered memory. Each
-//! borrows what it depends on, so the compiler enforces the destroy order
-//! the verbs require (a QP before its PD and CQs, a region before its PD
-//! and before its buffer is freed); dropping an object destroys it through
-//! the proxy.
+//! The objects: protection domains, address vectors, CQs, QPs,
+//! registered memory. Each borrows what it depends on, so the compiler
+//! enforces the destroy order the verbs require (a QP before its PD and
+//! CQs, a region before its PD and before its buffer is freed); dropping
+//! an object destroys it. Every verb goes through the plugin's hooks
+//! (Table 10-1, `crate::proxy`); the plugin lays the CQ and QP rings out
+//! and runs post, poll and arm with no kernel call.
 
 use std::marker::PhantomData;
-use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use hca_prm::uverbs::{CreateCqPriv, CreateCqPrivOut, CreateQpPriv, CreateQpPrivOut};
 use ib_types::access::AccessFlags;
-use ib_types::cq::CqAttr;
+use ib_types::av::AvAttr;
+use ib_types::cq::{CqAttr, CqNotify};
 use ib_types::handle::{CqHandle, PdHandle};
-use ib_types::ioctl::{self as v, Empty, VerbId};
+use ib_types::ioctl::{self as v, Empty, QueryAvOut};
 use ib_types::mr::{MrKeys, MrRegister};
 use ib_types::qp::{QpCaps, QpModify, QpType};
+use ib_types::uvp::{PostRefused, UserSend};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::RecvWr;
-use zerocopy::IntoBytes;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::proxy::{self, ROOM};
 
-/// Bytes of one CQE (PRM 10.4).
-const CQE_BYTES: usize = 32;
-/// Bytes of a send basic block (PRM 10.2).
-const BB_BYTES: usize = 64;
-
-/// `ceil(log2(n))`, at least `min`.
-fn log2_at_least(n: u32, min: u8) -> u8 {
-    let log = n.max(1).next_power_of_two().trailing_zeros() as u8;
-    log.max(min)
+fn refused(e: PostRefused) -> Error {
+    Error::Refused {
+        posted: e.posted,
+        status: e.status,
+    }
 }
 
 /// A protection domain. `Send + Sync`.
@@ -43,7 +39,7 @@ pub struct Pd<'ctx> {
 impl<'ctx> Pd<'ctx> {
     /// Allocates a PD (`AllocPd`).
     pub fn new(ctx: &'ctx Context) -> Result<Self> {
-        let answer = proxy::call::<v::AllocPd>(&*ctx.file, ctx.ca, &Empty, &[], 0)?;
+        let answer = ctx.call::<v::AllocPd>(ctx.ca, &Empty)?;
         Ok(Self {
             ctx,
             handle: answer.handle,
@@ -63,7 +59,7 @@ impl<'ctx> Pd<'ctx> {
 
 impl Drop for Pd<'_> {
     fn drop(&mut self) {
-        let _ = proxy::call::<v::DeallocPd>(&*self.ctx.file, self.handle, &Empty, &[], 0);
+        let _ = self.ctx.call::<v::DeallocPd>(self.handle, &Empty);
     }
 }
 
@@ -155,7 +151,7 @@ impl<'pd, 'buf> Mr<'pd, 'buf> {
             length: buffer.len as u64,
             access,
         };
-        let answer = proxy::call::<v::RegMr>(&*pd.ctx.file, pd.handle, &input, &[], 0)?;
+        let answer = pd.ctx.call::<v::RegMr>(pd.handle, &input)?;
         Ok(Self {
             pd,
             handle: answer.handle,
@@ -177,76 +173,80 @@ impl<'pd, 'buf> Mr<'pd, 'buf> {
 
 impl Drop for Mr<'_, '_> {
     fn drop(&mut self) {
-        let _ = proxy::call::<v::DeregMr>(&*self.pd.ctx.file, self.handle, &Empty, &[], 0);
+        let _ = self.pd.ctx.call::<v::DeregMr>(self.handle, &Empty);
     }
 }
 
-/// A completion queue whose ring lives in this process (laid out for the
-/// plugin, which polls it with no kernel call). `Send + Sync`: polls and
-/// arms take the CQ's own lock, shared with no post.
+/// An address vector of a PD, kept by the plugin in user mode (guide
+/// 6.4.2): creating, querying, modifying and destroying it send no
+/// request to the kernel. UD sends name it by [`handle`](Self::handle).
+/// `Send + Sync`.
+#[derive(Debug)]
+pub struct Av<'pd> {
+    pd: &'pd Pd<'pd>,
+    handle: u64,
+}
+
+impl<'pd> Av<'pd> {
+    /// Creates an AV in `pd` (`CreateAv`, finished by the plugin). Needs
+    /// the plugin.
+    pub fn new(pd: &'pd Pd<'pd>, attr: &AvAttr) -> Result<Self> {
+        pd.ctx.plugin("CreateAv")?;
+        let answer = pd.ctx.call::<v::CreateAv>(pd.handle, attr)?;
+        Ok(Self {
+            pd,
+            handle: answer.handle,
+        })
+    }
+
+    /// The AV handle, which a UD send's destination names.
+    pub fn handle(&self) -> ib_types::handle::AvHandle {
+        ib_types::handle::AvHandle::from_raw(self.handle)
+    }
+
+    /// Its PD and attributes (`QueryAv`).
+    pub fn query(&self) -> Result<QueryAvOut> {
+        Ok(self.pd.ctx.call::<v::QueryAv>(self.handle, &Empty)?.output)
+    }
+
+    /// Points it elsewhere (`ModifyAv`).
+    pub fn modify(&self, attr: &AvAttr) -> Result<()> {
+        self.pd.ctx.call::<v::ModifyAv>(self.handle, attr)?;
+        Ok(())
+    }
+}
+
+impl Drop for Av<'_> {
+    fn drop(&mut self) {
+        let _ = self.pd.ctx.call::<v::DestroyAv>(self.handle, &Empty);
+    }
+}
+
+/// A completion queue whose ring the plugin laid out in this process and
+/// polls with no kernel call. `Send + Sync` (the plugin serializes a CQ's
+/// polls and arms with its own lock, shared with no post).
 #[derive(Debug)]
 pub struct Cq<'ctx> {
     ctx: &'ctx Context,
     handle: u64,
     cqe: u32,
-    ring: u64,
-    /// The plugin's half; `None` only inside `Drop`.
-    fast: Mutex<Option<uvp_plugin::Cq>>,
 }
 
 impl<'ctx> Cq<'ctx> {
-    /// Creates a CQ of at least `cqe` entries (`CreateCq`, the ring laid
-    /// out in this process). Needs the plugin.
+    /// Creates a CQ of at least `cqe` entries (`CreateCq`; the plugin's pre
+    /// lays its ring out). Needs the plugin.
     pub fn new(ctx: &'ctx Context, cqe: u32) -> Result<Self> {
-        let fast = ctx.fast.as_ref().ok_or(Error::NeedsPlugin("CreateCq"))?;
-        let log = log2_at_least(cqe, 1);
-        let ring = ctx.alloc(CQE_BYTES << log)?;
-        let result = (|| {
-            let layout =
-                CreateCqPriv::new(log, ring, ctx.record()?).map_err(|error| Error::Abi {
-                    verb: VerbId::CreateCq,
-                    error,
-                })?;
-            let attr = CqAttr {
-                cqe: 1 << log,
-                comp_vector: 0,
-            };
-            let answer = proxy::call::<v::CreateCq>(
-                &*ctx.file,
-                ctx.ca,
-                &attr,
-                layout.emit().as_bytes(),
-                ROOM,
-            )?;
-            let created = CreateCqPrivOut::parse(&answer.private).map_err(|error| Error::Abi {
-                verb: VerbId::CreateCq,
-                error,
-            });
-            // SAFETY: the ring and record are allocations of this process
-            // that outlive the plugin's CQ (freed in `Drop` after it), and
-            // the device reaches them by DMA only.
-            let cq = created.and_then(|created| Ok(unsafe { fast.plugin.cq(&layout, &created) }?));
-            match cq {
-                Ok(cq) => Ok((answer.handle, answer.output.cqe, cq)),
-                Err(e) => {
-                    let _ = proxy::call::<v::DestroyCq>(&*ctx.file, answer.handle, &Empty, &[], 0);
-                    Err(e)
-                }
-            }
-        })();
-        match result {
-            Ok((handle, cqe, cq)) => Ok(Self {
-                ctx,
-                handle,
-                cqe,
-                ring,
-                fast: Mutex::new(Some(cq)),
-            }),
-            Err(e) => {
-                ctx.io.free(ring);
-                Err(e)
-            }
-        }
+        ctx.plugin("CreateCq")?;
+        let attr = CqAttr {
+            cqe,
+            comp_vector: 0,
+        };
+        let answer = ctx.call::<v::CreateCq>(ctx.ca, &attr)?;
+        Ok(Self {
+            ctx,
+            handle: answer.handle,
+            cqe: answer.output.cqe,
+        })
     }
 
     /// The CQ handle.
@@ -259,37 +259,46 @@ impl<'ctx> Cq<'ctx> {
         self.cqe
     }
 
-    fn lock(&self) -> MutexGuard<'_, Option<uvp_plugin::Cq>> {
-        self.fast.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// Polls up to `out.len()` completions, in user mode: how many.
-    pub fn poll(&self, out: &mut [WorkCompletion]) -> usize {
-        self.lock().as_mut().map_or(0, |cq| cq.poll(out))
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        self.ctx
+            .plugin("polling")?
+            .poll_cq(self.handle, out)
+            .map_err(|status| Error::Verb {
+                verb: v::VerbId::WaitCqEvent,
+                status,
+            })
     }
 
     /// Arms the CQ for its next (or next solicited) completion, in user
     /// mode (one doorbell).
-    pub fn arm(&self, for_: uvp_plugin::ArmFor) {
-        if let Some(cq) = self.lock().as_ref() {
-            cq.arm(for_);
-        }
+    pub fn arm(&self, for_: uvp_plugin::ArmFor) -> Result<()> {
+        let notify = match for_ {
+            uvp_plugin::ArmFor::Next => CqNotify::NextCompletion,
+            uvp_plugin::ArmFor::Solicited => CqNotify::Solicited,
+        };
+        self.ctx
+            .plugin("arming")?
+            .arm_cq(self.handle, notify)
+            .map_err(|status| Error::Verb {
+                verb: v::VerbId::WaitCqEvent,
+                status,
+            })
     }
 
     /// Waits for the CQ's completion event (`WaitCqEvent`, after
     /// [`arm`](Self::arm)). An event that fired before the wait is kept
     /// for it, so none is lost. Blocks the calling thread.
     pub fn wait_event(&self) -> Result<()> {
-        proxy::call::<v::WaitCqEvent>(&*self.ctx.file, self.handle, &Empty, &[], 0)?;
+        self.ctx.call::<v::WaitCqEvent>(self.handle, &Empty)?;
         Ok(())
     }
 }
 
 impl Drop for Cq<'_> {
     fn drop(&mut self) {
-        let _ = proxy::call::<v::DestroyCq>(&*self.ctx.file, self.handle, &Empty, &[], 0);
-        drop(self.lock().take());
-        self.ctx.io.free(self.ring);
+        // Post drops the plugin's CQ, then frees its ring.
+        let _ = self.ctx.call::<v::DestroyCq>(self.handle, &Empty);
     }
 }
 
@@ -310,17 +319,17 @@ pub struct QpInit {
 pub struct Qp<'pd, 'cq> {
     pd: &'pd Pd<'pd>,
     handle: u64,
+    qpn: u32,
     caps: QpCaps,
-    rings: [Option<u64>; 2],
-    /// The plugin's half; `None` only inside `Drop` (it goes before its
-    /// rings are freed).
-    fast: Option<uvp_plugin::Qp>,
     _cqs: PhantomData<&'cq Cq<'cq>>,
+    /// Not `Sync`: one poster at a time, as the docs promise.
+    _one_poster: PhantomData<core::cell::Cell<()>>,
 }
 
 impl<'pd, 'cq> Qp<'pd, 'cq> {
     /// Creates a QP in `pd` completing on `send_cq` and `recv_cq`
-    /// (`CreateQp`, its rings laid out in this process). Needs the plugin.
+    /// (`CreateQp`; the plugin's pre lays its rings out). Needs the
+    /// plugin.
     pub fn new(
         pd: &'pd Pd<'pd>,
         send_cq: &'cq Cq<'cq>,
@@ -328,91 +337,37 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
         init: &QpInit,
     ) -> Result<Self> {
         let ctx = pd.ctx;
-        let fast = ctx.fast.as_ref().ok_or(Error::NeedsPlugin("CreateQp"))?;
+        ctx.plugin("CreateQp")?;
         if init.qp_type.is_special() {
             return Err(Error::InvalidArgument("special QPs are for kernel clients"));
         }
-        // Two basic blocks a WQE; a receive WQE of 16 bytes per SGE, at
-        // least 64.
-        let log_wqe_bbs = 1;
-        let sq_log_bbs = log2_at_least(init.caps.max_send_wr, 0) + log_wqe_bbs;
-        let rq_log = log2_at_least(init.caps.max_recv_wr, 0);
-        let rq_stride = log2_at_least(16 * init.caps.max_recv_sge.max(1), 6);
-        let sq = ctx.alloc(BB_BYTES << sq_log_bbs)?;
-        let rq = match ctx.alloc(1 << (rq_log + rq_stride)) {
-            Ok(rq) => rq,
-            Err(e) => {
-                ctx.io.free(sq);
-                return Err(e);
-            }
-        };
-        let result = (|| {
-            let layout = CreateQpPriv::new(
-                sq_log_bbs,
-                log_wqe_bbs,
-                sq,
-                Some((rq_log, rq_stride, rq, ctx.record()?)),
-            )
-            .map_err(|error| Error::Abi {
-                verb: VerbId::CreateQp,
-                error,
-            })?;
-            let input = ib_types::qp::QpCreate {
-                qp_type: init.qp_type,
-                pd: PdHandle::from_raw(pd.handle),
-                send_cq: CqHandle::from_raw(send_cq.handle),
-                recv_cq: CqHandle::from_raw(recv_cq.handle),
-                srq: None,
-                caps: init.caps,
-                sq_sig_all: init.sq_sig_all,
-                port: None,
-            };
-            let answer = proxy::call::<v::CreateQp>(
-                &*ctx.file,
-                ctx.ca,
-                &input,
-                layout.emit().as_bytes(),
-                ROOM,
-            )?;
-            let created = CreateQpPrivOut::parse(&answer.private)
-                .map_err(|error| Error::Abi {
-                    verb: VerbId::CreateQp,
-                    error,
-                })
-                .and_then(|private| {
-                    let created = uvp_plugin::QpCreated {
-                        qp_type: init.qp_type,
-                        caps: answer.output.caps,
-                        private,
-                    };
-                    // SAFETY: the rings and record are allocations of this
-                    // process that outlive the plugin's QP (freed in `Drop`
-                    // after it), reached by the device by DMA only.
-                    Ok(unsafe { fast.plugin.qp(&layout, &created, None) }?)
-                });
-            match created {
-                Ok(qp) => Ok((answer.handle, answer.output.caps, qp)),
-                Err(e) => {
-                    let _ = proxy::call::<v::DestroyQp>(&*ctx.file, answer.handle, &Empty, &[], 0);
-                    Err(e)
-                }
-            }
-        })();
-        match result {
-            Ok((handle, caps, fast)) => Ok(Self {
-                pd,
-                handle,
-                caps,
-                rings: [Some(sq), Some(rq)],
-                fast: Some(fast),
-                _cqs: PhantomData,
-            }),
-            Err(e) => {
-                ctx.io.free(sq);
-                ctx.io.free(rq);
-                Err(e)
-            }
+        // The lifetimes cannot tell one context from another: a CQ of
+        // another open would only be refused by the kernel after the
+        // plugin laid rings out for it.
+        if !std::ptr::eq(send_cq.ctx, ctx) || !std::ptr::eq(recv_cq.ctx, ctx) {
+            return Err(Error::InvalidArgument(
+                "the QP's CQs belong to another context than its PD",
+            ));
         }
+        let input = ib_types::qp::QpCreate {
+            qp_type: init.qp_type,
+            pd: PdHandle::from_raw(pd.handle),
+            send_cq: CqHandle::from_raw(send_cq.handle),
+            recv_cq: CqHandle::from_raw(recv_cq.handle),
+            srq: None,
+            caps: init.caps,
+            sq_sig_all: init.sq_sig_all,
+            port: None,
+        };
+        let answer = ctx.call::<v::CreateQp>(ctx.ca, &input)?;
+        Ok(Self {
+            pd,
+            handle: answer.handle,
+            qpn: answer.output.qpn.get(),
+            caps: answer.output.caps,
+            _cqs: PhantomData,
+            _one_poster: PhantomData,
+        })
     }
 
     /// The QP handle.
@@ -422,11 +377,7 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
 
     /// Its number.
     pub fn qpn(&self) -> u32 {
-        self.fast.as_ref().map_or(0, |qp| qp.qpn().get())
-    }
-
-    fn fast(&mut self) -> Result<&mut uvp_plugin::Qp> {
-        self.fast.as_mut().ok_or(Error::NeedsPlugin("posting"))
+        self.qpn
     }
 
     /// The capacities granted.
@@ -436,32 +387,33 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
 
     /// Modifies the QP (`ModifyQp`, through the proxy).
     pub fn modify(&self, modify: &QpModify) -> Result<()> {
-        proxy::call::<v::ModifyQp>(&*self.pd.ctx.file, self.handle, modify, &[], 0)?;
+        self.pd.ctx.call::<v::ModifyQp>(self.handle, modify)?;
         Ok(())
     }
 
     /// Posts sends, in user mode (one doorbell for the batch): how many.
-    pub fn post_send(&mut self, requests: &[uvp_plugin::SendRequest<'_>]) -> Result<usize> {
-        Ok(self.fast()?.send_queue().post(requests)?)
+    /// A UD send names its destination's [`Av`] by handle.
+    pub fn post_send(&mut self, requests: &[UserSend<'_>]) -> Result<usize> {
+        self.pd
+            .ctx
+            .plugin("posting")?
+            .post_send(self.handle, requests)
+            .map_err(refused)
     }
 
     /// Posts receives, in user mode: how many.
     pub fn post_recv(&mut self, requests: &[RecvWr<'_>]) -> Result<usize> {
-        let queue = self
-            .fast()?
-            .recv_queue()
-            .ok_or(Error::InvalidArgument("the QP has no receive queue"))?;
-        Ok(queue.post(requests)?)
+        self.pd
+            .ctx
+            .plugin("posting")?
+            .post_recv(self.handle, requests)
+            .map_err(refused)
     }
 }
 
 impl Drop for Qp<'_, '_> {
     fn drop(&mut self) {
-        let ctx = self.pd.ctx;
-        let _ = proxy::call::<v::DestroyQp>(&*ctx.file, self.handle, &Empty, &[], 0);
-        drop(self.fast.take());
-        for ring in self.rings.iter_mut().filter_map(Option::take) {
-            ctx.io.free(ring);
-        }
+        // Post drops the plugin's QP, then frees its rings.
+        let _ = self.pd.ctx.call::<v::DestroyQp>(self.handle, &Empty);
     }
 }

@@ -1,7 +1,7 @@
 //! The device I/O seam on Windows: `CM_Get_Device_Interface_ListW` for the
 //! HCAs' proxy interfaces, `CreateFileW`, synchronous `DeviceIoControl`,
-//! `VirtualAlloc` for memory the device pins, the doorbell page the kernel
-//! mapped. Type-checked for `x86_64-pc-windows-msvc`
+//! `VirtualAlloc` for memory the device pins (the plugin writes the
+//! doorbell page the kernel mapped itself). Type-checked for `x86_64-pc-windows-msvc`
 //! (`cargo check -p ibal-user --target x86_64-pc-windows-msvc`); never run
 //! (docs/ibal-user.md).
 
@@ -241,13 +241,5 @@ impl DeviceIo for WindowsIo {
         // SAFETY: as in `read`, the other way.
         unsafe { core::ptr::copy_nonoverlapping(data.as_ptr(), to, data.len()) };
         Ok(())
-    }
-
-    fn doorbell_page(&self, va: u64) -> uvp_plugin::UarPage {
-        // SAFETY: `va` is the UAR page the kernel mapped into this process
-        // at `OpenCa`; it stays mapped until that context's `CloseCa`,
-        // which the library sends only after the plugin's context (and
-        // with it this page) is gone.
-        unsafe { uvp_plugin::UarPage::mapped(va) }
     }
 }

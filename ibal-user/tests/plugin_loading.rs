@@ -1,7 +1,9 @@
 //! Loading the UVP the kernel names: only from the verified directory, by
-//! absolute path, with its interface version checked. The plugins are real
-//! shared libraries compiled for the test with `rustc` (a few hundred
-//! milliseconds each).
+//! absolute path, its table taken from `uvp_get_interface` and checked
+//! (`UvpInterface::check`). The plugins are real shared libraries compiled
+//! for the test with `rustc` (a few hundred milliseconds each), whose
+//! entry point fills the table's bytes at the offsets `ib_types::uvp`
+//! asserts.
 #![cfg(unix)]
 
 use std::path::{Path, PathBuf};
@@ -33,8 +35,47 @@ fn build_plugin(dir: &Path, name: &str, source: &str) -> PathBuf {
     out
 }
 
+/// A plugin whose `uvp_get_interface` answers `status`; on success it
+/// fills a table of interface version `packed` (whatever the library asked
+/// for), with every entry point but those in `missing` (table offsets).
+fn entry(packed: u16, status: u32, missing: &[usize]) -> String {
+    format!(
+        r#"
+extern "system" fn release(_: *mut u8) {{}}
+extern "system" fn unused() -> u32 {{ 0xC000_0002 }}
+
+#[no_mangle]
+pub unsafe extern "system" fn uvp_get_interface(_version: u16, table: *mut u8) -> u32 {{
+    let status: u32 = {status};
+    if status != 0 {{
+        return status;
+    }}
+    let entries: [(usize, usize); 6] = [
+        (16, release as *const () as usize),
+        (616, unused as *const () as usize),
+        (624, unused as *const () as usize),
+        (632, unused as *const () as usize),
+        (640, unused as *const () as usize),
+        (648, unused as *const () as usize),
+    ];
+    let missing: &[usize] = &{missing:?};
+    unsafe {{
+        table.cast::<u32>().write_unaligned(656);
+        table.add(4).cast::<u16>().write_unaligned({packed});
+        for (offset, address) in entries {{
+            if !missing.contains(&offset) {{
+                table.add(offset).cast::<usize>().write_unaligned(address);
+            }}
+        }}
+    }}
+    0
+}}
+"#
+    )
+}
+
 fn version_entry(packed: u16) -> String {
-    format!("#[no_mangle]\npub extern \"C\" fn uvp_interface_version() -> u16 {{ {packed} }}\n")
+    entry(packed, 0, &[])
 }
 
 fn name(s: &str) -> UvpName {
@@ -65,6 +106,18 @@ fn a_plugin_in_the_verified_directory_loads_by_absolute_path_with_its_version_ch
             required: ibal_user::plugin::UVP_INTERFACE_VERSION,
         }
     );
+    // An entry point refusing the library's version is refused.
+    build_plugin(&dir, "no_uvp", &entry(0x0100, 0xC000_00BB, &[]));
+    assert!(matches!(
+        LoadedPlugin::load(&dir, &name("no_uvp")),
+        Err(PluginError::Refused { .. })
+    ));
+    // A table without its arm entry point (offset 648) is refused.
+    build_plugin(&dir, "partial_uvp", &entry(0x0100, 0, &[648]));
+    assert!(matches!(
+        LoadedPlugin::load(&dir, &name("partial_uvp")),
+        Err(PluginError::Table { .. })
+    ));
     // A library without the entry point is refused.
     build_plugin(
         &dir,

@@ -28,8 +28,8 @@ use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::{WcStatus, WorkCompletion};
 use ib_types::wr::{RecvWr, Sge};
 use ibal_user::{
-    ArmFor, Buffer, CaSelector, Context, Cq, DeviceFile, DeviceIo, DevicePath, Error, Mr, OsStatus,
-    Pd, PluginSource, Qp, QpInit, list_cas,
+    ArmFor, Av, Buffer, CaSelector, Context, Cq, DeviceFile, DeviceIo, DevicePath, Error, Mr,
+    OsStatus, Pd, PluginSource, Qp, QpInit, UserSend, list_cas,
 };
 use sim_hca::device::DeviceConfig;
 use sim_host::file::FileHandle;
@@ -168,24 +168,25 @@ impl DeviceIo for SimIo {
         self.process.write(va, data).map_err(nt)
     }
 
-    fn doorbell_page(&self, va: u64) -> ibal_user::UarPage {
+    fn doorbell_hook(&self) -> uvp_plugin::mmio::MmioHook {
         let process = self.process.clone();
         // A store to the mapped UAR page reaches the device in the calling
         // thread; one outside the mapping goes nowhere (it would fault).
-        let hook = Arc::new(move |address: u64, value: u64| {
+        Arc::new(move |address: u64, value: u64| {
             let _ = process.write_device64(address, value);
-        });
-        ibal_user::UarPage::simulated(va, hook)
+        })
     }
 }
 
 /// A seam that rewrites the `OpenCa` exchange as a library or a kernel of
-/// another ABI version would send or answer it.
+/// another ABI version would send or answer it, or fails every IOCTL of
+/// one code with an OS status (`fail`) without sending it.
 #[derive(Debug)]
 struct OtherVersion {
     inner: Arc<SimIo>,
     request: Option<InterfaceVersion>,
     answer: Option<InterfaceVersion>,
+    fail: Option<(u32, NtStatus)>,
 }
 
 #[derive(Debug)]
@@ -193,10 +194,16 @@ struct OtherVersionFile {
     inner: Box<dyn DeviceFile>,
     request: Option<InterfaceVersion>,
     answer: Option<InterfaceVersion>,
+    fail: Option<(u32, NtStatus)>,
 }
 
 impl DeviceFile for OtherVersionFile {
     fn ioctl(&self, code: u32, input: &[u8], output: &mut [u8]) -> Result<usize, OsStatus> {
+        if let Some((failing, status)) = self.fail
+            && failing == code
+        {
+            return Err(OsStatus::Nt(status));
+        }
         if code != v::OpenCa::ID.ioctl().raw() {
             return self.inner.ioctl(code, input, output);
         }
@@ -223,6 +230,7 @@ impl DeviceIo for OtherVersion {
             inner: self.inner.open(path)?,
             request: self.request,
             answer: self.answer,
+            fail: self.fail,
         }))
     }
     fn alloc(&self, len: usize) -> Result<u64, OsStatus> {
@@ -237,8 +245,8 @@ impl DeviceIo for OtherVersion {
     fn write(&self, va: u64, data: &[u8]) -> Result<(), OsStatus> {
         self.inner.write(va, data)
     }
-    fn doorbell_page(&self, va: u64) -> ibal_user::UarPage {
-        self.inner.doorbell_page(va)
+    fn doorbell_hook(&self) -> uvp_plugin::mmio::MmioHook {
+        self.inner.doorbell_hook()
     }
 }
 
@@ -364,6 +372,7 @@ fn an_abi_mismatch_is_refused_on_either_side_and_leaves_nothing_open() {
             inner: Arc::clone(&sim),
             request: Some(version),
             answer: None,
+            fail: None,
         });
         let e = Context::open(&io, CaSelector::Index(0), &PluginSource::None).unwrap_err();
         assert_eq!(
@@ -381,6 +390,7 @@ fn an_abi_mismatch_is_refused_on_either_side_and_leaves_nothing_open() {
             inner: Arc::clone(&sim),
             request: None,
             answer: Some(version),
+            fail: None,
         });
         let e = Context::open(&io, CaSelector::Index(1), &PluginSource::Linked).unwrap_err();
         assert_eq!(
@@ -592,11 +602,11 @@ fn completion_and_async_events_reach_the_application() {
             },
         ];
         assert_eq!(qp.post_recv(&recvs).unwrap(), 2);
-        cq.arm(ArmFor::Next);
+        cq.arm(ArmFor::Next).unwrap();
         qp.modify(&QpModify::to_state(QpState::Err)).unwrap();
         cq.wait_event().unwrap();
         let mut wcs = [WorkCompletion::EMPTY; 4];
-        let got = cq.poll(&mut wcs);
+        let got = cq.poll(&mut wcs).unwrap();
         assert_eq!(got, 2);
         assert_eq!(
             wcs[..2]
@@ -655,10 +665,10 @@ fn pattern(seed: u32, len: usize) -> Vec<u8> {
 }
 
 /// A datagram to port 1 of the HCA at `ip`.
-fn av_to(ip: [u8; 4]) -> hca_prm::av::Av {
+fn av_to(ip: [u8; 4]) -> ib_types::av::AvAttr {
     use ib_types::av::{AvAttr, Grh};
     use ib_types::scalars::{Gid, Lid};
-    let attr = AvAttr {
+    AvAttr {
         port: PortNum::new(1).unwrap(),
         sl: 0,
         dlid: Lid::default(),
@@ -671,8 +681,7 @@ fn av_to(ip: [u8; 4]) -> hca_prm::av::Av {
             traffic_class: 0,
             sgid_index: 0,
         }),
-    };
-    hca_prm::av::Av::try_from(&attr).unwrap()
+    }
 }
 
 #[test]
@@ -699,12 +708,12 @@ fn datagrams_move_between_the_hcas_with_post_and_poll_alone() {
         let mut rqp = Qp::new(&rpd, &rcq, &rcq, &UD_INIT).unwrap();
         ud_to_rts(&sqp);
         ud_to_rts(&rqp);
+        let av = Av::new(&spd, &av_to([10, 2, 1, 1])).unwrap();
         let dest = UdDest {
-            av: ib_types::handle::AvHandle::from_raw(1),
+            av: av.handle(),
             remote_qpn: Qpn::new(rqp.qpn()).unwrap(),
             remote_qkey: QKey::new(0x1111),
         };
-        let av = av_to([10, 2, 1, 1]);
 
         let requests = process.requests_issued();
         // 40 rounds: the 8-entry queues and CQs wrap five times.
@@ -718,7 +727,7 @@ fn datagrams_move_between_the_hcas_with_post_and_poll_alone() {
             }];
             assert_eq!(rqp.post_recv(&recv).unwrap(), 1);
             let ssge = [Sge::new(sbuf.va(), LEN as u32, smr.keys().lkey)];
-            let send = [ibal_user::SendRequest {
+            let send = [UserSend {
                 wr: SendWr {
                     wr_id: u64::from(round),
                     op: SendOp::Send,
@@ -726,19 +735,18 @@ fn datagrams_move_between_the_hcas_with_post_and_poll_alone() {
                     sg_list: &ssge,
                     ud: Some(dest),
                 },
-                av: Some(av),
                 inline: None,
             }];
             assert_eq!(sqp.post_send(&send).unwrap(), 1);
             // The device and the wire run; the process makes no call.
             settle(&w.host);
             let mut wcs = [WorkCompletion::EMPTY; 2];
-            assert_eq!(scq.poll(&mut wcs), 1, "round {round}");
+            assert_eq!(scq.poll(&mut wcs).unwrap(), 1, "round {round}");
             assert_eq!(
                 (wcs[0].wr_id, wcs[0].status),
                 (u64::from(round), WcStatus::Success)
             );
-            assert_eq!(rcq.poll(&mut wcs), 1, "round {round}");
+            assert_eq!(rcq.poll(&mut wcs).unwrap(), 1, "round {round}");
             assert_eq!(
                 (wcs[0].wr_id, wcs[0].status, wcs[0].byte_len),
                 (
@@ -757,6 +765,256 @@ fn datagrams_move_between_the_hcas_with_post_and_poll_alone() {
             "post and poll stayed in user mode"
         );
     }
+    assert_eq!(w.leftovers(&process), [0; 5]);
+    assert_eq!(process.exit(), 0);
+    w.finish();
+}
+
+#[test]
+fn each_row_of_table_10_1_is_forced_through_the_library() {
+    use uvp_plugin::faults::{Fault, FaultInjector, HookEvent};
+    use v::VerbId;
+    let pre = |verb, result| HookEvent::Pre { verb, result };
+    let post = |verb, ioctl, result| HookEvent::Post {
+        verb,
+        ioctl,
+        result,
+    };
+    let w = World::new(58);
+    let process = Process::new(67);
+    let io = w.io(&process);
+    let uvp = Arc::new(FaultInjector::new(ibal_user::linked_provider(&io)));
+    let allocations = process.space().allocation_count();
+    {
+        let source = PluginSource::LinkedProvider(uvp.clone());
+        let ctx = Context::open(&io, CaSelector::Index(0), &source).unwrap();
+        assert_eq!(
+            uvp.take_events(),
+            [
+                pre(VerbId::OpenCa, Ok(true)),
+                post(VerbId::OpenCa, IbStatus::Success, Ok(()))
+            ],
+            "the open itself goes through the hooks"
+        );
+        let pd = Pd::new(&ctx).unwrap();
+        uvp.take_events();
+
+        // Row 1: pre, IOCTL and post succeed.
+        let cq = Cq::new(&ctx, 8).unwrap();
+        assert_eq!(
+            uvp.take_events(),
+            [
+                pre(VerbId::CreateCq, Ok(true)),
+                post(VerbId::CreateCq, IbStatus::Success, Ok(()))
+            ]
+        );
+        let objects = || w.proxy(0).proxy().object_count();
+        assert_eq!(objects(), 3, "CA, PD, CQ");
+        let (with_cq, pinned) = (
+            process.space().allocation_count(),
+            process.space().locked_pages(),
+        );
+
+        // Row 4: pre fails; no IOCTL, no post.
+        let requests = process.requests_issued();
+        uvp.arm(
+            VerbId::CreateQp,
+            Fault::FailPre(IbStatus::InsufficientMemory),
+        );
+        assert_eq!(
+            Qp::new(&pd, &cq, &cq, &UD_INIT).unwrap_err(),
+            Error::PreCall {
+                verb: VerbId::CreateQp,
+                status: IbStatus::InsufficientMemory
+            }
+        );
+        assert_eq!(process.requests_issued(), requests, "no IOCTL");
+        assert_eq!(
+            uvp.take_events(),
+            [pre(VerbId::CreateQp, Err(IbStatus::InsufficientMemory))]
+        );
+
+        // Row 2: the kernel creates the QP, post fails: the library
+        // destroys it through the hooks and returns post's status.
+        uvp.arm(
+            VerbId::CreateQp,
+            Fault::FailPost(IbStatus::InsufficientResources),
+        );
+        assert_eq!(
+            Qp::new(&pd, &cq, &cq, &UD_INIT).unwrap_err(),
+            Error::PostCall {
+                verb: VerbId::CreateQp,
+                status: IbStatus::InsufficientResources
+            }
+        );
+        assert_eq!(
+            uvp.take_events(),
+            [
+                pre(VerbId::CreateQp, Ok(true)),
+                post(
+                    VerbId::CreateQp,
+                    IbStatus::Success,
+                    Err(IbStatus::InsufficientResources)
+                ),
+                pre(VerbId::DestroyQp, Ok(true)),
+                post(VerbId::DestroyQp, IbStatus::Success, Ok(())),
+            ]
+        );
+        assert_eq!(process.requests_issued(), requests + 2, "create, destroy");
+        assert_eq!(objects(), 3, "the created QP released");
+        assert_eq!(
+            (
+                process.space().allocation_count(),
+                process.space().locked_pages()
+            ),
+            (with_cq, pinned),
+            "its rings freed and unpinned"
+        );
+        assert_eq!(
+            uvp.inner().allocations(),
+            1,
+            "the provider holds the CQ only"
+        );
+
+        // Row 3: the IOCTL fails (a transition the QP cannot take); post
+        // runs, sees the kernel's status and answers it.
+        let qp = Qp::new(&pd, &cq, &cq, &UD_INIT).unwrap();
+        uvp.take_events();
+        let bad = QpModify::to_state(QpState::Rtr);
+        let Error::Verb { verb, status } = qp.modify(&bad).unwrap_err() else {
+            panic!("the kernel refuses RESET -> RTR");
+        };
+        assert_eq!(verb, VerbId::ModifyQp);
+        assert_ne!(status, IbStatus::Success);
+        assert_eq!(
+            uvp.take_events(),
+            [
+                pre(VerbId::ModifyQp, Ok(true)),
+                post(VerbId::ModifyQp, status, Err(status))
+            ],
+            "post saw the IOCTL's status"
+        );
+        // Row 3 broken: a post claiming success after the failed IOCTL is
+        // caught by the library.
+        uvp.arm(VerbId::ModifyQp, Fault::PostClaimsSuccess);
+        assert_eq!(
+            qp.modify(&bad).unwrap_err(),
+            Error::PluginBug {
+                verb: VerbId::ModifyQp,
+                status
+            }
+        );
+    }
+    assert_eq!(uvp.inner().allocations(), 0);
+    assert_eq!(process.space().allocation_count(), allocations);
+    assert_eq!(w.leftovers(&process), [0; 5]);
+    assert_eq!(process.exit(), 0);
+    w.finish();
+}
+
+#[test]
+fn address_vector_calls_stay_in_user_mode() {
+    let w = World::new(59);
+    let process = Process::new(68);
+    let io = w.io(&process);
+    {
+        let ctx = Context::open(&io, CaSelector::Index(0), &PluginSource::Linked).unwrap();
+        let pd = Pd::new(&ctx).unwrap();
+        let requests = process.requests_issued();
+        let (first, second) = (av_to([10, 2, 1, 1]), av_to([10, 2, 1, 2]));
+        let av = Av::new(&pd, &first).unwrap();
+        let query = av.query().unwrap();
+        assert_eq!((query.pd.raw(), query.av), (pd.handle(), first));
+        av.modify(&second).unwrap();
+        assert_eq!(av.query().unwrap().av, second);
+        // An AV the plugin refuses (RoCE needs a GRH) stops in pre.
+        let no_grh = ib_types::av::AvAttr { grh: None, ..first };
+        assert!(matches!(
+            Av::new(&pd, &no_grh),
+            Err(Error::PreCall {
+                verb: v::VerbId::CreateAv,
+                ..
+            })
+        ));
+        drop(av);
+        assert_eq!(
+            process.requests_issued(),
+            requests,
+            "create, query, modify, refuse and destroy made no request"
+        );
+        let bare = Context::open(&io, CaSelector::Index(1), &PluginSource::None).unwrap();
+        let bare_pd = Pd::new(&bare).unwrap();
+        assert_eq!(
+            Av::new(&bare_pd, &first).unwrap_err(),
+            Error::NeedsPlugin("CreateAv")
+        );
+    }
+    assert_eq!(w.leftovers(&process), [0; 5]);
+    assert_eq!(process.exit(), 0);
+    w.finish();
+}
+
+#[test]
+fn a_create_whose_ioctl_fails_lets_post_free_the_rings_and_report_the_status() {
+    use uvp_plugin::faults::{FaultInjector, HookEvent};
+    let w = World::new(60);
+    let process = Process::new(69);
+    let io: Arc<dyn DeviceIo> = Arc::new(OtherVersion {
+        inner: SimIo::new(&w.host, &process),
+        request: None,
+        answer: None,
+        fail: Some((
+            v::CreateQp::ID.ioctl().raw(),
+            NtStatus::INSUFFICIENT_RESOURCES,
+        )),
+    });
+    let uvp = Arc::new(FaultInjector::new(ibal_user::linked_provider(&io)));
+    {
+        let source = PluginSource::LinkedProvider(uvp.clone());
+        let ctx = Context::open(&io, CaSelector::Index(0), &source).unwrap();
+        let pd = Pd::new(&ctx).unwrap();
+        let cq = Cq::new(&ctx, 8).unwrap();
+        let allocations = process.space().allocation_count();
+        uvp.take_events();
+        // Row 3: pre laid the rings out, the IOCTL failed at the OS level;
+        // post ran, saw that status as the IB status, and freed them.
+        let e = Qp::new(&pd, &cq, &cq, &UD_INIT).unwrap_err();
+        let status = IbStatus::from_ntstatus(NtStatus::INSUFFICIENT_RESOURCES);
+        assert_eq!(
+            e,
+            Error::Verb {
+                verb: v::VerbId::CreateQp,
+                status
+            }
+        );
+        assert_eq!(
+            uvp.take_events(),
+            [
+                HookEvent::Pre {
+                    verb: v::VerbId::CreateQp,
+                    result: Ok(true)
+                },
+                HookEvent::Post {
+                    verb: v::VerbId::CreateQp,
+                    ioctl: status,
+                    result: Err(status)
+                },
+            ]
+        );
+        assert_eq!(process.space().allocation_count(), allocations);
+        assert_eq!(uvp.inner().allocations(), 1, "the CQ only");
+
+        // CQs of another context are refused before any call.
+        let other = Context::open(&io, CaSelector::Index(1), &PluginSource::Linked).unwrap();
+        let foreign = Cq::new(&other, 8).unwrap();
+        let requests = process.requests_issued();
+        assert!(matches!(
+            Qp::new(&pd, &cq, &foreign, &UD_INIT),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!(process.requests_issued(), requests);
+    }
+    assert_eq!(uvp.inner().allocations(), 0);
     assert_eq!(w.leftovers(&process), [0; 5]);
     assert_eq!(process.exit(), 0);
     w.finish();
