@@ -50,7 +50,6 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use driver_platform::{CommonBuffer, DmaAdapter, Event, RequestorMode};
 use ib_types::access::AccessFlags;
-use ib_types::av::{AvAttr, Grh};
 use ib_types::ca::CaAttrView;
 use ib_types::cq::{CqAttr, CqNotify};
 use ib_types::event::AsyncEventRecord;
@@ -64,7 +63,7 @@ use ib_types::ioctl::{
 };
 use ib_types::mr::PhysMrRegister;
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
-use ib_types::scalars::{Gid, Lid, Mtu, Psn, Qpn};
+use ib_types::scalars::{Gid, Qpn};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::{WcStatus, WorkCompletion};
 use ib_types::wr::{LKey, RecvWr, SendFlags, SendOp, SendWr, Sge};
@@ -84,6 +83,7 @@ use sim_host::sched::SchedulerHandle;
 use sim_host::verifier::Verifier;
 
 use crate::ibal_bus::{AlClient, AlPortInterface, DriverObjectReference};
+use crate::rc_path::rc_to_rts_steps;
 
 /// The service `inf/ib-legacy-client.inf` installs.
 pub const SERVICE: &str = "iblegacyclient";
@@ -847,47 +847,8 @@ impl HcaLink {
         let s = guard.as_ref().ok_or(IbStatus::InvalidState)?;
         let (qp, _) = s.qp.ok_or(IbStatus::InvalidState)?;
         let port = s.port.port;
-        let steps = [
-            QpModify {
-                state: Some(QpState::Init),
-                pkey_index: Some(0),
-                port: Some(port),
-                access: Some(AccessFlags::empty()),
-                ..QpModify::default()
-            },
-            QpModify {
-                state: Some(QpState::Rtr),
-                av: Some(AvAttr {
-                    port,
-                    sl: 0,
-                    dlid: Lid::default(),
-                    path_bits: 0,
-                    static_rate: 0,
-                    grh: Some(Grh {
-                        dgid: gid,
-                        flow_label: 0,
-                        hop_limit: 64,
-                        traffic_class: 0,
-                        sgid_index: 0,
-                    }),
-                }),
-                path_mtu: Some(Mtu::Mtu1024),
-                dest_qpn: Some(Qpn::new(qpn).map_err(|_| IbStatus::InvalidParameter)?),
-                rq_psn: Some(Psn::new(100).map_err(|_| IbStatus::InvalidParameter)?),
-                max_dest_rd_atomic: Some(1),
-                min_rnr_timer: Some(12),
-                ..QpModify::default()
-            },
-            QpModify {
-                state: Some(QpState::Rts),
-                sq_psn: Some(Psn::new(100).map_err(|_| IbStatus::InvalidParameter)?),
-                timeout: Some(14),
-                retry_cnt: Some(7),
-                rnr_retry: Some(7),
-                max_rd_atomic: Some(1),
-                ..QpModify::default()
-            },
-        ];
+        let dest = Qpn::new(qpn).map_err(|_| IbStatus::InvalidParameter)?;
+        let steps = rc_to_rts_steps(port, AccessFlags::empty(), dest, gid, 1);
         for step in &steps {
             client.verb::<ModifyQp>(s, qp, step, &[])?;
         }

@@ -15,8 +15,11 @@
 //!   security descriptor, per-open handle tables, hostile-input checks).
 //! - [`legacy_client`]: a root-enumerated kernel client of the access
 //!   layer, the old way (a sample; no KMDF shell).
+//! - [`rc_path`]: the RESET -> RTS modifies of an RC QP, shared by the
+//!   sample clients and the scenario tests.
 
 pub mod hca_miniport;
 pub mod ibal_bus;
 pub mod ibal_proxy;
 pub mod legacy_client;
+pub mod rc_path;

@@ -13,11 +13,12 @@
 //! and the verifier report empty.
 #![cfg(not(windows))]
 
+mod support;
+
 use std::sync::Arc;
 
 use driver_platform::SystemPowerState;
 use hca_miniport_core::hca::Hca;
-use hca_miniport_core::init::HcaConfig;
 use ib_types::access::AccessFlags;
 use ib_types::interface::{GUID_IB_AL_DEVICE_INTERFACE, InterfaceVersion};
 use ib_types::ioctl::{
@@ -31,7 +32,6 @@ use ibal_bus_core::children::ChildEntry;
 use ibal_bus_core::proxy::{
     ChildEntryChange, IOCTL_IBAL_CHILD_ENTRY, PROXY_SDDL, STATUS_REVISION_MISMATCH, invalid_handle,
 };
-use sim_hca::device::DeviceConfig;
 use sim_host::file::FileHandle;
 use sim_host::host::{Host, HostConfig};
 use sim_host::memory::Process;
@@ -41,6 +41,8 @@ use sim_host::request::{Completion, RequestHandle};
 use sim_host::security::Token;
 use sim_shells::hca_miniport::MiniportDriver;
 use sim_shells::ibal_bus::{IbalBusDevice, IbalBusDriver};
+
+use support::{finish, hca_configs_of, register_stack, settle};
 
 const HCAS: [u64; 2] = [0x0002_C900_0000_3000, 0x0002_C900_0000_4000];
 /// Private output room every request of these tests offers.
@@ -58,18 +60,9 @@ struct World {
 
 impl World {
     fn new(seed: u64) -> Self {
-        let configs = HCAS
-            .iter()
-            .enumerate()
-            .map(|(i, guid)| {
-                let i = i as u8;
-                DeviceConfig::with_ports(*guid, &[[10, 1, i, 1], [10, 1, i, 2]])
-            })
-            .collect();
+        let configs = hca_configs_of(&HCAS, 1);
         let host = Host::new(HostConfig::deterministic(seed, configs)).unwrap();
-        let _log = sim_host::samples::register_stand_ins(&host);
-        let miniport = MiniportDriver::register(&host, HcaConfig::default());
-        let filter = IbalBusDriver::register(&host);
+        let (filter, miniport) = register_stack(&host);
         host.boot();
         let w = Self {
             host,
@@ -81,9 +74,7 @@ impl World {
     }
 
     fn settle(&self) {
-        self.host.scheduler().run_until_idle(1_000_000).unwrap();
-        self.host.pnp().process_bus_relations();
-        self.host.scheduler().run_until_idle(1_000_000).unwrap();
+        settle(&self.host);
     }
 
     /// The HCA devnodes user mode finds through the proxy's interface.
@@ -135,8 +126,7 @@ impl World {
     }
 
     fn finish(self) {
-        self.host.shut_down();
-        self.host.verifier().assert_clean();
+        finish(self.host);
     }
 }
 
