@@ -18,13 +18,12 @@ use driver_platform::SystemPowerState;
 use driver_platform::{Irql, RequestorMode};
 use ib_types::cq::{CqAttr, CqNotify};
 use ib_types::event::{AsyncEventCode, EventSubject};
-use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::interface::{AL_INTERFACE_VERSION, GUID_IB_AL_INTERFACE, InterfaceVersion};
 use ib_types::ioctl::{
     AllocPd, CreateCq, CreateQp, DeallocPd, DestroyCq, Empty, QueryCa, Verb, decode_response,
     encode_request, request_len, response_len,
 };
-use ib_types::qp::{QpCaps, QpCreate, QpType};
+use ib_types::qp::QpType;
 use ib_types::scalars::PKey;
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::{WcStatus, WorkCompletion};
@@ -34,6 +33,7 @@ use sim_host::event::HostEvent;
 use sim_host::host::{Host, HostConfig};
 use sim_host::request::{HostRequest, RequestHandle};
 use sim_host::verifier::ViolationKind;
+use sim_shells::rc_path::rc_qp_create;
 
 use support::*;
 
@@ -162,22 +162,7 @@ fn create_at_dispatch(host: &Host, client: &PortClient, qp_type: QpType) -> (u64
     let cq = answer_out::<CreateCq>(&first[1].completion().unwrap())
         .unwrap()
         .0;
-    let create = QpCreate {
-        qp_type,
-        pd: PdHandle::from_raw(pd),
-        send_cq: CqHandle::from_raw(cq),
-        recv_cq: CqHandle::from_raw(cq),
-        srq: None,
-        caps: QpCaps {
-            max_send_wr: 8,
-            max_recv_wr: 8,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    };
+    let create = rc_qp_create(qp_type, pd, cq, 8);
     let verifier = host.verifier().clone();
     let issuer = in_dpc(host, move || {
         let (req, issuer) = request::<CreateQp>(&verifier, id.ca_handle(), &create);

@@ -17,14 +17,12 @@ use hca_miniport_core::init::HcaConfig;
 use ib_types::access::AccessFlags;
 use ib_types::cq::CqAttr;
 use ib_types::event::AsyncEventRecord;
-use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::interface::{AL_INTERFACE_VERSION, GUID_IB_AL_INTERFACE, PortInterfaceData};
 use ib_types::ioctl::{
     AllocPd, CreateCq, CreateQp, DeallocPd, DeregMr, DestroyCq, DestroyQp, Empty, ModifyQp,
     QueryCa, RegPhysMr, Verb, decode_response, encode_request, request_len, response_len,
 };
-use ib_types::mr::PhysMrRegister;
-use ib_types::qp::{QpCaps, QpCreate, QpType};
+use ib_types::qp::QpType;
 use ib_types::scalars::{Gid, PortNum, Qpn};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::{WcStatus, WorkCompletion};
@@ -44,7 +42,7 @@ use sim_host::request::{Completion, HostRequest, RequestHandle};
 use sim_host::sched::SchedulerHandle;
 use sim_shells::hca_miniport::MiniportDriver;
 use sim_shells::ibal_bus::{AlClient, AlPortInterface, DriverObjectReference, IbalBusDriver};
-use sim_shells::rc_path::rc_to_rts_steps;
+use sim_shells::rc_path::{phys_mr_register, rc_qp_create, rc_to_rts_steps};
 
 /// Two HCAs, two ports each; port p of HCA i has the IPv4 address
 /// 10.0.i.p.
@@ -576,18 +574,7 @@ pub(crate) fn register(host: &Host, client: &PortClient, pd: u64) -> Memory {
     bus.dereference();
     let buffer = adapter.alloc_common(MEM_BYTES).unwrap();
     let base = buffer.bus_address();
-    let pages = MEM_BYTES / 4096;
-    let input = PhysMrRegister {
-        iova: base,
-        length: MEM_BYTES as u64,
-        first_byte_offset: 0,
-        page_shift: 12,
-        num_pages: pages as u32,
-        access: AccessFlags::LOCAL_WRITE,
-    };
-    let list: Vec<u8> = (0..pages as u64)
-        .flat_map(|i| (base + i * 4096).to_le_bytes())
-        .collect();
+    let (input, list) = phys_mr_register(base, MEM_BYTES);
     let (mr, out) = call_out::<RegPhysMr>(host, client, pd, &input, &list).unwrap();
     let out = out.unwrap();
     let dma: Dma = Arc::new(Mutex::new(Some((adapter, buffer))));
@@ -627,22 +614,7 @@ pub(crate) fn rc_side(host: &Host, client: &PortClient) -> RcSide {
 /// An RC QP on `pd` and `cq`: its handle and number.
 pub(crate) fn create_qp(host: &Host, client: &PortClient, pd: u64, cq: u64) -> (u64, u32) {
     let (_, id) = client.al();
-    let create = QpCreate {
-        qp_type: QpType::Rc,
-        pd: PdHandle::from_raw(pd),
-        send_cq: CqHandle::from_raw(cq),
-        recv_cq: CqHandle::from_raw(cq),
-        srq: None,
-        caps: QpCaps {
-            max_send_wr: 8,
-            max_recv_wr: 8,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    };
+    let create = rc_qp_create(QpType::Rc, pd, cq, 8);
     let (qp, out) = call_out::<CreateQp>(host, client, id.ca_handle(), &create, &[]).unwrap();
     (qp, out.unwrap().qpn.get())
 }
