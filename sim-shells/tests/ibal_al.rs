@@ -180,16 +180,9 @@ fn arm(host: &Host, client: &PortClient, cq: u64) {
     in_dpc(host, move || al.arm_cq(id, cq, CqNotify::NextCompletion)).unwrap();
 }
 
+/// An RC side whose PD, CQ and QP were created at DISPATCH_LEVEL.
 fn rc_side(host: &Host, client: &PortClient) -> RcSide {
-    let (pd, cq, qp, qpn) = create_at_dispatch(host, client, QpType::Rc);
-    let memory = register(host, client, pd);
-    RcSide {
-        pd,
-        cq,
-        qp,
-        qpn,
-        memory,
-    }
+    rc_side_of(host, client, create_at_dispatch(host, client, QpType::Rc))
 }
 
 #[test]

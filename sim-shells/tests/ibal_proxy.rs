@@ -73,6 +73,16 @@ impl World {
         w
     }
 
+    /// [`World::new`] with user process `pid` holding one open on the
+    /// first HCA's interface: (world, that HCA, the process, the open).
+    fn with_open(seed: u64, pid: u32) -> (Self, DevNodeId, Process, FileHandle) {
+        let w = Self::new(seed);
+        let node = w.interfaces()[0];
+        let process = Process::new(pid);
+        let h = w.open(&process, node);
+        (w, node, process, h)
+    }
+
     fn settle(&self) {
         settle(&self.host);
     }
@@ -220,10 +230,7 @@ fn open_ca_bytes(version: InterfaceVersion) -> Vec<u8> {
 
 #[test]
 fn an_open_speaking_another_abi_version_is_refused_at_the_proxy() {
-    let w = World::new(32);
-    let node = w.interfaces()[0];
-    let process = Process::new(41);
-    let h = w.open(&process, node);
+    let (w, node, process, h) = World::with_open(32, 41);
     let out = response_len::<v::OpenCa>(ROOM as usize).unwrap();
     for version in [
         InterfaceVersion::new(2, 0),
@@ -327,10 +334,7 @@ fn header(handle: u64, private_in: u32, private_out: u32) -> Vec<u8> {
 
 #[test]
 fn malformed_buffers_of_every_verb_are_refused_with_a_clear_status() {
-    let w = World::new(34);
-    let node = w.interfaces()[0];
-    let process = Process::new(44);
-    let h = w.open(&process, node);
+    let (w, node, _process, h) = World::with_open(34, 44);
     let ca = open_ca(&w, &h);
     let hca = w.hca(node);
     let invalid = NtStatus::INVALID_PARAMETER;
@@ -543,10 +547,7 @@ fn a_process_dying_with_objects_open_on_both_hcas_leaves_nothing_locked_mapped_o
 
 #[test]
 fn requests_a_process_sends_while_the_hca_sleeps_complete_after_resume() {
-    let w = World::new(38);
-    let node = w.interfaces()[0];
-    let process = Process::new(50);
-    let h = w.open(&process, node);
+    let (w, _node, _process, h) = World::with_open(38, 50);
     let ca = open_ca(&w, &h);
     w.host
         .pnp()

@@ -601,6 +601,16 @@ pub(crate) fn rc_side(host: &Host, client: &PortClient) -> RcSide {
     let pd = call::<AllocPd>(host, client, id.ca_handle(), &Empty).unwrap();
     let cq = call::<CreateCq>(host, client, id.ca_handle(), &CQ_ATTR).unwrap();
     let (qp, qpn) = create_qp(host, client, pd, cq);
+    rc_side_of(host, client, (pd, cq, qp, qpn))
+}
+
+/// The RC side of the client's `(pd, cq, qp, qpn)`, with memory
+/// registered on its PD.
+pub(crate) fn rc_side_of(
+    host: &Host,
+    client: &PortClient,
+    (pd, cq, qp, qpn): (u64, u64, u64, u32),
+) -> RcSide {
     let memory = register(host, client, pd);
     RcSide {
         pd,
