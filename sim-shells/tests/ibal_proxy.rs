@@ -128,6 +128,13 @@ impl World {
         issuer.completion().expect("completed")
     }
 
+    /// Sends `V` (no fixed input) on `object` and settles; it must
+    /// succeed.
+    fn verb_succeeds<V: Verb<In = Empty>>(&self, h: &FileHandle, object: u64) {
+        let status = self.verb::<V>(h, object, &Empty).status;
+        assert_eq!(status, NtStatus::SUCCESS, "{:?}", V::ID);
+    }
+
     /// Sends raw bytes and settles; the completion.
     fn raw(&self, h: &FileHandle, ioctl: u32, input: Vec<u8>, output: usize) -> Completion {
         let issuer = h.send(ioctl, input, output);
@@ -190,19 +197,13 @@ fn each_hca_has_its_own_interface_and_a_user_process_round_trips_verbs_on_each()
         let pd = alloc_pd(&w, &h, ca);
         let proxy = w.filter_of(node);
         assert_eq!(proxy.proxy().object_count(), 2, "CA and PD recorded");
-        assert_eq!(
-            w.verb::<v::DeallocPd>(&h, pd, &Empty).status,
-            NtStatus::SUCCESS
-        );
+        w.verb_succeeds::<v::DeallocPd>(&h, pd);
         // A destroyed handle is forgotten: using it again is refused here.
         assert_eq!(
             w.verb::<v::DeallocPd>(&h, pd, &Empty).status,
             IbStatus::InvalidPdHandle.to_ntstatus()
         );
-        assert_eq!(
-            w.verb::<v::CloseCa>(&h, ca, &Empty).status,
-            NtStatus::SUCCESS
-        );
+        w.verb_succeeds::<v::CloseCa>(&h, ca);
         assert_eq!(proxy.proxy().object_count(), 0);
         assert_eq!(w.hca(node).user_context_count(), 0);
         h.close();
@@ -247,10 +248,7 @@ fn an_open_speaking_another_abi_version_is_refused_at_the_proxy() {
     assert_eq!(process.space().device_mapping_count(), 0);
     // The version this build speaks opens.
     let ca = open_ca(&w, &h);
-    assert_eq!(
-        w.verb::<v::CloseCa>(&h, ca, &Empty).status,
-        NtStatus::SUCCESS
-    );
+    w.verb_succeeds::<v::CloseCa>(&h, ca);
     h.close();
     w.finish();
 }
@@ -301,10 +299,7 @@ fn a_handle_created_by_another_open_of_the_same_process_is_refused_before_the_mi
     }
     assert_eq!(process.space().locked_pages(), 0, "RegMr never reached it");
     // A's PD is intact: A deallocates it.
-    assert_eq!(
-        w.verb::<v::DeallocPd>(&a, pd_a, &Empty).status,
-        NtStatus::SUCCESS
-    );
+    w.verb_succeeds::<v::DeallocPd>(&a, pd_a);
     // Another process cannot use A's CA either.
     let other = Process::new(43);
     let c = w.open(&other, node);
@@ -420,10 +415,7 @@ fn malformed_buffers_of_every_verb_are_refused_with_a_clear_status() {
     assert_eq!(c.status, NtStatus::INVALID_DEVICE_REQUEST);
     // The one context this process opened is all the miniport has.
     assert_eq!(hca.user_context_count(), 1);
-    assert_eq!(
-        w.verb::<v::CloseCa>(&h, ca, &Empty).status,
-        NtStatus::SUCCESS
-    );
+    w.verb_succeeds::<v::CloseCa>(&h, ca);
     h.close();
     w.finish();
 }
@@ -572,14 +564,8 @@ fn requests_a_process_sends_while_the_hca_sleeps_complete_after_resume() {
     let pd = created::<v::AllocPd>(&pd.completion().expect("completed after resume"));
     assert_eq!(query.completion().unwrap().status, NtStatus::SUCCESS);
     // The proxy recorded the PD from the late answer: it is usable.
-    assert_eq!(
-        w.verb::<v::DeallocPd>(&h, pd, &Empty).status,
-        NtStatus::SUCCESS
-    );
-    assert_eq!(
-        w.verb::<v::CloseCa>(&h, ca, &Empty).status,
-        NtStatus::SUCCESS
-    );
+    w.verb_succeeds::<v::DeallocPd>(&h, pd);
+    w.verb_succeeds::<v::CloseCa>(&h, ca);
     h.close();
     w.finish();
 }
@@ -604,10 +590,7 @@ fn a_surprise_removed_hca_loses_its_interface_and_its_opens_fail_while_the_other
     let c = w.verb::<v::AllocPd>(&h_gone, ca_gone, &Empty);
     assert!(!c.status.is_success());
     let pd = alloc_pd(&w, &h_kept, ca_kept);
-    assert_eq!(
-        w.verb::<v::DeallocPd>(&h_kept, pd, &Empty).status,
-        NtStatus::SUCCESS
-    );
+    w.verb_succeeds::<v::DeallocPd>(&h_kept, pd);
     // The process exits: nothing stays locked or mapped anywhere.
     drop((h_gone, h_kept));
     assert_eq!(w.host.pnp().exit_process(&process), 0);
