@@ -5,11 +5,11 @@
 //! and the tests checking it do it the same way.
 
 use ib_types::access::AccessFlags;
-use ib_types::av::{AvAttr, Grh};
+use ib_types::av::AvAttr;
 use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::mr::PhysMrRegister;
 use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
-use ib_types::scalars::{Gid, Lid, Mtu, PortNum, Psn, Qpn};
+use ib_types::scalars::{Gid, Mtu, PortNum, Psn, Qpn};
 
 /// Both sides' first packet sequence number.
 const START_PSN: u32 = 100;
@@ -58,23 +58,10 @@ pub fn phys_mr_register(base: u64, bytes: usize) -> (PhysMrRegister, Vec<u8>) {
     (input, list)
 }
 
-/// An address vector out of `port` to `dgid` (GRH, hop limit 64, SGID
-/// index 0).
+/// An address vector out of `port` to `dgid` (RoCE GRH: hop limit 64,
+/// SGID index 0).
 pub fn grh_av(port: PortNum, dgid: Gid) -> AvAttr {
-    AvAttr {
-        port,
-        sl: 0,
-        dlid: Lid::default(),
-        path_bits: 0,
-        static_rate: 0,
-        grh: Some(Grh {
-            dgid,
-            flow_label: 0,
-            hop_limit: 64,
-            traffic_class: 0,
-            sgid_index: 0,
-        }),
-    }
+    AvAttr::roce(port, dgid, 0)
 }
 
 /// The three modifies taking an RC QP on `port` from RESET to RTS towards
