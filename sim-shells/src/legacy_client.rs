@@ -50,11 +50,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use driver_platform::{CommonBuffer, DmaAdapter, Event, RequestorMode};
 use ib_types::access::AccessFlags;
-use ib_types::av::{AvAttr, Grh};
 use ib_types::ca::CaAttrView;
 use ib_types::cq::{CqAttr, CqNotify};
 use ib_types::event::AsyncEventRecord;
-use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::interface::{
     AL_INTERFACE_VERSION, GUID_IB_AL_DEVICE_INTERFACE, GUID_IB_AL_INTERFACE, PortInterfaceData,
 };
@@ -62,9 +60,8 @@ use ib_types::ioctl::{
     AllocPd, CreateCq, CreateQp, DeallocPd, DeregMr, DestroyCq, DestroyQp, Empty, ModifyQp,
     QueryCa, RegPhysMr, Verb, decode_response, encode_request, request_len, response_len,
 };
-use ib_types::mr::PhysMrRegister;
-use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
-use ib_types::scalars::{Gid, Lid, Mtu, Psn, Qpn};
+use ib_types::qp::{QpModify, QpState, QpType};
+use ib_types::scalars::{Gid, Qpn};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::{WcStatus, WorkCompletion};
 use ib_types::wr::{LKey, RecvWr, SendFlags, SendOp, SendWr, Sge};
@@ -84,6 +81,7 @@ use sim_host::sched::SchedulerHandle;
 use sim_host::verifier::Verifier;
 
 use crate::ibal_bus::{AlClient, AlPortInterface, DriverObjectReference};
+use crate::rc_path::{phys_mr_register, rc_qp_create, rc_to_rts_steps};
 
 /// The service `inf/ib-legacy-client.inf` installs.
 pub const SERVICE: &str = "iblegacyclient";
@@ -762,36 +760,10 @@ impl HcaLink {
         };
         s.cq = Some(client.verb::<CreateCq>(s, ca, &attr, &[])?.0);
         let (pd, cq) = (s.pd.unwrap_or(0), s.cq.unwrap_or(0));
-        let create = QpCreate {
-            qp_type: QpType::Rc,
-            pd: PdHandle::from_raw(pd),
-            send_cq: CqHandle::from_raw(cq),
-            recv_cq: CqHandle::from_raw(cq),
-            srq: None,
-            caps: QpCaps {
-                max_send_wr: 4,
-                max_recv_wr: 4,
-                max_send_sge: 1,
-                max_recv_sge: 1,
-                max_inline_data: 0,
-            },
-            sq_sig_all: false,
-            port: None,
-        };
+        let create = rc_qp_create(QpType::Rc, pd, cq, 4);
         let (qp, out) = client.verb::<CreateQp>(s, ca, &create, &[])?;
         s.qp = Some((qp, out.map_or(0, |o| o.qpn.get())));
-        let pages = MEM_BYTES / 4096;
-        let input = PhysMrRegister {
-            iova: base,
-            length: MEM_BYTES as u64,
-            first_byte_offset: 0,
-            page_shift: 12,
-            num_pages: pages as u32,
-            access: AccessFlags::LOCAL_WRITE,
-        };
-        let list: Vec<u8> = (0..pages as u64)
-            .flat_map(|i| (base + i * 4096).to_le_bytes())
-            .collect();
+        let (input, list) = phys_mr_register(base, MEM_BYTES);
         let (mr, out) = client.verb::<RegPhysMr>(s, pd, &input, &list)?;
         let out = out.ok_or(IbStatus::GenericError)?;
         s.mr = Some((mr, out.iova, out.keys.lkey));
@@ -847,47 +819,8 @@ impl HcaLink {
         let s = guard.as_ref().ok_or(IbStatus::InvalidState)?;
         let (qp, _) = s.qp.ok_or(IbStatus::InvalidState)?;
         let port = s.port.port;
-        let steps = [
-            QpModify {
-                state: Some(QpState::Init),
-                pkey_index: Some(0),
-                port: Some(port),
-                access: Some(AccessFlags::empty()),
-                ..QpModify::default()
-            },
-            QpModify {
-                state: Some(QpState::Rtr),
-                av: Some(AvAttr {
-                    port,
-                    sl: 0,
-                    dlid: Lid::default(),
-                    path_bits: 0,
-                    static_rate: 0,
-                    grh: Some(Grh {
-                        dgid: gid,
-                        flow_label: 0,
-                        hop_limit: 64,
-                        traffic_class: 0,
-                        sgid_index: 0,
-                    }),
-                }),
-                path_mtu: Some(Mtu::Mtu1024),
-                dest_qpn: Some(Qpn::new(qpn).map_err(|_| IbStatus::InvalidParameter)?),
-                rq_psn: Some(Psn::new(100).map_err(|_| IbStatus::InvalidParameter)?),
-                max_dest_rd_atomic: Some(1),
-                min_rnr_timer: Some(12),
-                ..QpModify::default()
-            },
-            QpModify {
-                state: Some(QpState::Rts),
-                sq_psn: Some(Psn::new(100).map_err(|_| IbStatus::InvalidParameter)?),
-                timeout: Some(14),
-                retry_cnt: Some(7),
-                rnr_retry: Some(7),
-                max_rd_atomic: Some(1),
-                ..QpModify::default()
-            },
-        ];
+        let dest = Qpn::new(qpn).map_err(|_| IbStatus::InvalidParameter)?;
+        let steps = rc_to_rts_steps(port, AccessFlags::empty(), dest, gid, 1);
         for step in &steps {
             client.verb::<ModifyQp>(s, qp, step, &[])?;
         }

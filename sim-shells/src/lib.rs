@@ -18,9 +18,12 @@
 //! - [`port_client`]: `ibportclient`, the sample kernel client on the
 //!   filter's port children (its portable core is `ib-port-client-core`;
 //!   no KMDF shell yet).
+//! - [`rc_path`]: the RESET -> RTS modifies of an RC QP, shared by the
+//!   sample clients and the scenario tests.
 
 pub mod hca_miniport;
 pub mod ibal_bus;
 pub mod ibal_proxy;
 pub mod legacy_client;
 pub mod port_client;
+pub mod rc_path;

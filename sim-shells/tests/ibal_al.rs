@@ -9,323 +9,33 @@
 //! down and the verifier report empty.
 #![cfg(not(windows))]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use driver_platform::SystemPowerState;
-use driver_platform::{CommonBuffer, DmaAdapter, Irql, RequestorMode};
-use hca_miniport_core::init::HcaConfig;
-use ib_types::access::AccessFlags;
-use ib_types::av::{AvAttr, Grh};
+use driver_platform::{Irql, RequestorMode};
 use ib_types::cq::{CqAttr, CqNotify};
-use ib_types::event::{AsyncEventCode, AsyncEventRecord, EventSubject};
-use ib_types::handle::{CqHandle, PdHandle};
-use ib_types::interface::{
-    AL_INTERFACE_VERSION, GUID_IB_AL_INTERFACE, InterfaceVersion, PortInterfaceData,
-};
+use ib_types::event::{AsyncEventCode, EventSubject};
+use ib_types::interface::{AL_INTERFACE_VERSION, GUID_IB_AL_INTERFACE, InterfaceVersion};
 use ib_types::ioctl::{
-    AllocPd, CreateCq, CreateQp, DeallocPd, DeregMr, DestroyCq, DestroyQp, Empty, ModifyQp,
-    QueryCa, RegPhysMr, Verb, decode_response, encode_request, request_len, response_len,
+    AllocPd, CreateCq, CreateQp, DeallocPd, DestroyCq, Empty, QueryCa, Verb, decode_response,
+    encode_request, request_len, response_len,
 };
-use ib_types::mr::PhysMrRegister;
-use ib_types::qp::{QpCaps, QpCreate, QpModify, QpState, QpType};
-use ib_types::scalars::{Gid, Lid, Mtu, PKey, PortNum, Psn, Qpn};
+use ib_types::qp::QpType;
+use ib_types::scalars::PKey;
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::{WcStatus, WorkCompletion};
-use ib_types::wr::{LKey, RecvWr, SendFlags, SendOp, SendWr, Sge};
-use ibal_bus_core::al::ClientEvents;
+use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
 use ibal_bus_core::ci::ports_from_attributes;
-use sim_hca::device::DeviceConfig;
-use sim_host::dma::{HostCommonBuffer, HostDmaAdapter};
-use sim_host::driver::{DeviceCallbacks, DeviceInit, DriverEntry, InterfaceRef, SUCCESS};
 use sim_host::event::HostEvent;
 use sim_host::host::{Host, HostConfig};
-use sim_host::pci::{
-    BUS_INTERFACE_STANDARD_VERSION, BusInterfaceStandard, GUID_BUS_INTERFACE_STANDARD,
-};
-use sim_host::pnp::DeviceServices;
-use sim_host::request::{Completion, HostRequest, RequestHandle};
-use sim_host::sched::SchedulerHandle;
+use sim_host::request::{HostRequest, RequestHandle};
 use sim_host::verifier::ViolationKind;
-use sim_shells::hca_miniport::MiniportDriver;
-use sim_shells::ibal_bus::{AlClient, AlPortInterface, DriverObjectReference, IbalBusDriver};
+use sim_shells::rc_path::rc_qp_create;
 
-/// Two HCAs, two ports each; port p of HCA i has the IPv4 address
-/// 10.0.i.p.
-const HCAS: [u64; 2] = [0x0002_C900_0000_1000, 0x0002_C900_0000_2000];
-
-/// The port clients' service (`inf/ib-port-client.inf`).
-const CLIENT: &str = "ibportclient";
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// What a client's callbacks saw: completion events (with the IRQL) and
-/// async events.
-#[derive(Default)]
-struct Recorder {
-    completions: Mutex<Vec<(u64, Irql)>>,
-    events: Mutex<Vec<AsyncEventRecord>>,
-}
-
-impl ClientEvents for Recorder {
-    fn completion(&self, cq: u64) {
-        lock(&self.completions).push((cq, sim_host::irql::current()));
-    }
-    fn async_event(&self, event: &AsyncEventRecord) {
-        lock(&self.events).push(*event);
-    }
-}
-
-/// The AL as one client holds it.
-struct Opened {
-    interface: InterfaceRef,
-    al: Arc<AlPortInterface>,
-    client: AlClient,
-}
-
-/// The client driver: one device per port child.
-struct ClientDriver {
-    sched: SchedulerHandle,
-    /// The host's count of references on the driver's objects (its record
-    /// exists once the driver is registered).
-    references: OnceLock<Arc<AtomicUsize>>,
-    /// Drop the AL interface without dereferencing it (a broken client).
-    leak_interface: bool,
-    devices: Mutex<Vec<Arc<PortClient>>>,
-}
-
-struct PortClient {
-    host: DeviceServices,
-    sched: SchedulerHandle,
-    references: Arc<AtomicUsize>,
-    leak_interface: bool,
-    opened: Mutex<Option<Opened>>,
-    recorder: Arc<Recorder>,
-    /// What its close in release-hardware returned.
-    closed: Mutex<Option<Result<(), IbStatus>>>,
-    /// The port data its interface gave.
-    port: OnceLock<PortInterfaceData>,
-}
-
-impl DriverEntry for ClientDriver {
-    fn add_device(
-        &self,
-        _init: &DeviceInit,
-        host: &DeviceServices,
-    ) -> Result<Arc<dyn DeviceCallbacks>, NtStatus> {
-        let device = Arc::new(PortClient {
-            host: host.clone(),
-            sched: self.sched.clone(),
-            references: self.references.get().cloned().unwrap_or_default(),
-            leak_interface: self.leak_interface,
-            opened: Mutex::default(),
-            recorder: Arc::default(),
-            closed: Mutex::default(),
-            port: OnceLock::new(),
-        });
-        lock(&self.devices).push(device.clone());
-        Ok(device)
-    }
-}
-
-impl DeviceCallbacks for PortClient {
-    /// Gets the AL interface from its PDO and opens the AL.
-    fn prepare_hardware(&self) -> NtStatus {
-        let Some(interface) = self
-            .host
-            .query_interface(&GUID_IB_AL_INTERFACE, AL_INTERFACE_VERSION.packed())
-        else {
-            return NtStatus::NOT_SUPPORTED;
-        };
-        let Some(al) = interface.get::<Arc<AlPortInterface>>().cloned() else {
-            interface.dereference();
-            return NtStatus::INVALID_DEVICE_STATE;
-        };
-        let _ = self.port.set(al.port_data());
-        let reference = Box::new(DriverObjectReference::new(self.references.clone()));
-        match al.open(reference, self.recorder.clone()) {
-            Ok(client) => {
-                *lock(&self.opened) = Some(Opened {
-                    interface,
-                    al,
-                    client,
-                });
-                SUCCESS
-            }
-            Err(status) => {
-                interface.dereference();
-                status.to_ntstatus()
-            }
-        }
-    }
-
-    /// Closes the AL (it destroyed its objects before) and gives the
-    /// interface back.
-    fn release_hardware(&self) -> NtStatus {
-        if let Some(opened) = lock(&self.opened).take() {
-            let drained = Arc::new(HostEvent::new(self.sched.clone()));
-            *lock(&self.closed) = Some(opened.al.close(opened.client, drained));
-            if self.leak_interface {
-                drop(opened.interface);
-            } else {
-                opened.interface.dereference();
-            }
-        }
-        SUCCESS
-    }
-}
-
-impl PortClient {
-    fn al(&self) -> (Arc<AlPortInterface>, AlClient) {
-        let opened = lock(&self.opened);
-        let opened = opened.as_ref().expect("the client opened the AL");
-        (opened.al.clone(), opened.client)
-    }
-}
-
-struct World {
-    host: Host,
-    driver: Arc<IbalBusDriver>,
-    clients: Arc<ClientDriver>,
-}
-
-fn world(seed: u64, leak_interface: bool) -> World {
-    world_on(seed, leak_interface, false)
-}
-
-/// [`world`] on the deterministic host, or on the threaded one (two
-/// worker threads) if `threaded`.
-fn world_on(seed: u64, leak_interface: bool, threaded: bool) -> World {
-    let configs = HCAS
-        .iter()
-        .enumerate()
-        .map(|(i, guid)| {
-            let i = i as u8;
-            DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
-        })
-        .collect();
-    let config = if threaded {
-        HostConfig::threaded(2, configs)
-    } else {
-        HostConfig::deterministic(seed, configs)
-    };
-    let host = Host::new(config).unwrap();
-    let _log = sim_host::samples::register_stand_ins(&host);
-    MiniportDriver::register(&host, HcaConfig::default());
-    let driver = IbalBusDriver::register(&host);
-    let clients = Arc::new(ClientDriver {
-        sched: host.scheduler_handle(),
-        references: OnceLock::new(),
-        leak_interface,
-        devices: Mutex::default(),
-    });
-    host.register_driver(CLIENT, clients.clone());
-    let references = host.pnp().driver_references(CLIENT).unwrap();
-    assert!(clients.references.set(references).is_ok());
-    host.boot();
-    settle(&host);
-    World {
-        host,
-        driver,
-        clients,
-    }
-}
-
-fn settle(host: &Host) {
-    let run = || {
-        if host.scheduler().quiesce().is_err() {
-            host.scheduler().run_until_idle(1_000_000).unwrap();
-        }
-    };
-    run();
-    host.pnp().process_bus_relations();
-    run();
-}
-
-fn finish(host: Host) {
-    host.shut_down();
-    host.verifier().assert_clean();
-}
-
-impl World {
-    /// The client on port `port` of HCA `hca` (0 or 1).
-    fn client(&self, hca: usize, port: u8) -> Arc<PortClient> {
-        let guid = HCAS[hca];
-        lock(&self.clients.devices)
-            .iter()
-            .find(|c| {
-                c.port
-                    .get()
-                    .is_some_and(|d| d.ca_guid.get() == guid && d.port.get() == port)
-            })
-            .cloned()
-            .expect("a client on that port")
-    }
-
-    fn references(&self) -> usize {
-        self.host
-            .pnp()
-            .driver_references(CLIENT)
-            .unwrap()
-            .load(Ordering::Acquire)
-    }
-}
-
-/// A verb request in the `ib_types::ioctl` framing, with no private output.
-fn request<V: Verb>(
-    host: &Host,
-    handle: u64,
-    input: &V::In,
-    private: &[u8],
-) -> (HostRequest, RequestHandle) {
-    let mut bytes = vec![0; request_len::<V>(private.len()).unwrap()];
-    encode_request::<V>(handle, input, private, 0, &mut bytes).unwrap();
-    HostRequest::new(
-        host.verifier(),
-        V::ID.ioctl().raw(),
-        RequestorMode::Kernel,
-        bytes,
-        response_len::<V>(0).unwrap(),
-    )
-}
-
-/// The created handle (or 0) and fixed output of a completed verb.
-fn answer<V: Verb>(done: &Completion) -> Result<(u64, Option<V::Out>), IbStatus> {
-    if !done.status.is_success() {
-        return Err(IbStatus::from_ntstatus(done.status));
-    }
-    let response = decode_response::<V>(&done.output).map_err(|_| IbStatus::GenericError)?;
-    if response.status != IbStatus::Success {
-        return Err(response.status);
-    }
-    if V::ID.creates().is_some() {
-        assert_eq!(
-            done.information, response.handle,
-            "the handle in Information"
-        );
-    }
-    Ok((response.handle, response.output))
-}
-
-/// Verb `V` through the client's AL interface, synchronously (this test
-/// thread is at PASSIVE_LEVEL).
-fn call<V: Verb>(
-    host: &Host,
-    client: &PortClient,
-    handle: u64,
-    input: &V::In,
-    private: &[u8],
-) -> Result<(u64, Option<V::Out>), IbStatus> {
-    let (al, id) = client.al();
-    let (mut req, issuer) = request::<V>(host, handle, input, private);
-    let event = HostEvent::new(host.scheduler_handle());
-    req.set_completion_event(event.clone());
-    al.submit_and_wait(id, req, &event)
-        .map_err(|_| IbStatus::InvalidState)?;
-    answer::<V>(&issuer.completion().expect("completed"))
-}
+use support::*;
 
 /// Verb `V` as an internal device-control request sent to the client's
 /// child (the IOCTL path), run to completion.
@@ -335,25 +45,15 @@ fn ioctl<V: Verb>(
     handle: u64,
     input: &V::In,
 ) -> Result<(u64, Option<V::Out>), IbStatus> {
-    let (req, issuer) = request::<V>(host, handle, input, &[]);
+    let (req, issuer) = request::<V>(host.verifier(), handle, input);
     host.pnp().send_request(client.host.node(), req);
     settle(host);
-    answer::<V>(&issuer.completion().expect("completed"))
-}
-
-/// Runs `f` in a DPC of the client driver; returns its result.
-fn in_dpc<T: Send + 'static>(host: &Host, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let out = Arc::new(Mutex::new(None));
-    let sink = out.clone();
-    host.scheduler_handle()
-        .queue_dpc(CLIENT, move || *lock(&sink) = Some(f()));
-    settle(host);
-    lock(&out).take().expect("the DPC ran")
+    answer_out::<V>(&issuer.completion().expect("completed"))
 }
 
 #[test]
 fn a_kernel_client_on_a_child_gets_the_al_interface_with_its_ports_data_counted() {
-    let w = world(21, false);
+    let w = world(21);
     let devices = lock(&w.clients.devices).clone();
     assert_eq!(devices.len(), 4, "one client per port of each HCA");
     for client in &devices {
@@ -414,7 +114,7 @@ fn a_kernel_client_on_a_child_gets_the_al_interface_with_its_ports_data_counted(
 
 #[test]
 fn a_leaked_al_interface_reference_is_the_hosts_reference_leak() {
-    let w = world(22, true);
+    let w = world_with(HostConfig::deterministic(22, hca_configs()), true);
     w.host.shut_down();
     let leaks = w
         .host
@@ -426,67 +126,6 @@ fn a_leaked_al_interface_reference_is_the_hosts_reference_leak() {
         })
         .count();
     assert_eq!(leaks, 4, "one per client");
-}
-
-/// A common buffer of the adapter the client got from its child (the
-/// HCA's own), registered physically through the AL: (buffer, adapter,
-/// MR handle, IOVA of its first byte, L_Key).
-struct Memory {
-    adapter: HostDmaAdapter,
-    buffer: HostCommonBuffer,
-    mr: u64,
-    start: u64,
-    lkey: LKey,
-}
-
-const MEM_BYTES: usize = 8192;
-
-fn register(host: &Host, client: &PortClient, pd: u64) -> Memory {
-    let bus = host
-        .pnp()
-        .query_interface(
-            client.host.node(),
-            &GUID_BUS_INTERFACE_STANDARD,
-            BUS_INTERFACE_STANDARD_VERSION,
-        )
-        .expect("the bus interface");
-    let adapter = bus
-        .call(|b: &BusInterfaceStandard| b.get_dma_adapter())
-        .unwrap()
-        .unwrap();
-    bus.dereference();
-    let buffer = adapter.alloc_common(MEM_BYTES).unwrap();
-    let base = buffer.bus_address();
-    let pages = MEM_BYTES / 4096;
-    let input = PhysMrRegister {
-        iova: base,
-        length: MEM_BYTES as u64,
-        first_byte_offset: 0,
-        page_shift: 12,
-        num_pages: pages as u32,
-        access: AccessFlags::LOCAL_WRITE,
-    };
-    let list: Vec<u8> = (0..pages as u64)
-        .flat_map(|i| (base + i * 4096).to_le_bytes())
-        .collect();
-    let (mr, out) = call::<RegPhysMr>(host, client, pd, &input, &list).unwrap();
-    let out = out.unwrap();
-    Memory {
-        adapter,
-        buffer,
-        mr,
-        start: out.iova,
-        lkey: out.keys.lkey,
-    }
-}
-
-/// One client's RC side: PD, CQ, QP (its number) and memory.
-struct RcSide {
-    pd: u64,
-    cq: u64,
-    qp: u64,
-    qpn: u32,
-    memory: Memory,
 }
 
 /// AllocPd and CreateCq, then CreateQp, all submitted from DPCs (at
@@ -501,13 +140,13 @@ fn create_at_dispatch(host: &Host, client: &PortClient, qp_type: QpType) -> (u64
                 .into_iter()
                 .map(|i| {
                     let (req, issuer) = if i == 0 {
-                        dispatch_request::<AllocPd>(&host2, id.ca_handle(), &Empty)
+                        request::<AllocPd>(&host2, id.ca_handle(), &Empty)
                     } else {
                         let attr = CqAttr {
                             cqe: 64,
                             comp_vector: 0,
                         };
-                        dispatch_request::<CreateCq>(&host2, id.ca_handle(), &attr)
+                        request::<CreateCq>(&host2, id.ca_handle(), &attr)
                     };
                     assert_eq!(al.submit(id, req), NtStatus::PENDING);
                     issuer
@@ -517,108 +156,22 @@ fn create_at_dispatch(host: &Host, client: &PortClient, qp_type: QpType) -> (u64
         })
     };
     settle(host);
-    let pd = answer::<AllocPd>(&first[0].completion().unwrap())
+    let pd = answer_out::<AllocPd>(&first[0].completion().unwrap())
         .unwrap()
         .0;
-    let cq = answer::<CreateCq>(&first[1].completion().unwrap())
+    let cq = answer_out::<CreateCq>(&first[1].completion().unwrap())
         .unwrap()
         .0;
-    let create = QpCreate {
-        qp_type,
-        pd: PdHandle::from_raw(pd),
-        send_cq: CqHandle::from_raw(cq),
-        recv_cq: CqHandle::from_raw(cq),
-        srq: None,
-        caps: QpCaps {
-            max_send_wr: 8,
-            max_recv_wr: 8,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    };
+    let create = rc_qp_create(qp_type, pd, cq, 8);
     let verifier = host.verifier().clone();
     let issuer = in_dpc(host, move || {
-        let (req, issuer) = dispatch_request::<CreateQp>(&verifier, id.ca_handle(), &create);
+        let (req, issuer) = request::<CreateQp>(&verifier, id.ca_handle(), &create);
         assert_eq!(al.submit(id, req), NtStatus::PENDING);
         issuer
     });
     settle(host);
-    let (qp, out) = answer::<CreateQp>(&issuer.completion().unwrap()).unwrap();
+    let (qp, out) = answer_out::<CreateQp>(&issuer.completion().unwrap()).unwrap();
     (pd, cq, qp, out.unwrap().qpn.get())
-}
-
-/// A request built in a DPC (no completion event: the issuer's handle
-/// tells when it is done).
-fn dispatch_request<V: Verb>(
-    verifier: &sim_host::verifier::Verifier,
-    handle: u64,
-    input: &V::In,
-) -> (HostRequest, RequestHandle) {
-    let mut bytes = vec![0; request_len::<V>(0).unwrap()];
-    encode_request::<V>(handle, input, &[], 0, &mut bytes).unwrap();
-    HostRequest::new(
-        verifier,
-        V::ID.ioctl().raw(),
-        RequestorMode::Kernel,
-        bytes,
-        response_len::<V>(0).unwrap(),
-    )
-}
-
-/// RESET -> INIT -> RTR -> RTS towards `dest` on the port 10.0.`hca`.1.
-fn connect(host: &Host, client: &PortClient, qp: u64, dest: u32, dest_hca: u8) {
-    let port1 = PortNum::new(1).unwrap();
-    let steps = [
-        QpModify {
-            state: Some(QpState::Init),
-            pkey_index: Some(0),
-            port: Some(port1),
-            access: Some(AccessFlags::empty()),
-            ..QpModify::default()
-        },
-        QpModify {
-            state: Some(QpState::Rtr),
-            av: Some(AvAttr {
-                port: port1,
-                sl: 0,
-                dlid: Lid::default(),
-                path_bits: 0,
-                static_rate: 0,
-                grh: Some(Grh {
-                    dgid: Gid::from_ipv4([10, 0, dest_hca, 1]),
-                    flow_label: 0,
-                    hop_limit: 64,
-                    traffic_class: 0,
-                    sgid_index: 0,
-                }),
-            }),
-            path_mtu: Some(Mtu::Mtu1024),
-            dest_qpn: Some(Qpn::new(dest).unwrap()),
-            rq_psn: Some(Psn::new(100).unwrap()),
-            max_dest_rd_atomic: Some(1),
-            min_rnr_timer: Some(12),
-            ..QpModify::default()
-        },
-        QpModify {
-            state: Some(QpState::Rts),
-            sq_psn: Some(Psn::new(100).unwrap()),
-            timeout: Some(14),
-            retry_cnt: Some(7),
-            rnr_retry: Some(7),
-            max_rd_atomic: Some(1),
-            ..QpModify::default()
-        },
-    ];
-    for step in &steps {
-        call::<ModifyQp>(host, client, qp, step, &[]).unwrap();
-    }
-}
-
-fn leak(sges: Vec<Sge>) -> &'static [Sge] {
-    Box::leak(sges.into_boxed_slice())
 }
 
 /// Arms the CQ and polls everything from DPCs.
@@ -627,45 +180,14 @@ fn arm(host: &Host, client: &PortClient, cq: u64) {
     in_dpc(host, move || al.arm_cq(id, cq, CqNotify::NextCompletion)).unwrap();
 }
 
-fn poll(host: &Host, client: &PortClient, cq: u64) -> Vec<WorkCompletion> {
-    let (al, id) = client.al();
-    in_dpc(host, move || {
-        let mut all = Vec::new();
-        let mut wcs = [WorkCompletion::EMPTY; 8];
-        loop {
-            match al.poll_cq(id, cq, &mut wcs) {
-                Ok(0) => break all,
-                Ok(n) => all.extend_from_slice(&wcs[..n]),
-                Err(status) => panic!("poll: {status:?}"),
-            }
-        }
-    })
-}
-
-fn destroy(host: &Host, client: &PortClient, side: RcSide) {
-    call::<DestroyQp>(host, client, side.qp, &Empty, &[]).unwrap();
-    poll(host, client, side.cq);
-    call::<DeregMr>(host, client, side.memory.mr, &Empty, &[]).unwrap();
-    call::<DestroyCq>(host, client, side.cq, &Empty, &[]).unwrap();
-    call::<DeallocPd>(host, client, side.pd, &Empty, &[]).unwrap();
-    side.memory.adapter.free_common(side.memory.buffer);
-}
-
+/// An RC side whose PD, CQ and QP were created at DISPATCH_LEVEL.
 fn rc_side(host: &Host, client: &PortClient) -> RcSide {
-    let (pd, cq, qp, qpn) = create_at_dispatch(host, client, QpType::Rc);
-    let memory = register(host, client, pd);
-    RcSide {
-        pd,
-        cq,
-        qp,
-        qpn,
-        memory,
-    }
+    rc_side_of(host, client, create_at_dispatch(host, client, QpType::Rc))
 }
 
 #[test]
 fn clients_on_two_hcas_create_at_dispatch_move_checked_rc_traffic_and_get_their_events() {
-    let w = world(23, false);
+    let w = world(23);
     let (x, y) = (w.client(0, 1), w.client(1, 1));
     let (sx, sy) = (rc_side(&w.host, &x), rc_side(&w.host, &y));
     connect(&w.host, &x, sx.qp, sy.qpn, 1);
@@ -673,7 +195,7 @@ fn clients_on_two_hcas_create_at_dispatch_move_checked_rc_traffic_and_get_their_
 
     // Y receives into its second page; X sends 3000 bytes of a pattern.
     let payload: Vec<u8> = (0..3000u32).map(|i| (i * 31 + 7) as u8).collect();
-    assert!(sx.memory.buffer.write(0, &payload));
+    assert!(sx.memory.write(0, &payload));
     let (yal, yid) = y.al();
     let recv_sge = leak(vec![Sge::new(sy.memory.start + 4096, 4096, sy.memory.lkey)]);
     let yqp = sy.qp;
@@ -714,7 +236,7 @@ fn clients_on_two_hcas_create_at_dispatch_move_checked_rc_traffic_and_get_their_
     assert!(got.len() == 1 && got[0].wr_id == 9 && got[0].status == WcStatus::Success);
     assert_eq!(got[0].byte_len, 3000);
     let mut seen = vec![0; 3000];
-    assert!(sy.memory.buffer.read(4096, &mut seen));
+    assert!(sy.memory.read(4096, &mut seen));
     assert_eq!(seen, payload, "the bytes arrived");
 
     // The completion events reached the owners only, with their handles,
@@ -759,7 +281,7 @@ fn clients_on_two_hcas_create_at_dispatch_move_checked_rc_traffic_and_get_their_
 
 #[test]
 fn the_same_verbs_through_the_ioctl_path_of_the_child() {
-    let w = world(24, false);
+    let w = world(24);
     let x = w.client(0, 1);
     let (_, id) = x.al();
     let ca = id.ca_handle();
@@ -799,12 +321,12 @@ fn the_same_verbs_through_the_ioctl_path_of_the_child() {
     assert!(id.id().owns(pd) && id.id().owns(cq), "the client's handles");
     // The interface path sees the same objects: one implementation.
     assert_eq!(
-        call::<DeallocPd>(&w.host, &x, cq, &Empty, &[]),
+        call_out::<DeallocPd>(&w.host, &x, cq, &Empty, &[]),
         Err(IbStatus::InvalidPdHandle),
         "a CQ is no PD on either path"
     );
     ioctl::<DestroyCq>(&w.host, &x, cq, &Empty).unwrap();
-    call::<DeallocPd>(&w.host, &x, pd, &Empty, &[]).unwrap();
+    call_out::<DeallocPd>(&w.host, &x, pd, &Empty, &[]).unwrap();
     assert_eq!(
         ioctl::<DestroyCq>(&w.host, &x, cq, &Empty),
         Err(IbStatus::InvalidCqHandle),
@@ -846,21 +368,21 @@ fn the_same_verbs_through_the_ioctl_path_of_the_child() {
 
 #[test]
 fn handles_of_one_client_are_refused_for_another() {
-    let w = world(25, false);
+    let w = world(25);
     // Two clients of the same CA (its two ports' children), and one on
     // the other HCA.
     let (a, b, c) = (w.client(0, 1), w.client(0, 2), w.client(1, 1));
     let (_, aid) = a.al();
-    let (pd, _) = call::<AllocPd>(&w.host, &a, aid.ca_handle(), &Empty, &[]).unwrap();
+    let (pd, _) = call_out::<AllocPd>(&w.host, &a, aid.ca_handle(), &Empty, &[]).unwrap();
     let attr = CqAttr {
         cqe: 16,
         comp_vector: 0,
     };
-    let (cq, _) = call::<CreateCq>(&w.host, &a, aid.ca_handle(), &attr, &[]).unwrap();
+    let (cq, _) = call_out::<CreateCq>(&w.host, &a, aid.ca_handle(), &attr, &[]).unwrap();
     for other in [&b, &c] {
         // Through the interface: the AL refuses another client's handles.
         assert_eq!(
-            call::<DeallocPd>(&w.host, other, pd, &Empty, &[]),
+            call_out::<DeallocPd>(&w.host, other, pd, &Empty, &[]),
             Err(IbStatus::InvalidPdHandle)
         );
         let (al, id) = other.al();
@@ -869,7 +391,7 @@ fn handles_of_one_client_are_refused_for_another() {
         // C's own CA handle, which reaches only C's objects).
         if id.ca_handle() != aid.ca_handle() {
             assert_eq!(
-                call::<AllocPd>(&w.host, other, aid.ca_handle(), &Empty, &[]),
+                call_out::<AllocPd>(&w.host, other, aid.ca_handle(), &Empty, &[]),
                 Err(IbStatus::InvalidCaHandle)
             );
         }
@@ -883,7 +405,7 @@ fn handles_of_one_client_are_refused_for_another() {
         // client opened there (STATUS_INVALID_HANDLE), or, where its tag
         // is that of the child's own client (another AL's), that client's
         // table refuses it.
-        let (req, issuer) = request::<DestroyCq>(&w.host, cq, &Empty, &[]);
+        let (req, issuer) = request::<DestroyCq>(w.host.verifier(), cq, &Empty);
         w.host.pnp().send_request(other.host.node(), req);
         settle(&w.host);
         let expected = if id.id().owns(cq) {
@@ -894,14 +416,14 @@ fn handles_of_one_client_are_refused_for_another() {
         assert_eq!(issuer.completion().unwrap().status, expected);
     }
     // A's objects are untouched: A still destroys them.
-    call::<DestroyCq>(&w.host, &a, cq, &Empty, &[]).unwrap();
-    call::<DeallocPd>(&w.host, &a, pd, &Empty, &[]).unwrap();
+    call_out::<DestroyCq>(&w.host, &a, cq, &Empty, &[]).unwrap();
+    call_out::<DeallocPd>(&w.host, &a, pd, &Empty, &[]).unwrap();
     finish(w.host);
 }
 
 #[test]
 fn clients_close_before_their_hca_goes_and_a_stop_waits_for_them() {
-    let w = world(26, false);
+    let w = world(26);
     let hca = w.host.hcas()[0];
     let filter = w
         .driver
@@ -938,8 +460,8 @@ fn clients_close_before_their_hca_goes_and_a_stop_waits_for_them() {
     // The other HCA's clients keep working.
     let c = w.client(1, 1);
     let (_, id) = c.al();
-    let (pd, _) = call::<AllocPd>(&w.host, &c, id.ca_handle(), &Empty, &[]).unwrap();
-    call::<DeallocPd>(&w.host, &c, pd, &Empty, &[]).unwrap();
+    let (pd, _) = call_out::<AllocPd>(&w.host, &c, id.ca_handle(), &Empty, &[]).unwrap();
+    call_out::<DeallocPd>(&w.host, &c, pd, &Empty, &[]).unwrap();
     finish(w.host);
 }
 
@@ -951,10 +473,10 @@ fn clients_close_before_their_hca_goes_and_a_stop_waits_for_them() {
 #[test]
 fn a_client_owning_objects_when_its_hca_leaves_closes_cleanly_and_later_calls_are_refused() {
     for surprise in [false, true] {
-        let w = world(27, false);
+        let w = world(27);
         let a = w.client(0, 1);
         let (al, id) = a.al();
-        let (pd, _) = call::<AllocPd>(&w.host, &a, id.ca_handle(), &Empty, &[]).unwrap();
+        let (pd, _) = call_out::<AllocPd>(&w.host, &a, id.ca_handle(), &Empty, &[]).unwrap();
         let hca = w.host.hcas()[0];
         if surprise {
             w.host.pnp().surprise_remove(hca);
@@ -969,7 +491,7 @@ fn a_client_owning_objects_when_its_hca_leaves_closes_cleanly_and_later_calls_ar
             "its PD destroyed by the close"
         );
         assert_eq!(w.references(), 2, "only the other HCA's clients' remain");
-        let (req, issuer) = request::<DeallocPd>(&w.host, pd, &Empty, &[]);
+        let (req, issuer) = request::<DeallocPd>(w.host.verifier(), pd, &Empty);
         assert_eq!(al.submit(id, req), NtStatus::INVALID_DEVICE_STATE);
         assert_eq!(
             issuer.completion().unwrap().status,
@@ -990,7 +512,7 @@ fn a_client_owning_objects_when_its_hca_leaves_closes_cleanly_and_later_calls_ar
 #[test]
 fn clients_use_the_al_on_the_threaded_host_too() {
     for round in 0..3 {
-        let w = world_on(0, false, true);
+        let w = world_on(HostConfig::threaded(2, hca_configs()));
         // The children's stacks start on worker threads.
         for _ in 0..3 {
             settle(&w.host);
@@ -998,16 +520,18 @@ fn clients_use_the_al_on_the_threaded_host_too() {
         for (hca, port) in [(0, 1), (0, 2), (1, 1), (1, 2)] {
             let client = w.client(hca, port);
             let (_, id) = client.al();
-            let (pd, _) = call::<AllocPd>(&w.host, &client, id.ca_handle(), &Empty, &[]).unwrap();
+            let (pd, _) =
+                call_out::<AllocPd>(&w.host, &client, id.ca_handle(), &Empty, &[]).unwrap();
             let attr = CqAttr {
                 cqe: 16,
                 comp_vector: 0,
             };
-            let (cq, _) = call::<CreateCq>(&w.host, &client, id.ca_handle(), &attr, &[]).unwrap();
+            let (cq, _) =
+                call_out::<CreateCq>(&w.host, &client, id.ca_handle(), &attr, &[]).unwrap();
             let (al, id) = client.al();
             assert_eq!(al.arm_cq(id, cq, CqNotify::NextCompletion), Ok(()));
-            call::<DestroyCq>(&w.host, &client, cq, &Empty, &[]).unwrap();
-            call::<DeallocPd>(&w.host, &client, pd, &Empty, &[]).unwrap();
+            call_out::<DestroyCq>(&w.host, &client, cq, &Empty, &[]).unwrap();
+            call_out::<DeallocPd>(&w.host, &client, pd, &Empty, &[]).unwrap();
         }
         assert_eq!(w.references(), 4, "round {round}");
         finish(w.host);

@@ -10,18 +10,18 @@
 //! with the host shut down and the verifier report empty.
 #![cfg(not(windows))]
 
+mod support;
+
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
 use driver_platform::RegValue;
 use driver_platform::{CommonBuffer, DmaAdapter};
-use hca_miniport_core::init::HcaConfig;
 use ib_types::interface::{GUID_IB_CI_INTERFACE, InterfaceVersion, WinGuid};
 use ib_types::status::NtStatus;
 use ibal_bus_core::ca_registry::STATUS_REVISION_MISMATCH;
 use ibal_bus_core::children::ChildEntry;
 use ibal_bus_core::ci::REQUIRED_CI_VERSION;
-use sim_hca::device::DeviceConfig;
 use sim_hca::host::HostMemory;
 use sim_host::dma::{HostCommonBuffer, HostDmaAdapter};
 use sim_host::driver::SUCCESS;
@@ -30,44 +30,22 @@ use sim_host::host::{Host, HostConfig};
 use sim_host::pci::{
     BUS_INTERFACE_STANDARD_VERSION, BusInterfaceStandard, GUID_BUS_INTERFACE_STANDARD,
 };
-use sim_host::platform::SimPlatform;
 use sim_host::pnp::{DevNodeId, DeviceServices, PnpState};
 use sim_host::registry::service_parameters_key;
 use sim_host::verifier::ViolationKind;
-use sim_shells::hca_miniport::MiniportDriver;
 use sim_shells::ibal_bus::{IbalBusDriver, SERVICE};
 
-/// Two HCAs, two ports each.
-const HCAS: [u64; 2] = [0x0002_C900_0000_1000, 0x0002_C900_0000_2000];
+use support::{HCAS, finish, hca_configs, register_stack, settle, started_children};
 
 fn host(seed: u64) -> Host {
-    let configs = HCAS
-        .iter()
-        .enumerate()
-        .map(|(i, guid)| {
-            let i = i as u8;
-            DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
-        })
-        .collect();
+    let configs = hca_configs();
     Host::new(HostConfig::deterministic(seed, configs)).unwrap()
-}
-
-fn settle(host: &Host) {
-    host.scheduler().run_until_idle(1_000_000).unwrap();
-    host.pnp().process_bus_relations();
-    host.scheduler().run_until_idle(1_000_000).unwrap();
 }
 
 /// Registers the stand-ins (the port client), the real miniport and the
 /// real filter.
 fn drivers(host: &Host) -> Arc<IbalBusDriver> {
-    drivers_and_miniport(host).0
-}
-
-fn drivers_and_miniport(host: &Host) -> (Arc<IbalBusDriver>, Arc<MiniportDriver<SimPlatform>>) {
-    let _log = sim_host::samples::register_stand_ins(host);
-    let miniport = MiniportDriver::register(host, HcaConfig::default());
-    (IbalBusDriver::register(host), miniport)
+    register_stack(host).0
 }
 
 fn params() -> String {
@@ -106,19 +84,6 @@ fn set_list(host: &Host, names: &[&str]) {
         .unwrap();
 }
 
-/// The instance paths of the started children of `hca`, sorted.
-fn started_children(host: &Host, hca: DevNodeId) -> Vec<String> {
-    let mut paths: Vec<String> = host
-        .pnp()
-        .children(hca)
-        .into_iter()
-        .filter(|c| host.pnp().state(*c) == Some(PnpState::Started))
-        .filter_map(|c| host.pnp().instance_path(c))
-        .collect();
-    paths.sort();
-    paths
-}
-
 /// The filter's children of every HCA: (CA GUID, port, entry, instance ID).
 fn filter_children(driver: &IbalBusDriver) -> Vec<(u64, u8, String, String)> {
     let mut all: Vec<_> = driver
@@ -146,11 +111,6 @@ fn restart_all(host: &Host) {
         host.pnp().restart(hca);
         settle(host);
     }
-}
-
-fn finish(host: Host) {
-    host.shut_down();
-    host.verifier().assert_clean();
 }
 
 #[test]
@@ -457,7 +417,7 @@ impl DeviceCallbacks for DmaClientDevice {
 #[test]
 fn a_childs_dma_adapter_is_its_hcas_own() {
     let host = host(16);
-    let (_driver, miniport) = drivers_and_miniport(&host);
+    let (_driver, miniport) = register_stack(&host);
     let client = Arc::new(DmaClient::default());
     host.register_driver("ibportclient", client.clone());
     host.boot();
@@ -522,21 +482,11 @@ fn a_childs_dma_adapter_is_its_hcas_own() {
 #[test]
 fn children_appear_on_the_threaded_host_too() {
     for _ in 0..5 {
-        let configs = HCAS
-            .iter()
-            .enumerate()
-            .map(|(i, guid)| {
-                let i = i as u8;
-                DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
-            })
-            .collect();
+        let configs = hca_configs();
         let host = Host::new(HostConfig::threaded(2, configs)).unwrap();
         let driver = drivers(&host);
         host.boot();
-        for _ in 0..3 {
-            host.scheduler().quiesce().unwrap();
-            host.pnp().process_bus_relations();
-        }
+        settle(&host);
         assert_eq!(filter_children(&driver).len(), 4);
         finish(host);
     }

@@ -13,11 +13,12 @@
 //! and the verifier report empty.
 #![cfg(not(windows))]
 
+mod support;
+
 use std::sync::Arc;
 
 use driver_platform::SystemPowerState;
 use hca_miniport_core::hca::Hca;
-use hca_miniport_core::init::HcaConfig;
 use ib_types::access::AccessFlags;
 use ib_types::interface::{GUID_IB_AL_DEVICE_INTERFACE, InterfaceVersion};
 use ib_types::ioctl::{
@@ -31,7 +32,6 @@ use ibal_bus_core::children::ChildEntry;
 use ibal_bus_core::proxy::{
     ChildEntryChange, IOCTL_IBAL_CHILD_ENTRY, PROXY_SDDL, STATUS_REVISION_MISMATCH, invalid_handle,
 };
-use sim_hca::device::DeviceConfig;
 use sim_host::file::FileHandle;
 use sim_host::host::{Host, HostConfig};
 use sim_host::memory::Process;
@@ -41,6 +41,8 @@ use sim_host::request::{Completion, RequestHandle};
 use sim_host::security::Token;
 use sim_shells::hca_miniport::MiniportDriver;
 use sim_shells::ibal_bus::{IbalBusDevice, IbalBusDriver};
+
+use support::{finish, hca_configs_of, register_stack, settle};
 
 const HCAS: [u64; 2] = [0x0002_C900_0000_3000, 0x0002_C900_0000_4000];
 /// Private output room every request of these tests offers.
@@ -58,18 +60,9 @@ struct World {
 
 impl World {
     fn new(seed: u64) -> Self {
-        let configs = HCAS
-            .iter()
-            .enumerate()
-            .map(|(i, guid)| {
-                let i = i as u8;
-                DeviceConfig::with_ports(*guid, &[[10, 1, i, 1], [10, 1, i, 2]])
-            })
-            .collect();
+        let configs = hca_configs_of(&HCAS, 1);
         let host = Host::new(HostConfig::deterministic(seed, configs)).unwrap();
-        let _log = sim_host::samples::register_stand_ins(&host);
-        let miniport = MiniportDriver::register(&host, HcaConfig::default());
-        let filter = IbalBusDriver::register(&host);
+        let (filter, miniport) = register_stack(&host);
         host.boot();
         let w = Self {
             host,
@@ -80,10 +73,18 @@ impl World {
         w
     }
 
+    /// [`World::new`] with user process `pid` holding one open on the
+    /// first HCA's interface: (world, that HCA, the process, the open).
+    fn with_open(seed: u64, pid: u32) -> (Self, DevNodeId, Process, FileHandle) {
+        let w = Self::new(seed);
+        let node = w.interfaces()[0];
+        let process = Process::new(pid);
+        let h = w.open(&process, node);
+        (w, node, process, h)
+    }
+
     fn settle(&self) {
-        self.host.scheduler().run_until_idle(1_000_000).unwrap();
-        self.host.pnp().process_bus_relations();
-        self.host.scheduler().run_until_idle(1_000_000).unwrap();
+        settle(&self.host);
     }
 
     /// The HCA devnodes user mode finds through the proxy's interface.
@@ -127,6 +128,13 @@ impl World {
         issuer.completion().expect("completed")
     }
 
+    /// Sends `V` (no fixed input) on `object` and settles; it must
+    /// succeed.
+    fn verb_succeeds<V: Verb<In = Empty>>(&self, h: &FileHandle, object: u64) {
+        let status = self.verb::<V>(h, object, &Empty).status;
+        assert_eq!(status, NtStatus::SUCCESS, "{:?}", V::ID);
+    }
+
     /// Sends raw bytes and settles; the completion.
     fn raw(&self, h: &FileHandle, ioctl: u32, input: Vec<u8>, output: usize) -> Completion {
         let issuer = h.send(ioctl, input, output);
@@ -135,8 +143,7 @@ impl World {
     }
 
     fn finish(self) {
-        self.host.shut_down();
-        self.host.verifier().assert_clean();
+        finish(self.host);
     }
 }
 
@@ -190,19 +197,13 @@ fn each_hca_has_its_own_interface_and_a_user_process_round_trips_verbs_on_each()
         let pd = alloc_pd(&w, &h, ca);
         let proxy = w.filter_of(node);
         assert_eq!(proxy.proxy().object_count(), 2, "CA and PD recorded");
-        assert_eq!(
-            w.verb::<v::DeallocPd>(&h, pd, &Empty).status,
-            NtStatus::SUCCESS
-        );
+        w.verb_succeeds::<v::DeallocPd>(&h, pd);
         // A destroyed handle is forgotten: using it again is refused here.
         assert_eq!(
             w.verb::<v::DeallocPd>(&h, pd, &Empty).status,
             IbStatus::InvalidPdHandle.to_ntstatus()
         );
-        assert_eq!(
-            w.verb::<v::CloseCa>(&h, ca, &Empty).status,
-            NtStatus::SUCCESS
-        );
+        w.verb_succeeds::<v::CloseCa>(&h, ca);
         assert_eq!(proxy.proxy().object_count(), 0);
         assert_eq!(w.hca(node).user_context_count(), 0);
         h.close();
@@ -230,10 +231,7 @@ fn open_ca_bytes(version: InterfaceVersion) -> Vec<u8> {
 
 #[test]
 fn an_open_speaking_another_abi_version_is_refused_at_the_proxy() {
-    let w = World::new(32);
-    let node = w.interfaces()[0];
-    let process = Process::new(41);
-    let h = w.open(&process, node);
+    let (w, node, process, h) = World::with_open(32, 41);
     let out = response_len::<v::OpenCa>(ROOM as usize).unwrap();
     for version in [
         InterfaceVersion::new(2, 0),
@@ -250,10 +248,7 @@ fn an_open_speaking_another_abi_version_is_refused_at_the_proxy() {
     assert_eq!(process.space().device_mapping_count(), 0);
     // The version this build speaks opens.
     let ca = open_ca(&w, &h);
-    assert_eq!(
-        w.verb::<v::CloseCa>(&h, ca, &Empty).status,
-        NtStatus::SUCCESS
-    );
+    w.verb_succeeds::<v::CloseCa>(&h, ca);
     h.close();
     w.finish();
 }
@@ -304,10 +299,7 @@ fn a_handle_created_by_another_open_of_the_same_process_is_refused_before_the_mi
     }
     assert_eq!(process.space().locked_pages(), 0, "RegMr never reached it");
     // A's PD is intact: A deallocates it.
-    assert_eq!(
-        w.verb::<v::DeallocPd>(&a, pd_a, &Empty).status,
-        NtStatus::SUCCESS
-    );
+    w.verb_succeeds::<v::DeallocPd>(&a, pd_a);
     // Another process cannot use A's CA either.
     let other = Process::new(43);
     let c = w.open(&other, node);
@@ -337,10 +329,7 @@ fn header(handle: u64, private_in: u32, private_out: u32) -> Vec<u8> {
 
 #[test]
 fn malformed_buffers_of_every_verb_are_refused_with_a_clear_status() {
-    let w = World::new(34);
-    let node = w.interfaces()[0];
-    let process = Process::new(44);
-    let h = w.open(&process, node);
+    let (w, node, _process, h) = World::with_open(34, 44);
     let ca = open_ca(&w, &h);
     let hca = w.hca(node);
     let invalid = NtStatus::INVALID_PARAMETER;
@@ -426,10 +415,7 @@ fn malformed_buffers_of_every_verb_are_refused_with_a_clear_status() {
     assert_eq!(c.status, NtStatus::INVALID_DEVICE_REQUEST);
     // The one context this process opened is all the miniport has.
     assert_eq!(hca.user_context_count(), 1);
-    assert_eq!(
-        w.verb::<v::CloseCa>(&h, ca, &Empty).status,
-        NtStatus::SUCCESS
-    );
+    w.verb_succeeds::<v::CloseCa>(&h, ca);
     h.close();
     w.finish();
 }
@@ -553,10 +539,7 @@ fn a_process_dying_with_objects_open_on_both_hcas_leaves_nothing_locked_mapped_o
 
 #[test]
 fn requests_a_process_sends_while_the_hca_sleeps_complete_after_resume() {
-    let w = World::new(38);
-    let node = w.interfaces()[0];
-    let process = Process::new(50);
-    let h = w.open(&process, node);
+    let (w, _node, _process, h) = World::with_open(38, 50);
     let ca = open_ca(&w, &h);
     w.host
         .pnp()
@@ -581,14 +564,8 @@ fn requests_a_process_sends_while_the_hca_sleeps_complete_after_resume() {
     let pd = created::<v::AllocPd>(&pd.completion().expect("completed after resume"));
     assert_eq!(query.completion().unwrap().status, NtStatus::SUCCESS);
     // The proxy recorded the PD from the late answer: it is usable.
-    assert_eq!(
-        w.verb::<v::DeallocPd>(&h, pd, &Empty).status,
-        NtStatus::SUCCESS
-    );
-    assert_eq!(
-        w.verb::<v::CloseCa>(&h, ca, &Empty).status,
-        NtStatus::SUCCESS
-    );
+    w.verb_succeeds::<v::DeallocPd>(&h, pd);
+    w.verb_succeeds::<v::CloseCa>(&h, ca);
     h.close();
     w.finish();
 }
@@ -613,10 +590,7 @@ fn a_surprise_removed_hca_loses_its_interface_and_its_opens_fail_while_the_other
     let c = w.verb::<v::AllocPd>(&h_gone, ca_gone, &Empty);
     assert!(!c.status.is_success());
     let pd = alloc_pd(&w, &h_kept, ca_kept);
-    assert_eq!(
-        w.verb::<v::DeallocPd>(&h_kept, pd, &Empty).status,
-        NtStatus::SUCCESS
-    );
+    w.verb_succeeds::<v::DeallocPd>(&h_kept, pd);
     // The process exits: nothing stays locked or mapped anywhere.
     drop((h_gone, h_kept));
     assert_eq!(w.host.pnp().exit_process(&process), 0);

@@ -13,6 +13,8 @@
 //! verifier report empty.
 #![cfg(not(windows))]
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -23,7 +25,6 @@ use ib_types::interface::{GUID_IB_AL_DEVICE_INTERFACE, GUID_IB_AL_INTERFACE};
 use ib_types::ioctl::{QueryCa, decode_response};
 use ib_types::status::IbStatus;
 use ib_types::wc::WcStatus;
-use sim_hca::device::DeviceConfig;
 use sim_host::host::{Host, HostConfig};
 use sim_host::io_target::IoTargetState;
 use sim_host::pnp::DevNodeId;
@@ -35,6 +36,8 @@ use sim_shells::legacy_client::{
     Goodbye, HcaLink, LegacyClient, LegacyClientDriver, PORT_CLIENT_SERVICE, SERVICE, connect,
 };
 
+use support::{hca_configs_of, register_stack, settle};
+
 const HCAS: [u64; 2] = [0x0002_C900_0000_3000, 0x0002_C900_0000_4000];
 
 struct World {
@@ -44,29 +47,14 @@ struct World {
     clients: Vec<DevNodeId>,
 }
 
-fn settle(host: &Host) {
-    host.scheduler().run_until_idle(1_000_000).unwrap();
-    host.pnp().process_bus_relations();
-    host.scheduler().run_until_idle(1_000_000).unwrap();
-}
-
 /// Two HCAs with two ports each; `clients` legacy client devices, added
 /// after boot (the HCAs' interfaces exist when they start) or, with
 /// `before_boot`, before it (they learn of the HCAs by interface
 /// arrival).
 fn world(seed: u64, clients: u32, before_boot: bool) -> World {
-    let configs = HCAS
-        .iter()
-        .enumerate()
-        .map(|(i, guid)| {
-            let i = i as u8;
-            DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
-        })
-        .collect();
+    let configs = hca_configs_of(&HCAS, 0);
     let host = Host::new(HostConfig::deterministic(seed, configs)).unwrap();
-    let _log = sim_host::samples::register_stand_ins(&host);
-    MiniportDriver::register(&host, HcaConfig::default());
-    IbalBusDriver::register(&host);
+    register_stack(&host);
     let driver = LegacyClientDriver::register(&host);
     let mut nodes = Vec::new();
     if before_boot {
@@ -407,14 +395,7 @@ fn the_same_client_as_a_port_child_says_goodbye_whatever_the_order() {
         PowerOrder::Enumeration,
     ];
     for (seed, order) in (50..).zip(orders) {
-        let configs = HCAS
-            .iter()
-            .enumerate()
-            .map(|(i, guid)| {
-                let i = i as u8;
-                DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
-            })
-            .collect();
+        let configs = hca_configs_of(&HCAS, 0);
         let host = Host::new(HostConfig::deterministic(seed, configs)).unwrap();
         let _log = sim_host::samples::register_stand_ins(&host);
         MiniportDriver::register(&host, HcaConfig::default());

@@ -30,9 +30,7 @@ use al_support::*;
 fn creates_map_client_handles_to_fresh_ca_handles_and_destroys_free_them() {
     let f = Fixture::new();
     let a = f.open();
-    let pd = f.pd(a.id);
-    let cq = f.cq(a.id);
-    let qp = f.qp(a.id, pd, cq);
+    let (pd, cq, qp) = f.pd_cq_qp(a.id);
     let av = f.create::<CreateAv>(a.id, pd, &av_attr());
     let mr = f.create::<RegMr>(a.id, pd, &mr_register());
     assert_eq!(f.ca.live(), 5);
@@ -140,9 +138,7 @@ fn a_clients_handles_carry_its_tag_and_no_other_clients() {
 fn destroying_an_object_others_depend_on_is_busy() {
     let f = Fixture::new();
     let a = f.open();
-    let pd = f.pd(a.id);
-    let cq = f.cq(a.id);
-    let qp = f.qp(a.id, pd, cq);
+    let (pd, cq, qp) = f.pd_cq_qp(a.id);
     let busy = IbStatus::ResourceBusy.to_ntstatus();
     assert_eq!(f.call::<DeallocPd>(a.id, pd, &Empty).0, busy);
     assert_eq!(f.call::<DestroyCq>(a.id, cq, &Empty).0, busy);
@@ -189,9 +185,7 @@ fn ud_sends_name_the_clients_av_and_reach_the_cas() {
     let f = Fixture::new();
     let a = f.open();
     let b = f.open();
-    let pd = f.pd(a.id);
-    let cq = f.cq(a.id);
-    let qp = f.qp(a.id, pd, cq);
+    let (pd, _, qp) = f.pd_cq_qp(a.id);
     let av = f.create::<CreateAv>(a.id, pd, &av_attr());
     let pd_b = f.pd(b.id);
     let av_b = f.create::<CreateAv>(b.id, pd_b, &av_attr());
@@ -236,9 +230,7 @@ fn events_reach_only_the_owner_with_its_handle() {
     let f = Fixture::new();
     let a = f.open();
     let b = f.open();
-    let pd = f.pd(a.id);
-    let cq = f.cq(a.id);
-    let qp = f.qp(a.id, pd, cq);
+    let (_, cq, qp) = f.pd_cq_qp(a.id);
     let _cq_b = f.cq(b.id);
     // The CA's handles, as the CA's callbacks name them.
     let objects = f.ca.objects.lock().unwrap().clone();

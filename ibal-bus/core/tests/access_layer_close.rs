@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use driver_platform::{Event, Irql};
 use ib_types::cq::CqNotify;
@@ -33,9 +33,7 @@ fn close_destroys_what_the_client_left_open_in_dependency_order() {
     let f = Fixture::new();
     let a = f.open();
     let b = f.open();
-    let pd = f.pd(a.id);
-    let cq = f.cq(a.id);
-    let _qp = f.qp(a.id, pd, cq);
+    let (pd, _, _qp) = f.pd_cq_qp(a.id);
     let _av = f.create::<CreateAv>(a.id, pd, &av_attr());
     let _mr = f.create::<RegMr>(a.id, pd, &mr_register());
     let _lone_pd = f.pd(a.id);
@@ -91,14 +89,9 @@ fn close_waits_for_requests_in_flight_and_destroys_a_create_that_completes_meanw
     // Once closing, the client's direct calls and new requests are refused
     // (an arm is the probe: it changes nothing but the mock's log).
     let ca_handle = f.al.ca_handle(a.id).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while f.al.arm_cq(a.id, cq, CqNotify::NextCompletion).is_ok() {
-        assert!(
-            Instant::now() < deadline,
-            "the client never started closing"
-        );
-        thread::yield_now();
-    }
+    wait_until("the client never started closing", || {
+        f.al.arm_cq(a.id, cq, CqNotify::NextCompletion).is_err()
+    });
     assert_eq!(
         f.al.arm_cq(a.id, cq, CqNotify::NextCompletion),
         Err(IbStatus::InvalidAlHandle)

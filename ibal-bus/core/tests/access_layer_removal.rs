@@ -8,7 +8,6 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::thread;
-use std::time::{Duration, Instant};
 
 use driver_platform::{Event, Irql};
 use ib_types::cq::CqNotify;
@@ -25,11 +24,9 @@ fn close(f: &Fixture, client: &OpenClient) -> Result<(), IbStatus> {
 
 /// Waits (boundedly) until the mock CA holds `count` requests.
 fn until_held(f: &Fixture, count: usize) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while f.ca.held.lock().unwrap().len() < count {
-        assert!(Instant::now() < deadline, "the CA never got the request");
-        thread::yield_now();
-    }
+    wait_until("the CA never got the request", || {
+        f.ca.held.lock().unwrap().len() >= count
+    });
 }
 
 #[test]
@@ -37,9 +34,7 @@ fn after_removal_new_requests_end_at_once_and_those_at_the_ca_complete_once() {
     let f = Fixture::new();
     let a = f.open();
     let b = f.open();
-    let pd = f.pd(a.id);
-    let cq = f.cq(a.id);
-    let qp = f.qp(a.id, pd, cq);
+    let (pd, cq, qp) = f.pd_cq_qp(a.id);
     let ca_a = f.al.ca_handle(a.id).unwrap();
     // A create and a destroy already at the CA when it goes.
     f.ca.hold.store(true, Ordering::SeqCst);
@@ -115,9 +110,7 @@ fn after_removal_new_requests_end_at_once_and_those_at_the_ca_complete_once() {
 fn a_removal_during_close_stops_the_destroys_and_frees_the_rest_locally() {
     let f = Fixture::new();
     let a = f.open();
-    let pd = f.pd(a.id);
-    let cq = f.cq(a.id);
-    let _qp = f.qp(a.id, pd, cq);
+    f.pd_cq_qp(a.id);
     let ca_qp = f.ca.handles_of(ObjectKind::Qp)[0];
     // The QP's destroy is held at the CA and will be refused: after a
     // removal that is no orphan (the CA's objects went with it).
@@ -181,11 +174,7 @@ fn a_removal_racing_a_client_ends_every_request_once_and_sends_nothing_after_it(
                 .collect::<Vec<_>>()
         })
     };
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while issued.load(Ordering::SeqCst) < 20 {
-        assert!(Instant::now() < deadline, "the client stalled");
-        thread::yield_now();
-    }
+    wait_until("the client stalled", || issued.load(Ordering::SeqCst) >= 20);
     // Every request issued before the removal reached the CA; of those
     // issued after it, only the one in the middle of its submit at the
     // removal may have.
@@ -228,9 +217,7 @@ fn a_removal_racing_a_client_ends_every_request_once_and_sends_nothing_after_it(
 fn a_request_at_the_ca_that_fails_after_the_removal_ends_with_device_removed() {
     let f = Fixture::new();
     let a = f.open();
-    let pd = f.pd(a.id);
-    let cq = f.cq(a.id);
-    let qp = f.qp(a.id, pd, cq);
+    let (pd, _, qp) = f.pd_cq_qp(a.id);
     let ca_qp = f.ca.handles_of(ObjectKind::Qp)[0];
     // Two requests at the CA when it goes: one it fails (the gone device
     // did not answer it: here a refused destroy), one it answers.
@@ -272,14 +259,9 @@ fn a_close_after_the_removal_ends_requests_at_the_gone_ca_instead_of_waiting() {
             f.al.close(id, &AtIrql(Irql::PASSIVE), drained)
         })
     };
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !closer.is_finished() {
-        assert!(
-            Instant::now() < deadline,
-            "close waits for the gone CA to answer"
-        );
-        thread::yield_now();
-    }
+    wait_until("close waits for the gone CA to answer", || {
+        closer.is_finished()
+    });
     assert_eq!(closer.join().unwrap(), Ok(()));
     let (status, information, _) = stuck.lock().unwrap().take().expect("ended by the close");
     assert_eq!((status, information), (NtStatus::DEVICE_REMOVED, 0));

@@ -13,9 +13,8 @@ use hca_miniport_core::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, Sr
 use hca_miniport_core::hca::Hca;
 use hca_miniport_core::init::HcaConfig;
 use hca_miniport_core::verbs::qp::SendRequest;
-use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::ioctl::{Response, Verb, decode_response, encode_request, request_len};
-use ib_types::qp::{QpCaps, QpCreate, QpType};
+use ib_types::qp::{QpCreate, QpType};
 use ib_types::scalars::{PortNum, Qpn};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wr::SendWr;
@@ -290,22 +289,7 @@ pub(crate) fn plain_sends<'a>(wrs: &[SendWr<'a>]) -> Vec<SendRequest<'a>> {
 /// 8 WRs and one SGE each way, no inline data, no SRQ, no port, only
 /// signaled WRs completing.
 pub(crate) fn small_qp_create(qp_type: QpType, pd: u64, cq: u64) -> QpCreate {
-    QpCreate {
-        qp_type,
-        pd: PdHandle::from_raw(pd),
-        send_cq: CqHandle::from_raw(cq),
-        recv_cq: CqHandle::from_raw(cq),
-        srq: None,
-        caps: QpCaps {
-            max_send_wr: 8,
-            max_recv_wr: 8,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        sq_sig_all: false,
-        port: None,
-    }
+    sim_shells::rc_path::rc_qp_create(qp_type, pd, cq, 8)
 }
 
 /// The response of a completion, decoded; checks that the NTSTATUS agrees

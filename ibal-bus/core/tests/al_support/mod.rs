@@ -9,6 +9,8 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
 
 use driver_platform::{Event, Irql, IrqlQuery, Request, RequestorMode};
 use ib_types::av::AvAttr;
@@ -557,6 +559,23 @@ impl Fixture {
     pub(crate) fn qp(&self, client: ClientId, pd: u64, cq: u64) -> u64 {
         let ca = self.al.ca_handle(client).unwrap();
         self.create::<CreateQp>(client, ca, &qp_create(pd, cq))
+    }
+
+    /// A PD, a CQ and a QP on both of the client's: (PD, CQ, QP).
+    pub(crate) fn pd_cq_qp(&self, client: ClientId) -> (u64, u64, u64) {
+        let pd = self.pd(client);
+        let cq = self.cq(client);
+        (pd, cq, self.qp(client, pd, cq))
+    }
+}
+
+/// Waits (at most 5 s, yielding) until `done` holds; `never` says what
+/// never happened if it does not.
+pub(crate) fn wait_until(never: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !done() {
+        assert!(Instant::now() < deadline, "{never}");
+        thread::yield_now();
     }
 }
 
