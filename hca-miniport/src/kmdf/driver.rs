@@ -12,16 +12,18 @@ use core::ptr;
 // list), shared with the simulated shell.
 use hca_miniport_core::mr::MAX_DMA_TRANSFER;
 use ib_types::interface::{CiInterface, GUID_IB_CI_INTERFACE};
+use kmdf_platform::context::{install, object_attributes};
+use kmdf_platform::driver::create_driver;
 use wdk_sys::{
     _WDF_DMA_PROFILE, DRIVER_OBJECT, FALSE, FILE_64_BYTE_ALIGNMENT, GUID, LPGUID, NTSTATUS,
     PCUNICODE_STRING, PINTERFACE, PVOID, PWDFDEVICE_INIT, STATUS_NOT_SUPPORTED, STATUS_SUCCESS,
-    ULONG, WDF_DMA_ENABLER_CONFIG, WDF_DRIVER_CONFIG, WDF_NO_HANDLE, WDF_NO_OBJECT_ATTRIBUTES,
-    WDF_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS, WDF_QUERY_INTERFACE_CONFIG,
-    WDF_TIMER_CONFIG, WDF_WORKITEM_CONFIG, WDFDEVICE, WDFDMAENABLER, WDFDRIVER, WDFOBJECT,
-    WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
+    ULONG, WDF_DMA_ENABLER_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDF_OBJECT_ATTRIBUTES,
+    WDF_PNPPOWER_EVENT_CALLBACKS, WDF_QUERY_INTERFACE_CONFIG, WDF_TIMER_CONFIG,
+    WDF_WORKITEM_CONFIG, WDFDEVICE, WDFDMAENABLER, WDFDRIVER, WDFOBJECT, WDFTIMER, WDFWORKITEM,
+    call_unsafe_wdf_function_binding,
 };
 
-use super::context::{device_attributes, device_context, object_attributes, shell_of};
+use super::context::{device_attributes, shell_of};
 use super::device::{
     DeviceShell, evt_d0_entry, evt_d0_entry_post_interrupts, evt_d0_exit,
     evt_d0_exit_pre_interrupts, evt_prepare_hardware, evt_release_hardware, evt_surprise_removal,
@@ -50,23 +52,8 @@ pub unsafe extern "system" fn driver_entry(
     driver: &mut DRIVER_OBJECT,
     registry_path: PCUNICODE_STRING,
 ) -> NTSTATUS {
-    let mut config = WDF_DRIVER_CONFIG {
-        Size: size_of::<WDF_DRIVER_CONFIG>() as ULONG,
-        EvtDriverDeviceAdd: Some(evt_driver_device_add),
-        ..WDF_DRIVER_CONFIG::default()
-    };
-    let handle = WDF_NO_HANDLE as *mut WDFDRIVER;
     // SAFETY: the loader's driver object and registry path, once.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfDriverCreate,
-            driver as *mut DRIVER_OBJECT,
-            registry_path,
-            WDF_NO_OBJECT_ATTRIBUTES,
-            &mut config,
-            handle
-        )
-    }
+    unsafe { create_driver(driver, registry_path, Some(evt_driver_device_add)) }
 }
 
 /// `EvtDriverDeviceAdd`.
@@ -149,15 +136,15 @@ unsafe extern "C" fn evt_driver_device_add(
         Err(status) => return status,
     };
     let shell = Arc::new(DeviceShell::new(device, dma, work_item, timer));
-    // SAFETY: the device just created with a DeviceContext.
-    let context = unsafe { device_context(device) };
-    if context.is_null() {
+    // The interface's context: kept alive by the reference the device's
+    // context owns from here on.
+    let shell_ptr = Arc::as_ptr(&shell);
+    // SAFETY: the device just created with `device_attributes`; its zeroed
+    // context takes ownership of the reference (released by its cleanup
+    // callback).
+    if !unsafe { install(device as WDFOBJECT, shell) } {
         return STATUS_NOT_SUPPORTED;
     }
-    let shell_ptr = Arc::into_raw(shell);
-    // SAFETY: the zeroed context of the new device; it takes ownership of
-    // the reference (released by its cleanup callback).
-    unsafe { (*context).shell = shell_ptr };
 
     // SAFETY: the live device just created.
     let status = unsafe { create_queue(device) };

@@ -29,6 +29,7 @@ use alloc::boxed::Box;
 
 use driver_platform::{NtStatus, RequestorMode};
 use hca_miniport_core::verbs::{OnQueueStop, on_queue_stop};
+use kmdf_platform::request::WdfRequest;
 use wdk_sys::{
     _MODE, _WDF_IO_QUEUE_DISPATCH_TYPE, _WDF_TRI_STATE, FALSE, NTSTATUS, PVOID, TRUE, ULONG,
     USHORT, WDF_IO_QUEUE_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDF_REQUEST_PARAMETERS, WDFDEVICE,
@@ -36,7 +37,7 @@ use wdk_sys::{
 };
 
 use super::context::{RequestContext, request_context_attributes, shell_of, take_prepared};
-use super::platform::{WdfCaller, WdfRequest, current_process_id};
+use super::platform::{WdfCaller, current_process_id};
 
 /// `STATUS_DEVICE_NOT_READY`.
 const DEVICE_NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
@@ -96,7 +97,7 @@ unsafe extern "C" fn evt_io_device_control(
     // SAFETY: the queue's device is ours.
     let Some(hca) = unsafe { shell_of(device) }.and_then(|shell| shell.hca()) else {
         // SAFETY: the driver owns the delivered request.
-        unsafe { WdfRequest::complete_raw(request, DEVICE_NOT_READY) };
+        unsafe { WdfRequest::complete_raw(request, DEVICE_NOT_READY, 0) };
         return;
     };
     // SAFETY: the driver owns the delivered request.
@@ -118,7 +119,7 @@ unsafe extern "C" fn evt_io_device_control(
         (Ok(request), None) => hca.submit_request(request),
         // SAFETY: handed back unwrapped: still the driver's.
         (Err(request), _) => unsafe {
-            WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A))
+            WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A), 0)
         },
     }
 }
@@ -186,13 +187,13 @@ pub unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WD
         };
         if status < 0 {
             // SAFETY: the driver owns the request (callback contract).
-            unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32)) };
+            unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32), 0) };
             return;
         }
         if context.is_null() {
             // STATUS_INSUFFICIENT_RESOURCES.
             // SAFETY: as above.
-            unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A)) };
+            unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A), 0) };
             return;
         }
         // SAFETY: the framework allocated `size_of::<RequestContext>()`
@@ -230,6 +231,6 @@ pub unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WD
         unsafe { call_unsafe_wdf_function_binding!(WdfDeviceEnqueueRequest, device, request) };
     if status < 0 {
         // SAFETY: not enqueued, so still the driver's (see above).
-        unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32)) };
+        unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32), 0) };
     }
 }

@@ -45,11 +45,12 @@ use ib_types::wc::WorkCompletion;
 use ib_types::wr::Sge;
 use ib_types::wr_desc::{RecvWrDesc, SendWrDesc};
 use ibal_bus_core::al::ClientEvents;
+use kmdf_platform::event::{KeIrql, KernelEvent};
+use kmdf_platform::interface::{InterfaceOwner, interface_dereference, interface_reference};
 use wdk_sys::ntddk::{IofCallDriver, ObfDereferenceObject, ObfReferenceObject};
-use wdk_sys::{IRP, LONG, WDFOBJECT, call_unsafe_wdf_function_binding};
+use wdk_sys::{IRP, WDFDEVICE, call_unsafe_wdf_function_binding};
 
 use super::child::{ChildShell, OpenedClient};
-use super::platform::{KeIrql, KernelEvent};
 
 /// `STATUS_DEVICE_NOT_READY`.
 const NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
@@ -62,8 +63,8 @@ pub fn al_interface(shell: *const ChildShell, port: PortInterfaceDataAbi) -> AlI
             size: size_of::<AlInterface>() as u16,
             version: AL_INTERFACE_VERSION.packed(),
             context: shell.cast_mut().cast::<c_void>(),
-            interface_reference: Some(interface_reference),
-            interface_dereference: Some(interface_dereference),
+            interface_reference: Some(interface_reference::<ChildShell>),
+            interface_dereference: Some(interface_dereference::<ChildShell>),
         },
         port,
         open_al: Some(open_al),
@@ -97,49 +98,10 @@ unsafe fn child<'a>(context: *mut c_void) -> &'a ChildShell {
     unsafe { &*context.cast_const().cast::<ChildShell>() }
 }
 
-/// The file name the framework's reference tracking records.
-const REFERENCE_SOURCE: &core::ffi::CStr = c"ibal-bus/src/kmdf/al_interface.rs";
-
-/// `InterfaceReference`: pins the shell and the PDO. DISPATCH_LEVEL or
-/// below.
-unsafe extern "system" fn interface_reference(context: *mut c_void) {
-    let shell = context.cast_const().cast::<ChildShell>();
-    // SAFETY: `context` is an `Arc<ChildShell>` pointer kept alive by the
-    // PDO's context or an earlier reference; this takes one more.
-    unsafe { Arc::increment_strong_count(shell) };
-    // SAFETY: the shell is alive (just referenced).
-    let device = unsafe { (*shell).device };
-    // SAFETY: the PDO is alive while the framework hands out the interface
-    // or a consumer holds a reference; the tag pairs it with the
-    // dereference's.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfObjectReferenceActual,
-            device as WDFOBJECT,
-            context,
-            line!() as LONG,
-            REFERENCE_SOURCE.as_ptr()
-        )
-    };
-}
-
-/// `InterfaceDereference`: gives back what [`interface_reference`] took.
-unsafe extern "system" fn interface_dereference(context: *mut c_void) {
-    let shell = context.cast_const().cast::<ChildShell>();
-    // SAFETY: the consumer still holds the references this gives back.
-    let device = unsafe { (*shell).device };
-    // SAFETY: a reference `interface_reference` took, with its tag.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfObjectDereferenceActual,
-            device as WDFOBJECT,
-            context,
-            line!() as LONG,
-            REFERENCE_SOURCE.as_ptr()
-        )
-    };
-    // SAFETY: gives back the strong reference `interface_reference` took.
-    unsafe { Arc::decrement_strong_count(shell) };
+impl InterfaceOwner for ChildShell {
+    fn device(&self) -> WDFDEVICE {
+        self.device
+    }
 }
 
 /// A reference on a client's device object, released when dropped (the

@@ -43,14 +43,13 @@ use ib_types::wr_desc::{RecvWrDesc, SendWrDesc};
 use ibal_bus_core::al::{CaCompletion, CiRequests};
 use ibal_bus_core::ca_registry::check_version;
 use ibal_bus_core::ci::{CaEvents, CaIdentity, CiAccess, REQUIRED_CI_VERSION};
+use kmdf_platform::sync::SpinLock;
 use wdk_sys::ntddk::{IoAllocateIrp, IoFreeIrp};
 use wdk_sys::{
     FALSE, GUID, IRP_MJ_INTERNAL_DEVICE_CONTROL, NTSTATUS, PDEVICE_OBJECT, PINTERFACE, PIRP, PVOID,
     SL_INVOKE_ON_CANCEL, SL_INVOKE_ON_ERROR, SL_INVOKE_ON_SUCCESS, ULONG, WDFDEVICE,
     call_unsafe_wdf_function_binding,
 };
-
-use super::platform::SpinLock;
 
 /// `STATUS_MORE_PROCESSING_REQUIRED`: a completion routine keeps the IRP.
 const MORE_PROCESSING_REQUIRED: NTSTATUS = 0xC000_0016_u32 as NTSTATUS;

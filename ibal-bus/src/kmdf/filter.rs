@@ -45,17 +45,19 @@ use ibal_bus_core::children::{
     ChildEntry, ChildList, ChildSet, PortChild, port_children, read_child_list,
 };
 use ibal_bus_core::ci::{CaEvents, CiAccess, PortIdentity, ports_from_attributes};
+use kmdf_platform::context::{install, shell_attributes, shell_of};
+use kmdf_platform::driver::create_driver;
+use kmdf_platform::sync::{KernelSpinLock, SpinLock};
 use wdk_sys::{
     DRIVER_OBJECT, GUID, NTSTATUS, PCUNICODE_STRING, PWDFDEVICE_INIT, ULONG, WDF_CHILD_LIST_CONFIG,
-    WDF_DRIVER_CONFIG, WDF_NO_HANDLE, WDF_NO_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS,
-    WDF_POWER_DEVICE_STATE, WDFCMRESLIST, WDFDEVICE, WDFDRIVER, WDFOBJECT,
-    call_unsafe_wdf_function_binding,
+    WDF_NO_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS, WDF_POWER_DEVICE_STATE, WDFCMRESLIST,
+    WDFDEVICE, WDFDRIVER, WDFOBJECT, call_unsafe_wdf_function_binding,
 };
 
 use super::child::{ChildIdentification, evt_child_list_create_device};
 use super::ci::FfiCi;
-use super::context::{install, shell_attributes, shell_of};
-use super::platform::{KernelSpinLock, ParametersKey, SpinLock};
+
+use super::platform::ParametersKey;
 use super::proxy;
 
 /// The access layer over one bound CA.
@@ -108,23 +110,8 @@ pub unsafe extern "system" fn driver_entry(
     driver: &mut DRIVER_OBJECT,
     registry_path: PCUNICODE_STRING,
 ) -> NTSTATUS {
-    let mut config = WDF_DRIVER_CONFIG {
-        Size: size_of::<WDF_DRIVER_CONFIG>() as ULONG,
-        EvtDriverDeviceAdd: Some(evt_driver_device_add),
-        ..WDF_DRIVER_CONFIG::default()
-    };
-    let handle = WDF_NO_HANDLE as *mut WDFDRIVER;
     // SAFETY: the loader's driver object and registry path, once.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfDriverCreate,
-            driver as *mut DRIVER_OBJECT,
-            registry_path,
-            WDF_NO_OBJECT_ATTRIBUTES,
-            &mut config,
-            handle
-        )
-    }
+    unsafe { create_driver(driver, registry_path, Some(evt_driver_device_add)) }
 }
 
 /// `EvtDriverDeviceAdd`: the filter device on one HCA stack.

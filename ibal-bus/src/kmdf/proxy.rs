@@ -55,6 +55,9 @@ use ibal_bus_core::children::{ChildEntry, LIST_VALUE};
 use ibal_bus_core::proxy::{
     Checked, ChildEntryChange, Forwarded, IOCTL_IBAL_CHILD_ENTRY, OpenTable,
 };
+use kmdf_platform::context::{install, shell_attributes, shell_of, take};
+use kmdf_platform::request::WdfRequest;
+use kmdf_platform::sync::SpinLock;
 use wdk_sys::ntddk::{
     SeAccessCheck, SeCaptureSubjectContext, SeLockSubjectContext, SeReleaseSubjectContext,
     SeUnlockSubjectContext,
@@ -68,9 +71,9 @@ use wdk_sys::{
     WDFQUEUE, WDFREQUEST, call_unsafe_wdf_function_binding,
 };
 
-use super::context::{install, shell_attributes, shell_of, take};
 use super::filter::reconcile_every_filter;
-use super::platform::{ParametersKey, SpinLock, WdfRequest};
+
+use super::platform::ParametersKey;
 use crate::admin_check::{ADMINISTRATORS_ONLY, CHANGE_CHILD_LIST};
 
 /// The values of one entry's subkey (`ibal_bus_core::children`'s layout).
