@@ -12,6 +12,7 @@
 //! | `driver` | `create_driver`, all a `DriverEntry` does | `WdfDriverCreate` |
 //! | `sync` | `KernelSpinLock` (`lock_api::RawMutex`), `SpinLock<T>`, `try_at_dispatch`, `at_dispatch` | `KSPIN_LOCK`, `KeAcquireSpinLockRaiseToDpc`/`KeReleaseSpinLock`, `KeTryToAcquireSpinLockAtDpcLevel` |
 //! | `event` | `KeIrql` (`driver_platform::IrqlQuery`), `KernelEvent` (`driver_platform::Event`) | `KeGetCurrentIrql`; a notification `KEVENT` |
+//! | `queue` | `default_parallel_queue_config`, `create_queue` | `WDF_IO_QUEUE_CONFIG_INIT_DEFAULT_QUEUE`, `WdfIoQueueCreate` |
 //! | `request` | `WdfRequest` (`driver_platform::Request`) | a `WDFREQUEST` with METHOD_BUFFERED buffers |
 //! | `string` | `WideString` | a counted `UNICODE_STRING` over an owned UTF-16 buffer |
 //! | `context` | `ContextTypeInfo`, `declare_context_type!`, `ShellContext<T>` with `install`/`shell_of`/`take` and the cleanup callback, `object_attributes` | `WDF_DECLARE_CONTEXT_TYPE`, `WDF_OBJECT_ATTRIBUTES_INIT`, `WdfObjectGetTypedContextWorker` |
@@ -33,6 +34,8 @@ pub mod driver;
 pub mod event;
 #[cfg(windows)]
 pub mod interface;
+#[cfg(windows)]
+pub mod queue;
 #[cfg(windows)]
 pub mod request;
 #[cfg(windows)]

@@ -29,11 +29,11 @@ use alloc::boxed::Box;
 
 use driver_platform::{NtStatus, RequestorMode};
 use hca_miniport_core::verbs::{OnQueueStop, on_queue_stop};
+use kmdf_platform::queue::default_parallel_queue_config;
 use kmdf_platform::request::WdfRequest;
 use wdk_sys::{
-    _MODE, _WDF_IO_QUEUE_DISPATCH_TYPE, _WDF_TRI_STATE, FALSE, NTSTATUS, PVOID, TRUE, ULONG,
-    USHORT, WDF_IO_QUEUE_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDF_REQUEST_PARAMETERS, WDFDEVICE,
-    WDFOBJECT, WDFQUEUE, WDFREQUEST, call_unsafe_wdf_function_binding,
+    _MODE, FALSE, NTSTATUS, PVOID, ULONG, USHORT, WDF_IO_QUEUE_CONFIG, WDF_REQUEST_PARAMETERS,
+    WDFDEVICE, WDFOBJECT, WDFQUEUE, WDFREQUEST, call_unsafe_wdf_function_binding,
 };
 
 use super::context::{RequestContext, request_context_attributes, shell_of, take_prepared};
@@ -47,41 +47,14 @@ const DEVICE_NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
 /// # Safety
 /// `device` is the live device `EvtDriverDeviceAdd` just created.
 pub unsafe fn create_queue(device: WDFDEVICE) -> NTSTATUS {
-    let mut config = WDF_IO_QUEUE_CONFIG {
+    let config = WDF_IO_QUEUE_CONFIG {
         EvtIoDeviceControl: Some(evt_io_device_control),
         EvtIoInternalDeviceControl: Some(evt_io_device_control),
         EvtIoStop: Some(evt_io_stop),
         ..default_parallel_queue_config()
     };
-    let mut queue: WDFQUEUE = core::ptr::null_mut();
-    // SAFETY: a live device (caller); out pointer valid.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfIoQueueCreate,
-            device,
-            &mut config,
-            WDF_NO_OBJECT_ATTRIBUTES,
-            &mut queue
-        )
-    }
-}
-
-/// `WDF_IO_QUEUE_CONFIG_INIT_DEFAULT_QUEUE(&config,
-/// WdfIoQueueDispatchParallel)`: the size, power management left to the
-/// framework's default, the default queue, parallel dispatch with no
-/// limit on the requests presented at once. The limit is
-/// `Settings.Parallel.NumberOfPresentedRequests`, where 0 is not "no
-/// limit" but a queue that presents nothing; the macro sets `(ULONG)-1`.
-fn default_parallel_queue_config() -> WDF_IO_QUEUE_CONFIG {
-    let mut config = WDF_IO_QUEUE_CONFIG {
-        Size: size_of::<WDF_IO_QUEUE_CONFIG>() as ULONG,
-        PowerManaged: _WDF_TRI_STATE::WdfUseDefault,
-        DefaultQueue: TRUE as u8,
-        DispatchType: _WDF_IO_QUEUE_DISPATCH_TYPE::WdfIoQueueDispatchParallel,
-        ..WDF_IO_QUEUE_CONFIG::default()
-    };
-    config.Settings.Parallel.NumberOfPresentedRequests = ULONG::MAX;
-    config
+    // SAFETY: a live device (caller).
+    unsafe { kmdf_platform::queue::create_queue(device, config) }
 }
 
 /// `EvtIoDeviceControl` and `EvtIoInternalDeviceControl`.

@@ -44,13 +44,14 @@ use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::Sge;
 use ib_types::wr_desc::{RecvWrDesc, SendWrDesc};
-use ibal_bus_core::al::ClientEvents;
+use ibal_bus_core::al::{ClientEvents, ClientId};
 use kmdf_platform::event::{KeIrql, KernelEvent};
 use kmdf_platform::interface::{InterfaceOwner, interface_dereference, interface_reference};
 use wdk_sys::ntddk::{IofCallDriver, ObfDereferenceObject, ObfReferenceObject};
 use wdk_sys::{IRP, WDFDEVICE, call_unsafe_wdf_function_binding};
 
 use super::child::{ChildShell, OpenedClient};
+use super::filter::Al;
 
 /// `STATUS_DEVICE_NOT_READY`.
 const NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
@@ -257,40 +258,14 @@ unsafe extern "system" fn post_send(
     count: u32,
     posted: *mut u32,
 ) -> NtStatus {
-    // SAFETY: header context (consumer contract).
-    let shell = unsafe { child(context) };
-    // SAFETY: forwarded consumer contract.
-    let Some(descs) = (unsafe { descriptors(wrs, count) }) else {
-        return IbStatus::InvalidParameter.to_ntstatus();
-    };
-    if posted.is_null() {
-        return IbStatus::InvalidParameter.to_ntstatus();
-    }
-    let Some((al, client)) = shell.owner_of(qp) else {
-        // SAFETY: a valid out pointer (consumer contract).
-        unsafe { posted.write(0) };
-        return IbStatus::InvalidQpHandle.to_ntstatus();
-    };
-    let mut done = 0u32;
-    let mut status = IbStatus::Success;
-    // One WR at a time: no allocation and no batch on the stack.
-    for desc in descs {
+    let post_one = |al: &Al, client: ClientId, desc: &SendWrDesc| {
         // SAFETY: each descriptor's list is valid (consumer contract).
         let list = unsafe { sges(desc.sg_list, desc.num_sge) };
-        let Ok(wr) = desc.decode(list) else {
-            status = IbStatus::InvalidParameter;
-            break;
-        };
-        let (n, s) = al.post_send(client, qp, core::slice::from_ref(&wr));
-        done += n as u32;
-        if s != IbStatus::Success {
-            status = s;
-            break;
-        }
-    }
-    // SAFETY: a valid out pointer (consumer contract).
-    unsafe { posted.write(done) };
-    status.to_ntstatus()
+        let wr = desc.decode(list).ok()?;
+        Some(al.post_send(client, qp, core::slice::from_ref(&wr)))
+    };
+    // SAFETY: forwarded consumer contract.
+    unsafe { post_each(context, qp, wrs, count, posted, post_one) }
 }
 
 unsafe extern "system" fn post_recv(
@@ -299,6 +274,34 @@ unsafe extern "system" fn post_recv(
     wrs: *const RecvWrDesc,
     count: u32,
     posted: *mut u32,
+) -> NtStatus {
+    let post_one = |al: &Al, client: ClientId, desc: &RecvWrDesc| {
+        // SAFETY: each descriptor's list is valid (consumer contract).
+        let list = unsafe { sges(desc.sg_list, desc.num_sge) };
+        let wr = desc.decode(list).ok()?;
+        Some(al.post_recv(client, qp, core::slice::from_ref(&wr)))
+    };
+    // SAFETY: forwarded consumer contract.
+    unsafe { post_each(context, qp, wrs, count, posted, post_one) }
+}
+
+/// The body of `post_send` and `post_recv`: the `count` descriptors at
+/// `wrs` posted to `qp` one at a time (no allocation and no batch on the
+/// stack) by `post_one`, which decodes one and posts it (`None`: it does
+/// not decode); how many were posted goes to `posted`.
+///
+/// # Safety
+/// The entry points' consumer contract: `context` a header context made
+/// by [`al_interface`] whose consumer holds a reference, `wrs` `count`
+/// readable descriptors (or null with 0), `posted` a valid out pointer or
+/// null.
+unsafe fn post_each<D>(
+    context: *mut c_void,
+    qp: u64,
+    wrs: *const D,
+    count: u32,
+    posted: *mut u32,
+    post_one: impl Fn(&Al, ClientId, &D) -> Option<(usize, IbStatus)>,
 ) -> NtStatus {
     // SAFETY: header context (consumer contract).
     let shell = unsafe { child(context) };
@@ -317,13 +320,10 @@ unsafe extern "system" fn post_recv(
     let mut done = 0u32;
     let mut status = IbStatus::Success;
     for desc in descs {
-        // SAFETY: each descriptor's list is valid (consumer contract).
-        let list = unsafe { sges(desc.sg_list, desc.num_sge) };
-        let Ok(wr) = desc.decode(list) else {
+        let Some((n, s)) = post_one(&al, client, desc) else {
             status = IbStatus::InvalidParameter;
             break;
         };
-        let (n, s) = al.post_recv(client, qp, core::slice::from_ref(&wr));
         done += n as u32;
         if s != IbStatus::Success {
             status = s;

@@ -56,6 +56,7 @@ use ibal_bus_core::proxy::{
     Checked, ChildEntryChange, Forwarded, IOCTL_IBAL_CHILD_ENTRY, OpenTable,
 };
 use kmdf_platform::context::{install, shell_attributes, shell_of, take};
+use kmdf_platform::queue::default_parallel_queue_config;
 use kmdf_platform::request::WdfRequest;
 use kmdf_platform::sync::SpinLock;
 use wdk_sys::ntddk::{
@@ -63,12 +64,11 @@ use wdk_sys::ntddk::{
     SeUnlockSubjectContext,
 };
 use wdk_sys::{
-    _MODE, _WDF_FILEOBJECT_CLASS, _WDF_IO_QUEUE_DISPATCH_TYPE, _WDF_REQUEST_SEND_OPTIONS_FLAGS,
-    _WDF_REQUEST_TYPE, _WDF_TRI_STATE, ACCESS_MASK, GENERIC_MAPPING, NTSTATUS,
-    PWDF_REQUEST_COMPLETION_PARAMS, PWDFDEVICE_INIT, SECURITY_SUBJECT_CONTEXT, TRUE, ULONG, USHORT,
-    WDF_FILEOBJECT_CONFIG, WDF_IO_QUEUE_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDF_REQUEST_PARAMETERS,
-    WDF_REQUEST_SEND_OPTIONS, WDFCONTEXT, WDFDEVICE, WDFFILEOBJECT, WDFIOTARGET, WDFOBJECT,
-    WDFQUEUE, WDFREQUEST, call_unsafe_wdf_function_binding,
+    _MODE, _WDF_FILEOBJECT_CLASS, _WDF_REQUEST_SEND_OPTIONS_FLAGS, _WDF_REQUEST_TYPE,
+    _WDF_TRI_STATE, ACCESS_MASK, GENERIC_MAPPING, NTSTATUS, PWDF_REQUEST_COMPLETION_PARAMS,
+    PWDFDEVICE_INIT, SECURITY_SUBJECT_CONTEXT, TRUE, ULONG, USHORT, WDF_FILEOBJECT_CONFIG,
+    WDF_IO_QUEUE_CONFIG, WDF_REQUEST_PARAMETERS, WDF_REQUEST_SEND_OPTIONS, WDFCONTEXT, WDFDEVICE,
+    WDFFILEOBJECT, WDFIOTARGET, WDFOBJECT, WDFQUEUE, WDFREQUEST, call_unsafe_wdf_function_binding,
 };
 
 use super::filter::reconcile_every_filter;
@@ -143,28 +143,13 @@ pub unsafe fn configure(device_init: PWDFDEVICE_INIT) {
 /// # Safety
 /// `device` is the live filter device `EvtDriverDeviceAdd` just created.
 pub unsafe fn create_queue(device: WDFDEVICE) -> NTSTATUS {
-    let mut config = WDF_IO_QUEUE_CONFIG {
-        Size: size_of::<WDF_IO_QUEUE_CONFIG>() as ULONG,
+    let config = WDF_IO_QUEUE_CONFIG {
         PowerManaged: _WDF_TRI_STATE::WdfFalse,
-        DefaultQueue: TRUE as u8,
-        DispatchType: _WDF_IO_QUEUE_DISPATCH_TYPE::WdfIoQueueDispatchParallel,
         EvtIoDefault: Some(evt_io_default),
-        ..WDF_IO_QUEUE_CONFIG::default()
+        ..default_parallel_queue_config()
     };
-    // WDF_IO_QUEUE_CONFIG_INIT_DEFAULT_QUEUE: no limit (0 would present
-    // nothing).
-    config.Settings.Parallel.NumberOfPresentedRequests = ULONG::MAX;
-    let mut queue: WDFQUEUE = ptr::null_mut();
-    // SAFETY: a live device (caller); out pointer valid.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfIoQueueCreate,
-            device,
-            &mut config,
-            WDF_NO_OBJECT_ATTRIBUTES,
-            &mut queue
-        )
-    }
+    // SAFETY: a live device (caller).
+    unsafe { kmdf_platform::queue::create_queue(device, config) }
 }
 
 /// The device's local I/O target: the miniport below.
