@@ -36,3 +36,35 @@ pub unsafe fn create_driver(
         )
     }
 }
+
+/// The kernel types [`driver_entry!`](crate::driver_entry) names, for the
+/// shells that expand it.
+#[doc(hidden)]
+pub use wdk_sys::{
+    DRIVER_OBJECT as DriverObject, NTSTATUS as Status, PCUNICODE_STRING as RegistryPath,
+};
+
+/// Defines the image's `DriverEntry` (the symbol the kernel loader calls):
+/// [`create_driver`] with `$device_add` as `EvtDriverDeviceAdd`. Expanded
+/// once per driver image, in its shell.
+#[macro_export]
+macro_rules! driver_entry {
+    ($device_add:path) => {
+        /// `DriverEntry`: the framework driver object, with this driver's
+        /// `EvtDriverDeviceAdd`.
+        ///
+        /// # Safety
+        /// Called once by the I/O manager with its driver object and
+        /// registry path.
+        // SAFETY: "DriverEntry" is the symbol the kernel loader calls;
+        // nothing else in the image exports it.
+        #[unsafe(export_name = "DriverEntry")]
+        pub unsafe extern "system" fn driver_entry(
+            driver: &mut $crate::driver::DriverObject,
+            registry_path: $crate::driver::RegistryPath,
+        ) -> $crate::driver::Status {
+            // SAFETY: the loader's driver object and registry path, once.
+            unsafe { $crate::driver::create_driver(driver, registry_path, Some($device_add)) }
+        }
+    };
+}

@@ -9,11 +9,11 @@
 //!
 //! | module | what | Windows |
 //! |---|---|---|
-//! | `driver` | `create_driver`, all a `DriverEntry` does | `WdfDriverCreate` |
+//! | `driver` | `driver_entry!` (the image's exported `DriverEntry`), `create_driver` | `WdfDriverCreate` |
 //! | `sync` | `KernelSpinLock` (`lock_api::RawMutex`), `SpinLock<T>`, `try_at_dispatch`, `at_dispatch` | `KSPIN_LOCK`, `KeAcquireSpinLockRaiseToDpc`/`KeReleaseSpinLock`, `KeTryToAcquireSpinLockAtDpcLevel` |
 //! | `event` | `KeIrql` (`driver_platform::IrqlQuery`), `KernelEvent` (`driver_platform::Event`) | `KeGetCurrentIrql`; a notification `KEVENT` |
 //! | `queue` | `default_parallel_queue_config`, `create_queue` | `WDF_IO_QUEUE_CONFIG_INIT_DEFAULT_QUEUE`, `WdfIoQueueCreate` |
-//! | `request` | `WdfRequest` (`driver_platform::Request`) | a `WDFREQUEST` with METHOD_BUFFERED buffers |
+//! | `request` | `WdfRequest` (`driver_platform::Request`), `system_buffer` | a `WDFREQUEST` with METHOD_BUFFERED buffers (`WdfRequestRetrieveInputBuffer`/`OutputBuffer`) |
 //! | `string` | `WideString` | a counted `UNICODE_STRING` over an owned UTF-16 buffer |
 //! | `context` | `ContextTypeInfo`, `declare_context_type!`, `ShellContext<T>` with `install`/`shell_of`/`take` and the cleanup callback, `object_attributes` | `WDF_DECLARE_CONTEXT_TYPE`, `WDF_OBJECT_ATTRIBUTES_INIT`, `WdfObjectGetTypedContextWorker` |
 //! | `interface` | `interface_reference`/`interface_dereference` for an interface whose context is an `Arc` of a device's shell | `InterfaceReference`/`InterfaceDereference`, `WdfObjectReferenceActual`/`WdfObjectDereferenceActual` |

@@ -1,6 +1,7 @@
 //! A `WDFREQUEST` as the cores' `driver_platform::Request`.
 
 use alloc::vec::Vec;
+use core::ffi::c_void;
 use core::ptr;
 
 use driver_platform::{NtStatus, Request, RequestorMode};
@@ -41,48 +42,25 @@ impl WdfRequest {
         code: u32,
         mode: RequestorMode,
     ) -> Result<Self, WDFREQUEST> {
-        let mut input_ptr: *mut core::ffi::c_void = ptr::null_mut();
-        let mut input_len: usize = 0;
-        // SAFETY: `request` is live (caller); out pointers are valid.
-        let status = unsafe {
-            call_unsafe_wdf_function_binding!(
-                WdfRequestRetrieveInputBuffer,
-                request,
-                0,
-                &mut input_ptr,
-                &mut input_len
-            )
-        };
+        // SAFETY: `request` is live and METHOD_BUFFERED (caller).
+        let (input_ptr, input_len) = unsafe { system_buffer(request, Buffer::Input) };
         let mut input = Vec::new();
-        if status >= 0 && !input_ptr.is_null() {
+        if !input_ptr.is_null() {
             if input.try_reserve_exact(input_len).is_err() {
                 return Err(request);
             }
             // SAFETY: the framework returned `input_len` readable bytes.
-            let bytes = unsafe { core::slice::from_raw_parts(input_ptr.cast::<u8>(), input_len) };
+            let bytes = unsafe { core::slice::from_raw_parts(input_ptr, input_len) };
             input.extend_from_slice(bytes);
         }
-        let mut output_ptr: *mut core::ffi::c_void = ptr::null_mut();
-        let mut output_len: usize = 0;
         // SAFETY: as above.
-        let status = unsafe {
-            call_unsafe_wdf_function_binding!(
-                WdfRequestRetrieveOutputBuffer,
-                request,
-                0,
-                &mut output_ptr,
-                &mut output_len
-            )
-        };
-        if status < 0 || output_ptr.is_null() {
-            output_len = 0;
-        }
+        let (output_ptr, output_len) = unsafe { system_buffer(request, Buffer::Output) };
         Ok(Self {
             request,
             code,
             mode,
             input,
-            output: output_ptr.cast::<u8>(),
+            output: output_ptr,
             output_len,
         })
     }
@@ -103,6 +81,53 @@ impl WdfRequest {
             )
         };
     }
+}
+
+/// One of a request's METHOD_BUFFERED buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Buffer {
+    /// `WdfRequestRetrieveInputBuffer`.
+    Input,
+    /// `WdfRequestRetrieveOutputBuffer`.
+    Output,
+}
+
+/// The address and length of `request`'s `which` buffer (null and 0 when
+/// it has none). With METHOD_BUFFERED both are the one system buffer.
+///
+/// # Safety
+/// `request` is a live request the driver owns; the buffer is valid while
+/// it does.
+pub unsafe fn system_buffer(request: WDFREQUEST, which: Buffer) -> (*mut u8, usize) {
+    let mut buffer: *mut c_void = ptr::null_mut();
+    let mut length: usize = 0;
+    let status = match which {
+        // SAFETY: a live request (caller); out pointers valid; 0: any
+        // length.
+        Buffer::Input => unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfRequestRetrieveInputBuffer,
+                request,
+                0,
+                &mut buffer,
+                &mut length
+            )
+        },
+        // SAFETY: as above.
+        Buffer::Output => unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfRequestRetrieveOutputBuffer,
+                request,
+                0,
+                &mut buffer,
+                &mut length
+            )
+        },
+    };
+    if status < 0 || buffer.is_null() {
+        return (ptr::null_mut(), 0);
+    }
+    (buffer.cast::<u8>(), length)
 }
 
 impl Request for WdfRequest {

@@ -13,14 +13,12 @@ use core::ptr;
 use hca_miniport_core::mr::MAX_DMA_TRANSFER;
 use ib_types::interface::{CiInterface, GUID_IB_CI_INTERFACE};
 use kmdf_platform::context::{install, object_attributes};
-use kmdf_platform::driver::create_driver;
 use wdk_sys::{
-    _WDF_DMA_PROFILE, DRIVER_OBJECT, FALSE, FILE_64_BYTE_ALIGNMENT, GUID, LPGUID, NTSTATUS,
-    PCUNICODE_STRING, PINTERFACE, PVOID, PWDFDEVICE_INIT, STATUS_NOT_SUPPORTED, STATUS_SUCCESS,
-    ULONG, WDF_DMA_ENABLER_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDF_OBJECT_ATTRIBUTES,
-    WDF_PNPPOWER_EVENT_CALLBACKS, WDF_QUERY_INTERFACE_CONFIG, WDF_TIMER_CONFIG,
-    WDF_WORKITEM_CONFIG, WDFDEVICE, WDFDMAENABLER, WDFDRIVER, WDFOBJECT, WDFTIMER, WDFWORKITEM,
-    call_unsafe_wdf_function_binding,
+    _WDF_DMA_PROFILE, FALSE, FILE_64_BYTE_ALIGNMENT, GUID, LPGUID, NTSTATUS, PINTERFACE, PVOID,
+    PWDFDEVICE_INIT, STATUS_NOT_SUPPORTED, STATUS_SUCCESS, ULONG, WDF_DMA_ENABLER_CONFIG,
+    WDF_NO_OBJECT_ATTRIBUTES, WDF_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS,
+    WDF_QUERY_INTERFACE_CONFIG, WDF_TIMER_CONFIG, WDF_WORKITEM_CONFIG, WDFDEVICE, WDFDMAENABLER,
+    WDFDRIVER, WDFOBJECT, WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
 };
 
 use super::context::{device_attributes, shell_of};
@@ -40,21 +38,7 @@ use super::queue::{create_queue, evt_io_in_caller_context};
 /// aligned, are whole common buffers, which start on a page.
 const DMA_ALIGNMENT_REQUIREMENT: ULONG = FILE_64_BYTE_ALIGNMENT;
 
-/// `DriverEntry`.
-///
-/// # Safety
-/// Called once by the I/O manager with its driver object and registry
-/// path.
-// SAFETY: "DriverEntry" is the symbol the kernel loader calls; nothing else
-// in the image exports it.
-#[unsafe(export_name = "DriverEntry")]
-pub unsafe extern "system" fn driver_entry(
-    driver: &mut DRIVER_OBJECT,
-    registry_path: PCUNICODE_STRING,
-) -> NTSTATUS {
-    // SAFETY: the loader's driver object and registry path, once.
-    unsafe { create_driver(driver, registry_path, Some(evt_driver_device_add)) }
-}
+kmdf_platform::driver_entry!(evt_driver_device_add);
 
 /// `EvtDriverDeviceAdd`.
 unsafe extern "C" fn evt_driver_device_add(

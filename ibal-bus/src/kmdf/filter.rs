@@ -46,12 +46,11 @@ use ibal_bus_core::children::{
 };
 use ibal_bus_core::ci::{CaEvents, CiAccess, PortIdentity, ports_from_attributes};
 use kmdf_platform::context::{install, shell_attributes, shell_of};
-use kmdf_platform::driver::create_driver;
 use kmdf_platform::sync::{KernelSpinLock, SpinLock};
 use wdk_sys::{
-    DRIVER_OBJECT, GUID, NTSTATUS, PCUNICODE_STRING, PWDFDEVICE_INIT, ULONG, WDF_CHILD_LIST_CONFIG,
-    WDF_NO_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS, WDF_POWER_DEVICE_STATE, WDFCMRESLIST,
-    WDFDEVICE, WDFDRIVER, WDFOBJECT, call_unsafe_wdf_function_binding,
+    GUID, NTSTATUS, PWDFDEVICE_INIT, ULONG, WDF_CHILD_LIST_CONFIG, WDF_NO_OBJECT_ATTRIBUTES,
+    WDF_PNPPOWER_EVENT_CALLBACKS, WDF_POWER_DEVICE_STATE, WDFCMRESLIST, WDFDEVICE, WDFDRIVER,
+    WDFOBJECT, call_unsafe_wdf_function_binding,
 };
 
 use super::child::{ChildIdentification, evt_child_list_create_device};
@@ -98,21 +97,7 @@ pub fn reconcile_every_filter() {
     }
 }
 
-/// `DriverEntry`.
-///
-/// # Safety
-/// Called once by the I/O manager with its driver object and registry
-/// path.
-// SAFETY: "DriverEntry" is the symbol the kernel loader calls; nothing else
-// in the image exports it.
-#[unsafe(export_name = "DriverEntry")]
-pub unsafe extern "system" fn driver_entry(
-    driver: &mut DRIVER_OBJECT,
-    registry_path: PCUNICODE_STRING,
-) -> NTSTATUS {
-    // SAFETY: the loader's driver object and registry path, once.
-    unsafe { create_driver(driver, registry_path, Some(evt_driver_device_add)) }
-}
+kmdf_platform::driver_entry!(evt_driver_device_add);
 
 /// `EvtDriverDeviceAdd`: the filter device on one HCA stack.
 unsafe extern "C" fn evt_driver_device_add(

@@ -57,7 +57,7 @@ use ibal_bus_core::proxy::{
 };
 use kmdf_platform::context::{install, shell_attributes, shell_of, take};
 use kmdf_platform::queue::default_parallel_queue_config;
-use kmdf_platform::request::WdfRequest;
+use kmdf_platform::request::{Buffer, WdfRequest, system_buffer};
 use kmdf_platform::sync::SpinLock;
 use wdk_sys::ntddk::{
     SeAccessCheck, SeCaptureSubjectContext, SeLockSubjectContext, SeReleaseSubjectContext,
@@ -303,7 +303,7 @@ unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WDFREQ
     let is_admin = code == IOCTL_IBAL_CHILD_ENTRY.raw() && caller_is_administrator();
     // SAFETY: a live request the driver owns, in this callback.
     let checked = unsafe {
-        with_input(request, |input| {
+        with_buffer(request, Buffer::Input, |input| {
             open.table.lock().check(code, input, output_len, is_admin)
         })
     };
@@ -326,57 +326,21 @@ unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WDFREQ
     }
 }
 
-/// Runs `f` over the request's METHOD_BUFFERED input (empty when it has
-/// none), without copying it.
+/// Runs `f` over the request's METHOD_BUFFERED `which` buffer (empty
+/// when it has none), without copying it.
 ///
 /// # Safety
 /// `request` is a live request the driver owns, not sent or completed
 /// before `f` returns.
-unsafe fn with_input<R>(request: WDFREQUEST, f: impl FnOnce(&[u8]) -> R) -> R {
-    let mut buffer: *mut c_void = ptr::null_mut();
-    let mut length: usize = 0;
-    // SAFETY: a live request (caller); out pointers valid.
-    let status = unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfRequestRetrieveInputBuffer,
-            request,
-            0,
-            &mut buffer,
-            &mut length
-        )
-    };
-    if status < 0 || buffer.is_null() {
+unsafe fn with_buffer<R>(request: WDFREQUEST, which: Buffer, f: impl FnOnce(&[u8]) -> R) -> R {
+    // SAFETY: a live request (caller).
+    let (buffer, length) = unsafe { system_buffer(request, which) };
+    if buffer.is_null() {
         return f(&[]);
     }
     // SAFETY: the framework returned `length` readable bytes of the system
     // buffer, which stays while the driver owns the request (caller).
-    f(unsafe { core::slice::from_raw_parts(buffer.cast::<u8>(), length) })
-}
-
-/// Runs `f` over the request's METHOD_BUFFERED output buffer (empty when
-/// it has none).
-///
-/// # Safety
-/// `request` is a live request the driver owns.
-unsafe fn with_output<R>(request: WDFREQUEST, f: impl FnOnce(&[u8]) -> R) -> R {
-    let mut buffer: *mut c_void = ptr::null_mut();
-    let mut length: usize = 0;
-    // SAFETY: a live request (caller); out pointers valid.
-    let status = unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfRequestRetrieveOutputBuffer,
-            request,
-            0,
-            &mut buffer,
-            &mut length
-        )
-    };
-    if status < 0 || buffer.is_null() {
-        return f(&[]);
-    }
-    // SAFETY: the framework returned `length` bytes of the system buffer,
-    // which stays while the driver owns the request (caller).
-    f(unsafe { core::slice::from_raw_parts(buffer.cast::<u8>(), length) })
+    f(unsafe { core::slice::from_raw_parts(buffer, length) })
 }
 
 /// Sends an accepted verb down at once, in the caller's thread, with the
@@ -439,7 +403,7 @@ unsafe extern "C" fn evt_verb_completed(
     let status = NtStatus::from_raw(status as u32);
     // SAFETY: as above.
     let answered = unsafe {
-        with_output(request, |output| {
+        with_buffer(request, Buffer::Output, |output| {
             in_flight
                 .open
                 .table
