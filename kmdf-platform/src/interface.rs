@@ -2,12 +2,17 @@
 //! `InterfaceReference`/`InterfaceDereference`) whose context is the
 //! pointer of an `Arc` of a device's shell state: each reference pins the
 //! shell (a strong count) and the device object (a tagged WDF object
-//! reference), so neither goes while a consumer holds the interface.
+//! reference), so neither goes while a consumer holds the interface. And
+//! the registration of an interface with the framework
+//! ([`add_query_interface`]).
 
 use alloc::sync::Arc;
 use core::ffi::{CStr, c_void};
 
-use wdk_sys::{LONG, WDFDEVICE, WDFOBJECT, call_unsafe_wdf_function_binding};
+use wdk_sys::{
+    FALSE, GUID, LONG, NTSTATUS, PFN_WDF_DEVICE_PROCESS_QUERY_INTERFACE_REQUEST, PINTERFACE, TRUE,
+    ULONG, WDF_QUERY_INTERFACE_CONFIG, WDFDEVICE, WDFOBJECT, call_unsafe_wdf_function_binding,
+};
 
 /// Shell state an interface's context points at.
 pub trait InterfaceOwner: Send + Sync + 'static {
@@ -68,4 +73,35 @@ pub unsafe extern "system" fn interface_dereference<T: InterfaceOwner>(context: 
     // SAFETY: gives back the strong reference `interface_reference` took;
     // nothing touches the shell after it.
     unsafe { Arc::decrement_strong_count(shell) };
+}
+
+/// `WdfDeviceAddQueryInterface`: `device` answers `IRP_MN_QUERY_INTERFACE`
+/// for `guid` with a copy of `interface` (the framework copies the
+/// structure at registration, and copies it again to each requester after
+/// `process`, if any, accepted it), or forwards the query to the parent's
+/// stack when `send_to_parent` (then only the header is read). Not an
+/// import: the framework calls the table's `InterfaceReference`.
+///
+/// # Safety
+/// `device` is a live device, in its add-device or child-creation
+/// callback; `interface` points at an `INTERFACE`-headed structure as long
+/// as its header's `Size` says, valid for the call.
+pub unsafe fn add_query_interface(
+    device: WDFDEVICE,
+    interface: PINTERFACE,
+    guid: *const GUID,
+    send_to_parent: bool,
+    process: PFN_WDF_DEVICE_PROCESS_QUERY_INTERFACE_REQUEST,
+) -> NTSTATUS {
+    let mut config = WDF_QUERY_INTERFACE_CONFIG {
+        Size: size_of::<WDF_QUERY_INTERFACE_CONFIG>() as ULONG,
+        Interface: interface,
+        InterfaceType: guid,
+        SendQueryToParentStack: if send_to_parent { TRUE } else { FALSE } as u8,
+        EvtDeviceProcessQueryInterfaceRequest: process,
+        ImportInterface: FALSE as u8,
+    };
+    // SAFETY: a live device; the config and the interface are valid for
+    // the call (caller).
+    unsafe { call_unsafe_wdf_function_binding!(WdfDeviceAddQueryInterface, device, &mut config) }
 }

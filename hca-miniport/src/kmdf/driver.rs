@@ -13,12 +13,13 @@ use core::ptr;
 use hca_miniport_core::mr::MAX_DMA_TRANSFER;
 use ib_types::interface::{CiInterface, GUID_IB_CI_INTERFACE};
 use kmdf_platform::context::{install, object_attributes};
+use kmdf_platform::interface::add_query_interface;
 use wdk_sys::{
     _WDF_DMA_PROFILE, FALSE, FILE_64_BYTE_ALIGNMENT, GUID, LPGUID, NTSTATUS, PINTERFACE, PVOID,
     PWDFDEVICE_INIT, STATUS_NOT_SUPPORTED, STATUS_SUCCESS, ULONG, WDF_DMA_ENABLER_CONFIG,
     WDF_NO_OBJECT_ATTRIBUTES, WDF_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS,
-    WDF_QUERY_INTERFACE_CONFIG, WDF_TIMER_CONFIG, WDF_WORKITEM_CONFIG, WDFDEVICE, WDFDMAENABLER,
-    WDFDRIVER, WDFOBJECT, WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
+    WDF_TIMER_CONFIG, WDF_WORKITEM_CONFIG, WDFDEVICE, WDFDMAENABLER, WDFDRIVER, WDFOBJECT,
+    WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
 };
 
 use super::context::{device_attributes, shell_of};
@@ -222,16 +223,16 @@ fn register_ci_interface(device: WDFDEVICE, shell: *const DeviceShell) -> NTSTAT
     // in non-paged pool for the call.
     let mut table: Box<CiInterface> = Box::new(ci_interface(shell));
     let guid: *const GUID = &CI_INTERFACE_GUID;
-    let mut config = WDF_QUERY_INTERFACE_CONFIG {
-        Size: size_of::<WDF_QUERY_INTERFACE_CONFIG>() as ULONG,
-        Interface: ptr::addr_of_mut!(table.header).cast::<c_void>() as PINTERFACE,
-        InterfaceType: guid,
-        SendQueryToParentStack: FALSE as u8,
-        EvtDeviceProcessQueryInterfaceRequest: Some(evt_process_query_interface),
-        ImportInterface: FALSE as u8,
-    };
-    // SAFETY: a live device; the config and table are valid for the call.
-    unsafe { call_unsafe_wdf_function_binding!(WdfDeviceAddQueryInterface, device, &mut config) }
+    // SAFETY: a live device; the table is valid for the call.
+    unsafe {
+        add_query_interface(
+            device,
+            ptr::addr_of_mut!(table.header).cast::<c_void>() as PINTERFACE,
+            guid,
+            false,
+            Some(evt_process_query_interface),
+        )
+    }
 }
 
 /// `EvtDeviceProcessQueryInterfaceRequest`: refuses a requester whose
