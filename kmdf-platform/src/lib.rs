@@ -16,6 +16,7 @@
 //! | `request` | `WdfRequest` (`driver_platform::Request`), `system_buffer` | a `WDFREQUEST` with METHOD_BUFFERED buffers (`WdfRequestRetrieveInputBuffer`/`OutputBuffer`) |
 //! | `string` | `WideString` | a counted `UNICODE_STRING` over an owned UTF-16 buffer |
 //! | `context` | `ContextTypeInfo`, `declare_context_type!`, `ShellContext<T>` with `install`/`shell_of`/`take` and the cleanup callback, `object_attributes` | `WDF_DECLARE_CONTEXT_TYPE`, `WDF_OBJECT_ATTRIBUTES_INIT`, `WdfObjectGetTypedContextWorker` |
+//! | `ffi` | `slice_or_empty`, `slice_checked`: a client's (pointer, count) arrays as slices | — |
 //! | `interface` | `interface_reference`/`interface_dereference` for an interface whose context is an `Arc` of a device's shell; `add_query_interface` | `InterfaceReference`/`InterfaceDereference`, `WdfObjectReferenceActual`/`WdfObjectDereferenceActual`; `WdfDeviceAddQueryInterface` |
 //!
 //! Rules: every `unsafe` block holds one unsafe operation and carries a
@@ -32,6 +33,8 @@ pub mod context;
 pub mod driver;
 #[cfg(windows)]
 pub mod event;
+#[cfg(windows)]
+pub mod ffi;
 #[cfg(windows)]
 pub mod interface;
 #[cfg(windows)]

@@ -47,8 +47,9 @@ use ib_types::interface::{
 use ib_types::scalars::NodeGuid;
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
-use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
+use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr};
 use ib_types::wr_desc::{RecvWrDesc, SendWrDesc};
+use kmdf_platform::ffi::slice_or_empty;
 use kmdf_platform::interface::{InterfaceOwner, interface_dereference, interface_reference};
 use wdk_sys::ntddk::IofCallDriver;
 use wdk_sys::{IRP, WDFDEVICE, call_unsafe_wdf_function_binding};
@@ -267,18 +268,6 @@ impl SubmitRoute<CiIrp> for DeviceObjectRoute {
     }
 }
 
-/// The SGEs a descriptor designates.
-///
-/// # Safety
-/// `sg_list` is valid for `num_sge` entries (consumer contract).
-unsafe fn sges<'a>(sg_list: *const Sge, num_sge: u32) -> &'a [Sge] {
-    if sg_list.is_null() || num_sge == 0 {
-        return &[];
-    }
-    // SAFETY: forwarded from the caller.
-    unsafe { core::slice::from_raw_parts(sg_list, num_sge as usize) }
-}
-
 unsafe extern "system" fn post_send(
     context: *mut c_void,
     qp: u64,
@@ -307,7 +296,7 @@ unsafe extern "system" fn post_send(
         let mut refusal = None;
         for desc in chunk {
             // SAFETY: each descriptor's list is valid (consumer contract).
-            let list = unsafe { sges(desc.sg_list, desc.num_sge) };
+            let list = unsafe { slice_or_empty(desc.sg_list, desc.num_sge) };
             match desc.decode(list) {
                 Ok(wr) => {
                     wrs[ready] = wr;
@@ -366,7 +355,7 @@ unsafe fn post_receives(
         let mut refusal = None;
         for desc in chunk {
             // SAFETY: forwarded from the caller.
-            let list = unsafe { sges(desc.sg_list, desc.num_sge) };
+            let list = unsafe { slice_or_empty(desc.sg_list, desc.num_sge) };
             match desc.decode(list) {
                 Ok(wr) => {
                     batch[ready] = wr;

@@ -42,10 +42,10 @@ use ib_types::interface::{
 };
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
-use ib_types::wr::Sge;
 use ib_types::wr_desc::{RecvWrDesc, SendWrDesc};
 use ibal_bus_core::al::{ClientEvents, ClientId};
 use kmdf_platform::event::{KeIrql, KernelEvent};
+use kmdf_platform::ffi::{slice_checked, slice_or_empty};
 use kmdf_platform::interface::{InterfaceOwner, interface_dereference, interface_reference};
 use wdk_sys::ntddk::{IofCallDriver, ObfDereferenceObject, ObfReferenceObject};
 use wdk_sys::{IRP, WDFDEVICE, call_unsafe_wdf_function_binding};
@@ -224,33 +224,6 @@ unsafe extern "system" fn submit(context: *mut c_void, request: *mut c_void) -> 
     NtStatus::from_raw(status as u32)
 }
 
-/// The SGEs a descriptor designates.
-///
-/// # Safety
-/// `sg_list` is valid for `num_sge` entries (consumer contract).
-unsafe fn sges<'a>(sg_list: *const Sge, num_sge: u32) -> &'a [Sge] {
-    if sg_list.is_null() || num_sge == 0 {
-        return &[];
-    }
-    // SAFETY: forwarded from the caller.
-    unsafe { core::slice::from_raw_parts(sg_list, num_sge as usize) }
-}
-
-/// The descriptors at `descs`, or `None` for a null array with a count.
-///
-/// # Safety
-/// `descs` is valid for `count` descriptors (consumer contract).
-unsafe fn descriptors<'a, T>(descs: *const T, count: u32) -> Option<&'a [T]> {
-    if count == 0 {
-        return Some(&[]);
-    }
-    if descs.is_null() {
-        return None;
-    }
-    // SAFETY: forwarded from the caller.
-    Some(unsafe { core::slice::from_raw_parts(descs, count as usize) })
-}
-
 unsafe extern "system" fn post_send(
     context: *mut c_void,
     qp: u64,
@@ -260,7 +233,7 @@ unsafe extern "system" fn post_send(
 ) -> NtStatus {
     let post_one = |al: &Al, client: ClientId, desc: &SendWrDesc| {
         // SAFETY: each descriptor's list is valid (consumer contract).
-        let list = unsafe { sges(desc.sg_list, desc.num_sge) };
+        let list = unsafe { slice_or_empty(desc.sg_list, desc.num_sge) };
         let wr = desc.decode(list).ok()?;
         Some(al.post_send(client, qp, core::slice::from_ref(&wr)))
     };
@@ -277,7 +250,7 @@ unsafe extern "system" fn post_recv(
 ) -> NtStatus {
     let post_one = |al: &Al, client: ClientId, desc: &RecvWrDesc| {
         // SAFETY: each descriptor's list is valid (consumer contract).
-        let list = unsafe { sges(desc.sg_list, desc.num_sge) };
+        let list = unsafe { slice_or_empty(desc.sg_list, desc.num_sge) };
         let wr = desc.decode(list).ok()?;
         Some(al.post_recv(client, qp, core::slice::from_ref(&wr)))
     };
@@ -306,7 +279,7 @@ unsafe fn post_each<D>(
     // SAFETY: header context (consumer contract).
     let shell = unsafe { child(context) };
     // SAFETY: forwarded consumer contract.
-    let Some(descs) = (unsafe { descriptors(wrs, count) }) else {
+    let Some(descs) = (unsafe { slice_checked(wrs, count) }) else {
         return IbStatus::InvalidParameter.to_ntstatus();
     };
     if posted.is_null() {
