@@ -9,6 +9,7 @@
 //!
 //! | module | what | Windows |
 //! |---|---|---|
+//! | `device` | `pnp_power_callbacks`, `set_pnp_power_callbacks` | `WDF_PNPPOWER_EVENT_CALLBACKS_INIT`, `WdfDeviceInitSetPnpPowerEventCallbacks` |
 //! | `driver` | `driver_entry!` (the image's exported `DriverEntry`), `create_driver` | `WdfDriverCreate` |
 //! | `sync` | `KernelSpinLock` (`lock_api::RawMutex`), `SpinLock<T>`, `try_at_dispatch`, `at_dispatch` | `KSPIN_LOCK`, `KeAcquireSpinLockRaiseToDpc`/`KeReleaseSpinLock`, `KeTryToAcquireSpinLockAtDpcLevel` |
 //! | `event` | `KeIrql` (`driver_platform::IrqlQuery`), `KernelEvent` (`driver_platform::Event`) | `KeGetCurrentIrql`; a notification `KEVENT` |
@@ -29,6 +30,8 @@ extern crate alloc;
 
 #[cfg(windows)]
 pub mod context;
+#[cfg(windows)]
+pub mod device;
 #[cfg(windows)]
 pub mod driver;
 #[cfg(windows)]

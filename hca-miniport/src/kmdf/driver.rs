@@ -13,6 +13,7 @@ use core::ptr;
 use hca_miniport_core::mr::MAX_DMA_TRANSFER;
 use ib_types::interface::{CiInterface, GUID_IB_CI_INTERFACE};
 use kmdf_platform::context::{install, object_attributes};
+use kmdf_platform::device::{pnp_power_callbacks, set_pnp_power_callbacks};
 use kmdf_platform::interface::add_query_interface;
 use wdk_sys::{
     _WDF_DMA_PROFILE, FALSE, FILE_64_BYTE_ALIGNMENT, GUID, LPGUID, NTSTATUS, PINTERFACE, PVOID,
@@ -46,8 +47,7 @@ unsafe extern "C" fn evt_driver_device_add(
     _driver: WDFDRIVER,
     mut device_init: PWDFDEVICE_INIT,
 ) -> NTSTATUS {
-    let mut pnp = WDF_PNPPOWER_EVENT_CALLBACKS {
-        Size: size_of::<WDF_PNPPOWER_EVENT_CALLBACKS>() as ULONG,
+    let pnp = WDF_PNPPOWER_EVENT_CALLBACKS {
         EvtDevicePrepareHardware: Some(evt_prepare_hardware),
         EvtDeviceReleaseHardware: Some(evt_release_hardware),
         EvtDeviceD0Entry: Some(evt_d0_entry),
@@ -55,16 +55,10 @@ unsafe extern "C" fn evt_driver_device_add(
         EvtDeviceD0ExitPreInterruptsDisabled: Some(evt_d0_exit_pre_interrupts),
         EvtDeviceD0Exit: Some(evt_d0_exit),
         EvtDeviceSurpriseRemoval: Some(evt_surprise_removal),
-        ..WDF_PNPPOWER_EVENT_CALLBACKS::default()
+        ..pnp_power_callbacks()
     };
     // SAFETY: the framework's live init structure, before WdfDeviceCreate.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfDeviceInitSetPnpPowerEventCallbacks,
-            device_init,
-            &mut pnp
-        )
-    };
+    unsafe { set_pnp_power_callbacks(device_init, pnp) };
 
     // User-mode requests pass through the caller's context first, where
     // their process is recorded (`queue::evt_io_in_caller_context`).

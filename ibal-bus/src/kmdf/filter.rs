@@ -46,6 +46,7 @@ use ibal_bus_core::children::{
 };
 use ibal_bus_core::ci::{CaEvents, CiAccess, PortIdentity, ports_from_attributes};
 use kmdf_platform::context::{install, shell_attributes, shell_of};
+use kmdf_platform::device::{pnp_power_callbacks, set_pnp_power_callbacks};
 use kmdf_platform::sync::{KernelSpinLock, SpinLock};
 use wdk_sys::{
     GUID, NTSTATUS, PWDFDEVICE_INIT, ULONG, WDF_CHILD_LIST_CONFIG, WDF_NO_OBJECT_ATTRIBUTES,
@@ -107,22 +108,15 @@ unsafe extern "C" fn evt_driver_device_add(
     // SAFETY: the framework's live init structure, before WdfDeviceCreate.
     unsafe { call_unsafe_wdf_function_binding!(WdfFdoInitSetFilter, device_init) };
 
-    let mut pnp = WDF_PNPPOWER_EVENT_CALLBACKS {
-        Size: size_of::<WDF_PNPPOWER_EVENT_CALLBACKS>() as ULONG,
+    let pnp = WDF_PNPPOWER_EVENT_CALLBACKS {
         EvtDevicePrepareHardware: Some(evt_prepare_hardware),
         EvtDeviceReleaseHardware: Some(evt_release_hardware),
         EvtDeviceD0Entry: Some(evt_d0_entry),
         EvtDeviceSelfManagedIoInit: Some(evt_self_managed_io_init),
-        ..WDF_PNPPOWER_EVENT_CALLBACKS::default()
+        ..pnp_power_callbacks()
     };
     // SAFETY: the framework's live init structure, before WdfDeviceCreate.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfDeviceInitSetPnpPowerEventCallbacks,
-            device_init,
-            &mut pnp
-        )
-    };
+    unsafe { set_pnp_power_callbacks(device_init, pnp) };
 
     // WDF_CHILD_LIST_CONFIG_INIT: the identification description is
     // compared byte for byte (no compare callback), so it has no padding
