@@ -1,5 +1,6 @@
 //! `cargo xtask wdk-check`: type-checks and lints every KMDF shell
-//! (`hca-miniport`, `ibal-bus`) for `x86_64-pc-windows-msvc` on Linux.
+//! (`hca-miniport`, `ibal-bus`) and the code they share (`kmdf-platform`)
+//! for `x86_64-pc-windows-msvc` on Linux.
 //!
 //! The real windows-drivers-rs build runs — `wdk-sys`'s build script
 //! (bindgen over the kernel and KMDF headers, its C shim), the shells'
@@ -39,8 +40,8 @@ use std::process::{Command, ExitCode};
 
 /// The target the KMDF shells are built for.
 pub(crate) const TARGET: &str = "x86_64-pc-windows-msvc";
-/// Every KMDF shell crate.
-const SHELLS: [&str; 2] = ["hca-miniport", "ibal-bus"];
+/// Every KMDF crate: the code the shells share, then the shells.
+const SHELLS: [&str; 3] = ["kmdf-platform", "hca-miniport", "ibal-bus"];
 /// The Windows SDK version directory of the stand-in WDK (any valid one).
 const WDK_VERSION: &str = "10.0.99999.0";
 /// The KMDF version windows-drivers-rs supports from crates.io.

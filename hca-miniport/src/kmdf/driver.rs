@@ -12,16 +12,18 @@ use core::ptr;
 // list), shared with the simulated shell.
 use hca_miniport_core::mr::MAX_DMA_TRANSFER;
 use ib_types::interface::{CiInterface, GUID_IB_CI_INTERFACE};
+use kmdf_platform::context::{install, object_attributes};
+use kmdf_platform::device::{pnp_power_callbacks, set_pnp_power_callbacks};
+use kmdf_platform::interface::add_query_interface;
 use wdk_sys::{
-    _WDF_DMA_PROFILE, DRIVER_OBJECT, FALSE, FILE_64_BYTE_ALIGNMENT, GUID, LPGUID, NTSTATUS,
-    PCUNICODE_STRING, PINTERFACE, PVOID, PWDFDEVICE_INIT, STATUS_NOT_SUPPORTED, STATUS_SUCCESS,
-    ULONG, WDF_DMA_ENABLER_CONFIG, WDF_DRIVER_CONFIG, WDF_NO_HANDLE, WDF_NO_OBJECT_ATTRIBUTES,
-    WDF_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS, WDF_QUERY_INTERFACE_CONFIG,
+    _WDF_DMA_PROFILE, FALSE, FILE_64_BYTE_ALIGNMENT, GUID, LPGUID, NTSTATUS, PINTERFACE, PVOID,
+    PWDFDEVICE_INIT, STATUS_NOT_SUPPORTED, STATUS_SUCCESS, ULONG, WDF_DMA_ENABLER_CONFIG,
+    WDF_NO_OBJECT_ATTRIBUTES, WDF_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS,
     WDF_TIMER_CONFIG, WDF_WORKITEM_CONFIG, WDFDEVICE, WDFDMAENABLER, WDFDRIVER, WDFOBJECT,
     WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
 };
 
-use super::context::{device_attributes, device_context, object_attributes, shell_of};
+use super::context::{device_attributes, shell_of};
 use super::device::{
     DeviceShell, evt_d0_entry, evt_d0_entry_post_interrupts, evt_d0_exit,
     evt_d0_exit_pre_interrupts, evt_prepare_hardware, evt_release_hardware, evt_surprise_removal,
@@ -38,44 +40,14 @@ use super::queue::{create_queue, evt_io_in_caller_context};
 /// aligned, are whole common buffers, which start on a page.
 const DMA_ALIGNMENT_REQUIREMENT: ULONG = FILE_64_BYTE_ALIGNMENT;
 
-/// `DriverEntry`.
-///
-/// # Safety
-/// Called once by the I/O manager with its driver object and registry
-/// path.
-// SAFETY: "DriverEntry" is the symbol the kernel loader calls; nothing else
-// in the image exports it.
-#[unsafe(export_name = "DriverEntry")]
-pub unsafe extern "system" fn driver_entry(
-    driver: &mut DRIVER_OBJECT,
-    registry_path: PCUNICODE_STRING,
-) -> NTSTATUS {
-    let mut config = WDF_DRIVER_CONFIG {
-        Size: size_of::<WDF_DRIVER_CONFIG>() as ULONG,
-        EvtDriverDeviceAdd: Some(evt_driver_device_add),
-        ..WDF_DRIVER_CONFIG::default()
-    };
-    let handle = WDF_NO_HANDLE as *mut WDFDRIVER;
-    // SAFETY: the loader's driver object and registry path, once.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfDriverCreate,
-            driver as *mut DRIVER_OBJECT,
-            registry_path,
-            WDF_NO_OBJECT_ATTRIBUTES,
-            &mut config,
-            handle
-        )
-    }
-}
+kmdf_platform::driver_entry!(evt_driver_device_add);
 
 /// `EvtDriverDeviceAdd`.
 unsafe extern "C" fn evt_driver_device_add(
     _driver: WDFDRIVER,
     mut device_init: PWDFDEVICE_INIT,
 ) -> NTSTATUS {
-    let mut pnp = WDF_PNPPOWER_EVENT_CALLBACKS {
-        Size: size_of::<WDF_PNPPOWER_EVENT_CALLBACKS>() as ULONG,
+    let pnp = WDF_PNPPOWER_EVENT_CALLBACKS {
         EvtDevicePrepareHardware: Some(evt_prepare_hardware),
         EvtDeviceReleaseHardware: Some(evt_release_hardware),
         EvtDeviceD0Entry: Some(evt_d0_entry),
@@ -83,16 +55,10 @@ unsafe extern "C" fn evt_driver_device_add(
         EvtDeviceD0ExitPreInterruptsDisabled: Some(evt_d0_exit_pre_interrupts),
         EvtDeviceD0Exit: Some(evt_d0_exit),
         EvtDeviceSurpriseRemoval: Some(evt_surprise_removal),
-        ..WDF_PNPPOWER_EVENT_CALLBACKS::default()
+        ..pnp_power_callbacks()
     };
     // SAFETY: the framework's live init structure, before WdfDeviceCreate.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfDeviceInitSetPnpPowerEventCallbacks,
-            device_init,
-            &mut pnp
-        )
-    };
+    unsafe { set_pnp_power_callbacks(device_init, pnp) };
 
     // User-mode requests pass through the caller's context first, where
     // their process is recorded (`queue::evt_io_in_caller_context`).
@@ -149,15 +115,15 @@ unsafe extern "C" fn evt_driver_device_add(
         Err(status) => return status,
     };
     let shell = Arc::new(DeviceShell::new(device, dma, work_item, timer));
-    // SAFETY: the device just created with a DeviceContext.
-    let context = unsafe { device_context(device) };
-    if context.is_null() {
+    // The interface's context: kept alive by the reference the device's
+    // context owns from here on.
+    let shell_ptr = Arc::as_ptr(&shell);
+    // SAFETY: the device just created with `device_attributes`; its zeroed
+    // context takes ownership of the reference (released by its cleanup
+    // callback).
+    if !unsafe { install(device as WDFOBJECT, shell) } {
         return STATUS_NOT_SUPPORTED;
     }
-    let shell_ptr = Arc::into_raw(shell);
-    // SAFETY: the zeroed context of the new device; it takes ownership of
-    // the reference (released by its cleanup callback).
-    unsafe { (*context).shell = shell_ptr };
 
     // SAFETY: the live device just created.
     let status = unsafe { create_queue(device) };
@@ -251,16 +217,16 @@ fn register_ci_interface(device: WDFDEVICE, shell: *const DeviceShell) -> NTSTAT
     // in non-paged pool for the call.
     let mut table: Box<CiInterface> = Box::new(ci_interface(shell));
     let guid: *const GUID = &CI_INTERFACE_GUID;
-    let mut config = WDF_QUERY_INTERFACE_CONFIG {
-        Size: size_of::<WDF_QUERY_INTERFACE_CONFIG>() as ULONG,
-        Interface: ptr::addr_of_mut!(table.header).cast::<c_void>() as PINTERFACE,
-        InterfaceType: guid,
-        SendQueryToParentStack: FALSE as u8,
-        EvtDeviceProcessQueryInterfaceRequest: Some(evt_process_query_interface),
-        ImportInterface: FALSE as u8,
-    };
-    // SAFETY: a live device; the config and table are valid for the call.
-    unsafe { call_unsafe_wdf_function_binding!(WdfDeviceAddQueryInterface, device, &mut config) }
+    // SAFETY: a live device; the table is valid for the call.
+    unsafe {
+        add_query_interface(
+            device,
+            ptr::addr_of_mut!(table.header).cast::<c_void>() as PINTERFACE,
+            guid,
+            false,
+            Some(evt_process_query_interface),
+        )
+    }
 }
 
 /// `EvtDeviceProcessQueryInterfaceRequest`: refuses a requester whose

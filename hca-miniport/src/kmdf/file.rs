@@ -16,6 +16,8 @@ use alloc::sync::Arc;
 
 use driver_platform::Event;
 use ib_types::status::NtStatus;
+use kmdf_platform::event::KernelEvent;
+use kmdf_platform::request::WdfRequest;
 use wdk_sys::{
     _WDF_FILEOBJECT_CLASS, _WDF_TRI_STATE, PWDFDEVICE_INIT, ULONG, WDF_FILEOBJECT_CONFIG,
     WDF_NO_OBJECT_ATTRIBUTES, WDFDEVICE, WDFFILEOBJECT, WDFREQUEST,
@@ -23,7 +25,7 @@ use wdk_sys::{
 };
 
 use super::context::shell_of;
-use super::platform::{KernelEvent, WdfCaller, WdfRequest, current_process_id};
+use super::platform::{WdfCaller, current_process_id};
 
 /// Registers the file object callbacks on a device being added
 /// (`WDF_FILEOBJECT_CONFIG_INIT` + `WdfDeviceInitSetFileObjectConfig`).
@@ -64,7 +66,7 @@ unsafe extern "C" fn evt_device_file_create(
         shell.file_opened(current_process_id());
     }
     // SAFETY: the driver owns the create request; this consumes it.
-    unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(0)) };
+    unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(0), 0) };
 }
 
 /// `EvtFileCleanup`: at the process's last file object, closes its user

@@ -47,10 +47,12 @@ use ib_types::interface::{
 use ib_types::scalars::NodeGuid;
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
-use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
+use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr};
 use ib_types::wr_desc::{RecvWrDesc, SendWrDesc};
+use kmdf_platform::ffi::slice_or_empty;
+use kmdf_platform::interface::{InterfaceOwner, interface_dereference, interface_reference};
 use wdk_sys::ntddk::IofCallDriver;
-use wdk_sys::{IRP, LONG, WDFDEVICE, WDFOBJECT, call_unsafe_wdf_function_binding};
+use wdk_sys::{IRP, WDFDEVICE, call_unsafe_wdf_function_binding};
 
 use super::device::DeviceShell;
 use super::platform::WdfPlatform;
@@ -82,8 +84,8 @@ pub fn ci_interface(shell: *const DeviceShell) -> CiInterface {
             size: size_of::<CiInterface>() as u16,
             version: CI_INTERFACE_VERSION.packed(),
             context: shell.cast_mut().cast::<c_void>(),
-            interface_reference: Some(interface_reference),
-            interface_dereference: Some(interface_dereference),
+            interface_reference: Some(interface_reference::<DeviceShell>),
+            interface_dereference: Some(interface_dereference::<DeviceShell>),
         },
         ca_guid: NodeGuid::new(0),
         vendor_id: 0,
@@ -133,51 +135,10 @@ unsafe fn provider(context: *mut c_void) -> Option<Arc<Provider>> {
     unsafe { (*shell).provider() }
 }
 
-/// The file name the framework's reference tracking records (its
-/// `WdfObjectReference` macro passes `__FILE__`).
-const REFERENCE_SOURCE: &core::ffi::CStr = c"hca-miniport/src/kmdf/interface.rs";
-
-/// `InterfaceReference`: pins the shell and the device object (module
-/// docs). Callable at DISPATCH_LEVEL or below.
-unsafe extern "system" fn interface_reference(context: *mut c_void) {
-    let shell = context.cast_const().cast::<DeviceShell>();
-    // SAFETY: `context` is an `Arc<DeviceShell>` pointer kept alive by the
-    // device context or an earlier reference; this takes one more.
-    unsafe { Arc::increment_strong_count(shell) };
-    // SAFETY: the shell is alive (just referenced).
-    let device = unsafe { (*shell).device };
-    // SAFETY: the device is alive: the framework calls this while handing
-    // out the interface, a consumer while it holds a reference. The tag
-    // pairs it with `interface_dereference`'s.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfObjectReferenceActual,
-            device as WDFOBJECT,
-            context,
-            line!() as LONG,
-            REFERENCE_SOURCE.as_ptr()
-        )
-    };
-}
-
-/// `InterfaceDereference`: gives back what [`interface_reference`] took.
-unsafe extern "system" fn interface_dereference(context: *mut c_void) {
-    let shell = context.cast_const().cast::<DeviceShell>();
-    // SAFETY: the consumer still holds the references this gives back.
-    let device = unsafe { (*shell).device };
-    // SAFETY: a reference `interface_reference` took, with its tag.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfObjectDereferenceActual,
-            device as WDFOBJECT,
-            context,
-            line!() as LONG,
-            REFERENCE_SOURCE.as_ptr()
-        )
-    };
-    // SAFETY: gives back the strong reference `interface_reference` took;
-    // nothing touches the shell after it.
-    unsafe { Arc::decrement_strong_count(shell) };
+impl InterfaceOwner for DeviceShell {
+    fn device(&self) -> WDFDEVICE {
+        self.device
+    }
 }
 
 /// A client's callbacks as a [`CaClient`].
@@ -307,18 +268,6 @@ impl SubmitRoute<CiIrp> for DeviceObjectRoute {
     }
 }
 
-/// The SGEs a descriptor designates.
-///
-/// # Safety
-/// `sg_list` is valid for `num_sge` entries (consumer contract).
-unsafe fn sges<'a>(sg_list: *const Sge, num_sge: u32) -> &'a [Sge] {
-    if sg_list.is_null() || num_sge == 0 {
-        return &[];
-    }
-    // SAFETY: forwarded from the caller.
-    unsafe { core::slice::from_raw_parts(sg_list, num_sge as usize) }
-}
-
 unsafe extern "system" fn post_send(
     context: *mut c_void,
     qp: u64,
@@ -347,7 +296,7 @@ unsafe extern "system" fn post_send(
         let mut refusal = None;
         for desc in chunk {
             // SAFETY: each descriptor's list is valid (consumer contract).
-            let list = unsafe { sges(desc.sg_list, desc.num_sge) };
+            let list = unsafe { slice_or_empty(desc.sg_list, desc.num_sge) };
             match desc.decode(list) {
                 Ok(wr) => {
                     wrs[ready] = wr;
@@ -406,7 +355,7 @@ unsafe fn post_receives(
         let mut refusal = None;
         for desc in chunk {
             // SAFETY: forwarded from the caller.
-            let list = unsafe { sges(desc.sg_list, desc.num_sge) };
+            let list = unsafe { slice_or_empty(desc.sg_list, desc.num_sge) };
             match desc.decode(list) {
                 Ok(wr) => {
                     batch[ready] = wr;

@@ -17,8 +17,13 @@
 //! | [`file`] | `EvtDeviceFileCreate`, `EvtFileCleanup` (a process's last file object closes its user contexts, waited for) | `Hca::close_user_contexts_of` |
 //! | [`queue`] | `EvtIoInCallerContext` (a user request's process: its buffers locked, its doorbell page mapped or unmapped, kept in the request's context) and the power-managed IOCTL queue (`EvtIoDeviceControl`, `EvtIoInternalDeviceControl`) | `Hca::prepare_user_request` (with the caller's `WdfCaller`), `Hca::execute_user_request` (user requests, with what was prepared), `Hca::submit_request` |
 //! | [`interface`] | the `CiInterface` FFI table (`extern "system"` entry points over the `CiProvider`) | `ci::CiProvider` |
-//! | [`platform`] | the `driver_platform` traits on WDF/WDM: spin lock, BAR0, DMA enabler and common buffers, MDL locking (SEH shim `probe.c`), scatter/gather mapping, deferred work, registry, requests, IRQL, events, the calling process (doorbell pages mapped into it) | — |
-//! | [`context`] | typed object context (the device's shell state) | — |
+//! | [`platform`] | the `driver_platform` traits on WDF/WDM: reader-writer spin lock, BAR0, DMA enabler and common buffers, MDL locking (SEH shim `probe.c`), scatter/gather mapping, deferred work, registry, the calling process (doorbell pages mapped into it); the spin lock, requests, IRQL and events from `kmdf_platform` | — |
+//! | [`context`] | typed object contexts: the device's shell state (`kmdf_platform::context`) and a user request's prepared request | — |
+//!
+//! What this shell does the same as the bus filter's (spin lock, IRQL,
+//! event, `WDFREQUEST`, UTF-16 strings, typed contexts, interface
+//! references, `WdfDriverCreate`) is the `kmdf-platform` crate's, linked
+//! into both images.
 //!
 //! `probe.c` (C, compiled by `build.rs` with `cc`) holds the two calls
 //! that raise SEH exceptions, under `__try`.

@@ -3,16 +3,16 @@
 //!
 //! | trait | here | Windows |
 //! |---|---|---|
-//! | `RawMutex` (spin lock) | [`KernelSpinLock`] | `KSPIN_LOCK`, `KeAcquireSpinLockRaiseToDpc`/`KeReleaseSpinLock`; `try_lock`: `KeTryToAcquireSpinLockAtDpcLevel` at DISPATCH_LEVEL |
+//! | `RawMutex` (spin lock) | `kmdf_platform::sync::KernelSpinLock` | `KSPIN_LOCK`, `KeAcquireSpinLockRaiseToDpc`/`KeReleaseSpinLock`; `try_lock`: `KeTryToAcquireSpinLockAtDpcLevel` at DISPATCH_LEVEL |
 //! | `RawRwLock` (reader-writer spin lock) | [`KernelRwSpinLock`] | `EX_SPIN_LOCK`, `ExAcquireSpinLockShared`/`Exclusive`, `ExReleaseSpinLockShared`/`Exclusive`; the `try_` forms: `ExTryAcquireSpinLockShared`/`ExclusiveAtDpcLevel` at DISPATCH_LEVEL |
 //! | `Mmio` | [`Bar0`] | the `MmMapIoSpaceEx` mapping, volatile reads and writes |
 //! | `DmaAdapter`, `CommonBuffer` | [`WdfDma`], [`WdfCommonBuffer`] | `WDFDMAENABLER`, `WdfCommonBufferCreate` |
 //! | `MemoryLocker`, `LockedPages`, `DmaMapping` | [`MdlLocker`], [`LockedMdl`], [`SgMapping`] | `IoAllocateMdl` + `MmProbeAndLockPages` (in the SEH shim), `MmUnlockPages`/`IoFreeMdl`; `BuildScatterGatherList` into a caller-supplied buffer, `PutScatterGatherList` |
 //! | `Deferred` | [`WdfDeferred`] | the interrupt's DPC, a `WDFWORKITEM`, a `WDFTIMER` |
 //! | `Registry` | [`WdfRegistry`] | `WdfDriverOpenParametersRegistryKey`, `WdfDeviceOpenRegistryKey` (DWORDs) |
-//! | `Request` | [`WdfRequest`] | `WDFREQUEST` |
-//! | `IrqlQuery` | [`KeIrql`] | `KeGetCurrentIrql` |
-//! | `Event` | [`KernelEvent`] | a notification `KEVENT` |
+//! | `Request` | `kmdf_platform::request::WdfRequest` | `WDFREQUEST` |
+//! | `IrqlQuery` | `kmdf_platform::event::KeIrql` | `KeGetCurrentIrql` |
+//! | `Event` | `kmdf_platform::event::KernelEvent` | a notification `KEVENT` |
 //! | `CallerProcess` | [`WdfCaller`] | the requesting process (`PsGetCurrentProcessId` in `EvtIoInCallerContext`): its MDL locker; a doorbell page by `IoAllocateMdl` over the page of the BAR0 mapping + `MmBuildMdlForNonPagedPool` + `MmMapLockedPagesSpecifyCache(UserMode, MmNonCached)` (in the shim), undone by `MmUnmapLockedPages` + `IoFreeMdl` |
 //!
 //! **SEH.** `MmProbeAndLockPages` (bad address) and a `UserMode`
@@ -45,26 +45,26 @@ use core::ptr;
 use core::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
 
 use driver_platform::{
-    CommonBuffer, Deferred, DmaAdapter, DmaMapping, Event, Irql, IrqlQuery, LockedPages,
-    MemoryLocker, Mmio, NtStatus, Platform, RegValue, Registry, RegistryKey, Request,
-    RequestorMode,
+    CommonBuffer, Deferred, DmaAdapter, DmaMapping, Irql, IrqlQuery, LockedPages, MemoryLocker,
+    Mmio, NtStatus, Platform, RegValue, Registry, RegistryKey, RequestorMode,
 };
+use kmdf_platform::event::{KeIrql, KernelEvent};
+use kmdf_platform::request::WdfRequest;
+use kmdf_platform::string::WideString;
+use kmdf_platform::sync::{KernelSpinLock, at_dispatch, try_at_dispatch};
 use wdk_sys::ntddk::{
     ExAcquireSpinLockExclusive, ExAcquireSpinLockShared, ExReleaseSpinLockExclusive,
     ExReleaseSpinLockShared, ExTryAcquireSpinLockExclusiveAtDpcLevel,
-    ExTryAcquireSpinLockSharedAtDpcLevel, IoAllocateMdl, IoFreeMdl, KeAcquireSpinLockRaiseToDpc,
-    KeClearEvent, KeGetCurrentIrql, KeGetCurrentProcessorNumberEx, KeInitializeEvent,
-    KeQueryInterruptTimePrecise, KeReadStateEvent, KeReleaseSpinLock,
-    KeReleaseSpinLockFromDpcLevel, KeSetEvent, KeTryToAcquireSpinLockAtDpcLevel,
-    KeWaitForSingleObject, MmBuildMdlForNonPagedPool, MmIsAddressValid, MmUnlockPages,
+    ExTryAcquireSpinLockSharedAtDpcLevel, IoAllocateMdl, IoFreeMdl, KeGetCurrentProcessorNumberEx,
+    KeQueryInterruptTimePrecise, MmBuildMdlForNonPagedPool, MmIsAddressValid, MmUnlockPages,
     MmUnmapLockedPages, PsGetCurrentProcessId,
 };
 use wdk_sys::{
-    _EVENT_TYPE, _KWAIT_REASON, _MODE, _WDF_DMA_DIRECTION, BOOLEAN, EX_SPIN_LOCK, FALSE, HANDLE,
-    KEVENT, KIRQL, KPROCESSOR_MODE, KSPIN_LOCK, LONGLONG, NTSTATUS, PDEVICE_OBJECT, PDMA_ADAPTER,
-    PIRP, PMDL, PSCATTER_GATHER_LIST, PVOID, SCATTER_GATHER_LIST, TRUE, ULONG,
-    WDF_NO_OBJECT_ATTRIBUTES, WDFCOMMONBUFFER, WDFDEVICE, WDFDMAENABLER, WDFINTERRUPT, WDFKEY,
-    WDFOBJECT, WDFREQUEST, WDFTIMER, WDFWORKITEM, call_unsafe_wdf_function_binding,
+    _MODE, _WDF_DMA_DIRECTION, BOOLEAN, EX_SPIN_LOCK, FALSE, HANDLE, KIRQL, KPROCESSOR_MODE,
+    LONGLONG, NTSTATUS, PDEVICE_OBJECT, PDMA_ADAPTER, PIRP, PMDL, PSCATTER_GATHER_LIST, PVOID,
+    SCATTER_GATHER_LIST, TRUE, ULONG, WDF_NO_OBJECT_ATTRIBUTES, WDFCOMMONBUFFER, WDFDEVICE,
+    WDFDMAENABLER, WDFINTERRUPT, WDFKEY, WDFOBJECT, WDFTIMER, WDFWORKITEM,
+    call_unsafe_wdf_function_binding,
 };
 
 use crate::sg_pages;
@@ -88,67 +88,6 @@ impl Platform for WdfPlatform {
     type Irql = KeIrql;
     type Event = KernelEvent;
     type Caller = WdfCaller;
-}
-
-// ---------------------------------------------------------------------------
-// Spin lock
-
-/// A `KSPIN_LOCK` as a `lock_api::RawMutex`: acquiring raises to
-/// DISPATCH_LEVEL, releasing restores the IRQL saved at acquisition.
-///
-/// # Invariants
-/// `old_irql` is written only by the holder, right after acquiring, and
-/// read only by the holder when releasing.
-#[derive(Debug)]
-pub struct KernelSpinLock {
-    lock: UnsafeCell<KSPIN_LOCK>,
-    old_irql: AtomicU8,
-}
-
-// SAFETY: a KSPIN_LOCK is made to be shared between processors; the cell
-// is only touched through the kernel's spin-lock routines.
-unsafe impl Sync for KernelSpinLock {}
-// SAFETY: as above; a released spin lock may move between threads.
-unsafe impl Send for KernelSpinLock {}
-
-// SAFETY: `lock` excludes other holders until `unlock`; the kernel's
-// spin-lock routines give acquire/release ordering.
-unsafe impl lock_api::RawMutex for KernelSpinLock {
-    // A zeroed KSPIN_LOCK is a released one (`KeInitializeSpinLock` stores 0).
-    const INIT: Self = Self {
-        lock: UnsafeCell::new(0),
-        old_irql: AtomicU8::new(0),
-    };
-    type GuardMarker = lock_api::GuardNoSend;
-
-    fn lock(&self) {
-        // SAFETY: `self.lock` is a valid, initialised KSPIN_LOCK; the
-        // caller is at DISPATCH_LEVEL or below (the core's lock contract).
-        let old = unsafe { KeAcquireSpinLockRaiseToDpc(self.lock.get()) };
-        self.old_irql.store(old, Ordering::Relaxed);
-    }
-
-    fn try_lock(&self) -> bool {
-        // SAFETY: a valid, initialised KSPIN_LOCK, tried at DISPATCH_LEVEL
-        // as the routine requires (`try_at_dispatch` raised there).
-        let acquired =
-            try_at_dispatch(|| unsafe { KeTryToAcquireSpinLockAtDpcLevel(self.lock.get()) != 0 });
-        match acquired {
-            Some(old) => {
-                // Released by `unlock` (KeReleaseSpinLock back to `old`).
-                self.old_irql.store(old, Ordering::Relaxed);
-                true
-            }
-            None => false,
-        }
-    }
-
-    unsafe fn unlock(&self) {
-        let old: KIRQL = self.old_irql.load(Ordering::Relaxed);
-        // SAFETY: the caller holds the lock (lock_api contract) and `old`
-        // is the IRQL it was acquired from (type invariants).
-        unsafe { KeReleaseSpinLock(self.lock.get(), old) };
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -650,42 +589,6 @@ pub fn current_process_id() -> u64 {
     id as usize as u64
 }
 
-/// Runs the try-acquire `attempt` at DISPATCH_LEVEL, where the kernel's
-/// `…AtDpcLevel` try routines must be called, raising there first the way
-/// [`at_dispatch`] does. If `attempt` acquired its lock, the IRQL stays at
-/// DISPATCH_LEVEL and the IRQL to return to when releasing it comes back;
-/// otherwise the IRQL is restored and `None` comes back. Never waits for
-/// the lock being tried (the private lock is never contended).
-fn try_at_dispatch(attempt: impl FnOnce() -> bool) -> Option<KIRQL> {
-    let mut raise: KSPIN_LOCK = 0;
-    // SAFETY: a released spin lock on this stack that nothing else can
-    // reach: acquiring it only raises to DISPATCH_LEVEL.
-    let old = unsafe { KeAcquireSpinLockRaiseToDpc(&mut raise) };
-    if attempt() {
-        // SAFETY: acquired just above; releasing it from DISPATCH_LEVEL
-        // keeps the IRQL there for the lock `attempt` took.
-        unsafe { KeReleaseSpinLockFromDpcLevel(&mut raise) };
-        Some(old)
-    } else {
-        // SAFETY: acquired just above at `old`; lowers back to it.
-        unsafe { KeReleaseSpinLock(&mut raise, old) };
-        None
-    }
-}
-
-/// Raises to DISPATCH_LEVEL for the scope of `f` (the old DMA routines
-/// must be called there). x64's `KeRaiseIrql` is an inline intrinsic that
-/// bindgen does not bind, so a private spin lock, which nothing else ever
-/// takes, does the raising (`KeAcquireSpinLockRaiseToDpc`).
-fn at_dispatch<R>(f: impl FnOnce() -> R) -> R {
-    let raise = <KernelSpinLock as lock_api::RawMutex>::INIT;
-    lock_api::RawMutex::lock(&raise);
-    let result = f();
-    // SAFETY: acquired just above by this thread.
-    unsafe { lock_api::RawMutex::unlock(&raise) };
-    result
-}
-
 /// Locked pages: an MDL from `IoAllocateMdl`, probed and locked by the
 /// shim; unlocked (`MmUnlockPages`) and freed (`IoFreeMdl`) when dropped,
 /// at DISPATCH_LEVEL or below, from any process context.
@@ -1174,13 +1077,8 @@ impl Registry for WdfRegistry {
         if handle.is_null() {
             return None;
         }
-        let mut wide: Vec<u16> = name.encode_utf16().collect();
-        let bytes = u16::try_from(wide.len() * 2).ok()?;
-        let unicode = wdk_sys::UNICODE_STRING {
-            Length: bytes,
-            MaximumLength: bytes,
-            Buffer: wide.as_mut_ptr(),
-        };
+        let mut wide = WideString::new(name)?;
+        let unicode = wide.unicode();
         let mut value: ULONG = 0;
         // SAFETY: `handle` is an open key; `unicode` describes `wide`, which
         // outlives the call; PASSIVE_LEVEL (the trait's contract).
@@ -1188,156 +1086,6 @@ impl Registry for WdfRegistry {
             call_unsafe_wdf_function_binding!(WdfRegistryQueryULong, handle, &unicode, &mut value)
         };
         (status >= 0).then_some(RegValue::Dword(value))
-    }
-}
-
-// ---------------------------------------------------------------------------
-// Requests
-
-/// A `WDFREQUEST` with METHOD_BUFFERED buffers. The input is copied when
-/// the request is wrapped: with METHOD_BUFFERED the input and output share
-/// one system buffer, and the core holds the input while it writes the
-/// output.
-///
-/// # Invariants
-/// `request` is owned by the driver until `complete`; `output` points at
-/// `output_len` bytes of its system buffer until then.
-#[derive(Debug)]
-pub struct WdfRequest {
-    request: WDFREQUEST,
-    code: u32,
-    mode: RequestorMode,
-    input: Vec<u8>,
-    output: *mut u8,
-    output_len: usize,
-}
-
-// SAFETY: a request may be completed from any thread at DISPATCH_LEVEL or
-// below; the buffers are non-paged system buffers.
-unsafe impl Send for WdfRequest {}
-
-impl WdfRequest {
-    /// Wraps a request the queue delivered (or a direct-call IRP's
-    /// request), copying its input.
-    ///
-    /// # Safety
-    /// `request` is a live request the driver owns, whose buffers are
-    /// METHOD_BUFFERED.
-    pub unsafe fn new(
-        request: WDFREQUEST,
-        code: u32,
-        mode: RequestorMode,
-    ) -> Result<Self, WDFREQUEST> {
-        let mut input_ptr: *mut core::ffi::c_void = ptr::null_mut();
-        let mut input_len: usize = 0;
-        // SAFETY: `request` is live (caller); out pointers are valid.
-        let status = unsafe {
-            call_unsafe_wdf_function_binding!(
-                WdfRequestRetrieveInputBuffer,
-                request,
-                0,
-                &mut input_ptr,
-                &mut input_len
-            )
-        };
-        let mut input = Vec::new();
-        if status >= 0 && !input_ptr.is_null() {
-            if input.try_reserve_exact(input_len).is_err() {
-                return Err(request);
-            }
-            // SAFETY: the framework returned `input_len` readable bytes.
-            let bytes = unsafe { core::slice::from_raw_parts(input_ptr.cast::<u8>(), input_len) };
-            input.extend_from_slice(bytes);
-        }
-        let mut output_ptr: *mut core::ffi::c_void = ptr::null_mut();
-        let mut output_len: usize = 0;
-        // SAFETY: as above.
-        let status = unsafe {
-            call_unsafe_wdf_function_binding!(
-                WdfRequestRetrieveOutputBuffer,
-                request,
-                0,
-                &mut output_ptr,
-                &mut output_len
-            )
-        };
-        if status < 0 || output_ptr.is_null() {
-            output_len = 0;
-        }
-        Ok(Self {
-            request,
-            code,
-            mode,
-            input,
-            output: output_ptr.cast::<u8>(),
-            output_len,
-        })
-    }
-
-    /// Completes a request that could not be wrapped.
-    ///
-    /// # Safety
-    /// `request` is a live request this driver owns; it is consumed.
-    pub unsafe fn complete_raw(request: WDFREQUEST, status: NtStatus) {
-        // SAFETY: the caller owned `request` (contract); this consumes it.
-        unsafe {
-            call_unsafe_wdf_function_binding!(
-                WdfRequestCompleteWithInformation,
-                request,
-                status.raw() as i32,
-                0
-            )
-        };
-    }
-}
-
-impl Request for WdfRequest {
-    fn ioctl_code(&self) -> u32 {
-        self.code
-    }
-
-    fn requestor_mode(&self) -> RequestorMode {
-        self.mode
-    }
-
-    fn input(&self) -> &[u8] {
-        &self.input
-    }
-
-    fn output(&mut self) -> &mut [u8] {
-        if self.output.is_null() {
-            return &mut [];
-        }
-        // SAFETY: `output` points at `output_len` bytes of the request's
-        // system buffer while the driver owns it (type invariants); the
-        // input was copied out, so nothing else aliases it.
-        unsafe { core::slice::from_raw_parts_mut(self.output, self.output_len) }
-    }
-
-    fn complete(self, status: NtStatus, information: u64) {
-        Self::complete_info(self.request, status, information);
-    }
-
-    fn is_canceled(&self) -> bool {
-        // SAFETY: the driver owns the live request.
-        let canceled =
-            unsafe { call_unsafe_wdf_function_binding!(WdfRequestIsCanceled, self.request) };
-        canceled != 0
-    }
-}
-
-impl WdfRequest {
-    fn complete_info(request: WDFREQUEST, status: NtStatus, information: u64) {
-        // SAFETY: the driver owned `request`; completing consumes it (the
-        // wrapper was moved into `complete`).
-        unsafe {
-            call_unsafe_wdf_function_binding!(
-                WdfRequestCompleteWithInformation,
-                request,
-                status.raw() as i32,
-                information
-            )
-        };
     }
 }
 
@@ -1476,99 +1224,5 @@ impl driver_platform::CallerProcess for WdfCaller {
         unsafe { MmUnmapLockedPages(mapping.va as usize as PVOID, mapping.mdl) };
         // SAFETY: no longer mapped anywhere.
         unsafe { IoFreeMdl(mapping.mdl) };
-    }
-}
-
-// ---------------------------------------------------------------------------
-// IRQL and events
-
-/// `KeGetCurrentIrql`.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct KeIrql;
-
-impl IrqlQuery for KeIrql {
-    fn current_irql(&self) -> Irql {
-        // SAFETY: callable at any IRQL.
-        let level = unsafe { KeGetCurrentIrql() };
-        match level {
-            0 => Irql::PASSIVE,
-            1 => Irql::APC,
-            2 => Irql::DISPATCH,
-            n => Irql::device(n),
-        }
-    }
-}
-
-/// A notification `KEVENT` in non-paged pool (boxed: a KEVENT must not
-/// move once initialised).
-pub struct KernelEvent {
-    event: Box<UnsafeCell<KEVENT>>,
-}
-
-// SAFETY: a KEVENT is made to be signalled and waited on from any thread;
-// it is only touched through the kernel's event routines.
-unsafe impl Send for KernelEvent {}
-// SAFETY: as above.
-unsafe impl Sync for KernelEvent {}
-
-impl core::fmt::Debug for KernelEvent {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("KernelEvent")
-            .field("set", &self.is_set())
-            .finish()
-    }
-}
-
-impl Default for KernelEvent {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl KernelEvent {
-    /// A cleared notification event.
-    pub fn new() -> Self {
-        let event = Box::new(UnsafeCell::new(KEVENT::default()));
-        // SAFETY: `event` is non-paged (wdk-alloc), pinned in its box for
-        // the event's life.
-        unsafe { KeInitializeEvent(event.get(), _EVENT_TYPE::NotificationEvent, FALSE as u8) };
-        Self { event }
-    }
-
-    /// The KEVENT, for `IoBuildDeviceIoControlRequest`'s `Event`.
-    pub fn as_ptr(&self) -> *mut KEVENT {
-        self.event.get()
-    }
-}
-
-impl Event for KernelEvent {
-    fn set(&self) {
-        // SAFETY: an initialised event; DISPATCH_LEVEL or below.
-        unsafe { KeSetEvent(self.event.get(), 0, FALSE as u8) };
-    }
-
-    fn clear(&self) {
-        // SAFETY: as above.
-        unsafe { KeClearEvent(self.event.get()) };
-    }
-
-    fn is_set(&self) -> bool {
-        // SAFETY: as above.
-        let state = unsafe { KeReadStateEvent(self.event.get()) };
-        state != 0
-    }
-
-    fn wait(&self) {
-        // SAFETY: an initialised event; PASSIVE_LEVEL (the trait's
-        // contract), no timeout.
-        let _ = unsafe {
-            KeWaitForSingleObject(
-                self.event.get().cast(),
-                _KWAIT_REASON::Executive,
-                _MODE::KernelMode as i8,
-                FALSE as u8,
-                ptr::null_mut(),
-            )
-        };
     }
 }

@@ -29,14 +29,15 @@ use alloc::boxed::Box;
 
 use driver_platform::{NtStatus, RequestorMode};
 use hca_miniport_core::verbs::{OnQueueStop, on_queue_stop};
+use kmdf_platform::queue::default_parallel_queue_config;
+use kmdf_platform::request::WdfRequest;
 use wdk_sys::{
-    _MODE, _WDF_IO_QUEUE_DISPATCH_TYPE, _WDF_TRI_STATE, FALSE, NTSTATUS, PVOID, TRUE, ULONG,
-    USHORT, WDF_IO_QUEUE_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDF_REQUEST_PARAMETERS, WDFDEVICE,
-    WDFOBJECT, WDFQUEUE, WDFREQUEST, call_unsafe_wdf_function_binding,
+    _MODE, FALSE, NTSTATUS, PVOID, ULONG, USHORT, WDF_IO_QUEUE_CONFIG, WDF_REQUEST_PARAMETERS,
+    WDFDEVICE, WDFOBJECT, WDFQUEUE, WDFREQUEST, call_unsafe_wdf_function_binding,
 };
 
 use super::context::{RequestContext, request_context_attributes, shell_of, take_prepared};
-use super::platform::{WdfCaller, WdfRequest, current_process_id};
+use super::platform::{WdfCaller, current_process_id};
 
 /// `STATUS_DEVICE_NOT_READY`.
 const DEVICE_NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
@@ -46,41 +47,14 @@ const DEVICE_NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
 /// # Safety
 /// `device` is the live device `EvtDriverDeviceAdd` just created.
 pub unsafe fn create_queue(device: WDFDEVICE) -> NTSTATUS {
-    let mut config = WDF_IO_QUEUE_CONFIG {
+    let config = WDF_IO_QUEUE_CONFIG {
         EvtIoDeviceControl: Some(evt_io_device_control),
         EvtIoInternalDeviceControl: Some(evt_io_device_control),
         EvtIoStop: Some(evt_io_stop),
         ..default_parallel_queue_config()
     };
-    let mut queue: WDFQUEUE = core::ptr::null_mut();
-    // SAFETY: a live device (caller); out pointer valid.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfIoQueueCreate,
-            device,
-            &mut config,
-            WDF_NO_OBJECT_ATTRIBUTES,
-            &mut queue
-        )
-    }
-}
-
-/// `WDF_IO_QUEUE_CONFIG_INIT_DEFAULT_QUEUE(&config,
-/// WdfIoQueueDispatchParallel)`: the size, power management left to the
-/// framework's default, the default queue, parallel dispatch with no
-/// limit on the requests presented at once. The limit is
-/// `Settings.Parallel.NumberOfPresentedRequests`, where 0 is not "no
-/// limit" but a queue that presents nothing; the macro sets `(ULONG)-1`.
-fn default_parallel_queue_config() -> WDF_IO_QUEUE_CONFIG {
-    let mut config = WDF_IO_QUEUE_CONFIG {
-        Size: size_of::<WDF_IO_QUEUE_CONFIG>() as ULONG,
-        PowerManaged: _WDF_TRI_STATE::WdfUseDefault,
-        DefaultQueue: TRUE as u8,
-        DispatchType: _WDF_IO_QUEUE_DISPATCH_TYPE::WdfIoQueueDispatchParallel,
-        ..WDF_IO_QUEUE_CONFIG::default()
-    };
-    config.Settings.Parallel.NumberOfPresentedRequests = ULONG::MAX;
-    config
+    // SAFETY: a live device (caller).
+    unsafe { kmdf_platform::queue::create_queue(device, config) }
 }
 
 /// `EvtIoDeviceControl` and `EvtIoInternalDeviceControl`.
@@ -96,7 +70,7 @@ unsafe extern "C" fn evt_io_device_control(
     // SAFETY: the queue's device is ours.
     let Some(hca) = unsafe { shell_of(device) }.and_then(|shell| shell.hca()) else {
         // SAFETY: the driver owns the delivered request.
-        unsafe { WdfRequest::complete_raw(request, DEVICE_NOT_READY) };
+        unsafe { WdfRequest::complete_raw(request, DEVICE_NOT_READY, 0) };
         return;
     };
     // SAFETY: the driver owns the delivered request.
@@ -118,7 +92,7 @@ unsafe extern "C" fn evt_io_device_control(
         (Ok(request), None) => hca.submit_request(request),
         // SAFETY: handed back unwrapped: still the driver's.
         (Err(request), _) => unsafe {
-            WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A))
+            WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A), 0)
         },
     }
 }
@@ -186,13 +160,13 @@ pub unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WD
         };
         if status < 0 {
             // SAFETY: the driver owns the request (callback contract).
-            unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32)) };
+            unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32), 0) };
             return;
         }
         if context.is_null() {
             // STATUS_INSUFFICIENT_RESOURCES.
             // SAFETY: as above.
-            unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A)) };
+            unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(0xC000_009A), 0) };
             return;
         }
         // SAFETY: the framework allocated `size_of::<RequestContext>()`
@@ -230,6 +204,6 @@ pub unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WD
         unsafe { call_unsafe_wdf_function_binding!(WdfDeviceEnqueueRequest, device, request) };
     if status < 0 {
         // SAFETY: not enqueued, so still the driver's (see above).
-        unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32)) };
+        unsafe { WdfRequest::complete_raw(request, NtStatus::from_raw(status as u32), 0) };
     }
 }

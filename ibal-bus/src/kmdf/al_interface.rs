@@ -42,14 +42,16 @@ use ib_types::interface::{
 };
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
-use ib_types::wr::Sge;
 use ib_types::wr_desc::{RecvWrDesc, SendWrDesc};
-use ibal_bus_core::al::ClientEvents;
+use ibal_bus_core::al::{ClientEvents, ClientId};
+use kmdf_platform::event::{KeIrql, KernelEvent};
+use kmdf_platform::ffi::{slice_checked, slice_or_empty};
+use kmdf_platform::interface::{InterfaceOwner, interface_dereference, interface_reference};
 use wdk_sys::ntddk::{IofCallDriver, ObfDereferenceObject, ObfReferenceObject};
-use wdk_sys::{IRP, LONG, WDFOBJECT, call_unsafe_wdf_function_binding};
+use wdk_sys::{IRP, WDFDEVICE, call_unsafe_wdf_function_binding};
 
 use super::child::{ChildShell, OpenedClient};
-use super::platform::{KeIrql, KernelEvent};
+use super::filter::Al;
 
 /// `STATUS_DEVICE_NOT_READY`.
 const NOT_READY: NtStatus = NtStatus::from_raw(0xC000_00A3);
@@ -62,8 +64,8 @@ pub fn al_interface(shell: *const ChildShell, port: PortInterfaceDataAbi) -> AlI
             size: size_of::<AlInterface>() as u16,
             version: AL_INTERFACE_VERSION.packed(),
             context: shell.cast_mut().cast::<c_void>(),
-            interface_reference: Some(interface_reference),
-            interface_dereference: Some(interface_dereference),
+            interface_reference: Some(interface_reference::<ChildShell>),
+            interface_dereference: Some(interface_dereference::<ChildShell>),
         },
         port,
         open_al: Some(open_al),
@@ -97,49 +99,10 @@ unsafe fn child<'a>(context: *mut c_void) -> &'a ChildShell {
     unsafe { &*context.cast_const().cast::<ChildShell>() }
 }
 
-/// The file name the framework's reference tracking records.
-const REFERENCE_SOURCE: &core::ffi::CStr = c"ibal-bus/src/kmdf/al_interface.rs";
-
-/// `InterfaceReference`: pins the shell and the PDO. DISPATCH_LEVEL or
-/// below.
-unsafe extern "system" fn interface_reference(context: *mut c_void) {
-    let shell = context.cast_const().cast::<ChildShell>();
-    // SAFETY: `context` is an `Arc<ChildShell>` pointer kept alive by the
-    // PDO's context or an earlier reference; this takes one more.
-    unsafe { Arc::increment_strong_count(shell) };
-    // SAFETY: the shell is alive (just referenced).
-    let device = unsafe { (*shell).device };
-    // SAFETY: the PDO is alive while the framework hands out the interface
-    // or a consumer holds a reference; the tag pairs it with the
-    // dereference's.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfObjectReferenceActual,
-            device as WDFOBJECT,
-            context,
-            line!() as LONG,
-            REFERENCE_SOURCE.as_ptr()
-        )
-    };
-}
-
-/// `InterfaceDereference`: gives back what [`interface_reference`] took.
-unsafe extern "system" fn interface_dereference(context: *mut c_void) {
-    let shell = context.cast_const().cast::<ChildShell>();
-    // SAFETY: the consumer still holds the references this gives back.
-    let device = unsafe { (*shell).device };
-    // SAFETY: a reference `interface_reference` took, with its tag.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfObjectDereferenceActual,
-            device as WDFOBJECT,
-            context,
-            line!() as LONG,
-            REFERENCE_SOURCE.as_ptr()
-        )
-    };
-    // SAFETY: gives back the strong reference `interface_reference` took.
-    unsafe { Arc::decrement_strong_count(shell) };
+impl InterfaceOwner for ChildShell {
+    fn device(&self) -> WDFDEVICE {
+        self.device
+    }
 }
 
 /// A reference on a client's device object, released when dropped (the
@@ -261,33 +224,6 @@ unsafe extern "system" fn submit(context: *mut c_void, request: *mut c_void) -> 
     NtStatus::from_raw(status as u32)
 }
 
-/// The SGEs a descriptor designates.
-///
-/// # Safety
-/// `sg_list` is valid for `num_sge` entries (consumer contract).
-unsafe fn sges<'a>(sg_list: *const Sge, num_sge: u32) -> &'a [Sge] {
-    if sg_list.is_null() || num_sge == 0 {
-        return &[];
-    }
-    // SAFETY: forwarded from the caller.
-    unsafe { core::slice::from_raw_parts(sg_list, num_sge as usize) }
-}
-
-/// The descriptors at `descs`, or `None` for a null array with a count.
-///
-/// # Safety
-/// `descs` is valid for `count` descriptors (consumer contract).
-unsafe fn descriptors<'a, T>(descs: *const T, count: u32) -> Option<&'a [T]> {
-    if count == 0 {
-        return Some(&[]);
-    }
-    if descs.is_null() {
-        return None;
-    }
-    // SAFETY: forwarded from the caller.
-    Some(unsafe { core::slice::from_raw_parts(descs, count as usize) })
-}
-
 unsafe extern "system" fn post_send(
     context: *mut c_void,
     qp: u64,
@@ -295,40 +231,14 @@ unsafe extern "system" fn post_send(
     count: u32,
     posted: *mut u32,
 ) -> NtStatus {
-    // SAFETY: header context (consumer contract).
-    let shell = unsafe { child(context) };
-    // SAFETY: forwarded consumer contract.
-    let Some(descs) = (unsafe { descriptors(wrs, count) }) else {
-        return IbStatus::InvalidParameter.to_ntstatus();
-    };
-    if posted.is_null() {
-        return IbStatus::InvalidParameter.to_ntstatus();
-    }
-    let Some((al, client)) = shell.owner_of(qp) else {
-        // SAFETY: a valid out pointer (consumer contract).
-        unsafe { posted.write(0) };
-        return IbStatus::InvalidQpHandle.to_ntstatus();
-    };
-    let mut done = 0u32;
-    let mut status = IbStatus::Success;
-    // One WR at a time: no allocation and no batch on the stack.
-    for desc in descs {
+    let post_one = |al: &Al, client: ClientId, desc: &SendWrDesc| {
         // SAFETY: each descriptor's list is valid (consumer contract).
-        let list = unsafe { sges(desc.sg_list, desc.num_sge) };
-        let Ok(wr) = desc.decode(list) else {
-            status = IbStatus::InvalidParameter;
-            break;
-        };
-        let (n, s) = al.post_send(client, qp, core::slice::from_ref(&wr));
-        done += n as u32;
-        if s != IbStatus::Success {
-            status = s;
-            break;
-        }
-    }
-    // SAFETY: a valid out pointer (consumer contract).
-    unsafe { posted.write(done) };
-    status.to_ntstatus()
+        let list = unsafe { slice_or_empty(desc.sg_list, desc.num_sge) };
+        let wr = desc.decode(list).ok()?;
+        Some(al.post_send(client, qp, core::slice::from_ref(&wr)))
+    };
+    // SAFETY: forwarded consumer contract.
+    unsafe { post_each(context, qp, wrs, count, posted, post_one) }
 }
 
 unsafe extern "system" fn post_recv(
@@ -338,10 +248,38 @@ unsafe extern "system" fn post_recv(
     count: u32,
     posted: *mut u32,
 ) -> NtStatus {
+    let post_one = |al: &Al, client: ClientId, desc: &RecvWrDesc| {
+        // SAFETY: each descriptor's list is valid (consumer contract).
+        let list = unsafe { slice_or_empty(desc.sg_list, desc.num_sge) };
+        let wr = desc.decode(list).ok()?;
+        Some(al.post_recv(client, qp, core::slice::from_ref(&wr)))
+    };
+    // SAFETY: forwarded consumer contract.
+    unsafe { post_each(context, qp, wrs, count, posted, post_one) }
+}
+
+/// The body of `post_send` and `post_recv`: the `count` descriptors at
+/// `wrs` posted to `qp` one at a time (no allocation and no batch on the
+/// stack) by `post_one`, which decodes one and posts it (`None`: it does
+/// not decode); how many were posted goes to `posted`.
+///
+/// # Safety
+/// The entry points' consumer contract: `context` a header context made
+/// by [`al_interface`] whose consumer holds a reference, `wrs` `count`
+/// readable descriptors (or null with 0), `posted` a valid out pointer or
+/// null.
+unsafe fn post_each<D>(
+    context: *mut c_void,
+    qp: u64,
+    wrs: *const D,
+    count: u32,
+    posted: *mut u32,
+    post_one: impl Fn(&Al, ClientId, &D) -> Option<(usize, IbStatus)>,
+) -> NtStatus {
     // SAFETY: header context (consumer contract).
     let shell = unsafe { child(context) };
     // SAFETY: forwarded consumer contract.
-    let Some(descs) = (unsafe { descriptors(wrs, count) }) else {
+    let Some(descs) = (unsafe { slice_checked(wrs, count) }) else {
         return IbStatus::InvalidParameter.to_ntstatus();
     };
     if posted.is_null() {
@@ -355,13 +293,10 @@ unsafe extern "system" fn post_recv(
     let mut done = 0u32;
     let mut status = IbStatus::Success;
     for desc in descs {
-        // SAFETY: each descriptor's list is valid (consumer contract).
-        let list = unsafe { sges(desc.sg_list, desc.num_sge) };
-        let Ok(wr) = desc.decode(list) else {
+        let Some((n, s)) = post_one(&al, client, desc) else {
             status = IbStatus::InvalidParameter;
             break;
         };
-        let (n, s) = al.post_recv(client, qp, core::slice::from_ref(&wr));
         done += n as u32;
         if s != IbStatus::Success {
             status = s;

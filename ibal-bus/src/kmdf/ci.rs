@@ -43,14 +43,13 @@ use ib_types::wr_desc::{RecvWrDesc, SendWrDesc};
 use ibal_bus_core::al::{CaCompletion, CiRequests};
 use ibal_bus_core::ca_registry::check_version;
 use ibal_bus_core::ci::{CaEvents, CaIdentity, CiAccess, REQUIRED_CI_VERSION};
+use kmdf_platform::sync::SpinLock;
 use wdk_sys::ntddk::{IoAllocateIrp, IoFreeIrp};
 use wdk_sys::{
     FALSE, GUID, IRP_MJ_INTERNAL_DEVICE_CONTROL, NTSTATUS, PDEVICE_OBJECT, PINTERFACE, PIRP, PVOID,
     SL_INVOKE_ON_CANCEL, SL_INVOKE_ON_ERROR, SL_INVOKE_ON_SUCCESS, ULONG, WDFDEVICE,
     call_unsafe_wdf_function_binding,
 };
-
-use super::platform::SpinLock;
 
 /// `STATUS_MORE_PROCESSING_REQUIRED`: a completion routine keeps the IRP.
 const MORE_PROCESSING_REQUIRED: NTSTATUS = 0xC000_0016_u32 as NTSTATUS;
@@ -397,42 +396,16 @@ impl CiAccess for FfiCi {
         let (Some(context), Some(post)) = (self.context(), self.table.verbs.post_send) else {
             return (0, IbStatus::InvalidState);
         };
-        // One WR per call: no allocation, no batch buffer on the stack.
-        for (done, wr) in wrs.iter().enumerate() {
-            let desc = SendWrDesc::encode(wr);
-            let mut posted: u32 = 0;
-            // SAFETY: the table's entry point; `desc` and its SGE list live
-            // for the call.
-            let status = unsafe { post(context, qp, &desc, 1, &mut posted) };
-            if !status.is_success() {
-                return (done, IbStatus::from_ntstatus(status));
-            }
-            if posted != 1 {
-                // Success without the WR taken: a broken answer from below.
-                return (done, IbStatus::GenericError);
-            }
-        }
-        (wrs.len(), IbStatus::Success)
+        // SAFETY: the table's entry point with its own context.
+        unsafe { post_one_by_one(context, qp, wrs, post, SendWrDesc::encode) }
     }
 
     fn post_recv(&self, qp: u64, wrs: &[RecvWr<'_>]) -> (usize, IbStatus) {
         let (Some(context), Some(post)) = (self.context(), self.table.verbs.post_recv) else {
             return (0, IbStatus::InvalidState);
         };
-        for (done, wr) in wrs.iter().enumerate() {
-            let desc = RecvWrDesc::encode(wr);
-            let mut posted: u32 = 0;
-            // SAFETY: as in `post_send`.
-            let status = unsafe { post(context, qp, &desc, 1, &mut posted) };
-            if !status.is_success() {
-                return (done, IbStatus::from_ntstatus(status));
-            }
-            if posted != 1 {
-                // Success without the WR taken: a broken answer from below.
-                return (done, IbStatus::GenericError);
-            }
-        }
-        (wrs.len(), IbStatus::Success)
+        // SAFETY: as in `post_send`.
+        unsafe { post_one_by_one(context, qp, wrs, post, RecvWrDesc::encode) }
     }
 
     fn poll_cq(&self, cq: u64, wcs: &mut [WorkCompletion]) -> Result<usize, IbStatus> {
@@ -492,4 +465,35 @@ unsafe extern "system" fn ca_async_event(client: *mut c_void, record: *const Asy
     if let Ok(event) = AsyncEventRecord::parse(&abi) {
         events.async_event(&event);
     }
+}
+
+/// Posts `wrs` to `qp` through the table's `post` entry point, one WR per
+/// call (no allocation, no batch buffer on the stack), each encoded by
+/// `encode`: how many were taken and the status (a success without the WR
+/// taken is a broken answer from below).
+///
+/// # Safety
+/// `post` is an entry point of the CI table whose context is `context`,
+/// the table still referenced.
+unsafe fn post_one_by_one<W, D>(
+    context: *mut c_void,
+    qp: u64,
+    wrs: &[W],
+    post: unsafe extern "system" fn(*mut c_void, u64, *const D, u32, *mut u32) -> NtStatus,
+    encode: impl Fn(&W) -> D,
+) -> (usize, IbStatus) {
+    for (done, wr) in wrs.iter().enumerate() {
+        let desc = encode(wr);
+        let mut posted: u32 = 0;
+        // SAFETY: the table's entry point (caller); `desc` and its SGE list
+        // live for the call.
+        let status = unsafe { post(context, qp, &desc, 1, &mut posted) };
+        if !status.is_success() {
+            return (done, IbStatus::from_ntstatus(status));
+        }
+        if posted != 1 {
+            return (done, IbStatus::GenericError);
+        }
+    }
+    (wrs.len(), IbStatus::Success)
 }

@@ -45,17 +45,19 @@ use ibal_bus_core::children::{
     ChildEntry, ChildList, ChildSet, PortChild, port_children, read_child_list,
 };
 use ibal_bus_core::ci::{CaEvents, CiAccess, PortIdentity, ports_from_attributes};
+use kmdf_platform::context::{install, shell_attributes, shell_of};
+use kmdf_platform::device::{pnp_power_callbacks, set_pnp_power_callbacks};
+use kmdf_platform::sync::{KernelSpinLock, SpinLock};
 use wdk_sys::{
-    DRIVER_OBJECT, GUID, NTSTATUS, PCUNICODE_STRING, PWDFDEVICE_INIT, ULONG, WDF_CHILD_LIST_CONFIG,
-    WDF_DRIVER_CONFIG, WDF_NO_HANDLE, WDF_NO_OBJECT_ATTRIBUTES, WDF_PNPPOWER_EVENT_CALLBACKS,
-    WDF_POWER_DEVICE_STATE, WDFCMRESLIST, WDFDEVICE, WDFDRIVER, WDFOBJECT,
-    call_unsafe_wdf_function_binding,
+    GUID, NTSTATUS, PWDFDEVICE_INIT, ULONG, WDF_CHILD_LIST_CONFIG, WDF_NO_OBJECT_ATTRIBUTES,
+    WDF_PNPPOWER_EVENT_CALLBACKS, WDF_POWER_DEVICE_STATE, WDFCMRESLIST, WDFDEVICE, WDFDRIVER,
+    WDFOBJECT, call_unsafe_wdf_function_binding,
 };
 
 use super::child::{ChildIdentification, evt_child_list_create_device};
 use super::ci::FfiCi;
-use super::context::{install, shell_attributes, shell_of};
-use super::platform::{KernelSpinLock, ParametersKey, SpinLock};
+
+use super::platform::ParametersKey;
 use super::proxy;
 
 /// The access layer over one bound CA.
@@ -96,36 +98,7 @@ pub fn reconcile_every_filter() {
     }
 }
 
-/// `DriverEntry`.
-///
-/// # Safety
-/// Called once by the I/O manager with its driver object and registry
-/// path.
-// SAFETY: "DriverEntry" is the symbol the kernel loader calls; nothing else
-// in the image exports it.
-#[unsafe(export_name = "DriverEntry")]
-pub unsafe extern "system" fn driver_entry(
-    driver: &mut DRIVER_OBJECT,
-    registry_path: PCUNICODE_STRING,
-) -> NTSTATUS {
-    let mut config = WDF_DRIVER_CONFIG {
-        Size: size_of::<WDF_DRIVER_CONFIG>() as ULONG,
-        EvtDriverDeviceAdd: Some(evt_driver_device_add),
-        ..WDF_DRIVER_CONFIG::default()
-    };
-    let handle = WDF_NO_HANDLE as *mut WDFDRIVER;
-    // SAFETY: the loader's driver object and registry path, once.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfDriverCreate,
-            driver as *mut DRIVER_OBJECT,
-            registry_path,
-            WDF_NO_OBJECT_ATTRIBUTES,
-            &mut config,
-            handle
-        )
-    }
-}
+kmdf_platform::driver_entry!(evt_driver_device_add);
 
 /// `EvtDriverDeviceAdd`: the filter device on one HCA stack.
 unsafe extern "C" fn evt_driver_device_add(
@@ -135,22 +108,15 @@ unsafe extern "C" fn evt_driver_device_add(
     // SAFETY: the framework's live init structure, before WdfDeviceCreate.
     unsafe { call_unsafe_wdf_function_binding!(WdfFdoInitSetFilter, device_init) };
 
-    let mut pnp = WDF_PNPPOWER_EVENT_CALLBACKS {
-        Size: size_of::<WDF_PNPPOWER_EVENT_CALLBACKS>() as ULONG,
+    let pnp = WDF_PNPPOWER_EVENT_CALLBACKS {
         EvtDevicePrepareHardware: Some(evt_prepare_hardware),
         EvtDeviceReleaseHardware: Some(evt_release_hardware),
         EvtDeviceD0Entry: Some(evt_d0_entry),
         EvtDeviceSelfManagedIoInit: Some(evt_self_managed_io_init),
-        ..WDF_PNPPOWER_EVENT_CALLBACKS::default()
+        ..pnp_power_callbacks()
     };
     // SAFETY: the framework's live init structure, before WdfDeviceCreate.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfDeviceInitSetPnpPowerEventCallbacks,
-            device_init,
-            &mut pnp
-        )
-    };
+    unsafe { set_pnp_power_callbacks(device_init, pnp) };
 
     // WDF_CHILD_LIST_CONFIG_INIT: the identification description is
     // compared byte for byte (no compare callback), so it has no padding

@@ -16,8 +16,13 @@
 //! | [`child`] | `EvtChildListCreateDevice` (PDO IDs, text, SDDL, power-managed verb queue, `WdfDeviceAddQueryInterface` for the AL interface and, sent to the parent's stack, the bus interface) | `AccessLayer::submit` |
 //! | [`al_interface`] | the `AlInterface` FFI table (`extern "system"` entry points) | `al::AccessLayer` |
 //! | [`proxy`] | the user-mode proxy: `EvtDeviceFileCreate` / `EvtFileCleanup` / `EvtFileClose` (an `OpenTable` per file object), `EvtIoInCallerContext` (user requests judged in the caller's thread, verbs sent down with a completion routine, the administrator IOCTL checked with `SeAccessCheck` and written to the Parameters key), the default queue (not power-managed, send-and-forget) | `proxy::OpenTable`, `proxy::ChildEntryChange` |
-//! | [`platform`] | spin lock, IRQL, event, the Parameters key (read and written), `WDFREQUEST` | `driver_platform` traits |
-//! | [`context`] | typed object contexts (filter and child shells, the proxy's opens) | — |
+//! | [`platform`] | the Parameters key (read and written) | `driver_platform::Registry` |
+//! | [`context`] | the typed object contexts' records (filter and child shells, the proxy's opens) | — |
+//!
+//! What this shell does the same as the miniport's (spin lock, IRQL,
+//! event, `WDFREQUEST`, UTF-16 strings, typed contexts, interface
+//! references, `WdfDriverCreate`) is the `kmdf-platform` crate's, linked
+//! into both images.
 //!
 //! Rules: every `unsafe` block holds one unsafe operation and carries a
 //! `// SAFETY:` comment; nothing here decides anything the core could.

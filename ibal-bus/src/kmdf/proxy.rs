@@ -55,22 +55,25 @@ use ibal_bus_core::children::{ChildEntry, LIST_VALUE};
 use ibal_bus_core::proxy::{
     Checked, ChildEntryChange, Forwarded, IOCTL_IBAL_CHILD_ENTRY, OpenTable,
 };
+use kmdf_platform::context::{install, shell_attributes, shell_of, take};
+use kmdf_platform::queue::default_parallel_queue_config;
+use kmdf_platform::request::{Buffer, WdfRequest, system_buffer};
+use kmdf_platform::sync::SpinLock;
 use wdk_sys::ntddk::{
     SeAccessCheck, SeCaptureSubjectContext, SeLockSubjectContext, SeReleaseSubjectContext,
     SeUnlockSubjectContext,
 };
 use wdk_sys::{
-    _MODE, _WDF_FILEOBJECT_CLASS, _WDF_IO_QUEUE_DISPATCH_TYPE, _WDF_REQUEST_SEND_OPTIONS_FLAGS,
-    _WDF_REQUEST_TYPE, _WDF_TRI_STATE, ACCESS_MASK, GENERIC_MAPPING, NTSTATUS,
-    PWDF_REQUEST_COMPLETION_PARAMS, PWDFDEVICE_INIT, SECURITY_SUBJECT_CONTEXT, TRUE, ULONG, USHORT,
-    WDF_FILEOBJECT_CONFIG, WDF_IO_QUEUE_CONFIG, WDF_NO_OBJECT_ATTRIBUTES, WDF_REQUEST_PARAMETERS,
-    WDF_REQUEST_SEND_OPTIONS, WDFCONTEXT, WDFDEVICE, WDFFILEOBJECT, WDFIOTARGET, WDFOBJECT,
-    WDFQUEUE, WDFREQUEST, call_unsafe_wdf_function_binding,
+    _MODE, _WDF_FILEOBJECT_CLASS, _WDF_REQUEST_SEND_OPTIONS_FLAGS, _WDF_REQUEST_TYPE,
+    _WDF_TRI_STATE, ACCESS_MASK, GENERIC_MAPPING, NTSTATUS, PWDF_REQUEST_COMPLETION_PARAMS,
+    PWDFDEVICE_INIT, SECURITY_SUBJECT_CONTEXT, TRUE, ULONG, USHORT, WDF_FILEOBJECT_CONFIG,
+    WDF_IO_QUEUE_CONFIG, WDF_REQUEST_PARAMETERS, WDF_REQUEST_SEND_OPTIONS, WDFCONTEXT, WDFDEVICE,
+    WDFFILEOBJECT, WDFIOTARGET, WDFOBJECT, WDFQUEUE, WDFREQUEST, call_unsafe_wdf_function_binding,
 };
 
-use super::context::{install, shell_attributes, shell_of, take};
 use super::filter::reconcile_every_filter;
-use super::platform::{ParametersKey, SpinLock, WdfRequest};
+
+use super::platform::ParametersKey;
 use crate::admin_check::{ADMINISTRATORS_ONLY, CHANGE_CHILD_LIST};
 
 /// The values of one entry's subkey (`ibal_bus_core::children`'s layout).
@@ -140,28 +143,13 @@ pub unsafe fn configure(device_init: PWDFDEVICE_INIT) {
 /// # Safety
 /// `device` is the live filter device `EvtDriverDeviceAdd` just created.
 pub unsafe fn create_queue(device: WDFDEVICE) -> NTSTATUS {
-    let mut config = WDF_IO_QUEUE_CONFIG {
-        Size: size_of::<WDF_IO_QUEUE_CONFIG>() as ULONG,
+    let config = WDF_IO_QUEUE_CONFIG {
         PowerManaged: _WDF_TRI_STATE::WdfFalse,
-        DefaultQueue: TRUE as u8,
-        DispatchType: _WDF_IO_QUEUE_DISPATCH_TYPE::WdfIoQueueDispatchParallel,
         EvtIoDefault: Some(evt_io_default),
-        ..WDF_IO_QUEUE_CONFIG::default()
+        ..default_parallel_queue_config()
     };
-    // WDF_IO_QUEUE_CONFIG_INIT_DEFAULT_QUEUE: no limit (0 would present
-    // nothing).
-    config.Settings.Parallel.NumberOfPresentedRequests = ULONG::MAX;
-    let mut queue: WDFQUEUE = ptr::null_mut();
-    // SAFETY: a live device (caller); out pointer valid.
-    unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfIoQueueCreate,
-            device,
-            &mut config,
-            WDF_NO_OBJECT_ATTRIBUTES,
-            &mut queue
-        )
-    }
+    // SAFETY: a live device (caller).
+    unsafe { kmdf_platform::queue::create_queue(device, config) }
 }
 
 /// The device's local I/O target: the miniport below.
@@ -315,7 +303,7 @@ unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WDFREQ
     let is_admin = code == IOCTL_IBAL_CHILD_ENTRY.raw() && caller_is_administrator();
     // SAFETY: a live request the driver owns, in this callback.
     let checked = unsafe {
-        with_input(request, |input| {
+        with_buffer(request, Buffer::Input, |input| {
             open.table.lock().check(code, input, output_len, is_admin)
         })
     };
@@ -338,57 +326,21 @@ unsafe extern "C" fn evt_io_in_caller_context(device: WDFDEVICE, request: WDFREQ
     }
 }
 
-/// Runs `f` over the request's METHOD_BUFFERED input (empty when it has
-/// none), without copying it.
+/// Runs `f` over the request's METHOD_BUFFERED `which` buffer (empty
+/// when it has none), without copying it.
 ///
 /// # Safety
 /// `request` is a live request the driver owns, not sent or completed
 /// before `f` returns.
-unsafe fn with_input<R>(request: WDFREQUEST, f: impl FnOnce(&[u8]) -> R) -> R {
-    let mut buffer: *mut c_void = ptr::null_mut();
-    let mut length: usize = 0;
-    // SAFETY: a live request (caller); out pointers valid.
-    let status = unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfRequestRetrieveInputBuffer,
-            request,
-            0,
-            &mut buffer,
-            &mut length
-        )
-    };
-    if status < 0 || buffer.is_null() {
+unsafe fn with_buffer<R>(request: WDFREQUEST, which: Buffer, f: impl FnOnce(&[u8]) -> R) -> R {
+    // SAFETY: a live request (caller).
+    let (buffer, length) = unsafe { system_buffer(request, which) };
+    if buffer.is_null() {
         return f(&[]);
     }
     // SAFETY: the framework returned `length` readable bytes of the system
     // buffer, which stays while the driver owns the request (caller).
-    f(unsafe { core::slice::from_raw_parts(buffer.cast::<u8>(), length) })
-}
-
-/// Runs `f` over the request's METHOD_BUFFERED output buffer (empty when
-/// it has none).
-///
-/// # Safety
-/// `request` is a live request the driver owns.
-unsafe fn with_output<R>(request: WDFREQUEST, f: impl FnOnce(&[u8]) -> R) -> R {
-    let mut buffer: *mut c_void = ptr::null_mut();
-    let mut length: usize = 0;
-    // SAFETY: a live request (caller); out pointers valid.
-    let status = unsafe {
-        call_unsafe_wdf_function_binding!(
-            WdfRequestRetrieveOutputBuffer,
-            request,
-            0,
-            &mut buffer,
-            &mut length
-        )
-    };
-    if status < 0 || buffer.is_null() {
-        return f(&[]);
-    }
-    // SAFETY: the framework returned `length` bytes of the system buffer,
-    // which stays while the driver owns the request (caller).
-    f(unsafe { core::slice::from_raw_parts(buffer.cast::<u8>(), length) })
+    f(unsafe { core::slice::from_raw_parts(buffer, length) })
 }
 
 /// Sends an accepted verb down at once, in the caller's thread, with the
@@ -451,7 +403,7 @@ unsafe extern "C" fn evt_verb_completed(
     let status = NtStatus::from_raw(status as u32);
     // SAFETY: as above.
     let answered = unsafe {
-        with_output(request, |output| {
+        with_buffer(request, Buffer::Output, |output| {
             in_flight
                 .open
                 .table
