@@ -470,13 +470,21 @@ impl FilterShell {
     /// `LocalCatastrophic` event or the filter's own surprise removal
     /// tells the access layer. PASSIVE_LEVEL.
     pub fn child_surprise_removed(&self) {
+        if self.hca_function_gone() {
+            self.ca_gone();
+        }
+    }
+
+    /// Whether the HCA's function has left the bus
+    /// ([`ConfigReader::function_gone`]); `false` when the bus interface
+    /// could not be queried. For the children's removal callbacks, which
+    /// PnP runs before the filter's release-hardware. PASSIVE_LEVEL.
+    pub fn hca_function_gone(&self) -> bool {
         // Read outside the spin lock (at PASSIVE_LEVEL, where the bus
         // driver's routine may always be called). The interface cannot go
         // meanwhile: release-hardware runs after every child's removal.
         let reader = self.pci.lock().as_ref().map(PciBus::config_reader);
-        if reader.is_some_and(|reader| reader.function_gone()) {
-            self.ca_gone();
-        }
+        reader.is_some_and(|reader| reader.function_gone())
     }
 
     /// Reads the child list from the Parameters key. PASSIVE_LEVEL.
