@@ -22,17 +22,28 @@
 //!    through the interface; its completion (any IRQL up to DISPATCH_LEVEL)
 //!    binds and registers the CA, creates its access layer and reports the
 //!    children present.
-//! 5. `EvtDeviceReleaseHardware`: the access layer detached, the CA
-//!    deregistered and closed, the interface dereferenced. The children
-//!    stay (the child list lives with the device); a restarted stack
-//!    reconciles them against the list read again.
+//! 5. `EvtDeviceReleaseHardware`: the access layer detached, what the CA
+//!    refused at a client's close destroyed again
+//!    (`AccessLayer::destroy_orphans`, PASSIVE_LEVEL, waiting on a
+//!    `KEVENT`), the CA deregistered and closed, the interfaces
+//!    dereferenced. The children stay (the child list lives with the
+//!    device); a restarted stack reconciles them against the list read
+//!    again.
+//!
+//! The CA gone (`AccessLayer::ca_removed`): the CA's `LocalCatastrophic`
+//! event; a child's `EvtDeviceSurpriseRemoval` when the HCA's function
+//! reads as gone ([`FilterShell::child_surprise_removed`]); the filter's
+//! own `EvtDeviceSurpriseRemoval`, which PnP runs after its children's.
+//! A `PortActive` event re-queries the ports (`QueryCa` with a completion
+//! routine, as at the start) and tells the clients each table that
+//! changed (`AccessLayer::port_changed`).
 
 use alloc::sync::{Arc, Weak};
 use alloc::vec;
 use alloc::vec::Vec;
 use core::ptr;
 
-use ib_types::event::AsyncEventRecord;
+use ib_types::event::{AsyncEventCode, AsyncEventRecord};
 use ib_types::handle::CqHandle;
 use ib_types::interface::GUID_IB_AL_DEVICE_INTERFACE;
 use ib_types::ioctl::{
@@ -49,16 +60,20 @@ use kmdf_platform::context::{install, shell_attributes, shell_of};
 use kmdf_platform::device::{pnp_power_callbacks, set_pnp_power_callbacks};
 use kmdf_platform::sync::{KernelSpinLock, SpinLock};
 use wdk_sys::{
-    GUID, NTSTATUS, PWDFDEVICE_INIT, ULONG, WDF_CHILD_LIST_CONFIG, WDF_NO_OBJECT_ATTRIBUTES,
+    BUS_INTERFACE_STANDARD, GUID, NTSTATUS, PCI_WHICHSPACE_CONFIG, PINTERFACE, PVOID,
+    PWDFDEVICE_INIT, ULONG, WDF_CHILD_LIST_CONFIG, WDF_NO_OBJECT_ATTRIBUTES,
     WDF_PNPPOWER_EVENT_CALLBACKS, WDF_POWER_DEVICE_STATE, WDFCMRESLIST, WDFDEVICE, WDFDRIVER,
     WDFOBJECT, call_unsafe_wdf_function_binding,
 };
 
-use super::child::{ChildIdentification, evt_child_list_create_device};
+use super::child::{
+    BUS_INTERFACE_STANDARD_GUID, ChildIdentification, evt_child_list_create_device,
+};
 use super::ci::FfiCi;
 
 use super::platform::ParametersKey;
 use super::proxy;
+use kmdf_platform::event::{KeIrql, KernelEvent};
 
 /// The access layer over one bound CA.
 pub type Al = AccessLayer<KernelSpinLock, FfiCi>;
@@ -113,6 +128,7 @@ unsafe extern "C" fn evt_driver_device_add(
         EvtDeviceReleaseHardware: Some(evt_release_hardware),
         EvtDeviceD0Entry: Some(evt_d0_entry),
         EvtDeviceSelfManagedIoInit: Some(evt_self_managed_io_init),
+        EvtDeviceSurpriseRemoval: Some(evt_surprise_removal),
         ..pnp_power_callbacks()
     };
     // SAFETY: the framework's live init structure, before WdfDeviceCreate.
@@ -162,7 +178,12 @@ unsafe extern "C" fn evt_driver_device_add(
         binding: SpinLock::new(Binding::Idle),
         list: SpinLock::new(ChildList::default()),
         children: SpinLock::new(ChildSet::default()),
-        relay: Arc::new(CaRelay::default()),
+        ports: SpinLock::new(Vec::new()),
+        pci: SpinLock::new(None),
+        relay: Arc::new(CaRelay {
+            al: SpinLock::new(None),
+            filter: me.clone(),
+        }),
     });
     let weak = Arc::downgrade(&shell);
     // SAFETY: the device just created with a FilterShell context.
@@ -198,9 +219,11 @@ unsafe extern "C" fn evt_driver_device_add(
 
 /// Forwards the CA's callbacks to the access layer once there is one (the
 /// CA is opened before its ports, and so its AL, are known).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct CaRelay {
     al: SpinLock<Option<Arc<Al>>>,
+    /// The filter device, which re-queries its ports on a port event.
+    filter: Weak<FilterShell>,
 }
 
 impl CaRelay {
@@ -216,9 +239,107 @@ impl CaEvents for CaRelay {
         }
     }
 
+    /// Up to DISPATCH_LEVEL (the miniport's DPC); never waits.
     fn async_event(&self, event: &AsyncEventRecord) {
         if let Some(al) = self.al() {
             al.async_event(event);
+            // The CA is unusable for good (the device failed: its stack
+            // goes and, if at all, comes back as a new CA): requests end
+            // at once with the removal's status rather than at the CA.
+            if event.code == AsyncEventCode::LocalCatastrophic {
+                al.ca_removed();
+            }
+        }
+        // A port came up: its tables may have changed meanwhile, which
+        // the CA raises no event for; the answer tells the clients.
+        if event.code == AsyncEventCode::PortActive
+            && let Some(filter) = self.filter.upgrade()
+        {
+            filter.requery_ports();
+        }
+    }
+}
+
+/// The HCA's PCI bus interface (`GUID_BUS_INTERFACE_STANDARD`, queried
+/// over the filter's own stack, answered by the PCI PDO): its config-space
+/// read tells whether the function is still on the bus. Held from
+/// prepare-hardware to release-hardware.
+struct PciBus(BUS_INTERFACE_STANDARD);
+
+// SAFETY: the interface's context and routines are the PCI driver's,
+// callable from any thread; the value is behind a spin lock.
+unsafe impl Send for PciBus {}
+
+/// [`PciBus`]'s config-space read, valid while its interface is
+/// referenced.
+struct ConfigReader {
+    get_bus_data: wdk_sys::PGET_SET_DEVICE_DATA,
+    context: PVOID,
+}
+
+impl ConfigReader {
+    /// Whether the function has left the bus: its vendor ID, read from
+    /// config space, is all ones (a read of a function that is gone ends
+    /// in a master abort), or nothing could be read. PASSIVE_LEVEL.
+    fn function_gone(&self) -> bool {
+        let Some(get_bus_data) = self.get_bus_data else {
+            return false;
+        };
+        let mut vendor_id: u16 = 0;
+        // SAFETY: the interface is referenced (the caller's contract); the
+        // buffer is writable for the 2 bytes asked.
+        let read = unsafe {
+            get_bus_data(
+                self.context,
+                PCI_WHICHSPACE_CONFIG,
+                (&raw mut vendor_id).cast::<core::ffi::c_void>() as PVOID,
+                0,
+                size_of::<u16>() as ULONG,
+            )
+        };
+        read as usize != size_of::<u16>() || vendor_id == u16::MAX
+    }
+}
+
+impl PciBus {
+    /// Queries the interface from `device`'s stack; `None` when nothing
+    /// below answers it (the function-gone check then answers "present").
+    ///
+    /// # Safety
+    /// `device` is the live filter device, in `EvtDevicePrepareHardware`.
+    unsafe fn query(device: WDFDEVICE) -> Option<Self> {
+        let mut bus = BUS_INTERFACE_STANDARD::default();
+        // SAFETY: the live filter device; the structure is writable for
+        // its whole size, which is what is declared.
+        let status = unsafe {
+            call_unsafe_wdf_function_binding!(
+                WdfFdoQueryForInterface,
+                device,
+                &BUS_INTERFACE_STANDARD_GUID,
+                (&raw mut bus).cast::<core::ffi::c_void>() as PINTERFACE,
+                size_of::<BUS_INTERFACE_STANDARD>() as u16,
+                1,
+                ptr::null_mut()
+            )
+        };
+        (status >= 0).then_some(Self(bus))
+    }
+
+    /// The config-space reader: the routine and its context, copied so
+    /// the read runs outside the lock that holds the interface.
+    fn config_reader(&self) -> ConfigReader {
+        ConfigReader {
+            get_bus_data: self.0.GetBusData,
+            context: self.0.Context,
+        }
+    }
+
+    /// Gives the query's reference back. PASSIVE_LEVEL.
+    fn release(self) {
+        if let Some(dereference) = self.0.InterfaceDereference {
+            // SAFETY: the reference the query took, given back once (the
+            // value is consumed).
+            unsafe { dereference(self.0.Context) };
         }
     }
 }
@@ -248,6 +369,10 @@ pub struct FilterShell {
     binding: SpinLock<Binding>,
     list: SpinLock<ChildList>,
     children: SpinLock<ChildSet>,
+    /// The ports as last answered by `QueryCa` (compared on a re-query).
+    ports: SpinLock<Vec<PortIdentity>>,
+    /// The HCA's PCI bus interface, from prepare- to release-hardware.
+    pci: SpinLock<Option<PciBus>>,
     relay: Arc<CaRelay>,
 }
 
@@ -291,6 +416,43 @@ impl FilterShell {
             .map(|e| e.device_id.clone())
             .or_else(|| port.description.hardware_ids.first().cloned())?;
         Some((port, device_id))
+    }
+
+    /// The CA is gone for good (its HCA left the bus or failed): the
+    /// access layer tells its clients once and ends their requests with
+    /// `STATUS_DEVICE_REMOVED` from now on (`AccessLayer::ca_removed`).
+    /// DISPATCH_LEVEL or below.
+    fn ca_gone(&self) {
+        if let Some(al) = self.al() {
+            al.ca_removed();
+        }
+    }
+
+    /// A child's `EvtDeviceSurpriseRemoval` (PnP runs the children's
+    /// before the filter's own): if the HCA's function has left the bus
+    /// (its config space reads as gone, [`ConfigReader::function_gone`]) the CA
+    /// is gone with it and the access layer is told now, before the
+    /// child's client goes down. A child going alone (reported missing,
+    /// its own stack failed) finds the function present and leaves the CA
+    /// alone; so does a failed HCA whose function stays, whose
+    /// `LocalCatastrophic` event or the filter's own surprise removal
+    /// tells the access layer. PASSIVE_LEVEL.
+    pub fn child_surprise_removed(&self) {
+        if self.hca_function_gone() {
+            self.ca_gone();
+        }
+    }
+
+    /// Whether the HCA's function has left the bus
+    /// ([`ConfigReader::function_gone`]); `false` when the bus interface
+    /// could not be queried. For the children's removal callbacks, which
+    /// PnP runs before the filter's release-hardware. PASSIVE_LEVEL.
+    pub fn hca_function_gone(&self) -> bool {
+        // Read outside the spin lock (at PASSIVE_LEVEL, where the bus
+        // driver's routine may always be called). The interface cannot go
+        // meanwhile: release-hardware runs after every child's removal.
+        let reader = self.pci.lock().as_ref().map(PciBus::config_reader);
+        reader.is_some_and(|reader| reader.function_gone())
     }
 
     /// Reads the child list from the Parameters key. PASSIVE_LEVEL.
@@ -383,6 +545,7 @@ impl FilterShell {
             *self.binding.lock() = Binding::Duplicate(bound);
             return;
         }
+        *self.ports.lock() = bound.ports().to_vec();
         let al = Arc::new(Al::new(bound.ci().clone(), bound.ca_handle()));
         *self.relay.al.lock() = Some(al.clone());
         *self.binding.lock() = Binding::Bound(bound.clone(), al);
@@ -396,18 +559,72 @@ impl FilterShell {
             Binding::Opening(opened) => (opened.ci().clone(), opened.ca_handle()),
             _ => return,
         };
+        if let Err(error) = self.submit_port_query(&ci, ca, Self::ports_answered) {
+            self.ports_answered(Err(error));
+        }
+    }
+
+    /// A port event on the bound CA (the CA callback, up to
+    /// DISPATCH_LEVEL): sends a `QueryCa` whose answer
+    /// ([`Self::ports_requeried`]) tells the clients what changed. Never
+    /// waits.
+    fn requery_ports(&self) {
+        let bound = match &*self.binding.lock() {
+            Binding::Bound(bound, _) => bound.clone(),
+            _ => return,
+        };
+        // Not sent (no resources): the tables stay as last known, and the
+        // next port event asks again.
+        let _ = self.submit_port_query(bound.ci(), bound.ca_handle(), Self::ports_requeried);
+    }
+
+    /// The `QueryCa` after a port event answered: each port's tables are
+    /// compared with what was known (`AccessLayer::port_changed` tells
+    /// every open client of a P_Key or GID table change) and kept. A
+    /// failed query changes nothing. Up to DISPATCH_LEVEL.
+    fn ports_requeried(&self, ports: Result<Vec<PortIdentity>, IbStatus>) {
+        let Ok(ports) = ports else {
+            return;
+        };
+        let changed: Vec<(PortIdentity, PortIdentity)> = {
+            let mut known = self.ports.lock();
+            let pairs = ports
+                .iter()
+                .filter_map(|new| {
+                    known
+                        .iter()
+                        .find(|old| old.port_num == new.port_num)
+                        .map(|old| (old.clone(), new.clone()))
+                })
+                .collect();
+            *known = ports;
+            pairs
+        };
+        if let Some(al) = self.al() {
+            for (old, new) in &changed {
+                al.port_changed(old, new);
+            }
+        }
+    }
+
+    /// Sends `QueryCa` on `ca` through `ci` with a completion routine that
+    /// hands the ports (or the failure) to `answered`, now or later. Up to
+    /// DISPATCH_LEVEL; never waits. An error is a request not sent.
+    fn submit_port_query(
+        &self,
+        ci: &FfiCi,
+        ca: u64,
+        answered: fn(&Self, Result<Vec<PortIdentity>, IbStatus>),
+    ) -> Result<(), IbStatus> {
         let (Some(in_len), Some(out_len)) = (
             request_len::<QueryCa>(0),
             response_len::<QueryCa>(QUERY_CA_ROOM as usize),
         ) else {
-            self.ports_answered(Err(IbStatus::InsufficientResources));
-            return;
+            return Err(IbStatus::InsufficientResources);
         };
         let mut bytes = vec![0; in_len];
-        if encode_request::<QueryCa>(ca, &Empty, &[], QUERY_CA_ROOM, &mut bytes).is_err() {
-            self.ports_answered(Err(IbStatus::InvalidParameter));
-            return;
-        }
+        encode_request::<QueryCa>(ca, &Empty, &[], QUERY_CA_ROOM, &mut bytes)
+            .map_err(|_| IbStatus::InvalidParameter)?;
         let me = self.me.clone();
         let request = ci.control_request(
             QueryCa::ID.ioctl().raw(),
@@ -426,20 +643,31 @@ impl FilterShell {
                     Err(IbStatus::from_ntstatus(status))
                 };
                 if let Some(shell) = me.upgrade() {
-                    shell.ports_answered(ports);
+                    answered(&shell, ports);
                 }
             }),
         );
         // Completion is reported through the routine, now or later.
         ci.submit(request);
+        Ok(())
     }
 
-    /// Release-hardware: the AL detached, the CA deregistered and closed,
-    /// the interface dereferenced. PASSIVE_LEVEL.
+    /// Release-hardware: the AL detached after the orphans' destroys sent
+    /// again, the CA deregistered and closed, the interfaces dereferenced.
+    /// PASSIVE_LEVEL.
     fn release(&self) {
-        let binding = core::mem::replace(&mut *self.binding.lock(), Binding::Idle);
         let detached = self.relay.al.lock().take();
+        // What the CA refused to destroy at a client's close is sent again
+        // now that the clients are gone (PnP removed the children first):
+        // the miniport refuses to close a CA whose kernel objects remain.
+        // It waits on a KEVENT only for the CA's answers (each command
+        // bounded by its timeout); after a removal there are none.
+        if let Some(al) = &detached {
+            let _ = al.destroy_orphans(&KeIrql, Arc::new(KernelEvent::default()));
+        }
         drop(detached);
+        self.ports.lock().clear();
+        let binding = core::mem::replace(&mut *self.binding.lock(), Binding::Idle);
         let ci = match binding {
             Binding::Idle => None,
             Binding::Queried(ci) => Some(ci),
@@ -466,6 +694,9 @@ impl FilterShell {
         };
         if let Some(ci) = ci {
             ci.release();
+        }
+        if let Some(pci) = self.pci.lock().take() {
+            pci.release();
         }
     }
 }
@@ -499,6 +730,8 @@ unsafe extern "C" fn evt_prepare_hardware(
     match unsafe { FfiCi::query(device) } {
         Ok(ci) => {
             *shell.binding.lock() = Binding::Queried(Arc::new(ci));
+            // SAFETY: the live filter device, in prepare-hardware.
+            *shell.pci.lock() = unsafe { PciBus::query(device) };
             0
         }
         Err(status) => status.raw() as NTSTATUS,
@@ -546,4 +779,15 @@ unsafe extern "C" fn evt_release_hardware(
         shell.release();
     }
     0
+}
+
+/// `EvtDeviceSurpriseRemoval` of the filter: the HCA is surprise-removed
+/// (or failed), so the CA goes, whatever told the access layer before (a
+/// child's surprise removal, the CA's `LocalCatastrophic` event). PnP runs
+/// it after the children's.
+unsafe extern "C" fn evt_surprise_removal(device: WDFDEVICE) {
+    // SAFETY: the framework calls this on the live filter device.
+    if let Some(shell) = unsafe { shell_of::<FilterShell>(device as WDFOBJECT) } {
+        shell.ca_gone();
+    }
 }
