@@ -176,7 +176,8 @@ impl Host {
         )
     }
 
-    /// The HCA devnodes, function 0 first; of a function plugged in again
+    /// The HCA devnodes in the device tree (a removed one is no longer
+    /// there), function 0 first; of a function plugged in again
     /// ([`Host::replug_hca`]), its newest devnode.
     pub fn hcas(&self) -> Vec<DevNodeId> {
         let children = self

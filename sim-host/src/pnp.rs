@@ -97,7 +97,8 @@ pub enum PnpState {
     Stopped,
     /// Surprise-removed: the hardware is gone; awaiting removal.
     SurpriseRemoved,
-    /// Removed; the devnode stays in the table for inspection.
+    /// Removed: its device objects (the PDO too) are deleted and it is no
+    /// longer in the device tree; the host keeps its record for inspection.
     Removed,
     /// Could not start, with the reason (an INF that does not resolve, a
     /// missing driver, a failing callback).
@@ -677,7 +678,9 @@ impl PnpManager {
         lock(&self.inner.tree).nodes.get(node.0).map(|n| n.power)
     }
 
-    /// The children of a devnode.
+    /// The children of a devnode in the device tree: a removed child is
+    /// no longer one (its PDO is deleted), though `state` still answers
+    /// `Removed` for it.
     pub fn children(&self, node: DevNodeId) -> Vec<DevNodeId> {
         lock(&self.inner.tree)
             .nodes
@@ -686,7 +689,6 @@ impl PnpManager {
             .unwrap_or_default()
     }
 
-    /// The devnode with this instance path.
     /// The devnode with this instance path; if a removed one was
     /// re-enumerated, the newest.
     pub fn find(&self, instance_path: &str) -> Option<DevNodeId> {
@@ -758,7 +760,7 @@ impl PnpManager {
         let tree = lock(&self.inner.tree);
         let mut out = Vec::new();
         let roots: Vec<DevNodeId> = (0..tree.nodes.len())
-            .filter(|&i| tree.nodes[i].parent.is_none())
+            .filter(|&i| tree.nodes[i].parent.is_none() && tree.nodes[i].state != PnpState::Removed)
             .map(DevNodeId)
             .collect();
         let mut stack: Vec<DevNodeId> = roots.into_iter().rev().collect();
@@ -1392,9 +1394,11 @@ impl PnpManager {
             crate::irql::check_max("IRP_MN_QUERY_INTERFACE", Irql::PASSIVE);
         }
         let holder = consumer.as_ref().map(|(_, n)| *n);
+        // A removed devnode has no device object left to send the IRP to.
         let refs = lock(&self.inner.tree)
             .nodes
-            .get_mut(node.0)?
+            .get_mut(node.0)
+            .filter(|n| n.state != PnpState::Removed)?
             .interface_refs
             .entry(holder)
             .or_default()
@@ -1679,12 +1683,18 @@ impl PnpManager {
     /// reference still held on its interfaces is a leak, its device
     /// objects are deleted (drivers left without one unload), and the
     /// remote I/O targets on it or opened by it are done with. A removed
-    /// devnode's PDO goes too; a devnode whose start failed keeps its PDO
-    /// (the bus still reports it) and ends in `end`.
+    /// devnode's PDO goes too and the devnode leaves the tree (its parent's
+    /// children, the roots): no request or `IRP_MN_QUERY_INTERFACE` reaches
+    /// it any more, and it stays in the table only for `state` and the like.
+    /// A devnode whose start failed keeps its PDO (the bus still reports
+    /// it) and ends in `end`.
     fn delete_device_objects(&self, n: DevNodeId, end: PnpState) {
         let keep_pdo = end != PnpState::Removed;
         let (layers, held, refs, path, interfaces) = {
             let mut tree = lock(&self.inner.tree);
+            if !keep_pdo && let Some(parent) = tree.nodes[n.0].parent {
+                tree.nodes[parent.0].children.retain(|&c| c != n);
+            }
             let dn = &mut tree.nodes[n.0];
             dn.state = end;
             let held = dn.purge_queues();
@@ -1695,7 +1705,7 @@ impl PnpManager {
                 .map(|l| l.service.clone())
                 .filter(|s| &**s != HOST_PDO)
                 .collect();
-            dn.stack.truncate(1);
+            dn.stack.truncate(usize::from(keep_pdo));
             let interfaces: Vec<WinGuid> = dn
                 .interfaces
                 .iter()

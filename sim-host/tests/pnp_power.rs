@@ -964,7 +964,11 @@ fn after_surprise_removal_remove_waits_for_the_last_handle() {
     assert_eq!(pdo_owner.len(), 2, "the device objects still exist");
     target.close();
     assert_eq!(w.pnp.state(child1), Some(PnpState::Removed));
-    assert_eq!(w.pnp.stack_services(child1).len(), 1);
+    assert!(
+        w.pnp.stack_services(child1).is_empty(),
+        "reported missing: its PDO is deleted too"
+    );
+    assert!(!w.pnp.children(w.bus).contains(&child1));
     w.pnp.query_and_remove(w.bus).unwrap();
     w.verifier.assert_clean();
 }
@@ -1258,6 +1262,7 @@ fn completing_another_drivers_request_is_caught() {
 fn bus_relations_remove_and_re_add_children() {
     let w = world(Breakage::default());
     let services = w.bus_services.lock().unwrap().clone().unwrap();
+    let child0 = w.pnp.find("ROOT\\BUS\\0000\\child0").unwrap();
     let child1 = w.pnp.find("ROOT\\BUS\\0000\\child1").unwrap();
     w.pnp.take_interface_events();
     // The bus notices a child gone (from its DPC, say) and reports it.
@@ -1285,9 +1290,14 @@ fn bus_relations_remove_and_re_add_children() {
     assert_ne!(again, child1);
     assert_eq!(w.pnp.state(again), Some(PnpState::Started));
     assert_eq!(
-        w.pnp.children(w.bus).len(),
-        3,
-        "the removed devnode stays for inspection"
+        w.pnp.children(w.bus),
+        [child0, again],
+        "the removed devnode is no longer a child"
+    );
+    assert_eq!(
+        w.pnp.state(child1),
+        Some(PnpState::Removed),
+        "kept for inspection"
     );
     // Re-reporting a present child keeps its devnode.
     services
@@ -1299,7 +1309,7 @@ fn bus_relations_remove_and_re_add_children() {
         })
         .unwrap();
     w.pnp.process_bus_relations();
-    assert_eq!(w.pnp.children(w.bus).len(), 3);
+    assert_eq!(w.pnp.children(w.bus).len(), 2);
     w.pnp.query_and_remove(w.bus).unwrap();
     w.verifier.assert_clean();
 }
@@ -1463,5 +1473,36 @@ fn query_interface_above_passive_is_caught() {
     );
     // Recorded, and still answered: the violation is the failure.
     iface.expect("answered").dereference();
+    w.verifier.assert_clean();
+}
+
+#[test]
+fn a_child_reported_missing_and_removed_is_gone_from_the_tree() {
+    // Windows: a PDO its bus no longer reports is deleted after
+    // IRP_MN_REMOVE_DEVICE ("Removing a Device in a Bus Driver", step 5):
+    // no IRP reaches its stack and it is no longer a child in the tree.
+    let w = world(Breakage::default());
+    let services = w.bus_services.lock().unwrap().clone().unwrap();
+    let child1 = w.pnp.find("ROOT\\BUS\\0000\\child1").unwrap();
+    let child0 = w.pnp.find("ROOT\\BUS\\0000\\child0").unwrap();
+    services.report_missing("child1");
+    w.pnp.process_bus_relations();
+    assert_eq!(w.pnp.state(child1), Some(PnpState::Removed));
+    assert_eq!(w.pnp.children(w.bus), [child0], "no longer a child");
+    assert!(!w.pnp.preorder().contains(&child1), "not in the tree");
+    assert!(
+        w.pnp.stack_services(child1).is_empty(),
+        "its PDO is deleted too"
+    );
+    assert!(
+        w.pnp
+            .query_interface(child1, &TEST_INTERFACE, 0x0101)
+            .is_none(),
+        "QUERY_INTERFACE reaches no device object"
+    );
+    let (req, handle) = HostRequest::new(&w.verifier, IOCTL_ECHO, RequestorMode::Kernel, vec![], 0);
+    w.pnp.send_request(child1, req);
+    assert_eq!(handle.completion().unwrap().status, NO_SUCH_DEVICE);
+    w.pnp.query_and_remove(w.bus).unwrap();
     w.verifier.assert_clean();
 }
