@@ -68,8 +68,10 @@
 //!   (`query_stop`, `STATUS_DEVICE_BUSY`) while a client is open.
 //! - the CA callbacks (`ci::CaEvents`): counted ([`IbalBusDevice::ca_events`])
 //!   and forwarded to the access layer, which routes them to the owning
-//!   client; `LocalCatastrophic` (the device failed for good) also tells
-//!   the access layer its CA is gone (`AccessLayer::ca_removed`);
+//!   client; `LocalCatastrophic` (the device failed) is routed like the
+//!   others and does not remove the CA: the failed miniport still hands
+//!   back every outstanding WR flushed and frees what its clients destroy,
+//!   and the CA goes at the stack's surprise removal, which follows;
 //!   `PortActive` (a port came up: its tables may have changed while it
 //!   was down, and the CA raises no table event) sends a `QueryCa` whose
 //!   answer is compared port by port with the last one, each change told
@@ -328,13 +330,13 @@ impl CaEvents for FilterEvents {
     fn async_event(&self, event: &AsyncEventRecord) {
         self.count.fetch_add(1, Ordering::Relaxed);
         if let Some(al) = self.al() {
+            // `LocalCatastrophic` is routed like any event and is not the
+            // CA's removal: the failed miniport answers every request at
+            // once and still hands each outstanding WR back flushed, which
+            // the clients poll before they destroy what they own (its
+            // destroys succeed). The CA goes at the stack's surprise
+            // removal, which PnP runs next (`IbalBusDevice::ca_gone`).
             al.async_event(event);
-            // The CA is unusable for good (the device failed: its stack
-            // goes and, if at all, comes back as a new CA): requests end
-            // at once with the removal's status rather than at the CA.
-            if event.code == AsyncEventCode::LocalCatastrophic {
-                al.ca_removed();
-            }
         }
         // A port came up: its tables may have changed meanwhile, which
         // the CA raises no event for; the answer tells the clients.
@@ -511,9 +513,10 @@ impl IbalBusDevice {
         &self.proxy
     }
 
-    /// The CA is gone for good (its HCA left the bus or failed): the
-    /// access layer tells its clients once and ends their requests with
-    /// `STATUS_DEVICE_REMOVED` from now on (`AccessLayer::ca_removed`).
+    /// The CA is gone for good (its HCA left the bus, or its failed stack is
+    /// surprise-removed): the access layer tells its clients once and ends
+    /// their requests with `STATUS_DEVICE_REMOVED` from now on
+    /// (`AccessLayer::ca_removed`).
     /// Any IRQL up to DISPATCH_LEVEL.
     pub fn ca_gone(&self) {
         if let Some(al) = self.access_layer() {
@@ -790,9 +793,10 @@ impl DeviceCallbacks for IbalBusDevice {
         self.proxy.in_caller_context(req)
     }
 
-    /// The HCA is surprise-removed (or failed): the CA goes, whatever
-    /// told the access layer before (a child's surprise removal, the CA's
-    /// catastrophic event).
+    /// The HCA is surprise-removed (or failed: PnP takes a failed stack
+    /// down this way, after its children and their clients): the CA goes,
+    /// whether or not a child's surprise removal told the access layer
+    /// before.
     fn surprise_removal(&self) {
         self.ca_gone();
     }

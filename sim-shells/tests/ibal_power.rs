@@ -16,13 +16,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use driver_platform::{DevicePowerState, RegValue, SystemPowerState};
 use hca_miniport_core::cmd::DEFAULT_COMMAND_TIMEOUT_NS;
+use hca_prm::regs::FatalSyndrome;
 use ib_types::cq::CqNotify;
 use ib_types::event::AsyncEventCode;
 use ib_types::ioctl::{AllocPd, CreateCq, DeallocPd, DestroyCq, DestroyQp, Empty, QueryQp};
 use ib_types::qp::QpState;
 use ib_types::status::{IbStatus, NtStatus};
-use ib_types::wc::WorkCompletion;
-use ib_types::wr::{SendFlags, SendOp, SendWr, Sge};
+use ib_types::wc::{WcStatus, WorkCompletion};
+use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge};
 use sim_host::host::HostConfig;
 use sim_host::pnp::PnpState;
 use sim_host::power::CriticalSleep;
@@ -564,5 +565,103 @@ fn a_child_removed_alone_leaves_its_hcas_ca_and_other_clients_alone() {
         let pd = call::<AllocPd>(&w.host, client, id.ca_handle(), &Empty).unwrap();
         call::<DeallocPd>(&w.host, client, pd, &Empty).unwrap();
     }
+    finish(w.host);
+}
+
+/// A catastrophic error (the device failed; its function is still on the
+/// bus) leaves the CA unusable for new work, but the failed miniport still
+/// hands every outstanding WR back as `WR_FLUSH_ERR` and frees what its
+/// clients destroy (docs/miniport.md "Catastrophic error"). The filter
+/// routes `LocalCatastrophic` to the clients and lets them drain: polls
+/// return each posted receive exactly once, flushed, and the destroys
+/// reach the CA; PnP then takes the failed stack down, the clients close
+/// cleanly, and the restarted HCA gets new clients that work. (The filter
+/// once treated the event as the CA's removal: the polls were refused
+/// with `DeviceRemoved` and the flushed WRs were lost to their owners.)
+#[test]
+fn after_a_catastrophic_error_the_clients_drain_their_flushed_wrs_then_let_go() {
+    let w = world(49);
+    let (a, b) = (w.client(0, 1), w.client(0, 2));
+    let (sa, sb) = (rc_side(&w.host, &a), rc_side(&w.host, &b));
+    connect_ports(&w.host, &a, sa.qp, 1, sb.qpn, (0, 2));
+    connect_ports(&w.host, &b, sb.qp, 2, sa.qpn, (0, 1));
+    // A receive on each side that no send will consume.
+    for (client, side, wr_id) in [(&a, &sa, 0xA1u64), (&b, &sb, 0xB1)] {
+        let (al, id) = client.al();
+        let sge = leak(vec![Sge::new(side.memory.start, 64, side.memory.lkey)]);
+        let qp = side.qp;
+        let posted = in_dpc(&w.host, move || {
+            al.post_recv(
+                id,
+                qp,
+                &[RecvWr {
+                    wr_id,
+                    sg_list: sge,
+                }],
+            )
+        });
+        assert_eq!(posted, (1, IbStatus::Success));
+    }
+
+    w.host
+        .backplane()
+        .with_device(0, |d| d.declare_fatal(FatalSyndrome::Internal));
+    run_queued(&w.host);
+    for (client, side, wr_id) in [(&a, &sa, 0xA1u64), (&b, &sb, 0xB1)] {
+        let told = lock(&client.recorder.events)
+            .iter()
+            .filter(|e| e.code == AsyncEventCode::LocalCatastrophic)
+            .count();
+        assert_eq!(told, 1, "the client hears of the failure once");
+        // New work is refused by the failed CA; what was posted drains.
+        let (al, id) = client.al();
+        let qp = side.qp;
+        let sge = leak(vec![Sge::new(side.memory.start, 64, side.memory.lkey)]);
+        let refused = in_dpc(&w.host, move || {
+            al.post_recv(
+                id,
+                qp,
+                &[RecvWr {
+                    wr_id: 0xEE,
+                    sg_list: sge,
+                }],
+            )
+        });
+        assert_ne!(refused.1, IbStatus::Success, "no new work on a failed CA");
+        let flushed = poll(&w.host, client, side.cq);
+        assert_eq!(flushed.len(), 1, "each WR once: {flushed:?}");
+        assert_eq!(
+            (flushed[0].wr_id, flushed[0].status),
+            (wr_id, WcStatus::WrFlushErr)
+        );
+    }
+    // The clients let go of the failed CA's objects: each destroy succeeds.
+    for (client, side) in [(&a, sa), (&b, sb)] {
+        destroy(&w.host, client, side);
+    }
+
+    // PnP takes the failed stack down and starts it again.
+    settle(&w.host);
+    for client in [&a, &b] {
+        assert_eq!(*lock(&client.closed), Some(Ok(())));
+        assert_eq!(client.recorder.late.load(Ordering::Acquire), 0);
+    }
+    settle(&w.host);
+    assert_eq!(
+        w.references(),
+        4,
+        "the restarted HCA's children have clients"
+    );
+    assert_eq!(w.driver.registered_cas().len(), 2);
+    let (a, b) = (w.client(0, 1), w.client(0, 2));
+    let (sa, sb) = (rc_side(&w.host, &a), rc_side(&w.host, &b));
+    connect_ports(&w.host, &a, sa.qp, 1, sb.qpn, (0, 2));
+    connect_ports(&w.host, &b, sb.qp, 2, sa.qpn, (0, 1));
+    let posted = start_transfer(&w.host, (&a, &sa), (&b, &sb), 1200, 11);
+    assert_eq!(posted, ((1, IbStatus::Success), (1, IbStatus::Success)));
+    settle(&w.host);
+    check_transfer(&w.host, (&a, &sa), (&b, &sb), 1200, 11);
+    destroy(&w.host, &a, sa);
+    destroy(&w.host, &b, sb);
     finish(w.host);
 }

@@ -30,9 +30,8 @@
 //!    device); a restarted stack reconciles them against the list read
 //!    again.
 //!
-//! The CA gone (`AccessLayer::ca_removed`): the CA's `LocalCatastrophic`
-//! event; a child's `EvtDeviceSurpriseRemoval` when the HCA's function
-//! reads as gone ([`FilterShell::child_surprise_removed`]); the filter's
+//! The CA gone (`AccessLayer::ca_removed`): a child's
+//! `EvtDeviceSurpriseRemoval` when the HCA's function reads as gone ([`FilterShell::child_surprise_removed`]); the filter's
 //! own `EvtDeviceSurpriseRemoval`, which PnP runs after its children's.
 //! A `PortActive` event re-queries the ports (`QueryCa` with a completion
 //! routine, as at the start) and tells the clients each table that
@@ -242,13 +241,13 @@ impl CaEvents for CaRelay {
     /// Up to DISPATCH_LEVEL (the miniport's DPC); never waits.
     fn async_event(&self, event: &AsyncEventRecord) {
         if let Some(al) = self.al() {
+            // `LocalCatastrophic` is routed like any event and is not the
+            // CA's removal: the failed miniport answers every request at
+            // once and still hands each outstanding WR back flushed, which
+            // the clients poll before they destroy what they own; the CA
+            // goes at the stack's surprise removal, which follows (as the
+            // simulated shell does).
             al.async_event(event);
-            // The CA is unusable for good (the device failed: its stack
-            // goes and, if at all, comes back as a new CA): requests end
-            // at once with the removal's status rather than at the CA.
-            if event.code == AsyncEventCode::LocalCatastrophic {
-                al.ca_removed();
-            }
         }
         // A port came up: its tables may have changed meanwhile, which
         // the CA raises no event for; the answer tells the clients.
@@ -434,9 +433,9 @@ impl FilterShell {
     /// is gone with it and the access layer is told now, before the
     /// child's client goes down. A child going alone (reported missing,
     /// its own stack failed) finds the function present and leaves the CA
-    /// alone; so does a failed HCA whose function stays, whose
-    /// `LocalCatastrophic` event or the filter's own surprise removal
-    /// tells the access layer. PASSIVE_LEVEL.
+    /// alone; so does a failed HCA whose function stays (its clients drain
+    /// the flushed WRs first), whose stack's surprise removal, the
+    /// filter's own, tells the access layer. PASSIVE_LEVEL.
     pub fn child_surprise_removed(&self) {
         if self.hca_function_gone() {
             self.ca_gone();
@@ -783,8 +782,7 @@ unsafe extern "C" fn evt_release_hardware(
 
 /// `EvtDeviceSurpriseRemoval` of the filter: the HCA is surprise-removed
 /// (or failed), so the CA goes, whatever told the access layer before (a
-/// child's surprise removal, the CA's `LocalCatastrophic` event). PnP runs
-/// it after the children's.
+/// child's surprise removal). PnP runs it after the children's.
 unsafe extern "C" fn evt_surprise_removal(device: WDFDEVICE) {
     // SAFETY: the framework calls this on the live filter device.
     if let Some(shell) = unsafe { shell_of::<FilterShell>(device as WDFOBJECT) } {
