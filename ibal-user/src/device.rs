@@ -1,6 +1,6 @@
 //! The device I/O seam: what the library needs from the OS, and nothing
 //! more. Windows implements it with SetupAPI/CfgMgr32, `CreateFileW`,
-//! `DeviceIoControl` and `VirtualAlloc` ([`crate::windows`]); the simulated
+//! `DeviceIoControl` and `VirtualAlloc` (`crate::windows`, Windows only); the simulated
 //! host implements it over its file handles and process memory (in the
 //! simulator-side tests, `sim-shells/tests/ibal_user.rs`). The library never
 //! calls the OS any other way.

@@ -7,7 +7,7 @@
 //!
 //! Layers:
 //! - [`device`]: the OS seam (interfaces, `CreateFile`, `DeviceIoControl`,
-//!   process memory). [`windows`] implements it on Windows; the simulated
+//!   process memory). `windows` (Windows only) implements it there; the simulated
 //!   host's implementation lives with the tests (`sim-shells`), since this
 //!   crate never depends on a simulator.
 //! - [`Context`] (one `OpenCa`), [`Pd`], [`Av`], [`Cq`], [`Qp`], [`Mr`]
