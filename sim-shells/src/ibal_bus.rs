@@ -127,8 +127,8 @@ pub use ibal_bus_core::al::{ClientEvents, ClientId, ClientReference};
 use ibal_bus_core::ca_registry::{BoundCa, CaRegistry, OpenedCa, check_version};
 use ibal_bus_core::children::{ChildList, ChildSet, PortChild, port_children, read_child_list};
 use ibal_bus_core::ci::{
-    CaEvents, CaIdentity, CiAccess, PortIdentity, PortQuery, REQUIRED_CI_VERSION, changed_ports,
-    ports_from_answer,
+    CaEvents, CaIdentity, CiAccess, PortIdentity, PortQuery, REQUIRED_CI_VERSION,
+    ports_from_answer, update_known_ports,
 };
 use sim_host::context::{self, Context};
 use sim_host::driver::{
@@ -659,12 +659,7 @@ impl IbalBusDevice {
         let Ok(ports) = ports else {
             return;
         };
-        let changed = {
-            let mut known = lock(&self.ports);
-            let changed = changed_ports(&known, &ports);
-            *known = ports;
-            changed
-        };
+        let changed = update_known_ports(&mut lock(&self.ports), ports);
         if let Some(al) = self.access_layer() {
             let _filter = self
                 .host

@@ -196,3 +196,15 @@ pub fn changed_ports(
         })
         .collect()
 }
+
+/// A port re-query answered `answered`: it replaces the ports `known`,
+/// and the ports whose tables changed ([`changed_ports`]) are returned for
+/// `al::AccessLayer::port_changed`.
+pub fn update_known_ports(
+    known: &mut Vec<PortIdentity>,
+    answered: Vec<PortIdentity>,
+) -> Vec<(PortIdentity, PortIdentity)> {
+    let changed = changed_ports(known, &answered);
+    *known = answered;
+    changed
+}

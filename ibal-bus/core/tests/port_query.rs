@@ -6,7 +6,9 @@ use ib_types::ca::{Atomicity, CaAttr, CaAttrParts, CaCaps, CaLayout, CaLimits};
 use ib_types::ioctl::{QueryCa, QueryCaOut, Verb, decode_request, encode_response, response_len};
 use ib_types::scalars::{Gid, NodeGuid, PKey, PortGuid, PortNum, SystemImageGuid};
 use ib_types::status::{IbStatus, NtStatus};
-use ibal_bus_core::ci::{PortIdentity, PortQuery, QUERY_CA_ROOM, changed_ports, ports_from_answer};
+use ibal_bus_core::ci::{
+    PortIdentity, PortQuery, QUERY_CA_ROOM, changed_ports, ports_from_answer, update_known_ports,
+};
 
 /// A valid attribute block of a CA with no ports.
 fn portless_block() -> Vec<u8> {
@@ -129,4 +131,17 @@ fn changed_ports_pairs_by_number_only_ports_whose_tables_changed() {
     );
     assert!(changed_ports(&old, &old).is_empty());
     assert!(changed_ports(&[], &new).is_empty());
+}
+
+#[test]
+fn a_requery_replaces_the_known_ports_and_returns_the_changed_ones() {
+    let mut known = vec![port(1, &[0xFFFF], 1), port(2, &[0xFFFF], 1)];
+    let answered = vec![port(1, &[0xFFFF], 1), port(2, &[0xFFFF], 3)];
+    let before = known.clone();
+    assert_eq!(
+        update_known_ports(&mut known, answered.clone()),
+        vec![(before[1].clone(), answered[1].clone())]
+    );
+    assert_eq!(known, answered);
+    assert!(update_known_ports(&mut known, answered.clone()).is_empty());
 }

@@ -51,7 +51,7 @@ use ibal_bus_core::children::{
     ChildEntry, ChildList, ChildSet, PortChild, port_children, read_child_list,
 };
 use ibal_bus_core::ci::{
-    CaEvents, CiAccess, PortIdentity, PortQuery, changed_ports, ports_from_answer,
+    CaEvents, CiAccess, PortIdentity, PortQuery, ports_from_answer, update_known_ports,
 };
 use kmdf_platform::context::{install, shell_attributes, shell_of};
 use kmdf_platform::device::{pnp_power_callbacks, set_pnp_power_callbacks};
@@ -579,12 +579,7 @@ impl FilterShell {
         let Ok(ports) = ports else {
             return;
         };
-        let changed = {
-            let mut known = self.ports.lock();
-            let changed = changed_ports(&known, &ports);
-            *known = ports;
-            changed
-        };
+        let changed = update_known_ports(&mut self.ports.lock(), ports);
         if let Some(al) = self.al() {
             for (old, new) in &changed {
                 al.port_changed(old, new);
