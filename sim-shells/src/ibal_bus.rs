@@ -28,7 +28,7 @@
 //!   the opened CA through the interface's `submit`, with a completion
 //!   routine, and does not wait.
 //! - the `QueryCa` completion (any IRQL up to DISPATCH_LEVEL): the ports
-//!   from the attribute block (`ci::ports_from_attributes`), the bind
+//!   from the answer (`ci::ports_from_answer`), the bind
 //!   completed (`OpenedCa::with_ports`), the CA registered in the driver's
 //!   [`CaRegistry`], and one child per port per entry reported present
 //!   (`ChildBus::report_present`, a KMDF static child list's
@@ -116,9 +116,6 @@ use ib_types::interface::{
     AL_INTERFACE_VERSION, GUID_IB_AL_INTERFACE, GUID_IB_CI_INTERFACE, InterfaceVersion,
     PortInterfaceData, WinGuid,
 };
-use ib_types::ioctl::{
-    Empty, QueryCa, Verb, decode_response, encode_request, request_len, response_len,
-};
 use ib_types::scalars::{NodeGuid, PKey};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
@@ -130,7 +127,8 @@ pub use ibal_bus_core::al::{ClientEvents, ClientId, ClientReference};
 use ibal_bus_core::ca_registry::{BoundCa, CaRegistry, OpenedCa, check_version};
 use ibal_bus_core::children::{ChildList, ChildSet, PortChild, port_children, read_child_list};
 use ibal_bus_core::ci::{
-    CaEvents, CaIdentity, CiAccess, PortIdentity, REQUIRED_CI_VERSION, ports_from_attributes,
+    CaEvents, CaIdentity, CiAccess, PortIdentity, PortQuery, REQUIRED_CI_VERSION,
+    ports_from_answer, update_known_ports,
 };
 use sim_host::context::{self, Context};
 use sim_host::driver::{
@@ -149,10 +147,6 @@ use sim_host::verifier::Verifier;
 
 /// The service name `inf/hca-miniport.inf` installs the filter under.
 pub const SERVICE: &str = "ibalbus";
-
-/// Room for the `QueryCa` answer's attribute block (a CA of up to a few
-/// ports with their tables fits many times over).
-const QUERY_CA_ROOM: u32 = 16 * 1024;
 
 /// The miniport's CI provider as the host hands it out.
 type Provider = CiProvider<SimPlatform>;
@@ -639,8 +633,8 @@ impl IbalBusDevice {
             Binding::Opening(opened) => (opened.ci().clone(), opened.ca_handle()),
             _ => return,
         };
-        if let Err(status) = self.submit_port_query(&ci, ca, Self::ports_answered) {
-            self.ports_answered(Err(IbStatus::from_ntstatus(status)));
+        if let Err(error) = self.submit_port_query(&ci, ca, Self::ports_answered) {
+            self.ports_answered(Err(error));
         }
     }
 
@@ -665,20 +659,7 @@ impl IbalBusDevice {
         let Ok(ports) = ports else {
             return;
         };
-        let changed: Vec<(PortIdentity, PortIdentity)> = {
-            let mut known = lock(&self.ports);
-            let pairs = ports
-                .iter()
-                .filter_map(|new| {
-                    known
-                        .iter()
-                        .find(|old| old.port_num == new.port_num)
-                        .map(|old| (old.clone(), new.clone()))
-                })
-                .collect();
-            *known = ports;
-            pairs
-        };
+        let changed = update_known_ports(&mut lock(&self.ports), ports);
         if let Some(al) = self.access_layer() {
             let _filter = self
                 .host
@@ -695,38 +676,24 @@ impl IbalBusDevice {
         ci: &SimCi,
         ca: u64,
         answered: fn(&Self, Result<Vec<PortIdentity>, IbStatus>),
-    ) -> Result<(), NtStatus> {
-        let (Some(in_len), Some(out_len)) = (
-            request_len::<QueryCa>(0),
-            response_len::<QueryCa>(QUERY_CA_ROOM as usize),
-        ) else {
-            return Err(NtStatus::INSUFFICIENT_RESOURCES);
-        };
-        let mut bytes = vec![0; in_len];
-        encode_request::<QueryCa>(ca, &Empty, &[], QUERY_CA_ROOM, &mut bytes)
-            .map_err(|_| NtStatus::INVALID_PARAMETER)?;
-        let verifier = self.host.verifier().ok_or(NtStatus::INVALID_DEVICE_STATE)?;
+    ) -> Result<(), IbStatus> {
+        let query = PortQuery::new(ca)?;
+        let verifier = self
+            .host
+            .verifier()
+            .ok_or(IbStatus::from_ntstatus(NtStatus::INVALID_DEVICE_STATE))?;
         let (mut request, _issuer) = HostRequest::new(
             &verifier,
-            QueryCa::ID.ioctl().raw(),
+            query.ioctl,
             RequestorMode::Kernel,
-            bytes,
-            out_len,
+            query.input,
+            query.output_len,
         );
         let me = self.me.clone();
         request.set_completion_routine(Box::new(move |status, information, output| {
-            let ports = if status.is_success() {
-                let len = usize::try_from(*information).unwrap_or(usize::MAX);
-                match output.get(..len).map(decode_response::<QueryCa>) {
-                    Some(Ok(response)) if response.status == IbStatus::Success => {
-                        ports_from_attributes(response.private)
-                    }
-                    Some(Ok(response)) => Err(response.status),
-                    _ => Err(IbStatus::GenericError),
-                }
-            } else {
-                Err(IbStatus::from_ntstatus(*status))
-            };
+            // An information beyond the buffer is no answer (empty output).
+            let len = usize::try_from(*information).unwrap_or(usize::MAX);
+            let ports = ports_from_answer(*status, output.get(..len).unwrap_or_default());
             if let Some(device) = me.upgrade() {
                 answered(&device, ports);
             }

@@ -34,23 +34,38 @@ struct World {
     clients: Arc<PortClientDriver>,
 }
 
-fn world(seed: u64) -> World {
-    let configs = HCAS
-        .iter()
+/// The two HCAs' device configurations (addresses as [`HCAS`] says).
+fn hca_configs() -> Vec<DeviceConfig> {
+    HCAS.iter()
         .enumerate()
         .map(|(i, guid)| {
             let i = i as u8;
             DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
         })
-        .collect();
-    let host = Host::new(HostConfig::deterministic(seed, configs)).unwrap();
+        .collect()
+}
+
+/// The drivers registered on a host built from `config`, booted (not yet
+/// settled: a threaded host quiesces instead).
+fn booted_world(config: HostConfig) -> World {
+    let host = Host::new(config).unwrap();
     let _log = sim_host::samples::register_stand_ins(&host);
     MiniportDriver::register(&host, HcaConfig::default());
     let _filter = IbalBusDriver::register(&host);
     let clients = PortClientDriver::register(&host, ROUNDS);
     host.boot();
-    settle(&host);
     World { host, clients }
+}
+
+fn world(seed: u64) -> World {
+    world_on(HostConfig::deterministic(seed, hca_configs()))
+}
+
+/// A deterministic host built from `config`, booted and settled.
+fn world_on(config: HostConfig) -> World {
+    let w = booted_world(config);
+    settle(&w.host);
+    w
 }
 
 fn settle(host: &Host) {
@@ -392,21 +407,7 @@ fn describe(w: &World) -> String {
 #[test]
 fn pairs_run_and_sleep_on_the_threaded_host_too() {
     for _ in 0..3 {
-        let configs = HCAS
-            .iter()
-            .enumerate()
-            .map(|(i, guid)| {
-                let i = i as u8;
-                DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
-            })
-            .collect();
-        let host = Host::new(HostConfig::threaded(2, configs)).unwrap();
-        let _log = sim_host::samples::register_stand_ins(&host);
-        MiniportDriver::register(&host, HcaConfig::default());
-        let _filter = IbalBusDriver::register(&host);
-        let clients = PortClientDriver::register(&host, ROUNDS);
-        host.boot();
-        let w = World { host, clients };
+        let w = booted_world(HostConfig::threaded(2, hca_configs()));
         let rounds_done = |port: u8| {
             let (x, y) = (w.client(0, port), w.client(1, port));
             let pair = sum(x.counters(), y.counters());
@@ -449,28 +450,13 @@ fn pairs_run_and_sleep_on_the_threaded_host_too() {
 fn pairs_connect_sleep_and_reconnect_over_a_lossy_fabric() {
     let mut seen = Counters::default();
     for seed in [51, 52, 53, 54] {
-        let configs = HCAS
-            .iter()
-            .enumerate()
-            .map(|(i, guid)| {
-                let i = i as u8;
-                DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
-            })
-            .collect();
-        let mut config = HostConfig::deterministic(seed, configs);
+        let mut config = HostConfig::deterministic(seed, hca_configs());
         config.fabric.faults = FaultConfig {
             drop_ppm: 100_000,
             duplicate_ppm: 50_000,
             ..FaultConfig::default()
         };
-        let host = Host::new(config).unwrap();
-        let _log = sim_host::samples::register_stand_ins(&host);
-        MiniportDriver::register(&host, HcaConfig::default());
-        let _filter = IbalBusDriver::register(&host);
-        let clients = PortClientDriver::register(&host, ROUNDS);
-        host.boot();
-        settle(&host);
-        let w = World { host, clients };
+        let w = world_on(config);
         for port in [1u8, 2] {
             let (initiator, responder) = w.pair(port);
             assert_eq!(
@@ -513,28 +499,13 @@ fn pairs_connect_sleep_and_reconnect_over_a_lossy_fabric() {
 /// and runs its rounds.
 #[test]
 fn a_peer_restarted_without_a_goodbye_is_reconnected_on_a_new_qp() {
-    let configs = HCAS
-        .iter()
-        .enumerate()
-        .map(|(i, guid)| {
-            let i = i as u8;
-            DeviceConfig::with_ports(*guid, &[[10, 0, i, 1], [10, 0, i, 2]])
-        })
-        .collect();
     // Seed and loss rate chosen so that the goodbye is lost.
-    let mut config = HostConfig::deterministic(2, configs);
+    let mut config = HostConfig::deterministic(2, hca_configs());
     config.fabric.faults = FaultConfig {
         drop_ppm: 300_000,
         ..FaultConfig::default()
     };
-    let host = Host::new(config).unwrap();
-    let _log = sim_host::samples::register_stand_ins(&host);
-    MiniportDriver::register(&host, HcaConfig::default());
-    let _filter = IbalBusDriver::register(&host);
-    let clients = PortClientDriver::register(&host, ROUNDS);
-    host.boot();
-    settle(&host);
-    let w = World { host, clients };
+    let w = world_on(config);
     let (a, b) = (w.client(0, 1), w.client(1, 1));
     w.host.pnp().stop(a.node()).unwrap();
     settle(&w.host);

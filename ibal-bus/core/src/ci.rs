@@ -11,10 +11,11 @@
 //! The ports are learnt the way any CI consumer learns them: a `QueryCa`
 //! control verb sent through [`CiAccess::submit`], whose answer (the CA
 //! attribute block, `ib_types::ca::CaAttrView`) [`ports_from_attributes`]
-//! reads. The shell builds and sends that request (its framing is the
-//! platform's request) and hands the answer back to the core when it
-//! completes, which may be at DISPATCH_LEVEL and after the stack's D0
-//! entry, when the miniport's power-managed queue runs it.
+//! reads. [`PortQuery`] builds the request's bytes and the output room;
+//! the shell wraps them in the platform's request, sends it, and hands
+//! the completion's status and output to [`ports_from_answer`]. That may
+//! be at DISPATCH_LEVEL and after the stack's D0 entry, when the
+//! miniport's power-managed queue runs it.
 
 use alloc::sync::Arc;
 use alloc::vec::Vec;
@@ -24,6 +25,9 @@ use ib_types::cq::CqNotify;
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::CqHandle;
 use ib_types::interface::{CI_INTERFACE_VERSION, InterfaceVersion};
+use ib_types::ioctl::{
+    Empty, QueryCa, Verb, decode_response, encode_request, request_len, response_len,
+};
 use ib_types::scalars::{Gid, PKey, PortGuid, PortNum};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
@@ -113,4 +117,94 @@ pub fn ports_from_attributes(block: &[u8]) -> Result<Vec<PortIdentity>, IbStatus
             gids: port.gids().to_vec(),
         })
         .collect())
+}
+
+/// Room for the CA attribute block a port query asks for: a CA of up to a
+/// few ports with full tables (the guide's `QueryCa`; a larger block is
+/// answered `Overflow`, which [`ports_from_answer`] reports as it is).
+pub const QUERY_CA_ROOM: u32 = 16 * 1024;
+
+/// The `QueryCa` control verb that learns a CA's ports, built for the
+/// shell to wrap in its platform's request: the IOCTL code, the input
+/// bytes and the output room, with [`QUERY_CA_ROOM`] for the attribute
+/// block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortQuery {
+    /// The request's IOCTL code (`QueryCa`).
+    pub ioctl: u32,
+    /// The request's input bytes.
+    pub input: Vec<u8>,
+    /// The output buffer's length the request must carry.
+    pub output_len: usize,
+}
+
+impl PortQuery {
+    /// The port query on the CA opened as `ca`.
+    /// [`IbStatus::InsufficientResources`] when the lengths do not fit the
+    /// platform, [`IbStatus::InvalidParameter`] when the request does not
+    /// encode; nothing to send then. DISPATCH_LEVEL or below.
+    pub fn new(ca: u64) -> Result<Self, IbStatus> {
+        let (Some(input_len), Some(output_len)) = (
+            request_len::<QueryCa>(0),
+            response_len::<QueryCa>(QUERY_CA_ROOM as usize),
+        ) else {
+            return Err(IbStatus::InsufficientResources);
+        };
+        let mut input = alloc::vec![0; input_len];
+        encode_request::<QueryCa>(ca, &Empty, &[], QUERY_CA_ROOM, &mut input)
+            .map_err(|_| IbStatus::InvalidParameter)?;
+        Ok(Self {
+            ioctl: QueryCa::ID.ioctl().raw(),
+            input,
+            output_len,
+        })
+    }
+}
+
+/// The ports from a completed [`PortQuery`]: the request's completion
+/// `status` and the `output` bytes it wrote. A failed request is its
+/// status as an [`IbStatus`]; a verb the CA refused is the answer's
+/// status; an answer that does not decode, or whose attribute block does
+/// not parse, is [`IbStatus::GenericError`]. DISPATCH_LEVEL or below.
+pub fn ports_from_answer(status: NtStatus, output: &[u8]) -> Result<Vec<PortIdentity>, IbStatus> {
+    if !status.is_success() {
+        return Err(IbStatus::from_ntstatus(status));
+    }
+    match decode_response::<QueryCa>(output) {
+        Ok(response) if response.status == IbStatus::Success => {
+            ports_from_attributes(response.private)
+        }
+        Ok(response) => Err(response.status),
+        Err(_) => Err(IbStatus::GenericError),
+    }
+}
+
+/// The ports known before (`old`) and answered now (`new`), paired by
+/// port number, whose P_Key or GID table differs: what
+/// `al::AccessLayer::port_changed` tells the clients of. A port in only
+/// one of the lists has nothing to compare and is left out.
+pub fn changed_ports(
+    old: &[PortIdentity],
+    new: &[PortIdentity],
+) -> Vec<(PortIdentity, PortIdentity)> {
+    new.iter()
+        .filter_map(|new| {
+            old.iter()
+                .find(|old| old.port_num == new.port_num)
+                .filter(|old| old.pkeys != new.pkeys || old.gids != new.gids)
+                .map(|old| (old.clone(), new.clone()))
+        })
+        .collect()
+}
+
+/// A port re-query answered `answered`: it replaces the ports `known`,
+/// and the ports whose tables changed ([`changed_ports`]) are returned for
+/// `al::AccessLayer::port_changed`.
+pub fn update_known_ports(
+    known: &mut Vec<PortIdentity>,
+    answered: Vec<PortIdentity>,
+) -> Vec<(PortIdentity, PortIdentity)> {
+    let changed = changed_ports(known, &answered);
+    *known = answered;
+    changed
 }

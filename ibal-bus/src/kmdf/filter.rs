@@ -38,23 +38,21 @@
 //! changed (`AccessLayer::port_changed`).
 
 use alloc::sync::{Arc, Weak};
-use alloc::vec;
 use alloc::vec::Vec;
 use core::ptr;
 
 use ib_types::event::{AsyncEventCode, AsyncEventRecord};
 use ib_types::handle::CqHandle;
 use ib_types::interface::GUID_IB_AL_DEVICE_INTERFACE;
-use ib_types::ioctl::{
-    Empty, QueryCa, Verb, decode_response, encode_request, request_len, response_len,
-};
 use ib_types::status::{IbStatus, NtStatus};
 use ibal_bus_core::al::{AccessLayer, CiRequests};
 use ibal_bus_core::ca_registry::{BoundCa, CaRegistry, OpenedCa};
 use ibal_bus_core::children::{
     ChildEntry, ChildList, ChildSet, PortChild, port_children, read_child_list,
 };
-use ibal_bus_core::ci::{CaEvents, CiAccess, PortIdentity, ports_from_attributes};
+use ibal_bus_core::ci::{
+    CaEvents, CiAccess, PortIdentity, PortQuery, ports_from_answer, update_known_ports,
+};
 use kmdf_platform::context::{install, shell_attributes, shell_of};
 use kmdf_platform::device::{pnp_power_callbacks, set_pnp_power_callbacks};
 use kmdf_platform::sync::{KernelSpinLock, SpinLock};
@@ -76,10 +74,6 @@ use kmdf_platform::event::{KeIrql, KernelEvent};
 
 /// The access layer over one bound CA.
 pub type Al = AccessLayer<KernelSpinLock, FfiCi>;
-
-/// Room for the CA attribute block `QueryCa` answers with (the guide's
-/// variable layout: a few ports with their P_Key and GID tables).
-const QUERY_CA_ROOM: u32 = 16 * 1024;
 
 /// `GUID_IB_AL_DEVICE_INTERFACE` as a Windows `GUID`.
 static AL_DEVICE_INTERFACE_GUID: GUID = GUID {
@@ -585,20 +579,7 @@ impl FilterShell {
         let Ok(ports) = ports else {
             return;
         };
-        let changed: Vec<(PortIdentity, PortIdentity)> = {
-            let mut known = self.ports.lock();
-            let pairs = ports
-                .iter()
-                .filter_map(|new| {
-                    known
-                        .iter()
-                        .find(|old| old.port_num == new.port_num)
-                        .map(|old| (old.clone(), new.clone()))
-                })
-                .collect();
-            *known = ports;
-            pairs
-        };
+        let changed = update_known_ports(&mut self.ports.lock(), ports);
         if let Some(al) = self.al() {
             for (old, new) in &changed {
                 al.port_changed(old, new);
@@ -615,32 +596,14 @@ impl FilterShell {
         ca: u64,
         answered: fn(&Self, Result<Vec<PortIdentity>, IbStatus>),
     ) -> Result<(), IbStatus> {
-        let (Some(in_len), Some(out_len)) = (
-            request_len::<QueryCa>(0),
-            response_len::<QueryCa>(QUERY_CA_ROOM as usize),
-        ) else {
-            return Err(IbStatus::InsufficientResources);
-        };
-        let mut bytes = vec![0; in_len];
-        encode_request::<QueryCa>(ca, &Empty, &[], QUERY_CA_ROOM, &mut bytes)
-            .map_err(|_| IbStatus::InvalidParameter)?;
+        let query = PortQuery::new(ca)?;
         let me = self.me.clone();
         let request = ci.control_request(
-            QueryCa::ID.ioctl().raw(),
-            bytes,
-            out_len,
+            query.ioctl,
+            query.input,
+            query.output_len,
             alloc::boxed::Box::new(move |status: NtStatus, output: &[u8]| {
-                let ports = if status.is_success() {
-                    match decode_response::<QueryCa>(output) {
-                        Ok(response) if response.status == IbStatus::Success => {
-                            ports_from_attributes(response.private)
-                        }
-                        Ok(response) => Err(response.status),
-                        Err(_) => Err(IbStatus::GenericError),
-                    }
-                } else {
-                    Err(IbStatus::from_ntstatus(status))
-                };
+                let ports = ports_from_answer(status, output);
                 if let Some(shell) = me.upgrade() {
                     answered(&shell, ports);
                 }

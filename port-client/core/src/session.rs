@@ -584,6 +584,25 @@ mod tests {
                 close_done: [0; 2],
             }
         }
+        /// A pair started as [`Self::start_both`] does.
+        fn started(rounds: u32) -> Self {
+            let mut pair = Self::new(rounds);
+            pair.start_both();
+            pair
+        }
+        /// A starts first (its peer not known), then B, which knows A and
+        /// says hello; everything is delivered.
+        fn start_both(&mut self) {
+            self.start(0, false);
+            self.start(1, true);
+            self.run();
+        }
+        /// Starts side `side` (`peer_known`: it says hello) and sends
+        /// what it asks for.
+        fn start(&mut self, side: usize, peer_known: bool) {
+            let actions = self.s[side].start(peer_known);
+            self.act(side, actions);
+        }
         fn act(&mut self, from: usize, actions: Vec<Action>) {
             for action in actions {
                 match action {
@@ -611,12 +630,7 @@ mod tests {
 
     #[test]
     fn the_later_side_says_hello_and_the_other_initiates_the_rounds() {
-        let mut p = Pair::new(5);
-        let a = p.s[0].start(false);
-        p.act(0, a);
-        let b = p.s[1].start(true);
-        p.act(1, b);
-        p.run();
+        let p = Pair::started(5);
         assert!(p.s[0].phase() == Phase::Running && p.s[1].phase() == Phase::Running);
         // B said hello, A answered: B initiates.
         assert!(p.s[1].is_initiator() && !p.s[0].is_initiator());
@@ -630,12 +644,7 @@ mod tests {
 
     #[test]
     fn more_rounds_restart_an_idle_connection() {
-        let mut p = Pair::new(2);
-        let a = p.s[0].start(false);
-        p.act(0, a);
-        let b = p.s[1].start(true);
-        p.act(1, b);
-        p.run();
+        let mut p = Pair::started(2);
         assert_eq!(p.s[1].counters().rounds, 2);
         let more = p.s[1].run_more(3);
         assert_eq!(more.len(), 1, "the next ping");
@@ -660,12 +669,7 @@ mod tests {
 
     #[test]
     fn goodbye_is_answered_by_the_peer_and_the_other_finds_it_closed() {
-        let mut p = Pair::new(2);
-        let a = p.s[0].start(false);
-        p.act(0, a);
-        let b = p.s[1].start(true);
-        p.act(1, b);
-        p.run();
+        let mut p = Pair::started(2);
         let (actions, wait) = p.s[1].begin_close();
         assert!(wait);
         p.act(1, actions);
@@ -680,23 +684,14 @@ mod tests {
         assert!(!wait);
         assert!(actions.is_empty(), "reset when the peer said goodbye");
         // Both resume: they reconnect and run rounds again.
-        let a = p.s[0].start(false);
-        p.act(0, a);
-        let b = p.s[1].start(true);
-        p.act(1, b);
-        p.run();
+        p.start_both();
         assert_eq!(p.s[1].counters().rounds, 4);
         assert_eq!(p.s[1].counters().connections, 2);
     }
 
     /// A connected pair with no rounds run yet: (pair, initiator index).
     fn connected_idle() -> (Pair, usize) {
-        let mut p = Pair::new(0);
-        let a = p.s[0].start(false);
-        p.act(0, a);
-        let b = p.s[1].start(true);
-        p.act(1, b);
-        p.run();
+        let p = Pair::started(0);
         assert!(p.s[1].is_initiator());
         (p, 1)
     }
@@ -738,8 +733,7 @@ mod tests {
     #[test]
     fn a_lost_hello_or_answer_is_sent_again_and_a_duplicate_keeps_the_connection() {
         let mut p = Pair::new(2);
-        let a = p.s[0].start(false);
-        p.act(0, a);
+        p.start(0, false);
         assert!(!p.s[0].wants_tick(), "no hello out");
         // B's hello is lost.
         let _lost = p.s[1].start(true);
@@ -787,12 +781,7 @@ mod tests {
 
     #[test]
     fn a_goodbye_wait_that_runs_out_closes_anyway() {
-        let mut p = Pair::new(1);
-        let a = p.s[0].start(false);
-        p.act(0, a);
-        let b = p.s[1].start(true);
-        p.act(1, b);
-        p.run();
+        let mut p = Pair::started(1);
         let (_lost, wait) = p.s[0].begin_close();
         assert!(wait);
         assert_eq!(
@@ -806,19 +795,13 @@ mod tests {
 
     #[test]
     fn a_lost_connection_is_torn_down_once_and_the_pair_reconnects() {
-        let mut p = Pair::new(1);
-        let a = p.s[0].start(false);
-        p.act(0, a);
-        let b = p.s[1].start(true);
-        p.act(1, b);
-        p.run();
+        let mut p = Pair::started(1);
         assert_eq!(p.s[1].on_connection_lost(), [Action::ResetRc]);
         assert!(p.s[1].on_connection_lost().is_empty(), "once");
         assert_eq!(p.s[1].phase(), Phase::PeerClosed);
         assert_eq!(p.s[1].counters().connections_lost, 1);
         // The peer comes back with a hello: connected again.
-        let a = p.s[0].start(true);
-        p.act(0, a);
+        p.start(0, true);
         p.run();
         assert_eq!(p.s[1].phase(), Phase::Running);
         assert_eq!(p.s[1].counters().connections, 2);

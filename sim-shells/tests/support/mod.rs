@@ -252,6 +252,7 @@ pub(crate) fn query_ca_request(host: &DeviceServices, ca: u64) -> (HostRequest, 
 pub(crate) struct World {
     pub(crate) host: Host,
     pub(crate) driver: Arc<IbalBusDriver>,
+    pub(crate) miniport: Arc<MiniportDriver<SimPlatform>>,
     pub(crate) clients: Arc<ClientDriver>,
 }
 
@@ -298,7 +299,7 @@ pub(crate) fn world_on(config: HostConfig) -> World {
 /// `leak_interface`.
 pub(crate) fn world_with(config: HostConfig, leak_interface: bool) -> World {
     let host = Host::new(config).unwrap();
-    let (driver, _) = register_stack(&host);
+    let (driver, miniport) = register_stack(&host);
     let clients = Arc::new(ClientDriver {
         sched: host.scheduler_handle(),
         references: OnceLock::new(),
@@ -313,6 +314,7 @@ pub(crate) fn world_with(config: HostConfig, leak_interface: bool) -> World {
     World {
         host,
         driver,
+        miniport,
         clients,
     }
 }
