@@ -1,6 +1,6 @@
 //! The IBAL bus filter's shell on the simulated Windows host: the Linux
-//! counterpart of the KMDF shell `ibal-bus` will hold (not written yet),
-//! binding `ibal-bus-core` to the host's driver model (docs/ibal-bus.md).
+//! counterpart of the KMDF shell in `ibal-bus/src/kmdf`, callback for
+//! callback, binding `ibal-bus-core` to the host's driver model (docs/ibal-bus.md).
 //! Tests register it under the service name the INF installs
 //! ([`SERVICE`]), replacing the `ibalbus` stand-in of `sim_host::samples`;
 //! the host adds it as the upper filter of every HCA stack.
@@ -1096,10 +1096,10 @@ impl AlPortInterface {
         Ok(client)
     }
 
-    /// Closes a client (PASSIVE_LEVEL; `AccessLayer::close`): refused with
-    /// `ResourceBusy` while it owns objects or has requests in flight;
-    /// waits on `drained` for callbacks in flight. After release-hardware
-    /// the client is gone with the access layer: `Ok`.
+    /// Closes a client (PASSIVE_LEVEL; `AccessLayer::close`): waits on
+    /// `drained` for its requests and callbacks in flight and destroys
+    /// what it left open, in dependency order. After release-hardware the
+    /// client is gone with the access layer: `Ok`.
     pub fn close(&self, client: AlClient, drained: Arc<dyn Event>) -> Result<(), IbStatus> {
         if let Some(result) = self.with_al(|al| al.close(client.id, &IrqlTracker, drained)) {
             result?;
