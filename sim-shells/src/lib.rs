@@ -20,6 +20,8 @@
 //!   no KMDF shell yet).
 //! - [`rc_path`]: the RESET -> RTS modifies of an RC QP, shared by the
 //!   sample clients and the scenario tests.
+//! - [`user_io`]: the access library's OS seam over a simulated process
+//!   (the counterpart of `ibal_user::windows`).
 
 pub mod hca_miniport;
 pub mod ibal_bus;
@@ -27,3 +29,4 @@ pub mod ibal_proxy;
 pub mod legacy_client;
 pub mod port_client;
 pub mod rc_path;
+pub mod user_io;

@@ -1,9 +1,9 @@
 //! Scenario: the user-mode access library (`ibal-user`) on the simulated
 //! host, through the real IBAL bus filter's proxy over the real miniport,
 //! two HCAs with two ports each. The library reaches the OS only through
-//! its device I/O seam; [`SimIo`] implements it here over the host's file
-//! handles and the process's memory (the product crate never depends on a
-//! simulator). Enumerating both HCAs and opening each by index and GUID; an
+//! its device I/O seam; `sim_shells::user_io::SimIo` implements it over the
+//! host's file handles and the process's memory (the product crate never
+//! depends on a simulator). Enumerating both HCAs and opening each by index and GUID; an
 //! ABI mismatch refused on either side with nothing left open; PD, buffer,
 //! MR, CQ and QP created through the proxy and destroyed at drop; a CA
 //! without its plugin still serving control verbs; completion and
@@ -12,13 +12,13 @@
 //! verifier report empty.
 #![cfg(not(windows))]
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use hca_miniport_core::hca::Hca;
 use hca_miniport_core::init::HcaConfig;
 use ib_types::access::AccessFlags;
 use ib_types::event::AsyncEventCode;
-use ib_types::interface::{GUID_IB_AL_DEVICE_INTERFACE, InterfaceVersion};
+use ib_types::interface::InterfaceVersion;
 use ib_types::ioctl::{
     self as v, PROXY_ABI_VERSION, REQUEST_HEADER_SIZE, RESPONSE_HEADER_SIZE, Verb,
 };
@@ -32,151 +32,14 @@ use ibal_user::{
     OsStatus, Pd, PluginSource, Qp, QpInit, UserSend, list_cas,
 };
 use sim_hca::device::DeviceConfig;
-use sim_host::file::FileHandle;
 use sim_host::host::{Host, HostConfig};
 use sim_host::memory::Process;
 use sim_host::platform::SimPlatform;
-use sim_host::pnp::DevNodeId;
 use sim_shells::hca_miniport::MiniportDriver;
 use sim_shells::ibal_bus::{IbalBusDevice, IbalBusDriver};
+use sim_shells::user_io::{SimIo, settle};
 
 const HCAS: [u64; 2] = [0x0002_C900_0000_7000, 0x0002_C900_0000_8000];
-
-/// The simulated host's side of the library's OS seam: one process of one
-/// host.
-#[derive(Debug)]
-struct SimIo {
-    host: Arc<Host>,
-    process: Process,
-    /// The interface paths handed out, and the devnode each names.
-    paths: Mutex<Vec<(DevicePath, DevNodeId)>>,
-}
-
-impl SimIo {
-    fn new(host: &Arc<Host>, process: &Process) -> Arc<Self> {
-        Arc::new(Self {
-            host: Arc::clone(host),
-            process: process.clone(),
-            paths: Mutex::new(Vec::new()),
-        })
-    }
-}
-
-fn settle(host: &Host) {
-    host.scheduler().run_until_idle(1_000_000).unwrap();
-}
-
-/// One handle of the process on an HCA.
-#[derive(Debug)]
-struct SimFile {
-    host: Arc<Host>,
-    handle: Option<FileHandle>,
-}
-
-impl DeviceFile for SimFile {
-    fn ioctl(&self, code: u32, input: &[u8], output: &mut [u8]) -> Result<usize, OsStatus> {
-        let handle = self
-            .handle
-            .as_ref()
-            .ok_or(OsStatus::Nt(NtStatus::INVALID_HANDLE))?;
-        let issuer = handle.send(code, input.to_vec(), output.len());
-        settle(&self.host);
-        // A request nothing will complete would block the thread forever on
-        // Windows; the deterministic host cannot wait, so it is cancelled
-        // (`CancelIoEx`) and ends with its driver's status.
-        if !issuer.is_done() {
-            issuer.cancel();
-            settle(&self.host);
-        }
-        let done = issuer
-            .completion()
-            .ok_or(OsStatus::Nt(NtStatus::CANCELLED))?;
-        if done.status.is_error() {
-            return Err(OsStatus::Nt(done.status));
-        }
-        let n = (done.information as usize)
-            .min(output.len())
-            .min(done.output.len());
-        output[..n].copy_from_slice(&done.output[..n]);
-        Ok(n)
-    }
-}
-
-impl Drop for SimFile {
-    fn drop(&mut self) {
-        if let Some(handle) = self.handle.take() {
-            handle.close();
-            settle(&self.host);
-        }
-    }
-}
-
-fn nt(e: sim_host::memory::MemoryError) -> OsStatus {
-    let _ = e;
-    OsStatus::Nt(NtStatus::INVALID_PARAMETER)
-}
-
-impl DeviceIo for SimIo {
-    fn interface_paths(&self) -> Result<Vec<DevicePath>, OsStatus> {
-        let nodes = self
-            .host
-            .pnp()
-            .devices_with_interface(GUID_IB_AL_DEVICE_INTERFACE);
-        let listed: Vec<(DevicePath, DevNodeId)> = nodes
-            .into_iter()
-            .map(|node| (DevicePath(format!(r"\\?\SIM#HCA#{node:?}#{{ibal}}")), node))
-            .collect();
-        let paths = listed.iter().map(|(p, _)| p.clone()).collect();
-        *self.paths.lock().unwrap_or_else(PoisonError::into_inner) = listed;
-        Ok(paths)
-    }
-
-    fn open(&self, path: &DevicePath) -> Result<Box<dyn DeviceFile>, OsStatus> {
-        let node = self
-            .paths
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .find(|(p, _)| p == path)
-            .map(|(_, n)| *n)
-            .ok_or(OsStatus::Nt(NtStatus::NOT_FOUND))?;
-        let handle = self
-            .host
-            .pnp()
-            .open_file(&self.process, node)
-            .map_err(OsStatus::Nt)?;
-        settle(&self.host);
-        Ok(Box::new(SimFile {
-            host: Arc::clone(&self.host),
-            handle: Some(handle),
-        }))
-    }
-
-    fn alloc(&self, len: usize) -> Result<u64, OsStatus> {
-        self.process.alloc(len).map_err(nt)
-    }
-
-    fn free(&self, va: u64) {
-        let _ = self.process.free(va);
-    }
-
-    fn read(&self, va: u64, out: &mut [u8]) -> Result<(), OsStatus> {
-        self.process.read(va, out).map_err(nt)
-    }
-
-    fn write(&self, va: u64, data: &[u8]) -> Result<(), OsStatus> {
-        self.process.write(va, data).map_err(nt)
-    }
-
-    fn doorbell_hook(&self) -> uvp_plugin::mmio::MmioHook {
-        let process = self.process.clone();
-        // A store to the mapped UAR page reaches the device in the calling
-        // thread; one outside the mapping goes nowhere (it would fault).
-        Arc::new(move |address: u64, value: u64| {
-            let _ = process.write_device64(address, value);
-        })
-    }
-}
 
 /// A seam that rewrites the `OpenCa` exchange as a library or a kernel of
 /// another ABI version would send or answer it, or fails every IOCTL of
