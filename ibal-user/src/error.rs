@@ -99,6 +99,9 @@ pub enum Error {
     /// A request the library refuses before any call (a size out of range).
     #[error("invalid argument: {0}")]
     InvalidArgument(&'static str),
+    /// An operation the library or its plugin does not offer (yet).
+    #[error("not supported: {0}")]
+    Unsupported(&'static str),
 }
 
 impl Error {
@@ -110,7 +113,7 @@ impl Error {
             | Self::PostCall { status, .. }
             | Self::PluginBug { status, .. }
             | Self::Refused { status, .. } => *status,
-            Self::NeedsPlugin(_) => IbStatus::Unsupported,
+            Self::NeedsPlugin(_) | Self::Unsupported(_) => IbStatus::Unsupported,
             Self::NoSuchCa(_) => IbStatus::InvalidGuid,
             Self::Os { status, .. } => match status {
                 OsStatus::Nt(nt) => IbStatus::from_ntstatus(*nt),

@@ -10,8 +10,8 @@
 //!   process memory). `windows` (Windows only) implements it there; the simulated
 //!   host's implementation lives with the tests (`sim-shells`), since this
 //!   crate never depends on a simulator.
-//! - [`Context`] (one `OpenCa`), [`Pd`], [`Av`], [`Cq`], [`Qp`], [`Mr`]
-//!   over a [`Buffer`]: every verb is called through the plugin's pre and
+//! - [`Context`] (one `OpenCa`), [`Pd`], [`Av`], [`Cq`], [`Qp`], [`Srq`],
+//!   [`Mr`] over a [`Buffer`], [`Mw`]: every verb is called through the plugin's pre and
 //!   post hooks around the proxy IOCTL as the guide's Table 10-1 prescribes
 //!   (`proxy`); the plugin lays the rings out, keeps address vectors in
 //!   user mode, and runs post, poll and arm with no kernel call.
@@ -19,15 +19,19 @@
 //!   search order.
 //!
 //! Thread safety, checked below: [`Context`], [`Pd`], [`Av`], [`Cq`],
-//! [`Mr`] and [`Buffer`] are `Send + Sync` (their calls are
-//! `DeviceIoControl`s or the plugin's, which serializes a CQ's polls); [`Qp`] is `Send` only (posts take
-//! `&mut`, one poster at a time).
+//! [`Srq`], [`Mr`], [`Mw`] and [`Buffer`] are `Send + Sync` (their calls
+//! are `DeviceIoControl`s or the plugin's, which serializes a CQ's polls
+//! and an SRQ's posts); [`Qp`] is `Send` only (posts take `&mut`, one
+//! poster at a time).
 
 pub mod context;
 pub mod device;
 pub mod error;
+pub mod mw;
 pub mod plugin;
 mod proxy;
+pub mod query;
+pub mod srq;
 pub mod verbs;
 #[cfg(windows)]
 pub mod windows;
@@ -38,7 +42,10 @@ pub use context::{CaInfo, CaSelector, Context, PluginSource, linked_provider, li
 pub use device::{DeviceFile, DeviceIo, DevicePath, OsStatus};
 pub use error::{Error, Result};
 pub use ib_types::uvp::UserSend;
+pub use mw::Mw;
 pub use plugin::{LoadedPlugin, PluginError};
+pub use query::PortInfo;
+pub use srq::Srq;
 pub use uvp_plugin::ArmFor;
 pub use verbs::{Av, Buffer, Cq, Mr, Pd, Qp, QpInit};
 
@@ -57,5 +64,9 @@ const _: () = {
     sync::<Mr<'static, 'static>>();
     send::<Av<'static>>();
     sync::<Av<'static>>();
+    send::<Srq<'static>>();
+    sync::<Srq<'static>>();
+    send::<Mw<'static, 'static>>();
+    sync::<Mw<'static, 'static>>();
     send::<Qp<'static, 'static>>();
 };

@@ -1,5 +1,6 @@
 //! The objects: protection domains, address vectors, CQs, QPs,
-//! registered memory. Each borrows what it depends on, so the compiler
+//! registered memory (SRQs in `crate::srq`, memory windows in
+//! `crate::mw`). Each borrows what it depends on, so the compiler
 //! enforces the destroy order the verbs require (a QP before its PD and
 //! CQs, a region before its PD and before its buffer is freed); dropping
 //! an object destroys it. Every verb goes through the plugin's hooks
@@ -7,22 +8,27 @@
 //! and runs post, poll and arm with no kernel call.
 
 use std::marker::PhantomData;
+use std::sync::RwLock;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use ib_types::access::AccessFlags;
 use ib_types::av::AvAttr;
 use ib_types::cq::{CqAttr, CqNotify};
-use ib_types::handle::{CqHandle, PdHandle};
-use ib_types::ioctl::{self as v, Empty, QueryAvOut};
-use ib_types::mr::{MrKeys, MrRegister};
+use ib_types::handle::{CqHandle, PdHandle, SrqHandle};
+use ib_types::ioctl::{self as v, Empty, QpQueryOut, QueryAvOut};
+use ib_types::mcast::McastGroup;
+use ib_types::mr::{MrKeys, MrQuery, MrRegister};
 use ib_types::qp::{QpCaps, QpModify, QpType};
+use ib_types::scalars::Gid;
 use ib_types::uvp::{PostRefused, UserSend};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::RecvWr;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
+use crate::srq::Srq;
 
-fn refused(e: PostRefused) -> Error {
+pub(crate) fn refused(e: PostRefused) -> Error {
     Error::Refused {
         posted: e.posted,
         status: e.status,
@@ -140,6 +146,8 @@ pub struct Mr<'pd, 'buf> {
     pd: &'pd Pd<'pd>,
     handle: u64,
     keys: MrKeys,
+    va: u64,
+    len: u64,
     _buffer: PhantomData<&'buf Buffer<'buf>>,
 }
 
@@ -156,8 +164,34 @@ impl<'pd, 'buf> Mr<'pd, 'buf> {
             pd,
             handle: answer.handle,
             keys: answer.output,
+            va: input.vaddr,
+            len: input.length,
             _buffer: PhantomData,
         })
+    }
+
+    pub(crate) fn pd(&self) -> &'pd Pd<'pd> {
+        self.pd
+    }
+
+    /// The address of its first byte (its buffer's).
+    pub fn va(&self) -> u64 {
+        self.va
+    }
+
+    /// Its length in bytes (its buffer's).
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always false (a buffer has at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its PD, range, rights and keys, from the kernel (`QueryMr`).
+    pub fn query(&self) -> Result<MrQuery> {
+        Ok(self.pd.ctx.call::<v::QueryMr>(self.handle, &Empty)?.output)
     }
 
     /// The region handle.
@@ -224,12 +258,18 @@ impl Drop for Av<'_> {
 
 /// A completion queue whose ring the plugin laid out in this process and
 /// polls with no kernel call. `Send + Sync` (the plugin serializes a CQ's
-/// polls and arms with its own lock, shared with no post).
+/// polls and arms with its own lock, shared with no post; a resize waits
+/// for the polls and arms under way and holds new ones off, below).
 #[derive(Debug)]
 pub struct Cq<'ctx> {
     ctx: &'ctx Context,
     handle: u64,
-    cqe: u32,
+    cqe: AtomicU32,
+    /// Polls and arms read-lock it, a resize write-locks it: between the
+    /// device's switch to the new ring (which copies the outstanding
+    /// entries into it) and the plugin's taking that ring, a poll of the
+    /// old ring would hand out those entries twice.
+    ring: RwLock<()>,
 }
 
 impl<'ctx> Cq<'ctx> {
@@ -245,7 +285,8 @@ impl<'ctx> Cq<'ctx> {
         Ok(Self {
             ctx,
             handle: answer.handle,
-            cqe: answer.output.cqe,
+            cqe: AtomicU32::new(answer.output.cqe),
+            ring: RwLock::new(()),
         })
     }
 
@@ -254,13 +295,42 @@ impl<'ctx> Cq<'ctx> {
         self.handle
     }
 
-    /// Entries it holds.
+    /// Entries it holds (as created, or as last resized).
     pub fn cqe(&self) -> u32 {
-        self.cqe
+        self.cqe.load(Ordering::Relaxed)
+    }
+
+    /// Its size, from the kernel (`QueryCq`).
+    pub fn query(&self) -> Result<u32> {
+        Ok(self.ctx.call::<v::QueryCq>(self.handle, &Empty)?.output.cqe)
+    }
+
+    /// Resizes the CQ to at least `cqe` entries (`ResizeCq`): the plugin's
+    /// pre lays a new ring out, the device copies the completions not yet
+    /// polled into it and switches, and post makes polls go on from the
+    /// new ring, so none is lost; the old ring is freed. A size that cannot
+    /// hold the completions outstanding is refused by the kernel
+    /// (`InvalidCqSize`) and the old ring stays in use. Takes `&self` (the
+    /// QPs completing on it borrow it); polls and arms from other threads
+    /// wait for it. Answers the new size.
+    pub fn resize(&self, cqe: u32) -> Result<u32> {
+        self.ctx.plugin("ResizeCq")?;
+        if cqe == 0 {
+            return Err(Error::InvalidArgument("a CQ of no entries"));
+        }
+        let attr = CqAttr {
+            cqe,
+            comp_vector: 0,
+        };
+        let _switching = self.ring.write().unwrap_or_else(|p| p.into_inner());
+        let answer = self.ctx.call::<v::ResizeCq>(self.handle, &attr)?;
+        self.cqe.store(answer.output.cqe, Ordering::Relaxed);
+        Ok(answer.output.cqe)
     }
 
     /// Polls up to `out.len()` completions, in user mode: how many.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let _ring = self.ring.read().unwrap_or_else(|p| p.into_inner());
         self.ctx
             .plugin("polling")?
             .poll_cq(self.handle, out)
@@ -277,6 +347,7 @@ impl<'ctx> Cq<'ctx> {
             uvp_plugin::ArmFor::Next => CqNotify::NextCompletion,
             uvp_plugin::ArmFor::Solicited => CqNotify::Solicited,
         };
+        let _ring = self.ring.read().unwrap_or_else(|p| p.into_inner());
         self.ctx
             .plugin("arming")?
             .arm_cq(self.handle, notify)
@@ -304,37 +375,59 @@ impl Drop for Cq<'_> {
 
 /// What a QP is created with.
 #[derive(Debug, Clone, Copy)]
-pub struct QpInit {
+pub struct QpInit<'srq> {
     /// RC, UC or UD.
     pub qp_type: QpType,
-    /// Capacities asked for.
+    /// Capacities asked for (with an SRQ, the receive capacities are the
+    /// SRQ's: ask for none).
     pub caps: QpCaps,
     /// Every send signaled.
     pub sq_sig_all: bool,
+    /// The SRQ its receives come from (it has no receive queue then); the
+    /// QP borrows it as it borrows its CQs.
+    pub srq: Option<&'srq Srq<'srq>>,
 }
 
-/// A queue pair, tied to its PD and CQs. `Send` (posts take `&mut`, so a
-/// queue has one poster at a time; not `Sync`).
+impl QpInit<'static> {
+    /// A QP of `qp_type` with `caps`, sends signaled as requested, its own
+    /// receive queue (no SRQ).
+    pub const fn new(qp_type: QpType, caps: QpCaps, sq_sig_all: bool) -> Self {
+        Self {
+            qp_type,
+            caps,
+            sq_sig_all,
+            srq: None,
+        }
+    }
+}
+
+/// A queue pair, tied to its PD, its CQs and its SRQ if any. `Send`
+/// (posts take `&mut`, so a queue has one poster at a time; not `Sync`).
 #[derive(Debug)]
 pub struct Qp<'pd, 'cq> {
     pd: &'pd Pd<'pd>,
     handle: u64,
     qpn: u32,
     caps: QpCaps,
+    /// Receives come from an SRQ (no receive queue of its own).
+    on_srq: bool,
+    /// Multicast groups joined (`AttachMcast`): each group's GID and its
+    /// membership handle (`DestroyQp` ends the memberships left).
+    groups: Vec<(Gid, u64)>,
     _cqs: PhantomData<&'cq Cq<'cq>>,
     /// Not `Sync`: one poster at a time, as the docs promise.
     _one_poster: PhantomData<core::cell::Cell<()>>,
 }
 
 impl<'pd, 'cq> Qp<'pd, 'cq> {
-    /// Creates a QP in `pd` completing on `send_cq` and `recv_cq`
-    /// (`CreateQp`; the plugin's pre lays its rings out). Needs the
-    /// plugin.
+    /// Creates a QP in `pd` completing on `send_cq` and `recv_cq`, its
+    /// receives from `init.srq` if named (`CreateQp`; the plugin's pre
+    /// lays its rings out). Needs the plugin.
     pub fn new(
         pd: &'pd Pd<'pd>,
         send_cq: &'cq Cq<'cq>,
         recv_cq: &'cq Cq<'cq>,
-        init: &QpInit,
+        init: &QpInit<'cq>,
     ) -> Result<Self> {
         let ctx = pd.ctx;
         ctx.plugin("CreateQp")?;
@@ -349,12 +442,19 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
                 "the QP's CQs belong to another context than its PD",
             ));
         }
+        // The kernel requires the SRQ's PD to be the QP's (IBA 10.2.9);
+        // said here before the plugin lays rings out.
+        if init.srq.is_some_and(|srq| !std::ptr::eq(srq.pd, pd)) {
+            return Err(Error::InvalidArgument(
+                "the QP's SRQ belongs to another PD than the QP",
+            ));
+        }
         let input = ib_types::qp::QpCreate {
             qp_type: init.qp_type,
             pd: PdHandle::from_raw(pd.handle),
             send_cq: CqHandle::from_raw(send_cq.handle),
             recv_cq: CqHandle::from_raw(recv_cq.handle),
-            srq: None,
+            srq: init.srq.map(|srq| SrqHandle::from_raw(srq.handle())),
             caps: init.caps,
             sq_sig_all: init.sq_sig_all,
             port: None,
@@ -365,6 +465,8 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
             handle: answer.handle,
             qpn: answer.output.qpn.get(),
             caps: answer.output.caps,
+            on_srq: init.srq.is_some(),
+            groups: Vec::new(),
             _cqs: PhantomData,
             _one_poster: PhantomData,
         })
@@ -385,6 +487,49 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
         self.caps
     }
 
+    pub(crate) fn pd(&self) -> &'pd Pd<'pd> {
+        self.pd
+    }
+
+    /// Its type, state, number, capacities and the attributes it was
+    /// modified with, from the kernel (`QueryQp`).
+    pub fn query(&self) -> Result<QpQueryOut> {
+        Ok(self.pd.ctx.call::<v::QueryQp>(self.handle, &Empty)?.output)
+    }
+
+    /// Joins the multicast group `group` (`AttachMcast`; a UD QP only, the
+    /// kernel refuses others with `InvalidServiceType`): datagrams sent to
+    /// the group's GID reach this QP's receives. Joining a group twice is
+    /// refused before any call.
+    pub fn attach_mcast(&mut self, group: &McastGroup) -> Result<()> {
+        if self.groups.iter().any(|(gid, _)| *gid == group.mgid) {
+            return Err(Error::InvalidArgument("the QP is in that group already"));
+        }
+        let answer = self.pd.ctx.call::<v::AttachMcast>(self.handle, group)?;
+        self.groups.push((group.mgid, answer.handle));
+        Ok(())
+    }
+
+    /// Leaves the multicast group `mgid` (`DetachMcast`). A group it is not
+    /// in is refused before any call.
+    pub fn detach_mcast(&mut self, mgid: &Gid) -> Result<()> {
+        let at = self
+            .groups
+            .iter()
+            .position(|(gid, _)| gid == mgid)
+            .ok_or(Error::InvalidArgument("the QP is not in that group"))?;
+        self.pd
+            .ctx
+            .call::<v::DetachMcast>(self.groups[at].1, &Empty)?;
+        self.groups.remove(at);
+        Ok(())
+    }
+
+    /// The GIDs of the multicast groups it is in.
+    pub fn mcast_groups(&self) -> impl Iterator<Item = &Gid> {
+        self.groups.iter().map(|(gid, _)| gid)
+    }
+
     /// Modifies the QP (`ModifyQp`, through the proxy).
     pub fn modify(&self, modify: &QpModify) -> Result<()> {
         self.pd.ctx.call::<v::ModifyQp>(self.handle, modify)?;
@@ -401,8 +546,14 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
             .map_err(refused)
     }
 
-    /// Posts receives, in user mode: how many.
+    /// Posts receives, in user mode: how many. A QP on an SRQ has no
+    /// receive queue: post to the SRQ ([`Srq::post_recv`]).
     pub fn post_recv(&mut self, requests: &[RecvWr<'_>]) -> Result<usize> {
+        if self.on_srq {
+            return Err(Error::InvalidArgument(
+                "the QP receives from its SRQ: post there",
+            ));
+        }
         self.pd
             .ctx
             .plugin("posting")?
@@ -413,7 +564,9 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
 
 impl Drop for Qp<'_, '_> {
     fn drop(&mut self) {
-        // Post drops the plugin's QP, then frees its rings.
+        // Destroying a QP detaches it from its groups (the miniport sends
+        // the detaches, the proxy forgets the memberships). Post drops the
+        // plugin's QP, then frees its rings.
         let _ = self.pd.ctx.call::<v::DestroyQp>(self.handle, &Empty);
     }
 }

@@ -301,6 +301,7 @@ const UD_INIT: QpInit = QpInit {
         max_inline_data: 32,
     },
     sq_sig_all: false,
+    srq: None,
 };
 
 #[test]
