@@ -15,7 +15,7 @@ mod support;
 use std::sync::Arc;
 
 use ib_types::access::AccessFlags;
-use ib_types::cq::CqAttr;
+use ib_types::cq::{CqAttr, CqNotify};
 use ib_types::ioctl::{AllocPd, CreateCq, CreateQp, DeallocPd, DestroyCq, Empty, ModifyQp};
 use ib_types::qp::{QpCaps, QpModify, QpState, QpType};
 use ib_types::scalars::{Gid, PortNum, Psn, QKey, Qpn};
@@ -23,7 +23,8 @@ use ib_types::status::IbStatus;
 use ib_types::wc::{WcOpcode, WcStatus, WorkCompletion};
 use ib_types::wr::{RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge, UdDest};
 use ibal_user::{
-    Av, Buffer, CaSelector, Context, Cq, DeviceIo, Mr, Pd, PluginSource, Qp, QpInit, UserSend,
+    ArmFor, Av, Buffer, CaSelector, Context, Cq, DeviceIo, Mr, Pd, PluginSource, Qp, QpInit,
+    UserSend,
 };
 use sim_host::host::Host;
 use sim_host::memory::Process;
@@ -144,6 +145,9 @@ trait End {
     /// Posts one signaled send on its RC QP gathering `pieces` (offset,
     /// length) of its memory.
     fn post_send(&mut self, wr_id: u64, pieces: &[(usize, u32)]);
+    /// Posts one signaled RDMA write of `len` bytes at `offset` of its
+    /// memory to `remote`.
+    fn post_write(&mut self, wr_id: u64, offset: usize, len: u32, remote: RemoteAddr);
     /// Everything its CQ holds.
     fn poll(&self) -> Vec<WorkCompletion>;
 }
@@ -297,6 +301,18 @@ impl End for KernelEnd {
         }];
         assert_eq!(al.post_send(id, self.rc.0, &wrs), (1, IbStatus::Success));
     }
+    fn post_write(&mut self, wr_id: u64, offset: usize, len: u32, remote: RemoteAddr) {
+        let (al, id) = self.client.al();
+        let sges = [self.sge(offset, len)];
+        let wrs = [SendWr {
+            wr_id,
+            op: SendOp::RdmaWrite { remote },
+            flags: SendFlags::SIGNALED,
+            sg_list: &sges,
+            ud: None,
+        }];
+        assert_eq!(al.post_send(id, self.rc.0, &wrs), (1, IbStatus::Success));
+    }
     fn poll(&self) -> Vec<WorkCompletion> {
         poll(&self.host, &self.client, self.cq)
     }
@@ -406,6 +422,10 @@ impl End for UserEnd<'_> {
     fn post_send(&mut self, wr_id: u64, pieces: &[(usize, u32)]) {
         let sges: Vec<Sge> = pieces.iter().map(|&(o, l)| self.sge(o, l)).collect();
         self.post_rc(wr_id, SendOp::Send, &sges, None);
+    }
+    fn post_write(&mut self, wr_id: u64, offset: usize, len: u32, remote: RemoteAddr) {
+        let sges = [self.sge(offset, len)];
+        self.post_rc(wr_id, SendOp::RdmaWrite { remote }, &sges, None);
     }
     fn poll(&self) -> Vec<WorkCompletion> {
         let mut all = Vec::new();
@@ -712,6 +732,350 @@ fn every_data_verb_from_user_mode_against_another_process_on_the_other_hca() {
         );
     }
     for p in [&process, &other] {
+        assert_eq!(leftovers(&w, p), [0; 5]);
+        assert_eq!(p.exit(), 0);
+    }
+    finish_shared(w);
+}
+
+// ---------------------------------------------------------------------
+// A process dying mid-traffic.
+
+/// `a` sends 777 bytes to `b` on their RC QPs and `b` answers with as
+/// many, settled and checked byte for byte at both ends.
+fn exchange(host: &Host, a: &mut dyn End, b: &mut dyn End, seed: u32) {
+    one_way(host, a, b, seed);
+    one_way(host, b, a, seed + 1);
+}
+
+fn one_way(host: &Host, from: &mut dyn End, to: &mut dyn End, seed: u32) {
+    let payload = bytes(seed, 777);
+    from.write(TX, &payload);
+    to.post_recv(true, u64::from(seed), RX, 2048);
+    from.post_send(u64::from(seed) + 1000, &[(TX, 777)]);
+    settle(host);
+    assert_eq!(
+        summary(&from.poll()),
+        [(u64::from(seed) + 1000, WcStatus::Success, WcOpcode::Send, 0)]
+    );
+    assert_eq!(
+        summary(&to.poll()),
+        [(u64::from(seed), WcStatus::Success, WcOpcode::Recv, 777)]
+    );
+    assert_eq!(to.read(RX, 777), payload, "seed {seed}");
+}
+
+/// What `process` holds on HCA `hca`: the proxy's objects, the miniport's
+/// user contexts, and the process's handles, locked pages and device
+/// mappings.
+fn held_on(w: &SharedWorld, process: &Process, hca: usize) -> [usize; 5] {
+    let proxy = w
+        .driver
+        .devices()
+        .into_iter()
+        .find(|d| {
+            d.bound()
+                .is_some_and(|b| b.identity().ca_guid.get() == HCAS[hca])
+        })
+        .expect("the filter of that HCA");
+    let node = w.host.hcas()[hca];
+    let miniport = w
+        .miniport
+        .devices()
+        .into_iter()
+        .find(|d| d.node() == node)
+        .and_then(|d| d.hca())
+        .expect("the miniport of that HCA");
+    [
+        proxy.proxy().object_count(),
+        miniport.user_context_count(),
+        w.host.pnp().process_handle_count(process),
+        process.space().locked_pages(),
+        process.space().device_mapping_count(),
+    ]
+}
+
+fn leak<T>(value: T) -> &'static T {
+    Box::leak(Box::new(value))
+}
+
+/// What a peer of the dead process saw on its CQ: each of its `sends`
+/// and `recvs` (wr_ids) completed exactly once; each queue's successes
+/// (what went through while the process lived) come first, then the
+/// failures. The requester's first failure is RETRY_EXC_ERR (its
+/// retransmissions reached no QP, IBA 9.7.6.1.3) and the rest flush
+/// (IBA 10.7.3.1); posted receives flush once the QP is in ERR. Returns
+/// how many sends and receives succeeded.
+fn check_peer_of_the_dead(wcs: &[WorkCompletion], sends: &[u64], recvs: &[u64]) -> (usize, usize) {
+    let of = |ids: &[u64]| -> Vec<WcStatus> {
+        ids.iter()
+            .map(|id| {
+                let mine: Vec<&WorkCompletion> = wcs.iter().filter(|wc| wc.wr_id == *id).collect();
+                assert_eq!(mine.len(), 1, "wr {id} completed once: {wcs:?}");
+                mine[0].status
+            })
+            .collect()
+    };
+    let (sent, received) = (of(sends), of(recvs));
+    assert_eq!(wcs.len(), sends.len() + recvs.len(), "{wcs:?}");
+    let ok_sends = sent.iter().take_while(|s| **s == WcStatus::Success).count();
+    assert!(
+        ok_sends < sends.len(),
+        "some send outlived the peer: {sent:?}"
+    );
+    assert_eq!(sent[ok_sends], WcStatus::RetryExcErr, "{sent:?}");
+    assert!(
+        sent[ok_sends + 1..]
+            .iter()
+            .all(|s| *s == WcStatus::WrFlushErr),
+        "{sent:?}"
+    );
+    let ok_recvs = received
+        .iter()
+        .take_while(|s| **s == WcStatus::Success)
+        .count();
+    assert!(
+        received[ok_recvs..]
+            .iter()
+            .all(|s| *s == WcStatus::WrFlushErr),
+        "{received:?}"
+    );
+    (ok_sends, ok_recvs)
+}
+
+#[test]
+fn a_process_dying_mid_traffic_releases_everything_and_its_peers_fail_cleanly_then_recover() {
+    // The machine steps so many times between the last post and the death:
+    // none (nothing of the peers' requests reached it), two (one peer's
+    // went through), three and fifty (both peers' went through, their
+    // surplus sends waiting on RNR NAKs).
+    for steps in [0, 2, 3, 50] {
+        dies_mid_traffic(83, steps);
+    }
+}
+
+/// One run of [`a_process_dying_mid_traffic_releases_everything_and_its_peers_fail_cleanly_then_recover`].
+fn dies_mid_traffic(seed: u64, steps: usize) {
+    let w = shared_world(seed);
+    // The peers on HCA 1: a kernel client and a process.
+    let mut kernel = KernelEnd::new(&w.host, w.clients.client(1, 1));
+    let peer_process = Process::new(93);
+    let peer_io = io_of(&w, &peer_process);
+    let peer_ctx = open(&peer_io, 1);
+    let peer_res = Resources::new(&peer_ctx);
+    let mut peer = UserEnd::new(&peer_res);
+
+    // The process that dies, on HCA 0: an RC QP to each peer (and a UD
+    // QP each), one CQ, one buffer. Its objects are leaked: it never
+    // destroys them.
+    let dying = Process::new(94);
+    let dying_io = io_of(&w, &dying);
+    let res = leak(Resources::new(leak(open(&dying_io, 0))));
+    let mut to_kernel = UserEnd::new(res);
+    let mut to_peer = UserEnd::new(res);
+    connect(&to_kernel, 0, &kernel, 1);
+    connect(&to_peer, 0, &peer, 1);
+    exchange(&w.host, &mut to_kernel, &mut kernel, 100);
+    exchange(&w.host, &mut to_peer, &mut peer, 200);
+    assert_eq!(
+        held_on(&w, &dying, 0)[..2],
+        [9, 1],
+        "CA, PD, CQ, 4 QPs, 2 MRs"
+    );
+    assert!(held_on(&w, &dying, 0)[2..].iter().all(|n| *n > 0));
+    let peer_held = held_on(&w, &peer_process, 1);
+
+    // Both peers armed for solicited completions: an error completion
+    // counts as solicited, so the failures to come must wake them.
+    let (al, id) = kernel.client.al();
+    al.arm_cq(id, kernel.cq, CqNotify::Solicited).unwrap();
+    peer_res.cq.arm(ArmFor::Solicited).unwrap();
+    lock(&kernel.client.recorder.completions).clear();
+
+    // Mid-stream: the dying process has two receives on each RC QP and
+    // three sends to each peer posted (its doorbells rung); each peer has
+    // four receives and four sends posted to it, more than it can take.
+    // Nothing of this has run yet.
+    for (qp, base) in [(&mut to_kernel, 300), (&mut to_peer, 400)] {
+        for i in 0..2 {
+            qp.post_recv(true, base + i, RX + 512 * i as usize, 512);
+        }
+        for i in 0..3 {
+            qp.post_send(base + 10 + i, &[(TX, 256)]);
+        }
+    }
+    // Each peer's first request is an RDMA write of three packets into
+    // the dying process's memory.
+    let (sends, recvs): (Vec<u64>, Vec<u64>) = ((9..14).collect(), (20..24).collect());
+    let targets = [to_kernel.remote(RDMA), to_peer.remote(RDMA)];
+    for (end, target) in [&mut kernel as &mut dyn End, &mut peer]
+        .into_iter()
+        .zip(targets)
+    {
+        for (i, id) in recvs.iter().enumerate() {
+            end.post_recv(true, *id, 512 * i, 512);
+        }
+        end.post_write(sends[0], TX, 2500, target);
+        for id in &sends[1..] {
+            end.post_send(*id, &[(TX, 256)]);
+        }
+    }
+
+    for _ in 0..steps {
+        w.host.scheduler().run_one().unwrap();
+    }
+    // It dies: its requests are cancelled, its handles close, its address
+    // space goes; what it posted dies with it.
+    assert_eq!(w.host.pnp().exit_process(&dying), 0, "no page left locked");
+    std::mem::forget((to_kernel, to_peer));
+    // The machine runs to idle (virtual time through the peers' ACK
+    // timeouts): no hang.
+    settle(&w.host);
+    assert_eq!(
+        held_on(&w, &dying, 0),
+        [0; 5],
+        "everything it held released"
+    );
+    assert_eq!(
+        held_on(&w, &peer_process, 1),
+        peer_held,
+        "the peer's untouched"
+    );
+
+    // Each peer's solicited arm fired for the errors.
+    assert_eq!(
+        *lock(&kernel.client.recorder.completions),
+        [(kernel.cq, driver_platform::Irql::DISPATCH)],
+        "the kernel client's completion callback ran once"
+    );
+    peer_res.cq.wait_event().unwrap();
+
+    // Each peer's RC QP failed: error completions for all it had posted.
+    let (kernel_sent, kernel_received) = check_peer_of_the_dead(&kernel.poll(), &sends, &recvs);
+    let (peer_sent, peer_received) = check_peer_of_the_dead(&peer.poll(), &sends, &recvs);
+    assert!(
+        kernel_sent <= 3 && peer_sent <= 3,
+        "at most the write and two sends (two receives were posted to each)"
+    );
+    assert!(
+        kernel_received <= 3 && peer_received <= 3,
+        "three sends came to each"
+    );
+    // A transport error is reported in the completion; the IB spec raises
+    // no affiliated asynchronous event for it: none reached either peer.
+    let kernel_events = lock(&kernel.client.recorder.events).clone();
+    assert!(
+        kernel_events
+            .iter()
+            .all(|e| e.code.subject() != ib_types::event::EventSubject::Qp),
+        "{kernel_events:?}"
+    );
+    assert_eq!(
+        peer_ctx.async_event().unwrap_err().status(),
+        IbStatus::Canceled,
+        "no event pending for the peer process"
+    );
+
+    // The peers destroy their QPs, create new ones and talk to a new
+    // process on HCA 0.
+    kernel.destroy_qps(true);
+    drop(peer);
+    let mut peer = UserEnd::new(&peer_res);
+    let newcomer = Process::new(95);
+    let new_io = io_of(&w, &newcomer);
+    {
+        let ctx = open(&new_io, 0);
+        let res = Resources::new(&ctx);
+        let (mut to_kernel, mut to_peer) = (UserEnd::new(&res), UserEnd::new(&res));
+        connect(&to_kernel, 0, &kernel, 1);
+        connect(&to_peer, 0, &peer, 1);
+        exchange(&w.host, &mut to_kernel, &mut kernel, 500);
+        exchange(&w.host, &mut to_peer, &mut peer, 600);
+    }
+    drop(peer);
+    drop(peer_res);
+    drop(peer_ctx);
+    kernel.destroy();
+    for p in [&newcomer, &peer_process] {
+        assert_eq!(leftovers(&w, p), [0; 5]);
+        assert_eq!(p.exit(), 0);
+    }
+    finish_shared(w);
+}
+
+// ---------------------------------------------------------------------
+// Doorbell isolation between processes, through the library.
+
+/// Doorbells the device of HCA `hca` dropped because the page did not own
+/// the object they named (PRM 9.1).
+fn dropped_doorbells(w: &SharedWorld, hca: usize) -> u32 {
+    use driver_platform::Mmio;
+    let node = w.host.hcas()[hca];
+    w.miniport
+        .devices()
+        .into_iter()
+        .find(|d| d.node() == node)
+        .and_then(|d| d.function())
+        .expect("the HCA's function")
+        .bar0()
+        .read32(hca_prm::regs::offset::DROPPED_DOORBELLS)
+}
+
+#[test]
+fn a_doorbell_on_another_processs_page_moves_nothing_of_this_processs_qp() {
+    use hca_prm::doorbell::{SQ_DOORBELL, SqDoorbell};
+    let w = shared_world(84);
+    let mut kernel = KernelEnd::new(&w.host, w.clients.client(1, 1));
+    let (owner, intruder) = (Process::new(96), Process::new(97));
+    let (owner_io, intruder_io) = (io_of(&w, &owner), io_of(&w, &intruder));
+    {
+        let ctx = open(&owner_io, 0);
+        let res = Resources::new(&ctx);
+        let mut user = UserEnd::new(&res);
+        connect(&user, 0, &kernel, 1);
+        exchange(&w.host, &mut user, &mut kernel, 700);
+        // The other process's own page on the same HCA.
+        let other = open(&intruder_io, 0);
+        let page = other.info().open.doorbell.expect("a user open maps a page");
+        assert_ne!(Some(page), ctx.info().open.doorbell);
+
+        // The owner's QP has posted one send WQE (two basic blocks:
+        // control, address and the 80-byte inline segment); a producer of
+        // eight announces three more, zeroed slots. Rung on the other
+        // process's page, the device drops it: no completion, nothing on
+        // the wire.
+        kernel.post_recv(true, 71, RX, 2048);
+        let dropped = dropped_doorbells(&w, 0);
+        let doorbell = SqDoorbell {
+            qpn: Qpn::new(user.rc_qpn()).unwrap(),
+            producer: 8,
+        };
+        intruder
+            .write_device64(page.va + SQ_DOORBELL, doorbell.encode())
+            .unwrap();
+        settle(&w.host);
+        assert_eq!(dropped_doorbells(&w, 0), dropped + 1, "dropped and counted");
+        assert!(user.poll().is_empty(), "the owner's QP ran nothing");
+        assert!(kernel.poll().is_empty(), "nothing was sent");
+
+        // The owner's own page still moves its QP: one send arrives intact.
+        let payload = bytes(72, 333);
+        user.write(TX, &payload);
+        user.post_send(72, &[(TX, 333)]);
+        settle(&w.host);
+        assert_eq!(
+            summary(&user.poll()),
+            [(72, WcStatus::Success, WcOpcode::Send, 0)]
+        );
+        assert_eq!(
+            summary(&kernel.poll()),
+            [(71, WcStatus::Success, WcOpcode::Recv, 333)]
+        );
+        assert_eq!(kernel.read(RX, 333), payload);
+        assert_eq!(dropped_doorbells(&w, 0), dropped + 1);
+    }
+    kernel.destroy();
+    for p in [&owner, &intruder] {
         assert_eq!(leftovers(&w, p), [0; 5]);
         assert_eq!(p.exit(), 0);
     }
