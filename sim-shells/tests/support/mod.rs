@@ -26,7 +26,7 @@ use ib_types::qp::QpType;
 use ib_types::scalars::{Gid, PortNum, Qpn};
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::{WcStatus, WorkCompletion};
-use ib_types::wr::{LKey, RecvWr, SendFlags, SendOp, SendWr, Sge};
+use ib_types::wr::{LKey, RKey, RecvWr, SendFlags, SendOp, SendWr, Sge};
 use ibal_bus_core::al::ClientEvents;
 use sim_hca::device::DeviceConfig;
 use sim_host::dma::{HostCommonBuffer, HostDmaAdapter};
@@ -299,7 +299,48 @@ pub(crate) fn world_on(config: HostConfig) -> World {
 /// `leak_interface`.
 pub(crate) fn world_with(config: HostConfig, leak_interface: bool) -> World {
     let host = Host::new(config).unwrap();
-    let (driver, miniport) = register_stack(&host);
+    let (driver, miniport, clients) = boot_with_clients(&host, leak_interface);
+    World {
+        host,
+        driver,
+        miniport,
+        clients,
+    }
+}
+
+/// The machine of [`world`] with the host shared, as a user process's
+/// OS seam (`sim_shells::user_io::SimIo`) holds it: kernel clients on
+/// every port child and user processes on the same HCAs.
+pub(crate) struct SharedWorld {
+    pub(crate) host: Arc<Host>,
+    pub(crate) driver: Arc<IbalBusDriver>,
+    pub(crate) miniport: Arc<MiniportDriver<SimPlatform>>,
+    pub(crate) clients: Arc<ClientDriver>,
+}
+
+/// [`world`], the host shared.
+pub(crate) fn shared_world(seed: u64) -> SharedWorld {
+    let host = Arc::new(Host::new(HostConfig::deterministic(seed, hca_configs())).unwrap());
+    let (driver, miniport, clients) = boot_with_clients(&host, false);
+    SharedWorld {
+        host,
+        driver,
+        miniport,
+        clients,
+    }
+}
+
+/// Registers the stack and the port clients' driver (leaking their AL
+/// interface if `leak_interface`), boots and settles.
+fn boot_with_clients(
+    host: &Host,
+    leak_interface: bool,
+) -> (
+    Arc<IbalBusDriver>,
+    Arc<MiniportDriver<SimPlatform>>,
+    Arc<ClientDriver>,
+) {
+    let (driver, miniport) = register_stack(host);
     let clients = Arc::new(ClientDriver {
         sched: host.scheduler_handle(),
         references: OnceLock::new(),
@@ -310,13 +351,8 @@ pub(crate) fn world_with(config: HostConfig, leak_interface: bool) -> World {
     let references = host.pnp().driver_references(CLIENT).unwrap();
     assert!(clients.references.set(references).is_ok());
     host.boot();
-    settle(&host);
-    World {
-        host,
-        driver,
-        miniport,
-        clients,
-    }
+    settle(host);
+    (driver, miniport, clients)
 }
 
 /// Runs what is queued (deterministic) or waits until it ran (threaded).
@@ -362,11 +398,11 @@ pub(crate) fn finish(host: Host) {
     host.verifier().assert_clean();
 }
 
-impl World {
+impl ClientDriver {
     /// The newest client on port `port` of HCA `hca` (0 or 1).
     pub(crate) fn client(&self, hca: usize, port: u8) -> Arc<PortClient> {
         let guid = HCAS[hca];
-        lock(&self.clients.devices)
+        lock(&self.devices)
             .iter()
             .rev()
             .find(|c| {
@@ -376,6 +412,13 @@ impl World {
             })
             .cloned()
             .expect("a client on that port")
+    }
+}
+
+impl World {
+    /// The newest client on port `port` of HCA `hca` (0 or 1).
+    pub(crate) fn client(&self, hca: usize, port: u8) -> Arc<PortClient> {
+        self.clients.client(hca, port)
     }
 
     pub(crate) fn references(&self) -> usize {
@@ -532,6 +575,8 @@ pub(crate) struct Memory {
     pub(crate) mr: u64,
     pub(crate) start: u64,
     pub(crate) lkey: LKey,
+    /// Zero unless registered with remote access ([`register_with`]).
+    pub(crate) rkey: RKey,
 }
 
 /// A client's common buffer with its adapter, until freed.
@@ -561,6 +606,16 @@ pub(crate) fn free_dma(dma: &Dma) {
 pub(crate) const MEM_BYTES: usize = 8192;
 
 pub(crate) fn register(host: &Host, client: &PortClient, pd: u64) -> Memory {
+    register_with(host, client, pd, AccessFlags::LOCAL_WRITE)
+}
+
+/// [`register`] granting `access`.
+pub(crate) fn register_with(
+    host: &Host,
+    client: &PortClient,
+    pd: u64,
+    access: AccessFlags,
+) -> Memory {
     let bus = host
         .pnp()
         .query_interface(
@@ -576,7 +631,8 @@ pub(crate) fn register(host: &Host, client: &PortClient, pd: u64) -> Memory {
     bus.dereference();
     let buffer = adapter.alloc_common(MEM_BYTES).unwrap();
     let base = buffer.bus_address();
-    let (input, list) = phys_mr_register(base, MEM_BYTES);
+    let (mut input, list) = phys_mr_register(base, MEM_BYTES);
+    input.access = access;
     let (mr, out) = call_out::<RegPhysMr>(host, client, pd, &input, &list).unwrap();
     let out = out.unwrap();
     let dma: Dma = Arc::new(Mutex::new(Some((adapter, buffer))));
@@ -586,6 +642,7 @@ pub(crate) fn register(host: &Host, client: &PortClient, pd: u64) -> Memory {
         mr,
         start: out.iova,
         lkey: out.keys.lkey,
+        rkey: out.keys.rkey,
     }
 }
 
