@@ -264,11 +264,11 @@ impl Context {
         };
         self.directory.insert(
             qpn.get(),
-            Route {
-                send: Arc::clone(send.shared()),
-                recv: recv.as_ref().map(|r| Arc::clone(r.shared())),
-                srq: srq.map(|s| Arc::clone(s.shared())),
-            },
+            Route::new(
+                Arc::clone(send.shared()),
+                recv.as_ref().map(|r| Arc::clone(r.shared())),
+                srq.map(|s| Arc::clone(s.shared())),
+            ),
         );
         Ok(Qp::new(qpn, send, recv, Arc::clone(&self.directory)))
     }

@@ -6,7 +6,7 @@
 //! one poller per CQ (wrap it in a lock to share it), with no lock shared
 //! with the posters of its QPs. The context's QP directory is read-locked
 //! once per poll to find the queues a batch completes (its writers are QP
-//! setup and drop only).
+//! setup, reset and drop only).
 
 use std::sync::Arc;
 
@@ -41,8 +41,12 @@ pub struct Cq {
     ring: DmaBuffer,
     record: Record,
     log_entries: u8,
-    /// CQEs consumed (wrapping).
+    /// CQEs consumed (wrapping) in the current ring.
     consumer: u32,
+    /// CQEs consumed since the CQ was created, across resizes: the
+    /// sequence number of the next CQE (what a QP's reset marks its
+    /// earlier completions with, `crate::queue::BeforeReset`).
+    polled: u64,
     /// CQEs that named no QP of the context (a QP dropped with
     /// completions outstanding) or could not be decoded.
     stray: u64,
@@ -67,6 +71,7 @@ impl Cq {
             record,
             log_entries,
             consumer: 0,
+            polled: 0,
             stray: 0,
             uar,
             doorbell_offset,
@@ -113,9 +118,11 @@ impl Cq {
             let mut raw = [0u8; CQE_BYTES];
             let _ = self.ring.read_words(at, &mut raw);
             self.consumer = self.consumer.wrapping_add(1);
+            let sequence = self.polled;
+            self.polled += 1;
             let completion = Cqe::read_from_bytes(&raw)
                 .ok()
-                .and_then(|cqe| complete(&directory, &cqe));
+                .and_then(|cqe| complete(&directory, &cqe, sequence));
             match completion {
                 Some(wc) => {
                     out[filled] = wc;
@@ -129,6 +136,33 @@ impl Cq {
             self.record.store_release(self.consumer);
         }
         filled
+    }
+
+    /// The sequence number the next CQE the device writes will have: the
+    /// CQEs consumed since creation plus those waiting in the ring now. A
+    /// QP's reset (`crate::Qp::reset`) marks the end of its earlier
+    /// completions with it: the device wrote them all before it answered.
+    pub fn next_sequence(&self) -> u64 {
+        let entries = 1u32 << self.log_entries;
+        let mask = entries - 1;
+        let mut waiting = 0;
+        while waiting < entries {
+            let counter = self.consumer.wrapping_add(waiting);
+            let at = (counter & mask) as usize * CQE_BYTES;
+            let Some(last_word) = self.ring.load_word(at + CQE_BYTES - 8) else {
+                break;
+            };
+            if !owner::is_valid((last_word >> 56) as u8, counter, self.log_entries) {
+                break;
+            }
+            waiting += 1;
+        }
+        self.polled + u64::from(waiting)
+    }
+
+    /// CQEs consumed since the CQ was created (across resizes).
+    pub(crate) fn polled(&self) -> u64 {
+        self.polled
     }
 
     /// Moves to the new ring of a successful `ResizeCq` (PRM 6.2, 13): the
@@ -174,23 +208,25 @@ impl Cq {
     }
 }
 
-/// The work completion of `cqe`, its `wr_id` taken from the queue it
-/// completes; `None` for a CQE of no QP in the directory or that does not
+/// The work completion of `cqe`, the CQ's `sequence`th, its `wr_id`
+/// taken from the queue it completes (as it was before a reset, for a CQE
+/// written before it); `None` for a CQE of no QP in the directory or that does not
 /// decode.
 #[inline]
 fn complete(
     directory: &std::collections::BTreeMap<u32, Route>,
     cqe: &Cqe,
+    sequence: u64,
 ) -> Option<WorkCompletion> {
     let route = directory.get(&cqe.qpn().ok()?.get())?;
     let flags = cqe.flags();
     let index = cqe.wqe_index();
     let wr_id = if !flags.contains(CqeFlags::RECV) {
-        route.send.complete(index)
+        route.send_at(sequence).complete(index)
     } else if flags.contains(CqeFlags::SRQ) {
         route.srq.as_ref()?.complete(index)
     } else {
-        route.recv.as_ref()?.complete(index)
+        route.recv_at(sequence)?.complete(index)
     };
     cqe.to_work_completion(wr_id).ok()
 }

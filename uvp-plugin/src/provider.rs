@@ -44,7 +44,7 @@ use ib_types::av::AvAttr;
 use ib_types::cq::{CqAttr, CqNotify};
 use ib_types::handle::PdHandle;
 use ib_types::ioctl::{OpenCaOut, QpCreated as QpCreatedOut, QueryAvOut, VerbId};
-use ib_types::qp::{QpCreate, QpType};
+use ib_types::qp::{QpCreate, QpModify, QpState, QpType};
 use ib_types::srq::{SrqAttr, SrqCreate};
 use ib_types::status::IbStatus;
 use ib_types::uvp::{PostCall, PostRefused, PreCall, PreOutcome, UserSend, UserVerbsProvider};
@@ -129,6 +129,8 @@ enum Pending {
     Qp {
         ca: u64,
         qp_type: QpType,
+        /// Its send and receive CQs' handles.
+        cqs: [u64; 2],
         srq: Option<u64>,
         layout: CreateQpPriv,
         memory: Allocation,
@@ -180,6 +182,8 @@ struct State {
     avs: HashMap<u64, UserAv>,
     cqs: HashMap<u64, Arc<Owned<Cq>>>,
     qps: HashMap<u64, Arc<Owned<Qp>>>,
+    /// QP handle -> its send and receive CQs' handles (a reset marks them).
+    qp_cqs: HashMap<u64, [u64; 2]>,
     srqs: HashMap<u64, Arc<Owned<Srq>>>,
 }
 
@@ -376,6 +380,7 @@ impl Provider {
         let cookie = self.park(Pending::Qp {
             ca: call.handle,
             qp_type: create.qp_type,
+            cqs: [create.send_cq.raw(), create.recv_cq.raw()],
             srq,
             layout,
             memory,
@@ -527,6 +532,7 @@ impl Provider {
             Pending::Qp {
                 ca,
                 qp_type,
+                cqs,
                 srq,
                 layout,
                 memory,
@@ -558,9 +564,9 @@ impl Provider {
                 let qp = unsafe { ctx.qp(&layout, &created, srq_guard.as_deref()) }
                     .map_err(|e| e.status())?;
                 drop(srq_guard);
-                self.state()
-                    .qps
-                    .insert(call.created, Owned::new(ca, qp, memory));
+                let mut s = self.state();
+                s.qps.insert(call.created, Owned::new(ca, qp, memory));
+                s.qp_cqs.insert(call.created, cqs);
             }
             Pending::Srq { ca, layout, memory } => {
                 let out: SrqAttr = exact(call.output)?;
@@ -588,6 +594,8 @@ impl Provider {
                 s.avs.retain(|_, av| av.ca != ca);
                 // QPs before the SRQs and CQs their pollers know.
                 s.qps.retain(|_, o| o.ca != ca);
+                let State { qps, qp_cqs, .. } = &mut *s;
+                qp_cqs.retain(|qp, _| qps.contains_key(qp));
                 s.srqs.retain(|_, o| o.ca != ca);
                 s.cqs.retain(|_, o| o.ca != ca);
             }
@@ -599,12 +607,44 @@ impl Provider {
             }
             VerbId::DestroyQp => {
                 s.qps.remove(&call.handle);
+                s.qp_cqs.remove(&call.handle);
             }
             VerbId::DestroySrq => {
                 s.srqs.remove(&call.handle);
             }
             _ => {}
         }
+    }
+
+    /// After a successful `ModifyQp`: a QP moved to RESET restarts its
+    /// rings (`Qp::reset`), its CQs locked so no poll runs meanwhile (lock
+    /// order QP, then CQs, as a poll takes its CQ alone). Any other
+    /// transition leaves the rings where they are (guide 6.5.5 item 5).
+    fn post_modify_qp(&self, call: &PostCall<'_>) -> Result<(), IbStatus> {
+        let modify: QpModify = exact(call.input)?;
+        if modify.state != Some(QpState::Reset) {
+            return Ok(());
+        }
+        let (qp, send_cq, recv_cq) = {
+            let s = self.state();
+            let qp = s.qps.get(&call.handle).cloned();
+            let cqs = s
+                .qp_cqs
+                .get(&call.handle)
+                .map(|&[send, recv]| (s.cqs.get(&send).cloned(), s.cqs.get(&recv).cloned()));
+            match (qp, cqs) {
+                (Some(qp), Some((Some(send), Some(recv)))) => (qp, send, recv),
+                _ => return Err(IbStatus::InvalidQpHandle),
+            }
+        };
+        let mut qp = qp.lock();
+        let send = send_cq.lock();
+        if Arc::ptr_eq(&send_cq, &recv_cq) {
+            qp.reset(&send, &send);
+        } else {
+            qp.reset(&send, &recv_cq.lock());
+        }
+        Ok(())
     }
 
     // -- fast path ----------------------------------------------------------
@@ -673,6 +713,7 @@ impl UserVerbsProvider for Provider {
                 Ok(())
             }
             (_, Some(pending)) => self.post_create(call, pending),
+            (VerbId::ModifyQp, _) => self.post_modify_qp(call),
             _ => {
                 self.post_destroy(call);
                 Ok(())

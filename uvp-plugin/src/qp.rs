@@ -21,10 +21,11 @@ use hca_prm::wqe::{BB_SIZE, WqeError, basic_blocks, build_recv_wqe, build_send_w
 use ib_types::scalars::Qpn;
 use ib_types::wr::{RecvWr, SendWr, Transport, WrLimits};
 
+use crate::cq::Cq;
 use crate::dma::{DmaBuffer, Record};
 use crate::error::{PostError, PostErrorKind};
 use crate::mmio::UarPage;
-use crate::queue::{Directory, WorkQueueShared};
+use crate::queue::{BeforeReset, Directory, QueueRestart, WorkQueueShared};
 
 /// One send work request as the fast path takes it.
 #[derive(Debug, Clone, Copy)]
@@ -127,6 +128,16 @@ impl SendQueue {
         outcome(posted, failure)
     }
 
+    /// After a RESET: the device's counter is 0 again (PRM 6.1.3), so is
+    /// the producer, with fresh slots. Returns the old slots when WQEs
+    /// were outstanding (their completions may still be in the CQ).
+    fn restart(&mut self) -> Option<Arc<WorkQueueShared>> {
+        let fresh = Arc::new(WorkQueueShared::new(self.ring_bbs as usize));
+        let old = core::mem::replace(&mut self.shared, fresh);
+        let producer = core::mem::take(&mut self.producer);
+        old.outstanding(producer).then_some(old)
+    }
+
     /// Rings the doorbell with the current producer counter (after a post;
     /// also what flushes receives of a QP in ERR, PRM 10.5).
     pub fn ring_doorbell(&self) {
@@ -214,6 +225,17 @@ impl RecvQueue {
 
     pub(crate) fn shared(&self) -> &Arc<WorkQueueShared> {
         &self.shared
+    }
+
+    /// After a RESET, as [`SendQueue::restart`]; the receive record is 0
+    /// again too, as the device's copy of it (PRM 6.1.3: else the device
+    /// would take the old count for new work).
+    fn restart(&mut self) -> Option<Arc<WorkQueueShared>> {
+        let fresh = Arc::new(WorkQueueShared::new(self.entries as usize));
+        let old = core::mem::replace(&mut self.shared, fresh);
+        let producer = core::mem::take(&mut self.producer);
+        self.record.store_release(0);
+        old.outstanding(producer).then_some(old)
     }
 
     /// Posts `wrs` in order: each WQE into the ring, then one store of the
@@ -312,6 +334,34 @@ impl Qp {
     /// Both queues at once, e.g. to post on each from its own thread.
     pub fn queues(&mut self) -> (&mut SendQueue, Option<&mut RecvQueue>) {
         (&mut self.send, self.recv.as_mut())
+    }
+
+    /// Call after a successful modify to RESET (guide 6.5.4 NOTE, 6.5.5
+    /// items 3-5; PRM 6.1.3), with the QP's send and receive CQs (the same
+    /// one twice if they are one): both queues restart at their first WQE
+    /// as the device does, the receive record is written 0, and the
+    /// queues' slots from before stay with the context's pollers for the
+    /// completions still in the CQs (those before each CQ's
+    /// [`Cq::next_sequence`] now). Other QPs are not touched. Borrowing
+    /// the CQs keeps their polls out while the reset marks them. Never
+    /// call it for another transition: SQD or SQE back to RTS resumes
+    /// where the queues stopped.
+    pub fn reset(&mut self, send_cq: &Cq, recv_cq: &Cq) {
+        let restart = |kept: Option<Arc<WorkQueueShared>>, queue: &Arc<_>, cq: &Cq| QueueRestart {
+            queue: Arc::clone(queue),
+            kept: kept.map(|queue| BeforeReset {
+                end: cq.next_sequence(),
+                queue,
+            }),
+            polled: cq.polled(),
+        };
+        let send_kept = self.send.restart();
+        let send = restart(send_kept, self.send.shared(), send_cq);
+        let recv = self.recv.as_mut().map(|recv| {
+            let kept = recv.restart();
+            restart(kept, recv.shared(), recv_cq)
+        });
+        self.directory.restart(self.qpn.get(), send, recv);
     }
 }
 

@@ -59,6 +59,11 @@ impl WorkQueueShared {
         self.consumer.load(Ordering::Acquire)
     }
 
+    /// True while WQEs before `producer` have not all completed.
+    pub(crate) fn outstanding(&self, producer: u32) -> bool {
+        self.consumer() != producer
+    }
+
     /// Records the WQE posted at `counter`, occupying `size` slots.
     #[inline]
     pub(crate) fn record(&self, counter: u32, wr_id: u64, size: u32) {
@@ -145,16 +150,92 @@ impl SrqShared {
     }
 }
 
+/// A work queue's state from before a RESET (guide 6.5.5 item 3): its
+/// completions still in the CQ are those before `end`, the sequence number
+/// (CQEs consumed since the CQ was created, `Cq::next_sequence`) of the
+/// first CQE written after the reset.
+#[derive(Debug, Clone)]
+pub(crate) struct BeforeReset {
+    pub(crate) end: u64,
+    pub(crate) queue: Arc<WorkQueueShared>,
+}
+
+/// The queue a CQE of sequence number `sequence` completes: the oldest kept
+/// one it comes before, else the current one.
+#[inline]
+fn queue_at<'a>(
+    current: &'a WorkQueueShared,
+    before_reset: &'a [BeforeReset],
+    sequence: u64,
+) -> &'a WorkQueueShared {
+    before_reset
+        .iter()
+        .find(|kept| sequence < kept.end)
+        .map_or(current, |kept| &kept.queue)
+}
+
 /// Where a QP's completions find their `wr_id`s.
 #[derive(Debug, Clone)]
 pub(crate) struct Route {
     pub(crate) send: Arc<WorkQueueShared>,
     pub(crate) recv: Option<Arc<WorkQueueShared>>,
     pub(crate) srq: Option<Arc<SrqShared>>,
+    /// The send queue's states from before its resets, oldest first (empty
+    /// unless a reset left completions to poll).
+    pub(crate) send_before_reset: Vec<BeforeReset>,
+    /// Likewise for the receive queue.
+    pub(crate) recv_before_reset: Vec<BeforeReset>,
+}
+
+impl Route {
+    /// A new QP's route: no reset yet.
+    pub(crate) fn new(
+        send: Arc<WorkQueueShared>,
+        recv: Option<Arc<WorkQueueShared>>,
+        srq: Option<Arc<SrqShared>>,
+    ) -> Self {
+        Self {
+            send,
+            recv,
+            srq,
+            send_before_reset: Vec::new(),
+            recv_before_reset: Vec::new(),
+        }
+    }
+
+    /// The send queue state a send CQE of sequence number `sequence` (in
+    /// the send CQ) completes.
+    #[inline]
+    pub(crate) fn send_at(&self, sequence: u64) -> &WorkQueueShared {
+        queue_at(&self.send, &self.send_before_reset, sequence)
+    }
+
+    /// The receive queue state a receive CQE of `sequence` (in the
+    /// receive CQ) completes; `None` for a QP on an SRQ.
+    #[inline]
+    pub(crate) fn recv_at(&self, sequence: u64) -> Option<&WorkQueueShared> {
+        let current = self.recv.as_deref()?;
+        Some(queue_at(current, &self.recv_before_reset, sequence))
+    }
+}
+
+/// One work queue's part of a reset: its new state, what to keep of the
+/// old one (when it had work outstanding), and the sequence number its CQ
+/// has consumed up to (kept states ending there are done).
+pub(crate) struct QueueRestart {
+    pub(crate) queue: Arc<WorkQueueShared>,
+    pub(crate) kept: Option<BeforeReset>,
+    pub(crate) polled: u64,
+}
+
+fn restart_list(list: &mut Vec<BeforeReset>, restart: QueueRestart) {
+    list.retain(|kept| kept.end > restart.polled);
+    list.extend(restart.kept);
 }
 
 /// The context's QPs by number, for the pollers. Written when a QP is set
-/// up or dropped (the control path); the post path never touches it.
+/// up, reset or dropped (the control path); the post path never touches
+/// it.
 #[derive(Debug, Default)]
 pub(crate) struct Directory(RwLock<BTreeMap<u32, Route>>);
 
@@ -164,6 +245,22 @@ impl Directory {
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(qpn, route);
+    }
+
+    /// After a RESET of QP `qpn`: its queues' new states, the old ones
+    /// kept for the completions still to be polled (those whose CQs have
+    /// consumed everything of them are dropped).
+    pub(crate) fn restart(&self, qpn: u32, send: QueueRestart, recv: Option<QueueRestart>) {
+        let mut map = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        let Some(route) = map.get_mut(&qpn) else {
+            return;
+        };
+        route.send = Arc::clone(&send.queue);
+        restart_list(&mut route.send_before_reset, send);
+        if let Some(recv) = recv {
+            route.recv = Some(Arc::clone(&recv.queue));
+            restart_list(&mut route.recv_before_reset, recv);
+        }
     }
 
     pub(crate) fn remove(&self, qpn: u32) {
