@@ -4,10 +4,12 @@
 //! (`ibportclient`) on every port child. Every data verb a user QP has,
 //! byte-checked, against a kernel client of the other HCA's port child and
 //! against another process on the other HCA; and a process dying
-//! mid-traffic: what it held is released, its peers' QPs fail with error
-//! completions, and the peers recreate their QPs and talk to a new
-//! process. Every test ends with the host shut down and the verifier
-//! report empty.
+//! mid-traffic (on the deterministic host at several points of the
+//! traffic, and on a threaded host): what it held is released, its peers'
+//! QPs fail with error completions, and the peers recreate their QPs and
+//! talk to a new process; and a doorbell rung on one process's page for
+//! another process's QP, which moves nothing. Every test ends with the
+//! host shut down and the verifier report empty.
 #![cfg(not(windows))]
 
 mod support;
@@ -192,49 +194,47 @@ impl KernelEnd {
             comp_vector: 0,
         };
         let cq = call::<CreateCq>(host, &client, ca, &attr).unwrap();
-        let qp = |qp_type| {
-            let mut create = rc_qp_create(qp_type, pd, cq, 8);
-            if qp_type == QpType::Rc {
-                create.caps.max_send_sge = 2;
-                create.caps.max_recv_sge = 2;
-            }
-            let (qp, out) = call_out::<CreateQp>(host, &client, ca, &create, &[]).unwrap();
-            (qp, out.unwrap().qpn.get())
-        };
-        let (rc, ud) = (qp(QpType::Rc), qp(QpType::Ud));
         let memory = register_with(host, &client, pd, ACCESS);
-        Self {
+        let mut end = Self {
             host: Arc::clone(host),
             client,
             pd,
             cq,
-            rc,
-            ud,
+            rc: (0, 0),
+            ud: (0, 0),
             memory,
-        }
+        };
+        end.create_qps();
+        end
     }
 
-    /// Destroys its QPs (and recreates them, fresh, when `again`).
+    /// Creates its RC QP (two SGEs each way) and its UD QP, on its PD and
+    /// CQ.
+    fn create_qps(&mut self) {
+        let (_, id) = self.client.al();
+        let qp = |qp_type| {
+            let mut create = rc_qp_create(qp_type, self.pd, self.cq, 8);
+            if qp_type == QpType::Rc {
+                create.caps.max_send_sge = 2;
+                create.caps.max_recv_sge = 2;
+            }
+            let (qp, out) =
+                call_out::<CreateQp>(&self.host, &self.client, id.ca_handle(), &create, &[])
+                    .unwrap();
+            (qp, out.unwrap().qpn.get())
+        };
+        self.rc = qp(QpType::Rc);
+        self.ud = qp(QpType::Ud);
+    }
+
+    /// Destroys its QPs (and creates new ones when `again`).
     fn destroy_qps(&mut self, again: bool) {
         for qp in [self.rc.0, self.ud.0] {
             call::<ib_types::ioctl::DestroyQp>(&self.host, &self.client, qp, &Empty).unwrap();
         }
         self.poll();
         if again {
-            let (_, id) = self.client.al();
-            let ca = id.ca_handle();
-            let qp = |qp_type| {
-                let mut create = rc_qp_create(qp_type, self.pd, self.cq, 8);
-                if qp_type == QpType::Rc {
-                    create.caps.max_send_sge = 2;
-                    create.caps.max_recv_sge = 2;
-                }
-                let (qp, out) =
-                    call_out::<CreateQp>(&self.host, &self.client, ca, &create, &[]).unwrap();
-                (qp, out.unwrap().qpn.get())
-            };
-            self.rc = qp(QpType::Rc);
-            self.ud = qp(QpType::Ud);
+            self.create_qps();
         }
     }
 
@@ -820,7 +820,8 @@ fn held_on(w: &SharedWorld, process: &Process, hca: usize) -> [usize; 5] {
     ]
 }
 
-fn leak<T>(value: T) -> &'static T {
+/// An object the process never destroys.
+fn never_destroyed<T>(value: T) -> &'static T {
     Box::leak(Box::new(value))
 }
 
@@ -908,7 +909,7 @@ fn dies_mid_traffic(w: SharedWorld, steps: Option<usize>) {
     // destroys them.
     let dying = Process::new(94);
     let dying_io = io_of(&w, &dying);
-    let res = leak(Resources::new(leak(open(&dying_io, 0))));
+    let res = never_destroyed(Resources::new(never_destroyed(open(&dying_io, 0))));
     let mut to_kernel = UserEnd::new(res);
     let mut to_peer = UserEnd::new(res);
     connect(&to_kernel, 0, &kernel, 1);
