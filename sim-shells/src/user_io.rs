@@ -5,8 +5,10 @@
 //! `GUID_IB_AL_DEVICE_INTERFACE`; an IOCTL is sent on the process's handle
 //! and the deterministic host runs until it completes (a request nothing
 //! would complete is cancelled, as `CancelIoEx` would end a blocked
-//! thread's wait); the plugin's doorbell store reaches the device through
-//! the process's device mapping in the calling thread.
+//! thread's wait), or, on a threaded host ([`ThreadedSimIo`]), the calling
+//! thread blocks until the workers completed it; the plugin's doorbell
+//! store reaches the device through the process's device mapping in the
+//! calling thread.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -19,23 +21,85 @@ use sim_host::memory::Process;
 use sim_host::pnp::DevNodeId;
 
 /// The simulated host's side of the library's OS seam: one process of one
-/// host.
+/// deterministic host.
 #[derive(Debug)]
 pub struct SimIo {
     host: Arc<Host>,
     process: Process,
     /// The interface paths handed out, and the devnode each names.
     paths: Mutex<Vec<(DevicePath, DevNodeId)>>,
+    waiting: Waiting,
+}
+
+/// How the calling thread waits for the machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiting {
+    /// Deterministic host: run its scheduler until idle.
+    Settle,
+    /// Threaded host: its workers run the machine; block as Windows does.
+    Block,
 }
 
 impl SimIo {
-    /// The seam of `process` on `host`.
+    /// The seam of `process` on the deterministic `host`.
     pub fn new(host: &Arc<Host>, process: &Process) -> Arc<Self> {
-        Arc::new(Self {
+        Arc::new(Self::with(host, process, Waiting::Settle))
+    }
+
+    fn with(host: &Arc<Host>, process: &Process, waiting: Waiting) -> Self {
+        Self {
             host: Arc::clone(host),
             process: process.clone(),
             paths: Mutex::new(Vec::new()),
-        })
+            waiting,
+        }
+    }
+
+    /// Lets the deterministic machine act on what the caller just did; the
+    /// threaded one's workers do by themselves.
+    fn settle(&self) {
+        if self.waiting == Waiting::Settle {
+            settle(&self.host);
+        }
+    }
+}
+
+/// The seam of one process of a **threaded** host: as [`SimIo`], but a
+/// synchronous IOCTL blocks the calling thread until the driver completes
+/// it (`DeviceIoControl` on Windows), while the host's workers run the
+/// machine; nothing is cancelled for it, so a wait for an event that never
+/// comes blocks, as it would on Windows.
+#[derive(Debug)]
+pub struct ThreadedSimIo(SimIo);
+
+impl ThreadedSimIo {
+    /// The seam of `process` on the threaded `host`.
+    pub fn new(host: &Arc<Host>, process: &Process) -> Arc<Self> {
+        Arc::new(Self(SimIo::with(host, process, Waiting::Block)))
+    }
+}
+
+impl DeviceIo for ThreadedSimIo {
+    fn interface_paths(&self) -> Result<Vec<DevicePath>, OsStatus> {
+        self.0.interface_paths()
+    }
+    fn open(&self, path: &DevicePath) -> Result<Box<dyn DeviceFile>, OsStatus> {
+        self.0.open(path)
+    }
+    fn alloc(&self, len: usize) -> Result<u64, OsStatus> {
+        self.0.alloc(len)
+    }
+    fn free(&self, va: u64) {
+        self.0.free(va);
+    }
+    fn read(&self, va: u64, out: &mut [u8]) -> Result<(), OsStatus> {
+        self.0.read(va, out)
+    }
+    fn write(&self, va: u64, data: &[u8]) -> Result<(), OsStatus> {
+        self.0.write(va, data)
+    }
+    fn doorbell_hook(&self) -> uvp_plugin::mmio::MmioHook {
+        self.0.doorbell_hook()
     }
 }
 
@@ -50,6 +114,7 @@ pub fn settle(host: &Host) {
 pub struct SimFile {
     host: Arc<Host>,
     handle: Option<FileHandle>,
+    waiting: Waiting,
 }
 
 impl DeviceFile for SimFile {
@@ -59,13 +124,17 @@ impl DeviceFile for SimFile {
             .as_ref()
             .ok_or(OsStatus::Nt(NtStatus::INVALID_HANDLE))?;
         let issuer = handle.send(code, input.to_vec(), output.len());
-        settle(&self.host);
-        // A request nothing will complete would block the thread forever on
-        // Windows; the deterministic host cannot wait, so it is cancelled
-        // (`CancelIoEx`) and ends with its driver's status.
-        if !issuer.is_done() {
-            issuer.cancel();
+        if self.waiting == Waiting::Block {
+            issuer.wait();
+        } else {
             settle(&self.host);
+            // A request nothing will complete would block the thread
+            // forever on Windows; the deterministic host cannot wait, so it
+            // is cancelled (`CancelIoEx`) and ends with its driver's status.
+            if !issuer.is_done() {
+                issuer.cancel();
+                settle(&self.host);
+            }
         }
         let done = issuer
             .completion()
@@ -85,7 +154,9 @@ impl Drop for SimFile {
     fn drop(&mut self) {
         if let Some(handle) = self.handle.take() {
             handle.close();
-            settle(&self.host);
+            if self.waiting == Waiting::Settle {
+                settle(&self.host);
+            }
         }
     }
 }
@@ -124,10 +195,11 @@ impl DeviceIo for SimIo {
             .pnp()
             .open_file(&self.process, node)
             .map_err(OsStatus::Nt)?;
-        settle(&self.host);
+        self.settle();
         Ok(Box::new(SimFile {
             host: Arc::clone(&self.host),
             handle: Some(handle),
+            waiting: self.waiting,
         }))
     }
 

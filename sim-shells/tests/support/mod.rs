@@ -320,8 +320,28 @@ pub(crate) struct SharedWorld {
 
 /// [`world`], the host shared.
 pub(crate) fn shared_world(seed: u64) -> SharedWorld {
-    let host = Arc::new(Host::new(HostConfig::deterministic(seed, hca_configs())).unwrap());
+    shared_world_on(HostConfig::deterministic(seed, hca_configs()))
+}
+
+/// [`world_on`], the host shared; on a threaded host, once every port
+/// child's client has opened its AL.
+pub(crate) fn shared_world_on(config: HostConfig) -> SharedWorld {
+    let host = Arc::new(Host::new(config).unwrap());
     let (driver, miniport, clients) = boot_with_clients(&host, false);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while lock(&clients.devices)
+        .iter()
+        .filter(|c| lock(&c.opened).is_some())
+        .count()
+        < 2 * HCAS.len()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the port clients open"
+        );
+        settle(&host);
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     SharedWorld {
         host,
         driver,
