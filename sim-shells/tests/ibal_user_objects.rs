@@ -18,6 +18,7 @@ use ib_types::av::{AvAttr, Grh};
 
 use ib_types::event::AsyncEventCode;
 use ib_types::ioctl::VerbId;
+use ib_types::ioctl::{self as v, Verb};
 use ib_types::mcast::McastGroup;
 use ib_types::mr::MwType;
 use ib_types::qp::{QpCaps, QpModify, QpState, QpType};
@@ -27,8 +28,8 @@ use ib_types::status::IbStatus;
 use ib_types::wc::{WcStatus, WorkCompletion};
 use ib_types::wr::{RKey, RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge, UdDest};
 use ibal_user::{
-    Av, Buffer, CaSelector, Context, Cq, DeviceIo, Error, Mr, Mw, Pd, PluginSource, Qp, QpInit,
-    Srq, UserSend,
+    Av, Buffer, CaSelector, Context, Cq, DeviceFile, DeviceIo, DevicePath, Error, Mr, Mw, OsStatus,
+    Pd, PluginSource, Qp, QpInit, Srq, UserSend,
 };
 use sim_hca::device::DeviceConfig;
 use sim_host::host::{Host, HostConfig};
@@ -466,6 +467,151 @@ fn a_cq_resized_with_completions_outstanding_loses_none() {
         traffic(&mut sqp, &mut rqp, 1);
         rcq.wait_event().unwrap();
         check(&drain(&w, &rcq), 20, 21);
+    }
+    w.finish(&process);
+}
+
+/// A seam that runs `after_resize` once a `ResizeCq` IOCTL has completed
+/// (the device switched rings) and before the library's post hook runs:
+/// the window in which another thread's poll would see the old ring.
+struct ResizeWindow {
+    inner: Arc<SimIo>,
+    after_resize: Arc<dyn Fn() + Send + Sync>,
+}
+
+impl std::fmt::Debug for ResizeWindow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ResizeWindow")
+    }
+}
+
+#[derive(Debug)]
+struct ResizeWindowFile {
+    inner: Box<dyn DeviceFile>,
+    window: Arc<ResizeWindow>,
+}
+
+impl DeviceFile for ResizeWindowFile {
+    fn ioctl(&self, code: u32, input: &[u8], output: &mut [u8]) -> Result<usize, OsStatus> {
+        let answer = self.inner.ioctl(code, input, output);
+        if code == v::ResizeCq::ID.ioctl().raw() {
+            (self.window.after_resize)();
+        }
+        answer
+    }
+}
+
+#[derive(Debug)]
+struct ResizeWindowIo(Arc<ResizeWindow>);
+
+impl DeviceIo for ResizeWindowIo {
+    fn interface_paths(&self) -> Result<Vec<DevicePath>, OsStatus> {
+        self.0.inner.interface_paths()
+    }
+    fn open(&self, path: &DevicePath) -> Result<Box<dyn DeviceFile>, OsStatus> {
+        Ok(Box::new(ResizeWindowFile {
+            inner: self.0.inner.open(path)?,
+            window: Arc::clone(&self.0),
+        }))
+    }
+    fn alloc(&self, len: usize) -> Result<u64, OsStatus> {
+        self.0.inner.alloc(len)
+    }
+    fn free(&self, va: u64) {
+        self.0.inner.free(va);
+    }
+    fn read(&self, va: u64, out: &mut [u8]) -> Result<(), OsStatus> {
+        self.0.inner.read(va, out)
+    }
+    fn write(&self, va: u64, data: &[u8]) -> Result<(), OsStatus> {
+        self.0.inner.write(va, data)
+    }
+    fn doorbell_hook(&self) -> uvp_plugin::mmio::MmioHook {
+        self.0.inner.doorbell_hook()
+    }
+}
+
+/// A poll from another thread while a resize is under way waits for it:
+/// polling the old ring after the device copied its entries into the new
+/// one would hand them out twice (once there, once from the new ring).
+#[test]
+fn a_poll_racing_a_resize_sees_each_completion_once() {
+    use std::sync::mpsc;
+    use std::time::Duration;
+    const LEN: usize = 64;
+    let w = World::new(77);
+    let process = Process::new(86);
+    // The seam tells the polling thread when the device has switched,
+    // then gives it time to poll before the library's post runs.
+    let (switched_tx, switched_rx) = mpsc::channel::<()>();
+    let switched_tx = std::sync::Mutex::new(switched_tx);
+    let window = Arc::new(ResizeWindow {
+        inner: SimIo::new(&w.host, &process),
+        after_resize: Arc::new(move || {
+            let _ = switched_tx.lock().unwrap().send(());
+            std::thread::sleep(Duration::from_millis(200));
+        }),
+    });
+    let io: Arc<dyn DeviceIo> = Arc::new(ResizeWindowIo(window));
+    {
+        let sender = Context::open(&io, CaSelector::Index(0), &PluginSource::Linked).unwrap();
+        let receiver = Context::open(&io, CaSelector::Index(1), &PluginSource::Linked).unwrap();
+        let (spd, rpd) = (Pd::new(&sender).unwrap(), Pd::new(&receiver).unwrap());
+        let (sbuf, rbuf) = (
+            Buffer::new(&sender, 4096).unwrap(),
+            Buffer::new(&receiver, 4096).unwrap(),
+        );
+        let smr = Mr::new(&spd, &sbuf, AccessFlags::LOCAL_WRITE).unwrap();
+        let rmr = Mr::new(&rpd, &rbuf, AccessFlags::LOCAL_WRITE).unwrap();
+        let (scq, rcq) = (Cq::new(&sender, 8).unwrap(), Cq::new(&receiver, 8).unwrap());
+        let mut sqp = Qp::new(&spd, &scq, &scq, &UD).unwrap();
+        let mut rqp = Qp::new(&rpd, &rcq, &rcq, &UD).unwrap();
+        ud_to_rts(&sqp);
+        ud_to_rts(&rqp);
+        let av = Av::new(&spd, &av_to(Gid::from_ipv4(ip(1)))).unwrap();
+        let dest = UdDest {
+            av: av.handle(),
+            remote_qpn: Qpn::new(rqp.qpn()).unwrap(),
+            remote_qkey: QKey::new(QKEY),
+        };
+        // Six datagrams received, their completions unpolled.
+        for n in 0..6u64 {
+            let rsge = [Sge::new(rbuf.va() + n * 512, 512, rmr.keys().lkey)];
+            rqp.post_recv(&[RecvWr {
+                wr_id: 100 + n,
+                sg_list: &rsge,
+            }])
+            .unwrap();
+            let ssge = [Sge::new(sbuf.va(), LEN as u32, smr.keys().lkey)];
+            sqp.post_send(&[send(n, SendOp::Send, &ssge, Some(dest))])
+                .unwrap();
+        }
+        settle(&w.host);
+        assert_eq!(drain(&w, &scq).len(), 6);
+
+        let (resized, racing) = std::thread::scope(|scope| {
+            let rcq = &rcq;
+            let poller = scope.spawn(move || {
+                switched_rx.recv().unwrap();
+                let mut wcs = [WorkCompletion::EMPTY; 16];
+                let got = rcq.poll(&mut wcs).unwrap();
+                wcs[..got].to_vec()
+            });
+            let resized = rcq.resize(32).unwrap();
+            (resized, poller.join().unwrap())
+        });
+        assert_eq!(resized, 32);
+        let mut all = racing;
+        let mut wcs = [WorkCompletion::EMPTY; 16];
+        let got = rcq.poll(&mut wcs).unwrap();
+        all.extend_from_slice(&wcs[..got]);
+        assert_eq!(
+            outcomes(&all),
+            (0..6)
+                .map(|n| (100 + n, WcStatus::Success))
+                .collect::<Vec<_>>(),
+            "each completion once, in order"
+        );
     }
     w.finish(&process);
 }
