@@ -314,6 +314,27 @@ fn qps_on_an_srq_take_their_receives_from_it_and_its_limit_event_fires() {
             .collect();
         srq.arm_limit(3).unwrap();
         assert_eq!(srq.query().unwrap().srq_limit, 3);
+        // Bad input is a typed error: an SRQ of no receives (no call), a
+        // receive with more SGEs than the SRQ holds (the plugin refuses it,
+        // nothing posted).
+        assert!(matches!(
+            Srq::new(
+                &rpd,
+                &SrqAttr {
+                    max_wr: 0,
+                    ..srq_attr
+                }
+            ),
+            Err(Error::InvalidArgument(_))
+        ));
+        let two = [sges[0][0], sges[1][0]];
+        let e = srq
+            .post_recv(&[RecvWr {
+                wr_id: 9,
+                sg_list: &two,
+            }])
+            .unwrap_err();
+        assert!(matches!(e, Error::Refused { posted: 0, .. }), "{e:?}");
         let requests = process.requests_issued();
         assert_eq!(srq.post_recv(&recvs).unwrap(), 6);
 
@@ -451,6 +472,7 @@ fn a_cq_resized_with_completions_outstanding_loses_none() {
             }
         );
         assert_eq!(rcq.cqe(), 8);
+        assert!(matches!(rcq.resize(0), Err(Error::InvalidArgument(_))));
         // Grown to 32 with the six still in: ten more arrive (sixteen
         // outstanding, twice what the old ring held), all there in order.
         assert_eq!(rcq.resize(20).unwrap(), 32);
