@@ -1018,3 +1018,77 @@ fn queries_answer_what_the_kernel_holds() {
     }
     w.finish(&process);
 }
+
+fn leak<T>(value: T) -> &'static T {
+    Box::leak(Box::new(value))
+}
+
+/// The new objects are the kernel's to clean at process exit too: an SRQ
+/// with a QP on it, a resized CQ, a bound window and a multicast membership,
+/// all leaked on one HCA, leave nothing once the process exits.
+#[test]
+fn a_process_exiting_with_srqs_windows_and_groups_open_leaves_nothing() {
+    let w = World::new(78);
+    let process = Process::new(87);
+    let io = w.io(&process);
+    let ctx = leak(Context::open(&io, CaSelector::Index(0), &PluginSource::Linked).unwrap());
+    let pd = leak(Pd::new(ctx).unwrap());
+    let cq = leak(Cq::new(ctx, 8).unwrap());
+    assert_eq!(cq.resize(64).unwrap(), 64);
+    let srq = leak(
+        Srq::new(
+            pd,
+            &SrqAttr {
+                max_wr: 8,
+                max_sge: 1,
+                srq_limit: 2,
+            },
+        )
+        .unwrap(),
+    );
+    let on_srq = QpInit {
+        caps: QpCaps {
+            max_recv_wr: 0,
+            max_recv_sge: 0,
+            ..CAPS
+        },
+        srq: Some(srq),
+        ..RC
+    };
+    let rc = Box::leak(Box::new(Qp::new(pd, cq, cq, &on_srq).unwrap()));
+    // The RC QP is taken to RTS towards a QP number nobody holds: it
+    // binds the window and never sends.
+    for step in rc_to_rts_steps(
+        PortNum::new(1).unwrap(),
+        AccessFlags::REMOTE_READ,
+        Qpn::new(0x77).unwrap(),
+        Gid::from_ipv4(ip(1)),
+        1,
+    ) {
+        rc.modify(&step).unwrap();
+    }
+    let buffer = leak(Buffer::new(ctx, 4096).unwrap());
+    let mr = leak(Mr::new(pd, buffer, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND).unwrap());
+    let mw = Box::leak(Box::new(Mw::new(pd, MwType::Type2).unwrap()));
+    mw.bind(rc, 1, mr, 0, 1024, AccessFlags::REMOTE_READ)
+        .unwrap();
+    assert_eq!(outcomes(&drain(&w, cq)), [(1, WcStatus::Success)]);
+    let ud = Box::leak(Box::new(Qp::new(pd, cq, cq, &UD).unwrap()));
+    ud_to_rts(ud);
+    ud.attach_mcast(&McastGroup {
+        mgid: Gid::from_ipv4([239, 4, 4, 4]),
+        mlid: Lid::UNASSIGNED,
+    })
+    .unwrap();
+    // CA, PD, CQ, SRQ, two QPs, MR, MW, membership.
+    assert_eq!(w.proxy(0).proxy().object_count(), 9);
+    assert_eq!(
+        w.host.pnp().exit_process(&process),
+        0,
+        "no page left locked"
+    );
+    settle(&w.host);
+    assert_eq!(w.leftovers(&process), [0; 5]);
+    w.host.shut_down();
+    w.host.verifier().assert_clean();
+}
