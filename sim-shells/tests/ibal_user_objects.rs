@@ -159,8 +159,8 @@ const CAPS: QpCaps = QpCaps {
     max_inline_data: 0,
 };
 
-const UD: QpInit<'static> = QpInit::new(QpType::Ud, CAPS, false);
-const RC: QpInit<'static> = QpInit::new(QpType::Rc, CAPS, false);
+const UD: QpInit = QpInit::new(QpType::Ud, CAPS, false);
+const RC: QpInit = QpInit::new(QpType::Rc, CAPS, false);
 
 /// RESET -> INIT -> RTR -> RTS of a UD QP on port 1 with Q_Key [`QKEY`].
 fn ud_to_rts(qp: &Qp<'_, '_>) {
@@ -263,14 +263,13 @@ fn qps_on_an_srq_take_their_receives_from_it_and_its_limit_event_fires() {
                 max_recv_sge: 0,
                 ..CAPS
             },
-            srq: Some(&srq),
             ..UD
         };
         // An SRQ of another PD is refused before any call.
         let other_pd = Pd::new(&receiver).unwrap();
         let requests = process.requests_issued();
         assert!(matches!(
-            Qp::new(&other_pd, &rcq, &rcq, &on_srq),
+            Qp::with_srq(&other_pd, &rcq, &rcq, &srq, &on_srq),
             Err(Error::InvalidArgument(_))
         ));
         assert_eq!(process.requests_issued(), requests);
@@ -278,8 +277,8 @@ fn qps_on_an_srq_take_their_receives_from_it_and_its_limit_event_fires() {
 
         let mut sqp = Qp::new(&spd, &scq, &scq, &UD).unwrap();
         let mut members = [
-            Qp::new(&rpd, &rcq, &rcq, &on_srq).unwrap(),
-            Qp::new(&rpd, &rcq, &rcq, &on_srq).unwrap(),
+            Qp::with_srq(&rpd, &rcq, &rcq, &srq, &on_srq).unwrap(),
+            Qp::with_srq(&rpd, &rcq, &rcq, &srq, &on_srq).unwrap(),
         ];
         for qp in [&sqp, &members[0], &members[1]] {
             ud_to_rts(qp);
@@ -1052,10 +1051,9 @@ fn a_process_exiting_with_srqs_windows_and_groups_open_leaves_nothing() {
             max_recv_sge: 0,
             ..CAPS
         },
-        srq: Some(srq),
         ..RC
     };
-    let rc = Box::leak(Box::new(Qp::new(pd, cq, cq, &on_srq).unwrap()));
+    let rc = Box::leak(Box::new(Qp::with_srq(pd, cq, cq, srq, &on_srq).unwrap()));
     // The RC QP is taken to RTS towards a QP number nobody holds: it
     // binds the window and never sends.
     for step in rc_to_rts_steps(
