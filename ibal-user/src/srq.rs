@@ -1,7 +1,7 @@
 //! Shared receive queues: an SRQ of a PD whose ring the plugin lays out in
 //! this process (`CreateSrq`'s pre and post) and posts to with no kernel
-//! call; QPs created naming it ([`crate::QpInit::srq`]) take their
-//! receives from it and borrow it, so it outlives them.
+//! call; QPs created on it ([`crate::Qp::with_srq`]) take their receives
+//! from it and borrow it, so it outlives them.
 
 use ib_types::handle::PdHandle;
 use ib_types::ioctl::{self as v, Empty};
@@ -23,8 +23,8 @@ use crate::verbs::{Pd, refused};
 /// # use ibal_user::{Cq, Pd, Qp, QpInit, Srq};
 /// fn on_srq(pd: &Pd<'_>, cq: &Cq<'_>, attr: &SrqAttr, caps: QpCaps) -> ibal_user::Result<()> {
 ///     let srq = Srq::new(pd, attr)?;
-///     let init = QpInit { srq: Some(&srq), ..QpInit::new(QpType::Rc, caps, false) };
-///     let qp = Qp::new(pd, cq, cq, &init)?;
+///     let init = QpInit::new(QpType::Rc, caps, false);
+///     let qp = Qp::with_srq(pd, cq, cq, &srq, &init)?;
 ///     drop(srq);
 ///     drop(qp);
 ///     Ok(())

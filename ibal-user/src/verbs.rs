@@ -373,30 +373,26 @@ impl Drop for Cq<'_> {
     }
 }
 
-/// What a QP is created with.
+/// What a QP is created with. (Its SRQ, if any, is named to
+/// [`Qp::with_srq`], which borrows it.)
 #[derive(Debug, Clone, Copy)]
-pub struct QpInit<'srq> {
+pub struct QpInit {
     /// RC, UC or UD.
     pub qp_type: QpType,
-    /// Capacities asked for (with an SRQ, the receive capacities are the
+    /// Capacities asked for (on an SRQ, the receive capacities are the
     /// SRQ's: ask for none).
     pub caps: QpCaps,
     /// Every send signaled.
     pub sq_sig_all: bool,
-    /// The SRQ its receives come from (it has no receive queue then); the
-    /// QP borrows it as it borrows its CQs.
-    pub srq: Option<&'srq Srq<'srq>>,
 }
 
-impl QpInit<'static> {
-    /// A QP of `qp_type` with `caps`, sends signaled as requested, its own
-    /// receive queue (no SRQ).
+impl QpInit {
+    /// A QP of `qp_type` with `caps`, sends signaled as requested.
     pub const fn new(qp_type: QpType, caps: QpCaps, sq_sig_all: bool) -> Self {
         Self {
             qp_type,
             caps,
             sq_sig_all,
-            srq: None,
         }
     }
 }
@@ -420,14 +416,38 @@ pub struct Qp<'pd, 'cq> {
 }
 
 impl<'pd, 'cq> Qp<'pd, 'cq> {
-    /// Creates a QP in `pd` completing on `send_cq` and `recv_cq`, its
-    /// receives from `init.srq` if named (`CreateQp`; the plugin's pre
-    /// lays its rings out). Needs the plugin.
+    /// Creates a QP in `pd` completing on `send_cq` and `recv_cq`, with a
+    /// receive queue of its own (`CreateQp`; the plugin's pre lays its
+    /// rings out). Needs the plugin.
     pub fn new(
         pd: &'pd Pd<'pd>,
         send_cq: &'cq Cq<'cq>,
         recv_cq: &'cq Cq<'cq>,
-        init: &QpInit<'cq>,
+        init: &QpInit,
+    ) -> Result<Self> {
+        Self::create(pd, send_cq, recv_cq, None, init)
+    }
+
+    /// Creates a QP in `pd` completing on `send_cq` and `recv_cq` whose
+    /// receives come from `srq` (it has no receive queue of its own; an
+    /// SRQ of another PD is refused before any call). The QP borrows the
+    /// SRQ as it borrows its CQs. Needs the plugin.
+    pub fn with_srq(
+        pd: &'pd Pd<'pd>,
+        send_cq: &'cq Cq<'cq>,
+        recv_cq: &'cq Cq<'cq>,
+        srq: &'cq Srq<'cq>,
+        init: &QpInit,
+    ) -> Result<Self> {
+        Self::create(pd, send_cq, recv_cq, Some(srq), init)
+    }
+
+    fn create(
+        pd: &'pd Pd<'pd>,
+        send_cq: &'cq Cq<'cq>,
+        recv_cq: &'cq Cq<'cq>,
+        srq: Option<&'cq Srq<'cq>>,
+        init: &QpInit,
     ) -> Result<Self> {
         let ctx = pd.ctx;
         ctx.plugin("CreateQp")?;
@@ -444,7 +464,7 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
         }
         // The kernel requires the SRQ's PD to be the QP's (IBA 10.2.9);
         // said here before the plugin lays rings out.
-        if init.srq.is_some_and(|srq| !std::ptr::eq(srq.pd, pd)) {
+        if srq.is_some_and(|srq| !std::ptr::eq(srq.pd, pd)) {
             return Err(Error::InvalidArgument(
                 "the QP's SRQ belongs to another PD than the QP",
             ));
@@ -454,7 +474,7 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
             pd: PdHandle::from_raw(pd.handle),
             send_cq: CqHandle::from_raw(send_cq.handle),
             recv_cq: CqHandle::from_raw(recv_cq.handle),
-            srq: init.srq.map(|srq| SrqHandle::from_raw(srq.handle())),
+            srq: srq.map(|srq| SrqHandle::from_raw(srq.handle())),
             caps: init.caps,
             sq_sig_all: init.sq_sig_all,
             port: None,
@@ -465,7 +485,7 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
             handle: answer.handle,
             qpn: answer.output.qpn.get(),
             caps: answer.output.caps,
-            on_srq: init.srq.is_some(),
+            on_srq: srq.is_some(),
             groups: Vec::new(),
             _cqs: PhantomData,
             _one_poster: PhantomData,

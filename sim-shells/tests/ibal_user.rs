@@ -301,7 +301,6 @@ const UD_INIT: QpInit = QpInit {
         max_inline_data: 32,
     },
     sq_sig_all: false,
-    srq: None,
 };
 
 #[test]

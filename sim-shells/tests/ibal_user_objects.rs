@@ -18,6 +18,7 @@ use ib_types::av::{AvAttr, Grh};
 
 use ib_types::event::AsyncEventCode;
 use ib_types::ioctl::VerbId;
+use ib_types::ioctl::{self as v, Verb};
 use ib_types::mcast::McastGroup;
 use ib_types::mr::MwType;
 use ib_types::qp::{QpCaps, QpModify, QpState, QpType};
@@ -27,8 +28,8 @@ use ib_types::status::IbStatus;
 use ib_types::wc::{WcStatus, WorkCompletion};
 use ib_types::wr::{RKey, RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge, UdDest};
 use ibal_user::{
-    Av, Buffer, CaSelector, Context, Cq, DeviceIo, Error, Mr, Mw, Pd, PluginSource, Qp, QpInit,
-    Srq, UserSend,
+    Av, Buffer, CaSelector, Context, Cq, DeviceFile, DeviceIo, DevicePath, Error, Mr, Mw, OsStatus,
+    Pd, PluginSource, Qp, QpInit, Srq, UserSend,
 };
 use sim_hca::device::DeviceConfig;
 use sim_host::host::{Host, HostConfig};
@@ -158,8 +159,8 @@ const CAPS: QpCaps = QpCaps {
     max_inline_data: 0,
 };
 
-const UD: QpInit<'static> = QpInit::new(QpType::Ud, CAPS, false);
-const RC: QpInit<'static> = QpInit::new(QpType::Rc, CAPS, false);
+const UD: QpInit = QpInit::new(QpType::Ud, CAPS, false);
+const RC: QpInit = QpInit::new(QpType::Rc, CAPS, false);
 
 /// RESET -> INIT -> RTR -> RTS of a UD QP on port 1 with Q_Key [`QKEY`].
 fn ud_to_rts(qp: &Qp<'_, '_>) {
@@ -262,14 +263,13 @@ fn qps_on_an_srq_take_their_receives_from_it_and_its_limit_event_fires() {
                 max_recv_sge: 0,
                 ..CAPS
             },
-            srq: Some(&srq),
             ..UD
         };
         // An SRQ of another PD is refused before any call.
         let other_pd = Pd::new(&receiver).unwrap();
         let requests = process.requests_issued();
         assert!(matches!(
-            Qp::new(&other_pd, &rcq, &rcq, &on_srq),
+            Qp::with_srq(&other_pd, &rcq, &rcq, &srq, &on_srq),
             Err(Error::InvalidArgument(_))
         ));
         assert_eq!(process.requests_issued(), requests);
@@ -277,8 +277,8 @@ fn qps_on_an_srq_take_their_receives_from_it_and_its_limit_event_fires() {
 
         let mut sqp = Qp::new(&spd, &scq, &scq, &UD).unwrap();
         let mut members = [
-            Qp::new(&rpd, &rcq, &rcq, &on_srq).unwrap(),
-            Qp::new(&rpd, &rcq, &rcq, &on_srq).unwrap(),
+            Qp::with_srq(&rpd, &rcq, &rcq, &srq, &on_srq).unwrap(),
+            Qp::with_srq(&rpd, &rcq, &rcq, &srq, &on_srq).unwrap(),
         ];
         for qp in [&sqp, &members[0], &members[1]] {
             ud_to_rts(qp);
@@ -313,6 +313,27 @@ fn qps_on_an_srq_take_their_receives_from_it_and_its_limit_event_fires() {
             .collect();
         srq.arm_limit(3).unwrap();
         assert_eq!(srq.query().unwrap().srq_limit, 3);
+        // Bad input is a typed error: an SRQ of no receives (no call), a
+        // receive with more SGEs than the SRQ holds (the plugin refuses it,
+        // nothing posted).
+        assert!(matches!(
+            Srq::new(
+                &rpd,
+                &SrqAttr {
+                    max_wr: 0,
+                    ..srq_attr
+                }
+            ),
+            Err(Error::InvalidArgument(_))
+        ));
+        let two = [sges[0][0], sges[1][0]];
+        let e = srq
+            .post_recv(&[RecvWr {
+                wr_id: 9,
+                sg_list: &two,
+            }])
+            .unwrap_err();
+        assert!(matches!(e, Error::Refused { posted: 0, .. }), "{e:?}");
         let requests = process.requests_issued();
         assert_eq!(srq.post_recv(&recvs).unwrap(), 6);
 
@@ -450,6 +471,7 @@ fn a_cq_resized_with_completions_outstanding_loses_none() {
             }
         );
         assert_eq!(rcq.cqe(), 8);
+        assert!(matches!(rcq.resize(0), Err(Error::InvalidArgument(_))));
         // Grown to 32 with the six still in: ten more arrive (sixteen
         // outstanding, twice what the old ring held), all there in order.
         assert_eq!(rcq.resize(20).unwrap(), 32);
@@ -466,6 +488,151 @@ fn a_cq_resized_with_completions_outstanding_loses_none() {
         traffic(&mut sqp, &mut rqp, 1);
         rcq.wait_event().unwrap();
         check(&drain(&w, &rcq), 20, 21);
+    }
+    w.finish(&process);
+}
+
+/// A seam that runs `after_resize` once a `ResizeCq` IOCTL has completed
+/// (the device switched rings) and before the library's post hook runs:
+/// the window in which another thread's poll would see the old ring.
+struct ResizeWindow {
+    inner: Arc<SimIo>,
+    after_resize: Arc<dyn Fn() + Send + Sync>,
+}
+
+impl std::fmt::Debug for ResizeWindow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ResizeWindow")
+    }
+}
+
+#[derive(Debug)]
+struct ResizeWindowFile {
+    inner: Box<dyn DeviceFile>,
+    window: Arc<ResizeWindow>,
+}
+
+impl DeviceFile for ResizeWindowFile {
+    fn ioctl(&self, code: u32, input: &[u8], output: &mut [u8]) -> Result<usize, OsStatus> {
+        let answer = self.inner.ioctl(code, input, output);
+        if code == v::ResizeCq::ID.ioctl().raw() {
+            (self.window.after_resize)();
+        }
+        answer
+    }
+}
+
+#[derive(Debug)]
+struct ResizeWindowIo(Arc<ResizeWindow>);
+
+impl DeviceIo for ResizeWindowIo {
+    fn interface_paths(&self) -> Result<Vec<DevicePath>, OsStatus> {
+        self.0.inner.interface_paths()
+    }
+    fn open(&self, path: &DevicePath) -> Result<Box<dyn DeviceFile>, OsStatus> {
+        Ok(Box::new(ResizeWindowFile {
+            inner: self.0.inner.open(path)?,
+            window: Arc::clone(&self.0),
+        }))
+    }
+    fn alloc(&self, len: usize) -> Result<u64, OsStatus> {
+        self.0.inner.alloc(len)
+    }
+    fn free(&self, va: u64) {
+        self.0.inner.free(va);
+    }
+    fn read(&self, va: u64, out: &mut [u8]) -> Result<(), OsStatus> {
+        self.0.inner.read(va, out)
+    }
+    fn write(&self, va: u64, data: &[u8]) -> Result<(), OsStatus> {
+        self.0.inner.write(va, data)
+    }
+    fn doorbell_hook(&self) -> uvp_plugin::mmio::MmioHook {
+        self.0.inner.doorbell_hook()
+    }
+}
+
+/// A poll from another thread while a resize is under way waits for it:
+/// polling the old ring after the device copied its entries into the new
+/// one would hand them out twice (once there, once from the new ring).
+#[test]
+fn a_poll_racing_a_resize_sees_each_completion_once() {
+    use std::sync::mpsc;
+    use std::time::Duration;
+    const LEN: usize = 64;
+    let w = World::new(77);
+    let process = Process::new(86);
+    // The seam tells the polling thread when the device has switched,
+    // then gives it time to poll before the library's post runs.
+    let (switched_tx, switched_rx) = mpsc::channel::<()>();
+    let switched_tx = std::sync::Mutex::new(switched_tx);
+    let window = Arc::new(ResizeWindow {
+        inner: SimIo::new(&w.host, &process),
+        after_resize: Arc::new(move || {
+            let _ = switched_tx.lock().unwrap().send(());
+            std::thread::sleep(Duration::from_millis(200));
+        }),
+    });
+    let io: Arc<dyn DeviceIo> = Arc::new(ResizeWindowIo(window));
+    {
+        let sender = Context::open(&io, CaSelector::Index(0), &PluginSource::Linked).unwrap();
+        let receiver = Context::open(&io, CaSelector::Index(1), &PluginSource::Linked).unwrap();
+        let (spd, rpd) = (Pd::new(&sender).unwrap(), Pd::new(&receiver).unwrap());
+        let (sbuf, rbuf) = (
+            Buffer::new(&sender, 4096).unwrap(),
+            Buffer::new(&receiver, 4096).unwrap(),
+        );
+        let smr = Mr::new(&spd, &sbuf, AccessFlags::LOCAL_WRITE).unwrap();
+        let rmr = Mr::new(&rpd, &rbuf, AccessFlags::LOCAL_WRITE).unwrap();
+        let (scq, rcq) = (Cq::new(&sender, 8).unwrap(), Cq::new(&receiver, 8).unwrap());
+        let mut sqp = Qp::new(&spd, &scq, &scq, &UD).unwrap();
+        let mut rqp = Qp::new(&rpd, &rcq, &rcq, &UD).unwrap();
+        ud_to_rts(&sqp);
+        ud_to_rts(&rqp);
+        let av = Av::new(&spd, &av_to(Gid::from_ipv4(ip(1)))).unwrap();
+        let dest = UdDest {
+            av: av.handle(),
+            remote_qpn: Qpn::new(rqp.qpn()).unwrap(),
+            remote_qkey: QKey::new(QKEY),
+        };
+        // Six datagrams received, their completions unpolled.
+        for n in 0..6u64 {
+            let rsge = [Sge::new(rbuf.va() + n * 512, 512, rmr.keys().lkey)];
+            rqp.post_recv(&[RecvWr {
+                wr_id: 100 + n,
+                sg_list: &rsge,
+            }])
+            .unwrap();
+            let ssge = [Sge::new(sbuf.va(), LEN as u32, smr.keys().lkey)];
+            sqp.post_send(&[send(n, SendOp::Send, &ssge, Some(dest))])
+                .unwrap();
+        }
+        settle(&w.host);
+        assert_eq!(drain(&w, &scq).len(), 6);
+
+        let (resized, racing) = std::thread::scope(|scope| {
+            let rcq = &rcq;
+            let poller = scope.spawn(move || {
+                switched_rx.recv().unwrap();
+                let mut wcs = [WorkCompletion::EMPTY; 16];
+                let got = rcq.poll(&mut wcs).unwrap();
+                wcs[..got].to_vec()
+            });
+            let resized = rcq.resize(32).unwrap();
+            (resized, poller.join().unwrap())
+        });
+        assert_eq!(resized, 32);
+        let mut all = racing;
+        let mut wcs = [WorkCompletion::EMPTY; 16];
+        let got = rcq.poll(&mut wcs).unwrap();
+        all.extend_from_slice(&wcs[..got]);
+        assert_eq!(
+            outcomes(&all),
+            (0..6)
+                .map(|n| (100 + n, WcStatus::Success))
+                .collect::<Vec<_>>(),
+            "each completion once, in order"
+        );
     }
     w.finish(&process);
 }
@@ -849,4 +1016,77 @@ fn queries_answer_what_the_kernel_holds() {
         assert_eq!((s.max_wr, s.srq_limit), (8, 2), "rounded up, armed");
     }
     w.finish(&process);
+}
+
+fn leak<T>(value: T) -> &'static T {
+    Box::leak(Box::new(value))
+}
+
+/// The new objects are the kernel's to clean at process exit too: an SRQ
+/// with a QP on it, a resized CQ, a bound window and a multicast membership,
+/// all leaked on one HCA, leave nothing once the process exits.
+#[test]
+fn a_process_exiting_with_srqs_windows_and_groups_open_leaves_nothing() {
+    let w = World::new(78);
+    let process = Process::new(87);
+    let io = w.io(&process);
+    let ctx = leak(Context::open(&io, CaSelector::Index(0), &PluginSource::Linked).unwrap());
+    let pd = leak(Pd::new(ctx).unwrap());
+    let cq = leak(Cq::new(ctx, 8).unwrap());
+    assert_eq!(cq.resize(64).unwrap(), 64);
+    let srq = leak(
+        Srq::new(
+            pd,
+            &SrqAttr {
+                max_wr: 8,
+                max_sge: 1,
+                srq_limit: 2,
+            },
+        )
+        .unwrap(),
+    );
+    let on_srq = QpInit {
+        caps: QpCaps {
+            max_recv_wr: 0,
+            max_recv_sge: 0,
+            ..CAPS
+        },
+        ..RC
+    };
+    let rc = Box::leak(Box::new(Qp::with_srq(pd, cq, cq, srq, &on_srq).unwrap()));
+    // The RC QP is taken to RTS towards a QP number nobody holds: it
+    // binds the window and never sends.
+    for step in rc_to_rts_steps(
+        PortNum::new(1).unwrap(),
+        AccessFlags::REMOTE_READ,
+        Qpn::new(0x77).unwrap(),
+        Gid::from_ipv4(ip(1)),
+        1,
+    ) {
+        rc.modify(&step).unwrap();
+    }
+    let buffer = leak(Buffer::new(ctx, 4096).unwrap());
+    let mr = leak(Mr::new(pd, buffer, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND).unwrap());
+    let mw = Box::leak(Box::new(Mw::new(pd, MwType::Type2).unwrap()));
+    mw.bind(rc, 1, mr, 0, 1024, AccessFlags::REMOTE_READ)
+        .unwrap();
+    assert_eq!(outcomes(&drain(&w, cq)), [(1, WcStatus::Success)]);
+    let ud = Box::leak(Box::new(Qp::new(pd, cq, cq, &UD).unwrap()));
+    ud_to_rts(ud);
+    ud.attach_mcast(&McastGroup {
+        mgid: Gid::from_ipv4([239, 4, 4, 4]),
+        mlid: Lid::UNASSIGNED,
+    })
+    .unwrap();
+    // CA, PD, CQ, SRQ, two QPs, MR, MW, membership.
+    assert_eq!(w.proxy(0).proxy().object_count(), 9);
+    assert_eq!(
+        w.host.pnp().exit_process(&process),
+        0,
+        "no page left locked"
+    );
+    settle(&w.host);
+    assert_eq!(w.leftovers(&process), [0; 5]);
+    w.host.shut_down();
+    w.host.verifier().assert_clean();
 }
