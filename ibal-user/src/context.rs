@@ -69,11 +69,16 @@ impl uvp_plugin::UserMemory for SeamMemory {
 /// A new instance of the linked plugin over the seam `io`: its rings in
 /// the process's memory, its doorbell stores through the seam.
 pub fn linked_provider(io: &Arc<dyn DeviceIo>) -> uvp_plugin::Provider {
-    uvp_plugin::Provider::new(uvp_plugin::Platform {
+    uvp_plugin::Provider::new(seam_platform(io))
+}
+
+/// The plugin's platform over the seam `io`: its memory and doorbell hook.
+fn seam_platform(io: &Arc<dyn DeviceIo>) -> uvp_plugin::Platform {
+    uvp_plugin::Platform {
         memory: Arc::new(SeamMemory(Arc::clone(io))),
         #[cfg(not(windows))]
         mmio: io.doorbell_hook(),
-    })
+    }
 }
 
 /// What an HCA says about itself at open.
@@ -241,7 +246,10 @@ impl Context {
                 // Loaded after the open, which names it: this open went
                 // without hooks, so it is closed and opened again through
                 // the loaded plugin's.
-                let loaded = LoadedPlugin::load(dir, &name)?;
+                // On Linux the loaded library reaches the process and the
+                // device through the seam's platform, handed over at load.
+                let platform = cfg!(not(windows)).then(|| seam_platform(io));
+                let loaded = LoadedPlugin::load(dir, &name, platform)?;
                 let uvp = loaded.provider();
                 drop(context);
                 let file = io.open(path).map_err(|status| Error::Os {

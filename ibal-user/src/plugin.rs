@@ -11,6 +11,14 @@
 //! bare name, so the DLL search order is never consulted. The plugin's
 //! entry point then reports its interface version, which must satisfy
 //! [`UVP_INTERFACE_VERSION`].
+//!
+//! On Linux (the simulated host) there is no device page for the plugin to
+//! map, and the loaded library has its own copy of every static: the
+//! library hands it the seam's process memory and doorbell store through
+//! its exported `uvp_set_platform` (`uvp_plugin::export::PlatformAbi`, a C
+//! record) right before `uvp_get_interface`, then clears it again, so only
+//! the new instance holds it. On Windows the plugin allocates and rings the
+//! page the kernel mapped itself, and no platform is handed over.
 
 use std::path::{Path, PathBuf};
 
@@ -21,6 +29,7 @@ use ib_types::status::NtStatus;
 use ib_types::uvp::{
     UVP_HOOK_SLOTS, UserVerbsProvider, UvpGetInterfaceFn, UvpInterface, UvpVerbHooks,
 };
+use uvp_plugin::Platform;
 use uvp_plugin::export::Table;
 
 /// The plugin interface version this library drives.
@@ -62,6 +71,10 @@ pub enum PluginError {
     /// The file exports no entry point.
     #[error("{0:?} exports no UVP entry point")]
     NoEntryPoint(PathBuf),
+    /// A platform was to be handed over (Linux) and the file exports no
+    /// `uvp_set_platform`.
+    #[error("{0:?} exports no uvp_set_platform")]
+    NoPlatformEntryPoint(PathBuf),
     /// The entry point refused the library's version or its table.
     #[error("{path:?}'s entry point answered {status:?}")]
     Refused {
@@ -159,11 +172,56 @@ impl core::fmt::Debug for LoadedPlugin {
     }
 }
 
+/// Serializes handing a platform to a loaded library and taking its table:
+/// one library (loaded twice, it is one) serves one platform at a time.
+#[cfg(not(windows))]
+static PLATFORM_HANDOVER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Hands `platform` to the library's `uvp_set_platform`, runs `take` (which
+/// calls its entry point), then clears the library's platform again.
+#[cfg(not(windows))]
+fn with_platform<T>(
+    library: &libloading::Library,
+    path: &Path,
+    platform: Platform,
+    take: impl FnOnce() -> T,
+) -> Result<T, PluginError> {
+    use uvp_plugin::export::{PlatformAbi, UVP_SET_PLATFORM_SYMBOL, UvpSetPlatformFn};
+    // SAFETY: the symbol's type is the documented `UvpSetPlatformFn`; the
+    // library stays loaded while it is called (here).
+    let set = unsafe { library.get::<UvpSetPlatformFn>(UVP_SET_PLATFORM_SYMBOL) }
+        .map_err(|_| PluginError::NoPlatformEntryPoint(path.to_owned()))?;
+    let _handover = PLATFORM_HANDOVER.lock().unwrap_or_else(|p| p.into_inner());
+    let abi = PlatformAbi::new(platform);
+    // SAFETY: `abi` keeps `PlatformAbi`'s contract (`PlatformAbi::new`);
+    // on success the library owns it.
+    let status = unsafe { set(&abi) };
+    if status.is_error() {
+        abi.release_unused();
+        return Err(PluginError::Refused {
+            path: path.to_owned(),
+            status,
+        });
+    }
+    let taken = take();
+    // SAFETY: null clears the library's platform (the instance `take` made
+    // keeps its own reference).
+    unsafe { set(core::ptr::null()) };
+    Ok(taken)
+}
+
 impl LoadedPlugin {
     /// Loads plugin `name` from the verified directory `dir` and takes its
     /// table from `uvp_get_interface`, checked with
-    /// [`UvpInterface::check`].
-    pub fn load(dir: &Path, name: &UvpName) -> Result<Self, PluginError> {
+    /// [`UvpInterface::check`]. On Linux a `platform` (the seam's memory
+    /// and doorbell store) is handed to the library's `uvp_set_platform`
+    /// first, which it must then export; on Windows `platform` is not used
+    /// (the plugin maps and allocates for itself).
+    pub fn load(
+        dir: &Path,
+        name: &UvpName,
+        platform: Option<Platform>,
+    ) -> Result<Self, PluginError> {
         let path = verified_path(dir, name)?;
         // SAFETY: loading runs the library's initializers. The path is a
         // regular file inside the directory the caller vouches for as the
@@ -180,9 +238,21 @@ impl LoadedPlugin {
         let entry = unsafe { library.get::<UvpGetInterfaceFn>(UVP_ENTRY_SYMBOL) }
             .map_err(|_| PluginError::NoEntryPoint(path.clone()))?;
         let mut table = empty_table();
-        // SAFETY: `table` is writable memory for one `UvpInterface`, as the
-        // entry point requires.
-        let status = unsafe { entry(UVP_INTERFACE_VERSION.packed(), &mut table) };
+        let get = |table: &mut UvpInterface| {
+            // SAFETY: `table` is writable memory for one `UvpInterface`, as
+            // the entry point requires.
+            unsafe { entry(UVP_INTERFACE_VERSION.packed(), table) }
+        };
+        #[cfg(not(windows))]
+        let status = match platform {
+            Some(platform) => with_platform(&library, &path, platform, || get(&mut table))?,
+            None => get(&mut table),
+        };
+        #[cfg(windows)]
+        let status = {
+            drop(platform);
+            get(&mut table)
+        };
         if status.is_error() {
             return Err(PluginError::Refused { path, status });
         }

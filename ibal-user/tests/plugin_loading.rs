@@ -87,7 +87,7 @@ fn a_plugin_in_the_verified_directory_loads_by_absolute_path_with_its_version_ch
     let dir = scratch("load");
     let good = InterfaceVersion::new(1, 2);
     let built = build_plugin(&dir, "good_uvp", &version_entry(good.packed()));
-    let plugin = LoadedPlugin::load(&dir, &name("good_uvp")).unwrap();
+    let plugin = LoadedPlugin::load(&dir, &name("good_uvp"), None).unwrap();
     assert!(plugin.path().is_absolute());
     assert_eq!(plugin.path(), built.canonicalize().unwrap());
     assert_eq!(plugin.version(), good, "a newer minor is accepted");
@@ -100,7 +100,7 @@ fn a_plugin_in_the_verified_directory_loads_by_absolute_path_with_its_version_ch
         &version_entry(InterfaceVersion::new(2, 0).packed()),
     );
     assert_eq!(
-        LoadedPlugin::load(&dir, &name("v2_uvp")).unwrap_err(),
+        LoadedPlugin::load(&dir, &name("v2_uvp"), None).unwrap_err(),
         PluginError::Version {
             found: InterfaceVersion::new(2, 0),
             required: ibal_user::plugin::UVP_INTERFACE_VERSION,
@@ -109,13 +109,13 @@ fn a_plugin_in_the_verified_directory_loads_by_absolute_path_with_its_version_ch
     // An entry point refusing the library's version is refused.
     build_plugin(&dir, "no_uvp", &entry(0x0100, 0xC000_00BB, &[]));
     assert!(matches!(
-        LoadedPlugin::load(&dir, &name("no_uvp")),
+        LoadedPlugin::load(&dir, &name("no_uvp"), None),
         Err(PluginError::Refused { .. })
     ));
     // A table without its arm entry point (offset 648) is refused.
     build_plugin(&dir, "partial_uvp", &entry(0x0100, 0, &[648]));
     assert!(matches!(
-        LoadedPlugin::load(&dir, &name("partial_uvp")),
+        LoadedPlugin::load(&dir, &name("partial_uvp"), None),
         Err(PluginError::Table { .. })
     ));
     // A library without the entry point is refused.
@@ -125,7 +125,7 @@ fn a_plugin_in_the_verified_directory_loads_by_absolute_path_with_its_version_ch
         "#[no_mangle]\npub extern \"C\" fn other() {}\n",
     );
     assert!(matches!(
-        LoadedPlugin::load(&dir, &name("bare_uvp")),
+        LoadedPlugin::load(&dir, &name("bare_uvp"), None),
         Err(PluginError::NoEntryPoint(_))
     ));
     std::fs::remove_dir_all(&dir).unwrap();
@@ -137,20 +137,20 @@ fn nothing_outside_the_verified_directory_and_nothing_that_is_not_a_library_load
     let outside = scratch("outside");
     // Absent.
     assert!(matches!(
-        LoadedPlugin::load(&dir, &name("missing_uvp")),
+        LoadedPlugin::load(&dir, &name("missing_uvp"), None),
         Err(PluginError::Absent { .. })
     ));
     // A link in the directory to a plugin outside it.
     let real = build_plugin(&outside, "escape_uvp", &version_entry(0x0100));
     std::os::unix::fs::symlink(&real, dir.join(file_name(&name("escape_uvp")))).unwrap();
     assert!(matches!(
-        LoadedPlugin::load(&dir, &name("escape_uvp")),
+        LoadedPlugin::load(&dir, &name("escape_uvp"), None),
         Err(PluginError::Unverified(_))
     ));
     // A directory of the plugin's name.
     std::fs::create_dir(dir.join(file_name(&name("dir_uvp")))).unwrap();
     assert!(matches!(
-        LoadedPlugin::load(&dir, &name("dir_uvp")),
+        LoadedPlugin::load(&dir, &name("dir_uvp"), None),
         Err(PluginError::Unverified(_))
     ));
     // A file that is no library.
@@ -160,7 +160,7 @@ fn nothing_outside_the_verified_directory_and_nothing_that_is_not_a_library_load
     )
     .unwrap();
     assert!(matches!(
-        LoadedPlugin::load(&dir, &name("junk_uvp")),
+        LoadedPlugin::load(&dir, &name("junk_uvp"), None),
         Err(PluginError::Load { .. })
     ));
     // A name with a directory or an extension cannot even be spelled.
@@ -169,4 +169,44 @@ fn nothing_outside_the_verified_directory_and_nothing_that_is_not_a_library_load
     }
     std::fs::remove_dir_all(&dir).unwrap();
     std::fs::remove_dir_all(&outside).unwrap();
+}
+
+/// Process memory that has none.
+struct NoMemory;
+
+impl uvp_plugin::UserMemory for NoMemory {
+    fn alloc(&self, _: usize) -> Option<u64> {
+        None
+    }
+
+    fn free(&self, _: u64) {}
+}
+
+#[test]
+fn a_platform_goes_only_to_a_plugin_exporting_uvp_set_platform_and_a_refused_one_is_released() {
+    let dir = scratch("platform");
+    let memory: std::sync::Arc<dyn uvp_plugin::UserMemory> = std::sync::Arc::new(NoMemory);
+    let platform = || uvp_plugin::Platform {
+        memory: std::sync::Arc::clone(&memory),
+        mmio: std::sync::Arc::new(|_, _| {}),
+    };
+    // Without the export, a platform cannot be handed over.
+    build_plugin(&dir, "plain_uvp", &version_entry(0x0100));
+    assert!(matches!(
+        LoadedPlugin::load(&dir, &name("plain_uvp"), Some(platform())),
+        Err(PluginError::NoPlatformEntryPoint(_))
+    ));
+    // A plugin refusing the record: the load fails with its status and
+    // the record is released (nothing holds the platform any more).
+    let refusing = format!(
+        "{}\n#[no_mangle]\npub extern \"system\" fn uvp_set_platform(_: *const u8) -> u32 {{ 0xC000_000D }}\n",
+        version_entry(0x0100)
+    );
+    build_plugin(&dir, "refusing_uvp", &refusing);
+    assert!(matches!(
+        LoadedPlugin::load(&dir, &name("refusing_uvp"), Some(platform())),
+        Err(PluginError::Refused { .. })
+    ));
+    assert_eq!(std::sync::Arc::strong_count(&memory), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

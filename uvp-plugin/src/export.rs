@@ -15,6 +15,12 @@
 //!   memory. Without one it answers `STATUS_INVALID_DEVICE_STATE`. On
 //!   Windows it allocates rings with `VirtualAlloc` and writes the page the
 //!   kernel mapped (not compiled by any check yet, as `UarPage::mapped`).
+//! - A library that loaded this crate as a shared library on Linux has its
+//!   own copy of that static: the host hands its platform over with the
+//!   exported [`uvp_set_platform`], as a C record of function pointers
+//!   ([`PlatformAbi`], built with [`PlatformAbi::new`]), right before
+//!   [`uvp_get_interface`]. Only Linux has it: on Windows the plug-in
+//!   allocates and rings the mapped page itself.
 
 use core::ffi::c_void;
 use std::sync::Mutex;
@@ -41,6 +47,166 @@ static PLATFORM: Mutex<Option<Platform>> = Mutex::new(None);
 /// serve: on the simulated host, the process's memory and doorbell hook.
 pub fn set_platform(platform: Option<Platform>) {
     *PLATFORM.lock().unwrap_or_else(|p| p.into_inner()) = platform;
+}
+
+/// The symbol of [`uvp_set_platform`], NUL-terminated for the loader.
+#[cfg(not(windows))]
+pub const UVP_SET_PLATFORM_SYMBOL: &[u8] = b"uvp_set_platform\0";
+
+/// The type of [`uvp_set_platform`].
+#[cfg(not(windows))]
+pub type UvpSetPlatformFn = unsafe extern "system" fn(platform: *const PlatformAbi) -> NtStatus;
+
+/// A host's [`Platform`] as a C record, for a plug-in loaded as a shared
+/// library (which has its own copies of this crate's statics and types):
+/// `context` and four functions taking it. `alloc` returns the address of
+/// `len` zero-filled, page-aligned bytes of the process, or 0; `free`
+/// frees one; `write64` delivers a doorbell store (`address`, `value`) to
+/// the device in the calling thread; `release` ends the record. Every
+/// function may be called from any thread until `release`, which the
+/// plug-in calls once when it holds the record no more.
+#[cfg(not(windows))]
+#[derive(Debug)]
+#[repr(C)]
+pub struct PlatformAbi {
+    /// The host's; passed back to every function.
+    pub context: *mut c_void,
+    /// Allocates.
+    pub alloc: Option<unsafe extern "system" fn(context: *mut c_void, len: u64) -> u64>,
+    /// Frees.
+    pub free: Option<unsafe extern "system" fn(context: *mut c_void, va: u64)>,
+    /// The doorbell store.
+    pub write64: Option<unsafe extern "system" fn(context: *mut c_void, address: u64, value: u64)>,
+    /// Ends the record.
+    pub release: Option<unsafe extern "system" fn(context: *mut c_void)>,
+}
+
+#[cfg(not(windows))]
+impl PlatformAbi {
+    /// `platform` as the record: its context owns `platform` until
+    /// `release`. Give it to [`uvp_set_platform`] (which takes it on
+    /// success), or release it with [`PlatformAbi::release_unused`].
+    pub fn new(platform: Platform) -> Self {
+        unsafe extern "system" fn alloc(context: *mut c_void, len: u64) -> u64 {
+            // SAFETY: `context` is the `Box<Platform>` of `new`, not
+            // released (the record's contract).
+            let platform = unsafe { &*context.cast::<Platform>() };
+            usize::try_from(len)
+                .ok()
+                .and_then(|len| platform.memory.alloc(len))
+                .unwrap_or(0)
+        }
+        unsafe extern "system" fn free(context: *mut c_void, va: u64) {
+            // SAFETY: as for `alloc`.
+            unsafe { &*context.cast::<Platform>() }.memory.free(va);
+        }
+        unsafe extern "system" fn write64(context: *mut c_void, address: u64, value: u64) {
+            // SAFETY: as for `alloc`.
+            (unsafe { &*context.cast::<Platform>() }.mmio)(address, value);
+        }
+        unsafe extern "system" fn release(context: *mut c_void) {
+            // SAFETY: `context` came from `Box::into_raw` in `new` and is
+            // released once (the record's contract).
+            drop(unsafe { Box::from_raw(context.cast::<Platform>()) });
+        }
+        Self {
+            context: Box::into_raw(Box::new(platform)).cast(),
+            alloc: Some(alloc),
+            free: Some(free),
+            write64: Some(write64),
+            release: Some(release),
+        }
+    }
+
+    /// Releases a record no plug-in took.
+    pub fn release_unused(self) {
+        if let Some(release) = self.release {
+            // SAFETY: nothing took the record, so this is its one release.
+            unsafe { release(self.context) };
+        }
+    }
+}
+
+/// A host's record as this plug-in's platform: released when the last
+/// provider holding it is gone.
+#[cfg(not(windows))]
+struct ForeignPlatform {
+    context: *mut c_void,
+    alloc: unsafe extern "system" fn(*mut c_void, u64) -> u64,
+    free: unsafe extern "system" fn(*mut c_void, u64),
+    write64: unsafe extern "system" fn(*mut c_void, u64, u64),
+    release: unsafe extern "system" fn(*mut c_void),
+}
+
+// SAFETY: the record's functions may be called from any thread until
+// `release` (`PlatformAbi`'s contract); `context` is only passed to them.
+#[cfg(not(windows))]
+unsafe impl Send for ForeignPlatform {}
+// SAFETY: as for `Send`: shared calls are the record's contract.
+#[cfg(not(windows))]
+unsafe impl Sync for ForeignPlatform {}
+
+#[cfg(not(windows))]
+impl crate::provider::UserMemory for ForeignPlatform {
+    fn alloc(&self, len: usize) -> Option<u64> {
+        // SAFETY: the record is live until `release` (in `drop`).
+        let va = unsafe { (self.alloc)(self.context, len as u64) };
+        (va != 0).then_some(va)
+    }
+
+    fn free(&self, va: u64) {
+        // SAFETY: as above.
+        unsafe { (self.free)(self.context, va) };
+    }
+}
+
+#[cfg(not(windows))]
+impl Drop for ForeignPlatform {
+    fn drop(&mut self) {
+        // SAFETY: the one release of a record this plug-in took.
+        unsafe { (self.release)(self.context) };
+    }
+}
+
+/// The plug-in's exported platform entry point (Linux only,
+/// [`UvpSetPlatformFn`]): `platform` becomes what the next
+/// [`uvp_get_interface`] calls serve, as [`set_platform`]; null clears it.
+/// On success the plug-in owns the record (it calls `release` once it
+/// holds it no more, a later call replacing it included); a record with a
+/// missing function is refused with `STATUS_INVALID_PARAMETER` and stays
+/// the caller's.
+///
+/// # Safety
+/// `platform` is null or points to a [`PlatformAbi`] keeping its contract.
+#[cfg(not(windows))]
+#[unsafe(no_mangle)]
+pub unsafe extern "system" fn uvp_set_platform(platform: *const PlatformAbi) -> NtStatus {
+    // SAFETY: null or a readable record (the caller's contract).
+    let Some(abi) = (unsafe { platform.as_ref() }) else {
+        set_platform(None);
+        return NtStatus::SUCCESS;
+    };
+    let (Some(alloc), Some(free), Some(write64), Some(release)) =
+        (abi.alloc, abi.free, abi.write64, abi.release)
+    else {
+        return NtStatus::INVALID_PARAMETER;
+    };
+    let foreign = std::sync::Arc::new(ForeignPlatform {
+        context: abi.context,
+        alloc,
+        free,
+        write64,
+        release,
+    });
+    let doorbell = std::sync::Arc::clone(&foreign);
+    set_platform(Some(Platform {
+        memory: foreign,
+        mmio: std::sync::Arc::new(move |address, value| {
+            // SAFETY: the record is live while `doorbell` holds it.
+            unsafe { (doorbell.write64)(doorbell.context, address, value) };
+        }),
+    }));
+    NtStatus::SUCCESS
 }
 
 #[cfg(windows)]
@@ -717,5 +883,66 @@ mod os {
             // more (the provider frees after dropping its object).
             unsafe { VirtualFree(va as usize as *mut c_void, 0, MEM_RELEASE) };
         }
+    }
+}
+
+#[cfg(all(test, not(windows)))]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::provider::UserMemory;
+
+    /// Memory with none to give.
+    struct NoMemory;
+
+    impl UserMemory for NoMemory {
+        fn alloc(&self, _: usize) -> Option<u64> {
+            None
+        }
+
+        fn free(&self, _: u64) {}
+    }
+
+    /// The handover through the C record: a record missing a function is
+    /// refused and stays the caller's; a whole one serves the next
+    /// `uvp_get_interface` (its stores reach the host's hook) and is
+    /// released once the platform is cleared and the instance released.
+    #[test]
+    fn the_platform_record_is_taken_whole_and_released_once() {
+        let memory: Arc<dyn UserMemory> = Arc::new(NoMemory);
+        let stores = Arc::new(Mutex::new(Vec::new()));
+        let platform = || Platform {
+            memory: Arc::clone(&memory),
+            mmio: {
+                let stores = Arc::clone(&stores);
+                Arc::new(move |address, value| {
+                    stores.lock().unwrap().push((address, value));
+                })
+            },
+        };
+        let mut partial = PlatformAbi::new(platform());
+        let write64 = partial.write64.take();
+        // SAFETY: a record of `PlatformAbi::new`, one function removed.
+        let status = unsafe { uvp_set_platform(&partial) };
+        assert_eq!(status, NtStatus::INVALID_PARAMETER);
+        partial.write64 = write64;
+        partial.release_unused();
+        assert_eq!(Arc::strong_count(&memory), 1, "the refused record released");
+
+        let whole = PlatformAbi::new(platform());
+        // SAFETY: a whole record; the plug-in owns it from now on.
+        let status = unsafe { uvp_set_platform(&whole) };
+        assert_eq!(status, NtStatus::SUCCESS);
+        let served = current_platform().expect("the record's platform");
+        (served.mmio)(0x1000, 7);
+        assert_eq!(served.memory.alloc(64), None);
+        assert_eq!(*stores.lock().unwrap(), [(0x1000, 7)]);
+        // SAFETY: null clears the platform.
+        let status = unsafe { uvp_set_platform(core::ptr::null()) };
+        assert_eq!(status, NtStatus::SUCCESS);
+        assert_eq!(Arc::strong_count(&memory), 2, "held by `served` only");
+        drop(served);
+        assert_eq!(Arc::strong_count(&memory), 1, "released once");
     }
 }

@@ -24,8 +24,10 @@
 //!   refused `DeallocPd` (`ResourceBusy`) before the IOCTL.
 //! - **PD, MR, MW and every other verb**: no private data; post reports the
 //!   IOCTL's status (PDs are remembered for the AVs).
-//! - Unknown handles, bad inputs and a private buffer too small are refused
-//!   in pre with a status; nothing is allocated then.
+//! - Unknown handles (a QP's CQs must be this context's), bad inputs and a
+//!   private buffer too small are refused in pre with a status; nothing is
+//!   allocated then.
+//! - **ModifyQp** to RESET: post restarts the QP's rings (`Qp::reset`).
 //! - The fast path takes the object's lock (one per CQ, QP, SRQ), so the
 //!   trait's "any thread" promise holds; the objects themselves stay the
 //!   lock-free ones of `docs/uvp.md`.
@@ -42,7 +44,7 @@ use hca_prm::wqe::{BB_SIZE, MIN_RECV_STRIDE, SEG_SIZE, inline_seg_len};
 use ib_types::abi::Repr;
 use ib_types::av::AvAttr;
 use ib_types::cq::{CqAttr, CqNotify};
-use ib_types::handle::PdHandle;
+use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::ioctl::{OpenCaOut, QpCreated as QpCreatedOut, QueryAvOut, VerbId};
 use ib_types::qp::{QpCreate, QpModify, QpState, QpType};
 use ib_types::srq::{SrqAttr, SrqCreate};
@@ -331,11 +333,21 @@ impl Provider {
         if create.qp_type.is_special() {
             return Err(IbStatus::InvalidPermission);
         }
+        // The CQs (and SRQ) must be this provider's, of this context: any
+        // library may call the hook, and the rings' completions are polled
+        // through this context's directory.
         let srq = create.srq.map(|s| s.raw());
-        if let Some(srq) = srq
-            && !self.state().srqs.contains_key(&srq)
         {
-            return Err(IbStatus::InvalidSrqHandle);
+            let s = self.state();
+            let ours = |cq: CqHandle| s.cqs.get(&cq.raw()).is_some_and(|o| o.ca == call.handle);
+            if !ours(create.send_cq) || !ours(create.recv_cq) {
+                return Err(IbStatus::InvalidCqHandle);
+            }
+            if let Some(srq) = srq
+                && !s.srqs.contains_key(&srq)
+            {
+                return Err(IbStatus::InvalidSrqHandle);
+            }
         }
         let caps = &create.caps;
         // The send stride: the prefix and the larger of the SGEs and the

@@ -171,23 +171,7 @@ impl<'a> User<'a> {
     }
 
     fn rc_qp(&self, ca: u64, pd: u64, cq: u64) -> (u64, u32) {
-        let create = QpCreate {
-            qp_type: QpType::Rc,
-            pd: PdHandle::from_raw(pd),
-            send_cq: CqHandle::from_raw(cq),
-            recv_cq: CqHandle::from_raw(cq),
-            srq: None,
-            caps: QpCaps {
-                max_send_wr: 8,
-                max_recv_wr: 8,
-                max_send_sge: 1,
-                max_recv_sge: 1,
-                max_inline_data: 0,
-            },
-            sq_sig_all: false,
-            port: None,
-        };
-        let (handle, out) = self.ok::<CreateQp>(ca, &create);
+        let (handle, out) = self.ok::<CreateQp>(ca, &rc_create(pd, cq));
         (handle, out.qpn.get())
     }
 
@@ -240,6 +224,26 @@ impl<'a> User<'a> {
         let mut out = vec![0; len];
         self.process.read(va, &mut out).unwrap();
         out
+    }
+}
+
+/// An RC QP of `pd` on `cq`: 8 WRs and one SGE each way.
+fn rc_create(pd: u64, cq: u64) -> QpCreate {
+    QpCreate {
+        qp_type: QpType::Rc,
+        pd: PdHandle::from_raw(pd),
+        send_cq: CqHandle::from_raw(cq),
+        recv_cq: CqHandle::from_raw(cq),
+        srq: None,
+        caps: QpCaps {
+            max_send_wr: 8,
+            max_recv_wr: 8,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        },
+        sq_sig_all: false,
+        port: None,
     }
 }
 
@@ -481,5 +485,56 @@ fn a_reset_restarts_the_rings_and_earlier_completions_still_poll() {
     assert_eq!(b.read(sb.buf + 13312, 900), pattern(95, 900));
     teardown(a, sa);
     teardown(b, sb);
+    w.finish();
+}
+
+/// The provider's `CreateQp` pre checks the CQs the QP names itself (any
+/// library may call it): a handle it never created, or a CQ of another of
+/// its contexts, is refused with `InvalidCqHandle` before any allocation
+/// or request.
+#[test]
+fn a_qp_naming_cqs_the_provider_does_not_know_is_refused_before_anything_is_allocated() {
+    let (w, [a_hca, _]) = kernel_pair::two_two_port_hcas(32, GUIDS, &IPS);
+    let user = User::new(&w, a_hca, 73);
+    let ca = user.ok::<OpenCa>(0, &OpenCaIn::CURRENT).0;
+    let other_ca = user.ok::<OpenCa>(0, &OpenCaIn::CURRENT).0;
+    let pd = user.ok::<AllocPd>(ca, &Empty).0;
+    let attr = CqAttr {
+        cqe: 8,
+        comp_vector: 0,
+    };
+    let cq = user.ok::<CreateCq>(ca, &attr).0;
+    let other_cq = user.ok::<CreateCq>(other_ca, &attr).0;
+    let (requests, allocations, held) = (
+        user.process.requests_issued(),
+        user.process.space().allocation_count(),
+        user.uvp.allocations(),
+    );
+    let unknown = cq ^ 0x5a5a_0000;
+    for (send, recv) in [(unknown, cq), (cq, unknown), (other_cq, cq), (cq, other_cq)] {
+        let create = QpCreate {
+            send_cq: CqHandle::from_raw(send),
+            recv_cq: CqHandle::from_raw(recv),
+            ..rc_create(pd, cq)
+        };
+        assert_eq!(
+            user.call::<CreateQp>(ca, &create).err(),
+            Some(IbStatus::InvalidCqHandle),
+            "send CQ {send:#x}, receive CQ {recv:#x}"
+        );
+    }
+    assert_eq!(user.process.requests_issued(), requests, "no IOCTL");
+    assert_eq!(user.process.space().allocation_count(), allocations);
+    assert_eq!(user.uvp.allocations(), held);
+    // The QP naming its own context's CQ is created as usual.
+    let (qp, _) = user.rc_qp(ca, pd, cq);
+    user.ok::<DestroyQp>(qp, &Empty);
+    user.ok::<DestroyCq>(cq, &Empty);
+    user.ok::<DestroyCq>(other_cq, &Empty);
+    user.ok::<DeallocPd>(pd, &Empty);
+    user.ok::<CloseCa>(other_ca, &Empty);
+    user.ok::<CloseCa>(ca, &Empty);
+    assert_eq!(user.uvp.allocations(), 0);
+    assert_eq!(user.process.exit(), 0);
     w.finish();
 }
