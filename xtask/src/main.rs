@@ -19,8 +19,12 @@
 //!   simulation of the whole stack (`swarm_run`, docs/swarm.md).
 //! - `fuzz <target> [--seconds N]` / `fuzz --all`: runs cargo-fuzz targets
 //!   (`fuzz`; README "Fuzzing").
+//! - `bench-insn [WORKLOAD]`: instructions per post_send and per polled
+//!   CQE, driver and plugin, under callgrind (`bench_insn`; issue 13,
+//!   measurement 4, docs/performance.md).
 
 mod abi_report;
+mod bench_insn;
 mod fuzz;
 mod host_run;
 mod inf_lint;
@@ -89,6 +93,11 @@ enum Cmd {
         #[arg(long, default_value_t = 120)]
         seconds: u64,
     },
+    /// Instructions per post_send and per polled CQE (callgrind).
+    BenchInsn {
+        /// Only the workloads whose name contains this (e.g. `driver`).
+        workload: Option<String>,
+    },
     /// Run the workspace tests (extra arguments go to `cargo test`).
     Test {
         /// Passed through to `cargo test`.
@@ -133,6 +142,7 @@ fn main() -> ExitCode {
             loom(&[])
         }
         Cmd::Loom { args } => loom(&args),
+        Cmd::BenchInsn { workload } => bench_insn::run(workload.as_deref()),
         Cmd::Capture { out, seed } => capture(&out, seed),
         Cmd::InfLint => inf_lint::run(),
         Cmd::WdkCheck { kmdf_headers } => wdk_check::run(kmdf_headers),

@@ -84,6 +84,12 @@ use crate::verbs::{CaClient, CqNotify, UVP_NAME};
 /// (a stack array: the fast path does not allocate).
 const SEND_BATCH: usize = 16;
 
+/// The inline bytes a batch gathers into a small stack buffer; a batch
+/// whose WRs carry more gets a [`MAX_SEND_WQE_BYTES`] buffer (a stack
+/// buffer is zeroed on every call: 4 KiB of it was a third of a 64-byte
+/// inline post's instructions).
+const SMALL_INLINE: usize = 256;
+
 /// [`UVP_NAME`] as the interface carries it, checked when the crate is
 /// compiled (a name the rules refuse fails the build, not a caller).
 const UVP: UvpName = match UvpName::new(UVP_NAME) {
@@ -236,90 +242,105 @@ where
     /// are copied into the WQE ([`Hca::gather_kernel_inline`]); more than
     /// the QP's granted `max_inline_data` is refused by the core's checks
     /// with [`IbStatus::InvalidParameter`], nothing of it posted. Callable
-    /// at DISPATCH_LEVEL; no allocation (inline data is gathered into one
-    /// stack buffer of [`MAX_SEND_WQE_BYTES`], handed to the core batch by
+    /// at DISPATCH_LEVEL; no allocation (inline data is gathered into a
+    /// stack buffer of [`SMALL_INLINE`] bytes, or of [`MAX_SEND_WQE_BYTES`]
+    /// when the batch's WRs carry more, handed to the core batch by
     /// batch).
     pub fn post_send(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
-        let mut inline_data = [0u8; MAX_SEND_WQE_BYTES];
         let mut posted = 0;
-        let mut at = 0;
-        while at < wrs.len() {
-            // One batch: up to SEND_BATCH WRs whose inline data fits the
-            // buffer together, each with its AV and its slice of the data.
-            let mut batch = [(None, None); SEND_BATCH];
-            let mut ready = 0;
-            let mut used = 0;
-            let mut refusal = None;
-            while let Some(wr) = wrs.get(at + ready) {
-                if ready == SEND_BATCH {
-                    break;
-                }
-                let inline = if wr.flags.contains(SendFlags::INLINE) {
-                    // Checked first, so a WR whose data can never fit is
-                    // refused rather than taken for a full buffer.
-                    let len = Sge::total_len(wr.sg_list).map(|len| len as usize);
-                    if len.is_none_or(|len| len > MAX_SEND_WQE_BYTES) {
-                        refusal = Some(IbStatus::InvalidParameter);
-                        break;
-                    }
-                    let Some(room) = inline_data.get_mut(used..) else {
-                        break;
-                    };
-                    match self.hca.gather_kernel_inline(wr.sg_list, room) {
-                        Ok(len) => {
-                            used += len;
-                            Some((used - len, used))
-                        }
-                        // No room left behind the batch's earlier data:
-                        // post those first, then this WR with a fresh
-                        // buffer.
-                        Err(IbStatus::InvalidParameter) if ready > 0 && used > 0 => break,
-                        Err(status) => {
-                            refusal = Some(status);
-                            break;
-                        }
-                    }
-                } else {
-                    None
-                };
-                let av = match wr.ud {
-                    None => None,
-                    Some(dest) => match self.hca.av_for_post(dest.av.raw()) {
-                        Some(av) => Some(av),
-                        None => {
-                            refusal = Some(IbStatus::InvalidAvHandle);
-                            break;
-                        }
-                    },
-                };
-                batch[ready] = (av, inline);
-                ready += 1;
-            }
-            if ready > 0 {
-                let mut requests = [SendRequest {
-                    wr: wrs[at],
-                    av: None,
-                    inline: None,
-                }; SEND_BATCH];
-                for (i, (av, inline)) in batch[..ready].iter().enumerate() {
-                    requests[i] = SendRequest {
-                        wr: wrs[at + i],
-                        av: *av,
-                        inline: inline.map(|(from, to)| &inline_data[from..to]),
-                    };
-                }
-                let (done, status) = self.hca.post_send(qp, &requests[..ready]);
-                posted += done;
-                if status != IbStatus::Success {
-                    return (posted, status);
-                }
-                at += ready;
-            }
-            if let Some(status) = refusal {
+        while posted < wrs.len() {
+            // The inline data of a batch goes into a stack buffer zeroed on
+            // every call, so a small one unless the batch's WRs need more.
+            let inline_bytes = wrs[posted..]
+                .iter()
+                .take(SEND_BATCH)
+                .filter(|wr| wr.flags.contains(SendFlags::INLINE))
+                .map(|wr| Sge::total_len(wr.sg_list).map_or(usize::MAX, |len| len as usize))
+                .fold(0, usize::saturating_add);
+            let large = inline_bytes > SMALL_INLINE;
+            let (done, status) = if large {
+                self.post_batch::<MAX_SEND_WQE_BYTES>(qp, &wrs[posted..])
+            } else {
+                self.post_batch::<SMALL_INLINE>(qp, &wrs[posted..])
+            };
+            posted += done;
+            if status != IbStatus::Success {
                 return (posted, status);
             }
         }
         (posted, IbStatus::Success)
+    }
+
+    /// Posts one batch from the front of `wrs`: up to [`SEND_BATCH`] WRs
+    /// whose inline data fits `INLINE` bytes together, each with its AV
+    /// and its slice of the data, with one doorbell. Returns how many
+    /// were posted and the status that ends the post (`Success` when the
+    /// rest of `wrs` is for the next batch).
+    fn post_batch<const INLINE: usize>(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
+        let mut inline_data = [0u8; INLINE];
+        let mut room: &mut [u8] = &mut inline_data;
+        // What the core needs beside each WR; only the `ready` first
+        // entries are written (no copy of a WR into every slot).
+        let mut extras: [(Option<hca_prm::av::Av>, Option<&[u8]>); SEND_BATCH] =
+            [(None, None); SEND_BATCH];
+        let mut ready = 0;
+        let mut refusal = None;
+        for wr in wrs.iter().take(SEND_BATCH) {
+            let inline = if wr.flags.contains(SendFlags::INLINE) {
+                // Checked first, so a WR whose data can never fit is
+                // refused rather than taken for a full buffer.
+                let len = Sge::total_len(wr.sg_list).map(|len| len as usize);
+                if len.is_none_or(|len| len > MAX_SEND_WQE_BYTES) {
+                    refusal = Some(IbStatus::InvalidParameter);
+                    break;
+                }
+                match self.hca.gather_kernel_inline(wr.sg_list, room) {
+                    Ok(len) => {
+                        let (data, rest) = core::mem::take(&mut room).split_at_mut(len);
+                        room = rest;
+                        Some(&*data)
+                    }
+                    // No room left behind the batch's earlier data: post
+                    // those first, then this WR in the next batch.
+                    Err(IbStatus::InvalidParameter) if ready > 0 => break,
+                    Err(status) => {
+                        refusal = Some(status);
+                        break;
+                    }
+                }
+            } else {
+                None
+            };
+            let av = match wr.ud {
+                None => None,
+                Some(dest) => match self.hca.av_for_post(dest.av.raw()) {
+                    Some(av) => Some(av),
+                    None => {
+                        refusal = Some(IbStatus::InvalidAvHandle);
+                        break;
+                    }
+                },
+            };
+            extras[ready] = (av, inline);
+            ready += 1;
+        }
+        let mut posted = 0;
+        if ready > 0 {
+            let requests = wrs[..ready]
+                .iter()
+                .zip(&extras[..ready])
+                .map(|(wr, &(av, inline))| SendRequest {
+                    wr: *wr,
+                    av,
+                    inline,
+                });
+            let (done, status) = self.hca.post_send_each(qp, requests);
+            if status != IbStatus::Success {
+                return (done, status);
+            }
+            posted = done;
+        }
+        (posted, refusal.unwrap_or(IbStatus::Success))
     }
 
     /// Posts receive WRs to the kernel QP `qp` (as

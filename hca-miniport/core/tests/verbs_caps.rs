@@ -1105,3 +1105,107 @@ fn the_inline_size_reported_fits_the_largest_send_wqe() {
     destroy_all::<DeallocPd>(&w, &[pd]);
     w.finish();
 }
+
+/// Batches of inline WRs through the CI fast path, past the batch size
+/// and both sizes of the provider's inline buffer (`SMALL_INLINE` bytes
+/// for a batch carrying little, `MAX_SEND_WQE_BYTES` otherwise): every WR
+/// is posted, completes in order and lands whole.
+#[test]
+fn inline_batches_small_and_large_post_every_wr_in_order() {
+    const WRS: usize = 17;
+    let (w, [x, y]) = support::kernel_pair::two_two_port_hcas(83, GUIDS, &HCA_IPS);
+    let (sx, sy) = (setup(&w, x), setup(&w, y));
+    let input = QpCreate {
+        qp_type: QpType::Rc,
+        pd: PdHandle::from_raw(sx.pd),
+        send_cq: CqHandle::from_raw(sx.cq),
+        recv_cq: CqHandle::from_raw(sx.cq),
+        srq: None,
+        caps: QpCaps {
+            max_send_wr: 32,
+            max_recv_wr: 1,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 200,
+        },
+        sq_sig_all: false,
+        port: None,
+    };
+    let r = w.call_in_dpc_at::<CreateQp>(sx.i, KERNEL, sx.ca, &input, 0);
+    let resp = response::<CreateQp>(&r);
+    assert_eq!(resp.status, IbStatus::Success);
+    let (a, qpn_a) = (resp.handle, resp.output.unwrap().qpn.get());
+    let (b, qpn_b, _) = create_rc(&w, &sy, 0);
+    connect(&w, x, a, qpn_b, HCA_IPS[1][0]);
+    connect(&w, y, b, qpn_a, HCA_IPS[0][0]);
+
+    let source = w
+        .host
+        .pool()
+        .alloc(support::DRIVER, *b"InlB", 8192)
+        .unwrap();
+    let data = pattern(11, 8192);
+    assert!(source.write(0, &data));
+    let target = KernelBuf::register(
+        &w,
+        &sy,
+        *b"InlB",
+        2 * WRS * 256,
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+    );
+    // WR `n` of a batch of `len`-byte writes: its own source bytes to its
+    // own place.
+    let batch = |first_id: u64, len: u32, area: usize| -> Vec<SendWr<'static>> {
+        (0..WRS)
+            .map(|n| {
+                let sge = leak(vec![Sge::new(
+                    source.va() + (n * 7) as u64,
+                    len,
+                    ib_types::wr::LKey::new(0),
+                )]);
+                let op = SendOp::RdmaWrite {
+                    remote: RemoteAddr {
+                        addr: target.addr(area + n * 256),
+                        rkey: target.keys.rkey,
+                    },
+                };
+                inline_wr(first_id + n as u64, op, sge)
+            })
+            .collect()
+    };
+    // 17 x 200 bytes: large buffers, split at 16 WRs; 17 x 8 bytes: small.
+    for (first_id, len, area) in [(100, 200u32, 0), (200, 8, WRS * 256)] {
+        assert_eq!(
+            ci_post_send(&w, x, a, batch(first_id, len, area)),
+            (WRS, IbStatus::Success)
+        );
+        let sent = poll_all(&w, x, sx.cq);
+        assert_eq!(
+            sent.iter()
+                .map(|wc| (wc.wr_id, wc.status))
+                .collect::<Vec<_>>(),
+            (0..WRS as u64)
+                .map(|n| (first_id + n, WcStatus::Success))
+                .collect::<Vec<_>>(),
+        );
+        for n in 0..WRS {
+            let len = len as usize;
+            assert_eq!(
+                target.read(area + n * 256, len),
+                data[n * 7..n * 7 + len],
+                "WR {n} of {len} bytes"
+            );
+        }
+    }
+
+    for (i, qp) in [(x, a), (y, b)] {
+        let r = w.call_in_dpc_at::<DestroyQp>(i, KERNEL, qp, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let _ = (poll_all(&w, x, sx.cq), poll_all(&w, y, sy.cq));
+    target.free(&w, y);
+    w.host.pool().free(source);
+    teardown(&w, &sx);
+    teardown(&w, &sy);
+    w.finish();
+}

@@ -234,6 +234,11 @@ pub(crate) struct Geometry {
 }
 
 impl Geometry {
+    /// The bytes of this QP's largest send WQE (its stride).
+    pub(super) fn send_wqe_bytes(&self) -> usize {
+        (BB_SIZE << self.log_wqe_bbs).min(MAX_SEND_WQE_BYTES)
+    }
+
     /// The geometry of a user QP whose rings the user-mode provider laid
     /// out (`verbs::user`, which checks it against the device first).
     pub(super) fn user(
@@ -393,6 +398,9 @@ pub(super) struct SendRing<B> {
     pub(super) ring: Option<B>,
     /// Basic blocks posted (the doorbell's producer counter).
     pub(super) producer: u32,
+    /// Where a kernel post builds a WQE before copying it into the ring:
+    /// the QP's largest WQE, allocated with the ring and reused.
+    pub(super) scratch: Vec<u8>,
 }
 
 impl<B> SendRing<B> {
@@ -401,6 +409,7 @@ impl<B> SendRing<B> {
         Self {
             ring: None,
             producer: 0,
+            scratch: Vec::new(),
         }
     }
 }
@@ -1124,7 +1133,12 @@ where
             }
             commands
                 .push(Command::new(Opcode::Sw2HwQp, qp.qpn).with_mailbox(qpc.as_bytes().to_vec()));
-            qp.sq.lock().ring = Some(sq);
+            let scratch = alloc::vec![0; g.send_wqe_bytes()];
+            {
+                let mut s = qp.sq.lock();
+                s.ring = Some(sq);
+                s.scratch = scratch;
+            }
             {
                 let mut r = qp.rq.lock();
                 r.ring = rq;

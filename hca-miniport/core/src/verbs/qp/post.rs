@@ -9,7 +9,7 @@ use alloc::vec::Vec;
 use driver_platform::dma::dma_wmb;
 use driver_platform::{CommonBuffer, MemoryLocker, Mmio, Platform, RequestorMode};
 use hca_prm::doorbell::{DoorbellRecord, SQ_DOORBELL, SqDoorbell, uar_offset};
-use hca_prm::wqe::{BB_SIZE, MAX_SEND_WQE_BYTES, SendWqe, WqeOp};
+use hca_prm::wqe::{BB_SIZE, SendWqe, WqeOp};
 use ib_types::mr::MwType;
 use ib_types::qp::{QpState, QpType};
 use ib_types::scalars::Qpn;
@@ -112,6 +112,17 @@ impl<P: Platform> Hca<P> {
     /// [`IbStatus::InvalidMwHandle`], one whose new key is not the
     /// window's MPT index [`IbStatus::InvalidRkey`].
     pub fn post_send(&self, qp: u64, wrs: &[SendRequest<'_>]) -> (usize, IbStatus) {
+        self.post_send_each(qp, wrs.iter().copied())
+    }
+
+    /// [`post_send`](Self::post_send) of the requests `wrs` yields (read
+    /// twice: once for the windows of bind WRs, once to post), so a
+    /// caller that builds requests as it goes ([`crate::ci::CiProvider`])
+    /// needs no array of them.
+    pub fn post_send_each<'a, I>(&self, qp: u64, wrs: I) -> (usize, IbStatus)
+    where
+        I: Iterator<Item = SendRequest<'a>> + Clone,
+    {
         let qp = match self.find_qp(qp, RequestorMode::Kernel) {
             Ok(qp) => qp,
             Err(status) => return (0, status),
@@ -124,17 +135,19 @@ impl<P: Platform> Hca<P> {
         // The windows that bind WRs name, resolved before the ring lock
         // (the object-table lock is never taken under a ring lock); no
         // allocation for batches without a bind.
-        let windows: Vec<Option<Result<BindTarget, IbStatus>>> =
-            if wrs.iter().any(|r| matches!(r.wr.op, SendOp::BindMw { .. })) {
-                wrs.iter()
-                    .map(|r| match r.wr.op {
-                        SendOp::BindMw { mw, .. } => Some(self.window_for_bind(mw.raw())),
-                        _ => None,
-                    })
-                    .collect()
-            } else {
-                Vec::new()
-            };
+        let windows: Vec<Option<Result<BindTarget, IbStatus>>> = if wrs
+            .clone()
+            .any(|r| matches!(r.wr.op, SendOp::BindMw { .. }))
+        {
+            wrs.clone()
+                .map(|r| match r.wr.op {
+                    SendOp::BindMw { mw, .. } => Some(self.window_for_bind(mw.raw())),
+                    _ => None,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         let ring_bbs = 1u32 << g.sq_log_bbs;
         let ring_bytes = BB_SIZE << g.sq_log_bbs;
         let mut sq = qp.sq.lock();
@@ -145,8 +158,11 @@ impl<P: Platform> Hca<P> {
         }
         let mut posted = 0;
         let mut status = IbStatus::Success;
-        let mut wqe = [0u8; MAX_SEND_WQE_BYTES];
-        for (i, request) in wrs.iter().enumerate() {
+        // The QP's own scratch, one WQE long, reused under the ring lock:
+        // every byte of a WQE is written (`SendWqe::emit`), so nothing is
+        // zeroed per call.
+        let mut wqe = core::mem::take(&mut sq.scratch);
+        for (i, request) in wrs.enumerate() {
             if qp.closing.load(Ordering::Acquire) {
                 status = IbStatus::InvalidQpHandle;
                 break;
@@ -228,6 +244,7 @@ impl<P: Platform> Hca<P> {
             sq.producer = sq.producer.wrapping_add(bbs);
             posted += 1;
         }
+        sq.scratch = wqe;
         if posted > 0 {
             self.ring_sq(&qp, sq.producer);
         }
