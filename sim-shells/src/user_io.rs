@@ -9,6 +9,7 @@
 //! the process's device mapping in the calling thread.
 
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use ib_types::interface::GUID_IB_AL_DEVICE_INTERFACE;
 use ib_types::status::NtStatus;
@@ -17,6 +18,7 @@ use sim_host::file::FileHandle;
 use sim_host::host::Host;
 use sim_host::memory::Process;
 use sim_host::pnp::DevNodeId;
+use sim_host::request::RequestHandle;
 
 /// The simulated host's side of the library's OS seam: one process of one
 /// host.
@@ -26,17 +28,83 @@ pub struct SimIo {
     process: Process,
     /// The interface paths handed out, and the devnode each names.
     paths: Mutex<Vec<(DevicePath, DevNodeId)>>,
+    wait: Wait,
+}
+
+/// How a calling thread waits for the host to finish an IOCTL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// Run the deterministic host until idle.
+    Settle,
+    /// Let a threaded host's workers run.
+    Threaded,
 }
 
 impl SimIo {
-    /// The seam of `process` on `host`.
+    /// The seam of `process` on the deterministic `host`.
     pub fn new(host: &Arc<Host>, process: &Process) -> Arc<Self> {
-        Arc::new(Self {
+        Arc::new(Self::with_wait(host, process, Wait::Settle))
+    }
+
+    fn with_wait(host: &Arc<Host>, process: &Process, wait: Wait) -> Self {
+        Self {
             host: Arc::clone(host),
             process: process.clone(),
             paths: Mutex::new(Vec::new()),
-        })
+            wait,
+        }
     }
+
+    /// Lets the host finish what the calling thread started.
+    fn finish(&self) {
+        finish(&self.host, self.wait);
+    }
+}
+
+/// The seam of one process on a threaded host: an IOCTL's thread waits
+/// (up to [`THREADED_IOCTL_TIMEOUT`]) while the workers complete it; one
+/// still pending then is cancelled (`CancelIoEx`) and waited for again.
+#[derive(Debug)]
+pub struct ThreadedSimIo(SimIo);
+
+/// How long a threaded seam's IOCTL waits before cancelling its request.
+pub const THREADED_IOCTL_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl ThreadedSimIo {
+    /// The seam of `process` on the threaded `host`.
+    pub fn new(host: &Arc<Host>, process: &Process) -> Arc<Self> {
+        Arc::new(Self(SimIo::with_wait(host, process, Wait::Threaded)))
+    }
+}
+
+fn finish(host: &Host, wait: Wait) {
+    match wait {
+        Wait::Settle => settle(host),
+        // Workers run what the call queued; wait until they are idle.
+        Wait::Threaded => {
+            let _ = host.scheduler().quiesce();
+        }
+    }
+}
+
+/// Waits for `issuer` on a threaded host: a short spin of yields (most
+/// requests complete within microseconds), then short sleeps, up to
+/// `timeout`.
+fn wait_threaded(issuer: &RequestHandle, timeout: Duration) -> bool {
+    let started = Instant::now();
+    let mut spins = 0u32;
+    while !issuer.is_done() {
+        if started.elapsed() >= timeout {
+            return false;
+        }
+        if spins < 10_000 {
+            spins += 1;
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+    true
 }
 
 /// Runs the deterministic host until nothing is left to do: a synchronous
@@ -50,6 +118,7 @@ pub fn settle(host: &Host) {
 pub struct SimFile {
     host: Arc<Host>,
     handle: Option<FileHandle>,
+    wait: Wait,
 }
 
 impl DeviceFile for SimFile {
@@ -59,13 +128,24 @@ impl DeviceFile for SimFile {
             .as_ref()
             .ok_or(OsStatus::Nt(NtStatus::INVALID_HANDLE))?;
         let issuer = handle.send(code, input.to_vec(), output.len());
-        settle(&self.host);
-        // A request nothing will complete would block the thread forever on
-        // Windows; the deterministic host cannot wait, so it is cancelled
-        // (`CancelIoEx`) and ends with its driver's status.
-        if !issuer.is_done() {
-            issuer.cancel();
-            settle(&self.host);
+        match self.wait {
+            Wait::Settle => {
+                settle(&self.host);
+                // A request nothing will complete would block the thread
+                // forever on Windows; the deterministic host cannot wait,
+                // so it is cancelled (`CancelIoEx`) and ends with its
+                // driver's status.
+                if !issuer.is_done() {
+                    issuer.cancel();
+                    settle(&self.host);
+                }
+            }
+            Wait::Threaded => {
+                if !wait_threaded(&issuer, THREADED_IOCTL_TIMEOUT) {
+                    issuer.cancel();
+                    wait_threaded(&issuer, THREADED_IOCTL_TIMEOUT);
+                }
+            }
         }
         let done = issuer
             .completion()
@@ -85,7 +165,7 @@ impl Drop for SimFile {
     fn drop(&mut self) {
         if let Some(handle) = self.handle.take() {
             handle.close();
-            settle(&self.host);
+            finish(&self.host, self.wait);
         }
     }
 }
@@ -124,10 +204,11 @@ impl DeviceIo for SimIo {
             .pnp()
             .open_file(&self.process, node)
             .map_err(OsStatus::Nt)?;
-        settle(&self.host);
+        self.finish();
         Ok(Box::new(SimFile {
             host: Arc::clone(&self.host),
             handle: Some(handle),
+            wait: self.wait,
         }))
     }
 
@@ -154,5 +235,35 @@ impl DeviceIo for SimIo {
         Arc::new(move |address: u64, value: u64| {
             let _ = process.write_device64(address, value);
         })
+    }
+}
+
+impl DeviceIo for ThreadedSimIo {
+    fn interface_paths(&self) -> Result<Vec<DevicePath>, OsStatus> {
+        self.0.interface_paths()
+    }
+
+    fn open(&self, path: &DevicePath) -> Result<Box<dyn DeviceFile>, OsStatus> {
+        self.0.open(path)
+    }
+
+    fn alloc(&self, len: usize) -> Result<u64, OsStatus> {
+        self.0.alloc(len)
+    }
+
+    fn free(&self, va: u64) {
+        self.0.free(va);
+    }
+
+    fn read(&self, va: u64, out: &mut [u8]) -> Result<(), OsStatus> {
+        self.0.read(va, out)
+    }
+
+    fn write(&self, va: u64, data: &[u8]) -> Result<(), OsStatus> {
+        self.0.write(va, data)
+    }
+
+    fn doorbell_hook(&self) -> uvp_plugin::mmio::MmioHook {
+        self.0.doorbell_hook()
     }
 }

@@ -19,8 +19,11 @@
 //!   simulation of the whole stack (`swarm_run`, docs/swarm.md).
 //! - `fuzz <target> [--seconds N]` / `fuzz --all`: runs cargo-fuzz targets
 //!   (`fuzz`; README "Fuzzing").
+//! - `bench [--only 1,2,3,5,6] [--quick]`: the benchmarks against same-run
+//!   baselines, optimised (`bench`, docs/performance.md).
 
 mod abi_report;
+mod bench;
 mod fuzz;
 mod host_run;
 mod inf_lint;
@@ -89,6 +92,17 @@ enum Cmd {
         #[arg(long, default_value_t = 120)]
         seconds: u64,
     },
+    /// Benchmarks against baselines measured in the same run, built
+    /// optimised (docs/performance.md).
+    Bench {
+        /// Measurements to run, comma-separated (1 latency, 2 message
+        /// rate, 3 bandwidth, 5 control path, 6 scale); all by default.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<u8>,
+        /// Few repetitions and small counts: checks the harness quickly.
+        #[arg(long)]
+        quick: bool,
+    },
     /// Run the workspace tests (extra arguments go to `cargo test`).
     Test {
         /// Passed through to `cargo test`.
@@ -142,6 +156,7 @@ fn main() -> ExitCode {
             all,
             seconds,
         } => fuzz::run(target.as_deref(), all, seconds),
+        Cmd::Bench { only, quick } => bench::run(&only, quick),
     }
 }
 
