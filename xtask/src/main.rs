@@ -22,8 +22,11 @@
 //! - `bench-insn [WORKLOAD]`: instructions per post_send and per polled
 //!   CQE, driver and plugin, under callgrind (`bench_insn`; issue 13,
 //!   measurement 4, docs/performance.md).
+//! - `bench [--only 1,2,3,5,6] [--quick]`: the benchmarks against same-run
+//!   baselines, optimised (`bench`, docs/performance.md).
 
 mod abi_report;
+mod bench;
 mod bench_insn;
 mod fuzz;
 mod host_run;
@@ -98,6 +101,17 @@ enum Cmd {
         /// Only the workloads whose name contains this (e.g. `driver`).
         workload: Option<String>,
     },
+    /// Benchmarks against baselines measured in the same run, built
+    /// optimised (docs/performance.md).
+    Bench {
+        /// Measurements to run, comma-separated (1 latency, 2 message
+        /// rate, 3 bandwidth, 5 control path, 6 scale); all by default.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<u8>,
+        /// Few repetitions and small counts: checks the harness quickly.
+        #[arg(long)]
+        quick: bool,
+    },
     /// Run the workspace tests (extra arguments go to `cargo test`).
     Test {
         /// Passed through to `cargo test`.
@@ -152,6 +166,7 @@ fn main() -> ExitCode {
             all,
             seconds,
         } => fuzz::run(target.as_deref(), all, seconds),
+        Cmd::Bench { only, quick } => bench::run(&only, quick),
     }
 }
 
