@@ -15,6 +15,12 @@
 //! any devices concurrently without deadlock. Frame buffers are pooled:
 //! steady-state traffic allocates nothing.
 //!
+//! Data is placed directly (`transport::direct`): the fabric neither
+//! captures nor injects faults, so an RC/UC payload goes from the sender's
+//! memory to the receiver's without a frame; acknowledgements, atomics and
+//! datagrams travel as frames. [`FastFabric::new_wire_path`] keeps every
+//! packet a frame.
+//!
 //! Time is real: nanoseconds since the fabric was built.
 
 use std::collections::VecDeque;
@@ -22,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::device::Device;
+use crate::device::{Device, DirectMessage, Outgoing};
 
 /// A device port's place on the fabric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,12 +38,14 @@ struct Attachment {
     mac: [u8; 6],
 }
 
-/// Frames in transit inside one delivering thread: (sending node, sending
-/// port, frame).
+/// Frames and direct messages in transit inside one delivering thread:
+/// (sending node, sending port, item), and spent buffers to swap for the
+/// devices' next ones.
 #[derive(Debug, Default)]
 struct Transit {
-    queue: VecDeque<(usize, u8, Vec<u8>)>,
-    pool: Vec<Vec<u8>>,
+    queue: VecDeque<(usize, u8, Outgoing)>,
+    frames: Vec<Vec<u8>>,
+    messages: Vec<DirectMessage>,
 }
 
 /// Devices wired back to back through a switch with no loss and no delay.
@@ -64,13 +72,26 @@ fn lock(dev: &Mutex<Device>) -> MutexGuard<'_, Device> {
 }
 
 impl FastFabric {
-    /// Wires `devices` together; every port's link is brought up.
+    /// Wires `devices` together; every port's link is brought up. Data is
+    /// placed directly ([`Device::set_direct_placement`]): this fabric
+    /// neither captures nor injects faults.
     pub fn new(devices: Vec<Device>) -> Self {
+        Self::build(devices, true)
+    }
+
+    /// [`FastFabric::new`] with the wire path kept: every packet is a
+    /// frame, with its ICRC (to compare the two paths).
+    pub fn new_wire_path(devices: Vec<Device>) -> Self {
+        Self::build(devices, false)
+    }
+
+    fn build(devices: Vec<Device>, direct: bool) -> Self {
         let mut attachments = Vec::new();
         let nodes: Vec<Arc<Mutex<Device>>> = devices
             .into_iter()
             .enumerate()
             .map(|(node, mut dev)| {
+                dev.set_direct_placement(direct);
                 for port in 1..=dev.num_ports() {
                     dev.set_link(port, true);
                     if let Some(mac) = dev.port_mac(port) {
@@ -189,48 +210,92 @@ impl FastFabric {
             .push(transit);
     }
 
-    /// Moves a device's outgoing frames into `transit`.
+    /// Moves a device's outgoing frames and messages into `transit`, giving
+    /// it spent ones in exchange (nothing is copied or allocated).
     fn collect(dev: &mut Device, node: usize, transit: &mut Transit) {
-        let Transit { queue, pool } = transit;
-        dev.drain_tx(|port, frame| {
-            let mut buf = pool.pop().unwrap_or_default();
-            buf.clear();
-            buf.extend_from_slice(frame);
-            queue.push_back((node, port, buf));
+        let Transit {
+            queue,
+            frames,
+            messages,
+        } = transit;
+        dev.drain_outgoing(|port, out| {
+            let spare = match out {
+                Outgoing::Frame(_) => frames.pop().map(Outgoing::Frame),
+                Outgoing::Direct(_) => messages.pop().map(Outgoing::Direct),
+            };
+            queue.push_back((node, port, out));
+            spare
         });
     }
 
-    /// Delivers queued frames, and the frames their handling produces, until
-    /// none is left.
+    /// Delivers queued frames and messages, and what their handling
+    /// produces, until none is left.
     fn deliver(&self, transit: &mut Transit) {
-        while let Some((from_node, from_port, frame)) = transit.queue.pop_front() {
-            if frame.len() >= 6 {
-                let dst: [u8; 6] = frame[..6].try_into().unwrap_or([0; 6]);
-                let now = self.now_ns();
-                if dst[0] & 1 == 0 {
-                    if let Some(att) = self.attachments.iter().find(|a| a.mac == dst) {
-                        let mut dev = lock(&self.nodes[att.node]);
-                        dev.set_time(now);
-                        dev.receive(att.port, &frame);
-                        Self::collect(&mut dev, att.node, transit);
-                    }
-                } else {
-                    // Group address: every other port that joined it (the
-                    // switch never sends a frame back where it came from).
-                    for att in &self.attachments {
-                        if att.node == from_node && att.port == from_port {
-                            continue;
-                        }
-                        let mut dev = lock(&self.nodes[att.node]);
-                        if dev.multicast_macs(att.port).contains(&dst) {
-                            dev.set_time(now);
-                            dev.receive(att.port, &frame);
-                            Self::collect(&mut dev, att.node, transit);
-                        }
-                    }
+        while let Some((from_node, from_port, out)) = transit.queue.pop_front() {
+            match out {
+                Outgoing::Frame(frame) => {
+                    self.deliver_frame(from_node, from_port, &frame, transit);
+                    transit.frames.push(frame);
+                }
+                Outgoing::Direct(msg) => {
+                    self.deliver_message(from_node, &msg, transit);
+                    transit.messages.push(msg);
                 }
             }
-            transit.pool.push(frame);
+        }
+    }
+
+    fn deliver_frame(&self, from_node: usize, from_port: u8, frame: &[u8], transit: &mut Transit) {
+        if frame.len() < 6 {
+            return;
+        }
+        let dst: [u8; 6] = frame[..6].try_into().unwrap_or([0; 6]);
+        let now = self.now_ns();
+        if dst[0] & 1 == 0 {
+            if let Some(att) = self.attachments.iter().find(|a| a.mac == dst) {
+                let mut dev = lock(&self.nodes[att.node]);
+                dev.set_time(now);
+                dev.receive(att.port, frame);
+                Self::collect(&mut dev, att.node, transit);
+            }
+        } else {
+            // Group address: every other port that joined it (the
+            // switch never sends a frame back where it came from).
+            for att in &self.attachments {
+                if att.node == from_node && att.port == from_port {
+                    continue;
+                }
+                let mut dev = lock(&self.nodes[att.node]);
+                if dev.multicast_macs(att.port).contains(&dst) {
+                    dev.set_time(now);
+                    dev.receive(att.port, frame);
+                    Self::collect(&mut dev, att.node, transit);
+                }
+            }
+        }
+    }
+
+    /// A direct message (always unicast) goes to its destination device
+    /// under one lock; a fault reading the sender's memory goes back to
+    /// the sender.
+    fn deliver_message(&self, from_node: usize, msg: &DirectMessage, transit: &mut Transit) {
+        let Some(dst) = msg.dst_mac() else {
+            return;
+        };
+        let Some(att) = self.attachments.iter().find(|a| a.mac == dst) else {
+            return;
+        };
+        let fault = {
+            let mut dev = lock(&self.nodes[att.node]);
+            dev.set_time(self.now_ns());
+            let fault = (0..msg.len()).find(|&i| dev.receive_direct(att.port, msg, i).is_err());
+            Self::collect(&mut dev, att.node, transit);
+            fault
+        };
+        if let Some(index) = fault {
+            let mut dev = lock(&self.nodes[from_node]);
+            dev.direct_source_fault(msg, index);
+            Self::collect(&mut dev, from_node, transit);
         }
     }
 }

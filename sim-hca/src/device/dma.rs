@@ -102,6 +102,22 @@ impl Mtt {
         self.for_each_piece(range, offset, len, |bus, r| Ok(mem.read(bus, &mut buf[r])?))
     }
 
+    /// Appends the bus address pieces of `len` bytes at `offset` of the
+    /// buffer to `pieces`, touching no memory (direct placement reads them
+    /// later).
+    pub(crate) fn locate(
+        &self,
+        range: MttRange,
+        offset: u64,
+        len: usize,
+        pieces: &mut Vec<(u64, usize)>,
+    ) -> Result<(), XlateError> {
+        self.for_each_piece(range, offset, len, |bus, r| {
+            pieces.push((bus, r.len()));
+            Ok(())
+        })
+    }
+
     /// Writes `data` at `offset` of the buffer.
     pub(crate) fn write(
         &self,

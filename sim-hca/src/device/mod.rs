@@ -80,13 +80,26 @@ pub struct Device {
     pub(crate) counters: DeviceCounters,
     ports: Vec<Port>,
     pub(crate) hca: Option<Hca>,
-    /// Frames waiting for [`Device::drain_tx`]: (port, bytes).
-    tx: Vec<(u8, Vec<u8>)>,
+    /// What waits for [`Device::drain_tx`]: (port, frame or message).
+    pub(crate) tx: Vec<(u8, Outgoing)>,
     /// Spent frame buffers, reused so steady-state sending does not allocate.
     frame_pool: Vec<Vec<u8>>,
-    /// Payload scratch space of the transport, reused across packets.
+    /// Spent direct messages, reused likewise.
+    pub(crate) message_pool: Vec<DirectMessage>,
+    /// The packet buffer direct placement reads a payload into (one
+    /// packet's worth), reused across packets.
     pub(crate) scratch: Vec<u8>,
+    /// Direct placement (fast mode): payloads of RC/UC data packets go from
+    /// the sender's memory to the receiver's without a frame. See
+    /// [`Device::set_direct_placement`].
+    pub(crate) direct: bool,
+    /// Passes over payload bytes (issue 13's "bytes touched"): every
+    /// zero-fill, checksum pass, read or write of a payload byte by the
+    /// device counts one; a copy counts two.
+    pub(crate) payload_passes: u64,
 }
+
+pub(crate) use crate::transport::direct::{DirectMessage, Outgoing};
 
 impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -122,8 +135,41 @@ impl Device {
             hca: None,
             tx: Vec::new(),
             frame_pool: Vec::new(),
+            message_pool: Vec::new(),
             scratch: Vec::new(),
+            direct: false,
+            payload_passes: 0,
         }
+    }
+
+    /// Turns direct placement on or off (off when built). On, the payload
+    /// of an RC or UC send, RDMA write or RDMA read response that gathers
+    /// from memory travels as a reference to the sender's memory: the
+    /// receiver reads it from there once, straight into a one-packet
+    /// buffer, and places it, as a real HCA's DMA engines do. Headers,
+    /// every protection check, PSNs, ACKs and completions are those of the
+    /// wire path; only the frame (serialisation, ICRC, copies) is skipped.
+    /// For a fabric that neither captures nor injects faults (the fast
+    /// mode), and only one whose carrier understands the messages
+    /// ([`crate::fast::FastFabric`]); [`Device::drain_tx`] turns any still
+    /// queued into ordinary frames.
+    pub fn set_direct_placement(&mut self, on: bool) {
+        self.direct = on;
+    }
+
+    /// Passes the device has made over payload bytes since it was built:
+    /// every zero-fill, checksum, read or write of a payload byte counts
+    /// one (a copy counts two). Divided by the payload bytes moved, the
+    /// number of times each byte is touched (issue 13).
+    pub fn payload_bytes_touched(&self) -> u64 {
+        self.payload_passes
+    }
+
+    /// Counts `passes` passes over `bytes` payload bytes.
+    pub(crate) fn touch(&mut self, passes: u64, bytes: usize) {
+        self.payload_passes = self
+            .payload_passes
+            .wrapping_add(passes.wrapping_mul(bytes as u64));
     }
 
     /// The configuration the device was built with.
@@ -296,6 +342,9 @@ impl Device {
         fresh.now_ns = self.now_ns;
         fresh.counters = self.counters;
         fresh.frame_pool = std::mem::take(&mut self.frame_pool);
+        fresh.message_pool = std::mem::take(&mut self.message_pool);
+        fresh.direct = self.direct;
+        fresh.payload_passes = self.payload_passes;
         *self = fresh;
     }
 
@@ -314,7 +363,9 @@ impl Device {
         self.counters.dma_faults = self.counters.dma_faults.wrapping_add(1);
     }
 
-    /// Queues a frame for the fabric; `build` fills a pooled buffer.
+    /// Queues a frame for the fabric; `build` fills a pooled buffer (the
+    /// cluster's tests inject frames with it).
+    #[cfg(test)]
     pub(crate) fn send_frame(&mut self, port: u8, build: impl FnOnce(&mut Vec<u8>)) {
         let mut buf = self.frame_pool.pop().unwrap_or_default();
         buf.clear();
@@ -322,18 +373,60 @@ impl Device {
         if buf.is_empty() {
             self.frame_pool.push(buf);
         } else {
-            self.tx.push((port, buf));
+            self.tx.push((port, Outgoing::Frame(buf)));
         }
     }
 
+    /// A spent frame buffer (its contents are stale), for a frame to be
+    /// built in place; give it back with [`Device::queue_frame`] or
+    /// [`Device::recycle_frame`].
+    pub(crate) fn take_frame_buf(&mut self) -> Vec<u8> {
+        self.frame_pool.pop().unwrap_or_default()
+    }
+
+    /// Queues a frame built in a buffer from [`Device::take_frame_buf`].
+    pub(crate) fn queue_frame(&mut self, port: u8, frame: Vec<u8>) {
+        self.tx.push((port, Outgoing::Frame(frame)));
+    }
+
+    /// Returns a frame buffer to the pool.
+    pub(crate) fn recycle_frame(&mut self, frame: Vec<u8>) {
+        self.frame_pool.push(frame);
+    }
+
     /// Hands every queued outgoing frame to `f(port, frame)`, oldest first.
+    /// Direct messages still queued go out as the frames the wire path
+    /// would have sent.
     pub fn drain_tx(&mut self, mut f: impl FnMut(u8, &[u8])) {
         let mut tx = std::mem::take(&mut self.tx);
-        for (port, frame) in tx.drain(..) {
-            f(port, &frame);
-            self.frame_pool.push(frame);
+        for (port, out) in tx.drain(..) {
+            match out {
+                Outgoing::Frame(frame) => {
+                    f(port, &frame);
+                    self.frame_pool.push(frame);
+                }
+                Outgoing::Direct(msg) => {
+                    self.materialize(&msg, |frame| f(port, frame));
+                    self.message_pool.push(msg);
+                }
+            }
         }
         // Keep the (now empty) vector's capacity.
+        self.tx = tx;
+    }
+
+    /// Hands every queued outgoing item to `f(port, item)` by value, oldest
+    /// first; `f` may return a spent item of its own for the device's pools
+    /// (so buffers circulate instead of being copied or allocated).
+    pub(crate) fn drain_outgoing(&mut self, mut f: impl FnMut(u8, Outgoing) -> Option<Outgoing>) {
+        let mut tx = std::mem::take(&mut self.tx);
+        for (port, out) in tx.drain(..) {
+            match f(port, out) {
+                Some(Outgoing::Frame(frame)) => self.frame_pool.push(frame),
+                Some(Outgoing::Direct(msg)) => self.message_pool.push(msg),
+                None => {}
+            }
+        }
         self.tx = tx;
     }
 

@@ -11,12 +11,11 @@ use ib_types::wc::WcStatus;
 use ib_types::wr::Transport;
 
 use super::send::{Copy, MAX_WQE_BYTES, transport_of};
-use super::{ack_timeout_ns, rnr_timer_ns};
+use super::{Rx, ack_timeout_ns, rnr_timer_ns};
 use crate::device::Device;
 use crate::device::qp::Qp;
 use crate::wire::ext::{ExtRepr, NakCode, Syndrome};
 use crate::wire::opcode::{OpKind, Position};
-use crate::wire::packet::RocePacket;
 
 /// The requester-side status of a NAK (IBA 9.9.2).
 fn nak_status(code: NakCode) -> WcStatus {
@@ -76,7 +75,7 @@ impl Device {
 
     /// Handles a response packet for RC QP `qp` (ACK, NAK, read response,
     /// atomic acknowledge).
-    pub(crate) fn on_response(&mut self, qp: &mut Qp, pkt: &RocePacket<'_>) {
+    pub(crate) fn on_response(&mut self, qp: &mut Qp, pkt: &Rx<'_>) {
         if !matches!(qp.state, QpState::Rts | QpState::Sqd) {
             return;
         }
@@ -189,7 +188,7 @@ impl Device {
         qp.req.rnr_psn = psn;
     }
 
-    fn on_read_response(&mut self, qp: &mut Qp, pkt: &RocePacket<'_>, pos: Position) {
+    fn on_read_response(&mut self, qp: &mut Qp, pkt: &Rx<'_>, pos: Position) {
         let psn = pkt.repr().bth.psn;
         let Some(i) = qp.req.inflight.iter().position(|r| {
             !r.done && r.opcode == hca_prm::wqe::WqeOpcode::RdmaRead && r.contains(psn)

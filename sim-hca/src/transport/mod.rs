@@ -17,6 +17,7 @@
 //! `fail_wqe` and the responder's `responder_error`), as rxe does.
 
 mod complete;
+pub(crate) mod direct;
 mod flush;
 mod recv;
 mod send;
@@ -56,6 +57,25 @@ pub(crate) fn rnr_timer_ns(code: u8) -> u64 {
     // Code 0 is 655.36 ms; code n >= 1 is MICROS_X100[n] * 10 µs.
     let tens_of_us = MICROS_X100[usize::from(code & 0x1F)];
     u64::from(tens_of_us) * 10_000
+}
+
+/// A packet as the transport sees it: its validated headers and its
+/// payload (in a received frame, or read from the sender's memory by
+/// direct placement).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rx<'a> {
+    pub repr: &'a crate::wire::PacketRepr,
+    pub payload: &'a [u8],
+}
+
+impl<'a> Rx<'a> {
+    pub(crate) fn repr(&self) -> &'a crate::wire::PacketRepr {
+        self.repr
+    }
+
+    pub(crate) fn payload(&self) -> &'a [u8] {
+        self.payload
+    }
 }
 
 /// A send WQE the requester has fetched and not yet retired.

@@ -11,6 +11,8 @@ use ib_types::scalars::{PKey, PortNum, Psn, Qpn};
 use ib_types::wc::WcStatus;
 use ib_types::wr::{Sge, Transport};
 
+use super::Rx;
+use super::direct::Origin;
 use super::send::{Copy, Route, transport_of};
 use super::{MAX_SGES, RecvState, ResourceKind, RespResource, WriteState};
 use crate::device::Device;
@@ -83,7 +85,22 @@ impl Device {
                 return;
             }
         };
-        let accepted = self.accept(port, frame, &pkt);
+        // The ICRC check of `parse` passed over every payload byte.
+        self.touch(1, pkt.payload().len());
+        self.receive_packet(
+            port,
+            frame,
+            &Rx {
+                repr: pkt.repr(),
+                payload: pkt.payload(),
+            },
+        );
+    }
+
+    /// A packet that passed the wire checks (or was placed directly, with
+    /// an empty `frame`): routing to its QP(s) and the port counters.
+    pub(crate) fn receive_packet(&mut self, port: u8, frame: &[u8], pkt: &Rx<'_>) {
+        let accepted = self.accept(port, frame, pkt);
         if let Some(p) = self.port_mut_ref(port) {
             if accepted {
                 p.counters.rx_packets += 1;
@@ -95,7 +112,7 @@ impl Device {
     }
 
     /// Routes a valid packet to its QP(s); false when it is discarded.
-    fn accept(&mut self, port: u8, frame: &[u8], pkt: &RocePacket<'_>) -> bool {
+    fn accept(&mut self, port: u8, frame: &[u8], pkt: &Rx<'_>) -> bool {
         let Some(p) = self.port_ref(port) else {
             return false;
         };
@@ -158,7 +175,7 @@ impl Device {
     }
 
     /// Per-QP checks, then the transport's receive logic.
-    fn qp_receive(&mut self, qp: &mut Qp, port: u8, frame: &[u8], pkt: &RocePacket<'_>) -> bool {
+    fn qp_receive(&mut self, qp: &mut Qp, port: u8, frame: &[u8], pkt: &Rx<'_>) -> bool {
         let info = pkt.repr().bth.opcode.info();
         if qp.port != port || !info.transport.serves(qp.qp_type) {
             return false;
@@ -369,7 +386,7 @@ impl Device {
 
     /// A UD (or SMI/GSI) receive: Q_Key check, a receive WQE, the GRH and
     /// the payload (IBA 9.6.2, PRM 10.4).
-    fn ud_receive(&mut self, qp: &mut Qp, frame: &[u8], pkt: &RocePacket<'_>) -> bool {
+    fn ud_receive(&mut self, qp: &mut Qp, frame: &[u8], pkt: &Rx<'_>) -> bool {
         if !matches!(
             qp.state,
             QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
@@ -381,6 +398,11 @@ impl Device {
             ExtRepr::Deth(d) => (d, None),
             ExtRepr::DethImmDt(d, i) => (d, Some(i.imm)),
             _ => return false,
+        };
+        // Direct placement carries no frame, and no datagram opcode: an
+        // empty `frame` never gets here.
+        let Some(ip_header) = frame.get(ETH_LEN..ETH_LEN + 20) else {
+            return false;
         };
         if deth.qkey.get() != qp.attrs.qkey {
             let port_no = qp.port;
@@ -405,7 +427,7 @@ impl Device {
         };
         // RoCEv2 GRH: 20 bytes of zeros, then the IPv4 header.
         let mut grh = [0u8; GRH_LEN];
-        grh[20..].copy_from_slice(&frame[ETH_LEN..ETH_LEN + 20]);
+        grh[20..].copy_from_slice(ip_header);
         let placed = self
             .place(qp, &mut recv, &grh)
             .and_then(|()| self.place(qp, &mut recv, pkt.payload()));
@@ -448,7 +470,7 @@ impl Device {
 
     /// A UC request: in-order delivery without acknowledgement; a PSN gap
     /// drops the message in progress and waits for the next FIRST/ONLY.
-    fn uc_request(&mut self, qp: &mut Qp, pkt: &RocePacket<'_>) {
+    fn uc_request(&mut self, qp: &mut Qp, pkt: &Rx<'_>) {
         if !matches!(
             qp.state,
             QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe
@@ -499,7 +521,7 @@ impl Device {
 
     /// An RC request: PSN check, duplicate handling, execution and the
     /// acknowledgement (IBA 9.7.5).
-    fn rc_request(&mut self, qp: &mut Qp, pkt: &RocePacket<'_>) {
+    fn rc_request(&mut self, qp: &mut Qp, pkt: &Rx<'_>) {
         if !matches!(qp.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
             return;
         }
@@ -553,25 +575,36 @@ impl Device {
                     }
                 }
             }
-            Err(e) => {
-                self.send_ack(qp, psn, Syndrome::Nak(e.nak));
-                if qp.resp.recv.is_none() {
-                    // No receive WQE carries this error to software: the
-                    // responder reports it with an affiliated asynchronous
-                    // error instead (IBA 11.6.3.1: Local Access Violation /
-                    // Invalid Request Local WQ Error for a request that used
-                    // no receive WQE), or its owner never learns the QP
-                    // went to ERR.
-                    let qpn = Qpn::from_low_bits(qp.index);
-                    self.post_event(match e.nak {
-                        NakCode::RemoteAccessError => Event::WqAccessError { qpn },
-                        NakCode::InvalidRequest => Event::WqInvalidRequest { qpn },
-                        _ => Event::QpFatal { qpn },
-                    });
-                }
-                self.fail_recv(qp, e.status);
-            }
+            Err(e) => self.request_failed(qp, psn, e),
         }
+    }
+
+    /// A request that failed at the responder: the NAK, the error's report
+    /// and the QP's move to ERR (IBA 9.7.5.2.x).
+    fn request_failed(&mut self, qp: &mut Qp, psn: Psn, e: RespError) {
+        self.send_ack(qp, psn, Syndrome::Nak(e.nak));
+        if qp.resp.recv.is_none() {
+            // No receive WQE carries this error to software: the
+            // responder reports it with an affiliated asynchronous
+            // error instead (IBA 11.6.3.1: Local Access Violation /
+            // Invalid Request Local WQ Error for a request that used
+            // no receive WQE), or its owner never learns the QP
+            // went to ERR.
+            let qpn = Qpn::from_low_bits(qp.index);
+            self.post_event(match e.nak {
+                NakCode::RemoteAccessError => Event::WqAccessError { qpn },
+                NakCode::InvalidRequest => Event::WqInvalidRequest { qpn },
+                _ => Event::QpFatal { qpn },
+            });
+        }
+        self.fail_recv(qp, e.status);
+    }
+
+    /// Reading the responses of the read request at `request_psn` from
+    /// this device's memory failed (direct placement found it late; the
+    /// wire path while sending them): the request fails.
+    pub(crate) fn read_source_failed(&mut self, qp: &mut Qp, request_psn: Psn) {
+        self.request_failed(qp, request_psn, RespError::remote_access());
     }
 
     /// Completes the receive in progress (if any) with `status` and moves
@@ -588,7 +621,7 @@ impl Device {
     fn execute_request(
         &mut self,
         qp: &mut Qp,
-        pkt: &RocePacket<'_>,
+        pkt: &Rx<'_>,
         reliable: bool,
     ) -> Result<Option<u8>, RespError> {
         let repr = pkt.repr();
@@ -644,7 +677,7 @@ impl Device {
     fn rx_send(
         &mut self,
         qp: &mut Qp,
-        pkt: &RocePacket<'_>,
+        pkt: &Rx<'_>,
         starts: bool,
         ends: bool,
     ) -> Result<Option<u8>, RespError> {
@@ -708,7 +741,7 @@ impl Device {
     fn rx_write(
         &mut self,
         qp: &mut Qp,
-        pkt: &RocePacket<'_>,
+        pkt: &Rx<'_>,
         starts: bool,
         ends: bool,
     ) -> Result<Option<u8>, RespError> {
@@ -781,6 +814,7 @@ impl Device {
                 self.note_fault();
                 return Err(RespError::remote_access());
             }
+            self.touch(2, payload.len());
         }
         write.offset += payload.len() as u32;
         qp.resp.write = Some(write);
@@ -826,7 +860,7 @@ impl Device {
             .map_err(|_| RespError::remote_access())
     }
 
-    fn rx_read(&mut self, qp: &mut Qp, pkt: &RocePacket<'_>) -> Result<(), RespError> {
+    fn rx_read(&mut self, qp: &mut Qp, pkt: &Rx<'_>) -> Result<(), RespError> {
         let repr = pkt.repr();
         let ExtRepr::Reth(reth) = repr.ext else {
             return Err(RespError::invalid_request());
@@ -863,11 +897,20 @@ impl Device {
         );
         qp.resp.expected_psn = psn.wrapping_add(npkts);
         qp.resp.msn = qp.resp.msn.wrapping_add(1);
-        self.send_read_responses(qp, psn, npkts, 0, reth.va, reth.rkey.get(), reth.dma_len)
+        self.send_read_responses(
+            qp,
+            psn,
+            npkts,
+            0,
+            reth.va,
+            reth.rkey.get(),
+            reth.dma_len,
+            false,
+        )
     }
 
     /// Sends read response packets `from..npkts` of a read starting at PSN
-    /// `first`.
+    /// `first` (`replay`: again, for a duplicate request).
     #[allow(
         clippy::too_many_arguments,
         reason = "a read response stream is described by this many values"
@@ -881,42 +924,41 @@ impl Device {
         va: u64,
         rkey: u32,
         len: u32,
+        replay: bool,
     ) -> Result<(), RespError> {
         let Some(route) = self.reply_route(qp) else {
             return Err(RespError::local(WcStatus::LocQpOpErr));
         };
         let mtu = qp.attrs.path_mtu.bytes();
-        let mut data = std::mem::take(&mut self.scratch);
+        // Direct placement: the requester reads the data from here. A
+        // replay's failure is ignored, as the wire path ignores it.
+        let origin = Origin::ReadResponse {
+            request_psn: first,
+            replay,
+        };
+        let mut message =
+            (self.direct && route.is_unicast()).then(|| self.begin_message(qp.index, origin));
+        let mut result = Ok(());
         for pkt in from..npkts {
             let start = pkt * mtu;
             let chunk = (len - start.min(len)).min(mtu) as usize;
-            data.clear();
-            data.resize(chunk, 0);
-            if chunk > 0 {
-                let grant = match self.remote_grant(
+            let grant = if chunk > 0 {
+                match self.remote_grant(
                     qp,
                     rkey,
                     va + u64::from(start),
                     chunk as u64,
                     Need::RemoteRead,
                 ) {
-                    Ok(g) => g,
+                    Ok(g) => Some(g),
                     Err(e) => {
-                        self.scratch = data;
-                        return Err(e);
+                        result = Err(e);
+                        break;
                     }
-                };
-                let read = self.hca.as_ref().is_some_and(|h| {
-                    h.mtt
-                        .read(self.mem.as_ref(), grant.range, grant.offset, &mut data)
-                        .is_ok()
-                });
-                if !read {
-                    self.note_fault();
-                    self.scratch = data;
-                    return Err(RespError::remote_access());
                 }
-            }
+            } else {
+                None
+            };
             let pos = super::send::Pos::of(pkt, npkts);
             let opcode = match pos {
                 super::send::Pos::First => Opcode::RcRdmaReadResponseFirst,
@@ -935,13 +977,54 @@ impl Device {
                 ))
             };
             let bth = reply_bth(qp, opcode, first.wrapping_add(pkt), &route);
-            self.emit_packet(&route, bth, ext, &data);
+            let sent = match message.as_mut() {
+                Some(msg) => {
+                    let located = grant.map_or(Ok(()), |g| {
+                        self.hca.as_ref().map_or(Ok(()), |h| {
+                            h.mtt.locate(g.range, g.offset, chunk, &mut msg.pieces)
+                        })
+                    });
+                    match located {
+                        Ok(()) => {
+                            self.push_packet(msg, route.port, route.repr(bth, ext, chunk));
+                            Ok(())
+                        }
+                        Err(_) => {
+                            self.note_fault();
+                            Err(RespError::remote_access())
+                        }
+                    }
+                }
+                None => self.emit_packet_with(&route, bth, ext, chunk, |dev, data| {
+                    let Some(g) = grant else {
+                        return Ok(());
+                    };
+                    let read = dev.hca.as_ref().is_some_and(|h| {
+                        h.mtt
+                            .read(dev.mem.as_ref(), g.range, g.offset, data)
+                            .is_ok()
+                    });
+                    if read {
+                        dev.touch(2, data.len());
+                        Ok(())
+                    } else {
+                        dev.note_fault();
+                        Err(RespError::remote_access())
+                    }
+                }),
+            };
+            if let Err(e) = sent {
+                result = Err(e);
+                break;
+            }
         }
-        self.scratch = data;
-        Ok(())
+        if let Some(msg) = message {
+            self.queue_message(route.port, msg);
+        }
+        result
     }
 
-    fn rx_atomic(&mut self, qp: &mut Qp, pkt: &RocePacket<'_>) -> Result<(), RespError> {
+    fn rx_atomic(&mut self, qp: &mut Qp, pkt: &Rx<'_>) -> Result<(), RespError> {
         let repr = pkt.repr();
         let ExtRepr::AtomicEth(a) = repr.ext else {
             return Err(RespError::invalid_request());
@@ -1017,7 +1100,7 @@ impl Device {
     /// A duplicate request (IBA 9.7.5.1.2): reads are replayed from the
     /// remembered resource, atomics answered from the cached value and never
     /// re-executed, everything else re-acknowledged.
-    fn rc_duplicate(&mut self, qp: &mut Qp, pkt: &RocePacket<'_>) {
+    fn rc_duplicate(&mut self, qp: &mut Qp, pkt: &Rx<'_>) {
         let repr = pkt.repr();
         let psn = repr.bth.psn;
         let info = repr.bth.opcode.info();
@@ -1038,7 +1121,7 @@ impl Device {
                 }),
             ) => {
                 let from = psn.distance_from(first_psn);
-                let _ = self.send_read_responses(qp, first_psn, npkts, from, va, rkey, len);
+                let _ = self.send_read_responses(qp, first_psn, npkts, from, va, rkey, len, true);
             }
             (
                 OpKind::CompareSwap | OpKind::FetchAdd,

@@ -8,6 +8,7 @@ use ib_types::scalars::{PKey, Psn, QKey, Qpn};
 use ib_types::wc::WcStatus;
 use ib_types::wr::Transport;
 
+use super::direct::Origin;
 use super::{ACK_REQ_INTERVAL, SendRecord, ack_timeout_ns};
 use crate::device::Device;
 use crate::device::dma::{KeyError, MttRange, Need, check_key};
@@ -111,6 +112,30 @@ pub(crate) struct Route {
     pub pkey: PKey,
 }
 
+impl Route {
+    /// The headers of a packet on this route.
+    pub(crate) fn repr(&self, bth: BthRepr, ext: ExtRepr, payload_len: usize) -> PacketRepr {
+        PacketRepr {
+            dst_mac: self.dst_mac,
+            src_mac: self.src_mac,
+            src_ip: self.src_ip,
+            dst_ip: self.dst_ip,
+            tos: self.tos,
+            ttl: self.ttl,
+            src_port: self.src_port,
+            bth,
+            ext,
+            payload_len,
+        }
+    }
+
+    /// True when packets on this route may be placed directly: a unicast
+    /// destination (group traffic goes through the switch as frames).
+    pub(crate) fn is_unicast(&self) -> bool {
+        !self.dst_mac.is_multicast()
+    }
+}
+
 /// The completion status of a local key check that failed. PRM 7.1: a
 /// local access needs a valid region of the QP's PD covering the access,
 /// with LOCAL_WRITE for writes into it — "Failure: LOC_PROT_ERR", whichever
@@ -173,30 +198,63 @@ impl Device {
         ext: ExtRepr,
         payload: &[u8],
     ) {
-        let repr = PacketRepr {
-            dst_mac: route.dst_mac,
-            src_mac: route.src_mac,
-            src_ip: route.src_ip,
-            dst_ip: route.dst_ip,
-            tos: route.tos,
-            ttl: route.ttl,
-            src_port: route.src_port,
-            bth,
-            ext,
-            payload_len: payload.len(),
-        };
-        let mut emitted = false;
-        self.send_frame(route.port, |buf| {
-            buf.resize(repr.buffer_len(), 0);
-            emitted = repr.emit(payload, buf).is_ok();
-            if !emitted {
-                buf.clear();
-            }
+        let _ = self.emit_packet_with(route, bth, ext, payload.len(), |dev, out| {
+            out.copy_from_slice(payload);
+            dev.touch(2, payload.len());
+            Ok::<(), ()>(())
         });
-        if emitted && let Some(port) = self.port_mut_ref(route.port) {
-            port.counters.tx_packets += 1;
-            port.counters.tx_bytes += payload.len() as u64;
+    }
+
+    /// Emits one packet of `payload_len` bytes onto the route's port,
+    /// built in place in a pooled frame buffer: `fill` writes the payload
+    /// straight into the frame (no scratch buffer, no zero-fill of a
+    /// reused buffer). A `fill` error sends nothing and is returned.
+    pub(crate) fn emit_packet_with<E>(
+        &mut self,
+        route: &Route,
+        bth: BthRepr,
+        ext: ExtRepr,
+        payload_len: usize,
+        fill: impl FnOnce(&mut Device, &mut [u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let repr = route.repr(bth, ext, payload_len);
+        let mut frame = self.take_frame_buf();
+        let len = repr.buffer_len();
+        if frame.len() < len {
+            // Only a new or smaller buffer is zero-filled (once).
+            self.touch(1, (len - frame.len()).min(payload_len));
+            frame.resize(len, 0);
         }
+        frame.truncate(len);
+        let Ok(body) = repr.emit_headers(&mut frame) else {
+            self.recycle_frame(frame);
+            return Ok(());
+        };
+        if let Err(e) = fill(self, &mut frame[body]) {
+            self.recycle_frame(frame);
+            return Err(e);
+        }
+        if self.seal_frame(&repr, &mut frame).is_err() {
+            self.recycle_frame(frame);
+            return Ok(());
+        }
+        self.queue_frame(route.port, frame);
+        if let Some(port) = self.port_mut_ref(route.port) {
+            port.counters.tx_packets += 1;
+            port.counters.tx_bytes += payload_len as u64;
+        }
+        Ok(())
+    }
+
+    /// Zeroes the pad of a frame built in place and writes its ICRC.
+    pub(crate) fn seal_frame(
+        &mut self,
+        repr: &PacketRepr,
+        frame: &mut [u8],
+    ) -> Result<(), crate::wire::WireError> {
+        // The ICRC covers every payload byte.
+        self.touch(1, repr.payload_len);
+        repr.seal(frame)
     }
 
     /// Reads `bbs` basic blocks of the send ring from counter `bb` into
@@ -439,6 +497,7 @@ impl Device {
                     .get(start..start + out.len())
                     .ok_or(WcStatus::LocLenErr)?;
                 out.copy_from_slice(src);
+                self.touch(2, out.len());
                 Ok(())
             }
             Payload::Data(sges) => self.sge_copy(qp, sges, offset, Copy::Out(out)),
@@ -497,7 +556,12 @@ impl Device {
                     grant.offset,
                     &data[done..done + chunk],
                 ),
+                Copy::Locate(_, pieces) => hca.mtt.locate(grant.range, grant.offset, chunk, pieces),
             };
+            if !matches!(buf, Copy::Locate(..)) {
+                // A copy reads and writes every byte.
+                self.payload_passes = self.payload_passes.wrapping_add(2 * chunk as u64);
+            }
             if result.is_err() {
                 self.counters.dma_faults = self.counters.dma_faults.wrapping_add(1);
                 return Err(WcStatus::LocProtErr);
@@ -534,7 +598,6 @@ impl Device {
             return;
         };
         let mtu = self.packet_mtu(qp);
-        let mut payload = std::mem::take(&mut self.scratch);
         match wqe.op {
             WqeOp::RdmaRead { remote } => {
                 let skip = from_pkt * mtu;
@@ -596,6 +659,13 @@ impl Device {
             }
             op => {
                 let solicited = wqe.flags.contains(WqeFlags::SOLICITED);
+                // Direct placement: RC/UC data gathered from memory, to a
+                // unicast peer (inline data is in the WQE, not in memory).
+                let direct = self.direct
+                    && transport != Transport::Ud
+                    && matches!(wqe.payload, Payload::Data(_))
+                    && route.is_unicast();
+                let mut message = direct.then(|| self.begin_message(qp.index, Origin::Request));
                 for pkt in from_pkt..record.npkts {
                     let pos = Pos::of(pkt, record.npkts);
                     let Some(opcode) = request_opcode(transport, record.opcode, pos) else {
@@ -603,13 +673,6 @@ impl Device {
                     };
                     let start = pkt * mtu;
                     let chunk = (record.len - start.min(record.len)).min(mtu) as usize;
-                    payload.clear();
-                    payload.resize(chunk, 0);
-                    if let Err(status) = self.gather(qp, &wqe.payload, start, &mut payload) {
-                        self.scratch = payload;
-                        self.finish_record(qp, index, status);
-                        return;
-                    }
                     let ext = match (op, pos.starts(), pos.ends()) {
                         (WqeOp::RdmaWrite { remote }, true, _) => ExtRepr::Reth(RethRepr {
                             va: remote.addr,
@@ -666,11 +729,38 @@ impl Device {
                         solicited && pos.ends(),
                         ack_req,
                     );
-                    self.emit_packet(&route, bth, ext, &payload);
+                    let sent = match message.as_mut() {
+                        Some(msg) => {
+                            let located = match &wqe.payload {
+                                Payload::Data(sges) => self.sge_copy(
+                                    qp,
+                                    sges,
+                                    start,
+                                    Copy::Locate(chunk, &mut msg.pieces),
+                                ),
+                                Payload::Inline(_) => Err(WcStatus::LocQpOpErr),
+                            };
+                            located.map(|()| {
+                                self.push_packet(msg, route.port, route.repr(bth, ext, chunk));
+                            })
+                        }
+                        None => self.emit_packet_with(&route, bth, ext, chunk, |dev, out| {
+                            dev.gather(qp, &wqe.payload, start, out)
+                        }),
+                    };
+                    if let Err(status) = sent {
+                        if let Some(msg) = message.take() {
+                            self.queue_message(route.port, msg);
+                        }
+                        self.finish_record(qp, index, status);
+                        return;
+                    }
+                }
+                if let Some(msg) = message {
+                    self.queue_message(route.port, msg);
                 }
             }
         }
-        self.scratch = payload;
         if transport == Transport::Rc && qp.req.ack_deadline.is_none() {
             qp.req.ack_deadline = ack_timeout_ns(qp.attrs.timeout).map(|t| self.now_ns + t);
         }
@@ -760,6 +850,10 @@ pub(crate) enum Copy<'a> {
     Out(&'a mut [u8]),
     /// From this buffer into the SGEs (scatter).
     In(&'a [u8]),
+    /// No copy: this many bytes of the SGEs, checked as a gather, are
+    /// appended to the list as (bus address, length) pieces, for direct
+    /// placement to read later.
+    Locate(usize, &'a mut Vec<(u64, usize)>),
 }
 
 impl Copy<'_> {
@@ -767,6 +861,7 @@ impl Copy<'_> {
         match self {
             Self::Out(b) => b.len(),
             Self::In(b) => b.len(),
+            Self::Locate(len, _) => *len,
         }
     }
 }

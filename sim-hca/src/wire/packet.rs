@@ -110,6 +110,13 @@ impl PacketRepr {
                 got: payload.len(),
             });
         }
+        self.check_headers()
+    }
+
+    /// The checks of [`PacketRepr::emit`] that do not need the payload
+    /// bytes: the extension headers against the opcode table, a payload
+    /// only where the opcode has one, and the IPv4 size limit.
+    pub fn check_headers(&self) -> Result<&'static OpcodeInfo, WireError> {
         let info = self.bth.opcode.info();
         if self.ext.layout() != info.ext {
             return Err(WireError::ExtMismatch {
@@ -137,6 +144,19 @@ impl PacketRepr {
     /// frame's length ([`PacketRepr::buffer_len`]).
     pub fn emit(&self, payload: &[u8], out: &mut [u8]) -> Result<usize, WireError> {
         self.check(payload)?;
+        let body = self.emit_headers(out)?;
+        out[body].copy_from_slice(payload);
+        self.seal(out)?;
+        Ok(self.buffer_len())
+    }
+
+    /// The first step of building a frame in place: checks the headers
+    /// ([`PacketRepr::check_headers`]) and writes them into the front of
+    /// `out`; returns where the payload goes. The caller writes the
+    /// payload there, then [`PacketRepr::seal`]s the frame. Together, what
+    /// [`PacketRepr::emit`] does, without a separate payload buffer.
+    pub fn emit_headers(&self, out: &mut [u8]) -> Result<core::ops::Range<usize>, WireError> {
+        self.check_headers()?;
         let len = self.buffer_len();
         let got = out.len();
         let frame = out
@@ -172,15 +192,25 @@ impl PacketRepr {
         self.bth.emit(bth);
         bth.set_pad_count(self.pad());
         let rest = self.ext.emit(rest)?;
-        let (payload_out, rest) = rest.split_at_mut(self.payload_len);
-        payload_out.copy_from_slice(payload);
-        let (pad, _icrc) = rest.split_at_mut(usize::from(self.pad()));
-        pad.fill(0);
+        let start = len - rest.len();
+        Ok(start..start + self.payload_len)
+    }
 
+    /// The last step of building a frame in place (after
+    /// [`PacketRepr::emit_headers`] and the payload): zeroes the pad and
+    /// writes the ICRC.
+    pub fn seal(&self, out: &mut [u8]) -> Result<(), WireError> {
+        let len = self.buffer_len();
+        let got = out.len();
+        let frame = out
+            .get_mut(..len)
+            .ok_or(WireError::BufferTooSmall { needed: len, got })?;
+        let icrc_at = len - ICRC_LEN;
+        frame[icrc_at - usize::from(self.pad())..icrc_at].fill(0);
         let (datagram, icrc_out) = frame[ETH_LEN..].split_at_mut(self.ip_total_len() - ICRC_LEN);
         let crc = icrc::compute(datagram)?;
         icrc_out.copy_from_slice(&crc.to_le_bytes());
-        Ok(len)
+        Ok(())
     }
 }
 
