@@ -18,33 +18,45 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-/// One workload: its `insn_count` argument, its measured function, and
-/// the goal in instructions per operation.
+/// One workload: its `insn_count` argument, its measured function, the
+/// function through which its doorbell store enters the simulator (if it
+/// rings one), and the goal in instructions per operation.
 struct Workload {
     name: &'static str,
     function: &'static str,
+    mmio_store: Option<&'static str>,
     goal: u64,
 }
+
+/// The miniport's doorbell store on the simulated host.
+const KERNEL_MMIO_STORE: &str = "<sim_host::pci::Bar0 as driver_platform::mmio::Mmio>::write64";
+/// The plugin's doorbell store on the simulated host (its MMIO hook).
+const USER_MMIO_STORE: &str =
+    "<sim_shells::user_io::SimIo as ibal_user::device::DeviceIo>::doorbell_hook::{{closure}}";
 
 const WORKLOADS: [Workload; 4] = [
     Workload {
         name: "driver-post",
         function: "measured_driver_post",
+        mmio_store: Some(KERNEL_MMIO_STORE),
         goal: 150,
     },
     Workload {
         name: "driver-poll",
         function: "measured_driver_poll",
+        mmio_store: None,
         goal: 100,
     },
     Workload {
         name: "plugin-post",
         function: "measured_plugin_post",
+        mmio_store: Some(USER_MMIO_STORE),
         goal: 150,
     },
     Workload {
         name: "plugin-poll",
         function: "measured_plugin_poll",
+        mmio_store: None,
         goal: 100,
     },
 ];
@@ -57,8 +69,12 @@ const SIMULATED_DEVICE: &str = "sim_hca::device::Device::mmio_write64";
 /// One workload's result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Count {
-    /// Instructions collected inside the measured function.
+    /// Instructions collected inside the measured function, the simulated
+    /// device's taken off.
     pub(crate) instructions: u64,
+    /// Of them, the simulated platform's side of the doorbell stores
+    /// (a real CPU's is one store instruction).
+    pub(crate) mmio_emulation: u64,
     /// Calls of the measured function.
     pub(crate) ops: u64,
 }
@@ -66,7 +82,22 @@ pub(crate) struct Count {
 impl Count {
     /// Instructions per operation, rounded to the nearest.
     pub(crate) fn per_op(self) -> u64 {
-        (self.instructions + self.ops / 2) / self.ops.max(1)
+        self.spread(self.instructions)
+    }
+
+    /// The simulated MMIO store's instructions per operation.
+    pub(crate) fn mmio_per_op(self) -> u64 {
+        self.spread(self.mmio_emulation)
+    }
+
+    /// Instructions per operation outside the simulated MMIO store: what
+    /// the goal is judged on.
+    pub(crate) fn judged_per_op(self) -> u64 {
+        self.spread(self.instructions - self.mmio_emulation)
+    }
+
+    fn spread(self, instructions: u64) -> u64 {
+        (instructions + self.ops / 2) / self.ops.max(1)
     }
 }
 
@@ -113,16 +144,19 @@ pub(crate) fn run(filter: Option<&str>) -> ExitCode {
         let out_file = out_dir.join(format!("{}.callgrind", w.name));
         match count(&binary, w, &out_file) {
             Ok(c) => println!(
-                "{:<12} {:>6} instructions/op ({} ops)   goal <= {:>3}   {}   [{}]",
+                "{:<12} {:>6} instructions/op ({:>4} in the simulated MMIO store) -> {:>5}   \
+                 goal <= {:>3}   {}   ({} ops, {})",
                 w.name,
                 c.per_op(),
-                c.ops,
+                c.mmio_per_op(),
+                c.judged_per_op(),
                 w.goal,
-                if c.per_op() <= w.goal {
+                if c.judged_per_op() <= w.goal {
                     "met"
                 } else {
                     "MISSED"
                 },
+                c.ops,
                 out_file.display()
             ),
             Err(e) => {
@@ -164,12 +198,12 @@ fn count(binary: &Path, w: &Workload, out_file: &Path) -> Result<Count, String> 
         .arg(out_file)
         .output()
         .map_err(|e| format!("cannot run callgrind_annotate: {e}"))?;
-    let device = inclusive_cost(
-        &String::from_utf8_lossy(&annotated.stdout),
-        SIMULATED_DEVICE,
-    );
+    let annotated = String::from_utf8_lossy(&annotated.stdout);
+    let device = inclusive_cost(&annotated, SIMULATED_DEVICE);
+    let store = w.mmio_store.map_or(0, |f| inclusive_cost(&annotated, f));
     Ok(Count {
         instructions: total.saturating_sub(device),
+        mmio_emulation: store.saturating_sub(device),
         ops,
     })
 }
@@ -202,9 +236,14 @@ fn inclusive_cost(annotated: &str, function: &str) -> u64 {
     annotated
         .lines()
         .filter(|line| {
-            line.split_whitespace()
-                .find(|w| w.contains(':'))
-                .is_some_and(|name| name.ends_with(function))
+            // `<Ir> (<%>)  <file>:<function> [<object>]`; the function
+            // may hold spaces (`<A as B>::f`).
+            let line = line.trim_end();
+            let line = line
+                .strip_suffix(']')
+                .and_then(|l| l.rfind(" [").map(|at| &l[..at]))
+                .unwrap_or(line);
+            line.ends_with(function) && line[..line.len() - function.len()].ends_with(':')
         })
         .filter_map(|line| {
             line.split_whitespace()
@@ -230,13 +269,20 @@ mod tests {
         assert_eq!(parse_total(profile), Some(81920));
         let count = Count {
             instructions: 81920,
+            mmio_emulation: 30720,
             ops: 512,
         };
-        assert_eq!(count.per_op(), 160);
+        assert_eq!(
+            (count.per_op(), count.mmio_per_op(), count.judged_per_op()),
+            (160, 60, 100)
+        );
         let annotated = "1,461,828 (21.06%)  /w/sim-hca/src/device/mod.rs:sim_hca::device::Device::mmio_write64\n\
              1,425,988 (20.54%)  sim-hca/src/transport/send.rs:sim_hca::device::Device::mmio_write64\n\
              9,999,999 (99.00%)  x.rs:sim_hca::device::Device::mmio_write64_other\n";
         assert_eq!(inclusive_cost(annotated, SIMULATED_DEVICE), 1_461_828);
         assert_eq!(inclusive_cost("", SIMULATED_DEVICE), 0);
+        let annotated = "1,613,425 (60.53%)  /w/sim-host/src/pci.rs:<sim_host::pci::Bar0 as driver_platform::mmio::Mmio>::write64\n\
+             1,591,281 (59.70%)  sim-host/src/pci.rs:<sim_host::pci::Bar0 as driver_platform::mmio::Mmio>::write64 [/t/insn_count]\n";
+        assert_eq!(inclusive_cost(annotated, KERNEL_MMIO_STORE), 1_613_425);
     }
 }
