@@ -55,6 +55,23 @@ pub const HOST_PDO: &str = "pdo";
 
 type UnloadHook = Arc<dyn Fn(&str) + Send + Sync>;
 
+/// One layer's `EvtDeviceD0Entry` or `EvtDeviceD0Exit` as it returned, for
+/// observers ([`PnpManager::on_power_step`]): the main job prints and
+/// checks the order the real drivers saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PowerStep {
+    /// The devnode whose stack the layer is in.
+    pub node: DevNodeId,
+    /// The layer's driver.
+    pub service: String,
+    /// `EvtDeviceD0Entry` if true, `EvtDeviceD0Exit` otherwise.
+    pub entry: bool,
+    /// What the callback returned.
+    pub status: NtStatus,
+}
+
+type PowerHook = Arc<dyn Fn(&PowerStep) + Send + Sync>;
+
 /// A devnode's identity in the tree.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DevNodeId(usize);
@@ -228,6 +245,8 @@ pub enum InterfaceEvent {
 pub(crate) struct PnpInner {
     /// Run with a driver's service name as it unloads (leak checks).
     unload_hooks: Mutex<Vec<UnloadHook>>,
+    /// Run after each layer's D0 entry or exit (observers).
+    power_hooks: Mutex<Vec<PowerHook>>,
     registry: RegistryStore,
     pub(crate) verifier: Verifier,
     binder: Box<dyn Binder>,
@@ -513,6 +532,7 @@ impl PnpManager {
         let pnp = Self {
             inner: Arc::new(PnpInner {
                 unload_hooks: Mutex::default(),
+                power_hooks: Mutex::default(),
                 registry,
                 verifier,
                 binder,
@@ -543,6 +563,29 @@ impl PnpManager {
     /// the host checks what the driver left behind (pool, DMA).
     pub fn on_unload(&self, hook: impl Fn(&str) + Send + Sync + 'static) {
         lock(&self.inner.unload_hooks).push(Arc::new(hook));
+    }
+
+    /// Runs `hook` after each layer's `EvtDeviceD0Entry` and
+    /// `EvtDeviceD0Exit` returns (observation only: the order the drivers
+    /// saw their power callbacks in).
+    pub fn on_power_step(&self, hook: impl Fn(&PowerStep) + Send + Sync + 'static) {
+        lock(&self.inner.power_hooks).push(Arc::new(hook));
+    }
+
+    fn power_step(&self, node: DevNodeId, service: &str, entry: bool, status: NtStatus) {
+        let hooks: Vec<PowerHook> = lock(&self.inner.power_hooks).clone();
+        if hooks.is_empty() {
+            return;
+        }
+        let step = PowerStep {
+            node,
+            service: service.to_owned(),
+            entry,
+            status,
+        };
+        for hook in hooks {
+            hook(&step);
+        }
     }
 
     /// The scheduler of the machine: a power transition waiting for the
@@ -918,7 +961,8 @@ impl PnpManager {
                 if let Some(function) = &function {
                     function.disconnect_interrupts(&service, false);
                 }
-                cb.d0_exit(DevicePowerState::D3);
+                let status = cb.d0_exit(DevicePowerState::D3);
+                self.power_step(node, &service, false, status);
             }
             if let Some(function) = &function {
                 function.enter_d3();
@@ -959,6 +1003,7 @@ impl PnpManager {
         }
         for (index, (service, cb)) in self.layers(node).into_iter().enumerate() {
             let status = cb.d0_entry(from);
+            self.power_step(node, &service, true, status);
             if status != SUCCESS {
                 if let Some(n) = lock(&self.inner.tree).nodes.get_mut(node.0) {
                     n.entered_d0 = index;
@@ -1130,6 +1175,7 @@ impl PnpManager {
                 function.disconnect_interrupts(&service, hardware_gone);
             }
             let status = cb.d0_exit(to);
+            self.power_step(node, &service, false, status);
             if status != SUCCESS {
                 report(&service, "D0 exit", status);
             }

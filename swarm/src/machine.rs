@@ -3,8 +3,8 @@
 //! filter (`ibalbus`) bound from `inf/`, and a kernel client of each HCA's
 //! port-1 child that gets the child's AL interface
 //! (`IRP_MN_QUERY_INTERFACE`, `GUID_IB_AL_INTERFACE`) and its DMA adapter
-//! (the HCA's own) and opens the AL — the same boot as the main job's
-//! (`xtask/src/miniport_run.rs`), but with the fabric's faults from the
+//! (the HCA's own) and opens the AL — the same boot as the AL-client scenario's
+//! (`tests/tests/miniport_stack/run.rs`), but with the fabric's faults from the
 //! seed and every control verb submitted asynchronously from a DPC so the
 //! workload can run while commands are outstanding.
 

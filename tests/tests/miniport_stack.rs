@@ -7,10 +7,11 @@
 //! through its direct calls with every byte checked, completion events at
 //! DISPATCH_LEVEL; S3 and back with every object alive (UD traffic again,
 //! the RC pair back in ERR with `QpFatal`, reconnected, traffic again, all
-//! checked), teardown, shutdown with an empty verifier report. It runs the very module the
-//! main job runs (`xtask/src/miniport_run.rs`).
+//! checked), teardown, shutdown with an empty verifier report. The
+//! scenario is `miniport_stack/run.rs` (the main job's kernel client until
+//! the main job ran the real port client, `main-job/`).
 
-#[path = "../../xtask/src/miniport_run.rs"]
+#[path = "miniport_stack/run.rs"]
 mod miniport_run;
 
 // Heap calls the drivers make above DISPATCH_LEVEL are violations

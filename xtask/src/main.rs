@@ -1,13 +1,9 @@
 //! Project automation, run as `cargo xtask <command>` (a cargo alias).
 //!
-//! - `run`: the main job. It reports and checks the stack's ABI contract
-//!   (`abi_report`), then moves checked RDMA traffic between two simulated
-//!   HCAs in fast mode (`rdma_run`), then boots a simulated Windows machine
-//!   from our INFs with stand-in drivers, cycles its power checking the
-//!   order and shuts it down (`host_run`), then boots it with the real
-//!   miniport and the real bus filter and moves checked RC and UD traffic
-//!   through the whole kernel stack: a client of each HCA's port child on
-//!   the AL interface, the AL over the miniport's CI (`miniport_run`).
+//! - `run [--hcas N] [--ports N] [--seed S] [--capture FILE] [-- ...]`:
+//!   the main job (`main-job/`, README "Quick start"). It is built and run
+//!   optimised: this re-invokes `cargo run --release --locked -p
+//!   stack-main-job`, so xtask itself stays a quick debug build for CI.
 //! - `test`: the test suite, exactly what CI runs after its lint gates.
 //! - `capture --out FILE`: runs the simulated HCA's scripted traffic mix and
 //!   writes its pcap capture (open it in Wireshark).
@@ -25,14 +21,10 @@
 //! - `bench [--only 1,2,3,5,6] [--quick]`: the benchmarks against same-run
 //!   baselines, optimised (`bench`, docs/performance.md).
 
-mod abi_report;
 mod bench;
 mod bench_insn;
 mod fuzz;
-mod host_run;
 mod inf_lint;
-mod miniport_run;
-mod rdma_run;
 mod swarm_run;
 mod wdk_check;
 
@@ -53,9 +45,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// The main job: the ABI contract, RDMA on two simulated HCAs, the
-    /// simulated Windows host.
-    Run,
+    /// The main job, built and run optimised: the whole stack on the
+    /// simulated Windows host (README "Quick start").
+    Run(MainJobArgs),
     /// Model-check the cores' lock-free protocols with loom (extra
     /// arguments go to the test binary, e.g. a test-name filter).
     Loom {
@@ -120,34 +112,29 @@ enum Cmd {
     },
 }
 
+/// The main job's options (`main-job --help` lists them all).
+#[derive(Debug, clap::Args)]
+struct MainJobArgs {
+    /// HCAs on the PCI bus.
+    #[arg(long, default_value_t = 2)]
+    hcas: usize,
+    /// Ports per HCA.
+    #[arg(long, default_value_t = 2)]
+    ports: u8,
+    /// Seed of the simulation: the run is reproducible from it.
+    #[arg(long, default_value_t = 2026)]
+    seed: u64,
+    /// Write a pcap capture of the fabric's frames.
+    #[arg(long)]
+    capture: Option<std::path::PathBuf>,
+    /// More options for `main-job` (after `--`).
+    #[arg(last = true)]
+    extra: Vec<String>,
+}
+
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Cmd::Run => {
-            if let Err(problems) = abi_report::run() {
-                for p in &problems {
-                    eprintln!("ABI contract problem: {p}");
-                }
-                return ExitCode::FAILURE;
-            }
-            if let Err(e) = rdma_run::run() {
-                eprintln!("RDMA run failed: {e}");
-                return ExitCode::FAILURE;
-            }
-            if let Err(e) = host_run::run() {
-                eprintln!("simulated host run failed: {e}");
-                return ExitCode::FAILURE;
-            }
-            match miniport_run::run(miniport_run::SEED) {
-                Ok(summary) => {
-                    print!("{}", miniport_run::render(miniport_run::SEED, &summary));
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("miniport run failed: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
+        Cmd::Run(args) => main_job(&args),
         Cmd::Test { args } => {
             let workspace = test(&args);
             if workspace != ExitCode::SUCCESS {
@@ -167,6 +154,40 @@ fn main() -> ExitCode {
             seconds,
         } => fuzz::run(target.as_deref(), all, seconds),
         Cmd::Bench { only, quick } => bench::run(&only, quick),
+    }
+}
+
+/// Builds the main job optimised and runs it (its exit status is the
+/// run's): the simulated platform in a debug build is tens of times
+/// slower, and building xtask itself in release would slow every CI run.
+fn main_job(args: &MainJobArgs) -> ExitCode {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut command = Command::new(cargo);
+    command
+        .args([
+            "run",
+            "--quiet",
+            "--release",
+            "--locked",
+            "-p",
+            "stack-main-job",
+        ])
+        .args(["--bin", "main-job", "--"])
+        .args(["--hcas", &args.hcas.to_string()])
+        .args(["--ports", &args.ports.to_string()])
+        .args(["--seed", &args.seed.to_string()]);
+    if let Some(capture) = &args.capture {
+        command.arg("--capture").arg(capture);
+    }
+    command.args(&args.extra);
+    println!("building the main job (release) and running it...");
+    match command.status() {
+        Ok(status) if status.success() => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("cannot run cargo: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -1,4 +1,6 @@
-//! The main job's simulated Windows machine with the whole kernel stack:
+//! A kernel client of the access layer on the simulated Windows machine
+//! with the whole kernel stack (the main job's until it ran the real
+//! sample port client, `main-job/`):
 //! two HCAs on the PCI bus, the drivers bound from our INF files
 //! (`hcaminiport` is the miniport's simulated-host shell,
 //! `sim_shells::hca_miniport`; `ibalbus` the bus filter's,
@@ -28,7 +30,7 @@
 //! (`hca_miniport_core::verbs::restore`; in detail in
 //! `hca-miniport/core/tests/power.rs`).
 //!
-//! The scenario test `tests/tests/miniport_stack.rs` runs this same module.
+//! The scenario test `tests/tests/miniport_stack.rs` runs this module.
 
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};

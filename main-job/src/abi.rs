@@ -1,5 +1,7 @@
-//! The main job until the simulated platform exists: print the ABI contract
-//! that the Windows build and user-mode clients must agree on, and check it.
+//! The stack's ABI contract, checked (what the main job showed before the
+//! simulated platform existed; now one line of its report, the full
+//! tables with `--abi`): the contract the Windows build and user-mode
+//! clients must agree on.
 //!
 //! Checks (each failure is collected and reported, not panicked on):
 //! - every proxy/CI verb code decodes back to its verb, with our device type,
@@ -9,35 +11,56 @@
 //! - a two-port CA attribute block encodes to exactly the guide's 6.1.2 size
 //!   and decodes back to the same values.
 
+use std::fmt::Write as _;
+
 use ib_types::ca::{CaAttrHeaderAbi, PortAttrAbi};
 use ib_types::qp::{QpModify, QpState, QpType};
 use ib_types::qp_state::{attr_rule, check_modify};
 
 type Problems = Vec<String>;
 
-/// Prints the report; returns the problems found, if any.
-pub(crate) fn run() -> Result<(), Problems> {
+/// Appends a line to the report text (writing to a `String` cannot fail).
+macro_rules! say {
+    ($out:expr, $($arg:tt)*) => {{
+        let _ = writeln!($out, $($arg)*);
+    }};
+}
+
+/// What the contract check found.
+#[derive(Debug, Default)]
+pub struct AbiReport {
+    /// The full tables: layouts, verbs, state transitions, bring-up, CA
+    /// attributes.
+    pub text: String,
+    /// Verb codes checked.
+    pub verbs: usize,
+    /// What is wrong, if anything.
+    pub problems: Vec<String>,
+}
+
+/// Checks the contract and writes its tables.
+pub fn check() -> AbiReport {
     let mut problems = Problems::new();
-    print_layouts();
-    print_state_machine();
-    check_verbs(&mut problems);
-    check_bring_up(&mut problems);
-    check_ca_attributes(&mut problems);
-    if problems.is_empty() {
-        println!("\nABI contract: all checks passed.");
-        Ok(())
-    } else {
-        Err(problems)
+    let mut text = String::new();
+    print_layouts(&mut text);
+    print_state_machine(&mut text);
+    check_verbs(&mut text, &mut problems);
+    check_bring_up(&mut text, &mut problems);
+    check_ca_attributes(&mut text, &mut problems);
+    AbiReport {
+        text,
+        verbs: ib_types::ioctl::VerbId::ALL.len(),
+        problems,
     }
 }
 
 /// Sizes of the ABI layouts, for comparison with a C view of the contract.
-fn print_layouts() {
+fn print_layouts(out: &mut String) {
     macro_rules! layouts {
         ($($ty:path),+ $(,)?) => {{
-            println!("== ABI layouts (bytes) ==");
+            say!(out, "== ABI layouts (bytes) ==");
             $(
-                println!("  {:<40} {:>5}", stringify!($ty), core::mem::size_of::<$ty>());
+                say!(out, "  {:<40} {:>5}", stringify!($ty), core::mem::size_of::<$ty>());
             )+
         }};
     }
@@ -77,20 +100,28 @@ fn print_layouts() {
 }
 
 /// The verbs table: every code, decoded, with its buffer sizes and policy.
-fn check_verbs(problems: &mut Problems) {
+fn check_verbs(out: &mut String, problems: &mut Problems) {
     use ib_types::ioctl::{
         FILE_DEVICE_INFINIBAND, REQUEST_HEADER_SIZE, RESPONSE_HEADER_SIZE, TransferMethod, VerbId,
     };
 
-    println!("\n== Verbs (proxy IOCTLs and CI/AL submit codes) ==");
-    println!(
+    say!(out, "== Verbs (proxy IOCTLs and CI/AL submit codes) ==");
+    say!(
+        out,
         "  {:<14} {:>10} {:>5} {:<10} {:<6} {:>6} {:>6}",
-        "verb", "code", "fn", "access", "caller", "in", "out"
+        "verb",
+        "code",
+        "fn",
+        "access",
+        "caller",
+        "in",
+        "out"
     );
     let mut seen = std::collections::HashSet::new();
     for &verb in VerbId::ALL {
         let code = verb.ioctl();
-        println!(
+        say!(
+            out,
             "  {:<14} {:#010x} {:#05x} {:<10} {:<6} {:>6} {:>6}",
             verb.name(),
             code.raw(),
@@ -119,7 +150,10 @@ fn check_verbs(problems: &mut Problems) {
             problems.push(format!("{}: not a buffered InfiniBand code", verb.name()));
         }
     }
-    println!("  (sizes include the 16-byte request/response headers; private bytes follow)");
+    say!(
+        out,
+        "  (sizes include the 16-byte request/response headers; private bytes follow)"
+    );
 }
 
 /// `read`, `read+write` or `any`.
@@ -137,14 +171,15 @@ fn access_text(access: ib_types::ioctl::RequiredAccess) -> &'static str {
 }
 
 /// IBA Table 91 as this stack implements it.
-fn print_state_machine() {
-    println!("\n== QP state transitions (IBA Table 91) ==");
+fn print_state_machine(out: &mut String) {
+    say!(out, "== QP state transitions (IBA Table 91) ==");
     for &qp_type in QpType::ALL {
-        println!("{qp_type:?}:");
+        say!(out, "{qp_type:?}:");
         for &from in QpState::ALL {
             for &to in QpState::ALL {
                 if let Some(rule) = attr_rule(qp_type, from, to) {
-                    println!(
+                    say!(
+                        out,
                         "  {:<5} -> {:<5} required {}; optional {}",
                         format!("{from:?}"),
                         format!("{to:?}"),
@@ -158,7 +193,7 @@ fn print_state_machine() {
 }
 
 /// Walks an RC and a UD QP to RTS, and checks RESET refuses every jump.
-fn check_bring_up(problems: &mut Problems) {
+fn check_bring_up(out: &mut String, problems: &mut Problems) {
     use ib_types::access::AccessFlags;
     use ib_types::av::AvAttr;
     use ib_types::scalars::{Gid, Mtu, PortNum, Psn, QKey, Qpn};
@@ -208,13 +243,14 @@ fn check_bring_up(problems: &mut Problems) {
             ..QpModify::default()
         },
     ];
-    println!("\n== QP bring-up through the validator ==");
+    say!(out, "== QP bring-up through the validator ==");
     for (qp_type, steps) in [(QpType::Rc, &rc), (QpType::Ud, &ud)] {
         let mut state = QpState::Reset;
         for step in steps {
             match check_modify(qp_type, state, step) {
                 Ok(next) => {
-                    println!(
+                    say!(
+                        out,
                         "  {qp_type:?}: {state:?} -> {next:?} with {}",
                         mask_names(step.mask())
                     );
@@ -246,7 +282,7 @@ fn mask_names(mask: ib_types::qp::QpAttrMask) -> String {
 
 /// Encodes a two-port RoCEv2 CA's attributes (guide 6.1.2 layout), checks
 /// the size against the guide's formula, and decodes them back.
-fn check_ca_attributes(problems: &mut Problems) {
+fn check_ca_attributes(out: &mut String, problems: &mut Problems) {
     use ib_types::ca::{
         Atomicity, CaAttr, CaAttrParts, CaAttrView, CaCaps, CaLayout, CaLimits, PortAttr, PortCaps,
         PortData, PortTables,
@@ -320,7 +356,7 @@ fn check_ca_attributes(problems: &mut Problems) {
         vendor_data: &[],
     };
 
-    println!("\n== CA attributes (guide 6.1.2 layout) ==");
+    say!(out, "== CA attributes (guide 6.1.2 layout) ==");
     let header = core::mem::size_of::<CaAttrHeaderAbi>();
     let port_record = core::mem::size_of::<PortAttrAbi>();
     // The guide's formula, written out independently of the encoder.
@@ -328,7 +364,7 @@ fn check_ca_attributes(problems: &mut Problems) {
     let mut buf = vec![0u8; formula];
     match parts.encode(&mut buf) {
         Ok(written) if written == formula => {
-            println!("  2 ports: {written} bytes, as the formula says")
+            say!(out, "  2 ports: {written} bytes, as the formula says")
         }
         Ok(written) => problems.push(format!("CA attributes: wrote {written}, formula {formula}")),
         Err(e) => problems.push(format!("CA attributes did not encode: {e}")),
@@ -336,7 +372,8 @@ fn check_ca_attributes(problems: &mut Problems) {
     match CaAttrView::parse(&buf) {
         Ok(view) => {
             let gid_counts: Vec<usize> = view.ports().map(|p| p.gids().len()).collect();
-            println!(
+            say!(
+                out,
                 "  decoded: {} ports, GIDs per port {gid_counts:?}",
                 view.ports().count()
             );
