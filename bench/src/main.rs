@@ -42,7 +42,16 @@ fn main() {
         if args.quick { "quick" } else { "full" },
         effort.reps
     );
-    let (_lines, findings) = run(&which, effort);
+    // On a thread of its own: the host measures driver routines' stack use
+    // from the thread's bounds (`pthread_getattr_np`), which under valgrind
+    // (callgrind, docs/performance.md) are exact for a spawned thread only.
+    let (_lines, findings) = std::thread::Builder::new()
+        .name("stack-bench".into())
+        .stack_size(16 << 20)
+        .spawn(move || run(&which, effort))
+        .expect("the suite's thread")
+        .join()
+        .expect("the suite panicked");
     if !findings.is_empty() {
         eprintln!("stack-bench: the verifier found:");
         for finding in &findings {

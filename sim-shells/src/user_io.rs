@@ -5,11 +5,12 @@
 //! `GUID_IB_AL_DEVICE_INTERFACE`; an IOCTL is sent on the process's handle
 //! and the deterministic host runs until it completes (a request nothing
 //! would complete is cancelled, as `CancelIoEx` would end a blocked
-//! thread's wait); the plugin's doorbell store reaches the device through
-//! the process's device mapping in the calling thread.
+//! thread's wait), or, on a threaded host ([`ThreadedSimIo`]), the calling
+//! thread blocks until the workers completed it; the plugin's doorbell
+//! store reaches the device through the process's device mapping in the
+//! calling thread.
 
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
 
 use ib_types::interface::GUID_IB_AL_DEVICE_INTERFACE;
 use ib_types::status::NtStatus;
@@ -18,93 +19,88 @@ use sim_host::file::FileHandle;
 use sim_host::host::Host;
 use sim_host::memory::Process;
 use sim_host::pnp::DevNodeId;
-use sim_host::request::RequestHandle;
 
 /// The simulated host's side of the library's OS seam: one process of one
-/// host.
+/// deterministic host.
 #[derive(Debug)]
 pub struct SimIo {
     host: Arc<Host>,
     process: Process,
     /// The interface paths handed out, and the devnode each names.
     paths: Mutex<Vec<(DevicePath, DevNodeId)>>,
-    wait: Wait,
+    waiting: Waiting,
 }
 
-/// How a calling thread waits for the host to finish an IOCTL.
+/// How the calling thread waits for the machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Wait {
-    /// Run the deterministic host until idle.
+enum Waiting {
+    /// Deterministic host: run its scheduler until idle.
     Settle,
-    /// Let a threaded host's workers run.
-    Threaded,
+    /// Threaded host: its workers run the machine; block as Windows does.
+    Block,
 }
 
 impl SimIo {
     /// The seam of `process` on the deterministic `host`.
     pub fn new(host: &Arc<Host>, process: &Process) -> Arc<Self> {
-        Arc::new(Self::with_wait(host, process, Wait::Settle))
+        Arc::new(Self::with(host, process, Waiting::Settle))
     }
 
-    fn with_wait(host: &Arc<Host>, process: &Process, wait: Wait) -> Self {
+    fn with(host: &Arc<Host>, process: &Process, waiting: Waiting) -> Self {
         Self {
             host: Arc::clone(host),
             process: process.clone(),
             paths: Mutex::new(Vec::new()),
-            wait,
+            waiting,
         }
     }
 
-    /// Lets the host finish what the calling thread started.
-    fn finish(&self) {
-        finish(&self.host, self.wait);
+    /// Lets the deterministic machine act on what the caller just did; the
+    /// threaded one's workers do by themselves.
+    fn settle(&self) {
+        if self.waiting == Waiting::Settle {
+            settle(&self.host);
+        }
     }
 }
 
-/// The seam of one process on a threaded host: an IOCTL's thread waits
-/// (up to [`THREADED_IOCTL_TIMEOUT`]) while the workers complete it; one
-/// still pending then is cancelled (`CancelIoEx`) and waited for again.
+/// The seam of one process of a **threaded** host: as [`SimIo`], but a
+/// synchronous IOCTL blocks the calling thread until the driver completes
+/// it (`DeviceIoControl` on Windows), while the host's workers run the
+/// machine; nothing is cancelled for it, so a wait for an event that never
+/// comes blocks, as it would on Windows.
 #[derive(Debug)]
 pub struct ThreadedSimIo(SimIo);
-
-/// How long a threaded seam's IOCTL waits before cancelling its request.
-pub const THREADED_IOCTL_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl ThreadedSimIo {
     /// The seam of `process` on the threaded `host`.
     pub fn new(host: &Arc<Host>, process: &Process) -> Arc<Self> {
-        Arc::new(Self(SimIo::with_wait(host, process, Wait::Threaded)))
+        Arc::new(Self(SimIo::with(host, process, Waiting::Block)))
     }
 }
 
-fn finish(host: &Host, wait: Wait) {
-    match wait {
-        Wait::Settle => settle(host),
-        // Workers run what the call queued; wait until they are idle.
-        Wait::Threaded => {
-            let _ = host.scheduler().quiesce();
-        }
+impl DeviceIo for ThreadedSimIo {
+    fn interface_paths(&self) -> Result<Vec<DevicePath>, OsStatus> {
+        self.0.interface_paths()
     }
-}
-
-/// Waits for `issuer` on a threaded host: a short spin of yields (most
-/// requests complete within microseconds), then short sleeps, up to
-/// `timeout`.
-fn wait_threaded(issuer: &RequestHandle, timeout: Duration) -> bool {
-    let started = Instant::now();
-    let mut spins = 0u32;
-    while !issuer.is_done() {
-        if started.elapsed() >= timeout {
-            return false;
-        }
-        if spins < 10_000 {
-            spins += 1;
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
+    fn open(&self, path: &DevicePath) -> Result<Box<dyn DeviceFile>, OsStatus> {
+        self.0.open(path)
     }
-    true
+    fn alloc(&self, len: usize) -> Result<u64, OsStatus> {
+        self.0.alloc(len)
+    }
+    fn free(&self, va: u64) {
+        self.0.free(va);
+    }
+    fn read(&self, va: u64, out: &mut [u8]) -> Result<(), OsStatus> {
+        self.0.read(va, out)
+    }
+    fn write(&self, va: u64, data: &[u8]) -> Result<(), OsStatus> {
+        self.0.write(va, data)
+    }
+    fn doorbell_hook(&self) -> uvp_plugin::mmio::MmioHook {
+        self.0.doorbell_hook()
+    }
 }
 
 /// Runs the deterministic host until nothing is left to do: a synchronous
@@ -118,7 +114,7 @@ pub fn settle(host: &Host) {
 pub struct SimFile {
     host: Arc<Host>,
     handle: Option<FileHandle>,
-    wait: Wait,
+    waiting: Waiting,
 }
 
 impl DeviceFile for SimFile {
@@ -128,23 +124,16 @@ impl DeviceFile for SimFile {
             .as_ref()
             .ok_or(OsStatus::Nt(NtStatus::INVALID_HANDLE))?;
         let issuer = handle.send(code, input.to_vec(), output.len());
-        match self.wait {
-            Wait::Settle => {
+        if self.waiting == Waiting::Block {
+            issuer.wait();
+        } else {
+            settle(&self.host);
+            // A request nothing will complete would block the thread
+            // forever on Windows; the deterministic host cannot wait, so it
+            // is cancelled (`CancelIoEx`) and ends with its driver's status.
+            if !issuer.is_done() {
+                issuer.cancel();
                 settle(&self.host);
-                // A request nothing will complete would block the thread
-                // forever on Windows; the deterministic host cannot wait,
-                // so it is cancelled (`CancelIoEx`) and ends with its
-                // driver's status.
-                if !issuer.is_done() {
-                    issuer.cancel();
-                    settle(&self.host);
-                }
-            }
-            Wait::Threaded => {
-                if !wait_threaded(&issuer, THREADED_IOCTL_TIMEOUT) {
-                    issuer.cancel();
-                    wait_threaded(&issuer, THREADED_IOCTL_TIMEOUT);
-                }
             }
         }
         let done = issuer
@@ -165,7 +154,9 @@ impl Drop for SimFile {
     fn drop(&mut self) {
         if let Some(handle) = self.handle.take() {
             handle.close();
-            finish(&self.host, self.wait);
+            if self.waiting == Waiting::Settle {
+                settle(&self.host);
+            }
         }
     }
 }
@@ -204,11 +195,11 @@ impl DeviceIo for SimIo {
             .pnp()
             .open_file(&self.process, node)
             .map_err(OsStatus::Nt)?;
-        self.finish();
+        self.settle();
         Ok(Box::new(SimFile {
             host: Arc::clone(&self.host),
             handle: Some(handle),
-            wait: self.wait,
+            waiting: self.waiting,
         }))
     }
 
@@ -235,35 +226,5 @@ impl DeviceIo for SimIo {
         Arc::new(move |address: u64, value: u64| {
             let _ = process.write_device64(address, value);
         })
-    }
-}
-
-impl DeviceIo for ThreadedSimIo {
-    fn interface_paths(&self) -> Result<Vec<DevicePath>, OsStatus> {
-        self.0.interface_paths()
-    }
-
-    fn open(&self, path: &DevicePath) -> Result<Box<dyn DeviceFile>, OsStatus> {
-        self.0.open(path)
-    }
-
-    fn alloc(&self, len: usize) -> Result<u64, OsStatus> {
-        self.0.alloc(len)
-    }
-
-    fn free(&self, va: u64) {
-        self.0.free(va);
-    }
-
-    fn read(&self, va: u64, out: &mut [u8]) -> Result<(), OsStatus> {
-        self.0.read(va, out)
-    }
-
-    fn write(&self, va: u64, data: &[u8]) -> Result<(), OsStatus> {
-        self.0.write(va, data)
-    }
-
-    fn doorbell_hook(&self) -> uvp_plugin::mmio::MmioHook {
-        self.0.doorbell_hook()
     }
 }
