@@ -6,11 +6,12 @@
 //!   keys, short receive buffers) runs on a fast-mode fabric that places
 //!   data directly and on one that keeps every packet a frame; memory,
 //!   completions (byte for byte), port and device counters must be equal.
-//! - Bytes touched: each payload byte of a 1 MiB RDMA write is touched 4
-//!   times on the direct path (source read, packet buffer written and
-//!   read, destination written) and 6 on the wire path (gathered into the
-//!   frame, ICRC, ICRC check, placed). Before this change the wire path
-//!   touched each byte 12 times (issue 13).
+//! - Bytes touched: each payload byte of a 1 MiB RDMA write is touched
+//!   twice on the direct path (read from the source and written to the
+//!   destination in one copy) and 6 times on the wire path (gathered into
+//!   the frame, ICRC, ICRC check, placed). The wire path once touched each
+//!   byte 12 times, and the first direct path 4 (through a packet buffer;
+//!   issue 13).
 
 use std::sync::Arc;
 
@@ -23,7 +24,7 @@ use ib_types::wr::{RemoteAddr, SendFlags, SendOp, SendWr};
 use proptest::prelude::*;
 use sim_hca::device::{Device, DeviceConfig, DeviceCounters, PortCounters};
 use sim_hca::fast::FastFabric;
-use sim_hca::host::{InterruptSink, SimMemory};
+use sim_hca::host::{DmaFault, HostMemory, InterruptSink, SimMemory};
 use sim_hca::testkit::{Cq, Driver, Mr, Qp};
 
 struct NoIrq;
@@ -44,6 +45,16 @@ struct Node {
 /// Two nodes with an RC QP each, connected, and a region of `mr_len`
 /// bytes each filled with a per-node pattern.
 fn setup(direct: bool, mr_len: usize, mtu: Mtu) -> (FastFabric, Vec<Node>, Vec<Arc<SimMemory>>) {
+    setup_with(direct, mr_len, mtu, |mem| mem)
+}
+
+/// [`setup`], the devices seeing their memories through `view`.
+fn setup_with(
+    direct: bool,
+    mr_len: usize,
+    mtu: Mtu,
+    view: impl Fn(Arc<SimMemory>) -> Arc<dyn HostMemory>,
+) -> (FastFabric, Vec<Node>, Vec<Arc<SimMemory>>) {
     let mems: Vec<Arc<SimMemory>> = (0..2)
         .map(|i| Arc::new(SimMemory::new(0x40_0000_0000 * (i + 1))))
         .collect();
@@ -51,7 +62,7 @@ fn setup(direct: bool, mr_len: usize, mtu: Mtu) -> (FastFabric, Vec<Node>, Vec<A
         .map(|i| {
             Device::new(
                 DeviceConfig::with_ports(0x100 + i as u64, &[IPS[i]]),
-                mems[i].clone(),
+                view(mems[i].clone()),
                 Arc::new(NoIrq),
             )
         })
@@ -414,8 +425,9 @@ fn touches_per_byte(direct: bool) -> (u64, bool) {
 }
 
 #[test]
-fn a_direct_write_touches_each_payload_byte_four_times() {
-    assert_eq!(touches_per_byte(true), (4, true));
+fn a_direct_write_touches_each_payload_byte_twice() {
+    // Read once from the source, written once to the destination.
+    assert_eq!(touches_per_byte(true), (2, true));
 }
 
 #[test]
@@ -474,4 +486,63 @@ fn a_source_dma_fault_fails_the_write_on_both_paths() {
     assert_eq!(direct.1[1].1.rx_packets, 0, "nothing placed");
     assert_eq!(wire.1, direct.1, "the same counters");
     assert!(wire.2 == direct.2, "the same memory");
+}
+
+/// A memory whose probe always says yes, as if the driver unmapped the
+/// source between the receiver's probe and its copy.
+struct ProbedTooEarly(Arc<SimMemory>);
+
+impl HostMemory for ProbedTooEarly {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), DmaFault> {
+        self.0.read(addr, buf)
+    }
+
+    fn write(&self, addr: u64, data: &[u8]) -> Result<(), DmaFault> {
+        self.0.write(addr, data)
+    }
+
+    fn probe_read(&self, _pieces: &[(u64, usize)]) -> Option<Result<(), DmaFault>> {
+        Some(Ok(()))
+    }
+}
+
+/// The source of a directly placed write faults during the copy itself
+/// (after the probe): the fault is the sender's — its write completes with
+/// LOC_PROT_ERR and it counts the DMA fault — not the receiver's, whose
+/// memory is untouched.
+#[test]
+fn a_source_fault_during_the_copy_is_the_senders() {
+    use zerocopy::IntoBytes;
+    let (fabric, mut nodes, mems) = setup_with(true, 8192, Mtu::Mtu1024, |mem| {
+        Arc::new(ProbedTooEarly(mem)) as Arc<dyn HostMemory>
+    });
+    let before = nodes[1].drv.read_mr(&nodes[1].mr, 0, 8192);
+    assert!(mems[0].unmap(nodes[0].mr.buf.bus));
+    let remote = RemoteAddr {
+        addr: nodes[1].mr.va,
+        rkey: nodes[1].mr.rkey,
+    };
+    let n = &mut nodes[0];
+    let sg = [Driver::sge(&n.mr, 0, 8192)];
+    let wr = SendWr {
+        wr_id: 1,
+        op: SendOp::RdmaWrite { remote },
+        flags: SendFlags::SIGNALED,
+        sg_list: &sg,
+        ud: None,
+    };
+    fabric
+        .with_device(0, |dev| {
+            n.drv.post_send(dev, &mut n.qp, &wr, None, None, true)
+        })
+        .unwrap();
+    let cqes = fabric.with_device(0, |_| n.drv.drain_cq(&mut n.cq));
+    let first = <Cqe as zerocopy::FromBytes>::read_from_bytes(cqes[0].as_bytes()).unwrap();
+    assert_eq!(first.status, ib_types::wc::WcStatus::LocProtErr.code());
+    let faults = |i| fabric.with_device(i, |d| d.counters().dma_faults);
+    assert_eq!((faults(0), faults(1)), (1, 0), "the sender's fault");
+    assert!(
+        nodes[1].drv.read_mr(&nodes[1].mr, 0, 8192) == before,
+        "nothing placed"
+    );
 }

@@ -9,17 +9,25 @@
 //! path's logic packet by packet — the same key checks, headers, PSNs and
 //! counters — but instead of a frame it records each packet's headers and
 //! where its payload lies in its own memory (bus address pieces, resolved
-//! through its MTT after the lkey check). The receiver reads each packet's
-//! payload from there into a one-packet buffer and hands the packet to the
-//! same receive logic as a parsed frame's. No ICRC is computed: nothing on
-//! a direct path can corrupt a byte, and nothing captures it.
+//! through its MTT after the lkey check). The receiver hands each packet to
+//! the same receive logic as a parsed frame's, its payload still in the
+//! sender's memory ([`RxData::InMemory`]); placement copies it once,
+//! straight from there to the destination ([`HostMemory::copy_to`]): each
+//! payload byte is read once and written once. No ICRC is computed:
+//! nothing on a direct path can corrupt a byte, and nothing captures it.
+//! A memory that cannot be probed ([`HostMemory::probe_read`] returns
+//! `None`) is read into a one-packet buffer first (two copies).
 //!
 //! A DMA fault reading the source is the sender's fault (as a failed
-//! gather is on the wire path): the receiver stops at that packet and the
-//! carrier reports it to the sender ([`Device::direct_source_fault`]). The
-//! one difference from the wire path: the fault is found when the
-//! receiver reads, after the sender queued the message, so traffic queued
-//! in between may still be processed.
+//! gather is on the wire path): the receiver probes each packet's payload
+//! before acting on it, stops at the packet that faults, and the carrier
+//! reports it to the sender ([`Device::direct_source_fault`]). The one
+//! difference from the wire path: the fault is found when the receiver
+//! probes, after the sender queued the message, so traffic queued in
+//! between may still be processed. A source unmapped between the probe and
+//! the copy (a race with the sender's driver) fails that packet's
+//! placement, touching no destination byte, and is reported to the sender
+//! the same way.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -32,7 +40,7 @@ use crate::device::Device;
 use crate::host::{DmaFault, HostMemory};
 use crate::wire::PacketRepr;
 
-use super::Rx;
+use super::{Rx, RxData, SourceSpan};
 
 /// What a device sends: a frame, or (direct placement) a message.
 #[derive(Debug)]
@@ -153,11 +161,14 @@ impl Device {
         }
     }
 
-    /// Receives packet `index` of a direct message on `port`: its payload
-    /// is read from the sender's memory into a one-packet buffer and the
-    /// packet goes through the same logic as a parsed frame's. A fault
-    /// reading the payload stops the message; the carrier reports it to the
-    /// sender ([`Device::direct_source_fault`]).
+    /// Receives packet `index` of a direct message on `port`: the packet
+    /// goes through the same logic as a parsed frame's, and its payload is
+    /// copied once, from the sender's memory straight to where it lands
+    /// (after a probe that it is readable, so a fault is found before the
+    /// receiver acts on the packet, as on the wire path). A memory that
+    /// cannot be probed is read into a one-packet buffer first. A fault
+    /// reading the payload stops the message; the carrier reports it to
+    /// the sender ([`Device::direct_source_fault`]).
     pub(crate) fn receive_direct(
         &mut self,
         port: u8,
@@ -167,8 +178,23 @@ impl Device {
         if self.is_fatal() {
             return Ok(());
         }
-        let (repr, _) = &msg.packets[index];
+        let (repr, range) = &msg.packets[index];
+        let pieces = &msg.pieces[range.clone()];
         let len = repr.payload_len;
+        if let Some(source) = &msg.source
+            && let Some(probe) = source.probe_read(pieces)
+        {
+            probe?;
+            let payload = RxData::InMemory(SourceSpan {
+                mem: source.as_ref(),
+                pieces,
+                len,
+            });
+            self.receive_packet(port, &[], &Rx { repr, payload });
+            // Set only if the sender's driver unmapped the source between
+            // the probe and the copy.
+            return self.direct_source_fault_seen.take().map_or(Ok(()), Err);
+        }
         let mut buf = std::mem::take(&mut self.scratch);
         if buf.len() < len {
             buf.resize(len, 0);
@@ -182,7 +208,7 @@ impl Device {
                 &[],
                 &Rx {
                     repr,
-                    payload: &buf[..len],
+                    payload: RxData::Bytes(&buf[..len]),
                 },
             );
         }

@@ -60,12 +60,12 @@ pub(crate) fn rnr_timer_ns(code: u8) -> u64 {
 }
 
 /// A packet as the transport sees it: its validated headers and its
-/// payload (in a received frame, or read from the sender's memory by
+/// payload (in a received frame, or still in the sender's memory with
 /// direct placement).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Rx<'a> {
     pub repr: &'a crate::wire::PacketRepr,
-    pub payload: &'a [u8],
+    pub payload: RxData<'a>,
 }
 
 impl<'a> Rx<'a> {
@@ -73,8 +73,75 @@ impl<'a> Rx<'a> {
         self.repr
     }
 
-    pub(crate) fn payload(&self) -> &'a [u8] {
+    pub(crate) fn payload(&self) -> RxData<'a> {
         self.payload
+    }
+}
+
+/// A received payload: bytes in hand, or (direct placement) pieces of the
+/// sender's memory that placement copies straight to their destination.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RxData<'a> {
+    Bytes(&'a [u8]),
+    InMemory(SourceSpan<'a>),
+}
+
+impl RxData<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::Bytes(b) => b.len(),
+            Self::InMemory(span) => span.len,
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A payload still in the sender's memory: `(bus address, length)` pieces
+/// in order, `len` bytes in all, probed readable when the packet arrived.
+#[derive(Clone, Copy)]
+pub(crate) struct SourceSpan<'a> {
+    pub mem: &'a dyn crate::host::HostMemory,
+    pub pieces: &'a [(u64, usize)],
+    pub len: usize,
+}
+
+impl std::fmt::Debug for SourceSpan<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourceSpan")
+            .field("pieces", &self.pieces)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SourceSpan<'_> {
+    /// Calls `f(bus_address, at, n)` for the source pieces of bytes
+    /// `offset..offset + len` of the payload, `at` counting from `offset`.
+    pub(crate) fn for_each_piece<E>(
+        &self,
+        offset: usize,
+        len: usize,
+        mut f: impl FnMut(u64, usize, usize) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let (mut start, mut at) = (0usize, 0usize);
+        for &(bus, piece_len) in self.pieces {
+            if at == len {
+                break;
+            }
+            let end = start + piece_len;
+            let from = offset + at;
+            if from < end {
+                let skip = from - start;
+                let n = (piece_len - skip).min(len - at);
+                f(bus + skip as u64, at, n)?;
+                at += n;
+            }
+            start = end;
+        }
+        Ok(())
     }
 }
 
