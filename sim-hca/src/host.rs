@@ -54,15 +54,23 @@ pub trait HostMemory: Send + Sync {
     /// Copies `data` to bus address `addr`.
     fn write(&self, addr: u64, data: &[u8]) -> Result<(), DmaFault>;
 
-    /// Checks, touching no byte, that the device may read each
-    /// `(bus address, length)` piece: `Some(Err)` with the first piece
-    /// refused (a fault, as a read of it would be), `None` when this memory
-    /// cannot tell without reading. Direct placement (the fast mode) probes
-    /// a packet's payload before the receiver acts on it, then copies it
-    /// with [`copy_to`](Self::copy_to); without a probe it reads the payload
-    /// into a packet buffer first.
-    fn probe_read(&self, pieces: &[(u64, usize)]) -> Option<Result<(), DmaFault>> {
-        let _ = pieces;
+    /// Checks, touching no byte, that the device may access each
+    /// `(bus address, length)` piece in `direction`: `Some(Err((i, fault)))`
+    /// for the first piece `i` refused (a fault, counted as the access
+    /// would be), `None` when this memory cannot tell without accessing.
+    /// Direct placement (the fast mode) probes a message's payload before
+    /// the receiver acts on it, and a destination before it defers a copy
+    /// there ([`copy_to`](Self::copy_to)); without a probe it reads each
+    /// payload into a packet buffer first. A memory that probes also
+    /// accepts one `copy_to` for pieces contiguous on both sides, so every
+    /// mapping must be separately probed (adjacent mappings of another
+    /// buffer in bus space would merge: `SimMemory` leaves a hole).
+    fn probe(
+        &self,
+        pieces: &[(u64, usize)],
+        direction: DmaDirection,
+    ) -> Option<Result<(), (usize, DmaFault)>> {
+        let _ = (pieces, direction);
         None
     }
 
@@ -275,10 +283,16 @@ fn copy_between(
 }
 
 impl HostMemory for SimMemory {
-    fn probe_read(&self, pieces: &[(u64, usize)]) -> Option<Result<(), DmaFault>> {
+    fn probe(
+        &self,
+        pieces: &[(u64, usize)],
+        direction: DmaDirection,
+    ) -> Option<Result<(), (usize, DmaFault)>> {
         let mut inner = self.lock();
-        Some(pieces.iter().try_for_each(|&(addr, len)| {
-            Self::resolve_or_fault(&mut inner, addr, len, DmaDirection::Read).map(|_| ())
+        Some(pieces.iter().enumerate().try_for_each(|(i, &(addr, len))| {
+            Self::resolve_or_fault(&mut inner, addr, len, direction)
+                .map(|_| ())
+                .map_err(|fault| (i, fault))
         }))
     }
 
@@ -466,13 +480,17 @@ mod tests {
         let mut out = [0u8; 4096];
         b.cpu_read(b1, 0, &mut out);
         assert!(out.iter().all(|&x| x == 0), "nothing written");
-        // A probe refuses what a read would, and counts it.
-        assert_eq!(a.probe_read(&[(bus_a, 4096)]), Some(Ok(())));
+        // A probe refuses what an access would, and counts it.
+        assert_eq!(a.probe(&[(bus_a, 4096)], DmaDirection::Read), Some(Ok(())));
         assert!(matches!(
-            a.probe_read(&[(bus_a, 10), (bus_a + 4090, 10)]),
-            Some(Err(_))
+            a.probe(&[(bus_a, 10), (bus_a + 4090, 10)], DmaDirection::Read),
+            Some(Err((1, f))) if f.addr == bus_a + 4090
         ));
-        assert_eq!(a.faults(), 2);
+        assert!(matches!(
+            b.probe(&[(bus_b + 4096, 1)], DmaDirection::Write),
+            Some(Err((0, f))) if f.direction == DmaDirection::Write
+        ));
+        assert_eq!((a.faults(), b.faults()), (2, 2));
     }
 
     #[test]

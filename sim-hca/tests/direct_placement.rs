@@ -14,6 +14,7 @@
 //!   issue 13).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use hca_prm::cqe::Cqe;
 use ib_types::abi::Be32;
@@ -24,7 +25,7 @@ use ib_types::wr::{RemoteAddr, SendFlags, SendOp, SendWr};
 use proptest::prelude::*;
 use sim_hca::device::{Device, DeviceConfig, DeviceCounters, PortCounters};
 use sim_hca::fast::FastFabric;
-use sim_hca::host::{DmaFault, HostMemory, InterruptSink, SimMemory};
+use sim_hca::host::{DmaDirection, DmaFault, HostMemory, InterruptSink, SimMemory};
 use sim_hca::testkit::{Cq, Driver, Mr, Qp};
 
 struct NoIrq;
@@ -501,8 +502,15 @@ impl HostMemory for ProbedTooEarly {
         self.0.write(addr, data)
     }
 
-    fn probe_read(&self, _pieces: &[(u64, usize)]) -> Option<Result<(), DmaFault>> {
-        Some(Ok(()))
+    fn probe(
+        &self,
+        pieces: &[(u64, usize)],
+        direction: DmaDirection,
+    ) -> Option<Result<(), (usize, DmaFault)>> {
+        match direction {
+            DmaDirection::Read => Some(Ok(())),
+            DmaDirection::Write => self.0.probe(pieces, direction),
+        }
     }
 }
 
@@ -545,4 +553,78 @@ fn a_source_fault_during_the_copy_is_the_senders() {
         nodes[1].drv.read_mr(&nodes[1].mr, 0, 8192) == before,
         "nothing placed"
     );
+}
+
+/// A memory that counts the copies made from it.
+struct CountingCopies(Arc<SimMemory>, Arc<AtomicUsize>);
+
+impl HostMemory for CountingCopies {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), DmaFault> {
+        self.0.read(addr, buf)
+    }
+
+    fn write(&self, addr: u64, data: &[u8]) -> Result<(), DmaFault> {
+        self.0.write(addr, data)
+    }
+
+    fn probe(
+        &self,
+        pieces: &[(u64, usize)],
+        direction: DmaDirection,
+    ) -> Option<Result<(), (usize, DmaFault)>> {
+        self.0.probe(pieces, direction)
+    }
+
+    fn copy_to(
+        &self,
+        from: u64,
+        dest: &dyn HostMemory,
+        to: u64,
+        len: usize,
+    ) -> Result<(), sim_hca::host::CopyFault> {
+        self.1.fetch_add(1, Ordering::Relaxed);
+        self.0.copy_to(from, dest, to, len)
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self.0.as_ref())
+    }
+}
+
+/// The packets of a directly placed message are checked one by one but
+/// their payloads are copied together: a 1 MiB write (256 packets) takes
+/// two copies — the first 255 packets' (contiguous on both sides), then the
+/// last packet's, made as it completes the message.
+#[test]
+fn a_direct_write_copies_its_packets_together() {
+    const MIB: usize = 1 << 20;
+    let copies = Arc::new(AtomicUsize::new(0));
+    let (fabric, mut nodes, _) = setup_with(true, MIB, Mtu::Mtu4096, |mem| {
+        Arc::new(CountingCopies(mem, copies.clone())) as Arc<dyn HostMemory>
+    });
+    let remote = RemoteAddr {
+        addr: nodes[1].mr.va,
+        rkey: nodes[1].mr.rkey,
+    };
+    let n = &mut nodes[0];
+    let sg = [Driver::sge(&n.mr, 0, MIB as u32)];
+    let wr = SendWr {
+        wr_id: 1,
+        op: SendOp::RdmaWrite { remote },
+        flags: SendFlags::SIGNALED,
+        sg_list: &sg,
+        ud: None,
+    };
+    fabric
+        .with_device(0, |dev| {
+            n.drv.post_send(dev, &mut n.qp, &wr, None, None, true)
+        })
+        .unwrap();
+    let cqe: Option<Cqe> = fabric.with_device(0, |_| n.drv.poll_cq(&mut n.cq));
+    assert_eq!(cqe.map(|c| c.status), Some(0), "the write completed");
+    assert!(
+        nodes[1].drv.read_mr(&nodes[1].mr, 0, MIB) == nodes[0].drv.read_mr(&nodes[0].mr, 0, MIB),
+        "the write landed"
+    );
+    assert_eq!(copies.load(Ordering::Relaxed), 2);
 }

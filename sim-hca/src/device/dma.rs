@@ -9,8 +9,8 @@ use hca_prm::ctx::BufDesc;
 use hca_prm::mpt::{MptEntry, MptKind, key_index, key_tag, mtt_locate};
 use ib_types::access::AccessFlags;
 
-use crate::host::{CopyFault, DmaFault, HostMemory};
-use crate::transport::RxData;
+use crate::host::{CopyFault, DmaDirection, DmaFault, HostMemory};
+use crate::transport::{DeferredCopy, RxData, defer_copy};
 
 /// Why a translated access failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,6 +137,26 @@ impl Mtt {
         match data {
             RxData::Bytes(bytes) => self.write(mem, range, offset, &bytes[skip..skip + len]),
             RxData::InMemory(span) => self.for_each_piece(range, offset, len, |to, r| {
+                // Deferred: the destination is probed now, so a fault is
+                // found at this packet, as a write would find it.
+                if let Some(defer) = span.defer
+                    && let Some(probe) = mem.probe(&[(to, r.len())], DmaDirection::Write)
+                {
+                    probe.map_err(|(_, f)| XlateError::Fault(f))?;
+                    let mut copies = defer.borrow_mut();
+                    return span.for_each_piece(skip + r.start, r.len(), |from, at, n| {
+                        defer_copy(
+                            &mut copies,
+                            DeferredCopy {
+                                from,
+                                to: to + at as u64,
+                                len: n,
+                                packet: span.packet,
+                            },
+                        );
+                        Ok(())
+                    });
+                }
                 span.for_each_piece(skip + r.start, r.len(), |from, at, n| {
                     span.mem
                         .copy_to(from, mem, to + at as u64, n)

@@ -94,6 +94,9 @@ pub struct Device {
     /// a packet probed readable (its driver unmapped it meanwhile); the
     /// carrier reports it to the sender.
     pub(crate) direct_source_fault_seen: Option<crate::host::DmaFault>,
+    /// Copies direct placement deferred within a message (kept for its
+    /// capacity between messages).
+    pub(crate) deferred_copies: Vec<crate::transport::DeferredCopy>,
     /// Direct placement (fast mode): payloads of RC/UC data packets go from
     /// the sender's memory to the receiver's without a frame. See
     /// [`Device::set_direct_placement`].
@@ -143,6 +146,7 @@ impl Device {
             message_pool: Vec::new(),
             scratch: Vec::new(),
             direct_source_fault_seen: None,
+            deferred_copies: Vec::new(),
             direct: false,
             payload_passes: 0,
         }

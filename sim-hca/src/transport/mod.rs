@@ -100,12 +100,42 @@ impl RxData<'_> {
 }
 
 /// A payload still in the sender's memory: `(bus address, length)` pieces
-/// in order, `len` bytes in all, probed readable when the packet arrived.
+/// in order, `len` bytes in all, probed readable when the message arrived.
 #[derive(Clone, Copy)]
 pub(crate) struct SourceSpan<'a> {
     pub mem: &'a dyn crate::host::HostMemory,
     pub pieces: &'a [(u64, usize)],
     pub len: usize,
+    /// Where placement may defer its copies (merged with the previous
+    /// packets'), for the carrier to make before anything the packet
+    /// causes can be observed; `None`: copy now.
+    pub defer: Option<&'a std::cell::RefCell<Vec<DeferredCopy>>>,
+    /// The packet's index in its message.
+    pub packet: usize,
+}
+
+/// A copy direct placement put off: `len` bytes from bus address `from` of
+/// the sender's memory to `to` of the receiver's, first needed by packet
+/// `packet` of the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DeferredCopy {
+    pub from: u64,
+    pub to: u64,
+    pub len: usize,
+    pub packet: usize,
+}
+
+/// Adds a copy to `copies`, merged into the last one when it continues it
+/// on both sides.
+pub(crate) fn defer_copy(copies: &mut Vec<DeferredCopy>, copy: DeferredCopy) {
+    if let Some(last) = copies.last_mut()
+        && last.from + last.len as u64 == copy.from
+        && last.to + last.len as u64 == copy.to
+    {
+        last.len += copy.len;
+        return;
+    }
+    copies.push(copy);
 }
 
 impl std::fmt::Debug for SourceSpan<'_> {
