@@ -288,7 +288,7 @@ impl FastFabric {
         let fault = {
             let mut dev = lock(&self.nodes[att.node]);
             dev.set_time(self.now_ns());
-            let fault = (0..msg.len()).find(|&i| dev.receive_direct(att.port, msg, i).is_err());
+            let fault = dev.receive_message(att.port, msg);
             Self::collect(&mut dev, att.node, transit);
             fault
         };

@@ -32,6 +32,17 @@ pub struct DmaFault {
     pub direction: DmaDirection,
 }
 
+/// Which side of a copy between two memories faulted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum CopyFault {
+    /// Reading the source.
+    #[error("source: {0}")]
+    Source(DmaFault),
+    /// Writing the destination.
+    #[error("destination: {0}")]
+    Destination(DmaFault),
+}
+
 /// Host memory as the device sees it.
 ///
 /// Implementations take `&self` because the CPU side uses the same memory
@@ -42,6 +53,50 @@ pub trait HostMemory: Send + Sync {
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), DmaFault>;
     /// Copies `data` to bus address `addr`.
     fn write(&self, addr: u64, data: &[u8]) -> Result<(), DmaFault>;
+
+    /// Checks, touching no byte, that the device may access each
+    /// `(bus address, length)` piece in `direction`: `Some(Err((i, fault)))`
+    /// for the first piece `i` refused (a fault, counted as the access
+    /// would be), `None` when this memory cannot tell without accessing.
+    /// Direct placement (the fast mode) probes a message's payload before
+    /// the receiver acts on it, and a destination before it defers a copy
+    /// there ([`copy_to`](Self::copy_to)); without a probe it reads each
+    /// payload into a packet buffer first. A memory that probes also
+    /// accepts one `copy_to` for pieces contiguous on both sides, so every
+    /// mapping must be separately probed (adjacent mappings of another
+    /// buffer in bus space would merge: `SimMemory` leaves a hole).
+    fn probe(
+        &self,
+        pieces: &[(u64, usize)],
+        direction: DmaDirection,
+    ) -> Option<Result<(), (usize, DmaFault)>> {
+        let _ = (pieces, direction);
+        None
+    }
+
+    /// Copies `len` bytes from bus address `from` of this memory to bus
+    /// address `to` of `dest` (possibly this memory), as a DMA engine
+    /// moving data between two devices' views does. All or nothing: a
+    /// fault on either side touches no byte. The default goes through a
+    /// bounce buffer; an implementation that can reach both memories copies
+    /// once.
+    fn copy_to(
+        &self,
+        from: u64,
+        dest: &dyn HostMemory,
+        to: u64,
+        len: usize,
+    ) -> Result<(), CopyFault> {
+        let mut bounce = vec![0; len];
+        self.read(from, &mut bounce).map_err(CopyFault::Source)?;
+        dest.write(to, &bounce).map_err(CopyFault::Destination)
+    }
+
+    /// This memory as [`Any`](std::any::Any), for a `copy_to` that
+    /// recognises a destination of its own type; `None` by default.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 /// Where the device's interrupts go.
@@ -186,7 +241,123 @@ impl SimMemory {
     }
 }
 
+impl SimMemory {
+    /// Resolves a device access of `len` bytes at `addr`, counting a fault
+    /// when it is refused.
+    fn resolve_or_fault(
+        inner: &mut Inner,
+        addr: u64,
+        len: usize,
+        direction: DmaDirection,
+    ) -> Result<(BufferId, usize), DmaFault> {
+        match inner.resolve(addr, len) {
+            Some((id, at)) => Ok((id, at as usize)),
+            None => {
+                inner.faults += 1;
+                Err(DmaFault {
+                    addr,
+                    len,
+                    direction,
+                })
+            }
+        }
+    }
+}
+
+/// Copies `len` bytes from `from` in `src` to `to` in `dst`, two memories
+/// locked by the caller; the source is resolved first.
+fn copy_between(
+    src: &mut Inner,
+    from: u64,
+    dst: &mut Inner,
+    to: u64,
+    len: usize,
+) -> Result<(), CopyFault> {
+    let (src_id, src_at) = SimMemory::resolve_or_fault(src, from, len, DmaDirection::Read)
+        .map_err(CopyFault::Source)?;
+    let (dst_id, dst_at) = SimMemory::resolve_or_fault(dst, to, len, DmaDirection::Write)
+        .map_err(CopyFault::Destination)?;
+    let out = dst.buffers.get_mut(&dst_id).expect("mapped buffer is live");
+    out[dst_at..dst_at + len].copy_from_slice(&src.buffers[&src_id][src_at..src_at + len]);
+    Ok(())
+}
+
 impl HostMemory for SimMemory {
+    fn probe(
+        &self,
+        pieces: &[(u64, usize)],
+        direction: DmaDirection,
+    ) -> Option<Result<(), (usize, DmaFault)>> {
+        let mut inner = self.lock();
+        Some(pieces.iter().enumerate().try_for_each(|(i, &(addr, len))| {
+            Self::resolve_or_fault(&mut inner, addr, len, direction)
+                .map(|_| ())
+                .map_err(|fault| (i, fault))
+        }))
+    }
+
+    fn copy_to(
+        &self,
+        from: u64,
+        dest: &dyn HostMemory,
+        to: u64,
+        len: usize,
+    ) -> Result<(), CopyFault> {
+        let Some(dest_sim) = dest.as_any().and_then(|d| d.downcast_ref::<SimMemory>()) else {
+            // Another kind of memory: through a bounce buffer.
+            let mut bounce = vec![0; len];
+            self.read(from, &mut bounce).map_err(CopyFault::Source)?;
+            return dest.write(to, &bounce).map_err(CopyFault::Destination);
+        };
+        if std::ptr::eq(self, dest_sim) {
+            let mut inner = self.lock();
+            let (src_id, src_at) =
+                Self::resolve_or_fault(&mut inner, from, len, DmaDirection::Read)
+                    .map_err(CopyFault::Source)?;
+            let (dst_id, dst_at) = Self::resolve_or_fault(&mut inner, to, len, DmaDirection::Write)
+                .map_err(CopyFault::Destination)?;
+            if src_id == dst_id {
+                let buf = inner
+                    .buffers
+                    .get_mut(&src_id)
+                    .expect("mapped buffer is live");
+                buf.copy_within(src_at..src_at + len, dst_at);
+            } else {
+                // Two buffers of one map: lend the destination out of the
+                // map for the copy (moves a `Vec` header, not its bytes).
+                let mut out = std::mem::take(
+                    inner
+                        .buffers
+                        .get_mut(&dst_id)
+                        .expect("mapped buffer is live"),
+                );
+                out[dst_at..dst_at + len]
+                    .copy_from_slice(&inner.buffers[&src_id][src_at..src_at + len]);
+                *inner
+                    .buffers
+                    .get_mut(&dst_id)
+                    .expect("mapped buffer is live") = out;
+            }
+            return Ok(());
+        }
+        // Two memories: both locks, always taken in address order, so two
+        // copies in opposite directions cannot deadlock (no other path
+        // holds one `SimMemory` lock while taking another).
+        if (self as *const Self) < (dest_sim as *const Self) {
+            let mut src = self.lock();
+            let mut dst = dest_sim.lock();
+            copy_between(&mut src, from, &mut dst, to, len)
+        } else {
+            let mut dst = dest_sim.lock();
+            let mut src = self.lock();
+            copy_between(&mut src, from, &mut dst, to, len)
+        }
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
     fn read(&self, addr: u64, out: &mut [u8]) -> Result<(), DmaFault> {
         let mut inner = self.lock();
         match inner.resolve(addr, out.len()) {
@@ -260,6 +431,66 @@ mod tests {
         mem.free(buf);
         assert!(mem.write(bus, &[1]).is_err());
         assert!(mem.map(buf, 0, 4096).is_none());
+    }
+
+    #[test]
+    fn copy_to_moves_bytes_between_and_within_memories() {
+        let a = SimMemory::new(0x10_0000_0000);
+        let b = SimMemory::new(0x20_0000_0000);
+        let (a1, a2, b1) = (a.alloc(8192), a.alloc(4096), b.alloc(4096));
+        let (bus_a1, bus_a2) = (a.map(a1, 0, 8192).unwrap(), a.map(a2, 0, 4096).unwrap());
+        let bus_b1 = b.map(b1, 0, 4096).unwrap();
+        let data: Vec<u8> = (0..=255).collect();
+        a.cpu_write(a1, 100, &data);
+        let mut out = [0u8; 256];
+        // Across memories, both ways (the locks are taken in one order).
+        a.copy_to(bus_a1 + 100, &b, bus_b1 + 7, 256).unwrap();
+        b.cpu_read(b1, 7, &mut out);
+        assert_eq!(out[..], data[..]);
+        b.copy_to(bus_b1 + 7, &a, bus_a2 + 1000, 256).unwrap();
+        a.cpu_read(a2, 1000, &mut out);
+        assert_eq!(out[..], data[..]);
+        // Within one memory: another buffer, and the same one overlapping.
+        a.copy_to(bus_a2 + 1000, &a, bus_a1 + 5000, 256).unwrap();
+        a.cpu_read(a1, 5000, &mut out);
+        assert_eq!(out[..], data[..]);
+        a.copy_to(bus_a1 + 5000, &a, bus_a1 + 5010, 256).unwrap();
+        a.cpu_read(a1, 5010, &mut out);
+        assert_eq!(out[..], data[..]);
+        assert_eq!(a.faults() + b.faults(), 0);
+    }
+
+    #[test]
+    fn a_faulting_copy_blames_its_side_and_touches_nothing() {
+        let a = SimMemory::new(0x10_0000_0000);
+        let b = SimMemory::new(0x20_0000_0000);
+        let (a1, b1) = (a.alloc(4096), b.alloc(4096));
+        let (bus_a, bus_b) = (a.map(a1, 0, 4096).unwrap(), b.map(b1, 0, 4096).unwrap());
+        a.cpu_write(a1, 0, &[9; 4096]);
+        // Runs past the end of the source, then of the destination.
+        let err = a.copy_to(bus_a + 4000, &b, bus_b, 200).unwrap_err();
+        assert!(matches!(err, CopyFault::Source(f) if f.direction == DmaDirection::Read));
+        let err = a.copy_to(bus_a, &b, bus_b + 4000, 200).unwrap_err();
+        assert!(matches!(err, CopyFault::Destination(f) if f.direction == DmaDirection::Write));
+        assert_eq!(
+            (a.faults(), b.faults()),
+            (1, 1),
+            "each fault counted where it was"
+        );
+        let mut out = [0u8; 4096];
+        b.cpu_read(b1, 0, &mut out);
+        assert!(out.iter().all(|&x| x == 0), "nothing written");
+        // A probe refuses what an access would, and counts it.
+        assert_eq!(a.probe(&[(bus_a, 4096)], DmaDirection::Read), Some(Ok(())));
+        assert!(matches!(
+            a.probe(&[(bus_a, 10), (bus_a + 4090, 10)], DmaDirection::Read),
+            Some(Err((1, f))) if f.addr == bus_a + 4090
+        ));
+        assert!(matches!(
+            b.probe(&[(bus_b + 4096, 1)], DmaDirection::Write),
+            Some(Err((0, f))) if f.direction == DmaDirection::Write
+        ));
+        assert_eq!((a.faults(), b.faults()), (2, 2));
     }
 
     #[test]

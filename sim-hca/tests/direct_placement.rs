@@ -6,13 +6,15 @@
 //!   keys, short receive buffers) runs on a fast-mode fabric that places
 //!   data directly and on one that keeps every packet a frame; memory,
 //!   completions (byte for byte), port and device counters must be equal.
-//! - Bytes touched: each payload byte of a 1 MiB RDMA write is touched 4
-//!   times on the direct path (source read, packet buffer written and
-//!   read, destination written) and 6 on the wire path (gathered into the
-//!   frame, ICRC, ICRC check, placed). Before this change the wire path
-//!   touched each byte 12 times (issue 13).
+//! - Bytes touched: each payload byte of a 1 MiB RDMA write is touched
+//!   twice on the direct path (read from the source and written to the
+//!   destination in one copy) and 6 times on the wire path (gathered into
+//!   the frame, ICRC, ICRC check, placed). The wire path once touched each
+//!   byte 12 times, and the first direct path 4 (through a packet buffer;
+//!   issue 13).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use hca_prm::cqe::Cqe;
 use ib_types::abi::Be32;
@@ -23,7 +25,7 @@ use ib_types::wr::{RemoteAddr, SendFlags, SendOp, SendWr};
 use proptest::prelude::*;
 use sim_hca::device::{Device, DeviceConfig, DeviceCounters, PortCounters};
 use sim_hca::fast::FastFabric;
-use sim_hca::host::{InterruptSink, SimMemory};
+use sim_hca::host::{DmaDirection, DmaFault, HostMemory, InterruptSink, SimMemory};
 use sim_hca::testkit::{Cq, Driver, Mr, Qp};
 
 struct NoIrq;
@@ -44,6 +46,16 @@ struct Node {
 /// Two nodes with an RC QP each, connected, and a region of `mr_len`
 /// bytes each filled with a per-node pattern.
 fn setup(direct: bool, mr_len: usize, mtu: Mtu) -> (FastFabric, Vec<Node>, Vec<Arc<SimMemory>>) {
+    setup_with(direct, mr_len, mtu, |mem| mem)
+}
+
+/// [`setup`], the devices seeing their memories through `view`.
+fn setup_with(
+    direct: bool,
+    mr_len: usize,
+    mtu: Mtu,
+    view: impl Fn(Arc<SimMemory>) -> Arc<dyn HostMemory>,
+) -> (FastFabric, Vec<Node>, Vec<Arc<SimMemory>>) {
     let mems: Vec<Arc<SimMemory>> = (0..2)
         .map(|i| Arc::new(SimMemory::new(0x40_0000_0000 * (i + 1))))
         .collect();
@@ -51,7 +63,7 @@ fn setup(direct: bool, mr_len: usize, mtu: Mtu) -> (FastFabric, Vec<Node>, Vec<A
         .map(|i| {
             Device::new(
                 DeviceConfig::with_ports(0x100 + i as u64, &[IPS[i]]),
-                mems[i].clone(),
+                view(mems[i].clone()),
                 Arc::new(NoIrq),
             )
         })
@@ -414,8 +426,9 @@ fn touches_per_byte(direct: bool) -> (u64, bool) {
 }
 
 #[test]
-fn a_direct_write_touches_each_payload_byte_four_times() {
-    assert_eq!(touches_per_byte(true), (4, true));
+fn a_direct_write_touches_each_payload_byte_twice() {
+    // Read once from the source, written once to the destination.
+    assert_eq!(touches_per_byte(true), (2, true));
 }
 
 #[test]
@@ -474,4 +487,144 @@ fn a_source_dma_fault_fails_the_write_on_both_paths() {
     assert_eq!(direct.1[1].1.rx_packets, 0, "nothing placed");
     assert_eq!(wire.1, direct.1, "the same counters");
     assert!(wire.2 == direct.2, "the same memory");
+}
+
+/// A memory whose probe always says yes, as if the driver unmapped the
+/// source between the receiver's probe and its copy.
+struct ProbedTooEarly(Arc<SimMemory>);
+
+impl HostMemory for ProbedTooEarly {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), DmaFault> {
+        self.0.read(addr, buf)
+    }
+
+    fn write(&self, addr: u64, data: &[u8]) -> Result<(), DmaFault> {
+        self.0.write(addr, data)
+    }
+
+    fn probe(
+        &self,
+        pieces: &[(u64, usize)],
+        direction: DmaDirection,
+    ) -> Option<Result<(), (usize, DmaFault)>> {
+        match direction {
+            DmaDirection::Read => Some(Ok(())),
+            DmaDirection::Write => self.0.probe(pieces, direction),
+        }
+    }
+}
+
+/// The source of a directly placed write faults during the copy itself
+/// (after the probe): the fault is the sender's — its write completes with
+/// LOC_PROT_ERR and it counts the DMA fault — not the receiver's, whose
+/// memory is untouched.
+#[test]
+fn a_source_fault_during_the_copy_is_the_senders() {
+    use zerocopy::IntoBytes;
+    let (fabric, mut nodes, mems) = setup_with(true, 8192, Mtu::Mtu1024, |mem| {
+        Arc::new(ProbedTooEarly(mem)) as Arc<dyn HostMemory>
+    });
+    let before = nodes[1].drv.read_mr(&nodes[1].mr, 0, 8192);
+    assert!(mems[0].unmap(nodes[0].mr.buf.bus));
+    let remote = RemoteAddr {
+        addr: nodes[1].mr.va,
+        rkey: nodes[1].mr.rkey,
+    };
+    let n = &mut nodes[0];
+    let sg = [Driver::sge(&n.mr, 0, 8192)];
+    let wr = SendWr {
+        wr_id: 1,
+        op: SendOp::RdmaWrite { remote },
+        flags: SendFlags::SIGNALED,
+        sg_list: &sg,
+        ud: None,
+    };
+    fabric
+        .with_device(0, |dev| {
+            n.drv.post_send(dev, &mut n.qp, &wr, None, None, true)
+        })
+        .unwrap();
+    let cqes = fabric.with_device(0, |_| n.drv.drain_cq(&mut n.cq));
+    let first = <Cqe as zerocopy::FromBytes>::read_from_bytes(cqes[0].as_bytes()).unwrap();
+    assert_eq!(first.status, ib_types::wc::WcStatus::LocProtErr.code());
+    let faults = |i| fabric.with_device(i, |d| d.counters().dma_faults);
+    assert_eq!((faults(0), faults(1)), (1, 0), "the sender's fault");
+    assert!(
+        nodes[1].drv.read_mr(&nodes[1].mr, 0, 8192) == before,
+        "nothing placed"
+    );
+}
+
+/// A memory that counts the copies made from it.
+struct CountingCopies(Arc<SimMemory>, Arc<AtomicUsize>);
+
+impl HostMemory for CountingCopies {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), DmaFault> {
+        self.0.read(addr, buf)
+    }
+
+    fn write(&self, addr: u64, data: &[u8]) -> Result<(), DmaFault> {
+        self.0.write(addr, data)
+    }
+
+    fn probe(
+        &self,
+        pieces: &[(u64, usize)],
+        direction: DmaDirection,
+    ) -> Option<Result<(), (usize, DmaFault)>> {
+        self.0.probe(pieces, direction)
+    }
+
+    fn copy_to(
+        &self,
+        from: u64,
+        dest: &dyn HostMemory,
+        to: u64,
+        len: usize,
+    ) -> Result<(), sim_hca::host::CopyFault> {
+        self.1.fetch_add(1, Ordering::Relaxed);
+        self.0.copy_to(from, dest, to, len)
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self.0.as_ref())
+    }
+}
+
+/// The packets of a directly placed message are checked one by one but
+/// their payloads are copied together: a 1 MiB write (256 packets) takes
+/// two copies — the first 255 packets' (contiguous on both sides), then the
+/// last packet's, made as it completes the message.
+#[test]
+fn a_direct_write_copies_its_packets_together() {
+    const MIB: usize = 1 << 20;
+    let copies = Arc::new(AtomicUsize::new(0));
+    let (fabric, mut nodes, _) = setup_with(true, MIB, Mtu::Mtu4096, |mem| {
+        Arc::new(CountingCopies(mem, copies.clone())) as Arc<dyn HostMemory>
+    });
+    let remote = RemoteAddr {
+        addr: nodes[1].mr.va,
+        rkey: nodes[1].mr.rkey,
+    };
+    let n = &mut nodes[0];
+    let sg = [Driver::sge(&n.mr, 0, MIB as u32)];
+    let wr = SendWr {
+        wr_id: 1,
+        op: SendOp::RdmaWrite { remote },
+        flags: SendFlags::SIGNALED,
+        sg_list: &sg,
+        ud: None,
+    };
+    fabric
+        .with_device(0, |dev| {
+            n.drv.post_send(dev, &mut n.qp, &wr, None, None, true)
+        })
+        .unwrap();
+    let cqe: Option<Cqe> = fabric.with_device(0, |_| n.drv.poll_cq(&mut n.cq));
+    assert_eq!(cqe.map(|c| c.status), Some(0), "the write completed");
+    assert!(
+        nodes[1].drv.read_mr(&nodes[1].mr, 0, MIB) == nodes[0].drv.read_mr(&nodes[0].mr, 0, MIB),
+        "the write landed"
+    );
+    assert_eq!(copies.load(Ordering::Relaxed), 2);
 }

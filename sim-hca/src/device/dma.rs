@@ -9,7 +9,8 @@ use hca_prm::ctx::BufDesc;
 use hca_prm::mpt::{MptEntry, MptKind, key_index, key_tag, mtt_locate};
 use ib_types::access::AccessFlags;
 
-use crate::host::{DmaFault, HostMemory};
+use crate::host::{CopyFault, DmaDirection, DmaFault, HostMemory};
+use crate::transport::{DeferredCopy, RxData, defer_copy};
 
 /// Why a translated access failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,6 +19,9 @@ pub(crate) enum XlateError {
     BadMtt,
     /// The host refused the access.
     Fault(DmaFault),
+    /// Direct placement: the host refused to read the sender's memory
+    /// (the source, not this buffer).
+    Source(DmaFault),
 }
 
 impl From<DmaFault> for XlateError {
@@ -116,6 +120,53 @@ impl Mtt {
             pieces.push((bus, r.len()));
             Ok(())
         })
+    }
+
+    /// Places bytes `skip..skip + len` of a received payload at `offset`
+    /// of the buffer: written from bytes in hand, or copied straight from
+    /// the sender's memory (direct placement: one read, one write).
+    pub(crate) fn place(
+        &self,
+        mem: &dyn HostMemory,
+        range: MttRange,
+        offset: u64,
+        data: &RxData<'_>,
+        skip: usize,
+        len: usize,
+    ) -> Result<(), XlateError> {
+        match data {
+            RxData::Bytes(bytes) => self.write(mem, range, offset, &bytes[skip..skip + len]),
+            RxData::InMemory(span) => self.for_each_piece(range, offset, len, |to, r| {
+                // Deferred: the destination is probed now, so a fault is
+                // found at this packet, as a write would find it.
+                if let Some(defer) = span.defer
+                    && let Some(probe) = mem.probe(&[(to, r.len())], DmaDirection::Write)
+                {
+                    probe.map_err(|(_, f)| XlateError::Fault(f))?;
+                    let mut copies = defer.borrow_mut();
+                    return span.for_each_piece(skip + r.start, r.len(), |from, at, n| {
+                        defer_copy(
+                            &mut copies,
+                            DeferredCopy {
+                                from,
+                                to: to + at as u64,
+                                len: n,
+                                packet: span.packet,
+                            },
+                        );
+                        Ok(())
+                    });
+                }
+                span.for_each_piece(skip + r.start, r.len(), |from, at, n| {
+                    span.mem
+                        .copy_to(from, mem, to + at as u64, n)
+                        .map_err(|fault| match fault {
+                            CopyFault::Source(f) => XlateError::Source(f),
+                            CopyFault::Destination(f) => XlateError::Fault(f),
+                        })
+                })
+            }),
+        }
     }
 
     /// Writes `data` at `offset` of the buffer.

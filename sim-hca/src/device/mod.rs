@@ -87,8 +87,16 @@ pub struct Device {
     /// Spent direct messages, reused likewise.
     pub(crate) message_pool: Vec<DirectMessage>,
     /// The packet buffer direct placement reads a payload into (one
-    /// packet's worth), reused across packets.
+    /// packet's worth) when the sender's memory cannot be probed, reused
+    /// across packets.
     pub(crate) scratch: Vec<u8>,
+    /// Direct placement: reading the sender's memory failed while placing
+    /// a packet probed readable (its driver unmapped it meanwhile); the
+    /// carrier reports it to the sender.
+    pub(crate) direct_source_fault_seen: Option<crate::host::DmaFault>,
+    /// Copies direct placement deferred within a message (kept for its
+    /// capacity between messages).
+    pub(crate) deferred_copies: Vec<crate::transport::DeferredCopy>,
     /// Direct placement (fast mode): payloads of RC/UC data packets go from
     /// the sender's memory to the receiver's without a frame. See
     /// [`Device::set_direct_placement`].
@@ -137,6 +145,8 @@ impl Device {
             frame_pool: Vec::new(),
             message_pool: Vec::new(),
             scratch: Vec::new(),
+            direct_source_fault_seen: None,
+            deferred_copies: Vec::new(),
             direct: false,
             payload_passes: 0,
         }
@@ -145,8 +155,8 @@ impl Device {
     /// Turns direct placement on or off (off when built). On, the payload
     /// of an RC or UC send, RDMA write or RDMA read response that gathers
     /// from memory travels as a reference to the sender's memory: the
-    /// receiver reads it from there once, straight into a one-packet
-    /// buffer, and places it, as a real HCA's DMA engines do. Headers,
+    /// receiver copies it from there once, straight to where it lands, as
+    /// a real HCA's DMA engines do. Headers,
     /// every protection check, PSNs, ACKs and completions are those of the
     /// wire path; only the frame (serialisation, ICRC, copies) is skipped.
     /// For a fabric that neither captures nor injects faults (the fast

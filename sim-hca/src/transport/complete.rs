@@ -11,7 +11,7 @@ use ib_types::wc::WcStatus;
 use ib_types::wr::Transport;
 
 use super::send::{Copy, MAX_WQE_BYTES, transport_of};
-use super::{Rx, ack_timeout_ns, rnr_timer_ns};
+use super::{Rx, RxData, ack_timeout_ns, rnr_timer_ns};
 use crate::device::Device;
 use crate::device::qp::Qp;
 use crate::wire::ext::{ExtRepr, NakCode, Syndrome};
@@ -256,7 +256,7 @@ impl Device {
         // The original value lands in local memory in host byte order.
         let bytes = orig.to_le_bytes();
         let result = self.with_wqe(qp, r.bb_start, &mut buf, |dev, qp, wqe| match wqe.payload {
-            Payload::Data(sges) => dev.sge_copy(qp, sges, 0, Copy::In(&bytes)),
+            Payload::Data(sges) => dev.sge_copy(qp, sges, 0, Copy::In(RxData::Bytes(&bytes))),
             Payload::Inline(_) => Err(WcStatus::LocQpOpErr),
         });
         self.progress_made(qp);

@@ -9,18 +9,32 @@
 //! path's logic packet by packet — the same key checks, headers, PSNs and
 //! counters — but instead of a frame it records each packet's headers and
 //! where its payload lies in its own memory (bus address pieces, resolved
-//! through its MTT after the lkey check). The receiver reads each packet's
-//! payload from there into a one-packet buffer and hands the packet to the
-//! same receive logic as a parsed frame's. No ICRC is computed: nothing on
-//! a direct path can corrupt a byte, and nothing captures it.
+//! through its MTT after the lkey check). The receiver hands each packet to
+//! the same receive logic as a parsed frame's, its payload still in the
+//! sender's memory ([`RxData::InMemory`]); placement copies it once,
+//! straight from there to the destination ([`HostMemory::copy_to`]): each
+//! payload byte is read once and written once. The copies of a message's
+//! packets before its last are merged where they continue each other and
+//! made just before the last packet is received, so a 1 MiB write is two
+//! copies, not 256 ([`Device::receive_message`]). No ICRC is computed:
+//! nothing on a direct path can corrupt a byte, and nothing captures it.
+//! A memory that cannot be probed ([`HostMemory::probe`] returns `None`)
+//! is read into a one-packet buffer first (two copies per byte).
 //!
 //! A DMA fault reading the source is the sender's fault (as a failed
-//! gather is on the wire path): the receiver stops at that packet and the
-//! carrier reports it to the sender ([`Device::direct_source_fault`]). The
-//! one difference from the wire path: the fault is found when the
-//! receiver reads, after the sender queued the message, so traffic queued
-//! in between may still be processed.
+//! gather is on the wire path): the receiver probes the message's payload
+//! before acting on it, stops at the first packet that faults, and the
+//! carrier reports it to the sender ([`Device::direct_source_fault`]).
+//! The destination is probed when a copy is deferred, so a fault there is
+//! the receiver's at the same packet as on the wire path. The one
+//! difference from the wire path: the source fault is found when the
+//! receiver probes, after the sender queued the message, so traffic
+//! queued in between may still be processed. A source unmapped between
+//! the probe and the copy (a race with the sender's driver) fails the
+//! copy, touching no destination byte, and is reported to the sender at
+//! the first packet that copy was for.
 
+use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -32,7 +46,9 @@ use crate::device::Device;
 use crate::host::{DmaFault, HostMemory};
 use crate::wire::PacketRepr;
 
-use super::Rx;
+use super::{DeferredCopy, Rx, RxData, SourceSpan};
+use crate::host::{CopyFault, DmaDirection};
+use crate::wire::opcode::Position;
 
 /// What a device sends: a frame, or (direct placement) a message.
 #[derive(Debug)]
@@ -153,12 +169,99 @@ impl Device {
         }
     }
 
-    /// Receives packet `index` of a direct message on `port`: its payload
-    /// is read from the sender's memory into a one-packet buffer and the
-    /// packet goes through the same logic as a parsed frame's. A fault
-    /// reading the payload stops the message; the carrier reports it to the
-    /// sender ([`Device::direct_source_fault`]).
-    pub(crate) fn receive_direct(
+    /// Receives a direct message on `port`, packet by packet, through the
+    /// same logic as parsed frames'. Its payload is copied once, from the
+    /// sender's memory straight to where it lands: the source is probed
+    /// readable first (so a fault is found before the receiver acts on the
+    /// packet, as on the wire path), and the copies of the packets before
+    /// the message's last are merged and made before that packet — the
+    /// one that completes it — is received (nothing the receiver did in
+    /// between can be observed: its completions and events come with the
+    /// last packet, or report an error, after which the message's data is
+    /// undefined anyway; its ACKs leave when the carrier collects them).
+    /// A memory that cannot be probed is read into a one-packet buffer
+    /// first. Returns the packet the sender's memory could not be read
+    /// for, which ends the message; the carrier reports it to the sender
+    /// ([`Device::direct_source_fault`]).
+    pub(crate) fn receive_message(&mut self, port: u8, msg: &DirectMessage) -> Option<usize> {
+        let source = msg.source.clone()?;
+        let readable = match source.probe(&msg.pieces, DmaDirection::Read) {
+            None => {
+                return (0..msg.len()).find(|&i| self.receive_buffered(port, msg, i).is_err());
+            }
+            Some(Ok(())) => msg.len(),
+            Some(Err((piece, _))) => msg
+                .packets
+                .iter()
+                .position(|(_, range)| range.contains(&piece))
+                .unwrap_or(0),
+        };
+        let copies = RefCell::new(std::mem::take(&mut self.deferred_copies));
+        let mut fault = None;
+        for (index, (repr, range)) in msg.packets[..readable].iter().enumerate() {
+            if self.is_fatal() {
+                break;
+            }
+            let last = matches!(
+                repr.bth.opcode.info().position,
+                Position::Last | Position::Only
+            );
+            if last && let Err(at) = self.make_deferred_copies(source.as_ref(), &copies) {
+                fault = Some(at);
+                break;
+            }
+            let payload = RxData::InMemory(SourceSpan {
+                mem: source.as_ref(),
+                pieces: &msg.pieces[range.clone()],
+                len: repr.payload_len,
+                defer: (!last).then_some(&copies),
+                packet: index,
+            });
+            self.receive_packet(port, &[], &Rx { repr, payload });
+            // Set only if the sender's driver unmapped the source between
+            // the probe and a copy made now.
+            if self.direct_source_fault_seen.take().is_some() {
+                fault = Some(index);
+                break;
+            }
+        }
+        if fault.is_none() {
+            fault = self.make_deferred_copies(source.as_ref(), &copies).err();
+        }
+        let mut copies = copies.into_inner();
+        copies.clear();
+        self.deferred_copies = copies;
+        fault.or((readable < msg.len()).then_some(readable))
+    }
+
+    /// Makes the copies placement deferred; on a fault reading the source,
+    /// the packet that first needed the failed copy (the rest are dropped).
+    fn make_deferred_copies(
+        &mut self,
+        source: &dyn HostMemory,
+        copies: &RefCell<Vec<DeferredCopy>>,
+    ) -> Result<(), usize> {
+        let mut copies = copies.borrow_mut();
+        let mut result = Ok(());
+        for copy in copies.iter() {
+            match source.copy_to(copy.from, self.mem.as_ref(), copy.to, copy.len) {
+                Ok(()) => {}
+                Err(CopyFault::Source(_)) => {
+                    result = Err(copy.packet);
+                    break;
+                }
+                // Probed writable when deferred: the receiver's driver
+                // unmapped it since, a fault of this device's.
+                Err(CopyFault::Destination(_)) => self.note_fault(),
+            }
+        }
+        copies.clear();
+        result
+    }
+
+    /// Receives packet `index` of a direct message whose source cannot be
+    /// probed: its payload is read into a one-packet buffer first.
+    fn receive_buffered(
         &mut self,
         port: u8,
         msg: &DirectMessage,
@@ -182,7 +285,7 @@ impl Device {
                 &[],
                 &Rx {
                     repr,
-                    payload: &buf[..len],
+                    payload: RxData::Bytes(&buf[..len]),
                 },
             );
         }

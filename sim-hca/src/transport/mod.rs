@@ -60,12 +60,12 @@ pub(crate) fn rnr_timer_ns(code: u8) -> u64 {
 }
 
 /// A packet as the transport sees it: its validated headers and its
-/// payload (in a received frame, or read from the sender's memory by
+/// payload (in a received frame, or still in the sender's memory with
 /// direct placement).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Rx<'a> {
     pub repr: &'a crate::wire::PacketRepr,
-    pub payload: &'a [u8],
+    pub payload: RxData<'a>,
 }
 
 impl<'a> Rx<'a> {
@@ -73,8 +73,105 @@ impl<'a> Rx<'a> {
         self.repr
     }
 
-    pub(crate) fn payload(&self) -> &'a [u8] {
+    pub(crate) fn payload(&self) -> RxData<'a> {
         self.payload
+    }
+}
+
+/// A received payload: bytes in hand, or (direct placement) pieces of the
+/// sender's memory that placement copies straight to their destination.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RxData<'a> {
+    Bytes(&'a [u8]),
+    InMemory(SourceSpan<'a>),
+}
+
+impl RxData<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::Bytes(b) => b.len(),
+            Self::InMemory(span) => span.len,
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A payload still in the sender's memory: `(bus address, length)` pieces
+/// in order, `len` bytes in all, probed readable when the message arrived.
+#[derive(Clone, Copy)]
+pub(crate) struct SourceSpan<'a> {
+    pub mem: &'a dyn crate::host::HostMemory,
+    pub pieces: &'a [(u64, usize)],
+    pub len: usize,
+    /// Where placement may defer its copies (merged with the previous
+    /// packets'), for the carrier to make before anything the packet
+    /// causes can be observed; `None`: copy now.
+    pub defer: Option<&'a std::cell::RefCell<Vec<DeferredCopy>>>,
+    /// The packet's index in its message.
+    pub packet: usize,
+}
+
+/// A copy direct placement put off: `len` bytes from bus address `from` of
+/// the sender's memory to `to` of the receiver's, first needed by packet
+/// `packet` of the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DeferredCopy {
+    pub from: u64,
+    pub to: u64,
+    pub len: usize,
+    pub packet: usize,
+}
+
+/// Adds a copy to `copies`, merged into the last one when it continues it
+/// on both sides.
+pub(crate) fn defer_copy(copies: &mut Vec<DeferredCopy>, copy: DeferredCopy) {
+    if let Some(last) = copies.last_mut()
+        && last.from + last.len as u64 == copy.from
+        && last.to + last.len as u64 == copy.to
+    {
+        last.len += copy.len;
+        return;
+    }
+    copies.push(copy);
+}
+
+impl std::fmt::Debug for SourceSpan<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourceSpan")
+            .field("pieces", &self.pieces)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SourceSpan<'_> {
+    /// Calls `f(bus_address, at, n)` for the source pieces of bytes
+    /// `offset..offset + len` of the payload, `at` counting from `offset`.
+    pub(crate) fn for_each_piece<E>(
+        &self,
+        offset: usize,
+        len: usize,
+        mut f: impl FnMut(u64, usize, usize) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let (mut start, mut at) = (0usize, 0usize);
+        for &(bus, piece_len) in self.pieces {
+            if at == len {
+                break;
+            }
+            let end = start + piece_len;
+            let from = offset + at;
+            if from < end {
+                let skip = from - start;
+                let n = (piece_len - skip).min(len - at);
+                f(bus + skip as u64, at, n)?;
+                at += n;
+            }
+            start = end;
+        }
+        Ok(())
     }
 }
 

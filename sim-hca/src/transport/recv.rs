@@ -14,9 +14,9 @@ use ib_types::wr::{Sge, Transport};
 use super::Rx;
 use super::direct::Origin;
 use super::send::{Copy, Route, transport_of};
-use super::{MAX_SGES, RecvState, ResourceKind, RespResource, WriteState};
+use super::{MAX_SGES, RecvState, ResourceKind, RespResource, RxData, WriteState};
 use crate::device::Device;
-use crate::device::dma::{MttRange, Need, check_key};
+use crate::device::dma::{MttRange, Need, XlateError, check_key};
 use crate::device::qp::{Qp, special_index};
 use crate::wire::bth::BthRepr;
 use crate::wire::ext::{
@@ -92,7 +92,7 @@ impl Device {
             frame,
             &Rx {
                 repr: pkt.repr(),
-                payload: pkt.payload(),
+                payload: RxData::Bytes(pkt.payload()),
             },
         );
     }
@@ -342,7 +342,7 @@ impl Device {
     }
 
     /// Places `data` at the receive's current offset.
-    fn place(&mut self, qp: &Qp, recv: &mut RecvState, data: &[u8]) -> Result<(), WcStatus> {
+    fn place(&mut self, qp: &Qp, recv: &mut RecvState, data: RxData<'_>) -> Result<(), WcStatus> {
         let room: u64 = recv.sges[..recv.num_sges]
             .iter()
             .map(|s| u64::from(s.length.get()))
@@ -429,7 +429,7 @@ impl Device {
         let mut grh = [0u8; GRH_LEN];
         grh[20..].copy_from_slice(ip_header);
         let placed = self
-            .place(qp, &mut recv, &grh)
+            .place(qp, &mut recv, RxData::Bytes(&grh))
             .and_then(|()| self.place(qp, &mut recv, pkt.payload()));
         let op = imm.map_or(RecvOp::Send, RecvOp::SendImm);
         let pkey_index = self
@@ -805,14 +805,27 @@ impl Device {
             let va = write.va + u64::from(write.offset);
             let grant =
                 self.remote_grant(qp, write.rkey, va, payload.len() as u64, Need::RemoteWrite)?;
-            let written = self.hca.as_ref().is_some_and(|h| {
-                h.mtt
-                    .write(self.mem.as_ref(), grant.range, grant.offset, payload)
-                    .is_ok()
+            let written = self.hca.as_ref().map(|h| {
+                h.mtt.place(
+                    self.mem.as_ref(),
+                    grant.range,
+                    grant.offset,
+                    &payload,
+                    0,
+                    payload.len(),
+                )
             });
-            if !written {
-                self.note_fault();
-                return Err(RespError::remote_access());
+            match written {
+                Some(Ok(())) => {}
+                // The sender's memory, not ours (see `sge_copy`).
+                Some(Err(XlateError::Source(fault))) => {
+                    self.direct_source_fault_seen = Some(fault);
+                    return Err(RespError::remote_access());
+                }
+                _ => {
+                    self.note_fault();
+                    return Err(RespError::remote_access());
+                }
             }
             self.touch(2, payload.len());
         }

@@ -9,9 +9,9 @@ use ib_types::wc::WcStatus;
 use ib_types::wr::Transport;
 
 use super::direct::Origin;
-use super::{ACK_REQ_INTERVAL, SendRecord, ack_timeout_ns};
+use super::{ACK_REQ_INTERVAL, RxData, SendRecord, ack_timeout_ns};
 use crate::device::Device;
-use crate::device::dma::{KeyError, MttRange, Need, check_key};
+use crate::device::dma::{KeyError, MttRange, Need, XlateError, check_key};
 use crate::device::qp::Qp;
 use crate::wire::bth::BthRepr;
 use crate::wire::eth::MacAddr;
@@ -550,11 +550,13 @@ impl Device {
                     grant.offset,
                     &mut out[done..done + chunk],
                 ),
-                Copy::In(data) => hca.mtt.write(
+                Copy::In(data) => hca.mtt.place(
                     self.mem.as_ref(),
                     grant.range,
                     grant.offset,
-                    &data[done..done + chunk],
+                    data,
+                    done,
+                    chunk,
                 ),
                 Copy::Locate(_, pieces) => hca.mtt.locate(grant.range, grant.offset, chunk, pieces),
             };
@@ -562,9 +564,18 @@ impl Device {
                 // A copy reads and writes every byte.
                 self.payload_passes = self.payload_passes.wrapping_add(2 * chunk as u64);
             }
-            if result.is_err() {
-                self.counters.dma_faults = self.counters.dma_faults.wrapping_add(1);
-                return Err(WcStatus::LocProtErr);
+            match result {
+                Ok(()) => {}
+                // The sender's memory, not ours (a race with its driver:
+                // the payload was probed readable when it arrived).
+                Err(XlateError::Source(fault)) => {
+                    self.direct_source_fault_seen = Some(fault);
+                    return Err(WcStatus::LocProtErr);
+                }
+                Err(_) => {
+                    self.counters.dma_faults = self.counters.dma_faults.wrapping_add(1);
+                    return Err(WcStatus::LocProtErr);
+                }
             }
             done += chunk;
             skip = 0;
@@ -848,8 +859,8 @@ impl Device {
 pub(crate) enum Copy<'a> {
     /// From the SGEs into this buffer (gather).
     Out(&'a mut [u8]),
-    /// From this buffer into the SGEs (scatter).
-    In(&'a [u8]),
+    /// From this payload into the SGEs (scatter).
+    In(RxData<'a>),
     /// No copy: this many bytes of the SGEs, checked as a gather, are
     /// appended to the list as (bus address, length) pieces, for direct
     /// placement to read later.
@@ -860,7 +871,7 @@ impl Copy<'_> {
     fn len(&self) -> usize {
         match self {
             Self::Out(b) => b.len(),
-            Self::In(b) => b.len(),
+            Self::In(data) => data.len(),
             Self::Locate(len, _) => *len,
         }
     }
