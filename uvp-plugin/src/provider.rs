@@ -344,7 +344,7 @@ impl Provider {
                 return Err(IbStatus::InvalidCqHandle);
             }
             if let Some(srq) = srq
-                && !s.srqs.contains_key(&srq)
+                && s.srqs.get(&srq).is_none_or(|o| o.ca != call.handle)
             {
                 return Err(IbStatus::InvalidSrqHandle);
             }
