@@ -46,6 +46,7 @@ use ib_types::av::AvAttr;
 use ib_types::cq::{CqAttr, CqNotify};
 use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::ioctl::{OpenCaOut, QpCreated as QpCreatedOut, QueryAvOut, VerbId};
+use ib_types::mr::MwAttr;
 use ib_types::qp::{QpCreate, QpModify, QpState, QpType};
 use ib_types::srq::{SrqAttr, SrqCreate};
 use ib_types::status::IbStatus;
@@ -187,6 +188,8 @@ struct State {
     /// QP handle -> its send and receive CQs' handles (a reset marks them).
     qp_cqs: HashMap<u64, [u64; 2]>,
     srqs: HashMap<u64, Arc<Owned<Srq>>>,
+    /// Window handle -> its CA (whose context knows the window's type).
+    mws: HashMap<u64, u64>,
 }
 
 /// The provider of one process: every context it opened and their objects.
@@ -596,6 +599,21 @@ impl Provider {
         Ok(())
     }
 
+    /// After a successful `AllocMw` in one of this provider's PDs: the
+    /// window's context records its type, which its bind WQEs carry.
+    fn post_alloc_mw(&self, call: &PostCall<'_>) -> Result<(), IbStatus> {
+        let attr: MwAttr = exact(call.input)?;
+        let mut s = self.state();
+        let Some(&ca) = s.pds.get(&call.handle) else {
+            return Ok(());
+        };
+        if let Some(ctx) = s.contexts.get(&ca) {
+            ctx.record_window(call.created, attr.mw_type);
+        }
+        s.mws.insert(call.created, ca);
+        Ok(())
+    }
+
     fn post_destroy(&self, call: &PostCall<'_>) {
         let mut s = self.state();
         match call.verb {
@@ -603,6 +621,7 @@ impl Provider {
                 let ca = call.handle;
                 s.contexts.remove(&ca);
                 s.pds.retain(|_, c| *c != ca);
+                s.mws.retain(|_, c| *c != ca);
                 s.avs.retain(|_, av| av.ca != ca);
                 // QPs before the SRQs and CQs their pollers know.
                 s.qps.retain(|_, o| o.ca != ca);
@@ -623,6 +642,13 @@ impl Provider {
             }
             VerbId::DestroySrq => {
                 s.srqs.remove(&call.handle);
+            }
+            VerbId::DeallocMw => {
+                if let Some(ca) = s.mws.remove(&call.handle)
+                    && let Some(ctx) = s.contexts.get(&ca)
+                {
+                    ctx.forget_window(call.handle);
+                }
             }
             _ => {}
         }
@@ -724,6 +750,7 @@ impl UserVerbsProvider for Provider {
                 self.state().pds.insert(call.created, call.handle);
                 Ok(())
             }
+            (VerbId::AllocMw, _) => self.post_alloc_mw(call),
             (_, Some(pending)) => self.post_create(call, pending),
             (VerbId::ModifyQp, _) => self.post_modify_qp(call),
             _ => {
