@@ -188,8 +188,6 @@ struct State {
     /// QP handle -> its send and receive CQs' handles (a reset marks them).
     qp_cqs: HashMap<u64, [u64; 2]>,
     srqs: HashMap<u64, Arc<Owned<Srq>>>,
-    /// Window handle -> its CA (whose context knows the window's type).
-    mws: HashMap<u64, u64>,
 }
 
 /// The provider of one process: every context it opened and their objects.
@@ -603,14 +601,10 @@ impl Provider {
     /// window's context records its type, which its bind WQEs carry.
     fn post_alloc_mw(&self, call: &PostCall<'_>) -> Result<(), IbStatus> {
         let attr: MwAttr = exact(call.input)?;
-        let mut s = self.state();
-        let Some(&ca) = s.pds.get(&call.handle) else {
-            return Ok(());
-        };
-        if let Some(ctx) = s.contexts.get(&ca) {
+        let s = self.state();
+        if let Some(ctx) = s.pds.get(&call.handle).and_then(|ca| s.contexts.get(ca)) {
             ctx.record_window(call.created, attr.mw_type);
         }
-        s.mws.insert(call.created, ca);
         Ok(())
     }
 
@@ -621,7 +615,6 @@ impl Provider {
                 let ca = call.handle;
                 s.contexts.remove(&ca);
                 s.pds.retain(|_, c| *c != ca);
-                s.mws.retain(|_, c| *c != ca);
                 s.avs.retain(|_, av| av.ca != ca);
                 // QPs before the SRQs and CQs their pollers know.
                 s.qps.retain(|_, o| o.ca != ca);
@@ -644,9 +637,8 @@ impl Provider {
                 s.srqs.remove(&call.handle);
             }
             VerbId::DeallocMw => {
-                if let Some(ca) = s.mws.remove(&call.handle)
-                    && let Some(ctx) = s.contexts.get(&ca)
-                {
+                // Handles are unique: only the window's context knows it.
+                for ctx in s.contexts.values() {
                     ctx.forget_window(call.handle);
                 }
             }
