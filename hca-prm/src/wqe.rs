@@ -813,9 +813,10 @@ impl<'a> SendWqe<'a> {
     /// it; the builder never dereferences an address) and must be exactly
     /// their total length; without INLINE it must be `None`.
     ///
-    /// A bind is emitted for a type 2 window (the only kind verbs post as a
-    /// work request); a type 1 bind is built by setting
-    /// [`Bind::mw_type`] on the result.
+    /// A bind is emitted for a type 2 window (a work request does not say
+    /// its window's type); a type 1 bind is built by setting
+    /// [`Bind::mw_type`] on the result, as the kernel and the UVP do from
+    /// the type they recorded for the window.
     pub fn from_wr(
         wr: &SendWr<'a>,
         av: Option<&Av>,

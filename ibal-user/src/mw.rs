@@ -2,7 +2,9 @@
 //! the proxy (`AllocMw`, `QueryMw`, `DeallocMw`); bound by a work request
 //! on a QP of the window's PD, which the plugin writes into the send ring
 //! like any other (the request surface has no Bind MW verb: the kernel's
-//! part is the window's entry, the device checks the bind).
+//! part is the window's entry, the device checks the bind). Both types
+//! bind this way (PRM 7.1, 10.2): the plugin recorded the window's type at
+//! `AllocMw` and its bind segment carries it.
 
 use std::marker::PhantomData;
 
@@ -116,12 +118,15 @@ impl<'pd, 'mr> Mw<'pd, 'mr> {
     /// completion is `MwBindErr` and the device keeps the old binding). A
     /// type 2 window is bound to `qp`: only requests arriving on it may use
     /// the key, and it must be invalidated
-    /// ([`invalidate`](Self::invalidate)) before it is bound again.
+    /// ([`invalidate`](Self::invalidate)) before it is bound again. A type
+    /// 1 window is bound in any state (a new bind replaces the old one, the
+    /// old key then refused) and any QP of the PD may use its key; it is
+    /// unbound when deallocated.
     ///
     /// Refused before any post: a QP or region of another PD, a range
-    /// outside the region, a zero length (which would not unbind a type 2
-    /// window), and a type 1 window (the plugin writes only type 2 binds:
-    /// [`Error::Unsupported`]).
+    /// outside the region, and a zero length (which would not unbind a
+    /// type 2 window; this API does not offer a type 1 window's
+    /// zero-length unbind).
     pub fn bind(
         &mut self,
         qp: &mut Qp<'_, '_>,
@@ -131,11 +136,6 @@ impl<'pd, 'mr> Mw<'pd, 'mr> {
         len: u64,
         access: AccessFlags,
     ) -> Result<RKey> {
-        if self.mw_type == MwType::Type1 {
-            return Err(Error::Unsupported(
-                "binding a type 1 window from user mode (the plugin writes type 2 binds only)",
-            ));
-        }
         if !std::ptr::eq(qp.pd(), self.pd) || !std::ptr::eq(mr.pd(), self.pd) {
             return Err(Error::InvalidArgument(
                 "the QP and the region must be of the window's PD",

@@ -666,16 +666,6 @@ fn a_type_2_window_grants_its_range_to_the_peer_and_nothing_else() {
         let pbuf = Buffer::new(&peer, 4096).unwrap();
         let pmr = Mr::new(&ppd, &pbuf, AccessFlags::LOCAL_WRITE).unwrap();
 
-        // A type 1 window is allocated, queried and freed; binding it from
-        // user mode is refused before any post.
-        let mut type1 = Mw::new(&opd, MwType::Type1).unwrap();
-        assert_eq!(type1.query().unwrap().attr.mw_type, MwType::Type1);
-        assert!(matches!(
-            type1.bind(&mut oqp, 1, &omr, 0, 64, AccessFlags::REMOTE_READ),
-            Err(Error::Unsupported(_))
-        ));
-        drop(type1);
-
         let mut mw = Mw::new(&opd, MwType::Type2).unwrap();
         let first = mw.rkey();
         let query = mw.query().unwrap();
@@ -750,6 +740,108 @@ fn a_type_2_window_grants_its_range_to_the_peer_and_nothing_else() {
         assert_eq!(now, expected, "nothing written past the window");
         // The window goes before its region (its lifetime says so) and
         // the device unbinds it at deallocation.
+        drop(mw);
+    }
+    w.finish(&process);
+}
+
+/// A type 1 window (IBA 10.6.7.2.1): bound by the plugin's own bind WQE
+/// (PRM 10.2, `mw_type` 1) on a QP of its PD, with the consumer's next
+/// key; rebound in place with another key (the old one refused); the
+/// peer's RDMA write and read through it byte-checked, and a write past
+/// its end refused with nothing written.
+#[test]
+fn a_type_1_window_is_bound_from_user_mode_and_grants_only_its_range() {
+    let w = World::new(74);
+    let process = Process::new(83);
+    let io = w.io(&process);
+    {
+        let owner = Context::open(&io, CaSelector::Index(0), &PluginSource::Linked).unwrap();
+        let peer = Context::open(&io, CaSelector::Index(1), &PluginSource::Linked).unwrap();
+        let (opd, ppd) = (Pd::new(&owner).unwrap(), Pd::new(&peer).unwrap());
+        let (ocq, pcq) = (Cq::new(&owner, 8).unwrap(), Cq::new(&peer, 8).unwrap());
+        let mut oqp = Qp::new(&opd, &ocq, &ocq, &RC).unwrap();
+        let mut pqp = Qp::new(&ppd, &pcq, &pcq, &RC).unwrap();
+        connect(
+            &oqp,
+            0,
+            &pqp,
+            1,
+            AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+        );
+        let obuf = Buffer::new(&owner, 8192).unwrap();
+        let before = pattern(41, 8192);
+        obuf.write(0, &before).unwrap();
+        let omr = Mr::new(&opd, &obuf, AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND).unwrap();
+        let pbuf = Buffer::new(&peer, 4096).unwrap();
+        let pmr = Mr::new(&ppd, &pbuf, AccessFlags::LOCAL_WRITE).unwrap();
+
+        let mut mw = Mw::new(&opd, MwType::Type1).unwrap();
+        let first = mw.rkey();
+        assert_eq!(mw.query().unwrap().attr.mw_type, MwType::Type1);
+        let requests = process.requests_issued();
+        // First bound to 512 bytes at 0, then rebound without unbinding
+        // (a type 1 window may be bound in any state) to 2048 bytes at
+        // 4096: each bind brings a new key, the device's.
+        let rw = AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        let old = mw.bind(&mut oqp, 1, &omr, 0, 512, rw).unwrap();
+        assert_eq!(outcomes(&drain(&w, &ocq)), [(1, WcStatus::Success)]);
+        assert_ne!(old, first);
+        assert_eq!(mw.query().unwrap().attr.rkey, old);
+        const START: u64 = 4096;
+        const LEN: u64 = 2048;
+        let rkey = mw.bind(&mut oqp, 2, &omr, START, LEN, rw).unwrap();
+        assert_eq!(outcomes(&drain(&w, &ocq)), [(2, WcStatus::Success)]);
+        assert_ne!(rkey, old);
+        assert_eq!(mw.query().unwrap().attr.rkey, rkey, "the device's key");
+        assert_eq!(process.requests_issued(), requests + 2, "two queries only");
+        let window = obuf.va() + START;
+
+        // The peer writes 512 bytes into the window and reads 256 back.
+        let written = pattern(8, 512);
+        pbuf.write(0, &written).unwrap();
+        let psge = [Sge::new(pbuf.va(), 512, pmr.keys().lkey)];
+        let remote = RemoteAddr {
+            addr: window + 300,
+            rkey,
+        };
+        pqp.post_send(&[send(10, SendOp::RdmaWrite { remote }, &psge, None)])
+            .unwrap();
+        assert_eq!(outcomes(&drain(&w, &pcq)), [(10, WcStatus::Success)]);
+        let mut expected = before.clone();
+        expected[(START + 300) as usize..][..512].copy_from_slice(&written);
+        let mut now = vec![0; 8192];
+        obuf.read(0, &mut now).unwrap();
+        assert_eq!(now, expected, "the write landed in the window, only there");
+        let rsge = [Sge::new(pbuf.va() + 1024, 256, pmr.keys().lkey)];
+        let remote = RemoteAddr {
+            addr: window + LEN - 256,
+            rkey,
+        };
+        pqp.post_send(&[send(11, SendOp::RdmaRead { remote }, &rsge, None)])
+            .unwrap();
+        assert_eq!(outcomes(&drain(&w, &pcq)), [(11, WcStatus::Success)]);
+        let mut read = vec![0; 256];
+        pbuf.read(1024, &mut read).unwrap();
+        assert_eq!(read, expected[(START + LEN - 256) as usize..][..256]);
+
+        // 100 bytes straddling the window's end: a remote access error,
+        // nothing written.
+        let psge = [Sge::new(pbuf.va(), 100, pmr.keys().lkey)];
+        let remote = RemoteAddr {
+            addr: window + LEN - 10,
+            rkey,
+        };
+        pqp.post_send(&[send(12, SendOp::RdmaWrite { remote }, &psge, None)])
+            .unwrap();
+        assert_eq!(outcomes(&drain(&w, &pcq)), [(12, WcStatus::RemAccessErr)]);
+        obuf.read(0, &mut now).unwrap();
+        assert_eq!(now, expected, "nothing written past the window");
+        // A type 1 window is never invalidated; deallocation unbinds it.
+        assert!(matches!(
+            mw.invalidate(&mut oqp, 13),
+            Err(Error::InvalidArgument(_))
+        ));
         drop(mw);
     }
     w.finish(&process);

@@ -11,6 +11,7 @@ use hca_prm::uverbs::{
     OpenCaPriv, UserRange,
 };
 use hca_prm::wqe::BB_SIZE;
+use ib_types::mr::MwType;
 use ib_types::qp::{QpCaps, QpType};
 use ib_types::scalars::Qpn;
 use ib_types::wr::{Transport, WrLimits};
@@ -19,7 +20,7 @@ use crate::cq::Cq;
 use crate::dma::{DmaBuffer, Record};
 use crate::error::SetupError;
 use crate::mmio::UarPage;
-use crate::qp::{Qp, RecvQueue, SendQueue};
+use crate::qp::{Qp, RecvQueue, SendQueue, WindowTypes};
 use crate::queue::{Directory, Route};
 use crate::srq::Srq;
 
@@ -54,6 +55,7 @@ pub struct Context {
     limits: OpenCaPriv,
     uar: Arc<UarPage>,
     directory: Arc<Directory>,
+    windows: Arc<WindowTypes>,
 }
 
 /// `range` as a shared buffer.
@@ -100,7 +102,21 @@ impl Context {
             limits,
             uar: Arc::new(uar),
             directory: Arc::default(),
+            windows: Arc::default(),
         }
+    }
+
+    /// Records memory window `mw` (its handle) of this context as of
+    /// `mw_type` (the provider's `AllocMw` post): its binds posted on the
+    /// context's QPs carry that type (PRM 7.1, 10.2). A window never
+    /// recorded is bound as type 2.
+    pub fn record_window(&self, mw: u64, mw_type: MwType) {
+        self.windows.record(mw, mw_type);
+    }
+
+    /// Forgets window `mw` (deallocated).
+    pub fn forget_window(&self, mw: u64) {
+        self.windows.forget(mw);
     }
 
     /// The limits the kernel answered.
@@ -238,6 +254,7 @@ impl Context {
             BB_SIZE << layout.log_wqe_bbs,
             Arc::clone(&self.uar),
             SQ_DOORBELL,
+            Arc::clone(&self.windows),
         );
         let recv = match &layout.rq {
             Some(rq) => {

@@ -46,6 +46,7 @@ use ib_types::av::AvAttr;
 use ib_types::cq::{CqAttr, CqNotify};
 use ib_types::handle::{CqHandle, PdHandle};
 use ib_types::ioctl::{OpenCaOut, QpCreated as QpCreatedOut, QueryAvOut, VerbId};
+use ib_types::mr::MwAttr;
 use ib_types::qp::{QpCreate, QpModify, QpState, QpType};
 use ib_types::srq::{SrqAttr, SrqCreate};
 use ib_types::status::IbStatus;
@@ -344,7 +345,7 @@ impl Provider {
                 return Err(IbStatus::InvalidCqHandle);
             }
             if let Some(srq) = srq
-                && !s.srqs.contains_key(&srq)
+                && s.srqs.get(&srq).is_none_or(|o| o.ca != call.handle)
             {
                 return Err(IbStatus::InvalidSrqHandle);
             }
@@ -596,6 +597,17 @@ impl Provider {
         Ok(())
     }
 
+    /// After a successful `AllocMw` in one of this provider's PDs: the
+    /// window's context records its type, which its bind WQEs carry.
+    fn post_alloc_mw(&self, call: &PostCall<'_>) -> Result<(), IbStatus> {
+        let attr: MwAttr = exact(call.input)?;
+        let s = self.state();
+        if let Some(ctx) = s.pds.get(&call.handle).and_then(|ca| s.contexts.get(ca)) {
+            ctx.record_window(call.created, attr.mw_type);
+        }
+        Ok(())
+    }
+
     fn post_destroy(&self, call: &PostCall<'_>) {
         let mut s = self.state();
         match call.verb {
@@ -623,6 +635,12 @@ impl Provider {
             }
             VerbId::DestroySrq => {
                 s.srqs.remove(&call.handle);
+            }
+            VerbId::DeallocMw => {
+                // Handles are unique: only the window's context knows it.
+                for ctx in s.contexts.values() {
+                    ctx.forget_window(call.handle);
+                }
             }
             _ => {}
         }
@@ -724,6 +742,7 @@ impl UserVerbsProvider for Provider {
                 self.state().pds.insert(call.created, call.handle);
                 Ok(())
             }
+            (VerbId::AllocMw, _) => self.post_alloc_mw(call),
             (_, Some(pending)) => self.post_create(call, pending),
             (VerbId::ModifyQp, _) => self.post_modify_qp(call),
             _ => {

@@ -13,13 +13,15 @@
 //! before writing a byte of the ring, so a refused request leaves nothing
 //! behind; the requests before it stay posted (and announced).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use hca_prm::av::Av;
 use hca_prm::doorbell::SqDoorbell;
-use hca_prm::wqe::{BB_SIZE, WqeError, basic_blocks, build_recv_wqe, build_send_wqe};
+use hca_prm::wqe::{self, BB_SIZE, SendWqe, WqeError, WqeOp, basic_blocks, build_recv_wqe};
+use ib_types::mr::MwType;
 use ib_types::scalars::Qpn;
-use ib_types::wr::{RecvWr, SendWr, Transport, WrLimits};
+use ib_types::wr::{RecvWr, SendOp, SendWr, Transport, WrLimits};
 
 use crate::cq::Cq;
 use crate::dma::{DmaBuffer, Record};
@@ -38,6 +40,50 @@ pub struct SendRequest<'a> {
     /// The data of the SGEs, exactly when `wr.flags` has INLINE: it is
     /// copied into the WQE, so the buffer needs no registration.
     pub inline: Option<&'a [u8]>,
+}
+
+/// The types of a context's memory windows, by window handle, as the
+/// provider recorded them at `AllocMw`: a bind WQE's segment carries its
+/// window's type (PRM 10.2), and the device refuses a bind of the other
+/// type. Shared by the context's send queues; consulted for binds only.
+#[derive(Debug, Default)]
+pub(crate) struct WindowTypes(Mutex<HashMap<u64, MwType>>);
+
+impl WindowTypes {
+    fn map(&self) -> MutexGuard<'_, HashMap<u64, MwType>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn record(&self, mw: u64, mw_type: MwType) {
+        self.map().insert(mw, mw_type);
+    }
+
+    pub(crate) fn forget(&self, mw: u64) {
+        self.map().remove(&mw);
+    }
+
+    /// A window's type; type 2 for a window the context never recorded
+    /// (the device checks the bind against the window).
+    fn of(&self, mw: u64) -> MwType {
+        self.map().get(&mw).copied().unwrap_or(MwType::Type2)
+    }
+}
+
+/// Builds `request`'s WQE into `out`: the PRM builder, with a bind's
+/// segment carrying its window's type.
+fn build_send(
+    request: &SendRequest<'_>,
+    windows: &WindowTypes,
+    wqe_index: u16,
+    out: &mut [u8],
+) -> Result<usize, WqeError> {
+    let mut built = SendWqe::from_wr(&request.wr, request.av.as_ref(), wqe_index, request.inline)?;
+    if let (WqeOp::BindMw(bind), SendOp::BindMw { mw, .. }) = (&mut built.op, request.wr.op)
+        && windows.of(mw.raw()) == MwType::Type1
+    {
+        bind.mw_type = wqe::MwType::Type1;
+    }
+    built.emit(out)
 }
 
 /// Runs `posts` over `items` until one fails: how many were posted, and
@@ -78,6 +124,8 @@ pub struct SendQueue {
     /// One stride: where a WQE is built before it is copied into the ring
     /// (the ring is shared memory written only as atomic words).
     scratch: Box<[u8]>,
+    /// The context's window types, for bind WQEs.
+    windows: Arc<WindowTypes>,
 }
 
 impl SendQueue {
@@ -91,6 +139,7 @@ impl SendQueue {
         stride: usize,
         uar: Arc<UarPage>,
         doorbell_offset: u64,
+        windows: Arc<WindowTypes>,
     ) -> Self {
         Self {
             ring,
@@ -103,6 +152,7 @@ impl SendQueue {
             uar,
             doorbell_offset,
             scratch: vec![0; stride].into_boxed_slice(),
+            windows,
         }
     }
 
@@ -154,11 +204,10 @@ impl SendQueue {
     fn write_wqe(&mut self, request: &SendRequest<'_>) -> Result<(), PostErrorKind> {
         request.wr.validate(self.transport, &self.limits)?;
         let stride = self.scratch.len();
-        let len = build_send_wqe(
-            &request.wr,
-            request.av.as_ref(),
+        let len = build_send(
+            request,
+            &self.windows,
             self.producer as u16,
-            request.inline,
             &mut self.scratch,
         )
         .map_err(|e| match e {

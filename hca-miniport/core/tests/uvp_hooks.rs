@@ -589,6 +589,55 @@ fn hooks_and_data<P: UserVerbsProvider>(
     }
 }
 
+/// `pre_create_qp` takes the CQs and the SRQ only from the context the
+/// QP is created on: another context's (of the same provider and process)
+/// is refused before any IOCTL, with no ring allocated.
+#[test]
+fn pre_create_qp_refuses_another_contexts_cq_or_srq() {
+    let (w, [u, _]) = world(7);
+    let process = Process::new(52);
+    let uvp = provider(&process);
+    let lib = Lib::new(&w, u, process, &uvp);
+    let (mine, theirs) = (lib.open(), lib.open());
+    let pd = lib.ok::<AllocPd>(mine, &Empty).0;
+    let cq = lib.cq(mine, 8);
+    let their_pd = lib.ok::<AllocPd>(theirs, &Empty).0;
+    let their_cq = lib.cq(theirs, 8);
+    let srq_in = |pd: u64| SrqCreate {
+        pd: PdHandle::from_raw(pd),
+        attr: SrqAttr {
+            max_wr: 8,
+            max_sge: 1,
+            srq_limit: 0,
+        },
+    };
+    let srq = lib.ok::<CreateSrq>(mine, &srq_in(pd)).0;
+    let their_srq = lib.ok::<CreateSrq>(theirs, &srq_in(their_pd)).0;
+    let (requests, allocations) = (lib.process.requests_issued(), uvp.allocations());
+
+    let on_their_srq = qp_create(QpType::Rc, pd, cq, Some(their_srq));
+    assert_eq!(
+        lib.call::<CreateQp>(mine, &on_their_srq).err(),
+        Some(Failed::Pre(IbStatus::InvalidSrqHandle))
+    );
+    let on_their_cq = qp_create(QpType::Rc, pd, their_cq, None);
+    assert_eq!(
+        lib.call::<CreateQp>(mine, &on_their_cq).err(),
+        Some(Failed::Pre(IbStatus::InvalidCqHandle))
+    );
+    assert_eq!(lib.process.requests_issued(), requests, "no IOCTL");
+    assert_eq!(uvp.allocations(), allocations, "no ring allocated");
+
+    // With its own SRQ the same create goes through.
+    let qp = lib.qp(mine, QpType::Rc, pd, cq, Some(srq)).0;
+    lib.ok::<DestroyQp>(qp, &Empty);
+    lib.ok::<CloseCa>(mine, &Empty);
+    lib.ok::<CloseCa>(theirs, &Empty);
+    assert_eq!(uvp.allocations(), 0);
+    assert_eq!(lib.process.exit(), 0);
+    w.finish();
+}
+
 #[test]
 fn address_vector_calls_finish_in_user_mode_and_make_no_request() {
     let (w, [u, _]) = world(6);

@@ -27,6 +27,10 @@
 //!   to the calling process; anything else (a kernel object, another
 //!   context's or process's object, a stale or wrong-kind handle) is
 //!   refused with the kind's invalid-handle status and changes nothing.
+//!   A request made on a context (a create naming its parents, a region
+//!   moved or shared into a PD) may name only that context's objects: a
+//!   PD, CQ or SRQ of another context of the same process is refused the
+//!   same way (`owned_by`), whatever the provider checked.
 //!   Once a request passed that check it is run by the verb's ordinary
 //!   implementation as a trusted one (queries, `ModifyQp`, `ModifySrq`).
 //!   `ModifyCa` is refused for user mode by policy with
@@ -356,6 +360,24 @@ fn owner<P: Platform>(
         .ok_or(what.invalid())
 }
 
+/// Checks that context `ctx` of `process` owns `raw` as a `what`. A
+/// request made on one context may name only that context's objects: one
+/// of another context, even of the same process, is refused like a
+/// stranger's (its rings and doorbell page are another context's).
+fn owned_by<P: Platform>(
+    o: &Objects<P>,
+    process: u64,
+    ctx: u64,
+    what: Owned,
+    raw: u64,
+) -> Result<(), IbStatus> {
+    if owner(o, process, what, raw)? == ctx {
+        Ok(())
+    } else {
+        Err(what.invalid())
+    }
+}
+
 /// The private input bytes of a user request of verb `V` (copied: the
 /// request is answered later), or `None` when the framing is bad (the
 /// decode in `accept` then answers it).
@@ -683,10 +705,8 @@ where
         let second = also(&a.input);
         let checked = self.with_objects(|o| {
             let ctx = owner(o, process, what, a.handle)?;
-            if let Some((kind, raw)) = second
-                && owner(o, process, kind, raw)? != ctx
-            {
-                return Err(kind.invalid());
+            if let Some((kind, raw)) = second {
+                owned_by(o, process, ctx, kind, raw)?;
             }
             Ok(ctx)
         });
@@ -1839,12 +1859,14 @@ where
         if port > report.capabilities.num_ports {
             return Err(IbStatus::InvalidPort);
         }
+        // Every parent must be the creating context's own.
+        let ctx = a.handle;
         self.with_objects(|o| {
-            owner(o, process, Owned::Pd, input.pd.raw())?;
-            owner(o, process, Owned::Cq, input.send_cq.raw())?;
-            owner(o, process, Owned::Cq, input.recv_cq.raw())?;
+            owned_by(o, process, ctx, Owned::Pd, input.pd.raw())?;
+            owned_by(o, process, ctx, Owned::Cq, input.send_cq.raw())?;
+            owned_by(o, process, ctx, Owned::Cq, input.recv_cq.raw())?;
             if let Some(srq) = input.srq {
-                owner(o, process, Owned::Srq, srq.raw())?;
+                owned_by(o, process, ctx, Owned::Srq, srq.raw())?;
             }
             Ok::<(), IbStatus>(())
         })??;
@@ -2012,7 +2034,7 @@ where
         if attr.srq_limit > entries {
             return Err(IbStatus::InvalidParameter);
         }
-        self.with_objects(|o| owner(o, process, Owned::Pd, a.input.pd.raw()))??;
+        self.with_objects(|o| owned_by(o, process, a.handle, Owned::Pd, a.input.pd.raw()))??;
         Ok((layout, max_sge))
     }
 }

@@ -1,0 +1,265 @@
+//! The kernel decides which objects a user request may name, whatever the
+//! provider (UVP) did: raw proxy requests, built here without the plugin,
+//! name a PD, CQ or SRQ of another user context of the same process (or of
+//! another process) in a verb issued on a context. Each is refused with
+//! the kind's invalid-handle status, and nothing is created, locked or
+//! referenced: the other context's objects are destroyed afterwards
+//! without being busy. Each test ends with the host shut down and the
+//! verifier clean.
+
+mod support;
+
+use hca_prm::uverbs::{CreateCqPriv, CreateQpPriv, CreateSrqPriv};
+use ib_types::cq::CqAttr;
+use ib_types::handle::{PdHandle, SrqHandle};
+use ib_types::ioctl::{
+    AllocPd, CloseCa, CreateCq, CreateQp, CreateSrq, DeallocPd, DestroyCq, DestroyQp, DestroySrq,
+    Empty, OpenCa, OpenCaIn, Verb,
+};
+use ib_types::qp::{QpCreate, QpType};
+use ib_types::srq::{SrqAttr, SrqCreate};
+use ib_types::status::IbStatus;
+use sim_host::caller::HostCaller;
+use sim_host::memory::Process;
+use support::{World, response};
+use zerocopy::IntoBytes;
+
+/// One user context of a process, driven by raw proxy requests.
+struct Context<'a> {
+    caller: &'a HostCaller,
+    ca: u64,
+}
+
+/// The handles one context made.
+struct Made {
+    pd: u64,
+    cq: u64,
+    srq: u64,
+}
+
+impl<'a> Context<'a> {
+    fn open(w: &World, caller: &'a HostCaller) -> Self {
+        let c = w.user_call_at::<OpenCa>(0, caller, 0, &OpenCaIn::CURRENT, &[], 64);
+        let r = response::<OpenCa>(&c);
+        assert_eq!(r.status, IbStatus::Success);
+        Self {
+            caller,
+            ca: r.handle,
+        }
+    }
+
+    fn process(&self) -> &Process {
+        self.caller.process()
+    }
+
+    /// Status and handle of one raw call.
+    fn call<V: Verb>(
+        &self,
+        w: &World,
+        handle: u64,
+        input: &V::In,
+        private: &[u8],
+    ) -> (IbStatus, u64) {
+        let c = w.user_call_at::<V>(0, self.caller, handle, input, private, 64);
+        let r = response::<V>(&c);
+        (r.status, r.handle)
+    }
+
+    #[track_caller]
+    fn made<V: Verb>(&self, w: &World, handle: u64, input: &V::In, private: &[u8]) -> u64 {
+        let (status, made) = self.call::<V>(w, handle, input, private);
+        assert_eq!(status, IbStatus::Success, "{:?}", V::ID);
+        made
+    }
+
+    /// A PD, an 8-entry CQ and an 8-deep SRQ of this context.
+    fn make_objects(&self, w: &World) -> Made {
+        let pd = self.made::<AllocPd>(w, self.ca, &Empty, &[]);
+        let ring = self.process().alloc(32 << 3).unwrap();
+        let dbr = self.process().alloc(64).unwrap();
+        let layout = CreateCqPriv::new(3, ring, dbr).unwrap();
+        let attr = CqAttr {
+            cqe: 8,
+            comp_vector: 0,
+        };
+        let cq = self.made::<CreateCq>(w, self.ca, &attr, layout.emit().as_bytes());
+        let srq = self.made::<CreateSrq>(w, self.ca, &srq_create(pd), &self.srq_layout());
+        Made { pd, cq, srq }
+    }
+
+    fn srq_layout(&self) -> Vec<u8> {
+        let ring = self.process().alloc(32 << 3).unwrap();
+        let dbr = self.process().alloc(64).unwrap();
+        let layout = CreateSrqPriv::new(3, 5, ring, dbr).unwrap();
+        layout.emit().as_bytes().to_vec()
+    }
+
+    /// Ring memory for a QP with its own receive queue, or on an SRQ.
+    fn qp_layout(&self, own_rq: bool) -> Vec<u8> {
+        let sq = self.process().alloc(64 << 3).unwrap();
+        let rq = own_rq.then(|| {
+            (
+                3,
+                5,
+                self.process().alloc(32 << 3).unwrap(),
+                self.process().alloc(64).unwrap(),
+            )
+        });
+        let layout = CreateQpPriv::new(3, 0, sq, rq).unwrap();
+        layout.emit().as_bytes().to_vec()
+    }
+
+    /// Destroys what `make_objects` made (the SRQ, CQ and PD must not be
+    /// busy: a refused create took no use of them).
+    #[track_caller]
+    fn destroy(&self, w: &World, made: &Made) {
+        assert_eq!(
+            self.call::<DestroySrq>(w, made.srq, &Empty, &[]).0,
+            IbStatus::Success
+        );
+        assert_eq!(
+            self.call::<DestroyCq>(w, made.cq, &Empty, &[]).0,
+            IbStatus::Success
+        );
+        assert_eq!(
+            self.call::<DeallocPd>(w, made.pd, &Empty, &[]).0,
+            IbStatus::Success
+        );
+    }
+}
+
+fn srq_create(pd: u64) -> SrqCreate {
+    SrqCreate {
+        pd: PdHandle::from_raw(pd),
+        attr: SrqAttr {
+            max_wr: 8,
+            max_sge: 1,
+            srq_limit: 0,
+        },
+    }
+}
+
+fn rc_create(pd: u64, send_cq: u64, recv_cq: u64, srq: Option<u64>) -> QpCreate {
+    let mut create = support::small_qp_create(QpType::Rc, pd, send_cq);
+    create.recv_cq = ib_types::handle::CqHandle::from_raw(recv_cq);
+    if let Some(srq) = srq {
+        // Receives come from the SRQ: the QP asks for no receive queue.
+        create.srq = Some(SrqHandle::from_raw(srq));
+        create.caps.max_recv_wr = 0;
+        create.caps.max_recv_sge = 0;
+    }
+    create
+}
+
+/// What a refused request must leave unchanged.
+#[derive(Debug, PartialEq, Eq)]
+struct Footprint {
+    mtt: hca_miniport_core::mr::TranslationUsage,
+    locked: usize,
+}
+
+fn footprint(w: &World, process: &Process) -> Footprint {
+    Footprint {
+        mtt: w.hca().memory_translation().unwrap().usage(),
+        locked: process.space().locked_pages(),
+    }
+}
+
+#[test]
+fn user_creates_naming_another_contexts_pd_cq_or_srq_are_refused_and_change_nothing() {
+    let w = World::deterministic(71);
+    let process = Process::new(41);
+    let caller = HostCaller::new(w.host.pool().kernel_space(), &process);
+    // Two contexts of one process, each with its own objects.
+    let a = Context::open(&w, &caller);
+    let b = Context::open(&w, &caller);
+    let mine = a.make_objects(&w);
+    let theirs = b.make_objects(&w);
+    // A third context in another process.
+    let stranger_process = Process::new(42);
+    let stranger_caller = HostCaller::new(w.host.pool().kernel_space(), &stranger_process);
+    let stranger = Context::open(&w, &stranger_caller);
+    let foreign = stranger.make_objects(&w);
+
+    let before = footprint(&w, &process);
+    for (other, whose) in [(&theirs, "same process"), (&foreign, "another process")] {
+        let refused = [
+            (
+                rc_create(mine.pd, other.cq, mine.cq, None),
+                true,
+                IbStatus::InvalidCqHandle,
+                "send CQ",
+            ),
+            (
+                rc_create(mine.pd, mine.cq, other.cq, None),
+                true,
+                IbStatus::InvalidCqHandle,
+                "receive CQ",
+            ),
+            (
+                rc_create(mine.pd, mine.cq, mine.cq, Some(other.srq)),
+                false,
+                IbStatus::InvalidSrqHandle,
+                "SRQ",
+            ),
+            (
+                rc_create(other.pd, mine.cq, mine.cq, None),
+                true,
+                IbStatus::InvalidPdHandle,
+                "PD",
+            ),
+        ];
+        for (create, own_rq, status, what) in refused {
+            let layout = a.qp_layout(own_rq);
+            let (got, _) = a.call::<CreateQp>(&w, a.ca, &create, &layout);
+            assert_eq!(got, status, "CreateQp on context A naming {whose}'s {what}");
+            assert_eq!(footprint(&w, &process), before, "{whose}'s {what}");
+        }
+        // An SRQ of context A in another context's PD.
+        let layout = a.srq_layout();
+        let (got, _) = a.call::<CreateSrq>(&w, a.ca, &srq_create(other.pd), &layout);
+        assert_eq!(got, IbStatus::InvalidPdHandle, "CreateSrq in {whose}'s PD");
+        assert_eq!(footprint(&w, &process), before);
+    }
+
+    // The same creates with A's own objects succeed: the refusals were
+    // about ownership, not the requests' shape.
+    let layout = a.qp_layout(true);
+    let qp = a.made::<CreateQp>(
+        &w,
+        a.ca,
+        &rc_create(mine.pd, mine.cq, mine.cq, None),
+        &layout,
+    );
+    let layout = a.qp_layout(false);
+    let on_srq = a.made::<CreateQp>(
+        &w,
+        a.ca,
+        &rc_create(mine.pd, mine.cq, mine.cq, Some(mine.srq)),
+        &layout,
+    );
+    assert_eq!(
+        a.call::<DestroyQp>(&w, qp, &Empty, &[]).0,
+        IbStatus::Success
+    );
+    assert_eq!(
+        a.call::<DestroyQp>(&w, on_srq, &Empty, &[]).0,
+        IbStatus::Success
+    );
+
+    // No refused create took a use of the other contexts' objects.
+    b.destroy(&w, &theirs);
+    stranger.destroy(&w, &foreign);
+    a.destroy(&w, &mine);
+    for ctx in [&a, &b, &stranger] {
+        assert_eq!(
+            ctx.call::<CloseCa>(&w, ctx.ca, &Empty, &[]).0,
+            IbStatus::Success
+        );
+    }
+    assert_eq!(w.hca().user_context_count(), 0);
+    assert_eq!(process.space().locked_pages(), 0);
+    assert_eq!(process.exit(), 0);
+    assert_eq!(stranger_process.exit(), 0);
+    w.finish();
+}
