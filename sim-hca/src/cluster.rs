@@ -44,6 +44,7 @@
 use std::any::Any;
 use std::fmt;
 use std::io::{self, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::device::{Device, DeviceConfig};
@@ -95,6 +96,9 @@ impl fmt::Display for NodeId {
 #[derive(Debug, Default)]
 pub struct IrqLog {
     raised: Mutex<Vec<u16>>,
+    /// True while `raised` may hold vectors: lets a host that collects
+    /// after every register store skip the lock when nothing was raised.
+    any: AtomicBool,
 }
 
 impl IrqLog {
@@ -111,7 +115,15 @@ impl IrqLog {
 
     /// Every vector raised since the last `take`, oldest first.
     pub fn take(&self) -> Vec<u16> {
-        std::mem::take(&mut *self.lock())
+        // Acquire: pairs with `raise`'s Release, so a vector whose flag was
+        // seen is in the list. A vector raised just after this check is
+        // taken by the next call, as if it had been raised after this one.
+        if !self.any.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        let mut raised = self.lock();
+        self.any.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *raised)
     }
 
     /// Vectors raised and not yet taken.
@@ -122,7 +134,9 @@ impl IrqLog {
 
 impl InterruptSink for IrqLog {
     fn raise(&self, vector: u16) {
-        self.lock().push(vector);
+        let mut raised = self.lock();
+        raised.push(vector);
+        self.any.store(true, Ordering::Release);
     }
 }
 
@@ -1458,6 +1472,13 @@ mod tests {
         assert_eq!(log.pending(), 3);
         assert_eq!(cluster.interrupts(a), [3, 1, 3]);
         assert!(cluster.interrupts(a).is_empty());
+        // Taking an empty log skips its lock; a vector raised after that
+        // is still taken next time.
+        assert!(cluster.interrupts(a).is_empty());
+        log.raise(2);
+        assert_eq!(log.pending(), 1);
+        assert_eq!(cluster.interrupts(a), [2]);
+        assert_eq!(log.pending(), 0);
     }
 
     #[test]

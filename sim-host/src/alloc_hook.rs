@@ -54,6 +54,16 @@ thread_local! {
     static PENDING_ALLOC: Cell<u8> = const { Cell::new(0) };
     /// The same for frees.
     static PENDING_FREE: Cell<u8> = const { Cell::new(0) };
+    /// Allocations and reallocations this thread has made, for
+    /// [`thread_allocations`].
+    static THREAD_ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Allocations and reallocations the calling thread has made through
+/// [`DriverHeapCheck`] so far (0 where it is not installed): a test takes
+/// the difference around a call that must not allocate.
+pub fn thread_allocations() -> u64 {
+    THREAD_ALLOCATIONS.try_with(Cell::get).unwrap_or(0)
 }
 
 /// True if this binary's global allocator is [`DriverHeapCheck`].
@@ -100,6 +110,9 @@ impl Drop for HostCode {
 /// constant-initialised thread-locals without destructors, so it never
 /// allocates.
 fn note(slot: &'static std::thread::LocalKey<Cell<u8>>) {
+    if core::ptr::eq(slot, &PENDING_ALLOC) {
+        let _ = THREAD_ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
+    }
     // Read first: a store on every allocation would bounce the line
     // between cores.
     if !INSTALLED.load(Ordering::Relaxed) {

@@ -523,6 +523,20 @@ impl AddressSpace {
     /// Nothing is copied on error.
     pub fn read(&self, va: u64, out: &mut [u8]) -> Result<(), MemoryError> {
         let map = read_lock(&self.shared.map);
+        // The usual access lies in one allocation: one lookup validates it
+        // whole (as `walk` would) before a byte is copied.
+        if !map.closed
+            && let Some((start, alloc)) = map.containing(va)
+            && let Some(end) = va.checked_add(out.len() as u64)
+            && end <= start + alloc.bytes()
+            && let Ok(at) = usize::try_from(va - start)
+        {
+            if alloc.pageable {
+                check_paged_access();
+            }
+            read_pages(&alloc.pages, at, out);
+            return Ok(());
+        }
         let mut pageable = false;
         map.walk(va, out.len(), false, |alloc, _, _| {
             pageable |= alloc.pageable
@@ -1120,6 +1134,16 @@ mod tests {
         );
         assert_eq!(p.read(a + 4000, &mut out), Ok(()));
         assert_eq!(out, [9; 96], "a refused write touches nothing");
+        // A read running into the guard page is refused and copies nothing.
+        let mut past = [7u8; 97];
+        assert_eq!(
+            p.read(a + 4000, &mut past),
+            Err(MemoryError::Unmapped {
+                va: a + 4000,
+                len: 97
+            })
+        );
+        assert_eq!(past, [7; 97], "a refused read copies nothing");
         // Spans pages of one allocation.
         p.write(b + 4090, &[1; 12]).unwrap();
         let mut span = [0u8; 12];

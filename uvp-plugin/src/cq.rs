@@ -5,8 +5,8 @@
 //! [`Cq::poll`] and [`Cq::arm`] take `&mut self`/`&self` of the CQ alone:
 //! one poller per CQ (wrap it in a lock to share it), with no lock shared
 //! with the posters of its QPs. The context's QP directory is read-locked
-//! once per poll to find the queues a batch completes (its writers are QP
-//! setup, reset and drop only).
+//! once per poll that finds a CQE, to find the queues a batch completes
+//! (its writers are QP setup, reset and drop only).
 
 use std::sync::Arc;
 
@@ -101,7 +101,8 @@ impl Cq {
     /// entry. The consumer record is stored once per batch.
     pub fn poll(&mut self, out: &mut [WorkCompletion]) -> usize {
         let mask = (1u32 << self.log_entries) - 1;
-        let directory = self.directory.read();
+        // Read-locked at the first CQE, so an empty poll takes no lock.
+        let mut directory = None;
         let mut filled = 0;
         let start = self.consumer;
         while filled < out.len() {
@@ -120,9 +121,10 @@ impl Cq {
             self.consumer = self.consumer.wrapping_add(1);
             let sequence = self.polled;
             self.polled += 1;
-            let completion = Cqe::read_from_bytes(&raw)
-                .ok()
-                .and_then(|cqe| complete(&directory, &cqe, sequence));
+            let completion = Cqe::read_from_bytes(&raw).ok().and_then(|cqe| {
+                let directory = directory.get_or_insert_with(|| self.directory.read());
+                complete(directory, &cqe, sequence)
+            });
             match completion {
                 Some(wc) => {
                     out[filled] = wc;
@@ -214,7 +216,7 @@ impl Cq {
 /// decode.
 #[inline]
 fn complete(
-    directory: &std::collections::BTreeMap<u32, Route>,
+    directory: &rustc_hash::FxHashMap<u32, Route>,
     cqe: &Cqe,
     sequence: u64,
 ) -> Option<WorkCompletion> {

@@ -32,7 +32,6 @@
 //!   trait's "any thread" promise holds; the objects themselves stay the
 //!   lock-free ones of `docs/uvp.md`.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use hca_prm::av::Av;
@@ -53,6 +52,7 @@ use ib_types::status::IbStatus;
 use ib_types::uvp::{PostCall, PostRefused, PreCall, PreOutcome, UserSend, UserVerbsProvider};
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::RecvWr;
+use rustc_hash::FxHashMap;
 use zerocopy::IntoBytes;
 
 use crate::context::{Context, QpCreated};
@@ -68,6 +68,10 @@ pub const USER_AV_TAG: u64 = 1 << 63;
 /// Bytes after an object's rings for its doorbell record (one 64-byte
 /// line, so the record shares no cache line with a ring).
 const RECORD_ROOM: usize = 64;
+
+/// UD sends whose AVs are resolved at a time, on the stack (one doorbell
+/// per this many; RC and UC batches ring once).
+const UD_AV_BATCH: usize = 16;
 
 /// Send WQE bytes before the data segments, per transport (PRM 10.2):
 /// the control segment, then the UD address or the RC remote segment.
@@ -178,16 +182,16 @@ struct UserAv {
 struct State {
     next_cookie: u64,
     next_av: u64,
-    pending: HashMap<u64, Pending>,
-    contexts: HashMap<u64, Arc<Context>>,
+    pending: FxHashMap<u64, Pending>,
+    contexts: FxHashMap<u64, Arc<Context>>,
     /// PD handle -> its CA.
-    pds: HashMap<u64, u64>,
-    avs: HashMap<u64, UserAv>,
-    cqs: HashMap<u64, Arc<Owned<Cq>>>,
-    qps: HashMap<u64, Arc<Owned<Qp>>>,
+    pds: FxHashMap<u64, u64>,
+    avs: FxHashMap<u64, UserAv>,
+    cqs: FxHashMap<u64, Arc<Owned<Cq>>>,
+    qps: FxHashMap<u64, Arc<Owned<Qp>>>,
     /// QP handle -> its send and receive CQs' handles (a reset marks them).
-    qp_cqs: HashMap<u64, [u64; 2]>,
-    srqs: HashMap<u64, Arc<Owned<Srq>>>,
+    qp_cqs: FxHashMap<u64, [u64; 2]>,
+    srqs: FxHashMap<u64, Arc<Owned<Srq>>>,
 }
 
 /// The provider of one process: every context it opened and their objects.
@@ -754,37 +758,65 @@ impl UserVerbsProvider for Provider {
 
     fn post_send(&self, qp: u64, wrs: &[UserSend<'_>]) -> Result<usize, PostRefused> {
         let owned = self.qp(qp)?;
-        let mut requests = Vec::with_capacity(wrs.len());
-        // A request naming an AV this provider does not hold stops the
-        // batch there: the requests before it are posted, then it is
-        // refused.
-        let mut unknown_av = false;
-        {
-            let s = self.state();
-            for send in wrs {
-                let av = match &send.wr.ud {
-                    Some(ud) => match s.avs.get(&ud.av.raw()) {
-                        Some(user) => Some(user.av),
-                        None => {
-                            unknown_av = true;
-                            break;
-                        }
-                    },
-                    None => None,
-                };
-                requests.push(SendRequest {
+        // No UD request (RC, UC): no AV to resolve, so the batch goes
+        // straight from the caller's slice into the ring, nothing copied or
+        // allocated on the way.
+        if wrs.iter().all(|send| send.wr.ud.is_none()) {
+            let requests = wrs.iter().map(|send| SendRequest {
+                wr: send.wr,
+                av: None,
+                inline: send.inline,
+            });
+            return owned
+                .lock()
+                .send_queue()
+                .post_each(requests)
+                .map_err(refused);
+        }
+        // UD: each request's AV, resolved under the provider's lock before
+        // the QP's is taken (the two are never held together). A request
+        // naming an AV this provider does not hold stops the batch there:
+        // the requests before it are posted, then it is refused.
+        let mut avs = [None; UD_AV_BATCH];
+        let mut posted = 0;
+        for chunk in wrs.chunks(UD_AV_BATCH) {
+            let mut known = chunk.len();
+            {
+                let s = self.state();
+                for (index, (send, av)) in chunk.iter().zip(&mut avs).enumerate() {
+                    *av = match &send.wr.ud {
+                        Some(ud) => match s.avs.get(&ud.av.raw()) {
+                            Some(user) => Some(user.av),
+                            None => {
+                                known = index;
+                                break;
+                            }
+                        },
+                        None => None,
+                    };
+                }
+            }
+            let requests = chunk[..known]
+                .iter()
+                .zip(avs)
+                .map(|(send, av)| SendRequest {
                     wr: send.wr,
                     av,
                     inline: send.inline,
                 });
+            let done = owned.lock().send_queue().post_each(requests);
+            posted += done.map_err(|error| {
+                refused(PostError {
+                    posted: posted + error.posted,
+                    ..error
+                })
+            })?;
+            if known < chunk.len() {
+                return Err(PostRefused {
+                    posted,
+                    status: IbStatus::InvalidAvHandle,
+                });
             }
-        }
-        let posted = owned.lock().send_queue().post(&requests).map_err(refused)?;
-        if unknown_av {
-            return Err(PostRefused {
-                posted,
-                status: IbStatus::InvalidAvHandle,
-            });
         }
         Ok(posted)
     }

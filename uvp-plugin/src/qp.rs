@@ -171,7 +171,24 @@ impl SendQueue {
     /// refused request, the error says how many went before it (posted and
     /// rung) and nothing of it or after it is in the ring.
     pub fn post(&mut self, requests: &[SendRequest<'_>]) -> Result<usize, PostError> {
-        let (posted, failure) = post_each(requests, |r| self.write_wqe(r));
+        self.post_each(requests.iter().copied())
+    }
+
+    /// [`post`](Self::post) of requests as an iterator yields them, so a
+    /// caller that converts its own requests needs no buffer for them.
+    pub fn post_each<'a>(
+        &mut self,
+        requests: impl IntoIterator<Item = SendRequest<'a>>,
+    ) -> Result<usize, PostError> {
+        let mut posted = 0;
+        let mut failure = None;
+        for request in requests {
+            if let Err(kind) = self.write_wqe(&request) {
+                failure = Some(kind);
+                break;
+            }
+            posted += 1;
+        }
         if posted > 0 {
             self.ring_doorbell();
         }

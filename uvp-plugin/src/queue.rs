@@ -23,8 +23,9 @@
 //! model load buffering, so the Acquire/Release pairs are argued above, not
 //! model-checked.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+
+use rustc_hash::FxHashMap;
 
 use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
@@ -237,7 +238,7 @@ fn restart_list(list: &mut Vec<BeforeReset>, restart: QueueRestart) {
 /// up, reset or dropped (the control path); the post path never touches
 /// it.
 #[derive(Debug, Default)]
-pub(crate) struct Directory(RwLock<BTreeMap<u32, Route>>);
+pub(crate) struct Directory(RwLock<FxHashMap<u32, Route>>);
 
 impl Directory {
     pub(crate) fn insert(&self, qpn: u32, route: Route) {
@@ -270,7 +271,7 @@ impl Directory {
             .remove(&qpn);
     }
 
-    pub(crate) fn read(&self) -> RwLockReadGuard<'_, BTreeMap<u32, Route>> {
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, FxHashMap<u32, Route>> {
         self.0.read().unwrap_or_else(PoisonError::into_inner)
     }
 }

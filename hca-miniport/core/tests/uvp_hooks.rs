@@ -964,3 +964,174 @@ fn hostile_responses_are_refused_by_post_and_leak_no_ring() {
     assert_eq!(lib.process.exit(), 0);
     w.finish();
 }
+
+thread_local! {
+    /// True while [`allocations_of`] runs its call.
+    static COUNTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// A doorbell stored while counting: forwarded to the device after,
+    /// so the simulated device's own work is not counted as the
+    /// provider's.
+    static DEFERRED_DOORBELL: std::cell::Cell<Option<(u64, u64)>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Allocations `f` makes on this thread (its doorbell deferred), and its
+/// result; then the deferred doorbell reaches the device.
+fn allocations_of<R>(process: &Process, f: impl FnOnce() -> R) -> (u64, R) {
+    assert!(sim_host::alloc_hook::is_installed());
+    COUNTING.with(|on| on.set(true));
+    let before = sim_host::alloc_hook::thread_allocations();
+    let result = f();
+    let allocated = sim_host::alloc_hook::thread_allocations() - before;
+    COUNTING.with(|on| on.set(false));
+    if let Some((address, value)) = DEFERRED_DOORBELL.with(|d| d.take()) {
+        process.write_device64(address, value).unwrap();
+    }
+    (allocated, result)
+}
+
+/// As [`platform`], with a doorbell stored while counting deferred.
+fn counted_platform(process: &Process) -> Platform {
+    let mapped = process.clone();
+    Platform {
+        memory: Arc::new(SimMemory(process.clone())),
+        mmio: Arc::new(move |address, value| {
+            if COUNTING.with(|on| on.get()) {
+                DEFERRED_DOORBELL.with(|d| d.set(Some((address, value))));
+            } else {
+                let _ = mapped.write_device64(address, value);
+            }
+        }),
+    }
+}
+
+/// The provider's fast path allocates nothing per call (issue 13,
+/// measurement 4): RC inline sends, UD sends through user AVs (one batch
+/// stopped at an AV the provider does not hold, the request before it
+/// posted), receives and polls, every one counted, with the data checked.
+#[test]
+fn the_fast_path_posts_and_polls_without_allocating() {
+    let (w, [a_hca, b_hca]) = world(17);
+    let (a_process, b_process) = (Process::new(45), Process::new(46));
+    let (a_uvp, b_uvp) = (
+        Provider::new(counted_platform(&a_process)),
+        Provider::new(counted_platform(&b_process)),
+    );
+    let a = Lib::new(&w, a_hca, a_process.clone(), &a_uvp);
+    let b = Lib::new(&w, b_hca, b_process.clone(), &b_uvp);
+    let (a_ca, b_ca) = (a.open(), b.open());
+    let a_pd = a.ok::<AllocPd>(a_ca, &Empty).0;
+    let b_pd = b.ok::<AllocPd>(b_ca, &Empty).0;
+    let (a_cq, b_cq) = (a.cq(a_ca, 16), b.cq(b_ca, 16));
+    let (a_rc, a_rc_qpn) = a.qp(a_ca, QpType::Rc, a_pd, a_cq, None);
+    let (b_rc, b_rc_qpn) = b.qp(b_ca, QpType::Rc, b_pd, b_cq, None);
+    let (a_ud, _) = a.qp(a_ca, QpType::Ud, a_pd, a_cq, None);
+    let (b_ud, b_ud_qpn) = b.qp(b_ca, QpType::Ud, b_pd, b_cq, None);
+    let (a_buf, a_mr, a_lkey) = a.register(a_pd, 1 << 14);
+    let (b_buf, b_mr, b_lkey) = b.register(b_pd, 1 << 14);
+    a.modify(
+        a_rc,
+        &rc_to_rts_steps(1, AccessFlags::REMOTE_WRITE, b_rc_qpn, IPS[1][0], 1),
+    );
+    b.modify(
+        b_rc,
+        &rc_to_rts_steps(1, AccessFlags::REMOTE_WRITE, a_rc_qpn, IPS[0][0], 1),
+    );
+    a.modify(a_ud, &ud_to_rts());
+    b.modify(b_ud, &ud_to_rts());
+    let av = a.ok::<CreateAv>(a_pd, &grh_av(1, IPS[1][0])).0;
+    let dest = |av: u64| UdDest {
+        av: AvHandle::from_raw(av),
+        remote_qpn: Qpn::new(b_ud_qpn).unwrap(),
+        remote_qkey: QKey::new(0x11),
+    };
+    let mut wcs = [WorkCompletion::EMPTY; 4];
+
+    for round in 0..12u64 {
+        // RC: one 64-byte inline send into B's receive queue.
+        let payload = pattern(round as u32, 64);
+        let b_recv = [Sge::new(b_buf, 2048, b_lkey)];
+        let recv = [RecvWr {
+            wr_id: 100 + round,
+            sg_list: &b_recv,
+        }];
+        let (allocated, posted) = allocations_of(&b_process, || b_uvp.post_recv(b_rc, &recv));
+        assert_eq!((allocated, posted), (0, Ok(1)), "post_recv, round {round}");
+        let inline_sge = [Sge::new(a_buf, 64, a_lkey)];
+        let mut wr = send(round, &inline_sge, None);
+        wr.flags |= SendFlags::INLINE;
+        let sends = [UserSend {
+            wr,
+            inline: Some(&payload),
+        }];
+        let (allocated, posted) = allocations_of(&a_process, || a_uvp.post_send(a_rc, &sends));
+        assert_eq!(
+            (allocated, posted),
+            (0, Ok(1)),
+            "RC post_send, round {round}"
+        );
+        w.settle();
+        let (allocated, polled) = allocations_of(&b_process, || b_uvp.poll_cq(b_cq, &mut wcs));
+        assert_eq!((allocated, polled), (0, Ok(1)), "poll_cq, round {round}");
+        assert_eq!(
+            (wcs[0].wr_id, wcs[0].status, wcs[0].byte_len),
+            (100 + round, WcStatus::Success, 64)
+        );
+        assert_eq!(b.read(b_buf, 64), payload);
+        let (allocated, polled) = allocations_of(&a_process, || a_uvp.poll_cq(a_cq, &mut wcs));
+        assert_eq!((allocated, polled), (0, Ok(1)), "poll_cq, round {round}");
+        assert_eq!(wcs[0].wr_id, round);
+
+        // UD: a batch whose second request names an AV A never created:
+        // the first is posted, the second refused.
+        let b_recv = [Sge::new(b_buf + 4096, 2048, b_lkey)];
+        let recv = [RecvWr {
+            wr_id: 200 + round,
+            sg_list: &b_recv,
+        }];
+        assert_eq!(b_uvp.post_recv(b_ud, &recv), Ok(1));
+        let ud_sge = [Sge::new(a_buf, 64, a_lkey)];
+        let sends = [
+            UserSend {
+                wr: send(300 + round, &ud_sge, Some(dest(av))),
+                inline: None,
+            },
+            UserSend {
+                wr: send(400 + round, &ud_sge, Some(dest(av + 1))),
+                inline: None,
+            },
+        ];
+        let (allocated, posted) = allocations_of(&a_process, || a_uvp.post_send(a_ud, &sends));
+        assert_eq!(allocated, 0, "UD post_send, round {round}");
+        assert_eq!(
+            posted,
+            Err(ib_types::uvp::PostRefused {
+                posted: 1,
+                status: IbStatus::InvalidAvHandle
+            })
+        );
+        w.settle();
+        let wc = b.poll(b_cq, 1)[0];
+        assert_eq!((wc.wr_id, wc.status), (200 + round, WcStatus::Success));
+        assert_eq!(a.poll(a_cq, 1)[0].wr_id, 300 + round);
+    }
+    a.ok::<DestroyAv>(av, &Empty);
+    let objects = [
+        (&a, [a_rc, a_ud], a_mr, a_cq, a_pd, a_ca, a_buf),
+        (&b, [b_rc, b_ud], b_mr, b_cq, b_pd, b_ca, b_buf),
+    ];
+    for (lib, qps, mr, cq, pd, ca, buf) in objects {
+        for qp in qps {
+            lib.ok::<DestroyQp>(qp, &Empty);
+        }
+        lib.ok::<DeregMr>(mr, &Empty);
+        lib.ok::<DestroyCq>(cq, &Empty);
+        lib.ok::<DeallocPd>(pd, &Empty);
+        lib.ok::<CloseCa>(ca, &Empty);
+        lib.process.free(buf).unwrap();
+        assert_eq!(lib.process.space().locked_pages(), 0);
+        assert_eq!(lib.process.exit(), 0);
+    }
+    drop((a, b));
+    w.finish();
+}
