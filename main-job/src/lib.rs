@@ -11,9 +11,10 @@
 //! 1. **ABI contract**: the proxy IOCTL codes, layouts and QP state table
 //!    checked (`abi`).
 //! 2. **Boot**: the device tree with the children per port.
-//! 3. **Kernel clients**: the port clients on port p of the first two
-//!    HCAs pair over UD, connect RC and run checked ping-pong rounds;
-//!    more rounds are timed.
+//! 3. **Kernel clients**: the port clients pair (HCA 2k's port p with HCA
+//!    2k + 1's, an odd last HCA's ports with each other:
+//!    `PortClientDriver::pair_cas`), find each other over UD, connect RC
+//!    and run checked ping-pong rounds; more rounds are timed.
 //! 4. **User application**: a process through the access library and the
 //!    plugin does sends, RDMA writes and reads, and atomics between the
 //!    first two HCAs, byte-checked (`user_app`).
@@ -22,10 +23,15 @@
 //!    printed, and the order checked (children leave D0 before their HCA
 //!    and come back after it); each pair said goodbye over the fabric with
 //!    no round lost and reconnects after wake.
-//! 6. **Surprise removal** of the last HCA with pings in flight: its
-//!    clients close without a word, the others keep their AL open, and a
-//!    user application on the survivor moves checked traffic.
-//! 7. **Shutdown**: every client closed its AL and gave its references
+//! 6. **Surprise removal** of the first pair's responder's HCA with pings
+//!    in flight: its clients close without a word, the others keep their
+//!    AL open (its partner's initiators see the connection lost, the other
+//!    pairs run on), and a user application on a survivor moves checked
+//!    traffic.
+//! 7. **Re-plug** of that HCA (`Host::replug_hca`): its children and
+//!    clients come back, reconnect and run checked rounds; a user
+//!    application crosses it.
+//! 8. **Shutdown**: every client closed its AL and gave its references
 //!    back; the verifier report must be empty.
 //!
 //! A failed step ends the sequence (the machine is still shut down and
@@ -62,6 +68,11 @@ use crate::user_app::{PortAddress, UserTraffic};
 /// Most scheduler items one settle may run (the deterministic host runs
 /// until nothing is ready and no timer is armed).
 pub const SETTLE_STEPS: usize = 5_000_000;
+
+/// The fewest HCAs `--hcas` takes.
+pub const MIN_HCAS: usize = 2;
+/// The most HCAs `--hcas` takes.
+pub const MAX_HCAS: usize = 8;
 
 /// Node GUID of the first HCA; the i-th adds `i * 0x1000`.
 const FIRST_GUID: u64 = 0x0002_C900_0000_1000;
@@ -205,6 +216,23 @@ impl Console {
     }
 }
 
+/// Two port clients that pair: (HCA, port) each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pair((usize, u8), (usize, u8));
+
+impl std::fmt::Display for Pair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Pair(a, b) = self;
+        write!(f, "HCA {} port {} <-> HCA {} port {}", a.0, a.1, b.0, b.1)
+    }
+}
+
+impl Pair {
+    fn has_hca(&self, hca: usize) -> bool {
+        self.0.0 == hca || self.1.0 == hca
+    }
+}
+
 /// The booted machine and what the job keeps of it.
 struct Machine {
     host: Arc<Host>,
@@ -213,8 +241,10 @@ struct Machine {
     trace: PowerTrace,
     /// Each HCA's GUID and its ports' addresses.
     hcas: Vec<(u64, Vec<[u8; 4]>)>,
-    /// The HCAs' devnodes at boot, function order.
+    /// The HCAs' devnodes, function order (a re-plugged HCA's newest).
     nodes: Vec<DevNodeId>,
+    /// The HCA the surprise removal took (function order).
+    gone: Option<usize>,
 }
 
 impl Machine {
@@ -255,16 +285,39 @@ impl Machine {
             .ok_or(format!("no port client on HCA {hca} port {port}"))
     }
 
-    /// The two clients of port `port`'s pair (HCAs 0 and 1): initiator
-    /// first.
-    fn pair(&self, port: u8) -> Result<(Arc<PortClientDevice>, Arc<PortClientDevice>), String> {
-        let (x, y) = (self.client(0, port)?, self.client(1, port)?);
+    /// The pairs the port clients form (`PortClientDriver::pair_cas`,
+    /// docs/port-client.md "Discovery"): HCA 2k's port p with HCA 2k + 1's,
+    /// an odd last HCA's port 1 with its port 2 (3 with 4).
+    fn pairs(&self) -> Vec<Pair> {
+        let ports = self.hcas[0].1.len() as u8;
+        let mut pairs = Vec::new();
+        for first in (0..self.hcas.len()).step_by(2) {
+            if first + 1 < self.hcas.len() {
+                pairs.extend((1..=ports).map(|p| Pair((first, p), (first + 1, p))));
+            } else {
+                pairs.extend(
+                    (1..ports)
+                        .step_by(2)
+                        .map(|p| Pair((first, p), (first, p + 1))),
+                );
+            }
+        }
+        pairs
+    }
+
+    /// The two clients of a pair (the newest on each end).
+    fn ends(&self, pair: Pair) -> Result<(Arc<PortClientDevice>, Arc<PortClientDevice>), String> {
+        let Pair(a, b) = pair;
+        Ok((self.client(a.0, a.1)?, self.client(b.0, b.1)?))
+    }
+
+    /// The two clients of a pair: initiator first.
+    fn pair(&self, pair: Pair) -> Result<(Arc<PortClientDevice>, Arc<PortClientDevice>), String> {
+        let (x, y) = self.ends(pair)?;
         match (x.is_initiator(), y.is_initiator()) {
             (true, false) => Ok((x, y)),
             (false, true) => Ok((y, x)),
-            roles => Err(format!(
-                "port {port}: initiator roles {roles:?}, one expected"
-            )),
+            roles => Err(format!("{pair}: initiator roles {roles:?}, one expected")),
         }
     }
 
@@ -321,13 +374,14 @@ struct Facts {
 }
 
 /// The steps, in order.
-const STEPS: [&str; 7] = [
+const STEPS: [&str; 8] = [
     "ABI contract",
     "boot",
     "kernel clients",
     "user application",
     "S3 with traffic in flight",
     "surprise removal",
+    "re-plug",
     "shutdown",
 ];
 
@@ -370,6 +424,7 @@ pub fn run(options: &Options) -> Report {
                     "user application" => user_application(m, options, &mut console, &mut facts),
                     "S3 with traffic in flight" => sleep(m, &mut console, &mut facts),
                     "surprise removal" => surprise_removal(m, options, &mut console, &mut facts),
+                    "re-plug" => replug(m, options, &mut console, &mut facts),
                     "shutdown" => shutdown(m, &mut console, &mut facts, &mut report),
                     other => Err(format!("unknown step {other}")),
                 },
@@ -405,14 +460,12 @@ pub fn run(options: &Options) -> Report {
 }
 
 fn check_options(options: &Options) -> Result<(), String> {
-    // The sample port client finds its peer through a rendezvous that
-    // pairs port p of one CA with port p of "another" (docs/port-client.md,
-    // "Discovery"): with a third HCA its clients contend for the same
-    // peers and the pairs' goodbyes go astray. Until real service
-    // resolution replaces it, the machine has two HCAs.
-    if options.hcas != 2 {
+    // The port clients pair any number of HCAs (docs/port-client.md,
+    // "Discovery"); two are needed for the surprise removal to leave a
+    // survivor with a partner, and beyond eight the run only gets longer.
+    if !(MIN_HCAS..=MAX_HCAS).contains(&options.hcas) {
         return Err(format!(
-            "--hcas {}: the sample port client pairs the ports of exactly two HCAs (docs/port-client.md, \"Discovery\")",
+            "--hcas {}: {MIN_HCAS} to {MAX_HCAS} (HCA 2k pairs with HCA 2k + 1, an odd last HCA with itself)",
             options.hcas
         ));
     }
@@ -480,6 +533,8 @@ fn boot(
     MiniportDriver::register(&host, HcaConfig::default());
     IbalBusDriver::register(&host);
     let clients = PortClientDriver::register(&host, options.rounds);
+    let guids: Vec<u64> = hcas.iter().map(|(guid, _)| *guid).collect();
+    clients.pair_cas(&guids);
     let trace = PowerTrace::attach(&host);
     let root = host.boot();
     let mut machine = Machine {
@@ -489,6 +544,7 @@ fn boot(
         clients,
         trace,
         hcas,
+        gone: None,
     };
     machine.settle()?;
     machine.nodes = machine.host.hcas();
@@ -527,11 +583,12 @@ fn kernel_clients(
     console: &mut Console,
     facts: &mut Facts,
 ) -> Result<String, String> {
-    for port in m.ports() {
-        let (initiator, responder) = m.pair(port)?;
+    let pairs = m.pairs();
+    for &pair in &pairs {
+        let (initiator, responder) = m.pair(pair)?;
         let (i, r) = (initiator.counters(), responder.counters());
         console.say(format!(
-            "port {port}: initiator {} and responder {}: {} rounds, {} pongs, {} bad payloads, phases {:?}/{:?}",
+            "{pair}: initiator {} and responder {}: {} rounds, {} pongs, {} bad payloads, phases {:?}/{:?}",
             tree::short_name(&m.host, initiator.node()),
             tree::short_name(&m.host, responder.node()),
             i.rounds,
@@ -541,43 +598,29 @@ fn kernel_clients(
             responder.phase()
         ));
         if i.rounds != u64::from(options.rounds) || r.pongs_sent != u64::from(options.rounds) {
-            return Err(format!(
-                "port {port}: {} rounds of {}",
-                i.rounds, options.rounds
-            ));
+            return Err(format!("{pair}: {} rounds of {}", i.rounds, options.rounds));
         }
         if i.bad_payloads + r.bad_payloads != 0 {
-            return Err(format!("port {port}: bad payloads"));
+            return Err(format!("{pair}: bad payloads"));
         }
         if (initiator.phase(), responder.phase()) != (Phase::Running, Phase::Running) {
-            return Err(format!("port {port}: not both running"));
-        }
-    }
-    for hca in 2..m.hcas.len() {
-        for port in m.ports() {
-            let c = m.client(hca, port)?;
-            console.say(format!(
-                "HCA {hca} port {port}: {:?} (the rendezvous pairs port p of the first two HCAs)",
-                c.phase()
-            ));
+            return Err(format!("{pair}: not both running"));
         }
     }
     // More rounds on the live connections, timed.
-    let before: u64 = m
-        .ports()
-        .map(|p| m.pair(p).map(|(i, _)| i.counters().rounds))
-        .sum::<Result<u64, String>>()?;
+    let initiators = pairs
+        .iter()
+        .map(|&p| m.pair(p).map(|(i, _)| i))
+        .collect::<Result<Vec<_>, String>>()?;
+    let before: u64 = initiators.iter().map(|i| i.counters().rounds).sum();
     let started = Instant::now();
-    for port in m.ports() {
-        m.pair(port)?.0.run_more(options.rounds);
+    for initiator in &initiators {
+        initiator.run_more(options.rounds);
     }
     m.settle()?;
     let elapsed = started.elapsed();
-    let after: u64 = m
-        .ports()
-        .map(|p| m.pair(p).map(|(i, _)| i.counters().rounds))
-        .sum::<Result<u64, String>>()?;
-    let want = u64::from(options.rounds) * u64::from(m.ports().count() as u8);
+    let after: u64 = initiators.iter().map(|i| i.counters().rounds).sum();
+    let want = u64::from(options.rounds) * pairs.len() as u64;
     if after - before != want {
         return Err(format!("{} more rounds of {want}", after - before));
     }
@@ -588,7 +631,7 @@ fn kernel_clients(
     ));
     Ok(format!(
         "{} pairs ran {} checked rounds each; {} more in {:.1} ms ({rate:.0} rounds/s)",
-        m.ports().count(),
+        pairs.len(),
         options.rounds,
         after - before,
         elapsed.as_secs_f64() * 1e3
@@ -676,18 +719,18 @@ fn user_application(
 }
 
 fn sleep(m: &Machine, console: &mut Console, facts: &mut Facts) -> Result<String, String> {
-    let ports: Vec<u8> = m.ports().collect();
-    let pair_counters = |port: u8| -> Result<Counters, String> {
-        let (x, y) = (m.client(0, port)?, m.client(1, port)?);
+    let pairs = m.pairs();
+    let pair_counters = |pair: Pair| -> Result<Counters, String> {
+        let (x, y) = m.ends(pair)?;
         Ok(sum(x.counters(), y.counters()))
     };
-    let before: Vec<Counters> = ports
+    let before: Vec<Counters> = pairs
         .iter()
         .map(|&p| pair_counters(p))
         .collect::<Result<_, _>>()?;
     // Pings posted and not answered when the sleep starts.
-    for &port in &ports {
-        m.pair(port)?.0.run_more(1000);
+    for &pair in &pairs {
+        m.pair(pair)?.0.run_more(1000);
     }
     let families = m.families();
     m.trace.take();
@@ -698,26 +741,26 @@ fn sleep(m: &Machine, console: &mut Console, facts: &mut Facts) -> Result<String
     let down = m.trace.take();
     // Checked after the wake: a failure must not leave the machine asleep.
     let asleep = (|| -> Result<(), String> {
-        for (k, &port) in ports.iter().enumerate() {
-            let pair = pair_counters(port)?;
+        for (k, &ends) in pairs.iter().enumerate() {
+            let pair = pair_counters(ends)?;
             let said = pair.goodbyes_acknowledged - before[k].goodbyes_acknowledged;
             let answered = pair.goodbyes_answered - before[k].goodbyes_answered;
             console.say(format!(
-                "port {port}: {} rounds ran before the sleep took them, goodbye sent and acknowledged {said}, answered {answered}, waits run out {}",
+                "{ends}: {} rounds ran before the sleep took them, goodbye sent and acknowledged {said}, answered {answered}, waits run out {}",
                 pair.rounds - before[k].rounds,
                 pair.goodbye_timeouts - before[k].goodbye_timeouts
             ));
             if (said, answered) != (1, 1) || pair.goodbye_timeouts != before[k].goodbye_timeouts {
                 return Err(format!(
-                    "port {port}: the goodbye was not answered over the fabric"
+                    "{ends}: the goodbye was not answered over the fabric"
                 ));
             }
             if pair.rounds <= before[k].rounds {
-                return Err(format!("port {port}: no traffic was running"));
+                return Err(format!("{ends}: no traffic was running"));
             }
             if pair.rounds != pair.pongs_sent || pair.bad_payloads != 0 {
                 return Err(format!(
-                    "port {port}: {} rounds, {} pongs, {} bad: a round was lost",
+                    "{ends}: {} rounds, {} pongs, {} bad: a round was lost",
                     pair.rounds, pair.pongs_sent, pair.bad_payloads
                 ));
             }
@@ -748,20 +791,20 @@ fn sleep(m: &Machine, console: &mut Console, facts: &mut Facts) -> Result<String
         .map(|l| format!("sleep: {l}"))
         .chain(up_lines.iter().map(|l| format!("wake:  {l}")))
         .collect();
-    for (k, &port) in ports.iter().enumerate() {
-        let pair = pair_counters(port)?;
-        let (x, y) = (m.client(0, port)?, m.client(1, port)?);
+    for (k, &ends) in pairs.iter().enumerate() {
+        let pair = pair_counters(ends)?;
+        let (x, y) = m.ends(ends)?;
         if pair.connections - before[k].connections != 2
             || (x.phase(), y.phase()) != (Phase::Running, Phase::Running)
         {
             return Err(format!(
-                "port {port}: not reconnected after wake ({:?}/{:?})",
+                "{ends}: not reconnected after wake ({:?}/{:?})",
                 x.phase(),
                 y.phase()
             ));
         }
         if pair.bad_payloads != 0 {
-            return Err(format!("port {port}: bad payloads after wake"));
+            return Err(format!("{ends}: bad payloads after wake"));
         }
     }
     let children: usize = families.iter().map(|(_, c)| c.len()).sum();
@@ -776,9 +819,11 @@ fn surprise_removal(
     console: &mut Console,
     facts: &mut Facts,
 ) -> Result<String, String> {
-    // The HCA of port 1's responder goes: the initiators on the other HCA
-    // have a ping in flight to a peer that vanishes without a goodbye.
-    let responder = m.pair(1)?.1;
+    // The HCA of the first pair's responder goes: the initiators on its
+    // partner have a ping in flight to a peer that vanishes without a
+    // goodbye.
+    let pairs = m.pairs();
+    let responder = m.pair(pairs[0])?.1;
     let gone = m
         .hcas
         .iter()
@@ -788,14 +833,17 @@ fn surprise_removal(
                 .is_some_and(|d| d.ca_guid.get() == *guid)
         })
         .ok_or("the responder's HCA")?;
-    let mut initiators_left = Vec::new();
-    for port in m.ports() {
-        let (initiator, _) = m.pair(port)?;
-        if initiator
-            .port_data()
-            .is_none_or(|d| d.ca_guid.get() != m.hcas[gone].0)
+    // The survivors' initiators whose peer is on the HCA that goes, with
+    // their connections lost so far.
+    let mut cut_off = Vec::new();
+    for &pair in &pairs {
+        let (initiator, _) = m.pair(pair)?;
+        if pair.has_hca(gone)
+            && initiator
+                .port_data()
+                .is_none_or(|d| d.ca_guid.get() != m.hcas[gone].0)
         {
-            initiators_left.push(port);
+            cut_off.push((initiator.clone(), initiator.counters().connections_lost));
         }
         initiator.run_more(1000);
     }
@@ -810,6 +858,7 @@ fn surprise_removal(
     ));
     m.host.pnp().surprise_remove(node);
     m.settle()?;
+    m.gone = Some(gone);
     let survivors: Vec<usize> = (0..m.hcas.len()).filter(|&h| h != gone).collect();
     for (port, before) in m.ports().zip(goodbyes_before) {
         let lost = m.client(gone, port)?;
@@ -823,7 +872,9 @@ fn surprise_removal(
                 lost.closed(),
             ));
         }
-        for &hca in &survivors {
+    }
+    for &hca in &survivors {
+        for port in m.ports() {
             let stays = m.client(hca, port)?;
             let refused = stays
                 .stats()
@@ -835,23 +886,35 @@ fn surprise_removal(
                     stays.closed()
                 ));
             }
-            let k = stays.counters();
             console.say(format!(
                 "HCA {hca} port {port}: AL open, {:?}, connections lost {}",
                 stays.phase(),
-                k.connections_lost
+                stays.counters().connections_lost
             ));
-            // The initiator's ping ran out of retries: it tore the
-            // connection down and waits for a peer.
-            if hca < 2
-                && initiators_left.contains(&port)
-                && (k.connections_lost != 1 || stays.phase() != Phase::PeerClosed)
-            {
-                return Err(format!(
-                    "HCA {hca} port {port}: the lost connection was not noticed ({:?})",
-                    stays.phase()
-                ));
-            }
+        }
+    }
+    // An initiator's ping ran out of retries: it tore the connection down
+    // and waits for a peer.
+    for (initiator, lost_before) in &cut_off {
+        if initiator.counters().connections_lost != lost_before + 1
+            || initiator.phase() != Phase::PeerClosed
+        {
+            return Err(format!(
+                "{}: the lost connection was not noticed ({:?})",
+                tree::short_name(&m.host, initiator.node()),
+                initiator.phase()
+            ));
+        }
+    }
+    // The pairs the removal did not touch run on.
+    for &pair in pairs.iter().filter(|p| !p.has_hca(gone)) {
+        let (x, y) = m.ends(pair)?;
+        if (x.phase(), y.phase()) != (Phase::Running, Phase::Running) {
+            return Err(format!(
+                "{pair}: {:?}/{:?} after another HCA's removal",
+                x.phase(),
+                y.phase()
+            ));
         }
     }
     // The survivor keeps working: a user application between two of its
@@ -878,6 +941,107 @@ fn surprise_removal(
     facts.tree = tree::render(&m.host, m.root);
     Ok(format!(
         "HCA {gone} gone, its clients closed without a word; the survivors' clients saw the loss with their AL open; checked traffic on HCA {survivor}"
+    ))
+}
+
+/// Plugs the removed HCA in again: its port children and clients come
+/// back, reconnect to their peers and run checked rounds.
+fn replug(
+    m: &mut Machine,
+    options: &Options,
+    console: &mut Console,
+    facts: &mut Facts,
+) -> Result<String, String> {
+    let gone = m.gone.ok_or("no HCA was removed")?;
+    m.host
+        .replug_hca(gone)
+        .map_err(|status| format!("re-plug of HCA {gone}: {status:?}"))?;
+    m.settle()?;
+    m.nodes = m.host.hcas();
+    if m.nodes.len() != m.hcas.len() {
+        return Err(format!(
+            "{} HCAs in the tree after the re-plug, {} expected",
+            m.nodes.len(),
+            m.hcas.len()
+        ));
+    }
+    let node = m.nodes[gone];
+    let pnp = m.host.pnp();
+    let children = pnp
+        .children(node)
+        .into_iter()
+        .filter(|c| pnp.state(*c) == Some(PnpState::Started))
+        .count();
+    console.say(format!(
+        "HCA {gone} plugged in again as {}: {children} port children started",
+        tree::short_name(&m.host, node)
+    ));
+    if children != usize::from(options.ports) {
+        return Err(format!(
+            "HCA {gone}: {children} port children started, {} expected",
+            options.ports
+        ));
+    }
+    let pairs: Vec<Pair> = m.pairs().into_iter().filter(|p| p.has_hca(gone)).collect();
+    let mut rounds = 0;
+    for &pair in &pairs {
+        let (initiator, responder) = m.pair(pair)?;
+        let (i, r) = (initiator.counters(), responder.counters());
+        // The new client on the re-plugged HCA counts from zero: it ran
+        // this connection's rounds whichever role it has.
+        let initiator_is_new = initiator
+            .port_data()
+            .is_some_and(|d| d.ca_guid.get() == m.hcas[gone].0);
+        let new = if initiator_is_new {
+            i.rounds
+        } else {
+            r.pongs_sent
+        };
+        console.say(format!(
+            "{pair}: reconnected, {:?}/{:?}, {new} rounds on the new connection",
+            initiator.phase(),
+            responder.phase()
+        ));
+        if (initiator.phase(), responder.phase()) != (Phase::Running, Phase::Running)
+            || new != u64::from(options.rounds)
+            || i.bad_payloads + r.bad_payloads != 0
+        {
+            return Err(format!(
+                "{pair}: {:?}/{:?}, {new} rounds of {} after the re-plug",
+                initiator.phase(),
+                responder.phase(),
+                options.rounds
+            ));
+        }
+        let before = i.rounds;
+        initiator.run_more(options.rounds);
+        m.settle()?;
+        let more = initiator.counters().rounds - before;
+        if more != u64::from(options.rounds) {
+            return Err(format!("{pair}: {more} more rounds of {}", options.rounds));
+        }
+        rounds += u64::from(options.rounds) + more;
+    }
+    // A user application across the re-plugged HCA and its partner.
+    let partner = pairs
+        .first()
+        .map(|p| if p.0.0 == gone { p.1 } else { p.0 })
+        .ok_or("no pair on the re-plugged HCA")?;
+    let ends = (m.address(gone, 1), m.address(partner.0, partner.1));
+    let t = run_user_app(m, options, console, ends, 102, None)?;
+    let line = user_traffic_line(
+        &format!(
+            "user application after the re-plug (HCA {gone} port 1 -> HCA {} port {})",
+            partner.0, partner.1
+        ),
+        &t,
+    );
+    console.say(&line);
+    facts.operations.push(line);
+    facts.tree = tree::render(&m.host, m.root);
+    Ok(format!(
+        "HCA {gone} back with {children} port clients; {} pairs reconnected and ran {rounds} checked rounds; user traffic checked",
+        pairs.len()
     ))
 }
 

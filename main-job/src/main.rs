@@ -16,8 +16,8 @@ sim_host::install_driver_heap_check!();
 #[derive(Debug, Parser)]
 #[command(name = "main-job")]
 struct Args {
-    /// HCAs on the PCI bus (2: the sample port client pairs the ports of
-    /// two HCAs).
+    /// HCAs on the PCI bus, 2 to 8 (HCA 2k pairs with HCA 2k + 1 port by
+    /// port; an odd last HCA's ports pair with each other).
     #[arg(long, default_value_t = 2)]
     hcas: usize,
     /// Ports per HCA (2 to 4).

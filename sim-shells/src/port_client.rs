@@ -65,7 +65,9 @@
 //! this stack has neither yet, so the shell resolves it through a
 //! [`Rendezvous`] shared by the driver's devices: each publishes its port's
 //! GID and UD QP number while in D0, and a client's peer is the endpoint
-//! on the same port number of another CA. Everything after the first
+//! on the same port number of another CA, or with a pairing plan
+//! ([`PortClientDriver::pair_cas`]) CA 2k's port p with CA 2k + 1's and an
+//! odd last CA's ports with each other. Everything after the first
 //! hello (the RC parameters, the goodbye) goes over the fabric, and
 //! answers go to the sender's address as the datagram carried it.
 
@@ -236,9 +238,16 @@ pub struct Endpoint {
 
 /// The stand-in for service ID resolution (see the module doc): the UD
 /// addresses of the clients in D0.
+///
+/// With a pairing plan ([`PortClientDriver::pair_cas`]: the machine's CA
+/// GUIDs in order) the CAs pair deterministically: CA 2k with CA 2k + 1,
+/// port p with port p; an odd last CA pairs its own ports, 1 with 2, 3
+/// with 4 (a last odd port has no peer). Without a plan a port's peer is
+/// the same port of any other CA, which pairs exactly two CAs.
 #[derive(Debug, Default)]
 pub struct Rendezvous {
     endpoints: Mutex<Vec<Endpoint>>,
+    plan: Mutex<Vec<u64>>,
 }
 
 impl Rendezvous {
@@ -252,9 +261,29 @@ impl Rendezvous {
         lock(&self.endpoints).retain(|e| (e.ca_guid, e.port) != (ca_guid, port));
     }
 
-    /// The peer of a port: the endpoint on the same port number of another
-    /// CA.
+    /// The (CA, port) a port pairs with under the plan, if the plan names
+    /// its CA and it has a partner.
+    pub fn planned_peer(&self, ca_guid: u64, port: u8) -> Option<(u64, u8)> {
+        let plan = lock(&self.plan);
+        let rank = plan.iter().position(|&g| g == ca_guid)?;
+        match plan.get(rank ^ 1) {
+            Some(&partner) => Some((partner, port)),
+            // The odd last CA: its ports in pairs (1, 2), (3, 4), ...
+            None if port % 2 == 1 => Some((ca_guid, port.checked_add(1)?)),
+            None => Some((ca_guid, port - 1)),
+        }
+    }
+
+    /// The peer of a port, if it is published: the planned peer, or
+    /// without a plan the endpoint on the same port number of another CA.
     pub fn peer_of(&self, ca_guid: u64, port: u8) -> Option<Endpoint> {
+        if !lock(&self.plan).is_empty() {
+            let (peer_ca, peer_port) = self.planned_peer(ca_guid, port)?;
+            return lock(&self.endpoints)
+                .iter()
+                .find(|e| (e.ca_guid, e.port) == (peer_ca, peer_port))
+                .copied();
+        }
         lock(&self.endpoints)
             .iter()
             .find(|e| e.ca_guid != ca_guid && e.port == port)
@@ -311,6 +340,12 @@ impl PortClientDriver {
     /// The rendezvous the devices share.
     pub fn rendezvous(&self) -> &Rendezvous {
         &self.rendezvous
+    }
+
+    /// Pairs the CAs `ca_guids` in this order (see [`Rendezvous`]): any
+    /// number of them, deterministically. Call before the devices start.
+    pub fn pair_cas(&self, ca_guids: &[u64]) {
+        *lock(&self.rendezvous.plan) = ca_guids.to_vec();
     }
 }
 

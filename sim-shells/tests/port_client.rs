@@ -530,3 +530,116 @@ fn a_peer_restarted_without_a_goodbye_is_reconnected_on_a_new_qp() {
     assert_eq!(initiator.counters().rounds, before + 3);
     finish(w);
 }
+
+/// `n` HCAs of two ports; port p of HCA i has the address 10.0.i.p.
+fn n_hca_configs(n: usize) -> Vec<DeviceConfig> {
+    (0..n)
+        .map(|i| {
+            let guid = 0x0002_C900_0000_1000 + 0x1000 * i as u64;
+            let i = i as u8;
+            DeviceConfig::with_ports(guid, &[[10, 0, i, 1], [10, 0, i, 2]])
+        })
+        .collect()
+}
+
+/// The client on `port` of the CA `guid`.
+fn client_of(w: &World, guid: u64, port: u8) -> Arc<PortClientDevice> {
+    w.clients
+        .devices()
+        .into_iter()
+        .find(|c| {
+            c.port_data()
+                .is_some_and(|d| d.ca_guid.get() == guid && d.port.get() == port)
+        })
+        .expect("a client on that port")
+}
+
+#[test]
+fn three_hcas_pair_deterministically_and_every_pair_says_goodbye_over_the_fabric() {
+    let configs = n_hca_configs(3);
+    let guids: Vec<u64> = configs.iter().map(|c| c.node_guid).collect();
+    let host = Host::new(HostConfig::deterministic(45, configs)).unwrap();
+    let _log = sim_host::samples::register_stand_ins(&host);
+    MiniportDriver::register(&host, HcaConfig::default());
+    let _filter = IbalBusDriver::register(&host);
+    let clients = PortClientDriver::register(&host, ROUNDS);
+    clients.pair_cas(&guids);
+    host.boot();
+    let w = World { host, clients };
+    settle(&w.host);
+    // HCA 0 with HCA 1 port by port; the odd last HCA's two ports with
+    // each other.
+    let pairs = [
+        ((guids[0], 1), (guids[1], 1)),
+        ((guids[0], 2), (guids[1], 2)),
+        ((guids[2], 1), (guids[2], 2)),
+    ];
+    let pair_sum = |w: &World| -> Vec<Counters> {
+        pairs
+            .iter()
+            .map(|&(a, b)| {
+                sum(
+                    client_of(w, a.0, a.1).counters(),
+                    client_of(w, b.0, b.1).counters(),
+                )
+            })
+            .collect()
+    };
+    for (k, &(a, b)) in pairs.iter().enumerate() {
+        let (x, y) = (client_of(&w, a.0, a.1), client_of(&w, b.0, b.1));
+        assert!(
+            x.is_initiator() ^ y.is_initiator(),
+            "pair {k}: one initiator\n{}",
+            describe(&w)
+        );
+        assert_eq!(
+            (x.phase(), y.phase()),
+            (Phase::Running, Phase::Running),
+            "pair {k}"
+        );
+        let c = sum(x.counters(), y.counters());
+        assert_eq!(
+            (c.rounds, c.pongs_sent),
+            (u64::from(ROUNDS), u64::from(ROUNDS)),
+            "pair {k}"
+        );
+        assert_eq!(
+            (c.connections, c.connections_lost),
+            (2, 0),
+            "pair {k}: one connection each"
+        );
+        if x.is_initiator() {
+            x.run_more(1000);
+        } else {
+            y.run_more(1000);
+        }
+    }
+    let before = pair_sum(&w);
+    w.host.pnp().set_system_power(SystemPowerState::S3).unwrap();
+    for (k, (now, before)) in pair_sum(&w).iter().zip(&before).enumerate() {
+        // Each pair's goodbye reached its own peer and was answered.
+        assert_eq!(
+            now.goodbyes_acknowledged - before.goodbyes_acknowledged,
+            1,
+            "pair {k}"
+        );
+        assert_eq!(
+            now.goodbyes_answered - before.goodbyes_answered,
+            1,
+            "pair {k}"
+        );
+        assert_eq!(now.goodbye_timeouts, 0, "pair {k}: no wait ran out");
+        assert_eq!(now.rounds, now.pongs_sent, "pair {k}: no round lost");
+    }
+    w.host.pnp().set_system_power(SystemPowerState::S0).unwrap();
+    settle(&w.host);
+    for (k, (now, before)) in pair_sum(&w).iter().zip(&before).enumerate() {
+        assert_eq!(
+            now.connections - before.connections,
+            2,
+            "pair {k}: reconnected"
+        );
+        assert_eq!(now.bad_payloads, 0);
+    }
+    finish(w);
+}
