@@ -14,8 +14,6 @@
 
 use std::sync::Arc;
 
-use hca_miniport_core::hca::Hca;
-use hca_miniport_core::init::HcaConfig;
 use ib_types::access::AccessFlags;
 use ib_types::event::AsyncEventCode;
 use ib_types::interface::InterfaceVersion;
@@ -31,15 +29,12 @@ use ibal_user::{
     ArmFor, Av, Buffer, CaSelector, Context, Cq, DeviceFile, DeviceIo, DevicePath, Error, Mr,
     OsStatus, Pd, PluginSource, Qp, QpInit, UserSend, list_cas,
 };
-use sim_hca::device::DeviceConfig;
-use sim_host::host::{Host, HostConfig};
 use sim_host::memory::Process;
-use sim_host::platform::SimPlatform;
-use sim_shells::hca_miniport::MiniportDriver;
-use sim_shells::ibal_bus::{IbalBusDevice, IbalBusDriver};
 use sim_shells::user_io::{SimIo, settle};
 
-const HCAS: [u64; 2] = [0x0002_C900_0000_7000, 0x0002_C900_0000_8000];
+#[path = "support/user_world.rs"]
+mod user_world;
+use user_world::{HCAS, UserWorld as World};
 
 /// A seam that rewrites the `OpenCa` exchange as a library or a kernel of
 /// another ABI version would send or answer it, or fails every IOCTL of
@@ -110,73 +105,6 @@ impl DeviceIo for OtherVersion {
     }
     fn doorbell_hook(&self) -> uvp_plugin::mmio::MmioHook {
         self.inner.doorbell_hook()
-    }
-}
-
-struct World {
-    host: Arc<Host>,
-    filter: Arc<IbalBusDriver>,
-    miniport: Arc<MiniportDriver<SimPlatform>>,
-}
-
-impl World {
-    fn new(seed: u64) -> Self {
-        let configs = HCAS
-            .iter()
-            .enumerate()
-            .map(|(i, guid)| {
-                let i = i as u8;
-                DeviceConfig::with_ports(*guid, &[[10, 2, i, 1], [10, 2, i, 2]])
-            })
-            .collect();
-        let host = Arc::new(Host::new(HostConfig::deterministic(seed, configs)).unwrap());
-        let _log = sim_host::samples::register_stand_ins(&host);
-        let miniport = MiniportDriver::register(&host, HcaConfig::default());
-        let filter = IbalBusDriver::register(&host);
-        host.boot();
-        settle(&host);
-        host.pnp().process_bus_relations();
-        settle(&host);
-        Self {
-            host,
-            filter,
-            miniport,
-        }
-    }
-
-    fn io(&self, process: &Process) -> Arc<dyn DeviceIo> {
-        SimIo::new(&self.host, process)
-    }
-
-    fn hca(&self, at: usize) -> Arc<Hca<SimPlatform>> {
-        let node = self.host.hcas()[at];
-        self.miniport
-            .devices()
-            .into_iter()
-            .find(|d| d.node() == node)
-            .and_then(|d| d.hca())
-            .expect("the miniport of that HCA")
-    }
-
-    fn proxy(&self, at: usize) -> Arc<IbalBusDevice> {
-        self.filter.devices()[at].clone()
-    }
-
-    /// Objects the proxies record, user contexts the miniports hold, and
-    /// the process's handles, pages locked and device mappings.
-    fn leftovers(&self, process: &Process) -> [usize; 5] {
-        [
-            (0..2).map(|i| self.proxy(i).proxy().object_count()).sum(),
-            (0..2).map(|i| self.hca(i).user_context_count()).sum(),
-            self.host.pnp().process_handle_count(process),
-            process.space().locked_pages(),
-            process.space().device_mapping_count(),
-        ]
-    }
-
-    fn finish(self) {
-        self.host.shut_down();
-        self.host.verifier().assert_clean();
     }
 }
 

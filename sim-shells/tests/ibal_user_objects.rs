@@ -11,8 +11,6 @@
 
 use std::sync::Arc;
 
-use hca_miniport_core::hca::Hca;
-use hca_miniport_core::init::HcaConfig;
 use ib_types::access::AccessFlags;
 use ib_types::av::{AvAttr, Grh};
 
@@ -31,90 +29,16 @@ use ibal_user::{
     Av, Buffer, CaSelector, Context, Cq, DeviceFile, DeviceIo, DevicePath, Error, Mr, Mw, OsStatus,
     Pd, PluginSource, Qp, QpInit, Srq, UserSend,
 };
-use sim_hca::device::DeviceConfig;
-use sim_host::host::{Host, HostConfig};
 use sim_host::memory::Process;
-use sim_host::platform::SimPlatform;
-use sim_shells::hca_miniport::MiniportDriver;
-use sim_shells::ibal_bus::{IbalBusDevice, IbalBusDriver};
 use sim_shells::rc_path::rc_to_rts_steps;
 use sim_shells::user_io::{SimIo, settle};
 
-const HCAS: [u64; 2] = [0x0002_C900_0000_7000, 0x0002_C900_0000_8000];
+#[path = "support/user_world.rs"]
+mod user_world;
+use user_world::{HCAS, UserWorld as World};
 /// Bytes of the GRH a UD receive starts with.
 const GRH: usize = 40;
 const QKEY: u32 = 0x1111;
-
-struct World {
-    host: Arc<Host>,
-    filter: Arc<IbalBusDriver>,
-    miniport: Arc<MiniportDriver<SimPlatform>>,
-}
-
-impl World {
-    fn new(seed: u64) -> Self {
-        let configs = HCAS
-            .iter()
-            .enumerate()
-            .map(|(i, guid)| {
-                let i = i as u8;
-                DeviceConfig::with_ports(*guid, &[[10, 2, i, 1], [10, 2, i, 2]])
-            })
-            .collect();
-        let host = Arc::new(Host::new(HostConfig::deterministic(seed, configs)).unwrap());
-        let _log = sim_host::samples::register_stand_ins(&host);
-        let miniport = MiniportDriver::register(&host, HcaConfig::default());
-        let filter = IbalBusDriver::register(&host);
-        host.boot();
-        settle(&host);
-        host.pnp().process_bus_relations();
-        settle(&host);
-        Self {
-            host,
-            filter,
-            miniport,
-        }
-    }
-
-    fn io(&self, process: &Process) -> Arc<dyn DeviceIo> {
-        SimIo::new(&self.host, process)
-    }
-
-    fn hca(&self, at: usize) -> Arc<Hca<SimPlatform>> {
-        let node = self.host.hcas()[at];
-        self.miniport
-            .devices()
-            .into_iter()
-            .find(|d| d.node() == node)
-            .and_then(|d| d.hca())
-            .expect("the miniport of that HCA")
-    }
-
-    fn proxy(&self, at: usize) -> Arc<IbalBusDevice> {
-        self.filter.devices()[at].clone()
-    }
-
-    /// Objects the proxies record, user contexts the miniports hold, and
-    /// the process's handles, pages locked and device mappings.
-    fn leftovers(&self, process: &Process) -> [usize; 5] {
-        [
-            (0..2).map(|i| self.proxy(i).proxy().object_count()).sum(),
-            (0..2).map(|i| self.hca(i).user_context_count()).sum(),
-            self.host.pnp().process_handle_count(process),
-            process.space().locked_pages(),
-            process.space().device_mapping_count(),
-        ]
-    }
-
-    /// Ends a test: nothing of `process` left, it exits cleanly, the host
-    /// shuts down with an empty verifier report.
-    fn finish(self, process: &Process) {
-        assert_eq!(self.leftovers(process), [0; 5], "nothing left open");
-        assert_eq!(process.exit(), 0, "no page left locked");
-        self.host.shut_down();
-        self.host.verifier().assert_clean();
-    }
-}
 
 /// Deterministic, non-trivial bytes.
 fn pattern(seed: u32, len: usize) -> Vec<u8> {
@@ -388,7 +312,7 @@ fn qps_on_an_srq_take_their_receives_from_it_and_its_limit_event_fires() {
         drop(members);
         drop(sqp);
     }
-    w.finish(&process);
+    w.finish_with(&process);
 }
 
 #[test]
@@ -489,7 +413,7 @@ fn a_cq_resized_with_completions_outstanding_loses_none() {
         rcq.wait_event().unwrap();
         check(&drain(&w, &rcq), 20, 21);
     }
-    w.finish(&process);
+    w.finish_with(&process);
 }
 
 /// A seam that runs `after_resize` once a `ResizeCq` IOCTL has completed
@@ -634,7 +558,7 @@ fn a_poll_racing_a_resize_sees_each_completion_once() {
             "each completion once, in order"
         );
     }
-    w.finish(&process);
+    w.finish_with(&process);
 }
 
 /// Two contexts on the two HCAs, each with a PD, a CQ and an RC QP, the
@@ -742,7 +666,7 @@ fn a_type_2_window_grants_its_range_to_the_peer_and_nothing_else() {
         // the device unbinds it at deallocation.
         drop(mw);
     }
-    w.finish(&process);
+    w.finish_with(&process);
 }
 
 /// A type 1 window (IBA 10.6.7.2.1): bound by the plugin's own bind WQE
@@ -844,7 +768,7 @@ fn a_type_1_window_is_bound_from_user_mode_and_grants_only_its_range() {
         ));
         drop(mw);
     }
-    w.finish(&process);
+    w.finish_with(&process);
 }
 
 #[test]
@@ -929,7 +853,7 @@ fn rdma_read_fetch_add_and_compare_swap_from_the_safe_api() {
         assert_eq!(now[..4096], content[..4096]);
         assert_eq!(now[4104..], content[4104..]);
     }
-    w.finish(&process);
+    w.finish_with(&process);
 }
 
 #[test]
@@ -1042,7 +966,7 @@ fn a_datagram_to_a_group_reaches_every_attached_qp_and_not_a_detached_one() {
         // end).
         drop(members);
     }
-    w.finish(&process);
+    w.finish_with(&process);
 }
 
 #[test]
@@ -1107,7 +1031,7 @@ fn queries_answer_what_the_kernel_holds() {
         let s = srq.query().unwrap();
         assert_eq!((s.max_wr, s.srq_limit), (8, 2), "rounded up, armed");
     }
-    w.finish(&process);
+    w.finish_with(&process);
 }
 
 fn leak<T>(value: T) -> &'static T {
