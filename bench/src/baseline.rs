@@ -68,7 +68,7 @@ struct Ring {
 }
 
 /// The producer hands `messages` 64-byte messages to the consumer through
-/// a [`Ring`], `batch` per publication: messages per second. The consumer
+/// a `Ring`, `batch` per publication: messages per second. The consumer
 /// checks every message's first word.
 pub fn spsc_ring_rate(messages: u64, batch: u64) -> f64 {
     let ring = Ring {

@@ -243,7 +243,7 @@ where
     /// the QP's granted `max_inline_data` is refused by the core's checks
     /// with [`IbStatus::InvalidParameter`], nothing of it posted. Callable
     /// at DISPATCH_LEVEL; no allocation (inline data is gathered into a
-    /// stack buffer of [`SMALL_INLINE`] bytes, or of [`MAX_SEND_WQE_BYTES`]
+    /// stack buffer of `SMALL_INLINE` bytes, or of [`MAX_SEND_WQE_BYTES`]
     /// when the batch's WRs carry more, handed to the core batch by
     /// batch).
     pub fn post_send(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
