@@ -151,6 +151,72 @@ fn drain(w: &World, cq: &Cq<'_>) -> Vec<WorkCompletion> {
 }
 
 /// `(wr_id, status)` of each completion.
+/// A window's place: its VA in the owner's buffer, that VA's offset in the
+/// buffer, its length and R_Key.
+struct Window {
+    va: u64,
+    offset: u64,
+    len: u64,
+    rkey: RKey,
+}
+
+/// The peer (its QP, CQ, buffer and region) writes 512 bytes of
+/// `pattern(seed)` at `at` into `window` and reads its last 256 back, both
+/// byte-checked against `before` (the owner's buffer before); then a write
+/// straddling the window's end fails with a remote access error and
+/// writes nothing.
+fn peer_uses_the_window(
+    w: &World,
+    (pqp, pcq, pbuf, pmr): (&mut Qp<'_, '_>, &Cq<'_>, &Buffer<'_>, &Mr<'_, '_>),
+    obuf: &Buffer<'_>,
+    before: &[u8],
+    window: &Window,
+    (seed, at): (u32, u64),
+) {
+    let written = pattern(seed, 512);
+    pbuf.write(0, &written).unwrap();
+    let psge = [Sge::new(pbuf.va(), 512, pmr.keys().lkey)];
+    let remote = RemoteAddr {
+        addr: window.va + at,
+        rkey: window.rkey,
+    };
+    pqp.post_send(&[send(10, SendOp::RdmaWrite { remote }, &psge, None)])
+        .unwrap();
+    assert_eq!(outcomes(&drain(w, pcq)), [(10, WcStatus::Success)]);
+    let mut expected = before.to_vec();
+    expected[(window.offset + at) as usize..][..512].copy_from_slice(&written);
+    let mut now = vec![0; 8192];
+    obuf.read(0, &mut now).unwrap();
+    assert_eq!(now, expected, "the write landed in the window, only there");
+    let rsge = [Sge::new(pbuf.va() + 1024, 256, pmr.keys().lkey)];
+    let remote = RemoteAddr {
+        addr: window.va + window.len - 256,
+        rkey: window.rkey,
+    };
+    pqp.post_send(&[send(11, SendOp::RdmaRead { remote }, &rsge, None)])
+        .unwrap();
+    assert_eq!(outcomes(&drain(w, pcq)), [(11, WcStatus::Success)]);
+    let mut read = vec![0; 256];
+    pbuf.read(1024, &mut read).unwrap();
+    assert_eq!(
+        read,
+        expected[(window.offset + window.len - 256) as usize..][..256]
+    );
+
+    // 100 bytes straddling the window's end: a remote access error,
+    // nothing written.
+    let psge = [Sge::new(pbuf.va(), 100, pmr.keys().lkey)];
+    let remote = RemoteAddr {
+        addr: window.va + window.len - 10,
+        rkey: window.rkey,
+    };
+    pqp.post_send(&[send(12, SendOp::RdmaWrite { remote }, &psge, None)])
+        .unwrap();
+    assert_eq!(outcomes(&drain(w, pcq)), [(12, WcStatus::RemAccessErr)]);
+    obuf.read(0, &mut now).unwrap();
+    assert_eq!(now, expected, "nothing written past the window");
+}
+
 fn outcomes(wcs: &[WorkCompletion]) -> Vec<(u64, WcStatus)> {
     wcs.iter().map(|wc| (wc.wr_id, wc.status)).collect()
 }
@@ -622,46 +688,20 @@ fn a_type_2_window_grants_its_range_to_the_peer_and_nothing_else() {
         assert_eq!(mw.query().unwrap().attr.rkey, rkey, "the device's key");
         let window = obuf.va() + START;
 
-        // The peer writes 512 bytes into the window and reads 256 back.
-        let written = pattern(7, 512);
-        pbuf.write(0, &written).unwrap();
-        let psge = [Sge::new(pbuf.va(), 512, pmr.keys().lkey)];
-        let remote = RemoteAddr {
-            addr: window + 100,
+        let window = Window {
+            va: window,
+            offset: START,
+            len: LEN,
             rkey,
         };
-        pqp.post_send(&[send(10, SendOp::RdmaWrite { remote }, &psge, None)])
-            .unwrap();
-        assert_eq!(outcomes(&drain(&w, &pcq)), [(10, WcStatus::Success)]);
-        let mut expected = before.clone();
-        expected[(START + 100) as usize..][..512].copy_from_slice(&written);
-        let mut now = vec![0; 8192];
-        obuf.read(0, &mut now).unwrap();
-        assert_eq!(now, expected, "the write landed in the window, only there");
-        let rsge = [Sge::new(pbuf.va() + 1024, 256, pmr.keys().lkey)];
-        let remote = RemoteAddr {
-            addr: window + LEN - 256,
-            rkey,
-        };
-        pqp.post_send(&[send(11, SendOp::RdmaRead { remote }, &rsge, None)])
-            .unwrap();
-        assert_eq!(outcomes(&drain(&w, &pcq)), [(11, WcStatus::Success)]);
-        let mut read = vec![0; 256];
-        pbuf.read(1024, &mut read).unwrap();
-        assert_eq!(read, expected[(START + LEN - 256) as usize..][..256]);
-
-        // 100 bytes straddling the window's end: a remote access error,
-        // nothing written.
-        let psge = [Sge::new(pbuf.va(), 100, pmr.keys().lkey)];
-        let remote = RemoteAddr {
-            addr: window + LEN - 10,
-            rkey,
-        };
-        pqp.post_send(&[send(12, SendOp::RdmaWrite { remote }, &psge, None)])
-            .unwrap();
-        assert_eq!(outcomes(&drain(&w, &pcq)), [(12, WcStatus::RemAccessErr)]);
-        obuf.read(0, &mut now).unwrap();
-        assert_eq!(now, expected, "nothing written past the window");
+        peer_uses_the_window(
+            &w,
+            (&mut pqp, &pcq, &pbuf, &pmr),
+            &obuf,
+            &before,
+            &window,
+            (7, 100),
+        );
         // The window goes before its region (its lifetime says so) and
         // the device unbinds it at deallocation.
         drop(mw);
@@ -721,46 +761,20 @@ fn a_type_1_window_is_bound_from_user_mode_and_grants_only_its_range() {
         assert_eq!(process.requests_issued(), requests + 2, "two queries only");
         let window = obuf.va() + START;
 
-        // The peer writes 512 bytes into the window and reads 256 back.
-        let written = pattern(8, 512);
-        pbuf.write(0, &written).unwrap();
-        let psge = [Sge::new(pbuf.va(), 512, pmr.keys().lkey)];
-        let remote = RemoteAddr {
-            addr: window + 300,
+        let window = Window {
+            va: window,
+            offset: START,
+            len: LEN,
             rkey,
         };
-        pqp.post_send(&[send(10, SendOp::RdmaWrite { remote }, &psge, None)])
-            .unwrap();
-        assert_eq!(outcomes(&drain(&w, &pcq)), [(10, WcStatus::Success)]);
-        let mut expected = before.clone();
-        expected[(START + 300) as usize..][..512].copy_from_slice(&written);
-        let mut now = vec![0; 8192];
-        obuf.read(0, &mut now).unwrap();
-        assert_eq!(now, expected, "the write landed in the window, only there");
-        let rsge = [Sge::new(pbuf.va() + 1024, 256, pmr.keys().lkey)];
-        let remote = RemoteAddr {
-            addr: window + LEN - 256,
-            rkey,
-        };
-        pqp.post_send(&[send(11, SendOp::RdmaRead { remote }, &rsge, None)])
-            .unwrap();
-        assert_eq!(outcomes(&drain(&w, &pcq)), [(11, WcStatus::Success)]);
-        let mut read = vec![0; 256];
-        pbuf.read(1024, &mut read).unwrap();
-        assert_eq!(read, expected[(START + LEN - 256) as usize..][..256]);
-
-        // 100 bytes straddling the window's end: a remote access error,
-        // nothing written.
-        let psge = [Sge::new(pbuf.va(), 100, pmr.keys().lkey)];
-        let remote = RemoteAddr {
-            addr: window + LEN - 10,
-            rkey,
-        };
-        pqp.post_send(&[send(12, SendOp::RdmaWrite { remote }, &psge, None)])
-            .unwrap();
-        assert_eq!(outcomes(&drain(&w, &pcq)), [(12, WcStatus::RemAccessErr)]);
-        obuf.read(0, &mut now).unwrap();
-        assert_eq!(now, expected, "nothing written past the window");
+        peer_uses_the_window(
+            &w,
+            (&mut pqp, &pcq, &pbuf, &pmr),
+            &obuf,
+            &before,
+            &window,
+            (8, 300),
+        );
         // A type 1 window is never invalidated; deallocation unbinds it.
         assert!(matches!(
             mw.invalidate(&mut oqp, 13),
