@@ -12,7 +12,8 @@
 //!    checked (`abi`).
 //! 2. **Boot**: the device tree with the children per port.
 //! 3. **Kernel clients**: the port clients pair (HCA 2k's port p with HCA
-//!    2k + 1's, an odd last HCA's ports with each other:
+//!    2k + 1's, an odd last HCA's ports with each other, its last port
+//!    waiting alone when the port count is odd, which the job says:
 //!    `PortClientDriver::pair_cas`), find each other over UD, connect RC
 //!    and run checked ping-pong rounds; more rounds are timed.
 //! 4. **User application**: a process through the access library and the
@@ -303,6 +304,13 @@ impl Machine {
             }
         }
         pairs
+    }
+
+    /// The port with no peer under the pairing: the last port of an odd
+    /// last HCA with an odd number of ports. Its client stays discovering.
+    fn unpaired(&self) -> Option<(usize, u8)> {
+        let ports = self.hcas[0].1.len() as u8;
+        (self.hcas.len() % 2 == 1 && ports % 2 == 1).then(|| (self.hcas.len() - 1, ports))
     }
 
     /// The two clients of a pair (the newest on each end).
@@ -605,6 +613,21 @@ fn kernel_clients(
         }
         if (initiator.phase(), responder.phase()) != (Phase::Running, Phase::Running) {
             return Err(format!("{pair}: not both running"));
+        }
+    }
+    // A port the pairing leaves alone is said, and must be waiting for a
+    // peer, not failed or talking to someone.
+    if let Some((hca, port)) = m.unpaired() {
+        let client = m.client(hca, port)?;
+        let phase = client.phase();
+        console.say(format!(
+            "HCA {hca} port {port}: no peer (an odd last HCA with an odd port count); its client waits, {phase:?}"
+        ));
+        if phase != Phase::Discovering || client.counters().rounds != 0 {
+            return Err(format!(
+                "HCA {hca} port {port} has no peer but its client is {phase:?} with {} rounds",
+                client.counters().rounds
+            ));
         }
     }
     // More rounds on the live connections, timed.

@@ -168,6 +168,31 @@ fn three_and_five_hcas_pair_up_sleep_lose_one_and_get_it_back() {
     }
 }
 
+#[test]
+fn an_odd_last_hca_with_an_odd_port_count_says_which_port_has_no_peer() {
+    let report = run(&Options {
+        hcas: 3,
+        ports: 3,
+        ..small()
+    });
+    assert!(report.success(), "{}", explain(&report));
+    // HCAs 0 and 1 pair port by port (3 pairs), HCA 2's ports 1 and 2
+    // pair with each other, and its port 3 is said to wait alone.
+    assert!(
+        report.log.contains("4 pairs ran 4 checked rounds each"),
+        "{}",
+        explain(&report)
+    );
+    assert!(
+        report
+            .log
+            .contains("HCA 2 port 3: no peer (an odd last HCA with an odd port count); its client waits, Discovering"),
+        "{}",
+        explain(&report)
+    );
+    assert_eq!(report.violations, Some(vec![]));
+}
+
 /// Optimised code's kernel-stack use (`cargo test --release -p
 /// stack-main-job`; a debug build inlines nothing and has its own budget):
 /// after the whole job, every kind of routine left a sixth of the 24 KiB
