@@ -20,12 +20,16 @@
 //!   measurement 4, docs/performance.md).
 //! - `bench [--only 1,2,3,5,6] [--quick]`: the benchmarks against same-run
 //!   baselines, optimised (`bench`, docs/performance.md).
+//! - `verbs-libs [--out DIR] [--release]`: builds the side libraries
+//!   perftest links and lays them out under their sonames (`verbs_libs`,
+//!   docs/libibverbs.md).
 
 mod bench;
 mod bench_insn;
 mod fuzz;
 mod inf_lint;
 mod swarm_run;
+mod verbs_libs;
 mod wdk_check;
 
 use std::process::{Command, ExitCode};
@@ -104,6 +108,17 @@ enum Cmd {
         #[arg(long)]
         quick: bool,
     },
+    /// Build the side libraries perftest links (libmlx5.so.1, libefa.so.1,
+    /// librdmacm.so.1, libibumad.so.3) into one directory under their
+    /// sonames, and check ib_send_bw loads them (docs/libibverbs.md).
+    VerbsLibs {
+        /// The directory (default: target/verbs-libs).
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+        /// Build them optimised.
+        #[arg(long)]
+        release: bool,
+    },
     /// Run the workspace tests (extra arguments go to `cargo test`), then the
     /// main job's tests built optimised, then the loom models.
     Test {
@@ -151,6 +166,7 @@ fn main() -> ExitCode {
         Cmd::BenchInsn { workload } => bench_insn::run(workload.as_deref()),
         Cmd::Capture { out, seed } => capture(&out, seed),
         Cmd::InfLint => inf_lint::run(),
+        Cmd::VerbsLibs { out, release } => verbs_libs::run(out, release),
         Cmd::WdkCheck { kmdf_headers } => wdk_check::run(kmdf_headers),
         Cmd::Swarm(args) => swarm_run::run(&args),
         Cmd::Fuzz {

@@ -1,0 +1,11 @@
+//! The soname and the symbol versions (`libmlx5.map`) of the library.
+
+fn main() {
+    println!("cargo:rerun-if-changed=libmlx5.map");
+    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux") {
+        return;
+    }
+    let manifest_dir = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libmlx5.so.1");
+    println!("cargo:rustc-cdylib-link-arg=-Wl,--version-script={manifest_dir}/libmlx5.map");
+}
