@@ -13,15 +13,28 @@ use sim_host::host::{Host, HostConfig};
 use sim_host::pci::Backplane;
 use sim_host::verifier::Verifier;
 
+/// The `n`th address of this process's own range `range` (0..=7):
+/// 127.x.y.(32 * range + 1 + n) with x.y from the process id (never
+/// 127.0.0.x), so concurrent runs of these tests never contend.
+fn own(range: u8, n: u8) -> Ipv4Addr {
+    let pid = std::process::id();
+    Ipv4Addr::new(
+        127,
+        0x80 | (pid >> 8) as u8 & 0x7F,
+        pid as u8,
+        32 * range + 1 + n,
+    )
+}
+
 #[test]
 fn each_port_is_bound_and_its_function_reports_the_address() {
     let configs = vec![
         DeviceConfig::with_ports(0x10, &[[10, 0, 0, 1], [10, 0, 0, 2]]),
         DeviceConfig::with_ports(0x20, &[[10, 0, 1, 1]]),
     ];
-    let fixed = Ipv4Addr::new(127, 79, 2, 9);
+    let fixed = own(2, 8);
     let automatic = PortAddress::FirstFree {
-        first: Ipv4Addr::new(127, 79, 1, 1),
+        first: own(1, 0),
         count: 16,
     };
     let backplane = Backplane::udp(
@@ -32,7 +45,7 @@ fn each_port_is_bound_and_its_function_reports_the_address() {
     .expect("bind three loopback addresses");
     assert!(format!("{backplane:?}").contains("udp"));
     let bound = [(0, 1), (0, 2), (1, 1)].map(|(f, p)| backplane.udp_address(f, p).unwrap());
-    assert_eq!(bound[0], Ipv4Addr::new(127, 79, 1, 1));
+    assert_eq!(bound[0], own(1, 0));
     assert_eq!(bound[1], fixed);
     assert_ne!(
         bound[2], bound[0],
@@ -58,13 +71,13 @@ fn a_threaded_udp_host_builds_and_shuts_down_clean() {
         1,
         vec![DeviceConfig::with_ports(0x30, &[[10, 0, 0, 1]])],
         vec![PortAddress::FirstFree {
-            first: Ipv4Addr::new(127, 79, 3, 1),
+            first: own(3, 0),
             count: 16,
         }],
     );
     let host = Host::new(config).unwrap();
     let addr = host.backplane().udp_address(0, 1).unwrap();
-    assert_eq!(addr.octets()[..3], [127, 79, 3]);
+    assert_eq!(addr, own(3, 0));
     // The threaded host on FastFabric has no UDP endpoints.
     let plain = Host::new(HostConfig::threaded(
         1,

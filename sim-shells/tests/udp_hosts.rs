@@ -55,14 +55,22 @@ const RC_INIT: QpInit = QpInit {
     sq_sig_all: false,
 };
 
-/// A threaded machine with HCA `guid`, its port on the first free address
-/// of 127.78.1.0/24, the stack booted.
+/// The first of this process's own loopback addresses: 127.x.y.1 with
+/// x.y from the process id (never 127.0.0.x), so concurrent runs of this
+/// test (other worktrees on one machine) never contend for one.
+fn own_addresses() -> Ipv4Addr {
+    let pid = std::process::id();
+    Ipv4Addr::new(127, 0x80 | (pid >> 8) as u8 & 0x7F, pid as u8, 1)
+}
+
+/// A threaded machine with HCA `guid`, its port on the first free one of
+/// this process's addresses, the stack booted.
 fn machine(guid: u64) -> Arc<Host> {
     let config = HostConfig::threaded_udp(
         2,
         vec![DeviceConfig::with_ports(guid, &[[10, 9, 0, 1]])],
         vec![PortAddress::FirstFree {
-            first: Ipv4Addr::new(127, 78, 1, 1),
+            first: own_addresses(),
             count: 32,
         }],
     );
@@ -215,16 +223,17 @@ fn two_machines_on_the_udp_fabric_exchange_rc_sends_between_user_processes() {
                 2 * round + 1,
             );
         }
-        // It all went as real datagrams: eight messages of three packets
-        // each way's data, and the acknowledgements back.
+        // It all went as real datagrams: four messages of three packets
+        // each way, and the acknowledgements back.
         for (i, j) in [(0, 1), (1, 0)] {
             let (mine, theirs) = (
                 hosts[i].backplane().udp_stats(0, 1).unwrap(),
                 hosts[j].backplane().udp_stats(0, 1).unwrap(),
             );
-            assert!(mine.tx_datagrams >= 4 * 3, "{mine:?}");
-            assert_eq!(
-                mine.tx_datagrams, theirs.rx_datagrams,
+            assert!(theirs.rx_datagrams >= 4 * 3, "{theirs:?}");
+            // (A spurious retransmission may still be in flight.)
+            assert!(
+                theirs.rx_datagrams <= mine.tx_datagrams,
                 "{mine:?} {theirs:?}"
             );
             assert_eq!(theirs.rx_dropped_total(), 0, "{theirs:?}");
