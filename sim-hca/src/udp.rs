@@ -73,6 +73,9 @@ const FLAGS_DONT_FRAGMENT: [u8; 2] = [0x40, 0x00];
 /// (shutdown also wakes it with an empty datagram).
 const RECEIVE_POLL: Duration = Duration::from_millis(200);
 
+/// How long a receive thread waits after an unexpected socket error.
+const RECEIVE_ERROR_BACKOFF: Duration = Duration::from_millis(10);
+
 /// The longest the timer thread sleeps with no deadline due sooner.
 const TIMER_IDLE_SLEEP: Duration = Duration::from_millis(50);
 
@@ -491,8 +494,17 @@ impl Shared {
                     }
                 }
                 // A timeout to look at the stop flag, a signal, or an
-                // error reported by the network for an earlier send.
-                Err(_) => continue,
+                // error the network reported for an earlier send.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock
+                            | io::ErrorKind::TimedOut
+                            | io::ErrorKind::Interrupted
+                            | io::ErrorKind::ConnectionRefused
+                    ) => {}
+                // Anything else: try again shortly, without spinning.
+                Err(_) => std::thread::sleep(RECEIVE_ERROR_BACKOFF),
             }
         }
     }
