@@ -25,6 +25,9 @@
 //!   device would ([`RocePacket::parse`]) and hands it to the device under
 //!   its lock. A datagram that is short, not RoCEv2 or fails its ICRC is
 //!   dropped and counted by reason ([`UdpPortStats`]), never a panic.
+//!   Each socket asks for a large receive buffer (capped by the kernel's
+//!   `net.core.rmem_max`), so a window of large messages is not dropped
+//!   and retransmitted.
 //! - The wire path throughout: no direct placement, since the peer may be
 //!   another process. Work a doorbell causes runs in the ringing thread
 //!   (as in [`crate::fast::FastFabric`]); a timer thread runs the devices'
@@ -73,11 +76,40 @@ const FLAGS_DONT_FRAGMENT: [u8; 2] = [0x40, 0x00];
 /// (shutdown also wakes it with an empty datagram).
 const RECEIVE_POLL: Duration = Duration::from_millis(200);
 
+/// The receive buffer each socket asks for (the kernel caps it at
+/// `net.core.rmem_max`): a burst of a few hundred MTU-sized datagrams (a
+/// window of large messages) fits, where the default (about 200 KiB) drops
+/// most of it and leaves the transport to retransmit.
+const RECEIVE_BUFFER_BYTES: usize = 16 << 20;
+
 /// How long a receive thread waits after an unexpected socket error.
 const RECEIVE_ERROR_BACKOFF: Duration = Duration::from_millis(10);
 
 /// The longest the timer thread sleeps with no deadline due sooner.
 const TIMER_IDLE_SLEEP: Duration = Duration::from_millis(50);
+
+/// Asks for [`RECEIVE_BUFFER_BYTES`] of receive buffer (best effort: the
+/// kernel caps the request at `net.core.rmem_max`; a refusal leaves the
+/// default, and losses to the transport's retries).
+#[cfg(target_os = "linux")]
+fn enlarge_receive_buffer(socket: &UdpSocket) {
+    use std::os::fd::AsRawFd;
+    let bytes = libc::c_int::try_from(RECEIVE_BUFFER_BYTES).unwrap_or(libc::c_int::MAX);
+    // SAFETY: the descriptor is the socket's, open for the whole call, and
+    // the option value is a live `c_int` passed with its own size.
+    let _ = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&raw const bytes).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+}
+
+#[cfg(not(target_os = "linux"))]
+fn enlarge_receive_buffer(_socket: &UdpSocket) {}
 
 /// Where a port's socket is bound.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -566,6 +598,7 @@ impl UdpFabric {
                     return Err(io::Error::other("an IPv4 socket reports an IPv6 address"));
                 };
                 socket.set_read_timeout(Some(RECEIVE_POLL))?;
+                enlarge_receive_buffer(&socket);
                 dev.set_port_ipv4(port, addr.ip().octets());
                 dev.set_link(port, true);
                 endpoints.push(Endpoint {
