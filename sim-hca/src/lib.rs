@@ -20,6 +20,9 @@
 //! - [`device`]: the HCA itself — BAR0, the command interface, contexts,
 //!   event and completion queues, doorbells — and the IB transport engine
 //!   it runs (RC, UC, UD).
+//! - [`udp`]: the UDP fabric — each device port a real RoCEv2 endpoint
+//!   (a UDP socket at port 4791), so devices in different processes talk
+//!   over real datagrams.
 //! - [`cluster`]: the simulation harness — several devices on one fabric,
 //!   stepped deterministically in virtual time from one seed, with pcap
 //!   capture.
@@ -34,4 +37,5 @@ pub mod pcap;
 pub mod rng;
 pub mod testkit;
 pub(crate) mod transport;
+pub mod udp;
 pub mod wire;

@@ -9,6 +9,7 @@ use ib_types::status::NtStatus;
 use sim_hca::cluster::ClusterError;
 use sim_hca::device::DeviceConfig;
 use sim_hca::fabric::FabricConfig;
+use sim_hca::udp::PortAddress;
 
 use crate::binder::InfBinder;
 use crate::dma::Iommu;
@@ -39,6 +40,11 @@ pub struct HostConfig {
     /// The fabric between them (deterministic mode; threaded mode wires
     /// them back to back).
     pub fabric: FabricConfig,
+    /// Threaded mode: `Some` puts the HCAs' ports on the UDP fabric
+    /// (`sim_hca::udp`), each a real UDP endpoint at its address here (in
+    /// port order, function 0's first; ports beyond them take the first
+    /// free 127.0.0.x), instead of back to back.
+    pub udp: Option<Vec<PortAddress>>,
 }
 
 impl HostConfig {
@@ -50,6 +56,21 @@ impl HostConfig {
             workers: 0,
             hcas,
             fabric: FabricConfig::default(),
+            udp: None,
+        }
+    }
+
+    /// A threaded machine with `hcas` whose ports are real UDP endpoints
+    /// at `addresses` ([`HostConfig::udp`]): machines in different
+    /// processes, or in one, reach each other over real datagrams.
+    pub fn threaded_udp(
+        workers: usize,
+        hcas: Vec<DeviceConfig>,
+        addresses: Vec<PortAddress>,
+    ) -> Self {
+        Self {
+            udp: Some(addresses),
+            ..Self::threaded(workers, hcas)
         }
     }
 
@@ -61,6 +82,7 @@ impl HostConfig {
             workers,
             hcas,
             fabric: FabricConfig::default(),
+            udp: None,
         }
     }
 }
@@ -121,7 +143,12 @@ impl Host {
             }
             Mode::Threaded => (
                 Scheduler::threaded(cfg.workers.max(1), verifier.clone())?,
-                Backplane::threaded(verifier.clone(), cfg.hcas.clone())?,
+                match &cfg.udp {
+                    Some(addresses) => {
+                        Backplane::udp(verifier.clone(), cfg.hcas.clone(), addresses)?
+                    }
+                    None => Backplane::threaded(verifier.clone(), cfg.hcas.clone())?,
+                },
             ),
         };
         let registry = RegistryStore::new();

@@ -13,8 +13,11 @@
 //! **Model.** The [`Backplane`] holds the devices of the `sim-hca` model on
 //! their fabric, stepped one of two ways: under the deterministic
 //! scheduler (a host task advances the [`Cluster`] to the scheduler's
-//! clock; the devices' own deadlines become scheduler timers) or in
-//! threaded mode on a [`FastFabric`] with a timer thread. Each function's
+//! clock; the devices' own deadlines become scheduler timers), in
+//! threaded mode on a [`FastFabric`] with a timer thread, or in threaded
+//! mode on the [`UdpFabric`], each port a real UDP endpoint (its receive
+//! threads and its timer thread deliver the interrupts the devices raise,
+//! as the timer thread does on the fast fabric). Each function's
 //! device reaches host memory only through its [`DmaPort`], which faults
 //! every access until the driver has a DMA adapter. A driver creates one
 //! interrupt object per message ([`PciFunction::create_interrupt`]); the
@@ -43,6 +46,7 @@ use sim_hca::device::{Device, DeviceConfig};
 use sim_hca::fabric::FabricConfig;
 use sim_hca::fast::FastFabric;
 use sim_hca::host::{DmaDirection, DmaFault, HostMemory, InterruptSink};
+use sim_hca::udp::{PortAddress, UdpFabric};
 
 use crate::context::{self, Context};
 use crate::dma::{DeviceDma, DmaDescription, DmaRemapping, HostDmaAdapter, Iommu};
@@ -278,6 +282,9 @@ enum Engine {
         stop: Arc<AtomicBool>,
         timer_thread: Mutex<Option<JoinHandle<()>>>,
     },
+    /// Threaded, each port a real UDP endpoint; the fabric's own threads
+    /// run receives and timers.
+    Udp { fabric: UdpFabric },
 }
 
 /// The simulated HCAs of one or more hosts on their fabric.
@@ -299,6 +306,7 @@ impl std::fmt::Debug for Backplane {
                 &match self.engine {
                     Engine::Stepped { .. } => "stepped",
                     Engine::Threaded { .. } => "threaded",
+                    Engine::Udp { .. } => "udp",
                 },
             )
             .finish_non_exhaustive()
@@ -343,23 +351,7 @@ impl Backplane {
     /// Devices wired back to back (no loss, no delay) and run on the
     /// calling threads, with a timer thread for their deadlines.
     pub fn threaded(verifier: Verifier, configs: Vec<DeviceConfig>) -> std::io::Result<Arc<Self>> {
-        let lines: Vec<Arc<InterruptLine>> = configs.iter().map(|_| Arc::default()).collect();
-        let ports: Vec<Arc<DmaPort>> = configs
-            .iter()
-            .map(|_| DmaPort::new(verifier.clone()))
-            .collect();
-        let devices = configs
-            .iter()
-            .zip(&ports)
-            .zip(&lines)
-            .map(|((cfg, port), line)| {
-                Device::new(
-                    cfg.clone(),
-                    port.clone() as Arc<dyn HostMemory>,
-                    line.clone() as Arc<dyn InterruptSink>,
-                )
-            })
-            .collect();
+        let (lines, ports, devices) = Self::devices(&verifier, &configs);
         let fabric = Arc::new(FastFabric::new(devices));
         let stop = Arc::new(AtomicBool::new(false));
         let backplane = Arc::new_cyclic(|this| Self {
@@ -393,6 +385,92 @@ impl Backplane {
             *lock(timer_thread) = Some(thread);
         }
         Ok(backplane)
+    }
+
+    /// Devices whose ports are real UDP endpoints ([`UdpFabric`]): each
+    /// port bound at its address of `addresses` (in port order, function
+    /// 0's first; ports beyond them choose the first free 127.0.0.x), its
+    /// configuration's address replaced by the bound one. Work runs on
+    /// the calling threads; the fabric's receive and timer threads deliver
+    /// the interrupts they cause.
+    pub fn udp(
+        verifier: Verifier,
+        mut configs: Vec<DeviceConfig>,
+        addresses: &[PortAddress],
+    ) -> std::io::Result<Arc<Self>> {
+        let (lines, ports, devices) = Self::devices(&verifier, &configs);
+        let fabric = UdpFabric::new(devices, addresses)?;
+        for (node, cfg) in configs.iter_mut().enumerate() {
+            for (port, port_cfg) in (1..).zip(cfg.ports.iter_mut()) {
+                if let Some(addr) = fabric.address(node, port) {
+                    port_cfg.ipv4 = addr.octets();
+                }
+            }
+        }
+        let backplane = Arc::new_cyclic(|this| Self {
+            engine: Engine::Udp { fabric },
+            lines,
+            ports,
+            configs,
+            verifier,
+            this: this.clone(),
+        });
+        if let Engine::Udp { fabric } = &backplane.engine {
+            let weak = Arc::downgrade(&backplane);
+            fabric.set_on_activity(Arc::new(move || {
+                if let Some(backplane) = weak.upgrade() {
+                    backplane.deliver_interrupts();
+                }
+            }));
+        }
+        Ok(backplane)
+    }
+
+    /// The devices of `configs`, each with its interrupt line and DMA port.
+    #[allow(
+        clippy::type_complexity,
+        reason = "three parallel lists, one entry per function"
+    )]
+    fn devices(
+        verifier: &Verifier,
+        configs: &[DeviceConfig],
+    ) -> (Vec<Arc<InterruptLine>>, Vec<Arc<DmaPort>>, Vec<Device>) {
+        let lines: Vec<Arc<InterruptLine>> = configs.iter().map(|_| Arc::default()).collect();
+        let ports: Vec<Arc<DmaPort>> = configs
+            .iter()
+            .map(|_| DmaPort::new(verifier.clone()))
+            .collect();
+        let devices = configs
+            .iter()
+            .zip(&ports)
+            .zip(&lines)
+            .map(|((cfg, port), line)| {
+                Device::new(
+                    cfg.clone(),
+                    port.clone() as Arc<dyn HostMemory>,
+                    line.clone() as Arc<dyn InterruptSink>,
+                )
+            })
+            .collect();
+        (lines, ports, devices)
+    }
+
+    /// The address port `port` (1-based) of function `index` is bound to,
+    /// on the UDP fabric (None on the other engines).
+    pub fn udp_address(&self, index: usize, port: u8) -> Option<std::net::Ipv4Addr> {
+        match &self.engine {
+            Engine::Udp { fabric } => fabric.address(index, port),
+            _ => None,
+        }
+    }
+
+    /// Port `port` (1-based) of function `index`'s datagram counters, on
+    /// the UDP fabric (None on the other engines).
+    pub fn udp_stats(&self, index: usize, port: u8) -> Option<sim_hca::udp::UdpPortStats> {
+        match &self.engine {
+            Engine::Udp { fabric } => fabric.stats(index, port),
+            _ => None,
+        }
     }
 
     /// Number of HCA functions.
@@ -429,6 +507,11 @@ impl Backplane {
                 self.deliver_interrupts();
                 r
             }
+            Engine::Udp { fabric } => {
+                let r = fabric.with_device(index, f);
+                self.deliver_interrupts();
+                r
+            }
         }
     }
 
@@ -440,7 +523,7 @@ impl Backplane {
                 self.kick();
                 Some(r)
             }
-            Engine::Threaded { .. } => None,
+            Engine::Threaded { .. } | Engine::Udp { .. } => None,
         }
     }
 

@@ -24,6 +24,9 @@ mod wqe;
 #[path = "../../../sim-hca/tests/fuzz_props/packet.rs"]
 mod packet;
 
+#[path = "../../../sim-hca/tests/fuzz_props/udp_datagram.rs"]
+mod udp_datagram;
+
 #[path = "../../../sim-hca/tests/fuzz_props/mad.rs"]
 mod mad;
 
@@ -45,12 +48,13 @@ use std::process::ExitCode;
 type SeedMaker = fn() -> Vec<Vec<u8>>;
 
 /// Every target with its seed maker.
-const TARGETS: [(&str, SeedMaker); 10] = [
+const TARGETS: [(&str, SeedMaker); 11] = [
     ("proxy", proxy::seeds),
     ("uvp_private", uvp_private::seeds),
     ("device_entries", device_entries::seeds),
     ("wqe", wqe::seeds),
     ("packet", packet::seeds),
+    ("udp_datagram", udp_datagram::seeds),
     ("mad", mad::seeds),
     ("inf", inf::seeds),
     ("child_list", child_list::seeds),

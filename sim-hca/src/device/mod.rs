@@ -202,6 +202,25 @@ impl Device {
         self.port(port).map(Port::mac)
     }
 
+    /// Gives port `port` (1-based) the IPv4 address `ipv4`: GID 0 becomes
+    /// its IPv4-mapped address and the MAC follows it (PRM 10.1), and a
+    /// reset keeps it. For a carrier that assigns addresses as it attaches
+    /// the device (`crate::udp::UdpFabric`), before a driver reads the
+    /// port. False (nothing changed) for a port the device lacks.
+    pub fn set_port_ipv4(&mut self, port: u8, ipv4: [u8; 4]) -> bool {
+        let Some(index) = usize::from(port)
+            .checked_sub(1)
+            .filter(|&i| i < self.ports.len())
+        else {
+            return false;
+        };
+        self.cfg.ports[index].ipv4 = ipv4;
+        let port = &mut self.ports[index];
+        port.cfg.ipv4 = ipv4;
+        port.gids[0] = ib_types::scalars::Gid::from_ipv4(ipv4);
+        true
+    }
+
     /// Number of ports.
     pub fn num_ports(&self) -> u8 {
         self.ports.len() as u8
