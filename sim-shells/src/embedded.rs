@@ -139,25 +139,22 @@ impl EmbeddedMachine {
 
     /// The HCA's user contexts the miniport holds (one per open CA).
     pub fn user_contexts(&self) -> usize {
-        self.miniport
-            .devices()
-            .iter()
-            .filter_map(|d| d.hca())
-            .map(|hca| hca.user_context_count())
-            .sum()
+        user_contexts(&self.miniport)
     }
 
     /// Ends the machine as process exit does: the user process exits (its
     /// handles closed, what it left open cleaned by the drivers), then the
-    /// host shuts down. Waits at most `timeout`; returns what went wrong
-    /// (verifier violations, pages left locked, or the timeout), empty when
-    /// the shutdown was clean.
-    pub fn shut_down(&self, timeout: Duration) -> Vec<String> {
+    /// host shuts down. Waits at most `timeout`. Everything runs on a
+    /// helper thread: at process exit the calling (main) thread's
+    /// thread-locals are already destroyed, and the host's locks use them.
+    pub fn shut_down(&self, timeout: Duration) -> ShutdownReport {
         let (host, process) = (Arc::clone(&self.host), self.process.clone());
+        let miniport = Arc::clone(&self.miniport);
         let (done, finished) = mpsc::channel();
         let worker = std::thread::Builder::new()
             .name("embedded-machine-shutdown".into())
             .spawn(move || {
+                let left_open = user_contexts(&miniport);
                 let locked = host.pnp().exit_process(&process);
                 host.shut_down();
                 let mut problems: Vec<String> = host
@@ -169,16 +166,43 @@ impl EmbeddedMachine {
                 if locked != 0 {
                     problems.push(format!("{locked} pages left locked at process exit"));
                 }
-                let _ = done.send(problems);
+                let _ = done.send(ShutdownReport {
+                    left_open,
+                    problems,
+                });
             });
+        let timed_out = |problem: String| ShutdownReport {
+            left_open: 0,
+            problems: vec![problem],
+        };
         if let Err(error) = worker {
-            return vec![format!("cannot start the shutdown: {error}")];
+            return timed_out(format!("cannot start the shutdown: {error}"));
         }
         finished.recv_timeout(timeout).unwrap_or_else(|_| {
-            vec![format!(
+            timed_out(format!(
                 "the machine did not shut down within {} ms",
                 timeout.as_millis()
-            )]
+            ))
         })
     }
+}
+
+/// How the machine ended ([`EmbeddedMachine::shut_down`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ShutdownReport {
+    /// The CAs the process still had open (user contexts in the miniport)
+    /// when it exited; its exit closed them.
+    pub left_open: usize,
+    /// What went wrong (verifier violations, pages left locked, a timeout);
+    /// empty when the shutdown was clean.
+    pub problems: Vec<String>,
+}
+
+fn user_contexts(miniport: &MiniportDriver<SimPlatform>) -> usize {
+    miniport
+        .devices()
+        .iter()
+        .filter_map(|d| d.hca())
+        .map(|hca| hca.user_context_count())
+        .sum()
 }

@@ -385,11 +385,13 @@ fn the_entry_points_answer_what_the_access_library_reports_and_refuse_bad_argume
     assert_eq!(c::device_name(device).as_deref(), Some("simhca0"));
 
     drop(io);
+    let report = machine.0.shut_down(Duration::from_secs(10));
     assert_eq!(
-        machine.0.shut_down(Duration::from_secs(10)),
+        report.problems,
         Vec::<String>::new(),
         "a clean shutdown, the verifier empty"
     );
+    assert_eq!(report.left_open, 0);
 }
 
 #[test]

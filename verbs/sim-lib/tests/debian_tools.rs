@@ -22,17 +22,29 @@ use verbs_side_support::testing::{
 
 const SONAME: &str = "libibverbs.so.1";
 
-/// The library under its soname in a directory of its own (the tests run
-/// in parallel: each gets its own link; a debug build of the library is
-/// large, so it is linked, not copied).
+/// Our five libraries (the side libraries are dev-dependencies, so cargo
+/// built their cdylibs too): the file cargo builds and its soname.
+const LIBRARIES: [(&str, &str); 5] = [
+    ("libibverbs.so", SONAME),
+    ("libmlx5.so", "libmlx5.so.1"),
+    ("libefa.so", "libefa.so.1"),
+    ("librdmacm.so", "librdmacm.so.1"),
+    ("libibumad.so", "libibumad.so.3"),
+];
+
+/// The libraries under their sonames in a directory of its own (the tests
+/// run in parallel: each gets its own links; a debug build of the library
+/// is large, so it is linked, not copied).
 fn library_dir(test: &str) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join("sim-libibverbs")
         .join(test);
     std::fs::create_dir_all(&dir).unwrap();
-    let link = dir.join(SONAME);
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(built_cdylib("libibverbs.so"), &link).unwrap();
+    for (file, soname) in LIBRARIES {
+        let link = dir.join(soname);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(built_cdylib(file), &link).unwrap();
+    }
     dir
 }
 
@@ -52,13 +64,15 @@ fn text(bytes: &[u8]) -> String {
 }
 
 /// Standard error of a run that should be clean: only the exit report,
-/// saying the machine shut down cleanly.
-fn assert_clean_exit(output: &Output, what: &str) {
+/// saying the machine shut down cleanly with `left_open` CAs still open
+/// when the program exited.
+fn assert_clean_exit(output: &Output, what: &str, left_open: usize) {
     let stderr = text(&output.stderr);
     let lines: Vec<&str> = stderr.lines().collect();
     assert!(
         lines.len() == 1
-            && lines[0].starts_with("libibverbs: at exit: the machine shut down cleanly in "),
+            && lines[0].starts_with("libibverbs: at exit: the machine shut down cleanly in ")
+            && lines[0].ends_with(&format!(" ({left_open} CAs left open)")),
         "{what}: the embedded machine did not end cleanly:\n{stderr}"
     );
 }
@@ -72,10 +86,9 @@ fn expected() -> (CaAttr, PortInfo) {
         let ca = Context::open(&io, CaSelector::Index(0), &PluginSource::Linked).unwrap();
         (ca.query().unwrap(), ca.query_port(PortNum::FIRST).unwrap())
     };
-    assert_eq!(
-        machine.shut_down(Duration::from_secs(10)),
-        Vec::<String>::new()
-    );
+    let report = machine.shut_down(Duration::from_secs(10));
+    assert_eq!(report.problems, Vec::<String>::new());
+    assert_eq!(report.left_open, 0, "the CA closed before the exit");
     (attr, port)
 }
 
@@ -121,7 +134,7 @@ fn ibv_devices_lists_our_hca_with_the_node_guid_the_access_library_reports() {
         [vec!["simhca0", &*format!("{:016x}", attr.node_guid.get())]],
         "{stdout}"
     );
-    assert_clean_exit(&output, "ibv_devices");
+    assert_clean_exit(&output, "ibv_devices", 0);
 }
 
 #[test]
@@ -175,7 +188,7 @@ fn ibv_devinfo_prints_what_the_access_library_reports() {
         !got.contains_key("GID[  0]"),
         "GIDs only with -v:\n{stdout}"
     );
-    assert_clean_exit(&output, "ibv_devinfo");
+    assert_clean_exit(&output, "ibv_devinfo", 0);
 
     // -v: the limits, the port's tables, and GID 0 with its RoCE v2 type.
     let output = run(&dir, "ibv_devinfo", &["-v"]);
@@ -202,7 +215,7 @@ fn ibv_devinfo_prints_what_the_access_library_reports() {
         assert_eq!(got.get(key), Some(&value), "{key} in:\n{stdout}");
     }
     assert_eq!(gid0.to_string(), "::ffff:127.0.0.1");
-    assert_clean_exit(&output, "ibv_devinfo -v");
+    assert_clean_exit(&output, "ibv_devinfo -v", 0);
 }
 
 #[test]
@@ -235,9 +248,38 @@ fn a_bad_device_name_or_port_gets_the_tools_own_error() {
         .unwrap()
         .as_bytes()
         .to_vec();
-    assert_clean_exit(&clean, "ibv_devinfo -i 2");
+    assert_clean_exit(&clean, "ibv_devinfo -i 2", 0);
 
     let output = run(&dir, "ibv_devinfo", &["-l"]);
     assert_eq!(output.status.code(), Some(0));
     assert_eq!(text(&output.stdout), "1 HCA found:\n\tsimhca0\n\n");
+}
+
+/// perftest loads all five of our libraries, opens our device, and stops
+/// at its TCP connection to a server that is not there, with its own
+/// error; it exits without closing the device, and the process's exit
+/// closes it: the machine still ends cleanly.
+#[test]
+fn perftest_runs_on_our_libraries_until_its_connection_and_its_exit_closes_the_device() {
+    let dir = library_dir("ib_write_bw");
+    // A port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let output = run(&dir, "ib_write_bw", &["-p", &port, "127.0.0.1"]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(output.stdout.is_empty());
+    let stderr = text(&output.stderr);
+    let refusal = format!(
+        "Couldn't connect to 127.0.0.1:{port}\nUnable to open file descriptor for socket connection Unable to init the socket connection\n"
+    );
+    let rest = stderr
+        .strip_prefix(&refusal)
+        .unwrap_or_else(|| panic!("perftest's own error expected:\n{stderr}"));
+    let mut clean = output.clone();
+    clean.stderr = rest.as_bytes().to_vec();
+    assert_clean_exit(&clean, "ib_write_bw 127.0.0.1", 1);
 }
