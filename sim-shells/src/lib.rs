@@ -9,6 +9,8 @@
 //! KMDF shells and never depend on the simulator; this crate depends on
 //! their portable cores and on `sim-host`.
 //!
+//! - [`embedded`]: one machine (host, one HCA, the real drivers, one user
+//!   process) embedded in a program: what `libibverbs.so.1` boots.
 //! - [`hca_miniport`]: the HCA miniport (`hca-miniport/src/kmdf`).
 //! - [`ibal_bus`]: the IBAL bus filter (`ibal-bus/src/kmdf`).
 //! - [`ibal_proxy`]: the filter's user-mode proxy (device interface,
@@ -23,6 +25,7 @@
 //! - [`user_io`]: the access library's OS seam over a simulated process
 //!   (the counterpart of `ibal_user::windows`).
 
+pub mod embedded;
 pub mod hca_miniport;
 pub mod ibal_bus;
 pub mod ibal_proxy;

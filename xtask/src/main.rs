@@ -20,9 +20,9 @@
 //!   measurement 4, docs/performance.md).
 //! - `bench [--only 1,2,3,5,6] [--quick]`: the benchmarks against same-run
 //!   baselines, optimised (`bench`, docs/performance.md).
-//! - `verbs-libs [--out DIR] [--release]`: builds the side libraries
-//!   perftest links and lays them out under their sonames (`verbs_libs`,
-//!   docs/libibverbs.md).
+//! - `verbs-libs [--out DIR] [--release]`: builds our `libibverbs.so.1`
+//!   and the side libraries perftest links and lays them out under their
+//!   sonames (`verbs_libs`, docs/libibverbs.md).
 
 mod bench;
 mod bench_insn;
@@ -108,9 +108,10 @@ enum Cmd {
         #[arg(long)]
         quick: bool,
     },
-    /// Build the side libraries perftest links (libmlx5.so.1, libefa.so.1,
-    /// librdmacm.so.1, libibumad.so.3) into one directory under their
-    /// sonames, and check ib_send_bw loads them (docs/libibverbs.md).
+    /// Build our libibverbs.so.1 and the side libraries perftest links
+    /// (libmlx5.so.1, libefa.so.1, librdmacm.so.1, libibumad.so.3) into one
+    /// directory under their sonames, check ib_send_bw loads them and
+    /// ibv_devinfo runs on them (docs/libibverbs.md).
     VerbsLibs {
         /// The directory (default: target/verbs-libs).
         #[arg(long)]

@@ -1,24 +1,30 @@
-//! `cargo xtask verbs-libs [--out DIR] [--release]`: builds the side
-//! libraries perftest links (`verbs/side-libs/*`, docs/libibverbs.md) and
-//! lays them out in one directory under their sonames (default
-//! `target/verbs-libs`), ready for `LD_LIBRARY_PATH`. Then, if Debian's
-//! `ib_send_bw` is installed (it links all four), checks that it loads every
-//! one of them from there and prints its usage exactly as with Debian's
-//! libraries.
+//! `cargo xtask verbs-libs [--out DIR] [--release]`: builds our
+//! `libibverbs.so.1` (`verbs/sim-lib`) and the side libraries perftest
+//! links (`verbs/side-libs/*`, docs/libibverbs.md) and lays them out in one
+//! directory under their sonames (default `target/verbs-libs`), ready for
+//! `LD_LIBRARY_PATH`. Then, if Debian's `ib_send_bw` is installed (it links
+//! all five), checks that it loads every one of them from there and prints
+//! its usage exactly as with Debian's libraries; and, if Debian's
+//! `ibv_devinfo` is installed, that it runs on our library (exit 0, our
+//! HCA listed).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-/// Each side library: its package, the file cargo builds, its soname.
-const LIBRARIES: [(&str, &str, &str); 4] = [
+/// Each library: its package, the file cargo builds, its soname.
+const LIBRARIES: [(&str, &str, &str); 5] = [
+    ("sim-libibverbs", "libibverbs.so", "libibverbs.so.1"),
     ("verbs-side-mlx5", "libmlx5.so", "libmlx5.so.1"),
     ("verbs-side-efa", "libefa.so", "libefa.so.1"),
     ("verbs-side-rdmacm", "librdmacm.so", "librdmacm.so.1"),
     ("verbs-side-ibumad", "libibumad.so", "libibumad.so.3"),
 ];
 
-/// The perftest binary that links all four side libraries.
+/// The perftest binary that links all five libraries.
 const CHECK_TOOL: &str = "/usr/bin/ib_send_bw";
+
+/// The tool that shows our HCA through our libibverbs.
+const DEVINFO: &str = "/usr/bin/ibv_devinfo";
 
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -77,12 +83,44 @@ pub(crate) fn run(out: Option<PathBuf>, release: bool) -> ExitCode {
 
     if !Path::new(CHECK_TOOL).exists() {
         println!("verbs-libs: {CHECK_TOOL} not installed (Debian's perftest): load check skipped");
+    } else if check_loading(&out) != ExitCode::SUCCESS {
+        return ExitCode::FAILURE;
+    }
+    if !Path::new(DEVINFO).exists() {
+        println!("verbs-libs: {DEVINFO} not installed (Debian's ibverbs-utils): run check skipped");
         return ExitCode::SUCCESS;
     }
-    check_loading(&out)
+    check_devinfo(&out)
 }
 
-/// `ib_send_bw` must take all four libraries from `dir` and behave as with
+/// `ibv_devinfo` must run on our library from `dir` and list our HCA.
+fn check_devinfo(dir: &Path) -> ExitCode {
+    match Command::new(DEVINFO).env("LD_LIBRARY_PATH", dir).output() {
+        Ok(output) if output.status.success() => {
+            let stdout = String::from_utf8_lossy(&output.stdout);
+            let hca = stdout.lines().next().unwrap_or_default();
+            println!(
+                "verbs-libs: {DEVINFO} runs on {}: {hca}",
+                dir.join("libibverbs.so.1").display()
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(output) => {
+            eprintln!(
+                "verbs-libs: {DEVINFO} failed on our libibverbs ({}):\n{}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            );
+            ExitCode::FAILURE
+        }
+        Err(error) => {
+            eprintln!("verbs-libs: cannot run {DEVINFO}: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `ib_send_bw` must take all five libraries from `dir` and behave as with
 /// Debian's.
 fn check_loading(dir: &Path) -> ExitCode {
     let traced = Command::new(CHECK_TOOL)
@@ -127,7 +165,7 @@ fn check_loading(dir: &Path) -> ExitCode {
                 && debian.stderr == ours.stderr =>
         {
             println!(
-                "verbs-libs: {CHECK_TOOL} --help loads all four from {} and behaves as with Debian's (exit {:?})",
+                "verbs-libs: {CHECK_TOOL} --help loads all five from {} and behaves as with Debian's (exit {:?})",
                 dir.display(),
                 ours.status.code()
             );

@@ -11,9 +11,12 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// The surveyed tools (docs/libibverbs.md), all in `/usr/bin`.
-pub const DEBIAN_TOOLS: [&str; 11] = [
+/// The surveyed tools (docs/libibverbs.md), all in `/usr/bin`, and
+/// `ibv_devices` (which imports one `libibverbs` symbol more,
+/// `ibv_get_device_guid`, and nothing from the side libraries).
+pub const DEBIAN_TOOLS: [&str; 12] = [
     "ibv_devinfo",
+    "ibv_devices",
     "ibv_rc_pingpong",
     "ibv_uc_pingpong",
     "ibv_ud_pingpong",
@@ -225,6 +228,48 @@ pub fn assert_exports_exactly_the_tools_imports(
         "{} differs from what Debian's tools import:\nmissing: {missing:?}\nextra: {extra:?}",
         library.display()
     );
+}
+
+/// Asserts that `library` has the soname `soname`, exports every symbol
+/// (with its version) the Debian tools import from the nodes
+/// `version_prefixes` name, and nothing else in those nodes; returns what
+/// it exports outside them, for the caller to judge.
+pub fn assert_exports_the_tools_imports_in_their_nodes(
+    library: &Path,
+    soname: &str,
+    version_prefixes: &[&str],
+) -> BTreeSet<VersionedSymbol> {
+    assert_eq!(
+        soname_of(library).as_deref(),
+        Some(soname),
+        "{}'s soname",
+        library.display()
+    );
+    let imported = imported_by_debian_tools(version_prefixes);
+    assert!(
+        !imported.is_empty(),
+        "no Debian tool imports anything from {version_prefixes:?}"
+    );
+    let (exported, others): (BTreeSet<_>, BTreeSet<_>) =
+        exported_by(library).into_iter().partition(|symbol| {
+            version_prefixes
+                .iter()
+                .any(|prefix| symbol.version.starts_with(prefix))
+        });
+    let missing: Vec<String> = imported
+        .difference(&exported)
+        .map(ToString::to_string)
+        .collect();
+    let extra: Vec<String> = exported
+        .difference(&imported)
+        .map(ToString::to_string)
+        .collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "{} differs from what Debian's tools import:\nmissing: {missing:?}\nextra: {extra:?}",
+        library.display()
+    );
+    others
 }
 
 /// Asserts that `tool args` behaves with `library` (as `soname`, first on

@@ -1,0 +1,208 @@
+//! One simulated machine embedded in a process (issue 14's
+//! `libibverbs.so.1`, `verbs/sim-lib`): the threaded host with one HCA,
+//! the real miniport and IBAL bus filter bound from our INFs, and one
+//! simulated user process reaching them through the access library's
+//! threaded OS seam ([`ThreadedSimIo`]). It is booted by one function,
+//! [`EmbeddedMachine::boot`], which takes the fabric the HCA's port sits
+//! on, and ended by [`EmbeddedMachine::shut_down`], bounded in time.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use hca_miniport_core::init::HcaConfig;
+use ibal_user::DeviceIo;
+use sim_hca::device::DeviceConfig;
+use sim_host::host::{Host, HostConfig};
+use sim_host::memory::Process;
+use sim_host::platform::SimPlatform;
+
+use crate::hca_miniport::MiniportDriver;
+use crate::ibal_bus::IbalBusDriver;
+use crate::user_io::ThreadedSimIo;
+
+/// The fabric the HCA's port is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fabric {
+    /// The threaded host's in-process fabric: the port reaches only ports
+    /// of this machine (there are none besides it), so it talks to
+    /// nobody. Its GID is `::ffff:` + `port_address`.
+    InProcess {
+        /// The port's IPv4 address.
+        port_address: [u8; 4],
+    },
+}
+
+impl Fabric {
+    /// The default: the in-process fabric, the port at 127.0.0.1.
+    pub const DEFAULT: Self = Self::InProcess {
+        port_address: [127, 0, 0, 1],
+    };
+
+    fn port_address(self) -> [u8; 4] {
+        match self {
+            Self::InProcess { port_address } => port_address,
+        }
+    }
+}
+
+/// Worker threads of the host (they block when idle).
+const WORKERS: usize = 2;
+
+/// How long the machine may take to come up.
+const BOOT_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The embedded machine: its host, the simulated process the program is,
+/// and that process's OS seam.
+pub struct EmbeddedMachine {
+    host: Arc<Host>,
+    process: Process,
+    io: Arc<dyn DeviceIo>,
+    miniport: Arc<MiniportDriver<SimPlatform>>,
+}
+
+impl std::fmt::Debug for EmbeddedMachine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedMachine")
+            .field("pid", &self.process.pid())
+            .finish_non_exhaustive()
+    }
+}
+
+impl EmbeddedMachine {
+    /// The HCA's node GUID for a port at `address`: the PRM's IEEE vendor
+    /// ID (`0x020000`) as the OUI, `FFFE` and the address's low 24 bits
+    /// (an EUI-64 from the MAC-like tail), so that machines on distinct
+    /// addresses have distinct GUIDs.
+    pub fn node_guid(address: [u8; 4]) -> u64 {
+        let [_, b, c, d] = address;
+        0x0200_00FF_FE00_0000 | u64::from(u32::from_be_bytes([0, b, c, d]))
+    }
+
+    /// Boots the machine: one HCA with one port on `fabric`, the real
+    /// miniport and filter, and user process `pid`; waits (up to 20 s)
+    /// until the HCA started and its port child is reported.
+    pub fn boot(fabric: Fabric, pid: u32) -> Result<Self, String> {
+        let address = fabric.port_address();
+        let device = DeviceConfig::with_ports(Self::node_guid(address), &[address]);
+        let host = Arc::new(
+            Host::new(HostConfig::threaded(WORKERS, vec![device]))
+                .map_err(|e| format!("the threaded host: {e}"))?,
+        );
+        // Stand-ins for the drivers of the devnodes that are not ours.
+        let _log = sim_host::samples::register_stand_ins(&host);
+        let miniport = MiniportDriver::register(&host, HcaConfig::default());
+        let filter = IbalBusDriver::register(&host);
+        host.boot();
+        let deadline = Instant::now() + BOOT_TIMEOUT;
+        loop {
+            let _ = host.scheduler().quiesce();
+            host.pnp().process_bus_relations();
+            let devices = miniport.devices();
+            let started = devices.len() == 1 && matches!(devices[0].started(), Some(Ok(_)));
+            let children: usize = filter.devices().iter().map(|d| d.children().len()).sum();
+            if started && children == 1 {
+                break;
+            }
+            if let Some(Some(Err(error))) = devices.first().map(|d| d.started()) {
+                host.shut_down();
+                return Err(format!("the HCA did not start: {error:?}"));
+            }
+            if Instant::now() > deadline {
+                host.shut_down();
+                return Err(format!(
+                    "the HCA did not come up within {} s",
+                    BOOT_TIMEOUT.as_secs()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let process = Process::new(pid);
+        let io: Arc<dyn DeviceIo> = ThreadedSimIo::new(&host, &process);
+        Ok(Self {
+            host,
+            process,
+            io,
+            miniport,
+        })
+    }
+
+    /// The access library's OS seam of the machine's user process.
+    pub fn io(&self) -> Arc<dyn DeviceIo> {
+        Arc::clone(&self.io)
+    }
+
+    /// The host.
+    pub fn host(&self) -> &Arc<Host> {
+        &self.host
+    }
+
+    /// The HCA's user contexts the miniport holds (one per open CA).
+    pub fn user_contexts(&self) -> usize {
+        user_contexts(&self.miniport)
+    }
+
+    /// Ends the machine as process exit does: the user process exits (its
+    /// handles closed, what it left open cleaned by the drivers), then the
+    /// host shuts down. Waits at most `timeout`. Everything runs on a
+    /// helper thread: at process exit the calling (main) thread's
+    /// thread-locals are already destroyed, and the host's locks use them.
+    pub fn shut_down(&self, timeout: Duration) -> ShutdownReport {
+        let (host, process) = (Arc::clone(&self.host), self.process.clone());
+        let miniport = Arc::clone(&self.miniport);
+        let (done, finished) = mpsc::channel();
+        let worker = std::thread::Builder::new()
+            .name("embedded-machine-shutdown".into())
+            .spawn(move || {
+                let left_open = user_contexts(&miniport);
+                let locked = host.pnp().exit_process(&process);
+                host.shut_down();
+                let mut problems: Vec<String> = host
+                    .verifier()
+                    .violations()
+                    .iter()
+                    .map(|v| format!("verifier: {v:?}"))
+                    .collect();
+                if locked != 0 {
+                    problems.push(format!("{locked} pages left locked at process exit"));
+                }
+                let _ = done.send(ShutdownReport {
+                    left_open,
+                    problems,
+                });
+            });
+        let timed_out = |problem: String| ShutdownReport {
+            left_open: 0,
+            problems: vec![problem],
+        };
+        if let Err(error) = worker {
+            return timed_out(format!("cannot start the shutdown: {error}"));
+        }
+        finished.recv_timeout(timeout).unwrap_or_else(|_| {
+            timed_out(format!(
+                "the machine did not shut down within {} ms",
+                timeout.as_millis()
+            ))
+        })
+    }
+}
+
+/// How the machine ended ([`EmbeddedMachine::shut_down`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ShutdownReport {
+    /// The CAs the process still had open (user contexts in the miniport)
+    /// when it exited; its exit closed them.
+    pub left_open: usize,
+    /// What went wrong (verifier violations, pages left locked, a timeout);
+    /// empty when the shutdown was clean.
+    pub problems: Vec<String>,
+}
+
+fn user_contexts(miniport: &MiniportDriver<SimPlatform>) -> usize {
+    miniport
+        .devices()
+        .iter()
+        .filter_map(|d| d.hca())
+        .map(|hca| hca.user_context_count())
+        .sum()
+}

@@ -1,0 +1,116 @@
+//! Our `libibverbs.so.1` on Linux (issue 14, docs/libibverbs.md): the
+//! product's entry points (`ibverbs-compat`) exported under rdma-core's
+//! symbol versions, over a simulated machine that the library boots inside
+//! the program itself: no daemon.
+//!
+//! Loading the library registers the boot with the product (a constructor
+//! in `.init_array`, which does nothing else); the first
+//! `ibv_get_device_list` boots the machine
+//! ([`sim_shells::embedded::EmbeddedMachine`]: the threaded host, one HCA
+//! with one port, the real miniport and IBAL bus filter from our INFs, and
+//! a simulated user process whose OS seam is
+//! [`sim_shells::user_io::ThreadedSimIo`]), with the plugin linked.
+//!
+//! **Process exit.** The boot registers an `atexit` handler that ends the
+//! machine when the program returns from `main` (or calls `exit`): the
+//! simulated process exits (the drivers clean what the program left
+//! open), the host shuts down, and its verifier is read. Anything wrong —
+//! a violation, pages left locked, or a shutdown that took more than
+//! [`EXIT_TIMEOUT`] (the program then exits anyway, its threads with it)
+//! — is printed to standard error, prefixed `libibverbs:`; a clean exit
+//! prints nothing (unless [`EXIT_REPORT_VARIABLE`] is set).
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use ibal_user::{DeviceIo, PluginSource};
+use ibverbs_compat::Machine;
+use sim_shells::embedded::{EmbeddedMachine, Fabric};
+
+ibverbs_compat::export_libibverbs!();
+
+/// How long the machine may take to shut down at process exit.
+pub const EXIT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The booted machine, for the exit handler.
+static MACHINE: OnceLock<Arc<SimMachine>> = OnceLock::new();
+
+/// The embedded machine as the product's [`Machine`].
+#[derive(Debug)]
+struct SimMachine(EmbeddedMachine);
+
+impl Machine for SimMachine {
+    fn io(&self) -> Arc<dyn DeviceIo> {
+        self.0.io()
+    }
+
+    fn plugin(&self) -> PluginSource {
+        PluginSource::Linked
+    }
+}
+
+/// Boots the machine on the fabric chosen for this process (the
+/// in-process one, for now: the UDP fabric is a later step).
+fn boot() -> Result<Arc<dyn Machine>, String> {
+    let machine = Arc::new(SimMachine(EmbeddedMachine::boot(
+        Fabric::DEFAULT,
+        std::process::id(),
+    )?));
+    if MACHINE.set(Arc::clone(&machine)).is_ok() {
+        // SAFETY: `atexit` has no preconditions; the handler is an
+        // `extern "C" fn()` that never unwinds.
+        let registered = unsafe { libc::atexit(shut_down_at_exit) };
+        if registered != 0 {
+            eprintln!("libibverbs: cannot register the machine's shutdown at exit");
+        }
+    }
+    Ok(machine)
+}
+
+/// Set (to anything) in the environment, the exit handler also says when
+/// the shutdown was clean, how long it took and how many CAs the program
+/// had left open (the tests use it).
+pub const EXIT_REPORT_VARIABLE: &str = "SIM_LIBIBVERBS_EXIT_REPORT";
+
+/// The `atexit` handler: ends the machine, saying what went wrong. It runs
+/// on the main thread after its thread-locals were destroyed, so the
+/// machine is ended from a helper thread (`EmbeddedMachine::shut_down`).
+extern "C" fn shut_down_at_exit() {
+    let started = std::time::Instant::now();
+    let outcome = std::panic::catch_unwind(|| {
+        MACHINE
+            .get()
+            .map(|machine| machine.0.shut_down(EXIT_TIMEOUT))
+            .unwrap_or_default()
+    });
+    match outcome {
+        Ok(report) if report.problems.is_empty() => {
+            if std::env::var_os(EXIT_REPORT_VARIABLE).is_some() {
+                eprintln!(
+                    "libibverbs: at exit: the machine shut down cleanly in {} ms ({} CAs left open)",
+                    started.elapsed().as_millis(),
+                    report.left_open
+                );
+            }
+        }
+        Ok(report) => {
+            for problem in report.problems {
+                eprintln!("libibverbs: at exit: {problem}");
+            }
+        }
+        Err(_) => eprintln!("libibverbs: at exit: the machine's shutdown panicked"),
+    }
+}
+
+/// Registers [`boot`] with the product when the library is loaded.
+extern "C" fn register_boot() {
+    ibverbs_compat::set_boot(boot);
+}
+
+/// Runs [`register_boot`] as the loader initialises the library.
+#[used]
+// SAFETY: `.init_array` holds pointers to `extern "C" fn()` the loader
+// calls once at load; `register_boot` is one, and only stores a function
+// pointer (no allocation order, no other library needed).
+#[unsafe(link_section = ".init_array")]
+static REGISTER_BOOT: extern "C" fn() = register_boot;
