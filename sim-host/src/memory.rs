@@ -142,6 +142,20 @@ impl Page {
         self.frame().write(Side::Device, offset, data)
     }
 
+    /// Device (DMA) copy of `len` bytes from `from` in this page to `to`
+    /// in `dst`, word to word with the device's ordering and no buffer in
+    /// between; false (nothing copied) if either range leaves its page.
+    /// The two ranges must not overlap (see [`Page::same_allocation`]).
+    pub(crate) fn device_copy_to(&self, from: usize, dst: &Page, to: usize, len: usize) -> bool {
+        self.frame().copy_to(from, dst.frame(), to, len)
+    }
+
+    /// True if both pages belong to one allocation (one run of frames):
+    /// only then may a copy between them overlap.
+    pub(crate) fn same_allocation(&self, other: &Page) -> bool {
+        Arc::ptr_eq(&self.run, &other.run)
+    }
+
     /// Address of the page's first byte in the simulator's own memory
     /// (page aligned; for diagnostics and tests).
     pub fn host_address(&self) -> usize {
