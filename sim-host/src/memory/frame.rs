@@ -152,11 +152,9 @@ impl Frame {
         let first = (offset + head) / WORD_BYTES;
         // The bulk: one load per whole word, in a loop the compiler keeps
         // tight (no per-byte bookkeeping).
-        for (word, chunk) in self.words[first..first + whole]
-            .iter()
-            .zip(whole_out.chunks_exact_mut(WORD_BYTES))
-        {
-            chunk.copy_from_slice(&word.load(order).to_le_bytes());
+        let (whole_chunks, _) = whole_out.as_chunks_mut::<WORD_BYTES>();
+        for (word, chunk) in self.words[first..first + whole].iter().zip(whole_chunks) {
+            *chunk = word.load(order).to_le_bytes();
         }
         if tail > 0 {
             let word = self.words[first + whole].load(order).to_le_bytes();
@@ -180,13 +178,9 @@ impl Frame {
             self.merge(offset / WORD_BYTES, offset % WORD_BYTES, head_data, order);
         }
         let first = (offset + head) / WORD_BYTES;
-        for (word, chunk) in self.words[first..first + whole]
-            .iter()
-            .zip(whole_data.chunks_exact(WORD_BYTES))
-        {
-            let mut bytes = [0u8; WORD_BYTES];
-            bytes.copy_from_slice(chunk);
-            word.store(u64::from_le_bytes(bytes), order);
+        let (whole_chunks, _) = whole_data.as_chunks::<WORD_BYTES>();
+        for (word, chunk) in self.words[first..first + whole].iter().zip(whole_chunks) {
+            word.store(u64::from_le_bytes(*chunk), order);
         }
         if tail > 0 {
             self.merge(first + whole, 0, tail_data, order);
