@@ -29,8 +29,8 @@
 //!   pieces the same way touching nothing, and a copy between two views
 //!   ([`HostMemory::copy_to`]) leaves what a read of the source then a
 //!   write of the destination leaves — the same bytes, faults and records,
-//!   the source checked first — but goes frame to frame, each page looked
-//!   up once under both tables, with no buffer in between.
+//!   the source checked first — but goes frame to frame under both
+//!   tables, with no buffer in between.
 //! - Freeing is explicit, as on Windows (`FreeCommonBuffer`,
 //!   `PutScatterGatherList`): [`HostDmaAdapter::free_common`] and
 //!   [`DmaAdapter::unmap`] consume their handle. Dropping a
@@ -998,8 +998,8 @@ impl DeviceDma {
     /// result, faults and reports as a [`read`](HostMemory::read) of the
     /// source then a [`write`](HostMemory::write) of the destination (the
     /// source checked first; all or nothing), but frame to frame, each
-    /// byte read once and written once, with each side's pages looked up
-    /// once.
+    /// byte read once and written once; the pages the check looked up are
+    /// kept for the copy (the first eight of each side).
     pub(crate) fn copy_pages_to(
         &self,
         from: u64,
