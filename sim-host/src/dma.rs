@@ -25,7 +25,12 @@
 //!   an access through its adapter's table only. An access either completes
 //!   entirely or faults without touching memory; a fault is returned as
 //!   [`DmaFault`], counted, and recorded as [`ViolationKind::DmaFault`]
-//!   against the adapter's driver.
+//!   against the adapter's driver. A probe ([`HostMemory::probe`]) checks
+//!   pieces the same way touching nothing, and a copy between two views
+//!   ([`HostMemory::copy_to`]) leaves what a read of the source then a
+//!   write of the destination leaves — the same bytes, faults and records,
+//!   the source checked first — but goes frame to frame under both
+//!   tables, with no buffer in between.
 //! - Freeing is explicit, as on Windows (`FreeCommonBuffer`,
 //!   `PutScatterGatherList`): [`HostDmaAdapter::free_common`] and
 //!   [`DmaAdapter::unmap`] consume their handle. Dropping a
@@ -73,7 +78,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use driver_platform::dma::{CommonBuffer, DmaAdapter, DmaMapping, LockedPages, MemoryLocker};
 use driver_platform::request::RequestorMode;
 use ib_types::status::NtStatus;
-use sim_hca::host::{DmaDirection, DmaFault, HostMemory};
+use sim_hca::host::{CopyFault, DmaDirection, DmaFault, HostMemory};
 
 use crate::memory::{
     AddressSpace, PAGE_SIZE, Page, PageRun, Process, lock, pages_for, range_within, read_lock,
@@ -937,27 +942,10 @@ impl DeviceDma {
         }
         {
             let table = read_lock(&self.shared.table);
-            // Fast path: an access within one page (most WQEs, CQEs,
-            // doorbell records) needs one lookup.
-            let in_page = (addr % PAGE_SIZE as u64) as usize;
-            if in_page + len <= PAGE_SIZE {
-                if let Some(mapped) = table.get(&(addr >> PAGE_SHIFT))
-                    && (direction == DmaDirection::Read || mapped.device_writable)
-                {
-                    copy(&mapped.page, in_page, 0..len);
-                    return Ok(());
-                }
-            } else if let Some(page_numbers) = live_pages(&table, addr, len, direction) {
-                let mut done = 0usize;
-                for page_no in page_numbers {
-                    let Some(mapped) = table.get(&page_no) else {
-                        break; // Checked live above, under the same lock.
-                    };
-                    let in_page = ((addr + done as u64) % PAGE_SIZE as u64) as usize;
-                    let chunk = (PAGE_SIZE - in_page).min(len - done);
-                    copy(&mapped.page, in_page, done..done + chunk);
-                    done += chunk;
-                }
+            if let Some(pages) = Translation::of(&table, addr, len, direction) {
+                pages.for_each_page(&table, 0, len, |page, at, range| {
+                    copy(page, at, range);
+                });
                 return Ok(());
             }
         }
@@ -966,34 +954,229 @@ impl DeviceDma {
 
     #[cold]
     fn fault(&self, addr: u64, len: usize, direction: DmaDirection) -> Result<(), DmaFault> {
+        Err(self.record_fault(addr, len, direction))
+    }
+
+    /// Counts and reports a refused access (`ViolationKind::DmaFault`
+    /// against the adapter's driver). Called with no table locked.
+    #[cold]
+    fn record_fault(&self, addr: u64, len: usize, direction: DmaDirection) -> DmaFault {
         self.shared.faults.fetch_add(1, Ordering::Relaxed);
         self.shared.report(ViolationKind::DmaFault { addr, len });
-        Err(DmaFault {
+        DmaFault {
             addr,
             len,
             direction,
-        })
+        }
+    }
+
+    /// Checks, touching nothing, that each `(addr, len)` piece is live for
+    /// `direction`; the first refused piece is a fault, counted and
+    /// reported exactly as its access would have been.
+    pub(crate) fn probe_pieces(
+        &self,
+        pieces: &[(u64, usize)],
+        direction: DmaDirection,
+    ) -> Result<(), (usize, DmaFault)> {
+        let refused = {
+            let table = read_lock(&self.shared.table);
+            pieces
+                .iter()
+                .position(|&(addr, len)| len != 0 && !is_live(&table, addr, len, direction))
+        };
+        match refused {
+            None => Ok(()),
+            Some(i) => {
+                let (addr, len) = pieces[i];
+                Err((i, self.record_fault(addr, len, direction)))
+            }
+        }
+    }
+
+    /// Copies `len` bytes from bus address `from` of this view to `to` of
+    /// `dest` (possibly this view) through both adapters' tables: the same
+    /// result, faults and reports as a [`read`](HostMemory::read) of the
+    /// source then a [`write`](HostMemory::write) of the destination (the
+    /// source checked first; all or nothing), but frame to frame, each
+    /// byte read once and written once; the pages the check looked up are
+    /// kept for the copy (the first eight of each side).
+    pub(crate) fn copy_pages_to(
+        &self,
+        from: u64,
+        dest: &DeviceDma,
+        to: u64,
+        len: usize,
+    ) -> Result<(), CopyFault> {
+        if len == 0 {
+            return Ok(());
+        }
+        // Both tables stay locked (shared) through the copy, as in
+        // `access`, so a concurrent unmap cannot split it; in address
+        // order when they differ, so two copies in opposite directions and
+        // a waiting map or unmap (which takes one table exclusively,
+        // holding no other) cannot deadlock.
+        let same = Arc::ptr_eq(&self.shared, &dest.shared);
+        let (src_table, dst_table);
+        if same {
+            src_table = read_lock(&self.shared.table);
+            dst_table = None;
+        } else if Arc::as_ptr(&self.shared) < Arc::as_ptr(&dest.shared) {
+            src_table = read_lock(&self.shared.table);
+            dst_table = Some(read_lock(&dest.shared.table));
+        } else {
+            dst_table = Some(read_lock(&dest.shared.table));
+            src_table = read_lock(&self.shared.table);
+        }
+        let dst_map = dst_table.as_deref().unwrap_or(&src_table);
+        let Some(src) = Translation::of(&src_table, from, len, DmaDirection::Read) else {
+            drop((dst_table, src_table));
+            let fault = self.record_fault(from, len, DmaDirection::Read);
+            return Err(CopyFault::Source(fault));
+        };
+        let Some(dst) = Translation::of(dst_map, to, len, DmaDirection::Write) else {
+            drop((dst_table, src_table));
+            let fault = dest.record_fault(to, len, DmaDirection::Write);
+            return Err(CopyFault::Destination(fault));
+        };
+        if src.may_overlap(&dst) {
+            // One allocation behind both sides: the ranges may overlap in
+            // memory, so read it all, then write, as a read then a write
+            // does (a loopback within one buffer; rare).
+            let mut bounce = vec![0; len];
+            src.for_each_page(&src_table, 0, len, |page, at, range| {
+                page.device_read(at, &mut bounce[range]);
+            });
+            dst.for_each_page(dst_map, 0, len, |page, at, range| {
+                page.device_write(at, &bounce[range]);
+            });
+            return Ok(());
+        }
+        // Stretch by stretch, each within one source and one destination
+        // page.
+        let (first_src, first_dst) = (src.first_offset, dst.first_offset);
+        let mut done = 0usize;
+        while done < len {
+            let (src_at, dst_at) = (first_src + done, first_dst + done);
+            let (src_in, dst_in) = (src_at % PAGE_SIZE, dst_at % PAGE_SIZE);
+            let n = (PAGE_SIZE - src_in).min(PAGE_SIZE - dst_in).min(len - done);
+            let (Some(src_page), Some(dst_page)) = (
+                src.page(&src_table, src_at / PAGE_SIZE),
+                dst.page(dst_map, dst_at / PAGE_SIZE),
+            ) else {
+                break; // Checked live above, under the same locks.
+            };
+            src_page.device_copy_to(src_in, dst_page, dst_in, n);
+            done += n;
+        }
+        Ok(())
     }
 }
 
-/// The bus page numbers of `addr..addr+len` if all are live (and
-/// device-writable for a write).
-fn live_pages(
-    table: &PageTable,
-    addr: u64,
-    len: usize,
-    direction: DmaDirection,
-) -> Option<Range<u64>> {
-    let end = addr.checked_add(len as u64)?;
-    let page_numbers = (addr >> PAGE_SHIFT)..((end - 1) >> PAGE_SHIFT) + 1;
-    page_numbers
-        .clone()
-        .all(|page_no| {
-            table
-                .get(&page_no)
-                .is_some_and(|mapped| direction == DmaDirection::Read || mapped.device_writable)
+/// True if every page of `addr..addr+len` (`len` > 0) is live, and
+/// device-writable for a write.
+fn is_live(table: &PageTable, addr: u64, len: usize, direction: DmaDirection) -> bool {
+    let Some(end) = addr.checked_add(len as u64) else {
+        return false;
+    };
+    ((addr >> PAGE_SHIFT)..=((end - 1) >> PAGE_SHIFT)).all(|page_no| {
+        table
+            .get(&page_no)
+            .is_some_and(|mapped| direction == DmaDirection::Read || mapped.device_writable)
+    })
+}
+
+/// Pages of one side of an access whose translation is kept from the check
+/// to the copy; an access spanning more looks the rest up again (under the
+/// same lock).
+const KEPT_PAGES: usize = 8;
+
+/// The host pages behind a bus range that is live for an access, looked up
+/// once under the table lock: the check that the whole access may proceed
+/// and the translation its copy then uses.
+struct Translation<'t> {
+    /// Bus page number of the range's first page.
+    first_page: u64,
+    /// Offset of the range's first byte in its first page.
+    first_offset: usize,
+    /// The first [`KEPT_PAGES`] pages.
+    kept: [Option<&'t Page>; KEPT_PAGES],
+    /// Every page belongs to the first page's allocation.
+    one_allocation: bool,
+}
+
+impl<'t> Translation<'t> {
+    /// The translation of `addr..addr+len` (`len` > 0) if every page is
+    /// live (and device-writable for a write).
+    fn of(table: &'t PageTable, addr: u64, len: usize, direction: DmaDirection) -> Option<Self> {
+        let end = addr.checked_add(len as u64)?;
+        let first_page = addr >> PAGE_SHIFT;
+        let mut kept = [None; KEPT_PAGES];
+        let mut first: Option<&Page> = None;
+        let mut one_allocation = true;
+        for (i, page_no) in (first_page..((end - 1) >> PAGE_SHIFT) + 1).enumerate() {
+            let mapped = table.get(&page_no)?;
+            if direction == DmaDirection::Write && !mapped.device_writable {
+                return None;
+            }
+            let page = &*mapped.page;
+            match first {
+                None => first = Some(page),
+                Some(first) => one_allocation &= first.same_allocation(page),
+            }
+            if let Some(slot) = kept.get_mut(i) {
+                *slot = Some(page);
+            }
+        }
+        Some(Self {
+            first_page,
+            first_offset: (addr % PAGE_SIZE as u64) as usize,
+            kept,
+            one_allocation,
         })
-        .then_some(page_numbers)
+    }
+
+    /// Page `index` of the range (0 is the first).
+    fn page(&self, table: &'t PageTable, index: usize) -> Option<&'t Page> {
+        match self.kept.get(index) {
+            Some(kept) => *kept,
+            None => table
+                .get(&(self.first_page + index as u64))
+                .map(|mapped| &*mapped.page),
+        }
+    }
+
+    /// True unless the two ranges lie in two different allocations, each
+    /// wholly in one: only then can they not overlap in memory.
+    fn may_overlap(&self, other: &Translation<'_>) -> bool {
+        match (self.kept[0], other.kept[0]) {
+            (Some(a), Some(b)) => {
+                !(self.one_allocation && other.one_allocation) || a.same_allocation(b)
+            }
+            _ => true,
+        }
+    }
+
+    /// Runs `f(page, offset in page, range of the access)` for each page
+    /// of bytes `skip..skip+len` of the range.
+    fn for_each_page(
+        &self,
+        table: &'t PageTable,
+        skip: usize,
+        len: usize,
+        mut f: impl FnMut(&Page, usize, Range<usize>),
+    ) {
+        let mut done = 0usize;
+        while done < len {
+            let at = self.first_offset + skip + done;
+            let in_page = at % PAGE_SIZE;
+            let chunk = (PAGE_SIZE - in_page).min(len - done);
+            let Some(page) = self.page(table, at / PAGE_SIZE) else {
+                break; // Checked live when translated, under the same lock.
+            };
+            f(page, in_page, done..done + chunk);
+            done += chunk;
+        }
+    }
 }
 
 impl HostMemory for DeviceDma {
@@ -1008,6 +1191,45 @@ impl HostMemory for DeviceDma {
             page.device_write(at, &data[range]);
         })
     }
+
+    fn probe(
+        &self,
+        pieces: &[(u64, usize)],
+        direction: DmaDirection,
+    ) -> Option<Result<(), (usize, DmaFault)>> {
+        Some(self.probe_pieces(pieces, direction))
+    }
+
+    fn copy_to(
+        &self,
+        from: u64,
+        dest: &dyn HostMemory,
+        to: u64,
+        len: usize,
+    ) -> Result<(), CopyFault> {
+        match dest.as_any().and_then(|d| d.downcast_ref::<DeviceDma>()) {
+            Some(dest) => self.copy_pages_to(from, dest, to, len),
+            None => bounce_copy(self, from, dest, to, len),
+        }
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+}
+
+/// A copy to a memory of another kind: a read, then a write (the trait's
+/// default, which an implementation overriding `copy_to` cannot call).
+pub(crate) fn bounce_copy(
+    src: &dyn HostMemory,
+    from: u64,
+    dest: &dyn HostMemory,
+    to: u64,
+    len: usize,
+) -> Result<(), CopyFault> {
+    let mut bounce = vec![0; len];
+    src.read(from, &mut bounce).map_err(CopyFault::Source)?;
+    dest.write(to, &bounce).map_err(CopyFault::Destination)
 }
 
 #[cfg(test)]

@@ -142,6 +142,20 @@ impl Page {
         self.frame().write(Side::Device, offset, data)
     }
 
+    /// Device (DMA) copy of `len` bytes from `from` in this page to `to`
+    /// in `dst`, word to word with the device's ordering and no buffer in
+    /// between; false (nothing copied) if either range leaves its page.
+    /// The two ranges must not overlap (see [`Page::same_allocation`]).
+    pub(crate) fn device_copy_to(&self, from: usize, dst: &Page, to: usize, len: usize) -> bool {
+        self.frame().copy_to(from, dst.frame(), to, len)
+    }
+
+    /// True if both pages belong to one allocation (one run of frames):
+    /// only then may a copy between them overlap.
+    pub(crate) fn same_allocation(&self, other: &Page) -> bool {
+        Arc::ptr_eq(&self.run, &other.run)
+    }
+
     /// Address of the page's first byte in the simulator's own memory
     /// (page aligned; for diagnostics and tests).
     pub fn host_address(&self) -> usize {
@@ -173,6 +187,13 @@ fn pages_of_run(run: &Arc<frame::FrameRun>, count: usize) -> PageRun {
 /// Copies out of a run of pages viewed as one buffer; false (and nothing
 /// copied) if `offset..offset+out.len()` leaves the run.
 pub(crate) fn read_pages(pages: &[Arc<Page>], offset: usize, out: &mut [u8]) -> bool {
+    // The usual access (a WQE, a CQE, a doorbell record) lies in one page.
+    let in_page = offset % PAGE_SIZE;
+    if in_page + out.len() <= PAGE_SIZE
+        && let Some(page) = pages.get(offset / PAGE_SIZE)
+    {
+        return page.read(in_page, out);
+    }
     if !range_within(offset, out.len(), pages.len() * PAGE_SIZE) {
         return false;
     }
@@ -189,6 +210,12 @@ pub(crate) fn read_pages(pages: &[Arc<Page>], offset: usize, out: &mut [u8]) -> 
 /// Copies into a run of pages viewed as one buffer; false (and nothing
 /// copied) if `offset..offset+data.len()` leaves the run.
 pub(crate) fn write_pages(pages: &[Arc<Page>], offset: usize, data: &[u8]) -> bool {
+    let in_page = offset % PAGE_SIZE;
+    if in_page + data.len() <= PAGE_SIZE
+        && let Some(page) = pages.get(offset / PAGE_SIZE)
+    {
+        return page.write(in_page, data);
+    }
     if !range_within(offset, data.len(), pages.len() * PAGE_SIZE) {
         return false;
     }
@@ -1106,6 +1133,34 @@ mod tests {
         assert!(page.read(4090, &mut out));
         assert_eq!(out, [1, 2, 3, 4, 5, 6]);
         assert!(!page.read(4091, &mut out));
+    }
+
+    /// A run of pages viewed as one buffer: an access within a page (the
+    /// common buffers' usual one, taken without the general walk), across
+    /// a page boundary, or up to the end copies exactly; an empty access at
+    /// the end is allowed, and one leaving the run is refused and copies
+    /// nothing.
+    #[test]
+    fn page_runs_copy_within_bounds_only() {
+        let pages = zeroed_pages(2);
+        let data: Vec<u8> = (1..=20).collect();
+        for offset in [0, 13, 4090, 2 * PAGE_SIZE - 20] {
+            assert!(write_pages(&pages, offset, &data));
+            let mut back = [0u8; 20];
+            assert!(read_pages(&pages, offset, &mut back));
+            assert_eq!(back[..], data[..], "offset {offset}");
+        }
+        assert!(read_pages(&pages, 2 * PAGE_SIZE, &mut []));
+        assert!(write_pages(&pages, 2 * PAGE_SIZE, &[]));
+        assert!(!read_pages(&pages, 2 * PAGE_SIZE + 1, &mut []));
+        assert!(!write_pages(&pages, usize::MAX, &[1]));
+        let mut out = [0xAAu8; 4];
+        assert!(!read_pages(&pages, 2 * PAGE_SIZE - 2, &mut out));
+        assert_eq!(out, [0xAA; 4], "a refused read copies nothing");
+        assert!(!write_pages(&pages, 2 * PAGE_SIZE - 2, &[9; 4]));
+        let mut last = [0u8; 2];
+        assert!(read_pages(&pages, 2 * PAGE_SIZE - 2, &mut last));
+        assert_eq!(last, [19, 20], "a refused write touches nothing");
     }
 
     #[test]

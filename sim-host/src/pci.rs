@@ -45,11 +45,11 @@ use sim_hca::cluster::{Cluster, ClusterError, NodeId};
 use sim_hca::device::{Device, DeviceConfig};
 use sim_hca::fabric::FabricConfig;
 use sim_hca::fast::FastFabric;
-use sim_hca::host::{DmaDirection, DmaFault, HostMemory, InterruptSink};
+use sim_hca::host::{CopyFault, DmaDirection, DmaFault, HostMemory, InterruptSink};
 use sim_hca::udp::{PortAddress, UdpFabric};
 
 use crate::context::{self, Context};
-use crate::dma::{DeviceDma, DmaDescription, DmaRemapping, HostDmaAdapter, Iommu};
+use crate::dma::{DeviceDma, DmaDescription, DmaRemapping, HostDmaAdapter, Iommu, bounce_copy};
 use crate::driver::{
     DeviceCallbacks, DeviceInit, DriverEntry, INVALID_PARAMETER, NO_SUCH_DEVICE, ProvidedInterface,
     SUCCESS,
@@ -113,15 +113,23 @@ impl DmaPort {
         match view.as_ref() {
             Some(view) => f(view),
             None => {
-                self.faults_before_adapter.fetch_add(1, Ordering::Relaxed);
-                self.verifier
-                    .report(None, ViolationKind::DmaFault { addr, len });
-                Err(DmaFault {
-                    addr,
-                    len,
-                    direction,
-                })
+                drop(view);
+                Err(self.fault_without_adapter(addr, len, direction))
             }
+        }
+    }
+
+    /// Counts and reports an access refused because no adapter is
+    /// attached.
+    #[cold]
+    fn fault_without_adapter(&self, addr: u64, len: usize, direction: DmaDirection) -> DmaFault {
+        self.faults_before_adapter.fetch_add(1, Ordering::Relaxed);
+        self.verifier
+            .report(None, ViolationKind::DmaFault { addr, len });
+        DmaFault {
+            addr,
+            len,
+            direction,
         }
     }
 }
@@ -136,6 +144,80 @@ impl HostMemory for DmaPort {
         self.with_view(addr, data.len(), DmaDirection::Write, |v| {
             v.write(addr, data)
         })
+    }
+
+    /// Through the adapter's table, touching nothing; without an adapter
+    /// the first piece faults, as its access would.
+    fn probe(
+        &self,
+        pieces: &[(u64, usize)],
+        direction: DmaDirection,
+    ) -> Option<Result<(), (usize, DmaFault)>> {
+        let Some(&(addr, len)) = pieces.first() else {
+            return Some(Ok(()));
+        };
+        let mut refused = 0;
+        let probed = self.with_view(addr, len, direction, |v| {
+            v.probe_pieces(pieces, direction).map_err(|(i, fault)| {
+                refused = i;
+                fault
+            })
+        });
+        Some(probed.map_err(|fault| (refused, fault)))
+    }
+
+    /// Between two functions' ports: frame to frame through both adapters'
+    /// tables (`DeviceDma::copy_pages_to`), with the same faults as a read
+    /// then a write; to any other memory, a read then a write.
+    fn copy_to(
+        &self,
+        from: u64,
+        dest: &dyn HostMemory,
+        to: u64,
+        len: usize,
+    ) -> Result<(), CopyFault> {
+        let Some(dest_port) = dest.as_any().and_then(|d| d.downcast_ref::<DmaPort>()) else {
+            return bounce_copy(self, from, dest, to, len);
+        };
+        // Both views (shared) in address order, as `DeviceDma` takes its
+        // tables: `attach` takes one view exclusively, holding no other.
+        let same = std::ptr::eq(self, dest_port);
+        let (src_view, dst_view);
+        if same {
+            src_view = self.view.read().unwrap_or_else(|e| e.into_inner());
+            dst_view = None;
+        } else if (self as *const Self) < (dest_port as *const Self) {
+            src_view = self.view.read().unwrap_or_else(|e| e.into_inner());
+            dst_view = Some(dest_port.view.read().unwrap_or_else(|e| e.into_inner()));
+        } else {
+            dst_view = Some(dest_port.view.read().unwrap_or_else(|e| e.into_inner()));
+            src_view = self.view.read().unwrap_or_else(|e| e.into_inner());
+        }
+        let dst = dst_view.as_deref().unwrap_or(&src_view);
+        match (src_view.as_ref(), dst.as_ref()) {
+            (Some(src), Some(dst)) => src.copy_pages_to(from, dst, to, len),
+            // No adapter on a side: its access faults, the source first.
+            (None, _) => {
+                drop((dst_view, src_view));
+                let fault = self.fault_without_adapter(from, len, DmaDirection::Read);
+                Err(CopyFault::Source(fault))
+            }
+            (Some(src), None) => {
+                let readable = if len == 0 {
+                    Ok(())
+                } else {
+                    src.probe_pieces(&[(from, len)], DmaDirection::Read)
+                };
+                drop((dst_view, src_view));
+                readable.map_err(|(_, fault)| CopyFault::Source(fault))?;
+                let fault = dest_port.fault_without_adapter(to, len, DmaDirection::Write);
+                Err(CopyFault::Destination(fault))
+            }
+        }
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
     }
 }
 
@@ -1334,5 +1416,89 @@ impl DeviceCallbacks for PciFunctionPdo {
 
     fn power_managed_queue(&self) -> bool {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::PAGE_SIZE;
+    use driver_platform::dma::{CommonBuffer, DmaAdapter};
+
+    /// A function's port without an adapter refuses probes and copies as
+    /// it refuses accesses (counted, recorded with no driver; a bad source
+    /// blamed before a destination without one); once both ports have
+    /// adapters, a probe passes and a copy goes through both tables.
+    #[test]
+    fn a_port_probes_and_copies_through_its_adapter_only() {
+        let verifier = Verifier::new();
+        let iommu = Iommu::new(verifier.clone(), 3);
+        let a = iommu.create_adapter("hcaA").unwrap();
+        let b = iommu.create_adapter("hcaB").unwrap();
+        let src = a.alloc_common(2 * PAGE_SIZE).unwrap();
+        let dst = b.alloc_common(2 * PAGE_SIZE).unwrap();
+        let data: Vec<u8> = (0..2 * PAGE_SIZE).map(|i| (i % 253) as u8).collect();
+        assert!(src.write(0, &data));
+        let (port_a, port_b) = (
+            DmaPort::new(verifier.clone()),
+            DmaPort::new(verifier.clone()),
+        );
+        let (from, to) = (src.bus_address(), dst.bus_address());
+        let read_fault = DmaFault {
+            addr: from,
+            len: 8,
+            direction: DmaDirection::Read,
+        };
+        assert_eq!(
+            port_a.probe(&[(from, 8)], DmaDirection::Read),
+            Some(Err((0, read_fault)))
+        );
+        assert_eq!(port_a.probe(&[], DmaDirection::Read), Some(Ok(())));
+        assert_eq!(
+            port_a.copy_to(from, port_b.as_ref(), to, 8),
+            Err(CopyFault::Source(read_fault))
+        );
+        port_a.attach(Some(a.device_view()));
+        assert!(matches!(
+            port_a.copy_to(from, port_b.as_ref(), to, 8),
+            Err(CopyFault::Destination(f)) if f.addr == to && f.direction == DmaDirection::Write
+        ));
+        assert!(matches!(
+            port_a.copy_to(to, port_b.as_ref(), to, 8),
+            Err(CopyFault::Source(f)) if f.addr == to
+        ));
+        assert_eq!(port_a.faults_before_adapter(), 2);
+        assert_eq!(port_b.faults_before_adapter(), 1);
+        assert_eq!(a.faults(), 1);
+        let records: Vec<_> = verifier
+            .take()
+            .into_iter()
+            .map(|v| match v.kind {
+                ViolationKind::DmaFault { addr, len } => (v.driver, addr, len),
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            records,
+            vec![
+                (None, from, 8),
+                (None, from, 8),
+                (None, to, 8),
+                (Some("hcaA".to_owned()), to, 8)
+            ]
+        );
+        port_b.attach(Some(b.device_view()));
+        assert_eq!(
+            port_a.probe(&[(from, 2 * PAGE_SIZE)], DmaDirection::Read),
+            Some(Ok(()))
+        );
+        port_a
+            .copy_to(from + 1, port_b.as_ref(), to + 1, 2 * PAGE_SIZE - 2)
+            .unwrap();
+        let mut copied = vec![0u8; 2 * PAGE_SIZE];
+        assert!(dst.read(0, &mut copied));
+        assert_eq!(copied[1..2 * PAGE_SIZE - 1], data[1..2 * PAGE_SIZE - 1]);
+        assert_eq!((copied[0], copied[2 * PAGE_SIZE - 1]), (0, 0));
+        verifier.assert_clean();
     }
 }
