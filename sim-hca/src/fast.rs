@@ -16,10 +16,12 @@
 //! steady-state traffic allocates nothing.
 //!
 //! Data is placed directly (`transport::direct`): the fabric neither
-//! captures nor injects faults, so an RC/UC payload goes from the sender's
-//! memory to the receiver's without a frame; acknowledgements, atomics and
-//! datagrams travel as frames. [`FastFabric::new_wire_path`] keeps every
-//! packet a frame.
+//! captures nor injects faults, so every RC/UC packet travels without a
+//! frame — a payload in memory goes from the sender's memory to the
+//! receiver's, inline data is carried in the message, acknowledgements,
+//! reads and atomics are headers only — and a doorbell's packets travel
+//! as one message, answered by one ACK. Only datagrams (UD) travel as
+//! frames. [`FastFabric::new_wire_path`] keeps every packet a frame.
 //!
 //! Time is real: nanoseconds since the fabric was built.
 

@@ -1181,6 +1181,16 @@ impl Device {
         };
         let bth = reply_bth(qp, Opcode::RcAcknowledge, psn, &route);
         let aeth = self.aeth(qp, syndrome);
+        if self.direct
+            && route.is_unicast()
+            && self.coalesce_ack(
+                qp.index,
+                route.port,
+                &route.repr(bth, ExtRepr::Aeth(aeth), 0),
+            )
+        {
+            return;
+        }
         self.emit_packet(&route, bth, ExtRepr::Aeth(aeth), &[]);
     }
 

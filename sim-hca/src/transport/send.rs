@@ -16,7 +16,7 @@ use crate::device::qp::Qp;
 use crate::wire::bth::BthRepr;
 use crate::wire::eth::MacAddr;
 use crate::wire::ext::{AtomicEthRepr, DethRepr, ExtRepr, IethRepr, ImmDtRepr, RethRepr};
-use crate::wire::opcode::Opcode;
+use crate::wire::opcode::{Opcode, Transport as WireTransport};
 use crate::wire::packet::PacketRepr;
 use crate::wire::udp::flow_source_port;
 
@@ -101,6 +101,8 @@ pub(crate) fn transport_of(qp_type: QpType) -> Transport {
 /// Addressing of one packet: everything below the BTH plus the P_Key.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Route {
+    /// The sending QP.
+    pub qp_index: u32,
     pub port: u8,
     pub src_mac: MacAddr,
     pub dst_mac: MacAddr,
@@ -178,6 +180,7 @@ impl Device {
         let pkey = PKey::new(*port.pkeys.get(usize::from(qp.attrs.pkey_index))?);
         let entropy = av.flow_label.get() ^ qp.wire_qpn().get() ^ dest_qpn.get();
         Some(Route {
+            qp_index: qp.index,
             port: qp.port,
             src_mac: MacAddr::for_ipv4(Ipv4Addr::from(port.ipv4())),
             dst_mac: MacAddr::for_ip_destination(dst_ip),
@@ -209,6 +212,9 @@ impl Device {
     /// built in place in a pooled frame buffer: `fill` writes the payload
     /// straight into the frame (no scratch buffer, no zero-fill of a
     /// reused buffer). A `fill` error sends nothing and is returned.
+    /// With direct placement, a connected service's packet to a unicast
+    /// peer goes in a direct message instead, its payload (inline data)
+    /// carried there: no frame, no ICRC, nothing to parse.
     pub(crate) fn emit_packet_with<E>(
         &mut self,
         route: &Route,
@@ -218,6 +224,18 @@ impl Device {
         fill: impl FnOnce(&mut Device, &mut [u8]) -> Result<(), E>,
     ) -> Result<(), E> {
         let repr = route.repr(bth, ext, payload_len);
+        let info = bth.opcode.info();
+        if self.direct && route.is_unicast() && info.transport != WireTransport::Ud {
+            let origin = if info.is_response() {
+                Origin::Response
+            } else {
+                Origin::Request
+            };
+            let mut msg = self.open_message(route.qp_index, origin, route.port, route.dst_mac);
+            let pushed = self.push_carried_packet(&mut msg, route.port, repr, fill);
+            self.queue_message(route.port, msg);
+            return pushed;
+        }
         let mut frame = self.take_frame_buf();
         let len = repr.buffer_len();
         if frame.len() < len {
@@ -671,12 +689,15 @@ impl Device {
             op => {
                 let solicited = wqe.flags.contains(WqeFlags::SOLICITED);
                 // Direct placement: RC/UC data gathered from memory, to a
-                // unicast peer (inline data is in the WQE, not in memory).
+                // unicast peer, located, not copied (inline data is in the
+                // WQE: `emit_packet_with` carries it in the message).
                 let direct = self.direct
                     && transport != Transport::Ud
                     && matches!(wqe.payload, Payload::Data(_))
                     && route.is_unicast();
-                let mut message = direct.then(|| self.begin_message(qp.index, Origin::Request));
+                let mut message = direct.then(|| {
+                    self.open_message(qp.index, Origin::Request, route.port, route.dst_mac)
+                });
                 for pkt in from_pkt..record.npkts {
                     let pos = Pos::of(pkt, record.npkts);
                     let Some(opcode) = request_opcode(transport, record.opcode, pos) else {
