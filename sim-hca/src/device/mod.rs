@@ -94,6 +94,9 @@ pub struct Device {
     /// a packet probed readable (its driver unmapped it meanwhile); the
     /// carrier reports it to the sender.
     pub(crate) direct_source_fault_seen: Option<crate::host::DmaFault>,
+    /// The send ring window's buffer (`transport::send`), kept for its
+    /// capacity between runs of a send queue.
+    pub(crate) sq_window: Vec<u8>,
     /// Copies direct placement deferred within a message (kept for its
     /// capacity between messages).
     pub(crate) deferred_copies: Vec<crate::transport::DeferredCopy>,
@@ -147,6 +150,7 @@ impl Device {
             scratch: Vec::new(),
             direct_source_fault_seen: None,
             deferred_copies: Vec::new(),
+            sq_window: Vec::new(),
             direct: false,
             payload_passes: 0,
         }
