@@ -66,6 +66,7 @@ use ib_types::scalars::Psn;
 use ib_types::wc::WcStatus;
 
 use crate::device::Device;
+use crate::device::qp::Qp;
 use crate::host::{DmaFault, HostMemory};
 use crate::wire::PacketRepr;
 use crate::wire::eth::MacAddr;
@@ -291,37 +292,45 @@ impl Device {
     /// Direct placement's ACK coalescing (IBA 9.7.5.1.x: an ACK
     /// acknowledges every request packet up to its PSN, so a responder may
     /// answer a run of requests with one): when the last packet queued is
-    /// an ACK of the same QP to the same peer and nothing was queued after
-    /// it, `repr` (an ACK with a PSN not before it) replaces it and the
-    /// replaced one is never sent. True when it did.
-    pub(crate) fn coalesce_ack(&mut self, qp_index: u32, port: u8, repr: &PacketRepr) -> bool {
+    /// a plain ACK of QP `qp_index` on `port` and nothing was queued after
+    /// it, the ACK for `psn` with `aeth` (a plain ACK with a PSN not before
+    /// it) replaces it, and the replaced one is never sent. True when it
+    /// did. The queued ACK's route is the QP's: its path cannot change
+    /// while its packets wait for the carrier (the fast fabric collects a
+    /// device's packets after every call, and commands run in calls of
+    /// their own).
+    pub(crate) fn coalesce_ack(
+        &mut self,
+        qp_index: u32,
+        port: u8,
+        psn: Psn,
+        aeth: AethRepr,
+    ) -> bool {
+        if !matches!(aeth.syndrome, Syndrome::Ack { .. }) {
+            return false;
+        }
         let Some((p, Outgoing::Direct(msg))) = self.tx.last_mut() else {
             return false;
         };
-        if *p != port
-            || msg.qp_index != qp_index
-            || msg.origin != Origin::Response
-            || msg.dst_mac() != Some(repr.dst_mac.octets())
-        {
+        if *p != port || msg.qp_index != qp_index || msg.origin != Origin::Response {
             return false;
         }
         let Some(last) = msg.packets.last_mut() else {
             return false;
         };
-        let plain_ack = |r: &PacketRepr| {
-            r.bth.opcode == Opcode::RcAcknowledge
-                && matches!(
-                    r.ext,
-                    ExtRepr::Aeth(AethRepr {
-                        syndrome: Syndrome::Ack { .. },
-                        ..
-                    })
-                )
-        };
-        if !plain_ack(&last.repr) || !plain_ack(repr) || repr.bth.psn.precedes(last.repr.bth.psn) {
+        let plain_ack = last.repr.bth.opcode == Opcode::RcAcknowledge
+            && matches!(
+                last.repr.ext,
+                ExtRepr::Aeth(AethRepr {
+                    syndrome: Syndrome::Ack { .. },
+                    ..
+                })
+            );
+        if !plain_ack || psn.precedes(last.repr.bth.psn) {
             return false;
         }
-        last.repr = *repr;
+        last.repr.bth.psn = psn;
+        last.repr.ext = ExtRepr::Aeth(aeth);
         if let Some(port) = self.port_mut_ref(port) {
             port.counters.acks_coalesced += 1;
         }
@@ -372,7 +381,51 @@ impl Device {
                 .unwrap_or(0),
         };
         let copies = RefCell::new(std::mem::take(&mut self.deferred_copies));
-        let mut fault = None;
+        // The packets of a message share their destination (one sending
+        // QP's route): its QP is found once, and stays out of its table
+        // slot while they are received.
+        let packets = &msg.packets[..readable];
+        let target = packets.first().and_then(|first| {
+            let same = packets.iter().all(|p| {
+                p.repr.dst_ip == first.repr.dst_ip && p.repr.bth.dest_qp == first.repr.bth.dest_qp
+            });
+            if same {
+                self.unicast_destination(port, &first.repr)
+            } else {
+                None
+            }
+        });
+        let received = match target {
+            Some(index) => self.with_qp(index, |dev, qp| {
+                dev.receive_packets(port, msg, readable, source.as_ref(), &copies, Some(qp))
+            }),
+            None => None,
+        };
+        let mut fault = match received {
+            Some(fault) => fault,
+            None => self.receive_packets(port, msg, readable, source.as_ref(), &copies, None),
+        };
+        if fault.is_none() {
+            fault = self.make_deferred_copies(source.as_ref(), &copies).err();
+        }
+        let mut copies = copies.into_inner();
+        copies.clear();
+        self.deferred_copies = copies;
+        fault.or((readable < msg.len()).then_some(readable))
+    }
+
+    /// Receives packets `..readable` of `msg` (on `qp` when they are all
+    /// its, else each routed on its own); returns the packet whose source
+    /// could not be read, which ends the message.
+    fn receive_packets(
+        &mut self,
+        port: u8,
+        msg: &DirectMessage,
+        readable: usize,
+        source: &dyn HostMemory,
+        copies: &RefCell<Vec<DeferredCopy>>,
+        mut qp: Option<&mut Qp>,
+    ) -> Option<usize> {
         for (index, packet) in msg.packets[..readable].iter().enumerate() {
             if self.is_fatal() {
                 break;
@@ -386,33 +439,29 @@ impl Device {
                     repr.bth.opcode.info().position,
                     Position::Last | Position::Only
                 );
-                if last && let Err(at) = self.make_deferred_copies(source.as_ref(), &copies) {
-                    fault = Some(at);
-                    break;
+                if last && let Err(at) = self.make_deferred_copies(source, copies) {
+                    return Some(at);
                 }
                 RxData::InMemory(SourceSpan {
-                    mem: source.as_ref(),
+                    mem: source,
                     pieces: &msg.pieces[packet.pieces.clone()],
                     len: repr.payload_len,
-                    defer: (!last).then_some(&copies),
+                    defer: (!last).then_some(copies),
                     packet: index,
                 })
             };
-            self.receive_packet(port, &[], &Rx { repr, payload });
+            let rx = Rx { repr, payload };
+            match qp.as_deref_mut() {
+                Some(qp) => self.receive_on_qp(port, qp, &rx),
+                None => self.receive_packet(port, &[], &rx),
+            }
             // Set only if the sender's driver unmapped the source between
             // the probe and a copy made now.
             if self.direct_source_fault_seen.take().is_some() {
-                fault = Some(index);
-                break;
+                return Some(index);
             }
         }
-        if fault.is_none() {
-            fault = self.make_deferred_copies(source.as_ref(), &copies).err();
-        }
-        let mut copies = copies.into_inner();
-        copies.clear();
-        self.deferred_copies = copies;
-        fault.or((readable < msg.len()).then_some(readable))
+        None
     }
 
     /// Makes the copies placement deferred; on a fault reading the source,

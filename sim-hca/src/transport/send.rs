@@ -26,13 +26,16 @@ pub(crate) const MAX_WQE_BYTES: usize = 512;
 /// Send ring blocks one window read takes at most (4 KiB).
 const SQ_WINDOW_BBS: u32 = 64;
 
-/// Posted send ring blocks read ahead by one run of a send queue
-/// ([`Device::fetch_wqe`]): `blocks` blocks from counter `first`.
+/// What one run of a send queue keeps across its WQEs: the posted send
+/// ring blocks read ahead ([`Device::fetch_wqe`]: `blocks` blocks from
+/// counter `first`) and the QP's route.
 #[derive(Debug, Default)]
 pub(crate) struct SqWindow {
     first: u32,
     blocks: u32,
     bytes: Vec<u8>,
+    /// The QP's route, once a WQE found it.
+    path: Option<Route>,
 }
 
 impl SqWindow {
@@ -520,7 +523,7 @@ impl Device {
                     qp.req.rd_atomic += 1;
                 }
                 let index = qp.req.inflight.len() - 1;
-                self.transmit(qp, index, &wqe, 0);
+                self.transmit_via(qp, index, &wqe, 0, &mut window.path);
                 if transport != Transport::Rc {
                     // Unreliable services complete when the last packet is
                     // sent.
@@ -694,6 +697,20 @@ impl Device {
     /// Sends the packets of inflight record `index` from packet `from_pkt`
     /// on (for reads: the request for the responses from `from_pkt` on).
     pub(crate) fn transmit(&mut self, qp: &mut Qp, index: usize, wqe: &SendWqe<'_>, from_pkt: u32) {
+        self.transmit_via(qp, index, wqe, from_pkt, &mut None);
+    }
+
+    /// [`Device::transmit`] with the connected QP's route in `path` once
+    /// found (a run of its send queue finds it once for every WQE: the QP's
+    /// path cannot change meanwhile).
+    fn transmit_via(
+        &mut self,
+        qp: &mut Qp,
+        index: usize,
+        wqe: &SendWqe<'_>,
+        from_pkt: u32,
+        path: &mut Option<Route>,
+    ) {
         let record = qp.req.inflight[index];
         let transport = transport_of(qp.qp_type);
         let (av, dest_qpn, qkey) = match (&wqe.ud, transport) {
@@ -708,7 +725,17 @@ impl Device {
             }
             _ => (qp.attrs.av, qp.attrs.dest_qpn, QKey::new(qp.attrs.qkey)),
         };
-        let Some(route) = self.route(qp, &av, dest_qpn) else {
+        let found = match (*path, wqe.ud.is_some()) {
+            (Some(route), false) => Some(route),
+            (_, datagram) => {
+                let route = self.route(qp, &av, dest_qpn);
+                if !datagram {
+                    *path = route;
+                }
+                route
+            }
+        };
+        let Some(route) = found else {
             self.finish_record(qp, index, WcStatus::LocQpOpErr);
             return;
         };
