@@ -45,6 +45,10 @@ struct Attachment {
 /// devices' next ones.
 #[derive(Debug, Default)]
 struct Transit {
+    /// When the call that caused them ran: the fabric has no latency, so
+    /// every delivery of one call happens at that instant (one clock read
+    /// per call, not one per delivery).
+    now: u64,
     queue: VecDeque<(usize, u8, Outgoing)>,
     frames: Vec<Vec<u8>>,
     messages: Vec<DirectMessage>,
@@ -130,9 +134,10 @@ impl FastFabric {
     /// every frame it and its peers produce until the fabric is quiet.
     pub fn with_device<R>(&self, node: usize, f: impl FnOnce(&mut Device) -> R) -> R {
         let mut transit = self.take_transit();
+        transit.now = self.now_ns();
         let result = {
             let mut dev = lock(&self.nodes[node]);
-            dev.set_time(self.now_ns());
+            dev.set_time(transit.now);
             let r = f(&mut dev);
             Self::collect(&mut dev, node, &mut transit);
             r
@@ -219,6 +224,7 @@ impl FastFabric {
             queue,
             frames,
             messages,
+            ..
         } = transit;
         dev.drain_outgoing(|port, out| {
             let spare = match out {
@@ -252,7 +258,7 @@ impl FastFabric {
             return;
         }
         let dst: [u8; 6] = frame[..6].try_into().unwrap_or([0; 6]);
-        let now = self.now_ns();
+        let now = transit.now;
         if dst[0] & 1 == 0 {
             if let Some(att) = self.attachments.iter().find(|a| a.mac == dst) {
                 let mut dev = lock(&self.nodes[att.node]);
@@ -289,7 +295,7 @@ impl FastFabric {
         };
         let fault = {
             let mut dev = lock(&self.nodes[att.node]);
-            dev.set_time(self.now_ns());
+            dev.set_time(transit.now);
             let fault = dev.receive_message(att.port, msg);
             Self::collect(&mut dev, att.node, transit);
             fault
