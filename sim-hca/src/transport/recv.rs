@@ -804,6 +804,7 @@ impl Device {
                 }
             }
         }
+        let mut whole = None;
         if starts {
             let reth = match repr.ext {
                 ExtRepr::Reth(r) | ExtRepr::RethImmDt(r, _) => r,
@@ -816,13 +817,13 @@ impl Device {
                 return Err(RespError::invalid_request());
             }
             if reth.dma_len > 0 {
-                self.remote_grant(
+                whole = Some(self.remote_grant(
                     qp,
                     reth.rkey.get(),
                     reth.va,
                     u64::from(reth.dma_len),
                     Need::RemoteWrite,
-                )?;
+                )?);
             }
             qp.resp.write = Some(WriteState {
                 va: reth.va,
@@ -839,8 +840,14 @@ impl Device {
         }
         if !payload.is_empty() {
             let va = write.va + u64::from(write.offset);
-            let grant =
-                self.remote_grant(qp, write.rkey, va, payload.len() as u64, Need::RemoteWrite)?;
+            // A packet carrying the whole message (ONLY) places what its
+            // R_Key was just checked for: no second check.
+            let grant = match whole {
+                Some(grant) if payload.len() as u64 == u64::from(write.total) => grant,
+                _ => {
+                    self.remote_grant(qp, write.rkey, va, payload.len() as u64, Need::RemoteWrite)?
+                }
+            };
             let written = self.hca.as_ref().map(|h| {
                 h.mtt.place(
                     self.mem.as_ref(),
