@@ -51,7 +51,11 @@ struct Transit {
     now: u64,
     queue: VecDeque<(usize, u8, Outgoing)>,
     frames: Vec<Vec<u8>>,
-    messages: Vec<DirectMessage>,
+    #[allow(
+        clippy::vec_box,
+        reason = "the devices' pooled boxes, handed back as they are"
+    )]
+    messages: Vec<Box<DirectMessage>>,
 }
 
 /// Devices wired back to back through a switch with no loss and no delay.

@@ -85,7 +85,11 @@ pub struct Device {
     /// Spent frame buffers, reused so steady-state sending does not allocate.
     frame_pool: Vec<Vec<u8>>,
     /// Spent direct messages, reused likewise.
-    pub(crate) message_pool: Vec<DirectMessage>,
+    #[allow(
+        clippy::vec_box,
+        reason = "pooled boxes: a message moves as a pointer, and reusing its box allocates nothing"
+    )]
+    pub(crate) message_pool: Vec<Box<DirectMessage>>,
     /// The packet buffer direct placement reads a payload into (one
     /// packet's worth) when the sender's memory cannot be probed, reused
     /// across packets.

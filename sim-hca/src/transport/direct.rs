@@ -81,7 +81,9 @@ use crate::wire::opcode::Position;
 #[derive(Debug)]
 pub(crate) enum Outgoing {
     Frame(Vec<u8>),
-    Direct(DirectMessage),
+    /// Boxed: messages move between the device, the carrier and their
+    /// pools several times each, as a pointer.
+    Direct(Box<DirectMessage>),
 }
 
 /// Whose payload a direct message carries, which says what a fault
@@ -181,16 +183,18 @@ impl DirectMessage {
 
 impl Device {
     /// An empty message for packets of QP `qp_index` (pooled).
-    pub(crate) fn begin_message(&mut self, qp_index: u32, origin: Origin) -> DirectMessage {
-        let mut msg = self.message_pool.pop().unwrap_or(DirectMessage {
-            source: None,
-            qp_index,
-            port: 0,
-            origin,
-            packets: Vec::new(),
-            pieces: Vec::new(),
-            carried: Vec::new(),
-            carried_len: 0,
+    pub(crate) fn begin_message(&mut self, qp_index: u32, origin: Origin) -> Box<DirectMessage> {
+        let mut msg = self.message_pool.pop().unwrap_or_else(|| {
+            Box::new(DirectMessage {
+                source: None,
+                qp_index,
+                port: 0,
+                origin,
+                packets: Vec::new(),
+                pieces: Vec::new(),
+                carried: Vec::new(),
+                carried_len: 0,
+            })
         });
         msg.source = Some(self.mem.clone());
         msg.qp_index = qp_index;
@@ -213,7 +217,7 @@ impl Device {
         origin: Origin,
         port: u8,
         dst: MacAddr,
-    ) -> DirectMessage {
+    ) -> Box<DirectMessage> {
         let continues = matches!(
             self.tx.last(),
             Some((p, Outgoing::Direct(m)))
@@ -338,7 +342,7 @@ impl Device {
     }
 
     /// Queues a message for the carrier (an empty one goes back to the pool).
-    pub(crate) fn queue_message(&mut self, port: u8, mut msg: DirectMessage) {
+    pub(crate) fn queue_message(&mut self, port: u8, mut msg: Box<DirectMessage>) {
         msg.port = port;
         if msg.packets.is_empty() {
             self.message_pool.push(msg);
