@@ -16,10 +16,12 @@
 //! steady-state traffic allocates nothing.
 //!
 //! Data is placed directly (`transport::direct`): the fabric neither
-//! captures nor injects faults, so an RC/UC payload goes from the sender's
-//! memory to the receiver's without a frame; acknowledgements, atomics and
-//! datagrams travel as frames. [`FastFabric::new_wire_path`] keeps every
-//! packet a frame.
+//! captures nor injects faults, so every RC/UC packet travels without a
+//! frame — a payload in memory goes from the sender's memory to the
+//! receiver's, inline data is carried in the message, acknowledgements,
+//! reads and atomics are headers only — and a doorbell's packets travel
+//! as one message, answered by one ACK. Only datagrams (UD) travel as
+//! frames. [`FastFabric::new_wire_path`] keeps every packet a frame.
 //!
 //! Time is real: nanoseconds since the fabric was built.
 
@@ -43,9 +45,17 @@ struct Attachment {
 /// devices' next ones.
 #[derive(Debug, Default)]
 struct Transit {
+    /// When the call that caused them ran: the fabric has no latency, so
+    /// every delivery of one call happens at that instant (one clock read
+    /// per call, not one per delivery).
+    now: u64,
     queue: VecDeque<(usize, u8, Outgoing)>,
     frames: Vec<Vec<u8>>,
-    messages: Vec<DirectMessage>,
+    #[allow(
+        clippy::vec_box,
+        reason = "the devices' pooled boxes, handed back as they are"
+    )]
+    messages: Vec<Box<DirectMessage>>,
 }
 
 /// Devices wired back to back through a switch with no loss and no delay.
@@ -128,9 +138,10 @@ impl FastFabric {
     /// every frame it and its peers produce until the fabric is quiet.
     pub fn with_device<R>(&self, node: usize, f: impl FnOnce(&mut Device) -> R) -> R {
         let mut transit = self.take_transit();
+        transit.now = self.now_ns();
         let result = {
             let mut dev = lock(&self.nodes[node]);
-            dev.set_time(self.now_ns());
+            dev.set_time(transit.now);
             let r = f(&mut dev);
             Self::collect(&mut dev, node, &mut transit);
             r
@@ -217,6 +228,7 @@ impl FastFabric {
             queue,
             frames,
             messages,
+            ..
         } = transit;
         dev.drain_outgoing(|port, out| {
             let spare = match out {
@@ -250,7 +262,7 @@ impl FastFabric {
             return;
         }
         let dst: [u8; 6] = frame[..6].try_into().unwrap_or([0; 6]);
-        let now = self.now_ns();
+        let now = transit.now;
         if dst[0] & 1 == 0 {
             if let Some(att) = self.attachments.iter().find(|a| a.mac == dst) {
                 let mut dev = lock(&self.nodes[att.node]);
@@ -287,7 +299,7 @@ impl FastFabric {
         };
         let fault = {
             let mut dev = lock(&self.nodes[att.node]);
-            dev.set_time(self.now_ns());
+            dev.set_time(transit.now);
             let fault = dev.receive_message(att.port, msg);
             Self::collect(&mut dev, att.node, transit);
             fault

@@ -85,7 +85,11 @@ pub struct Device {
     /// Spent frame buffers, reused so steady-state sending does not allocate.
     frame_pool: Vec<Vec<u8>>,
     /// Spent direct messages, reused likewise.
-    pub(crate) message_pool: Vec<DirectMessage>,
+    #[allow(
+        clippy::vec_box,
+        reason = "pooled boxes: a message moves as a pointer, and reusing its box allocates nothing"
+    )]
+    pub(crate) message_pool: Vec<Box<DirectMessage>>,
     /// The packet buffer direct placement reads a payload into (one
     /// packet's worth) when the sender's memory cannot be probed, reused
     /// across packets.
@@ -94,6 +98,9 @@ pub struct Device {
     /// a packet probed readable (its driver unmapped it meanwhile); the
     /// carrier reports it to the sender.
     pub(crate) direct_source_fault_seen: Option<crate::host::DmaFault>,
+    /// The send ring window's buffer (`transport::send`), kept for its
+    /// capacity between runs of a send queue.
+    pub(crate) sq_window: Vec<u8>,
     /// Copies direct placement deferred within a message (kept for its
     /// capacity between messages).
     pub(crate) deferred_copies: Vec<crate::transport::DeferredCopy>,
@@ -147,6 +154,7 @@ impl Device {
             scratch: Vec::new(),
             direct_source_fault_seen: None,
             deferred_copies: Vec::new(),
+            sq_window: Vec::new(),
             direct: false,
             payload_passes: 0,
         }

@@ -24,6 +24,10 @@ pub struct PortCounters {
     pub rx_errors: u64,
     /// Well-formed frames dropped (unknown QP, key mismatch, wrong state).
     pub rx_discards: u64,
+    /// ACKs not sent (so not in `tx_packets`) because the next one sent
+    /// acknowledges their packets too: direct placement (the fast mode)
+    /// coalesces a run of ACKs of one QP into its last (IBA 9.7.5.1.x).
+    pub acks_coalesced: u64,
 }
 
 #[derive(Debug)]

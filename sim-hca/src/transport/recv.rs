@@ -23,7 +23,7 @@ use crate::wire::ext::{
     AethRepr, AtomicAckEthRepr, CreditCode, ExtRepr, Msn, NakCode, RnrTimer, Syndrome,
 };
 use crate::wire::opcode::{OpKind, Opcode, Position};
-use crate::wire::packet::{ETH_LEN, RocePacket};
+use crate::wire::packet::{ETH_LEN, PacketRepr, RocePacket};
 
 /// Bytes of the GRH a UD receive buffer starts with (PRM 10.4).
 const GRH_LEN: usize = 40;
@@ -101,6 +101,19 @@ impl Device {
     /// an empty `frame`): routing to its QP(s) and the port counters.
     pub(crate) fn receive_packet(&mut self, port: u8, frame: &[u8], pkt: &Rx<'_>) {
         let accepted = self.accept(port, frame, pkt);
+        self.count_received(port, accepted, pkt);
+    }
+
+    /// A directly placed packet for `qp`, which
+    /// [`Device::unicast_destination`] found for it (or for an earlier
+    /// packet of its message with the same destination): what
+    /// [`Device::receive_packet`] does, without finding the QP again.
+    pub(crate) fn receive_on_qp(&mut self, port: u8, qp: &mut Qp, pkt: &Rx<'_>) {
+        let accepted = self.qp_receive(qp, port, &[], pkt);
+        self.count_received(port, accepted, pkt);
+    }
+
+    fn count_received(&mut self, port: u8, accepted: bool, pkt: &Rx<'_>) {
         if let Some(p) = self.port_mut_ref(port) {
             if accepted {
                 p.counters.rx_packets += 1;
@@ -109,6 +122,29 @@ impl Device {
                 p.counters.rx_discards += 1;
             }
         }
+    }
+
+    /// The QP (table index) a unicast packet arriving on `port` is for:
+    /// the port is active, the destination address is one of its GIDs and
+    /// the destination QP exists. `None` for a group destination or when
+    /// the packet would be discarded.
+    pub(crate) fn unicast_destination(&self, port: u8, repr: &PacketRepr) -> Option<u32> {
+        let p = self.port_ref(port)?;
+        if !p.is_active() || self.hca.is_none() {
+            return None;
+        }
+        let dest_qp = repr.bth.dest_qp.get();
+        if dest_qp == MULTICAST_QPN {
+            return None;
+        }
+        p.gid_index(ib_types::scalars::Gid::from_ipv4(repr.dst_ip.octets()))?;
+        let index = match dest_qp {
+            0 => special_index(port, QpType::Smi),
+            1 => special_index(port, QpType::Gsi),
+            n if n < 2 * u32::from(self.num_ports()) => None,
+            n => Some(n),
+        }?;
+        self.qp_ref(index).is_some().then_some(index)
     }
 
     /// Routes a valid packet to its QP(s); false when it is discarded.
@@ -175,7 +211,7 @@ impl Device {
     }
 
     /// Per-QP checks, then the transport's receive logic.
-    fn qp_receive(&mut self, qp: &mut Qp, port: u8, frame: &[u8], pkt: &Rx<'_>) -> bool {
+    pub(crate) fn qp_receive(&mut self, qp: &mut Qp, port: u8, frame: &[u8], pkt: &Rx<'_>) -> bool {
         let info = pkt.repr().bth.opcode.info();
         if qp.port != port || !info.transport.serves(qp.qp_type) {
             return false;
@@ -768,6 +804,7 @@ impl Device {
                 }
             }
         }
+        let mut whole = None;
         if starts {
             let reth = match repr.ext {
                 ExtRepr::Reth(r) | ExtRepr::RethImmDt(r, _) => r,
@@ -780,13 +817,13 @@ impl Device {
                 return Err(RespError::invalid_request());
             }
             if reth.dma_len > 0 {
-                self.remote_grant(
+                whole = Some(self.remote_grant(
                     qp,
                     reth.rkey.get(),
                     reth.va,
                     u64::from(reth.dma_len),
                     Need::RemoteWrite,
-                )?;
+                )?);
             }
             qp.resp.write = Some(WriteState {
                 va: reth.va,
@@ -803,8 +840,14 @@ impl Device {
         }
         if !payload.is_empty() {
             let va = write.va + u64::from(write.offset);
-            let grant =
-                self.remote_grant(qp, write.rkey, va, payload.len() as u64, Need::RemoteWrite)?;
+            // A packet carrying the whole message (ONLY) places what its
+            // R_Key was just checked for: no second check.
+            let grant = match whole {
+                Some(grant) if payload.len() as u64 == u64::from(write.total) => grant,
+                _ => {
+                    self.remote_grant(qp, write.rkey, va, payload.len() as u64, Need::RemoteWrite)?
+                }
+            };
             let written = self.hca.as_ref().map(|h| {
                 h.mtt.place(
                     self.mem.as_ref(),
@@ -1176,11 +1219,14 @@ impl Device {
 
     /// Sends an ACK, RNR NAK or NAK for `psn`.
     pub(crate) fn send_ack(&mut self, qp: &Qp, psn: Psn, syndrome: Syndrome) {
+        let aeth = self.aeth(qp, syndrome);
+        if self.direct && self.coalesce_ack(qp.index, qp.port, psn, aeth) {
+            return;
+        }
         let Some(route) = self.reply_route(qp) else {
             return;
         };
         let bth = reply_bth(qp, Opcode::RcAcknowledge, psn, &route);
-        let aeth = self.aeth(qp, syndrome);
         self.emit_packet(&route, bth, ExtRepr::Aeth(aeth), &[]);
     }
 

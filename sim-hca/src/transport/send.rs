@@ -16,12 +16,41 @@ use crate::device::qp::Qp;
 use crate::wire::bth::BthRepr;
 use crate::wire::eth::MacAddr;
 use crate::wire::ext::{AtomicEthRepr, DethRepr, ExtRepr, IethRepr, ImmDtRepr, RethRepr};
-use crate::wire::opcode::Opcode;
+use crate::wire::opcode::{Opcode, Transport as WireTransport};
 use crate::wire::packet::PacketRepr;
 use crate::wire::udp::flow_source_port;
 
 /// Largest send WQE the device reads, in bytes (`2^log_max_wqe_size`).
 pub(crate) const MAX_WQE_BYTES: usize = 512;
+
+/// Send ring blocks one window read takes at most (4 KiB).
+const SQ_WINDOW_BBS: u32 = 64;
+
+/// What one run of a send queue keeps across its WQEs: the posted send
+/// ring blocks read ahead ([`Device::fetch_wqe`]: `blocks` blocks from
+/// counter `first`) and the QP's route.
+#[derive(Debug, Default)]
+pub(crate) struct SqWindow {
+    first: u32,
+    blocks: u32,
+    bytes: Vec<u8>,
+    /// The QP's route, once a WQE found it.
+    path: Option<Route>,
+}
+
+impl SqWindow {
+    /// True when blocks `bb..bb + n` are in the window.
+    fn covers(&self, bb: u32, n: u32) -> bool {
+        let at = bb.wrapping_sub(self.first);
+        at < self.blocks && n <= self.blocks - at
+    }
+
+    /// Block `bb` (which the window covers).
+    fn block(&self, bb: u32) -> &[u8] {
+        let at = bb.wrapping_sub(self.first) as usize * 64;
+        &self.bytes[at..at + 64]
+    }
+}
 
 /// Where a message's packet sits in it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +130,8 @@ pub(crate) fn transport_of(qp_type: QpType) -> Transport {
 /// Addressing of one packet: everything below the BTH plus the P_Key.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Route {
+    /// The sending QP.
+    pub qp_index: u32,
     pub port: u8,
     pub src_mac: MacAddr,
     pub dst_mac: MacAddr,
@@ -178,6 +209,7 @@ impl Device {
         let pkey = PKey::new(*port.pkeys.get(usize::from(qp.attrs.pkey_index))?);
         let entropy = av.flow_label.get() ^ qp.wire_qpn().get() ^ dest_qpn.get();
         Some(Route {
+            qp_index: qp.index,
             port: qp.port,
             src_mac: MacAddr::for_ipv4(Ipv4Addr::from(port.ipv4())),
             dst_mac: MacAddr::for_ip_destination(dst_ip),
@@ -209,6 +241,9 @@ impl Device {
     /// built in place in a pooled frame buffer: `fill` writes the payload
     /// straight into the frame (no scratch buffer, no zero-fill of a
     /// reused buffer). A `fill` error sends nothing and is returned.
+    /// With direct placement, a connected service's packet to a unicast
+    /// peer goes in a direct message instead, its payload (inline data)
+    /// carried there: no frame, no ICRC, nothing to parse.
     pub(crate) fn emit_packet_with<E>(
         &mut self,
         route: &Route,
@@ -218,6 +253,18 @@ impl Device {
         fill: impl FnOnce(&mut Device, &mut [u8]) -> Result<(), E>,
     ) -> Result<(), E> {
         let repr = route.repr(bth, ext, payload_len);
+        let info = bth.opcode.info();
+        if self.direct && route.is_unicast() && info.transport != WireTransport::Ud {
+            let origin = if info.is_response() {
+                Origin::Response
+            } else {
+                Origin::Request
+            };
+            let mut msg = self.open_message(route.qp_index, origin, route.port, route.dst_mac);
+            let pushed = self.push_carried_packet(&mut msg, route.port, repr, fill);
+            self.queue_message(route.port, msg);
+            return pushed;
+        }
         let mut frame = self.take_frame_buf();
         let len = repr.buffer_len();
         if frame.len() < len {
@@ -258,15 +305,17 @@ impl Device {
     }
 
     /// Reads `bbs` basic blocks of the send ring from counter `bb` into
-    /// `out`, across the ring's wrap.
+    /// `out`, across the ring's wrap: one read per contiguous run.
     fn read_sq(&mut self, qp: &Qp, bb: u32, bbs: u32, out: &mut [u8]) -> bool {
         let range = MttRange::of_ring(&qp.sq);
-        let mask = qp.sq_entries() - 1;
+        let entries = qp.sq_entries();
         let mut ok = true;
         if let Some(hca) = self.hca.as_ref() {
-            for i in 0..bbs {
-                let slot = bb.wrapping_add(i) & mask;
-                let chunk = &mut out[i as usize * 64..(i as usize + 1) * 64];
+            let (mut done, mut slot) = (0u32, bb & (entries - 1));
+            while done < bbs {
+                // Up to the ring's end, then from its start.
+                let run = (bbs - done).min(entries - slot);
+                let chunk = &mut out[done as usize * 64..(done + run) as usize * 64];
                 if hca
                     .mtt
                     .read(self.mem.as_ref(), range, u64::from(slot) * 64, chunk)
@@ -275,6 +324,8 @@ impl Device {
                     ok = false;
                     break;
                 }
+                done += run;
+                slot = 0;
             }
         } else {
             ok = false;
@@ -282,6 +333,53 @@ impl Device {
         if !ok {
             self.note_fault();
         }
+        ok
+    }
+
+    /// [`Device::load_wqe`] through `window`: the posted blocks from `bb`
+    /// on (up to [`SQ_WINDOW_BBS`]) are read in one go and the WQEs after
+    /// it found there, so a doorbell's batch costs one ring read, not two
+    /// per WQE. Posted blocks are the device's until they complete, so
+    /// nothing changes them meanwhile; the window lives for one run of the
+    /// send queue. A window that cannot be read (a fault past the WQE)
+    /// falls back to reading the WQE alone, as before.
+    fn fetch_wqe(
+        &mut self,
+        qp: &Qp,
+        bb: u32,
+        buf: &mut [u8; MAX_WQE_BYTES],
+        window: &mut SqWindow,
+    ) -> Option<u32> {
+        let posted = qp.sq_producer.wrapping_sub(bb);
+        let need = |first: &[u8]| (u32::from(first[2]) * 16).div_ceil(64).max(1);
+        if !window.covers(bb, 1) || !window.covers(bb, need(window.block(bb))) {
+            let blocks = posted.min(SQ_WINDOW_BBS);
+            window.bytes.resize(SQ_WINDOW_BBS as usize * 64, 0);
+            window.blocks = 0;
+            let mut bytes = std::mem::take(&mut window.bytes);
+            let read = self.read_sq_quiet(qp, bb, blocks, &mut bytes[..blocks as usize * 64]);
+            window.bytes = bytes;
+            if !read {
+                return self.load_wqe(qp, bb, buf);
+            }
+            window.first = bb;
+            window.blocks = blocks;
+        }
+        let bbs = need(window.block(bb));
+        if bbs > posted || bbs as usize * 64 > MAX_WQE_BYTES {
+            buf[..64].copy_from_slice(window.block(bb));
+            return Some(bbs.min(posted.max(1)));
+        }
+        let at = bb.wrapping_sub(window.first) as usize * 64;
+        buf[..bbs as usize * 64].copy_from_slice(&window.bytes[at..at + bbs as usize * 64]);
+        Some(bbs)
+    }
+
+    /// [`Device::read_sq`] that counts no fault (a window read ahead).
+    fn read_sq_quiet(&mut self, qp: &Qp, bb: u32, bbs: u32, out: &mut [u8]) -> bool {
+        let faults = self.counters.dma_faults;
+        let ok = self.read_sq(qp, bb, bbs, out);
+        self.counters.dma_faults = faults;
         ok
     }
 
@@ -323,6 +421,15 @@ impl Device {
     }
 
     pub(crate) fn run_send_queue_of(&mut self, qp: &mut Qp) {
+        let mut window = SqWindow {
+            bytes: std::mem::take(&mut self.sq_window),
+            ..SqWindow::default()
+        };
+        self.run_send_queue_with(qp, &mut window);
+        self.sq_window = window.bytes;
+    }
+
+    fn run_send_queue_with(&mut self, qp: &mut Qp, window: &mut SqWindow) {
         if qp.state == QpState::Err {
             self.flush_queues(qp);
             return;
@@ -334,7 +441,7 @@ impl Device {
             if bb == qp.sq_producer {
                 break;
             }
-            let Some(bbs) = self.load_wqe(qp, bb, &mut buf) else {
+            let Some(bbs) = self.fetch_wqe(qp, bb, &mut buf, window) else {
                 self.fail_unparsable(qp, bb, 1, WcStatus::LocQpOpErr);
                 break;
             };
@@ -416,7 +523,7 @@ impl Device {
                     qp.req.rd_atomic += 1;
                 }
                 let index = qp.req.inflight.len() - 1;
-                self.transmit(qp, index, &wqe, 0);
+                self.transmit_via(qp, index, &wqe, 0, &mut window.path);
                 if transport != Transport::Rc {
                     // Unreliable services complete when the last packet is
                     // sent.
@@ -590,6 +697,20 @@ impl Device {
     /// Sends the packets of inflight record `index` from packet `from_pkt`
     /// on (for reads: the request for the responses from `from_pkt` on).
     pub(crate) fn transmit(&mut self, qp: &mut Qp, index: usize, wqe: &SendWqe<'_>, from_pkt: u32) {
+        self.transmit_via(qp, index, wqe, from_pkt, &mut None);
+    }
+
+    /// [`Device::transmit`] with the connected QP's route in `path` once
+    /// found (a run of its send queue finds it once for every WQE: the QP's
+    /// path cannot change meanwhile).
+    fn transmit_via(
+        &mut self,
+        qp: &mut Qp,
+        index: usize,
+        wqe: &SendWqe<'_>,
+        from_pkt: u32,
+        path: &mut Option<Route>,
+    ) {
         let record = qp.req.inflight[index];
         let transport = transport_of(qp.qp_type);
         let (av, dest_qpn, qkey) = match (&wqe.ud, transport) {
@@ -604,7 +725,17 @@ impl Device {
             }
             _ => (qp.attrs.av, qp.attrs.dest_qpn, QKey::new(qp.attrs.qkey)),
         };
-        let Some(route) = self.route(qp, &av, dest_qpn) else {
+        let found = match (*path, wqe.ud.is_some()) {
+            (Some(route), false) => Some(route),
+            (_, datagram) => {
+                let route = self.route(qp, &av, dest_qpn);
+                if !datagram {
+                    *path = route;
+                }
+                route
+            }
+        };
+        let Some(route) = found else {
             self.finish_record(qp, index, WcStatus::LocQpOpErr);
             return;
         };
@@ -671,12 +802,15 @@ impl Device {
             op => {
                 let solicited = wqe.flags.contains(WqeFlags::SOLICITED);
                 // Direct placement: RC/UC data gathered from memory, to a
-                // unicast peer (inline data is in the WQE, not in memory).
+                // unicast peer, located, not copied (inline data is in the
+                // WQE: `emit_packet_with` carries it in the message).
                 let direct = self.direct
                     && transport != Transport::Ud
                     && matches!(wqe.payload, Payload::Data(_))
                     && route.is_unicast();
-                let mut message = direct.then(|| self.begin_message(qp.index, Origin::Request));
+                let mut message = direct.then(|| {
+                    self.open_message(qp.index, Origin::Request, route.port, route.dst_mac)
+                });
                 for pkt in from_pkt..record.npkts {
                     let pos = Pos::of(pkt, record.npkts);
                     let Some(opcode) = request_opcode(transport, record.opcode, pos) else {
