@@ -7,8 +7,8 @@
 //! shutdown when each tool returns from `main`.
 
 use std::collections::BTreeMap;
-use std::net::Ipv6Addr;
-use std::path::{Path, PathBuf};
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -32,31 +32,66 @@ const LIBRARIES: [(&str, &str); 5] = [
     ("libibumad.so", "libibumad.so.3"),
 ];
 
-/// The libraries under their sonames in a directory of its own (the tests
-/// run in parallel: each gets its own links; a debug build of the library
-/// is large, so it is linked, not copied).
-fn library_dir(test: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("sim-libibverbs")
-        .join(test);
-    std::fs::create_dir_all(&dir).unwrap();
-    for (file, soname) in LIBRARIES {
-        let link = dir.join(soname);
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(built_cdylib(file), &link).unwrap();
-    }
-    dir
+/// The address variable (`sim_libibverbs::ADDRESS_VARIABLE`).
+const ADDRESS_VARIABLE: &str = "SIM_LIBIBVERBS_ADDR";
+
+/// This test process's own loopback address number `slot`:
+/// 127.x.y.slot with x.y from the process id, x in 64..128 (never
+/// 127.0.0.x, which the tools take with no configuration, nor the
+/// 128..256 of sim-shells' UDP tests), so concurrent runs of these tests
+/// (other worktrees on one machine) never contend for one.
+fn own_address(slot: u8) -> Ipv4Addr {
+    let pid = std::process::id();
+    Ipv4Addr::new(127, 0x40 | (pid >> 8) as u8 & 0x3F, pid as u8, slot)
 }
 
-/// Runs Debian's `tool args` with our library first on the path and the
-/// exit report on.
-fn run(dir: &Path, tool: &str, args: &[&str]) -> Output {
-    Command::new(tool_path(tool))
-        .args(args)
-        .env("LD_LIBRARY_PATH", dir)
-        .env("SIM_LIBIBVERBS_EXIT_REPORT", "1")
-        .output()
-        .unwrap()
+/// Debian's tools on our libraries, their port pinned at one of this
+/// process's own addresses.
+struct Tools {
+    dir: PathBuf,
+    address: Ipv4Addr,
+}
+
+impl Tools {
+    /// The libraries under their sonames in a directory of their own (the
+    /// tests run in parallel: each gets its own links, and its own
+    /// address `slot`; a debug build of the library is large, so it is
+    /// linked, not copied).
+    fn new(test: &str, slot: u8) -> Self {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join("sim-libibverbs")
+            .join(test);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (file, soname) in LIBRARIES {
+            let link = dir.join(soname);
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(built_cdylib(file), &link).unwrap();
+        }
+        Self {
+            dir,
+            address: own_address(slot),
+        }
+    }
+
+    /// Debian's `tool args` with our library first on the path and the
+    /// exit report on; the port's address not configured.
+    fn command(&self, tool: &str, args: &[&str]) -> Command {
+        let mut command = Command::new(tool_path(tool));
+        command
+            .args(args)
+            .env("LD_LIBRARY_PATH", &self.dir)
+            .env("SIM_LIBIBVERBS_EXIT_REPORT", "1")
+            .env_remove(ADDRESS_VARIABLE);
+        command
+    }
+
+    /// Runs `tool args` with the port at this test's address.
+    fn run(&self, tool: &str, args: &[&str]) -> Output {
+        self.command(tool, args)
+            .env(ADDRESS_VARIABLE, self.address.to_string())
+            .output()
+            .unwrap()
+    }
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -78,9 +113,13 @@ fn assert_clean_exit(output: &Output, what: &str, left_open: usize) {
 }
 
 /// What the access library reports on a machine booted as the library
-/// boots its own: the CA's attributes and port 1's.
-fn expected() -> (CaAttr, PortInfo) {
-    let machine = EmbeddedMachine::boot(Fabric::DEFAULT, 1).expect("the machine boots");
+/// boots its own, its port at `address` (on the in-process fabric: the
+/// tool holds the address): the CA's attributes and port 1's.
+fn expected(address: Ipv4Addr) -> (CaAttr, PortInfo) {
+    let fabric = Fabric::InProcess {
+        port_address: address.octets(),
+    };
+    let machine = EmbeddedMachine::boot(fabric, 1).expect("the machine boots");
     let io = machine.io();
     let (attr, port) = {
         let ca = Context::open(&io, CaSelector::Index(0), &PluginSource::Linked).unwrap();
@@ -119,9 +158,9 @@ fn it_exports_every_libibverbs_symbol_debians_tools_import_with_its_version() {
 
 #[test]
 fn ibv_devices_lists_our_hca_with_the_node_guid_the_access_library_reports() {
-    let dir = library_dir("ibv_devices");
-    let (attr, _) = expected();
-    let output = run(&dir, "ibv_devices", &[]);
+    let tools = Tools::new("ibv_devices", 1);
+    let (attr, _) = expected(tools.address);
+    let output = tools.run("ibv_devices", &[]);
     assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
     let stdout = text(&output.stdout);
     let rows: Vec<Vec<&str>> = stdout
@@ -139,9 +178,9 @@ fn ibv_devices_lists_our_hca_with_the_node_guid_the_access_library_reports() {
 
 #[test]
 fn ibv_devinfo_prints_what_the_access_library_reports() {
-    let dir = library_dir("ibv_devinfo");
-    let (attr, port) = expected();
-    let output = run(&dir, "ibv_devinfo", &[]);
+    let tools = Tools::new("ibv_devinfo", 2);
+    let (attr, port) = expected(tools.address);
+    let output = tools.run("ibv_devinfo", &[]);
     assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
     let stdout = text(&output.stdout);
     let got = fields(&stdout);
@@ -191,7 +230,7 @@ fn ibv_devinfo_prints_what_the_access_library_reports() {
     assert_clean_exit(&output, "ibv_devinfo", 0);
 
     // -v: the limits, the port's tables, and GID 0 with its RoCE v2 type.
-    let output = run(&dir, "ibv_devinfo", &["-v"]);
+    let output = tools.run("ibv_devinfo", &["-v"]);
     assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
     let stdout = text(&output.stdout);
     let got = fields(&stdout);
@@ -214,14 +253,15 @@ fn ibv_devinfo_prints_what_the_access_library_reports() {
     ] {
         assert_eq!(got.get(key), Some(&value), "{key} in:\n{stdout}");
     }
-    assert_eq!(gid0.to_string(), "::ffff:127.0.0.1");
+    // The port's address is the one the variable pinned.
+    assert_eq!(gid0, tools.address.to_ipv6_mapped());
     assert_clean_exit(&output, "ibv_devinfo -v", 0);
 }
 
 #[test]
 fn a_bad_device_name_or_port_gets_the_tools_own_error() {
-    let dir = library_dir("errors");
-    let output = run(&dir, "ibv_devinfo", &["-d", "mlx5_0"]);
+    let tools = Tools::new("errors", 3);
+    let output = tools.run("ibv_devinfo", &["-d", "mlx5_0"]);
     assert_eq!(output.status.code(), Some(255));
     let stderr = text(&output.stderr);
     assert!(
@@ -230,7 +270,7 @@ fn a_bad_device_name_or_port_gets_the_tools_own_error() {
     );
     assert!(output.stdout.is_empty());
 
-    let output = run(&dir, "ibv_devinfo", &["-i", "2"]);
+    let output = tools.run("ibv_devinfo", &["-i", "2"]);
     assert_eq!(
         output.status.code(),
         Some(4),
@@ -250,7 +290,7 @@ fn a_bad_device_name_or_port_gets_the_tools_own_error() {
         .to_vec();
     assert_clean_exit(&clean, "ibv_devinfo -i 2", 0);
 
-    let output = run(&dir, "ibv_devinfo", &["-l"]);
+    let output = tools.run("ibv_devinfo", &["-l"]);
     assert_eq!(output.status.code(), Some(0));
     assert_eq!(text(&output.stdout), "1 HCA found:\n\tsimhca0\n\n");
 }
@@ -261,7 +301,7 @@ fn a_bad_device_name_or_port_gets_the_tools_own_error() {
 /// closes it: the machine still ends cleanly.
 #[test]
 fn perftest_runs_on_our_libraries_until_its_connection_and_its_exit_closes_the_device() {
-    let dir = library_dir("ib_write_bw");
+    let tools = Tools::new("ib_write_bw", 4);
     // A port nothing listens on.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -269,7 +309,7 @@ fn perftest_runs_on_our_libraries_until_its_connection_and_its_exit_closes_the_d
         .unwrap()
         .port()
         .to_string();
-    let output = run(&dir, "ib_write_bw", &["-p", &port, "127.0.0.1"]);
+    let output = tools.run("ib_write_bw", &["-p", &port, "127.0.0.1"]);
     assert_eq!(output.status.code(), Some(1));
     assert!(output.stdout.is_empty());
     let stderr = text(&output.stderr);
