@@ -63,9 +63,13 @@ impl Tools {
             .join(test);
         std::fs::create_dir_all(&dir).unwrap();
         for (file, soname) in LIBRARIES {
-            let link = dir.join(soname);
-            let _ = std::fs::remove_file(&link);
-            std::os::unix::fs::symlink(built_cdylib(file), &link).unwrap();
+            // Linked under a name of this process's, then renamed over
+            // the soname (atomic): concurrent runs of this test binary
+            // share the directory.
+            let fresh = dir.join(format!("{soname}.{}", std::process::id()));
+            let _ = std::fs::remove_file(&fresh);
+            std::os::unix::fs::symlink(built_cdylib(file), &fresh).unwrap();
+            std::fs::rename(&fresh, dir.join(soname)).unwrap();
         }
         Self {
             dir,
@@ -322,4 +326,246 @@ fn perftest_runs_on_our_libraries_until_its_connection_and_its_exit_closes_the_d
     let mut clean = output.clone();
     clean.stderr = rest.as_bytes().to_vec();
     assert_clean_exit(&clean, "ib_write_bw 127.0.0.1", 1);
+}
+
+/// The addresses process `pid` holds RoCEv2 sockets at (UDP port 4791):
+/// its socket descriptors (`/proc/<pid>/fd`) matched by inode with the
+/// bound UDP sockets of `/proc/net/udp`.
+fn rocev2_addresses_of(pid: u32) -> Vec<Ipv4Addr> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| {
+            fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+                .filter_map(|target| {
+                    let target = target.to_str()?;
+                    Some(
+                        target
+                            .strip_prefix("socket:[")?
+                            .strip_suffix(']')?
+                            .to_owned(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let table = std::fs::read_to_string("/proc/net/udp").unwrap();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let columns: Vec<&str> = line.split_whitespace().collect();
+            let (address, port) = columns.get(1)?.split_once(':')?;
+            let inode = columns.get(9)?;
+            (u16::from_str_radix(port, 16).ok()? == 4791 && inodes.iter().any(|i| i == inode))
+                .then_some(())?;
+            // The kernel prints the big-endian address as a host integer.
+            let address = u32::from_str_radix(address, 16).ok()?;
+            Some(Ipv4Addr::from(address.to_ne_bytes()))
+        })
+        .collect()
+}
+
+/// A tool kept running in the background (perftest's server, waiting for
+/// its client), killed when dropped, so a failed assertion leaves no
+/// process behind.
+struct Background(std::process::Child);
+
+impl Background {
+    /// Starts `command` and waits (up to 20 s) until its machine is up:
+    /// the process holds its RoCEv2 socket. Returns that address.
+    fn start(mut command: Command) -> (Self, Ipv4Addr) {
+        let child = command
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut background = Self(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let [address] = rocev2_addresses_of(background.0.id())[..] {
+                return (background, address);
+            }
+            if let Some(status) = background.0.try_wait().unwrap() {
+                panic!("the background tool exited early: {status}");
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the background tool's machine did not bind its port within 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The addresses it still holds.
+    fn addresses(&self) -> Vec<Ipv4Addr> {
+        rocev2_addresses_of(self.0.id())
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A TCP port nothing listens on (perftest's server listens there).
+fn free_tcp_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+/// `GID[  0]` and `node_guid` of an `ibv_devinfo -v` run that succeeded.
+fn gid0_and_guid(output: &Output) -> (Ipv6Addr, String) {
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
+    let stdout = text(&output.stdout);
+    let got = fields(&stdout);
+    let gid = got
+        .get("GID[  0]")
+        .and_then(|g| g.strip_suffix(", RoCE v2"))
+        .and_then(|g| g.parse().ok())
+        .unwrap_or_else(|| panic!("no RoCE v2 GID[0] in:\n{stdout}"));
+    (gid, got["node_guid"].clone())
+}
+
+/// `ibv_devinfo`'s `node_guid` text for a port at `address`.
+fn guid_text(address: Ipv4Addr) -> String {
+    let guid = EmbeddedMachine::node_guid(address.octets());
+    format!(
+        "{:04x}:{:04x}:{:04x}:{:04x}",
+        guid >> 48,
+        (guid >> 32) & 0xffff,
+        (guid >> 16) & 0xffff,
+        guid & 0xffff
+    )
+}
+
+/// With no configuration, processes running at the same time each take
+/// their own loopback address: two perftest servers wait for their
+/// clients, each holding the first address free when it started, and
+/// `ibv_devinfo` run meanwhile reports a third as its GID 0 (and the node
+/// GUID that follows from it). Other runs on this machine may hold some
+/// 127.0.0.x: the addresses are the first free ones, not fixed ones.
+#[test]
+fn processes_at_the_same_time_get_distinct_addresses_with_no_configuration() {
+    let tools = Tools::new("no_configuration", 5);
+    let first_port = free_tcp_port();
+    let (first, first_address) =
+        Background::start(tools.command("ib_write_bw", &["-p", &first_port]));
+    let second_port = free_tcp_port();
+    let (second, second_address) =
+        Background::start(tools.command("ib_write_bw", &["-p", &second_port]));
+    let output = tools.command("ibv_devinfo", &["-v"]).output().unwrap();
+    let (gid, guid) = gid0_and_guid(&output);
+    assert_clean_exit(&output, "ibv_devinfo -v", 0);
+    // Both servers held their addresses all along.
+    assert_eq!(first.addresses(), [first_address]);
+    assert_eq!(second.addresses(), [second_address]);
+
+    let Some(devinfo_address) = gid.to_ipv4_mapped() else {
+        panic!("GID 0 {gid} is not IPv4-mapped");
+    };
+    let addresses = [first_address, second_address, devinfo_address];
+    for address in addresses {
+        assert_eq!(
+            address.octets()[..3],
+            [127, 0, 0],
+            "{address}: not one of 127.0.0.x"
+        );
+    }
+    assert!(
+        first_address != second_address
+            && devinfo_address != first_address
+            && devinfo_address != second_address,
+        "three processes at once, addresses {addresses:?}"
+    );
+    assert_eq!(guid, guid_text(devinfo_address));
+}
+
+/// The variable pins the port's address: a server pinned at this test's
+/// address holds exactly it, and `ibv_devinfo` pinned at another reports
+/// that one; pinned at the held one, `ibv_devinfo` gets the library's
+/// clean error (printed once) and no devices, not a panic.
+#[test]
+fn the_address_variable_pins_the_port_and_a_held_address_is_a_clean_error() {
+    let tools = Tools::new("pinned", 6);
+    let port = free_tcp_port();
+    let mut server = tools.command("ib_write_bw", &["-p", &port]);
+    server.env(ADDRESS_VARIABLE, tools.address.to_string());
+    let (server, held) = Background::start(server);
+    assert_eq!(held, tools.address);
+
+    let other = own_address(7);
+    let output = tools
+        .command("ibv_devinfo", &["-v"])
+        .env(ADDRESS_VARIABLE, other.to_string())
+        .output()
+        .unwrap();
+    let (gid, guid) = gid0_and_guid(&output);
+    assert_eq!(gid, other.to_ipv6_mapped());
+    assert_eq!(guid, guid_text(other));
+    assert_clean_exit(&output, "ibv_devinfo -v", 0);
+
+    let output = tools.run("ibv_devinfo", &[]);
+    assert_eq!(output.status.code(), Some(255), "ibv_devinfo's own exit");
+    assert!(output.stdout.is_empty());
+    assert_eq!(
+        text(&output.stderr),
+        format!(
+            "libibverbs: the machine did not boot: cannot bind the port's RoCEv2 endpoint {held}:4791 (UDP): Address already in use (os error 98)\n\
+             Failed to get IB devices list: No such device\n"
+        )
+    );
+    assert_eq!(server.addresses(), [held]);
+}
+
+/// A value of the variable that is not a unicast IPv4 address, or one
+/// this machine has not, is one clear line on standard error: the device
+/// list is NULL with `ENODEV` (the tool says so and exits), no machine is
+/// booted (so there is no exit report), nothing panics.
+#[test]
+fn a_bad_address_variable_is_one_clear_error_and_no_devices() {
+    let tools = Tools::new("bad_address", 8);
+    let not_an_address = "not an IPv4 address (a.b.c.d, e.g. 127.0.0.5)";
+    let not_unicast = "not a unicast address a port can bind";
+    for (value, why) in [
+        ("banana", not_an_address),
+        ("127.0.0.256", not_an_address),
+        ("127.0.0.5:4791", not_an_address),
+        ("0.0.0.0", not_unicast),
+        ("224.0.0.1", not_unicast),
+        ("255.255.255.255", not_unicast),
+    ] {
+        let output = tools
+            .command("ibv_devinfo", &[])
+            .env(ADDRESS_VARIABLE, value)
+            .output()
+            .unwrap();
+        assert_eq!(output.status.code(), Some(255), "{value}");
+        assert!(output.stdout.is_empty(), "{value}");
+        assert_eq!(
+            text(&output.stderr),
+            format!(
+                "libibverbs: the machine did not boot: {ADDRESS_VARIABLE}={value}: {why}\n\
+                 Failed to get IB devices list: No such device\n"
+            ),
+            "{value}"
+        );
+    }
+    // An address no interface of this machine has (TEST-NET-1).
+    let output = tools
+        .command("ibv_devinfo", &[])
+        .env(ADDRESS_VARIABLE, "192.0.2.1")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(255));
+    assert_eq!(
+        text(&output.stderr),
+        "libibverbs: the machine did not boot: cannot bind the port's RoCEv2 endpoint 192.0.2.1:4791 (UDP): Cannot assign requested address (os error 99)\n\
+         Failed to get IB devices list: No such device\n"
+    );
 }
