@@ -6,6 +6,7 @@
 //! [`EmbeddedMachine::boot`], which takes the fabric the HCA's port sits
 //! on, and ended by [`EmbeddedMachine::shut_down`], bounded in time.
 
+use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -13,7 +14,9 @@ use std::time::{Duration, Instant};
 use hca_miniport_core::init::HcaConfig;
 use ibal_user::DeviceIo;
 use sim_hca::device::DeviceConfig;
-use sim_host::host::{Host, HostConfig};
+use sim_hca::udp::PortAddress;
+use sim_hca::wire::udp::ROCEV2_PORT;
+use sim_host::host::{Host, HostConfig, HostError};
 use sim_host::memory::Process;
 use sim_host::platform::SimPlatform;
 
@@ -31,19 +34,28 @@ pub enum Fabric {
         /// The port's IPv4 address.
         port_address: [u8; 4],
     },
+    /// RoCEv2 over real UDP (`sim_hca::udp`): the port is a UDP endpoint
+    /// (port 4791) bound at `address`, so machines in other processes
+    /// reach it as another host. Its GID is `::ffff:` + the bound address.
+    Udp {
+        /// Where the port binds: a fixed address, or the first free of a
+        /// range.
+        address: PortAddress,
+    },
 }
 
 impl Fabric {
-    /// The default: the in-process fabric, the port at 127.0.0.1.
+    /// The in-process fabric, the port at 127.0.0.1 (what the tests that
+    /// need no network use).
     pub const DEFAULT: Self = Self::InProcess {
         port_address: [127, 0, 0, 1],
     };
 
-    fn port_address(self) -> [u8; 4] {
-        match self {
-            Self::InProcess { port_address } => port_address,
-        }
-    }
+    /// The UDP fabric with no configuration: the first free of 127.0.0.1
+    /// to 127.0.0.254.
+    pub const UDP_AUTOMATIC: Self = Self::Udp {
+        address: PortAddress::AUTOMATIC,
+    };
 }
 
 /// Worker threads of the host (they block when idle).
@@ -79,16 +91,70 @@ impl EmbeddedMachine {
         0x0200_00FF_FE00_0000 | u64::from(u32::from_be_bytes([0, b, c, d]))
     }
 
+    /// The HCA's configuration for a port at `address`.
+    fn device(address: [u8; 4]) -> DeviceConfig {
+        DeviceConfig::with_ports(Self::node_guid(address), &[address])
+    }
+
+    /// A threaded host whose HCA's port is bound on the UDP fabric at
+    /// `address`. The node GUID follows the address, so each candidate is
+    /// bound as a fixed address: a cheap probe skips the ones held, and a
+    /// candidate another process takes between the probe and the fabric's
+    /// bind is skipped too.
+    fn udp_host(address: PortAddress) -> Result<Host, String> {
+        let (first, count) = match address {
+            PortAddress::Fixed(addr) => (addr, 1),
+            PortAddress::FirstFree { first, count } => (first, count),
+        };
+        let start = u32::from(first);
+        for offset in 0..count {
+            let Some(candidate) = start.checked_add(offset).map(Ipv4Addr::from) else {
+                break;
+            };
+            let in_use = |e: &std::io::Error| e.kind() == std::io::ErrorKind::AddrInUse;
+            let bound = PortAddress::Fixed(candidate).bind().and_then(|probe| {
+                drop(probe);
+                let config = HostConfig::threaded_udp(
+                    WORKERS,
+                    vec![Self::device(candidate.octets())],
+                    vec![PortAddress::Fixed(candidate)],
+                );
+                Host::new(config).map_err(|e| match e {
+                    HostError::Threads(io) => io,
+                    other => std::io::Error::other(other.to_string()),
+                })
+            });
+            match bound {
+                Ok(host) => return Ok(host),
+                Err(e) if in_use(&e) && count > 1 => continue,
+                Err(e) => {
+                    return Err(format!(
+                        "cannot bind the port's RoCEv2 endpoint {candidate}:{ROCEV2_PORT} (UDP): {e}"
+                    ));
+                }
+            }
+        }
+        Err(format!(
+            "no free address for the port's RoCEv2 endpoint (UDP port {ROCEV2_PORT}) among the {count} from {first}"
+        ))
+    }
+
     /// Boots the machine: one HCA with one port on `fabric`, the real
     /// miniport and filter, and user process `pid`; waits (up to 20 s)
-    /// until the HCA started and its port child is reported.
+    /// until the HCA started and its port child is reported. On the UDP
+    /// fabric an address no socket holds is taken (the first free one of
+    /// a range); a fixed address another socket holds, or one this machine
+    /// has not, is an error naming it.
     pub fn boot(fabric: Fabric, pid: u32) -> Result<Self, String> {
-        let address = fabric.port_address();
-        let device = DeviceConfig::with_ports(Self::node_guid(address), &[address]);
-        let host = Arc::new(
-            Host::new(HostConfig::threaded(WORKERS, vec![device]))
-                .map_err(|e| format!("the threaded host: {e}"))?,
-        );
+        let host = match fabric {
+            Fabric::InProcess { port_address } => Host::new(HostConfig::threaded(
+                WORKERS,
+                vec![Self::device(port_address)],
+            ))
+            .map_err(|e| format!("the threaded host: {e}"))?,
+            Fabric::Udp { address } => Self::udp_host(address)?,
+        };
+        let host = Arc::new(host);
         // Stand-ins for the drivers of the devnodes that are not ours.
         let _log = sim_host::samples::register_stand_ins(&host);
         let miniport = MiniportDriver::register(&host, HcaConfig::default());

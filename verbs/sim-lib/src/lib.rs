@@ -11,6 +11,14 @@
 //! a simulated user process whose OS seam is
 //! [`sim_shells::user_io::ThreadedSimIo`]), with the plugin linked.
 //!
+//! **Its own address.** The HCA's port is a real RoCEv2 endpoint (UDP
+//! port 4791, `sim_hca::udp`) on an address of the process's own: the one
+//! [`ADDRESS_VARIABLE`] names, or with no configuration the first free
+//! loopback address (127.0.0.1, 127.0.0.2, ...), so two processes get
+//! two addresses, and GID 0 is the address's IPv4-mapped GID. A value
+//! that is not an address, or one the process cannot bind, is printed
+//! once and the device list comes back NULL with `ENODEV`.
+//!
 //! **Process exit.** The boot registers an `atexit` handler that ends the
 //! machine when the program returns from `main` (or calls `exit`): the
 //! simulated process exits (the drivers clean what the program left
@@ -20,11 +28,14 @@
 //! — is printed to standard error, prefixed `libibverbs:`; a clean exit
 //! prints nothing (unless [`EXIT_REPORT_VARIABLE`] is set).
 
+use std::ffi::OsStr;
+use std::net::Ipv4Addr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ibal_user::{DeviceIo, PluginSource};
 use ibverbs_compat::Machine;
+use sim_hca::udp::PortAddress;
 use sim_shells::embedded::{EmbeddedMachine, Fabric};
 
 ibverbs_compat::export_libibverbs!();
@@ -49,11 +60,39 @@ impl Machine for SimMachine {
     }
 }
 
-/// Boots the machine on the fabric chosen for this process (the
-/// in-process one, for now: the UDP fabric is a later step).
+/// The environment variable that pins the port's address: an IPv4
+/// address the port's RoCEv2 endpoint (UDP port 4791) binds, e.g.
+/// `127.0.0.5`. Unset or empty, the port takes the first free of
+/// 127.0.0.1 to 127.0.0.254, so processes on one machine get distinct
+/// addresses with no configuration.
+pub const ADDRESS_VARIABLE: &str = "SIM_LIBIBVERBS_ADDR";
+
+/// The fabric [`ADDRESS_VARIABLE`]'s value asks for (`None`: unset): the
+/// UDP fabric at that address, or automatic. A value that is not a
+/// unicast IPv4 address is an error saying so.
+pub fn fabric_from(value: Option<&OsStr>) -> Result<Fabric, String> {
+    let Some(value) = value.filter(|v| !v.is_empty()) else {
+        return Ok(Fabric::UDP_AUTOMATIC);
+    };
+    let bad = |why: &str| format!("{ADDRESS_VARIABLE}={}: {why}", value.to_string_lossy());
+    let text = value.to_str().ok_or_else(|| bad("not text"))?;
+    let address: Ipv4Addr = text
+        .parse()
+        .map_err(|_| bad("not an IPv4 address (a.b.c.d, e.g. 127.0.0.5)"))?;
+    if address.is_unspecified() || address.is_multicast() || address.is_broadcast() {
+        return Err(bad("not a unicast address a port can bind"));
+    }
+    Ok(Fabric::Udp {
+        address: PortAddress::Fixed(address),
+    })
+}
+
+/// Boots the machine on the UDP fabric, at the address
+/// [`ADDRESS_VARIABLE`] names or the first free loopback address.
 fn boot() -> Result<Arc<dyn Machine>, String> {
+    let fabric = fabric_from(std::env::var_os(ADDRESS_VARIABLE).as_deref())?;
     let machine = Arc::new(SimMachine(EmbeddedMachine::boot(
-        Fabric::DEFAULT,
+        fabric,
         std::process::id(),
     )?));
     if MACHINE.set(Arc::clone(&machine)).is_ok() {
@@ -114,3 +153,36 @@ extern "C" fn register_boot() {
 // pointer (no allocation order, no other library needed).
 #[unsafe(link_section = ".init_array")]
 static REGISTER_BOOT: extern "C" fn() = register_boot;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_address_variable_unset_or_empty_is_automatic_and_set_is_pinned() {
+        assert_eq!(fabric_from(None), Ok(Fabric::UDP_AUTOMATIC));
+        assert_eq!(fabric_from(Some(OsStr::new(""))), Ok(Fabric::UDP_AUTOMATIC));
+        assert_eq!(
+            fabric_from(Some(OsStr::new("127.0.0.5"))),
+            Ok(Fabric::Udp {
+                address: PortAddress::Fixed(Ipv4Addr::new(127, 0, 0, 5))
+            })
+        );
+        assert_eq!(
+            fabric_from(Some(OsStr::new(" 127.0.0.5"))),
+            Err(format!(
+                "{ADDRESS_VARIABLE}= 127.0.0.5: not an IPv4 address (a.b.c.d, e.g. 127.0.0.5)"
+            ))
+        );
+    }
+
+    #[test]
+    fn an_address_variable_that_is_not_text_is_a_clear_error() {
+        use std::os::unix::ffi::OsStrExt;
+        let value = OsStr::from_bytes(b"127.0.0.\xff");
+        assert_eq!(
+            fabric_from(Some(value)),
+            Err(format!("{ADDRESS_VARIABLE}=127.0.0.\u{FFFD}: not text"))
+        );
+    }
+}

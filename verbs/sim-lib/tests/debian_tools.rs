@@ -7,8 +7,8 @@
 //! shutdown when each tool returns from `main`.
 
 use std::collections::BTreeMap;
-use std::net::Ipv6Addr;
-use std::path::{Path, PathBuf};
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -32,31 +32,70 @@ const LIBRARIES: [(&str, &str); 5] = [
     ("libibumad.so", "libibumad.so.3"),
 ];
 
-/// The libraries under their sonames in a directory of its own (the tests
-/// run in parallel: each gets its own links; a debug build of the library
-/// is large, so it is linked, not copied).
-fn library_dir(test: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("sim-libibverbs")
-        .join(test);
-    std::fs::create_dir_all(&dir).unwrap();
-    for (file, soname) in LIBRARIES {
-        let link = dir.join(soname);
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(built_cdylib(file), &link).unwrap();
-    }
-    dir
+/// The address variable (`sim_libibverbs::ADDRESS_VARIABLE`).
+const ADDRESS_VARIABLE: &str = "SIM_LIBIBVERBS_ADDR";
+
+/// This test process's own loopback address number `slot`:
+/// 127.x.y.slot with x.y from the process id, x in 64..128 (never
+/// 127.0.0.x, which the tools take with no configuration, nor the
+/// 128..256 of sim-shells' UDP tests), so concurrent runs of these tests
+/// (other worktrees on one machine) never contend for one.
+fn own_address(slot: u8) -> Ipv4Addr {
+    let pid = std::process::id();
+    Ipv4Addr::new(127, 0x40 | (pid >> 8) as u8 & 0x3F, pid as u8, slot)
 }
 
-/// Runs Debian's `tool args` with our library first on the path and the
-/// exit report on.
-fn run(dir: &Path, tool: &str, args: &[&str]) -> Output {
-    Command::new(tool_path(tool))
-        .args(args)
-        .env("LD_LIBRARY_PATH", dir)
-        .env("SIM_LIBIBVERBS_EXIT_REPORT", "1")
-        .output()
-        .unwrap()
+/// Debian's tools on our libraries, their port pinned at one of this
+/// process's own addresses.
+struct Tools {
+    dir: PathBuf,
+    address: Ipv4Addr,
+}
+
+impl Tools {
+    /// The libraries under their sonames in a directory of their own (the
+    /// tests run in parallel: each gets its own links, and its own
+    /// address `slot`; a debug build of the library is large, so it is
+    /// linked, not copied).
+    fn new(test: &str, slot: u8) -> Self {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join("sim-libibverbs")
+            .join(test);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (file, soname) in LIBRARIES {
+            // Linked under a name of this process's, then renamed over
+            // the soname (atomic): concurrent runs of this test binary
+            // share the directory.
+            let fresh = dir.join(format!("{soname}.{}", std::process::id()));
+            let _ = std::fs::remove_file(&fresh);
+            std::os::unix::fs::symlink(built_cdylib(file), &fresh).unwrap();
+            std::fs::rename(&fresh, dir.join(soname)).unwrap();
+        }
+        Self {
+            dir,
+            address: own_address(slot),
+        }
+    }
+
+    /// Debian's `tool args` with our library first on the path and the
+    /// exit report on; the port's address not configured.
+    fn command(&self, tool: &str, args: &[&str]) -> Command {
+        let mut command = Command::new(tool_path(tool));
+        command
+            .args(args)
+            .env("LD_LIBRARY_PATH", &self.dir)
+            .env("SIM_LIBIBVERBS_EXIT_REPORT", "1")
+            .env_remove(ADDRESS_VARIABLE);
+        command
+    }
+
+    /// Runs `tool args` with the port at this test's address.
+    fn run(&self, tool: &str, args: &[&str]) -> Output {
+        self.command(tool, args)
+            .env(ADDRESS_VARIABLE, self.address.to_string())
+            .output()
+            .unwrap()
+    }
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -78,9 +117,13 @@ fn assert_clean_exit(output: &Output, what: &str, left_open: usize) {
 }
 
 /// What the access library reports on a machine booted as the library
-/// boots its own: the CA's attributes and port 1's.
-fn expected() -> (CaAttr, PortInfo) {
-    let machine = EmbeddedMachine::boot(Fabric::DEFAULT, 1).expect("the machine boots");
+/// boots its own, its port at `address` (on the in-process fabric: the
+/// tool holds the address): the CA's attributes and port 1's.
+fn expected(address: Ipv4Addr) -> (CaAttr, PortInfo) {
+    let fabric = Fabric::InProcess {
+        port_address: address.octets(),
+    };
+    let machine = EmbeddedMachine::boot(fabric, 1).expect("the machine boots");
     let io = machine.io();
     let (attr, port) = {
         let ca = Context::open(&io, CaSelector::Index(0), &PluginSource::Linked).unwrap();
@@ -119,9 +162,9 @@ fn it_exports_every_libibverbs_symbol_debians_tools_import_with_its_version() {
 
 #[test]
 fn ibv_devices_lists_our_hca_with_the_node_guid_the_access_library_reports() {
-    let dir = library_dir("ibv_devices");
-    let (attr, _) = expected();
-    let output = run(&dir, "ibv_devices", &[]);
+    let tools = Tools::new("ibv_devices", 1);
+    let (attr, _) = expected(tools.address);
+    let output = tools.run("ibv_devices", &[]);
     assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
     let stdout = text(&output.stdout);
     let rows: Vec<Vec<&str>> = stdout
@@ -139,9 +182,9 @@ fn ibv_devices_lists_our_hca_with_the_node_guid_the_access_library_reports() {
 
 #[test]
 fn ibv_devinfo_prints_what_the_access_library_reports() {
-    let dir = library_dir("ibv_devinfo");
-    let (attr, port) = expected();
-    let output = run(&dir, "ibv_devinfo", &[]);
+    let tools = Tools::new("ibv_devinfo", 2);
+    let (attr, port) = expected(tools.address);
+    let output = tools.run("ibv_devinfo", &[]);
     assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
     let stdout = text(&output.stdout);
     let got = fields(&stdout);
@@ -191,7 +234,7 @@ fn ibv_devinfo_prints_what_the_access_library_reports() {
     assert_clean_exit(&output, "ibv_devinfo", 0);
 
     // -v: the limits, the port's tables, and GID 0 with its RoCE v2 type.
-    let output = run(&dir, "ibv_devinfo", &["-v"]);
+    let output = tools.run("ibv_devinfo", &["-v"]);
     assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
     let stdout = text(&output.stdout);
     let got = fields(&stdout);
@@ -214,14 +257,15 @@ fn ibv_devinfo_prints_what_the_access_library_reports() {
     ] {
         assert_eq!(got.get(key), Some(&value), "{key} in:\n{stdout}");
     }
-    assert_eq!(gid0.to_string(), "::ffff:127.0.0.1");
+    // The port's address is the one the variable pinned.
+    assert_eq!(gid0, tools.address.to_ipv6_mapped());
     assert_clean_exit(&output, "ibv_devinfo -v", 0);
 }
 
 #[test]
 fn a_bad_device_name_or_port_gets_the_tools_own_error() {
-    let dir = library_dir("errors");
-    let output = run(&dir, "ibv_devinfo", &["-d", "mlx5_0"]);
+    let tools = Tools::new("errors", 3);
+    let output = tools.run("ibv_devinfo", &["-d", "mlx5_0"]);
     assert_eq!(output.status.code(), Some(255));
     let stderr = text(&output.stderr);
     assert!(
@@ -230,7 +274,7 @@ fn a_bad_device_name_or_port_gets_the_tools_own_error() {
     );
     assert!(output.stdout.is_empty());
 
-    let output = run(&dir, "ibv_devinfo", &["-i", "2"]);
+    let output = tools.run("ibv_devinfo", &["-i", "2"]);
     assert_eq!(
         output.status.code(),
         Some(4),
@@ -250,7 +294,7 @@ fn a_bad_device_name_or_port_gets_the_tools_own_error() {
         .to_vec();
     assert_clean_exit(&clean, "ibv_devinfo -i 2", 0);
 
-    let output = run(&dir, "ibv_devinfo", &["-l"]);
+    let output = tools.run("ibv_devinfo", &["-l"]);
     assert_eq!(output.status.code(), Some(0));
     assert_eq!(text(&output.stdout), "1 HCA found:\n\tsimhca0\n\n");
 }
@@ -261,7 +305,7 @@ fn a_bad_device_name_or_port_gets_the_tools_own_error() {
 /// closes it: the machine still ends cleanly.
 #[test]
 fn perftest_runs_on_our_libraries_until_its_connection_and_its_exit_closes_the_device() {
-    let dir = library_dir("ib_write_bw");
+    let tools = Tools::new("ib_write_bw", 4);
     // A port nothing listens on.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -269,7 +313,7 @@ fn perftest_runs_on_our_libraries_until_its_connection_and_its_exit_closes_the_d
         .unwrap()
         .port()
         .to_string();
-    let output = run(&dir, "ib_write_bw", &["-p", &port, "127.0.0.1"]);
+    let output = tools.run("ib_write_bw", &["-p", &port, "127.0.0.1"]);
     assert_eq!(output.status.code(), Some(1));
     assert!(output.stdout.is_empty());
     let stderr = text(&output.stderr);
@@ -282,4 +326,246 @@ fn perftest_runs_on_our_libraries_until_its_connection_and_its_exit_closes_the_d
     let mut clean = output.clone();
     clean.stderr = rest.as_bytes().to_vec();
     assert_clean_exit(&clean, "ib_write_bw 127.0.0.1", 1);
+}
+
+/// The addresses process `pid` holds RoCEv2 sockets at (UDP port 4791):
+/// its socket descriptors (`/proc/<pid>/fd`) matched by inode with the
+/// bound UDP sockets of `/proc/net/udp`.
+fn rocev2_addresses_of(pid: u32) -> Vec<Ipv4Addr> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| {
+            fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+                .filter_map(|target| {
+                    let target = target.to_str()?;
+                    Some(
+                        target
+                            .strip_prefix("socket:[")?
+                            .strip_suffix(']')?
+                            .to_owned(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let table = std::fs::read_to_string("/proc/net/udp").unwrap();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let columns: Vec<&str> = line.split_whitespace().collect();
+            let (address, port) = columns.get(1)?.split_once(':')?;
+            let inode = columns.get(9)?;
+            (u16::from_str_radix(port, 16).ok()? == 4791 && inodes.iter().any(|i| i == inode))
+                .then_some(())?;
+            // The kernel prints the big-endian address as a host integer.
+            let address = u32::from_str_radix(address, 16).ok()?;
+            Some(Ipv4Addr::from(address.to_ne_bytes()))
+        })
+        .collect()
+}
+
+/// A tool kept running in the background (perftest's server, waiting for
+/// its client), killed when dropped, so a failed assertion leaves no
+/// process behind.
+struct Background(std::process::Child);
+
+impl Background {
+    /// Starts `command` and waits (up to 20 s) until its machine is up:
+    /// the process holds its RoCEv2 socket. Returns that address.
+    fn start(mut command: Command) -> (Self, Ipv4Addr) {
+        let child = command
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut background = Self(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let [address] = rocev2_addresses_of(background.0.id())[..] {
+                return (background, address);
+            }
+            if let Some(status) = background.0.try_wait().unwrap() {
+                panic!("the background tool exited early: {status}");
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the background tool's machine did not bind its port within 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The addresses it still holds.
+    fn addresses(&self) -> Vec<Ipv4Addr> {
+        rocev2_addresses_of(self.0.id())
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A TCP port nothing listens on (perftest's server listens there).
+fn free_tcp_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+/// `GID[  0]` and `node_guid` of an `ibv_devinfo -v` run that succeeded.
+fn gid0_and_guid(output: &Output) -> (Ipv6Addr, String) {
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
+    let stdout = text(&output.stdout);
+    let got = fields(&stdout);
+    let gid = got
+        .get("GID[  0]")
+        .and_then(|g| g.strip_suffix(", RoCE v2"))
+        .and_then(|g| g.parse().ok())
+        .unwrap_or_else(|| panic!("no RoCE v2 GID[0] in:\n{stdout}"));
+    (gid, got["node_guid"].clone())
+}
+
+/// `ibv_devinfo`'s `node_guid` text for a port at `address`.
+fn guid_text(address: Ipv4Addr) -> String {
+    let guid = EmbeddedMachine::node_guid(address.octets());
+    format!(
+        "{:04x}:{:04x}:{:04x}:{:04x}",
+        guid >> 48,
+        (guid >> 32) & 0xffff,
+        (guid >> 16) & 0xffff,
+        guid & 0xffff
+    )
+}
+
+/// With no configuration, processes running at the same time each take
+/// their own loopback address: two perftest servers wait for their
+/// clients, each holding the first address free when it started, and
+/// `ibv_devinfo` run meanwhile reports a third as its GID 0 (and the node
+/// GUID that follows from it). Other runs on this machine may hold some
+/// 127.0.0.x: the addresses are the first free ones, not fixed ones.
+#[test]
+fn processes_at_the_same_time_get_distinct_addresses_with_no_configuration() {
+    let tools = Tools::new("no_configuration", 5);
+    let first_port = free_tcp_port();
+    let (first, first_address) =
+        Background::start(tools.command("ib_write_bw", &["-p", &first_port]));
+    let second_port = free_tcp_port();
+    let (second, second_address) =
+        Background::start(tools.command("ib_write_bw", &["-p", &second_port]));
+    let output = tools.command("ibv_devinfo", &["-v"]).output().unwrap();
+    let (gid, guid) = gid0_and_guid(&output);
+    assert_clean_exit(&output, "ibv_devinfo -v", 0);
+    // Both servers held their addresses all along.
+    assert_eq!(first.addresses(), [first_address]);
+    assert_eq!(second.addresses(), [second_address]);
+
+    let Some(devinfo_address) = gid.to_ipv4_mapped() else {
+        panic!("GID 0 {gid} is not IPv4-mapped");
+    };
+    let addresses = [first_address, second_address, devinfo_address];
+    for address in addresses {
+        assert_eq!(
+            address.octets()[..3],
+            [127, 0, 0],
+            "{address}: not one of 127.0.0.x"
+        );
+    }
+    assert!(
+        first_address != second_address
+            && devinfo_address != first_address
+            && devinfo_address != second_address,
+        "three processes at once, addresses {addresses:?}"
+    );
+    assert_eq!(guid, guid_text(devinfo_address));
+}
+
+/// The variable pins the port's address: a server pinned at this test's
+/// address holds exactly it, and `ibv_devinfo` pinned at another reports
+/// that one; pinned at the held one, `ibv_devinfo` gets the library's
+/// clean error (printed once) and no devices, not a panic.
+#[test]
+fn the_address_variable_pins_the_port_and_a_held_address_is_a_clean_error() {
+    let tools = Tools::new("pinned", 6);
+    let port = free_tcp_port();
+    let mut server = tools.command("ib_write_bw", &["-p", &port]);
+    server.env(ADDRESS_VARIABLE, tools.address.to_string());
+    let (server, held) = Background::start(server);
+    assert_eq!(held, tools.address);
+
+    let other = own_address(7);
+    let output = tools
+        .command("ibv_devinfo", &["-v"])
+        .env(ADDRESS_VARIABLE, other.to_string())
+        .output()
+        .unwrap();
+    let (gid, guid) = gid0_and_guid(&output);
+    assert_eq!(gid, other.to_ipv6_mapped());
+    assert_eq!(guid, guid_text(other));
+    assert_clean_exit(&output, "ibv_devinfo -v", 0);
+
+    let output = tools.run("ibv_devinfo", &[]);
+    assert_eq!(output.status.code(), Some(255), "ibv_devinfo's own exit");
+    assert!(output.stdout.is_empty());
+    assert_eq!(
+        text(&output.stderr),
+        format!(
+            "libibverbs: the machine did not boot: cannot bind the port's RoCEv2 endpoint {held}:4791 (UDP): Address already in use (os error 98)\n\
+             Failed to get IB devices list: No such device\n"
+        )
+    );
+    assert_eq!(server.addresses(), [held]);
+}
+
+/// A value of the variable that is not a unicast IPv4 address, or one
+/// this machine has not, is one clear line on standard error: the device
+/// list is NULL with `ENODEV` (the tool says so and exits), no machine is
+/// booted (so there is no exit report), nothing panics.
+#[test]
+fn a_bad_address_variable_is_one_clear_error_and_no_devices() {
+    let tools = Tools::new("bad_address", 8);
+    let not_an_address = "not an IPv4 address (a.b.c.d, e.g. 127.0.0.5)";
+    let not_unicast = "not a unicast address a port can bind";
+    for (value, why) in [
+        ("banana", not_an_address),
+        ("127.0.0.256", not_an_address),
+        ("127.0.0.5:4791", not_an_address),
+        ("0.0.0.0", not_unicast),
+        ("224.0.0.1", not_unicast),
+        ("255.255.255.255", not_unicast),
+    ] {
+        let output = tools
+            .command("ibv_devinfo", &[])
+            .env(ADDRESS_VARIABLE, value)
+            .output()
+            .unwrap();
+        assert_eq!(output.status.code(), Some(255), "{value}");
+        assert!(output.stdout.is_empty(), "{value}");
+        assert_eq!(
+            text(&output.stderr),
+            format!(
+                "libibverbs: the machine did not boot: {ADDRESS_VARIABLE}={value}: {why}\n\
+                 Failed to get IB devices list: No such device\n"
+            ),
+            "{value}"
+        );
+    }
+    // An address no interface of this machine has (TEST-NET-1).
+    let output = tools
+        .command("ibv_devinfo", &[])
+        .env(ADDRESS_VARIABLE, "192.0.2.1")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(255));
+    assert_eq!(
+        text(&output.stderr),
+        "libibverbs: the machine did not boot: cannot bind the port's RoCEv2 endpoint 192.0.2.1:4791 (UDP): Cannot assign requested address (os error 99)\n\
+         Failed to get IB devices list: No such device\n"
+    );
 }
