@@ -148,6 +148,25 @@ impl DmaBuffer {
         true
     }
 
+    /// Stores `value` as word `index` (bytes `8 * index..8 * index + 8`,
+    /// relaxed); false, with nothing stored, past the end.
+    #[inline]
+    pub fn store_word(&self, index: usize, value: u64) -> bool {
+        match self.word(index) {
+            Some(w) => {
+                w.store(value, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Loads word `index` (bytes `8 * index..8 * index + 8`, relaxed).
+    #[inline]
+    pub fn load_word_at(&self, index: usize) -> Option<u64> {
+        self.word(index).map(|w| w.load(Ordering::Relaxed))
+    }
+
     /// Loads the word at the word-aligned `offset` (relaxed).
     #[inline]
     pub fn load_word(&self, offset: usize) -> Option<u64> {
@@ -269,6 +288,11 @@ mod tests {
         assert!(!b.store_words(24, &[0; 16]), "past the end");
         assert!(!b.store_words(8, &[0; 4]), "not a whole word");
         assert_eq!(b.load_word(32), None);
+        assert!(b.store_word(3, 0x0102));
+        assert_eq!(b.load_word(24), Some(0x0102));
+        assert!(!b.store_word(4, 9), "past the end");
+        assert_eq!(b.load_word_at(3), Some(0x0102));
+        assert_eq!(b.load_word_at(4), None);
         assert!(b.store_u32_release(4, 0x1122_3344));
         assert_eq!(b.load_word(0), Some(0x1122_3344_FFFF_FFFF));
         assert!(!b.store_u32_release(2, 0));
