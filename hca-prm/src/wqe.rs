@@ -849,7 +849,7 @@ impl<'a> SendWqe<'a> {
     /// poster writing into its ring uses. The same checks, in the same
     /// order, with the same errors as `from_wr` then [`emit`](Self::emit)
     /// (the prepared WQE's words are `emit`'s bytes).
-    #[inline]
+    #[inline(always)]
     pub fn prepare(
         wr: &SendWr<'a>,
         av: Option<&Av>,
@@ -1257,7 +1257,9 @@ fn partial_word(bytes: &[u8]) -> u64 {
 
 impl<'a> PreparedSendWqe<'a> {
     /// The WQE of these parts, its length checked against `size16`.
-    #[inline]
+    // Always inlined, as `from_wr` and `emit_words`: a poster's prepared
+    // WQE then lives in registers, never copied through memory.
+    #[inline(always)]
     fn new(
         opcode: WqeOpcode,
         flags: WqeFlags,
@@ -1288,7 +1290,7 @@ impl<'a> PreparedSendWqe<'a> {
 
     /// [`SendWqe::prepare`]: `SendWqe::from_wr`'s mapping and checks, then
     /// `emit`'s, with no `SendWqe` in between.
-    #[inline]
+    #[inline(always)]
     fn from_wr(
         wr: &SendWr<'a>,
         av: Option<&Av>,
@@ -1419,7 +1421,7 @@ impl<'a> PreparedSendWqe<'a> {
     /// writes through this). Refused with nothing stored when the WQE is
     /// longer than `capacity` bytes. Returns its length. A poster stores
     /// the words straight into its ring, wrapping as it goes.
-    #[inline]
+    #[inline(always)]
     pub fn emit_words(
         &self,
         capacity: usize,

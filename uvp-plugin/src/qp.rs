@@ -240,15 +240,13 @@ impl SendQueue {
         self.shared.record(self.producer, request.wr.wr_id, bbs);
         // Word `i` of the WQE goes to ring word `first + i`, wrapping at
         // the ring's end (a power of two of basic blocks, whose words the
-        // ring holds: checked at setup).
+        // buffer holds: checked at setup, so `ring_words` is `Some`).
         let words_per_bb = BB_SIZE / 8;
-        let mask = self.ring_bbs as usize * words_per_bb - 1;
         let first = self.producer as usize * words_per_bb;
-        let ring = &self.ring;
-        // Fits: `len <= stride` was checked above.
-        let _ = wqe.emit_words(stride, |i, word| {
-            ring.store_word((first + i) & mask, word);
-        });
+        if let Some(ring) = self.ring.ring_words(self.ring_bbs as usize * words_per_bb) {
+            // Fits: `len <= stride` was checked above.
+            let _ = wqe.emit_words(stride, |i, word| ring.store(first + i, word));
+        }
         self.producer = self.producer.wrapping_add(bbs);
         Ok(())
     }
