@@ -296,31 +296,37 @@ impl Cqe {
     }
 
     /// The defined flags (undefined bits ignored).
+    #[inline]
     pub const fn flags(&self) -> CqeFlags {
         CqeFlags::from_bits_truncate(self.flags)
     }
 
     /// The completed WQE's index.
+    #[inline]
     pub const fn wqe_index(&self) -> u16 {
         self.wqe_index.get()
     }
 
     /// The local QP.
+    #[inline]
     pub fn qpn(&self) -> Result<Qpn, CqeError> {
         Ok(Qpn::new(self.qpn.get())?)
     }
 
     /// The sending QP of a UD receive (0 otherwise).
+    #[inline]
     pub fn src_qp(&self) -> Result<Qpn, CqeError> {
         Ok(Qpn::new(self.src_qp.get())?)
     }
 
     /// The completion status.
+    #[inline]
     pub fn status(&self) -> Result<WcStatus, CqeError> {
         Ok(WcStatus::from_code(self.status)?)
     }
 
     /// The reported operation, checked against the flags.
+    #[inline]
     pub fn op(&self) -> Result<CqeOp, CqeError> {
         let flags = self.flags();
         let opcode = WqeOpcode::from_code(self.opcode)?;
@@ -359,6 +365,7 @@ impl Cqe {
     /// error completion of a NOP (a WQE whose opcode was garbage) reports
     /// [`WcOpcode::Send`]: the opcode of an error completion is undefined
     /// (IBA 11.4.2.1).
+    #[inline]
     pub fn to_work_completion(&self, wr_id: u64) -> Result<WorkCompletion, CqeError> {
         let status = self.status()?;
         let mut wc = WorkCompletion {

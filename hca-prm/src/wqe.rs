@@ -55,6 +55,7 @@ pub const MIN_RECV_STRIDE: usize = 32;
 
 /// Basic blocks a send WQE of `bytes` bytes occupies (the producer counter
 /// advances by this much).
+#[inline]
 pub const fn basic_blocks(bytes: usize) -> usize {
     bytes.div_ceil(BB_SIZE)
 }
@@ -89,6 +90,7 @@ prm_code! {
 
 impl WqeOpcode {
     /// The opcode of a verbs operation.
+    #[inline]
     pub const fn from_wr(op: WrOpcode) -> Self {
         match op {
             WrOpcode::Send => Self::Send,
@@ -124,6 +126,7 @@ impl WqeOpcode {
     /// Whether a QP of `transport` accepts the opcode: NOP everywhere,
     /// the rest as the IBA operation tables say
     /// ([`WrOpcode::is_supported_on`]). SMI and GSI QPs are UD.
+    #[inline]
     pub const fn is_allowed_on(self, transport: Transport) -> bool {
         match self.to_wr() {
             None => true,
@@ -133,11 +136,13 @@ impl WqeOpcode {
 
     /// SEND and SEND_IMM: on UD, SMI and GSI QPs the UD address segment
     /// follows the control segment.
+    #[inline]
     pub const fn takes_ud_address(self) -> bool {
         matches!(self, Self::Send | Self::SendImm)
     }
 
     /// RDMA and atomic operations: a remote address segment follows.
+    #[inline]
     pub const fn takes_remote(self) -> bool {
         matches!(
             self,
@@ -146,11 +151,13 @@ impl WqeOpcode {
     }
 
     /// The two atomics: an atomic segment and one 8-byte data segment.
+    #[inline]
     pub const fn is_atomic(self) -> bool {
         matches!(self, Self::AtomicCs | Self::AtomicFa)
     }
 
     /// Sends and RDMA writes: the data may be inline.
+    #[inline]
     pub const fn allows_inline(self) -> bool {
         matches!(
             self,
@@ -159,12 +166,14 @@ impl WqeOpcode {
     }
 
     /// NOP, BIND_MW and LOCAL_INV carry no data segments.
+    #[inline]
     pub const fn takes_data(self) -> bool {
         !matches!(self, Self::Nop | Self::BindMw | Self::LocalInv)
     }
 
     /// Whether the control segment's `imm` field is used (immediate data or
     /// an R_Key); for the others it must be zero.
+    #[inline]
     pub const fn uses_imm(self) -> bool {
         matches!(
             self,
@@ -190,6 +199,7 @@ bitflags! {
 
 impl WqeFlags {
     /// The WQE flags of verbs send flags (the bit positions differ).
+    #[inline]
     pub const fn from_send_flags(flags: SendFlags) -> Self {
         let mut out = Self::empty();
         if flags.contains(SendFlags::SIGNALED) {
@@ -652,6 +662,7 @@ pub enum WqeOp {
 
 impl WqeOp {
     /// The operation's opcode.
+    #[inline]
     pub const fn opcode(&self) -> WqeOpcode {
         match self {
             Self::Nop => WqeOpcode::Nop,
@@ -669,6 +680,7 @@ impl WqeOp {
     }
 
     /// The remote address of RDMA and atomic operations.
+    #[inline]
     pub const fn remote(&self) -> Option<RemoteAddr> {
         match *self {
             Self::RdmaWrite { remote }
@@ -681,6 +693,7 @@ impl WqeOp {
     }
 
     /// The control segment's `imm` bytes.
+    #[inline]
     const fn imm_bytes(&self) -> [u8; 4] {
         match *self {
             Self::SendImm { imm } | Self::RdmaWriteImm { imm, .. } => imm.to_bytes(),
@@ -701,6 +714,7 @@ pub enum Payload<'a> {
 
 impl Payload<'_> {
     /// Bytes the payload occupies in the WQE.
+    #[inline]
     const fn wqe_bytes(&self) -> usize {
         match self {
             Self::Data(sges) => sges.len().saturating_mul(SEG_SIZE),
@@ -710,6 +724,7 @@ impl Payload<'_> {
 }
 
 /// Bytes an inline segment of `len` data bytes occupies, padding included.
+#[inline]
 pub const fn inline_seg_len(len: usize) -> usize {
     len.saturating_add(4).next_multiple_of(SEG_SIZE)
 }
@@ -823,6 +838,52 @@ impl<'a> SendWqe<'a> {
         wqe_index: u16,
         inline: Option<&'a [u8]>,
     ) -> Result<Self, WqeError> {
+        let wqe = Self::from_wr_unchecked(wr, av, wqe_index, inline)?;
+        wqe.check_shape()?;
+        Ok(wqe)
+    }
+
+    /// [`from_wr`](Self::from_wr) checked for emitting as well (its length
+    /// fits `size16`), straight from the work request into the words
+    /// [`PreparedSendWqe::emit_words`] stores, with no second check: what a
+    /// poster writing into its ring uses. The same checks, in the same
+    /// order, with the same errors as `from_wr` then [`emit`](Self::emit)
+    /// (the prepared WQE's words are `emit`'s bytes).
+    #[inline(always)]
+    pub fn prepare(
+        wr: &SendWr<'a>,
+        av: Option<&Av>,
+        wqe_index: u16,
+        inline: Option<&'a [u8]>,
+    ) -> Result<PreparedSendWqe<'a>, WqeError> {
+        PreparedSendWqe::from_wr(wr, av, wqe_index, inline)
+    }
+
+    /// The WQE checked as [`emit`](Self::emit) checks it, ready to emit.
+    #[inline]
+    pub fn prepared(&self) -> Result<PreparedSendWqe<'a>, WqeError> {
+        self.check_shape()?;
+        let ud = self.ud.map(|ud| (ud.av, ud.dest_qpn.get(), ud.qkey.get()));
+        let (imm, operands) = Operands::of(&self.op);
+        PreparedSendWqe::new(
+            self.op.opcode(),
+            self.flags,
+            self.wqe_index,
+            u32::from_le_bytes(imm),
+            ud,
+            operands,
+            self.payload,
+        )
+    }
+
+    /// `from_wr` but for the shape check.
+    #[inline]
+    fn from_wr_unchecked(
+        wr: &SendWr<'a>,
+        av: Option<&Av>,
+        wqe_index: u16,
+        inline: Option<&'a [u8]>,
+    ) -> Result<Self, WqeError> {
         let op = match wr.op {
             SendOp::Send => WqeOp::Send,
             SendOp::SendWithImm { imm } => WqeOp::SendImm { imm },
@@ -880,19 +941,18 @@ impl<'a> SendWqe<'a> {
         } else {
             Payload::Data(wr.sg_list)
         };
-        let wqe = Self {
+        Ok(Self {
             wqe_index,
             flags: WqeFlags::from_send_flags(wr.flags),
             op,
             ud,
             payload,
-        };
-        wqe.check_shape()?;
-        Ok(wqe)
+        })
     }
 
     /// The rules `emit` and `parse` share: everything but the transport and
     /// the segment framing.
+    #[inline]
     fn check_shape(&self) -> Result<(), WqeError> {
         let opcode = self.op.opcode();
         let inline = matches!(self.payload, Payload::Inline(_));
@@ -924,6 +984,7 @@ impl<'a> SendWqe<'a> {
 
     /// The WQE's length in bytes (a multiple of 16), which `emit` refuses
     /// beyond [`MAX_SEND_WQE_BYTES`].
+    #[inline]
     pub const fn byte_len(&self) -> usize {
         let opcode = self.op.opcode();
         let mut len = SEG_SIZE;
@@ -949,87 +1010,13 @@ impl<'a> SendWqe<'a> {
     /// exactly for SEND and SEND_IMM on UD, SMI and GSI QPs, as `parse`
     /// expects.
     pub fn emit(&self, out: &mut [u8]) -> Result<usize, WqeError> {
-        self.check_shape()?;
-        let len = self.byte_len();
-        let size16 = u8::try_from(len / SEG_SIZE).map_err(|_| WqeError::TooLong { bytes: len })?;
-        let available = out.len();
-        let out = out.get_mut(..len).ok_or(WqeError::OutputTooSmall {
-            needed: len,
-            available,
-        })?;
-        let mut w = Writer { out, at: 0 };
-        w.put(
-            CtrlSeg {
-                opcode: self.op.opcode().code(),
-                flags: self.flags.bits(),
-                size16,
-                wqe_index: Le16::new(self.wqe_index),
-                imm: self.op.imm_bytes(),
-                ..CtrlSeg::default()
+        let prepared = self.prepared()?;
+        prepared.emit_words(out.len(), |index, word| {
+            // In range: `emit_words` checked the WQE fits `out`.
+            if let Some(bytes) = out.get_mut(index * WORD..(index + 1) * WORD) {
+                bytes.copy_from_slice(&word.to_le_bytes());
             }
-            .as_bytes(),
-        );
-        if let Some(ud) = &self.ud {
-            w.put(
-                UdAddrSeg {
-                    av: ud.av,
-                    dest_qpn: Le32::new(ud.dest_qpn.get()),
-                    qkey: Le32::new(ud.qkey.get()),
-                    ..UdAddrSeg::default()
-                }
-                .as_bytes(),
-            );
-        }
-        if let Some(remote) = self.op.remote() {
-            w.put(
-                RemoteAddrSeg {
-                    va: Le64::new(remote.addr),
-                    rkey: remote.rkey,
-                    ..RemoteAddrSeg::default()
-                }
-                .as_bytes(),
-            );
-        }
-        match self.op {
-            WqeOp::AtomicCs { compare, swap, .. } => w.put(
-                AtomicSeg {
-                    swap_or_add: Le64::new(swap),
-                    compare: Le64::new(compare),
-                }
-                .as_bytes(),
-            ),
-            WqeOp::AtomicFa { add, .. } => w.put(
-                AtomicSeg {
-                    swap_or_add: Le64::new(add),
-                    compare: Le64::new(0),
-                }
-                .as_bytes(),
-            ),
-            WqeOp::BindMw(bind) => w.put(
-                BindSeg {
-                    new_rkey: bind.new_rkey,
-                    mr_key: bind.mr_key,
-                    va: Le64::new(bind.va),
-                    length: Le64::new(bind.length),
-                    access: Le32::new(bind.access.bits()),
-                    mw_type: bind.mw_type.code(),
-                    ..BindSeg::default()
-                }
-                .as_bytes(),
-            ),
-            _ => {}
-        }
-        match self.payload {
-            Payload::Data(sges) => w.put(sges.as_bytes()),
-            Payload::Inline(data) => {
-                // `len` fits `size16`, so the data length fits 31 bits.
-                let header = data.len() as u32 | INLINE_BIT;
-                w.put(&header.to_le_bytes());
-                w.put(data);
-                w.zero_rest();
-            }
-        }
-        Ok(len)
+        })
     }
 
     /// Parses and validates the send WQE at the front of `bytes` (the
@@ -1164,6 +1151,341 @@ pub fn build_send_wqe(
     out: &mut [u8],
 ) -> Result<usize, WqeError> {
     SendWqe::from_wr(wr, av, wqe_index, inline)?.emit(out)
+}
+
+/// Bytes of a WQE word: [`PreparedSendWqe::emit_words`] writes whole
+/// little-endian 64-bit words (segments are 16 bytes, so a WQE is whole
+/// words).
+const WORD: usize = 8;
+/// The words of a send WQE an operation contributes after the control
+/// segment (and the UD address): the remote address segment, then the
+/// atomic segment, or the bind segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Operands {
+    words: [u64; 4],
+    count: usize,
+}
+
+impl Operands {
+    const NONE: Self = Self {
+        words: [0; 4],
+        count: 0,
+    };
+
+    #[inline]
+    const fn remote(remote: RemoteAddr) -> Self {
+        Self {
+            words: [remote.addr, remote.rkey.get() as u64, 0, 0],
+            count: 2,
+        }
+    }
+
+    #[inline]
+    const fn atomic(remote: RemoteAddr, swap_or_add: u64, compare: u64) -> Self {
+        Self {
+            words: [remote.addr, remote.rkey.get() as u64, swap_or_add, compare],
+            count: 4,
+        }
+    }
+
+    #[inline]
+    const fn bind(bind: &Bind) -> Self {
+        Self {
+            words: [
+                bind.new_rkey.get() as u64 | (bind.mr_key.get() as u64) << 32,
+                bind.va,
+                bind.length,
+                bind.access.bits() as u64 | (bind.mw_type.code() as u64) << 32,
+            ],
+            count: 4,
+        }
+    }
+
+    /// The control segment's `imm` bytes and the operand words of `op`.
+    #[inline]
+    fn of(op: &WqeOp) -> ([u8; 4], Self) {
+        let operands = match *op {
+            WqeOp::AtomicCs {
+                remote,
+                compare,
+                swap,
+            } => Self::atomic(remote, swap, compare),
+            WqeOp::AtomicFa { remote, add } => Self::atomic(remote, add, 0),
+            WqeOp::BindMw(bind) => Self::bind(&bind),
+            _ => match op.remote() {
+                Some(remote) => Self::remote(remote),
+                None => Self::NONE,
+            },
+        };
+        (op.imm_bytes(), operands)
+    }
+}
+
+/// A send WQE checked as [`SendWqe::emit`] checks it ([`SendWqe::prepared`],
+/// or [`SendWqe::prepare`] straight from a work request), as the words it
+/// emits: it emits with no second check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PreparedSendWqe<'a> {
+    /// The control segment's first word (opcode, flags, `size16`,
+    /// `wqe_index`).
+    ctrl: u64,
+    /// Its `imm` field as a little-endian value.
+    imm: u32,
+    /// The UD address: the AV and the word of the destination QP and
+    /// Q_Key.
+    ud: Option<(Av, u64)>,
+    operands: Operands,
+    payload: Payload<'a>,
+    len: usize,
+}
+
+/// `bytes` (at most 8) as the low bytes of a little-endian word, zeros
+/// above them.
+#[inline]
+fn partial_word(bytes: &[u8]) -> u64 {
+    let n = bytes.len();
+    if let (Some(low), Some(high)) = (bytes.first_chunk::<4>(), bytes.last_chunk::<4>()) {
+        // 4 to 8 bytes: two 4-byte loads that overlap where they agree.
+        u64::from(u32::from_le_bytes(*low)) | u64::from(u32::from_le_bytes(*high)) << (8 * (n - 4))
+    } else {
+        bytes
+            .iter()
+            .rev()
+            .fold(0, |word, &byte| word << 8 | u64::from(byte))
+    }
+}
+
+impl<'a> PreparedSendWqe<'a> {
+    /// The WQE of these parts, its length checked against `size16`.
+    // Always inlined, as `from_wr` and `emit_words`: a poster's prepared
+    // WQE then lives in registers, never copied through memory.
+    #[inline(always)]
+    fn new(
+        opcode: WqeOpcode,
+        flags: WqeFlags,
+        wqe_index: u16,
+        imm: u32,
+        ud: Option<(Av, u32, u32)>,
+        operands: Operands,
+        payload: Payload<'a>,
+    ) -> Result<Self, WqeError> {
+        let mut len = SEG_SIZE + operands.count * 8;
+        if ud.is_some() {
+            len += size_of::<UdAddrSeg>();
+        }
+        let len = len.saturating_add(payload.wqe_bytes());
+        let size16 = u8::try_from(len / SEG_SIZE).map_err(|_| WqeError::TooLong { bytes: len })?;
+        Ok(Self {
+            ctrl: u64::from(opcode.code())
+                | u64::from(flags.bits()) << 8
+                | u64::from(size16) << 16
+                | u64::from(wqe_index) << 32,
+            imm,
+            ud: ud.map(|(av, qpn, qkey)| (av, u64::from(qpn) | u64::from(qkey) << 32)),
+            operands,
+            payload,
+            len,
+        })
+    }
+
+    /// [`SendWqe::prepare`]: `SendWqe::from_wr`'s mapping and checks, then
+    /// `emit`'s, with no `SendWqe` in between.
+    #[inline(always)]
+    fn from_wr(
+        wr: &SendWr<'a>,
+        av: Option<&Av>,
+        wqe_index: u16,
+        inline: Option<&'a [u8]>,
+    ) -> Result<Self, WqeError> {
+        let mut bind_access = None;
+        let (opcode, imm, operands) = match wr.op {
+            SendOp::Send => (WqeOpcode::Send, 0, Operands::NONE),
+            SendOp::SendWithImm { imm } => (
+                WqeOpcode::SendImm,
+                u32::from_le_bytes(imm.to_bytes()),
+                Operands::NONE,
+            ),
+            SendOp::SendWithInvalidate { rkey } => (WqeOpcode::SendInv, rkey.get(), Operands::NONE),
+            SendOp::RdmaWrite { remote } => (WqeOpcode::RdmaWrite, 0, Operands::remote(remote)),
+            SendOp::RdmaWriteWithImm { remote, imm } => (
+                WqeOpcode::RdmaWriteImm,
+                u32::from_le_bytes(imm.to_bytes()),
+                Operands::remote(remote),
+            ),
+            SendOp::RdmaRead { remote } => (WqeOpcode::RdmaRead, 0, Operands::remote(remote)),
+            SendOp::CompareSwap {
+                remote,
+                compare,
+                swap,
+            } => (
+                WqeOpcode::AtomicCs,
+                0,
+                Operands::atomic(remote, swap, compare),
+            ),
+            SendOp::FetchAdd { remote, add } => {
+                (WqeOpcode::AtomicFa, 0, Operands::atomic(remote, add, 0))
+            }
+            SendOp::BindMw { rkey, bind, .. } => {
+                bind_access = Some(bind.access);
+                let bind = Bind {
+                    new_rkey: rkey,
+                    mr_key: bind.mr_lkey,
+                    va: bind.addr,
+                    length: bind.length,
+                    access: bind.access,
+                    mw_type: MwType::Type2,
+                };
+                (WqeOpcode::BindMw, 0, Operands::bind(&bind))
+            }
+            SendOp::LocalInvalidate { rkey } => (WqeOpcode::LocalInv, rkey.get(), Operands::NONE),
+        };
+        // As `SendWqe::from_wr`.
+        let ud = match (wr.ud, av) {
+            (None, None) => None,
+            (Some(dest), Some(av)) => Some((*av, dest.remote_qpn.get(), dest.remote_qkey.get())),
+            _ => return Err(WqeError::AvMismatch),
+        };
+        let is_inline = wr.flags.contains(SendFlags::INLINE);
+        let payload = if is_inline {
+            let sge_total = Sge::total_len(wr.sg_list);
+            match inline {
+                Some(data) if sge_total.is_some_and(|t| usize::try_from(t) == Ok(data.len())) => {
+                    Payload::Inline(data)
+                }
+                _ => {
+                    return Err(WqeError::InlineData {
+                        inline: inline.map(<[u8]>::len),
+                        sge_total,
+                    });
+                }
+            }
+        } else if let Some(data) = inline {
+            return Err(WqeError::InlineData {
+                inline: Some(data.len()),
+                sge_total: None,
+            });
+        } else {
+            Payload::Data(wr.sg_list)
+        };
+        // As `SendWqe::check_shape` (the INLINE flag matches the payload
+        // by construction).
+        if let Some((av, ..)) = &ud {
+            if !opcode.takes_ud_address() {
+                return Err(WqeError::UnexpectedUdAddress { opcode });
+            }
+            av.check()?;
+        }
+        if is_inline && !opcode.allows_inline() {
+            return Err(WqeError::InlineNotAllowed { opcode });
+        }
+        if let Some(access) = bind_access {
+            AccessFlags::from_raw(access.bits())?;
+        }
+        if let Payload::Data(sges) = payload {
+            if !opcode.takes_data() && !sges.is_empty() {
+                return Err(WqeError::UnexpectedSegments { opcode });
+            }
+            if opcode.is_atomic() && !matches!(sges, [one] if one.length.get() == 8) {
+                return Err(WqeError::AtomicData);
+            }
+        }
+        Self::new(
+            opcode,
+            WqeFlags::from_send_flags(wr.flags),
+            wqe_index,
+            imm,
+            ud,
+            operands,
+            payload,
+        )
+    }
+
+    /// Its length in bytes (a multiple of 16).
+    #[inline]
+    pub const fn byte_len(&self) -> usize {
+        self.len
+    }
+
+    /// A bind's window type (a work request does not say it; the kernel
+    /// and the UVP know it from `AllocMw`). Other WQEs are unchanged.
+    pub fn set_bind_type(&mut self, mw_type: MwType) {
+        if self.ctrl as u8 == WqeOpcode::BindMw.code() {
+            let word = &mut self.operands.words[3];
+            *word = (*word & 0xFFFF_FFFF) | u64::from(mw_type.code()) << 32;
+        }
+    }
+
+    /// Writes the WQE as `store(index, word)` for each of its little-endian
+    /// 64-bit words in ascending order: word `index` is bytes
+    /// `8 * index..8 * index + 8` of what [`SendWqe::emit`] writes (it
+    /// writes through this). Refused with nothing stored when the WQE is
+    /// longer than `capacity` bytes. Returns its length. A poster stores
+    /// the words straight into its ring, wrapping as it goes.
+    #[inline(always)]
+    pub fn emit_words(
+        &self,
+        capacity: usize,
+        mut store: impl FnMut(usize, u64),
+    ) -> Result<usize, WqeError> {
+        let len = self.len;
+        if len > capacity {
+            return Err(WqeError::OutputTooSmall {
+                needed: len,
+                available: capacity,
+            });
+        }
+        store(0, self.ctrl);
+        store(1, u64::from(self.imm));
+        let mut at = 2;
+        let mut put = |word: u64| {
+            store(at, word);
+            at += 1;
+        };
+        if let Some((av, dest)) = &self.ud {
+            for chunk in av.as_bytes().chunks_exact(WORD) {
+                put(partial_word(chunk));
+            }
+            put(*dest);
+            put(0);
+        }
+        for &word in &self.operands.words[..self.operands.count.min(4)] {
+            put(word);
+        }
+        match self.payload {
+            Payload::Data(sges) => {
+                for sge in sges {
+                    put(sge.addr.get());
+                    put(u64::from(sge.length.get()) | u64::from(sge.lkey.get()) << 32);
+                }
+            }
+            Payload::Inline(data) => {
+                // `len` fits `size16`, so the data length fits 31 bits.
+                let header = data.len() as u32 | INLINE_BIT;
+                // The segment is the header, the data, then zeros to its
+                // end: the first word holds the header and the first 4
+                // bytes, each next one 8 bytes.
+                let (head, rest) = data.split_at(data.len().min(4));
+                put(u64::from(header) | partial_word(head) << 32);
+                let mut chunks = rest.chunks_exact(WORD);
+                let mut words = 1;
+                for chunk in &mut chunks {
+                    if let Some(full) = chunk.first_chunk::<WORD>() {
+                        put(u64::from_le_bytes(*full));
+                    }
+                    words += 1;
+                }
+                let tail = chunks.remainder();
+                if !tail.is_empty() {
+                    put(partial_word(tail));
+                    words += 1;
+                }
+                for _ in words..inline_seg_len(data.len()) / WORD {
+                    put(0);
+                }
+            }
+        }
+        Ok(len)
+    }
 }
 
 /// Sequential writer over an output slice whose length was checked first.
@@ -2126,6 +2448,75 @@ pub(crate) mod tests {
             prop_assert_eq!(out[len], 0xA5);
             let parsed = SendWqe::parse(&out, owned.wqe_index, owned.transport).unwrap();
             prop_assert_eq!(parsed, wqe);
+        }
+
+        /// `SendWqe::prepare` (straight from the work request, what the
+        /// UVP writes into its ring) gives `build_send_wqe`'s bytes or its
+        /// error for valid work requests and for ones damaged each way the
+        /// checks look at.
+        #[test]
+        fn prepare_matches_from_wr_then_emit(
+            owned in any_wqe(),
+            damage in 0u8..8,
+            extra in any::<u32>(),
+            room in prop_oneof![Just(MAX_SEND_WQE_BYTES), 0usize..200],
+        ) {
+            let inline_len = owned.inline.as_ref().map_or(0, Vec::len) as u32;
+            let Some(mut wr) = to_wr(&owned, &[Sge::new(0x4000, inline_len, KEY)]) else {
+                return Ok(());
+            };
+            let mut av = owned.ud.map(|ud| ud.av);
+            let mut inline = owned.inline.clone();
+            let many: Vec<Sge> = (0..300).map(|i| Sge::new(i, 1, KEY)).collect();
+            match damage {
+                0 => {}
+                1 => wr.flags ^= SendFlags::INLINE,
+                2 => av = if av.is_some() { None } else { Some(crate::av::Av::default()) },
+                3 => inline = Some(vec![7; extra as usize % 90]),
+                4 => wr.sg_list = &many[..1 + extra as usize % 299],
+                5 => {
+                    if let SendOp::BindMw { bind, .. } = &mut wr.op {
+                        bind.access = AccessFlags::from_bits_retain(extra);
+                    }
+                }
+                6 => inline = None,
+                _ => {
+                    if let Some(av) = &mut av {
+                        av.sl = (extra % 32) as u8;
+                    }
+                }
+            }
+            let mut built = vec![0u8; room];
+            let expected = build_send_wqe(&wr, av.as_ref(), owned.wqe_index, inline.as_deref(), &mut built)
+                .map(|len| built[..len].to_vec());
+            let mut words = Vec::new();
+            let got = SendWqe::prepare(&wr, av.as_ref(), owned.wqe_index, inline.as_deref())
+                .and_then(|p| p.emit_words(room, |_, w| words.extend_from_slice(&w.to_le_bytes())))
+                .map(|_| words.clone());
+            prop_assert_eq!(got, expected);
+        }
+
+        #[test]
+        fn emit_words_stores_each_word_once_in_order(owned in any_wqe()) {
+            let wqe = owned.view();
+            let mut bytes = vec![0xA5; MAX_SEND_WQE_BYTES];
+            let len = wqe.emit(&mut bytes).unwrap();
+            let prepared = wqe.prepared().unwrap();
+            prop_assert_eq!(prepared.byte_len(), len);
+            let mut words = Vec::new();
+            prop_assert_eq!(prepared.emit_words(len, |i, w| words.push((i, w))), Ok(len));
+            prop_assert_eq!(words.len(), len / 8);
+            for (k, (i, w)) in words.iter().enumerate() {
+                prop_assert_eq!(*i, k);
+                prop_assert_eq!(&w.to_le_bytes()[..], &bytes[8 * k..8 * k + 8]);
+            }
+            // Too little room: refused before a word is stored.
+            let mut stored = 0;
+            prop_assert_eq!(
+                prepared.emit_words(len - SEG_SIZE, |_, _| stored += 1),
+                Err(WqeError::OutputTooSmall { needed: len, available: len - SEG_SIZE })
+            );
+            prop_assert_eq!(stored, 0);
         }
 
         #[test]

@@ -126,6 +126,11 @@ pub struct Context {
     /// The plugin every verb is called through; `None` only without one
     /// (and inside `Drop`).
     pub(crate) uvp: Option<Arc<dyn UserVerbsProvider>>,
+    /// The same plugin when it is the linked one ([`PluginSource::Linked`]):
+    /// its QPs and CQs hand out fast paths the objects hold, so a post or
+    /// poll finds no handle (a plugin behind the DLL table, or wrapped by
+    /// the caller, is called by handle).
+    pub(crate) linked: Option<Arc<uvp_plugin::Provider>>,
     /// The plugin's library, unloaded after `uvp` is released.
     loaded: Option<LoadedPlugin>,
 }
@@ -191,12 +196,15 @@ impl Context {
         };
         // The plugin comes first: `OpenCa` itself goes through its hooks
         // (its post takes the context's limits and doorbell page).
-        let (uvp, loaded): (Option<Arc<dyn UserVerbsProvider>>, _) = match plugin {
-            PluginSource::None => (None, None),
-            PluginSource::Linked => (Some(Arc::new(linked_provider(io))), None),
-            PluginSource::LinkedProvider(uvp) => (Some(Arc::clone(uvp)), None),
-            PluginSource::Directory(_) => (None, None),
+        let linked = matches!(plugin, PluginSource::Linked).then(|| Arc::new(linked_provider(io)));
+        let uvp: Option<Arc<dyn UserVerbsProvider>> = match plugin {
+            PluginSource::Linked => linked
+                .as_ref()
+                .map(|p| Arc::clone(p) as Arc<dyn UserVerbsProvider>),
+            PluginSource::LinkedProvider(uvp) => Some(Arc::clone(uvp)),
+            PluginSource::None | PluginSource::Directory(_) => None,
         };
+        let loaded = None;
         let answer = match proxy::run::<v::OpenCa>(
             &*file,
             uvp.as_deref(),
@@ -231,6 +239,7 @@ impl Context {
                 open: answer.output,
             },
             uvp,
+            linked,
             loaded,
         };
         // Dropping `context` on an error below closes the CA.
@@ -266,6 +275,7 @@ impl Context {
                         open: answer.output,
                     },
                     uvp: Some(uvp),
+                    linked: None,
                     loaded: Some(loaded),
                 };
             }
@@ -351,6 +361,7 @@ impl Drop for Context {
         // page) once the kernel closed it; then the plugin instance is
         // released, then its library unloaded.
         let _ = self.call::<v::CloseCa>(self.ca, &Empty);
+        drop(self.linked.take());
         drop(self.uvp.take());
         drop(self.loaded.take());
     }

@@ -8,7 +8,7 @@
 //! and runs post, poll and arm with no kernel call.
 
 use std::marker::PhantomData;
-use std::sync::RwLock;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use ib_types::access::AccessFlags;
@@ -258,18 +258,21 @@ impl Drop for Av<'_> {
 
 /// A completion queue whose ring the plugin laid out in this process and
 /// polls with no kernel call. `Send + Sync` (the plugin serializes a CQ's
-/// polls and arms with its own lock, shared with no post; a resize waits
-/// for the polls and arms under way and holds new ones off, below).
+/// polls and arms with its own lock, shared with no post; while a resize
+/// is under way its polls find nothing and its arms are made when it ends,
+/// the plugin's doing too; resizes wait for each other, below).
 #[derive(Debug)]
 pub struct Cq<'ctx> {
     ctx: &'ctx Context,
     handle: u64,
+    /// The linked plugin's fast path of this CQ: polls and arms find no
+    /// handle. It cannot outlive the CQ (it is dropped with it), and a
+    /// destroyed CQ's fast path refuses every call.
+    fast: Option<uvp_plugin::CqFastPath>,
     cqe: AtomicU32,
-    /// Polls and arms read-lock it, a resize write-locks it: between the
-    /// device's switch to the new ring (which copies the outstanding
-    /// entries into it) and the plugin's taking that ring, a poll of the
-    /// old ring would hand out those entries twice.
-    ring: RwLock<()>,
+    /// Held by a resize: one at a time (the plugin refuses a second one
+    /// under way with `ResourceBusy`).
+    resizing: Mutex<()>,
 }
 
 impl<'ctx> Cq<'ctx> {
@@ -285,8 +288,12 @@ impl<'ctx> Cq<'ctx> {
         Ok(Self {
             ctx,
             handle: answer.handle,
+            fast: ctx
+                .linked
+                .as_ref()
+                .and_then(|p| p.cq_fast_path(answer.handle)),
             cqe: AtomicU32::new(answer.output.cqe),
-            ring: RwLock::new(()),
+            resizing: Mutex::new(()),
         })
     }
 
@@ -311,8 +318,9 @@ impl<'ctx> Cq<'ctx> {
     /// new ring, so none is lost; the old ring is freed. A size that cannot
     /// hold the completions outstanding is refused by the kernel
     /// (`InvalidCqSize`) and the old ring stays in use. Takes `&self` (the
-    /// QPs completing on it borrow it); polls and arms from other threads
-    /// wait for it. Answers the new size.
+    /// QPs completing on it borrow it); meanwhile polls from other threads
+    /// find nothing (the completions wait in the ring the poll goes on
+    /// from) and their arms are made when it ends. Answers the new size.
     pub fn resize(&self, cqe: u32) -> Result<u32> {
         self.ctx.plugin("ResizeCq")?;
         if cqe == 0 {
@@ -322,7 +330,7 @@ impl<'ctx> Cq<'ctx> {
             cqe,
             comp_vector: 0,
         };
-        let _switching = self.ring.write().unwrap_or_else(|p| p.into_inner());
+        let _one_at_a_time = self.resizing.lock().unwrap_or_else(|p| p.into_inner());
         let answer = self.ctx.call::<v::ResizeCq>(self.handle, &attr)?;
         self.cqe.store(answer.output.cqe, Ordering::Relaxed);
         Ok(answer.output.cqe)
@@ -330,14 +338,14 @@ impl<'ctx> Cq<'ctx> {
 
     /// Polls up to `out.len()` completions, in user mode: how many.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
-        let _ring = self.ring.read().unwrap_or_else(|p| p.into_inner());
-        self.ctx
-            .plugin("polling")?
-            .poll_cq(self.handle, out)
-            .map_err(|status| Error::Verb {
-                verb: v::VerbId::WaitCqEvent,
-                status,
-            })
+        let polled = match &self.fast {
+            Some(fast) => fast.poll(out),
+            None => self.ctx.plugin("polling")?.poll_cq(self.handle, out),
+        };
+        polled.map_err(|status| Error::Verb {
+            verb: v::VerbId::WaitCqEvent,
+            status,
+        })
     }
 
     /// Arms the CQ for its next (or next solicited) completion, in user
@@ -347,14 +355,14 @@ impl<'ctx> Cq<'ctx> {
             uvp_plugin::ArmFor::Next => CqNotify::NextCompletion,
             uvp_plugin::ArmFor::Solicited => CqNotify::Solicited,
         };
-        let _ring = self.ring.read().unwrap_or_else(|p| p.into_inner());
-        self.ctx
-            .plugin("arming")?
-            .arm_cq(self.handle, notify)
-            .map_err(|status| Error::Verb {
-                verb: v::VerbId::WaitCqEvent,
-                status,
-            })
+        let armed = match &self.fast {
+            Some(fast) => fast.arm(notify),
+            None => self.ctx.plugin("arming")?.arm_cq(self.handle, notify),
+        };
+        armed.map_err(|status| Error::Verb {
+            verb: v::VerbId::WaitCqEvent,
+            status,
+        })
     }
 
     /// Waits for the CQ's completion event (`WaitCqEvent`, after
@@ -403,6 +411,10 @@ impl QpInit {
 pub struct Qp<'pd, 'cq> {
     pd: &'pd Pd<'pd>,
     handle: u64,
+    /// The linked plugin's fast path of this QP: posts find no handle. It
+    /// cannot outlive the QP (it is dropped with it), and a destroyed QP's
+    /// fast path refuses every post.
+    fast: Option<uvp_plugin::QpFastPath>,
     qpn: u32,
     caps: QpCaps,
     /// Receives come from an SRQ (no receive queue of its own).
@@ -483,6 +495,10 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
         Ok(Self {
             pd,
             handle: answer.handle,
+            fast: ctx
+                .linked
+                .as_ref()
+                .and_then(|p| p.qp_fast_path(answer.handle)),
             qpn: answer.output.qpn.get(),
             caps: answer.output.caps,
             on_srq: srq.is_some(),
@@ -559,11 +575,15 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
     /// Posts sends, in user mode (one doorbell for the batch): how many.
     /// A UD send names its destination's [`Av`] by handle.
     pub fn post_send(&mut self, requests: &[UserSend<'_>]) -> Result<usize> {
-        self.pd
-            .ctx
-            .plugin("posting")?
-            .post_send(self.handle, requests)
-            .map_err(refused)
+        match &self.fast {
+            Some(fast) => fast.post_send(requests),
+            None => self
+                .pd
+                .ctx
+                .plugin("posting")?
+                .post_send(self.handle, requests),
+        }
+        .map_err(refused)
     }
 
     /// Posts receives, in user mode: how many. A QP on an SRQ has no
@@ -574,11 +594,15 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
                 "the QP receives from its SRQ: post there",
             ));
         }
-        self.pd
-            .ctx
-            .plugin("posting")?
-            .post_recv(self.handle, requests)
-            .map_err(refused)
+        match &self.fast {
+            Some(fast) => fast.post_recv(requests),
+            None => self
+                .pd
+                .ctx
+                .plugin("posting")?
+                .post_recv(self.handle, requests),
+        }
+        .map_err(refused)
     }
 }
 

@@ -542,7 +542,8 @@ impl DeviceIo for ResizeWindowIo {
     }
 }
 
-/// A poll from another thread while a resize is under way waits for it:
+/// A poll from another thread while a resize is under way finds nothing
+/// (the plugin holds polls off from the resize's pre to its post):
 /// polling the old ring after the device copied its entries into the new
 /// one would hand them out twice (once there, once from the new ring).
 #[test]

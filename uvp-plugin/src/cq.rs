@@ -4,8 +4,10 @@
 //!
 //! [`Cq::poll`] and [`Cq::arm`] take `&mut self`/`&self` of the CQ alone:
 //! one poller per CQ (wrap it in a lock to share it), with no lock shared
-//! with the posters of its QPs. The context's QP directory is read-locked
-//! once per poll that finds a CQE, to find the queues a batch completes
+//! with the posters of its QPs. The CQ keeps the route (the queues) of the
+//! QP its last CQE completed, and the context's QP directory's generation
+//! it was found at: a CQE of that QP, the directory unchanged since, takes
+//! no lock; another QP's is looked up under the directory's read lock
 //! (its writers are QP setup, reset and drop only).
 
 use std::sync::Arc;
@@ -24,6 +26,17 @@ use crate::queue::{Directory, Route};
 
 /// Bytes of a CQE.
 const CQE_BYTES: usize = 32;
+/// Words of a CQE; the owner byte is the top byte of the last.
+const CQE_WORDS: usize = CQE_BYTES / 8;
+
+/// The route of the QP a CQ's last CQE completed, and the directory's
+/// generation it was current at.
+#[derive(Debug)]
+struct LastRoute {
+    qpn: u32,
+    generation: u64,
+    route: Arc<Route>,
+}
 
 /// Which completion an armed CQ raises its event for (PRM 9.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +66,7 @@ pub struct Cq {
     uar: Arc<UarPage>,
     doorbell_offset: u64,
     directory: Arc<Directory>,
+    last: Option<LastRoute>,
 }
 
 impl Cq {
@@ -76,6 +90,7 @@ impl Cq {
             uar,
             doorbell_offset,
             directory,
+            last: None,
         }
     }
 
@@ -101,30 +116,34 @@ impl Cq {
     /// entry. The consumer record is stored once per batch.
     pub fn poll(&mut self, out: &mut [WorkCompletion]) -> usize {
         let mask = (1u32 << self.log_entries) - 1;
-        // Read-locked at the first CQE, so an empty poll takes no lock.
-        let mut directory = None;
         let mut filled = 0;
         let start = self.consumer;
         while filled < out.len() {
-            let at = (self.consumer & mask) as usize * CQE_BYTES;
-            // The owner byte is the last byte of the entry's last word.
-            let Some(last_word) = self.ring.load_word(at + CQE_BYTES - 8) else {
+            let first = (self.consumer & mask) as usize * CQE_WORDS;
+            // The owner byte is the last byte of the entry's last word,
+            // which the device writes whole (with the opcode and status).
+            let Some(last_word) = self.ring.load_word_at(first + CQE_WORDS - 1) else {
                 break;
             };
-            let owner_byte = (last_word >> 56) as u8;
-            if !owner::is_valid(owner_byte, self.consumer, self.log_entries) {
+            if !owner::is_valid((last_word >> 56) as u8, self.consumer, self.log_entries) {
                 break;
             }
             from_device();
             let mut raw = [0u8; CQE_BYTES];
-            let _ = self.ring.read_words(at, &mut raw);
+            for (i, bytes) in raw.chunks_exact_mut(8).enumerate() {
+                let word = match i {
+                    3 => last_word,
+                    // In range: the entry's words are inside the ring.
+                    _ => self.ring.load_word_at(first + i).unwrap_or(0),
+                };
+                bytes.copy_from_slice(&word.to_le_bytes());
+            }
             self.consumer = self.consumer.wrapping_add(1);
             let sequence = self.polled;
             self.polled += 1;
-            let completion = Cqe::read_from_bytes(&raw).ok().and_then(|cqe| {
-                let directory = directory.get_or_insert_with(|| self.directory.read());
-                complete(directory, &cqe, sequence)
-            });
+            let completion = Cqe::read_from_bytes(&raw)
+                .ok()
+                .and_then(|cqe| self.complete(&cqe, sequence));
             match completion {
                 Some(wc) => {
                     out[filled] = wc;
@@ -133,11 +152,33 @@ impl Cq {
                 None => self.stray += 1,
             }
         }
-        drop(directory);
         if self.consumer != start {
             self.record.store_release(self.consumer);
         }
         filled
+    }
+
+    /// The work completion of `cqe`, the CQ's `sequence`th; `None` for a
+    /// CQE of no QP in the directory or that does not decode.
+    #[inline]
+    fn complete(&mut self, cqe: &Cqe, sequence: u64) -> Option<WorkCompletion> {
+        let qpn = cqe.qpn().ok()?.get();
+        let generation = self.directory.generation();
+        let current = self
+            .last
+            .as_ref()
+            .is_some_and(|last| last.qpn == qpn && last.generation == generation);
+        if !current {
+            self.last = self
+                .directory
+                .route(qpn)
+                .map(|(route, generation)| LastRoute {
+                    qpn,
+                    generation,
+                    route,
+                });
+        }
+        complete(&self.last.as_ref()?.route, cqe, sequence)
     }
 
     /// The sequence number the next CQE the device writes will have: the
@@ -210,17 +251,12 @@ impl Cq {
     }
 }
 
-/// The work completion of `cqe`, the CQ's `sequence`th, its `wr_id`
-/// taken from the queue it completes (as it was before a reset, for a CQE
-/// written before it); `None` for a CQE of no QP in the directory or that does not
-/// decode.
+/// The work completion of `cqe`, the CQ's `sequence`th, of the QP whose
+/// route is `route`: its `wr_id` taken from the queue it completes (as it
+/// was before a reset, for a CQE written before it); `None` for a CQE that
+/// does not decode.
 #[inline]
-fn complete(
-    directory: &rustc_hash::FxHashMap<u32, Route>,
-    cqe: &Cqe,
-    sequence: u64,
-) -> Option<WorkCompletion> {
-    let route = directory.get(&cqe.qpn().ok()?.get())?;
+fn complete(route: &Route, cqe: &Cqe, sequence: u64) -> Option<WorkCompletion> {
     let flags = cqe.flags();
     let index = cqe.wqe_index();
     let wr_id = if !flags.contains(CqeFlags::RECV) {

@@ -148,6 +148,36 @@ impl DmaBuffer {
         true
     }
 
+    /// The buffer's first `words` words as a ring ([`RingWords`]); `None`
+    /// unless `words` is a power of two the buffer holds.
+    #[inline]
+    pub fn ring_words(&self, words: usize) -> Option<RingWords<'_>> {
+        (words.is_power_of_two() && words <= self.words).then_some(RingWords {
+            base: self.base,
+            mask: words - 1,
+            _buffer: core::marker::PhantomData,
+        })
+    }
+
+    /// Stores `value` as word `index` (bytes `8 * index..8 * index + 8`,
+    /// relaxed); false, with nothing stored, past the end.
+    #[inline]
+    pub fn store_word(&self, index: usize, value: u64) -> bool {
+        match self.word(index) {
+            Some(w) => {
+                w.store(value, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Loads word `index` (bytes `8 * index..8 * index + 8`, relaxed).
+    #[inline]
+    pub fn load_word_at(&self, index: usize) -> Option<u64> {
+        self.word(index).map(|w| w.load(Ordering::Relaxed))
+    }
+
     /// Loads the word at the word-aligned `offset` (relaxed).
     #[inline]
     pub fn load_word(&self, offset: usize) -> Option<u64> {
@@ -211,6 +241,36 @@ impl DmaBuffer {
     }
 }
 
+/// A [`DmaBuffer`]'s first `mask + 1` words (a power of two) as a ring
+/// of words, a `Copy` value borrowed from the buffer
+/// ([`DmaBuffer::ring_words`]): a store at any index wraps into the ring
+/// with one `and`, no bounds check, and a loop storing through it keeps
+/// the base in a register (a store through `&DmaBuffer` may, for the
+/// compiler, change the buffer's own fields, which it then reloads).
+///
+/// # Invariants
+/// `mask + 1` is a power of two no larger than the buffer's words.
+#[derive(Debug, Clone, Copy)]
+pub struct RingWords<'a> {
+    base: NonNull<AtomicU64>,
+    mask: usize,
+    _buffer: core::marker::PhantomData<&'a DmaBuffer>,
+}
+
+impl RingWords<'_> {
+    /// Stores `value` (relaxed) at ring word `index` modulo the ring's
+    /// words.
+    #[inline(always)]
+    pub fn store(self, index: usize, value: u64) {
+        let word = self.base.as_ptr().wrapping_add(index & self.mask);
+        // SAFETY: `index & mask` is below the ring's words, which are
+        // words of the buffer this borrows (type invariant): live, aligned
+        // and accessed only atomically (`DmaBuffer`'s invariant) for as
+        // long as the borrow lasts.
+        unsafe { &*word }.store(value, Ordering::Relaxed);
+    }
+}
+
 /// A doorbell record (PRM 9.2): 4 bytes, 4-byte aligned, stored as one
 /// 64-bit read-modify-write of the aligned word that holds it.
 #[derive(Debug)]
@@ -269,6 +329,15 @@ mod tests {
         assert!(!b.store_words(24, &[0; 16]), "past the end");
         assert!(!b.store_words(8, &[0; 4]), "not a whole word");
         assert_eq!(b.load_word(32), None);
+        assert!(b.store_word(3, 0x0102));
+        assert_eq!(b.load_word(24), Some(0x0102));
+        assert!(!b.store_word(4, 9), "past the end");
+        let ring = b.ring_words(4).unwrap();
+        ring.store(6, 0x0304);
+        assert_eq!(b.load_word_at(2), Some(0x0304), "index 6 wraps to 2");
+        assert!(b.ring_words(3).is_none() && b.ring_words(8).is_none());
+        assert_eq!(b.load_word_at(3), Some(0x0102));
+        assert_eq!(b.load_word_at(4), None);
         assert!(b.store_u32_release(4, 0x1122_3344));
         assert_eq!(b.load_word(0), Some(0x1122_3344_FFFF_FFFF));
         assert!(!b.store_u32_release(2, 0));

@@ -149,11 +149,19 @@ enum Pending {
     },
 }
 
-/// A fast-path object and its memory. Fields drop in order: the object
-/// (which stops using the rings) before the memory is freed.
+/// A fast-path object and its memory. The provider's map holds it, and
+/// so may the access library ([`QpFastPath`], [`CqFastPath`]): when the
+/// object is destroyed it leaves the map and is dropped at once (`None`
+/// from then on, so a fast path still held refuses every call), and its
+/// memory is freed when the last holder lets go. Fields drop in order:
+/// the object (which stops using the rings) before the memory.
 struct Owned<T> {
     ca: u64,
-    object: Mutex<T>,
+    /// The object's lock: a queue's posts, or a CQ's polls and arms, from
+    /// any number of threads (the trait promises "any thread"; the access
+    /// library's `Qp` has one poster at a time but its CQs are shared), and
+    /// the control path's resize and reset, are serialized by it.
+    object: Mutex<Option<T>>,
     memory: Mutex<Allocation>,
 }
 
@@ -161,14 +169,57 @@ impl<T> Owned<T> {
     fn new(ca: u64, object: T, memory: Allocation) -> Arc<Self> {
         Arc::new(Self {
             ca,
-            object: Mutex::new(object),
+            object: Mutex::new(Some(object)),
             memory: Mutex::new(memory),
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, T> {
+    #[inline]
+    fn lock(&self) -> MutexGuard<'_, Option<T>> {
         self.object.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// The object destroyed: dropped now; every later call is refused.
+    fn retire(&self) {
+        let object = self.lock().take();
+        drop(object);
+    }
+}
+
+/// A CQ as the provider keeps it: its fast path, and whether a resize is
+/// under way (from `ResizeCq`'s pre to its post the device may switch to
+/// the new ring, into which it copies the completions not yet polled: a
+/// poll of the old ring then would hand them out twice, so polls find
+/// nothing and arms wait for the post).
+struct UserCq {
+    cq: Cq,
+    resizing: bool,
+    /// An arm asked for during a resize, made when it ends.
+    deferred_arm: Option<ArmFor>,
+}
+
+impl UserCq {
+    fn new(cq: Cq) -> Self {
+        Self {
+            cq,
+            resizing: false,
+            deferred_arm: None,
+        }
+    }
+}
+
+/// The user address vectors, by handle, shared by the provider's control
+/// path and its QPs' fast paths (UD sends resolve their AVs here).
+#[derive(Default)]
+struct AvTable {
+    next: u64,
+    avs: FxHashMap<u64, UserAv>,
+}
+
+type Avs = Arc<Mutex<AvTable>>;
+
+fn lock_avs(avs: &Mutex<AvTable>) -> MutexGuard<'_, AvTable> {
+    avs.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 struct UserAv {
@@ -181,13 +232,11 @@ struct UserAv {
 #[derive(Default)]
 struct State {
     next_cookie: u64,
-    next_av: u64,
     pending: FxHashMap<u64, Pending>,
     contexts: FxHashMap<u64, Arc<Context>>,
     /// PD handle -> its CA.
     pds: FxHashMap<u64, u64>,
-    avs: FxHashMap<u64, UserAv>,
-    cqs: FxHashMap<u64, Arc<Owned<Cq>>>,
+    cqs: FxHashMap<u64, Arc<Owned<UserCq>>>,
     qps: FxHashMap<u64, Arc<Owned<Qp>>>,
     /// QP handle -> its send and receive CQs' handles (a reset marks them).
     qp_cqs: FxHashMap<u64, [u64; 2]>,
@@ -197,7 +246,11 @@ struct State {
 /// The provider of one process: every context it opened and their objects.
 pub struct Provider {
     platform: Platform,
+    /// Lock order: `state`, then `avs`, then an object's lock; the fast
+    /// path takes `avs` (UD sends) and the object's lock one after the
+    /// other, never together.
     state: Mutex<State>,
+    avs: Avs,
 }
 
 impl core::fmt::Debug for Provider {
@@ -235,6 +288,7 @@ impl Provider {
         Self {
             platform,
             state: Mutex::default(),
+            avs: Avs::default(),
         }
     }
 
@@ -251,7 +305,7 @@ impl Provider {
 
     /// User AVs alive.
     pub fn address_vectors(&self) -> usize {
-        self.state().avs.len()
+        lock_avs(&self.avs).avs.len()
     }
 
     fn allocate(&self, len: usize) -> Result<Allocation, IbStatus> {
@@ -312,11 +366,8 @@ impl Provider {
     }
 
     fn pre_resize_cq(&self, call: &mut PreCall<'_>) -> Result<PreOutcome, IbStatus> {
-        let ca = {
-            let s = self.state();
-            s.cqs.get(&call.handle).ok_or(IbStatus::InvalidCqHandle)?.ca
-        };
-        let ctx = self.context(ca)?;
+        let owned = self.cq(call.handle)?;
+        let ctx = self.context(owned.ca)?;
         let attr: CqAttr = exact(call.input)?;
         let log = log2_ceil(attr.cqe)
             .filter(|&log| log <= ctx.limits().log_max_cqes)
@@ -324,6 +375,16 @@ impl Provider {
         let memory = self.allocate(32usize << log)?;
         let layout = ResizeCqPriv::new(log, memory.va).map_err(|_| IbStatus::InvalidCqSize)?;
         let len = write_private(call.private_in, layout.emit().as_bytes())?;
+        // From here to post the device may switch rings at any moment: the
+        // CQ's polls find nothing and its arms wait (post ends it).
+        {
+            let mut object = owned.lock();
+            let user = object.as_mut().ok_or(IbStatus::InvalidCqHandle)?;
+            if user.resizing {
+                return Err(IbStatus::ResourceBusy);
+            }
+            user.resizing = true;
+        }
         let cookie = self.park(Pending::Resize {
             cq: call.handle,
             layout,
@@ -438,15 +499,17 @@ impl Provider {
     }
 
     fn pre_av(&self, call: &mut PreCall<'_>) -> Result<PreOutcome, IbStatus> {
-        let mut s = self.state();
+        let s = self.state();
+        let mut table = lock_avs(&self.avs);
+        let t = &mut *table;
         match call.verb {
             VerbId::CreateAv => {
                 let ca = *s.pds.get(&call.handle).ok_or(IbStatus::InvalidPdHandle)?;
                 let attr: AvAttr = exact(call.input)?;
                 let av = Self::user_av(&attr)?;
-                s.next_av += 1;
-                let handle = USER_AV_TAG | s.next_av;
-                s.avs.insert(
+                t.next += 1;
+                let handle = USER_AV_TAG | t.next;
+                t.avs.insert(
                     handle,
                     UserAv {
                         ca,
@@ -458,7 +521,7 @@ impl Provider {
                 Ok(PreOutcome::Done { handle })
             }
             VerbId::QueryAv => {
-                let user = s.avs.get(&call.handle).ok_or(IbStatus::InvalidAvHandle)?;
+                let user = t.avs.get(&call.handle).ok_or(IbStatus::InvalidAvHandle)?;
                 let out = QueryAvOut {
                     pd: PdHandle::from_raw(user.pd),
                     av: user.attr,
@@ -474,7 +537,7 @@ impl Provider {
             VerbId::ModifyAv => {
                 let attr: AvAttr = exact(call.input)?;
                 let av = Self::user_av(&attr)?;
-                let user = s
+                let user = t
                     .avs
                     .get_mut(&call.handle)
                     .ok_or(IbStatus::InvalidAvHandle)?;
@@ -483,7 +546,7 @@ impl Provider {
                 Ok(PreOutcome::Done { handle: 0 })
             }
             _ => {
-                s.avs
+                t.avs
                     .remove(&call.handle)
                     .ok_or(IbStatus::InvalidAvHandle)?;
                 Ok(PreOutcome::Done { handle: 0 })
@@ -530,7 +593,7 @@ impl Provider {
                 let cq = unsafe { ctx.cq(&layout, &created) }.map_err(|e| e.status())?;
                 self.state()
                     .cqs
-                    .insert(call.created, Owned::new(ca, cq, memory));
+                    .insert(call.created, Owned::new(ca, UserCq::new(cq), memory));
             }
             Pending::Resize { cq, layout, memory } => {
                 let owned = self
@@ -540,10 +603,11 @@ impl Provider {
                     .cloned()
                     .ok_or(IbStatus::InvalidCqHandle)?;
                 let mut object = owned.lock();
+                let cq = &mut object.as_mut().ok_or(IbStatus::InvalidCqHandle)?.cq;
                 // SAFETY: as for a CQ's creation: `memory` is kept in the
                 // CQ's `Owned` from now on, in place of the old ring, which
                 // the device left (the resize succeeded).
-                unsafe { object.resized(&layout) }.map_err(|e| e.status())?;
+                unsafe { cq.resized(&layout) }.map_err(|e| e.status())?;
                 *owned.memory.lock().unwrap_or_else(|p| p.into_inner()) = memory;
             }
             Pending::Qp {
@@ -577,9 +641,13 @@ impl Provider {
                     None => None,
                 };
                 let srq_guard = srq.as_ref().map(|s| s.lock());
+                let srq_object = match &srq_guard {
+                    Some(guard) => Some(guard.as_ref().ok_or(IbStatus::InvalidSrqHandle)?),
+                    None => None,
+                };
                 // SAFETY: as for a CQ's creation, for the QP's rings.
-                let qp = unsafe { ctx.qp(&layout, &created, srq_guard.as_deref()) }
-                    .map_err(|e| e.status())?;
+                let qp =
+                    unsafe { ctx.qp(&layout, &created, srq_object) }.map_err(|e| e.status())?;
                 drop(srq_guard);
                 let mut s = self.state();
                 s.qps.insert(call.created, Owned::new(ca, qp, memory));
@@ -613,41 +681,52 @@ impl Provider {
     }
 
     fn post_destroy(&self, call: &PostCall<'_>) {
-        let mut s = self.state();
-        match call.verb {
-            VerbId::CloseCa => {
-                let ca = call.handle;
-                s.contexts.remove(&ca);
-                s.pds.retain(|_, c| *c != ca);
-                s.avs.retain(|_, av| av.ca != ca);
-                // QPs before the SRQs and CQs their pollers know.
-                s.qps.retain(|_, o| o.ca != ca);
-                let State { qps, qp_cqs, .. } = &mut *s;
-                qp_cqs.retain(|qp, _| qps.contains_key(qp));
-                s.srqs.retain(|_, o| o.ca != ca);
-                s.cqs.retain(|_, o| o.ca != ca);
-            }
-            VerbId::DeallocPd => {
-                s.pds.remove(&call.handle);
-            }
-            VerbId::DestroyCq => {
-                s.cqs.remove(&call.handle);
-            }
-            VerbId::DestroyQp => {
-                s.qps.remove(&call.handle);
-                s.qp_cqs.remove(&call.handle);
-            }
-            VerbId::DestroySrq => {
-                s.srqs.remove(&call.handle);
-            }
-            VerbId::DeallocMw => {
-                // Handles are unique: only the window's context knows it.
-                for ctx in s.contexts.values() {
-                    ctx.forget_window(call.handle);
+        // What leaves the maps is retired after the state's lock is let go
+        // (lock order), QPs before the SRQs and CQs their pollers know.
+        let mut qps = Vec::new();
+        let mut srqs = Vec::new();
+        let mut cqs = Vec::new();
+        {
+            let mut s = self.state();
+            match call.verb {
+                VerbId::CloseCa => {
+                    let ca = call.handle;
+                    s.contexts.remove(&ca);
+                    s.pds.retain(|_, c| *c != ca);
+                    lock_avs(&self.avs).avs.retain(|_, av| av.ca != ca);
+                    let State {
+                        qps: qp_map,
+                        qp_cqs,
+                        srqs: srq_map,
+                        cqs: cq_map,
+                        ..
+                    } = &mut *s;
+                    qp_map.retain(|_, o| o.ca != ca || !keep_aside(&mut qps, o));
+                    qp_cqs.retain(|qp, _| qp_map.contains_key(qp));
+                    srq_map.retain(|_, o| o.ca != ca || !keep_aside(&mut srqs, o));
+                    cq_map.retain(|_, o| o.ca != ca || !keep_aside(&mut cqs, o));
                 }
+                VerbId::DeallocPd => {
+                    s.pds.remove(&call.handle);
+                }
+                VerbId::DestroyCq => cqs.extend(s.cqs.remove(&call.handle)),
+                VerbId::DestroyQp => {
+                    qps.extend(s.qps.remove(&call.handle));
+                    s.qp_cqs.remove(&call.handle);
+                }
+                VerbId::DestroySrq => srqs.extend(s.srqs.remove(&call.handle)),
+                VerbId::DeallocMw => {
+                    // Handles are unique: only the window's context knows it.
+                    for ctx in s.contexts.values() {
+                        ctx.forget_window(call.handle);
+                    }
+                }
+                _ => {}
             }
-            _ => {}
         }
+        qps.iter().for_each(|o| o.retire());
+        srqs.iter().for_each(|o| o.retire());
+        cqs.iter().for_each(|o| o.retire());
     }
 
     /// After a successful `ModifyQp`: a QP moved to RESET restarts its
@@ -673,61 +752,22 @@ impl Provider {
         };
         let mut qp = qp.lock();
         let send = send_cq.lock();
+        let (Some(qp), Some(send_object)) = (qp.as_mut(), send.as_ref()) else {
+            return Err(IbStatus::InvalidQpHandle);
+        };
         if Arc::ptr_eq(&send_cq, &recv_cq) {
-            qp.reset(&send, &send);
+            qp.reset(&send_object.cq, &send_object.cq);
         } else {
-            qp.reset(&send, &recv_cq.lock());
+            let recv = recv_cq.lock();
+            let recv_object = recv.as_ref().ok_or(IbStatus::InvalidCqHandle)?;
+            qp.reset(&send_object.cq, &recv_object.cq);
         }
         Ok(())
     }
 
-    // -- fast path ----------------------------------------------------------
-
-    fn qp(&self, qp: u64) -> Result<Arc<Owned<Qp>>, PostRefused> {
-        self.state().qps.get(&qp).cloned().ok_or(PostRefused {
-            posted: 0,
-            status: IbStatus::InvalidQpHandle,
-        })
-    }
-
-    fn cq(&self, cq: u64) -> Result<Arc<Owned<Cq>>, IbStatus> {
-        self.state()
-            .cqs
-            .get(&cq)
-            .cloned()
-            .ok_or(IbStatus::InvalidCqHandle)
-    }
-}
-
-fn refused(error: PostError) -> PostRefused {
-    PostRefused {
-        posted: error.posted,
-        status: error.status(),
-    }
-}
-
-impl UserVerbsProvider for Provider {
-    fn pre(&self, call: &mut PreCall<'_>) -> Result<PreOutcome, IbStatus> {
-        match call.verb {
-            VerbId::OpenCa => Ok(Self::ioctl(0, OpenCaPriv::SIZE, 0)),
-            VerbId::CreateCq => self.pre_create_cq(call),
-            VerbId::ResizeCq => self.pre_resize_cq(call),
-            VerbId::CreateQp => self.pre_create_qp(call),
-            VerbId::CreateSrq => self.pre_create_srq(call),
-            VerbId::CreateAv | VerbId::QueryAv | VerbId::ModifyAv | VerbId::DestroyAv => {
-                self.pre_av(call)
-            }
-            VerbId::DeallocPd => {
-                if self.state().avs.values().any(|av| av.pd == call.handle) {
-                    return Err(IbStatus::ResourceBusy);
-                }
-                Ok(Self::ioctl(0, 0, 0))
-            }
-            _ => Ok(Self::ioctl(0, 0, 0)),
-        }
-    }
-
-    fn post(&self, call: &PostCall<'_>) -> Result<(), IbStatus> {
+    /// The post hook of every verb (the trait's `post`, but for the end
+    /// of a resize).
+    fn post_hook(&self, call: &PostCall<'_>) -> Result<(), IbStatus> {
         let pending = match call.verb {
             VerbId::CreateCq | VerbId::ResizeCq | VerbId::CreateQp | VerbId::CreateSrq => {
                 Some(self.take_pending(call.cookie))
@@ -756,100 +796,299 @@ impl UserVerbsProvider for Provider {
         }
     }
 
-    fn post_send(&self, qp: u64, wrs: &[UserSend<'_>]) -> Result<usize, PostRefused> {
-        let owned = self.qp(qp)?;
-        // No UD request (RC, UC): no AV to resolve, so the batch goes
-        // straight from the caller's slice into the ring, nothing copied or
-        // allocated on the way.
-        if wrs.iter().all(|send| send.wr.ud.is_none()) {
-            let requests = wrs.iter().map(|send| SendRequest {
+    /// A `ResizeCq` ended (its post ran, whatever its outcome): the CQ's
+    /// polls go on, from the new ring if the device switched, and an arm
+    /// asked for meanwhile is made now.
+    fn end_resize(&self, cq: u64) {
+        let Ok(owned) = self.cq(cq) else {
+            return;
+        };
+        let mut object = owned.lock();
+        if let Some(user) = object.as_mut() {
+            user.resizing = false;
+            if let Some(for_) = user.deferred_arm.take() {
+                user.cq.arm(for_);
+            }
+        }
+    }
+
+    // -- fast path ----------------------------------------------------------
+
+    fn qp(&self, qp: u64) -> Result<Arc<Owned<Qp>>, PostRefused> {
+        self.state().qps.get(&qp).cloned().ok_or(PostRefused {
+            posted: 0,
+            status: IbStatus::InvalidQpHandle,
+        })
+    }
+
+    fn cq(&self, cq: u64) -> Result<Arc<Owned<UserCq>>, IbStatus> {
+        self.state()
+            .cqs
+            .get(&cq)
+            .cloned()
+            .ok_or(IbStatus::InvalidCqHandle)
+    }
+
+    /// The fast path of QP `qp` (a handle this provider's `CreateQp` post
+    /// built), for the access library to hold for the QP's life instead
+    /// of its handle: no lookup per post. `None` for a handle it does not
+    /// know. Once the QP is destroyed the fast path refuses every post
+    /// (`InvalidQpHandle`).
+    pub fn qp_fast_path(&self, qp: u64) -> Option<QpFastPath> {
+        Some(QpFastPath {
+            qp: self.qp(qp).ok()?,
+            avs: Arc::clone(&self.avs),
+        })
+    }
+
+    /// The fast path of CQ `cq`, as [`qp_fast_path`](Self::qp_fast_path):
+    /// polls and arms with no lookup; refused (`InvalidCqHandle`) once the
+    /// CQ is destroyed.
+    pub fn cq_fast_path(&self, cq: u64) -> Option<CqFastPath> {
+        Some(CqFastPath(self.cq(cq).ok()?))
+    }
+}
+
+/// Puts `o` aside (to be retired) and answers true.
+fn keep_aside<T>(aside: &mut Vec<Arc<Owned<T>>>, o: &Arc<Owned<T>>) -> bool {
+    aside.push(Arc::clone(o));
+    true
+}
+
+const NO_QP: PostRefused = PostRefused {
+    posted: 0,
+    status: IbStatus::InvalidQpHandle,
+};
+
+/// Posts `wrs` to the QP `owned`, resolving UD requests' AVs in `avs`.
+#[inline]
+fn post_send_to(
+    owned: &Owned<Qp>,
+    avs: &Mutex<AvTable>,
+    wrs: &[UserSend<'_>],
+) -> Result<usize, PostRefused> {
+    let mut object = owned.lock();
+    let qp = object.as_mut().ok_or(NO_QP)?;
+    let queue = qp.send_queue();
+    // RC and UC: no AV to resolve (a request naming one is refused by
+    // the validation), so the batch goes straight from the caller's
+    // slice into the ring, nothing copied or allocated on the way.
+    if !queue.is_datagram() {
+        let requests = wrs.iter().map(|send| SendRequest {
+            wr: send.wr,
+            av: None,
+            inline: send.inline,
+        });
+        return queue.post_each(requests).map_err(refused);
+    }
+    drop(object);
+    // UD: each request's AV, resolved under the AV table's lock before
+    // the QP's is taken (the two are never held together). A request
+    // naming an AV this provider does not hold stops the batch there:
+    // the requests before it are posted, then it is refused.
+    let mut resolved = [None; UD_AV_BATCH];
+    let mut posted = 0;
+    for chunk in wrs.chunks(UD_AV_BATCH) {
+        let mut known = chunk.len();
+        {
+            let table = lock_avs(avs);
+            for (index, (send, av)) in chunk.iter().zip(&mut resolved).enumerate() {
+                *av = match &send.wr.ud {
+                    Some(ud) => match table.avs.get(&ud.av.raw()) {
+                        Some(user) => Some(user.av),
+                        None => {
+                            known = index;
+                            break;
+                        }
+                    },
+                    None => None,
+                };
+            }
+        }
+        let requests = chunk[..known]
+            .iter()
+            .zip(resolved)
+            .map(|(send, av)| SendRequest {
                 wr: send.wr,
-                av: None,
+                av,
                 inline: send.inline,
             });
-            return owned
-                .lock()
-                .send_queue()
-                .post_each(requests)
-                .map_err(refused);
+        let mut object = owned.lock();
+        let qp = object.as_mut().ok_or(PostRefused { posted, ..NO_QP })?;
+        let done = qp.send_queue().post_each(requests);
+        posted += done.map_err(|error| {
+            refused(PostError {
+                posted: posted + error.posted,
+                ..error
+            })
+        })?;
+        if known < chunk.len() {
+            return Err(PostRefused {
+                posted,
+                status: IbStatus::InvalidAvHandle,
+            });
         }
-        // UD: each request's AV, resolved under the provider's lock before
-        // the QP's is taken (the two are never held together). A request
-        // naming an AV this provider does not hold stops the batch there:
-        // the requests before it are posted, then it is refused.
-        let mut avs = [None; UD_AV_BATCH];
-        let mut posted = 0;
-        for chunk in wrs.chunks(UD_AV_BATCH) {
-            let mut known = chunk.len();
-            {
-                let s = self.state();
-                for (index, (send, av)) in chunk.iter().zip(&mut avs).enumerate() {
-                    *av = match &send.wr.ud {
-                        Some(ud) => match s.avs.get(&ud.av.raw()) {
-                            Some(user) => Some(user.av),
-                            None => {
-                                known = index;
-                                break;
-                            }
-                        },
-                        None => None,
-                    };
+    }
+    Ok(posted)
+}
+
+#[inline]
+fn post_recv_to(owned: &Owned<Qp>, wrs: &[RecvWr<'_>]) -> Result<usize, PostRefused> {
+    let mut object = owned.lock();
+    let queue = object.as_mut().and_then(Qp::recv_queue).ok_or(NO_QP)?;
+    queue.post(wrs).map_err(refused)
+}
+
+#[inline]
+fn poll(owned: &Owned<UserCq>, out: &mut [WorkCompletion]) -> Result<usize, IbStatus> {
+    let mut object = owned.lock();
+    let user = object.as_mut().ok_or(IbStatus::InvalidCqHandle)?;
+    if user.resizing {
+        return Ok(0);
+    }
+    Ok(user.cq.poll(out))
+}
+
+fn arm(owned: &Owned<UserCq>, notify: CqNotify) -> Result<(), IbStatus> {
+    let for_ = match notify {
+        CqNotify::Solicited => ArmFor::Solicited,
+        CqNotify::NextCompletion => ArmFor::Next,
+    };
+    let mut object = owned.lock();
+    let user = object.as_mut().ok_or(IbStatus::InvalidCqHandle)?;
+    if user.resizing {
+        // Made when the resize ends; "next" covers "solicited".
+        user.deferred_arm = match (user.deferred_arm, for_) {
+            (Some(ArmFor::Next), _) | (_, ArmFor::Next) => Some(ArmFor::Next),
+            _ => Some(ArmFor::Solicited),
+        };
+    } else {
+        user.cq.arm(for_);
+    }
+    Ok(())
+}
+
+/// A QP's fast path held by its owner ([`Provider::qp_fast_path`]):
+/// posts with no lookup. Posts from several threads are serialized by the
+/// QP's lock.
+#[derive(Clone)]
+pub struct QpFastPath {
+    qp: Arc<Owned<Qp>>,
+    avs: Avs,
+}
+
+impl core::fmt::Debug for QpFastPath {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("QpFastPath").finish_non_exhaustive()
+    }
+}
+
+impl QpFastPath {
+    /// As [`UserVerbsProvider::post_send`] on the QP's handle.
+    #[inline]
+    pub fn post_send(&self, wrs: &[UserSend<'_>]) -> Result<usize, PostRefused> {
+        post_send_to(&self.qp, &self.avs, wrs)
+    }
+
+    /// As [`UserVerbsProvider::post_recv`] on the QP's handle.
+    #[inline]
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<usize, PostRefused> {
+        post_recv_to(&self.qp, wrs)
+    }
+}
+
+/// A CQ's fast path held by its owner ([`Provider::cq_fast_path`]):
+/// polls and arms with no lookup, serialized by the CQ's lock.
+#[derive(Clone)]
+pub struct CqFastPath(Arc<Owned<UserCq>>);
+
+impl core::fmt::Debug for CqFastPath {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("CqFastPath").finish_non_exhaustive()
+    }
+}
+
+impl CqFastPath {
+    /// As [`UserVerbsProvider::poll_cq`] on the CQ's handle.
+    #[inline]
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, IbStatus> {
+        poll(&self.0, out)
+    }
+
+    /// As [`UserVerbsProvider::arm_cq`] on the CQ's handle.
+    pub fn arm(&self, notify: CqNotify) -> Result<(), IbStatus> {
+        arm(&self.0, notify)
+    }
+}
+
+fn refused(error: PostError) -> PostRefused {
+    PostRefused {
+        posted: error.posted,
+        status: error.status(),
+    }
+}
+
+impl UserVerbsProvider for Provider {
+    fn pre(&self, call: &mut PreCall<'_>) -> Result<PreOutcome, IbStatus> {
+        match call.verb {
+            VerbId::OpenCa => Ok(Self::ioctl(0, OpenCaPriv::SIZE, 0)),
+            VerbId::CreateCq => self.pre_create_cq(call),
+            VerbId::ResizeCq => self.pre_resize_cq(call),
+            VerbId::CreateQp => self.pre_create_qp(call),
+            VerbId::CreateSrq => self.pre_create_srq(call),
+            VerbId::CreateAv | VerbId::QueryAv | VerbId::ModifyAv | VerbId::DestroyAv => {
+                self.pre_av(call)
+            }
+            VerbId::DeallocPd => {
+                if lock_avs(&self.avs)
+                    .avs
+                    .values()
+                    .any(|av| av.pd == call.handle)
+                {
+                    return Err(IbStatus::ResourceBusy);
                 }
+                Ok(Self::ioctl(0, 0, 0))
             }
-            let requests = chunk[..known]
-                .iter()
-                .zip(avs)
-                .map(|(send, av)| SendRequest {
-                    wr: send.wr,
-                    av,
-                    inline: send.inline,
-                });
-            let done = owned.lock().send_queue().post_each(requests);
-            posted += done.map_err(|error| {
-                refused(PostError {
-                    posted: posted + error.posted,
-                    ..error
-                })
-            })?;
-            if known < chunk.len() {
-                return Err(PostRefused {
-                    posted,
-                    status: IbStatus::InvalidAvHandle,
-                });
-            }
+            _ => Ok(Self::ioctl(0, 0, 0)),
         }
-        Ok(posted)
+    }
+
+    fn post(&self, call: &PostCall<'_>) -> Result<(), IbStatus> {
+        let result = self.post_hook(call);
+        if call.verb == VerbId::ResizeCq {
+            self.end_resize(call.handle);
+        }
+        result
+    }
+
+    fn post_send(&self, qp: u64, wrs: &[UserSend<'_>]) -> Result<usize, PostRefused> {
+        post_send_to(&*self.qp(qp)?, &self.avs, wrs)
     }
 
     fn post_recv(&self, qp: u64, wrs: &[RecvWr<'_>]) -> Result<usize, PostRefused> {
-        let owned = self.qp(qp)?;
-        let mut object = owned.lock();
-        let queue = object.recv_queue().ok_or(PostRefused {
-            posted: 0,
-            status: IbStatus::InvalidQpHandle,
-        })?;
-        queue.post(wrs).map_err(refused)
+        post_recv_to(&*self.qp(qp)?, wrs)
     }
 
     fn post_srq_recv(&self, srq: u64, wrs: &[RecvWr<'_>]) -> Result<usize, PostRefused> {
-        let owned = self.state().srqs.get(&srq).cloned().ok_or(PostRefused {
+        let refused_handle = PostRefused {
             posted: 0,
             status: IbStatus::InvalidSrqHandle,
-        })?;
-        owned.lock().post(wrs).map_err(refused)
+        };
+        let owned = self.state().srqs.get(&srq).cloned().ok_or(refused_handle)?;
+        let mut object = owned.lock();
+        object
+            .as_mut()
+            .ok_or(refused_handle)?
+            .post(wrs)
+            .map_err(refused)
     }
 
     fn poll_cq(&self, cq: u64, out: &mut [WorkCompletion]) -> Result<usize, IbStatus> {
-        Ok(self.cq(cq)?.lock().poll(out))
+        poll(&*self.cq(cq)?, out)
     }
 
     fn arm_cq(&self, cq: u64, notify: CqNotify) -> Result<(), IbStatus> {
-        let for_ = match notify {
-            CqNotify::Solicited => ArmFor::Solicited,
-            CqNotify::NextCompletion => ArmFor::Next,
-        };
-        self.cq(cq)?.lock().arm(for_);
-        Ok(())
+        arm(&*self.cq(cq)?, notify)
     }
 }
 

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use hca_prm::av::Av;
 use hca_prm::doorbell::SqDoorbell;
-use hca_prm::wqe::{self, BB_SIZE, SendWqe, WqeError, WqeOp, basic_blocks, build_recv_wqe};
+use hca_prm::wqe::{self, BB_SIZE, SendWqe, WqeError, basic_blocks, build_recv_wqe};
 use ib_types::mr::MwType;
 use ib_types::scalars::Qpn;
 use ib_types::wr::{RecvWr, SendOp, SendWr, Transport, WrLimits};
@@ -69,23 +69,6 @@ impl WindowTypes {
     }
 }
 
-/// Builds `request`'s WQE into `out`: the PRM builder, with a bind's
-/// segment carrying its window's type.
-fn build_send(
-    request: &SendRequest<'_>,
-    windows: &WindowTypes,
-    wqe_index: u16,
-    out: &mut [u8],
-) -> Result<usize, WqeError> {
-    let mut built = SendWqe::from_wr(&request.wr, request.av.as_ref(), wqe_index, request.inline)?;
-    if let (WqeOp::BindMw(bind), SendOp::BindMw { mw, .. }) = (&mut built.op, request.wr.op)
-        && windows.of(mw.raw()) == MwType::Type1
-    {
-        bind.mw_type = wqe::MwType::Type1;
-    }
-    built.emit(out)
-}
-
 /// Runs `posts` over `items` until one fails: how many were posted, and
 /// the failure.
 fn post_each<T>(
@@ -121,9 +104,8 @@ pub struct SendQueue {
     shared: Arc<WorkQueueShared>,
     uar: Arc<UarPage>,
     doorbell_offset: u64,
-    /// One stride: where a WQE is built before it is copied into the ring
-    /// (the ring is shared memory written only as atomic words).
-    scratch: Box<[u8]>,
+    /// Bytes of the largest WQE (one slot's stride).
+    stride: usize,
     /// The context's window types, for bind WQEs.
     windows: Arc<WindowTypes>,
 }
@@ -151,13 +133,19 @@ impl SendQueue {
             shared: Arc::new(WorkQueueShared::new(1 << log_bbs)),
             uar,
             doorbell_offset,
-            scratch: vec![0; stride].into_boxed_slice(),
+            stride,
             windows,
         }
     }
 
     pub(crate) fn shared(&self) -> &Arc<WorkQueueShared> {
         &self.shared
+    }
+
+    /// True for a UD queue, whose sends name address vectors.
+    #[inline]
+    pub fn is_datagram(&self) -> bool {
+        self.transport == Transport::Ud
     }
 
     /// The basic blocks posted so far (the producer counter the doorbell
@@ -216,38 +204,48 @@ impl SendQueue {
         let _ = self.uar.write64(self.doorbell_offset, doorbell.encode());
     }
 
-    /// Validates, builds and writes one WQE at the producer counter.
+    /// Validates one WQE, then writes it word by word straight into the
+    /// ring at the producer counter (nothing of it is written unless it
+    /// is valid and fits).
     #[inline]
     fn write_wqe(&mut self, request: &SendRequest<'_>) -> Result<(), PostErrorKind> {
         request.wr.validate(self.transport, &self.limits)?;
-        let stride = self.scratch.len();
-        let len = build_send(
-            request,
-            &self.windows,
+        let stride = self.stride;
+        let too_large = |bytes| PostErrorKind::WqeTooLarge { bytes, stride };
+        let mut wqe = SendWqe::prepare(
+            &request.wr,
+            request.av.as_ref(),
             self.producer as u16,
-            &mut self.scratch,
+            request.inline,
         )
         .map_err(|e| match e {
-            WqeError::OutputTooSmall { needed, .. } | WqeError::TooLong { bytes: needed } => {
-                PostErrorKind::WqeTooLarge {
-                    bytes: needed,
-                    stride,
-                }
-            }
+            WqeError::TooLong { bytes } => too_large(bytes),
             other => PostErrorKind::Wqe(other),
         })?;
+        // A bind's segment carries its window's type.
+        if let SendOp::BindMw { mw, .. } = request.wr.op
+            && self.windows.of(mw.raw()) == MwType::Type1
+        {
+            wqe.set_bind_type(wqe::MwType::Type1);
+        }
+        let len = wqe.byte_len();
+        if len > stride {
+            return Err(too_large(len));
+        }
         let bbs = basic_blocks(len) as u32;
         let in_flight = self.producer.wrapping_sub(self.shared.consumer());
         if in_flight.saturating_add(bbs) > self.ring_bbs {
             return Err(PostErrorKind::QueueFull);
         }
         self.shared.record(self.producer, request.wr.wr_id, bbs);
-        let mask = self.ring_bbs - 1;
-        for (i, block) in self.scratch[..len].chunks(BB_SIZE).enumerate() {
-            let slot = self.producer.wrapping_add(i as u32) & mask;
-            // In range by construction: the slot is inside the ring, whose
-            // size was checked at setup, and `len` is a multiple of 16.
-            let _ = self.ring.store_words(slot as usize * BB_SIZE, block);
+        // Word `i` of the WQE goes to ring word `first + i`, wrapping at
+        // the ring's end (a power of two of basic blocks, whose words the
+        // buffer holds: checked at setup, so `ring_words` is `Some`).
+        let words_per_bb = BB_SIZE / 8;
+        let first = self.producer as usize * words_per_bb;
+        if let Some(ring) = self.ring.ring_words(self.ring_bbs as usize * words_per_bb) {
+            // Fits: `len <= stride` was checked above.
+            let _ = wqe.emit_words(stride, |i, word| ring.store(first + i, word));
         }
         self.producer = self.producer.wrapping_add(bbs);
         Ok(())

@@ -23,7 +23,7 @@
 //! model load buffering, so the Acquire/Release pairs are argued above, not
 //! model-checked.
 
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use rustc_hash::FxHashMap;
 
@@ -236,43 +236,72 @@ fn restart_list(list: &mut Vec<BeforeReset>, restart: QueueRestart) {
 
 /// The context's QPs by number, for the pollers. Written when a QP is set
 /// up, reset or dropped (the control path); the post path never touches
-/// it.
+/// it. Every write bumps the generation, so a poller that keeps the route
+/// it found last ([`Directory::route`]) knows with one load whether it is
+/// still the QP's: a poll needs no lock while its CQEs come from the QP it
+/// saw last (rdma-core's mlx5 keeps its CQ's last QP the same way).
 #[derive(Debug, Default)]
-pub(crate) struct Directory(RwLock<FxHashMap<u32, Route>>);
+pub(crate) struct Directory {
+    routes: RwLock<FxHashMap<u32, Arc<Route>>>,
+    /// Writes so far (bumped under the write lock, Release). A plain
+    /// atomic under loom too: the directory is not part of the model.
+    generation: std::sync::atomic::AtomicU64,
+}
 
 impl Directory {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, FxHashMap<u32, Arc<Route>>> {
+        self.routes.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Marks a write done (under the write lock).
+    fn bump(&self) {
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
+    }
+
     pub(crate) fn insert(&self, qpn: u32, route: Route) {
-        self.0
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(qpn, route);
+        let mut map = self.write();
+        map.insert(qpn, Arc::new(route));
+        self.bump();
     }
 
     /// After a RESET of QP `qpn`: its queues' new states, the old ones
     /// kept for the completions still to be polled (those whose CQs have
     /// consumed everything of them are dropped).
     pub(crate) fn restart(&self, qpn: u32, send: QueueRestart, recv: Option<QueueRestart>) {
-        let mut map = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        let mut map = self.write();
         let Some(route) = map.get_mut(&qpn) else {
             return;
         };
+        // A poller may hold the old route: the QP gets a new one.
+        let route = Arc::make_mut(route);
         route.send = Arc::clone(&send.queue);
         restart_list(&mut route.send_before_reset, send);
         if let Some(recv) = recv {
             route.recv = Some(Arc::clone(&recv.queue));
             restart_list(&mut route.recv_before_reset, recv);
         }
+        self.bump();
     }
 
     pub(crate) fn remove(&self, qpn: u32) {
-        self.0
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&qpn);
+        let mut map = self.write();
+        map.remove(&qpn);
+        self.bump();
     }
 
-    pub(crate) fn read(&self) -> RwLockReadGuard<'_, FxHashMap<u32, Route>> {
-        self.0.read().unwrap_or_else(PoisonError::into_inner)
+    /// The generation now: a route found at another one may be stale.
+    #[inline]
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// QP `qpn`'s route and the generation it is current for.
+    pub(crate) fn route(&self, qpn: u32) -> Option<(Arc<Route>, u64)> {
+        let map = self.routes.read().unwrap_or_else(PoisonError::into_inner);
+        // Stable while the read lock is held: writers bump under theirs.
+        let generation = self.generation();
+        map.get(&qpn).map(|route| (Arc::clone(route), generation))
     }
 }
 

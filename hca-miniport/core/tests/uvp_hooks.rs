@@ -1005,10 +1005,99 @@ fn counted_platform(process: &Process) -> Platform {
     }
 }
 
+/// The fast paths the access library holds instead of handles
+/// (`Provider::qp_fast_path`, `cq_fast_path`) cannot reach a destroyed
+/// object: once `DestroyQp`'s and `DestroyCq`'s posts ran, every post,
+/// poll and arm through them is refused with the handle's status, nothing
+/// is written and no doorbell rings; the handles are refused too; and the
+/// rings' memory, which a held fast path keeps, is freed when the last one
+/// is dropped.
+#[test]
+fn a_destroyed_objects_fast_path_and_handle_are_refused() {
+    let (w, [hca, _]) = world(23);
+    let process = Process::new(47);
+    let doorbells = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = {
+        let mapped = process.clone();
+        let doorbells = Arc::clone(&doorbells);
+        Platform {
+            memory: Arc::new(SimMemory(process.clone())),
+            mmio: Arc::new(move |address, value| {
+                doorbells.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let _ = mapped.write_device64(address, value);
+            }),
+        }
+    };
+    let uvp = Provider::new(counted);
+    let lib = Lib::new(&w, hca, process.clone(), &uvp);
+    let ca = lib.open();
+    let pd = lib.ok::<AllocPd>(ca, &Empty).0;
+    let cq = lib.cq(ca, 16);
+    let (qp, _) = lib.qp(ca, QpType::Rc, pd, cq, None);
+    let (buf, mr, lkey) = lib.register(pd, 4096);
+    let qp_path = uvp.qp_fast_path(qp).expect("a QP of this provider");
+    let cq_path = uvp.cq_fast_path(cq).expect("a CQ of this provider");
+    assert!(uvp.qp_fast_path(cq).is_none() && uvp.cq_fast_path(qp).is_none());
+    // Alive: a receive posts through the fast path, an arm rings.
+    let sge = [Sge::new(buf, 64, lkey)];
+    let recv = [RecvWr {
+        wr_id: 1,
+        sg_list: &sge,
+    }];
+    assert_eq!(qp_path.post_recv(&recv), Ok(1));
+    assert_eq!(cq_path.arm(CqNotify::NextCompletion), Ok(()));
+    let mut wcs = [WorkCompletion::EMPTY; 2];
+    assert_eq!(cq_path.poll(&mut wcs), Ok(0));
+
+    lib.ok::<DestroyQp>(qp, &Empty);
+    let rung = doorbells.load(std::sync::atomic::Ordering::Relaxed);
+    let no_qp = Err(ib_types::uvp::PostRefused {
+        posted: 0,
+        status: IbStatus::InvalidQpHandle,
+    });
+    let sends = [UserSend {
+        wr: send(2, &sge, None),
+        inline: None,
+    }];
+    assert_eq!(qp_path.post_send(&sends), no_qp);
+    assert_eq!(qp_path.post_recv(&recv), no_qp);
+    assert_eq!(uvp.post_send(qp, &sends), no_qp);
+    assert_eq!(uvp.post_recv(qp, &recv), no_qp);
+    assert_eq!(doorbells.load(std::sync::atomic::Ordering::Relaxed), rung);
+    assert!(uvp.qp_fast_path(qp).is_none());
+
+    lib.ok::<DestroyCq>(cq, &Empty);
+    assert_eq!(cq_path.poll(&mut wcs), Err(IbStatus::InvalidCqHandle));
+    assert_eq!(
+        cq_path.arm(CqNotify::NextCompletion),
+        Err(IbStatus::InvalidCqHandle)
+    );
+    assert_eq!(uvp.poll_cq(cq, &mut wcs), Err(IbStatus::InvalidCqHandle));
+    assert_eq!(doorbells.load(std::sync::atomic::Ordering::Relaxed), rung);
+
+    // The held fast paths keep the rings' memory (never reused under
+    // them) until they go.
+    let held = lib.allocations();
+    drop(qp_path);
+    assert_eq!(lib.allocations(), held - 1, "the QP's rings");
+    drop(cq_path);
+    assert_eq!(lib.allocations(), held - 2, "the CQ's ring");
+    lib.ok::<DeregMr>(mr, &Empty);
+    lib.ok::<DeallocPd>(pd, &Empty);
+    lib.ok::<CloseCa>(ca, &Empty);
+    process.free(buf).unwrap();
+    assert_eq!(process.space().locked_pages(), 0);
+    assert_eq!(process.exit(), 0);
+    drop(lib);
+    w.finish();
+}
+
 /// The provider's fast path allocates nothing per call (issue 13,
 /// measurement 4): RC inline sends, UD sends through user AVs (one batch
 /// stopped at an AV the provider does not hold, the request before it
-/// posted), receives and polls, every one counted, with the data checked.
+/// posted), receives and polls, every one counted, with the data checked;
+/// by handle on even rounds, through the fast paths the access library
+/// holds (`qp_fast_path`, `cq_fast_path`) on odd ones.
 #[test]
 fn the_fast_path_posts_and_polls_without_allocating() {
     let (w, [a_hca, b_hca]) = world(17);
@@ -1046,8 +1135,18 @@ fn the_fast_path_posts_and_polls_without_allocating() {
         remote_qkey: QKey::new(0x11),
     };
     let mut wcs = [WorkCompletion::EMPTY; 4];
+    let (a_rc_path, a_ud_path) = (
+        a_uvp.qp_fast_path(a_rc).unwrap(),
+        a_uvp.qp_fast_path(a_ud).unwrap(),
+    );
+    let (b_rc_path, a_cq_path, b_cq_path) = (
+        b_uvp.qp_fast_path(b_rc).unwrap(),
+        a_uvp.cq_fast_path(a_cq).unwrap(),
+        b_uvp.cq_fast_path(b_cq).unwrap(),
+    );
 
     for round in 0..12u64 {
+        let by_handle = round % 2 == 0;
         // RC: one 64-byte inline send into B's receive queue.
         let payload = pattern(round as u32, 64);
         let b_recv = [Sge::new(b_buf, 2048, b_lkey)];
@@ -1055,7 +1154,13 @@ fn the_fast_path_posts_and_polls_without_allocating() {
             wr_id: 100 + round,
             sg_list: &b_recv,
         }];
-        let (allocated, posted) = allocations_of(&b_process, || b_uvp.post_recv(b_rc, &recv));
+        let (allocated, posted) = allocations_of(&b_process, || {
+            if by_handle {
+                b_uvp.post_recv(b_rc, &recv)
+            } else {
+                b_rc_path.post_recv(&recv)
+            }
+        });
         assert_eq!((allocated, posted), (0, Ok(1)), "post_recv, round {round}");
         let inline_sge = [Sge::new(a_buf, 64, a_lkey)];
         let mut wr = send(round, &inline_sge, None);
@@ -1064,21 +1169,39 @@ fn the_fast_path_posts_and_polls_without_allocating() {
             wr,
             inline: Some(&payload),
         }];
-        let (allocated, posted) = allocations_of(&a_process, || a_uvp.post_send(a_rc, &sends));
+        let (allocated, posted) = allocations_of(&a_process, || {
+            if by_handle {
+                a_uvp.post_send(a_rc, &sends)
+            } else {
+                a_rc_path.post_send(&sends)
+            }
+        });
         assert_eq!(
             (allocated, posted),
             (0, Ok(1)),
             "RC post_send, round {round}"
         );
         w.settle();
-        let (allocated, polled) = allocations_of(&b_process, || b_uvp.poll_cq(b_cq, &mut wcs));
+        let (allocated, polled) = allocations_of(&b_process, || {
+            if by_handle {
+                b_uvp.poll_cq(b_cq, &mut wcs)
+            } else {
+                b_cq_path.poll(&mut wcs)
+            }
+        });
         assert_eq!((allocated, polled), (0, Ok(1)), "poll_cq, round {round}");
         assert_eq!(
             (wcs[0].wr_id, wcs[0].status, wcs[0].byte_len),
             (100 + round, WcStatus::Success, 64)
         );
         assert_eq!(b.read(b_buf, 64), payload);
-        let (allocated, polled) = allocations_of(&a_process, || a_uvp.poll_cq(a_cq, &mut wcs));
+        let (allocated, polled) = allocations_of(&a_process, || {
+            if by_handle {
+                a_uvp.poll_cq(a_cq, &mut wcs)
+            } else {
+                a_cq_path.poll(&mut wcs)
+            }
+        });
         assert_eq!((allocated, polled), (0, Ok(1)), "poll_cq, round {round}");
         assert_eq!(wcs[0].wr_id, round);
 
@@ -1101,7 +1224,13 @@ fn the_fast_path_posts_and_polls_without_allocating() {
                 inline: None,
             },
         ];
-        let (allocated, posted) = allocations_of(&a_process, || a_uvp.post_send(a_ud, &sends));
+        let (allocated, posted) = allocations_of(&a_process, || {
+            if by_handle {
+                a_uvp.post_send(a_ud, &sends)
+            } else {
+                a_ud_path.post_send(&sends)
+            }
+        });
         assert_eq!(allocated, 0, "UD post_send, round {round}");
         assert_eq!(
             posted,
@@ -1115,6 +1244,7 @@ fn the_fast_path_posts_and_polls_without_allocating() {
         assert_eq!((wc.wr_id, wc.status), (200 + round, WcStatus::Success));
         assert_eq!(a.poll(a_cq, 1)[0].wr_id, 300 + round);
     }
+    drop((a_rc_path, a_ud_path, b_rc_path, a_cq_path, b_cq_path));
     a.ok::<DestroyAv>(av, &Empty);
     let objects = [
         (&a, [a_rc, a_ud], a_mr, a_cq, a_pd, a_ca, a_buf),
