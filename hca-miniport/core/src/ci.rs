@@ -248,7 +248,7 @@ where
         if wrs.iter().all(|wr| wr.ud.is_none()) {
             return self
                 .hca
-                .post_kernel_sends(qp, wrs.iter().map(|wr| (*wr, None)));
+                .post_kernel_sends(qp, wrs.iter().map(|wr| (wr, None)));
         }
         let mut posted = 0;
         for batch in wrs.chunks(SEND_BATCH) {
@@ -268,7 +268,10 @@ where
                 ready += 1;
             }
             if ready > 0 {
-                let requests = batch[..ready].iter().zip(avs).map(|(wr, av)| (*wr, av));
+                let requests = batch[..ready]
+                    .iter()
+                    .zip(avs.iter())
+                    .map(|(wr, av)| (wr, av.as_ref()));
                 let (done, status) = self.hca.post_kernel_sends(qp, requests);
                 posted += done;
                 if status != IbStatus::Success {

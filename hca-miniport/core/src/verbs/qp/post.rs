@@ -37,13 +37,16 @@ pub struct SendRequest<'a> {
     pub inline: Option<&'a [u8]>,
 }
 
-/// One send for the core's post loop: the request, and whether its inline
-/// bytes are still behind its SGEs in kernel memory (a kernel client's
-/// inline send, [`Hca::post_kernel_sends`]) rather than in
-/// `request.inline`.
+/// One send for the core's post loop, by reference (no copy of the WR or
+/// its address vector per step): the WR, its UD destination's address
+/// vector, its inline bytes when the caller gathered them, and whether
+/// they are still behind its SGEs in kernel memory instead (a kernel
+/// client's inline send, [`Hca::post_kernel_sends`]).
 #[derive(Debug, Clone, Copy)]
-struct PostItem<'a> {
-    request: SendRequest<'a>,
+struct PostItem<'r, 'a> {
+    wr: &'r SendWr<'a>,
+    av: Option<&'r hca_prm::av::Av>,
+    inline: Option<&'r [u8]>,
     gather_inline: bool,
 }
 
@@ -139,21 +142,12 @@ impl<P: Platform> Hca<P> {
     /// [`IbStatus::InvalidMwHandle`], one whose new key is not the
     /// window's MPT index [`IbStatus::InvalidRkey`].
     pub fn post_send(&self, qp: u64, wrs: &[SendRequest<'_>]) -> (usize, IbStatus) {
-        self.post_send_each(qp, wrs.iter().copied())
-    }
-
-    /// [`post_send`](Self::post_send) of the requests `wrs` yields (read
-    /// twice: once for the windows of bind WRs, once to post), so a
-    /// caller that builds requests as it goes ([`crate::ci::CiProvider`])
-    /// needs no array of them.
-    pub fn post_send_each<'a, I>(&self, qp: u64, wrs: I) -> (usize, IbStatus)
-    where
-        I: Iterator<Item = SendRequest<'a>> + Clone,
-    {
         self.post_items(
             qp,
-            wrs.map(|request| PostItem {
-                request,
+            wrs.iter().map(|request| PostItem {
+                wr: &request.wr,
+                av: request.av.as_ref(),
+                inline: request.inline,
                 gather_inline: false,
             }),
         )
@@ -171,28 +165,26 @@ impl<P: Platform> Hca<P> {
     /// with [`IbStatus::InvalidState`]; an address that is not kernel
     /// memory with [`IbStatus::InvalidParameter`]. Callable at
     /// DISPATCH_LEVEL; no allocation.
-    pub fn post_kernel_sends<'a, I>(&self, qp: u64, wrs: I) -> (usize, IbStatus)
+    pub fn post_kernel_sends<'r, 'a: 'r, I>(&self, qp: u64, wrs: I) -> (usize, IbStatus)
     where
-        I: Iterator<Item = (SendWr<'a>, Option<hca_prm::av::Av>)> + Clone,
+        I: Iterator<Item = (&'r SendWr<'a>, Option<&'r hca_prm::av::Av>)> + Clone,
     {
         self.post_items(
             qp,
             wrs.map(|(wr, av)| PostItem {
-                request: SendRequest {
-                    wr,
-                    av,
-                    inline: None,
-                },
+                wr,
+                av,
+                inline: None,
                 gather_inline: wr.flags.contains(SendFlags::INLINE),
             }),
         )
     }
 
-    /// The post loop of [`post_send_each`](Self::post_send_each) and
+    /// The post loop of [`post_send`](Self::post_send) and
     /// [`post_kernel_sends`](Self::post_kernel_sends).
-    fn post_items<'a, I>(&self, qp: u64, wrs: I) -> (usize, IbStatus)
+    fn post_items<'r, 'a: 'r, I>(&self, qp: u64, wrs: I) -> (usize, IbStatus)
     where
-        I: Iterator<Item = PostItem<'a>> + Clone,
+        I: Iterator<Item = PostItem<'r, 'a>> + Clone,
     {
         let qp = match self.find_qp(qp, RequestorMode::Kernel) {
             Ok(qp) => qp,
@@ -208,12 +200,12 @@ impl<P: Platform> Hca<P> {
         // allocation for batches without a bind.
         let (mut binds, mut gathers) = (false, false);
         for item in wrs.clone() {
-            binds |= matches!(item.request.wr.op, SendOp::BindMw { .. });
+            binds |= matches!(item.wr.op, SendOp::BindMw { .. });
             gathers |= item.gather_inline;
         }
         let windows: Vec<Option<Result<BindTarget, IbStatus>>> = if binds {
             wrs.clone()
-                .map(|item| match item.request.wr.op {
+                .map(|item| match item.wr.op {
                     SendOp::BindMw { mw, .. } => Some(self.window_for_bind(mw.raw())),
                     _ => None,
                 })
@@ -249,7 +241,7 @@ impl<P: Platform> Hca<P> {
         // client's inline bytes are gathered into it.
         let mut inline_bytes = core::mem::take(&mut sq.inline);
         for (i, item) in wrs.enumerate() {
-            let request = item.request;
+            let wr = item.wr;
             if qp.closing.load(Ordering::Acquire) {
                 status = IbStatus::InvalidQpHandle;
                 break;
@@ -258,14 +250,14 @@ impl<P: Platform> Hca<P> {
                 status = IbStatus::InvalidQpState;
                 break;
             }
-            if let Err(error) = request.wr.validate(transport(qp.qp_type), &limits) {
+            if let Err(error) = wr.validate(transport(qp.qp_type), &limits) {
                 status = error.status();
                 break;
             }
             // A bind names a live window, and its new key that window's
             // MPT index (`verbs::mw`); the bind segment carries its type.
             // A type 1 bind's key must differ from the last bind's.
-            let (bind_type, new_bind_key) = match (request.wr.op, windows.get(i)) {
+            let (bind_type, new_bind_key) = match (wr.op, windows.get(i)) {
                 (SendOp::BindMw { rkey, .. }, Some(Some(window))) => match window {
                     Ok(target) if rkey.get() >> 8 == target.index => {
                         let rkey = rkey.get();
@@ -290,26 +282,22 @@ impl<P: Platform> Hca<P> {
             // After the checks: the WR's inline length is within the QP's
             // `max_inline_data`, which the scratch holds.
             let inline = match (&reader, item.gather_inline) {
-                (Some(reader), true) => {
-                    match gather(&**reader, request.wr.sg_list, &mut inline_bytes) {
-                        Ok(len) => Some(&inline_bytes[..len]),
-                        Err(error) => {
-                            status = error;
-                            break;
-                        }
+                (Some(reader), true) => match gather(&**reader, wr.sg_list, &mut inline_bytes) {
+                    Ok(len) => Some(&inline_bytes[..len]),
+                    Err(error) => {
+                        status = error;
+                        break;
                     }
-                }
-                _ => request.inline,
+                },
+                _ => item.inline,
             };
             let index = sq.producer as u16;
-            let built = SendWqe::from_wr(&request.wr, request.av.as_ref(), index, inline).and_then(
-                |mut w| {
-                    if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
-                        bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
-                    }
-                    w.emit(&mut wqe)
-                },
-            );
+            let built = SendWqe::from_wr(wr, item.av, index, inline).and_then(|mut w| {
+                if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
+                    bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
+                }
+                w.emit(&mut wqe)
+            });
             let len = match built {
                 Ok(len) => len,
                 Err(_) => {
@@ -342,7 +330,7 @@ impl<P: Platform> Hca<P> {
             write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe[..len]);
             // Read by poll without this lock (`Completions`): stored before
             // the doorbell (its release fence) makes the WQE visible.
-            shadow.record(sq.producer, request.wr.wr_id, bbs);
+            shadow.record(sq.producer, wr.wr_id, bbs);
             sq.producer = sq.producer.wrapping_add(bbs);
             posted += 1;
         }
