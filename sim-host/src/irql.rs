@@ -234,10 +234,18 @@ fn thread_id() -> u64 {
     /// The next id to hand out; 0 means "no owner".
     static NEXT: AtomicU64 = AtomicU64::new(1);
     thread_local! {
-        // Relaxed: uniqueness needs only the atomicity of fetch_add.
-        static ID: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+        // 0 until the thread's first call: a constant initialiser keeps
+        // every later call a plain thread-local load.
+        static ID: Cell<u64> = const { Cell::new(0) };
     }
-    ID.with(|id| *id)
+    let id = ID.get();
+    if id != 0 {
+        return id;
+    }
+    // Relaxed: uniqueness needs only the atomicity of fetch_add.
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    ID.set(id);
+    id
 }
 
 /// After this many failed polls a waiting thread yields its CPU: the holder
@@ -304,7 +312,9 @@ impl HostSpinLock {
     /// the level to hold the lock at.
     fn check_acquire_irql(service: &'static str) -> (Irql, Irql) {
         let at = current();
-        check_max(service, Irql::DISPATCH);
+        if at > Irql::DISPATCH {
+            check_max(service, Irql::DISPATCH);
+        }
         (at, at.max(Irql::DISPATCH))
     }
 

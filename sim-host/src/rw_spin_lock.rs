@@ -32,7 +32,7 @@
 // allowed on that impl alone.
 #![deny(unsafe_code)]
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use driver_platform::Irql;
@@ -89,25 +89,41 @@ impl RwAcquisitions {
     }
 }
 
+/// This thread's reader-writer spin lock state: what it holds (in
+/// acquisition order) and its acquisition counts, in one thread-local so
+/// that an acquisition checks recursion, records its holding and counts
+/// itself in one access, and a release of the lock acquired last (the
+/// usual nesting) pops it without a search.
+#[derive(Debug, Default)]
+struct ThreadState {
+    holdings: Vec<Holding>,
+    counts: RwAcquisitions,
+}
+
 thread_local! {
-    /// The reader-writer spin locks this thread holds.
-    static HOLDINGS: RefCell<Vec<Holding>> = const { RefCell::new(Vec::new()) };
-    /// This thread's acquisition counts.
-    static ACQUISITIONS: Cell<RwAcquisitions> = const {
-        Cell::new(RwAcquisitions { shared: 0, shared_waited: 0, exclusive: 0, exclusive_waited: 0 })
+    static STATE: RefCell<ThreadState> = const {
+        RefCell::new(ThreadState {
+            holdings: Vec::new(),
+            counts: RwAcquisitions { shared: 0, shared_waited: 0, exclusive: 0, exclusive_waited: 0 },
+        })
     };
 }
 
 /// The reader-writer spin lock acquisitions the calling thread has made so
 /// far, over every [`HostRwSpinLock`].
 pub fn acquisitions() -> RwAcquisitions {
-    ACQUISITIONS.get()
+    STATE.with_borrow(|s| s.counts)
 }
 
-fn count(update: impl FnOnce(&mut RwAcquisitions)) {
-    let mut counts = ACQUISITIONS.get();
-    update(&mut counts);
-    ACQUISITIONS.set(counts);
+/// Counts one acquisition of this thread that had to wait.
+fn count_wait(exclusive: bool) {
+    STATE.with_borrow_mut(|s| {
+        if exclusive {
+            s.counts.exclusive_waited += 1;
+        } else {
+            s.counts.shared_waited += 1;
+        }
+    });
 }
 
 /// The host's reader-writer spin lock; see the [module docs](self).
@@ -131,18 +147,16 @@ impl HostRwSpinLock {
         core::ptr::from_ref(self) as usize
     }
 
-    /// This thread's holding of this lock, if any.
-    fn holding(&self) -> Option<Holding> {
+    /// Whether this thread holds this lock (in either mode).
+    fn held_here(&self) -> bool {
         let me = self.address();
-        HOLDINGS.with_borrow(|h| h.iter().rev().find(|h| h.lock == me).copied())
+        STATE.with_borrow(|s| s.holdings.iter().any(|h| h.lock == me))
     }
 
-    /// Records and panics on a recursive acquisition (see the module docs).
-    fn refuse_recursion(&self, exclusive: bool) {
-        let Some(held) = self.holding() else {
-            return;
-        };
-        let (now, before) = (mode_name(exclusive), mode_name(held.exclusive));
+    /// Records and panics on a recursive acquisition `held_exclusive`
+    /// holds (see the module docs).
+    fn refuse_recursion(exclusive: bool, held_exclusive: bool) -> ! {
+        let (now, before) = (mode_name(exclusive), mode_name(held_exclusive));
         context::report(ViolationKind::Protocol {
             detail: format!(
                 "recursive reader-writer spin lock acquisition: {now} while this thread holds \
@@ -159,20 +173,57 @@ impl HostRwSpinLock {
     /// the level to hold the lock at.
     fn check_acquire_irql(service: &'static str) -> (Irql, Irql) {
         let at = current();
-        check_max(service, Irql::DISPATCH);
+        if at > Irql::DISPATCH {
+            check_max(service, Irql::DISPATCH);
+        }
         (at, at.max(Irql::DISPATCH))
     }
 
-    /// Bookkeeping once the lock is held: remember where we came from.
+    /// Before a blocking acquisition: refuses a recursive one (this thread
+    /// holds the lock already), else records the holding and counts the
+    /// acquisition, in one access to the thread's state. The holding is
+    /// recorded before the wait: a blocking acquisition always ends
+    /// holding the lock, and nothing of this thread runs meanwhile.
+    fn begin_acquire(&self, previous: Irql, held_at: Irql, exclusive: bool) {
+        let me = self.address();
+        let recursion = STATE.with_borrow_mut(|s| {
+            if let Some(held) = s.holdings.iter().find(|h| h.lock == me) {
+                return Some(held.exclusive);
+            }
+            s.holdings.push(Holding {
+                lock: me,
+                previous,
+                held_at,
+                exclusive,
+            });
+            if exclusive {
+                s.counts.exclusive += 1;
+            } else {
+                s.counts.shared += 1;
+            }
+            None
+        });
+        if let Some(held_exclusive) = recursion {
+            Self::refuse_recursion(exclusive, held_exclusive);
+        }
+    }
+
+    /// Bookkeeping once a `try_lock_*` took the lock: remember where we
+    /// came from, raise, count.
     fn acquired(&self, previous: Irql, held_at: Irql, exclusive: bool) {
         set(held_at);
-        HOLDINGS.with_borrow_mut(|h| {
-            h.push(Holding {
+        STATE.with_borrow_mut(|s| {
+            s.holdings.push(Holding {
                 lock: self.address(),
                 previous,
                 held_at,
                 exclusive,
             });
+            if exclusive {
+                s.counts.exclusive += 1;
+            } else {
+                s.counts.shared += 1;
+            }
         });
     }
 
@@ -201,10 +252,17 @@ impl HostRwSpinLock {
 
     /// Releases this thread's holding in `exclusive` mode: checks the IRQL,
     /// forgets the holding and returns the level to restore (None if this
-    /// thread does not hold it so, which is recorded).
+    /// thread does not hold it so, which is recorded). The holding acquired
+    /// last is popped without a search.
     fn release_holding(&self, exclusive: bool) -> Option<Irql> {
         let me = self.address();
-        let found = HOLDINGS.with_borrow_mut(|h| {
+        let found = STATE.with_borrow_mut(|s| {
+            let h = &mut s.holdings;
+            if h.last()
+                .is_some_and(|l| l.lock == me && l.exclusive == exclusive)
+            {
+                return h.pop();
+            }
             let at = h
                 .iter()
                 .rposition(|h| h.lock == me && h.exclusive == exclusive)?;
@@ -275,34 +333,31 @@ unsafe impl lock_api::RawRwLock for HostRwSpinLock {
     type GuardMarker = lock_api::GuardNoSend;
 
     fn lock_shared(&self) {
-        self.refuse_recursion(false);
         let (previous, held_at) = Self::check_acquire_irql("ExAcquireSpinLockShared");
+        self.begin_acquire(previous, held_at, false);
         // Raise first, as Windows does: the wait happens at DISPATCH_LEVEL.
         set(held_at);
-        let waited = spin_until(|| self.try_take_shared());
-        count(|c| {
-            c.shared += 1;
-            c.shared_waited += u64::from(waited);
-        });
-        self.acquired(previous, held_at, false);
+        if spin_until(|| self.try_take_shared()) {
+            count_wait(false);
+        }
     }
 
     fn try_lock_shared(&self) -> bool {
-        if self.holding().is_some() {
+        if self.held_here() {
             return false;
         }
         let (previous, held_at) = Self::check_acquire_irql("ExTryAcquireSpinLockSharedAtDpcLevel");
         if !self.try_take_shared() {
             return false;
         }
-        count(|c| c.shared += 1);
         self.acquired(previous, held_at, false);
         true
     }
 
     unsafe fn unlock_shared(&self) {
         let restore = self.release_holding(false);
-        // Never below zero, even after a misuse recorded above.
+        // Never below zero, even after a misuse (another thread's
+        // `force_unlock_read`) recorded there or above.
         let _ = self
             .state
             .fetch_update(Ordering::Release, Ordering::Relaxed, |s| {
@@ -314,8 +369,8 @@ unsafe impl lock_api::RawRwLock for HostRwSpinLock {
     }
 
     fn lock_exclusive(&self) {
-        self.refuse_recursion(true);
         let (previous, held_at) = Self::check_acquire_irql("ExAcquireSpinLockExclusive");
+        self.begin_acquire(previous, held_at, true);
         set(held_at);
         let waited = spin_until(|| {
             if self.try_take_exclusive() {
@@ -325,15 +380,13 @@ unsafe impl lock_api::RawRwLock for HostRwSpinLock {
             self.state.fetch_or(EXCLUSIVE_WAITING, Ordering::Relaxed);
             false
         });
-        count(|c| {
-            c.exclusive += 1;
-            c.exclusive_waited += u64::from(waited);
-        });
-        self.acquired(previous, held_at, true);
+        if waited {
+            count_wait(true);
+        }
     }
 
     fn try_lock_exclusive(&self) -> bool {
-        if self.holding().is_some() {
+        if self.held_here() {
             return false;
         }
         let (previous, held_at) =
@@ -341,7 +394,6 @@ unsafe impl lock_api::RawRwLock for HostRwSpinLock {
         if !self.try_take_exclusive() {
             return false;
         }
-        count(|c| c.exclusive += 1);
         self.acquired(previous, held_at, true);
         true
     }
@@ -491,6 +543,51 @@ mod tests {
         assert_recursion_refused(false, false);
         assert_recursion_refused(true, true);
         assert_recursion_refused(true, false);
+    }
+
+    /// Many locks held at once: each is known as held (a try fails, a
+    /// recursive acquisition would be refused), and releasing them out of
+    /// order (the holdings record pops the latest without a search, and
+    /// searches otherwise) keeps DISPATCH_LEVEL until the first one, taken
+    /// at PASSIVE_LEVEL, goes.
+    #[test]
+    fn many_locks_are_tracked_and_released_in_any_order() {
+        const MANY: usize = 11;
+        let (verifier, _ctx) = with_verifier();
+        let locks: Vec<RwSpinLock<usize>> = (0..MANY).map(RwSpinLock::new).collect();
+        let mut guards: Vec<Option<_>> = locks
+            .iter()
+            .enumerate()
+            .map(|(i, lock)| {
+                Some(if i % 2 == 0 {
+                    (Some(lock.read()), None)
+                } else {
+                    (None, Some(lock.write()))
+                })
+            })
+            .collect();
+        for lock in &locks {
+            assert!(lock.try_read().is_none() && lock.try_write().is_none());
+        }
+        // Middle ones first, then the rest, the first one (taken at
+        // PASSIVE_LEVEL) last.
+        let order = [4, 9, 10, 7].into_iter().chain((1..MANY).rev()).chain([0]);
+        for i in order {
+            if guards[i].take().is_some() {
+                assert!(
+                    locks[i].try_write().is_some(),
+                    "lock {i} free after its release"
+                );
+            }
+            let left = guards.iter().filter(|g| g.is_some()).count();
+            let expected = if left == 0 {
+                Irql::PASSIVE
+            } else {
+                Irql::DISPATCH
+            };
+            assert_eq!(current(), expected, "{left} still held");
+        }
+        verifier.assert_clean();
     }
 
     #[test]

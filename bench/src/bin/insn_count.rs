@@ -1,6 +1,6 @@
 //! `insn_count`: the fixed workloads whose instructions per operation
 //! callgrind counts (issue 13, measurement 4; docs/performance.md
-//! "Instructions per operation"). `cargo xtask bench --insn` runs each
+//! "Instructions per operation"). `cargo xtask bench-insn` runs each
 //! under `valgrind --tool=callgrind --toggle-collect=<its measured
 //! function>`, so only the operations are counted, never the set-up or the
 //! simulated device and fabric in between.

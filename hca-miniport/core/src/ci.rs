@@ -61,34 +61,27 @@
 //!   no request. A UD send names its destination by an AV handle
 //!   (`CreateAv`), resolved here. An INLINE send's SGEs are kernel
 //!   virtual addresses of resident memory (as IBAL's inline option): the
-//!   provider copies their bytes into the WQE through the shell's kernel
+//!   core copies their bytes into the WQE through the shell's kernel
 //!   memory access (`MemoryLocker::read_kernel`), up to the QP's granted
-//!   `max_inline_data`; every other SGE is a registered address the
+//!   `max_inline_data`, under the ring lock; every other SGE is a registered address the
 //!   device translates, never dereferenced by the CPU.
 
 use alloc::sync::Arc;
 
 use driver_platform::{Event, Irql, IrqlQuery, Platform};
-use hca_prm::wqe::MAX_SEND_WQE_BYTES;
 use ib_types::interface::{CI_INTERFACE_VERSION, InterfaceVersion, UvpName};
 use ib_types::scalars::NodeGuid;
 use ib_types::status::{IbStatus, NtStatus};
 use ib_types::wc::WorkCompletion;
-use ib_types::wr::{RecvWr, SendFlags, SendWr, Sge};
+use ib_types::wr::{RecvWr, SendWr};
 
 use crate::hca::Hca;
-use crate::verbs::qp::SendRequest;
 use crate::verbs::{CaClient, CqNotify, UVP_NAME};
 
-/// Send WRs handed to the core per doorbell by [`CiProvider::post_send`]
-/// (a stack array: the fast path does not allocate).
+/// UD send WRs handed to the core per doorbell by [`CiProvider::post_send`]
+/// (their AVs resolved into a stack array: the fast path does not
+/// allocate).
 const SEND_BATCH: usize = 16;
-
-/// The inline bytes a batch gathers into a small stack buffer; a batch
-/// whose WRs carry more gets a [`MAX_SEND_WQE_BYTES`] buffer (a stack
-/// buffer is zeroed on every call: 4 KiB of it was a third of a 64-byte
-/// inline post's instructions).
-const SMALL_INLINE: usize = 256;
 
 /// [`UVP_NAME`] as the interface carries it, checked when the crate is
 /// compiled (a name the rules refuse fails the build, not a caller).
@@ -239,108 +232,57 @@ where
     /// posted). A UD WR's AV handle is resolved to the device's address
     /// vector ([`IbStatus::InvalidAvHandle`] if stale). An INLINE WR's
     /// SGEs are kernel virtual addresses of resident memory whose bytes
-    /// are copied into the WQE ([`Hca::gather_kernel_inline`]); more than
-    /// the QP's granted `max_inline_data` is refused by the core's checks
-    /// with [`IbStatus::InvalidParameter`], nothing of it posted. Callable
-    /// at DISPATCH_LEVEL; no allocation (inline data is gathered into a
-    /// stack buffer of `SMALL_INLINE` bytes, or of [`MAX_SEND_WQE_BYTES`]
-    /// when the batch's WRs carry more, handed to the core batch by
-    /// batch).
+    /// the core copies into the WQE ([`Hca::post_kernel_sends`]); more
+    /// than the QP's granted `max_inline_data` is refused by the core's
+    /// checks with [`IbStatus::InvalidParameter`], nothing of it posted.
+    /// Callable at DISPATCH_LEVEL; no allocation. WRs for a connected QP
+    /// go to the core in one call (one doorbell); UD WRs [`SEND_BATCH`] at
+    /// a time, their AVs resolved into a stack array first (the object
+    /// tables are never looked up under a ring lock).
     pub fn post_send(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
+        if wrs.is_empty() {
+            // Nothing to post, nothing looked up (as a batch loop that
+            // never runs).
+            return (0, IbStatus::Success);
+        }
+        if wrs.iter().all(|wr| wr.ud.is_none()) {
+            return self
+                .hca
+                .post_kernel_sends(qp, wrs.iter().map(|wr| (wr, None)));
+        }
         let mut posted = 0;
-        while posted < wrs.len() {
-            // The inline data of a batch goes into a stack buffer zeroed on
-            // every call, so a small one unless the batch's WRs need more.
-            let inline_bytes = wrs[posted..]
-                .iter()
-                .take(SEND_BATCH)
-                .filter(|wr| wr.flags.contains(SendFlags::INLINE))
-                .map(|wr| Sge::total_len(wr.sg_list).map_or(usize::MAX, |len| len as usize))
-                .fold(0, usize::saturating_add);
-            let large = inline_bytes > SMALL_INLINE;
-            let (done, status) = if large {
-                self.post_batch::<MAX_SEND_WQE_BYTES>(qp, &wrs[posted..])
-            } else {
-                self.post_batch::<SMALL_INLINE>(qp, &wrs[posted..])
-            };
-            posted += done;
-            if status != IbStatus::Success {
+        for batch in wrs.chunks(SEND_BATCH) {
+            let mut avs = [None; SEND_BATCH];
+            let mut ready = 0;
+            let mut refusal = None;
+            for (wr, av) in batch.iter().zip(avs.iter_mut()) {
+                if let Some(dest) = wr.ud {
+                    match self.hca.av_for_post(dest.av.raw()) {
+                        Some(found) => *av = Some(found),
+                        None => {
+                            refusal = Some(IbStatus::InvalidAvHandle);
+                            break;
+                        }
+                    }
+                }
+                ready += 1;
+            }
+            if ready > 0 {
+                let requests = batch[..ready]
+                    .iter()
+                    .zip(avs.iter())
+                    .map(|(wr, av)| (wr, av.as_ref()));
+                let (done, status) = self.hca.post_kernel_sends(qp, requests);
+                posted += done;
+                if status != IbStatus::Success {
+                    return (posted, status);
+                }
+            }
+            if let Some(status) = refusal {
                 return (posted, status);
             }
         }
         (posted, IbStatus::Success)
-    }
-
-    /// Posts one batch from the front of `wrs`: up to [`SEND_BATCH`] WRs
-    /// whose inline data fits `INLINE` bytes together, each with its AV
-    /// and its slice of the data, with one doorbell. Returns how many
-    /// were posted and the status that ends the post (`Success` when the
-    /// rest of `wrs` is for the next batch).
-    fn post_batch<const INLINE: usize>(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
-        let mut inline_data = [0u8; INLINE];
-        let mut room: &mut [u8] = &mut inline_data;
-        // What the core needs beside each WR; only the `ready` first
-        // entries are written (no copy of a WR into every slot).
-        let mut extras: [(Option<hca_prm::av::Av>, Option<&[u8]>); SEND_BATCH] =
-            [(None, None); SEND_BATCH];
-        let mut ready = 0;
-        let mut refusal = None;
-        for wr in wrs.iter().take(SEND_BATCH) {
-            let inline = if wr.flags.contains(SendFlags::INLINE) {
-                // Checked first, so a WR whose data can never fit is
-                // refused rather than taken for a full buffer.
-                let len = Sge::total_len(wr.sg_list).map(|len| len as usize);
-                if len.is_none_or(|len| len > MAX_SEND_WQE_BYTES) {
-                    refusal = Some(IbStatus::InvalidParameter);
-                    break;
-                }
-                match self.hca.gather_kernel_inline(wr.sg_list, room) {
-                    Ok(len) => {
-                        let (data, rest) = core::mem::take(&mut room).split_at_mut(len);
-                        room = rest;
-                        Some(&*data)
-                    }
-                    // No room left behind the batch's earlier data: post
-                    // those first, then this WR in the next batch.
-                    Err(IbStatus::InvalidParameter) if ready > 0 => break,
-                    Err(status) => {
-                        refusal = Some(status);
-                        break;
-                    }
-                }
-            } else {
-                None
-            };
-            let av = match wr.ud {
-                None => None,
-                Some(dest) => match self.hca.av_for_post(dest.av.raw()) {
-                    Some(av) => Some(av),
-                    None => {
-                        refusal = Some(IbStatus::InvalidAvHandle);
-                        break;
-                    }
-                },
-            };
-            extras[ready] = (av, inline);
-            ready += 1;
-        }
-        let mut posted = 0;
-        if ready > 0 {
-            let requests = wrs[..ready]
-                .iter()
-                .zip(&extras[..ready])
-                .map(|(wr, &(av, inline))| SendRequest {
-                    wr: *wr,
-                    av,
-                    inline,
-                });
-            let (done, status) = self.hca.post_send_each(qp, requests);
-            if status != IbStatus::Success {
-                return (done, status);
-            }
-            posted = done;
-        }
-        (posted, refusal.unwrap_or(IbStatus::Success))
     }
 
     /// Posts receive WRs to the kernel QP `qp` (as

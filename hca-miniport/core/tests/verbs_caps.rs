@@ -238,6 +238,31 @@ fn inline_sends_through_the_ci_fast_path_carry_exactly_the_granted_size() {
     );
     assert_eq!(poll_all(&w, x, sx.cq)[0].status, WcStatus::Success);
     assert_eq!(target.read(8000, 5), data[..5]);
+    // A wild address behind a good WR (the core gathers each WR's bytes
+    // under the ring lock, after its checks): the good one is posted and
+    // lands, the wild one is refused and nothing of it is posted.
+    target.write(7100, &[0xEE; 4]);
+    assert_eq!(
+        ci_post_send(
+            &w,
+            x,
+            a,
+            vec![
+                inline_wr(9, remote(7000), small),
+                inline_wr(10, remote(7100), wild),
+            ]
+        ),
+        (1, IbStatus::InvalidParameter)
+    );
+    let sent = poll_all(&w, x, sx.cq);
+    assert_eq!(
+        sent.iter()
+            .map(|wc| (wc.wr_id, wc.status))
+            .collect::<Vec<_>>(),
+        [(9, WcStatus::Success)]
+    );
+    assert_eq!(target.read(7000, 5), data[..5]);
+    assert_eq!(target.read(7100, 4), [0xEE; 4]);
 
     for (i, qp) in [(x, a), (y, b)] {
         let r = w.call_in_dpc_at::<DestroyQp>(i, KERNEL, qp, &Empty, 0);
@@ -1106,10 +1131,10 @@ fn the_inline_size_reported_fits_the_largest_send_wqe() {
     w.finish();
 }
 
-/// Batches of inline WRs through the CI fast path, past the batch size
-/// and both sizes of the provider's inline buffer (`SMALL_INLINE` bytes
-/// for a batch carrying little, `MAX_SEND_WQE_BYTES` otherwise): every WR
-/// is posted, completes in order and lands whole.
+/// Posts of 17 inline WRs through the CI fast path (past the provider's
+/// UD batch size; a connected QP's WRs go to the core in one call, which
+/// gathers each WR's bytes into the QP's inline scratch), of 200 bytes
+/// each and of 8: every WR is posted, completes in order and lands whole.
 #[test]
 fn inline_batches_small_and_large_post_every_wr_in_order() {
     const WRS: usize = 17;

@@ -496,7 +496,7 @@ impl<P: Platform> Hca<P> {
         // Software completions first: they precede whatever the device
         // wrote since (restore.rs, fatal.rs); their `wr_id`s were resolved
         // when they were taken off the ring.
-        while polled < wcs.len() {
+        while polled < wcs.len() && !ring.backlog.is_empty() {
             let Some(wc) = ring.backlog.pop_front() else {
                 break;
             };
@@ -529,12 +529,16 @@ impl<P: Platform> Hca<P> {
                 let srq = recv && flags.contains(hca_prm::cqe::CqeFlags::SRQ);
                 let key =
                     u64::from(cqe.wqe_index()) | (u64::from(recv) << 16) | (u64::from(srq) << 17);
-                wcs[polled] = cqe.to_work_completion(key).unwrap_or(WorkCompletion {
-                    wr_id: key,
-                    qp_num: ib_types::scalars::Qpn::from_low_bits(cqe.qpn.get()),
-                    status: WcStatus::GeneralErr,
-                    ..WorkCompletion::EMPTY
-                });
+                // The stand-in for a CQE that does not decode is built
+                // only then (`unwrap_or` would build it for every CQE).
+                wcs[polled] = cqe
+                    .to_work_completion(key)
+                    .unwrap_or_else(|_| WorkCompletion {
+                        wr_id: key,
+                        qp_num: ib_types::scalars::Qpn::from_low_bits(cqe.qpn.get()),
+                        status: WcStatus::GeneralErr,
+                        ..WorkCompletion::EMPTY
+                    });
                 let seq = first_seq + (polled - from_backlog) as u64;
                 resolve_completion(o, handle, &ring.retired, &mut wcs[polled], seq);
                 consumer = consumer.wrapping_add(1);
@@ -554,7 +558,9 @@ impl<P: Platform> Hca<P> {
             // Destroyed QPs whose last CQE is now polled: forgotten
             // (`retain` keeps the vector's memory: no allocation here).
             let next = ring.polled;
-            ring.retired.retain(|r| r.end > next);
+            if !ring.retired.is_empty() {
+                ring.retired.retain(|r| r.end > next);
+            }
         }
         polled
     }

@@ -401,6 +401,10 @@ pub(super) struct SendRing<B> {
     /// Where a kernel post builds a WQE before copying it into the ring:
     /// the QP's largest WQE, allocated with the ring and reused.
     pub(super) scratch: Vec<u8>,
+    /// Where a kernel client's inline bytes are gathered from its SGEs
+    /// before they go into the WQE: `max_inline_data` bytes, allocated
+    /// with the ring and reused.
+    pub(super) inline: Vec<u8>,
 }
 
 impl<B> SendRing<B> {
@@ -410,6 +414,7 @@ impl<B> SendRing<B> {
             ring: None,
             producer: 0,
             scratch: Vec::new(),
+            inline: Vec::new(),
         }
     }
 }
@@ -1134,10 +1139,12 @@ where
             commands
                 .push(Command::new(Opcode::Sw2HwQp, qp.qpn).with_mailbox(qpc.as_bytes().to_vec()));
             let scratch = alloc::vec![0; g.send_wqe_bytes()];
+            let inline = alloc::vec![0; g.caps.max_inline_data as usize];
             {
                 let mut s = qp.sq.lock();
                 s.ring = Some(sq);
                 s.scratch = scratch;
+                s.inline = inline;
             }
             {
                 let mut r = qp.rq.lock();

@@ -14,7 +14,7 @@ use ib_types::mr::MwType;
 use ib_types::qp::{QpState, QpType};
 use ib_types::scalars::Qpn;
 use ib_types::status::IbStatus;
-use ib_types::wr::{RecvWr, SendOp, SendWr, Sge, Transport, WrLimits};
+use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge, Transport, WrLimits};
 use zerocopy::IntoBytes;
 
 use super::Qp;
@@ -35,6 +35,42 @@ pub struct SendRequest<'a> {
     pub av: Option<hca_prm::av::Av>,
     /// The inline data, exactly when `wr.flags` has INLINE.
     pub inline: Option<&'a [u8]>,
+}
+
+/// One send for the core's post loop, by reference (no copy of the WR or
+/// its address vector per step): the WR, its UD destination's address
+/// vector, its inline bytes when the caller gathered them, and whether
+/// they are still behind its SGEs in kernel memory instead (a kernel
+/// client's inline send, [`Hca::post_kernel_sends`]).
+#[derive(Debug, Clone, Copy)]
+struct PostItem<'r, 'a> {
+    wr: &'r SendWr<'a>,
+    av: Option<&'r hca_prm::av::Av>,
+    inline: Option<&'r [u8]>,
+    gather_inline: bool,
+}
+
+/// Reads the bytes `sges` name (kernel virtual addresses of resident
+/// memory) through `reader`, concatenated into the front of `out`; returns
+/// how many. [`IbStatus::InvalidParameter`] if they do not fit `out` or an
+/// address is not kernel memory (then `out` holds nothing to use).
+fn gather<L: MemoryLocker>(reader: &L, sges: &[Sge], out: &mut [u8]) -> Result<usize, IbStatus> {
+    let mut at: usize = 0;
+    for sge in sges {
+        let len = sge.length.get() as usize;
+        if len == 0 {
+            // Nothing to read: its address is never looked at.
+            continue;
+        }
+        let Some(dest) = at.checked_add(len).and_then(|end| out.get_mut(at..end)) else {
+            return Err(IbStatus::InvalidParameter);
+        };
+        reader
+            .read_kernel(sge.addr.get(), dest)
+            .map_err(|_| IbStatus::InvalidParameter)?;
+        at += len;
+    }
+    Ok(at)
 }
 
 /// The transport a QP type's WRs are checked against.
@@ -74,24 +110,18 @@ impl<P: Platform> Hca<P> {
         if total == 0 {
             return Ok(0);
         }
-        let reader = self
-            .verbs
+        let reader = self.kernel_reader()?;
+        gather(&*reader, sges, out)
+    }
+
+    /// The kernel memory access the shell installed
+    /// ([`Hca::set_kernel_locker`]); [`IbStatus::InvalidState`] without one.
+    fn kernel_reader(&self) -> Result<alloc::sync::Arc<P::Locker>, IbStatus> {
+        self.verbs
             .kernel_locker
             .lock()
             .clone()
-            .ok_or(IbStatus::InvalidState)?;
-        let mut at = 0;
-        for sge in sges {
-            let len = sge.length.get() as usize;
-            let Some(dest) = out.get_mut(at..at + len) else {
-                return Err(IbStatus::InvalidParameter);
-            };
-            reader
-                .read_kernel(sge.addr.get(), dest)
-                .map_err(|_| IbStatus::InvalidParameter)?;
-            at += len;
-        }
-        Ok(at)
+            .ok_or(IbStatus::InvalidState)
     }
 
     /// Posts send work requests to the kernel QP `qp` (guide 8.1.1, PRM
@@ -112,16 +142,49 @@ impl<P: Platform> Hca<P> {
     /// [`IbStatus::InvalidMwHandle`], one whose new key is not the
     /// window's MPT index [`IbStatus::InvalidRkey`].
     pub fn post_send(&self, qp: u64, wrs: &[SendRequest<'_>]) -> (usize, IbStatus) {
-        self.post_send_each(qp, wrs.iter().copied())
+        self.post_items(
+            qp,
+            wrs.iter().map(|request| PostItem {
+                wr: &request.wr,
+                av: request.av.as_ref(),
+                inline: request.inline,
+                gather_inline: false,
+            }),
+        )
     }
 
-    /// [`post_send`](Self::post_send) of the requests `wrs` yields (read
-    /// twice: once for the windows of bind WRs, once to post), so a
-    /// caller that builds requests as it goes ([`crate::ci::CiProvider`])
-    /// needs no array of them.
-    pub fn post_send_each<'a, I>(&self, qp: u64, wrs: I) -> (usize, IbStatus)
+    /// Posts a kernel client's send WRs as the CI takes them
+    /// ([`crate::ci::CiProvider::post_send`]), each with its UD
+    /// destination's address vector (resolved by the caller; `None` on a
+    /// connected QP): as [`post_send`](Self::post_send), except that an
+    /// INLINE WR's SGEs are kernel virtual addresses of resident memory
+    /// whose bytes the core reads under the ring lock, after the WR's
+    /// checks, into the QP's inline scratch and from there into the WQE
+    /// (no stack buffer zeroed per call, no copy through the caller).
+    /// Without the shell's kernel memory access an inline WR is refused
+    /// with [`IbStatus::InvalidState`]; an address that is not kernel
+    /// memory with [`IbStatus::InvalidParameter`]. Callable at
+    /// DISPATCH_LEVEL; no allocation.
+    pub fn post_kernel_sends<'r, 'a: 'r, I>(&self, qp: u64, wrs: I) -> (usize, IbStatus)
     where
-        I: Iterator<Item = SendRequest<'a>> + Clone,
+        I: Iterator<Item = (&'r SendWr<'a>, Option<&'r hca_prm::av::Av>)> + Clone,
+    {
+        self.post_items(
+            qp,
+            wrs.map(|(wr, av)| PostItem {
+                wr,
+                av,
+                inline: None,
+                gather_inline: wr.flags.contains(SendFlags::INLINE),
+            }),
+        )
+    }
+
+    /// The post loop of [`post_send`](Self::post_send) and
+    /// [`post_kernel_sends`](Self::post_kernel_sends).
+    fn post_items<'r, 'a: 'r, I>(&self, qp: u64, wrs: I) -> (usize, IbStatus)
+    where
+        I: Iterator<Item = PostItem<'r, 'a>> + Clone,
     {
         let qp = match self.find_qp(qp, RequestorMode::Kernel) {
             Ok(qp) => qp,
@@ -135,18 +198,30 @@ impl<P: Platform> Hca<P> {
         // The windows that bind WRs name, resolved before the ring lock
         // (the object-table lock is never taken under a ring lock); no
         // allocation for batches without a bind.
-        let windows: Vec<Option<Result<BindTarget, IbStatus>>> = if wrs
-            .clone()
-            .any(|r| matches!(r.wr.op, SendOp::BindMw { .. }))
-        {
+        let (mut binds, mut gathers) = (false, false);
+        for item in wrs.clone() {
+            binds |= matches!(item.wr.op, SendOp::BindMw { .. });
+            gathers |= item.gather_inline;
+        }
+        let windows: Vec<Option<Result<BindTarget, IbStatus>>> = if binds {
             wrs.clone()
-                .map(|r| match r.wr.op {
+                .map(|item| match item.wr.op {
                     SendOp::BindMw { mw, .. } => Some(self.window_for_bind(mw.raw())),
                     _ => None,
                 })
                 .collect()
         } else {
             Vec::new()
+        };
+        // The kernel memory access for inline WRs, taken before the ring
+        // lock (its own lock is never taken under a ring lock).
+        let reader = if gathers {
+            match self.kernel_reader() {
+                Ok(reader) => Some(reader),
+                Err(status) => return (0, status),
+            }
+        } else {
+            None
         };
         let ring_bbs = 1u32 << g.sq_log_bbs;
         let ring_bytes = BB_SIZE << g.sq_log_bbs;
@@ -162,7 +237,11 @@ impl<P: Platform> Hca<P> {
         // every byte of a WQE is written (`SendWqe::emit`), so nothing is
         // zeroed per call.
         let mut wqe = core::mem::take(&mut sq.scratch);
-        for (i, request) in wrs.enumerate() {
+        // Likewise its inline scratch, `max_inline_data` long: a kernel
+        // client's inline bytes are gathered into it.
+        let mut inline_bytes = core::mem::take(&mut sq.inline);
+        for (i, item) in wrs.enumerate() {
+            let wr = item.wr;
             if qp.closing.load(Ordering::Acquire) {
                 status = IbStatus::InvalidQpHandle;
                 break;
@@ -171,14 +250,14 @@ impl<P: Platform> Hca<P> {
                 status = IbStatus::InvalidQpState;
                 break;
             }
-            if let Err(error) = request.wr.validate(transport(qp.qp_type), &limits) {
+            if let Err(error) = wr.validate(transport(qp.qp_type), &limits) {
                 status = error.status();
                 break;
             }
             // A bind names a live window, and its new key that window's
             // MPT index (`verbs::mw`); the bind segment carries its type.
             // A type 1 bind's key must differ from the last bind's.
-            let (bind_type, new_bind_key) = match (request.wr.op, windows.get(i)) {
+            let (bind_type, new_bind_key) = match (wr.op, windows.get(i)) {
                 (SendOp::BindMw { rkey, .. }, Some(Some(window))) => match window {
                     Ok(target) if rkey.get() >> 8 == target.index => {
                         let rkey = rkey.get();
@@ -200,14 +279,25 @@ impl<P: Platform> Hca<P> {
                 },
                 _ => (None, None),
             };
-            let index = sq.producer as u16;
-            let built = SendWqe::from_wr(&request.wr, request.av.as_ref(), index, request.inline)
-                .and_then(|mut w| {
-                    if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
-                        bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
+            // After the checks: the WR's inline length is within the QP's
+            // `max_inline_data`, which the scratch holds.
+            let inline = match (&reader, item.gather_inline) {
+                (Some(reader), true) => match gather(&**reader, wr.sg_list, &mut inline_bytes) {
+                    Ok(len) => Some(&inline_bytes[..len]),
+                    Err(error) => {
+                        status = error;
+                        break;
                     }
-                    w.emit(&mut wqe)
-                });
+                },
+                _ => item.inline,
+            };
+            let index = sq.producer as u16;
+            let built = SendWqe::from_wr(wr, item.av, index, inline).and_then(|mut w| {
+                if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
+                    bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
+                }
+                w.emit(&mut wqe)
+            });
             let len = match built {
                 Ok(len) => len,
                 Err(_) => {
@@ -240,11 +330,12 @@ impl<P: Platform> Hca<P> {
             write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe[..len]);
             // Read by poll without this lock (`Completions`): stored before
             // the doorbell (its release fence) makes the WQE visible.
-            shadow.record(sq.producer, request.wr.wr_id, bbs);
+            shadow.record(sq.producer, wr.wr_id, bbs);
             sq.producer = sq.producer.wrapping_add(bbs);
             posted += 1;
         }
         sq.scratch = wqe;
+        sq.inline = inline_bytes;
         if posted > 0 {
             self.ring_sq(&qp, sq.producer);
         }
