@@ -27,6 +27,14 @@
 //!   ([`AddressSpace::read`], [`AddressSpace::write`]) outside allocations,
 //!   or writes to read-only ones, are refused with a [`MemoryError`] and
 //!   touch nothing.
+//! - A user space may also **adopt** pages of this OS process's own memory
+//!   (`Process::adopt`, an application's buffer for a memory
+//!   registration): they join the space at their own addresses and work as
+//!   an allocation's pages do, but the application owns them (the
+//!   simulator never frees them, `memory/adopted.rs` holds the one
+//!   `unsafe` and its contract); overlapping adoptions of a page are
+//!   counted, adoptions touching the simulator's own memory are refused,
+//!   and releasing one is refused while a lock or a mapping holds a page.
 //! - User address spaces live below `0x8000_0000_0000` (host addresses of
 //!   this Linux process), the kernel's at [`KERNEL_VA_BASE`] and above, and
 //!   device bus addresses ([`crate::dma`]) in the non-canonical range
@@ -49,6 +57,7 @@ use ib_types::status::NtStatus;
 
 use crate::verifier::{Verifier, ViolationKind};
 
+mod adopted;
 mod frame;
 
 use frame::Side;
@@ -270,6 +279,34 @@ pub enum MemoryError {
     /// The process has exited; its address space is gone.
     #[error("the process has exited")]
     ProcessExited,
+    /// An adoption whose pages overlap memory the simulator owns in the
+    /// space (an allocation, its guard page, a freed allocation's or a
+    /// device mapping's reserved address).
+    #[error("{len} bytes at {va:#x} overlap the simulator's own memory")]
+    OverlapsSimulatorMemory {
+        /// Start of the range given.
+        va: u64,
+        /// Bytes of the range given.
+        len: usize,
+    },
+    /// A release of pages that are not (all) adopted.
+    #[error("{len} bytes at {va:#x} are not (all) adopted")]
+    NotAdopted {
+        /// Start of the range given.
+        va: u64,
+        /// Bytes of the range given.
+        len: usize,
+    },
+    /// A release that would drop an adopted page an MDL lock or a DMA
+    /// mapping still holds (a registered buffer's pages belong to the
+    /// registration until it is gone).
+    #[error("{len} bytes at {va:#x} include adopted pages still locked or mapped")]
+    AdoptedPagesInUse {
+        /// Start of the range given.
+        va: u64,
+        /// Bytes of the range given.
+        len: usize,
+    },
 }
 
 impl From<MemoryError> for NtStatus {
@@ -278,9 +315,11 @@ impl From<MemoryError> for NtStatus {
             MemoryError::Unmapped { .. } | MemoryError::ReadOnly { .. } => {
                 crate::dma::STATUS_ACCESS_VIOLATION
             }
-            MemoryError::NotAnAllocation { .. } | MemoryError::ZeroLength => {
-                NtStatus::INVALID_PARAMETER
-            }
+            MemoryError::NotAnAllocation { .. }
+            | MemoryError::ZeroLength
+            | MemoryError::OverlapsSimulatorMemory { .. }
+            | MemoryError::NotAdopted { .. } => NtStatus::INVALID_PARAMETER,
+            MemoryError::AdoptedPagesInUse { .. } => NtStatus::DEVICE_BUSY,
             MemoryError::Exhausted => NtStatus::INSUFFICIENT_RESOURCES,
             MemoryError::ProcessExited => NtStatus::INVALID_DEVICE_STATE,
         }
@@ -304,6 +343,18 @@ struct Allocation {
     /// Paged pool: may be paged out, so touching or locking it is for
     /// APC_LEVEL and below.
     pageable: bool,
+    /// Whose memory it is.
+    origin: Origin,
+}
+
+/// Whose memory an allocation is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// The simulator's own frames (`alloc`).
+    Simulator,
+    /// One page of the application's memory, adopted this many times
+    /// (overlapping adoptions of one page share it).
+    Adopted { adoptions: usize },
 }
 
 impl Allocation {
@@ -521,6 +572,7 @@ impl AddressSpace {
                 pages: Arc::clone(&pages),
                 protection,
                 pageable,
+                origin: Origin::Simulator,
             },
         );
         Ok((va, pages))
@@ -533,6 +585,15 @@ impl AddressSpace {
         let mut map = write_lock(&self.shared.map);
         if map.closed {
             return Err(MemoryError::ProcessExited);
+        }
+        // Adopted pages are the application's: they leave the space by
+        // `release_adoption`, never by a free.
+        if map
+            .allocations
+            .get(&va)
+            .is_none_or(|alloc| alloc.origin != Origin::Simulator)
+        {
+            return Err(MemoryError::NotAnAllocation { va });
         }
         let freed = map
             .allocations
@@ -675,9 +736,144 @@ impl AddressSpace {
             .collect()
     }
 
-    /// Live allocations.
+    /// Live allocations (adopted pages not counted).
     pub fn allocation_count(&self) -> usize {
-        read_lock(&self.shared.map).allocations.len()
+        read_lock(&self.shared.map)
+            .allocations
+            .values()
+            .filter(|alloc| alloc.origin == Origin::Simulator)
+            .count()
+    }
+
+    /// Pages of the application's memory adopted now.
+    pub fn adopted_page_count(&self) -> usize {
+        read_lock(&self.shared.map)
+            .allocations
+            .values()
+            .filter(|alloc| alloc.origin != Origin::Simulator)
+            .count()
+    }
+
+    /// Adopts the whole pages around `addr..addr+len` of this OS process's
+    /// memory into this user space (see [`Process::adopt`]); returns the
+    /// first page's address. All or nothing.
+    ///
+    /// # Safety
+    /// As [`Process::adopt`].
+    unsafe fn adopt(&self, addr: *mut u8, len: usize) -> Result<u64, MemoryError> {
+        let va = addr.addr() as u64;
+        let pages = adoption_pages(va, len)?;
+        let mut map = write_lock(&self.shared.map);
+        if map.closed {
+            return Err(MemoryError::ProcessExited);
+        }
+        let Placement::Host { retired } = &map.placement else {
+            // Only a process adopts, and a process's space is host-placed.
+            return Err(MemoryError::Unmapped { va, len });
+        };
+        let wanted = (pages.start * PAGE_SIZE)..(pages.end * PAGE_SIZE);
+        let overlaps = |run: &frame::FrameRun| {
+            let taken = run.host_range();
+            taken.start < wanted.end && wanted.start < taken.end
+        };
+        let simulator_owned = map
+            .allocations
+            .values()
+            .filter(|alloc| alloc.origin == Origin::Simulator)
+            .filter_map(|alloc| alloc.pages.first())
+            .any(|page| overlaps(&page.run))
+            || retired.iter().any(|run| overlaps(run))
+            || map
+                .device_maps
+                .values()
+                .filter_map(|device| device.reservation.as_deref())
+                .any(overlaps);
+        if simulator_owned {
+            return Err(MemoryError::OverlapsSimulatorMemory { va, len });
+        }
+        // The provenance of `addr` covers the application's buffer; the
+        // frames rebuild pointers to its pages from their addresses.
+        let _ = addr.expose_provenance();
+        // Pages not adopted yet, in runs of adjacent ones (one run per
+        // stretch, so a device copy within a stretch needs no buffer).
+        let mut fresh: Vec<std::ops::Range<usize>> = Vec::new();
+        for page_no in pages.clone() {
+            let page_va = (page_no * PAGE_SIZE) as u64;
+            match map.allocations.get_mut(&page_va) {
+                Some(Allocation {
+                    origin: Origin::Adopted { adoptions },
+                    ..
+                }) => *adoptions += 1,
+                _ => match fresh.last_mut() {
+                    Some(stretch) if stretch.end == page_no => stretch.end += 1,
+                    _ => fresh.push(page_no..page_no + 1),
+                },
+            }
+        }
+        for stretch in fresh {
+            // SAFETY: the caller promised `Process::adopt`'s contract for
+            // every page around `addr..addr+len`, which is the contract of
+            // `AdoptedFrames::new`; `stretch` lies in them, page aligned
+            // and not zero (`adoption_pages`), and none of its pages is a
+            // frame of this space (checked above).
+            let frames =
+                unsafe { adopted::AdoptedFrames::new(stretch.start * PAGE_SIZE, stretch.len()) };
+            let run = Arc::new(frame::FrameRun::adopted(frames));
+            for (index, page) in pages_of_run(&run, stretch.len()).iter().enumerate() {
+                map.allocations.insert(
+                    ((stretch.start + index) * PAGE_SIZE) as u64,
+                    Allocation {
+                        pages: Arc::from([Arc::clone(page)]),
+                        protection: Protection::ReadWrite,
+                        pageable: false,
+                        origin: Origin::Adopted { adoptions: 1 },
+                    },
+                );
+            }
+        }
+        Ok((pages.start * PAGE_SIZE) as u64)
+    }
+
+    /// Ends one adoption of the whole pages around `va..va+len` (see
+    /// [`Process::release_adoption`]). All or nothing.
+    fn release_adoption(&self, va: u64, len: usize) -> Result<(), MemoryError> {
+        let pages = adoption_pages(va, len)?;
+        let mut map = write_lock(&self.shared.map);
+        if map.closed {
+            return Err(MemoryError::ProcessExited);
+        }
+        // Validate every page first, so a refusal changes nothing.
+        for page_no in pages.clone() {
+            match map.allocations.get(&((page_no * PAGE_SIZE) as u64)) {
+                Some(Allocation {
+                    origin: Origin::Adopted { adoptions },
+                    pages: held,
+                    ..
+                }) => {
+                    // The last adoption of a page an MDL or an IOMMU
+                    // entry still reaches: the registration holds it.
+                    let in_use = held.iter().any(|page| Arc::strong_count(page) > 1);
+                    if *adoptions == 1 && in_use {
+                        return Err(MemoryError::AdoptedPagesInUse { va, len });
+                    }
+                }
+                _ => return Err(MemoryError::NotAdopted { va, len }),
+            }
+        }
+        for page_no in pages {
+            let page_va = (page_no * PAGE_SIZE) as u64;
+            if let Some(Allocation {
+                origin: Origin::Adopted { adoptions },
+                ..
+            }) = map.allocations.get_mut(&page_va)
+            {
+                *adoptions -= 1;
+                if *adoptions == 0 {
+                    map.allocations.remove(&page_va);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Drops every allocation and refuses all later use; returns the pages
@@ -762,6 +958,25 @@ impl AddressSpace {
     }
 }
 
+/// The page numbers (address / [`PAGE_SIZE`]) covering `va..va+len`, for an
+/// adoption: non-empty, not page 0, within the user range.
+fn adoption_pages(va: u64, len: usize) -> Result<std::ops::Range<usize>, MemoryError> {
+    if len == 0 {
+        return Err(MemoryError::ZeroLength);
+    }
+    let unmapped = MemoryError::Unmapped { va, len };
+    let end = va
+        .checked_add(len as u64)
+        .filter(|&end| end <= USER_VA_LIMIT)
+        .ok_or(unmapped)?;
+    let first = usize::try_from(va / PAGE_BYTES).map_err(|_| unmapped)?;
+    let last = usize::try_from(end.div_ceil(PAGE_BYTES)).map_err(|_| unmapped)?;
+    if first == 0 {
+        return Err(unmapped);
+    }
+    Ok(first..last)
+}
+
 /// A page of device memory (a BAR page) as a process sees it through a
 /// mapping: stores go to the device.
 pub trait DevicePage: Send + Sync + fmt::Debug {
@@ -842,6 +1057,57 @@ impl Process {
     /// Frees the allocation at `va` (see [`AddressSpace::free`]).
     pub fn free(&self, va: u64) -> Result<(), MemoryError> {
         self.space.free(va)
+    }
+
+    /// Adopts the application's own memory: the whole pages around
+    /// `addr..addr+len`, which this OS process (the program the simulated
+    /// process stands for) allocated itself, become pages of this
+    /// process's space at their own addresses, so the address is the
+    /// pointer, as for [`alloc`](Self::alloc). Reads, writes, MDL locks,
+    /// DMA mappings and the device's accesses work on them exactly as on
+    /// an allocation (read-write, non-paged); the simulator never frees
+    /// them. Returns the first page's address.
+    ///
+    /// Adopting pages already adopted counts one more adoption of each
+    /// (two registrations of buffers sharing a page share it); a range
+    /// touching memory the simulator owns in this space (an allocation,
+    /// its guard page, a freed allocation's or a device mapping's
+    /// reserved address) is refused with
+    /// [`MemoryError::OverlapsSimulatorMemory`] and adopts nothing. Pages
+    /// leave the space when their last adoption is released
+    /// ([`release_adoption`](Self::release_adoption)) or the process
+    /// exits.
+    ///
+    /// # Safety
+    /// - The whole pages around `addr..addr+len` are mapped readable and
+    ///   writable in this OS process and stay so (never freed, unmapped or
+    ///   protected) until they leave the space and nothing reaches them:
+    ///   until the release of their last adoption succeeds (it is refused
+    ///   while an MDL lock or a DMA mapping holds a page) or, when the
+    ///   process exits first, until every lock and mapping of them is
+    ///   gone ([`exit`](Self::exit) counts the locked pages).
+    /// - They are not memory of the simulator (another space's
+    ///   allocation, a common buffer, pool).
+    /// - The program touches the bytes a device may access only as verbs
+    ///   allow (not while a work request using them is outstanding), so
+    ///   its plain accesses never race with the device's atomic ones.
+    ///   Bytes of those pages outside the range are never touched unless
+    ///   a caller names them.
+    pub unsafe fn adopt(&self, addr: *mut u8, len: usize) -> Result<u64, MemoryError> {
+        // SAFETY: the caller promised this function's contract, which is
+        // `AddressSpace::adopt`'s.
+        unsafe { self.space.adopt(addr, len) }
+    }
+
+    /// Ends one adoption of the whole pages around `va..va+len`: a page
+    /// whose last adoption ends leaves the space (CPU accesses and locks
+    /// there fail from now on). Refused, changing nothing, with
+    /// [`MemoryError::NotAdopted`] if a page is not adopted, or
+    /// [`MemoryError::AdoptedPagesInUse`] if it would drop a page an MDL
+    /// lock or a DMA mapping still holds (`VirtualFree` of a registered
+    /// buffer: the registration holds its pages until it is gone).
+    pub fn release_adoption(&self, va: u64, len: usize) -> Result<(), MemoryError> {
+        self.space.release_adoption(va, len)
     }
 
     /// CPU read in this process (see [`AddressSpace::read`]).

@@ -34,7 +34,9 @@
 //!   followed (each word an acquire load).
 //!
 //! This module has no `unsafe`: the words are atomics, and alignment comes
-//! from the type.
+//! from the type. A run may also stand for pages of the application's own
+//! memory (`super::adopted`, where the one `unsafe` of this memory model
+//! lives and argues why such a page may be viewed as a `Frame`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -82,14 +84,26 @@ pub(crate) struct Frame {
 }
 
 /// Frames allocated together (the pages of one allocation): one aligned,
-/// zeroed allocation instead of one per page. It is freed when no page of
-/// it is reachable any more.
-pub(crate) struct FrameRun(Box<[Frame]>);
+/// zeroed allocation instead of one per page, freed when no page of it is
+/// reachable any more; or pages of the application's own memory adopted
+/// into a user space (`super::adopted`), which the run never frees.
+pub(crate) struct FrameRun(Frames);
+
+enum Frames {
+    /// The simulator's own frames.
+    Owned(Box<[Frame]>),
+    /// The application's pages.
+    Adopted(super::adopted::AdoptedFrames),
+}
 
 impl std::fmt::Debug for FrameRun {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Not the address: debug output stays the same from run to run.
-        write!(f, "FrameRun({} frames)", self.0.len())
+        let kind = match self.0 {
+            Frames::Owned(_) => "",
+            Frames::Adopted(_) => "adopted, ",
+        };
+        write!(f, "FrameRun({kind}{} frames)", self.len())
     }
 }
 
@@ -102,17 +116,35 @@ impl FrameRun {
                     .unwrap_or(std::alloc::Layout::new::<Frame>()),
             )
         });
-        Self(frames)
+        Self(Frames::Owned(frames))
+    }
+
+    /// A run over adopted application pages (see `super::adopted`).
+    pub(crate) fn adopted(frames: super::adopted::AdoptedFrames) -> Self {
+        Self(Frames::Adopted(frames))
     }
 
     /// Frame `index`, if the run has it.
     pub(crate) fn get(&self, index: usize) -> Option<&Frame> {
-        self.0.get(index)
+        match &self.0 {
+            Frames::Owned(frames) => frames.get(index),
+            Frames::Adopted(frames) => frames.get(index),
+        }
     }
 
     /// Frames in the run.
     pub(crate) fn len(&self) -> usize {
-        self.0.len()
+        match &self.0 {
+            Frames::Owned(frames) => frames.len(),
+            Frames::Adopted(frames) => frames.len(),
+        }
+    }
+
+    /// Host address of the first frame and the run's bytes: the addresses
+    /// the run occupies (its guard frame included, if it has one).
+    pub(crate) fn host_range(&self) -> std::ops::Range<usize> {
+        let start = self.get(0).map_or(0, Frame::address);
+        start..start + self.len() * PAGE_SIZE
     }
 }
 
