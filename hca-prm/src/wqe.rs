@@ -1488,6 +1488,164 @@ impl<'a> PreparedSendWqe<'a> {
     }
 }
 
+/// The longest inline data [`SendWqe::prepare_common`] takes: with a
+/// remote address segment the WQE is then 255 segments, the most `size16`
+/// counts, so a common WQE is never too long.
+pub const COMMON_INLINE_MAX: usize = MAX_SEND_WQE_BYTES - 2 * SEG_SIZE - 4;
+
+/// The payload of a [`CommonSendWqe`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum CommonPayload<'a> {
+    /// No data segment, or one.
+    Gather(Option<Sge>),
+    /// Inline data (at most [`COMMON_INLINE_MAX`] bytes).
+    Inline(&'a [u8]),
+}
+
+/// A send WQE of the common shapes (RC or UC SEND, SEND with immediate,
+/// RDMA WRITE, RDMA WRITE with immediate; inline, or at most one data
+/// segment), built by the specialised encoder [`SendWqe::prepare_common`]:
+/// no UD address, bind or atomic operands to branch over, and no error
+/// left to report. Its words are those [`SendWqe::prepare`] gives for the
+/// same request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CommonSendWqe<'a> {
+    /// The control segment's first word (opcode, flags, `size16`,
+    /// `wqe_index`).
+    ctrl: u64,
+    /// Its `imm` field as a little-endian value.
+    imm: u32,
+    /// The remote address segment's two words (RDMA WRITE).
+    remote: Option<[u64; 2]>,
+    payload: CommonPayload<'a>,
+    len: usize,
+}
+
+impl<'a> SendWqe<'a> {
+    /// The specialised encoder: the WQE of a request of a common shape —
+    /// SEND, SEND with immediate, RDMA WRITE or RDMA WRITE with immediate,
+    /// with no UD destination and no address vector, and either inline
+    /// (INLINE, `inline` given, one SGE of the inline data's length, at
+    /// most [`COMMON_INLINE_MAX`] bytes) or with at most one SGE (no
+    /// INLINE, no `inline`). `None` for any other request, which
+    /// [`prepare`](Self::prepare) handles (and refuses with its error when
+    /// it is bad): a request of these shapes passes every check `prepare`
+    /// makes, so this one makes none, and its words are `prepare`'s.
+    #[inline(always)]
+    pub fn prepare_common(
+        wr: &SendWr<'a>,
+        av: Option<&Av>,
+        wqe_index: u16,
+        inline: Option<&'a [u8]>,
+    ) -> Option<CommonSendWqe<'a>> {
+        if wr.ud.is_some() || av.is_some() {
+            return None;
+        }
+        let (opcode, imm, remote) = match wr.op {
+            SendOp::Send => (WqeOpcode::Send, 0, None),
+            SendOp::SendWithImm { imm } => {
+                (WqeOpcode::SendImm, u32::from_le_bytes(imm.to_bytes()), None)
+            }
+            SendOp::RdmaWrite { remote } => (WqeOpcode::RdmaWrite, 0, Some(remote)),
+            SendOp::RdmaWriteWithImm { remote, imm } => (
+                WqeOpcode::RdmaWriteImm,
+                u32::from_le_bytes(imm.to_bytes()),
+                Some(remote),
+            ),
+            _ => return None,
+        };
+        let payload = match (wr.flags.contains(SendFlags::INLINE), inline, wr.sg_list) {
+            (true, Some(data), [sge])
+                if data.len() <= COMMON_INLINE_MAX && sge.length.get() as usize == data.len() =>
+            {
+                CommonPayload::Inline(data)
+            }
+            (false, None, []) => CommonPayload::Gather(None),
+            (false, None, [sge]) => CommonPayload::Gather(Some(*sge)),
+            _ => return None,
+        };
+        let mut len = SEG_SIZE;
+        if remote.is_some() {
+            len += size_of::<RemoteAddrSeg>();
+        }
+        len += match payload {
+            CommonPayload::Gather(sge) => usize::from(sge.is_some()) * SEG_SIZE,
+            CommonPayload::Inline(data) => inline_seg_len(data.len()),
+        };
+        // At most 255 segments: COMMON_INLINE_MAX's bound.
+        let size16 = (len / SEG_SIZE) as u8;
+        Some(CommonSendWqe {
+            ctrl: u64::from(opcode.code())
+                | u64::from(WqeFlags::from_send_flags(wr.flags).bits()) << 8
+                | u64::from(size16) << 16
+                | u64::from(wqe_index) << 32,
+            imm,
+            remote: remote.map(|r| [r.addr, u64::from(r.rkey.get())]),
+            payload,
+            len,
+        })
+    }
+}
+
+impl CommonSendWqe<'_> {
+    /// Its length in bytes (a multiple of 16, at most
+    /// [`MAX_SEND_WQE_BYTES`]).
+    #[inline]
+    pub const fn byte_len(&self) -> usize {
+        self.len
+    }
+
+    /// Writes the WQE as `store(index, word)` for each of its
+    /// little-endian 64-bit words in ascending order, as
+    /// [`PreparedSendWqe::emit_words`] does, with no room check: the
+    /// caller has checked [`byte_len`](Self::byte_len) against its room.
+    #[inline(always)]
+    pub fn emit_words(&self, mut store: impl FnMut(usize, u64)) {
+        store(0, self.ctrl);
+        store(1, u64::from(self.imm));
+        let mut at = 2;
+        if let Some([addr, rkey]) = self.remote {
+            store(2, addr);
+            store(3, rkey);
+            at = 4;
+        }
+        match self.payload {
+            CommonPayload::Gather(None) => {}
+            CommonPayload::Gather(Some(sge)) => {
+                store(at, sge.addr.get());
+                store(
+                    at + 1,
+                    u64::from(sge.length.get()) | u64::from(sge.lkey.get()) << 32,
+                );
+            }
+            CommonPayload::Inline(data) => {
+                // At most COMMON_INLINE_MAX bytes: the length fits 31 bits.
+                let header = data.len() as u32 | INLINE_BIT;
+                let (head, rest) = data.split_at(data.len().min(4));
+                store(at, u64::from(header) | partial_word(head) << 32);
+                let end = at + inline_seg_len(data.len()) / WORD;
+                at += 1;
+                let mut chunks = rest.chunks_exact(WORD);
+                for chunk in &mut chunks {
+                    if let Some(full) = chunk.first_chunk::<WORD>() {
+                        store(at, u64::from_le_bytes(*full));
+                    }
+                    at += 1;
+                }
+                let tail = chunks.remainder();
+                if !tail.is_empty() {
+                    store(at, partial_word(tail));
+                    at += 1;
+                }
+                // The segment's padding: at most one word.
+                if at < end {
+                    store(at, 0);
+                }
+            }
+        }
+    }
+}
+
 /// Sequential writer over an output slice whose length was checked first.
 struct Writer<'a> {
     out: &'a mut [u8],
@@ -2493,7 +2651,45 @@ pub(crate) mod tests {
             let got = SendWqe::prepare(&wr, av.as_ref(), owned.wqe_index, inline.as_deref())
                 .and_then(|p| p.emit_words(room, |_, w| words.extend_from_slice(&w.to_le_bytes())))
                 .map(|_| words.clone());
-            prop_assert_eq!(got, expected);
+            prop_assert_eq!(&got, &expected);
+            // The specialised encoder, where it takes the request, gives
+            // the same bytes (and so never takes one the checks refuse).
+            if let Some(common) =
+                SendWqe::prepare_common(&wr, av.as_ref(), owned.wqe_index, inline.as_deref())
+            {
+                let mut common_words = Vec::new();
+                common.emit_words(|i, w| {
+                    assert_eq!(i, common_words.len() / 8, "words in order, each once");
+                    common_words.extend_from_slice(&w.to_le_bytes());
+                });
+                prop_assert_eq!(common.byte_len(), common_words.len());
+                let mut unbounded = vec![0u8; MAX_SEND_WQE_BYTES];
+                let general = build_send_wqe(&wr, av.as_ref(), owned.wqe_index, inline.as_deref(), &mut unbounded)
+                    .map(|len| unbounded[..len].to_vec());
+                prop_assert_eq!(Ok(common_words), general);
+            }
+        }
+
+        /// The specialised encoder takes every request of its shapes (RC
+        /// and UC SEND and RDMA WRITE, with or without immediate, inline or
+        /// with at most one SGE), so the equality above is tested on them.
+        #[test]
+        fn prepare_common_takes_its_shapes(owned in any_wqe()) {
+            let inline_len = owned.inline.as_ref().map_or(0, Vec::len) as u32;
+            let Some(wr) = to_wr(&owned, &[Sge::new(0x4000, inline_len, KEY)]) else {
+                return Ok(());
+            };
+            let common_op = matches!(
+                owned.op,
+                WqeOp::Send | WqeOp::SendImm { .. } | WqeOp::RdmaWrite { .. } | WqeOp::RdmaWriteImm { .. }
+            );
+            let common_shape = owned.transport != Transport::Ud
+                && common_op
+                && (owned.inline.is_some() || owned.sges.len() <= 1);
+            let av = owned.ud.map(|ud| ud.av);
+            let common =
+                SendWqe::prepare_common(&wr, av.as_ref(), owned.wqe_index, owned.inline.as_deref());
+            prop_assert_eq!(common.is_some(), common_shape);
         }
 
         #[test]

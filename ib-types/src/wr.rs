@@ -529,6 +529,7 @@ impl SendWr<'_> {
     /// Checks the request against the QP's transport and limits; returns the
     /// total message length. Checks run in a fixed order and the first
     /// failure is reported.
+    #[inline]
     pub const fn validate(&self, transport: Transport, limits: &WrLimits) -> Result<u32, WrError> {
         let opcode = self.op.opcode();
         // IBA 11.4.1.1 "Post Send Request": the operation must be one the

@@ -24,7 +24,7 @@ use ib_types::scalars::Qpn;
 use ib_types::wr::{RecvWr, SendOp, SendWr, Transport, WrLimits};
 
 use crate::cq::Cq;
-use crate::dma::{DmaBuffer, Record};
+use crate::dma::{DmaBuffer, Record, RingWords};
 use crate::error::{PostError, PostErrorKind};
 use crate::mmio::UarPage;
 use crate::queue::{BeforeReset, Directory, QueueRestart, WorkQueueShared};
@@ -206,46 +206,65 @@ impl SendQueue {
 
     /// Validates one WQE, then writes it word by word straight into the
     /// ring at the producer counter (nothing of it is written unless it
-    /// is valid and fits).
+    /// is valid and fits). A request of a common shape takes the
+    /// specialised encoder ([`SendWqe::prepare_common`]), any other the
+    /// general one.
     #[inline]
     fn write_wqe(&mut self, request: &SendRequest<'_>) -> Result<(), PostErrorKind> {
         request.wr.validate(self.transport, &self.limits)?;
+        let index = self.producer as u16;
+        if let Some(wqe) =
+            SendWqe::prepare_common(&request.wr, request.av.as_ref(), index, request.inline)
+        {
+            return self.store_wqe(wqe.byte_len(), request.wr.wr_id, |ring, first| {
+                wqe.emit_words(|i, word| ring.store(first + i, word));
+            });
+        }
         let stride = self.stride;
-        let too_large = |bytes| PostErrorKind::WqeTooLarge { bytes, stride };
-        let mut wqe = SendWqe::prepare(
-            &request.wr,
-            request.av.as_ref(),
-            self.producer as u16,
-            request.inline,
-        )
-        .map_err(|e| match e {
-            WqeError::TooLong { bytes } => too_large(bytes),
-            other => PostErrorKind::Wqe(other),
-        })?;
+        let mut wqe = SendWqe::prepare(&request.wr, request.av.as_ref(), index, request.inline)
+            .map_err(|e| match e {
+                WqeError::TooLong { bytes } => PostErrorKind::WqeTooLarge { bytes, stride },
+                other => PostErrorKind::Wqe(other),
+            })?;
         // A bind's segment carries its window's type.
         if let SendOp::BindMw { mw, .. } = request.wr.op
             && self.windows.of(mw.raw()) == MwType::Type1
         {
             wqe.set_bind_type(wqe::MwType::Type1);
         }
-        let len = wqe.byte_len();
+        self.store_wqe(wqe.byte_len(), request.wr.wr_id, |ring, first| {
+            // Fits: `store_wqe` checked `len <= stride`.
+            let _ = wqe.emit_words(stride, |i, word| ring.store(first + i, word));
+        })
+    }
+
+    /// Stores a prepared WQE of `len` bytes at the producer counter, if it
+    /// fits the stride and the ring has room: records its `wr_id`, has
+    /// `emit(ring, first)` store its words (word `i` at ring word
+    /// `first + i`, which wraps), and advances the producer.
+    #[inline(always)]
+    fn store_wqe(
+        &mut self,
+        len: usize,
+        wr_id: u64,
+        emit: impl FnOnce(RingWords<'_>, usize),
+    ) -> Result<(), PostErrorKind> {
+        let stride = self.stride;
         if len > stride {
-            return Err(too_large(len));
+            return Err(PostErrorKind::WqeTooLarge { bytes: len, stride });
         }
         let bbs = basic_blocks(len) as u32;
         let in_flight = self.producer.wrapping_sub(self.shared.consumer());
         if in_flight.saturating_add(bbs) > self.ring_bbs {
             return Err(PostErrorKind::QueueFull);
         }
-        self.shared.record(self.producer, request.wr.wr_id, bbs);
-        // Word `i` of the WQE goes to ring word `first + i`, wrapping at
-        // the ring's end (a power of two of basic blocks, whose words the
-        // buffer holds: checked at setup, so `ring_words` is `Some`).
+        self.shared.record(self.producer, wr_id, bbs);
+        // The ring is a power of two of basic blocks, whose words the
+        // buffer holds: checked at setup, so `ring_words` is `Some`.
         let words_per_bb = BB_SIZE / 8;
         let first = self.producer as usize * words_per_bb;
         if let Some(ring) = self.ring.ring_words(self.ring_bbs as usize * words_per_bb) {
-            // Fits: `len <= stride` was checked above.
-            let _ = wqe.emit_words(stride, |i, word| ring.store(first + i, word));
+            emit(ring, first);
         }
         self.producer = self.producer.wrapping_add(bbs);
         Ok(())
