@@ -292,12 +292,26 @@ impl<P: Platform> Hca<P> {
                 _ => item.inline,
             };
             let index = sq.producer as u16;
-            let built = SendWqe::from_wr(wr, item.av, index, inline).and_then(|mut w| {
-                if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
-                    bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
+            // A request of a common shape (RC/UC send or write, inline or
+            // one SGE) takes hca-prm's specialised encoder, whose words are
+            // the general encoder's (hca-prm proves it); the rest, binds
+            // included, the general one.
+            let common = SendWqe::prepare_common(wr, item.av, index, inline)
+                .filter(|c| c.byte_len() <= wqe.len());
+            let built = match common {
+                Some(common) => {
+                    common.emit_words(|at, word| {
+                        wqe[at * 8..at * 8 + 8].copy_from_slice(&word.to_le_bytes());
+                    });
+                    Ok(common.byte_len())
                 }
-                w.emit(&mut wqe)
-            });
+                None => SendWqe::from_wr(wr, item.av, index, inline).and_then(|mut w| {
+                    if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
+                        bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
+                    }
+                    w.emit(&mut wqe)
+                }),
+            };
             let len = match built {
                 Ok(len) => len,
                 Err(_) => {
