@@ -712,6 +712,34 @@ pub enum Payload<'a> {
     Inline(&'a [u8]),
 }
 
+impl<'a> Payload<'a> {
+    /// The payload of `wr`: its inline bytes `inline` when it asks for
+    /// INLINE (they must be as long as its SGEs say), else its SGEs (and
+    /// then no inline bytes may be given).
+    #[inline(always)]
+    fn of(wr: &SendWr<'a>, inline: Option<&'a [u8]>) -> Result<Self, WqeError> {
+        if wr.flags.contains(SendFlags::INLINE) {
+            let sge_total = Sge::total_len(wr.sg_list);
+            match inline {
+                Some(data) if sge_total.is_some_and(|t| usize::try_from(t) == Ok(data.len())) => {
+                    Ok(Self::Inline(data))
+                }
+                _ => Err(WqeError::InlineData {
+                    inline: inline.map(<[u8]>::len),
+                    sge_total,
+                }),
+            }
+        } else if let Some(data) = inline {
+            Err(WqeError::InlineData {
+                inline: Some(data.len()),
+                sge_total: None,
+            })
+        } else {
+            Ok(Self::Data(wr.sg_list))
+        }
+    }
+}
+
 impl Payload<'_> {
     /// Bytes the payload occupies in the WQE.
     #[inline]
@@ -920,27 +948,7 @@ impl<'a> SendWqe<'a> {
             }),
             _ => return Err(WqeError::AvMismatch),
         };
-        let payload = if wr.flags.contains(SendFlags::INLINE) {
-            let sge_total = Sge::total_len(wr.sg_list);
-            match inline {
-                Some(data) if sge_total.is_some_and(|t| usize::try_from(t) == Ok(data.len())) => {
-                    Payload::Inline(data)
-                }
-                _ => {
-                    return Err(WqeError::InlineData {
-                        inline: inline.map(<[u8]>::len),
-                        sge_total,
-                    });
-                }
-            }
-        } else if let Some(data) = inline {
-            return Err(WqeError::InlineData {
-                inline: Some(data.len()),
-                sge_total: None,
-            });
-        } else {
-            Payload::Data(wr.sg_list)
-        };
+        let payload = Payload::of(wr, inline)?;
         Ok(Self {
             wqe_index,
             flags: WqeFlags::from_send_flags(wr.flags),
@@ -1346,27 +1354,7 @@ impl<'a> PreparedSendWqe<'a> {
             _ => return Err(WqeError::AvMismatch),
         };
         let is_inline = wr.flags.contains(SendFlags::INLINE);
-        let payload = if is_inline {
-            let sge_total = Sge::total_len(wr.sg_list);
-            match inline {
-                Some(data) if sge_total.is_some_and(|t| usize::try_from(t) == Ok(data.len())) => {
-                    Payload::Inline(data)
-                }
-                _ => {
-                    return Err(WqeError::InlineData {
-                        inline: inline.map(<[u8]>::len),
-                        sge_total,
-                    });
-                }
-            }
-        } else if let Some(data) = inline {
-            return Err(WqeError::InlineData {
-                inline: Some(data.len()),
-                sge_total: None,
-            });
-        } else {
-            Payload::Data(wr.sg_list)
-        };
+        let payload = Payload::of(wr, inline)?;
         // As `SendWqe::check_shape` (the INLINE flag matches the payload
         // by construction).
         if let Some((av, ..)) = &ud {
