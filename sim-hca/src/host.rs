@@ -43,6 +43,21 @@ pub enum CopyFault {
     Destination(DmaFault),
 }
 
+/// A copy from `src` to `dest` through a bounce buffer: a read, then a
+/// write — what [`HostMemory::copy_to`] does by default, and what an
+/// implementation that overrides it does for a memory of another kind.
+pub fn bounce_copy<S: HostMemory + ?Sized>(
+    src: &S,
+    from: u64,
+    dest: &dyn HostMemory,
+    to: u64,
+    len: usize,
+) -> Result<(), CopyFault> {
+    let mut bounce = vec![0; len];
+    src.read(from, &mut bounce).map_err(CopyFault::Source)?;
+    dest.write(to, &bounce).map_err(CopyFault::Destination)
+}
+
 /// Host memory as the device sees it.
 ///
 /// Implementations take `&self` because the CPU side uses the same memory
@@ -87,9 +102,7 @@ pub trait HostMemory: Send + Sync {
         to: u64,
         len: usize,
     ) -> Result<(), CopyFault> {
-        let mut bounce = vec![0; len];
-        self.read(from, &mut bounce).map_err(CopyFault::Source)?;
-        dest.write(to, &bounce).map_err(CopyFault::Destination)
+        bounce_copy(self, from, dest, to, len)
     }
 
     /// This memory as [`Any`](std::any::Any), for a `copy_to` that
@@ -305,9 +318,7 @@ impl HostMemory for SimMemory {
     ) -> Result<(), CopyFault> {
         let Some(dest_sim) = dest.as_any().and_then(|d| d.downcast_ref::<SimMemory>()) else {
             // Another kind of memory: through a bounce buffer.
-            let mut bounce = vec![0; len];
-            self.read(from, &mut bounce).map_err(CopyFault::Source)?;
-            return dest.write(to, &bounce).map_err(CopyFault::Destination);
+            return bounce_copy(self, from, dest, to, len);
         };
         if std::ptr::eq(self, dest_sim) {
             let mut inner = self.lock();

@@ -78,7 +78,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use driver_platform::dma::{CommonBuffer, DmaAdapter, DmaMapping, LockedPages, MemoryLocker};
 use driver_platform::request::RequestorMode;
 use ib_types::status::NtStatus;
-use sim_hca::host::{CopyFault, DmaDirection, DmaFault, HostMemory};
+use sim_hca::host::{CopyFault, DmaDirection, DmaFault, HostMemory, bounce_copy};
 
 use crate::memory::{
     AddressSpace, PAGE_SIZE, Page, PageRun, Process, lock, pages_for, range_within, read_lock,
@@ -1216,20 +1216,6 @@ impl HostMemory for DeviceDma {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
-}
-
-/// A copy to a memory of another kind: a read, then a write (the trait's
-/// default, which an implementation overriding `copy_to` cannot call).
-pub(crate) fn bounce_copy(
-    src: &dyn HostMemory,
-    from: u64,
-    dest: &dyn HostMemory,
-    to: u64,
-    len: usize,
-) -> Result<(), CopyFault> {
-    let mut bounce = vec![0; len];
-    src.read(from, &mut bounce).map_err(CopyFault::Source)?;
-    dest.write(to, &bounce).map_err(CopyFault::Destination)
 }
 
 #[cfg(test)]

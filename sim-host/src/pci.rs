@@ -45,11 +45,11 @@ use sim_hca::cluster::{Cluster, ClusterError, NodeId};
 use sim_hca::device::{Device, DeviceConfig};
 use sim_hca::fabric::FabricConfig;
 use sim_hca::fast::FastFabric;
-use sim_hca::host::{CopyFault, DmaDirection, DmaFault, HostMemory, InterruptSink};
+use sim_hca::host::{CopyFault, DmaDirection, DmaFault, HostMemory, InterruptSink, bounce_copy};
 use sim_hca::udp::{PortAddress, UdpFabric};
 
 use crate::context::{self, Context};
-use crate::dma::{DeviceDma, DmaDescription, DmaRemapping, HostDmaAdapter, Iommu, bounce_copy};
+use crate::dma::{DeviceDma, DmaDescription, DmaRemapping, HostDmaAdapter, Iommu};
 use crate::driver::{
     DeviceCallbacks, DeviceInit, DriverEntry, INVALID_PARAMETER, NO_SUCH_DEVICE, ProvidedInterface,
     SUCCESS,
