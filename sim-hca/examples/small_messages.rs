@@ -27,7 +27,6 @@
 //! that keeps every packet a frame ([`FastFabric::new_wire_path`]).
 
 use std::process::Command;
-use std::sync::Arc;
 use std::time::Instant;
 
 use ib_types::access::AccessFlags;
@@ -35,17 +34,10 @@ use ib_types::qp::QpType;
 use ib_types::scalars::Mtu;
 use ib_types::wc::WcStatus;
 use ib_types::wr::{RemoteAddr, SendFlags, SendOp, SendWr};
-use sim_hca::device::{Device, DeviceConfig};
 use sim_hca::fast::FastFabric;
-use sim_hca::host::{InterruptSink, SimMemory};
 use sim_hca::testkit::{Cq, Driver, Mr, Qp};
+use sim_hca::testkit::{PAIR_IPS as IPS, fast_pair};
 
-struct NoIrq;
-impl InterruptSink for NoIrq {
-    fn raise(&self, _vector: u16) {}
-}
-
-const IPS: [[u8; 4]; 2] = [[10, 1, 0, 1], [10, 1, 0, 2]];
 const PD: u32 = 3;
 /// Writes per doorbell in `write-batch`.
 const BATCH: usize = 32;
@@ -60,23 +52,7 @@ struct Node {
 }
 
 fn setup(direct: bool) -> (FastFabric, Node, Node) {
-    let mems: Vec<Arc<SimMemory>> = (0..2)
-        .map(|i| Arc::new(SimMemory::new(0x40_0000_0000 * (i + 1))))
-        .collect();
-    let devices: Vec<Device> = (0..2)
-        .map(|i| {
-            Device::new(
-                DeviceConfig::with_ports(0x100 + i as u64, &[IPS[i]]),
-                mems[i].clone(),
-                Arc::new(NoIrq),
-            )
-        })
-        .collect();
-    let fabric = if direct {
-        FastFabric::new(devices)
-    } else {
-        FastFabric::new_wire_path(devices)
-    };
+    let (fabric, mems) = fast_pair(direct, |mem| mem);
     let mut nodes = Vec::new();
     for (i, mem) in mems.iter().enumerate() {
         let mem = mem.clone();

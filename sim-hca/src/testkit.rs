@@ -32,8 +32,52 @@ use ib_types::scalars::{Mtu, Psn, QKey, Qpn};
 use ib_types::wr::{LKey, RKey, SendWr, Sge};
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
-use crate::device::Device;
-use crate::host::{BufferId, SIM_PAGE, SimMemory};
+use crate::device::{Device, DeviceConfig};
+use crate::fast::FastFabric;
+use crate::host::{BufferId, HostMemory, InterruptSink, SIM_PAGE, SimMemory};
+
+/// An interrupt sink that drops every interrupt: for tests that poll.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoIrq;
+
+impl InterruptSink for NoIrq {
+    fn raise(&self, _vector: u16) {}
+}
+
+/// The ports' IPv4 addresses of [`fast_pair`]'s two devices.
+pub const PAIR_IPS: [[u8; 4]; 2] = [[10, 1, 0, 1], [10, 1, 0, 2]];
+
+/// Two devices (one port each, at [`PAIR_IPS`]) on a [`FastFabric`],
+/// each over a [`SimMemory`] of its own that it sees through `view`;
+/// `direct` chooses direct placement ([`FastFabric::new`]) or the wire
+/// path ([`FastFabric::new_wire_path`]). Returns the fabric and the two
+/// memories.
+pub fn fast_pair(
+    direct: bool,
+    view: impl Fn(Arc<SimMemory>) -> Arc<dyn HostMemory>,
+) -> (FastFabric, Vec<Arc<SimMemory>>) {
+    let mems: Vec<Arc<SimMemory>> = (0..2u64)
+        .map(|i| Arc::new(SimMemory::new(0x40_0000_0000 * (i + 1))))
+        .collect();
+    let devices: Vec<Device> = mems
+        .iter()
+        .zip(PAIR_IPS)
+        .zip(0x100u64..)
+        .map(|((mem, ip), guid)| {
+            Device::new(
+                DeviceConfig::with_ports(guid, &[ip]),
+                view(mem.clone()),
+                Arc::new(NoIrq),
+            )
+        })
+        .collect();
+    let fabric = if direct {
+        FastFabric::new(devices)
+    } else {
+        FastFabric::new_wire_path(devices)
+    };
+    (fabric, mems)
+}
 
 /// A DMA-mapped host buffer.
 #[derive(Debug, Clone, Copy)]

@@ -6,7 +6,6 @@
 //! CARGO_INCREMENTAL=0 cargo test --release -p sim-hca --test bandwidth -- --ignored --nocapture
 //! ```
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ib_types::access::AccessFlags;
@@ -14,17 +13,9 @@ use ib_types::qp::QpType;
 use ib_types::scalars::Mtu;
 use ib_types::wc::WcStatus;
 use ib_types::wr::{RemoteAddr, SendFlags, SendOp, SendWr};
-use sim_hca::device::{Device, DeviceConfig};
-use sim_hca::fast::FastFabric;
-use sim_hca::host::{InterruptSink, SimMemory};
 use sim_hca::testkit::Driver;
+use sim_hca::testkit::{PAIR_IPS as IPS, fast_pair};
 
-struct NoIrq;
-impl InterruptSink for NoIrq {
-    fn raise(&self, _vector: u16) {}
-}
-
-const IPS: [[u8; 4]; 2] = [[10, 1, 0, 1], [10, 1, 0, 2]];
 const PD: u32 = 3;
 const MIB: usize = 1 << 20;
 
@@ -36,19 +27,7 @@ fn median(mut v: Vec<Duration>) -> Duration {
 #[test]
 #[ignore = "timing run; see the module doc"]
 fn rdma_write_1mib_against_memcpy() {
-    let mems: Vec<Arc<SimMemory>> = (0..2)
-        .map(|i| Arc::new(SimMemory::new(0x40_0000_0000 * (i + 1))))
-        .collect();
-    let devices: Vec<Device> = (0..2)
-        .map(|i| {
-            Device::new(
-                DeviceConfig::with_ports(0x100 + i as u64, &[IPS[i]]),
-                mems[i].clone(),
-                Arc::new(NoIrq),
-            )
-        })
-        .collect();
-    let fabric = FastFabric::new(devices);
+    let (fabric, mems) = fast_pair(true, |mem| mem);
     let mut nodes = Vec::new();
     for (i, mem) in mems.iter().enumerate() {
         let mem = mem.clone();

@@ -23,17 +23,12 @@ use ib_types::qp::QpType;
 use ib_types::scalars::Mtu;
 use ib_types::wr::{RemoteAddr, SendFlags, SendOp, SendWr};
 use proptest::prelude::*;
-use sim_hca::device::{Device, DeviceConfig, DeviceCounters, PortCounters};
+use sim_hca::device::{DeviceCounters, PortCounters};
 use sim_hca::fast::FastFabric;
-use sim_hca::host::{DmaDirection, DmaFault, HostMemory, InterruptSink, SimMemory};
+use sim_hca::host::{DmaDirection, DmaFault, HostMemory, SimMemory};
 use sim_hca::testkit::{Cq, Driver, Mr, Qp};
+use sim_hca::testkit::{PAIR_IPS as IPS, fast_pair};
 
-struct NoIrq;
-impl InterruptSink for NoIrq {
-    fn raise(&self, _vector: u16) {}
-}
-
-const IPS: [[u8; 4]; 2] = [[10, 1, 0, 1], [10, 1, 0, 2]];
 const PD: u32 = 3;
 
 struct Node {
@@ -56,23 +51,7 @@ fn setup_with(
     mtu: Mtu,
     view: impl Fn(Arc<SimMemory>) -> Arc<dyn HostMemory>,
 ) -> (FastFabric, Vec<Node>, Vec<Arc<SimMemory>>) {
-    let mems: Vec<Arc<SimMemory>> = (0..2)
-        .map(|i| Arc::new(SimMemory::new(0x40_0000_0000 * (i + 1))))
-        .collect();
-    let devices: Vec<Device> = (0..2)
-        .map(|i| {
-            Device::new(
-                DeviceConfig::with_ports(0x100 + i as u64, &[IPS[i]]),
-                view(mems[i].clone()),
-                Arc::new(NoIrq),
-            )
-        })
-        .collect();
-    let fabric = if direct {
-        FastFabric::new(devices)
-    } else {
-        FastFabric::new_wire_path(devices)
-    };
+    let (fabric, mems) = fast_pair(direct, view);
     let mut nodes = Vec::new();
     for (i, mem) in mems.iter().enumerate() {
         let mem = mem.clone();

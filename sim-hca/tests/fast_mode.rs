@@ -9,34 +9,15 @@ use ib_types::qp::QpType;
 use ib_types::scalars::Mtu;
 use ib_types::wc::WcStatus;
 use ib_types::wr::{SendFlags, SendOp, SendWr};
-use sim_hca::device::{Device, DeviceConfig};
-use sim_hca::fast::FastFabric;
-use sim_hca::host::{InterruptSink, SimMemory};
 use sim_hca::testkit::Driver;
+use sim_hca::testkit::{PAIR_IPS as IPS, fast_pair};
 
-struct NoIrq;
-impl InterruptSink for NoIrq {
-    fn raise(&self, _vector: u16) {}
-}
-
-const IPS: [[u8; 4]; 2] = [[10, 1, 0, 1], [10, 1, 0, 2]];
 const PD: u32 = 3;
 
 #[test]
 fn streaming_sends_between_threads() {
-    let mems: Vec<Arc<SimMemory>> = (0..2)
-        .map(|i| Arc::new(SimMemory::new(0x40_0000_0000 * (i + 1))))
-        .collect();
-    let devices: Vec<Device> = (0..2)
-        .map(|i| {
-            Device::new(
-                DeviceConfig::with_ports(0x100 + i as u64, &[IPS[i]]),
-                mems[i].clone(),
-                Arc::new(NoIrq),
-            )
-        })
-        .collect();
-    let fabric = Arc::new(FastFabric::new(devices));
+    let (fabric, mems) = fast_pair(true, |mem| mem);
+    let fabric = Arc::new(fabric);
     let _timers = fabric.spawn_timer_thread(Duration::from_millis(1));
 
     // Bring up both nodes and create an RC endpoint on each.
