@@ -62,7 +62,7 @@ use ib_types::status::IbStatus;
 
 pub use error::ResourceError;
 pub use keys::{KeyAllocator, MemoryKey};
-pub use qpn::{QpTable, QpnAllocator, SpecialQp};
+pub use qpn::{QpTable, QpnAllocator, SpecialQp, rotation_start};
 pub use ranges::{EntryRange, RangeAllocator};
 pub use table::ObjectTable;
 pub use uar::{KERNEL_UAR, UarAllocator};

@@ -404,3 +404,56 @@ fn a_surprise_removal_through_pnp_tells_the_client_before_the_objects_go() {
     assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
     w.finish();
 }
+
+#[test]
+fn a_restarted_hca_does_not_hand_out_its_previous_lifes_qp_numbers_at_once() {
+    // A peer may still send to the QPs of the failed life (a UC peer, an
+    // RC retransmission): the restarted device must not give their
+    // numbers to its first new QPs (the guide's TIME WAIT, 6.5.2). The
+    // restart makes a new device object, which cannot know its
+    // predecessor's numbers: it starts at a point drawn from the time
+    // (`resources::rotation_start`), which avoids them with high
+    // probability, not certainly (deterministic under this seed). Before
+    // the fix both lives began at the first general number.
+    let (w, [x, _]) = two_hcas(93, HcaConfig::default());
+    let sx = side(&w, x);
+    let old: Vec<(u64, u32)> = (0..3)
+        .map(|_| create_qp(&w, &sx, QpType::Ud, None))
+        .collect();
+    let function = w.function_at(x);
+    w.in_dpc(move || function.with_device(|d| d.declare_fatal(FatalSyndrome::Internal)));
+    w.settle();
+    assert!(w.hca_at(x).failure().is_some(), "declared failed");
+    for &(qp, _) in &old {
+        let r = w.call_in_dpc_at::<DestroyQp>(x, KERNEL, qp, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let r = w.call_in_dpc_at::<DestroyCq>(x, KERNEL, sx.cq, &Empty, 0);
+    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc_at::<DeallocPd>(x, KERNEL, sx.pd, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc_at::<CloseCa>(x, KERNEL, sx.ca, &Empty, 0);
+    assert_eq!(response::<CloseCa>(&r).status, IbStatus::Success);
+
+    // The PnP manager's restart pass comes some time after the failure.
+    w.host.scheduler().advance(1_000_000).unwrap();
+    let before = w.device_count();
+    w.host.pnp().process_bus_relations();
+    w.settle();
+    assert_eq!(w.device_count(), before + 1, "restarted");
+    let fresh = side(&w, before);
+    let new: Vec<(u64, u32)> = (0..3)
+        .map(|_| create_qp(&w, &fresh, QpType::Ud, None))
+        .collect();
+    for &(_, qpn) in &new {
+        assert!(
+            old.iter().all(|&(_, old_qpn)| old_qpn != qpn),
+            "QPN {qpn:#x} of the previous life handed out again at once: old {old:?}, new {new:?}"
+        );
+    }
+    for &(qp, _) in &new {
+        let r = w.call_in_dpc_at::<DestroyQp>(before, KERNEL, qp, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    w.finish();
+}

@@ -1,5 +1,7 @@
 //! QP numbering: the special QPs reserved per port, and a quarantine (the
-//! guide's TIME WAIT) before a destroyed QP's number is reused.
+//! guide's TIME WAIT) before a destroyed QP's number is reused, also across
+//! a restart of the device (see [`QpnAllocator::retire_all`] and
+//! [`rotation_start`]).
 
 use alloc::vec::Vec;
 
@@ -59,6 +61,21 @@ impl QpnAllocator {
     /// Fails with [`ResourceError::InvalidCapacity`] when `capacity`
     /// exceeds [`MAX_OBJECTS`] or cannot hold the special QPs.
     pub fn new(capacity: u32, num_ports: u8, quiet_period_ns: u64) -> Result<Self, ResourceError> {
+        Self::starting_at(capacity, num_ports, quiet_period_ns, 0)
+    }
+
+    /// As [`new`](Self::new), but the first number handed out is the
+    /// general number `start` designates (taken modulo the general
+    /// numbers, so any value is valid), the rest following in order and
+    /// wrapping round: a fresh device's numbering rotated away from where
+    /// a previous life of the same device may have left QPs that peers
+    /// still address ([`rotation_start`]).
+    pub fn starting_at(
+        capacity: u32,
+        num_ports: u8,
+        quiet_period_ns: u64,
+        start: u32,
+    ) -> Result<Self, ResourceError> {
         let special = 2 * u32::from(num_ports);
         if capacity > MAX_OBJECTS || special > capacity {
             return Err(ResourceError::InvalidCapacity);
@@ -66,8 +83,12 @@ impl QpnAllocator {
         let mut states = alloc::vec![QpnState::Free; capacity as usize];
         states[..special as usize].fill(QpnState::Special);
         let mut free = FreeList::new(capacity);
-        for number in special..capacity {
-            free.push_back(number);
+        let general = capacity - special;
+        if general > 0 {
+            let first = special + start % general;
+            for number in (first..capacity).chain(special..first) {
+                free.push_back(number);
+            }
         }
         Ok(Self {
             states,
@@ -96,6 +117,32 @@ impl QpnAllocator {
     /// True for the special QPs' numbers.
     pub fn is_special(&self, qpn: u32) -> bool {
         qpn < 2 * u32::from(self.num_ports)
+    }
+
+    /// How many QP numbers there are (special ones included).
+    pub fn capacity(&self) -> u32 {
+        self.states.len() as u32
+    }
+
+    /// How many ports' special QPs are reserved.
+    pub fn num_ports(&self) -> u8 {
+        self.num_ports
+    }
+
+    /// Ends a life of the device: every number still in use is quarantined
+    /// from `now_ns`, as if its QP had been destroyed then (its peers may
+    /// still send to it), after the numbers already quarantined. The
+    /// allocator is then what the next life starts from, so that within
+    /// one device object no number is reused before its quiet period
+    /// ended, restarts included.
+    pub fn retire_all(&mut self, now_ns: u64) {
+        for qpn in 0..self.capacity() {
+            if self.states[qpn as usize] == QpnState::InUse {
+                self.states[qpn as usize] = QpnState::Quarantined;
+                self.released_at_ns[qpn as usize] = now_ns;
+                self.quarantine.push_back(qpn);
+            }
+        }
     }
 
     /// The quiet period a released number waits before reuse.
@@ -180,6 +227,27 @@ impl QpnAllocator {
     }
 }
 
+/// Where a device object with no record of its predecessors starts its
+/// numbering ([`QpnAllocator::starting_at`]): a point drawn from the
+/// platform's time `now_ns` (SplitMix64's finaliser, so that starts a few
+/// nanoseconds apart land far apart on the ring of general numbers).
+///
+/// This is no guarantee, only a spread: a new device object (after a
+/// `WdfDeviceSetFailed` restart, a surprise removal and re-plug) does not
+/// know which numbers its predecessor used, so its first numbers avoid
+/// them only with high probability (for `n` numbers the predecessor used
+/// within its last quiet period among `g` general ones, the first new
+/// number is one of them with probability about `n / g`). Deterministic
+/// under a simulated clock.
+pub fn rotation_start(now_ns: u64) -> u32 {
+    let mut z = now_ns.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    // The high half: the well-mixed bits.
+    (z >> 32) as u32
+}
+
 /// QPs by number: an [`ObjectTable`] numbered by a [`QpnAllocator`], so
 /// general QPs get quarantined numbers and special QPs their fixed ones.
 #[derive(Debug)]
@@ -195,9 +263,32 @@ impl<T> QpTable<T> {
     /// Fails as [`QpnAllocator::new`] does.
     pub fn new(capacity: u32, num_ports: u8, quiet_period_ns: u64) -> Result<Self, ResourceError> {
         let numbers = QpnAllocator::new(capacity, num_ports, quiet_period_ns)?;
+        Self::with_numbers(numbers)
+    }
+
+    /// An empty table numbered by `numbers`: a fresh allocator, or the
+    /// previous life's after [`QpnAllocator::retire_all`] (whose numbers
+    /// must then be all free or quarantined: none in use).
+    ///
+    /// Fails with [`ResourceError::InvalidCapacity`] if a number is still
+    /// in use, and as [`ObjectTable::new`] does.
+    pub fn with_numbers(numbers: QpnAllocator) -> Result<Self, ResourceError> {
+        if numbers.states.contains(&QpnState::InUse) {
+            return Err(ResourceError::InvalidCapacity);
+        }
+        let capacity = numbers.capacity();
         // Every number is "reserved" in the table: the allocator numbers it.
         let objects = ObjectTable::new(capacity, 0..capacity)?;
         Ok(Self { objects, numbers })
+    }
+
+    /// Ends this life of the table: its QPs are dropped and its allocator,
+    /// every number in use quarantined from `now_ns`, is returned for the
+    /// next life ([`QpnAllocator::retire_all`], [`Self::with_numbers`]).
+    pub fn retire(self, now_ns: u64) -> QpnAllocator {
+        let mut numbers = self.numbers;
+        numbers.retire_all(now_ns);
+        numbers
     }
 
     /// Creates a general QP `make(handle)` on a fresh number.
@@ -451,6 +542,55 @@ mod tests {
                 kind: super::super::Kind::Qp
             })
         );
+    }
+
+    #[test]
+    fn a_rotated_start_wraps_round_the_general_numbers() {
+        let mut numbers = QpnAllocator::starting_at(8, 1, QUIET, 7).unwrap();
+        let handed: Vec<u32> = (0..6).map(|_| numbers.alloc(0).unwrap()).collect();
+        // 6 general numbers (2..8): 7 % 6 = 1, so 3 comes first.
+        assert_eq!(handed, [3, 4, 5, 6, 7, 2]);
+        assert_eq!(numbers.alloc(0), Err(ResourceError::Exhausted));
+        assert_ne!(rotation_start(0), rotation_start(1), "times spread");
+    }
+
+    #[test]
+    fn a_new_life_reuses_no_number_of_the_previous_before_its_quiet_period() {
+        let mut qps = QpTable::new(6, 1, QUIET).unwrap();
+        let live = qps.create_with(0, |_| "live").unwrap();
+        let destroyed = qps.create_with(0, |_| "destroyed").unwrap();
+        qps.destroy(destroyed, 100).unwrap();
+        // The device restarts at 500 with `live` still there: its number
+        // is quarantined from then, after the one released at 100.
+        let mut next = QpTable::<&str>::with_numbers(qps.retire(500)).unwrap();
+        let fresh: Vec<u32> = (0..2)
+            .map(|_| next.create_with(600, |_| "new").unwrap().number())
+            .collect();
+        assert_eq!(fresh, [4, 5], "never used ones first");
+        assert_eq!(
+            next.create_with(1_099, |_| "early"),
+            Err(ResourceError::AllQuarantined {
+                reusable_at_ns: 1_100
+            })
+        );
+        assert_eq!(
+            next.create_with(1_100, |_| "late").unwrap().number(),
+            destroyed.number()
+        );
+        assert_eq!(
+            next.create_with(1_499, |_| "early"),
+            Err(ResourceError::AllQuarantined {
+                reusable_at_ns: 1_500
+            })
+        );
+        assert_eq!(
+            next.create_with(1_500, |_| "late").unwrap().number(),
+            live.number()
+        );
+        // An allocator with numbers in use cannot start a table.
+        let mut busy = QpnAllocator::new(4, 1, QUIET).unwrap();
+        busy.alloc(0).unwrap();
+        assert!(QpTable::<()>::with_numbers(busy).is_err());
     }
 
     #[derive(Debug, Clone)]

@@ -132,8 +132,9 @@ use ib_types::status::IbStatus;
 use crate::cmd::{Command, CommandError, CommandOutput};
 use crate::eq::{DeviceFailure, EventSink, PortViolation, QpEvent, SrqEvent};
 use crate::hca::Hca;
+use crate::init::BringUpReport;
 use crate::mr::MemoryTranslation;
-use crate::resources::{ObjectTable, QpTable, kind};
+use crate::resources::{ObjectTable, QpTable, QpnAllocator, kind};
 
 pub use ca::{CaClient, UVP_NAME};
 pub use caller::{CallerLocks, PreparedUserRequest};
@@ -219,6 +220,11 @@ pub struct Verbs<P: Platform> {
     lost: SpinLock<P, alloc::collections::BTreeSet<u64>>,
     /// The locker for kernel-mode registrations ([`Hca::set_kernel_locker`]).
     kernel_locker: SpinLock<P, Option<Arc<P::Locker>>>,
+    /// The QP numbers of the previous life of this device object, every
+    /// one still in use then quarantined from its end
+    /// ([`QpnAllocator::retire_all`]): the next life's tables start from
+    /// it, so a restart reuses no number before its quiet period ended.
+    retired_qpns: SpinLock<P, Option<QpnAllocator>>,
 }
 
 impl<P: Platform> core::fmt::Debug for Verbs<P> {
@@ -244,6 +250,7 @@ impl<P: Platform> Verbs<P> {
             soft_events: SpinLock::<P, _>::new(Vec::new()),
             lost: SpinLock::<P, _>::new(alloc::collections::BTreeSet::new()),
             kernel_locker: SpinLock::<P, _>::new(None),
+            retired_qpns: SpinLock::<P, _>::new(None),
         }
     }
 
@@ -270,6 +277,10 @@ impl<P: Platform> Verbs<P> {
             for (_, qp) in objects.qps.objects().iter() {
                 buffers.extend(qp.take_buffers());
             }
+            // Peers may still address the QPs of this life: the next life
+            // keeps their numbers quarantined.
+            let numbers = objects.qps.retire(hca.deferred.now_ns());
+            *self.retired_qpns.lock() = Some(numbers);
         }
         buffers
     }
@@ -692,12 +703,8 @@ impl<P: Platform> Hca<P> {
                 cqs: ObjectTable::new(cqs, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 avs: ObjectTable::new(av::MAX_AVS, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 srqs: ObjectTable::new(srqs, 0..0).map_err(|_| IbStatus::InvalidState)?,
-                qps: QpTable::new(
-                    1u32 << report.table(hca_prm::cmd::Table::Qpc).log_count,
-                    report.capabilities.num_ports,
-                    qp::QPN_QUIET_PERIOD_NS,
-                )
-                .map_err(|_| IbStatus::InvalidState)?,
+                qps: QpTable::with_numbers(self.next_life_qpns(&report)?)
+                    .map_err(|_| IbStatus::InvalidState)?,
                 mrs: ObjectTable::new(mpts, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 mws: ObjectTable::new(mpts, 0..0).map_err(|_| IbStatus::InvalidState)?,
                 mcasts: ObjectTable::new(mcast::MAX_MEMBERSHIPS, 0..0)
@@ -709,6 +716,29 @@ impl<P: Platform> Hca<P> {
             });
         }
         Ok(())
+    }
+
+    /// The QP numbering of a life that begins: the previous life's, if this
+    /// device object had one of the same shape (no number reused before
+    /// its quiet period ended), else a fresh one starting at a point drawn
+    /// from the time ([`crate::resources::rotation_start`]: a predecessor
+    /// device object's numbers are only probably avoided).
+    fn next_life_qpns(&self, report: &BringUpReport) -> Result<QpnAllocator, IbStatus> {
+        let capacity = 1u32 << report.table(hca_prm::cmd::Table::Qpc).log_count;
+        let num_ports = report.capabilities.num_ports;
+        if let Some(previous) = self.verbs.retired_qpns.lock().take()
+            && previous.capacity() == capacity
+            && previous.num_ports() == num_ports
+        {
+            return Ok(previous);
+        }
+        QpnAllocator::starting_at(
+            capacity,
+            num_ports,
+            qp::QPN_QUIET_PERIOD_NS,
+            crate::resources::rotation_start(self.deferred.now_ns()),
+        )
+        .map_err(|_| IbStatus::InvalidState)
     }
 
     /// Checks that `handle` is the open CA and visible to `mode`.
