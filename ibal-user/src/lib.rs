@@ -15,7 +15,7 @@
 //!   post hooks around the proxy IOCTL as the guide's Table 10-1 prescribes
 //!   (`proxy`); the plugin lays the rings out, keeps address vectors in
 //!   user mode, and runs post, poll and arm with no kernel call.
-//! - [`shared`]: the PD and region again, owning what they depend on
+//! - [`shared`]: the PD, region and AV again, owning what they depend on
 //!   (`Arc`) instead of borrowing it, for a C library's objects.
 //! - [`plugin`]: loading the UVP the kernel names, never through the DLL
 //!   search order.
@@ -48,7 +48,7 @@ pub use ib_types::uvp::UserSend;
 pub use mw::Mw;
 pub use plugin::{LoadedPlugin, PluginError};
 pub use query::PortInfo;
-pub use shared::{SharedMr, SharedPd};
+pub use shared::{SharedAv, SharedMr, SharedPd};
 pub use srq::Srq;
 pub use uvp_plugin::ArmFor;
 pub use verbs::{Av, Buffer, Cq, Mr, Pd, Qp, QpInit};
@@ -77,4 +77,6 @@ const _: () = {
     sync::<SharedPd>();
     send::<SharedMr>();
     sync::<SharedMr>();
+    send::<SharedAv>();
+    sync::<SharedAv>();
 };

@@ -6,12 +6,15 @@
 //! answer ([`SharedPd::dealloc`], [`SharedMr::deregister`]), so a refused
 //! destroy loses nothing, or, if never destroyed, when its last owner
 //! drops it. A region covers any range of the process's memory, not only
-//! a [`Buffer`](crate::Buffer): the program's own.
+//! a [`Buffer`](crate::Buffer): the program's own. An address vector
+//! ([`SharedAv`]) is kept by the plugin in user mode, as [`crate::Av`].
 
 use std::sync::{Arc, Mutex, PoisonError};
 
 use ib_types::access::AccessFlags;
-use ib_types::ioctl::{self as v, Empty};
+use ib_types::av::AvAttr;
+use ib_types::handle::AvHandle;
+use ib_types::ioctl::{self as v, Empty, QueryAvOut};
 use ib_types::mr::{MrKeys, MrQuery, MrRegister};
 
 use crate::context::Context;
@@ -182,5 +185,58 @@ impl SharedMr {
 impl Drop for SharedMr {
     fn drop(&mut self) {
         let _ = self.deregister();
+    }
+}
+
+/// An address vector of a PD, owning its PD; kept by the plugin in user
+/// mode (no kernel request), as [`crate::Av`]. `Send + Sync`.
+#[derive(Debug)]
+pub struct SharedAv {
+    pd: Arc<SharedPd>,
+    handle: u64,
+    alive: Alive,
+}
+
+impl SharedAv {
+    /// Creates an AV in `pd` (`CreateAv`, finished by the plugin). Needs
+    /// the plugin.
+    pub fn new(pd: &Arc<SharedPd>, attr: &AvAttr) -> Result<Self> {
+        pd.ctx.plugin("CreateAv")?;
+        let answer = pd.ctx.call::<v::CreateAv>(pd.handle, attr)?;
+        Ok(Self {
+            pd: Arc::clone(pd),
+            handle: answer.handle,
+            alive: Alive::new(),
+        })
+    }
+
+    /// Its PD.
+    pub fn pd(&self) -> &Arc<SharedPd> {
+        &self.pd
+    }
+
+    /// The AV handle, which a UD send's destination names.
+    pub fn handle(&self) -> AvHandle {
+        AvHandle::from_raw(self.handle)
+    }
+
+    /// Its PD and attributes (`QueryAv`).
+    pub fn query(&self) -> Result<QueryAvOut> {
+        Ok(self.pd.ctx.call::<v::QueryAv>(self.handle, &Empty)?.output)
+    }
+
+    /// Destroys it (`DestroyAv`); refused (the AV stays) with the
+    /// plugin's answer.
+    pub fn destroy(&self) -> Result<()> {
+        self.alive.destroy(|| {
+            self.pd.ctx.call::<v::DestroyAv>(self.handle, &Empty)?;
+            Ok(())
+        })
+    }
+}
+
+impl Drop for SharedAv {
+    fn drop(&mut self) {
+        let _ = self.destroy();
     }
 }

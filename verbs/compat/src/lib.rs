@@ -27,12 +27,13 @@
 //! invokes, and the version script `libibverbs.map` beside this crate.
 //!
 //! **This milestone:** the device list, open and close, the queries
-//! `ibv_devinfo` and `ibv_devices` make, protection domains and the
-//! registration of the program's own memory ([`memory`]'s module docs:
+//! `ibv_devinfo` and `ibv_devices` make, protection domains, address
+//! handles and the registration of the program's own memory ([`memory`]'s module docs:
 //! how the C objects own the access library's). The other entry points the
 //! surveyed tools import exist (the binaries are linked `BIND_NOW`) and
 //! answer "not supported" ([`unsupported`]).
 
+mod ah;
 mod device;
 mod memory;
 pub mod query;
@@ -40,6 +41,7 @@ mod state;
 pub mod unsupported;
 mod util;
 
+pub use ah::{ibv_create_ah, ibv_destroy_ah};
 pub use device::{
     ibv_close_device, ibv_free_device_list, ibv_get_device_guid, ibv_get_device_list,
     ibv_get_device_name, ibv_open_device,
@@ -135,9 +137,9 @@ macro_rules! export_libibverbs {
             "ibv_qp_to_qp_ex" => $crate::unsupported::ibv_qp_to_qp_ex;
             "ibv_create_srq" => $crate::unsupported::ibv_create_srq;
             "ibv_destroy_srq" => $crate::unsupported::ibv_destroy_srq;
-            "ibv_create_ah" => $crate::unsupported::ibv_create_ah;
+            "ibv_create_ah" => $crate::ibv_create_ah;
             "ibv_create_ah_from_wc" => $crate::unsupported::ibv_create_ah_from_wc;
-            "ibv_destroy_ah" => $crate::unsupported::ibv_destroy_ah;
+            "ibv_destroy_ah" => $crate::ibv_destroy_ah;
             "ibv_attach_mcast" => $crate::unsupported::ibv_attach_mcast;
             "ibv_detach_mcast" => $crate::unsupported::ibv_detach_mcast;
         }

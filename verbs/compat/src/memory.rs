@@ -8,8 +8,9 @@
 //! context, [`ibal_user::SharedMr`] its PD), and the library keeps every
 //! object in a registry by the address of the rdma-core struct at its
 //! front: a pointer that is not ours is refused with `EINVAL`, never
-//! dereferenced. A PD counts the objects made in it; deallocating it while
-//! any remain is refused with `EBUSY`, as rdma-core's kernel does.
+//! dereferenced. A PD counts the objects made in it (regions here,
+//! address handles in `crate::ah`); deallocating it while any remain is
+//! refused with `EBUSY`, as rdma-core's kernel does.
 //!
 //! **The program's memory.** `ibv_reg_mr` registers the program's own
 //! buffer: the machine first makes its pages reachable by the device
@@ -38,13 +39,13 @@ use crate::util::{errno_of, guard, set_errno};
 /// holds), then the access library's PD.
 #[repr(C)]
 pub(crate) struct ProtectionDomain {
-    raw: IbvPd,
+    pub(crate) raw: IbvPd,
     pub(crate) pd: Arc<SharedPd>,
     /// Keeps the context (and its `ibv_context`, which `raw` names) alive
     /// while the PD exists, even past `ibv_close_device`.
     context: Arc<Context>,
     /// Objects made in this PD and not destroyed yet (regions, ...).
-    children: AtomicUsize,
+    pub(crate) children: AtomicUsize,
 }
 
 // SAFETY: `raw.context` points into `context` (an `Arc` this PD holds), is
@@ -55,7 +56,7 @@ unsafe impl Send for ProtectionDomain {}
 unsafe impl Sync for ProtectionDomain {}
 
 impl ProtectionDomain {
-    fn as_ptr(&self) -> *mut IbvPd {
+    pub(crate) fn as_ptr(&self) -> *mut IbvPd {
         std::ptr::from_ref(&self.raw).cast_mut()
     }
 }
@@ -83,16 +84,16 @@ impl MemoryRegion {
 }
 
 /// Live objects of one kind, by the address of their rdma-core struct.
-type Registry<T> = Mutex<Option<HashMap<usize, Arc<T>>>>;
+pub(crate) type Registry<T> = Mutex<Option<HashMap<usize, Arc<T>>>>;
 
 static PDS: Registry<ProtectionDomain> = Mutex::new(None);
 static MRS: Registry<MemoryRegion> = Mutex::new(None);
 
-fn lock<T>(registry: &Registry<T>) -> MutexGuard<'_, Option<HashMap<usize, Arc<T>>>> {
+pub(crate) fn lock<T>(registry: &Registry<T>) -> MutexGuard<'_, Option<HashMap<usize, Arc<T>>>> {
     registry.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn remember<T>(registry: &Registry<T>, address: usize, object: Arc<T>) {
+pub(crate) fn remember<T>(registry: &Registry<T>, address: usize, object: Arc<T>) {
     lock(registry)
         .get_or_insert_with(HashMap::new)
         .insert(address, object);
@@ -101,7 +102,7 @@ fn remember<T>(registry: &Registry<T>, address: usize, object: Arc<T>) {
 /// The PD `ptr` names, with one more child counted (taken under the
 /// registry's lock, so a concurrent dealloc sees it): `EINVAL` if it is
 /// not ours.
-fn pd_for_child(ptr: *const IbvPd) -> Result<Arc<ProtectionDomain>, c_int> {
+pub(crate) fn pd_for_child(ptr: *const IbvPd) -> Result<Arc<ProtectionDomain>, c_int> {
     let pds = lock(&PDS);
     let pd = pds
         .as_ref()
@@ -147,12 +148,12 @@ pub unsafe extern "C" fn ibv_alloc_pd(context: *mut IbvContext) -> *mut IbvPd {
 
 /// rdma-core's 32-bit `handle` field: the access library's handle's low
 /// 32 bits (programs only print it).
-fn truncated_handle(handle: u64) -> u32 {
+pub(crate) fn truncated_handle(handle: u64) -> u32 {
     (handle & u64::from(u32::MAX)) as u32
 }
 
 /// `ibv_dealloc_pd(pd)`: 0, or an errno value: `EINVAL` for a PD that is
-/// not ours, `EBUSY` while regions made in it remain, the access
+/// not ours, `EBUSY` while regions or address handles made in it remain, the access
 /// library's error (the PD stays) otherwise.
 ///
 /// # Safety

@@ -1,11 +1,11 @@
 //! The entry points the surveyed tools import that this milestone does
 //! not offer yet (docs/libibverbs.md, "Status"): CQs, QPs, SRQs,
-//! address handles, multicast and completion channels. The binaries are linked `BIND_NOW`, so each must
+//! address handles from completions, multicast and completion channels. The binaries are linked `BIND_NOW`, so each must
 //! exist; each answers as rdma-core does for a verb the device refuses.
 //!
 //! The rule: a create on an open context fails with `EOPNOTSUPP` (NULL and
 //! `errno`), and with `EINVAL` on a context that is not open; every call
-//! naming an object (a CQ, QP, SRQ, AH or channel) fails with
+//! naming an object (a CQ, QP, SRQ or channel) fails with
 //! `EINVAL`, since the library has created none, so any such pointer is
 //! not one of its objects. Errors come back the way each verb reports
 //! them: NULL with `errno`, -1 with `errno`, or an errno value.
@@ -13,7 +13,7 @@
 use std::ffi::{c_int, c_void};
 
 use ibverbs_abi::{
-    IbvAh, IbvAhAttr, IbvCompChannel, IbvContext, IbvCq, IbvGid, IbvPd, IbvQp, IbvQpAttr, IbvQpEx,
+    IbvAh, IbvCompChannel, IbvContext, IbvCq, IbvGid, IbvPd, IbvQp, IbvQpAttr, IbvQpEx,
     IbvQpInitAttr, IbvSrq, IbvSrqInitAttr, IbvWc,
 };
 
@@ -118,11 +118,6 @@ pub extern "C" fn ibv_destroy_srq(_srq: *mut IbvSrq) -> c_int {
     libc::EINVAL
 }
 
-/// `ibv_create_ah(pd, attr)`: NULL, `EINVAL` (no PD exists).
-pub extern "C" fn ibv_create_ah(_pd: *mut IbvPd, _attr: *mut IbvAhAttr) -> *mut IbvAh {
-    refuse_on_object()
-}
-
 /// `ibv_create_ah_from_wc(pd, wc, grh, port_num)`: NULL, `EINVAL` (no PD
 /// exists).
 pub extern "C" fn ibv_create_ah_from_wc(
@@ -132,11 +127,6 @@ pub extern "C" fn ibv_create_ah_from_wc(
     _port_num: u8,
 ) -> *mut IbvAh {
     refuse_on_object()
-}
-
-/// `ibv_destroy_ah(ah)`: `EINVAL` (no AH exists).
-pub extern "C" fn ibv_destroy_ah(_ah: *mut IbvAh) -> c_int {
-    libc::EINVAL
 }
 
 /// `ibv_attach_mcast(qp, gid, lid)`: `EINVAL` (no QP exists).

@@ -3,7 +3,8 @@
 //! machine: each verb's success and refusals in rdma-core's convention,
 //! the `ibv_mr` filled as the kernel answered, the program's buffer
 //! adopted by the simulated process at its own address while registered
-//! (and locked by the driver), and dereg leaving no adopted or locked page.
+//! (and locked by the driver), dereg leaving no adopted or locked page,
+//! and address handles (a GRH required on the RoCE port).
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ffi::{c_int, c_void};
@@ -14,7 +15,8 @@ use std::time::Duration;
 use ibal_user::{DeviceIo, PluginSource};
 use ibverbs_abi::{
     IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_ON_DEMAND, IBV_ACCESS_RELAXED_ORDERING,
-    IBV_ACCESS_REMOTE_READ, IBV_ACCESS_REMOTE_WRITE, IbvContext, IbvMr, IbvPd,
+    IBV_ACCESS_REMOTE_READ, IBV_ACCESS_REMOTE_WRITE, IbvAh, IbvAhAttr, IbvContext, IbvGid,
+    IbvGlobalRoute, IbvMr, IbvPd,
 };
 use ibverbs_compat::{self as verbs, Machine};
 use sim_shells::embedded::{EmbeddedMachine, Fabric};
@@ -134,13 +136,24 @@ fn reg_mr_iova2(
     unsafe { verbs::ibv_reg_mr_iova2(pd, addr, length, iova, access) }
 }
 
+fn create_ah(pd: *mut IbvPd, attr: Option<&mut IbvAhAttr>) -> *mut IbvAh {
+    let attr = attr.map_or(null_mut(), std::ptr::from_mut);
+    // SAFETY: `attr` is valid or NULL; the PD is checked.
+    unsafe { verbs::ibv_create_ah(pd, attr) }
+}
+
+fn destroy_ah(ah: *mut IbvAh) -> c_int {
+    // SAFETY: checked against the live handles.
+    unsafe { verbs::ibv_destroy_ah(ah) }
+}
+
 fn dereg_mr(mr: *mut IbvMr) -> c_int {
     // SAFETY: checked against the live regions.
     unsafe { verbs::ibv_dereg_mr(mr) }
 }
 
 #[test]
-fn protection_domains_and_registrations_of_the_programs_memory() {
+fn protection_domains_registrations_of_the_programs_memory_and_address_handles() {
     assert!(verbs::set_boot(boot));
     let mut count: c_int = 0;
     // SAFETY: `count` is valid for a write.
@@ -299,6 +312,77 @@ fn protection_domains_and_registrations_of_the_programs_memory() {
     assert_eq!(dereg_mr(local), 0);
     assert_eq!(process.space().adopted_page_count(), 0);
     assert_eq!(process.space().locked_pages(), 0, "every page unlocked");
+
+    // Address handles: on this Ethernet (RoCE) port the GRH with the
+    // peer's GID is required; the PD is busy while one remains.
+    let mut own_gid = IbvGid::default();
+    assert_eq!(
+        // SAFETY: a checked context; the output is valid.
+        unsafe { verbs::ibv_query_gid(context, 1, 0, &mut own_gid) },
+        0
+    );
+    let mut ah_attr = IbvAhAttr {
+        grh: IbvGlobalRoute {
+            dgid: own_gid,
+            flow_label: 0,
+            sgid_index: 0,
+            hop_limit: 1,
+            traffic_class: 0,
+        },
+        is_global: 1,
+        port_num: 1,
+        ..IbvAhAttr::default()
+    };
+    let ah = create_ah(pd, Some(&mut ah_attr));
+    assert!(!ah.is_null(), "errno {}", errno());
+    // SAFETY: a live address handle of ours.
+    let handle = unsafe { &*ah };
+    assert_eq!((handle.context, handle.pd), (context, pd));
+    let refused_ah = |ah: *mut IbvAh, expected: i32, what: &str| {
+        assert!(ah.is_null(), "{what}");
+        assert_eq!(errno(), expected, "{what}");
+    };
+    let mut no_grh = IbvAhAttr {
+        is_global: 0,
+        ..ah_attr
+    };
+    refused_ah(
+        create_ah(pd, Some(&mut no_grh)),
+        libc::EINVAL,
+        "no GRH on RoCE",
+    );
+    let mut port_0 = IbvAhAttr {
+        port_num: 0,
+        ..ah_attr
+    };
+    refused_ah(create_ah(pd, Some(&mut port_0)), libc::EINVAL, "port 0");
+    let mut port_2 = IbvAhAttr {
+        port_num: 2,
+        ..ah_attr
+    };
+    refused_ah(create_ah(pd, Some(&mut port_2)), libc::EINVAL, "port 2");
+    refused_ah(create_ah(pd, None), libc::EINVAL, "NULL attributes");
+    refused_ah(
+        create_ah(null_mut(), Some(&mut ah_attr)),
+        libc::EINVAL,
+        "NULL PD",
+    );
+    refused_ah(
+        create_ah(other_pd, Some(&mut ah_attr)),
+        libc::EINVAL,
+        "a deallocated PD",
+    );
+    let mut bad_sl = IbvAhAttr { sl: 16, ..ah_attr };
+    refused_ah(
+        create_ah(pd, Some(&mut bad_sl)),
+        libc::EINVAL,
+        "service level 16",
+    );
+    assert_eq!(dealloc_pd(pd), libc::EBUSY, "an AH remains");
+    assert_eq!(destroy_ah(null_mut()), libc::EINVAL);
+    assert_eq!(destroy_ah(pd.cast()), libc::EINVAL);
+    assert_eq!(destroy_ah(ah), 0);
+    assert_eq!(destroy_ah(ah), libc::EINVAL, "a second destroy");
 
     // A PD keeps its CA open past ibv_close_device, until it goes.
     // SAFETY: checked against the open contexts.
