@@ -15,6 +15,8 @@
 //!   post hooks around the proxy IOCTL as the guide's Table 10-1 prescribes
 //!   (`proxy`); the plugin lays the rings out, keeps address vectors in
 //!   user mode, and runs post, poll and arm with no kernel call.
+//! - [`shared`]: the PD, region and AV again, owning what they depend on
+//!   (`Arc`) instead of borrowing it, for a C library's objects.
 //! - [`plugin`]: loading the UVP the kernel names, never through the DLL
 //!   search order.
 //!
@@ -31,6 +33,7 @@ pub mod mw;
 pub mod plugin;
 mod proxy;
 pub mod query;
+pub mod shared;
 pub mod srq;
 pub mod verbs;
 #[cfg(windows)]
@@ -45,6 +48,7 @@ pub use ib_types::uvp::UserSend;
 pub use mw::Mw;
 pub use plugin::{LoadedPlugin, PluginError};
 pub use query::PortInfo;
+pub use shared::{SharedAv, SharedMr, SharedPd};
 pub use srq::Srq;
 pub use uvp_plugin::ArmFor;
 pub use verbs::{Av, Buffer, Cq, Mr, Pd, Qp, QpInit};
@@ -69,4 +73,10 @@ const _: () = {
     send::<Mw<'static, 'static>>();
     sync::<Mw<'static, 'static>>();
     send::<Qp<'static, 'static>>();
+    send::<SharedPd>();
+    sync::<SharedPd>();
+    send::<SharedMr>();
+    sync::<SharedMr>();
+    send::<SharedAv>();
+    sync::<SharedAv>();
 };

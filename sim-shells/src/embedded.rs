@@ -17,6 +17,7 @@ use sim_hca::device::DeviceConfig;
 use sim_hca::udp::PortAddress;
 use sim_hca::wire::udp::ROCEV2_PORT;
 use sim_host::host::{Host, HostConfig, HostError};
+pub use sim_host::memory::MemoryError;
 use sim_host::memory::Process;
 use sim_host::platform::SimPlatform;
 
@@ -196,6 +197,30 @@ impl EmbeddedMachine {
     /// The access library's OS seam of the machine's user process.
     pub fn io(&self) -> Arc<dyn DeviceIo> {
         Arc::clone(&self.io)
+    }
+
+    /// The simulated user process the program is (its memory: adopted
+    /// pages, locked pages).
+    pub fn process(&self) -> &Process {
+        &self.process
+    }
+
+    /// Adopts the whole pages around `addr..addr+len` of the program's
+    /// own memory into the simulated process at their own addresses, so
+    /// the device reaches the program's buffer (a registration's,
+    /// `ibv_reg_mr`); see [`Process::adopt`].
+    ///
+    /// # Safety
+    /// [`Process::adopt`]'s contract.
+    pub unsafe fn adopt_user_memory(&self, addr: *mut u8, len: usize) -> Result<u64, MemoryError> {
+        // SAFETY: the caller promised `Process::adopt`'s contract.
+        unsafe { self.process.adopt(addr, len) }
+    }
+
+    /// Ends one [`adopt_user_memory`](Self::adopt_user_memory) of the
+    /// same range; see [`Process::release_adoption`].
+    pub fn release_user_memory(&self, va: u64, len: usize) -> Result<(), MemoryError> {
+        self.process.release_adoption(va, len)
     }
 
     /// The host.

@@ -149,7 +149,7 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut IbvDevice) -> *mut IbvCont
         };
         let context = Arc::new(Context {
             verbs: new_verbs_context(device.as_ptr()),
-            ca,
+            ca: Arc::new(ca),
             device,
         });
         remember_context(context)

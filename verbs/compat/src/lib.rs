@@ -26,21 +26,27 @@
 //! symbol versions come from [`export_libibverbs!`], which the cdylib
 //! invokes, and the version script `libibverbs.map` beside this crate.
 //!
-//! **This milestone:** the device list, open and close, and the queries
-//! `ibv_devinfo` and `ibv_devices` make. The other entry points the
+//! **This milestone:** the device list, open and close, the queries
+//! `ibv_devinfo` and `ibv_devices` make, protection domains, address
+//! handles and the registration of the program's own memory ([`memory`]'s module docs:
+//! how the C objects own the access library's). The other entry points the
 //! surveyed tools import exist (the binaries are linked `BIND_NOW`) and
 //! answer "not supported" ([`unsupported`]).
 
+mod ah;
 mod device;
+mod memory;
 pub mod query;
 mod state;
 pub mod unsupported;
 mod util;
 
+pub use ah::{ibv_create_ah, ibv_destroy_ah};
 pub use device::{
     ibv_close_device, ibv_free_device_list, ibv_get_device_guid, ibv_get_device_list,
     ibv_get_device_name, ibv_open_device,
 };
+pub use memory::{ibv_alloc_pd, ibv_dealloc_pd, ibv_dereg_mr, ibv_reg_mr, ibv_reg_mr_iova2};
 pub use query::{
     _ibv_query_gid_ex, ibv_query_device, ibv_query_gid, ibv_query_gid_type, ibv_query_pkey,
     ibv_query_port,
@@ -115,11 +121,11 @@ macro_rules! export_libibverbs {
             "ibv_wc_status_str" => $crate::ibv_wc_status_str;
             "ibv_create_comp_channel" => $crate::unsupported::ibv_create_comp_channel;
             "ibv_destroy_comp_channel" => $crate::unsupported::ibv_destroy_comp_channel;
-            "ibv_alloc_pd" => $crate::unsupported::ibv_alloc_pd;
-            "ibv_dealloc_pd" => $crate::unsupported::ibv_dealloc_pd;
-            "ibv_reg_mr" => $crate::unsupported::ibv_reg_mr;
-            "ibv_reg_mr_iova2" => $crate::unsupported::ibv_reg_mr_iova2;
-            "ibv_dereg_mr" => $crate::unsupported::ibv_dereg_mr;
+            "ibv_alloc_pd" => $crate::ibv_alloc_pd;
+            "ibv_dealloc_pd" => $crate::ibv_dealloc_pd;
+            "ibv_reg_mr" => $crate::ibv_reg_mr;
+            "ibv_reg_mr_iova2" => $crate::ibv_reg_mr_iova2;
+            "ibv_dereg_mr" => $crate::ibv_dereg_mr;
             "ibv_create_cq" => $crate::unsupported::ibv_create_cq;
             "ibv_destroy_cq" => $crate::unsupported::ibv_destroy_cq;
             "ibv_get_cq_event" => $crate::unsupported::ibv_get_cq_event;
@@ -131,9 +137,9 @@ macro_rules! export_libibverbs {
             "ibv_qp_to_qp_ex" => $crate::unsupported::ibv_qp_to_qp_ex;
             "ibv_create_srq" => $crate::unsupported::ibv_create_srq;
             "ibv_destroy_srq" => $crate::unsupported::ibv_destroy_srq;
-            "ibv_create_ah" => $crate::unsupported::ibv_create_ah;
+            "ibv_create_ah" => $crate::ibv_create_ah;
             "ibv_create_ah_from_wc" => $crate::unsupported::ibv_create_ah_from_wc;
-            "ibv_destroy_ah" => $crate::unsupported::ibv_destroy_ah;
+            "ibv_destroy_ah" => $crate::ibv_destroy_ah;
             "ibv_attach_mcast" => $crate::unsupported::ibv_attach_mcast;
             "ibv_detach_mcast" => $crate::unsupported::ibv_detach_mcast;
         }

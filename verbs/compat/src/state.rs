@@ -3,7 +3,7 @@
 //! it handed out.
 
 use std::collections::HashMap;
-use std::ffi::c_char;
+use std::ffi::{c_char, c_int};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use ibal_user::{DeviceIo, PluginSource};
@@ -18,6 +18,32 @@ pub trait Machine: Send + Sync {
     fn io(&self) -> Arc<dyn DeviceIo>;
     /// Where each opened CA's plugin comes from.
     fn plugin(&self) -> PluginSource;
+
+    /// Makes the whole pages around `addr..addr+len` of the program's own
+    /// memory reachable by the machine's device, for a registration
+    /// (`ibv_reg_mr`); an errno value when it cannot. Overlapping calls
+    /// are counted: each is undone by one
+    /// [`release_user_memory`](Self::release_user_memory). On Windows the
+    /// program's memory is the process's memory: nothing to do (the
+    /// default).
+    ///
+    /// # Safety
+    /// `ibv_reg_mr`'s contract: the whole pages around the range are the
+    /// program's memory, mapped readable and writable, and stay so until
+    /// the matching release succeeds; the program touches the bytes only
+    /// as verbs allow while the device may access them.
+    unsafe fn expose_user_memory(&self, addr: *mut u8, len: usize) -> Result<(), c_int> {
+        let _ = (addr, len);
+        Ok(())
+    }
+
+    /// Undoes one [`expose_user_memory`](Self::expose_user_memory) of the
+    /// same range, once the registration over it is gone; an errno value
+    /// when it cannot (the pages are then left reachable).
+    fn release_user_memory(&self, addr: u64, len: usize) -> Result<(), c_int> {
+        let _ = (addr, len);
+        Ok(())
+    }
 }
 
 /// Boots (or finds) the machine; called once, on the library's first use.
@@ -172,7 +198,9 @@ pub(crate) fn forget_list(list: *mut *mut IbvDevice) -> bool {
 #[repr(C)]
 pub(crate) struct Context {
     pub(crate) verbs: VerbsContext,
-    pub(crate) ca: ibal_user::Context,
+    /// Shared with the PDs made on it ([`ibal_user::SharedPd`]), which
+    /// keep the CA open until they are gone.
+    pub(crate) ca: Arc<ibal_user::Context>,
     pub(crate) device: &'static Device,
 }
 

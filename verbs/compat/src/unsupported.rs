@@ -1,12 +1,11 @@
 //! The entry points the surveyed tools import that this milestone does
-//! not offer yet (docs/libibverbs.md, "Status"): protection domains,
-//! memory registration, CQs, QPs, SRQs, address handles, multicast and
-//! completion channels. The binaries are linked `BIND_NOW`, so each must
+//! not offer yet (docs/libibverbs.md, "Status"): CQs, QPs, SRQs,
+//! address handles from completions, multicast and completion channels. The binaries are linked `BIND_NOW`, so each must
 //! exist; each answers as rdma-core does for a verb the device refuses.
 //!
 //! The rule: a create on an open context fails with `EOPNOTSUPP` (NULL and
 //! `errno`), and with `EINVAL` on a context that is not open; every call
-//! naming an object (a PD, CQ, QP, SRQ, AH, MR or channel) fails with
+//! naming an object (a CQ, QP, SRQ or channel) fails with
 //! `EINVAL`, since the library has created none, so any such pointer is
 //! not one of its objects. Errors come back the way each verb reports
 //! them: NULL with `errno`, -1 with `errno`, or an errno value.
@@ -14,8 +13,8 @@
 use std::ffi::{c_int, c_void};
 
 use ibverbs_abi::{
-    IbvAh, IbvAhAttr, IbvCompChannel, IbvContext, IbvCq, IbvGid, IbvMr, IbvPd, IbvQp, IbvQpAttr,
-    IbvQpEx, IbvQpInitAttr, IbvSrq, IbvSrqInitAttr, IbvWc,
+    IbvAh, IbvCompChannel, IbvContext, IbvCq, IbvGid, IbvPd, IbvQp, IbvQpAttr, IbvQpEx,
+    IbvQpInitAttr, IbvSrq, IbvSrqInitAttr, IbvWc,
 };
 
 use crate::state::context_at;
@@ -44,43 +43,6 @@ pub extern "C" fn ibv_create_comp_channel(context: *mut IbvContext) -> *mut IbvC
 
 /// `ibv_destroy_comp_channel(channel)`: `EINVAL` (no channel exists).
 pub extern "C" fn ibv_destroy_comp_channel(_channel: *mut IbvCompChannel) -> c_int {
-    libc::EINVAL
-}
-
-/// `ibv_alloc_pd(context)`: NULL, `EOPNOTSUPP` (not yet).
-pub extern "C" fn ibv_alloc_pd(context: *mut IbvContext) -> *mut IbvPd {
-    refuse_create(context)
-}
-
-/// `ibv_dealloc_pd(pd)`: `EINVAL` (no PD exists).
-pub extern "C" fn ibv_dealloc_pd(_pd: *mut IbvPd) -> c_int {
-    libc::EINVAL
-}
-
-/// `ibv_reg_mr(pd, addr, length, access)`: NULL, `EINVAL` (no PD exists).
-pub extern "C" fn ibv_reg_mr(
-    _pd: *mut IbvPd,
-    _addr: *mut c_void,
-    _length: usize,
-    _access: c_int,
-) -> *mut IbvMr {
-    refuse_on_object()
-}
-
-/// `ibv_reg_mr_iova2(pd, addr, length, iova, access)`: NULL, `EINVAL` (no
-/// PD exists).
-pub extern "C" fn ibv_reg_mr_iova2(
-    _pd: *mut IbvPd,
-    _addr: *mut c_void,
-    _length: usize,
-    _iova: u64,
-    _access: u32,
-) -> *mut IbvMr {
-    refuse_on_object()
-}
-
-/// `ibv_dereg_mr(mr)`: `EINVAL` (no region exists).
-pub extern "C" fn ibv_dereg_mr(_mr: *mut IbvMr) -> c_int {
     libc::EINVAL
 }
 
@@ -156,11 +118,6 @@ pub extern "C" fn ibv_destroy_srq(_srq: *mut IbvSrq) -> c_int {
     libc::EINVAL
 }
 
-/// `ibv_create_ah(pd, attr)`: NULL, `EINVAL` (no PD exists).
-pub extern "C" fn ibv_create_ah(_pd: *mut IbvPd, _attr: *mut IbvAhAttr) -> *mut IbvAh {
-    refuse_on_object()
-}
-
 /// `ibv_create_ah_from_wc(pd, wc, grh, port_num)`: NULL, `EINVAL` (no PD
 /// exists).
 pub extern "C" fn ibv_create_ah_from_wc(
@@ -170,11 +127,6 @@ pub extern "C" fn ibv_create_ah_from_wc(
     _port_num: u8,
 ) -> *mut IbvAh {
     refuse_on_object()
-}
-
-/// `ibv_destroy_ah(ah)`: `EINVAL` (no AH exists).
-pub extern "C" fn ibv_destroy_ah(_ah: *mut IbvAh) -> c_int {
-    libc::EINVAL
 }
 
 /// `ibv_attach_mcast(qp, gid, lid)`: `EINVAL` (no QP exists).

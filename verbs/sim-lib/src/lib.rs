@@ -36,6 +36,7 @@ use std::time::Duration;
 use ibal_user::{DeviceIo, PluginSource};
 use ibverbs_compat::Machine;
 use sim_hca::udp::PortAddress;
+use sim_shells::embedded::MemoryError;
 use sim_shells::embedded::{EmbeddedMachine, Fabric};
 
 ibverbs_compat::export_libibverbs!();
@@ -57,6 +58,31 @@ impl Machine for SimMachine {
 
     fn plugin(&self) -> PluginSource {
         PluginSource::Linked
+    }
+
+    /// The simulated process adopts the program's pages.
+    unsafe fn expose_user_memory(&self, addr: *mut u8, len: usize) -> Result<(), i32> {
+        // SAFETY: the caller promised `Machine::expose_user_memory`'s
+        // contract, which is `Process::adopt`'s for the program's memory.
+        unsafe { self.0.adopt_user_memory(addr, len) }
+            .map(drop)
+            .map_err(errno_of)
+    }
+
+    fn release_user_memory(&self, addr: u64, len: usize) -> Result<(), i32> {
+        self.0.release_user_memory(addr, len).map_err(errno_of)
+    }
+}
+
+/// The errno value of an adoption's refusal: memory the device cannot be
+/// given (not the program's, or the simulator's own) is `EFAULT`, as a
+/// kernel's refusal to pin it; pages still locked `EBUSY`.
+fn errno_of(error: MemoryError) -> i32 {
+    match error {
+        MemoryError::AdoptedPagesInUse { .. } => libc::EBUSY,
+        MemoryError::ProcessExited => libc::ENODEV,
+        MemoryError::NotAdopted { .. } => libc::EINVAL,
+        _ => libc::EFAULT,
     }
 }
 

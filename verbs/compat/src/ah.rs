@@ -1,0 +1,135 @@
+//! Address handles: `ibv_create_ah`, `ibv_destroy_ah`, over the access
+//! library's address vectors, which the plugin keeps in user mode
+//! ([`ibal_user::SharedAv`], owning its PD as the regions do,
+//! `crate::memory`).
+
+use std::ffi::c_int;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use ib_types::av::{AvAttr, Grh};
+use ib_types::scalars::{Gid, Lid, PortNum};
+use ibal_user::SharedAv;
+use ibverbs_abi::{IbvAh, IbvAhAttr, IbvPd};
+
+use crate::memory::{ProtectionDomain, Registry, lock, pd_for_child, remember, truncated_handle};
+use crate::util::{errno_of, guard, set_errno};
+
+/// An address handle: rdma-core's `ibv_ah` first, then the access
+/// library's AV and the PD it was made in.
+#[repr(C)]
+pub(crate) struct AddressHandle {
+    raw: IbvAh,
+    av: SharedAv,
+    pd: Arc<ProtectionDomain>,
+}
+
+// SAFETY: `raw`'s pointers name the PD and context this handle holds
+// (`pd`), never written after the handle is built, only read.
+unsafe impl Send for AddressHandle {}
+// SAFETY: as for `Send`: shared references only read `raw`.
+unsafe impl Sync for AddressHandle {}
+
+static AHS: Registry<AddressHandle> = std::sync::Mutex::new(None);
+
+/// The access library's AV for `attr` on `pd`'s CA: `EINVAL` for a port
+/// the CA does not have (checked here with `QueryCa`: the plugin does not
+/// check an AV's port). The plugin checks the rest as for every AV: a
+/// service level past 15 and, on an Ethernet (RoCE) port, an address
+/// without a GRH (`is_global` 0: RoCE addresses the peer by its GID) are
+/// refused there, `EINVAL`.
+fn av_attr(pd: &ProtectionDomain, attr: &IbvAhAttr) -> Result<AvAttr, c_int> {
+    let port = PortNum::new(attr.port_num).map_err(|_| libc::EINVAL)?;
+    pd.pd
+        .context()
+        .query_port(port)
+        .map_err(|error| errno_of(&error))?;
+    let grh = (attr.is_global != 0).then(|| Grh {
+        dgid: Gid::from_octets(attr.grh.dgid.raw),
+        flow_label: attr.grh.flow_label,
+        hop_limit: attr.grh.hop_limit,
+        traffic_class: attr.grh.traffic_class,
+        sgid_index: attr.grh.sgid_index,
+    });
+    Ok(AvAttr {
+        port,
+        sl: attr.sl,
+        dlid: Lid::new(attr.dlid),
+        path_bits: attr.src_path_bits,
+        static_rate: attr.static_rate,
+        grh,
+    })
+}
+
+/// `ibv_create_ah(pd, attr)`: an address handle (`CreateAv`, kept by the
+/// plugin); NULL with `errno`: `EINVAL` for a PD that is not ours, NULL
+/// `attr`, a bad port, no GRH on an Ethernet port, or attributes the
+/// plugin refuses.
+///
+/// # Safety
+///
+/// `attr` is NULL or valid for reads of an `ibv_ah_attr`; `pd` is checked
+/// against the live PDs.
+pub unsafe extern "C" fn ibv_create_ah(pd: *mut IbvPd, attr: *mut IbvAhAttr) -> *mut IbvAh {
+    guard(std::ptr::null_mut(), || {
+        // SAFETY: NULL or valid for reads (the contract); copied at once.
+        let Some(attr) = (unsafe { attr.as_ref() }).copied() else {
+            set_errno(libc::EINVAL);
+            return std::ptr::null_mut();
+        };
+        let pd = match pd_for_child(pd) {
+            Ok(pd) => pd,
+            Err(errno) => {
+                set_errno(errno);
+                return std::ptr::null_mut();
+            }
+        };
+        let made = av_attr(&pd, &attr)
+            .and_then(|av_attr| SharedAv::new(&pd.pd, &av_attr).map_err(|error| errno_of(&error)));
+        match made {
+            Ok(av) => {
+                let handle = Arc::new(AddressHandle {
+                    raw: IbvAh {
+                        context: pd.raw.context,
+                        pd: pd.as_ptr(),
+                        handle: truncated_handle(av.handle().raw()),
+                    },
+                    av,
+                    pd,
+                });
+                let ptr = std::ptr::from_ref(&handle.raw).cast_mut();
+                remember(&AHS, ptr as usize, handle);
+                ptr
+            }
+            Err(errno) => {
+                pd.children.fetch_sub(1, Ordering::AcqRel);
+                set_errno(errno);
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// `ibv_destroy_ah(ah)`: 0, or an errno value: `EINVAL` for a handle that
+/// is not ours (or a second destroy), the plugin's refusal (the handle
+/// stays) otherwise.
+///
+/// # Safety
+///
+/// None beyond C's: the pointer is checked against the live handles.
+pub unsafe extern "C" fn ibv_destroy_ah(ah: *mut IbvAh) -> c_int {
+    guard(libc::EIO, || {
+        let Some(handle) = lock(&AHS)
+            .as_mut()
+            .and_then(|ahs| ahs.remove(&(ah as usize)))
+        else {
+            return libc::EINVAL;
+        };
+        if let Err(error) = handle.av.destroy() {
+            remember(&AHS, ah as usize, handle);
+            return errno_of(&error);
+        }
+        handle.pd.children.fetch_sub(1, Ordering::AcqRel);
+        0
+    })
+}
