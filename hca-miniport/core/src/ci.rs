@@ -236,7 +236,7 @@ where
     /// than the QP's granted `max_inline_data` is refused by the core's
     /// checks with [`IbStatus::InvalidParameter`], nothing of it posted.
     /// Callable at DISPATCH_LEVEL; no allocation. WRs for a connected QP
-    /// go to the core in one call (one doorbell); UD WRs [`SEND_BATCH`] at
+    /// go to the core in one call (one doorbell); UD WRs `SEND_BATCH` at
     /// a time, their AVs resolved into a stack array first (the object
     /// tables are never looked up under a ring lock).
     pub fn post_send(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {

@@ -28,7 +28,7 @@
 //!
 //! **This milestone:** the device list, open and close, the queries
 //! `ibv_devinfo` and `ibv_devices` make, protection domains, address
-//! handles and the registration of the program's own memory ([`memory`]'s module docs:
+//! handles and the registration of the program's own memory (the `memory` module's docs:
 //! how the C objects own the access library's). The other entry points the
 //! surveyed tools import exist (the binaries are linked `BIND_NOW`) and
 //! answer "not supported" ([`unsupported`]).

@@ -278,7 +278,7 @@ fn register_in(
 }
 
 /// `ibv_reg_mr(pd, addr, length, access)`: registers the program's buffer
-/// ([`access_rights`] for `access`); NULL with `errno` on failure
+/// (`access_rights` for `access`); NULL with `errno` on failure
 /// (`EINVAL` for a PD that is not ours, NULL `addr` or zero `length`).
 ///
 /// # Safety
