@@ -27,6 +27,12 @@
 //! [`EXIT_TIMEOUT`] (the program then exits anyway, its threads with it)
 //! — is printed to standard error, prefixed `libibverbs:`; a clean exit
 //! prints nothing (unless [`EXIT_REPORT_VARIABLE`] is set).
+//!
+//! **Its own heap.** The library's Rust code allocates from mimalloc
+//! ([`SIMULATOR_HEAP`]), whose memory is its own `mmap`ed segments, never
+//! the program's `malloc` heap: `ibv_reg_mr` hands the device the whole
+//! pages around a program's buffer, and those pages must hold nothing of
+//! the simulator's (`Process::adopt`'s contract; `tests/heap.rs`).
 
 use std::ffi::OsStr;
 use std::net::Ipv4Addr;
@@ -40,6 +46,12 @@ use sim_shells::embedded::MemoryError;
 use sim_shells::embedded::{EmbeddedMachine, Fabric};
 
 ibverbs_compat::export_libibverbs!();
+
+/// The simulator's heap: pages of its own, apart from the program's
+/// `malloc` heap, so no page the device is given (a registered buffer's,
+/// adopted whole) holds a simulator object.
+#[global_allocator]
+pub static SIMULATOR_HEAP: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// How long the machine may take to shut down at process exit.
 pub const EXIT_TIMEOUT: Duration = Duration::from_secs(5);
