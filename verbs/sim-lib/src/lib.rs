@@ -27,6 +27,12 @@
 //! [`EXIT_TIMEOUT`] (the program then exits anyway, its threads with it)
 //! — is printed to standard error, prefixed `libibverbs:`; a clean exit
 //! prints nothing (unless [`EXIT_REPORT_VARIABLE`] is set).
+//!
+//! **Its own heap.** The library's Rust code allocates from mimalloc
+//! ([`SIMULATOR_HEAP`]), whose memory is its own `mmap`ed segments, never
+//! the program's `malloc` heap: `ibv_reg_mr` hands the device the whole
+//! pages around a program's buffer, and those pages must hold nothing of
+//! the simulator's (`Process::adopt`'s contract; `tests/heap.rs`).
 
 use std::ffi::OsStr;
 use std::net::Ipv4Addr;
@@ -40,6 +46,12 @@ use sim_shells::embedded::MemoryError;
 use sim_shells::embedded::{EmbeddedMachine, Fabric};
 
 ibverbs_compat::export_libibverbs!();
+
+/// The simulator's heap: pages of its own, apart from the program's
+/// `malloc` heap, so no page the device is given (a registered buffer's,
+/// adopted whole) holds a simulator object.
+#[global_allocator]
+pub static SIMULATOR_HEAP: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// How long the machine may take to shut down at process exit.
 pub const EXIT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -60,8 +72,12 @@ impl Machine for SimMachine {
         PluginSource::Linked
     }
 
-    /// The simulated process adopts the program's pages.
+    /// The simulated process adopts the program's pages; a page of the
+    /// simulator's own heap ([`SIMULATOR_HEAP`]) is refused, `EFAULT`.
     unsafe fn expose_user_memory(&self, addr: *mut u8, len: usize) -> Result<(), i32> {
+        if touches_simulator_heap(addr as usize, len) {
+            return Err(libc::EFAULT);
+        }
         // SAFETY: the caller promised `Machine::expose_user_memory`'s
         // contract, which is `Process::adopt`'s for the program's memory.
         unsafe { self.0.adopt_user_memory(addr, len) }
@@ -72,6 +88,22 @@ impl Machine for SimMachine {
     fn release_user_memory(&self, addr: u64, len: usize) -> Result<(), i32> {
         self.0.release_user_memory(addr, len).map_err(errno_of)
     }
+}
+
+/// Whether a page around `addr..addr+len` is [`SIMULATOR_HEAP`]'s: one
+/// question per page (mimalloc's page map), so a buffer of the program's
+/// that the library's own objects are on is never handed to the device.
+fn touches_simulator_heap(addr: usize, len: usize) -> bool {
+    // The model's page (sim-host's `PAGE_SIZE`), which `Process::adopt`
+    // adopts whole; asking every 4 KiB also covers any larger OS page.
+    const PAGE: usize = 4096;
+    let first = addr & !(PAGE - 1);
+    let end = addr.saturating_add(len.max(1));
+    (first..end).step_by(PAGE).any(|page| {
+        // SAFETY: `mi_is_in_heap_region` only looks the address up in
+        // mimalloc's page map; it never dereferences it.
+        unsafe { libmimalloc_sys::mi_is_in_heap_region(page as *const _) }
+    })
 }
 
 /// The errno value of an adoption's refusal: memory the device cannot be
