@@ -160,7 +160,7 @@ impl Context {
         let ring = unsafe { buffer(&layout.ring) }?;
         // SAFETY: as above.
         let record = unsafe { record(&layout.dbr) }?;
-        Ok(Cq::new(
+        Cq::new(
             created.cqn,
             ring,
             record,
@@ -168,7 +168,7 @@ impl Context {
             Arc::clone(&self.uar),
             CQ_DOORBELL,
             Arc::clone(&self.directory),
-        ))
+        )
     }
 
     /// The SRQ created with `layout`, with `max_sge` SGEs per WQE granted.

@@ -17,9 +17,8 @@ use hca_prm::doorbell::{CqArm, CqDoorbell};
 use hca_prm::owner;
 use hca_prm::uverbs::ResizeCqPriv;
 use ib_types::wc::WorkCompletion;
-use zerocopy::FromBytes;
 
-use crate::dma::{DmaBuffer, Record, from_device};
+use crate::dma::{DmaBuffer, Record, WordRing, from_device};
 use crate::error::SetupError;
 use crate::mmio::UarPage;
 use crate::queue::{Directory, Route};
@@ -51,7 +50,9 @@ pub enum ArmFor {
 #[derive(Debug)]
 pub struct Cq {
     cqn: u32,
-    ring: DmaBuffer,
+    /// The CQ's entries as a ring of words, checked once at creation and
+    /// resize, so a poll loads a CQE's words with no bounds check.
+    ring: WordRing,
     record: Record,
     log_entries: u8,
     /// CQEs consumed (wrapping) in the current ring.
@@ -78,8 +79,9 @@ impl Cq {
         uar: Arc<UarPage>,
         doorbell_offset: u64,
         directory: Arc<Directory>,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, SetupError> {
+        let ring = ring_of(ring, log_entries)?;
+        Ok(Self {
             cqn,
             ring,
             record,
@@ -91,7 +93,7 @@ impl Cq {
             doorbell_offset,
             directory,
             last: None,
-        }
+        })
     }
 
     /// The CQ number.
@@ -122,28 +124,24 @@ impl Cq {
             let first = (self.consumer & mask) as usize * CQE_WORDS;
             // The owner byte is the last byte of the entry's last word,
             // which the device writes whole (with the opcode and status).
-            let Some(last_word) = self.ring.load_word_at(first + CQE_WORDS - 1) else {
-                break;
-            };
+            let last_word = self.ring.load(first + CQE_WORDS - 1);
             if !owner::is_valid((last_word >> 56) as u8, self.consumer, self.log_entries) {
                 break;
             }
             from_device();
-            let mut raw = [0u8; CQE_BYTES];
-            for (i, bytes) in raw.chunks_exact_mut(8).enumerate() {
-                let word = match i {
-                    3 => last_word,
-                    // In range: the entry's words are inside the ring.
-                    _ => self.ring.load_word_at(first + i).unwrap_or(0),
-                };
-                bytes.copy_from_slice(&word.to_le_bytes());
-            }
+            // The words are little-endian (PRM 10.4).
+            let words = [
+                self.ring.load(first),
+                self.ring.load(first + 1),
+                self.ring.load(first + 2),
+                last_word,
+            ]
+            .map(u64::to_le);
+            let cqe: Cqe = zerocopy::transmute!(words);
             self.consumer = self.consumer.wrapping_add(1);
             let sequence = self.polled;
             self.polled += 1;
-            let completion = Cqe::read_from_bytes(&raw)
-                .ok()
-                .and_then(|cqe| self.complete(&cqe, sequence));
+            let completion = self.complete(&cqe, sequence);
             match completion {
                 Some(wc) => {
                     out[filled] = wc;
@@ -191,10 +189,8 @@ impl Cq {
         let mut waiting = 0;
         while waiting < entries {
             let counter = self.consumer.wrapping_add(waiting);
-            let at = (counter & mask) as usize * CQE_BYTES;
-            let Some(last_word) = self.ring.load_word(at + CQE_BYTES - 8) else {
-                break;
-            };
+            let at = (counter & mask) as usize * CQE_WORDS;
+            let last_word = self.ring.load(at + CQE_WORDS - 1);
             if !owner::is_valid((last_word >> 56) as u8, counter, self.log_entries) {
                 break;
             }
@@ -229,7 +225,8 @@ impl Cq {
             detail: "longer than the address space",
         })?;
         // SAFETY: the caller's contract is `from_raw`'s for the new ring.
-        self.ring = unsafe { DmaBuffer::from_raw(layout.ring.va, len) }?;
+        let buffer = unsafe { DmaBuffer::from_raw(layout.ring.va, len) }?;
+        self.ring = ring_of(buffer, layout.log_entries)?;
         self.log_entries = layout.log_entries;
         self.consumer = 0;
         Ok(())
@@ -249,6 +246,19 @@ impl Cq {
             let _ = self.uar.write64(self.doorbell_offset, doorbell.encode());
         }
     }
+}
+
+/// `buffer` as the ring of a CQ of `2^log_entries` CQEs (its length was
+/// checked against them).
+fn ring_of(buffer: DmaBuffer, log_entries: u8) -> Result<WordRing, SetupError> {
+    1usize
+        .checked_shl(u32::from(log_entries))
+        .and_then(|entries| entries.checked_mul(CQE_WORDS))
+        .and_then(|words| WordRing::new(buffer, words))
+        .ok_or(SetupError::Layout {
+            what: "CQ ring",
+            detail: "smaller than its entries",
+        })
 }
 
 /// The work completion of `cqe`, the CQ's `sequence`th, of the QP whose

@@ -271,6 +271,41 @@ impl RingWords<'_> {
     }
 }
 
+/// A [`DmaBuffer`] owned as a ring of a power of two of words, checked
+/// once when it is made ([`WordRing::new`]): a load at any index wraps
+/// into the ring with one `and`, no bounds check. What a CQ keeps for its
+/// whole life, so its poll builds no view per call.
+///
+/// # Invariants
+/// `mask + 1` is a power of two no larger than `buffer`'s words.
+#[derive(Debug)]
+pub struct WordRing {
+    buffer: DmaBuffer,
+    mask: usize,
+}
+
+impl WordRing {
+    /// `buffer`'s first `words` words as a ring; `None` unless `words` is
+    /// a power of two the buffer holds.
+    pub fn new(buffer: DmaBuffer, words: usize) -> Option<Self> {
+        (words.is_power_of_two() && words <= buffer.words).then_some(Self {
+            buffer,
+            mask: words - 1,
+        })
+    }
+
+    /// Loads ring word `index` modulo the ring's words (relaxed).
+    #[inline(always)]
+    pub fn load(&self, index: usize) -> u64 {
+        let word = self.buffer.base.as_ptr().wrapping_add(index & self.mask);
+        // SAFETY: `index & mask` is below the ring's words, which are
+        // words of the buffer this owns (type invariant): live, aligned
+        // and accessed only atomically (`DmaBuffer`'s invariant) while
+        // `&self` lasts.
+        unsafe { &*word }.load(Ordering::Relaxed)
+    }
+}
+
 /// A doorbell record (PRM 9.2): 4 bytes, 4-byte aligned, stored as one
 /// 64-bit read-modify-write of the aligned word that holds it.
 #[derive(Debug)]
@@ -365,6 +400,23 @@ mod tests {
         assert_eq!(words[0].load(Ordering::Relaxed), 0);
         // SAFETY: refused before anything is accessed.
         assert!(unsafe { Record::from_raw(base + 2) }.is_err());
+    }
+
+    #[test]
+    fn a_word_ring_wraps_inside_its_words_and_refuses_bad_sizes() {
+        let mut words: Vec<AtomicU64> = (0..6).map(AtomicU64::new).collect();
+        assert!(
+            WordRing::new(buffer(&mut words), 3).is_none(),
+            "not a power of two"
+        );
+        assert!(
+            WordRing::new(buffer(&mut words), 8).is_none(),
+            "past the end"
+        );
+        let ring = WordRing::new(buffer(&mut words), 4).unwrap();
+        assert_eq!(ring.load(2), 2);
+        assert_eq!(ring.load(5), 1, "wraps at 4 words, not 6");
+        assert_eq!(ring.load(usize::MAX), 3);
     }
 
     #[test]

@@ -161,7 +161,7 @@ struct Owned<T> {
     /// any number of threads (the trait promises "any thread"; the access
     /// library's `Qp` has one poster at a time but its CQs are shared), and
     /// the control path's resize and reset, are serialized by it.
-    object: Mutex<Option<T>>,
+    object: parking_lot::Mutex<Option<T>>,
     memory: Mutex<Allocation>,
 }
 
@@ -169,14 +169,14 @@ impl<T> Owned<T> {
     fn new(ca: u64, object: T, memory: Allocation) -> Arc<Self> {
         Arc::new(Self {
             ca,
-            object: Mutex::new(Some(object)),
+            object: parking_lot::Mutex::new(Some(object)),
             memory: Mutex::new(memory),
         })
     }
 
     #[inline]
-    fn lock(&self) -> MutexGuard<'_, Option<T>> {
-        self.object.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Option<T>> {
+        self.object.lock()
     }
 
     /// The object destroyed: dropped now; every later call is refused.

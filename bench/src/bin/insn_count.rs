@@ -22,6 +22,13 @@
 //! receiver got every byte). The program prints `ops <workload> <n>`: the
 //! number of calls of the measured function, which the counter divides
 //! the collected instructions by.
+//!
+//! The plugin's poll workload also checks that its poll allocates
+//! nothing: the program's allocator counts each thread's allocations, and
+//! a measured plugin poll that made one fails the run (and the test
+//! `plugin_poll_allocates_nothing`). A post is not checked: its doorbell
+//! store runs the simulated device in the posting thread, which allocates
+//! (its packets), and its allocations cannot be told from the plugin's.
 
 use std::sync::Arc;
 
@@ -89,6 +96,62 @@ fn measured_driver_poll(
     wcs: &mut [WorkCompletion],
 ) -> usize {
     ci.poll_cq(cq, wcs).expect("the CQ polls")
+}
+
+/// The system allocator, counting each thread's allocations (and
+/// reallocations), so a workload can check its measured calls made none.
+struct CountingAllocator;
+
+thread_local! {
+    static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+fn count_allocation() {
+    // `try_with`: an allocation while the thread's locals are being
+    // destroyed is not counted rather than a panic in the allocator.
+    let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+}
+
+// SAFETY: every method forwards to `System` with the caller's arguments
+// unchanged, so `System`'s guarantees are this allocator's; counting
+// touches only a thread-local `Cell` and never allocates.
+unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        count_allocation();
+        // SAFETY: the caller's contract for `alloc`, passed on.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: `ptr` came from `System` (every allocation here does).
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        count_allocation();
+        // SAFETY: the caller's contract for `alloc_zeroed`, passed on.
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new: usize) -> *mut u8 {
+        count_allocation();
+        // SAFETY: the caller's contract for `realloc`, passed on; `ptr`
+        // came from `System`.
+        unsafe { std::alloc::System.realloc(ptr, layout, new) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
+
+/// Runs `call` and fails if it allocated on this thread: the plugin's
+/// fast path allocates nothing.
+fn allocating_nothing<T>(what: &str, call: impl FnOnce() -> T) -> T {
+    let before = ALLOCATIONS.with(std::cell::Cell::get);
+    let out = call();
+    let made = ALLOCATIONS.with(std::cell::Cell::get) - before;
+    assert_eq!(made, 0, "{what} allocated {made} times");
+    out
 }
 
 /// One user post of `sends` through the access library into the plugin.
@@ -447,7 +510,7 @@ fn plugin_workload(rounds: usize, measure_poll: bool) -> usize {
             let mut wc = [WorkCompletion::EMPTY];
             let got = if measure_poll {
                 calls += 1;
-                measured_plugin_poll(&scq, &mut wc)
+                allocating_nothing("a plugin poll", || measured_plugin_poll(&scq, &mut wc))
             } else {
                 scq.poll(&mut wc).expect("the plugin polls")
             };
@@ -492,4 +555,22 @@ fn main() {
         .join()
         .expect("the workload ran");
     println!("ops {workload} {calls}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plugin_workload;
+
+    /// One round of the plugin's poll workload: every measured poll is
+    /// checked to allocate nothing (`allocating_nothing`).
+    #[test]
+    fn plugin_poll_allocates_nothing() {
+        let calls = std::thread::Builder::new()
+            .stack_size(16 << 20)
+            .spawn(|| plugin_workload(1, true))
+            .expect("a thread")
+            .join()
+            .expect("the workload ran");
+        assert!(calls > 0);
+    }
 }
