@@ -29,11 +29,13 @@
 //! **This milestone:** the device list, open and close, the queries
 //! `ibv_devinfo` and `ibv_devices` make, protection domains, address
 //! handles and the registration of the program's own memory ([`memory`]'s module docs:
-//! how the C objects own the access library's). The other entry points the
+//! how the C objects own the access library's), completion queues and
+//! completion channels (real file descriptors, `cq`'s module docs). The other entry points the
 //! surveyed tools import exist (the binaries are linked `BIND_NOW`) and
 //! answer "not supported" ([`unsupported`]).
 
 mod ah;
+mod cq;
 mod device;
 mod memory;
 pub mod query;
@@ -42,6 +44,10 @@ pub mod unsupported;
 mod util;
 
 pub use ah::{ibv_create_ah, ibv_destroy_ah};
+pub use cq::{
+    ibv_ack_cq_events, ibv_create_comp_channel, ibv_create_cq, ibv_destroy_comp_channel,
+    ibv_destroy_cq, ibv_get_cq_event,
+};
 pub use device::{
     ibv_close_device, ibv_free_device_list, ibv_get_device_guid, ibv_get_device_list,
     ibv_get_device_name, ibv_open_device,
@@ -119,17 +125,17 @@ macro_rules! export_libibverbs {
             "ibv_query_pkey" => $crate::ibv_query_pkey;
             "ibv_read_sysfs_file" => $crate::ibv_read_sysfs_file;
             "ibv_wc_status_str" => $crate::ibv_wc_status_str;
-            "ibv_create_comp_channel" => $crate::unsupported::ibv_create_comp_channel;
-            "ibv_destroy_comp_channel" => $crate::unsupported::ibv_destroy_comp_channel;
+            "ibv_create_comp_channel" => $crate::ibv_create_comp_channel;
+            "ibv_destroy_comp_channel" => $crate::ibv_destroy_comp_channel;
             "ibv_alloc_pd" => $crate::ibv_alloc_pd;
             "ibv_dealloc_pd" => $crate::ibv_dealloc_pd;
             "ibv_reg_mr" => $crate::ibv_reg_mr;
             "ibv_reg_mr_iova2" => $crate::ibv_reg_mr_iova2;
             "ibv_dereg_mr" => $crate::ibv_dereg_mr;
-            "ibv_create_cq" => $crate::unsupported::ibv_create_cq;
-            "ibv_destroy_cq" => $crate::unsupported::ibv_destroy_cq;
-            "ibv_get_cq_event" => $crate::unsupported::ibv_get_cq_event;
-            "ibv_ack_cq_events" => $crate::unsupported::ibv_ack_cq_events;
+            "ibv_create_cq" => $crate::ibv_create_cq;
+            "ibv_destroy_cq" => $crate::ibv_destroy_cq;
+            "ibv_get_cq_event" => $crate::ibv_get_cq_event;
+            "ibv_ack_cq_events" => $crate::ibv_ack_cq_events;
             "ibv_create_qp" => $crate::unsupported::ibv_create_qp;
             "ibv_destroy_qp" => $crate::unsupported::ibv_destroy_qp;
             "ibv_modify_qp" => $crate::unsupported::ibv_modify_qp;
