@@ -30,7 +30,8 @@
 //! `ibv_devinfo` and `ibv_devices` make, protection domains, address
 //! handles and the registration of the program's own memory ([`memory`]'s module docs:
 //! how the C objects own the access library's), completion queues and
-//! completion channels (real file descriptors, `cq`'s module docs). The other entry points the
+//! completion channels (real file descriptors, `cq`'s module docs), queue
+//! pairs and the data path (`qp`'s module docs). The other entry points the
 //! surveyed tools import exist (the binaries are linked `BIND_NOW`) and
 //! answer "not supported" ([`unsupported`]).
 
@@ -38,6 +39,7 @@ mod ah;
 mod cq;
 mod device;
 mod memory;
+mod qp;
 pub mod query;
 mod state;
 pub mod unsupported;
@@ -53,6 +55,7 @@ pub use device::{
     ibv_get_device_name, ibv_open_device,
 };
 pub use memory::{ibv_alloc_pd, ibv_dealloc_pd, ibv_dereg_mr, ibv_reg_mr, ibv_reg_mr_iova2};
+pub use qp::{ibv_create_qp, ibv_destroy_qp, ibv_modify_qp, ibv_query_qp};
 pub use query::{
     _ibv_query_gid_ex, ibv_query_device, ibv_query_gid, ibv_query_gid_type, ibv_query_pkey,
     ibv_query_port,
@@ -136,10 +139,10 @@ macro_rules! export_libibverbs {
             "ibv_destroy_cq" => $crate::ibv_destroy_cq;
             "ibv_get_cq_event" => $crate::ibv_get_cq_event;
             "ibv_ack_cq_events" => $crate::ibv_ack_cq_events;
-            "ibv_create_qp" => $crate::unsupported::ibv_create_qp;
-            "ibv_destroy_qp" => $crate::unsupported::ibv_destroy_qp;
-            "ibv_modify_qp" => $crate::unsupported::ibv_modify_qp;
-            "ibv_query_qp" => $crate::unsupported::ibv_query_qp;
+            "ibv_create_qp" => $crate::ibv_create_qp;
+            "ibv_destroy_qp" => $crate::ibv_destroy_qp;
+            "ibv_modify_qp" => $crate::ibv_modify_qp;
+            "ibv_query_qp" => $crate::ibv_query_qp;
             "ibv_qp_to_qp_ex" => $crate::unsupported::ibv_qp_to_qp_ex;
             "ibv_create_srq" => $crate::unsupported::ibv_create_srq;
             "ibv_destroy_srq" => $crate::unsupported::ibv_destroy_srq;

@@ -1,19 +1,18 @@
 //! The entry points the surveyed tools import that this milestone does
-//! not offer yet (docs/libibverbs.md, "Status"): QPs, SRQs, address
-//! handles from completions and multicast. The binaries are linked
+//! not offer yet (docs/libibverbs.md, "Status"): SRQs, address handles
+//! from completions and multicast. The binaries are linked
 //! `BIND_NOW`, so each must exist; each answers as rdma-core does for a
 //! verb the device refuses.
 //!
-//! The rule: every call naming an object (a QP or SRQ, or creating one in
-//! a PD) fails with `EINVAL`, since the library has created none, so any
-//! such pointer is not one of its objects. Errors come back the way each verb reports
+//! The rule: every call naming an SRQ, or creating one in a PD, fails
+//! with `EINVAL`, since the library has created none, so any such pointer
+//! is not one of its objects; multicast on a QP is refused with `EINVAL`
+//! too. Errors come back the way each verb reports
 //! them: NULL with `errno`, -1 with `errno`, or an errno value.
 
 use std::ffi::{c_int, c_void};
 
-use ibverbs_abi::{
-    IbvAh, IbvGid, IbvPd, IbvQp, IbvQpAttr, IbvQpEx, IbvQpInitAttr, IbvSrq, IbvSrqInitAttr, IbvWc,
-};
+use ibverbs_abi::{IbvAh, IbvGid, IbvPd, IbvQp, IbvQpEx, IbvSrq, IbvSrqInitAttr, IbvWc};
 
 use crate::util::set_errno;
 
@@ -21,31 +20,6 @@ use crate::util::set_errno;
 fn refuse_on_object<T>() -> *mut T {
     set_errno(libc::EINVAL);
     std::ptr::null_mut()
-}
-
-/// `ibv_create_qp(pd, qp_init_attr)`: NULL, `EINVAL` (not yet offered).
-pub extern "C" fn ibv_create_qp(_pd: *mut IbvPd, _init: *mut IbvQpInitAttr) -> *mut IbvQp {
-    refuse_on_object()
-}
-
-/// `ibv_destroy_qp(qp)`: `EINVAL` (no QP exists).
-pub extern "C" fn ibv_destroy_qp(_qp: *mut IbvQp) -> c_int {
-    libc::EINVAL
-}
-
-/// `ibv_modify_qp(qp, attr, attr_mask)`: `EINVAL` (no QP exists).
-pub extern "C" fn ibv_modify_qp(_qp: *mut IbvQp, _attr: *mut IbvQpAttr, _mask: c_int) -> c_int {
-    libc::EINVAL
-}
-
-/// `ibv_query_qp(qp, attr, attr_mask, init_attr)`: `EINVAL` (no QP exists).
-pub extern "C" fn ibv_query_qp(
-    _qp: *mut IbvQp,
-    _attr: *mut IbvQpAttr,
-    _mask: c_int,
-    _init: *mut IbvQpInitAttr,
-) -> c_int {
-    libc::EINVAL
 }
 
 /// `ibv_qp_to_qp_ex(qp)`: NULL (no QP of ours was made with the extended
