@@ -1,9 +1,10 @@
-//! Debian's unmodified `ibv_rc_pingpong` on our `libibverbs.so.1` across
-//! two processes (issue 14): the server (`ibv_rc_pingpong -g 0`) and the
-//! client (`ibv_rc_pingpong -g 0 127.0.0.1`), each its own simulated
-//! machine, their RoCEv2 ports real UDP endpoints at two of this test
-//! process's own loopback addresses, run their default 1000 iterations
-//! (busy polling, and with completion events, `-e`), both exit 0 and
+//! Debian's unmodified `ibv_rc_pingpong`, `ibv_uc_pingpong` and
+//! `ibv_ud_pingpong` on our `libibverbs.so.1` across two processes (issue
+//! 14): the server (`ibv_rc_pingpong -g 0`) and the client
+//! (`ibv_rc_pingpong -g 0 127.0.0.1`), each its own simulated machine,
+//! their RoCEv2 ports real UDP endpoints at two of this test process's own
+//! loopback addresses, run their iterations (RC its default 1000, also
+//! with completion events, `-e`; UC and UD 200, `-n 200`), both exit 0 and
 //! print the tool's own throughput lines, each names the other's QP and
 //! GID, and both machines end cleanly.
 
@@ -36,9 +37,9 @@ fn library_dir(test: &str) -> PathBuf {
     dir
 }
 
-/// `ibv_rc_pingpong args` on our library, its port at `address`.
-fn pingpong(dir: &PathBuf, address: Ipv4Addr, args: &[&str]) -> Command {
-    let mut command = Command::new(tool_path("ibv_rc_pingpong"));
+/// `tool args` on our library, its port at `address`.
+fn pingpong(tool: &str, dir: &PathBuf, address: Ipv4Addr, args: &[&str]) -> Command {
+    let mut command = Command::new(tool_path(tool));
     command
         .args(args)
         .env("LD_LIBRARY_PATH", dir)
@@ -59,25 +60,65 @@ fn free_tcp_port() -> u16 {
         .port()
 }
 
-/// Whether some socket listens on TCP `port` (`/proc/net/tcp`, state 0A).
-fn tcp_listening(port: u16) -> bool {
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
-    table.lines().skip(1).any(|line| {
-        let columns: Vec<&str> = line.split_whitespace().collect();
-        let local_port = columns
-            .get(1)
-            .and_then(|local| local.split_once(':'))
-            .and_then(|(_, port)| u16::from_str_radix(port, 16).ok());
-        local_port == Some(port) && columns.get(3) == Some(&"0A")
+/// Whether process `pid` listens on TCP `port` (`/proc/net/tcp` and
+/// `tcp6`, state 0A, the socket's inode among the process's descriptors):
+/// another process that took the port (a concurrent test's server) does
+/// not count.
+fn listening(pid: u32, port: u16) -> bool {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| {
+            fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+                .filter_map(|target| {
+                    let target = target.to_str()?;
+                    Some(
+                        target
+                            .strip_prefix("socket:[")?
+                            .strip_suffix(']')?
+                            .to_owned(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|table| {
+        let table = std::fs::read_to_string(table).unwrap_or_default();
+        table.lines().skip(1).any(|line| {
+            let columns: Vec<&str> = line.split_whitespace().collect();
+            let local_port = columns
+                .get(1)
+                .and_then(|local| local.rsplit_once(':'))
+                .and_then(|(_, port)| u16::from_str_radix(port, 16).ok());
+            local_port == Some(port)
+                && columns.get(3) == Some(&"0A")
+                && columns
+                    .get(9)
+                    .is_some_and(|inode| inodes.iter().any(|i| i == inode))
+        })
     })
+}
+
+/// Waits up to `limit` for `child` to exit, then kills it: its output, or
+/// a panic saying who hung.
+fn finish(mut child: Child, who: &str, limit: Duration) -> Output {
+    let deadline = Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let mut stderr = String::new();
+            let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
+            panic!("the {who} did not finish within {limit:?}:\n{stderr}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
 }
 
 /// The server, killed when dropped (a failed assertion leaves no process).
 struct Server(Option<Child>);
 
 impl Server {
-    fn wait(mut self) -> Output {
-        self.0.take().unwrap().wait_with_output().unwrap()
+    fn wait(mut self, limit: Duration) -> Output {
+        finish(self.0.take().unwrap(), "server", limit)
     }
 }
 
@@ -107,22 +148,32 @@ fn address_line(stdout: &str, which: &str) -> (String, String) {
     (field("QPN"), field("GID"))
 }
 
-/// Runs the server and the client with `extra` options; returns their
-/// outputs after checking both exit 0 with the tool's own lines.
-fn run_pair(test: &str, slots: (u8, u8), extra: &[&str]) -> (Output, Output) {
+/// Runs `tool`'s server and client with `extra` options; returns their
+/// outputs after checking both exit 0 with the tool's own lines (`bytes`
+/// moved in `iterations`).
+fn run_pair(
+    tool: &str,
+    (iterations, bytes): (u32, u64),
+    test: &str,
+    slots: (u8, u8),
+    extra: &[&str],
+) -> (Output, Output) {
     let dir = library_dir(test);
     let (server_at, client_at) = (own_address(slots.0), own_address(slots.1));
     let port = free_tcp_port().to_string();
     let mut server_args = vec!["-g", "0", "-p", &port];
     server_args.extend_from_slice(extra);
     let mut server = Server(Some(
-        pingpong(&dir, server_at, &server_args).spawn().unwrap(),
+        pingpong(tool, &dir, server_at, &server_args)
+            .spawn()
+            .unwrap(),
     ));
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !tcp_listening(port.parse().unwrap()) {
+    let server_pid = server.0.as_ref().unwrap().id();
+    while !listening(server_pid, port.parse().unwrap()) {
         let running = server.0.as_mut().unwrap();
         if running.try_wait().unwrap().is_some() {
-            let early = server.wait();
+            let early = server.wait(Duration::ZERO);
             panic!(
                 "the server exited before listening ({}):\n{}{}",
                 early.status,
@@ -138,21 +189,13 @@ fn run_pair(test: &str, slots: (u8, u8), extra: &[&str]) -> (Output, Output) {
     }
     let mut client_args = server_args.clone();
     client_args.push("127.0.0.1");
-    let mut client = pingpong(&dir, client_at, &client_args).spawn().unwrap();
+    let client = pingpong(tool, &dir, client_at, &client_args)
+        .spawn()
+        .unwrap();
     // Neither may hang: the client is given 60 s (a debug build on a
-    // loaded machine), then killed.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while client.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = client.kill();
-            let mut stderr = String::new();
-            let _ = client.stderr.take().unwrap().read_to_string(&mut stderr);
-            panic!("the client did not finish within 60 s:\n{stderr}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let client = client.wait_with_output().unwrap();
-    let server = server.wait();
+    // loaded machine), the server 10 s more, then each is killed.
+    let client = finish(client, "client", Duration::from_secs(60));
+    let server = server.wait(Duration::from_secs(10));
     for (output, who, at, peer) in [
         (&server, "server", server_at, client_at),
         (&client, "client", client_at, server_at),
@@ -161,8 +204,9 @@ fn run_pair(test: &str, slots: (u8, u8), extra: &[&str]) -> (Output, Output) {
         let stderr = text(&output.stderr);
         assert_eq!(output.status.code(), Some(0), "{who}:\n{stdout}\n{stderr}");
         assert!(
-            stdout.contains("8192000 bytes in ") && stdout.contains("1000 iters in "),
-            "{who}: the tool's throughput lines (1000 iterations of 4096 bytes each way):\n{stdout}"
+            stdout.contains(&format!("{bytes} bytes in "))
+                && stdout.contains(&format!("{iterations} iters in ")),
+            "{who}: the tool's throughput lines ({bytes} bytes in {iterations} iterations):\n{stdout}"
         );
         assert_eq!(
             address_line(&stdout, "local address:").1,
@@ -179,7 +223,7 @@ fn run_pair(test: &str, slots: (u8, u8), extra: &[&str]) -> (Output, Output) {
                 && lines[0].ends_with(" (0 CAs left open)"),
             "{who}: the embedded machine did not end cleanly:\n{stderr}"
         );
-        println!("{who} ({}):\n{stdout}", extra.join(" "));
+        println!("{tool} {who} ({}):\n{stdout}", extra.join(" "));
     }
     let (server_out, client_out) = (text(&server.stdout), text(&client.stdout));
     assert_eq!(
@@ -195,12 +239,31 @@ fn run_pair(test: &str, slots: (u8, u8), extra: &[&str]) -> (Output, Output) {
     (server, client)
 }
 
+/// The default: 1000 round trips of 4096 bytes each way.
+const RC_DEFAULT: (u32, u64) = (1000, 2 * 1000 * 4096);
+/// `-n 200`: 200 round trips of 4096 bytes (UC's default size), fewer than
+/// the default to keep the suite quick (RC runs the default).
+const UC_200: (u32, u64) = (200, 2 * 200 * 4096);
+/// `-n 200`: 200 round trips of 1024 bytes (UD's default size is the
+/// port's active MTU, 1024 here).
+const UD_200: (u32, u64) = (200, 2 * 200 * 1024);
+
 #[test]
 fn rc_pingpong_server_and_client_run_their_1000_iterations() {
-    run_pair("rc", (1, 2), &[]);
+    run_pair("ibv_rc_pingpong", RC_DEFAULT, "rc", (1, 2), &[]);
 }
 
 #[test]
 fn rc_pingpong_with_completion_events_runs_its_1000_iterations() {
-    run_pair("rc-events", (3, 4), &["-e"]);
+    run_pair("ibv_rc_pingpong", RC_DEFAULT, "rc-events", (3, 4), &["-e"]);
+}
+
+#[test]
+fn uc_pingpong_server_and_client_run_200_iterations() {
+    run_pair("ibv_uc_pingpong", UC_200, "uc", (5, 6), &["-n", "200"]);
+}
+
+#[test]
+fn ud_pingpong_server_and_client_run_200_iterations() {
+    run_pair("ibv_ud_pingpong", UD_200, "ud", (7, 8), &["-n", "200"]);
 }
