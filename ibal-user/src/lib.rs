@@ -48,7 +48,7 @@ pub use ib_types::uvp::UserSend;
 pub use mw::Mw;
 pub use plugin::{LoadedPlugin, PluginError};
 pub use query::PortInfo;
-pub use shared::{SharedAv, SharedMr, SharedPd};
+pub use shared::{SharedAv, SharedCq, SharedMr, SharedPd, SharedQp};
 pub use srq::Srq;
 pub use uvp_plugin::ArmFor;
 pub use verbs::{Av, Buffer, Cq, Mr, Pd, Qp, QpInit};

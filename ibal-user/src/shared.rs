@@ -8,17 +8,26 @@
 //! drops it. A region covers any range of the process's memory, not only
 //! a [`Buffer`](crate::Buffer): the program's own. An address vector
 //! ([`SharedAv`]) is kept by the plugin in user mode, as [`crate::Av`].
+//! A CQ ([`SharedCq`]) and a QP ([`SharedQp`]) post, poll and arm through
+//! the linked plugin's fast path, as [`crate::Cq`] and [`crate::Qp`]; a
+//! QP owns its PD and its CQs.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
 use ib_types::access::AccessFlags;
 use ib_types::av::AvAttr;
-use ib_types::handle::AvHandle;
-use ib_types::ioctl::{self as v, Empty, QueryAvOut};
+use ib_types::cq::{CqAttr, CqNotify};
+use ib_types::handle::{AvHandle, CqHandle, PdHandle};
+use ib_types::ioctl::{self as v, Empty, QpQueryOut, QueryAvOut};
 use ib_types::mr::{MrKeys, MrQuery, MrRegister};
+use ib_types::qp::{QpCaps, QpModify};
+use ib_types::uvp::UserSend;
+use ib_types::wc::WorkCompletion;
+use ib_types::wr::RecvWr;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
+use crate::verbs::{QpInit, refused};
 
 /// Whether the object still exists in the kernel, held while it is being
 /// destroyed so that two destroys never both reach the kernel.
@@ -236,6 +245,267 @@ impl SharedAv {
 }
 
 impl Drop for SharedAv {
+    fn drop(&mut self) {
+        let _ = self.destroy();
+    }
+}
+
+/// A completion queue owning its context, polled and armed in user mode
+/// through the linked plugin's fast path (as [`crate::Cq`]). `Send +
+/// Sync`: the plugin serializes a CQ's polls and arms.
+#[derive(Debug)]
+pub struct SharedCq {
+    ctx: Arc<Context>,
+    handle: u64,
+    /// The linked plugin's fast path: a destroyed CQ's refuses every call.
+    fast: Option<uvp_plugin::CqFastPath>,
+    cqe: u32,
+    alive: Alive,
+}
+
+impl SharedCq {
+    /// Creates a CQ of at least `cqe` entries (`CreateCq`; the plugin's
+    /// pre lays its ring out). Needs the plugin.
+    pub fn new(ctx: Arc<Context>, cqe: u32, comp_vector: u32) -> Result<Self> {
+        ctx.plugin("CreateCq")?;
+        let attr = CqAttr { cqe, comp_vector };
+        let answer = ctx.call::<v::CreateCq>(ctx.ca, &attr)?;
+        let fast = ctx
+            .linked
+            .as_ref()
+            .and_then(|p| p.cq_fast_path(answer.handle));
+        Ok(Self {
+            handle: answer.handle,
+            fast,
+            cqe: answer.output.cqe,
+            ctx,
+            alive: Alive::new(),
+        })
+    }
+
+    /// The CQ handle.
+    pub fn handle(&self) -> u64 {
+        self.handle
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// Entries it holds (at least what was asked).
+    pub fn cqe(&self) -> u32 {
+        self.cqe
+    }
+
+    /// Polls up to `out.len()` completions, in user mode: how many.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let polled = match &self.fast {
+            Some(fast) => fast.poll(out),
+            None => self.ctx.plugin("polling")?.poll_cq(self.handle, out),
+        };
+        polled.map_err(|status| Error::Verb {
+            verb: v::VerbId::WaitCqEvent,
+            status,
+        })
+    }
+
+    /// Arms the CQ for its next (or next solicited) completion, in user
+    /// mode (one doorbell).
+    pub fn arm(&self, for_: uvp_plugin::ArmFor) -> Result<()> {
+        let notify = match for_ {
+            uvp_plugin::ArmFor::Next => CqNotify::NextCompletion,
+            uvp_plugin::ArmFor::Solicited => CqNotify::Solicited,
+        };
+        let armed = match &self.fast {
+            Some(fast) => fast.arm(notify),
+            None => self.ctx.plugin("arming")?.arm_cq(self.handle, notify),
+        };
+        armed.map_err(|status| Error::Verb {
+            verb: v::VerbId::WaitCqEvent,
+            status,
+        })
+    }
+
+    /// Waits for the CQ's completion event (`WaitCqEvent`, after
+    /// [`arm`](Self::arm)); an event that fired before the wait is kept
+    /// for it. Blocks the calling thread; ends with the kernel's
+    /// `Canceled` when the CQ is destroyed meanwhile.
+    pub fn wait_event(&self) -> Result<()> {
+        self.ctx.call::<v::WaitCqEvent>(self.handle, &Empty)?;
+        Ok(())
+    }
+
+    /// Destroys it (`DestroyCq`; a wait pending on it ends); refused (the
+    /// CQ stays) with the kernel's answer, e.g. while a QP uses it.
+    pub fn destroy(&self) -> Result<()> {
+        self.alive.destroy(|| {
+            self.ctx.call::<v::DestroyCq>(self.handle, &Empty)?;
+            Ok(())
+        })
+    }
+}
+
+impl Drop for SharedCq {
+    fn drop(&mut self) {
+        let _ = self.destroy();
+    }
+}
+
+/// A queue pair owning its PD and CQs, posting in user mode through the
+/// linked plugin's fast path (as [`crate::Qp`], without an SRQ). `Send +
+/// Sync`: each queue's posts are serialized here (a C program may post
+/// from several threads, as rdma-core's providers allow).
+#[derive(Debug)]
+pub struct SharedQp {
+    pd: Arc<SharedPd>,
+    send_cq: Arc<SharedCq>,
+    recv_cq: Arc<SharedCq>,
+    handle: u64,
+    fast: Option<uvp_plugin::QpFastPath>,
+    qpn: u32,
+    caps: QpCaps,
+    send_lock: Mutex<()>,
+    recv_lock: Mutex<()>,
+    alive: Alive,
+}
+
+impl SharedQp {
+    /// Creates a QP in `pd` completing on `send_cq` and `recv_cq`
+    /// (`CreateQp`; the plugin's pre lays its rings out). CQs of another
+    /// context than the PD's are refused before any call. Needs the
+    /// plugin.
+    pub fn new(
+        pd: &Arc<SharedPd>,
+        send_cq: &Arc<SharedCq>,
+        recv_cq: &Arc<SharedCq>,
+        init: &QpInit,
+    ) -> Result<Self> {
+        let ctx = &pd.ctx;
+        ctx.plugin("CreateQp")?;
+        if init.qp_type.is_special() {
+            return Err(Error::InvalidArgument("special QPs are for kernel clients"));
+        }
+        if !Arc::ptr_eq(&send_cq.ctx, ctx) || !Arc::ptr_eq(&recv_cq.ctx, ctx) {
+            return Err(Error::InvalidArgument(
+                "the QP's CQs belong to another context than its PD",
+            ));
+        }
+        let input = ib_types::qp::QpCreate {
+            qp_type: init.qp_type,
+            pd: PdHandle::from_raw(pd.handle),
+            send_cq: CqHandle::from_raw(send_cq.handle),
+            recv_cq: CqHandle::from_raw(recv_cq.handle),
+            srq: None,
+            caps: init.caps,
+            sq_sig_all: init.sq_sig_all,
+            port: None,
+        };
+        let answer = ctx.call::<v::CreateQp>(ctx.ca, &input)?;
+        Ok(Self {
+            pd: Arc::clone(pd),
+            send_cq: Arc::clone(send_cq),
+            recv_cq: Arc::clone(recv_cq),
+            handle: answer.handle,
+            fast: ctx
+                .linked
+                .as_ref()
+                .and_then(|p| p.qp_fast_path(answer.handle)),
+            qpn: answer.output.qpn.get(),
+            caps: answer.output.caps,
+            send_lock: Mutex::new(()),
+            recv_lock: Mutex::new(()),
+            alive: Alive::new(),
+        })
+    }
+
+    /// Its PD.
+    pub fn pd(&self) -> &Arc<SharedPd> {
+        &self.pd
+    }
+
+    /// Its send CQ.
+    pub fn send_cq(&self) -> &Arc<SharedCq> {
+        &self.send_cq
+    }
+
+    /// Its receive CQ.
+    pub fn recv_cq(&self) -> &Arc<SharedCq> {
+        &self.recv_cq
+    }
+
+    /// The QP handle.
+    pub fn handle(&self) -> u64 {
+        self.handle
+    }
+
+    /// Its number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// The capacities granted.
+    pub fn caps(&self) -> QpCaps {
+        self.caps
+    }
+
+    /// Its type, state, number, capacities and attributes (`QueryQp`).
+    pub fn query(&self) -> Result<QpQueryOut> {
+        Ok(self.pd.ctx.call::<v::QueryQp>(self.handle, &Empty)?.output)
+    }
+
+    /// Modifies it (`ModifyQp`, through the proxy).
+    pub fn modify(&self, modify: &QpModify) -> Result<()> {
+        self.pd.ctx.call::<v::ModifyQp>(self.handle, modify)?;
+        Ok(())
+    }
+
+    /// Posts sends, in user mode (one doorbell for the batch): how many;
+    /// a refusal says how many went before it.
+    pub fn post_send(&self, requests: &[UserSend<'_>]) -> Result<usize> {
+        let _one_poster = self
+            .send_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match &self.fast {
+            Some(fast) => fast.post_send(requests),
+            None => self
+                .pd
+                .ctx
+                .plugin("posting")?
+                .post_send(self.handle, requests),
+        }
+        .map_err(refused)
+    }
+
+    /// Posts receives, in user mode: how many.
+    pub fn post_recv(&self, requests: &[RecvWr<'_>]) -> Result<usize> {
+        let _one_poster = self
+            .recv_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match &self.fast {
+            Some(fast) => fast.post_recv(requests),
+            None => self
+                .pd
+                .ctx
+                .plugin("posting")?
+                .post_recv(self.handle, requests),
+        }
+        .map_err(refused)
+    }
+
+    /// Destroys it (`DestroyQp`); refused (the QP stays) with the
+    /// kernel's answer.
+    pub fn destroy(&self) -> Result<()> {
+        self.alive.destroy(|| {
+            self.pd.ctx.call::<v::DestroyQp>(self.handle, &Empty)?;
+            Ok(())
+        })
+    }
+}
+
+impl Drop for SharedQp {
     fn drop(&mut self) {
         let _ = self.destroy();
     }

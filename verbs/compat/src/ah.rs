@@ -32,13 +32,22 @@ unsafe impl Sync for AddressHandle {}
 
 static AHS: Registry<AddressHandle> = std::sync::Mutex::new(None);
 
+/// The AV of the address handle `ptr` names (a UD send's destination), if
+/// it is one of ours.
+pub(crate) fn av_handle_at(ptr: *const IbvAh) -> Option<ib_types::handle::AvHandle> {
+    lock(&AHS)
+        .as_ref()?
+        .get(&(ptr as usize))
+        .map(|handle| handle.av.handle())
+}
+
 /// The access library's AV for `attr` on `pd`'s CA: `EINVAL` for a port
 /// the CA does not have (checked here with `QueryCa`: the plugin does not
 /// check an AV's port). The plugin checks the rest as for every AV: a
 /// service level past 15 and, on an Ethernet (RoCE) port, an address
 /// without a GRH (`is_global` 0: RoCE addresses the peer by its GID) are
 /// refused there, `EINVAL`.
-fn av_attr(pd: &ProtectionDomain, attr: &IbvAhAttr) -> Result<AvAttr, c_int> {
+pub(crate) fn av_attr(pd: &ProtectionDomain, attr: &IbvAhAttr) -> Result<AvAttr, c_int> {
     let port = PortNum::new(attr.port_num).map_err(|_| libc::EINVAL)?;
     pd.pd
         .context()

@@ -29,24 +29,33 @@
 //! **This milestone:** the device list, open and close, the queries
 //! `ibv_devinfo` and `ibv_devices` make, protection domains, address
 //! handles and the registration of the program's own memory (the `memory` module's docs:
-//! how the C objects own the access library's). The other entry points the
+//! how the C objects own the access library's), completion queues and
+//! completion channels (real file descriptors, `cq`'s module docs), queue
+//! pairs and the data path (`qp`'s module docs). The other entry points the
 //! surveyed tools import exist (the binaries are linked `BIND_NOW`) and
 //! answer "not supported" ([`unsupported`]).
 
 mod ah;
+mod cq;
 mod device;
 mod memory;
+mod qp;
 pub mod query;
 mod state;
 pub mod unsupported;
 mod util;
 
 pub use ah::{ibv_create_ah, ibv_destroy_ah};
+pub use cq::{
+    ibv_ack_cq_events, ibv_create_comp_channel, ibv_create_cq, ibv_destroy_comp_channel,
+    ibv_destroy_cq, ibv_get_cq_event,
+};
 pub use device::{
     ibv_close_device, ibv_free_device_list, ibv_get_device_guid, ibv_get_device_list,
     ibv_get_device_name, ibv_open_device,
 };
 pub use memory::{ibv_alloc_pd, ibv_dealloc_pd, ibv_dereg_mr, ibv_reg_mr, ibv_reg_mr_iova2};
+pub use qp::{ibv_create_qp, ibv_destroy_qp, ibv_modify_qp, ibv_query_qp};
 pub use query::{
     _ibv_query_gid_ex, ibv_query_device, ibv_query_gid, ibv_query_gid_type, ibv_query_pkey,
     ibv_query_port,
@@ -119,21 +128,21 @@ macro_rules! export_libibverbs {
             "ibv_query_pkey" => $crate::ibv_query_pkey;
             "ibv_read_sysfs_file" => $crate::ibv_read_sysfs_file;
             "ibv_wc_status_str" => $crate::ibv_wc_status_str;
-            "ibv_create_comp_channel" => $crate::unsupported::ibv_create_comp_channel;
-            "ibv_destroy_comp_channel" => $crate::unsupported::ibv_destroy_comp_channel;
+            "ibv_create_comp_channel" => $crate::ibv_create_comp_channel;
+            "ibv_destroy_comp_channel" => $crate::ibv_destroy_comp_channel;
             "ibv_alloc_pd" => $crate::ibv_alloc_pd;
             "ibv_dealloc_pd" => $crate::ibv_dealloc_pd;
             "ibv_reg_mr" => $crate::ibv_reg_mr;
             "ibv_reg_mr_iova2" => $crate::ibv_reg_mr_iova2;
             "ibv_dereg_mr" => $crate::ibv_dereg_mr;
-            "ibv_create_cq" => $crate::unsupported::ibv_create_cq;
-            "ibv_destroy_cq" => $crate::unsupported::ibv_destroy_cq;
-            "ibv_get_cq_event" => $crate::unsupported::ibv_get_cq_event;
-            "ibv_ack_cq_events" => $crate::unsupported::ibv_ack_cq_events;
-            "ibv_create_qp" => $crate::unsupported::ibv_create_qp;
-            "ibv_destroy_qp" => $crate::unsupported::ibv_destroy_qp;
-            "ibv_modify_qp" => $crate::unsupported::ibv_modify_qp;
-            "ibv_query_qp" => $crate::unsupported::ibv_query_qp;
+            "ibv_create_cq" => $crate::ibv_create_cq;
+            "ibv_destroy_cq" => $crate::ibv_destroy_cq;
+            "ibv_get_cq_event" => $crate::ibv_get_cq_event;
+            "ibv_ack_cq_events" => $crate::ibv_ack_cq_events;
+            "ibv_create_qp" => $crate::ibv_create_qp;
+            "ibv_destroy_qp" => $crate::ibv_destroy_qp;
+            "ibv_modify_qp" => $crate::ibv_modify_qp;
+            "ibv_query_qp" => $crate::ibv_query_qp;
             "ibv_qp_to_qp_ex" => $crate::unsupported::ibv_qp_to_qp_ex;
             "ibv_create_srq" => $crate::unsupported::ibv_create_srq;
             "ibv_destroy_srq" => $crate::unsupported::ibv_destroy_srq;
