@@ -9,52 +9,17 @@
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ffi::{c_int, c_void};
 use std::ptr::null_mut;
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use ibal_user::{DeviceIo, PluginSource};
 use ibverbs_abi::{
     IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_ON_DEMAND, IBV_ACCESS_RELAXED_ORDERING,
     IBV_ACCESS_REMOTE_READ, IBV_ACCESS_REMOTE_WRITE, IbvAh, IbvAhAttr, IbvContext, IbvGid,
     IbvGlobalRoute, IbvMr, IbvPd,
 };
-use ibverbs_compat::{self as verbs, Machine};
-use sim_shells::embedded::{EmbeddedMachine, Fabric};
+use ibverbs_compat::{self as verbs};
 
-struct TestMachine(EmbeddedMachine);
-
-impl Machine for TestMachine {
-    fn io(&self) -> Arc<dyn DeviceIo> {
-        self.0.io()
-    }
-    fn plugin(&self) -> PluginSource {
-        PluginSource::Linked
-    }
-    unsafe fn expose_user_memory(&self, addr: *mut u8, len: usize) -> Result<(), c_int> {
-        // SAFETY: the caller promised `expose_user_memory`'s contract,
-        // which is `Process::adopt`'s for the program's memory.
-        unsafe { self.0.adopt_user_memory(addr, len) }
-            .map(drop)
-            .map_err(|_| libc::EFAULT)
-    }
-    fn release_user_memory(&self, addr: u64, len: usize) -> Result<(), c_int> {
-        self.0
-            .release_user_memory(addr, len)
-            .map_err(|_| libc::EBUSY)
-    }
-}
-
-static MACHINE: OnceLock<Arc<TestMachine>> = OnceLock::new();
-
-fn boot() -> Result<Arc<dyn Machine>, String> {
-    let machine = Arc::new(TestMachine(EmbeddedMachine::boot(Fabric::DEFAULT, 8)?));
-    assert!(MACHINE.set(Arc::clone(&machine)).is_ok(), "booted once");
-    Ok(machine)
-}
-
-fn errno() -> i32 {
-    std::io::Error::last_os_error().raw_os_error().unwrap()
-}
+mod support;
+use support::*;
 
 const PAGE: usize = 4096;
 
