@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use ib_types::access::AccessFlags;
 use ib_types::av::AvAttr;
-use ib_types::cq::{CqAttr, CqNotify};
+use ib_types::cq::CqAttr;
 use ib_types::handle::{AvHandle, CqHandle, PdHandle};
 use ib_types::ioctl::{self as v, Empty, QpQueryOut, QueryAvOut};
 use ib_types::mr::{MrKeys, MrQuery, MrRegister};
@@ -27,7 +27,7 @@ use ib_types::wr::RecvWr;
 
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::verbs::{QpInit, refused};
+use crate::verbs::{QpInit, arm_cq, poll_cq, refused};
 
 /// Whether the object still exists in the kernel, held while it is being
 /// destroyed so that two destroys never both reach the kernel.
@@ -300,31 +300,13 @@ impl SharedCq {
 
     /// Polls up to `out.len()` completions, in user mode: how many.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
-        let polled = match &self.fast {
-            Some(fast) => fast.poll(out),
-            None => self.ctx.plugin("polling")?.poll_cq(self.handle, out),
-        };
-        polled.map_err(|status| Error::Verb {
-            verb: v::VerbId::WaitCqEvent,
-            status,
-        })
+        poll_cq(&self.ctx, self.fast.as_ref(), self.handle, out)
     }
 
     /// Arms the CQ for its next (or next solicited) completion, in user
     /// mode (one doorbell).
     pub fn arm(&self, for_: uvp_plugin::ArmFor) -> Result<()> {
-        let notify = match for_ {
-            uvp_plugin::ArmFor::Next => CqNotify::NextCompletion,
-            uvp_plugin::ArmFor::Solicited => CqNotify::Solicited,
-        };
-        let armed = match &self.fast {
-            Some(fast) => fast.arm(notify),
-            None => self.ctx.plugin("arming")?.arm_cq(self.handle, notify),
-        };
-        armed.map_err(|status| Error::Verb {
-            verb: v::VerbId::WaitCqEvent,
-            status,
-        })
+        arm_cq(&self.ctx, self.fast.as_ref(), self.handle, for_)
     }
 
     /// Waits for the CQ's completion event (`WaitCqEvent`, after

@@ -338,31 +338,13 @@ impl<'ctx> Cq<'ctx> {
 
     /// Polls up to `out.len()` completions, in user mode: how many.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
-        let polled = match &self.fast {
-            Some(fast) => fast.poll(out),
-            None => self.ctx.plugin("polling")?.poll_cq(self.handle, out),
-        };
-        polled.map_err(|status| Error::Verb {
-            verb: v::VerbId::WaitCqEvent,
-            status,
-        })
+        poll_cq(self.ctx, self.fast.as_ref(), self.handle, out)
     }
 
     /// Arms the CQ for its next (or next solicited) completion, in user
     /// mode (one doorbell).
     pub fn arm(&self, for_: uvp_plugin::ArmFor) -> Result<()> {
-        let notify = match for_ {
-            uvp_plugin::ArmFor::Next => CqNotify::NextCompletion,
-            uvp_plugin::ArmFor::Solicited => CqNotify::Solicited,
-        };
-        let armed = match &self.fast {
-            Some(fast) => fast.arm(notify),
-            None => self.ctx.plugin("arming")?.arm_cq(self.handle, notify),
-        };
-        armed.map_err(|status| Error::Verb {
-            verb: v::VerbId::WaitCqEvent,
-            status,
-        })
+        arm_cq(self.ctx, self.fast.as_ref(), self.handle, for_)
     }
 
     /// Waits for the CQ's completion event (`WaitCqEvent`, after
@@ -613,4 +595,44 @@ impl Drop for Qp<'_, '_> {
         // plugin's QP, then frees its rings.
         let _ = self.pd.ctx.call::<v::DestroyQp>(self.handle, &Empty);
     }
+}
+
+/// A CQ's poll, through its fast path if the plugin gave one, else the
+/// plugin's table by handle: how many completions (`Cq` and `SharedCq`).
+pub(crate) fn poll_cq(
+    ctx: &Context,
+    fast: Option<&uvp_plugin::CqFastPath>,
+    handle: u64,
+    out: &mut [WorkCompletion],
+) -> Result<usize> {
+    let polled = match fast {
+        Some(fast) => fast.poll(out),
+        None => ctx.plugin("polling")?.poll_cq(handle, out),
+    };
+    polled.map_err(|status| Error::Verb {
+        verb: v::VerbId::WaitCqEvent,
+        status,
+    })
+}
+
+/// A CQ's arming for its next (or next solicited) completion, as
+/// [`poll_cq`] reaches it.
+pub(crate) fn arm_cq(
+    ctx: &Context,
+    fast: Option<&uvp_plugin::CqFastPath>,
+    handle: u64,
+    for_: uvp_plugin::ArmFor,
+) -> Result<()> {
+    let notify = match for_ {
+        uvp_plugin::ArmFor::Next => CqNotify::NextCompletion,
+        uvp_plugin::ArmFor::Solicited => CqNotify::Solicited,
+    };
+    let armed = match fast {
+        Some(fast) => fast.arm(notify),
+        None => ctx.plugin("arming")?.arm_cq(handle, notify),
+    };
+    armed.map_err(|status| Error::Verb {
+        verb: v::VerbId::WaitCqEvent,
+        status,
+    })
 }
