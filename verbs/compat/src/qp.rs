@@ -586,6 +586,40 @@ unsafe fn set_bad<T>(bad: *mut *mut T, wr: *mut T) {
     }
 }
 
+/// How a post of the list starting at `first` ends: the access library's
+/// refusal (`*bad_wr` the first request it did not post, of those in
+/// `ptrs`), else the first request that could not be converted
+/// (`refused`), else 0.
+///
+/// # Safety
+///
+/// `bad_wr` is NULL or valid for a write.
+unsafe fn post_outcome<T>(
+    posting: Result<(), ibal_user::Error>,
+    ptrs: &[*mut T],
+    first: *mut T,
+    refused: Option<(*mut T, c_int)>,
+    bad_wr: *mut *mut T,
+) -> c_int {
+    if let Err(error) = posting {
+        let posted = match &error {
+            ibal_user::Error::Refused { posted, .. } => *posted,
+            _ => 0,
+        };
+        // SAFETY: the contract.
+        unsafe { set_bad(bad_wr, ptrs.get(posted).copied().unwrap_or(first)) };
+        return errno_of(&error);
+    }
+    match refused {
+        Some((at, errno)) => {
+            // SAFETY: the contract.
+            unsafe { set_bad(bad_wr, at) };
+            errno
+        }
+        None => 0,
+    }
+}
+
 /// `ops.post_send` (`ibv_post_send`): the list's requests, posted in user
 /// mode with one doorbell. 0, or an errno value with `*bad_wr` the first
 /// request not posted (those before it were): `EINVAL` for a malformed
@@ -639,25 +673,13 @@ pub(crate) unsafe extern "C" fn post_send(
                 inline: p.inline.as_deref(),
             })
             .collect();
-        if !requests.is_empty()
-            && let Err(error) = found.qp.post_send(&requests)
-        {
-            let posted = match &error {
-                ibal_user::Error::Refused { posted, .. } => *posted,
-                _ => 0,
-            };
-            // SAFETY: the contract.
-            unsafe { set_bad(bad_wr, ptrs.get(posted).copied().unwrap_or(wr)) };
-            return errno_of(&error);
-        }
-        match refused {
-            Some((at, errno)) => {
-                // SAFETY: the contract.
-                unsafe { set_bad(bad_wr, at) };
-                errno
-            }
-            None => 0,
-        }
+        let posting = if requests.is_empty() {
+            Ok(())
+        } else {
+            found.qp.post_send(&requests).map(drop)
+        };
+        // SAFETY: the contract.
+        unsafe { post_outcome(posting, &ptrs, wr, refused, bad_wr) }
     })
 }
 
@@ -704,24 +726,12 @@ pub(crate) unsafe extern "C" fn post_recv(
                 sg_list: sges,
             })
             .collect();
-        if !requests.is_empty()
-            && let Err(error) = found.qp.post_recv(&requests)
-        {
-            let posted = match &error {
-                ibal_user::Error::Refused { posted, .. } => *posted,
-                _ => 0,
-            };
-            // SAFETY: the contract.
-            unsafe { set_bad(bad_wr, ptrs.get(posted).copied().unwrap_or(wr)) };
-            return errno_of(&error);
-        }
-        match refused {
-            Some((at, errno)) => {
-                // SAFETY: the contract.
-                unsafe { set_bad(bad_wr, at) };
-                errno
-            }
-            None => 0,
-        }
+        let posting = if requests.is_empty() {
+            Ok(())
+        } else {
+            found.qp.post_recv(&requests).map(drop)
+        };
+        // SAFETY: the contract.
+        unsafe { post_outcome(posting, &ptrs, wr, refused, bad_wr) }
     })
 }
