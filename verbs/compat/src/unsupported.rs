@@ -1,18 +1,16 @@
 //! The entry points the surveyed tools import that this milestone does
-//! not offer yet (docs/libibverbs.md, "Status"): SRQs, address handles
-//! from completions and multicast. The binaries are linked
+//! not offer yet (docs/libibverbs.md, "Status"): address handles from
+//! completions and multicast. The binaries are linked
 //! `BIND_NOW`, so each must exist; each answers as rdma-core does for a
 //! verb the device refuses.
 //!
-//! The rule: every call naming an SRQ, or creating one in a PD, fails
-//! with `EINVAL`, since the library has created none, so any such pointer
-//! is not one of its objects; multicast on a QP is refused with `EINVAL`
-//! too. Errors come back the way each verb reports
+//! The rule: `ibv_create_ah_from_wc` and multicast on a QP fail with
+//! `EINVAL`. Errors come back the way each verb reports
 //! them: NULL with `errno`, -1 with `errno`, or an errno value.
 
 use std::ffi::{c_int, c_void};
 
-use ibverbs_abi::{IbvAh, IbvGid, IbvPd, IbvQp, IbvQpEx, IbvSrq, IbvSrqInitAttr, IbvWc};
+use ibverbs_abi::{IbvAh, IbvGid, IbvPd, IbvQp, IbvQpEx, IbvWc};
 
 use crate::util::set_errno;
 
@@ -26,16 +24,6 @@ fn refuse_on_object<T>() -> *mut T {
 /// send operations).
 pub extern "C" fn ibv_qp_to_qp_ex(_qp: *mut IbvQp) -> *mut IbvQpEx {
     std::ptr::null_mut()
-}
-
-/// `ibv_create_srq(pd, srq_init_attr)`: NULL, `EINVAL` (no PD exists).
-pub extern "C" fn ibv_create_srq(_pd: *mut IbvPd, _init: *mut IbvSrqInitAttr) -> *mut IbvSrq {
-    refuse_on_object()
-}
-
-/// `ibv_destroy_srq(srq)`: `EINVAL` (no SRQ exists).
-pub extern "C" fn ibv_destroy_srq(_srq: *mut IbvSrq) -> c_int {
-    libc::EINVAL
 }
 
 /// `ibv_create_ah_from_wc(pd, wc, grh, port_num)`: NULL, `EINVAL` (no PD
