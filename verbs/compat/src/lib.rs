@@ -47,7 +47,7 @@ mod state;
 pub mod unsupported;
 mod util;
 
-pub use ah::{ibv_create_ah, ibv_destroy_ah};
+pub use ah::{ibv_create_ah, ibv_create_ah_from_wc, ibv_destroy_ah, ibv_init_ah_from_wc};
 pub use cq::{
     ibv_ack_cq_events, ibv_create_comp_channel, ibv_create_cq, ibv_destroy_comp_channel,
     ibv_destroy_cq, ibv_get_cq_event,
@@ -152,7 +152,8 @@ macro_rules! export_libibverbs {
             "ibv_query_srq" => $crate::ibv_query_srq;
             "ibv_destroy_srq" => $crate::ibv_destroy_srq;
             "ibv_create_ah" => $crate::ibv_create_ah;
-            "ibv_create_ah_from_wc" => $crate::unsupported::ibv_create_ah_from_wc;
+            "ibv_create_ah_from_wc" => $crate::ibv_create_ah_from_wc;
+            "ibv_init_ah_from_wc" => $crate::ibv_init_ah_from_wc;
             "ibv_destroy_ah" => $crate::ibv_destroy_ah;
             "ibv_attach_mcast" => $crate::unsupported::ibv_attach_mcast;
             "ibv_detach_mcast" => $crate::unsupported::ibv_detach_mcast;
