@@ -48,7 +48,7 @@ pub use ib_types::uvp::UserSend;
 pub use mw::Mw;
 pub use plugin::{LoadedPlugin, PluginError};
 pub use query::PortInfo;
-pub use shared::{SharedAv, SharedCq, SharedMr, SharedPd, SharedQp};
+pub use shared::{SharedAv, SharedCq, SharedMr, SharedPd, SharedQp, SharedSrq};
 pub use srq::Srq;
 pub use uvp_plugin::ArmFor;
 pub use verbs::{Av, Buffer, Cq, Mr, Pd, Qp, QpInit};
@@ -79,4 +79,6 @@ const _: () = {
     sync::<SharedMr>();
     send::<SharedAv>();
     sync::<SharedAv>();
+    send::<SharedSrq>();
+    sync::<SharedSrq>();
 };

@@ -10,17 +10,19 @@
 //! ([`SharedAv`]) is kept by the plugin in user mode, as [`crate::Av`].
 //! A CQ ([`SharedCq`]) and a QP ([`SharedQp`]) post, poll and arm through
 //! the linked plugin's fast path, as [`crate::Cq`] and [`crate::Qp`]; a
-//! QP owns its PD and its CQs.
+//! QP owns its PD and its CQs, and its SRQ ([`SharedSrq`], posted to
+//! through the same fast path, as [`crate::Srq`]) if it receives from one.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
 use ib_types::access::AccessFlags;
 use ib_types::av::AvAttr;
 use ib_types::cq::CqAttr;
-use ib_types::handle::{AvHandle, CqHandle, PdHandle};
+use ib_types::handle::{AvHandle, CqHandle, PdHandle, SrqHandle};
 use ib_types::ioctl::{self as v, Empty, QpQueryOut, QueryAvOut};
 use ib_types::mr::{MrKeys, MrQuery, MrRegister};
 use ib_types::qp::{QpCaps, QpModify};
+use ib_types::srq::{SrqAttr, SrqCreate, SrqModify};
 use ib_types::uvp::UserSend;
 use ib_types::wc::WorkCompletion;
 use ib_types::wr::RecvWr;
@@ -334,15 +336,119 @@ impl Drop for SharedCq {
     }
 }
 
-/// A queue pair owning its PD and CQs, posting in user mode through the
-/// linked plugin's fast path (as [`crate::Qp`], without an SRQ). `Send +
-/// Sync`: each queue's posts are serialized here (a C program may post
-/// from several threads, as rdma-core's providers allow).
+/// A shared receive queue owning its PD, posted to in user mode through
+/// the linked plugin's fast path (as [`crate::Srq`]). `Send + Sync`: the
+/// plugin serializes an SRQ's posts with the SRQ's own lock, which no
+/// CQ's poll takes. A [`SharedQp`] made on it owns it, so it outlives its
+/// QPs; the kernel refuses its destroy while a QP uses it.
+#[derive(Debug)]
+pub struct SharedSrq {
+    pd: Arc<SharedPd>,
+    handle: u64,
+    /// The linked plugin's fast path: a destroyed SRQ's refuses every post.
+    fast: Option<uvp_plugin::SrqFastPath>,
+    attr: SrqAttr,
+    alive: Alive,
+}
+
+impl SharedSrq {
+    /// Creates an SRQ in `pd` of at least `attr.max_wr` receives of
+    /// `attr.max_sge` entries each (`CreateSrq`; the plugin's pre lays the
+    /// ring out); a non-zero `attr.srq_limit` arms the limit event at once.
+    /// Needs the plugin.
+    pub fn new(pd: &Arc<SharedPd>, attr: &SrqAttr) -> Result<Self> {
+        let ctx = &pd.ctx;
+        ctx.plugin("CreateSrq")?;
+        if attr.max_wr == 0 {
+            return Err(Error::InvalidArgument("an SRQ of no receives"));
+        }
+        let input = SrqCreate {
+            pd: PdHandle::from_raw(pd.handle),
+            attr: *attr,
+        };
+        let answer = ctx.call::<v::CreateSrq>(ctx.ca, &input)?;
+        Ok(Self {
+            pd: Arc::clone(pd),
+            handle: answer.handle,
+            fast: ctx
+                .linked
+                .as_ref()
+                .and_then(|p| p.srq_fast_path(answer.handle)),
+            attr: answer.output,
+            alive: Alive::new(),
+        })
+    }
+
+    /// Its PD.
+    pub fn pd(&self) -> &Arc<SharedPd> {
+        &self.pd
+    }
+
+    /// The SRQ handle.
+    pub fn handle(&self) -> u64 {
+        self.handle
+    }
+
+    /// What the kernel granted at creation (receives, SGEs, limit).
+    pub fn attr(&self) -> SrqAttr {
+        self.attr
+    }
+
+    /// Its current attributes (`QuerySrq`): the limit reads 0 once the
+    /// limit event fired (the device disarms it).
+    pub fn query(&self) -> Result<SrqAttr> {
+        Ok(self.pd.ctx.call::<v::QuerySrq>(self.handle, &Empty)?.output)
+    }
+
+    /// Modifies it (`ModifySrq`): arms the limit (0 disarms); the kernel
+    /// refuses a resize (`max_wr`) with `Unsupported`, changing nothing.
+    pub fn modify(&self, modify: &SrqModify) -> Result<()> {
+        self.pd.ctx.call::<v::ModifySrq>(self.handle, modify)?;
+        Ok(())
+    }
+
+    /// Posts receives, in user mode (one record store for the batch): how
+    /// many; a refusal says how many went before it.
+    pub fn post_recv(&self, requests: &[RecvWr<'_>]) -> Result<usize> {
+        match &self.fast {
+            Some(fast) => fast.post_recv(requests),
+            None => self
+                .pd
+                .ctx
+                .plugin("posting")?
+                .post_srq_recv(self.handle, requests),
+        }
+        .map_err(refused)
+    }
+
+    /// Destroys it (`DestroySrq`); refused (the SRQ stays) with the
+    /// kernel's answer, e.g. `ResourceBusy` while a QP uses it.
+    pub fn destroy(&self) -> Result<()> {
+        self.alive.destroy(|| {
+            self.pd.ctx.call::<v::DestroySrq>(self.handle, &Empty)?;
+            Ok(())
+        })
+    }
+}
+
+impl Drop for SharedSrq {
+    fn drop(&mut self) {
+        let _ = self.destroy();
+    }
+}
+
+/// A queue pair owning its PD and CQs (and its SRQ, if it receives from
+/// one), posting in user mode through the linked plugin's fast path (as
+/// [`crate::Qp`]). `Send + Sync`: each queue's posts are serialized here
+/// (a C program may post from several threads, as rdma-core's providers
+/// allow).
 #[derive(Debug)]
 pub struct SharedQp {
     pd: Arc<SharedPd>,
     send_cq: Arc<SharedCq>,
     recv_cq: Arc<SharedCq>,
+    /// Its receives come from this SRQ (no receive queue of its own).
+    srq: Option<Arc<SharedSrq>>,
     handle: u64,
     fast: Option<uvp_plugin::QpFastPath>,
     qpn: u32,
@@ -363,6 +469,29 @@ impl SharedQp {
         recv_cq: &Arc<SharedCq>,
         init: &QpInit,
     ) -> Result<Self> {
+        Self::create(pd, send_cq, recv_cq, None, init)
+    }
+
+    /// Creates a QP as [`new`](Self::new) whose receives come from `srq`
+    /// (it has no receive queue of its own, and owns the SRQ); an SRQ of
+    /// another PD is refused before any call (IBA 10.2.9).
+    pub fn with_srq(
+        pd: &Arc<SharedPd>,
+        send_cq: &Arc<SharedCq>,
+        recv_cq: &Arc<SharedCq>,
+        srq: &Arc<SharedSrq>,
+        init: &QpInit,
+    ) -> Result<Self> {
+        Self::create(pd, send_cq, recv_cq, Some(srq), init)
+    }
+
+    fn create(
+        pd: &Arc<SharedPd>,
+        send_cq: &Arc<SharedCq>,
+        recv_cq: &Arc<SharedCq>,
+        srq: Option<&Arc<SharedSrq>>,
+        init: &QpInit,
+    ) -> Result<Self> {
         let ctx = &pd.ctx;
         ctx.plugin("CreateQp")?;
         if init.qp_type.is_special() {
@@ -373,12 +502,17 @@ impl SharedQp {
                 "the QP's CQs belong to another context than its PD",
             ));
         }
+        if srq.is_some_and(|srq| !Arc::ptr_eq(&srq.pd, pd)) {
+            return Err(Error::InvalidArgument(
+                "the QP's SRQ belongs to another PD than the QP",
+            ));
+        }
         let input = ib_types::qp::QpCreate {
             qp_type: init.qp_type,
             pd: PdHandle::from_raw(pd.handle),
             send_cq: CqHandle::from_raw(send_cq.handle),
             recv_cq: CqHandle::from_raw(recv_cq.handle),
-            srq: None,
+            srq: srq.map(|srq| SrqHandle::from_raw(srq.handle)),
             caps: init.caps,
             sq_sig_all: init.sq_sig_all,
             port: None,
@@ -388,6 +522,7 @@ impl SharedQp {
             pd: Arc::clone(pd),
             send_cq: Arc::clone(send_cq),
             recv_cq: Arc::clone(recv_cq),
+            srq: srq.map(Arc::clone),
             handle: answer.handle,
             fast: ctx
                 .linked
@@ -414,6 +549,11 @@ impl SharedQp {
     /// Its receive CQ.
     pub fn recv_cq(&self) -> &Arc<SharedCq> {
         &self.recv_cq
+    }
+
+    /// The SRQ its receives come from, if any.
+    pub fn srq(&self) -> Option<&Arc<SharedSrq>> {
+        self.srq.as_ref()
     }
 
     /// The QP handle.
@@ -460,8 +600,14 @@ impl SharedQp {
         .map_err(refused)
     }
 
-    /// Posts receives, in user mode: how many.
+    /// Posts receives, in user mode: how many. A QP on an SRQ has no
+    /// receive queue: post to the SRQ ([`SharedSrq::post_recv`]).
     pub fn post_recv(&self, requests: &[RecvWr<'_>]) -> Result<usize> {
+        if self.srq.is_some() {
+            return Err(Error::InvalidArgument(
+                "the QP receives from its SRQ: post there",
+            ));
+        }
         let _one_poster = self
             .recv_lock
             .lock()

@@ -45,7 +45,7 @@ pub use context::{Context, QpCreated};
 pub use cq::{ArmFor, Cq};
 pub use error::{PostError, PostErrorKind, SetupError};
 pub use mmio::UarPage;
-pub use provider::{CqFastPath, Platform, Provider, QpFastPath, UserMemory};
+pub use provider::{CqFastPath, Platform, Provider, QpFastPath, SrqFastPath, UserMemory};
 pub use qp::{Qp, RecvQueue, SendQueue, SendRequest};
 pub use srq::Srq;
 

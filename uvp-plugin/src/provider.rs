@@ -150,7 +150,8 @@ enum Pending {
 }
 
 /// A fast-path object and its memory. The provider's map holds it, and
-/// so may the access library ([`QpFastPath`], [`CqFastPath`]): when the
+/// so may the access library ([`QpFastPath`], [`CqFastPath`],
+/// [`SrqFastPath`]): when the
 /// object is destroyed it leaves the map and is dropped at once (`None`
 /// from then on, so a fast path still held refuses every call), and its
 /// memory is freed when the last holder lets go. Fields drop in order:
@@ -847,6 +848,13 @@ impl Provider {
     pub fn cq_fast_path(&self, cq: u64) -> Option<CqFastPath> {
         Some(CqFastPath(self.cq(cq).ok()?))
     }
+
+    /// The fast path of SRQ `srq`, as [`qp_fast_path`](Self::qp_fast_path):
+    /// posts with no lookup; refused (`InvalidSrqHandle`) once the SRQ is
+    /// destroyed.
+    pub fn srq_fast_path(&self, srq: u64) -> Option<SrqFastPath> {
+        Some(SrqFastPath(self.state().srqs.get(&srq).cloned()?))
+    }
 }
 
 /// Puts `o` aside (to be retired) and answers true.
@@ -939,6 +947,17 @@ fn post_recv_to(owned: &Owned<Qp>, wrs: &[RecvWr<'_>]) -> Result<usize, PostRefu
     queue.post(wrs).map_err(refused)
 }
 
+const NO_SRQ: PostRefused = PostRefused {
+    posted: 0,
+    status: IbStatus::InvalidSrqHandle,
+};
+
+#[inline]
+fn post_srq_recv_to(owned: &Owned<Srq>, wrs: &[RecvWr<'_>]) -> Result<usize, PostRefused> {
+    let mut object = owned.lock();
+    object.as_mut().ok_or(NO_SRQ)?.post(wrs).map_err(refused)
+}
+
 #[inline]
 fn poll(owned: &Owned<UserCq>, out: &mut [WorkCompletion]) -> Result<usize, IbStatus> {
     let mut object = owned.lock();
@@ -1021,6 +1040,26 @@ impl CqFastPath {
     }
 }
 
+/// An SRQ's fast path held by its owner ([`Provider::srq_fast_path`]):
+/// posts with no lookup, serialized by the SRQ's lock (which no CQ's
+/// poll takes).
+#[derive(Clone)]
+pub struct SrqFastPath(Arc<Owned<Srq>>);
+
+impl core::fmt::Debug for SrqFastPath {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("SrqFastPath").finish_non_exhaustive()
+    }
+}
+
+impl SrqFastPath {
+    /// As [`UserVerbsProvider::post_srq_recv`] on the SRQ's handle.
+    #[inline]
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<usize, PostRefused> {
+        post_srq_recv_to(&self.0, wrs)
+    }
+}
+
 fn refused(error: PostError) -> PostRefused {
     PostRefused {
         posted: error.posted,
@@ -1070,17 +1109,8 @@ impl UserVerbsProvider for Provider {
     }
 
     fn post_srq_recv(&self, srq: u64, wrs: &[RecvWr<'_>]) -> Result<usize, PostRefused> {
-        let refused_handle = PostRefused {
-            posted: 0,
-            status: IbStatus::InvalidSrqHandle,
-        };
-        let owned = self.state().srqs.get(&srq).cloned().ok_or(refused_handle)?;
-        let mut object = owned.lock();
-        object
-            .as_mut()
-            .ok_or(refused_handle)?
-            .post(wrs)
-            .map_err(refused)
+        let owned = self.state().srqs.get(&srq).cloned().ok_or(NO_SRQ)?;
+        post_srq_recv_to(&owned, wrs)
     }
 
     fn poll_cq(&self, cq: u64, out: &mut [WorkCompletion]) -> Result<usize, IbStatus> {

@@ -226,7 +226,7 @@ fn new_verbs_context(device: *mut IbvDevice) -> VerbsContext {
                 _compat_modify_srq: None,
                 _compat_query_srq: None,
                 _compat_destroy_srq: None,
-                post_srq_recv: None,
+                post_srq_recv: Some(crate::srq::post_srq_recv),
                 _compat_create_qp: None,
                 _compat_query_qp: None,
                 _compat_modify_qp: None,

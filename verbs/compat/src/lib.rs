@@ -31,7 +31,8 @@
 //! handles and the registration of the program's own memory (the `memory` module's docs:
 //! how the C objects own the access library's), completion queues and
 //! completion channels (real file descriptors, `cq`'s module docs), queue
-//! pairs and the data path (`qp`'s module docs). The other entry points the
+//! pairs and the data path (`qp`'s module docs), shared receive queues
+//! (`srq`'s module docs). The other entry points the
 //! surveyed tools import exist (the binaries are linked `BIND_NOW`) and
 //! answer "not supported" ([`unsupported`]).
 
@@ -41,11 +42,12 @@ mod device;
 mod memory;
 mod qp;
 pub mod query;
+mod srq;
 mod state;
 pub mod unsupported;
 mod util;
 
-pub use ah::{ibv_create_ah, ibv_destroy_ah};
+pub use ah::{ibv_create_ah, ibv_create_ah_from_wc, ibv_destroy_ah, ibv_init_ah_from_wc};
 pub use cq::{
     ibv_ack_cq_events, ibv_create_comp_channel, ibv_create_cq, ibv_destroy_comp_channel,
     ibv_destroy_cq, ibv_get_cq_event,
@@ -60,6 +62,7 @@ pub use query::{
     _ibv_query_gid_ex, ibv_query_device, ibv_query_gid, ibv_query_gid_type, ibv_query_pkey,
     ibv_query_port,
 };
+pub use srq::{ibv_create_srq, ibv_destroy_srq, ibv_modify_srq, ibv_query_srq};
 pub use state::{BootFn, Machine, set_boot};
 pub use util::{ibv_read_sysfs_file, ibv_wc_status_str};
 
@@ -144,10 +147,13 @@ macro_rules! export_libibverbs {
             "ibv_modify_qp" => $crate::ibv_modify_qp;
             "ibv_query_qp" => $crate::ibv_query_qp;
             "ibv_qp_to_qp_ex" => $crate::unsupported::ibv_qp_to_qp_ex;
-            "ibv_create_srq" => $crate::unsupported::ibv_create_srq;
-            "ibv_destroy_srq" => $crate::unsupported::ibv_destroy_srq;
+            "ibv_create_srq" => $crate::ibv_create_srq;
+            "ibv_modify_srq" => $crate::ibv_modify_srq;
+            "ibv_query_srq" => $crate::ibv_query_srq;
+            "ibv_destroy_srq" => $crate::ibv_destroy_srq;
             "ibv_create_ah" => $crate::ibv_create_ah;
-            "ibv_create_ah_from_wc" => $crate::unsupported::ibv_create_ah_from_wc;
+            "ibv_create_ah_from_wc" => $crate::ibv_create_ah_from_wc;
+            "ibv_init_ah_from_wc" => $crate::ibv_init_ah_from_wc;
             "ibv_destroy_ah" => $crate::ibv_destroy_ah;
             "ibv_attach_mcast" => $crate::unsupported::ibv_attach_mcast;
             "ibv_detach_mcast" => $crate::unsupported::ibv_detach_mcast;

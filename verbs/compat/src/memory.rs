@@ -99,6 +99,11 @@ pub(crate) fn remember<T>(registry: &Registry<T>, address: usize, object: Arc<T>
         .insert(address, object);
 }
 
+/// The PD `ptr` names, if it is one of ours.
+pub(crate) fn pd_at(ptr: *const IbvPd) -> Option<Arc<ProtectionDomain>> {
+    lock(&PDS).as_ref()?.get(&(ptr as usize)).cloned()
+}
+
 /// The PD `ptr` names, with one more child counted (taken under the
 /// registry's lock, so a concurrent dealloc sees it): `EINVAL` if it is
 /// not ours.

@@ -41,6 +41,7 @@ use ibverbs_abi::{
 use crate::ah::{av_attr, av_handle_at};
 use crate::cq::{CompletionQueue, cq_at};
 use crate::memory::{ProtectionDomain, Registry, lock, pd_for_child, remember, truncated_handle};
+use crate::srq::{SharedReceiveQueue, srq_at};
 use crate::util::{errno_of, guard, set_errno};
 
 /// A queue pair: rdma-core's `ibv_qp` first, then the access library's
@@ -55,6 +56,8 @@ pub(crate) struct QueuePair {
     pd: Arc<ProtectionDomain>,
     send_cq: Arc<CompletionQueue>,
     recv_cq: Arc<CompletionQueue>,
+    /// The SRQ its receives come from, if any.
+    srq: Option<Arc<SharedReceiveQueue>>,
 }
 
 // SAFETY: `raw`'s pointers name the context, PD and CQs this QP holds and
@@ -98,10 +101,12 @@ fn ibv_cap(caps: &QpCaps) -> IbvQpCap {
 }
 
 /// `ibv_create_qp(pd, qp_init_attr)`: an RC, UC or UD QP (`CreateQp`),
-/// the granted capacities written back to `qp_init_attr->cap`; NULL with
-/// `errno`: `EINVAL` for a PD or CQ not ours, NULL attributes, an SRQ (not
-/// offered yet), CQs of another context; `EOPNOTSUPP` for another QP
-/// type; the kernel's answer otherwise.
+/// the granted capacities written back to `qp_init_attr->cap`; with
+/// `srq` set, its receives come from that SRQ (the receive capacities
+/// asked are ignored, as rdma-core's providers ignore them, and granted
+/// as 0). NULL with `errno`: `EINVAL` for a PD, CQ or SRQ not ours, NULL
+/// attributes, CQs of another context, an SRQ of another PD;
+/// `EOPNOTSUPP` for another QP type; the kernel's answer otherwise.
 ///
 /// # Safety
 ///
@@ -131,18 +136,24 @@ fn create_qp(pd: *mut IbvPd, init: &mut IbvQpInitAttr) -> Result<*mut IbvQp, c_i
         IBV_QPT_UD => QpType::Ud,
         _ => return Err(libc::EOPNOTSUPP),
     };
-    if !init.srq.is_null() {
-        return Err(libc::EINVAL);
-    }
+    let srq = if init.srq.is_null() {
+        None
+    } else {
+        Some(srq_at(init.srq).ok_or(libc::EINVAL)?)
+    };
     let send_cq = cq_at(init.send_cq).ok_or(libc::EINVAL)?;
     let recv_cq = cq_at(init.recv_cq).ok_or(libc::EINVAL)?;
     let pd = pd_for_child(pd)?;
-    let made = SharedQp::new(
-        &pd.pd,
-        &send_cq.cq,
-        &recv_cq.cq,
-        &QpInit::new(qp_type, caps_of(&init.cap), init.sq_sig_all != 0),
-    );
+    let mut caps = caps_of(&init.cap);
+    if srq.is_some() {
+        caps.max_recv_wr = 0;
+        caps.max_recv_sge = 0;
+    }
+    let qp_init = QpInit::new(qp_type, caps, init.sq_sig_all != 0);
+    let made = match &srq {
+        None => SharedQp::new(&pd.pd, &send_cq.cq, &recv_cq.cq, &qp_init),
+        Some(srq) => SharedQp::with_srq(&pd.pd, &send_cq.cq, &recv_cq.cq, &srq.srq, &qp_init),
+    };
     let qp = match made {
         Ok(qp) => qp,
         Err(error) => {
@@ -153,6 +164,9 @@ fn create_qp(pd: *mut IbvPd, init: &mut IbvQpInitAttr) -> Result<*mut IbvQp, c_i
     init.cap = ibv_cap(&qp.caps());
     send_cq.children.fetch_add(1, Ordering::AcqRel);
     recv_cq.children.fetch_add(1, Ordering::AcqRel);
+    if let Some(srq) = &srq {
+        srq.children.fetch_add(1, Ordering::AcqRel);
+    }
     let made = Arc::new(QueuePair {
         raw: UnsafeCell::new(IbvQp {
             context: pd.raw.context,
@@ -160,7 +174,9 @@ fn create_qp(pd: *mut IbvPd, init: &mut IbvQpInitAttr) -> Result<*mut IbvQp, c_i
             pd: pd.as_ptr(),
             send_cq: send_cq.as_ptr(),
             recv_cq: recv_cq.as_ptr(),
-            srq: std::ptr::null_mut(),
+            srq: srq
+                .as_ref()
+                .map_or(std::ptr::null_mut(), |srq| srq.as_ptr()),
             handle: truncated_handle(qp.handle()),
             qp_num: qp.qpn(),
             state: IBV_QPS_RESET,
@@ -175,6 +191,7 @@ fn create_qp(pd: *mut IbvPd, init: &mut IbvQpInitAttr) -> Result<*mut IbvQp, c_i
         pd,
         send_cq,
         recv_cq,
+        srq,
     });
     let ptr = made.as_ptr();
     remember(&QPS, ptr as usize, made);
@@ -202,6 +219,9 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut IbvQp) -> c_int {
         }
         found.send_cq.children.fetch_sub(1, Ordering::AcqRel);
         found.recv_cq.children.fetch_sub(1, Ordering::AcqRel);
+        if let Some(srq) = &found.srq {
+            srq.children.fetch_sub(1, Ordering::AcqRel);
+        }
         found.pd.children.fetch_sub(1, Ordering::AcqRel);
         0
     })
@@ -450,7 +470,7 @@ pub unsafe extern "C" fn ibv_query_qp(
 ///
 /// # Safety
 /// `list` is valid for reads of `count` entries when `count` > 0.
-unsafe fn sges_of(list: *const IbvSge, count: c_int) -> Result<Vec<Sge>, c_int> {
+pub(crate) unsafe fn sges_of(list: *const IbvSge, count: c_int) -> Result<Vec<Sge>, c_int> {
     let count = usize::try_from(count).map_err(|_| libc::EINVAL)?;
     if count == 0 {
         return Ok(Vec::new());
@@ -579,7 +599,7 @@ unsafe fn send_parts(wr: &IbvSendWr, qp_type: QpType) -> Result<SendParts, c_int
 ///
 /// # Safety
 /// `bad` is NULL or valid for writes.
-unsafe fn set_bad<T>(bad: *mut *mut T, wr: *mut T) {
+pub(crate) unsafe fn set_bad<T>(bad: *mut *mut T, wr: *mut T) {
     if !bad.is_null() {
         // SAFETY: the contract.
         unsafe { bad.write(wr) };
@@ -594,7 +614,7 @@ unsafe fn set_bad<T>(bad: *mut *mut T, wr: *mut T) {
 /// # Safety
 ///
 /// `bad_wr` is NULL or valid for a write.
-unsafe fn post_outcome<T>(
+pub(crate) unsafe fn post_outcome<T>(
     posting: Result<(), ibal_user::Error>,
     ptrs: &[*mut T],
     first: *mut T,
@@ -683,7 +703,9 @@ pub(crate) unsafe extern "C" fn post_send(
     })
 }
 
-/// `ops.post_recv` (`ibv_post_recv`): as [`post_send`] for receives.
+/// `ops.post_recv` (`ibv_post_recv`): as [`post_send`] for receives; a
+/// QP on an SRQ has no receive queue (`EINVAL`, `*bad_wr` the first
+/// request: post to the SRQ, `crate::srq`).
 ///
 /// # Safety
 ///

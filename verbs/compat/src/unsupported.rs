@@ -1,26 +1,16 @@
 //! The entry points the surveyed tools import that this milestone does
-//! not offer yet (docs/libibverbs.md, "Status"): SRQs, address handles
-//! from completions and multicast. The binaries are linked
+//! not offer yet (docs/libibverbs.md, "Status"): multicast, and the
+//! extended QP of the new post-send API. The binaries are linked
 //! `BIND_NOW`, so each must exist; each answers as rdma-core does for a
 //! verb the device refuses.
 //!
-//! The rule: every call naming an SRQ, or creating one in a PD, fails
-//! with `EINVAL`, since the library has created none, so any such pointer
-//! is not one of its objects; multicast on a QP is refused with `EINVAL`
-//! too. Errors come back the way each verb reports
+//! The rule: multicast on a QP fails with `EINVAL`; no QP has the
+//! extended post-send operations. Errors come back the way each verb reports
 //! them: NULL with `errno`, -1 with `errno`, or an errno value.
 
-use std::ffi::{c_int, c_void};
+use std::ffi::c_int;
 
-use ibverbs_abi::{IbvAh, IbvGid, IbvPd, IbvQp, IbvQpEx, IbvSrq, IbvSrqInitAttr, IbvWc};
-
-use crate::util::set_errno;
-
-/// NULL with `errno = EINVAL`: the object named is not one of ours.
-fn refuse_on_object<T>() -> *mut T {
-    set_errno(libc::EINVAL);
-    std::ptr::null_mut()
-}
+use ibverbs_abi::{IbvGid, IbvQp, IbvQpEx};
 
 /// `ibv_qp_to_qp_ex(qp)`: NULL (no QP of ours was made with the extended
 /// send operations).
@@ -28,33 +18,12 @@ pub extern "C" fn ibv_qp_to_qp_ex(_qp: *mut IbvQp) -> *mut IbvQpEx {
     std::ptr::null_mut()
 }
 
-/// `ibv_create_srq(pd, srq_init_attr)`: NULL, `EINVAL` (no PD exists).
-pub extern "C" fn ibv_create_srq(_pd: *mut IbvPd, _init: *mut IbvSrqInitAttr) -> *mut IbvSrq {
-    refuse_on_object()
-}
-
-/// `ibv_destroy_srq(srq)`: `EINVAL` (no SRQ exists).
-pub extern "C" fn ibv_destroy_srq(_srq: *mut IbvSrq) -> c_int {
-    libc::EINVAL
-}
-
-/// `ibv_create_ah_from_wc(pd, wc, grh, port_num)`: NULL, `EINVAL` (no PD
-/// exists).
-pub extern "C" fn ibv_create_ah_from_wc(
-    _pd: *mut IbvPd,
-    _wc: *mut IbvWc,
-    _grh: *mut c_void,
-    _port_num: u8,
-) -> *mut IbvAh {
-    refuse_on_object()
-}
-
-/// `ibv_attach_mcast(qp, gid, lid)`: `EINVAL` (no QP exists).
+/// `ibv_attach_mcast(qp, gid, lid)`: `EINVAL` (multicast is not offered).
 pub extern "C" fn ibv_attach_mcast(_qp: *mut IbvQp, _gid: *const IbvGid, _lid: u16) -> c_int {
     libc::EINVAL
 }
 
-/// `ibv_detach_mcast(qp, gid, lid)`: `EINVAL` (no QP exists).
+/// `ibv_detach_mcast(qp, gid, lid)`: `EINVAL` (multicast is not offered).
 pub extern "C" fn ibv_detach_mcast(_qp: *mut IbvQp, _gid: *const IbvGid, _lid: u16) -> c_int {
     libc::EINVAL
 }

@@ -31,7 +31,14 @@ pub(crate) fn errno_of(error: &Error) -> c_int {
         Error::AbiMismatch { .. } => libc::EPROTO,
         _ => match error.status() {
             IbStatus::InsufficientResources | IbStatus::InsufficientMemory => libc::ENOMEM,
-            IbStatus::InvalidParameter | IbStatus::InvalidSetting => libc::EINVAL,
+            // Sizes past the device's limits: rdma-core's kernel says
+            // EINVAL for them.
+            IbStatus::InvalidParameter
+            | IbStatus::InvalidSetting
+            | IbStatus::InvalidMaxWrs
+            | IbStatus::InvalidMaxSge
+            | IbStatus::InvalidCqSize
+            | IbStatus::InvalidSrqSize => libc::EINVAL,
             IbStatus::NotFound => libc::ENOENT,
             IbStatus::Timeout => libc::ETIMEDOUT,
             IbStatus::InvalidPermission => libc::EACCES,

@@ -1,12 +1,14 @@
-//! Debian's unmodified `ibv_rc_pingpong`, `ibv_uc_pingpong` and
-//! `ibv_ud_pingpong` on our `libibverbs.so.1` across two processes (issue
-//! 14): the server (`ibv_rc_pingpong -g 0`) and the client
+//! Debian's unmodified `ibv_rc_pingpong`, `ibv_uc_pingpong`,
+//! `ibv_ud_pingpong` and `ibv_srq_pingpong` on our `libibverbs.so.1`
+//! across two processes (issue 14): the server (`ibv_rc_pingpong -g 0`) and the client
 //! (`ibv_rc_pingpong -g 0 127.0.0.1`), each its own simulated machine,
 //! their RoCEv2 ports real UDP endpoints at two of this test process's own
 //! loopback addresses, run their iterations (RC its default 1000, also
-//! with completion events, `-e`; UC and UD 200, `-n 200`), both exit 0 and
-//! print the tool's own throughput lines, each names the other's QP and
-//! GID, and both machines end cleanly.
+//! with completion events, `-e`; UC and UD 200, `-n 200`; SRQ its default
+//! 1000 over its 16 QPs receiving from one SRQ, busy polling and with
+//! `-e`, validating every received buffer, `-c`), both exit 0 and print
+//! the tool's own throughput lines, each names the other's QPs and GID,
+//! and both machines end cleanly.
 
 use std::io::Read;
 use std::net::Ipv4Addr;
@@ -148,6 +150,16 @@ fn address_line(stdout: &str, which: &str) -> (String, String) {
     (field("QPN"), field("GID"))
 }
 
+/// The QPN and GID of every `local address:` or `remote address:` line,
+/// in order (`ibv_srq_pingpong` prints one per QP).
+fn address_lines(stdout: &str, which: &str) -> Vec<(String, String)> {
+    stdout
+        .lines()
+        .filter(|line| line.trim_start().starts_with(which))
+        .map(|line| address_line(line, which))
+        .collect()
+}
+
 /// Runs `tool`'s server and client with `extra` options; returns their
 /// outputs after checking both exit 0 with the tool's own lines (`bytes`
 /// moved in `iterations`).
@@ -266,4 +278,37 @@ fn uc_pingpong_server_and_client_run_200_iterations() {
 #[test]
 fn ud_pingpong_server_and_client_run_200_iterations() {
     run_pair("ibv_ud_pingpong", UD_200, "ud", (7, 8), &["-n", "200"]);
+}
+
+/// The SRQ pingpong's default: 1000 round trips of 4096 bytes, spread over
+/// its 16 QPs.
+const SRQ_DEFAULT: (u32, u64) = (1000, 2 * 1000 * 4096);
+/// `ibv_srq_pingpong`'s default number of QPs (`-q`).
+const SRQ_QPS: usize = 16;
+
+/// `ibv_srq_pingpong` with `extra`, validating the data (`-c`: a received
+/// buffer that differs from what was sent prints an error, which the
+/// clean-stderr check catches): every one of the 16 QPs of each side is
+/// named by the other, in order.
+fn run_srq_pair(test: &str, slots: (u8, u8), extra: &[&str]) {
+    let mut args = vec!["-c"];
+    args.extend_from_slice(extra);
+    let (server, client) = run_pair("ibv_srq_pingpong", SRQ_DEFAULT, test, slots, &args);
+    let (server, client) = (text(&server.stdout), text(&client.stdout));
+    let server_qps = address_lines(&server, "local address:");
+    let client_qps = address_lines(&client, "local address:");
+    assert_eq!(server_qps.len(), SRQ_QPS, "{server}");
+    assert_eq!(client_qps.len(), SRQ_QPS, "{client}");
+    assert_eq!(server_qps, address_lines(&client, "remote address:"));
+    assert_eq!(client_qps, address_lines(&server, "remote address:"));
+}
+
+#[test]
+fn srq_pingpong_server_and_client_run_their_1000_iterations_validating_data() {
+    run_srq_pair("srq", (9, 10), &[]);
+}
+
+#[test]
+fn srq_pingpong_with_completion_events_runs_its_1000_iterations() {
+    run_srq_pair("srq-events", (11, 12), &["-e"]);
 }

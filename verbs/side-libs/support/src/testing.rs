@@ -232,12 +232,15 @@ pub fn assert_exports_exactly_the_tools_imports(
 
 /// Asserts that `library` has the soname `soname`, exports every symbol
 /// (with its version) the Debian tools import from the nodes
-/// `version_prefixes` name, and nothing else in those nodes; returns what
-/// it exports outside them, for the caller to judge.
+/// `version_prefixes` name, and nothing else in those nodes but
+/// `beyond_the_tools` (`name@version`: what the library offers on purpose
+/// that no surveyed tool imports); returns what it exports outside those
+/// nodes, for the caller to judge.
 pub fn assert_exports_the_tools_imports_in_their_nodes(
     library: &Path,
     soname: &str,
     version_prefixes: &[&str],
+    beyond_the_tools: &[&str],
 ) -> BTreeSet<VersionedSymbol> {
     assert_eq!(
         soname_of(library).as_deref(),
@@ -245,11 +248,23 @@ pub fn assert_exports_the_tools_imports_in_their_nodes(
         "{}'s soname",
         library.display()
     );
-    let imported = imported_by_debian_tools(version_prefixes);
+    let mut imported = imported_by_debian_tools(version_prefixes);
     assert!(
         !imported.is_empty(),
         "no Debian tool imports anything from {version_prefixes:?}"
     );
+    for symbol in beyond_the_tools {
+        let (name, version) = symbol
+            .split_once('@')
+            .expect("beyond_the_tools entries are name@version");
+        assert!(
+            imported.insert(VersionedSymbol {
+                name: name.to_string(),
+                version: version.to_string(),
+            }),
+            "{symbol} is imported by a tool: not beyond them"
+        );
+    }
     let (exported, others): (BTreeSet<_>, BTreeSet<_>) =
         exported_by(library).into_iter().partition(|symbol| {
             version_prefixes
