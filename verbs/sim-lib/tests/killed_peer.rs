@@ -1,9 +1,9 @@
-//! A peer killed mid-run (issue 14): Debian's unmodified `ibv_rc_pingpong`
-//! and `ib_write_bw`, server and client each a process with its own
-//! simulated machine over real UDP (as in `pingpong.rs`), run a long
-//! test (`-n 1000000`); one of them is killed with SIGKILL while traffic
-//! flows, and the survivor must exit non-zero within a bound, printing the
-//! tool's own error, its machine shutting down cleanly.
+//! A peer killed mid-run (issue 14): Debian's unmodified `ibv_rc_pingpong`,
+//! `ib_write_bw` and `ib_write_lat`, server and client each a process with
+//! its own simulated machine over real UDP (as in `pingpong.rs`), run a
+//! long test (`-n 1000000`); one of them is killed with SIGKILL while
+//! traffic flows, and the survivor must exit non-zero within a bound,
+//! printing the tool's own error, its machine shutting down cleanly.
 //!
 //! When the survivor learns of the death is RC's business (IBA 9.7.6.1.3):
 //! only a requester with a request outstanding runs the local ACK timer,
@@ -20,10 +20,10 @@
 //! Each tool's attributes give the bound: `ibv_rc_pingpong` and perftest
 //! set `timeout` 14 (4.096 µs · 2^14 ≈ 67 ms) and `retry_cnt` 7, so the
 //! survivor's request fails about 8 × 67 ms ≈ 0.54 s after its last
-//! progress (plus, for perftest's window of 128 writes, the time to
-//! retransmit it eight times). The tests check the survivor fails no
-//! sooner than 5 timeouts after the freeze (the retries really ran) and
-//! within a few seconds of the kill, and print the measured times.
+//! progress (plus the time to resend what is outstanding eight times).
+//! The tests check the survivor fails no sooner than 5 timeouts after the
+//! freeze (the retries really ran) and within a few seconds of the kill,
+//! and print the measured times (`--nocapture`).
 //!
 //! The tests run one at a time (a lock): the busy-polling tools of
 //! parallel tests would compete for the cores and blur the timings.
@@ -306,8 +306,10 @@ struct Survivor {
 }
 
 /// Kills `victim` (SIGKILL) at a moment `survivor` has traffic in flight
-/// to it, then waits (bounded) for the survivor to exit.
-fn kill_mid_run(mut victim: Running, mut survivor: Running) -> Survivor {
+/// to it, once the pair has run for `run_in` (past the first exchanges),
+/// then waits (bounded) for the survivor to exit.
+fn kill_mid_run(mut victim: Running, mut survivor: Running, run_in: Duration) -> Survivor {
+    std::thread::sleep(run_in);
     let frozen = freeze_while_the_survivor_sends(&mut victim, &mut survivor);
     let killed = Instant::now();
     drop(victim);
@@ -374,15 +376,25 @@ impl Survivor {
 
     fn report(&self, what: &str) {
         println!(
-            "{what}: the survivor exited {:?} after the kill ({:?} after the freeze)",
-            self.since_kill, self.since_freeze
+            "{what}: the survivor exited {:?} after the kill ({:?} after the freeze):\n{}",
+            self.since_kill,
+            self.since_freeze,
+            self.stderr.join("\n")
         );
     }
 }
 
-/// `ibv_rc_pingpong`'s bound: the retries (8 × 67 ms), plus the exit and
-/// the machine's shutdown in a debug build on a loaded machine.
-fn rc_pingpong_bound() -> Duration {
+/// `ibv_rc_pingpong`'s run-in: each machine boots in about 0.1 s, then
+/// the round trips start.
+const PINGPONG_RUN_IN: Duration = Duration::from_millis(500);
+/// perftest's: it exchanges and checks its parameters and prints its
+/// header before the first write (in 0.5 s it had sent one window).
+const PERFTEST_RUN_IN: Duration = Duration::from_millis(1500);
+
+/// The bound of a survivor with a small window outstanding: the retries
+/// (8 × 67 ms), plus the exit and the machine's shutdown in a debug build
+/// on a loaded machine.
+fn retries_bound() -> Duration {
     ACK_TIMEOUT * (RETRY_CNT + 1) + Duration::from_secs(3)
 }
 
@@ -395,13 +407,13 @@ fn rc_pingpong_client_fails_with_retry_exceeded_when_its_server_is_killed() {
         (1, 2),
         &["-g", "0", "-n", "1000000"],
     );
-    let survivor = kill_mid_run(server, client);
+    let survivor = kill_mid_run(server, client, PINGPONG_RUN_IN);
     survivor.report("ibv_rc_pingpong, server killed, client busy polling");
     survivor.assert_clean_failure(
         1,
         &["Failed status transport retry counter exceeded (12) for wr_id 2"],
     );
-    survivor.assert_failed_by_retries(rc_pingpong_bound());
+    survivor.assert_failed_by_retries(retries_bound());
 }
 
 /// The reverse, the survivor waiting in `ibv_get_cq_event` (`-e`): the
@@ -415,17 +427,19 @@ fn rc_pingpong_server_with_events_fails_with_retry_exceeded_when_its_client_is_k
         (3, 4),
         &["-g", "0", "-n", "1000000", "-e"],
     );
-    let survivor = kill_mid_run(client, server);
+    let survivor = kill_mid_run(client, server, PINGPONG_RUN_IN);
     survivor.report("ibv_rc_pingpong -e, client killed, server waiting for events");
     survivor.assert_clean_failure(
         1,
         &["Failed status transport retry counter exceeded (12) for wr_id 2"],
     );
-    survivor.assert_failed_by_retries(rc_pingpong_bound());
+    survivor.assert_failed_by_retries(retries_bound());
 }
 
-/// perftest's client keeps 128 writes of 64 KiB outstanding: each retry
-/// sends the window again, which a debug build takes a while to do.
+/// perftest's client keeps 128 writes outstanding and each retry sends
+/// the window again: 4 KiB writes (`-s 4096`) keep that quick in a debug
+/// build (of the default 64 KiB ones, it takes seconds), so the bound is
+/// the pingpong's.
 #[test]
 fn write_bw_client_fails_with_retry_exceeded_when_its_server_is_killed() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -433,16 +447,16 @@ fn write_bw_client_fails_with_retry_exceeded_when_its_server_is_killed() {
         "ib_write_bw",
         "write-bw-server-killed",
         (5, 6),
-        &["-n", "1000000"],
+        &["-n", "1000000", "-s", "4096"],
     );
-    let survivor = kill_mid_run(server, client);
+    let survivor = kill_mid_run(server, client, PERFTEST_RUN_IN);
     survivor.report("ib_write_bw, server killed, client writing");
     // perftest prints the status number: 12 is RETRY_EXC_ERR.
     survivor.assert_clean_failure(
         1,
         &["Completion with error at client", "Failed status 12: "],
     );
-    survivor.assert_failed_by_retries(ACK_TIMEOUT * (RETRY_CNT + 1) + Duration::from_secs(15));
+    survivor.assert_failed_by_retries(retries_bound());
 }
 
 /// perftest's server waits on its TCP connection for the client's final
@@ -456,7 +470,7 @@ fn write_bw_server_fails_on_its_connection_when_its_client_is_killed() {
         (7, 8),
         &["-n", "1000000"],
     );
-    let survivor = kill_mid_run(client, server);
+    let survivor = kill_mid_run(client, server, PERFTEST_RUN_IN);
     survivor.report("ib_write_bw, client killed, server waiting");
     survivor.assert_clean_failure(1, &["Failed to exchange data between server and clients"]);
     assert!(
@@ -465,4 +479,23 @@ fn write_bw_server_fails_on_its_connection_when_its_client_is_killed() {
         survivor.since_kill,
         survivor.output
     );
+}
+
+/// perftest's write latency test is a ping-pong of one write each way (a
+/// side waits for the other's write by watching its buffer, after its own
+/// write completed): killed while the survivor's write is in flight, the
+/// peer leaves it a failed completion.
+#[test]
+fn write_lat_server_fails_with_retry_exceeded_when_its_client_is_killed() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let (server, client) = start_pair(
+        "ib_write_lat",
+        "write-lat-client-killed",
+        (9, 10),
+        &["-n", "1000000"],
+    );
+    let survivor = kill_mid_run(client, server, PERFTEST_RUN_IN);
+    survivor.report("ib_write_lat, client killed, server writing");
+    survivor.assert_clean_failure(1, &["Failed status 12: "]);
+    survivor.assert_failed_by_retries(retries_bound());
 }
