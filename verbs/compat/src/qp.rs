@@ -276,7 +276,11 @@ fn modify_of(pd: &ProtectionDomain, attr: &IbvQpAttr, mask: u32) -> Result<QpMod
         modify.en_sqd_async_notify = Some(attr.en_sqd_async_notify != 0);
     }
     if has(IBV_QP_ACCESS_FLAGS) {
-        modify.access = Some(AccessFlags::from_bits(attr.qp_access_flags).ok_or(libc::EINVAL)?);
+        // A QP's rights are the remote ones (IBA's Modify QP); the region-only
+        // bits (LOCAL_WRITE, MW_BIND) are accepted and ignored, as
+        // rdma-core's providers do (perftest's send tests ask LOCAL_WRITE).
+        let asked = AccessFlags::from_bits(attr.qp_access_flags).ok_or(libc::EINVAL)?;
+        modify.access = Some(asked & AccessFlags::REMOTE);
     }
     if has(IBV_QP_PKEY_INDEX) {
         modify.pkey_index = Some(attr.pkey_index);

@@ -1,7 +1,8 @@
 //! Queue pairs, called in-process as a C program calls them, on the
 //! embedded simulated machine: `ibv_create_qp` filling the `ibv_qp` and
 //! writing the granted capacities back, `ibv_modify_qp`'s mask and its
-//! refusals, `qp->state` following, `ibv_query_qp`, `ops.post_recv`
+//! refusals (perftest's send INIT: region-only rights in the access flags
+//! accepted and ignored), `qp->state` following, `ibv_query_qp`, `ops.post_recv`
 //! setting `*bad_wr` to the first malformed request with those before it
 //! posted (seen flushed when the QP enters the error state), `EBUSY` for
 //! the PD and CQ while the QP lives, and a clean shutdown.
@@ -11,9 +12,10 @@ use std::ptr::null_mut;
 use std::time::Duration;
 
 use ibverbs_abi::{
-    IBV_QP_ACCESS_FLAGS, IBV_QP_PKEY_INDEX, IBV_QP_PORT, IBV_QP_RATE_LIMIT, IBV_QP_STATE,
-    IBV_QPS_ERR, IBV_QPS_INIT, IBV_QPS_RESET, IBV_QPT_RC, IBV_WC_RECV, IBV_WC_WR_FLUSH_ERR,
-    IbvQpAttr, IbvQpCap, IbvQpInitAttr, IbvRecvWr, IbvSge, IbvWc,
+    IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_MW_BIND, IBV_ACCESS_REMOTE_WRITE, IBV_QP_ACCESS_FLAGS,
+    IBV_QP_PKEY_INDEX, IBV_QP_PORT, IBV_QP_RATE_LIMIT, IBV_QP_STATE, IBV_QPS_ERR, IBV_QPS_INIT,
+    IBV_QPS_RESET, IBV_QPT_RC, IBV_WC_RECV, IBV_WC_WR_FLUSH_ERR, IbvQpAttr, IbvQpCap,
+    IbvQpInitAttr, IbvRecvWr, IbvSge, IbvWc,
 };
 use ibverbs_compat::{self as verbs};
 
@@ -84,7 +86,8 @@ fn queue_pairs_modify_query_and_post_recv_with_bad_wr() {
     // SAFETY: as above.
     assert_eq!(unsafe { verbs::ibv_destroy_cq(cq) }, libc::EBUSY);
 
-    // RESET -> INIT; refusals first.
+    // RESET -> INIT as perftest's send tests ask (mask 0x39, access
+    // LOCAL_WRITE | REMOTE_WRITE); refusals first.
     let modify = |attr: &mut IbvQpAttr, mask: u32| {
         // SAFETY: `attr` is valid; the QP is checked.
         unsafe { verbs::ibv_modify_qp(qp, attr, mask as c_int) }
@@ -92,9 +95,16 @@ fn queue_pairs_modify_query_and_post_recv_with_bad_wr() {
     let mut attr = IbvQpAttr {
         qp_state: IBV_QPS_INIT,
         port_num: 1,
+        qp_access_flags: IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE,
         ..IbvQpAttr::default()
     };
     let init_mask = IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS;
+    assert_eq!(init_mask, 0x39, "perftest's mask");
+    let mut unknown_access = IbvQpAttr {
+        qp_access_flags: 1 << 31,
+        ..attr
+    };
+    assert_eq!(modify(&mut unknown_access, init_mask), libc::EINVAL);
     assert_eq!(
         modify(&mut attr, init_mask | IBV_QP_RATE_LIMIT),
         libc::EOPNOTSUPP
@@ -120,6 +130,16 @@ fn queue_pairs_modify_query_and_post_recv_with_bad_wr() {
         0
     );
     assert_eq!((queried.qp_state, queried.port_num), (IBV_QPS_INIT, 1));
+    assert_eq!(
+        queried.qp_access_flags, IBV_ACCESS_REMOTE_WRITE,
+        "a QP's rights are the remote ones; LOCAL_WRITE is accepted and ignored"
+    );
+    // MW_BIND, another region-only right, is accepted and ignored as well.
+    let mut mw_bind = IbvQpAttr {
+        qp_access_flags: IBV_ACCESS_MW_BIND | IBV_ACCESS_REMOTE_WRITE,
+        ..IbvQpAttr::default()
+    };
+    assert_eq!(modify(&mut mw_bind, IBV_QP_ACCESS_FLAGS), 0);
     assert_eq!(queried_init.cap, init.cap);
 
     // Two receives, the second malformed: *bad_wr names it, the first is
