@@ -503,12 +503,7 @@ fn write_lat_server_fails_with_retry_exceeded_when_its_client_is_killed() {
 /// perftest's send bandwidth client keeps 128 sends outstanding (its
 /// server only receives: with its client killed it would wait for ever,
 /// as on any RC hardware). The send tools exit 17 on a failed completion.
-///
-/// Ignored until `ibv_modify_qp` accepts the `LOCAL_WRITE` these tools put
-/// in the QP's access flags (the fix is on another branch); with it
-/// applied, this test and the next pass (`-- --ignored`).
 #[test]
-#[ignore = "ib_send_bw stops at ibv_modify_qp to INIT until the LOCAL_WRITE fix is merged"]
 fn send_bw_client_fails_with_retry_exceeded_when_its_server_is_killed() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let (server, client) = start_pair(
@@ -523,10 +518,8 @@ fn send_bw_client_fails_with_retry_exceeded_when_its_server_is_killed() {
     survivor.assert_failed_by_retries(retries_bound());
 }
 
-/// perftest's send latency test is a ping-pong of one send each way
-/// (ignored for the same reason).
+/// perftest's send latency test is a ping-pong of one send each way.
 #[test]
-#[ignore = "ib_send_lat stops at ibv_modify_qp to INIT until the LOCAL_WRITE fix is merged"]
 fn send_lat_server_fails_with_retry_exceeded_when_its_client_is_killed() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let (server, client) = start_pair(
