@@ -32,7 +32,11 @@
 //!   another process. Work a doorbell causes runs in the ringing thread
 //!   (as in [`crate::fast::FastFabric`]); a timer thread runs the devices'
 //!   retransmission and RNR timers, woken early when a device's next
-//!   deadline moves before its planned wake-up.
+//!   deadline moves before its planned wake-up. An ACK timer a
+//!   transmission starts runs from when the last of that call's datagrams
+//!   was sent ([`Device::set_ack_timers_at_hand_off`]), not from when the
+//!   device began building them: resending a large window can take longer
+//!   than the timeout, and that time is not the peer's.
 //!
 //! Not carried: the IPv4 TOS byte (a received frame has TOS 0 and TTL 64;
 //! neither is covered by the ICRC) and IP multicast.
@@ -49,7 +53,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
-use crate::device::Device;
+use crate::device::{Device, UnsentAckTimers};
 use crate::wire::bth::Bth;
 use crate::wire::eth::{ETHERTYPE_IPV4, EthRepr, MacAddr};
 use crate::wire::icrc::{self, ICRC_LEN};
@@ -343,11 +347,13 @@ struct Endpoint {
 }
 
 /// Frames a device produced, copied out under its lock and sent after:
-/// (port, frame), and spent buffers for the next ones.
+/// (port, frame), spent buffers for the next ones, and the ACK timers that
+/// start once the frames are sent.
 #[derive(Debug, Default)]
 struct Outbox {
     frames: Vec<(u8, Vec<u8>)>,
     spare: Vec<Vec<u8>>,
+    timers: UnsentAckTimers,
 }
 
 /// Called (with no device lock held) after a receive or timer thread ran a
@@ -386,7 +392,10 @@ impl Shared {
     }
 
     /// Runs `f` on device `node` at the current time, then sends what it
-    /// produced, and wakes the timer thread if a deadline moved earlier.
+    /// produced, starts the ACK timers those frames started (from when the
+    /// last has gone: sending a long window takes time the peer must not be
+    /// charged with), and wakes the timer thread if a deadline moved
+    /// earlier.
     fn run<R>(&self, node: usize, f: impl FnOnce(&mut Device) -> R) -> R {
         let mut outbox = self
             .spare
@@ -394,22 +403,32 @@ impl Shared {
             .unwrap_or_else(|e| e.into_inner())
             .pop()
             .unwrap_or_default();
-        let (result, due) = {
+        let (result, mut due) = {
             let mut dev = lock(&self.nodes[node]);
             dev.set_time(self.now_ns());
             let result = f(&mut dev);
-            let Outbox { frames, spare } = &mut outbox;
+            let Outbox {
+                frames,
+                spare,
+                timers,
+            } = &mut outbox;
             dev.drain_tx(|port, frame| {
                 let mut buf = spare.pop().unwrap_or_default();
                 buf.clear();
                 buf.extend_from_slice(frame);
                 frames.push((port, buf));
             });
+            dev.take_unsent_ack_timers(timers);
             (result, dev.poll_timeout())
         };
         for (port, mut frame) in outbox.frames.drain(..) {
             self.transmit(node, port, &mut frame);
             outbox.spare.push(frame);
+        }
+        if !outbox.timers.is_empty() {
+            let mut dev = lock(&self.nodes[node]);
+            dev.start_ack_timers(&mut outbox.timers, self.now_ns());
+            due = dev.poll_timeout();
         }
         self.spare
             .lock()
@@ -585,13 +604,16 @@ impl UdpFabric {
     /// (device 0's port 1, its port 2, ..., then device 1's); ports beyond
     /// them choose automatically ([`PortAddress::AUTOMATIC`]). Each port
     /// gets its socket's address ([`Device::set_port_ipv4`]) and its link
-    /// up; the devices keep the wire path (no direct placement).
+    /// up; the devices keep the wire path (no direct placement) and start
+    /// their ACK timers when the fabric has sent the frames
+    /// ([`Device::set_ack_timers_at_hand_off`]).
     pub fn new(devices: Vec<Device>, addresses: &[PortAddress]) -> io::Result<Self> {
         let mut wanted = addresses.iter().copied();
         let mut endpoints = Vec::new();
         let mut nodes = Vec::with_capacity(devices.len());
         for (node, mut dev) in devices.into_iter().enumerate() {
             dev.set_direct_placement(false);
+            dev.set_ack_timers_at_hand_off(true);
             for port in 1..=dev.num_ports() {
                 let socket = wanted.next().unwrap_or_default().bind()?;
                 let SocketAddr::V4(addr) = socket.local_addr()? else {

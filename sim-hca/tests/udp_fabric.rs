@@ -401,6 +401,31 @@ fn a_dropped_datagram_is_recovered_by_retransmission() {
     assert!(sa.tx_datagrams >= 3, "the send went again: {sa:?}");
 }
 
+/// Every datagram of a send lost: no NAK can tell the requester, only its
+/// ACK timer, which the fabric starts once it has sent the datagrams
+/// (`Device::set_ack_timers_at_hand_off`): it fires after the timeout and
+/// the send goes again.
+#[test]
+fn a_send_lost_whole_is_recovered_by_the_ack_timer() {
+    let (mut a, mut b) = pair(8, QpType::Rc);
+    let message = pattern(9, 3000);
+    a.drv.write_mr(&a.mr, 0, &message);
+    b.post_recv(1, 0, 4096);
+    a.fabric.drop_next_datagrams(3);
+    let posted = Instant::now();
+    a.post(1, SendOp::Send, 0, 3000, None);
+    assert_success(&a.completion(), "send after losing it whole");
+    assert!(
+        posted.elapsed() >= Duration::from_nanos(4096 << ACK_TIMEOUT),
+        "recovered by the ACK timer, not before it fired"
+    );
+    assert_success(&b.completion(), "receive after the retry");
+    assert_eq!(b.drv.read_mr(&b.mr, 0, 3000), message);
+    let sa = a.fabric.stats(0, 1).unwrap();
+    assert_eq!(sa.tx_dropped, 3, "{sa:?}");
+    assert_eq!(sa.tx_datagrams, 3, "the send went once more: {sa:?}");
+}
+
 #[test]
 fn garbage_datagrams_are_counted_and_ignored() {
     let (mut a, mut b) = pair(5, QpType::Rc);

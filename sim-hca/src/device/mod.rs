@@ -9,7 +9,9 @@
 //! - the fabric side hands in frames with [`Device::receive`] and takes the
 //!   frames the device sends with [`Device::drain_tx`];
 //! - time is passed in ([`Device::set_time`], [`Device::handle_timeout`]) and
-//!   [`Device::poll_timeout`] says when the device next needs to run.
+//!   [`Device::poll_timeout`] says when the device next needs to run; a
+//!   carrier that sends the drained frames after the call, taking real
+//!   time, says when they left ([`Device::start_ack_timers`]).
 //!
 //! Work a doorbell triggers (commands, sends) runs inside the doorbell write,
 //! in the caller's thread, so a fast-mode host needs no device thread. The
@@ -38,6 +40,7 @@ use crate::host::{HostMemory, InterruptSink};
 
 pub use config::{DeviceConfig, Limits, PortConfig};
 pub use port::PortCounters;
+pub use timers::UnsentAckTimers;
 
 pub(crate) use port::Port;
 use resource::Hca;
@@ -112,6 +115,12 @@ pub struct Device {
     /// zero-fill, checksum pass, read or write of a payload byte by the
     /// device counts one; a copy counts two.
     pub(crate) payload_passes: u64,
+    /// The carrier reports when it handed the drained frames to the
+    /// network ([`Device::set_ack_timers_at_hand_off`]).
+    pub(crate) ack_timers_at_hand_off: bool,
+    /// QPs whose ACK timer a transmission started since the carrier last
+    /// took them ([`Device::take_unsent_ack_timers`]); a QP may repeat.
+    pub(crate) unsent_ack_timers: Vec<u32>,
 }
 
 pub(crate) use crate::transport::direct::{DirectMessage, Outgoing};
@@ -157,6 +166,8 @@ impl Device {
             sq_window: Vec::new(),
             direct: false,
             payload_passes: 0,
+            ack_timers_at_hand_off: false,
+            unsent_ack_timers: Vec::new(),
         }
     }
 
@@ -382,6 +393,7 @@ impl Device {
         fresh.message_pool = std::mem::take(&mut self.message_pool);
         fresh.direct = self.direct;
         fresh.payload_passes = self.payload_passes;
+        fresh.ack_timers_at_hand_off = self.ack_timers_at_hand_off;
         *self = fresh;
     }
 

@@ -22,6 +22,27 @@ pub(crate) fn earliest_deadline(req: &Requester) -> Option<u64> {
     }
 }
 
+/// ACK timers waiting for their frames to leave (PRM 11): the QPs whose
+/// local ACK timer a transmission started or restarted, in frames a carrier
+/// drained and has not yet handed to the network. A carrier takes them
+/// with the frames ([`Device::take_unsent_ack_timers`]) and starts them
+/// once the last of those frames is sent ([`Device::start_ack_timers`]).
+///
+/// [`Device::take_unsent_ack_timers`]: super::Device::take_unsent_ack_timers
+/// [`Device::start_ack_timers`]: super::Device::start_ack_timers
+#[derive(Debug, Default)]
+pub struct UnsentAckTimers {
+    /// QP indices, a QP possibly more than once; kept for its capacity.
+    pub(crate) qps: Vec<u32>,
+}
+
+impl UnsentAckTimers {
+    /// True when no timer waits (the carrier need not report a hand-off).
+    pub fn is_empty(&self) -> bool {
+        self.qps.is_empty()
+    }
+}
+
 /// Armed QP timers, earliest first.
 #[derive(Debug, Default)]
 pub(crate) struct QpTimers {

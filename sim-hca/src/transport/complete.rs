@@ -12,8 +12,8 @@ use ib_types::wr::Transport;
 
 use super::send::{Copy, MAX_WQE_BYTES, transport_of};
 use super::{Rx, RxData, ack_timeout_ns, rnr_timer_ns};
-use crate::device::Device;
 use crate::device::qp::Qp;
+use crate::device::{Device, UnsentAckTimers};
 use crate::wire::ext::{ExtRepr, NakCode, Syndrome};
 use crate::wire::opcode::{OpKind, Position};
 
@@ -319,7 +319,38 @@ impl Device {
                 return;
             }
         }
-        qp.req.ack_deadline = ack_timeout_ns(qp.attrs.timeout).map(|t| self.now_ns + t);
+        self.start_ack_timer_on_send(qp);
+    }
+
+    /// A transmission (re)starts `qp`'s local ACK timer: from now, or,
+    /// when the carrier reports hand-offs
+    /// ([`Device::set_ack_timers_at_hand_off`]), from when the frames
+    /// just built have left: until then the timer waits, unarmed, in
+    /// `unsent_ack_timers` (IBA 9.7.6.1.3: the timer measures time since
+    /// a request was sent).
+    pub(crate) fn start_ack_timer_on_send(&mut self, qp: &mut Qp) {
+        let Some(timeout) = ack_timeout_ns(qp.attrs.timeout) else {
+            qp.req.ack_deadline = None;
+            return;
+        };
+        if !self.ack_timers_at_hand_off {
+            qp.req.ack_deadline = Some(self.now_ns + timeout);
+            return;
+        }
+        qp.req.ack_deadline = None;
+        // A send queue's run transmits WQE after WQE of one QP: one entry.
+        if self.unsent_ack_timers.last() != Some(&qp.index) {
+            self.unsent_ack_timers.push(qp.index);
+        }
+    }
+
+    /// True while `qp` has a request out that its ACK timer guards: in a
+    /// state that sends, not held by an RNR wait, with a packet sent and
+    /// not yet acknowledged.
+    fn awaits_ack(qp: &Qp) -> bool {
+        matches!(qp.state, QpState::Rts | QpState::Sqd)
+            && qp.req.rnr_until.is_none()
+            && qp.req.inflight.iter().any(|r| !r.done && r.npkts > 0)
     }
 
     /// One transport retry from `psn` (IBA 9.7.6.1.3, 9.9.2): an ACK
@@ -345,6 +376,55 @@ impl Device {
             .iter()
             .find(|r| !r.done && r.npkts > 0)
             .map(|r| r.first_psn.wrapping_add(r.acked_pkts))
+    }
+
+    /// Chooses when the local ACK timer a transmission starts begins to
+    /// run (PRM 11). Off (as built), at the device's current time: right
+    /// for a carrier whose clock does not move while it hands the frames
+    /// on ([`crate::cluster::Cluster`]'s virtual time), or that delivers
+    /// them and their answers within the same call
+    /// ([`crate::fast::FastFabric`]). On, for a carrier that sends the
+    /// frames itself after the device call, taking real time (a socket per
+    /// port, [`crate::udp::UdpFabric`]): such a timer waits, unarmed, until
+    /// the carrier reports the frames sent ([`Device::take_unsent_ack_timers`],
+    /// [`Device::start_ack_timers`]), so time spent sending a long
+    /// retransmission is never counted against the peer.
+    pub fn set_ack_timers_at_hand_off(&mut self, on: bool) {
+        self.ack_timers_at_hand_off = on;
+    }
+
+    /// Moves into `timers` the ACK timers waiting for the frames drained so
+    /// far ([`Device::set_ack_timers_at_hand_off`]); take them with the
+    /// frames, under the same lock.
+    pub fn take_unsent_ack_timers(&mut self, timers: &mut UnsentAckTimers) {
+        timers.qps.append(&mut self.unsent_ack_timers);
+    }
+
+    /// The frames `timers` were taken with were all handed to the network
+    /// by `now_ns`: each QP still waiting for an acknowledgement has its
+    /// ACK timer run from then (never earlier than it already runs).
+    /// Empties `timers`, keeping its capacity.
+    pub fn start_ack_timers(&mut self, timers: &mut UnsentAckTimers, now_ns: u64) {
+        self.set_time(now_ns);
+        let now = self.now_ns;
+        for n in timers.qps.drain(..) {
+            self.with_qp(n, |_, qp| {
+                // Settled meanwhile (acknowledged, failed, flushed, held by
+                // an RNR wait): nothing to time. A QP number reused since
+                // by another QP is timed only if it awaits an ACK itself.
+                if !Self::awaits_ack(qp) {
+                    return;
+                }
+                if let Some(timeout) = ack_timeout_ns(qp.attrs.timeout) {
+                    let from_hand_off = now + timeout;
+                    qp.req.ack_deadline = Some(
+                        qp.req
+                            .ack_deadline
+                            .map_or(from_hand_off, |d| d.max(from_hand_off)),
+                    );
+                }
+            });
+        }
     }
 
     /// The earliest time any QP's timer fires.

@@ -9,7 +9,7 @@ use ib_types::wc::WcStatus;
 use ib_types::wr::Transport;
 
 use super::direct::Origin;
-use super::{ACK_REQ_INTERVAL, RxData, SendRecord, ack_timeout_ns};
+use super::{ACK_REQ_INTERVAL, RxData, SendRecord};
 use crate::device::Device;
 use crate::device::dma::{KeyError, MttRange, Need, XlateError, check_key};
 use crate::device::qp::Qp;
@@ -907,7 +907,7 @@ impl Device {
             }
         }
         if transport == Transport::Rc && qp.req.ack_deadline.is_none() {
-            qp.req.ack_deadline = ack_timeout_ns(qp.attrs.timeout).map(|t| self.now_ns + t);
+            self.start_ack_timer_on_send(qp);
         }
     }
 
