@@ -290,7 +290,8 @@ pub fn frame_from_datagram(
 /// One port's traffic on the UDP fabric.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UdpPortStats {
-    /// Datagrams sent.
+    /// Datagrams sent (counted as each is handed to the socket, so never
+    /// fewer than a peer has received).
     pub tx_datagrams: u64,
     /// UDP payload bytes sent.
     pub tx_bytes: u64,
@@ -465,15 +466,20 @@ impl Shared {
             return;
         }
         let len = payload.len() as u64;
-        match ep
+        // Counted before the send: once `send_to` returns the peer may have
+        // received and counted the datagram already, and a reader of both
+        // counters must never see more received than sent. A failed send
+        // takes its count back.
+        bump(&c.tx_datagrams, 1);
+        bump(&c.tx_bytes, len);
+        if ep
             .socket
             .send_to(&frame[payload], SocketAddrV4::new(dst, ROCEV2_PORT))
+            .is_err()
         {
-            Ok(_) => {
-                bump(&c.tx_datagrams, 1);
-                bump(&c.tx_bytes, len);
-            }
-            Err(_) => bump(&c.tx_errors, 1),
+            c.tx_datagrams.fetch_sub(1, Ordering::Relaxed);
+            c.tx_bytes.fetch_sub(len, Ordering::Relaxed);
+            bump(&c.tx_errors, 1);
         }
     }
 
