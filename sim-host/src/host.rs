@@ -98,7 +98,10 @@ pub enum HostError {
     Fabric(#[from] ClusterError),
     /// A thread could not be started.
     #[error("starting host threads: {0}")]
-    Threads(#[from] std::io::Error),
+    Threads(#[source] std::io::Error),
+    /// A port's UDP endpoint could not be bound ([`HostConfig::udp`]).
+    #[error("binding the UDP fabric's endpoints: {0}")]
+    Udp(#[source] std::io::Error),
 }
 
 /// One simulated machine.
@@ -142,12 +145,15 @@ impl Host {
                 (sched, backplane)
             }
             Mode::Threaded => (
-                Scheduler::threaded(cfg.workers.max(1), verifier.clone())?,
+                Scheduler::threaded(cfg.workers.max(1), verifier.clone())
+                    .map_err(HostError::Threads)?,
                 match &cfg.udp {
                     Some(addresses) => {
-                        Backplane::udp(verifier.clone(), cfg.hcas.clone(), addresses)?
+                        Backplane::udp(verifier.clone(), cfg.hcas.clone(), addresses)
+                            .map_err(HostError::Udp)?
                     }
-                    None => Backplane::threaded(verifier.clone(), cfg.hcas.clone())?,
+                    None => Backplane::threaded(verifier.clone(), cfg.hcas.clone())
+                        .map_err(HostError::Threads)?,
                 },
             ),
         };

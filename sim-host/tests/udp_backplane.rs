@@ -9,7 +9,7 @@ use std::net::Ipv4Addr;
 
 use sim_hca::device::DeviceConfig;
 use sim_hca::udp::PortAddress;
-use sim_host::host::{Host, HostConfig};
+use sim_host::host::{Host, HostConfig, HostError};
 use sim_host::pci::Backplane;
 use sim_host::verifier::Verifier;
 
@@ -88,5 +88,23 @@ fn a_threaded_udp_host_builds_and_shuts_down_clean() {
     for h in [&host, &plain] {
         h.shut_down();
         h.verifier().assert_clean();
+    }
+}
+
+#[test]
+fn an_address_another_socket_holds_is_the_hosts_udp_error() {
+    let held = own(4, 0);
+    let _holder = PortAddress::Fixed(held)
+        .bind()
+        .expect("bind the address first");
+    let config = HostConfig::threaded_udp(
+        1,
+        vec![DeviceConfig::with_ports(0x50, &[[10, 0, 0, 1]])],
+        vec![PortAddress::Fixed(held)],
+    );
+    match Host::new(config) {
+        Err(HostError::Udp(io)) => assert_eq!(io.kind(), std::io::ErrorKind::AddrInUse),
+        Err(other) => panic!("a bind failure reported as {other:?}"),
+        Ok(_) => panic!("the host bound an address another socket holds"),
     }
 }

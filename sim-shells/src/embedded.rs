@@ -121,7 +121,7 @@ impl EmbeddedMachine {
                     vec![PortAddress::Fixed(candidate)],
                 );
                 Host::new(config).map_err(|e| match e {
-                    HostError::Threads(io) => io,
+                    HostError::Udp(io) => io,
                     other => std::io::Error::other(other.to_string()),
                 })
             });
