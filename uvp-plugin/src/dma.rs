@@ -294,6 +294,22 @@ impl WordRing {
         })
     }
 
+    /// Words in the ring.
+    #[inline]
+    pub fn words(&self) -> usize {
+        self.mask + 1
+    }
+
+    /// Stores `value` (relaxed) at ring word `index` modulo the ring's
+    /// words.
+    #[inline(always)]
+    pub fn store(&self, index: usize, value: u64) {
+        let word = self.buffer.base.as_ptr().wrapping_add(index & self.mask);
+        // SAFETY: as `load`'s: `index & mask` is a word of the buffer this
+        // owns, live, aligned and accessed only atomically.
+        unsafe { &*word }.store(value, Ordering::Relaxed);
+    }
+
     /// Loads ring word `index` modulo the ring's words (relaxed).
     #[inline(always)]
     pub fn load(&self, index: usize) -> u64 {
