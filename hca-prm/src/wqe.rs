@@ -201,24 +201,51 @@ bitflags! {
 }
 
 impl WqeFlags {
-    /// The WQE flags of verbs send flags (the bit positions differ).
+    /// The WQE flags of verbs send flags (the bit positions differ): one
+    /// load from a table of the four flags' sixteen combinations, built
+    /// flag by flag at compile time (a post builds a control word per WR).
     #[inline]
     pub const fn from_send_flags(flags: SendFlags) -> Self {
-        let mut out = Self::empty();
-        if flags.contains(SendFlags::SIGNALED) {
-            out = out.union(Self::SIGNALED);
-        }
-        if flags.contains(SendFlags::SOLICITED) {
-            out = out.union(Self::SOLICITED);
-        }
-        if flags.contains(SendFlags::FENCE) {
-            out = out.union(Self::FENCE);
-        }
-        if flags.contains(SendFlags::INLINE) {
-            out = out.union(Self::INLINE);
-        }
-        out
+        Self::from_bits_retain(SEND_TO_WQE_FLAGS[(flags.bits() & SEND_FLAGS_MAPPED) as usize])
     }
+}
+
+/// The send flags a WQE carries (SIGNALED, SOLICITED, FENCE, INLINE: bits
+/// 0 to 3 of [`SendFlags`]).
+const SEND_FLAGS_MAPPED: u32 = SendFlags::SIGNALED
+    .union(SendFlags::SOLICITED)
+    .union(SendFlags::FENCE)
+    .union(SendFlags::INLINE)
+    .bits();
+
+/// [`WqeFlags::from_send_flags`]'s table: entry `i` is the WQE flags of
+/// the send flags whose bits are `i`.
+const SEND_TO_WQE_FLAGS: [u8; SEND_FLAGS_MAPPED as usize + 1] = {
+    let mut table = [0; SEND_FLAGS_MAPPED as usize + 1];
+    let mut i = 0;
+    while i < table.len() {
+        table[i] = map_send_flags(SendFlags::from_bits_truncate(i as u32)).bits();
+        i += 1;
+    }
+    table
+};
+
+/// The WQE flags of verbs send flags, flag by flag.
+const fn map_send_flags(flags: SendFlags) -> WqeFlags {
+    let mut out = WqeFlags::empty();
+    if flags.contains(SendFlags::SIGNALED) {
+        out = out.union(WqeFlags::SIGNALED);
+    }
+    if flags.contains(SendFlags::SOLICITED) {
+        out = out.union(WqeFlags::SOLICITED);
+    }
+    if flags.contains(SendFlags::FENCE) {
+        out = out.union(WqeFlags::FENCE);
+    }
+    if flags.contains(SendFlags::INLINE) {
+        out = out.union(WqeFlags::INLINE);
+    }
+    out
 }
 
 prm_code! {
@@ -2713,6 +2740,18 @@ pub(crate) mod tests {
             let common =
                 SendWqe::prepare_common(&wr, av.as_ref(), owned.wqe_index, owned.inline.as_deref());
             prop_assert_eq!(common.is_some(), common_shape);
+        }
+
+        /// The flags table gives every combination of send flags, other
+        /// bits set or not, the WQE flags the flag-by-flag mapping gives.
+        #[test]
+        fn send_flags_table_is_the_flag_by_flag_mapping(bits in any::<u32>()) {
+            let flags = SendFlags::from_bits_retain(bits);
+            prop_assert_eq!(WqeFlags::from_send_flags(flags), map_send_flags(flags));
+            prop_assert_eq!(
+                WqeFlags::from_send_flags(flags).contains(WqeFlags::SIGNALED),
+                flags.contains(SendFlags::SIGNALED)
+            );
         }
 
         /// The validated specialised encoder takes exactly the requests the
