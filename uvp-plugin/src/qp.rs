@@ -27,7 +27,7 @@ use ib_types::wr::{RecvWr, SendOp, SendWr, Transport, WrLimits};
 use crate::cq::Cq;
 use crate::dma::{DmaBuffer, Record, WordRing};
 use crate::error::{PostError, PostErrorKind, SetupError};
-use crate::mmio::UarPage;
+use crate::mmio::{Register, UarPage};
 use crate::queue::{BeforeReset, Directory, QueueRestart, WorkQueueShared};
 
 /// One send work request as the fast path takes it.
@@ -107,7 +107,7 @@ pub struct SendQueue {
     producer: u32,
     shared: Arc<WorkQueueShared>,
     uar: Arc<UarPage>,
-    doorbell_offset: u64,
+    doorbell: Register,
     /// Bytes of the largest WQE (one slot's stride).
     stride: usize,
     /// The context's window types, for bind WQEs.
@@ -127,6 +127,10 @@ impl SendQueue {
         doorbell_offset: u64,
         windows: Arc<WindowTypes>,
     ) -> Result<Self, SetupError> {
+        let doorbell = Register::at(doorbell_offset).ok_or(SetupError::Layout {
+            what: "send doorbell",
+            detail: "outside the UAR page or misaligned",
+        })?;
         let ring = 1usize
             .checked_shl(u32::from(log_bbs))
             .and_then(|bbs| bbs.checked_mul(BB_SIZE / 8))
@@ -144,7 +148,7 @@ impl SendQueue {
             producer: 0,
             shared: Arc::new(WorkQueueShared::new(1 << log_bbs)),
             uar,
-            doorbell_offset,
+            doorbell,
             stride,
             windows,
         })
@@ -225,8 +229,7 @@ impl SendQueue {
             qpn: self.qpn,
             producer: self.producer,
         };
-        // The offset came from the kernel's response, checked at setup.
-        let _ = self.uar.write64(self.doorbell_offset, doorbell.encode());
+        self.uar.ring(self.doorbell, doorbell.encode());
     }
 
     /// Validates one WQE, then writes it word by word straight into the
