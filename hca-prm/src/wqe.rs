@@ -36,7 +36,10 @@ use ib_types::AbiError;
 use ib_types::abi::ensure_zero;
 use ib_types::access::AccessFlags;
 use ib_types::scalars::{QKey, Qpn};
-use ib_types::wr::{LKey, RKey, RemoteAddr, SendFlags, SendOp, SendWr, Sge, Transport, WrOpcode};
+use ib_types::wr::{
+    LKey, MAX_MESSAGE_LEN, RKey, RemoteAddr, SendFlags, SendOp, SendWr, Sge, Transport, WrLimits,
+    WrOpcode,
+};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
 use crate::av::Av;
@@ -198,24 +201,51 @@ bitflags! {
 }
 
 impl WqeFlags {
-    /// The WQE flags of verbs send flags (the bit positions differ).
+    /// The WQE flags of verbs send flags (the bit positions differ): one
+    /// load from a table of the four flags' sixteen combinations, built
+    /// flag by flag at compile time (a post builds a control word per WR).
     #[inline]
     pub const fn from_send_flags(flags: SendFlags) -> Self {
-        let mut out = Self::empty();
-        if flags.contains(SendFlags::SIGNALED) {
-            out = out.union(Self::SIGNALED);
-        }
-        if flags.contains(SendFlags::SOLICITED) {
-            out = out.union(Self::SOLICITED);
-        }
-        if flags.contains(SendFlags::FENCE) {
-            out = out.union(Self::FENCE);
-        }
-        if flags.contains(SendFlags::INLINE) {
-            out = out.union(Self::INLINE);
-        }
-        out
+        Self::from_bits_retain(SEND_TO_WQE_FLAGS[(flags.bits() & SEND_FLAGS_MAPPED) as usize])
     }
+}
+
+/// The send flags a WQE carries (SIGNALED, SOLICITED, FENCE, INLINE: bits
+/// 0 to 3 of [`SendFlags`]).
+const SEND_FLAGS_MAPPED: u32 = SendFlags::SIGNALED
+    .union(SendFlags::SOLICITED)
+    .union(SendFlags::FENCE)
+    .union(SendFlags::INLINE)
+    .bits();
+
+/// [`WqeFlags::from_send_flags`]'s table: entry `i` is the WQE flags of
+/// the send flags whose bits are `i`.
+const SEND_TO_WQE_FLAGS: [u8; SEND_FLAGS_MAPPED as usize + 1] = {
+    let mut table = [0; SEND_FLAGS_MAPPED as usize + 1];
+    let mut i = 0;
+    while i < table.len() {
+        table[i] = map_send_flags(SendFlags::from_bits_truncate(i as u32)).bits();
+        i += 1;
+    }
+    table
+};
+
+/// The WQE flags of verbs send flags, flag by flag.
+const fn map_send_flags(flags: SendFlags) -> WqeFlags {
+    let mut out = WqeFlags::empty();
+    if flags.contains(SendFlags::SIGNALED) {
+        out = out.union(WqeFlags::SIGNALED);
+    }
+    if flags.contains(SendFlags::SOLICITED) {
+        out = out.union(WqeFlags::SOLICITED);
+    }
+    if flags.contains(SendFlags::FENCE) {
+        out = out.union(WqeFlags::FENCE);
+    }
+    if flags.contains(SendFlags::INLINE) {
+        out = out.union(WqeFlags::INLINE);
+    }
+    out
 }
 
 prm_code! {
@@ -1573,6 +1603,38 @@ impl<'a> SendWqe<'a> {
             len,
         })
     }
+
+    /// [`prepare_common`](Self::prepare_common) of a request that
+    /// [`SendWr::validate`] also accepts on a QP of `transport` with
+    /// `limits`, checking only what a request of a common shape can still
+    /// break: the transport (a common shape names no UD destination, so a
+    /// UD QP refuses it), the SGE count, the message length and the inline
+    /// limit. `None` for any other request, which a poster validates and
+    /// encodes the general way (so every refusal keeps its error).
+    #[inline(always)]
+    pub fn prepare_common_valid(
+        wr: &SendWr<'a>,
+        av: Option<&Av>,
+        wqe_index: u16,
+        inline: Option<&'a [u8]>,
+        transport: Transport,
+        limits: &WrLimits,
+    ) -> Option<CommonSendWqe<'a>> {
+        let wqe = Self::prepare_common(wr, av, wqe_index, inline)?;
+        // A common shape has at most one SGE: its length is the message's.
+        let len = match wr.sg_list {
+            [] => 0,
+            [sge] => sge.length.get(),
+            _ => return None,
+        };
+        let inline_ok =
+            !matches!(wqe.payload, CommonPayload::Inline(_)) || len <= limits.max_inline;
+        let valid = transport != Transport::Ud
+            && wr.sg_list.len() <= limits.max_sge as usize
+            && len <= MAX_MESSAGE_LEN
+            && inline_ok;
+        valid.then_some(wqe)
+    }
 }
 
 impl CommonSendWqe<'_> {
@@ -2678,6 +2740,63 @@ pub(crate) mod tests {
             let common =
                 SendWqe::prepare_common(&wr, av.as_ref(), owned.wqe_index, owned.inline.as_deref());
             prop_assert_eq!(common.is_some(), common_shape);
+        }
+
+        /// The flags table gives every combination of send flags, other
+        /// bits set or not, the WQE flags the flag-by-flag mapping gives.
+        #[test]
+        fn send_flags_table_is_the_flag_by_flag_mapping(bits in any::<u32>()) {
+            let flags = SendFlags::from_bits_retain(bits);
+            prop_assert_eq!(WqeFlags::from_send_flags(flags), map_send_flags(flags));
+            prop_assert_eq!(
+                WqeFlags::from_send_flags(flags).contains(WqeFlags::SIGNALED),
+                flags.contains(SendFlags::SIGNALED)
+            );
+        }
+
+        /// The validated specialised encoder takes exactly the requests the
+        /// specialised encoder takes that `SendWr::validate` accepts, on
+        /// any transport and limits (so a poster may skip `validate` for
+        /// them), with the same words; requests damaged each way the
+        /// validation looks at included.
+        #[test]
+        fn prepare_common_valid_is_validate_on_common_shapes(
+            owned in any_wqe(),
+            transport in prop::sample::select(Transport::ALL),
+            max_sge in 0u32..3,
+            max_inline in prop_oneof![0u32..80, Just(u32::MAX)],
+            damage in 0u8..5,
+            extra in any::<u32>(),
+        ) {
+            let inline_len = owned.inline.as_ref().map_or(0, Vec::len) as u32;
+            let Some(mut wr) = to_wr(&owned, &[Sge::new(0x4000, inline_len, KEY)]) else {
+                return Ok(());
+            };
+            let mut inline = owned.inline.clone();
+            let big = [Sge::new(0x4000, MAX_MESSAGE_LEN + extra % 2, KEY)];
+            let two = [Sge::new(0x4000, 1, KEY), Sge::new(0x8000, 1, KEY)];
+            match damage {
+                0 => {}
+                1 => wr.sg_list = &big,
+                2 => wr.sg_list = &two,
+                3 => {
+                    let data: &'static [u8] = vec![5; extra as usize % 120].leak();
+                    let sge: &'static [Sge] = vec![Sge::new(0x4000, data.len() as u32, KEY)].leak();
+                    wr.flags |= SendFlags::INLINE;
+                    wr.sg_list = sge;
+                    inline = Some(data.to_vec());
+                }
+                _ => wr.sg_list = &[],
+            }
+            let limits = WrLimits { max_sge, max_inline };
+            let av = owned.ud.map(|ud| ud.av);
+            let common =
+                SendWqe::prepare_common(&wr, av.as_ref(), owned.wqe_index, inline.as_deref());
+            let valid = SendWqe::prepare_common_valid(
+                &wr, av.as_ref(), owned.wqe_index, inline.as_deref(), transport, &limits,
+            );
+            let expected = common.filter(|_| wr.validate(transport, &limits).is_ok());
+            prop_assert_eq!(valid, expected);
         }
 
         #[test]

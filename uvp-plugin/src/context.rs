@@ -255,7 +255,7 @@ impl Context {
             Arc::clone(&self.uar),
             SQ_DOORBELL,
             Arc::clone(&self.windows),
-        );
+        )?;
         let recv = match &layout.rq {
             Some(rq) => {
                 let stride = 1usize << rq.log_stride;

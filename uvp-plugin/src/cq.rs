@@ -20,7 +20,7 @@ use ib_types::wc::WorkCompletion;
 
 use crate::dma::{DmaBuffer, Record, WordRing, from_device};
 use crate::error::SetupError;
-use crate::mmio::UarPage;
+use crate::mmio::{Register, UarPage};
 use crate::queue::{Directory, Route};
 
 /// Bytes of a CQE.
@@ -65,7 +65,7 @@ pub struct Cq {
     /// completions outstanding) or could not be decoded.
     stray: u64,
     uar: Arc<UarPage>,
-    doorbell_offset: u64,
+    doorbell: Register,
     directory: Arc<Directory>,
     last: Option<LastRoute>,
 }
@@ -81,6 +81,10 @@ impl Cq {
         directory: Arc<Directory>,
     ) -> Result<Self, SetupError> {
         let ring = ring_of(ring, log_entries)?;
+        let doorbell = Register::at(doorbell_offset).ok_or(SetupError::Layout {
+            what: "CQ doorbell",
+            detail: "outside the UAR page or misaligned",
+        })?;
         Ok(Self {
             cqn,
             ring,
@@ -90,7 +94,7 @@ impl Cq {
             polled: 0,
             stray: 0,
             uar,
-            doorbell_offset,
+            doorbell,
             directory,
             last: None,
         })
@@ -243,7 +247,7 @@ impl Cq {
         };
         // The CQN fits 24 bits: checked at setup.
         if let Ok(doorbell) = CqDoorbell::new(self.cqn, cmd, self.consumer) {
-            let _ = self.uar.write64(self.doorbell_offset, doorbell.encode());
+            self.uar.ring(self.doorbell, doorbell.encode());
         }
     }
 }

@@ -112,6 +112,15 @@ impl DmaBuffer {
         self.base.as_ptr() as usize as u64
     }
 
+    /// Word 0, which every buffer has (`from_raw` refuses an empty one).
+    #[inline]
+    fn first_word(&self) -> &AtomicU64 {
+        // SAFETY: the buffer holds at least one aligned, live word, only
+        // accessed atomically (type invariant; `from_raw` refuses an empty
+        // range); the reference lives no longer than `&self`.
+        unsafe { self.base.as_ref() }
+    }
+
     /// Word `index`, if the buffer has it.
     #[inline]
     fn word(&self, index: usize) -> Option<&AtomicU64> {
@@ -294,6 +303,22 @@ impl WordRing {
         })
     }
 
+    /// Words in the ring.
+    #[inline]
+    pub fn words(&self) -> usize {
+        self.mask + 1
+    }
+
+    /// Stores `value` (relaxed) at ring word `index` modulo the ring's
+    /// words.
+    #[inline(always)]
+    pub fn store(&self, index: usize, value: u64) {
+        let word = self.buffer.base.as_ptr().wrapping_add(index & self.mask);
+        // SAFETY: as `load`'s: `index & mask` is a word of the buffer this
+        // owns, live, aligned and accessed only atomically.
+        unsafe { &*word }.store(value, Ordering::Relaxed);
+    }
+
     /// Loads ring word `index` modulo the ring's words (relaxed).
     #[inline(always)]
     pub fn load(&self, index: usize) -> u64 {
@@ -311,7 +336,9 @@ impl WordRing {
 #[derive(Debug)]
 pub struct Record {
     word: DmaBuffer,
-    offset: usize,
+    /// The record's bit offset in its word (0 or 32), fixed at creation
+    /// so a store makes no alignment or range check.
+    shift: u32,
 }
 
 impl Record {
@@ -330,16 +357,26 @@ impl Record {
         let word = unsafe { DmaBuffer::from_raw(word_address, WORD) }?;
         Ok(Self {
             word,
-            offset: (address - word_address) as usize,
+            shift: (address - word_address) as u32 * 8,
         })
     }
 
     /// Stores the counter with `Release` order: the WQEs written before it
-    /// are visible to a device that reads it (PRM 9.2).
+    /// are visible to a device that reads it (PRM 9.2). One read-modify-write
+    /// of the whole word, keeping its other half, as
+    /// [`DmaBuffer::store_u32_release`]: the device reads the record with
+    /// 64-bit accesses.
     #[inline]
     pub fn store_release(&self, value: u32) {
-        // In range by construction: the offset is 0 or 4 of one word.
-        let _ = self.word.store_u32_release(self.offset, value);
+        let mask = 0xFFFF_FFFFu64 << self.shift;
+        let value = u64::from(value) << self.shift;
+        // Never fails: the closure always returns `Some`.
+        let _ = self
+            .word
+            .first_word()
+            .fetch_update(Ordering::Release, Ordering::Relaxed, |old| {
+                Some((old & !mask) | value)
+            });
     }
 }
 

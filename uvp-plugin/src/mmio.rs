@@ -43,6 +43,30 @@ impl core::fmt::Debug for UarPage {
     }
 }
 
+/// A doorbell register's offset in a UAR page, checked when it is made
+/// ([`Register::at`]): inside the page and 8-byte aligned, so
+/// [`UarPage::ring`] stores there with no check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Register {
+    offset: u64,
+}
+
+impl Register {
+    /// The register at `offset`; `None` outside a page or misaligned.
+    pub const fn at(offset: u64) -> Option<Self> {
+        if offset.is_multiple_of(8) && offset.saturating_add(8) <= UAR_PAGE_BYTES {
+            Some(Self { offset })
+        } else {
+            None
+        }
+    }
+
+    /// Its offset in the page.
+    pub const fn offset(self) -> u64 {
+        self.offset
+    }
+}
+
 impl UarPage {
     /// The UAR page the kernel mapped at `base` into this process.
     ///
@@ -71,12 +95,21 @@ impl UarPage {
     /// offset outside the page or not 8-byte aligned.
     #[inline]
     pub fn write64(&self, offset: u64, value: u64) -> bool {
-        if !offset.is_multiple_of(8) || offset.saturating_add(8) > UAR_PAGE_BYTES {
-            return false;
+        match Register::at(offset) {
+            Some(register) => {
+                self.ring(register, value);
+                true
+            }
+            None => false,
         }
+    }
+
+    /// [`write64`](Self::write64) at a register checked once, when the
+    /// queue that rings it was set up: no check per store.
+    #[inline]
+    pub fn ring(&self, register: Register, value: u64) {
         crate::dma::to_device();
-        self.store(self.base + offset, value);
-        true
+        self.store(self.base + register.offset, value);
     }
 
     #[cfg(windows)]
@@ -115,9 +148,17 @@ mod tests {
         assert!(!page.write64(4, 9));
         assert!(!page.write64(4096, 9));
         assert!(!page.write64(u64::MAX - 7, 9));
+        assert_eq!(Register::at(4088).map(Register::offset), Some(4088));
+        assert!(Register::at(4).is_none() && Register::at(4096).is_none());
+        page.ring(Register::at(16).unwrap(), 4);
         assert_eq!(
             *seen.lock().unwrap(),
-            [(0x7000_0000, 1), (0x7000_0008, 2), (0x7000_0FF8, 3)]
+            [
+                (0x7000_0000, 1),
+                (0x7000_0008, 2),
+                (0x7000_0FF8, 3),
+                (0x7000_0010, 4)
+            ]
         );
     }
 }

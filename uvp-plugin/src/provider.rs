@@ -882,12 +882,7 @@ fn post_send_to(
     // the validation), so the batch goes straight from the caller's
     // slice into the ring, nothing copied or allocated on the way.
     if !queue.is_datagram() {
-        let requests = wrs.iter().map(|send| SendRequest {
-            wr: send.wr,
-            av: None,
-            inline: send.inline,
-        });
-        return queue.post_each(requests).map_err(refused);
+        return queue.post_connected(wrs).map_err(refused);
     }
     drop(object);
     // UD: each request's AV, resolved under the AV table's lock before

@@ -21,12 +21,13 @@ use hca_prm::doorbell::SqDoorbell;
 use hca_prm::wqe::{self, BB_SIZE, SendWqe, WqeError, basic_blocks, build_recv_wqe};
 use ib_types::mr::MwType;
 use ib_types::scalars::Qpn;
+use ib_types::uvp::UserSend;
 use ib_types::wr::{RecvWr, SendOp, SendWr, Transport, WrLimits};
 
 use crate::cq::Cq;
-use crate::dma::{DmaBuffer, Record, RingWords};
-use crate::error::{PostError, PostErrorKind};
-use crate::mmio::UarPage;
+use crate::dma::{DmaBuffer, Record, WordRing};
+use crate::error::{PostError, PostErrorKind, SetupError};
+use crate::mmio::{Register, UarPage};
 use crate::queue::{BeforeReset, Directory, QueueRestart, WorkQueueShared};
 
 /// One send work request as the fast path takes it.
@@ -93,7 +94,10 @@ fn outcome(posted: usize, failure: Option<PostErrorKind>) -> Result<usize, PostE
 /// The send queue of a user QP.
 #[derive(Debug)]
 pub struct SendQueue {
-    ring: DmaBuffer,
+    /// The ring's words, checked once at creation (a power of two the
+    /// buffer holds), so a post stores each word with one mask and no
+    /// bounds check or per-call view.
+    ring: WordRing,
     qpn: Qpn,
     transport: Transport,
     limits: WrLimits,
@@ -103,7 +107,7 @@ pub struct SendQueue {
     producer: u32,
     shared: Arc<WorkQueueShared>,
     uar: Arc<UarPage>,
-    doorbell_offset: u64,
+    doorbell: Register,
     /// Bytes of the largest WQE (one slot's stride).
     stride: usize,
     /// The context's window types, for bind WQEs.
@@ -122,8 +126,20 @@ impl SendQueue {
         uar: Arc<UarPage>,
         doorbell_offset: u64,
         windows: Arc<WindowTypes>,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, SetupError> {
+        let doorbell = Register::at(doorbell_offset).ok_or(SetupError::Layout {
+            what: "send doorbell",
+            detail: "outside the UAR page or misaligned",
+        })?;
+        let ring = 1usize
+            .checked_shl(u32::from(log_bbs))
+            .and_then(|bbs| bbs.checked_mul(BB_SIZE / 8))
+            .and_then(|words| WordRing::new(ring, words))
+            .ok_or(SetupError::Layout {
+                what: "send ring",
+                detail: "smaller than its basic blocks",
+            })?;
+        Ok(Self {
             ring,
             qpn,
             transport,
@@ -132,10 +148,10 @@ impl SendQueue {
             producer: 0,
             shared: Arc::new(WorkQueueShared::new(1 << log_bbs)),
             uar,
-            doorbell_offset,
+            doorbell,
             stride,
             windows,
-        }
+        })
     }
 
     pub(crate) fn shared(&self) -> &Arc<WorkQueueShared> {
@@ -171,12 +187,25 @@ impl SendQueue {
         let mut posted = 0;
         let mut failure = None;
         for request in requests {
-            if let Err(kind) = self.write_wqe(&request) {
+            if let Err(kind) = self.write_wqe(&request.wr, request.av.as_ref(), request.inline) {
                 failure = Some(kind);
                 break;
             }
             posted += 1;
         }
+        if posted > 0 {
+            self.ring_doorbell();
+        }
+        outcome(posted, failure)
+    }
+
+    /// [`post`](Self::post) of a connected (RC or UC) queue's sends as the
+    /// access library hands them over: each encoded from the caller's
+    /// request in place (no AV to resolve, nothing copied). A UD send is
+    /// refused by the validation (it names a destination).
+    pub(crate) fn post_connected(&mut self, sends: &[UserSend<'_>]) -> Result<usize, PostError> {
+        let (posted, failure) =
+            post_each(sends, |send| self.write_wqe(&send.wr, None, send.inline));
         if posted > 0 {
             self.ring_doorbell();
         }
@@ -200,39 +229,44 @@ impl SendQueue {
             qpn: self.qpn,
             producer: self.producer,
         };
-        // The offset came from the kernel's response, checked at setup.
-        let _ = self.uar.write64(self.doorbell_offset, doorbell.encode());
+        self.uar.ring(self.doorbell, doorbell.encode());
     }
 
     /// Validates one WQE, then writes it word by word straight into the
     /// ring at the producer counter (nothing of it is written unless it
-    /// is valid and fits). A request of a common shape takes the
-    /// specialised encoder ([`SendWqe::prepare_common`]), any other the
-    /// general one.
+    /// is valid and fits). A request of a common shape that the
+    /// validation would accept takes the specialised encoder, which checks
+    /// only what such a request can break
+    /// ([`SendWqe::prepare_common_valid`]); any other is validated whole
+    /// and takes the general one.
     #[inline]
-    fn write_wqe(&mut self, request: &SendRequest<'_>) -> Result<(), PostErrorKind> {
-        request.wr.validate(self.transport, &self.limits)?;
+    fn write_wqe(
+        &mut self,
+        wr: &SendWr<'_>,
+        av: Option<&Av>,
+        inline: Option<&[u8]>,
+    ) -> Result<(), PostErrorKind> {
         let index = self.producer as u16;
         if let Some(wqe) =
-            SendWqe::prepare_common(&request.wr, request.av.as_ref(), index, request.inline)
+            SendWqe::prepare_common_valid(wr, av, index, inline, self.transport, &self.limits)
         {
-            return self.store_wqe(wqe.byte_len(), request.wr.wr_id, |ring, first| {
+            return self.store_wqe(wqe.byte_len(), wr.wr_id, |ring, first| {
                 wqe.emit_words(|i, word| ring.store(first + i, word));
             });
         }
+        wr.validate(self.transport, &self.limits)?;
         let stride = self.stride;
-        let mut wqe = SendWqe::prepare(&request.wr, request.av.as_ref(), index, request.inline)
-            .map_err(|e| match e {
-                WqeError::TooLong { bytes } => PostErrorKind::WqeTooLarge { bytes, stride },
-                other => PostErrorKind::Wqe(other),
-            })?;
+        let mut wqe = SendWqe::prepare(wr, av, index, inline).map_err(|e| match e {
+            WqeError::TooLong { bytes } => PostErrorKind::WqeTooLarge { bytes, stride },
+            other => PostErrorKind::Wqe(other),
+        })?;
         // A bind's segment carries its window's type.
-        if let SendOp::BindMw { mw, .. } = request.wr.op
+        if let SendOp::BindMw { mw, .. } = wr.op
             && self.windows.of(mw.raw()) == MwType::Type1
         {
             wqe.set_bind_type(wqe::MwType::Type1);
         }
-        self.store_wqe(wqe.byte_len(), request.wr.wr_id, |ring, first| {
+        self.store_wqe(wqe.byte_len(), wr.wr_id, |ring, first| {
             // Fits: `store_wqe` checked `len <= stride`.
             let _ = wqe.emit_words(stride, |i, word| ring.store(first + i, word));
         })
@@ -247,7 +281,7 @@ impl SendQueue {
         &mut self,
         len: usize,
         wr_id: u64,
-        emit: impl FnOnce(RingWords<'_>, usize),
+        emit: impl FnOnce(&WordRing, usize),
     ) -> Result<(), PostErrorKind> {
         let stride = self.stride;
         if len > stride {
@@ -259,13 +293,8 @@ impl SendQueue {
             return Err(PostErrorKind::QueueFull);
         }
         self.shared.record(self.producer, wr_id, bbs);
-        // The ring is a power of two of basic blocks, whose words the
-        // buffer holds: checked at setup, so `ring_words` is `Some`.
-        let words_per_bb = BB_SIZE / 8;
-        let first = self.producer as usize * words_per_bb;
-        if let Some(ring) = self.ring.ring_words(self.ring_bbs as usize * words_per_bb) {
-            emit(ring, first);
-        }
+        let first = self.producer as usize * (BB_SIZE / 8);
+        emit(&self.ring, first);
         self.producer = self.producer.wrapping_add(bbs);
         Ok(())
     }

@@ -33,24 +33,35 @@ use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 /// slots the WQE occupies (send basic blocks; 1 for receives).
 #[derive(Debug)]
 pub(crate) struct WorkQueueShared {
-    wr_ids: Box<[AtomicU64]>,
-    sizes: Box<[AtomicU32]>,
+    slots: Box<[Slot]>,
     /// Slots completed (wrapping): written by the poller only.
     consumer: AtomicU32,
+}
+
+/// One slot of a work queue: the `wr_id` and size of the WQE posted there,
+/// side by side (one bounds check reaches both).
+#[derive(Debug)]
+struct Slot {
+    wr_id: AtomicU64,
+    size: AtomicU32,
 }
 
 impl WorkQueueShared {
     /// A queue of `slots` slots (a power of two, at most 2^16).
     pub(crate) fn new(slots: usize) -> Self {
         Self {
-            wr_ids: (0..slots).map(|_| AtomicU64::new(0)).collect(),
-            sizes: (0..slots).map(|_| AtomicU32::new(0)).collect(),
+            slots: (0..slots)
+                .map(|_| Slot {
+                    wr_id: AtomicU64::new(0),
+                    size: AtomicU32::new(0),
+                })
+                .collect(),
             consumer: AtomicU32::new(0),
         }
     }
 
     fn mask(&self) -> u32 {
-        (self.wr_ids.len() as u32).wrapping_sub(1)
+        (self.slots.len() as u32).wrapping_sub(1)
     }
 
     /// The consumer counter, for the poster (Acquire: the poller's reads of
@@ -68,10 +79,9 @@ impl WorkQueueShared {
     /// Records the WQE posted at `counter`, occupying `size` slots.
     #[inline]
     pub(crate) fn record(&self, counter: u32, wr_id: u64, size: u32) {
-        let slot = (counter & self.mask()) as usize;
-        if let (Some(id), Some(len)) = (self.wr_ids.get(slot), self.sizes.get(slot)) {
-            id.store(wr_id, Ordering::Relaxed);
-            len.store(size, Ordering::Relaxed);
+        if let Some(slot) = self.slots.get((counter & self.mask()) as usize) {
+            slot.wr_id.store(wr_id, Ordering::Relaxed);
+            slot.size.store(size, Ordering::Relaxed);
         }
     }
 
@@ -83,15 +93,15 @@ impl WorkQueueShared {
         // The full counter of the WQE: at most 2^16 slots are outstanding,
         // so the low 16 bits place it after the consumer.
         let counter = consumer.wrapping_add(u32::from(wqe_index.wrapping_sub(consumer as u16)));
-        let slot = (counter & self.mask()) as usize;
-        let wr_id = self
-            .wr_ids
-            .get(slot)
-            .map_or(0, |w| w.load(Ordering::Relaxed));
-        let size = self
-            .sizes
-            .get(slot)
-            .map_or(1, |s| s.load(Ordering::Relaxed).max(1));
+        let (wr_id, size) =
+            self.slots
+                .get((counter & self.mask()) as usize)
+                .map_or((0, 1), |slot| {
+                    (
+                        slot.wr_id.load(Ordering::Relaxed),
+                        slot.size.load(Ordering::Relaxed).max(1),
+                    )
+                });
         self.consumer
             .store(counter.wrapping_add(size), Ordering::Release);
         wr_id
