@@ -469,3 +469,52 @@ fn each_ud_send_advances_the_psn() {
     assert_eq!(psns, vec![77, 78, 79], "the SQ PSN, one per packet");
     assert_eq!(statuses(&mut p.a, &mut a).len(), 3);
 }
+
+// ----- duplicates draw an ACK only when they ask for one -----------------
+
+/// IBA 9.7.5.1.2: a duplicate SEND or RDMA WRITE packet is acknowledged
+/// as a new one is, when it asks (AckReq: the last packet of a message,
+/// every 64th of a long one), not each. A 200-packet send whose last ACK
+/// is lost is resent from the last acknowledged PSN: 8 duplicate packets,
+/// of which only the last asks, draw one ACK, not 8 (over UDP, a burst of
+/// duplicates answered packet by packet flooded the requester's socket
+/// and collapsed perftest's ib_write_bw, docs/performance.md).
+#[test]
+fn resent_duplicates_draw_one_ack_per_ack_request() {
+    let retries = Retries {
+        timeout: 1,
+        retry: 7,
+        rnr_retry: 7,
+    };
+    let (mut p, mut a, mut b) = rc_pair_with(Mtu::Mtu256, retries);
+    let len = 200 * 256;
+    let data = pattern(len, 9);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    p.b.drv
+        .post_recv(&mut b.qp, 1, &[Driver::sge(&b.mr, 0, len as u32)]);
+    let last = A_FIRST_PSN + 199;
+    // The first ACK of the last PSN is lost.
+    let log = watch(&mut p, move |s, before| {
+        !s.to_b && s.psn == last && !before.iter().any(|e| !e.to_b && e.psn == last)
+    });
+    let sg = [Driver::sge(&a.mr, 0, len as u32)];
+    post(&mut p.a, &mut a, 1, SendOp::Send, &sg);
+    p.advance(10_000_000);
+    assert_eq!(statuses(&mut p.a, &mut a), vec![Ok(WcStatus::Success)]);
+    assert_eq!(statuses(&mut p.b, &mut b), vec![Ok(WcStatus::Success)]);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 0, len), data);
+    let log = log.borrow();
+    let lost_at = log
+        .iter()
+        .position(|s| !s.to_b && s.psn == last)
+        .expect("the last PSN was acknowledged");
+    let resent = log[lost_at..].iter().filter(|s| s.to_b).count();
+    let acks_after = log[lost_at + 1..].iter().filter(|s| !s.to_b).count();
+    assert_eq!(resent, 8, "the 8 packets after the last acknowledged PSN");
+    assert_eq!(
+        acks_after,
+        1,
+        "one ACK for the one duplicate that asked: {:?}",
+        &log[lost_at..]
+    );
+}

@@ -4,7 +4,9 @@
 //!   the main job (`main-job/`, README "Quick start"). It is built and run
 //!   optimised: this re-invokes `cargo run --release --locked -p
 //!   stack-main-job`, so xtask itself stays a quick debug build for CI.
-//! - `test`: the test suite, exactly what CI runs after its lint gates.
+//! - `test`: the test suite, exactly what CI runs after its lint gates:
+//!   the workspace tests, the main job's tests optimised, perftest's
+//!   defaults on our libraries optimised, the loom models.
 //! - `capture --out FILE`: runs the simulated HCA's scripted traffic mix and
 //!   writes its pcap capture (open it in Wireshark).
 //! - `inf-lint`: checks `inf/*.inf` against the InfVerif rules checkable
@@ -121,7 +123,8 @@ enum Cmd {
         release: bool,
     },
     /// Run the workspace tests (extra arguments go to `cargo test`), then the
-    /// main job's tests built optimised, then the loom models.
+    /// main job's tests built optimised, then perftest's defaults on our
+    /// libraries built optimised, then the loom models.
     Test {
         /// Passed through to `cargo test`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -160,6 +163,10 @@ fn main() -> ExitCode {
             let optimised = optimised_main_job();
             if optimised != ExitCode::SUCCESS {
                 return optimised;
+            }
+            let perftest = optimised_perftest_defaults();
+            if perftest != ExitCode::SUCCESS {
+                return perftest;
             }
             loom(&[])
         }
@@ -286,6 +293,34 @@ fn optimised_main_job() -> ExitCode {
     println!("\n== the main job, optimised (cargo test --release -p stack-main-job) ==");
     let status = Command::new(cargo)
         .args(["test", "--locked", "--release", "-p", "stack-main-job"])
+        .status();
+    match status {
+        Ok(s) if s.success() => ExitCode::SUCCESS,
+        _ => ExitCode::FAILURE,
+    }
+}
+
+/// Runs Debian's perftest with its own defaults (iterations and sizes)
+/// on our libraries built optimised: the ignored test of
+/// `verbs/sim-lib/tests/perftest.rs` (a debug build would take minutes;
+/// the default suite runs short ones). Needs Debian's `perftest`.
+fn optimised_perftest_defaults() -> ExitCode {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    println!(
+        "\n== perftest's defaults on our libraries, optimised (cargo test --release -p sim-libibverbs --test perftest -- --ignored) =="
+    );
+    let status = Command::new(cargo)
+        .args([
+            "test",
+            "--locked",
+            "--release",
+            "-p",
+            "sim-libibverbs",
+            "--test",
+            "perftest",
+            "--",
+            "--ignored",
+        ])
         .status();
     match status {
         Ok(s) if s.success() => ExitCode::SUCCESS,

@@ -1155,7 +1155,7 @@ impl Device {
 
     /// A duplicate request (IBA 9.7.5.1.2): reads are replayed from the
     /// remembered resource, atomics answered from the cached value and never
-    /// re-executed, everything else re-acknowledged.
+    /// re-executed, everything else re-acknowledged when it asks (AckReq).
     fn rc_duplicate(&mut self, qp: &mut Qp, pkt: &Rx<'_>) {
         let repr = pkt.repr();
         let psn = repr.bth.psn;
@@ -1192,6 +1192,10 @@ impl Device {
             (OpKind::RdmaReadRequest | OpKind::CompareSwap | OpKind::FetchAdd, _) => {
                 // Too old to replay: the requester will time out and fail.
             }
+            // A duplicate SEND or WRITE packet is acknowledged as a new
+            // one is, only when it asks: answering each packet of a resent
+            // window floods the requester (one ACK per packet).
+            _ if !repr.bth.ack_req => {}
             _ => {
                 let last = qp.resp.expected_psn.wrapping_add(0xFF_FFFF);
                 self.send_ack(

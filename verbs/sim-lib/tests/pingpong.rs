@@ -10,132 +10,13 @@
 //! the tool's own throughput lines, each names the other's QPs and GID,
 //! and both machines end cleanly.
 
-use std::io::Read;
-use std::net::Ipv4Addr;
-use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Output;
+use std::time::Duration;
 
-use verbs_side_support::testing::{built_cdylib, tool_path};
-
-/// This test process's own loopback address number `slot`, as
-/// `debian_tools.rs` picks them: 127.x.y.slot with x.y from the process
-/// id (x in 64..128), so concurrent runs never contend for one.
-fn own_address(slot: u8) -> Ipv4Addr {
-    let pid = std::process::id();
-    Ipv4Addr::new(127, 0x40 | (pid >> 8) as u8 & 0x3F, pid as u8, slot)
-}
-
-/// Our library under its soname in a directory of the test's own.
-fn library_dir(test: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("sim-libibverbs-pingpong")
-        .join(test);
-    std::fs::create_dir_all(&dir).unwrap();
-    let fresh = dir.join(format!("libibverbs.so.1.{}", std::process::id()));
-    let _ = std::fs::remove_file(&fresh);
-    std::os::unix::fs::symlink(built_cdylib("libibverbs.so"), &fresh).unwrap();
-    std::fs::rename(&fresh, dir.join("libibverbs.so.1")).unwrap();
-    dir
-}
-
-/// `tool args` on our library, its port at `address`.
-fn pingpong(tool: &str, dir: &PathBuf, address: Ipv4Addr, args: &[&str]) -> Command {
-    let mut command = Command::new(tool_path(tool));
-    command
-        .args(args)
-        .env("LD_LIBRARY_PATH", dir)
-        .env("SIM_LIBIBVERBS_EXIT_REPORT", "1")
-        .env("SIM_LIBIBVERBS_ADDR", address.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    command
-}
-
-/// A TCP port nothing listens on (the server's exchange port).
-fn free_tcp_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Whether process `pid` listens on TCP `port` (`/proc/net/tcp` and
-/// `tcp6`, state 0A, the socket's inode among the process's descriptors):
-/// another process that took the port (a concurrent test's server) does
-/// not count.
-fn listening(pid: u32, port: u16) -> bool {
-    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|fds| {
-            fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
-                .filter_map(|target| {
-                    let target = target.to_str()?;
-                    Some(
-                        target
-                            .strip_prefix("socket:[")?
-                            .strip_suffix(']')?
-                            .to_owned(),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|table| {
-        let table = std::fs::read_to_string(table).unwrap_or_default();
-        table.lines().skip(1).any(|line| {
-            let columns: Vec<&str> = line.split_whitespace().collect();
-            let local_port = columns
-                .get(1)
-                .and_then(|local| local.rsplit_once(':'))
-                .and_then(|(_, port)| u16::from_str_radix(port, 16).ok());
-            local_port == Some(port)
-                && columns.get(3) == Some(&"0A")
-                && columns
-                    .get(9)
-                    .is_some_and(|inode| inodes.iter().any(|i| i == inode))
-        })
-    })
-}
-
-/// Waits up to `limit` for `child` to exit, then kills it: its output, or
-/// a panic saying who hung.
-fn finish(mut child: Child, who: &str, limit: Duration) -> Output {
-    let deadline = Instant::now() + limit;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let mut stderr = String::new();
-            let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
-            panic!("the {who} did not finish within {limit:?}:\n{stderr}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
-/// The server, killed when dropped (a failed assertion leaves no process).
-struct Server(Option<Child>);
-
-impl Server {
-    fn wait(mut self, limit: Duration) -> Output {
-        finish(self.0.take().unwrap(), "server", limit)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(child) = &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
+mod two_processes;
+use two_processes::{
+    Server, ended_cleanly, finish, free_tcp_port, library_dir, on_our_libraries, own_address, text,
+};
 
 /// The QPN and GID of a `local address:` or `remote address:` line.
 fn address_line(stdout: &str, which: &str) -> (String, String) {
@@ -170,38 +51,25 @@ fn run_pair(
     slots: (u8, u8),
     extra: &[&str],
 ) -> (Output, Output) {
-    let dir = library_dir(test);
+    let dir = library_dir(
+        "sim-libibverbs-pingpong",
+        test,
+        &[("libibverbs.so", "libibverbs.so.1")],
+    );
     let (server_at, client_at) = (own_address(slots.0), own_address(slots.1));
-    let port = free_tcp_port().to_string();
+    let port_number = free_tcp_port();
+    let port = port_number.to_string();
     let mut server_args = vec!["-g", "0", "-p", &port];
     server_args.extend_from_slice(extra);
-    let mut server = Server(Some(
-        pingpong(tool, &dir, server_at, &server_args)
+    let server = Server::listening_on(
+        on_our_libraries(tool, &dir, server_at, &server_args)
             .spawn()
             .unwrap(),
-    ));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let server_pid = server.0.as_ref().unwrap().id();
-    while !listening(server_pid, port.parse().unwrap()) {
-        let running = server.0.as_mut().unwrap();
-        if running.try_wait().unwrap().is_some() {
-            let early = server.wait(Duration::ZERO);
-            panic!(
-                "the server exited before listening ({}):\n{}{}",
-                early.status,
-                text(&early.stdout),
-                text(&early.stderr)
-            );
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the server did not listen within 20 s"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+        port_number,
+    );
     let mut client_args = server_args.clone();
     client_args.push("127.0.0.1");
-    let client = pingpong(tool, &dir, client_at, &client_args)
+    let client = on_our_libraries(tool, &dir, client_at, &client_args)
         .spawn()
         .unwrap();
     // Neither may hang: the client is given 60 s (a debug build on a
@@ -228,11 +96,8 @@ fn run_pair(
             address_line(&stdout, "remote address:").1,
             format!("::ffff:{peer}")
         );
-        let lines: Vec<&str> = stderr.lines().collect();
         assert!(
-            lines.len() == 1
-                && lines[0].starts_with("libibverbs: at exit: the machine shut down cleanly in ")
-                && lines[0].ends_with(" (0 CAs left open)"),
+            ended_cleanly(&stderr, 0),
             "{who}: the embedded machine did not end cleanly:\n{stderr}"
         );
         println!("{tool} {who} ({}):\n{stdout}", extra.join(" "));
