@@ -17,7 +17,7 @@ use ib_types::status::IbStatus;
 use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge, Transport, WrLimits};
 use zerocopy::IntoBytes;
 
-use super::Qp;
+use super::{Qp, SendRing};
 use crate::hca::Hca;
 use crate::resources::KERNEL_UAR;
 use crate::verbs::mw::BindTarget;
@@ -213,33 +213,44 @@ impl<P: Platform> Hca<P> {
         } else {
             Vec::new()
         };
-        // The kernel memory access for inline WRs, taken before the ring
-        // lock (its own lock is never taken under a ring lock).
-        let reader = if gathers {
-            match self.kernel_reader() {
-                Ok(reader) => Some(reader),
+        // The kernel memory access for inline WRs: the QP's own, else the
+        // one installed since, taken before the ring lock (its own lock is
+        // never taken under a ring lock).
+        let installed_since;
+        let reader: Option<&P::Locker> = match (qp.kernel_reader.as_deref(), gathers) {
+            (Some(reader), _) => Some(reader),
+            (None, true) => match self.kernel_reader() {
+                Ok(reader) => {
+                    installed_since = reader;
+                    Some(&*installed_since)
+                }
                 Err(status) => return (0, status),
-            }
-        } else {
-            None
+            },
+            (None, false) => None,
         };
         let ring_bbs = 1u32 << g.sq_log_bbs;
         let ring_bytes = BB_SIZE << g.sq_log_bbs;
-        let mut sq = qp.sq.lock();
+        let shadow = qp.send_shadow();
+        let mut guard = qp.sq.lock();
         // Under the ring lock: refused, or flushed by D0 exit or the
         // failure path (restore.rs, fatal.rs).
         if let Err(status) = self.check_running() {
             return (0, status);
         }
+        // The ring's fields borrowed apart, in place (no scratch moved out
+        // and back per call). `scratch` is the QP's own, one WQE long,
+        // reused under the ring lock: every byte of a WQE is written
+        // (`SendWqe::emit`), so nothing is zeroed per call; `inline_bytes`
+        // likewise, `max_inline_data` long: a kernel client's inline bytes
+        // are gathered into it.
+        let SendRing {
+            ring,
+            producer,
+            scratch: wqe,
+            inline: inline_bytes,
+        } = &mut *guard;
         let mut posted = 0;
         let mut status = IbStatus::Success;
-        // The QP's own scratch, one WQE long, reused under the ring lock:
-        // every byte of a WQE is written (`SendWqe::emit`), so nothing is
-        // zeroed per call.
-        let mut wqe = core::mem::take(&mut sq.scratch);
-        // Likewise its inline scratch, `max_inline_data` long: a kernel
-        // client's inline bytes are gathered into it.
-        let mut inline_bytes = core::mem::take(&mut sq.inline);
         for (i, item) in wrs.enumerate() {
             let wr = item.wr;
             if qp.closing.load(Ordering::Acquire) {
@@ -281,8 +292,8 @@ impl<P: Platform> Hca<P> {
             };
             // After the checks: the WR's inline length is within the QP's
             // `max_inline_data`, which the scratch holds.
-            let inline = match (&reader, item.gather_inline) {
-                (Some(reader), true) => match gather(&**reader, wr.sg_list, &mut inline_bytes) {
+            let inline = match (reader, item.gather_inline) {
+                (Some(reader), true) => match gather(reader, wr.sg_list, inline_bytes) {
                     Ok(len) => Some(&inline_bytes[..len]),
                     Err(error) => {
                         status = error;
@@ -291,17 +302,23 @@ impl<P: Platform> Hca<P> {
                 },
                 _ => item.inline,
             };
-            let index = sq.producer as u16;
+            let index = *producer as u16;
             // A request of a common shape (RC/UC send or write, inline or
             // one SGE) takes hca-prm's specialised encoder, whose words are
             // the general encoder's (hca-prm proves it); the rest, binds
             // included, the general one.
+            // The scratch is words, so the specialised encoder's words go
+            // in with one bounds check each (no byte range per word).
             let common = SendWqe::prepare_common(wr, item.av, index, inline)
-                .filter(|c| c.byte_len() <= wqe.len());
+                .filter(|c| c.byte_len() <= wqe.len() * 8);
             let built = match common {
                 Some(common) => {
+                    // A plain slice: its base and length stay in registers.
+                    let words = wqe.as_mut_slice();
                     common.emit_words(|at, word| {
-                        wqe[at * 8..at * 8 + 8].copy_from_slice(&word.to_le_bytes());
+                        if let Some(slot) = words.get_mut(at) {
+                            *slot = word.to_le();
+                        }
                     });
                     Ok(common.byte_len())
                 }
@@ -309,7 +326,7 @@ impl<P: Platform> Hca<P> {
                     if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
                         bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
                     }
-                    w.emit(&mut wqe)
+                    w.emit(wqe.as_mut_bytes())
                 }),
             };
             let len = match built {
@@ -320,13 +337,12 @@ impl<P: Platform> Hca<P> {
                 }
             };
             let bbs = hca_prm::wqe::basic_blocks(len) as u32;
-            let shadow = qp.send_shadow();
-            if shadow.in_use(sq.producer) + bbs > ring_bbs {
+            if shadow.in_use(*producer) + bbs > ring_bbs {
                 status = IbStatus::InsufficientResources;
                 break;
             }
-            let slot = (sq.producer & (ring_bbs - 1)) as usize;
-            let Some(ring) = sq.ring.as_ref() else {
+            let slot = (*producer & (ring_bbs - 1)) as usize;
+            let Some(ring) = ring.as_ref() else {
                 status = IbStatus::InvalidQpState;
                 break;
             };
@@ -341,17 +357,15 @@ impl<P: Platform> Hca<P> {
                 status = IbStatus::InvalidRkey;
                 break;
             }
-            write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe[..len]);
+            write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe.as_bytes()[..len]);
             // Read by poll without this lock (`Completions`): stored before
             // the doorbell (its release fence) makes the WQE visible.
-            shadow.record(sq.producer, wr.wr_id, bbs);
-            sq.producer = sq.producer.wrapping_add(bbs);
+            shadow.record(*producer, wr.wr_id, bbs);
+            *producer = producer.wrapping_add(bbs);
             posted += 1;
         }
-        sq.scratch = wqe;
-        sq.inline = inline_bytes;
         if posted > 0 {
-            self.ring_sq(&qp, sq.producer);
+            self.ring_sq(&qp, *producer);
         }
         (posted, status)
     }
