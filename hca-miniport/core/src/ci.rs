@@ -239,6 +239,7 @@ where
     /// go to the core in one call (one doorbell); UD WRs `SEND_BATCH` at
     /// a time, their AVs resolved into a stack array first (the object
     /// tables are never looked up under a ring lock).
+    #[inline]
     pub fn post_send(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
         if wrs.is_empty() {
             // Nothing to post, nothing looked up (as a batch loop that
@@ -250,6 +251,14 @@ where
                 .hca
                 .post_kernel_sends(qp, wrs.iter().map(|wr| (wr, None)));
         }
+        self.post_ud_sends(qp, wrs)
+    }
+
+    /// [`post_send`](Self::post_send) of a batch with UD WRs: their AVs
+    /// resolved `SEND_BATCH` at a time into a stack array, apart so a
+    /// connected QP's post does not set up that array's frame.
+    #[inline(never)]
+    fn post_ud_sends(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
         let mut posted = 0;
         for batch in wrs.chunks(SEND_BATCH) {
             let mut avs = [None; SEND_BATCH];

@@ -45,6 +45,7 @@ enum Owner<'a, P: Platform> {
 /// a live QP also records the state it implies. 0 when no QP (or slot)
 /// answers: a CQE that names no outstanding WQE never takes another's
 /// `wr_id`.
+#[inline]
 pub(crate) fn resolve_completion<P: Platform>(
     o: &Objects<P>,
     cq: u64,
