@@ -357,6 +357,53 @@ fn an_inline_send_reads_through_the_kernel_locker_its_qp_captured() {
     w.finish();
 }
 
+/// A post of one WR through the CI while the QP's destroy is under way
+/// (submitted in the same DPC, before the post) is refused with
+/// `InvalidQpHandle` and reaches neither the ring nor the CQ; once the
+/// destroy completed, the handle is stale and refused the same way.
+#[test]
+fn a_one_wr_post_during_and_after_its_qps_destroy_is_refused() {
+    let (w, [x, y]) = support::kernel_pair::two_two_port_hcas(86, GUIDS, &HCA_IPS);
+    let (sx, sy) = (setup(&w, x), setup(&w, y));
+    let source = w
+        .host
+        .pool()
+        .alloc(support::DRIVER, *b"Inl ", 4096)
+        .unwrap();
+    assert!(source.write(0, &pattern(4, 16)));
+    let sge = leak(vec![Sge::new(source.va(), 16, ib_types::wr::LKey::new(0))]);
+    let (a, qpn_a, _) = create_rc(&w, &sx, 64);
+    let (b, qpn_b, _) = create_rc(&w, &sy, 0);
+    connect(&w, x, a, qpn_b, HCA_IPS[1][0]);
+    connect(&w, y, b, qpn_a, HCA_IPS[0][0]);
+    let ci = w.device_at(x).provider().expect("the CI provider");
+    let posted = Arc::new(Mutex::new(None));
+    let (request, issuer) = w.request::<DestroyQp>(KERNEL, a, &Empty, 0);
+    {
+        let (hca, posted) = (w.hca_at(x), posted.clone());
+        w.in_dpc(move || {
+            hca.submit_request(request);
+            *lock(&posted) = Some(ci.post_send(a, &[inline_wr(1, SendOp::Send, sge)]));
+        });
+    }
+    w.settle();
+    assert_eq!(*lock(&posted), Some((0, IbStatus::InvalidQpHandle)));
+    let done = issuer.completion().unwrap();
+    assert_eq!(response::<DestroyQp>(&done).status, IbStatus::Success);
+    assert!(poll_all(&w, x, sx.cq).is_empty(), "nothing was posted");
+    assert_eq!(
+        ci_post_send(&w, x, a, vec![inline_wr(2, SendOp::Send, sge)]),
+        (0, IbStatus::InvalidQpHandle)
+    );
+    let r = w.call_in_dpc_at::<DestroyQp>(y, KERNEL, b, &Empty, 0);
+    assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    let _ = poll_all(&w, y, sy.cq);
+    w.host.pool().free(source);
+    teardown(&w, &sx);
+    teardown(&w, &sy);
+    w.finish();
+}
+
 /// Posts `wrs` with the core's `post_send` on HCA `i` from a DPC.
 fn core_post_send(w: &World, i: usize, qp: u64, wrs: Vec<SendWr<'static>>) -> (usize, IbStatus) {
     let hca = w.hca_at(i);
@@ -457,6 +504,12 @@ fn every_type_1_bind_needs_a_new_rkey_so_stale_requests_fail() {
     // window still where it was.
     assert_eq!(
         core_post_send(&w, y, b, vec![signaled(4, bind(key1, 4096), &[])]),
+        (0, IbStatus::InvalidRkey)
+    );
+    // The same through the CI's one-WR path (which hands a bind to the
+    // batch path, its window resolved before the ring lock).
+    assert_eq!(
+        ci_post_send(&w, y, b, vec![signaled(4, bind(key1, 4096), &[])]),
         (0, IbStatus::InvalidRkey)
     );
     assert!(poll_all(&w, y, sy.cq).is_empty());

@@ -802,6 +802,7 @@ fn merge(cache: &mut QpModify, m: &QpModify) {
 
 impl<P: Platform> Hca<P> {
     /// The live QP behind a raw handle, for a request of `mode`.
+    #[inline]
     pub(crate) fn find_qp(&self, raw: u64, mode: RequestorMode) -> Result<Arc<Qp<P>>, IbStatus> {
         self.find_object::<kind::Qp>(raw, mode)
     }
