@@ -236,20 +236,36 @@ where
     /// than the QP's granted `max_inline_data` is refused by the core's
     /// checks with [`IbStatus::InvalidParameter`], nothing of it posted.
     /// Callable at DISPATCH_LEVEL; no allocation. WRs for a connected QP
-    /// go to the core in one call (one doorbell); UD WRs `SEND_BATCH` at
+    /// go to the core in one call (one doorbell), one WR without a batch's
+    /// set-up ([`Hca::post_kernel_send`]); UD WRs `SEND_BATCH` at
     /// a time, their AVs resolved into a stack array first (the object
     /// tables are never looked up under a ring lock).
+    #[inline]
     pub fn post_send(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
         if wrs.is_empty() {
             // Nothing to post, nothing looked up (as a batch loop that
             // never runs).
             return (0, IbStatus::Success);
         }
+        if let [wr] = wrs
+            && wr.ud.is_none()
+        {
+            // One WR to a connected QP, the common call: no batch set-up.
+            return self.hca.post_kernel_send(qp, wr, None);
+        }
         if wrs.iter().all(|wr| wr.ud.is_none()) {
             return self
                 .hca
                 .post_kernel_sends(qp, wrs.iter().map(|wr| (wr, None)));
         }
+        self.post_ud_sends(qp, wrs)
+    }
+
+    /// [`post_send`](Self::post_send) of a batch with UD WRs: their AVs
+    /// resolved `SEND_BATCH` at a time into a stack array, apart so a
+    /// connected QP's post does not set up that array's frame.
+    #[inline(never)]
+    fn post_ud_sends(&self, qp: u64, wrs: &[SendWr<'_>]) -> (usize, IbStatus) {
         let mut posted = 0;
         for batch in wrs.chunks(SEND_BATCH) {
             let mut avs = [None; SEND_BATCH];

@@ -276,6 +276,134 @@ fn inline_sends_through_the_ci_fast_path_carry_exactly_the_granted_size() {
     w.finish();
 }
 
+/// A kernel client's inline send reads its bytes through the kernel
+/// memory access the shell installs at start (`Hca::set_kernel_locker`),
+/// which each QP captures when it is created (no lock taken per post): a
+/// QP created before the access is installed again keeps reading through
+/// the one it captured, a QP created after through the new one.
+#[test]
+fn an_inline_send_reads_through_the_kernel_locker_its_qp_captured() {
+    let (w, [x, y]) = support::kernel_pair::two_two_port_hcas(85, GUIDS, &HCA_IPS);
+    let (sx, sy) = (setup(&w, x), setup(&w, y));
+    let source = w
+        .host
+        .pool()
+        .alloc(support::DRIVER, *b"Inl ", 4096)
+        .unwrap();
+    let data = pattern(9, 64);
+    assert!(source.write(0, &data));
+    let target = KernelBuf::register(
+        &w,
+        &sy,
+        *b"InlT",
+        8192,
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+    );
+    let sge = leak(vec![Sge::new(source.va(), 64, ib_types::wr::LKey::new(0))]);
+    let write_at = |offset: usize| SendOp::RdmaWrite {
+        remote: RemoteAddr {
+            addr: target.addr(offset),
+            rkey: target.keys.rkey,
+        },
+    };
+
+    let (early, qpn_early, _) = create_rc(&w, &sx, 64);
+    let (early_peer, qpn_early_peer, _) = create_rc(&w, &sy, 0);
+    connect(&w, x, early, qpn_early_peer, HCA_IPS[1][0]);
+    connect(&w, y, early_peer, qpn_early, HCA_IPS[0][0]);
+    // The access installed again: the QP created before still reads
+    // through the one it captured.
+    w.install_kernel_locker(x);
+    assert_eq!(
+        ci_post_send(&w, x, early, vec![inline_wr(2, write_at(0), sge)]),
+        (1, IbStatus::Success)
+    );
+    let sent = poll_all(&w, x, sx.cq);
+    assert_eq!(
+        sent.iter()
+            .map(|wc| (wc.wr_id, wc.status))
+            .collect::<Vec<_>>(),
+        [(2, WcStatus::Success)]
+    );
+    assert_eq!(target.read(0, 64), data);
+
+    // A QP created after reads through the new one.
+    let (late, qpn_late, _) = create_rc(&w, &sx, 64);
+    let (late_peer, qpn_late_peer, _) = create_rc(&w, &sy, 0);
+    connect(&w, x, late, qpn_late_peer, HCA_IPS[1][0]);
+    connect(&w, y, late_peer, qpn_late, HCA_IPS[0][0]);
+    assert_eq!(
+        ci_post_send(&w, x, late, vec![inline_wr(3, write_at(4096), sge)]),
+        (1, IbStatus::Success)
+    );
+    let sent = poll_all(&w, x, sx.cq);
+    assert_eq!(
+        sent.iter()
+            .map(|wc| (wc.wr_id, wc.status))
+            .collect::<Vec<_>>(),
+        [(3, WcStatus::Success)]
+    );
+    assert_eq!(target.read(4096, 64), data);
+
+    for (i, qp) in [(x, early), (y, early_peer), (x, late), (y, late_peer)] {
+        let r = w.call_in_dpc_at::<DestroyQp>(i, KERNEL, qp, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let _ = (poll_all(&w, x, sx.cq), poll_all(&w, y, sy.cq));
+    target.free(&w, y);
+    w.host.pool().free(source);
+    teardown(&w, &sx);
+    teardown(&w, &sy);
+    w.finish();
+}
+
+/// A post of one WR through the CI while the QP's destroy is under way
+/// (submitted in the same DPC, before the post) is refused with
+/// `InvalidQpHandle` and reaches neither the ring nor the CQ; once the
+/// destroy completed, the handle is stale and refused the same way.
+#[test]
+fn a_one_wr_post_during_and_after_its_qps_destroy_is_refused() {
+    let (w, [x, y]) = support::kernel_pair::two_two_port_hcas(86, GUIDS, &HCA_IPS);
+    let (sx, sy) = (setup(&w, x), setup(&w, y));
+    let source = w
+        .host
+        .pool()
+        .alloc(support::DRIVER, *b"Inl ", 4096)
+        .unwrap();
+    assert!(source.write(0, &pattern(4, 16)));
+    let sge = leak(vec![Sge::new(source.va(), 16, ib_types::wr::LKey::new(0))]);
+    let (a, qpn_a, _) = create_rc(&w, &sx, 64);
+    let (b, qpn_b, _) = create_rc(&w, &sy, 0);
+    connect(&w, x, a, qpn_b, HCA_IPS[1][0]);
+    connect(&w, y, b, qpn_a, HCA_IPS[0][0]);
+    let ci = w.device_at(x).provider().expect("the CI provider");
+    let posted = Arc::new(Mutex::new(None));
+    let (request, issuer) = w.request::<DestroyQp>(KERNEL, a, &Empty, 0);
+    {
+        let (hca, posted) = (w.hca_at(x), posted.clone());
+        w.in_dpc(move || {
+            hca.submit_request(request);
+            *lock(&posted) = Some(ci.post_send(a, &[inline_wr(1, SendOp::Send, sge)]));
+        });
+    }
+    w.settle();
+    assert_eq!(*lock(&posted), Some((0, IbStatus::InvalidQpHandle)));
+    let done = issuer.completion().unwrap();
+    assert_eq!(response::<DestroyQp>(&done).status, IbStatus::Success);
+    assert!(poll_all(&w, x, sx.cq).is_empty(), "nothing was posted");
+    assert_eq!(
+        ci_post_send(&w, x, a, vec![inline_wr(2, SendOp::Send, sge)]),
+        (0, IbStatus::InvalidQpHandle)
+    );
+    let r = w.call_in_dpc_at::<DestroyQp>(y, KERNEL, b, &Empty, 0);
+    assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    let _ = poll_all(&w, y, sy.cq);
+    w.host.pool().free(source);
+    teardown(&w, &sx);
+    teardown(&w, &sy);
+    w.finish();
+}
+
 /// Posts `wrs` with the core's `post_send` on HCA `i` from a DPC.
 fn core_post_send(w: &World, i: usize, qp: u64, wrs: Vec<SendWr<'static>>) -> (usize, IbStatus) {
     let hca = w.hca_at(i);
@@ -376,6 +504,12 @@ fn every_type_1_bind_needs_a_new_rkey_so_stale_requests_fail() {
     // window still where it was.
     assert_eq!(
         core_post_send(&w, y, b, vec![signaled(4, bind(key1, 4096), &[])]),
+        (0, IbStatus::InvalidRkey)
+    );
+    // The same through the CI's one-WR path (which hands a bind to the
+    // batch path, its window resolved before the ring lock).
+    assert_eq!(
+        ci_post_send(&w, y, b, vec![signaled(4, bind(key1, 4096), &[])]),
         (0, IbStatus::InvalidRkey)
     );
     assert!(poll_all(&w, y, sy.cq).is_empty());

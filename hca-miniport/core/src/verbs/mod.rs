@@ -119,7 +119,8 @@ use core::marker::PhantomData;
 use core::sync::atomic::{AtomicU32, Ordering};
 
 use driver_platform::{
-    Deferred, DmaAdapter, NtStatus, Platform, Request, RequestorMode, RwSpinLock, SpinLock,
+    Deferred, DmaAdapter, NtStatus, Platform, Request, RequestorMode, RwSpinLock,
+    RwSpinLockReadGuard, SpinLock,
 };
 use ib_types::event::AsyncEventRecord;
 use ib_types::handle::CqHandle;
@@ -633,22 +634,38 @@ impl<P: Platform> Hca<P> {
     /// wait only for an exclusive holder), building the tables from the
     /// bring-up report on first use. Fails with [`IbStatus::InvalidState`]
     /// while the device is not started.
+    #[inline]
     pub(crate) fn with_objects<T>(&self, f: impl FnOnce(&Objects<P>) -> T) -> Result<T, IbStatus> {
-        {
-            let guard = self.verbs.objects.read();
-            if let Some(objects) = guard.as_ref() {
-                return Ok(f(objects));
-            }
+        // `f` is called in one place, so the compiler may inline it into
+        // the caller (the data path's poll and post).
+        let guard = self.objects_shared()?;
+        match guard.as_ref() {
+            Some(objects) => Ok(f(objects)),
+            None => Err(IbStatus::InvalidState),
         }
-        // First use: build them exclusive (no upgrade from shared exists,
-        // `EX_SPIN_LOCK`), then look up shared again.
+    }
+
+    /// The object tables held shared, built first on first use.
+    #[inline]
+    fn objects_shared(&self) -> Result<RwSpinLockReadGuard<'_, P, Option<Objects<P>>>, IbStatus> {
+        let guard = self.verbs.objects.read();
+        if guard.is_some() {
+            return Ok(guard);
+        }
+        drop(guard);
+        self.objects_built_shared()
+    }
+
+    /// [`objects_shared`](Self::objects_shared) on first use: builds them
+    /// exclusive (no upgrade from shared exists, `EX_SPIN_LOCK`), then
+    /// takes them shared again.
+    #[cold]
+    #[inline(never)]
+    fn objects_built_shared(
+        &self,
+    ) -> Result<RwSpinLockReadGuard<'_, P, Option<Objects<P>>>, IbStatus> {
         self.build_objects()?;
-        self.verbs
-            .objects
-            .read()
-            .as_ref()
-            .map(f)
-            .ok_or(IbStatus::InvalidState)
+        Ok(self.verbs.objects.read())
     }
 
     /// Runs `f` with the object tables held shared, as every lookup holds

@@ -399,8 +399,9 @@ pub(super) struct SendRing<B> {
     /// Basic blocks posted (the doorbell's producer counter).
     pub(super) producer: u32,
     /// Where a kernel post builds a WQE before copying it into the ring:
-    /// the QP's largest WQE, allocated with the ring and reused.
-    pub(super) scratch: Vec<u8>,
+    /// the QP's largest WQE in 64-bit words (little-endian), allocated
+    /// with the ring and reused.
+    pub(super) scratch: Vec<u64>,
     /// Where a kernel client's inline bytes are gathered from its SGEs
     /// before they go into the WQE: `max_inline_data` bytes, allocated
     /// with the ring and reused.
@@ -515,6 +516,13 @@ pub struct Qp<P: Platform> {
     pub(super) create_port: u8,
     /// What poll needs, without the ring locks.
     pub(super) done: Completions<P>,
+    /// The kernel memory access installed when the QP was created
+    /// ([`Hca::set_kernel_locker`], which the shell calls once after
+    /// start): a kernel client's inline send reads its bytes through it
+    /// with no lock taken and no reference counted per post. `None` if
+    /// none was installed yet (post then takes the current one) or for a
+    /// user QP.
+    pub(super) kernel_reader: Option<Arc<P::Locker>>,
 }
 
 impl<P: Platform> core::fmt::Debug for Qp<P> {
@@ -667,6 +675,8 @@ impl<P: Platform> Qp<P> {
             // (`verbs::restore`).
             create_port: 0,
             done: Completions::new(1, 1),
+            // A user QP's sends are its provider's.
+            kernel_reader: None,
         }
     }
 
@@ -792,6 +802,7 @@ fn merge(cache: &mut QpModify, m: &QpModify) {
 
 impl<P: Platform> Hca<P> {
     /// The live QP behind a raw handle, for a request of `mode`.
+    #[inline]
     pub(crate) fn find_qp(&self, raw: u64, mode: RequestorMode) -> Result<Arc<Qp<P>>, IbStatus> {
         self.find_object::<kind::Qp>(raw, mode)
     }
@@ -991,6 +1002,8 @@ where
         }
         let now = self.deferred.now_ns();
         let pages = (geometry.sq_pages() + geometry.rq_pages()) as u32;
+        // Taken before the object tables (its lock is never held with them).
+        let kernel_reader = self.verbs.kernel_locker.lock().clone();
         let reserved = self.with_objects_mut(|o| {
             let mtt = o.mtt.take_entries(pages).map_err(IbStatus::from)?;
             let make = |h: Handle<kind::Qp>| {
@@ -1011,6 +1024,7 @@ where
                     rq: SpinLock::<P, _>::new(RecvRing::empty()),
                     create_port: port,
                     done: Completions::new(1 << geometry.sq_log_bbs, 1 << geometry.rq_log_entries),
+                    kernel_reader: kernel_reader.clone(),
                 })
             };
             let made = match which {
@@ -1138,7 +1152,7 @@ where
             }
             commands
                 .push(Command::new(Opcode::Sw2HwQp, qp.qpn).with_mailbox(qpc.as_bytes().to_vec()));
-            let scratch = alloc::vec![0; g.send_wqe_bytes()];
+            let scratch = alloc::vec![0u64; g.send_wqe_bytes().div_ceil(8)];
             let inline = alloc::vec![0; g.caps.max_inline_data as usize];
             {
                 let mut s = qp.sq.lock();

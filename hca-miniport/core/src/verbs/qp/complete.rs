@@ -45,6 +45,7 @@ enum Owner<'a, P: Platform> {
 /// a live QP also records the state it implies. 0 when no QP (or slot)
 /// answers: a CQE that names no outstanding WQE never takes another's
 /// `wr_id`.
+#[inline]
 pub(crate) fn resolve_completion<P: Platform>(
     o: &Objects<P>,
     cq: u64,
@@ -129,7 +130,29 @@ impl<P: Platform> Qp<P> {
     /// before the end a RESET recorded belongs to the work before that
     /// reset, and is looked up in that epoch's kept `wr_id`s without
     /// touching the live ring.
+    #[inline]
     pub(crate) fn complete(&self, wqe_index: u16, recv: bool, seq: u64) -> u64 {
+        // The common case inline: no reset kept `wr_id`s, one retire.
+        if !self.done.reset_kept.load(Ordering::Acquire) {
+            let shadow = if recv {
+                self.recv_shadow()
+            } else {
+                self.send_shadow()
+            };
+            match shadow.retire(wqe_index) {
+                Ok(wr_id) => return wr_id,
+                Err(Retire::Stale) => return 0,
+                Err(Retire::Restarted) => {}
+            }
+        }
+        self.complete_across_reset(wqe_index, recv, seq)
+    }
+
+    /// [`complete`](Self::complete) when a reset kept `wr_id`s or moved
+    /// the tail under the retire: decided again, the kept epochs first.
+    #[cold]
+    #[inline(never)]
+    fn complete_across_reset(&self, wqe_index: u16, recv: bool, seq: u64) -> u64 {
         let done = &self.done;
         let shadow = if recv {
             self.recv_shadow()

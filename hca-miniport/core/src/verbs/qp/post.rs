@@ -17,9 +17,10 @@ use ib_types::status::IbStatus;
 use ib_types::wr::{RecvWr, SendFlags, SendOp, SendWr, Sge, Transport, WrLimits};
 use zerocopy::IntoBytes;
 
-use super::Qp;
+use super::{Qp, SendRing};
 use crate::hca::Hca;
 use crate::resources::KERNEL_UAR;
+use crate::verbs::Buffer;
 use crate::verbs::mw::BindTarget;
 
 /// One send work request for [`Hca::post_send`], with what the core cannot
@@ -54,6 +55,7 @@ struct PostItem<'r, 'a> {
 /// memory) through `reader`, concatenated into the front of `out`; returns
 /// how many. [`IbStatus::InvalidParameter`] if they do not fit `out` or an
 /// address is not kernel memory (then `out` holds nothing to use).
+#[inline(always)]
 fn gather<L: MemoryLocker>(reader: &L, sges: &[Sge], out: &mut [u8]) -> Result<usize, IbStatus> {
     let mut at: usize = 0;
     for sge in sges {
@@ -84,6 +86,7 @@ fn transport(qp_type: QpType) -> Transport {
 
 /// Writes `bytes` into a ring of `ring_bytes` at `offset`, wrapping at its
 /// end.
+#[inline(always)]
 fn write_wrapping<B: CommonBuffer>(ring: &B, ring_bytes: usize, offset: usize, bytes: &[u8]) {
     let first = bytes.len().min(ring_bytes - offset);
     ring.write(offset, &bytes[..first]);
@@ -190,11 +193,6 @@ impl<P: Platform> Hca<P> {
             Ok(qp) => qp,
             Err(status) => return (0, status),
         };
-        let g = qp.geometry;
-        let limits = WrLimits {
-            max_sge: g.caps.max_send_sge,
-            max_inline: g.caps.max_inline_data,
-        };
         // The windows that bind WRs name, resolved before the ring lock
         // (the object-table lock is never taken under a ring lock); no
         // allocation for batches without a bind.
@@ -213,18 +211,11 @@ impl<P: Platform> Hca<P> {
         } else {
             Vec::new()
         };
-        // The kernel memory access for inline WRs, taken before the ring
-        // lock (its own lock is never taken under a ring lock).
-        let reader = if gathers {
-            match self.kernel_reader() {
-                Ok(reader) => Some(reader),
-                Err(status) => return (0, status),
-            }
-        } else {
-            None
+        let mut installed_since = None;
+        let reader = match self.inline_reader(&qp, gathers, &mut installed_since) {
+            Ok(reader) => reader,
+            Err(status) => return (0, status),
         };
-        let ring_bbs = 1u32 << g.sq_log_bbs;
-        let ring_bytes = BB_SIZE << g.sq_log_bbs;
         let mut sq = qp.sq.lock();
         // Under the ring lock: refused, or flushed by D0 exit or the
         // failure path (restore.rs, fatal.rs).
@@ -233,127 +224,206 @@ impl<P: Platform> Hca<P> {
         }
         let mut posted = 0;
         let mut status = IbStatus::Success;
-        // The QP's own scratch, one WQE long, reused under the ring lock:
-        // every byte of a WQE is written (`SendWqe::emit`), so nothing is
-        // zeroed per call.
-        let mut wqe = core::mem::take(&mut sq.scratch);
-        // Likewise its inline scratch, `max_inline_data` long: a kernel
-        // client's inline bytes are gathered into it.
-        let mut inline_bytes = core::mem::take(&mut sq.inline);
         for (i, item) in wrs.enumerate() {
-            let wr = item.wr;
-            if qp.closing.load(Ordering::Acquire) {
-                status = IbStatus::InvalidQpHandle;
+            let window = windows.get(i).and_then(Option::as_ref);
+            if let Err(error) = Self::post_wr(&qp, &mut sq, item, reader, window) {
+                status = error;
                 break;
             }
-            if !qp.state().accepts_send() {
-                status = IbStatus::InvalidQpState;
-                break;
-            }
-            if let Err(error) = wr.validate(transport(qp.qp_type), &limits) {
-                status = error.status();
-                break;
-            }
-            // A bind names a live window, and its new key that window's
-            // MPT index (`verbs::mw`); the bind segment carries its type.
-            // A type 1 bind's key must differ from the last bind's.
-            let (bind_type, new_bind_key) = match (wr.op, windows.get(i)) {
-                (SendOp::BindMw { rkey, .. }, Some(Some(window))) => match window {
-                    Ok(target) if rkey.get() >> 8 == target.index => {
-                        let rkey = rkey.get();
-                        let last = target.last_bind_rkey.load(Ordering::Acquire);
-                        if target.mw_type == MwType::Type1 && rkey == last {
-                            status = IbStatus::InvalidRkey;
-                            break;
-                        }
-                        (Some(target.mw_type), Some((target, last, rkey)))
-                    }
-                    Ok(_) => {
-                        status = IbStatus::InvalidRkey;
-                        break;
-                    }
-                    Err(error) => {
-                        status = *error;
-                        break;
-                    }
-                },
-                _ => (None, None),
-            };
-            // After the checks: the WR's inline length is within the QP's
-            // `max_inline_data`, which the scratch holds.
-            let inline = match (&reader, item.gather_inline) {
-                (Some(reader), true) => match gather(&**reader, wr.sg_list, &mut inline_bytes) {
-                    Ok(len) => Some(&inline_bytes[..len]),
-                    Err(error) => {
-                        status = error;
-                        break;
-                    }
-                },
-                _ => item.inline,
-            };
-            let index = sq.producer as u16;
-            // A request of a common shape (RC/UC send or write, inline or
-            // one SGE) takes hca-prm's specialised encoder, whose words are
-            // the general encoder's (hca-prm proves it); the rest, binds
-            // included, the general one.
-            let common = SendWqe::prepare_common(wr, item.av, index, inline)
-                .filter(|c| c.byte_len() <= wqe.len());
-            let built = match common {
-                Some(common) => {
-                    common.emit_words(|at, word| {
-                        wqe[at * 8..at * 8 + 8].copy_from_slice(&word.to_le_bytes());
-                    });
-                    Ok(common.byte_len())
-                }
-                None => SendWqe::from_wr(wr, item.av, index, inline).and_then(|mut w| {
-                    if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
-                        bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
-                    }
-                    w.emit(&mut wqe)
-                }),
-            };
-            let len = match built {
-                Ok(len) => len,
-                Err(_) => {
-                    status = IbStatus::InvalidParameter;
-                    break;
-                }
-            };
-            let bbs = hca_prm::wqe::basic_blocks(len) as u32;
-            let shadow = qp.send_shadow();
-            if shadow.in_use(sq.producer) + bbs > ring_bbs {
-                status = IbStatus::InsufficientResources;
-                break;
-            }
-            let slot = (sq.producer & (ring_bbs - 1)) as usize;
-            let Some(ring) = sq.ring.as_ref() else {
-                status = IbStatus::InvalidQpState;
-                break;
-            };
-            // The bind's key becomes the window's last, unless another
-            // bind of the window (on another QP) took its place meanwhile.
-            if let Some((target, last, rkey)) = new_bind_key
-                && target
-                    .last_bind_rkey
-                    .compare_exchange(last, rkey, Ordering::AcqRel, Ordering::Acquire)
-                    .is_err()
-            {
-                status = IbStatus::InvalidRkey;
-                break;
-            }
-            write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe[..len]);
-            // Read by poll without this lock (`Completions`): stored before
-            // the doorbell (its release fence) makes the WQE visible.
-            shadow.record(sq.producer, wr.wr_id, bbs);
-            sq.producer = sq.producer.wrapping_add(bbs);
             posted += 1;
         }
-        sq.scratch = wqe;
-        sq.inline = inline_bytes;
         if posted > 0 {
             self.ring_sq(&qp, sq.producer);
         }
         (posted, status)
+    }
+
+    /// A kernel client's post of one send WR with its UD destination's
+    /// address vector (`None` on a connected QP), the common call of
+    /// [`crate::ci::CiProvider::post_send`]: as
+    /// [`post_kernel_sends`](Self::post_kernel_sends) of that one WR, every
+    /// check the same (one per-WR step for both), without a batch's set-up
+    /// (no pass over the batch for binds and inline WRs, no windows). A
+    /// bind takes the batch path (its window is resolved before the ring
+    /// lock). Callable at DISPATCH_LEVEL; no allocation.
+    pub fn post_kernel_send(
+        &self,
+        qp: u64,
+        wr: &SendWr<'_>,
+        av: Option<&hca_prm::av::Av>,
+    ) -> (usize, IbStatus) {
+        if matches!(wr.op, SendOp::BindMw { .. }) {
+            return self.post_kernel_sends(qp, core::iter::once((wr, av)));
+        }
+        let qp = match self.find_qp(qp, RequestorMode::Kernel) {
+            Ok(qp) => qp,
+            Err(status) => return (0, status),
+        };
+        let gather_inline = wr.flags.contains(SendFlags::INLINE);
+        let mut installed_since = None;
+        let reader = match self.inline_reader(&qp, gather_inline, &mut installed_since) {
+            Ok(reader) => reader,
+            Err(status) => return (0, status),
+        };
+        let mut sq = qp.sq.lock();
+        if let Err(status) = self.check_running() {
+            return (0, status);
+        }
+        let item = PostItem {
+            wr,
+            av,
+            inline: None,
+            gather_inline,
+        };
+        match Self::post_wr(&qp, &mut sq, item, reader, None) {
+            Ok(()) => {
+                self.ring_sq(&qp, sq.producer);
+                (1, IbStatus::Success)
+            }
+            Err(status) => (0, status),
+        }
+    }
+
+    /// The kernel memory access for inline WRs (`gathers`: the batch has
+    /// one whose bytes the core reads): the QP's own, captured when it was
+    /// created, else the one installed since (kept in `installed_since`),
+    /// taken before the ring lock (its own lock is never taken under a
+    /// ring lock). [`IbStatus::InvalidState`] if an inline WR needs one
+    /// and none is installed.
+    fn inline_reader<'q>(
+        &self,
+        qp: &'q Qp<P>,
+        gathers: bool,
+        installed_since: &'q mut Option<alloc::sync::Arc<P::Locker>>,
+    ) -> Result<Option<&'q P::Locker>, IbStatus> {
+        match (qp.kernel_reader.as_deref(), gathers) {
+            (Some(reader), _) => Ok(Some(reader)),
+            (None, true) => Ok(Some(&**installed_since.insert(self.kernel_reader()?))),
+            (None, false) => Ok(None),
+        }
+    }
+
+    /// One send WR under the send ring's lock: its checks — the QP not
+    /// closing, its state, the WR against the transport and the granted
+    /// capacities, a bind's window (`window`, resolved before the lock) —
+    /// then its inline bytes gathered (through `reader`, when
+    /// `item.gather_inline`), its WQE built and checked against the room,
+    /// written to the ring and its `wr_id` and size to the shadow; the
+    /// producer moves past it. A refused WR changes nothing.
+    #[inline(always)]
+    fn post_wr(
+        qp: &Qp<P>,
+        sq: &mut SendRing<Buffer<P>>,
+        item: PostItem<'_, '_>,
+        reader: Option<&P::Locker>,
+        window: Option<&Result<BindTarget, IbStatus>>,
+    ) -> Result<(), IbStatus> {
+        let wr = item.wr;
+        let g = &qp.geometry;
+        if qp.closing.load(Ordering::Acquire) {
+            return Err(IbStatus::InvalidQpHandle);
+        }
+        if !qp.state().accepts_send() {
+            return Err(IbStatus::InvalidQpState);
+        }
+        let limits = WrLimits {
+            max_sge: g.caps.max_send_sge,
+            max_inline: g.caps.max_inline_data,
+        };
+        wr.validate(transport(qp.qp_type), &limits)
+            .map_err(|error| error.status())?;
+        // A bind names a live window, and its new key that window's MPT
+        // index (`verbs::mw`); the bind segment carries its type. A type 1
+        // bind's key must differ from the last bind's.
+        let (bind_type, new_bind_key) = match (wr.op, window) {
+            (SendOp::BindMw { rkey, .. }, Some(window)) => {
+                let target = window.as_ref().map_err(|error| *error)?;
+                if rkey.get() >> 8 != target.index {
+                    return Err(IbStatus::InvalidRkey);
+                }
+                let rkey = rkey.get();
+                let last = target.last_bind_rkey.load(Ordering::Acquire);
+                if target.mw_type == MwType::Type1 && rkey == last {
+                    return Err(IbStatus::InvalidRkey);
+                }
+                (Some(target.mw_type), Some((target, last, rkey)))
+            }
+            _ => (None, None),
+        };
+        // The ring's fields borrowed apart, in place (no scratch moved out
+        // and back per call). `scratch` is the QP's own, one WQE long,
+        // reused under the ring lock: every byte of a WQE is written
+        // (`SendWqe::emit`), so nothing is zeroed per call; `inline_bytes`
+        // likewise, `max_inline_data` long: a kernel client's inline bytes
+        // are gathered into it.
+        let SendRing {
+            ring,
+            producer,
+            scratch: wqe,
+            inline: inline_bytes,
+        } = sq;
+        // After the checks: the WR's inline length is within the QP's
+        // `max_inline_data`, which the scratch holds.
+        let inline = match (reader, item.gather_inline) {
+            (Some(reader), true) => {
+                let len = gather(reader, wr.sg_list, inline_bytes)?;
+                Some(&inline_bytes[..len])
+            }
+            _ => item.inline,
+        };
+        let index = *producer as u16;
+        // A request of a common shape (RC/UC send or write, inline or one
+        // SGE) takes hca-prm's specialised encoder, whose words are the
+        // general encoder's (hca-prm proves it); the rest, binds included,
+        // the general one. The scratch is words, so the specialised
+        // encoder's words go in with one bounds check each (no byte range
+        // per word).
+        let common = SendWqe::prepare_common(wr, item.av, index, inline)
+            .filter(|c| c.byte_len() <= wqe.len() * 8);
+        let built = match common {
+            Some(common) => {
+                // A plain slice: its base and length stay in registers.
+                let words = wqe.as_mut_slice();
+                common.emit_words(|at, word| {
+                    if let Some(slot) = words.get_mut(at) {
+                        *slot = word.to_le();
+                    }
+                });
+                Ok(common.byte_len())
+            }
+            None => SendWqe::from_wr(wr, item.av, index, inline).and_then(|mut w| {
+                if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
+                    bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
+                }
+                w.emit(wqe.as_mut_bytes())
+            }),
+        };
+        let len = built.map_err(|_| IbStatus::InvalidParameter)?;
+        let bbs = hca_prm::wqe::basic_blocks(len) as u32;
+        let ring_bbs = 1u32 << g.sq_log_bbs;
+        let shadow = qp.send_shadow();
+        if shadow.in_use(*producer) + bbs > ring_bbs {
+            return Err(IbStatus::InsufficientResources);
+        }
+        let slot = (*producer & (ring_bbs - 1)) as usize;
+        let ring = ring.as_ref().ok_or(IbStatus::InvalidQpState)?;
+        // The bind's key becomes the window's last, unless another bind of
+        // the window (on another QP) took its place meanwhile.
+        if let Some((target, last, rkey)) = new_bind_key
+            && target
+                .last_bind_rkey
+                .compare_exchange(last, rkey, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+        {
+            return Err(IbStatus::InvalidRkey);
+        }
+        let ring_bytes = BB_SIZE << g.sq_log_bbs;
+        write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe.as_bytes()[..len]);
+        // Read by poll without this lock (`Completions`): stored before the
+        // doorbell (its release fence) makes the WQE visible.
+        shadow.record(*producer, wr.wr_id, bbs);
+        *producer = producer.wrapping_add(bbs);
+        Ok(())
     }
 
     /// Posts receive work requests to the kernel QP `qp` (guide 8.1.2, PRM

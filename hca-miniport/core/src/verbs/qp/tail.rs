@@ -44,10 +44,12 @@ pub(crate) struct TailMark(u64);
 
 impl TailMark {
     /// The units retired when the mark was taken.
+    #[inline]
     pub(crate) fn counter(self) -> u32 {
         self.0 as u32
     }
 
+    #[inline]
     fn epoch(self) -> u32 {
         (self.0 >> COUNTER_BITS) as u32
     }
@@ -80,11 +82,13 @@ impl CompletionTail {
     /// units in use). Acquire: pairs with the retire's release, which
     /// follows the poll path's read of the retired slots' `wr_id`s, so post
     /// never refills a slot before its `wr_id` was read.
+    #[inline]
     pub(crate) fn counter(&self) -> u32 {
         self.mark().counter()
     }
 
     /// The tail now, as the base of a [`retire`](Self::retire).
+    #[inline]
     pub(crate) fn mark(&self) -> TailMark {
         TailMark(self.0.load(Ordering::Acquire))
     }
@@ -94,6 +98,7 @@ impl CompletionTail {
     /// the tail is still at `from` and the WQE lies in the `window` units
     /// ahead of it (the ring's size). On success the tail is just past the
     /// WQE.
+    #[inline]
     pub(crate) fn retire(
         &self,
         from: TailMark,
@@ -146,6 +151,7 @@ pub(crate) struct RingShadow<'a> {
 impl RingShadow<'_> {
     /// Post, under the ring's lock: units in use with the producer at
     /// `producer` (posted, not yet retired by a polled completion).
+    #[inline]
     pub(crate) fn in_use(&self, producer: u32) -> u32 {
         producer.wrapping_sub(self.tail.counter())
     }
@@ -154,6 +160,7 @@ impl RingShadow<'_> {
     /// fence: records the WQE about to be posted at `producer`, `size`
     /// units long. Its slot is free: [`in_use`](Self::in_use) said the
     /// tail passed the WQE that had it, after the poll path read it.
+    #[inline]
     pub(crate) fn record(&self, producer: u32, wr_id: u64, size: u32) {
         let slot = (producer & (self.units - 1)) as usize;
         if let Some(id) = self.wr_ids.get(slot) {
@@ -168,6 +175,7 @@ impl RingShadow<'_> {
     /// `wqe_index` (a CQE's), retiring it and every WQE before it. The
     /// slot is read before the tail moves, so post cannot have refilled
     /// it. A slot past the shadow (a user QP keeps none) gives `wr_id` 0.
+    #[inline]
     pub(crate) fn retire(&self, wqe_index: u16) -> Result<u64, Retire> {
         let slot = (u32::from(wqe_index) & (self.units - 1)) as usize;
         let mark = self.tail.mark();
