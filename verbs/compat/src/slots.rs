@@ -1,0 +1,269 @@
+//! Where the data path's objects live: a table of slots whose memory the
+//! library never frees, so that the pointer a program holds (the rdma-core
+//! struct at the front of a slot) leads to the object by arithmetic — no
+//! registry lookup, no lock, no allocation — and a pointer that is not
+//! ours, or whose object is destroyed, is refused without reading memory
+//! that is not a slot.
+//!
+//! **Ours or not.** Slots are allocated in segments (the first of
+//! [`FIRST_SEGMENT`] slots, each next twice the last), published once and
+//! never freed. A pointer is ours if it is the start of a slot of a
+//! published segment: a range and a stride check per segment (one segment
+//! for up to 64 live objects), made before the pointer is dereferenced.
+//!
+//! **Live or not.** A slot's `state` word holds a live bit and the count
+//! of calls inside it. A call ([`Table::with`]) adds one to the count and
+//! uses the object only if the bit was set at that moment; it subtracts
+//! one when done. [`Table::take`] clears the bit, then waits until the
+//! count is zero before taking the object out: every call that saw the
+//! bit set has finished with the object, and every later one sees it
+//! clear and leaves the object alone. So a destroy returns only once no
+//! call is inside the object, and a call after it is refused.
+//!
+//! **Reuse.** A slot goes back to the table when its object is dropped
+//! (its [`Lease`] with it: no Rust reference to it remains), and is handed
+//! out again only once more than [`QUARANTINE`] slots are free, oldest
+//! first: a destroyed object's pointer stays refused until that many more
+//! objects of its kind were destroyed after it (rdma-core frees the memory
+//! at once, and a stale pointer reaches whatever `malloc` put there).
+
+use std::cell::UnsafeCell;
+use std::collections::VecDeque;
+use std::mem::MaybeUninit;
+use std::ptr::null_mut;
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// Slots in the first segment; segment `i` holds `FIRST_SEGMENT << i`.
+const FIRST_SEGMENT: usize = 64;
+/// Segments at most: room for `64 * (2^26 - 1)` objects of a kind.
+const SEGMENTS: usize = 26;
+/// Free slots kept unused before the oldest is handed out again.
+pub(crate) const QUARANTINE: usize = 32;
+
+/// The `state` bit of a slot whose object calls may use.
+const LIVE: usize = 1 << (usize::BITS - 1);
+
+/// One slot: the rdma-core struct the program points to, first; then the
+/// live bit and count of calls inside, and the object.
+#[repr(C)]
+pub(crate) struct Slot<R, T> {
+    /// Written only while the slot is reserved and not yet published.
+    raw: UnsafeCell<MaybeUninit<R>>,
+    state: AtomicUsize,
+    /// `Some` exactly while `state` is live; written only with `LIVE`
+    /// clear and no call inside.
+    object: UnsafeCell<Option<Arc<T>>>,
+}
+
+/// The free slots, and how many slots were ever handed out.
+struct Growth {
+    free: VecDeque<usize>,
+    used: usize,
+}
+
+/// A table of slots of one kind of object.
+pub(crate) struct Table<R, T> {
+    segments: [AtomicPtr<Slot<R, T>>; SEGMENTS],
+    growth: Mutex<Growth>,
+}
+
+// SAFETY: a slot's `raw` is written only through a `Lease` before the
+// slot is published (no call reads it then; the program's own reads of
+// its struct are rdma-core's contract, as with any provider); `object` is
+// read only by calls counted in `state` while `LIVE` is set, and written
+// only with `LIVE` clear and the count zero (`take`, `publish`), so the
+// table shares `Arc<T>` clones across threads: `T: Send + Sync`.
+unsafe impl<R, T: Send + Sync> Sync for Table<R, T> {}
+// SAFETY: as for `Sync`.
+unsafe impl<R, T: Send + Sync> Send for Table<R, T> {}
+
+/// A call counted inside a live slot; ends it when dropped (even on a
+/// panic, which the entry points catch).
+struct Visit<'a>(&'a AtomicUsize);
+
+impl Drop for Visit<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl<R: 'static, T: 'static> Table<R, T> {
+    pub(crate) const fn new() -> Self {
+        Self {
+            segments: [const { AtomicPtr::new(null_mut()) }; SEGMENTS],
+            growth: Mutex::new(Growth {
+                free: VecDeque::new(),
+                used: 0,
+            }),
+        }
+    }
+
+    /// The slot `ptr` is the start of, if it is one of ours (it is not
+    /// dereferenced to find out).
+    fn slot(&self, ptr: *const R) -> Option<&Slot<R, T>> {
+        let address = ptr as usize;
+        let stride = size_of::<Slot<R, T>>();
+        for (index, segment) in self.segments.iter().enumerate() {
+            let base = segment.load(Ordering::Acquire);
+            if base.is_null() {
+                return None;
+            }
+            let offset = address.wrapping_sub(base as usize);
+            if offset < (FIRST_SEGMENT << index) * stride && offset.is_multiple_of(stride) {
+                let slot = base.wrapping_add(offset / stride);
+                // SAFETY: `base` is a published segment of that many slots,
+                // never freed; `offset / stride` is in it.
+                return Some(unsafe { &*slot });
+            }
+        }
+        None
+    }
+
+    /// Runs `call` on the live object `ptr` names: `None` (and `call` not
+    /// run) if `ptr` is not ours or its object is destroyed. No lock, no
+    /// allocation.
+    pub(crate) fn with<U>(&self, ptr: *const R, call: impl FnOnce(&T) -> U) -> Option<U> {
+        let slot = self.slot(ptr)?;
+        let state = slot.state.fetch_add(1, Ordering::Acquire);
+        let _visit = Visit(&slot.state);
+        if state & LIVE == 0 {
+            return None;
+        }
+        // SAFETY: `LIVE` was set when this call was counted, so `object` is
+        // `Some` and stays untouched until the count is back to zero
+        // (`take` waits for it); the acquire pairs with `publish`'s release.
+        let object = unsafe { (*slot.object.get()).as_deref() }?;
+        Some(call(object))
+    }
+
+    /// The live object `ptr` names, shared (the control path's use).
+    pub(crate) fn get(&self, ptr: *const R) -> Option<Arc<T>> {
+        let slot = self.slot(ptr)?;
+        let state = slot.state.fetch_add(1, Ordering::Acquire);
+        let _visit = Visit(&slot.state);
+        if state & LIVE == 0 {
+            return None;
+        }
+        // SAFETY: as in `with`.
+        unsafe { (*slot.object.get()).clone() }
+    }
+
+    /// Takes the live object `ptr` names out of the table: `None` if it is
+    /// not ours or already taken. Waits until no call is inside it.
+    pub(crate) fn take(&self, ptr: *const R) -> Option<Arc<T>> {
+        let slot = self.slot(ptr)?;
+        if slot.state.fetch_and(!LIVE, Ordering::AcqRel) & LIVE == 0 {
+            return None;
+        }
+        while slot.state.load(Ordering::Acquire) & !LIVE != 0 {
+            std::thread::yield_now();
+        }
+        // SAFETY: `LIVE` is clear (this call cleared it) and no call is
+        // inside: nothing else reads or writes `object` now.
+        unsafe { (*slot.object.get()).take() }
+    }
+
+    /// Makes `object` live in its slot, whose `Lease` it holds (a reserved
+    /// slot, or one `take` emptied).
+    pub(crate) fn publish(&self, lease: &Lease<R, T>, object: Arc<T>) {
+        let slot = lease.slot();
+        debug_assert_eq!(slot.state.load(Ordering::Acquire) & LIVE, 0);
+        // SAFETY: the slot is not live: no call reads `object` (calls that
+        // count themselves meanwhile see `LIVE` clear and leave it).
+        unsafe { *slot.object.get() = Some(object) };
+        slot.state.fetch_or(LIVE, Ordering::Release);
+    }
+
+    /// Reserves a slot for a new object, its rdma-core struct `raw`; the
+    /// object holds the lease, and the slot returns to the table when the
+    /// object is dropped. `None` when every segment is in use.
+    pub(crate) fn reserve(&'static self, raw: R) -> Option<Lease<R, T>> {
+        let address = {
+            let mut growth = self.growth.lock().unwrap_or_else(PoisonError::into_inner);
+            if growth.free.len() > QUARANTINE {
+                growth.free.pop_front()?
+            } else {
+                let at = growth.used;
+                let slot = self.fresh_slot(at)?;
+                growth.used += 1;
+                slot
+            }
+        };
+        let lease = Lease {
+            table: self,
+            slot: address,
+        };
+        // SAFETY: a slot reserved only here and not live: no call reads its
+        // `raw`.
+        unsafe { (*lease.slot().raw.get()).write(raw) };
+        Some(lease)
+    }
+
+    /// The address of slot number `at` (counting across segments),
+    /// allocating its segment when it is the first there. Under `growth`'s
+    /// lock.
+    fn fresh_slot(&self, at: usize) -> Option<usize> {
+        let mut first = 0;
+        for (index, segment) in self.segments.iter().enumerate() {
+            let len = FIRST_SEGMENT << index;
+            if at < first + len {
+                let mut base = segment.load(Ordering::Acquire);
+                if base.is_null() {
+                    let slots: Box<[Slot<R, T>]> = (0..len)
+                        .map(|_| Slot {
+                            raw: UnsafeCell::new(MaybeUninit::uninit()),
+                            state: AtomicUsize::new(0),
+                            object: UnsafeCell::new(None),
+                        })
+                        .collect();
+                    // Never freed: a pointer into it stays checkable.
+                    base = Box::leak(slots).as_mut_ptr();
+                    segment.store(base, Ordering::Release);
+                }
+                // SAFETY: `at - first` is within the segment's `len` slots.
+                return Some(unsafe { base.add(at - first) } as usize);
+            }
+            first += len;
+        }
+        None
+    }
+}
+
+/// A reserved slot, held by its object: the rdma-core struct's address.
+pub(crate) struct Lease<R: 'static, T: 'static> {
+    table: &'static Table<R, T>,
+    slot: usize,
+}
+
+impl<R: 'static, T: 'static> Lease<R, T> {
+    fn slot(&self) -> &Slot<R, T> {
+        // SAFETY: a slot of a published segment, never freed.
+        unsafe { &*(self.slot as *const Slot<R, T>) }
+    }
+
+    /// The rdma-core struct the program holds (written when the slot was
+    /// reserved).
+    pub(crate) fn get(&self) -> *mut R {
+        self.slot().raw.get().cast()
+    }
+}
+
+impl<R: 'static, T: 'static> Drop for Lease<R, T> {
+    fn drop(&mut self) {
+        // The object holding the lease is being dropped, so the slot holds
+        // it no more (or never did): free for a later reserve.
+        self.table
+            .growth
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .free
+            .push_back(self.slot);
+    }
+}
+
+impl<R: 'static, T: 'static> std::fmt::Debug for Lease<R, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Lease").field(&self.get()).finish()
+    }
+}
