@@ -14,9 +14,9 @@
 //! them directly (`verbs.h`'s inline functions): each is the
 //! [`ibverbs_abi`] struct at the front of one of our allocations, found
 //! again by its address in a registry (so a pointer that is not ours is
-//! refused with `EINVAL`, never dereferenced as ours). QPs and CQs, which
-//! the data path reaches on every post and poll, live in tables of slots
-//! instead (the `slots` module): found by arithmetic on the pointer, no
+//! refused with `EINVAL`, never dereferenced as ours). QPs, CQs and
+//! address handles, which the data path reaches on every post, poll and
+//! UD send, live in tables of slots instead (the `slots` module): found by arithmetic on the pointer, no
 //! lock, lookup or allocation, a destroyed one's pointer still refused. A context is a
 //! [`VerbsContext`](ibverbs_abi::VerbsContext) followed by its
 //! `ibv_context`, `abi_compat` all ones and `sz` covering `query_port`, so

@@ -5,7 +5,8 @@
 //! the doorbell's simulated device deferred until after the count); a
 //! destroyed object's pointer and a pointer that is not ours are refused;
 //! and posts and polls racing a destroy from several threads end cleanly,
-//! every one after the destroy refused.
+//! every one after the destroy refused; a UD send finds its address
+//! handle by the pointer, a destroyed handle refused.
 
 use std::cell::Cell;
 use std::ffi::c_int;
@@ -18,11 +19,11 @@ use ibal_user::{DeviceFile, DeviceIo, DevicePath, OsStatus, PluginSource};
 use ibverbs_abi::{
     IBV_ACCESS_LOCAL_WRITE, IBV_MTU_1024, IBV_QP_ACCESS_FLAGS, IBV_QP_AV, IBV_QP_DEST_QPN,
     IBV_QP_MAX_DEST_RD_ATOMIC, IBV_QP_MAX_QP_RD_ATOMIC, IBV_QP_MIN_RNR_TIMER, IBV_QP_PATH_MTU,
-    IBV_QP_PKEY_INDEX, IBV_QP_PORT, IBV_QP_RETRY_CNT, IBV_QP_RNR_RETRY, IBV_QP_RQ_PSN,
+    IBV_QP_PKEY_INDEX, IBV_QP_PORT, IBV_QP_QKEY, IBV_QP_RETRY_CNT, IBV_QP_RNR_RETRY, IBV_QP_RQ_PSN,
     IBV_QP_SQ_PSN, IBV_QP_STATE, IBV_QP_TIMEOUT, IBV_QPS_ERR, IBV_QPS_INIT, IBV_QPS_RTR,
-    IBV_QPS_RTS, IBV_QPT_RC, IBV_SEND_INLINE, IBV_SEND_SIGNALED, IBV_WR_SEND, IbvAhAttr,
-    IbvContext, IbvContextOps, IbvCq, IbvGid, IbvGlobalRoute, IbvMr, IbvPd, IbvQp, IbvQpAttr,
-    IbvQpCap, IbvQpInitAttr, IbvRecvWr, IbvSendWr, IbvSge, IbvWc,
+    IBV_QPS_RTS, IBV_QPT_RC, IBV_QPT_UD, IBV_SEND_INLINE, IBV_SEND_SIGNALED, IBV_WR_SEND,
+    IbvAhAttr, IbvContext, IbvContextOps, IbvCq, IbvGid, IbvGlobalRoute, IbvMr, IbvPd, IbvQp,
+    IbvQpAttr, IbvQpCap, IbvQpInitAttr, IbvRecvWr, IbvSendWr, IbvSendWrUd, IbvSge, IbvWc,
 };
 use ibverbs_compat::{self as verbs, Machine};
 use sim_shells::embedded::{EmbeddedMachine, Fabric};
@@ -569,4 +570,111 @@ fn posts_and_polls_racing_a_destroy_end_cleanly() {
     assert_eq!(unsafe { verbs::ibv_dereg_mr(mr) }, 0);
     // SAFETY: a PD of ours, empty now.
     assert_eq!(unsafe { verbs::ibv_dealloc_pd(o.pd) }, 0);
+}
+
+/// A UD send finds its address handle by the pointer, with no allocation;
+/// once the handle is destroyed, a send naming it is refused (`EINVAL`,
+/// `*bad_wr` the request) and nothing is posted.
+#[test]
+fn ud_sends_reach_their_address_handle_by_pointer() {
+    let context = context();
+    // SAFETY: the open context.
+    let pd = unsafe { verbs::ibv_alloc_pd(context) };
+    // SAFETY: as above.
+    let cq = unsafe { verbs::ibv_create_cq(context, 64, null_mut(), null_mut(), 0) };
+    assert!(!pd.is_null() && !cq.is_null());
+    let mut init = IbvQpInitAttr {
+        qp_context: null_mut(),
+        send_cq: cq,
+        recv_cq: cq,
+        srq: null_mut(),
+        cap: IbvQpCap {
+            max_send_wr: 16,
+            max_recv_wr: 16,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 64,
+        },
+        qp_type: IBV_QPT_UD,
+        sq_sig_all: 0,
+    };
+    // SAFETY: `init` is valid; the PD and CQ are ours.
+    let qp = unsafe { verbs::ibv_create_qp(pd, &mut init) };
+    assert!(!qp.is_null());
+    modify(
+        qp,
+        IbvQpAttr {
+            qp_state: IBV_QPS_INIT,
+            port_num: 1,
+            qkey: 0x1111_1111,
+            ..IbvQpAttr::default()
+        },
+        IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY,
+    );
+    modify(
+        qp,
+        IbvQpAttr {
+            qp_state: IBV_QPS_RTR,
+            ..IbvQpAttr::default()
+        },
+        IBV_QP_STATE,
+    );
+    modify(
+        qp,
+        IbvQpAttr {
+            qp_state: IBV_QPS_RTS,
+            sq_psn: 1,
+            ..IbvQpAttr::default()
+        },
+        IBV_QP_STATE | IBV_QP_SQ_PSN,
+    );
+    let mut gid = IbvGid { raw: [0; 16] };
+    // SAFETY: the open context; `gid` is valid for a write.
+    let queried = unsafe { verbs::ibv_query_gid(context, 1, 0, &mut gid) };
+    assert_eq!(queried, 0);
+    let mut attr = IbvAhAttr {
+        grh: IbvGlobalRoute {
+            dgid: gid,
+            hop_limit: 64,
+            ..IbvGlobalRoute::default()
+        },
+        is_global: 1,
+        port_num: 1,
+        ..IbvAhAttr::default()
+    };
+    // SAFETY: a PD of ours; `attr` is valid.
+    let ah = unsafe { verbs::ibv_create_ah(pd, &mut attr) };
+    assert!(!ah.is_null());
+    let payload = [0x3cu8; 64];
+    let mut sge = [IbvSge {
+        addr: payload.as_ptr() as u64,
+        length: 64,
+        lkey: 0,
+    }];
+    // SAFETY: a live QP of ours.
+    let own_qpn = unsafe { (*qp).qp_num };
+    let mut ud_send = |wr_id| {
+        let mut wr = inline_send(wr_id, &mut sge);
+        wr.wr.ud = IbvSendWrUd {
+            ah,
+            remote_qpn: own_qpn,
+            remote_qkey: 0x1111_1111,
+        };
+        wr
+    };
+    let mut bad = null_mut();
+    let mut wr = ud_send(1);
+    assert_eq!(post_send(qp, &mut wr, &mut bad), 0);
+    let mut wr = ud_send(2);
+    let (made, posted) = allocations_of(|| post_send(qp, &mut wr, &mut bad));
+    assert_eq!((made, posted), (0, 0), "one UD inline send");
+
+    // SAFETY: an address handle of ours.
+    assert_eq!(unsafe { verbs::ibv_destroy_ah(ah) }, 0);
+    let mut wr = ud_send(3);
+    bad = null_mut();
+    assert_eq!(post_send(qp, &mut wr, &mut bad), libc::EINVAL);
+    assert_eq!(bad, std::ptr::from_mut(&mut wr));
+    // SAFETY: as above: already destroyed.
+    assert_eq!(unsafe { verbs::ibv_destroy_ah(ah) }, libc::EINVAL);
 }
