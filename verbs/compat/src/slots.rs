@@ -267,3 +267,135 @@ impl<R: 'static, T: 'static> std::fmt::Debug for Lease<R, T> {
         f.debug_tuple("Lease").field(&self.get()).finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// An object of a test table: its slot's `u64` is its number.
+    struct Object {
+        raw: Lease<u64, Object>,
+        /// Set once `take` has returned it.
+        taken: AtomicBool,
+    }
+
+    fn make(table: &'static Table<u64, Object>, number: u64) -> (*mut u64, Arc<Object>) {
+        let object = Arc::new(Object {
+            raw: table.reserve(number).expect("a slot"),
+            taken: AtomicBool::new(false),
+        });
+        table.publish(&object.raw, Arc::clone(&object));
+        (object.raw.get(), object)
+    }
+
+    /// Readers call into the objects a writer keeps making and taking: a
+    /// call never runs on an object once `take` has returned it, calls
+    /// before succeed and calls after are refused.
+    #[test]
+    fn a_call_never_runs_on_a_taken_object() {
+        static TABLE: Table<u64, Object> = Table::new();
+        let current = Arc::new(AtomicUsize::new(0));
+        let done = Arc::new(AtomicBool::new(false));
+        let readers: Vec<_> = (0..3)
+            .map(|_| {
+                let (current, done) = (Arc::clone(&current), Arc::clone(&done));
+                std::thread::spawn(move || {
+                    let (mut ran, mut refused) = (0u64, 0u64);
+                    while !done.load(Ordering::Acquire) {
+                        let ptr = current.load(Ordering::Acquire) as *const u64;
+                        let seen = TABLE.with(ptr, |object| {
+                            assert!(
+                                !object.taken.load(Ordering::Acquire),
+                                "a call on a taken object"
+                            );
+                            // SAFETY: the slot's `u64`, written at reserve.
+                            unsafe { *object.raw.get() }
+                        });
+                        match seen {
+                            Some(_) => ran += 1,
+                            None => refused += 1,
+                        }
+                    }
+                    (ran, refused)
+                })
+            })
+            .collect();
+        for number in 1..=300u64 {
+            let (ptr, object) = make(&TABLE, number);
+            current.store(ptr as usize, Ordering::Release);
+            for _ in 0..20 {
+                std::thread::yield_now();
+            }
+            let taken = TABLE.take(ptr).expect("live");
+            taken.taken.store(true, Ordering::Release);
+            assert!(TABLE.take(ptr).is_none(), "taken once");
+            assert!(TABLE.get(ptr).is_none() && TABLE.with(ptr, |_| ()).is_none());
+            drop((taken, object));
+        }
+        done.store(true, Ordering::Release);
+        let (ran, refused) = readers
+            .into_iter()
+            .map(|r| r.join().expect("a reader ended cleanly"))
+            .fold((0, 0), |(a, b), (c, d)| (a + c, b + d));
+        assert!(
+            ran > 0 && refused > 0,
+            "both outcomes seen: {ran} ran, {refused} refused"
+        );
+    }
+
+    /// Only a slot's start is ours: other addresses are refused without
+    /// being read.
+    #[test]
+    fn only_a_slots_start_is_ours() {
+        static TABLE: Table<u64, Object> = Table::new();
+        let (ptr, _object) = make(&TABLE, 7);
+        assert_eq!(
+            TABLE.with(ptr, |o| o.taken.load(Ordering::Relaxed)),
+            Some(false)
+        );
+        let inside = ptr.cast::<u8>().wrapping_add(4).cast::<u64>();
+        let local = 7u64;
+        for other in [
+            inside,
+            std::ptr::null_mut(),
+            std::ptr::from_ref(&local).cast_mut(),
+        ] {
+            assert!(TABLE.with(other, |_| ()).is_none());
+            assert!(TABLE.get(other).is_none() && TABLE.take(other).is_none());
+        }
+    }
+
+    /// A freed slot is handed out again only once more than `QUARANTINE`
+    /// are free, oldest first.
+    #[test]
+    fn a_slot_is_reused_after_the_quarantine() {
+        static TABLE: Table<u64, Object> = Table::new();
+        let mut freed = Vec::new();
+        for number in 0..=QUARANTINE as u64 {
+            let (ptr, object) = make(&TABLE, number);
+            drop(TABLE.take(ptr));
+            drop(object);
+            assert!(!freed.contains(&ptr), "a fresh slot while few are free");
+            freed.push(ptr);
+        }
+        let (reused, _object) = make(&TABLE, 99);
+        assert_eq!(reused, freed[0], "the oldest free slot");
+        assert_eq!(TABLE.with(freed[1], |_| ()), None);
+    }
+
+    /// Past the first segment the table grows, and every slot stays
+    /// reachable.
+    #[test]
+    fn the_table_grows_by_segments() {
+        static TABLE: Table<u64, Object> = Table::new();
+        let made: Vec<_> = (0..(FIRST_SEGMENT * 3) as u64)
+            .map(|n| make(&TABLE, n))
+            .collect();
+        for (number, (ptr, _)) in made.iter().enumerate() {
+            // SAFETY: the slot's `u64`, written at reserve.
+            let seen = TABLE.with(*ptr, |o| unsafe { *o.raw.get() });
+            assert_eq!(seen, Some(number as u64));
+        }
+    }
+}
