@@ -12,9 +12,11 @@
 //! for up to 64 live objects), made before the pointer is dereferenced.
 //!
 //! **Live or not.** A slot's `state` word holds a live bit and the count
-//! of calls inside it. A call ([`Table::with`]) adds one to the count and
-//! uses the object only if the bit was set at that moment; it subtracts
-//! one when done. [`Table::take`] clears the bit, then waits until the
+//! of calls inside it. A call ([`Table::with`]) that finds the bit set
+//! adds one to the count and uses the object only if the bit was still
+//! set at that moment; it subtracts one when done (a call that finds the
+//! bit clear touches nothing, so calls on a destroyed pointer cannot hold
+//! a destroy up). [`Table::take`] clears the bit, then waits until the
 //! count is zero before taking the object out: every call that saw the
 //! bit set has finished with the object, and every later one sees it
 //! clear and leaves the object alone. So a destroy returns only once no
@@ -88,6 +90,22 @@ impl Drop for Visit<'_> {
     }
 }
 
+impl<R, T> Slot<R, T> {
+    /// Counts a call inside the slot if it is live: the call may use the
+    /// object until the visit is dropped. A slot seen not live is left
+    /// untouched, so calls on a destroyed object's pointer never hold up
+    /// a `take` (only the few racing the live bit's clearing are counted
+    /// a moment, then leave).
+    fn enter(&self) -> Option<Visit<'_>> {
+        if self.state.load(Ordering::Relaxed) & LIVE == 0 {
+            return None;
+        }
+        let state = self.state.fetch_add(1, Ordering::Acquire);
+        let visit = Visit(&self.state);
+        (state & LIVE != 0).then_some(visit)
+    }
+}
+
 impl<R: 'static, T: 'static> Table<R, T> {
     pub(crate) const fn new() -> Self {
         Self {
@@ -125,11 +143,7 @@ impl<R: 'static, T: 'static> Table<R, T> {
     /// allocation.
     pub(crate) fn with<U>(&self, ptr: *const R, call: impl FnOnce(&T) -> U) -> Option<U> {
         let slot = self.slot(ptr)?;
-        let state = slot.state.fetch_add(1, Ordering::Acquire);
-        let _visit = Visit(&slot.state);
-        if state & LIVE == 0 {
-            return None;
-        }
+        let _visit = slot.enter()?;
         // SAFETY: `LIVE` was set when this call was counted, so `object` is
         // `Some` and stays untouched until the count is back to zero
         // (`take` waits for it); the acquire pairs with `publish`'s release.
@@ -140,11 +154,7 @@ impl<R: 'static, T: 'static> Table<R, T> {
     /// The live object `ptr` names, shared (the control path's use).
     pub(crate) fn get(&self, ptr: *const R) -> Option<Arc<T>> {
         let slot = self.slot(ptr)?;
-        let state = slot.state.fetch_add(1, Ordering::Acquire);
-        let _visit = Visit(&slot.state);
-        if state & LIVE == 0 {
-            return None;
-        }
+        let _visit = slot.enter()?;
         // SAFETY: as in `with`.
         unsafe { (*slot.object.get()).clone() }
     }
@@ -290,8 +300,9 @@ mod tests {
     }
 
     /// Readers call into the objects a writer keeps making and taking: a
-    /// call never runs on an object once `take` has returned it, calls
-    /// before succeed and calls after are refused.
+    /// call never runs on an object once `take` has returned it (a call
+    /// stays inside across a thread switch, so a take that did not wait
+    /// for it would be seen), and a taken pointer is refused.
     #[test]
     fn a_call_never_runs_on_a_taken_object() {
         static TABLE: Table<u64, Object> = Table::new();
@@ -305,10 +316,12 @@ mod tests {
                     while !done.load(Ordering::Acquire) {
                         let ptr = current.load(Ordering::Acquire) as *const u64;
                         let seen = TABLE.with(ptr, |object| {
-                            assert!(
-                                !object.taken.load(Ordering::Acquire),
-                                "a call on a taken object"
-                            );
+                            let taken = || object.taken.load(Ordering::Acquire);
+                            assert!(!taken(), "a call on a taken object");
+                            // Inside the object across a switch: a take
+                            // meanwhile must wait for this call.
+                            std::thread::yield_now();
+                            assert!(!taken(), "a call on a taken object");
                             // SAFETY: the slot's `u64`, written at reserve.
                             unsafe { *object.raw.get() }
                         });
@@ -316,6 +329,7 @@ mod tests {
                             Some(_) => ran += 1,
                             None => refused += 1,
                         }
+                        std::thread::yield_now();
                     }
                     (ran, refused)
                 })
@@ -324,7 +338,7 @@ mod tests {
         for number in 1..=300u64 {
             let (ptr, object) = make(&TABLE, number);
             current.store(ptr as usize, Ordering::Release);
-            for _ in 0..20 {
+            for _ in 0..4 {
                 std::thread::yield_now();
             }
             let taken = TABLE.take(ptr).expect("live");
@@ -338,10 +352,7 @@ mod tests {
             .into_iter()
             .map(|r| r.join().expect("a reader ended cleanly"))
             .fold((0, 0), |(a, b), (c, d)| (a + c, b + d));
-        assert!(
-            ran > 0 && refused > 0,
-            "both outcomes seen: {ran} ran, {refused} refused"
-        );
+        assert!(ran > 0, "calls ran on live objects ({refused} refused)");
     }
 
     /// Only a slot's start is ours: other addresses are refused without
