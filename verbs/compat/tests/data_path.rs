@@ -6,7 +6,8 @@
 //! destroyed object's pointer and a pointer that is not ours are refused;
 //! and posts and polls racing a destroy from several threads end cleanly,
 //! every one after the destroy refused; a UD send finds its address
-//! handle by the pointer, a destroyed handle refused.
+//! handle by the pointer, a destroyed handle refused; a long list's
+//! refusal names its request across the chunks it is posted in.
 
 use std::cell::Cell;
 use std::ffi::c_int;
@@ -35,7 +36,8 @@ thread_local! {
     static COUNTING: Cell<bool> = const { Cell::new(false) };
     /// A doorbell stored while counting: delivered after the count, so the
     /// simulated device's work (which runs in the storing thread) is not
-    /// counted as the library's.
+    /// counted as the library's. Only the last is kept: it carries the
+    /// queue's producer counter, which covers the ones before.
     static DEFERRED: Cell<Option<(u64, u64)>> = const { Cell::new(None) };
 }
 
@@ -677,4 +679,70 @@ fn ud_sends_reach_their_address_handle_by_pointer() {
     assert_eq!(bad, std::ptr::from_mut(&mut wr));
     // SAFETY: as above: already destroyed.
     assert_eq!(unsafe { verbs::ibv_destroy_ah(ah) }, libc::EINVAL);
+}
+
+/// A list longer than the library posts at once: a malformed request in
+/// a later chunk is `*bad_wr` with every request before it posted (seen
+/// flushed), and a queue filling up in a later chunk names the first
+/// request that did not fit.
+#[test]
+fn a_long_lists_refusal_names_its_request_across_chunks() {
+    let o = objects(64);
+    let (buffer, mr) = registered(o.pd, 4096);
+    // SAFETY: a live region of ours.
+    let lkey = unsafe { (*mr).lkey };
+    let mut sge = IbvSge {
+        addr: buffer.as_ptr() as u64,
+        length: 64,
+        lkey,
+    };
+    let mut wrs = [IbvRecvWr {
+        wr_id: 0,
+        next: null_mut(),
+        sg_list: null_mut(),
+        num_sge: 0,
+    }; 40];
+    recv_list(&mut wrs, &mut sge, 0);
+    wrs[29].num_sge = -1;
+    let mut bad = null_mut();
+    assert_eq!(post_recv(o.qp, &mut wrs[0], &mut bad), libc::EINVAL);
+    assert_eq!(bad, std::ptr::from_mut(&mut wrs[29]));
+    modify(
+        o.qp,
+        IbvQpAttr {
+            qp_state: IBV_QPS_ERR,
+            ..IbvQpAttr::default()
+        },
+        IBV_QP_STATE,
+    );
+    let mut flushed = Vec::new();
+    let mut wc = [IbvWc::default(); 16];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while flushed.len() < 29 && Instant::now() < deadline {
+        let got = poll(o.cq, &mut wc);
+        assert!(got >= 0);
+        flushed.extend(wc[..got as usize].iter().map(|c| c.wr_id));
+        if got == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(poll(o.cq, &mut wc), 0, "nothing past the malformed request");
+    assert_eq!(flushed, (0..29).collect::<Vec<u64>>(), "the 29 before it");
+
+    // A queue of `depth` receives: a list of 40 stops at the first that
+    // does not fit.
+    let fresh = objects(8);
+    let mut query = IbvQpAttr::default();
+    // SAFETY: a zeroed out-struct: all integers.
+    let mut init: IbvQpInitAttr = unsafe { std::mem::zeroed() };
+    // SAFETY: a QP of ours; valid out-pointers.
+    let queried = unsafe { verbs::ibv_query_qp(fresh.qp, &mut query, 0, &mut init) };
+    assert_eq!(queried, 0);
+    let depth = query.cap.max_recv_wr as usize;
+    assert!(depth < 40, "a queue shorter than the list ({depth})");
+    recv_list(&mut wrs, &mut sge, 100);
+    bad = null_mut();
+    assert_eq!(post_recv(fresh.qp, &mut wrs[0], &mut bad), libc::ENOMEM);
+    assert_eq!(bad, std::ptr::from_mut(&mut wrs[depth]));
 }
