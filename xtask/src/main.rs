@@ -16,7 +16,7 @@
 //! - `fuzz <target> [--seconds N]` / `fuzz --all`: runs cargo-fuzz targets
 //!   (`fuzz`; README "Fuzzing").
 //! - `bench-insn [WORKLOAD]`: instructions per post_send and per polled
-//!   CQE, driver and plugin, under callgrind (`bench_insn`; issue 13,
+//!   CQE, driver, plugin and our libibverbs (`compat`), under callgrind (`bench_insn`; issue 13,
 //!   measurement 4, docs/performance.md).
 //! - `bench [--only 1,2,3,5,6] [--quick]`: the benchmarks against same-run
 //!   baselines, optimised (`bench`, docs/performance.md).
