@@ -1,5 +1,5 @@
-//! The data path (`ops.post_send`, `ops.post_recv`, `ops.poll_cq`,
-//! `ops.req_notify_cq`), called in-process as a C program's `verbs.h`
+//! The data path (`ops.post_send`, `ops.post_recv`, `ops.post_srq_recv`,
+//! `ops.poll_cq`, `ops.req_notify_cq`), called in-process as a C program's `verbs.h`
 //! inlines call it, on the embedded simulated machine: it allocates
 //! nothing (each call's allocations on the calling thread are counted,
 //! the doorbell's simulated device deferred until after the count); a
@@ -24,7 +24,8 @@ use ibverbs_abi::{
     IBV_QP_SQ_PSN, IBV_QP_STATE, IBV_QP_TIMEOUT, IBV_QPS_ERR, IBV_QPS_INIT, IBV_QPS_RTR,
     IBV_QPS_RTS, IBV_QPT_RC, IBV_QPT_UD, IBV_SEND_INLINE, IBV_SEND_SIGNALED, IBV_WR_SEND,
     IbvAhAttr, IbvContext, IbvContextOps, IbvCq, IbvGid, IbvGlobalRoute, IbvMr, IbvPd, IbvQp,
-    IbvQpAttr, IbvQpCap, IbvQpInitAttr, IbvRecvWr, IbvSendWr, IbvSendWrUd, IbvSge, IbvWc,
+    IbvQpAttr, IbvQpCap, IbvQpInitAttr, IbvRecvWr, IbvSendWr, IbvSendWrUd, IbvSge, IbvSrqAttr,
+    IbvSrqInitAttr, IbvWc,
 };
 use ibverbs_compat::{self as verbs, Machine};
 use sim_shells::embedded::{EmbeddedMachine, Fabric};
@@ -433,6 +434,76 @@ fn posts_polls_and_arms_allocate_nothing() {
         }
     }
     assert_eq!(taken, 40, "40 completions taken one by one within 10 s");
+}
+
+/// Posts to an SRQ (`ops.post_srq_recv`: one request, and a list longer
+/// than the library converts at once) allocate nothing and really post:
+/// the SRQ takes exactly its granted depth, the request past it refused
+/// (`ENOMEM`, `*bad_wr` it); once destroyed, its pointer is refused.
+#[test]
+fn srq_posts_allocate_nothing() {
+    let o = objects(8);
+    let (buffer, mr) = registered(o.pd, 4096);
+    // SAFETY: a live region of ours.
+    let lkey = unsafe { (*mr).lkey };
+    let mut recv_sge = IbvSge {
+        addr: buffer.as_ptr() as u64,
+        length: 256,
+        lkey,
+    };
+    let mut init = IbvSrqInitAttr {
+        srq_context: null_mut(),
+        attr: IbvSrqAttr {
+            max_wr: 64,
+            max_sge: 2,
+            srq_limit: 0,
+        },
+    };
+    // SAFETY: a PD of ours; `init` is valid for reads and writes.
+    let srq = unsafe { verbs::ibv_create_srq(o.pd, &mut init) };
+    assert!(!srq.is_null());
+    let depth = init.attr.max_wr as usize;
+    assert!(depth >= 64, "granted {depth}");
+    let post = ops().post_srq_recv.expect("ops.post_srq_recv");
+    let mut wrs = vec![
+        IbvRecvWr {
+            wr_id: 0,
+            next: null_mut(),
+            sg_list: null_mut(),
+            num_sge: 0,
+        };
+        depth + 1
+    ];
+    let mut bad = null_mut();
+    // Warm-up: anything made once per thread or process on first use.
+    recv_list(&mut wrs[..1], &mut recv_sge, 0);
+    // SAFETY: a valid list and out-pointer; the SRQ is checked.
+    assert_eq!(unsafe { post(srq, &mut wrs[0], &mut bad) }, 0);
+
+    recv_list(&mut wrs[..1], &mut recv_sge, 1);
+    // SAFETY: as above.
+    let (made, posted) = allocations_of(|| unsafe { post(srq, &mut wrs[0], &mut bad) });
+    assert_eq!((made, posted), (0, 0), "one receive to the SRQ");
+    recv_list(&mut wrs[..40], &mut recv_sge, 2);
+    // SAFETY: as above.
+    let (made, posted) = allocations_of(|| unsafe { post(srq, &mut wrs[0], &mut bad) });
+    assert_eq!((made, posted), (0, 0), "a list of 40 receives to the SRQ");
+
+    // 42 posted: the rest of the depth fits, the one past it does not.
+    let rest = depth - 42;
+    recv_list(&mut wrs[..=rest], &mut recv_sge, 42);
+    // SAFETY: as above.
+    let (made, refused) = allocations_of(|| unsafe { post(srq, &mut wrs[0], &mut bad) });
+    assert_eq!((made, refused), (0, libc::ENOMEM), "the depth's end");
+    assert_eq!(bad, std::ptr::from_mut(&mut wrs[rest]));
+
+    // SAFETY: an SRQ of ours, no QP on it.
+    assert_eq!(unsafe { verbs::ibv_destroy_srq(srq) }, 0);
+    recv_list(&mut wrs[..2], &mut recv_sge, 100);
+    bad = null_mut();
+    // SAFETY: as above.
+    assert_eq!(unsafe { post(srq, &mut wrs[0], &mut bad) }, libc::EINVAL);
+    assert_eq!(bad, wrs.as_mut_ptr());
 }
 
 /// A destroyed QP's and CQ's pointers, and pointers that are not ours, are
