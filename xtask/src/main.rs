@@ -293,7 +293,8 @@ fn optimised_main_job() -> ExitCode {
     }
 }
 
-/// Runs every `loom_` model test of the driver cores and the UVP, built with `--cfg
+/// Runs every `loom_` model test of the driver cores, the UVP and our libibverbs' slot
+/// table, built with `--cfg
 /// loom` in release mode (loom explores thousands of interleavings) into
 /// its own target directory, so the normal build stays warm.
 fn loom(extra: &[String]) -> ExitCode {
@@ -317,6 +318,8 @@ fn loom(extra: &[String]) -> ExitCode {
             "hca-miniport-core",
             "-p",
             "uvp-plugin",
+            "-p",
+            "ibverbs-compat",
             "--lib",
             "--",
         ])

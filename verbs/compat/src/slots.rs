@@ -28,13 +28,62 @@
 //! first: a destroyed object's pointer stays refused until that many more
 //! objects of its kind were destroyed after it (rdma-core frees the memory
 //! at once, and a stale pointer reaches whatever `malloc` put there).
+//!
+//! **Model-checked.** The live bit and call count are a lock-free protocol:
+//! its code is a slot's own (`Slot::with`, `take`, `publish`), whose
+//! `state` and `object` come from [`sync`] — loom's under `--cfg loom` —
+//! and the `loom_` models below (`cargo xtask loom`) explore every
+//! interleaving of a call against a destroy, two calls against a destroy,
+//! two destroys, and a slot reused under a stale call. (The free list is
+//! behind a lock; a segment is published once.)
 
-use std::cell::UnsafeCell;
 use std::collections::VecDeque;
 use std::mem::MaybeUninit;
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::AtomicPtr;
 use std::sync::{Arc, Mutex, PoisonError};
+
+use sync::{AtomicUsize, Ordering, UnsafeCell};
+
+/// The protocol's atomic, cell and yield: `std`'s normally, loom's under
+/// `--cfg loom` (`cargo xtask loom`), so the model checker runs the code
+/// that ships. The cell has loom's API (each access a closure, so loom
+/// sees how long it lasts).
+mod sync {
+    #[cfg(loom)]
+    pub(super) use loom::cell::UnsafeCell;
+    #[cfg(loom)]
+    pub(super) use loom::sync::atomic::{AtomicUsize, Ordering};
+    #[cfg(loom)]
+    pub(super) use loom::thread::yield_now;
+
+    #[cfg(not(loom))]
+    pub(super) use std::sync::atomic::{AtomicUsize, Ordering};
+    #[cfg(not(loom))]
+    pub(super) use std::thread::yield_now;
+
+    /// `std`'s cell with loom's closure API.
+    #[cfg(not(loom))]
+    #[derive(Debug)]
+    pub(super) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+    #[cfg(not(loom))]
+    impl<T> UnsafeCell<T> {
+        pub(super) fn new(value: T) -> Self {
+            Self(std::cell::UnsafeCell::new(value))
+        }
+
+        /// Reads through the pointer `read` is given.
+        pub(super) fn with<U>(&self, read: impl FnOnce(*const T) -> U) -> U {
+            read(self.0.get())
+        }
+
+        /// Writes through the pointer `write` is given.
+        pub(super) fn with_mut<U>(&self, write: impl FnOnce(*mut T) -> U) -> U {
+            write(self.0.get())
+        }
+    }
+}
 
 /// Slots in the first segment; segment `i` holds `FIRST_SEGMENT << i`.
 const FIRST_SEGMENT: usize = 64;
@@ -51,7 +100,7 @@ const LIVE: usize = 1 << (usize::BITS - 1);
 #[repr(C)]
 pub(crate) struct Slot<R, T> {
     /// Written only while the slot is reserved and not yet published.
-    raw: UnsafeCell<MaybeUninit<R>>,
+    raw: std::cell::UnsafeCell<MaybeUninit<R>>,
     state: AtomicUsize,
     /// `Some` exactly while `state` is live; written only with `LIVE`
     /// clear and no call inside.
@@ -79,6 +128,11 @@ pub(crate) struct Table<R, T> {
 unsafe impl<R, T: Send + Sync> Sync for Table<R, T> {}
 // SAFETY: as for `Sync`.
 unsafe impl<R, T: Send + Sync> Send for Table<R, T> {}
+// SAFETY: as for the table: `raw` is written before the slot is shared,
+// `object` only as the protocol allows (`with`, `take`, `publish`).
+unsafe impl<R, T: Send + Sync> Sync for Slot<R, T> {}
+// SAFETY: as for `Sync`.
+unsafe impl<R, T: Send + Sync> Send for Slot<R, T> {}
 
 /// A call counted inside a live slot; ends it when dropped (even on a
 /// panic, which the entry points catch).
@@ -91,6 +145,15 @@ impl Drop for Visit<'_> {
 }
 
 impl<R, T> Slot<R, T> {
+    /// An empty slot: not live, no call inside.
+    fn new() -> Self {
+        Self {
+            raw: std::cell::UnsafeCell::new(MaybeUninit::uninit()),
+            state: AtomicUsize::new(0),
+            object: UnsafeCell::new(None),
+        }
+    }
+
     /// Counts a call inside the slot if it is live: the call may use the
     /// object until the visit is dropped. A slot seen not live is left
     /// untouched, so calls on a destroyed object's pointer never hold up
@@ -103,6 +166,49 @@ impl<R, T> Slot<R, T> {
         let state = self.state.fetch_add(1, Ordering::Acquire);
         let visit = Visit(&self.state);
         (state & LIVE != 0).then_some(visit)
+    }
+
+    /// Runs `call` on the slot's object if it is live (`Table::with`).
+    fn with<U>(&self, call: impl FnOnce(&T) -> U) -> Option<U> {
+        let _visit = self.enter()?;
+        self.object.with(|object| {
+            // SAFETY: `LIVE` was set when this call was counted, so `object`
+            // is `Some` and stays untouched until the count is back to zero
+            // (`take` waits for it); the acquire pairs with `publish`'s
+            // release.
+            let object = unsafe { (*object).as_deref() }?;
+            Some(call(object))
+        })
+    }
+
+    /// The slot's object, shared, if it is live (`Table::get`).
+    fn get(&self) -> Option<Arc<T>> {
+        let _visit = self.enter()?;
+        // SAFETY: as in `with`.
+        self.object.with(|object| unsafe { (*object).clone() })
+    }
+
+    /// Takes the live object out (`Table::take`): `None` if it is not
+    /// live. Waits until no call is inside it.
+    fn take(&self) -> Option<Arc<T>> {
+        if self.state.fetch_and(!LIVE, Ordering::AcqRel) & LIVE == 0 {
+            return None;
+        }
+        while self.state.load(Ordering::Acquire) & !LIVE != 0 {
+            sync::yield_now();
+        }
+        // SAFETY: `LIVE` is clear (this call cleared it) and no call is
+        // inside: nothing else reads or writes `object` now.
+        self.object.with_mut(|object| unsafe { (*object).take() })
+    }
+
+    /// Makes `object` live in the slot, which is not live (`Table::publish`).
+    fn publish(&self, object: Arc<T>) {
+        debug_assert_eq!(self.state.load(Ordering::Acquire) & LIVE, 0);
+        // SAFETY: the slot is not live: no call reads `object` (calls that
+        // count themselves meanwhile see `LIVE` clear and leave it).
+        self.object.with_mut(|slot| unsafe { *slot = Some(object) });
+        self.state.fetch_or(LIVE, Ordering::Release);
     }
 }
 
@@ -142,47 +248,24 @@ impl<R: 'static, T: 'static> Table<R, T> {
     /// run) if `ptr` is not ours or its object is destroyed. No lock, no
     /// allocation.
     pub(crate) fn with<U>(&self, ptr: *const R, call: impl FnOnce(&T) -> U) -> Option<U> {
-        let slot = self.slot(ptr)?;
-        let _visit = slot.enter()?;
-        // SAFETY: `LIVE` was set when this call was counted, so `object` is
-        // `Some` and stays untouched until the count is back to zero
-        // (`take` waits for it); the acquire pairs with `publish`'s release.
-        let object = unsafe { (*slot.object.get()).as_deref() }?;
-        Some(call(object))
+        self.slot(ptr)?.with(call)
     }
 
     /// The live object `ptr` names, shared (the control path's use).
     pub(crate) fn get(&self, ptr: *const R) -> Option<Arc<T>> {
-        let slot = self.slot(ptr)?;
-        let _visit = slot.enter()?;
-        // SAFETY: as in `with`.
-        unsafe { (*slot.object.get()).clone() }
+        self.slot(ptr)?.get()
     }
 
     /// Takes the live object `ptr` names out of the table: `None` if it is
     /// not ours or already taken. Waits until no call is inside it.
     pub(crate) fn take(&self, ptr: *const R) -> Option<Arc<T>> {
-        let slot = self.slot(ptr)?;
-        if slot.state.fetch_and(!LIVE, Ordering::AcqRel) & LIVE == 0 {
-            return None;
-        }
-        while slot.state.load(Ordering::Acquire) & !LIVE != 0 {
-            std::thread::yield_now();
-        }
-        // SAFETY: `LIVE` is clear (this call cleared it) and no call is
-        // inside: nothing else reads or writes `object` now.
-        unsafe { (*slot.object.get()).take() }
+        self.slot(ptr)?.take()
     }
 
     /// Makes `object` live in its slot, whose `Lease` it holds (a reserved
     /// slot, or one `take` emptied).
     pub(crate) fn publish(&self, lease: &Lease<R, T>, object: Arc<T>) {
-        let slot = lease.slot();
-        debug_assert_eq!(slot.state.load(Ordering::Acquire) & LIVE, 0);
-        // SAFETY: the slot is not live: no call reads `object` (calls that
-        // count themselves meanwhile see `LIVE` clear and leave it).
-        unsafe { *slot.object.get() = Some(object) };
-        slot.state.fetch_or(LIVE, Ordering::Release);
+        lease.slot().publish(object);
     }
 
     /// Reserves a slot for a new object, its rdma-core struct `raw`; the
@@ -220,13 +303,7 @@ impl<R: 'static, T: 'static> Table<R, T> {
             if at < first + len {
                 let mut base = segment.load(Ordering::Acquire);
                 if base.is_null() {
-                    let slots: Box<[Slot<R, T>]> = (0..len)
-                        .map(|_| Slot {
-                            raw: UnsafeCell::new(MaybeUninit::uninit()),
-                            state: AtomicUsize::new(0),
-                            object: UnsafeCell::new(None),
-                        })
-                        .collect();
+                    let slots: Box<[Slot<R, T>]> = (0..len).map(|_| Slot::new()).collect();
                     // Never freed: a pointer into it stays checkable.
                     base = Box::leak(slots).as_mut_ptr();
                     segment.store(base, Ordering::Release);
@@ -278,7 +355,7 @@ impl<R: 'static, T: 'static> std::fmt::Debug for Lease<R, T> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicBool;
@@ -408,5 +485,132 @@ mod tests {
             let seen = TABLE.with(*ptr, |o| unsafe { *o.raw.get() });
             assert_eq!(seen, Some(number as u64));
         }
+    }
+}
+
+/// The live bit and call count under loom: every interleaving (and every
+/// value the memory model lets a load see) of the slot's own code. An
+/// object is a cell of a number that its destroy overwrites once `take`
+/// has returned it (rdma-core's provider frees it then): loom reports a
+/// call still reading it, or a call reading the slot's `object` while a
+/// `take` or `publish` writes it, as a data race.
+#[cfg(all(test, loom))]
+mod loom_slots {
+    use super::*;
+    use loom::sync::Arc as ModelArc;
+
+    /// A model object: its number, overwritten when it is destroyed.
+    struct Object(UnsafeCell<u64>);
+
+    // SAFETY: every access to the cell goes through loom, which checks that
+    // no two race (the point of the models).
+    unsafe impl Sync for Object {}
+
+    impl Object {
+        fn new(number: u64) -> Arc<Self> {
+            Arc::new(Self(UnsafeCell::new(number)))
+        }
+
+        fn number(&self) -> u64 {
+            // SAFETY: loom checks the access (see `Sync`).
+            self.0.with(|number| unsafe { *number })
+        }
+
+        /// The destroy's end: the provider frees the object.
+        fn destroy(&self) {
+            // SAFETY: loom checks the access (see `Sync`).
+            self.0.with_mut(|number| unsafe { *number = 0 });
+        }
+    }
+
+    fn live_slot(number: u64) -> ModelArc<Slot<u64, Object>> {
+        let slot = ModelArc::new(Slot::new());
+        slot.publish(Object::new(number));
+        slot
+    }
+
+    /// A call: refused, or run on the live object (seen whole).
+    fn call(slot: &Slot<u64, Object>) -> Option<u64> {
+        slot.with(Object::number)
+    }
+
+    /// A call against a destroy: the call runs on the object or is
+    /// refused, never on it after `take` returned it; after the destroy
+    /// every call and a second destroy are refused.
+    #[test]
+    fn loom_a_call_against_a_destroy() {
+        loom::model(|| {
+            let slot = live_slot(7);
+            let caller = {
+                let slot = slot.clone();
+                loom::thread::spawn(move || call(&slot))
+            };
+            let taken = slot.take().expect("live until this destroy");
+            taken.destroy();
+            let seen = caller.join().unwrap();
+            assert!(matches!(seen, None | Some(7)), "{seen:?}");
+            assert_eq!(call(&slot), None);
+            assert!(slot.take().is_none() && slot.get().is_none());
+        });
+    }
+
+    /// Two calls (one `with`, one `get`, as the data and control paths
+    /// do) against a destroy: the destroy waits for both, and neither
+    /// reads the slot's cell while `take` empties it.
+    #[test]
+    fn loom_two_calls_against_a_destroy() {
+        loom::model(|| {
+            let slot = live_slot(7);
+            let with = {
+                let slot = slot.clone();
+                loom::thread::spawn(move || call(&slot))
+            };
+            let get = {
+                let slot = slot.clone();
+                // The control path's clone (which keeps the object, not
+                // the slot: the object is not read here).
+                loom::thread::spawn(move || slot.get().is_some())
+            };
+            let taken = slot.take().expect("live until this destroy");
+            taken.destroy();
+            assert!(matches!(with.join().unwrap(), None | Some(7)));
+            get.join().unwrap();
+        });
+    }
+
+    /// Two destroys of one object: exactly one takes it.
+    #[test]
+    fn loom_two_destroys_take_once() {
+        loom::model(|| {
+            let slot = live_slot(7);
+            let other = {
+                let slot = slot.clone();
+                loom::thread::spawn(move || slot.take().is_some())
+            };
+            let mine = slot.take().is_some();
+            assert!(mine ^ other.join().unwrap(), "taken exactly once");
+        });
+    }
+
+    /// A slot reused (its object destroyed, a new one published) under a
+    /// stale call: the call sees the old object whole, nothing, or the new
+    /// one whole; never the old one once taken, never the slot's cell
+    /// while `take` or `publish` writes it.
+    #[test]
+    fn loom_a_reused_slot_under_a_stale_call() {
+        loom::model(|| {
+            let slot = live_slot(7);
+            let caller = {
+                let slot = slot.clone();
+                loom::thread::spawn(move || call(&slot))
+            };
+            let taken = slot.take().expect("live until this destroy");
+            taken.destroy();
+            drop(taken);
+            slot.publish(Object::new(8));
+            let seen = caller.join().unwrap();
+            assert!(matches!(seen, None | Some(7) | Some(8)), "{seen:?}");
+            assert_eq!(call(&slot), Some(8));
+        });
     }
 }
