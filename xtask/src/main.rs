@@ -18,7 +18,7 @@
 //! - `fuzz <target> [--seconds N]` / `fuzz --all`: runs cargo-fuzz targets
 //!   (`fuzz`; README "Fuzzing").
 //! - `bench-insn [WORKLOAD]`: instructions per post_send and per polled
-//!   CQE, driver and plugin, under callgrind (`bench_insn`; issue 13,
+//!   CQE, driver, plugin and our libibverbs (`compat`), under callgrind (`bench_insn`; issue 13,
 //!   measurement 4, docs/performance.md).
 //! - `bench [--only 1,2,3,5,6] [--quick]`: the benchmarks against same-run
 //!   baselines, optimised (`bench`, docs/performance.md).
@@ -328,8 +328,8 @@ fn optimised_perftest_defaults() -> ExitCode {
     }
 }
 
-/// Runs every `loom_` model test of the driver cores and the UVP, built with `--cfg
-/// loom` in release mode (loom explores thousands of interleavings) into
+/// Runs every `loom_` model test of the driver cores, the UVP and our
+/// libibverbs' slot table, built with `--cfg loom` in release mode (loom explores thousands of interleavings) into
 /// its own target directory, so the normal build stays warm.
 fn loom(extra: &[String]) -> ExitCode {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -352,6 +352,8 @@ fn loom(extra: &[String]) -> ExitCode {
             "hca-miniport-core",
             "-p",
             "uvp-plugin",
+            "-p",
+            "ibverbs-compat",
             "--lib",
             "--",
         ])

@@ -14,7 +14,11 @@
 //!   ([`measured_driver_poll`]);
 //! - `plugin-post`: the same send posted by a user process through the
 //!   access library into the UVP plugin ([`measured_plugin_post`]);
-//! - `plugin-poll`: the plugin polling one CQE ([`measured_plugin_poll`]).
+//! - `plugin-poll`: the plugin polling one CQE ([`measured_plugin_poll`]);
+//! - `compat-post`, `compat-recv`, `compat-poll`: our `libibverbs.so.1`'s
+//!   data path (`ibverbs-compat`) over the plugin: the same send, one
+//!   receive, one CQE, called through the context's ops as `verbs.h`'s
+//!   inlines call them ([`compat`]).
 //!
 //! Each round posts [`PER_ROUND`] sends (one call each), lets the device
 //! and fabric run, then polls their [`PER_ROUND`] completions one call
@@ -63,6 +67,9 @@ use sim_shells::hca_miniport::{MiniportDriver, SERVICE};
 use sim_shells::ibal_bus::IbalBusDriver;
 use sim_shells::rc_path::rc_to_rts_steps;
 use sim_shells::user_io::{SimIo, settle};
+
+#[path = "insn_count/compat.rs"]
+mod compat;
 
 /// Bytes of the inline send.
 const INLINE: usize = 64;
@@ -534,23 +541,26 @@ fn main() {
         .next()
         .map(|r| r.parse().expect("rounds is a number"))
         .unwrap_or(DEFAULT_ROUNDS);
-    let run: fn(usize, bool) -> usize = match workload.as_str() {
-        "driver-post" | "driver-poll" => driver_workload,
-        "plugin-post" | "plugin-poll" => plugin_workload,
+    let measure_poll = workload.ends_with("poll");
+    let run: Box<dyn FnOnce(usize) -> usize + Send> = match workload.as_str() {
+        "driver-post" | "driver-poll" => Box::new(move |r| driver_workload(r, measure_poll)),
+        "plugin-post" | "plugin-poll" => Box::new(move |r| plugin_workload(r, measure_poll)),
+        "compat-post" => Box::new(|r| compat::compat_workload(r, compat::Measured::Post)),
+        "compat-recv" => Box::new(|r| compat::compat_workload(r, compat::Measured::Recv)),
+        "compat-poll" => Box::new(|r| compat::compat_workload(r, compat::Measured::Poll)),
         other => {
             eprintln!(
-                "usage: insn_count <driver-post|driver-poll|plugin-post|plugin-poll> [rounds]; got {other:?}"
+                "usage: insn_count <driver-post|driver-poll|plugin-post|plugin-poll|compat-post|compat-recv|compat-poll> [rounds]; got {other:?}"
             );
             std::process::exit(2);
         }
     };
-    let measure_poll = workload.ends_with("poll");
     // On a thread of its own: the simulated host paints the stack below
     // each driver routine (sim_host::stack), which needs the whole stack
     // mapped, as a thread's is (valgrind maps the main thread's lazily).
     let calls = std::thread::Builder::new()
         .stack_size(16 << 20)
-        .spawn(move || run(rounds, measure_poll))
+        .spawn(move || run(rounds))
         .expect("a thread")
         .join()
         .expect("the workload ran");
@@ -559,7 +569,22 @@ fn main() {
 
 #[cfg(test)]
 mod tests {
-    use super::plugin_workload;
+    use super::{compat, plugin_workload};
+
+    /// One round of the library's post workload: the objects are made with
+    /// its entry points, and every send arrives (the workload checks each
+    /// completion and byte). One per test process: the library boots its
+    /// machine once.
+    #[test]
+    fn compat_workload_sends_through_the_library() {
+        let calls = std::thread::Builder::new()
+            .stack_size(16 << 20)
+            .spawn(|| compat::compat_workload(1, compat::Measured::Post))
+            .expect("a thread")
+            .join()
+            .expect("the workload ran");
+        assert_eq!(calls, super::PER_ROUND);
+    }
 
     /// One round of the plugin's poll workload: every measured poll is
     /// checked to allocate nothing (`allocating_nothing`).

@@ -31,36 +31,33 @@ use ibal_user::SharedAv;
 use ibverbs_abi::{IBV_WC_GRH, IbvAh, IbvAhAttr, IbvContext, IbvGid, IbvGlobalRoute, IbvPd, IbvWc};
 
 use crate::device::open_context;
-
-use crate::memory::{
-    ProtectionDomain, Registry, lock, pd_at, pd_for_child, remember, truncated_handle,
-};
+use crate::memory::{ProtectionDomain, pd_at, pd_for_child, truncated_handle};
+use crate::slots::{Lease, Table};
 use crate::util::{errno_of, guard, set_errno};
 
-/// An address handle: rdma-core's `ibv_ah` first, then the access
-/// library's AV and the PD it was made in.
-#[repr(C)]
+/// An address handle: rdma-core's `ibv_ah` at the front of its slot in
+/// [`AHS`] (a UD send finds it by the pointer, `crate::slots`), then the
+/// access library's AV and the PD it was made in.
 pub(crate) struct AddressHandle {
-    raw: IbvAh,
+    raw: Lease<IbvAh, AddressHandle>,
     av: SharedAv,
     pd: Arc<ProtectionDomain>,
 }
 
-// SAFETY: `raw`'s pointers name the PD and context this handle holds
-// (`pd`), never written after the handle is built, only read.
+// SAFETY: the `ibv_ah` in `raw`'s slot names the PD and context this
+// handle holds (`pd`), written when the slot was reserved and never after,
+// only read.
 unsafe impl Send for AddressHandle {}
 // SAFETY: as for `Send`: shared references only read `raw`.
 unsafe impl Sync for AddressHandle {}
 
-static AHS: Registry<AddressHandle> = std::sync::Mutex::new(None);
+/// The live address handles, found by the `ibv_ah` pointer.
+static AHS: Table<IbvAh, AddressHandle> = Table::new();
 
 /// The AV of the address handle `ptr` names (a UD send's destination), if
-/// it is one of ours.
+/// it is one of ours and live: no lock, lookup or allocation.
 pub(crate) fn av_handle_at(ptr: *const IbvAh) -> Option<ib_types::handle::AvHandle> {
-    lock(&AHS)
-        .as_ref()?
-        .get(&(ptr as usize))
-        .map(|handle| handle.av.handle())
+    AHS.with(ptr, |handle| handle.av.handle())
 }
 
 /// The access library's AV for `attr` on `pd`'s CA: `EINVAL` for a port
@@ -115,23 +112,30 @@ pub unsafe extern "C" fn ibv_create_ah(pd: *mut IbvPd, attr: *mut IbvAhAttr) -> 
     })
 }
 
+/// An address handle for `attr` in the PD `pd` names, live in [`AHS`]:
+/// `ibv_create_ah`'s and `ibv_create_ah_from_wc`'s common end.
 fn create_ah(pd: *mut IbvPd, attr: &IbvAhAttr) -> Result<*mut IbvAh, c_int> {
     let pd = pd_for_child(pd)?;
     let made = av_attr(&pd, attr)
         .and_then(|av_attr| SharedAv::new(&pd.pd, &av_attr).map_err(|error| errno_of(&error)));
+    let made = made.and_then(|av| {
+        let raw = AHS.reserve(IbvAh {
+            context: pd.raw.context,
+            pd: pd.as_ptr(),
+            handle: truncated_handle(av.handle().raw()),
+        });
+        // Dropping the AV destroys it.
+        Ok((raw.ok_or(libc::ENOMEM)?, av))
+    });
     match made {
-        Ok(av) => {
+        Ok((raw, av)) => {
             let handle = Arc::new(AddressHandle {
-                raw: IbvAh {
-                    context: pd.raw.context,
-                    pd: pd.as_ptr(),
-                    handle: truncated_handle(av.handle().raw()),
-                },
+                raw,
                 av,
-                pd,
+                pd: Arc::clone(&pd),
             });
-            let ptr = std::ptr::from_ref(&handle.raw).cast_mut();
-            remember(&AHS, ptr as usize, handle);
+            let ptr = handle.raw.get();
+            AHS.publish(&handle.raw, Arc::clone(&handle));
             Ok(ptr)
         }
         Err(errno) => {
@@ -150,14 +154,13 @@ fn create_ah(pd: *mut IbvPd, attr: &IbvAhAttr) -> Result<*mut IbvAh, c_int> {
 /// None beyond C's: the pointer is checked against the live handles.
 pub unsafe extern "C" fn ibv_destroy_ah(ah: *mut IbvAh) -> c_int {
     guard(libc::EIO, || {
-        let Some(handle) = lock(&AHS)
-            .as_mut()
-            .and_then(|ahs| ahs.remove(&(ah as usize)))
-        else {
+        // Waits for the sends converting with it; every later one is
+        // refused.
+        let Some(handle) = AHS.take(ah) else {
             return libc::EINVAL;
         };
         if let Err(error) = handle.av.destroy() {
-            remember(&AHS, ah as usize, handle);
+            AHS.publish(&handle.raw, Arc::clone(&handle));
             return errno_of(&error);
         }
         handle.pd.children.fetch_sub(1, Ordering::AcqRel);

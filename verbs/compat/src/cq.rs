@@ -4,7 +4,10 @@
 //! `ibv_get_cq_event` and `ibv_ack_cq_events`.
 //!
 //! **Polls and arms** go through the plugin's fast path
-//! ([`ibal_user::SharedCq`]): no kernel call.
+//! ([`ibal_user::SharedCq`]): no kernel call. A CQ's `ibv_cq` is the front
+//! of its slot in the CQ table (`crate::slots`), so a poll or an arm
+//! reaches it from the program's pointer with no lock, lookup or
+//! allocation.
 //!
 //! **A completion channel is a real file descriptor**: an `eventfd` in
 //! semaphore mode, which programs `poll`, or make `O_NONBLOCK`. Each CQ
@@ -33,6 +36,7 @@ use ibverbs_abi::{
 
 use crate::device::open_context;
 use crate::memory::{Registry, lock, remember};
+use crate::slots::{Lease, Table};
 use crate::state::Context;
 use crate::util::{errno_of, guard, set_errno};
 
@@ -91,9 +95,9 @@ struct EventCounts {
 
 /// A completion queue: rdma-core's `ibv_cq` first, then the access
 /// library's CQ, its channel and the thread waiting for its events.
-#[repr(C)]
 pub(crate) struct CompletionQueue {
-    raw: IbvCq,
+    /// Its slot in [`CQS`], where the program's `ibv_cq` is.
+    raw: Lease<IbvCq, CompletionQueue>,
     pub(crate) cq: Arc<SharedCq>,
     channel: Option<Arc<CompChannel>>,
     events: Mutex<EventCounts>,
@@ -113,12 +117,20 @@ unsafe impl Sync for CompletionQueue {}
 
 impl CompletionQueue {
     pub(crate) fn as_ptr(&self) -> *mut IbvCq {
-        std::ptr::from_ref(&self.raw).cast_mut()
+        self.raw.get()
+    }
+
+    /// The program's `cq_context`, handed back with its events.
+    fn cq_context(&self) -> *mut c_void {
+        // SAFETY: the slot's `ibv_cq`, written when it was reserved and
+        // never after.
+        unsafe { (*self.raw.get()).cq_context }
     }
 }
 
 static CHANNELS: Registry<CompChannel> = Mutex::new(None);
-static CQS: Registry<CompletionQueue> = Mutex::new(None);
+/// The live CQs, found by the `ibv_cq` pointer ([`crate::slots`]).
+static CQS: Table<IbvCq, CompletionQueue> = Table::new();
 
 fn channel_at(ptr: *const IbvCompChannel) -> Option<Arc<CompChannel>> {
     lock(&CHANNELS).as_ref()?.get(&(ptr as usize)).cloned()
@@ -126,7 +138,7 @@ fn channel_at(ptr: *const IbvCompChannel) -> Option<Arc<CompChannel>> {
 
 /// The CQ `ptr` names, if it is one of ours.
 pub(crate) fn cq_at(ptr: *const IbvCq) -> Option<Arc<CompletionQueue>> {
-    lock(&CQS).as_ref()?.get(&(ptr as usize)).cloned()
+    CQS.get(ptr)
 }
 
 /// `ibv_create_comp_channel(context)`: a channel whose `fd` is a fresh
@@ -250,8 +262,8 @@ fn create_cq(
     let cq = SharedCq::new(Arc::clone(&context.ca), cqe, comp_vector as u32)
         .map_err(|error| errno_of(&error))?;
     let cq = Arc::new(cq);
-    let made = Arc::new(CompletionQueue {
-        raw: IbvCq {
+    let raw = CQS
+        .reserve(IbvCq {
             context: context.as_ptr(),
             channel: channel.as_ref().map_or(std::ptr::null_mut(), |c| {
                 std::ptr::from_ref(&c.raw).cast_mut()
@@ -263,7 +275,11 @@ fn create_cq(
             cond: Default::default(),
             comp_events_completed: 0,
             async_events_completed: 0,
-        },
+        })
+        // Dropping the CQ destroys it.
+        .ok_or(libc::ENOMEM)?;
+    let made = Arc::new(CompletionQueue {
+        raw,
         cq: Arc::clone(&cq),
         channel: channel.clone(),
         events: Mutex::new(EventCounts::default()),
@@ -296,7 +312,7 @@ fn create_cq(
             }
         }
     }
-    remember(&CQS, ptr as usize, made);
+    CQS.publish(&made.raw, Arc::clone(&made));
     Ok(ptr)
 }
 
@@ -327,7 +343,7 @@ pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut IbvCq) -> c_int {
         if let Some(channel) = &found.channel {
             lock_plain(&channel.queue).retain(|&queued| queued != cq as usize);
         }
-        // Still in the registry meanwhile, so other threads' acks find it.
+        // Still live meanwhile, so other threads' acks find it.
         let mut events = lock_plain(&found.events);
         while events.acked < events.delivered {
             events = found
@@ -336,9 +352,8 @@ pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut IbvCq) -> c_int {
                 .unwrap_or_else(PoisonError::into_inner);
         }
         drop(events);
-        if let Some(map) = lock(&CQS).as_mut() {
-            map.remove(&(cq as usize));
-        }
+        // Waits for the polls inside it; every later one is refused.
+        drop(CQS.take(cq));
         if let Some(channel) = &found.channel {
             channel.cqs.fetch_sub(1, Ordering::AcqRel);
         }
@@ -393,7 +408,7 @@ pub unsafe extern "C" fn ibv_get_cq_event(
             // contract).
             unsafe { *cq = found.as_ptr() };
             // SAFETY: as `cq`.
-            unsafe { *cq_context = found.raw.cq_context };
+            unsafe { *cq_context = found.cq_context() };
             return 0;
         }
     })
@@ -446,8 +461,10 @@ fn ibv_wc(wc: &WorkCompletion) -> IbvWc {
 }
 
 /// `ops.poll_cq` (`ibv_poll_cq`): up to `num_entries` completions into
-/// `wc`, in user mode: how many, or -1 (a CQ that is not ours or
-/// destroyed, a negative count, NULL `wc` with entries asked).
+/// `wc`, in user mode, with no lock, lookup or heap allocation on the way
+/// (the CQ found by its pointer, [`crate::slots`]): how many, or -1 (a CQ
+/// that is not ours or destroyed, a negative count, NULL `wc` with
+/// entries asked).
 ///
 /// # Safety
 ///
@@ -458,60 +475,79 @@ pub(crate) unsafe extern "C" fn poll_cq(
     wc: *mut IbvWc,
 ) -> c_int {
     guard(-1, || {
-        let Some(found) = cq_at(cq) else {
-            return -1;
-        };
         let Ok(wanted) = usize::try_from(num_entries) else {
             return -1;
         };
-        if wanted == 0 {
-            return 0;
-        }
-        if wc.is_null() {
-            return -1;
-        }
-        // SAFETY: the caller gave `wanted` entries at `wc`.
-        let out = unsafe { std::slice::from_raw_parts_mut(wc, wanted) };
-        const BATCH: usize = 16;
-        let mut batch = [WorkCompletion::EMPTY; BATCH];
-        let mut filled = 0;
-        while filled < wanted {
-            let ask = (wanted - filled).min(BATCH);
-            let Ok(polled) = found.cq.poll(&mut batch[..ask]) else {
-                return if filled == 0 { -1 } else { filled as c_int };
-            };
-            for (slot, one) in out[filled..].iter_mut().zip(&batch[..polled]) {
-                *slot = ibv_wc(one);
-            }
-            filled += polled;
-            if polled < ask {
-                break;
-            }
-        }
-        filled as c_int
+        // SAFETY: the contract, passed on.
+        let polled = CQS.with(cq, |found| unsafe { poll_into(found, wanted, wc) });
+        polled.unwrap_or(-1)
     })
 }
 
+/// [`poll_cq`] on a live CQ.
+///
+/// # Safety
+///
+/// As [`poll_cq`]'s, `wanted` its `num_entries`.
+unsafe fn poll_into(found: &CompletionQueue, wanted: usize, wc: *mut IbvWc) -> c_int {
+    if wanted == 0 {
+        return 0;
+    }
+    if wc.is_null() {
+        return -1;
+    }
+    // SAFETY: the caller gave `wanted` entries at `wc`.
+    let out = unsafe { std::slice::from_raw_parts_mut(wc, wanted) };
+    // A poll of one (latency tools) fills a one-entry batch rather than
+    // initialise sixteen.
+    if wanted == 1 {
+        poll_batches::<1>(found, out)
+    } else {
+        poll_batches::<16>(found, out)
+    }
+}
+
+/// Polls into `out`, `BATCH` of our completions at a time: how many, or -1
+/// when the first poll fails.
+fn poll_batches<const BATCH: usize>(found: &CompletionQueue, out: &mut [IbvWc]) -> c_int {
+    let wanted = out.len();
+    let mut batch = [WorkCompletion::EMPTY; BATCH];
+    let mut filled = 0;
+    while filled < wanted {
+        let ask = (wanted - filled).min(BATCH);
+        let Ok(polled) = found.cq.poll(&mut batch[..ask]) else {
+            return if filled == 0 { -1 } else { filled as c_int };
+        };
+        for (slot, one) in out[filled..].iter_mut().zip(&batch[..polled]) {
+            *slot = ibv_wc(one);
+        }
+        filled += polled;
+        if polled < ask {
+            break;
+        }
+    }
+    filled as c_int
+}
+
 /// `ops.req_notify_cq` (`ibv_req_notify_cq`): arms the CQ for its next
-/// completion (solicited only if `solicited_only`), in user mode. 0, or an
-/// errno value (`EINVAL` for a CQ that is not ours).
+/// completion (solicited only if `solicited_only`), in user mode, found
+/// as [`poll_cq`] finds it. 0, or an errno value (`EINVAL` for a CQ that
+/// is not ours or destroyed).
 ///
 /// # Safety
 ///
 /// None beyond C's: the pointer is checked against the live CQs.
 pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut IbvCq, solicited_only: c_int) -> c_int {
     guard(libc::EIO, || {
-        let Some(found) = cq_at(cq) else {
-            return libc::EINVAL;
-        };
         let for_ = if solicited_only != 0 {
             ArmFor::Solicited
         } else {
             ArmFor::Next
         };
-        match found.cq.arm(for_) {
+        let armed = CQS.with(cq, |found| match found.cq.arm(for_) {
             Ok(()) => 0,
             Err(error) => errno_of(&error),
-        }
+        });
+        armed.unwrap_or(libc::EINVAL)
     })
 }

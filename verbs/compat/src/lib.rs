@@ -14,7 +14,10 @@
 //! them directly (`verbs.h`'s inline functions): each is the
 //! [`ibverbs_abi`] struct at the front of one of our allocations, found
 //! again by its address in a registry (so a pointer that is not ours is
-//! refused with `EINVAL`, never dereferenced as ours). A context is a
+//! refused with `EINVAL`, never dereferenced as ours). QPs, CQs, SRQs
+//! and address handles, which the data path reaches on every post, poll
+//! and UD send, live in tables of slots instead (the `slots` module): found by arithmetic on the pointer, no
+//! lock, lookup or allocation, a destroyed one's pointer still refused. A context is a
 //! [`VerbsContext`](ibverbs_abi::VerbsContext) followed by its
 //! `ibv_context`, `abi_compat` all ones and `sz` covering `query_port`, so
 //! the `ibv_query_port` inline reaches [`query`]'s extended entry.
@@ -42,6 +45,7 @@ mod device;
 mod memory;
 mod qp;
 pub mod query;
+mod slots;
 mod srq;
 mod state;
 pub mod unsupported;

@@ -7,8 +7,9 @@
 //! it depends on through an `Arc` instead ([`ibal_user::SharedPd`] its
 //! context, [`ibal_user::SharedMr`] its PD), and the library keeps every
 //! object in a registry by the address of the rdma-core struct at its
-//! front: a pointer that is not ours is refused with `EINVAL`, never
-//! dereferenced. A PD counts the objects made in it (regions here,
+//! front (QPs, CQs, SRQs and address handles in tables of slots,
+//! `crate::slots`): a pointer that
+//! is not ours is refused with `EINVAL`, never dereferenced. A PD counts the objects made in it (regions here,
 //! address handles in `crate::ah`); deallocating it while any remain is
 //! refused with `EBUSY`, as rdma-core's kernel does.
 //!

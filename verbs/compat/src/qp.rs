@@ -3,20 +3,28 @@
 //! `ops.post_recv`, over [`ibal_user::SharedQp`] (which owns its PD and
 //! CQs; posts go through the linked plugin's fast path, no kernel call).
 //!
-//! A QP is an `ibv_qp` (in an [`UnsafeCell`]: `ibv_modify_qp` keeps its
-//! `state` current, as rdma-core does) followed by the access library's
-//! QP and the C objects it names. The `ibv_qp_attr` mask becomes our
-//! [`QpModify`] (present attributes form the mask); on the RoCE port the
-//! primary path is the AV of `ah_attr` with its GRH, as for
-//! `ibv_create_ah`. Work request lists become the plugin's requests; a
-//! request that cannot be converted, or that the plugin refuses, is
-//! `*bad_wr`, the ones before it posted, with rdma-core's errno values
-//! (`EINVAL` for a malformed request, `ENOMEM` for a full queue).
+//! A QP's `ibv_qp` is the front of its slot in the QP table
+//! ([`crate::slots`]: `ibv_modify_qp` keeps its `state` current, as
+//! rdma-core does), and the slot holds the access library's QP and the C
+//! objects it names (CQs, and the SRQ a QP made with one receives from,
+//! `crate::srq`); a post reaches it from the program's pointer with no
+//! lock or lookup. The `ibv_qp_attr` mask becomes our [`QpModify`]
+//! (present attributes form the mask); on the RoCE port the primary path
+//! is the AV of `ah_attr` with its GRH, as for `ibv_create_ah`. Work
+//! request lists become the plugin's requests with no heap allocation
+//! (SGE lists read in place, at most [`CHUNK`] requests per call into the
+//! plugin, one request straight); a request that cannot be converted, or
+//! that the plugin refuses, is `*bad_wr`, the ones before it posted, with
+//! rdma-core's errno values (`EINVAL` for a malformed request, `ENOMEM`
+//! for a full queue).
 
-use std::cell::UnsafeCell;
 use std::ffi::c_int;
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+
+use smallvec::SmallVec;
+use zerocopy::FromBytes;
 
 use ib_types::abi::Be32;
 use ib_types::access::AccessFlags;
@@ -24,7 +32,7 @@ use ib_types::av::AvAttr;
 use ib_types::qp::{PathMigState, QpCaps, QpModify, QpState, QpType};
 use ib_types::scalars::{Mtu, PortNum, Psn, QKey, Qpn};
 use ib_types::uvp::UserSend;
-use ib_types::wr::{LKey, RKey, RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge, UdDest};
+use ib_types::wr::{RKey, RecvWr, RemoteAddr, SendFlags, SendOp, SendWr, Sge, UdDest};
 use ibal_user::{QpInit, SharedQp};
 use ibverbs_abi::{
     IBV_QP_ACCESS_FLAGS, IBV_QP_AV, IBV_QP_CAP, IBV_QP_CUR_STATE, IBV_QP_DEST_QPN,
@@ -40,15 +48,16 @@ use ibverbs_abi::{
 
 use crate::ah::{av_attr, av_handle_at};
 use crate::cq::{CompletionQueue, cq_at};
-use crate::memory::{ProtectionDomain, Registry, lock, pd_for_child, remember, truncated_handle};
+use crate::memory::{ProtectionDomain, pd_for_child, truncated_handle};
+use crate::slots::{Lease, Table};
 use crate::srq::{SharedReceiveQueue, srq_at};
 use crate::util::{errno_of, guard, set_errno};
 
 /// A queue pair: rdma-core's `ibv_qp` first, then the access library's
 /// QP and the C objects it was made with.
-#[repr(C)]
 pub(crate) struct QueuePair {
-    raw: UnsafeCell<IbvQp>,
+    /// Its slot in [`QPS`], where the program's `ibv_qp` is.
+    raw: Lease<IbvQp, QueuePair>,
     qp: SharedQp,
     qp_type: QpType,
     /// Serializes `ibv_modify_qp`'s write of `raw.state`.
@@ -60,7 +69,7 @@ pub(crate) struct QueuePair {
     srq: Option<Arc<SharedReceiveQueue>>,
 }
 
-// SAFETY: `raw`'s pointers name the context, PD and CQs this QP holds and
+// SAFETY: `raw`'s pointers name the context, PD, CQs and SRQ this QP holds and
 // the program's `qp_context` (never dereferenced); its only field written
 // after the QP is built is `state`, under `modifying`, as rdma-core writes
 // it (programs read it without a lock there too).
@@ -74,10 +83,11 @@ impl QueuePair {
     }
 }
 
-static QPS: Registry<QueuePair> = Mutex::new(None);
+/// The live QPs, found by the `ibv_qp` pointer ([`crate::slots`]).
+static QPS: Table<IbvQp, QueuePair> = Table::new();
 
 fn qp_at(ptr: *const IbvQp) -> Option<Arc<QueuePair>> {
-    lock(&QPS).as_ref()?.get(&(ptr as usize)).cloned()
+    QPS.get(ptr)
 }
 
 fn caps_of(cap: &IbvQpCap) -> QpCaps {
@@ -161,6 +171,29 @@ fn create_qp(pd: *mut IbvPd, init: &mut IbvQpInitAttr) -> Result<*mut IbvQp, c_i
             return Err(errno_of(&error));
         }
     };
+    let raw = QPS.reserve(IbvQp {
+        context: pd.raw.context,
+        qp_context: init.qp_context,
+        pd: pd.as_ptr(),
+        send_cq: send_cq.as_ptr(),
+        recv_cq: recv_cq.as_ptr(),
+        srq: srq
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |srq| srq.as_ptr()),
+        handle: truncated_handle(qp.handle()),
+        qp_num: qp.qpn(),
+        state: IBV_QPS_RESET,
+        qp_type: init.qp_type,
+        mutex: Default::default(),
+        cond: Default::default(),
+        events_completed: 0,
+    });
+    let Some(raw) = raw else {
+        // Dropping it destroys it.
+        drop(qp);
+        pd.children.fetch_sub(1, Ordering::AcqRel);
+        return Err(libc::ENOMEM);
+    };
     init.cap = ibv_cap(&qp.caps());
     send_cq.children.fetch_add(1, Ordering::AcqRel);
     recv_cq.children.fetch_add(1, Ordering::AcqRel);
@@ -168,23 +201,7 @@ fn create_qp(pd: *mut IbvPd, init: &mut IbvQpInitAttr) -> Result<*mut IbvQp, c_i
         srq.children.fetch_add(1, Ordering::AcqRel);
     }
     let made = Arc::new(QueuePair {
-        raw: UnsafeCell::new(IbvQp {
-            context: pd.raw.context,
-            qp_context: init.qp_context,
-            pd: pd.as_ptr(),
-            send_cq: send_cq.as_ptr(),
-            recv_cq: recv_cq.as_ptr(),
-            srq: srq
-                .as_ref()
-                .map_or(std::ptr::null_mut(), |srq| srq.as_ptr()),
-            handle: truncated_handle(qp.handle()),
-            qp_num: qp.qpn(),
-            state: IBV_QPS_RESET,
-            qp_type: init.qp_type,
-            mutex: Default::default(),
-            cond: Default::default(),
-            events_completed: 0,
-        }),
+        raw,
         qp,
         qp_type,
         modifying: Mutex::new(()),
@@ -194,7 +211,7 @@ fn create_qp(pd: *mut IbvPd, init: &mut IbvQpInitAttr) -> Result<*mut IbvQp, c_i
         srq,
     });
     let ptr = made.as_ptr();
-    remember(&QPS, ptr as usize, made);
+    QPS.publish(&made.raw, Arc::clone(&made));
     Ok(ptr)
 }
 
@@ -207,14 +224,12 @@ fn create_qp(pd: *mut IbvPd, init: &mut IbvQpInitAttr) -> Result<*mut IbvQp, c_i
 /// None beyond C's: the pointer is checked against the live QPs.
 pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut IbvQp) -> c_int {
     guard(libc::EIO, || {
-        let Some(found) = lock(&QPS)
-            .as_mut()
-            .and_then(|qps| qps.remove(&(qp as usize)))
-        else {
+        // Waits for the posts inside it; every later one is refused.
+        let Some(found) = QPS.take(qp) else {
             return libc::EINVAL;
         };
         if let Err(error) = found.qp.destroy() {
-            remember(&QPS, qp as usize, found);
+            QPS.publish(&found.raw, Arc::clone(&found));
             return errno_of(&error);
         }
         found.send_cq.children.fetch_sub(1, Ordering::AcqRel);
@@ -470,43 +485,93 @@ pub unsafe extern "C" fn ibv_query_qp(
     })
 }
 
-/// Our SGEs from a request's list.
+/// Requests converted and posted per call into the plugin (one doorbell
+/// each): a longer list is posted this many at a time, so converting it
+/// needs no heap.
+const CHUNK: usize = 16;
+/// Bytes of inline data gathered from several SGEs per chunk (a request
+/// whose inline data is one SGE's bytes is passed as they are): a
+/// request that does not fit ends the chunk; one whose data alone is
+/// larger (past every device's inline limit: the plugin refuses it) is
+/// gathered on the heap.
+const CHUNK_INLINE: usize = 1024;
+
+// rdma-core's `ibv_sge` (host-order `u64`, `u32`, `u32`) and our `Sge`
+// (little-endian fields) have the same bytes on a little-endian machine,
+// which every target of this library is: a list is read in place.
+#[cfg(not(target_endian = "little"))]
+compile_error!("ibverbs-compat reads rdma-core's ibv_sge lists in place: little-endian only");
+
+/// A request's SGE list, read in place: `EINVAL` for a negative count or
+/// a NULL list with entries.
 ///
 /// # Safety
-/// `list` is valid for reads of `count` entries when `count` > 0.
-pub(crate) unsafe fn sges_of(list: *const IbvSge, count: c_int) -> Result<Vec<Sge>, c_int> {
+/// `list` is valid for reads of `count` entries when `count` > 0, for
+/// `'a` (the post's duration, `ibv_post_send`'s contract).
+unsafe fn sges_of<'a>(list: *const IbvSge, count: c_int) -> Result<&'a [Sge], c_int> {
     let count = usize::try_from(count).map_err(|_| libc::EINVAL)?;
     if count == 0 {
-        return Ok(Vec::new());
+        return Ok(&[]);
     }
     if list.is_null() {
         return Err(libc::EINVAL);
     }
-    // SAFETY: `count` entries at `list` (the contract).
-    let list = unsafe { std::slice::from_raw_parts(list, count) };
-    Ok(list
-        .iter()
-        .map(|s| Sge::new(s.addr, s.length, LKey::new(s.lkey)))
-        .collect())
+    let len = count.checked_mul(size_of::<IbvSge>()).ok_or(libc::EINVAL)?;
+    // SAFETY: `count` entries at `list` (the contract), as bytes.
+    let bytes = unsafe { std::slice::from_raw_parts(list.cast::<u8>(), len) };
+    // `Sge` is 16 bytes of alignment 1, any bytes valid: never refused.
+    <[Sge]>::ref_from_bytes(bytes).map_err(|_| libc::EINVAL)
 }
 
-/// One send request converted, with the storage its borrows need.
-struct SendParts {
-    wr_id: u64,
-    op: SendOp,
-    flags: SendFlags,
-    sges: Vec<Sge>,
-    inline: Option<Vec<u8>>,
-    ud: Option<UdDest>,
+/// Where an inline send's bytes are.
+enum InlineBytes<'a> {
+    /// None (not inline), or one SGE's bytes, read in place.
+    InPlace(Option<&'a [u8]>),
+    /// Gathered from several SGEs into the chunk's buffer, at this range.
+    Gathered(Range<usize>),
 }
 
-/// Converts one `ibv_send_wr`: `EINVAL` when it is malformed or names an
-/// operation or AH this library does not have.
+/// One send request converted (its SGEs read in place).
+struct SendParts<'a> {
+    wr: SendWr<'a>,
+    inline: InlineBytes<'a>,
+}
+
+/// The program's bytes an SGE of an inline send names: `EINVAL` for a
+/// NULL address with bytes.
 ///
 /// # Safety
-/// `wr` is a valid request whose lists and (inline) buffers are readable,
-/// `ibv_post_send`'s contract.
-unsafe fn send_parts(wr: &IbvSendWr, qp_type: QpType) -> Result<SendParts, c_int> {
+/// The SGE names readable bytes for `'a` (the contract).
+unsafe fn inline_bytes<'a>(sge: &Sge) -> Result<&'a [u8], c_int> {
+    let len = sge.length.get() as usize;
+    if len == 0 {
+        return Ok(&[]);
+    }
+    let at = sge.addr.get() as usize as *const u8;
+    if at.is_null() {
+        return Err(libc::EINVAL);
+    }
+    // SAFETY: an inline send's SGEs name readable bytes of the program for
+    // the duration of the post (the contract).
+    Ok(unsafe { std::slice::from_raw_parts(at, len) })
+}
+
+/// Converts one `ibv_send_wr`, gathering the inline data of several SGEs
+/// into `gathered`: `EINVAL` when it is malformed or names an operation
+/// or AH this library does not have; `Ok(None)` when its data is to be
+/// gathered and there is no buffer, or its gathered data does not fit the
+/// chunk's buffer and the chunk already holds requests (it starts the
+/// next chunk).
+///
+/// # Safety
+/// `wr` is a valid request whose lists and (inline) buffers are readable
+/// for `'a`, `ibv_post_send`'s contract.
+unsafe fn send_parts<'a>(
+    wr: &'a IbvSendWr,
+    qp_type: QpType,
+    gathered: Option<&mut SmallVec<[u8; CHUNK_INLINE]>>,
+    chunk_empty: bool,
+) -> Result<Option<SendParts<'a>>, c_int> {
     let flags = SendFlags::from_bits(wr.send_flags).ok_or(libc::EINVAL)?;
     // SAFETY: the caller's contract.
     let sges = unsafe { sges_of(wr.sg_list, wr.num_sge) }?;
@@ -570,33 +635,43 @@ unsafe fn send_parts(wr: &IbvSendWr, qp_type: QpType) -> Result<SendParts, c_int
     } else {
         None
     };
-    let inline = if flags.contains(SendFlags::INLINE) {
-        let mut bytes = Vec::new();
-        for sge in &sges {
-            let len = sge.length.get() as usize;
-            if len == 0 {
-                continue;
+    let inline = if !flags.contains(SendFlags::INLINE) {
+        InlineBytes::InPlace(None)
+    } else if sges.iter().filter(|s| s.length.get() != 0).count() <= 1 {
+        let mut bytes: &[u8] = &[];
+        for sge in sges {
+            // SAFETY: the caller's contract.
+            let one = unsafe { inline_bytes(sge) }?;
+            if !one.is_empty() {
+                bytes = one;
             }
-            let at = sge.addr.get() as usize as *const u8;
-            if at.is_null() {
-                return Err(libc::EINVAL);
-            }
-            // SAFETY: an inline send's SGEs name readable bytes of the
-            // program for the duration of the post (the contract).
-            bytes.extend_from_slice(unsafe { std::slice::from_raw_parts(at, len) });
         }
-        Some(bytes)
+        InlineBytes::InPlace(Some(bytes))
     } else {
-        None
+        let Some(gathered) = gathered else {
+            return Ok(None);
+        };
+        let total: usize = sges.iter().map(|s| s.length.get() as usize).sum();
+        if !chunk_empty && gathered.len() + total > CHUNK_INLINE {
+            return Ok(None);
+        }
+        let start = gathered.len();
+        for sge in sges {
+            // SAFETY: the caller's contract.
+            gathered.extend_from_slice(unsafe { inline_bytes(sge) }?);
+        }
+        InlineBytes::Gathered(start..gathered.len())
     };
-    Ok(SendParts {
-        wr_id: wr.wr_id,
-        op,
-        flags,
-        sges,
+    Ok(Some(SendParts {
+        wr: SendWr {
+            wr_id: wr.wr_id,
+            op,
+            flags,
+            sg_list: sges,
+            ud,
+        },
         inline,
-        ud,
-    })
+    }))
 }
 
 /// Sets `*bad` (if not NULL) to `wr`.
@@ -610,45 +685,41 @@ pub(crate) unsafe fn set_bad<T>(bad: *mut *mut T, wr: *mut T) {
     }
 }
 
-/// How a post of the list starting at `first` ends: the access library's
-/// refusal (`*bad_wr` the first request it did not post, of those in
-/// `ptrs`), else the first request that could not be converted
-/// (`refused`), else 0.
+/// Posts one chunk of converted requests (`ptrs` their requests): 0, or
+/// the plugin's refusal as an errno value with `*bad_wr` the first
+/// request it did not post.
 ///
 /// # Safety
 ///
 /// `bad_wr` is NULL or valid for a write.
-pub(crate) unsafe fn post_outcome<T>(
-    posting: Result<(), ibal_user::Error>,
+unsafe fn post_chunk<T>(
+    posting: Result<usize, ibal_user::Error>,
     ptrs: &[*mut T],
-    first: *mut T,
-    refused: Option<(*mut T, c_int)>,
     bad_wr: *mut *mut T,
 ) -> c_int {
-    if let Err(error) = posting {
-        let posted = match &error {
-            ibal_user::Error::Refused { posted, .. } => *posted,
-            _ => 0,
-        };
-        // SAFETY: the contract.
-        unsafe { set_bad(bad_wr, ptrs.get(posted).copied().unwrap_or(first)) };
-        return errno_of(&error);
-    }
-    match refused {
-        Some((at, errno)) => {
-            // SAFETY: the contract.
-            unsafe { set_bad(bad_wr, at) };
-            errno
+    match posting {
+        Ok(_) => 0,
+        Err(error) => {
+            let posted = match &error {
+                ibal_user::Error::Refused { posted, .. } => *posted,
+                _ => 0,
+            };
+            if let Some(&at) = ptrs.get(posted).or(ptrs.first()) {
+                // SAFETY: the contract.
+                unsafe { set_bad(bad_wr, at) };
+            }
+            errno_of(&error)
         }
-        None => 0,
     }
 }
 
 /// `ops.post_send` (`ibv_post_send`): the list's requests, posted in user
-/// mode with one doorbell. 0, or an errno value with `*bad_wr` the first
+/// mode, [`CHUNK`] at a time (one doorbell each), with no lock, lookup or
+/// heap allocation on the way (the QP found by its pointer,
+/// [`crate::slots`]). 0, or an errno value with `*bad_wr` the first
 /// request not posted (those before it were): `EINVAL` for a malformed
-/// request, an unknown opcode or AH, or a QP not ours; the plugin's
-/// refusal otherwise (`ENOMEM` for a full queue).
+/// request, an unknown opcode or AH, or a QP not ours or destroyed; the
+/// plugin's refusal otherwise (`ENOMEM` for a full queue).
 ///
 /// # Safety
 ///
@@ -659,52 +730,101 @@ pub(crate) unsafe extern "C" fn post_send(
     bad_wr: *mut *mut IbvSendWr,
 ) -> c_int {
     guard(libc::EIO, || {
-        let Some(found) = qp_at(qp) else {
+        // SAFETY: the contract, passed on.
+        let posted = QPS.with(qp, |found| unsafe { post_send_list(found, wr, bad_wr) });
+        posted.unwrap_or_else(|| {
             // SAFETY: the contract.
             unsafe { set_bad(bad_wr, wr) };
-            return libc::EINVAL;
-        };
-        let mut ptrs = Vec::new();
-        let mut parts = Vec::new();
+            libc::EINVAL
+        })
+    })
+}
+
+/// [`post_send`] on a live QP.
+///
+/// # Safety
+///
+/// As [`post_send`]'s.
+unsafe fn post_send_list(
+    found: &QueuePair,
+    first: *mut IbvSendWr,
+    bad_wr: *mut *mut IbvSendWr,
+) -> c_int {
+    // SAFETY: NULL or a valid request (the contract).
+    if let Some(one) = unsafe { first.as_ref() }
+        && one.next.is_null()
+    {
+        // One request, its inline data (if any) in place: no chunk.
+        // SAFETY: as above.
+        match unsafe { send_parts(one, found.qp_type, None, true) } {
+            Ok(Some(p)) => {
+                let request = UserSend {
+                    wr: p.wr,
+                    inline: match p.inline {
+                        InlineBytes::InPlace(bytes) => bytes,
+                        InlineBytes::Gathered(_) => None,
+                    },
+                };
+                let posting = found.qp.post_send(std::slice::from_ref(&request));
+                // SAFETY: the contract.
+                return unsafe { post_chunk(posting, &[first], bad_wr) };
+            }
+            Ok(None) => {}
+            Err(errno) => {
+                // SAFETY: the contract.
+                unsafe { set_bad(bad_wr, first) };
+                return errno;
+            }
+        }
+    }
+    let mut at = first;
+    while !at.is_null() {
+        let mut ptrs: SmallVec<[*mut IbvSendWr; CHUNK]> = SmallVec::new();
+        let mut parts: SmallVec<[SendParts<'_>; CHUNK]> = SmallVec::new();
+        let mut gathered: SmallVec<[u8; CHUNK_INLINE]> = SmallVec::new();
         let mut refused = None;
-        let mut at = wr;
-        while !at.is_null() {
+        while !at.is_null() && ptrs.len() < CHUNK {
             // SAFETY: a valid list (the contract).
             let one = unsafe { &*at };
+            let chunk_empty = ptrs.is_empty();
             // SAFETY: as above.
-            match unsafe { send_parts(one, found.qp_type) } {
-                Ok(p) => {
+            match unsafe { send_parts(one, found.qp_type, Some(&mut gathered), chunk_empty) } {
+                Ok(Some(p)) => {
                     parts.push(p);
                     ptrs.push(at);
+                    at = one.next;
                 }
+                Ok(None) => break,
                 Err(errno) => {
                     refused = Some((at, errno));
                     break;
                 }
             }
-            at = one.next;
         }
-        let requests: Vec<UserSend<'_>> = parts
-            .iter()
-            .map(|p| UserSend {
-                wr: SendWr {
-                    wr_id: p.wr_id,
-                    op: p.op,
-                    flags: p.flags,
-                    sg_list: &p.sges,
-                    ud: p.ud,
-                },
-                inline: p.inline.as_deref(),
-            })
-            .collect();
-        let posting = if requests.is_empty() {
-            Ok(())
-        } else {
-            found.qp.post_send(&requests).map(drop)
-        };
-        // SAFETY: the contract.
-        unsafe { post_outcome(posting, &ptrs, wr, refused, bad_wr) }
-    })
+        if !parts.is_empty() {
+            let mut requests: SmallVec<[UserSend<'_>; CHUNK]> = SmallVec::new();
+            for p in &parts {
+                requests.push(UserSend {
+                    wr: p.wr,
+                    inline: match &p.inline {
+                        InlineBytes::InPlace(bytes) => *bytes,
+                        InlineBytes::Gathered(range) => gathered.get(range.clone()),
+                    },
+                });
+            }
+            // SAFETY: the contract.
+            let errno = unsafe { post_chunk(found.qp.post_send(&requests), &ptrs, bad_wr) };
+            if errno != 0 {
+                return errno;
+            }
+        }
+        if let Some((at, errno)) = refused {
+            // SAFETY: the contract.
+            unsafe { set_bad(bad_wr, at) };
+            return errno;
+        }
+    }
+    0
 }
 
 /// `ops.post_recv` (`ibv_post_recv`): as [`post_send`] for receives; a
@@ -720,44 +840,90 @@ pub(crate) unsafe extern "C" fn post_recv(
     bad_wr: *mut *mut IbvRecvWr,
 ) -> c_int {
     guard(libc::EIO, || {
-        let Some(found) = qp_at(qp) else {
+        // SAFETY: the contract, passed on.
+        let posted = QPS.with(qp, |found| unsafe {
+            post_recv_list(wr, bad_wr, |requests| found.qp.post_recv(requests))
+        });
+        posted.unwrap_or_else(|| {
             // SAFETY: the contract.
             unsafe { set_bad(bad_wr, wr) };
-            return libc::EINVAL;
+            libc::EINVAL
+        })
+    })
+}
+
+/// A receive list converted and handed to `post` (a live QP's receive
+/// queue, or an SRQ's: `crate::srq`), [`CHUNK`] requests at a time, with
+/// no heap allocation: 0, or an errno value with `*bad_wr` the first
+/// request not posted.
+///
+/// # Safety
+///
+/// As [`post_recv`]'s.
+pub(crate) unsafe fn post_recv_list(
+    first: *mut IbvRecvWr,
+    bad_wr: *mut *mut IbvRecvWr,
+    post: impl Fn(&[RecvWr<'_>]) -> Result<usize, ibal_user::Error>,
+) -> c_int {
+    // SAFETY: NULL or a valid request (the contract).
+    if let Some(one) = unsafe { first.as_ref() }
+        && one.next.is_null()
+    {
+        // One request: no chunk.
+        // SAFETY: as above.
+        return match unsafe { sges_of(one.sg_list, one.num_sge) } {
+            Ok(sg_list) => {
+                let request = RecvWr {
+                    wr_id: one.wr_id,
+                    sg_list,
+                };
+                let posting = post(std::slice::from_ref(&request));
+                // SAFETY: the contract.
+                unsafe { post_chunk(posting, &[first], bad_wr) }
+            }
+            Err(errno) => {
+                // SAFETY: the contract.
+                unsafe { set_bad(bad_wr, first) };
+                errno
+            }
         };
-        let mut ptrs = Vec::new();
-        let mut lists = Vec::new();
+    }
+    let mut at = first;
+    while !at.is_null() {
+        let mut ptrs: SmallVec<[*mut IbvRecvWr; CHUNK]> = SmallVec::new();
+        let mut requests: SmallVec<[RecvWr<'_>; CHUNK]> = SmallVec::new();
         let mut refused = None;
-        let mut at = wr;
-        while !at.is_null() {
+        while !at.is_null() && ptrs.len() < CHUNK {
             // SAFETY: a valid list (the contract).
             let one = unsafe { &*at };
             // SAFETY: as above.
             match unsafe { sges_of(one.sg_list, one.num_sge) } {
-                Ok(sges) => {
-                    lists.push((one.wr_id, sges));
+                Ok(sg_list) => {
+                    requests.push(RecvWr {
+                        wr_id: one.wr_id,
+                        sg_list,
+                    });
                     ptrs.push(at);
+                    at = one.next;
                 }
                 Err(errno) => {
                     refused = Some((at, errno));
                     break;
                 }
             }
-            at = one.next;
         }
-        let requests: Vec<RecvWr<'_>> = lists
-            .iter()
-            .map(|(wr_id, sges)| RecvWr {
-                wr_id: *wr_id,
-                sg_list: sges,
-            })
-            .collect();
-        let posting = if requests.is_empty() {
-            Ok(())
-        } else {
-            found.qp.post_recv(&requests).map(drop)
-        };
-        // SAFETY: the contract.
-        unsafe { post_outcome(posting, &ptrs, wr, refused, bad_wr) }
-    })
+        if !requests.is_empty() {
+            // SAFETY: the contract.
+            let errno = unsafe { post_chunk(post(&requests), &ptrs, bad_wr) };
+            if errno != 0 {
+                return errno;
+            }
+        }
+        if let Some((at, errno)) = refused {
+            // SAFETY: the contract.
+            unsafe { set_bad(bad_wr, at) };
+            return errno;
+        }
+    }
+    0
 }

@@ -3,8 +3,11 @@
 //! `ops.post_srq_recv`, over [`ibal_user::SharedSrq`] (which owns its PD;
 //! posts go through the linked plugin's fast path, no kernel call).
 //!
-//! An SRQ is an `ibv_srq` followed by the access library's SRQ and the PD
-//! it was made in; it counts as a child of its PD, and counts the QPs
+//! An SRQ's `ibv_srq` is the front of its slot in the SRQ table
+//! (`crate::slots`, as QPs'), and the slot holds the access library's SRQ
+//! and the PD it was made in: `ops.post_srq_recv` reaches it from the
+//! program's pointer with no lock, lookup or allocation, converting the
+//! list as `ops.post_recv` does (`crate::qp`). It counts as a child of its PD, and counts the QPs
 //! made on it (`crate::qp`: their receives come from it, and
 //! `ibv_post_recv` on them is refused with `EINVAL` as rdma-core's
 //! software providers refuse it): `ibv_destroy_srq` is `EBUSY` while any
@@ -19,34 +22,33 @@
 //! `verbs_context` slot is NULL, so the inline answers `EOPNOTSUPP`.
 
 use std::ffi::c_int;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 
 use ib_types::srq::{SrqAttr, SrqModify};
-use ib_types::wr::RecvWr;
 use ibal_user::SharedSrq;
 use ibverbs_abi::{
     IBV_SRQ_LIMIT, IBV_SRQ_MAX_WR, IbvPd, IbvRecvWr, IbvSrq, IbvSrqAttr, IbvSrqInitAttr,
 };
 
-use crate::memory::{ProtectionDomain, Registry, lock, pd_for_child, remember, truncated_handle};
-use crate::qp::{post_outcome, set_bad, sges_of};
+use crate::memory::{ProtectionDomain, pd_for_child, truncated_handle};
+use crate::qp::{post_recv_list, set_bad};
+use crate::slots::{Lease, Table};
 use crate::util::{errno_of, guard, set_errno};
 
-/// A shared receive queue: rdma-core's `ibv_srq` first, then the access
-/// library's SRQ and the PD it was made in.
-#[repr(C)]
+/// A shared receive queue: rdma-core's `ibv_srq` at the front of its slot
+/// in [`SRQS`], then the access library's SRQ and the PD it was made in.
 pub(crate) struct SharedReceiveQueue {
-    raw: IbvSrq,
+    raw: Lease<IbvSrq, SharedReceiveQueue>,
     pub(crate) srq: Arc<SharedSrq>,
     pd: Arc<ProtectionDomain>,
     /// QPs receiving from it and not destroyed: destroying it is `EBUSY`.
     pub(crate) children: AtomicUsize,
 }
 
-// SAFETY: `raw`'s pointers name the context and PD this SRQ holds (`pd`)
-// and the program's `srq_context` (never dereferenced); `raw` is never
-// written after the SRQ is built (its pthread mutex and condition are
+// SAFETY: the `ibv_srq` in `raw`'s slot names the context and PD this SRQ
+// holds (`pd`) and the program's `srq_context` (never dereferenced); it is
+// written when the slot is reserved and never after (its pthread mutex and condition are
 // unused).
 unsafe impl Send for SharedReceiveQueue {}
 // SAFETY: as for `Send`: shared references only read `raw`.
@@ -54,15 +56,16 @@ unsafe impl Sync for SharedReceiveQueue {}
 
 impl SharedReceiveQueue {
     pub(crate) fn as_ptr(&self) -> *mut IbvSrq {
-        std::ptr::from_ref(&self.raw).cast_mut()
+        self.raw.get()
     }
 }
 
-static SRQS: Registry<SharedReceiveQueue> = Mutex::new(None);
+/// The live SRQs, found by the `ibv_srq` pointer (`crate::slots`).
+static SRQS: Table<IbvSrq, SharedReceiveQueue> = Table::new();
 
-/// The SRQ `ptr` names, if it is one of ours.
+/// The SRQ `ptr` names, if it is one of ours and live.
 pub(crate) fn srq_at(ptr: *const IbvSrq) -> Option<Arc<SharedReceiveQueue>> {
-    lock(&SRQS).as_ref()?.get(&(ptr as usize)).cloned()
+    SRQS.get(ptr)
 }
 
 /// `ibv_create_srq(pd, srq_init_attr)`: an SRQ of at least `attr.max_wr`
@@ -107,25 +110,32 @@ fn create_srq(pd: *mut IbvPd, init: &mut IbvSrqInitAttr) -> Result<*mut IbvSrq, 
             return Err(errno_of(&error));
         }
     };
+    let raw = SRQS.reserve(IbvSrq {
+        context: pd.raw.context,
+        srq_context: init.srq_context,
+        pd: pd.as_ptr(),
+        handle: truncated_handle(srq.handle()),
+        mutex: Default::default(),
+        cond: Default::default(),
+        events_completed: 0,
+    });
+    let Some(raw) = raw else {
+        // Dropping it destroys it.
+        drop(srq);
+        pd.children.fetch_sub(1, Ordering::AcqRel);
+        return Err(libc::ENOMEM);
+    };
     let granted = srq.attr();
     init.attr.max_wr = granted.max_wr;
     init.attr.max_sge = granted.max_sge;
     let made = Arc::new(SharedReceiveQueue {
-        raw: IbvSrq {
-            context: pd.raw.context,
-            srq_context: init.srq_context,
-            pd: pd.as_ptr(),
-            handle: truncated_handle(srq.handle()),
-            mutex: Default::default(),
-            cond: Default::default(),
-            events_completed: 0,
-        },
+        raw,
         srq: Arc::new(srq),
         pd,
         children: AtomicUsize::new(0),
     });
     let ptr = made.as_ptr();
-    remember(&SRQS, ptr as usize, made);
+    SRQS.publish(&made.raw, Arc::clone(&made));
     Ok(ptr)
 }
 
@@ -210,24 +220,19 @@ pub unsafe extern "C" fn ibv_query_srq(srq: *mut IbvSrq, attr: *mut IbvSrqAttr) 
 /// None beyond C's: the pointer is checked against the live SRQs.
 pub unsafe extern "C" fn ibv_destroy_srq(srq: *mut IbvSrq) -> c_int {
     guard(libc::EIO, || {
-        let taken = {
-            let mut srqs = lock(&SRQS);
-            let Some(srqs) = srqs.as_mut() else {
-                return libc::EINVAL;
-            };
-            match srqs.get(&(srq as usize)) {
-                None => return libc::EINVAL,
-                Some(found) if found.children.load(Ordering::Acquire) != 0 => {
-                    return libc::EBUSY;
-                }
-                Some(_) => srqs.remove(&(srq as usize)),
-            }
-        };
-        let Some(taken) = taken else {
+        match SRQS.with(srq, |found| found.children.load(Ordering::Acquire)) {
+            None => return libc::EINVAL,
+            Some(0) => {}
+            Some(_) => return libc::EBUSY,
+        }
+        // Waits for the posts inside it; every later one is refused. A QP
+        // made on it meanwhile makes the device refuse the destroy (busy):
+        // the SRQ is live again.
+        let Some(taken) = SRQS.take(srq) else {
             return libc::EINVAL;
         };
         if let Err(error) = taken.srq.destroy() {
-            remember(&SRQS, srq as usize, taken);
+            SRQS.publish(&taken.raw, Arc::clone(&taken));
             return errno_of(&error);
         }
         taken.pd.children.fetch_sub(1, Ordering::AcqRel);
@@ -236,10 +241,11 @@ pub unsafe extern "C" fn ibv_destroy_srq(srq: *mut IbvSrq) -> c_int {
 }
 
 /// `ops.post_srq_recv` (`ibv_post_srq_recv`): the list's receives, posted
-/// to the SRQ in user mode with one record store. 0, or an errno value
-/// with `*bad_wr` the first request not posted (those before it were):
-/// `EINVAL` for a malformed request (a negative SGE count, a NULL list)
-/// or an SRQ not ours; the plugin's refusal otherwise (`ENOMEM` for a full
+/// to the SRQ in user mode as `ops.post_recv` posts a QP's (the same
+/// conversion, a record store per chunk, no lock, lookup or allocation).
+/// 0, or an errno value with `*bad_wr` the first request not posted
+/// (those before it were): `EINVAL` for a malformed request (a negative
+/// SGE count, a NULL list) or an SRQ not ours or destroyed; the plugin's refusal otherwise (`ENOMEM` for a full
 /// queue, `EINVAL` for more SGEs than the SRQ holds).
 ///
 /// # Safety
@@ -251,44 +257,14 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
     bad_wr: *mut *mut IbvRecvWr,
 ) -> c_int {
     guard(libc::EIO, || {
-        let Some(found) = srq_at(srq) else {
+        // SAFETY: the contract, passed on.
+        let posted = SRQS.with(srq, |found| unsafe {
+            post_recv_list(wr, bad_wr, |requests| found.srq.post_recv(requests))
+        });
+        posted.unwrap_or_else(|| {
             // SAFETY: the contract.
             unsafe { set_bad(bad_wr, wr) };
-            return libc::EINVAL;
-        };
-        let mut ptrs = Vec::new();
-        let mut lists = Vec::new();
-        let mut refused = None;
-        let mut at = wr;
-        while !at.is_null() {
-            // SAFETY: a valid list (the contract).
-            let one = unsafe { &*at };
-            // SAFETY: as above.
-            match unsafe { sges_of(one.sg_list, one.num_sge) } {
-                Ok(sges) => {
-                    lists.push((one.wr_id, sges));
-                    ptrs.push(at);
-                }
-                Err(errno) => {
-                    refused = Some((at, errno));
-                    break;
-                }
-            }
-            at = one.next;
-        }
-        let requests: Vec<RecvWr<'_>> = lists
-            .iter()
-            .map(|(wr_id, sges)| RecvWr {
-                wr_id: *wr_id,
-                sg_list: sges,
-            })
-            .collect();
-        let posting = if requests.is_empty() {
-            Ok(())
-        } else {
-            found.srq.post_recv(&requests).map(drop)
-        };
-        // SAFETY: the contract.
-        unsafe { post_outcome(posting, &ptrs, wr, refused, bad_wr) }
+            libc::EINVAL
+        })
     })
 }
