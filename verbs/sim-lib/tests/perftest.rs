@@ -291,6 +291,18 @@ fn ib_send_bw_with_completion_events_runs() {
     );
 }
 
+/// Receives from a shared receive queue (`--use-srq`).
+#[test]
+fn ib_send_bw_with_a_shared_receive_queue_runs() {
+    run_pair(
+        "ib_send_bw",
+        "send_bw_srq",
+        (41, 42),
+        &["--use-srq", "-s", "4096", "-n", "50"],
+        send_bw(4096, 50),
+    );
+}
+
 /// UD: the size is the port's MTU (4096) at most.
 #[test]
 fn ib_send_bw_over_ud_runs() {
