@@ -39,6 +39,7 @@ use ibverbs_abi::{
 };
 
 use crate::ah::{av_attr, av_handle_at};
+use crate::async_events::ObjectKind;
 use crate::cq::{CompletionQueue, cq_at};
 use crate::memory::{ProtectionDomain, Registry, lock, pd_for_child, remember, truncated_handle};
 use crate::srq::{SharedReceiveQueue, srq_at};
@@ -194,13 +195,20 @@ fn create_qp(pd: *mut IbvPd, init: &mut IbvQpInitAttr) -> Result<*mut IbvQp, c_i
         srq,
     });
     let ptr = made.as_ptr();
+    let handle = made.qp.handle();
+    made.pd
+        .context
+        .events
+        .track(ObjectKind::Qp, handle, ptr as usize);
     remember(&QPS, ptr as usize, made);
     Ok(ptr)
 }
 
-/// `ibv_destroy_qp(qp)`: `DestroyQp`. 0, or an errno value: `EINVAL` for
-/// a QP not ours (or a second destroy), the kernel's refusal (the QP
-/// stays) otherwise.
+/// `ibv_destroy_qp(qp)`: `DestroyQp`, then, as rdma-core, waits until
+/// every asynchronous event delivered for it was acknowledged (those not
+/// taken yet are dropped). 0, or an errno value: `EINVAL` for a QP not
+/// ours (or a second destroy), the kernel's refusal (the QP stays)
+/// otherwise.
 ///
 /// # Safety
 ///
@@ -217,6 +225,7 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut IbvQp) -> c_int {
             remember(&QPS, qp as usize, found);
             return errno_of(&error);
         }
+        found.pd.context.events.forget(qp as usize);
         found.send_cq.children.fetch_sub(1, Ordering::AcqRel);
         found.recv_cq.children.fetch_sub(1, Ordering::AcqRel);
         if let Some(srq) = &found.srq {

@@ -154,11 +154,14 @@ fn it_exports_every_libibverbs_symbol_debians_tools_import_with_its_version() {
         SONAME,
         &["IBVERBS_"],
         // The SRQ and AH verbs no surveyed tool imports, offered to
-        // complete the sets (docs/libibverbs.md, "Exports").
+        // complete the sets, and the asynchronous event verbs (Debian's
+        // `ibv_asyncwatch` imports them) (docs/libibverbs.md, "Exports").
         &[
             "ibv_modify_srq@IBVERBS_1.1",
             "ibv_query_srq@IBVERBS_1.1",
             "ibv_init_ah_from_wc@IBVERBS_1.1",
+            "ibv_get_async_event@IBVERBS_1.1",
+            "ibv_ack_async_event@IBVERBS_1.1",
         ],
     );
     // The linked plugin's DLL entry points (`#[no_mangle]` in uvp-plugin,
