@@ -660,6 +660,13 @@ fn structs(p: &mut Probes) {
         "struct ibv_pci_atomic_caps",
         [fetch_add, swap, compare_swap]
     );
+    layout!(p, IbvQueryDeviceExInput, "struct ibv_query_device_ex_input");
+    fields!(
+        p,
+        IbvQueryDeviceExInput,
+        "struct ibv_query_device_ex_input",
+        [comp_mask]
+    );
     layout!(p, IbvDeviceAttrEx, "struct ibv_device_attr_ex");
     fields!(
         p,

@@ -8,7 +8,7 @@ use ibal_user::{CaSelector, list_cas};
 use ibverbs_abi::{IbvContext, IbvDevice, VERBS_ABI_IS_EXTENDED, VerbsContext};
 
 use crate::async_events::AsyncEvents;
-use crate::query::query_port_ex;
+use crate::query::{query_device_ex, query_port_ex};
 use crate::state::{
     Context, NoMachine, context_at, device_at, device_for, forget_context, forget_list, machine,
     remember_context, remember_list,
@@ -170,9 +170,10 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut IbvDevice) -> *mut IbvCont
 }
 
 /// The `verbs_context` of a new context on `device`: extended
-/// (`abi_compat` all ones), its size covering every member, and the one
-/// extended operation the surveyed tools' inlines reach (`query_port`);
-/// the others stay NULL, which the inlines turn into a fallback or
+/// (`abi_compat` all ones), its size covering every member, the extended
+/// operations the surveyed tools' inlines reach (`query_port`,
+/// `query_device_ex`), and `async_fd` the context's event descriptor; the
+/// other operations stay NULL, which the inlines turn into a fallback or
 /// `EOPNOTSUPP` (docs/libibverbs.md).
 fn new_verbs_context(device: *mut IbvDevice, async_fd: c_int) -> VerbsContext {
     VerbsContext {
@@ -203,7 +204,7 @@ fn new_verbs_context(device: *mut IbvDevice, async_fd: c_int) -> VerbsContext {
         query_rt_values: None,
         create_cq_ex: None,
         priv_: std::ptr::null_mut(),
-        query_device_ex: None,
+        query_device_ex: Some(query_device_ex),
         ibv_destroy_flow: None,
         abi_placeholder2: None,
         ibv_create_flow: None,

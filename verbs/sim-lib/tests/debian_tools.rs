@@ -267,6 +267,26 @@ fn ibv_devinfo_prints_what_the_access_library_reports() {
     ] {
         assert_eq!(got.get(key), Some(&value), "{key} in:\n{stdout}");
     }
+    // The extended attributes come from our `query_device_ex`: the
+    // extended capability flags are the base ones (not the zero of the
+    // inline's fallback), the rest absent.
+    let flags = got
+        .get("device_cap_flags")
+        .and_then(|hex| u32::from_str_radix(hex.trim_start_matches("0x"), 16).ok())
+        .unwrap_or_else(|| panic!("device_cap_flags in:\n{stdout}"));
+    assert_ne!(flags, 0);
+    assert_eq!(
+        got.get("device_cap_flags_ex"),
+        Some(&format!("0x{flags:X}")),
+        "device_cap_flags_ex in:\n{stdout}"
+    );
+    for absent in [
+        "completion_timestamp_mask not supported",
+        "core clock not supported",
+        "tag matching not supported",
+    ] {
+        assert!(stdout.contains(absent), "{absent:?} in:\n{stdout}");
+    }
     // The port's address is the one the variable pinned.
     assert_eq!(gid0, tools.address.to_ipv6_mapped());
     assert_clean_exit(&output, "ibv_devinfo -v", 0);
