@@ -334,6 +334,46 @@ fn a_bad_device_name_or_port_gets_the_tools_own_error() {
 /// error; it exits without closing the device, and the process's exit
 /// closes it: the machine still ends cleanly.
 #[test]
+fn ibv_asyncwatch_waits_on_our_async_fd_a_real_eventfd() {
+    use std::io::{BufRead, BufReader};
+    let tools = Tools::new("ibv_asyncwatch", 9);
+    let child = tools
+        .command("ibv_asyncwatch", &[])
+        .env(ADDRESS_VARIABLE, tools.address.to_string())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut watch = Background(child);
+    let stdout = watch.0.stdout.take().unwrap();
+    let (sender, first_line) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = sender.send(line);
+    });
+    let line = first_line
+        .recv_timeout(Duration::from_secs(20))
+        .expect("ibv_asyncwatch prints its descriptor within 20 s");
+    // rdma-core's asyncwatch prints the context's `async_fd`, then blocks
+    // in `ibv_get_async_event`: nothing outside its process raises an
+    // event on its machine.
+    let fd: u32 = line
+        .trim()
+        .strip_prefix("simhca0: async event FD ")
+        .and_then(|fd| fd.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    let target = std::fs::read_link(format!("/proc/{}/fd/{fd}", watch.0.id())).unwrap();
+    assert_eq!(target.to_str(), Some("anon_inode:[eventfd]"));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        watch.0.try_wait().unwrap().is_none(),
+        "it waits for an event"
+    );
+}
+
+#[test]
 fn perftest_runs_on_our_libraries_until_its_connection_and_its_exit_closes_the_device() {
     let tools = Tools::new("ib_write_bw", 4);
     // A port nothing listens on.
