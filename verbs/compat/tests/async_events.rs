@@ -7,10 +7,12 @@
 //! each other on the port, then disarmed as `ibv_query_srq` shows), the
 //! send queue drained (`IBV_QP_EN_SQD_ASYNC_NOTIFY`), and a remote access
 //! error (an RDMA write with an R_Key the responder does not have: the
-//! responder's `IBV_EVENT_QP_ACCESS_ERR`). The destroy rule: `ibv_destroy_qp` of a QP
-//! with an event taken and not acknowledged waits for
-//! `ibv_ack_async_event` (a thread destroys, the test acknowledges), and an
-//! event of an object destroyed before it was taken is dropped. Then a
+//! responder's `IBV_EVENT_QP_ACCESS_ERR`), and a CQ overrun
+//! (`IBV_EVENT_CQ_ERR` naming the CQ). The destroy rule: `ibv_destroy_qp`
+//! and `ibv_destroy_cq` of an object with an event taken and not
+//! acknowledged wait for `ibv_ack_async_event` (a thread destroys, the
+//! test acknowledges), and an event of an object destroyed before it was
+//! taken is dropped. Then a
 //! clean shutdown (the event thread ended by `ibv_close_device`).
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
@@ -21,16 +23,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use ibverbs_abi::{
-    IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_WRITE, IBV_EVENT_QP_ACCESS_ERR, IBV_EVENT_SQ_DRAINED,
-    IBV_EVENT_SRQ_LIMIT_REACHED, IBV_MTU_1024, IBV_QP_ACCESS_FLAGS, IBV_QP_AV, IBV_QP_DEST_QPN,
-    IBV_QP_EN_SQD_ASYNC_NOTIFY, IBV_QP_MAX_DEST_RD_ATOMIC, IBV_QP_MAX_QP_RD_ATOMIC,
-    IBV_QP_MIN_RNR_TIMER, IBV_QP_PATH_MTU, IBV_QP_PKEY_INDEX, IBV_QP_PORT, IBV_QP_RETRY_CNT,
-    IBV_QP_RNR_RETRY, IBV_QP_RQ_PSN, IBV_QP_SQ_PSN, IBV_QP_STATE, IBV_QP_TIMEOUT, IBV_QPS_INIT,
-    IBV_QPS_RTR, IBV_QPS_RTS, IBV_QPS_SQD, IBV_QPT_RC, IBV_SEND_SIGNALED, IBV_SRQ_LIMIT,
-    IBV_WC_RECV, IBV_WC_REM_ACCESS_ERR, IBV_WC_SEND, IBV_WC_SUCCESS, IBV_WR_RDMA_WRITE,
-    IBV_WR_SEND, IbvAhAttr, IbvAsyncEvent, IbvContext, IbvCq, IbvGid, IbvGlobalRoute, IbvPd, IbvQp,
-    IbvQpAttr, IbvQpCap, IbvQpInitAttr, IbvRecvWr, IbvSendWr, IbvSendWrRdma, IbvSendWrWr, IbvSge,
-    IbvSrq, IbvSrqAttr, IbvSrqInitAttr, IbvWc,
+    IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_WRITE, IBV_EVENT_CQ_ERR, IBV_EVENT_QP_ACCESS_ERR,
+    IBV_EVENT_QP_FATAL, IBV_EVENT_SQ_DRAINED, IBV_EVENT_SRQ_LIMIT_REACHED, IBV_MTU_1024,
+    IBV_QP_ACCESS_FLAGS, IBV_QP_AV, IBV_QP_DEST_QPN, IBV_QP_EN_SQD_ASYNC_NOTIFY,
+    IBV_QP_MAX_DEST_RD_ATOMIC, IBV_QP_MAX_QP_RD_ATOMIC, IBV_QP_MIN_RNR_TIMER, IBV_QP_PATH_MTU,
+    IBV_QP_PKEY_INDEX, IBV_QP_PORT, IBV_QP_RETRY_CNT, IBV_QP_RNR_RETRY, IBV_QP_RQ_PSN,
+    IBV_QP_SQ_PSN, IBV_QP_STATE, IBV_QP_TIMEOUT, IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS,
+    IBV_QPS_SQD, IBV_QPT_RC, IBV_SEND_SIGNALED, IBV_SRQ_LIMIT, IBV_WC_RECV, IBV_WC_REM_ACCESS_ERR,
+    IBV_WC_SEND, IBV_WC_SUCCESS, IBV_WR_RDMA_WRITE, IBV_WR_SEND, IbvAhAttr, IbvAsyncEvent,
+    IbvContext, IbvCq, IbvGid, IbvGlobalRoute, IbvPd, IbvQp, IbvQpAttr, IbvQpCap, IbvQpInitAttr,
+    IbvRecvWr, IbvSendWr, IbvSendWrRdma, IbvSendWrWr, IbvSge, IbvSrq, IbvSrqAttr, IbvSrqInitAttr,
+    IbvWc,
 };
 use ibverbs_compat::{self as verbs};
 
@@ -83,16 +86,24 @@ fn readable(fd: c_int, timeout: Duration) -> bool {
     ready == 1 && poll.revents & libc::POLLIN != 0
 }
 
-/// The next event, waiting for the descriptor to become readable first
-/// (it is non-blocking).
+/// The next event, as a program with a non-blocking descriptor takes it:
+/// `poll`, then `ibv_get_async_event`, again on `EAGAIN` (the count an
+/// event dropped by a destroy left makes the descriptor readable once
+/// with nothing to take).
 fn next_event(context: *mut IbvContext, fd: c_int) -> IbvAsyncEvent {
-    assert!(readable(fd, Duration::from_secs(20)), "no event in 20 s");
-    // SAFETY: an all-zero event is a valid value (a NULL element).
-    let mut event: IbvAsyncEvent = unsafe { std::mem::zeroed() };
-    // SAFETY: `event` is valid for a write; the context is checked.
-    let answer = unsafe { verbs::ibv_get_async_event(context, &mut event) };
-    assert_eq!(answer, 0, "errno {}", errno());
-    event
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(readable(fd, left), "no event in 20 s");
+        // SAFETY: an all-zero event is a valid value (a NULL element).
+        let mut event: IbvAsyncEvent = unsafe { std::mem::zeroed() };
+        clear_errno();
+        // SAFETY: `event` is valid for a write; the context is checked.
+        match unsafe { verbs::ibv_get_async_event(context, &mut event) } {
+            0 => return event,
+            _ => assert_eq!(errno(), libc::EAGAIN),
+        }
+    }
 }
 
 /// Polls `cq` (through `ops.poll_cq`) for one completion.
@@ -112,7 +123,9 @@ fn poll_one(context: *mut IbvContext, cq: *mut IbvCq) -> IbvWc {
     }
 }
 
-fn create_rc_qp(pd: *mut IbvPd, cq: *mut IbvCq, srq: *mut IbvSrq) -> *mut IbvQp {
+/// An RC QP on `cq`; its receives from `srq`, or its own queue of
+/// `recv_wr` when `srq` is NULL.
+fn create_rc_qp(pd: *mut IbvPd, cq: *mut IbvCq, srq: *mut IbvSrq, recv_wr: u32) -> *mut IbvQp {
     let mut init = IbvQpInitAttr {
         qp_context: null_mut(),
         send_cq: cq,
@@ -120,7 +133,7 @@ fn create_rc_qp(pd: *mut IbvPd, cq: *mut IbvCq, srq: *mut IbvSrq) -> *mut IbvQp 
         srq,
         cap: IbvQpCap {
             max_send_wr: 8,
-            max_recv_wr: if srq.is_null() { 1 } else { 0 },
+            max_recv_wr: if srq.is_null() { recv_wr } else { 0 },
             max_send_sge: 1,
             max_recv_sge: 1,
             max_inline_data: 0,
@@ -218,6 +231,23 @@ fn connect(qp: *mut IbvQp, remote: u32, gid: IbvGid, access: u32) {
     );
 }
 
+/// `count` zero-length receives posted to `qp`'s own queue.
+fn post_receives(context: *mut IbvContext, qp: *mut IbvQp, count: u32) {
+    // SAFETY: the open context.
+    let post_recv = unsafe { (*context).ops.post_recv }.unwrap();
+    for i in 0..count {
+        let mut receive = IbvRecvWr {
+            wr_id: 200 + u64::from(i),
+            next: null_mut(),
+            sg_list: null_mut(),
+            num_sge: 0,
+        };
+        let mut bad = null_mut();
+        // SAFETY: a valid request and out-pointer.
+        assert_eq!(unsafe { post_recv(qp, &mut receive, &mut bad) }, 0);
+    }
+}
+
 fn post_send(context: *mut IbvContext, qp: *mut IbvQp, wr: &mut IbvSendWr) {
     // SAFETY: the open context.
     let post_send = unsafe { (*context).ops.post_send }.unwrap();
@@ -248,6 +278,11 @@ fn arm_srq_limit(srq: *mut IbvSrq, srq_limit: u32) {
 struct SendPtr(*mut IbvQp);
 // SAFETY: only handed to `ibv_destroy_qp`, which any thread may call.
 unsafe impl Send for SendPtr {}
+
+/// As [`SendPtr`], for a CQ.
+struct SendCq(*mut IbvCq);
+// SAFETY: only handed to `ibv_destroy_cq`, which any thread may call.
+unsafe impl Send for SendCq {}
 
 #[test]
 fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() {
@@ -341,8 +376,8 @@ fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() 
     // Two RC QPs connected to each other on the port: the requester with
     // its own receive queue, the responder on the SRQ, allowing remote
     // writes.
-    let requester = create_rc_qp(pd, cq, null_mut());
-    let responder = create_rc_qp(pd, cq, srq);
+    let requester = create_rc_qp(pd, cq, null_mut(), 1);
+    let responder = create_rc_qp(pd, cq, srq, 0);
     let mut gid = IbvGid::default();
     // SAFETY: `gid` is valid for a write.
     assert_eq!(unsafe { verbs::ibv_query_gid(context, 1, 0, &mut gid) }, 0);
@@ -460,6 +495,74 @@ fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() 
     // SAFETY: the event taken above; its QP is still valid (the destroy
     // waits).
     unsafe { verbs::ibv_ack_async_event(&mut event) };
+    assert_eq!(destroying.join().unwrap(), (0, true));
+
+    // A CQ overrun: a pair of QPs completing on a CQ of few entries that
+    // nobody polls. The CQ's `IBV_EVENT_CQ_ERR` names it (the QP whose
+    // completion did not fit has its own event, acknowledged at once); with
+    // it not acknowledged, `ibv_destroy_cq` waits.
+    // SAFETY: checked against the open contexts.
+    let small = unsafe { verbs::ibv_create_cq(context, 1, null_mut(), null_mut(), 0) };
+    assert!(!small.is_null());
+    // SAFETY: a live CQ of ours.
+    let entries = u32::try_from(unsafe { (*small).cqe }).unwrap();
+    let overrun = entries + 2;
+    let sender = create_rc_qp(pd, small, null_mut(), 1);
+    let receiver = create_rc_qp(pd, small, null_mut(), overrun);
+    post_receives(context, receiver, overrun);
+    // SAFETY: live QPs of ours.
+    let sender_qpn = unsafe { (*sender).qp_num };
+    // SAFETY: as above.
+    let receiver_qpn = unsafe { (*receiver).qp_num };
+    connect(sender, receiver_qpn, gid, 0);
+    connect(receiver, sender_qpn, gid, 0);
+    for i in 0..overrun {
+        // SAFETY: an all-zero request is a valid value.
+        let mut send: IbvSendWr = unsafe { std::mem::zeroed() };
+        send.wr_id = 300 + u64::from(i);
+        send.opcode = IBV_WR_SEND;
+        send.send_flags = IBV_SEND_SIGNALED;
+        post_send(context, sender, &mut send);
+    }
+    let cq_error = loop {
+        let mut event = next_event(context, fd);
+        if event.event_type == IBV_EVENT_CQ_ERR {
+            break event;
+        }
+        // SAFETY: a QP event's element is the QP.
+        let qp = unsafe { event.element.qp };
+        assert!(
+            event.event_type == IBV_EVENT_QP_FATAL && (qp == sender || qp == receiver),
+            "event {}",
+            event.event_type
+        );
+        // SAFETY: the event just taken.
+        unsafe { verbs::ibv_ack_async_event(&mut event) };
+    };
+    // SAFETY: a CQ event's element is the CQ.
+    assert_eq!(unsafe { cq_error.element.cq }, small);
+    // SAFETY: live QPs of ours, each destroyed once (their events acked).
+    assert_eq!(unsafe { verbs::ibv_destroy_qp(sender) }, 0);
+    // SAFETY: as above.
+    assert_eq!(unsafe { verbs::ibv_destroy_qp(receiver) }, 0);
+    let acked = Arc::new(AtomicBool::new(false));
+    let destroying = {
+        let acked = Arc::clone(&acked);
+        let cq = SendCq(small);
+        std::thread::spawn(move || {
+            let cq = cq;
+            // SAFETY: a live CQ of ours.
+            let result = unsafe { verbs::ibv_destroy_cq(cq.0) };
+            (result, acked.load(Ordering::Acquire))
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!destroying.is_finished(), "the destroy waits for the ack");
+    acked.store(true, Ordering::Release);
+    let mut cq_error = cq_error;
+    // SAFETY: the event taken above; its CQ is still valid (the destroy
+    // waits).
+    unsafe { verbs::ibv_ack_async_event(&mut cq_error) };
     assert_eq!(destroying.join().unwrap(), (0, true));
 
     // An event of an object destroyed before it was taken is dropped: the
