@@ -12,7 +12,7 @@
 //! and `ibv_destroy_cq` of an object with an event taken and not
 //! acknowledged wait for `ibv_ack_async_event` (a thread destroys, the
 //! test acknowledges), and an event of an object destroyed before it was
-//! taken is dropped. Then a
+//! taken is dropped (the SRQ responder's last-WQE-reached; a drained QP's). Then a
 //! clean shutdown (the event thread ended by `ibv_close_device`).
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
@@ -565,20 +565,40 @@ fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() 
     unsafe { verbs::ibv_ack_async_event(&mut cq_error) };
     assert_eq!(destroying.join().unwrap(), (0, true));
 
-    // An event of an object destroyed before it was taken is dropped: the
-    // SRQ's limit armed above what it holds fires at once; the SRQ goes
-    // first.
-    arm_srq_limit(srq, depth - SENDS + 1);
-    assert!(readable(fd, Duration::from_secs(20)), "the limit fires");
+    // An event of an object destroyed before it was taken is dropped. The
+    // counts of the events earlier destroys dropped are taken first (the
+    // responder's last-WQE-reached, a QP's fatal error after the CQ's):
+    // nothing is queued.
+    clear_errno();
+    // SAFETY: `event` is valid for a write.
+    let answer = unsafe { verbs::ibv_get_async_event(context, &mut event) };
+    assert_eq!((answer, errno()), (-1, libc::EAGAIN), "nothing queued");
+    assert!(!readable(fd, Duration::ZERO));
+    // A QP connected to itself drained with notification: its event is
+    // queued (the descriptor readable), then the QP is destroyed.
+    let drained = create_rc_qp(pd, cq, null_mut(), 1);
+    // SAFETY: a live QP of ours.
+    let drained_qpn = unsafe { (*drained).qp_num };
+    connect(drained, drained_qpn, gid, 0);
+    assert_eq!(
+        modify(drained, sqd, IBV_QP_STATE | IBV_QP_EN_SQD_ASYNC_NOTIFY),
+        0
+    );
+    assert!(readable(fd, Duration::from_secs(20)), "the QP drained");
+    // SAFETY: a live QP of ours, destroyed once.
+    assert_eq!(unsafe { verbs::ibv_destroy_qp(drained) }, 0);
+    clear_errno();
+    // SAFETY: `event` is valid for a write.
+    let answer = unsafe { verbs::ibv_get_async_event(context, &mut event) };
+    assert_eq!(
+        (answer, errno()),
+        (-1, libc::EAGAIN),
+        "the destroyed QP's event was dropped"
+    );
     // SAFETY: live objects of ours, destroyed once.
     assert_eq!(unsafe { verbs::ibv_destroy_qp(requester) }, 0);
     // SAFETY: as above.
     assert_eq!(unsafe { verbs::ibv_destroy_srq(srq) }, 0);
-    clear_errno();
-    // SAFETY: `event` is valid for a write.
-    let answer = unsafe { verbs::ibv_get_async_event(context, &mut event) };
-    assert_eq!(answer, -1);
-    assert_eq!(errno(), libc::EAGAIN, "the SRQ's event was dropped");
 
     // SAFETY: live objects of ours, each destroyed once.
     assert_eq!(unsafe { verbs::ibv_dereg_mr(mr) }, 0);
