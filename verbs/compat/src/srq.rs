@@ -31,6 +31,7 @@ use ibverbs_abi::{
     IBV_SRQ_LIMIT, IBV_SRQ_MAX_WR, IbvPd, IbvRecvWr, IbvSrq, IbvSrqAttr, IbvSrqInitAttr,
 };
 
+use crate::async_events::ObjectKind;
 use crate::memory::{ProtectionDomain, pd_for_child, truncated_handle};
 use crate::qp::{post_recv_list, set_bad};
 use crate::slots::{Lease, Table};
@@ -135,6 +136,11 @@ fn create_srq(pd: *mut IbvPd, init: &mut IbvSrqInitAttr) -> Result<*mut IbvSrq, 
         children: AtomicUsize::new(0),
     });
     let ptr = made.as_ptr();
+    let handle = made.srq.handle();
+    made.pd
+        .context
+        .events
+        .track(ObjectKind::Srq, handle, ptr as usize);
     SRQS.publish(&made.raw, Arc::clone(&made));
     Ok(ptr)
 }
@@ -211,7 +217,9 @@ pub unsafe extern "C" fn ibv_query_srq(srq: *mut IbvSrq, attr: *mut IbvSrqAttr) 
     })
 }
 
-/// `ibv_destroy_srq(srq)`: `DestroySrq`. 0, or an errno value: `EINVAL`
+/// `ibv_destroy_srq(srq)`: `DestroySrq`, then, as rdma-core, waits until
+/// every asynchronous event delivered for it was acknowledged (those not
+/// taken yet are dropped). 0, or an errno value: `EINVAL`
 /// for an SRQ not ours (or a second destroy), `EBUSY` while QPs receive
 /// from it, the kernel's refusal (the SRQ stays) otherwise.
 ///
@@ -235,6 +243,7 @@ pub unsafe extern "C" fn ibv_destroy_srq(srq: *mut IbvSrq) -> c_int {
             SRQS.publish(&taken.raw, Arc::clone(&taken));
             return errno_of(&error);
         }
+        taken.pd.context.events.forget(srq as usize);
         taken.pd.children.fetch_sub(1, Ordering::AcqRel);
         0
     })
