@@ -11,7 +11,8 @@
 //! (`IBV_EVENT_CQ_ERR` naming the CQ). The destroy rule: `ibv_destroy_qp`
 //! and `ibv_destroy_cq` of an object with an event taken and not
 //! acknowledged wait for `ibv_ack_async_event` (a thread destroys, the
-//! test acknowledges), and an event of an object destroyed before it was
+//! test acknowledges; meanwhile the QP's query and post are refused: its
+//! slot is taken before the kernel destroys it), and an event of an object destroyed before it was
 //! taken is dropped (the SRQ responder's last-WQE-reached; a drained QP's). Then a
 //! clean shutdown (the event thread ended by `ibv_close_device`).
 
@@ -490,6 +491,25 @@ fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() 
     };
     std::thread::sleep(Duration::from_millis(300));
     assert!(!destroying.is_finished(), "the destroy waits for the ack");
+    // While it waits, the QP is out of its slot already: a call on it is
+    // refused, never run on an object the kernel destroyed (the event's
+    // element stays only an address to compare and acknowledge).
+    let mut attr = IbvQpAttr::default();
+    // SAFETY: an all-zero value is valid (pointers NULL).
+    let mut init: IbvQpInitAttr = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointers; the QP is checked.
+    let queried =
+        unsafe { verbs::ibv_query_qp(responder, &mut attr, IBV_QP_STATE as c_int, &mut init) };
+    assert_eq!(queried, libc::EINVAL, "a query during the destroy");
+    // SAFETY: an all-zero request is a valid value.
+    let mut send: IbvSendWr = unsafe { std::mem::zeroed() };
+    send.opcode = IBV_WR_SEND;
+    // SAFETY: the open context.
+    let raw_post_send = unsafe { (*context).ops.post_send }.unwrap();
+    let mut bad = null_mut();
+    // SAFETY: a valid request and out-pointer; the QP is checked.
+    let posted = unsafe { raw_post_send(responder, &mut send, &mut bad) };
+    assert_eq!(posted, libc::EINVAL, "a post during the destroy");
     acked.store(true, Ordering::Release);
     let mut event = event;
     // SAFETY: the event taken above; its QP is still valid (the destroy
