@@ -15,7 +15,9 @@
 //! **The element.** An affiliated event names the QP, CQ or SRQ by the
 //! kernel's handle; the thread finds the program's `ibv_qp`, `ibv_cq` or
 //! `ibv_srq` among the objects the context tracks (each is tracked from its
-//! create to its destroy). An event of an object no longer tracked (its
+//! create to its destroy): the front of the object's slot (`crate::slots`).
+//! The slot tables find an object by that pointer, not by a handle, so the
+//! context keeps this one map from handle to pointer. An event of an object no longer tracked (its
 //! destroy has begun) is dropped; so are the queued events of an object
 //! being destroyed (their count stays in the descriptor, and a later read
 //! skips it, as `cq`'s completion channels do).
@@ -25,7 +27,11 @@
 //! `ibv_ack_async_event` acknowledges it, and `ibv_destroy_qp`,
 //! `ibv_destroy_cq` and `ibv_destroy_srq` wait, after the kernel destroyed
 //! the object, until that count is zero, so an element a program holds
-//! never dangles.
+//! never dangles. A QP's or SRQ's destroy has taken its slot before the
+//! kernel's destroy (no call runs on it meanwhile), so an acknowledgement
+//! finds the count by the element's address among the contexts' events,
+//! not through the slot; the slot is not handed out again before the
+//! destroy returns, so the address names one object meanwhile.
 //!
 //! **The event types** are rdma-core's `enum ibv_event_type`, mapped from
 //! the stack's [`AsyncEventCode`] by [`event_type_of`]; the stack's codes

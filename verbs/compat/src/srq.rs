@@ -16,9 +16,11 @@
 //! written back. The device cannot resize an SRQ (PRM: no command does;
 //! `IBV_DEVICE_SRQ_RESIZE` is not reported): a modify naming
 //! `IBV_SRQ_MAX_WR` is `EOPNOTSUPP` and changes nothing. The limit event
-//! fires on the device (`ibv_query_srq` then reads the limit 0), but
-//! asynchronous events are not delivered to the program yet
-//! (`async_fd` is -1). `ibv_get_srq_num` (XRC) is not offered: the
+//! fires on the device (`ibv_query_srq` then reads the limit 0) and
+//! reaches the program as `IBV_EVENT_SRQ_LIMIT_REACHED` naming the SRQ
+//! (`crate::async_events`); `ibv_destroy_srq` takes the slot, destroys,
+//! then waits for the acknowledgement of every event taken for the SRQ.
+//! `ibv_get_srq_num` (XRC) is not offered: the
 //! `verbs_context` slot is NULL, so the inline answers `EOPNOTSUPP`.
 
 use std::ffi::c_int;
