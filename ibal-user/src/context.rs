@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use ib_types::event::AsyncEventRecord;
 use ib_types::interface::InterfaceVersion;
@@ -133,6 +134,8 @@ pub struct Context {
     pub(crate) linked: Option<Arc<uvp_plugin::Provider>>,
     /// The plugin's library, unloaded after `uvp` is released.
     loaded: Option<LoadedPlugin>,
+    /// `CloseCa` was sent ([`Context::close`]): the drop sends no other.
+    closed: AtomicBool,
 }
 
 impl core::fmt::Debug for Context {
@@ -241,6 +244,7 @@ impl Context {
             uvp,
             linked,
             loaded,
+            closed: AtomicBool::new(false),
         };
         // Dropping `context` on an error below closes the CA.
         let name = context.info.open.uvp_name;
@@ -277,6 +281,7 @@ impl Context {
                     uvp: Some(uvp),
                     linked: None,
                     loaded: Some(loaded),
+                    closed: AtomicBool::new(false),
                 };
             }
         }
@@ -345,6 +350,21 @@ impl Context {
         Ok(answer.output)
     }
 
+    /// Closes the CA now (`CloseCa`), while other threads may still hold
+    /// the context: a wait of this context pending in another thread
+    /// ([`async_event`](Self::async_event)) ends with `Canceled`, as the
+    /// kernel ends its waits at close, and every later call on the context
+    /// or its objects fails with the kernel's invalid-handle status.
+    /// Dropping the context then closes nothing more. The owner's way to
+    /// end a thread blocked in `async_event` (the seam offers no
+    /// `CancelIoEx`). A second close does nothing.
+    pub fn close(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        self.call::<v::CloseCa>(self.ca, &Empty).map(drop)
+    }
+
     /// Process memory the device may pin.
     pub(crate) fn alloc(&self, len: usize) -> Result<u64> {
         self.io.alloc(len).map_err(|status| Error::Os {
@@ -360,7 +380,9 @@ impl Drop for Context {
         // `CloseCa`'s post drops the plugin's context (its view of the UAR
         // page) once the kernel closed it; then the plugin instance is
         // released, then its library unloaded.
-        let _ = self.call::<v::CloseCa>(self.ca, &Empty);
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            let _ = self.call::<v::CloseCa>(self.ca, &Empty);
+        }
         drop(self.linked.take());
         drop(self.uvp.take());
         drop(self.loaded.take());

@@ -380,6 +380,15 @@ pub struct IbvDeviceAttrEx {
 }
 const _: () = assert!(size_of::<IbvDeviceAttrEx>() == 400);
 
+/// `struct ibv_query_device_ex_input` (`ibv_query_device_ex`: no bit
+/// of `comp_mask` is defined).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IbvQueryDeviceExInput {
+    pub comp_mask: u32,
+}
+const _: () = assert!(size_of::<IbvQueryDeviceExInput>() == 4);
+
 /// `struct ibv_gid_entry` (`ibv_query_gid_ex`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -231,6 +231,29 @@ pub const IBV_WC_WITH_INV: u32 = 1 << 3;
 pub const IBV_SRQ_INIT_ATTR_TYPE: u32 = 1 << 0;
 pub const IBV_SRQ_INIT_ATTR_PD: u32 = 1 << 1;
 
+/// `enum ibv_event_type` (`ibv_async_event.event_type`).
+pub type IbvEventType = u32;
+pub const IBV_EVENT_CQ_ERR: IbvEventType = 0;
+pub const IBV_EVENT_QP_FATAL: IbvEventType = 1;
+pub const IBV_EVENT_QP_REQ_ERR: IbvEventType = 2;
+pub const IBV_EVENT_QP_ACCESS_ERR: IbvEventType = 3;
+pub const IBV_EVENT_COMM_EST: IbvEventType = 4;
+pub const IBV_EVENT_SQ_DRAINED: IbvEventType = 5;
+pub const IBV_EVENT_PATH_MIG: IbvEventType = 6;
+pub const IBV_EVENT_PATH_MIG_ERR: IbvEventType = 7;
+pub const IBV_EVENT_DEVICE_FATAL: IbvEventType = 8;
+pub const IBV_EVENT_PORT_ACTIVE: IbvEventType = 9;
+pub const IBV_EVENT_PORT_ERR: IbvEventType = 10;
+pub const IBV_EVENT_LID_CHANGE: IbvEventType = 11;
+pub const IBV_EVENT_PKEY_CHANGE: IbvEventType = 12;
+pub const IBV_EVENT_SM_CHANGE: IbvEventType = 13;
+pub const IBV_EVENT_SRQ_ERR: IbvEventType = 14;
+pub const IBV_EVENT_SRQ_LIMIT_REACHED: IbvEventType = 15;
+pub const IBV_EVENT_QP_LAST_WQE_REACHED: IbvEventType = 16;
+pub const IBV_EVENT_CLIENT_REREGISTER: IbvEventType = 17;
+pub const IBV_EVENT_GID_CHANGE: IbvEventType = 18;
+pub const IBV_EVENT_WQ_FATAL: IbvEventType = 19;
+
 /// `enum ibv_srq_attr_mask`.
 pub const IBV_SRQ_MAX_WR: u32 = 1 << 0;
 pub const IBV_SRQ_LIMIT: u32 = 1 << 1;

@@ -4,8 +4,8 @@ use core::ffi::{c_int, c_void};
 use core::mem::size_of;
 
 use crate::{
-    IbvContext, IbvDataBuf, IbvMw, IbvMwBindInfo, IbvQpState, IbvQpType, IbvSge, PthreadCond,
-    PthreadMutex,
+    IbvContext, IbvDataBuf, IbvMw, IbvMwBindInfo, IbvQpState, IbvQpType, IbvSge, IbvWq,
+    PthreadCond, PthreadMutex,
 };
 
 /// `struct ibv_pd`.
@@ -77,6 +77,35 @@ pub struct IbvQp {
     pub events_completed: u32,
 }
 const _: () = assert!(size_of::<IbvQp>() == 64 + size_of::<PthreadMutex>() + 48 + 8);
+
+/// `struct ibv_async_event`'s `element`: the object the event is about
+/// (which member is meant follows from `event_type`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub union IbvAsyncEventElement {
+    pub cq: *mut IbvCq,
+    pub qp: *mut IbvQp,
+    pub srq: *mut IbvSrq,
+    pub wq: *mut IbvWq,
+    pub port_num: c_int,
+}
+
+impl core::fmt::Debug for IbvAsyncEventElement {
+    /// Opaque: which member is meant depends on the event type.
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("IbvAsyncEventElement { .. }")
+    }
+}
+
+/// `struct ibv_async_event` (`ibv_get_async_event`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct IbvAsyncEvent {
+    pub element: IbvAsyncEventElement,
+    /// [`IbvEventType`](crate::IbvEventType).
+    pub event_type: u32,
+}
+const _: () = assert!(size_of::<IbvAsyncEvent>() == 16);
 
 /// `struct ibv_srq`.
 #[repr(C)]

@@ -70,8 +70,6 @@ opaque! {
     IbvCqInitAttrEx;
     /// `struct verbs_ex_private` (rdma-core's own, never read by programs).
     VerbsExPrivate;
-    /// `struct ibv_query_device_ex_input`.
-    IbvQueryDeviceExInput;
     /// `struct ibv_qp_open_attr`.
     IbvQpOpenAttr;
     /// `struct ibv_srq_init_attr_ex`.

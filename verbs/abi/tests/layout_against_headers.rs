@@ -254,6 +254,20 @@ fn structs(p: &mut Probes) {
             events_completed,
         ]
     );
+    layout!(p, IbvAsyncEvent, "struct ibv_async_event");
+    fields!(
+        p,
+        IbvAsyncEvent,
+        "struct ibv_async_event",
+        [
+            element.cq,
+            element.qp,
+            element.srq,
+            element.wq,
+            element.port_num,
+            event_type
+        ]
+    );
     layout!(p, IbvSrq, "struct ibv_srq");
     fields!(
         p,
@@ -646,6 +660,13 @@ fn structs(p: &mut Probes) {
         "struct ibv_pci_atomic_caps",
         [fetch_add, swap, compare_swap]
     );
+    layout!(p, IbvQueryDeviceExInput, "struct ibv_query_device_ex_input");
+    fields!(
+        p,
+        IbvQueryDeviceExInput,
+        "struct ibv_query_device_ex_input",
+        [comp_mask]
+    );
     layout!(p, IbvDeviceAttrEx, "struct ibv_device_attr_ex");
     fields!(
         p,
@@ -841,6 +862,26 @@ fn constants(p: &mut Probes) {
             IBV_SRQ_INIT_ATTR_PD,
             IBV_SRQ_MAX_WR,
             IBV_SRQ_LIMIT,
+            IBV_EVENT_CQ_ERR,
+            IBV_EVENT_QP_FATAL,
+            IBV_EVENT_QP_REQ_ERR,
+            IBV_EVENT_QP_ACCESS_ERR,
+            IBV_EVENT_COMM_EST,
+            IBV_EVENT_SQ_DRAINED,
+            IBV_EVENT_PATH_MIG,
+            IBV_EVENT_PATH_MIG_ERR,
+            IBV_EVENT_DEVICE_FATAL,
+            IBV_EVENT_PORT_ACTIVE,
+            IBV_EVENT_PORT_ERR,
+            IBV_EVENT_LID_CHANGE,
+            IBV_EVENT_PKEY_CHANGE,
+            IBV_EVENT_SM_CHANGE,
+            IBV_EVENT_SRQ_ERR,
+            IBV_EVENT_SRQ_LIMIT_REACHED,
+            IBV_EVENT_QP_LAST_WQE_REACHED,
+            IBV_EVENT_CLIENT_REREGISTER,
+            IBV_EVENT_GID_CHANGE,
+            IBV_EVENT_WQ_FATAL,
             IBV_QP_EX_WITH_RDMA_WRITE,
             IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM,
             IBV_QP_EX_WITH_SEND,

@@ -34,6 +34,7 @@ use ibverbs_abi::{
     IBV_WC_GRH, IBV_WC_WITH_IMM, IBV_WC_WITH_INV, IbvCompChannel, IbvContext, IbvCq, IbvWc,
 };
 
+use crate::async_events::ObjectKind;
 use crate::device::open_context;
 use crate::memory::{Registry, lock, remember};
 use crate::slots::{Lease, Table};
@@ -105,7 +106,7 @@ pub(crate) struct CompletionQueue {
     waiter: Mutex<Option<JoinHandle<()>>>,
     /// QPs completing on it and not destroyed: destroying it is `EBUSY`.
     pub(crate) children: AtomicUsize,
-    _context: Arc<Context>,
+    context: Arc<Context>,
 }
 
 // SAFETY: `raw`'s pointers name the context and channel this CQ holds and
@@ -286,7 +287,7 @@ fn create_cq(
         acked: Condvar::new(),
         waiter: Mutex::new(None),
         children: AtomicUsize::new(0),
-        _context: context,
+        context,
     });
     let ptr = made.as_ptr();
     if let Some(channel) = channel {
@@ -312,13 +313,17 @@ fn create_cq(
             }
         }
     }
+    made.context
+        .events
+        .track(ObjectKind::Cq, made.cq.handle(), ptr as usize);
     CQS.publish(&made.raw, Arc::clone(&made));
     Ok(ptr)
 }
 
 /// `ibv_destroy_cq(cq)`: `DestroyCq`, then, as rdma-core, waits until every
-/// completion event `ibv_get_cq_event` returned for it was acknowledged
-/// (its events not yet taken are dropped). 0, or an errno value: `EINVAL`
+/// completion event `ibv_get_cq_event` and every asynchronous event
+/// `ibv_get_async_event` returned for it was acknowledged (its events not
+/// yet taken are dropped). 0, or an errno value: `EINVAL`
 /// for a CQ that is not ours (or a second destroy), `EBUSY` while QPs
 /// complete on it, the kernel's refusal (the CQ stays) otherwise.
 ///
@@ -352,6 +357,7 @@ pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut IbvCq) -> c_int {
                 .unwrap_or_else(PoisonError::into_inner);
         }
         drop(events);
+        found.context.events.forget(cq as usize);
         // Waits for the polls inside it; every later one is refused.
         drop(CQS.take(cq));
         if let Some(channel) = &found.channel {

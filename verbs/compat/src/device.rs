@@ -7,7 +7,8 @@ use std::sync::Arc;
 use ibal_user::{CaSelector, list_cas};
 use ibverbs_abi::{IbvContext, IbvDevice, VERBS_ABI_IS_EXTENDED, VerbsContext};
 
-use crate::query::query_port_ex;
+use crate::async_events::AsyncEvents;
+use crate::query::{query_device_ex, query_port_ex};
 use crate::state::{
     Context, NoMachine, context_at, device_at, device_for, forget_context, forget_list, machine,
     remember_context, remember_list,
@@ -147,21 +148,34 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut IbvDevice) -> *mut IbvCont
                 return std::ptr::null_mut();
             }
         };
+        let events = match AsyncEvents::new() {
+            Ok(events) => events,
+            Err(errno) => {
+                set_errno(errno);
+                return std::ptr::null_mut();
+            }
+        };
         let context = Arc::new(Context {
-            verbs: new_verbs_context(device.as_ptr()),
+            verbs: new_verbs_context(device.as_ptr(), events.raw_fd()),
             ca: Arc::new(ca),
             device,
+            events,
         });
+        if let Err(errno) = context.events.start(Arc::clone(&context.ca)) {
+            set_errno(errno);
+            return std::ptr::null_mut();
+        }
         remember_context(context)
     })
 }
 
 /// The `verbs_context` of a new context on `device`: extended
-/// (`abi_compat` all ones), its size covering every member, and the one
-/// extended operation the surveyed tools' inlines reach (`query_port`);
-/// the others stay NULL, which the inlines turn into a fallback or
+/// (`abi_compat` all ones), its size covering every member, the extended
+/// operations the surveyed tools' inlines reach (`query_port`,
+/// `query_device_ex`), and `async_fd` the context's event descriptor; the
+/// other operations stay NULL, which the inlines turn into a fallback or
 /// `EOPNOTSUPP` (docs/libibverbs.md).
-fn new_verbs_context(device: *mut IbvDevice) -> VerbsContext {
+fn new_verbs_context(device: *mut IbvDevice, async_fd: c_int) -> VerbsContext {
     VerbsContext {
         query_port: Some(query_port_ex),
         advise_mr: None,
@@ -190,7 +204,7 @@ fn new_verbs_context(device: *mut IbvDevice) -> VerbsContext {
         query_rt_values: None,
         create_cq_ex: None,
         priv_: std::ptr::null_mut(),
-        query_device_ex: None,
+        query_device_ex: Some(query_device_ex),
         ibv_destroy_flow: None,
         abi_placeholder2: None,
         ibv_create_flow: None,
@@ -239,10 +253,10 @@ fn new_verbs_context(device: *mut IbvDevice) -> VerbsContext {
                 _compat_detach_mcast: None,
                 _compat_async_event: None,
             },
-            // No kernel command or event descriptors yet (completion
-            // channels and async events are a later milestone).
+            // No kernel command descriptor: the verbs go through the
+            // access library.
             cmd_fd: -1,
-            async_fd: -1,
+            async_fd,
             num_comp_vectors: 1,
             // PTHREAD_MUTEX_INITIALIZER is all zeros in glibc.
             mutex: Default::default(),

@@ -35,11 +35,13 @@
 //! how the C objects own the access library's), completion queues and
 //! completion channels (real file descriptors, `cq`'s module docs), queue
 //! pairs and the data path (`qp`'s module docs), shared receive queues
-//! (`srq`'s module docs). The other entry points the
+//! (`srq`'s module docs), asynchronous events (`async_fd` a real file
+//! descriptor, `async_events`' module docs). The other entry points the
 //! surveyed tools import exist (the binaries are linked `BIND_NOW`) and
 //! answer "not supported" ([`unsupported`]).
 
 mod ah;
+mod async_events;
 mod cq;
 mod device;
 mod memory;
@@ -52,6 +54,7 @@ pub mod unsupported;
 mod util;
 
 pub use ah::{ibv_create_ah, ibv_create_ah_from_wc, ibv_destroy_ah, ibv_init_ah_from_wc};
+pub use async_events::{ibv_ack_async_event, ibv_get_async_event};
 pub use cq::{
     ibv_ack_cq_events, ibv_create_comp_channel, ibv_create_cq, ibv_destroy_comp_channel,
     ibv_destroy_cq, ibv_get_cq_event,
@@ -159,6 +162,8 @@ macro_rules! export_libibverbs {
             "ibv_create_ah_from_wc" => $crate::ibv_create_ah_from_wc;
             "ibv_init_ah_from_wc" => $crate::ibv_init_ah_from_wc;
             "ibv_destroy_ah" => $crate::ibv_destroy_ah;
+            "ibv_get_async_event" => $crate::ibv_get_async_event;
+            "ibv_ack_async_event" => $crate::ibv_ack_async_event;
             "ibv_attach_mcast" => $crate::unsupported::ibv_attach_mcast;
             "ibv_detach_mcast" => $crate::unsupported::ibv_detach_mcast;
         }

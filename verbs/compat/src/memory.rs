@@ -44,7 +44,7 @@ pub(crate) struct ProtectionDomain {
     pub(crate) pd: Arc<SharedPd>,
     /// Keeps the context (and its `ibv_context`, which `raw` names) alive
     /// while the PD exists, even past `ibv_close_device`.
-    context: Arc<Context>,
+    pub(crate) context: Arc<Context>,
     /// Objects made in this PD and not destroyed yet (regions, ...).
     pub(crate) children: AtomicUsize,
 }

@@ -47,6 +47,7 @@ use ibverbs_abi::{
 };
 
 use crate::ah::{av_attr, av_handle_at};
+use crate::async_events::ObjectKind;
 use crate::cq::{CompletionQueue, cq_at};
 use crate::memory::{ProtectionDomain, pd_for_child, truncated_handle};
 use crate::slots::{Lease, Table};
@@ -211,13 +212,20 @@ fn create_qp(pd: *mut IbvPd, init: &mut IbvQpInitAttr) -> Result<*mut IbvQp, c_i
         srq,
     });
     let ptr = made.as_ptr();
+    let handle = made.qp.handle();
+    made.pd
+        .context
+        .events
+        .track(ObjectKind::Qp, handle, ptr as usize);
     QPS.publish(&made.raw, Arc::clone(&made));
     Ok(ptr)
 }
 
-/// `ibv_destroy_qp(qp)`: `DestroyQp`. 0, or an errno value: `EINVAL` for
-/// a QP not ours (or a second destroy), the kernel's refusal (the QP
-/// stays) otherwise.
+/// `ibv_destroy_qp(qp)`: `DestroyQp`, then, as rdma-core, waits until
+/// every asynchronous event delivered for it was acknowledged (those not
+/// taken yet are dropped). 0, or an errno value: `EINVAL` for a QP not
+/// ours (or a second destroy), the kernel's refusal (the QP stays)
+/// otherwise.
 ///
 /// # Safety
 ///
@@ -232,6 +240,7 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut IbvQp) -> c_int {
             QPS.publish(&found.raw, Arc::clone(&found));
             return errno_of(&error);
         }
+        found.pd.context.events.forget(qp as usize);
         found.send_cq.children.fetch_sub(1, Ordering::AcqRel);
         found.recv_cq.children.fetch_sub(1, Ordering::AcqRel);
         if let Some(srq) = &found.srq {

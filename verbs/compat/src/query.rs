@@ -1,4 +1,5 @@
-//! The queries: the device (`ibv_query_device`), its ports (the exported
+//! The queries: the device (`ibv_query_device`, and the `verbs_context`
+//! entry the `ibv_query_device_ex` inline reaches), its ports (the exported
 //! `ibv_query_port` and the `verbs_context` entry the inline reaches),
 //! GIDs and their types, P_Keys. Each reads the CA's attribute block
 //! (`QueryCa`, one IOCTL through the access library) afresh, decoded as
@@ -12,8 +13,8 @@ use ib_types::scalars::{Gid, LinkLayer, PKey, PortNum, PortState};
 use ibverbs_abi::{
     IBV_ATOMIC_HCA, IBV_ATOMIC_NONE, IBV_GID_TYPE_IB, IBV_GID_TYPE_ROCE_V2,
     IBV_GID_TYPE_SYSFS_IB_ROCE_V1, IBV_GID_TYPE_SYSFS_ROCE_V2, IBV_LINK_LAYER_ETHERNET,
-    IBV_LINK_LAYER_INFINIBAND, IBV_PORT_IP_BASED_GIDS, IbvContext, IbvDeviceAttr, IbvGid,
-    IbvGidEntry, IbvPortAttr,
+    IBV_LINK_LAYER_INFINIBAND, IBV_PORT_IP_BASED_GIDS, IbvContext, IbvDeviceAttr, IbvDeviceAttrEx,
+    IbvGid, IbvGidEntry, IbvPortAttr, IbvQueryDeviceExInput,
 };
 
 use crate::device::open_context;
@@ -262,6 +263,69 @@ pub unsafe extern "C" fn ibv_query_device(
             }
             Err(errno) => errno,
         }
+    })
+}
+
+/// The `verbs_context.query_device_ex` entry (the `ibv_query_device_ex`
+/// inline calls it with `sizeof(struct ibv_device_attr_ex)` as its
+/// program was compiled): as rdma-core's providers, `attr_size` bytes are
+/// written, the base attributes (`orig_attr`, as [`ibv_query_device`])
+/// first and every extended field the size covers after them: what the CA
+/// has of them (`device_cap_flags_ex`, the base flags; `phys_port_cnt_ex`)
+/// and zero for what it lacks (ODP, completion timestamps and the core
+/// clock, TSO, RSS, WQs, packet pacing, raw packet, tag matching, CQ
+/// moderation, device memory, PCI atomics), `comp_mask` 0; bytes past
+/// the struct this library knows are zeroed. 0, or an errno value:
+/// `EINVAL` for a context that is not open, a NULL attribute, a size
+/// below `orig_attr`'s, or input with `comp_mask` bits (none is defined).
+///
+/// # Safety
+///
+/// `input` is NULL or valid for a read of `struct
+/// ibv_query_device_ex_input`; `attr` is NULL or valid for `attr_size`
+/// bytes of writes.
+pub(crate) unsafe extern "C" fn query_device_ex(
+    context: *mut IbvContext,
+    input: *const IbvQueryDeviceExInput,
+    attr: *mut IbvDeviceAttrEx,
+    attr_size: usize,
+) -> c_int {
+    guard(libc::EIO, || {
+        // SAFETY: NULL or valid for a read (the contract).
+        if unsafe { input.as_ref() }.is_some_and(|input| input.comp_mask != 0) {
+            return libc::EINVAL;
+        }
+        if attr.is_null() || attr_size < size_of::<IbvDeviceAttr>() {
+            return libc::EINVAL;
+        }
+        let base = match with_snapshot(context, |s| Ok(device_attr_of(s))) {
+            Ok(base) => base,
+            Err(errno) => return errno,
+        };
+        let out = attr.cast::<u8>();
+        // SAFETY: `attr` is valid for `attr_size` bytes of writes.
+        unsafe { std::ptr::write_bytes(out, 0, attr_size) };
+        // SAFETY: `orig_attr` is at offset 0 and `attr_size` covers it.
+        unsafe { out.cast::<IbvDeviceAttr>().write_unaligned(base) };
+        let flags_at = offset_of!(IbvDeviceAttrEx, device_cap_flags_ex);
+        if attr_size >= flags_at + size_of::<u64>() {
+            // SAFETY: within the `attr_size` bytes (checked just above).
+            unsafe {
+                out.wrapping_add(flags_at)
+                    .cast::<u64>()
+                    .write_unaligned(u64::from(base.device_cap_flags));
+            }
+        }
+        let ports_at = offset_of!(IbvDeviceAttrEx, phys_port_cnt_ex);
+        if attr_size >= ports_at + size_of::<u32>() {
+            // SAFETY: within the `attr_size` bytes (checked just above).
+            unsafe {
+                out.wrapping_add(ports_at)
+                    .cast::<u32>()
+                    .write_unaligned(u32::from(base.phys_port_cnt));
+            }
+        }
+        0
     })
 }
 

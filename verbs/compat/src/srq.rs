@@ -16,9 +16,11 @@
 //! written back. The device cannot resize an SRQ (PRM: no command does;
 //! `IBV_DEVICE_SRQ_RESIZE` is not reported): a modify naming
 //! `IBV_SRQ_MAX_WR` is `EOPNOTSUPP` and changes nothing. The limit event
-//! fires on the device (`ibv_query_srq` then reads the limit 0), but
-//! asynchronous events are not delivered to the program yet
-//! (`async_fd` is -1). `ibv_get_srq_num` (XRC) is not offered: the
+//! fires on the device (`ibv_query_srq` then reads the limit 0) and
+//! reaches the program as `IBV_EVENT_SRQ_LIMIT_REACHED` naming the SRQ
+//! (`crate::async_events`); `ibv_destroy_srq` takes the slot, destroys,
+//! then waits for the acknowledgement of every event taken for the SRQ.
+//! `ibv_get_srq_num` (XRC) is not offered: the
 //! `verbs_context` slot is NULL, so the inline answers `EOPNOTSUPP`.
 
 use std::ffi::c_int;
@@ -31,6 +33,7 @@ use ibverbs_abi::{
     IBV_SRQ_LIMIT, IBV_SRQ_MAX_WR, IbvPd, IbvRecvWr, IbvSrq, IbvSrqAttr, IbvSrqInitAttr,
 };
 
+use crate::async_events::ObjectKind;
 use crate::memory::{ProtectionDomain, pd_for_child, truncated_handle};
 use crate::qp::{post_recv_list, set_bad};
 use crate::slots::{Lease, Table};
@@ -135,6 +138,11 @@ fn create_srq(pd: *mut IbvPd, init: &mut IbvSrqInitAttr) -> Result<*mut IbvSrq, 
         children: AtomicUsize::new(0),
     });
     let ptr = made.as_ptr();
+    let handle = made.srq.handle();
+    made.pd
+        .context
+        .events
+        .track(ObjectKind::Srq, handle, ptr as usize);
     SRQS.publish(&made.raw, Arc::clone(&made));
     Ok(ptr)
 }
@@ -211,7 +219,9 @@ pub unsafe extern "C" fn ibv_query_srq(srq: *mut IbvSrq, attr: *mut IbvSrqAttr) 
     })
 }
 
-/// `ibv_destroy_srq(srq)`: `DestroySrq`. 0, or an errno value: `EINVAL`
+/// `ibv_destroy_srq(srq)`: `DestroySrq`, then, as rdma-core, waits until
+/// every asynchronous event delivered for it was acknowledged (those not
+/// taken yet are dropped). 0, or an errno value: `EINVAL`
 /// for an SRQ not ours (or a second destroy), `EBUSY` while QPs receive
 /// from it, the kernel's refusal (the SRQ stays) otherwise.
 ///
@@ -235,6 +245,7 @@ pub unsafe extern "C" fn ibv_destroy_srq(srq: *mut IbvSrq) -> c_int {
             SRQS.publish(&taken.raw, Arc::clone(&taken));
             return errno_of(&error);
         }
+        taken.pd.context.events.forget(srq as usize);
         taken.pd.children.fetch_sub(1, Ordering::AcqRel);
         0
     })

@@ -7,6 +7,8 @@ use std::ffi::{c_char, c_int};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use ibal_user::{DeviceIo, PluginSource};
+
+use crate::async_events::AsyncEvents;
 use ibverbs_abi::{
     IBV_NODE_CA, IBV_SYSFS_NAME_MAX, IBV_SYSFS_PATH_MAX, IBV_TRANSPORT_IB, IbvContext, IbvDevice,
     IbvDeviceOps, VerbsContext,
@@ -202,6 +204,16 @@ pub(crate) struct Context {
     /// keep the CA open until they are gone.
     pub(crate) ca: Arc<ibal_user::Context>,
     pub(crate) device: &'static Device,
+    /// Its asynchronous events (`async_fd`, the thread feeding it).
+    pub(crate) events: Arc<AsyncEvents>,
+}
+
+impl Drop for Context {
+    /// The last reference (nothing made on the context remains, and it was
+    /// closed): ends the event thread, which closes the CA.
+    fn drop(&mut self) {
+        self.events.stop(&self.ca);
+    }
 }
 
 // SAFETY: the raw pointers in `verbs` are the device (a `&'static Device`,

@@ -154,11 +154,14 @@ fn it_exports_every_libibverbs_symbol_debians_tools_import_with_its_version() {
         SONAME,
         &["IBVERBS_"],
         // The SRQ and AH verbs no surveyed tool imports, offered to
-        // complete the sets (docs/libibverbs.md, "Exports").
+        // complete the sets, and the asynchronous event verbs (Debian's
+        // `ibv_asyncwatch` imports them) (docs/libibverbs.md, "Exports").
         &[
             "ibv_modify_srq@IBVERBS_1.1",
             "ibv_query_srq@IBVERBS_1.1",
             "ibv_init_ah_from_wc@IBVERBS_1.1",
+            "ibv_get_async_event@IBVERBS_1.1",
+            "ibv_ack_async_event@IBVERBS_1.1",
         ],
     );
     // The linked plugin's DLL entry points (`#[no_mangle]` in uvp-plugin,
@@ -264,6 +267,26 @@ fn ibv_devinfo_prints_what_the_access_library_reports() {
     ] {
         assert_eq!(got.get(key), Some(&value), "{key} in:\n{stdout}");
     }
+    // The extended attributes come from our `query_device_ex`: the
+    // extended capability flags are the base ones (not the zero of the
+    // inline's fallback), the rest absent.
+    let flags = got
+        .get("device_cap_flags")
+        .and_then(|hex| u32::from_str_radix(hex.trim_start_matches("0x"), 16).ok())
+        .unwrap_or_else(|| panic!("device_cap_flags in:\n{stdout}"));
+    assert_ne!(flags, 0);
+    assert_eq!(
+        got.get("device_cap_flags_ex"),
+        Some(&format!("0x{flags:X}")),
+        "device_cap_flags_ex in:\n{stdout}"
+    );
+    for absent in [
+        "completion_timestamp_mask not supported",
+        "core clock not supported",
+        "tag matching not supported",
+    ] {
+        assert!(stdout.contains(absent), "{absent:?} in:\n{stdout}");
+    }
     // The port's address is the one the variable pinned.
     assert_eq!(gid0, tools.address.to_ipv6_mapped());
     assert_clean_exit(&output, "ibv_devinfo -v", 0);
@@ -310,6 +333,46 @@ fn a_bad_device_name_or_port_gets_the_tools_own_error() {
 /// at its TCP connection to a server that is not there, with its own
 /// error; it exits without closing the device, and the process's exit
 /// closes it: the machine still ends cleanly.
+#[test]
+fn ibv_asyncwatch_waits_on_our_async_fd_a_real_eventfd() {
+    use std::io::{BufRead, BufReader};
+    let tools = Tools::new("ibv_asyncwatch", 9);
+    let child = tools
+        .command("ibv_asyncwatch", &[])
+        .env(ADDRESS_VARIABLE, tools.address.to_string())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut watch = Background(child);
+    let stdout = watch.0.stdout.take().unwrap();
+    let (sender, first_line) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = sender.send(line);
+    });
+    let line = first_line
+        .recv_timeout(Duration::from_secs(20))
+        .expect("ibv_asyncwatch prints its descriptor within 20 s");
+    // rdma-core's asyncwatch prints the context's `async_fd`, then blocks
+    // in `ibv_get_async_event`: nothing outside its process raises an
+    // event on its machine.
+    let fd: u32 = line
+        .trim()
+        .strip_prefix("simhca0: async event FD ")
+        .and_then(|fd| fd.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    let target = std::fs::read_link(format!("/proc/{}/fd/{fd}", watch.0.id())).unwrap();
+    assert_eq!(target.to_str(), Some("anon_inode:[eventfd]"));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        watch.0.try_wait().unwrap().is_none(),
+        "it waits for an event"
+    );
+}
+
 #[test]
 fn perftest_runs_on_our_libraries_until_its_connection_and_its_exit_closes_the_device() {
     let tools = Tools::new("ib_write_bw", 4);
