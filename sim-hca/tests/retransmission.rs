@@ -116,6 +116,36 @@ fn statuses(node: &mut Node, ep: &mut Endpoint) -> Vec<Result<WcStatus, u8>> {
         .collect()
 }
 
+/// A 200-packet send (MTU 256, the shortest ACK timeout, `retry_cnt`
+/// `retry`) of a pattern from A into B's one receive, with the frames
+/// `drop` picks dropped (see `watch`), run to its end: A's completion is a
+/// success and B holds the data. Returns the pair, B's endpoint and the
+/// log of the frames.
+fn send_200_packets_dropping(
+    retry: u8,
+    seed: u8,
+    drop: impl FnMut(&Seen, &[Seen]) -> bool + 'static,
+) -> (Pair, Endpoint, Log) {
+    let retries = Retries {
+        timeout: 1,
+        retry,
+        rnr_retry: 7,
+    };
+    let (mut p, mut a, mut b) = rc_pair_with(Mtu::Mtu256, retries);
+    let len = 200 * 256;
+    let data = pattern(len, seed);
+    p.a.drv.write_mr(&a.mr, 0, &data);
+    p.b.drv
+        .post_recv(&mut b.qp, 1, &[Driver::sge(&b.mr, 0, len as u32)]);
+    let log = watch(&mut p, drop);
+    let sg = [Driver::sge(&a.mr, 0, len as u32)];
+    post(&mut p.a, &mut a, 1, SendOp::Send, &sg);
+    p.advance(10_000_000);
+    assert_eq!(statuses(&mut p.a, &mut a), vec![Ok(WcStatus::Success)]);
+    assert_eq!(p.b.drv.read_mr(&b.mr, 0, len), data);
+    (p, b, log)
+}
+
 /// Posts an 8-packet RDMA READ (MTU 1024) of B's region into A's.
 fn post_read_8(p: &mut Pair, a: &mut Endpoint, b: &Endpoint) {
     let sg = [Driver::sge(&a.mr, 0, 8192)];
@@ -278,27 +308,11 @@ fn a_write_with_immediate_whose_completion_overflowed_is_not_acknowledged() {
 /// starts at the oldest unacknowledged PSN, which may be inside a message).
 #[test]
 fn retransmission_resumes_after_the_last_acknowledged_psn() {
-    let retries = Retries {
-        timeout: 1,
-        retry: 7,
-        rnr_retry: 7,
-    };
-    let (mut p, mut a, mut b) = rc_pair_with(Mtu::Mtu256, retries);
-    let len = 200 * 256;
-    let data = pattern(len, 6);
-    p.a.drv.write_mr(&a.mr, 0, &data);
-    p.b.drv
-        .post_recv(&mut b.qp, 1, &[Driver::sge(&b.mr, 0, len as u32)]);
     let last = A_FIRST_PSN + 199;
-    let log = watch(&mut p, move |s, before| {
+    let (mut p, mut b, log) = send_200_packets_dropping(7, 6, move |s, before| {
         s.to_b && s.psn == last && !before.iter().any(|e| e.to_b && e.psn == last)
     });
-    let sg = [Driver::sge(&a.mr, 0, len as u32)];
-    post(&mut p.a, &mut a, 1, SendOp::Send, &sg);
-    p.advance(10_000_000);
-    assert_eq!(statuses(&mut p.a, &mut a), vec![Ok(WcStatus::Success)]);
     assert_eq!(statuses(&mut p.b, &mut b), vec![Ok(WcStatus::Success)]);
-    assert_eq!(p.b.drv.read_mr(&b.mr, 0, len), data);
     assert_eq!(
         count(&log, |s| s.to_b),
         200 + 8,
@@ -315,18 +329,7 @@ fn retransmission_resumes_after_the_last_acknowledged_psn() {
 /// has a retry, resending packets 192..200.
 #[test]
 fn a_partial_ack_refreshes_the_retry_budget() {
-    let retries = Retries {
-        timeout: 1,
-        retry: 1,
-        rnr_retry: 7,
-    };
-    let (mut p, mut a, mut b) = rc_pair_with(Mtu::Mtu256, retries);
-    let len = 200 * 256;
-    let data = pattern(len, 8);
-    p.a.drv.write_mr(&a.mr, 0, &data);
-    p.b.drv
-        .post_recv(&mut b.qp, 1, &[Driver::sge(&b.mr, 0, len as u32)]);
-    let log = watch(&mut p, |s, before| {
+    let (_, _, log) = send_200_packets_dropping(1, 8, |s, before| {
         if !s.to_b {
             return false;
         }
@@ -334,11 +337,6 @@ fn a_partial_ack_refreshes_the_retry_budget() {
         let sent_before = before.iter().filter(|e| e.to_b && e.psn == s.psn).count();
         (index >= 127 && sent_before == 0) || (index == 199 && sent_before == 1)
     });
-    let sg = [Driver::sge(&a.mr, 0, len as u32)];
-    post(&mut p.a, &mut a, 1, SendOp::Send, &sg);
-    p.advance(10_000_000);
-    assert_eq!(statuses(&mut p.a, &mut a), vec![Ok(WcStatus::Success)]);
-    assert_eq!(p.b.drv.read_mr(&b.mr, 0, len), data);
     assert_eq!(
         count(&log, |s| s.to_b),
         200 + (200 - 64) + 8,
@@ -481,28 +479,12 @@ fn each_ud_send_advances_the_psn() {
 /// and collapsed perftest's ib_write_bw, docs/performance.md).
 #[test]
 fn resent_duplicates_draw_one_ack_per_ack_request() {
-    let retries = Retries {
-        timeout: 1,
-        retry: 7,
-        rnr_retry: 7,
-    };
-    let (mut p, mut a, mut b) = rc_pair_with(Mtu::Mtu256, retries);
-    let len = 200 * 256;
-    let data = pattern(len, 9);
-    p.a.drv.write_mr(&a.mr, 0, &data);
-    p.b.drv
-        .post_recv(&mut b.qp, 1, &[Driver::sge(&b.mr, 0, len as u32)]);
     let last = A_FIRST_PSN + 199;
     // The first ACK of the last PSN is lost.
-    let log = watch(&mut p, move |s, before| {
+    let (mut p, mut b, log) = send_200_packets_dropping(7, 9, move |s, before| {
         !s.to_b && s.psn == last && !before.iter().any(|e| !e.to_b && e.psn == last)
     });
-    let sg = [Driver::sge(&a.mr, 0, len as u32)];
-    post(&mut p.a, &mut a, 1, SendOp::Send, &sg);
-    p.advance(10_000_000);
-    assert_eq!(statuses(&mut p.a, &mut a), vec![Ok(WcStatus::Success)]);
     assert_eq!(statuses(&mut p.b, &mut b), vec![Ok(WcStatus::Success)]);
-    assert_eq!(p.b.drv.read_mr(&b.mr, 0, len), data);
     let log = log.borrow();
     let lost_at = log
         .iter()

@@ -534,6 +534,19 @@ mod loom_slots {
         slot.with(Object::number)
     }
 
+    /// A call on another thread.
+    fn spawn_call(slot: &ModelArc<Slot<u64, Object>>) -> loom::thread::JoinHandle<Option<u64>> {
+        let slot = slot.clone();
+        loom::thread::spawn(move || call(&slot))
+    }
+
+    /// A destroy of the live object: taken, then overwritten.
+    fn destroy(slot: &Slot<u64, Object>) -> Arc<Object> {
+        let taken = slot.take().expect("live until this destroy");
+        taken.destroy();
+        taken
+    }
+
     /// A call against a destroy: the call runs on the object or is
     /// refused, never on it after `take` returned it; after the destroy
     /// every call and a second destroy are refused.
@@ -541,12 +554,8 @@ mod loom_slots {
     fn loom_a_call_against_a_destroy() {
         loom::model(|| {
             let slot = live_slot(7);
-            let caller = {
-                let slot = slot.clone();
-                loom::thread::spawn(move || call(&slot))
-            };
-            let taken = slot.take().expect("live until this destroy");
-            taken.destroy();
+            let caller = spawn_call(&slot);
+            let _taken = destroy(&slot);
             let seen = caller.join().unwrap();
             assert!(matches!(seen, None | Some(7)), "{seen:?}");
             assert_eq!(call(&slot), None);
@@ -561,18 +570,14 @@ mod loom_slots {
     fn loom_two_calls_against_a_destroy() {
         loom::model(|| {
             let slot = live_slot(7);
-            let with = {
-                let slot = slot.clone();
-                loom::thread::spawn(move || call(&slot))
-            };
+            let with = spawn_call(&slot);
             let get = {
                 let slot = slot.clone();
                 // The control path's clone (which keeps the object, not
                 // the slot: the object is not read here).
                 loom::thread::spawn(move || slot.get().is_some())
             };
-            let taken = slot.take().expect("live until this destroy");
-            taken.destroy();
+            let _taken = destroy(&slot);
             assert!(matches!(with.join().unwrap(), None | Some(7)));
             get.join().unwrap();
         });
@@ -600,13 +605,8 @@ mod loom_slots {
     fn loom_a_reused_slot_under_a_stale_call() {
         loom::model(|| {
             let slot = live_slot(7);
-            let caller = {
-                let slot = slot.clone();
-                loom::thread::spawn(move || call(&slot))
-            };
-            let taken = slot.take().expect("live until this destroy");
-            taken.destroy();
-            drop(taken);
+            let caller = spawn_call(&slot);
+            drop(destroy(&slot));
             slot.publish(Object::new(8));
             let seen = caller.join().unwrap();
             assert!(matches!(seen, None | Some(7) | Some(8)), "{seen:?}");

@@ -165,6 +165,22 @@ struct Objects {
 }
 
 fn objects(depth: u32) -> Objects {
+    let o = created(IBV_QPT_RC, depth, 2);
+    modify(
+        o.qp,
+        IbvQpAttr {
+            qp_state: IBV_QPS_INIT,
+            port_num: 1,
+            ..IbvQpAttr::default()
+        },
+        IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
+    );
+    o
+}
+
+/// A PD, a CQ of 64 and a QP of `qp_type` (`depth` each way, `sges` SGEs,
+/// 64 bytes inline) in RESET.
+fn created(qp_type: u32, depth: u32, sges: u32) -> Objects {
     let context = context();
     // SAFETY: the open context.
     let pd = unsafe { verbs::ibv_alloc_pd(context) };
@@ -179,25 +195,16 @@ fn objects(depth: u32) -> Objects {
         cap: IbvQpCap {
             max_send_wr: depth,
             max_recv_wr: depth,
-            max_send_sge: 2,
-            max_recv_sge: 2,
+            max_send_sge: sges,
+            max_recv_sge: sges,
             max_inline_data: 64,
         },
-        qp_type: IBV_QPT_RC,
+        qp_type,
         sq_sig_all: 0,
     };
     // SAFETY: `init` is valid; the PD and CQ are ours.
     let qp = unsafe { verbs::ibv_create_qp(pd, &mut init) };
     assert!(!qp.is_null());
-    modify(
-        qp,
-        IbvQpAttr {
-            qp_state: IBV_QPS_INIT,
-            port_num: 1,
-            ..IbvQpAttr::default()
-        },
-        IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
-    );
     Objects { pd, cq, qp }
 }
 
@@ -208,13 +215,39 @@ fn modify(qp: *mut IbvQp, attr: IbvQpAttr, mask: u32) {
     assert_eq!(done, 0);
 }
 
-/// INIT → RTR → RTS, connected to itself (its sends go nowhere: only the
-/// posts matter here).
-fn to_rts(qp: *mut IbvQp) {
+/// The address vector of port 1's own GID 0 (the port reaching itself).
+fn own_port() -> IbvAhAttr {
     let mut gid = IbvGid { raw: [0; 16] };
     // SAFETY: the open context; `gid` is valid for a write.
     let queried = unsafe { verbs::ibv_query_gid(context(), 1, 0, &mut gid) };
     assert_eq!(queried, 0);
+    IbvAhAttr {
+        grh: IbvGlobalRoute {
+            dgid: gid,
+            hop_limit: 64,
+            ..IbvGlobalRoute::default()
+        },
+        is_global: 1,
+        port_num: 1,
+        ..IbvAhAttr::default()
+    }
+}
+
+/// Moves `qp` to the error state (what it holds is flushed).
+fn to_error(qp: *mut IbvQp) {
+    modify(
+        qp,
+        IbvQpAttr {
+            qp_state: IBV_QPS_ERR,
+            ..IbvQpAttr::default()
+        },
+        IBV_QP_STATE,
+    );
+}
+
+/// INIT → RTR → RTS, connected to itself (its sends go nowhere: only the
+/// posts matter here).
+fn to_rts(qp: *mut IbvQp) {
     // SAFETY: a live QP of ours.
     let qpn = unsafe { (*qp).qp_num };
     modify(
@@ -226,16 +259,7 @@ fn to_rts(qp: *mut IbvQp) {
             rq_psn: 1,
             max_dest_rd_atomic: 1,
             min_rnr_timer: 12,
-            ah_attr: IbvAhAttr {
-                grh: IbvGlobalRoute {
-                    dgid: gid,
-                    hop_limit: 64,
-                    ..IbvGlobalRoute::default()
-                },
-                is_global: 1,
-                port_num: 1,
-                ..IbvAhAttr::default()
-            },
+            ah_attr: own_port(),
             ..IbvQpAttr::default()
         },
         IBV_QP_STATE
@@ -264,6 +288,20 @@ fn to_rts(qp: *mut IbvQp) {
             | IBV_QP_RNR_RETRY
             | IBV_QP_MAX_QP_RD_ATOMIC,
     );
+}
+
+/// An SGE of `length` bytes at the start of a registered 4 KiB buffer
+/// (the program's own memory), and its region.
+fn registered_sge(pd: *mut IbvPd, length: u32) -> (IbvSge, *mut IbvMr) {
+    let (buffer, mr) = registered(pd, 4096);
+    // SAFETY: a live region of ours.
+    let lkey = unsafe { (*mr).lkey };
+    let sge = IbvSge {
+        addr: buffer.as_ptr() as u64,
+        length,
+        lkey,
+    };
+    (sge, mr)
 }
 
 /// A registered buffer of `len` bytes (the program's own memory).
@@ -306,6 +344,14 @@ fn arm(cq: *mut IbvCq) -> c_int {
     unsafe { arm(cq, 0) }
 }
 
+/// A receive request to fill in (`recv_list`).
+const UNSET_RECV: IbvRecvWr = IbvRecvWr {
+    wr_id: 0,
+    next: null_mut(),
+    sg_list: null_mut(),
+    num_sge: 0,
+};
+
 /// `count` receive requests chained in `wrs`, each of the SGE at `sge`.
 fn recv_list(wrs: &mut [IbvRecvWr], sge: &mut IbvSge, first_id: u64) {
     let count = wrs.len();
@@ -342,22 +388,10 @@ fn inline_send(wr_id: u64, sges: &mut [IbvSge]) -> IbvSendWr {
 #[test]
 fn posts_polls_and_arms_allocate_nothing() {
     let o = objects(64);
-    let (buffer, mr) = registered(o.pd, 4096);
-    // SAFETY: a live region of ours.
-    let lkey = unsafe { (*mr).lkey };
-    let mut recv_sge = IbvSge {
-        addr: buffer.as_ptr() as u64,
-        length: 256,
-        lkey,
-    };
+    let (mut recv_sge, _) = registered_sge(o.pd, 256);
     let mut bad = null_mut();
     // Warm-up: anything made once per thread or process on first use.
-    let mut wrs = [IbvRecvWr {
-        wr_id: 0,
-        next: null_mut(),
-        sg_list: null_mut(),
-        num_sge: 0,
-    }; 40];
+    let mut wrs = [UNSET_RECV; 40];
     recv_list(&mut wrs[..1], &mut recv_sge, 0);
     assert_eq!(post_recv(o.qp, &mut wrs[0], &mut bad), 0);
 
@@ -411,14 +445,7 @@ fn posts_polls_and_arms_allocate_nothing() {
     // Completions come (the sends, or the receives they filled, or
     // flushed ones once the QP is in the error state): polls that take
     // one CQE each, and polls that find none, allocate nothing.
-    modify(
-        o.qp,
-        IbvQpAttr {
-            qp_state: IBV_QPS_ERR,
-            ..IbvQpAttr::default()
-        },
-        IBV_QP_STATE,
-    );
+    to_error(o.qp);
     let mut wc = [IbvWc::default(); 1];
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut taken = 0;
@@ -443,14 +470,7 @@ fn posts_polls_and_arms_allocate_nothing() {
 #[test]
 fn srq_posts_allocate_nothing() {
     let o = objects(8);
-    let (buffer, mr) = registered(o.pd, 4096);
-    // SAFETY: a live region of ours.
-    let lkey = unsafe { (*mr).lkey };
-    let mut recv_sge = IbvSge {
-        addr: buffer.as_ptr() as u64,
-        length: 256,
-        lkey,
-    };
+    let (mut recv_sge, _) = registered_sge(o.pd, 256);
     let mut init = IbvSrqInitAttr {
         srq_context: null_mut(),
         attr: IbvSrqAttr {
@@ -465,15 +485,7 @@ fn srq_posts_allocate_nothing() {
     let depth = init.attr.max_wr as usize;
     assert!(depth >= 64, "granted {depth}");
     let post = ops().post_srq_recv.expect("ops.post_srq_recv");
-    let mut wrs = vec![
-        IbvRecvWr {
-            wr_id: 0,
-            next: null_mut(),
-            sg_list: null_mut(),
-            num_sge: 0,
-        };
-        depth + 1
-    ];
+    let mut wrs = vec![UNSET_RECV; depth + 1];
     let mut bad = null_mut();
     // Warm-up: anything made once per thread or process on first use.
     recv_list(&mut wrs[..1], &mut recv_sge, 0);
@@ -569,10 +581,8 @@ fn destroyed_and_foreign_pointers_are_refused() {
 #[test]
 fn posts_and_polls_racing_a_destroy_end_cleanly() {
     let o = objects(16);
-    let (buffer, mr) = registered(o.pd, 4096);
-    // SAFETY: a live region of ours.
-    let lkey = unsafe { (*mr).lkey };
-    let base = buffer.as_ptr() as u64;
+    let (whole, mr) = registered_sge(o.pd, 4096);
+    let (base, lkey) = (whole.addr, whole.lkey);
     let (qp, cq) = (o.qp as usize, o.cq as usize);
     let qp_gone = Arc::new(AtomicBool::new(false));
     let cq_gone = Arc::new(AtomicBool::new(false));
@@ -650,30 +660,7 @@ fn posts_and_polls_racing_a_destroy_end_cleanly() {
 /// `*bad_wr` the request) and nothing is posted.
 #[test]
 fn ud_sends_reach_their_address_handle_by_pointer() {
-    let context = context();
-    // SAFETY: the open context.
-    let pd = unsafe { verbs::ibv_alloc_pd(context) };
-    // SAFETY: as above.
-    let cq = unsafe { verbs::ibv_create_cq(context, 64, null_mut(), null_mut(), 0) };
-    assert!(!pd.is_null() && !cq.is_null());
-    let mut init = IbvQpInitAttr {
-        qp_context: null_mut(),
-        send_cq: cq,
-        recv_cq: cq,
-        srq: null_mut(),
-        cap: IbvQpCap {
-            max_send_wr: 16,
-            max_recv_wr: 16,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 64,
-        },
-        qp_type: IBV_QPT_UD,
-        sq_sig_all: 0,
-    };
-    // SAFETY: `init` is valid; the PD and CQ are ours.
-    let qp = unsafe { verbs::ibv_create_qp(pd, &mut init) };
-    assert!(!qp.is_null());
+    let Objects { pd, qp, .. } = created(IBV_QPT_UD, 16, 1);
     modify(
         qp,
         IbvQpAttr {
@@ -701,20 +688,7 @@ fn ud_sends_reach_their_address_handle_by_pointer() {
         },
         IBV_QP_STATE | IBV_QP_SQ_PSN,
     );
-    let mut gid = IbvGid { raw: [0; 16] };
-    // SAFETY: the open context; `gid` is valid for a write.
-    let queried = unsafe { verbs::ibv_query_gid(context, 1, 0, &mut gid) };
-    assert_eq!(queried, 0);
-    let mut attr = IbvAhAttr {
-        grh: IbvGlobalRoute {
-            dgid: gid,
-            hop_limit: 64,
-            ..IbvGlobalRoute::default()
-        },
-        is_global: 1,
-        port_num: 1,
-        ..IbvAhAttr::default()
-    };
+    let mut attr = own_port();
     // SAFETY: a PD of ours; `attr` is valid.
     let ah = unsafe { verbs::ibv_create_ah(pd, &mut attr) };
     assert!(!ah.is_null());
@@ -759,33 +733,14 @@ fn ud_sends_reach_their_address_handle_by_pointer() {
 #[test]
 fn a_long_lists_refusal_names_its_request_across_chunks() {
     let o = objects(64);
-    let (buffer, mr) = registered(o.pd, 4096);
-    // SAFETY: a live region of ours.
-    let lkey = unsafe { (*mr).lkey };
-    let mut sge = IbvSge {
-        addr: buffer.as_ptr() as u64,
-        length: 64,
-        lkey,
-    };
-    let mut wrs = [IbvRecvWr {
-        wr_id: 0,
-        next: null_mut(),
-        sg_list: null_mut(),
-        num_sge: 0,
-    }; 40];
+    let (mut sge, _) = registered_sge(o.pd, 64);
+    let mut wrs = [UNSET_RECV; 40];
     recv_list(&mut wrs, &mut sge, 0);
     wrs[29].num_sge = -1;
     let mut bad = null_mut();
     assert_eq!(post_recv(o.qp, &mut wrs[0], &mut bad), libc::EINVAL);
     assert_eq!(bad, std::ptr::from_mut(&mut wrs[29]));
-    modify(
-        o.qp,
-        IbvQpAttr {
-            qp_state: IBV_QPS_ERR,
-            ..IbvQpAttr::default()
-        },
-        IBV_QP_STATE,
-    );
+    to_error(o.qp);
     let mut flushed = Vec::new();
     let mut wc = [IbvWc::default(); 16];
     let deadline = Instant::now() + Duration::from_secs(10);

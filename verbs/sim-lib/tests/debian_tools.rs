@@ -9,8 +9,8 @@
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
-use std::process::{Command, Output};
-use std::time::Duration;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use ib_types::ca::CaAttr;
 use ib_types::scalars::{LinkLayer, PortNum, PortState};
@@ -20,30 +20,15 @@ use verbs_side_support::testing::{
     VersionedSymbol, assert_exports_the_tools_imports_in_their_nodes, built_cdylib, tool_path,
 };
 
-const SONAME: &str = "libibverbs.so.1";
+mod two_processes;
+use two_processes::{
+    LIBRARIES, Process, ended_cleanly, free_tcp_port, library_dir, own_address, socket_inodes, text,
+};
 
-/// Our five libraries (the side libraries are dev-dependencies, so cargo
-/// built their cdylibs too): the file cargo builds and its soname.
-const LIBRARIES: [(&str, &str); 5] = [
-    ("libibverbs.so", SONAME),
-    ("libmlx5.so", "libmlx5.so.1"),
-    ("libefa.so", "libefa.so.1"),
-    ("librdmacm.so", "librdmacm.so.1"),
-    ("libibumad.so", "libibumad.so.3"),
-];
+const SONAME: &str = "libibverbs.so.1";
 
 /// The address variable (`sim_libibverbs::ADDRESS_VARIABLE`).
 const ADDRESS_VARIABLE: &str = "SIM_LIBIBVERBS_ADDR";
-
-/// This test process's own loopback address number `slot`:
-/// 127.x.y.slot with x.y from the process id, x in 64..128 (never
-/// 127.0.0.x, which the tools take with no configuration, nor the
-/// 128..256 of sim-shells' UDP tests), so concurrent runs of these tests
-/// (other worktrees on one machine) never contend for one.
-fn own_address(slot: u8) -> Ipv4Addr {
-    let pid = std::process::id();
-    Ipv4Addr::new(127, 0x40 | (pid >> 8) as u8 & 0x3F, pid as u8, slot)
-}
 
 /// Debian's tools on our libraries, their port pinned at one of this
 /// process's own addresses.
@@ -58,19 +43,7 @@ impl Tools {
     /// address `slot`; a debug build of the library is large, so it is
     /// linked, not copied).
     fn new(test: &str, slot: u8) -> Self {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join("sim-libibverbs")
-            .join(test);
-        std::fs::create_dir_all(&dir).unwrap();
-        for (file, soname) in LIBRARIES {
-            // Linked under a name of this process's, then renamed over
-            // the soname (atomic): concurrent runs of this test binary
-            // share the directory.
-            let fresh = dir.join(format!("{soname}.{}", std::process::id()));
-            let _ = std::fs::remove_file(&fresh);
-            std::os::unix::fs::symlink(built_cdylib(file), &fresh).unwrap();
-            std::fs::rename(&fresh, dir.join(soname)).unwrap();
-        }
+        let dir = library_dir("sim-libibverbs", test, &LIBRARIES);
         Self {
             dir,
             address: own_address(slot),
@@ -98,20 +71,13 @@ impl Tools {
     }
 }
 
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
 /// Standard error of a run that should be clean: only the exit report,
 /// saying the machine shut down cleanly with `left_open` CAs still open
 /// when the program exited.
 fn assert_clean_exit(output: &Output, what: &str, left_open: usize) {
     let stderr = text(&output.stderr);
-    let lines: Vec<&str> = stderr.lines().collect();
     assert!(
-        lines.len() == 1
-            && lines[0].starts_with("libibverbs: at exit: the machine shut down cleanly in ")
-            && lines[0].ends_with(&format!(" ({left_open} CAs left open)")),
+        ended_cleanly(&stderr, left_open),
         "{what}: the embedded machine did not end cleanly:\n{stderr}"
     );
 }
@@ -377,12 +343,7 @@ fn ibv_asyncwatch_waits_on_our_async_fd_a_real_eventfd() {
 fn perftest_runs_on_our_libraries_until_its_connection_and_its_exit_closes_the_device() {
     let tools = Tools::new("ib_write_bw", 4);
     // A port nothing listens on.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_tcp_port().to_string();
     let output = tools.run("ib_write_bw", &["-p", &port, "127.0.0.1"]);
     assert_eq!(output.status.code(), Some(1));
     assert!(output.stdout.is_empty());
@@ -402,21 +363,7 @@ fn perftest_runs_on_our_libraries_until_its_connection_and_its_exit_closes_the_d
 /// its socket descriptors (`/proc/<pid>/fd`) matched by inode with the
 /// bound UDP sockets of `/proc/net/udp`.
 fn rocev2_addresses_of(pid: u32) -> Vec<Ipv4Addr> {
-    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|fds| {
-            fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
-                .filter_map(|target| {
-                    let target = target.to_str()?;
-                    Some(
-                        target
-                            .strip_prefix("socket:[")?
-                            .strip_suffix(']')?
-                            .to_owned(),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default();
+    let inodes = socket_inodes(pid);
     let table = std::fs::read_to_string("/proc/net/udp").unwrap();
     table
         .lines()
@@ -437,29 +384,25 @@ fn rocev2_addresses_of(pid: u32) -> Vec<Ipv4Addr> {
 /// A tool kept running in the background (perftest's server, waiting for
 /// its client), killed when dropped, so a failed assertion leaves no
 /// process behind.
-struct Background(std::process::Child);
+struct Background(Process);
 
 impl Background {
     /// Starts `command` and waits (up to 20 s) until its machine is up:
     /// the process holds its RoCEv2 socket. Returns that address.
     fn start(mut command: Command) -> (Self, Ipv4Addr) {
-        let child = command
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut background = Self(child);
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let mut background = Self(Process::spawn(&mut command, "background tool"));
+        let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if let [address] = rocev2_addresses_of(background.0.id())[..] {
+            if let [address] = rocev2_addresses_of(background.0.pid())[..] {
                 return (background, address);
             }
-            if let Some(status) = background.0.try_wait().unwrap() {
-                panic!("the background tool exited early: {status}");
-            }
+            background.0.assert_running("early");
             assert!(
-                std::time::Instant::now() < deadline,
+                Instant::now() < deadline,
                 "the background tool's machine did not bind its port within 20 s"
             );
             std::thread::sleep(Duration::from_millis(10));
@@ -468,25 +411,8 @@ impl Background {
 
     /// The addresses it still holds.
     fn addresses(&self) -> Vec<Ipv4Addr> {
-        rocev2_addresses_of(self.0.id())
+        rocev2_addresses_of(self.0.pid())
     }
-}
-
-impl Drop for Background {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// A TCP port nothing listens on (perftest's server listens there).
-fn free_tcp_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
 }
 
 /// `GID[  0]` and `node_guid` of an `ibv_devinfo -v` run that succeeded.
@@ -523,10 +449,10 @@ fn guid_text(address: Ipv4Addr) -> String {
 #[test]
 fn processes_at_the_same_time_get_distinct_addresses_with_no_configuration() {
     let tools = Tools::new("no_configuration", 5);
-    let first_port = free_tcp_port();
+    let first_port = free_tcp_port().to_string();
     let (first, first_address) =
         Background::start(tools.command("ib_write_bw", &["-p", &first_port]));
-    let second_port = free_tcp_port();
+    let second_port = free_tcp_port().to_string();
     let (second, second_address) =
         Background::start(tools.command("ib_write_bw", &["-p", &second_port]));
     let output = tools.command("ibv_devinfo", &["-v"]).output().unwrap();
@@ -563,7 +489,7 @@ fn processes_at_the_same_time_get_distinct_addresses_with_no_configuration() {
 #[test]
 fn the_address_variable_pins_the_port_and_a_held_address_is_a_clean_error() {
     let tools = Tools::new("pinned", 6);
-    let port = free_tcp_port();
+    let port = free_tcp_port().to_string();
     let mut server = tools.command("ib_write_bw", &["-p", &port]);
     server.env(ADDRESS_VARIABLE, tools.address.to_string());
     let (server, held) = Background::start(server);

@@ -28,14 +28,12 @@
 //! The tests run one at a time (a lock): the busy-polling tools of
 //! parallel tests would compete for the cores and blur the timings.
 
-use std::io::Read;
 use std::net::Ipv4Addr;
-use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use verbs_side_support::testing::{built_cdylib, tool_path};
+mod two_processes;
+use two_processes::{LIBRARIES, Process, is_clean_exit_report, library_dir, own_address, text};
 
 /// The local ACK timeout both tools set: 4.096 µs · 2^14.
 const ACK_TIMEOUT: Duration = Duration::from_nanos(4096 << 14);
@@ -44,90 +42,6 @@ const RETRY_CNT: u32 = 7;
 
 /// One test at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-/// This test process's own loopback address number `slot`, as
-/// `debian_tools.rs` picks them: 127.x.y.slot with x.y from the process
-/// id (x in 64..128), so concurrent runs never contend for one.
-fn own_address(slot: u8) -> Ipv4Addr {
-    let pid = std::process::id();
-    Ipv4Addr::new(127, 0x40 | (pid >> 8) as u8 & 0x3F, pid as u8, slot)
-}
-
-/// Our five libraries (the side libraries, which perftest links, are
-/// dev-dependencies: cargo built their cdylibs too) under their sonames.
-const LIBRARIES: [(&str, &str); 5] = [
-    ("libibverbs.so", "libibverbs.so.1"),
-    ("libmlx5.so", "libmlx5.so.1"),
-    ("libefa.so", "libefa.so.1"),
-    ("librdmacm.so", "librdmacm.so.1"),
-    ("libibumad.so", "libibumad.so.3"),
-];
-
-/// The libraries linked under their sonames in a directory of the test's
-/// own (linked under a name of this process's, then renamed: concurrent
-/// runs share the directory).
-fn library_dir(test: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("sim-libibverbs-killed-peer")
-        .join(test);
-    std::fs::create_dir_all(&dir).unwrap();
-    for (file, soname) in LIBRARIES {
-        let fresh = dir.join(format!("{soname}.{}", std::process::id()));
-        let _ = std::fs::remove_file(&fresh);
-        std::os::unix::fs::symlink(built_cdylib(file), &fresh).unwrap();
-        std::fs::rename(&fresh, dir.join(soname)).unwrap();
-    }
-    dir
-}
-
-/// A TCP port nothing listens on (the server's exchange port).
-fn free_tcp_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// The socket inodes among process `pid`'s descriptors.
-fn socket_inodes(pid: u32) -> Vec<String> {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|fds| {
-            fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
-                .filter_map(|target| {
-                    let target = target.to_str()?;
-                    Some(
-                        target
-                            .strip_prefix("socket:[")?
-                            .strip_suffix(']')?
-                            .to_owned(),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// Whether process `pid` listens on TCP `port` (`/proc/net/tcp` and
-/// `tcp6`, state 0A, the socket among the process's descriptors).
-fn listening(pid: u32, port: u16) -> bool {
-    let inodes = socket_inodes(pid);
-    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|table| {
-        let table = std::fs::read_to_string(table).unwrap_or_default();
-        table.lines().skip(1).any(|line| {
-            let columns: Vec<&str> = line.split_whitespace().collect();
-            let local_port = columns
-                .get(1)
-                .and_then(|local| local.rsplit_once(':'))
-                .and_then(|(_, port)| u16::from_str_radix(port, 16).ok());
-            local_port == Some(port)
-                && columns.get(3) == Some(&"0A")
-                && columns
-                    .get(9)
-                    .is_some_and(|inode| inodes.iter().any(|i| i == inode))
-        })
-    })
-}
 
 /// The bytes waiting in the receive queue of the RoCEv2 socket bound at
 /// (`address`, 4791) (`/proc/net/udp`'s `rx_queue`), if there is one.
@@ -148,116 +62,39 @@ fn roce_bytes_queued_at(address: Ipv4Addr) -> Option<u32> {
     })
 }
 
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-/// A tool's process, killed (and reaped) when dropped: a failed assertion
-/// leaves no process behind.
-struct Running {
-    child: Option<Child>,
-    who: &'static str,
+/// A tool's process and the address of its RoCEv2 port.
+struct Peer {
+    process: Process,
     address: Ipv4Addr,
 }
 
-impl Running {
-    fn pid(&self) -> u32 {
-        self.child.as_ref().unwrap().id()
-    }
-
+impl Peer {
     fn signal(&self, signal: libc::c_int) {
         // SAFETY: kill(2) with the pid of our own child, not yet reaped
-        // (we hold its `Child`), so the pid names no other process.
-        let sent = unsafe { libc::kill(self.pid() as libc::pid_t, signal) };
-        assert_eq!(sent, 0, "signal {signal} to the {}", self.who);
-    }
-
-    /// Panics with the tool's output if it already exited.
-    fn assert_running(&mut self, doing: &str) {
-        if self.child.as_mut().unwrap().try_wait().unwrap().is_some() {
-            let output = self.child.take().unwrap().wait_with_output().unwrap();
-            panic!(
-                "the {} exited {doing} ({}):\n{}{}",
-                self.who,
-                output.status,
-                text(&output.stdout),
-                text(&output.stderr)
-            );
-        }
-    }
-
-    /// Waits up to `limit` for the process to exit: its output and when
-    /// it exited, or (a hang) the process killed and a panic.
-    fn wait(mut self, limit: Duration) -> (Output, Instant) {
-        let deadline = Instant::now() + limit;
-        let mut child = self.child.take().unwrap();
-        loop {
-            if child.try_wait().unwrap().is_some() {
-                let exited = Instant::now();
-                return (child.wait_with_output().unwrap(), exited);
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let mut stderr = String::new();
-                let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
-                let _ = child.wait();
-                panic!(
-                    "the {} hung: still running {limit:?} later:\n{stderr}",
-                    self.who
-                );
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(child) = &mut self.child {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        // (its `Process` holds its `Child`), so the pid names no other
+        // process.
+        let sent = unsafe { libc::kill(self.process.pid() as libc::pid_t, signal) };
+        assert_eq!(sent, 0, "signal {signal} to the {}", self.process.who());
     }
 }
 
 /// Starts `tool args` as a server and `tool args 127.0.0.1` as its client
 /// (once the server listens on `-p <port>`), their ports at this process's
 /// addresses `slots`.
-fn start_pair(tool: &str, test: &str, slots: (u8, u8), args: &[&str]) -> (Running, Running) {
-    let dir = library_dir(test);
-    let port = free_tcp_port();
-    let port_text = port.to_string();
-    let mut args: Vec<&str> = args.to_vec();
-    args.extend(["-p", &port_text]);
-    let start = |who, address: Ipv4Addr, args: &[&str]| Running {
-        child: Some(
-            Command::new(tool_path(tool))
-                .args(args)
-                .env("LD_LIBRARY_PATH", &dir)
-                .env("SIM_LIBIBVERBS_EXIT_REPORT", "1")
-                .env("SIM_LIBIBVERBS_ADDR", address.to_string())
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap(),
-        ),
-        who,
-        address,
-    };
-    let mut server = start("server", own_address(slots.0), &args);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !listening(server.pid(), port) {
-        server.assert_running("before listening");
-        assert!(
-            Instant::now() < deadline,
-            "the server did not listen within 20 s"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    args.push("127.0.0.1");
-    let client = start("client", own_address(slots.1), &args);
-    (server, client)
+fn start_pair(tool: &str, test: &str, slots: (u8, u8), args: &[&str]) -> (Peer, Peer) {
+    let dir = library_dir("sim-libibverbs-killed-peer", test, &LIBRARIES);
+    let addresses = (own_address(slots.0), own_address(slots.1));
+    let (server, client) = two_processes::start_pair(tool, &dir, addresses, args);
+    (
+        Peer {
+            process: server,
+            address: addresses.0,
+        },
+        Peer {
+            process: client,
+            address: addresses.1,
+        },
+    )
 }
 
 /// Freezes `victim` (SIGSTOP) at a moment `survivor` has traffic in flight
@@ -266,13 +103,15 @@ fn start_pair(tool: &str, test: &str, slots: (u8, u8), args: &[&str]) -> (Runnin
 /// milliseconds (the turn was the victim's, or traffic has not started),
 /// the victim resumes and is frozen again after a varying pause, so the
 /// freeze lands at other points of the exchange. Returns when it froze.
-fn freeze_while_the_survivor_sends(victim: &mut Running, survivor: &mut Running) -> Instant {
+fn freeze_while_the_survivor_sends(victim: &mut Peer, survivor: &mut Peer) -> Instant {
     let deadline = Instant::now() + Duration::from_secs(30);
     let pauses = [3, 7, 13, 23, 41].map(Duration::from_millis);
     let mut pause = pauses.iter().cycle();
     loop {
-        victim.assert_running("before it was killed");
-        survivor.assert_running("before its peer was killed");
+        victim.process.assert_running("before it was killed");
+        survivor
+            .process
+            .assert_running("before its peer was killed");
         victim.signal(libc::SIGSTOP);
         let frozen = Instant::now();
         // Far less than the survivor's eight ACK timeouts: still retrying
@@ -285,8 +124,8 @@ fn freeze_while_the_survivor_sends(victim: &mut Running, survivor: &mut Running)
         assert!(
             Instant::now() < deadline,
             "no traffic from the {} to the {} within 30 s",
-            survivor.who,
-            victim.who
+            survivor.process.who(),
+            victim.process.who()
         );
         std::thread::sleep(*pause.next().unwrap());
     }
@@ -308,13 +147,13 @@ struct Survivor {
 /// Kills `victim` (SIGKILL) at a moment `survivor` has traffic in flight
 /// to it, once the pair has run for `run_in` (past the first exchanges),
 /// then waits (bounded) for the survivor to exit.
-fn kill_mid_run(mut victim: Running, mut survivor: Running, run_in: Duration) -> Survivor {
+fn kill_mid_run(mut victim: Peer, mut survivor: Peer, run_in: Duration) -> Survivor {
     std::thread::sleep(run_in);
     let frozen = freeze_while_the_survivor_sends(&mut victim, &mut survivor);
     let killed = Instant::now();
     drop(victim);
     // Bounded: a hang kills the survivor and fails the test.
-    let (output, exited) = survivor.wait(Duration::from_secs(30));
+    let (output, exited) = survivor.process.wait_timed(Duration::from_secs(30));
     let stderr = text(&output.stderr);
     Survivor {
         code: output.status.code(),
@@ -341,8 +180,7 @@ impl Survivor {
         }
         let report = self.stderr.last().map(String::as_str).unwrap_or_default();
         assert!(
-            report.starts_with("libibverbs: at exit: the machine shut down cleanly in ")
-                && report.ends_with(" (1 CAs left open)"),
+            is_clean_exit_report(report, 1),
             "the survivor's machine did not end cleanly:\n{}",
             self.output
         );

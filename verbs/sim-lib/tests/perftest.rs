@@ -22,18 +22,9 @@ use std::time::Duration;
 
 mod two_processes;
 use two_processes::{
-    Server, ended_cleanly, finish, free_tcp_port, library_dir, on_our_libraries, own_address, text,
+    LIBRARIES, ended_cleanly, free_tcp_port, library_dir, on_our_libraries, own_address,
+    start_pair, text,
 };
-
-/// perftest links all five (the side libraries are dev-dependencies, so
-/// cargo builds their cdylibs beside the test).
-const LIBRARIES: [(&str, &str); 5] = [
-    ("libibverbs.so", "libibverbs.so.1"),
-    ("libmlx5.so", "libmlx5.so.1"),
-    ("libefa.so", "libefa.so.1"),
-    ("librdmacm.so", "librdmacm.so.1"),
-    ("libibumad.so", "libibumad.so.3"),
-];
 
 /// What perftest prints on standard error for a device it does not
 /// recognise when the test would send inline by default (perftest then
@@ -135,25 +126,11 @@ fn run_pair(
     expected: Expected,
 ) -> (Output, Output) {
     let dir = library_dir("sim-libibverbs-perftest", test, &LIBRARIES);
-    let (server_at, client_at) = (own_address(slots.0), own_address(slots.1));
-    let port_number = free_tcp_port();
-    let port = port_number.to_string();
-    let mut server_args = vec!["-p", &port];
-    server_args.extend_from_slice(args);
-    let server = Server::listening_on(
-        on_our_libraries(tool, &dir, server_at, &server_args)
-            .spawn()
-            .unwrap(),
-        port_number,
-    );
-    let mut client_args = server_args.clone();
-    client_args.push("127.0.0.1");
-    let client = on_our_libraries(tool, &dir, client_at, &client_args)
-        .spawn()
-        .unwrap();
+    let addresses = (own_address(slots.0), own_address(slots.1));
+    let (server, client) = start_pair(tool, &dir, addresses, args);
     // Neither may hang: the client is given 120 s (a debug build on a
     // loaded machine), the server 10 s more, then each is killed.
-    let client = finish(client, "client", Duration::from_secs(120));
+    let client = client.wait(Duration::from_secs(120));
     let server = server.wait(Duration::from_secs(10));
     for (output, who) in [(&server, "server"), (&client, "client")] {
         let stdout = text(&output.stdout);

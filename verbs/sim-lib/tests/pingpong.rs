@@ -14,9 +14,7 @@ use std::process::Output;
 use std::time::Duration;
 
 mod two_processes;
-use two_processes::{
-    Server, ended_cleanly, finish, free_tcp_port, library_dir, on_our_libraries, own_address, text,
-};
+use two_processes::{ended_cleanly, library_dir, own_address, start_pair, text};
 
 /// The QPN and GID of a `local address:` or `remote address:` line.
 fn address_line(stdout: &str, which: &str) -> (String, String) {
@@ -57,24 +55,12 @@ fn run_pair(
         &[("libibverbs.so", "libibverbs.so.1")],
     );
     let (server_at, client_at) = (own_address(slots.0), own_address(slots.1));
-    let port_number = free_tcp_port();
-    let port = port_number.to_string();
-    let mut server_args = vec!["-g", "0", "-p", &port];
-    server_args.extend_from_slice(extra);
-    let server = Server::listening_on(
-        on_our_libraries(tool, &dir, server_at, &server_args)
-            .spawn()
-            .unwrap(),
-        port_number,
-    );
-    let mut client_args = server_args.clone();
-    client_args.push("127.0.0.1");
-    let client = on_our_libraries(tool, &dir, client_at, &client_args)
-        .spawn()
-        .unwrap();
+    let mut args = vec!["-g", "0"];
+    args.extend_from_slice(extra);
+    let (server, client) = start_pair(tool, &dir, (server_at, client_at), &args);
     // Neither may hang: the client is given 60 s (a debug build on a
     // loaded machine), the server 10 s more, then each is killed.
-    let client = finish(client, "client", Duration::from_secs(60));
+    let client = client.wait(Duration::from_secs(60));
     let server = server.wait(Duration::from_secs(10));
     for (output, who, at, peer) in [
         (&server, "server", server_at, client_at),

@@ -1,9 +1,12 @@
-//! What the tests that run a Debian tool's server and client as two
-//! processes share (`pingpong.rs`, `perftest.rs`): this test process's own
-//! loopback addresses, our libraries under their sonames in a directory of
-//! the test's, a free TCP port, waiting for the server to listen, and
-//! waiting for each process with a deadline (a hung one is killed, its
-//! output in the panic).
+//! What the tests that run Debian's tools as processes on our libraries
+//! share (`debian_tools.rs`, `pingpong.rs`, `perftest.rs`,
+//! `killed_peer.rs`): this test process's own loopback addresses, our
+//! libraries under their sonames in a directory of the test's, a free TCP
+//! port, the sockets a process holds, a tool's process guard (killed when
+//! dropped, waited for with a deadline: a hung one is killed, its output
+//! in the panic), starting a server and its client, and the exit report.
+
+#![allow(dead_code, reason = "each test binary uses part of the support")]
 
 use std::io::Read;
 use std::net::Ipv4Addr;
@@ -13,9 +16,22 @@ use std::time::{Duration, Instant};
 
 use verbs_side_support::testing::{built_cdylib, tool_path};
 
-/// This test process's own loopback address number `slot`, as
-/// `debian_tools.rs` picks them: 127.x.y.slot with x.y from the process
-/// id (x in 64..128), so concurrent runs never contend for one.
+/// Our five libraries (the side libraries, which perftest links, are
+/// dev-dependencies: cargo built their cdylibs too): the file cargo builds
+/// and its soname.
+pub(crate) const LIBRARIES: [(&str, &str); 5] = [
+    ("libibverbs.so", "libibverbs.so.1"),
+    ("libmlx5.so", "libmlx5.so.1"),
+    ("libefa.so", "libefa.so.1"),
+    ("librdmacm.so", "librdmacm.so.1"),
+    ("libibumad.so", "libibumad.so.3"),
+];
+
+/// This test process's own loopback address number `slot`:
+/// 127.x.y.slot with x.y from the process id, x in 64..128 (never
+/// 127.0.0.x, which the tools take with no configuration, nor the
+/// 128..256 of sim-shells' UDP tests), so concurrent runs of these tests
+/// (other worktrees on one machine) never contend for one.
 pub(crate) fn own_address(slot: u8) -> Ipv4Addr {
     let pid = std::process::id();
     Ipv4Addr::new(127, 0x40 | (pid >> 8) as u8 & 0x3F, pid as u8, slot)
@@ -69,12 +85,10 @@ pub(crate) fn free_tcp_port() -> u16 {
         .port()
 }
 
-/// Whether process `pid` listens on TCP `port` (`/proc/net/tcp` and
-/// `tcp6`, state 0A, the socket's inode among the process's descriptors):
-/// another process that took the port (a concurrent test's server) does
-/// not count.
-fn listening(pid: u32, port: u16) -> bool {
-    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+/// The socket inodes among process `pid`'s descriptors (`/proc/<pid>/fd`),
+/// to match with the `inode` column of `/proc/net/{tcp,udp}`.
+pub(crate) fn socket_inodes(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|fds| {
             fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
                 .filter_map(|target| {
@@ -88,7 +102,15 @@ fn listening(pid: u32, port: u16) -> bool {
                 })
                 .collect()
         })
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// Whether process `pid` listens on TCP `port` (`/proc/net/tcp` and
+/// `tcp6`, state 0A, the socket's inode among the process's descriptors):
+/// another process that took the port (a concurrent test's server) does
+/// not count.
+fn listening(pid: u32, port: u16) -> bool {
+    let inodes = socket_inodes(pid);
     ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|table| {
         let table = std::fs::read_to_string(table).unwrap_or_default();
         table.lines().skip(1).any(|line| {
@@ -106,77 +128,142 @@ fn listening(pid: u32, port: u16) -> bool {
     })
 }
 
-/// Waits up to `limit` for `child` to exit, then kills it: its output, or
-/// a panic saying who hung.
-pub(crate) fn finish(mut child: Child, who: &str, limit: Duration) -> Output {
-    let deadline = Instant::now() + limit;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let mut stderr = String::new();
-            let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
-            panic!("the {who} did not finish within {limit:?}:\n{stderr}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
+/// A tool's process, killed (and reaped) when dropped: a failed assertion
+/// leaves no process behind.
+pub(crate) struct Process {
+    child: Option<Child>,
+    who: &'static str,
 }
 
-/// The server, killed when dropped (a failed assertion leaves no process).
-pub(crate) struct Server(Option<Child>);
+impl Process {
+    /// Spawns `command`; `who` names it in the panics (`server`, ...).
+    pub(crate) fn spawn(command: &mut Command, who: &'static str) -> Self {
+        Self {
+            child: Some(command.spawn().unwrap()),
+            who,
+        }
+    }
 
-impl Server {
-    /// Takes the spawned server and waits (20 s at most) until it listens
-    /// on TCP `port`; a server that exits first fails the test at once
-    /// with its output.
-    pub(crate) fn listening_on(child: Child, port: u16) -> Self {
-        let mut server = Server(Some(child));
+    pub(crate) fn who(&self) -> &'static str {
+        self.who
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    /// Panics with the tool's output if it already exited.
+    pub(crate) fn assert_running(&mut self, doing: &str) {
+        if self.child.as_mut().unwrap().try_wait().unwrap().is_some() {
+            let output = self.child.take().unwrap().wait_with_output().unwrap();
+            panic!(
+                "the {} exited {doing} ({}):\n{}{}",
+                self.who,
+                output.status,
+                text(&output.stdout),
+                text(&output.stderr)
+            );
+        }
+    }
+
+    /// Waits (20 s at most) until the process listens on TCP `port`; one
+    /// that exits first fails the test at once with its output.
+    pub(crate) fn wait_until_listening(&mut self, port: u16) {
         let deadline = Instant::now() + Duration::from_secs(20);
-        let pid = server.0.as_ref().unwrap().id();
-        while !listening(pid, port) {
-            let running = server.0.as_mut().unwrap();
-            if running.try_wait().unwrap().is_some() {
-                let early = server.wait(Duration::ZERO);
-                panic!(
-                    "the server exited before listening ({}):\n{}{}",
-                    early.status,
-                    text(&early.stdout),
-                    text(&early.stderr)
-                );
-            }
+        while !listening(self.pid(), port) {
+            self.assert_running("before listening");
             assert!(
                 Instant::now() < deadline,
-                "the server did not listen within 20 s"
+                "the {} did not listen within 20 s",
+                self.who
             );
             std::thread::sleep(Duration::from_millis(10));
         }
-        server
     }
 
-    pub(crate) fn wait(mut self, limit: Duration) -> Output {
-        finish(self.0.take().unwrap(), "server", limit)
+    /// Waits up to `limit` for the process to exit: its output, or (a
+    /// hang) the process killed and a panic saying who hung.
+    pub(crate) fn wait(self, limit: Duration) -> Output {
+        self.wait_timed(limit).0
+    }
+
+    /// [`Process::wait`], also saying when it exited (within a few
+    /// milliseconds).
+    pub(crate) fn wait_timed(mut self, limit: Duration) -> (Output, Instant) {
+        let deadline = Instant::now() + limit;
+        let mut child = self.child.take().unwrap();
+        loop {
+            if child.try_wait().unwrap().is_some() {
+                let exited = Instant::now();
+                return (child.wait_with_output().unwrap(), exited);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let mut stderr = String::new();
+                if let Some(mut pipe) = child.stderr.take() {
+                    let _ = pipe.read_to_string(&mut stderr);
+                }
+                let _ = child.wait();
+                panic!(
+                    "the {} hung: still running {limit:?} later:\n{stderr}",
+                    self.who
+                );
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 }
 
-impl Drop for Server {
+impl Drop for Process {
     fn drop(&mut self) {
-        if let Some(child) = &mut self.0 {
+        if let Some(child) = &mut self.child {
             let _ = child.kill();
             let _ = child.wait();
         }
     }
 }
 
+/// Starts Debian's `tool -p <port> args` as a server at `addresses.0` and,
+/// once it listens on that (free) port, `tool -p <port> args 127.0.0.1`
+/// as its client at `addresses.1`, on the libraries of `dir`.
+pub(crate) fn start_pair(
+    tool: &str,
+    dir: &Path,
+    addresses: (Ipv4Addr, Ipv4Addr),
+    args: &[&str],
+) -> (Process, Process) {
+    let port = free_tcp_port();
+    let port_text = port.to_string();
+    let mut args_with_port = vec!["-p", &port_text];
+    args_with_port.extend_from_slice(args);
+    let mut server = Process::spawn(
+        &mut on_our_libraries(tool, dir, addresses.0, &args_with_port),
+        "server",
+    );
+    server.wait_until_listening(port);
+    args_with_port.push("127.0.0.1");
+    let client = Process::spawn(
+        &mut on_our_libraries(tool, dir, addresses.1, &args_with_port),
+        "client",
+    );
+    (server, client)
+}
+
 pub(crate) fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// Whether a tool's standard error is exactly the library's exit report
-/// (`SIM_LIBIBVERBS_EXIT_REPORT`) saying its machine shut down cleanly
-/// with `left_open` CAs the program had left open.
+/// Whether `line` is the library's exit report (`SIM_LIBIBVERBS_EXIT_REPORT`)
+/// saying its machine shut down cleanly with `left_open` CAs the program
+/// had left open.
+pub(crate) fn is_clean_exit_report(line: &str, left_open: usize) -> bool {
+    line.starts_with("libibverbs: at exit: the machine shut down cleanly in ")
+        && line.ends_with(&format!(" ({left_open} CAs left open)"))
+}
+
+/// Whether a tool's standard error is exactly the library's clean exit
+/// report, with `left_open` CAs the program had left open.
 pub(crate) fn ended_cleanly(stderr: &str, left_open: usize) -> bool {
     let lines: Vec<&str> = stderr.lines().collect();
-    lines.len() == 1
-        && lines[0].starts_with("libibverbs: at exit: the machine shut down cleanly in ")
-        && lines[0].ends_with(&format!(" ({left_open} CAs left open)"))
+    lines.len() == 1 && is_clean_exit_report(lines[0], left_open)
 }
