@@ -295,24 +295,20 @@ fn a_bad_device_name_or_port_gets_the_tools_own_error() {
     assert_eq!(text(&output.stdout), "1 HCA found:\n\tsimhca0\n\n");
 }
 
-/// perftest loads all five of our libraries, opens our device, and stops
-/// at its TCP connection to a server that is not there, with its own
-/// error; it exits without closing the device, and the process's exit
-/// closes it: the machine still ends cleanly.
+/// Debian's `ibv_asyncwatch` loads our library, prints the context's
+/// `async_fd` (a real eventfd) and blocks waiting for an event.
 #[test]
 fn ibv_asyncwatch_waits_on_our_async_fd_a_real_eventfd() {
     use std::io::{BufRead, BufReader};
     let tools = Tools::new("ibv_asyncwatch", 9);
-    let child = tools
-        .command("ibv_asyncwatch", &[])
+    let mut command = tools.command("ibv_asyncwatch", &[]);
+    command
         .env(ADDRESS_VARIABLE, tools.address.to_string())
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut watch = Background(child);
-    let stdout = watch.0.stdout.take().unwrap();
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut watch = Background(Process::spawn(&mut command, "ibv_asyncwatch"));
+    let stdout = watch.0.take_stdout().unwrap();
     let (sender, first_line) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut line = String::new();
@@ -330,15 +326,16 @@ fn ibv_asyncwatch_waits_on_our_async_fd_a_real_eventfd() {
         .strip_prefix("simhca0: async event FD ")
         .and_then(|fd| fd.parse().ok())
         .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
-    let target = std::fs::read_link(format!("/proc/{}/fd/{fd}", watch.0.id())).unwrap();
+    let target = std::fs::read_link(format!("/proc/{}/fd/{fd}", watch.0.pid())).unwrap();
     assert_eq!(target.to_str(), Some("anon_inode:[eventfd]"));
     std::thread::sleep(Duration::from_millis(300));
-    assert!(
-        watch.0.try_wait().unwrap().is_none(),
-        "it waits for an event"
-    );
+    assert!(!watch.0.has_exited(), "it waits for an event");
 }
 
+/// perftest loads all five of our libraries, opens our device, and stops
+/// at its TCP connection to a server that is not there, with its own
+/// error; it exits without closing the device, and the process's exit
+/// closes it: the machine still ends cleanly.
 #[test]
 fn perftest_runs_on_our_libraries_until_its_connection_and_its_exit_closes_the_device() {
     let tools = Tools::new("ib_write_bw", 4);

@@ -152,6 +152,16 @@ impl Process {
         self.child.as_ref().unwrap().id()
     }
 
+    /// The tool's standard output, when it was spawned piped.
+    pub(crate) fn take_stdout(&mut self) -> Option<std::process::ChildStdout> {
+        self.child.as_mut().unwrap().stdout.take()
+    }
+
+    /// Whether the process has exited (without reaping its output).
+    pub(crate) fn has_exited(&mut self) -> bool {
+        self.child.as_mut().unwrap().try_wait().unwrap().is_some()
+    }
+
     /// Panics with the tool's output if it already exited.
     pub(crate) fn assert_running(&mut self, doing: &str) {
         if self.child.as_mut().unwrap().try_wait().unwrap().is_some() {
