@@ -276,6 +276,52 @@ fn inline_sends_through_the_ci_fast_path_carry_exactly_the_granted_size() {
     w.finish();
 }
 
+/// A kernel client's inline WR that the WR checks refuse reports their
+/// error even when its bytes cannot be read: the core gathers the bytes
+/// before the specialised encoder's checks (round 6 of issue 13), and a
+/// failed gather must not hide why the WR itself is wrong (too many SGEs,
+/// INLINE on an RDMA READ). Nothing is posted.
+#[test]
+fn a_refused_inline_wr_with_an_unreadable_address_reports_the_wrs_error() {
+    let (w, [x, y]) = support::kernel_pair::two_two_port_hcas(86, GUIDS, &HCA_IPS);
+    let (sx, sy) = (setup(&w, x), setup(&w, y));
+    let (a, qpn_a, caps_a) = create_rc(&w, &sx, 64);
+    let (b, qpn_b, _) = create_rc(&w, &sy, 0);
+    connect(&w, x, a, qpn_b, HCA_IPS[1][0]);
+    connect(&w, y, b, qpn_a, HCA_IPS[0][0]);
+    // Not kernel memory: a gather of it fails.
+    let wild = Sge::new(0x10, 4, ib_types::wr::LKey::new(0));
+    let too_many = leak(vec![wild; caps_a.max_send_sge as usize + 1]);
+    assert_eq!(
+        ci_post_send(&w, x, a, vec![inline_wr(1, SendOp::Send, too_many)]),
+        (0, IbStatus::InvalidMaxSge)
+    );
+    let read = SendOp::RdmaRead {
+        remote: RemoteAddr {
+            addr: 0x1000,
+            rkey: RKey::new(1),
+        },
+    };
+    assert_eq!(
+        ci_post_send(&w, x, a, vec![inline_wr(2, read, leak(vec![wild]))]),
+        (0, IbStatus::InvalidSetting)
+    );
+    // A WR the checks accept: the gather's own refusal.
+    assert_eq!(
+        ci_post_send(&w, x, a, vec![inline_wr(3, SendOp::Send, leak(vec![wild]))]),
+        (0, IbStatus::InvalidParameter)
+    );
+    assert!(poll_all(&w, x, sx.cq).is_empty(), "nothing was posted");
+    for (i, qp) in [(x, a), (y, b)] {
+        let r = w.call_in_dpc_at::<DestroyQp>(i, KERNEL, qp, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let _ = (poll_all(&w, x, sx.cq), poll_all(&w, y, sy.cq));
+    teardown(&w, &sx);
+    teardown(&w, &sy);
+    w.finish();
+}
+
 /// A kernel client's inline send reads its bytes through the kernel
 /// memory access the shell installs at start (`Hca::set_kernel_locker`),
 /// which each QP captures when it is created (no lock taken per post): a

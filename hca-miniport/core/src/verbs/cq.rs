@@ -77,7 +77,7 @@ use hca_prm::{Le32, Le64, owner};
 use ib_types::ioctl::{CqOut, CreateCq, DestroyCq, QueryCq, ResizeCq};
 use ib_types::status::IbStatus;
 use ib_types::wc::{WcStatus, WorkCompletion};
-use zerocopy::{FromBytes, IntoBytes};
+use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
 pub use ib_types::cq::CqNotify;
 
@@ -508,15 +508,17 @@ impl<P: Platform> Hca<P> {
         if let Some(buffer) = ring.ring.as_ref() {
             while polled < wcs.len() {
                 let slot = hca_prm::owner::slot(consumer, log) as usize;
-                let mut raw = [0u8; CQE_BYTES];
-                if !read_owned_entry(buffer, slot * CQE_BYTES, CQE_OWNER_AT, &mut raw, |b| {
-                    owner::is_valid(b, consumer, log)
-                }) {
+                // Read straight into the CQE (no byte array copied into it).
+                let mut cqe = Cqe::new_zeroed();
+                if !read_owned_entry(
+                    buffer,
+                    slot * CQE_BYTES,
+                    CQE_OWNER_AT,
+                    cqe.as_mut_bytes(),
+                    |b| owner::is_valid(b, consumer, log),
+                ) {
                     break;
                 }
-                let Ok(cqe) = Cqe::read_from_bytes(&raw) else {
-                    break;
-                };
                 if !cqe.is_valid(consumer, log) {
                     break;
                 }
@@ -531,7 +533,8 @@ impl<P: Platform> Hca<P> {
                     u64::from(cqe.wqe_index()) | (u64::from(recv) << 16) | (u64::from(srq) << 17);
                 // The stand-in for a CQE that does not decode is built
                 // only then (`unwrap_or` would build it for every CQE).
-                wcs[polled] = cqe
+                // Resolved in place, then stored once.
+                let mut wc = cqe
                     .to_work_completion(key)
                     .unwrap_or_else(|_| WorkCompletion {
                         wr_id: key,
@@ -540,7 +543,8 @@ impl<P: Platform> Hca<P> {
                         ..WorkCompletion::EMPTY
                     });
                 let seq = first_seq + (polled - from_backlog) as u64;
-                resolve_completion(o, handle, &ring.retired, &mut wcs[polled], seq);
+                resolve_completion(o, handle, &ring.retired, &mut wc, seq);
+                wcs[polled] = wc;
                 consumer = consumer.wrapping_add(1);
                 polled += 1;
             }

@@ -310,6 +310,14 @@ impl<P: Platform> Hca<P> {
     /// `item.gather_inline`), its WQE built and checked against the room,
     /// written to the ring and its `wr_id` and size to the shadow; the
     /// producer moves past it. A refused WR changes nothing.
+    ///
+    /// A request of a common shape (RC/UC send or write, inline or one
+    /// SGE) is checked by hca-prm's specialised encoder
+    /// (`SendWqe::prepare_common_valid`: exactly what `SendWr::validate`
+    /// checks of such a request), so its inline bytes are gathered before
+    /// that check; a gather that fails reports the WR's own error first,
+    /// as when the checks came first. The gather reads at most the QP's
+    /// `max_inline_data` bytes (it refuses more before reading).
     #[inline(always)]
     fn post_wr(
         qp: &Qp<P>,
@@ -330,25 +338,10 @@ impl<P: Platform> Hca<P> {
             max_sge: g.caps.max_send_sge,
             max_inline: g.caps.max_inline_data,
         };
-        wr.validate(transport(qp.qp_type), &limits)
-            .map_err(|error| error.status())?;
-        // A bind names a live window, and its new key that window's MPT
-        // index (`verbs::mw`); the bind segment carries its type. A type 1
-        // bind's key must differ from the last bind's.
-        let (bind_type, new_bind_key) = match (wr.op, window) {
-            (SendOp::BindMw { rkey, .. }, Some(window)) => {
-                let target = window.as_ref().map_err(|error| *error)?;
-                if rkey.get() >> 8 != target.index {
-                    return Err(IbStatus::InvalidRkey);
-                }
-                let rkey = rkey.get();
-                let last = target.last_bind_rkey.load(Ordering::Acquire);
-                if target.mw_type == MwType::Type1 && rkey == last {
-                    return Err(IbStatus::InvalidRkey);
-                }
-                (Some(target.mw_type), Some((target, last, rkey)))
-            }
-            _ => (None, None),
+        let transport = transport(qp.qp_type);
+        let validate = || {
+            wr.validate(transport, &limits)
+                .map_err(|error| error.status())
         };
         // The ring's fields borrowed apart, in place (no scratch moved out
         // and back per call). `scratch` is the QP's own, one WQE long,
@@ -362,25 +355,26 @@ impl<P: Platform> Hca<P> {
             scratch: wqe,
             inline: inline_bytes,
         } = sq;
-        // After the checks: the WR's inline length is within the QP's
-        // `max_inline_data`, which the scratch holds.
         let inline = match (reader, item.gather_inline) {
-            (Some(reader), true) => {
-                let len = gather(reader, wr.sg_list, inline_bytes)?;
-                Some(&inline_bytes[..len])
-            }
+            (Some(reader), true) => match gather(reader, wr.sg_list, inline_bytes) {
+                Ok(len) => Some(&inline_bytes[..len]),
+                Err(status) => {
+                    validate()?;
+                    return Err(status);
+                }
+            },
             _ => item.inline,
         };
         let index = *producer as u16;
         // A request of a common shape (RC/UC send or write, inline or one
-        // SGE) takes hca-prm's specialised encoder, whose words are the
-        // general encoder's (hca-prm proves it); the rest, binds included,
-        // the general one. The scratch is words, so the specialised
-        // encoder's words go in with one bounds check each (no byte range
-        // per word).
-        let common = SendWqe::prepare_common(wr, item.av, index, inline)
+        // SGE) takes hca-prm's specialised encoder with the checks such a
+        // request can fail, whose words are the general encoder's (hca-prm
+        // proves both); the rest, binds included, `validate` and the
+        // general one. The scratch is words, so the specialised encoder's
+        // words go in with one bounds check each (no byte range per word).
+        let common = SendWqe::prepare_common_valid(wr, item.av, index, inline, transport, &limits)
             .filter(|c| c.byte_len() <= wqe.len() * 8);
-        let built = match common {
+        let (len, new_bind_key) = match common {
             Some(common) => {
                 // A plain slice: its base and length stay in registers.
                 let words = wqe.as_mut_slice();
@@ -389,16 +383,38 @@ impl<P: Platform> Hca<P> {
                         *slot = word.to_le();
                     }
                 });
-                Ok(common.byte_len())
+                (common.byte_len(), None)
             }
-            None => SendWqe::from_wr(wr, item.av, index, inline).and_then(|mut w| {
-                if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
-                    bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
-                }
-                w.emit(wqe.as_mut_bytes())
-            }),
+            None => {
+                validate()?;
+                // A bind names a live window, and its new key that
+                // window's MPT index (`verbs::mw`); the bind segment
+                // carries its type. A type 1 bind's key must differ from
+                // the last bind's.
+                let (bind_type, new_bind_key) = match (wr.op, window) {
+                    (SendOp::BindMw { rkey, .. }, Some(window)) => {
+                        let target = window.as_ref().map_err(|error| *error)?;
+                        if rkey.get() >> 8 != target.index {
+                            return Err(IbStatus::InvalidRkey);
+                        }
+                        let rkey = rkey.get();
+                        let last = target.last_bind_rkey.load(Ordering::Acquire);
+                        if target.mw_type == MwType::Type1 && rkey == last {
+                            return Err(IbStatus::InvalidRkey);
+                        }
+                        (Some(target.mw_type), Some((target, last, rkey)))
+                    }
+                    _ => (None, None),
+                };
+                let built = SendWqe::from_wr(wr, item.av, index, inline).and_then(|mut w| {
+                    if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
+                        bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
+                    }
+                    w.emit(wqe.as_mut_bytes())
+                });
+                (built.map_err(|_| IbStatus::InvalidParameter)?, new_bind_key)
+            }
         };
-        let len = built.map_err(|_| IbStatus::InvalidParameter)?;
         let bbs = hca_prm::wqe::basic_blocks(len) as u32;
         let ring_bbs = 1u32 << g.sq_log_bbs;
         let shadow = qp.send_shadow();
