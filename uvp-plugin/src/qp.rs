@@ -239,7 +239,11 @@ impl SendQueue {
     /// only what such a request can break
     /// ([`SendWqe::prepare_common_valid`]); any other is validated whole
     /// and takes the general one.
-    #[inline]
+    ///
+    /// Inlined into each post loop, with the general path a function of
+    /// its own: the common path then runs in the loop's frame, with none
+    /// of the general encoder's spills.
+    #[inline(always)]
     fn write_wqe(
         &mut self,
         wr: &SendWr<'_>,
@@ -254,6 +258,19 @@ impl SendQueue {
                 wqe.emit_words(|i, word| ring.store(first + i, word));
             });
         }
+        self.write_general_wqe(wr, av, inline)
+    }
+
+    /// [`write_wqe`](Self::write_wqe) of a request the specialised encoder
+    /// declined: validated whole, then the general encoder.
+    #[inline(never)]
+    fn write_general_wqe(
+        &mut self,
+        wr: &SendWr<'_>,
+        av: Option<&Av>,
+        inline: Option<&[u8]>,
+    ) -> Result<(), PostErrorKind> {
+        let index = self.producer as u16;
         wr.validate(self.transport, &self.limits)?;
         let stride = self.stride;
         let mut wqe = SendWqe::prepare(wr, av, index, inline).map_err(|e| match e {
