@@ -254,9 +254,13 @@ impl SendQueue {
         if let Some(wqe) =
             SendWqe::prepare_common_valid(wr, av, index, inline, self.transport, &self.limits)
         {
-            return self.store_wqe(wqe.byte_len(), wr.wr_id, |ring, first| {
-                wqe.emit_words(|i, word| ring.store(first + i, word));
-            });
+            // The words go straight from the encoder's registers into the
+            // ring, in this frame: no closure the compiler may call out of
+            // line with the WQE spilled to the stack for it.
+            let first = self.reserve(wqe.byte_len(), wr.wr_id)?;
+            let ring = &self.ring;
+            wqe.emit_words(|i, word| ring.store(first + i, word));
+            return Ok(());
         }
         self.write_general_wqe(wr, av, inline)
     }
@@ -283,23 +287,21 @@ impl SendQueue {
         {
             wqe.set_bind_type(wqe::MwType::Type1);
         }
-        self.store_wqe(wqe.byte_len(), wr.wr_id, |ring, first| {
-            // Fits: `store_wqe` checked `len <= stride`.
-            let _ = wqe.emit_words(stride, |i, word| ring.store(first + i, word));
-        })
+        let first = self.reserve(wqe.byte_len(), wr.wr_id)?;
+        let ring = &self.ring;
+        // Fits: `reserve` checked `len <= stride`.
+        let _ = wqe.emit_words(stride, |i, word| ring.store(first + i, word));
+        Ok(())
     }
 
-    /// Stores a prepared WQE of `len` bytes at the producer counter, if it
-    /// fits the stride and the ring has room: records its `wr_id`, has
-    /// `emit(ring, first)` store its words (word `i` at ring word
-    /// `first + i`, which wraps), and advances the producer.
+    /// Reserves the slots of a WQE of `len` bytes at the producer counter,
+    /// if it fits the stride and the ring has room: records its `wr_id`,
+    /// advances the producer and returns the ring word where the WQE's
+    /// first word goes (word `i` at `first + i`, which wraps). The caller
+    /// stores the words before the doorbell, which alone shows them to
+    /// the device.
     #[inline(always)]
-    fn store_wqe(
-        &mut self,
-        len: usize,
-        wr_id: u64,
-        emit: impl FnOnce(&WordRing, usize),
-    ) -> Result<(), PostErrorKind> {
+    fn reserve(&mut self, len: usize, wr_id: u64) -> Result<usize, PostErrorKind> {
         let stride = self.stride;
         if len > stride {
             return Err(PostErrorKind::WqeTooLarge { bytes: len, stride });
@@ -311,9 +313,8 @@ impl SendQueue {
         }
         self.shared.record(self.producer, wr_id, bbs);
         let first = self.producer as usize * (BB_SIZE / 8);
-        emit(&self.ring, first);
         self.producer = self.producer.wrapping_add(bbs);
-        Ok(())
+        Ok(first)
     }
 }
 
