@@ -204,6 +204,13 @@ impl SendQueue {
     /// request in place (no AV to resolve, nothing copied). A UD send is
     /// refused by the validation (it names a destination).
     pub(crate) fn post_connected(&mut self, sends: &[UserSend<'_>]) -> Result<usize, PostError> {
+        // One request, the common call: no batch loop or count to carry.
+        if let [send] = sends {
+            self.write_wqe(&send.wr, None, send.inline)
+                .map_err(|kind| PostError { posted: 0, kind })?;
+            self.ring_doorbell();
+            return Ok(1);
+        }
         let (posted, failure) =
             post_each(sends, |send| self.write_wqe(&send.wr, None, send.inline));
         if posted > 0 {
@@ -498,5 +505,108 @@ impl Qp {
 impl Drop for Qp {
     fn drop(&mut self) {
         self.directory.remove(self.qpn.get());
+    }
+}
+
+#[cfg(all(test, not(windows), not(loom)))]
+mod tests {
+    use super::*;
+    use ib_types::wr::{LKey, SendFlags, Sge};
+    use std::sync::atomic::{AtomicU64, AtomicUsize};
+
+    /// A connected send queue of 4 basic blocks over `ring`, whose
+    /// doorbell stores `rung` counts.
+    fn queue(ring: &[AtomicU64], rung: &Arc<AtomicUsize>) -> SendQueue {
+        // SAFETY: `ring` is a live array of atomics that outlives the queue
+        // in each test and is accessed only atomically.
+        let buffer = unsafe { DmaBuffer::from_raw(ring.as_ptr() as u64, ring.len() * 8) }.unwrap();
+        let rung = Arc::clone(rung);
+        let uar = UarPage::simulated(
+            0x7000_0000,
+            Arc::new(move |_, _| {
+                rung.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }),
+        );
+        let limits = WrLimits {
+            max_sge: 1,
+            max_inline: 64,
+        };
+        SendQueue::new(
+            buffer,
+            Qpn::new(7).unwrap(),
+            Transport::Rc,
+            limits,
+            2,
+            BB_SIZE,
+            Arc::new(uar),
+            0x800,
+            Arc::default(),
+        )
+        .unwrap()
+    }
+
+    /// `post_connected` of one request (its own path) answers as the batch
+    /// path does for the same request: posted and rung, or refused with
+    /// the batch path's error, nothing posted and no doorbell.
+    #[test]
+    fn one_connected_send_is_refused_or_posted_as_a_batch_of_one() {
+        let sges = [Sge::new(0x8000, 8, LKey::new(1)); 2];
+        let send = |wr_id, sg_list| UserSend {
+            wr: SendWr {
+                wr_id,
+                op: SendOp::Send,
+                flags: SendFlags::SIGNALED,
+                sg_list,
+                ud: None,
+            },
+            inline: None,
+        };
+        let good = send(1, &sges[..1]);
+        let too_many_sges = send(2, &sges);
+        let data = [0u8; 8];
+        let inline_mismatch = UserSend {
+            wr: SendWr {
+                flags: SendFlags::SIGNALED | SendFlags::INLINE,
+                ..good.wr
+            },
+            inline: Some(&data[..4]),
+        };
+        let (one_ring, batch_ring) = (
+            (0..32).map(|_| AtomicU64::new(0)).collect::<Vec<_>>(),
+            (0..32).map(|_| AtomicU64::new(0)).collect::<Vec<_>>(),
+        );
+        let (one_rung, batch_rung) = (Arc::default(), Arc::default());
+        let mut one = queue(&one_ring, &one_rung);
+        let mut batch = queue(&batch_ring, &batch_rung);
+        // Two refused, four posted (the ring's 4 blocks), one refused full.
+        let script = [too_many_sges, inline_mismatch, good, good, good, good, good];
+        for request in script {
+            let by_one = one.post_connected(&[request]);
+            let by_batch = batch.post_each([SendRequest {
+                wr: request.wr,
+                av: None,
+                inline: request.inline,
+            }]);
+            assert_eq!(by_one, by_batch);
+            assert_eq!(one.producer(), batch.producer());
+            assert_eq!(
+                one_rung.load(std::sync::atomic::Ordering::Relaxed),
+                batch_rung.load(std::sync::atomic::Ordering::Relaxed)
+            );
+        }
+        assert_eq!(one.producer(), 4);
+        assert_eq!(
+            one.post_connected(&[good]),
+            Err(PostError {
+                posted: 0,
+                kind: PostErrorKind::QueueFull
+            })
+        );
+        let words = |ring: &[AtomicU64]| {
+            ring.iter()
+                .map(|w| w.load(std::sync::atomic::Ordering::Relaxed))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(words(&one_ring), words(&batch_ring));
     }
 }
