@@ -337,6 +337,7 @@ impl<'ctx> Cq<'ctx> {
     }
 
     /// Polls up to `out.len()` completions, in user mode: how many.
+    #[inline]
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         poll_cq(self.ctx, self.fast.as_ref(), self.handle, out)
     }
@@ -556,6 +557,7 @@ impl<'pd, 'cq> Qp<'pd, 'cq> {
 
     /// Posts sends, in user mode (one doorbell for the batch): how many.
     /// A UD send names its destination's [`Av`] by handle.
+    #[inline]
     pub fn post_send(&mut self, requests: &[UserSend<'_>]) -> Result<usize> {
         match &self.fast {
             Some(fast) => fast.post_send(requests),
@@ -599,6 +601,8 @@ impl Drop for Qp<'_, '_> {
 
 /// A CQ's poll, through its fast path if the plugin gave one, else the
 /// plugin's table by handle: how many completions (`Cq` and `SharedCq`).
+/// Inlined into the callers, so a poll is one call into the plugin.
+#[inline]
 pub(crate) fn poll_cq(
     ctx: &Context,
     fast: Option<&uvp_plugin::CqFastPath>,

@@ -204,6 +204,13 @@ impl SendQueue {
     /// request in place (no AV to resolve, nothing copied). A UD send is
     /// refused by the validation (it names a destination).
     pub(crate) fn post_connected(&mut self, sends: &[UserSend<'_>]) -> Result<usize, PostError> {
+        // One request, the common call: no batch loop or count to carry.
+        if let [send] = sends {
+            self.write_wqe(&send.wr, None, send.inline)
+                .map_err(|kind| PostError { posted: 0, kind })?;
+            self.ring_doorbell();
+            return Ok(1);
+        }
         let (posted, failure) =
             post_each(sends, |send| self.write_wqe(&send.wr, None, send.inline));
         if posted > 0 {
@@ -239,7 +246,11 @@ impl SendQueue {
     /// only what such a request can break
     /// ([`SendWqe::prepare_common_valid`]); any other is validated whole
     /// and takes the general one.
-    #[inline]
+    ///
+    /// Inlined into each post loop, with the general path a function of
+    /// its own: the common path then runs in the loop's frame, with none
+    /// of the general encoder's spills.
+    #[inline(always)]
     fn write_wqe(
         &mut self,
         wr: &SendWr<'_>,
@@ -250,10 +261,27 @@ impl SendQueue {
         if let Some(wqe) =
             SendWqe::prepare_common_valid(wr, av, index, inline, self.transport, &self.limits)
         {
-            return self.store_wqe(wqe.byte_len(), wr.wr_id, |ring, first| {
-                wqe.emit_words(|i, word| ring.store(first + i, word));
-            });
+            // The words go straight from the encoder's registers into the
+            // ring, in this frame: no closure the compiler may call out of
+            // line with the WQE spilled to the stack for it.
+            let first = self.reserve(wqe.byte_len(), wr.wr_id)?;
+            let ring = &self.ring;
+            wqe.emit_words(|i, word| ring.store(first + i, word));
+            return Ok(());
         }
+        self.write_general_wqe(wr, av, inline)
+    }
+
+    /// [`write_wqe`](Self::write_wqe) of a request the specialised encoder
+    /// declined: validated whole, then the general encoder.
+    #[inline(never)]
+    fn write_general_wqe(
+        &mut self,
+        wr: &SendWr<'_>,
+        av: Option<&Av>,
+        inline: Option<&[u8]>,
+    ) -> Result<(), PostErrorKind> {
+        let index = self.producer as u16;
         wr.validate(self.transport, &self.limits)?;
         let stride = self.stride;
         let mut wqe = SendWqe::prepare(wr, av, index, inline).map_err(|e| match e {
@@ -266,23 +294,21 @@ impl SendQueue {
         {
             wqe.set_bind_type(wqe::MwType::Type1);
         }
-        self.store_wqe(wqe.byte_len(), wr.wr_id, |ring, first| {
-            // Fits: `store_wqe` checked `len <= stride`.
-            let _ = wqe.emit_words(stride, |i, word| ring.store(first + i, word));
-        })
+        let first = self.reserve(wqe.byte_len(), wr.wr_id)?;
+        let ring = &self.ring;
+        // Fits: `reserve` checked `len <= stride`.
+        let _ = wqe.emit_words(stride, |i, word| ring.store(first + i, word));
+        Ok(())
     }
 
-    /// Stores a prepared WQE of `len` bytes at the producer counter, if it
-    /// fits the stride and the ring has room: records its `wr_id`, has
-    /// `emit(ring, first)` store its words (word `i` at ring word
-    /// `first + i`, which wraps), and advances the producer.
+    /// Reserves the slots of a WQE of `len` bytes at the producer counter,
+    /// if it fits the stride and the ring has room: records its `wr_id`,
+    /// advances the producer and returns the ring word where the WQE's
+    /// first word goes (word `i` at `first + i`, which wraps). The caller
+    /// stores the words before the doorbell, which alone shows them to
+    /// the device.
     #[inline(always)]
-    fn store_wqe(
-        &mut self,
-        len: usize,
-        wr_id: u64,
-        emit: impl FnOnce(&WordRing, usize),
-    ) -> Result<(), PostErrorKind> {
+    fn reserve(&mut self, len: usize, wr_id: u64) -> Result<usize, PostErrorKind> {
         let stride = self.stride;
         if len > stride {
             return Err(PostErrorKind::WqeTooLarge { bytes: len, stride });
@@ -294,9 +320,8 @@ impl SendQueue {
         }
         self.shared.record(self.producer, wr_id, bbs);
         let first = self.producer as usize * (BB_SIZE / 8);
-        emit(&self.ring, first);
         self.producer = self.producer.wrapping_add(bbs);
-        Ok(())
+        Ok(first)
     }
 }
 
@@ -480,5 +505,108 @@ impl Qp {
 impl Drop for Qp {
     fn drop(&mut self) {
         self.directory.remove(self.qpn.get());
+    }
+}
+
+#[cfg(all(test, not(windows), not(loom)))]
+mod tests {
+    use super::*;
+    use ib_types::wr::{LKey, SendFlags, Sge};
+    use std::sync::atomic::{AtomicU64, AtomicUsize};
+
+    /// A connected send queue of 4 basic blocks over `ring`, whose
+    /// doorbell stores `rung` counts.
+    fn queue(ring: &[AtomicU64], rung: &Arc<AtomicUsize>) -> SendQueue {
+        // SAFETY: `ring` is a live array of atomics that outlives the queue
+        // in each test and is accessed only atomically.
+        let buffer = unsafe { DmaBuffer::from_raw(ring.as_ptr() as u64, ring.len() * 8) }.unwrap();
+        let rung = Arc::clone(rung);
+        let uar = UarPage::simulated(
+            0x7000_0000,
+            Arc::new(move |_, _| {
+                rung.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }),
+        );
+        let limits = WrLimits {
+            max_sge: 1,
+            max_inline: 64,
+        };
+        SendQueue::new(
+            buffer,
+            Qpn::new(7).unwrap(),
+            Transport::Rc,
+            limits,
+            2,
+            BB_SIZE,
+            Arc::new(uar),
+            0x800,
+            Arc::default(),
+        )
+        .unwrap()
+    }
+
+    /// `post_connected` of one request (its own path) answers as the batch
+    /// path does for the same request: posted and rung, or refused with
+    /// the batch path's error, nothing posted and no doorbell.
+    #[test]
+    fn one_connected_send_is_refused_or_posted_as_a_batch_of_one() {
+        let sges = [Sge::new(0x8000, 8, LKey::new(1)); 2];
+        let send = |wr_id, sg_list| UserSend {
+            wr: SendWr {
+                wr_id,
+                op: SendOp::Send,
+                flags: SendFlags::SIGNALED,
+                sg_list,
+                ud: None,
+            },
+            inline: None,
+        };
+        let good = send(1, &sges[..1]);
+        let too_many_sges = send(2, &sges);
+        let data = [0u8; 8];
+        let inline_mismatch = UserSend {
+            wr: SendWr {
+                flags: SendFlags::SIGNALED | SendFlags::INLINE,
+                ..good.wr
+            },
+            inline: Some(&data[..4]),
+        };
+        let (one_ring, batch_ring) = (
+            (0..32).map(|_| AtomicU64::new(0)).collect::<Vec<_>>(),
+            (0..32).map(|_| AtomicU64::new(0)).collect::<Vec<_>>(),
+        );
+        let (one_rung, batch_rung) = (Arc::default(), Arc::default());
+        let mut one = queue(&one_ring, &one_rung);
+        let mut batch = queue(&batch_ring, &batch_rung);
+        // Two refused, four posted (the ring's 4 blocks), one refused full.
+        let script = [too_many_sges, inline_mismatch, good, good, good, good, good];
+        for request in script {
+            let by_one = one.post_connected(&[request]);
+            let by_batch = batch.post_each([SendRequest {
+                wr: request.wr,
+                av: None,
+                inline: request.inline,
+            }]);
+            assert_eq!(by_one, by_batch);
+            assert_eq!(one.producer(), batch.producer());
+            assert_eq!(
+                one_rung.load(std::sync::atomic::Ordering::Relaxed),
+                batch_rung.load(std::sync::atomic::Ordering::Relaxed)
+            );
+        }
+        assert_eq!(one.producer(), 4);
+        assert_eq!(
+            one.post_connected(&[good]),
+            Err(PostError {
+                posted: 0,
+                kind: PostErrorKind::QueueFull
+            })
+        );
+        let words = |ring: &[AtomicU64]| {
+            ring.iter()
+                .map(|w| w.load(std::sync::atomic::Ordering::Relaxed))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(words(&one_ring), words(&batch_ring));
     }
 }
