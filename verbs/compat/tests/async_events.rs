@@ -16,7 +16,6 @@
 //! taken is dropped (the SRQ responder's last-WQE-reached; a drained QP's). Then a
 //! clean shutdown (the event thread ended by `ibv_close_device`).
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ffi::c_int;
 use std::ptr::null_mut;
 use std::sync::Arc;
@@ -41,38 +40,10 @@ use ibverbs_compat::{self as verbs};
 mod support;
 use support::*;
 
-const PAGE: usize = 4096;
 /// The SRQ's depth, all posted; the limit is armed above what stays after
 /// `SENDS` receives are taken.
 const DEPTH: u32 = 8;
 const SENDS: u32 = 3;
-
-fn clear_errno() {
-    verbs_side_support::set_errno(0);
-}
-
-/// A page of the program's own heap.
-struct ProgramBuffer {
-    ptr: *mut u8,
-    layout: Layout,
-}
-
-impl ProgramBuffer {
-    fn new() -> Self {
-        let layout = Layout::from_size_align(PAGE, PAGE).unwrap();
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        assert!(!ptr.is_null());
-        Self { ptr, layout }
-    }
-}
-
-impl Drop for ProgramBuffer {
-    fn drop(&mut self) {
-        // SAFETY: allocated with this layout in `new`.
-        unsafe { dealloc(self.ptr, self.layout) }
-    }
-}
 
 /// `poll(2)` on `fd` for input: true when readable within `timeout`.
 fn readable(fd: c_int, timeout: Duration) -> bool {
@@ -287,15 +258,7 @@ unsafe impl Send for SendCq {}
 
 #[test]
 fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() {
-    assert!(verbs::set_boot(boot));
-    let mut count: c_int = 0;
-    // SAFETY: `count` is valid for a write.
-    let list = unsafe { verbs::ibv_get_device_list(&mut count) };
-    // SAFETY: a list of one device and a NULL.
-    let device = unsafe { *list };
-    // SAFETY: checked against the devices listed.
-    let context = unsafe { verbs::ibv_open_device(device) };
-    assert!(!context.is_null());
+    let (list, context) = open_the_device(boot);
     let machine = MACHINE.get().unwrap();
 
     // The descriptor: real, pollable, non-blocking on request.
@@ -323,6 +286,8 @@ fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() 
     assert_eq!(answer, -1);
     assert_eq!(errno(), libc::EINVAL);
     clear_errno();
+    // SAFETY: a list of one device and a NULL.
+    let device = unsafe { *list };
     // SAFETY: a pointer that is not a context is checked.
     let answer = unsafe { verbs::ibv_get_async_event(device.cast(), &mut event) };
     assert_eq!(answer, -1);
@@ -333,11 +298,7 @@ fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() 
     // SAFETY: as above.
     unsafe { verbs::ibv_ack_async_event(&mut event) };
 
-    // SAFETY: checked against the open contexts.
-    let pd = unsafe { verbs::ibv_alloc_pd(context) };
-    // SAFETY: as above.
-    let cq = unsafe { verbs::ibv_create_cq(context, 64, null_mut(), null_mut(), 0) };
-    assert!(!pd.is_null() && !cq.is_null());
+    let (pd, cq) = pd_and_cq(context, 64);
     let mut srq_init = IbvSrqInitAttr {
         srq_context: null_mut(),
         attr: IbvSrqAttr {
@@ -444,7 +405,7 @@ fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() 
 
     // A remote access error: an RDMA write with an R_Key the responder
     // does not have.
-    let buffer = ProgramBuffer::new();
+    let buffer = ProgramBuffer::new(1);
     // SAFETY: the program's own page, kept until the region is gone.
     let mr =
         unsafe { verbs::ibv_reg_mr(pd, buffer.ptr.cast(), PAGE, IBV_ACCESS_LOCAL_WRITE as c_int) };

@@ -49,16 +49,7 @@ fn poll(cq: *mut IbvCq, wc: &mut [IbvWc]) -> c_int {
 
 #[test]
 fn completion_queues_and_channels() {
-    assert!(verbs::set_boot(boot));
-    let mut count: c_int = 0;
-    // SAFETY: `count` is valid for a write.
-    let list = unsafe { verbs::ibv_get_device_list(&mut count) };
-    assert_eq!(count, 1);
-    // SAFETY: a list of one device and a NULL.
-    let device = unsafe { *list };
-    // SAFETY: checked against the devices listed.
-    let context = unsafe { verbs::ibv_open_device(device) };
-    assert!(!context.is_null());
+    let (list, context) = open_the_device(boot);
     let machine = MACHINE.get().unwrap();
 
     // A channel: a real descriptor, of this context.

@@ -23,10 +23,6 @@ use ibverbs_compat::{self as verbs};
 mod support;
 use support::*;
 
-fn clear_errno() {
-    verbs_side_support::set_errno(0);
-}
-
 /// The SRQ's depth asked for (the device rounds up to a power of two).
 const DEPTH: u32 = 8;
 
@@ -105,15 +101,7 @@ fn receives(count: usize, first_id: u64) -> Vec<IbvRecvWr> {
 
 #[test]
 fn shared_receive_queues_their_verbs_qps_on_them_and_every_refusal() {
-    assert!(verbs::set_boot(boot));
-    let mut count: c_int = 0;
-    // SAFETY: `count` is valid for a write.
-    let list = unsafe { verbs::ibv_get_device_list(&mut count) };
-    // SAFETY: a list of one device and a NULL.
-    let device = unsafe { *list };
-    // SAFETY: checked against the devices listed.
-    let context = unsafe { verbs::ibv_open_device(device) };
-    assert!(!context.is_null());
+    let (list, context) = open_the_device(boot);
     let machine = MACHINE.get().unwrap();
     // SAFETY: checked against the open contexts.
     let pd = unsafe { verbs::ibv_alloc_pd(context) };
