@@ -31,8 +31,8 @@ use ibal_user::{Av, Buffer, CaSelector, Context, Cq, Mr, Pd, PluginSource, Qp, Q
 use ibverbs_abi::{
     IBV_ACCESS_LOCAL_WRITE, IBV_QP_PKEY_INDEX, IBV_QP_PORT, IBV_QP_QKEY, IBV_QP_SQ_PSN,
     IBV_QP_STATE, IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS, IBV_QPT_UD, IBV_SEND_SIGNALED,
-    IBV_WC_GRH, IBV_WC_RECV, IBV_WC_SEND, IBV_WC_SUCCESS, IBV_WR_SEND, IbvAh, IbvAhAttr, IbvCq,
-    IbvQp, IbvQpAttr, IbvRecvWr, IbvSendWr, IbvSendWrUd, IbvSendWrWr, IbvSge, IbvWc,
+    IBV_WC_GRH, IBV_WC_RECV, IBV_WC_SEND, IBV_WC_SUCCESS, IBV_WR_SEND, IbvAh, IbvAhAttr, IbvQp,
+    IbvQpAttr, IbvRecvWr, IbvSendWr, IbvSendWrUd, IbvSendWrWr, IbvSge, IbvWc,
 };
 use ibverbs_compat::{self as verbs, Machine};
 use sim_hca::udp::PortAddress;
@@ -65,23 +65,6 @@ fn boot_on_udp() -> Result<Arc<dyn Machine>, String> {
     let machine = Arc::new(TestMachine(EmbeddedMachine::boot(fabric, 8)?));
     assert!(MACHINE.set(Arc::clone(&machine)).is_ok(), "booted once");
     Ok(machine)
-}
-
-/// Polls `cq` (through the context's `ops.poll_cq`) for one completion.
-fn poll_one(context: *mut ibverbs_abi::IbvContext, cq: *mut IbvCq) -> IbvWc {
-    // SAFETY: the open context.
-    let poll_cq = unsafe { (*context).ops.poll_cq }.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut wc = IbvWc::default();
-    loop {
-        // SAFETY: one entry.
-        match unsafe { poll_cq(cq, 1, &mut wc) } {
-            1 => return wc,
-            0 => assert!(Instant::now() < deadline, "no completion in 20 s"),
-            other => panic!("poll_cq: {other}"),
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 /// The peer's one completion on `cq`.
@@ -507,12 +490,7 @@ fn an_address_handle_from_a_received_datagram_reaches_its_sender_and_bad_headers
     assert_eq!(unsafe { verbs::ibv_destroy_cq(cq) }, 0);
     // SAFETY: as above.
     assert_eq!(unsafe { verbs::ibv_dealloc_pd(pd) }, 0);
-    // SAFETY: checked against the open contexts.
-    assert_eq!(unsafe { verbs::ibv_close_device(context) }, 0);
-    // SAFETY: the list handed out above.
-    unsafe { verbs::ibv_free_device_list(list) };
+    close_the_device(context, list);
     drop(buffer);
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    shut_down_cleanly(machine);
 }

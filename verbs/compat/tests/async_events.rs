@@ -33,7 +33,6 @@ use ibverbs_abi::{
     IBV_WC_SEND, IBV_WC_SUCCESS, IBV_WR_RDMA_WRITE, IBV_WR_SEND, IbvAhAttr, IbvAsyncEvent,
     IbvContext, IbvCq, IbvGid, IbvGlobalRoute, IbvPd, IbvQp, IbvQpAttr, IbvQpCap, IbvQpInitAttr,
     IbvRecvWr, IbvSendWr, IbvSendWrRdma, IbvSendWrWr, IbvSge, IbvSrq, IbvSrqAttr, IbvSrqInitAttr,
-    IbvWc,
 };
 use ibverbs_compat::{self as verbs};
 
@@ -75,23 +74,6 @@ fn next_event(context: *mut IbvContext, fd: c_int) -> IbvAsyncEvent {
             0 => return event,
             _ => assert_eq!(errno(), libc::EAGAIN),
         }
-    }
-}
-
-/// Polls `cq` (through `ops.poll_cq`) for one completion.
-fn poll_one(context: *mut IbvContext, cq: *mut IbvCq) -> IbvWc {
-    // SAFETY: the open context.
-    let poll_cq = unsafe { (*context).ops.poll_cq }.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut wc = IbvWc::default();
-    loop {
-        // SAFETY: one entry.
-        match unsafe { poll_cq(cq, 1, &mut wc) } {
-            1 => return wc,
-            0 => assert!(Instant::now() < deadline, "no completion in 20 s"),
-            other => panic!("poll_cq: {other}"),
-        }
-        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -587,14 +569,9 @@ fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() 
     assert_eq!(unsafe { verbs::ibv_destroy_cq(cq) }, 0);
     // SAFETY: as above.
     assert_eq!(unsafe { verbs::ibv_dealloc_pd(pd) }, 0);
-    // SAFETY: as above.
-    assert_eq!(unsafe { verbs::ibv_close_device(context) }, 0);
-    // SAFETY: the list handed out above.
-    unsafe { verbs::ibv_free_device_list(list) };
+    close_the_device(context, list);
     // Closing ended the event thread and closed the CA.
     assert_eq!(machine.0.user_contexts(), 0);
     drop(buffer);
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    shut_down_cleanly(machine);
 }

@@ -8,7 +8,6 @@
 
 use std::ffi::{c_int, c_void};
 use std::ptr::null_mut;
-use std::time::Duration;
 
 use ibverbs_abi::{
     IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_ON_DEMAND, IBV_ACCESS_RELAXED_ORDERING,
@@ -297,7 +296,5 @@ fn protection_domains_registrations_of_the_programs_memory_and_address_handles()
 
     // SAFETY: the list handed out above.
     unsafe { verbs::ibv_free_device_list(list) };
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    shut_down_cleanly(machine);
 }

@@ -173,11 +173,6 @@ fn queue_pairs_modify_query_and_post_recv_with_bad_wr() {
     assert_eq!(unsafe { verbs::ibv_destroy_cq(cq) }, 0);
     // SAFETY: as above.
     assert_eq!(unsafe { verbs::ibv_dealloc_pd(pd) }, 0);
-    // SAFETY: checked against the open contexts.
-    assert_eq!(unsafe { verbs::ibv_close_device(context) }, 0);
-    // SAFETY: the list handed out above.
-    unsafe { verbs::ibv_free_device_list(list) };
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    close_the_device(context, list);
+    shut_down_cleanly(machine);
 }

@@ -12,7 +12,6 @@
 use std::ffi::c_int;
 use std::mem::{offset_of, size_of};
 use std::ptr::null;
-use std::time::Duration;
 
 use ibverbs_abi::{
     IbvContext, IbvDeviceAttr, IbvDeviceAttrEx, IbvQueryDeviceExInput, VERBS_ABI_IS_EXTENDED,
@@ -131,11 +130,6 @@ fn query_device_ex_fills_what_the_ca_has_and_zeroes_the_rest() {
     assert_eq!(answer, libc::EINVAL, "a context that is not ours");
     assert!(refused.iter().all(|&b| b == UNTOUCHED));
 
-    // SAFETY: the open context, closed once.
-    assert_eq!(unsafe { verbs::ibv_close_device(context) }, 0);
-    // SAFETY: the list handed out above.
-    unsafe { verbs::ibv_free_device_list(list) };
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    close_the_device(context, list);
+    shut_down_cleanly(machine);
 }

@@ -12,7 +12,6 @@
 
 use std::ffi::c_int;
 use std::ptr::null_mut;
-use std::time::Duration;
 
 use ibverbs_abi::{
     IBV_QPT_RC, IBV_QPT_UD, IBV_SRQ_LIMIT, IBV_SRQ_MAX_WR, IbvCq, IbvPd, IbvQpAttr, IbvQpCap,
@@ -305,11 +304,6 @@ fn shared_receive_queues_their_verbs_qps_on_them_and_every_refusal() {
     assert_eq!(unsafe { verbs::ibv_dealloc_pd(other_pd) }, 0);
     // SAFETY: as above.
     assert_eq!(unsafe { verbs::ibv_destroy_cq(cq) }, 0);
-    // SAFETY: checked against the open contexts.
-    assert_eq!(unsafe { verbs::ibv_close_device(context) }, 0);
-    // SAFETY: the list handed out above.
-    unsafe { verbs::ibv_free_device_list(list) };
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    close_the_device(context, list);
+    shut_down_cleanly(machine);
 }

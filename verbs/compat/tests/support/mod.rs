@@ -8,8 +8,9 @@ use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ffi::{c_int, c_void};
 use std::ptr::null_mut;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
-use ibverbs_abi::{IbvContext, IbvCq, IbvDevice, IbvPd, IbvQpCap, IbvQpInitAttr, IbvQpType};
+use ibverbs_abi::{IbvContext, IbvCq, IbvDevice, IbvPd, IbvQpCap, IbvQpInitAttr, IbvQpType, IbvWc};
 
 use ibal_user::{DeviceIo, PluginSource};
 use ibverbs_compat::{self as verbs, BootFn, Machine};
@@ -152,4 +153,38 @@ pub(crate) fn qp_init_attr(cq: *mut IbvCq, qp_type: IbvQpType, max_wr: u32) -> I
         qp_type,
         sq_sig_all: 0,
     }
+}
+
+/// Polls `cq` (through the context's `ops.poll_cq`) for one completion,
+/// for at most 20 s.
+pub(crate) fn poll_one(context: *mut IbvContext, cq: *mut IbvCq) -> IbvWc {
+    // SAFETY: the open context.
+    let poll_cq = unsafe { (*context).ops.poll_cq }.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut wc = IbvWc::default();
+    loop {
+        // SAFETY: one entry.
+        match unsafe { poll_cq(cq, 1, &mut wc) } {
+            1 => return wc,
+            0 => assert!(Instant::now() < deadline, "no completion in 20 s"),
+            other => panic!("poll_cq: {other}"),
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// What a C program does last: closes the context and frees the device
+/// list [`open_the_device`] handed out.
+pub(crate) fn close_the_device(context: *mut IbvContext, list: *mut *mut IbvDevice) {
+    // SAFETY: checked against the open contexts.
+    assert_eq!(unsafe { verbs::ibv_close_device(context) }, 0);
+    // SAFETY: the list handed out by `open_the_device`, freed once.
+    unsafe { verbs::ibv_free_device_list(list) };
+}
+
+/// Shuts the machine down: no problem reported, nothing left open.
+pub(crate) fn shut_down_cleanly(machine: &TestMachine) {
+    let report = machine.0.shut_down(Duration::from_secs(10));
+    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
+    assert_eq!(report.left_open, 0);
 }
