@@ -19,7 +19,7 @@ use ib_types::access::AccessFlags;
 use ib_types::av::AvAttr;
 use ib_types::cq::CqAttr;
 use ib_types::handle::{AvHandle, CqHandle, PdHandle, SrqHandle};
-use ib_types::ioctl::{self as v, Empty, QpQueryOut, QueryAvOut};
+use ib_types::ioctl::{self as v, Empty, QpQueryOut, QueryAvOut, Verb};
 use ib_types::mr::{MrKeys, MrQuery, MrRegister};
 use ib_types::qp::{QpCaps, QpModify};
 use ib_types::srq::{SrqAttr, SrqCreate, SrqModify};
@@ -41,14 +41,16 @@ impl Alive {
         Self(Mutex::new(true))
     }
 
-    /// Runs `destroy` if the object is alive; it is dead once `destroy`
-    /// succeeds. A second destroy is an invalid argument.
-    fn destroy(&self, destroy: impl FnOnce() -> Result<()>) -> Result<()> {
+    /// Asks `ctx` for the verb `V` (no input: a destroy, dealloc or
+    /// deregistration) on `handle` if the object is alive; it is dead once
+    /// the kernel (or plugin) agrees. A second destroy is an invalid
+    /// argument.
+    fn destroy<V: Verb<In = Empty>>(&self, ctx: &Context, handle: u64) -> Result<()> {
         let mut alive = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         if !*alive {
             return Err(Error::InvalidArgument("already destroyed"));
         }
-        destroy()?;
+        ctx.call::<V>(handle, &Empty)?;
         *alive = false;
         Ok(())
     }
@@ -86,10 +88,7 @@ impl SharedPd {
     /// Deallocates it (`DeallocPd`); refused (the PD stays) with the
     /// kernel's answer, e.g. while regions or QPs use it.
     pub fn dealloc(&self) -> Result<()> {
-        self.alive.destroy(|| {
-            self.ctx.call::<v::DeallocPd>(self.handle, &Empty)?;
-            Ok(())
-        })
+        self.alive.destroy::<v::DeallocPd>(&self.ctx, self.handle)
     }
 }
 
@@ -186,10 +185,7 @@ impl SharedMr {
     /// kernel's answer, e.g. while a memory window is bound to it. The
     /// pages are the process's own again once this succeeds.
     pub fn deregister(&self) -> Result<()> {
-        self.alive.destroy(|| {
-            self.pd.ctx.call::<v::DeregMr>(self.handle, &Empty)?;
-            Ok(())
-        })
+        self.alive.destroy::<v::DeregMr>(&self.pd.ctx, self.handle)
     }
 }
 
@@ -239,10 +235,8 @@ impl SharedAv {
     /// Destroys it (`DestroyAv`); refused (the AV stays) with the
     /// plugin's answer.
     pub fn destroy(&self) -> Result<()> {
-        self.alive.destroy(|| {
-            self.pd.ctx.call::<v::DestroyAv>(self.handle, &Empty)?;
-            Ok(())
-        })
+        self.alive
+            .destroy::<v::DestroyAv>(&self.pd.ctx, self.handle)
     }
 }
 
@@ -323,10 +317,7 @@ impl SharedCq {
     /// Destroys it (`DestroyCq`; a wait pending on it ends); refused (the
     /// CQ stays) with the kernel's answer, e.g. while a QP uses it.
     pub fn destroy(&self) -> Result<()> {
-        self.alive.destroy(|| {
-            self.ctx.call::<v::DestroyCq>(self.handle, &Empty)?;
-            Ok(())
-        })
+        self.alive.destroy::<v::DestroyCq>(&self.ctx, self.handle)
     }
 }
 
@@ -424,10 +415,8 @@ impl SharedSrq {
     /// Destroys it (`DestroySrq`); refused (the SRQ stays) with the
     /// kernel's answer, e.g. `ResourceBusy` while a QP uses it.
     pub fn destroy(&self) -> Result<()> {
-        self.alive.destroy(|| {
-            self.pd.ctx.call::<v::DestroySrq>(self.handle, &Empty)?;
-            Ok(())
-        })
+        self.alive
+            .destroy::<v::DestroySrq>(&self.pd.ctx, self.handle)
     }
 }
 
@@ -626,10 +615,8 @@ impl SharedQp {
     /// Destroys it (`DestroyQp`); refused (the QP stays) with the
     /// kernel's answer.
     pub fn destroy(&self) -> Result<()> {
-        self.alive.destroy(|| {
-            self.pd.ctx.call::<v::DestroyQp>(self.handle, &Empty)?;
-            Ok(())
-        })
+        self.alive
+            .destroy::<v::DestroyQp>(&self.pd.ctx, self.handle)
     }
 }
 

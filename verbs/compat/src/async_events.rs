@@ -47,9 +47,9 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_int;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::thread::JoinHandle;
 
 use ib_types::event::{AsyncEventCode, AsyncEventRecord, EventSubject};
@@ -63,11 +63,8 @@ use ibverbs_abi::{
 };
 
 use crate::device::open_context;
-use crate::util::{guard, set_errno};
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
+use crate::event_fd::EventFd;
+use crate::util::{guard, lock, set_errno};
 
 /// rdma-core's event type for one of the stack's codes; `None` for the
 /// codes rdma-core has no event for (they are dropped).
@@ -142,7 +139,7 @@ struct EventState {
 
 /// One context's asynchronous events: its descriptor, queue and counts.
 pub(crate) struct AsyncEvents {
-    fd: OwnedFd,
+    fd: EventFd,
     state: Mutex<EventState>,
     /// Signalled at each acknowledgement (destroys wait on it).
     acked: Condvar,
@@ -159,17 +156,8 @@ impl AsyncEvents {
     /// A fresh descriptor and an empty queue; no thread yet
     /// ([`start`](Self::start)).
     pub(crate) fn new() -> Result<Arc<Self>, c_int> {
-        // SAFETY: plain system call; the descriptor is checked below.
-        let raw_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_SEMAPHORE) };
-        if raw_fd < 0 {
-            return Err(std::io::Error::last_os_error()
-                .raw_os_error()
-                .unwrap_or(libc::EMFILE));
-        }
-        // SAFETY: a descriptor eventfd just opened, owned by nothing else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw_fd) };
         let events = Arc::new(Self {
-            fd,
+            fd: EventFd::new()?,
             state: Mutex::new(EventState::default()),
             acked: Condvar::new(),
             stopping: AtomicBool::new(false),
@@ -183,7 +171,7 @@ impl AsyncEvents {
 
     /// The descriptor programs see as `async_fd`.
     pub(crate) fn raw_fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
+        self.fd.raw_fd()
     }
 
     /// Starts the thread that waits for `ca`'s events; `ENOMEM` when it
@@ -247,19 +235,7 @@ impl AsyncEvents {
                 element,
             });
         }
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to our own eventfd.
-        let written = unsafe {
-            libc::write(
-                self.fd.as_raw_fd(),
-                std::ptr::from_ref(&one).cast(),
-                size_of::<u64>(),
-            )
-        };
-        if written != size_of::<u64>() as isize {
-            // Only a counter at its maximum refuses (2^64 - 2 unread).
-            eprintln!("libibverbs: the async event descriptor refused an event");
-        }
+        self.fd.post_one("the async event descriptor");
     }
 
     /// Tracks the program's object at `object` (its `ibv_qp`, `ibv_cq` or
@@ -291,27 +267,10 @@ impl AsyncEvents {
     /// unless the program made it non-blocking), skipping those of dropped
     /// events. `Err` with the read's errno.
     fn next(&self) -> Result<IbvAsyncEvent, c_int> {
-        loop {
-            let mut count: u64 = 0;
-            // SAFETY: reads 8 bytes into a live u64 from our own eventfd
-            // (kept open by the `Arc` the caller holds).
-            let read = unsafe {
-                libc::read(
-                    self.fd.as_raw_fd(),
-                    std::ptr::from_mut(&mut count).cast(),
-                    size_of::<u64>(),
-                )
-            };
-            if read != size_of::<u64>() as isize {
-                return Err(std::io::Error::last_os_error()
-                    .raw_os_error()
-                    .unwrap_or(libc::EIO));
-            }
+        self.fd.take(|| {
             let mut state = lock(&self.state);
-            let Some(queued) = state.queue.pop_front() else {
-                // The count of an event dropped by a destroy: skip it.
-                continue;
-            };
+            // None: the count of an event dropped by a destroy (skipped).
+            let queued = state.queue.pop_front()?;
             let element = match queued.element {
                 Element::Object(object) => {
                     *state.unacked.entry(object).or_default() += 1;
@@ -324,11 +283,11 @@ impl AsyncEvents {
                 },
                 Element::Device => IbvAsyncEventElement { port_num: 0 },
             };
-            return Ok(IbvAsyncEvent {
+            Some(IbvAsyncEvent {
                 element,
                 event_type: queued.event_type,
-            });
-        }
+            })
+        })
     }
 
     /// Acknowledges one event taken for the object at `object`; `false`

@@ -23,7 +23,6 @@
 
 use std::collections::VecDeque;
 use std::ffi::{c_int, c_void};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -36,21 +35,18 @@ use ibverbs_abi::{
 
 use crate::async_events::ObjectKind;
 use crate::device::open_context;
-use crate::memory::{Registry, lock, remember};
+use crate::event_fd::EventFd;
+use crate::memory::{Registry, remember};
 use crate::slots::{Lease, Table};
 use crate::state::Context;
-use crate::util::{errno_of, guard, set_errno};
-
-fn lock_plain<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
+use crate::util::{errno_of, guard, lock, set_errno};
 
 /// A completion channel: rdma-core's `ibv_comp_channel` first (its `fd`
 /// the eventfd), then the CQs whose events wait to be taken.
 #[repr(C)]
 pub(crate) struct CompChannel {
     raw: IbvCompChannel,
-    fd: OwnedFd,
+    fd: EventFd,
     /// The addresses of the CQs whose events were not taken yet, oldest
     /// first (one entry per event).
     queue: Mutex<VecDeque<usize>>,
@@ -68,21 +64,8 @@ unsafe impl Sync for CompChannel {}
 impl CompChannel {
     /// Queues one event of the CQ at `cq` and wakes a reader.
     fn signal(&self, cq: usize) {
-        lock_plain(&self.queue).push_back(cq);
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to our own eventfd.
-        let written = unsafe {
-            libc::write(
-                self.fd.as_raw_fd(),
-                std::ptr::from_ref(&one).cast(),
-                size_of::<u64>(),
-            )
-        };
-        if written != size_of::<u64>() as isize {
-            // Only a counter at its maximum refuses: 2^64 - 2 events
-            // unread. The event stays queued for the next read.
-            eprintln!("libibverbs: a completion channel's eventfd refused an event");
-        }
+        lock(&self.queue).push_back(cq);
+        self.fd.post_one("a completion channel's eventfd");
     }
 }
 
@@ -158,18 +141,17 @@ pub unsafe extern "C" fn ibv_create_comp_channel(context: *mut IbvContext) -> *m
                 return std::ptr::null_mut();
             }
         };
-        // SAFETY: plain system call; the descriptor is checked below.
-        let raw_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_SEMAPHORE) };
-        if raw_fd < 0 {
-            // errno is the eventfd's.
-            return std::ptr::null_mut();
-        }
-        // SAFETY: a descriptor eventfd just opened, owned by nothing else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw_fd) };
+        let fd = match EventFd::new() {
+            Ok(fd) => fd,
+            Err(errno) => {
+                set_errno(errno);
+                return std::ptr::null_mut();
+            }
+        };
         let channel = Arc::new(CompChannel {
             raw: IbvCompChannel {
                 context: context.as_ptr(),
-                fd: raw_fd,
+                fd: fd.raw_fd(),
                 refcnt: 0,
             },
             fd,
@@ -303,7 +285,7 @@ fn create_cq(
                 }
             });
         match waiting {
-            Ok(handle) => *lock_plain(&made.waiter) = Some(handle),
+            Ok(handle) => *lock(&made.waiter) = Some(handle),
             Err(_) => {
                 let _ = made.cq.destroy();
                 if let Some(channel) = &made.channel {
@@ -342,14 +324,14 @@ pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut IbvCq) -> c_int {
             return errno_of(&error);
         }
         // The kernel ended the thread's wait.
-        if let Some(waiter) = lock_plain(&found.waiter).take() {
+        if let Some(waiter) = lock(&found.waiter).take() {
             let _ = waiter.join();
         }
         if let Some(channel) = &found.channel {
-            lock_plain(&channel.queue).retain(|&queued| queued != cq as usize);
+            lock(&channel.queue).retain(|&queued| queued != cq as usize);
         }
         // Still live meanwhile, so other threads' acks find it.
-        let mut events = lock_plain(&found.events);
+        let mut events = lock(&found.events);
         while events.acked < events.delivered {
             events = found
                 .acked
@@ -387,35 +369,27 @@ pub unsafe extern "C" fn ibv_get_cq_event(
             set_errno(libc::EINVAL);
             return -1;
         };
-        loop {
-            let mut count: u64 = 0;
-            // SAFETY: reads 8 bytes into a live u64 from our own eventfd
-            // (kept open by the `Arc` held here).
-            let read = unsafe {
-                libc::read(
-                    channel.fd.as_raw_fd(),
-                    std::ptr::from_mut(&mut count).cast(),
-                    size_of::<u64>(),
-                )
-            };
-            if read != size_of::<u64>() as isize {
-                // errno is the read's (EAGAIN on a non-blocking channel).
-                return -1;
+        // None: the count of an event a destroyed CQ dropped (skipped).
+        let taken = channel.fd.take(|| {
+            let address = lock(&channel.queue).pop_front()?;
+            let found = cq_at(address as *const IbvCq)?;
+            lock(&found.events).delivered += 1;
+            Some(found)
+        });
+        match taken {
+            Ok(found) => {
+                // SAFETY: non-NULL (checked above) and valid for writes
+                // (the contract).
+                unsafe { *cq = found.as_ptr() };
+                // SAFETY: as `cq`.
+                unsafe { *cq_context = found.cq_context() };
+                0
             }
-            let Some(address) = lock_plain(&channel.queue).pop_front() else {
-                // The count of an event a destroyed CQ dropped: skip it.
-                continue;
-            };
-            let Some(found) = cq_at(address as *const IbvCq) else {
-                continue;
-            };
-            lock_plain(&found.events).delivered += 1;
-            // SAFETY: non-NULL (checked above) and valid for writes (the
-            // contract).
-            unsafe { *cq = found.as_ptr() };
-            // SAFETY: as `cq`.
-            unsafe { *cq_context = found.cq_context() };
-            return 0;
+            Err(errno) => {
+                // The read's (EAGAIN on a non-blocking channel).
+                set_errno(errno);
+                -1
+            }
         }
     })
 }
@@ -430,7 +404,7 @@ pub unsafe extern "C" fn ibv_get_cq_event(
 pub unsafe extern "C" fn ibv_ack_cq_events(cq: *mut IbvCq, nevents: u32) {
     guard((), || {
         if let Some(found) = cq_at(cq) {
-            lock_plain(&found.events).acked += u64::from(nevents);
+            lock(&found.events).acked += u64::from(nevents);
             found.acked.notify_all();
         }
     });

@@ -44,6 +44,7 @@ mod ah;
 mod async_events;
 mod cq;
 mod device;
+mod event_fd;
 mod memory;
 mod qp;
 pub mod query;

@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use ib_types::access::AccessFlags;
 use ibal_user::{SharedMr, SharedPd};
@@ -34,7 +34,7 @@ use ibverbs_abi::{
 
 use crate::device::open_context;
 use crate::state::{Context, Machine, machine};
-use crate::util::{errno_of, guard, set_errno};
+use crate::util::{errno_of, guard, lock, set_errno};
 
 /// A protection domain: rdma-core's `ibv_pd` first (the pointer a program
 /// holds), then the access library's PD.
@@ -89,10 +89,6 @@ pub(crate) type Registry<T> = Mutex<Option<HashMap<usize, Arc<T>>>>;
 
 static PDS: Registry<ProtectionDomain> = Mutex::new(None);
 static MRS: Registry<MemoryRegion> = Mutex::new(None);
-
-pub(crate) fn lock<T>(registry: &Registry<T>) -> MutexGuard<'_, Option<HashMap<usize, Arc<T>>>> {
-    registry.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 pub(crate) fn remember<T>(registry: &Registry<T>, address: usize, object: Arc<T>) {
     lock(registry)

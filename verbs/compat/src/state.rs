@@ -4,11 +4,12 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use ibal_user::{DeviceIo, PluginSource};
 
 use crate::async_events::AsyncEvents;
+use crate::util::lock;
 use ibverbs_abi::{
     IBV_NODE_CA, IBV_SYSFS_NAME_MAX, IBV_SYSFS_PATH_MAX, IBV_TRANSPORT_IB, IbvContext, IbvDevice,
     IbvDeviceOps, VerbsContext,
@@ -85,10 +86,6 @@ pub(crate) fn machine() -> Result<Arc<dyn Machine>, NoMachine> {
         .as_ref()
         .map(Arc::clone)
         .map_err(|_| NoMachine::BootFailed)
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// One device of the list: rdma-core's `ibv_device` first (the pointer a

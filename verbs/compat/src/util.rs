@@ -8,6 +8,7 @@ use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use ib_types::status::IbStatus;
 use ibal_user::Error;
@@ -20,6 +21,13 @@ pub(crate) fn guard<T>(on_panic: T, body: impl FnOnce() -> T) -> T {
         set_errno(libc::EIO);
         on_panic
     })
+}
+
+/// Locks `mutex`, poisoned or not: a panic inside a lock is caught at the
+/// C boundary ([`guard`]) and leaves no half-made state the library relies
+/// on, so later calls go on.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The errno value a C caller gets for `error`.

@@ -14,7 +14,6 @@
 //! on the RoCE port), NULL pointers and a PD not ours; and both machines
 //! end cleanly.
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ffi::{c_int, c_void};
 use std::net::Ipv4Addr;
 use std::ptr::null_mut;
@@ -32,22 +31,16 @@ use ibal_user::{Av, Buffer, CaSelector, Context, Cq, Mr, Pd, PluginSource, Qp, Q
 use ibverbs_abi::{
     IBV_ACCESS_LOCAL_WRITE, IBV_QP_PKEY_INDEX, IBV_QP_PORT, IBV_QP_QKEY, IBV_QP_SQ_PSN,
     IBV_QP_STATE, IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS, IBV_QPT_UD, IBV_SEND_SIGNALED,
-    IBV_WC_GRH, IBV_WC_RECV, IBV_WC_SEND, IBV_WC_SUCCESS, IBV_WR_SEND, IbvAh, IbvAhAttr, IbvCq,
-    IbvQp, IbvQpAttr, IbvQpCap, IbvQpInitAttr, IbvRecvWr, IbvSendWr, IbvSendWrUd, IbvSendWrWr,
-    IbvSge, IbvWc,
+    IBV_WC_GRH, IBV_WC_RECV, IBV_WC_SEND, IBV_WC_SUCCESS, IBV_WR_SEND, IbvAh, IbvAhAttr, IbvQp,
+    IbvQpAttr, IbvRecvWr, IbvSendWr, IbvSendWrUd, IbvSendWrWr, IbvSge, IbvWc,
 };
 use ibverbs_compat::{self as verbs, Machine};
 use sim_hca::udp::PortAddress;
 use sim_shells::embedded::{EmbeddedMachine, Fabric};
 
-#[expect(
-    dead_code,
-    reason = "this test boots its machine on the UDP fabric, not with support::boot"
-)]
 mod support;
 use support::*;
 
-const PAGE: usize = 4096;
 const QKEY: u32 = 0x1111_2222;
 /// The GRH area a UD receive's buffer starts with.
 const GRH: usize = 40;
@@ -72,64 +65,6 @@ fn boot_on_udp() -> Result<Arc<dyn Machine>, String> {
     let machine = Arc::new(TestMachine(EmbeddedMachine::boot(fabric, 8)?));
     assert!(MACHINE.set(Arc::clone(&machine)).is_ok(), "booted once");
     Ok(machine)
-}
-
-fn clear_errno() {
-    verbs_side_support::set_errno(0);
-}
-
-/// Whole pages of the program's own heap.
-struct ProgramBuffer {
-    ptr: *mut u8,
-    layout: Layout,
-}
-
-impl ProgramBuffer {
-    fn new() -> Self {
-        let layout = Layout::from_size_align(PAGE, PAGE).unwrap();
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        assert!(!ptr.is_null());
-        Self { ptr, layout }
-    }
-
-    fn bytes(&self, offset: usize, len: usize) -> Vec<u8> {
-        assert!(offset + len <= self.layout.size());
-        let at = self.ptr.wrapping_add(offset);
-        // SAFETY: in bounds of the live allocation; no request outstanding.
-        unsafe { std::slice::from_raw_parts(at, len) }.to_vec()
-    }
-
-    fn store(&self, offset: usize, data: &[u8]) {
-        assert!(offset + data.len() <= self.layout.size());
-        let at = self.ptr.wrapping_add(offset);
-        // SAFETY: as `bytes`.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len()) }
-    }
-}
-
-impl Drop for ProgramBuffer {
-    fn drop(&mut self) {
-        // SAFETY: allocated with this layout in `new`.
-        unsafe { dealloc(self.ptr, self.layout) }
-    }
-}
-
-/// Polls `cq` (through the context's `ops.poll_cq`) for one completion.
-fn poll_one(context: *mut ibverbs_abi::IbvContext, cq: *mut IbvCq) -> IbvWc {
-    // SAFETY: the open context.
-    let poll_cq = unsafe { (*context).ops.poll_cq }.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut wc = IbvWc::default();
-    loop {
-        // SAFETY: one entry.
-        match unsafe { poll_cq(cq, 1, &mut wc) } {
-            1 => return wc,
-            0 => assert!(Instant::now() < deadline, "no completion in 20 s"),
-            other => panic!("poll_cq: {other}"),
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 /// The peer's one completion on `cq`.
@@ -242,42 +177,15 @@ fn init_from(
 #[test]
 fn an_address_handle_from_a_received_datagram_reaches_its_sender_and_bad_headers_are_refused() {
     let (here, there) = (own_address(1), own_address(2));
-    assert!(verbs::set_boot(boot_on_udp));
-    let mut count: c_int = 0;
-    // SAFETY: `count` is valid for a write.
-    let list = unsafe { verbs::ibv_get_device_list(&mut count) };
-    assert!(!list.is_null(), "errno {}", errno());
-    // SAFETY: a list of one device and a NULL.
-    let device = unsafe { *list };
-    // SAFETY: checked against the devices listed.
-    let context = unsafe { verbs::ibv_open_device(device) };
-    assert!(!context.is_null());
+    let (list, context) = open_the_device(boot_on_udp);
     let machine = MACHINE.get().unwrap();
-    // SAFETY: checked against the open contexts.
-    let pd = unsafe { verbs::ibv_alloc_pd(context) };
-    // SAFETY: as above.
-    let cq = unsafe { verbs::ibv_create_cq(context, 8, null_mut(), null_mut(), 0) };
-    assert!(!pd.is_null() && !cq.is_null());
-    let mut init = IbvQpInitAttr {
-        qp_context: null_mut(),
-        send_cq: cq,
-        recv_cq: cq,
-        srq: null_mut(),
-        cap: IbvQpCap {
-            max_send_wr: 2,
-            max_recv_wr: 2,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        qp_type: IBV_QPT_UD,
-        sq_sig_all: 0,
-    };
+    let (pd, cq) = pd_and_cq(context, 8);
+    let mut init = qp_init_attr(cq, IBV_QPT_UD, 2);
     // SAFETY: `init` is valid; the PD and CQ are checked.
     let qp = unsafe { verbs::ibv_create_qp(pd, &mut init) };
     assert!(!qp.is_null(), "errno {}", errno());
     library_ud_to_rts(qp);
-    let buffer = ProgramBuffer::new();
+    let buffer = ProgramBuffer::new(1);
     // SAFETY: the program's own page, kept until the region is gone.
     let mr =
         unsafe { verbs::ibv_reg_mr(pd, buffer.ptr.cast(), PAGE, IBV_ACCESS_LOCAL_WRITE as c_int) };
@@ -398,8 +306,8 @@ fn an_address_handle_from_a_received_datagram_reaches_its_sender_and_bad_headers
         );
         assert_ne!(wc.wc_flags & IBV_WC_GRH, 0, "a UD receive has a GRH");
         assert_eq!(wc.src_qp, pqp.qpn());
-        assert_eq!(buffer.bytes(GRH, payload.len()), payload);
-        let area: [u8; GRH] = buffer.bytes(0, GRH).try_into().unwrap();
+        assert_eq!(buffer.load(GRH, payload.len()), payload);
+        let area: [u8; GRH] = buffer.load(0, GRH).try_into().unwrap();
         let attr = init_from(context, &wc, &area).unwrap();
         assert_eq!(
             (attr.is_global, attr.port_num, attr.dlid, attr.sl),
@@ -582,12 +490,7 @@ fn an_address_handle_from_a_received_datagram_reaches_its_sender_and_bad_headers
     assert_eq!(unsafe { verbs::ibv_destroy_cq(cq) }, 0);
     // SAFETY: as above.
     assert_eq!(unsafe { verbs::ibv_dealloc_pd(pd) }, 0);
-    // SAFETY: checked against the open contexts.
-    assert_eq!(unsafe { verbs::ibv_close_device(context) }, 0);
-    // SAFETY: the list handed out above.
-    unsafe { verbs::ibv_free_device_list(list) };
+    close_the_device(context, list);
     drop(buffer);
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    shut_down_cleanly(machine);
 }

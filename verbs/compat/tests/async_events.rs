@@ -16,7 +16,6 @@
 //! taken is dropped (the SRQ responder's last-WQE-reached; a drained QP's). Then a
 //! clean shutdown (the event thread ended by `ibv_close_device`).
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ffi::c_int;
 use std::ptr::null_mut;
 use std::sync::Arc;
@@ -34,45 +33,16 @@ use ibverbs_abi::{
     IBV_WC_SEND, IBV_WC_SUCCESS, IBV_WR_RDMA_WRITE, IBV_WR_SEND, IbvAhAttr, IbvAsyncEvent,
     IbvContext, IbvCq, IbvGid, IbvGlobalRoute, IbvPd, IbvQp, IbvQpAttr, IbvQpCap, IbvQpInitAttr,
     IbvRecvWr, IbvSendWr, IbvSendWrRdma, IbvSendWrWr, IbvSge, IbvSrq, IbvSrqAttr, IbvSrqInitAttr,
-    IbvWc,
 };
 use ibverbs_compat::{self as verbs};
 
 mod support;
 use support::*;
 
-const PAGE: usize = 4096;
 /// The SRQ's depth, all posted; the limit is armed above what stays after
 /// `SENDS` receives are taken.
 const DEPTH: u32 = 8;
 const SENDS: u32 = 3;
-
-fn clear_errno() {
-    verbs_side_support::set_errno(0);
-}
-
-/// A page of the program's own heap.
-struct ProgramBuffer {
-    ptr: *mut u8,
-    layout: Layout,
-}
-
-impl ProgramBuffer {
-    fn new() -> Self {
-        let layout = Layout::from_size_align(PAGE, PAGE).unwrap();
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        assert!(!ptr.is_null());
-        Self { ptr, layout }
-    }
-}
-
-impl Drop for ProgramBuffer {
-    fn drop(&mut self) {
-        // SAFETY: allocated with this layout in `new`.
-        unsafe { dealloc(self.ptr, self.layout) }
-    }
-}
 
 /// `poll(2)` on `fd` for input: true when readable within `timeout`.
 fn readable(fd: c_int, timeout: Duration) -> bool {
@@ -104,23 +74,6 @@ fn next_event(context: *mut IbvContext, fd: c_int) -> IbvAsyncEvent {
             0 => return event,
             _ => assert_eq!(errno(), libc::EAGAIN),
         }
-    }
-}
-
-/// Polls `cq` (through `ops.poll_cq`) for one completion.
-fn poll_one(context: *mut IbvContext, cq: *mut IbvCq) -> IbvWc {
-    // SAFETY: the open context.
-    let poll_cq = unsafe { (*context).ops.poll_cq }.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut wc = IbvWc::default();
-    loop {
-        // SAFETY: one entry.
-        match unsafe { poll_cq(cq, 1, &mut wc) } {
-            1 => return wc,
-            0 => assert!(Instant::now() < deadline, "no completion in 20 s"),
-            other => panic!("poll_cq: {other}"),
-        }
-        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -287,15 +240,7 @@ unsafe impl Send for SendCq {}
 
 #[test]
 fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() {
-    assert!(verbs::set_boot(boot));
-    let mut count: c_int = 0;
-    // SAFETY: `count` is valid for a write.
-    let list = unsafe { verbs::ibv_get_device_list(&mut count) };
-    // SAFETY: a list of one device and a NULL.
-    let device = unsafe { *list };
-    // SAFETY: checked against the devices listed.
-    let context = unsafe { verbs::ibv_open_device(device) };
-    assert!(!context.is_null());
+    let (list, context) = open_the_device(boot);
     let machine = MACHINE.get().unwrap();
 
     // The descriptor: real, pollable, non-blocking on request.
@@ -323,6 +268,8 @@ fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() 
     assert_eq!(answer, -1);
     assert_eq!(errno(), libc::EINVAL);
     clear_errno();
+    // SAFETY: a list of one device and a NULL.
+    let device = unsafe { *list };
     // SAFETY: a pointer that is not a context is checked.
     let answer = unsafe { verbs::ibv_get_async_event(device.cast(), &mut event) };
     assert_eq!(answer, -1);
@@ -333,11 +280,7 @@ fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() 
     // SAFETY: as above.
     unsafe { verbs::ibv_ack_async_event(&mut event) };
 
-    // SAFETY: checked against the open contexts.
-    let pd = unsafe { verbs::ibv_alloc_pd(context) };
-    // SAFETY: as above.
-    let cq = unsafe { verbs::ibv_create_cq(context, 64, null_mut(), null_mut(), 0) };
-    assert!(!pd.is_null() && !cq.is_null());
+    let (pd, cq) = pd_and_cq(context, 64);
     let mut srq_init = IbvSrqInitAttr {
         srq_context: null_mut(),
         attr: IbvSrqAttr {
@@ -444,7 +387,7 @@ fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() 
 
     // A remote access error: an RDMA write with an R_Key the responder
     // does not have.
-    let buffer = ProgramBuffer::new();
+    let buffer = ProgramBuffer::new(1);
     // SAFETY: the program's own page, kept until the region is gone.
     let mr =
         unsafe { verbs::ibv_reg_mr(pd, buffer.ptr.cast(), PAGE, IBV_ACCESS_LOCAL_WRITE as c_int) };
@@ -626,14 +569,9 @@ fn async_events_reach_the_program_and_destroys_wait_for_their_acknowledgement() 
     assert_eq!(unsafe { verbs::ibv_destroy_cq(cq) }, 0);
     // SAFETY: as above.
     assert_eq!(unsafe { verbs::ibv_dealloc_pd(pd) }, 0);
-    // SAFETY: as above.
-    assert_eq!(unsafe { verbs::ibv_close_device(context) }, 0);
-    // SAFETY: the list handed out above.
-    unsafe { verbs::ibv_free_device_list(list) };
+    close_the_device(context, list);
     // Closing ended the event thread and closed the CA.
     assert_eq!(machine.0.user_contexts(), 0);
     drop(buffer);
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    shut_down_cleanly(machine);
 }

@@ -8,7 +8,6 @@
 
 use std::ffi::{c_int, c_void};
 use std::ptr::null_mut;
-use std::time::Duration;
 
 use ibverbs_abi::{IbvCompChannel, IbvContext, IbvCq, IbvWc};
 use ibverbs_compat::{self as verbs};
@@ -49,16 +48,7 @@ fn poll(cq: *mut IbvCq, wc: &mut [IbvWc]) -> c_int {
 
 #[test]
 fn completion_queues_and_channels() {
-    assert!(verbs::set_boot(boot));
-    let mut count: c_int = 0;
-    // SAFETY: `count` is valid for a write.
-    let list = unsafe { verbs::ibv_get_device_list(&mut count) };
-    assert_eq!(count, 1);
-    // SAFETY: a list of one device and a NULL.
-    let device = unsafe { *list };
-    // SAFETY: checked against the devices listed.
-    let context = unsafe { verbs::ibv_open_device(device) };
-    assert!(!context.is_null());
+    let (list, context) = open_the_device(boot);
     let machine = MACHINE.get().unwrap();
 
     // A channel: a real descriptor, of this context.
@@ -156,11 +146,6 @@ fn completion_queues_and_channels() {
     // SAFETY: plain fcntl: the descriptor is closed.
     assert_eq!(unsafe { libc::fcntl(fd, libc::F_GETFL) }, -1);
 
-    // SAFETY: checked against the open contexts.
-    assert_eq!(unsafe { verbs::ibv_close_device(context) }, 0);
-    // SAFETY: the list handed out above.
-    unsafe { verbs::ibv_free_device_list(list) };
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    close_the_device(context, list);
+    shut_down_cleanly(machine);
 }

@@ -6,10 +6,8 @@
 //! (and locked by the driver), dereg leaving no adopted or locked page,
 //! and address handles (a GRH required on the RoCE port).
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ffi::{c_int, c_void};
 use std::ptr::null_mut;
-use std::time::Duration;
 
 use ibverbs_abi::{
     IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_ON_DEMAND, IBV_ACCESS_RELAXED_ORDERING,
@@ -20,58 +18,6 @@ use ibverbs_compat::{self as verbs};
 
 mod support;
 use support::*;
-
-const PAGE: usize = 4096;
-
-/// The program's buffer: whole pages of its own heap (as `posix_memalign`
-/// gives a C program), so the pages adopted around a registration hold
-/// nothing of the simulator's.
-struct ProgramBuffer {
-    ptr: *mut u8,
-    layout: Layout,
-}
-
-impl ProgramBuffer {
-    fn new(pages: usize) -> Self {
-        let layout = Layout::from_size_align(pages * PAGE, PAGE).unwrap();
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        assert!(!ptr.is_null());
-        Self { ptr, layout }
-    }
-
-    fn at(&self, offset: usize) -> *mut c_void {
-        self.ptr.wrapping_add(offset).cast()
-    }
-
-    /// The program's plain store of `data` at `offset` (between verbs).
-    fn store(&self, offset: usize, data: &[u8]) {
-        assert!(offset + data.len() <= self.layout.size());
-        // SAFETY: in bounds of the live allocation (checked above); no
-        // work request is outstanding.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.wrapping_add(offset), data.len())
-        }
-    }
-
-    /// The program's plain load of `len` bytes at `offset`.
-    fn load(&self, offset: usize, len: usize) -> Vec<u8> {
-        assert!(offset + len <= self.layout.size());
-        let mut out = vec![0; len];
-        // SAFETY: as `store`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.wrapping_add(offset), out.as_mut_ptr(), len)
-        }
-        out
-    }
-}
-
-impl Drop for ProgramBuffer {
-    fn drop(&mut self) {
-        // SAFETY: allocated with this layout in `new`.
-        unsafe { dealloc(self.ptr, self.layout) }
-    }
-}
 
 fn alloc_pd(context: *mut IbvContext) -> *mut IbvPd {
     // SAFETY: checked against the open contexts.
@@ -119,16 +65,7 @@ fn dereg_mr(mr: *mut IbvMr) -> c_int {
 
 #[test]
 fn protection_domains_registrations_of_the_programs_memory_and_address_handles() {
-    assert!(verbs::set_boot(boot));
-    let mut count: c_int = 0;
-    // SAFETY: `count` is valid for a write.
-    let list = unsafe { verbs::ibv_get_device_list(&mut count) };
-    assert_eq!(count, 1);
-    // SAFETY: a list of one device and a NULL.
-    let device = unsafe { *list };
-    // SAFETY: checked against the devices listed.
-    let context = unsafe { verbs::ibv_open_device(device) };
-    assert!(!context.is_null());
+    let (list, context) = open_the_device(boot);
     let machine = MACHINE.get().unwrap();
     let process = machine.0.process();
 
@@ -359,7 +296,5 @@ fn protection_domains_registrations_of_the_programs_memory_and_address_handles()
 
     // SAFETY: the list handed out above.
     unsafe { verbs::ibv_free_device_list(list) };
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    shut_down_cleanly(machine);
 }

@@ -14,8 +14,8 @@ use std::time::Duration;
 use ibverbs_abi::{
     IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_MW_BIND, IBV_ACCESS_REMOTE_WRITE, IBV_QP_ACCESS_FLAGS,
     IBV_QP_PKEY_INDEX, IBV_QP_PORT, IBV_QP_RATE_LIMIT, IBV_QP_STATE, IBV_QPS_ERR, IBV_QPS_INIT,
-    IBV_QPS_RESET, IBV_QPT_RC, IBV_WC_RECV, IBV_WC_WR_FLUSH_ERR, IbvQpAttr, IbvQpCap,
-    IbvQpInitAttr, IbvRecvWr, IbvSge, IbvWc,
+    IBV_QPS_RESET, IBV_QPT_RC, IBV_WC_RECV, IBV_WC_WR_FLUSH_ERR, IbvQpAttr, IbvQpInitAttr,
+    IbvRecvWr, IbvSge, IbvWc,
 };
 use ibverbs_compat::{self as verbs};
 
@@ -24,37 +24,11 @@ use support::*;
 
 #[test]
 fn queue_pairs_modify_query_and_post_recv_with_bad_wr() {
-    assert!(verbs::set_boot(boot));
-    let mut count: c_int = 0;
-    // SAFETY: `count` is valid for a write.
-    let list = unsafe { verbs::ibv_get_device_list(&mut count) };
-    // SAFETY: a list of one device and a NULL.
-    let device = unsafe { *list };
-    // SAFETY: checked against the devices listed.
-    let context = unsafe { verbs::ibv_open_device(device) };
-    assert!(!context.is_null());
+    let (list, context) = open_the_device(boot);
     let machine = MACHINE.get().unwrap();
-    // SAFETY: checked against the open contexts.
-    let pd = unsafe { verbs::ibv_alloc_pd(context) };
-    // SAFETY: as above.
-    let cq = unsafe { verbs::ibv_create_cq(context, 16, null_mut(), null_mut(), 0) };
-    assert!(!pd.is_null() && !cq.is_null());
+    let (pd, cq) = pd_and_cq(context, 16);
 
-    let mut init = IbvQpInitAttr {
-        qp_context: null_mut(),
-        send_cq: cq,
-        recv_cq: cq,
-        srq: null_mut(),
-        cap: IbvQpCap {
-            max_send_wr: 4,
-            max_recv_wr: 4,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 0,
-        },
-        qp_type: IBV_QPT_RC,
-        sq_sig_all: 0,
-    };
+    let mut init = qp_init_attr(cq, IBV_QPT_RC, 4);
     // SAFETY: `init` is valid; the PD and CQs are checked.
     let qp = unsafe { verbs::ibv_create_qp(pd, &mut init) };
     assert!(!qp.is_null(), "errno {}", errno());
@@ -199,11 +173,6 @@ fn queue_pairs_modify_query_and_post_recv_with_bad_wr() {
     assert_eq!(unsafe { verbs::ibv_destroy_cq(cq) }, 0);
     // SAFETY: as above.
     assert_eq!(unsafe { verbs::ibv_dealloc_pd(pd) }, 0);
-    // SAFETY: checked against the open contexts.
-    assert_eq!(unsafe { verbs::ibv_close_device(context) }, 0);
-    // SAFETY: the list handed out above.
-    unsafe { verbs::ibv_free_device_list(list) };
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    close_the_device(context, list);
+    shut_down_cleanly(machine);
 }

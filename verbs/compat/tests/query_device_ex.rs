@@ -12,7 +12,6 @@
 use std::ffi::c_int;
 use std::mem::{offset_of, size_of};
 use std::ptr::null;
-use std::time::Duration;
 
 use ibverbs_abi::{
     IbvContext, IbvDeviceAttr, IbvDeviceAttrEx, IbvQueryDeviceExInput, VERBS_ABI_IS_EXTENDED,
@@ -55,15 +54,7 @@ fn read<T: Copy>(bytes: &[u8], offset: usize) -> T {
 
 #[test]
 fn query_device_ex_fills_what_the_ca_has_and_zeroes_the_rest() {
-    assert!(verbs::set_boot(boot));
-    let mut count: c_int = 0;
-    // SAFETY: `count` is valid for a write.
-    let list = unsafe { verbs::ibv_get_device_list(&mut count) };
-    // SAFETY: a list of one device and a NULL.
-    let device = unsafe { *list };
-    // SAFETY: checked against the devices listed.
-    let context = unsafe { verbs::ibv_open_device(device) };
-    assert!(!context.is_null(), "errno {}", errno());
+    let (list, context) = open_the_device(boot);
     let machine = MACHINE.get().unwrap();
     let query_device_ex = query_device_ex_slot(context);
     // SAFETY: all zeros is a valid `ibv_device_attr` (plain data).
@@ -132,16 +123,13 @@ fn query_device_ex_fills_what_the_ca_has_and_zeroes_the_rest() {
     // SAFETY: NULL is checked.
     let answer = unsafe { query_device_ex(context, null(), std::ptr::null_mut(), size) };
     assert_eq!(answer, libc::EINVAL, "NULL attributes");
+    // SAFETY: a list of one device and a NULL.
+    let device = unsafe { *list };
     // SAFETY: a pointer that is not a context is checked.
     let answer = unsafe { query_device_ex(device.cast(), null(), target, size) };
     assert_eq!(answer, libc::EINVAL, "a context that is not ours");
     assert!(refused.iter().all(|&b| b == UNTOUCHED));
 
-    // SAFETY: the open context, closed once.
-    assert_eq!(unsafe { verbs::ibv_close_device(context) }, 0);
-    // SAFETY: the list handed out above.
-    unsafe { verbs::ibv_free_device_list(list) };
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    close_the_device(context, list);
+    shut_down_cleanly(machine);
 }

@@ -12,7 +12,6 @@
 
 use std::ffi::c_int;
 use std::ptr::null_mut;
-use std::time::Duration;
 
 use ibverbs_abi::{
     IBV_QPT_RC, IBV_QPT_UD, IBV_SRQ_LIMIT, IBV_SRQ_MAX_WR, IbvCq, IbvPd, IbvQpAttr, IbvQpCap,
@@ -22,10 +21,6 @@ use ibverbs_compat::{self as verbs};
 
 mod support;
 use support::*;
-
-fn clear_errno() {
-    verbs_side_support::set_errno(0);
-}
 
 /// The SRQ's depth asked for (the device rounds up to a power of two).
 const DEPTH: u32 = 8;
@@ -105,15 +100,7 @@ fn receives(count: usize, first_id: u64) -> Vec<IbvRecvWr> {
 
 #[test]
 fn shared_receive_queues_their_verbs_qps_on_them_and_every_refusal() {
-    assert!(verbs::set_boot(boot));
-    let mut count: c_int = 0;
-    // SAFETY: `count` is valid for a write.
-    let list = unsafe { verbs::ibv_get_device_list(&mut count) };
-    // SAFETY: a list of one device and a NULL.
-    let device = unsafe { *list };
-    // SAFETY: checked against the devices listed.
-    let context = unsafe { verbs::ibv_open_device(device) };
-    assert!(!context.is_null());
+    let (list, context) = open_the_device(boot);
     let machine = MACHINE.get().unwrap();
     // SAFETY: checked against the open contexts.
     let pd = unsafe { verbs::ibv_alloc_pd(context) };
@@ -317,11 +304,6 @@ fn shared_receive_queues_their_verbs_qps_on_them_and_every_refusal() {
     assert_eq!(unsafe { verbs::ibv_dealloc_pd(other_pd) }, 0);
     // SAFETY: as above.
     assert_eq!(unsafe { verbs::ibv_destroy_cq(cq) }, 0);
-    // SAFETY: checked against the open contexts.
-    assert_eq!(unsafe { verbs::ibv_close_device(context) }, 0);
-    // SAFETY: the list handed out above.
-    unsafe { verbs::ibv_free_device_list(list) };
-    let report = machine.0.shut_down(Duration::from_secs(10));
-    assert_eq!(report.problems, Vec::<String>::new(), "a clean shutdown");
-    assert_eq!(report.left_open, 0);
+    close_the_device(context, list);
+    shut_down_cleanly(machine);
 }
