@@ -29,8 +29,8 @@ use crate::user_io::ThreadedSimIo;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fabric {
     /// The threaded host's in-process fabric: the port reaches only ports
-    /// of this machine (there are none besides it), so it talks to
-    /// nobody. Its GID is `::ffff:` + `port_address`.
+    /// of this machine (there are none besides it), so its QPs talk only
+    /// to each other. Its GID is `::ffff:` + `port_address`.
     InProcess {
         /// The port's IPv4 address.
         port_address: [u8; 4],
