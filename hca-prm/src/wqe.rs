@@ -1476,31 +1476,8 @@ impl<'a> PreparedSendWqe<'a> {
                     put(u64::from(sge.length.get()) | u64::from(sge.lkey.get()) << 32);
                 }
             }
-            Payload::Inline(data) => {
-                // `len` fits `size16`, so the data length fits 31 bits.
-                let header = data.len() as u32 | INLINE_BIT;
-                // The segment is the header, the data, then zeros to its
-                // end: the first word holds the header and the first 4
-                // bytes, each next one 8 bytes.
-                let (head, rest) = data.split_at(data.len().min(4));
-                put(u64::from(header) | partial_word(head) << 32);
-                let mut chunks = rest.chunks_exact(WORD);
-                let mut words = 1;
-                for chunk in &mut chunks {
-                    if let Some(full) = chunk.first_chunk::<WORD>() {
-                        put(u64::from_le_bytes(*full));
-                    }
-                    words += 1;
-                }
-                let tail = chunks.remainder();
-                if !tail.is_empty() {
-                    put(partial_word(tail));
-                    words += 1;
-                }
-                for _ in words..inline_seg_len(data.len()) / WORD {
-                    put(0);
-                }
-            }
+            // `len` fits `size16`, so the data length fits 31 bits.
+            Payload::Inline(data) => emit_inline_words(data, at, &mut store),
         }
         Ok(len)
     }
@@ -1514,8 +1491,10 @@ pub const COMMON_INLINE_MAX: usize = MAX_SEND_WQE_BYTES - 2 * SEG_SIZE - 4;
 /// The payload of a [`CommonSendWqe`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum CommonPayload<'a> {
-    /// No data segment, or one.
-    Gather(Option<Sge>),
+    /// No data segment, or one as its two words (address; length and
+    /// key): plain words, so the WQE lives in registers, not as the
+    /// byte-aligned `Sge` copied through memory.
+    Gather(Option<[u64; 2]>),
     /// Inline data (at most [`COMMON_INLINE_MAX`] bytes).
     Inline(&'a [u8]),
 }
@@ -1537,6 +1516,8 @@ pub struct CommonSendWqe<'a> {
     remote: Option<[u64; 2]>,
     payload: CommonPayload<'a>,
     len: usize,
+    /// The message's length (the SGE's, none: 0), for the limits.
+    message_len: u32,
 }
 
 impl<'a> SendWqe<'a> {
@@ -1572,16 +1553,26 @@ impl<'a> SendWqe<'a> {
             ),
             _ => return None,
         };
-        let payload = match (wr.flags.contains(SendFlags::INLINE), inline, wr.sg_list) {
-            (true, Some(data), [sge])
-                if data.len() <= COMMON_INLINE_MAX && sge.length.get() as usize == data.len() =>
-            {
-                CommonPayload::Inline(data)
-            }
-            (false, None, []) => CommonPayload::Gather(None),
-            (false, None, [sge]) => CommonPayload::Gather(Some(*sge)),
-            _ => return None,
-        };
+        // The payload and the message's length (a common shape has at
+        // most one SGE: its length is the message's).
+        let (payload, message_len) =
+            match (wr.flags.contains(SendFlags::INLINE), inline, wr.sg_list) {
+                (true, Some(data), [sge])
+                    if data.len() <= COMMON_INLINE_MAX
+                        && sge.length.get() as usize == data.len() =>
+                {
+                    (CommonPayload::Inline(data), sge.length.get())
+                }
+                (false, None, []) => (CommonPayload::Gather(None), 0),
+                (false, None, [sge]) => (
+                    CommonPayload::Gather(Some([
+                        sge.addr.get(),
+                        u64::from(sge.length.get()) | u64::from(sge.lkey.get()) << 32,
+                    ])),
+                    sge.length.get(),
+                ),
+                _ => return None,
+            };
         let mut len = SEG_SIZE;
         if remote.is_some() {
             len += size_of::<RemoteAddrSeg>();
@@ -1601,6 +1592,7 @@ impl<'a> SendWqe<'a> {
             remote: remote.map(|r| [r.addr, u64::from(r.rkey.get())]),
             payload,
             len,
+            message_len,
         })
     }
 
@@ -1621,18 +1613,16 @@ impl<'a> SendWqe<'a> {
         limits: &WrLimits,
     ) -> Option<CommonSendWqe<'a>> {
         let wqe = Self::prepare_common(wr, av, wqe_index, inline)?;
-        // A common shape has at most one SGE: its length is the message's.
-        let len = match wr.sg_list {
-            [] => 0,
-            [sge] => sge.length.get(),
-            _ => return None,
+        // Inline data is at most COMMON_INLINE_MAX bytes, under the
+        // message limit: its one bound is the QP's inline limit.
+        const _: () = assert!(COMMON_INLINE_MAX <= MAX_MESSAGE_LEN as usize);
+        let max_len = match wqe.payload {
+            CommonPayload::Inline(_) => limits.max_inline,
+            CommonPayload::Gather(_) => MAX_MESSAGE_LEN,
         };
-        let inline_ok =
-            !matches!(wqe.payload, CommonPayload::Inline(_)) || len <= limits.max_inline;
         let valid = transport != Transport::Ud
             && wr.sg_list.len() <= limits.max_sge as usize
-            && len <= MAX_MESSAGE_LEN
-            && inline_ok;
+            && wqe.message_len <= max_len;
         valid.then_some(wqe)
     }
 }
@@ -1661,38 +1651,53 @@ impl CommonSendWqe<'_> {
         }
         match self.payload {
             CommonPayload::Gather(None) => {}
-            CommonPayload::Gather(Some(sge)) => {
-                store(at, sge.addr.get());
-                store(
-                    at + 1,
-                    u64::from(sge.length.get()) | u64::from(sge.lkey.get()) << 32,
-                );
+            CommonPayload::Gather(Some([addr, len_key])) => {
+                store(at, addr);
+                store(at + 1, len_key);
             }
-            CommonPayload::Inline(data) => {
-                // At most COMMON_INLINE_MAX bytes: the length fits 31 bits.
-                let header = data.len() as u32 | INLINE_BIT;
-                let (head, rest) = data.split_at(data.len().min(4));
-                store(at, u64::from(header) | partial_word(head) << 32);
-                let end = at + inline_seg_len(data.len()) / WORD;
-                at += 1;
-                let mut chunks = rest.chunks_exact(WORD);
-                for chunk in &mut chunks {
-                    if let Some(full) = chunk.first_chunk::<WORD>() {
-                        store(at, u64::from_le_bytes(*full));
-                    }
-                    at += 1;
-                }
-                let tail = chunks.remainder();
-                if !tail.is_empty() {
-                    store(at, partial_word(tail));
-                    at += 1;
-                }
-                // The segment's padding: at most one word.
-                if at < end {
-                    store(at, 0);
-                }
-            }
+            CommonPayload::Inline(data) => emit_inline_words(data, at, &mut store),
         }
+    }
+}
+
+/// The words of an inline segment of `data` (under 2^31 bytes: a WQE's
+/// `size16` bounds it) as `store(at + k, word)`, each once in
+/// ascending order: the header and the first 4 bytes, then each whole
+/// word loaded at its fixed offset, the last bytes, the padding.
+#[inline(always)]
+fn emit_inline_words(data: &[u8], at: usize, store: &mut impl FnMut(usize, u64)) {
+    let n = data.len();
+    let header = u64::from(n as u32 | INLINE_BIT);
+    let Some((head, body)) = data.split_first_chunk::<4>() else {
+        // Under 4 bytes: they share the header's word, padded to 16.
+        store(at, header | partial_word(data) << 32);
+        store(at + 1, 0);
+        return;
+    };
+    store(at, header | u64::from(u32::from_le_bytes(*head)) << 32);
+    let mut next = at + 1;
+    let mut words = body.chunks_exact(WORD);
+    for word in &mut words {
+        if let Some(whole) = word.first_chunk::<WORD>() {
+            store(next, u64::from_le_bytes(*whole));
+        }
+        next += 1;
+    }
+    let tail = words.remainder().len();
+    if tail != 0 {
+        // The last 1 to 7 bytes: with 8 or more bytes in all, the data's
+        // last word shifted down (one load, no per-byte branch).
+        let last = match data.last_chunk::<WORD>() {
+            Some(last) => u64::from_le_bytes(*last) >> (8 * (WORD - tail)),
+            None => partial_word(words.remainder()),
+        };
+        store(next, last);
+        next += 1;
+    }
+    // The segment's padding: at most one word, when the data ends in the
+    // first half of its last 16 bytes.
+    if next < at + inline_seg_len(n) / WORD {
+        store(next, 0);
     }
 }
 

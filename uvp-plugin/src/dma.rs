@@ -16,6 +16,7 @@
 //!
 //! This module and [`crate::mmio`] hold the crate's only `unsafe` code.
 
+use core::marker::PhantomData;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU64, Ordering, fence};
 
@@ -319,6 +320,19 @@ impl WordRing {
         unsafe { &*word }.store(value, Ordering::Relaxed);
     }
 
+    /// The ring's stores through a copy of its base and mask: a run of
+    /// stores keeps both in registers (an atomic store may write any
+    /// memory the compiler cannot rule out, so fields read through
+    /// `&self` would be reloaded after each one).
+    #[inline(always)]
+    pub fn writer(&self) -> RingWriter<'_> {
+        RingWriter {
+            base: self.buffer.base,
+            mask: self.mask,
+            _ring: PhantomData,
+        }
+    }
+
     /// Loads ring word `index` modulo the ring's words (relaxed).
     #[inline(always)]
     pub fn load(&self, index: usize) -> u64 {
@@ -328,6 +342,31 @@ impl WordRing {
         // and accessed only atomically (`DmaBuffer`'s invariant) while
         // `&self` lasts.
         unsafe { &*word }.load(Ordering::Relaxed)
+    }
+}
+
+/// [`WordRing::store`] for as long as the ring is borrowed
+/// ([`WordRing::writer`]).
+///
+/// # Invariants
+/// `base` and `mask` are those of a [`WordRing`] borrowed for `'a`.
+#[derive(Debug, Clone, Copy)]
+pub struct RingWriter<'a> {
+    base: NonNull<AtomicU64>,
+    mask: usize,
+    _ring: PhantomData<&'a WordRing>,
+}
+
+impl RingWriter<'_> {
+    /// Stores `value` (relaxed) at ring word `index` modulo the ring's
+    /// words.
+    #[inline(always)]
+    pub fn store(self, index: usize, value: u64) {
+        let word = self.base.as_ptr().wrapping_add(index & self.mask);
+        // SAFETY: as `WordRing::store`'s: the ring these are a copy of is
+        // borrowed for this writer's life (type invariant), so `index &
+        // mask` is one of its live, aligned, atomically accessed words.
+        unsafe { &*word }.store(value, Ordering::Relaxed);
     }
 }
 

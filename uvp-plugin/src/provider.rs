@@ -885,6 +885,17 @@ fn post_send_to(
         return queue.post_connected(wrs).map_err(refused);
     }
     drop(object);
+    post_datagrams_to(owned, avs, wrs)
+}
+
+/// [`post_send_to`] of a UD QP's sends: out of line, so the connected
+/// path's frame carries none of the AV batch.
+#[inline(never)]
+fn post_datagrams_to(
+    owned: &Owned<Qp>,
+    avs: &Mutex<AvTable>,
+    wrs: &[UserSend<'_>],
+) -> Result<usize, PostRefused> {
     // UD: each request's AV, resolved under the AV table's lock before
     // the QP's is taken (the two are never held together). A request
     // naming an AV this provider does not hold stops the batch there:

@@ -203,6 +203,7 @@ impl SendQueue {
     /// access library hands them over: each encoded from the caller's
     /// request in place (no AV to resolve, nothing copied). A UD send is
     /// refused by the validation (it names a destination).
+    #[inline]
     pub(crate) fn post_connected(&mut self, sends: &[UserSend<'_>]) -> Result<usize, PostError> {
         // One request, the common call: no batch loop or count to carry.
         if let [send] = sends {
@@ -265,7 +266,7 @@ impl SendQueue {
             // ring, in this frame: no closure the compiler may call out of
             // line with the WQE spilled to the stack for it.
             let first = self.reserve(wqe.byte_len(), wr.wr_id)?;
-            let ring = &self.ring;
+            let ring = self.ring.writer();
             wqe.emit_words(|i, word| ring.store(first + i, word));
             return Ok(());
         }
