@@ -1681,19 +1681,47 @@ fn emit_inline_words(data: &[u8], at: usize, end: usize, store: &mut impl FnMut(
     // The words after the header's: all whole but the last, which holds
     // the data's last 1 to 8 bytes. `data[4..n - 1]` has exactly the
     // whole ones (n >= 8).
-    let mut next = at + 1;
-    for word in data[4..n - 1].chunks_exact(WORD) {
-        if let Some(whole) = word.first_chunk::<WORD>() {
-            store(next, u64::from_le_bytes(*whole));
+    let (whole, _) = data[4..n - 1].as_chunks::<WORD>();
+    // Up to 64 bytes (at most seven whole words), the words at fixed
+    // offsets with no loop; longer data in a loop.
+    match whole.len() {
+        0 => {}
+        1 => store_whole_words::<1>(whole, at + 1, store),
+        2 => store_whole_words::<2>(whole, at + 1, store),
+        3 => store_whole_words::<3>(whole, at + 1, store),
+        4 => store_whole_words::<4>(whole, at + 1, store),
+        5 => store_whole_words::<5>(whole, at + 1, store),
+        6 => store_whole_words::<6>(whole, at + 1, store),
+        7 => store_whole_words::<7>(whole, at + 1, store),
+        _ => {
+            for (k, word) in whole.iter().enumerate() {
+                store(at + 1 + k, u64::from_le_bytes(*word));
+            }
         }
-        next += 1;
     }
+    let next = at + 1 + whole.len();
     let in_last = n + WORD - 4 - (next - at) * WORD;
     store(next, u64::from_le_bytes(*last) >> (8 * (WORD - in_last)));
     // The segment's padding: at most one word, when the data ends in the
     // first half of its last 16 bytes.
     if next + 1 < end {
         store(next + 1, 0);
+    }
+}
+
+/// The first `N` of `words` (which holds at least `N`) as
+/// `store(at + k, word)`: `N` known, the loads and stores at fixed
+/// offsets.
+#[inline(always)]
+fn store_whole_words<const N: usize>(
+    words: &[[u8; WORD]],
+    at: usize,
+    store: &mut impl FnMut(usize, u64),
+) {
+    if let Some(words) = words.first_chunk::<N>() {
+        for (k, word) in words.iter().enumerate() {
+            store(at + k, u64::from_le_bytes(*word));
+        }
     }
 }
 
