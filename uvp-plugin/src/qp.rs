@@ -314,15 +314,18 @@ impl SendQueue {
         if len > stride {
             return Err(PostErrorKind::WqeTooLarge { bytes: len, stride });
         }
+        // Read before the consumer's Acquire load, after which the
+        // compiler would read them again.
+        let producer = self.producer;
+        let shared = &*self.shared;
         let bbs = basic_blocks(len) as u32;
-        let in_flight = self.producer.wrapping_sub(self.shared.consumer());
+        let in_flight = producer.wrapping_sub(shared.consumer());
         if in_flight.saturating_add(bbs) > self.ring_bbs {
             return Err(PostErrorKind::QueueFull);
         }
-        self.shared.record(self.producer, wr_id, bbs);
-        let first = self.producer as usize * (BB_SIZE / 8);
-        self.producer = self.producer.wrapping_add(bbs);
-        Ok(first)
+        shared.record(producer, wr_id, bbs);
+        self.producer = producer.wrapping_add(bbs);
+        Ok(producer as usize * (BB_SIZE / 8))
     }
 }
 
