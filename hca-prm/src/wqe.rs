@@ -1579,7 +1579,9 @@ impl<'a> SendWqe<'a> {
         }
         len += match payload {
             CommonPayload::Gather(sge) => usize::from(sge.is_some()) * SEG_SIZE,
-            CommonPayload::Inline(data) => inline_seg_len(data.len()),
+            // `inline_seg_len` without its overflow guard: the data is at
+            // most COMMON_INLINE_MAX bytes.
+            CommonPayload::Inline(data) => (data.len() + 4 + (SEG_SIZE - 1)) & !(SEG_SIZE - 1),
         };
         // At most 255 segments: COMMON_INLINE_MAX's bound.
         let size16 = (len / SEG_SIZE) as u8;

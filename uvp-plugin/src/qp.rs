@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use hca_prm::av::Av;
 use hca_prm::doorbell::SqDoorbell;
-use hca_prm::wqe::{self, BB_SIZE, SendWqe, WqeError, basic_blocks, build_recv_wqe};
+use hca_prm::wqe::{self, BB_SIZE, SendWqe, WqeError, build_recv_wqe};
 use ib_types::mr::MwType;
 use ib_types::scalars::Qpn;
 use ib_types::uvp::UserSend;
@@ -318,7 +318,9 @@ impl SendQueue {
         // compiler would read them again.
         let producer = self.producer;
         let shared = &*self.shared;
-        let bbs = basic_blocks(len) as u32;
+        // `basic_blocks` without its overflow guard: `len` is at most the
+        // stride.
+        let bbs = ((len + (BB_SIZE - 1)) >> BB_SIZE.trailing_zeros()) as u32;
         let in_flight = producer.wrapping_sub(shared.consumer());
         if in_flight.saturating_add(bbs) > self.ring_bbs {
             return Err(PostErrorKind::QueueFull);
