@@ -607,17 +607,18 @@ impl<P: Platform> Hca<P> {
     #[inline(always)]
     fn consumed(ring: &mut Ring<P>, consumer: u32, count: u64) {
         ring.consumer = consumer;
-        ring.polled += count;
+        let next = ring.polled + count;
+        ring.polled = next;
+        // `retain` keeps the vector's memory: no allocation here. Before
+        // the record's write, so nothing of the ring is live across it.
+        if !ring.retired.is_empty() {
+            ring.retired.retain(|r| r.end > next);
+        }
         // After the CQEs were read: the device may reuse their slots once
         // it sees the record.
         if let Some(dbr) = ring.dbr.as_ref() {
             dma_wmb();
             dbr.write(0, DoorbellRecord::new(consumer).as_bytes());
-        }
-        // `retain` keeps the vector's memory: no allocation here.
-        let next = ring.polled;
-        if !ring.retired.is_empty() {
-            ring.retired.retain(|r| r.end > next);
         }
     }
 
