@@ -17,6 +17,7 @@ use driver_platform::dma::dma_rmb;
 /// `valid(owner byte)`, a [`dma_rmb`] and then the whole entry into `entry`
 /// (its owner byte included). False, with `entry` unspecified, if the owner
 /// byte is not valid or the range leaves the ring.
+#[inline(always)]
 pub(crate) fn read_owned_entry<B: CommonBuffer>(
     ring: &B,
     offset: usize,

@@ -490,7 +490,32 @@ impl<P: Platform> Hca<P> {
         if !matches!(ring.life, Life::Live | Life::Destroying) {
             return 0;
         }
-        let log = ring.log_entries;
+        // One completion asked and no software completion waiting: the
+        // common call, without the batch's loop and backlog.
+        if let [wc] = wcs
+            && ring.backlog.is_empty()
+        {
+            let consumer = ring.consumer;
+            if !Self::next_completion(o, handle, &ring, consumer, ring.polled, wc) {
+                return 0;
+            }
+            Self::consumed(&mut ring, consumer.wrapping_add(1), 1);
+            return 1;
+        }
+        Self::poll_batch(o, handle, &mut ring, wcs)
+    }
+
+    /// [`poll_locked`](Self::poll_locked) of more than one completion, or
+    /// with software completions waiting: the backlog first, then the
+    /// ring's CQEs in order. Out of line, so the one-CQE call keeps its
+    /// own frame and its decode inline.
+    #[inline(never)]
+    fn poll_batch(
+        o: &Objects<P>,
+        handle: u64,
+        ring: &mut Ring<P>,
+        wcs: &mut [WorkCompletion],
+    ) -> usize {
         let mut consumer = ring.consumer;
         let mut polled = 0;
         // Software completions first: they precede whatever the device
@@ -505,68 +530,96 @@ impl<P: Platform> Hca<P> {
         }
         let from_backlog = polled;
         let first_seq = ring.polled;
-        if let Some(buffer) = ring.ring.as_ref() {
-            while polled < wcs.len() {
-                let slot = hca_prm::owner::slot(consumer, log) as usize;
-                // Read straight into the CQE (no byte array copied into it).
-                let mut cqe = Cqe::new_zeroed();
-                if !read_owned_entry(
-                    buffer,
-                    slot * CQE_BYTES,
-                    CQE_OWNER_AT,
-                    cqe.as_mut_bytes(),
-                    |b| owner::is_valid(b, consumer, log),
-                ) {
-                    break;
-                }
-                if !cqe.is_valid(consumer, log) {
-                    break;
-                }
-                // The device stores no wr_id (PRM 10.4): until the QP
-                // supplies it below, `wr_id` carries the WQE index and
-                // direction.
-                // Bit 16: a receive; bit 17: taken from an SRQ (PRM 10.4).
-                let flags = cqe.flags();
-                let recv = flags.contains(hca_prm::cqe::CqeFlags::RECV);
-                let srq = recv && flags.contains(hca_prm::cqe::CqeFlags::SRQ);
-                let key =
-                    u64::from(cqe.wqe_index()) | (u64::from(recv) << 16) | (u64::from(srq) << 17);
-                // The stand-in for a CQE that does not decode is built
-                // only then (`unwrap_or` would build it for every CQE).
-                // Resolved in place, then stored once.
-                let mut wc = cqe
-                    .to_work_completion(key)
-                    .unwrap_or_else(|_| WorkCompletion {
-                        wr_id: key,
-                        qp_num: ib_types::scalars::Qpn::from_low_bits(cqe.qpn.get()),
-                        status: WcStatus::GeneralErr,
-                        ..WorkCompletion::EMPTY
-                    });
-                let seq = first_seq + (polled - from_backlog) as u64;
-                resolve_completion(o, handle, &ring.retired, &mut wc, seq);
-                wcs[polled] = wc;
-                consumer = consumer.wrapping_add(1);
-                polled += 1;
+        for wc in &mut wcs[from_backlog..] {
+            let seq = first_seq + (polled - from_backlog) as u64;
+            if !Self::next_completion(o, handle, ring, consumer, seq, wc) {
+                break;
             }
+            consumer = consumer.wrapping_add(1);
+            polled += 1;
         }
         if polled > from_backlog {
-            ring.consumer = consumer;
-            ring.polled += (polled - from_backlog) as u64;
-            // One consumer-record update per batch (PRM 9.2), after the
-            // CQEs were read: the device may reuse their slots once it
-            // sees the record.
-            if let Some(dbr) = ring.dbr.as_ref() {
-                dma_wmb();
-                dbr.write(0, DoorbellRecord::new(consumer).as_bytes());
-            }
-            // Destroyed QPs whose last CQE is now polled: forgotten
-            // (`retain` keeps the vector's memory: no allocation here).
-            let next = ring.polled;
-            if !ring.retired.is_empty() {
-                ring.retired.retain(|r| r.end > next);
-            }
+            Self::consumed(ring, consumer, (polled - from_backlog) as u64);
         }
         polled
+    }
+
+    /// The CQE at `consumer` in the CQ's ring, if the device wrote it,
+    /// into `out` as a completion with its `wr_id` resolved (polled with
+    /// sequence number `seq`; `handle` is the CQ's raw handle, `o` the
+    /// tables held): true; false when the device has not written it.
+    #[inline(never)]
+    fn next_completion(
+        o: &Objects<P>,
+        handle: u64,
+        ring: &Ring<P>,
+        consumer: u32,
+        seq: u64,
+        out: &mut WorkCompletion,
+    ) -> bool {
+        let Some(buffer) = ring.ring.as_ref() else {
+            return false;
+        };
+        let log = ring.log_entries;
+        let slot = hca_prm::owner::slot(consumer, log) as usize;
+        // Read straight into the CQE (no byte array copied into it).
+        let mut cqe = Cqe::new_zeroed();
+        if !read_owned_entry(
+            buffer,
+            slot * CQE_BYTES,
+            CQE_OWNER_AT,
+            cqe.as_mut_bytes(),
+            |b| owner::is_valid(b, consumer, log),
+        ) {
+            return false;
+        }
+        if !cqe.is_valid(consumer, log) {
+            return false;
+        }
+        // The device stores no wr_id (PRM 10.4): until the QP supplies it
+        // below, `wr_id` carries the WQE index and direction.
+        // Bit 16: a receive; bit 17: taken from an SRQ (PRM 10.4).
+        let flags = cqe.flags();
+        let recv = flags.contains(hca_prm::cqe::CqeFlags::RECV);
+        let srq = recv && flags.contains(hca_prm::cqe::CqeFlags::SRQ);
+        let key = u64::from(cqe.wqe_index()) | (u64::from(recv) << 16) | (u64::from(srq) << 17);
+        // The stand-in for a CQE that does not decode is built only then
+        // (`unwrap_or` would build it for every CQE). Stored at once, then
+        // its `wr_id` resolved from three of its values (none of the rest
+        // kept in registers across the lookup).
+        let wc = cqe
+            .to_work_completion(key)
+            .unwrap_or_else(|_| WorkCompletion {
+                wr_id: key,
+                qp_num: ib_types::scalars::Qpn::from_low_bits(cqe.qpn.get()),
+                status: WcStatus::GeneralErr,
+                ..WorkCompletion::EMPTY
+            });
+        *out = wc;
+        let completion = (wc.qp_num.get(), key, wc.status);
+        out.wr_id = resolve_completion(o, handle, &ring.retired, completion, seq);
+        true
+    }
+
+    /// After a poll took `count` CQEs off the ring (the consumer now
+    /// `consumer`): the counters, one consumer-record update (PRM 9.2),
+    /// and the destroyed QPs whose last CQE is now polled forgotten.
+    #[inline(always)]
+    fn consumed(ring: &mut Ring<P>, consumer: u32, count: u64) {
+        ring.consumer = consumer;
+        let next = ring.polled + count;
+        ring.polled = next;
+        // `retain` keeps the vector's memory: no allocation here. Before
+        // the record's write, so nothing of the ring is live across it.
+        if !ring.retired.is_empty() {
+            ring.retired.retain(|r| r.end > next);
+        }
+        // After the CQEs were read: the device may reuse their slots once
+        // it sees the record.
+        if let Some(dbr) = ring.dbr.as_ref() {
+            dma_wmb();
+            dbr.write(0, DoorbellRecord::new(consumer).as_bytes());
+        }
     }
 
     /// Records, in each CQ of the destroyed QP `qp`, where its CQEs end

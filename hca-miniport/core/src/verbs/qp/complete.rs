@@ -20,7 +20,7 @@ use alloc::sync::Arc;
 
 use driver_platform::Platform;
 use ib_types::qp::{QpState, QpType};
-use ib_types::wc::{WcStatus, WorkCompletion};
+use ib_types::wc::WcStatus;
 
 use super::Qp;
 use super::tail::{Retire, RingShadow};
@@ -38,24 +38,25 @@ enum Owner<'a, P: Platform> {
     Retired(&'a RetiredQp<P>),
 }
 
-/// Fills in the `wr_id` of `wc`, a completion just read from the ring of
-/// CQ `cq` and polled with sequence number `seq`, whose `wr_id` carries the CQE's
-/// WQE index (bits 0-15), receive flag (bit 16) and SRQ flag (bit 17);
-/// `retired` are the CQ's records of destroyed QPs. An error completion of
-/// a live QP also records the state it implies. 0 when no QP (or slot)
-/// answers: a CQE that names no outstanding WQE never takes another's
-/// `wr_id`.
-#[inline]
+/// The `wr_id` of a completion just read from the ring of CQ `cq` and
+/// polled with sequence number `seq`: its QP number `qpn`, its `key` (the
+/// CQE's WQE index in bits 0-15, receive flag in bit 16, SRQ flag in bit
+/// 17) and `status`; `retired` are the CQ's records of destroyed QPs. An
+/// error completion of a live QP also records the state it implies. 0
+/// when no QP (or slot) answers: a CQE that names no outstanding WQE never
+/// takes another's `wr_id`. Takes plain values, not the completion, so
+/// the caller stores the decoded completion first and keeps none of it
+/// live across this.
+#[inline(always)]
 pub(crate) fn resolve_completion<P: Platform>(
     o: &Objects<P>,
     cq: u64,
     retired: &[RetiredQp<P>],
-    wc: &mut WorkCompletion,
+    (qpn, key, status): (u32, u64, WcStatus),
     seq: u64,
-) {
-    let qpn = wc.qp_num.get();
-    let index = wc.wr_id as u16;
-    let (recv, from_srq) = (wc.wr_id & (1 << 16) != 0, wc.wr_id & (1 << 17) != 0);
+) -> u64 {
+    let index = key as u16;
+    let (recv, from_srq) = (key & (1 << 16) != 0, key & (1 << 17) != 0);
     // Records are in destroy order: the first one of the number that ends
     // after `seq` is the incarnation that wrote the CQE. Else the live QP,
     // if its completions of this kind go to this CQ (`cq`, a raw handle):
@@ -73,14 +74,13 @@ pub(crate) fn resolve_completion<P: Platform>(
                 .map(|(_, qp)| Owner::Live(qp))
         });
     let Some(owner) = owner else {
-        wc.wr_id = 0;
-        return;
+        return 0;
     };
     let qp = match owner {
         Owner::Live(qp) => qp,
         Owner::Retired(record) => &record.qp,
     };
-    wc.wr_id = if recv && (from_srq || qp.srq.is_some()) {
+    let wr_id = if recv && (from_srq || qp.srq.is_some()) {
         // The SRQ the incarnation received from: the live QP holds a use
         // of its SRQ, so it is in the table; a destroyed QP's record kept
         // its own, which may be gone from the table and its number reused.
@@ -95,8 +95,9 @@ pub(crate) fn resolve_completion<P: Platform>(
         qp.complete(index, recv, seq)
     };
     if let Owner::Live(qp) = owner {
-        qp.note_error_completion(recv, wc.status);
+        qp.note_error_completion(recv, status);
     }
+    wr_id
 }
 
 impl<P: Platform> Qp<P> {
@@ -130,7 +131,7 @@ impl<P: Platform> Qp<P> {
     /// before the end a RESET recorded belongs to the work before that
     /// reset, and is looked up in that epoch's kept `wr_id`s without
     /// touching the live ring.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn complete(&self, wqe_index: u16, recv: bool, seq: u64) -> u64 {
         // The common case inline: no reset kept `wr_id`s, one retire.
         if !self.done.reset_kept.load(Ordering::Acquire) {
@@ -193,10 +194,18 @@ impl<P: Platform> Qp<P> {
     /// moves the QP to ERR, except a local error of a UD or UC send, which
     /// moves it to SQE. A QP whose modify is outstanding, or already in
     /// RESET or ERR, is left alone.
+    #[inline(always)]
     pub(crate) fn note_error_completion(&self, recv: bool, status: WcStatus) {
-        if matches!(status, WcStatus::Success | WcStatus::WrFlushErr) {
-            return;
+        if !matches!(status, WcStatus::Success | WcStatus::WrFlushErr) {
+            self.note_failed_completion(recv, status);
         }
+    }
+
+    /// [`note_error_completion`](Self::note_error_completion) of a
+    /// completion that failed (no success, no flush): rare, out of line.
+    #[cold]
+    #[inline(never)]
+    fn note_failed_completion(&self, recv: bool, status: WcStatus) {
         let local = matches!(
             status,
             WcStatus::LocLenErr

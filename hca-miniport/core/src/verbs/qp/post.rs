@@ -53,10 +53,26 @@ struct PostItem<'r, 'a> {
 
 /// Reads the bytes `sges` name (kernel virtual addresses of resident
 /// memory) through `reader`, concatenated into the front of `out`; returns
-/// how many. [`IbStatus::InvalidParameter`] if they do not fit `out` or an
+/// them. [`IbStatus::InvalidParameter`] if they do not fit `out` or an
 /// address is not kernel memory (then `out` holds nothing to use).
 #[inline(always)]
-fn gather<L: MemoryLocker>(reader: &L, sges: &[Sge], out: &mut [u8]) -> Result<usize, IbStatus> {
+fn gather<'o, L: MemoryLocker>(
+    reader: &L,
+    sges: &[Sge],
+    out: &'o mut [u8],
+) -> Result<&'o [u8], IbStatus> {
+    if let [sge] = sges {
+        // One SGE, the common inline send: no loop to carry.
+        let Some(dest) = out.get_mut(..sge.length.get() as usize) else {
+            return Err(IbStatus::InvalidParameter);
+        };
+        if !dest.is_empty() {
+            reader
+                .read_kernel(sge.addr.get(), dest)
+                .map_err(|_| IbStatus::InvalidParameter)?;
+        }
+        return Ok(dest);
+    }
     let mut at: usize = 0;
     for sge in sges {
         let len = sge.length.get() as usize;
@@ -72,7 +88,32 @@ fn gather<L: MemoryLocker>(reader: &L, sges: &[Sge], out: &mut [u8]) -> Result<u
             .map_err(|_| IbStatus::InvalidParameter)?;
         at += len;
     }
-    Ok(at)
+    Ok(&out[..at])
+}
+
+/// The checks a send WR of `qp` is validated against: its transport and
+/// granted capacities.
+#[inline(always)]
+fn send_checks<P: Platform>(qp: &Qp<P>) -> (Transport, WrLimits) {
+    let caps = &qp.geometry.caps;
+    let limits = WrLimits {
+        max_sge: caps.max_send_sge,
+        max_inline: caps.max_inline_data,
+    };
+    (transport(qp.qp_type), limits)
+}
+
+/// The status of `qp`'s inline WR whose gather failed with `status`: the
+/// WR's own error if its checks refuse it (as when they came first), else
+/// `status`. Out of line: the post's frame is not sized for `validate`.
+#[cold]
+#[inline(never)]
+fn refused_gather<P: Platform>(qp: &Qp<P>, wr: &SendWr<'_>, status: IbStatus) -> IbStatus {
+    let (transport, limits) = send_checks(qp);
+    match wr.validate(transport, &limits) {
+        Ok(_) => status,
+        Err(error) => error.status(),
+    }
 }
 
 /// The transport a QP type's WRs are checked against.
@@ -114,7 +155,7 @@ impl<P: Platform> Hca<P> {
             return Ok(0);
         }
         let reader = self.kernel_reader()?;
-        gather(&*reader, sges, out)
+        gather(&*reader, sges, out).map(<[u8]>::len)
     }
 
     /// The kernel memory access the shell installed
@@ -259,12 +300,41 @@ impl<P: Platform> Hca<P> {
             Ok(qp) => qp,
             Err(status) => return (0, status),
         };
+        match qp.kernel_reader.as_deref() {
+            Some(reader) => self.post_one(&qp, wr, av, Some(reader)),
+            None => self.post_one_with_installed_reader(&qp, wr, av),
+        }
+    }
+
+    /// [`post_kernel_send`](Self::post_kernel_send) of a QP that captured
+    /// no kernel memory access (created before the shell installed one):
+    /// an inline WR takes the one installed since.
+    #[cold]
+    #[inline(never)]
+    fn post_one_with_installed_reader(
+        &self,
+        qp: &Qp<P>,
+        wr: &SendWr<'_>,
+        av: Option<&hca_prm::av::Av>,
+    ) -> (usize, IbStatus) {
         let gather_inline = wr.flags.contains(SendFlags::INLINE);
         let mut installed_since = None;
-        let reader = match self.inline_reader(&qp, gather_inline, &mut installed_since) {
-            Ok(reader) => reader,
-            Err(status) => return (0, status),
-        };
+        match self.inline_reader(qp, gather_inline, &mut installed_since) {
+            Ok(reader) => self.post_one(qp, wr, av, reader),
+            Err(status) => (0, status),
+        }
+    }
+
+    /// The post of one WR with its inline `reader` (taken before the ring
+    /// lock), under the ring lock: the per-WR step and the doorbell.
+    #[inline(always)]
+    fn post_one(
+        &self,
+        qp: &Qp<P>,
+        wr: &SendWr<'_>,
+        av: Option<&hca_prm::av::Av>,
+        reader: Option<&P::Locker>,
+    ) -> (usize, IbStatus) {
         let mut sq = qp.sq.lock();
         if let Err(status) = self.check_running() {
             return (0, status);
@@ -273,11 +343,11 @@ impl<P: Platform> Hca<P> {
             wr,
             av,
             inline: None,
-            gather_inline,
+            gather_inline: wr.flags.contains(SendFlags::INLINE),
         };
-        match Self::post_wr(&qp, &mut sq, item, reader, None) {
+        match Self::post_wr(qp, &mut sq, item, reader, None) {
             Ok(()) => {
-                self.ring_sq(&qp, sq.producer);
+                self.ring_sq(qp, sq.producer);
                 (1, IbStatus::Success)
             }
             Err(status) => (0, status),
@@ -317,7 +387,9 @@ impl<P: Platform> Hca<P> {
     /// checks of such a request), so its inline bytes are gathered before
     /// that check; a gather that fails reports the WR's own error first,
     /// as when the checks came first. The gather reads at most the QP's
-    /// `max_inline_data` bytes (it refuses more before reading).
+    /// `max_inline_data` bytes (it refuses more before reading). Any other
+    /// request takes [`post_general_wr`](Self::post_general_wr), out of
+    /// line, so the common path's frame is not sized for it.
     #[inline(always)]
     fn post_wr(
         qp: &Qp<P>,
@@ -327,22 +399,12 @@ impl<P: Platform> Hca<P> {
         window: Option<&Result<BindTarget, IbStatus>>,
     ) -> Result<(), IbStatus> {
         let wr = item.wr;
-        let g = &qp.geometry;
         if qp.closing.load(Ordering::Acquire) {
             return Err(IbStatus::InvalidQpHandle);
         }
         if !qp.state().accepts_send() {
             return Err(IbStatus::InvalidQpState);
         }
-        let limits = WrLimits {
-            max_sge: g.caps.max_send_sge,
-            max_inline: g.caps.max_inline_data,
-        };
-        let transport = transport(qp.qp_type);
-        let validate = || {
-            wr.validate(transport, &limits)
-                .map_err(|error| error.status())
-        };
         // The ring's fields borrowed apart, in place (no scratch moved out
         // and back per call). `scratch` is the QP's own, one WQE long,
         // reused under the ring lock: every byte of a WQE is written
@@ -357,14 +419,12 @@ impl<P: Platform> Hca<P> {
         } = sq;
         let inline = match (reader, item.gather_inline) {
             (Some(reader), true) => match gather(reader, wr.sg_list, inline_bytes) {
-                Ok(len) => Some(&inline_bytes[..len]),
-                Err(status) => {
-                    validate()?;
-                    return Err(status);
-                }
+                Ok(bytes) => Some(bytes),
+                Err(status) => return Err(refused_gather(qp, wr, status)),
             },
             _ => item.inline,
         };
+        let (transport, limits) = send_checks(qp);
         let index = *producer as u16;
         // A request of a common shape (RC/UC send or write, inline or one
         // SGE) takes hca-prm's specialised encoder with the checks such a
@@ -374,70 +434,113 @@ impl<P: Platform> Hca<P> {
         // words go in with one bounds check each (no byte range per word).
         let common = SendWqe::prepare_common_valid(wr, item.av, index, inline, transport, &limits)
             .filter(|c| c.byte_len() <= wqe.len() * 8);
-        let (len, new_bind_key) = match common {
-            Some(common) => {
-                // A plain slice: its base and length stay in registers.
-                let words = wqe.as_mut_slice();
-                common.emit_words(|at, word| {
-                    if let Some(slot) = words.get_mut(at) {
-                        *slot = word.to_le();
-                    }
-                });
-                (common.byte_len(), None)
-            }
-            None => {
-                validate()?;
-                // A bind names a live window, and its new key that
-                // window's MPT index (`verbs::mw`); the bind segment
-                // carries its type. A type 1 bind's key must differ from
-                // the last bind's.
-                let (bind_type, new_bind_key) = match (wr.op, window) {
-                    (SendOp::BindMw { rkey, .. }, Some(window)) => {
-                        let target = window.as_ref().map_err(|error| *error)?;
-                        if rkey.get() >> 8 != target.index {
-                            return Err(IbStatus::InvalidRkey);
-                        }
-                        let rkey = rkey.get();
-                        let last = target.last_bind_rkey.load(Ordering::Acquire);
-                        if target.mw_type == MwType::Type1 && rkey == last {
-                            return Err(IbStatus::InvalidRkey);
-                        }
-                        (Some(target.mw_type), Some((target, last, rkey)))
-                    }
-                    _ => (None, None),
-                };
-                let built = SendWqe::from_wr(wr, item.av, index, inline).and_then(|mut w| {
-                    if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
-                        bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
-                    }
-                    w.emit(wqe.as_mut_bytes())
-                });
-                (built.map_err(|_| IbStatus::InvalidParameter)?, new_bind_key)
-            }
+        let Some(common) = common else {
+            return Self::post_general_wr(qp, (ring, producer, wqe), wr, item.av, inline, window);
         };
+        // A plain slice: its base and length stay in registers.
+        let words = wqe.as_mut_slice();
+        common.emit_words(|at, word| {
+            if let Some(slot) = words.get_mut(at) {
+                *slot = word.to_le();
+            }
+        });
+        Self::commit_wqe(qp, ring, producer, wqe, common.byte_len(), wr.wr_id, || {
+            Ok(())
+        })
+    }
+
+    /// [`post_wr`](Self::post_wr) of a request of no common shape (a bind,
+    /// an atomic, a gather list, ...) with its UD destination's `av` and
+    /// its `inline` bytes: validated whole, built by the general encoder, a
+    /// bind's window and key checked, then committed as the common path
+    /// commits. `ring` are the send ring's fields (`ring`, `producer`,
+    /// `scratch`).
+    #[cold]
+    #[inline(never)]
+    fn post_general_wr(
+        qp: &Qp<P>,
+        ring: (&Option<Buffer<P>>, &mut u32, &mut Vec<u64>),
+        wr: &SendWr<'_>,
+        av: Option<&hca_prm::av::Av>,
+        inline: Option<&[u8]>,
+        window: Option<&Result<BindTarget, IbStatus>>,
+    ) -> Result<(), IbStatus> {
+        let (ring, producer, wqe) = ring;
+        let (transport, limits) = send_checks(qp);
+        wr.validate(transport, &limits)
+            .map_err(|error| error.status())?;
+        // A bind names a live window, and its new key that window's MPT
+        // index (`verbs::mw`); the bind segment carries its type. A type 1
+        // bind's key must differ from the last bind's.
+        let (bind_type, new_bind_key) = match (wr.op, window) {
+            (SendOp::BindMw { rkey, .. }, Some(window)) => {
+                let target = window.as_ref().map_err(|error| *error)?;
+                if rkey.get() >> 8 != target.index {
+                    return Err(IbStatus::InvalidRkey);
+                }
+                let rkey = rkey.get();
+                let last = target.last_bind_rkey.load(Ordering::Acquire);
+                if target.mw_type == MwType::Type1 && rkey == last {
+                    return Err(IbStatus::InvalidRkey);
+                }
+                (Some(target.mw_type), Some((target, last, rkey)))
+            }
+            _ => (None, None),
+        };
+        let index = *producer as u16;
+        let built = SendWqe::from_wr(wr, av, index, inline).and_then(|mut w| {
+            if let (WqeOp::BindMw(bind), Some(mw_type)) = (&mut w.op, bind_type) {
+                bind.mw_type = crate::verbs::mw::wqe_type(mw_type);
+            }
+            w.emit(wqe.as_mut_bytes())
+        });
+        let len = built.map_err(|_| IbStatus::InvalidParameter)?;
+        Self::commit_wqe(qp, ring, producer, wqe, len, wr.wr_id, || {
+            // The bind's key becomes the window's last, unless another
+            // bind of the window (on another QP) took its place meanwhile.
+            match new_bind_key {
+                Some((target, last, rkey)) => target
+                    .last_bind_rkey
+                    .compare_exchange(last, rkey, Ordering::AcqRel, Ordering::Acquire)
+                    .map(|_| ())
+                    .map_err(|_| IbStatus::InvalidRkey),
+                None => Ok(()),
+            }
+        })
+    }
+
+    /// The end of one WR's post: the WQE built in `wqe` (`len` bytes)
+    /// checked against the room, `last_check` (a bind's key) made, the
+    /// `wr_id` and size recorded in the shadow, the WQE copied into the
+    /// ring at the producer and the producer moved past it. A refusal
+    /// changes nothing.
+    #[inline(always)]
+    fn commit_wqe(
+        qp: &Qp<P>,
+        ring: &Option<Buffer<P>>,
+        producer: &mut u32,
+        wqe: &[u64],
+        len: usize,
+        wr_id: u64,
+        last_check: impl FnOnce() -> Result<(), IbStatus>,
+    ) -> Result<(), IbStatus> {
+        let g = &qp.geometry;
         let bbs = hca_prm::wqe::basic_blocks(len) as u32;
         let ring_bbs = 1u32 << g.sq_log_bbs;
         let shadow = qp.send_shadow();
         if shadow.in_use(*producer) + bbs > ring_bbs {
             return Err(IbStatus::InsufficientResources);
         }
-        let slot = (*producer & (ring_bbs - 1)) as usize;
         let ring = ring.as_ref().ok_or(IbStatus::InvalidQpState)?;
-        // The bind's key becomes the window's last, unless another bind of
-        // the window (on another QP) took its place meanwhile.
-        if let Some((target, last, rkey)) = new_bind_key
-            && target
-                .last_bind_rkey
-                .compare_exchange(last, rkey, Ordering::AcqRel, Ordering::Acquire)
-                .is_err()
-        {
-            return Err(IbStatus::InvalidRkey);
-        }
+        last_check()?;
+        // Read by poll without this lock (`Completions`): stored before the
+        // doorbell (its release fence) makes the WQE visible; recorded
+        // before the copy, whose call would make the shadow's slices
+        // spill.
+        shadow.record(*producer, wr_id, bbs);
+        let slot = (*producer & (ring_bbs - 1)) as usize;
         let ring_bytes = BB_SIZE << g.sq_log_bbs;
         write_wrapping(ring, ring_bytes, slot * BB_SIZE, &wqe.as_bytes()[..len]);
-        // Read by poll without this lock (`Completions`): stored before the
-        // doorbell (its release fence) makes the WQE visible.
-        shadow.record(*producer, wr.wr_id, bbs);
         *producer = producer.wrapping_add(bbs);
         Ok(())
     }

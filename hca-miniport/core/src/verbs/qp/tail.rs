@@ -175,7 +175,7 @@ impl RingShadow<'_> {
     /// `wqe_index` (a CQE's), retiring it and every WQE before it. The
     /// slot is read before the tail moves, so post cannot have refilled
     /// it. A slot past the shadow (a user QP keeps none) gives `wr_id` 0.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn retire(&self, wqe_index: u16) -> Result<u64, Retire> {
         let slot = (u32::from(wqe_index) & (self.units - 1)) as usize;
         let mark = self.tail.mark();
