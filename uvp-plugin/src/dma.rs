@@ -278,6 +278,15 @@ impl RingWords<'_> {
         // long as the borrow lasts.
         unsafe { &*word }.store(value, Ordering::Relaxed);
     }
+
+    /// Loads ring word `index` modulo the ring's words (relaxed).
+    #[inline(always)]
+    pub fn load(self, index: usize) -> u64 {
+        let word = self.base.as_ptr().wrapping_add(index & self.mask);
+        // SAFETY: as `store`'s: `index & mask` is a word of the borrowed
+        // buffer, live, aligned and accessed only atomically.
+        unsafe { &*word }.load(Ordering::Relaxed)
+    }
 }
 
 /// A [`DmaBuffer`] owned as a ring of a power of two of words, checked
@@ -307,6 +316,18 @@ impl WordRing {
     #[inline]
     pub fn words(&self) -> usize {
         self.mask + 1
+    }
+
+    /// The ring as a `Copy` view: a loop loading through it keeps the
+    /// base and mask in registers across the barriers it runs (a fence
+    /// makes the compiler reload whatever it reaches through `&self`).
+    #[inline]
+    pub fn view(&self) -> RingWords<'_> {
+        RingWords {
+            base: self.buffer.base,
+            mask: self.mask,
+            _buffer: core::marker::PhantomData,
+        }
     }
 
     /// Stores `value` (relaxed) at ring word `index` modulo the ring's
@@ -454,6 +475,12 @@ mod tests {
         assert_eq!(ring.load(2), 2);
         assert_eq!(ring.load(5), 1, "wraps at 4 words, not 6");
         assert_eq!(ring.load(usize::MAX), 3);
+        let view = ring.view();
+        assert_eq!(
+            (view.load(2), view.load(5), view.load(usize::MAX)),
+            (2, 1, 3),
+            "the view wraps as the ring does"
+        );
     }
 
     #[test]
