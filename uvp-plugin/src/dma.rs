@@ -353,13 +353,18 @@ impl WordRing {
 }
 
 /// A doorbell record (PRM 9.2): 4 bytes, 4-byte aligned, stored as one
-/// 64-bit read-modify-write of the aligned word that holds it.
+/// 64-bit read-modify-write of the aligned word that holds it, or, when
+/// the word is the record's alone ([`Record::owning_word`]), as one 64-bit
+/// store.
 #[derive(Debug)]
 pub struct Record {
     word: DmaBuffer,
     /// The record's bit offset in its word (0 or 32), fixed at creation
     /// so a store makes no alignment or range check.
     shift: u32,
+    /// The word holds nothing but the record (at offset 0): a store may
+    /// write the whole word.
+    owns_word: bool,
 }
 
 impl Record {
@@ -379,16 +384,42 @@ impl Record {
         Ok(Self {
             word,
             shift: (address - word_address) as u32 * 8,
+            owns_word: false,
+        })
+    }
+
+    /// The record at the 8-byte aligned `address`, whose word's other 4
+    /// bytes belong to no one: a store writes the whole word, its upper
+    /// half 0, with no read-modify-write.
+    ///
+    /// # Safety
+    /// As [`DmaBuffer::from_raw`] for the 8 bytes at `address`, and nothing
+    /// (no other record, no device) gives bytes 4 to 8 a meaning: the
+    /// caller allocated them for this record alone.
+    pub unsafe fn owning_word(address: u64) -> Result<Self, BufferError> {
+        // SAFETY: the caller's contract covers the word at `address`.
+        let word = unsafe { DmaBuffer::from_raw(address, WORD) }?;
+        Ok(Self {
+            word,
+            shift: 0,
+            owns_word: true,
         })
     }
 
     /// Stores the counter with `Release` order: the WQEs written before it
-    /// are visible to a device that reads it (PRM 9.2). One read-modify-write
-    /// of the whole word, keeping its other half, as
+    /// are visible to a device that reads it (PRM 9.2). One store of the
+    /// whole word when the record owns it, else one read-modify-write of
+    /// the word, keeping its other half, as
     /// [`DmaBuffer::store_u32_release`]: the device reads the record with
-    /// 64-bit accesses.
+    /// 64-bit accesses, so a 32-bit store would be a mixed-size one.
     #[inline]
     pub fn store_release(&self, value: u32) {
+        if self.owns_word {
+            self.word
+                .first_word()
+                .store(u64::from(value), Ordering::Release);
+            return;
+        }
         let mask = 0xFFFF_FFFFu64 << self.shift;
         let value = u64::from(value) << self.shift;
         // Never fails: the closure always returns `Some`.
@@ -458,6 +489,20 @@ mod tests {
         assert_eq!(words[0].load(Ordering::Relaxed), 0);
         // SAFETY: refused before anything is accessed.
         assert!(unsafe { Record::from_raw(base + 2) }.is_err());
+    }
+
+    #[test]
+    fn a_record_owning_its_word_stores_the_whole_word() {
+        let mut words: Vec<AtomicU64> = (0..2).map(|_| AtomicU64::new(u64::MAX)).collect();
+        let base = words.as_mut_ptr() as u64;
+        // SAFETY: word 1 is a live atomic that outlives the record, and
+        // its upper half is no one's.
+        let record = unsafe { Record::owning_word(base + 8) }.unwrap();
+        record.store_release(0x1111_1111);
+        assert_eq!(words[1].load(Ordering::Relaxed), 0x1111_1111);
+        assert_eq!(words[0].load(Ordering::Relaxed), u64::MAX);
+        // SAFETY: refused before anything is accessed.
+        assert!(unsafe { Record::owning_word(base + 4) }.is_err());
     }
 
     #[test]

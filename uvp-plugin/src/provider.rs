@@ -590,8 +590,13 @@ impl Provider {
                 // SAFETY: the ring and record are `memory`, this process's
                 // own allocation, kept (in `Owned`) until after the CQ is
                 // dropped; the device reaches it only by DMA of 64-bit
-                // words and nothing else of the process uses it.
-                let cq = unsafe { ctx.cq(&layout, &created) }.map_err(|e| e.status())?;
+                // words and nothing else of the process uses it. The
+                // record starts the `RECORD_ROOM` after the ring (whose
+                // length is a multiple of 32 bytes from a page-aligned
+                // start, so the record is 8-byte aligned), which holds
+                // nothing else: its word is the record's alone.
+                let cq = unsafe { ctx.cq_owning_record_word(&layout, &created) }
+                    .map_err(|e| e.status())?;
                 self.state()
                     .cqs
                     .insert(call.created, Owned::new(ca, UserCq::new(cq), memory));
