@@ -125,14 +125,16 @@ impl Cq {
     /// device wrote it on this pass; the from-device barrier; then the
     /// entry. The consumer record is stored once per batch.
     pub fn poll(&mut self, out: &mut [WorkCompletion]) -> usize {
-        // The ring's base and mask stay in registers for the loop: the
-        // from-device fence would make the compiler reload them from
-        // `self` for every CQE.
-        let ring = self.ring.view();
-        let pass_bit = self.pass_bit;
         let start = self.consumer;
         let mut filled = 0;
         while filled < out.len() {
+            // The ring's base and mask in registers for this CQE's loads
+            // (after the from-device fence the compiler would reload them
+            // from `self` per word), not across CQEs: kept across the loop
+            // they would be spilled, a store and a load each, where most
+            // polls take one CQE.
+            let ring = self.ring.view();
+            let pass_bit = self.pass_bit;
             let counter = self.consumer;
             // The ring's mask takes the slot: its words are the entries'.
             let first = counter as usize * CQE_WORDS;
