@@ -960,12 +960,14 @@ fn post_srq_recv_to(owned: &Owned<Srq>, wrs: &[RecvWr<'_>]) -> Result<usize, Pos
 
 #[inline]
 fn poll(owned: &Owned<UserCq>, out: &mut [WorkCompletion]) -> Result<usize, IbStatus> {
-    let mut object = owned.lock();
-    let user = object.as_mut().ok_or(IbStatus::InvalidCqHandle)?;
-    if user.resizing {
-        return Ok(0);
-    }
-    Ok(user.cq.poll(out))
+    // The answer is made after the unlock from a count kept in a
+    // register, not built under the lock and carried across it.
+    let polled = match owned.lock().as_mut() {
+        Some(user) if user.resizing => Some(0),
+        Some(user) => Some(user.cq.poll(out)),
+        None => None,
+    };
+    polled.ok_or(IbStatus::InvalidCqHandle)
 }
 
 fn arm(owned: &Owned<UserCq>, notify: CqNotify) -> Result<(), IbStatus> {
