@@ -292,7 +292,8 @@ impl RingWords<'_> {
 /// A [`DmaBuffer`] owned as a ring of a power of two of words, checked
 /// once when it is made ([`WordRing::new`]): a load at any index wraps
 /// into the ring with one `and`, no bounds check. What a CQ keeps for its
-/// whole life, so its poll builds no view per call.
+/// whole life, so its poll checks nothing per call: a
+/// [`WordRing::view`] is a copy of the base and the mask.
 ///
 /// # Invariants
 /// `mask + 1` is a power of two no larger than `buffer`'s words.
