@@ -133,26 +133,22 @@ impl Cq {
             // from `self` per word), not across CQEs: kept across the loop
             // they would be spilled, a store and a load each, where most
             // polls take one CQE.
-            let ring = self.ring.view();
             let pass_bit = self.pass_bit;
             let counter = self.consumer;
-            // The ring's mask takes the slot: its words are the entries'.
-            let first = counter as usize * CQE_WORDS;
+            // The ring's mask takes the slot: its words are the entries'
+            // (`ring_of`), so there is always an entry.
+            let Some(entry) = self.ring.view().entry::<CQE_WORDS>(counter as usize) else {
+                break;
+            };
             // The owner byte is the last byte of the entry's last word,
             // which the device writes whole (with the opcode and status).
-            let last_word = ring.load(first + CQE_WORDS - 1);
+            let last_word = entry.load(CQE_WORDS - 1);
             if !owner::is_valid_in_pass((last_word >> 56) as u8, counter, pass_bit) {
                 break;
             }
             from_device();
             // The words are little-endian (PRM 10.4).
-            let words = [
-                ring.load(first),
-                ring.load(first + 1),
-                ring.load(first + 2),
-                last_word,
-            ]
-            .map(u64::to_le);
+            let words = [entry.load(0), entry.load(1), entry.load(2), last_word].map(u64::to_le);
             let cqe: Cqe = zerocopy::transmute!(words);
             self.consumer = counter.wrapping_add(1);
             let sequence = self.polled;

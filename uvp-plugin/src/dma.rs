@@ -266,7 +266,7 @@ pub struct RingWords<'a> {
     _buffer: core::marker::PhantomData<&'a DmaBuffer>,
 }
 
-impl RingWords<'_> {
+impl<'a> RingWords<'a> {
     /// Stores `value` (relaxed) at ring word `index` modulo the ring's
     /// words.
     #[inline(always)]
@@ -285,6 +285,48 @@ impl RingWords<'_> {
         let word = self.base.as_ptr().wrapping_add(index & self.mask);
         // SAFETY: as `store`'s: `index & mask` is a word of the borrowed
         // buffer, live, aligned and accessed only atomically.
+        unsafe { &*word }.load(Ordering::Relaxed)
+    }
+
+    /// Entry `entry` modulo the ring's entries, the ring taken as entries
+    /// of `N` words (a CQ's CQEs): one mask for the entry, none per word.
+    /// `None` unless `N` is a power of two the ring holds at least once.
+    #[inline(always)]
+    pub fn entry<const N: usize>(self, entry: usize) -> Option<EntryWords<'a, N>> {
+        if !N.is_power_of_two() || self.mask < N - 1 {
+            return None;
+        }
+        let first = entry.wrapping_mul(N) & self.mask;
+        Some(EntryWords {
+            first: self.base.as_ptr().wrapping_add(first),
+            _buffer: core::marker::PhantomData,
+        })
+    }
+}
+
+/// The `N` words of one ring entry ([`RingWords::entry`]): a load names
+/// its word by a fixed offset, with no mask.
+///
+/// # Invariants
+/// `first` and the `N - 1` words after it are words of the borrowed
+/// buffer's ring: `mask + 1` and `N` are powers of two with `N <= mask +
+/// 1`, so `mask`'s low `log2(N)` bits are ones, and `first`, a multiple
+/// of `N` masked by `mask`, stays one, at most `mask + 1 - N`.
+#[derive(Debug, Clone, Copy)]
+pub struct EntryWords<'a, const N: usize> {
+    first: *mut AtomicU64,
+    _buffer: core::marker::PhantomData<&'a DmaBuffer>,
+}
+
+impl<const N: usize> EntryWords<'_, N> {
+    /// Loads the entry's word `word` modulo `N` (relaxed); a constant
+    /// `word` costs no instruction to place.
+    #[inline(always)]
+    pub fn load(self, word: usize) -> u64 {
+        let word = self.first.wrapping_add(word & (N - 1));
+        // SAFETY: `word & (N - 1)` is below `N`, so `word` is one of the
+        // entry's words (type invariant): live, aligned and accessed only
+        // atomically (`DmaBuffer`'s invariant) while the borrow lasts.
         unsafe { &*word }.load(Ordering::Relaxed)
     }
 }
@@ -527,6 +569,12 @@ mod tests {
             (2, 1, 3),
             "the view wraps as the ring does"
         );
+        let entry = view.entry::<2>(3).unwrap();
+        assert_eq!((entry.load(0), entry.load(1)), (2, 3), "entry 3 is entry 1");
+        assert_eq!(entry.load(2), 2, "a word index wraps in its entry");
+        assert_eq!(view.entry::<4>(5).unwrap().load(3), 3, "one entry");
+        assert!(view.entry::<8>(0).is_none(), "larger than the ring");
+        assert!(view.entry::<3>(0).is_none(), "not a power of two");
     }
 
     #[test]
