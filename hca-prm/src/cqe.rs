@@ -193,6 +193,23 @@ pub enum CqeOp {
     Recv(RecvOp),
 }
 
+/// The work completion opcode of a send CQE by its opcode byte; `None`
+/// for a byte that is no [`WqeOpcode`] and for NOP (which has none of its
+/// own). One load checks and maps the opcode (a byte indexes all 256
+/// entries, so there is no bounds check).
+const SEND_WC_OPCODES: [Option<WcOpcode>; 256] = {
+    let mut table = [None; 256];
+    let mut i = 0;
+    while i < WqeOpcode::ALL.len() {
+        let opcode = WqeOpcode::ALL[i];
+        if let Some(op) = opcode.to_wr() {
+            table[opcode.code() as usize] = Some(WcOpcode::for_send(op));
+        }
+        i += 1;
+    }
+    table
+};
+
 /// Why a CQE could not be read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -329,32 +346,61 @@ impl Cqe {
     #[inline]
     pub fn op(&self) -> Result<CqeOp, CqeError> {
         let flags = self.flags();
-        let opcode = WqeOpcode::from_code(self.opcode)?;
-        let mismatch = CqeError::Flags {
-            opcode: self.opcode,
-            flags: self.flags,
-        };
         if !flags.contains(CqeFlags::RECV) {
+            let opcode = WqeOpcode::from_code(self.opcode)?;
             return if flags.is_empty() {
                 Ok(CqeOp::Send(opcode))
             } else {
-                Err(mismatch)
+                Err(self.mismatch())
             };
         }
+        self.recv_op().map(CqeOp::Recv)
+    }
+
+    /// The operation of a receive completion (RECV set), checked against
+    /// the flags.
+    #[inline]
+    fn recv_op(&self) -> Result<RecvOp, CqeError> {
+        let opcode = WqeOpcode::from_code(self.opcode)?;
         let imm = Be32::from_bytes(self.imm);
         let key = RKey::new(u32::from_le_bytes(self.imm));
-        let data = flags.intersection(CqeFlags::IMM.union(CqeFlags::INV));
+        let data = self
+            .flags()
+            .intersection(CqeFlags::IMM.union(CqeFlags::INV));
         let op = match opcode {
             WqeOpcode::Send => RecvOp::Send,
             WqeOpcode::SendImm => RecvOp::SendImm(imm),
             WqeOpcode::SendInv => RecvOp::SendInv(key),
             WqeOpcode::RdmaWriteImm => RecvOp::RdmaWriteImm(imm),
-            _ => return Err(mismatch),
+            _ => return Err(self.mismatch()),
         };
         if op.flags().difference(CqeFlags::RECV) != data {
-            return Err(mismatch);
+            return Err(self.mismatch());
         }
-        Ok(CqeOp::Recv(op))
+        Ok(op)
+    }
+
+    /// A send completion's opcode where [`SEND_WC_OPCODES`] has none or
+    /// flags are set: the error, in `op`'s order (an unknown opcode, then
+    /// any flag, then a successful NOP), or an error NOP's `Send`.
+    #[cold]
+    fn send_without_table(&self, status: WcStatus) -> Result<WcOpcode, CqeError> {
+        match self.op()? {
+            CqeOp::Send(opcode) => match opcode.to_wr() {
+                Some(op) => Ok(WcOpcode::for_send(op)),
+                None if !status.is_success() => Ok(WcOpcode::Send),
+                None => Err(CqeError::NopCompletion),
+            },
+            CqeOp::Recv(_) => Err(self.mismatch()),
+        }
+    }
+
+    /// The error of flags that do not fit the opcode.
+    fn mismatch(&self) -> CqeError {
+        CqeError::Flags {
+            opcode: self.opcode,
+            flags: self.flags,
+        }
     }
 
     /// The work completion this entry reports, for the work request
@@ -380,25 +426,23 @@ impl Cqe {
             sl: self.sl,
             ..WorkCompletion::EMPTY
         };
-        match self.op()? {
-            CqeOp::Send(opcode) => {
-                wc.opcode = match opcode.to_wr() {
-                    Some(op) => WcOpcode::for_send(op),
-                    None if !status.is_success() => WcOpcode::Send,
-                    None => return Err(CqeError::NopCompletion),
-                };
+        if !self.flags().contains(CqeFlags::RECV) {
+            // As `op`'s send case and the opcode's mapping, by table.
+            match SEND_WC_OPCODES[usize::from(self.opcode)] {
+                Some(op) if self.flags().is_empty() => wc.opcode = op,
+                _ => wc.opcode = self.send_without_table(status)?,
             }
-            CqeOp::Recv(op) => {
-                wc.opcode = op.wc_opcode();
-                match op {
-                    RecvOp::SendImm(imm) | RecvOp::RdmaWriteImm(imm) => wc.set_immediate(imm),
-                    RecvOp::SendInv(rkey) => wc.set_invalidated_rkey(rkey),
-                    RecvOp::Send => {}
-                }
-                if self.flags().contains(CqeFlags::GRH) {
-                    wc.flags |= WcFlags::GRH;
-                }
-            }
+            return Ok(wc);
+        }
+        let op = self.recv_op()?;
+        wc.opcode = op.wc_opcode();
+        match op {
+            RecvOp::SendImm(imm) | RecvOp::RdmaWriteImm(imm) => wc.set_immediate(imm),
+            RecvOp::SendInv(rkey) => wc.set_invalidated_rkey(rkey),
+            RecvOp::Send => {}
+        }
+        if self.flags().contains(CqeFlags::GRH) {
+            wc.flags |= WcFlags::GRH;
         }
         Ok(wc)
     }
@@ -579,6 +623,33 @@ mod tests {
             good.to_work_completion(0),
             "reserved ignored"
         );
+    }
+
+    /// The send completion's table answers as `op` and the opcode mapping
+    /// do, for every opcode byte, flags byte and status: the same work
+    /// completion opcode, or the same error.
+    #[test]
+    fn send_completions_by_table_answer_as_the_opcode_rules() {
+        for opcode in 0..=u8::MAX {
+            for flags in [0u8, 0x40, 0x80, CqeFlags::GRH.bits(), CqeFlags::IMM.bits()] {
+                for status in [WcStatus::Success, WcStatus::WrFlushErr] {
+                    let mut cqe = Cqe::new_send(qpn(1), 0, WqeOpcode::Send, status);
+                    cqe.opcode = opcode;
+                    cqe.flags = flags;
+                    let expected = match cqe.op() {
+                        Err(e) => Err(e),
+                        Ok(CqeOp::Send(op)) => match op.to_wr() {
+                            Some(wr) => Ok(WcOpcode::for_send(wr)),
+                            None if !status.is_success() => Ok(WcOpcode::Send),
+                            None => Err(CqeError::NopCompletion),
+                        },
+                        Ok(CqeOp::Recv(_)) => unreachable!("no RECV flag"),
+                    };
+                    let got = cqe.to_work_completion(0).map(|wc| wc.opcode);
+                    assert_eq!(got, expected, "opcode {opcode:#x} flags {flags:#x}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -45,6 +45,24 @@ pub const fn slot(counter: u32, log_entries: u8) -> u32 {
     }
 }
 
+/// The bit of a counter that flips once per pass through a ring of
+/// `2^log_entries` entries: `1 << log_entries`, or 0 for a ring of `2^32`
+/// entries or more (always on its first pass). Computed once per ring, it
+/// makes the owner rule one test per entry ([`is_valid_in_pass`]).
+pub const fn pass_bit(log_entries: u8) -> u32 {
+    match 1u32.checked_shl(log_entries as u32) {
+        Some(bit) => bit,
+        None => 0,
+    }
+}
+
+/// As [`is_valid`], for a ring whose [`pass_bit`] is `pass_bit`: the
+/// owner bit is 1 exactly on the passes where the counter's pass bit is 0.
+#[inline]
+pub const fn is_valid_in_pass(owner_byte: u8, counter: u32, pass_bit: u32) -> bool {
+    (owner_byte & OWNER_BIT != 0) == (counter & pass_bit == 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,6 +117,25 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn the_pass_bit_answers_as_the_rule(
+            counter: u32,
+            log in prop_oneof![0u8..32, 32u8..=255],
+            owner_byte: u8,
+        ) {
+            let bit = pass_bit(log);
+            // Near the counter's wrap and at a pass's first and last
+            // entries too.
+            let edge = bit.wrapping_sub(1);
+            for counter in [counter, u32::MAX, 0, edge, bit, counter & !edge] {
+                prop_assert_eq!(
+                    is_valid_in_pass(owner_byte, counter, bit),
+                    is_valid(owner_byte, counter, log),
+                    "counter {} log {}", counter, log
+                );
+            }
+        }
+
         #[test]
         fn phase_flips_once_per_pass(n: u32, log in 0u8..31) {
             let next_pass = n.wrapping_add(1 << log);

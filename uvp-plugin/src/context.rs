@@ -142,6 +142,38 @@ impl Context {
         layout: &CreateCqPriv,
         created: &CreateCqPrivOut,
     ) -> Result<Cq, SetupError> {
+        // SAFETY: the caller's contract is this one's.
+        unsafe { self.make_cq(layout, created, false) }
+    }
+
+    /// As [`Context::cq`], for a record whose 8-byte aligned word the
+    /// caller allocated for it alone: the poll stores the record as one
+    /// 64-bit store, not a read-modify-write ([`Record::owning_word`]).
+    ///
+    /// # Safety
+    /// As [`Context::cq`], and as [`Record::owning_word`] for the record:
+    /// `layout.dbr` is 8-byte aligned and bytes 4 to 8 after it belong to
+    /// no one else (no other record, nothing the device writes).
+    pub unsafe fn cq_owning_record_word(
+        &self,
+        layout: &CreateCqPriv,
+        created: &CreateCqPrivOut,
+    ) -> Result<Cq, SetupError> {
+        // SAFETY: the caller's contract is this one's.
+        unsafe { self.make_cq(layout, created, true) }
+    }
+
+    /// [`Context::cq`], its record owning its word or not.
+    ///
+    /// # Safety
+    /// As [`Context::cq_owning_record_word`] when `record_owns_word`, else
+    /// as [`Context::cq`].
+    unsafe fn make_cq(
+        &self,
+        layout: &CreateCqPriv,
+        created: &CreateCqPrivOut,
+        record_owns_word: bool,
+    ) -> Result<Cq, SetupError> {
         if u64::from(created.cqn) & !DB_OBJECT_MASK != 0
             || created.log_entries != layout.log_entries
         {
@@ -158,8 +190,13 @@ impl Context {
         }
         // SAFETY: the caller's contract covers the layout's ranges.
         let ring = unsafe { buffer(&layout.ring) }?;
-        // SAFETY: as above.
-        let record = unsafe { record(&layout.dbr) }?;
+        let record = if record_owns_word {
+            // SAFETY: the caller's contract covers the record's whole word.
+            unsafe { Record::owning_word(layout.dbr.va) }?
+        } else {
+            // SAFETY: as the ring's.
+            unsafe { record(&layout.dbr) }?
+        };
         Cq::new(
             created.cqn,
             ring,

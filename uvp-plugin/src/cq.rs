@@ -55,6 +55,9 @@ pub struct Cq {
     ring: WordRing,
     record: Record,
     log_entries: u8,
+    /// [`owner::pass_bit`] of the ring: the owner rule's parity, found
+    /// once per ring.
+    pass_bit: u32,
     /// CQEs consumed (wrapping) in the current ring.
     consumer: u32,
     /// CQEs consumed since the CQ was created, across resizes: the
@@ -90,6 +93,7 @@ impl Cq {
             ring,
             record,
             log_entries,
+            pass_bit: owner::pass_bit(log_entries),
             consumer: 0,
             polled: 0,
             stray: 0,
@@ -121,32 +125,35 @@ impl Cq {
     /// device wrote it on this pass; the from-device barrier; then the
     /// entry. The consumer record is stored once per batch.
     pub fn poll(&mut self, out: &mut [WorkCompletion]) -> usize {
-        let mask = (1u32 << self.log_entries) - 1;
-        let mut filled = 0;
         let start = self.consumer;
+        let mut filled = 0;
         while filled < out.len() {
-            let first = (self.consumer & mask) as usize * CQE_WORDS;
+            // The ring's base and mask in registers for this CQE's loads
+            // (after the from-device fence the compiler would reload them
+            // from `self` per word), not across CQEs: kept across the loop
+            // they would be spilled, a store and a load each, where most
+            // polls take one CQE.
+            let pass_bit = self.pass_bit;
+            let counter = self.consumer;
+            // The ring's mask takes the slot: its words are the entries'
+            // (`ring_of`), so there is always an entry.
+            let Some(entry) = self.ring.view().entry::<CQE_WORDS>(counter as usize) else {
+                break;
+            };
             // The owner byte is the last byte of the entry's last word,
             // which the device writes whole (with the opcode and status).
-            let last_word = self.ring.load(first + CQE_WORDS - 1);
-            if !owner::is_valid((last_word >> 56) as u8, self.consumer, self.log_entries) {
+            let last_word = entry.load(CQE_WORDS - 1);
+            if !owner::is_valid_in_pass((last_word >> 56) as u8, counter, pass_bit) {
                 break;
             }
             from_device();
             // The words are little-endian (PRM 10.4).
-            let words = [
-                self.ring.load(first),
-                self.ring.load(first + 1),
-                self.ring.load(first + 2),
-                last_word,
-            ]
-            .map(u64::to_le);
+            let words = [entry.load(0), entry.load(1), entry.load(2), last_word].map(u64::to_le);
             let cqe: Cqe = zerocopy::transmute!(words);
-            self.consumer = self.consumer.wrapping_add(1);
+            self.consumer = counter.wrapping_add(1);
             let sequence = self.polled;
             self.polled += 1;
-            let completion = self.complete(&cqe, sequence);
-            match completion {
+            match Self::complete(&mut self.last, &self.directory, &cqe, sequence) {
                 Some(wc) => {
                     out[filled] = wc;
                     filled += 1;
@@ -161,26 +168,28 @@ impl Cq {
     }
 
     /// The work completion of `cqe`, the CQ's `sequence`th; `None` for a
-    /// CQE of no QP in the directory or that does not decode.
+    /// CQE of no QP in `directory` or that does not decode. `last` is the
+    /// CQ's last route, kept or replaced.
     #[inline]
-    fn complete(&mut self, cqe: &Cqe, sequence: u64) -> Option<WorkCompletion> {
+    fn complete(
+        last: &mut Option<LastRoute>,
+        directory: &Directory,
+        cqe: &Cqe,
+        sequence: u64,
+    ) -> Option<WorkCompletion> {
         let qpn = cqe.qpn().ok()?.get();
-        let generation = self.directory.generation();
-        let current = self
-            .last
+        let generation = directory.generation();
+        let current = last
             .as_ref()
             .is_some_and(|last| last.qpn == qpn && last.generation == generation);
         if !current {
-            self.last = self
-                .directory
-                .route(qpn)
-                .map(|(route, generation)| LastRoute {
-                    qpn,
-                    generation,
-                    route,
-                });
+            *last = directory.route(qpn).map(|(route, generation)| LastRoute {
+                qpn,
+                generation,
+                route,
+            });
         }
-        complete(&self.last.as_ref()?.route, cqe, sequence)
+        complete(&last.as_ref()?.route, cqe, sequence)
     }
 
     /// The sequence number the next CQE the device writes will have: the
@@ -232,6 +241,7 @@ impl Cq {
         let buffer = unsafe { DmaBuffer::from_raw(layout.ring.va, len) }?;
         self.ring = ring_of(buffer, layout.log_entries)?;
         self.log_entries = layout.log_entries;
+        self.pass_bit = owner::pass_bit(layout.log_entries);
         self.consumer = 0;
         Ok(())
     }

@@ -16,7 +16,6 @@
 //!
 //! This module and [`crate::mmio`] hold the crate's only `unsafe` code.
 
-use core::marker::PhantomData;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU64, Ordering, fence};
 
@@ -267,7 +266,7 @@ pub struct RingWords<'a> {
     _buffer: core::marker::PhantomData<&'a DmaBuffer>,
 }
 
-impl RingWords<'_> {
+impl<'a> RingWords<'a> {
     /// Stores `value` (relaxed) at ring word `index` modulo the ring's
     /// words.
     #[inline(always)]
@@ -279,12 +278,64 @@ impl RingWords<'_> {
         // long as the borrow lasts.
         unsafe { &*word }.store(value, Ordering::Relaxed);
     }
+
+    /// Loads ring word `index` modulo the ring's words (relaxed).
+    #[inline(always)]
+    pub fn load(self, index: usize) -> u64 {
+        let word = self.base.as_ptr().wrapping_add(index & self.mask);
+        // SAFETY: as `store`'s: `index & mask` is a word of the borrowed
+        // buffer, live, aligned and accessed only atomically.
+        unsafe { &*word }.load(Ordering::Relaxed)
+    }
+
+    /// Entry `entry` modulo the ring's entries, the ring taken as entries
+    /// of `N` words (a CQ's CQEs): one mask for the entry, none per word.
+    /// `None` unless `N` is a power of two the ring holds at least once.
+    #[inline(always)]
+    pub fn entry<const N: usize>(self, entry: usize) -> Option<EntryWords<'a, N>> {
+        if !N.is_power_of_two() || self.mask < N - 1 {
+            return None;
+        }
+        let first = entry.wrapping_mul(N) & self.mask;
+        Some(EntryWords {
+            first: self.base.as_ptr().wrapping_add(first),
+            _buffer: core::marker::PhantomData,
+        })
+    }
+}
+
+/// The `N` words of one ring entry ([`RingWords::entry`]): a load names
+/// its word by a fixed offset, with no mask.
+///
+/// # Invariants
+/// `first` and the `N - 1` words after it are words of the borrowed
+/// buffer's ring: `mask + 1` and `N` are powers of two with `N <= mask +
+/// 1`, so `mask`'s low `log2(N)` bits are ones, and `first`, a multiple
+/// of `N` masked by `mask`, stays one, at most `mask + 1 - N`.
+#[derive(Debug, Clone, Copy)]
+pub struct EntryWords<'a, const N: usize> {
+    first: *mut AtomicU64,
+    _buffer: core::marker::PhantomData<&'a DmaBuffer>,
+}
+
+impl<const N: usize> EntryWords<'_, N> {
+    /// Loads the entry's word `word` modulo `N` (relaxed); a constant
+    /// `word` costs no instruction to place.
+    #[inline(always)]
+    pub fn load(self, word: usize) -> u64 {
+        let word = self.first.wrapping_add(word & (N - 1));
+        // SAFETY: `word & (N - 1)` is below `N`, so `word` is one of the
+        // entry's words (type invariant): live, aligned and accessed only
+        // atomically (`DmaBuffer`'s invariant) while the borrow lasts.
+        unsafe { &*word }.load(Ordering::Relaxed)
+    }
 }
 
 /// A [`DmaBuffer`] owned as a ring of a power of two of words, checked
 /// once when it is made ([`WordRing::new`]): a load at any index wraps
 /// into the ring with one `and`, no bounds check. What a CQ keeps for its
-/// whole life, so its poll builds no view per call.
+/// whole life, so its poll checks nothing per call: a
+/// [`WordRing::view`] is a copy of the base and the mask.
 ///
 /// # Invariants
 /// `mask + 1` is a power of two no larger than `buffer`'s words.
@@ -310,6 +361,18 @@ impl WordRing {
         self.mask + 1
     }
 
+    /// The ring as a `Copy` view: a loop loading through it keeps the
+    /// base and mask in registers across the barriers it runs (a fence
+    /// makes the compiler reload whatever it reaches through `&self`).
+    #[inline]
+    pub fn view(&self) -> RingWords<'_> {
+        RingWords {
+            base: self.buffer.base,
+            mask: self.mask,
+            _buffer: core::marker::PhantomData,
+        }
+    }
+
     /// Stores `value` (relaxed) at ring word `index` modulo the ring's
     /// words.
     #[inline(always)]
@@ -318,19 +381,6 @@ impl WordRing {
         // SAFETY: as `load`'s: `index & mask` is a word of the buffer this
         // owns, live, aligned and accessed only atomically.
         unsafe { &*word }.store(value, Ordering::Relaxed);
-    }
-
-    /// The ring's stores through a copy of its base and mask: a run of
-    /// stores keeps both in registers (an atomic store may write any
-    /// memory the compiler cannot rule out, so fields read through
-    /// `&self` would be reloaded after each one).
-    #[inline(always)]
-    pub fn writer(&self) -> RingWriter<'_> {
-        RingWriter {
-            base: self.buffer.base,
-            mask: self.mask,
-            _ring: PhantomData,
-        }
     }
 
     /// Loads ring word `index` modulo the ring's words (relaxed).
@@ -345,39 +395,19 @@ impl WordRing {
     }
 }
 
-/// [`WordRing::store`] for as long as the ring is borrowed
-/// ([`WordRing::writer`]).
-///
-/// # Invariants
-/// `base` and `mask` are those of a [`WordRing`] borrowed for `'a`.
-#[derive(Debug, Clone, Copy)]
-pub struct RingWriter<'a> {
-    base: NonNull<AtomicU64>,
-    mask: usize,
-    _ring: PhantomData<&'a WordRing>,
-}
-
-impl RingWriter<'_> {
-    /// Stores `value` (relaxed) at ring word `index` modulo the ring's
-    /// words.
-    #[inline(always)]
-    pub fn store(self, index: usize, value: u64) {
-        let word = self.base.as_ptr().wrapping_add(index & self.mask);
-        // SAFETY: as `WordRing::store`'s: the ring these are a copy of is
-        // borrowed for this writer's life (type invariant), so `index &
-        // mask` is one of its live, aligned, atomically accessed words.
-        unsafe { &*word }.store(value, Ordering::Relaxed);
-    }
-}
-
 /// A doorbell record (PRM 9.2): 4 bytes, 4-byte aligned, stored as one
-/// 64-bit read-modify-write of the aligned word that holds it.
+/// 64-bit read-modify-write of the aligned word that holds it, or, when
+/// the word is the record's alone ([`Record::owning_word`]), as one 64-bit
+/// store.
 #[derive(Debug)]
 pub struct Record {
     word: DmaBuffer,
     /// The record's bit offset in its word (0 or 32), fixed at creation
     /// so a store makes no alignment or range check.
     shift: u32,
+    /// The word holds nothing but the record (at offset 0): a store may
+    /// write the whole word.
+    owns_word: bool,
 }
 
 impl Record {
@@ -397,16 +427,42 @@ impl Record {
         Ok(Self {
             word,
             shift: (address - word_address) as u32 * 8,
+            owns_word: false,
+        })
+    }
+
+    /// The record at the 8-byte aligned `address`, whose word's other 4
+    /// bytes belong to no one: a store writes the whole word, its upper
+    /// half 0, with no read-modify-write.
+    ///
+    /// # Safety
+    /// As [`DmaBuffer::from_raw`] for the 8 bytes at `address`, and nothing
+    /// (no other record, no device) gives bytes 4 to 8 a meaning: the
+    /// caller allocated them for this record alone.
+    pub unsafe fn owning_word(address: u64) -> Result<Self, BufferError> {
+        // SAFETY: the caller's contract covers the word at `address`.
+        let word = unsafe { DmaBuffer::from_raw(address, WORD) }?;
+        Ok(Self {
+            word,
+            shift: 0,
+            owns_word: true,
         })
     }
 
     /// Stores the counter with `Release` order: the WQEs written before it
-    /// are visible to a device that reads it (PRM 9.2). One read-modify-write
-    /// of the whole word, keeping its other half, as
+    /// are visible to a device that reads it (PRM 9.2). One store of the
+    /// whole word when the record owns it, else one read-modify-write of
+    /// the word, keeping its other half, as
     /// [`DmaBuffer::store_u32_release`]: the device reads the record with
-    /// 64-bit accesses.
+    /// 64-bit accesses, so a 32-bit store would be a mixed-size one.
     #[inline]
     pub fn store_release(&self, value: u32) {
+        if self.owns_word {
+            self.word
+                .first_word()
+                .store(u64::from(value), Ordering::Release);
+            return;
+        }
         let mask = 0xFFFF_FFFFu64 << self.shift;
         let value = u64::from(value) << self.shift;
         // Never fails: the closure always returns `Some`.
@@ -479,6 +535,20 @@ mod tests {
     }
 
     #[test]
+    fn a_record_owning_its_word_stores_the_whole_word() {
+        let mut words: Vec<AtomicU64> = (0..2).map(|_| AtomicU64::new(u64::MAX)).collect();
+        let base = words.as_mut_ptr() as u64;
+        // SAFETY: word 1 is a live atomic that outlives the record, and
+        // its upper half is no one's.
+        let record = unsafe { Record::owning_word(base + 8) }.unwrap();
+        record.store_release(0x1111_1111);
+        assert_eq!(words[1].load(Ordering::Relaxed), 0x1111_1111);
+        assert_eq!(words[0].load(Ordering::Relaxed), u64::MAX);
+        // SAFETY: refused before anything is accessed.
+        assert!(unsafe { Record::owning_word(base + 4) }.is_err());
+    }
+
+    #[test]
     fn a_word_ring_wraps_inside_its_words_and_refuses_bad_sizes() {
         let mut words: Vec<AtomicU64> = (0..6).map(AtomicU64::new).collect();
         assert!(
@@ -493,6 +563,18 @@ mod tests {
         assert_eq!(ring.load(2), 2);
         assert_eq!(ring.load(5), 1, "wraps at 4 words, not 6");
         assert_eq!(ring.load(usize::MAX), 3);
+        let view = ring.view();
+        assert_eq!(
+            (view.load(2), view.load(5), view.load(usize::MAX)),
+            (2, 1, 3),
+            "the view wraps as the ring does"
+        );
+        let entry = view.entry::<2>(3).unwrap();
+        assert_eq!((entry.load(0), entry.load(1)), (2, 3), "entry 3 is entry 1");
+        assert_eq!(entry.load(2), 2, "a word index wraps in its entry");
+        assert_eq!(view.entry::<4>(5).unwrap().load(3), 3, "one entry");
+        assert!(view.entry::<8>(0).is_none(), "larger than the ring");
+        assert!(view.entry::<3>(0).is_none(), "not a power of two");
     }
 
     #[test]

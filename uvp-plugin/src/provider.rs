@@ -590,8 +590,13 @@ impl Provider {
                 // SAFETY: the ring and record are `memory`, this process's
                 // own allocation, kept (in `Owned`) until after the CQ is
                 // dropped; the device reaches it only by DMA of 64-bit
-                // words and nothing else of the process uses it.
-                let cq = unsafe { ctx.cq(&layout, &created) }.map_err(|e| e.status())?;
+                // words and nothing else of the process uses it. The
+                // record starts the `RECORD_ROOM` after the ring (whose
+                // length is a multiple of 32 bytes from a page-aligned
+                // start, so the record is 8-byte aligned), which holds
+                // nothing else: its word is the record's alone.
+                let cq = unsafe { ctx.cq_owning_record_word(&layout, &created) }
+                    .map_err(|e| e.status())?;
                 self.state()
                     .cqs
                     .insert(call.created, Owned::new(ca, UserCq::new(cq), memory));
@@ -966,12 +971,14 @@ fn post_srq_recv_to(owned: &Owned<Srq>, wrs: &[RecvWr<'_>]) -> Result<usize, Pos
 
 #[inline]
 fn poll(owned: &Owned<UserCq>, out: &mut [WorkCompletion]) -> Result<usize, IbStatus> {
-    let mut object = owned.lock();
-    let user = object.as_mut().ok_or(IbStatus::InvalidCqHandle)?;
-    if user.resizing {
-        return Ok(0);
-    }
-    Ok(user.cq.poll(out))
+    // The answer is made after the unlock from a count kept in a
+    // register, not built under the lock and carried across it.
+    let polled = match owned.lock().as_mut() {
+        Some(user) if user.resizing => Some(0),
+        Some(user) => Some(user.cq.poll(out)),
+        None => None,
+    };
+    polled.ok_or(IbStatus::InvalidCqHandle)
 }
 
 fn arm(owned: &Owned<UserCq>, notify: CqNotify) -> Result<(), IbStatus> {

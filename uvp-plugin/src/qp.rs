@@ -266,7 +266,7 @@ impl SendQueue {
             // ring, in this frame: no closure the compiler may call out of
             // line with the WQE spilled to the stack for it.
             let first = self.reserve(wqe.byte_len(), wr.wr_id)?;
-            let ring = self.ring.writer();
+            let ring = self.ring.view();
             wqe.emit_words(|i, word| ring.store(first + i, word));
             return Ok(());
         }
