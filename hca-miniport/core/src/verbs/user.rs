@@ -880,6 +880,7 @@ where
             max_send_sges: cap.max_send_sges,
             max_recv_sges: cap.max_recv_sges,
             max_inline: cap.max_inline_bytes.get(),
+            num_ports: cap.num_ports,
         };
         a.responder.finish(
             IbStatus::Success,
