@@ -168,7 +168,8 @@ where
         let pd = a.handle;
         let mode = a.mode;
         let referenced = self.with_objects_mut(|o| {
-            if !Self::ca_visible(o, mode) {
+            // A user context's PD takes the provider's AVs, never a kernel one.
+            if !Self::ca_visible(o, mode) || o.user.holds(pd) {
                 return Err(IbStatus::InvalidPdHandle);
             }
             o.pds

@@ -30,7 +30,10 @@
 //!   A request made on a context (a create naming its parents, a region
 //!   moved or shared into a PD) may name only that context's objects: a
 //!   PD, CQ or SRQ of another context of the same process is refused the
-//!   same way (`owned_by`), whatever the provider checked.
+//!   same way (`owned_by`), whatever the provider checked. The other way
+//!   round, a kernel client's CreateQp, CreateSrq or CreateAv naming a
+//!   user context's PD, CQ or SRQ is refused the same way
+//!   (`Hca::refuse_user_parents`).
 //!   Once a request passed that check it is run by the verb's ordinary
 //!   implementation as a trusted one (queries, `ModifyQp`, `ModifySrq`).
 //!   `ModifyCa` is refused for user mode by policy with
@@ -205,6 +208,19 @@ impl<P: Platform> UserContexts<P> {
     /// True when no context is open.
     pub(crate) fn is_empty(&self) -> bool {
         self.contexts.is_empty()
+    }
+
+    /// Whether some context holds `raw` as one of its objects (handles
+    /// carry their kind, so one raw value names one object).
+    pub(crate) fn holds(&self, raw: u64) -> bool {
+        self.contexts.values().any(|c| {
+            c.pds.contains(&raw)
+                || c.cqs.contains_key(&raw)
+                || c.srqs.contains_key(&raw)
+                || c.qps.contains_key(&raw)
+                || c.mrs.contains(&raw)
+                || c.mws.contains(&raw)
+        })
     }
 
     /// PDs and CQs the contexts hold (they live in the shared tables).
@@ -2041,6 +2057,21 @@ where
 }
 
 impl<P: Platform> Hca<P> {
+    /// Refuses a kernel client's create that names a user context's
+    /// object as a parent (a user CQ's ring is in the process, where no
+    /// kernel poll reads it; a user PD's regions and SRQ's WQEs are the
+    /// process's): the status paired with the first such handle of
+    /// `parents`. User creates are held to their own context by
+    /// `owned_by`, so no create mixes owners.
+    pub(crate) fn refuse_user_parents(&self, parents: &[(u64, IbStatus)]) -> Result<(), IbStatus> {
+        self.with_objects(
+            |o| match parents.iter().find(|&&(raw, _)| o.user.holds(raw)) {
+                Some(&(_, status)) => Err(status),
+                None => Ok(()),
+            },
+        )?
+    }
+
     /// A completion event on CQ `cq` (raw handle): completes the waits
     /// pending on it, or remembers the event for the next wait. Returns
     /// false when `cq` is no user CQ. From the DPC.
