@@ -194,14 +194,17 @@ pub(crate) struct UserContexts<P: Platform> {
 }
 
 impl<P: Platform> UserContexts<P> {
-    /// No contexts; UAR pages `1..num_uars` to hand out.
-    pub(crate) fn new(num_uars: u32) -> Self {
+    /// No contexts; UAR pages `1..num_uars` to hand out; the first
+    /// context's handle carries `first_generation` (the life's,
+    /// `resources::life_generation`, so no handle of an earlier life
+    /// comes back).
+    pub(crate) fn new(num_uars: u32, first_generation: u32) -> Self {
         Self {
             contexts: BTreeMap::new(),
             waits: BTreeMap::new(),
             uars: UarAllocator::new(num_uars).ok(),
             parked: Vec::new(),
-            generation: 0,
+            generation: first_generation.wrapping_sub(1),
         }
     }
 
