@@ -512,7 +512,9 @@ impl Provider {
         let t = &mut *table;
         match call.verb {
             VerbId::CreateAv => {
-                // The kernel's order: the attributes, then the PD.
+                // The bytes, the PD (its context knows the ports), then
+                // the attributes: the kernel checks the attributes before
+                // the PD, so only a request wrong in both answers differently.
                 let attr: AvAttr = exact(call.input)?;
                 let ca = *s.pds.get(&call.handle).ok_or(IbStatus::InvalidPdHandle)?;
                 let av = Self::user_av(&s, ca, &attr, IbStatus::InvalidPdHandle)?;
