@@ -169,7 +169,8 @@ const NUMBER_MASK: u64 = (1 << 24) - 1;
 /// number comes back only after every other free one); past 2^32 µs (71
 /// minutes) the start wraps, and a stale handle then matches only with
 /// probability about (its number's reuses) / 2^32. Deterministic under a
-/// simulated clock.
+/// simulated clock, where two lives begun at the same virtual instant
+/// (no time advanced between them) share their start.
 pub fn life_generation(now_ns: u64) -> u32 {
     ((now_ns / 1_000) as u32).max(1)
 }

@@ -11,12 +11,14 @@ mod support;
 
 use driver_platform::RequestorMode;
 use hca_prm::uverbs::{CreateCqPriv, CreateQpPriv, CreateSrqPriv};
+use ib_types::access::AccessFlags;
 use ib_types::cq::CqAttr;
 use ib_types::handle::{PdHandle, SrqHandle};
 use ib_types::ioctl::{
     AllocPd, CloseCa, CreateAv, CreateCq, CreateQp, CreateSrq, DeallocPd, DestroyCq, DestroyQp,
-    DestroySrq, Empty, OpenCa, OpenCaIn, Verb,
+    DestroySrq, Empty, OpenCa, OpenCaIn, RegMr, Verb,
 };
+use ib_types::mr::MrRegister;
 use ib_types::qp::{QpCreate, QpType};
 use ib_types::srq::{SrqAttr, SrqCreate};
 use ib_types::status::IbStatus;
@@ -287,7 +289,7 @@ fn kernel_objects(w: &World) -> (u64, Made) {
     (ca, Made { pd, cq, srq })
 }
 
-/// A kernel client's QP, SRQ (or AV) may name only kernel objects, a user QP
+/// A kernel client's QP, SRQ, AV or region may name only kernel objects, a user QP
 /// (or SRQ) only its own context's: a user CQ has no kernel ring (its
 /// CQEs would land in the process's memory, where no kernel poll finds
 /// them), a user PD's regions are the process's. Each mix is refused with
@@ -355,6 +357,25 @@ fn kernel_and_user_creates_never_name_each_others_pd_cq_or_srq() {
         IbStatus::InvalidPdHandle,
         "kernel CreateAv in a user PD"
     );
+    // Kernel memory a kernel registration could lock: only the PD is wrong.
+    w.install_kernel_locker(0);
+    let block = w
+        .host
+        .pool()
+        .alloc(support::DRIVER, *b"Hndl", 4096)
+        .unwrap();
+    let region = MrRegister {
+        vaddr: block.va(),
+        length: 4096,
+        access: AccessFlags::LOCAL_WRITE,
+    };
+    let r = w.call::<RegMr>(kernel, users.pd, &region, 0);
+    assert_eq!(
+        response::<RegMr>(&r).status,
+        IbStatus::InvalidPdHandle,
+        "kernel RegMr in a user PD"
+    );
+    w.host.pool().free(block);
     for (create, own_rq, status, what) in mixes(&users, &kernels) {
         let layout = user.qp_layout(own_rq);
         let (got, _) = user.call::<CreateQp>(&w, user.ca, &create, &layout);

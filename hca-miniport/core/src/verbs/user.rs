@@ -31,9 +31,9 @@
 //!   moved or shared into a PD) may name only that context's objects: a
 //!   PD, CQ or SRQ of another context of the same process is refused the
 //!   same way (`owned_by`), whatever the provider checked. The other way
-//!   round, a kernel client's CreateQp, CreateSrq or CreateAv naming a
-//!   user context's PD, CQ or SRQ is refused the same way
-//!   (`Hca::refuse_user_parents`).
+//!   round, a kernel client's CreateQp, CreateSrq, CreateAv, RegMr or
+//!   RegPhysMr naming a user context's PD, CQ or SRQ is refused the same
+//!   way (`Hca::refuse_user_parents`).
 //!   Once a request passed that check it is run by the verb's ordinary
 //!   implementation as a trusted one (queries, `ModifyQp`, `ModifySrq`).
 //!   `ModifyCa` is refused for user mode by policy with
