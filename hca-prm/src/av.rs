@@ -13,10 +13,15 @@
 //! - The DGID is kept in network order; on this device it is IPv4-mapped
 //!   (PRM 10.1), which [`Av::dest_ipv4`] reads. Whether a DGID that is not
 //!   IPv4-mapped is acceptable is the device's policy, not a layout rule.
+//! - [`Av::for_device`] is the Create/Modify Address Handle check (IBA
+//!   11.2.2) that needs no device command, with its verb status: the
+//!   kernel's AV verbs and the user-mode provider's AVs both call it, so the
+//!   two paths refuse the same attributes with the same status.
 
 use ib_types::AbiError;
 use ib_types::av::{AvAttr, Grh};
 use ib_types::scalars::{Gid, Lid, PortNum};
+use ib_types::status::IbStatus;
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
 use crate::Le32;
@@ -111,6 +116,25 @@ impl Av {
             });
         }
         Ok(())
+    }
+
+    /// The checks of Create and Modify Address Handle (IBA 11.2.2) that need
+    /// no device command, on a device with `num_ports` ports, in this order:
+    /// the port must be one of the device's ([`IbStatus::InvalidPort`]; port
+    /// 0 has no [`PortNum`]); the static rate must be 0, the port's full
+    /// rate, since the layout has no rate field to honour another
+    /// ([`IbStatus::InvalidSetting`]); then the layout's own rules: a GRH,
+    /// SL and flow label in range ([`IbStatus::InvalidParameter`]). Returns
+    /// the encoding. The source GID entry is checked against the port's
+    /// table only by the kernel, which reads it with `QUERY_PORT`.
+    pub fn for_device(attr: &AvAttr, num_ports: u8) -> Result<Self, IbStatus> {
+        if attr.port.get() > num_ports {
+            return Err(IbStatus::InvalidPort);
+        }
+        if attr.static_rate != 0 {
+            return Err(IbStatus::InvalidSetting);
+        }
+        Self::try_from(attr).map_err(|_| IbStatus::InvalidParameter)
     }
 
     /// The destination's IPv4 address, if the DGID is IPv4-mapped.
@@ -248,6 +272,28 @@ pub(crate) mod tests {
         attr.static_rate = 3;
         let back = AvAttr::try_from(&Av::try_from(&attr).unwrap()).unwrap();
         assert_eq!((back.dlid, back.static_rate), (Lid::UNASSIGNED, 0));
+    }
+
+    #[test]
+    fn device_checks_refuse_port_rate_then_layout() {
+        let good = AvAttr::roce(PortNum::new(2).unwrap(), Gid::from_ipv4([10, 0, 0, 9]), 0);
+        assert_eq!(Av::for_device(&good, 2), Ok(Av::try_from(&good).unwrap()));
+        assert_eq!(Av::for_device(&good, 1), Err(IbStatus::InvalidPort));
+        let rated = AvAttr {
+            static_rate: 3,
+            ..good
+        };
+        assert_eq!(Av::for_device(&rated, 2), Err(IbStatus::InvalidSetting));
+        assert_eq!(Av::for_device(&rated, 1), Err(IbStatus::InvalidPort));
+        let no_grh = AvAttr { grh: None, ..good };
+        assert_eq!(Av::for_device(&no_grh, 2), Err(IbStatus::InvalidParameter));
+        let rated_no_grh = AvAttr { grh: None, ..rated };
+        assert_eq!(
+            Av::for_device(&rated_no_grh, 2),
+            Err(IbStatus::InvalidSetting)
+        );
+        let sl = AvAttr { sl: 16, ..good };
+        assert_eq!(Av::for_device(&sl, 2), Err(IbStatus::InvalidParameter));
     }
 
     #[test]

@@ -202,6 +202,9 @@ pub struct OpenCaPriv {
     pub max_recv_sges: u8,
     /// Most inline bytes of a send WQE.
     pub max_inline: u16,
+    /// The device's ports (at least 1): the provider refuses an address
+    /// vector on another port, as the kernel's AV verbs do (IBA 11.2.2).
+    pub num_ports: u8,
 }
 
 /// ABI layout of [`OpenCaPriv`]: 32 bytes.
@@ -230,15 +233,17 @@ pub struct OpenCaPrivAbi {
     pub sq_doorbell_offset: Le16,
     /// Offset of `CQ_DOORBELL` in the page.
     pub cq_doorbell_offset: Le16,
+    /// `num_ports`.
+    pub num_ports: u8,
     /// Reserved, zero.
-    pub reserved_at_0x14: [u8; 12],
+    pub reserved_at_0x15: [u8; 11],
 }
 
 assert_layout!(OpenCaPrivAbi, size = 32, uar_index @ 0x00, uar_page_size @ 0x04,
     log_max_cqes @ 0x08, log_max_wqes @ 0x09, log_max_wqe_size @ 0x0A,
     log_max_srq_wqes @ 0x0B, max_send_sges @ 0x0C, max_recv_sges @ 0x0D,
     max_inline @ 0x0E, sq_doorbell_offset @ 0x10, cq_doorbell_offset @ 0x12,
-    reserved_at_0x14 @ 0x14);
+    num_ports @ 0x14, reserved_at_0x15 @ 0x15);
 
 impl OpenCaPriv {
     /// Bytes of the record.
@@ -247,10 +252,16 @@ impl OpenCaPriv {
     /// Parses the record (the UVP's side).
     pub fn parse(bytes: &[u8]) -> Result<Self, AbiError> {
         let abi: OpenCaPrivAbi = read_exact("OpenCaPrivAbi", bytes)?;
-        ensure_zero("OpenCaPrivAbi.reserved_at_0x14", &abi.reserved_at_0x14)?;
+        ensure_zero("OpenCaPrivAbi.reserved_at_0x15", &abi.reserved_at_0x15)?;
         if abi.uar_index.get() == 0 {
             return Err(AbiError::OutOfRange {
                 field: "OpenCaPrivAbi.uar_index",
+                value: 0,
+            });
+        }
+        if abi.num_ports == 0 {
+            return Err(AbiError::OutOfRange {
+                field: "OpenCaPrivAbi.num_ports",
                 value: 0,
             });
         }
@@ -285,6 +296,7 @@ impl OpenCaPriv {
             max_send_sges: abi.max_send_sges,
             max_recv_sges: abi.max_recv_sges,
             max_inline: abi.max_inline.get(),
+            num_ports: abi.num_ports,
         })
     }
 
@@ -302,7 +314,8 @@ impl OpenCaPriv {
             max_inline: Le16::new(self.max_inline),
             sq_doorbell_offset: Le16::new(SQ_DOORBELL as u16),
             cq_doorbell_offset: Le16::new(CQ_DOORBELL as u16),
-            reserved_at_0x14: [0; 12],
+            num_ports: self.num_ports,
+            reserved_at_0x15: [0; 11],
         }
     }
 }
@@ -1032,8 +1045,12 @@ mod tests {
             max_send_sges: 16,
             max_recv_sges: 16,
             max_inline: 256,
+            num_ports: 2,
         };
         assert_eq!(OpenCaPriv::parse(open.emit().as_bytes()), Ok(open));
+        let mut portless = open.emit();
+        portless.num_ports = 0;
+        assert!(OpenCaPriv::parse(portless.as_bytes()).is_err());
         let mut kernel_page = open.emit();
         kernel_page.uar_index = Le32::new(0);
         assert!(OpenCaPriv::parse(kernel_page.as_bytes()).is_err());

@@ -21,7 +21,10 @@
 //!   `VerbsProcessingDone`; no IOCTL. An AV's handle has
 //!   [`USER_AV_TAG`] set, so it never equals a kernel handle; the PD it
 //!   names must be one this provider saw allocated, and a PD with AVs is
-//!   refused `DeallocPd` (`ResourceBusy`) before the IOCTL.
+//!   refused `DeallocPd` (`ResourceBusy`) before the IOCTL. The attributes
+//!   are refused as the kernel's AV verbs refuse them, with the same status
+//!   (`Av::for_device`: the port against the context's `num_ports`, the
+//!   static rate, the RoCEv2 layout).
 //! - **PD, MR, MW and every other verb**: no private data; post reports the
 //!   IOCTL's status (PDs are remembered for the AVs).
 //! - Unknown handles (a QP's CQs must be this context's), bad inputs and a
@@ -494,9 +497,13 @@ impl Provider {
         Ok(Self::ioctl(len, CreateSrqPrivOut::SIZE, cookie))
     }
 
-    /// The RoCEv2 AV of `attr` (guide 6.4.2: built into the UD WQEs).
-    fn user_av(attr: &AvAttr) -> Result<Av, IbStatus> {
-        Av::try_from(attr).map_err(|_| IbStatus::InvalidParameter)
+    /// The RoCEv2 AV of `attr` for the context `ca` (guide 6.4.2: built
+    /// into the UD WQEs), refused as the kernel's AV verbs refuse it
+    /// (`Av::for_device`: port, static rate, layout; IBA 11.2.2); `gone`
+    /// when the context is closed.
+    fn user_av(s: &State, ca: u64, attr: &AvAttr, gone: IbStatus) -> Result<Av, IbStatus> {
+        let ctx = s.contexts.get(&ca).ok_or(gone)?;
+        Av::for_device(attr, ctx.limits().num_ports)
     }
 
     fn pre_av(&self, call: &mut PreCall<'_>) -> Result<PreOutcome, IbStatus> {
@@ -505,9 +512,12 @@ impl Provider {
         let t = &mut *table;
         match call.verb {
             VerbId::CreateAv => {
-                let ca = *s.pds.get(&call.handle).ok_or(IbStatus::InvalidPdHandle)?;
+                // The bytes, the PD (its context knows the ports), then
+                // the attributes: the kernel checks the attributes before
+                // the PD, so only a request wrong in both answers differently.
                 let attr: AvAttr = exact(call.input)?;
-                let av = Self::user_av(&attr)?;
+                let ca = *s.pds.get(&call.handle).ok_or(IbStatus::InvalidPdHandle)?;
+                let av = Self::user_av(&s, ca, &attr, IbStatus::InvalidPdHandle)?;
                 t.next += 1;
                 let handle = USER_AV_TAG | t.next;
                 t.avs.insert(
@@ -537,11 +547,11 @@ impl Provider {
             }
             VerbId::ModifyAv => {
                 let attr: AvAttr = exact(call.input)?;
-                let av = Self::user_av(&attr)?;
                 let user = t
                     .avs
                     .get_mut(&call.handle)
                     .ok_or(IbStatus::InvalidAvHandle)?;
+                let av = Self::user_av(&s, user.ca, &attr, IbStatus::InvalidAvHandle)?;
                 user.attr = attr;
                 user.av = av;
                 Ok(PreOutcome::Done { handle: 0 })

@@ -9,6 +9,8 @@
 //!   object that took its number later (guide 6.5.5 item 12: never deliver a
 //!   completion or event to a stale owner). Lookup by bare number serves
 //!   events from the device and returns the current occupant and its handle.
+//!   A new life of the device's tables starts its generations at
+//!   [`life_generation`] (the time), so handles do not repeat across lives.
 //! - Per-object use counts ([`ObjectTable::acquire`]): removing an object
 //!   still in use fails with [`ResourceError::Busy`] (guide 6.8.3: destroy of
 //!   a PD, CQ or SRQ still referenced returns busy).
@@ -152,6 +154,27 @@ kinds! {
 /// The bits of a handle that hold the object's number.
 const NUMBER_MASK: u64 = (1 << 24) - 1;
 
+/// The first generation of the object tables of a life of the device that
+/// begins at the platform's monotonic time `now_ns`: the time in
+/// microseconds, modulo 2^32, never 0 ([`ObjectTable::from_generation`]).
+///
+/// Every life (a device object's start, a restart after a failure, a
+/// re-plug) makes its tables anew; were they to start at generation 1, its
+/// first objects would get exactly the handles the previous life's first
+/// objects had (same numbers, same generation), and a client's stale
+/// handle would name a new object. Starting at the time instead, a later
+/// life starts past every generation an earlier one issued unless one of
+/// that life's numbers was reused more than once per microsecond of its
+/// life on average (a create and destroy costs device commands, and a
+/// number comes back only after every other free one); past 2^32 µs (71
+/// minutes) the start wraps, and a stale handle then matches only with
+/// probability about (its number's reuses) / 2^32. Deterministic under a
+/// simulated clock, where two lives begun at the same virtual instant
+/// (no time advanced between them) share their start.
+pub fn life_generation(now_ns: u64) -> u32 {
+    ((now_ns / 1_000) as u32).max(1)
+}
+
 /// A generation-checked reference to an object in an [`ObjectTable`]:
 /// `kind tag << 56 | generation << 24 | number`, typed by the object's kind.
 ///
@@ -159,9 +182,10 @@ const NUMBER_MASK: u64 = (1 << 24) - 1;
 /// kind is never taken for another (a PD handle passed as an AV handle is
 /// refused even when both objects have the same number and generation).
 /// Numbers are below [`MAX_OBJECTS`] (24 bits). Generations start at 1
-/// and skip 0 when they wrap, so no handle is 0 (the CI's "no object"
-/// value, `ib_types::handle`); a generation repeats only after 2^32 − 1
-/// reuses of one number.
+/// (a device's tables: at [`life_generation`], so handles do not repeat
+/// across its lives) and skip 0 when they wrap, so no handle is 0 (the
+/// CI's "no object" value, `ib_types::handle`); a generation repeats only
+/// after 2^32 − 1 reuses of one number.
 pub struct Handle<K> {
     raw: u64,
     kind: PhantomData<fn() -> K>,

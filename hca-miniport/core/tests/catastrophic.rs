@@ -16,7 +16,7 @@ use ib_types::cq::CqAttr;
 use ib_types::event::AsyncEventCode;
 use ib_types::ioctl::{
     AllocMw, AllocPd, AttachMcast, CloseCa, CreateCq, DeallocMw, DeallocPd, DestroyCq, DestroyQp,
-    DestroySrq, DetachMcast, Empty, ModifyQp, QueryQp, QuerySrq,
+    DestroySrq, DetachMcast, Empty, ModifyQp, QueryCa, QueryCq, QueryQp, QuerySrq,
 };
 use ib_types::qp::{QpModify, QpState, QpType};
 use ib_types::scalars::QKey;
@@ -455,5 +455,66 @@ fn a_restarted_hca_does_not_hand_out_its_previous_lifes_qp_numbers_at_once() {
         let r = w.call_in_dpc_at::<DestroyQp>(before, KERNEL, qp, &Empty, 0);
         assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
     }
+    w.finish();
+}
+
+#[test]
+fn a_handle_from_before_a_restart_names_nothing_on_the_restarted_hca() {
+    // A client may still hold handles of the failed life when the stack
+    // comes back (a CA, PD, CQ and QP it had not let go of in its books).
+    // The restarted device's objects are made in the same order, so with
+    // generations restarting at 1 each would get the very handle its
+    // predecessor had (same number, same generation), and a stale handle
+    // would name the new object. Handles must never repeat across lives.
+    let (w, [x, _]) = two_hcas(94, HcaConfig::default());
+    let old = side(&w, x);
+    let (old_qp, _) = create_qp(&w, &old, QpType::Ud, None);
+    let function = w.function_at(x);
+    w.in_dpc(move || function.with_device(|d| d.declare_fatal(FatalSyndrome::Internal)));
+    w.settle();
+    assert!(w.hca_at(x).failure().is_some(), "declared failed");
+    let r = w.call_in_dpc_at::<DestroyQp>(x, KERNEL, old_qp, &Empty, 0);
+    assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc_at::<DestroyCq>(x, KERNEL, old.cq, &Empty, 0);
+    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc_at::<DeallocPd>(x, KERNEL, old.pd, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc_at::<CloseCa>(x, KERNEL, old.ca, &Empty, 0);
+    assert_eq!(response::<CloseCa>(&r).status, IbStatus::Success);
+
+    w.host.scheduler().advance(1_000_000).unwrap();
+    let before = w.device_count();
+    w.host.pnp().process_bus_relations();
+    w.settle();
+    assert_eq!(w.device_count(), before + 1, "restarted");
+    let fresh = side(&w, before);
+    let (fresh_qp, _) = create_qp(&w, &fresh, QpType::Ud, None);
+    let pairs = [
+        ("CA", old.ca, fresh.ca),
+        ("PD", old.pd, fresh.pd),
+        ("CQ", old.cq, fresh.cq),
+        ("QP", old_qp, fresh_qp),
+    ];
+    for (what, stale, new) in pairs {
+        assert_ne!(stale, new, "the {what} handle of the previous life again");
+    }
+    // Each stale handle is refused by the new life, the new one served.
+    let r = w.call_in_dpc_at::<QueryCq>(before, KERNEL, old.cq, &Empty, 0);
+    assert_eq!(response::<QueryCq>(&r).status, IbStatus::InvalidCqHandle);
+    let r = w.call_in_dpc_at::<QueryCq>(before, KERNEL, fresh.cq, &Empty, 0);
+    assert_eq!(response::<QueryCq>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc_at::<QueryQp>(before, KERNEL, old_qp, &Empty, 0);
+    assert_eq!(response::<QueryQp>(&r).status, IbStatus::InvalidQpHandle);
+    let mw_input = ib_types::mr::MwAttr {
+        mw_type: ib_types::mr::MwType::Type2,
+        rkey: ib_types::wr::RKey::new(0),
+    };
+    let r = w.call_in_dpc_at::<AllocMw>(before, KERNEL, old.pd, &mw_input, 0);
+    assert_eq!(response::<AllocMw>(&r).status, IbStatus::InvalidPdHandle);
+    let r = w.call_in_dpc_at::<QueryCa>(before, KERNEL, old.ca, &Empty, 0);
+    assert_eq!(response::<QueryCa>(&r).status, IbStatus::InvalidCaHandle);
+
+    let r = w.call_in_dpc_at::<DestroyQp>(before, KERNEL, fresh_qp, &Empty, 0);
+    assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
     w.finish();
 }

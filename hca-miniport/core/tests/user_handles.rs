@@ -9,13 +9,16 @@
 
 mod support;
 
+use driver_platform::RequestorMode;
 use hca_prm::uverbs::{CreateCqPriv, CreateQpPriv, CreateSrqPriv};
+use ib_types::access::AccessFlags;
 use ib_types::cq::CqAttr;
 use ib_types::handle::{PdHandle, SrqHandle};
 use ib_types::ioctl::{
-    AllocPd, CloseCa, CreateCq, CreateQp, CreateSrq, DeallocPd, DestroyCq, DestroyQp, DestroySrq,
-    Empty, OpenCa, OpenCaIn, Verb,
+    AllocPd, CloseCa, CreateAv, CreateCq, CreateQp, CreateSrq, DeallocPd, DestroyCq, DestroyQp,
+    DestroySrq, Empty, OpenCa, OpenCaIn, RegMr, Verb,
 };
+use ib_types::mr::MrRegister;
 use ib_types::qp::{QpCreate, QpType};
 use ib_types::srq::{SrqAttr, SrqCreate};
 use ib_types::status::IbStatus;
@@ -261,5 +264,172 @@ fn user_creates_naming_another_contexts_pd_cq_or_srq_are_refused_and_change_noth
     assert_eq!(process.space().locked_pages(), 0);
     assert_eq!(process.exit(), 0);
     assert_eq!(stranger_process.exit(), 0);
+    w.finish();
+}
+
+/// The handle a successful create answered.
+#[track_caller]
+fn made<V: Verb>(done: sim_host::request::Completion) -> u64 {
+    let r = response::<V>(&done);
+    assert_eq!(r.status, IbStatus::Success);
+    r.handle
+}
+
+/// A kernel client's objects, made through the request path.
+fn kernel_objects(w: &World) -> (u64, Made) {
+    let kernel = RequestorMode::Kernel;
+    let ca = response::<OpenCa>(&w.call::<OpenCa>(kernel, 0, &OpenCaIn::CURRENT, 0)).handle;
+    let pd = made::<AllocPd>(w.call::<AllocPd>(kernel, ca, &Empty, 0));
+    let attr = CqAttr {
+        cqe: 64,
+        comp_vector: 0,
+    };
+    let cq = made::<CreateCq>(w.call::<CreateCq>(kernel, ca, &attr, 0));
+    let srq = made::<CreateSrq>(w.call::<CreateSrq>(kernel, ca, &srq_create(pd), 0));
+    (ca, Made { pd, cq, srq })
+}
+
+/// A kernel client's QP, SRQ, AV or region may name only kernel objects, a user QP
+/// (or SRQ) only its own context's: a user CQ has no kernel ring (its
+/// CQEs would land in the process's memory, where no kernel poll finds
+/// them), a user PD's regions are the process's. Each mix is refused with
+/// the kind's invalid-handle status and takes nothing: every object is
+/// destroyed afterwards without being busy.
+#[test]
+fn kernel_and_user_creates_never_name_each_others_pd_cq_or_srq() {
+    let w = World::deterministic(72);
+    let process = Process::new(43);
+    let caller = HostCaller::new(w.host.pool().kernel_space(), &process);
+    let user = Context::open(&w, &caller);
+    let users = user.make_objects(&w);
+    let (kernel_ca, kernels) = kernel_objects(&w);
+    let kernel = RequestorMode::Kernel;
+    let before = footprint(&w, &process);
+
+    let mixes = |own: &Made, other: &Made| {
+        [
+            (
+                rc_create(own.pd, other.cq, own.cq, None),
+                true,
+                IbStatus::InvalidCqHandle,
+                "send CQ",
+            ),
+            (
+                rc_create(own.pd, own.cq, other.cq, None),
+                true,
+                IbStatus::InvalidCqHandle,
+                "receive CQ",
+            ),
+            (
+                rc_create(own.pd, own.cq, own.cq, Some(other.srq)),
+                false,
+                IbStatus::InvalidSrqHandle,
+                "SRQ",
+            ),
+            (
+                rc_create(other.pd, own.cq, own.cq, None),
+                true,
+                IbStatus::InvalidPdHandle,
+                "PD",
+            ),
+        ]
+    };
+    for (create, _, status, what) in mixes(&kernels, &users) {
+        let r = w.call::<CreateQp>(kernel, kernel_ca, &create, 0);
+        let r = response::<CreateQp>(&r);
+        assert_eq!(
+            (r.status, r.handle),
+            (status, 0),
+            "kernel CreateQp naming a user {what}"
+        );
+        assert_eq!(footprint(&w, &process), before, "user {what}");
+    }
+    let r = w.call::<CreateSrq>(kernel, kernel_ca, &srq_create(users.pd), 0);
+    assert_eq!(
+        response::<CreateSrq>(&r).status,
+        IbStatus::InvalidPdHandle,
+        "kernel CreateSrq in a user PD"
+    );
+    let av = support::rc_path::grh_av(1, [10, 0, 0, 2]);
+    let r = w.call::<CreateAv>(kernel, users.pd, &av, 0);
+    assert_eq!(
+        response::<CreateAv>(&r).status,
+        IbStatus::InvalidPdHandle,
+        "kernel CreateAv in a user PD"
+    );
+    // Kernel memory a kernel registration could lock: only the PD is wrong.
+    w.install_kernel_locker(0);
+    let block = w
+        .host
+        .pool()
+        .alloc(support::DRIVER, *b"Hndl", 4096)
+        .unwrap();
+    let region = MrRegister {
+        vaddr: block.va(),
+        length: 4096,
+        access: AccessFlags::LOCAL_WRITE,
+    };
+    let r = w.call::<RegMr>(kernel, users.pd, &region, 0);
+    assert_eq!(
+        response::<RegMr>(&r).status,
+        IbStatus::InvalidPdHandle,
+        "kernel RegMr in a user PD"
+    );
+    w.host.pool().free(block);
+    for (create, own_rq, status, what) in mixes(&users, &kernels) {
+        let layout = user.qp_layout(own_rq);
+        let (got, _) = user.call::<CreateQp>(&w, user.ca, &create, &layout);
+        assert_eq!(got, status, "user CreateQp naming a kernel {what}");
+        assert_eq!(footprint(&w, &process), before, "kernel {what}");
+    }
+    let layout = user.srq_layout();
+    let (got, _) = user.call::<CreateSrq>(&w, user.ca, &srq_create(kernels.pd), &layout);
+    assert_eq!(
+        got,
+        IbStatus::InvalidPdHandle,
+        "user CreateSrq in a kernel PD"
+    );
+
+    // Each side's own objects make a QP: the refusals were about owners.
+    let r = w.call::<CreateQp>(
+        kernel,
+        kernel_ca,
+        &rc_create(kernels.pd, kernels.cq, kernels.cq, Some(kernels.srq)),
+        0,
+    );
+    let r = response::<CreateQp>(&r);
+    assert_eq!(r.status, IbStatus::Success);
+    let kernel_qp = r.handle;
+    let r = w.call::<DestroyQp>(kernel, kernel_qp, &Empty, 0);
+    assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+
+    // Nothing refused took a use: everything is destroyed, not busy.
+    user.destroy(&w, &users);
+    for (status, what) in [
+        (
+            response::<DestroySrq>(&w.call::<DestroySrq>(kernel, kernels.srq, &Empty, 0)).status,
+            "kernel SRQ",
+        ),
+        (
+            response::<DestroyCq>(&w.call::<DestroyCq>(kernel, kernels.cq, &Empty, 0)).status,
+            "kernel CQ",
+        ),
+        (
+            response::<DeallocPd>(&w.call::<DeallocPd>(kernel, kernels.pd, &Empty, 0)).status,
+            "kernel PD",
+        ),
+        (
+            response::<CloseCa>(&w.call::<CloseCa>(kernel, kernel_ca, &Empty, 0)).status,
+            "kernel CA",
+        ),
+    ] {
+        assert_eq!(status, IbStatus::Success, "{what}");
+    }
+    assert_eq!(
+        user.call::<CloseCa>(&w, user.ca, &Empty, &[]).0,
+        IbStatus::Success
+    );
+    assert_eq!(process.space().locked_pages(), 0);
+    assert_eq!(process.exit(), 0);
     w.finish();
 }

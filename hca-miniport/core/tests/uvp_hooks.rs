@@ -699,6 +699,143 @@ fn address_vector_calls_finish_in_user_mode_and_make_no_request() {
     w.finish();
 }
 
+/// The kernel's answer to `V` (CreateAv or ModifyAv) on HCA `i` with
+/// `attr`'s bytes as input, sent raw: attributes the typed encoder refuses
+/// (SL, flow label, port 0) reach the kernel's decoder.
+fn kernel_av_call<V: Verb<In = ib_types::av::AvAttr>>(
+    w: &World,
+    i: usize,
+    handle: u64,
+    attr: ib_types::av::AvAbi,
+) -> (IbStatus, u64) {
+    let mut bytes = vec![0; request_len::<V>(0).unwrap()];
+    let carrier = grh_av(1, [10, 0, 0, 1]);
+    encode_request::<V>(handle, &carrier, &[], 0, &mut bytes).unwrap();
+    let carrier = carrier.emit();
+    let at = bytes
+        .windows(carrier.as_bytes().len())
+        .position(|window| window == carrier.as_bytes())
+        .expect("the AV's bytes are in the request");
+    bytes[at..at + carrier.as_bytes().len()].copy_from_slice(attr.as_bytes());
+    let (request, issuer) = w.raw_request(
+        V::ID.ioctl().raw(),
+        RequestorMode::Kernel,
+        bytes,
+        response_len::<V>(0).unwrap(),
+    );
+    w.hca_at(i).submit_request(request);
+    w.settle();
+    let done = issuer.completion().expect("the request completed");
+    let r = support::response::<V>(&done);
+    (r.status, r.handle)
+}
+
+/// IBA 11.2.2 (Create/Modify Address Handle) refuses an invalid port; the
+/// user path (the provider's AVs, guide 6.4.2) must refuse what the kernel
+/// path (`verbs::av`) refuses, with the same status: port past the HCA's
+/// ports, a static rate the layout cannot carry, SL and flow label out of
+/// range, no GRH. (The kernel also checks the source GID entry with
+/// `QUERY_PORT`, which the provider cannot do without a request: not
+/// compared here.)
+#[test]
+fn user_and_kernel_address_vectors_refuse_the_same_attributes_with_the_same_status() {
+    let (w, [u, _]) = world(7);
+    let kernel = kernel_pair::setup(&w, u);
+    let good = grh_av(1, IPS[1][0]);
+    let (status, kernel_av) = kernel_av_call::<CreateAv>(&w, u, kernel.pd, good.emit());
+    assert_eq!(status, IbStatus::Success);
+    let process = Process::new(52);
+    let uvp = provider(&process);
+    let lib = Lib::new(&w, u, process, &uvp);
+    let ca = lib.open();
+    let pd = lib.ok::<AllocPd>(ca, &Empty).0;
+    let user_av = lib.ok::<CreateAv>(pd, &good).0;
+
+    let with = |change: fn(&mut ib_types::av::AvAttr)| {
+        let mut attr = good;
+        change(&mut attr);
+        attr
+    };
+    let cases = [
+        ("port 2 of 2", grh_av(2, IPS[1][1])),
+        ("port 3 of 2", grh_av(3, IPS[1][1])),
+        ("port 255", grh_av(255, IPS[1][1])),
+        ("static rate", with(|a| a.static_rate = 3)),
+        ("SL 16", with(|a| a.sl = 16)),
+        (
+            "flow label over 20 bits",
+            with(|a| a.grh.as_mut().unwrap().flow_label = 1 << 20),
+        ),
+        ("no GRH", with(|a| a.grh = None)),
+        (
+            "port 3 and a static rate",
+            ib_types::av::AvAttr {
+                static_rate: 2,
+                ..grh_av(3, IPS[1][1])
+            },
+        ),
+        (
+            "static rate and no GRH",
+            ib_types::av::AvAttr {
+                static_rate: 2,
+                grh: None,
+                ..good
+            },
+        ),
+    ];
+    let user_status = |result: Result<(u64, Empty), Failed>| match result {
+        Ok(_) => IbStatus::Success,
+        Err(Failed::Pre(status)) => status,
+        Err(other) => panic!("an AV call left user mode: {other:?}"),
+    };
+    for (what, attr) in cases {
+        let (expected, made) = kernel_av_call::<CreateAv>(&w, u, kernel.pd, attr.emit());
+        if expected == IbStatus::Success {
+            let done = w.call_in_dpc_at::<DestroyAv>(u, RequestorMode::Kernel, made, &Empty, 0);
+            assert_eq!(
+                support::response::<DestroyAv>(&done).status,
+                IbStatus::Success
+            );
+        }
+        let user = lib.call::<CreateAv>(pd, &attr).map(|(h, _)| (h, Empty));
+        if let Ok((made, _)) = user {
+            lib.ok::<DestroyAv>(made, &Empty);
+        }
+        assert_eq!(user_status(user), expected, "CreateAv, {what}");
+
+        let expected = kernel_av_call::<ModifyAv>(&w, u, kernel_av, attr.emit()).0;
+        let user = lib.call::<ModifyAv>(user_av, &attr);
+        assert_eq!(user_status(user), expected, "ModifyAv, {what}");
+        if expected != IbStatus::Success {
+            assert_ne!(lib.ok::<QueryAv>(user_av, &Empty).1.av, attr, "unchanged");
+        }
+        lib.ok::<ModifyAv>(user_av, &good);
+    }
+    // Port 0 has no encoding (`PortNum`): both paths refuse the bytes.
+    let mut port0 = good.emit();
+    port0.port_num = 0;
+    assert_eq!(
+        kernel_av_call::<CreateAv>(&w, u, kernel.pd, port0).0,
+        IbStatus::InvalidParameter
+    );
+    let mut private = [0u8; 0];
+    let mut output = [0u8; 0];
+    let mut pre = PreCall {
+        verb: VerbId::CreateAv,
+        handle: pd,
+        input: port0.as_bytes(),
+        private_in: &mut private,
+        output: &mut output,
+    };
+    assert_eq!(uvp.pre(&mut pre).err(), Some(IbStatus::InvalidParameter));
+
+    lib.ok::<DestroyAv>(user_av, &Empty);
+    lib.ok::<DeallocPd>(pd, &Empty);
+    lib.ok::<CloseCa>(ca, &Empty);
+    assert_eq!(lib.process.exit(), 0);
+    w.finish();
+}
+
 #[test]
 fn each_row_of_table_10_1_is_forced_with_the_fault_injector() {
     let (w, [u, _]) = world(7);
@@ -947,8 +1084,14 @@ fn hostile_responses_are_refused_by_post_and_leak_no_ring() {
     // made.
     assert_eq!(lib.process.requests_issued(), requests + 2 * cases_run);
 
-    // A context whose private limits carry a reserved byte: closed.
-    *lib.tamper.borrow_mut() = tamper(VerbId::OpenCa, |_, p| p[0x14] = 1);
+    // A context whose private limits carry a reserved byte, or no port:
+    // closed.
+    *lib.tamper.borrow_mut() = tamper(VerbId::OpenCa, |_, p| p[0x15] = 1);
+    assert_eq!(
+        lib.call::<OpenCa>(0, &OpenCaIn::CURRENT).err(),
+        Some(Failed::Post(IbStatus::InvalidParameter))
+    );
+    *lib.tamper.borrow_mut() = tamper(VerbId::OpenCa, |_, p| p[0x14] = 0);
     assert_eq!(
         lib.call::<OpenCa>(0, &OpenCaIn::CURRENT).err(),
         Some(Failed::Post(IbStatus::InvalidParameter))

@@ -61,11 +61,12 @@ pub(crate) fn av_handle_at(ptr: *const IbvAh) -> Option<ib_types::handle::AvHand
 }
 
 /// The access library's AV for `attr` on `pd`'s CA: `EINVAL` for a port
-/// the CA does not have (checked here with `QueryCa`: the plugin does not
-/// check an AV's port). The plugin checks the rest as for every AV: a
-/// service level past 15 and, on an Ethernet (RoCE) port, an address
-/// without a GRH (`is_global` 0: RoCE addresses the peer by its GID) are
-/// refused there, `EINVAL`.
+/// the CA does not have (checked here with `QueryCa`, before the plugin's
+/// own port check). The plugin checks the rest as for every AV, as the
+/// kernel's AV verbs do: a service level past 15, a static rate other than
+/// 0 and, on an Ethernet (RoCE) port, an address without a GRH
+/// (`is_global` 0: RoCE addresses the peer by its GID) are refused there,
+/// `EINVAL`.
 pub(crate) fn av_attr(pd: &ProtectionDomain, attr: &IbvAhAttr) -> Result<AvAttr, c_int> {
     let port = PortNum::new(attr.port_num).map_err(|_| libc::EINVAL)?;
     pd.pd

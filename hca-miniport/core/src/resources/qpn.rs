@@ -273,12 +273,21 @@ impl<T> QpTable<T> {
     /// Fails with [`ResourceError::InvalidCapacity`] if a number is still
     /// in use, and as [`ObjectTable::new`] does.
     pub fn with_numbers(numbers: QpnAllocator) -> Result<Self, ResourceError> {
+        Self::with_numbers_from_generation(numbers, 1)
+    }
+
+    /// Like [`with_numbers`](Self::with_numbers), with handles starting at
+    /// `generation` ([`ObjectTable::from_generation`]).
+    pub fn with_numbers_from_generation(
+        numbers: QpnAllocator,
+        generation: u32,
+    ) -> Result<Self, ResourceError> {
         if numbers.states.contains(&QpnState::InUse) {
             return Err(ResourceError::InvalidCapacity);
         }
         let capacity = numbers.capacity();
         // Every number is "reserved" in the table: the allocator numbers it.
-        let objects = ObjectTable::new(capacity, 0..capacity)?;
+        let objects = ObjectTable::from_generation(capacity, 0..capacity, generation)?;
         Ok(Self { objects, numbers })
     }
 

@@ -49,12 +49,25 @@ impl<K: ObjectKind, T> ObjectTable<K, T> {
     /// Fails with [`ResourceError::InvalidCapacity`] when `capacity` exceeds
     /// [`MAX_OBJECTS`] or `reserved` is not inside `0..capacity`.
     pub fn new(capacity: u32, reserved: Range<u32>) -> Result<Self, ResourceError> {
+        Self::from_generation(capacity, reserved, 1)
+    }
+
+    /// Like [`new`](Self::new), with every slot's first occupant at
+    /// `generation` (0 is taken as 1): a table of a new life of the device
+    /// starts where no handle of an earlier life points
+    /// ([`super::life_generation`]). Lookups are unchanged.
+    pub fn from_generation(
+        capacity: u32,
+        reserved: Range<u32>,
+        generation: u32,
+    ) -> Result<Self, ResourceError> {
         if capacity > MAX_OBJECTS || reserved.start > reserved.end || reserved.end > capacity {
             return Err(ResourceError::InvalidCapacity);
         }
+        let generation = generation.max(1);
         let mut slots = Vec::with_capacity(capacity as usize);
         slots.resize_with(capacity as usize, || Slot {
-            generation: 1,
+            generation,
             uses: 0,
             occupant: None,
         });
@@ -296,6 +309,24 @@ mod tests {
         assert_eq!(table.get(new), Some(&"new owner"));
         // An event carrying the bare number reaches the current owner only.
         assert_eq!(table.get_by_number(old.number()), Some((new, &"new owner")));
+    }
+
+    #[test]
+    fn a_table_from_a_generation_issues_no_handle_of_a_table_before_it() {
+        let mut first = ObjectTable::<kind::Cq, u8>::new(2, 0..0).unwrap();
+        let old = first.insert_with(|_| 1).unwrap();
+        let mut next = ObjectTable::<kind::Cq, u8>::from_generation(2, 0..0, 1000).unwrap();
+        let new = next.insert_with(|_| 2).unwrap();
+        assert_eq!((old.number(), new.number()), (0, 0));
+        assert_eq!(new.generation(), 1000);
+        assert_ne!(old, new);
+        assert_eq!(
+            next.get(old),
+            None,
+            "the earlier table's handle names nothing"
+        );
+        let zero = ObjectTable::<kind::Cq, u8>::from_generation(1, 0..0, 0).unwrap();
+        assert_eq!(zero.slots[0].generation, 1, "generation 0 is never issued");
     }
 
     #[test]

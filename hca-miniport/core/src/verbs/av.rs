@@ -24,8 +24,9 @@
 //!   create fails), so DeallocPd answers [`IbStatus::ResourceBusy`] while
 //!   an AV lives in the PD.
 //! - **User mode.** A user-mode request answers [`IbStatus::Unsupported`]:
-//!   user AVs (guide 6.4.1.2 / 6.4.2) are built by the UVP, which is not
-//!   written yet.
+//!   user AVs (guide 6.4.2) are the provider's, which refuses what
+//!   `check_static` refuses with the same status (it calls the same
+//!   [`hca_prm::av::Av::for_device`], with the port count from `OpenCa`).
 //! - Every verb may be issued at DISPATCH_LEVEL; create and modify
 //!   complete from the DPC after their `QUERY_PORT`.
 
@@ -64,15 +65,11 @@ pub struct Av {
     encoded: hca_prm::av::Av,
 }
 
-/// The checks that need no device command; returns the encoding.
+/// The checks that need no device command (the same the user-mode
+/// provider applies, [`hca_prm::av::Av::for_device`]); returns the
+/// encoding.
 fn check_static(attr: &AvAttr, num_ports: u8) -> Result<hca_prm::av::Av, IbStatus> {
-    if attr.port.get() > num_ports {
-        return Err(IbStatus::InvalidPort);
-    }
-    if attr.static_rate != 0 {
-        return Err(IbStatus::InvalidSetting);
-    }
-    hca_prm::av::Av::try_from(attr).map_err(|_| IbStatus::InvalidParameter)
+    hca_prm::av::Av::for_device(attr, num_ports)
 }
 
 /// The check against the port's GID table, from its `QUERY_PORT` answer:
@@ -171,7 +168,8 @@ where
         let pd = a.handle;
         let mode = a.mode;
         let referenced = self.with_objects_mut(|o| {
-            if !Self::ca_visible(o, mode) {
+            // A user context's PD takes the provider's AVs, never a kernel one.
+            if !Self::ca_visible(o, mode) || o.user.holds(pd) {
                 return Err(IbStatus::InvalidPdHandle);
             }
             o.pds

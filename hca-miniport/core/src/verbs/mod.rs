@@ -713,23 +713,33 @@ impl<P: Platform> Hca<P> {
                 .checked_shl(u32::from(report.table(hca_prm::cmd::Table::Mpt).log_count))
                 .unwrap_or(u32::MAX)
                 .min(crate::resources::MAX_OBJECTS);
+            // Handles of this life start past every earlier life's
+            // (`resources::life_generation`): a client's stale handle never
+            // names a new object.
+            let first = crate::resources::life_generation(self.deferred.now_ns());
+            fn table<K: crate::resources::ObjectKind, T>(
+                capacity: u32,
+                first: u32,
+            ) -> Result<ObjectTable<K, T>, IbStatus> {
+                ObjectTable::from_generation(capacity, 0..0, first)
+                    .map_err(|_| IbStatus::InvalidState)
+            }
             *guard = Some(Objects {
                 ca: None,
-                ca_generation: 0,
-                pds: ObjectTable::new(MAX_PDS, 0..0).map_err(|_| IbStatus::InvalidState)?,
-                cqs: ObjectTable::new(cqs, 0..0).map_err(|_| IbStatus::InvalidState)?,
-                avs: ObjectTable::new(av::MAX_AVS, 0..0).map_err(|_| IbStatus::InvalidState)?,
-                srqs: ObjectTable::new(srqs, 0..0).map_err(|_| IbStatus::InvalidState)?,
-                qps: QpTable::with_numbers(self.next_life_qpns(&report)?)
+                ca_generation: first.wrapping_sub(1),
+                pds: table(MAX_PDS, first)?,
+                cqs: table(cqs, first)?,
+                avs: table(av::MAX_AVS, first)?,
+                srqs: table(srqs, first)?,
+                qps: QpTable::with_numbers_from_generation(self.next_life_qpns(&report)?, first)
                     .map_err(|_| IbStatus::InvalidState)?,
-                mrs: ObjectTable::new(mpts, 0..0).map_err(|_| IbStatus::InvalidState)?,
-                mws: ObjectTable::new(mpts, 0..0).map_err(|_| IbStatus::InvalidState)?,
-                mcasts: ObjectTable::new(mcast::MAX_MEMBERSHIPS, 0..0)
-                    .map_err(|_| IbStatus::InvalidState)?,
+                mrs: table(mpts, first)?,
+                mws: table(mpts, first)?,
+                mcasts: table(mcast::MAX_MEMBERSHIPS, first)?,
                 mtt,
                 eqn: report.eqn,
                 log_max_cqes: report.capabilities.log_max_cqes,
-                user: user::UserContexts::new(report.capabilities.num_uars.get().into()),
+                user: user::UserContexts::new(report.capabilities.num_uars.get().into(), first),
             });
         }
         Ok(())

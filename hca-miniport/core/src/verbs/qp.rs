@@ -996,6 +996,17 @@ where
             return;
         }
         let (pd, send_cq, recv_cq) = (input.pd.raw(), input.send_cq.raw(), input.recv_cq.raw());
+        // A kernel QP's parents are kernel objects (user ones: `verbs::user`).
+        let parents = [
+            (pd, IbStatus::InvalidPdHandle),
+            (send_cq, IbStatus::InvalidCqHandle),
+            (recv_cq, IbStatus::InvalidCqHandle),
+            (srq.unwrap_or(0), IbStatus::InvalidSrqHandle),
+        ];
+        if let Err(status) = self.refuse_user_parents(&parents) {
+            a.responder.fail(status);
+            return;
+        }
         if let Err(status) = self.reference_qp_parents(pd, send_cq, recv_cq, srq) {
             a.responder.fail(status);
             return;

@@ -332,6 +332,10 @@ impl<P: Platform> Hca<P> {
         a: Accepted<RegMr, P::Request>,
         caller: Option<CallerLocking<'_, P>>,
     ) {
+        // A kernel region's PD is a kernel one (a user context's: `verbs::user`).
+        if let Err(status) = self.refuse_user_parents(&[(a.handle, IbStatus::InvalidPdHandle)]) {
+            return a.responder.fail(status);
+        }
         let locking = match self.locking(a.mode, caller) {
             Ok(locking) => locking,
             Err(status) => return a.responder.fail(status),
@@ -363,6 +367,9 @@ impl<P: Platform> Hca<P> {
         let Some(pages) = pages else {
             return a.responder.fail(IbStatus::InvalidParameter);
         };
+        if let Err(status) = self.refuse_user_parents(&[(a.handle, IbStatus::InvalidPdHandle)]) {
+            return a.responder.fail(status);
+        }
         let (pd_number, mt) = match self.take_region_pd(a.handle, a.mode) {
             Ok(taken) => taken,
             Err(status) => return a.responder.fail(status),

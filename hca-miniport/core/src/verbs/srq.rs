@@ -450,6 +450,10 @@ where
             return;
         }
         let pd = create.pd.raw();
+        if let Err(status) = self.refuse_user_parents(&[(pd, IbStatus::InvalidPdHandle)]) {
+            a.responder.fail(status);
+            return;
+        }
         let pages = ((1usize << log_stride) << log_entries).div_ceil(PAGE);
         let reserved = self.with_objects_mut(|o| {
             let pd_handle = Handle::<kind::Pd>::from_raw(pd);

@@ -30,7 +30,10 @@
 //!   A request made on a context (a create naming its parents, a region
 //!   moved or shared into a PD) may name only that context's objects: a
 //!   PD, CQ or SRQ of another context of the same process is refused the
-//!   same way (`owned_by`), whatever the provider checked.
+//!   same way (`owned_by`), whatever the provider checked. The other way
+//!   round, a kernel client's CreateQp, CreateSrq, CreateAv, RegMr or
+//!   RegPhysMr naming a user context's PD, CQ or SRQ is refused the same
+//!   way (`Hca::refuse_user_parents`).
 //!   Once a request passed that check it is run by the verb's ordinary
 //!   implementation as a trusted one (queries, `ModifyQp`, `ModifySrq`).
 //!   `ModifyCa` is refused for user mode by policy with
@@ -191,20 +194,36 @@ pub(crate) struct UserContexts<P: Platform> {
 }
 
 impl<P: Platform> UserContexts<P> {
-    /// No contexts; UAR pages `1..num_uars` to hand out.
-    pub(crate) fn new(num_uars: u32) -> Self {
+    /// No contexts; UAR pages `1..num_uars` to hand out; the first
+    /// context's handle carries `first_generation` (the life's,
+    /// `resources::life_generation`, so no handle of an earlier life
+    /// comes back).
+    pub(crate) fn new(num_uars: u32, first_generation: u32) -> Self {
         Self {
             contexts: BTreeMap::new(),
             waits: BTreeMap::new(),
             uars: UarAllocator::new(num_uars).ok(),
             parked: Vec::new(),
-            generation: 0,
+            generation: first_generation.wrapping_sub(1),
         }
     }
 
     /// True when no context is open.
     pub(crate) fn is_empty(&self) -> bool {
         self.contexts.is_empty()
+    }
+
+    /// Whether some context holds `raw` as one of its objects (handles
+    /// carry their kind, so one raw value names one object).
+    pub(crate) fn holds(&self, raw: u64) -> bool {
+        self.contexts.values().any(|c| {
+            c.pds.contains(&raw)
+                || c.cqs.contains_key(&raw)
+                || c.srqs.contains_key(&raw)
+                || c.qps.contains_key(&raw)
+                || c.mrs.contains(&raw)
+                || c.mws.contains(&raw)
+        })
     }
 
     /// PDs and CQs the contexts hold (they live in the shared tables).
@@ -880,6 +899,7 @@ where
             max_send_sges: cap.max_send_sges,
             max_recv_sges: cap.max_recv_sges,
             max_inline: cap.max_inline_bytes.get(),
+            num_ports: cap.num_ports,
         };
         a.responder.finish(
             IbStatus::Success,
@@ -2040,6 +2060,21 @@ where
 }
 
 impl<P: Platform> Hca<P> {
+    /// Refuses a kernel client's create that names a user context's
+    /// object as a parent (a user CQ's ring is in the process, where no
+    /// kernel poll reads it; a user PD's regions and SRQ's WQEs are the
+    /// process's): the status paired with the first such handle of
+    /// `parents`. User creates are held to their own context by
+    /// `owned_by`, so no create mixes owners.
+    pub(crate) fn refuse_user_parents(&self, parents: &[(u64, IbStatus)]) -> Result<(), IbStatus> {
+        self.with_objects(
+            |o| match parents.iter().find(|&&(raw, _)| o.user.holds(raw)) {
+                Some(&(_, status)) => Err(status),
+                None => Ok(()),
+            },
+        )?
+    }
+
     /// A completion event on CQ `cq` (raw handle): completes the waits
     /// pending on it, or remembers the event for the next wait. Returns
     /// false when `cq` is no user CQ. From the DPC.
