@@ -29,7 +29,10 @@
 //!   ones. Time is virtual: it moves only when nothing is ready (to the next
 //!   timer) or when the test calls [`Scheduler::advance`] or
 //!   [`Scheduler::run_for`]. Everything runs on the calling thread, which
-//!   models every CPU: a routine that panics unwinds into the caller.
+//!   models every CPU: a routine that panics unwinds into the caller. When
+//!   several threads run the machine (a process's threads each waiting for
+//!   its request), they take turns: a run never returns while another
+//!   thread's run is inside an item.
 //! - **Threaded** ([`Scheduler::threaded`]): worker threads run items as
 //!   they arrive (first in, first out), a timer thread releases timers in
 //!   real time, and [`Scheduler::quiesce`] waits until nothing is queued or
@@ -48,7 +51,7 @@ use std::ops::Deref;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::thread::JoinHandle;
+use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
 use driver_platform::{Deferred, Irql};
@@ -243,6 +246,11 @@ struct Shared {
     timers_changed: Condvar,
     /// Signalled when nothing is ready or running ([`Scheduler::quiesce`]).
     idle: Condvar,
+    /// The thread running the deterministic machine, and how deep: one
+    /// thread at a time runs it ([`Shared::take_turn`]).
+    driver: Mutex<Option<(ThreadId, usize)>>,
+    /// Signalled when no thread runs the deterministic machine.
+    driver_free: Condvar,
 }
 
 impl Shared {
@@ -266,7 +274,38 @@ impl Shared {
             work_ready: Condvar::new(),
             timers_changed: Condvar::new(),
             idle: Condvar::new(),
+            driver: Mutex::new(None),
+            driver_free: Condvar::new(),
         }
+    }
+
+    /// The calling thread's turn at running the deterministic machine,
+    /// until the guard drops; taken again by the thread that holds it (a
+    /// routine may run the machine). Two threads running it at once would
+    /// each see the other's running item as nothing ready and return
+    /// early, with work (a request's completion) still to come.
+    fn take_turn(&self) -> Turn<'_> {
+        let me = std::thread::current().id();
+        let mut driver = self.driver.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            match &mut *driver {
+                None => {
+                    *driver = Some((me, 1));
+                    break;
+                }
+                Some((owner, depth)) if *owner == me => {
+                    *depth += 1;
+                    break;
+                }
+                Some(_) => {
+                    driver = self
+                        .driver_free
+                        .wait(driver)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
+            }
+        }
+        Turn(self)
     }
 
     /// Locks the state. Routines never run under this lock, so a poisoned
@@ -278,6 +317,23 @@ impl Shared {
 
     fn real_now(origin: Instant) -> u64 {
         u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+/// A thread's turn at the deterministic machine ([`Shared::take_turn`]),
+/// given back when dropped (also when a routine unwinds through it).
+struct Turn<'a>(&'a Shared);
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        let mut driver = self.0.driver.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, depth)) = &mut *driver {
+            *depth -= 1;
+            if *depth == 0 {
+                *driver = None;
+                self.0.driver_free.notify_one();
+            }
+        }
     }
 }
 
@@ -595,6 +651,7 @@ impl Scheduler {
     /// `Ok(None)` when nothing is ready and no timer is armed.
     pub fn run_one(&self) -> Result<Option<RanItem>, SchedulerError> {
         self.require(Mode::Deterministic, "run_one")?;
+        let _turn = self.shared.take_turn();
         Ok(self.step(None))
     }
 
@@ -654,6 +711,7 @@ impl Scheduler {
     }
 
     fn run_steps(&self, deadline: Option<u64>, max_steps: usize) -> Result<usize, SchedulerError> {
+        let _turn = self.shared.take_turn();
         let mut steps = 0;
         while steps < max_steps {
             if self.step(deadline).is_none() {
@@ -1227,6 +1285,41 @@ mod tests {
         assert_eq!(irql::current(), Irql::PASSIVE);
         assert!(!context::is_set());
         verifier.assert_clean();
+    }
+
+    /// Two threads running the deterministic machine take turns: while
+    /// one runs a long work item, the other's `run_until_idle` does not
+    /// return (nothing ready, but an item still running, which may queue
+    /// more or complete what the caller waits for), and a routine may run
+    /// the machine itself (the turn is its thread's already).
+    #[test]
+    fn a_run_waits_for_another_threads_running_item() {
+        let scheduler = Arc::new(Scheduler::deterministic(5, Verifier::new()));
+        let done = Arc::new(AtomicBool::new(false));
+        let started = Arc::new(AtomicBool::new(false));
+        {
+            let (done, started, again) = (done.clone(), started.clone(), Arc::clone(&scheduler));
+            scheduler.queue_work_item("drv", move || {
+                started.store(true, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(100));
+                // Running the machine from inside a routine: re-entered.
+                assert_eq!(again.run_until_idle(10), Ok(0));
+                done.store(true, Ordering::SeqCst);
+            });
+        }
+        let first = {
+            let scheduler = Arc::clone(&scheduler);
+            std::thread::spawn(move || scheduler.run_until_idle(10))
+        };
+        while !started.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        assert_eq!(scheduler.run_until_idle(10), Ok(0));
+        assert!(
+            done.load(Ordering::SeqCst),
+            "the run returned only once the other thread's item ended"
+        );
+        assert_eq!(first.join().unwrap(), Ok(1));
     }
 
     #[test]

@@ -810,3 +810,43 @@ fn a_create_whose_ioctl_fails_lets_post_free_the_rings_and_report_the_status() {
     assert_eq!(process.exit(), 0);
     w.finish();
 }
+
+/// Two threads of one process on the deterministic host: one waiting for
+/// an asynchronous event in a loop (what our libibverbs' per-context
+/// thread does; nothing completes it, so the seam cancels it), the other
+/// making and destroying objects. Every verb of the second thread
+/// succeeds: a thread's request is never cancelled because another
+/// thread's run of the machine was still completing it.
+#[test]
+fn a_threads_waits_on_the_deterministic_host_never_cancel_another_threads_verbs() {
+    let w = World::new(59);
+    let process = Process::new(64);
+    let io = w.io(&process);
+    let ctx = Arc::new(Context::open(&io, CaSelector::Index(0), &PluginSource::Linked).unwrap());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let waiter = {
+        let (ctx, stop) = (Arc::clone(&ctx), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut waits = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // Cancelled: no event comes on this machine.
+                assert!(ctx.async_event().is_err());
+                waits += 1;
+            }
+            waits
+        })
+    };
+    for round in 0..300 {
+        let pd = Pd::new(&ctx).unwrap_or_else(|e| panic!("round {round}: PD: {e:?}"));
+        let cq = Cq::new(&ctx, 16).unwrap_or_else(|e| panic!("round {round}: CQ: {e:?}"));
+        drop((cq, pd));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        waiter.join().unwrap() > 0,
+        "the other thread waited meanwhile"
+    );
+    drop(ctx);
+    settle(&w.host);
+    w.finish_with(&process);
+}
