@@ -24,7 +24,7 @@ use ib_types::status::IbStatus;
 use ib_types::wc::WcStatus;
 use ib_types::wr::{RecvWr, RemoteAddr, SendFlags, SendOp, SendWr};
 use power_kit::*;
-use support::response;
+use support::{World, response};
 
 /// How the device fails.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -424,23 +424,9 @@ fn a_restarted_hca_does_not_hand_out_its_previous_lifes_qp_numbers_at_once() {
     w.in_dpc(move || function.with_device(|d| d.declare_fatal(FatalSyndrome::Internal)));
     w.settle();
     assert!(w.hca_at(x).failure().is_some(), "declared failed");
-    for &(qp, _) in &old {
-        let r = w.call_in_dpc_at::<DestroyQp>(x, KERNEL, qp, &Empty, 0);
-        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
-    }
-    let r = w.call_in_dpc_at::<DestroyCq>(x, KERNEL, sx.cq, &Empty, 0);
-    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
-    let r = w.call_in_dpc_at::<DeallocPd>(x, KERNEL, sx.pd, &Empty, 0);
-    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
-    let r = w.call_in_dpc_at::<CloseCa>(x, KERNEL, sx.ca, &Empty, 0);
-    assert_eq!(response::<CloseCa>(&r).status, IbStatus::Success);
-
-    // The PnP manager's restart pass comes some time after the failure.
-    w.host.scheduler().advance(1_000_000).unwrap();
-    let before = w.device_count();
-    w.host.pnp().process_bus_relations();
-    w.settle();
-    assert_eq!(w.device_count(), before + 1, "restarted");
+    let old_qps: Vec<u64> = old.iter().map(|&(qp, _)| qp).collect();
+    release_side(&w, x, &sx, &old_qps);
+    let before = restart_failed(&w);
     let fresh = side(&w, before);
     let new: Vec<(u64, u32)> = (0..3)
         .map(|_| create_qp(&w, &fresh, QpType::Ud, None))
@@ -473,20 +459,8 @@ fn a_handle_from_before_a_restart_names_nothing_on_the_restarted_hca() {
     w.in_dpc(move || function.with_device(|d| d.declare_fatal(FatalSyndrome::Internal)));
     w.settle();
     assert!(w.hca_at(x).failure().is_some(), "declared failed");
-    let r = w.call_in_dpc_at::<DestroyQp>(x, KERNEL, old_qp, &Empty, 0);
-    assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
-    let r = w.call_in_dpc_at::<DestroyCq>(x, KERNEL, old.cq, &Empty, 0);
-    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
-    let r = w.call_in_dpc_at::<DeallocPd>(x, KERNEL, old.pd, &Empty, 0);
-    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
-    let r = w.call_in_dpc_at::<CloseCa>(x, KERNEL, old.ca, &Empty, 0);
-    assert_eq!(response::<CloseCa>(&r).status, IbStatus::Success);
-
-    w.host.scheduler().advance(1_000_000).unwrap();
-    let before = w.device_count();
-    w.host.pnp().process_bus_relations();
-    w.settle();
-    assert_eq!(w.device_count(), before + 1, "restarted");
+    release_side(&w, x, &old, &[old_qp]);
+    let before = restart_failed(&w);
     let fresh = side(&w, before);
     let (fresh_qp, _) = create_qp(&w, &fresh, QpType::Ud, None);
     let pairs = [
@@ -517,4 +491,30 @@ fn a_handle_from_before_a_restart_names_nothing_on_the_restarted_hca() {
     let r = w.call_in_dpc_at::<DestroyQp>(before, KERNEL, fresh_qp, &Empty, 0);
     assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
     w.finish();
+}
+
+/// Lets go of everything `side` of the failed HCA `x` holds (its `qps`,
+/// CQ, PD and CA), each answered `Success` as a failed device answers.
+fn release_side(w: &World, x: usize, side: &Side, qps: &[u64]) {
+    for &qp in qps {
+        let r = w.call_in_dpc_at::<DestroyQp>(x, KERNEL, qp, &Empty, 0);
+        assert_eq!(response::<DestroyQp>(&r).status, IbStatus::Success);
+    }
+    let r = w.call_in_dpc_at::<DestroyCq>(x, KERNEL, side.cq, &Empty, 0);
+    assert_eq!(response::<DestroyCq>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc_at::<DeallocPd>(x, KERNEL, side.pd, &Empty, 0);
+    assert_eq!(response::<DeallocPd>(&r).status, IbStatus::Success);
+    let r = w.call_in_dpc_at::<CloseCa>(x, KERNEL, side.ca, &Empty, 0);
+    assert_eq!(response::<CloseCa>(&r).status, IbStatus::Success);
+}
+
+/// The PnP manager's restart pass, some time after the failure: the
+/// failed HCA comes back as a new device; returns its index.
+fn restart_failed(w: &World) -> usize {
+    w.host.scheduler().advance(1_000_000).unwrap();
+    let before = w.device_count();
+    w.host.pnp().process_bus_relations();
+    w.settle();
+    assert_eq!(w.device_count(), before + 1, "restarted");
+    before
 }

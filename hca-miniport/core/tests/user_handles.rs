@@ -142,6 +142,38 @@ fn srq_create(pd: u64) -> SrqCreate {
     }
 }
 
+/// RC creates on `own`'s objects naming one parent of `other`'s each: the
+/// request, whether it has its own receive queue, the status a foreign
+/// parent gets, and which parent it names.
+fn parent_mixes(own: &Made, other: &Made) -> [(QpCreate, bool, IbStatus, &'static str); 4] {
+    [
+        (
+            rc_create(own.pd, other.cq, own.cq, None),
+            true,
+            IbStatus::InvalidCqHandle,
+            "send CQ",
+        ),
+        (
+            rc_create(own.pd, own.cq, other.cq, None),
+            true,
+            IbStatus::InvalidCqHandle,
+            "receive CQ",
+        ),
+        (
+            rc_create(own.pd, own.cq, own.cq, Some(other.srq)),
+            false,
+            IbStatus::InvalidSrqHandle,
+            "SRQ",
+        ),
+        (
+            rc_create(other.pd, own.cq, own.cq, None),
+            true,
+            IbStatus::InvalidPdHandle,
+            "PD",
+        ),
+    ]
+}
+
 fn rc_create(pd: u64, send_cq: u64, recv_cq: u64, srq: Option<u64>) -> QpCreate {
     let mut create = support::small_qp_create(QpType::Rc, pd, send_cq);
     create.recv_cq = ib_types::handle::CqHandle::from_raw(recv_cq);
@@ -186,33 +218,7 @@ fn user_creates_naming_another_contexts_pd_cq_or_srq_are_refused_and_change_noth
 
     let before = footprint(&w, &process);
     for (other, whose) in [(&theirs, "same process"), (&foreign, "another process")] {
-        let refused = [
-            (
-                rc_create(mine.pd, other.cq, mine.cq, None),
-                true,
-                IbStatus::InvalidCqHandle,
-                "send CQ",
-            ),
-            (
-                rc_create(mine.pd, mine.cq, other.cq, None),
-                true,
-                IbStatus::InvalidCqHandle,
-                "receive CQ",
-            ),
-            (
-                rc_create(mine.pd, mine.cq, mine.cq, Some(other.srq)),
-                false,
-                IbStatus::InvalidSrqHandle,
-                "SRQ",
-            ),
-            (
-                rc_create(other.pd, mine.cq, mine.cq, None),
-                true,
-                IbStatus::InvalidPdHandle,
-                "PD",
-            ),
-        ];
-        for (create, own_rq, status, what) in refused {
+        for (create, own_rq, status, what) in parent_mixes(&mine, other) {
             let layout = a.qp_layout(own_rq);
             let (got, _) = a.call::<CreateQp>(&w, a.ca, &create, &layout);
             assert_eq!(got, status, "CreateQp on context A naming {whose}'s {what}");
@@ -306,35 +312,7 @@ fn kernel_and_user_creates_never_name_each_others_pd_cq_or_srq() {
     let kernel = RequestorMode::Kernel;
     let before = footprint(&w, &process);
 
-    let mixes = |own: &Made, other: &Made| {
-        [
-            (
-                rc_create(own.pd, other.cq, own.cq, None),
-                true,
-                IbStatus::InvalidCqHandle,
-                "send CQ",
-            ),
-            (
-                rc_create(own.pd, own.cq, other.cq, None),
-                true,
-                IbStatus::InvalidCqHandle,
-                "receive CQ",
-            ),
-            (
-                rc_create(own.pd, own.cq, own.cq, Some(other.srq)),
-                false,
-                IbStatus::InvalidSrqHandle,
-                "SRQ",
-            ),
-            (
-                rc_create(other.pd, own.cq, own.cq, None),
-                true,
-                IbStatus::InvalidPdHandle,
-                "PD",
-            ),
-        ]
-    };
-    for (create, _, status, what) in mixes(&kernels, &users) {
+    for (create, _, status, what) in parent_mixes(&kernels, &users) {
         let r = w.call::<CreateQp>(kernel, kernel_ca, &create, 0);
         let r = response::<CreateQp>(&r);
         assert_eq!(
@@ -376,7 +354,7 @@ fn kernel_and_user_creates_never_name_each_others_pd_cq_or_srq() {
         "kernel RegMr in a user PD"
     );
     w.host.pool().free(block);
-    for (create, own_rq, status, what) in mixes(&users, &kernels) {
+    for (create, own_rq, status, what) in parent_mixes(&users, &kernels) {
         let layout = user.qp_layout(own_rq);
         let (got, _) = user.call::<CreateQp>(&w, user.ca, &create, &layout);
         assert_eq!(got, status, "user CreateQp naming a kernel {what}");
