@@ -15,12 +15,15 @@ use ib_types::access::AccessFlags;
 use ib_types::cq::CqAttr;
 use ib_types::handle::{PdHandle, SrqHandle};
 use ib_types::ioctl::{
-    AllocMw, AllocPd, CloseCa, CreateAv, CreateCq, CreateQp, CreateSrq, DeallocPd, DeregMr,
-    DestroyCq, DestroyQp, DestroySrq, Empty, ModifyQp, ModifySrq, OpenCa, OpenCaIn, QueryCq,
-    QueryMr, QueryQp, QuerySrq, RegMr, RegSharedMr, ReregMr, ResizeCq, Verb,
+    AllocMw, AllocPd, AttachMcast, CloseCa, CreateAv, CreateCq, CreateQp, CreateSrq, DeallocMw,
+    DeallocPd, DeregMr, DestroyCq, DestroyQp, DestroySrq, DetachMcast, Empty, ModifyQp, ModifySrq,
+    OpenCa, OpenCaIn, QueryCq, QueryMr, QueryMw, QueryQp, QuerySrq, RegMr, RegSharedMr, ReregMr,
+    ReregPhysMr, ResizeCq, Verb,
 };
-use ib_types::mr::{MrRegister, MrRereg, MrShare, MwAttr, MwType};
+use ib_types::mcast::McastGroup;
+use ib_types::mr::{MrRegister, MrRereg, MrShare, MwAttr, MwType, PhysMrRereg};
 use ib_types::qp::{QpCreate, QpState, QpType};
+use ib_types::scalars::{Gid, Lid};
 use ib_types::srq::{SrqAttr, SrqCreate, SrqModify};
 use ib_types::status::IbStatus;
 use ib_types::wr::RKey;
@@ -446,6 +449,35 @@ fn kernel_requests_never_reach_a_user_contexts_objects() {
         access: AccessFlags::LOCAL_WRITE,
     };
     let user_mr = user.made::<RegMr>(&w, users.pd, &region, &[]);
+    let window = MwAttr {
+        mw_type: MwType::Type2,
+        rkey: RKey::new(0),
+    };
+    let user_mw = user.made::<AllocMw>(&w, users.pd, &window, &[]);
+    // A UD QP's WQEs take two basic blocks (the address segment).
+    let ud_sq = process.alloc(64 << 4).unwrap();
+    let ud_rq = (
+        3,
+        5,
+        process.alloc(32 << 3).unwrap(),
+        process.alloc(64).unwrap(),
+    );
+    let layout = CreateQpPriv::new(4, 1, ud_sq, Some(ud_rq))
+        .unwrap()
+        .emit()
+        .as_bytes()
+        .to_vec();
+    let ud_qp = user.made::<CreateQp>(
+        &w,
+        user.ca,
+        &support::small_qp_create(QpType::Ud, users.pd, users.cq),
+        &layout,
+    );
+    let group = McastGroup {
+        mgid: Gid::from_ipv4([239, 5, 6, 8]),
+        mlid: Lid::UNASSIGNED,
+    };
+    let membership = user.made::<AttachMcast>(&w, ud_qp, &group, &[]);
     // A kernel client with a PD and a region of its own, for the moves.
     let (kernel_ca, kernels) = kernel_objects(&w);
     w.install_kernel_locker(0);
@@ -487,9 +519,9 @@ fn kernel_requests_never_reach_a_user_contexts_objects() {
         vaddr: 0x7000_0000,
         access: AccessFlags::LOCAL_WRITE,
     };
-    let window = MwAttr {
-        mw_type: MwType::Type2,
-        rkey: RKey::new(0),
+    let phys_into_user_pd = PhysMrRereg {
+        pd: Some(PdHandle::from_raw(users.pd)),
+        ..PhysMrRereg::default()
     };
     let refusals = [
         (
@@ -573,6 +605,31 @@ fn kernel_requests_never_reach_a_user_contexts_objects() {
             "RegSharedMr of a kernel region into a user PD",
         ),
         (
+            kernel_status::<ReregPhysMr>(&w, kernel_mr, &phys_into_user_pd),
+            IbStatus::InvalidPdHandle,
+            "ReregPhysMr of a kernel region into a user PD",
+        ),
+        (
+            kernel_status::<QueryMw>(&w, user_mw, &Empty),
+            IbStatus::InvalidMwHandle,
+            "QueryMw of a user window",
+        ),
+        (
+            kernel_status::<DeallocMw>(&w, user_mw, &Empty),
+            IbStatus::InvalidMwHandle,
+            "DeallocMw of a user window",
+        ),
+        (
+            kernel_status::<AttachMcast>(&w, ud_qp, &group),
+            IbStatus::InvalidQpHandle,
+            "AttachMcast of a user QP",
+        ),
+        (
+            kernel_status::<DetachMcast>(&w, membership, &Empty),
+            IbStatus::InvalidMcastHandle,
+            "DetachMcast of a user QP's membership",
+        ),
+        (
             kernel_status::<DeallocPd>(&w, users.pd, &Empty),
             IbStatus::InvalidPdHandle,
             "DeallocPd of a user PD",
@@ -603,6 +660,12 @@ fn kernel_requests_never_reach_a_user_contexts_objects() {
 
     // The owner destroys everything (nothing busy); so does the kernel.
     for (status, what) in [
+        (
+            user.call::<DetachMcast>(&w, membership, &Empty, &[]).0,
+            "membership",
+        ),
+        (user.call::<DeallocMw>(&w, user_mw, &Empty, &[]).0, "window"),
+        (user.call::<DestroyQp>(&w, ud_qp, &Empty, &[]).0, "UD QP"),
         (user.call::<DestroyQp>(&w, user_qp, &Empty, &[]).0, "QP"),
         (user.call::<DeregMr>(&w, user_mr, &Empty, &[]).0, "region"),
     ] {
