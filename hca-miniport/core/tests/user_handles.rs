@@ -15,13 +15,18 @@ use ib_types::access::AccessFlags;
 use ib_types::cq::CqAttr;
 use ib_types::handle::{PdHandle, SrqHandle};
 use ib_types::ioctl::{
-    AllocPd, CloseCa, CreateAv, CreateCq, CreateQp, CreateSrq, DeallocPd, DestroyCq, DestroyQp,
-    DestroySrq, Empty, OpenCa, OpenCaIn, RegMr, Verb,
+    AllocMw, AllocPd, AttachMcast, CloseCa, CreateAv, CreateCq, CreateQp, CreateSrq, DeallocMw,
+    DeallocPd, DeregMr, DestroyCq, DestroyQp, DestroySrq, DetachMcast, Empty, ModifyQp, ModifySrq,
+    OpenCa, OpenCaIn, QueryCq, QueryMr, QueryMw, QueryQp, QuerySrq, RegMr, RegSharedMr, ReregMr,
+    ReregPhysMr, ResizeCq, Verb,
 };
-use ib_types::mr::MrRegister;
-use ib_types::qp::{QpCreate, QpType};
-use ib_types::srq::{SrqAttr, SrqCreate};
+use ib_types::mcast::McastGroup;
+use ib_types::mr::{MrRegister, MrRereg, MrShare, MwAttr, MwType, PhysMrRereg};
+use ib_types::qp::{QpCreate, QpState, QpType};
+use ib_types::scalars::{Gid, Lid};
+use ib_types::srq::{SrqAttr, SrqCreate, SrqModify};
 use ib_types::status::IbStatus;
+use ib_types::wr::RKey;
 use sim_host::caller::HostCaller;
 use sim_host::memory::Process;
 use support::{World, response};
@@ -407,6 +412,280 @@ fn kernel_and_user_creates_never_name_each_others_pd_cq_or_srq() {
         user.call::<CloseCa>(&w, user.ca, &Empty, &[]).0,
         IbStatus::Success
     );
+    assert_eq!(process.space().locked_pages(), 0);
+    assert_eq!(process.exit(), 0);
+    w.finish();
+}
+
+/// The status of a kernel request of verb `V` on `handle`.
+fn kernel_status<V: Verb>(w: &World, handle: u64, input: &V::In) -> IbStatus {
+    response::<V>(&w.call::<V>(RequestorMode::Kernel, handle, input, 64)).status
+}
+
+/// A kernel client (another driver) reaches a user context's objects
+/// through no verb: destroying, modifying, querying, resizing, windows in
+/// its PD, sharing or moving regions into or out of it are each refused
+/// with the kind's invalid-handle status, before any effect. The objects
+/// are the process's (their rings are its memory, its proxy tracks them):
+/// afterwards they still work for their owner, who destroys them cleanly.
+#[test]
+fn kernel_requests_never_reach_a_user_contexts_objects() {
+    let w = World::deterministic(73);
+    let process = Process::new(44);
+    let caller = HostCaller::new(w.host.pool().kernel_space(), &process);
+    let user = Context::open(&w, &caller);
+    let users = user.make_objects(&w);
+    let layout = user.qp_layout(true);
+    let user_qp = user.made::<CreateQp>(
+        &w,
+        user.ca,
+        &rc_create(users.pd, users.cq, users.cq, None),
+        &layout,
+    );
+    let buffer = process.alloc(4096).unwrap();
+    let region = MrRegister {
+        vaddr: buffer,
+        length: 4096,
+        access: AccessFlags::LOCAL_WRITE,
+    };
+    let user_mr = user.made::<RegMr>(&w, users.pd, &region, &[]);
+    let window = MwAttr {
+        mw_type: MwType::Type2,
+        rkey: RKey::new(0),
+    };
+    let user_mw = user.made::<AllocMw>(&w, users.pd, &window, &[]);
+    // A UD QP's WQEs take two basic blocks (the address segment).
+    let ud_sq = process.alloc(64 << 4).unwrap();
+    let ud_rq = (
+        3,
+        5,
+        process.alloc(32 << 3).unwrap(),
+        process.alloc(64).unwrap(),
+    );
+    let layout = CreateQpPriv::new(4, 1, ud_sq, Some(ud_rq))
+        .unwrap()
+        .emit()
+        .as_bytes()
+        .to_vec();
+    let ud_qp = user.made::<CreateQp>(
+        &w,
+        user.ca,
+        &support::small_qp_create(QpType::Ud, users.pd, users.cq),
+        &layout,
+    );
+    let group = McastGroup {
+        mgid: Gid::from_ipv4([239, 5, 6, 8]),
+        mlid: Lid::UNASSIGNED,
+    };
+    let membership = user.made::<AttachMcast>(&w, ud_qp, &group, &[]);
+    // A kernel client with a PD and a region of its own, for the moves.
+    let (kernel_ca, kernels) = kernel_objects(&w);
+    w.install_kernel_locker(0);
+    let block = w
+        .host
+        .pool()
+        .alloc(support::DRIVER, *b"Hndl", 4096)
+        .unwrap();
+    let kernel_region = MrRegister {
+        vaddr: block.va(),
+        length: 4096,
+        access: AccessFlags::LOCAL_WRITE,
+    };
+    let kernel_mr =
+        made::<RegMr>(w.call::<RegMr>(RequestorMode::Kernel, kernels.pd, &kernel_region, 64));
+    let before = footprint(&w, &process);
+
+    // RESET to INIT, as an RC QP's owner would move it.
+    let [to_init, _, _] =
+        support::rc_path::rc_to_rts_steps(1, AccessFlags::REMOTE_WRITE, 1, [10, 0, 0, 2], 1);
+    let resize = CqAttr {
+        cqe: 16,
+        comp_vector: 0,
+    };
+    let arm = SrqModify {
+        max_wr: None,
+        srq_limit: Some(2),
+    };
+    let new_access = MrRereg {
+        access: Some(AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ),
+        ..MrRereg::default()
+    };
+    let into_user_pd = MrRereg {
+        pd: Some(PdHandle::from_raw(users.pd)),
+        ..MrRereg::default()
+    };
+    let share = |pd: u64| MrShare {
+        pd: PdHandle::from_raw(pd),
+        vaddr: 0x7000_0000,
+        access: AccessFlags::LOCAL_WRITE,
+    };
+    let phys_into_user_pd = PhysMrRereg {
+        pd: Some(PdHandle::from_raw(users.pd)),
+        ..PhysMrRereg::default()
+    };
+    let refusals = [
+        (
+            kernel_status::<QueryQp>(&w, user_qp, &Empty),
+            IbStatus::InvalidQpHandle,
+            "QueryQp of a user QP",
+        ),
+        (
+            kernel_status::<ModifyQp>(&w, user_qp, &to_init),
+            IbStatus::InvalidQpHandle,
+            "ModifyQp of a user QP",
+        ),
+        (
+            kernel_status::<DestroyQp>(&w, user_qp, &Empty),
+            IbStatus::InvalidQpHandle,
+            "DestroyQp of a user QP",
+        ),
+        (
+            kernel_status::<QueryCq>(&w, users.cq, &Empty),
+            IbStatus::InvalidCqHandle,
+            "QueryCq of a user CQ",
+        ),
+        (
+            kernel_status::<ResizeCq>(&w, users.cq, &resize),
+            IbStatus::InvalidCqHandle,
+            "ResizeCq of a user CQ",
+        ),
+        (
+            kernel_status::<DestroyCq>(&w, users.cq, &Empty),
+            IbStatus::InvalidCqHandle,
+            "DestroyCq of a user CQ",
+        ),
+        (
+            kernel_status::<QuerySrq>(&w, users.srq, &Empty),
+            IbStatus::InvalidSrqHandle,
+            "QuerySrq of a user SRQ",
+        ),
+        (
+            kernel_status::<ModifySrq>(&w, users.srq, &arm),
+            IbStatus::InvalidSrqHandle,
+            "ModifySrq of a user SRQ",
+        ),
+        (
+            kernel_status::<DestroySrq>(&w, users.srq, &Empty),
+            IbStatus::InvalidSrqHandle,
+            "DestroySrq of a user SRQ",
+        ),
+        (
+            kernel_status::<QueryMr>(&w, user_mr, &Empty),
+            IbStatus::InvalidMrHandle,
+            "QueryMr of a user region",
+        ),
+        (
+            kernel_status::<ReregMr>(&w, user_mr, &new_access),
+            IbStatus::InvalidMrHandle,
+            "ReregMr of a user region",
+        ),
+        (
+            kernel_status::<RegSharedMr>(&w, user_mr, &share(kernels.pd)),
+            IbStatus::InvalidMrHandle,
+            "RegSharedMr of a user region",
+        ),
+        (
+            kernel_status::<DeregMr>(&w, user_mr, &Empty),
+            IbStatus::InvalidMrHandle,
+            "DeregMr of a user region",
+        ),
+        (
+            kernel_status::<AllocMw>(&w, users.pd, &window),
+            IbStatus::InvalidPdHandle,
+            "AllocMw in a user PD",
+        ),
+        (
+            kernel_status::<ReregMr>(&w, kernel_mr, &into_user_pd),
+            IbStatus::InvalidPdHandle,
+            "ReregMr of a kernel region into a user PD",
+        ),
+        (
+            kernel_status::<RegSharedMr>(&w, kernel_mr, &share(users.pd)),
+            IbStatus::InvalidPdHandle,
+            "RegSharedMr of a kernel region into a user PD",
+        ),
+        (
+            kernel_status::<ReregPhysMr>(&w, kernel_mr, &phys_into_user_pd),
+            IbStatus::InvalidPdHandle,
+            "ReregPhysMr of a kernel region into a user PD",
+        ),
+        (
+            kernel_status::<QueryMw>(&w, user_mw, &Empty),
+            IbStatus::InvalidMwHandle,
+            "QueryMw of a user window",
+        ),
+        (
+            kernel_status::<DeallocMw>(&w, user_mw, &Empty),
+            IbStatus::InvalidMwHandle,
+            "DeallocMw of a user window",
+        ),
+        (
+            kernel_status::<AttachMcast>(&w, ud_qp, &group),
+            IbStatus::InvalidQpHandle,
+            "AttachMcast of a user QP",
+        ),
+        (
+            kernel_status::<DetachMcast>(&w, membership, &Empty),
+            IbStatus::InvalidMcastHandle,
+            "DetachMcast of a user QP's membership",
+        ),
+        (
+            kernel_status::<DeallocPd>(&w, users.pd, &Empty),
+            IbStatus::InvalidPdHandle,
+            "DeallocPd of a user PD",
+        ),
+    ];
+    for (got, status, what) in refusals {
+        assert_eq!(got, status, "kernel {what}");
+    }
+    assert_eq!(footprint(&w, &process), before, "a refusal changed nothing");
+
+    // The owner's objects still work: queried, modified, the region
+    // unchanged (the kernel's rereg of its access was refused).
+    let (status, _) = user.call::<QueryCq>(&w, users.cq, &Empty, &[]);
+    assert_eq!(status, IbStatus::Success);
+    let (status, _) = user.call::<ModifyQp>(&w, user_qp, &to_init, &[]);
+    assert_eq!(status, IbStatus::Success);
+    let c = w.user_call_at::<QueryQp>(0, &caller, user_qp, &Empty, &[], 64);
+    let r = response::<QueryQp>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    assert_eq!(r.output.unwrap().state, QpState::Init);
+    let c = w.user_call_at::<QueryMr>(0, &caller, user_mr, &Empty, &[], 64);
+    let r = response::<QueryMr>(&c);
+    assert_eq!(r.status, IbStatus::Success);
+    assert_eq!(r.output.unwrap().access, AccessFlags::LOCAL_WRITE);
+    // The kernel's region stayed in its own PD and is not busy.
+    let c = w.call::<QueryMr>(RequestorMode::Kernel, kernel_mr, &Empty, 64);
+    assert_eq!(response::<QueryMr>(&c).output.unwrap().pd.raw(), kernels.pd);
+
+    // The owner destroys everything (nothing busy); so does the kernel.
+    for (status, what) in [
+        (
+            user.call::<DetachMcast>(&w, membership, &Empty, &[]).0,
+            "membership",
+        ),
+        (user.call::<DeallocMw>(&w, user_mw, &Empty, &[]).0, "window"),
+        (user.call::<DestroyQp>(&w, ud_qp, &Empty, &[]).0, "UD QP"),
+        (user.call::<DestroyQp>(&w, user_qp, &Empty, &[]).0, "QP"),
+        (user.call::<DeregMr>(&w, user_mr, &Empty, &[]).0, "region"),
+    ] {
+        assert_eq!(status, IbStatus::Success, "user {what}");
+    }
+    user.destroy(&w, &users);
+    assert_eq!(
+        user.call::<CloseCa>(&w, user.ca, &Empty, &[]).0,
+        IbStatus::Success
+    );
+    for (status, what) in [
+        (kernel_status::<DeregMr>(&w, kernel_mr, &Empty), "region"),
+        (kernel_status::<DestroySrq>(&w, kernels.srq, &Empty), "SRQ"),
+        (kernel_status::<DestroyCq>(&w, kernels.cq, &Empty), "CQ"),
+        (kernel_status::<DeallocPd>(&w, kernels.pd, &Empty), "PD"),
+        (kernel_status::<CloseCa>(&w, kernel_ca, &Empty), "CA"),
+    ] {
+        assert_eq!(status, IbStatus::Success, "kernel {what}");
+    }
+    w.host.pool().free(block);
     assert_eq!(process.space().locked_pages(), 0);
     assert_eq!(process.exit(), 0);
     w.finish();

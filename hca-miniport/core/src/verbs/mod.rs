@@ -520,6 +520,11 @@ where
             fatal::refuse_request(request, verb, status);
             return;
         }
+        // A kernel client never reaches a user context's objects (user.rs).
+        if let Err(status) = self.refuse_user_targets(verb, request.input()) {
+            fatal::refuse_request(request, verb, status);
+            return;
+        }
         type R<P> = <P as Platform>::Request;
         match verb {
             VerbId::OpenCa => serve::<v::OpenCa, R<P>>(request, |a| self.open_ca_request(a)),

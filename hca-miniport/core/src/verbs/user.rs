@@ -33,7 +33,11 @@
 //!   same way (`owned_by`), whatever the provider checked. The other way
 //!   round, a kernel client's CreateQp, CreateSrq, CreateAv, RegMr or
 //!   RegPhysMr naming a user context's PD, CQ or SRQ is refused the same
-//!   way (`Hca::refuse_user_parents`).
+//!   way (`Hca::refuse_user_parents`), and a kernel request whose header
+//!   names a user context's object (destroy, modify, query, resize,
+//!   `AllocMw` in its PD, `RegSharedMr` of its region), or that moves or
+//!   shares a region into a user PD, is refused at the dispatch before any
+//!   effect (`Hca::refuse_user_targets`).
 //!   Once a request passed that check it is run by the verb's ordinary
 //!   implementation as a trusted one (queries, `ModifyQp`, `ModifySrq`).
 //!   `ModifyCa` is refused for user mode by policy with
@@ -152,7 +156,7 @@ use ib_types::qp::{QpCaps, QpState, QpType};
 use ib_types::scalars::{NodeGuid, Qpn};
 use ib_types::srq::SrqAttr;
 use ib_types::status::IbStatus;
-use zerocopy::{FromZeros, IntoBytes};
+use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
 use super::caller::{PreparedDoorbell, PreparedUserRequest};
 use super::cq::{Cq, Life as CqLife};
@@ -2073,6 +2077,70 @@ impl<P: Platform> Hca<P> {
                 None => Ok(()),
             },
         )?
+    }
+
+    /// Refuses a request that came with no caller process (a kernel
+    /// client's, [`Hca::submit_request`]) when the object its header names
+    /// ([`VerbId::target`]) is a user context's, or when it moves or shares
+    /// a region into a user context's PD (`RegSharedMr`, `ReregMr`,
+    /// `ReregPhysMr`): the kind's invalid-handle status, before any effect.
+    /// A user context's objects are its process's (their rings are the
+    /// process's memory, its proxy tracks and destroys them); user requests
+    /// reach them only through `run_user_request`'s ownership check, which
+    /// then runs the same verbs as trusted requests, so the check is here,
+    /// where the origin is still known, not in the verbs. A request this
+    /// cannot decode passes: the verb's own decode answers it.
+    pub(crate) fn refuse_user_targets(&self, verb: VerbId, input: &[u8]) -> Result<(), IbStatus> {
+        use ib_types::ioctl::ObjectKind;
+        let Ok((header, _)) = v::RequestHeaderAbi::read_from_prefix(input) else {
+            return Ok(());
+        };
+        let target = header.handle.get();
+        let invalid_target = match verb.target() {
+            Some(ObjectKind::Pd) => IbStatus::InvalidPdHandle,
+            Some(ObjectKind::Qp) => IbStatus::InvalidQpHandle,
+            Some(ObjectKind::Cq) => IbStatus::InvalidCqHandle,
+            Some(ObjectKind::Srq) => IbStatus::InvalidSrqHandle,
+            Some(ObjectKind::Mr) => IbStatus::InvalidMrHandle,
+            Some(ObjectKind::Mw) => IbStatus::InvalidMwHandle,
+            Some(ObjectKind::Mcast) => IbStatus::InvalidMcastHandle,
+            // The open CA and kernel AVs are never a user context's.
+            Some(ObjectKind::Ca | ObjectKind::Av) | None => return Ok(()),
+        };
+        let new_pd = match verb {
+            VerbId::RegSharedMr => decode_request::<v::RegSharedMr>(input)
+                .ok()
+                .map(|r| r.input.pd),
+            VerbId::ReregMr => decode_request::<v::ReregMr>(input)
+                .ok()
+                .and_then(|r| r.input.pd),
+            VerbId::ReregPhysMr => decode_request::<v::ReregPhysMr>(input)
+                .ok()
+                .and_then(|r| r.input.pd),
+            _ => None,
+        };
+        self.with_objects(|o| {
+            if o.user.is_empty() {
+                return Ok(());
+            }
+            let held = match verb.target() {
+                Some(ObjectKind::Mcast) => o
+                    .mcasts
+                    .get(Handle::<kind::Mcast>::from_raw(target))
+                    .and_then(|m| o.qps.objects().get_by_number(m.qpn()))
+                    .is_some_and(|(qp, _)| o.user.holds(qp.raw())),
+                _ => o.user.holds(target),
+            };
+            if held {
+                return Err(invalid_target);
+            }
+            match new_pd {
+                Some(pd) if o.user.holds(pd.raw()) => Err(IbStatus::InvalidPdHandle),
+                _ => Ok(()),
+            }
+        })
+        // No tables, no user context: the verb answers as it would.
+        .unwrap_or(Ok(()))
     }
 
     /// A completion event on CQ `cq` (raw handle): completes the waits
