@@ -361,10 +361,11 @@ impl WordRing {
         self.mask + 1
     }
 
-    /// The ring as a `Copy` view: a loop loading through it keeps the
-    /// base and mask in registers across the barriers it runs (a fence
-    /// makes the compiler reload whatever it reaches through `&self`).
-    #[inline]
+    /// The ring as a `Copy` view: a loop loading or storing through it
+    /// keeps the base and mask in registers across the barriers and
+    /// atomic stores it runs (either makes the compiler reload whatever
+    /// it reaches through `&self`).
+    #[inline(always)]
     pub fn view(&self) -> RingWords<'_> {
         RingWords {
             base: self.buffer.base,
@@ -377,21 +378,13 @@ impl WordRing {
     /// words.
     #[inline(always)]
     pub fn store(&self, index: usize, value: u64) {
-        let word = self.buffer.base.as_ptr().wrapping_add(index & self.mask);
-        // SAFETY: as `load`'s: `index & mask` is a word of the buffer this
-        // owns, live, aligned and accessed only atomically.
-        unsafe { &*word }.store(value, Ordering::Relaxed);
+        self.view().store(index, value);
     }
 
     /// Loads ring word `index` modulo the ring's words (relaxed).
     #[inline(always)]
     pub fn load(&self, index: usize) -> u64 {
-        let word = self.buffer.base.as_ptr().wrapping_add(index & self.mask);
-        // SAFETY: `index & mask` is below the ring's words, which are
-        // words of the buffer this owns (type invariant): live, aligned
-        // and accessed only atomically (`DmaBuffer`'s invariant) while
-        // `&self` lasts.
-        unsafe { &*word }.load(Ordering::Relaxed)
+        self.view().load(index)
     }
 }
 
